@@ -1,0 +1,25 @@
+"""qwenvl-vision: exact, memory-owning Qwen2.5-VL and Qwen3-VL vision encoders."""
+
+from .cache import ShapeCache
+from .config import PRESETS, ConfigError, VisionConfig, from_config_json, preset, resolve_config
+from .models import build_model
+from .qwen2_5 import Qwen2_5VisionTransformer
+from .qwen3 import Qwen3VisionTransformer
+from .tower import InputError, VisionTower
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "PRESETS",
+    "ConfigError",
+    "InputError",
+    "Qwen2_5VisionTransformer",
+    "Qwen3VisionTransformer",
+    "ShapeCache",
+    "VisionConfig",
+    "VisionTower",
+    "build_model",
+    "from_config_json",
+    "preset",
+    "resolve_config",
+]

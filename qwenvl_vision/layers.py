@@ -1,0 +1,211 @@
+"""Pieces shared by both towers: 2D rope, packed variable-length attention, norms, patch embedding.
+
+Reference: transformers' ``modeling_qwen2_5_vl.py`` / ``modeling_qwen3_vl.py`` (v5.2x) vision classes.
+Deviations, all numerically equivalent at fp32 rounding level:
+- the Conv3d patch embedding (kernel == stride) runs as one matmul over the flattened row;
+- attention over a packed sequence never loops over images in Python per layer: segments of equal
+  length are batched into one SDPA call each (a view when they are contiguous, else a gather), and
+  on CUDA in half precision one varlen flash call covers the whole pack. No N x N mask is ever built.
+- every shape and boundary is computed once per forward into a ``SegmentPlan``; the block loop does
+  no host syncs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+try:  # optional: the flash-attn package's varlen kernel, preferred on CUDA when installed
+    from flash_attn import flash_attn_varlen_func
+except Exception:  # noqa: BLE001 - any import failure just means "not available"
+    flash_attn_varlen_func = None
+
+try:  # PyTorch's own varlen flash kernel (CUDA, fp16/bf16)
+    from torch.nn.attention.varlen import varlen_attn
+except Exception:  # noqa: BLE001
+    varlen_attn = None
+
+
+# ----------------------------------------------------------------------------- rope
+
+
+def rope_inv_freq(head_dim: int, theta: float = 10000.0) -> torch.Tensor:
+    """hd/4 frequencies: 1 / theta ** (arange(0, hd/2, 2) / (hd/2)), in fp32 like the reference."""
+    spatial_dim = head_dim // 2
+    return 1.0 / (theta ** (torch.arange(0, spatial_dim, 2, dtype=torch.float) / spatial_dim))
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables (N, hd) in fp32 for (row, col) positions (N, 2): angles [row*f, col*f] repeated twice."""
+    freqs = positions[..., None].float() * rope_inv_freq(head_dim, theta)  # (N, 2, hd/4)
+    angles = torch.cat([freqs[:, 0], freqs[:, 1]], dim=-1)  # (N, hd/2)
+    angles = torch.cat([angles, angles], dim=-1)  # (N, hd)
+    return angles.cos(), angles.sin()
+
+
+def merge_block_positions(h: int, w: int, merge: int) -> torch.Tensor:
+    """(h*w, 2) (row, col) of each patch listed in merge-block order (block_row, block_col, r, c)."""
+    rows = torch.arange(h).view(h, 1).expand(h, w)
+    cols = torch.arange(w).view(1, w).expand(h, w)
+    shape = (h // merge, merge, w // merge, merge)
+    rows = rows.reshape(shape).transpose(1, 2).flatten()
+    cols = cols.reshape(shape).transpose(1, 2).flatten()
+    return torch.stack([rows, cols], dim=-1)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate (N, H, hd) by per-token cos/sin (N, hd); computed in fp32 and cast back, as the reference."""
+    dtype = x.dtype
+    x = x.float()
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    return (x * cos + rotate_half(x) * sin).to(dtype)
+
+
+# ----------------------------------------------------------------------------- attention plan
+
+
+@dataclass
+class SegmentGroup:
+    """Segments of one length L: a contiguous run [start, start + count*L) or gathered rows."""
+
+    length: int
+    count: int
+    start: int | None = None
+    index: torch.Tensor | None = None  # (count * L,) rows, when the segments are not contiguous
+
+
+@dataclass
+class SegmentPlan:
+    """Attention boundaries for one packed forward, built once on the host and moved to the device once."""
+
+    cu_seqlens: torch.Tensor  # (n + 1,) int32 on the device
+    max_seqlen: int
+    groups: list[SegmentGroup]
+    total: int
+
+    @classmethod
+    def from_lengths(cls, lengths: list[int], device: torch.device | str = "cpu") -> SegmentPlan:
+        lengths = [int(n) for n in lengths if n > 0]
+        starts_by_length: dict[int, list[int]] = {}
+        start = 0
+        for n in lengths:
+            starts_by_length.setdefault(n, []).append(start)
+            start += n
+        groups = []
+        for n, starts in starts_by_length.items():
+            if all(s == starts[0] + i * n for i, s in enumerate(starts)):
+                groups.append(SegmentGroup(n, len(starts), start=starts[0]))
+            else:
+                rows = (torch.tensor(starts)[:, None] + torch.arange(n)).flatten()
+                groups.append(SegmentGroup(n, len(starts), index=rows.to(device, non_blocking=True)))
+        cu = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0).to(torch.int32)
+        return cls(cu.to(device, non_blocking=True), max(lengths, default=0), groups, start)
+
+
+def _sdpa_batched(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int, length: int, scale: float
+) -> torch.Tensor:
+    """count segments of `length` tokens, (count*L, H, hd) each -> (count*L, H, hd)."""
+    heads, hd = q.shape[-2:]
+
+    def split(x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(count, length, heads, hd).transpose(1, 2)
+
+    out = F.scaled_dot_product_attention(split(q), split(k), split(v), scale=scale)
+    return out.transpose(1, 2).reshape(count * length, heads, hd)
+
+
+def varlen_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: SegmentPlan, scale: float
+) -> torch.Tensor:
+    """Non-causal attention inside each segment of the plan; q, k, v: (N, H, hd)."""
+    half = q.dtype in (torch.float16, torch.bfloat16)
+    if q.is_cuda and half and flash_attn_varlen_func is not None:
+        return flash_attn_varlen_func(q, k, v, plan.cu_seqlens, plan.cu_seqlens, plan.max_seqlen, plan.max_seqlen,
+                                      softmax_scale=scale, causal=False)
+    if q.is_cuda and half and varlen_attn is not None:
+        return varlen_attn(q, k, v, plan.cu_seqlens, plan.cu_seqlens, plan.max_seqlen, plan.max_seqlen, scale=scale)
+    if len(plan.groups) == 1 and plan.groups[0].start == 0:
+        group = plan.groups[0]
+        return _sdpa_batched(q, k, v, group.count, group.length, scale)
+    out = torch.empty_like(q)
+    for group in plan.groups:
+        if group.index is None:
+            rows = slice(group.start, group.start + group.count * group.length)
+            out[rows] = _sdpa_batched(q[rows], k[rows], v[rows], group.count, group.length, scale)
+        else:
+            idx = group.index
+            out[idx] = _sdpa_batched(q[idx], k[idx], v[idx], group.count, group.length, scale)
+    return out
+
+
+# ----------------------------------------------------------------------------- modules
+
+
+class RMSNorm(nn.Module):
+    """Qwen2.5's RMSNorm: statistics in fp32, weight applied after casting back to the input dtype."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class PatchEmbed(nn.Module):
+    """Conv3d with kernel == stride is a Linear over a (C, T, P, P) row; kept as Conv3d for names and shapes."""
+
+    def __init__(self, in_channels: int, temporal: int, patch: int, dim: int, bias: bool) -> None:
+        super().__init__()
+        kernel = (temporal, patch, patch)
+        self.proj = nn.Conv3d(in_channels, dim, kernel_size=kernel, stride=kernel, bias=bias)
+        self.dim = dim
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        weight = self.proj.weight
+        return F.linear(pixel_values.to(weight.dtype), weight.reshape(self.dim, -1), self.proj.bias)
+
+
+class VisionAttention(nn.Module):
+    """Fused qkv (head-major [q | k | v]), 2D rope on q and k, varlen attention, output proj."""
+
+    def __init__(self, dim: int, num_heads: int) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.scale = self.head_dim**-0.5
+        self.qkv = nn.Linear(dim, 3 * dim, bias=True)
+        self.proj = nn.Linear(dim, dim, bias=True)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: SegmentPlan) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = varlen_attention(q, k, v, plan, self.scale)
+        return self.proj(out.reshape(n, -1))
+
+
+def activation(name: str) -> nn.Module:
+    table = {
+        "silu": nn.SiLU,
+        "swish": nn.SiLU,
+        "gelu": nn.GELU,
+        "gelu_pytorch_tanh": lambda: nn.GELU(approximate="tanh"),
+    }
+    make = table.get(name)
+    if make is None:
+        raise ValueError(f"unsupported hidden_act {name!r}; supported: {sorted(table)}")
+    return make()

@@ -1,0 +1,284 @@
+"""Issue 2: both towers against transformers' towers, caches, presets, config parsing (litgpt-style parity)."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+
+import pytest
+import torch
+
+from qwenvl_vision import PRESETS, ConfigError, InputError, VisionConfig, build_model, from_config_json, preset
+from tests.reference import hf_forward, hf_tower, rel_err, spread_init_
+
+QWEN2_5_SMALL = VisionConfig(  # released head_dim 80, window 112 / patch 14, full attention in blocks 1 and 3
+    family="qwen2_5_vl", depth=4, hidden_size=160, intermediate_size=96, num_heads=2, out_hidden_size=64,
+    patch_size=14, fullatt_block_indexes=(1, 3),
+)
+QWEN3_SMALL_72 = VisionConfig(  # head_dim 72 (Qwen3-VL-8B and larger), real 48x48 position table
+    family="qwen3_vl", depth=3, hidden_size=144, intermediate_size=96, num_heads=2, out_hidden_size=64,
+    patch_size=16, deepstack_visual_indexes=(0, 1),
+)
+QWEN3_SMALL_64 = QWEN3_SMALL_72.replace(hidden_size=128, deepstack_visual_indexes=(1,))  # head_dim 64 (2B, 4B)
+
+# Not a multiple of the window (merged 3x5), a 2-frame video, the smallest grid, a grid whose merged
+# size divides the window (the padding adds an empty window), a tall one.
+QWEN2_5_GRIDS = [(1, 6, 10), (2, 8, 8), (1, 2, 2), (1, 16, 20), (1, 18, 12)]
+# ... and for Qwen3 a grid larger than the 48x48 position table.
+QWEN3_GRIDS = [(1, 6, 10), (2, 8, 8), (1, 2, 2), (1, 52, 50)]
+
+
+def _inputs(cfg: VisionConfig, grids, seed: int = 1):
+    grid_thw = torch.tensor(grids)
+    rows = int(grid_thw.prod(1).sum())
+    return torch.randn(rows, cfg.patch_dim, generator=torch.Generator().manual_seed(seed)), grid_thw
+
+
+def _pair(cfg: VisionConfig):
+    ours = spread_init_(build_model(cfg))
+    ref = hf_tower(cfg)
+    ref.load_state_dict(ours.state_dict(), strict=True)
+    return ours, ref
+
+
+@pytest.mark.parametrize(
+    "cfg,grids",
+    [(QWEN2_5_SMALL, QWEN2_5_GRIDS), (QWEN3_SMALL_72, QWEN3_GRIDS), (QWEN3_SMALL_64, QWEN3_GRIDS)],
+    ids=["qwen2.5-hd80", "qwen3-hd72", "qwen3-hd64"],
+)
+def test_against_hf_tower_fp32(cfg, grids):
+    ours, ref = _pair(cfg)
+    pixel_values, grid_thw = _inputs(cfg, grids)
+    with torch.no_grad():
+        merged, levels = ours(pixel_values, grid_thw)
+        ref_merged, ref_levels = hf_forward(ref, pixel_values, grid_thw)
+    assert merged.shape == (int(grid_thw.prod(1).sum()) // 4, cfg.out_hidden_size)
+    assert rel_err(merged, ref_merged) <= 1e-5
+    assert len(levels) == len(cfg.deepstack_visual_indexes) == len(ref_levels)
+    for level, ref_level in zip(levels, ref_levels):
+        assert level.shape == merged.shape
+        assert rel_err(level, ref_level) <= 1e-5
+
+
+@pytest.mark.parametrize("cfg,grids", [(QWEN2_5_SMALL, QWEN2_5_GRIDS), (QWEN3_SMALL_72, QWEN3_GRIDS)],
+                         ids=["qwen2.5", "qwen3"])
+def test_pack_equals_items_one_by_one(cfg, grids):
+    """Attention never crosses an image: a packed forward equals each item encoded alone."""
+    model = spread_init_(build_model(cfg))
+    pixel_values, grid_thw = _inputs(cfg, grids)
+    with torch.no_grad():
+        packed, _ = model(pixel_values, grid_thw)
+        singles = [model(chunk, grid_thw[i : i + 1])[0]
+                   for i, chunk in enumerate(pixel_values.split(grid_thw.prod(1).tolist()))]
+    assert rel_err(packed, torch.cat(singles)) <= 1e-5
+
+
+def test_weights_load_both_ways_strictly():
+    for cfg in (QWEN2_5_SMALL, QWEN3_SMALL_72):
+        ref = spread_init_(hf_tower(cfg), seed=3)
+        ours = build_model(cfg)
+        ours.load_state_dict(ref.state_dict(), strict=True)
+        assert set(ours.state_dict()) == set(ref.state_dict())
+
+
+@pytest.mark.parametrize("cfg,grids", [(QWEN2_5_SMALL, QWEN2_5_GRIDS), (QWEN3_SMALL_72, QWEN3_GRIDS)],
+                         ids=["qwen2.5", "qwen3"])
+def test_bf16_end_to_end_close_to_fp32(cfg, grids):
+    ours, ref = _pair(cfg)
+    pixel_values, grid_thw = _inputs(cfg, grids)
+    with torch.no_grad():
+        ref_merged, ref_levels = hf_forward(ref, pixel_values, grid_thw)
+        ours = ours.to(torch.bfloat16)
+        merged, levels = ours(pixel_values, grid_thw)
+    assert merged.dtype == torch.bfloat16 and torch.isfinite(merged).all()
+    assert rel_err(merged, ref_merged) <= 3e-2
+    for level, ref_level in zip(levels, ref_levels):
+        assert rel_err(level, ref_level) <= 3e-2
+
+
+def test_window_index_worked_example():
+    model = build_model("qwen2.5-vl-3b", device="meta")
+    plan = model.prepare([(1, 6, 10)])
+    assert plan.window_index.tolist() == [0, 1, 2, 3, 5, 6, 7, 8, 10, 11, 12, 13, 4, 9, 14]
+    assert plan.windows.cu_seqlens.tolist() == [0, 48, 60]
+    assert plan.frames.cu_seqlens.tolist() == [0, 60]
+
+
+def test_window_boundaries_of_a_video_and_a_pack():
+    model = build_model("qwen2.5-vl-3b", device="meta")
+    plan = model.prepare([(2, 8, 8), (1, 6, 10)])
+    # Each 8x8 frame is one whole window (the 4x4 merged grid gets an empty padding window, dropped).
+    assert plan.windows.cu_seqlens.tolist() == [0, 64, 128, 176, 188]
+    assert plan.frames.cu_seqlens.tolist() == [0, 64, 128, 188]
+    assert sorted(plan.window_index.tolist()) == list(range(47))
+    assert torch.equal(plan.window_index[plan.reverse_index], torch.arange(47))
+
+
+@pytest.mark.parametrize(
+    "name,expected_millions",
+    [("qwen2.5-vl-3b", 669), ("qwen2.5-vl-7b", 677), ("qwen3-vl-2b", 407), ("qwen3-vl-8b", 576)],
+)
+def test_released_presets_parameter_counts(name, expected_millions):
+    model = build_model(name, device="meta")
+    assert all(p.is_meta for p in model.parameters())
+    assert round(sum(p.numel() for p in model.parameters()) / 1e6) == expected_millions
+
+
+def test_every_preset_builds_on_meta():
+    assert len(PRESETS) == 10
+    for name, cfg in PRESETS.items():
+        model = build_model(name, device="meta")
+        assert model.config == cfg
+        last = model.merger.linear_fc2 if cfg.family == "qwen3_vl" else model.merger.mlp[2]
+        assert last.out_features == cfg.out_hidden_size
+
+
+# config.json excerpts as the released checkpoints write them
+QWEN2_5_3B_JSON = {
+    "architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl", "hidden_size": 2048,
+    "vision_config": {"depth": 32, "hidden_act": "silu", "hidden_size": 1280, "intermediate_size": 3420,
+                      "num_heads": 16, "in_chans": 3, "out_hidden_size": 2048, "patch_size": 14,
+                      "spatial_merge_size": 2, "spatial_patch_size": 14, "window_size": 112,
+                      "fullatt_block_indexes": [7, 15, 23, 31], "tokens_per_second": 2, "temporal_patch_size": 2},
+}
+QWEN3_2B_JSON = {
+    "architectures": ["Qwen3VLForConditionalGeneration"], "model_type": "qwen3_vl",
+    "text_config": {"hidden_size": 2048, "model_type": "qwen3_vl_text"},
+    "vision_config": {"deepstack_visual_indexes": [5, 11, 17], "depth": 24, "hidden_act": "gelu_pytorch_tanh",
+                      "hidden_size": 1024, "in_channels": 3, "initializer_range": 0.02, "intermediate_size": 4096,
+                      "model_type": "qwen3_vl", "num_heads": 16, "num_position_embeddings": 2304,
+                      "out_hidden_size": 2048, "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2},
+}
+QWEN3_MOE_JSON = {
+    "model_type": "qwen3_vl_moe", "text_config": {"hidden_size": 2048, "model_type": "qwen3_vl_moe_text"},
+    "vision_config": {**QWEN3_2B_JSON["vision_config"], "depth": 27, "hidden_size": 1152, "intermediate_size": 4304,
+                      "deepstack_visual_indexes": [8, 16, 24], "model_type": "qwen3_vl_moe"},
+}
+
+
+def test_parse_released_config_json():
+    assert from_config_json(QWEN2_5_3B_JSON).replace(name="qwen2.5-vl-3b") == preset("qwen2.5-vl-3b")
+    assert from_config_json(QWEN3_2B_JSON).replace(name="qwen3-vl-2b") == preset("qwen3-vl-2b")
+    moe = from_config_json(QWEN3_MOE_JSON)
+    assert moe.family == "qwen3_vl" and moe.model_type == "qwen3_vl_moe"
+    assert moe.replace(name="qwen3-vl-30b-a3b") == preset("qwen3-vl-30b-a3b")
+    # Our vision-only config.json round-trips.
+    for cfg in PRESETS.values():
+        assert from_config_json(cfg.to_config_json()) == cfg
+
+
+def test_out_hidden_size_from_text_config_when_absent():
+    vision = {k: v for k, v in QWEN3_MOE_JSON["vision_config"].items() if k != "out_hidden_size"}
+    assert from_config_json({**QWEN3_MOE_JSON, "vision_config": vision}).out_hidden_size == 2048
+
+
+def test_build_model_takes_dict_preset_and_dataclass():
+    for source in (QWEN3_2B_JSON, "qwen3-vl-2b", preset("qwen3-vl-2b")):
+        assert build_model(source, device="meta").config.hidden_size == 1024
+
+
+def test_unknown_model_type_is_named():
+    with pytest.raises(ConfigError, match="llava"):
+        from_config_json({"model_type": "llava", "vision_config": {}})
+    with pytest.raises(ConfigError, match="qwen9"):
+        build_model("qwen9-vl-1b")
+
+
+def test_bad_inputs_are_named():
+    model = spread_init_(build_model(QWEN2_5_SMALL))
+    pixel_values, grid_thw = _inputs(QWEN2_5_SMALL, [(1, 4, 4)])
+    with pytest.raises(InputError, match=r"expected \(16, 1176\)"):
+        model(pixel_values[:-1], grid_thw)
+    with pytest.raises(InputError, match="multiples of the merge size"):
+        model(pixel_values[:15], torch.tensor([[1, 3, 5]]))
+    with pytest.raises(InputError, match=r"\(n, 3\)"):
+        model(pixel_values, torch.tensor([1, 4, 4]))
+
+
+# ----------------------------------------------------------------------------- caches
+
+
+def test_cache_hit_returns_identical_object_and_counts():
+    model = build_model(QWEN2_5_SMALL)
+    first = model.grid_plan((1, 6, 10))
+    assert model.grid_plan((1, 6, 10)) is first
+    assert model.cache_stats()["hits"] == 1 and model.cache_stats()["misses"] == 1
+    model.clear_cache()
+    assert model.grid_plan((1, 6, 10)) is not first
+    assert model.cache_stats()["entries"] == 1
+
+
+def test_cache_bound_holds_and_evicts_least_recent():
+    model = build_model(QWEN3_SMALL_64, cache_size=3)
+    for h in (2, 4, 6, 8):
+        model.grid_plan((1, h, 2))
+    stats = model.cache_stats()
+    assert stats["entries"] == 3 and stats["maxsize"] == 3
+    assert (1, 2, 2) not in model.shape_cache and (1, 8, 2) in model.shape_cache
+
+
+def test_cache_byte_bound_holds():
+    model = build_model(QWEN3_SMALL_64, cache_size=100, cache_bytes=60_000)
+    for h in range(2, 40, 2):
+        model.grid_plan((1, h, 4))
+    assert 0 < model.shape_cache.nbytes <= 60_000
+
+
+def test_instances_never_share_cache_entries():
+    a, b = build_model(QWEN3_SMALL_64), build_model(QWEN3_SMALL_64)
+    assert a.shape_cache is not b.shape_cache
+    plan = a.grid_plan((1, 4, 4))
+    assert len(b.shape_cache) == 0
+    assert b.grid_plan((1, 4, 4)) is not plan
+
+
+def test_threads_hammering_new_shapes_match_serial():
+    model = spread_init_(build_model(QWEN2_5_SMALL))
+    grids = [(1, 2 * i, 2 * j) for i in range(1, 5) for j in range(1, 5)]
+    inputs = [_inputs(QWEN2_5_SMALL, [g], seed=i) for i, g in enumerate(grids)]
+    with torch.no_grad():
+        fresh = spread_init_(build_model(QWEN2_5_SMALL))
+        serial = [fresh(*x)[0] for x in inputs]
+    results: dict[tuple[int, int], torch.Tensor] = {}
+    plans: dict[tuple[int, int], object] = {}
+    barrier = threading.Barrier(8)
+    errors = []
+
+    def worker(tid: int) -> None:
+        try:
+            barrier.wait()
+            for k in range(len(inputs)):
+                i = (k + tid) % len(inputs)
+                with torch.no_grad():
+                    results[(tid, i)] = model(*inputs[i])[0]
+                plans[(tid, i)] = model.grid_plan(grids[i])
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    for (tid, i), out in results.items():
+        assert torch.equal(out, serial[i]), (tid, grids[i])
+        assert plans[(tid, i)] is plans[(0, i)]  # every thread got the one computed value
+    assert model.cache_stats()["misses"] == len(grids)
+
+
+def test_model_freed_by_del_after_forwards():
+    model = spread_init_(build_model(QWEN2_5_SMALL))
+    with torch.no_grad():
+        for grids in ([(1, 4, 4)], [(1, 6, 10), (2, 8, 8)], [(1, 2, 2)]):
+            model(*_inputs(QWEN2_5_SMALL, grids))
+    assert len(model.shape_cache) == 4
+    ref = weakref.ref(model)
+    cache_ref = weakref.ref(model.shape_cache)
+    gc.disable()
+    try:
+        del model
+        assert ref() is None and cache_ref() is None  # by reference counting alone, no cycles
+    finally:
+        gc.enable()
