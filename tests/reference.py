@@ -1,33 +1,11 @@
-"""Reference towers from transformers and weight initialisation with real spread, shared by the tests."""
+"""Reference towers from transformers, shared by the tests; weights with real spread come from the package."""
 
 from __future__ import annotations
 
 import torch
 
 from qwenvl_vision.config import QWEN2_5, VisionConfig
-
-
-def spread_init_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
-    """Weights with real spread (the 0.02 default init hides position and window mistakes).
-
-    Matrices ~ N(0, 1/fan_in), norm weights 1 +- 0.2, biases ~ N(0, 0.1), position table ~ N(0, 1).
-    Deterministic in parameter-name order, so two models with the same names get the same weights.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in sorted(model.named_parameters()):
-            if "norm" in name or "ln_q" in name:
-                values = 1 + 0.4 * (torch.rand(p.shape, generator=gen) - 0.5) if name.endswith("weight") else \
-                    0.1 * torch.randn(p.shape, generator=gen)
-            elif name.endswith("bias"):
-                values = 0.1 * torch.randn(p.shape, generator=gen)
-            elif name.startswith("pos_embed"):
-                values = torch.randn(p.shape, generator=gen)
-            else:
-                fan_in = p[0].numel()
-                values = torch.randn(p.shape, generator=gen) / fan_in**0.5
-            p.copy_(values.to(p.dtype))
-    return model
+from qwenvl_vision.init import spread_init_  # noqa: F401 - re-exported for the tests
 
 
 def hf_vision_config(cfg: VisionConfig, attn_implementation: str = "sdpa"):

@@ -1,0 +1,225 @@
+"""Reading vision tensors from checkpoints: only the tower, only the shards that hold it, strictly.
+
+Layouts understood (see REFERENCE.md, "Checkpoint layout"):
+- released: ``config.json`` + ``model.safetensors.index.json`` + ``model-0000K-of-0000N.safetensors`` shards,
+  or a single ``model.safetensors``; vision tensors named ``visual.*`` (Qwen2.5-VL releases) or
+  ``model.visual.*`` (Qwen3-VL releases and anything re-saved by transformers 4.52+);
+- vision-only, as written by ``qwenvl-vision extract-weights``: ``config.json`` with ``family``,
+  ``preprocessor_config.json`` and one ``model.safetensors`` with prefix-free names.
+
+The model is built on the meta device and every tensor is materialised once, directly on the target device
+(safetensors reads straight into CUDA memory) in the target dtype, so a load never holds a second copy
+of the tower. Anything unexpected (a missing or surplus tensor, a wrong shape, a truncated shard) raises a
+``CheckpointError`` naming it; nothing is ever loaded partially.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from .config import VisionConfig, from_config_json
+from .models import build_model
+from .tower import VisionTower
+
+VISION_PREFIXES = ("model.visual.", "visual.")
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+PREPROCESSOR_FILE = "preprocessor_config.json"
+VISION_ONLY_FORMAT = "qwenvl-vision"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded as it is; the message names the file or tensor at fault."""
+
+
+@dataclass
+class TensorSource:
+    file: Path  # the shard holding it
+    name: str  # its name in that shard
+
+
+@dataclass
+class VisionCheckpoint:
+    """Where each vision tensor of a checkpoint folder lives, without reading any tensor data."""
+
+    folder: Path
+    config_json: dict
+    config: VisionConfig
+    tensors: dict[str, TensorSource]  # module path (no prefix) -> where it is
+    vision_only: bool
+
+    @property
+    def shard_files(self) -> list[Path]:
+        return sorted({s.file for s in self.tensors.values()})
+
+    def preprocessor_json(self) -> dict | None:
+        path = self.folder / PREPROCESSOR_FILE
+        return read_json(path) if path.is_file() else None
+
+
+def read_json(path: Path) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from e
+
+
+def strip_vision_prefix(name: str) -> str | None:
+    for prefix in VISION_PREFIXES:
+        if name.startswith(prefix):
+            return name[len(prefix):]
+    return None
+
+
+def shard_tensor_names(path: Path) -> list[str]:
+    """Tensor names in one safetensors file, from its header only."""
+    if not path.is_file():
+        raise CheckpointError(f"shard {path} is missing")
+    try:
+        with safe_open(path, framework="pt") as f:
+            return list(f.keys())
+    except Exception as e:  # safetensors raises its own error type for bad headers
+        raise CheckpointError(f"cannot read shard {path}: {e}") from e
+
+
+def open_checkpoint(folder: str | os.PathLike) -> VisionCheckpoint:
+    """Index a checkpoint folder's vision tensors (reads config and headers, never tensor data)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise CheckpointError(f"checkpoint folder {folder} does not exist")
+    config_path = folder / CONFIG_FILE
+    if not config_path.is_file():
+        raise CheckpointError(f"{folder} has no {CONFIG_FILE}")
+    config_json = read_json(config_path)
+    config = from_config_json(config_json, name=config_json.get("name", "") or folder.name)
+    vision_only = config_json.get("format") == VISION_ONLY_FORMAT
+    index_path = folder / INDEX_FILE
+    tensors: dict[str, TensorSource] = {}
+    if index_path.is_file():
+        weight_map = read_json(index_path).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index_path} has no weight_map")
+        for name, shard in weight_map.items():
+            module_path = name if vision_only else strip_vision_prefix(name)
+            if module_path is not None:
+                tensors[module_path] = TensorSource(folder / shard, name)
+    elif (folder / SINGLE_FILE).is_file():
+        single = folder / SINGLE_FILE
+        for name in shard_tensor_names(single):
+            module_path = name if vision_only else strip_vision_prefix(name)
+            if module_path is not None:
+                tensors[module_path] = TensorSource(single, name)
+    else:
+        raise CheckpointError(f"{folder} has neither {INDEX_FILE} nor {SINGLE_FILE}")
+    if not tensors:
+        raise CheckpointError(f"{folder} holds no vision tensors (no names starting with {VISION_PREFIXES})")
+    return VisionCheckpoint(folder, config_json, config, tensors, vision_only)
+
+
+def check_names(checkpoint: VisionCheckpoint, expected: dict[str, torch.Size]) -> None:
+    missing = sorted(set(expected) - set(checkpoint.tensors))
+    surplus = sorted(set(checkpoint.tensors) - set(expected))
+    if missing or surplus:
+        parts = []
+        if missing:
+            parts.append(f"missing {len(missing)} tensor(s): {_names(missing)}")
+        if surplus:
+            parts.append(f"unexpected {len(surplus)} tensor(s): {_names(surplus)}")
+        raise CheckpointError(f"{checkpoint.folder} does not match the {checkpoint.config.family} tower "
+                              f"({len(expected)} tensors expected): " + "; ".join(parts))
+
+
+def _names(names: list[str], limit: int = 8) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
+
+
+def _check_file_complete(path: Path) -> None:
+    """A truncated shard has a valid header whose offsets run past the end of the file: say so by name."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise CheckpointError(f"shard {path} is truncated ({size} bytes)")
+        header_len = struct.unpack("<Q", raw)[0]
+        if 8 + header_len > size:
+            raise CheckpointError(f"shard {path} is truncated or corrupt: header of {header_len} bytes, file {size}")
+        try:
+            header = json.loads(f.read(header_len))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"shard {path} has a corrupt header: {e}") from e
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    if 8 + header_len + end > size:
+        raise CheckpointError(f"shard {path} is truncated: its header needs {8 + header_len + end} bytes, "
+                              f"the file has {size}")
+
+
+def read_tensors(checkpoint: VisionCheckpoint, expected: dict[str, torch.Size], device: torch.device,
+                 dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """Every vision tensor once, straight onto `device` in `dtype` (None: as stored), shapes checked first."""
+    by_file: dict[Path, list[str]] = {}
+    for module_path, source in checkpoint.tensors.items():
+        by_file.setdefault(source.file, []).append(module_path)
+    state: dict[str, torch.Tensor] = {}
+    # safetensors places tensors on CUDA itself; "cpu" keeps them in host memory.
+    target = str(device) if device.type == "cuda" else "cpu"
+    for path, module_paths in sorted(by_file.items()):
+        if not path.is_file():
+            raise CheckpointError(f"shard {path} holds vision tensors ({_names(sorted(module_paths), 3)}) "
+                                  f"but is missing")
+        _check_file_complete(path)
+        try:
+            with safe_open(path, framework="pt", device=target) as f:
+                for module_path in module_paths:
+                    name = checkpoint.tensors[module_path].name
+                    shape = tuple(f.get_slice(name).get_shape())
+                    if shape != tuple(expected[module_path]):
+                        raise CheckpointError(f"tensor {name} in {path} has shape {shape}, expected "
+                                              f"{tuple(expected[module_path])}")
+                    tensor = f.get_tensor(name)
+                    state[module_path] = tensor if dtype in (None, tensor.dtype) else tensor.to(dtype)
+                    del tensor
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise CheckpointError(f"cannot read shard {path}: {e}") from e
+    if device.type not in ("cuda", "cpu"):
+        state = {k: v.to(device) for k, v in state.items()}
+    return state
+
+
+def load_tower(checkpoint: VisionCheckpoint, device: torch.device, dtype: torch.dtype | None,
+               **model_options) -> VisionTower:
+    """Build the tower on meta, check names and shapes, then materialise each tensor once on `device`."""
+    model = build_model(checkpoint.config, device="meta", **model_options)
+    expected = {name: t.shape for name, t in model.state_dict().items()}
+    check_names(checkpoint, expected)
+    state = read_tensors(checkpoint, expected, device, dtype)
+    model.load_state_dict(state, strict=True, assign=True)
+    return model.eval().requires_grad_(False)
+
+
+def save_vision_only(model: VisionTower, folder: str | os.PathLike, preprocessor: dict | None = None) -> Path:
+    """Write a self-contained vision-only checkpoint that ``open_checkpoint`` reads back."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    config_json = {**model.config.to_config_json(), "format": VISION_ONLY_FORMAT}
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    tmp = folder / (SINGLE_FILE + ".tmp")
+    save_file(state, str(tmp), metadata={"format": "pt", "family": model.config.family})
+    os.replace(tmp, folder / SINGLE_FILE)
+    (folder / CONFIG_FILE).write_text(json.dumps(config_json, indent=2) + "\n")
+    if preprocessor is not None:
+        (folder / PREPROCESSOR_FILE).write_text(json.dumps(preprocessor, indent=2) + "\n")
+    return folder
