@@ -1,0 +1,600 @@
+"""Image and video preprocessing for the Qwen-VL vision towers, bit-identical to transformers.
+
+Reference (transformers 5.24): ``models/qwen2_vl/image_processing_pil_qwen2_vl.py``
+(``Qwen2VLImageProcessorPil``), the ``PilBackend`` it inherits from (``image_processing_backends.py``),
+and the helpers those call: ``image_utils.load_image`` (paths), ``image_transforms.convert_to_rgb``,
+``resize``, ``rescale`` and ``normalize``. Per image the pipeline is
+
+    load -> convert to RGB -> smart_resize -> PIL bicubic resize -> float64 x * (1/255) cast to float32
+    -> (x - mean) / std in float32 -> patchify into merge-block order, duplicated over T
+
+and every step here uses the same PIL calls and the same float arithmetic, so ``pixel_values`` are
+bit-identical to the reference (the tests measure a max abs difference of exactly 0).
+
+What transformers does per input, reproduced here (see ``_pil_to_rgb`` / ``_load_path``):
+
+- PIL image: if it has an "A" band (RGBA, LA, PA; also LAB, whose a* band is named "A") or
+  ``info["transparency"]`` is set (P/L/RGB with tRNS), it is converted to RGBA and alpha-composited onto
+  white with PIL; otherwise ``convert("RGB")`` (L, P, 1, CMYK naive, YCbCr, I, I;16, F ...). I;16 / I / F
+  are *clipped* to 0..255 by PIL, not scaled, so a typical 16-bit photo comes out nearly all white.
+  EXIF orientation is ignored for PIL inputs.
+- Path: ``PIL.Image.open`` -> ``ImageOps.exif_transpose`` -> ``convert("RGB")`` first (this drops an
+  RGBA/LA alpha channel *without* compositing), then the PIL rule above. A P or L image whose tRNS is
+  a single index/level keeps it as an RGB colour in ``info``, so every pixel of that colour becomes
+  white; a P image with per-entry alpha bytes loses its transparency entirely.
+- uint8 array / tensor: 1 channel is repeated to 3; 4 channels are blended onto white in float64 and
+  rounded with ``np.round`` (half to even), which can differ by one level from PIL's alpha_composite.
+
+Deviations from the reference, on purpose:
+
+- Arrays must be uint8 (transformers also takes floats in 0..1); HxW arrays are accepted as grayscale
+  (transformers rejects them); 2-channel arrays are rejected (transformers too, less clearly).
+- Array layout: numpy arrays are read as HWC and torch tensors as CHW when both readings fit (e.g.
+  shape (3, 500, 3)); transformers always guesses channels-first in that ambiguous case. When only one
+  reading fits, both agree.
+- ``os.PathLike`` paths are accepted (transformers takes ``str`` only); URLs and base64 strings are not.
+- Rescale + normalise is a per-channel table of the 256 uint8 levels (``_normalize_table``) instead of
+  the reference's float64 copy of the image: the same bits, less memory and time.
+- Video: transformers' video processors use torchvision (antialiased tensor resize, fused normalize), so
+  their values differ slightly from any PIL pipeline; ``preprocess_video`` applies the PIL image pipeline
+  to every frame and the video processors' (t, C, T, P, P) layout. Qwen3-VL's video processor also uses
+  a temporal ``smart_resize`` with its own video min/max pixels; here every frame uses the image
+  ``smart_resize`` of the first frame with the config's (or the overridden) pixel bounds.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import PIL.Image
+import PIL.ImageOps
+import torch
+
+QWEN2_5 = "qwen2_5_vl"
+QWEN3 = "qwen3_vl"
+# Canonical family for every name accepted by PreprocessConfig.for_family.
+_FAMILIES = {"qwen2_5_vl": QWEN2_5, "qwen3_vl": QWEN3, "qwen3_vl_moe": QWEN3}
+
+OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+RESCALE_FACTOR = 1 / 255  # BaseImageProcessor.rescale_factor
+MAX_ASPECT_RATIO = 200
+BICUBIC = PIL.Image.Resampling.BICUBIC  # == 3 == transformers' PILImageResampling.BICUBIC
+
+
+class PreprocessError(ValueError):
+    """An input that cannot be preprocessed. The message names the input (index and/or path) and why."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Config
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PreprocessConfig:
+    """Preprocessing settings of one checkpoint (its ``preprocessor_config.json``).
+
+    Field defaults are transformers' ``Qwen2VLImageProcessor`` class defaults (56*56 and 28*28*1280
+    pixels, CLIP mean/std); the released checkpoints differ, so use ``for_family`` or ``from_dict``.
+    """
+
+    patch_size: int
+    temporal_patch_size: int = 2
+    merge_size: int = 2
+    min_pixels: int = 56 * 56
+    max_pixels: int = 28 * 28 * 1280
+    image_mean: tuple[float, float, float] = OPENAI_CLIP_MEAN
+    image_std: tuple[float, float, float] = OPENAI_CLIP_STD
+
+    def __post_init__(self) -> None:
+        for key in ("patch_size", "temporal_patch_size", "merge_size", "min_pixels", "max_pixels"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"PreprocessConfig.{key} must be a positive int, got {value!r}")
+        for key in ("image_mean", "image_std"):
+            # A scalar means the same value for all three channels, as transformers' normalize allows.
+            value = getattr(self, key)
+            value = (value,) * 3 if isinstance(value, (int, float)) else value
+            value = tuple(float(v) for v in value)
+            if len(value) != 3:
+                raise ValueError(f"PreprocessConfig.{key} must have 3 values (R, G, B), got {value}")
+            object.__setattr__(self, key, value)
+        if any(s == 0 for s in self.image_std):
+            raise ValueError(f"PreprocessConfig.image_std must be non-zero, got {self.image_std}")
+
+    @property
+    def factor(self) -> int:
+        """Side granularity of a resized image: one merged token covers factor x factor pixels."""
+        return self.patch_size * self.merge_size
+
+    @classmethod
+    def for_family(cls, family: str) -> PreprocessConfig:
+        """The released checkpoints' settings (see REFERENCE.md): "qwen2_5_vl" or "qwen3_vl"."""
+        canonical = _FAMILIES.get(family)
+        if canonical == QWEN2_5:
+            return cls(patch_size=14, min_pixels=3136, max_pixels=12845056,
+                       image_mean=OPENAI_CLIP_MEAN, image_std=OPENAI_CLIP_STD)
+        if canonical == QWEN3:
+            return cls(patch_size=16, min_pixels=65536, max_pixels=16777216,
+                       image_mean=(0.5, 0.5, 0.5), image_std=(0.5, 0.5, 0.5))
+        raise ValueError(f"unknown family {family!r}; expected one of {sorted(_FAMILIES)}")
+
+    @classmethod
+    def from_dict(cls, d: dict | None, family: str) -> PreprocessConfig:
+        """Parse a ``preprocessor_config.json`` dict; keys it lacks (or ``d=None``) take the family's values.
+
+        Pixel bounds follow ``Qwen2VLImageProcessorPil.__init__``: ``size.shortest_edge`` /
+        ``size.longest_edge`` (Qwen3-VL files), overridden by top-level ``min_pixels`` / ``max_pixels``
+        (Qwen2.5-VL files). Settings this module cannot reproduce (no resize, another resample filter,
+        another rescale factor ...) raise ValueError instead of being silently ignored.
+        """
+        base = cls.for_family(family)
+        if d is None:
+            return base
+        _check_supported(d)
+        size = d.get("size") or {}
+        if not isinstance(size, dict):
+            raise ValueError(f"preprocessor config size must be a dict of pixel bounds, got {size!r}")
+        # Older files spelled the size keys min_pixels / max_pixels.
+        min_pixels = size.get("shortest_edge", size.get("min_pixels", base.min_pixels))
+        max_pixels = size.get("longest_edge", size.get("max_pixels", base.max_pixels))
+        if d.get("min_pixels") is not None:
+            min_pixels = d["min_pixels"]
+        if d.get("max_pixels") is not None:
+            max_pixels = d["max_pixels"]
+
+        def get(key: str) -> Any:
+            return d[key] if d.get(key) is not None else getattr(base, key)
+
+        return cls(
+            patch_size=get("patch_size"),
+            temporal_patch_size=get("temporal_patch_size"),
+            merge_size=get("merge_size"),
+            min_pixels=min_pixels,
+            max_pixels=max_pixels,
+            image_mean=get("image_mean"),
+            image_std=get("image_std"),
+        )
+
+    def to_dict(self) -> dict:
+        """A ``preprocessor_config.json`` dict that both ``from_dict`` and transformers load identically.
+
+        Both spellings of the pixel bounds are written so that old and new readers agree.
+        """
+        return {
+            "image_processor_type": "Qwen2VLImageProcessor",
+            "do_convert_rgb": True,
+            "do_resize": True,
+            "resample": int(BICUBIC),
+            "do_rescale": True,
+            "rescale_factor": RESCALE_FACTOR,
+            "do_normalize": True,
+            "image_mean": list(self.image_mean),
+            "image_std": list(self.image_std),
+            "min_pixels": self.min_pixels,
+            "max_pixels": self.max_pixels,
+            "size": {"shortest_edge": self.min_pixels, "longest_edge": self.max_pixels},
+            "patch_size": self.patch_size,
+            "temporal_patch_size": self.temporal_patch_size,
+            "merge_size": self.merge_size,
+        }
+
+
+def _check_supported(d: dict) -> None:
+    """Reject preprocessor settings the transformers pipeline would honour but this module does not."""
+    for key in ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb"):
+        if d.get(key) is False:
+            raise ValueError(f"preprocessor config sets {key}=false, which is not supported")
+    if d.get("resample") is not None and d["resample"] != int(BICUBIC):
+        raise ValueError(f"preprocessor config resample={d['resample']!r} is not supported (only 3, bicubic)")
+    factor = d.get("rescale_factor")
+    if factor is not None and not math.isclose(factor, RESCALE_FACTOR, rel_tol=1e-9):
+        raise ValueError(f"preprocessor config rescale_factor={factor!r} is not supported (only 1/255)")
+    if d.get("do_center_crop") or d.get("do_pad"):
+        raise ValueError("preprocessor config asks for center crop or padding, which is not supported")
+
+
+# --------------------------------------------------------------------------------------------------
+# Sizes
+# --------------------------------------------------------------------------------------------------
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """Target (height, width): multiples of ``factor``, area within [min_pixels, max_pixels], aspect kept.
+
+    Copied from transformers ``qwen2_vl.image_processing_pil_qwen2_vl.smart_resize`` (Python ``round``
+    rounds half to even, so 70/28 = 2.5 gives 56). Raises PreprocessError (not a bare ValueError) for an
+    aspect ratio above 200 and, unlike the reference, for a non-positive side.
+    """
+    if height <= 0 or width <= 0:
+        raise PreprocessError(f"image size must be positive, got height {height}, width {width}")
+    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+        raise PreprocessError(
+            f"absolute aspect ratio must be smaller than {MAX_ASPECT_RATIO}, "
+            f"got {max(height, width) / min(height, width)}"
+        )
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def _target_size(height: int, width: int, config: PreprocessConfig, min_pixels: int | None,
+                 max_pixels: int | None, name: str) -> tuple[int, int]:
+    """smart_resize with the config's bounds (or the overrides), errors naming the input."""
+    min_pixels = config.min_pixels if min_pixels is None else min_pixels
+    max_pixels = config.max_pixels if max_pixels is None else max_pixels
+    try:
+        target = smart_resize(height, width, config.factor, min_pixels, max_pixels)
+    except PreprocessError as e:
+        raise PreprocessError(f"{name}: {e}") from None
+    if min(target) <= 0:
+        # Only reachable with min_pixels < factor**2 (round() gave 0 and no upscale happened); the
+        # reference would fail inside PIL.
+        raise PreprocessError(f"{name}: resizes to {target} with min_pixels={min_pixels}; raise min_pixels")
+    return target
+
+
+def _check_aspect_ratio(height: int, width: int, name: str) -> None:
+    """The smart_resize aspect check, run on the header size before anything is decoded."""
+    if height <= 0 or width <= 0:
+        raise PreprocessError(f"{name}: zero-size image (height {height}, width {width})")
+    ratio = max(height, width) / min(height, width)
+    if ratio > MAX_ASPECT_RATIO:
+        raise PreprocessError(
+            f"{name}: aspect ratio {ratio:.1f} (height {height}, width {width}) exceeds {MAX_ASPECT_RATIO}"
+        )
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading and RGB conversion
+# --------------------------------------------------------------------------------------------------
+
+
+def _input_name(kind: str, index: int | None, image: Any = None) -> str:
+    """How error messages name an input: 'image 3', 'image 3 ('/a/b.png')', 'video frame 2' ..."""
+    name = kind if index is None else f"{kind} {index}"
+    if isinstance(image, (str, os.PathLike)):
+        name += f" ({os.fspath(image)!r})"
+    return name
+
+
+def load_image(image: Any, *, index: int | None = None) -> PIL.Image.Image:
+    """Load a path, PIL image, uint8 numpy array (HxWxC or HxW) or uint8 torch tensor (CxHxW) as RGB.
+
+    The conversion is the one ``Qwen2VLImageProcessorPil`` applies to that input type (module docstring):
+    paths go through ``transformers.image_utils.load_image`` (EXIF transpose, convert("RGB")) and then
+    ``convert_to_rgb``; PIL images only through ``convert_to_rgb``; arrays through its numpy branch.
+    Raises PreprocessError naming ``index`` and the path for anything unreadable.
+    """
+    return _load_rgb(image, _input_name("image", index, image))
+
+
+def _load_rgb(image: Any, name: str, *, check_aspect: bool = False) -> PIL.Image.Image:
+    """load_image; with check_aspect, the aspect ratio is checked before any pixel is decoded."""
+    if isinstance(image, (str, os.PathLike)):
+        return _load_path(image, name, check_aspect)
+    if isinstance(image, PIL.Image.Image):
+        if check_aspect or min(image.size) <= 0:
+            _check_aspect_ratio(image.height, image.width, name)
+        return _pil_to_rgb(image, name)
+    if isinstance(image, torch.Tensor):
+        if image.dtype != torch.uint8:
+            raise PreprocessError(f"{name}: expected a uint8 tensor, got {image.dtype}")
+        array = _array_to_hwc(image.detach().cpu().numpy(), name, prefer_channels_first=True)
+    elif isinstance(image, np.ndarray):
+        array = _array_to_hwc(image, name, prefer_channels_first=False)
+    else:
+        raise PreprocessError(
+            f"{name}: unsupported input type {type(image).__name__}; expected a path, PIL image, "
+            "uint8 numpy array or uint8 torch tensor"
+        )
+    if check_aspect:
+        _check_aspect_ratio(array.shape[0], array.shape[1], name)
+    return PIL.Image.fromarray(np.ascontiguousarray(_array_to_rgb(array)))
+
+
+def _load_path(path: str | os.PathLike, name: str, check_aspect: bool) -> PIL.Image.Image:
+    """transformers.image_utils.load_image for a local file, then convert_to_rgb, with named errors."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise PreprocessError(f"{name}: file not found")
+    if not os.path.isfile(path):
+        raise PreprocessError(f"{name}: not a regular file")
+    if os.path.getsize(path) == 0:
+        raise PreprocessError(f"{name}: file is empty (0 bytes)")
+    try:
+        with PIL.Image.open(path) as opened:
+            if check_aspect:
+                # Image.open has read only the header: reject before decoding megapixels.
+                _check_aspect_ratio(opened.height, opened.width, name)
+            # load_image: EXIF orientation applied, then a plain convert("RGB") that drops any alpha
+            # band without compositing. Both calls decode, so the file can be closed afterwards.
+            image = PIL.ImageOps.exif_transpose(opened).convert("RGB")
+    except PreprocessError:
+        raise
+    except PIL.UnidentifiedImageError:
+        raise PreprocessError(f"{name}: not a recognised image file (corrupt, or not an image)") from None
+    except PermissionError as e:
+        raise PreprocessError(f"{name}: cannot read file ({e.strerror})") from None
+    except Exception as e:  # PIL's decoders raise OSError, ValueError, SyntaxError, EOFError ...
+        raise PreprocessError(f"{name}: corrupt or truncated image data ({type(e).__name__}: {e})") from e
+    return _pil_to_rgb(image, name)
+
+
+def _pil_to_rgb(image: PIL.Image.Image, name: str) -> PIL.Image.Image:
+    """transformers.image_transforms.convert_to_rgb, PIL branch: transparency composited onto white.
+
+    "Has alpha" is decided exactly as the reference does: an "A" band (so RGBA, LA, PA, and LAB whose
+    a* band is named "A"; not premultiplied RGBa/La) or a non-None ``info["transparency"]``.
+    """
+    try:
+        has_alpha = "A" in image.getbands() or image.info.get("transparency") is not None
+        if not has_alpha:
+            return image.convert("RGB")
+        rgba = image.convert("RGBA")
+        background = PIL.Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return PIL.Image.alpha_composite(background, rgba).convert("RGB")
+    except Exception as e:  # unsupported mode conversions, or a lazily opened image that fails to decode
+        raise PreprocessError(f"{name}: cannot convert mode {image.mode} to RGB ({type(e).__name__}: {e})") from e
+
+
+def _array_to_hwc(array: np.ndarray, name: str, *, prefer_channels_first: bool) -> np.ndarray:
+    """Validate a uint8 image array and return it as HxWxC with C in (1, 3, 4)."""
+    if array.ndim not in (2, 3):
+        raise PreprocessError(f"{name}: expected a 2-D or 3-D image array, got shape {tuple(array.shape)}")
+    if array.size == 0:
+        raise PreprocessError(f"{name}: zero-size array of shape {tuple(array.shape)}")
+    if array.dtype != np.uint8:
+        raise PreprocessError(f"{name}: expected a uint8 array, got {array.dtype}")
+    if array.ndim == 2:
+        return array[:, :, None]
+    first_fits, last_fits = array.shape[0] in (1, 3, 4), array.shape[2] in (1, 3, 4)
+    if first_fits and (prefer_channels_first or not last_fits):
+        return array.transpose(1, 2, 0)
+    if last_fits:
+        return array
+    raise PreprocessError(f"{name}: array of shape {tuple(array.shape)} has no axis of 1, 3 or 4 channels")
+
+
+def _array_to_rgb(hwc: np.ndarray) -> np.ndarray:
+    """transformers.image_transforms.convert_to_rgb, numpy branch (uint8, channels-last)."""
+    channels = hwc.shape[2]
+    if channels == 1:
+        return np.repeat(hwc, 3, axis=2)
+    if channels == 4:
+        # Float64 blend onto white rounded half-to-even: not PIL's alpha_composite rounding, so a
+        # 4-channel array and the same pixels as a PIL RGBA image can differ by one level.
+        alpha = hwc[..., 3:4] / 255
+        return np.round(alpha * hwc[..., :3] + (1 - alpha) * 255).astype(np.uint8)
+    return hwc
+
+
+# --------------------------------------------------------------------------------------------------
+# Resize, normalise, patchify
+# --------------------------------------------------------------------------------------------------
+
+
+def _resize(image: PIL.Image.Image, height: int, width: int) -> np.ndarray:
+    """transformers.image_transforms.resize: PIL bicubic, no reducing_gap. Returns HxWx3 uint8."""
+    return np.asarray(image.resize((width, height), resample=BICUBIC))
+
+
+def _normalize_table(mean: Sequence[float], std: Sequence[float]) -> np.ndarray:
+    """(3, 256) float32: the normalised value of every uint8 level in every channel.
+
+    Reference arithmetic: ``rescale`` computes ``float32(float64(x) * (1/255))`` and ``normalize``
+    ``(x - float32(mean)) / float32(std)`` in float32. Both are elementwise in (level, channel), so the
+    table holds exactly the reference's bits, and lookups avoid the reference's float64 image copy.
+    """
+    levels = (np.arange(256, dtype=np.float64) * RESCALE_FACTOR).astype(np.float32)
+    mean32 = np.asarray(mean, dtype=np.float32)[:, None]
+    std32 = np.asarray(std, dtype=np.float32)[:, None]
+    return (levels[None, :] - mean32) / std32
+
+
+_ROWS_PER_CHUNK = 256
+
+
+def _normalize(pixels: np.ndarray, table: np.ndarray) -> np.ndarray:
+    """HxWx3 uint8 -> 3xHxW float32 normalised values (rescale + normalize of the reference)."""
+    height, width, channels = pixels.shape
+    out = np.empty((channels, height, width), dtype=np.float32)
+    # Chunks of rows because numpy copies uint8 indices to int64 first: 8 bytes per pixel for a
+    # whole 16 MP image, a few MB per chunk.
+    for c in range(channels):
+        for top in range(0, height, _ROWS_PER_CHUNK):
+            rows = slice(top, top + _ROWS_PER_CHUNK)
+            out[c, rows] = table[c].take(pixels[rows, :, c])
+    return out
+
+
+def _patchify(frames: np.ndarray, config: PreprocessConfig) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """(F, C, H, W) float32 frames, F a multiple of T -> (t*h*w, C*T*P*P) rows and grid (t, h, w).
+
+    Rows are in merge-block order (t, block_row, block_col, row_in_block, col_in_block) and each row is
+    laid out (C, T, P, P): the reference's image ``patchify`` and the video processors' ``patchify``
+    (``permute(0, 1, 4, 7, 5, 8, 3, 2, 6, 9)`` of (B, t, T, C, h/m, m, P, w/m, m, P)), minus the batch.
+    """
+    num_frames, channels, height, width = frames.shape
+    t, p, m = config.temporal_patch_size, config.patch_size, config.merge_size
+    grid_t, grid_h, grid_w = num_frames // t, height // p, width // p
+    blocks = frames.reshape(grid_t, t, channels, grid_h // m, m, p, grid_w // m, m, p)
+    # -> (grid_t, block_row, block_col, row_in_block, col_in_block, C, T, P_row, P_col)
+    blocks = blocks.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    rows = np.ascontiguousarray(blocks).reshape(grid_t * grid_h * grid_w, channels * t * p * p)
+    return torch.from_numpy(rows), (grid_t, grid_h, grid_w)
+
+
+# --------------------------------------------------------------------------------------------------
+# Public entry points
+# --------------------------------------------------------------------------------------------------
+
+
+def preprocess_image(image: Any, config: PreprocessConfig, *, min_pixels: int | None = None,
+                     max_pixels: int | None = None,
+                     index: int | None = None) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """One image -> (pixel_values float32 (h*w, C*T*P*P), grid_thw (1, h, w)), as Qwen2VLImageProcessorPil.
+
+    ``min_pixels`` / ``max_pixels`` override the config's bounds for this call (the reference's ``size``
+    call argument). The still image is repeated over the T temporal slots of each row.
+    """
+    name = _input_name("image", index, image)
+    rgb = _load_rgb(image, name, check_aspect=True)
+    height, width = _target_size(rgb.height, rgb.width, config, min_pixels, max_pixels, name)
+    normalized = _normalize(_resize(rgb, height, width), _normalize_table(config.image_mean, config.image_std))
+    # The reference broadcasts the single frame over T; a zero-stride view, copied once by _patchify.
+    frames = np.broadcast_to(normalized[None], (config.temporal_patch_size, *normalized.shape))
+    return _patchify(frames, config)
+
+
+def preprocess_video(frames: Any, config: PreprocessConfig, *, min_pixels: int | None = None,
+                     max_pixels: int | None = None,
+                     index: int | None = None) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """Frames -> (pixel_values float32 (t*h*w, C*T*P*P), grid_thw (t, h, w)) in the video processors' layout.
+
+    ``frames``: a sequence of anything ``load_image`` takes, or a uint8 array / tensor (F, H, W, C) or
+    (F, C, H, W). Every frame goes through the PIL image pipeline, resized to the first frame's
+    ``smart_resize`` target; the count is padded to a multiple of T by repeating the last frame, as
+    ``Qwen2VLVideoProcessor.patchify`` does, so grid_t = ceil(F / T). The checkpoints' video processors
+    have their own pixel bounds (``video_preprocessor_config.json``): pass them as min/max_pixels.
+    Deviations from transformers' (torchvision-based) video processors: see the module docstring.
+    """
+    name = _input_name("video", index)
+    frame_list = _split_frames(frames, name)
+    first = _load_rgb(frame_list[0], _input_name(f"{name} frame", 0, frame_list[0]), check_aspect=True)
+    height, width = _target_size(first.height, first.width, config, min_pixels, max_pixels, name)
+
+    table = _normalize_table(config.image_mean, config.image_std)
+    t = config.temporal_patch_size
+    grid_t = math.ceil(len(frame_list) / t)
+    # Group g holds frames g*T .. g*T+T-1, padded by repeating the last frame (the video processors'
+    # patchify). One group is normalised and patchified at a time, so peak memory is the output plus
+    # T frames rather than twice the output.
+    group = np.empty((t, 3, height, width), dtype=np.float32)
+    out = None
+    for g in range(grid_t):
+        for slot in range(t):
+            i = g * t + slot
+            if i >= len(frame_list):  # padding; slot 0 of a group is always a real frame
+                group[slot] = group[slot - 1]
+                continue
+            rgb = first if i == 0 else _load_rgb(frame_list[i], _input_name(f"{name} frame", i, frame_list[i]))
+            group[slot] = _normalize(_resize(rgb, height, width), table)
+        rows, (_, grid_h, grid_w) = _patchify(group, config)
+        if out is None:
+            out = torch.empty((grid_t * rows.shape[0], rows.shape[1]), dtype=torch.float32)
+        out[g * rows.shape[0]:(g + 1) * rows.shape[0]] = rows
+    return out, (grid_t, grid_h, grid_w)
+
+
+def _split_frames(frames: Any, name: str) -> list:
+    """A video input as a non-empty list of per-frame inputs for _load_rgb."""
+    if isinstance(frames, (np.ndarray, torch.Tensor)):
+        if frames.ndim != 4:
+            raise PreprocessError(f"{name}: expected a 4-D frame array (F, H, W, C) or (F, C, H, W), "
+                                  f"got shape {tuple(frames.shape)}")
+        frame_list = list(frames)
+    elif isinstance(frames, Sequence) and not isinstance(frames, (str, bytes)):
+        frame_list = list(frames)
+    else:
+        raise PreprocessError(f"{name}: expected a sequence of frames or a 4-D frame array, "
+                              f"got {type(frames).__name__}")
+    if not frame_list:
+        raise PreprocessError(f"{name}: no frames")
+    return frame_list
+
+
+def sample_frame_indices(num_frames: int, video_fps: float, fps: float = 2.0, min_frames: int = 4,
+                         max_frames: int = 768, temporal_patch_size: int = 2) -> list[int]:
+    """Indices of the frames to keep when sampling ``fps`` frames per second from a ``video_fps`` video.
+
+    Follows ``Qwen2VLVideoProcessor.sample_frames`` (its fps branch): the count is clamped to
+    [min_frames, min(max_frames, num_frames)], floored to a multiple of ``temporal_patch_size``, and the
+    indices are ``torch.arange(0, num_frames, num_frames / count).int()`` (float32 steps, as there).
+    Deviations: a video shorter than ``temporal_patch_size`` frames returns all its frames (the reference
+    divides by zero); preprocess_video pads them. The float step can make the reference's arange one
+    element longer than ``count`` (e.g. 1001 frames at 1 fps sampled at 0.5 fps: 501 indices ending in
+    1001, past the last frame, so indexing the video fails); indices >= num_frames are dropped here, and
+    an extra index that is still in range is kept, as in the reference.
+    Qwen3-VL's variant is ``sample_frame_indices_qwen3``.
+    """
+    _check_video_args(num_frames, video_fps, fps)
+    max_frames = math.floor(min(max_frames, num_frames) / temporal_patch_size) * temporal_patch_size
+    count = num_frames / video_fps * fps
+    count = min(max(count, min_frames), max_frames, num_frames)
+    count = math.floor(count / temporal_patch_size) * temporal_patch_size
+    if count == 0:
+        return list(range(num_frames))
+    indices = torch.arange(0, num_frames, num_frames / count, dtype=torch.float32).int().tolist()
+    return [i for i in indices if i < num_frames]
+
+
+def sample_frame_indices_qwen3(num_frames: int, video_fps: float, fps: float = 2.0, min_frames: int = 4,
+                               max_frames: int = 768) -> list[int]:
+    """``Qwen3VLVideoProcessor.sample_frames`` (fps branch): evenly spaced, first and last frame included.
+
+    The count is ``int(num_frames / video_fps * fps)`` clamped to [min_frames, max_frames] and to
+    num_frames, not rounded to a multiple of T (padding happens later), and the indices are
+    ``np.linspace(0, num_frames - 1, count).round()``.
+    """
+    _check_video_args(num_frames, video_fps, fps)
+    count = int(num_frames / video_fps * fps)
+    count = min(max(count, min_frames), max_frames, num_frames)
+    return np.linspace(0, num_frames - 1, count).round().astype(int).tolist()
+
+
+def _check_video_args(num_frames: int, video_fps: float, fps: float) -> None:
+    if num_frames <= 0:
+        raise ValueError(f"num_frames must be positive, got {num_frames}")
+    if not video_fps > 0 or not fps > 0:
+        raise ValueError(f"video_fps and fps must be positive, got video_fps={video_fps}, fps={fps}")
+
+
+def probe_image(image: Any, config: PreprocessConfig, *, index: int | None = None, min_pixels: int | None = None,
+                max_pixels: int | None = None) -> tuple[int, int]:
+    """Check an input without decoding its pixels; return the resized (height, width) it will get.
+
+    Catches what can be known up front (missing, empty or unidentifiable file, unsupported type, zero-size
+    array, aspect ratio over 200, a target size of zero) so that batch APIs fail before any compute.
+    """
+    name = _input_name("image", index, image)
+    if isinstance(image, (str, os.PathLike)):
+        path = os.fspath(image)
+        if not os.path.isfile(path):
+            raise PreprocessError(f"{name}: file not found" if not os.path.exists(path) else f"{name}: not a file")
+        if os.path.getsize(path) == 0:
+            raise PreprocessError(f"{name}: file is empty (0 bytes)")
+        try:
+            with PIL.Image.open(path) as opened:  # reads the header only
+                height, width = opened.height, opened.width
+        except PIL.UnidentifiedImageError:
+            raise PreprocessError(f"{name}: not a recognised image file (corrupt, or not an image)") from None
+        except Exception as e:  # noqa: BLE001 - PIL raises many types for bad headers
+            raise PreprocessError(f"{name}: cannot read image header ({type(e).__name__}: {e})") from e
+    elif isinstance(image, PIL.Image.Image):
+        height, width = image.height, image.width
+    elif isinstance(image, (np.ndarray, torch.Tensor)):
+        if isinstance(image, torch.Tensor) and image.dtype != torch.uint8:
+            raise PreprocessError(f"{name}: expected a uint8 tensor, got {image.dtype}")
+        array = image.detach().cpu().numpy() if isinstance(image, torch.Tensor) else image
+        hwc = _array_to_hwc(array, name, prefer_channels_first=isinstance(image, torch.Tensor))
+        height, width = hwc.shape[:2]
+    else:
+        raise PreprocessError(f"{name}: unsupported input type {type(image).__name__}; expected a path, PIL image, "
+                              "uint8 numpy array or uint8 torch tensor")
+    _check_aspect_ratio(height, width, name)
+    return _target_size(height, width, config, min_pixels, max_pixels, name)

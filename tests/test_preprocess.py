@@ -1,0 +1,685 @@
+"""qwenvl_vision.preprocess against transformers' Qwen2VLImageProcessorPil, the numerical reference.
+
+The reference is configured the way the released checkpoints are (Qwen2.5-VL: patch 14, CLIP mean/std,
+min/max pixels 3136/12845056; Qwen3-VL: patch 16, mean = std = 0.5, size 65536/16777216), built here
+from literal values so a bug in PreprocessConfig cannot leak into the reference. Images are generated
+(smooth gradients + noise) so that resize and rounding differences would show.
+
+transformers' video processors import torchvision, which is not installed here, so the video tests
+compile the video processors' ``patchify`` / ``sample_frames`` straight from the installed source files
+and feed them frames processed by the image processor's own resize / rescale / normalize.
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+import pathlib
+import types
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from qwenvl_vision.preprocess import (
+    PreprocessConfig,
+    PreprocessError,
+    load_image,
+    preprocess_image,
+    preprocess_video,
+    sample_frame_indices,
+    sample_frame_indices_qwen3,
+    smart_resize,
+)
+
+hf_pil = pytest.importorskip("transformers.models.qwen2_vl.image_processing_pil_qwen2_vl")
+Qwen2VLImageProcessorPil = hf_pil.Qwen2VLImageProcessorPil
+
+FAMILIES = ("qwen2_5_vl", "qwen3_vl")
+TOL = 1e-6
+CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
+CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
+
+
+@pytest.fixture(scope="module")
+def hf():
+    """family -> reference image processor with the released checkpoints' settings."""
+    return {
+        "qwen2_5_vl": Qwen2VLImageProcessorPil(
+            min_pixels=3136, max_pixels=12845056, patch_size=14, temporal_patch_size=2, merge_size=2,
+            image_mean=CLIP_MEAN, image_std=CLIP_STD,
+        ),
+        "qwen3_vl": Qwen2VLImageProcessorPil(
+            size={"shortest_edge": 65536, "longest_edge": 16777216}, patch_size=16, temporal_patch_size=2,
+            merge_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3,
+        ),
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# Generated content
+# --------------------------------------------------------------------------------------------------
+
+
+def _content(height: int, width: int, channels: int = 3, seed: int = 0) -> np.ndarray:
+    """uint8 HxWxC: per-channel sinusoidal gradients plus Gaussian noise, clipped (hits 0 and 255)."""
+    rng = np.random.default_rng(seed)
+    y = np.linspace(0, 1, height)[:, None, None]
+    x = np.linspace(0, 1, width)[None, :, None]
+    c = np.arange(channels)[None, None, :]
+    smooth = 128 + 110 * np.sin(2 * np.pi * (x * (1 + c) + 0.7 * y) + c) * np.cos(np.pi * y * (2 - 0.3 * c))
+    return np.clip(smooth + rng.normal(0, 14, (height, width, channels)), 0, 255).astype(np.uint8)
+
+
+def _alpha(height: int, width: int) -> np.ndarray:
+    """uint8 HxW alpha: a ramp 0..255 across, fully transparent and fully opaque bands, and noise."""
+    ramp = np.tile(np.linspace(0, 255, width), (height, 1))
+    ramp += np.random.default_rng(1).normal(0, 20, (height, width))
+    alpha = np.clip(ramp, 0, 255).astype(np.uint8)
+    alpha[: height // 8] = 0
+    alpha[-height // 8:] = 255
+    return alpha
+
+
+def _frombytes(mode: str, channels: int, height: int, width: int, seed: int = 0) -> Image.Image:
+    return Image.frombytes(mode, (width, height), _content(height, width, channels, seed).tobytes())
+
+
+def _mode_image(kind: str, height: int = 150, width: int = 230) -> Image.Image:
+    """A PIL image of the given mode (or special kind) with real content."""
+    rgb = _content(height, width, 3)
+    gray = rgb[..., 0]
+    alpha = _alpha(height, width)
+    if kind == "RGB":
+        return Image.fromarray(rgb)
+    if kind == "RGBA":
+        return Image.fromarray(np.dstack([rgb, alpha]))
+    if kind == "LA":
+        return Image.fromarray(np.dstack([gray, alpha]))
+    if kind == "L":
+        return Image.fromarray(gray)
+    if kind == "1":
+        return Image.fromarray(gray > 127)
+    if kind.startswith("P"):
+        # 64-entry palette indexed by the content (Image.quantize would be slow on noisy images).
+        image = Image.fromarray(gray // 4)
+        image.putpalette(_content(1, 64, 3, seed=3).reshape(-1).tolist())
+        if kind == "P_trns_index":
+            image.info["transparency"] = 5
+        elif kind == "P_trns_bytes":
+            image.info["transparency"] = bytes(np.linspace(0, 255, 64).astype(np.uint8))
+        elif kind == "PA":
+            image = image.convert("PA")
+            image.putalpha(Image.fromarray(alpha))
+        return image
+    if kind == "RGB_trns":
+        image = Image.fromarray(rgb)
+        image.info["transparency"] = tuple(int(v) for v in rgb[height // 2, width // 2])
+        return image
+    if kind == "I;16":  # a real 16-bit image spans 0..65535
+        return Image.fromarray(gray.astype(np.uint16) * 257)
+    if kind == "I;16_low":  # 0..510: half the levels survive PIL's clipping to 255
+        return Image.fromarray(gray.astype(np.uint16) * 2)
+    if kind == "I":
+        return Image.fromarray(gray.astype(np.int32) * 3 - 200)
+    if kind == "F":
+        return Image.fromarray(gray.astype(np.float32) * 1.3 - 20.5)
+    if kind in ("CMYK", "RGBa", "LAB"):
+        return _frombytes(kind, 4 if kind != "LAB" else 3, height, width)
+    if kind == "YCbCr":
+        return _frombytes("YCbCr", 3, height, width)
+    raise AssertionError(kind)
+
+
+# --------------------------------------------------------------------------------------------------
+# Comparison helpers
+# --------------------------------------------------------------------------------------------------
+
+
+def _reference(processor, image, min_pixels=None, max_pixels=None):
+    kwargs = {}
+    if min_pixels is not None or max_pixels is not None:
+        kwargs["size"] = {
+            "shortest_edge": processor.size.shortest_edge if min_pixels is None else min_pixels,
+            "longest_edge": processor.size.longest_edge if max_pixels is None else max_pixels,
+        }
+    out = processor(image, return_tensors="np", **kwargs)
+    return out["pixel_values"], tuple(int(v) for v in out["image_grid_thw"][0])
+
+
+def _assert_matches(hf, family, image, ours_input=None, **bounds) -> float:
+    """preprocess_image(ours_input or image) equals the reference on image; returns the max abs diff."""
+    ref_values, ref_grid = _reference(hf[family], image, **bounds)
+    values, grid = preprocess_image(image if ours_input is None else ours_input,
+                                    PreprocessConfig.for_family(family), **bounds)
+    assert grid == ref_grid
+    assert values.dtype == torch.float32
+    assert tuple(values.shape) == ref_values.shape
+    assert values.shape[0] == grid[0] * grid[1] * grid[2]
+    diff = float(np.abs(values.numpy() - ref_values).max())
+    assert diff <= TOL, f"max abs diff {diff}"
+    return diff
+
+
+# --------------------------------------------------------------------------------------------------
+# Images vs the reference
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("size", [(224, 224), (300, 451), (97, 513), (640, 120), (28, 5000), (333, 333)])
+def test_sizes_match_reference(hf, family, size):
+    _assert_matches(hf, family, Image.fromarray(_content(*size, seed=size[0])))
+
+
+MODES = ["RGB", "RGBA", "LA", "L", "1", "P", "P_trns_index", "P_trns_bytes", "PA", "RGB_trns",
+         "CMYK", "I;16", "I;16_low", "I", "F", "YCbCr", "RGBa", "LAB"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("kind", MODES)
+def test_pil_modes_match_reference(hf, family, kind):
+    _assert_matches(hf, family, _mode_image(kind))
+
+
+def test_rgba_is_composited_onto_white():
+    rgba = np.zeros((40, 60, 4), dtype=np.uint8)
+    rgba[..., 0] = 200  # red where opaque, invisible where alpha is 0
+    rgba[:, 30:, 3] = 255
+    rgb = np.asarray(load_image(Image.fromarray(rgba)))
+    assert (rgb[:, :30] == 255).all()
+    assert (rgb[:, 30:] == [200, 0, 0]).all()
+
+
+def test_16_bit_is_clipped_not_scaled(hf):
+    """transformers (through PIL's I;16 -> RGB) clips at 255: a full-range 16-bit image is almost white."""
+    image = _mode_image("I;16")
+    rgb = np.asarray(load_image(image))
+    assert (rgb == 255).mean() > 0.95
+    _assert_matches(hf, "qwen3_vl", image)
+
+
+# (format, kind) pairs saved to disk; each format keeps its own mode and metadata quirks.
+FILES = [
+    ("png", "RGB"), ("png", "RGBA"), ("png", "LA"), ("png", "L"), ("png", "P_trns_index"),
+    ("png", "P_trns_bytes"), ("png", "I;16"), ("png", "1"), ("jpeg", "RGB"), ("jpeg", "L"),
+    ("jpeg", "CMYK"), ("bmp", "RGB"), ("tiff", "RGBA"), ("gif", "P_trns_index"), ("webp", "RGBA"),
+]
+
+
+def _save(tmp_path: pathlib.Path, fmt: str, kind: str) -> pathlib.Path:
+    image = _mode_image(kind)
+    path = tmp_path / f"{kind.replace(';', '_')}.{fmt}"
+    if fmt == "gif":
+        image.save(path, transparency=image.info["transparency"])
+    else:
+        image.save(path)
+    return path
+
+
+@pytest.mark.filterwarnings("ignore:Palette images with Transparency:UserWarning")  # PIL, on P + tRNS bytes
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("fmt,kind", FILES)
+def test_files_match_reference(hf, tmp_path, family, fmt, kind):
+    path = _save(tmp_path, fmt, kind)
+    _assert_matches(hf, family, str(path))
+    _assert_matches(hf, family, str(path), ours_input=path)  # os.PathLike too
+
+
+def test_path_rgba_drops_alpha_like_transformers(hf, tmp_path):
+    """For a path, transformers' load_image converts RGBA -> RGB without compositing; a PIL input composites."""
+    path = _save(tmp_path, "png", "RGBA")
+    config = PreprocessConfig.for_family("qwen2_5_vl")
+    from_path, _ = preprocess_image(path, config)
+    from_pil, _ = preprocess_image(Image.open(path), config)
+    assert not torch.equal(from_path, from_pil)
+    _assert_matches(hf, "qwen2_5_vl", str(path))
+    _assert_matches(hf, "qwen2_5_vl", Image.open(path))
+
+
+def test_exif_orientation_applied_for_paths(hf, tmp_path):
+    image = Image.fromarray(_content(120, 200))
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate 90 degrees on display
+    path = tmp_path / "rotated.jpg"
+    image.save(path, exif=exif)
+    assert load_image(path).size == (120, 200)  # (width, height): transposed
+    _assert_matches(hf, "qwen2_5_vl", str(path))
+    _assert_matches(hf, "qwen2_5_vl", Image.open(path))  # PIL input: not transposed, by both
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("channels", [1, 3, 4])
+def test_numpy_hwc_matches_reference(hf, family, channels):
+    array = _content(130, 210, channels, seed=channels)
+    if channels == 4:
+        array[..., 3] = _alpha(130, 210)
+    _assert_matches(hf, family, array)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("channels", [1, 3, 4])
+def test_torch_chw_matches_reference(hf, family, channels):
+    array = _content(130, 210, channels, seed=10 + channels)
+    if channels == 4:
+        array[..., 3] = _alpha(130, 210)
+    _assert_matches(hf, family, torch.from_numpy(array).permute(2, 0, 1).contiguous())
+
+
+def test_other_array_layouts_match_reference(hf):
+    array = _content(130, 210, 3)
+    _assert_matches(hf, "qwen2_5_vl", array.transpose(2, 0, 1).copy())  # numpy CHW: unambiguous
+    _assert_matches(hf, "qwen2_5_vl", torch.from_numpy(array))  # torch HWC: unambiguous
+    # HxW grayscale is rejected by transformers; it must equal the (H, W, 1) array.
+    _assert_matches(hf, "qwen2_5_vl", array[..., :1], ours_input=array[..., 0])
+
+
+def test_input_types_agree():
+    array = _content(100, 150)
+    config = PreprocessConfig.for_family("qwen3_vl")
+    expected, grid = preprocess_image(Image.fromarray(array), config)
+    # the last one is a non-contiguous view (negative strides)
+    for image in (array, torch.from_numpy(array).permute(2, 0, 1), array[:, ::-1][:, ::-1]):
+        values, other_grid = preprocess_image(image, config)
+        assert other_grid == grid and torch.equal(values, expected)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("size", [(10, 13), (1, 1), (3, 40)])
+def test_tiny_image_is_upscaled(hf, family, size):
+    config = PreprocessConfig.for_family(family)
+    _assert_matches(hf, family, Image.fromarray(_content(*size)))
+    _, (_, grid_h, grid_w) = preprocess_image(Image.fromarray(_content(*size)), config)
+    assert grid_h * grid_w * config.patch_size**2 >= config.min_pixels
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_pixel_bound_overrides(hf, family):
+    big = Image.fromarray(_content(600, 800))
+    _assert_matches(hf, family, big, max_pixels=100_000)
+    _, (_, grid_h, grid_w) = preprocess_image(big, PreprocessConfig.for_family(family), max_pixels=100_000)
+    patch = PreprocessConfig.for_family(family).patch_size
+    assert grid_h * grid_w * patch**2 <= 100_000
+    _assert_matches(hf, family, Image.fromarray(_content(64, 90)), min_pixels=200_000)
+
+
+# --------------------------------------------------------------------------------------------------
+# smart_resize
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("factor", [28, 32])
+@pytest.mark.parametrize("bounds", [(3136, 12845056), (65536, 16777216), (3136, 100_000), (200_000, 400_000)])
+def test_smart_resize_matches_reference(factor, bounds):
+    rng = np.random.default_rng(factor)
+    sizes = rng.integers(1, 6000, size=(400, 2)).tolist() + [[14, 14], [42, 70], [2, 400], [400, 2], [1, 1]]
+    for height, width in sizes:
+        if max(height, width) / min(height, width) > 200:
+            continue
+        expected = hf_pil.smart_resize(height, width, factor, *bounds)
+        assert smart_resize(height, width, factor, *bounds) == expected, (height, width)
+
+
+def test_smart_resize_rounds_half_to_even():
+    big = 10**9
+    assert smart_resize(70, 98, 28, 1, big) == (56, 112)  # 2.5 -> 2, 3.5 -> 4
+    assert smart_resize(42, 126, 28, 1, big) == (56, 112)  # 1.5 -> 2, 4.5 -> 4
+    assert smart_resize(80, 112, 32, 1, big) == (64, 128)  # 2.5 -> 2, 3.5 -> 4
+    assert smart_resize(80, 112, 32, 1, big) == hf_pil.smart_resize(80, 112, 32, 1, big)
+
+
+def test_smart_resize_aspect_ratio_limit():
+    assert smart_resize(10, 2000, 28, 3136, 12845056) == hf_pil.smart_resize(10, 2000, 28, 3136, 12845056)
+    with pytest.raises(PreprocessError, match="aspect ratio"):
+        smart_resize(10, 2001, 28, 3136, 12845056)
+    with pytest.raises(ValueError):  # PreprocessError is a ValueError, like the reference's
+        smart_resize(2001, 10, 28, 3136, 12845056)
+    with pytest.raises(PreprocessError):
+        smart_resize(0, 10, 28, 3136, 12845056)
+
+
+def test_aspect_ratio_error_names_input():
+    with pytest.raises(PreprocessError, match=r"image 7: aspect ratio"):
+        preprocess_image(np.zeros((2, 500, 3), np.uint8), PreprocessConfig.for_family("qwen3_vl"), index=7)
+
+
+def test_aspect_ratio_checked_before_decoding(tmp_path):
+    """A file with a valid header but truncated pixel data: the aspect check fires before decoding."""
+    path = tmp_path / "strip.png"
+    Image.fromarray(_content(4, 1000)).save(path)
+    path.write_bytes(path.read_bytes()[:120])
+    with pytest.raises(PreprocessError, match="aspect ratio") as err:
+        preprocess_image(path, PreprocessConfig.for_family("qwen2_5_vl"), index=0)
+    assert str(path) in str(err.value)
+    with pytest.raises(PreprocessError, match="corrupt or truncated"):
+        load_image(path)
+
+
+# --------------------------------------------------------------------------------------------------
+# Errors
+# --------------------------------------------------------------------------------------------------
+
+
+def _assert_error(image, pattern, index=4, path=None):
+    with pytest.raises(PreprocessError, match=pattern) as err:
+        preprocess_image(image, PreprocessConfig.for_family("qwen2_5_vl"), index=index)
+    assert f"image {index}" in str(err.value)
+    if path is not None:
+        assert str(path) in str(err.value)
+    with pytest.raises(PreprocessError, match=pattern):
+        load_image(image, index=index)
+
+
+def test_missing_file(tmp_path):
+    path = tmp_path / "missing.png"
+    _assert_error(path, "file not found", path=path)
+    _assert_error(str(path), "file not found", path=path)
+
+
+def test_corrupt_file(tmp_path):
+    path = tmp_path / "corrupt.png"
+    Image.fromarray(_content(100, 100)).save(path)
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    _assert_error(path, "corrupt or truncated", path=path)
+
+
+def test_empty_file(tmp_path):
+    path = tmp_path / "empty.jpg"
+    path.write_bytes(b"")
+    _assert_error(path, r"empty \(0 bytes\)", path=path)
+
+
+def test_text_file_named_jpg(tmp_path):
+    path = tmp_path / "notes.jpg"
+    path.write_text("this is not an image\n" * 20)
+    _assert_error(path, "not a recognised image", path=path)
+
+
+def test_directory(tmp_path):
+    _assert_error(tmp_path, "not a regular file", path=tmp_path)
+
+
+@pytest.mark.parametrize("image,pattern", [
+    (np.zeros((0, 10, 3), np.uint8), "zero-size"),
+    (torch.zeros((3, 10, 0), dtype=torch.uint8), "zero-size"),
+    (np.zeros((10, 10, 3), np.float32), "uint8"),
+    (torch.zeros((3, 10, 10)), "uint8"),
+    (np.zeros((1, 10, 10, 3), np.uint8), "2-D or 3-D"),
+    (np.zeros((10, 10, 2), np.uint8), "1, 3 or 4 channels"),
+    (Image.new("RGB", (0, 5)), "zero-size"),
+    (12345, "unsupported input type"),
+])
+def test_bad_arrays_and_types(image, pattern):
+    _assert_error(image, pattern)
+
+
+def test_error_without_index(tmp_path):
+    with pytest.raises(PreprocessError, match=r"^image \(.*missing.png'\): file not found"):
+        load_image(tmp_path / "missing.png")
+
+
+# --------------------------------------------------------------------------------------------------
+# Config
+# --------------------------------------------------------------------------------------------------
+
+
+QWEN2_5_FILE = {  # Qwen2.5-VL-7B-Instruct preprocessor_config.json
+    "min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14, "temporal_patch_size": 2,
+    "merge_size": 2, "image_mean": CLIP_MEAN, "image_std": CLIP_STD,
+    "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2_5_VLProcessor",
+}
+QWEN3_FILE = {  # Qwen3-VL preprocessor_config.json
+    "size": {"longest_edge": 16777216, "shortest_edge": 65536}, "patch_size": 16,
+    "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+    "processor_class": "Qwen3VLProcessor", "image_processor_type": "Qwen2VLImageProcessorFast",
+}
+
+
+def test_family_defaults():
+    qwen2_5 = PreprocessConfig.for_family("qwen2_5_vl")
+    assert (qwen2_5.patch_size, qwen2_5.min_pixels, qwen2_5.max_pixels, qwen2_5.factor) == (14, 3136, 12845056, 28)
+    assert qwen2_5.image_mean == tuple(CLIP_MEAN) and qwen2_5.image_std == tuple(CLIP_STD)
+    qwen3 = PreprocessConfig.for_family("qwen3_vl")
+    assert (qwen3.patch_size, qwen3.min_pixels, qwen3.max_pixels, qwen3.factor) == (16, 65536, 16777216, 32)
+    assert qwen3.image_mean == qwen3.image_std == (0.5, 0.5, 0.5)
+    assert PreprocessConfig.for_family("qwen3_vl_moe") == qwen3
+    with pytest.raises(ValueError, match="unknown family"):
+        PreprocessConfig.for_family("qwen2_vl_typo")
+
+
+def test_from_dict_release_files():
+    assert PreprocessConfig.from_dict(QWEN2_5_FILE, "qwen2_5_vl") == PreprocessConfig.for_family("qwen2_5_vl")
+    assert PreprocessConfig.from_dict(QWEN3_FILE, "qwen3_vl") == PreprocessConfig.for_family("qwen3_vl")
+    assert PreprocessConfig.from_dict(None, "qwen3_vl") == PreprocessConfig.for_family("qwen3_vl")
+    assert PreprocessConfig.from_dict({}, "qwen2_5_vl") == PreprocessConfig.for_family("qwen2_5_vl")
+    partial = PreprocessConfig.from_dict({"max_pixels": 1000000}, "qwen3_vl")
+    assert partial == PreprocessConfig(patch_size=16, min_pixels=65536, max_pixels=1000000,
+                                       image_mean=(0.5,) * 3, image_std=(0.5,) * 3)
+
+
+def test_from_dict_pixel_precedence_matches_reference():
+    d = {"size": {"shortest_edge": 1000, "longest_edge": 500000}, "min_pixels": 4000, "patch_size": 14}
+    config = PreprocessConfig.from_dict(d, "qwen2_5_vl")
+    reference = Qwen2VLImageProcessorPil(**d)
+    assert (config.min_pixels, config.max_pixels) == (reference.size.shortest_edge, reference.size.longest_edge)
+
+
+@pytest.mark.parametrize("config", [
+    PreprocessConfig.for_family("qwen2_5_vl"),
+    PreprocessConfig.for_family("qwen3_vl"),
+    PreprocessConfig(patch_size=16, temporal_patch_size=2, merge_size=2, min_pixels=5000, max_pixels=90000,
+                     image_mean=(0.1, 0.2, 0.3), image_std=(0.9, 0.8, 0.7)),
+])
+def test_to_dict_round_trips_and_loads_in_transformers(config):
+    d = config.to_dict()
+    assert PreprocessConfig.from_dict(d, "qwen2_5_vl") == config
+    assert PreprocessConfig.from_dict(d, "qwen3_vl") == config
+    reference = Qwen2VLImageProcessorPil.from_dict(d)
+    image = Image.fromarray(_content(180, 260))
+    ref_values, ref_grid = _reference(reference, image)
+    values, grid = preprocess_image(image, config)
+    assert grid == ref_grid
+    assert float(np.abs(values.numpy() - ref_values).max()) <= TOL
+
+
+@pytest.mark.parametrize("override", [
+    {"do_resize": False}, {"do_normalize": False}, {"resample": 2}, {"rescale_factor": 1 / 256},
+    {"do_center_crop": True},
+])
+def test_from_dict_rejects_unsupported_settings(override):
+    with pytest.raises(ValueError, match="not supported"):
+        PreprocessConfig.from_dict({**QWEN2_5_FILE, **override}, "qwen2_5_vl")
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"patch_size": 0}, {"patch_size": 14, "merge_size": -1}, {"patch_size": 14, "image_mean": (0.5, 0.5)},
+    {"patch_size": 14, "image_std": (0.5, 0.0, 0.5)}, {"patch_size": 14.0},
+])
+def test_config_validation(kwargs):
+    with pytest.raises(ValueError):
+        PreprocessConfig(**kwargs)
+
+
+def test_scalar_mean_std():
+    config = PreprocessConfig(patch_size=16, image_mean=0.5, image_std=[0.5, 0.5, 0.5])
+    assert config.image_mean == config.image_std == (0.5, 0.5, 0.5)
+
+
+# --------------------------------------------------------------------------------------------------
+# Video
+# --------------------------------------------------------------------------------------------------
+
+
+def _hf_source_function(relative_path: str, class_name: str, function_name: str, namespace: dict):
+    """Compile one method of a transformers class from its installed source (its module needs torchvision)."""
+    import transformers
+
+    source = (pathlib.Path(transformers.__file__).parent / relative_path).read_text()
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.ClassDef) and node.name == class_name:
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef) and item.name == function_name:
+                    module = ast.Module(body=[item], type_ignores=[])
+                    exec(compile(module, relative_path, "exec"), namespace)
+                    return namespace[function_name]
+    raise AssertionError(f"{class_name}.{function_name} not found in {relative_path}")
+
+
+VIDEO_FILES = {
+    "qwen2_5_vl": ("models/qwen2_vl/video_processing_qwen2_vl.py", "Qwen2VLVideoProcessor"),
+    "qwen3_vl": ("models/qwen3_vl/video_processing_qwen3_vl.py", "Qwen3VLVideoProcessor"),
+}
+
+
+def _reference_video(processor, family, frames):
+    """Each frame through the image processor's own steps, then the video processor's patchify."""
+    patchify = _hf_source_function(*VIDEO_FILES[family], "patchify", {"torch": torch})
+    factor = processor.patch_size * processor.merge_size
+    normalized = []
+    for frame in frames:
+        image = processor.process_image(frame, do_convert_rgb=True)
+        image = processor.resize(image, size=processor.size, resample=processor.resample, factor=factor)
+        image = processor.rescale(image, processor.rescale_factor)
+        normalized.append(processor.normalize(image, processor.image_mean, processor.image_std))
+    video = torch.from_numpy(np.stack(normalized))[None]  # (1, F, C, H, W)
+    values, grid_t, grid_h, grid_w = patchify(None, video, processor.patch_size, processor.merge_size,
+                                              processor.temporal_patch_size)
+    return values[0].numpy(), (grid_t, grid_h, grid_w)
+
+
+def _frames(count: int, height: int = 120, width: int = 170) -> np.ndarray:
+    return np.stack([_content(height, width, 3, seed=100 + i) for i in range(count)])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("count", [1, 4, 5])
+def test_video_matches_reference(hf, family, count):
+    frames = _frames(count)
+    ref_values, ref_grid = _reference_video(hf[family], family, list(frames))
+    values, grid = preprocess_video(frames, PreprocessConfig.for_family(family))
+    assert grid == ref_grid == (math.ceil(count / 2), ref_grid[1], ref_grid[2])
+    assert values.dtype == torch.float32 and tuple(values.shape) == ref_values.shape
+    assert float(np.abs(values.numpy() - ref_values).max()) <= TOL
+
+
+def test_video_layout_and_last_frame_padding(hf):
+    """Video rows: (C, T, P, P) with T slot k from frame 2t+k; the odd last frame fills both slots."""
+    family = "qwen2_5_vl"
+    config = PreprocessConfig.for_family(family)
+    frames = _frames(5)
+    values, (grid_t, grid_h, grid_w) = preprocess_video(frames, config)
+    p, c = config.patch_size, 3
+    rows = values.reshape(grid_t, grid_h * grid_w, c, 2, p, p)
+    per_frame = [_reference(hf[family], Image.fromarray(f))[0].reshape(-1, c, 2, p, p)[:, :, 0] for f in frames]
+    for i in range(5):
+        np.testing.assert_array_equal(rows[i // 2, :, :, i % 2].numpy(), per_frame[i])
+    np.testing.assert_array_equal(rows[2, :, :, 1].numpy(), per_frame[4])  # padding repeats the last frame
+
+
+def test_video_input_types_agree(tmp_path):
+    frames = _frames(3, 90, 130)
+    config = PreprocessConfig.for_family("qwen3_vl")
+    expected, grid = preprocess_video(frames, config)
+    paths = []
+    for i, frame in enumerate(frames):
+        paths.append(tmp_path / f"frame{i}.png")
+        Image.fromarray(frame).save(paths[-1])
+    inputs = [
+        list(frames),
+        [Image.fromarray(f) for f in frames],
+        paths,
+        torch.from_numpy(frames).permute(0, 3, 1, 2).contiguous(),
+        [torch.from_numpy(f).permute(2, 0, 1) for f in frames],
+    ]
+    for video in inputs:
+        values, other_grid = preprocess_video(video, config)
+        assert other_grid == grid and torch.equal(values, expected)
+
+
+def test_video_of_one_repeated_frame_equals_image():
+    frame = _content(100, 140)
+    config = PreprocessConfig.for_family("qwen2_5_vl")
+    assert torch.equal(preprocess_video([frame, frame], config)[0], preprocess_image(frame, config)[0])
+    assert torch.equal(preprocess_video([frame], config)[0], preprocess_image(frame, config)[0])
+
+
+def test_video_frames_resized_to_first_frame_size():
+    config = PreprocessConfig.for_family("qwen2_5_vl")
+    first, second = _content(100, 140), _content(300, 200, seed=5)
+    values, grid = preprocess_video([first, second], config, max_pixels=50_000)
+    assert grid == (1, *preprocess_image(first, config, max_pixels=50_000)[1][1:])
+    assert values.shape[0] == grid[1] * grid[2]
+
+
+def test_video_errors(tmp_path):
+    config = PreprocessConfig.for_family("qwen2_5_vl")
+    missing = tmp_path / "gone.png"
+    with pytest.raises(PreprocessError, match=r"video 2 frame 1 \(.*gone.png'\): file not found"):
+        preprocess_video([_content(50, 50), missing], config, index=2)
+    with pytest.raises(PreprocessError, match="video 0: no frames"):
+        preprocess_video([], config, index=0)
+    with pytest.raises(PreprocessError, match="4-D frame array"):
+        preprocess_video(np.zeros((5, 10, 3), np.uint8), config)
+    with pytest.raises(PreprocessError, match="sequence of frames"):
+        preprocess_video(str(missing), config)
+    with pytest.raises(PreprocessError, match="video frame 0: aspect ratio"):
+        preprocess_video(np.zeros((3, 2, 900, 3), np.uint8), config)
+
+
+# --------------------------------------------------------------------------------------------------
+# Frame sampling
+# --------------------------------------------------------------------------------------------------
+
+FRAME_COUNTS = [2, 3, 7, 10, 31, 60, 61, 299, 1001, 5000]
+VIDEO_FPS = [1.0, 7.5, 24.0, 29.97, 30.0, 60.0]
+TARGET_FPS = [0.5, 1.0, 2.0, 4.0]
+
+
+def test_sample_frame_indices_matches_qwen2_vl_reference():
+    sample = _hf_source_function(*VIDEO_FILES["qwen2_5_vl"], "sample_frames",
+                                 {"torch": torch, "math": math, "VideoMetadata": object})
+    for max_frames in (768, 8):
+        processor = types.SimpleNamespace(num_frames=None, fps=None, temporal_patch_size=2, min_frames=4,
+                                          max_frames=max_frames)
+        for total in FRAME_COUNTS:
+            for video_fps in VIDEO_FPS:
+                for fps in TARGET_FPS:
+                    metadata = types.SimpleNamespace(total_num_frames=total, fps=video_fps)
+                    expected = sample(processor, metadata, fps=fps).tolist()
+                    ours = sample_frame_indices(total, video_fps, fps, max_frames=max_frames)
+                    # The reference can step past the last frame (see the next test); we drop that index.
+                    assert ours == [i for i in expected if i < total], (total, video_fps, fps, max_frames)
+
+
+def test_sample_frame_indices_drops_reference_overrun():
+    """1001 frames, 1 fps, sampled at 0.5 fps: the reference's float arange yields 501 indices, the last 1001."""
+    sample = _hf_source_function(*VIDEO_FILES["qwen2_5_vl"], "sample_frames",
+                                 {"torch": torch, "math": math, "VideoMetadata": object})
+    processor = types.SimpleNamespace(num_frames=None, fps=None, temporal_patch_size=2, min_frames=4,
+                                      max_frames=768)
+    expected = sample(processor, types.SimpleNamespace(total_num_frames=1001, fps=1.0), fps=0.5).tolist()
+    assert len(expected) == 501 and expected[-1] == 1001
+    assert sample_frame_indices(1001, 1.0, 0.5) == expected[:-1]
+
+
+def test_sample_frame_indices_short_video():
+    assert sample_frame_indices(1, 30.0) == [0]  # the reference divides by zero here
+    with pytest.raises(ValueError):
+        sample_frame_indices(0, 30.0)
+    with pytest.raises(ValueError):
+        sample_frame_indices(10, 0.0)
+
+
+def test_sample_frame_indices_matches_qwen3_vl_reference():
+    sample = _hf_source_function(*VIDEO_FILES["qwen3_vl"], "sample_frames",
+                                 {"np": np, "VideoMetadata": object, "logger": None})
+    for max_frames in (768, 8):
+        processor = types.SimpleNamespace(fps=2, min_frames=4, max_frames=max_frames)
+        for total in FRAME_COUNTS:
+            for video_fps in VIDEO_FPS:
+                for fps in TARGET_FPS:
+                    metadata = types.SimpleNamespace(total_num_frames=total, fps=video_fps)
+                    expected = sample(processor, metadata, fps=fps).tolist()
+                    assert sample_frame_indices_qwen3(total, video_fps, fps, max_frames=max_frames) == expected
+
