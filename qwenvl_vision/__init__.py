@@ -2,6 +2,7 @@
 
 from .cache import ShapeCache
 from .config import PRESETS, ConfigError, VisionConfig, from_config_json, preset, resolve_config
+from .encoder import EncoderClosedError, EncodeResult, VisionEncoder, load_encoder
 from .models import build_model
 from .qwen2_5 import Qwen2_5VisionTransformer
 from .qwen3 import Qwen3VisionTransformer
@@ -12,6 +13,10 @@ __version__ = "0.1.0"
 __all__ = [
     "PRESETS",
     "ConfigError",
+    "EncodeResult",
+    "EncoderClosedError",
+    "VisionEncoder",
+    "load_encoder",
     "InputError",
     "Qwen2_5VisionTransformer",
     "Qwen3VisionTransformer",

@@ -16,6 +16,8 @@ def spread_init_(model: nn.Module, seed: int = 0) -> nn.Module:
     generators: dict[torch.device, torch.Generator] = {}
     with torch.no_grad():
         for name, p in sorted(model.named_parameters()):
+            if p.is_meta:  # shape-only model: nothing to fill
+                continue
             gen = generators.get(p.device)
             if gen is None:
                 gen = generators[p.device] = torch.Generator(device=p.device).manual_seed(seed)

@@ -18,15 +18,29 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-try:  # optional: the flash-attn package's varlen kernel, preferred on CUDA when installed
-    from flash_attn import flash_attn_varlen_func
-except Exception:  # noqa: BLE001 - any import failure just means "not available"
-    flash_attn_varlen_func = None
+_CUDA_KERNELS: dict[str, object] = {}
 
-try:  # PyTorch's own varlen flash kernel (CUDA, fp16/bf16)
-    from torch.nn.attention.varlen import varlen_attn
-except Exception:  # noqa: BLE001
-    varlen_attn = None
+
+def cuda_varlen_kernel():
+    """flash-attn's varlen kernel when installed, else PyTorch's own, else None; imported on first CUDA use
+    (importing torch.nn.attention.varlen pulls in torch._dynamo, seconds we don't pay on CPU)."""
+    if "kernel" not in _CUDA_KERNELS:
+        kernel = None
+        try:
+            from flash_attn import flash_attn_varlen_func
+
+            def kernel(q, k, v, cu, max_len, scale):
+                return flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len, softmax_scale=scale, causal=False)
+        except Exception:  # noqa: BLE001 - not installed or not built for this GPU
+            try:
+                from torch.nn.attention.varlen import varlen_attn
+
+                def kernel(q, k, v, cu, max_len, scale):
+                    return varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scale)
+            except Exception:  # noqa: BLE001
+                kernel = None
+        _CUDA_KERNELS["kernel"] = kernel
+    return _CUDA_KERNELS["kernel"]
 
 
 # ----------------------------------------------------------------------------- rope
@@ -127,12 +141,10 @@ def varlen_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: SegmentPlan, scale: float
 ) -> torch.Tensor:
     """Non-causal attention inside each segment of the plan; q, k, v: (N, H, hd)."""
-    half = q.dtype in (torch.float16, torch.bfloat16)
-    if q.is_cuda and half and flash_attn_varlen_func is not None:
-        return flash_attn_varlen_func(q, k, v, plan.cu_seqlens, plan.cu_seqlens, plan.max_seqlen, plan.max_seqlen,
-                                      softmax_scale=scale, causal=False)
-    if q.is_cuda and half and varlen_attn is not None:
-        return varlen_attn(q, k, v, plan.cu_seqlens, plan.cu_seqlens, plan.max_seqlen, plan.max_seqlen, scale=scale)
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        kernel = cuda_varlen_kernel()
+        if kernel is not None:  # one fused call over the whole pack
+            return kernel(q, k, v, plan.cu_seqlens, plan.max_seqlen, scale)
     if len(plan.groups) == 1 and plan.groups[0].start == 0:
         group = plan.groups[0]
         return _sdpa_batched(q, k, v, group.count, group.length, scale)

@@ -1,0 +1,393 @@
+"""The public API: ``load_encoder(source)`` -> ``VisionEncoder`` with ``encode_patches`` / ``encode_images``.
+
+The encoder owns its tower and the tower owns its caches; ``close()`` (or leaving the ``with`` block)
+releases the weights and caches at once, even while other references to the encoder or its model are
+still held, and any later call raises ``EncoderClosedError``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import ConfigError, VisionConfig, resolve_config
+from .init import random_tower
+from .preprocess import PreprocessConfig, PreprocessError, preprocess_image, preprocess_video
+from .tower import InputError, VisionTower
+from .weights import CheckpointError, load_tower, open_checkpoint
+
+DTYPES = {
+    "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
+}
+
+
+class EncoderClosedError(RuntimeError):
+    """The encoder was closed; its weights and caches are gone."""
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"device {device} requested but CUDA is not available")
+    return device
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        resolved = dtype
+    elif dtype.lower() in DTYPES:
+        resolved = DTYPES[dtype.lower()]
+    else:
+        raise ValueError(f"unsupported dtype {dtype!r}; use one of {sorted(DTYPES)}")
+    if resolved not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"unsupported dtype {resolved}; use float32, bfloat16 or float16")
+    if resolved == torch.float16:
+        warnings.warn("float16 can overflow in the Qwen2.5-VL tower; bfloat16 or float32 are safe. "
+                      "Outputs will be checked for non-finite values.", stacklevel=3)
+    return resolved
+
+
+@dataclass
+class EncodeResult:
+    """Per-item outputs in input order.
+
+    embeddings: one (tokens_i, out_hidden_size) tensor per image/video (tokens_i = t*h*w/4).
+    grid_thw: (n, 3) int64, each item's patch grid.
+    deepstack: for Qwen3-VL, per item the list of its DeepStack levels (same shape as its embedding); else None.
+    pooled: (n, out_hidden_size) mean over each item's tokens, when requested.
+    """
+
+    embeddings: list[torch.Tensor]
+    grid_thw: torch.Tensor
+    deepstack: list[list[torch.Tensor]] | None = None
+    pooled: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return len(self.embeddings)
+
+
+@dataclass
+class ItemResult:
+    """One input's outcome in a streamed encode: either tensors or the error that stopped it."""
+
+    index: int
+    name: str
+    embedding: torch.Tensor | None = None
+    grid_thw: tuple[int, int, int] | None = None
+    deepstack: list[torch.Tensor] | None = None
+    pooled: torch.Tensor | None = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+@dataclass
+class _Prepared:
+    index: int
+    name: str
+    pixel_values: torch.Tensor | None = None
+    grid: tuple[int, int, int] | None = None
+    error: str | None = None
+    tokens: int = field(default=0)
+
+
+def input_name(item: Any, index: int) -> str:
+    if isinstance(item, (str, os.PathLike)):
+        return f"input {index} ({os.fspath(item)})"
+    return f"input {index} ({type(item).__name__})"
+
+
+class VisionEncoder:
+    """A loaded vision tower with its preprocessing; see ``load_encoder``."""
+
+    def __init__(self, model: VisionTower, preprocess_config: PreprocessConfig, source: str = "") -> None:
+        self._model: VisionTower | None = model
+        self.preprocess_config = preprocess_config
+        self.source = source
+        self.config: VisionConfig = model.config
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def model(self) -> VisionTower:
+        if self._model is None:
+            raise EncoderClosedError(f"encoder for {self.source or self.config.name!r} is closed")
+        return self._model
+
+    @property
+    def closed(self) -> bool:
+        return self._model is None
+
+    def close(self) -> None:
+        """Free weights and caches now, whoever else still references this encoder or its model."""
+        model, self._model = self._model, None
+        if model is None:
+            return
+        model.clear_cache()
+        # Replace every parameter by a storage-less meta tensor: a reference to the module kept
+        # elsewhere no longer pins the weights.
+        model.to("meta")
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def __enter__(self) -> VisionEncoder:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"{self.device}, {self.dtype}"
+        return f"VisionEncoder({self.config.name or self.config.family}, {state})"
+
+    @property
+    def family(self) -> str:
+        return self.config.family
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    @property
+    def out_hidden_size(self) -> int:
+        return self.config.out_hidden_size
+
+    # ------------------------------------------------------------------ encoding
+
+    def encode_patches(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor | Sequence, *,
+                       pooled: bool = False) -> EncodeResult:
+        """Encode inputs already processed the transformers way (rows in merge-block order)."""
+        model = self.model
+        if not isinstance(pixel_values, torch.Tensor):
+            raise InputError(f"pixel_values must be a torch.Tensor, got {type(pixel_values).__name__}")
+        grids = model.grid_list(grid_thw)
+        model.check_pixels(pixel_values, grids)
+        with torch.inference_mode():
+            merged, levels = model(pixel_values, grids)
+        self._check_finite(merged, levels)
+        sizes = [t * h * w // self.config.merge_unit for t, h, w in grids]
+        embeddings = list(merged.split(sizes))
+        deepstack = None
+        if self.config.deepstack_visual_indexes:
+            per_level = [level.split(sizes) for level in levels]
+            deepstack = [[chunks[i] for chunks in per_level] for i in range(len(grids))]
+        pooled_out = torch.stack([e.float().mean(0) for e in embeddings]).to(merged.dtype) if pooled else None
+        return EncodeResult(embeddings, torch.tensor(grids, dtype=torch.int64), deepstack, pooled_out)
+
+    def _check_finite(self, merged: torch.Tensor, levels: list[torch.Tensor]) -> None:
+        if merged.dtype != torch.float16:
+            return
+        for name, t in [("merged tokens", merged)] + [(f"DeepStack level {i}", x) for i, x in enumerate(levels)]:
+            if not torch.isfinite(t).all():
+                raise FloatingPointError(f"{name} contain inf/nan in float16 (the tower overflowed); "
+                                         f"use bfloat16 or float32")
+
+    def _prepare(self, item: Any, index: int, video: bool, min_pixels: int | None,
+                 max_pixels: int | None) -> _Prepared:
+        name = input_name(item, index)
+        fn = preprocess_video if video else preprocess_image
+        try:
+            pixel_values, grid = fn(item, self.preprocess_config, min_pixels=min_pixels, max_pixels=max_pixels,
+                                    index=index)
+        except PreprocessError as e:
+            return _Prepared(index, name, error=str(e))
+        except Exception as e:  # noqa: BLE001 - a batch job records any per-input failure and goes on
+            return _Prepared(index, name, error=f"{name}: {type(e).__name__}: {e}")
+        if self.device.type == "cuda":
+            pixel_values = pixel_values.pin_memory()
+        return _Prepared(index, name, pixel_values, tuple(grid), tokens=math.prod(grid))
+
+    def iter_encode(self, items: Iterable[Any], *, video: bool = False, min_pixels: int | None = None,
+                    max_pixels: int | None = None, max_batch_tokens: int = 16384, pooled: bool = False,
+                    num_workers: int | None = None, prefetch: int = 8) -> Iterator[list[ItemResult]]:
+        """Yield results batch by batch, in input order; a bad input yields an ItemResult with its error.
+
+        Inputs are decoded and resized by worker threads ahead of the compute (PIL and torch release
+        the GIL), at most `prefetch` + one batch ahead, so memory stays bounded by the token budget.
+        """
+        self.model  # noqa: B018 - raises if closed, before any work
+        if max_batch_tokens < 1:
+            raise ValueError(f"max_batch_tokens must be positive, got {max_batch_tokens}")
+        workers = num_workers if num_workers is not None else min(4, os.cpu_count() or 1)
+        with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+            batch: list[_Prepared] = []
+            failed: list[_Prepared] = []
+            for prepared in _ordered_prefetch(pool, items, prefetch, lambda item, i: self._prepare(
+                    item, i, video, min_pixels, max_pixels)):
+                if prepared.error is not None:
+                    failed.append(prepared)
+                    continue
+                if batch and sum(p.tokens for p in batch) + prepared.tokens > max_batch_tokens:
+                    yield self._run_batch(batch, failed, pooled)
+                    batch, failed = [], []
+                batch.append(prepared)
+            if batch or failed:
+                yield self._run_batch(batch, failed, pooled)
+
+    def _run_batch(self, batch: list[_Prepared], failed: list[_Prepared], pooled: bool) -> list[ItemResult]:
+        results = [ItemResult(p.index, p.name, error=p.error) for p in failed]
+        if batch:
+            pixel_values = torch.cat([p.pixel_values for p in batch]).to(self.device, non_blocking=True)
+            out = self.encode_patches(pixel_values, [p.grid for p in batch], pooled=pooled)
+            for i, p in enumerate(batch):
+                results.append(ItemResult(
+                    p.index, p.name, embedding=out.embeddings[i], grid_thw=p.grid,
+                    deepstack=out.deepstack[i] if out.deepstack is not None else None,
+                    pooled=out.pooled[i] if out.pooled is not None else None,
+                ))
+        return sorted(results, key=lambda r: r.index)
+
+    def _encode_all(self, items: Sequence[Any], video: bool, pooled: bool, **options: Any) -> EncodeResult:
+        items = list(items)
+        self._preflight(items, video, options.get("min_pixels"), options.get("max_pixels"))
+        results: list[ItemResult] = []
+        for batch in self.iter_encode(items, video=video, pooled=pooled, **options):
+            for r in batch:
+                if r.error is not None:
+                    raise PreprocessError(r.error)
+            results.extend(batch)
+        results.sort(key=lambda r: r.index)
+        return EncodeResult(
+            embeddings=[r.embedding for r in results],
+            grid_thw=torch.tensor([r.grid_thw for r in results], dtype=torch.int64).view(-1, 3),
+            deepstack=[r.deepstack for r in results] if self.config.deepstack_visual_indexes else None,
+            pooled=torch.stack([r.pooled for r in results]) if pooled and results else None,
+        )
+
+    def _preflight(self, items: list[Any], video: bool, min_pixels: int | None, max_pixels: int | None) -> None:
+        """Reject unreadable files, zero-size arrays and extreme aspect ratios before any compute."""
+        from .preprocess import probe_image
+
+        for i, item in enumerate(items):
+            first = item
+            if video:
+                if isinstance(item, torch.Tensor) or hasattr(item, "shape"):
+                    if len(item) == 0:
+                        raise PreprocessError(f"{input_name(item, i)}: video has no frames")
+                    first = item[0]
+                else:
+                    frames = list(item)
+                    if not frames:
+                        raise PreprocessError(f"{input_name(item, i)}: video has no frames")
+                    first = frames[0]
+            probe_image(first, self.preprocess_config, index=i, min_pixels=min_pixels, max_pixels=max_pixels)
+
+    def encode_images(self, images: Sequence[Any], *, min_pixels: int | None = None, max_pixels: int | None = None,
+                      max_batch_tokens: int = 16384, pooled: bool = False, num_workers: int | None = None
+                      ) -> EncodeResult:
+        """Images (paths, PIL images, HxWxC uint8 arrays, CxHxW uint8 tensors) -> embeddings, in input order.
+
+        Preprocessing reproduces transformers' Qwen2VL image processor (PIL backend) with this checkpoint's
+        preprocessor config; min/max pixels override it per call. Batches hold at most `max_batch_tokens`
+        patches (an item larger than that runs alone). Bad input raises PreprocessError naming it.
+        """
+        return self._encode_all(images, False, pooled, min_pixels=min_pixels, max_pixels=max_pixels,
+                                max_batch_tokens=max_batch_tokens, num_workers=num_workers)
+
+    def encode_videos(self, videos: Sequence[Any], *, min_pixels: int | None = None, max_pixels: int | None = None,
+                      max_batch_tokens: int = 16384, pooled: bool = False, num_workers: int | None = None
+                      ) -> EncodeResult:
+        """Videos (each a sequence of frames or an (F, H, W, C) uint8 array) -> embeddings; see encode_images.
+
+        Frames are padded to an even count by repeating the last one; grid_t = frames / 2. To sample by fps
+        first, use ``qwenvl_vision.preprocess.sample_frame_indices``.
+        """
+        return self._encode_all(videos, True, pooled, min_pixels=min_pixels, max_pixels=max_pixels,
+                                max_batch_tokens=max_batch_tokens, num_workers=num_workers)
+
+
+def _ordered_prefetch(pool: ThreadPoolExecutor, items: Iterable[Any], depth: int, fn) -> Iterator[Any]:
+    """fn(item, index) on the pool, at most `depth` in flight, results in input order."""
+    pending = []
+    for index, item in enumerate(items):
+        pending.append(pool.submit(fn, item, index))
+        if len(pending) > depth:
+            yield pending.pop(0).result()
+    for future in pending:
+        yield future.result()
+
+
+# ---------------------------------------------------------------------- loading
+
+
+def load_encoder(
+    source: str | os.PathLike | VisionConfig | dict,
+    *,
+    device: str | torch.device | None = None,
+    dtype: str | torch.dtype | None = None,
+    random_weights: bool = False,
+    seed: int = 0,
+    revision: str | None = None,
+    local_files_only: bool = False,
+    cache_dir: str | None = None,
+    token: str | bool | None = None,
+    cache_size: int = 1024,
+    cache_bytes: int | None = 1 << 30,
+    preprocess_config: PreprocessConfig | dict | None = None,
+) -> VisionEncoder:
+    """Load a Qwen2.5-VL / Qwen3-VL vision encoder, reading only the vision tensors.
+
+    source: a checkpoint folder in the released layout (sharded or single file, LLM shards may be absent),
+    a vision-only folder from ``qwenvl-vision extract-weights``, a Hugging Face repo id (only configs, index
+    and vision shards are fetched, into the HF cache), or, with ``random_weights=True``, a preset name /
+    config for benchmarks. Defaults: CUDA when available, else CPU; bf16 on CUDA, fp32 on CPU.
+    """
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
+    options = dict(cache_size=cache_size, cache_bytes=cache_bytes)
+    if random_weights:
+        config = resolve_config(source)
+        model = random_tower(config, device, dtype, seed=seed, **options)
+        pre = _preprocess_config(preprocess_config, None, config.family)
+        return VisionEncoder(model, pre, source=config.name or config.family)
+    if isinstance(source, (VisionConfig, dict)):
+        raise ConfigError("a config alone has no weights: pass random_weights=True, or a checkpoint folder/repo id")
+    folder = _resolve_folder(os.fspath(source), revision, local_files_only, cache_dir, token)
+    checkpoint = open_checkpoint(folder)
+    model = load_tower(checkpoint, device, dtype, **options)
+    pre = _preprocess_config(preprocess_config, checkpoint.preprocessor_json(), checkpoint.config.family)
+    return VisionEncoder(model, pre, source=os.fspath(source))
+
+
+def _preprocess_config(given: PreprocessConfig | dict | None, from_checkpoint: dict | None,
+                       family: str) -> PreprocessConfig:
+    if isinstance(given, PreprocessConfig):
+        return given
+    return PreprocessConfig.from_dict(given if given is not None else from_checkpoint, family)
+
+
+def _resolve_folder(source: str, revision: str | None, local_files_only: bool, cache_dir: str | None,
+                    token: str | bool | None) -> Path:
+    from .config import PRESETS
+    from .hub import fetch_vision_checkpoint, looks_like_repo_id
+
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return path
+    if source.lower() in PRESETS:
+        raise CheckpointError(f"{source!r} is a preset: pass random_weights=True for random weights at its size, "
+                              f"or give a checkpoint folder / repo id")
+    if looks_like_repo_id(source):
+        return fetch_vision_checkpoint(source, revision=revision, cache_dir=cache_dir,
+                                       local_files_only=local_files_only, token=token)
+    raise CheckpointError(f"checkpoint folder {source} does not exist (and it is not a repo id like 'Qwen/...')")

@@ -1,0 +1,407 @@
+"""Issue: load_encoder("org/name") against a local stand-in of the Hugging Face Hub (loopback only).
+
+The stand-in serves checkpoint folders written by tests.checkpoints the way huggingface_hub's
+``hf_hub_download`` expects the Hub to (HEAD/GET on /{repo}/resolve/{revision}/{file}), records every
+request, and lets the tests check what was fetched: config, preprocessor config, index and only the shards
+holding vision tensors; never an LLM-only shard.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+import pytest
+import torch
+
+from qwenvl_vision import load_encoder
+from qwenvl_vision.hub import fetch_vision_checkpoint
+from qwenvl_vision.weights import CheckpointError
+from tests.checkpoints import llm_only_shards, write_checkpoint
+from tests.reference import hf_forward, hf_tower, rel_err
+from tests.test_towers import QWEN2_5_SMALL, QWEN3_SMALL_72
+
+hf_constants = pytest.importorskip("huggingface_hub.constants")
+
+QWEN2_5_GRIDS = [(1, 6, 10), (2, 4, 4), (1, 2, 2)]
+QWEN3_GRIDS = [(1, 6, 10), (2, 4, 4), (1, 2, 2)]
+
+
+# ---------------------------------------------------------------------- the stand-in Hub
+
+
+@dataclass
+class Revision:
+    commit: str
+    files: dict[str, Path]  # repo path -> file on disk
+    etags: dict[str, str] = field(default_factory=dict)
+
+
+class FakeHub:
+    """Repos -> revisions (branch names and their commit hashes) -> files; a record of every request."""
+
+    def __init__(self) -> None:
+        self.repos: dict[str, dict[str, Revision]] = {}
+        self.requests: list[tuple[str, str]] = []  # (method, decoded path)
+        self.lock = threading.Lock()
+        self.server: ThreadingHTTPServer | None = None
+        self.endpoint = ""
+
+    def add(self, repo_id: str, folder: Path, *, branch: str = "main") -> str:
+        """Serve every file of `folder` as `repo_id` at `branch`; return the commit hash it resolves to."""
+        files = {p.relative_to(folder).as_posix(): p for p in sorted(folder.rglob("*")) if p.is_file()}
+        commit = hashlib.sha1(f"{repo_id}@{branch}".encode()).hexdigest()
+        # The Hub's ETag is the git blob sha1 for small files and the LFS sha256 for large ones; any stable
+        # content hash will do here.
+        etags = {name: hashlib.sha256(path.read_bytes()).hexdigest() for name, path in files.items()}
+        revision = Revision(commit, files, etags)
+        refs = self.repos.setdefault(repo_id, {})
+        refs[branch] = revision
+        refs[commit] = revision
+        return commit
+
+    def log(self, method: str, path: str) -> None:
+        with self.lock:
+            self.requests.append((method, path))
+
+    def clear(self) -> None:
+        with self.lock:
+            self.requests.clear()
+
+    def resolve_paths(self, method: str | None = None) -> list[str]:
+        with self.lock:
+            return [p for m, p in self.requests if method is None or m == method]
+
+    def files_touched(self) -> set[str]:
+        return {path.split("/resolve/", 1)[1].split("/", 1)[1] for path in self.resolve_paths()}
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+            self.server = None
+
+
+def _handler(hub: FakeHub):
+    class Handler(BaseHTTPRequestHandler):
+        # HTTP/1.0: one request per connection, so no pooled keep-alive connection outlives hub.stop().
+        protocol_version = "HTTP/1.0"
+
+        def log_message(self, *args) -> None:  # keep pytest output quiet
+            pass
+
+        def do_HEAD(self) -> None:
+            self._serve(body=False)
+
+        def do_GET(self) -> None:
+            self._serve(body=True)
+
+        def _reply(self, status: int, headers: dict[str, str], data: bytes = b"", body: bool = True) -> None:
+            self.send_response(status)
+            for name, value in headers.items():
+                self.send_header(name, value)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            if body and data:
+                self.wfile.write(data)
+
+        def _error(self, status: int, code: str, message: str, commit: str | None = None, body: bool = True) -> None:
+            headers = {"X-Error-Code": code, "X-Error-Message": message, "Content-Type": "application/json"}
+            if commit is not None:
+                headers["X-Repo-Commit"] = commit  # the Hub sends it with EntryNotFound: HF caches the absence
+            self._reply(status, headers, f'{{"error": "{message}"}}'.encode(), body)
+
+        def _serve(self, body: bool) -> None:
+            raw = urlsplit(self.path).path
+            parts = raw.split("/")  # "", org, name, "resolve", revision (quoted, may hold %2F), file...
+            hub.log(self.command, unquote(raw))
+            if len(parts) < 6 or parts[3] != "resolve":
+                return self._error(404, "EntryNotFound" if parts[1:2] == ["api"] else "RepoNotFound",
+                                   "Not served by this stand-in", body=body)
+            repo_id = f"{unquote(parts[1])}/{unquote(parts[2])}"
+            revision_name, filename = unquote(parts[4]), unquote("/".join(parts[5:]))
+            refs = hub.repos.get(repo_id)
+            if refs is None:
+                return self._error(404, "RepoNotFound", "Repository not found", body=body)
+            revision = refs.get(revision_name)
+            if revision is None:
+                return self._error(404, "RevisionNotFound", "Invalid rev id: " + revision_name, body=body)
+            path = revision.files.get(filename)
+            if path is None:
+                return self._error(404, "EntryNotFound", "Entry not found", revision.commit, body=body)
+            data = path.read_bytes()
+            etag = f'"{revision.etags[filename]}"'
+            headers = {"X-Repo-Commit": revision.commit, "ETag": etag, "X-Linked-Etag": etag,
+                       "X-Linked-Size": str(len(data)), "Accept-Ranges": "bytes",
+                       "Content-Type": "application/octet-stream"}
+            status, start = 200, 0
+            requested = self.headers.get("Range", "")
+            if body and requested.startswith("bytes=") and requested.endswith("-"):  # resume: "bytes=N-"
+                start = int(requested[len("bytes="):-1])
+                status = 206
+                headers["Content-Range"] = f"bytes {start}-{len(data) - 1}/{len(data)}"
+            self._reply(status, headers, data[start:], body)
+
+    return Handler
+
+
+@pytest.fixture
+def hub(tmp_path, monkeypatch):
+    """A running stand-in Hub; huggingface_hub pointed at it, with an empty temporary cache and HF home."""
+    fake = FakeHub()
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(fake))
+    server.daemon_threads = True
+    fake.server = server
+    fake.endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+
+    # huggingface_hub read HF_ENDPOINT / HF_HUB_CACHE / HF_HUB_OFFLINE into constants at import time.
+    monkeypatch.setenv("HF_ENDPOINT", fake.endpoint)
+    monkeypatch.setattr(hf_constants, "ENDPOINT", fake.endpoint)
+    monkeypatch.setattr(hf_constants, "HUGGINGFACE_CO_URL_TEMPLATE",
+                        fake.endpoint + "/{repo_id}/resolve/{revision}/{filename}")
+    cache = tmp_path / "hf-home" / "hub"
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+    monkeypatch.setenv("no_proxy", "127.0.0.1,localhost")
+    try:  # user-agent agent detection may fetch {ENDPOINT}/api/agent-harnesses once: keep it off the record
+        from huggingface_hub.utils import _detect_agent
+        monkeypatch.setattr(_detect_agent, "_registry", _detect_agent._EMPTY_REGISTRY)
+    except (ImportError, AttributeError):
+        pass
+    fake.cache = cache
+    yield fake
+    fake.stop()
+    thread.join(timeout=5)
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _inputs(cfg, grids, seed: int = 1):
+    grid_thw = torch.tensor(grids)
+    rows = int(grid_thw.prod(1).sum())
+    return torch.randn(rows, cfg.patch_dim, generator=torch.Generator().manual_seed(seed)), grid_thw
+
+
+def _check_against_reference(encoder, cfg, vision_state: dict, grids) -> None:
+    """Encoder outputs (fp32, CPU) equal transformers' tower holding the same weights."""
+    ref = hf_tower(cfg)
+    ref.load_state_dict(vision_state, strict=True)
+    pixel_values, grid_thw = _inputs(cfg, grids)
+    out = encoder.encode_patches(pixel_values, grid_thw)
+    with torch.no_grad():
+        ref_merged, ref_levels = hf_forward(ref, pixel_values, grid_thw)
+    merged = torch.cat(out.embeddings)
+    assert merged.dtype == torch.float32 and merged.shape == ref_merged.shape
+    assert rel_err(merged, ref_merged) <= 1e-5
+    assert len(ref_levels) == len(cfg.deepstack_visual_indexes)
+    for level, ref_level in enumerate(ref_levels):
+        ours = torch.cat([item[level] for item in out.deepstack])
+        assert rel_err(ours, ref_level) <= 1e-5
+
+
+def _check_weights(encoder, vision_state: dict) -> None:
+    """The encoder holds exactly the checkpoint's vision weights (cheaper than a forward, for repeat loads)."""
+    loaded = encoder.model.state_dict()
+    assert loaded.keys() == vision_state.keys()
+    assert all(torch.equal(loaded[k], v) for k, v in vision_state.items())
+
+
+def _snapshot(hub: FakeHub, repo_id: str, commit: str) -> Path:
+    return hub.cache / f"models--{repo_id.replace('/', '--')}" / "snapshots" / commit
+
+
+@pytest.fixture
+def qwen25_repo(hub, tmp_path):
+    """A sharded Qwen2.5-VL checkpoint (2 vision shards, 2 LLM-only shards) served as org/qwen25-tiny."""
+    folder = tmp_path / "qwen25"
+    vision = write_checkpoint(folder, QWEN2_5_SMALL, sharded=True, llm_shards=2)
+    commit = hub.add("org/qwen25-tiny", folder)
+    return folder, vision, commit
+
+
+# ---------------------------------------------------------------------- 1. sharded, only vision shards
+
+
+def test_sharded_repo_fetches_only_vision_shards_and_matches_transformers(hub, qwen25_repo):
+    folder, vision, commit = qwen25_repo
+    llm_only = {p.name for p in llm_only_shards(folder)}
+    all_shards = {p.name for p in folder.glob("model-*.safetensors")}
+    vision_shards = all_shards - llm_only
+    assert len(llm_only) == 2 and len(vision_shards) == 2
+
+    encoder = load_encoder("org/qwen25-tiny", device="cpu")
+    _check_against_reference(encoder, QWEN2_5_SMALL, vision, QWEN2_5_GRIDS)
+    encoder.close()
+
+    paths = hub.resolve_paths()
+    assert all(p.startswith("/org/qwen25-tiny/resolve/") for p in paths), paths
+    touched = hub.files_touched()
+    assert touched == {"config.json", "preprocessor_config.json", "model.safetensors.index.json"} | vision_shards
+    assert not any(name in p for p in paths for name in llm_only), paths
+    assert "model.safetensors" not in touched  # the index exists: no single-file probe
+    # Every fetched file was downloaded once (HEAD for the metadata, then one GET).
+    gets = [p.rsplit("/", 1)[1] for p in hub.resolve_paths("GET")]
+    assert sorted(gets) == sorted(touched)
+    # Files landed in the (temporary) HF cache, in the snapshot of the commit main resolved to.
+    snapshot = _snapshot(hub, "org/qwen25-tiny", commit)
+    assert sorted(p.name for p in snapshot.iterdir()) == sorted(touched)
+    assert (hub.cache / "models--org--qwen25-tiny" / "refs" / "main").read_text() == commit
+
+
+def test_fetch_returns_the_snapshot_folder_and_explicit_cache_dir(hub, qwen25_repo, tmp_path):
+    _, _, commit = qwen25_repo
+    cache_dir = tmp_path / "elsewhere"
+    folder = fetch_vision_checkpoint("org/qwen25-tiny", cache_dir=str(cache_dir))
+    assert folder == cache_dir / "models--org--qwen25-tiny" / "snapshots" / commit
+    assert (folder / "config.json").is_file() and (folder / "model.safetensors.index.json").is_file()
+    assert not hub.cache.exists()  # the default cache was not used
+
+
+# ---------------------------------------------------------------------- 2. single-file layout
+
+
+def test_single_file_repo_fetches_model_safetensors(hub, tmp_path):
+    folder = tmp_path / "qwen3"
+    vision = write_checkpoint(folder, QWEN3_SMALL_72, sharded=False)
+    commit = hub.add("org/qwen3-tiny", folder)
+
+    encoder = load_encoder("org/qwen3-tiny", device="cpu")
+    _check_against_reference(encoder, QWEN3_SMALL_72, vision, QWEN3_GRIDS)
+    encoder.close()
+
+    assert hub.files_touched() == {"config.json", "preprocessor_config.json", "model.safetensors.index.json",
+                                   "model.safetensors"}
+    # The index was only probed (HEAD -> 404 EntryNotFound), the single file downloaded.
+    heads, gets = hub.resolve_paths("HEAD"), hub.resolve_paths("GET")
+    assert any(p.endswith("/model.safetensors.index.json") for p in heads)
+    assert not any(p.endswith("/model.safetensors.index.json") for p in gets)
+    assert sum(p.endswith("/model.safetensors") for p in gets) == 1
+    # The absence was cached at the commit: a later offline load need not ask.
+    assert (hub.cache / "models--org--qwen3-tiny" / ".no_exist" / commit / "model.safetensors.index.json").exists()
+
+
+# ---------------------------------------------------------------------- 3. revision
+
+
+def test_revision_is_honoured(hub, tmp_path):
+    main_folder, pr_folder = tmp_path / "main", tmp_path / "pr"
+    write_checkpoint(main_folder, QWEN2_5_SMALL, seed=0)
+    pr_vision = write_checkpoint(pr_folder, QWEN2_5_SMALL, seed=7)
+    main_commit = hub.add("org/qwen25-tiny", main_folder)
+    pr_commit = hub.add("org/qwen25-tiny", pr_folder, branch="refs/pr/1")  # a '/' in the revision: URL-quoted
+
+    encoder = load_encoder("org/qwen25-tiny", device="cpu", revision="refs/pr/1")
+    _check_against_reference(encoder, QWEN2_5_SMALL, pr_vision, QWEN2_5_GRIDS[:1])
+    encoder.close()
+    paths = hub.resolve_paths()
+    # The first request resolves the named revision; the rest are pinned to the commit it resolved to.
+    assert paths[0] == "/org/qwen25-tiny/resolve/refs/pr/1/config.json"
+    assert all("/resolve/refs/pr/1/" in p or f"/resolve/{pr_commit}/" in p for p in paths), paths
+    assert not any("/resolve/main/" in p or main_commit in p for p in paths)
+    assert (hub.cache / "models--org--qwen25-tiny" / "refs" / "refs" / "pr" / "1").read_text() == pr_commit
+
+    # A commit hash as revision: every request names it.
+    hub.clear()
+    folder = fetch_vision_checkpoint("org/qwen25-tiny", revision=main_commit)
+    assert folder.name == main_commit
+    paths = hub.resolve_paths()
+    assert paths and all(f"/resolve/{main_commit}/" in p for p in paths), paths
+
+    # An unknown revision is a CheckpointError naming it.
+    with pytest.raises(CheckpointError, match="no-such-branch"):
+        load_encoder("org/qwen25-tiny", device="cpu", revision="no-such-branch")
+
+
+# ---------------------------------------------------------------------- 4. cache, offline
+
+
+def test_cached_repo_loads_offline_without_requests(hub, qwen25_repo, tmp_path, monkeypatch):
+    _, vision, _ = qwen25_repo
+    load_encoder("org/qwen25-tiny", device="cpu").close()
+    assert hub.resolve_paths()
+
+    # HF_HUB_OFFLINE: loads from the cache, nothing reaches the (still running) server.
+    hub.clear()
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
+    with load_encoder("org/qwen25-tiny", device="cpu") as encoder:
+        _check_against_reference(encoder, QWEN2_5_SMALL, vision, QWEN2_5_GRIDS[:1])
+    assert hub.requests == []
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
+
+    # local_files_only=True: no request either.
+    with load_encoder("org/qwen25-tiny", device="cpu", local_files_only=True) as encoder:
+        _check_weights(encoder, vision)
+    assert hub.requests == []
+
+    # Server gone: local_files_only=True still loads, and so does a plain load (falls back to the cache).
+    hub.stop()
+    with load_encoder("org/qwen25-tiny", device="cpu", local_files_only=True) as encoder:
+        _check_weights(encoder, vision)
+    with load_encoder("org/qwen25-tiny", device="cpu") as encoder:
+        _check_weights(encoder, vision)
+    assert hub.requests == []
+
+
+def test_cached_single_file_repo_loads_offline(hub, tmp_path, monkeypatch):
+    """The index is absent on the Hub: offline, the cache's record of that absence picks the single file."""
+    folder = tmp_path / "qwen3"
+    vision = write_checkpoint(folder, QWEN3_SMALL_72, sharded=False)
+    hub.add("org/qwen3-tiny", folder)
+    load_encoder("org/qwen3-tiny", device="cpu").close()
+    hub.clear()
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
+    with load_encoder("org/qwen3-tiny", device="cpu") as encoder:
+        _check_against_reference(encoder, QWEN3_SMALL_72, vision, QWEN3_GRIDS[:1])
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
+    hub.stop()
+    with load_encoder("org/qwen3-tiny", device="cpu", local_files_only=True) as encoder:
+        _check_weights(encoder, vision)
+    assert hub.requests == []
+
+
+# ---------------------------------------------------------------------- 5. errors
+
+
+def test_missing_repo_is_a_checkpoint_error_naming_it(hub):
+    with pytest.raises(CheckpointError, match="org/does-not-exist") as info:
+        load_encoder("org/does-not-exist", device="cpu")
+    assert "not found" in str(info.value)
+    assert hub.resolve_paths() == ["/org/does-not-exist/resolve/main/config.json"]
+
+
+def test_never_downloaded_repo_with_local_files_only_is_a_clear_checkpoint_error(hub, qwen25_repo, monkeypatch):
+    # The repo exists on the Hub, but nothing of it is cached and local_files_only forbids asking.
+    with pytest.raises(CheckpointError, match="org/qwen25-tiny") as info:
+        load_encoder("org/qwen25-tiny", device="cpu", local_files_only=True)
+    message = str(info.value)
+    assert "config.json" in message and "local_files_only" in message and "cache" in message
+    assert "has no" not in message  # not a claim that the repo lacks the file
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(CheckpointError, match="HF_HUB_OFFLINE"):
+        load_encoder("org/qwen25-tiny", device="cpu")
+    assert hub.requests == []
+
+
+def test_repo_without_config_or_vision_tensors(hub, tmp_path):
+    folder = tmp_path / "llm-only"
+    write_checkpoint(folder, QWEN2_5_SMALL, prefix="model.language_model.extra.")
+    hub.add("org/llm-only", folder)
+    with pytest.raises(CheckpointError, match="lists no vision tensors"):
+        load_encoder("org/llm-only", device="cpu")
+    assert not any(p.endswith(".safetensors") for p in hub.resolve_paths())
+
+    (tmp_path / "no-config").mkdir()
+    (tmp_path / "no-config" / "README.md").write_text("hi")
+    hub.add("org/no-config", tmp_path / "no-config")
+    with pytest.raises(CheckpointError, match="has no config.json"):
+        load_encoder("org/no-config", device="cpu")

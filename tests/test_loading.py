@@ -1,0 +1,266 @@
+"""Issue 3: loading released-layout checkpoints, strict errors, close(), extract-weights and inspect."""
+
+from __future__ import annotations
+
+import json
+import warnings
+import weakref
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from qwenvl_vision import InputError, build_model, load_encoder
+from qwenvl_vision.cli import main
+from qwenvl_vision.config import ConfigError
+from qwenvl_vision.encoder import EncoderClosedError
+from qwenvl_vision.weights import CheckpointError
+from tests.checkpoints import llm_only_shards, write_checkpoint
+from tests.reference import hf_forward, hf_tower, rel_err
+from tests.test_towers import QWEN2_5_SMALL, QWEN3_SMALL_72
+
+GRIDS = [(1, 6, 10), (2, 4, 4), (1, 2, 2)]
+
+
+def _inputs(cfg):
+    grid_thw = torch.tensor(GRIDS)
+    rows = int(grid_thw.prod(1).sum())
+    return torch.randn(rows, cfg.patch_dim, generator=torch.Generator().manual_seed(5)), grid_thw
+
+
+def _reference_outputs(cfg, vision_state, pixel_values, grid_thw):
+    ref = hf_tower(cfg)
+    ref.load_state_dict({k: v.float() for k, v in vision_state.items()}, strict=True)
+    with torch.no_grad():
+        return hf_forward(ref, pixel_values, grid_thw)
+
+
+@pytest.mark.parametrize("cfg,prefix,sharded,drop_llm", [
+    (QWEN2_5_SMALL, "visual.", True, False),
+    (QWEN2_5_SMALL, "visual.", True, True),
+    (QWEN2_5_SMALL, "model.visual.", False, False),  # re-saved by transformers 4.52+
+    (QWEN3_SMALL_72, "model.visual.", True, True),
+    (QWEN3_SMALL_72, "model.visual.", False, False),
+], ids=["2.5-sharded", "2.5-sharded-no-llm", "2.5-single-new-prefix", "3-sharded-no-llm", "3-single"])
+def test_load_matches_hf_tower(tmp_path, cfg, prefix, sharded, drop_llm):
+    vision = write_checkpoint(tmp_path, cfg, prefix=prefix, sharded=sharded)
+    if drop_llm:
+        for shard in llm_only_shards(tmp_path):
+            shard.unlink()
+    encoder = load_encoder(tmp_path, device="cpu")
+    assert encoder.dtype == torch.float32 and encoder.family == cfg.family
+    pixel_values, grid_thw = _inputs(cfg)
+    result = encoder.encode_patches(pixel_values, grid_thw)
+    ref_merged, ref_levels = _reference_outputs(cfg, vision, pixel_values, grid_thw)
+    assert [e.shape[0] for e in result.embeddings] == [t * h * w // 4 for t, h, w in GRIDS]
+    assert result.grid_thw.tolist() == [list(g) for g in GRIDS]
+    assert rel_err(torch.cat(result.embeddings), ref_merged) <= 1e-5
+    if cfg.deepstack_visual_indexes:
+        assert len(result.deepstack) == len(GRIDS)
+        for level, ref_level in enumerate(ref_levels):
+            ours = torch.cat([item[level] for item in result.deepstack])
+            assert rel_err(ours, ref_level) <= 1e-5
+    else:
+        assert result.deepstack is None
+
+
+def test_bf16_load_gives_bf16_weights_and_finite_outputs(tmp_path):
+    write_checkpoint(tmp_path, QWEN3_SMALL_72, dtype=torch.bfloat16)
+    encoder = load_encoder(tmp_path, device="cpu", dtype="bf16")
+    assert {p.dtype for p in encoder.model.parameters()} == {torch.bfloat16}
+    result = encoder.encode_patches(*_inputs(QWEN3_SMALL_72))
+    assert all(e.dtype == torch.bfloat16 and torch.isfinite(e).all() for e in result.embeddings)
+
+
+def test_fp16_warns_and_checks_finite(tmp_path):
+    write_checkpoint(tmp_path, QWEN2_5_SMALL)
+    with pytest.warns(UserWarning, match="float16"):
+        encoder = load_encoder(tmp_path, device="cpu", dtype=torch.float16)
+    with torch.no_grad():  # force an overflow: fp16 tops out at 65504
+        encoder.model.blocks[0].mlp.down_proj.bias.fill_(60000)
+        encoder.model.blocks[1].mlp.down_proj.bias.fill_(60000)
+    with pytest.raises(FloatingPointError, match="float16"):
+        encoder.encode_patches(*_inputs(QWEN2_5_SMALL))
+
+
+def test_defaults_on_cpu_machine(tmp_path):
+    write_checkpoint(tmp_path, QWEN2_5_SMALL)
+    encoder = load_encoder(tmp_path)
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert encoder.device.type == expected
+    assert encoder.dtype == (torch.bfloat16 if expected == "cuda" else torch.float32)
+
+
+def test_random_weights_preset_allocates_on_target_dtype():
+    encoder = load_encoder("qwen3-vl-2b", random_weights=True, device="meta", dtype="bf16")
+    assert encoder.config.name == "qwen3-vl-2b"
+    assert {p.dtype for p in encoder.model.parameters()} == {torch.bfloat16}
+    with pytest.raises(CheckpointError, match="random_weights=True"):
+        load_encoder("qwen3-vl-2b")
+
+
+# ----------------------------------------------------------------------------- strict errors
+
+
+def _rewrite_shard(path, change):
+    tensors = load_file(str(path))
+    change(tensors)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def _shard_of(folder, name):
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    return folder / index["weight_map"][name]
+
+
+def test_missing_tensor_is_named(tmp_path):
+    write_checkpoint(tmp_path, QWEN2_5_SMALL, sharded=False)
+    _rewrite_shard(tmp_path / "model.safetensors", lambda t: t.pop("visual.blocks.2.attn.qkv.bias"))
+    with pytest.raises(CheckpointError, match=r"missing 1 tensor\(s\): blocks\.2\.attn\.qkv\.bias"):
+        load_encoder(tmp_path, device="cpu")
+
+
+def test_surplus_tensor_is_named(tmp_path):
+    write_checkpoint(tmp_path, QWEN2_5_SMALL, sharded=False)
+    _rewrite_shard(tmp_path / "model.safetensors", lambda t: t.update({"visual.extra.weight": torch.zeros(2)}))
+    with pytest.raises(CheckpointError, match=r"unexpected 1 tensor\(s\): extra\.weight"):
+        load_encoder(tmp_path, device="cpu")
+
+
+def test_wrong_shape_is_named_with_both_shapes(tmp_path):
+    write_checkpoint(tmp_path, QWEN3_SMALL_72)
+    name = "model.visual.merger.linear_fc2.weight"
+    shard = _shard_of(tmp_path, name)
+    _rewrite_shard(shard, lambda t: t.update({name: torch.zeros(63, 576)}))
+    with pytest.raises(CheckpointError, match=r"merger\.linear_fc2\.weight.*\(63, 576\), expected \(64, 576\)"):
+        load_encoder(tmp_path, device="cpu")
+
+
+def test_truncated_shard_is_named(tmp_path):
+    write_checkpoint(tmp_path, QWEN2_5_SMALL)
+    shard = _shard_of(tmp_path, "visual.merger.ln_q.weight")
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) - 1000])
+    with pytest.raises(CheckpointError, match=rf"{shard.name}.*truncated"):
+        load_encoder(tmp_path, device="cpu")
+
+
+def test_corrupt_shard_is_named(tmp_path):
+    write_checkpoint(tmp_path, QWEN2_5_SMALL)
+    shard = _shard_of(tmp_path, "visual.merger.ln_q.weight")
+    shard.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
+    with pytest.raises(CheckpointError, match=shard.name):
+        load_encoder(tmp_path, device="cpu")
+
+
+def test_missing_vision_shard_is_named(tmp_path):
+    write_checkpoint(tmp_path, QWEN2_5_SMALL)
+    shard = _shard_of(tmp_path, "visual.merger.ln_q.weight")
+    shard.unlink()
+    with pytest.raises(CheckpointError, match=rf"{shard.name}.*missing"):
+        load_encoder(tmp_path, device="cpu")
+
+
+def test_unsupported_model_type_is_named(tmp_path):
+    write_checkpoint(tmp_path, QWEN2_5_SMALL)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "llava_next"}))
+    with pytest.raises(ConfigError, match="llava_next"):
+        load_encoder(tmp_path, device="cpu")
+
+
+def test_missing_folder_is_named(tmp_path):
+    with pytest.raises(CheckpointError, match="nowhere"):
+        load_encoder(tmp_path / "nowhere", device="cpu")
+
+
+def test_encode_patches_validates_inputs(tmp_path):
+    write_checkpoint(tmp_path, QWEN2_5_SMALL)
+    encoder = load_encoder(tmp_path, device="cpu")
+    pixel_values, grid_thw = _inputs(QWEN2_5_SMALL)
+    with pytest.raises(InputError, match="1176"):
+        encoder.encode_patches(pixel_values[:, :-1], grid_thw)
+    with pytest.raises(InputError, match=r"expected \(96, 1176\)"):
+        encoder.encode_patches(pixel_values[:-1], grid_thw)
+    with pytest.raises(InputError, match="merge size"):
+        encoder.encode_patches(pixel_values[:15], [(1, 3, 5)])
+
+
+# ----------------------------------------------------------------------------- close()
+
+
+def test_close_frees_weights_while_references_remain(tmp_path):
+    write_checkpoint(tmp_path, QWEN2_5_SMALL)
+    encoder = load_encoder(tmp_path, device="cpu")
+    encoder.encode_patches(*_inputs(QWEN2_5_SMALL))
+    model = encoder.model  # the user keeps references to both
+    weight_ref = weakref.ref(model.blocks[0].attn.qkv.weight)
+    alias = encoder
+    encoder.close()
+    assert weight_ref() is None
+    assert all(p.is_meta for p in model.parameters())
+    assert len(model.shape_cache) == 0
+    with pytest.raises(EncoderClosedError, match="closed"):
+        alias.encode_patches(*_inputs(QWEN2_5_SMALL))
+    encoder.close()  # idempotent
+
+
+def test_context_manager_closes(tmp_path):
+    write_checkpoint(tmp_path, QWEN3_SMALL_72)
+    with load_encoder(tmp_path, device="cpu") as encoder:
+        encoder.encode_patches(*_inputs(QWEN3_SMALL_72))
+    assert encoder.closed
+    with pytest.raises(EncoderClosedError):
+        encoder.model  # noqa: B018
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+@pytest.mark.parametrize("cfg", [QWEN2_5_SMALL, QWEN3_SMALL_72], ids=["qwen2.5", "qwen3"])
+def test_extract_weights_roundtrip(tmp_path, cfg, capsys):
+    src, out = tmp_path / "released", tmp_path / "vision-only"
+    write_checkpoint(src, cfg, dtype=torch.bfloat16)
+    for shard in llm_only_shards(src):
+        shard.unlink()
+    assert main(["extract-weights", str(src), "--out", str(out)]) == 0
+    names = set(load_file(str(out / "model.safetensors")))
+    assert not any(n.startswith(("visual.", "model.visual.", "model.language_model")) for n in names)
+    assert {v.dtype for v in load_file(str(out / "model.safetensors")).values()} == {torch.bfloat16}
+    assert json.loads((out / "preprocessor_config.json").read_text())["patch_size"] == cfg.patch_size
+    a = load_encoder(src, device="cpu").encode_patches(*_inputs(cfg))
+    b = load_encoder(out, device="cpu").encode_patches(*_inputs(cfg))
+    assert all(torch.equal(x, y) for x, y in zip(a.embeddings, b.embeddings))
+    assert load_encoder(out, device="cpu").preprocess_config == load_encoder(src, device="cpu").preprocess_config
+
+
+def test_extract_weights_default_dir_is_under_weights(tmp_path, monkeypatch):
+    src = tmp_path / "Qwen2.5-VL-tiny"
+    write_checkpoint(src, QWEN2_5_SMALL)
+    monkeypatch.chdir(tmp_path)
+    assert main(["extract-weights", str(src)]) == 0
+    assert (tmp_path / "weights" / "Qwen2.5-VL-tiny-vision" / "model.safetensors").is_file()
+
+
+def test_inspect_reports_without_loading(tmp_path, capsys):
+    write_checkpoint(tmp_path, QWEN3_SMALL_72, dtype=torch.bfloat16)
+    for shard in llm_only_shards(tmp_path):
+        shard.unlink()
+    assert main(["inspect", str(tmp_path), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    expected_params = sum(p.numel() for p in build_model(QWEN3_SMALL_72, device="meta").parameters())
+    assert report["family"] == "qwen3_vl"
+    assert report["tensors"] == 57 and report["bytes"] == 2 * expected_params
+    assert report["config"]["deepstack_visual_indexes"] == [0, 1]
+
+
+def test_cli_errors_name_the_culprit(tmp_path, capsys):
+    assert main(["inspect", str(tmp_path / "missing")]) == 2
+    assert "missing" in capsys.readouterr().err
+
+
+def test_no_warning_for_bf16(tmp_path):
+    write_checkpoint(tmp_path, QWEN2_5_SMALL)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_encoder(tmp_path, device="cpu", dtype="bf16")
