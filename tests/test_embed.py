@@ -1,0 +1,199 @@
+"""Issue 4: `qwenvl-vision embed` — manifest, shards, bad inputs, resume, SIGKILL, two ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors import safe_open
+
+from qwenvl_vision.cli import main
+from qwenvl_vision.embed import collect_inputs, read_embeddings, read_manifest_lines
+from qwenvl_vision.encoder import load_encoder
+from tests.checkpoints import write_checkpoint
+from tests.test_towers import QWEN2_5_SMALL, QWEN3_SMALL_72
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def photo(h: int, w: int, seed: int) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:h, 0:w]
+    base = np.stack([x * 255 / max(w, 1), y * 255 / max(h, 1), (x + y) * 127 / max(h + w, 1)], -1)
+    return Image.fromarray(np.clip(base + rng.normal(0, 25, (h, w, 3)), 0, 255).astype(np.uint8))
+
+
+def make_folder(root: Path, n: int, bad: bool = True) -> list[Path]:
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "sub").mkdir(exist_ok=True)
+    paths = []
+    for i in range(n):
+        folder = root / "sub" if i % 3 == 0 else root
+        p = folder / f"img{i:03d}.{'png' if i % 2 else 'jpg'}"
+        photo(40 + 7 * (i % 5), 50 + 11 * (i % 4), i).save(p)
+        paths.append(p)
+    if bad:
+        (root / "corrupt.jpg").write_bytes(b"\xff\xd8\xff\xe0 this is not really a jpeg" * 3)
+        (root / "empty.png").write_bytes(b"")
+        (root / "notes.png").write_text("just text, wrongly named")
+        (root / "readme.md").write_text("not an image extension: ignored")
+    return paths
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("ckpt25")
+    write_checkpoint(folder, QWEN2_5_SMALL)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def checkpoint3(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("ckpt3")
+    write_checkpoint(folder, QWEN3_SMALL_72)
+    return folder
+
+
+def manifest(out: Path) -> list[dict]:
+    return read_manifest_lines(out / "manifest.jsonl")
+
+
+def test_collect_inputs_folders_lists_and_files(tmp_path):
+    paths = make_folder(tmp_path / "imgs", 4)
+    listing = tmp_path / "list.txt"
+    listing.write_text(f"{paths[0]}\n# a comment\n\nimgs/img001.png\n")
+    got = collect_inputs([str(tmp_path / "imgs"), str(listing), str(tmp_path / "missing.jpg")])
+    assert str(tmp_path / "imgs" / "readme.md") not in got
+    assert str(tmp_path / "imgs" / "corrupt.jpg") in got
+    assert got[-1] == str(tmp_path / "missing.jpg")
+    assert len(got) == len(set(got)) == 4 + 3 + 1  # the listed files were already found in the folder
+
+
+def test_embed_folder_with_good_and_bad_files(tmp_path, checkpoint, capsys):
+    make_folder(tmp_path / "imgs", 6)
+    out = tmp_path / "out"
+    code = main(["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(out),
+                 "--batch-tokens", "64"])
+    assert code == 1  # some inputs failed
+    records = manifest(out)
+    by_name = {Path(r["path"]).name: r for r in records}
+    assert len(records) == 9
+    for bad in ("corrupt.jpg", "empty.png", "notes.png"):
+        assert by_name[bad]["status"] == "error" and bad in by_name[bad]["error"]
+    ok = [r for r in records if r["status"] == "ok"]
+    assert len(ok) == 6
+    # The stored tensors equal encode_images on the same files.
+    encoder = load_encoder(checkpoint, device="cpu")
+    expected = encoder.encode_images([r["path"] for r in ok])
+    for r, emb, grid in zip(ok, expected.embeddings, expected.grid_thw.tolist()):
+        assert r["grid_thw"] == grid and r["tokens"] == emb.shape[0]
+        with safe_open(out / r["shard"], framework="pt") as f:
+            assert torch.allclose(f.get_tensor(r["key"]), emb, rtol=1e-5, atol=1e-6)
+    got = dict(read_embeddings(out))
+    assert set(got) == {r["path"] for r in ok}
+
+
+def test_embed_pooled_only_and_deepstack(tmp_path, checkpoint3):
+    paths = make_folder(tmp_path / "imgs", 3, bad=False)
+    out = tmp_path / "out"
+    assert main(["embed", *map(str, paths), "--model", str(checkpoint3), "--out", str(out), "--pooled-only",
+                 "--max-pixels", str(64 * 64)]) == 0
+    vectors = dict(read_embeddings(out))
+    assert all(v.shape == (QWEN3_SMALL_72.out_hidden_size,) for v in vectors.values())
+    out2 = tmp_path / "out2"
+    assert main(["embed", *map(str, paths), "--model", str(checkpoint3), "--out", str(out2)]) == 0
+    for path, (emb, levels) in read_embeddings(out2, deepstack=True):
+        assert len(levels) == 2 and all(level.shape == emb.shape for level in levels)
+        assert torch.allclose(vectors[path], emb.mean(0), rtol=1e-5, atol=1e-6)
+
+
+def test_resume_duplicates_nothing(tmp_path, checkpoint):
+    make_folder(tmp_path / "imgs", 5)
+    out = tmp_path / "out"
+    args = ["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(out), "--batch-tokens", "64"]
+    main(args)
+    first = manifest(out)
+    shards = sorted(p.name for p in out.glob("*.safetensors"))
+    with pytest.raises(FileExistsError):
+        main(args)  # refusing to mix two runs without --resume
+    (tmp_path / "imgs" / "corrupt.jpg").unlink()
+    photo(33, 47, 99).save(tmp_path / "imgs" / "corrupt.jpg")  # fixed between runs: retried on resume
+    assert main([*args, "--resume"]) == 1  # empty.png and notes.png still fail
+    records = manifest(out)
+    paths = [r["path"] for r in records]
+    assert len(paths) == len(set(paths)) == len(first)
+    ok_first = {r["path"]: (r["shard"], r["key"]) for r in first if r["status"] == "ok"}
+    ok_now = {r["path"]: (r["shard"], r["key"]) for r in records if r["status"] == "ok"}
+    assert {p: ok_now[p] for p in ok_first} == ok_first  # nothing recomputed
+    assert len(ok_now) == len(ok_first) + 1
+    assert set(shards) < {p.name for p in out.glob("*.safetensors")}
+
+
+def _embed_cmd(inputs, model, out, *extra):
+    return [sys.executable, "-m", "qwenvl_vision.cli", "embed", *map(str, inputs), "--model", str(model),
+            "--out", str(out), *extra]
+
+
+def test_sigkill_mid_run_then_resume(tmp_path, checkpoint):
+    make_folder(tmp_path / "imgs", 60, bad=False)
+    out = tmp_path / "out"
+    cmd = _embed_cmd([tmp_path / "imgs"], checkpoint, out, "--batch-tokens", "1", "--device", "cpu")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if len(read_manifest_lines(out / "manifest.jsonl")) >= 5:
+            break
+        time.sleep(0.005)
+    assert proc.poll() is None, "the run finished before it could be killed"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = len(read_manifest_lines(out / "manifest.jsonl"))
+    assert 5 <= killed_at < 60
+    resumed = subprocess.run([*cmd, "--resume"], env=env, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    records = manifest(out)
+    paths = [r["path"] for r in records]
+    assert len(paths) == len(set(paths)) == 60
+    assert all(r["status"] == "ok" for r in records)
+    referenced = {r["shard"] for r in records}
+    assert referenced == {p.name for p in out.glob("*.safetensors")}  # no orphan shard left behind
+    assert not list(out.glob("*.tmp"))
+    assert len(dict(read_embeddings(out))) == 60  # every shard readable
+
+
+def test_two_ranks_under_torchrun_merge_one_manifest(tmp_path, checkpoint):
+    paths = make_folder(tmp_path / "imgs", 7)
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "qwenvl_vision.cli", "embed", str(tmp_path / "imgs"), "--model", str(checkpoint),
+           "--out", str(out), "--device", "cpu"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0  # the bad files fail, so the job reports failure
+    records = manifest(out)
+    assert len(records) == len(paths) + 3
+    assert len({r["path"] for r in records}) == len(records)  # split statically, never duplicated
+    assert {r["rank"] for r in records} == {0, 1}
+    assert not list(out.glob("manifest.rank*.jsonl"))
+    assert {p.name.split("-")[1] for p in out.glob("shard-*.safetensors")} == {"r0", "r1"}
+    assert len(dict(read_embeddings(out))) == len(paths)
+
+
+def test_embed_offline_random_preset(tmp_path):
+    paths = make_folder(tmp_path / "imgs", 1, bad=False)
+    out = tmp_path / "out"
+    assert main(["embed", str(paths[0]), "--model", "qwen3-vl-2b", "--random-weights", "--out", str(out),
+                 "--max-pixels", str(64 * 64), "--pooled-only"]) == 0
+    (record,) = manifest(out)
+    assert record["status"] == "ok" and record["grid_thw"][0] == 1
+    assert json.loads((out / "manifest.jsonl").read_text().splitlines()[0])["tokens"] == record["tokens"]
