@@ -1,0 +1,153 @@
+"""Issue 4: encode_images / encode_videos end to end against transformers' PIL processor + tower."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+from qwenvl_vision import load_encoder
+from qwenvl_vision.preprocess import PreprocessError
+from tests.checkpoints import QWEN2_5_PREPROCESSOR, QWEN3_PREPROCESSOR, write_checkpoint
+from tests.reference import hf_forward, hf_tower, rel_err
+from tests.test_preprocess import _reference_video
+from tests.test_towers import QWEN2_5_SMALL, QWEN3_SMALL_72
+
+matplotlib_cbook = pytest.importorskip("matplotlib.cbook")
+
+CASES = {"qwen2_5_vl": (QWEN2_5_SMALL, QWEN2_5_PREPROCESSOR), "qwen3_vl": (QWEN3_SMALL_72, QWEN3_PREPROCESSOR)}
+
+
+def sample(name: str) -> str:
+    """Real pictures shipped with matplotlib: a photo (JPEG, RGB) and two RGBA PNGs."""
+    return matplotlib_cbook.get_sample_data(name, asfileobj=False)
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory):
+    """Real photos in many sizes and modes, as files, PIL images, numpy and torch arrays."""
+    folder = tmp_path_factory.mktemp("photos")
+    hopper = Image.open(sample("grace_hopper.jpg")).convert("RGB")
+    tall = hopper.crop((100, 0, 260, 600))
+    small = hopper.resize((40, 47), Image.BICUBIC)  # upscaled by min_pixels
+    cmyk = hopper.resize((300, 256)).convert("CMYK")
+    gray = hopper.convert("L").resize((333, 211))
+    palette = hopper.convert("P", palette=Image.ADAPTIVE, colors=64).resize((256, 192))
+    tall.save(folder / "tall.png")
+    return {
+        "photo.jpg": sample("grace_hopper.jpg"),
+        "rgba.png": Image.open(sample("Minduka_Present_Blue_Pack.png")),
+        "logo_rgba": Image.open(sample("logo2.png")).convert("RGBA"),
+        "tall-file": str(folder / "tall.png"),
+        "small": small,
+        "cmyk": cmyk,
+        "gray": gray,
+        "palette": palette,
+        "numpy": np.asarray(hopper.resize((200, 150))),
+        "torch": torch.from_numpy(np.array(hopper.resize((150, 220)))).permute(2, 0, 1).contiguous(),
+    }
+
+
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def setup(request, tmp_path_factory):
+    cfg, pre = CASES[request.param]
+    folder = tmp_path_factory.mktemp(request.param)
+    vision = write_checkpoint(folder, cfg, sharded=False)
+    ref = hf_tower(cfg)
+    ref.load_state_dict(vision, strict=True)
+    processor = Qwen2VLImageProcessorPil(**{k: v for k, v in pre.items() if not k.endswith(("_type", "_class"))})
+    return load_encoder(folder, device="cpu"), ref, processor, cfg
+
+
+def _reference_images(processor, images, **kwargs):
+    """Reference inputs: processor on the images as transformers receives them (paths opened by it)."""
+    out = processor(list(images), return_tensors="pt", **kwargs)
+    return out["pixel_values"], out["image_grid_thw"]
+
+
+def _reference_embeddings(ref, pixel_values, grid_thw):
+    with torch.no_grad():
+        merged, levels = hf_forward(ref, pixel_values, grid_thw)
+    sizes = (grid_thw.prod(1) // 4).tolist()
+    return list(merged.split(sizes)), [list(level.split(sizes)) for level in levels]
+
+
+def test_encode_images_matches_processor_and_tower(setup, photos):
+    encoder, ref, processor, cfg = setup
+    names = list(photos)
+    images = [photos[n] for n in names]
+    result = encoder.encode_images(images, max_batch_tokens=4096, pooled=True)
+    pixel_values, grid_thw = _reference_images(processor, images)
+    assert torch.equal(result.grid_thw, grid_thw.to(torch.int64))
+    expected, expected_levels = _reference_embeddings(ref, pixel_values, grid_thw)
+    for i, name in enumerate(names):
+        assert result.embeddings[i].shape == expected[i].shape, name
+        assert rel_err(result.embeddings[i], expected[i]) <= 1e-4, name
+        assert torch.allclose(result.pooled[i], expected[i].mean(0), atol=1e-5, rtol=1e-4), name
+        if cfg.deepstack_visual_indexes:
+            for level, ref_level in zip(result.deepstack[i], [lv[i] for lv in expected_levels]):
+                assert rel_err(level, ref_level) <= 1e-4, name
+    if not cfg.deepstack_visual_indexes:
+        assert result.deepstack is None
+
+
+def test_pixel_bounds_override_per_call(setup, photos):
+    encoder, ref, processor, _ = setup
+    image = photos["photo.jpg"]
+    bounds = {"min_pixels": 128 * 128, "max_pixels": 200 * 200}
+    result = encoder.encode_images([image], **bounds)
+    pixel_values, grid_thw = _reference_images(processor, [image], size={"shortest_edge": bounds["min_pixels"],
+                                                                         "longest_edge": bounds["max_pixels"]})
+    assert result.grid_thw.tolist() == grid_thw.tolist()
+    assert rel_err(result.embeddings[0], _reference_embeddings(ref, pixel_values, grid_thw)[0][0]) <= 1e-4
+
+
+def test_token_budget_does_not_change_results(setup, photos):
+    encoder, *_ = setup
+    images = [photos[n] for n in ("photo.jpg", "small", "gray", "numpy")]
+    one_batch = encoder.encode_images(images, max_batch_tokens=1 << 20)
+    singles = encoder.encode_images(images, max_batch_tokens=1)  # every item above budget runs alone
+    for a, b in zip(one_batch.embeddings, singles.embeddings):
+        assert rel_err(a, b) <= 1e-5
+
+
+def test_batches_respect_the_token_budget(setup, photos):
+    encoder, *_ = setup
+    images = [photos[n] for n in ("small", "gray", "numpy", "torch", "palette")]
+    tokens = [int(g.prod()) for g in encoder.encode_images(images).grid_thw]
+    budget = max(tokens) + min(tokens)
+    batches = list(encoder.iter_encode(images, max_batch_tokens=budget))
+    assert [r.index for b in batches for r in b] == list(range(len(images)))
+    for batch in batches:
+        assert len(batch) == 1 or sum(tokens[r.index] for r in batch) <= budget
+    assert len(batches) > 1
+
+
+def test_video_matches_reference_video_layout(setup):
+    encoder, ref, processor, cfg = setup
+    hopper = np.asarray(Image.open(sample("grace_hopper.jpg")).convert("RGB").resize((160, 128)))
+    frames = [np.roll(hopper, 9 * i, axis=1) for i in range(5)]  # odd: the last frame is repeated
+    result = encoder.encode_videos([frames])
+    values, grid = _reference_video(processor, cfg.family, frames)
+    assert grid[0] == 3 and result.grid_thw.tolist() == [list(grid)]
+    expected, _ = _reference_embeddings(ref, torch.from_numpy(values), torch.tensor([grid]))
+    assert rel_err(result.embeddings[0], expected[0]) <= 1e-4
+
+
+def test_bad_input_raises_before_any_compute_naming_it(setup, photos, tmp_path):
+    encoder, *_ = setup
+    empty = tmp_path / "empty.jpg"
+    empty.write_bytes(b"")
+    before = encoder.model.cache_stats()["misses"]
+    cases = [
+        ([photos["photo.jpg"], str(empty)], r"image 1 .*empty\.jpg.*empty"),
+        ([photos["small"], str(tmp_path / "nope.png")], r"image 1 .*nope\.png.*not found"),
+        ([np.zeros((0, 10, 3), np.uint8)], r"image 0.*zero-size"),
+        ([photos["photo.jpg"], Image.new("RGB", (1000, 4))], r"image 1.*aspect ratio"),
+    ]
+    for images, pattern in cases:
+        with pytest.raises(PreprocessError, match=pattern):
+            encoder.encode_images(images)
+    assert encoder.model.cache_stats()["misses"] == before  # nothing reached the tower
