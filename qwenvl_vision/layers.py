@@ -144,7 +144,7 @@ def varlen_attention(
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
         kernel = cuda_varlen_kernel()
         if kernel is not None:  # one fused call over the whole pack
-            return kernel(q, k, v, plan.cu_seqlens, plan.max_seqlen, scale)
+            return kernel(q, k, v.contiguous(), plan.cu_seqlens, plan.max_seqlen, scale)
     if len(plan.groups) == 1 and plan.groups[0].start == 0:
         group = plan.groups[0]
         return _sdpa_batched(q, k, v, group.count, group.length, scale)

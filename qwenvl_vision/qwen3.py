@@ -120,7 +120,11 @@ class Qwen3VisionTransformer(VisionTower):
         super().__init__(config, cache_size, cache_bytes)
         self.patch_embed = PatchEmbed(config.in_channels, config.temporal_patch_size, config.patch_size,
                                       config.hidden_size, bias=True)
-        self.pos_embed = nn.Embedding(config.num_position_embeddings, config.hidden_size)
+        # _weight skips Embedding's normal_ init, which on the meta device costs seconds of imports.
+        self.pos_embed = nn.Embedding(config.num_position_embeddings, config.hidden_size,
+                                      _weight=torch.empty(config.num_position_embeddings, config.hidden_size))
+        if not self.pos_embed.weight.is_meta:
+            nn.init.normal_(self.pos_embed.weight)  # nn.Embedding's own default
         self.blocks = nn.ModuleList([Block(config) for _ in range(config.depth)])
         self.merger = PatchMerger(config, norm_after_view=False)
         self.deepstack_merger_list = nn.ModuleList(

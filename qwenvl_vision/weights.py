@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import safe_open  # header-only reads of a single-file checkpoint
 
 from .config import VisionConfig, from_config_json
 from .models import build_model
@@ -143,8 +143,14 @@ def _names(names: list[str], limit: int = 8) -> str:
     return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
 
 
-def _check_file_complete(path: Path) -> None:
-    """A truncated shard has a valid header whose offsets run past the end of the file: say so by name."""
+SAFETENSORS_DTYPES = {
+    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+}
+
+
+def read_header(path: Path) -> tuple[dict, int]:
+    """A shard's safetensors header and where its data starts; a truncated or corrupt file is named."""
     size = path.stat().st_size
     with open(path, "rb") as f:
         raw = f.read(8)
@@ -157,43 +163,61 @@ def _check_file_complete(path: Path) -> None:
             header = json.loads(f.read(header_len))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise CheckpointError(f"shard {path} has a corrupt header: {e}") from e
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-    if 8 + header_len + end > size:
-        raise CheckpointError(f"shard {path} is truncated: its header needs {8 + header_len + end} bytes, "
-                              f"the file has {size}")
+    if not isinstance(header, dict):
+        raise CheckpointError(f"shard {path} has a corrupt header (not a JSON object)")
+    header.pop("__metadata__", None)
+    start = 8 + header_len
+    end = max((v["data_offsets"][1] for v in header.values()), default=0)
+    if start + end > size:
+        raise CheckpointError(f"shard {path} is truncated: its header needs {start + end} bytes, the file has {size}")
+    return header, start
+
+
+def _read_one(f, path: Path, name: str, entry: dict, data_start: int) -> torch.Tensor:
+    """One tensor's bytes read into fresh host memory (no mmap: the result owns its storage)."""
+    stored = SAFETENSORS_DTYPES.get(entry["dtype"])
+    if stored is None:
+        raise CheckpointError(f"tensor {name} in {path} has unsupported dtype {entry['dtype']}")
+    begin, end = entry["data_offsets"]
+    buffer = torch.empty(end - begin, dtype=torch.uint8)
+    f.seek(data_start + begin)
+    if f.readinto(buffer.numpy()) != end - begin:
+        raise CheckpointError(f"shard {path} is truncated inside tensor {name}")
+    return buffer.view(stored).view(entry["shape"])
 
 
 def read_tensors(checkpoint: VisionCheckpoint, expected: dict[str, torch.Size], device: torch.device,
                  dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
-    """Every vision tensor once, straight onto `device` in `dtype` (None: as stored), shapes checked first."""
+    """Every vision tensor once, onto `device` in `dtype` (None: as stored), shapes checked before reading.
+
+    Bytes are read with plain file reads into memory the tensor owns (nothing stays mapped to the
+    checkpoint, so the files may change afterwards); a tensor already in the target dtype on CPU is
+    used as read, otherwise converted one tensor at a time on the target device, so the host peak is
+    the tower plus one tensor.
+    """
     by_file: dict[Path, list[str]] = {}
     for module_path, source in checkpoint.tensors.items():
         by_file.setdefault(source.file, []).append(module_path)
     state: dict[str, torch.Tensor] = {}
-    # safetensors places tensors on CUDA itself; "cpu" keeps them in host memory.
-    target = str(device) if device.type == "cuda" else "cpu"
     for path, module_paths in sorted(by_file.items()):
         if not path.is_file():
             raise CheckpointError(f"shard {path} holds vision tensors ({_names(sorted(module_paths), 3)}) "
                                   f"but is missing")
-        _check_file_complete(path)
-        try:
-            with safe_open(path, framework="pt", device=target) as f:
-                for module_path in module_paths:
-                    name = checkpoint.tensors[module_path].name
-                    shape = tuple(f.get_slice(name).get_shape())
-                    if shape != tuple(expected[module_path]):
-                        raise CheckpointError(f"tensor {name} in {path} has shape {shape}, expected "
-                                              f"{tuple(expected[module_path])}")
-                    tensor = f.get_tensor(name)
-                    state[module_path] = tensor if dtype in (None, tensor.dtype) else tensor.to(dtype)
-                    del tensor
-        except CheckpointError:
-            raise
-        except Exception as e:
-            raise CheckpointError(f"cannot read shard {path}: {e}") from e
-    if device.type not in ("cuda", "cpu"):
-        state = {k: v.to(device) for k, v in state.items()}
+        header, data_start = read_header(path)
+        for module_path in module_paths:
+            name = checkpoint.tensors[module_path].name
+            if name not in header:
+                raise CheckpointError(f"tensor {name} is listed in the index for {path} but is not in that shard")
+            shape = tuple(header[name]["shape"])
+            if shape != tuple(expected[module_path]):
+                raise CheckpointError(f"tensor {name} in {path} has shape {shape}, expected "
+                                      f"{tuple(expected[module_path])}")
+        with open(path, "rb", buffering=0) as f:
+            for module_path in sorted(module_paths, key=lambda m: header[checkpoint.tensors[m].name]["data_offsets"]):
+                name = checkpoint.tensors[module_path].name
+                tensor = _read_one(f, path, name, header[name], data_start)
+                state[module_path] = tensor.to(device=device, dtype=dtype or tensor.dtype)
+                del tensor
     return state
 
 
