@@ -27,6 +27,8 @@ from .config import VisionConfig
 from .layers import PatchEmbed, RMSNorm, SegmentPlan, VisionAttention, activation, merge_block_positions, rope_cos_sin
 from .tower import Grid, VisionTower
 
+FUSED_GATE_UP_MIN_ROWS = 256  # below this the weight concatenation costs more than it saves
+
 
 class GatedMLP(nn.Module):
     def __init__(self, dim: int, hidden: int, act: str) -> None:
@@ -37,6 +39,13 @@ class GatedMLP(nn.Module):
         self.act = activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cpu" and x.shape[0] >= FUSED_GATE_UP_MIN_ROWS:
+            # One GEMM over [gate; up]: on CPU (MKL) an N=3420 GEMM runs well below the rate of the fused
+            # N=6840 one; concatenating the weights per forward costs ~1% of the GEMMs it speeds up.
+            weight = torch.cat([self.gate_proj.weight, self.up_proj.weight])
+            bias = torch.cat([self.gate_proj.bias, self.up_proj.bias])
+            gate, up = F.linear(x, weight, bias).chunk(2, dim=-1)
+            return self.down_proj(self.act(gate) * up)
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
