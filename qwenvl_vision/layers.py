@@ -86,6 +86,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # ----------------------------------------------------------------------------- attention plan
 
 
+VIEW_MIN_TOKENS = 2048  # a run of equal segments this large runs in place; smaller ones may be gathered
+
+
 @dataclass
 class SegmentGroup:
     """Segments of one length L: a contiguous run [start, start + count*L) or gathered rows."""
@@ -107,19 +110,32 @@ class SegmentPlan:
 
     @classmethod
     def from_lengths(cls, lengths: list[int], device: torch.device | str = "cpu") -> SegmentPlan:
+        """Runs of consecutive equal-length segments become views (no copy); small runs of one length
+        scattered over the pack are gathered into one batched call so that many tiny images or windows
+        do not cost one kernel launch each. Large runs are never gathered: the copy would cost memory."""
         lengths = [int(n) for n in lengths if n > 0]
-        starts_by_length: dict[int, list[int]] = {}
+        runs: list[tuple[int, int, int]] = []  # (length, start, count)
         start = 0
         for n in lengths:
-            starts_by_length.setdefault(n, []).append(start)
-            start += n
-        groups = []
-        for n, starts in starts_by_length.items():
-            if all(s == starts[0] + i * n for i, s in enumerate(starts)):
-                groups.append(SegmentGroup(n, len(starts), start=starts[0]))
+            if runs and runs[-1][0] == n and runs[-1][1] + runs[-1][2] * n == start:
+                runs[-1] = (n, runs[-1][1], runs[-1][2] + 1)
             else:
-                rows = (torch.tensor(starts)[:, None] + torch.arange(n)).flatten()
-                groups.append(SegmentGroup(n, len(starts), index=rows.to(device, non_blocking=True)))
+                runs.append((n, start, 1))
+            start += n
+        groups: list[SegmentGroup] = []
+        small_by_length: dict[int, list[tuple[int, int]]] = {}
+        for n, run_start, count in runs:
+            if n * count >= VIEW_MIN_TOKENS:
+                groups.append(SegmentGroup(n, count, start=run_start))
+            else:
+                small_by_length.setdefault(n, []).append((run_start, count))
+        for n, small in small_by_length.items():
+            if len(small) == 1:
+                groups.append(SegmentGroup(n, small[0][1], start=small[0][0]))
+                continue
+            starts = torch.tensor([s + i * n for s, count in small for i in range(count)])
+            rows = (starts[:, None] + torch.arange(n)).flatten()
+            groups.append(SegmentGroup(n, len(starts), index=rows.to(device, non_blocking=True)))
         cu = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0).to(torch.int32)
         return cls(cu.to(device, non_blocking=True), max(lengths, default=0), groups, start)
 

@@ -12,7 +12,10 @@ Deviations from the reference (same numbers):
   output (the embedding is per-row, so the result is identical and the gather is narrower);
 - window order, inverse order, rope cos/sin in window order and the segment lengths are computed once per
   grid (t, h, w) and kept in this instance's bounded ``shape_cache``; per forward they are concatenated for
-  the pack and moved to the device once.
+  the pack and moved to the device once;
+- inside each frame, windows are ordered longest first (stable) instead of raster order, so that all full
+  windows of a frame form one contiguous run that attention processes in place; a window's own tokens
+  keep their order, so every output is unchanged (``frame_window_order`` is the reference's order).
 """
 
 from __future__ import annotations
@@ -91,6 +94,18 @@ def frame_window_order(merged_h: int, merged_w: int, window: int) -> tuple[torch
     return windows[valid], lengths
 
 
+def length_sorted(order: torch.Tensor, lengths: list[int]) -> tuple[torch.Tensor, list[int]]:
+    """The same windows, longest first (stable): equal windows become one contiguous run per frame.
+
+    Attention inside a window does not depend on where the window sits in the sequence, and the merger's
+    groups of four are untouched, so this changes no number; it lets the attention run every full window
+    of a frame as one view instead of gathering them.
+    """
+    windows = list(order.split(lengths))
+    ranked = sorted(range(len(windows)), key=lambda i: -lengths[i])
+    return torch.cat([windows[i] for i in ranked]), [lengths[i] for i in ranked]
+
+
 @dataclass
 class GridPlan:
     """Everything derived from one grid (t, h, w); cached per instance."""
@@ -133,7 +148,7 @@ class Qwen2_5VisionTransformer(VisionTower):
         merge, unit = cfg.spatial_merge_size, cfg.merge_unit
         merged_h, merged_w = h // merge, w // merge
         per_frame = merged_h * merged_w
-        frame_order, frame_windows = frame_window_order(merged_h, merged_w, cfg.window_merged)
+        frame_order, frame_windows = length_sorted(*frame_window_order(merged_h, merged_w, cfg.window_merged))
         window_index = torch.cat([frame_order + f * per_frame for f in range(t)])
         positions = merge_block_positions(h, w, merge).repeat(t, 1)
         positions = positions.view(-1, unit, 2)[window_index].view(-1, 2)

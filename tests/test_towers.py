@@ -282,3 +282,17 @@ def test_model_freed_by_del_after_forwards():
         assert ref() is None and cache_ref() is None  # by reference counting alone, no cycles
     finally:
         gc.enable()
+
+
+def test_attention_plan_runs_large_windows_in_place_and_batches_small_ones():
+    model = build_model("qwen2.5-vl-3b", device="meta")
+    # A large frame: every full window of it is one contiguous run (a view, no gather), longest first.
+    plan = model.prepare([(1, 110, 146), (2, 32, 32)])
+    assert all(group.index is None for group in plan.windows.groups)
+    assert plan.windows.groups[0].length == 64 and plan.windows.groups[0].start == 0
+    assert sum(g.length * g.count for g in plan.windows.groups) == 110 * 146 + 2 * 32 * 32
+    # Many small images: their equal segments are gathered into one batched call, not one call each.
+    plan = model.prepare([(1, 6, 10), (1, 4, 4)] * 8)
+    gathered = [g for g in plan.frames.groups if g.index is not None]
+    assert {(g.length, g.count) for g in gathered} == {(60, 8), (16, 8)}
+    assert len(plan.frames.groups) == 2
