@@ -79,19 +79,6 @@ HF_CLASSES = {
 
 # ---------------------------------------------------------------------- the checkpoint
 
-# preprocessor_config.json as the releases write it
-QWEN2_5_PREPROCESSOR = {
-    "min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
-    "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
-    "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2_5_VLProcessor",
-}
-QWEN3_PREPROCESSOR = {
-    "size": {"longest_edge": 16777216, "shortest_edge": 65536}, "patch_size": 16, "temporal_patch_size": 2,
-    "merge_size": 2, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
-    "image_processor_type": "Qwen2VLImageProcessorFast", "processor_class": "Qwen3VLProcessor",
-}
-
-
 def text_config(cfg) -> dict:
     """A 1-layer text model of the release's width (= the merger's output), valid for transformers."""
     hidden = cfg.out_hidden_size
@@ -172,7 +159,9 @@ def write_checkpoint(folder: Path, cfg, seed: int = 0, dtype: torch.dtype = torc
     del vision, shards
     write_json(partial / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
     write_json(partial / "config.json", full_config_json(cfg))
-    preprocessor = QWEN2_5_PREPROCESSOR if cfg.family == QWEN2_5 else QWEN3_PREPROCESSOR
+    from qwenvl_vision.preprocess import PreprocessConfig
+
+    preprocessor = PreprocessConfig.for_family(cfg.family).to_dict()  # the load does not depend on it
     write_json(partial / "preprocessor_config.json", preprocessor)
     write_json(partial / "bench.json", {"writer_version": WRITER_VERSION, "preset": cfg.name, "seed": seed})
     partial.rename(folder)
