@@ -305,15 +305,36 @@ class VisionEncoder:
                                 max_batch_tokens=max_batch_tokens, num_workers=num_workers)
 
     def encode_videos(self, videos: Sequence[Any], *, min_pixels: int | None = None, max_pixels: int | None = None,
-                      max_batch_tokens: int = 16384, pooled: bool = False, num_workers: int | None = None
-                      ) -> EncodeResult:
+                      max_batch_tokens: int = 16384, pooled: bool = False, num_workers: int | None = None,
+                      fps: float | None = None, video_fps: float | Sequence[float] | None = None) -> EncodeResult:
         """Videos (each a sequence of frames or an (F, H, W, C) uint8 array) -> embeddings; see encode_images.
 
-        Frames are padded to an even count by repeating the last one; grid_t = frames / 2. To sample by fps
-        first, use ``qwenvl_vision.preprocess.sample_frame_indices``.
+        Frames are padded to an even count by repeating the last one; grid_t = frames / 2. With ``fps`` and
+        the source rate ``video_fps`` (one value, or one per video), frames are first sampled the way the
+        family's transformers video processor does (Qwen2-VL's rule for Qwen2.5-VL, Qwen3-VL's for Qwen3-VL).
         """
+        if fps is not None:
+            videos = self._sample_by_fps(list(videos), fps, video_fps)
         return self._encode_all(videos, True, pooled, min_pixels=min_pixels, max_pixels=max_pixels,
                                 max_batch_tokens=max_batch_tokens, num_workers=num_workers)
+
+    def _sample_by_fps(self, videos: list[Any], fps: float, video_fps: float | Sequence[float] | None) -> list[Any]:
+        from .preprocess import sample_frame_indices, sample_frame_indices_qwen3
+
+        if video_fps is None:
+            raise ValueError("sampling by fps needs the videos' own frame rate: pass video_fps")
+        rates = [video_fps] * len(videos) if isinstance(video_fps, (int, float)) else list(video_fps)
+        if len(rates) != len(videos):
+            raise ValueError(f"video_fps has {len(rates)} entries for {len(videos)} videos")
+        sampled = []
+        for video, rate in zip(videos, rates):
+            frames = video if hasattr(video, "shape") else list(video)
+            if self.family == "qwen3_vl":
+                keep = sample_frame_indices_qwen3(len(frames), rate, fps)
+            else:
+                keep = sample_frame_indices(len(frames), rate, fps, temporal_patch_size=self.config.temporal_patch_size)
+            sampled.append(frames[keep] if hasattr(frames, "shape") else [frames[i] for i in keep])
+        return sampled
 
 
 def _ordered_prefetch(pool: ThreadPoolExecutor, items: Iterable[Any], depth: int, fn) -> Iterator[Any]:

@@ -151,3 +151,19 @@ def test_bad_input_raises_before_any_compute_naming_it(setup, photos, tmp_path):
         with pytest.raises(PreprocessError, match=pattern):
             encoder.encode_images(images)
     assert encoder.model.cache_stats()["misses"] == before  # nothing reached the tower
+
+
+def test_video_sampled_by_fps_equals_the_sampled_frames(setup):
+    encoder, _, _, cfg = setup
+    from qwenvl_vision.preprocess import sample_frame_indices, sample_frame_indices_qwen3
+
+    rng = np.random.default_rng(0)
+    clip = rng.integers(0, 256, (12, 64, 96, 3), dtype=np.uint8)  # 12 frames at 6 fps, sampled at 2 fps
+    sampled = encoder.encode_videos([clip], fps=2.0, video_fps=6.0)
+    rule = sample_frame_indices_qwen3 if cfg.family == "qwen3_vl" else sample_frame_indices
+    keep = rule(12, 6.0, 2.0)
+    assert len(keep) == 4
+    direct = encoder.encode_videos([clip[keep]])
+    assert torch.equal(sampled.embeddings[0], direct.embeddings[0])
+    with pytest.raises(ValueError, match="video_fps"):
+        encoder.encode_videos([clip], fps=2.0)
