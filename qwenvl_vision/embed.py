@@ -259,7 +259,9 @@ def run_embed(args: argparse.Namespace) -> int:
         writer = RankWriter(out, rank, world, args.resume)
         todo = [p for p in mine if p not in writer.done]
         device = args.device
-        if device and device.startswith("cuda") and distributed:
+        if device is None and torch.cuda.is_available():
+            device = "cuda"
+        if device and device.startswith("cuda") and distributed:  # one GPU per local rank
             device = f"cuda:{int(os.environ.get('LOCAL_RANK', rank)) % max(torch.cuda.device_count(), 1)}"
         encoder = load_encoder(args.model, device=device, dtype=args.dtype, random_weights=args.random_weights)
         failed = 0
