@@ -91,17 +91,11 @@ def build_pair(cfg: VisionConfig, device: torch.device, dtype: torch.dtype, attn
     ours = random_tower(cfg, device, dtype, seed=0)
     theirs = None
     try:
-        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-        from reference import hf_vision_config
+        from qwenvl_vision.bench_cli import hf_tower_classes, hf_vision_config
 
-        if cfg.family == QWEN2_5:
-            from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
-                Qwen2_5_VisionTransformerPretrainedModel as Tower,
-            )
-        else:
-            from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel as Tower
+        classes = hf_tower_classes(cfg)
         with torch.device("meta"):
-            theirs = Tower._from_config(hf_vision_config(cfg, attn), dtype=dtype)
+            theirs = classes[1]._from_config(hf_vision_config(cfg, attn, classes), dtype=dtype)
         theirs = theirs.to_empty(device=device)
         theirs.load_state_dict(ours.state_dict(), strict=True)
         theirs = theirs.eval().requires_grad_(False)

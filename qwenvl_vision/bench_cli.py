@@ -330,19 +330,26 @@ def hf_tower_classes(cfg: Any) -> tuple[type, type, dict[str, Any]]:
     return Config, Tower, extra
 
 
-def hf_vision_tower(cfg: Any, device: Any, dtype: Any, classes: tuple[type, type, dict[str, Any]] | None = None
-                    ) -> Any:
-    """transformers' tower for the same config (as tests/reference.py builds it), random init, on device in dtype."""
-    import torch
-
-    Config, Tower, extra = classes or hf_tower_classes(cfg)
+def hf_vision_config(cfg: Any, attn_implementation: str = "sdpa",
+                     classes: tuple[type, type, dict[str, Any]] | None = None) -> Any:
+    """transformers' vision config carrying our VisionConfig's numbers (shared with the tests and throughput)."""
+    Config, _, extra = classes or hf_tower_classes(cfg)
     hf_cfg = Config(depth=cfg.depth, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
                     num_heads=cfg.num_heads, out_hidden_size=cfg.out_hidden_size, patch_size=cfg.patch_size,
                     in_channels=cfg.in_channels, temporal_patch_size=cfg.temporal_patch_size,
                     spatial_merge_size=cfg.spatial_merge_size, hidden_act=cfg.hidden_act, **extra)
-    hf_cfg._attn_implementation = "sdpa"
+    hf_cfg._attn_implementation = attn_implementation
+    return hf_cfg
+
+
+def hf_vision_tower(cfg: Any, device: Any, dtype: Any, classes: tuple[type, type, dict[str, Any]] | None = None
+                    ) -> Any:
+    """transformers' tower for the same config, random init, on device in dtype."""
+    import torch
+
+    classes = classes or hf_tower_classes(cfg)
     with torch.device(device):
-        tower = Tower._from_config(hf_cfg, dtype=dtype)
+        tower = classes[1]._from_config(hf_vision_config(cfg, "sdpa", classes), dtype=dtype)
     return tower.eval().requires_grad_(False)
 
 

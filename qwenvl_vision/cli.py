@@ -35,38 +35,28 @@ def _stored_dtype(source: str):
     """Keep the checkpoint's own dtype when extracting (bf16 for the releases)."""
     import torch
 
-    from .weights import open_checkpoint
+    from .weights import SAFETENSORS_DTYPES, open_checkpoint, read_header
 
     if not Path(source).is_dir():
         return torch.bfloat16
-    from safetensors import safe_open
-
-    checkpoint = open_checkpoint(source)
-    first = next(iter(checkpoint.tensors.values()))
-    with safe_open(first.file, framework="pt") as f:
-        dtype_name = f.get_slice(first.name).get_dtype()
-    return {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}.get(dtype_name, torch.float32)
+    first = next(iter(open_checkpoint(source).tensors.values()))
+    return SAFETENSORS_DTYPES.get(read_header(first.file)[0][first.name]["dtype"], torch.float32)
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from safetensors import safe_open
-
     from .encoder import _resolve_folder
-    from .weights import open_checkpoint
+    from .weights import open_checkpoint, read_header
 
     folder = _resolve_folder(args.source, args.revision, args.local_files_only, None, None)
     checkpoint = open_checkpoint(folder)
+    headers = {path: read_header(path)[0] for path in checkpoint.shard_files}  # one header read per shard
     total_bytes = 0
     dtypes: dict[str, int] = {}
-    sizes = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4, "U8": 1, "I8": 1}
     for source in checkpoint.tensors.values():
-        with safe_open(source.file, framework="pt") as f:
-            sl = f.get_slice(source.name)
-            numel = 1
-            for n in sl.get_shape():
-                numel *= n
-            dtypes[sl.get_dtype()] = dtypes.get(sl.get_dtype(), 0) + 1
-            total_bytes += numel * sizes.get(sl.get_dtype(), 4)
+        entry = headers[source.file][source.name]
+        dtypes[entry["dtype"]] = dtypes.get(entry["dtype"], 0) + 1
+        begin, end = entry["data_offsets"]
+        total_bytes += end - begin
     report = {
         "folder": str(folder),
         "family": checkpoint.config.family,
