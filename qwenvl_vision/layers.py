@@ -7,7 +7,10 @@ Deviations, all numerically equivalent at fp32 rounding level:
   length are batched into one SDPA call each (a view when they are contiguous, else a gather), and
   on CUDA in half precision one varlen flash call covers the whole pack. No N x N mask is ever built.
 - every shape and boundary is computed once per forward into a ``SegmentPlan``; the block loop does
-  no host syncs.
+  no host syncs;
+- activations are written into per-forward ``Scratch`` buffers (``out=`` and in-place ops) instead of
+  fresh tensors, with the reference's operations and rounding order kept (fp32 results are bitwise the
+  same as the out-of-place ops).
 """
 
 from __future__ import annotations
@@ -83,6 +86,64 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x * cos + rotate_half(x) * sin).to(dtype)
 
 
+def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
+    """``apply_rope`` in place on x (N, H, hd), using tmp (N, H, hd) as scratch; the same result bit for bit.
+
+    rotate_half(x) * sin is [-x2 * sin1, x1 * sin2] (negation is exact), then x * cos + that, in the
+    reference's order. Half-precision inputs take the fp32 route and are copied back.
+    """
+    if x.dtype != torch.float32:
+        return x.copy_(apply_rope(x, cos, sin))
+    half = x.shape[-1] // 2
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    torch.mul(x[..., half:], sin[..., :half], out=tmp[..., :half]).neg_()
+    torch.mul(x[..., :half], sin[..., half:], out=tmp[..., half:])
+    return x.mul_(cos).add_(tmp)
+
+
+# ----------------------------------------------------------------------------- activation buffers
+
+
+class Scratch:
+    """Activation buffers for one forward, reused by every block, freed when the forward returns.
+
+    Why: on CPU a fresh tensor larger than glibc's mmap threshold (32 MiB) is mapped from the OS and
+    page-faulted on first write. At 30k tokens a block made ~30 such N x D tensors, and the faults cost
+    ~20% of the forward (a write into a fresh 400 MB tensor took 8x as long as into a reused one).
+    With these buffers the faults are paid once per forward. The peak also drops: live per block are x,
+    ``narrow`` (N x D) and ``wide`` (N x max(3D, 2I)), plus the attention output.
+    """
+
+    def __init__(self, rows: int, dim: int, wide: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.rows = rows
+        self.narrow = torch.empty(rows, dim, dtype=dtype, device=device)
+        self._wide = torch.empty(rows * wide, dtype=dtype, device=device)
+        self._weights: torch.Tensor | None = None
+
+    def wide(self, cols: int, offset: int = 0) -> torch.Tensor:
+        """A contiguous (rows, cols) view into the wide buffer, starting `offset` whole (rows, cols) blocks in."""
+        start = offset * self.rows * cols
+        return self._wide[start : start + self.rows * cols].view(self.rows, cols)
+
+    def weights(self, rows: int, cols: int, like: torch.Tensor) -> torch.Tensor:
+        """A reusable (rows, cols) buffer for weights concatenated per forward (one per forward, not per block)."""
+        if self._weights is None or self._weights.numel() < rows * cols:
+            self._weights = torch.empty(rows * cols, dtype=like.dtype, device=like.device)
+        return self._weights[: rows * cols].view(rows, cols)
+
+
+def linear_into(x: torch.Tensor, linear: nn.Linear, out: torch.Tensor) -> torch.Tensor:
+    """``linear(x)`` written into out: the same addmm F.linear runs, so the same bits."""
+    return linear_weights_into(x, linear.weight, linear.bias, out)
+
+
+def linear_weights_into(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                        out: torch.Tensor) -> torch.Tensor:
+    if bias is None:
+        return torch.mm(x, weight.t(), out=out)
+    return torch.addmm(bias, x, weight.t(), out=out)
+
+
 # ----------------------------------------------------------------------------- attention plan
 
 
@@ -141,34 +202,41 @@ class SegmentPlan:
 
 
 def _sdpa_batched(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int, length: int, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int, length: int, scale: float,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """count segments of `length` tokens, (count*L, H, hd) each -> (count*L, H, hd)."""
+    """count segments of `length` tokens, (count*L, H, hd) each -> (count*L, H, hd), into `out` if given."""
     heads, hd = q.shape[-2:]
 
     def split(x: torch.Tensor) -> torch.Tensor:
         return x.reshape(count, length, heads, hd).transpose(1, 2)
 
-    out = F.scaled_dot_product_attention(split(q), split(k), split(v), scale=scale)
-    return out.transpose(1, 2).reshape(count * length, heads, hd)
+    attended = F.scaled_dot_product_attention(split(q), split(k), split(v), scale=scale).transpose(1, 2)
+    if out is None:
+        return attended.reshape(count * length, heads, hd)
+    out.view(count, length, heads, hd).copy_(attended)
+    return out
 
 
 def varlen_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: SegmentPlan, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: SegmentPlan, scale: float,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Non-causal attention inside each segment of the plan; q, k, v: (N, H, hd)."""
+    """Non-causal attention inside each segment of the plan; q, k, v: (N, H, hd).
+
+    Written into `out` (N, H, hd, contiguous) when given, except by the fused CUDA kernel, which
+    returns its own.
+    """
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
         kernel = cuda_varlen_kernel()
         if kernel is not None:  # one fused call over the whole pack
             return kernel(q, k, v.contiguous(), plan.cu_seqlens, plan.max_seqlen, scale)
-    if len(plan.groups) == 1 and plan.groups[0].start == 0:
-        group = plan.groups[0]
-        return _sdpa_batched(q, k, v, group.count, group.length, scale)
-    out = torch.empty_like(q)
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
     for group in plan.groups:
         if group.index is None:
             rows = slice(group.start, group.start + group.count * group.length)
-            out[rows] = _sdpa_batched(q[rows], k[rows], v[rows], group.count, group.length, scale)
+            _sdpa_batched(q[rows], k[rows], v[rows], group.count, group.length, scale, out=out[rows])
         else:
             idx = group.index
             out[idx] = _sdpa_batched(q[idx], k[idx], v[idx], group.count, group.length, scale)
@@ -186,11 +254,17 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        if out is not None and x.dtype == torch.float32:
+            # The same ops in the same order, written into out: x*x is what pow(2) computes.
+            torch.mul(x, x, out=out)
+            scale = out.mean(-1, keepdim=True).add_(self.eps).rsqrt_()
+            return torch.mul(x, scale, out=out).mul_(self.weight)
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        normed = self.weight * x32.to(dtype)
+        return normed if out is None else out.copy_(normed)
 
 
 class PatchEmbed(nn.Module):
@@ -218,22 +292,40 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(dim, 3 * dim, bias=True)
         self.proj = nn.Linear(dim, dim, bias=True)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: SegmentPlan) -> torch.Tensor:
-        n = x.shape[0]
-        q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = varlen_attention(q, k, v, plan, self.scale)
-        return self.proj(out.reshape(n, -1))
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: SegmentPlan,
+                scratch: Scratch) -> torch.Tensor:
+        """x (N, D) -> (N, D) in scratch.wide. x may be scratch.narrow: it is dead after the qkv GEMM."""
+        n, dim = x.shape
+        qkv = linear_into(x, self.qkv, scratch.wide(3 * dim))
+        q, k, v = qkv.view(n, 3, self.num_heads, self.head_dim).unbind(1)
+        tmp = scratch.narrow.view(n, self.num_heads, self.head_dim)
+        apply_rope_(q, cos, sin, tmp)
+        apply_rope_(k, cos, sin, tmp)
+        out = varlen_attention(q, k, v, plan, self.scale, out=tmp)  # tmp is free again after the rope
+        # qkv is dead now: the projection reuses the front of the same buffer.
+        return linear_into(out.reshape(n, dim), self.proj, scratch.wide(dim))
 
 
 def activation(name: str) -> nn.Module:
-    table = {
-        "silu": nn.SiLU,
-        "swish": nn.SiLU,
-        "gelu": nn.GELU,
-        "gelu_pytorch_tanh": lambda: nn.GELU(approximate="tanh"),
-    }
-    make = table.get(name)
-    if make is None:
-        raise ValueError(f"unsupported hidden_act {name!r}; supported: {sorted(table)}")
-    return make()
+    """The module for config.hidden_act (kept for the merger's nn.Sequential and for name checks)."""
+    check_activation(name)
+    return ACTIVATIONS[name][0]()
+
+
+def activation_(x: torch.Tensor, name: str) -> torch.Tensor:
+    """The activation `name` applied to x in place: the same kernels as the modules, without a new tensor."""
+    check_activation(name)
+    return ACTIVATIONS[name][1](x)
+
+
+def check_activation(name: str) -> None:
+    if name not in ACTIVATIONS:
+        raise ValueError(f"unsupported hidden_act {name!r}; supported: {sorted(ACTIVATIONS)}")
+
+
+ACTIVATIONS = {  # name -> (module factory, in-place function)
+    "silu": (nn.SiLU, lambda x: F.silu(x, inplace=True)),
+    "swish": (nn.SiLU, lambda x: F.silu(x, inplace=True)),
+    "gelu": (nn.GELU, lambda x: torch.ops.aten.gelu_(x)),
+    "gelu_pytorch_tanh": (lambda: nn.GELU(approximate="tanh"), lambda x: torch.ops.aten.gelu_(x, approximate="tanh")),
+}

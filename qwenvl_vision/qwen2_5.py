@@ -27,7 +27,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import VisionConfig
-from .layers import PatchEmbed, RMSNorm, SegmentPlan, VisionAttention, activation, merge_block_positions, rope_cos_sin
+from .layers import (
+    PatchEmbed,
+    RMSNorm,
+    Scratch,
+    SegmentPlan,
+    VisionAttention,
+    activation_,
+    check_activation,
+    linear_into,
+    linear_weights_into,
+    merge_block_positions,
+    rope_cos_sin,
+)
 from .tower import Grid, VisionTower
 
 FUSED_GATE_UP_MIN_ROWS = 256  # below this the weight concatenation costs more than it saves
@@ -39,20 +51,25 @@ class GatedMLP(nn.Module):
         self.gate_proj = nn.Linear(dim, hidden, bias=True)
         self.up_proj = nn.Linear(dim, hidden, bias=True)
         self.down_proj = nn.Linear(hidden, dim, bias=True)
-        self.act = activation(act)
+        check_activation(act)
+        self.act = act
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cpu" and x.shape[0] >= FUSED_GATE_UP_MIN_ROWS:
+    def forward(self, x: torch.Tensor, scratch: Scratch) -> torch.Tensor:
+        """x (N, D) -> down(act(gate(x)) * up(x)) in scratch.narrow (x may be scratch.narrow: dead after gate/up)."""
+        rows, dim = x.shape
+        inter = self.up_proj.out_features
+        if x.device.type == "cpu" and rows >= FUSED_GATE_UP_MIN_ROWS:
             # One GEMM over [gate; up]: on CPU (MKL) an N=3420 GEMM runs well below the rate of the fused
-            # N=6840 one; concatenating the weights per forward costs ~1% of the GEMMs it speeds up.
-            weight = torch.cat([self.gate_proj.weight, self.up_proj.weight])
+            # N=6840 one; concatenating the weights per block costs ~1% of the GEMMs it speeds up.
+            weight = torch.cat([self.gate_proj.weight, self.up_proj.weight],
+                               out=scratch.weights(2 * inter, dim, self.up_proj.weight))
             bias = torch.cat([self.gate_proj.bias, self.up_proj.bias])
-            fused = F.linear(x, weight, bias)
-            gate, up = fused.chunk(2, dim=-1)
-            hidden = self.act(gate).mul_(up)
-            del fused, gate, up  # free the (N, 2I) product before the down projection: peak as unfused
-            return self.down_proj(hidden)
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+            gate, up = linear_weights_into(x, weight, bias, scratch.wide(2 * inter)).chunk(2, dim=-1)
+        else:
+            gate = linear_into(x, self.gate_proj, scratch.wide(inter, offset=0))
+            up = linear_into(x, self.up_proj, scratch.wide(inter, offset=1))
+        hidden = activation_(gate, self.act).mul_(up)
+        return linear_into(hidden, self.down_proj, scratch.narrow)
 
 
 class Block(nn.Module):
@@ -63,9 +80,11 @@ class Block(nn.Module):
         self.attn = VisionAttention(config.hidden_size, config.num_heads)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: SegmentPlan) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, plan)
-        return x + self.mlp(self.norm2(x))
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: SegmentPlan,
+                scratch: Scratch) -> torch.Tensor:
+        """x += attn(norm1(x)); x += mlp(norm2(x)), in place on x (owned by the forward)."""
+        x.add_(self.attn(self.norm1(x, out=scratch.narrow), cos, sin, plan, scratch))
+        return x.add_(self.mlp(self.norm2(x, out=scratch.narrow), scratch))
 
 
 class PatchMerger(nn.Module):
@@ -77,8 +96,11 @@ class PatchMerger(nn.Module):
         self.ln_q = RMSNorm(dim)
         self.mlp = nn.Sequential(nn.Linear(self.hidden, self.hidden), nn.GELU(), nn.Linear(self.hidden, out))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.mlp(self.ln_q(x).view(-1, self.hidden))
+    def forward(self, x: torch.Tensor, scratch: Scratch) -> torch.Tensor:
+        normed = self.ln_q(x, out=scratch.narrow).view(-1, self.hidden)
+        fc1, gelu, fc2 = self.mlp
+        hidden = linear_into(normed, fc1, scratch.wide(x.shape[1]).view(-1, self.hidden))
+        return fc2(activation_(hidden, "gelu"))
 
 
 def frame_window_order(merged_h: int, merged_w: int, window: int) -> tuple[torch.Tensor, list[int]]:
@@ -193,8 +215,9 @@ class Qwen2_5VisionTransformer(VisionTower):
         unit = self.config.merge_unit
         rows = pixel_values.view(-1, unit, pixel_values.shape[-1])[plan.window_index].view(-1, pixel_values.shape[-1])
         x = self.patch_embed(rows)
+        scratch = self.scratch(x)
         for i, block in enumerate(self.blocks):
             segments = plan.frames if i in self.full_attention_blocks else plan.windows
-            x = block(x, plan.cos, plan.sin, segments)
-        merged = self.merger(x)
+            x = block(x, plan.cos, plan.sin, segments, scratch)
+        merged = self.merger(x, scratch)
         return merged[plan.reverse_index], []

@@ -22,7 +22,17 @@ import torch
 from torch import nn
 
 from .config import VisionConfig
-from .layers import PatchEmbed, SegmentPlan, VisionAttention, activation, merge_block_positions, rope_cos_sin
+from .layers import (
+    PatchEmbed,
+    Scratch,
+    SegmentPlan,
+    VisionAttention,
+    activation_,
+    check_activation,
+    linear_into,
+    merge_block_positions,
+    rope_cos_sin,
+)
 from .tower import Grid, VisionTower
 
 
@@ -31,10 +41,13 @@ class MLP(nn.Module):
         super().__init__()
         self.linear_fc1 = nn.Linear(dim, hidden, bias=True)
         self.linear_fc2 = nn.Linear(hidden, dim, bias=True)
-        self.act = activation(act)
+        check_activation(act)
+        self.act = act
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_fc2(self.act(self.linear_fc1(x)))
+    def forward(self, x: torch.Tensor, scratch: Scratch) -> torch.Tensor:
+        """x (N, D) -> fc2(act(fc1(x))) in scratch.narrow."""
+        hidden = linear_into(x, self.linear_fc1, scratch.wide(self.linear_fc1.out_features))
+        return linear_into(activation_(hidden, self.act), self.linear_fc2, scratch.narrow)
 
 
 class Block(nn.Module):
@@ -45,9 +58,11 @@ class Block(nn.Module):
         self.attn = VisionAttention(config.hidden_size, config.num_heads)
         self.mlp = MLP(config.hidden_size, config.intermediate_size, config.hidden_act)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: SegmentPlan) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, plan)
-        return x + self.mlp(self.norm2(x))
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: SegmentPlan,
+                scratch: Scratch) -> torch.Tensor:
+        """x += attn(norm1(x)); x += mlp(norm2(x)), in place on x (owned by the forward)."""
+        x.add_(self.attn(self.norm1(x), cos, sin, plan, scratch))
+        return x.add_(self.mlp(self.norm2(x), scratch))
 
 
 class PatchMerger(nn.Module):
@@ -62,12 +77,14 @@ class PatchMerger(nn.Module):
         self.act_fn = nn.GELU()
         self.linear_fc2 = nn.Linear(self.hidden, config.out_hidden_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, scratch: Scratch) -> torch.Tensor:
+        """x (N, D) -> (N/4, out); fc1's (N/4, 4D) output goes into scratch.wide (N x D of it)."""
+        hidden = scratch.wide(x.shape[1]).view(-1, self.hidden)
         if self.norm_after_view:
             x = self.norm(x.view(-1, self.hidden))
         else:
             x = self.norm(x).view(-1, self.hidden)
-        return self.linear_fc2(self.act_fn(self.linear_fc1(x)))
+        return self.linear_fc2(activation_(linear_into(x, self.linear_fc1, hidden), "gelu"))
 
 
 def bilinear_taps(size: int, side: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -181,9 +198,10 @@ class Qwen3VisionTransformer(VisionTower):
         plan = self.prepare(grids, device)
         x = self.patch_embed(pixel_values.to(device, non_blocking=True))
         x = x + self.position_embedding(plan).to(x.dtype)
+        scratch = self.scratch(x)
         levels = []
         for i, block in enumerate(self.blocks):
-            x = block(x, plan.cos, plan.sin, plan.frames)
+            x = block(x, plan.cos, plan.sin, plan.frames, scratch)
             if i in self.deepstack_level:
-                levels.append(self.deepstack_merger_list[self.deepstack_level[i]](x))
-        return self.merger(x), levels
+                levels.append(self.deepstack_merger_list[self.deepstack_level[i]](x, scratch))
+        return self.merger(x, scratch), levels

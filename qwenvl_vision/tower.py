@@ -6,7 +6,8 @@ import torch
 from torch import nn
 
 from .cache import ShapeCache
-from .config import VisionConfig
+from .config import QWEN2_5, VisionConfig
+from .layers import Scratch
 
 Grid = tuple[int, int, int]
 
@@ -58,6 +59,12 @@ class VisionTower(nn.Module):
                 f"rows = sum(t*h*w) over grid_thw {grids}, width = C*T*P*P = "
                 f"{self.config.in_channels}*{self.config.temporal_patch_size}*{self.config.patch_size}^2"
             )
+
+    def scratch(self, x: torch.Tensor) -> Scratch:
+        """This forward's activation buffers for hidden states like x (N, D); see ``layers.Scratch``."""
+        cfg = self.config
+        mlp_width = 2 * cfg.intermediate_size if cfg.family == QWEN2_5 else cfg.intermediate_size
+        return Scratch(x.shape[0], cfg.hidden_size, max(3 * cfg.hidden_size, mlp_width), x.dtype, x.device)
 
     def cache_stats(self) -> dict[str, int]:
         return self.shape_cache.stats()
