@@ -215,8 +215,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--attn", default="sdpa", help="transformers attention implementation")
+    parser.add_argument("--compile", action="store_true",
+                        help="also time a torch.compile'd copy of ours (compile_blocks; compiled during warm-up)")
     parser.add_argument("--json", help="write the numbers here")
     args = parser.parse_args(argv)
+    if args.compile and args.warmup < 1:
+        parser.error("--compile needs --warmup >= 1: the first forward compiles")
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -232,6 +236,10 @@ def main(argv: list[str] | None = None) -> dict:
     grid_dev = grid_thw.to(device)
 
     variants = {"ours": (run_ours, ours)}
+    if args.compile:
+        compiled = random_tower(cfg, device, dtype, seed=0)  # the same weights as `ours`
+        compiled.compile_blocks()
+        variants["ours-compiled"] = (run_ours, compiled)
     if theirs is not None:
         variants["transformers"] = (run_theirs, theirs)
     times: dict[str, list[float]] = {k: [] for k in variants}
@@ -273,10 +281,13 @@ def main(argv: list[str] | None = None) -> dict:
             entry["fraction_of_matmul"] = entry["tflops"] / result["matmul_tflops"]
         result["variants"][name] = entry
     if "transformers" in result["variants"]:
-        ours_t = result["variants"]["ours"]["median_s"]
-        result["speedup_vs_transformers"] = result["variants"]["transformers"]["median_s"] / ours_t
-        a, b = outputs["ours"].double(), outputs["transformers"].double()
-        result["rel_err_vs_transformers"] = float((a - b).norm() / b.norm())
+        theirs_t = result["variants"]["transformers"]["median_s"]
+        b = outputs["transformers"].double()
+        for name in [n for n in variants if n != "transformers"]:
+            suffix = "" if name == "ours" else f"_{name.split('-', 1)[1]}"
+            result[f"speedup_vs_transformers{suffix}"] = theirs_t / result["variants"][name]["median_s"]
+            a = outputs[name].double()
+            result[f"rel_err_vs_transformers{suffix}"] = float((a - b).norm() / b.norm())
     print_table(result)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -302,9 +313,11 @@ def print_table(result: dict) -> None:
         print(line)
     if cuda:
         print(f"measured bf16 matmul rate: {result['matmul_tflops']:.1f} TFLOP/s")
-    if "speedup_vs_transformers" in result:
-        print(f"speedup ours vs transformers: {result['speedup_vs_transformers']:.2f}x   "
-              f"(output rel err {result['rel_err_vs_transformers']:.1e})")
+    for key in [k for k in result if k.startswith("speedup_vs_transformers")]:
+        suffix = key[len("speedup_vs_transformers"):]
+        name = "ours" + suffix.replace("_", "-")
+        print(f"speedup {name} vs transformers: {result[key]:.2f}x   "
+              f"(output rel err {result['rel_err_vs_transformers' + suffix]:.1e})")
 
 
 if __name__ == "__main__":

@@ -365,6 +365,7 @@ def load_encoder(
     cache_size: int = 1024,
     cache_bytes: int | None = 1 << 30,
     preprocess_config: PreprocessConfig | dict | None = None,
+    compile: bool | dict = False,
 ) -> VisionEncoder:
     """Load a Qwen2.5-VL / Qwen3-VL vision encoder, reading only the vision tensors.
 
@@ -372,22 +373,30 @@ def load_encoder(
     a vision-only folder from ``qwenvl-vision extract-weights``, a Hugging Face repo id (only configs, index
     and vision shards are fetched, into the HF cache), or, with ``random_weights=True``, a preset name /
     config for benchmarks. Defaults: CUDA when available, else CPU; bf16 on CUDA, fp32 on CPU.
+    compile: True (or a dict of torch.compile options) compiles every block with a dynamic token count,
+    attention kept outside the graphs (``VisionTower.compile_blocks``); the first forwards pay the compile.
     """
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     options = dict(cache_size=cache_size, cache_bytes=cache_bytes)
     if random_weights:
         config = resolve_config(source)
-        model = random_tower(config, device, dtype, seed=seed, **options)
+        model = _compiled(random_tower(config, device, dtype, seed=seed, **options), compile)
         pre = _preprocess_config(preprocess_config, None, config.family)
         return VisionEncoder(model, pre, source=config.name or config.family)
     if isinstance(source, (VisionConfig, dict)):
         raise ConfigError("a config alone has no weights: pass random_weights=True, or a checkpoint folder/repo id")
     folder = _resolve_folder(os.fspath(source), revision, local_files_only, cache_dir, token)
     checkpoint = open_checkpoint(folder)
-    model = load_tower(checkpoint, device, dtype, **options)
+    model = _compiled(load_tower(checkpoint, device, dtype, **options), compile)
     pre = _preprocess_config(preprocess_config, checkpoint.preprocessor_json(), checkpoint.config.family)
     return VisionEncoder(model, pre, source=os.fspath(source))
+
+
+def _compiled(model: VisionTower, compile: bool | dict) -> VisionTower:
+    if compile:
+        model.compile_blocks(**(compile if isinstance(compile, dict) else {}))
+    return model
 
 
 def _preprocess_config(given: PreprocessConfig | dict | None, from_checkpoint: dict | None,

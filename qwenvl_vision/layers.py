@@ -109,26 +109,46 @@ class Scratch:
 
     Why: on CPU a fresh tensor larger than glibc's mmap threshold (32 MiB) is mapped from the OS and
     page-faulted on first write. At 30k tokens a block made ~30 such N x D tensors, and the faults cost
-    ~20% of the forward (a write into a fresh 400 MB tensor took 8x as long as into a reused one).
+    ~27% of the forward (a write into a fresh 400 MB tensor took 8x as long as into a reused one).
     With these buffers the faults are paid once per forward. The peak also drops: live per block are x,
     ``narrow`` (N x D) and ``wide`` (N x max(3D, 2I)), plus the attention output.
+
+    ``Scratch.fresh()`` hands out new tensors instead (the same code, functional): for ``torch.compile``,
+    whose graphs keep their own buffers and whose row count is symbolic.
     """
 
-    def __init__(self, rows: int, dim: int, wide: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.rows = rows
-        self.narrow = torch.empty(rows, dim, dtype=dtype, device=device)
+    def __init__(self, rows: int, dim: int, wide: int, dtype: torch.dtype, device: torch.device,
+                 reuse: bool = True) -> None:
+        self.reuse = reuse
+        self._narrow = torch.empty(rows, dim, dtype=dtype, device=device)
         self._wide = torch.empty(rows * wide, dtype=dtype, device=device)
         self._weights: torch.Tensor | None = None
 
-    def wide(self, cols: int, offset: int = 0) -> torch.Tensor:
-        """A contiguous (rows, cols) view into the wide buffer, starting `offset` whole (rows, cols) blocks in."""
-        start = offset * self.rows * cols
-        return self._wide[start : start + self.rows * cols].view(self.rows, cols)
+    @classmethod
+    def fresh(cls) -> Scratch:
+        return cls(0, 0, 0, torch.float32, torch.device("cpu"), reuse=False)
+
+    def narrow(self, x: torch.Tensor) -> torch.Tensor:
+        """A tensor shaped like the hidden states x (N, D)."""
+        if not self.reuse:
+            return torch.empty_like(x, memory_format=torch.contiguous_format)
+        return self._narrow
+
+    def wide(self, x: torch.Tensor, cols: int, offset: int = 0) -> torch.Tensor:
+        """A contiguous (N, cols) tensor for hidden states x (N, D), `offset` whole (N, cols) blocks into the
+        wide buffer."""
+        rows = x.shape[0]
+        if not self.reuse:
+            return x.new_empty(rows, cols)
+        start = offset * rows * cols
+        return self._wide[start : start + rows * cols].view(rows, cols)
 
     def weights(self, rows: int, cols: int, like: torch.Tensor) -> torch.Tensor:
-        """A reusable (rows, cols) buffer for weights concatenated per forward (one per forward, not per block)."""
+        """A reusable (rows, cols) buffer for weights concatenated per block (one per forward, not per block)."""
+        if not self.reuse:
+            return like.new_empty(rows, cols)
         if self._weights is None or self._weights.numel() < rows * cols:
-            self._weights = torch.empty(rows * cols, dtype=like.dtype, device=like.device)
+            self._weights = like.new_empty(rows * cols)
         return self._weights[: rows * cols].view(rows, cols)
 
 
@@ -291,19 +311,23 @@ class VisionAttention(nn.Module):
         self.scale = self.head_dim**-0.5
         self.qkv = nn.Linear(dim, 3 * dim, bias=True)
         self.proj = nn.Linear(dim, dim, bias=True)
+        self.attend = varlen_attention  # swapped for a torch.compiler.disable'd wrapper by compile_blocks()
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: SegmentPlan,
                 scratch: Scratch) -> torch.Tensor:
         """x (N, D) -> (N, D) in scratch.wide. x may be scratch.narrow: it is dead after the qkv GEMM."""
         n, dim = x.shape
-        qkv = linear_into(x, self.qkv, scratch.wide(3 * dim))
+        qkv = linear_into(x, self.qkv, scratch.wide(x, 3 * dim))
         q, k, v = qkv.view(n, 3, self.num_heads, self.head_dim).unbind(1)
-        tmp = scratch.narrow.view(n, self.num_heads, self.head_dim)
-        apply_rope_(q, cos, sin, tmp)
-        apply_rope_(k, cos, sin, tmp)
-        out = varlen_attention(q, k, v, plan, self.scale, out=tmp)  # tmp is free again after the rope
+        if scratch.reuse:
+            tmp = scratch.narrow(x).view(n, self.num_heads, self.head_dim)
+            apply_rope_(q, cos, sin, tmp)
+            apply_rope_(k, cos, sin, tmp)
+        else:  # functional, for torch.compile (which cannot trace out= into strided views)
+            q, k, tmp = apply_rope(q, cos, sin), apply_rope(k, cos, sin), None
+        out = self.attend(q, k, v, plan, self.scale, out=tmp)  # tmp is free again after the rope
         # qkv is dead now: the projection reuses the front of the same buffer.
-        return linear_into(out.reshape(n, dim), self.proj, scratch.wide(dim))
+        return linear_into(out.reshape(n, dim), self.proj, scratch.wide(x, dim))
 
 
 def activation(name: str) -> nn.Module:

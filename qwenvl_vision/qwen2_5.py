@@ -58,18 +58,18 @@ class GatedMLP(nn.Module):
         """x (N, D) -> down(act(gate(x)) * up(x)) in scratch.narrow (x may be scratch.narrow: dead after gate/up)."""
         rows, dim = x.shape
         inter = self.up_proj.out_features
-        if x.device.type == "cpu" and rows >= FUSED_GATE_UP_MIN_ROWS:
+        if scratch.reuse and x.device.type == "cpu" and rows >= FUSED_GATE_UP_MIN_ROWS:
             # One GEMM over [gate; up]: on CPU (MKL) an N=3420 GEMM runs well below the rate of the fused
             # N=6840 one; concatenating the weights per block costs ~1% of the GEMMs it speeds up.
             weight = torch.cat([self.gate_proj.weight, self.up_proj.weight],
                                out=scratch.weights(2 * inter, dim, self.up_proj.weight))
             bias = torch.cat([self.gate_proj.bias, self.up_proj.bias])
-            gate, up = linear_weights_into(x, weight, bias, scratch.wide(2 * inter)).chunk(2, dim=-1)
+            gate, up = linear_weights_into(x, weight, bias, scratch.wide(x, 2 * inter)).chunk(2, dim=-1)
         else:
-            gate = linear_into(x, self.gate_proj, scratch.wide(inter, offset=0))
-            up = linear_into(x, self.up_proj, scratch.wide(inter, offset=1))
+            gate = linear_into(x, self.gate_proj, scratch.wide(x, inter, offset=0))
+            up = linear_into(x, self.up_proj, scratch.wide(x, inter, offset=1))
         hidden = activation_(gate, self.act).mul_(up)
-        return linear_into(hidden, self.down_proj, scratch.narrow)
+        return linear_into(hidden, self.down_proj, scratch.narrow(x))
 
 
 class Block(nn.Module):
@@ -83,8 +83,9 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: SegmentPlan,
                 scratch: Scratch) -> torch.Tensor:
         """x += attn(norm1(x)); x += mlp(norm2(x)), in place on x (owned by the forward)."""
-        x.add_(self.attn(self.norm1(x, out=scratch.narrow), cos, sin, plan, scratch))
-        return x.add_(self.mlp(self.norm2(x, out=scratch.narrow), scratch))
+        attended = self.attn(self.norm1(x, out=scratch.narrow(x)), cos, sin, plan, scratch)
+        x.add_(attended)  # not x.add_(self.attn(...)): a bound method held across the compile graph break
+        return x.add_(self.mlp(self.norm2(x, out=scratch.narrow(x)), scratch))
 
 
 class PatchMerger(nn.Module):
@@ -97,9 +98,9 @@ class PatchMerger(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(self.hidden, self.hidden), nn.GELU(), nn.Linear(self.hidden, out))
 
     def forward(self, x: torch.Tensor, scratch: Scratch) -> torch.Tensor:
-        normed = self.ln_q(x, out=scratch.narrow).view(-1, self.hidden)
+        normed = self.ln_q(x, out=scratch.narrow(x)).view(-1, self.hidden)
         fc1, gelu, fc2 = self.mlp
-        hidden = linear_into(normed, fc1, scratch.wide(x.shape[1]).view(-1, self.hidden))
+        hidden = linear_into(normed, fc1, scratch.wide(x, x.shape[1]).view(-1, self.hidden))
         return fc2(activation_(hidden, "gelu"))
 
 

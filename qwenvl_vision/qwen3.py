@@ -46,8 +46,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, scratch: Scratch) -> torch.Tensor:
         """x (N, D) -> fc2(act(fc1(x))) in scratch.narrow."""
-        hidden = linear_into(x, self.linear_fc1, scratch.wide(self.linear_fc1.out_features))
-        return linear_into(activation_(hidden, self.act), self.linear_fc2, scratch.narrow)
+        hidden = linear_into(x, self.linear_fc1, scratch.wide(x, self.linear_fc1.out_features))
+        return linear_into(activation_(hidden, self.act), self.linear_fc2, scratch.narrow(x))
 
 
 class Block(nn.Module):
@@ -61,7 +61,8 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: SegmentPlan,
                 scratch: Scratch) -> torch.Tensor:
         """x += attn(norm1(x)); x += mlp(norm2(x)), in place on x (owned by the forward)."""
-        x.add_(self.attn(self.norm1(x), cos, sin, plan, scratch))
+        attended = self.attn(self.norm1(x), cos, sin, plan, scratch)
+        x.add_(attended)  # not x.add_(self.attn(...)): a bound method held across the compile graph break
         return x.add_(self.mlp(self.norm2(x), scratch))
 
 
@@ -79,7 +80,7 @@ class PatchMerger(nn.Module):
 
     def forward(self, x: torch.Tensor, scratch: Scratch) -> torch.Tensor:
         """x (N, D) -> (N/4, out); fc1's (N/4, 4D) output goes into scratch.wide (N x D of it)."""
-        hidden = scratch.wide(x.shape[1]).view(-1, self.hidden)
+        hidden = scratch.wide(x, x.shape[1]).view(-1, self.hidden)
         if self.norm_after_view:
             x = self.norm(x.view(-1, self.hidden))
         else:

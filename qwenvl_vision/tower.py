@@ -7,7 +7,7 @@ from torch import nn
 
 from .cache import ShapeCache
 from .config import QWEN2_5, VisionConfig
-from .layers import Scratch
+from .layers import Scratch, varlen_attention
 
 Grid = tuple[int, int, int]
 
@@ -24,6 +24,7 @@ class VisionTower(nn.Module):
         self.config = config
         # A plain attribute, not a module/buffer: it is not saved, moved by .to() or shared between instances.
         self.shape_cache = ShapeCache(cache_size, cache_bytes)
+        self.compiled = False
 
     def grid_list(self, grid_thw: torch.Tensor | list) -> list[Grid]:
         """The grids as Python ints (one host read per forward), validated against the merge size."""
@@ -60,8 +61,24 @@ class VisionTower(nn.Module):
                 f"{self.config.in_channels}*{self.config.temporal_patch_size}*{self.config.patch_size}^2"
             )
 
+    def compile_blocks(self, **options) -> None:
+        """``torch.compile`` every block, with a dynamic token count: one graph serves every pack size.
+
+        Attention runs outside the graphs (``torch.compiler.disable``): its segment plan is computed per
+        forward on the host and only passed through, so a new mix of image sizes does not recompile.
+        Compiled blocks take fresh buffers (inductor plans its own memory). options go to torch.compile
+        (e.g. mode="max-autotune-no-cudagraphs"). Compiling the first forward of a new shape class takes
+        seconds to minutes; dynamo's code cache is process-wide, so ``close()`` is what frees the weights.
+        """
+        for block in self.blocks:
+            block.attn.attend = torch.compiler.disable(varlen_attention)
+            block.compile(dynamic=True, **options)
+        self.compiled = True
+
     def scratch(self, x: torch.Tensor) -> Scratch:
         """This forward's activation buffers for hidden states like x (N, D); see ``layers.Scratch``."""
+        if self.compiled:
+            return Scratch.fresh()
         cfg = self.config
         mlp_width = 2 * cfg.intermediate_size if cfg.family == QWEN2_5 else cfg.intermediate_size
         return Scratch(x.shape[0], cfg.hidden_size, max(3 * cfg.hidden_size, mlp_width), x.dtype, x.device)
