@@ -263,7 +263,8 @@ def run_embed(args: argparse.Namespace) -> int:
             device = "cuda"
         if device and device.startswith("cuda") and distributed:  # one GPU per local rank
             device = f"cuda:{int(os.environ.get('LOCAL_RANK', rank)) % max(torch.cuda.device_count(), 1)}"
-        encoder = load_encoder(args.model, device=device, dtype=args.dtype, random_weights=args.random_weights)
+        encoder = load_encoder(args.model, device=device, dtype=args.dtype, random_weights=args.random_weights,
+                               compile=args.compile)
         failed = 0
         with encoder, _progress(len(todo), rank) as bar:
             start, tokens = time.perf_counter(), 0
@@ -307,4 +308,6 @@ def add_embed_parser(sub) -> None:
     p.add_argument("--pooled-only", action="store_true", help="store one mean vector per image")
     p.add_argument("--resume", action="store_true", help="continue a killed or failed run in --out")
     p.add_argument("--random-weights", action="store_true", help="with a preset --model: random weights, offline")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the blocks (pays off on CUDA for long jobs; slower on CPU, see README)")
     p.set_defaults(func=run_embed)

@@ -250,7 +250,8 @@ def varlen_attention(
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
         kernel = cuda_varlen_kernel()
         if kernel is not None:  # one fused call over the whole pack
-            return kernel(q, k, v.contiguous(), plan.cu_seqlens, plan.max_seqlen, scale)
+            # q and k are rotated in place inside the qkv buffer (row stride 3D): packed copies for the kernel.
+            return kernel(q.contiguous(), k.contiguous(), v.contiguous(), plan.cu_seqlens, plan.max_seqlen, scale)
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     for group in plan.groups:

@@ -70,3 +70,20 @@ def test_cuda_encoder_teardown_leaves_zero_bytes():
     assert torch.cuda.memory_allocated() == baseline
     torch.cuda.empty_cache()
     assert torch.cuda.memory_reserved() == 0 or torch.cuda.memory_allocated() == baseline
+
+
+@pytest.mark.parametrize("cfg,grids", [(QWEN2_5_SMALL, QWEN2_5_GRIDS), (QWEN3_SMALL_72, QWEN3_GRIDS)],
+                         ids=["qwen2.5", "qwen3"])
+def test_cuda_compiled_bf16_close_to_cpu_fp32_reference(cfg, grids):
+    ours = spread_init_(build_model(cfg))
+    ref = hf_tower(cfg)
+    ref.load_state_dict(ours.state_dict(), strict=True)
+    model = build_model(cfg).to("cuda", torch.bfloat16)
+    model.load_state_dict(ours.state_dict(), strict=True)
+    model.compile_blocks()
+    with torch.no_grad():
+        for pack in (grids, grids[::-1][1:]):  # a second pack size runs the same graphs
+            pixel_values, grid_thw = _inputs(cfg, pack)
+            ref_merged, _ = hf_forward(ref, pixel_values, grid_thw)
+            merged, _ = model(pixel_values.cuda(), grid_thw)
+            assert rel_err(merged.float().cpu(), ref_merged) <= 3e-2

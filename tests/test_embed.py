@@ -197,3 +197,16 @@ def test_embed_offline_random_preset(tmp_path):
     (record,) = manifest(out)
     assert record["status"] == "ok" and record["grid_thw"][0] == 1
     assert json.loads((out / "manifest.jsonl").read_text().splitlines()[0])["tokens"] == record["tokens"]
+
+
+def test_embed_compiled_matches_eager(tmp_path, checkpoint3):
+    paths = make_folder(tmp_path / "imgs", 3, bad=False)
+    runs = {}
+    for name, extra in (("eager", []), ("compiled", ["--compile"])):
+        out = tmp_path / name
+        assert main(["embed", *map(str, paths), "--model", str(checkpoint3), "--out", str(out),
+                     "--max-pixels", str(64 * 64), *extra]) == 0
+        runs[name] = dict(read_embeddings(out))
+    assert runs["compiled"].keys() == runs["eager"].keys() and len(runs["eager"]) == 3
+    for path, emb in runs["eager"].items():
+        assert torch.allclose(runs["compiled"][path], emb, rtol=1e-5, atol=1e-6)
