@@ -113,52 +113,64 @@ class Scratch:
     With these buffers the faults are paid once per forward. The peak also drops: live per block are x,
     ``narrow`` (N x D) and ``wide`` (N x max(3D, 2I)), plus the attention output.
 
-    ``Scratch.fresh()`` hands out new tensors instead (the same code, functional): for ``torch.compile``,
-    whose graphs keep their own buffers and whose row count is symbolic.
+    ``Scratch.functional()`` has no buffers: every method then returns None or a new tensor, and the same
+    block code runs out of place. The towers use it under autograd (out= and in-place ops on saved
+    tensors do not differentiate) and under ``torch.compile`` (inductor plans its own memory).
     """
 
-    def __init__(self, rows: int, dim: int, wide: int, dtype: torch.dtype, device: torch.device,
-                 reuse: bool = True) -> None:
-        self.reuse = reuse
-        self._narrow = torch.empty(rows, dim, dtype=dtype, device=device)
-        self._wide = torch.empty(rows * wide, dtype=dtype, device=device)
+    def __init__(self, rows: int, dim: int, wide: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.reuse = rows > 0
+        self._narrow = torch.empty(rows, dim, dtype=dtype, device=device) if self.reuse else None
+        self._wide = torch.empty(rows * wide, dtype=dtype, device=device) if self.reuse else None
         self._weights: torch.Tensor | None = None
 
     @classmethod
-    def fresh(cls) -> Scratch:
-        return cls(0, 0, 0, torch.float32, torch.device("cpu"), reuse=False)
+    def functional(cls) -> Scratch:
+        return cls(0, 0, 0, torch.float32, torch.device("cpu"))
 
-    def narrow(self, x: torch.Tensor) -> torch.Tensor:
-        """A tensor shaped like the hidden states x (N, D)."""
-        if not self.reuse:
-            return torch.empty_like(x, memory_format=torch.contiguous_format)
+    def narrow(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The (N, D) buffer for hidden states x (N, D)."""
         return self._narrow
 
-    def wide(self, x: torch.Tensor, cols: int, offset: int = 0) -> torch.Tensor:
-        """A contiguous (N, cols) tensor for hidden states x (N, D), `offset` whole (N, cols) blocks into the
-        wide buffer."""
-        rows = x.shape[0]
-        if not self.reuse:
-            return x.new_empty(rows, cols)
+    def wide(self, x: torch.Tensor, cols: int, offset: int = 0) -> torch.Tensor | None:
+        """A contiguous (N, cols) view for hidden states x (N, D), `offset` whole (N, cols) blocks in."""
+        return self.wide_rows(x.shape[0], cols, offset)
+
+    def wide_rows(self, rows: int, cols: int, offset: int = 0) -> torch.Tensor | None:
+        if self._wide is None:
+            return None
         start = offset * rows * cols
         return self._wide[start : start + rows * cols].view(rows, cols)
 
-    def weights(self, rows: int, cols: int, like: torch.Tensor) -> torch.Tensor:
+    def weights(self, rows: int, cols: int, like: torch.Tensor) -> torch.Tensor | None:
         """A reusable (rows, cols) buffer for weights concatenated per block (one per forward, not per block)."""
         if not self.reuse:
-            return like.new_empty(rows, cols)
+            return None
         if self._weights is None or self._weights.numel() < rows * cols:
             self._weights = like.new_empty(rows * cols)
         return self._weights[: rows * cols].view(rows, cols)
 
+    # The elementwise steps of a block: in place with buffers, out of place without.
 
-def linear_into(x: torch.Tensor, linear: nn.Linear, out: torch.Tensor) -> torch.Tensor:
-    """``linear(x)`` written into out: the same addmm F.linear runs, so the same bits."""
+    def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return x.add_(y) if self.reuse else x + y
+
+    def mul(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return x.mul_(y) if self.reuse else x * y
+
+    def activation(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        return activation_(x, name) if self.reuse else activation_fn(name)(x)
+
+
+def linear_into(x: torch.Tensor, linear: nn.Linear, out: torch.Tensor | None) -> torch.Tensor:
+    """``linear(x)``, written into out when given: the same addmm F.linear runs, so the same bits."""
     return linear_weights_into(x, linear.weight, linear.bias, out)
 
 
 def linear_weights_into(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                        out: torch.Tensor) -> torch.Tensor:
+                        out: torch.Tensor | None) -> torch.Tensor:
+    if out is None:
+        return F.linear(x, weight, bias)
     if bias is None:
         return torch.mm(x, weight.t(), out=out)
     return torch.addmm(bias, x, weight.t(), out=out)
@@ -253,6 +265,9 @@ def varlen_attention(
             # q and k are rotated in place inside the qkv buffer (row stride 3D): packed copies for the kernel.
             return kernel(q.contiguous(), k.contiguous(), v.contiguous(), plan.cu_seqlens, plan.max_seqlen, scale)
     if out is None:
+        if len(plan.groups) == 1 and plan.groups[0].start == 0:  # one run of equal segments: no copy
+            group = plan.groups[0]
+            return _sdpa_batched(q, k, v, group.count, group.length, scale)
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     for group in plan.groups:
         if group.index is None:
@@ -262,6 +277,14 @@ def varlen_attention(
             idx = group.index
             out[idx] = _sdpa_batched(q[idx], k[idx], v[idx], group.count, group.length, scale)
     return out
+
+
+def attention_outside_graph(q, k, v, plan, scale, out=None):
+    """``varlen_attention`` for compiled blocks (wrapped in torch.compiler.disable by compile_blocks):
+    always a tensor of its own, never a view, so that dynamo's guards on the output do not change between
+    packs (a one-segment pack returns a view of SDPA's output, others a new tensor)."""
+    result = varlen_attention(q, k, v, plan, scale, out)
+    return result if result._base is None else result.clone()
 
 
 # ----------------------------------------------------------------------------- modules
@@ -320,15 +343,16 @@ class VisionAttention(nn.Module):
         n, dim = x.shape
         qkv = linear_into(x, self.qkv, scratch.wide(x, 3 * dim))
         q, k, v = qkv.view(n, 3, self.num_heads, self.head_dim).unbind(1)
-        if scratch.reuse:
-            tmp = scratch.narrow(x).view(n, self.num_heads, self.head_dim)
+        buffer = scratch.narrow(x)
+        tmp = None if buffer is None else buffer.view(n, self.num_heads, self.head_dim)
+        if tmp is not None and q.dtype == torch.float32:
             apply_rope_(q, cos, sin, tmp)
             apply_rope_(k, cos, sin, tmp)
-        else:  # functional, for torch.compile (which cannot trace out= into strided views)
-            q, k, tmp = apply_rope(q, cos, sin), apply_rope(k, cos, sin), None
+        else:  # half precision rotates in fp32 anyway; its packed results also suit the fused CUDA kernel
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = self.attend(q, k, v, plan, self.scale, out=tmp)  # tmp is free again after the rope
         # qkv is dead now: the projection reuses the front of the same buffer.
-        return linear_into(out.reshape(n, dim), self.proj, scratch.wide(x, dim))
+        return linear_into(out.flatten(1), self.proj, scratch.wide(x, dim))
 
 
 def activation(name: str) -> nn.Module:
@@ -337,10 +361,16 @@ def activation(name: str) -> nn.Module:
     return ACTIVATIONS[name][0]()
 
 
+def activation_fn(name: str):
+    """The activation `name` as a function (out of place)."""
+    check_activation(name)
+    return ACTIVATIONS[name][1]
+
+
 def activation_(x: torch.Tensor, name: str) -> torch.Tensor:
     """The activation `name` applied to x in place: the same kernels as the modules, without a new tensor."""
     check_activation(name)
-    return ACTIVATIONS[name][1](x)
+    return ACTIVATIONS[name][2](x)
 
 
 def check_activation(name: str) -> None:
@@ -348,9 +378,14 @@ def check_activation(name: str) -> None:
         raise ValueError(f"unsupported hidden_act {name!r}; supported: {sorted(ACTIVATIONS)}")
 
 
-ACTIVATIONS = {  # name -> (module factory, in-place function)
-    "silu": (nn.SiLU, lambda x: F.silu(x, inplace=True)),
-    "swish": (nn.SiLU, lambda x: F.silu(x, inplace=True)),
-    "gelu": (nn.GELU, lambda x: torch.ops.aten.gelu_(x)),
-    "gelu_pytorch_tanh": (lambda: nn.GELU(approximate="tanh"), lambda x: torch.ops.aten.gelu_(x, approximate="tanh")),
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+ACTIVATIONS = {  # name -> (module factory, function, in-place function)
+    "silu": (nn.SiLU, F.silu, lambda x: F.silu(x, inplace=True)),
+    "swish": (nn.SiLU, F.silu, lambda x: F.silu(x, inplace=True)),
+    "gelu": (nn.GELU, F.gelu, lambda x: torch.ops.aten.gelu_(x)),
+    "gelu_pytorch_tanh": (lambda: nn.GELU(approximate="tanh"), _gelu_tanh,
+                          lambda x: torch.ops.aten.gelu_(x, approximate="tanh")),
 }

@@ -33,7 +33,6 @@ from .layers import (
     Scratch,
     SegmentPlan,
     VisionAttention,
-    activation_,
     check_activation,
     linear_into,
     linear_weights_into,
@@ -68,7 +67,7 @@ class GatedMLP(nn.Module):
         else:
             gate = linear_into(x, self.gate_proj, scratch.wide(x, inter, offset=0))
             up = linear_into(x, self.up_proj, scratch.wide(x, inter, offset=1))
-        hidden = activation_(gate, self.act).mul_(up)
+        hidden = scratch.mul(scratch.activation(gate, self.act), up)
         return linear_into(hidden, self.down_proj, scratch.narrow(x))
 
 
@@ -82,10 +81,10 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: SegmentPlan,
                 scratch: Scratch) -> torch.Tensor:
-        """x += attn(norm1(x)); x += mlp(norm2(x)), in place on x (owned by the forward)."""
+        """x += attn(norm1(x)); x += mlp(norm2(x)); in place on x (owned by the forward) when buffers are reused."""
         attended = self.attn(self.norm1(x, out=scratch.narrow(x)), cos, sin, plan, scratch)
-        x.add_(attended)  # not x.add_(self.attn(...)): a bound method held across the compile graph break
-        return x.add_(self.mlp(self.norm2(x, out=scratch.narrow(x)), scratch))
+        x = scratch.add(x, attended)  # attention first: the compile graph break sits inside it
+        return scratch.add(x, self.mlp(self.norm2(x, out=scratch.narrow(x)), scratch))
 
 
 class PatchMerger(nn.Module):
@@ -100,8 +99,8 @@ class PatchMerger(nn.Module):
     def forward(self, x: torch.Tensor, scratch: Scratch) -> torch.Tensor:
         normed = self.ln_q(x, out=scratch.narrow(x)).view(-1, self.hidden)
         fc1, gelu, fc2 = self.mlp
-        hidden = linear_into(normed, fc1, scratch.wide(x, x.shape[1]).view(-1, self.hidden))
-        return fc2(activation_(hidden, "gelu"))
+        hidden = linear_into(normed, fc1, scratch.wide_rows(normed.shape[0], self.hidden))
+        return fc2(scratch.activation(hidden, "gelu"))
 
 
 def frame_window_order(merged_h: int, merged_w: int, window: int) -> tuple[torch.Tensor, list[int]]:
@@ -217,8 +216,9 @@ class Qwen2_5VisionTransformer(VisionTower):
         rows = pixel_values.view(-1, unit, pixel_values.shape[-1])[plan.window_index].view(-1, pixel_values.shape[-1])
         x = self.patch_embed(rows)
         scratch = self.scratch(x)
-        for i, block in enumerate(self.blocks):
-            segments = plan.frames if i in self.full_attention_blocks else plan.windows
-            x = block(x, plan.cos, plan.sin, segments, scratch)
+        with self.block_context():
+            for i, block in enumerate(self.blocks):
+                segments = plan.frames if i in self.full_attention_blocks else plan.windows
+                x = block(x, plan.cos, plan.sin, segments, scratch)
         merged = self.merger(x, scratch)
         return merged[plan.reverse_index], []

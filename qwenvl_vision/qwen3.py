@@ -27,7 +27,6 @@ from .layers import (
     Scratch,
     SegmentPlan,
     VisionAttention,
-    activation_,
     check_activation,
     linear_into,
     merge_block_positions,
@@ -47,7 +46,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor, scratch: Scratch) -> torch.Tensor:
         """x (N, D) -> fc2(act(fc1(x))) in scratch.narrow."""
         hidden = linear_into(x, self.linear_fc1, scratch.wide(x, self.linear_fc1.out_features))
-        return linear_into(activation_(hidden, self.act), self.linear_fc2, scratch.narrow(x))
+        return linear_into(scratch.activation(hidden, self.act), self.linear_fc2, scratch.narrow(x))
 
 
 class Block(nn.Module):
@@ -60,10 +59,10 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: SegmentPlan,
                 scratch: Scratch) -> torch.Tensor:
-        """x += attn(norm1(x)); x += mlp(norm2(x)), in place on x (owned by the forward)."""
+        """x += attn(norm1(x)); x += mlp(norm2(x)); in place on x (owned by the forward) when buffers are reused."""
         attended = self.attn(self.norm1(x), cos, sin, plan, scratch)
-        x.add_(attended)  # not x.add_(self.attn(...)): a bound method held across the compile graph break
-        return x.add_(self.mlp(self.norm2(x), scratch))
+        x = scratch.add(x, attended)  # attention first: the compile graph break sits inside it
+        return scratch.add(x, self.mlp(self.norm2(x), scratch))
 
 
 class PatchMerger(nn.Module):
@@ -80,12 +79,12 @@ class PatchMerger(nn.Module):
 
     def forward(self, x: torch.Tensor, scratch: Scratch) -> torch.Tensor:
         """x (N, D) -> (N/4, out); fc1's (N/4, 4D) output goes into scratch.wide (N x D of it)."""
-        hidden = scratch.wide(x, x.shape[1]).view(-1, self.hidden)
         if self.norm_after_view:
             x = self.norm(x.view(-1, self.hidden))
         else:
             x = self.norm(x).view(-1, self.hidden)
-        return self.linear_fc2(activation_(linear_into(x, self.linear_fc1, hidden), "gelu"))
+        hidden = linear_into(x, self.linear_fc1, scratch.wide_rows(x.shape[0], self.hidden))
+        return self.linear_fc2(scratch.activation(hidden, "gelu"))
 
 
 def bilinear_taps(size: int, side: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -201,8 +200,9 @@ class Qwen3VisionTransformer(VisionTower):
         x = x + self.position_embedding(plan).to(x.dtype)
         scratch = self.scratch(x)
         levels = []
-        for i, block in enumerate(self.blocks):
-            x = block(x, plan.cos, plan.sin, plan.frames, scratch)
-            if i in self.deepstack_level:
-                levels.append(self.deepstack_merger_list[self.deepstack_level[i]](x, scratch))
+        with self.block_context():
+            for i, block in enumerate(self.blocks):
+                x = block(x, plan.cos, plan.sin, plan.frames, scratch)
+                if i in self.deepstack_level:
+                    levels.append(self.deepstack_merger_list[self.deepstack_level[i]](x, scratch))
         return self.merger(x, scratch), levels

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
 from .cache import ShapeCache
 from .config import QWEN2_5, VisionConfig
-from .layers import Scratch, varlen_attention
+from .layers import Scratch, attention_outside_graph
 
 Grid = tuple[int, int, int]
 
@@ -62,26 +64,48 @@ class VisionTower(nn.Module):
             )
 
     def compile_blocks(self, **options) -> None:
-        """``torch.compile`` every block, with a dynamic token count: one graph serves every pack size.
+        """``torch.compile`` every block with dynamic shapes: one graph pair serves every block, pack size and
+        image mix.
 
         Attention runs outside the graphs (``torch.compiler.disable``): its segment plan is computed per
-        forward on the host and only passed through, so a new mix of image sizes does not recompile.
-        Compiled blocks take fresh buffers (inductor plans its own memory). options go to torch.compile
-        (e.g. mode="max-autotune-no-cudagraphs"). Compiling the first forward of a new shape class takes
-        seconds to minutes; dynamo's code cache is process-wide, so ``close()`` is what frees the weights.
+        forward on the host and only passed through. Compiled blocks run out of place (inductor plans its
+        own memory). options go to torch.compile, e.g. mode="max-autotune-no-cudagraphs". The first forward
+        pays the compile (seconds to minutes); dynamo's code cache is process-wide, and ``close()`` still
+        frees the weights.
         """
+        if options.get("fullgraph"):
+            raise ValueError("compile_blocks: fullgraph=True is impossible: attention is kept out of the graph "
+                             "on purpose (its per-forward segment plan would recompile every new image mix)")
+        if options.get("mode") in ("reduce-overhead", "max-autotune"):
+            raise ValueError(f"compile_blocks: mode={options['mode']!r} records CUDA graphs, which need fixed "
+                             "shapes; the token count varies per pack. Use 'max-autotune-no-cudagraphs' or 'default'")
         for block in self.blocks:
-            block.attn.attend = torch.compiler.disable(varlen_attention)
-            block.compile(dynamic=True, **options)
+            block.attn.attend = torch.compiler.disable(attention_outside_graph)
+            block.compile(**{"dynamic": True, **options})
         self.compiled = True
 
+    def block_context(self):
+        """Around the block loop. Compiled blocks: no duck sizing, so that a first pack whose token count
+        equals a static size (e.g. N == hidden size) does not produce a graph specialised to N == D."""
+        if not self.compiled:
+            return contextlib.nullcontext()
+        from torch.fx.experimental import _config as shape_config
+
+        return shape_config.patch(use_duck_shape=False)
+
     def scratch(self, x: torch.Tensor) -> Scratch:
-        """This forward's activation buffers for hidden states like x (N, D); see ``layers.Scratch``."""
-        if self.compiled:
-            return Scratch.fresh()
+        """This forward's activation buffers for hidden states like x (N, D); see ``layers.Scratch``.
+
+        None (out of place) for compiled blocks, inside a compiled graph, and when autograd is recording
+        (out= ops and in-place updates of saved tensors cannot be differentiated)."""
+        if self.compiled or torch.compiler.is_compiling() or self._recording_grad(x):
+            return Scratch.functional()
         cfg = self.config
         mlp_width = 2 * cfg.intermediate_size if cfg.family == QWEN2_5 else cfg.intermediate_size
         return Scratch(x.shape[0], cfg.hidden_size, max(3 * cfg.hidden_size, mlp_width), x.dtype, x.device)
+
+    def _recording_grad(self, x: torch.Tensor) -> bool:
+        return torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters()))
 
     def cache_stats(self) -> dict[str, int]:
         return self.shape_cache.stats()

@@ -7,7 +7,7 @@ import torch
 
 from qwenvl_vision import build_model
 from qwenvl_vision.layers import RMSNorm, activation, activation_, apply_rope, apply_rope_, rope_cos_sin
-from tests.reference import spread_init_
+from tests.reference import hf_forward, rel_err, spread_init_
 from tests.test_towers import QWEN2_5_GRIDS, QWEN2_5_SMALL, QWEN3_GRIDS, QWEN3_SMALL_72, _inputs
 
 
@@ -73,3 +73,26 @@ def test_reused_buffers_leave_inputs_alone_and_repeat_exactly(cfg, grids):
     assert torch.equal(pixels, before)
     assert torch.equal(first, again)
     assert all(torch.equal(a, b) for a, b in zip(levels, levels_again))
+
+
+@pytest.mark.parametrize(("cfg", "grids"), [(QWEN2_5_SMALL, QWEN2_5_GRIDS), (QWEN3_SMALL_72, QWEN3_GRIDS)],
+                         ids=["qwen2.5", "qwen3"])
+def test_under_autograd_the_towers_run_out_of_place_and_gradients_match_transformers(cfg, grids):
+    """Buffers and in-place ops would break backward: with grad recording the towers run out of place.
+    Checked both ways: input gradients (saliency) and one block's weights trainable (adapters)."""
+    from tests.test_towers import _pair
+
+    ours, ref = _pair(cfg)
+    pixels, grid_thw = _inputs(cfg, grids)
+    grads = {}
+    for name, tower in (("ours", ours), ("ref", ref)):
+        x = pixels.clone().requires_grad_(True)
+        merged, levels = (tower(x, grid_thw) if name == "ours" else hf_forward(tower, x, grid_thw))
+        (merged.square().sum() + sum(level.sum() for level in levels)).backward()
+        grads[name] = x.grad
+    assert grads["ours"].abs().sum() > 0
+    assert rel_err(grads["ours"], grads["ref"]) <= 1e-5
+
+    ours.blocks[1].requires_grad_(True)
+    ours(pixels, grid_thw)[0].sum().backward()
+    assert ours.blocks[1].attn.qkv.weight.grad is not None
