@@ -10,7 +10,7 @@ Deviations, all numerically equivalent at fp32 rounding level:
   no host syncs;
 - activations are written into per-forward ``Scratch`` buffers (``out=`` and in-place ops) instead of
   fresh tensors, with the reference's operations and rounding order kept (fp32 results are bitwise the
-  same as the out-of-place ops).
+  same as the out-of-place ops); under autograd and torch.compile the same code runs out of place.
 """
 
 from __future__ import annotations

@@ -96,8 +96,8 @@ class VisionTower(nn.Module):
     def scratch(self, x: torch.Tensor) -> Scratch:
         """This forward's activation buffers for hidden states like x (N, D); see ``layers.Scratch``.
 
-        None (out of place) for compiled blocks, inside a compiled graph, and when autograd is recording
-        (out= ops and in-place updates of saved tensors cannot be differentiated)."""
+        ``Scratch.functional()`` (no buffers: out of place) for compiled blocks, inside a compiled graph, and
+        when autograd is recording (out= ops and in-place updates of saved tensors cannot be differentiated)."""
         if self.compiled or torch.compiler.is_compiling() or self._recording_grad(x):
             return Scratch.functional()
         cfg = self.config
