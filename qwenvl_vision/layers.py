@@ -120,17 +120,14 @@ class Scratch:
 
     def __init__(self, rows: int, dim: int, wide: int, dtype: torch.dtype, device: torch.device) -> None:
         self.reuse = rows > 0
-        self._narrow = torch.empty(rows, dim, dtype=dtype, device=device) if self.reuse else None
+        # The (N, D) buffer for hidden states; None without buffers.
+        self.narrow = torch.empty(rows, dim, dtype=dtype, device=device) if self.reuse else None
         self._wide = torch.empty(rows * wide, dtype=dtype, device=device) if self.reuse else None
         self._weights: torch.Tensor | None = None
 
     @classmethod
     def functional(cls) -> Scratch:
         return cls(0, 0, 0, torch.float32, torch.device("cpu"))
-
-    def narrow(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The (N, D) buffer for hidden states x (N, D)."""
-        return self._narrow
 
     def wide(self, x: torch.Tensor, cols: int, offset: int = 0) -> torch.Tensor | None:
         """A contiguous (N, cols) view for hidden states x (N, D), `offset` whole (N, cols) blocks in."""
@@ -262,7 +259,7 @@ def varlen_attention(
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
         kernel = cuda_varlen_kernel()
         if kernel is not None:  # one fused call over the whole pack
-            # q and k are rotated in place inside the qkv buffer (row stride 3D): packed copies for the kernel.
+            # v is a view into the qkv buffer (row stride 3D); q and k arrive packed from the rope.
             return kernel(q.contiguous(), k.contiguous(), v.contiguous(), plan.cu_seqlens, plan.max_seqlen, scale)
     if out is None:
         if len(plan.groups) == 1 and plan.groups[0].start == 0:  # one run of equal segments: no copy
@@ -299,6 +296,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Normalised x, written into `out` when given."""
         if out is not None and x.dtype == torch.float32:
             # The same ops in the same order, written into out: x*x is what pow(2) computes.
             torch.mul(x, x, out=out)
@@ -343,7 +341,7 @@ class VisionAttention(nn.Module):
         n, dim = x.shape
         qkv = linear_into(x, self.qkv, scratch.wide(x, 3 * dim))
         q, k, v = qkv.view(n, 3, self.num_heads, self.head_dim).unbind(1)
-        buffer = scratch.narrow(x)
+        buffer = scratch.narrow
         tmp = None if buffer is None else buffer.view(n, self.num_heads, self.head_dim)
         if tmp is not None and q.dtype == torch.float32:
             apply_rope_(q, cos, sin, tmp)

@@ -68,7 +68,7 @@ class GatedMLP(nn.Module):
             gate = linear_into(x, self.gate_proj, scratch.wide(x, inter, offset=0))
             up = linear_into(x, self.up_proj, scratch.wide(x, inter, offset=1))
         hidden = scratch.mul(scratch.activation(gate, self.act), up)
-        return linear_into(hidden, self.down_proj, scratch.narrow(x))
+        return linear_into(hidden, self.down_proj, scratch.narrow)
 
 
 class Block(nn.Module):
@@ -82,9 +82,9 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: SegmentPlan,
                 scratch: Scratch) -> torch.Tensor:
         """x += attn(norm1(x)); x += mlp(norm2(x)); in place on x (owned by the forward) when buffers are reused."""
-        attended = self.attn(self.norm1(x, out=scratch.narrow(x)), cos, sin, plan, scratch)
+        attended = self.attn(self.norm1(x, out=scratch.narrow), cos, sin, plan, scratch)
         x = scratch.add(x, attended)  # attention first: the compile graph break sits inside it
-        return scratch.add(x, self.mlp(self.norm2(x, out=scratch.narrow(x)), scratch))
+        return scratch.add(x, self.mlp(self.norm2(x, out=scratch.narrow), scratch))
 
 
 class PatchMerger(nn.Module):
@@ -97,8 +97,8 @@ class PatchMerger(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(self.hidden, self.hidden), nn.GELU(), nn.Linear(self.hidden, out))
 
     def forward(self, x: torch.Tensor, scratch: Scratch) -> torch.Tensor:
-        normed = self.ln_q(x, out=scratch.narrow(x)).view(-1, self.hidden)
-        fc1, gelu, fc2 = self.mlp
+        normed = self.ln_q(x, out=scratch.narrow).view(-1, self.hidden)
+        fc1, _, fc2 = self.mlp  # the nn.GELU in the middle runs in place via scratch.activation
         hidden = linear_into(normed, fc1, scratch.wide_rows(normed.shape[0], self.hidden))
         return fc2(scratch.activation(hidden, "gelu"))
 

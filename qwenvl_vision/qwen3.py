@@ -46,7 +46,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor, scratch: Scratch) -> torch.Tensor:
         """x (N, D) -> fc2(act(fc1(x))) in scratch.narrow."""
         hidden = linear_into(x, self.linear_fc1, scratch.wide(x, self.linear_fc1.out_features))
-        return linear_into(scratch.activation(hidden, self.act), self.linear_fc2, scratch.narrow(x))
+        return linear_into(scratch.activation(hidden, self.act), self.linear_fc2, scratch.narrow)
 
 
 class Block(nn.Module):
