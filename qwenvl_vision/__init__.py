@@ -1,17 +1,30 @@
 """qwenvl-vision: exact, memory-owning Qwen2.5-VL and Qwen3-VL vision encoders."""
 
 from .cache import ShapeCache
-from .config import PRESETS, ConfigError, VisionConfig, from_config_json, preset, resolve_config
-from .encoder import EncoderClosedError, EncodeResult, VisionEncoder, load_encoder
+from .config import PRESETS, VisionConfig, from_config_json, preset, resolve_config
+from .embed import read_embeddings
+from .encoder import EncodeResult, VisionEncoder, load_encoder
+from .errors import (
+    CheckpointError,
+    ConfigError,
+    EncoderClosedError,
+    InputError,
+    PreprocessError,
+    QwenVLVisionError,
+)
 from .models import build_model
 from .qwen2_5 import Qwen2_5VisionTransformer
 from .qwen3 import Qwen3VisionTransformer
-from .tower import InputError, VisionTower
+from .tower import VisionTower
 
 __version__ = "0.1.0"
 
 __all__ = [
     "PRESETS",
+    "CheckpointError",
+    "PreprocessError",
+    "QwenVLVisionError",
+    "read_embeddings",
     "ConfigError",
     "EncodeResult",
     "EncoderClosedError",

@@ -15,6 +15,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from .errors import ConfigError
+
 QWEN2_5 = "qwen2_5_vl"
 QWEN3 = "qwen3_vl"
 FAMILIES = (QWEN2_5, QWEN3)
@@ -27,8 +29,6 @@ MODEL_TYPE_TO_FAMILY = {
 }
 
 
-class ConfigError(ValueError):
-    """A config that does not describe a supported Qwen-VL vision tower."""
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from .config import ConfigError, VisionConfig, resolve_config
+from .errors import EncoderClosedError
 from .init import random_tower
 from .preprocess import PreprocessConfig, PreprocessError, preprocess_image, preprocess_video
 from .tower import InputError, VisionTower
@@ -31,8 +32,6 @@ DTYPES = {
 }
 
 
-class EncoderClosedError(RuntimeError):
-    """The encoder was closed; its weights and caches are gone."""
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:

@@ -55,6 +55,8 @@ import PIL.Image
 import PIL.ImageOps
 import torch
 
+from .errors import PreprocessError
+
 QWEN2_5 = "qwen2_5_vl"
 QWEN3 = "qwen3_vl"
 # Canonical family for every name accepted by PreprocessConfig.for_family.
@@ -67,8 +69,6 @@ MAX_ASPECT_RATIO = 200
 BICUBIC = PIL.Image.Resampling.BICUBIC  # == 3 == transformers' PILImageResampling.BICUBIC
 
 
-class PreprocessError(ValueError):
-    """An input that cannot be preprocessed. The message names the input (index and/or path) and why."""
 
 
 # --------------------------------------------------------------------------------------------------

@@ -9,13 +9,12 @@ from torch import nn
 
 from .cache import ShapeCache
 from .config import QWEN2_5, VisionConfig
+from .errors import InputError
 from .layers import Scratch, attention_outside_graph
 
 Grid = tuple[int, int, int]
 
 
-class InputError(ValueError):
-    """pixel_values / grid_thw that do not describe a valid packed batch."""
 
 
 class VisionTower(nn.Module):

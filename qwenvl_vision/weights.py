@@ -25,6 +25,7 @@ import torch
 from safetensors import safe_open  # header-only reads of a single-file checkpoint
 
 from .config import VisionConfig, from_config_json
+from .errors import CheckpointError
 from .models import build_model
 from .tower import VisionTower
 
@@ -36,8 +37,6 @@ PREPROCESSOR_FILE = "preprocessor_config.json"
 VISION_ONLY_FORMAT = "qwenvl-vision"
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded as it is; the message names the file or tensor at fault."""
 
 
 @dataclass

@@ -1,0 +1,30 @@
+"""The project's one family of exceptions: catch ``QwenVLVisionError`` to catch every error this package raises
+on purpose. Each subclass is also a ``ValueError`` (``EncoderClosedError`` a ``RuntimeError``), as before, so
+callers that caught the builtin keep working.
+"""
+
+from __future__ import annotations
+
+
+class QwenVLVisionError(Exception):
+    """Base of every error the package raises on purpose; the message names the culprit in one line."""
+
+
+class ConfigError(QwenVLVisionError, ValueError):
+    """A config (config.json, preset, preprocessor settings or an option) that does not describe a supported tower."""
+
+
+class CheckpointError(QwenVLVisionError, ValueError):
+    """A checkpoint that cannot be loaded as it is; the message names the file or tensor at fault."""
+
+
+class InputError(QwenVLVisionError, ValueError):
+    """pixel_values / grid_thw that do not describe a valid packed batch."""
+
+
+class PreprocessError(QwenVLVisionError, ValueError):
+    """An input that cannot be preprocessed. The message names the input (index and/or path) and why."""
+
+
+class EncoderClosedError(QwenVLVisionError, RuntimeError):
+    """The encoder was closed; its weights and caches are gone."""
