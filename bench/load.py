@@ -87,7 +87,7 @@ def text_config(cfg) -> dict:
         "num_attention_heads": hidden // TEXT_HEAD_DIM, "num_key_value_heads": 2, "vocab_size": 512,
         "hidden_act": "silu", "rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "tie_word_embeddings": True,
     }
-    if cfg.family == QWEN2_5:
+    if cfg.design == QWEN2_5:
         return {**common, "rope_theta": 1000000.0, "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}}
     return {**common, "model_type": cfg.model_type + "_text", "head_dim": TEXT_HEAD_DIM, "rope_theta": 5000000.0,
             "rope_scaling": {"rope_type": "default", "mrope_interleaved": True, "mrope_section": [24, 20, 20]}}
@@ -98,7 +98,7 @@ def full_config_json(cfg) -> dict:
     vision = cfg.to_vision_dict()
     tokens = {"image_token_id": 151655, "video_token_id": 151656, "vision_start_token_id": 151652,
               "vision_end_token_id": 151653}
-    if cfg.family == QWEN2_5:
+    if cfg.design == QWEN2_5:
         vision["in_chans"] = vision.pop("in_channels")
         vision.update(spatial_patch_size=cfg.patch_size, tokens_per_second=2)
         return {"architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": cfg.model_type,
@@ -116,7 +116,7 @@ def text_tensors(cfg, dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
     hidden, inter, vocab = tc["hidden_size"], tc["intermediate_size"], tc["vocab_size"]
     head_dim = TEXT_HEAD_DIM
     q_out, kv_out = tc["num_attention_heads"] * head_dim, tc["num_key_value_heads"] * head_dim
-    qwen2_5 = cfg.family == QWEN2_5
+    qwen2_5 = cfg.design == QWEN2_5
     base = "model." if qwen2_5 else "model.language_model."
     layer = base + "layers.0."
     shapes = {
@@ -141,11 +141,14 @@ def write_checkpoint(folder: Path, cfg, seed: int = 0, dtype: torch.dtype = torc
     from safetensors.torch import save_file
 
     from qwenvl_vision.init import random_tower
+    from qwenvl_vision.names import to_checkpoint_state
 
     _, _, _, prefix = HF_CLASSES[cfg.model_type]
     partial = folder.with_name(folder.name + ".partial")
     partial.mkdir(parents=True, exist_ok=True)
-    vision = {prefix + k: v for k, v in random_tower(cfg, "cpu", dtype, seed=seed).state_dict().items()}
+    tower = random_tower(cfg, "cpu", dtype, seed=seed)
+    vision = {prefix + k: v.contiguous() for k, v in to_checkpoint_state(cfg, tower.state_dict()).items()}
+    del tower
     names = sorted(vision)
     half = len(names) // 2
     shards = [{n: vision[n] for n in names[:half]}, {**{n: vision[n] for n in names[half:]},

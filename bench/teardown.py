@@ -1,77 +1,174 @@
-"""Teardown benchmark (issue 5), and the class-level-cache variant it measures against.
+"""Teardown benchmark with its comparisons: our per-instance caches against a class-level ``functools.lru_cache``
+(the bug this package exists to avoid) and against transformers' tower.
 
-Run (same options either way; see ``qwenvl_vision/bench_cli.py`` for what is measured):
+    python bench/teardown.py --preset qwen2.5-vl-3b --cycles 20 --json bench/results/teardown.json --plot t.png
+    qwenvl-vision bench teardown --preset qwen3-vl-2b   # the package's own part: per-instance only
 
-    qwenvl-vision bench teardown --preset qwen2.5-vl-3b --random-weights --cycles 20 --json teardown.json
-    python bench/teardown.py --preset qwen3-vl-2b --cycles 5 --device cpu --plot teardown.png
+What is measured, and how, is ``qwenvl_vision/teardown.py`` (the same options). This file adds:
 
-This file is deliberately the only place in the repository where a tower method is memoised with
-``functools.lru_cache``: that is the bug being measured (ruff B019; it kept 1.35 GB of GPU memory after
-shutting Qwen2.5-VL-3B down in a serving engine). The package itself must contain no functools cache, so
-``qwenvl_vision.bench_cli`` loads this file by path when the benchmark asks for the variant.
-
-The variant is "the same model": after ``load_encoder`` the tower instance's class is swapped for a subclass
-whose ``grid_plan`` goes through a class-level ``lru_cache`` keyed on ``(self, grid)`` (instead of the
-instance's own ``shape_cache``). The cache lives on the class, so it keeps every instance that ever ran -
-its weights, and its per-grid plans - reachable until ``cache_clear()`` or the end of the process.
+- ``class-level-cache``: the same model, with ``grid_plan`` memoised by a class-level ``lru_cache`` keyed on
+  ``(self, grid)`` as serving engines had it (ruff B019; it kept 1.35 GB of GPU memory after shutting
+  Qwen2.5-VL-3B down). The cache lives on the class, so it keeps every instance that ever ran - its weights and
+  its per-grid plans - reachable until ``cache_clear()``. The package must contain no functools cache (a test
+  scans it), so the variant lives only here.
+- ``transformers``: transformers' tower of the same config, random init, ``del`` only.
+- ``--plot``: memory at every phase of every cycle, one panel per variant.
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
+import importlib.util
 import sys
+from pathlib import Path
+from typing import Any
 
-from qwenvl_vision import Qwen2_5VisionTransformer, Qwen3VisionTransformer
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from qwenvl_vision.teardown import (  # noqa: E402
+    PER_INSTANCE,
+    Options,
+    Variant,
+    _load_plain,
+    add_teardown_arguments,
+    cmd_teardown,
+)
+
+CLASS_LEVEL = "class-level-cache"
+TRANSFORMERS = "transformers"
 MAXSIZE = 1024  # what the serving engines used; far more than the benchmark's instances x grids
 
 
-class _ClassLevelGridPlan:
+class ClassLevelGridPlan:
     """Mixin: grid plans memoised on the class, keyed on (self, grid)."""
 
     @functools.lru_cache(maxsize=MAXSIZE)  # noqa: B019 - deliberately the bug under measurement
     def grid_plan(self, grid):
-        return self._compute_grid_plan(grid)
+        return self.compute_grid_plan(grid)
 
 
-class ClassCachedQwen2_5VisionTransformer(_ClassLevelGridPlan, Qwen2_5VisionTransformer):
-    pass
-
-
-class ClassCachedQwen3VisionTransformer(_ClassLevelGridPlan, Qwen3VisionTransformer):
-    pass
-
-
-_SWAP = {
-    Qwen2_5VisionTransformer: ClassCachedQwen2_5VisionTransformer,
-    Qwen3VisionTransformer: ClassCachedQwen3VisionTransformer,
-}
+_SWAPPED: dict[type, type] = {}
 
 
 def adopt(encoder):
     """Give a loaded encoder's tower the class-level cache (in place); returns the encoder."""
     model = encoder.model
     cls = type(model)
-    if cls not in _SWAP:
-        raise TypeError(f"no class-level-cache variant for {cls.__name__}")
-    model.__class__ = _SWAP[cls]
+    if cls not in _SWAPPED:
+        _SWAPPED[cls] = type(f"ClassCached{cls.__name__}", (ClassLevelGridPlan, cls), {})
+    model.__class__ = _SWAPPED[cls]
     return encoder
 
 
 def cache_entries() -> int:
     """Entries (instance, grid) held by the class-level cache right now."""
-    return _ClassLevelGridPlan.grid_plan.cache_info().currsize
+    return ClassLevelGridPlan.grid_plan.cache_info().currsize
 
 
 def cache_clear() -> None:
     """The only thing that lets the retained instances go."""
-    _ClassLevelGridPlan.grid_plan.cache_clear()
+    ClassLevelGridPlan.grid_plan.cache_clear()
+
+
+def class_level_variant(opts: Options) -> Variant:
+    return Variant(CLASS_LEVEL, lambda: adopt(_load_plain(opts)), ("del", "close"), expect_free=False,
+                   note="grid_plan memoised by a class-level functools.lru_cache keyed on (self, grid)",
+                   cache_entries=cache_entries, cache_clear=cache_clear)
+
+
+def transformers_variant(opts: Options) -> Variant | str:
+    """transformers' tower, imported only when its run starts (after ours, outside any measured cycle): importing
+    it imports torch._dynamo, which would hide first-use effects from the other variants."""
+    if importlib.util.find_spec("transformers") is None:
+        return "transformers is not installed"
+
+    def prepare() -> None:
+        import transformers
+
+        from tests.helpers import hf_classes
+
+        hf_classes(opts.config)  # the import happens here, not inside the first measured cycle
+        variant.note = f"transformers {transformers.__version__} tower, random init, del only"
+
+    def load() -> Any:
+        from tests.helpers import hf_tower
+
+        return hf_tower(opts.config, device=opts.device, dtype=opts.dtype, seed=None)
+
+    variant = Variant(TRANSFORMERS, load, ("del",), expect_free=False, note="transformers tower, random init",
+                      prepare=prepare)
+    return variant
+
+
+PHASES = ("before_load", "after_load", "after_encode", "after_close", "after_teardown", "after_gc")
+
+
+def plot_report(report: dict[str, Any], path: str) -> None:
+    """Memory above the baseline at each phase of each cycle: one panel per variant, del and close side by side
+    (a del cycle has no close point, so its close slot stays empty instead of being bridged by a line)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cuda = report["device"].startswith("cuda")
+    key = "cuda_allocated" if cuda else "tensor_bytes"
+    variants = list(dict.fromkeys(run["variant"] for run in report["runs"]))
+    cycles = max((len(run["cycles"]) for run in report["runs"]), default=1)
+    fig, axes = plt.subplots(len(variants), 1, sharex=True, squeeze=False,
+                             figsize=(max(8.0, 0.3 * len(PHASES) * cycles), 2.6 * len(variants)))
+    styles = {"del": dict(color="tab:blue", marker="o", linestyle="-"),
+              "close": dict(color="tab:orange", marker="s", linestyle="--")}
+    for ax, name in zip(axes[:, 0], variants):
+        for run in (r for r in report["runs"] if r["variant"] == name):
+            base = run["baseline"][key]
+            xs, ys = [], []
+            for c in run["cycles"]:
+                for slot, phase in enumerate(PHASES):
+                    x = (c["cycle"] - 1) * len(PHASES) + slot
+                    point = c["phases"].get(phase)
+                    xs.append(x)
+                    ys.append(float("nan") if point is None else (point[key] - base) / 2**20)
+            ax.plot(xs, ys, markersize=4, linewidth=1.6, label=run["teardown"], **styles[run["teardown"]])
+        ax.axhline(0, color="grey", linewidth=0.8)
+        ax.set_title(name, fontsize=10, loc="left")
+        ax.set_ylabel("MiB above baseline", fontsize=8)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="upper left")
+    names = [p.replace("after_", "").replace("before_", "pre-") for p in PHASES]
+    axes[-1, 0].set_xticks(range(len(PHASES) * cycles))
+    axes[-1, 0].set_xticklabels([f"{i // len(PHASES) + 1}:{names[i % len(PHASES)]}"
+                                 for i in range(len(PHASES) * cycles)], rotation=90, fontsize=7)
+    axes[-1, 0].set_xlabel("cycle:phase")
+    metric = "CUDA allocated" if cuda else "live tensor storage"
+    fig.suptitle(f"teardown: {report['model']} on {report['device']}, {report['dtype']} ({metric})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
-    from qwenvl_vision.bench_cli import teardown_main
-
-    return teardown_main(argv, class_level=sys.modules[__name__])
+    parser = argparse.ArgumentParser(prog="bench/teardown.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_teardown_arguments(parser, variants=(PER_INSTANCE, CLASS_LEVEL, TRANSFORMERS))
+    parser.add_argument("--plot", help="draw memory over the cycle phases per variant to this image "
+                                       "(needs matplotlib)")
+    args = parser.parse_args(argv)
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("bench/teardown.py: --plot needs matplotlib; rerun without --plot for the table and --json",
+                  file=sys.stderr)
+            return 2
+    after = None
+    if args.plot:
+        def after(report: dict[str, Any]) -> None:
+            plot_report(report, args.plot)
+            print(f"wrote {args.plot}")
+    extra = {CLASS_LEVEL: class_level_variant, TRANSFORMERS: transformers_variant}
+    return cmd_teardown(args, extra_variants=extra, after=after)
 
 
 if __name__ == "__main__":

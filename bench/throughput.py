@@ -34,9 +34,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from qwenvl_vision import preset  # noqa: E402
-from qwenvl_vision.config import QWEN2_5, VisionConfig  # noqa: E402
+from qwenvl_vision.config import VisionConfig  # noqa: E402
 from qwenvl_vision.init import random_tower  # noqa: E402
 from qwenvl_vision.preprocess import PreprocessConfig, preprocess_image, preprocess_video  # noqa: E402
+from tests.helpers import photo  # noqa: E402
 
 INPUT_SETS = {
     "mixed": {"images": [(448, 448), (768, 1024), (1536, 2048)], "video": (16, 448, 448)},
@@ -48,25 +49,10 @@ INPUT_SETS = {
 def truncated(cfg: VisionConfig, depth: int | None) -> VisionConfig:
     if not depth or depth >= cfg.depth:
         return cfg
-    if cfg.family == QWEN2_5:
+    if cfg.spec.windows:
         return cfg.replace(depth=depth, fullatt_block_indexes=tuple(i for i in range(depth) if (i + 1) % 8 == 0))
     return cfg.replace(depth=depth, deepstack_visual_indexes=tuple(i for i in cfg.deepstack_visual_indexes
                                                                      if i < depth))
-
-
-def photo(height: int, width: int, seed: int = 0) -> np.ndarray:
-    """A real photo resized when matplotlib's sample data is there, else smooth gradients plus noise."""
-    try:
-        import matplotlib.cbook as cbook
-        from PIL import Image
-
-        image = Image.open(cbook.get_sample_data("grace_hopper.jpg", asfileobj=False)).convert("RGB")
-        return np.asarray(image.resize((width, height), Image.BICUBIC))
-    except Exception:  # noqa: BLE001 - any failure: synthesise
-        rng = np.random.default_rng(seed)
-        y, x = np.mgrid[0:height, 0:width]
-        base = np.stack([x * 255 / width, y * 255 / height, (x + y) * 127 / (height + width)], -1)
-        return np.clip(base + rng.normal(0, 20, base.shape), 0, 255).astype(np.uint8)
 
 
 def build_inputs(name: str, cfg: VisionConfig) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -88,31 +74,14 @@ def build_inputs(name: str, cfg: VisionConfig) -> tuple[torch.Tensor, torch.Tens
 
 
 def build_pair(cfg: VisionConfig, device: torch.device, dtype: torch.dtype, attn: str):
-    ours = random_tower(cfg, device, dtype, seed=0)
-    theirs = None
+    """Ours and transformers' tower with the same spread random weights (theirs, under the checkpoint names)."""
     try:
-        from qwenvl_vision.bench_cli import hf_tower_classes, hf_vision_config
-
-        classes = hf_tower_classes(cfg)
-        with torch.device("meta"):
-            theirs = classes[1]._from_config(hf_vision_config(cfg, attn, classes), dtype=dtype)
-        theirs = theirs.to_empty(device=device)
-        theirs.load_state_dict(ours.state_dict(), strict=True)
-        theirs = theirs.eval().requires_grad_(False)
-        _restore_nonpersistent_buffers(theirs, cfg, device)
+        from tests.helpers import hf_tower, ours_from
     except ImportError as e:
         print(f"transformers not available ({e}); timing ours only", file=sys.stderr)
-    return ours, theirs
-
-
-def _restore_nonpersistent_buffers(tower: torch.nn.Module, cfg: VisionConfig, device: torch.device) -> None:
-    """to_empty() leaves rope inv_freq buffers (not in state_dict) uninitialised: recompute them."""
-    rope = tower.rotary_pos_emb
-    spatial = cfg.head_dim // 2
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, spatial, 2, dtype=torch.float, device=device) / spatial))
-    rope.inv_freq = inv_freq
-    if hasattr(rope, "original_inv_freq"):
-        rope.original_inv_freq = inv_freq.clone()
+        return random_tower(cfg, device, dtype, seed=0), None
+    theirs = hf_tower(cfg, attn, device=device, dtype=dtype, seed=0)
+    return ours_from(theirs, cfg), theirs
 
 
 def run_ours(model, pixel_values, grid_thw):
@@ -173,7 +142,7 @@ def tower_flops(cfg: VisionConfig, grids: list[tuple[int, int, int]]) -> float:
     """Analytic forward FLOPs: every Linear (2 * in * out per token) plus attention (4 * L * D per token)."""
     d, inner = cfg.hidden_size, cfg.intermediate_size
     tokens = sum(t * h * w for t, h, w in grids)
-    mlp = 3 * d * inner if cfg.family == QWEN2_5 else 2 * d * inner
+    mlp = 3 * d * inner if cfg.spec.mlp == "gated" else 2 * d * inner
     per_token_block = 2 * (3 * d * d + d * d + mlp)
     total = cfg.depth * per_token_block * tokens + 2 * cfg.patch_dim * d * tokens
     merged = tokens // cfg.merge_unit
@@ -181,7 +150,7 @@ def tower_flops(cfg: VisionConfig, grids: list[tuple[int, int, int]]) -> float:
     total += mergers * 2 * merged * (4 * d * 4 * d + 4 * d * cfg.out_hidden_size)
     frame_lengths = [h * w for t, h, w in grids for _ in range(t)]
     full = sum(n * n for n in frame_lengths)
-    if cfg.family == QWEN2_5:
+    if cfg.spec.windows:
         window = 4 * cfg.window_merged**2  # upper bound: every window full (64 patches)
         windowed = tokens * window
         n_full = len(cfg.fullatt_block_indexes)
@@ -205,6 +174,8 @@ def matmul_rate(device: torch.device, dtype: torch.dtype, n: int = 8192, repeats
 
 
 def main(argv: list[str] | None = None) -> dict:
+    from tests.helpers import ours_from
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="qwen2.5-vl-3b")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -237,7 +208,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     variants = {"ours": (run_ours, ours)}
     if args.compile:
-        compiled = random_tower(cfg, device, dtype, seed=0)  # the same weights as `ours`
+        compiled = ours_from(theirs, cfg) if theirs is not None else random_tower(cfg, device, dtype, seed=0)
         compiled.compile_blocks()
         variants["ours-compiled"] = (run_ours, compiled)
     if theirs is not None:

@@ -95,18 +95,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_inspect)
 
-    try:
-        from .embed import add_embed_parser
-    except ImportError:  # pragma: no cover - embed lands with encode_images
-        pass
-    else:
-        add_embed_parser(sub)
-    try:
-        from .bench_cli import add_bench_parser
-    except ImportError:  # pragma: no cover
-        pass
-    else:
-        add_bench_parser(sub)
+    from .embed import add_embed_parser
+    from .teardown import add_bench_parser
+
+    add_embed_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 

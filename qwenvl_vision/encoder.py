@@ -66,13 +66,14 @@ class EncodeResult:
 
     embeddings: one (tokens_i, out_hidden_size) tensor per image/video (tokens_i = t*h*w/4).
     grid_thw: (n, 3) int64, each item's patch grid.
-    deepstack: for Qwen3-VL, per item the list of its DeepStack levels (same shape as its embedding); else None.
+    deepstack: per item, the list of its DeepStack levels (each the shape of its embedding); empty lists for
+        towers without DeepStack (every family but Qwen3-VL, Qwen3-VL-MoE and Qwen3-Omni).
     pooled: (n, out_hidden_size) mean over each item's tokens, when requested.
     """
 
     embeddings: list[torch.Tensor]
     grid_thw: torch.Tensor
-    deepstack: list[list[torch.Tensor]] | None = None
+    deepstack: list[list[torch.Tensor]] = field(default_factory=list)
     pooled: torch.Tensor | None = None
 
     def __len__(self) -> int:
@@ -155,6 +156,14 @@ class VisionEncoder:
         state = "closed" if self.closed else f"{self.device}, {self.dtype}"
         return f"VisionEncoder({self.config.name or self.config.family}, {state})"
 
+    def describe(self) -> dict:
+        """The tower (family, sizes, attention backend, device, dtype), its preprocessing and where it came from."""
+        pre = self.preprocess_config
+        return {**self.model.describe(), "source": self.source,
+                "preprocess": {"patch_size": pre.patch_size, "min_pixels": pre.min_pixels,
+                               "max_pixels": pre.max_pixels, "image_mean": list(pre.image_mean),
+                               "image_std": list(pre.image_std)}}
+
     @property
     def family(self) -> str:
         return self.config.family
@@ -186,10 +195,8 @@ class VisionEncoder:
         self._check_finite(merged, levels)
         sizes = [t * h * w // self.config.merge_unit for t, h, w in grids]
         embeddings = list(merged.split(sizes))
-        deepstack = None
-        if self.config.deepstack_visual_indexes:
-            per_level = [level.split(sizes) for level in levels]
-            deepstack = [[chunks[i] for chunks in per_level] for i in range(len(grids))]
+        per_level = [level.split(sizes) for level in levels]
+        deepstack = [[chunks[i] for chunks in per_level] for i in range(len(grids))]
         pooled_out = torch.stack([e.float().mean(0) for e in embeddings]).to(merged.dtype) if pooled else None
         return EncodeResult(embeddings, torch.tensor(grids, dtype=torch.int64), deepstack, pooled_out)
 
@@ -251,7 +258,7 @@ class VisionEncoder:
             for i, p in enumerate(batch):
                 results.append(ItemResult(
                     p.index, p.name, embedding=out.embeddings[i], grid_thw=p.grid,
-                    deepstack=out.deepstack[i] if out.deepstack is not None else None,
+                    deepstack=out.deepstack[i],
                     pooled=out.pooled[i] if out.pooled is not None else None,
                 ))
         return sorted(results, key=lambda r: r.index)
@@ -269,7 +276,7 @@ class VisionEncoder:
         return EncodeResult(
             embeddings=[r.embedding for r in results],
             grid_thw=torch.tensor([r.grid_thw for r in results], dtype=torch.int64).view(-1, 3),
-            deepstack=[r.deepstack for r in results] if self.config.deepstack_visual_indexes else None,
+            deepstack=[r.deepstack for r in results],
             pooled=torch.stack([r.pooled for r in results]) if pooled and results else None,
         )
 
@@ -328,7 +335,7 @@ class VisionEncoder:
         sampled = []
         for video, rate in zip(videos, rates):
             frames = video if hasattr(video, "shape") else list(video)
-            if self.family == "qwen3_vl":
+            if self.config.spec.video_sampling == "qwen3":
                 keep = sample_frame_indices_qwen3(len(frames), rate, fps)
             else:
                 keep = sample_frame_indices(len(frames), rate, fps, temporal_patch_size=self.config.temporal_patch_size)
@@ -365,6 +372,7 @@ def load_encoder(
     cache_bytes: int | None = 1 << 30,
     preprocess_config: PreprocessConfig | dict | None = None,
     compile: bool | dict = False,
+    attn_impl: str = "auto",
 ) -> VisionEncoder:
     """Load a Qwen2.5-VL / Qwen3-VL vision encoder, reading only the vision tensors.
 
@@ -374,10 +382,12 @@ def load_encoder(
     config for benchmarks. Defaults: CUDA when available, else CPU; bf16 on CUDA, fp32 on CPU.
     compile: True (or a dict of torch.compile options) compiles every block with a dynamic token count,
     attention kept outside the graphs (``VisionTower.compile_blocks``); the first forwards pay the compile.
+    attn_impl: "auto" (flash-attn, else PyTorch's varlen kernel on CUDA in half precision; else SDPA), "sdpa",
+    "flash" or "torch_varlen"; a backend that cannot run on this device and dtype is a ConfigError.
     """
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
-    options = dict(cache_size=cache_size, cache_bytes=cache_bytes)
+    options = dict(cache_size=cache_size, cache_bytes=cache_bytes, attn_impl=attn_impl)
     if random_weights:
         config = resolve_config(source)
         model = _compiled(random_tower(config, device, dtype, seed=seed, **options), compile)

@@ -15,7 +15,16 @@ import json
 import re
 from pathlib import Path
 
-from .weights import CONFIG_FILE, INDEX_FILE, PREPROCESSOR_FILE, SINGLE_FILE, CheckpointError, strip_vision_prefix
+from .config import from_config_json
+from .weights import (
+    CONFIG_FILE,
+    INDEX_FILE,
+    PREPROCESSOR_FILE,
+    SINGLE_FILE,
+    CheckpointError,
+    read_json,
+    strip_vision_prefix,
+)
 
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 COMMIT_HASH = re.compile(r"^[0-9a-f]{40}$")
@@ -99,6 +108,7 @@ def fetch_vision_checkpoint(repo_id: str, *, revision: str | None = None, cache_
     commit = snapshot.name if COMMIT_HASH.match(snapshot.name) else revision
     kwargs["revision"] = commit
     where = _where(repo_id, revision)
+    prefixes = from_config_json(read_json(config_path)).spec.prefixes  # an unsupported model stops here
     _download(repo_id, PREPROCESSOR_FILE, required=False, **kwargs)
     index_path = _download(repo_id, INDEX_FILE, required=False, **kwargs)
     if index_path is None:
@@ -109,7 +119,7 @@ def fetch_vision_checkpoint(repo_id: str, *, revision: str | None = None, cache_
             weight_map = json.load(f).get("weight_map", {})
     except (OSError, ValueError, AttributeError) as e:
         raise CheckpointError(f"{where}: cannot read {INDEX_FILE}: {e}") from e
-    shards = sorted({shard for name, shard in weight_map.items() if strip_vision_prefix(name) is not None})
+    shards = sorted({shard for name, shard in weight_map.items() if strip_vision_prefix(name, prefixes) is not None})
     if not shards:
         raise CheckpointError(f"{where}: {INDEX_FILE} lists no vision tensors")
     for shard in shards:

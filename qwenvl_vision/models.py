@@ -6,10 +6,12 @@ import os
 
 import torch
 
-from .config import QWEN2_5, VisionConfig, resolve_config
+from .config import QWEN2_5, QWEN3, VisionConfig, resolve_config
 from .qwen2_5 import Qwen2_5VisionTransformer
 from .qwen3 import Qwen3VisionTransformer
 from .tower import VisionTower
+
+DESIGNS: dict[str, type[VisionTower]] = {QWEN2_5: Qwen2_5VisionTransformer, QWEN3: Qwen3VisionTransformer}
 
 
 def build_model(
@@ -19,12 +21,13 @@ def build_model(
     dtype: torch.dtype | None = None,
     cache_size: int = 1024,
     cache_bytes: int | None = 1 << 30,
+    attn_impl: str = "auto",
 ) -> VisionTower:
-    """An uninitialised tower (PyTorch's default init); ``device="meta"`` allocates nothing."""
+    """An uninitialised tower (PyTorch's default init); ``device="meta"`` allocates nothing (the attention
+    backend is then chosen when the weights arrive: ``VisionTower.set_attention``)."""
     cfg = resolve_config(config)
-    cls = Qwen2_5VisionTransformer if cfg.family == QWEN2_5 else Qwen3VisionTransformer
     with torch.device(device or "cpu"):
-        model = cls(cfg, cache_size=cache_size, cache_bytes=cache_bytes)
+        model = DESIGNS[cfg.design](cfg, cache_size=cache_size, cache_bytes=cache_bytes, attn_impl=attn_impl)
     if dtype is not None:
         model = model.to(dtype)
     return model.eval().requires_grad_(False)

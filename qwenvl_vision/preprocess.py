@@ -55,15 +55,11 @@ import PIL.Image
 import PIL.ImageOps
 import torch
 
+from .config import CLIP_MEAN as OPENAI_CLIP_MEAN
+from .config import CLIP_STD as OPENAI_CLIP_STD
+from .config import FAMILIES, FAMILY_ALIASES
 from .errors import PreprocessError
 
-QWEN2_5 = "qwen2_5_vl"
-QWEN3 = "qwen3_vl"
-# Canonical family for every name accepted by PreprocessConfig.for_family.
-_FAMILIES = {"qwen2_5_vl": QWEN2_5, "qwen3_vl": QWEN3, "qwen3_vl_moe": QWEN3}
-
-OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
-OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 RESCALE_FACTOR = 1 / 255  # BaseImageProcessor.rescale_factor
 MAX_ASPECT_RATIO = 200
 BICUBIC = PIL.Image.Resampling.BICUBIC  # == 3 == transformers' PILImageResampling.BICUBIC
@@ -115,15 +111,12 @@ class PreprocessConfig:
 
     @classmethod
     def for_family(cls, family: str) -> PreprocessConfig:
-        """The released checkpoints' settings (see REFERENCE.md): "qwen2_5_vl" or "qwen3_vl"."""
-        canonical = _FAMILIES.get(family)
-        if canonical == QWEN2_5:
-            return cls(patch_size=14, min_pixels=3136, max_pixels=12845056,
-                       image_mean=OPENAI_CLIP_MEAN, image_std=OPENAI_CLIP_STD)
-        if canonical == QWEN3:
-            return cls(patch_size=16, min_pixels=65536, max_pixels=16777216,
-                       image_mean=(0.5, 0.5, 0.5), image_std=(0.5, 0.5, 0.5))
-        raise ValueError(f"unknown family {family!r}; expected one of {sorted(_FAMILIES)}")
+        """The released checkpoints' settings for a family (a config model_type, see config.FAMILIES)."""
+        spec = FAMILIES.get(FAMILY_ALIASES.get(family, family))
+        if spec is None:
+            raise ValueError(f"unknown family {family!r}; expected one of {sorted(FAMILIES)}")
+        return cls(patch_size=spec.patch_size, min_pixels=spec.min_pixels, max_pixels=spec.max_pixels,
+                   image_mean=spec.image_mean, image_std=spec.image_std)
 
     @classmethod
     def from_dict(cls, d: dict | None, family: str) -> PreprocessConfig:

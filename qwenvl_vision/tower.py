@@ -1,31 +1,176 @@
-"""What both towers share outside the math: input validation and the per-instance shape cache."""
+"""The skeleton both tower designs share; a design (qwen2_5.py, qwen3.py) supplies only what differs.
+
+    forward = validate grids -> per-grid plans from the instance's cache -> one pack plan on the device
+              -> patch embedding (+ positions) -> blocks -> merger (+ DeepStack) -> input token order
+
+Reference: transformers' ``Qwen2VisionTransformerPretrainedModel``, ``Qwen2_5_VisionTransformerPretrainedModel``
+and ``Qwen3VLVisionModel`` (v5.24). Module names equal the checkpoint's tensor names without the prefix, except
+for what ``config.Family.names`` fuses or renames at load time. Deviations from the reference (same numbers):
+grids are read from the host once per forward; per-grid tensors (token order, rope tables, segment lengths,
+position taps) are cached per instance in a bounded ``ShapeCache``, concatenated for the pack and moved to the
+device once, so the block loop does no host sync; activations reuse one ``Workspace`` per forward.
+"""
 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from .attention import BACKENDS, SegmentPlan, resolve_attn_impl
 from .cache import ShapeCache
-from .config import QWEN2_5, VisionConfig
+from .config import VisionConfig
 from .errors import InputError
-from .layers import Scratch, attention_outside_graph
+from .layers import AttentionInputs, Block, PatchEmbed, PatchMerger, Workspace
 
 Grid = tuple[int, int, int]
 
 
+@dataclass
+class GridPlan:
+    """Everything derived from one grid (t, h, w) on the host; cached per instance."""
+
+    cos: torch.Tensor  # (t*h*w, hd) fp32, in the tower's token order
+    sin: torch.Tensor
+    frame_lengths: list[int]  # in patches
+    window_lengths: list[int] | None = None  # windowed designs
+    order: torch.Tensor | None = None  # (t*h*w/4,) merged-token order the blocks see, when not the input order
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)  # per-patch tensors of a design, packed as is
+
+
+@dataclass
+class ForwardPlan:
+    """One packed forward's indices and boundaries, on the device."""
+
+    rope: tuple[torch.Tensor, torch.Tensor]
+    frames: SegmentPlan
+    windows: SegmentPlan | None
+    order: torch.Tensor | None  # merged-token permutation into block order (None: input order)
+    reverse: torch.Tensor | None  # its inverse, applied to the merger outputs
+    extras: dict[str, torch.Tensor]
+
+
+def compile_boundary(backend):
+    """The attention backend as compiled blocks call it: run eagerly (``torch.compiler.disable``: its segment plan
+    is host data), returning a tensor of its own whose token dimension is dynamic, so the graph after the break
+    neither guards on views nor specialises the token count."""
+
+    def attend(q, k, v, plan, scale, out=None):
+        result = backend(q, k, v, plan, scale, out)
+        result = result if result._base is None else result.clone()
+        torch._dynamo.mark_dynamic(result, 0)
+        return result
+
+    return torch.compiler.disable(attend)
 
 
 class VisionTower(nn.Module):
-    """Base for the two families: owns ``config`` and a bounded per-instance ``shape_cache``."""
+    """A Qwen vision tower of any family: patch embedding, blocks, merger and (Qwen3-VL) DeepStack mergers.
 
-    def __init__(self, config: VisionConfig, cache_size: int = 1024, cache_bytes: int | None = 1 << 30) -> None:
+    Owns ``config``, a bounded per-instance ``shape_cache`` and its attention backend (``attn_impl``: "auto",
+    "sdpa", "flash" or "torch_varlen", resolved for the device and dtype the tower runs on).
+    """
+
+    def __init__(self, config: VisionConfig, cache_size: int = 1024, cache_bytes: int | None = 1 << 30,
+                 attn_impl: str = "auto") -> None:
         super().__init__()
         self.config = config
+        spec = config.spec
+        self.patch_embed = PatchEmbed(config.in_channels, config.temporal_patch_size, config.patch_size,
+                                      config.hidden_size, bias=spec.patch_bias)
+        self.blocks = nn.ModuleList(
+            Block(config.hidden_size, config.num_heads, config.intermediate_size, config.hidden_act, spec.norm,
+                  spec.mlp)
+            for _ in range(config.depth)
+        )
+        self.merger = PatchMerger(config.hidden_size, config.out_hidden_size, config.merge_unit, spec.norm)
+        if spec.deepstack:
+            self.deepstack_merger_list = nn.ModuleList(
+                PatchMerger(config.hidden_size, config.out_hidden_size, config.merge_unit, spec.norm,
+                            norm_after_view=True)
+                for _ in config.deepstack_visual_indexes
+            )
+        self.deepstack_level = {block: level for level, block in enumerate(config.deepstack_visual_indexes)}
+        self.full_attention_blocks = config.full_attention_blocks
         # A plain attribute, not a module/buffer: it is not saved, moved by .to() or shared between instances.
         self.shape_cache = ShapeCache(cache_size, cache_bytes)
         self.compiled = False
+        self.attn_impl = attn_impl
+        self.attention: str | None = None  # the backend that runs; resolved once the tower has a real device
+        self.attend = None
+        placed = self.patch_embed.proj.weight
+        if not placed.is_meta:
+            self.set_attention(attn_impl, placed.device, placed.dtype)
+
+    # ------------------------------------------------------------------ what a design supplies
+
+    def compute_grid_plan(self, grid: Grid) -> GridPlan:
+        raise NotImplementedError
+
+    def embed(self, pixel_values: torch.Tensor, plan: ForwardPlan) -> torch.Tensor:
+        """Patch embedding of the rows, in block order (the design may add positions)."""
+        if plan.order is not None:  # groups of merge_unit rows follow their merged token
+            unit, width = self.config.merge_unit, pixel_values.shape[-1]
+            pixel_values = pixel_values.view(-1, unit, width)[plan.order].view(-1, width)
+        return self.patch_embed(pixel_values)
+
+    # ------------------------------------------------------------------ the skeleton
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor | list
+                ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """pixel_values (sum t*h*w, C*T*P*P) in merge-block order -> (merged tokens (sum t*h*w/4, out) in input
+        order, DeepStack levels of the same shape, [] for towers without DeepStack)."""
+        grids = self.grid_list(grid_thw)
+        self.check_pixels(pixel_values, grids)
+        device = self.patch_embed.proj.weight.device
+        plan = self.prepare(grids, device)
+        x = self.embed(pixel_values.to(device, non_blocking=True), plan)
+        full = AttentionInputs(self._dynamic(*plan.rope), plan.frames, self.attention_backend())
+        windowed = full if plan.windows is None else AttentionInputs(plan.rope, plan.windows, full.attend)
+        levels = []
+        with self.workspace(x):
+            for i, block in enumerate(self.blocks):
+                x = block(self._dynamic(x)[0], full if i in self.full_attention_blocks else windowed)
+                if i in self.deepstack_level:
+                    levels.append(self.deepstack_merger_list[self.deepstack_level[i]](x))
+            merged = self.merger(x)
+        if plan.reverse is not None:
+            merged, levels = merged[plan.reverse], [level[plan.reverse] for level in levels]
+        return merged, levels
+
+    def grid_plan(self, grid: Grid) -> GridPlan:
+        return self.shape_cache.get_or_compute(grid, lambda: self.compute_grid_plan(grid))
+
+    def prepare(self, grids: list[Grid], device: torch.device | str = "cpu") -> ForwardPlan:
+        """Concatenate the cached per-grid plans for a pack, with offsets, and move them to the device once."""
+        plans = [self.grid_plan(g) for g in grids]
+
+        def packed(tensors: list[torch.Tensor]) -> torch.Tensor:
+            return torch.cat(tensors).to(device, non_blocking=True)
+
+        order = reverse = None
+        if plans[0].order is not None:
+            offsets, offset = [], 0
+            for t, h, w in grids:
+                offsets.append(offset)
+                offset += t * h * w // self.config.merge_unit
+            order_host = torch.cat([p.order + o for p, o in zip(plans, offsets)])
+            order, reverse = order_host.to(device, non_blocking=True), packed([torch.argsort(order_host)])
+        windows = None
+        if plans[0].window_lengths is not None:
+            windows = SegmentPlan.from_lengths([n for p in plans for n in p.window_lengths], device)
+        return ForwardPlan(
+            rope=(packed([p.cos for p in plans]), packed([p.sin for p in plans])),
+            frames=SegmentPlan.from_lengths([n for p in plans for n in p.frame_lengths], device),
+            windows=windows,
+            order=order,
+            reverse=reverse,
+            extras={key: packed([p.extras[key] for p in plans]) for key in plans[0].extras},
+        )
+
+    # ------------------------------------------------------------------ inputs
 
     def grid_list(self, grid_thw: torch.Tensor | list) -> list[Grid]:
         """The grids as Python ints (one host read per forward), validated against the merge size."""
@@ -62,15 +207,39 @@ class VisionTower(nn.Module):
                 f"{self.config.in_channels}*{self.config.temporal_patch_size}*{self.config.patch_size}^2"
             )
 
-    def compile_blocks(self, **options) -> None:
-        """``torch.compile`` every block with dynamic shapes: one graph pair serves every block, pack size and
-        image mix.
+    # ------------------------------------------------------------------ attention backend and compile
 
-        Attention runs outside the graphs (``torch.compiler.disable``): its segment plan is computed per
-        forward on the host and only passed through. Compiled blocks run out of place (inductor plans its
-        own memory). options go to torch.compile, e.g. mode="max-autotune-no-cudagraphs". The first forward
-        pays the compile (seconds to minutes); dynamo's code cache is process-wide, and ``close()`` still
-        frees the weights.
+    def set_attention(self, attn_impl: str, device: torch.device | str, dtype: torch.dtype) -> None:
+        """Choose the attention backend once for the device and dtype the tower runs on (ConfigError if
+        ``attn_impl`` cannot run there). Moving or casting the tower chooses again."""
+        self.attention = resolve_attn_impl(attn_impl, device, dtype)
+        self.attn_impl = attn_impl
+
+    def attention_backend(self):
+        """The backend callable; compiled blocks reach it through the tower's one compile boundary."""
+        if self.attention is None:
+            weight = self.patch_embed.proj.weight
+            self.set_attention(self.attn_impl, weight.device, weight.dtype)
+        if self.attend is None or self.attend[0] != self.attention:
+            backend = BACKENDS[self.attention]
+            self.attend = (self.attention, compile_boundary(backend) if self.compiled else backend)
+        return self.attend[1]
+
+    def _apply(self, fn, recurse=True):
+        result = super()._apply(fn, recurse)
+        weight = self.patch_embed.proj.weight
+        if not weight.is_meta:
+            self.set_attention(self.attn_impl, weight.device, weight.dtype)
+        return result
+
+    def compile_blocks(self, **options) -> None:
+        """``torch.compile`` every block with a dynamic token count: one graph pair serves every block, pack size
+        and image mix.
+
+        The attention backend is the compile boundary (``torch.compiler.disable``): its segment plan is host
+        data computed per forward. Compiled blocks run out of place (inductor plans its own memory). options go
+        to torch.compile, e.g. mode="max-autotune-no-cudagraphs". The first forward pays the compile (seconds
+        to minutes); dynamo's code cache is process-wide, and ``close()`` still frees the weights.
         """
         if options.get("fullgraph"):
             raise ValueError("compile_blocks: fullgraph=True is impossible: attention is kept out of the graph "
@@ -78,33 +247,50 @@ class VisionTower(nn.Module):
         if options.get("mode") in ("reduce-overhead", "max-autotune"):
             raise ValueError(f"compile_blocks: mode={options['mode']!r} records CUDA graphs, which need fixed "
                              "shapes; the token count varies per pack. Use 'max-autotune-no-cudagraphs' or 'default'")
-        for block in self.blocks:
-            block.attn.attend = torch.compiler.disable(attention_outside_graph)
-            block.compile(**{"dynamic": True, **options})
         self.compiled = True
+        self.attend = None
+        for block in self.blocks:
+            block.compile(**options)
 
-    def block_context(self):
-        """Around the block loop. Compiled blocks: no duck sizing, so that a first pack whose token count
-        equals a static size (e.g. N == hidden size) does not produce a graph specialised to N == D."""
-        if not self.compiled:
-            return contextlib.nullcontext()
-        from torch.fx.experimental import _config as shape_config
+    def _dynamic(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Compiled blocks: the token count is the one dynamic size of their inputs (so a pack whose token count
+        equals a static size, e.g. N == hidden size, does not specialise the graph to N == D)."""
+        if self.compiled and not torch.compiler.is_compiling():
+            for tensor in tensors:
+                torch._dynamo.mark_dynamic(tensor, 0)
+        return tensors
 
-        return shape_config.patch(use_duck_shape=False)
+    # ------------------------------------------------------------------ activation memory
 
-    def scratch(self, x: torch.Tensor) -> Scratch:
-        """This forward's activation buffers for hidden states like x (N, D); see ``layers.Scratch``.
-
-        ``Scratch.functional()`` (no buffers: out of place) for compiled blocks, inside a compiled graph, and
-        when autograd is recording (out= ops and in-place updates of saved tensors cannot be differentiated)."""
+    def workspace(self, x: torch.Tensor):
+        """This forward's activation buffers for hidden states like x (N, D), active around the block loop; see
+        ``layers.Workspace``. None (everything out of place) for compiled blocks, inside a compiled graph, and
+        when autograd is recording."""
         if self.compiled or torch.compiler.is_compiling() or self._recording_grad(x):
-            return Scratch.functional()
+            return contextlib.nullcontext()
         cfg = self.config
-        mlp_width = 2 * cfg.intermediate_size if cfg.family == QWEN2_5 else cfg.intermediate_size
-        return Scratch(x.shape[0], cfg.hidden_size, max(3 * cfg.hidden_size, mlp_width), x.dtype, x.device)
+        mlp_width = cfg.intermediate_size * (2 if cfg.spec.mlp == "gated" else 1)
+        return Workspace(x.shape[0], cfg.hidden_size, max(3 * cfg.hidden_size, mlp_width), x.dtype,
+                         x.device).active()
 
     def _recording_grad(self, x: torch.Tensor) -> bool:
         return torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters()))
+
+    # ------------------------------------------------------------------ reporting
+
+    def describe(self) -> dict:
+        """What this tower is and how it runs, for people and logs."""
+        weight = self.patch_embed.proj.weight
+        cfg = self.config
+        return {
+            "family": cfg.family, "label": cfg.spec.label, "design": cfg.design, "name": cfg.name,
+            "depth": cfg.depth, "hidden_size": cfg.hidden_size, "num_heads": cfg.num_heads,
+            "out_hidden_size": cfg.out_hidden_size, "patch_size": cfg.patch_size,
+            "deepstack_levels": len(cfg.deepstack_visual_indexes),
+            "attn_impl": self.attn_impl, "attention": self.attention,
+            "device": str(weight.device), "dtype": str(weight.dtype).replace("torch.", ""),
+            "compiled": self.compiled, "parameters": sum(p.numel() for p in self.parameters()),
+        }
 
     def cache_stats(self) -> dict[str, int]:
         return self.shape_cache.stats()

@@ -2,10 +2,14 @@
 
 Layouts understood (see REFERENCE.md, "Checkpoint layout"):
 - released: ``config.json`` + ``model.safetensors.index.json`` + ``model-0000K-of-0000N.safetensors`` shards,
-  or a single ``model.safetensors``; vision tensors named ``visual.*`` (Qwen2.5-VL releases) or
-  ``model.visual.*`` (Qwen3-VL releases and anything re-saved by transformers 4.52+);
+  or a single ``model.safetensors``; vision tensors under the family's prefix (``config.Family.prefixes``:
+  ``visual.*`` in Qwen2-VL / Qwen2.5-VL releases, ``model.visual.*`` in Qwen3-VL / Qwen3.5 releases and anything
+  re-saved by transformers 4.52+, ``thinker.visual.*`` in the Omni models);
 - vision-only, as written by ``qwenvl-vision extract-weights``: ``config.json`` with ``family``,
-  ``preprocessor_config.json`` and one ``model.safetensors`` with prefix-free names.
+  ``preprocessor_config.json`` and one ``model.safetensors`` holding the family's tensor names without prefix.
+
+Tensors are read under the checkpoint's own names and only then stacked or renamed into module tensors
+(``names.py``), so every error names a tensor as the checkpoint spells it.
 
 The model is built on the meta device and every tensor is materialised once, directly on the target device
 (safetensors reads straight into CUDA memory) in the target dtype, so a load never holds a second copy
@@ -24,12 +28,14 @@ from pathlib import Path
 import torch
 from safetensors import safe_open  # header-only reads of a single-file checkpoint
 
-from .config import VisionConfig, from_config_json
+from .config import FAMILIES, VisionConfig, from_config_json
 from .errors import CheckpointError
 from .models import build_model
+from .names import checkpoint_shapes, to_checkpoint_state, to_module_state
 from .tower import VisionTower
 
-VISION_PREFIXES = ("model.visual.", "visual.")
+# Every family's prefixes, longest first ("thinker.visual." before "visual.").
+VISION_PREFIXES = tuple(sorted({p for f in FAMILIES.values() for p in f.prefixes}, key=len, reverse=True))
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
@@ -52,7 +58,7 @@ class VisionCheckpoint:
     folder: Path
     config_json: dict
     config: VisionConfig
-    tensors: dict[str, TensorSource]  # module path (no prefix) -> where it is
+    tensors: dict[str, TensorSource]  # checkpoint tensor name without the prefix -> where it is
     vision_only: bool
 
     @property
@@ -72,8 +78,9 @@ def read_json(path: Path) -> dict:
         raise CheckpointError(f"{path} is not valid JSON: {e}") from e
 
 
-def strip_vision_prefix(name: str) -> str | None:
-    for prefix in VISION_PREFIXES:
+def strip_vision_prefix(name: str, prefixes: tuple[str, ...] = VISION_PREFIXES) -> str | None:
+    """The name without its vision prefix, or None for a tensor outside the tower."""
+    for prefix in prefixes:
         if name.startswith(prefix):
             return name[len(prefix):]
     return None
@@ -101,6 +108,7 @@ def open_checkpoint(folder: str | os.PathLike) -> VisionCheckpoint:
     config_json = read_json(config_path)
     config = from_config_json(config_json, name=config_json.get("name", "") or folder.name)
     vision_only = config_json.get("format") == VISION_ONLY_FORMAT
+    prefixes = config.spec.prefixes
     index_path = folder / INDEX_FILE
     tensors: dict[str, TensorSource] = {}
     if index_path.is_file():
@@ -108,19 +116,19 @@ def open_checkpoint(folder: str | os.PathLike) -> VisionCheckpoint:
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index_path} has no weight_map")
         for name, shard in weight_map.items():
-            module_path = name if vision_only else strip_vision_prefix(name)
+            module_path = name if vision_only else strip_vision_prefix(name, prefixes)
             if module_path is not None:
                 tensors[module_path] = TensorSource(folder / shard, name)
     elif (folder / SINGLE_FILE).is_file():
         single = folder / SINGLE_FILE
         for name in shard_tensor_names(single):
-            module_path = name if vision_only else strip_vision_prefix(name)
+            module_path = name if vision_only else strip_vision_prefix(name, prefixes)
             if module_path is not None:
                 tensors[module_path] = TensorSource(single, name)
     else:
         raise CheckpointError(f"{folder} has neither {INDEX_FILE} nor {SINGLE_FILE}")
     if not tensors:
-        raise CheckpointError(f"{folder} holds no vision tensors (no names starting with {VISION_PREFIXES})")
+        raise CheckpointError(f"{folder} holds no vision tensors (no names starting with {prefixes})")
     return VisionCheckpoint(folder, config_json, config, tensors, vision_only)
 
 
@@ -133,7 +141,7 @@ def check_names(checkpoint: VisionCheckpoint, expected: dict[str, torch.Size]) -
             parts.append(f"missing {len(missing)} tensor(s): {_names(missing)}")
         if surplus:
             parts.append(f"unexpected {len(surplus)} tensor(s): {_names(surplus)}")
-        raise CheckpointError(f"{checkpoint.folder} does not match the {checkpoint.config.family} tower "
+        raise CheckpointError(f"{checkpoint.folder} does not match the {checkpoint.config.spec.label} tower "
                               f"({len(expected)} tensors expected): " + "; ".join(parts))
 
 
@@ -221,13 +229,16 @@ def read_tensors(checkpoint: VisionCheckpoint, expected: dict[str, torch.Size], 
 
 
 def load_tower(checkpoint: VisionCheckpoint, device: torch.device, dtype: torch.dtype | None,
-               **model_options) -> VisionTower:
+               attn_impl: str = "auto", **model_options) -> VisionTower:
     """Build the tower on meta, check names and shapes, then materialise each tensor once on `device`."""
-    model = build_model(checkpoint.config, device="meta", **model_options)
-    expected = {name: t.shape for name, t in model.state_dict().items()}
+    model = build_model(checkpoint.config, device="meta", attn_impl=attn_impl, **model_options)
+    module_shapes = {name: t.shape for name, t in model.state_dict().items()}
+    expected = checkpoint_shapes(checkpoint.config, module_shapes)
     check_names(checkpoint, expected)
-    state = read_tensors(checkpoint, expected, device, dtype)
-    model.load_state_dict(state, strict=True, assign=True)
+    tensors = read_tensors(checkpoint, expected, device, dtype)
+    model.load_state_dict(to_module_state(checkpoint.config, tensors, module_shapes), strict=True, assign=True)
+    first = next(model.parameters())
+    model.set_attention(attn_impl, first.device, first.dtype)
     return model.eval().requires_grad_(False)
 
 
@@ -238,7 +249,7 @@ def save_vision_only(model: VisionTower, folder: str | os.PathLike, preprocessor
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     config_json = {**model.config.to_config_json(), "format": VISION_ONLY_FORMAT}
-    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    state = {k: v.detach().contiguous().cpu() for k, v in to_checkpoint_state(model.config, model.state_dict()).items()}
     tmp = folder / (SINGLE_FILE + ".tmp")
     save_file(state, str(tmp), metadata={"format": "pt", "family": model.config.family})
     os.replace(tmp, folder / SINGLE_FILE)

@@ -1,4 +1,4 @@
-"""Issue 6: the optional torch.compile path (``compile_blocks`` / ``load_encoder(compile=True)``).
+"""The optional torch.compile path (``compile_blocks`` / ``load_encoder(compile=True)``).
 
 Compiled blocks must keep the parity tolerance against transformers, take new pack sizes and image
 mixes without recompiling (dynamic token count; attention and its plan stay outside the graphs), and
@@ -14,9 +14,17 @@ import pytest
 import torch
 
 from qwenvl_vision import load_encoder
-from tests.reference import hf_forward, rel_err
-from tests.test_teardown import census
-from tests.test_towers import QWEN2_5_GRIDS, QWEN2_5_SMALL, QWEN3_GRIDS, QWEN3_SMALL_72, _inputs, _pair
+from tests.helpers import (
+    QWEN2_5_GRIDS,
+    QWEN2_5_SMALL,
+    QWEN3_GRIDS,
+    QWEN3_SMALL_72,
+    census,
+    hf_forward,
+    inputs,
+    pair,
+    rel_err,
+)
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                                 reason="inductor on CPU needs a C++ compiler")
@@ -31,7 +39,7 @@ def _graphs_compiled() -> int:
 @pytest.mark.parametrize("cfg,grids", [(QWEN2_5_SMALL, QWEN2_5_GRIDS), (QWEN3_SMALL_72, QWEN3_GRIDS)],
                          ids=["qwen2.5", "qwen3"])
 def test_compiled_blocks_match_transformers_and_do_not_recompile_for_new_packs(cfg, grids):
-    ours, ref = _pair(cfg)
+    ours, ref = pair(cfg)
     ours.compile_blocks()
     # First a pack whose token count equals the hidden size (duck sizing would tie N to D and recompile),
     # then new token counts and new mixes of frame sizes.
@@ -40,7 +48,7 @@ def test_compiled_blocks_match_transformers_and_do_not_recompile_for_new_packs(c
     graphs = []
     with torch.no_grad():
         for pack in packs:
-            pixel_values, grid_thw = _inputs(cfg, pack)
+            pixel_values, grid_thw = inputs(cfg, pack)
             merged, levels = ours(pixel_values, grid_thw)
             ref_merged, ref_levels = hf_forward(ref, pixel_values, grid_thw)
             assert rel_err(merged, ref_merged) <= 1e-5
@@ -53,9 +61,9 @@ def test_compiled_blocks_match_transformers_and_do_not_recompile_for_new_packs(c
 
 def test_compiling_the_whole_tower_works_too():
     """torch.compile(tower) (not compile_blocks): the blocks trace the out-of-place path."""
-    ours, ref = _pair(QWEN2_5_SMALL)
+    ours, ref = pair(QWEN2_5_SMALL)
     compiled = torch.compile(ours)
-    pixel_values, grid_thw = _inputs(QWEN2_5_SMALL, QWEN2_5_GRIDS)
+    pixel_values, grid_thw = inputs(QWEN2_5_SMALL, QWEN2_5_GRIDS)
     with torch.no_grad():
         merged, _ = compiled(pixel_values, grid_thw)
         ref_merged, _ = hf_forward(ref, pixel_values, grid_thw)
@@ -64,7 +72,7 @@ def test_compiling_the_whole_tower_works_too():
 
 @pytest.mark.parametrize("options", [{"fullgraph": True}, {"mode": "reduce-overhead"}])
 def test_compile_options_that_cannot_work_are_refused(options):
-    ours, _ = _pair(QWEN2_5_SMALL)
+    ours, _ = pair(QWEN2_5_SMALL)
     with pytest.raises(ValueError, match="compile_blocks"):
         ours.compile_blocks(**options)
     assert not ours.compiled
@@ -75,7 +83,7 @@ def test_close_frees_the_weights_of_a_compiled_encoder():
     before = census()
     encoder = load_encoder(QWEN2_5_SMALL, random_weights=True, compile=True)
     weights = sum(p.nbytes for p in encoder.model.parameters())
-    pixel_values, grid_thw = _inputs(QWEN2_5_SMALL, QWEN2_5_GRIDS[:2])
+    pixel_values, grid_thw = inputs(QWEN2_5_SMALL, QWEN2_5_GRIDS[:2])
     encoder.encode_patches(pixel_values, grid_thw)
     del pixel_values, grid_thw
     assert census() - before >= weights

@@ -1,4 +1,4 @@
-"""Issue 4: `qwenvl-vision embed` — manifest, shards, bad inputs, resume, SIGKILL, two ranks."""
+"""`qwenvl-vision embed` — manifest, shards, bad inputs, resume, SIGKILL, two ranks."""
 
 from __future__ import annotations
 
@@ -19,9 +19,7 @@ from safetensors import safe_open
 from qwenvl_vision.cli import main
 from qwenvl_vision.embed import collect_inputs, read_embeddings, read_manifest_lines
 from qwenvl_vision.encoder import load_encoder
-from tests.checkpoints import write_checkpoint
-from tests.reference import rel_err
-from tests.test_towers import QWEN2_5_SMALL, QWEN3_SMALL_72
+from tests.helpers import QWEN2_5_SMALL, QWEN3_SMALL_72, rel_err, write_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -1,4 +1,4 @@
-"""Issue 4: encode_images / encode_videos end to end against transformers' PIL processor + tower."""
+"""encode_images / encode_videos end to end against transformers' PIL processor + tower, for every family."""
 
 from __future__ import annotations
 
@@ -10,19 +10,18 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 
 from qwenvl_vision import load_encoder
 from qwenvl_vision.preprocess import PreprocessError
-from tests.checkpoints import QWEN2_5_PREPROCESSOR, QWEN3_PREPROCESSOR, write_checkpoint
-from tests.reference import hf_forward, hf_tower, rel_err
-from tests.test_preprocess import _reference_video
-from tests.test_towers import QWEN2_5_SMALL, QWEN3_SMALL_72
+from tests.helpers import (
+    FAMILY_SMALL,
+    PREPROCESSOR_FILES,
+    hf_forward,
+    hf_tower,
+    reference_video,
+    rel_err,
+    write_checkpoint,
+)
+from tests.helpers import sample_photo as sample
 
-matplotlib_cbook = pytest.importorskip("matplotlib.cbook")
-
-CASES = {"qwen2_5_vl": (QWEN2_5_SMALL, QWEN2_5_PREPROCESSOR), "qwen3_vl": (QWEN3_SMALL_72, QWEN3_PREPROCESSOR)}
-
-
-def sample(name: str) -> str:
-    """Real pictures shipped with matplotlib: a photo (JPEG, RGB) and two RGBA PNGs."""
-    return matplotlib_cbook.get_sample_data(name, asfileobj=False)
+pytest.importorskip("matplotlib.cbook")  # its bundled sample photos are the real pictures here
 
 
 @pytest.fixture(scope="module")
@@ -50,12 +49,13 @@ def photos(tmp_path_factory):
     }
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+@pytest.fixture(scope="module", params=list(FAMILY_SMALL))
 def setup(request, tmp_path_factory):
-    cfg, pre = CASES[request.param]
+    cfg = FAMILY_SMALL[request.param]
+    pre = PREPROCESSOR_FILES[cfg.design]
     folder = tmp_path_factory.mktemp(request.param)
     vision = write_checkpoint(folder, cfg, sharded=False)
-    ref = hf_tower(cfg)
+    ref = hf_tower(cfg, seed=None)
     ref.load_state_dict(vision, strict=True)
     processor = Qwen2VLImageProcessorPil(**{k: v for k, v in pre.items() if not k.endswith(("_type", "_class"))})
     return load_encoder(folder, device="cpu"), ref, processor, cfg
@@ -86,11 +86,9 @@ def test_encode_images_matches_processor_and_tower(setup, photos):
         assert result.embeddings[i].shape == expected[i].shape, name
         assert rel_err(result.embeddings[i], expected[i]) <= 1e-4, name
         assert torch.allclose(result.pooled[i], expected[i].mean(0), atol=1e-5, rtol=1e-4), name
-        if cfg.deepstack_visual_indexes:
-            for level, ref_level in zip(result.deepstack[i], [lv[i] for lv in expected_levels]):
-                assert rel_err(level, ref_level) <= 1e-4, name
-    if not cfg.deepstack_visual_indexes:
-        assert result.deepstack is None
+        assert len(result.deepstack[i]) == len(cfg.deepstack_visual_indexes) == len(expected_levels)
+        for level, ref_level in zip(result.deepstack[i], [lv[i] for lv in expected_levels]):
+            assert rel_err(level, ref_level) <= 1e-4, name
 
 
 def test_pixel_bounds_override_per_call(setup, photos):
@@ -130,7 +128,7 @@ def test_video_matches_reference_video_layout(setup):
     hopper = np.asarray(Image.open(sample("grace_hopper.jpg")).convert("RGB").resize((160, 128)))
     frames = [np.roll(hopper, 9 * i, axis=1) for i in range(5)]  # odd: the last frame is repeated
     result = encoder.encode_videos([frames])
-    values, grid = _reference_video(processor, cfg.family, frames)
+    values, grid = reference_video(processor, cfg.family, frames)
     assert grid[0] == 3 and result.grid_thw.tolist() == [list(grid)]
     expected, _ = _reference_embeddings(ref, torch.from_numpy(values), torch.tensor([grid]))
     assert rel_err(result.embeddings[0], expected[0]) <= 1e-4
@@ -160,7 +158,7 @@ def test_video_sampled_by_fps_equals_the_sampled_frames(setup):
     rng = np.random.default_rng(0)
     clip = rng.integers(0, 256, (12, 64, 96, 3), dtype=np.uint8)  # 12 frames at 6 fps, sampled at 2 fps
     sampled = encoder.encode_videos([clip], fps=2.0, video_fps=6.0)
-    rule = sample_frame_indices_qwen3 if cfg.family == "qwen3_vl" else sample_frame_indices
+    rule = sample_frame_indices_qwen3 if cfg.spec.video_sampling == "qwen3" else sample_frame_indices
     keep = rule(12, 6.0, 2.0)
     assert len(keep) == 4
     direct = encoder.encode_videos([clip[keep]])

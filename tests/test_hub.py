@@ -1,6 +1,6 @@
-"""Issue: load_encoder("org/name") against a local stand-in of the Hugging Face Hub (loopback only).
+"""load_encoder("org/name") against a local stand-in of the Hugging Face Hub (loopback only).
 
-The stand-in serves checkpoint folders written by tests.checkpoints the way huggingface_hub's
+The stand-in serves checkpoint folders written by tests.helpers the way huggingface_hub's
 ``hf_hub_download`` expects the Hub to (HEAD/GET on /{repo}/resolve/{revision}/{file}), records every
 request, and lets the tests check what was fetched: config, preprocessor config, index and only the shards
 holding vision tensors; never an LLM-only shard.
@@ -20,10 +20,19 @@ import torch
 
 from qwenvl_vision import load_encoder
 from qwenvl_vision.hub import fetch_vision_checkpoint
+from qwenvl_vision.names import to_checkpoint_state
 from qwenvl_vision.weights import CheckpointError
-from tests.checkpoints import llm_only_shards, write_checkpoint
-from tests.reference import hf_forward, hf_tower, rel_err
-from tests.test_towers import QWEN2_5_SMALL, QWEN3_SMALL_72
+from tests.helpers import (
+    FAMILY_SMALL,
+    QWEN2_5_SMALL,
+    QWEN3_SMALL_72,
+    hf_forward,
+    hf_tower,
+    inputs,
+    non_vision_shards,
+    rel_err,
+    write_checkpoint,
+)
 
 hf_constants = pytest.importorskip("huggingface_hub.constants")
 
@@ -186,17 +195,11 @@ def hub(tmp_path, monkeypatch):
 # ---------------------------------------------------------------------- helpers
 
 
-def _inputs(cfg, grids, seed: int = 1):
-    grid_thw = torch.tensor(grids)
-    rows = int(grid_thw.prod(1).sum())
-    return torch.randn(rows, cfg.patch_dim, generator=torch.Generator().manual_seed(seed)), grid_thw
-
-
 def _check_against_reference(encoder, cfg, vision_state: dict, grids) -> None:
     """Encoder outputs (fp32, CPU) equal transformers' tower holding the same weights."""
-    ref = hf_tower(cfg)
+    ref = hf_tower(cfg, seed=None)
     ref.load_state_dict(vision_state, strict=True)
-    pixel_values, grid_thw = _inputs(cfg, grids)
+    pixel_values, grid_thw = inputs(cfg, grids)
     out = encoder.encode_patches(pixel_values, grid_thw)
     with torch.no_grad():
         ref_merged, ref_levels = hf_forward(ref, pixel_values, grid_thw)
@@ -211,7 +214,7 @@ def _check_against_reference(encoder, cfg, vision_state: dict, grids) -> None:
 
 def _check_weights(encoder, vision_state: dict) -> None:
     """The encoder holds exactly the checkpoint's vision weights (cheaper than a forward, for repeat loads)."""
-    loaded = encoder.model.state_dict()
+    loaded = to_checkpoint_state(encoder.config, encoder.model.state_dict())
     assert loaded.keys() == vision_state.keys()
     assert all(torch.equal(loaded[k], v) for k, v in vision_state.items())
 
@@ -224,7 +227,7 @@ def _snapshot(hub: FakeHub, repo_id: str, commit: str) -> Path:
 def qwen25_repo(hub, tmp_path):
     """A sharded Qwen2.5-VL checkpoint (2 vision shards, 2 LLM-only shards) served as org/qwen25-tiny."""
     folder = tmp_path / "qwen25"
-    vision = write_checkpoint(folder, QWEN2_5_SMALL, sharded=True, llm_shards=2)
+    vision = write_checkpoint(folder, QWEN2_5_SMALL, sharded=True, other_shards=2)
     commit = hub.add("org/qwen25-tiny", folder)
     return folder, vision, commit
 
@@ -234,7 +237,7 @@ def qwen25_repo(hub, tmp_path):
 
 def test_sharded_repo_fetches_only_vision_shards_and_matches_transformers(hub, qwen25_repo):
     folder, vision, commit = qwen25_repo
-    llm_only = {p.name for p in llm_only_shards(folder)}
+    llm_only = {p.name for p in non_vision_shards(folder)}
     all_shards = {p.name for p in folder.glob("model-*.safetensors")}
     vision_shards = all_shards - llm_only
     assert len(llm_only) == 2 and len(vision_shards) == 2
@@ -405,3 +408,23 @@ def test_repo_without_config_or_vision_tensors(hub, tmp_path):
     hub.add("org/no-config", tmp_path / "no-config")
     with pytest.raises(CheckpointError, match="has no config.json"):
         load_encoder("org/no-config", device="cpu")
+
+
+# ---------------------------------------------------------------------- the Omni models' nested layout
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_omni", "qwen3_omni_moe"])
+def test_omni_repo_fetches_only_the_thinkers_vision_shards(hub, tmp_path, family):
+    """Omni checkpoints nest the tower under thinker_config / thinker.visual. and hold audio, talker and
+    token2wav/code2wav shards: only config, preprocessor, index and the vision shards are downloaded."""
+    cfg = FAMILY_SMALL[family]
+    folder = tmp_path / family
+    vision = write_checkpoint(folder, cfg, sharded=True, other_shards=3)
+    others = {p.name for p in non_vision_shards(folder)}
+    hub.add(f"org/{family}", folder)
+    encoder = load_encoder(f"org/{family}", device="cpu")
+    _check_against_reference(encoder, cfg, vision, [(1, 6, 10), (2, 4, 4)])
+    touched = hub.files_touched()
+    assert len(others) == 3 and not touched & others
+    assert touched == {"config.json", "preprocessor_config.json", "model.safetensors.index.json"} | (
+        {p.name for p in folder.glob("model-*.safetensors")} - others)

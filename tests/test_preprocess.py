@@ -12,7 +12,6 @@ and feed them frames processed by the image processor's own resize / rescale / n
 
 from __future__ import annotations
 
-import ast
 import math
 import pathlib
 import types
@@ -32,6 +31,7 @@ from qwenvl_vision.preprocess import (
     sample_frame_indices_qwen3,
     smart_resize,
 )
+from tests.helpers import VIDEO_FILES, hf_source_function, reference_video
 
 hf_pil = pytest.importorskip("transformers.models.qwen2_vl.image_processing_pil_qwen2_vl")
 Qwen2VLImageProcessorPil = hf_pil.Qwen2VLImageProcessorPil
@@ -511,43 +511,6 @@ def test_scalar_mean_std():
 # --------------------------------------------------------------------------------------------------
 
 
-def _hf_source_function(relative_path: str, class_name: str, function_name: str, namespace: dict):
-    """Compile one method of a transformers class from its installed source (its module needs torchvision)."""
-    import transformers
-
-    source = (pathlib.Path(transformers.__file__).parent / relative_path).read_text()
-    for node in ast.parse(source).body:
-        if isinstance(node, ast.ClassDef) and node.name == class_name:
-            for item in node.body:
-                if isinstance(item, ast.FunctionDef) and item.name == function_name:
-                    module = ast.Module(body=[item], type_ignores=[])
-                    exec(compile(module, relative_path, "exec"), namespace)
-                    return namespace[function_name]
-    raise AssertionError(f"{class_name}.{function_name} not found in {relative_path}")
-
-
-VIDEO_FILES = {
-    "qwen2_5_vl": ("models/qwen2_vl/video_processing_qwen2_vl.py", "Qwen2VLVideoProcessor"),
-    "qwen3_vl": ("models/qwen3_vl/video_processing_qwen3_vl.py", "Qwen3VLVideoProcessor"),
-}
-
-
-def _reference_video(processor, family, frames):
-    """Each frame through the image processor's own steps, then the video processor's patchify."""
-    patchify = _hf_source_function(*VIDEO_FILES[family], "patchify", {"torch": torch})
-    factor = processor.patch_size * processor.merge_size
-    normalized = []
-    for frame in frames:
-        image = processor.process_image(frame, do_convert_rgb=True)
-        image = processor.resize(image, size=processor.size, resample=processor.resample, factor=factor)
-        image = processor.rescale(image, processor.rescale_factor)
-        normalized.append(processor.normalize(image, processor.image_mean, processor.image_std))
-    video = torch.from_numpy(np.stack(normalized))[None]  # (1, F, C, H, W)
-    values, grid_t, grid_h, grid_w = patchify(None, video, processor.patch_size, processor.merge_size,
-                                              processor.temporal_patch_size)
-    return values[0].numpy(), (grid_t, grid_h, grid_w)
-
-
 def _frames(count: int, height: int = 120, width: int = 170) -> np.ndarray:
     return np.stack([_content(height, width, 3, seed=100 + i) for i in range(count)])
 
@@ -556,7 +519,7 @@ def _frames(count: int, height: int = 120, width: int = 170) -> np.ndarray:
 @pytest.mark.parametrize("count", [1, 4, 5])
 def test_video_matches_reference(hf, family, count):
     frames = _frames(count)
-    ref_values, ref_grid = _reference_video(hf[family], family, list(frames))
+    ref_values, ref_grid = reference_video(hf[family], family, list(frames))
     values, grid = preprocess_video(frames, PreprocessConfig.for_family(family))
     assert grid == ref_grid == (math.ceil(count / 2), ref_grid[1], ref_grid[2])
     assert values.dtype == torch.float32 and tuple(values.shape) == ref_values.shape
@@ -637,7 +600,7 @@ TARGET_FPS = [0.5, 1.0, 2.0, 4.0]
 
 
 def test_sample_frame_indices_matches_qwen2_vl_reference():
-    sample = _hf_source_function(*VIDEO_FILES["qwen2_5_vl"], "sample_frames",
+    sample = hf_source_function(*VIDEO_FILES["qwen2"], "sample_frames",
                                  {"torch": torch, "math": math, "VideoMetadata": object})
     for max_frames in (768, 8):
         processor = types.SimpleNamespace(num_frames=None, fps=None, temporal_patch_size=2, min_frames=4,
@@ -654,7 +617,7 @@ def test_sample_frame_indices_matches_qwen2_vl_reference():
 
 def test_sample_frame_indices_drops_reference_overrun():
     """1001 frames, 1 fps, sampled at 0.5 fps: the reference's float arange yields 501 indices, the last 1001."""
-    sample = _hf_source_function(*VIDEO_FILES["qwen2_5_vl"], "sample_frames",
+    sample = hf_source_function(*VIDEO_FILES["qwen2"], "sample_frames",
                                  {"torch": torch, "math": math, "VideoMetadata": object})
     processor = types.SimpleNamespace(num_frames=None, fps=None, temporal_patch_size=2, min_frames=4,
                                       max_frames=768)
@@ -672,7 +635,7 @@ def test_sample_frame_indices_short_video():
 
 
 def test_sample_frame_indices_matches_qwen3_vl_reference():
-    sample = _hf_source_function(*VIDEO_FILES["qwen3_vl"], "sample_frames",
+    sample = hf_source_function(*VIDEO_FILES["qwen3"], "sample_frames",
                                  {"np": np, "VideoMetadata": object, "logger": None})
     for max_frames in (768, 8):
         processor = types.SimpleNamespace(fps=2, min_frames=4, max_frames=max_frames)

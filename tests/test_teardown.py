@@ -1,4 +1,4 @@
-"""Issue 5: tearing an encoder down gives every byte back.
+"""Tearing an encoder down gives every byte back.
 
 - ``del`` frees the encoder, its tower, every submodule and the shape cache by reference counting alone
   (checked with the cyclic gc disabled), and the live-tensor census returns to its baseline;
@@ -23,8 +23,8 @@ import pytest
 import torch
 
 import qwenvl_vision
-from qwenvl_vision import PRESETS, EncoderClosedError, load_encoder
-from tests.test_towers import QWEN2_5_SMALL, QWEN3_SMALL_72
+from qwenvl_vision import EncoderClosedError, load_encoder
+from tests.helpers import FAMILY_SMALL, QWEN2_5_SMALL, QWEN3_SMALL_72, census
 
 PACKAGE = Path(qwenvl_vision.__file__).resolve().parent
 REPO = PACKAGE.parent
@@ -33,24 +33,6 @@ IDS = ["qwen2.5", "qwen3"]
 # Several shapes: a video (t=2), sizes that are not multiples of Qwen2.5's window, the smallest grid.
 GRIDS = [(1, 4, 4), (2, 4, 6), (1, 2, 2), (1, 10, 6)]
 IMAGE_SIZES = [(1, 1), (2, 3), (3, 2)]  # in merged tokens (h, w)
-
-
-def census() -> int:
-    """Bytes of live tensor storages reachable from Python, each storage counted once (meta: none)."""
-    objects = gc.get_objects()
-    tensor_types = {t for t in set(map(type, objects)) if issubclass(t, torch.Tensor)}  # type(): no __class__
-    tensors = [obj for obj in objects if type(obj) in tensor_types]
-    del objects
-    seen: dict[tuple[str, int], int] = {}
-    for obj in tensors:
-        if not obj.is_meta:
-            storage = obj.untyped_storage()
-            try:
-                key = (str(storage.device), storage.data_ptr())
-            except RuntimeError:  # a fake tensor kept by torch.compile's caches: it has no data
-                continue
-            seen[key] = max(seen.get(key, 0), storage.nbytes())
-    return sum(seen.values())
 
 
 @pytest.fixture
@@ -171,14 +153,7 @@ FRESH_PROCESS = """
 import gc, json, sys, weakref
 import numpy as np, torch
 from qwenvl_vision import VisionConfig, load_encoder
-
-def census():
-    seen = {}
-    for obj in gc.get_objects():
-        if issubclass(type(obj), torch.Tensor) and not obj.is_meta:
-            s = obj.untyped_storage()
-            seen[(str(s.device), s.data_ptr())] = s.nbytes()
-    return sum(seen.values())
+from qwenvl_vision.teardown import live_tensor_bytes as census
 
 results = {}
 for name, fields in json.loads(sys.argv[1]).items():  # Qwen2.5 first: it never triggers the Qwen3 case
@@ -204,7 +179,7 @@ def fresh_process_results():
     """The first encoder of each family built in a new process (one subprocess for both)."""
     import subprocess
 
-    configs = {name: {k: v for k, v in cfg.__dict__.items() if k != "extra"} for name, cfg in zip(IDS, CONFIGS)}
+    configs = {name: dict(cfg.__dict__) for name, cfg in zip(IDS, CONFIGS)}
     proc = subprocess.run([sys.executable, "-c", FRESH_PROCESS, json.dumps(configs)], capture_output=True,
                           text=True, timeout=120, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
@@ -246,7 +221,7 @@ def functools_caches(source: str, filename: str = "<string>") -> list[str]:
 
 def test_package_has_no_functools_cache():
     files = sorted(PACKAGE.rglob("*.py"))
-    assert len(files) > 10 and PACKAGE / "bench_cli.py" in files
+    assert len(files) > 10 and PACKAGE / "teardown.py" in files
     findings = [f for path in files for f in functools_caches(path.read_text(), str(path.relative_to(REPO)))]
     assert findings == [], ("functools caches live on the function/class and keep every instance (self) and "
                             "its tensors alive for the whole process; use the instance's ShapeCache:\n"
@@ -280,14 +255,18 @@ def test_scanner_sees_the_benchmark_variant():
 # ---------------------------------------------------------------------- the benchmark itself
 
 
-def _run_bench(tmp_path, cfg, *extra):
+def _run_bench(tmp_path, cfg, *extra, script: bool = False):
+    """The teardown benchmark on a small config: the package's CLI, or bench/teardown.py with its comparisons."""
+    import importlib
+
     from qwenvl_vision.cli import main
 
     config = tmp_path / "config.json"
     config.write_text(json.dumps(cfg.to_config_json()))
     out = tmp_path / "teardown.json"
-    rc = main(["bench", "teardown", "--config", str(config), "--device", "cpu", "--json", str(out), "--quiet",
-               "--sizes", "56x56,56x112,112x84", *extra])
+    argv = ["--config", str(config), "--device", "cpu", "--json", str(out), "--quiet", "--sizes", "56x56,56x112,112x84",
+            *extra]
+    rc = importlib.import_module("bench.teardown").main(argv) if script else main(["bench", "teardown", *argv])
     return rc, json.loads(out.read_text())
 
 
@@ -295,11 +274,12 @@ def _runs(report):
     return {(r["variant"], r["teardown"]): r for r in report["runs"]}
 
 
-def test_benchmark_json_per_instance_zero_class_level_grows(tmp_path):
-    rc, report = _run_bench(tmp_path, QWEN2_5_SMALL, "--cycles", "2", "--variants", "per-instance,class-level-cache")
+def test_cli_benchmark_measures_our_encoder_only(tmp_path):
+    rc, report = _run_bench(tmp_path, QWEN2_5_SMALL, "--cycles", "2")
     assert rc == 0 and report["ok"]
     assert report["device"] == "cpu" and report["dtype"] == "float32" and report["metric"] == "tensor_census"
     runs = _runs(report)
+    assert set(runs) == {("per-instance", "del"), ("per-instance", "close")}
     for teardown in ("del", "close"):
         run = runs["per-instance", teardown]
         assert run["retained_bytes"] == 0 and run["retained_by_cycle"] == [0, 0]
@@ -309,6 +289,13 @@ def test_benchmark_json_per_instance_zero_class_level_grows(tmp_path):
     assert runs["per-instance", "close"]["held_after_close_bytes"] == 0
     assert runs["per-instance", "close"]["close_raises"] is True
 
+
+def test_benchmark_class_level_cache_grows_per_instance(tmp_path):
+    rc, report = _run_bench(tmp_path, QWEN2_5_SMALL, "--cycles", "2", "--variants", "per-instance,class-level-cache",
+                            script=True)
+    assert rc == 0 and report["ok"]
+    runs = _runs(report)
+    assert runs["per-instance", "del"]["retained_bytes"] == 0
     leak = runs["class-level-cache", "del"]
     weights = leak["weights_bytes"]
     first, second = leak["retained_by_cycle"]
@@ -319,45 +306,37 @@ def test_benchmark_json_per_instance_zero_class_level_grows(tmp_path):
     assert 0 < closed["retained_bytes"] < weights
 
 
-def test_benchmark_qwen3_script_entry_and_plot(tmp_path):
-    import importlib
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_omni", "qwen3_omni_moe", "qwen3_5"])
+def test_new_families_retain_nothing(tmp_path, family):
+    rc, report = _run_bench(tmp_path, FAMILY_SMALL[family], "--cycles", "2", "--teardown", "del")
+    assert rc == 0 and report["ok"] and _runs(report)["per-instance", "del"]["retained_bytes"] == 0
 
-    script = importlib.import_module("bench.teardown")
-    config = tmp_path / "config.json"
-    config.write_text(json.dumps(QWEN3_SMALL_72.to_config_json()))
-    out, plot = tmp_path / "t.json", tmp_path / "t.png"
-    argv = ["--config", str(config), "--device", "cpu", "--cycles", "2", "--quiet", "--json", str(out),
-            "--variants", "per-instance,class-level-cache", "--teardown", "del", "--inputs", "patches"]
+
+def test_benchmark_qwen3_script_with_transformers_and_plot(tmp_path):
+    plot = tmp_path / "t.png"
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         plot = None
-    else:
-        argv += ["--plot", str(plot)]
-    rc = script.main(argv)
-    report = json.loads(out.read_text())
+    extra = ["--cycles", "2", "--teardown", "del", "--inputs", "patches"] + (["--plot", str(plot)] if plot else [])
+    rc, report = _run_bench(tmp_path, QWEN3_SMALL_72, *extra, script=True)
     assert rc == 0 and report["inputs"] == "patches"
     runs = _runs(report)
     assert runs["per-instance", "del"]["retained_bytes"] == 0
     assert runs["per-instance", "del"]["freed_by_refcount"]
     first, second = runs["class-level-cache", "del"]["retained_by_cycle"]
     assert 0 < first < second
+    assert runs["transformers", "del"]["freed_after_gc"]
+    import bench.teardown as script
+
     assert script.cache_entries() == 0  # the benchmark cleared the class cache after its run
     if plot is not None:
         assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.parametrize("name", sorted(PRESETS))
-def test_cli_accepts_every_preset(name):
-    from qwenvl_vision.cli import build_parser
-
-    args = build_parser().parse_args(["bench", "teardown", "--preset", name, "--random-weights", "--cycles", "20"])
-    assert callable(args.func) and args.preset == name and args.cycles == 20
-
-
 def test_plot_without_matplotlib_fails_fast(tmp_path, capsys, monkeypatch):
-    from qwenvl_vision.cli import main
+    import bench.teardown as script
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
-    rc = main(["bench", "teardown", "--preset", "qwen2.5-vl-72b", "--plot", str(tmp_path / "p.png")])
+    rc = script.main(["--preset", "qwen2.5-vl-72b", "--plot", str(tmp_path / "p.png")])
     assert rc == 2 and "matplotlib" in capsys.readouterr().err  # before loading anything

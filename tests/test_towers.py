@@ -1,4 +1,4 @@
-"""Issue 2: both towers against transformers' towers, caches, presets, config parsing (litgpt-style parity)."""
+"""Towers of every family against transformers' towers (litgpt-style parity), caches, presets, config parsing."""
 
 from __future__ import annotations
 
@@ -9,47 +9,34 @@ import weakref
 import pytest
 import torch
 
-from qwenvl_vision import PRESETS, ConfigError, InputError, VisionConfig, build_model, from_config_json, preset
-from tests.reference import hf_forward, hf_tower, rel_err, spread_init_
-
-QWEN2_5_SMALL = VisionConfig(  # released head_dim 80, window 112 / patch 14, full attention in blocks 1 and 3
-    family="qwen2_5_vl", depth=4, hidden_size=160, intermediate_size=96, num_heads=2, out_hidden_size=64,
-    patch_size=14, fullatt_block_indexes=(1, 3),
+from qwenvl_vision import PRESETS, ConfigError, InputError, build_model, from_config_json, preset
+from qwenvl_vision.config import FAMILIES
+from qwenvl_vision.names import to_checkpoint_state
+from tests.helpers import (
+    FAMILY_SMALL,
+    QWEN2_5_GRIDS,
+    QWEN2_5_SMALL,
+    QWEN3_GRIDS,
+    QWEN3_SMALL_64,
+    QWEN3_SMALL_72,
+    grids_for,
+    hf_forward,
+    hf_tower,
+    inputs,
+    pair,
+    rel_err,
 )
-QWEN3_SMALL_72 = VisionConfig(  # head_dim 72 (Qwen3-VL-8B and larger), real 48x48 position table
-    family="qwen3_vl", depth=3, hidden_size=144, intermediate_size=96, num_heads=2, out_hidden_size=64,
-    patch_size=16, deepstack_visual_indexes=(0, 1),
-)
-QWEN3_SMALL_64 = QWEN3_SMALL_72.replace(hidden_size=128, deepstack_visual_indexes=(1,))  # head_dim 64 (2B, 4B)
 
-# Not a multiple of the window (merged 3x5), a 2-frame video, the smallest grid, a grid whose merged
-# size divides the window (the padding adds an empty window), a tall one.
-QWEN2_5_GRIDS = [(1, 6, 10), (2, 8, 8), (1, 2, 2), (1, 16, 20), (1, 18, 12)]
-# ... and for Qwen3 a grid larger than the 48x48 position table.
-QWEN3_GRIDS = [(1, 6, 10), (2, 8, 8), (1, 2, 2), (1, 52, 50)]
+FAMILY_IDS = list(FAMILY_SMALL)
 
 
-def _inputs(cfg: VisionConfig, grids, seed: int = 1):
-    grid_thw = torch.tensor(grids)
-    rows = int(grid_thw.prod(1).sum())
-    return torch.randn(rows, cfg.patch_dim, generator=torch.Generator().manual_seed(seed)), grid_thw
-
-
-def _pair(cfg: VisionConfig):
-    ours = spread_init_(build_model(cfg))
-    ref = hf_tower(cfg)
-    ref.load_state_dict(ours.state_dict(), strict=True)
-    return ours, ref
-
-
-@pytest.mark.parametrize(
-    "cfg,grids",
-    [(QWEN2_5_SMALL, QWEN2_5_GRIDS), (QWEN3_SMALL_72, QWEN3_GRIDS), (QWEN3_SMALL_64, QWEN3_GRIDS)],
-    ids=["qwen2.5-hd80", "qwen3-hd72", "qwen3-hd64"],
-)
-def test_against_hf_tower_fp32(cfg, grids):
-    ours, ref = _pair(cfg)
-    pixel_values, grid_thw = _inputs(cfg, grids)
+@pytest.mark.parametrize("family", FAMILY_IDS)
+def test_against_hf_tower_fp32(family):
+    """Every family's tower, on a pack mixing a grid that is not a multiple of the window, a 2-frame video, the
+    smallest grid and (Qwen3 design) one larger than the position table: merged tokens and every DeepStack level."""
+    cfg = FAMILY_SMALL[family]
+    ours, ref = pair(cfg)
+    pixel_values, grid_thw = inputs(cfg, grids_for(cfg))
     with torch.no_grad():
         merged, levels = ours(pixel_values, grid_thw)
         ref_merged, ref_levels = hf_forward(ref, pixel_values, grid_thw)
@@ -61,12 +48,26 @@ def test_against_hf_tower_fp32(cfg, grids):
         assert rel_err(level, ref_level) <= 1e-5
 
 
+@pytest.mark.parametrize("family", FAMILY_IDS)
+def test_bf16_end_to_end_close_to_fp32(family):
+    cfg = FAMILY_SMALL[family]
+    ours, ref = pair(cfg)
+    pixel_values, grid_thw = inputs(cfg, grids_for(cfg))
+    with torch.no_grad():
+        ref_merged, ref_levels = hf_forward(ref, pixel_values, grid_thw)
+        merged, levels = ours.to(torch.bfloat16)(pixel_values, grid_thw)
+    assert merged.dtype == torch.bfloat16 and torch.isfinite(merged).all()
+    assert rel_err(merged, ref_merged) <= 3e-2
+    for level, ref_level in zip(levels, ref_levels, strict=True):
+        assert rel_err(level, ref_level) <= 3e-2
+
+
 @pytest.mark.parametrize("cfg,grids", [(QWEN2_5_SMALL, QWEN2_5_GRIDS), (QWEN3_SMALL_72, QWEN3_GRIDS)],
                          ids=["qwen2.5", "qwen3"])
 def test_pack_equals_items_one_by_one(cfg, grids):
     """Attention never crosses an image: a packed forward equals each item encoded alone."""
-    model = spread_init_(build_model(cfg))
-    pixel_values, grid_thw = _inputs(cfg, grids)
+    model, _ = pair(cfg)
+    pixel_values, grid_thw = inputs(cfg, grids)
     with torch.no_grad():
         packed, _ = model(pixel_values, grid_thw)
         singles = [model(chunk, grid_thw[i : i + 1])[0]
@@ -74,33 +75,22 @@ def test_pack_equals_items_one_by_one(cfg, grids):
     assert rel_err(packed, torch.cat(singles)) <= 1e-5
 
 
-def test_weights_load_both_ways_strictly():
-    for cfg in (QWEN2_5_SMALL, QWEN3_SMALL_72):
-        ref = spread_init_(hf_tower(cfg), seed=3)
-        ours = build_model(cfg)
-        ours.load_state_dict(ref.state_dict(), strict=True)
-        assert set(ours.state_dict()) == set(ref.state_dict())
-
-
-@pytest.mark.parametrize("cfg,grids", [(QWEN2_5_SMALL, QWEN2_5_GRIDS), (QWEN3_SMALL_72, QWEN3_GRIDS)],
-                         ids=["qwen2.5", "qwen3"])
-def test_bf16_end_to_end_close_to_fp32(cfg, grids):
-    ours, ref = _pair(cfg)
-    pixel_values, grid_thw = _inputs(cfg, grids)
+@pytest.mark.parametrize("family", FAMILY_IDS)
+def test_our_weights_load_into_the_reference_strictly(family):
+    """Our fused and renamed tensors go back to exactly the reference's (= the checkpoints') names and shapes."""
+    cfg = FAMILY_SMALL[family]
+    ours, _ = pair(cfg, seed=3)
+    ref = hf_tower(cfg, seed=None)
+    ref.load_state_dict(to_checkpoint_state(cfg, ours.state_dict()), strict=True)
+    pixel_values, grid_thw = inputs(cfg, grids_for(cfg)[:2])
     with torch.no_grad():
-        ref_merged, ref_levels = hf_forward(ref, pixel_values, grid_thw)
-        ours = ours.to(torch.bfloat16)
-        merged, levels = ours(pixel_values, grid_thw)
-    assert merged.dtype == torch.bfloat16 and torch.isfinite(merged).all()
-    assert rel_err(merged, ref_merged) <= 3e-2
-    for level, ref_level in zip(levels, ref_levels):
-        assert rel_err(level, ref_level) <= 3e-2
+        assert rel_err(ours(pixel_values, grid_thw)[0], hf_forward(ref, pixel_values, grid_thw)[0]) <= 1e-5
 
 
 def test_window_index_worked_example():
     model = build_model("qwen2.5-vl-3b", device="meta")
     plan = model.prepare([(1, 6, 10)])
-    assert plan.window_index.tolist() == [0, 1, 2, 3, 5, 6, 7, 8, 10, 11, 12, 13, 4, 9, 14]
+    assert plan.order.tolist() == [0, 1, 2, 3, 5, 6, 7, 8, 10, 11, 12, 13, 4, 9, 14]
     assert plan.windows.cu_seqlens.tolist() == [0, 48, 60]
     assert plan.frames.cu_seqlens.tolist() == [0, 60]
 
@@ -111,13 +101,14 @@ def test_window_boundaries_of_a_video_and_a_pack():
     # Each 8x8 frame is one whole window (the 4x4 merged grid gets an empty padding window, dropped).
     assert plan.windows.cu_seqlens.tolist() == [0, 64, 128, 176, 188]
     assert plan.frames.cu_seqlens.tolist() == [0, 64, 128, 188]
-    assert sorted(plan.window_index.tolist()) == list(range(47))
-    assert torch.equal(plan.window_index[plan.reverse_index], torch.arange(47))
+    assert sorted(plan.order.tolist()) == list(range(47))
+    assert torch.equal(plan.order[plan.reverse], torch.arange(47))
 
 
 @pytest.mark.parametrize(
     "name,expected_millions",
-    [("qwen2.5-vl-3b", 669), ("qwen2.5-vl-7b", 677), ("qwen3-vl-2b", 407), ("qwen3-vl-8b", 576)],
+    [("qwen2.5-vl-3b", 669), ("qwen2.5-vl-7b", 677), ("qwen3-vl-2b", 407), ("qwen3-vl-8b", 576),
+     ("qwen2-vl-7b", 676), ("qwen3.5-0.8b", 101), ("qwen3.8-flash-next", 449)],
 )
 def test_released_presets_parameter_counts(name, expected_millions):
     model = build_model(name, device="meta")
@@ -125,16 +116,26 @@ def test_released_presets_parameter_counts(name, expected_millions):
     assert round(sum(p.numel() for p in model.parameters()) / 1e6) == expected_millions
 
 
+@pytest.mark.parametrize("name,tensors", [("qwen2.5-omni-7b", 518), ("qwen3.8-flash-next", 333)])
+def test_presets_need_the_released_tensor_count(name, tensors):
+    """The checkpoints' vision tensor counts (518 in Qwen2.5-Omni's index: split q/k/v; 333 in Qwen3.8-Flash-Next)."""
+    cfg = preset(name)
+    assert len(to_checkpoint_state(cfg, build_model(cfg, device="meta").state_dict())) == tensors
+
+
 def test_every_preset_builds_on_meta():
-    assert len(PRESETS) == 10
+    assert {cfg.family for cfg in PRESETS.values()} == set(FAMILIES)
     for name, cfg in PRESETS.items():
         model = build_model(name, device="meta")
         assert model.config == cfg
-        last = model.merger.linear_fc2 if cfg.family == "qwen3_vl" else model.merger.mlp[2]
-        assert last.out_features == cfg.out_hidden_size
+        assert model.merger.linear_fc2.out_features == cfg.out_hidden_size
 
 
 # config.json excerpts as the released checkpoints write them
+QWEN2_VL_2B_JSON = {  # the whole vision_config of Qwen2-VL-2B-Instruct: the rest are transformers' class defaults
+    "architectures": ["Qwen2VLForConditionalGeneration"], "model_type": "qwen2_vl", "hidden_size": 1536,
+    "vision_config": {"hidden_size": 1536, "in_chans": 3, "model_type": "qwen2_vl", "spatial_patch_size": 14},
+}
 QWEN2_5_3B_JSON = {
     "architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl", "hidden_size": 2048,
     "vision_config": {"depth": 32, "hidden_act": "silu", "hidden_size": 1280, "intermediate_size": 3420,
@@ -155,14 +156,32 @@ QWEN3_MOE_JSON = {
     "vision_config": {**QWEN3_2B_JSON["vision_config"], "depth": 27, "hidden_size": 1152, "intermediate_size": 4304,
                       "deepstack_visual_indexes": [8, 16, 24], "model_type": "qwen3_vl_moe"},
 }
+QWEN3_OMNI_JSON = {
+    "model_type": "qwen3_omni_moe",
+    "thinker_config": {"model_type": "qwen3_omni_moe_thinker", "text_config": {"hidden_size": 2048},
+                       "vision_config": {**QWEN3_MOE_JSON["vision_config"], "image_size": 768,
+                                         "apply_vit_abs_pos_embed": True, "out_hidden_size": 2048,
+                                         "model_type": "qwen3_omni_moe_vision_encoder"}},
+    "talker_config": {"model_type": "qwen3_omni_moe_talker"},
+}
+QWEN3_5_4B_JSON = {
+    "model_type": "qwen3_5", "text_config": {"hidden_size": 2560, "model_type": "qwen3_5_text"},
+    "vision_config": {"deepstack_visual_indexes": [], "depth": 24, "hidden_act": "gelu_pytorch_tanh",
+                      "hidden_size": 1024, "in_channels": 3, "intermediate_size": 4096, "model_type": "qwen3_5",
+                      "num_heads": 16, "num_position_embeddings": 2304, "out_hidden_size": 2560, "patch_size": 16,
+                      "spatial_merge_size": 2, "temporal_patch_size": 2},
+}
 
 
 def test_parse_released_config_json():
+    assert from_config_json(QWEN2_VL_2B_JSON).replace(name="qwen2-vl-2b") == preset("qwen2-vl-2b")
     assert from_config_json(QWEN2_5_3B_JSON).replace(name="qwen2.5-vl-3b") == preset("qwen2.5-vl-3b")
     assert from_config_json(QWEN3_2B_JSON).replace(name="qwen3-vl-2b") == preset("qwen3-vl-2b")
     moe = from_config_json(QWEN3_MOE_JSON)
-    assert moe.family == "qwen3_vl" and moe.model_type == "qwen3_vl_moe"
+    assert moe.family == "qwen3_vl_moe" and moe.spec.label == "Qwen3-VL-MoE"
     assert moe.replace(name="qwen3-vl-30b-a3b") == preset("qwen3-vl-30b-a3b")
+    assert from_config_json(QWEN3_OMNI_JSON).replace(name="qwen3-omni-30b-a3b") == preset("qwen3-omni-30b-a3b")
+    assert from_config_json(QWEN3_5_4B_JSON).replace(name="qwen3.5-4b") == preset("qwen3.5-4b")
     # Our vision-only config.json round-trips.
     for cfg in PRESETS.values():
         assert from_config_json(cfg.to_config_json()) == cfg
@@ -186,8 +205,8 @@ def test_unknown_model_type_is_named():
 
 
 def test_bad_inputs_are_named():
-    model = spread_init_(build_model(QWEN2_5_SMALL))
-    pixel_values, grid_thw = _inputs(QWEN2_5_SMALL, [(1, 4, 4)])
+    model = pair(QWEN2_5_SMALL)[0]
+    pixel_values, grid_thw = inputs(QWEN2_5_SMALL, [(1, 4, 4)])
     with pytest.raises(InputError, match=r"expected \(16, 1176\)"):
         model(pixel_values[:-1], grid_thw)
     with pytest.raises(InputError, match="multiples of the merge size"):
@@ -234,12 +253,12 @@ def test_instances_never_share_cache_entries():
 
 
 def test_threads_hammering_new_shapes_match_serial():
-    model = spread_init_(build_model(QWEN2_5_SMALL))
+    model = pair(QWEN2_5_SMALL)[0]
     grids = [(1, 2 * i, 2 * j) for i in range(1, 5) for j in range(1, 5)]
-    inputs = [_inputs(QWEN2_5_SMALL, [g], seed=i) for i, g in enumerate(grids)]
+    packs = [inputs(QWEN2_5_SMALL, [g], seed=i) for i, g in enumerate(grids)]
     with torch.no_grad():
-        fresh = spread_init_(build_model(QWEN2_5_SMALL))
-        serial = [fresh(*x)[0] for x in inputs]
+        fresh = pair(QWEN2_5_SMALL)[0]
+        serial = [fresh(*x)[0] for x in packs]
     results: dict[tuple[int, int], torch.Tensor] = {}
     plans: dict[tuple[int, int], object] = {}
     barrier = threading.Barrier(8)
@@ -248,10 +267,10 @@ def test_threads_hammering_new_shapes_match_serial():
     def worker(tid: int) -> None:
         try:
             barrier.wait()
-            for k in range(len(inputs)):
-                i = (k + tid) % len(inputs)
+            for k in range(len(packs)):
+                i = (k + tid) % len(packs)
                 with torch.no_grad():
-                    results[(tid, i)] = model(*inputs[i])[0]
+                    results[(tid, i)] = model(*packs[i])[0]
                 plans[(tid, i)] = model.grid_plan(grids[i])
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(e)
@@ -269,10 +288,10 @@ def test_threads_hammering_new_shapes_match_serial():
 
 
 def test_model_freed_by_del_after_forwards():
-    model = spread_init_(build_model(QWEN2_5_SMALL))
+    model = pair(QWEN2_5_SMALL)[0]
     with torch.no_grad():
         for grids in ([(1, 4, 4)], [(1, 6, 10), (2, 8, 8)], [(1, 2, 2)]):
-            model(*_inputs(QWEN2_5_SMALL, grids))
+            model(*inputs(QWEN2_5_SMALL, grids))
     assert len(model.shape_cache) == 4
     ref = weakref.ref(model)
     cache_ref = weakref.ref(model.shape_cache)

@@ -1,17 +1,17 @@
 """``qwenvl-vision bench teardown``: does shutting an encoder down give all of its memory back?
 
-Each cycle, in one process: load an encoder, encode images of several sizes (so every per-grid cache
-fills), tear it down, and measure before load / after load / after encode / (after close) / after
-teardown / after a gc collection. Teardown is either ``del`` alone, or ``close()`` while the caller still
-holds the encoder and its model, then ``del``. Measured:
+Each cycle, in one process: load an encoder (any checkpoint, repo id or preset), encode images of several sizes
+(so every per-grid cache fills), tear it down, and measure before load / after load / after encode / (after
+close) / after teardown / after a gc collection. Teardown is either ``del`` alone, or ``close()`` while the
+caller still holds the encoder and its model, then ``del``. Measured:
 
 - CPU: bytes of live tensor storages, a census over ``gc.get_objects()`` counting each untyped storage
   once by (device, data_ptr); meta tensors have no storage and count 0. Also the process RSS (after
   ``malloc_trim`` on glibc), for information: the allocator may keep freed pages.
 - CUDA: ``torch.cuda.memory_allocated`` / ``memory_reserved`` after ``synchronize``, clearing the
   process-wide cuBLAS workspaces (allocated by the first matmul, not by any encoder) and ``empty_cache``
-  (the census is recorded too); the allocator history is recorded, and on a failure of the per-instance
-  variant dumped with ``torch.cuda.memory._dump_snapshot`` (view at https://pytorch.org/memory_viz).
+  (the census is recorded too); the allocator history is recorded, and on a failure dumped with
+  ``torch.cuda.memory._dump_snapshot`` (view at https://pytorch.org/memory_viz).
 - Whether the encoder, its model, every submodule and the shape cache were freed by reference counting
   alone: weak references checked right after the teardown with the cyclic gc disabled for the whole
   cycle, and again after ``gc.collect()``.
@@ -20,16 +20,10 @@ retained = (after teardown) - (before the first load of that run), so a cache th
 shows as growth from cycle to cycle; the run's ``retained_bytes`` is the worst cycle. No warm-up by default:
 the first encoder of a fresh process must be freed too (``--warmup N`` to exclude one-time effects).
 
-Variants, side by side in one run: ``per-instance`` (this package), ``class-level-cache`` (the same model
-with its grid-plan cache moved to a class-level ``functools.lru_cache`` keyed on (self, grid), as serving
-engines had it) and ``transformers`` (transformers' tower of the same config, random init, ``del`` only).
-
-Where the code lives: everything here is in the package, except the class-level-cache variant. That
-variant *is* the bug this package avoids, and the package must contain no functools cache (the tests scan
-it), so it is defined only in the repository's ``bench/teardown.py``. The CLI loads that file by path: from
-``$QWENVL_VISION_BENCH_DIR``, else ``bench/`` next to the package (a checkout / editable install), else
-``./bench``. Without it the variant is skipped with a note (an error if ``--variants`` names it).
-``python bench/teardown.py ...`` runs the same benchmark with the same options.
+The package measures its own encoder (variant ``per-instance``). The comparisons - the same model with a
+class-level ``functools.lru_cache`` (the bug this package exists to avoid, so it may not live in the package),
+and transformers' tower - and the plot are in the repository's ``bench/teardown.py``, which passes them in as
+``extra_variants``.
 """
 
 from __future__ import annotations
@@ -37,7 +31,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
-import importlib.util
 import json
 import os
 import sys
@@ -47,15 +40,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import compress
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 PER_INSTANCE = "per-instance"
-CLASS_LEVEL = "class-level-cache"
-TRANSFORMERS = "transformers"
-VARIANTS = (PER_INSTANCE, CLASS_LEVEL, TRANSFORMERS)
 TEARDOWNS = ("del", "close")
-BENCH_DIR_ENV = "QWENVL_VISION_BENCH_DIR"
 
 # Merged-token (h, w) of the default images: several sizes, not all multiples of Qwen2.5's 4x4 window.
 CPU_SIZES = ((1, 1), (1, 2), (2, 1), (2, 3))
@@ -76,7 +64,8 @@ def live_tensor_storages() -> dict[tuple[str, int], tuple[int, str]]:
     objects = gc.get_objects()
     # type(), not isinstance(): no __class__ lookups on arbitrary objects (some warn or import on access);
     # the tensor types are found once per census and the scan runs at C speed.
-    tensor_types = {t for t in set(map(type, objects)) if issubclass(t, torch.Tensor)}
+    # FakeTensors (torch.compile's tracing values) have no data.
+    tensor_types = {t for t in set(map(type, objects)) if issubclass(t, torch.Tensor) and t.__name__ != "FakeTensor"}
     tensors = list(compress(objects, map(tensor_types.__contains__, map(type, objects))))
     del objects
     seen: dict[tuple[str, int], tuple[int, str]] = {}
@@ -283,120 +272,24 @@ class Options:
     extra: dict = field(default_factory=dict)
 
 
-def load_class_level_module() -> ModuleType | None:
-    """The repository's bench/teardown.py (defines the class-level-cache variant), or None."""
-    for name in ("bench.teardown", "qwenvl_vision_bench_teardown"):
-        if name in sys.modules and hasattr(sys.modules[name], "adopt"):
-            return sys.modules[name]
-    candidates = []
-    if os.environ.get(BENCH_DIR_ENV):
-        candidates.append(Path(os.environ[BENCH_DIR_ENV]))
-    candidates += [Path(__file__).resolve().parent.parent / "bench", Path.cwd() / "bench"]
-    for folder in candidates:
-        path = folder / "teardown.py"
-        if path.is_file():
-            spec = importlib.util.spec_from_file_location("qwenvl_vision_bench_teardown", path)
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[spec.name] = module
-            try:
-                spec.loader.exec_module(module)
-            except BaseException:
-                del sys.modules[spec.name]
-                raise
-            return module
-    return None
+# A comparison variant: a factory from the run's options to a Variant, or to the reason it cannot run here.
+VariantFactory = Callable[[Options], "Variant | str"]
 
 
-def hf_tower_classes(cfg: Any) -> tuple[type, type, dict[str, Any]]:
-    """(config class, tower class, family-specific config fields) of transformers' tower for cfg.
-
-    Imported before any measurement: a first import inside the measured cycle leaves the importing frame
-    (and the tower in its locals) in a traceback cycle from exceptions caught during the import, which only
-    the cyclic gc frees - an artifact of where the import happens, not of the tower.
-    """
-    from .config import QWEN2_5
-
-    if cfg.family == QWEN2_5:
-        from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig as Config
-        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
-            Qwen2_5_VisionTransformerPretrainedModel as Tower,
-        )
-        extra = dict(window_size=cfg.window_size, fullatt_block_indexes=list(cfg.fullatt_block_indexes))
-    else:
-        from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig as Config
-        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel as Tower
-        extra = dict(num_position_embeddings=cfg.num_position_embeddings,
-                     deepstack_visual_indexes=list(cfg.deepstack_visual_indexes))
-    return Config, Tower, extra
-
-
-def hf_vision_config(cfg: Any, attn_implementation: str = "sdpa",
-                     classes: tuple[type, type, dict[str, Any]] | None = None) -> Any:
-    """transformers' vision config carrying our VisionConfig's numbers (shared with the tests and throughput)."""
-    Config, _, extra = classes or hf_tower_classes(cfg)
-    hf_cfg = Config(depth=cfg.depth, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-                    num_heads=cfg.num_heads, out_hidden_size=cfg.out_hidden_size, patch_size=cfg.patch_size,
-                    in_channels=cfg.in_channels, temporal_patch_size=cfg.temporal_patch_size,
-                    spatial_merge_size=cfg.spatial_merge_size, hidden_act=cfg.hidden_act, **extra)
-    hf_cfg._attn_implementation = attn_implementation
-    return hf_cfg
-
-
-def hf_vision_tower(cfg: Any, device: Any, dtype: Any, classes: tuple[type, type, dict[str, Any]] | None = None
-                    ) -> Any:
-    """transformers' tower for the same config, random init, on device in dtype."""
-    import torch
-
-    classes = classes or hf_tower_classes(cfg)
-    with torch.device(device):
-        tower = classes[1]._from_config(hf_vision_config(cfg, "sdpa", classes), dtype=dtype)
-    return tower.eval().requires_grad_(False)
-
-
-def _transformers_variant(opts: Options) -> Variant:
-    """transformers is imported only when this run starts (after ours, outside any measured cycle):
-    importing it imports torch._dynamo, which would hide first-use effects from the other variants."""
-    classes: list = []
-
-    def prepare() -> None:
-        import transformers
-
-        classes[:] = hf_tower_classes(opts.config)
-        variant.note = f"transformers {transformers.__version__} tower, random init, del only"
-
-    variant = Variant(TRANSFORMERS, lambda: hf_vision_tower(opts.config, opts.device, opts.dtype, tuple(classes)),
-                      ("del",), expect_free=False, note="transformers tower, random init, del only", prepare=prepare)
-    return variant
-
-
-def build_variants(opts: Options, wanted: list[str], class_level: ModuleType | None
+def build_variants(opts: Options, wanted: list[str], extra: dict[str, VariantFactory]
                    ) -> tuple[list[Variant], list[dict[str, str]]]:
-    from .encoder import load_encoder
-
-    def ours() -> Any:
-        return load_encoder(opts.source, device=opts.device, dtype=opts.dtype, random_weights=opts.random_weights)
-
     variants: list[Variant] = []
     skipped: list[dict[str, str]] = []
     for name in wanted:
         if name == PER_INSTANCE:
-            variants.append(Variant(name, ours, TEARDOWNS, expect_free=True,
+            variants.append(Variant(name, lambda: _load_plain(opts), TEARDOWNS, expect_free=True,
                                     note="grid plans in the model's own bounded ShapeCache"))
-        elif name == CLASS_LEVEL:
-            if class_level is None:
-                skipped.append({"variant": name, "reason": (
-                    "bench/teardown.py not found (it defines this variant; run from a checkout, or set "
-                    f"{BENCH_DIR_ENV} to the repository's bench folder)")})
-                continue
-            variants.append(Variant(
-                name, lambda: class_level.adopt(ours()), TEARDOWNS, expect_free=False,
-                note="grid_plan memoised by a class-level functools.lru_cache keyed on (self, grid)",
-                cache_entries=class_level.cache_entries, cache_clear=class_level.cache_clear))
-        elif name == TRANSFORMERS:
-            if importlib.util.find_spec("transformers") is None:
-                skipped.append({"variant": name, "reason": "transformers is not installed"})
-                continue
-            variants.append(_transformers_variant(opts))
+            continue
+        made = extra[name](opts)
+        if isinstance(made, str):
+            skipped.append({"variant": name, "reason": made})
+        else:
+            variants.append(made)
     return variants, skipped
 
 
@@ -593,46 +486,6 @@ def format_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-PHASES = ("before_load", "after_load", "after_encode", "after_close", "after_teardown", "after_gc")
-
-
-def plot_report(report: dict[str, Any], path: str) -> None:
-    """Memory at each phase of each cycle, one line per variant/teardown."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    cuda = report["device"].startswith("cuda")
-    key = "cuda_allocated" if cuda else "tensor_bytes"
-    cycles = max((len(run["cycles"]) for run in report["runs"]), default=1)
-    fig, ax = plt.subplots(figsize=(max(8.0, 0.35 * len(PHASES) * cycles), 5))
-    styles = [("-", "o", 3.0), ("--", "s", 2.5), (":", "^", 2.0), ("-.", "v", 1.8), ((0, (1, 3)), "x", 1.5)]
-    for index, run in enumerate(report["runs"]):
-        base = run["baseline"][key]
-        xs, ys = [], []
-        for c in run["cycles"]:
-            for slot, phase in enumerate(PHASES):
-                if phase in c["phases"]:  # del runs have no after_close point
-                    xs.append((c["cycle"] - 1) * len(PHASES) + slot)
-                    ys.append((c["phases"][phase][key] - base) / 2**20)
-        linestyle, marker, width = styles[index % len(styles)]  # overlapping runs stay distinguishable
-        ax.plot(xs, ys, linestyle=linestyle, marker=marker, markersize=4, linewidth=width, alpha=0.8,
-                label=f"{run['variant']} / {run['teardown']}")
-    names = [p.replace("after_", "").replace("before_", "pre-") for p in PHASES]
-    ax.set_xticks(range(len(PHASES) * cycles))
-    ax.set_xticklabels([f"{i // len(PHASES) + 1}:{names[i % len(PHASES)]}" for i in range(len(PHASES) * cycles)],
-                       rotation=90, fontsize=7)
-    ax.set_xlabel("cycle:phase")
-    ax.set_ylabel(("CUDA allocated" if cuda else "live tensor storage") + " above baseline (MiB)")
-    ax.set_title(f"teardown: {report['model']} on {report['device']}, {report['dtype']}")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 # ---------------------------------------------------------------------- entry points
 
 
@@ -649,11 +502,12 @@ def _parse_sizes(text: str, cfg: Any) -> list[tuple[int, int]]:
     return sizes
 
 
-def add_teardown_arguments(p: argparse.ArgumentParser) -> None:
+def add_teardown_arguments(p: argparse.ArgumentParser, variants: tuple[str, ...] = (PER_INSTANCE,)) -> None:
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", help="checkpoint folder or Hugging Face repo id (real weights)")
-    src.add_argument("--preset", help="a released tower's name (random weights at its real size): "
-                                      "qwen2.5-vl-3b ... qwen3-vl-235b-a22b")
+    src.add_argument("model", nargs="?", help="checkpoint folder or Hugging Face repo id (real weights)")
+    src.add_argument("--model", dest="model_option", help=argparse.SUPPRESS)  # the older spelling
+    src.add_argument("--preset", help="a released tower's name (random weights at its real size), e.g. "
+                                      "qwen2.5-vl-3b; see README for the list")
     src.add_argument("--config", help="a config.json (a checkpoint's or ours) to build with random weights, "
                                       "e.g. a tiny one for a smoke test")
     p.add_argument("--random-weights", action="store_true",
@@ -661,10 +515,10 @@ def add_teardown_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cycles", type=int, default=20, help="load/encode/teardown cycles per variant (default 20)")
     p.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     p.add_argument("--dtype", help="bf16, fp32, fp16 (default: bf16 on CUDA, fp32 on CPU)")
-    p.add_argument("--variants",
-                   help=f"comma-separated subset of {','.join(VARIANTS)} (default: all)")
+    if len(variants) > 1:
+        p.add_argument("--variants", help=f"comma-separated subset of {','.join(variants)} (default: all)")
     p.add_argument("--teardown", default=",".join(TEARDOWNS),
-                   help="comma-separated subset of del,close (default: both; transformers is del only)")
+                   help="comma-separated subset of del,close (default: both; comparison variants may be del only)")
     p.add_argument("--inputs", choices=("auto", "images", "patches"), default="auto",
                    help="encode_images on uint8 arrays, or encode_patches on random rows "
                         "(auto: images, falling back to patches if preprocessing is unavailable)")
@@ -674,60 +528,42 @@ def add_teardown_arguments(p: argparse.ArgumentParser) -> None:
                    help="unmeasured cycles before the runs, so one-time process-wide state is not counted "
                         "(default 0: the first cycle of a fresh process is part of the test)")
     p.add_argument("--json", help="write the full results here")
-    p.add_argument("--plot", help="draw memory over the cycle phases per variant to this image (needs matplotlib)")
     p.add_argument("--snapshot-dir", default=".",
                    help="CUDA: where to dump torch.cuda.memory._dump_snapshot on a per-instance failure")
     p.add_argument("--quiet", action="store_true", help="no per-cycle progress lines")
 
 
-def teardown_main(argv: list[str] | None = None, class_level: ModuleType | None = None) -> int:
-    """``python bench/teardown.py`` entry: same options as ``qwenvl-vision bench teardown``."""
-    p = argparse.ArgumentParser(prog="bench/teardown.py", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_teardown_arguments(p)
-    args = p.parse_args(argv)
-    return cmd_teardown(args, class_level=class_level)
-
-
-def cmd_teardown(args: argparse.Namespace, class_level: ModuleType | None = None) -> int:
+def cmd_teardown(args: argparse.Namespace, extra_variants: dict[str, VariantFactory] | None = None,
+                 after: Callable[[dict[str, Any]], None] | None = None) -> int:
+    """Run the benchmark; ``extra_variants`` adds comparisons (bench/teardown.py), ``after`` sees the report."""
     import torch
 
     from .config import resolve_config
     from .encoder import resolve_device, resolve_dtype
 
+    extra = extra_variants or {}
+    known = (PER_INSTANCE, *extra)
     log = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
-    wanted = [v.strip() for v in (args.variants or ",".join(VARIANTS)).split(",") if v.strip()]
-    bad = [v for v in wanted if v not in VARIANTS]
+    wanted = [v.strip() for v in (getattr(args, "variants", None) or ",".join(known)).split(",") if v.strip()]
+    bad = [v for v in wanted if v not in known]
     teardowns = [t.strip() for t in args.teardown.split(",") if t.strip()]
     bad += [t for t in teardowns if t not in TEARDOWNS]
     if bad or not wanted or not teardowns:
-        print(f"bench teardown: unknown variant/teardown {bad}; variants: {VARIANTS}, teardowns: {TEARDOWNS}",
+        print(f"bench teardown: unknown variant/teardown {bad}; variants: {list(known)}, teardowns: {TEARDOWNS}",
               file=sys.stderr)
         return 2
     if args.cycles < 1:
         print("bench teardown: --cycles must be >= 1", file=sys.stderr)
         return 2
-    if args.plot:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            print("bench teardown: --plot needs matplotlib (pip install matplotlib, or 'qwenvl-vision[plot]'); "
-                  "rerun without --plot for the table and --json", file=sys.stderr)
-            return 2
-    if CLASS_LEVEL in wanted and class_level is None:
-        class_level = load_class_level_module()
-        if class_level is None and args.variants is not None:  # asked for by name: an error, not a note
-            print(f"bench teardown: {CLASS_LEVEL} is defined in the repository's bench/teardown.py, which was not "
-                  f"found (set {BENCH_DIR_ENV})", file=sys.stderr)
-            return 2
 
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    if args.model:
-        config = _checkpoint_config(args.model)
+    model = args.model or getattr(args, "model_option", None)
+    if model:
+        config = _checkpoint_config(model)
         # --random-weights with a checkpoint: its config at its size, without reading the weights
-        source, random_weights = (config, True) if args.random_weights else (args.model, False)
-        label = args.model + (" (random weights)" if args.random_weights else "")
+        source, random_weights = (config, True) if args.random_weights else (model, False)
+        label = model + (" (random weights)" if args.random_weights else "")
     else:
         source = resolve_config(args.preset or args.config)
         random_weights = True
@@ -736,7 +572,7 @@ def cmd_teardown(args: argparse.Namespace, class_level: ModuleType | None = None
     opts = Options(source, random_weights, device, dtype, label, config)
     sizes = _parse_sizes(args.sizes, config) if args.sizes else list(CUDA_SIZES if device.type == "cuda" else CPU_SIZES)
     inputs = make_inputs(config, device, sizes, args.inputs)
-    variants, skipped = build_variants(opts, wanted, class_level)
+    variants, skipped = build_variants(opts, wanted, extra)
     recording = False
     if device.type == "cuda" and hasattr(torch.cuda.memory, "_record_memory_history"):
         torch.cuda.memory._record_memory_history(max_entries=200_000)
@@ -781,13 +617,8 @@ def cmd_teardown(args: argparse.Namespace, class_level: ModuleType | None = None
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1, default=str)
         print(f"wrote {args.json}")
-    if args.plot:
-        plot_report(report, args.plot)
-        print(f"wrote {args.plot}")
-    if any(r["variant"] == CLASS_LEVEL and r["teardown"] == "del" and r["retained_bytes"] <= 0
-           for r in report["runs"]):
-        print("warning: the class-level-cache variant retained nothing; the benchmark did not see the bug",
-              file=sys.stderr)
+    if after is not None:
+        after(report)
     return 0 if report["ok"] or not checked else 1
 
 
@@ -804,18 +635,11 @@ def _checkpoint_config(source: str) -> Any:
     return open_checkpoint(_resolve_folder(source, None, False, None, None)).config
 
 
-def _cmd_bench_teardown(args: argparse.Namespace) -> int:
-    return cmd_teardown(args)
-
-
 def add_bench_parser(sub: Any) -> None:
     """``qwenvl-vision bench <name>``; today: teardown."""
     p = sub.add_parser("bench", help="benchmarks (teardown: is every byte given back?)")
     bench_sub = p.add_subparsers(dest="bench", required=True)
-    t = bench_sub.add_parser("teardown", help="memory retained after tearing encoders down, per cache design",
+    t = bench_sub.add_parser("teardown", help="memory retained after tearing an encoder down (del and close)",
                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_teardown_arguments(t)
-    t.set_defaults(func=_cmd_bench_teardown)
-
-
-__all__ = ["add_bench_parser", "cmd_teardown", "live_tensor_bytes", "live_tensor_storages", "teardown_main"]
+    t.set_defaults(func=cmd_teardown)

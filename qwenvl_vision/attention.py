@@ -1,0 +1,165 @@
+"""Attention over a packed sequence of independent segments (frames or windows), and its backends.
+
+Reference: transformers' vision attention, which splits q/k/v at ``cu_seqlens`` and runs one SDPA call per
+segment (or one flash varlen call). Attention never crosses a segment, and no N x N mask is ever built.
+
+Backends, chosen once per tower (``attn_impl``; timm's ``fused_attn`` / vLLM's ``attn_backend_override``):
+
+- ``"sdpa"``: segments of equal length batched into one ``scaled_dot_product_attention`` call each (a view
+  when they are contiguous, a gather otherwise). Runs on every device and dtype.
+- ``"flash"``: flash-attn's ``flash_attn_varlen_func``, one call per layer over the whole pack (CUDA, fp16/bf16).
+- ``"torch_varlen"``: PyTorch's ``torch.nn.attention.varlen.varlen_attn``, the same (CUDA, fp16/bf16).
+- ``"auto"``: flash, else torch_varlen, where they can run; else sdpa.
+
+A backend is a plain callable ``(q, k, v, plan, scale, out) -> (N, H, hd)``. It is the tower's one compile
+boundary: compiled blocks call it through ``torch.compiler.disable``, because its per-forward plan is host data.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .errors import ConfigError
+
+VIEW_MIN_TOKENS = 2048  # a run of equal segments this large runs in place; smaller ones may be gathered
+ATTN_IMPLS = ("auto", "sdpa", "flash", "torch_varlen")
+
+
+@dataclass
+class SegmentGroup:
+    """Segments of one length L: a contiguous run [start, start + count*L) or gathered rows."""
+
+    length: int
+    count: int
+    start: int | None = None
+    index: torch.Tensor | None = None  # (count * L,) rows, when the segments are not contiguous
+
+
+@dataclass
+class SegmentPlan:
+    """Attention boundaries for one packed forward, built once on the host and moved to the device once."""
+
+    cu_seqlens: torch.Tensor  # (n + 1,) int32 on the device
+    max_seqlen: int
+    groups: list[SegmentGroup]
+    total: int
+
+    @classmethod
+    def from_lengths(cls, lengths: list[int], device: torch.device | str = "cpu") -> SegmentPlan:
+        """Runs of consecutive equal-length segments become views (no copy); small runs of one length
+        scattered over the pack are gathered into one batched call so that many tiny images or windows
+        do not cost one kernel launch each. Large runs are never gathered: the copy would cost memory."""
+        lengths = [int(n) for n in lengths if n > 0]
+        runs: list[tuple[int, int, int]] = []  # (length, start, count)
+        start = 0
+        for n in lengths:
+            if runs and runs[-1][0] == n and runs[-1][1] + runs[-1][2] * n == start:
+                runs[-1] = (n, runs[-1][1], runs[-1][2] + 1)
+            else:
+                runs.append((n, start, 1))
+            start += n
+        groups: list[SegmentGroup] = []
+        small_by_length: dict[int, list[tuple[int, int]]] = {}
+        for n, run_start, count in runs:
+            if n * count >= VIEW_MIN_TOKENS:
+                groups.append(SegmentGroup(n, count, start=run_start))
+            else:
+                small_by_length.setdefault(n, []).append((run_start, count))
+        for n, small in small_by_length.items():
+            if len(small) == 1:
+                groups.append(SegmentGroup(n, small[0][1], start=small[0][0]))
+                continue
+            starts = torch.tensor([s + i * n for s, count in small for i in range(count)])
+            rows = (starts[:, None] + torch.arange(n)).flatten()
+            groups.append(SegmentGroup(n, len(starts), index=rows.to(device, non_blocking=True)))
+        cu = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0).to(torch.int32)
+        return cls(cu.to(device, non_blocking=True), max(lengths, default=0), groups, start)
+
+
+def _sdpa_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int, length: int, scale: float,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """count segments of `length` tokens, (count*L, H, hd) each -> (count*L, H, hd), into `out` if given."""
+    heads, hd = q.shape[-2:]
+
+    def split(x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(count, length, heads, hd).transpose(1, 2)
+
+    attended = F.scaled_dot_product_attention(split(q), split(k), split(v), scale=scale).transpose(1, 2)
+    if out is None:
+        return attended.reshape(count * length, heads, hd)
+    out.view(count, length, heads, hd).copy_(attended)
+    return out
+
+
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: SegmentPlan, scale: float,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """Non-causal attention inside each segment of the plan; q, k, v: (N, H, hd); into `out` when given."""
+    if out is None:
+        if len(plan.groups) == 1 and plan.groups[0].start == 0:  # one run of equal segments: no copy
+            group = plan.groups[0]
+            return _sdpa_batched(q, k, v, group.count, group.length, scale)
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    for group in plan.groups:
+        if group.index is None:
+            rows = slice(group.start, group.start + group.count * group.length)
+            _sdpa_batched(q[rows], k[rows], v[rows], group.count, group.length, scale, out=out[rows])
+        else:
+            idx = group.index
+            out[idx] = _sdpa_batched(q[idx], k[idx], v[idx], group.count, group.length, scale)
+    return out
+
+
+def flash_attention(q, k, v, plan: SegmentPlan, scale: float, out=None) -> torch.Tensor:
+    """flash-attn's varlen kernel over the whole pack (returns its own tensor)."""
+    from flash_attn import flash_attn_varlen_func
+
+    cu, n = plan.cu_seqlens, plan.max_seqlen
+    return flash_attn_varlen_func(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, n, n,
+                                  softmax_scale=scale, causal=False)
+
+
+def torch_varlen_attention(q, k, v, plan: SegmentPlan, scale: float, out=None) -> torch.Tensor:
+    """PyTorch's varlen kernel over the whole pack (returns its own tensor)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    cu, n = plan.cu_seqlens, plan.max_seqlen
+    return varlen_attn(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, n, n, scale=scale)
+
+
+BACKENDS: dict[str, Callable] = {
+    "sdpa": sdpa_attention,
+    "flash": flash_attention,
+    "torch_varlen": torch_varlen_attention,
+}
+
+
+def _unavailable(name: str, device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why backend `name` cannot run for a tower on device/dtype, or None if it can."""
+    if name == "sdpa":
+        return None
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+        return f"it runs on CUDA in float16/bfloat16 only (this tower: {device.type}, {dtype})"
+    if name == "flash" and importlib.util.find_spec("flash_attn") is None:
+        return "flash-attn is not installed"
+    if name == "torch_varlen" and importlib.util.find_spec("torch.nn.attention.varlen") is None:
+        return f"this PyTorch ({torch.__version__}) has no torch.nn.attention.varlen"
+    return None
+
+
+def resolve_attn_impl(attn_impl: str, device: torch.device | str, dtype: torch.dtype) -> str:
+    """The backend that runs: ``attn_impl`` itself, or for "auto" the fastest one available; a backend that
+    cannot run for this device and dtype is a ConfigError saying why."""
+    device = torch.device(device)
+    if attn_impl not in ATTN_IMPLS:
+        raise ConfigError(f"attn_impl {attn_impl!r} is not one of {list(ATTN_IMPLS)}")
+    if attn_impl == "auto":
+        return next(name for name in ("flash", "torch_varlen", "sdpa") if _unavailable(name, device, dtype) is None)
+    reason = _unavailable(attn_impl, device, dtype)
+    if reason is not None:
+        raise ConfigError(f"attn_impl {attn_impl!r} is not available: {reason}")
+    return attn_impl
