@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 
 from .errors import ConfigError
 
@@ -81,18 +82,16 @@ class SegmentPlan:
         return cls(cu.to(device, non_blocking=True), max(lengths, default=0), groups, start)
 
 
-def _sdpa_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int, length: int, scale: float,
+def _sdpa_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int, scale: float,
                   out: torch.Tensor | None = None) -> torch.Tensor:
-    """count segments of `length` tokens, (count*L, H, hd) each -> (count*L, H, hd), into `out` if given."""
-    heads, hd = q.shape[-2:]
-
+    """count equal segments packed as (count*L, H, hd) -> (count*L, H, hd), into `out` if given."""
     def split(x: torch.Tensor) -> torch.Tensor:
-        return x.reshape(count, length, heads, hd).transpose(1, 2)
+        return rearrange(x, "(b l) h d -> b h l d", b=count)
 
-    attended = F.scaled_dot_product_attention(split(q), split(k), split(v), scale=scale).transpose(1, 2)
+    attended = F.scaled_dot_product_attention(split(q), split(k), split(v), scale=scale)
     if out is None:
-        return attended.reshape(count * length, heads, hd)
-    out.view(count, length, heads, hd).copy_(attended)
+        return rearrange(attended, "b h l d -> (b l) h d")
+    rearrange(out, "(b l) h d -> b h l d", b=count).copy_(attended)
     return out
 
 
@@ -102,15 +101,15 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Segm
     if out is None:
         if len(plan.groups) == 1 and plan.groups[0].start == 0:  # one run of equal segments: no copy
             group = plan.groups[0]
-            return _sdpa_batched(q, k, v, group.count, group.length, scale)
+            return _sdpa_batched(q, k, v, group.count, scale)
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     for group in plan.groups:
         if group.index is None:
             rows = slice(group.start, group.start + group.count * group.length)
-            _sdpa_batched(q[rows], k[rows], v[rows], group.count, group.length, scale, out=out[rows])
+            _sdpa_batched(q[rows], k[rows], v[rows], group.count, scale, out=out[rows])
         else:
             idx = group.index
-            out[idx] = _sdpa_batched(q[idx], k[idx], v[idx], group.count, group.length, scale)
+            out[idx] = _sdpa_batched(q[idx], k[idx], v[idx], group.count, scale)
     return out
 
 

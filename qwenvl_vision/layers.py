@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 from torch import nn
 
 from .attention import SegmentPlan
@@ -122,12 +123,8 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float = 10000.0)
 
 def merge_block_positions(h: int, w: int, merge: int) -> torch.Tensor:
     """(h*w, 2) (row, col) of each patch listed in merge-block order (block_row, block_col, r, c)."""
-    rows = torch.arange(h).view(h, 1).expand(h, w)
-    cols = torch.arange(w).view(1, w).expand(h, w)
-    shape = (h // merge, merge, w // merge, merge)
-    rows = rows.reshape(shape).transpose(1, 2).flatten()
-    cols = cols.reshape(shape).transpose(1, 2).flatten()
-    return torch.stack([rows, cols], dim=-1)
+    grid = torch.stack(torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij"), dim=-1)  # (h, w, 2)
+    return rearrange(grid, "(bh m1) (bw m2) rc -> (bh bw m1 m2) rc", m1=merge, m2=merge)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -251,7 +248,7 @@ class VisionAttention(nn.Module):
         self.proj = nn.Linear(dim, dim, bias=True)
 
     def forward(self, x: torch.Tensor, inputs: AttentionInputs) -> torch.Tensor:
-        q, k, v = linear(x, self.qkv).view(x.shape[0], 3, self.num_heads, self.head_dim).unbind(1)
+        q, k, v = rearrange(linear(x, self.qkv), "n (qkv h d) -> qkv n h d", qkv=3, h=self.num_heads)
         q, k = rotate(q, k, inputs.rope)
         attended = inputs.attend(q, k, v, inputs.segments, self.scale, out=output_buffer(q, *q.shape))
         return linear(attended.flatten(1), self.proj)

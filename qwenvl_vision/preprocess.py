@@ -54,6 +54,7 @@ import numpy as np
 import PIL.Image
 import PIL.ImageOps
 import torch
+from einops import rearrange
 
 from .config import CLIP_MEAN as OPENAI_CLIP_MEAN
 from .config import CLIP_STD as OPENAI_CLIP_STD
@@ -422,14 +423,11 @@ def _patchify(frames: np.ndarray, config: PreprocessConfig) -> tuple[torch.Tenso
     laid out (C, T, P, P): the reference's image ``patchify`` and the video processors' ``patchify``
     (``permute(0, 1, 4, 7, 5, 8, 3, 2, 6, 9)`` of (B, t, T, C, h/m, m, P, w/m, m, P)), minus the batch.
     """
-    num_frames, channels, height, width = frames.shape
+    num_frames, _, height, width = frames.shape
     t, p, m = config.temporal_patch_size, config.patch_size, config.merge_size
-    grid_t, grid_h, grid_w = num_frames // t, height // p, width // p
-    blocks = frames.reshape(grid_t, t, channels, grid_h // m, m, p, grid_w // m, m, p)
-    # -> (grid_t, block_row, block_col, row_in_block, col_in_block, C, T, P_row, P_col)
-    blocks = blocks.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
-    rows = np.ascontiguousarray(blocks).reshape(grid_t * grid_h * grid_w, channels * t * p * p)
-    return torch.from_numpy(rows), (grid_t, grid_h, grid_w)
+    rows = rearrange(frames, "(gt tp) c (bh m1 p1) (bw m2 p2) -> (gt bh bw m1 m2) (c tp p1 p2)",
+                     tp=t, m1=m, m2=m, p1=p, p2=p)
+    return torch.from_numpy(np.ascontiguousarray(rows)), (num_frames // t, height // p, width // p)
 
 
 # --------------------------------------------------------------------------------------------------

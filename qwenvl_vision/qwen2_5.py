@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 
 from .layers import merge_block_positions, rope_cos_sin
 from .tower import Grid, GridPlan, VisionTower
@@ -34,8 +35,7 @@ def frame_window_order(merged_h: int, merged_w: int, window: int) -> tuple[torch
     index = torch.arange(merged_h * merged_w).view(merged_h, merged_w)
     pad_h, pad_w = window - merged_h % window, window - merged_w % window
     padded = F.pad(index, (0, pad_w, 0, pad_h), value=-1)
-    n_h, n_w = (merged_h + pad_h) // window, (merged_w + pad_w) // window
-    windows = padded.view(n_h, window, n_w, window).permute(0, 2, 1, 3).reshape(n_h * n_w, window * window)
+    windows = rearrange(padded, "(nh wh) (nw ww) -> (nh nw) (wh ww)", wh=window, ww=window)
     valid = windows >= 0
     lengths = [n for n in valid.sum(1).tolist() if n > 0]
     return windows[valid], lengths
