@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from .errors import ConfigError
+
 
 def tensor_bytes(value: Any) -> int:
     """Bytes held by the tensors inside value (tensors, and tuples/lists/dicts/objects of them)."""
@@ -40,7 +42,7 @@ class ShapeCache:
 
     def __init__(self, maxsize: int = 1024, max_bytes: int | None = 1 << 30) -> None:
         if maxsize < 0:
-            raise ValueError(f"maxsize must be >= 0, got {maxsize}")
+            raise ConfigError(f"cache_size must be >= 0, got {maxsize}")
         self.maxsize = maxsize
         self.max_bytes = max_bytes
         self.hits = 0

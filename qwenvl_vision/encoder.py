@@ -37,9 +37,12 @@ DTYPES = {
 def resolve_device(device: str | torch.device | None) -> torch.device:
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(device)
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ConfigError(f"unknown device {device!r}: use cpu, cuda or cuda:N") from e
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"device {device} requested but CUDA is not available")
+        raise ConfigError(f"device {device} requested but CUDA is not available on this machine")
     return device
 
 
@@ -48,12 +51,12 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if isinstance(dtype, torch.dtype):
         resolved = dtype
-    elif dtype.lower() in DTYPES:
+    elif isinstance(dtype, str) and dtype.lower() in DTYPES:
         resolved = DTYPES[dtype.lower()]
     else:
-        raise ValueError(f"unsupported dtype {dtype!r}; use one of {sorted(DTYPES)}")
+        raise ConfigError(f"unsupported dtype {dtype!r}; use one of {sorted(DTYPES)}")
     if resolved not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"unsupported dtype {resolved}; use float32, bfloat16 or float16")
+        raise ConfigError(f"unsupported dtype {resolved}; use float32, bfloat16 or float16")
     if resolved == torch.float16:
         warnings.warn("float16 can overflow in the Qwen2.5-VL tower; bfloat16 or float32 are safe. "
                       "Outputs will be checked for non-finite values.", stacklevel=3)
@@ -233,7 +236,7 @@ class VisionEncoder:
         """
         self.model  # noqa: B018 - raises if closed, before any work
         if max_batch_tokens < 1:
-            raise ValueError(f"max_batch_tokens must be positive, got {max_batch_tokens}")
+            raise ConfigError(f"max_batch_tokens must be positive, got {max_batch_tokens}")
         workers = num_workers if num_workers is not None else min(4, os.cpu_count() or 1)
         with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
             batch: list[_Prepared] = []
@@ -328,10 +331,10 @@ class VisionEncoder:
         from .preprocess import sample_frame_indices, sample_frame_indices_qwen3
 
         if video_fps is None:
-            raise ValueError("sampling by fps needs the videos' own frame rate: pass video_fps")
+            raise InputError("sampling by fps needs the videos' own frame rate: pass video_fps")
         rates = [video_fps] * len(videos) if isinstance(video_fps, (int, float)) else list(video_fps)
         if len(rates) != len(videos):
-            raise ValueError(f"video_fps has {len(rates)} entries for {len(videos)} videos")
+            raise InputError(f"video_fps has {len(rates)} entries for {len(videos)} videos")
         sampled = []
         for video, rate in zip(videos, rates):
             frames = video if hasattr(video, "shape") else list(video)

@@ -59,7 +59,7 @@ from einops import rearrange
 from .config import CLIP_MEAN as OPENAI_CLIP_MEAN
 from .config import CLIP_STD as OPENAI_CLIP_STD
 from .config import FAMILIES, FAMILY_ALIASES
-from .errors import PreprocessError
+from .errors import ConfigError, InputError, PreprocessError
 
 RESCALE_FACTOR = 1 / 255  # BaseImageProcessor.rescale_factor
 MAX_ASPECT_RATIO = 200
@@ -93,17 +93,19 @@ class PreprocessConfig:
         for key in ("patch_size", "temporal_patch_size", "merge_size", "min_pixels", "max_pixels"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"PreprocessConfig.{key} must be a positive int, got {value!r}")
+                raise ConfigError(f"PreprocessConfig.{key} must be a positive int, got {value!r}")
         for key in ("image_mean", "image_std"):
             # A scalar means the same value for all three channels, as transformers' normalize allows.
             value = getattr(self, key)
             value = (value,) * 3 if isinstance(value, (int, float)) else value
+            if not isinstance(value, (list, tuple)) or not all(_is_number(v) for v in value):
+                raise ConfigError(f"PreprocessConfig.{key} must be 3 numbers (R, G, B), got {value!r}")
             value = tuple(float(v) for v in value)
-            if len(value) != 3:
-                raise ValueError(f"PreprocessConfig.{key} must have 3 values (R, G, B), got {value}")
+            if len(value) != 3 or not all(math.isfinite(v) for v in value):
+                raise ConfigError(f"PreprocessConfig.{key} must have 3 values (R, G, B), got {value}")
             object.__setattr__(self, key, value)
         if any(s == 0 for s in self.image_std):
-            raise ValueError(f"PreprocessConfig.image_std must be non-zero, got {self.image_std}")
+            raise ConfigError(f"PreprocessConfig.image_std must be non-zero, got {self.image_std}")
 
     @property
     def factor(self) -> int:
@@ -115,7 +117,7 @@ class PreprocessConfig:
         """The released checkpoints' settings for a family (a config model_type, see config.FAMILIES)."""
         spec = FAMILIES.get(FAMILY_ALIASES.get(family, family))
         if spec is None:
-            raise ValueError(f"unknown family {family!r}; expected one of {sorted(FAMILIES)}")
+            raise ConfigError(f"unknown family {family!r}; expected one of {sorted(FAMILIES)}")
         return cls(patch_size=spec.patch_size, min_pixels=spec.min_pixels, max_pixels=spec.max_pixels,
                    image_mean=spec.image_mean, image_std=spec.image_std)
 
@@ -126,15 +128,17 @@ class PreprocessConfig:
         Pixel bounds follow ``Qwen2VLImageProcessorPil.__init__``: ``size.shortest_edge`` /
         ``size.longest_edge`` (Qwen3-VL files), overridden by top-level ``min_pixels`` / ``max_pixels``
         (Qwen2.5-VL files). Settings this module cannot reproduce (no resize, another resample filter,
-        another rescale factor ...) raise ValueError instead of being silently ignored.
+        another rescale factor ...) raise ConfigError instead of being silently ignored.
         """
         base = cls.for_family(family)
         if d is None:
             return base
+        if not isinstance(d, dict):
+            raise ConfigError(f"preprocessor_config.json must hold a JSON object, got {type(d).__name__}")
         _check_supported(d)
         size = d.get("size") or {}
         if not isinstance(size, dict):
-            raise ValueError(f"preprocessor config size must be a dict of pixel bounds, got {size!r}")
+            raise ConfigError(f"preprocessor config size must be a dict of pixel bounds, got {size!r}")
         # Older files spelled the size keys min_pixels / max_pixels.
         min_pixels = size.get("shortest_edge", size.get("min_pixels", base.min_pixels))
         max_pixels = size.get("longest_edge", size.get("max_pixels", base.max_pixels))
@@ -180,18 +184,22 @@ class PreprocessConfig:
         }
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _check_supported(d: dict) -> None:
     """Reject preprocessor settings the transformers pipeline would honour but this module does not."""
     for key in ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb"):
         if d.get(key) is False:
-            raise ValueError(f"preprocessor config sets {key}=false, which is not supported")
+            raise ConfigError(f"preprocessor config sets {key}=false, which is not supported")
     if d.get("resample") is not None and d["resample"] != int(BICUBIC):
-        raise ValueError(f"preprocessor config resample={d['resample']!r} is not supported (only 3, bicubic)")
+        raise ConfigError(f"preprocessor config resample={d['resample']!r} is not supported (only 3, bicubic)")
     factor = d.get("rescale_factor")
-    if factor is not None and not math.isclose(factor, RESCALE_FACTOR, rel_tol=1e-9):
-        raise ValueError(f"preprocessor config rescale_factor={factor!r} is not supported (only 1/255)")
+    if factor is not None and not (_is_number(factor) and math.isclose(factor, RESCALE_FACTOR, rel_tol=1e-9)):
+        raise ConfigError(f"preprocessor config rescale_factor={factor!r} is not supported (only 1/255)")
     if d.get("do_center_crop") or d.get("do_pad"):
-        raise ValueError("preprocessor config asks for center crop or padding, which is not supported")
+        raise ConfigError("preprocessor config asks for center crop or padding, which is not supported")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -550,9 +558,9 @@ def sample_frame_indices_qwen3(num_frames: int, video_fps: float, fps: float = 2
 
 def _check_video_args(num_frames: int, video_fps: float, fps: float) -> None:
     if num_frames <= 0:
-        raise ValueError(f"num_frames must be positive, got {num_frames}")
+        raise InputError(f"num_frames must be positive, got {num_frames}")
     if not video_fps > 0 or not fps > 0:
-        raise ValueError(f"video_fps and fps must be positive, got video_fps={video_fps}, fps={fps}")
+        raise InputError(f"video_fps and fps must be positive, got video_fps={video_fps}, fps={fps}")
 
 
 def probe_image(image: Any, config: PreprocessConfig, *, index: int | None = None, min_pixels: int | None = None,

@@ -22,7 +22,7 @@ from torch import nn
 from .attention import BACKENDS, SegmentPlan, resolve_attn_impl
 from .cache import ShapeCache
 from .config import VisionConfig
-from .errors import InputError
+from .errors import ConfigError, InputError
 from .layers import AttentionInputs, Block, PatchEmbed, PatchMerger, Workspace
 
 Grid = tuple[int, int, int]
@@ -242,10 +242,10 @@ class VisionTower(nn.Module):
         to minutes); dynamo's code cache is process-wide, and ``close()`` still frees the weights.
         """
         if options.get("fullgraph"):
-            raise ValueError("compile_blocks: fullgraph=True is impossible: attention is kept out of the graph "
+            raise ConfigError("compile_blocks: fullgraph=True is impossible: attention is kept out of the graph "
                              "on purpose (its per-forward segment plan would recompile every new image mix)")
         if options.get("mode") in ("reduce-overhead", "max-autotune"):
-            raise ValueError(f"compile_blocks: mode={options['mode']!r} records CUDA graphs, which need fixed "
+            raise ConfigError(f"compile_blocks: mode={options['mode']!r} records CUDA graphs, which need fixed "
                              "shapes; the token count varies per pack. Use 'max-autotune-no-cudagraphs' or 'default'")
         self.compiled = True
         self.attend = None

@@ -106,7 +106,8 @@ def open_checkpoint(folder: str | os.PathLike) -> VisionCheckpoint:
     if not config_path.is_file():
         raise CheckpointError(f"{folder} has no {CONFIG_FILE}")
     config_json = read_json(config_path)
-    config = from_config_json(config_json, name=config_json.get("name", "") or folder.name)
+    config = from_config_json(config_json)
+    config = config if config.name else config.replace(name=folder.name)
     vision_only = config_json.get("format") == VISION_ONLY_FORMAT
     prefixes = config.spec.prefixes
     index_path = folder / INDEX_FILE
