@@ -3,12 +3,18 @@
 The encoder owns its tower and the tower owns its caches; ``close()`` (or leaving the ``with`` block)
 releases the weights and caches at once, even while other references to the encoder or its model are
 still held, and any later call raises ``EncoderClosedError``.
+
+Threads: ``encode_*`` may run on several threads at once. Each forward holds a reference that ``close()``
+respects: ``close()`` first refuses new calls (they raise ``EncoderClosedError``), then waits for the
+forwards already running to return their results, then frees. Code that calls ``encoder.model`` directly
+is outside this protocol.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import threading
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -120,22 +126,53 @@ class VisionEncoder:
         self.preprocess_config = preprocess_config
         self.source = source
         self.config: VisionConfig = model.config
+        # Guards _model, _closing and _forwards: forwards in flight, which close() waits for.
+        self._state = threading.Condition()
+        self._closing = False
+        self._forwards = 0
 
     # ------------------------------------------------------------------ lifecycle
 
+    def _closed_error(self) -> EncoderClosedError:
+        return EncoderClosedError(f"encoder for {self.source or self.config.name!r} is closed")
+
     @property
     def model(self) -> VisionTower:
-        if self._model is None:
-            raise EncoderClosedError(f"encoder for {self.source or self.config.name!r} is closed")
-        return self._model
+        model = self._model
+        if model is None or self._closing:
+            raise self._closed_error()
+        return model
 
     @property
     def closed(self) -> bool:
-        return self._model is None
+        return self._model is None or self._closing
+
+    def _begin_forward(self) -> VisionTower:
+        """The model, counted as in use until _end_forward: close() waits for it rather than freeing under it."""
+        with self._state:
+            if self._model is None or self._closing:
+                raise self._closed_error()
+            self._forwards += 1
+            return self._model
+
+    def _end_forward(self) -> None:
+        with self._state:
+            self._forwards -= 1
+            if self._forwards == 0:
+                self._state.notify_all()
 
     def close(self) -> None:
-        """Free weights and caches now, whoever else still references this encoder or its model."""
-        model, self._model = self._model, None
+        """Free weights and caches now, whoever else still references this encoder or its model.
+
+        Calls that start after close() began raise EncoderClosedError; forwards already running on other
+        threads finish first (close() waits for them), so they never see freed weights. Do not call it from
+        inside a forward.
+        """
+        with self._state:
+            self._closing = True
+            while self._forwards:
+                self._state.wait()
+            model, self._model = self._model, None
         if model is None:
             return
         model.clear_cache()
@@ -176,13 +213,16 @@ class VisionEncoder:
     def encode_patches(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor | Sequence, *,
                        pooled: bool = False) -> EncodeResult:
         """Encode inputs already processed the transformers way (rows in merge-block order)."""
-        model = self.model
         if not isinstance(pixel_values, torch.Tensor):
             raise InputError(f"pixel_values must be a torch.Tensor, got {type(pixel_values).__name__}")
-        grids = model.grid_list(grid_thw)
-        model.check_pixels(pixel_values, grids)
-        with torch.inference_mode():
-            merged, levels = model(pixel_values, grids)
+        model = self._begin_forward()
+        try:
+            grids = model.grid_list(grid_thw)
+            model.check_pixels(pixel_values, grids)
+            with torch.inference_mode():
+                merged, levels = model(pixel_values, grids)
+        finally:
+            self._end_forward()
         self._check_finite(merged, levels)
         sizes = [t * h * w // self.config.merge_unit for t, h, w in grids]
         embeddings = list(merged.split(sizes))
