@@ -1,4 +1,11 @@
-"""``qwenvl-vision``: extract-weights, inspect, embed, bench."""
+"""``qwenvl-vision``: extract-weights, inspect, embed, bench.
+
+Errors: every error the package raises on purpose (``QwenVLVisionError``) and every ``OSError`` ends the
+command with one line on stderr, ``qwenvl-vision COMMAND: error: ...``; ``--debug`` adds the traceback.
+Anything else is a bug and keeps its traceback. Exit codes: 0 done; 1 some inputs failed (the run
+finished, the failures are recorded); 2 usage or setup error (nothing written); 3 the run stopped on an
+I/O fault writing its output (nothing recorded is lost; ``embed --resume`` finishes it).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +13,7 @@ import argparse
 import json
 import os
 import sys
+import traceback
 from pathlib import Path
 
 DEFAULT_WEIGHTS_DIR = Path("weights")  # relative to where the command runs, as the README shows
@@ -76,19 +84,42 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (usage is one --help away); subparsers inherit the class."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _dtype(text: str) -> str:
+    from .encoder import DTYPES
+
+    if text.lower() not in DTYPES:
+        raise argparse.ArgumentTypeError(f"unsupported dtype {text!r}; use one of {', '.join(sorted(DTYPES))}")
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="qwenvl-vision", description=__doc__)
+    parser = _Parser(prog="qwenvl-vision", description=__doc__.split("\n\n")[0],
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    # Also accepted after the command; SUPPRESS keeps the subcommand from resetting a --debug given before it.
+    common = _Parser(add_help=False)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="show the traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("extract-weights", help="write a vision-only checkpoint from a released one")
+    p = sub.add_parser("extract-weights", help="write a vision-only checkpoint from a released one",
+                       parents=[common])
     p.add_argument("source", help="checkpoint folder or Hugging Face repo id")
     p.add_argument("--out", help="output folder (default: weights/<name>-vision)")
-    p.add_argument("--dtype", help="convert to this dtype (default: keep the stored dtype)")
+    p.add_argument("--dtype", type=_dtype, help="convert to this dtype (default: keep the stored dtype)")
     p.add_argument("--revision")
     p.add_argument("--local-files-only", action="store_true")
     p.set_defaults(func=cmd_extract_weights)
 
-    p = sub.add_parser("inspect", help="family, config, tensor count and bytes, without loading weights")
+    p = sub.add_parser("inspect", help="family, config, tensor count and bytes, without loading weights",
+                       parents=[common])
     p.add_argument("source")
     p.add_argument("--revision")
     p.add_argument("--local-files-only", action="store_true")
@@ -100,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     except ImportError:  # pragma: no cover - embed lands with encode_images
         pass
     else:
-        add_embed_parser(sub)
+        add_embed_parser(sub, parents=[common])
     try:
         from .bench_cli import add_bench_parser
     except ImportError:  # pragma: no cover
@@ -110,17 +141,46 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    from .config import ConfigError
-    from .preprocess import PreprocessError
-    from .weights import CheckpointError
+def _one_line(error: BaseException) -> str:
+    if isinstance(error, OSError) and error.strerror:
+        text = f"{error.strerror}: {error.filename}" if error.filename else error.strerror
+    else:
+        text = str(error) or type(error).__name__
+    return " ".join(text.split("\n"))
 
-    args = build_parser().parse_args(argv)
+
+def _exit_code(error: BaseException) -> int:
+    """2 for usage and setup errors; an error may carry its own (embed: 3 for an output fault)."""
+    return getattr(error, "exit_code", 2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .errors import QwenVLVisionError
+
     try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # --help, or a usage error already printed on one line
+        return e.code if isinstance(e.code, int) else 2
+    try:
+        validate = getattr(args, "validate", None)
+        if validate is not None:
+            validate(args)
         return args.func(args)
-    except (CheckpointError, ConfigError, PreprocessError, FileNotFoundError) as e:
-        print(f"qwenvl-vision {args.command}: error: {e}", file=sys.stderr)
-        return 2
+    except (QwenVLVisionError, OSError) as e:
+        if args.debug:
+            traceback.print_exc()
+        message = _one_line(e)
+        if message:  # empty: another torchrun rank failed and printed why
+            rank = os.environ.get("RANK") if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
+            where = f" [rank {rank}]" if rank is not None else ""
+            print(f"qwenvl-vision {args.command}{where}: error: {message}", file=sys.stderr)
+        return _exit_code(e)
+    except KeyboardInterrupt:
+        if args.debug:
+            traceback.print_exc()
+        print(f"qwenvl-vision {args.command}: interrupted" + ("; what is recorded is kept, --resume continues"
+                                                             if args.command == "embed" else ""), file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
