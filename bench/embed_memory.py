@@ -37,12 +37,13 @@ CHILD = """
 import os, sys
 cpus = int(os.environ["EMBED_MEMORY_CPUS"])
 os.cpu_count = lambda: cpus  # embed decodes with min(4, cpu_count) threads: emulate a machine this wide
+import qwenvl_vision
 from qwenvl_vision.cli import main
 code = main(sys.argv[2:])
 with open("/proc/self/status") as f:
     peak = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 with open(sys.argv[1], "w") as f:
-    f.write(f"{code} {peak}")
+    f.write(f"{code} {peak} {qwenvl_vision.__file__}")
 """
 
 
@@ -82,15 +83,19 @@ def write_tiny_checkpoint(folder: Path) -> Path:
 
 
 def run_child(pythonpath: Path, argv: list[str], cpus: int) -> tuple[int, int]:
+    """Run embed in a fresh process importing the package from `pythonpath`; (exit code, peak bytes)."""
     with tempfile.TemporaryDirectory() as tmp:
         result_file = Path(tmp) / "peak"
         env = {**os.environ, "PYTHONPATH": str(pythonpath), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
                "EMBED_MEMORY_CPUS": str(cpus)}
+        # cwd = the tree: `python -c` puts the cwd first on sys.path, ahead of PYTHONPATH.
         proc = subprocess.run([sys.executable, "-c", CHILD, str(result_file), *argv], env=env, capture_output=True,
-                              text=True)
+                              text=True, cwd=pythonpath)
         if not result_file.exists():
             raise SystemExit(f"child failed ({proc.returncode}): {proc.stderr[-2000:]}")
-        code, peak = result_file.read_text().split()
+        code, peak, package = result_file.read_text().split(maxsplit=2)
+        if not Path(package).resolve().is_relative_to(pythonpath.resolve()):
+            raise SystemExit(f"the child imported {package}, not the tree {pythonpath}")
         return int(code), int(peak)
 
 
@@ -126,14 +131,16 @@ def main() -> None:
             code, peak = run_child(args.pythonpath, argv, args.cpus)
             records = [json.loads(line) for line in (Path(out) / "emb" / "manifest.jsonl").read_text().splitlines()]
         ok = sum(r["status"] == "ok" for r in records)
-        rows[name] = {"exit": code, "ok": ok, "inputs": len(records), "peak_rss_mib": round(peak / 2**20, 1)}
+        errors = sorted({r["error"].split(": ", 1)[-1] for r in records if r["status"] != "ok"})
+        rows[name] = {"exit": code, "ok": ok, "inputs": len(records), "peak_rss_mib": round(peak / 2**20, 1),
+                      "errors": errors}
     base = next(iter(rows.values()))["peak_rss_mib"]
     input_mib = sum(p.stat().st_size for p in images) / 2**20
     print(f"tree: {args.pythonpath}; input files {input_mib:.1f} MiB; max_pixels {args.max_pixels}; "
           f"cpu_count seen {args.cpus}")
     for name, row in rows.items():
         print(f"{name:28s} exit {row['exit']}  ok {row['ok']}/{row['inputs']}  peak RSS {row['peak_rss_mib']:8.1f} MiB"
-              f"  (+{row['peak_rss_mib'] - base:.1f} over baseline)")
+              f"  (+{row['peak_rss_mib'] - base:.1f} over baseline)" + "".join(f"\n    {e}" for e in row["errors"]))
     if args.json:
         args.json.write_text(json.dumps({"tree": str(args.pythonpath), "pixels": args.pixels, "rows": rows}, indent=2))
 

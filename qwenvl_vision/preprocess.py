@@ -68,8 +68,8 @@ RESCALE_FACTOR = 1 / 255  # BaseImageProcessor.rescale_factor
 MAX_ASPECT_RATIO = 200
 BICUBIC = PIL.Image.Resampling.BICUBIC  # == 3 == transformers' PILImageResampling.BICUBIC
 # Files whose header declares more pixels are refused before decoding (max_input_pixels=None: no limit).
-# Decoding a path holds about 11 bytes per pixel at its peak (measured: the decoded image, the EXIF
-# transpose copy and two RGB conversions), so 64 MP is ~0.7 GB: well under PIL's own decompression-bomb
+# Decoding a path holds about 13 bytes per pixel at its peak (measured: the decoded image, the EXIF
+# transpose copy and two RGB conversions), so 64 MP is ~0.8 GB: well under PIL's own decompression-bomb
 # limit (PIL.Image.MAX_IMAGE_PIXELS, 89.5 MP, a warning; an error at twice that) and above every
 # common camera (61 MP).
 DEFAULT_MAX_INPUT_PIXELS = 64_000_000
