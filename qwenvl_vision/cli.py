@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             traceback.print_exc()
         message = _one_line(e)
-        if message:  # empty: another torchrun rank failed and printed why
+        if not getattr(e, "quiet", False):  # quiet: another torchrun rank failed and printed why
             rank = os.environ.get("RANK") if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
             where = f" [rank {rank}]" if rank is not None else ""
             print(f"qwenvl-vision {args.command}{where}: error: {message}", file=sys.stderr)

@@ -103,8 +103,10 @@ class OutputFaultError(EmbedError):
 class _PeerFailed(EmbedError):
     """Another rank failed and said why; this rank stops quietly with the same exit code."""
 
+    quiet = True  # the CLI prints nothing for it
+
     def __init__(self, exit_code: int) -> None:
-        super().__init__("")
+        super().__init__(f"another rank failed (exit code {exit_code})")
         self.exit_code = exit_code
 
 

@@ -596,3 +596,25 @@ def test_shard_metadata_names_the_run(tmp_path, checkpoint):
     (shard,) = out.glob("*.safetensors")
     with safe_open(shard, framework="pt") as f:
         assert f.metadata()["qwenvl_vision_run"] == read_run(out)["run_id"]
+
+
+def test_torchrun_job_on_a_folder_in_use_writes_nothing(tmp_path, checkpoint):
+    """Rank 0 meets the lock of another run; rank 1 got its own part's lock but stops with it: nothing written."""
+    import fcntl
+
+    make_folder(tmp_path / "imgs", 3, bad=False)
+    out = tmp_path / "out"
+    out.mkdir()
+    with open(out / "embed.lock", "w") as held:  # another embed run on this folder
+        fcntl.flock(held, fcntl.LOCK_EX)
+        held.write("pid 4242 on elsewhere\n")
+        held.flush()
+        result = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+             "qwenvl_vision.cli", "embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(out),
+             "--device", "cpu"], env=ENV, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    ours = [line for line in result.stderr.splitlines() if line.startswith("qwenvl-vision embed")]
+    assert ours == [f"qwenvl-vision embed [rank 0]: error: {out} is in use by another embed run "
+                    f"(pid 4242 on elsewhere); wait for it to finish, or choose another --out"], result.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["embed.lock"]  # rank 1's lock file is gone too
