@@ -29,7 +29,8 @@ checks before anything is written, and after a barrier rank 0 merges the parts i
 
 Exit codes: 0 every input embedded; 1 the run finished and some inputs failed (see the manifest); 2 usage or
 setup error, nothing written; 3 the run stopped on an I/O fault writing the output, nothing recorded is lost
-and ``--resume`` finishes it.
+and ``--resume`` finishes it. Under torchrun a finished run exits 0 on every rank even when some inputs
+failed (the summary line says how many): torchrun treats any other exit as a crash and kills the other ranks.
 """
 
 from __future__ import annotations
@@ -932,11 +933,15 @@ def run_embed(args: argparse.Namespace) -> int:
             except OSError as e:
                 error = _output_fault(e, job.out)
         group.agree(error)  # the merged manifest is complete
-        if rank != 0:
-            return 1 if writer.failed else 0
-        ok, failed = job.summary()
-        print(f"embedded {ok} of {ok + failed} inputs into {job.out} ({failed} failed; see {job.out / MANIFEST})",
-              file=sys.stderr)
+        failed = 0
+        if rank == 0:
+            ok, failed = job.summary()
+            print(f"embedded {ok} of {ok + failed} inputs into {job.out} ({failed} failed; see "
+                  f"{job.out / MANIFEST})", file=sys.stderr)
+        if world > 1:
+            # A finished run exits 0 on every rank, failed inputs or not: torchrun reports any other exit as a
+            # crash and stops the other ranks. The summary line and the manifest tell the failures.
+            return 0
         return 1 if failed else 0
     finally:
         if job.encoder is not None:

@@ -180,7 +180,13 @@ def test_two_ranks_under_torchrun_merge_one_manifest(tmp_path, checkpoint):
            "--out", str(out), "--device", "cpu"]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode != 0  # the bad files fail, so the job reports failure
+    # The bad files fail, yet the finished job exits 0 on every rank: any other exit code makes torchrun
+    # report a crash (ChildFailedError) and kill the other ranks. The summary line says what failed.
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "ChildFailedError" not in result.stderr and "Traceback" not in result.stderr
+    summary = [line for line in result.stderr.splitlines() if line.startswith("embedded")]
+    assert summary == [f"embedded {len(paths)} of {len(paths) + 3} inputs into {out} (3 failed; see "
+                       f"{out / 'manifest.jsonl'})"]
     records = manifest(out)
     assert len(records) == len(paths) + 3
     assert len({r["path"] for r in records}) == len(records)  # split statically, never duplicated
