@@ -827,6 +827,9 @@ class EmbedJob:
                 raise EmbedError(f"{out} holds a run without {RUN_FILE} (an older qwenvl-vision), so its settings "
                                  f"cannot be checked; finish it with that version, or choose another --out")
         self.inputs = gather_inputs(args.inputs)
+        if not self.inputs.paths:
+            raise EmbedError(f"no inputs: {', '.join(args.inputs)} hold no image files (by extension: "
+                             f"{' '.join(sorted(IMAGE_EXTENSIONS))}) and list no paths")
         self.encoder, folder = _load(args, _pick_device(args, self.rank, self.world))
         now = describe_run(self.encoder, args, folder, self.world)
         if recorded is not None:
@@ -1016,11 +1019,18 @@ def add_embed_parser(sub, parents=()) -> None:
     p.add_argument("inputs", nargs="+", help="image files, folders (recursive), or .txt files listing paths")
     p.add_argument("--model", required=True, help="checkpoint folder, vision-only folder, repo id, or preset")
     p.add_argument("--out", required=True, help="output folder for shards, manifest.jsonl and run.json")
-    p.add_argument("--revision", help="Hub branch, tag or commit of --model")
-    p.add_argument("--device", type=_device)
-    p.add_argument("--dtype", type=_dtype)
-    p.add_argument("--min-pixels", type=_positive_int("--min-pixels"))
-    p.add_argument("--max-pixels", type=_positive_int("--max-pixels"))
+    p.add_argument("--revision", help="Hub branch, tag or commit of --model (default: main)")
+    p.add_argument("--device", type=_device,
+                   help="cpu, cuda or cuda:N (default: cuda when available, else cpu; under torchrun each rank "
+                        "takes cuda:LOCAL_RANK)")
+    p.add_argument("--dtype", type=_dtype,
+                   help="fp32/float32, bf16/bfloat16, fp16/float16/half (default: bf16 on CUDA, fp32 on CPU)")
+    p.add_argument("--min-pixels", type=_positive_int("--min-pixels"),
+                   help="smallest image area after resizing (default: the checkpoint's, e.g. 3136 for "
+                        "Qwen2.5-VL, 65536 for Qwen3-VL)")
+    p.add_argument("--max-pixels", type=_positive_int("--max-pixels"),
+                   help="largest image area after resizing (default: the checkpoint's, e.g. 12845056 for "
+                        "Qwen2.5-VL, 16777216 for Qwen3-VL)")
     p.add_argument("--max-input-pixels", type=_positive_int("--max-input-pixels"), default=DEFAULT_MAX_INPUT_PIXELS,
                    help="refuse (record as failed) files whose header declares more pixels, before decoding "
                         "(default %(default)s)")
@@ -1028,7 +1038,7 @@ def add_embed_parser(sub, parents=()) -> None:
                    help="memory images being decoded or waiting for their batch may hold at once, in MiB "
                         "(an image needing more is decoded alone; default %(default)s)")
     p.add_argument("--batch-tokens", type=_positive_int("--batch-tokens"), default=16384,
-                   help="patches per forward (an item above runs alone)")
+                   help="patches per forward (an item above runs alone; default %(default)s)")
     p.add_argument("--pooled-only", action="store_true", help="store one mean vector per image")
     p.add_argument("--resume", action="store_true", help="continue a killed or failed run in --out")
     p.add_argument("--random-weights", action="store_true", help="with a preset --model: random weights, offline")

@@ -618,3 +618,61 @@ def test_torchrun_job_on_a_folder_in_use_writes_nothing(tmp_path, checkpoint):
     assert ours == [f"qwenvl-vision embed [rank 0]: error: {out} is in use by another embed run "
                     f"(pid 4242 on elsewhere); wait for it to finish, or choose another --out"], result.stderr
     assert sorted(p.name for p in out.iterdir()) == ["embed.lock"]  # rank 1's lock file is gone too
+
+
+# ---------------------------------------------------------------------- issue 14, item 5: rough edges
+
+
+def test_empty_input_set_is_one_line_exit_2(tmp_path, checkpoint, capsys):
+    (tmp_path / "imgs").mkdir()
+    (tmp_path / "imgs" / "notes.md").write_text("no images here")
+    (tmp_path / "empty.txt").write_text("# nothing listed\n")
+    out = tmp_path / "out"
+    code = main(["embed", str(tmp_path / "imgs"), str(tmp_path / "empty.txt"), "--model", str(checkpoint),
+                 "--out", str(out)])
+    assert code == 2
+    one_error_line(capsys.readouterr().err, "no inputs", str(tmp_path / "imgs"), ".jpg")
+    assert not out.exists()
+
+
+def test_cli_names_random_weights_version_and_inspect_preset(tmp_path, capsys):
+    assert main(["embed", str(tmp_path), "--model", "qwen3-vl-2b", "--out", str(tmp_path / "o")]) == 2
+    one_error_line(capsys.readouterr().err, "qwen3-vl-2b is a preset", "--random-weights")
+    assert main(["extract-weights", "qwen3-vl-2b"]) == 2
+    one_error_line(capsys.readouterr().err, "qwen3-vl-2b is a preset", "no weights")
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"qwenvl-vision {embed._package_version()}"
+    assert main(["inspect", "Qwen3-VL-2B", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    # The released Qwen3-VL-2B tower: 24 blocks of width 1024, out 2048, DeepStack after blocks 5, 11, 17.
+    assert (report["preset"], report["family"], report["config"]["depth"], report["config"]["out_hidden_size"]) \
+        == ("qwen3-vl-2b", "qwen3_vl", 24, 2048)
+    assert report["config"]["deepstack_visual_indexes"] == [5, 11, 17]
+    assert 350e6 < report["parameters"] < 450e6 and report["bytes_bf16"] == 2 * report["parameters"]
+
+
+def test_every_option_has_help_with_its_default(capsys):
+    from qwenvl_vision.cli import build_parser
+
+    parser = build_parser()
+    subparsers = next(a for a in parser._actions if isinstance(a, __import__("argparse")._SubParsersAction))
+    for command in ("embed", "extract-weights", "inspect"):
+        sub = subparsers.choices[command]
+        for action in sub._actions:
+            assert action.help, f"{command} {action.option_strings or action.dest} has no help text"
+    assert main(["embed", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for needle in ("cpu, cuda or cuda:N", "bf16/bfloat16", "default: bf16 on CUDA, fp32 on CPU",
+                   "default: the checkpoint's", "default 16384", "default 64000000"):
+        assert needle in text
+
+
+def test_extract_weights_refuses_a_non_empty_target_without_force(tmp_path, checkpoint, capsys):
+    target = tmp_path / "vision"
+    target.mkdir()
+    (target / "keep.txt").write_text("mine")
+    assert main(["extract-weights", str(checkpoint), "--out", str(target)]) == 2
+    one_error_line(capsys.readouterr().err, str(target), "is not empty", "--force")
+    assert sorted(p.name for p in target.iterdir()) == ["keep.txt"]
+    assert main(["extract-weights", str(checkpoint), "--out", str(target), "--force"]) == 0
+    assert (target / "keep.txt").read_text() == "mine" and (target / "model.safetensors").is_file()
