@@ -749,11 +749,65 @@ class _Failed:
         self.path, self.error = path, error
 
 
-def _progress(total: int, rank: int):
-    from tqdm import tqdm
+PROGRESS_EVERY_S = 5.0  # without a terminal: one progress line at most this often
 
-    return tqdm(total=total, unit="img", desc=f"embed[rank {rank}]" if rank else "embed", dynamic_ncols=True,
-                disable=None, file=sys.stderr)
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds // 60 % 60:02d}m"
+
+
+class Progress:
+    """What a long run shows on stderr: a tqdm bar on a terminal; elsewhere (a log file, a job scheduler) a
+    line at most every PROGRESS_EVERY_S seconds with done/total, images/s, tokens/s and ETA; nothing with
+    --quiet. ``note`` prints a one-off line (loading, ...) unless quiet."""
+
+    def __init__(self, rank: int, quiet: bool, stream=None) -> None:
+        self.stream = stream if stream is not None else sys.stderr
+        self.quiet = quiet
+        self.label = f"embed[rank {rank}]" if rank else "embed"
+        self.terminal = not quiet and self.stream.isatty()
+        self.bar = None
+        self.total = self.done = self.tokens = 0
+        self.start = self.last_line = 0.0
+
+    def note(self, message: str) -> None:
+        if not self.quiet:
+            print(f"{self.label}: {message}", file=self.stream, flush=True)
+
+    def begin(self, total: int) -> None:
+        self.total, self.start = total, time.perf_counter()
+        self.last_line = self.start
+        if self.terminal:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, unit="img", desc=self.label, dynamic_ncols=True, file=self.stream)
+        else:
+            self.note(f"{total} image{'s' if total != 1 else ''} to embed")
+
+    def update(self, images: int, tokens: int) -> None:
+        self.done += images
+        self.tokens += tokens
+        now = time.perf_counter()
+        elapsed = max(now - self.start, 1e-9)
+        if self.bar is not None:
+            self.bar.update(images)
+            self.bar.set_postfix(img_s=f"{self.done / elapsed:.1f}", tok_s=f"{self.tokens / elapsed:.0f}")
+        elif now - self.last_line >= PROGRESS_EVERY_S or self.done == self.total:
+            self.last_line = now
+            rate = self.done / elapsed
+            eta = _duration((self.total - self.done) / rate) if rate > 0 else "?"
+            self.note(f"{self.done}/{self.total} images ({100 * self.done / max(self.total, 1):.0f}%), "
+                      f"{rate:.1f} img/s, {self.tokens / elapsed:.0f} tok/s, ETA {eta}")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
 
 
 def _pick_device(args: argparse.Namespace, rank: int, world: int) -> str | None:
@@ -765,16 +819,48 @@ def _pick_device(args: argparse.Namespace, rank: int, world: int) -> str | None:
     return device
 
 
-def _load(args: argparse.Namespace, device: str | None):
-    """The encoder, and the checkpoint folder it came from (None for random weights)."""
-    from .encoder import _resolve_folder, load_encoder
+def _load(args: argparse.Namespace, device: str | None, progress: Progress):
+    """The encoder, and the checkpoint folder it came from (None for random weights); says what it does."""
+    from .encoder import _resolve_folder, load_encoder, resolve_device
+    from .hub import looks_like_repo_id
 
+    where = str(resolve_device(device))
+    start = time.perf_counter()
     if args.random_weights:
-        return load_encoder(args.model, device=device, dtype=args.dtype, random_weights=True,
-                            compile=args.compile), None
-    folder = _resolve_folder(args.model, args.revision, False, None, None)
-    encoder = load_encoder(folder, device=device, dtype=args.dtype, compile=args.compile)
-    return encoder, str(folder.absolute())
+        progress.note(f"building {args.model} with random weights on {where}")
+        encoder = load_encoder(args.model, device=device, dtype=args.dtype, random_weights=True,
+                               compile=args.compile)
+        folder = None
+    else:
+        if looks_like_repo_id(args.model):
+            progress.note(f"fetching config, index and vision shards of {args.model} from the Hugging Face Hub "
+                          f"(or its local cache)")
+        resolved = _resolve_folder(args.model, args.revision, False, None, None)
+        shards, size = _vision_shards(resolved)
+        progress.note(f"reading {shards} shard{'s' if shards != 1 else ''} with the vision tensors "
+                      f"({_size(size)}) from {resolved} onto {where}")
+        encoder = load_encoder(resolved, device=device, dtype=args.dtype, compile=args.compile)
+        folder = str(resolved.absolute())
+    progress.note(f"loaded the {encoder.family} tower ({str(encoder.dtype).removeprefix('torch.')}) in "
+                  f"{time.perf_counter() - start:.1f} s")
+    return encoder, folder
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def _vision_shards(folder: Path) -> tuple[int, int]:
+    """(files holding vision tensors, their vision bytes), from the headers only."""
+    from .weights import open_checkpoint, read_header
+
+    checkpoint = open_checkpoint(folder)
+    headers = {path: read_header(path)[0] for path in checkpoint.shard_files}
+    size = 0
+    for source in checkpoint.tensors.values():
+        begin, end = headers[source.file][source.name]["data_offsets"]
+        size += end - begin
+    return len({source.file for source in checkpoint.tensors.values()}), size
 
 
 def _let_pil_return_memory() -> None:
@@ -803,6 +889,7 @@ class EmbedJob:
         self.run: dict | None = None
         self.fresh = True
         self.inputs = Inputs()
+        self.progress = Progress(rank, args.quiet)
 
     # -- setup: every check before the first write; on failure the folder is left as it was
 
@@ -830,7 +917,7 @@ class EmbedJob:
         if not self.inputs.paths:
             raise EmbedError(f"no inputs: {', '.join(args.inputs)} hold no image files (by extension: "
                              f"{' '.join(sorted(IMAGE_EXTENSIONS))}) and list no paths")
-        self.encoder, folder = _load(args, _pick_device(args, self.rank, self.world))
+        self.encoder, folder = _load(args, _pick_device(args, self.rank, self.world), self.progress)
         now = describe_run(self.encoder, args, folder, self.world)
         if recorded is not None:
             compare_runs(recorded, now, out)
@@ -870,11 +957,12 @@ class EmbedJob:
         todo = [p for p in mine if self.inputs.keys[p] not in writer.done]
         known_bad = [_Failed(p, self.inputs.errors[p]) for p in todo if p in self.inputs.errors]
         todo = [p for p in todo if p not in self.inputs.errors]
-        with self.encoder, _progress(len(todo) + len(known_bad), self.rank) as bar:
+        progress = self.progress
+        progress.begin(len(todo) + len(known_bad))
+        with self.encoder:
             if known_bad:
                 writer.write_batch(known_bad, args.pooled_only)
-                bar.update(len(known_bad))
-            start, tokens = time.perf_counter(), 0
+                progress.update(len(known_bad), 0)
             batches = self.encoder.iter_encode(
                 todo, min_pixels=self.run["min_pixels"], max_pixels=self.run["max_pixels"],
                 max_batch_tokens=args.batch_tokens,
@@ -883,10 +971,8 @@ class EmbedJob:
             for batch in batches:
                 results = [_PathResult(r, todo[r.index]) for r in batch]
                 ok, bad = writer.write_batch(results, args.pooled_only)
-                tokens += sum(int(r.embedding.shape[0]) for r in results if r.ok)
-                bar.update(ok + bad)
-                elapsed = max(time.perf_counter() - start, 1e-9)
-                bar.set_postfix(img_s=f"{bar.n / elapsed:.1f}", tok_s=f"{tokens / elapsed:.0f}")
+                progress.update(ok + bad, sum(int(r.embedding.shape[0]) for r in results if r.ok))
+        progress.close()
 
     def summary(self) -> tuple[int, int]:
         """(ok, failed) over this run's inputs, each counted once, from the merged manifest (rank 0)."""
@@ -1041,6 +1127,9 @@ def add_embed_parser(sub, parents=()) -> None:
                    help="patches per forward (an item above runs alone; default %(default)s)")
     p.add_argument("--pooled-only", action="store_true", help="store one mean vector per image")
     p.add_argument("--resume", action="store_true", help="continue a killed or failed run in --out")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress (bar on a terminal, else a line every few seconds) and no loading lines; "
+                        "errors and the final summary still print")
     p.add_argument("--random-weights", action="store_true", help="with a preset --model: random weights, offline")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the blocks (pays off on CUDA for long jobs; slower on CPU, see README)")

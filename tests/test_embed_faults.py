@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -60,7 +61,8 @@ def checkpoint3(tmp_path_factory) -> Path:
 
 
 def error_lines(stderr: str) -> list[str]:
-    return [line for line in stderr.splitlines() if line.strip()]
+    """stderr without the progress and loading lines ('embed: ...', which --quiet silences)."""
+    return [line for line in stderr.splitlines() if line.strip() and not line.startswith(("embed: ", "embed[rank"))]
 
 
 def one_error_line(stderr: str, *needles: str) -> str:
@@ -676,3 +678,25 @@ def test_extract_weights_refuses_a_non_empty_target_without_force(tmp_path, chec
     assert sorted(p.name for p in target.iterdir()) == ["keep.txt"]
     assert main(["extract-weights", str(checkpoint), "--out", str(target), "--force"]) == 0
     assert (target / "keep.txt").read_text() == "mine" and (target / "model.safetensors").is_file()
+
+
+# ---------------------------------------------------------------------- issue 14, item 4: progress
+
+
+def test_progress_without_a_terminal_and_quiet(tmp_path, checkpoint, capsys, monkeypatch):
+    make_folder(tmp_path / "imgs", 6, bad=False)
+    monkeypatch.setattr(embed, "PROGRESS_EVERY_S", 0.0)  # a line after every batch
+    args = ["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--batch-tokens", "64"]
+    assert main([*args, "--out", str(tmp_path / "out")]) == 0
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith("embed: reading 2 shards with the vision tensors (") and "onto cpu" in lines[0]
+    assert lines[1].startswith("embed: loaded the qwen2_5_vl tower (float32) in ")
+    assert lines[2] == "embed: 6 images to embed"
+    steps = [line for line in lines if re.match(r"embed: \d+/6 images \(\d+%\), [\d.]+ img/s, \d+ tok/s, ETA ", line)]
+    done = [int(line.split()[1].split("/")[0]) for line in steps]
+    assert len(done) >= 2 and done == sorted(done) and done[-1] == 6  # batch by batch, up to the total
+    assert lines[-1].startswith("embedded 6 of 6 inputs")
+
+    assert main([*args, "--out", str(tmp_path / "quiet"), "--quiet"]) == 0
+    assert capsys.readouterr().err.splitlines() == [
+        f"embedded 6 of 6 inputs into {tmp_path / 'quiet'} (0 failed; see {tmp_path / 'quiet' / 'manifest.jsonl'})"]
