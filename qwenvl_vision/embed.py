@@ -114,7 +114,7 @@ class _PeerFailed(EmbedError):
 def _output_fault(e: OSError, out: Path, recorded: int | None = None) -> OutputFaultError:
     what = e.strerror or str(e)
     where = f" ({Path(e.filename).name})" if e.filename else ""
-    done = f"; {recorded} inputs are recorded" if recorded is not None else ""
+    done = f"; this process recorded {recorded} inputs before it" if recorded is not None else ""
     return OutputFaultError(f"cannot write to {out}: {what}{where}{done}; nothing recorded is lost: fix the "
                             f"output folder (free space, permissions) and run the same command with --resume")
 

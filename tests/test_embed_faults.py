@@ -328,7 +328,7 @@ def test_output_fault_exits_3_and_resume_finishes(fault, tmp_path, checkpoint, c
     with monkeypatch.context() as patch:
         fail_on_call(patch, name, n, OSError(code, os.strerror(code), str(out / "x")), partial=True)
         assert main(args) == 3
-    one_error_line(capsys.readouterr().err, f"cannot write to {out}", text, "inputs are recorded", "--resume")
+    one_error_line(capsys.readouterr().err, f"cannot write to {out}", text, "this process recorded", "--resume")
     recorded = records(out)  # every complete line is valid: nothing recorded is lost
     assert 0 < len(recorded) < 15
     assert main([*args, "--resume"]) == 1  # the 3 bad files fail again
