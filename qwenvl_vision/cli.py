@@ -1,4 +1,11 @@
-"""``qwenvl-vision``: extract-weights, inspect, embed, bench."""
+"""``qwenvl-vision``: extract-weights, inspect, embed, bench.
+
+Errors: every error the package raises on purpose (``QwenVLVisionError``) and every ``OSError`` ends the
+command with one line on stderr, ``qwenvl-vision COMMAND: error: ...``; ``--debug`` adds the traceback.
+Anything else is a bug and keeps its traceback. Exit codes: 0 done; 1 some inputs failed (the run
+finished, the failures are recorded); 2 usage or setup error (nothing written); 3 the run stopped on an
+I/O fault writing its output (nothing recorded is lost; ``embed --resume`` finishes it).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +13,7 @@ import argparse
 import json
 import os
 import sys
+import traceback
 from pathlib import Path
 
 DEFAULT_WEIGHTS_DIR = Path("weights")  # relative to where the command runs, as the README shows
@@ -14,6 +22,27 @@ DEFAULT_WEIGHTS_DIR = Path("weights")  # relative to where the command runs, as 
 def _default_out(source: str) -> Path:
     name = source.rstrip("/").replace("\\", "/").split("/")[-1] or "vision"
     return DEFAULT_WEIGHTS_DIR / f"{name}-vision"
+
+
+def _is_preset(source: str) -> bool:
+    from .config import PRESETS
+
+    return source.lower() in PRESETS and not Path(source).is_dir()
+
+
+def validate_extract_args(args: argparse.Namespace) -> None:
+    """Refuse, before loading anything: a preset (it has no weights) and a non-empty target without --force."""
+    from .errors import ConfigError
+
+    if _is_preset(args.source):
+        raise ConfigError(f"{args.source} is a preset: it has no weights to extract (--random-weights is for "
+                          f"embed and bench); give a checkpoint folder or a repo id")
+    out = Path(args.out) if args.out else _default_out(args.source)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file, not a folder")
+    if out.is_dir() and any(out.iterdir()) and not args.force:
+        raise ConfigError(f"{out} is not empty; add --force to write the vision checkpoint into it anyway "
+                          f"(its files of the same names are replaced)")
 
 
 def cmd_extract_weights(args: argparse.Namespace) -> int:
@@ -43,10 +72,31 @@ def _stored_dtype(source: str):
     return SAFETENSORS_DTYPES.get(read_header(first.file)[0][first.name]["dtype"], torch.float32)
 
 
+def _preset_report(name: str) -> dict:
+    """What a preset describes: a released tower's shape, without weights (counted on the meta device)."""
+    from .config import preset
+    from .models import build_model
+
+    config = preset(name)
+    parameters = sum(p.numel() for p in build_model(config, device="meta").parameters())
+    return {
+        "preset": config.name,
+        "family": config.family,
+        "model_type": config.model_type,
+        "weights": "none: use --random-weights (embed, bench) for random weights at this size, or a repo id",
+        "parameters": parameters,
+        "bytes_bf16": parameters * 2,
+        "config": config.to_vision_dict(),
+    }
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     from .encoder import _resolve_folder
     from .weights import open_checkpoint, read_header
 
+    if _is_preset(args.source):
+        _print_report(_preset_report(args.source), args.json)
+        return 0
     folder = _resolve_folder(args.source, args.revision, args.local_files_only, None, None)
     checkpoint = open_checkpoint(folder)
     headers = {path: read_header(path)[0] for path in checkpoint.shard_files}  # one header read per shard
@@ -68,52 +118,122 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         "shards": [p.name for p in checkpoint.shard_files],
         "config": checkpoint.config.to_vision_dict(),
     }
-    if args.json:
+    _print_report(report, args.json)
+    return 0
+
+
+def _print_report(report: dict, as_json: bool) -> None:
+    if as_json:
         print(json.dumps(report, indent=2))
     else:
         for key, value in report.items():
             print(f"{key:12s} {value}")
-    return 0
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (usage is one --help away); subparsers inherit the class."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+DTYPE_CHOICES = "fp32/float32, bf16/bfloat16, fp16/float16/half"
+
+
+def _version() -> str:
+    from .embed import _package_version
+
+    return _package_version()
+
+
+def _dtype(text: str) -> str:
+    from .encoder import DTYPES
+
+    if text.lower() not in DTYPES:
+        raise argparse.ArgumentTypeError(f"unsupported dtype {text!r}; use one of {', '.join(sorted(DTYPES))}")
+    return text
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="qwenvl-vision", description=__doc__)
+    parser = _Parser(prog="qwenvl-vision", description=__doc__.split("\n\n")[0],
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    # Also accepted after the command; SUPPRESS keeps the subcommand from resetting a --debug given before it.
+    common = _Parser(add_help=False)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="show the traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("extract-weights", help="write a vision-only checkpoint from a released one")
+    p = sub.add_parser("extract-weights", help="write a vision-only checkpoint from a released one",
+                       parents=[common])
     p.add_argument("source", help="checkpoint folder or Hugging Face repo id")
-    p.add_argument("--out", help="output folder (default: weights/<name>-vision)")
-    p.add_argument("--dtype", help="convert to this dtype (default: keep the stored dtype)")
-    p.add_argument("--revision")
-    p.add_argument("--local-files-only", action="store_true")
-    p.set_defaults(func=cmd_extract_weights)
+    p.add_argument("--out", help="output folder (default: weights/<name>-vision); must be empty unless --force")
+    p.add_argument("--force", action="store_true", help="write into a non-empty --out (same-name files replaced)")
+    p.add_argument("--dtype", type=_dtype, help=f"convert to this dtype: {DTYPE_CHOICES} (default: keep the "
+                                                "stored dtype, bf16 for the releases)")
+    p.add_argument("--revision", help="Hub branch, tag or commit (default: main)")
+    p.add_argument("--local-files-only", action="store_true",
+                   help="use the Hugging Face cache only, never the network (as HF_HUB_OFFLINE=1)")
+    p.set_defaults(func=cmd_extract_weights, validate=validate_extract_args)
 
-    p = sub.add_parser("inspect", help="family, config, tensor count and bytes, without loading weights")
-    p.add_argument("source")
-    p.add_argument("--revision")
-    p.add_argument("--local-files-only", action="store_true")
-    p.add_argument("--json", action="store_true")
+    p = sub.add_parser("inspect", help="family, config, tensor count and bytes, without loading weights",
+                       parents=[common])
+    p.add_argument("source", help="checkpoint folder, Hugging Face repo id, or preset name")
+    p.add_argument("--revision", help="Hub branch, tag or commit (default: main)")
+    p.add_argument("--local-files-only", action="store_true",
+                   help="use the Hugging Face cache only, never the network (as HF_HUB_OFFLINE=1)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=cmd_inspect)
 
     from .embed import add_embed_parser
     from .teardown import add_bench_parser
 
-    add_embed_parser(sub)
+    add_embed_parser(sub, parents=[common])
     add_bench_parser(sub)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    from .config import ConfigError
-    from .preprocess import PreprocessError
-    from .weights import CheckpointError
+def _one_line(error: BaseException) -> str:
+    if isinstance(error, OSError) and error.strerror:
+        text = f"{error.strerror}: {error.filename}" if error.filename else error.strerror
+    else:
+        text = str(error) or type(error).__name__
+    return " ".join(text.split("\n"))
 
-    args = build_parser().parse_args(argv)
+
+def _exit_code(error: BaseException) -> int:
+    """2 for usage and setup errors; an error may carry its own (embed: 3 for an output fault)."""
+    return getattr(error, "exit_code", 2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .errors import QwenVLVisionError
+
     try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # --help, or a usage error already printed on one line
+        return e.code if isinstance(e.code, int) else 2
+    try:
+        validate = getattr(args, "validate", None)
+        if validate is not None:
+            validate(args)
         return args.func(args)
-    except (CheckpointError, ConfigError, PreprocessError, FileNotFoundError) as e:
-        print(f"qwenvl-vision {args.command}: error: {e}", file=sys.stderr)
-        return 2
+    except (QwenVLVisionError, OSError) as e:
+        if args.debug:
+            traceback.print_exc()
+        message = _one_line(e)
+        if not getattr(e, "quiet", False):  # quiet: another torchrun rank failed and printed why
+            rank = os.environ.get("RANK") if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
+            where = f" [rank {rank}]" if rank is not None else ""
+            print(f"qwenvl-vision {args.command}{where}: error: {message}", file=sys.stderr)
+        return _exit_code(e)
+    except KeyboardInterrupt:
+        if args.debug:
+            traceback.print_exc()
+        print(f"qwenvl-vision {args.command}: interrupted" + ("; what is recorded is kept, --resume continues"
+                                                             if args.command == "embed" else ""), file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -3,25 +3,45 @@
 The encoder owns its tower and the tower owns its caches; ``close()`` (or leaving the ``with`` block)
 releases the weights and caches at once, even while other references to the encoder or its model are
 still held, and any later call raises ``EncoderClosedError``.
+
+Threads: ``encode_*`` may run on several threads at once. Each forward holds a reference that ``close()``
+respects: ``close()`` first refuses new calls (they raise ``EncoderClosedError``), then waits for the
+forwards already running to return their results, then frees. Code that calls ``encoder.model`` directly
+is outside this protocol.
+
+Decode memory: ``iter_encode`` (and so ``encode_images`` / ``encode_videos`` and ``embed``) decodes on worker
+threads under one byte budget (``decode_bytes``, 1 GiB by default): an input is admitted, in input order,
+only when its estimated decode cost fits beside the inputs already being decoded or waiting for their
+batch (an input larger than the budget waits until it is alone). Files whose header declares more than
+``max_input_pixels`` are refused before decoding.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import threading
 import warnings
+from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import PIL.Image
 import torch
 
 from .config import ConfigError, VisionConfig, resolve_config
 from .errors import EncoderClosedError
 from .init import random_tower
-from .preprocess import PreprocessConfig, PreprocessError, preprocess_image, preprocess_video
+from .preprocess import (
+    DEFAULT_MAX_INPUT_PIXELS,
+    PreprocessConfig,
+    PreprocessError,
+    preprocess_image,
+    preprocess_video,
+)
 from .tower import InputError, VisionTower
 from .weights import CheckpointError, load_tower, open_checkpoint
 
@@ -30,8 +50,11 @@ DTYPES = {
     "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
     "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
 }
-
-
+DEFAULT_DECODE_BYTES = 1 << 30
+# Peak bytes per header pixel while a file is decoded and converted to RGB (the decoded image, the EXIF
+# transpose copy, two RGB conversions, the decoder's buffers): 12.5 on 64 MP and 12.9 on 89 MP RGB JPEGs
+# decoded one at a time (bench/embed_memory.py), rounded up.
+DECODE_BYTES_PER_PIXEL = 13
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -108,6 +131,7 @@ class _Prepared:
     grid: tuple[int, int, int] | None = None
     error: str | None = None
     tokens: int = field(default=0)
+    held: int = 0  # bytes of the decode budget this input holds until it joins a batch
 
 
 def input_name(item: Any, index: int) -> str:
@@ -124,22 +148,53 @@ class VisionEncoder:
         self.preprocess_config = preprocess_config
         self.source = source
         self.config: VisionConfig = model.config
+        # Guards _model, _closing and _forwards: forwards in flight, which close() waits for.
+        self._state = threading.Condition()
+        self._closing = False
+        self._forwards = 0
 
     # ------------------------------------------------------------------ lifecycle
 
+    def _closed_error(self) -> EncoderClosedError:
+        return EncoderClosedError(f"encoder for {self.source or self.config.name!r} is closed")
+
     @property
     def model(self) -> VisionTower:
-        if self._model is None:
-            raise EncoderClosedError(f"encoder for {self.source or self.config.name!r} is closed")
-        return self._model
+        model = self._model
+        if model is None or self._closing:
+            raise self._closed_error()
+        return model
 
     @property
     def closed(self) -> bool:
-        return self._model is None
+        return self._model is None or self._closing
+
+    def _begin_forward(self) -> VisionTower:
+        """The model, counted as in use until _end_forward: close() waits for it rather than freeing under it."""
+        with self._state:
+            if self._model is None or self._closing:
+                raise self._closed_error()
+            self._forwards += 1
+            return self._model
+
+    def _end_forward(self) -> None:
+        with self._state:
+            self._forwards -= 1
+            if self._forwards == 0:
+                self._state.notify_all()
 
     def close(self) -> None:
-        """Free weights and caches now, whoever else still references this encoder or its model."""
-        model, self._model = self._model, None
+        """Free weights and caches now, whoever else still references this encoder or its model.
+
+        Calls that start after close() began raise EncoderClosedError; forwards already running on other
+        threads finish first (close() waits for them), so they never see freed weights. Do not call it from
+        inside a forward.
+        """
+        with self._state:
+            self._closing = True
+            while self._forwards:
+                self._state.wait()
+            model, self._model = self._model, None
         if model is None:
             return
         model.clear_cache()
@@ -188,13 +243,16 @@ class VisionEncoder:
     def encode_patches(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor | Sequence, *,
                        pooled: bool = False) -> EncodeResult:
         """Encode inputs already processed the transformers way (rows in merge-block order)."""
-        model = self.model
         if not isinstance(pixel_values, torch.Tensor):
             raise InputError(f"pixel_values must be a torch.Tensor, got {type(pixel_values).__name__}")
-        grids = model.grid_list(grid_thw)
-        model.check_pixels(pixel_values, grids)
-        with torch.inference_mode():
-            merged, levels = model(pixel_values, grids)
+        model = self._begin_forward()
+        try:
+            grids = model.grid_list(grid_thw)
+            model.check_pixels(pixel_values, grids)
+            with torch.inference_mode():
+                merged, levels = model(pixel_values, grids)
+        finally:
+            self._end_forward()
         self._check_finite(merged, levels)
         sizes = [t * h * w // self.config.merge_unit for t, h, w in grids]
         embeddings = list(merged.split(sizes))
@@ -211,47 +269,71 @@ class VisionEncoder:
                 raise FloatingPointError(f"{name} contain inf/nan in float16 (the tower overflowed); "
                                          f"use bfloat16 or float32")
 
-    def _prepare(self, item: Any, index: int, video: bool, min_pixels: int | None,
-                 max_pixels: int | None) -> _Prepared:
+    def _prepare(self, item: Any, index: int, video: bool, min_pixels: int | None, max_pixels: int | None,
+                 max_input_pixels: int | None, budget: _DecodeBudget, pin: bool) -> _Prepared:
+        """Decode and resize one input on a worker thread, admitted by the decode budget in input order."""
         name = input_name(item, index)
+        held = budget.admit(index, _decode_cost(item, video, max_input_pixels))
         fn = preprocess_video if video else preprocess_image
         try:
             pixel_values, grid = fn(item, self.preprocess_config, min_pixels=min_pixels, max_pixels=max_pixels,
-                                    index=index)
+                                    index=index, max_input_pixels=max_input_pixels)
         except PreprocessError as e:
+            budget.release(held)
             return _Prepared(index, name, error=str(e))
         except Exception as e:  # noqa: BLE001 - a batch job records any per-input failure and goes on
+            budget.release(held)
             return _Prepared(index, name, error=f"{name}: {type(e).__name__}: {e}")
-        if self.device.type == "cuda":
+        if pin:
             pixel_values = pixel_values.pin_memory()
-        return _Prepared(index, name, pixel_values, tuple(grid), tokens=math.prod(grid))
+        # From here on the input holds its resized pixels, not its decode peak.
+        held = budget.resize(held, pixel_values.element_size() * pixel_values.nelement())
+        return _Prepared(index, name, pixel_values, tuple(grid), tokens=math.prod(grid), held=held)
 
     def iter_encode(self, items: Iterable[Any], *, video: bool = False, min_pixels: int | None = None,
                     max_pixels: int | None = None, max_batch_tokens: int = 16384, pooled: bool = False,
-                    num_workers: int | None = None, prefetch: int = 8) -> Iterator[list[ItemResult]]:
+                    num_workers: int | None = None, prefetch: int = 8,
+                    max_input_pixels: int | None = DEFAULT_MAX_INPUT_PIXELS,
+                    decode_bytes: int | None = DEFAULT_DECODE_BYTES) -> Iterator[list[ItemResult]]:
         """Yield results batch by batch, in input order; a bad input yields an ItemResult with its error.
 
-        Inputs are decoded and resized by worker threads ahead of the compute (PIL and torch release
-        the GIL), at most `prefetch` + one batch ahead, so memory stays bounded by the token budget.
+        Inputs are decoded and resized by worker threads ahead of the compute (PIL and torch release the
+        GIL), at most `prefetch` inputs ahead. Host memory for inputs is bounded by `decode_bytes` (inputs
+        being decoded, at ~13 bytes per header pixel, plus decoded ones waiting for their batch; an input
+        larger than that is handled alone; None: no bound) plus the batch being encoded (`max_batch_tokens`
+        patches, or one larger input). A file whose header declares more than `max_input_pixels` pixels
+        is refused before decoding and yields an error (None: no limit beyond PIL's own).
         """
         self.model  # noqa: B018 - raises if closed, before any work
-        if max_batch_tokens < 1:
-            raise ConfigError(f"max_batch_tokens must be positive, got {max_batch_tokens}")
+        for option, value in (("max_batch_tokens", max_batch_tokens), ("max_input_pixels", max_input_pixels),
+                              ("decode_bytes", decode_bytes), ("prefetch", prefetch)):
+            if value is not None and value < (0 if option == "prefetch" else 1):
+                raise ConfigError(f"{option} must be positive, got {value}")
+        pin = self.device.type == "cuda"
+        budget = _DecodeBudget(decode_bytes)
         workers = num_workers if num_workers is not None else min(4, os.cpu_count() or 1)
         with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-            batch: list[_Prepared] = []
-            failed: list[_Prepared] = []
-            for prepared in _ordered_prefetch(pool, items, prefetch, lambda item, i: self._prepare(
-                    item, i, video, min_pixels, max_pixels)):
-                if prepared.error is not None:
-                    failed.append(prepared)
-                    continue
-                if batch and sum(p.tokens for p in batch) + prepared.tokens > max_batch_tokens:
+            prefetched = _ordered_prefetch(pool, items, prefetch, lambda item, i: self._prepare(
+                item, i, video, min_pixels, max_pixels, max_input_pixels, budget, pin))
+            try:
+                batch: list[_Prepared] = []
+                failed: list[_Prepared] = []
+                for prepared in prefetched:
+                    if prepared.error is not None:
+                        failed.append(prepared)
+                        continue
+                    if batch and sum(p.tokens for p in batch) + prepared.tokens > max_batch_tokens:
+                        yield self._run_batch(batch, failed, pooled)
+                        batch, failed = [], []
+                    batch.append(prepared)
+                    budget.release(prepared.held)  # now counted by the batch's token bound instead
+                if batch or failed:
                     yield self._run_batch(batch, failed, pooled)
-                    batch, failed = [], []
-                batch.append(prepared)
-            if batch or failed:
-                yield self._run_batch(batch, failed, pooled)
+            finally:
+                # Stopped early (an error, or the caller left the loop): wake the workers waiting for
+                # budget and drop the inputs not started, so the pool's shutdown does not wait on them.
+                budget.close()
+                prefetched.close()
 
     def _run_batch(self, batch: list[_Prepared], failed: list[_Prepared], pooled: bool) -> list[ItemResult]:
         results = [ItemResult(p.index, p.name, error=p.error) for p in failed]
@@ -268,7 +350,8 @@ class VisionEncoder:
 
     def _encode_all(self, items: Sequence[Any], video: bool, pooled: bool, **options: Any) -> EncodeResult:
         items = list(items)
-        self._preflight(items, video, options.get("min_pixels"), options.get("max_pixels"))
+        self._preflight(items, video, options.get("min_pixels"), options.get("max_pixels"),
+                        options.get("max_input_pixels"))
         results: list[ItemResult] = []
         for batch in self.iter_encode(items, video=video, pooled=pooled, **options):
             for r in batch:
@@ -283,8 +366,9 @@ class VisionEncoder:
             pooled=torch.stack([r.pooled for r in results]) if pooled and results else None,
         )
 
-    def _preflight(self, items: list[Any], video: bool, min_pixels: int | None, max_pixels: int | None) -> None:
-        """Reject unreadable files, zero-size arrays and extreme aspect ratios before any compute."""
+    def _preflight(self, items: list[Any], video: bool, min_pixels: int | None, max_pixels: int | None,
+                   max_input_pixels: int | None) -> None:
+        """Reject unreadable or oversized files, zero-size arrays and extreme aspect ratios before any compute."""
         from .preprocess import probe_image
 
         for i, item in enumerate(items):
@@ -299,23 +383,27 @@ class VisionEncoder:
                     if not frames:
                         raise PreprocessError(f"{input_name(item, i)}: video has no frames")
                     first = frames[0]
-            probe_image(first, self.preprocess_config, index=i, min_pixels=min_pixels, max_pixels=max_pixels)
+            probe_image(first, self.preprocess_config, index=i, min_pixels=min_pixels, max_pixels=max_pixels,
+                        max_input_pixels=max_input_pixels)
 
     def encode_images(self, images: Sequence[Any], *, min_pixels: int | None = None, max_pixels: int | None = None,
-                      max_batch_tokens: int = 16384, pooled: bool = False, num_workers: int | None = None
-                      ) -> EncodeResult:
+                      max_batch_tokens: int = 16384, pooled: bool = False, num_workers: int | None = None,
+                      max_input_pixels: int | None = DEFAULT_MAX_INPUT_PIXELS) -> EncodeResult:
         """Images (paths, PIL images, HxWxC uint8 arrays, CxHxW uint8 tensors) -> embeddings, in input order.
 
         Preprocessing reproduces transformers' Qwen2VL image processor (PIL backend) with this checkpoint's
         preprocessor config; min/max pixels override it per call. Batches hold at most `max_batch_tokens`
-        patches (an item larger than that runs alone). Bad input raises PreprocessError naming it.
+        patches (an item larger than that runs alone). Bad input raises PreprocessError naming it, and so
+        does a file whose header declares more than `max_input_pixels` (None: only PIL's own limit).
         """
         return self._encode_all(images, False, pooled, min_pixels=min_pixels, max_pixels=max_pixels,
-                                max_batch_tokens=max_batch_tokens, num_workers=num_workers)
+                                max_batch_tokens=max_batch_tokens, num_workers=num_workers,
+                                max_input_pixels=max_input_pixels)
 
     def encode_videos(self, videos: Sequence[Any], *, min_pixels: int | None = None, max_pixels: int | None = None,
                       max_batch_tokens: int = 16384, pooled: bool = False, num_workers: int | None = None,
-                      fps: float | None = None, video_fps: float | Sequence[float] | None = None) -> EncodeResult:
+                      fps: float | None = None, video_fps: float | Sequence[float] | None = None,
+                      max_input_pixels: int | None = DEFAULT_MAX_INPUT_PIXELS) -> EncodeResult:
         """Videos (each a sequence of frames or an (F, H, W, C) uint8 array) -> embeddings; see encode_images.
 
         Frames are padded to an even count by repeating the last one; grid_t = frames / 2. With ``fps`` and
@@ -325,7 +413,8 @@ class VisionEncoder:
         if fps is not None:
             videos = self._sample_by_fps(list(videos), fps, video_fps)
         return self._encode_all(videos, True, pooled, min_pixels=min_pixels, max_pixels=max_pixels,
-                                max_batch_tokens=max_batch_tokens, num_workers=num_workers)
+                                max_batch_tokens=max_batch_tokens, num_workers=num_workers,
+                                max_input_pixels=max_input_pixels)
 
     def _sample_by_fps(self, videos: list[Any], fps: float, video_fps: float | Sequence[float] | None) -> list[Any]:
         from .preprocess import sample_frame_indices, sample_frame_indices_qwen3
@@ -348,13 +437,90 @@ class VisionEncoder:
 
 def _ordered_prefetch(pool: ThreadPoolExecutor, items: Iterable[Any], depth: int, fn) -> Iterator[Any]:
     """fn(item, index) on the pool, at most `depth` in flight, results in input order."""
-    pending = []
-    for index, item in enumerate(items):
-        pending.append(pool.submit(fn, item, index))
-        if len(pending) > depth:
-            yield pending.pop(0).result()
-    for future in pending:
-        yield future.result()
+    pending: deque = deque()
+    try:
+        for index, item in enumerate(items):
+            pending.append(pool.submit(fn, item, index))
+            if len(pending) > depth:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+    finally:
+        for future in pending:
+            future.cancel()
+
+
+class _BudgetClosed(Exception):
+    """The iteration that owned a decode budget stopped; inputs still waiting for it are dropped."""
+
+
+class _DecodeBudget:
+    """Bytes that inputs being decoded, or decoded and waiting for their batch, may hold at once.
+
+    Admission is in input order (input i waits until inputs 0..i-1 were admitted): a small later input never
+    overtakes a large earlier one, so whatever holds bytes is consumed before the waiter and every wait
+    ends. An input costing more than the whole budget is admitted when nothing else holds any.
+    capacity None: no bound (inputs are still admitted in order).
+    """
+
+    def __init__(self, capacity: int | None) -> None:
+        self.capacity = capacity
+        self._cond = threading.Condition()
+        self._used = 0
+        self._next = 0
+        self._closed = False
+
+    def admit(self, ticket: int, cost: int) -> int:
+        with self._cond:
+            while not self._closed and (ticket != self._next or not self._fits(cost)):
+                self._cond.wait()
+            if self._closed:
+                raise _BudgetClosed
+            self._next += 1
+            self._used += cost
+            self._cond.notify_all()
+            return cost
+
+    def _fits(self, cost: int) -> bool:
+        return self.capacity is None or self._used == 0 or self._used + cost <= self.capacity
+
+    def resize(self, held: int, now: int) -> int:
+        """An admitted input now holds `now` bytes instead of `held` (may exceed the budget: it is already in)."""
+        with self._cond:
+            self._used += now - held
+            self._cond.notify_all()
+        return now
+
+    def release(self, held: int) -> None:
+        self.resize(held, 0)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+
+def _decode_cost(item: Any, video: bool, max_input_pixels: int | None) -> int:
+    """Estimated peak bytes of decoding `item`, read from a file's header; 0 for what is already in memory.
+
+    A video is estimated by its first frame: frames are decoded one at a time. A file refused by
+    max_input_pixels, or whose header cannot be read, costs nothing: preprocessing refuses it unread.
+    """
+    first = item
+    if video:
+        if not isinstance(item, (list, tuple)) or not item:
+            return 0
+        first = item[0]
+    if not isinstance(first, (str, os.PathLike)):
+        return 0
+    try:
+        with PIL.Image.open(first) as image:
+            pixels = image.width * image.height
+    except Exception:  # noqa: BLE001 - preprocessing names the problem; this is only an estimate
+        return 0
+    if max_input_pixels is not None and pixels > max_input_pixels:
+        return 0
+    return pixels * DECODE_BYTES_PER_PIXEL
 
 
 # ---------------------------------------------------------------------- loading

@@ -64,6 +64,12 @@ from .errors import ConfigError, InputError, PreprocessError
 RESCALE_FACTOR = 1 / 255  # BaseImageProcessor.rescale_factor
 MAX_ASPECT_RATIO = 200
 BICUBIC = PIL.Image.Resampling.BICUBIC  # == 3 == transformers' PILImageResampling.BICUBIC
+# Files whose header declares more pixels are refused before decoding (max_input_pixels=None: no limit).
+# Decoding a path holds about 13 bytes per pixel at its peak (measured: the decoded image, the EXIF
+# transpose copy and two RGB conversions), so 64 MP is ~0.8 GB: well under PIL's own decompression-bomb
+# limit (PIL.Image.MAX_IMAGE_PIXELS, 89.5 MP, a warning; an error at twice that) and above every
+# common camera (61 MP).
+DEFAULT_MAX_INPUT_PIXELS = 64_000_000
 
 
 
@@ -250,6 +256,13 @@ def _target_size(height: int, width: int, config: PreprocessConfig, min_pixels: 
     return target
 
 
+def _check_input_pixels(height: int, width: int, max_input_pixels: int | None, name: str) -> None:
+    """Refuse a file whose header declares more than max_input_pixels, before anything is decoded."""
+    if max_input_pixels is not None and height * width > max_input_pixels:
+        raise PreprocessError(f"{name}: {width}x{height} = {height * width:,} pixels is above the input limit of "
+                              f"{max_input_pixels:,} (max_input_pixels, embed --max-input-pixels)")
+
+
 def _check_aspect_ratio(height: int, width: int, name: str) -> None:
     """The smart_resize aspect check, run on the header size before anything is decoded."""
     if height <= 0 or width <= 0:
@@ -285,10 +298,15 @@ def load_image(image: Any, *, index: int | None = None) -> PIL.Image.Image:
     return _load_rgb(image, _input_name("image", index, image))
 
 
-def _load_rgb(image: Any, name: str, *, check_aspect: bool = False) -> PIL.Image.Image:
-    """load_image; with check_aspect, the aspect ratio is checked before any pixel is decoded."""
+def _load_rgb(image: Any, name: str, *, check_aspect: bool = False,
+              max_input_pixels: int | None = None) -> PIL.Image.Image:
+    """load_image; with check_aspect, the aspect ratio is checked before any pixel is decoded.
+
+    max_input_pixels applies to paths only (what their header declares, checked before decoding): a PIL
+    image or an array passed in is already in memory.
+    """
     if isinstance(image, (str, os.PathLike)):
-        return _load_path(image, name, check_aspect)
+        return _load_path(image, name, check_aspect, max_input_pixels)
     if isinstance(image, PIL.Image.Image):
         if check_aspect or min(image.size) <= 0:
             _check_aspect_ratio(image.height, image.width, name)
@@ -309,7 +327,8 @@ def _load_rgb(image: Any, name: str, *, check_aspect: bool = False) -> PIL.Image
     return PIL.Image.fromarray(np.ascontiguousarray(_array_to_rgb(array)))
 
 
-def _load_path(path: str | os.PathLike, name: str, check_aspect: bool) -> PIL.Image.Image:
+def _load_path(path: str | os.PathLike, name: str, check_aspect: bool,
+               max_input_pixels: int | None = None) -> PIL.Image.Image:
     """transformers.image_utils.load_image for a local file, then convert_to_rgb, with named errors."""
     path = os.fspath(path)
     if not os.path.exists(path):
@@ -320,8 +339,9 @@ def _load_path(path: str | os.PathLike, name: str, check_aspect: bool) -> PIL.Im
         raise PreprocessError(f"{name}: file is empty (0 bytes)")
     try:
         with PIL.Image.open(path) as opened:
+            # Image.open has read only the header: reject before decoding megapixels.
+            _check_input_pixels(opened.height, opened.width, max_input_pixels, name)
             if check_aspect:
-                # Image.open has read only the header: reject before decoding megapixels.
                 _check_aspect_ratio(opened.height, opened.width, name)
             # load_image: EXIF orientation applied, then a plain convert("RGB") that drops any alpha
             # band without compositing. Both calls decode, so the file can be closed afterwards.
@@ -330,6 +350,8 @@ def _load_path(path: str | os.PathLike, name: str, check_aspect: bool) -> PIL.Im
         raise
     except PIL.UnidentifiedImageError:
         raise PreprocessError(f"{name}: not a recognised image file (corrupt, or not an image)") from None
+    except PIL.Image.DecompressionBombError as e:
+        raise PreprocessError(f"{name}: refused by PIL's decompression-bomb limit ({e})") from None
     except PermissionError as e:
         raise PreprocessError(f"{name}: cannot read file ({e.strerror})") from None
     except Exception as e:  # PIL's decoders raise OSError, ValueError, SyntaxError, EOFError ...
@@ -444,15 +466,17 @@ def _patchify(frames: np.ndarray, config: PreprocessConfig) -> tuple[torch.Tenso
 
 
 def preprocess_image(image: Any, config: PreprocessConfig, *, min_pixels: int | None = None,
-                     max_pixels: int | None = None,
-                     index: int | None = None) -> tuple[torch.Tensor, tuple[int, int, int]]:
+                     max_pixels: int | None = None, index: int | None = None,
+                     max_input_pixels: int | None = None) -> tuple[torch.Tensor, tuple[int, int, int]]:
     """One image -> (pixel_values float32 (h*w, C*T*P*P), grid_thw (1, h, w)), as Qwen2VLImageProcessorPil.
 
     ``min_pixels`` / ``max_pixels`` override the config's bounds for this call (the reference's ``size``
-    call argument). The still image is repeated over the T temporal slots of each row.
+    call argument). The still image is repeated over the T temporal slots of each row. A file whose
+    header declares more than ``max_input_pixels`` pixels is refused before decoding (None: no limit
+    beyond PIL's own; the reference has none).
     """
     name = _input_name("image", index, image)
-    rgb = _load_rgb(image, name, check_aspect=True)
+    rgb = _load_rgb(image, name, check_aspect=True, max_input_pixels=max_input_pixels)
     height, width = _target_size(rgb.height, rgb.width, config, min_pixels, max_pixels, name)
     normalized = _normalize(_resize(rgb, height, width), _normalize_table(config.image_mean, config.image_std))
     # The reference broadcasts the single frame over T; a zero-stride view, copied once by _patchify.
@@ -461,8 +485,8 @@ def preprocess_image(image: Any, config: PreprocessConfig, *, min_pixels: int | 
 
 
 def preprocess_video(frames: Any, config: PreprocessConfig, *, min_pixels: int | None = None,
-                     max_pixels: int | None = None,
-                     index: int | None = None) -> tuple[torch.Tensor, tuple[int, int, int]]:
+                     max_pixels: int | None = None, index: int | None = None,
+                     max_input_pixels: int | None = None) -> tuple[torch.Tensor, tuple[int, int, int]]:
     """Frames -> (pixel_values float32 (t*h*w, C*T*P*P), grid_thw (t, h, w)) in the video processors' layout.
 
     ``frames``: a sequence of anything ``load_image`` takes, or a uint8 array / tensor (F, H, W, C) or
@@ -470,11 +494,13 @@ def preprocess_video(frames: Any, config: PreprocessConfig, *, min_pixels: int |
     ``smart_resize`` target; the count is padded to a multiple of T by repeating the last frame, as
     ``Qwen2VLVideoProcessor.patchify`` does, so grid_t = ceil(F / T). The checkpoints' video processors
     have their own pixel bounds (``video_preprocessor_config.json``): pass them as min/max_pixels.
+    ``max_input_pixels`` applies to every frame given as a path, as in ``preprocess_image``.
     Deviations from transformers' (torchvision-based) video processors: see the module docstring.
     """
     name = _input_name("video", index)
     frame_list = _split_frames(frames, name)
-    first = _load_rgb(frame_list[0], _input_name(f"{name} frame", 0, frame_list[0]), check_aspect=True)
+    first = _load_rgb(frame_list[0], _input_name(f"{name} frame", 0, frame_list[0]), check_aspect=True,
+                      max_input_pixels=max_input_pixels)
     height, width = _target_size(first.height, first.width, config, min_pixels, max_pixels, name)
 
     table = _normalize_table(config.image_mean, config.image_std)
@@ -491,7 +517,8 @@ def preprocess_video(frames: Any, config: PreprocessConfig, *, min_pixels: int |
             if i >= len(frame_list):  # padding; slot 0 of a group is always a real frame
                 group[slot] = group[slot - 1]
                 continue
-            rgb = first if i == 0 else _load_rgb(frame_list[i], _input_name(f"{name} frame", i, frame_list[i]))
+            rgb = first if i == 0 else _load_rgb(frame_list[i], _input_name(f"{name} frame", i, frame_list[i]),
+                                                 max_input_pixels=max_input_pixels)
             group[slot] = _normalize(_resize(rgb, height, width), table)
         rows, (_, grid_h, grid_w) = _patchify(group, config)
         if out is None:
@@ -564,11 +591,12 @@ def _check_video_args(num_frames: int, video_fps: float, fps: float) -> None:
 
 
 def probe_image(image: Any, config: PreprocessConfig, *, index: int | None = None, min_pixels: int | None = None,
-                max_pixels: int | None = None) -> tuple[int, int]:
+                max_pixels: int | None = None, max_input_pixels: int | None = None) -> tuple[int, int]:
     """Check an input without decoding its pixels; return the resized (height, width) it will get.
 
     Catches what can be known up front (missing, empty or unidentifiable file, unsupported type, zero-size
-    array, aspect ratio over 200, a target size of zero) so that batch APIs fail before any compute.
+    array, aspect ratio over 200, a target size of zero, a file above max_input_pixels) so that batch APIs
+    fail before any compute.
     """
     name = _input_name("image", index, image)
     if isinstance(image, (str, os.PathLike)):
@@ -582,8 +610,11 @@ def probe_image(image: Any, config: PreprocessConfig, *, index: int | None = Non
                 height, width = opened.height, opened.width
         except PIL.UnidentifiedImageError:
             raise PreprocessError(f"{name}: not a recognised image file (corrupt, or not an image)") from None
+        except PIL.Image.DecompressionBombError as e:
+            raise PreprocessError(f"{name}: refused by PIL's decompression-bomb limit ({e})") from None
         except Exception as e:  # noqa: BLE001 - PIL raises many types for bad headers
             raise PreprocessError(f"{name}: cannot read image header ({type(e).__name__}: {e})") from e
+        _check_input_pixels(height, width, max_input_pixels, name)
     elif isinstance(image, PIL.Image.Image):
         height, width = image.height, image.width
     elif isinstance(image, (np.ndarray, torch.Tensor)):

@@ -51,6 +51,7 @@ FAMILY_SMALL: dict[str, VisionConfig] = {
     "qwen4_exp": QWEN3_SMALL_64.replace(family="qwen4_exp", deepstack_visual_indexes=()),
 }
 assert set(FAMILY_SMALL) == set(FAMILIES)
+REPO = Path(__file__).resolve().parent.parent
 
 # Not a multiple of the window (merged 3x5), a 2-frame video, the smallest grid, a grid whose merged
 # size divides the window (the padding adds an empty window), a tall one.
@@ -297,17 +298,40 @@ def sample_photo(name: str) -> str:
     return str(cbook.get_sample_data(name, asfileobj=False))
 
 
+def synthetic_photo(height: int, width: int, seed: int = 0, noise: float = 20.0) -> np.ndarray:
+    """An HxWx3 uint8 picture of smooth gradients plus noise, so that resize and rounding differences show."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width]
+    base = np.stack([x * 255 / max(width, 1), y * 255 / max(height, 1), (x + y) * 127 / max(height + width, 1)], -1)
+    return np.clip(base + rng.normal(0, noise, base.shape), 0, 255).astype(np.uint8)
+
+
 def photo(height: int, width: int, seed: int = 0) -> np.ndarray:
-    """An HxWx3 uint8 picture: a real photo resized when matplotlib's sample data is there, else smooth
-    gradients plus noise."""
+    """An HxWx3 uint8 picture: a real photo resized when matplotlib's sample data is there, else synthetic."""
     try:
         image = Image.open(sample_photo("grace_hopper.jpg")).convert("RGB")
         return np.asarray(image.resize((width, height), Image.BICUBIC))
     except Exception:  # noqa: BLE001 - any failure: synthesise
-        rng = np.random.default_rng(seed)
-        y, x = np.mgrid[0:height, 0:width]
-        base = np.stack([x * 255 / width, y * 255 / height, (x + y) * 127 / (height + width)], -1)
-        return np.clip(base + rng.normal(0, 20, base.shape), 0, 255).astype(np.uint8)
+        return synthetic_photo(height, width, seed)
+
+
+def make_image_folder(root: Path, n: int, bad: bool = True) -> list[Path]:
+    """n small images (jpg and png, some in a subfolder); with bad=True also a corrupt, an empty and a text file
+    named as images, and a non-image file. Returns the good images' paths."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "sub").mkdir(exist_ok=True)
+    paths = []
+    for i in range(n):
+        folder = root / "sub" if i % 3 == 0 else root
+        path = folder / f"img{i:03d}.{'png' if i % 2 else 'jpg'}"
+        Image.fromarray(synthetic_photo(40 + 7 * (i % 5), 50 + 11 * (i % 4), i, noise=25.0)).save(path)
+        paths.append(path)
+    if bad:
+        (root / "corrupt.jpg").write_bytes(b"\xff\xd8\xff\xe0 this is not really a jpeg" * 3)
+        (root / "empty.png").write_bytes(b"")
+        (root / "notes.png").write_text("just text, wrongly named")
+        (root / "readme.md").write_text("not an image extension: ignored")
+    return paths
 
 
 def census() -> int:

@@ -1,0 +1,25 @@
+"""Checkpoints several test modules share: written once per session in the released layout."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import QWEN2_5_SMALL, QWEN3_SMALL_72, write_checkpoint
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory) -> Path:
+    """A sharded Qwen2.5-VL checkpoint with spread weights."""
+    folder = tmp_path_factory.mktemp("ckpt25")
+    write_checkpoint(folder, QWEN2_5_SMALL)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def checkpoint3(tmp_path_factory) -> Path:
+    """A sharded Qwen3-VL checkpoint (DeepStack) with spread weights."""
+    folder = tmp_path_factory.mktemp("ckpt3")
+    write_checkpoint(folder, QWEN3_SMALL_72)
+    return folder
