@@ -56,6 +56,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
+from .attention import ATTN_IMPLS
 from .errors import QwenVLVisionError
 
 IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".ppm", ".pgm"}
@@ -821,15 +822,17 @@ def _pick_device(args: argparse.Namespace, rank: int, world: int) -> str | None:
 
 def _load(args: argparse.Namespace, device: str | None, progress: Progress):
     """The encoder, and the checkpoint folder it came from (None for random weights); says what it does."""
-    from .encoder import _resolve_folder, load_encoder, resolve_device
+    from .attention import resolve_attn_impl
+    from .encoder import _resolve_folder, load_encoder, resolve_device, resolve_dtype
     from .hub import looks_like_repo_id
 
     where = str(resolve_device(device))
+    resolve_attn_impl(args.attn, where, resolve_dtype(args.dtype, torch.device(where)))  # before any fetch or read
     start = time.perf_counter()
     if args.random_weights:
         progress.note(f"building {args.model} with random weights on {where}")
         encoder = load_encoder(args.model, device=device, dtype=args.dtype, random_weights=True,
-                               compile=args.compile)
+                               compile=args.compile, attn_impl=args.attn)
         folder = None
     else:
         if looks_like_repo_id(args.model):
@@ -839,7 +842,7 @@ def _load(args: argparse.Namespace, device: str | None, progress: Progress):
         shards, size = _vision_shards(resolved)
         progress.note(f"reading {shards} shard{'s' if shards != 1 else ''} with the vision tensors "
                       f"({_size(size)}) from {resolved} onto {where}")
-        encoder = load_encoder(resolved, device=device, dtype=args.dtype, compile=args.compile)
+        encoder = load_encoder(resolved, device=device, dtype=args.dtype, compile=args.compile, attn_impl=args.attn)
         folder = str(resolved.absolute())
     progress.note(f"loaded the {encoder.family} tower ({str(encoder.dtype).removeprefix('torch.')}) in "
                   f"{time.perf_counter() - start:.1f} s")
@@ -1133,4 +1136,7 @@ def add_embed_parser(sub, parents=()) -> None:
     p.add_argument("--random-weights", action="store_true", help="with a preset --model: random weights, offline")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the blocks (pays off on CUDA for long jobs; slower on CPU, see README)")
+    p.add_argument("--attn", default="auto", choices=ATTN_IMPLS,
+                   help="attention backend (default auto: flash-attn, else torch varlen on CUDA in bf16/fp16, "
+                        "else sdpa); one that cannot run on the device and dtype is refused")
     p.set_defaults(func=run_embed, validate=validate_embed_args)

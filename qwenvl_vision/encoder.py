@@ -32,6 +32,7 @@ from typing import Any
 import PIL.Image
 import torch
 
+from .attention import resolve_attn_impl
 from .config import ConfigError, VisionConfig, resolve_config
 from .errors import EncoderClosedError
 from .init import random_tower
@@ -556,6 +557,7 @@ def load_encoder(
     """
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
+    resolve_attn_impl(attn_impl, device, dtype)  # refuse an impossible backend before any download or read
     options = dict(cache_size=cache_size, cache_bytes=cache_bytes, attn_impl=attn_impl)
     if random_weights:
         config = resolve_config(source)

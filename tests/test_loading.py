@@ -270,3 +270,26 @@ def test_no_warning_for_bf16(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         load_encoder(tmp_path, device="cpu", dtype="bf16")
+
+
+# ----------------------------------------------------------------------------- attention backend
+
+
+@pytest.mark.parametrize("attn_impl", ["flash", "torch_varlen"])
+def test_a_fused_backend_that_cannot_run_here_is_refused(tmp_path, attn_impl, capsys):
+    write_checkpoint(tmp_path, QWEN3_SMALL_72)
+    with pytest.raises(ConfigError, match=rf"attn_impl '{attn_impl}' is not available: it runs on CUDA"):
+        load_encoder(tmp_path, device="cpu", attn_impl=attn_impl)
+    assert main(["embed", str(tmp_path / "config.json"), "--model", str(tmp_path), "--out", str(tmp_path / "out"),
+                 "--attn", attn_impl]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"qwenvl-vision embed: error: attn_impl '{attn_impl}' is not available: it runs on CUDA in "
+                   "float16/bfloat16 only (this tower: cpu, torch.float32)"]  # refused before any shard is read
+
+
+def test_auto_backend_is_chosen_once_and_shown(tmp_path):
+    write_checkpoint(tmp_path, QWEN2_5_SMALL)
+    encoder = load_encoder(tmp_path, device="cpu", dtype="bf16")
+    assert encoder.describe()["attn_impl"] == "auto" and encoder.describe()["attention"] == "sdpa"
+    with pytest.raises(ConfigError, match="not one of"):
+        load_encoder(tmp_path, device="cpu", attn_impl="xformers")
