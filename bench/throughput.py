@@ -19,6 +19,7 @@ bf16 matmul rate measured in the same run.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -40,6 +41,8 @@ from qwenvl_vision.preprocess import PreprocessConfig, preprocess_image, preproc
 from tests.helpers import photo  # noqa: E402
 
 INPUT_SETS = {
+    # 4 photos as a user embeds them: ~3.9k patches (patch 14), each resized under max_pixels 448^2.
+    "photos": {"images": [(600, 512), (480, 640), (640, 480), (560, 560)], "video": None, "max_pixels": 448 * 448},
     "mixed": {"images": [(448, 448), (768, 1024), (1536, 2048)], "video": (16, 448, 448)},
     "1024-patch": {"images": [(448, 448)] * 16, "video": None},  # 32x32 patches each (patch 14)
     "small": {"images": [(224, 224), (336, 448)], "video": (4, 224, 224)},
@@ -58,6 +61,8 @@ def truncated(cfg: VisionConfig, depth: int | None) -> VisionConfig:
 def build_inputs(name: str, cfg: VisionConfig) -> tuple[torch.Tensor, torch.Tensor, int]:
     spec = INPUT_SETS[name]
     pre = PreprocessConfig.for_family(cfg.family)
+    if "max_pixels" in spec:
+        pre = dataclasses.replace(pre, max_pixels=spec["max_pixels"])
     rows, grids = [], []
     for i, (h, w) in enumerate(spec["images"]):
         values, grid = preprocess_image(photo(h, w, i), pre)

@@ -34,11 +34,15 @@ _ACTIVE: ContextVar[Workspace | None] = ContextVar("qwenvl_vision_workspace", de
 class Workspace:
     """The activation memory of one eager forward: two buffers that every block reuses, freed with the forward.
 
-    Why: on CPU a fresh tensor larger than glibc's mmap threshold (32 MiB) is mapped from the OS and
+    Why: on CPU a fresh tensor larger than glibc's mmap threshold (up to 32 MiB) is mapped from the OS and
     page-faulted on first write; at 30k tokens a block made ~30 such N x D tensors and the faults cost ~27% of
     the forward (a write into a fresh 400 MB tensor took 8x as long as into a reused one). Here they are paid
     once per forward, and the peak is lower than the reference's: x, ``narrow`` (N x D) and ``wide``
     (N x max(3D, MLP width)), plus the attention output.
+
+    Math the reference does in fp32 on half-precision activations (norm statistics, rope) runs on row chunks
+    through two small fp32 ``scratch`` buffers (``fp32_chunks``): the same operations in the same order, so the
+    same bits, without an N x D fp32 copy per step (in bf16 those copies, not the arithmetic, were the cost).
 
     The rule that makes reuse safe: every op writes into the buffer that does not hold its input
     (``take``), so no op overwrites what it reads, and a value lives until the op after next consumes it;
@@ -54,6 +58,7 @@ class Workspace:
     def __init__(self, rows: int, dim: int, wide: int, dtype: torch.dtype, device: torch.device) -> None:
         self.buffers = (torch.empty(rows * dim, dtype=dtype, device=device),
                         torch.empty(rows * wide, dtype=dtype, device=device))
+        self.scratch = torch.empty(2, SCRATCH_ELEMENTS, dtype=torch.float32, device=device)
 
     def take(self, source: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         """A view of `shape` in a buffer that does not hold `source` and is large enough."""
@@ -82,6 +87,23 @@ def output_buffer(source: torch.Tensor, *shape: int) -> torch.Tensor | None:
 
 def buffered() -> bool:
     return not torch.compiler.is_compiling() and _ACTIVE.get() is not None
+
+
+SCRATCH_ELEMENTS = 1 << 18  # 1 MiB of fp32 per scratch buffer: a chunk's temporaries stay in cache
+
+
+def row_chunks(rows: int, width: int) -> list[slice]:
+    """Slices of at most SCRATCH_ELEMENTS // width rows covering `rows`."""
+    step = max(1, SCRATCH_ELEMENTS // width)
+    return [slice(start, min(start + step, rows)) for start in range(0, rows, step)]
+
+
+def fp32_chunks(rows: int, *shape: int) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor]]:
+    """(rows slice, two fp32 scratch views of (chunk rows, *shape)) over `rows`, from the active workspace."""
+    scratch = _ACTIVE.get().scratch
+    for chunk in row_chunks(rows, math.prod(shape)):
+        size = (chunk.stop - chunk.start) * math.prod(shape)
+        yield chunk, scratch[0, :size].view(-1, *shape), scratch[1, :size].view(-1, *shape)
 
 
 def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
@@ -141,7 +163,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
-    """``apply_rope`` in place on fp32 x (N, H, hd), using tmp (N, H, hd) as scratch; the same result bit for bit.
+    """``apply_rope`` in place on fp32 x (N, H, hd), using fp32 tmp (N, H, hd) as scratch; the same bits.
 
     rotate_half(x) * sin is [-x2 * sin1, x1 * sin2] (negation is exact), then x * cos + that, in the
     reference's order.
@@ -155,12 +177,15 @@ def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, tmp: torc
 
 def rotate(q: torch.Tensor, k: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """2D rope on q and k (N, H, hd): in place in fp32 when buffers are in use, else new tensors."""
+    """2D rope on q and k (N, H, hd), computed in fp32 as the reference: in place when buffers are in use (on
+    row chunks through the fp32 scratch), else new tensors."""
     cos, sin = rope
-    tmp = output_buffer(q, *q.shape) if q.dtype == torch.float32 else None
-    if tmp is None:  # half precision rotates in fp32 anyway; its packed results also suit the fused CUDA kernels
+    if not buffered():
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    return apply_rope_(q, cos, sin, tmp), apply_rope_(k, cos, sin, tmp)
+    for x in (q, k):
+        for rows, x32, tmp in fp32_chunks(x.shape[0], *x.shape[1:]):
+            x[rows].copy_(apply_rope_(x32.copy_(x[rows]), cos[rows], sin[rows], tmp))
+    return q, k
 
 
 # ----------------------------------------------------------------------------- activations
@@ -170,12 +195,14 @@ def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
     return x * torch.sigmoid(1.702 * x)  # transformers' QuickGELUActivation
 
 
+
 ACTIVATIONS: dict[str, tuple[Callable, Callable]] = {  # name -> (function, in-place function)
     "silu": (F.silu, lambda x: F.silu(x, inplace=True)),
     "swish": (F.silu, lambda x: F.silu(x, inplace=True)),
     "gelu": (F.gelu, lambda x: torch.ops.aten.gelu_(x)),
     "gelu_pytorch_tanh": (lambda x: F.gelu(x, approximate="tanh"),
                           lambda x: torch.ops.aten.gelu_(x, approximate="tanh")),
+    # In place but for its sigmoid temporary; chunking it would move the vector kernels' tails (1-ulp changes).
     "quick_gelu": (_quick_gelu, lambda x: x.mul_(torch.sigmoid(1.702 * x))),
 }
 
@@ -198,19 +225,34 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = output_buffer(x, *x.shape) if x.dtype == torch.float32 else None
-        if out is not None:  # the reference's ops in its order, written into the buffer: x*x is what pow(2) computes
-            torch.mul(x, x, out=out)
-            scale = out.mean(-1, keepdim=True).add_(self.eps).rsqrt_()
-            return torch.mul(x, scale, out=out).mul_(self.weight)
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        out = output_buffer(x, *x.shape)
+        if out is None:
+            x32 = x.float()
+            x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+            return self.weight * x32.to(x.dtype)
+        # The same ops in the same order on row chunks (x*x is what pow(2) computes), written into the buffer.
+        for rows, x32, squares in fp32_chunks(x.shape[0], x.shape[1]):
+            x32.copy_(x[rows])
+            scale = torch.mul(x32, x32, out=squares).mean(-1, keepdim=True).add_(self.eps).rsqrt_()
+            out[rows].copy_(x32.mul_(scale)).mul_(self.weight)
+        return out
+
+
+class LayerNorm(nn.LayerNorm):
+    """``nn.LayerNorm`` (same parameters and numbers), written into a workspace buffer by row chunks."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = output_buffer(x, *x.shape)
+        if out is None:
+            return super().forward(x)
+        for rows in row_chunks(x.shape[0], x.shape[1]):  # per-row statistics: chunks change no bit
+            out[rows].copy_(F.layer_norm(x[rows], self.normalized_shape, self.weight, self.bias, self.eps))
+        return out
 
 
 def norm_layer(kind: str, dim: int) -> nn.Module:
     """The family's norm: "rms" (Qwen2.5) or "layer" (Qwen2-VL, Qwen3), eps 1e-6 in every released tower."""
-    return RMSNorm(dim) if kind == "rms" else nn.LayerNorm(dim, eps=1e-6)
+    return RMSNorm(dim) if kind == "rms" else LayerNorm(dim, eps=1e-6)
 
 
 class PatchEmbed(nn.Module):

@@ -7,31 +7,49 @@ import torch
 from transformers.activations import ACT2FN
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLRMSNorm, apply_rotary_pos_emb_vision
 
-from qwenvl_vision.layers import ACTIVATIONS, RMSNorm, Workspace, apply_rope_, rope_cos_sin
+from qwenvl_vision.layers import ACTIVATIONS, SCRATCH_ELEMENTS, LayerNorm, RMSNorm, Workspace, rope_cos_sin, rotate
 from tests.helpers import QWEN2_5_GRIDS, QWEN2_5_SMALL, QWEN3_GRIDS, QWEN3_SMALL_72, hf_forward, inputs, pair, rel_err
 
 
-def test_rope_in_place_is_bitwise_the_reference_on_a_strided_view():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_in_a_workspace_is_bitwise_the_reference_on_strided_views(dtype):
+    """In place on q and k inside the qkv buffer, by row chunks through fp32 scratch: the reference's bits."""
     gen = torch.Generator().manual_seed(0)
-    qkv = torch.randn(37, 3, 3, 80, generator=gen) * 4
-    cos, sin = rope_cos_sin(torch.randint(0, 90, (37, 2), generator=gen), 80)
+    rows = 2 * (SCRATCH_ELEMENTS // (3 * 80)) + 37  # three chunks, the last one partial
+    qkv = (torch.randn(rows, 3, 3, 80, generator=gen) * 4).to(dtype)
+    cos, sin = rope_cos_sin(torch.randint(0, 90, (rows, 2), generator=gen), 80)
     expected_q, expected_k = apply_rotary_pos_emb_vision(qkv[:, 0].clone(), qkv[:, 1].clone(), cos, sin)
     untouched = qkv[:, 2].clone()
-    q, k = qkv[:, 0], qkv[:, 1]  # strided views, as inside attention
-    tmp = torch.empty(q.shape)
-    apply_rope_(q, cos, sin, tmp)
-    apply_rope_(k, cos, sin, tmp)
-    assert torch.equal(q, expected_q) and torch.equal(k, expected_k)
+    with Workspace(rows, 240, 720, dtype, torch.device("cpu")).active():
+        q, k = rotate(qkv[:, 0], qkv[:, 1], (cos, sin))  # strided views, as inside attention
+    assert q.data_ptr() == qkv[:, 0].data_ptr() and k.data_ptr() == qkv[:, 1].data_ptr()
+    assert torch.equal(q, expected_q.to(dtype)) and torch.equal(k, expected_k.to(dtype))
     assert torch.equal(qkv[:, 2], untouched)  # v was not written
 
 
-def test_rms_norm_into_a_workspace_buffer_is_bitwise_the_reference():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_into_a_workspace_buffer_is_bitwise_the_reference(dtype):
     ours, ref = RMSNorm(96), Qwen2_5_VLRMSNorm(96)
     with torch.no_grad():
         ours.weight.copy_(torch.randn(96) * 3)
         ref.weight.copy_(ours.weight)
-    x = torch.randn(50, 96) * 7
-    with torch.no_grad(), Workspace(50, 96, 96 * 3, torch.float32, torch.device("cpu")).active() as workspace:
+    ours, ref = ours.to(dtype), ref.to(dtype)
+    x = (torch.randn(3 * SCRATCH_ELEMENTS // 96 + 5, 96) * 7).to(dtype)  # several chunks
+    with torch.no_grad(), Workspace(x.shape[0], 96, 96 * 3, dtype, torch.device("cpu")).active() as workspace:
+        out = ours(x)
+        assert out.untyped_storage().data_ptr() == workspace.buffers[0].untyped_storage().data_ptr()
+        assert torch.equal(out, ref(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layer_norm_into_a_workspace_buffer_is_bitwise_torch(dtype):
+    ours, ref = LayerNorm(96, eps=1e-6), torch.nn.LayerNorm(96, eps=1e-6)
+    with torch.no_grad():
+        ours.weight.normal_(), ours.bias.normal_()
+        ref.load_state_dict(ours.state_dict())
+    ours, ref = ours.to(dtype), ref.to(dtype)
+    x = (torch.randn(3 * SCRATCH_ELEMENTS // 96 + 5, 96) * 7).to(dtype)
+    with torch.no_grad(), Workspace(x.shape[0], 96, 96 * 3, dtype, torch.device("cpu")).active() as workspace:
         out = ours(x)
         assert out.untyped_storage().data_ptr() == workspace.buffers[0].untyped_storage().data_ptr()
         assert torch.equal(out, ref(x))
@@ -39,7 +57,7 @@ def test_rms_norm_into_a_workspace_buffer_is_bitwise_the_reference():
 
 @pytest.mark.parametrize("name", sorted(ACTIVATIONS))
 def test_in_place_activations_are_bitwise_transformers_activations(name):
-    x = torch.randn(40, 33) * 5
+    x = torch.randn(2 * SCRATCH_ELEMENTS // 33 + 40, 33) * 5  # chunked ones cover every row
     in_place = ACTIVATIONS[name][1]
     assert torch.equal(in_place(x.clone()), ACT2FN[name](x))
 

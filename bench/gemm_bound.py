@@ -1,0 +1,118 @@
+"""The time a forward cannot beat on this machine: its matrix products at the rate the hardware reaches alone.
+
+    python bench/gemm_bound.py --preset qwen2.5-vl-3b --inputs photos --dtype bf16
+
+For one packed forward of a tower, every GEMM (patch embedding, qkv, projection, MLP, mergers) is listed with
+its shape and timed alone with ``torch.mm`` (best of a few runs, output preallocated: the kernel's own rate);
+attention is timed alone as the SDPA calls our attention plan makes (``attention.sdpa_attention`` on random
+q/k/v with the forward's segments), which is what any implementation must at least spend in it. The bound is
+the sum. ``bench/throughput.py`` reports each forward as a fraction of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from qwenvl_vision.attention import sdpa_attention  # noqa: E402
+from qwenvl_vision.config import VisionConfig  # noqa: E402
+from qwenvl_vision.models import build_model  # noqa: E402
+
+Shape = tuple[int, int, int]  # (m, k, n): an (m, k) x (k, n) product
+
+
+def gemm_shapes(cfg: VisionConfig, grids: list[tuple[int, int, int]]) -> Counter[Shape]:
+    """Every matrix product of one forward over the pack, by shape, with its count."""
+    n = sum(t * h * w for t, h, w in grids)
+    d, inner, merged = cfg.hidden_size, cfg.intermediate_size, n // cfg.merge_unit
+    shapes: Counter[Shape] = Counter({(n, cfg.patch_dim, d): 1})
+    block = [(n, d, 3 * d), (n, d, d)]
+    block += [(n, d, 2 * inner), (n, inner, d)] if cfg.spec.mlp == "gated" else [(n, d, inner), (n, inner, d)]
+    for shape in block:
+        shapes[shape] += cfg.depth
+    for _ in range(1 + len(cfg.deepstack_visual_indexes)):  # the final merger and each DeepStack merger
+        shapes[(merged, 4 * d, 4 * d)] += 1
+        shapes[(merged, 4 * d, cfg.out_hidden_size)] += 1
+    return shapes
+
+
+def _best_time(fn, repeats: int) -> float:
+    fn()  # warm-up: first-call allocations and kernel selection
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def gemm_seconds(shapes: Counter[Shape], dtype: torch.dtype, device: torch.device, repeats: int = 3
+                 ) -> tuple[float, dict[str, float]]:
+    """Sum over shapes of count x the best torch.mm time alone; and the rate (GFLOP/s) per shape."""
+    total, rates = 0.0, {}
+    for (m, k, n), count in shapes.items():
+        a, b = torch.randn(m, k, device=device).to(dtype), torch.randn(k, n, device=device).to(dtype)
+        out = torch.empty(m, n, device=device, dtype=dtype)
+        seconds = _best_time(lambda a=a, b=b, out=out: torch.mm(a, b, out=out), repeats)
+        rates[f"{m}x{k}x{n}"] = round(2 * m * k * n / seconds / 1e9, 1)
+        total += count * seconds
+    return total, rates
+
+
+def attention_seconds(cfg: VisionConfig, grids: list[tuple[int, int, int]], dtype: torch.dtype,
+                      device: torch.device, repeats: int = 3) -> float:
+    """Every block's attention alone: SDPA over the forward's windows or frames, as our plan batches them."""
+    model = build_model(cfg, device="meta")
+    plan = model.prepare(grids, device)
+    n, heads, hd = plan.frames.total, cfg.num_heads, cfg.head_dim
+    q, k, v = (torch.randn(n, heads, hd, device=device).to(dtype) for _ in range(3))
+    out = torch.empty_like(q)
+    total = 0.0
+    for segments in [s for s in (plan.frames, plan.windows) if s is not None]:
+        blocks = sum(1 for i in range(cfg.depth) if (segments is plan.frames) == (i in cfg.full_attention_blocks))
+        if blocks:
+            seconds = _best_time(lambda s=segments: sdpa_attention(q, k, v, s, hd**-0.5, out=out), repeats)
+            total += blocks * seconds
+    return total
+
+
+def gemm_bound(cfg: VisionConfig, grids: list[tuple[int, int, int]], dtype: torch.dtype,
+               device: torch.device | str = "cpu") -> dict:
+    device = torch.device(device)
+    shapes = gemm_shapes(cfg, grids)
+    gemm, rates = gemm_seconds(shapes, dtype, device)
+    attention = attention_seconds(cfg, grids, dtype, device)
+    flops = sum(2 * m * k * n * count for (m, k, n), count in shapes.items())
+    return {"bound_s": gemm + attention, "gemm_s": gemm, "attention_s": attention, "gemm_gflop": flops / 1e9,
+            "gemm_gflops_per_s": round(flops / gemm / 1e9, 1), "rates_gflops_per_s": rates}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    import throughput
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="qwen2.5-vl-3b")
+    parser.add_argument("--inputs", default="photos", choices=sorted(throughput.INPUT_SETS))
+    parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
+    parser.add_argument("--depth", type=int, default=None)
+    args = parser.parse_args(argv)
+    from qwenvl_vision import preset
+
+    cfg = throughput.truncated(preset(args.preset), args.depth)
+    _, grid_thw, _ = throughput.build_inputs(args.inputs, cfg)
+    result = gemm_bound(cfg, [tuple(g) for g in grid_thw.tolist()],
+                        torch.bfloat16 if args.dtype == "bf16" else torch.float32)
+    print(result)
+    return result
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    main()

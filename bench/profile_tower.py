@@ -1,0 +1,137 @@
+"""Where a forward's time goes, ours against transformers': GEMM, attention, norms, rope, activation, copies.
+
+    python bench/profile_tower.py --preset qwen2.5-vl-3b --inputs photos --dtype bf16
+
+One forward of each tower (same weights, same inputs) under ``torch.profiler``, after a warm-up forward. Every
+module's forward is wrapped in a ``record_function`` scope, so each aten op's self time is attributed to a
+category: GEMMs and SDPA kernels by name wherever they run; every other op by the innermost module around it
+(norm modules -> norm; attention modules -> rope, q/k/v split and other attention glue; MLP modules ->
+activation and gate multiply; mergers; the block itself -> residual adds; the rest, e.g. the patch embedding's
+copies and the position embedding -> other).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+GEMM_OPS = {"aten::addmm", "aten::mm", "aten::bmm", "aten::baddbmm", "aten::mkldnn_convolution",
+            "aten::_mkldnn_convolution", "aten::convolution_overrideable", "aten::_convolution"}
+SDPA_PREFIX = ("aten::_scaled_dot_product", "aten::_flash_attention", "aten::_efficient_attention")
+CATEGORIES = ("GEMM", "attention (SDPA)", "norm", "rope & attention glue", "activation & gate", "merger other",
+              "residual (block)", "other")
+
+
+def _module_category(name: str) -> str:
+    lowered = name.lower()
+    if "norm" in lowered:
+        return "norm"
+    if "attention" in lowered:
+        return "rope & attention glue"
+    if "mlp" in lowered:
+        return "activation & gate"
+    if "merger" in lowered:
+        return "merger other"
+    if "block" in lowered:
+        return "residual (block)"
+    return "other"
+
+
+def _scope_hooks(model: torch.nn.Module) -> list:
+    """Wrap every module's forward in record_function('mod::<class>') via hooks; returns the handles."""
+    stack: list = []
+
+    def enter(module, args):
+        scope = torch.autograd.profiler.record_function(f"mod::{type(module).__name__}")
+        scope.__enter__()
+        stack.append(scope)
+
+    def leave(module, args, output):
+        stack.pop().__exit__(None, None, None)
+
+    handles = []
+    for module in model.modules():
+        handles.append(module.register_forward_pre_hook(enter))
+        handles.append(module.register_forward_hook(leave))
+    return handles
+
+
+def profile_forward(model: torch.nn.Module, run) -> dict[str, float]:
+    """Self CPU seconds per category for one forward (``run()``)."""
+    handles = _scope_hooks(model)
+    try:
+        with torch.inference_mode():
+            run()  # warm-up, outside the profile
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                run()
+    finally:
+        for handle in handles:
+            handle.remove()
+    seconds: dict[str, float] = defaultdict(float)
+    for event in prof.events():
+        if not event.name.startswith("aten::"):
+            continue
+        if event.name in GEMM_OPS:
+            category = "GEMM"
+        elif event.name.startswith(SDPA_PREFIX):
+            category = "attention (SDPA)"
+        else:
+            parent, category = event.cpu_parent, "other"
+            while parent is not None:
+                if parent.name.startswith("mod::"):
+                    category = _module_category(parent.name[5:])
+                    break
+                parent = parent.cpu_parent
+        seconds[category] += event.self_cpu_time_total / 1e6
+    seconds["total"] = sum(seconds.values())
+    return dict(seconds)
+
+
+def format_profile(profiles: dict[str, dict[str, float]]) -> str:
+    names = list(profiles)
+    lines = [f"{'category':24s}" + "".join(f"{n:>22s}" for n in names)]
+    for category in (*CATEGORIES, "total"):
+        cells = []
+        for name in names:
+            value, total = profiles[name].get(category, 0.0), profiles[name]["total"]
+            cells.append(f"{value:9.2f} s {100 * value / total:5.1f}%  ")
+        lines.append(f"{category:24s}" + "".join(f"{c:>22s}" for c in cells))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    import throughput
+
+    from qwenvl_vision import preset
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="qwen2.5-vl-3b")
+    parser.add_argument("--inputs", default="photos", choices=sorted(throughput.INPUT_SETS))
+    parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
+    parser.add_argument("--depth", type=int, default=None)
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    cfg = throughput.truncated(preset(args.preset), args.depth)
+    pixel_values, grid_thw, _ = throughput.build_inputs(args.inputs, cfg)
+    ours, theirs = throughput.build_pair(cfg, torch.device("cpu"), dtype, "sdpa")
+    profiles = {"ours": profile_forward(ours, lambda: ours(pixel_values, grid_thw))}
+    if theirs is not None:
+        profiles["transformers"] = profile_forward(theirs, lambda: theirs(pixel_values, grid_thw=grid_thw))
+    print(f"{args.preset} depth {cfg.depth}, {args.inputs} ({int(grid_thw.prod(1).sum())} patches), {args.dtype}, "
+          f"{torch.get_num_threads()} threads: self CPU time by category")
+    print(format_profile(profiles))
+    return profiles
+
+
+if __name__ == "__main__":
+    main()
