@@ -28,6 +28,7 @@ from einops import rearrange
 from .errors import ConfigError
 
 VIEW_MIN_TOKENS = 2048  # a run of equal segments this large runs in place; smaller ones may be gathered
+GATHER_MIN_RUNS = 5  # small runs of one length are gathered into one call only when there are this many
 ATTN_IMPLS = ("auto", "sdpa", "flash", "torch_varlen")
 
 
@@ -52,9 +53,10 @@ class SegmentPlan:
 
     @classmethod
     def from_lengths(cls, lengths: list[int], device: torch.device | str = "cpu") -> SegmentPlan:
-        """Runs of consecutive equal-length segments become views (no copy); small runs of one length
+        """Runs of consecutive equal-length segments become views (no copy); many small runs of one length
         scattered over the pack are gathered into one batched call so that many tiny images or windows
-        do not cost one kernel launch each. Large runs are never gathered: the copy would cost memory."""
+        do not cost one kernel launch each. Large runs, and a few small ones, are never gathered: the copies
+        would cost more than the calls."""
         lengths = [int(n) for n in lengths if n > 0]
         runs: list[tuple[int, int, int]] = []  # (length, start, count)
         start = 0
@@ -72,8 +74,8 @@ class SegmentPlan:
             else:
                 small_by_length.setdefault(n, []).append((run_start, count))
         for n, small in small_by_length.items():
-            if len(small) == 1:
-                groups.append(SegmentGroup(n, small[0][1], start=small[0][0]))
+            if len(small) <= GATHER_MIN_RUNS:  # a few calls on views beat copying q, k, v and the output
+                groups += [SegmentGroup(n, count, start=run_start) for run_start, count in small]
                 continue
             starts = torch.tensor([s + i * n for s, count in small for i in range(count)])
             rows = (starts[:, None] + torch.arange(n)).flatten()
