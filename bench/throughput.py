@@ -331,7 +331,7 @@ def summarize(cfg: VisionConfig, label: str, inputs: str, grid_thw: torch.Tensor
         "preset": label, "depth": cfg.depth, "device": str(device), "dtype": str(dtype).replace("torch.", ""),
         "inputs": inputs, "grids": grids, "items": items, "patches": tokens, "threads": torch.get_num_threads(),
         "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
-        "repeats": len(next(iter(timings.times.values()))), "variants": {}, "skipped": dict(skipped or {}),
+        "repeats": max(map(len, timings.times.values()), default=0), "variants": {}, "skipped": dict(skipped or {}),
     }
     try:
         import transformers

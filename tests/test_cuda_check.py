@@ -123,3 +123,25 @@ def test_a_section_past_its_limit_is_recorded_and_the_next_still_runs(tmp_path):
     assert section(tmp_path, "tests")["status"] == "skipped"  # ran after it (its CUDA tests skip on CPU)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["sections"]["parity"]["status"] == "timeout" and summary["ok"] is False
+
+
+def test_a_variant_that_raises_is_dropped_and_the_others_keep_their_numbers():
+    """What the GPU run relies on when, e.g., compiled blocks fail on its torch: the other variants are still timed."""
+    import torch
+
+    import bench.throughput as tp
+    from qwenvl_vision.init import random_tower
+
+    cfg = FAMILY_SMALL["qwen2_5_vl"]
+    pixel_values, grid_thw, items = tp.build_inputs("small", cfg)
+
+    def broken(model, pixel_values, grid_thw):
+        raise RuntimeError("no kernel image is available for execution on the device")
+
+    ours = random_tower(cfg, "cpu", torch.float32)
+    variants = {"ours": tp.Variant(tp.run_ours, ours), "ours-compiled": tp.Variant(broken, ours)}
+    failed: dict[str, str] = {}
+    timings = tp.measure(variants, pixel_values, grid_thw, torch.device("cpu"), warmup=1, repeats=2, failed=failed)
+    assert failed == {"ours-compiled": "RuntimeError: no kernel image is available for execution on the device"}
+    result = tp.summarize(cfg, "small tower", "small", grid_thw, items, torch.device("cpu"), torch.float32, timings)
+    assert list(result["variants"]) == ["ours"] and result["repeats"] == 2
