@@ -37,6 +37,12 @@ non-fp32 row also with ours in fp32 ("vs fp32": its rounding error).
 
     python -m bench.load                          # qwen2.5-vl-3b, fp32 and bf16, 3 repeats
     python -m bench.load --preset qwen3-vl-2b --json bench/load-qwen3-vl-2b.json
+    python -m bench.load --device cuda --dtypes bf16 --rows ours,hf-tower   # onto the GPU
+
+``--device cuda`` loads onto the GPU instead (the rows above with ``device=`` / ``device_map=``): the child creates
+its CUDA context before the baseline (its host memory is not the load's), the timer stops after a synchronize,
+and each run also reports the GPU's peak allocated bytes. The peak RSS is still the host's: what staging the
+weights costs. ``--depth N`` truncates the tower (a smoke test in seconds; ``bench/cuda_check.py --dry-run``).
 """
 
 from __future__ import annotations
@@ -258,12 +264,15 @@ def import_for(row: str, model_type: str):
     return getattr(module, tower_name if row == "hf-tower" else full_name)
 
 
-def load(row: str, loader, folder: str, dtype: torch.dtype, model_type: str) -> tuple[object, torch.nn.Module, dict]:
+def load(row: str, loader, folder: str, dtype: torch.dtype, model_type: str, device: str = "cpu"
+         ) -> tuple[object, torch.nn.Module, dict]:
     """Run the row's load; return (what to keep alive, the tower, notes)."""
     if row == "ours":
-        encoder = loader(folder, device="cpu", dtype=dtype)
+        encoder = loader(folder, device=device, dtype=dtype)
         return encoder, encoder.model, {}
     kwargs = {"dtype": dtype, "output_loading_info": True}
+    if device != "cpu":
+        kwargs["device_map"] = device
     if row == "hf-tower":
         kwargs["key_mapping"] = {"^" + HF_CLASSES[model_type][3].replace(".", r"\."): ""}
     model, info = loader.from_pretrained(folder, **kwargs)
@@ -277,14 +286,15 @@ def load(row: str, loader, folder: str, dtype: torch.dtype, model_type: str) -> 
 def probe_output(row: str, kept, tower: torch.nn.Module, patch_dim: int, dtype: torch.dtype) -> torch.Tensor:
     """The tower's merged output for one fixed tiny input, as float32."""
     t, h, w = PROBE_GRID
-    pixels = torch.randn(t * h * w, patch_dim, generator=torch.Generator().manual_seed(0)).to(dtype)
-    grid = torch.tensor([PROBE_GRID])
+    device = next(tower.parameters()).device
+    pixels = torch.randn(t * h * w, patch_dim, generator=torch.Generator().manual_seed(0)).to(device, dtype)
+    grid = torch.tensor([PROBE_GRID], device=device)
     with torch.inference_mode():
         if row == "ours":
             out = kept.encode_patches(pixels, grid).embeddings[0]
         else:
             out = tower(pixels, grid_thw=grid).pooler_output
-    return out.float().clone()
+    return out.float().cpu().clone()
 
 
 def module_bytes(module: torch.nn.Module) -> int:
@@ -295,19 +305,29 @@ def module_bytes(module: torch.nn.Module) -> int:
 def child(spec: dict) -> dict:
     """One measured load in this (fresh) process; `spec` comes from the parent as JSON."""
     row, dtype, model_type = spec["row"], DTYPES[spec["dtype"]], spec["model_type"]
+    device = spec.get("device", "cpu")
     loader = import_for(row, model_type)
+    cuda = device.startswith("cuda")
+    if cuda:  # the CUDA context and its host memory exist before the baseline: they are not the load's
+        torch.zeros(1, device=device)
+        torch.cuda.synchronize(device)
     gc.collect()
     before = resident_split()
     ru_before = ru_maxrss_bytes()  # kept for reference only: see start_rss_window
     base, method = start_rss_window()
     start = time.perf_counter()
-    kept, tower, notes = load(row, loader, spec["folder"], dtype, model_type)
+    kept, tower, notes = load(row, loader, spec["folder"], dtype, model_type, device)
+    if cuda:
+        torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start
     peak = peak_rss(method)
     result = {"seconds": seconds, "base_rss": base, "peak_rss": peak, "peak_delta": peak - base, "rss_method": method,
               "ru_maxrss_before": ru_before, "ru_maxrss_after": ru_maxrss_bytes(),
               "loaded_bytes": module_bytes(kept.model if row == "ours" else kept),
-              "tower_bytes": module_bytes(tower), "tower_dtype": str(next(tower.parameters()).dtype), **notes}
+              "tower_bytes": module_bytes(tower), "tower_dtype": str(next(tower.parameters()).dtype),
+              "tower_device": str(next(tower.parameters()).device), **notes}
+    if cuda:
+        result["cuda_peak_allocated"] = torch.cuda.max_memory_allocated(device)
     touch_all(tower)
     after = resident_split()
     if None not in before.values() and None not in after.values():
@@ -342,7 +362,8 @@ def summarize(runs: list[dict]) -> dict:
         "base_rss_median": int(statistics.median(r["base_rss"] for r in runs)),
         "loaded_bytes": first["loaded_bytes"], "tower_bytes": first["tower_bytes"],
         "tower_dtype": first["tower_dtype"], "unexpected_keys": first.get("unexpected_keys"),
-        "rss_method": first["rss_method"],
+        "rss_method": first["rss_method"], "tower_device": first.get("tower_device"),
+        "cuda_peak_allocated": max(r["cuda_peak_allocated"] for r in runs) if "cuda_peak_allocated" in first else None,
         "used_delta": {k: int(statistics.median(r["used_delta"][k] for r in runs)) for k in first["used_delta"]}
         if "used_delta" in first else None,
     }
@@ -392,11 +413,13 @@ def table(rows: dict) -> str:
     return "\n".join([fmt[0], "|" + "|".join("-" * (w + 2) for w in widths) + "|", *fmt[1:]])
 
 
-def environment() -> dict:
+def environment(device: str = "cpu") -> dict:
     import safetensors
 
     env = {"python": platform.python_version(), "torch": torch.__version__, "safetensors": safetensors.__version__,
            "cpus": os.cpu_count(), "machine": platform.machine(), "torch_threads": torch.get_num_threads()}
+    if device.startswith("cuda"):
+        env["gpu"] = torch.cuda.get_device_name(device)
     try:
         import transformers
 
@@ -428,6 +451,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtypes", default="fp32,bf16", help="comma list of fp32, bf16")
     p.add_argument("--rows", default=",".join(ROWS), help=f"comma list of {', '.join(ROWS)}")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="where the tower is loaded: cpu (default) or cuda")
+    p.add_argument("--depth", type=int, help="truncate the tower to this many blocks (a quick smoke test)")
     p.add_argument("--timeout", type=float, default=600, help="seconds per child process")
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument("--child", help=argparse.SUPPRESS)
@@ -455,8 +480,8 @@ def plan(args, cfg) -> list[tuple[str, str]]:
     return [(r, d) for r in ROWS if r in wanted for d in dtypes]
 
 
-def spec_for(row: str, dt: str, folder: Path, cfg, probe: Path | None = None) -> dict:
-    return {"row": row, "dtype": dt, "folder": str(folder), "model_type": cfg.model_type,
+def spec_for(row: str, dt: str, folder: Path, cfg, probe: Path | None = None, device: str = "cpu") -> dict:
+    return {"row": row, "dtype": dt, "folder": str(folder), "model_type": cfg.model_type, "device": device,
             "patch_dim": cfg.patch_dim, "probe": str(probe) if probe else None}
 
 
@@ -464,7 +489,7 @@ def measure(row_plan: list[tuple[str, str]], folder: Path, cfg, args) -> tuple[d
     """Run the children: warm-ups (discarded), then `repeats` rounds over all rows; probes in round 1."""
     for i in range(args.warmup):
         row, dt = row_plan[0]
-        result = run_child(spec_for(row, dt, folder, cfg), args.timeout)
+        result = run_child(spec_for(row, dt, folder, cfg, device=args.device), args.timeout)
         print(f"  [warm-up {i + 1}] {row:8s} {dt}: {result['seconds']:6.2f} s (discarded)", flush=True)
     probe_dir = Path(tempfile.mkdtemp(prefix="probes-", dir=args.workdir))
     runs: dict[tuple[str, str], list[dict]] = {key: [] for key in row_plan}
@@ -472,7 +497,7 @@ def measure(row_plan: list[tuple[str, str]], folder: Path, cfg, args) -> tuple[d
     for repeat in range(args.repeats):
         for row, dt in row_plan:
             probe = probe_dir / f"{row}-{dt}.pt" if repeat == 0 else None
-            result = run_child(spec_for(row, dt, folder, cfg, probe), args.timeout)
+            result = run_child(spec_for(row, dt, folder, cfg, probe, args.device), args.timeout)
             runs[(row, dt)].append(result)
             print(f"  [{repeat + 1}/{args.repeats}] {row:8s} {dt}: {result['seconds']:6.2f} s, "
                   f"peak Δ {mib(result['peak_delta'])} MiB", flush=True)
@@ -491,6 +516,11 @@ def main(argv=None) -> dict | None:
     from qwenvl_vision import preset
 
     cfg = preset(args.preset)
+    if args.depth:
+        from bench.throughput import truncated
+
+        cfg = truncated(cfg, args.depth)
+        cfg = cfg.replace(name=f"{cfg.name}-depth{cfg.depth}")
     row_plan = plan(args, cfg)
     args.workdir.mkdir(parents=True, exist_ok=True)
     folder, wrote = ensure_checkpoint(args.workdir, cfg, args.seed)
@@ -502,7 +532,7 @@ def main(argv=None) -> dict | None:
     compare(rows, probes)
     report = {"preset": cfg.name, "vision_params": sum(p.numel() for p in _meta_tower(cfg).parameters()),
               "checkpoint": str(folder), "checkpoint_bytes": on_disk, "repeats": args.repeats,
-              "warmup": args.warmup, "environment": environment(),
+              "warmup": args.warmup, "device": args.device, "environment": environment(args.device),
               "transformers_paths": transformers_paths(cfg.model_type, {r for r, _ in row_plan}),
               "rows": [{"row": row, "dtype": dt, **s} for (row, dt), s in rows.items()]}
     print_report(report, rows)
@@ -521,8 +551,8 @@ def _meta_tower(cfg) -> torch.nn.Module:
 
 def print_report(report: dict, rows: dict) -> None:
     env = report["environment"]
-    print(f"\n{report['preset']}: {report['vision_params'] / 1e6:.0f}M vision params; median of "
-          f"{report['repeats']} fresh processes; CPU x{env['cpus']}, torch {env['torch']}, "
+    print(f"\n{report['preset']} onto {env.get('gpu', report['device'])}: {report['vision_params'] / 1e6:.0f}M vision "
+          f"params; median of {report['repeats']} fresh processes; CPU x{env['cpus']}, torch {env['torch']}, "
           f"transformers {env['transformers']}")
     print(table(rows))
     for name, path in report["transformers_paths"].items():

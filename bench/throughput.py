@@ -1,19 +1,28 @@
 """Throughput of our tower against transformers' tower: same weights, same inputs, same device, interleaved.
 
     python bench/throughput.py --preset qwen2.5-vl-3b --device cpu --json bench/results/throughput-cpu.json
-    python bench/throughput.py --preset qwen3-vl-8b --device cuda --dtype bf16
+    python bench/throughput.py --preset qwen3-vl-8b --device cuda --dtype bf16 --attn sdpa,flash_attention_2
 
 Inputs (default "mixed"): photos at 448x448, 1024x768 and 2048x1536 and a 16-frame 448x448 video,
 preprocessed once with our (bit-exact) Qwen2VL preprocessing and packed into one batch, so both towers
-see identical pixel_values and grid_thw. Weights are random with real spread at the preset's real
-size (``--depth`` truncates the tower for slow CPUs; every 8th block stays full-attention for
-Qwen2.5, DeepStack indexes below the depth are kept for Qwen3 — the per-layer mix is unchanged).
+see identical pixel_values and grid_thw. "1024-patch" is 16 images of 32x32 patches (448 px at patch 14,
+512 px at patch 16). Weights are random with real spread at the preset's real size (``--depth`` truncates
+the tower for slow CPUs; every 8th block stays full-attention for Qwen2.5, DeepStack indexes below the
+depth are kept for Qwen3 — the per-layer mix is unchanged).
 
-Each repeat times ours and theirs back to back (order alternating), after ``--warmup`` untimed runs;
-the median is reported. Peak memory: on CUDA ``max_memory_allocated`` above the weights; on CPU the
-resident-set high-water mark above the pre-run RSS, sampled by a thread every 5 ms. On CUDA it also
-prints achieved TFLOP/s (analytic FLOP count of the linears and attention) and the fraction of the
-bf16 matmul rate measured in the same run.
+Variants: ``ours`` (eager), ``ours-compiled`` (``--compile``: ``compile_blocks``, compiled during warm-up)
+and transformers' tower once per ``--attn`` implementation: the first is the reference ``transformers``,
+the others ``transformers-<attn>`` (one that cannot run here, e.g. flash_attention_2 without flash-attn,
+is skipped with the reason). Each repeat times every variant back to back (order alternating), after
+``--warmup`` untimed runs; the median is reported. "patches" are the tower's input tokens. Peak memory:
+on CUDA ``max_memory_allocated`` above the weights; on CPU the resident-set high-water mark above the
+pre-run RSS, sampled by a thread every 5 ms. On CUDA it also prints achieved TFLOP/s (analytic FLOP count
+of the linears and attention), its fraction of the GPU's dense bf16 peak (datasheet value for the GPUs in
+``DENSE_BF16_PEAK_TFLOPS``, else the matmul rate measured in the same run, as ``peak_source`` says) and
+of the bf16 matmul rate measured in the same run.
+
+``bench/cuda_check.py`` imports these pieces (``build_variants``, ``build_inputs``, ``measure``,
+``summarize``, ``peak_rate``) to time several input sets on one set of models.
 """
 
 from __future__ import annotations
@@ -27,6 +36,8 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -44,9 +55,22 @@ INPUT_SETS = {
     # 4 photos as a user embeds them: ~3.9k patches (patch 14), each resized under max_pixels 448^2.
     "photos": {"images": [(600, 512), (480, 640), (640, 480), (560, 560)], "video": None, "max_pixels": 448 * 448},
     "mixed": {"images": [(448, 448), (768, 1024), (1536, 2048)], "video": (16, 448, 448)},
-    "1024-patch": {"images": [(448, 448)] * 16, "video": None},  # 32x32 patches each (patch 14)
+    "1024-patch": {"image_patches": [(32, 32)] * 16, "video": None},  # sized in patches: same count per family
     "small": {"images": [(224, 224), (336, 448)], "video": (4, 224, 224)},
 }
+
+# Dense (no sparsity) bf16 tensor-core peaks from NVIDIA's datasheets, TFLOP/s, matched as substrings of
+# torch.cuda.get_device_name(); the first match wins, so the more specific names come first.
+DENSE_BF16_PEAK_TFLOPS = (
+    ("H200 NVL", 835.0),
+    ("GH200", 989.4),
+    ("H200", 989.4),
+    ("H100 NVL", 835.0),
+    ("H100 PCIe", 756.0),
+    ("H100", 989.4),  # SXM ("NVIDIA H100 80GB HBM3")
+    ("A100", 312.0),
+)
+REFERENCE = "transformers"
 
 
 def truncated(cfg: VisionConfig, depth: int | None) -> VisionConfig:
@@ -63,8 +87,10 @@ def build_inputs(name: str, cfg: VisionConfig) -> tuple[torch.Tensor, torch.Tens
     pre = PreprocessConfig.for_family(cfg.family)
     if "max_pixels" in spec:
         pre = dataclasses.replace(pre, max_pixels=spec["max_pixels"])
+    sizes = list(spec.get("images", ()))
+    sizes += [(h * cfg.patch_size, w * cfg.patch_size) for h, w in spec.get("image_patches", ())]
     rows, grids = [], []
-    for i, (h, w) in enumerate(spec["images"]):
+    for i, (h, w) in enumerate(sizes):
         values, grid = preprocess_image(photo(h, w, i), pre)
         rows.append(values)
         grids.append(grid)
@@ -74,19 +100,8 @@ def build_inputs(name: str, cfg: VisionConfig) -> tuple[torch.Tensor, torch.Tens
         values, grid = preprocess_video(clip, pre)
         rows.append(values)
         grids.append(grid)
-    items = len(spec["images"]) + (1 if spec["video"] else 0)
+    items = len(sizes) + (1 if spec["video"] else 0)
     return torch.cat(rows), torch.tensor(grids), items
-
-
-def build_pair(cfg: VisionConfig, device: torch.device, dtype: torch.dtype, attn: str):
-    """Ours and transformers' tower with the same spread random weights (theirs, under the checkpoint names)."""
-    try:
-        from tests.helpers import hf_tower, ours_from
-    except ImportError as e:
-        print(f"transformers not available ({e}); timing ours only", file=sys.stderr)
-        return random_tower(cfg, device, dtype, seed=0), None
-    theirs = hf_tower(cfg, attn, device=device, dtype=dtype, seed=0)
-    return ours_from(theirs, cfg), theirs
 
 
 def run_ours(model, pixel_values, grid_thw):
@@ -95,6 +110,72 @@ def run_ours(model, pixel_values, grid_thw):
 
 def run_theirs(model, pixel_values, grid_thw):
     return model(pixel_values, grid_thw=grid_thw).pooler_output
+
+
+@dataclass
+class Variant:
+    """One tower to time: ``run(model, pixel_values, grid_thw)`` returns the merged tokens."""
+
+    run: Callable
+    model: torch.nn.Module
+    grid_on_device: bool = False  # transformers' towers take grid_thw on the device; ours reads it on the host
+
+
+def transformers_unavailable(cfg: VisionConfig, attn: str) -> str | None:
+    """Why transformers' tower of cfg's family cannot run with attention implementation `attn`, or None."""
+    from tests.helpers import hf_classes
+
+    try:
+        import transformers
+
+        hf_classes(cfg)
+    except (ImportError, AttributeError) as e:
+        return f"transformers has no tower for {cfg.family}: {type(e).__name__}: {e}"
+    if attn == "flash_attention_2":
+        try:
+            from transformers.utils import is_flash_attn_2_available
+        except ImportError as e:
+            return f"transformers {transformers.__version__} cannot tell whether flash-attn is usable: {e}"
+        if not is_flash_attn_2_available():
+            return (f"flash-attn is not installed or not usable here (transformers {transformers.__version__}: "
+                    "is_flash_attn_2_available() is False)")
+    return None
+
+
+def build_variants(cfg: VisionConfig, device: torch.device, dtype: torch.dtype, attns: tuple[str, ...] = ("sdpa",),
+                   compile_options: dict | None = None, seed: int = 0
+                   ) -> tuple[dict[str, Variant], dict[str, str]]:
+    """Ours (eager), ours compiled (when compile_options is not None) and transformers' tower per attention
+    implementation, all with the same spread random weights (ours read under the checkpoint names); returns the
+    variants and, for those that cannot run here, the reason."""
+    from tests.helpers import hf_tower, ours_from
+
+    variants: dict[str, Variant] = {}
+    skipped: dict[str, str] = {}
+    weights = None
+    for i, attn in enumerate(attns):
+        name = REFERENCE if i == 0 else f"{REFERENCE}-{attn}"
+        reason = transformers_unavailable(cfg, attn)
+        if reason is not None:
+            skipped[name] = reason
+            continue
+        # The same seed on the same device gives every transformers tower the same weights.
+        theirs = hf_tower(cfg, attn, device=device, dtype=dtype, seed=seed)
+        variants[name] = Variant(run_theirs, theirs, grid_on_device=True)
+        if weights is None:
+            weights = theirs
+
+    def ours() -> torch.nn.Module:
+        if weights is None:
+            return random_tower(cfg, device, dtype, seed=seed)
+        return ours_from(weights, cfg)
+
+    built = {"ours": Variant(run_ours, ours())}
+    if compile_options is not None:
+        compiled = ours()
+        compiled.compile_blocks(**compile_options)
+        built["ours-compiled"] = Variant(run_ours, compiled)
+    return {**built, **variants}, skipped
 
 
 class RssSampler:
@@ -143,6 +224,44 @@ def timed(fn, model, pixel_values, grid_thw, device: torch.device) -> tuple[floa
     return elapsed, sampler.peak - sampler.base, out
 
 
+@dataclass
+class Timings:
+    times: dict[str, list[float]]  # the timed repeats
+    peaks: dict[str, int]
+    first: dict[str, float]  # the first call (a compiled variant compiles here)
+    outputs: dict[str, torch.Tensor]  # the last output of each
+
+
+def measure(variants: dict[str, Variant], pixel_values: torch.Tensor, grid_thw: torch.Tensor, device: torch.device,
+            warmup: int, repeats: int, failed: dict[str, str] | None = None) -> Timings:
+    """warmup untimed rounds, then repeats timed rounds; every round runs every variant, order alternating.
+    With ``failed`` (a dict), a variant that raises is dropped from the rest of the run and its error recorded
+    there (name -> message), so one broken variant does not lose the others' numbers; without, it propagates."""
+    pixel_values = pixel_values.to(device)
+    grid_dev = grid_thw.to(device)
+    result = Timings({k: [] for k in variants}, dict.fromkeys(variants, 0), {}, {})
+    for r in range(warmup + repeats):
+        order = [n for n in (variants if r % 2 == 0 else reversed(variants)) if n in result.times]
+        for name in order:
+            variant = variants[name]
+            try:
+                elapsed, peak, out = timed(variant.run, variant.model, pixel_values,
+                                           grid_dev if variant.grid_on_device else grid_thw, device)
+            except Exception as e:
+                if failed is None:
+                    raise
+                failed[name] = f"{type(e).__name__}: {e}"[:2000]
+                for table in (result.times, result.peaks, result.first, result.outputs):
+                    table.pop(name, None)
+                continue
+            result.outputs[name] = out
+            result.first.setdefault(name, elapsed)
+            if r >= warmup:
+                result.times[name].append(elapsed)
+                result.peaks[name] = max(result.peaks[name], peak)
+    return result
+
+
 def tower_flops(cfg: VisionConfig, grids: list[tuple[int, int, int]]) -> float:
     """Analytic forward FLOPs: every Linear (2 * in * out per token) plus attention (4 * L * D per token)."""
     d, inner = cfg.hidden_size, cfg.intermediate_size
@@ -165,22 +284,95 @@ def tower_flops(cfg: VisionConfig, grids: list[tuple[int, int, int]]) -> float:
     return float(total + attn)
 
 
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def matmul_rate(device: torch.device, dtype: torch.dtype, n: int = 8192, repeats: int = 10) -> float:
+    """FLOP/s of an n x n x n matmul on device in dtype (mean of `repeats` after two warm-ups)."""
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     for _ in range(2):
         a @ b
-    torch.cuda.synchronize()
+    _synchronize(device)
     start = time.perf_counter()
     for _ in range(repeats):
         a @ b
-    torch.cuda.synchronize()
+    _synchronize(device)
     return 2 * n**3 * repeats / (time.perf_counter() - start)
 
 
-def main(argv: list[str] | None = None) -> dict:
-    from tests.helpers import ours_from
+def dense_bf16_peak(device_name: str) -> tuple[str, float] | None:
+    """(table entry, dense bf16 TFLOP/s) for a known GPU name, else None."""
+    return next(((key, peak) for key, peak in DENSE_BF16_PEAK_TFLOPS if key in device_name), None)
 
+
+def peak_rate(device: torch.device, dtype: torch.dtype, matmul_n: int = 8192) -> dict:
+    """The rate achieved TFLOP/s are divided by: the datasheet dense bf16 peak of a known GPU, else the matmul
+    rate measured here (``peak_source`` says which). The measured rate is always included."""
+    measured = matmul_rate(device, dtype, matmul_n) / 1e12
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or device.type
+    known = dense_bf16_peak(name) if device.type == "cuda" and dtype == torch.bfloat16 else None
+    if known is not None:
+        source = f"datasheet dense bf16 peak of {known[0]} ({name})"
+        peak = known[1]
+    else:
+        source = (f"measured {matmul_n}^3 {str(dtype).replace('torch.', '')} matmul on {name} (not a known "
+                  "GPU in bf16: no datasheet peak)")
+        peak = measured
+    return {"device_name": name, "peak_tflops": peak, "peak_source": source, "matmul_tflops": measured,
+            "matmul_n": matmul_n}
+
+
+def summarize(cfg: VisionConfig, label: str, inputs: str, grid_thw: torch.Tensor, items: int, device: torch.device,
+              dtype: torch.dtype, timings: Timings, peak: dict | None = None, skipped: dict | None = None) -> dict:
+    """The result of one input set: per variant median time, items/s, patches/s, peak memory, first-call time,
+    and with ``peak`` TFLOP/s and fractions of the peak and of the measured matmul rate; speed-ups and output
+    relative errors of ours against every transformers variant."""
+    grids = [tuple(g) for g in grid_thw.tolist()]
+    tokens = int(grid_thw.prod(1).sum())
+    result = {
+        "preset": label, "depth": cfg.depth, "device": str(device), "dtype": str(dtype).replace("torch.", ""),
+        "inputs": inputs, "grids": grids, "items": items, "patches": tokens, "threads": torch.get_num_threads(),
+        "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
+        "repeats": max(map(len, timings.times.values()), default=0), "variants": {}, "skipped": dict(skipped or {}),
+    }
+    try:
+        import transformers
+
+        result["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    flops = tower_flops(cfg, grids)
+    result["tflop_per_forward"] = flops / 1e12
+    if peak is not None:
+        result.update(peak)
+    for name, values in timings.times.items():
+        median = statistics.median(values)
+        entry = {"median_s": median, "times_s": values, "first_s": timings.first[name], "items_per_s": items / median,
+                 "patches_per_s": tokens / median, "peak_bytes": timings.peaks[name]}
+        if peak is not None:
+            entry["tflops"] = flops / median / 1e12
+            entry["fraction_of_peak"] = entry["tflops"] / peak["peak_tflops"]
+            entry["fraction_of_matmul"] = entry["tflops"] / peak["matmul_tflops"]
+        result["variants"][name] = entry
+    theirs_names = [n for n in timings.times if n.startswith(REFERENCE)]
+    for name in [n for n in timings.times if not n.startswith(REFERENCE)]:
+        entry = result["variants"][name]
+        a = timings.outputs[name].double()
+        for ref in theirs_names:
+            b = timings.outputs[ref].double()
+            entry.setdefault("speedup_vs", {})[ref] = result["variants"][ref]["median_s"] / entry["median_s"]
+            entry.setdefault("rel_err_vs", {})[ref] = float((a - b).norm() / b.norm())
+        if REFERENCE in theirs_names:  # the flat keys older readers of this JSON use
+            suffix = "" if name == "ours" else f"_{name.split('-', 1)[1]}"
+            result[f"speedup_vs_transformers{suffix}"] = entry["speedup_vs"][REFERENCE]
+            result[f"rel_err_vs_transformers{suffix}"] = entry["rel_err_vs"][REFERENCE]
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="qwen2.5-vl-3b")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -190,7 +382,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--attn", default="sdpa", help="transformers attention implementation")
+    parser.add_argument("--attn", default="sdpa",
+                        help="transformers attention implementations, comma-separated; the first is the reference "
+                             "(e.g. sdpa,flash_attention_2)")
     parser.add_argument("--compile", action="store_true",
                         help="also time a torch.compile'd copy of ours (compile_blocks; compiled during warm-up)")
     parser.add_argument("--json", help="write the numbers here")
@@ -205,65 +399,13 @@ def main(argv: list[str] | None = None) -> dict:
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     cfg = truncated(preset(args.preset), args.depth)
     pixel_values, grid_thw, items = build_inputs(args.inputs, cfg)
-    grids = [tuple(g) for g in grid_thw.tolist()]
-    tokens = int(grid_thw.prod(1).sum())
-    ours, theirs = build_pair(cfg, device, dtype, args.attn)
-    pixel_values = pixel_values.to(device)
-    grid_dev = grid_thw.to(device)
-
-    variants = {"ours": (run_ours, ours)}
-    if args.compile:
-        compiled = ours_from(theirs, cfg) if theirs is not None else random_tower(cfg, device, dtype, seed=0)
-        compiled.compile_blocks()
-        variants["ours-compiled"] = (run_ours, compiled)
-    if theirs is not None:
-        variants["transformers"] = (run_theirs, theirs)
-    times: dict[str, list[float]] = {k: [] for k in variants}
-    peaks: dict[str, int] = dict.fromkeys(variants, 0)
-    outputs = {}
-    for r in range(args.warmup + args.repeats):
-        order = list(variants) if r % 2 == 0 else list(reversed(variants))
-        for name in order:
-            fn, model = variants[name]
-            elapsed, peak, out = timed(fn, model, pixel_values, grid_dev if name == "transformers" else grid_thw,
-                                       device)
-            outputs[name] = out
-            if r >= args.warmup:
-                times[name].append(elapsed)
-                peaks[name] = max(peaks[name], peak)
-
-    result = {
-        "preset": args.preset, "depth": cfg.depth, "device": str(device), "dtype": str(dtype).replace("torch.", ""),
-        "inputs": args.inputs, "grids": grids, "items": items, "patches": tokens, "threads": torch.get_num_threads(),
-        "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
-        "repeats": args.repeats, "variants": {},
-    }
-    try:
-        import transformers
-
-        result["transformers"] = transformers.__version__
-    except ImportError:
-        pass
-    flops = tower_flops(cfg, grids)
-    if device.type == "cuda":
-        result["device_name"] = torch.cuda.get_device_name(device)
-        result["matmul_tflops"] = matmul_rate(device, dtype) / 1e12
-    for name, values in times.items():
-        median = statistics.median(values)
-        entry = {"median_s": median, "times_s": values, "items_per_s": items / median,
-                 "patches_per_s": tokens / median, "peak_bytes": peaks[name]}
-        if device.type == "cuda":
-            entry["tflops"] = flops / median / 1e12
-            entry["fraction_of_matmul"] = entry["tflops"] / result["matmul_tflops"]
-        result["variants"][name] = entry
-    if "transformers" in result["variants"]:
-        theirs_t = result["variants"]["transformers"]["median_s"]
-        b = outputs["transformers"].double()
-        for name in [n for n in variants if n != "transformers"]:
-            suffix = "" if name == "ours" else f"_{name.split('-', 1)[1]}"
-            result[f"speedup_vs_transformers{suffix}"] = theirs_t / result["variants"][name]["median_s"]
-            a = outputs[name].double()
-            result[f"rel_err_vs_transformers{suffix}"] = float((a - b).norm() / b.norm())
+    attns = tuple(a.strip() for a in args.attn.split(",") if a.strip())
+    variants, skipped = build_variants(cfg, device, dtype, attns, {} if args.compile else None)
+    for name, reason in skipped.items():
+        print(f"{name}: skipped ({reason})", file=sys.stderr)
+    timings = measure(variants, pixel_values, grid_thw, device, args.warmup, args.repeats)
+    peak = peak_rate(device, dtype) if device.type == "cuda" else None
+    result = summarize(cfg, args.preset, args.inputs, grid_thw, items, device, dtype, timings, peak, skipped)
     print_table(result)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -276,24 +418,25 @@ def print_table(result: dict) -> None:
           f"threads {result['threads']}  torch {result['torch']}  transformers {result.get('transformers', '-')}")
     print(f"inputs: {result['inputs']} -> {result['items']} items, {result['patches']} patches, "
           f"grids {result['grids']}")
-    header = f"{'variant':14s} {'median s':>9s} {'items/s':>8s} {'patches/s':>10s} {'peak MiB':>9s}"
-    cuda = "tflops" in result["variants"]["ours"]
-    if cuda:
-        header += f" {'TFLOP/s':>8s} {'of matmul':>9s}"
+    header = f"{'variant':30s} {'median s':>9s} {'items/s':>8s} {'patches/s':>10s} {'peak MiB':>9s}"
+    rated = "peak_tflops" in result
+    if rated:
+        header += f" {'TFLOP/s':>8s} {'of peak':>8s} {'of matmul':>9s}"
     print(header)
     for name, v in result["variants"].items():
-        line = (f"{name:14s} {v['median_s']:9.3f} {v['items_per_s']:8.2f} {v['patches_per_s']:10.0f} "
+        line = (f"{name:30s} {v['median_s']:9.3f} {v['items_per_s']:8.2f} {v['patches_per_s']:10.0f} "
                 f"{v['peak_bytes'] / 2**20:9.0f}")
-        if cuda:
-            line += f" {v['tflops']:8.1f} {v['fraction_of_matmul']:9.1%}"
+        if rated:
+            line += f" {v['tflops']:8.1f} {v['fraction_of_peak']:8.1%} {v['fraction_of_matmul']:9.1%}"
         print(line)
-    if cuda:
-        print(f"measured bf16 matmul rate: {result['matmul_tflops']:.1f} TFLOP/s")
-    for key in [k for k in result if k.startswith("speedup_vs_transformers")]:
-        suffix = key[len("speedup_vs_transformers"):]
-        name = "ours" + suffix.replace("_", "-")
-        print(f"speedup {name} vs transformers: {result[key]:.2f}x   "
-              f"(output rel err {result['rel_err_vs_transformers' + suffix]:.1e})")
+    if rated:
+        print(f"peak {result['peak_tflops']:.1f} TFLOP/s ({result['peak_source']}); measured matmul rate "
+              f"{result['matmul_tflops']:.1f} TFLOP/s")
+    for name, v in result["variants"].items():
+        for ref, speedup in v.get("speedup_vs", {}).items():
+            print(f"speedup {name} vs {ref}: {speedup:.2f}x   (output rel err {v['rel_err_vs'][ref]:.1e})")
+    for name, reason in result.get("skipped", {}).items():
+        print(f"skipped {name}: {reason}")
 
 
 if __name__ == "__main__":

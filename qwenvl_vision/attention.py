@@ -147,8 +147,23 @@ def _unavailable(name: str, device: torch.device, dtype: torch.dtype) -> str | N
         return f"it runs on CUDA in float16/bfloat16 only (this tower: {device.type}, {dtype})"
     if name == "flash" and importlib.util.find_spec("flash_attn") is None:
         return "flash-attn is not installed"
-    if name == "torch_varlen" and importlib.util.find_spec("torch.nn.attention.varlen") is None:
+    if name == "torch_varlen":
+        return _torch_varlen_missing()
+    return None
+
+
+def _torch_varlen_missing() -> str | None:
+    """Why this PyTorch's varlen_attn cannot serve us, or None. The API is recent and its first form took no
+    ``scale`` keyword (added in pytorch#171199, Dec 2025); a version without it is reported unavailable here
+    ("auto" then falls back to sdpa) instead of failing with a TypeError in the first forward."""
+    if importlib.util.find_spec("torch.nn.attention.varlen") is None:
         return f"this PyTorch ({torch.__version__}) has no torch.nn.attention.varlen"
+    import inspect
+
+    from torch.nn.attention.varlen import varlen_attn
+
+    if "scale" not in inspect.signature(varlen_attn).parameters:
+        return f"this PyTorch's ({torch.__version__}) varlen_attn takes no scale argument"
     return None
 
 
