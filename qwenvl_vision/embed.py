@@ -838,7 +838,7 @@ def _load(args: argparse.Namespace, device: str | None, progress: Progress):
         if looks_like_repo_id(args.model):
             progress.note(f"fetching config, index and vision shards of {args.model} from the Hugging Face Hub "
                           f"(or its local cache)")
-        resolved = _resolve_folder(args.model, args.revision, False, None, None)
+        resolved = _resolve_folder(args.model, args.revision, args.local_files_only, None, None)
         shards, size = _vision_shards(resolved)
         progress.note(f"reading {shards} shard{'s' if shards != 1 else ''} with the vision tensors "
                       f"({_size(size)}) from {resolved} onto {where}")
@@ -1109,6 +1109,9 @@ def add_embed_parser(sub, parents=()) -> None:
     p.add_argument("--model", required=True, help="checkpoint folder, vision-only folder, repo id, or preset")
     p.add_argument("--out", required=True, help="output folder for shards, manifest.jsonl and run.json")
     p.add_argument("--revision", help="Hub branch, tag or commit of --model (default: main)")
+    p.add_argument("--local-files-only", action="store_true",
+                   help="take a repo id --model from the Hugging Face cache only, never the network (as "
+                        "HF_HUB_OFFLINE=1)")
     p.add_argument("--device", type=_device,
                    help="cpu, cuda or cuda:N (default: cuda when available, else cpu; under torchrun each rank "
                         "takes cuda:LOCAL_RANK)")

@@ -465,12 +465,23 @@ def _handler(hub: FakeHub):
     return Handler
 
 
+def use_endpoint(monkeypatch, endpoint: str) -> None:
+    """Point huggingface_hub at `endpoint` (it read HF_ENDPOINT into its constants at import time)."""
+    from huggingface_hub import constants as hf_constants
+
+    monkeypatch.setenv("HF_ENDPOINT", endpoint)
+    monkeypatch.setattr(hf_constants, "ENDPOINT", endpoint)
+    monkeypatch.setattr(hf_constants, "HUGGINGFACE_CO_URL_TEMPLATE",
+                        endpoint + "/{repo_id}/resolve/{revision}/{filename}")
+
+
 @contextlib.contextmanager
 def serve_hub(tmp_path: Path, monkeypatch) -> Iterator[FakeHub]:
     """A running stand-in Hub; huggingface_hub pointed at it, with an empty temporary cache and HF home
     (`tmp_path/hf-home`). The `hub` fixture of conftest.py is this, for one test."""
     from huggingface_hub import constants as hf_constants
 
+    # huggingface_hub read HF_HUB_CACHE / HF_HUB_OFFLINE into constants at import time, too.
     fake = FakeHub()
     server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(fake))
     server.daemon_threads = True
@@ -479,11 +490,7 @@ def serve_hub(tmp_path: Path, monkeypatch) -> Iterator[FakeHub]:
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
 
-    # huggingface_hub read HF_ENDPOINT / HF_HUB_CACHE / HF_HUB_OFFLINE into constants at import time.
-    monkeypatch.setenv("HF_ENDPOINT", fake.endpoint)
-    monkeypatch.setattr(hf_constants, "ENDPOINT", fake.endpoint)
-    monkeypatch.setattr(hf_constants, "HUGGINGFACE_CO_URL_TEMPLATE",
-                        fake.endpoint + "/{repo_id}/resolve/{revision}/{filename}")
+    use_endpoint(monkeypatch, fake.endpoint)
     cache = tmp_path / "hf-home" / "hub"
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))

@@ -8,12 +8,15 @@ preprocessor config, index and only the shards holding vision tensors; never an 
 
 from __future__ import annotations
 
+import socket
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from qwenvl_vision import load_encoder
+from qwenvl_vision.cli import main
 from qwenvl_vision.hub import fetch_vision_checkpoint
 from qwenvl_vision.names import to_checkpoint_state
 from qwenvl_vision.weights import CheckpointError
@@ -21,12 +24,14 @@ from tests.helpers import (
     FAMILY_SMALL,
     QWEN2_5_SMALL,
     QWEN3_SMALL_72,
+    REPO,
     FakeHub,
     hf_forward,
     hf_tower,
     inputs,
     non_vision_shards,
     rel_err,
+    use_endpoint,
     write_checkpoint,
 )
 
@@ -216,6 +221,55 @@ def test_cached_single_file_repo_loads_offline(hub, tmp_path, monkeypatch):
     assert hub.requests == []
 
 
+# ---------------------------------------------------------------------- no network: fail fast, quietly
+
+
+@pytest.fixture(params=["refuses", "never-answers"])
+def dead_endpoint(request, hub, monkeypatch):
+    """huggingface_hub pointed at an endpoint that refuses connections (the stand-in Hub, stopped) or that
+    accepts them and never answers (a listening socket nobody reads), as a machine without network sees."""
+    hub.stop()
+    if request.param == "refuses":
+        yield request.param
+        return
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        use_endpoint(monkeypatch, f"http://127.0.0.1:{silent.getsockname()[1]}")
+        yield request.param
+
+
+def test_unreachable_hub_fails_within_seconds_with_one_line(dead_endpoint, tmp_path, capfd):
+    """hf_hub_download alone retries for ~25 s (refused) or minutes (no answer), printing a warning per try."""
+    start = time.perf_counter()
+    code = main(["embed", str(REPO / "examples" / "photos"), "--model", "Qwen/Qwen2.5-VL-3B-Instruct",
+                 "--out", str(tmp_path / "out")])
+    elapsed = time.perf_counter() - start
+    err = capfd.readouterr().err
+    assert code == 2 and elapsed < 10, (elapsed, err)
+    errors = [line for line in err.splitlines() if not line.startswith("embed: ")]  # the loading note
+    assert len(errors) == 1, err
+    assert errors[0].startswith("qwenvl-vision embed: error: cannot get config.json of repo "
+                                "'Qwen/Qwen2.5-VL-3B-Instruct': the Hub could not be reached (")
+    assert "not in the local Hugging Face cache" in errors[0]
+    assert ("within 4 s" in errors[0]) == (dead_endpoint == "never-answers")
+    assert not (tmp_path / "out").exists()
+
+
+def test_unreachable_hub_loads_a_cached_repo_without_waiting(hub, qwen25_repo, monkeypatch, capfd):
+    _, vision, _ = qwen25_repo
+    load_encoder("org/qwen25-tiny", device="cpu").close()
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        use_endpoint(monkeypatch, f"http://127.0.0.1:{silent.getsockname()[1]}")
+        start = time.perf_counter()
+        with load_encoder("org/qwen25-tiny", device="cpu") as encoder:
+            _check_weights(encoder, vision)
+        assert time.perf_counter() - start < 10
+    assert "Retry" not in capfd.readouterr().err
+
+
 # ---------------------------------------------------------------------- 5. errors
 
 
@@ -223,7 +277,8 @@ def test_missing_repo_is_a_checkpoint_error_naming_it(hub):
     with pytest.raises(CheckpointError, match="org/does-not-exist") as info:
         load_encoder("org/does-not-exist", device="cpu")
     assert "not found" in str(info.value)
-    assert hub.resolve_paths() == ["/org/does-not-exist/resolve/main/config.json"]
+    # Nothing but config.json asked for (twice: the reachability check, then hf_hub_download's own HEAD).
+    assert set(hub.resolve_paths()) == {"/org/does-not-exist/resolve/main/config.json"}
 
 
 def test_never_downloaded_repo_with_local_files_only_is_a_clear_checkpoint_error(hub, qwen25_repo, monkeypatch):
@@ -237,6 +292,17 @@ def test_never_downloaded_repo_with_local_files_only_is_a_clear_checkpoint_error
     with pytest.raises(CheckpointError, match="HF_HUB_OFFLINE"):
         load_encoder("org/qwen25-tiny", device="cpu")
     assert hub.requests == []
+
+
+def test_embed_local_files_only_never_asks(hub, qwen25_repo, tmp_path, capsys):
+    code = main(["embed", str(REPO / "examples" / "photos"), "--model", "org/qwen25-tiny", "--local-files-only",
+                 "--out", str(tmp_path / "out")])
+    assert code == 2 and hub.requests == []
+    assert "local_files_only=True and it is not in the local Hugging Face cache" in capsys.readouterr().err
+    load_encoder("org/qwen25-tiny", device="cpu").close()
+    hub.stop()
+    assert main(["embed", str(REPO / "examples" / "photos"), "--model", "org/qwen25-tiny", "--local-files-only",
+                 "--out", str(tmp_path / "out"), "--quiet"]) == 0
 
 
 def test_repo_without_config_or_vision_tensors(hub, tmp_path):
