@@ -23,7 +23,7 @@ import os
 import threading
 import warnings
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -295,8 +295,14 @@ class VisionEncoder:
                     max_pixels: int | None = None, max_batch_tokens: int = 16384, pooled: bool = False,
                     num_workers: int | None = None, prefetch: int = 8,
                     max_input_pixels: int | None = DEFAULT_MAX_INPUT_PIXELS,
-                    decode_bytes: int | None = DEFAULT_DECODE_BYTES) -> Iterator[list[ItemResult]]:
+                    decode_bytes: int | None = DEFAULT_DECODE_BYTES,
+                    on_prepared: Callable[[int, int], None] | None = None) -> Iterator[list[ItemResult]]:
         """Yield results batch by batch, in input order; a bad input yields an ItemResult with its error.
+
+        ``on_prepared(index, tokens)`` is called once per input, in input order, on the iterating thread, as soon
+        as the input is decoded and resized (or has failed: tokens 0), before it joins its batch; tokens is the
+        number of embedding rows it will get. Progress can so advance image by image: a batch is one forward,
+        and a small job is a single batch.
 
         Inputs are decoded and resized by worker threads ahead of the compute (PIL and torch release the
         GIL), at most `prefetch` inputs ahead. Host memory for inputs is bounded by `decode_bytes` (inputs
@@ -320,6 +326,8 @@ class VisionEncoder:
                 batch: list[_Prepared] = []
                 failed: list[_Prepared] = []
                 for prepared in prefetched:
+                    if on_prepared is not None:
+                        on_prepared(prepared.index, prepared.tokens // self.config.merge_unit)
                     if prepared.error is not None:
                         failed.append(prepared)
                         continue

@@ -75,6 +75,22 @@ def test_embed_pooled_only_and_deepstack(tmp_path, checkpoint3):
         assert torch.allclose(vectors[path], emb.mean(0), rtol=1e-5, atol=1e-6)
 
 
+def test_iter_encode_reports_every_input_as_it_is_prepared(tmp_path, checkpoint):
+    """Per image, in input order, before the one batch they form is encoded: what embed's progress counts."""
+    paths = make_folder(tmp_path / "imgs", 5, bad=False)
+    inputs = [*map(str, paths[:3]), str(tmp_path / "missing.jpg"), *map(str, paths[3:])]
+    reported: list[tuple[int, int]] = []
+    seen_before_batch = []
+    with load_encoder(checkpoint, device="cpu") as encoder:
+        for batch in encoder.iter_encode(inputs, on_prepared=lambda index, tokens: reported.append((index, tokens))):
+            seen_before_batch.append(len(reported))
+            results = batch
+    assert seen_before_batch == [6]  # a single batch, reported input by input before it ran
+    assert [index for index, _ in reported] == list(range(6))
+    assert [tokens for _, tokens in reported] == [0 if r.error else r.embedding.shape[0] for r in results]
+    assert reported[3][1] == 0 and results[3].error
+
+
 def test_resume_duplicates_nothing(tmp_path, checkpoint):
     make_folder(tmp_path / "imgs", 5)
     out = tmp_path / "out"
