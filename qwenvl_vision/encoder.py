@@ -40,6 +40,7 @@ from .preprocess import (
     DEFAULT_MAX_INPUT_PIXELS,
     PreprocessConfig,
     PreprocessError,
+    input_name,
     preprocess_image,
     preprocess_video,
 )
@@ -133,12 +134,6 @@ class _Prepared:
     error: str | None = None
     tokens: int = field(default=0)
     held: int = 0  # bytes of the decode budget this input holds until it joins a batch
-
-
-def input_name(item: Any, index: int) -> str:
-    if isinstance(item, (str, os.PathLike)):
-        return f"input {index} ({os.fspath(item)})"
-    return f"input {index} ({type(item).__name__})"
 
 
 class VisionEncoder:
@@ -273,7 +268,7 @@ class VisionEncoder:
     def _prepare(self, item: Any, index: int, video: bool, min_pixels: int | None, max_pixels: int | None,
                  max_input_pixels: int | None, budget: _DecodeBudget, pin: bool) -> _Prepared:
         """Decode and resize one input on a worker thread, admitted by the decode budget in input order."""
-        name = input_name(item, index)
+        name = input_name("video" if video else "image", index, item)
         held = budget.admit(index, _decode_cost(item, video, max_input_pixels))
         fn = preprocess_video if video else preprocess_image
         try:
@@ -381,19 +376,20 @@ class VisionEncoder:
         from .preprocess import probe_image
 
         for i, item in enumerate(items):
-            first = item
+            first, name = item, None
             if video:
                 if isinstance(item, torch.Tensor) or hasattr(item, "shape"):
                     if len(item) == 0:
-                        raise PreprocessError(f"{input_name(item, i)}: video has no frames")
+                        raise PreprocessError(f"{input_name('video', i)}: no frames")
                     first = item[0]
                 else:
                     frames = list(item)
                     if not frames:
-                        raise PreprocessError(f"{input_name(item, i)}: video has no frames")
+                        raise PreprocessError(f"{input_name('video', i)}: no frames")
                     first = frames[0]
+                name = input_name(f"{input_name('video', i)} frame", 0, first)  # as preprocess_video names it
             probe_image(first, self.preprocess_config, index=i, min_pixels=min_pixels, max_pixels=max_pixels,
-                        max_input_pixels=max_input_pixels)
+                        max_input_pixels=max_input_pixels, name=name)
 
     def encode_images(self, images: Sequence[Any], *, min_pixels: int | None = None, max_pixels: int | None = None,
                       max_batch_tokens: int = 16384, pooled: bool = False, num_workers: int | None = None,
