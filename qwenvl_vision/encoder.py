@@ -53,10 +53,11 @@ DTYPES = {
     "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
 }
 DEFAULT_DECODE_BYTES = 1 << 30
-# Peak bytes per header pixel while a file is decoded and converted to RGB (the decoded image, the EXIF
-# transpose copy, two RGB conversions, the decoder's buffers): 12.5 on 64 MP and 12.9 on 89 MP RGB JPEGs
-# decoded one at a time (bench/embed_memory.py), rounded up.
-DECODE_BYTES_PER_PIXEL = 13
+# Peak bytes per header pixel while a file is decoded and converted to RGB, measured on 12 and 64 MP files
+# decoded one at a time: ~4 for an RGB file (Pillow holds RGB as 4 bytes a pixel); 8.0 for the
+# worst kinds, where a second full image exists for a moment: an EXIF-rotated photo (the transpose), a CMYK,
+# RGBA, grayscale or palette file (the RGB conversion). Rounded up.
+DECODE_BYTES_PER_PIXEL = 9
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -301,7 +302,7 @@ class VisionEncoder:
 
         Inputs are decoded and resized by worker threads ahead of the compute (PIL and torch release the
         GIL), at most `prefetch` inputs ahead. Host memory for inputs is bounded by `decode_bytes` (inputs
-        being decoded, at ~13 bytes per header pixel, plus decoded ones waiting for their batch; an input
+        being decoded, at ~9 bytes per header pixel, plus decoded ones waiting for their batch; an input
         larger than that is handled alone; None: no bound) plus the batch being encoded (`max_batch_tokens`
         patches, or one larger input). A file whose header declares more than `max_input_pixels` pixels
         is refused before decoding and yields an error (None: no limit beyond PIL's own).

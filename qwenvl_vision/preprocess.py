@@ -65,9 +65,9 @@ RESCALE_FACTOR = 1 / 255  # BaseImageProcessor.rescale_factor
 MAX_ASPECT_RATIO = 200
 BICUBIC = PIL.Image.Resampling.BICUBIC  # == 3 == transformers' PILImageResampling.BICUBIC
 # Files whose header declares more pixels are refused before decoding (max_input_pixels=None: no limit).
-# Decoding a path holds about 13 bytes per pixel at its peak (measured: the decoded image, the EXIF
-# transpose copy and two RGB conversions), so 64 MP is ~0.8 GB: well under PIL's own decompression-bomb
-# limit (PIL.Image.MAX_IMAGE_PIXELS, 89.5 MP, a warning; an error at twice that) and above every
+# Decoding a path holds at most about 8 bytes per pixel at its peak (measured: the decoded image and, for a
+# rotated or non-RGB file, its transposed or converted copy), so 64 MP is ~0.5 GB: well under PIL's own
+# decompression-bomb limit (PIL.Image.MAX_IMAGE_PIXELS, 89.5 MP, a warning; an error at twice that) and above every
 # common camera (61 MP).
 DEFAULT_MAX_INPUT_PIXELS = 64_000_000
 
@@ -375,11 +375,18 @@ def _load_path(path: str | os.PathLike, name: str, check_aspect: bool,
     """transformers.image_utils.load_image for a local file, then convert_to_rgb, with named errors."""
     opened = _open_header(path, name, max_input_pixels, check_aspect)
     try:
-        with opened:
-            # load_image: EXIF orientation applied, then a plain convert("RGB") that drops any alpha
-            # band without compositing. Both calls decode, so the file can be closed afterwards.
-            image = PIL.ImageOps.exif_transpose(opened).convert("RGB")
+        # load_image: EXIF orientation applied, then a plain convert("RGB") that drops any alpha band without
+        # compositing. The reference copies the image in both (exif_transpose returns a copy, and convert to
+        # the image's own mode is a copy); the same pixels come out of transposing in place (it decodes) and
+        # of skipping convert when the image is RGB already and Pillow closed its file after decoding.
+        PIL.ImageOps.exif_transpose(opened, in_place=True)
+        if opened.mode == "RGB" and getattr(opened, "fp", None) is None:
+            image = opened
+        else:  # another mode, or a multi-frame file Pillow keeps open: convert, then close the file
+            with opened:
+                image = opened.convert("RGB")
     except Exception as e:  # noqa: BLE001 - see _unreadable
+        opened.close()
         raise _unreadable(e, name) from e
     return _pil_to_rgb(image, name)
 
@@ -392,8 +399,8 @@ def _pil_to_rgb(image: PIL.Image.Image, name: str) -> PIL.Image.Image:
     """
     try:
         has_alpha = "A" in image.getbands() or image.info.get("transparency") is not None
-        if not has_alpha:
-            return image.convert("RGB")
+        if not has_alpha:  # convert to the image's own mode is a copy of the same pixels: skipped
+            return image if image.mode == "RGB" else image.convert("RGB")
         rgba = image.convert("RGBA")
         background = PIL.Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         return PIL.Image.alpha_composite(background, rgba).convert("RGB")

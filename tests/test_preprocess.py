@@ -205,7 +205,7 @@ def test_16_bit_is_clipped_not_scaled(hf):
 FILES = [
     ("png", "RGB"), ("png", "RGBA"), ("png", "LA"), ("png", "L"), ("png", "P_trns_index"),
     ("png", "P_trns_bytes"), ("png", "I;16"), ("png", "1"), ("jpeg", "RGB"), ("jpeg", "L"),
-    ("jpeg", "CMYK"), ("bmp", "RGB"), ("tiff", "RGBA"), ("gif", "P_trns_index"), ("webp", "RGBA"),
+    ("jpeg", "CMYK"), ("bmp", "RGB"), ("tiff", "RGBA"), ("gif", "P_trns_index"), ("webp", "RGBA"), ("png", "RGB_trns"),
 ]
 
 
