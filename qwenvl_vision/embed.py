@@ -764,8 +764,12 @@ def _duration(seconds: float) -> str:
 
 class Progress:
     """What a long run shows on stderr: a tqdm bar on a terminal; elsewhere (a log file, a job scheduler) a
-    line at most every PROGRESS_EVERY_S seconds with done/total, images/s, tokens/s and ETA; nothing with
-    --quiet. ``note`` prints a one-off line (loading, ...) unless quiet."""
+    line at most every PROGRESS_EVERY_S seconds with done/total, images/s, tokens/s and ETA, and one when the
+    run ends; nothing with --quiet. ``note`` prints a one-off line (loading, ...) unless quiet.
+
+    An image counts as done once it is decoded and resized (or has failed), so the count moves image by image
+    even when a whole small job is one forward; the batch it joins is written at most one batch (and the
+    prefetch depth) later."""
 
     def __init__(self, rank: int, quiet: bool, stream=None) -> None:
         self.stream = stream if stream is not None else sys.stderr
@@ -791,24 +795,32 @@ class Progress:
             self.note(f"{total} image{'s' if total != 1 else ''} to embed")
 
     def update(self, images: int, tokens: int) -> None:
+        """`images` more done, giving `tokens` embedding rows."""
         self.done += images
         self.tokens += tokens
         now = time.perf_counter()
-        elapsed = max(now - self.start, 1e-9)
         if self.bar is not None:
+            elapsed = max(now - self.start, 1e-9)
             self.bar.update(images)
             self.bar.set_postfix(img_s=f"{self.done / elapsed:.1f}", tok_s=f"{self.tokens / elapsed:.0f}")
-        elif now - self.last_line >= PROGRESS_EVERY_S or self.done == self.total:
-            self.last_line = now
-            rate = self.done / elapsed
-            eta = _duration((self.total - self.done) / rate) if rate > 0 else "?"
-            self.note(f"{self.done}/{self.total} images ({100 * self.done / max(self.total, 1):.0f}%), "
-                      f"{rate:.1f} img/s, {self.tokens / elapsed:.0f} tok/s, ETA {eta}")
+        elif now - self.last_line >= PROGRESS_EVERY_S and self.done < self.total:  # close() prints the last
+            self._line(now)
+
+    def _line(self, now: float) -> None:
+        self.last_line = now
+        elapsed = max(now - self.start, 1e-9)
+        rate = self.done / elapsed
+        eta = _duration((self.total - self.done) / rate) if rate > 0 else "?"
+        self.note(f"{self.done}/{self.total} images ({100 * self.done / max(self.total, 1):.0f}%), "
+                  f"{rate:.1f} img/s, {self.tokens / elapsed:.0f} tok/s, ETA {eta}")
 
     def close(self) -> None:
+        """The run's work is written: close the bar, or print the last line."""
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+        elif self.total:
+            self._line(time.perf_counter())
 
 
 def _pick_device(args: argparse.Namespace, rank: int, world: int) -> str | None:
@@ -838,7 +850,7 @@ def _load(args: argparse.Namespace, device: str | None, progress: Progress):
         if looks_like_repo_id(args.model):
             progress.note(f"fetching config, index and vision shards of {args.model} from the Hugging Face Hub "
                           f"(or its local cache)")
-        resolved = _resolve_folder(args.model, args.revision, False, None, None)
+        resolved = _resolve_folder(args.model, args.revision, args.local_files_only, None, None)
         shards, size = _vision_shards(resolved)
         progress.note(f"reading {shards} shard{'s' if shards != 1 else ''} with the vision tensors "
                       f"({_size(size)}) from {resolved} onto {where}")
@@ -970,11 +982,10 @@ class EmbedJob:
                 todo, min_pixels=self.run["min_pixels"], max_pixels=self.run["max_pixels"],
                 max_batch_tokens=args.batch_tokens,
                 pooled=args.pooled_only, max_input_pixels=args.max_input_pixels,
-                decode_bytes=args.decode_mib << 20)
+                decode_bytes=args.decode_mib << 20,
+                on_prepared=lambda index, tokens: progress.update(1, tokens))
             for batch in batches:
-                results = [_PathResult(r, todo[r.index]) for r in batch]
-                ok, bad = writer.write_batch(results, args.pooled_only)
-                progress.update(ok + bad, sum(int(r.embedding.shape[0]) for r in results if r.ok))
+                writer.write_batch([_PathResult(r, todo[r.index]) for r in batch], args.pooled_only)
         progress.close()
 
     def summary(self) -> tuple[int, int]:
@@ -1109,6 +1120,9 @@ def add_embed_parser(sub, parents=()) -> None:
     p.add_argument("--model", required=True, help="checkpoint folder, vision-only folder, repo id, or preset")
     p.add_argument("--out", required=True, help="output folder for shards, manifest.jsonl and run.json")
     p.add_argument("--revision", help="Hub branch, tag or commit of --model (default: main)")
+    p.add_argument("--local-files-only", action="store_true",
+                   help="take a repo id --model from the Hugging Face cache only, never the network (as "
+                        "HF_HUB_OFFLINE=1)")
     p.add_argument("--device", type=_device,
                    help="cpu, cuda or cuda:N (default: cuda when available, else cpu; under torchrun each rank "
                         "takes cuda:LOCAL_RANK)")

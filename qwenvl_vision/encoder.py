@@ -23,7 +23,7 @@ import os
 import threading
 import warnings
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +40,7 @@ from .preprocess import (
     DEFAULT_MAX_INPUT_PIXELS,
     PreprocessConfig,
     PreprocessError,
+    input_name,
     preprocess_image,
     preprocess_video,
 )
@@ -52,10 +53,11 @@ DTYPES = {
     "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
 }
 DEFAULT_DECODE_BYTES = 1 << 30
-# Peak bytes per header pixel while a file is decoded and converted to RGB (the decoded image, the EXIF
-# transpose copy, two RGB conversions, the decoder's buffers): 12.5 on 64 MP and 12.9 on 89 MP RGB JPEGs
-# decoded one at a time (bench/embed_memory.py), rounded up.
-DECODE_BYTES_PER_PIXEL = 13
+# Peak bytes per header pixel while a file is decoded and converted to RGB, measured on 12 and 64 MP files
+# decoded one at a time: ~4 for an RGB file (Pillow holds RGB as 4 bytes a pixel); 8.0 for the
+# worst kinds, where a second full image exists for a moment: an EXIF-rotated photo (the transpose), a CMYK,
+# RGBA, grayscale or palette file (the RGB conversion). Rounded up.
+DECODE_BYTES_PER_PIXEL = 9
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -133,12 +135,6 @@ class _Prepared:
     error: str | None = None
     tokens: int = field(default=0)
     held: int = 0  # bytes of the decode budget this input holds until it joins a batch
-
-
-def input_name(item: Any, index: int) -> str:
-    if isinstance(item, (str, os.PathLike)):
-        return f"input {index} ({os.fspath(item)})"
-    return f"input {index} ({type(item).__name__})"
 
 
 class VisionEncoder:
@@ -273,7 +269,7 @@ class VisionEncoder:
     def _prepare(self, item: Any, index: int, video: bool, min_pixels: int | None, max_pixels: int | None,
                  max_input_pixels: int | None, budget: _DecodeBudget, pin: bool) -> _Prepared:
         """Decode and resize one input on a worker thread, admitted by the decode budget in input order."""
-        name = input_name(item, index)
+        name = input_name("video" if video else "image", index, item)
         held = budget.admit(index, _decode_cost(item, video, max_input_pixels))
         fn = preprocess_video if video else preprocess_image
         try:
@@ -295,12 +291,18 @@ class VisionEncoder:
                     max_pixels: int | None = None, max_batch_tokens: int = 16384, pooled: bool = False,
                     num_workers: int | None = None, prefetch: int = 8,
                     max_input_pixels: int | None = DEFAULT_MAX_INPUT_PIXELS,
-                    decode_bytes: int | None = DEFAULT_DECODE_BYTES) -> Iterator[list[ItemResult]]:
+                    decode_bytes: int | None = DEFAULT_DECODE_BYTES,
+                    on_prepared: Callable[[int, int], None] | None = None) -> Iterator[list[ItemResult]]:
         """Yield results batch by batch, in input order; a bad input yields an ItemResult with its error.
+
+        ``on_prepared(index, tokens)`` is called once per input, in input order, on the iterating thread, as soon
+        as the input is decoded and resized (or has failed: tokens 0), before it joins its batch; tokens is the
+        number of embedding rows it will get. Progress can so advance image by image: a batch is one forward,
+        and a small job is a single batch.
 
         Inputs are decoded and resized by worker threads ahead of the compute (PIL and torch release the
         GIL), at most `prefetch` inputs ahead. Host memory for inputs is bounded by `decode_bytes` (inputs
-        being decoded, at ~13 bytes per header pixel, plus decoded ones waiting for their batch; an input
+        being decoded, at ~9 bytes per header pixel, plus decoded ones waiting for their batch; an input
         larger than that is handled alone; None: no bound) plus the batch being encoded (`max_batch_tokens`
         patches, or one larger input). A file whose header declares more than `max_input_pixels` pixels
         is refused before decoding and yields an error (None: no limit beyond PIL's own).
@@ -320,6 +322,8 @@ class VisionEncoder:
                 batch: list[_Prepared] = []
                 failed: list[_Prepared] = []
                 for prepared in prefetched:
+                    if on_prepared is not None:
+                        on_prepared(prepared.index, prepared.tokens // self.config.merge_unit)
                     if prepared.error is not None:
                         failed.append(prepared)
                         continue
@@ -373,19 +377,20 @@ class VisionEncoder:
         from .preprocess import probe_image
 
         for i, item in enumerate(items):
-            first = item
+            first, name = item, None
             if video:
                 if isinstance(item, torch.Tensor) or hasattr(item, "shape"):
                     if len(item) == 0:
-                        raise PreprocessError(f"{input_name(item, i)}: video has no frames")
+                        raise PreprocessError(f"{input_name('video', i)}: no frames")
                     first = item[0]
                 else:
                     frames = list(item)
                     if not frames:
-                        raise PreprocessError(f"{input_name(item, i)}: video has no frames")
+                        raise PreprocessError(f"{input_name('video', i)}: no frames")
                     first = frames[0]
+                name = input_name(f"{input_name('video', i)} frame", 0, first)  # as preprocess_video names it
             probe_image(first, self.preprocess_config, index=i, min_pixels=min_pixels, max_pixels=max_pixels,
-                        max_input_pixels=max_input_pixels)
+                        max_input_pixels=max_input_pixels, name=name)
 
     def encode_images(self, images: Sequence[Any], *, min_pixels: int | None = None, max_pixels: int | None = None,
                       max_batch_tokens: int = 16384, pooled: bool = False, num_workers: int | None = None,

@@ -7,10 +7,20 @@ shards are never requested: the index tells which shards hold ``visual.*`` / ``m
 The revision (a branch, tag or commit) is resolved to a commit by the first download (config.json); every
 later file is fetched at that commit, so all files come from one snapshot folder even if the branch moves
 in between, and a file the cache knows to be absent at that commit is not asked for again.
+
+Without network the answer comes at once and quietly: before the first download, one HEAD request without
+retries and with a short timeout (``REACH_TIMEOUT_S``, or ``HF_HUB_ETAG_TIMEOUT`` when set) checks that the Hub
+answers at all. If it does not, and with ``HF_HUB_OFFLINE`` or ``local_files_only``, every file is looked up
+in the cache only (``try_to_load_from_cache``: no request, not even huggingface_hub's user-agent registry
+fetch), and a file that is not there is one CheckpointError. Deviation from calling ``hf_hub_download``
+alone: for a file that is not cached, it retries an unreachable Hub five times with backoff and a 60 s timeout
+(~25 s of warning lines, minutes against an endpoint that accepts connections but never answers) before the
+same conclusion.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
 from pathlib import Path
@@ -28,6 +38,9 @@ from .weights import (
 
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 COMMIT_HASH = re.compile(r"^[0-9a-f]{40}$")
+# Seconds the reachability check waits for the Hub (to connect, then for its answer); a HEAD to the Hub takes
+# well under a second on a working connection. HF_HUB_ETAG_TIMEOUT, when set, is used instead.
+REACH_TIMEOUT_S = 4.0
 
 
 def looks_like_repo_id(source: str) -> bool:
@@ -38,10 +51,71 @@ def _where(repo_id: str, revision: str | None) -> str:
     return f"repo {repo_id!r}" + (f" at revision {revision!r}" if revision else "")
 
 
-def _offline(local_files_only: bool) -> bool:
+def _offline_reason(local_files_only: bool) -> str | None:
+    """Why the Hub must not be asked, or None."""
     from huggingface_hub import constants
 
-    return local_files_only or bool(getattr(constants, "HF_HUB_OFFLINE", False))
+    if local_files_only:
+        return "local_files_only=True"
+    return "HF_HUB_OFFLINE is set" if getattr(constants, "HF_HUB_OFFLINE", False) else None
+
+
+def _reach_timeout() -> float:
+    from huggingface_hub import constants
+
+    chosen = getattr(constants, "HF_HUB_ETAG_TIMEOUT", None)
+    return float(chosen) if chosen and chosen != getattr(constants, "DEFAULT_ETAG_TIMEOUT", 10) else REACH_TIMEOUT_S
+
+
+def _network_errors() -> tuple[type[BaseException], ...]:
+    """What the Hub's HTTP client raises when no answer came: httpx's transport errors (huggingface_hub >= 1.0
+    uses httpx2 or httpx), requests' connection errors (older versions; they are OSErrors)."""
+    errors: list[type[BaseException]] = [OSError]
+    for module in ("httpx2", "httpx"):
+        try:
+            errors.append(importlib.import_module(module).TransportError)
+        except (ImportError, AttributeError):
+            pass
+    return tuple(errors)
+
+
+def _unreachable(repo_id: str, filename: str, revision: str | None) -> str | None:
+    """Why the Hub cannot be reached (a phrase for an error message), or None when it answers, whatever the
+    answer (a 404 or a 5xx is an answer: hf_hub_download then asks again and reports it as usual).
+
+    One HEAD for `filename` on huggingface_hub's own HTTP session (its proxy and TLS settings), no retries, no
+    redirects followed, `_reach_timeout()` seconds.
+    """
+    from huggingface_hub import constants, hf_hub_url
+    from huggingface_hub.utils import get_session
+
+    timeout = _reach_timeout()
+    try:
+        get_session().head(hf_hub_url(repo_id, filename, revision=revision), timeout=timeout)
+    except _network_errors() as e:
+        waited = f" within {timeout:g} s" if "timeout" in type(e).__name__.lower() else ""
+        detail = " ".join(str(e).split())
+        return (f"the Hub could not be reached ({getattr(constants, 'ENDPOINT', 'its endpoint')} did not answer"
+                f"{waited}: {type(e).__name__}{': ' + detail if detail else ''})")
+    return None
+
+
+def _from_cache(repo_id: str, filename: str, *, required: bool, revision: str | None, cache_dir: str | None,
+                why: str) -> Path | None:
+    """`filename` from the local cache without any request (None for an absent optional file)."""
+    from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub.utils import HFValidationError
+
+    try:
+        found = try_to_load_from_cache(repo_id, filename, cache_dir=cache_dir, revision=revision)
+    except HFValidationError as e:
+        raise CheckpointError(f"{repo_id!r} is not a valid Hugging Face repo id: {e}") from e
+    if isinstance(found, str):
+        return Path(found)
+    if not required:
+        return None
+    raise CheckpointError(f"cannot get {filename} of {_where(repo_id, revision)}: {why} and it is not in the local "
+                          f"Hugging Face cache (download it once online first)")
 
 
 def _known_absent(repo_id: str, filename: str, revision: str | None, cache_dir: str | None) -> bool:
@@ -52,9 +126,14 @@ def _known_absent(repo_id: str, filename: str, revision: str | None, cache_dir: 
 
 
 def _download(repo_id: str, filename: str, *, required: bool = True, revision: str | None = None,
-              cache_dir: str | None = None, local_files_only: bool = False,
-              token: str | bool | None = None) -> Path | None:
-    """One file into the cache; None for an absent optional file. Every failure is a CheckpointError."""
+              cache_dir: str | None = None, token: str | bool | None = None,
+              offline: str | None = None) -> Path | None:
+    """One file into the cache; None for an absent optional file. Every failure is a CheckpointError.
+
+    offline: why the Hub is not to be asked (see fetch_vision_checkpoint); the file then comes from the cache.
+    """
+    if offline is not None:
+        return _from_cache(repo_id, filename, required=required, revision=revision, cache_dir=cache_dir, why=offline)
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import (
         EntryNotFoundError,
@@ -70,8 +149,7 @@ def _download(repo_id: str, filename: str, *, required: bool = True, revision: s
                                                                                    cache_dir):
         return None  # a commit never changes: the cache's "absent" answer is final, no request needed
     try:
-        return Path(hf_hub_download(repo_id, filename, revision=revision, cache_dir=cache_dir,
-                                    local_files_only=local_files_only, token=token))
+        return Path(hf_hub_download(repo_id, filename, revision=revision, cache_dir=cache_dir, token=token))
     except RepositoryNotFoundError as e:  # includes GatedRepoError
         raise CheckpointError(f"repo {repo_id!r} not found on the Hub (or not accessible: private or gated "
                               f"repos need a token): {e}") from e
@@ -79,15 +157,12 @@ def _download(repo_id: str, filename: str, *, required: bool = True, revision: s
         raise CheckpointError(f"repo {repo_id!r} has no revision {revision!r}: {e}") from e
     except LocalEntryNotFoundError as e:
         # Before EntryNotFoundError, of which it is a subclass: this one means "not in the local cache and the
-        # Hub was not (or could not be) asked", not "the repo has no such file".
-        if not required and (_known_absent(repo_id, filename, revision, cache_dir) or _offline(local_files_only)):
+        # Hub could not be asked" (the Hub answered the reachability check, then stopped), not "the repo has
+        # no such file".
+        if not required and _known_absent(repo_id, filename, revision, cache_dir):
             return None
-        if _offline(local_files_only):
-            reason = ("local_files_only=True" if local_files_only else "HF_HUB_OFFLINE is set") + \
-                " and it is not in the local Hugging Face cache (download it once online first)"
-        else:
-            reason = "the Hub could not be reached and it is not in the local Hugging Face cache"
-        raise CheckpointError(f"cannot get {filename} of {where}: {reason}") from e
+        raise CheckpointError(f"cannot get {filename} of {where}: the Hub could not be reached and it is not in "
+                              f"the local Hugging Face cache") from e
     except EntryNotFoundError as e:  # the Hub answered: no such file
         if required:
             raise CheckpointError(f"{where} has no {filename}") from e
@@ -100,8 +175,13 @@ def _download(repo_id: str, filename: str, *, required: bool = True, revision: s
 
 def fetch_vision_checkpoint(repo_id: str, *, revision: str | None = None, cache_dir: str | None = None,
                             local_files_only: bool = False, token: str | bool | None = None) -> Path:
-    """Download config, preprocessor config, index and the vision shards; return the snapshot folder."""
-    kwargs = dict(cache_dir=cache_dir, local_files_only=local_files_only, token=token)
+    """Download config, preprocessor config, index and the vision shards; return the snapshot folder.
+
+    Offline (local_files_only, HF_HUB_OFFLINE, or a Hub that does not answer one quick HEAD), every file comes
+    from the cache, without a request.
+    """
+    offline = _offline_reason(local_files_only) or _unreachable(repo_id, CONFIG_FILE, revision)
+    kwargs = dict(cache_dir=cache_dir, token=token, offline=offline)
     config_path = _download(repo_id, CONFIG_FILE, revision=revision, **kwargs)
     snapshot = config_path.parent
     # hf_hub_download returns <cache>/models--org--name/snapshots/<commit>/config.json: pin the rest to it.

@@ -65,9 +65,9 @@ RESCALE_FACTOR = 1 / 255  # BaseImageProcessor.rescale_factor
 MAX_ASPECT_RATIO = 200
 BICUBIC = PIL.Image.Resampling.BICUBIC  # == 3 == transformers' PILImageResampling.BICUBIC
 # Files whose header declares more pixels are refused before decoding (max_input_pixels=None: no limit).
-# Decoding a path holds about 13 bytes per pixel at its peak (measured: the decoded image, the EXIF
-# transpose copy and two RGB conversions), so 64 MP is ~0.8 GB: well under PIL's own decompression-bomb
-# limit (PIL.Image.MAX_IMAGE_PIXELS, 89.5 MP, a warning; an error at twice that) and above every
+# Decoding a path holds at most about 8 bytes per pixel at its peak (measured: the decoded image and, for a
+# rotated or non-RGB file, its transposed or converted copy), so 64 MP is ~0.5 GB: well under PIL's own
+# decompression-bomb limit (PIL.Image.MAX_IMAGE_PIXELS, 89.5 MP, a warning; an error at twice that) and above every
 # common camera (61 MP).
 DEFAULT_MAX_INPUT_PIXELS = 64_000_000
 
@@ -279,12 +279,13 @@ def _check_aspect_ratio(height: int, width: int, name: str) -> None:
 # --------------------------------------------------------------------------------------------------
 
 
-def _input_name(kind: str, index: int | None, image: Any = None) -> str:
-    """How error messages name an input: 'image 3', 'image 3 ('/a/b.png')', 'video frame 2' ..."""
-    name = kind if index is None else f"{kind} {index}"
-    if isinstance(image, (str, os.PathLike)):
-        name += f" ({os.fspath(image)!r})"
-    return name
+def input_name(kind: str, index: int | None, item: Any = None) -> str:
+    """How every error message names an input, whichever entry point meets the problem: a file by its path as
+    given ("image 'photos/a.jpg'"), anything else by its position ("image 3", "video 2 frame 5"; "image" alone
+    without an index). A path is what the user can act on, and embed's positions mean nothing to its user."""
+    if isinstance(item, (str, os.PathLike)):
+        return f"{kind} {os.fspath(item)!r}"
+    return kind if index is None else f"{kind} {index}"
 
 
 def load_image(image: Any, *, index: int | None = None) -> PIL.Image.Image:
@@ -295,7 +296,7 @@ def load_image(image: Any, *, index: int | None = None) -> PIL.Image.Image:
     ``convert_to_rgb``; PIL images only through ``convert_to_rgb``; arrays through its numpy branch.
     Raises PreprocessError naming ``index`` and the path for anything unreadable.
     """
-    return _load_rgb(image, _input_name("image", index, image))
+    return _load_rgb(image, input_name("image", index, image))
 
 
 def _load_rgb(image: Any, name: str, *, check_aspect: bool = False,
@@ -311,25 +312,29 @@ def _load_rgb(image: Any, name: str, *, check_aspect: bool = False,
         if check_aspect or min(image.size) <= 0:
             _check_aspect_ratio(image.height, image.width, name)
         return _pil_to_rgb(image, name)
-    if isinstance(image, torch.Tensor):
-        if image.dtype != torch.uint8:
-            raise PreprocessError(f"{name}: expected a uint8 tensor, got {image.dtype}")
-        array = _array_to_hwc(image.detach().cpu().numpy(), name, prefer_channels_first=True)
-    elif isinstance(image, np.ndarray):
-        array = _array_to_hwc(image, name, prefer_channels_first=False)
-    else:
-        raise PreprocessError(
-            f"{name}: unsupported input type {type(image).__name__}; expected a path, PIL image, "
-            "uint8 numpy array or uint8 torch tensor"
-        )
+    array = _as_hwc(image, name)
     if check_aspect:
         _check_aspect_ratio(array.shape[0], array.shape[1], name)
     return PIL.Image.fromarray(np.ascontiguousarray(_array_to_rgb(array)))
 
 
-def _load_path(path: str | os.PathLike, name: str, check_aspect: bool,
-               max_input_pixels: int | None = None) -> PIL.Image.Image:
-    """transformers.image_utils.load_image for a local file, then convert_to_rgb, with named errors."""
+def _as_hwc(image: Any, name: str) -> np.ndarray:
+    """A uint8 numpy array (read as HWC) or torch tensor (read as CHW) as HxWxC; anything else is refused."""
+    if isinstance(image, torch.Tensor):
+        if image.dtype != torch.uint8:
+            raise PreprocessError(f"{name}: expected a uint8 tensor, got {image.dtype}")
+        return _array_to_hwc(image.detach().cpu().numpy(), name, prefer_channels_first=True)
+    if isinstance(image, np.ndarray):
+        return _array_to_hwc(image, name, prefer_channels_first=False)
+    raise PreprocessError(f"{name}: unsupported input type {type(image).__name__}; expected a path, PIL image, "
+                          "uint8 numpy array or uint8 torch tensor")
+
+
+def _open_header(path: str | os.PathLike, name: str, max_input_pixels: int | None,
+                 check_aspect: bool) -> PIL.Image.Image:
+    """``PIL.Image.open`` (the header only) after the file checks, then the header checks: what probing and
+    loading a file share, so that each kind of bad file gets the same message from both. The caller closes it.
+    """
     path = os.fspath(path)
     if not os.path.exists(path):
         raise PreprocessError(f"{name}: file not found")
@@ -338,24 +343,51 @@ def _load_path(path: str | os.PathLike, name: str, check_aspect: bool,
     if os.path.getsize(path) == 0:
         raise PreprocessError(f"{name}: file is empty (0 bytes)")
     try:
-        with PIL.Image.open(path) as opened:
-            # Image.open has read only the header: reject before decoding megapixels.
-            _check_input_pixels(opened.height, opened.width, max_input_pixels, name)
-            if check_aspect:
-                _check_aspect_ratio(opened.height, opened.width, name)
-            # load_image: EXIF orientation applied, then a plain convert("RGB") that drops any alpha
-            # band without compositing. Both calls decode, so the file can be closed afterwards.
-            image = PIL.ImageOps.exif_transpose(opened).convert("RGB")
+        opened = PIL.Image.open(path)
+    except Exception as e:  # noqa: BLE001 - PIL raises many types for bad headers
+        raise _unreadable(e, name) from e
+    try:
+        # Reject before decoding megapixels.
+        _check_input_pixels(opened.height, opened.width, max_input_pixels, name)
+        if check_aspect:
+            _check_aspect_ratio(opened.height, opened.width, name)
     except PreprocessError:
+        opened.close()
         raise
-    except PIL.UnidentifiedImageError:
-        raise PreprocessError(f"{name}: not a recognised image file (corrupt, or not an image)") from None
-    except PIL.Image.DecompressionBombError as e:
-        raise PreprocessError(f"{name}: refused by PIL's decompression-bomb limit ({e})") from None
-    except PermissionError as e:
-        raise PreprocessError(f"{name}: cannot read file ({e.strerror})") from None
-    except Exception as e:  # PIL's decoders raise OSError, ValueError, SyntaxError, EOFError ...
-        raise PreprocessError(f"{name}: corrupt or truncated image data ({type(e).__name__}: {e})") from e
+    return opened
+
+
+def _unreadable(error: Exception, name: str) -> PreprocessError:
+    """The one message for a file PIL could not open or decode, by kind (header and pixel data alike: a file
+    cut short can fail in either, depending on where the cut is)."""
+    if isinstance(error, PIL.UnidentifiedImageError):
+        return PreprocessError(f"{name}: not a recognised image file (corrupt, or not an image)")
+    if isinstance(error, PIL.Image.DecompressionBombError):
+        return PreprocessError(f"{name}: refused by PIL's decompression-bomb limit ({error})")
+    if isinstance(error, PermissionError):
+        return PreprocessError(f"{name}: cannot read file ({error.strerror})")
+    # PIL's decoders raise OSError, ValueError, SyntaxError, EOFError ...
+    return PreprocessError(f"{name}: corrupt or truncated image data ({type(error).__name__}: {error})")
+
+
+def _load_path(path: str | os.PathLike, name: str, check_aspect: bool,
+               max_input_pixels: int | None = None) -> PIL.Image.Image:
+    """transformers.image_utils.load_image for a local file, then convert_to_rgb, with named errors."""
+    opened = _open_header(path, name, max_input_pixels, check_aspect)
+    try:
+        # load_image: EXIF orientation applied, then a plain convert("RGB") that drops any alpha band without
+        # compositing. The reference copies the image in both (exif_transpose returns a copy, and convert to
+        # the image's own mode is a copy); the same pixels come out of transposing in place (it decodes) and
+        # of skipping convert when the image is RGB already and Pillow closed its file after decoding.
+        PIL.ImageOps.exif_transpose(opened, in_place=True)
+        if opened.mode == "RGB" and getattr(opened, "fp", None) is None:
+            image = opened
+        else:  # another mode, or a multi-frame file Pillow keeps open: convert, then close the file
+            with opened:
+                image = opened.convert("RGB")
+    except Exception as e:  # noqa: BLE001 - see _unreadable
+        opened.close()
+        raise _unreadable(e, name) from e
     return _pil_to_rgb(image, name)
 
 
@@ -367,8 +399,8 @@ def _pil_to_rgb(image: PIL.Image.Image, name: str) -> PIL.Image.Image:
     """
     try:
         has_alpha = "A" in image.getbands() or image.info.get("transparency") is not None
-        if not has_alpha:
-            return image.convert("RGB")
+        if not has_alpha:  # convert to the image's own mode is a copy of the same pixels: skipped
+            return image if image.mode == "RGB" else image.convert("RGB")
         rgba = image.convert("RGBA")
         background = PIL.Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         return PIL.Image.alpha_composite(background, rgba).convert("RGB")
@@ -475,7 +507,7 @@ def preprocess_image(image: Any, config: PreprocessConfig, *, min_pixels: int | 
     header declares more than ``max_input_pixels`` pixels is refused before decoding (None: no limit
     beyond PIL's own; the reference has none).
     """
-    name = _input_name("image", index, image)
+    name = input_name("image", index, image)
     rgb = _load_rgb(image, name, check_aspect=True, max_input_pixels=max_input_pixels)
     height, width = _target_size(rgb.height, rgb.width, config, min_pixels, max_pixels, name)
     normalized = _normalize(_resize(rgb, height, width), _normalize_table(config.image_mean, config.image_std))
@@ -497,9 +529,9 @@ def preprocess_video(frames: Any, config: PreprocessConfig, *, min_pixels: int |
     ``max_input_pixels`` applies to every frame given as a path, as in ``preprocess_image``.
     Deviations from transformers' (torchvision-based) video processors: see the module docstring.
     """
-    name = _input_name("video", index)
+    name = input_name("video", index)
     frame_list = _split_frames(frames, name)
-    first = _load_rgb(frame_list[0], _input_name(f"{name} frame", 0, frame_list[0]), check_aspect=True,
+    first = _load_rgb(frame_list[0], input_name(f"{name} frame", 0, frame_list[0]), check_aspect=True,
                       max_input_pixels=max_input_pixels)
     height, width = _target_size(first.height, first.width, config, min_pixels, max_pixels, name)
 
@@ -517,7 +549,7 @@ def preprocess_video(frames: Any, config: PreprocessConfig, *, min_pixels: int |
             if i >= len(frame_list):  # padding; slot 0 of a group is always a real frame
                 group[slot] = group[slot - 1]
                 continue
-            rgb = first if i == 0 else _load_rgb(frame_list[i], _input_name(f"{name} frame", i, frame_list[i]),
+            rgb = first if i == 0 else _load_rgb(frame_list[i], input_name(f"{name} frame", i, frame_list[i]),
                                                  max_input_pixels=max_input_pixels)
             group[slot] = _normalize(_resize(rgb, height, width), table)
         rows, (_, grid_h, grid_w) = _patchify(group, config)
@@ -591,40 +623,22 @@ def _check_video_args(num_frames: int, video_fps: float, fps: float) -> None:
 
 
 def probe_image(image: Any, config: PreprocessConfig, *, index: int | None = None, min_pixels: int | None = None,
-                max_pixels: int | None = None, max_input_pixels: int | None = None) -> tuple[int, int]:
+                max_pixels: int | None = None, max_input_pixels: int | None = None,
+                name: str | None = None) -> tuple[int, int]:
     """Check an input without decoding its pixels; return the resized (height, width) it will get.
 
     Catches what can be known up front (missing, empty or unidentifiable file, unsupported type, zero-size
     array, aspect ratio over 200, a target size of zero, a file above max_input_pixels) so that batch APIs
-    fail before any compute.
+    fail before any compute, with the words loading would have used (``input_name``, ``_open_header``).
+    ``name``: how messages name the input, if not as image `index` (a video's first frame).
     """
-    name = _input_name("image", index, image)
+    name = name or input_name("image", index, image)
     if isinstance(image, (str, os.PathLike)):
-        path = os.fspath(image)
-        if not os.path.isfile(path):
-            raise PreprocessError(f"{name}: file not found" if not os.path.exists(path) else f"{name}: not a file")
-        if os.path.getsize(path) == 0:
-            raise PreprocessError(f"{name}: file is empty (0 bytes)")
-        try:
-            with PIL.Image.open(path) as opened:  # reads the header only
-                height, width = opened.height, opened.width
-        except PIL.UnidentifiedImageError:
-            raise PreprocessError(f"{name}: not a recognised image file (corrupt, or not an image)") from None
-        except PIL.Image.DecompressionBombError as e:
-            raise PreprocessError(f"{name}: refused by PIL's decompression-bomb limit ({e})") from None
-        except Exception as e:  # noqa: BLE001 - PIL raises many types for bad headers
-            raise PreprocessError(f"{name}: cannot read image header ({type(e).__name__}: {e})") from e
-        _check_input_pixels(height, width, max_input_pixels, name)
+        with _open_header(image, name, max_input_pixels, check_aspect=False) as opened:
+            height, width = opened.height, opened.width
     elif isinstance(image, PIL.Image.Image):
         height, width = image.height, image.width
-    elif isinstance(image, (np.ndarray, torch.Tensor)):
-        if isinstance(image, torch.Tensor) and image.dtype != torch.uint8:
-            raise PreprocessError(f"{name}: expected a uint8 tensor, got {image.dtype}")
-        array = image.detach().cpu().numpy() if isinstance(image, torch.Tensor) else image
-        hwc = _array_to_hwc(array, name, prefer_channels_first=isinstance(image, torch.Tensor))
-        height, width = hwc.shape[:2]
     else:
-        raise PreprocessError(f"{name}: unsupported input type {type(image).__name__}; expected a path, PIL image, "
-                              "uint8 numpy array or uint8 torch tensor")
+        height, width = _as_hwc(image, name).shape[:2]
     _check_aspect_ratio(height, width, name)
     return _target_size(height, width, config, min_pixels, max_pixels, name)

@@ -1,4 +1,5 @@
-"""Checkpoints several test modules share: written once per session in the released layout."""
+"""Fixtures several test modules share: checkpoints written once per session in the released layout, and the
+stand-in Hub."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import QWEN2_5_SMALL, QWEN3_SMALL_72, write_checkpoint
+from tests.helpers import QWEN2_5_SMALL, QWEN3_SMALL_72, serve_hub, write_checkpoint
 
 
 @pytest.fixture(scope="session")
@@ -23,3 +24,10 @@ def checkpoint3(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("ckpt3")
     write_checkpoint(folder, QWEN3_SMALL_72)
     return folder
+
+
+@pytest.fixture
+def hub(tmp_path, monkeypatch):
+    """A running stand-in Hub (tests.helpers.serve_hub) for one test, with an empty cache under tmp_path."""
+    with serve_hub(tmp_path, monkeypatch) as fake:
+        yield fake

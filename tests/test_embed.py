@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from PIL import Image
 from safetensors import safe_open
@@ -17,6 +18,7 @@ from safetensors import safe_open
 from qwenvl_vision.cli import main
 from qwenvl_vision.embed import collect_inputs, read_embeddings, read_manifest_lines
 from qwenvl_vision.encoder import load_encoder
+from qwenvl_vision.errors import PreprocessError
 from tests.helpers import QWEN3_SMALL_72, REPO, rel_err, synthetic_photo
 from tests.helpers import make_image_folder as make_folder
 
@@ -73,6 +75,72 @@ def test_embed_pooled_only_and_deepstack(tmp_path, checkpoint3):
     for path, (emb, levels) in read_embeddings(out2, deepstack=True):
         assert len(levels) == 2 and all(level.shape == emb.shape for level in levels)
         assert torch.allclose(vectors[path], emb.mean(0), rtol=1e-5, atol=1e-6)
+
+
+def test_iter_encode_reports_every_input_as_it_is_prepared(tmp_path, checkpoint):
+    """Per image, in input order, before the one batch they form is encoded: what embed's progress counts."""
+    paths = make_folder(tmp_path / "imgs", 5, bad=False)
+    inputs = [*map(str, paths[:3]), str(tmp_path / "missing.jpg"), *map(str, paths[3:])]
+    reported: list[tuple[int, int]] = []
+    seen_before_batch = []
+    with load_encoder(checkpoint, device="cpu") as encoder:
+        for batch in encoder.iter_encode(inputs, on_prepared=lambda index, tokens: reported.append((index, tokens))):
+            seen_before_batch.append(len(reported))
+            results = batch
+    assert seen_before_batch == [6]  # a single batch, reported input by input before it ran
+    assert [index for index, _ in reported] == list(range(6))
+    assert [tokens for _, tokens in reported] == [0 if r.error else r.embedding.shape[0] for r in results]
+    assert reported[3][1] == 0 and results[3].error
+
+
+def _bad_files(folder: Path) -> dict[str, tuple[Path, str]]:
+    """One file per kind of bad image: kind -> (path, what its message must say)."""
+    folder.mkdir()
+    jpeg = folder / "good.jpg"
+    Image.fromarray(synthetic_photo(60, 80, 3)).save(jpeg)
+    kinds = {
+        "missing": (folder / "missing.jpg", "file not found"),
+        "empty": (folder / "empty.jpg", "file is empty (0 bytes)"),
+        "not an image": (folder / "notes.png", "not a recognised image file (corrupt, or not an image)"),
+        "corrupt header": (folder / "header.jpg", "corrupt or truncated image data (OSError: "),
+        "truncated data": (folder / "cut.jpg", "corrupt or truncated image data (OSError: "),
+        "too many pixels": (folder / "big.png", "400x300 = 120,000 pixels is above the input limit of 100,000"),
+        "aspect ratio": (folder / "strip.png", "aspect ratio 250.0 (height 4, width 1000) exceeds 200"),
+    }
+    kinds["empty"][0].write_bytes(b"")
+    kinds["not an image"][0].write_text("just text, wrongly named\n" * 10)
+    kinds["corrupt header"][0].write_bytes(b"\xff\xd8\xff\xe0 this is not really a jpeg" * 3)  # fails in open
+    kinds["truncated data"][0].write_bytes(jpeg.read_bytes()[:jpeg.stat().st_size // 2])  # header fine
+    Image.new("RGB", (400, 300)).save(kinds["too many pixels"][0])
+    Image.new("RGB", (1000, 4)).save(kinds["aspect ratio"][0])
+    return kinds
+
+
+def test_one_message_per_kind_of_bad_image_from_the_api_and_from_embed(tmp_path, checkpoint):
+    """Each kind of bad file gets one message naming the file, the same from encode_images (its check before any
+    compute, or decoding) as in embed's manifest (decoding only)."""
+    kinds = _bad_files(tmp_path / "bad")
+    good = str(tmp_path / "bad" / "good.jpg")
+    listing = tmp_path / "list.txt"
+    listing.write_text("".join(f"{path}\n" for path, _ in kinds.values()) + good + "\n")
+    out = tmp_path / "out"
+    assert main(["embed", str(listing), "--model", str(checkpoint), "--out", str(out), "--max-input-pixels",
+                 "100000", "--quiet"]) == 1
+    recorded = {r["path"]: r for r in manifest(out)}
+    assert recorded[good]["status"] == "ok"
+    with load_encoder(checkpoint, device="cpu") as encoder:
+        for kind, (path, says) in kinds.items():
+            with pytest.raises(PreprocessError) as api:
+                encoder.encode_images([good, str(path)], max_input_pixels=100_000)
+            message = str(api.value)
+            assert message.startswith(f"image {str(path)!r}: {says}"), (kind, message)
+            assert recorded[str(path)]["error"] == message, kind
+
+    # Not a file at all: the API's own kind (embed only takes paths), by position.
+    with load_encoder(checkpoint, device="cpu") as encoder, pytest.raises(PreprocessError) as api:
+        encoder.encode_images([good, 12345])
+    assert str(api.value) == ("image 1: unsupported input type int; expected a path, PIL image, uint8 numpy array or "
+                              "uint8 torch tensor")
 
 
 def test_resume_duplicates_nothing(tmp_path, checkpoint):

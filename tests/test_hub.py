@@ -1,24 +1,22 @@
 """load_encoder("org/name") against a local stand-in of the Hugging Face Hub (loopback only).
 
-The stand-in serves checkpoint folders written by tests.helpers the way huggingface_hub's
-``hf_hub_download`` expects the Hub to (HEAD/GET on /{repo}/resolve/{revision}/{file}), records every
-request, and lets the tests check what was fetched: config, preprocessor config, index and only the shards
-holding vision tensors; never an LLM-only shard.
+The stand-in (tests.helpers.FakeHub; the `hub` fixture of conftest.py) serves checkpoint folders written by
+tests.helpers the way huggingface_hub's ``hf_hub_download`` expects the Hub to (HEAD/GET on
+/{repo}/resolve/{revision}/{file}), records every request, and lets the tests check what was fetched: config,
+preprocessor config, index and only the shards holding vision tensors; never an LLM-only shard.
 """
 
 from __future__ import annotations
 
-import hashlib
-import threading
-from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+import socket
+import time
 from pathlib import Path
-from urllib.parse import unquote, urlsplit
 
 import pytest
 import torch
 
 from qwenvl_vision import load_encoder
+from qwenvl_vision.cli import main
 from qwenvl_vision.hub import fetch_vision_checkpoint
 from qwenvl_vision.names import to_checkpoint_state
 from qwenvl_vision.weights import CheckpointError
@@ -26,11 +24,14 @@ from tests.helpers import (
     FAMILY_SMALL,
     QWEN2_5_SMALL,
     QWEN3_SMALL_72,
+    REPO,
+    FakeHub,
     hf_forward,
     hf_tower,
     inputs,
     non_vision_shards,
     rel_err,
+    use_endpoint,
     write_checkpoint,
 )
 
@@ -38,158 +39,6 @@ hf_constants = pytest.importorskip("huggingface_hub.constants")
 
 QWEN2_5_GRIDS = [(1, 6, 10), (2, 4, 4), (1, 2, 2)]
 QWEN3_GRIDS = [(1, 6, 10), (2, 4, 4), (1, 2, 2)]
-
-
-# ---------------------------------------------------------------------- the stand-in Hub
-
-
-@dataclass
-class Revision:
-    commit: str
-    files: dict[str, Path]  # repo path -> file on disk
-    etags: dict[str, str] = field(default_factory=dict)
-
-
-class FakeHub:
-    """Repos -> revisions (branch names and their commit hashes) -> files; a record of every request."""
-
-    def __init__(self) -> None:
-        self.repos: dict[str, dict[str, Revision]] = {}
-        self.requests: list[tuple[str, str]] = []  # (method, decoded path)
-        self.lock = threading.Lock()
-        self.server: ThreadingHTTPServer | None = None
-        self.endpoint = ""
-
-    def add(self, repo_id: str, folder: Path, *, branch: str = "main") -> str:
-        """Serve every file of `folder` as `repo_id` at `branch`; return the commit hash it resolves to."""
-        files = {p.relative_to(folder).as_posix(): p for p in sorted(folder.rglob("*")) if p.is_file()}
-        commit = hashlib.sha1(f"{repo_id}@{branch}".encode()).hexdigest()
-        # The Hub's ETag is the git blob sha1 for small files and the LFS sha256 for large ones; any stable
-        # content hash will do here.
-        etags = {name: hashlib.sha256(path.read_bytes()).hexdigest() for name, path in files.items()}
-        revision = Revision(commit, files, etags)
-        refs = self.repos.setdefault(repo_id, {})
-        refs[branch] = revision
-        refs[commit] = revision
-        return commit
-
-    def log(self, method: str, path: str) -> None:
-        with self.lock:
-            self.requests.append((method, path))
-
-    def clear(self) -> None:
-        with self.lock:
-            self.requests.clear()
-
-    def resolve_paths(self, method: str | None = None) -> list[str]:
-        with self.lock:
-            return [p for m, p in self.requests if method is None or m == method]
-
-    def files_touched(self) -> set[str]:
-        return {path.split("/resolve/", 1)[1].split("/", 1)[1] for path in self.resolve_paths()}
-
-    def stop(self) -> None:
-        if self.server is not None:
-            self.server.shutdown()
-            self.server.server_close()
-            self.server = None
-
-
-def _handler(hub: FakeHub):
-    class Handler(BaseHTTPRequestHandler):
-        # HTTP/1.0: one request per connection, so no pooled keep-alive connection outlives hub.stop().
-        protocol_version = "HTTP/1.0"
-
-        def log_message(self, *args) -> None:  # keep pytest output quiet
-            pass
-
-        def do_HEAD(self) -> None:
-            self._serve(body=False)
-
-        def do_GET(self) -> None:
-            self._serve(body=True)
-
-        def _reply(self, status: int, headers: dict[str, str], data: bytes = b"", body: bool = True) -> None:
-            self.send_response(status)
-            for name, value in headers.items():
-                self.send_header(name, value)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            if body and data:
-                self.wfile.write(data)
-
-        def _error(self, status: int, code: str, message: str, commit: str | None = None, body: bool = True) -> None:
-            headers = {"X-Error-Code": code, "X-Error-Message": message, "Content-Type": "application/json"}
-            if commit is not None:
-                headers["X-Repo-Commit"] = commit  # the Hub sends it with EntryNotFound: HF caches the absence
-            self._reply(status, headers, f'{{"error": "{message}"}}'.encode(), body)
-
-        def _serve(self, body: bool) -> None:
-            raw = urlsplit(self.path).path
-            parts = raw.split("/")  # "", org, name, "resolve", revision (quoted, may hold %2F), file...
-            hub.log(self.command, unquote(raw))
-            if len(parts) < 6 or parts[3] != "resolve":
-                return self._error(404, "EntryNotFound" if parts[1:2] == ["api"] else "RepoNotFound",
-                                   "Not served by this stand-in", body=body)
-            repo_id = f"{unquote(parts[1])}/{unquote(parts[2])}"
-            revision_name, filename = unquote(parts[4]), unquote("/".join(parts[5:]))
-            refs = hub.repos.get(repo_id)
-            if refs is None:
-                return self._error(404, "RepoNotFound", "Repository not found", body=body)
-            revision = refs.get(revision_name)
-            if revision is None:
-                return self._error(404, "RevisionNotFound", "Invalid rev id: " + revision_name, body=body)
-            path = revision.files.get(filename)
-            if path is None:
-                return self._error(404, "EntryNotFound", "Entry not found", revision.commit, body=body)
-            data = path.read_bytes()
-            etag = f'"{revision.etags[filename]}"'
-            headers = {"X-Repo-Commit": revision.commit, "ETag": etag, "X-Linked-Etag": etag,
-                       "X-Linked-Size": str(len(data)), "Accept-Ranges": "bytes",
-                       "Content-Type": "application/octet-stream"}
-            status, start = 200, 0
-            requested = self.headers.get("Range", "")
-            if body and requested.startswith("bytes=") and requested.endswith("-"):  # resume: "bytes=N-"
-                start = int(requested[len("bytes="):-1])
-                status = 206
-                headers["Content-Range"] = f"bytes {start}-{len(data) - 1}/{len(data)}"
-            self._reply(status, headers, data[start:], body)
-
-    return Handler
-
-
-@pytest.fixture
-def hub(tmp_path, monkeypatch):
-    """A running stand-in Hub; huggingface_hub pointed at it, with an empty temporary cache and HF home."""
-    fake = FakeHub()
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(fake))
-    server.daemon_threads = True
-    fake.server = server
-    fake.endpoint = f"http://127.0.0.1:{server.server_address[1]}"
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    thread.start()
-
-    # huggingface_hub read HF_ENDPOINT / HF_HUB_CACHE / HF_HUB_OFFLINE into constants at import time.
-    monkeypatch.setenv("HF_ENDPOINT", fake.endpoint)
-    monkeypatch.setattr(hf_constants, "ENDPOINT", fake.endpoint)
-    monkeypatch.setattr(hf_constants, "HUGGINGFACE_CO_URL_TEMPLATE",
-                        fake.endpoint + "/{repo_id}/resolve/{revision}/{filename}")
-    cache = tmp_path / "hf-home" / "hub"
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
-    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
-    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(cache))
-    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
-    monkeypatch.setenv("no_proxy", "127.0.0.1,localhost")
-    try:  # user-agent agent detection may fetch {ENDPOINT}/api/agent-harnesses once: keep it off the record
-        from huggingface_hub.utils import _detect_agent
-        monkeypatch.setattr(_detect_agent, "_registry", _detect_agent._EMPTY_REGISTRY)
-    except (ImportError, AttributeError):
-        pass
-    fake.cache = cache
-    yield fake
-    fake.stop()
-    thread.join(timeout=5)
 
 
 # ---------------------------------------------------------------------- helpers
@@ -372,6 +221,55 @@ def test_cached_single_file_repo_loads_offline(hub, tmp_path, monkeypatch):
     assert hub.requests == []
 
 
+# ---------------------------------------------------------------------- no network: fail fast, quietly
+
+
+@pytest.fixture(params=["refuses", "never-answers"])
+def dead_endpoint(request, hub, monkeypatch):
+    """huggingface_hub pointed at an endpoint that refuses connections (the stand-in Hub, stopped) or that
+    accepts them and never answers (a listening socket nobody reads), as a machine without network sees."""
+    hub.stop()
+    if request.param == "refuses":
+        yield request.param
+        return
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        use_endpoint(monkeypatch, f"http://127.0.0.1:{silent.getsockname()[1]}")
+        yield request.param
+
+
+def test_unreachable_hub_fails_within_seconds_with_one_line(dead_endpoint, tmp_path, capfd):
+    """hf_hub_download alone retries for ~25 s (refused) or minutes (no answer), printing a warning per try."""
+    start = time.perf_counter()
+    code = main(["embed", str(REPO / "examples" / "photos"), "--model", "Qwen/Qwen2.5-VL-3B-Instruct",
+                 "--out", str(tmp_path / "out")])
+    elapsed = time.perf_counter() - start
+    err = capfd.readouterr().err
+    assert code == 2 and elapsed < 10, (elapsed, err)
+    errors = [line for line in err.splitlines() if not line.startswith("embed: ")]  # the loading note
+    assert len(errors) == 1, err
+    assert errors[0].startswith("qwenvl-vision embed: error: cannot get config.json of repo "
+                                "'Qwen/Qwen2.5-VL-3B-Instruct': the Hub could not be reached (")
+    assert "not in the local Hugging Face cache" in errors[0]
+    assert ("within 4 s" in errors[0]) == (dead_endpoint == "never-answers")
+    assert not (tmp_path / "out").exists()
+
+
+def test_unreachable_hub_loads_a_cached_repo_without_waiting(hub, qwen25_repo, monkeypatch, capfd):
+    _, vision, _ = qwen25_repo
+    load_encoder("org/qwen25-tiny", device="cpu").close()
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        use_endpoint(monkeypatch, f"http://127.0.0.1:{silent.getsockname()[1]}")
+        start = time.perf_counter()
+        with load_encoder("org/qwen25-tiny", device="cpu") as encoder:
+            _check_weights(encoder, vision)
+        assert time.perf_counter() - start < 10
+    assert "Retry" not in capfd.readouterr().err
+
+
 # ---------------------------------------------------------------------- 5. errors
 
 
@@ -379,7 +277,8 @@ def test_missing_repo_is_a_checkpoint_error_naming_it(hub):
     with pytest.raises(CheckpointError, match="org/does-not-exist") as info:
         load_encoder("org/does-not-exist", device="cpu")
     assert "not found" in str(info.value)
-    assert hub.resolve_paths() == ["/org/does-not-exist/resolve/main/config.json"]
+    # Nothing but config.json asked for (twice: the reachability check, then hf_hub_download's own HEAD).
+    assert set(hub.resolve_paths()) == {"/org/does-not-exist/resolve/main/config.json"}
 
 
 def test_never_downloaded_repo_with_local_files_only_is_a_clear_checkpoint_error(hub, qwen25_repo, monkeypatch):
@@ -393,6 +292,17 @@ def test_never_downloaded_repo_with_local_files_only_is_a_clear_checkpoint_error
     with pytest.raises(CheckpointError, match="HF_HUB_OFFLINE"):
         load_encoder("org/qwen25-tiny", device="cpu")
     assert hub.requests == []
+
+
+def test_embed_local_files_only_never_asks(hub, qwen25_repo, tmp_path, capsys):
+    code = main(["embed", str(REPO / "examples" / "photos"), "--model", "org/qwen25-tiny", "--local-files-only",
+                 "--out", str(tmp_path / "out")])
+    assert code == 2 and hub.requests == []
+    assert "local_files_only=True and it is not in the local Hugging Face cache" in capsys.readouterr().err
+    load_encoder("org/qwen25-tiny", device="cpu").close()
+    hub.stop()
+    assert main(["embed", str(REPO / "examples" / "photos"), "--model", "org/qwen25-tiny", "--local-files-only",
+                 "--out", str(tmp_path / "out"), "--quiet"]) == 0
 
 
 def test_repo_without_config_or_vision_tensors(hub, tmp_path):

@@ -27,6 +27,7 @@ from qwenvl_vision.preprocess import (
     load_image,
     preprocess_image,
     preprocess_video,
+    probe_image,
     sample_frame_indices,
     sample_frame_indices_qwen3,
     smart_resize,
@@ -204,7 +205,7 @@ def test_16_bit_is_clipped_not_scaled(hf):
 FILES = [
     ("png", "RGB"), ("png", "RGBA"), ("png", "LA"), ("png", "L"), ("png", "P_trns_index"),
     ("png", "P_trns_bytes"), ("png", "I;16"), ("png", "1"), ("jpeg", "RGB"), ("jpeg", "L"),
-    ("jpeg", "CMYK"), ("bmp", "RGB"), ("tiff", "RGBA"), ("gif", "P_trns_index"), ("webp", "RGBA"),
+    ("jpeg", "CMYK"), ("bmp", "RGB"), ("tiff", "RGBA"), ("gif", "P_trns_index"), ("webp", "RGBA"), ("png", "RGB_trns"),
 ]
 
 
@@ -362,13 +363,19 @@ def test_aspect_ratio_checked_before_decoding(tmp_path):
 
 
 def _assert_error(image, pattern, index=4, path=None):
+    """The error names the input (a file by its path, anything else by its index), the same from loading and
+    from probing."""
+    config = PreprocessConfig.for_family("qwen2_5_vl")
     with pytest.raises(PreprocessError, match=pattern) as err:
-        preprocess_image(image, PreprocessConfig.for_family("qwen2_5_vl"), index=index)
-    assert f"image {index}" in str(err.value)
-    if path is not None:
-        assert str(path) in str(err.value)
-    with pytest.raises(PreprocessError, match=pattern):
+        preprocess_image(image, config, index=index)
+    assert str(err.value).startswith(f"image {str(path)!r}: " if path is not None else f"image {index}: ")
+    with pytest.raises(PreprocessError) as loaded:
         load_image(image, index=index)
+    assert str(loaded.value) == str(err.value)
+    if "corrupt or truncated" not in pattern:  # a file cut after its header: probing cannot know
+        with pytest.raises(PreprocessError) as probed:
+            probe_image(image, config, index=index)
+        assert str(probed.value) == str(err.value)
 
 
 def test_missing_file(tmp_path):
@@ -415,7 +422,7 @@ def test_bad_arrays_and_types(image, pattern):
 
 
 def test_error_without_index(tmp_path):
-    with pytest.raises(PreprocessError, match=r"^image \(.*missing.png'\): file not found"):
+    with pytest.raises(PreprocessError, match=r"^image '.*missing.png': file not found"):
         load_image(tmp_path / "missing.png")
 
 
@@ -578,7 +585,7 @@ def test_video_frames_resized_to_first_frame_size():
 def test_video_errors(tmp_path):
     config = PreprocessConfig.for_family("qwen2_5_vl")
     missing = tmp_path / "gone.png"
-    with pytest.raises(PreprocessError, match=r"video 2 frame 1 \(.*gone.png'\): file not found"):
+    with pytest.raises(PreprocessError, match=r"video 2 frame '.*gone.png': file not found"):
         preprocess_video([_content(50, 50), missing], config, index=2)
     with pytest.raises(PreprocessError, match="video 0: no frames"):
         preprocess_video([], config, index=0)

@@ -1,0 +1,289 @@
+"""Every ```python and ```bash example of README.md runs as written (issue 14): an example that does not run fails CI.
+
+How an example runs:
+- A bash line that is one ``qwenvl-vision ...`` command runs in this process, through ``qwenvl_vision.cli.main``,
+  and must exit 0; any other line (a pipeline, another program) runs in ``bash -c`` with this venv's scripts
+  first on PATH. A comment ``# -> PATH`` after a command says what it writes: PATH must exist afterwards.
+- A python block is executed as one module. An expression statement whose comment starts with a Python literal
+  (``len(out.deepstack[0])  # 3: ...``) must equal it; for a tensor the literal is its shape.
+- Where: a fresh working directory holding a copy of ``examples/photos``; ``/tmp/`` in an example stands for
+  that directory's ``tmp/`` (so runs never collide with each other or with a user's files).
+- Hub repo ids (``Qwen/NAME``) are served by the stand-in Hub (tests.helpers.serve_hub) as tiny random
+  checkpoints of the family NAME says (tests.helpers.FAMILY_SMALL); presets build random weights at full size,
+  so the README keeps to its cheap ones (qwen3.5-0.8b, qwen3-vl-2b with small max_pixels).
+
+Lines that cannot run here are listed in EXCUSED with the reason; the check that can be made instead is made
+(the set-up and test commands are what .ci/run runs). A fenced block in another language than python, bash, text
+or none fails: mark it so that it runs, or as text.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import io
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tokenize
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+import qwenvl_vision
+from qwenvl_vision.cli import main
+from qwenvl_vision.embed import read_manifest_lines
+from tests.helpers import FAMILY_SMALL, REPO, write_checkpoint
+
+README = REPO / "README.md"
+SETUP_LINE = 'python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && pip install -e ".[test]"'
+TEST_LINE = "ruff check . && python -m pytest -q"
+EXCUSED = {  # README command (without its comment) -> why it is not run here
+    SETUP_LINE: "creates and fills the virtual environment these tests run in; .ci/run runs it (checked below)",
+    TEST_LINE: "the test command, of which this file is a part; .ci/run runs it (checked below)",
+    "torchrun --nproc-per-node 4 -m qwenvl_vision.cli embed photos/ --model Qwen/Qwen3-VL-8B-Instruct --out emb/ "
+    "--device cuda": "needs 4 CUDA devices; torchrun runs are tested with 2 CPU ranks in tests/test_embed*.py",
+    "python bench/cuda_check.py --out DIR": "needs a GPU; its --dry-run, the same logic on CPU, runs in "
+    "tests/test_cuda_check.py",
+}
+RUN_LANGUAGES = {"python", "bash"}
+ILLUSTRATION_LANGUAGES = {"text", ""}  # output samples and the layout tree: shown, not run
+# Which family a released repo's name belongs to, most specific first.
+HUB_FAMILIES = [
+    (r"Qwen2\.5-Omni", "qwen2_5_omni"), (r"Qwen2\.5-VL", "qwen2_5_vl"), (r"Qwen2-VL", "qwen2_vl"),
+    (r"Qwen3-Omni", "qwen3_omni_moe"), (r"Qwen3-VL-.*-A\d+B", "qwen3_vl_moe"), (r"Qwen3-VL", "qwen3_vl"),
+    (r"Qwen3\.[5-9]-.*-A\d+B", "qwen3_5_moe"), (r"Qwen3\.[5-9]", "qwen3_5"),
+]
+REPO_ID = re.compile(r"\bQwen/[A-Za-z0-9][\w.-]*")
+
+
+# ---------------------------------------------------------------------- reading the README
+
+
+@dataclass(frozen=True)
+class Block:
+    language: str
+    code: str
+    line: int  # README line of its first code line
+
+    @property
+    def id(self) -> str:
+        return f"{self.language or 'plain'}@README:{self.line}"
+
+
+@dataclass(frozen=True)
+class Command:
+    text: str  # without its comment
+    comment: str
+    line: int
+
+
+def readme_blocks() -> list[Block]:
+    blocks, text = [], README.read_text()
+    for match in re.finditer(r"^```([^\n`]*)\n(.*?)^```[ \t]*$", text, re.M | re.S):
+        line = text[:match.start(2)].count("\n") + 1
+        blocks.append(Block(match.group(1).strip(), match.group(2), line))
+    return blocks
+
+
+def split_comment(line: str) -> tuple[str, str]:
+    """(command, comment) of a shell line: a '#' at the start of a word, outside quotes, starts the comment."""
+    quote = None
+    for i, char in enumerate(line):
+        if quote:
+            quote = None if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char == "#" and (i == 0 or line[i - 1].isspace()):
+            return line[:i].strip(), line[i + 1:].strip()
+    return line.strip(), ""
+
+
+def commands(block: Block) -> list[Command]:
+    """A bash block's command lines (backslash continuations joined), without blank and comment-only lines."""
+    found, pending, start = [], "", 0
+    for number, raw in enumerate(block.code.splitlines(), block.line):
+        if not pending:
+            start = number
+        if raw.endswith("\\"):
+            pending += raw[:-1] + " "
+            continue
+        text, comment = split_comment(pending + raw)
+        pending = ""
+        if text:
+            found.append(Command(text, comment, start))
+    return found
+
+
+BLOCKS = readme_blocks()
+RUN_BLOCKS = [b for b in BLOCKS if b.language in RUN_LANGUAGES]
+
+
+# ---------------------------------------------------------------------- where examples run
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch) -> Path:
+    """A fresh working directory with examples/photos, as in a checkout; the current directory for the test."""
+    work = tmp_path / "work"
+    shutil.copytree(REPO / "examples" / "photos", work / "examples" / "photos")
+    (work / "tmp").mkdir()
+    monkeypatch.chdir(work)
+    return work
+
+
+def family_of(repo_id: str) -> str:
+    name = repo_id.split("/", 1)[1]
+    for pattern, family in HUB_FAMILIES:
+        if re.match(pattern, name):
+            return family
+    raise AssertionError(f"README names {repo_id}: add its family to HUB_FAMILIES in tests/test_readme.py")
+
+
+def serve_repos(hub, code: str, folder: Path) -> None:
+    """Every repo id the example names, on the stand-in Hub: a tiny random checkpoint of its family."""
+    for repo_id in sorted(set(REPO_ID.findall(code))):
+        path = folder / repo_id.replace("/", "--")
+        write_checkpoint(path, FAMILY_SMALL[family_of(repo_id)], sharded=True, other_shards=1)
+        hub.add(repo_id, path)
+
+
+def in_workdir(text: str, workdir: Path) -> str:
+    return text.replace("/tmp/", f"{workdir}/tmp/")
+
+
+# ---------------------------------------------------------------------- running them
+
+
+def run_command(command: Command, workdir: Path, capsys) -> None:
+    text = in_workdir(command.text, workdir)
+    argv = shlex.split(text)
+    where = f"README.md:{command.line}: {command.text}"
+    if argv[0] == "qwenvl-vision" and not re.search(r"[|&;<>$`()*?]", text):  # one command, nothing for a shell
+        code = main(argv[1:])
+        out = capsys.readouterr()
+        assert code == 0, f"{where}\nexit {code}\n{out.out}\n{out.err}"
+    else:
+        env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+               "PYTHONPATH": str(REPO)}
+        done = subprocess.run(["bash", "-c", text], cwd=workdir, env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, f"{where}\nexit {done.returncode}\n{done.stdout}\n{done.stderr}"
+    if command.comment.startswith("-> "):  # what the command writes
+        written = in_workdir(command.comment[3:].split()[0], workdir)
+        assert Path(written).exists(), f"{where}: does not write {written}"
+
+
+def claimed_values(code: str) -> dict[int, object]:
+    """Line -> the literal its comment starts with (`x.shape  # (2, 2048): ...` -> (2, 2048))."""
+    claims = {}
+    for token in tokenize.generate_tokens(io.StringIO(code).readline):
+        if token.type == tokenize.COMMENT:
+            head = token.string[1:].split(":", 1)[0].strip()
+            try:
+                claims[token.start[0]] = ast.literal_eval(head)
+            except (ValueError, SyntaxError):
+                pass
+    return claims
+
+
+class _CheckClaims(ast.NodeTransformer):
+    """`expr  # LITERAL` -> `_readme_claim(expr, LITERAL, line)`."""
+
+    def __init__(self, claims: dict[int, object]) -> None:
+        self.claims = claims
+
+    def visit_Expr(self, node: ast.Expr) -> ast.AST:
+        if node.lineno not in self.claims:
+            return node
+        call = ast.Call(ast.Name("_readme_claim", ast.Load()),
+                        [node.value, ast.Constant(self.claims[node.lineno]), ast.Constant(node.lineno)], [])
+        return ast.copy_location(ast.Expr(call), node)
+
+
+def run_python(block: Block) -> None:
+    tree = ast.fix_missing_locations(_CheckClaims(claimed_values(block.code)).visit(ast.parse(block.code)))
+
+    def claim(value, expected, line):
+        found = tuple(value.shape) if isinstance(value, torch.Tensor) else value
+        assert found == expected, f"README.md:{block.line + line - 1}: {found!r}, the README says {expected!r}"
+
+    ast.increment_lineno(tree, block.line - 1)  # tracebacks point into README.md
+    exec(compile(tree, str(README), "exec"), {"__name__": "readme_example", "_readme_claim": claim})
+
+
+@pytest.mark.parametrize("block", RUN_BLOCKS, ids=[b.id for b in RUN_BLOCKS])
+def test_readme_example_runs(block, workdir, hub, tmp_path, capsys):
+    runnable = block.code if block.language == "python" else "\n".join(
+        c.text for c in commands(block) if c.text not in EXCUSED)
+    if not runnable:
+        pytest.skip("excused: " + "; ".join(EXCUSED[c.text] for c in commands(block)))
+    serve_repos(hub, runnable, tmp_path / "repos")
+    if block.language == "python":
+        run_python(block)
+        return
+    for command in commands(block):
+        if command.text in EXCUSED:
+            continue
+        run_command(command, workdir, capsys)
+
+
+# ---------------------------------------------------------------------- the README as a whole
+
+
+def test_every_block_is_run_illustrative_or_excused():
+    languages = {b.id: b.language for b in BLOCKS}
+    assert all(lang in RUN_LANGUAGES | ILLUSTRATION_LANGUAGES for lang in languages.values()), languages
+    assert len(RUN_BLOCKS) >= 6  # the extraction found the README's examples
+    lines = {c.text for b in RUN_BLOCKS if b.language == "bash" for c in commands(b)}
+    stale = set(EXCUSED) - lines
+    assert not stale, f"excused but no longer in README.md: {stale}"
+    assert (REPO / "bench" / "cuda_check.py").is_file()
+
+
+def test_ci_runs_exactly_the_readme_set_up_and_test_commands():
+    """.ci/run is the README's set-up line then its test command, after its own preamble. `|| exit 1`: under
+    `set -e` a failing command that is not the last of an && list does not stop the script."""
+    bash = [c.text for b in BLOCKS if b.language == "bash" for c in commands(b)]
+    assert SETUP_LINE in bash and TEST_LINE in bash
+    ci = [line for line in (REPO / ".ci" / "run").read_text().splitlines()
+          if line.strip() and not line.lstrip().startswith("#")]
+    assert ci == ["set -euo pipefail", 'cd "$(dirname "$0")/.."', f"{SETUP_LINE} || exit 1", TEST_LINE]
+
+
+def test_readme_names_only_what_the_package_has():
+    """Every `qv.NAME` / `qwenvl_vision.NAME` the README mentions, in code or prose, exists (a README call that
+    raises AttributeError is how issue 14 began)."""
+    missing = []
+    for match in sorted(set(re.findall(r"\b(?:qv|qwenvl_vision)((?:\.\w+)+)", README.read_text()))):
+        target = qwenvl_vision
+        for part in match.lstrip(".").split("."):
+            if not hasattr(target, part) and hasattr(target, "__path__"):
+                importlib.import_module(f"{target.__name__}.{part}")
+            if not hasattr(target, part):
+                missing.append(match)
+                break
+            target = getattr(target, part)
+    assert not missing, missing
+
+
+def test_illustrated_manifest_lines_are_what_embed_writes(workdir, capsys):
+    """The manifest lines README's embed illustration shows: the fields embed writes, the error it gives."""
+    text = next(b.code for b in BLOCKS if b.language == "text" and "manifest.jsonl" in b.code)
+    shown = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+    ok, error = (next(r for r in shown if r["status"] == s) for s in ("ok", "error"))
+    (workdir / "photos").mkdir()
+    (workdir / "photos" / "broken.jpg").write_text("not an image")
+    shutil.copy(workdir / "examples" / "photos" / "hopper.jpg", workdir / "photos" / "a.jpg")
+    assert main(["embed", "photos", "--model", "qwen3.5-0.8b", "--random-weights", "--out", "emb",
+                 "--max-pixels", str(64 * 64), "--quiet"]) == 1
+    written = {r["path"]: r for r in read_manifest_lines(workdir / "emb" / "manifest.jsonl")}
+    assert set(written) == {ok["path"], error["path"]}
+    assert written[ok["path"]].keys() == ok.keys() and written[error["path"]].keys() == error.keys()
+    assert written[error["path"]]["error"] == error["error"]
