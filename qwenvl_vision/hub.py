@@ -11,11 +11,19 @@ in between, and a file the cache knows to be absent at that commit is not asked 
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
-from .weights import CONFIG_FILE, INDEX_FILE, PREPROCESSOR_FILE, SINGLE_FILE, CheckpointError, strip_vision_prefix
+from .weights import (
+    CONFIG_FILE,
+    INDEX_FILE,
+    PREPROCESSOR_FILE,
+    SINGLE_FILE,
+    CheckpointError,
+    parse_weight_map,
+    read_json,
+    strip_vision_prefix,
+)
 
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 COMMIT_HASH = re.compile(r"^[0-9a-f]{40}$")
@@ -104,11 +112,8 @@ def fetch_vision_checkpoint(repo_id: str, *, revision: str | None = None, cache_
     if index_path is None:
         _download(repo_id, SINGLE_FILE, **kwargs)
         return snapshot
-    try:
-        with open(index_path) as f:
-            weight_map = json.load(f).get("weight_map", {})
-    except (OSError, ValueError, AttributeError) as e:
-        raise CheckpointError(f"{where}: cannot read {INDEX_FILE}: {e}") from e
+    # Shard names are checked before any download: one naming '../x' or '/etc/passwd' is refused, not fetched.
+    weight_map = parse_weight_map(read_json(index_path, "index"), f"{where}: {INDEX_FILE}")
     shards = sorted({shard for name, shard in weight_map.items() if strip_vision_prefix(name) is not None})
     if not shards:
         raise CheckpointError(f"{where}: {INDEX_FILE} lists no vision tensors")
