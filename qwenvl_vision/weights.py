@@ -408,24 +408,25 @@ def _check_entry(path: Path, name: str, entry: object, data_size: int) -> dict:
         raise CheckpointError(f"{where}: data_offsets end {end} is past the end of the data ({data_size} bytes): "
                               f"the shard is truncated or the header corrupt")
     bits = _bits(shape, SAFETENSORS_DTYPE_BITS[dtype], cap=8 * data_size)
+    if bits is None:
+        raise CheckpointError(f"{where}: {dtype} x {shape} needs more than the whole shard's data")
     if bits % 8:
         raise CheckpointError(f"{where}: {dtype} x {shape} does not fill whole bytes")
     if end - begin != bits // 8:
-        needed = "more than the whole shard" if bits > 8 * data_size else f"{bits // 8}"
         raise CheckpointError(f"{where}: data_offsets [{begin}, {end}] span {end - begin} bytes, "
-                              f"but {dtype} x {shape} needs {needed}")
+                              f"but {dtype} x {shape} needs {bits // 8}")
     return {"dtype": dtype, "shape": list(shape), "data_offsets": [begin, end]}
 
 
-def _bits(shape: list[int], element_bits: int, cap: int) -> int:
-    """numel x element bits, stopping once past `cap` (a forged shape of huge dims costs nothing)."""
+def _bits(shape: list[int], element_bits: int, cap: int) -> int | None:
+    """numel x element bits, or None once past `cap` (a forged shape of huge dims costs nothing)."""
     if 0 in shape:
         return 0
     bits = element_bits
     for dim in shape:
         bits *= dim
         if bits > cap:
-            return cap + 1
+            return None
     return bits
 
 
