@@ -9,7 +9,7 @@ Layouts understood (see REFERENCE.md, "Checkpoint layout"):
 
 The model is built on the meta device and every tensor is materialised once, directly on the target device
 in the target dtype, so a load never holds a second copy of the tower. Anything unexpected (a missing or
-surplus tensor, a wrong shape, a truncated or corrupt shard, a shard name leaving the folder)
+surplus tensor, a wrong shape, a truncated or corrupt shard, a shard name leaving the folder, a NaN weight)
 raises a ``CheckpointError`` naming it; nothing is ever loaded partially.
 
 Every safetensors header read (sharded or single file, loading or ``inspect``) is validated as the format's
@@ -509,15 +509,31 @@ def _read_one(f: BinaryIO, path: Path, name: str, entry: dict, data_start: int) 
     return buffer.view(SAFETENSORS_DTYPES[entry["dtype"]]).view(entry["shape"])
 
 
+def _check_finite(tensor: torch.Tensor, path: Path, name: str) -> None:
+    """Refuse NaN/Inf weights: one sum (NaN and Inf propagate through it) over the tensor just read.
+
+    A sum costs about what reading the bytes from the page cache does; only when it is not finite (a real
+    NaN/Inf, or finite values whose sum overflows) are the elements counted, to tell which.
+    """
+    if not tensor.is_floating_point() or tensor.numel() == 0:
+        return
+    if torch.isfinite(tensor.sum(dtype=torch.float32)):
+        return
+    nan, inf = int(torch.isnan(tensor).sum()), int(torch.isinf(tensor).sum())
+    if nan or inf:
+        raise CheckpointError(f"tensor {name} in {path} holds {nan} NaN and {inf} infinite value(s) "
+                              f"(pass check_finite=False to load it anyway)")
+
+
 def read_tensors(checkpoint: VisionCheckpoint, expected: dict[str, torch.Tensor], device: torch.device,
-                 dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+                 dtype: torch.dtype | None, *, check_finite: bool = True) -> dict[str, torch.Tensor]:
     """Every vision tensor once, onto `device` in `dtype` (None: as stored), all checks made before reading.
 
     expected: module path -> the (meta) tensor it fills, for shape and floating-point checks.
     Bytes are read with plain file reads into memory the tensor owns (nothing stays mapped to the
     checkpoint, so the files may change afterwards); a tensor already in the target dtype on CPU is
     used as read, otherwise converted one tensor at a time on the target device, so the host peak is
-    the tower plus one tensor.
+    the tower plus one tensor. With `check_finite`, each tensor is checked for NaN/Inf as stored, on the host.
     """
     state: dict[str, torch.Tensor] = {}
     for path, module_paths in _by_shard(checkpoint).items():
@@ -529,19 +545,24 @@ def read_tensors(checkpoint: VisionCheckpoint, expected: dict[str, torch.Tensor]
             for module_path, entry in sorted(plan, key=lambda item: item[1]["data_offsets"]):
                 name = checkpoint.tensors[module_path].name
                 tensor = _read_one(f, path, name, entry, data_start)
+                if check_finite:
+                    _check_finite(tensor, path, name)
                 state[module_path] = tensor.to(device=device, dtype=dtype or tensor.dtype)
                 del tensor
     return state
 
 
-def load_tower(checkpoint: VisionCheckpoint, device: torch.device, dtype: torch.dtype | None,
-               **model_options) -> VisionTower:
-    """Build the tower on meta, check names and shapes, then materialise each tensor once on `device`."""
+def load_tower(checkpoint: VisionCheckpoint, device: torch.device, dtype: torch.dtype | None, *,
+               check_finite: bool = True, **model_options) -> VisionTower:
+    """Build the tower on meta, check names and shapes, then materialise each tensor once on `device`.
+
+    check_finite=False skips the NaN/Inf check, for checkpoints that hold such values on purpose.
+    """
     with _named_errors(ConfigError, f"cannot build the {checkpoint.config.family} tower of {checkpoint.folder}"):
         model = build_model(checkpoint.config, device="meta", **model_options)
     expected = model.state_dict()
     check_names(checkpoint, expected)
-    state = read_tensors(checkpoint, expected, device, dtype)
+    state = read_tensors(checkpoint, expected, device, dtype, check_finite=check_finite)
     with _named_errors(CheckpointError, f"cannot load the weights of {checkpoint.folder}"):
         model.load_state_dict(state, strict=True, assign=True)
     return model.eval().requires_grad_(False)
