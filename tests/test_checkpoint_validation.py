@@ -249,6 +249,16 @@ def test_weight_map_value_that_is_not_a_string_is_named(ckpt):
         _load(ckpt)
 
 
+def test_tensor_under_both_vision_prefixes_is_refused(ckpt):
+    """'visual.x' and 'model.visual.x' both name module x: which one is meant cannot be told."""
+    index = _index(ckpt)
+    index["weight_map"]["model." + LN_Q] = index["weight_map"][LN_Q]
+    _write_index(ckpt, index)
+    with pytest.raises(CheckpointError, match=r"holds merger\.ln_q\.weight twice, as visual\.merger\.ln_q\.weight "
+                                              r"and model\.visual\.merger\.ln_q\.weight"):
+        _load(ckpt)
+
+
 @pytest.mark.parametrize("index,found", [([], "is not a JSON object (found an array)"),
                                          ({"weight_map": ["x"]}, "has no weight_map object (found an array)"),
                                          ({"metadata": {}}, "has no weight_map object (found none)")])
@@ -326,14 +336,17 @@ def test_non_finite_weight_is_named_and_can_be_loaded_on_request(tmp_path, dtype
     assert weight.flatten()[37].item() == value or math.isnan(value) and math.isnan(weight.flatten()[37].item())
 
 
-def test_finite_weights_whose_sum_overflows_still_load(ckpt):
-    """The check sums each tensor; a finite tensor whose float32 sum overflows must not be refused."""
-    shard = _shard_of(ckpt, LN_Q)
+@pytest.mark.parametrize("dtype,big", [(torch.float32, 3e38), (torch.float16, 60000.0)], ids=["f32", "f16"])
+def test_finite_weights_whose_sum_overflows_still_load(tmp_path, dtype, big):
+    """The check sums each tensor in its stored dtype; finite values whose sum overflows must not be refused."""
+    write_checkpoint(tmp_path, QWEN2_5_SMALL, dtype=dtype)
+    shard = _shard_of(tmp_path, LN_Q)
     header, data = _split(shard)
     begin = header[LN_Q]["data_offsets"][0]
-    big = struct.pack("<2f", 3e38, 3e38)
-    _join(shard, header, data[:begin] + big + data[begin + len(big):])
-    assert _load(ckpt).model.state_dict()["merger.ln_q.weight"][:2].tolist() == pytest.approx([3e38, 3e38])
+    values = torch.tensor([big, big], dtype=dtype).view(torch.uint8).numpy().tobytes()
+    _join(shard, header, data[:begin] + values + data[begin + len(values):])
+    weight = _load(tmp_path, dtype=torch.float32).model.state_dict()["merger.ln_q.weight"]
+    assert weight[:2].tolist() == [torch.tensor(big, dtype=dtype).item()] * 2
 
 
 # ---------------------------------------------------------------------- header rules beyond the table
