@@ -18,10 +18,10 @@ reference reader does (safetensors 0.8, Rust ``SafeTensors::read_metadata`` and 
 entry an object with a known ``dtype``, a ``shape`` of unsigned integers and two unsigned integer
 ``data_offsets`` whose span is exactly numel x element size; optional ``__metadata__`` mapping strings to
 strings; the tensors, sorted by offset, tile the data section from its first to its last byte, so no two
-overlap. Deviations, all stricter: a name (or a field of an entry) given twice is refused (Python's and
-serde's JSON readers would both keep the last one silently); JSON ``NaN``/``Infinity`` literals, which Python
-accepts and serde does not, are refused; a vision tensor must be stored in a dtype torch can load, and a
-floating-point parameter must not be stored as an integer dtype.
+overlap. Python's JSON reader is made as strict as serde's: UTF-8 only, no ``NaN``/``Infinity`` literals,
+``true`` is not an integer, a lone surrogate escape in a name is refused. Deviations, all stricter: a tensor
+name given twice is refused (safetensors keeps the last of two identical entries); a vision tensor must be
+stored in a dtype torch can load, and a floating-point parameter must not be stored as an integer dtype.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import BinaryIO
 
+import numpy as np
 import torch
 
 from .config import VisionConfig, from_config_json
@@ -84,7 +85,8 @@ class VisionCheckpoint:
 # ---------------------------------------------------------------------- files: regular only, JSON strictly
 
 
-_OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)  # POSIX; Windows has no FIFOs to open by path
+_OPEN_FLAGS = os.O_RDONLY | _NONBLOCK | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
 
 
 def _file_kind(mode: int) -> str:
@@ -118,7 +120,7 @@ def open_regular(path: Path, what: str, holds: str = "") -> BinaryIO:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
             raise CheckpointError(f"{what} {path}{holds} is {_file_kind(mode)}, not a regular file")
-        if hasattr(os, "set_blocking"):
+        if _NONBLOCK:
             os.set_blocking(fd, True)
         return os.fdopen(fd, "rb", buffering=0)
     except BaseException:
@@ -512,19 +514,31 @@ def _read_one(f: BinaryIO, path: Path, name: str, entry: dict, data_start: int) 
     return buffer.view(SAFETENSORS_DTYPES[entry["dtype"]]).view(entry["shape"])
 
 
-def _check_finite(tensor: torch.Tensor, path: Path, name: str) -> None:
-    """Refuse NaN/Inf weights: one sum (NaN and Inf propagate through it) over the tensor just read.
+# Per float dtype: its bits as signed and unsigned integers, and the bits of +Inf. Exponent all ones (NaN or
+# Inf) means: signed bits >= +Inf's for a positive value, unsigned bits >= -Inf's for a negative one.
+_FLOAT_BITS = {
+    torch.bfloat16: (np.int16, np.uint16, 0x7F80, 0xFF80),
+    torch.float16: (np.int16, np.uint16, 0x7C00, 0xFC00),
+    torch.float32: (np.int32, np.uint32, 0x7F80_0000, 0xFF80_0000),
+    torch.float64: (np.int64, np.uint64, 0x7FF0_0000_0000_0000, 0xFFF0_0000_0000_0000),
+}
 
-    The sum runs in the stored dtype (asking for a float32 sum of bf16 would first copy the tensor to float32:
-    30x slower here); a sum that is not finite (a real NaN/Inf, or finite values whose sum overflows, as
-    fp16 sums easily do) is confirmed by the tensor's min and max, then the bad values are counted.
+
+def _all_finite(tensor: torch.Tensor) -> bool:
+    """No NaN or Inf in a contiguous CPU float tensor: two integer maxima over its bits.
+
+    Exact (a sum would overflow on finite values) and single-threaded on purpose: torch's reductions fan out
+    to its OpenMP threads, and with the cores busy (a shared machine, a data loader) their barriers stalled a
+    bf16 3B check at 1.3 s, against 0.05 s for these numpy maxima, whatever the load.
     """
-    if not tensor.is_floating_point() or tensor.numel() == 0:
-        return
-    if torch.isfinite(tensor.sum()):
-        return
-    low, high = torch.aminmax(tensor)
-    if torch.isfinite(low) and torch.isfinite(high):
+    signed, unsigned, positive_inf, negative_inf = _FLOAT_BITS[tensor.dtype]
+    bits = tensor.reshape(-1).view(torch.uint8).numpy()
+    return bits.view(signed).max() < positive_inf and bits.view(unsigned).max() < negative_inf
+
+
+def _check_finite(tensor: torch.Tensor, path: Path, name: str) -> None:
+    """Refuse a tensor just read that holds NaN or Inf, counting them for the message."""
+    if tensor.dtype not in _FLOAT_BITS or tensor.numel() == 0 or _all_finite(tensor):
         return
     nan, inf = int(torch.isnan(tensor).sum()), int(torch.isinf(tensor).sum())
     raise CheckpointError(f"tensor {name} in {path} holds {nan} NaN and {inf} infinite value(s) "
