@@ -336,6 +336,17 @@ def test_non_finite_weight_is_named_and_can_be_loaded_on_request(tmp_path, dtype
     assert weight.flatten()[37].item() == value or math.isnan(value) and math.isnan(weight.flatten()[37].item())
 
 
+def test_non_finite_weight_in_the_last_tensor_read_is_refused(ckpt):
+    """The last vision tensor of the last shard (nothing read after it) is checked too."""
+    shards = sorted({_shard_of(ckpt, n) for n in _index(ckpt)["weight_map"] if n.startswith("visual.")})
+    header, data = _split(shards[-1])
+    name = max((n for n in header if n.startswith("visual.")), key=lambda n: header[n]["data_offsets"])
+    end = header[name]["data_offsets"][1]
+    _join(shards[-1], header, data[:end - 4] + struct.pack("<f", math.nan) + data[end:])
+    with pytest.raises(CheckpointError, match=rf"{re.escape(name)} in .*{shards[-1].name} holds 1 NaN"):
+        _load(ckpt)
+
+
 @pytest.mark.parametrize("dtype,big", [(torch.float32, 3e38), (torch.float16, 60000.0)], ids=["f32", "f16"])
 def test_finite_weights_whose_sum_overflows_still_load(tmp_path, dtype, big):
     """Finite values whose sum overflows (as fp16 sums easily do) are finite: a sum-based check would refuse them."""
