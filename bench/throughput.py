@@ -387,6 +387,9 @@ def main(argv: list[str] | None = None) -> dict:
                              "(e.g. sdpa,flash_attention_2)")
     parser.add_argument("--compile", action="store_true",
                         help="also time a torch.compile'd copy of ours (compile_blocks; compiled during warm-up)")
+    parser.add_argument("--gemm-bound", action="store_true",
+                        help="also time the forward's GEMMs and attention alone (bench/gemm_bound.py) and report each "
+                             "variant as a fraction of that bound")
     parser.add_argument("--json", help="write the numbers here")
     args = parser.parse_args(argv)
     if args.compile and args.warmup < 1:
@@ -406,6 +409,12 @@ def main(argv: list[str] | None = None) -> dict:
     timings = measure(variants, pixel_values, grid_thw, device, args.warmup, args.repeats)
     peak = peak_rate(device, dtype) if device.type == "cuda" else None
     result = summarize(cfg, args.preset, args.inputs, grid_thw, items, device, dtype, timings, peak, skipped)
+    if args.gemm_bound:
+        from gemm_bound import gemm_bound
+
+        result["gemm_bound"] = gemm_bound(cfg, result["grids"], dtype, device)
+        for entry in result["variants"].values():
+            entry["fraction_of_bound"] = result["gemm_bound"]["bound_s"] / entry["median_s"]
     print_table(result)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -432,6 +441,11 @@ def print_table(result: dict) -> None:
     if rated:
         print(f"peak {result['peak_tflops']:.1f} TFLOP/s ({result['peak_source']}); measured matmul rate "
               f"{result['matmul_tflops']:.1f} TFLOP/s")
+    if "gemm_bound" in result:
+        bound = result["gemm_bound"]
+        print(f"GEMM bound {bound['bound_s']:.2f} s (GEMMs {bound['gemm_s']:.2f} s at {bound['gemm_gflops_per_s']} "
+              f"GFLOP/s alone, attention {bound['attention_s']:.2f} s as SDPA alone): "
+              + ", ".join(f"{name} {v['fraction_of_bound']:.0%}" for name, v in result["variants"].items()))
     for name, v in result["variants"].items():
         for ref, speedup in v.get("speedup_vs", {}).items():
             print(f"speedup {name} vs {ref}: {speedup:.2f}x   (output rel err {v['rel_err_vs'][ref]:.1e})")
@@ -440,4 +454,5 @@ def print_table(result: dict) -> None:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
     main()

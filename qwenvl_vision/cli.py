@@ -92,18 +92,17 @@ def _preset_report(name: str) -> dict:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from .encoder import _resolve_folder
-    from .weights import open_checkpoint, read_header
+    from .weights import open_checkpoint, vision_entries
 
     if _is_preset(args.source):
         _print_report(_preset_report(args.source), args.json)
         return 0
     folder = _resolve_folder(args.source, args.revision, args.local_files_only, None, None)
     checkpoint = open_checkpoint(folder)
-    headers = {path: read_header(path)[0] for path in checkpoint.shard_files}  # one header read per shard
+    entries = vision_entries(checkpoint)  # every header validated as a load does; one read per shard
     total_bytes = 0
     dtypes: dict[str, int] = {}
-    for source in checkpoint.tensors.values():
-        entry = headers[source.file][source.name]
+    for entry in entries.values():
         dtypes[entry["dtype"]] = dtypes.get(entry["dtype"], 0) + 1
         begin, end = entry["data_offsets"]
         total_bytes += end - begin

@@ -548,6 +548,7 @@ def load_encoder(
     preprocess_config: PreprocessConfig | dict | None = None,
     compile: bool | dict = False,
     attn_impl: str = "auto",
+    check_finite: bool = True,
 ) -> VisionEncoder:
     """Load a Qwen2.5-VL / Qwen3-VL vision encoder, reading only the vision tensors.
 
@@ -559,6 +560,8 @@ def load_encoder(
     attention kept outside the graphs (``VisionTower.compile_blocks``); the first forwards pay the compile.
     attn_impl: "auto" (flash-attn, else PyTorch's varlen kernel on CUDA in half precision; else SDPA), "sdpa",
     "flash" or "torch_varlen"; a backend that cannot run on this device and dtype is a ConfigError.
+    check_finite: refuse a checkpoint holding NaN or infinite weights (a ``CheckpointError`` naming the
+    tensor); False loads such a checkpoint as it is, for deliberately odd ones.
     """
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
@@ -573,7 +576,7 @@ def load_encoder(
         raise ConfigError("a config alone has no weights: pass random_weights=True, or a checkpoint folder/repo id")
     folder = _resolve_folder(os.fspath(source), revision, local_files_only, cache_dir, token)
     checkpoint = open_checkpoint(folder)
-    model = _compiled(load_tower(checkpoint, device, dtype, **options), compile)
+    model = _compiled(load_tower(checkpoint, device, dtype, check_finite=check_finite, **options), compile)
     pre = _preprocess_config(preprocess_config, checkpoint.preprocessor_json(), checkpoint.config.family)
     return VisionEncoder(model, pre, source=os.fspath(source))
 

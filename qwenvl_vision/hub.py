@@ -21,7 +21,6 @@ same conclusion.
 from __future__ import annotations
 
 import importlib
-import json
 import re
 from pathlib import Path
 
@@ -32,6 +31,7 @@ from .weights import (
     PREPROCESSOR_FILE,
     SINGLE_FILE,
     CheckpointError,
+    parse_weight_map,
     read_json,
     strip_vision_prefix,
 )
@@ -194,11 +194,8 @@ def fetch_vision_checkpoint(repo_id: str, *, revision: str | None = None, cache_
     if index_path is None:
         _download(repo_id, SINGLE_FILE, **kwargs)
         return snapshot
-    try:
-        with open(index_path) as f:
-            weight_map = json.load(f).get("weight_map", {})
-    except (OSError, ValueError, AttributeError) as e:
-        raise CheckpointError(f"{where}: cannot read {INDEX_FILE}: {e}") from e
+    # Shard names are checked before any download: one naming '../x' or '/etc/passwd' is refused, not fetched.
+    weight_map = parse_weight_map(read_json(index_path, "index"), f"{where}: {INDEX_FILE}")
     shards = sorted({shard for name, shard in weight_map.items() if strip_vision_prefix(name, prefixes) is not None})
     if not shards:
         raise CheckpointError(f"{where}: {INDEX_FILE} lists no vision tensors")

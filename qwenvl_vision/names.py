@@ -27,17 +27,6 @@ def checkpoint_names(config: VisionConfig, module_name: str) -> tuple[str, ...]:
     return (module_name,)
 
 
-def checkpoint_shapes(config: VisionConfig, module_shapes: Mapping[str, torch.Size]) -> dict[str, tuple[int, ...]]:
-    """Every checkpoint tensor name the tower needs, with its shape (stacked parts split dim 0 evenly)."""
-    shapes: dict[str, tuple[int, ...]] = {}
-    for module_name, shape in module_shapes.items():
-        parts = checkpoint_names(config, module_name)
-        part_shape = (shape[0] // len(parts), *shape[1:])
-        for name in parts:
-            shapes[name] = part_shape
-    return shapes
-
-
 def to_module_state(config: VisionConfig, tensors: Mapping[str, torch.Tensor],
                     module_names: Iterable[str]) -> dict[str, torch.Tensor]:
     """Checkpoint tensors -> module state dict: parts stacked, renames applied. Consumes ``tensors`` entries

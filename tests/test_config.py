@@ -54,7 +54,7 @@ def _vision(**changes):
     (_vision(window_size=2), r"window_size 2 is smaller than one merged token"),
     (_vision(rope_theta=-1.0), r"rope_theta must be a positive number"),
     (_vision(patch_size=10**4), r"patch_size = 10000 is outside"),
-    (lambda config: [config], r"config\.json must hold a JSON object, got list"),
+    (lambda config: [config], r"config\.json is not a JSON object \(found an array\)"),
     (lambda config: {**config, "model_type": "llava_next"}, r"unsupported model_type 'llava_next'"),
     (lambda config: {k: v for k, v in config.items() if k != "vision_config"}, r"no vision_config section"),
 ], ids=["depth-1e6", "depth-1e5", "heads-0", "depth-str", "depth-float", "hidden-1e9", "heads-not-dividing",
@@ -75,7 +75,7 @@ def test_bad_config_json_is_refused_fast_naming_the_field(released, tmp_path, ch
     (lambda p: {**p, "image_std": [0.5, 0.0, 0.5]}, r"image_std must be non-zero"),
     (lambda p: {**p, "rescale_factor": "1/255"}, r"rescale_factor='1/255' is not supported"),
     (lambda p: {**p, "size": [1, 2]}, r"size must be a dict"),
-    (lambda p: [p], r"preprocessor_config\.json must hold a JSON object"),
+    (lambda p: [p], r"preprocessor_config\.json is not a JSON object \(found an array\)"),
 ], ids=["max-pixels", "min-pixels-str", "mean-str", "std-zero", "rescale-str", "size-list", "list"])
 def test_bad_preprocessor_config_is_refused_naming_the_field(released, tmp_path, change, pattern):
     folder = _with_config(released, tmp_path, change, file="preprocessor_config.json")
