@@ -123,10 +123,9 @@ def main(argv: list[str] | None = None) -> dict:
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     cfg = throughput.truncated(preset(args.preset), args.depth)
     pixel_values, grid_thw, _ = throughput.build_inputs(args.inputs, cfg)
-    ours, theirs = throughput.build_pair(cfg, torch.device("cpu"), dtype, "sdpa")
-    profiles = {"ours": profile_forward(ours, lambda: ours(pixel_values, grid_thw))}
-    if theirs is not None:
-        profiles["transformers"] = profile_forward(theirs, lambda: theirs(pixel_values, grid_thw=grid_thw))
+    variants, _ = throughput.build_variants(cfg, torch.device("cpu"), dtype)
+    profiles = {name: profile_forward(v.model, lambda v=v: v.run(v.model, pixel_values, grid_thw))
+                for name, v in variants.items()}
     print(f"{args.preset} depth {cfg.depth}, {args.inputs} ({int(grid_thw.prod(1).sum())} patches), {args.dtype}, "
           f"{torch.get_num_threads()} threads: self CPU time by category")
     print(format_profile(profiles))

@@ -1,0 +1,59 @@
+"""Old tree against this one and transformers, side by side in one process: the ratio a refactor must keep.
+
+    cp -r OLD_CHECKOUT/qwenvl_vision /tmp/oldpkg/qwenvl_vision_old   # the old package under another name
+    python bench/before_after.py --old /tmp/oldpkg --preset qwen2.5-vl-3b --inputs photos --dtype fp32
+
+The old package must name its tensors as the checkpoints do (every tree up to 86749f6 does): it loads the
+reference tower's state dict directly. Timing as ``bench/throughput.py``: interleaved, median after warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import throughput  # noqa: E402
+
+from qwenvl_vision import preset  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--old", required=True, help="folder holding the old package as qwenvl_vision_old")
+    parser.add_argument("--preset", default="qwen2.5-vl-3b")
+    parser.add_argument("--inputs", default="photos", choices=sorted(throughput.INPUT_SETS))
+    parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
+    parser.add_argument("--depth", type=int, default=None)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    args = parser.parse_args(argv)
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    device = torch.device("cpu")
+    cfg = throughput.truncated(preset(args.preset), args.depth)
+    pixel_values, grid_thw, items = throughput.build_inputs(args.inputs, cfg)
+    variants, _ = throughput.build_variants(cfg, device, dtype)
+    sys.path.insert(0, args.old)
+    old = importlib.import_module("qwenvl_vision_old")
+    fields = {k: getattr(cfg, k) for k in ("depth", "hidden_size", "intermediate_size", "num_heads",
+                                            "out_hidden_size", "patch_size", "fullatt_block_indexes",
+                                            "deepstack_visual_indexes")}
+    family = "qwen2_5_vl" if cfg.design == "qwen2_5" else "qwen3_vl"
+    old_model = old.build_model(old.VisionConfig(family=family, **fields), dtype=dtype)
+    old_model.load_state_dict(variants["transformers"].model.state_dict(), strict=True)
+    variants = {"ours": variants["ours"], "ours-before": throughput.Variant(throughput.run_ours, old_model),
+                "transformers": variants["transformers"]}
+    timings = throughput.measure(variants, pixel_values, grid_thw, device, args.warmup, args.repeats)
+    result = throughput.summarize(cfg, args.preset, args.inputs, grid_thw, items, device, dtype, timings, None, {})
+    throughput.print_table(result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
