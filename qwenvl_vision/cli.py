@@ -69,7 +69,8 @@ def _stored_dtype(source: str):
     if not Path(source).is_dir():
         return torch.bfloat16
     first = next(iter(open_checkpoint(source).tensors.values()))
-    return SAFETENSORS_DTYPES.get(read_header(first.file)[0][first.name]["dtype"], torch.float32)
+    entry = read_header(first.file)[0].get(first.name, {})  # absent: the load that follows names the fault
+    return SAFETENSORS_DTYPES.get(entry.get("dtype"), torch.float32)
 
 
 def _preset_report(name: str) -> dict:
@@ -218,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
         if validate is not None:
             validate(args)
         return args.func(args)
+    except BrokenPipeError:  # the reader of our stdout went away (`| head`): stop quietly, as Unix tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit flush cannot fail again
+        return 141  # 128 + SIGPIPE, what a shell reports for a tool stopped by a closed pipe
     except (QwenVLVisionError, OSError) as e:
         if args.debug:
             traceback.print_exc()

@@ -293,3 +293,17 @@ def test_auto_backend_is_chosen_once_and_shown(tmp_path):
     assert encoder.describe()["attn_impl"] == "auto" and encoder.describe()["attention"] == "sdpa"
     with pytest.raises(ConfigError, match="not one of"):
         load_encoder(tmp_path, device="cpu", attn_impl="xformers")
+
+
+def test_cli_output_into_a_closed_pipe_stops_quietly():
+    """`qwenvl-vision inspect ... | head`: no traceback and no error line, exit 141 (128 + SIGPIPE)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from qwenvl_vision.cli import main; "
+            "sys.exit(max(main(['inspect', 'qwen3-vl-8b', '--json']) for _ in range(500)))")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout.read(10) == b'{\n  "prese'
+    proc.stdout.close()  # the reader goes away, as `head -c 10` does
+    assert proc.wait(timeout=120) == 141
+    assert proc.stderr.read() == b""
