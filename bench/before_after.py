@@ -21,23 +21,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import throughput  # noqa: E402
 
-from qwenvl_vision import preset  # noqa: E402
-
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--old", required=True, help="folder holding the old package as qwenvl_vision_old")
-    parser.add_argument("--preset", default="qwen2.5-vl-3b")
-    parser.add_argument("--inputs", default="photos", choices=sorted(throughput.INPUT_SETS))
-    parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
-    parser.add_argument("--depth", type=int, default=None)
+    throughput.add_workload_arguments(parser, dtypes=("fp32", "bf16"))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     args = parser.parse_args(argv)
-    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     device = torch.device("cpu")
-    cfg = throughput.truncated(preset(args.preset), args.depth)
-    pixel_values, grid_thw, items = throughput.build_inputs(args.inputs, cfg)
+    cfg, pixel_values, grid_thw, items, dtype = throughput.workload(args)
     variants, _ = throughput.build_variants(cfg, device, dtype)
     sys.path.insert(0, args.old)
     old = importlib.import_module("qwenvl_vision_old")

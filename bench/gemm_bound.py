@@ -98,17 +98,9 @@ def main(argv: list[str] | None = None) -> dict:
     import throughput
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="qwen2.5-vl-3b")
-    parser.add_argument("--inputs", default="photos", choices=sorted(throughput.INPUT_SETS))
-    parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
-    parser.add_argument("--depth", type=int, default=None)
-    args = parser.parse_args(argv)
-    from qwenvl_vision import preset
-
-    cfg = throughput.truncated(preset(args.preset), args.depth)
-    _, grid_thw, _ = throughput.build_inputs(args.inputs, cfg)
-    result = gemm_bound(cfg, [tuple(g) for g in grid_thw.tolist()],
-                        torch.bfloat16 if args.dtype == "bf16" else torch.float32)
+    throughput.add_workload_arguments(parser)
+    cfg, _, grid_thw, _, dtype = throughput.workload(parser.parse_args(argv))
+    result = gemm_bound(cfg, [tuple(g) for g in grid_thw.tolist()], dtype)
     print(result)
     return result
 

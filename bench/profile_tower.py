@@ -109,20 +109,13 @@ def format_profile(profiles: dict[str, dict[str, float]]) -> str:
 def main(argv: list[str] | None = None) -> dict:
     import throughput
 
-    from qwenvl_vision import preset
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="qwen2.5-vl-3b")
-    parser.add_argument("--inputs", default="photos", choices=sorted(throughput.INPUT_SETS))
-    parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
-    parser.add_argument("--depth", type=int, default=None)
+    throughput.add_workload_arguments(parser)
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    cfg = throughput.truncated(preset(args.preset), args.depth)
-    pixel_values, grid_thw, _ = throughput.build_inputs(args.inputs, cfg)
+    cfg, pixel_values, grid_thw, _, dtype = throughput.workload(args)
     variants, _ = throughput.build_variants(cfg, torch.device("cpu"), dtype)
     profiles = {name: profile_forward(v.model, lambda v=v: v.run(v.model, pixel_values, grid_thw))
                 for name, v in variants.items()}

@@ -73,6 +73,21 @@ DENSE_BF16_PEAK_TFLOPS = (
 REFERENCE = "transformers"
 
 
+def add_workload_arguments(parser: argparse.ArgumentParser, dtypes: tuple[str, ...] = ("bf16", "fp32")) -> None:
+    """The options that pick a tower and a pack, shared by the CPU benchmarks built on this file."""
+    parser.add_argument("--preset", default="qwen2.5-vl-3b")
+    parser.add_argument("--inputs", default="photos", choices=sorted(INPUT_SETS))
+    parser.add_argument("--dtype", default=dtypes[0], choices=dtypes)
+    parser.add_argument("--depth", type=int, default=None, help="truncate the tower (see truncated())")
+
+
+def workload(args: argparse.Namespace) -> tuple[VisionConfig, torch.Tensor, torch.Tensor, int, torch.dtype]:
+    """(config, pixel_values, grid_thw, items, dtype) for add_workload_arguments' options."""
+    cfg = truncated(preset(args.preset), args.depth)
+    pixel_values, grid_thw, items = build_inputs(args.inputs, cfg)
+    return cfg, pixel_values, grid_thw, items, torch.bfloat16 if args.dtype == "bf16" else torch.float32
+
+
 def truncated(cfg: VisionConfig, depth: int | None) -> VisionConfig:
     if not depth or depth >= cfg.depth:
         return cfg

@@ -1,0 +1,39 @@
+"""The CPU benchmarks that check the speed targets run (on the smallest workload): they must not rot."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+from tests.helpers import REPO
+
+TINY = ["--preset", "qwen3.5-0.8b", "--inputs", "small", "--depth", "1", "--dtype", "fp32"]
+
+
+@pytest.fixture(autouse=True)
+def bench_on_path(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+
+
+def test_gemm_bound_times_every_product_and_the_attention():
+    result = importlib.import_module("gemm_bound").main(TINY)
+    assert result["bound_s"] == pytest.approx(result["gemm_s"] + result["attention_s"])
+    assert result["gemm_s"] > 0 and result["attention_s"] > 0
+    # patch embedding, qkv, proj, fc1, fc2, merger fc1 and fc2: every shape timed
+    assert len(result["rates_gflops_per_s"]) == 7 and all(r > 0 for r in result["rates_gflops_per_s"].values())
+
+
+def test_profile_attributes_every_op_of_both_towers(capsys):
+    profiles = importlib.import_module("profile_tower").main(TINY)
+    assert set(profiles) == {"ours", "transformers"}
+    for profile in profiles.values():
+        parts = sum(v for k, v in profile.items() if k != "total")
+        assert profile["total"] == pytest.approx(parts) and profile["GEMM"] > 0 and profile["attention (SDPA)"] > 0
+    assert "rope & attention glue" in capsys.readouterr().out
+
+
+def test_throughput_reports_the_fraction_of_the_bound(capsys):
+    result = importlib.import_module("throughput").main([*TINY, "--repeats", "1", "--warmup", "0", "--gemm-bound"])
+    assert 0 < result["variants"]["ours"]["fraction_of_bound"]
+    assert "GEMM bound" in capsys.readouterr().out
