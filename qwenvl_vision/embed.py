@@ -57,7 +57,8 @@ from safetensors import safe_open
 from safetensors.torch import save
 
 from .attention import ATTN_IMPLS
-from .errors import QwenVLVisionError
+from .errors import QwenVLVisionError, exit_code_of
+from .options import dtype_option
 
 IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".ppm", ".pgm"}
 LIST_EXTENSIONS = {".txt", ".lst", ".list"}
@@ -148,6 +149,14 @@ def real_key(path: str, base: str | None = None) -> str:
     return os.path.realpath(os.path.join(base, path) if base else path)
 
 
+def record_key(record: dict, base: str | None = None) -> str:
+    """A manifest record's input identity: the real path recorded with it (written by every run since the
+    field exists, so resuming from another working directory still matches), else its path resolved from
+    `base`, the working directory of the run."""
+    realpath = record.get("realpath")
+    return realpath if isinstance(realpath, str) and realpath else real_key(record["path"], base)
+
+
 def gather_inputs(inputs: list[str]) -> Inputs:
     """Image files as given, folders recursively by image extension (sorted), text files as path lists.
 
@@ -188,11 +197,6 @@ def _read_list(path: Path) -> list[str]:
     except UnicodeDecodeError as e:
         raise ValueError(f"not a UTF-8 text file (byte {e.start} is {data[e.start]:#04x})") from None
     return [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("#")]
-
-
-def collect_inputs(inputs: list[str]) -> list[str]:
-    """The input paths `embed` would process, in order (see gather_inputs)."""
-    return gather_inputs(inputs).paths
 
 
 def rank_and_world() -> tuple[int, int]:
@@ -248,6 +252,8 @@ def _record_problem(record: Any) -> str:
         return f"not a JSON object ({type(record).__name__})"
     if not isinstance(record.get("path"), str) or not record["path"]:
         return "no 'path'"
+    if "realpath" in record and not (isinstance(record["realpath"], str) and os.path.isabs(record["realpath"])):
+        return f"realpath {record['realpath']!r} is not an absolute path"
     if record.get("status") not in ("ok", "error"):
         return f"status {record.get('status')!r} is neither 'ok' nor 'error'"
     if not isinstance(record.get("rank", 0), int):
@@ -367,14 +373,20 @@ class RankWriter:
             mine = [r for r in self._records(self.out / MANIFEST) if r.get("rank", 0) == self.rank]
         for r in mine:
             if r["status"] == "ok" and r.get("rank", 0) == self.rank and (self.out / r["shard"]).is_file():
-                self.own.setdefault(real_key(r["path"], self.run_cwd), r)
+                self.own.setdefault(record_key(r, self.run_cwd), r)
         self.done = set(self.own) | self._done_by_other_ranks()
         referenced = {r["shard"] for r in self.own.values()}
         for shard in self._own_shards():  # renamed but never recorded: the run stopped between rename and append
             if shard.name not in referenced and _shard_run_id(shard) == self.run_id:
                 shard.unlink()
-        for tmp in self.out.glob(f"shard-r{self.rank}-*.{self.run_id}.tmp"):
-            tmp.unlink()
+        # Temporary files of this run left by a kill: this rank's shards and manifest part, and (rank 0) the
+        # merged manifest and run.json being rewritten.
+        names = [f"shard-r{self.rank}-*.{self.run_id}.tmp", f"{self.manifest.name}.{self.run_id}.tmp"]
+        if self.rank == 0:
+            names += [f"{MANIFEST}.{self.run_id}.tmp", f"{RUN_FILE}.{self.run_id}.tmp"]
+        for pattern in names:
+            for tmp in self.out.glob(pattern):
+                tmp.unlink()
         numbers = [int(SHARD_NAME.match(s.name).group(2)) for s in self._own_shards()]
         self.next_shard = max(numbers, default=-1) + 1
         # Rewrite the part with each ok input once; errors and damaged lines are dropped so they are redone.
@@ -385,7 +397,7 @@ class RankWriter:
         if self.world == 1:
             return set()
         files = [self.out / MANIFEST] + [self.out / part_name(r, self.world) for r in range(self.world)]
-        return {real_key(r["path"], self.run_cwd) for f in files if f != self.manifest for r in self._records(f)
+        return {record_key(r, self.run_cwd) for f in files if f != self.manifest for r in self._records(f)
                 if r["status"] == "ok" and r.get("rank", 0) != self.rank and (self.out / r["shard"]).is_file()}
 
     def write_batch(self, results, pooled_only: bool) -> tuple[int, int]:
@@ -395,7 +407,8 @@ class RankWriter:
         shard_name = f"shard-r{self.rank}-{self.next_shard:06d}.safetensors"
         ok = failed = 0
         for r in results:
-            record = {"path": r.path, "status": "ok" if r.ok else "error", "error": r.error, "rank": self.rank}
+            record = {"path": r.path, "realpath": real_key(r.path), "status": "ok" if r.ok else "error",
+                      "error": r.error, "rank": self.rank}
             if r.ok:
                 key = f"{ok:06d}"
                 if pooled_only:
@@ -445,8 +458,9 @@ def read_run(out: str | os.PathLike) -> dict:
 
     Keys: format, run_id, created, package_version, model (as given), model_folder, revision (a Hub
     commit, or null), random_weights, family, config_sha256 (vision + preprocessing config), weights_sha256
-    (the vision tensors as loaded), dtype, min_pixels, max_pixels, pooled, world_size, cwd (relative paths
-    in the manifest are relative to it). Raises ManifestError if it is missing or damaged.
+    (the vision tensors as loaded), dtype, min_pixels, max_pixels, pooled, world_size, cwd (where the run
+    started; each manifest record's ``path`` is as given to the invocation that recorded it, and its
+    ``realpath`` the resolved file). Raises ManifestError if it is missing or damaged.
     """
     path = Path(out) / RUN_FILE
     try:
@@ -476,6 +490,9 @@ def read_embeddings(out: str | os.PathLike, *, deepstack: bool = False) -> Itera
     """
     out = Path(out)
     manifest = out / MANIFEST
+    if not manifest.exists() and any(out.glob("manifest.rank*.jsonl")):
+        raise ManifestError(f"{out} holds the ranks' manifest parts but no {MANIFEST}: the run stopped before "
+                            f"merging them; embed --resume on the folder finishes and merges it")
     lines = parse_manifest(manifest)
     open_shard, handle = None, None
     try:
@@ -697,7 +714,7 @@ class _Group:
 
     def agree(self, error: BaseException | None) -> None:
         """Every rank learns whether any rank failed; a failing rank raises its own error, the others stop quietly."""
-        code = 0 if error is None else _exit_code(error)
+        code = 0 if error is None else exit_code_of(error)
         if self.world > 1:
             import torch.distributed as dist
 
@@ -714,15 +731,21 @@ class _Group:
     def barrier(self) -> None:
         self.agree(None)
 
+    def share(self, value: Any) -> Any:
+        """Rank 0's value, on every rank (a fresh run's run.json: one run id for every rank's shards)."""
+        if self.world == 1:
+            return value
+        import torch.distributed as dist
+
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
     def close(self) -> None:
         if self.world > 1:
             import torch.distributed as dist
 
             dist.destroy_process_group()
-
-
-def _exit_code(error: BaseException) -> int:
-    return getattr(error, "exit_code", 2)
 
 
 # ---------------------------------------------------------------------- the job
@@ -992,7 +1015,7 @@ class EmbedJob:
         """(ok, failed) over this run's inputs, each counted once, from the merged manifest (rank 0)."""
         status: dict[str, str] = {}
         for r in read_manifest_lines(self.out / MANIFEST):
-            status.setdefault(real_key(r["path"], self.run.get("cwd")), r["status"])
+            status.setdefault(record_key(r, self.run.get("cwd")), r["status"])
         keys = [self.inputs.keys[p] for p in self.inputs.paths]
         ok = sum(1 for k in keys if status.get(k) == "ok")
         return ok, len(keys) - ok
@@ -1015,6 +1038,7 @@ def run_embed(args: argparse.Namespace) -> int:
             error = e
         try:
             group.agree(error)  # every rank holds its lock and passed the checks; nothing written yet
+            job.run = group.share(job.run)  # rank 0's run id tags every rank's shards
         except BaseException:
             job.undo_setup()
             raise
@@ -1086,14 +1110,6 @@ def _device(text: str) -> str:
     return text
 
 
-def _dtype(text: str) -> str:
-    from .encoder import DTYPES
-
-    if text.lower() not in DTYPES:
-        raise argparse.ArgumentTypeError(f"unsupported dtype {text!r}; use one of {', '.join(sorted(DTYPES))}")
-    return text
-
-
 def validate_embed_args(args: argparse.Namespace) -> None:
     """Checks across options, right after parsing (argparse checks each option alone)."""
     from .errors import ConfigError
@@ -1126,7 +1142,7 @@ def add_embed_parser(sub, parents=()) -> None:
     p.add_argument("--device", type=_device,
                    help="cpu, cuda or cuda:N (default: cuda when available, else cpu; under torchrun each rank "
                         "takes cuda:LOCAL_RANK)")
-    p.add_argument("--dtype", type=_dtype,
+    p.add_argument("--dtype", type=dtype_option,
                    help="fp32/float32, bf16/bfloat16, fp16/float16/half (default: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--min-pixels", type=_positive_int("--min-pixels"),
                    help="smallest image area after resizing (default: the checkpoint's, e.g. 3136 for "

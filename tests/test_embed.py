@@ -16,7 +16,7 @@ from PIL import Image
 from safetensors import safe_open
 
 from qwenvl_vision.cli import main
-from qwenvl_vision.embed import collect_inputs, read_embeddings, read_manifest_lines
+from qwenvl_vision.embed import gather_inputs, read_embeddings, read_manifest_lines, read_run
 from qwenvl_vision.encoder import load_encoder
 from qwenvl_vision.errors import PreprocessError
 from tests.helpers import QWEN3_SMALL_72, REPO, rel_err, synthetic_photo
@@ -27,11 +27,11 @@ def manifest(out: Path) -> list[dict]:
     return read_manifest_lines(out / "manifest.jsonl")
 
 
-def test_collect_inputs_folders_lists_and_files(tmp_path):
+def test_gather_inputs_folders_lists_and_files(tmp_path):
     paths = make_folder(tmp_path / "imgs", 4)
     listing = tmp_path / "list.txt"
     listing.write_text(f"{paths[0]}\n# a comment\n\nimgs/img001.png\n")
-    got = collect_inputs([str(tmp_path / "imgs"), str(listing), str(tmp_path / "missing.jpg")])
+    got = gather_inputs([str(tmp_path / "imgs"), str(listing), str(tmp_path / "missing.jpg")]).paths
     assert str(tmp_path / "imgs" / "readme.md") not in got
     assert str(tmp_path / "imgs" / "corrupt.jpg") in got
     assert got[-1] == str(tmp_path / "missing.jpg")
@@ -220,6 +220,10 @@ def test_two_ranks_under_torchrun_merge_one_manifest(tmp_path, checkpoint):
     assert not list(out.glob("manifest.rank*.jsonl"))
     assert {p.name.split("-")[1] for p in out.glob("shard-*.safetensors")} == {"r0", "r1"}
     assert len(dict(read_embeddings(out))) == len(paths)
+    run_id = read_run(out)["run_id"]  # every rank tags its shards with the one run id in run.json
+    for shard in out.glob("shard-*.safetensors"):
+        with safe_open(shard, framework="pt") as f:
+            assert f.metadata()["qwenvl_vision_run"] == run_id, shard.name
 
 
 def test_embed_offline_random_preset(tmp_path):

@@ -390,7 +390,12 @@ def test_close_while_other_threads_encode(checkpoint):
     images = [synthetic_photo(56 + 28 * (i % 3), 84, i) for i in range(4)]
     outcomes: dict[str, int] = defaultdict(int)
     unexpected: list[BaseException] = []
+    lock, one_done = threading.Lock(), threading.Event()
     started = threading.Barrier(5)
+
+    def count(outcome: str) -> None:
+        with lock:
+            outcomes[outcome] += 1
 
     def work() -> None:
         started.wait()
@@ -398,19 +403,21 @@ def test_close_while_other_threads_encode(checkpoint):
             try:
                 out = encoder.encode_images(images, max_batch_tokens=64)
             except EncoderClosedError:
-                outcomes["closed"] += 1
+                count("closed")
                 return
             except BaseException as e:  # noqa: BLE001 - what the issue saw: RuntimeError about a meta tensor
-                unexpected.append(e)
+                with lock:
+                    unexpected.append(e)
                 return
             assert all(torch.isfinite(e).all() for e in out.embeddings)
-            outcomes["ok"] += 1
+            count("ok")
+            one_done.set()
 
     threads = [threading.Thread(target=work) for _ in range(4)]
     for t in threads:
         t.start()
     started.wait()
-    time.sleep(0.3)  # every thread is mid-encode, again and again
+    assert one_done.wait(timeout=120)  # encodes complete, and every thread keeps starting new ones
     encoder.close()
     for t in threads:
         t.join(timeout=60)
@@ -685,3 +692,50 @@ def test_progress_without_a_terminal_and_quiet(tmp_path, checkpoint, capsys, mon
     assert main([*args, "--out", str(tmp_path / "quiet"), "--quiet"]) == 0
     assert capsys.readouterr().err.splitlines() == [
         f"embedded 6 of 6 inputs into {tmp_path / 'quiet'} (0 failed; see {tmp_path / 'quiet' / 'manifest.jsonl'})"]
+
+
+# ---------------------------------------------------------------------- found in review
+
+
+def test_resume_of_a_stopped_run_from_another_directory_redoes_only_what_is_missing(
+        tmp_path, checkpoint, capsys, monkeypatch):
+    """Records carry the resolved file: a run stopped part-way and resumed from elsewhere, with other spellings,
+    finishes each input exactly once and counts every input done."""
+    (tmp_path / "a").mkdir()
+    make_folder(tmp_path / "a" / "imgs", 4, bad=False)
+    out = tmp_path / "out"
+    monkeypatch.chdir(tmp_path / "a")
+    with monkeypatch.context() as patch:
+        fail_on_call(patch, "_save_shard", 2, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(out)))
+        assert main(["embed", "imgs", "--model", str(checkpoint), "--out", str(out), "--batch-tokens", "64"]) == 3
+    assert 0 < len(records(out)) < 4
+    (tmp_path / "b" / "c").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "b" / "c")
+    capsys.readouterr()
+    assert main(["embed", "../../a/imgs", "--model", str(checkpoint), "--out", str(out), "--resume"]) == 0
+    one_error_line(capsys.readouterr().err, "embedded 4 of 4 inputs", "0 failed")
+    assert main(["embed", "../../a/imgs", "--model", str(checkpoint), "--out", str(out), "--resume"]) == 0
+    recs = assert_each_input_once(out, 4)
+    assert {r["realpath"] for r in recs} == {str(p.resolve()) for p in (tmp_path / "a" / "imgs").rglob("img*")}
+
+
+def test_a_fifo_among_the_inputs_is_one_failed_input_not_a_hang(tmp_path, checkpoint):
+    make_folder(tmp_path / "imgs", 2, bad=False)
+    os.mkfifo(tmp_path / "pipe.jpg")  # named on the command line: a folder scan skips what is not a file
+    out = tmp_path / "out"
+    result = subprocess.run([sys.executable, "-m", "qwenvl_vision.cli", "embed", str(tmp_path / "imgs"),
+                             str(tmp_path / "pipe.jpg"), "--model", str(checkpoint), "--out", str(out), "--quiet"],
+                            env=ENV, capture_output=True, text=True, timeout=120)
+    assert "Warning" not in result.stderr, result.stderr[-2000:]
+    assert result.returncode == 1, result.stderr[-2000:]
+    (failed,) = [r for r in records(out) if r["status"] == "error"]
+    assert failed["path"].endswith("pipe.jpg") and "not a regular file" in failed["error"]
+
+
+def test_read_embeddings_of_a_multi_rank_run_stopped_before_merging_says_so(tmp_path, checkpoint):
+    make_folder(tmp_path / "imgs", 2, bad=False)
+    out = tmp_path / "out"
+    assert main(["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(out), "--quiet"]) == 0
+    (out / "manifest.jsonl").rename(out / "manifest.rank0.jsonl")
+    with pytest.raises(ManifestError, match="not merged|before merging.*--resume"):
+        list(read_embeddings(out))
