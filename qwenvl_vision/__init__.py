@@ -9,6 +9,7 @@ from .errors import (
     ConfigError,
     EncoderClosedError,
     InputError,
+    NumericalError,
     PreprocessError,
     QwenVLVisionError,
 )
@@ -22,6 +23,7 @@ __version__ = "0.1.0"
 __all__ = [
     "PRESETS",
     "CheckpointError",
+    "NumericalError",
     "PreprocessError",
     "QwenVLVisionError",
     "read_embeddings",

@@ -145,8 +145,15 @@ def _unavailable(name: str, device: torch.device, dtype: torch.dtype) -> str | N
         return None
     if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
         return f"it runs on CUDA in float16/bfloat16 only (this tower: {device.type}, {dtype})"
-    if name == "flash" and importlib.util.find_spec("flash_attn") is None:
-        return "flash-attn is not installed"
+    capability = torch.cuda.get_device_capability(device)
+    if capability < (8, 0):
+        return (f"its kernels need compute capability 8.0 (Ampere) or newer; {torch.cuda.get_device_name(device)} "
+                f"has {capability[0]}.{capability[1]}")
+    if name == "flash":
+        try:
+            from flash_attn import flash_attn_varlen_func  # noqa: F401 - a build that does not match torch fails here
+        except Exception as e:  # noqa: BLE001 - not installed, or built for another torch / CUDA
+            return f"flash-attn cannot be imported ({type(e).__name__}: {e})"
     if name == "torch_varlen":
         return _torch_varlen_missing()
     return None

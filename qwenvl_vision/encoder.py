@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import os
+import stat
 import threading
 import warnings
 from collections import deque
@@ -34,7 +35,7 @@ import torch
 
 from .attention import resolve_attn_impl
 from .config import ConfigError, VisionConfig, resolve_config
-from .errors import EncoderClosedError
+from .errors import EncoderClosedError, NumericalError, QwenVLVisionError
 from .init import random_tower
 from .preprocess import (
     DEFAULT_MAX_INPUT_PIXELS,
@@ -120,6 +121,7 @@ class ItemResult:
     deepstack: list[torch.Tensor] | None = None
     pooled: torch.Tensor | None = None
     error: str | None = None
+    error_class: type[QwenVLVisionError] = PreprocessError  # what encode_images raises for this error
 
     @property
     def ok(self) -> bool:
@@ -263,8 +265,8 @@ class VisionEncoder:
             return
         for name, t in [("merged tokens", merged)] + [(f"DeepStack level {i}", x) for i, x in enumerate(levels)]:
             if not torch.isfinite(t).all():
-                raise FloatingPointError(f"{name} contain inf/nan in float16 (the tower overflowed); "
-                                         f"use bfloat16 or float32")
+                raise NumericalError(f"{name} contain inf/nan in float16 (the tower overflowed); "
+                                     f"use bfloat16 or float32")
 
     def _prepare(self, item: Any, index: int, video: bool, min_pixels: int | None, max_pixels: int | None,
                  max_input_pixels: int | None, budget: _DecodeBudget, pin: bool) -> _Prepared:
@@ -344,7 +346,12 @@ class VisionEncoder:
         results = [ItemResult(p.index, p.name, error=p.error) for p in failed]
         if batch:
             pixel_values = torch.cat([p.pixel_values for p in batch]).to(self.device, non_blocking=True)
-            out = self.encode_patches(pixel_values, [p.grid for p in batch], pooled=pooled)
+            try:
+                out = self.encode_patches(pixel_values, [p.grid for p in batch], pooled=pooled)
+            except NumericalError as e:  # the batch is lost, the stream goes on (embed records each input)
+                results += [ItemResult(p.index, p.name, error=f"{p.name}: {e}", error_class=NumericalError)
+                            for p in batch]
+                return sorted(results, key=lambda r: r.index)
             for i, p in enumerate(batch):
                 results.append(ItemResult(
                     p.index, p.name, embedding=out.embeddings[i], grid_thw=p.grid,
@@ -361,7 +368,7 @@ class VisionEncoder:
         for batch in self.iter_encode(items, video=video, pooled=pooled, **options):
             for r in batch:
                 if r.error is not None:
-                    raise PreprocessError(r.error)
+                    raise r.error_class(r.error)
             results.extend(batch)
         results.sort(key=lambda r: r.index)
         return EncodeResult(
@@ -520,6 +527,8 @@ def _decode_cost(item: Any, video: bool, max_input_pixels: int | None) -> int:
     if not isinstance(first, (str, os.PathLike)):
         return 0
     try:
+        if not stat.S_ISREG(os.stat(first).st_mode):  # opening a FIFO would block: preprocessing refuses it
+            return 0
         with PIL.Image.open(first) as image:
             pixels = image.width * image.height
     except Exception:  # noqa: BLE001 - preprocessing names the problem; this is only an estimate
@@ -570,14 +579,14 @@ def load_encoder(
     if random_weights:
         config = resolve_config(source)
         model = _compiled(random_tower(config, device, dtype, seed=seed, **options), compile)
-        pre = _preprocess_config(preprocess_config, None, config.family)
+        pre = _preprocess_config(preprocess_config, None, config)
         return VisionEncoder(model, pre, source=config.name or config.family)
     if isinstance(source, (VisionConfig, dict)):
         raise ConfigError("a config alone has no weights: pass random_weights=True, or a checkpoint folder/repo id")
     folder = _resolve_folder(os.fspath(source), revision, local_files_only, cache_dir, token)
     checkpoint = open_checkpoint(folder)
     model = _compiled(load_tower(checkpoint, device, dtype, check_finite=check_finite, **options), compile)
-    pre = _preprocess_config(preprocess_config, checkpoint.preprocessor_json(), checkpoint.config.family)
+    pre = _preprocess_config(preprocess_config, checkpoint.preprocessor_json(), checkpoint.config)
     return VisionEncoder(model, pre, source=os.fspath(source))
 
 
@@ -588,10 +597,17 @@ def _compiled(model: VisionTower, compile: bool | dict) -> VisionTower:
 
 
 def _preprocess_config(given: PreprocessConfig | dict | None, from_checkpoint: dict | None,
-                       family: str) -> PreprocessConfig:
-    if isinstance(given, PreprocessConfig):
-        return given
-    return PreprocessConfig.from_dict(given if given is not None else from_checkpoint, family)
+                       config: VisionConfig) -> PreprocessConfig:
+    """The preprocessing settings, refused when their patch grid is not the tower's (the pixel rows would not
+    match what the tower was trained on, yet still have a plausible shape)."""
+    pre = given if isinstance(given, PreprocessConfig) else \
+        PreprocessConfig.from_dict(given if given is not None else from_checkpoint, config.family)
+    pairs = (("patch_size", pre.patch_size, config.patch_size), ("merge_size", pre.merge_size,
+             config.spatial_merge_size), ("temporal_patch_size", pre.temporal_patch_size, config.temporal_patch_size))
+    for name, ours, tower in pairs:
+        if ours != tower:
+            raise ConfigError(f"the preprocessor config's {name} is {ours} but the vision tower's is {tower}")
+    return pre
 
 
 def _resolve_folder(source: str, revision: str | None, local_files_only: bool, cache_dir: str | None,

@@ -28,3 +28,12 @@ class PreprocessError(QwenVLVisionError, ValueError):
 
 class EncoderClosedError(QwenVLVisionError, RuntimeError):
     """The encoder was closed; its weights and caches are gone."""
+
+
+class NumericalError(QwenVLVisionError, FloatingPointError):
+    """The tower's outputs are not finite (float16 overflows in the Qwen2.5-VL tower): use bfloat16 or float32."""
+
+
+def exit_code_of(error: BaseException) -> int:
+    """2 for usage and setup errors; an error may carry its own (embed: 3 for an output fault)."""
+    return getattr(error, "exit_code", 2)

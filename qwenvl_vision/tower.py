@@ -113,7 +113,7 @@ class VisionTower(nn.Module):
         """Patch embedding of the rows, in block order (the design may add positions)."""
         if plan.order is not None:  # groups of merge_unit rows follow their merged token
             unit, width = self.config.merge_unit, pixel_values.shape[-1]
-            pixel_values = pixel_values.view(-1, unit, width)[plan.order].view(-1, width)
+            pixel_values = pixel_values.reshape(-1, unit, width)[plan.order].reshape(-1, width)
         return self.patch_embed(pixel_values)
 
     # ------------------------------------------------------------------ the skeleton
@@ -264,9 +264,10 @@ class VisionTower(nn.Module):
 
     def workspace(self, x: torch.Tensor):
         """This forward's activation buffers for hidden states like x (N, D), active around the block loop; see
-        ``layers.Workspace``. None (everything out of place) for compiled blocks, inside a compiled graph, and
-        when autograd is recording."""
-        if self.compiled or torch.compiler.is_compiling() or self._recording_grad(x):
+        ``layers.Workspace``. None (everything out of place) for compiled blocks, inside a compiled graph, under
+        autocast and when autograd is recording."""
+        if (self.compiled or torch.compiler.is_compiling() or self._recording_grad(x)
+                or torch.is_autocast_enabled(x.device.type)):  # out= ops do not autocast: run as the reference
             return contextlib.nullcontext()
         cfg = self.config
         mlp_width = cfg.intermediate_size * (2 if cfg.spec.mlp == "gated" else 1)

@@ -14,6 +14,7 @@ from qwenvl_vision import InputError, build_model, load_encoder
 from qwenvl_vision.cli import main
 from qwenvl_vision.config import ConfigError
 from qwenvl_vision.encoder import EncoderClosedError
+from qwenvl_vision.errors import NumericalError
 from qwenvl_vision.weights import CheckpointError
 from tests.helpers import (
     QWEN2_5_SMALL,
@@ -22,6 +23,7 @@ from tests.helpers import (
     hf_tower,
     non_vision_shards,
     rel_err,
+    synthetic_photo,
     write_checkpoint,
 )
 
@@ -85,8 +87,43 @@ def test_fp16_warns_and_checks_finite(tmp_path):
     with torch.no_grad():  # force an overflow: fp16 tops out at 65504
         encoder.model.blocks[0].mlp.down_proj.bias.fill_(60000)
         encoder.model.blocks[1].mlp.down_proj.bias.fill_(60000)
-    with pytest.raises(FloatingPointError, match="float16"):
+    with pytest.raises(NumericalError, match="float16"):  # a project error (and a FloatingPointError)
         encoder.encode_patches(*_inputs(QWEN2_5_SMALL))
+    # A stream records the lost batch's inputs and goes on; encode_images raises the same error.
+    images = [synthetic_photo(56, 84, i) for i in range(3)]
+    (batch,) = list(encoder.iter_encode(images, max_batch_tokens=1 << 14))
+    assert [r.ok for r in batch] == [False] * 3 and all("float16" in r.error for r in batch)
+    with pytest.raises(NumericalError, match="float16"):
+        encoder.encode_images(images)
+
+
+def test_preprocessing_whose_patch_grid_is_not_the_towers_is_refused(tmp_path):
+    write_checkpoint(tmp_path, QWEN3_SMALL_72, sharded=False)
+    settings = json.loads((tmp_path / "preprocessor_config.json").read_text())
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({**settings, "merge_size": 4}))
+    with pytest.raises(ConfigError, match="preprocessor config's merge_size is 4 but the vision tower's is 2"):
+        load_encoder(tmp_path, device="cpu")
+
+
+def test_autocast_runs_the_reference_path(tmp_path):
+    """out= ops do not autocast: under torch.autocast the tower runs out of place, as the reference does."""
+    write_checkpoint(tmp_path, QWEN2_5_SMALL, sharded=False)
+    encoder = load_encoder(tmp_path, device="cpu")
+    pixel_values, grid_thw = _inputs(QWEN2_5_SMALL)
+    exact = torch.cat(encoder.encode_patches(pixel_values, grid_thw).embeddings)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed = torch.cat(encoder.encode_patches(pixel_values, grid_thw).embeddings)
+    assert mixed.dtype == torch.bfloat16 and rel_err(mixed, exact) <= 3e-2
+
+
+def test_non_contiguous_pixel_values_are_read_as_they_are(tmp_path):
+    write_checkpoint(tmp_path, QWEN2_5_SMALL, sharded=False)
+    encoder = load_encoder(tmp_path, device="cpu")
+    pixel_values, grid_thw = _inputs(QWEN2_5_SMALL)
+    strided = pixel_values.t().contiguous().t()
+    assert not strided.is_contiguous()
+    a, b = (torch.cat(encoder.encode_patches(x, grid_thw).embeddings) for x in (pixel_values, strided))
+    assert torch.equal(a, b)
 
 
 def test_defaults_on_cpu_machine(tmp_path):
@@ -301,7 +338,7 @@ def test_cli_output_into_a_closed_pipe_stops_quietly():
     import sys
 
     code = ("import sys; from qwenvl_vision.cli import main; "
-            "sys.exit(max(main(['inspect', 'qwen3-vl-8b', '--json']) for _ in range(500)))")
+            "sys.exit(max(main(['inspect', 'qwen3.5-0.8b', '--json']) for _ in range(300)))")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert proc.stdout.read(10) == b'{\n  "prese'
     proc.stdout.close()  # the reader goes away, as `head -c 10` does
