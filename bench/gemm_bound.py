@@ -2,11 +2,13 @@
 
     python bench/gemm_bound.py --preset qwen2.5-vl-3b --inputs photos --dtype bf16
 
-For one packed forward of a tower, every GEMM (patch embedding, qkv, projection, MLP, mergers) is listed with
-its shape and timed alone with ``torch.mm`` (best of a few runs, output preallocated: the kernel's own rate);
-attention is timed alone as the SDPA calls our attention plan makes (``attention.sdpa_attention`` on random
-q/k/v with the forward's segments), which is what any implementation must at least spend in it. The bound is
-the sum. ``bench/throughput.py`` reports each forward as a fraction of it.
+For one packed forward of a tower, every GEMM (patch embedding, qkv, projection, MLP, mergers) is listed with its
+shape and timed alone with ``torch.mm`` on a weight laid out as a Linear holds it (best of a few runs, output
+preallocated, the same weight every run, so it may stay in cache: an optimistic rate). Attention is timed alone
+as the SDPA calls our attention plan makes (``attention.sdpa_attention`` on random q/k/v with the forward's
+segments: PyTorch's SDPA kernel alone, batched as we batch it; for Qwen3 towers, which attend over whole frames,
+that is a fifth of the bound). The bound is the sum; ``bench/throughput.py`` reports each forward as a fraction
+of it.
 """
 
 from __future__ import annotations
@@ -58,9 +60,10 @@ def gemm_seconds(shapes: Counter[Shape], dtype: torch.dtype, device: torch.devic
     """Sum over shapes of count x the best torch.mm time alone; and the rate (GFLOP/s) per shape."""
     total, rates = 0.0, {}
     for (m, k, n), count in shapes.items():
-        a, b = torch.randn(m, k, device=device).to(dtype), torch.randn(k, n, device=device).to(dtype)
+        # The weight as a Linear holds it, (n, k), used transposed: the layout the tower's products read.
+        a, weight = torch.randn(m, k, device=device).to(dtype), torch.randn(n, k, device=device).to(dtype)
         out = torch.empty(m, n, device=device, dtype=dtype)
-        seconds = _best_time(lambda a=a, b=b, out=out: torch.mm(a, b, out=out), repeats)
+        seconds = _best_time(lambda a=a, w=weight, out=out: torch.mm(a, w.t(), out=out), repeats)
         rates[f"{m}x{k}x{n}"] = round(2 * m * k * n / seconds / 1e9, 1)
         total += count * seconds
     return total, rates

@@ -35,7 +35,7 @@ def _module_category(name: str) -> str:
         return "norm"
     if "attention" in lowered:
         return "rope & attention glue"
-    if "mlp" in lowered:
+    if any(word in lowered for word in ("mlp", "gelu", "silu", "activation")):
         return "activation & gate"
     if "merger" in lowered:
         return "merger other"

@@ -16,6 +16,8 @@ import sys
 import traceback
 from pathlib import Path
 
+from .options import DTYPE_CHOICES, dtype_option
+
 DEFAULT_WEIGHTS_DIR = Path("weights")  # relative to where the command runs, as the README shows
 
 
@@ -46,11 +48,11 @@ def validate_extract_args(args: argparse.Namespace) -> None:
 
 
 def cmd_extract_weights(args: argparse.Namespace) -> int:
-    from .encoder import load_encoder
+    from .encoder import _resolve_folder, load_encoder
     from .weights import save_vision_only
 
-    encoder = load_encoder(args.source, device="cpu", dtype=args.dtype or _stored_dtype(args.source),
-                           revision=args.revision, local_files_only=args.local_files_only)
+    folder = _resolve_folder(args.source, args.revision, args.local_files_only, None, None)  # a repo id: fetched
+    encoder = load_encoder(folder, device="cpu", dtype=args.dtype or _stored_dtype(folder))
     out = Path(args.out) if args.out else _default_out(args.source)
     with encoder:
         save_vision_only(encoder.model, out, encoder.preprocess_config.to_dict())
@@ -60,15 +62,13 @@ def cmd_extract_weights(args: argparse.Namespace) -> int:
     return 0
 
 
-def _stored_dtype(source: str):
-    """Keep the checkpoint's own dtype when extracting (bf16 for the releases)."""
+def _stored_dtype(folder: Path):
+    """Keep the checkpoint's own dtype when extracting (the first vision tensor's)."""
     import torch
 
     from .weights import SAFETENSORS_DTYPES, open_checkpoint, read_header
 
-    if not Path(source).is_dir():
-        return torch.bfloat16
-    first = next(iter(open_checkpoint(source).tensors.values()))
+    first = next(iter(open_checkpoint(folder).tensors.values()))
     entry = read_header(first.file)[0].get(first.name, {})  # absent: the load that follows names the fault
     return SAFETENSORS_DTYPES.get(entry.get("dtype"), torch.float32)
 
@@ -137,21 +137,10 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-DTYPE_CHOICES = "fp32/float32, bf16/bfloat16, fp16/float16/half"
-
-
 def _version() -> str:
     from .embed import _package_version
 
     return _package_version()
-
-
-def _dtype(text: str) -> str:
-    from .encoder import DTYPES
-
-    if text.lower() not in DTYPES:
-        raise argparse.ArgumentTypeError(f"unsupported dtype {text!r}; use one of {', '.join(sorted(DTYPES))}")
-    return text
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -170,8 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("source", help="checkpoint folder or Hugging Face repo id")
     p.add_argument("--out", help="output folder (default: weights/<name>-vision); must be empty unless --force")
     p.add_argument("--force", action="store_true", help="write into a non-empty --out (same-name files replaced)")
-    p.add_argument("--dtype", type=_dtype, help=f"convert to this dtype: {DTYPE_CHOICES} (default: keep the "
-                                                "stored dtype, bf16 for the releases)")
+    p.add_argument("--dtype", type=dtype_option, help=f"convert to this dtype: {DTYPE_CHOICES} (default: keep the "
+                                                "checkpoint's stored dtype)")
     p.add_argument("--revision", help="Hub branch, tag or commit (default: main)")
     p.add_argument("--local-files-only", action="store_true",
                    help="use the Hugging Face cache only, never the network (as HF_HUB_OFFLINE=1)")
@@ -202,13 +191,8 @@ def _one_line(error: BaseException) -> str:
     return " ".join(text.split("\n"))
 
 
-def _exit_code(error: BaseException) -> int:
-    """2 for usage and setup errors; an error may carry its own (embed: 3 for an output fault)."""
-    return getattr(error, "exit_code", 2)
-
-
 def main(argv: list[str] | None = None) -> int:
-    from .errors import QwenVLVisionError
+    from .errors import QwenVLVisionError, exit_code_of
 
     try:
         args = build_parser().parse_args(argv)
@@ -230,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
             rank = os.environ.get("RANK") if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
             where = f" [rank {rank}]" if rank is not None else ""
             print(f"qwenvl-vision {args.command}{where}: error: {message}", file=sys.stderr)
-        return _exit_code(e)
+        return exit_code_of(e)
     except KeyboardInterrupt:
         if args.debug:
             traceback.print_exc()

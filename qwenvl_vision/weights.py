@@ -610,6 +610,12 @@ def load_tower(checkpoint: VisionCheckpoint, device: torch.device, dtype: torch.
     return model.eval().requires_grad_(False)
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def save_vision_only(model: VisionTower, folder: str | os.PathLike, preprocessor: dict | None = None) -> Path:
     """Write a self-contained vision-only checkpoint that ``open_checkpoint`` reads back."""
     from safetensors.torch import save_file
@@ -620,6 +626,7 @@ def save_vision_only(model: VisionTower, folder: str | os.PathLike, preprocessor
     state = {k: v.detach().contiguous().cpu() for k, v in to_checkpoint_state(model.config, model.state_dict()).items()}
     tmp = folder / (SINGLE_FILE + ".tmp")
     save_file(state, str(tmp), metadata={"format": "pt", "family": model.config.family})
+    os.chmod(tmp, 0o666 & ~_umask())  # safetensors creates its file 0600; the folder's other files follow the umask
     os.replace(tmp, folder / SINGLE_FILE)
     (folder / CONFIG_FILE).write_text(json.dumps(config_json, indent=2) + "\n")
     if preprocessor is not None:

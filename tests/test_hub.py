@@ -338,3 +338,22 @@ def test_omni_repo_fetches_only_the_thinkers_vision_shards(hub, tmp_path, family
     assert len(others) == 3 and not touched & others
     assert touched == {"config.json", "preprocessor_config.json", "model.safetensors.index.json"} | (
         {p.name for p in folder.glob("model-*.safetensors")} - others)
+
+
+def test_extract_weights_from_a_repo_keeps_its_stored_dtype_and_the_umask(hub, qwen25_repo, tmp_path):
+    """An fp32 checkpoint on the Hub is extracted in fp32 (the stored dtype, not the releases' bf16), and the
+    written files follow the umask like everything else the package writes."""
+    import os
+    import stat
+
+    from safetensors.torch import load_file
+
+    from qwenvl_vision.cli import main
+
+    out = tmp_path / "extracted"
+    assert main(["extract-weights", "org/qwen25-tiny", "--out", str(out)]) == 0
+    assert {t.dtype for t in load_file(str(out / "model.safetensors")).values()} == {torch.float32}
+    mask = os.umask(0)
+    os.umask(mask)
+    for name in ("model.safetensors", "config.json"):
+        assert stat.S_IMODE(os.stat(out / name).st_mode) == 0o666 & ~mask, name

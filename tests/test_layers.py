@@ -7,6 +7,7 @@ import torch
 from transformers.activations import ACT2FN
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLRMSNorm, apply_rotary_pos_emb_vision
 
+from qwenvl_vision import config
 from qwenvl_vision.layers import ACTIVATIONS, SCRATCH_ELEMENTS, LayerNorm, RMSNorm, Workspace, rope_cos_sin, rotate
 from tests.helpers import QWEN2_5_GRIDS, QWEN2_5_SMALL, QWEN3_GRIDS, QWEN3_SMALL_72, hf_forward, inputs, pair, rel_err
 
@@ -53,6 +54,10 @@ def test_layer_norm_into_a_workspace_buffer_is_bitwise_torch(dtype):
         out = ours(x)
         assert out.untyped_storage().data_ptr() == workspace.buffers[0].untyped_storage().data_ptr()
         assert torch.equal(out, ref(x))
+
+
+def test_every_activation_a_config_may_name_is_implemented():
+    assert set(ACTIVATIONS) == set(config.ACTIVATIONS)
 
 
 @pytest.mark.parametrize("name", sorted(ACTIVATIONS))
