@@ -296,12 +296,12 @@ def _open_checkpoint(folder: Path) -> VisionCheckpoint:
         raise CheckpointError(f"{folder} has neither {INDEX_FILE} nor {SINGLE_FILE}")
     tensors: dict[str, TensorSource] = {}
     for name, path in files.items():
-        module_path = name if vision_only else strip_vision_prefix(name, prefixes)
-        if module_path is None:
+        key = name if vision_only else strip_vision_prefix(name, prefixes)
+        if key is None:
             continue
-        if module_path in tensors:  # 'visual.x' and 'model.visual.x': which one is meant cannot be told
-            raise CheckpointError(f"{folder} holds {module_path} twice, as {tensors[module_path].name} and {name}")
-        tensors[module_path] = TensorSource(path, name)
+        if key in tensors:  # 'visual.x' and 'model.visual.x': which one is meant cannot be told
+            raise CheckpointError(f"{folder} holds {key} twice, as {tensors[key].name} and {name}")
+        tensors[key] = TensorSource(path, name)
     if not tensors:
         raise CheckpointError(f"{folder} holds no vision tensors (no names starting with {prefixes})")
     return VisionCheckpoint(folder, config_json, config, tensors, vision_only)
@@ -480,27 +480,27 @@ def _vision_entry(path: Path, header: dict[str, dict], name: str, expected: torc
 
 def _by_shard(checkpoint: VisionCheckpoint) -> dict[Path, list[str]]:
     by_file: dict[Path, list[str]] = {}
-    for module_path, source in checkpoint.tensors.items():
-        by_file.setdefault(source.file, []).append(module_path)
+    for key, source in checkpoint.tensors.items():
+        by_file.setdefault(source.file, []).append(key)
     return dict(sorted(by_file.items()))
 
 
-def _holds(module_paths: list[str]) -> str:
-    return f" (it holds vision tensors {_names(sorted(module_paths), 3)})"
+def _holds(keys: list[str]) -> str:
+    return f" (it holds vision tensors {_names(sorted(keys), 3)})"
 
 
 def vision_entries(checkpoint: VisionCheckpoint) -> dict[str, dict]:
-    """Every vision tensor's validated header entry (module path -> entry), one header read per shard.
+    """Every vision tensor's validated header entry (name without prefix -> entry), one header read per shard.
 
     What ``inspect`` reports from: every check a load makes short of building the tower and reading data.
     """
     entries: dict[str, dict] = {}
-    for path, module_paths in _by_shard(checkpoint).items():
+    for path, keys in _by_shard(checkpoint).items():
         with _named_errors(CheckpointError, f"cannot read shard {path}"), \
-                open_regular(path, "shard", _holds(module_paths)) as f:
+                open_regular(path, "shard", _holds(keys)) as f:
             header, _ = _read_header(f, path)
-        for module_path in module_paths:
-            entries[module_path] = _vision_entry(path, header, checkpoint.tensors[module_path].name, None)
+        for key in keys:
+            entries[key] = _vision_entry(path, header, checkpoint.tensors[key].name, None)
     return entries
 
 
@@ -570,23 +570,23 @@ def read_tensors(checkpoint: VisionCheckpoint, expected: dict[str, torch.Tensor]
                  dtype: torch.dtype | None, *, check_finite: bool = True) -> dict[str, torch.Tensor]:
     """Every vision tensor once, onto `device` in `dtype` (None: as stored), all checks made before reading.
 
-    expected: module path -> the (meta) tensor it fills, for shape and floating-point checks.
+    expected: tensor name without prefix -> the (meta) tensor it fills, for shape and floating-point checks.
     Bytes are read with plain file reads into memory the tensor owns (nothing stays mapped to the
     checkpoint, so the files may change afterwards); a tensor already in the target dtype on CPU is
     used as read, otherwise converted one tensor at a time on the target device, so the host peak is
     the tower plus one tensor. With `check_finite`, each tensor is checked for NaN/Inf as stored, as it is read.
     """
     state: dict[str, torch.Tensor] = {}
-    for path, module_paths in _by_shard(checkpoint).items():
+    for path, keys in _by_shard(checkpoint).items():
         with _named_errors(CheckpointError, f"cannot read shard {path}"), \
-                open_regular(path, "shard", _holds(module_paths)) as f:
+                open_regular(path, "shard", _holds(keys)) as f:
             header, data_start = _read_header(f, path)
-            plan = [(module_path, _vision_entry(path, header, checkpoint.tensors[module_path].name,
-                                                expected[module_path])) for module_path in module_paths]
-            for module_path, entry in sorted(plan, key=lambda item: item[1]["data_offsets"]):
-                name = checkpoint.tensors[module_path].name
+            plan = [(key, _vision_entry(path, header, checkpoint.tensors[key].name,
+                                                expected[key])) for key in keys]
+            for key, entry in sorted(plan, key=lambda item: item[1]["data_offsets"]):
+                name = checkpoint.tensors[key].name
                 tensor = _read_one(f, path, name, entry, data_start, check_finite=check_finite)
-                state[module_path] = tensor.to(device=device, dtype=dtype or tensor.dtype)
+                state[key] = tensor.to(device=device, dtype=dtype or tensor.dtype)
                 del tensor
     return state
 
