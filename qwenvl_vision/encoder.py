@@ -41,6 +41,7 @@ from .preprocess import (
     DEFAULT_MAX_INPUT_PIXELS,
     PreprocessConfig,
     PreprocessError,
+    check_resize_backend,
     input_name,
     preprocess_image,
     preprocess_video,
@@ -269,14 +270,14 @@ class VisionEncoder:
                                      f"use bfloat16 or float32")
 
     def _prepare(self, item: Any, index: int, video: bool, min_pixels: int | None, max_pixels: int | None,
-                 max_input_pixels: int | None, budget: _DecodeBudget, pin: bool) -> _Prepared:
+                 max_input_pixels: int | None, budget: _DecodeBudget, pin: bool, resize: str | None) -> _Prepared:
         """Decode and resize one input on a worker thread, admitted by the decode budget in input order."""
         name = input_name("video" if video else "image", index, item)
         held = budget.admit(index, _decode_cost(item, video, max_input_pixels))
         fn = preprocess_video if video else preprocess_image
         try:
             pixel_values, grid = fn(item, self.preprocess_config, min_pixels=min_pixels, max_pixels=max_pixels,
-                                    index=index, max_input_pixels=max_input_pixels)
+                                    index=index, max_input_pixels=max_input_pixels, resize=resize)
         except PreprocessError as e:
             budget.release(held)
             return _Prepared(index, name, error=str(e))
@@ -294,7 +295,8 @@ class VisionEncoder:
                     num_workers: int | None = None, prefetch: int = 8,
                     max_input_pixels: int | None = DEFAULT_MAX_INPUT_PIXELS,
                     decode_bytes: int | None = DEFAULT_DECODE_BYTES,
-                    on_prepared: Callable[[int, int], None] | None = None) -> Iterator[list[ItemResult]]:
+                    on_prepared: Callable[[int, int], None] | None = None,
+                    resize: str | None = None) -> Iterator[list[ItemResult]]:
         """Yield results batch by batch, in input order; a bad input yields an ItemResult with its error.
 
         ``on_prepared(index, tokens)`` is called once per input, in input order, on the iterating thread, as soon
@@ -307,9 +309,12 @@ class VisionEncoder:
         being decoded, at ~9 bytes per header pixel, plus decoded ones waiting for their batch; an input
         larger than that is handled alone; None: no bound) plus the batch being encoded (`max_batch_tokens`
         patches, or one larger input). A file whose header declares more than `max_input_pixels` pixels
-        is refused before decoding and yields an error (None: no limit beyond PIL's own).
+        is refused before decoding and yields an error (None: no limit beyond PIL's own). ``resize``: "pil" or
+        "torch" (see encode_images); None takes the checkpoint's.
         """
         self.model  # noqa: B018 - raises if closed, before any work
+        if resize is not None:
+            check_resize_backend(resize, "resize")
         for option, value in (("max_batch_tokens", max_batch_tokens), ("max_input_pixels", max_input_pixels),
                               ("decode_bytes", decode_bytes), ("prefetch", prefetch)):
             if value is not None and value < (0 if option == "prefetch" else 1):
@@ -319,7 +324,7 @@ class VisionEncoder:
         workers = num_workers if num_workers is not None else min(4, os.cpu_count() or 1)
         with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
             prefetched = _ordered_prefetch(pool, items, prefetch, lambda item, i: self._prepare(
-                item, i, video, min_pixels, max_pixels, max_input_pixels, budget, pin))
+                item, i, video, min_pixels, max_pixels, max_input_pixels, budget, pin, resize))
             try:
                 batch: list[_Prepared] = []
                 failed: list[_Prepared] = []
@@ -401,17 +406,22 @@ class VisionEncoder:
 
     def encode_images(self, images: Sequence[Any], *, min_pixels: int | None = None, max_pixels: int | None = None,
                       max_batch_tokens: int = 16384, pooled: bool = False, num_workers: int | None = None,
-                      max_input_pixels: int | None = DEFAULT_MAX_INPUT_PIXELS) -> EncodeResult:
+                      max_input_pixels: int | None = DEFAULT_MAX_INPUT_PIXELS,
+                      resize: str | None = None) -> EncodeResult:
         """Images (paths, PIL images, HxWxC uint8 arrays, CxHxW uint8 tensors) -> embeddings, in input order.
 
-        Preprocessing reproduces transformers' Qwen2VL image processor (PIL backend) with this checkpoint's
-        preprocessor config; min/max pixels override it per call. Batches hold at most `max_batch_tokens`
-        patches (an item larger than that runs alone). Bad input raises PreprocessError naming it, and so
-        does a file whose header declares more than `max_input_pixels` (None: only PIL's own limit).
+        Preprocessing reproduces transformers' Qwen2VL image processor with this checkpoint's preprocessor
+        config; min/max pixels override it per call. ``resize``: "pil" matches its PIL backend
+        (``Qwen2VLImageProcessorPil``, and transformers without torchvision), "torch" its torchvision backend
+        (transformers with torchvision, the processor ``...Fast`` configs name); None takes what this
+        checkpoint's ``preprocessor_config.json`` names (``preprocess_config.resize``). Batches hold at most
+        `max_batch_tokens` patches (an item larger than that runs alone). Bad input raises PreprocessError
+        naming it, and so does a file whose header declares more than `max_input_pixels` (None: only PIL's own
+        limit).
         """
         return self._encode_all(images, False, pooled, min_pixels=min_pixels, max_pixels=max_pixels,
                                 max_batch_tokens=max_batch_tokens, num_workers=num_workers,
-                                max_input_pixels=max_input_pixels)
+                                max_input_pixels=max_input_pixels, resize=resize)
 
     def encode_videos(self, videos: Sequence[Any], *, min_pixels: int | None = None, max_pixels: int | None = None,
                       max_batch_tokens: int = 16384, pooled: bool = False, num_workers: int | None = None,

@@ -64,6 +64,7 @@ from .errors import ConfigError, InputError, PreprocessError
 RESCALE_FACTOR = 1 / 255  # BaseImageProcessor.rescale_factor
 MAX_ASPECT_RATIO = 200
 BICUBIC = PIL.Image.Resampling.BICUBIC  # == 3 == transformers' PILImageResampling.BICUBIC
+RESIZE_BACKENDS = ("pil", "torch")
 # Files whose header declares more pixels are refused before decoding (max_input_pixels=None: no limit).
 # Decoding a path holds at most about 8 bytes per pixel at its peak (measured: the decoded image and, for a
 # rotated or non-RGB file, its transposed or converted copy), so 64 MP is ~0.5 GB: well under PIL's own
@@ -94,8 +95,10 @@ class PreprocessConfig:
     max_pixels: int = 28 * 28 * 1280
     image_mean: tuple[float, float, float] = OPENAI_CLIP_MEAN
     image_std: tuple[float, float, float] = OPENAI_CLIP_STD
+    resize: str = "pil"  # "pil" or "torch": which transformers backend the pixels match (module docstring)
 
     def __post_init__(self) -> None:
+        check_resize_backend(self.resize, "PreprocessConfig.resize")
         for key in ("patch_size", "temporal_patch_size", "merge_size", "min_pixels", "max_pixels"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -125,7 +128,7 @@ class PreprocessConfig:
         if spec is None:
             raise ConfigError(f"unknown family {family!r}; expected one of {sorted(FAMILIES)}")
         return cls(patch_size=spec.patch_size, min_pixels=spec.min_pixels, max_pixels=spec.max_pixels,
-                   image_mean=spec.image_mean, image_std=spec.image_std)
+                   image_mean=spec.image_mean, image_std=spec.image_std, resize=spec.resize)
 
     @classmethod
     def from_dict(cls, d: dict | None, family: str) -> PreprocessConfig:
@@ -164,6 +167,7 @@ class PreprocessConfig:
             max_pixels=max_pixels,
             image_mean=get("image_mean"),
             image_std=get("image_std"),
+            resize=resize_backend_of(d["image_processor_type"]) if "image_processor_type" in d else base.resize,
         )
 
     def to_dict(self) -> dict:
@@ -172,7 +176,7 @@ class PreprocessConfig:
         Both spellings of the pixel bounds are written so that old and new readers agree.
         """
         return {
-            "image_processor_type": "Qwen2VLImageProcessor",
+            "image_processor_type": "Qwen2VLImageProcessorFast" if self.resize == "torch" else "Qwen2VLImageProcessor",
             "do_convert_rgb": True,
             "do_resize": True,
             "resample": int(BICUBIC),
@@ -188,6 +192,19 @@ class PreprocessConfig:
             "temporal_patch_size": self.temporal_patch_size,
             "merge_size": self.merge_size,
         }
+
+
+def check_resize_backend(value: Any, what: str) -> str:
+    if value not in RESIZE_BACKENDS:
+        raise ConfigError(f"{what} must be one of {', '.join(RESIZE_BACKENDS)}, got {value!r}")
+    return value
+
+
+def resize_backend_of(image_processor_type: Any) -> str:
+    """The resize backend a checkpoint's ``image_processor_type`` names: ``...Fast`` is transformers'
+    torchvision processor ("torch"); any other name (``Qwen2VLImageProcessor``, ``...Pil``, none) is the
+    PIL/numpy processor that name loaded by default before transformers 5 ("pil")."""
+    return "torch" if isinstance(image_processor_type, str) and image_processor_type.endswith("Fast") else "pil"
 
 
 def _is_number(value: Any) -> bool:
@@ -300,14 +317,15 @@ def load_image(image: Any, *, index: int | None = None) -> PIL.Image.Image:
 
 
 def _load_rgb(image: Any, name: str, *, check_aspect: bool = False,
-              max_input_pixels: int | None = None) -> PIL.Image.Image:
+              max_input_pixels: int | None = None, backend: str = "pil") -> PIL.Image.Image:
     """load_image; with check_aspect, the aspect ratio is checked before any pixel is decoded.
 
     max_input_pixels applies to paths only (what their header declares, checked before decoding): a PIL
-    image or an array passed in is already in memory.
+    image or an array passed in is already in memory. ``backend``: whose RGB conversion, the PIL or the
+    torchvision image processor's (they differ for paths and 4-channel arrays; module docstring).
     """
     if isinstance(image, (str, os.PathLike)):
-        return _load_path(image, name, check_aspect, max_input_pixels)
+        return _load_path(image, name, check_aspect, max_input_pixels, composite=backend == "pil")
     if isinstance(image, PIL.Image.Image):
         if check_aspect or min(image.size) <= 0:
             _check_aspect_ratio(image.height, image.width, name)
@@ -315,7 +333,8 @@ def _load_rgb(image: Any, name: str, *, check_aspect: bool = False,
     array = _as_hwc(image, name)
     if check_aspect:
         _check_aspect_ratio(array.shape[0], array.shape[1], name)
-    return PIL.Image.fromarray(np.ascontiguousarray(_array_to_rgb(array)))
+    to_rgb = _array_to_rgb_torch if backend == "torch" else _array_to_rgb
+    return PIL.Image.fromarray(np.ascontiguousarray(to_rgb(array)))
 
 
 def _as_hwc(image: Any, name: str) -> np.ndarray:
@@ -371,8 +390,11 @@ def _unreadable(error: Exception, name: str) -> PreprocessError:
 
 
 def _load_path(path: str | os.PathLike, name: str, check_aspect: bool,
-               max_input_pixels: int | None = None) -> PIL.Image.Image:
-    """transformers.image_utils.load_image for a local file, then convert_to_rgb, with named errors."""
+               max_input_pixels: int | None = None, composite: bool = True) -> PIL.Image.Image:
+    """transformers.image_utils.load_image for a local file, then convert_to_rgb, with named errors.
+
+    composite=False is the torchvision processor's decode (``decode_image(mode=RGB)``, EXIF applied), which
+    keeps no transparency at all: a single tRNS colour is not turned white."""
     opened = _open_header(path, name, max_input_pixels, check_aspect)
     try:
         # load_image: EXIF orientation applied, then a plain convert("RGB") that drops any alpha band without
@@ -388,7 +410,7 @@ def _load_path(path: str | os.PathLike, name: str, check_aspect: bool,
     except Exception as e:  # noqa: BLE001 - see _unreadable
         opened.close()
         raise _unreadable(e, name) from e
-    return _pil_to_rgb(image, name)
+    return _pil_to_rgb(image, name) if composite else image
 
 
 def _pil_to_rgb(image: PIL.Image.Image, name: str) -> PIL.Image.Image:
@@ -426,6 +448,20 @@ def _array_to_hwc(array: np.ndarray, name: str, *, prefer_channels_first: bool) 
     raise PreprocessError(f"{name}: array of shape {tuple(array.shape)} has no axis of 1, 3 or 4 channels")
 
 
+def _array_to_rgb_torch(hwc: np.ndarray) -> np.ndarray:
+    """The torchvision processor's ``convert_to_rgb`` (uint8, channels-last): 1 channel repeated; 4 channels
+    blended onto white in float32 and truncated back (``to_dtype(scale=True)`` multiplies by 255.999)."""
+    channels = hwc.shape[2]
+    if channels == 1:
+        return np.repeat(hwc, 3, axis=2)
+    if channels == 4:
+        x = torch.from_numpy(np.array(hwc)).to(torch.float32).mul_(1.0 / 255)
+        alpha = x[..., 3:]
+        blended = x[..., :3] * alpha + (1 - alpha)
+        return blended.mul(255 + 1.0 - 1e-3).to(torch.uint8).numpy()
+    return hwc
+
+
 def _array_to_rgb(hwc: np.ndarray) -> np.ndarray:
     """transformers.image_transforms.convert_to_rgb, numpy branch (uint8, channels-last)."""
     channels = hwc.shape[2]
@@ -444,18 +480,47 @@ def _array_to_rgb(hwc: np.ndarray) -> np.ndarray:
 # --------------------------------------------------------------------------------------------------
 
 
-def _resize(image: PIL.Image.Image, height: int, width: int) -> np.ndarray:
-    """transformers.image_transforms.resize: PIL bicubic, no reducing_gap. Returns HxWx3 uint8."""
+def _resize(image: PIL.Image.Image, height: int, width: int, backend: str = "pil") -> np.ndarray:
+    """Resize an RGB image to (height, width) bicubic, as the ``backend``'s image processor does. HxWx3 uint8."""
+    if backend == "torch":
+        return resize_uint8_torch(np.asarray(image), height, width)
+    # transformers.image_transforms.resize: PIL bicubic, no reducing_gap.
     return np.asarray(image.resize((width, height), resample=BICUBIC))
 
 
-def _normalize_table(mean: Sequence[float], std: Sequence[float]) -> np.ndarray:
+def resize_uint8_torch(pixels: np.ndarray, height: int, width: int) -> np.ndarray:
+    """HxWxC uint8 -> (height, width): transformers' torchvision processor, with torch only.
+
+    That processor calls ``torchvision.transforms.v2.functional.resize(bicubic, antialias=True)`` on a contiguous
+    uint8 CxHxW tensor; on the CPU torchvision hands uint8 straight to ``torch.nn.functional.interpolate``
+    (``_do_native_uint8_resize_on_cpu`` is true for bicubic), whose uint8 kernel rounds and clamps itself, and
+    it returns the input unchanged when the size already matches. The same call here gives the same bits
+    without torchvision. (On a GPU torchvision instead interpolates float32, clamps and rounds; preprocessing
+    here always runs on the CPU.)
+    """
+    if pixels.shape[:2] == (height, width):
+        return pixels
+    chw = torch.from_numpy(np.array(pixels.transpose(2, 0, 1), order="C"))  # a writable contiguous copy
+    out = torch.nn.functional.interpolate(chw[None], size=[height, width], mode="bicubic", align_corners=False,
+                                          antialias=True)
+    return out[0].permute(1, 2, 0).numpy()
+
+
+def _normalize_table(mean: Sequence[float], std: Sequence[float], backend: str = "pil") -> np.ndarray:
     """(3, 256) float32: the normalised value of every uint8 level in every channel.
 
-    Reference arithmetic: ``rescale`` computes ``float32(float64(x) * (1/255))`` and ``normalize``
-    ``(x - float32(mean)) / float32(std)`` in float32. Both are elementwise in (level, channel), so the
-    table holds exactly the reference's bits, and lookups avoid the reference's float64 image copy.
+    Reference arithmetic, PIL processor: ``rescale`` computes ``float32(float64(x) * (1/255))`` and
+    ``normalize`` ``(x - float32(mean)) / float32(std)`` in float32. Torchvision processor (and the video
+    processors): rescale fused into normalize, ``(float32(x) - m) / s`` with ``m = float32(mean) * 255.0``
+    (``_fuse_mean_std_and_rescale_factor``) and the same for ``s``, in float32 torch ops. Both are
+    elementwise in (level, channel), so the table holds exactly the reference's bits, and lookups avoid the
+    reference's float image copy.
     """
+    if backend == "torch":
+        scale = 1.0 / RESCALE_FACTOR
+        mean_t = (torch.tensor(list(mean)) * scale)[:, None]
+        std_t = (torch.tensor(list(std)) * scale)[:, None]
+        return ((torch.arange(256, dtype=torch.float32)[None, :] - mean_t) / std_t).numpy()
     levels = (np.arange(256, dtype=np.float64) * RESCALE_FACTOR).astype(np.float32)
     mean32 = np.asarray(mean, dtype=np.float32)[:, None]
     std32 = np.asarray(std, dtype=np.float32)[:, None]
@@ -499,18 +564,23 @@ def _patchify(frames: np.ndarray, config: PreprocessConfig) -> tuple[torch.Tenso
 
 def preprocess_image(image: Any, config: PreprocessConfig, *, min_pixels: int | None = None,
                      max_pixels: int | None = None, index: int | None = None,
-                     max_input_pixels: int | None = None) -> tuple[torch.Tensor, tuple[int, int, int]]:
-    """One image -> (pixel_values float32 (h*w, C*T*P*P), grid_thw (1, h, w)), as Qwen2VLImageProcessorPil.
+                     max_input_pixels: int | None = None,
+                     resize: str | None = None) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """One image -> (pixel_values float32 (h*w, C*T*P*P), grid_thw (1, h, w)), as transformers' Qwen2VL
+    image processor: ``resize="pil"`` its PIL backend (``Qwen2VLImageProcessorPil``), ``"torch"`` its
+    torchvision backend; None takes ``config.resize``.
 
     ``min_pixels`` / ``max_pixels`` override the config's bounds for this call (the reference's ``size``
     call argument). The still image is repeated over the T temporal slots of each row. A file whose
     header declares more than ``max_input_pixels`` pixels is refused before decoding (None: no limit
     beyond PIL's own; the reference has none).
     """
+    backend = check_resize_backend(resize or config.resize, "resize")
     name = input_name("image", index, image)
-    rgb = _load_rgb(image, name, check_aspect=True, max_input_pixels=max_input_pixels)
+    rgb = _load_rgb(image, name, check_aspect=True, max_input_pixels=max_input_pixels, backend=backend)
     height, width = _target_size(rgb.height, rgb.width, config, min_pixels, max_pixels, name)
-    normalized = _normalize(_resize(rgb, height, width), _normalize_table(config.image_mean, config.image_std))
+    table = _normalize_table(config.image_mean, config.image_std, backend)
+    normalized = _normalize(_resize(rgb, height, width, backend), table)
     # The reference broadcasts the single frame over T; a zero-stride view, copied once by _patchify.
     frames = np.broadcast_to(normalized[None], (config.temporal_patch_size, *normalized.shape))
     return _patchify(frames, config)
@@ -518,7 +588,8 @@ def preprocess_image(image: Any, config: PreprocessConfig, *, min_pixels: int | 
 
 def preprocess_video(frames: Any, config: PreprocessConfig, *, min_pixels: int | None = None,
                      max_pixels: int | None = None, index: int | None = None,
-                     max_input_pixels: int | None = None) -> tuple[torch.Tensor, tuple[int, int, int]]:
+                     max_input_pixels: int | None = None,
+                     resize: str | None = "pil") -> tuple[torch.Tensor, tuple[int, int, int]]:
     """Frames -> (pixel_values float32 (t*h*w, C*T*P*P), grid_thw (t, h, w)) in the video processors' layout.
 
     ``frames``: a sequence of anything ``load_image`` takes, or a uint8 array / tensor (F, H, W, C) or

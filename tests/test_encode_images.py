@@ -1,4 +1,7 @@
-"""encode_images / encode_videos end to end against transformers' PIL processor + tower, for every family."""
+"""encode_images / encode_videos end to end against transformers' processors + tower, for every family.
+
+Images: the PIL processor always, and the torchvision processor (``resize="torch"``) where torchvision imports.
+"""
 
 from __future__ import annotations
 
@@ -57,8 +60,18 @@ def setup(request, tmp_path_factory):
     vision = write_checkpoint(folder, cfg, sharded=False)
     ref = hf_tower(cfg, seed=None)
     ref.load_state_dict(vision, strict=True)
-    processor = Qwen2VLImageProcessorPil(**{k: v for k, v in pre.items() if not k.endswith(("_type", "_class"))})
-    return load_encoder(folder, device="cpu"), ref, processor, cfg
+    return load_encoder(folder, device="cpu"), ref, image_processor(pre, "pil"), cfg
+
+
+def image_processor(pre: dict, backend: str):
+    """transformers' Qwen2VL image processor with a preprocessor_config.json's settings: PIL or torchvision."""
+    kwargs = {k: v for k, v in pre.items() if not k.endswith(("_type", "_class"))}
+    if backend == "pil":
+        return Qwen2VLImageProcessorPil(**kwargs)
+    pytest.importorskip("torchvision")
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
+
+    return Qwen2VLImageProcessor(**kwargs)
 
 
 def _reference_images(processor, images, **kwargs):
@@ -74,11 +87,13 @@ def _reference_embeddings(ref, pixel_values, grid_thw):
     return list(merged.split(sizes)), [list(level.split(sizes)) for level in levels]
 
 
-def test_encode_images_matches_processor_and_tower(setup, photos):
-    encoder, ref, processor, cfg = setup
+@pytest.mark.parametrize("backend", ["pil", "torch"])
+def test_encode_images_matches_processor_and_tower(setup, photos, backend):
+    encoder, ref, _, cfg = setup
+    processor = image_processor(PREPROCESSOR_FILES[cfg.design], backend)
     names = list(photos)
     images = [photos[n] for n in names]
-    result = encoder.encode_images(images, max_batch_tokens=4096, pooled=True)
+    result = encoder.encode_images(images, max_batch_tokens=4096, pooled=True, resize=backend)
     pixel_values, grid_thw = _reference_images(processor, images)
     assert torch.equal(result.grid_thw, grid_thw.to(torch.int64))
     expected, expected_levels = _reference_embeddings(ref, pixel_values, grid_thw)
@@ -95,7 +110,7 @@ def test_pixel_bounds_override_per_call(setup, photos):
     encoder, ref, processor, _ = setup
     image = photos["photo.jpg"]
     bounds = {"min_pixels": 128 * 128, "max_pixels": 200 * 200}
-    result = encoder.encode_images([image], **bounds)
+    result = encoder.encode_images([image], resize="pil", **bounds)
     pixel_values, grid_thw = _reference_images(processor, [image], size={"shortest_edge": bounds["min_pixels"],
                                                                          "longest_edge": bounds["max_pixels"]})
     assert result.grid_thw.tolist() == grid_thw.tolist()

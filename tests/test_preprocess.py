@@ -12,6 +12,7 @@ and feed them frames processed by the image processor's own resize / rescale / n
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import pathlib
 import types
@@ -38,6 +39,12 @@ hf_pil = pytest.importorskip("transformers.models.qwen2_vl.image_processing_pil_
 Qwen2VLImageProcessorPil = hf_pil.Qwen2VLImageProcessorPil
 
 FAMILIES = ("qwen2_5_vl", "qwen3_vl")
+
+
+def _pil_config(family: str) -> PreprocessConfig:
+    """The family's released settings with the PIL backend, this module's reference (Qwen3-VL's files name the
+    torchvision processor; tests/test_preprocess_torch.py compares that backend)."""
+    return dataclasses.replace(PreprocessConfig.for_family(family), resize="pil")
 TOL = 1e-6
 CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
 CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
@@ -153,7 +160,7 @@ def _assert_matches(hf, family, image, ours_input=None, **bounds) -> float:
     """preprocess_image(ours_input or image) equals the reference on image; returns the max abs diff."""
     ref_values, ref_grid = _reference(hf[family], image, **bounds)
     values, grid = preprocess_image(image if ours_input is None else ours_input,
-                                    PreprocessConfig.for_family(family), **bounds)
+                                    _pil_config(family), **bounds)
     assert grid == ref_grid
     assert values.dtype == torch.float32
     assert tuple(values.shape) == ref_values.shape
@@ -231,7 +238,7 @@ def test_files_match_reference(hf, tmp_path, family, fmt, kind):
 def test_path_rgba_drops_alpha_like_transformers(hf, tmp_path):
     """For a path, transformers' load_image converts RGBA -> RGB without compositing; a PIL input composites."""
     path = _save(tmp_path, "png", "RGBA")
-    config = PreprocessConfig.for_family("qwen2_5_vl")
+    config = _pil_config("qwen2_5_vl")
     from_path, _ = preprocess_image(path, config)
     from_pil, _ = preprocess_image(Image.open(path), config)
     assert not torch.equal(from_path, from_pil)
@@ -278,7 +285,7 @@ def test_other_array_layouts_match_reference(hf):
 
 def test_input_types_agree():
     array = _content(100, 150)
-    config = PreprocessConfig.for_family("qwen3_vl")
+    config = _pil_config("qwen3_vl")
     expected, grid = preprocess_image(Image.fromarray(array), config)
     # the last one is a non-contiguous view (negative strides)
     for image in (array, torch.from_numpy(array).permute(2, 0, 1), array[:, ::-1][:, ::-1]):
@@ -289,7 +296,7 @@ def test_input_types_agree():
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("size", [(10, 13), (1, 1), (3, 40)])
 def test_tiny_image_is_upscaled(hf, family, size):
-    config = PreprocessConfig.for_family(family)
+    config = _pil_config(family)
     _assert_matches(hf, family, Image.fromarray(_content(*size)))
     _, (_, grid_h, grid_w) = preprocess_image(Image.fromarray(_content(*size)), config)
     assert grid_h * grid_w * config.patch_size**2 >= config.min_pixels
@@ -299,8 +306,8 @@ def test_tiny_image_is_upscaled(hf, family, size):
 def test_pixel_bound_overrides(hf, family):
     big = Image.fromarray(_content(600, 800))
     _assert_matches(hf, family, big, max_pixels=100_000)
-    _, (_, grid_h, grid_w) = preprocess_image(big, PreprocessConfig.for_family(family), max_pixels=100_000)
-    patch = PreprocessConfig.for_family(family).patch_size
+    _, (_, grid_h, grid_w) = preprocess_image(big, _pil_config(family), max_pixels=100_000)
+    patch = _pil_config(family).patch_size
     assert grid_h * grid_w * patch**2 <= 100_000
     _assert_matches(hf, family, Image.fromarray(_content(64, 90)), min_pixels=200_000)
 
@@ -342,7 +349,7 @@ def test_smart_resize_aspect_ratio_limit():
 
 def test_aspect_ratio_error_names_input():
     with pytest.raises(PreprocessError, match=r"image 7: aspect ratio"):
-        preprocess_image(np.zeros((2, 500, 3), np.uint8), PreprocessConfig.for_family("qwen3_vl"), index=7)
+        preprocess_image(np.zeros((2, 500, 3), np.uint8), _pil_config("qwen3_vl"), index=7)
 
 
 def test_aspect_ratio_checked_before_decoding(tmp_path):
@@ -351,7 +358,7 @@ def test_aspect_ratio_checked_before_decoding(tmp_path):
     Image.fromarray(_content(4, 1000)).save(path)
     path.write_bytes(path.read_bytes()[:120])
     with pytest.raises(PreprocessError, match="aspect ratio") as err:
-        preprocess_image(path, PreprocessConfig.for_family("qwen2_5_vl"), index=0)
+        preprocess_image(path, _pil_config("qwen2_5_vl"), index=0)
     assert str(path) in str(err.value)
     with pytest.raises(PreprocessError, match="corrupt or truncated"):
         load_image(path)
@@ -365,7 +372,7 @@ def test_aspect_ratio_checked_before_decoding(tmp_path):
 def _assert_error(image, pattern, index=4, path=None):
     """The error names the input (a file by its path, anything else by its index), the same from loading and
     from probing."""
-    config = PreprocessConfig.for_family("qwen2_5_vl")
+    config = _pil_config("qwen2_5_vl")
     with pytest.raises(PreprocessError, match=pattern) as err:
         preprocess_image(image, config, index=index)
     assert str(err.value).startswith(f"image {str(path)!r}: " if path is not None else f"image {index}: ")
@@ -460,9 +467,14 @@ def test_from_dict_release_files():
     assert PreprocessConfig.from_dict(QWEN3_FILE, "qwen3_vl") == PreprocessConfig.for_family("qwen3_vl")
     assert PreprocessConfig.from_dict(None, "qwen3_vl") == PreprocessConfig.for_family("qwen3_vl")
     assert PreprocessConfig.from_dict({}, "qwen2_5_vl") == PreprocessConfig.for_family("qwen2_5_vl")
+    # The backend follows the file's image_processor_type: Qwen3-VL's names the torchvision processor.
+    assert PreprocessConfig.from_dict(QWEN3_FILE, "qwen3_vl").resize == "torch"
+    assert PreprocessConfig.from_dict(QWEN2_5_FILE, "qwen2_5_vl").resize == "pil"
+    assert PreprocessConfig.from_dict({**QWEN3_FILE, "image_processor_type": "Qwen2VLImageProcessorPil"},
+                                      "qwen3_vl").resize == "pil"
     partial = PreprocessConfig.from_dict({"max_pixels": 1000000}, "qwen3_vl")
     assert partial == PreprocessConfig(patch_size=16, min_pixels=65536, max_pixels=1000000,
-                                       image_mean=(0.5,) * 3, image_std=(0.5,) * 3)
+                                       image_mean=(0.5,) * 3, image_std=(0.5,) * 3, resize="torch")
 
 
 def test_from_dict_pixel_precedence_matches_reference():
@@ -485,7 +497,7 @@ def test_to_dict_round_trips_and_loads_in_transformers(config):
     reference = Qwen2VLImageProcessorPil.from_dict(d)
     image = Image.fromarray(_content(180, 260))
     ref_values, ref_grid = _reference(reference, image)
-    values, grid = preprocess_image(image, config)
+    values, grid = preprocess_image(image, config, resize="pil")
     assert grid == ref_grid
     assert float(np.abs(values.numpy() - ref_values).max()) <= TOL
 
@@ -527,7 +539,7 @@ def _frames(count: int, height: int = 120, width: int = 170) -> np.ndarray:
 def test_video_matches_reference(hf, family, count):
     frames = _frames(count)
     ref_values, ref_grid = reference_video(hf[family], family, list(frames))
-    values, grid = preprocess_video(frames, PreprocessConfig.for_family(family))
+    values, grid = preprocess_video(frames, _pil_config(family))
     assert grid == ref_grid == (math.ceil(count / 2), ref_grid[1], ref_grid[2])
     assert values.dtype == torch.float32 and tuple(values.shape) == ref_values.shape
     assert float(np.abs(values.numpy() - ref_values).max()) <= TOL
@@ -536,7 +548,7 @@ def test_video_matches_reference(hf, family, count):
 def test_video_layout_and_last_frame_padding(hf):
     """Video rows: (C, T, P, P) with T slot k from frame 2t+k; the odd last frame fills both slots."""
     family = "qwen2_5_vl"
-    config = PreprocessConfig.for_family(family)
+    config = _pil_config(family)
     frames = _frames(5)
     values, (grid_t, grid_h, grid_w) = preprocess_video(frames, config)
     p, c = config.patch_size, 3
@@ -549,7 +561,7 @@ def test_video_layout_and_last_frame_padding(hf):
 
 def test_video_input_types_agree(tmp_path):
     frames = _frames(3, 90, 130)
-    config = PreprocessConfig.for_family("qwen3_vl")
+    config = _pil_config("qwen3_vl")
     expected, grid = preprocess_video(frames, config)
     paths = []
     for i, frame in enumerate(frames):
@@ -569,13 +581,13 @@ def test_video_input_types_agree(tmp_path):
 
 def test_video_of_one_repeated_frame_equals_image():
     frame = _content(100, 140)
-    config = PreprocessConfig.for_family("qwen2_5_vl")
+    config = _pil_config("qwen2_5_vl")
     assert torch.equal(preprocess_video([frame, frame], config)[0], preprocess_image(frame, config)[0])
     assert torch.equal(preprocess_video([frame], config)[0], preprocess_image(frame, config)[0])
 
 
 def test_video_frames_resized_to_first_frame_size():
-    config = PreprocessConfig.for_family("qwen2_5_vl")
+    config = _pil_config("qwen2_5_vl")
     first, second = _content(100, 140), _content(300, 200, seed=5)
     values, grid = preprocess_video([first, second], config, max_pixels=50_000)
     assert grid == (1, *preprocess_image(first, config, max_pixels=50_000)[1][1:])
@@ -583,7 +595,7 @@ def test_video_frames_resized_to_first_frame_size():
 
 
 def test_video_errors(tmp_path):
-    config = PreprocessConfig.for_family("qwen2_5_vl")
+    config = _pil_config("qwen2_5_vl")
     missing = tmp_path / "gone.png"
     with pytest.raises(PreprocessError, match=r"video 2 frame '.*gone.png': file not found"):
         preprocess_video([_content(50, 50), missing], config, index=2)
