@@ -7,7 +7,8 @@ when the process dies, so SIGKILL leaves no stale lock. Another process on the s
 file still is the one on disk, so that removal cannot let two processes in.
 
 Run file: ``run.json`` records what the run's tensors depend on (model config and weights hashes, dtype,
-pixel bounds, pooling, world size) and identifies the run (``run_id``); ``--resume`` refuses other settings.
+pixel bounds, resize backend, pooling, world size) and identifies the run (``run_id``); ``--resume`` refuses
+other settings.
 Every shard carries its run id in its metadata and temporary files carry it in their names: recovery deletes
 only files of the run that holds the lock.
 
@@ -69,8 +70,10 @@ RUN_FORMAT = 1
 # depend on. Not compared: the model's spelling (a moved folder is the same model: the hashes decide), the
 # revision (likewise), the package version, the device, batch size and compile (same tensors up to
 # floating-point noise).
-RUN_COMPARED = ("format", "config_sha256", "weights_sha256", "dtype", "min_pixels", "max_pixels", "pooled",
-                "world_size")
+RUN_COMPARED = ("format", "config_sha256", "weights_sha256", "dtype", "min_pixels", "max_pixels", "resize",
+                "pooled", "world_size")
+# What a compared field meant in run files written before it existed.
+RUN_FIELD_DEFAULTS = {"resize": "pil"}
 SHARD_NAME = re.compile(r"^shard-r(\d+)-(\d+)\.safetensors$")
 # OSErrors at the start that are the output folder's state (exit 3, like a fault mid-run), not a usage error.
 OUTPUT_FAULTS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO}
@@ -458,7 +461,8 @@ def read_run(out: str | os.PathLike) -> dict:
 
     Keys: format, run_id, created, package_version, model (as given), model_folder, revision (a Hub
     commit, or null), random_weights, family, config_sha256 (vision + preprocessing config), weights_sha256
-    (the vision tensors as loaded), dtype, min_pixels, max_pixels, pooled, world_size, cwd (where the run
+    (the vision tensors as loaded), dtype, min_pixels, max_pixels, resize ("pil" or "torch"; "pil" in files
+    written before it was recorded), pooled, world_size, cwd (where the run
     started; each manifest record's ``path`` is as given to the invocation that recorded it, and its
     ``realpath`` the resolved file). Raises ManifestError if it is missing or damaged.
     """
@@ -475,10 +479,10 @@ def read_run(out: str | os.PathLike) -> dict:
     if run["format"] > RUN_FORMAT:
         raise ManifestError(f"{path} has format {run['format']}; this qwenvl-vision reads format {RUN_FORMAT} "
                             f"(upgrade it)")
-    missing = [key for key in RUN_COMPARED + ("run_id",) if key not in run]
+    missing = [key for key in RUN_COMPARED + ("run_id",) if key not in run and key not in RUN_FIELD_DEFAULTS]
     if missing:
         raise ManifestError(f"{path} is damaged: no {', '.join(missing)}")
-    return run
+    return {**RUN_FIELD_DEFAULTS, **run}
 
 
 def read_embeddings(out: str | os.PathLike, *, deepstack: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
@@ -675,6 +679,7 @@ def describe_run(encoder, args: argparse.Namespace, folder: str | None, world: i
         "dtype": str(encoder.dtype).removeprefix("torch."),
         "min_pixels": min_pixels,
         "max_pixels": max_pixels,
+        "resize": args.resize or pre.resize,
         "pooled": bool(args.pooled_only),
         "world_size": world,
         "cwd": os.getcwd(),
@@ -1003,7 +1008,7 @@ class EmbedJob:
                 progress.update(len(known_bad), 0)
             batches = self.encoder.iter_encode(
                 todo, min_pixels=self.run["min_pixels"], max_pixels=self.run["max_pixels"],
-                max_batch_tokens=args.batch_tokens,
+                max_batch_tokens=args.batch_tokens, resize=self.run["resize"],
                 pooled=args.pooled_only, max_input_pixels=args.max_input_pixels,
                 decode_bytes=args.decode_mib << 20,
                 on_prepared=lambda index, tokens: progress.update(1, tokens))
@@ -1129,7 +1134,7 @@ def validate_embed_args(args: argparse.Namespace) -> None:
 
 
 def add_embed_parser(sub, parents=()) -> None:
-    from .preprocess import DEFAULT_MAX_INPUT_PIXELS
+    from .preprocess import DEFAULT_MAX_INPUT_PIXELS, RESIZE_BACKENDS
 
     p = sub.add_parser("embed", help="embed images into safetensors shards with a manifest", parents=list(parents))
     p.add_argument("inputs", nargs="+", help="image files, folders (recursive), or .txt files listing paths")
@@ -1150,6 +1155,10 @@ def add_embed_parser(sub, parents=()) -> None:
     p.add_argument("--max-pixels", type=_positive_int("--max-pixels"),
                    help="largest image area after resizing (default: the checkpoint's, e.g. 12845056 for "
                         "Qwen2.5-VL, 16777216 for Qwen3-VL)")
+    p.add_argument("--resize", choices=RESIZE_BACKENDS,
+                   help="whose resize the pixels match: pil = transformers' PIL image processor (transformers "
+                        "without torchvision), torch = its torchvision processor (with torchvision; vLLM); default: "
+                        "what the checkpoint's preprocessor_config.json names (...Fast: torch)")
     p.add_argument("--max-input-pixels", type=_positive_int("--max-input-pixels"), default=DEFAULT_MAX_INPUT_PIXELS,
                    help="refuse (record as failed) files whose header declares more pixels, before decoding "
                         "(default %(default)s)")

@@ -158,6 +158,7 @@ def test_resume_refuses_other_settings(tmp_path, checkpoint, checkpoint3, capsys
         (["--pooled-only"], ["pooled false (now true)"]),
         (["--dtype", "bf16"], ['dtype "float32" (now "bfloat16")']),
         (["--max-pixels", "50000"], ["max_pixels 12845056 (now 50000)"]),
+        (["--resize", "torch"], ['resize "pil" (now "torch")']),
         (["--model", str(checkpoint3)], ["config_sha256", "weights_sha256", "another model"]),
     ]
     for extra, needles in cases:
@@ -167,6 +168,13 @@ def test_resume_refuses_other_settings(tmp_path, checkpoint, checkpoint3, capsys
         assert main(argv) == 2, extra
         one_error_line(capsys.readouterr().err, "other settings", *needles)
         assert ((out / "manifest.jsonl").read_bytes(), sorted(p.name for p in out.iterdir())) == before
+
+    # A run file from before the resize backend was recorded meant "pil": it resumes, and "torch" is refused.
+    run.pop("resize")
+    (out / "run.json").write_text(json.dumps(run))
+    assert main(["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(out), "--resume",
+                 "--resize", "torch"]) == 2
+    one_error_line(capsys.readouterr().err, 'resize "pil" (now "torch")')
 
     # Same settings (and a moved model folder: the hashes decide, not the spelling): resumes.
     moved = tmp_path / "moved-ckpt"
