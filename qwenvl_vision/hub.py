@@ -30,6 +30,7 @@ from .weights import (
     INDEX_FILE,
     PREPROCESSOR_FILE,
     SINGLE_FILE,
+    VIDEO_PREPROCESSOR_FILE,
     CheckpointError,
     parse_weight_map,
     read_json,
@@ -190,6 +191,7 @@ def fetch_vision_checkpoint(repo_id: str, *, revision: str | None = None, cache_
     where = _where(repo_id, revision)
     prefixes = from_config_json(read_json(config_path)).spec.prefixes  # an unsupported model stops here
     _download(repo_id, PREPROCESSOR_FILE, required=False, **kwargs)
+    _download(repo_id, VIDEO_PREPROCESSOR_FILE, required=False, **kwargs)
     index_path = _download(repo_id, INDEX_FILE, required=False, **kwargs)
     if index_path is None:
         _download(repo_id, SINGLE_FILE, **kwargs)

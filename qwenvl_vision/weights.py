@@ -55,6 +55,7 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 PREPROCESSOR_FILE = "preprocessor_config.json"
+VIDEO_PREPROCESSOR_FILE = "video_preprocessor_config.json"
 VISION_ONLY_FORMAT = "qwenvl-vision"
 
 
@@ -79,10 +80,18 @@ class VisionCheckpoint:
         return sorted({s.file for s in self.tensors.values()})
 
     def preprocessor_json(self) -> dict | None:
-        path = self.folder / PREPROCESSOR_FILE
+        return self._settings(PREPROCESSOR_FILE, "preprocessor config")
+
+    def video_preprocessor_json(self) -> dict | None:
+        """The video processor's settings: ``video_preprocessor_config.json``, else ``preprocessor_config.json``
+        (transformers' ``BaseVideoProcessor.get_video_processor_dict`` falls back to it the same way)."""
+        return self._settings(VIDEO_PREPROCESSOR_FILE, "video preprocessor config") or self.preprocessor_json()
+
+    def _settings(self, filename: str, what: str) -> dict | None:
+        path = self.folder / filename
         if not path.exists():
             return None
-        settings = read_json(path, "preprocessor config")
+        settings = read_json(path, what)
         if not isinstance(settings, dict):
             raise ConfigError(f"{path} is not a JSON object (found {_json_type(settings)})")
         return settings
@@ -616,7 +625,8 @@ def _umask() -> int:
     return mask
 
 
-def save_vision_only(model: VisionTower, folder: str | os.PathLike, preprocessor: dict | None = None) -> Path:
+def save_vision_only(model: VisionTower, folder: str | os.PathLike, preprocessor: dict | None = None,
+                     video_preprocessor: dict | None = None) -> Path:
     """Write a self-contained vision-only checkpoint that ``open_checkpoint`` reads back."""
     from safetensors.torch import save_file
 
@@ -631,4 +641,6 @@ def save_vision_only(model: VisionTower, folder: str | os.PathLike, preprocessor
     (folder / CONFIG_FILE).write_text(json.dumps(config_json, indent=2) + "\n")
     if preprocessor is not None:
         (folder / PREPROCESSOR_FILE).write_text(json.dumps(preprocessor, indent=2) + "\n")
+    if video_preprocessor is not None:
+        (folder / VIDEO_PREPROCESSOR_FILE).write_text(json.dumps(video_preprocessor, indent=2) + "\n")
     return folder

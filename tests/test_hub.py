@@ -40,6 +40,9 @@ hf_constants = pytest.importorskip("huggingface_hub.constants")
 QWEN2_5_GRIDS = [(1, 6, 10), (2, 4, 4), (1, 2, 2)]
 QWEN3_GRIDS = [(1, 6, 10), (2, 4, 4), (1, 2, 2)]
 
+# Asked for on every fetch (the video one is optional: most releases have none).
+SETTINGS_FILES = {"config.json", "preprocessor_config.json", "video_preprocessor_config.json"}
+
 
 # ---------------------------------------------------------------------- helpers
 
@@ -98,15 +101,17 @@ def test_sharded_repo_fetches_only_vision_shards_and_matches_transformers(hub, q
     paths = hub.resolve_paths()
     assert all(p.startswith("/org/qwen25-tiny/resolve/") for p in paths), paths
     touched = hub.files_touched()
-    assert touched == {"config.json", "preprocessor_config.json", "model.safetensors.index.json"} | vision_shards
+    assert touched == SETTINGS_FILES | {"model.safetensors.index.json"} | vision_shards
     assert not any(name in p for p in paths for name in llm_only), paths
     assert "model.safetensors" not in touched  # the index exists: no single-file probe
     # Every fetched file was downloaded once (HEAD for the metadata, then one GET).
+    # (Qwen2.5-VL releases have no video_preprocessor_config.json: asked for, found missing, not downloaded.)
+    present = touched - {"video_preprocessor_config.json"}
     gets = [p.rsplit("/", 1)[1] for p in hub.resolve_paths("GET")]
-    assert sorted(gets) == sorted(touched)
+    assert sorted(gets) == sorted(present)
     # Files landed in the (temporary) HF cache, in the snapshot of the commit main resolved to.
     snapshot = _snapshot(hub, "org/qwen25-tiny", commit)
-    assert sorted(p.name for p in snapshot.iterdir()) == sorted(touched)
+    assert sorted(p.name for p in snapshot.iterdir()) == sorted(present)
     assert (hub.cache / "models--org--qwen25-tiny" / "refs" / "main").read_text() == commit
 
 
@@ -131,8 +136,7 @@ def test_single_file_repo_fetches_model_safetensors(hub, tmp_path):
     _check_against_reference(encoder, QWEN3_SMALL_72, vision, QWEN3_GRIDS)
     encoder.close()
 
-    assert hub.files_touched() == {"config.json", "preprocessor_config.json", "model.safetensors.index.json",
-                                   "model.safetensors"}
+    assert hub.files_touched() == SETTINGS_FILES | {"model.safetensors.index.json", "model.safetensors"}
     # The index was only probed (HEAD -> 404 EntryNotFound), the single file downloaded.
     heads, gets = hub.resolve_paths("HEAD"), hub.resolve_paths("GET")
     assert any(p.endswith("/model.safetensors.index.json") for p in heads)
@@ -336,7 +340,7 @@ def test_omni_repo_fetches_only_the_thinkers_vision_shards(hub, tmp_path, family
     _check_against_reference(encoder, cfg, vision, [(1, 6, 10), (2, 4, 4)])
     touched = hub.files_touched()
     assert len(others) == 3 and not touched & others
-    assert touched == {"config.json", "preprocessor_config.json", "model.safetensors.index.json"} | (
+    assert touched == SETTINGS_FILES | {"model.safetensors.index.json"} | (
         {p.name for p in folder.glob("model-*.safetensors")} - others)
 
 
