@@ -35,11 +35,8 @@ Deviations from the reference, on purpose:
 - ``os.PathLike`` paths are accepted (transformers takes ``str`` only); URLs and base64 strings are not.
 - Rescale + normalise is a per-channel table of the 256 uint8 levels (``_normalize_table``) instead of
   the reference's float64 copy of the image: the same bits, less memory and time.
-- Video: transformers' video processors use torchvision (antialiased tensor resize, fused normalize), so
-  their values differ slightly from any PIL pipeline; ``preprocess_video`` applies the PIL image pipeline
-  to every frame and the video processors' (t, C, T, P, P) layout. Qwen3-VL's video processor also uses
-  a temporal ``smart_resize`` with its own video min/max pixels; here every frame uses the image
-  ``smart_resize`` of the first frame with the config's (or the overridden) pixel bounds.
+- Video lives in ``video.py`` (files, sampling, the video processors' sizes, torch pipeline); its
+  ``preprocess_video``, ``sample_frame_indices`` and ``sample_frame_indices_qwen3`` stay importable from here.
 """
 
 from __future__ import annotations
@@ -59,7 +56,7 @@ from einops import rearrange
 from .config import CLIP_MEAN as OPENAI_CLIP_MEAN
 from .config import CLIP_STD as OPENAI_CLIP_STD
 from .config import FAMILIES, FAMILY_ALIASES
-from .errors import ConfigError, InputError, PreprocessError
+from .errors import ConfigError, PreprocessError
 
 RESCALE_FACTOR = 1 / 255  # BaseImageProcessor.rescale_factor
 MAX_ASPECT_RATIO = 200
@@ -586,113 +583,6 @@ def preprocess_image(image: Any, config: PreprocessConfig, *, min_pixels: int | 
     return _patchify(frames, config)
 
 
-def preprocess_video(frames: Any, config: PreprocessConfig, *, min_pixels: int | None = None,
-                     max_pixels: int | None = None, index: int | None = None,
-                     max_input_pixels: int | None = None,
-                     resize: str | None = "pil") -> tuple[torch.Tensor, tuple[int, int, int]]:
-    """Frames -> (pixel_values float32 (t*h*w, C*T*P*P), grid_thw (t, h, w)) in the video processors' layout.
-
-    ``frames``: a sequence of anything ``load_image`` takes, or a uint8 array / tensor (F, H, W, C) or
-    (F, C, H, W). Every frame goes through the PIL image pipeline, resized to the first frame's
-    ``smart_resize`` target; the count is padded to a multiple of T by repeating the last frame, as
-    ``Qwen2VLVideoProcessor.patchify`` does, so grid_t = ceil(F / T). The checkpoints' video processors
-    have their own pixel bounds (``video_preprocessor_config.json``): pass them as min/max_pixels.
-    ``max_input_pixels`` applies to every frame given as a path, as in ``preprocess_image``.
-    Deviations from transformers' (torchvision-based) video processors: see the module docstring.
-    """
-    name = input_name("video", index)
-    frame_list = _split_frames(frames, name)
-    first = _load_rgb(frame_list[0], input_name(f"{name} frame", 0, frame_list[0]), check_aspect=True,
-                      max_input_pixels=max_input_pixels)
-    height, width = _target_size(first.height, first.width, config, min_pixels, max_pixels, name)
-
-    table = _normalize_table(config.image_mean, config.image_std)
-    t = config.temporal_patch_size
-    grid_t = math.ceil(len(frame_list) / t)
-    # Group g holds frames g*T .. g*T+T-1, padded by repeating the last frame (the video processors'
-    # patchify). One group is normalised and patchified at a time, so peak memory is the output plus
-    # T frames rather than twice the output.
-    group = np.empty((t, 3, height, width), dtype=np.float32)
-    out = None
-    for g in range(grid_t):
-        for slot in range(t):
-            i = g * t + slot
-            if i >= len(frame_list):  # padding; slot 0 of a group is always a real frame
-                group[slot] = group[slot - 1]
-                continue
-            rgb = first if i == 0 else _load_rgb(frame_list[i], input_name(f"{name} frame", i, frame_list[i]),
-                                                 max_input_pixels=max_input_pixels)
-            group[slot] = _normalize(_resize(rgb, height, width), table)
-        rows, (_, grid_h, grid_w) = _patchify(group, config)
-        if out is None:
-            out = torch.empty((grid_t * rows.shape[0], rows.shape[1]), dtype=torch.float32)
-        out[g * rows.shape[0]:(g + 1) * rows.shape[0]] = rows
-    return out, (grid_t, grid_h, grid_w)
-
-
-def _split_frames(frames: Any, name: str) -> list:
-    """A video input as a non-empty list of per-frame inputs for _load_rgb."""
-    if isinstance(frames, (np.ndarray, torch.Tensor)):
-        if frames.ndim != 4:
-            raise PreprocessError(f"{name}: expected a 4-D frame array (F, H, W, C) or (F, C, H, W), "
-                                  f"got shape {tuple(frames.shape)}")
-        frame_list = list(frames)
-    elif isinstance(frames, Sequence) and not isinstance(frames, (str, bytes)):
-        frame_list = list(frames)
-    else:
-        raise PreprocessError(f"{name}: expected a sequence of frames or a 4-D frame array, "
-                              f"got {type(frames).__name__}")
-    if not frame_list:
-        raise PreprocessError(f"{name}: no frames")
-    return frame_list
-
-
-def sample_frame_indices(num_frames: int, video_fps: float, fps: float = 2.0, min_frames: int = 4,
-                         max_frames: int = 768, temporal_patch_size: int = 2) -> list[int]:
-    """Indices of the frames to keep when sampling ``fps`` frames per second from a ``video_fps`` video.
-
-    Follows ``Qwen2VLVideoProcessor.sample_frames`` (its fps branch): the count is clamped to
-    [min_frames, min(max_frames, num_frames)], floored to a multiple of ``temporal_patch_size``, and the
-    indices are ``torch.arange(0, num_frames, num_frames / count).int()`` (float32 steps, as there).
-    Deviations: a video shorter than ``temporal_patch_size`` frames returns all its frames (the reference
-    divides by zero); preprocess_video pads them. The float step can make the reference's arange one
-    element longer than ``count`` (e.g. 1001 frames at 1 fps sampled at 0.5 fps: 501 indices ending in
-    1001, past the last frame, so indexing the video fails); indices >= num_frames are dropped here, and
-    an extra index that is still in range is kept, as in the reference.
-    Qwen3-VL's variant is ``sample_frame_indices_qwen3``.
-    """
-    _check_video_args(num_frames, video_fps, fps)
-    max_frames = math.floor(min(max_frames, num_frames) / temporal_patch_size) * temporal_patch_size
-    count = num_frames / video_fps * fps
-    count = min(max(count, min_frames), max_frames, num_frames)
-    count = math.floor(count / temporal_patch_size) * temporal_patch_size
-    if count == 0:
-        return list(range(num_frames))
-    indices = torch.arange(0, num_frames, num_frames / count, dtype=torch.float32).int().tolist()
-    return [i for i in indices if i < num_frames]
-
-
-def sample_frame_indices_qwen3(num_frames: int, video_fps: float, fps: float = 2.0, min_frames: int = 4,
-                               max_frames: int = 768) -> list[int]:
-    """``Qwen3VLVideoProcessor.sample_frames`` (fps branch): evenly spaced, first and last frame included.
-
-    The count is ``int(num_frames / video_fps * fps)`` clamped to [min_frames, max_frames] and to
-    num_frames, not rounded to a multiple of T (padding happens later), and the indices are
-    ``np.linspace(0, num_frames - 1, count).round()``.
-    """
-    _check_video_args(num_frames, video_fps, fps)
-    count = int(num_frames / video_fps * fps)
-    count = min(max(count, min_frames), max_frames, num_frames)
-    return np.linspace(0, num_frames - 1, count).round().astype(int).tolist()
-
-
-def _check_video_args(num_frames: int, video_fps: float, fps: float) -> None:
-    if num_frames <= 0:
-        raise InputError(f"num_frames must be positive, got {num_frames}")
-    if not video_fps > 0 or not fps > 0:
-        raise InputError(f"video_fps and fps must be positive, got video_fps={video_fps}, fps={fps}")
-
-
 def probe_image(image: Any, config: PreprocessConfig, *, index: int | None = None, min_pixels: int | None = None,
                 max_pixels: int | None = None, max_input_pixels: int | None = None,
                 name: str | None = None) -> tuple[int, int]:
@@ -713,3 +603,17 @@ def probe_image(image: Any, config: PreprocessConfig, *, index: int | None = Non
         height, width = _as_hwc(image, name).shape[:2]
     _check_aspect_ratio(height, width, name)
     return _target_size(height, width, config, min_pixels, max_pixels, name)
+
+
+# The video entry points moved to video.py, which imports this module; they are looked up on first use (PEP 562)
+# so that importing either module first never meets a half-initialised other.
+_MOVED_TO_VIDEO = ("preprocess_video", "sample_frame_indices", "sample_frame_indices_qwen3", "_split_frames",
+                   "_check_video_args")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MOVED_TO_VIDEO:
+        from . import video
+
+        return getattr(video, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
