@@ -110,8 +110,8 @@ CASES = [
     ("qwen3_vl", "clip.mp4", {}, (None, None)),
     ("qwen2_5_vl", "ntsc.avi", {"cap_pixels_per_frame": False, "fps": 4.0}, (None, None)),
     ("qwen3_vl", "ntsc.avi", {"cap_pixels_per_frame": False, "fps": 4.0}, (None, None)),
-    # A tight token budget: the cap, not max_pixels, sizes the frames.
-    ("qwen2_5_vl", "ntsc.avi", {"fps": 3.0, "max_video_tokens": 40}, (None, None)),
+    # A tight token budget: the cap, not max_pixels (nor the 1.05 * min_pixels floor), sizes the frames.
+    ("qwen2_5_vl", "ntsc.avi", {"fps": 3.0, "max_video_tokens": 40, "min_pixels": 3136}, (None, None)),
     ("qwen3_vl", "ntsc.avi", {"fps": 3.0, "max_video_tokens": 6, "min_pixels": 1024}, (None, None)),
     ("qwen2_5_vl", "tall.mp4", {"fps": 1.0}, (3136, 20000)),
     ("qwen3_vl", "tall.mp4", {"fps": 1.0}, (4096, 200000)),
@@ -359,3 +359,11 @@ def test_frame_above_max_input_pixels_is_refused_before_decoding(videos):
         preprocess_video_file(videos["ntsc.avi"], pre, vcfg, max_input_pixels=5000)
     with pytest.raises(PreprocessError, match="above the input limit"):
         probe_video(videos["ntsc.avi"], max_input_pixels=5000)
+
+
+def test_missing_pyav_names_the_extra(videos, monkeypatch):
+    monkeypatch.setitem(__import__("sys").modules, "av", None)  # import av now raises ImportError
+    pre, vcfg = configs("qwen2_5_vl")
+    with pytest.raises(PreprocessError, match=r"^video '.*clip.mp4': reading video files needs PyAV: "
+                                              r"pip install 'qwenvl-vision\[video\]'$"):
+        preprocess_video_file(videos["clip.mp4"], pre, vcfg)
