@@ -401,8 +401,8 @@ class VideoInfo:
     frame_indices: list[int]
     height: int
     width: int
-    timestamps: list[float] = field(default_factory=list)
-    sampled_fps: float = 0.0
+    timestamps: list[float] = field(init=False)
+    sampled_fps: float = field(init=False)
     backend: str = "pyav"
 
     def __post_init__(self) -> None:

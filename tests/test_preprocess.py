@@ -5,9 +5,10 @@ min/max pixels 3136/12845056; Qwen3-VL: patch 16, mean = std = 0.5, size 65536/1
 from literal values so a bug in PreprocessConfig cannot leak into the reference. Images are generated
 (smooth gradients + noise) so that resize and rounding differences would show.
 
-transformers' video processors import torchvision, which is not installed here, so the video tests
-compile the video processors' ``patchify`` / ``sample_frames`` straight from the installed source files
-and feed them frames processed by the image processor's own resize / rescale / normalize.
+The video tests here cover ``preprocess_video`` without a VideoConfig and ``resize="pil"``: every frame through
+the PIL image processor's own resize / rescale / normalize, then the video processors' ``patchify`` and
+``sample_frames`` compiled straight from the installed source files (they need no torchvision). The video
+processors' own torchvision pipeline, files and sizes are compared in tests/test_video.py.
 """
 
 from __future__ import annotations
@@ -539,7 +540,7 @@ def _frames(count: int, height: int = 120, width: int = 170) -> np.ndarray:
 def test_video_matches_reference(hf, family, count):
     frames = _frames(count)
     ref_values, ref_grid = reference_video(hf[family], family, list(frames))
-    values, grid = preprocess_video(frames, _pil_config(family))
+    values, grid = preprocess_video(frames, _pil_config(family), resize="pil")
     assert grid == ref_grid == (math.ceil(count / 2), ref_grid[1], ref_grid[2])
     assert values.dtype == torch.float32 and tuple(values.shape) == ref_values.shape
     assert float(np.abs(values.numpy() - ref_values).max()) <= TOL
@@ -550,7 +551,7 @@ def test_video_layout_and_last_frame_padding(hf):
     family = "qwen2_5_vl"
     config = _pil_config(family)
     frames = _frames(5)
-    values, (grid_t, grid_h, grid_w) = preprocess_video(frames, config)
+    values, (grid_t, grid_h, grid_w) = preprocess_video(frames, config, resize="pil")
     p, c = config.patch_size, 3
     rows = values.reshape(grid_t, grid_h * grid_w, c, 2, p, p)
     per_frame = [_reference(hf[family], Image.fromarray(f))[0].reshape(-1, c, 2, p, p)[:, :, 0] for f in frames]
@@ -562,7 +563,7 @@ def test_video_layout_and_last_frame_padding(hf):
 def test_video_input_types_agree(tmp_path):
     frames = _frames(3, 90, 130)
     config = _pil_config("qwen3_vl")
-    expected, grid = preprocess_video(frames, config)
+    expected, grid = preprocess_video(frames, config, resize="pil")
     paths = []
     for i, frame in enumerate(frames):
         paths.append(tmp_path / f"frame{i}.png")
@@ -575,21 +576,21 @@ def test_video_input_types_agree(tmp_path):
         [torch.from_numpy(f).permute(2, 0, 1) for f in frames],
     ]
     for video in inputs:
-        values, other_grid = preprocess_video(video, config)
+        values, other_grid = preprocess_video(video, config, resize="pil")
         assert other_grid == grid and torch.equal(values, expected)
 
 
 def test_video_of_one_repeated_frame_equals_image():
     frame = _content(100, 140)
     config = _pil_config("qwen2_5_vl")
-    assert torch.equal(preprocess_video([frame, frame], config)[0], preprocess_image(frame, config)[0])
-    assert torch.equal(preprocess_video([frame], config)[0], preprocess_image(frame, config)[0])
+    assert torch.equal(preprocess_video([frame, frame], config, resize="pil")[0], preprocess_image(frame, config)[0])
+    assert torch.equal(preprocess_video([frame], config, resize="pil")[0], preprocess_image(frame, config)[0])
 
 
 def test_video_frames_resized_to_first_frame_size():
     config = _pil_config("qwen2_5_vl")
     first, second = _content(100, 140), _content(300, 200, seed=5)
-    values, grid = preprocess_video([first, second], config, max_pixels=50_000)
+    values, grid = preprocess_video([first, second], config, max_pixels=50_000, resize="pil")
     assert grid == (1, *preprocess_image(first, config, max_pixels=50_000)[1][1:])
     assert values.shape[0] == grid[1] * grid[2]
 

@@ -1,0 +1,369 @@
+"""qwenvl_vision.video against transformers' video pipeline: ``video_utils.load_video(backend="pyav")`` (every frame
+and its metadata) then ``Qwen2VLVideoProcessor`` / ``Qwen3VLVideoProcessor`` with ``do_sample_frames=True``.
+
+The videos are written here with PyAV (mpeg4 in .mp4 / .avi / .mkv): a real photo panned a few pixels per frame plus
+noise, so that sampling the wrong frame or resizing differently would show. The reference processors are configured
+from literal values (patch 14 + CLIP mean/std, patch 16 + 0.5), not from this package's configs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fractions
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from qwenvl_vision.errors import ConfigError, PreprocessError
+from qwenvl_vision.preprocess import PreprocessConfig
+from qwenvl_vision.video import (
+    VideoConfig,
+    preprocess_video,
+    preprocess_video_file,
+    probe_video,
+    read_video,
+    video_target_size,
+)
+from tests.helpers import sample_photo
+
+av = pytest.importorskip("av")
+pytest.importorskip("torchvision")
+pytest.importorskip("matplotlib.cbook")
+from transformers.image_utils import SizeDict  # noqa: E402
+from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor  # noqa: E402
+from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor  # noqa: E402
+from transformers.video_utils import VideoMetadata, load_video  # noqa: E402
+
+TOL = 1e-6
+CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
+CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
+REFERENCE = {  # family -> (processor class, its settings as the family's checkpoints write them)
+    "qwen2_5_vl": (Qwen2VLVideoProcessor, {"patch_size": 14, "image_mean": CLIP_MEAN, "image_std": CLIP_STD}),
+    "qwen3_vl": (Qwen3VLVideoProcessor, {"patch_size": 16, "image_mean": [0.5] * 3, "image_std": [0.5] * 3}),
+}
+NTSC = fractions.Fraction(30000, 1001)
+VIDEOS = {  # name -> (frames, width, height, rate)
+    "clip.mp4": (45, 64, 48, 24),
+    "ntsc.avi": (90, 100, 76, NTSC),
+    "tall.mp4": (7, 40, 200, 10),
+    "noframecount.mkv": (20, 64, 48, 30),
+    "tiny.mp4": (12, 24, 16, 10),
+    "one.mp4": (1, 64, 48, 10),
+}
+
+
+def write_video(path, count: int, width: int, height: int, rate, codec: str = "mpeg4") -> None:
+    """``count`` frames of a real photo panned 3 px per frame, plus noise."""
+    photo = np.asarray(Image.open(sample_photo("grace_hopper.jpg")).convert("RGB").resize((width * 2, height * 2)))
+    rng = np.random.default_rng(count)
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream(codec, rate=rate)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        for i in range(count):
+            frame = np.roll(photo, 3 * i, axis=1)[:height, :width].astype(np.int16)
+            frame = np.clip(frame + rng.integers(-20, 20, frame.shape), 0, 255).astype(np.uint8)
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        container.mux(stream.encode())
+
+
+@pytest.fixture(scope="module")
+def videos(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("videos")
+    for name, spec in VIDEOS.items():
+        write_video(folder / name, *spec)
+    return {name: str(folder / name) for name in VIDEOS}
+
+
+def configs(family: str, **changes):
+    return PreprocessConfig.for_family(family), dataclasses.replace(VideoConfig.for_family(family), **changes)
+
+
+def reference(family, vcfg, frames, metadata, size=None):
+    """The family's transformers video processor, sampling from all frames with their metadata."""
+    cls, settings = REFERENCE[family]
+    processor = cls(**settings, temporal_patch_size=2, merge_size=2, min_frames=vcfg.min_frames,
+                    max_frames=vcfg.max_frames, max_video_tokens=vcfg.max_video_tokens,
+                    size=size or {"shortest_edge": vcfg.min_pixels, "longest_edge": vcfg.max_pixels})
+    out = processor(frames, video_metadata=[metadata], do_sample_frames=True, fps=vcfg.fps,
+                    cap_pixels_per_frame=vcfg.cap_pixels_per_frame, return_tensors="pt", return_metadata=True)
+    return out["pixel_values_videos"], tuple(out["video_grid_thw"][0].tolist()), out["video_metadata"][0]
+
+
+def assert_matches(values, grid, info, ref):
+    ref_values, ref_grid, metadata = ref
+    assert grid == ref_grid
+    assert values.dtype == torch.float32 and values.shape == ref_values.shape
+    assert float((values - ref_values).abs().max()) <= TOL
+    assert info.frame_indices == np.asarray(metadata.frames_indices).tolist()
+    assert info.timestamps == metadata.timestamps
+    assert info.sampled_fps == pytest.approx(metadata.sampled_fps, rel=1e-12)
+    assert (info.total_frames, info.video_fps) == (metadata.total_num_frames, metadata.fps)
+    json.dumps(info.to_dict())
+
+
+# family, video, VideoConfig changes, per-call (min_pixels, max_pixels)
+CASES = [
+    ("qwen2_5_vl", "clip.mp4", {}, (None, None)),
+    ("qwen3_vl", "clip.mp4", {}, (None, None)),
+    ("qwen2_5_vl", "ntsc.avi", {"cap_pixels_per_frame": False, "fps": 4.0}, (None, None)),
+    ("qwen3_vl", "ntsc.avi", {"cap_pixels_per_frame": False, "fps": 4.0}, (None, None)),
+    # A tight token budget: the cap, not max_pixels (nor the 1.05 * min_pixels floor), sizes the frames.
+    ("qwen2_5_vl", "ntsc.avi", {"fps": 3.0, "max_video_tokens": 40, "min_pixels": 3136}, (None, None)),
+    ("qwen3_vl", "ntsc.avi", {"fps": 3.0, "max_video_tokens": 6, "min_pixels": 1024}, (None, None)),
+    ("qwen2_5_vl", "tall.mp4", {"fps": 1.0}, (3136, 20000)),
+    ("qwen3_vl", "tall.mp4", {"fps": 1.0}, (4096, 200000)),
+    # More frames than max_frames at this fps, and fewer than min_frames.
+    ("qwen2_5_vl", "ntsc.avi", {"fps": 8.0, "max_frames": 6}, (3136, 50000)),
+    ("qwen3_vl", "ntsc.avi", {"fps": 8.0, "max_frames": 7}, (4096, 100000)),
+    ("qwen2_5_vl", "clip.mp4", {"fps": 0.5, "min_frames": 9}, (None, None)),
+    ("qwen3_vl", "clip.mp4", {"fps": 0.5, "min_frames": 9}, (None, None)),
+    # Frames below the factor: Qwen3 scales the sides up before its bounds apply.
+    ("qwen3_vl", "tiny.mp4", {"cap_pixels_per_frame": False}, (256, 4096 * 4)),
+    ("qwen2_5_vl", "tiny.mp4", {}, (784, 20000)),
+]
+
+
+@pytest.mark.parametrize(("family", "video", "changes", "bounds"), CASES)
+def test_file_matches_transformers(videos, family, video, changes, bounds):
+    pre, vcfg = configs(family, **changes)
+    min_pixels, max_pixels = bounds
+    values, grid, info = preprocess_video_file(videos[video], pre, vcfg, min_pixels=min_pixels,
+                                               max_pixels=max_pixels)
+    size = None if min_pixels is None else {"shortest_edge": min_pixels, "longest_edge": max_pixels}
+    frames, metadata = load_video(videos[video], backend="pyav")
+    assert_matches(values, grid, info, reference(family, vcfg, frames, metadata, size))
+
+
+@pytest.mark.parametrize("family", list(REFERENCE))
+def test_header_without_frame_count(videos, family):
+    """Matroska writes no frame count (read_video_pyav then samples from 0 frames): packets are counted instead."""
+    path = videos["noframecount.mkv"]
+    with av.open(path) as container:
+        assert container.streams.video[0].frames == 0
+        frames = np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
+    assert probe_video(path) == (20, 30.0, 48, 64)
+    pre, vcfg = configs(family)
+    values, grid, info = preprocess_video_file(path, pre, vcfg)
+    metadata = VideoMetadata(total_num_frames=len(frames), fps=30.0, height=48, width=64)
+    assert_matches(values, grid, info, reference(family, vcfg, frames, metadata))
+
+
+@pytest.mark.parametrize("family", list(REFERENCE))
+def test_clip_shorter_than_temporal_patch(videos, family):
+    """One frame: sized as if padded to T (Qwen3's smart_resize raises, Qwen2's sampler divides by zero)."""
+    pre, vcfg = configs(family)
+    values, grid, info = preprocess_video_file(videos["one.mp4"], pre, vcfg)
+    assert info.frame_indices == [0] and grid[0] == 1
+    frames, metadata = load_video(videos["one.mp4"], backend="pyav")
+    padded = np.concatenate([frames, frames])  # what patchify does to the one frame
+    metadata.total_num_frames = 2
+    ref_values, ref_grid, _ = reference(family, vcfg, padded, metadata)
+    assert grid == ref_grid and float((values - ref_values).abs().max()) <= TOL
+
+
+@pytest.mark.parametrize("family", list(REFERENCE))
+def test_frames_as_arrays_equal_the_file(videos, family):
+    pre, vcfg = configs(family, fps=3.0)
+    path = videos["ntsc.avi"]
+    values, grid, _ = preprocess_video_file(path, pre, vcfg)
+    frames, _ = read_video(path, vcfg, temporal_patch_size=pre.temporal_patch_size)
+    for given in (frames, torch.from_numpy(frames).permute(0, 3, 1, 2).contiguous(), list(frames)):
+        other, other_grid = preprocess_video(given, pre, video_config=vcfg)
+        assert other_grid == grid and torch.equal(other, values)
+    opaque = np.concatenate([frames, np.full(frames.shape[:3] + (1,), 255, np.uint8)], axis=3)
+    assert torch.equal(preprocess_video(opaque, pre, video_config=vcfg)[0], values)
+    opaque[1, 0, 0, 3] = 254
+    with pytest.raises(PreprocessError, match="video 4 frame 1: frames with transparency"):
+        preprocess_video(opaque, pre, video_config=vcfg, index=4)
+
+
+def test_frames_as_arrays_pil_backend_keeps_video_sizes(videos):
+    pre, vcfg = configs("qwen3_vl")
+    frames, _ = read_video(videos["clip.mp4"], vcfg)
+    torch_values, grid = preprocess_video(frames, pre, video_config=vcfg)
+    pil_values, pil_grid = preprocess_video(frames, pre, video_config=vcfg, resize="pil")
+    assert pil_grid == grid and not torch.equal(pil_values, torch_values)
+    with pytest.raises(PreprocessError, match="frame 1 is 32x24, frame 0 64x48"):
+        preprocess_video([frames[0], frames[1][::2, ::2]], pre, video_config=vcfg)
+
+
+TARGET_SIZES = [(16, 24), (48, 64), (75, 100), (200, 40), (480, 640)]
+
+
+@pytest.mark.parametrize("family", list(REFERENCE))
+@pytest.mark.parametrize("cap", [True, False])
+def test_video_target_size_matches_processor_resize(family, cap):
+    """Our size rule against the processors' own ``resize`` on blank clips, over sizes, frame counts and bounds."""
+    cls, settings = REFERENCE[family]
+    pre = PreprocessConfig.for_family(family)
+    for min_pixels, max_pixels, tokens in [(3136, 40000, 100), (4096, 400000, 30), (65536, 16777216, 768)]:
+        vcfg = dataclasses.replace(VideoConfig.for_family(family), min_pixels=min_pixels, max_pixels=max_pixels,
+                                   max_video_tokens=tokens, cap_pixels_per_frame=cap)
+        processor = cls(**settings, max_video_tokens=tokens)
+        size = SizeDict(shortest_edge=min_pixels, longest_edge=max_pixels)
+        for height, width in TARGET_SIZES:
+            for frames in (2, 3, 8, 24):
+                clip = torch.zeros((1, frames, 3, height, width), dtype=torch.uint8)
+                expected = processor.resize(clip, size=size, resample=3, factor=pre.factor, temporal_factor=2,
+                                            cap_pixels_per_frame=cap).shape[-2:]
+                assert video_target_size(frames, height, width, pre, vcfg) == tuple(expected), (height, width, frames)
+
+
+# --------------------------------------------------------------------------------------------------
+# VideoConfig
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("family", "cls"), [("qwen2_5_vl", Qwen2VLVideoProcessor), ("qwen2_vl", Qwen2VLVideoProcessor),
+                                            ("qwen3_omni_moe", Qwen2VLVideoProcessor),
+                                            ("qwen3_vl", Qwen3VLVideoProcessor), ("qwen3_5", Qwen3VLVideoProcessor)])
+def test_for_family_is_its_processor_class_defaults(family, cls):
+    vcfg = VideoConfig.for_family(family)
+    assert vcfg.sampling == ("qwen3" if cls is Qwen3VLVideoProcessor else "qwen2")
+    assert (vcfg.min_pixels, vcfg.max_pixels) == (cls.size["shortest_edge"], cls.size["longest_edge"])
+    assert (vcfg.min_frames, vcfg.max_frames, vcfg.max_video_tokens) == (cls.min_frames, cls.max_frames,
+                                                                        cls.max_video_tokens)
+    assert vcfg.fps == 2.0 and vcfg.cap_pixels_per_frame is True
+
+
+QWEN2_5_SAVED = {  # video_preprocessor_config.json as transformers saves a Qwen2.5-VL processor
+    "do_convert_rgb": True, "do_normalize": True, "do_rescale": True, "do_resize": True, "do_sample_frames": False,
+    "fps": None, "image_mean": CLIP_MEAN, "image_std": CLIP_STD, "input_data_format": None, "max_frames": 768,
+    "max_pixels": 12845056, "merge_size": 2, "min_frames": 4, "min_pixels": 3136, "num_frames": None,
+    "patch_size": 14, "processor_class": "Qwen2_5_VLProcessor", "resample": 3,
+    "rescale_factor": 0.00392156862745098, "size": {"longest_edge": 12845056, "shortest_edge": 3136},
+    "size_divisor": None, "temporal_patch_size": 2, "video_metadata": None,
+    "video_processor_type": "Qwen2VLVideoProcessor",
+}
+QWEN3_SAVED = {
+    "do_convert_rgb": True, "do_normalize": True, "do_rescale": True, "do_resize": True, "do_sample_frames": True,
+    "fps": 2, "image_mean": [0.5] * 3, "image_std": [0.5] * 3, "max_frames": 768, "merge_size": 2, "min_frames": 4,
+    "patch_size": 16, "resample": 3, "rescale_factor": 0.00392156862745098, "return_metadata": False,
+    "size": {"longest_edge": 25165824, "shortest_edge": 4096}, "temporal_patch_size": 2,
+    "video_processor_type": "Qwen3VLVideoProcessor",
+}
+
+
+def test_from_dict_reads_saved_configs():
+    vcfg = VideoConfig.from_dict(QWEN2_5_SAVED, "qwen2_5_vl", PreprocessConfig.for_family("qwen2_5_vl"))
+    assert (vcfg.sampling, vcfg.min_pixels, vcfg.max_pixels, vcfg.fps) == ("qwen2", 3136, 12845056, 2.0)
+    overridden = VideoConfig.from_dict({"size": {"shortest_edge": 1000, "longest_edge": 9000}, "max_pixels": 5000},
+                                       "qwen2_5_vl")
+    assert (overridden.min_pixels, overridden.max_pixels) == (1000, 5000)  # as Qwen2VLVideoProcessor.__init__
+    vcfg = VideoConfig.from_dict(QWEN3_SAVED, "qwen3_vl", PreprocessConfig.for_family("qwen3_vl"))
+    assert (vcfg.sampling, vcfg.min_pixels, vcfg.max_pixels, vcfg.max_video_tokens) == ("qwen3", 4096, 25165824, 768)
+    assert VideoConfig.from_dict(None, "qwen3_vl") == VideoConfig.for_family("qwen3_vl")
+
+
+@pytest.mark.parametrize(("changes", "field"), [
+    ({"num_frames": 16}, "num_frames"),
+    ({"fps": -1}, "fps"),
+    ({"fps": float("nan")}, "fps"),
+    ({"fps": "2"}, "fps"),
+    ({"min_frames": 0}, "min_frames"),
+    ({"max_frames": 2.5}, "max_frames"),
+    ({"min_frames": 10, "max_frames": 8}, "min_frames"),
+    ({"max_video_tokens": True}, "max_video_tokens"),
+    ({"cap_pixels_per_frame": "yes"}, "cap_pixels_per_frame"),
+    ({"size": {"shortest_edge": 0, "longest_edge": 10}}, "min_pixels"),
+    ({"size": [1, 2]}, "size"),
+    ({"resample": 2}, "resample"),
+    ({"do_resize": False}, "do_resize"),
+    ({"rescale_factor": 1.0}, "rescale_factor"),
+    ({"do_center_crop": True}, "do_center_crop"),
+    ({"do_sample_frames": False, "fps": 1}, "do_sample_frames"),
+    ({"patch_size": 14}, "patch_size"),
+    ({"image_mean": CLIP_MEAN}, "image_mean"),
+    ({"min_pixels": 3136}, "min_pixels"),  # Qwen3VLVideoProcessor ignores the key
+])
+def test_from_dict_refuses_bad_fields(changes, field):
+    with pytest.raises(ConfigError, match=field) as info:
+        VideoConfig.from_dict({**QWEN3_SAVED, **changes}, "qwen3_vl", PreprocessConfig.for_family("qwen3_vl"))
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(("family", "cls"), [("qwen2_5_vl", Qwen2VLVideoProcessor),
+                                            ("qwen3_vl", Qwen3VLVideoProcessor)])
+def test_to_dict_loads_in_transformers_to_the_same_settings(family, cls):
+    pre = PreprocessConfig.for_family(family)
+    vcfg = VideoConfig(sampling=VideoConfig.for_family(family).sampling, min_pixels=5000, max_pixels=90000, fps=1.5,
+                       min_frames=3, max_frames=40, cap_pixels_per_frame=False, max_video_tokens=321)
+    d = json.loads(json.dumps(vcfg.to_dict(pre)))
+    assert VideoConfig.from_dict(d, family, pre) == vcfg
+    processor = cls.from_dict(d)
+    assert type(processor) is cls
+    assert (processor.size.shortest_edge, processor.size.longest_edge) == (5000, 90000)
+    assert (processor.fps, processor.min_frames, processor.max_frames) == (1.5, 3, 40)
+    assert (processor.cap_pixels_per_frame, processor.max_video_tokens, processor.do_sample_frames) == (False, 321,
+                                                                                                        True)
+    assert (processor.patch_size, list(processor.image_mean)) == (pre.patch_size, list(pre.image_mean))
+
+
+# --------------------------------------------------------------------------------------------------
+# Bad files
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bad_files(tmp_path_factory, videos):
+    folder = tmp_path_factory.mktemp("bad")
+    (folder / "empty.mp4").write_bytes(b"")
+    (folder / "folder.mp4").mkdir()
+    (folder / "text.mp4").write_text("not a video\n" * 20)
+    Image.open(sample_photo("grace_hopper.jpg")).save(folder / "photo.mp4", format="JPEG")
+    with av.open(str(folder / "audio.mp4"), "w") as container:
+        stream = container.add_stream("aac", rate=8000)
+        frame = av.AudioFrame.from_ndarray(np.zeros((1, 1024), np.float32), format="fltp", layout="mono")
+        frame.sample_rate = 8000
+        container.mux(stream.encode(frame))
+        container.mux(stream.encode())
+    data = open(videos["clip.mp4"], "rb").read()
+    (folder / "cut.mp4").write_bytes(data[: len(data) // 2])  # the index (moov) is at the end: nothing opens
+    write_video(folder / "whole.avi", 60, 64, 48, 24)
+    data = (folder / "whole.avi").read_bytes()
+    (folder / "cut.avi").write_bytes(data[: len(data) * 2 // 3])  # cut inside a packet
+    with av.open(str(folder / "whole.avi")) as container:
+        positions = [packet.pos for packet in container.demux(video=0) if packet.size]
+    (folder / "short.avi").write_bytes(data[: positions[30]])  # 30 whole packets; the header still declares 60
+    return folder
+
+
+@pytest.mark.parametrize(("file", "message"), [
+    ("missing.mp4", "file not found"),
+    ("folder.mp4", "not a regular file"),
+    ("empty.mp4", r"file is empty \(0 bytes\)"),
+    ("text.mp4", "not a recognised video file"),
+    ("photo.mp4", r"a still image \(jpeg_pipe\), not a video"),
+    ("audio.mp4", r"no video stream \(found: audio\)"),
+    ("cut.mp4", "not a recognised video file"),
+    ("cut.avi", r"corrupt or truncated video data \(InvalidDataError"),
+    ("short.avi", "header declares 60 frames but only 30 decode"),
+])
+def test_bad_files_raise_one_line_naming_the_file(bad_files, file, message):
+    path = str(bad_files / file)
+    pre, vcfg = configs("qwen3_vl")
+    with pytest.raises(PreprocessError, match=rf"^video '.*{file}': {message}") as info:
+        preprocess_video_file(path, pre, vcfg, index=7)
+    assert "\n" not in str(info.value)
+    if not file.endswith(".avi"):  # the header is fine: only decoding finds the cut
+        with pytest.raises(PreprocessError, match=rf"^video '.*{file}': {message}"):
+            probe_video(path)
+
+
+def test_frame_above_max_input_pixels_is_refused_before_decoding(videos):
+    pre, vcfg = configs("qwen2_5_vl")
+    with pytest.raises(PreprocessError, match=r"^video '.*ntsc.avi': 100x76 = 7,600 pixels is above the input limit"):
+        preprocess_video_file(videos["ntsc.avi"], pre, vcfg, max_input_pixels=5000)
+    with pytest.raises(PreprocessError, match="above the input limit"):
+        probe_video(videos["ntsc.avi"], max_input_pixels=5000)
+
+
+def test_missing_pyav_names_the_extra(videos, monkeypatch):
+    monkeypatch.setitem(__import__("sys").modules, "av", None)  # import av now raises ImportError
+    pre, vcfg = configs("qwen2_5_vl")
+    with pytest.raises(PreprocessError, match=r"^video '.*clip.mp4': reading video files needs PyAV: "
+                                              r"pip install 'qwenvl-vision\[video\]'$"):
+        preprocess_video_file(videos["clip.mp4"], pre, vcfg)
