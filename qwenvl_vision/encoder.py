@@ -18,6 +18,8 @@ batch (an input larger than the budget waits until it is alone). Files whose hea
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 import os
 import stat
@@ -44,9 +46,17 @@ from .preprocess import (
     check_resize_backend,
     input_name,
     preprocess_image,
-    preprocess_video,
 )
 from .tower import InputError, VisionTower
+from .video import (
+    VideoConfig,
+    VideoInfo,
+    is_video_file,
+    preprocess_video,
+    preprocess_video_file,
+    probe_video,
+    sample_indices,
+)
 from .weights import CheckpointError, load_tower, open_checkpoint
 
 DTYPES = {
@@ -100,12 +110,15 @@ class EncodeResult:
     deepstack: per item, the list of its DeepStack levels (each the shape of its embedding); empty lists for
         towers without DeepStack (every family but Qwen3-VL, Qwen3-VL-MoE and Qwen3-Omni).
     pooled: (n, out_hidden_size) mean over each item's tokens, when requested.
+    video_info: per item, what was read from a video file (frames kept, source fps, timestamps; a
+        ``video.VideoInfo``), None for images and for videos given as frames.
     """
 
     embeddings: list[torch.Tensor]
     grid_thw: torch.Tensor
     deepstack: list[list[torch.Tensor]] = field(default_factory=list)
     pooled: torch.Tensor | None = None
+    video_info: list[VideoInfo | None] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.embeddings)
@@ -121,6 +134,7 @@ class ItemResult:
     grid_thw: tuple[int, int, int] | None = None
     deepstack: list[torch.Tensor] | None = None
     pooled: torch.Tensor | None = None
+    video_info: VideoInfo | None = None  # a video file's frames, fps and timestamps
     error: str | None = None
     error_class: type[QwenVLVisionError] = PreprocessError  # what encode_images raises for this error
 
@@ -138,14 +152,17 @@ class _Prepared:
     error: str | None = None
     tokens: int = field(default=0)
     held: int = 0  # bytes of the decode budget this input holds until it joins a batch
+    video_info: VideoInfo | None = None
 
 
 class VisionEncoder:
     """A loaded vision tower with its preprocessing; see ``load_encoder``."""
 
-    def __init__(self, model: VisionTower, preprocess_config: PreprocessConfig, source: str = "") -> None:
+    def __init__(self, model: VisionTower, preprocess_config: PreprocessConfig, source: str = "",
+                 video_config: VideoConfig | None = None) -> None:
         self._model: VisionTower | None = model
         self.preprocess_config = preprocess_config
+        self.video_config = video_config or VideoConfig.for_family(model.config.family)
         self.source = source
         self.config: VisionConfig = model.config
         # Guards _model, _closing and _forwards: forwards in flight, which close() waits for.
@@ -272,12 +289,22 @@ class VisionEncoder:
     def _prepare(self, item: Any, index: int, video: bool, min_pixels: int | None, max_pixels: int | None,
                  max_input_pixels: int | None, budget: _DecodeBudget, pin: bool, resize: str | None) -> _Prepared:
         """Decode and resize one input on a worker thread, admitted by the decode budget in input order."""
+        video = is_video_file(item) if video is None else video
         name = input_name("video" if video else "image", index, item)
-        held = budget.admit(index, _decode_cost(item, video, max_input_pixels))
-        fn = preprocess_video if video else preprocess_image
+        held = budget.admit(index, _decode_cost(item, video, max_input_pixels, self.video_config,
+                                                self.config.temporal_patch_size))
+        info = None
+        options = dict(min_pixels=min_pixels, max_pixels=max_pixels, index=index, max_input_pixels=max_input_pixels,
+                       resize=resize)
         try:
-            pixel_values, grid = fn(item, self.preprocess_config, min_pixels=min_pixels, max_pixels=max_pixels,
-                                    index=index, max_input_pixels=max_input_pixels, resize=resize)
+            if not video:
+                pixel_values, grid = preprocess_image(item, self.preprocess_config, **options)
+            elif isinstance(item, (str, os.PathLike)):
+                pixel_values, grid, info = preprocess_video_file(item, self.preprocess_config, self.video_config,
+                                                                 **options)
+            else:
+                pixel_values, grid = preprocess_video(item, self.preprocess_config, video_config=self.video_config,
+                                                      **options)
         except PreprocessError as e:
             budget.release(held)
             return _Prepared(index, name, error=str(e))
@@ -288,9 +315,9 @@ class VisionEncoder:
             pixel_values = pixel_values.pin_memory()
         # From here on the input holds its resized pixels, not its decode peak.
         held = budget.resize(held, pixel_values.element_size() * pixel_values.nelement())
-        return _Prepared(index, name, pixel_values, tuple(grid), tokens=math.prod(grid), held=held)
+        return _Prepared(index, name, pixel_values, tuple(grid), tokens=math.prod(grid), held=held, video_info=info)
 
-    def iter_encode(self, items: Iterable[Any], *, video: bool = False, min_pixels: int | None = None,
+    def iter_encode(self, items: Iterable[Any], *, video: bool | None = False, min_pixels: int | None = None,
                     max_pixels: int | None = None, max_batch_tokens: int = 16384, pooled: bool = False,
                     num_workers: int | None = None, prefetch: int = 8,
                     max_input_pixels: int | None = DEFAULT_MAX_INPUT_PIXELS,
@@ -298,6 +325,9 @@ class VisionEncoder:
                     on_prepared: Callable[[int, int], None] | None = None,
                     resize: str | None = None) -> Iterator[list[ItemResult]]:
         """Yield results batch by batch, in input order; a bad input yields an ItemResult with its error.
+
+        ``video``: False, every item is an image; True, every item is a video (a file, or frames); None, an item
+        is a video when it is a path with a video extension (``video.VIDEO_EXTENSIONS``), else an image.
 
         ``on_prepared(index, tokens)`` is called once per input, in input order, on the iterating thread, as soon
         as the input is decoded and resized (or has failed: tokens 0), before it joins its batch; tokens is the
@@ -361,7 +391,7 @@ class VisionEncoder:
                 results.append(ItemResult(
                     p.index, p.name, embedding=out.embeddings[i], grid_thw=p.grid,
                     deepstack=out.deepstack[i],
-                    pooled=out.pooled[i] if out.pooled is not None else None,
+                    pooled=out.pooled[i] if out.pooled is not None else None, video_info=p.video_info,
                 ))
         return sorted(results, key=lambda r: r.index)
 
@@ -381,6 +411,7 @@ class VisionEncoder:
             grid_thw=torch.tensor([r.grid_thw for r in results], dtype=torch.int64).view(-1, 3),
             deepstack=[r.deepstack for r in results],
             pooled=torch.stack([r.pooled for r in results]) if pooled and results else None,
+            video_info=[r.video_info for r in results],
         )
 
     def _preflight(self, items: list[Any], video: bool, min_pixels: int | None, max_pixels: int | None,
@@ -390,6 +421,9 @@ class VisionEncoder:
 
         for i, item in enumerate(items):
             first, name = item, None
+            if video and isinstance(item, (str, os.PathLike)):
+                probe_video(item, input_name("video", i, item), max_input_pixels)
+                continue
             if video:
                 if isinstance(item, torch.Tensor) or hasattr(item, "shape"):
                     if len(item) == 0:
@@ -426,34 +460,50 @@ class VisionEncoder:
     def encode_videos(self, videos: Sequence[Any], *, min_pixels: int | None = None, max_pixels: int | None = None,
                       max_batch_tokens: int = 16384, pooled: bool = False, num_workers: int | None = None,
                       fps: float | None = None, video_fps: float | Sequence[float] | None = None,
-                      max_input_pixels: int | None = DEFAULT_MAX_INPUT_PIXELS) -> EncodeResult:
-        """Videos (each a sequence of frames or an (F, H, W, C) uint8 array) -> embeddings; see encode_images.
+                      max_input_pixels: int | None = DEFAULT_MAX_INPUT_PIXELS,
+                      resize: str | None = None) -> EncodeResult:
+        """Videos -> embeddings, as transformers' video processor of this family + the tower; see encode_images.
 
-        Frames are padded to an even count by repeating the last one; grid_t = frames / 2. With ``fps`` and
-        the source rate ``video_fps`` (one value, or one per video), frames are first sampled the way the
-        family's transformers video processor does (Qwen2-VL's rule for Qwen2.5-VL, Qwen3-VL's for Qwen3-VL).
+        Each video is a file path (decoded with PyAV, the ``[video]`` extra), a sequence of frames, or an
+        (F, H, W, C) / (F, C, H, W) uint8 array. Files are sampled at ``fps`` frames per second (default: the
+        checkpoint's ``video_config.fps``, 2.0) with the family's rule (Qwen2VLVideoProcessor's or
+        Qwen3VLVideoProcessor's: min/max frames, the frame-count rule), and ``EncodeResult.video_info`` says
+        which frames were used, at what source fps and timestamps. Frames given in memory are used as given,
+        unless ``fps`` and their source rate ``video_fps`` (one value, or one per video) are passed. Every clip is
+        sized by the video processor's rule (``video.video_target_size``: the video pixel bounds, the
+        total-pixel budget, Qwen3-VL's frame-count-aware size); ``min_pixels`` / ``max_pixels`` override its
+        bounds. The count is padded to a multiple of 2 by repeating the last frame; grid_t = frames / 2.
+        ``resize``: None or "torch" is the video processors' own (torchvision) pipeline; "pil" resizes with PIL.
         """
-        if fps is not None:
-            videos = self._sample_by_fps(list(videos), fps, video_fps)
-        return self._encode_all(videos, True, pooled, min_pixels=min_pixels, max_pixels=max_pixels,
-                                max_batch_tokens=max_batch_tokens, num_workers=num_workers,
-                                max_input_pixels=max_input_pixels)
+        videos = list(videos)
+        if fps is not None and any(not isinstance(v, (str, os.PathLike)) for v in videos):
+            videos = self._sample_by_fps(videos, fps, video_fps)
+        encoder = self if fps is None else self._with_video_config(fps=fps)
+        return encoder._encode_all(videos, True, pooled, min_pixels=min_pixels, max_pixels=max_pixels,
+                                   max_batch_tokens=max_batch_tokens, num_workers=num_workers,
+                                   max_input_pixels=max_input_pixels, resize=resize)
+
+    def _with_video_config(self, **changes: Any) -> VisionEncoder:
+        """A view of this encoder (same tower, same close state) whose video settings differ."""
+        view = copy.copy(self)
+        view.video_config = dataclasses.replace(self.video_config, **changes)
+        return view
 
     def _sample_by_fps(self, videos: list[Any], fps: float, video_fps: float | Sequence[float] | None) -> list[Any]:
-        from .preprocess import sample_frame_indices, sample_frame_indices_qwen3
-
+        """Frames in memory sampled at ``fps`` with the family's rule (files are sampled when they are read)."""
         if video_fps is None:
-            raise InputError("sampling by fps needs the videos' own frame rate: pass video_fps")
+            raise InputError("sampling frames in memory by fps needs their own frame rate: pass video_fps")
         rates = [video_fps] * len(videos) if isinstance(video_fps, (int, float)) else list(video_fps)
         if len(rates) != len(videos):
             raise InputError(f"video_fps has {len(rates)} entries for {len(videos)} videos")
+        vcfg = dataclasses.replace(self.video_config, fps=fps)
         sampled = []
         for video, rate in zip(videos, rates):
+            if isinstance(video, (str, os.PathLike)):
+                sampled.append(video)
+                continue
             frames = video if hasattr(video, "shape") else list(video)
-            if self.config.spec.video_sampling == "qwen3":
-                keep = sample_frame_indices_qwen3(len(frames), rate, fps)
-            else:
-                keep = sample_frame_indices(len(frames), rate, fps, temporal_patch_size=self.config.temporal_patch_size)
+            keep = sample_indices(len(frames), rate, vcfg, self.config.temporal_patch_size)
             sampled.append(frames[keep] if hasattr(frames, "shape") else [frames[i] for i in keep])
         return sampled
 
@@ -523,12 +573,21 @@ class _DecodeBudget:
             self._cond.notify_all()
 
 
-def _decode_cost(item: Any, video: bool, max_input_pixels: int | None) -> int:
+def _decode_cost(item: Any, video: bool, max_input_pixels: int | None, video_config: VideoConfig,
+                 temporal_patch_size: int) -> int:
     """Estimated peak bytes of decoding `item`, read from a file's header; 0 for what is already in memory.
 
-    A video is estimated by its first frame: frames are decoded one at a time. A file refused by
+    A video file holds its sampled frames (RGB, 3 bytes a pixel) at once, plus one resized group; frames given
+    as a list are estimated by their first frame: they are decoded one at a time. A file refused by
     max_input_pixels, or whose header cannot be read, costs nothing: preprocessing refuses it unread.
     """
+    if video and isinstance(item, (str, os.PathLike)):
+        try:
+            total, rate, height, width = probe_video(item, max_input_pixels=max_input_pixels)
+            kept = len(sample_indices(total, rate, video_config, temporal_patch_size))
+        except Exception:  # noqa: BLE001 - preprocessing names the problem; this is only an estimate
+            return 0
+        return kept * height * width * 3 + height * width * DECODE_BYTES_PER_PIXEL
     first = item
     if video:
         if not isinstance(item, (list, tuple)) or not item:
@@ -565,6 +624,7 @@ def load_encoder(
     cache_size: int = 1024,
     cache_bytes: int | None = 1 << 30,
     preprocess_config: PreprocessConfig | dict | None = None,
+    video_config: VideoConfig | dict | None = None,
     compile: bool | dict = False,
     attn_impl: str = "auto",
     check_finite: bool = True,
@@ -581,6 +641,8 @@ def load_encoder(
     "flash" or "torch_varlen"; a backend that cannot run on this device and dtype is a ConfigError.
     check_finite: refuse a checkpoint holding NaN or infinite weights (a ``CheckpointError`` naming the
     tensor); False loads such a checkpoint as it is, for deliberately odd ones.
+    preprocess_config / video_config: override the checkpoint's ``preprocessor_config.json`` /
+    ``video_preprocessor_config.json`` (a settings object, or a dict in the file's format).
     """
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
@@ -590,14 +652,16 @@ def load_encoder(
         config = resolve_config(source)
         model = _compiled(random_tower(config, device, dtype, seed=seed, **options), compile)
         pre = _preprocess_config(preprocess_config, None, config)
-        return VisionEncoder(model, pre, source=config.name or config.family)
+        return VisionEncoder(model, pre, source=config.name or config.family,
+                             video_config=_video_config(video_config, None, config, pre))
     if isinstance(source, (VisionConfig, dict)):
         raise ConfigError("a config alone has no weights: pass random_weights=True, or a checkpoint folder/repo id")
     folder = _resolve_folder(os.fspath(source), revision, local_files_only, cache_dir, token)
     checkpoint = open_checkpoint(folder)
     model = _compiled(load_tower(checkpoint, device, dtype, check_finite=check_finite, **options), compile)
     pre = _preprocess_config(preprocess_config, checkpoint.preprocessor_json(), checkpoint.config)
-    return VisionEncoder(model, pre, source=os.fspath(source))
+    video = _video_config(video_config, checkpoint.video_preprocessor_json(), checkpoint.config, pre)
+    return VisionEncoder(model, pre, source=os.fspath(source), video_config=video)
 
 
 def _compiled(model: VisionTower, compile: bool | dict) -> VisionTower:
@@ -618,6 +682,13 @@ def _preprocess_config(given: PreprocessConfig | dict | None, from_checkpoint: d
         if ours != tower:
             raise ConfigError(f"the preprocessor config's {name} is {ours} but the vision tower's is {tower}")
     return pre
+
+
+def _video_config(given: VideoConfig | dict | None, from_checkpoint: dict | None, config: VisionConfig,
+                  pre: PreprocessConfig) -> VideoConfig:
+    if isinstance(given, VideoConfig):
+        return given
+    return VideoConfig.from_dict(given if given is not None else from_checkpoint, config.family, pre)
 
 
 def _resolve_folder(source: str, revision: str | None, local_files_only: bool, cache_dir: str | None,

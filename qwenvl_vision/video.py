@@ -76,6 +76,14 @@ from .preprocess import (
 
 SAMPLINGS = ("qwen2", "qwen3")
 VIDEO_EXTRA = "pip install 'qwenvl-vision[video]'"
+# What ``embed`` and ``iter_encode(video=None)`` take for a video file (anything else is read as an image).
+VIDEO_EXTENSIONS = frozenset({".mp4", ".m4v", ".mov", ".mkv", ".webm", ".avi", ".mpg", ".mpeg", ".wmv", ".flv",
+                              ".3gp", ".ts", ".ogv"})
+
+
+def is_video_file(item: Any) -> bool:
+    """A path whose extension is a video container's."""
+    return isinstance(item, (str, os.PathLike)) and os.path.splitext(os.fspath(item))[1].lower() in VIDEO_EXTENSIONS
 # Class defaults of the two transformers video processors (their ``size`` and ``max_video_tokens``).
 _CLASS_DEFAULTS = {
     "qwen2": {"processor": "Qwen2VLVideoProcessor", "min_pixels": 128 * 28 * 28, "max_pixels": 28 * 28 * 768,

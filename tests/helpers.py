@@ -299,6 +299,24 @@ def reference_video(processor, family, frames):
 # ----------------------------------------------------------------------------- photos
 
 
+def write_video(path, count: int, width: int, height: int, rate, codec: str = "mpeg4") -> None:
+    """A video file of ``count`` frames (PyAV): a real photo panned 3 px per frame, plus noise, so that sampling
+    the wrong frame or resizing differently would show."""
+    import av
+
+    photo = np.asarray(Image.open(sample_photo("grace_hopper.jpg")).convert("RGB").resize((width * 2, height * 2)))
+    rng = np.random.default_rng(count)
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream(codec, rate=rate)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        for i in range(count):
+            frame = np.roll(photo, 3 * i, axis=1)[:height, :width].astype(np.int16)
+            frame = np.clip(frame + rng.integers(-20, 20, frame.shape), 0, 255).astype(np.uint8)
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        container.mux(stream.encode())
+
+
+
 def sample_photo(name: str) -> str:
     """Path of one of matplotlib's bundled sample photos (real pictures, no network)."""
     import matplotlib.cbook as cbook

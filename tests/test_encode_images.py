@@ -18,9 +18,9 @@ from tests.helpers import (
     PREPROCESSOR_FILES,
     hf_forward,
     hf_tower,
-    reference_video,
     rel_err,
     write_checkpoint,
+    write_video,
 )
 from tests.helpers import sample_photo as sample
 
@@ -138,15 +138,55 @@ def test_batches_respect_the_token_budget(setup, photos):
     assert len(batches) > 1
 
 
-def test_video_matches_reference_video_layout(setup):
-    encoder, ref, processor, cfg = setup
+def video_processor(encoder):
+    """transformers' video processor of the encoder's family with its checkpoint's video settings."""
+    pytest.importorskip("torchvision")
+    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    cls = Qwen3VLVideoProcessor if encoder.video_config.sampling == "qwen3" else Qwen2VLVideoProcessor
+    settings = encoder.video_config.to_dict(encoder.preprocess_config)
+    return cls(**{k: v for k, v in settings.items() if not k.endswith("_type")})
+
+
+def test_video_frames_match_video_processor_and_tower(setup):
+    encoder, ref, _, cfg = setup
+    processor = video_processor(encoder)
     hopper = np.asarray(Image.open(sample("grace_hopper.jpg")).convert("RGB").resize((160, 128)))
-    frames = [np.roll(hopper, 9 * i, axis=1) for i in range(5)]  # odd: the last frame is repeated
+    frames = np.stack([np.roll(hopper, 9 * i, axis=1) for i in range(5)])  # odd: the last frame is repeated
     result = encoder.encode_videos([frames])
-    values, grid = reference_video(processor, cfg.family, frames)
-    assert grid[0] == 3 and result.grid_thw.tolist() == [list(grid)]
-    expected, _ = _reference_embeddings(ref, torch.from_numpy(values), torch.tensor([grid]))
+    out = processor([frames], do_sample_frames=False, return_tensors="pt")
+    grid = out["video_grid_thw"]
+    assert grid[0, 0] == 3 and result.grid_thw.tolist() == grid.tolist()
+    expected, _ = _reference_embeddings(ref, out["pixel_values_videos"], grid)
     assert rel_err(result.embeddings[0], expected[0]) <= 1e-4
+    assert result.video_info == [None]  # frames in memory: nothing was read
+
+
+def test_video_file_matches_load_video_processor_and_tower(setup, tmp_path):
+    """A video file end to end: transformers' pyav reader + the family's video processor (sampling at the
+    checkpoint's fps, the pixel budget) + the tower, against encode_videos on the path."""
+    pytest.importorskip("av")
+    from transformers.video_utils import load_video
+
+    encoder, ref, _, cfg = setup
+    processor = video_processor(encoder)
+    path = tmp_path / "clip.mp4"
+    write_video(path, 23, 96, 64, 10)  # 2.3 s at 10 fps: sampled at 2 fps
+    result = encoder.encode_videos([str(path)], pooled=True)
+    frames, metadata = load_video(str(path), backend="pyav")
+    vcfg = encoder.video_config
+    out = processor([frames], video_metadata=[metadata], do_sample_frames=True, fps=vcfg.fps,
+                    cap_pixels_per_frame=vcfg.cap_pixels_per_frame, return_tensors="pt", return_metadata=True)
+    grid = out["video_grid_thw"]
+    assert result.grid_thw.tolist() == grid.tolist()
+    expected, expected_levels = _reference_embeddings(ref, out["pixel_values_videos"], grid)
+    assert rel_err(result.embeddings[0], expected[0]) <= 1e-4
+    for level, ref_level in zip(result.deepstack[0], [lv[0] for lv in expected_levels]):
+        assert rel_err(level, ref_level) <= 1e-4
+    info, sampled = result.video_info[0], out["video_metadata"][0]
+    assert info.frame_indices == np.asarray(sampled.frames_indices).tolist()
+    assert info.timestamps == sampled.timestamps and info.video_fps == sampled.fps == 10
 
 
 def test_bad_input_raises_before_any_compute_naming_it(setup, photos, tmp_path):
@@ -168,13 +208,12 @@ def test_bad_input_raises_before_any_compute_naming_it(setup, photos, tmp_path):
 
 def test_video_sampled_by_fps_equals_the_sampled_frames(setup):
     encoder, _, _, cfg = setup
-    from qwenvl_vision.preprocess import sample_frame_indices, sample_frame_indices_qwen3
+    from qwenvl_vision.video import sample_indices
 
     rng = np.random.default_rng(0)
     clip = rng.integers(0, 256, (12, 64, 96, 3), dtype=np.uint8)  # 12 frames at 6 fps, sampled at 2 fps
     sampled = encoder.encode_videos([clip], fps=2.0, video_fps=6.0)
-    rule = sample_frame_indices_qwen3 if cfg.spec.video_sampling == "qwen3" else sample_frame_indices
-    keep = rule(12, 6.0, 2.0)
+    keep = sample_indices(12, 6.0, encoder.video_config, cfg.temporal_patch_size)
     assert len(keep) == 4
     direct = encoder.encode_videos([clip[keep]])
     assert torch.equal(sampled.embeddings[0], direct.embeddings[0])

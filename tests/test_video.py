@@ -27,7 +27,7 @@ from qwenvl_vision.video import (
     read_video,
     video_target_size,
 )
-from tests.helpers import sample_photo
+from tests.helpers import sample_photo, write_video
 
 av = pytest.importorskip("av")
 pytest.importorskip("torchvision")
@@ -53,20 +53,6 @@ VIDEOS = {  # name -> (frames, width, height, rate)
     "tiny.mp4": (12, 24, 16, 10),
     "one.mp4": (1, 64, 48, 10),
 }
-
-
-def write_video(path, count: int, width: int, height: int, rate, codec: str = "mpeg4") -> None:
-    """``count`` frames of a real photo panned 3 px per frame, plus noise."""
-    photo = np.asarray(Image.open(sample_photo("grace_hopper.jpg")).convert("RGB").resize((width * 2, height * 2)))
-    rng = np.random.default_rng(count)
-    with av.open(str(path), "w") as container:
-        stream = container.add_stream(codec, rate=rate)
-        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-        for i in range(count):
-            frame = np.roll(photo, 3 * i, axis=1)[:height, :width].astype(np.int16)
-            frame = np.clip(frame + rng.integers(-20, 20, frame.shape), 0, 255).astype(np.uint8)
-            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
-        container.mux(stream.encode())
 
 
 @pytest.fixture(scope="module")
