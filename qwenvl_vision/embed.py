@@ -1,4 +1,4 @@
-"""``qwenvl-vision embed``: folders of images -> safetensors shards + manifest.jsonl, resumable, multi-rank.
+"""``qwenvl-vision embed``: folders of images and videos -> safetensors shards + manifest.jsonl, resumable, multi-rank.
 
 One writer per output folder: a run holds ``fcntl.flock`` on ``OUT/embed.lock`` (rank r > 0 of a torchrun job
 on ``OUT/embed.rank{r}.lock``) from before it looks at the folder until it exits; the kernel drops the lock
@@ -7,8 +7,8 @@ when the process dies, so SIGKILL leaves no stale lock. Another process on the s
 file still is the one on disk, so that removal cannot let two processes in.
 
 Run file: ``run.json`` records what the run's tensors depend on (model config and weights hashes, dtype,
-pixel bounds, resize backend, pooling, world size) and identifies the run (``run_id``); ``--resume`` refuses
-other settings.
+pixel bounds, resize backend, video settings, pooling, world size) and identifies the run (``run_id``);
+``--resume`` refuses other settings.
 Every shard carries its run id in its metadata and temporary files carry it in their names: recovery deletes
 only files of the run that holds the lock.
 
@@ -20,8 +20,10 @@ half-written last line. ``--resume`` drops (c), keeps every input recorded ok ex
 rest, and never reuses a shard name. Damaged manifest lines (hand edits) are treated like a torn line: their
 inputs are redone.
 
-Inputs: files, folders (recursive, by image extension) and text files listing paths; deduplicated by real
-path (the first spelling is the one recorded). A list that is not text is one failed input.
+Inputs: files, folders (recursive, by image and video extension) and text files listing paths; deduplicated by
+real path (the first spelling is the one recorded). A list that is not text is one failed input. A path with a
+video extension (``video.VIDEO_EXTENSIONS``) is a video file: decoded with PyAV, sampled at the checkpoint's fps
+(``--fps``), and its manifest record says which frames were used, the source fps and their timestamps.
 
 Ranks: under ``torchrun`` (RANK / WORLD_SIZE set) inputs are split statically, rank r taking inputs
 r, r+W, r+2W, ... (never padded with duplicates); each rank writes ``shard-r{rank}-*.safetensors`` and
@@ -37,11 +39,13 @@ failed (the summary line says how many): torchrun treats any other exit as a cra
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import errno
 import fcntl
 import hashlib
 import json
+import math
 import os
 import re
 import socket
@@ -60,8 +64,10 @@ from safetensors.torch import save
 from .attention import ATTN_IMPLS
 from .errors import QwenVLVisionError, exit_code_of
 from .options import dtype_option
+from .video import VIDEO_EXTENSIONS
 
 IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".ppm", ".pgm"}
+MEDIA_EXTENSIONS = IMAGE_EXTENSIONS | VIDEO_EXTENSIONS
 LIST_EXTENSIONS = {".txt", ".lst", ".list"}
 MANIFEST = "manifest.jsonl"
 RUN_FILE = "run.json"
@@ -71,9 +77,10 @@ RUN_FORMAT = 1
 # revision (likewise), the package version, the device, batch size and compile (same tensors up to
 # floating-point noise).
 RUN_COMPARED = ("format", "config_sha256", "weights_sha256", "dtype", "min_pixels", "max_pixels", "resize",
-                "pooled", "world_size")
-# What a compared field meant in run files written before it existed.
-RUN_FIELD_DEFAULTS = {"resize": "pil"}
+                "video", "pooled", "world_size")
+# What a compared field meant in run files written before it existed ("video": None, no videos were embedded,
+# so any video settings continue such a run).
+RUN_FIELD_DEFAULTS = {"resize": "pil", "video": None}
 SHARD_NAME = re.compile(r"^shard-r(\d+)-(\d+)\.safetensors$")
 # OSErrors at the start that are the output folder's state (exit 3, like a fault mid-run), not a usage error.
 OUTPUT_FAULTS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO}
@@ -171,7 +178,7 @@ def gather_inputs(inputs: list[str]) -> Inputs:
         p = Path(item)
         if p.is_dir():
             try:
-                files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in IMAGE_EXTENSIONS)
+                files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in MEDIA_EXTENSIONS)
             except OSError as e:
                 found.add(item, f"cannot list folder {item}: {e.strerror or e}")
                 continue
@@ -274,6 +281,21 @@ def _record_problem(record: Any) -> str:
         return f"grid_thw {grid!r} is not three positive integers"
     if not isinstance(record.get("tokens"), int) or record["tokens"] < 1:
         return f"tokens {record.get('tokens')!r} is not a positive integer"
+    return _video_problem(record["video"]) if "video" in record else ""
+
+
+def _video_problem(video: Any) -> str:
+    """Why a record's ``video`` entry (frames used, timestamps, source fps) cannot be used ('' when it can)."""
+    if not isinstance(video, dict):
+        return "video is not a JSON object"
+    frames, stamps, fps = video.get("frames"), video.get("timestamps"), video.get("fps")
+    if not (isinstance(frames, list) and frames and all(isinstance(i, int) and i >= 0 for i in frames)):
+        return f"video frames {frames!r} are not frame indices"
+    if not (isinstance(stamps, list) and len(stamps) == len(frames)
+            and all(isinstance(t, (int, float)) for t in stamps)):
+        return "video timestamps are not one number per frame"
+    if not (isinstance(fps, (int, float)) and fps > 0):
+        return f"video fps {fps!r} is not a positive number"
     return ""
 
 
@@ -412,6 +434,11 @@ class RankWriter:
         for r in results:
             record = {"path": r.path, "realpath": real_key(r.path), "status": "ok" if r.ok else "error",
                       "error": r.error, "rank": self.rank}
+            if getattr(r, "video_info", None) is not None:
+                info = r.video_info
+                record["video"] = {"frames": info.frame_indices, "timestamps": info.timestamps,
+                                   "fps": info.video_fps, "sampled_fps": info.sampled_fps,
+                                   "total_frames": info.total_frames}
             if r.ok:
                 key = f"{ok:06d}"
                 if pooled_only:
@@ -680,6 +707,8 @@ def describe_run(encoder, args: argparse.Namespace, folder: str | None, world: i
         "min_pixels": min_pixels,
         "max_pixels": max_pixels,
         "resize": args.resize or pre.resize,
+        # The video settings as a video_preprocessor_config.json (fps, frame bounds, pixel bounds, budget).
+        "video": encoder.video_config.to_dict(),
         "pooled": bool(args.pooled_only),
         "world_size": world,
         "cwd": os.getcwd(),
@@ -688,7 +717,8 @@ def describe_run(encoder, args: argparse.Namespace, folder: str | None, world: i
 
 def compare_runs(recorded: dict, now: dict, out: Path) -> None:
     """Raise RunMismatchError listing every compared field that differs."""
-    differ = [key for key in RUN_COMPARED if recorded.get(key) != now.get(key)]
+    differ = [key for key in RUN_COMPARED if recorded.get(key) != now.get(key)
+              and not (key in RUN_FIELD_DEFAULTS and recorded.get(key) is None)]
     if not differ:
         return
 
@@ -767,6 +797,7 @@ class _PathResult:
         self.grid_thw = item.grid_thw
         self.deepstack = item.deepstack
         self.pooled = item.pooled
+        self.video_info = item.video_info
 
 
 class _Failed:
@@ -958,9 +989,11 @@ class EmbedJob:
                                  f"cannot be checked; finish it with that version, or choose another --out")
         self.inputs = gather_inputs(args.inputs)
         if not self.inputs.paths:
-            raise EmbedError(f"no inputs: {', '.join(args.inputs)} hold no image files (by extension: "
-                             f"{' '.join(sorted(IMAGE_EXTENSIONS))}) and list no paths")
+            raise EmbedError(f"no inputs: {', '.join(args.inputs)} hold no image or video files (by extension: "
+                             f"{' '.join(sorted(MEDIA_EXTENSIONS))}) and list no paths")
         self.encoder, folder = _load(args, _pick_device(args, self.rank, self.world), self.progress)
+        if args.fps is not None:
+            self.encoder.video_config = dataclasses.replace(self.encoder.video_config, fps=args.fps)
         now = describe_run(self.encoder, args, folder, self.world)
         if recorded is not None:
             compare_runs(recorded, now, out)
@@ -1007,7 +1040,7 @@ class EmbedJob:
                 writer.write_batch(known_bad, args.pooled_only)
                 progress.update(len(known_bad), 0)
             batches = self.encoder.iter_encode(
-                todo, min_pixels=self.run["min_pixels"], max_pixels=self.run["max_pixels"],
+                todo, video=None, min_pixels=self.run["min_pixels"], max_pixels=self.run["max_pixels"],
                 max_batch_tokens=args.batch_tokens, resize=self.run["resize"],
                 pooled=args.pooled_only, max_input_pixels=args.max_input_pixels,
                 decode_bytes=args.decode_mib << 20,
@@ -1098,6 +1131,19 @@ def _positive_int(name: str):
     return parse
 
 
+def _positive_float(name: str):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a number, got {text!r}") from None
+        if not math.isfinite(value) or value <= 0:
+            raise argparse.ArgumentTypeError(f"{name} must be a positive number, got {text}")
+        return value
+
+    return parse
+
+
 def _device(text: str) -> str:
     try:
         device = torch.device(text)
@@ -1159,6 +1205,9 @@ def add_embed_parser(sub, parents=()) -> None:
                    help="whose resize the pixels match: pil = transformers' PIL image processor (transformers "
                         "without torchvision), torch = its torchvision processor (with torchvision; vLLM); default: "
                         "what the checkpoint's preprocessor_config.json names (...Fast: torch)")
+    p.add_argument("--fps", type=_positive_float("--fps"),
+                   help="frames per second sampled from video files (default: the checkpoint's "
+                        "video_preprocessor_config.json, else 2)")
     p.add_argument("--max-input-pixels", type=_positive_int("--max-input-pixels"), default=DEFAULT_MAX_INPUT_PIXELS,
                    help="refuse (record as failed) files whose header declares more pixels, before decoding "
                         "(default %(default)s)")

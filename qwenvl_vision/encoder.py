@@ -294,11 +294,11 @@ class VisionEncoder:
         held = budget.admit(index, _decode_cost(item, video, max_input_pixels, self.video_config,
                                                 self.config.temporal_patch_size))
         info = None
-        options = dict(min_pixels=min_pixels, max_pixels=max_pixels, index=index, max_input_pixels=max_input_pixels,
-                       resize=resize)
+        # `resize` chooses between transformers' two image processors; its video processors have one pipeline.
+        options = dict(min_pixels=min_pixels, max_pixels=max_pixels, index=index, max_input_pixels=max_input_pixels)
         try:
             if not video:
-                pixel_values, grid = preprocess_image(item, self.preprocess_config, **options)
+                pixel_values, grid = preprocess_image(item, self.preprocess_config, resize=resize, **options)
             elif isinstance(item, (str, os.PathLike)):
                 pixel_values, grid, info = preprocess_video_file(item, self.preprocess_config, self.video_config,
                                                                  **options)
@@ -339,8 +339,9 @@ class VisionEncoder:
         being decoded, at ~9 bytes per header pixel, plus decoded ones waiting for their batch; an input
         larger than that is handled alone; None: no bound) plus the batch being encoded (`max_batch_tokens`
         patches, or one larger input). A file whose header declares more than `max_input_pixels` pixels
-        is refused before decoding and yields an error (None: no limit beyond PIL's own). ``resize``: "pil" or
-        "torch" (see encode_images); None takes the checkpoint's.
+        is refused before decoding and yields an error (None: no limit beyond PIL's own). ``resize``: images'
+        "pil" or "torch" (see encode_images); None takes the checkpoint's. Videos always use the video processors'
+        pipeline.
         """
         self.model  # noqa: B018 - raises if closed, before any work
         if resize is not None:
@@ -460,8 +461,7 @@ class VisionEncoder:
     def encode_videos(self, videos: Sequence[Any], *, min_pixels: int | None = None, max_pixels: int | None = None,
                       max_batch_tokens: int = 16384, pooled: bool = False, num_workers: int | None = None,
                       fps: float | None = None, video_fps: float | Sequence[float] | None = None,
-                      max_input_pixels: int | None = DEFAULT_MAX_INPUT_PIXELS,
-                      resize: str | None = None) -> EncodeResult:
+                      max_input_pixels: int | None = DEFAULT_MAX_INPUT_PIXELS) -> EncodeResult:
         """Videos -> embeddings, as transformers' video processor of this family + the tower; see encode_images.
 
         Each video is a file path (decoded with PyAV, the ``[video]`` extra), a sequence of frames, or an
@@ -472,8 +472,8 @@ class VisionEncoder:
         unless ``fps`` and their source rate ``video_fps`` (one value, or one per video) are passed. Every clip is
         sized by the video processor's rule (``video.video_target_size``: the video pixel bounds, the
         total-pixel budget, Qwen3-VL's frame-count-aware size); ``min_pixels`` / ``max_pixels`` override its
-        bounds. The count is padded to a multiple of 2 by repeating the last frame; grid_t = frames / 2.
-        ``resize``: None or "torch" is the video processors' own (torchvision) pipeline; "pil" resizes with PIL.
+        bounds. The count is padded to a multiple of 2 by repeating the last frame; grid_t = frames / 2. Frames
+        are resized and normalised by the video processors' own pipeline (the torchvision one; there is no other).
         """
         videos = list(videos)
         if fps is not None and any(not isinstance(v, (str, os.PathLike)) for v in videos):
@@ -481,7 +481,7 @@ class VisionEncoder:
         encoder = self if fps is None else self._with_video_config(fps=fps)
         return encoder._encode_all(videos, True, pooled, min_pixels=min_pixels, max_pixels=max_pixels,
                                    max_batch_tokens=max_batch_tokens, num_workers=num_workers,
-                                   max_input_pixels=max_input_pixels, resize=resize)
+                                   max_input_pixels=max_input_pixels)
 
     def _with_video_config(self, **changes: Any) -> VisionEncoder:
         """A view of this encoder (same tower, same close state) whose video settings differ."""

@@ -19,7 +19,7 @@ from qwenvl_vision.cli import main
 from qwenvl_vision.embed import gather_inputs, read_embeddings, read_manifest_lines, read_run
 from qwenvl_vision.encoder import load_encoder
 from qwenvl_vision.errors import PreprocessError
-from tests.helpers import QWEN3_SMALL_72, REPO, rel_err, synthetic_photo
+from tests.helpers import QWEN3_SMALL_72, REPO, rel_err, synthetic_photo, write_video
 from tests.helpers import make_image_folder as make_folder
 
 
@@ -247,3 +247,79 @@ def test_embed_compiled_matches_eager(tmp_path, checkpoint3):
     assert runs["compiled"].keys() == runs["eager"].keys() and len(runs["eager"]) == 3
     for path, emb in runs["eager"].items():
         assert rel_err(runs["compiled"][path], emb) <= 1e-5
+
+
+# ---------------------------------------------------------------------- videos beside images
+
+
+def make_media_folder(root: Path, images: int, videos: int) -> tuple[list[Path], list[Path]]:
+    """Images (make_image_folder, no bad files) and small video files (mp4, avi, mkv) in one folder tree."""
+    image_paths = make_folder(root, images, bad=False)
+    video_paths = []
+    for i in range(videos):
+        path = root / ("sub" if i % 2 else ".") / f"clip{i:03d}{('.mp4', '.avi', '.mkv')[i % 3]}"
+        write_video(path, 5 + 3 * i, 48 + 8 * (i % 3), 40, 4 + i % 3)  # 1..3 s at 4..6 fps: 2..6 frames sampled
+        video_paths.append(path)
+    return image_paths, video_paths
+
+
+def test_embed_folder_mixing_images_and_videos(tmp_path, checkpoint):
+    pytest.importorskip("av")
+    images, videos = make_media_folder(tmp_path / "media", 3, 3)
+    broken = tmp_path / "media" / "broken.mp4"
+    broken.write_bytes(b"not a video at all" * 10)
+    out = tmp_path / "out"
+    assert main(["embed", str(tmp_path / "media"), "--model", str(checkpoint), "--out", str(out),
+                 "--fps", "3"]) == 1  # the broken video fails, the rest embed
+    records = {Path(r["path"]).name: r for r in manifest(out)}
+    assert len(records) == 3 + 3 + 1
+    assert records["broken.mp4"]["status"] == "error" and "broken.mp4" in records["broken.mp4"]["error"]
+    assert read_run(out)["video"]["fps"] == 3.0
+    encoder = load_encoder(checkpoint, device="cpu")
+    expected = encoder.encode_videos([str(p) for p in videos], fps=3.0)
+    stored = dict(read_embeddings(out))
+    for path, emb, info in zip(videos, expected.embeddings, expected.video_info):
+        record = records[path.name]
+        assert record["status"] == "ok" and record["grid_thw"][0] == (len(info.frame_indices) + 1) // 2
+        assert record["video"] == {"frames": info.frame_indices, "timestamps": info.timestamps,
+                                   "fps": info.video_fps, "sampled_fps": info.sampled_fps,
+                                   "total_frames": info.total_frames}
+        assert rel_err(stored[record["path"]], emb) <= 1e-5
+    for path in images:
+        assert "video" not in records[path.name] and records[path.name]["grid_thw"][0] == 1
+    # Other video settings are other tensors: --resume refuses them.
+    assert main(["embed", str(tmp_path / "media"), "--model", str(checkpoint), "--out", str(out),
+                 "--resume", "--fps", "2"]) == 2
+
+
+def test_sigkill_mid_run_with_videos_then_resume(tmp_path, checkpoint):
+    pytest.importorskip("av")
+    images, videos = make_media_folder(tmp_path / "media", 20, 12)
+    out = tmp_path / "out"
+    cmd = _embed_cmd([tmp_path / "media"], checkpoint, out, "--batch-tokens", "1", "--device", "cpu")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if any("video" in r for r in read_manifest_lines(out / "manifest.jsonl")):
+            break
+        time.sleep(0.005)
+    assert proc.poll() is None, "the run finished before it could be killed"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = len(read_manifest_lines(out / "manifest.jsonl"))
+    assert 1 <= killed_at < 32
+    resumed = subprocess.run([*cmd, "--resume"], env=env, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    records = manifest(out)
+    assert len({r["path"] for r in records}) == len(records) == 32
+    assert all(r["status"] == "ok" for r in records)
+    assert sum("video" in r for r in records) == 12
+    assert {r["shard"] for r in records} == {p.name for p in out.glob("*.safetensors")}
+    assert not list(out.glob("*.tmp"))
+    encoder = load_encoder(checkpoint, device="cpu")
+    stored = dict(read_embeddings(out))
+    expected = encoder.encode_videos([str(p) for p in videos])
+    by_path = {Path(r["path"]).name: r["path"] for r in records}
+    for path, emb in zip(videos, expected.embeddings):
+        assert rel_err(stored[by_path[path.name]], emb) <= 1e-5
