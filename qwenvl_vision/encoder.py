@@ -232,12 +232,14 @@ class VisionEncoder:
         return f"VisionEncoder({self.config.name or self.config.family}, {state})"
 
     def describe(self) -> dict:
-        """The tower (family, sizes, attention backend, device, dtype), its preprocessing and where it came from."""
+        """The tower (family, sizes, attention backend, device, dtype), its image and video preprocessing and where
+        it came from."""
         pre = self.preprocess_config
         return {**self.model.describe(), "source": self.source,
                 "preprocess": {"patch_size": pre.patch_size, "min_pixels": pre.min_pixels,
                                "max_pixels": pre.max_pixels, "image_mean": list(pre.image_mean),
-                               "image_std": list(pre.image_std)}}
+                               "image_std": list(pre.image_std), "resize": pre.resize},
+                "video": dataclasses.asdict(self.video_config)}
 
     @property
     def family(self) -> str:

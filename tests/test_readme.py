@@ -42,7 +42,8 @@ from qwenvl_vision.embed import read_manifest_lines
 from tests.helpers import FAMILY_SMALL, REPO, write_checkpoint
 
 README = REPO / "README.md"
-SETUP_LINE = 'python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && pip install -e ".[test]"'
+SETUP_LINE = ('python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.14.1 torchvision==0.29.1 '
+              '&& pip install -e ".[test]"')
 TEST_LINE = "ruff check . && python -m pytest -q"
 EXCUSED = {  # README command (without its comment) -> why it is not run here
     SETUP_LINE: "creates and fills the virtual environment these tests run in; .ci/run runs it (checked below)",
@@ -130,9 +131,9 @@ RUN_BLOCKS = [b for b in BLOCKS if b.language in RUN_LANGUAGES]
 
 @pytest.fixture
 def workdir(tmp_path, monkeypatch) -> Path:
-    """A fresh working directory with examples/photos, as in a checkout; the current directory for the test."""
+    """A fresh working directory with examples/, as in a checkout; the current directory for the test."""
     work = tmp_path / "work"
-    shutil.copytree(REPO / "examples" / "photos", work / "examples" / "photos")
+    shutil.copytree(REPO / "examples", work / "examples")
     (work / "tmp").mkdir()
     monkeypatch.chdir(work)
     return work
