@@ -16,6 +16,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import pathlib
+import subprocess
+import sys
 import types
 
 import numpy as np
@@ -666,3 +668,22 @@ def test_sample_frame_indices_matches_qwen3_vl_reference():
                     expected = sample(processor, metadata, fps=fps).tolist()
                     assert sample_frame_indices_qwen3(total, video_fps, fps, max_frames=max_frames) == expected
 
+
+
+def test_torch_backend_and_video_files_never_import_torchvision(tmp_path):
+    """The package must not need torchvision: the torch resize path and video files run without importing it."""
+    pytest.importorskip("av")
+    from tests.helpers import REPO, write_video
+
+    write_video(tmp_path / "clip.mp4", 6, 40, 32, 5)
+    code = (
+        "import sys, numpy as np\n"
+        "from qwenvl_vision.preprocess import PreprocessConfig, preprocess_image\n"
+        "from qwenvl_vision.video import VideoConfig, preprocess_video_file\n"
+        "pre = PreprocessConfig.for_family('qwen3_vl')\n"
+        "preprocess_image(np.zeros((50, 70, 3), np.uint8), pre, resize='torch')\n"
+        f"preprocess_video_file({str(tmp_path / 'clip.mp4')!r}, pre, VideoConfig.for_family('qwen3_vl'))\n"
+        "assert 'torchvision' not in sys.modules, 'torchvision was imported'\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
