@@ -24,12 +24,16 @@ Deviations from the reference, on purpose:
 - A header frame count of 0 (Matroska/WebM write none) makes ``read_video_pyav`` sample from 0 frames and fail;
   here the video stream's packets are counted by demuxing (no decoding) and that count is used. A stream
   without ``average_rate`` (the reference takes ``float(None)`` and fails) falls back to ``guessed_rate``.
-- A file that decodes fewer frames than its header declares (truncated): the reference returns fewer frames
-  than indices; here a PreprocessError says so. Every other failure (missing, empty, a directory, not a video,
-  a still image such as a JPEG named .mp4, audio only, corrupt data) is a one-line PreprocessError naming the
-  file, never a bare PyAV exception.
+- A file that decodes fewer frames than its header declares: the reference returns fewer frames than indices.
+  Here, when the missing frames are the packets an mp4 edit list discards (a cut made without re-encoding,
+  ``packet.is_discard``), the shown frames are sampled as if the header had counted them (``total_frames`` is
+  that count); otherwise (truncated) a PreprocessError says so. Every other failure (missing, empty, a
+  directory, not a video, a still image such as a JPEG named .mp4, audio only, corrupt data) is a one-line
+  PreprocessError naming the file, never a bare PyAV exception.
 - Only the sampled frames are kept while decoding (the reference's ``load_video`` without a sampler keeps every
-  frame), so memory is the sampled frames, and decoding stops after the last sampled index.
+  frame), each resized to the clip's target size as soon as it is decoded (the same single resize from the
+  source size), so memory is the sampled frames at their target size plus the output; decoding stops after the
+  last sampled index.
 - A clip shorter than the temporal patch size T: Qwen2's sampler divides by zero and Qwen3's ``smart_resize``
   raises; here every frame is kept and the size is computed as if the clip had T frames (patchify pads it to T
   by repeating the last frame anyway). Qwen2's sampler can also step one index past the last frame: dropped.
@@ -45,7 +49,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,8 +81,9 @@ from .preprocess import (
 SAMPLINGS = ("qwen2", "qwen3")
 VIDEO_EXTRA = "pip install 'qwenvl-vision[video]'"
 # What ``embed`` and ``iter_encode(video=None)`` take for a video file (anything else is read as an image).
+# (Not ".ts": in a source tree those are TypeScript far more often than MPEG transport streams.)
 VIDEO_EXTENSIONS = frozenset({".mp4", ".m4v", ".mov", ".mkv", ".webm", ".avi", ".mpg", ".mpeg", ".wmv", ".flv",
-                              ".3gp", ".ts", ".ogv"})
+                              ".3gp", ".ogv"})
 
 
 def is_video_file(item: Any) -> bool:
@@ -107,8 +112,9 @@ class VideoConfig:
     ``sampling``: "qwen2" follows ``Qwen2VLVideoProcessor`` (sampler, ``resize``), "qwen3"
     ``Qwen3VLVideoProcessor``. ``min_pixels`` / ``max_pixels`` are the processor's ``size.shortest_edge`` /
     ``size.longest_edge``: per frame for qwen2, for the whole clip (frames x height x width) for qwen3.
-    ``cap_pixels_per_frame``: the qwen-vl-utils total-pixel budget both processors apply when asked (and will
-    apply by default); ``max_video_tokens`` its budget (qwen2: tokens for the whole clip, qwen3: per frame).
+    ``cap_pixels_per_frame``: the qwen-vl-utils total-pixel budget both processors apply when asked; off when a
+    file does not say, as in transformers 5.24 (whose warning announces it as a future default);
+    ``max_video_tokens`` its budget (qwen2: tokens for the whole clip, qwen3: per frame).
     Field defaults are the Qwen2 class defaults; use ``for_family`` or ``from_dict``.
     """
 
@@ -118,7 +124,7 @@ class VideoConfig:
     fps: float = 2.0
     min_frames: int = 4
     max_frames: int = 768
-    cap_pixels_per_frame: bool = True
+    cap_pixels_per_frame: bool = False
     max_video_tokens: int = 128000
 
     def __post_init__(self) -> None:
@@ -508,45 +514,85 @@ def probe_video(path: str | os.PathLike, name: str | None = None,
 
 
 def read_video(path: str | os.PathLike, vcfg: VideoConfig, *, name: str | None = None,
-               temporal_patch_size: int = 2,
-               max_input_pixels: int | None = None) -> tuple[np.ndarray, VideoInfo]:
+               temporal_patch_size: int = 2, max_input_pixels: int | None = None,
+               size: Callable[[int, int, int], tuple[int, int]] | None = None) -> tuple[np.ndarray, VideoInfo]:
     """Decode the frames ``vcfg``'s sampling rule keeps: ((F, H, W, 3) uint8 RGB, VideoInfo).
 
     ``transformers.video_utils.read_video_pyav`` with the family's ``sample_frames`` as ``sample_indices_fn``:
     PyAV, ``frame.to_ndarray(format="rgb24")``, decoding stops after the last sampled index. Only sampled
-    frames are held. Deviations (frame count, truncated files, errors): module docstring.
+    frames are held. With ``size`` (``(frames, height, width) -> (h, w)``, asked once with the first decoded
+    frame's size), each frame is resized to it as soon as it is decoded (``resize_uint8_torch``, the video
+    processors' resize), so a long high-resolution clip never holds its frames at full size. Deviations (frame
+    count, edit lists, truncated files, errors): module docstring.
     """
     name = name or input_name("video", None, path)
     container, stream, total, rate = _open_video(path, name, max_input_pixels)
     with container:
         indices = sample_indices(total, rate, vcfg, temporal_patch_size)
-        slots: dict[int, list[int]] = {}
-        for slot, i in enumerate(indices):
-            slots.setdefault(i, []).append(slot)
-        frames = None
-        decoded = 0
-        try:
-            for frame in container.decode(stream):
-                if decoded in slots:
-                    rgb = frame.to_ndarray(format="rgb24")
-                    if frames is None:
-                        frames = np.empty((len(indices), *rgb.shape), dtype=np.uint8)
-                    elif rgb.shape != frames.shape[1:]:
-                        raise PreprocessError(f"{name}: frame {decoded} is {rgb.shape[1]}x{rgb.shape[0]}, earlier "
-                                              f"frames {frames.shape[2]}x{frames.shape[1]}; the size must not change")
-                    for slot in slots[decoded]:
-                        frames[slot] = rgb
-                decoded += 1
-                if decoded > indices[-1]:
-                    break
-        except PreprocessError:
-            raise
-        except Exception as e:  # noqa: BLE001 - FFmpeg's decoders raise many error types
-            raise _av_error(e, name, "decode") from e
+        frames, decoded = _decode_sampled(container, stream, indices, name, size)
+        shown, discarded = _packet_counts(container, stream, name) if decoded <= indices[-1] else (decoded, 0)
     if decoded <= indices[-1]:
-        raise PreprocessError(f"{name}: header declares {total} frames but only {decoded} decode")
+        if not (discarded and shown == decoded and shown + discarded == total):  # not an edit list: truncated
+            raise PreprocessError(f"{name}: header declares {total} frames but only {decoded} decode")
+        # An edit list (a cut made without re-encoding) hides frames the header still counts: sample the
+        # frames that are shown, as if the header had said so.
+        total = decoded
+        container, stream, _, rate = _open_video(path, name, max_input_pixels)
+        with container:
+            indices = sample_indices(total, rate, vcfg, temporal_patch_size)
+            frames, decoded = _decode_sampled(container, stream, indices, name, size)
+        if decoded <= indices[-1]:
+            raise PreprocessError(f"{name}: only {decoded} frames decode on a second read")
     return frames, VideoInfo(total_frames=total, video_fps=rate, frame_indices=list(indices),
-                             height=frames.shape[1], width=frames.shape[2])
+                             height=stream.height, width=stream.width)
+
+
+def _decode_sampled(container: Any, stream: Any, indices: list[int], name: str,
+                    size: Callable[[int, int, int], tuple[int, int]] | None) -> tuple[np.ndarray | None, int]:
+    """(the frames at ``indices``, resized by ``size`` if given; how many frames were decoded)."""
+    from .preprocess import resize_uint8_torch
+
+    slots: dict[int, list[int]] = {}
+    for slot, i in enumerate(indices):
+        slots.setdefault(i, []).append(slot)
+    frames = source = target = None
+    decoded = 0
+    try:
+        for frame in container.decode(stream):
+            if decoded in slots:
+                rgb = frame.to_ndarray(format="rgb24")
+                if frames is None:
+                    source = rgb.shape
+                    target = size(len(indices), *rgb.shape[:2]) if size is not None else rgb.shape[:2]
+                    frames = np.empty((len(indices), *target, 3), dtype=np.uint8)
+                elif rgb.shape != source:
+                    raise PreprocessError(f"{name}: frame {decoded} is {rgb.shape[1]}x{rgb.shape[0]}, earlier "
+                                          f"frames {source[1]}x{source[0]}; the size must not change")
+                resized = resize_uint8_torch(rgb, *target)
+                for slot in slots[decoded]:
+                    frames[slot] = resized
+            decoded += 1
+            if decoded > indices[-1]:
+                break
+    except (PreprocessError, MemoryError):
+        raise
+    except Exception as e:  # noqa: BLE001 - FFmpeg's decoders raise many error types
+        raise _av_error(e, name, "decode") from e
+    return frames, decoded
+
+
+def _packet_counts(container: Any, stream: Any, name: str) -> tuple[int, int]:
+    """(shown, discarded) packets of the stream, demuxed again: an mp4 edit list marks the cut ones discarded."""
+    shown = discarded = 0
+    try:
+        container.seek(0)
+        for packet in container.demux(stream):
+            if packet.size > 0:
+                discarded += bool(packet.is_discard)
+                shown += not packet.is_discard
+    except Exception as e:  # noqa: BLE001
+        raise _av_error(e, name, "decode") from e
+    return shown, discarded
 
 
 # --------------------------------------------------------------------------------------------------
@@ -564,10 +610,17 @@ def preprocess_video_file(path: str | os.PathLike, pre: PreprocessConfig, vcfg: 
     (``input_name("video", index, path)``); ``max_input_pixels`` refuses a larger frame before decoding.
     """
     name = input_name("video", index, path)
+    backend = check_resize_backend(resize or "torch", "resize")
+    sized = {}
+
+    def size(count: int, height: int, width: int) -> tuple[int, int]:
+        sized["target"] = video_target_size(count, height, width, pre, vcfg, min_pixels, max_pixels, name)
+        return sized["target"] if backend == "torch" else (height, width)  # PIL resizes later, from the source
+
     frames, info = read_video(path, vcfg, name=name, temporal_patch_size=pre.temporal_patch_size,
-                              max_input_pixels=max_input_pixels)
-    values, grid = _preprocess_frames(list(frames), pre, vcfg, name, min_pixels, max_pixels, None,
-                                      check_resize_backend(resize or "torch", "resize"))
+                              max_input_pixels=max_input_pixels, size=size)
+    values, grid = _preprocess_frames(list(frames), pre, vcfg, name, min_pixels, max_pixels, None, backend,
+                                      target=sized["target"])
     return values, grid, info
 
 
@@ -596,12 +649,18 @@ def preprocess_video(frames: Any, config: PreprocessConfig, *, min_pixels: int |
 
 def _preprocess_frames(frame_list: list, pre: PreprocessConfig, vcfg: VideoConfig | None, name: str,
                        min_pixels: int | None, max_pixels: int | None, max_input_pixels: int | None,
-                       backend: str) -> tuple[torch.Tensor, tuple[int, int, int]]:
-    """Resize, normalise and patchify one group of T frames at a time: peak memory is the output plus T frames."""
+                       backend: str,
+                       target: tuple[int, int] | None = None) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """Resize, normalise and patchify one group of T frames at a time: peak memory is the output plus T frames.
+
+    ``target``: the clip's size when the caller already chose it (frames decoded from a file may already have
+    it; resizing to their own size is a no-op)."""
     load = _loader(frame_list, name, max_input_pixels, backend, video=vcfg is not None)
     first = load(0)
     height, width = first.shape[:2]
-    if vcfg is None:
+    if target is not None:
+        pass
+    elif vcfg is None:
         target = _target_size(height, width, pre, min_pixels, max_pixels, name)
     else:
         target = video_target_size(len(frame_list), height, width, pre, vcfg, min_pixels, max_pixels, name)

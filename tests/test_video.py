@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import fractions
 import json
+import math
 
 import numpy as np
 import pytest
@@ -212,7 +213,8 @@ def test_for_family_is_its_processor_class_defaults(family, cls):
     assert (vcfg.min_pixels, vcfg.max_pixels) == (cls.size["shortest_edge"], cls.size["longest_edge"])
     assert (vcfg.min_frames, vcfg.max_frames, vcfg.max_video_tokens) == (cls.min_frames, cls.max_frames,
                                                                         cls.max_video_tokens)
-    assert vcfg.fps == 2.0 and vcfg.cap_pixels_per_frame is True
+    # transformers 5.24 reads an unset cap (the class default None) as "no cap".
+    assert vcfg.fps == 2.0 and vcfg.cap_pixels_per_frame is bool(cls.cap_pixels_per_frame) is False
 
 
 QWEN2_5_SAVED = {  # video_preprocessor_config.json as transformers saves a Qwen2.5-VL processor
@@ -353,3 +355,46 @@ def test_missing_pyav_names_the_extra(videos, monkeypatch):
     with pytest.raises(PreprocessError, match=r"^video '.*clip.mp4': reading video files needs PyAV: "
                                               r"pip install 'qwenvl-vision\[video\]'$"):
         preprocess_video_file(videos["clip.mp4"], pre, vcfg)
+
+
+@pytest.mark.parametrize(("family", "saved"), [("qwen2_5_vl", "QWEN2_5_SAVED"), ("qwen3_vl", "QWEN3_SAVED")])
+def test_saved_config_as_transformers_loads_it(videos, family, saved):
+    """No settings passed by hand: the processor transformers builds from the file, against ours from the same file
+    (what a checkpoint folder holding it gives both)."""
+    # The Qwen2 file samples nothing (do_sample_frames false, fps null): here both sample at 2 fps.
+    d = dict(globals()[saved], fps=2, do_sample_frames=True)
+    cls = REFERENCE[family][0]
+    processor = cls.from_dict({k: v for k, v in d.items() if v is not None})
+    pre = PreprocessConfig.for_family(family)
+    vcfg = VideoConfig.from_dict(d, family, pre)
+    frames, metadata = load_video(videos["clip.mp4"], backend="pyav")
+    out = processor(frames, video_metadata=[metadata], do_sample_frames=True, return_tensors="pt",
+                    return_metadata=True)
+    values, grid, info = preprocess_video_file(videos["clip.mp4"], pre, vcfg)
+    assert_matches(values, grid, info, (out["pixel_values_videos"], tuple(out["video_grid_thw"][0].tolist()),
+                                        out["video_metadata"][0]))
+
+
+def test_edit_list_frames_are_sampled_from_the_shown_frames(tmp_path):
+    """An mp4 cut without re-encoding: its header counts 45 frames, its edit list hides 5, 40 decode."""
+    path = tmp_path / "edit.mp4"
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("libx264", rate=25)
+        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
+        for i in range(-5, 40):  # negative timestamps: the muxer writes an edit list that starts at frame 0
+            frame = av.VideoFrame.from_ndarray(np.full((48, 64, 3), (i * 5) % 255, np.uint8), format="rgb24")
+            frame.pts = i
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode())
+    with av.open(str(path)) as container:
+        assert container.streams.video[0].frames == 45
+        assert sum(1 for _ in container.decode(video=0)) == 40
+    # Qwen2's sampler stops short of the hidden frames: the header's count stands, as in the reference.
+    frames, metadata = load_video(str(path), backend="pyav")
+    pre, vcfg = configs("qwen2_5_vl")
+    assert_matches(*preprocess_video_file(str(path), pre, vcfg), reference("qwen2_5_vl", vcfg, frames, metadata))
+    # Qwen3's always takes the last frame, which the reference cannot decode: sampled from the 40 shown frames.
+    pre, vcfg = configs("qwen3_vl")
+    _, grid, info = preprocess_video_file(str(path), pre, vcfg)
+    assert info.total_frames == 40 and info.frame_indices[-1] == 39
+    assert grid[0] == math.ceil(len(info.frame_indices) / 2)
