@@ -962,6 +962,7 @@ class EmbedJob:
         self.encoder = None
         self.run: dict | None = None
         self.fresh = True
+        self.filled: list[str] = []  # run.json fields an older run file lacked, filled in on resume
         self.inputs = Inputs()
         self.progress = Progress(rank, args.quiet)
 
@@ -998,6 +999,10 @@ class EmbedJob:
         if recorded is not None:
             compare_runs(recorded, now, out)
             self.run, self.fresh = recorded, False
+            # A run file from before a field existed: it now records this invocation's value, so that later
+            # resumes are held to it (an old run that goes on to embed videos keeps one video setting).
+            self.filled = [key for key in RUN_FIELD_DEFAULTS if recorded.get(key) is None]
+            self.run.update({key: now[key] for key in self.filled})
         else:
             self.run = now
 
@@ -1020,7 +1025,7 @@ class EmbedJob:
     # -- the run
 
     def start_writing(self) -> RankWriter:
-        if self.fresh and self.rank == 0:
+        if (self.fresh or self.filled) and self.rank == 0:
             _atomic_write_text(self.out / RUN_FILE, json.dumps(self.run, indent=2) + "\n", self.run["run_id"])
         writer = RankWriter(self.out, self.rank, self.world, self.run["run_id"], self.run.get("cwd"))
         if not self.fresh:

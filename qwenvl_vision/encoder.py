@@ -18,7 +18,6 @@ batch (an input larger than the budget waits until it is alone). Files whose hea
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 import os
@@ -56,6 +55,7 @@ from .video import (
     preprocess_video_file,
     probe_video,
     sample_indices,
+    video_target_size,
 )
 from .weights import CheckpointError, load_tower, open_checkpoint
 
@@ -288,13 +288,16 @@ class VisionEncoder:
                 raise NumericalError(f"{name} contain inf/nan in float16 (the tower overflowed); "
                                      f"use bfloat16 or float32")
 
-    def _prepare(self, item: Any, index: int, video: bool, min_pixels: int | None, max_pixels: int | None,
-                 max_input_pixels: int | None, budget: _DecodeBudget, pin: bool, resize: str | None) -> _Prepared:
+    def _prepare(self, item: Any, index: int, video: bool | None, min_pixels: int | None, max_pixels: int | None,
+                 max_input_pixels: int | None, budget: _DecodeBudget, pin: bool, resize: str | None,
+                 video_config: VideoConfig) -> _Prepared:
         """Decode and resize one input on a worker thread, admitted by the decode budget in input order."""
-        video = is_video_file(item) if video is None else video
+        if video is None:  # mixed: the pixel bounds given are the images'; videos keep their video_config's
+            video = is_video_file(item)
+            if video:
+                min_pixels = max_pixels = None
         name = input_name("video" if video else "image", index, item)
-        held = budget.admit(index, _decode_cost(item, video, max_input_pixels, self.video_config,
-                                                self.config.temporal_patch_size))
+        held = budget.admit(index, _decode_cost(item, video, max_input_pixels, self.preprocess_config, video_config))
         info = None
         # `resize` chooses between transformers' two image processors; its video processors have one pipeline.
         options = dict(min_pixels=min_pixels, max_pixels=max_pixels, index=index, max_input_pixels=max_input_pixels)
@@ -302,10 +305,10 @@ class VisionEncoder:
             if not video:
                 pixel_values, grid = preprocess_image(item, self.preprocess_config, resize=resize, **options)
             elif isinstance(item, (str, os.PathLike)):
-                pixel_values, grid, info = preprocess_video_file(item, self.preprocess_config, self.video_config,
+                pixel_values, grid, info = preprocess_video_file(item, self.preprocess_config, video_config,
                                                                  **options)
             else:
-                pixel_values, grid = preprocess_video(item, self.preprocess_config, video_config=self.video_config,
+                pixel_values, grid = preprocess_video(item, self.preprocess_config, video_config=video_config,
                                                       **options)
         except PreprocessError as e:
             budget.release(held)
@@ -325,11 +328,14 @@ class VisionEncoder:
                     max_input_pixels: int | None = DEFAULT_MAX_INPUT_PIXELS,
                     decode_bytes: int | None = DEFAULT_DECODE_BYTES,
                     on_prepared: Callable[[int, int], None] | None = None,
-                    resize: str | None = None) -> Iterator[list[ItemResult]]:
+                    resize: str | None = None,
+                    video_config: VideoConfig | None = None) -> Iterator[list[ItemResult]]:
         """Yield results batch by batch, in input order; a bad input yields an ItemResult with its error.
 
         ``video``: False, every item is an image; True, every item is a video (a file, or frames); None, an item
-        is a video when it is a path with a video extension (``video.VIDEO_EXTENSIONS``), else an image.
+        is a video when it is a path with a video extension (``video.VIDEO_EXTENSIONS``), else an image, and
+        ``min_pixels`` / ``max_pixels`` then bound the images only (videos keep their video settings' bounds).
+        ``video_config``: the video settings for this call (None: ``self.video_config``).
 
         ``on_prepared(index, tokens)`` is called once per input, in input order, on the iterating thread, as soon
         as the input is decoded and resized (or has failed: tokens 0), before it joins its batch; tokens is the
@@ -357,7 +363,8 @@ class VisionEncoder:
         workers = num_workers if num_workers is not None else min(4, os.cpu_count() or 1)
         with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
             prefetched = _ordered_prefetch(pool, items, prefetch, lambda item, i: self._prepare(
-                item, i, video, min_pixels, max_pixels, max_input_pixels, budget, pin, resize))
+                item, i, video, min_pixels, max_pixels, max_input_pixels, budget, pin, resize,
+                video_config or self.video_config))
             try:
                 batch: list[_Prepared] = []
                 failed: list[_Prepared] = []
@@ -401,7 +408,7 @@ class VisionEncoder:
     def _encode_all(self, items: Sequence[Any], video: bool, pooled: bool, **options: Any) -> EncodeResult:
         items = list(items)
         self._preflight(items, video, options.get("min_pixels"), options.get("max_pixels"),
-                        options.get("max_input_pixels"))
+                        options.get("max_input_pixels"), options.get("video_config") or self.video_config)
         results: list[ItemResult] = []
         for batch in self.iter_encode(items, video=video, pooled=pooled, **options):
             for r in batch:
@@ -418,14 +425,17 @@ class VisionEncoder:
         )
 
     def _preflight(self, items: list[Any], video: bool, min_pixels: int | None, max_pixels: int | None,
-                   max_input_pixels: int | None) -> None:
+                   max_input_pixels: int | None, video_config: VideoConfig) -> None:
         """Reject unreadable or oversized files, zero-size arrays and extreme aspect ratios before any compute."""
         from .preprocess import probe_image
 
         for i, item in enumerate(items):
             first, name = item, None
             if video and isinstance(item, (str, os.PathLike)):
-                probe_video(item, input_name("video", i, item), max_input_pixels)
+                total, rate, height, width = probe_video(item, input_name("video", i, item), max_input_pixels)
+                count = len(sample_indices(total, rate, video_config, self.config.temporal_patch_size))
+                video_target_size(count, height, width, self.preprocess_config, video_config, min_pixels, max_pixels,
+                                  input_name("video", i, item))
                 continue
             if video:
                 if isinstance(item, torch.Tensor) or hasattr(item, "shape"):
@@ -480,16 +490,10 @@ class VisionEncoder:
         videos = list(videos)
         if fps is not None and any(not isinstance(v, (str, os.PathLike)) for v in videos):
             videos = self._sample_by_fps(videos, fps, video_fps)
-        encoder = self if fps is None else self._with_video_config(fps=fps)
-        return encoder._encode_all(videos, True, pooled, min_pixels=min_pixels, max_pixels=max_pixels,
-                                   max_batch_tokens=max_batch_tokens, num_workers=num_workers,
-                                   max_input_pixels=max_input_pixels)
-
-    def _with_video_config(self, **changes: Any) -> VisionEncoder:
-        """A view of this encoder (same tower, same close state) whose video settings differ."""
-        view = copy.copy(self)
-        view.video_config = dataclasses.replace(self.video_config, **changes)
-        return view
+        video_config = self.video_config if fps is None else dataclasses.replace(self.video_config, fps=fps)
+        return self._encode_all(videos, True, pooled, min_pixels=min_pixels, max_pixels=max_pixels,
+                                max_batch_tokens=max_batch_tokens, num_workers=num_workers,
+                                max_input_pixels=max_input_pixels, video_config=video_config)
 
     def _sample_by_fps(self, videos: list[Any], fps: float, video_fps: float | Sequence[float] | None) -> list[Any]:
         """Frames in memory sampled at ``fps`` with the family's rule (files are sampled when they are read)."""
@@ -575,21 +579,24 @@ class _DecodeBudget:
             self._cond.notify_all()
 
 
-def _decode_cost(item: Any, video: bool, max_input_pixels: int | None, video_config: VideoConfig,
-                 temporal_patch_size: int) -> int:
+def _decode_cost(item: Any, video: bool, max_input_pixels: int | None, pre: PreprocessConfig,
+                 video_config: VideoConfig) -> int:
     """Estimated peak bytes of decoding `item`, read from a file's header; 0 for what is already in memory.
 
-    A video file holds its sampled frames (RGB, 3 bytes a pixel) at once, plus one resized group; frames given
-    as a list are estimated by their first frame: they are decoded one at a time. A file refused by
-    max_input_pixels, or whose header cannot be read, costs nothing: preprocessing refuses it unread.
+    A video file holds its sampled frames resized (3 bytes a pixel, each resized as it is decoded) and its float32
+    output (12 bytes a pixel of every padded frame), beside one decoded source frame and its conversions (the
+    image rate); frames given as a list are estimated by their first frame: they are decoded one at a time. A file
+    refused by max_input_pixels, or whose header cannot be read, costs nothing: preprocessing refuses it unread.
     """
     if video and isinstance(item, (str, os.PathLike)):
         try:
             total, rate, height, width = probe_video(item, max_input_pixels=max_input_pixels)
-            kept = len(sample_indices(total, rate, video_config, temporal_patch_size))
+            kept = len(sample_indices(total, rate, video_config, pre.temporal_patch_size))
+            target = math.prod(video_target_size(kept, height, width, pre, video_config))
         except Exception:  # noqa: BLE001 - preprocessing names the problem; this is only an estimate
             return 0
-        return kept * height * width * 3 + height * width * DECODE_BYTES_PER_PIXEL
+        padded = -(-kept // pre.temporal_patch_size) * pre.temporal_patch_size
+        return kept * target * 3 + padded * target * 12 + height * width * DECODE_BYTES_PER_PIXEL
     first = item
     if video:
         if not isinstance(item, (list, tuple)) or not item:

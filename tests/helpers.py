@@ -192,6 +192,16 @@ PREPROCESSOR_FILES = {  # preprocessor_config.json as the families' releases wri
 }
 
 
+# video_preprocessor_config.json in the Qwen3-VL releases' format: pixel bounds for the whole clip that differ from
+# the image ones (4096..25165824 against 65536..16777216), so that mixing them up shows.
+QWEN3_VIDEO_PREPROCESSOR_FILE = {
+    "size": {"longest_edge": 25165824, "shortest_edge": 4096}, "patch_size": 16, "temporal_patch_size": 2,
+    "merge_size": 2, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_sample_frames": True,
+    "fps": 2, "min_frames": 4, "max_frames": 768, "processor_class": "Qwen3VLProcessor",
+    "video_processor_type": "Qwen3VLVideoProcessor",
+}
+
+
 def released_config_json(cfg: VisionConfig) -> dict:
     """config.json as the family's releases write it: its vision spelling, nested where the family nests it."""
     vision = hf_vision_fields(cfg)
@@ -231,6 +241,8 @@ def write_checkpoint(folder: Path, cfg: VisionConfig, *, prefix: str | None = No
     named = {prefix + k: v for k, v in vision.items()}
     (folder / "config.json").write_text(json.dumps(released_config_json(cfg)))
     (folder / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR_FILES[cfg.design]))
+    if cfg.spec.video_sampling == "qwen3":  # Qwen3-VL's releases carry their own video settings
+        (folder / "video_preprocessor_config.json").write_text(json.dumps(QWEN3_VIDEO_PREPROCESSOR_FILE))
     if not sharded:
         save_file({**named, **other(0)}, str(folder / "model.safetensors"), metadata={"format": "pt"})
         return vision

@@ -263,8 +263,12 @@ def make_media_folder(root: Path, images: int, videos: int) -> tuple[list[Path],
     return image_paths, video_paths
 
 
-def test_embed_folder_mixing_images_and_videos(tmp_path, checkpoint):
+@pytest.mark.parametrize("model", ["checkpoint", "checkpoint3"])
+def test_embed_folder_mixing_images_and_videos(tmp_path, request, model):
+    """checkpoint3 (Qwen3-VL) has a video_preprocessor_config.json whose bounds differ from the image ones: each
+    kind must be sized by its own (the run's --min/--max-pixels are the images')."""
     pytest.importorskip("av")
+    checkpoint = request.getfixturevalue(model)
     images, videos = make_media_folder(tmp_path / "media", 3, 3)
     broken = tmp_path / "media" / "broken.mp4"
     broken.write_bytes(b"not a video at all" * 10)
@@ -274,9 +278,13 @@ def test_embed_folder_mixing_images_and_videos(tmp_path, checkpoint):
     records = {Path(r["path"]).name: r for r in manifest(out)}
     assert len(records) == 3 + 3 + 1
     assert records["broken.mp4"]["status"] == "error" and "broken.mp4" in records["broken.mp4"]["error"]
-    assert read_run(out)["video"]["fps"] == 3.0
+    run = read_run(out)
     encoder = load_encoder(checkpoint, device="cpu")
+    assert run["video"] == {**encoder.video_config.to_dict(), "fps": 3.0}
+    assert (run["min_pixels"], run["max_pixels"]) == (encoder.preprocess_config.min_pixels,
+                                                      encoder.preprocess_config.max_pixels)
     expected = encoder.encode_videos([str(p) for p in videos], fps=3.0)
+    images_expected = encoder.encode_images([str(p) for p in images])
     stored = dict(read_embeddings(out))
     for path, emb, info in zip(videos, expected.embeddings, expected.video_info):
         record = records[path.name]
@@ -285,8 +293,9 @@ def test_embed_folder_mixing_images_and_videos(tmp_path, checkpoint):
                                    "fps": info.video_fps, "sampled_fps": info.sampled_fps,
                                    "total_frames": info.total_frames}
         assert rel_err(stored[record["path"]], emb) <= 1e-5
-    for path in images:
+    for path, emb in zip(images, images_expected.embeddings):
         assert "video" not in records[path.name] and records[path.name]["grid_thw"][0] == 1
+        assert rel_err(stored[records[path.name]["path"]], emb) <= 1e-5
     # Other video settings are other tensors: --resume refuses them.
     assert main(["embed", str(tmp_path / "media"), "--model", str(checkpoint), "--out", str(out),
                  "--resume", "--fps", "2"]) == 2

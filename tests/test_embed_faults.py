@@ -19,6 +19,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -170,16 +171,24 @@ def test_resume_refuses_other_settings(tmp_path, checkpoint, checkpoint3, capsys
         assert ((out / "manifest.jsonl").read_bytes(), sorted(p.name for p in out.iterdir())) == before
 
     # A run file from before the resize backend was recorded meant "pil": it resumes, and "torch" is refused.
+    # One from before video settings were recorded takes the first resume's, and holds later resumes to them.
     run.pop("resize")
+    run.pop("video")
     (out / "run.json").write_text(json.dumps(run))
-    assert main(["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(out), "--resume",
-                 "--resize", "torch"]) == 2
+    base = ["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(out), "--resume"]
+    assert main([*base, "--resize", "torch"]) == 2
     one_error_line(capsys.readouterr().err, 'resize "pil" (now "torch")')
+    assert main([*base, "--fps", "4"]) == 0
+    capsys.readouterr()
+    assert read_run(out)["video"]["fps"] == 4.0 and read_run(out)["resize"] == "pil"
+    assert main([*base, "--fps", "1"]) == 2
+    one_error_line(capsys.readouterr().err, "video", '"fps": 4.0')
 
     # Same settings (and a moved model folder: the hashes decide, not the spelling): resumes.
     moved = tmp_path / "moved-ckpt"
     moved.symlink_to(checkpoint)
-    assert main(["embed", str(tmp_path / "imgs"), "--model", str(moved), "--out", str(out), "--resume"]) == 0
+    assert main(["embed", str(tmp_path / "imgs"), "--model", str(moved), "--out", str(out), "--resume",
+                 "--fps", "4"]) == 0
 
 
 # ---------------------------------------------------------------------- one line instead of a traceback
@@ -393,9 +402,16 @@ def test_real_full_disk_and_read_only_folder(small_tmpfs, tmp_path, checkpoint, 
 # ---------------------------------------------------------------------- close() under load
 
 
-def test_close_while_other_threads_encode(checkpoint):
+@pytest.mark.parametrize("call", ["images", "videos sampled by fps"])
+def test_close_while_other_threads_encode(checkpoint, call):
     encoder = load_encoder(checkpoint, device="cpu")
     images = [synthetic_photo(56 + 28 * (i % 3), 84, i) for i in range(4)]
+    if call == "images":
+        def encode():
+            return encoder.encode_images(images, max_batch_tokens=64)
+    else:  # per-call video settings (fps) must not escape close() either
+        def encode():
+            return encoder.encode_videos([np.stack(images[:1] * 6)], fps=2.0, video_fps=4.0, max_batch_tokens=64)
     outcomes: dict[str, int] = defaultdict(int)
     unexpected: list[BaseException] = []
     lock, one_done = threading.Lock(), threading.Event()
@@ -409,7 +425,7 @@ def test_close_while_other_threads_encode(checkpoint):
         started.wait()
         while True:
             try:
-                out = encoder.encode_images(images, max_batch_tokens=64)
+                out = encode()
             except EncoderClosedError:
                 count("closed")
                 return

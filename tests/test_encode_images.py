@@ -5,6 +5,9 @@ Images: the PIL processor always, and the torchvision processor (``resize="torch
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -138,20 +141,23 @@ def test_batches_respect_the_token_budget(setup, photos):
     assert len(batches) > 1
 
 
-def video_processor(encoder):
-    """transformers' video processor of the encoder's family with its checkpoint's video settings."""
+def video_processor(encoder, cfg):
+    """transformers' video processor of the family, from the checkpoint folder's files as transformers reads
+    them: video_preprocessor_config.json, else preprocessor_config.json."""
     pytest.importorskip("torchvision")
     from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
     from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
-    cls = Qwen3VLVideoProcessor if encoder.video_config.sampling == "qwen3" else Qwen2VLVideoProcessor
-    settings = encoder.video_config.to_dict(encoder.preprocess_config)
-    return cls(**{k: v for k, v in settings.items() if not k.endswith("_type")})
+    folder = Path(encoder.source)
+    file = folder / "video_preprocessor_config.json"
+    settings = json.loads((file if file.exists() else folder / "preprocessor_config.json").read_text())
+    cls = Qwen3VLVideoProcessor if cfg.spec.video_sampling == "qwen3" else Qwen2VLVideoProcessor
+    return cls.from_dict(settings)
 
 
 def test_video_frames_match_video_processor_and_tower(setup):
     encoder, ref, _, cfg = setup
-    processor = video_processor(encoder)
+    processor = video_processor(encoder, cfg)
     hopper = np.asarray(Image.open(sample("grace_hopper.jpg")).convert("RGB").resize((160, 128)))
     frames = np.stack([np.roll(hopper, 9 * i, axis=1) for i in range(5)])  # odd: the last frame is repeated
     result = encoder.encode_videos([frames])
@@ -170,14 +176,15 @@ def test_video_file_matches_load_video_processor_and_tower(setup, tmp_path):
     from transformers.video_utils import load_video
 
     encoder, ref, _, cfg = setup
-    processor = video_processor(encoder)
+    processor = video_processor(encoder, cfg)
     path = tmp_path / "clip.mp4"
     write_video(path, 23, 96, 64, 10)  # 2.3 s at 10 fps: sampled at 2 fps
     result = encoder.encode_videos([str(path)], pooled=True)
     frames, metadata = load_video(str(path), backend="pyav")
-    vcfg = encoder.video_config
-    out = processor([frames], video_metadata=[metadata], do_sample_frames=True, fps=vcfg.fps,
-                    cap_pixels_per_frame=vcfg.cap_pixels_per_frame, return_tensors="pt", return_metadata=True)
+    # Sampling on at 2 fps (Qwen2VLVideoProcessor samples nothing unless asked; ours always samples, at 2 by
+    # default); everything else as the processor reads the checkpoint's files.
+    out = processor([frames], video_metadata=[metadata], do_sample_frames=True, fps=2, return_tensors="pt",
+                    return_metadata=True)
     grid = out["video_grid_thw"]
     assert result.grid_thw.tolist() == grid.tolist()
     expected, expected_levels = _reference_embeddings(ref, out["pixel_values_videos"], grid)
