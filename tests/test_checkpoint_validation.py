@@ -498,7 +498,7 @@ def test_hub_refuses_a_shard_name_outside_the_repo_before_downloading(hub, tmp_p
     hub.add("org/evil", folder)
     with pytest.raises(CheckpointError, match=re.escape("shard name '../../evil.safetensors'")):
         fetch_vision_checkpoint("org/evil")
-    assert hub.files_touched() == {"config.json", "preprocessor_config.json", INDEX}
+    assert hub.files_touched() == {"config.json", "preprocessor_config.json", "video_preprocessor_config.json", INDEX}
 
 
 # ---------------------------------------------------------------------- fuzz
