@@ -160,6 +160,12 @@ def test_frames_as_arrays_equal_the_file(videos, family):
     for given in (frames, torch.from_numpy(frames).permute(0, 3, 1, 2).contiguous(), list(frames)):
         other, other_grid = preprocess_video(given, pre, video_config=vcfg)
         assert other_grid == grid and torch.equal(other, values)
+    # And against the reference given the same frames as an array (no sampling: they are the sampled ones).
+    cls, settings = REFERENCE[family]
+    processor = cls(**settings, size={"shortest_edge": vcfg.min_pixels, "longest_edge": vcfg.max_pixels})
+    out = processor([frames], do_sample_frames=False, cap_pixels_per_frame=False, return_tensors="pt")
+    assert tuple(out["video_grid_thw"][0].tolist()) == grid
+    assert float((out["pixel_values_videos"] - values).abs().max()) <= TOL
     opaque = np.concatenate([frames, np.full(frames.shape[:3] + (1,), 255, np.uint8)], axis=3)
     assert torch.equal(preprocess_video(opaque, pre, video_config=vcfg)[0], values)
     opaque[1, 0, 0, 3] = 254
