@@ -358,6 +358,7 @@ class VisionEncoder:
                               ("decode_bytes", decode_bytes), ("prefetch", prefetch)):
             if value is not None and value < (0 if option == "prefetch" else 1):
                 raise ConfigError(f"{option} must be positive, got {value}")
+        _check_pixel_bounds(min_pixels, max_pixels)
         pin = self.device.type == "cuda"
         budget = _DecodeBudget(decode_bytes)
         workers = num_workers if num_workers is not None else min(4, os.cpu_count() or 1)
@@ -407,6 +408,7 @@ class VisionEncoder:
 
     def _encode_all(self, items: Sequence[Any], video: bool, pooled: bool, **options: Any) -> EncodeResult:
         items = list(items)
+        _check_pixel_bounds(options.get("min_pixels"), options.get("max_pixels"))
         self._preflight(items, video, options.get("min_pixels"), options.get("max_pixels"),
                         options.get("max_input_pixels"), options.get("video_config") or self.video_config)
         results: list[ItemResult] = []
@@ -512,6 +514,15 @@ class VisionEncoder:
             keep = sample_indices(len(frames), rate, vcfg, self.config.temporal_patch_size)
             sampled.append(frames[keep] if hasattr(frames, "shape") else [frames[i] for i in keep])
         return sampled
+
+
+def _check_pixel_bounds(min_pixels: int | None, max_pixels: int | None) -> None:
+    """Per-call pixel bounds: whole numbers of at least 1 (None: the checkpoint's), min not above max."""
+    for option, value in (("min_pixels", min_pixels), ("max_pixels", max_pixels)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConfigError(f"{option} must be a positive integer, got {value!r}")
+    if min_pixels is not None and max_pixels is not None and min_pixels > max_pixels:
+        raise ConfigError(f"min_pixels {min_pixels} is above max_pixels {max_pixels}")
 
 
 def _ordered_prefetch(pool: ThreadPoolExecutor, items: Iterable[Any], depth: int, fn) -> Iterator[Any]:

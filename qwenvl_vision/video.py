@@ -49,7 +49,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -528,11 +528,14 @@ def read_video(path: str | os.PathLike, vcfg: VideoConfig, *, name: str | None =
     name = name or input_name("video", None, path)
     container, stream, total, rate = _open_video(path, name, max_input_pixels)
     with container:
+        source = stream.height, stream.width
         indices = sample_indices(total, rate, vcfg, temporal_patch_size)
         frames, decoded = _decode_sampled(container, stream, indices, name, size)
-        shown, discarded = _packet_counts(container, stream, name) if decoded <= indices[-1] else (decoded, 0)
+        edited = decoded <= indices[-1] and _cut_by_edit_list(container, stream, decoded, total, name)
+    if decoded == 0:
+        raise PreprocessError(f"{name}: no frame decodes")
     if decoded <= indices[-1]:
-        if not (discarded and shown == decoded and shown + discarded == total):  # not an edit list: truncated
+        if not edited:
             raise PreprocessError(f"{name}: header declares {total} frames but only {decoded} decode")
         # An edit list (a cut made without re-encoding) hides frames the header still counts: sample the
         # frames that are shown, as if the header had said so.
@@ -544,12 +547,15 @@ def read_video(path: str | os.PathLike, vcfg: VideoConfig, *, name: str | None =
         if decoded <= indices[-1]:
             raise PreprocessError(f"{name}: only {decoded} frames decode on a second read")
     return frames, VideoInfo(total_frames=total, video_fps=rate, frame_indices=list(indices),
-                             height=stream.height, width=stream.width)
+                             height=source[0], width=source[1])
 
 
 def _decode_sampled(container: Any, stream: Any, indices: list[int], name: str,
                     size: Callable[[int, int, int], tuple[int, int]] | None) -> tuple[np.ndarray | None, int]:
-    """(the frames at ``indices``, resized by ``size`` if given; how many frames were decoded)."""
+    """(the frames at ``indices``, resized by ``size`` if given; how many frames were decoded).
+
+    Only FFmpeg's work is reported as the file's fault; the size rule and the resize raise their own errors.
+    """
     from .preprocess import resize_uint8_torch
 
     slots: dict[int, list[int]] = {}
@@ -557,42 +563,68 @@ def _decode_sampled(container: Any, stream: Any, indices: list[int], name: str,
         slots.setdefault(i, []).append(slot)
     frames = source = target = None
     decoded = 0
-    try:
-        for frame in container.decode(stream):
-            if decoded in slots:
-                rgb = frame.to_ndarray(format="rgb24")
-                if frames is None:
-                    source = rgb.shape
-                    target = size(len(indices), *rgb.shape[:2]) if size is not None else rgb.shape[:2]
-                    frames = np.empty((len(indices), *target, 3), dtype=np.uint8)
-                elif rgb.shape != source:
-                    raise PreprocessError(f"{name}: frame {decoded} is {rgb.shape[1]}x{rgb.shape[0]}, earlier "
-                                          f"frames {source[1]}x{source[0]}; the size must not change")
-                resized = resize_uint8_torch(rgb, *target)
-                for slot in slots[decoded]:
-                    frames[slot] = resized
-            decoded += 1
-            if decoded > indices[-1]:
-                break
-    except (PreprocessError, MemoryError):
-        raise
-    except Exception as e:  # noqa: BLE001 - FFmpeg's decoders raise many error types
-        raise _av_error(e, name, "decode") from e
+    for frame in _decoded(container, stream, name):
+        if decoded in slots:
+            rgb = _av_call(frame.to_ndarray, name, format="rgb24")
+            if frames is None:
+                source = rgb.shape
+                target = size(len(indices), *rgb.shape[:2]) if size is not None else rgb.shape[:2]
+                frames = np.empty((len(indices), *target, 3), dtype=np.uint8)
+            elif rgb.shape != source:
+                raise PreprocessError(f"{name}: frame {decoded} is {rgb.shape[1]}x{rgb.shape[0]}, earlier "
+                                      f"frames {source[1]}x{source[0]}; the size must not change")
+            resized = resize_uint8_torch(rgb, *target)
+            for slot in slots[decoded]:
+                frames[slot] = resized
+        decoded += 1
+        if decoded > indices[-1]:
+            break
     return frames, decoded
 
 
-def _packet_counts(container: Any, stream: Any, name: str) -> tuple[int, int]:
-    """(shown, discarded) packets of the stream, demuxed again: an mp4 edit list marks the cut ones discarded."""
-    shown = discarded = 0
+def _decoded(container: Any, stream: Any, name: str) -> Iterator[Any]:
+    """The stream's frames; what FFmpeg raises while decoding becomes one line naming the file."""
+    frames = container.decode(stream)
+    while True:
+        try:
+            frame = next(frames)
+        except StopIteration:
+            return
+        except MemoryError:
+            raise
+        except Exception as e:  # noqa: BLE001 - FFmpeg's decoders raise many error types
+            raise _av_error(e, name, "decode") from e
+        yield frame
+
+
+def _av_call(fn: Callable[..., Any], name: str, **kwargs: Any) -> Any:
+    try:
+        return fn(**kwargs)
+    except MemoryError:
+        raise
+    except Exception as e:  # noqa: BLE001 - as in _decoded
+        raise _av_error(e, name, "decode") from e
+
+
+def _cut_by_edit_list(container: Any, stream: Any, decoded: int, total: int, name: str) -> bool:
+    """Whether the frames that decode are what an mp4 edit list shows, rather than a truncated file: the packets
+    shown (not marked discarded) are the frames decoded, and either the discarded ones make up the header's count
+    or the shown packets' durations add up to the stream's (a head cut of all-intra footage drops the cut packets
+    from the index altogether; a truncated file falls short of the declared duration)."""
+    shown = discarded = shown_duration = 0
     try:
         container.seek(0)
         for packet in container.demux(stream):
             if packet.size > 0:
                 discarded += bool(packet.is_discard)
-                shown += not packet.is_discard
+                if not packet.is_discard:
+                    shown += 1
+                    shown_duration += packet.duration or 0
     except Exception as e:  # noqa: BLE001
         raise _av_error(e, name, "decode") from e
-    return shown, discarded
+    if shown != decoded:
+        return False
+    return (discarded > 0 and shown + discarded == total) or bool(stream.duration and shown_duration == stream.duration)
 
 
 # --------------------------------------------------------------------------------------------------

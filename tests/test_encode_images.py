@@ -15,6 +15,7 @@ from PIL import Image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from qwenvl_vision import load_encoder
+from qwenvl_vision.errors import ConfigError
 from qwenvl_vision.preprocess import PreprocessError
 from tests.helpers import (
     FAMILY_SMALL,
@@ -226,3 +227,19 @@ def test_video_sampled_by_fps_equals_the_sampled_frames(setup):
     assert torch.equal(sampled.embeddings[0], direct.embeddings[0])
     with pytest.raises(ValueError, match="video_fps"):
         encoder.encode_videos([clip], fps=2.0)
+
+
+@pytest.mark.parametrize(("bounds", "message"), [
+    ({"max_pixels": 0}, "max_pixels must be a positive integer, got 0"),
+    ({"min_pixels": -5}, "min_pixels must be a positive integer, got -5"),
+    ({"max_pixels": 1e6}, "max_pixels must be a positive integer, got 1000000.0"),
+    ({"min_pixels": 9000, "max_pixels": 4000}, "min_pixels 9000 is above max_pixels 4000"),
+])
+def test_bad_pixel_bounds_are_one_project_error(setup, photos, bounds, message):
+    encoder, *_ = setup
+    frames = np.zeros((2, 64, 64, 3), np.uint8)
+    for call in (lambda: encoder.encode_images([photos["small"]], **bounds),
+                 lambda: encoder.encode_videos([frames], **bounds),
+                 lambda: list(encoder.iter_encode([photos["small"]], **bounds))):
+        with pytest.raises(ConfigError, match=f"^{message}$"):
+            call()

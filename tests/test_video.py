@@ -404,3 +404,41 @@ def test_edit_list_frames_are_sampled_from_the_shown_frames(tmp_path):
     _, grid, info = preprocess_video_file(str(path), pre, vcfg)
     assert info.total_frames == 40 and info.frame_indices[-1] == 39
     assert grid[0] == math.ceil(len(info.frame_indices) / 2)
+
+
+def _write_x264(path, pts, **options) -> None:
+    """H.264 in mp4 (faststart), one random 64x48 frame per presentation time in ``pts``."""
+    with av.open(str(path), "w", options={"movflags": "faststart"}) as container:
+        stream = container.add_stream("libx264", rate=25, options=options)
+        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
+        rng = np.random.default_rng(0)
+        for i in pts:
+            frame = av.VideoFrame.from_ndarray(rng.integers(0, 255, (48, 64, 3), dtype=np.uint8), format="rgb24")
+            frame.pts = i
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode())
+
+
+def test_head_cut_by_edit_list_drops_packets_the_header_still_counts(tmp_path):
+    """A head cut of 12 frames made by editing the mp4's edit list (no re-encoding), short GOPs: FFmpeg leaves the
+    cut packets it does not need out of its index altogether (none marked discarded); the header still says 40."""
+    import struct
+
+    _write_x264(tmp_path / "gop.mp4", range(40), g="5", bf="0")
+    data = bytearray((tmp_path / "gop.mp4").read_bytes())
+    at = data.find(b"elst")
+    duration, media_time = struct.unpack(">Ii", data[at + 12:at + 20])
+    data[at + 12:at + 20] = struct.pack(">Ii", duration - 12 * 40, media_time + 512 * 12)  # 40 ms, 512 ticks a frame
+    (tmp_path / "cut.mp4").write_bytes(data)
+    with av.open(str(tmp_path / "cut.mp4")) as container:
+        assert container.streams.video[0].frames == 40
+        assert sum(1 for _ in container.decode(video=0)) == 28
+    for family in REFERENCE:
+        _, grid, info = preprocess_video_file(str(tmp_path / "cut.mp4"), *configs(family))
+        assert info.total_frames == 28 and info.frame_indices[-1] <= 27 and grid[0] == 2
+
+
+def test_a_file_whose_every_frame_is_cut_names_it(tmp_path):
+    _write_x264(tmp_path / "nothing.mp4", range(-5, 0))  # every frame before the edit list's start
+    with pytest.raises(PreprocessError, match=r"^video '.*nothing\.mp4': no frame decodes$"):
+        preprocess_video_file(str(tmp_path / "nothing.mp4"), *configs("qwen3_vl"))
