@@ -95,8 +95,10 @@ def wait_for_lines(out: Path, n: int, proc: subprocess.Popen, timeout: float = 1
 def test_two_processes_one_out_fresh_then_both_resume(tmp_path, checkpoint):
     make_folder(tmp_path / "imgs", 40, bad=False)
     out = tmp_path / "out"
-    first = subprocess.Popen(slow_embed([tmp_path / "imgs"], checkpoint, out), env=ENV, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE, text=True)
+    # 0.5 s an image (20 s in all, killed long before): the second process must start (import torch, load the
+    # checkpoint) and be refused while the first still runs, even on a busy 2-core machine.
+    first = subprocess.Popen(slow_embed([tmp_path / "imgs"], checkpoint, out, delay=0.5), env=ENV,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     wait_for_lines(out, 1, first)
     second = subprocess.run(slow_embed([tmp_path / "imgs"], checkpoint, out), env=ENV, capture_output=True,
                             text=True, timeout=120)
