@@ -17,6 +17,7 @@ from .models import build_model
 from .qwen2_5 import Qwen2_5VisionTransformer
 from .qwen3 import Qwen3VisionTransformer
 from .tower import VisionTower
+from .video import VideoConfig, VideoInfo
 
 __version__ = "0.1.0"
 
@@ -39,6 +40,8 @@ __all__ = [
     "ShapeCache",
     "VisionConfig",
     "VisionTower",
+    "VideoConfig",
+    "VideoInfo",
     "build_model",
     "from_config_json",
     "preset",
