@@ -141,7 +141,7 @@ class PreprocessConfig:
             return base
         if not isinstance(d, dict):
             raise ConfigError(f"preprocessor_config.json must hold a JSON object, got {type(d).__name__}")
-        _check_supported(d)
+        check_supported(d)
         size = d.get("size") or {}
         if not isinstance(size, dict):
             raise ConfigError(f"preprocessor config size must be a dict of pixel bounds, got {size!r}")
@@ -208,18 +208,20 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _check_supported(d: dict) -> None:
-    """Reject preprocessor settings the transformers pipeline would honour but this module does not."""
+def check_supported(d: dict, what: str = "preprocessor config") -> None:
+    """Reject settings the transformers pipeline would honour but this package does not (the image and the
+    video processors share these; ``what`` names the file in the message)."""
     for key in ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb"):
         if d.get(key) is False:
-            raise ConfigError(f"preprocessor config sets {key}=false, which is not supported")
+            raise ConfigError(f"{what} sets {key}=false, which is not supported")
     if d.get("resample") is not None and d["resample"] != int(BICUBIC):
-        raise ConfigError(f"preprocessor config resample={d['resample']!r} is not supported (only 3, bicubic)")
+        raise ConfigError(f"{what} resample={d['resample']!r} is not supported (only 3, bicubic)")
     factor = d.get("rescale_factor")
     if factor is not None and not (_is_number(factor) and math.isclose(factor, RESCALE_FACTOR, rel_tol=1e-9)):
-        raise ConfigError(f"preprocessor config rescale_factor={factor!r} is not supported (only 1/255)")
-    if d.get("do_center_crop") or d.get("do_pad"):
-        raise ConfigError("preprocessor config asks for center crop or padding, which is not supported")
+        raise ConfigError(f"{what} rescale_factor={factor!r} is not supported (only 1/255)")
+    for key in ("do_center_crop", "do_pad"):
+        if d.get(key):
+            raise ConfigError(f"{what} sets {key}=true, which is not supported")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -74,6 +74,7 @@ from .preprocess import (
     _resize,
     _target_size,
     check_resize_backend,
+    check_supported,
     input_name,
     smart_resize,
 )
@@ -227,17 +228,7 @@ class VideoConfig:
 
 def _check_video_supported(d: dict, pre: PreprocessConfig | None) -> None:
     """Refuse video processor settings the transformers pipeline would honour but this module does not."""
-    for key in ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb"):
-        if d.get(key) is False:
-            raise ConfigError(f"video preprocessor config sets {key}=false, which is not supported")
-    if d.get("resample") is not None and d["resample"] != int(BICUBIC):
-        raise ConfigError(f"video preprocessor config resample={d['resample']!r} is not supported (only 3, bicubic)")
-    factor = d.get("rescale_factor")
-    if factor is not None and not (_is_number(factor) and math.isclose(factor, RESCALE_FACTOR, rel_tol=1e-9)):
-        raise ConfigError(f"video preprocessor config rescale_factor={factor!r} is not supported (only 1/255)")
-    for key in ("do_center_crop", "do_pad"):
-        if d.get(key):
-            raise ConfigError(f"video preprocessor config sets {key}=true, which is not supported")
+    check_supported(d, "video preprocessor config")
     if d.get("num_frames") is not None:
         raise ConfigError(f"video preprocessor config num_frames={d['num_frames']!r} is not supported "
                           "(frames are sampled by fps)")
