@@ -297,7 +297,11 @@ class VisionEncoder:
             if video:
                 min_pixels = max_pixels = None
         name = input_name("video" if video else "image", index, item)
-        held = budget.admit(index, _decode_cost(item, video, max_input_pixels, self.preprocess_config, video_config))
+        # A video file's header is read once: for its decode estimate, and its frame count for the read itself.
+        header = _probe_quietly(item, max_input_pixels) if video and isinstance(item, (str, os.PathLike)) else None
+        cost = _video_file_cost(header, self.preprocess_config, video_config) if header else \
+            _decode_cost(item, video, max_input_pixels)
+        held = budget.admit(index, cost)
         info = None
         # `resize` chooses between transformers' two image processors; its video processors have one pipeline.
         options = dict(min_pixels=min_pixels, max_pixels=max_pixels, index=index, max_input_pixels=max_input_pixels)
@@ -306,7 +310,7 @@ class VisionEncoder:
                 pixel_values, grid = preprocess_image(item, self.preprocess_config, resize=resize, **options)
             elif isinstance(item, (str, os.PathLike)):
                 pixel_values, grid, info = preprocess_video_file(item, self.preprocess_config, video_config,
-                                                                 **options)
+                                                                 counted=header[0] if header else None, **options)
             else:
                 pixel_values, grid = preprocess_video(item, self.preprocess_config, video_config=video_config,
                                                       **options)
@@ -590,24 +594,35 @@ class _DecodeBudget:
             self._cond.notify_all()
 
 
-def _decode_cost(item: Any, video: bool, max_input_pixels: int | None, pre: PreprocessConfig,
-                 video_config: VideoConfig) -> int:
+def _probe_quietly(path: str | os.PathLike, max_input_pixels: int | None) -> tuple[int, float, int, int] | None:
+    """``probe_video``'s (frames, fps, height, width), or None when it fails: preprocessing names the problem."""
+    try:
+        return probe_video(path, max_input_pixels=max_input_pixels)
+    except Exception:  # noqa: BLE001 - this only feeds an estimate
+        return None
+
+
+def _video_file_cost(header: tuple[int, float, int, int], pre: PreprocessConfig, video_config: VideoConfig) -> int:
+    """Estimated peak bytes of reading a video file: its sampled frames resized (3 bytes a pixel, each resized as
+    it is decoded) and its float32 output (12 bytes a pixel of every padded frame), beside one decoded source
+    frame and its conversions (the image rate)."""
+    total, rate, height, width = header
+    try:
+        kept = len(sample_indices(total, rate, video_config, pre.temporal_patch_size))
+        target = math.prod(video_target_size(kept, height, width, pre, video_config))
+    except QwenVLVisionError:  # preprocessing names the problem; this is only an estimate
+        return 0
+    padded = -(-kept // pre.temporal_patch_size) * pre.temporal_patch_size
+    return kept * target * 3 + padded * target * 12 + height * width * DECODE_BYTES_PER_PIXEL
+
+
+def _decode_cost(item: Any, video: bool, max_input_pixels: int | None) -> int:
     """Estimated peak bytes of decoding `item`, read from a file's header; 0 for what is already in memory.
 
-    A video file holds its sampled frames resized (3 bytes a pixel, each resized as it is decoded) and its float32
-    output (12 bytes a pixel of every padded frame), beside one decoded source frame and its conversions (the
-    image rate); frames given as a list are estimated by their first frame: they are decoded one at a time. A file
-    refused by max_input_pixels, or whose header cannot be read, costs nothing: preprocessing refuses it unread.
+    Frames given as a list are estimated by their first frame: they are decoded one at a time (video files:
+    ``_video_file_cost``). A file refused by max_input_pixels, or whose header cannot be read, costs nothing:
+    preprocessing refuses it unread.
     """
-    if video and isinstance(item, (str, os.PathLike)):
-        try:
-            total, rate, height, width = probe_video(item, max_input_pixels=max_input_pixels)
-            kept = len(sample_indices(total, rate, video_config, pre.temporal_patch_size))
-            target = math.prod(video_target_size(kept, height, width, pre, video_config))
-        except Exception:  # noqa: BLE001 - preprocessing names the problem; this is only an estimate
-            return 0
-        padded = -(-kept // pre.temporal_patch_size) * pre.temporal_patch_size
-        return kept * target * 3 + padded * target * 12 + height * width * DECODE_BYTES_PER_PIXEL
     first = item
     if video:
         if not isinstance(item, (list, tuple)) or not item:

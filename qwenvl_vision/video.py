@@ -445,11 +445,13 @@ def _av_error(error: Exception, name: str, what: str) -> PreprocessError:
     return PreprocessError(f"{name}: corrupt or truncated video data ({type(error).__name__}: {message})")
 
 
-def _open_video(path: str | os.PathLike, name: str, max_input_pixels: int | None) -> tuple[Any, Any, int, float]:
+def _open_video(path: str | os.PathLike, name: str, max_input_pixels: int | None,
+                counted: int | None = None) -> tuple[Any, Any, int, float]:
     """Open the container, check it holds a video stream within the limits; (container, stream, frames, fps).
 
     Frames and fps as ``read_video_pyav`` reads them (``stream.frames``, ``float(stream.average_rate)``), with
-    the fallbacks of the module docstring. The caller closes the container.
+    the fallbacks of the module docstring; ``counted``: the frame count a probe of this file already made by
+    counting packets, so a header without one is not demuxed again. The caller closes the container.
     """
     av = _import_av(name)
     path = os.fspath(path)
@@ -466,7 +468,7 @@ def _open_video(path: str | os.PathLike, name: str, max_input_pixels: int | None
         rate = stream.average_rate or stream.guessed_rate
         if not rate or not float(rate) > 0:
             raise PreprocessError(f"{name}: the video stream declares no frame rate")
-        total = stream.frames or _count_packets(container, stream, name)
+        total = stream.frames or counted or _count_packets(container, stream, name)
         if total <= 0:
             raise PreprocessError(f"{name}: the video stream holds no frames")
     except BaseException:
@@ -506,7 +508,8 @@ def probe_video(path: str | os.PathLike, name: str | None = None,
 
 def read_video(path: str | os.PathLike, vcfg: VideoConfig, *, name: str | None = None,
                temporal_patch_size: int = 2, max_input_pixels: int | None = None,
-               size: Callable[[int, int, int], tuple[int, int]] | None = None) -> tuple[np.ndarray, VideoInfo]:
+               size: Callable[[int, int, int], tuple[int, int]] | None = None,
+               counted: int | None = None) -> tuple[np.ndarray, VideoInfo]:
     """Decode the frames ``vcfg``'s sampling rule keeps: ((F, H, W, 3) uint8 RGB, VideoInfo).
 
     ``transformers.video_utils.read_video_pyav`` with the family's ``sample_frames`` as ``sample_indices_fn``:
@@ -514,10 +517,11 @@ def read_video(path: str | os.PathLike, vcfg: VideoConfig, *, name: str | None =
     frames are held. With ``size`` (``(frames, height, width) -> (h, w)``, asked once with the first decoded
     frame's size), each frame is resized to it as soon as it is decoded (``resize_uint8_torch``, the video
     processors' resize), so a long high-resolution clip never holds its frames at full size. Deviations (frame
-    count, edit lists, truncated files, errors): module docstring.
+    count, edit lists, truncated files, errors): module docstring. ``counted``: ``probe_video``'s frame count
+    of this file, if the caller has it.
     """
     name = name or input_name("video", None, path)
-    container, stream, total, rate = _open_video(path, name, max_input_pixels)
+    container, stream, total, rate = _open_video(path, name, max_input_pixels, counted)
     with container:
         source = stream.height, stream.width
         indices = sample_indices(total, rate, vcfg, temporal_patch_size)
@@ -625,12 +629,13 @@ def _cut_by_edit_list(container: Any, stream: Any, decoded: int, total: int, nam
 
 def preprocess_video_file(path: str | os.PathLike, pre: PreprocessConfig, vcfg: VideoConfig, *,
                           index: int | None = None, min_pixels: int | None = None, max_pixels: int | None = None,
-                          max_input_pixels: int | None = None,
-                          resize: str | None = None) -> tuple[torch.Tensor, tuple[int, int, int], VideoInfo]:
+                          max_input_pixels: int | None = None, resize: str | None = None,
+                          counted: int | None = None) -> tuple[torch.Tensor, tuple[int, int, int], VideoInfo]:
     """A video file -> (pixel_values float32 (t*h*w, C*T*P*P), grid (t, h, w), VideoInfo), as transformers'
     video processor of ``vcfg.sampling`` does with ``load_video(backend="pyav")``, ``do_sample_frames=True``,
     ``fps=vcfg.fps`` and ``cap_pixels_per_frame=vcfg.cap_pixels_per_frame``. Errors name the file
     (``input_name("video", index, path)``); ``max_input_pixels`` refuses a larger frame before decoding.
+    ``counted``: as in ``read_video``.
     """
     name = input_name("video", index, path)
     backend = check_resize_backend(resize or "torch", "resize")
@@ -641,7 +646,7 @@ def preprocess_video_file(path: str | os.PathLike, pre: PreprocessConfig, vcfg: 
         return sized["target"] if backend == "torch" else (height, width)  # PIL resizes later, from the source
 
     frames, info = read_video(path, vcfg, name=name, temporal_patch_size=pre.temporal_patch_size,
-                              max_input_pixels=max_input_pixels, size=size)
+                              max_input_pixels=max_input_pixels, size=size, counted=counted)
     values, grid = _preprocess_frames(list(frames), pre, vcfg, name, min_pixels, max_pixels, None, backend,
                                       target=sized["target"])
     return values, grid, info
