@@ -434,7 +434,7 @@ class RankWriter:
         for r in results:
             record = {"path": r.path, "realpath": real_key(r.path), "status": "ok" if r.ok else "error",
                       "error": r.error, "rank": self.rank}
-            if getattr(r, "video_info", None) is not None:
+            if r.video_info is not None:
                 info = r.video_info
                 record["video"] = {"frames": info.frame_indices, "timestamps": info.timestamps,
                                    "fps": info.video_fps, "sampled_fps": info.sampled_fps,
@@ -804,6 +804,7 @@ class _Failed:
     """An input known bad before encoding (an unreadable list file), shaped like a failed _PathResult."""
 
     ok = False
+    video_info = None
 
     def __init__(self, path: str, error: str) -> None:
         self.path, self.error = path, error

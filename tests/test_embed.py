@@ -170,24 +170,31 @@ def _embed_cmd(inputs, model, out, *extra):
             "--out", str(out), *extra]
 
 
-def test_sigkill_mid_run_then_resume(tmp_path, checkpoint):
-    make_folder(tmp_path / "imgs", 60, bad=False)
-    out = tmp_path / "out"
-    cmd = _embed_cmd([tmp_path / "imgs"], checkpoint, out, "--batch-tokens", "1", "--device", "cpu")
+def _kill_then_resume(inputs: Path, model: Path, out: Path, killed_once) -> int:
+    """Run embed (one input a batch) in a child, SIGKILL it once ``killed_once(manifest records)`` holds, then
+    resume it to the end; returns how many records the killed run had left."""
+    cmd = _embed_cmd([inputs], model, out, "--batch-tokens", "1", "--device", "cpu")
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
     while time.time() < deadline and proc.poll() is None:
-        if len(read_manifest_lines(out / "manifest.jsonl")) >= 5:
+        if killed_once(read_manifest_lines(out / "manifest.jsonl")):
             break
         time.sleep(0.005)
     assert proc.poll() is None, "the run finished before it could be killed"
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     killed_at = len(read_manifest_lines(out / "manifest.jsonl"))
-    assert 5 <= killed_at < 60
     resumed = subprocess.run([*cmd, "--resume"], env=env, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
+    return killed_at
+
+
+def test_sigkill_mid_run_then_resume(tmp_path, checkpoint):
+    make_folder(tmp_path / "imgs", 60, bad=False)
+    out = tmp_path / "out"
+    killed_at = _kill_then_resume(tmp_path / "imgs", checkpoint, out, lambda records: len(records) >= 5)
+    assert 5 <= killed_at < 60
     records = manifest(out)
     paths = [r["path"] for r in records]
     assert len(paths) == len(set(paths)) == 60
@@ -305,21 +312,9 @@ def test_sigkill_mid_run_with_videos_then_resume(tmp_path, checkpoint):
     pytest.importorskip("av")
     images, videos = make_media_folder(tmp_path / "media", 20, 12)
     out = tmp_path / "out"
-    cmd = _embed_cmd([tmp_path / "media"], checkpoint, out, "--batch-tokens", "1", "--device", "cpu")
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 120
-    while time.time() < deadline and proc.poll() is None:
-        if any("video" in r for r in read_manifest_lines(out / "manifest.jsonl")):
-            break
-        time.sleep(0.005)
-    assert proc.poll() is None, "the run finished before it could be killed"
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    killed_at = len(read_manifest_lines(out / "manifest.jsonl"))
+    killed_at = _kill_then_resume(tmp_path / "media", checkpoint, out,
+                                  lambda records: any("video" in r for r in records))
     assert 1 <= killed_at < 32
-    resumed = subprocess.run([*cmd, "--resume"], env=env, capture_output=True, text=True, timeout=300)
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
     records = manifest(out)
     assert len({r["path"] for r in records}) == len(records) == 32
     assert all(r["status"] == "ok" for r in records)
