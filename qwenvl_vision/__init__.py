@@ -7,8 +7,10 @@ from .encoder import EncodeResult, VisionEncoder, load_encoder
 from .errors import (
     CheckpointError,
     ConfigError,
+    EmbedError,
     EncoderClosedError,
     InputError,
+    ManifestError,
     NumericalError,
     PreprocessError,
     QwenVLVisionError,
@@ -17,9 +19,8 @@ from .models import build_model
 from .qwen2_5 import Qwen2_5VisionTransformer
 from .qwen3 import Qwen3VisionTransformer
 from .tower import VisionTower
+from .version import __version__
 from .video import VideoConfig, VideoInfo
-
-__version__ = "0.1.0"
 
 __all__ = [
     "PRESETS",
@@ -30,6 +31,9 @@ __all__ = [
     "read_embeddings",
     "read_run",
     "ConfigError",
+    "EmbedError",
+    "ManifestError",
+    "__version__",
     "EncodeResult",
     "EncoderClosedError",
     "VisionEncoder",

@@ -16,7 +16,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from .options import DTYPE_CHOICES, dtype_option
+from .devices import DTYPE_CHOICES, dtype_option
 
 DEFAULT_WEIGHTS_DIR = Path("weights")  # relative to where the command runs, as the README shows
 
@@ -48,10 +48,11 @@ def validate_extract_args(args: argparse.Namespace) -> None:
 
 
 def cmd_extract_weights(args: argparse.Namespace) -> int:
-    from .encoder import _resolve_folder, load_encoder
+    from .encoder import load_encoder
+    from .hub import resolve_folder
     from .weights import save_vision_only
 
-    folder = _resolve_folder(args.source, args.revision, args.local_files_only, None, None)  # a repo id: fetched
+    folder = resolve_folder(args.source, args.revision, args.local_files_only, None, None)  # a repo id: fetched
     encoder = load_encoder(folder, device="cpu", dtype=args.dtype or _stored_dtype(folder))
     out = Path(args.out) if args.out else _default_out(args.source)
     with encoder:
@@ -92,13 +93,13 @@ def _preset_report(name: str) -> dict:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from .encoder import _resolve_folder
+    from .hub import resolve_folder
     from .weights import open_checkpoint, vision_entries
 
     if _is_preset(args.source):
         _print_report(_preset_report(args.source), args.json)
         return 0
-    folder = _resolve_folder(args.source, args.revision, args.local_files_only, None, None)
+    folder = resolve_folder(args.source, args.revision, args.local_files_only, None, None)
     checkpoint = open_checkpoint(folder)
     entries = vision_entries(checkpoint)  # every header validated as a load does; one read per shard
     total_bytes = 0
@@ -138,9 +139,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _version() -> str:
-    from .embed import _package_version
+    from .version import package_version
 
-    return _package_version()
+    return package_version()
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -62,8 +62,18 @@ from safetensors import safe_open
 from safetensors.torch import save
 
 from .attention import ATTN_IMPLS
-from .errors import QwenVLVisionError, exit_code_of
-from .options import dtype_option
+from .devices import device_option, dtype_option
+from .errors import (
+    EmbedError,
+    ManifestError,
+    OutputFaultError,
+    OutputInUseError,
+    PeerFailedError,
+    QwenVLVisionError,
+    RunMismatchError,
+    exit_code_of,
+)
+from .version import package_version
 from .video import VIDEO_EXTENSIONS
 
 IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".ppm", ".pgm"}
@@ -87,40 +97,6 @@ OUTPUT_FAULTS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EP
 
 
 # ---------------------------------------------------------------------- errors
-
-
-class EmbedError(QwenVLVisionError):
-    """An embed run that cannot start or go on; ``exit_code`` is what the CLI exits with."""
-
-    exit_code = 2
-
-
-class OutputInUseError(EmbedError):
-    """Another process holds the output folder's lock."""
-
-
-class RunMismatchError(EmbedError):
-    """``--resume`` with settings other than the run in the folder was started with."""
-
-
-class ManifestError(EmbedError, ValueError):
-    """A damaged manifest line or run.json; the message names the file and line."""
-
-
-class OutputFaultError(EmbedError):
-    """Writing the output failed (disk full, read-only, ...); what is recorded is intact, --resume finishes."""
-
-    exit_code = 3
-
-
-class _PeerFailed(EmbedError):
-    """Another rank failed and said why; this rank stops quietly with the same exit code."""
-
-    quiet = True  # the CLI prints nothing for it
-
-    def __init__(self, exit_code: int) -> None:
-        super().__init__(f"another rank failed (exit code {exit_code})")
-        self.exit_code = exit_code
 
 
 def _output_fault(e: OSError, out: Path, recorded: int | None = None) -> OutputFaultError:
@@ -657,17 +633,6 @@ def _weights_sha256(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
-def _package_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("qwenvl-vision")
-    except PackageNotFoundError:
-        from . import __version__
-
-        return __version__
-
-
 def pixel_bounds(args: argparse.Namespace, pre) -> tuple[int, int]:
     """(min, max) pixels of the run: the options, else the checkpoint's.
 
@@ -695,7 +660,7 @@ def describe_run(encoder, args: argparse.Namespace, folder: str | None, world: i
         "format": RUN_FORMAT,
         "run_id": uuid.uuid4().hex,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "package_version": _package_version(),
+        "package_version": package_version(),
         "model": args.model,
         "model_folder": folder,
         "revision": revision,
@@ -759,7 +724,7 @@ class _Group:
             except RuntimeError as e:  # a rank died (torch.distributed reports it as a RuntimeError)
                 raise OutputFaultError(f"rank {self.rank}: another rank stopped ({e})") from None
             if error is None and flag.item():
-                raise _PeerFailed(int(flag.item()))
+                raise PeerFailedError(int(flag.item()))
         if error is not None:
             raise error
 
@@ -895,8 +860,9 @@ def _pick_device(args: argparse.Namespace, rank: int, world: int) -> str | None:
 def _load(args: argparse.Namespace, device: str | None, progress: Progress):
     """The encoder, and the checkpoint folder it came from (None for random weights); says what it does."""
     from .attention import resolve_attn_impl
-    from .encoder import _resolve_folder, load_encoder, resolve_device, resolve_dtype
-    from .hub import looks_like_repo_id
+    from .devices import resolve_device, resolve_dtype
+    from .encoder import load_encoder
+    from .hub import looks_like_repo_id, resolve_folder
 
     where = str(resolve_device(device))
     resolve_attn_impl(args.attn, where, resolve_dtype(args.dtype, torch.device(where)))  # before any fetch or read
@@ -910,7 +876,7 @@ def _load(args: argparse.Namespace, device: str | None, progress: Progress):
         if looks_like_repo_id(args.model):
             progress.note(f"fetching config, index and vision shards of {args.model} from the Hugging Face Hub "
                           f"(or its local cache)")
-        resolved = _resolve_folder(args.model, args.revision, args.local_files_only, None, None)
+        resolved = resolve_folder(args.model, args.revision, args.local_files_only, None, None)
         shards, size = _vision_shards(resolved)
         progress.note(f"reading {shards} shard{'s' if shards != 1 else ''} with the vision tensors "
                       f"({_size(size)}) from {resolved} onto {where}")
@@ -1150,23 +1116,6 @@ def _positive_float(name: str):
     return parse
 
 
-def _device(text: str) -> str:
-    try:
-        device = torch.device(text)
-    except RuntimeError:
-        raise argparse.ArgumentTypeError(f"unknown device {text!r}; use cpu, cuda or cuda:N") from None
-    if device.type not in ("cpu", "cuda"):
-        raise argparse.ArgumentTypeError(f"device {text!r} is not supported; use cpu, cuda or cuda:N")
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise argparse.ArgumentTypeError(f"device {text!r}: CUDA is not available here (no GPU, or a CPU "
-                                             f"build of torch {torch.__version__}); use --device cpu")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise argparse.ArgumentTypeError(f"device {text!r}: this machine has {torch.cuda.device_count()} "
-                                             f"CUDA device(s)")
-    return text
-
-
 def validate_embed_args(args: argparse.Namespace) -> None:
     """Checks across options, right after parsing (argparse checks each option alone)."""
     from .errors import ConfigError
@@ -1196,7 +1145,7 @@ def add_embed_parser(sub, parents=()) -> None:
     p.add_argument("--local-files-only", action="store_true",
                    help="take a repo id --model from the Hugging Face cache only, never the network (as "
                         "HF_HUB_OFFLINE=1)")
-    p.add_argument("--device", type=_device,
+    p.add_argument("--device", type=device_option,
                    help="cpu, cuda or cuda:N (default: cuda when available, else cpu; under torchrun each rank "
                         "takes cuda:LOCAL_RANK)")
     p.add_argument("--dtype", type=dtype_option,

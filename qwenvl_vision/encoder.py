@@ -23,20 +23,20 @@ import math
 import os
 import stat
 import threading
-import warnings
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import PIL.Image
 import torch
 
 from .attention import resolve_attn_impl
-from .config import ConfigError, VisionConfig, resolve_config
-from .errors import EncoderClosedError, NumericalError, QwenVLVisionError
+from .config import VisionConfig, resolve_config
+from .devices import resolve_device, resolve_dtype
+from .errors import ConfigError, EncoderClosedError, InputError, NumericalError, QwenVLVisionError
+from .hub import resolve_folder
 from .init import random_tower
 from .preprocess import (
     DEFAULT_MAX_INPUT_PIXELS,
@@ -46,7 +46,7 @@ from .preprocess import (
     input_name,
     preprocess_image,
 )
-from .tower import InputError, VisionTower
+from .tower import VisionTower
 from .video import (
     VideoConfig,
     VideoInfo,
@@ -57,48 +57,14 @@ from .video import (
     sample_indices,
     video_target_size,
 )
-from .weights import CheckpointError, load_tower, open_checkpoint
+from .weights import load_tower, open_checkpoint
 
-DTYPES = {
-    "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
-}
 DEFAULT_DECODE_BYTES = 1 << 30
 # Peak bytes per header pixel while a file is decoded and converted to RGB, measured on 12 and 64 MP files
 # decoded one at a time: ~4 for an RGB file (Pillow holds RGB as 4 bytes a pixel); 8.0 for the
 # worst kinds, where a second full image exists for a moment: an EXIF-rotated photo (the transpose), a CMYK,
 # RGBA, grayscale or palette file (the RGB conversion). Rounded up.
 DECODE_BYTES_PER_PIXEL = 9
-
-
-def resolve_device(device: str | torch.device | None) -> torch.device:
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise ConfigError(f"unknown device {device!r}: use cpu, cuda or cuda:N") from e
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device {device} requested but CUDA is not available on this machine")
-    return device
-
-
-def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    if dtype is None:
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if isinstance(dtype, torch.dtype):
-        resolved = dtype
-    elif isinstance(dtype, str) and dtype.lower() in DTYPES:
-        resolved = DTYPES[dtype.lower()]
-    else:
-        raise ConfigError(f"unsupported dtype {dtype!r}; use one of {sorted(DTYPES)}")
-    if resolved not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ConfigError(f"unsupported dtype {resolved}; use float32, bfloat16 or float16")
-    if resolved == torch.float16:
-        warnings.warn("float16 can overflow in the Qwen2.5-VL tower; bfloat16 or float32 are safe. "
-                      "Outputs will be checked for non-finite values.", stacklevel=3)
-    return resolved
 
 
 @dataclass
@@ -691,7 +657,7 @@ def load_encoder(
                              video_config=_video_config(video_config, None, config, pre))
     if isinstance(source, (VisionConfig, dict)):
         raise ConfigError("a config alone has no weights: pass random_weights=True, or a checkpoint folder/repo id")
-    folder = _resolve_folder(os.fspath(source), revision, local_files_only, cache_dir, token)
+    folder = resolve_folder(os.fspath(source), revision, local_files_only, cache_dir, token)
     checkpoint = open_checkpoint(folder)
     model = _compiled(load_tower(checkpoint, device, dtype, check_finite=check_finite, **options), compile)
     pre = _preprocess_config(preprocess_config, checkpoint.preprocessor_json(), checkpoint.config)
@@ -724,20 +690,3 @@ def _video_config(given: VideoConfig | dict | None, from_checkpoint: dict | None
     if isinstance(given, VideoConfig):
         return given
     return VideoConfig.from_dict(given if given is not None else from_checkpoint, config.family, pre)
-
-
-def _resolve_folder(source: str, revision: str | None, local_files_only: bool, cache_dir: str | None,
-                    token: str | bool | None) -> Path:
-    from .config import PRESETS
-    from .hub import fetch_vision_checkpoint, looks_like_repo_id
-
-    path = Path(source).expanduser()
-    if path.is_dir():
-        return path
-    if source.lower() in PRESETS:
-        raise CheckpointError(f"{source!r} is a preset: pass random_weights=True for random weights at its size, "
-                              f"or give a checkpoint folder / repo id")
-    if looks_like_repo_id(source):
-        return fetch_vision_checkpoint(source, revision=revision, cache_dir=cache_dir,
-                                       local_files_only=local_files_only, token=token)
-    raise CheckpointError(f"checkpoint folder {source} does not exist (and it is not a repo id like 'Qwen/...')")

@@ -34,6 +34,40 @@ class NumericalError(QwenVLVisionError, FloatingPointError):
     """The tower's outputs are not finite (float16 overflows in the Qwen2.5-VL tower): use bfloat16 or float32."""
 
 
+class EmbedError(QwenVLVisionError):
+    """An embed run that cannot start or go on; ``exit_code`` is what the CLI exits with."""
+
+    exit_code = 2
+
+
+class OutputInUseError(EmbedError):
+    """Another process holds the output folder's lock."""
+
+
+class RunMismatchError(EmbedError):
+    """``--resume`` with settings other than the run in the folder was started with."""
+
+
+class ManifestError(EmbedError, ValueError):
+    """A damaged manifest line or run.json; the message names the file and line."""
+
+
+class OutputFaultError(EmbedError):
+    """Writing the output failed (disk full, read-only, ...); what is recorded is intact, --resume finishes."""
+
+    exit_code = 3
+
+
+class PeerFailedError(EmbedError):
+    """Another rank failed and said why; this rank stops quietly with the same exit code."""
+
+    quiet = True  # the CLI prints nothing for it
+
+    def __init__(self, exit_code: int) -> None:
+        super().__init__(f"another rank failed (exit code {exit_code})")
+        self.exit_code = exit_code
+
+
 def exit_code_of(error: BaseException) -> int:
     """2 for usage and setup errors; an error may carry its own (embed: 3 for an output fault)."""
     return getattr(error, "exit_code", 2)

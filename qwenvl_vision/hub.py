@@ -24,14 +24,14 @@ import importlib
 import re
 from pathlib import Path
 
-from .config import from_config_json
+from .config import PRESETS, from_config_json
+from .errors import CheckpointError
 from .weights import (
     CONFIG_FILE,
     INDEX_FILE,
     PREPROCESSOR_FILE,
     SINGLE_FILE,
     VIDEO_PREPROCESSOR_FILE,
-    CheckpointError,
     parse_weight_map,
     read_json,
     strip_vision_prefix,
@@ -204,3 +204,18 @@ def fetch_vision_checkpoint(repo_id: str, *, revision: str | None = None, cache_
     for shard in shards:
         _download(repo_id, shard, **kwargs)
     return snapshot
+
+
+def resolve_folder(source: str, revision: str | None = None, local_files_only: bool = False,
+                   cache_dir: str | None = None, token: str | bool | None = None) -> Path:
+    """The checkpoint folder a source names: a folder as it is, a repo id fetched (vision files only)."""
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return path
+    if source.lower() in PRESETS:
+        raise CheckpointError(f"{source!r} is a preset: pass random_weights=True for random weights at its size, "
+                              f"or give a checkpoint folder / repo id")
+    if looks_like_repo_id(source):
+        return fetch_vision_checkpoint(source, revision=revision, cache_dir=cache_dir,
+                                       local_files_only=local_files_only, token=token)
+    raise CheckpointError(f"checkpoint folder {source} does not exist (and it is not a repo id like 'Qwen/...')")

@@ -299,7 +299,7 @@ def build_variants(opts: Options, wanted: list[str], extra: dict[str, VariantFac
 def run_cycle(variant: Variant, teardown: str, inputs: Inputs, device: Any, baseline: int | None,
               log: Callable[[str], None] = print) -> dict[str, Any]:
     """load -> encode -> teardown -> gc, measured at each step; gc is disabled until after the teardown check."""
-    from .encoder import EncoderClosedError
+    from .errors import EncoderClosedError
 
     record: dict[str, Any] = {"phases": {}}
     phases = record["phases"]
@@ -539,7 +539,7 @@ def cmd_teardown(args: argparse.Namespace, extra_variants: dict[str, VariantFact
     import torch
 
     from .config import resolve_config
-    from .encoder import resolve_device, resolve_dtype
+    from .devices import resolve_device, resolve_dtype
 
     extra = extra_variants or {}
     known = (PER_INSTANCE, *extra)
@@ -629,10 +629,10 @@ def _load_plain(opts: Options) -> Any:
 
 
 def _checkpoint_config(source: str) -> Any:
-    from .encoder import _resolve_folder
+    from .hub import resolve_folder
     from .weights import open_checkpoint
 
-    return open_checkpoint(_resolve_folder(source, None, False, None, None)).config
+    return open_checkpoint(resolve_folder(source, None, False, None, None)).config
 
 
 def add_bench_parser(sub: Any) -> None:

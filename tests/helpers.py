@@ -85,6 +85,29 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
+def item_errors(ours: torch.Tensor, ref: torch.Tensor, grid_thw, merge_size: int = 2) -> list[float]:
+    """rel_err per item of a pack of merged outputs (rows split by t*h*w / merge**2): one norm over the whole pack
+    would let a large error confined to the smallest image pass."""
+    counts = [int(t * h * w) // merge_size**2 for t, h, w in torch.as_tensor(grid_thw).tolist()]
+    assert ours.shape == ref.shape and sum(counts) == ref.shape[0], (tuple(ours.shape), tuple(ref.shape), counts)
+    return [rel_err(a, b) for a, b in zip(ours.split(counts), ref.split(counts), strict=True)]
+
+
+def assert_matches_reference(ours, ref, grid_thw, tol: float, merge_size: int = 2) -> float:
+    """ours and ref are (merged, [DeepStack levels]) of one pack: every item of every output within tol of the
+    reference. Returns the largest error (for reports)."""
+    (merged, levels), (ref_merged, ref_levels) = ours, ref
+    assert len(levels) == len(ref_levels), f"{len(levels)} DeepStack levels, the reference has {len(ref_levels)}"
+    worst = 0.0
+    for what, a, b in [("merged", merged, ref_merged)] + [(f"deepstack {i}", a, b) for i, (a, b) in
+                                                           enumerate(zip(levels, ref_levels, strict=True))]:
+        errors = item_errors(a.float().cpu(), b.float().cpu(), grid_thw, merge_size)
+        bad = [(i, e) for i, e in enumerate(errors) if not e <= tol]
+        assert not bad, f"{what}: items over {tol:g}: " + ", ".join(f"#{i} {e:.2e}" for i, e in bad)
+        worst = max(worst, *errors)
+    return worst
+
+
 # ----------------------------------------------------------------------------- transformers' towers
 
 # family -> (transformers module, vision config class, vision tower class)

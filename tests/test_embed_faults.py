@@ -29,6 +29,7 @@ import qwenvl_vision.embed as embed
 from qwenvl_vision import EncoderClosedError, load_encoder
 from qwenvl_vision.cli import main
 from qwenvl_vision.embed import ManifestError, read_embeddings, read_manifest_lines, read_run
+from qwenvl_vision.version import package_version
 from tests.helpers import REPO, synthetic_photo
 from tests.helpers import make_image_folder as make_folder
 
@@ -660,7 +661,7 @@ def test_cli_names_random_weights_version_and_inspect_preset(tmp_path, capsys):
     assert main(["extract-weights", "qwen3-vl-2b"]) == 2
     one_error_line(capsys.readouterr().err, "qwen3-vl-2b is a preset", "no weights")
     assert main(["--version"]) == 0
-    assert capsys.readouterr().out.strip() == f"qwenvl-vision {embed._package_version()}"
+    assert capsys.readouterr().out.strip() == f"qwenvl-vision {package_version()}"
     assert main(["inspect", "Qwen3-VL-2B", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     # The released Qwen3-VL-2B tower: 24 blocks of width 1024, out 2048, DeepStack after blocks 5, 11, 17.

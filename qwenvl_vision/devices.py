@@ -1,0 +1,74 @@
+"""Device and dtype: what the API accepts (``resolve_device``, ``resolve_dtype``) and the argparse types of the
+command line's ``--device`` and ``--dtype`` (the same spellings, refused when parsed)."""
+
+from __future__ import annotations
+
+import argparse
+import warnings
+
+import torch
+
+from .errors import ConfigError
+
+DTYPES = {
+    "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
+}
+DTYPE_CHOICES = "fp32/float32, bf16/bfloat16, fp16/float16/half"
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """The device to run on: CUDA when there is one and nothing was asked."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ConfigError(f"unknown device {device!r}: use cpu, cuda or cuda:N") from e
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {device} requested but CUDA is not available on this machine")
+    return device
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """The compute dtype: bf16 on CUDA and fp32 elsewhere when nothing was asked; fp16 warns (it can overflow)."""
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        resolved = dtype
+    elif isinstance(dtype, str) and dtype.lower() in DTYPES:
+        resolved = DTYPES[dtype.lower()]
+    else:
+        raise ConfigError(f"unsupported dtype {dtype!r}; use one of {sorted(DTYPES)}")
+    if resolved not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ConfigError(f"unsupported dtype {resolved}; use float32, bfloat16 or float16")
+    if resolved == torch.float16:
+        warnings.warn("float16 can overflow in the Qwen2.5-VL tower; bfloat16 or float32 are safe. "
+                      "Outputs will be checked for non-finite values.", stacklevel=3)
+    return resolved
+
+
+def dtype_option(text: str) -> str:
+    """argparse type of a --dtype option: one of DTYPES' spellings."""
+    if text.lower() not in DTYPES:
+        raise argparse.ArgumentTypeError(f"unsupported dtype {text!r}; use one of {', '.join(sorted(DTYPES))}")
+    return text
+
+
+def device_option(text: str) -> str:
+    """argparse type of a --device option: cpu, cuda or cuda:N, refused at once when this machine lacks it."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"unknown device {text!r}; use cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"device {text!r} is not supported; use cpu, cuda or cuda:N")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise argparse.ArgumentTypeError(f"device {text!r}: CUDA is not available here (no GPU, or a CPU "
+                                             f"build of torch {torch.__version__}); use --device cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise argparse.ArgumentTypeError(f"device {text!r}: this machine has {torch.cuda.device_count()} "
+                                             f"CUDA device(s)")
+    return text

@@ -1,0 +1,152 @@
+"""The code's shape (issue 21), checked on the source: no import cycle between the package's modules, no module
+over MAX_LINES, no ``_private`` name used outside the module that defines it (a test of that module excepted),
+and bench/ importing only ``bench.*`` and the package, with no ``sys.path`` edits.
+
+Imports inside functions count: a lazy import that closes a loop is still a loop between two modules' jobs.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGE = REPO / "qwenvl_vision"
+MAX_LINES = 600
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def sources(*folders: str) -> dict[str, Path]:
+    return {module_name(p): p for folder in folders for p in sorted((REPO / folder).rglob("*.py"))}
+
+
+def imported(path: Path, name: str) -> list[tuple[str, list[str], int]]:
+    """(module, names imported from it, line) for every import in the file, relative ones resolved."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, [], node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            found.append((base, [alias.name for alias in node.names], node.lineno))
+    return found
+
+
+def project_target(module: str, names: list[str], known: dict[str, Path]) -> list[str]:
+    """The project modules an import statement reaches: ``from . import video`` reaches qwenvl_vision.video."""
+    submodules = [f"{module}.{n}" for n in names if f"{module}.{n}" in known]
+    whole = module in known and (not names or len(submodules) < len(names))
+    return ([module] if whole else []) + submodules
+
+
+PACKAGE_MODULES = sources("qwenvl_vision")
+
+
+def test_no_import_cycle_in_the_package():
+    graph = {name: set() for name in PACKAGE_MODULES}
+    for name, path in PACKAGE_MODULES.items():
+        for module, names, _ in imported(path, name):
+            for target in project_target(module, names, PACKAGE_MODULES):
+                # A submodule importing its own package's __init__ is a cycle only if __init__ imports it back,
+                # which the graph sees; a package importing its submodules is its job.
+                if target != name:
+                    graph[name].add(target)
+    cycles = []
+    state: dict[str, int] = {}
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycles.append(" -> ".join(stack[stack.index(nxt):] + [nxt]))
+            elif nxt not in state:
+                visit(nxt, stack + [nxt])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def test_no_module_over_the_line_limit():
+    long = {name: n for name, path in PACKAGE_MODULES.items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines: {long}"
+
+
+def defining_module(module: str, name: str, known: dict[str, Path]) -> str:
+    return f"{module}.{name}" if f"{module}.{name}" in known else module
+
+
+ALL = sources("qwenvl_vision", "bench", "tests")
+
+
+def allowed_private(user: str, owner: str) -> bool:
+    if user == owner or user.startswith(owner + "."):
+        return True
+    # A test of that module: tests.test_video for qwenvl_vision.video, tests.test_embed_writer for
+    # qwenvl_vision.embed.writer.
+    if user.startswith("tests.test_"):
+        tail = owner.split(".")[1:]
+        stem = user.removeprefix("tests.test_")
+        return bool(tail) and stem.startswith("_".join(tail))
+    return False
+
+
+@pytest.mark.parametrize("folder", ["qwenvl_vision", "bench", "tests"])
+def test_no_private_name_used_outside_its_module(folder):
+    misuses = []
+    for name, path in sources(folder).items():
+        tree = ast.parse(path.read_text(), str(path))
+        aliases: dict[str, str] = {}  # local name -> project module it stands for
+        for module, names, line in imported(path, name):
+            if not (module == "qwenvl_vision" or module.startswith(("qwenvl_vision.", "bench", "tests"))):
+                continue
+            for imported_name in names:
+                if f"{module}.{imported_name}" in ALL:
+                    aliases[imported_name] = f"{module}.{imported_name}"
+                elif imported_name.startswith("_") and not imported_name.startswith("__"):
+                    owner = defining_module(module, imported_name, ALL)
+                    if not allowed_private(name, owner):
+                        misuses.append(f"{path.relative_to(REPO)}:{line} imports {module}.{imported_name}")
+            if not names and module in ALL:
+                aliases[module.split(".")[0]] = module.split(".")[0]
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                    and isinstance(node.value, ast.Name) and node.value.id in aliases):
+                owner = aliases[node.value.id]
+                if not allowed_private(name, owner):
+                    misuses.append(f"{path.relative_to(REPO)}:{node.lineno} uses {owner}.{node.attr}")
+    assert not misuses, "private names used outside their module:\n" + "\n".join(misuses)
+
+
+def test_bench_imports_only_bench_and_the_package():
+    problems = []
+    for name, path in sources("bench").items():
+        text = path.read_text()
+        if "sys.path" in text:
+            problems.append(f"{path.relative_to(REPO)} edits sys.path")
+        for module, _, line in imported(path, name):
+            top = module.split(".")[0]
+            if top == "tests" or (module in {"throughput", "gemm_bound", "profile_tower"}):
+                problems.append(f"{path.relative_to(REPO)}:{line} imports {module}")
+    assert not problems, "\n".join(problems)
+
+
+def test_nothing_cites_a_file_outside_the_repository():
+    cites = [str(p.relative_to(REPO)) for p in [*PACKAGE.rglob("*.py"), *(REPO / "bench").rglob("*.py"),
+                                               REPO / "README.md"] if "REFERENCE.md" in p.read_text()]
+    assert not cites, f"cite REFERENCE.md, which is not in the repository: {cites}"
