@@ -28,20 +28,25 @@ def sources(*folders: str) -> dict[str, Path]:
     return {module_name(p): p for folder in folders for p in sorted((REPO / folder).rglob("*.py"))}
 
 
-def imported(path: Path, name: str) -> list[tuple[str, list[str], int]]:
-    """(module, names imported from it, line) for every import in the file, relative ones resolved."""
+def imported(path: Path, name: str, *, local_names: bool = False) -> list[tuple[str, list[str], int]]:
+    """(module, names imported from it, line) for every import in the file, relative ones resolved; with
+    local_names, (module, [(name, local name)], line, local name of the module)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
-            found += [(alias.name, [], node.lineno) for alias in node.names]
+            found += [(alias.name, [], node.lineno, alias.asname or alias.name.split(".")[0]) if local_names
+                      else (alias.name, [], node.lineno) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
                 anchor = package.split(".")
                 anchor = anchor[: len(anchor) - (node.level - 1)]
                 base = ".".join(anchor + ([base] if base else []))
-            found.append((base, [alias.name for alias in node.names], node.lineno))
+            if local_names:
+                found.append((base, [(a.name, a.asname or a.name) for a in node.names], node.lineno, None))
+            else:
+                found.append((base, [alias.name for alias in node.names], node.lineno))
     return found
 
 
@@ -112,18 +117,20 @@ def test_no_private_name_used_outside_its_module(folder):
     for name, path in sources(folder).items():
         tree = ast.parse(path.read_text(), str(path))
         aliases: dict[str, str] = {}  # local name -> project module it stands for
-        for module, names, line in imported(path, name):
+        for module, names, line, module_alias in imported(path, name, local_names=True):
             if not (module == "qwenvl_vision" or module.startswith(("qwenvl_vision.", "bench", "tests"))):
                 continue
-            for imported_name in names:
+            for imported_name, local in names:
                 if f"{module}.{imported_name}" in ALL:
-                    aliases[imported_name] = f"{module}.{imported_name}"
+                    aliases[local] = f"{module}.{imported_name}"
                 elif imported_name.startswith("_") and not imported_name.startswith("__"):
                     owner = defining_module(module, imported_name, ALL)
                     if not allowed_private(name, owner):
                         misuses.append(f"{path.relative_to(REPO)}:{line} imports {module}.{imported_name}")
             if not names and module in ALL:
-                aliases[module.split(".")[0]] = module.split(".")[0]
+                # ``import a.b`` binds a (attributes of a reach a.b through the package); ``import a.b as c`` binds
+                # c to a.b itself.
+                aliases[module_alias] = module if module_alias != module.split(".")[0] else module_alias
         for node in ast.walk(tree):
             if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
                     and isinstance(node.value, ast.Name) and node.value.id in aliases):
