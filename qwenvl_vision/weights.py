@@ -43,7 +43,7 @@ from .config import FAMILIES, VisionConfig, from_config_json
 from .errors import CheckpointError, ConfigError, QwenVLVisionError
 from .models import build_model
 from .names import to_checkpoint_state, to_module_state
-from .safetensors_checks import (  # noqa: F401  (SAFETENSORS_DTYPES, read_header: re-exported for cli.py, embed.py)
+from .safetensors_checks import (
     SAFETENSORS_DTYPES,
     check_vision_entry,
     json_type,
