@@ -26,14 +26,13 @@ from pathlib import Path
 
 from .config import PRESETS, from_config_json
 from .errors import CheckpointError
+from .safetensors_checks import parse_weight_map, read_json
 from .weights import (
     CONFIG_FILE,
     INDEX_FILE,
     PREPROCESSOR_FILE,
     SINGLE_FILE,
     VIDEO_PREPROCESSOR_FILE,
-    parse_weight_map,
-    read_json,
     strip_vision_prefix,
 )
 

@@ -4,12 +4,14 @@ Every case corrupts a copy of a real-layout checkpoint written by ``tests.helper
 tensors over two shards, the second shared with the language model, plus LLM-only shards; or one
 ``model.safetensors``) and expects the named error: the shard and the tensor at fault in one line. The rules
 are those of the safetensors reader (``SafeTensors::read_metadata`` / ``Metadata::validate``), see
-``qwenvl_vision/weights.py``.
+``qwenvl_vision/safetensors_checks.py``. A bug in the loading code itself must not pass for a bad
+file: the last tests here check that it escapes as what it is.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import operator
@@ -24,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from qwenvl_vision import CheckpointError, ConfigError, QwenVLVisionError, load_encoder
+from qwenvl_vision import CheckpointError, ConfigError, QwenVLVisionError, load_encoder, weights
 from qwenvl_vision.cli import main
 from qwenvl_vision.hub import fetch_vision_checkpoint
 from tests.helpers import QWEN2_5_SMALL, QWEN3_SMALL_72, write_checkpoint
@@ -72,11 +74,11 @@ def _edit_header(folder: Path, name: str, edit) -> Path:
     return shard
 
 
-def _set_entry(folder: Path, name: str, **fields) -> Path:
+def set_entry(folder: Path, name: str, **fields) -> Path:
     return _edit_header(folder, name, lambda header: header[name].update(fields))
 
 
-def _offsets(folder: Path, name: str) -> list[int]:
+def offsets_of(folder: Path, name: str) -> list[int]:
     return _split(_shard_of(folder, name))[0][name]["data_offsets"]
 
 
@@ -129,13 +131,13 @@ def _outputs(encoder) -> list[torch.Tensor]:
 def test_negative_begin_is_refused(tmp_path, sharded):
     """Row 1: begin = -8 used to read the header's last bytes as weights (NaN output)."""
     write_checkpoint(tmp_path, QWEN2_5_SMALL, sharded=sharded)
-    begin, end = _offsets(tmp_path, LN_Q)
-    shard = _set_entry(tmp_path, LN_Q, data_offsets=[-8, end - begin - 8])
+    begin, end = offsets_of(tmp_path, LN_Q)
+    shard = set_entry(tmp_path, LN_Q, data_offsets=[-8, end - begin - 8])
     with pytest.raises(CheckpointError, match=_culprit(shard, LN_Q) + r"data_offsets \[-8, 632\] are not two"):
         _load(tmp_path)
 
 
-def _same_size_pair(folder: Path) -> tuple[Path, str, str]:
+def same_size_pair(folder: Path) -> tuple[Path, str, str]:
     """Two vision tensors in one shard with equal byte lengths, the second stored after the first."""
     shard = _shard_of(folder, LN_Q)
     header, _ = _split(shard)
@@ -148,8 +150,8 @@ def _same_size_pair(folder: Path) -> tuple[Path, str, str]:
 
 def test_overlapping_tensors_are_refused(ckpt):
     """Row 2: tensor B pointing at tensor A's bytes used to load A's weights into B silently."""
-    shard, a, b = _same_size_pair(ckpt)
-    _set_entry(ckpt, b, data_offsets=_offsets(ckpt, a))
+    shard, a, b = same_size_pair(ckpt)
+    set_entry(ckpt, b, data_offsets=offsets_of(ckpt, a))
     with pytest.raises(CheckpointError, match=rf"{re.escape(shard.name)}: tensors '{re.escape(a)}' and "
                                               rf"'{re.escape(b)}' overlap"):
         _load(ckpt)
@@ -157,9 +159,9 @@ def test_overlapping_tensors_are_refused(ckpt):
 
 def test_offsets_shifted_by_four_bytes_are_refused(ckpt):
     """Row 2: offsets shifted by 4 bytes (byte length still right) used to load shifted weights."""
-    shard, a, _ = _same_size_pair(ckpt)
-    begin, end = _offsets(ckpt, a)
-    _set_entry(ckpt, a, data_offsets=[begin + 4, end + 4])
+    shard, a, _ = same_size_pair(ckpt)
+    begin, end = offsets_of(ckpt, a)
+    set_entry(ckpt, a, data_offsets=[begin + 4, end + 4])
     with pytest.raises(CheckpointError, match=rf"{re.escape(shard.name)}: tensor '{re.escape(a)}' starts at byte "
                                               rf"{begin + 4} .* ends at {begin}"):
         _load(ckpt)
@@ -170,7 +172,7 @@ def test_offsets_shifted_by_four_bytes_are_refused(ckpt):
 def test_float_weight_relabelled_as_integer_is_refused(tmp_path, sharded, stored):
     """Row 3: F32 relabelled I32 (same byte length) used to load the integers as weights."""
     write_checkpoint(tmp_path, QWEN2_5_SMALL, sharded=sharded)
-    _set_entry(tmp_path, LN_Q, dtype=stored)
+    set_entry(tmp_path, LN_Q, dtype=stored)
     if stored == "U32":  # known to safetensors, not loadable by torch: refused before the integer rule
         message = rf"{re.escape(LN_Q)} in .* has unsupported dtype U32"
     else:
@@ -182,15 +184,15 @@ def test_float_weight_relabelled_as_integer_is_refused(tmp_path, sharded, stored
 @pytest.mark.parametrize("corruption", ["begin>end", "float-offsets", "length!=shape*dtype", "no-data_offsets"])
 def test_malformed_entry_is_named(ckpt, corruption):
     """Row 4: these used to escape as bare RuntimeError / TypeError / KeyError."""
-    begin, end = _offsets(ckpt, LN_Q)
+    begin, end = offsets_of(ckpt, LN_Q)
     if corruption == "begin>end":
-        shard = _set_entry(ckpt, LN_Q, data_offsets=[end, begin])
+        shard = set_entry(ckpt, LN_Q, data_offsets=[end, begin])
         message = rf"data_offsets begin {end} > end {begin}"
     elif corruption == "float-offsets":
-        shard = _set_entry(ckpt, LN_Q, data_offsets=[float(begin), float(end)])
+        shard = set_entry(ckpt, LN_Q, data_offsets=[float(begin), float(end)])
         message = rf"data_offsets \[{begin}\.0, {end}\.0\] are not two non-negative integers"
     elif corruption == "length!=shape*dtype":
-        shard = _set_entry(ckpt, LN_Q, shape=[161])
+        shard = set_entry(ckpt, LN_Q, shape=[161])
         message = rf"data_offsets \[{begin}, {end}\] span 640 bytes, but F32 x \[161\] needs 644"
     else:
         shard = _edit_header(ckpt, LN_Q, lambda header: header[LN_Q].pop("data_offsets"))
@@ -428,7 +430,7 @@ def test_tensor_named_twice_is_refused(ckpt):
 ], ids=["unknown-dtype", "lowercase-dtype", "negative-dim", "bool-dim", "float-dim", "string-shape",
         "dim-over-u64", "overflowing-numel", "three-offsets", "string-offsets"])
 def test_malformed_field_is_named(ckpt, field, value, message):
-    shard = _set_entry(ckpt, LN_Q, **{field: value})
+    shard = set_entry(ckpt, LN_Q, **{field: value})
     with pytest.raises(CheckpointError, match=_culprit(shard, LN_Q) + message):
         _load(ckpt)
 
@@ -445,7 +447,7 @@ def test_end_past_the_data_is_refused(ckpt):
 
 def test_bytes_between_tensors_are_refused(ckpt):
     """safetensors requires the tensors to tile the data exactly: a dropped entry leaves bytes to no one."""
-    shard, a, b = _same_size_pair(ckpt)
+    shard, a, b = same_size_pair(ckpt)
     _edit_header(ckpt, a, lambda header: header.pop(a))
     with pytest.raises(CheckpointError, match=rf"{shard.name}: tensor '{re.escape(b)}' starts at byte"):
         _load(ckpt)
@@ -463,7 +465,7 @@ def test_bytes_after_the_last_tensor_are_refused(ckpt):
 def test_sub_byte_dtype_must_fill_whole_bytes(ckpt):
     """Any dtype safetensors knows is accepted for tensors never read, but its bits must fill whole bytes."""
     llm = "model.layers.0.mlp.up_proj.weight"  # F32 (16, 8): 512 bytes, in the vision + LLM shard
-    shard = _set_entry(ckpt, llm, dtype="F4", shape=[1023])
+    shard = set_entry(ckpt, llm, dtype="F4", shape=[1023])
     with pytest.raises(CheckpointError, match=_culprit(shard, llm) + r"F4 x \[1023\] does not fill whole bytes"):
         _load(ckpt)
 
@@ -471,22 +473,8 @@ def test_sub_byte_dtype_must_fill_whole_bytes(ckpt):
 def test_language_model_tensor_in_a_dtype_torch_lacks_still_loads(ckpt):
     """Not stricter than safetensors where it does not matter: an LLM tensor stored as FP8 is never read."""
     clean = _outputs(_load(ckpt))
-    _set_entry(ckpt, "model.layers.0.mlp.up_proj.weight", dtype="F8_E4M3", shape=[512])
+    set_entry(ckpt, "model.layers.0.mlp.up_proj.weight", dtype="F8_E4M3", shape=[512])
     assert all(torch.equal(a, b) for a, b in zip(clean, _outputs(_load(ckpt))))
-
-
-@pytest.mark.parametrize("corruption", ["negative-begin", "integer-dtype", "overlap"])
-def test_inspect_validates_headers_as_loading_does(ckpt, capsys, corruption):
-    shard, a, b = _same_size_pair(ckpt)
-    if corruption == "negative-begin":
-        _set_entry(ckpt, a, data_offsets=[-8, 632])
-    elif corruption == "integer-dtype":
-        _set_entry(ckpt, a, dtype="I32")
-    else:
-        _set_entry(ckpt, b, data_offsets=_offsets(ckpt, a))
-    assert main(["inspect", str(ckpt)]) == 2
-    err = capsys.readouterr().err
-    assert shard.name in err and (b if corruption == "overlap" else a) in err and "Traceback" not in err
 
 
 def test_hub_refuses_a_shard_name_outside_the_repo_before_downloading(hub, tmp_path):  # noqa: F811
@@ -499,6 +487,52 @@ def test_hub_refuses_a_shard_name_outside_the_repo_before_downloading(hub, tmp_p
     with pytest.raises(CheckpointError, match=re.escape("shard name '../../evil.safetensors'")):
         fetch_vision_checkpoint("org/evil")
     assert hub.files_touched() == {"config.json", "preprocessor_config.json", "video_preprocessor_config.json", INDEX}
+
+
+# ---------------------------------------------------------------------- our own bugs are not bad files
+
+
+def _our_bug(*args, **kwargs):
+    raise TypeError("a bug in qwenvl_vision, not in the checkpoint")
+
+
+@pytest.mark.parametrize("helper", ["strip_vision_prefix", "check_vision_entry", "to_module_state"])
+def test_a_programming_error_in_the_loading_code_is_not_a_checkpoint_error(ckpt, monkeypatch, helper):
+    """The backstop that names a bare builtin error as a bad file wraps only the calls that parse a file: a
+    TypeError from our own code between them (indexing the tensors by name, checking a header entry already
+    validated, renaming tensors into the module's) escapes as the TypeError it is, not as a CheckpointError."""
+    monkeypatch.setattr(weights, helper, _our_bug)
+    with pytest.raises(TypeError, match="a bug in qwenvl_vision") as info:
+        _load(ckpt)
+    assert not isinstance(info.value, QwenVLVisionError)
+
+
+def test_a_programming_error_in_inspect_is_not_a_checkpoint_error(ckpt, monkeypatch):
+    checkpoint = weights.open_checkpoint(ckpt)
+    monkeypatch.setattr(weights, "check_vision_entry", _our_bug)
+    with pytest.raises(TypeError, match="a bug in qwenvl_vision") as info:
+        weights.vision_entries(checkpoint)
+    assert not isinstance(info.value, QwenVLVisionError)
+
+
+@pytest.mark.parametrize("reader", ["read_header", "read_open_header", "read_json"])
+def test_a_read_error_inside_a_parsing_call_is_still_a_checkpoint_error(tmp_path, monkeypatch, reader):
+    """... while a bare builtin error from a call that reads a file (here an EIO from the disk) still becomes a
+    CheckpointError naming the file."""
+    def failing_read(path, *args):
+        raise OSError(errno.EIO, "Input/output error")
+
+    # The single-file layout for read_header: open_checkpoint reads the one shard's header to index it.
+    write_checkpoint(tmp_path, QWEN2_5_SMALL, sharded=reader != "read_header")
+    if reader == "read_header":
+        expected = r"cannot read shard .*model\.safetensors: OSError: .*Input/output error"
+    elif reader == "read_open_header":
+        expected = r"cannot read shard .*\.safetensors: OSError: .*Input/output error"
+    else:
+        expected = r"cannot read config .*config\.json: OSError: .*Input/output error"
+    monkeypatch.setattr(weights, reader, failing_read)
+    with pytest.raises(CheckpointError, match=expected):
+        _load(tmp_path)
 
 
 # ---------------------------------------------------------------------- fuzz

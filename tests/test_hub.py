@@ -8,6 +8,7 @@ preprocessor config, index and only the shards holding vision tensors; never an 
 
 from __future__ import annotations
 
+import re
 import socket
 import time
 from pathlib import Path
@@ -15,22 +16,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from qwenvl_vision import load_encoder
+from qwenvl_vision import CheckpointError, load_encoder
 from qwenvl_vision.cli import main
-from qwenvl_vision.hub import fetch_vision_checkpoint
+from qwenvl_vision.hub import fetch_vision_checkpoint, resolve_folder
 from qwenvl_vision.names import to_checkpoint_state
-from qwenvl_vision.weights import CheckpointError
 from tests.helpers import (
     FAMILY_SMALL,
     QWEN2_5_SMALL,
     QWEN3_SMALL_72,
     REPO,
     FakeHub,
+    assert_matches_reference,
     hf_forward,
     hf_tower,
     inputs,
     non_vision_shards,
-    rel_err,
     use_endpoint,
     write_checkpoint,
 )
@@ -54,14 +54,12 @@ def _check_against_reference(encoder, cfg, vision_state: dict, grids) -> None:
     pixel_values, grid_thw = inputs(cfg, grids)
     out = encoder.encode_patches(pixel_values, grid_thw)
     with torch.no_grad():
-        ref_merged, ref_levels = hf_forward(ref, pixel_values, grid_thw)
+        reference = hf_forward(ref, pixel_values, grid_thw)
     merged = torch.cat(out.embeddings)
-    assert merged.dtype == torch.float32 and merged.shape == ref_merged.shape
-    assert rel_err(merged, ref_merged) <= 1e-5
-    assert len(ref_levels) == len(cfg.deepstack_visual_indexes)
-    for level, ref_level in enumerate(ref_levels):
-        ours = torch.cat([item[level] for item in out.deepstack])
-        assert rel_err(ours, ref_level) <= 1e-5
+    assert merged.dtype == torch.float32 and merged.shape == reference[0].shape
+    assert len(reference[1]) == len(cfg.deepstack_visual_indexes)
+    levels = [torch.cat([item[level] for item in out.deepstack]) for level in range(len(out.deepstack[0]))]
+    assert_matches_reference((merged, levels), reference, grid_thw, 1e-5)
 
 
 def _check_weights(encoder, vision_state: dict) -> None:
@@ -344,20 +342,37 @@ def test_omni_repo_fetches_only_the_thinkers_vision_shards(hub, tmp_path, family
         {p.name for p in folder.glob("model-*.safetensors")} - others)
 
 
-def test_extract_weights_from_a_repo_keeps_its_stored_dtype_and_the_umask(hub, qwen25_repo, tmp_path):
-    """An fp32 checkpoint on the Hub is extracted in fp32 (the stored dtype, not the releases' bf16), and the
-    written files follow the umask like everything else the package writes."""
-    import os
-    import stat
+# ---------------------------------------------------------------------- resolve_folder: what a source names
 
-    from safetensors.torch import load_file
 
-    from qwenvl_vision.cli import main
+def test_resolve_folder_takes_a_folder_as_it_is(hub, tmp_path, monkeypatch):
+    """A folder is used in place, even one whose name looks like a repo id; '~' is the home folder."""
+    (tmp_path / "org" / "name").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    assert resolve_folder("org/name") == Path("org/name")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert resolve_folder("~/org") == tmp_path / "org"
+    assert hub.requests == []
 
-    out = tmp_path / "extracted"
-    assert main(["extract-weights", "org/qwen25-tiny", "--out", str(out)]) == 0
-    assert {t.dtype for t in load_file(str(out / "model.safetensors")).values()} == {torch.float32}
-    mask = os.umask(0)
-    os.umask(mask)
-    for name in ("model.safetensors", "config.json"):
-        assert stat.S_IMODE(os.stat(out / name).st_mode) == 0o666 & ~mask, name
+
+@pytest.mark.parametrize("name", ["qwen3-vl-2b", "Qwen2.5-VL-3B"])
+def test_resolve_folder_refuses_a_preset_name(hub, name):
+    with pytest.raises(CheckpointError, match=rf"'{name}' is a preset: pass random_weights=True"):
+        resolve_folder(name)
+    assert hub.requests == []
+
+
+def test_resolve_folder_fetches_a_repo_id(hub, qwen25_repo):
+    _, _, commit = qwen25_repo
+    assert resolve_folder("org/qwen25-tiny") == _snapshot(hub, "org/qwen25-tiny", commit)
+    assert "/org/qwen25-tiny/resolve/main/config.json" in hub.resolve_paths()
+
+
+@pytest.mark.parametrize("source", ["nowhere", "./org/name", "a/b/c"])
+def test_resolve_folder_names_a_missing_path(hub, tmp_path, monkeypatch, source):
+    """Neither a folder nor a repo id: one error naming it, and the Hub is not asked."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(CheckpointError, match=rf"checkpoint folder {re.escape(source)} does not exist \(and it is "
+                                              r"not a repo id"):
+        resolve_folder(source)
+    assert hub.requests == []

@@ -1,0 +1,122 @@
+"""The ``qwenvl-vision`` command line (``qwenvl_vision/cli.py``): ``extract-weights`` (from a folder and from a repo
+id), ``inspect`` (its report, and its header checks, the same a load makes), the one-line errors and a reader
+that goes away. ``embed`` has its own test files (test_embed.py, test_embed_faults.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from qwenvl_vision import build_model, load_encoder
+from qwenvl_vision.cli import main
+from tests.helpers import QWEN2_5_SMALL, QWEN3_SMALL_72, inputs, non_vision_shards, write_checkpoint
+from tests.test_checkpoint_validation import offsets_of, same_size_pair, set_entry
+
+GRIDS = [(1, 6, 10), (2, 4, 4), (1, 2, 2)]
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+# ---------------------------------------------------------------------- extract-weights
+
+
+@pytest.mark.parametrize("cfg", [QWEN2_5_SMALL, QWEN3_SMALL_72], ids=["qwen2.5", "qwen3"])
+def test_extract_weights_roundtrip(tmp_path, cfg, capsys):
+    src, out = tmp_path / "released", tmp_path / "vision-only"
+    write_checkpoint(src, cfg, dtype=torch.bfloat16)
+    for shard in non_vision_shards(src):
+        shard.unlink()
+    assert main(["extract-weights", str(src), "--out", str(out)]) == 0
+    names = set(load_file(str(out / "model.safetensors")))
+    assert not any(n.startswith(("visual.", "model.visual.", "model.language_model")) for n in names)
+    assert {v.dtype for v in load_file(str(out / "model.safetensors")).values()} == {torch.bfloat16}
+    assert json.loads((out / "preprocessor_config.json").read_text())["patch_size"] == cfg.patch_size
+    a = load_encoder(src, device="cpu").encode_patches(*inputs(cfg, GRIDS, seed=5))
+    b = load_encoder(out, device="cpu").encode_patches(*inputs(cfg, GRIDS, seed=5))
+    assert all(torch.equal(x, y) for x, y in zip(a.embeddings, b.embeddings))
+    assert load_encoder(out, device="cpu").preprocess_config == load_encoder(src, device="cpu").preprocess_config
+
+
+def test_extract_weights_default_dir_is_under_weights(tmp_path, monkeypatch):
+    src = tmp_path / "Qwen2.5-VL-tiny"
+    write_checkpoint(src, QWEN2_5_SMALL)
+    monkeypatch.chdir(tmp_path)
+    assert main(["extract-weights", str(src)]) == 0
+    assert (tmp_path / "weights" / "Qwen2.5-VL-tiny-vision" / "model.safetensors").is_file()
+
+
+def test_extract_weights_from_a_repo_keeps_its_stored_dtype_and_the_umask(hub, tmp_path):
+    """An fp32 checkpoint on the Hub is extracted in fp32 (the stored dtype, not the releases' bf16), and the
+    written files follow the umask like everything else the package writes."""
+    folder = tmp_path / "qwen25"
+    write_checkpoint(folder, QWEN2_5_SMALL, sharded=True, other_shards=2)
+    hub.add("org/qwen25-tiny", folder)
+    out = tmp_path / "extracted"
+    assert main(["extract-weights", "org/qwen25-tiny", "--out", str(out)]) == 0
+    assert {t.dtype for t in load_file(str(out / "model.safetensors")).values()} == {torch.float32}
+    mask = _umask()
+    for name in ("model.safetensors", "config.json"):
+        assert stat.S_IMODE(os.stat(out / name).st_mode) == 0o666 & ~mask, name
+
+
+# ---------------------------------------------------------------------- inspect
+
+
+def test_inspect_reports_without_loading(tmp_path, capsys):
+    write_checkpoint(tmp_path, QWEN3_SMALL_72, dtype=torch.bfloat16)
+    for shard in non_vision_shards(tmp_path):
+        shard.unlink()
+    assert main(["inspect", str(tmp_path), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    expected_params = sum(p.numel() for p in build_model(QWEN3_SMALL_72, device="meta").parameters())
+    assert report["family"] == "qwen3_vl"
+    assert report["tensors"] == 57 and report["bytes"] == 2 * expected_params
+    assert report["config"]["deepstack_visual_indexes"] == [0, 1]
+
+
+@pytest.mark.parametrize("corruption", ["negative-begin", "integer-dtype", "overlap"])
+def test_inspect_validates_headers_as_loading_does(tmp_path, capsys, corruption):
+    ckpt = tmp_path / "ckpt"
+    write_checkpoint(ckpt, QWEN2_5_SMALL)
+    shard, a, b = same_size_pair(ckpt)
+    if corruption == "negative-begin":
+        set_entry(ckpt, a, data_offsets=[-8, 632])
+    elif corruption == "integer-dtype":
+        set_entry(ckpt, a, dtype="I32")
+    else:
+        set_entry(ckpt, b, data_offsets=offsets_of(ckpt, a))
+    assert main(["inspect", str(ckpt)]) == 2
+    err = capsys.readouterr().err
+    assert shard.name in err and (b if corruption == "overlap" else a) in err and "Traceback" not in err
+
+
+# ---------------------------------------------------------------------- errors, a reader gone
+
+
+def test_cli_errors_name_the_culprit(tmp_path, capsys):
+    assert main(["inspect", str(tmp_path / "missing")]) == 2
+    assert "missing" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # a subprocess
+def test_cli_output_into_a_closed_pipe_stops_quietly():
+    """`qwenvl-vision inspect ... | head`: no traceback and no error line, exit 141 (128 + SIGPIPE)."""
+    code = ("import sys; from qwenvl_vision.cli import main; "
+            "sys.exit(max(main(['inspect', 'qwen3.5-0.8b', '--json']) for _ in range(300)))")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout.read(10) == b'{\n  "prese'
+    proc.stdout.close()  # the reader goes away, as `head -c 10` does
+    assert proc.wait(timeout=120) == 141
+    assert proc.stderr.read() == b""
