@@ -1,39 +1,26 @@
-"""Videos for the Qwen-VL vision towers: files read and sampled, frames sized and normalised like transformers.
+"""Videos for the Qwen-VL vision towers: frames sampled, sized and normalised like transformers' video processors.
 
-Reference (transformers 5.24): ``video_utils.read_video_pyav`` (decode + metadata, through ``load_video``),
-``video_utils.VideoMetadata`` (timestamps, sampled_fps), ``models/qwen2_vl/video_processing_qwen2_vl.py``
-(``Qwen2VLVideoProcessor``: ``__init__`` size overrides, ``sample_frames``, ``resize``, ``patchify``) and
+Reference (transformers 5.24): ``models/qwen2_vl/video_processing_qwen2_vl.py`` (``Qwen2VLVideoProcessor``:
+``__init__`` size overrides, ``sample_frames``, ``resize``, ``patchify``) and
 ``models/qwen3_vl/video_processing_qwen3_vl.py`` (``Qwen3VLVideoProcessor``: ``sample_frames``, its temporal
 ``smart_resize``, ``resize``), and the ``TorchvisionBackend`` they inherit (``image_processing_backends.py``:
-``resize`` = torchvision antialiased bicubic, ``rescale_and_normalize`` fused). Per video the pipeline is
+``resize`` = torchvision antialiased bicubic, ``rescale_and_normalize`` fused). Files are read by ``video_io``
+(``read_video_pyav``); per video the pipeline is
 
     header metadata -> frame indices (family's fps rule) -> decode only those frames (rgb24)
     -> one target size for the clip (family's resize rule) -> uint8 bicubic antialias resize per frame
     -> (x - 255*mean) / (255*std) in float32 -> pad to a multiple of T with the last frame -> patchify
 
-with the same torch calls (``preprocess.resize_uint8_torch``, ``preprocess._normalize_table(backend="torch")``),
+with the same torch calls (``pixels.resize_uint8_torch``, ``pixels.normalize_table(backend="torch")``),
 so ``pixel_values`` match the video processors to float32 bits (the tests measure a max abs difference of 0).
 Which rule a family uses is ``config.Family.video_sampling``: "qwen2" (Qwen2-VL, Qwen2.5-VL, both Omnis) or
 "qwen3" (Qwen3-VL, Qwen3.5, Qwen4-Exp), as transformers' ``AutoVideoProcessor`` maps them.
 
-Deviations from the reference, on purpose:
+Deviations from the reference, on purpose (those of reading files: ``video_io``'s docstring):
 
 - Sampling always happens at ``VideoConfig.fps`` (2.0 by default, what Qwen's own tools use). The Qwen2 class
   has no fps and ``do_sample_frames=False`` (it keeps every frame unless the caller asks); a file that writes
   that backward-compatible default is read as "sample at the default fps". ``num_frames`` is refused.
-- A header frame count of 0 (Matroska/WebM write none) makes ``read_video_pyav`` sample from 0 frames and fail;
-  here the video stream's packets are counted by demuxing (no decoding) and that count is used. A stream
-  without ``average_rate`` (the reference takes ``float(None)`` and fails) falls back to ``guessed_rate``.
-- A file that decodes fewer frames than its header declares: the reference returns fewer frames than indices.
-  Here, when the missing frames are the packets an mp4 edit list discards (a cut made without re-encoding,
-  ``packet.is_discard``), the shown frames are sampled as if the header had counted them (``total_frames`` is
-  that count); otherwise (truncated) a PreprocessError says so. Every other failure (missing, empty, a
-  directory, not a video, a still image such as a JPEG named .mp4, audio only, corrupt data) is a one-line
-  PreprocessError naming the file, never a bare PyAV exception.
-- Only the sampled frames are kept while decoding (the reference's ``load_video`` without a sampler keeps every
-  frame), each resized to the clip's target size as soon as it is decoded (the same single resize from the
-  source size), so memory is the sampled frames at their target size plus the output; decoding stops after the
-  last sampled index.
 - A clip shorter than the temporal patch size T: Qwen2's sampler divides by zero and Qwen3's ``smart_resize``
   raises; here every frame is kept and the size is computed as if the clip had T frames (patchify pads it to T
   by repeating the last frame anyway). Qwen2's sampler can also step one index past the last frame: dropped.
@@ -43,14 +30,12 @@ Deviations from the reference, on purpose:
   paths or PIL images are converted as transformers' torchvision image processor converts them.
 - The frames of one video must share one size (the reference stacks them and fails otherwise).
 """
-
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -59,37 +44,33 @@ import torch
 
 from .config import FAMILIES, FAMILY_ALIASES
 from .errors import ConfigError, InputError, PreprocessError
-from .preprocess import (
+from .pixels import (
     BICUBIC,
+    MAX_ASPECT_RATIO,
     RESCALE_FACTOR,
-    PreprocessConfig,
-    _as_hwc,
-    _check_aspect_ratio,
-    _check_input_pixels,
-    _is_number,
-    _load_rgb,
-    _normalize,
-    _normalize_table,
-    _patchify,
-    _resize,
-    _target_size,
+    as_hwc,
+    check_aspect_ratio,
     check_resize_backend,
-    check_supported,
     input_name,
+    is_number,
+    load_rgb,
+    normalize,
+    normalize_table,
+    patchify,
+    resize_image,
+    resize_uint8_torch,
     smart_resize,
+)
+from .preprocess import PreprocessConfig, check_supported, image_target_size
+from .video_io import (
+    VIDEO_EXTENSIONS,  # noqa: F401 - importers (embed) still take it from here (issue 21)
+    VideoInfo,
+    is_video_file,  # noqa: F401 - as VIDEO_EXTENSIONS (encoder)
+    probe_video,  # noqa: F401 - as VIDEO_EXTENSIONS (encoder)
+    read_video_frames,
 )
 
 SAMPLINGS = ("qwen2", "qwen3")
-VIDEO_EXTRA = "pip install 'qwenvl-vision[video]'"
-# What ``embed`` and ``iter_encode(video=None)`` take for a video file (anything else is read as an image).
-# (Not ".ts": in a source tree those are TypeScript far more often than MPEG transport streams.)
-VIDEO_EXTENSIONS = frozenset({".mp4", ".m4v", ".mov", ".mkv", ".webm", ".avi", ".mpg", ".mpeg", ".wmv", ".flv",
-                              ".3gp", ".ogv"})
-
-
-def is_video_file(item: Any) -> bool:
-    """A path whose extension is a video container's."""
-    return isinstance(item, (str, os.PathLike)) and os.path.splitext(os.fspath(item))[1].lower() in VIDEO_EXTENSIONS
 # Class defaults of the two transformers video processors (their ``size`` and ``max_video_tokens``).
 _CLASS_DEFAULTS = {
     "qwen2": {"processor": "Qwen2VLVideoProcessor", "min_pixels": 128 * 28 * 28, "max_pixels": 28 * 28 * 768,
@@ -97,8 +78,6 @@ _CLASS_DEFAULTS = {
     "qwen3": {"processor": "Qwen3VLVideoProcessor", "min_pixels": 128 * 32 * 32, "max_pixels": 32 * 32 * 768,
               "max_video_tokens": 768},
 }
-# Container formats FFmpeg opens for a single still image: a JPEG or PNG renamed .mp4 is not a video.
-_IMAGE_FORMATS = ("image2", "image2pipe")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -135,7 +114,7 @@ class VideoConfig:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"VideoConfig.{key} must be a positive int, got {value!r}")
-        if not _is_number(self.fps) or not math.isfinite(self.fps) or self.fps <= 0:
+        if not is_number(self.fps) or not math.isfinite(self.fps) or self.fps <= 0:
             raise ConfigError(f"VideoConfig.fps must be a finite positive number, got {self.fps!r}")
         object.__setattr__(self, "fps", float(self.fps))
         if not isinstance(self.cap_pixels_per_frame, bool):
@@ -250,7 +229,7 @@ def _check_video_supported(d: dict, pre: PreprocessConfig | None) -> None:
         value = d.get(key)
         if value is None:
             continue
-        values = [value] * 3 if _is_number(value) else value
+        values = [value] * 3 if is_number(value) else value
         if not isinstance(values, list) or [float(v) for v in values] != list(getattr(pre, key)):
             raise ConfigError(f"video preprocessor config {key}={value!r} differs from the image "
                               f"preprocessor's {list(getattr(pre, key))}")
@@ -333,8 +312,8 @@ def smart_resize_qwen3(num_frames: int, height: int, width: int, temporal_factor
         scale = max(factor / height, factor / width)
         height = int(height * scale)
         width = int(width * scale)
-    if max(height, width) / min(height, width) > 200:
-        raise PreprocessError(f"absolute aspect ratio must be smaller than 200, "
+    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+        raise PreprocessError(f"absolute aspect ratio must be smaller than {MAX_ASPECT_RATIO}, "
                               f"got {max(height, width) / min(height, width)}")
     h_bar = round(height / factor) * factor
     w_bar = round(width / factor) * factor
@@ -392,234 +371,22 @@ def video_target_size(num_frames: int, height: int, width: int, pre: PreprocessC
 # --------------------------------------------------------------------------------------------------
 
 
-@dataclass
-class VideoInfo:
-    """What was read from a video file, JSON-friendly (``dataclasses.asdict``).
-
-    As transformers' ``VideoMetadata``: ``total_frames`` / ``video_fps`` from the header (or counted, see the
-    module docstring), ``timestamps`` = index / video_fps in seconds, ``sampled_fps`` = kept / total * fps.
-    ``height`` / ``width``: the source frames'.
-    """
-
-    total_frames: int
-    video_fps: float
-    frame_indices: list[int]
-    height: int
-    width: int
-    timestamps: list[float] = field(init=False)
-    sampled_fps: float = field(init=False)
-    backend: str = "pyav"
-
-    def __post_init__(self) -> None:
-        self.timestamps = [i / self.video_fps for i in self.frame_indices]
-        self.sampled_fps = len(self.frame_indices) / self.total_frames * self.video_fps
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-
-def _import_av(name: str) -> Any:
-    try:
-        import av
-    except ImportError:
-        raise PreprocessError(f"{name}: reading video files needs PyAV: {VIDEO_EXTRA}") from None
-    return av
-
-
-def _check_file(path: str, name: str) -> None:
-    if not os.path.exists(path):
-        raise PreprocessError(f"{name}: file not found")
-    if not os.path.isfile(path):
-        raise PreprocessError(f"{name}: not a regular file")
-    if os.path.getsize(path) == 0:
-        raise PreprocessError(f"{name}: file is empty (0 bytes)")
-
-
-def _av_error(error: Exception, name: str, what: str) -> PreprocessError:
-    """One line for what PyAV/FFmpeg raised while opening (``what`` = "open") or decoding the file."""
-    if isinstance(error, PermissionError):
-        return PreprocessError(f"{name}: cannot read file ({error.strerror})")
-    message = str(getattr(error, "strerror", None) or error).splitlines()[0] if str(error) else type(error).__name__
-    if what == "open":
-        return PreprocessError(f"{name}: not a recognised video file (corrupt, or not a video: {message})")
-    return PreprocessError(f"{name}: corrupt or truncated video data ({type(error).__name__}: {message})")
-
-
-def _open_video(path: str | os.PathLike, name: str, max_input_pixels: int | None,
-                counted: int | None = None) -> tuple[Any, Any, int, float]:
-    """Open the container, check it holds a video stream within the limits; (container, stream, frames, fps).
-
-    Frames and fps as ``read_video_pyav`` reads them (``stream.frames``, ``float(stream.average_rate)``), with
-    the fallbacks of the module docstring; ``counted``: the frame count a probe of this file already made by
-    counting packets, so a header without one is not demuxed again. The caller closes the container.
-    """
-    av = _import_av(name)
-    path = os.fspath(path)
-    _check_file(path, name)
-    try:
-        container = av.open(path)
-    except Exception as e:  # noqa: BLE001 - FFmpeg raises many error types for bad files
-        raise _av_error(e, name, "open") from e
-    try:
-        stream = _video_stream(container, name)
-        height, width = stream.height, stream.width
-        _check_input_pixels(height, width, max_input_pixels, name)
-        _check_aspect_ratio(height, width, name)
-        rate = stream.average_rate or stream.guessed_rate
-        if not rate or not float(rate) > 0:
-            raise PreprocessError(f"{name}: the video stream declares no frame rate")
-        total = stream.frames or counted or _count_packets(container, stream, name)
-        if total <= 0:
-            raise PreprocessError(f"{name}: the video stream holds no frames")
-    except BaseException:
-        container.close()
-        raise
-    return container, stream, int(total), float(rate)
-
-
-def _video_stream(container: Any, name: str) -> Any:
-    if container.format.name in _IMAGE_FORMATS or container.format.name.endswith("_pipe"):
-        raise PreprocessError(f"{name}: a still image ({container.format.name}), not a video")
-    if not container.streams.video:
-        kinds = sorted({s.type for s in container.streams}) or ["no streams"]
-        raise PreprocessError(f"{name}: no video stream (found: {', '.join(kinds)})")
-    return container.streams.video[0]
-
-
-def _count_packets(container: Any, stream: Any, name: str) -> int:
-    """Frames of a stream whose header declares none: its packets, demuxed without decoding, then rewound."""
-    try:
-        count = sum(1 for packet in container.demux(stream) if packet.size > 0)
-        container.seek(0)
-    except Exception as e:  # noqa: BLE001
-        raise _av_error(e, name, "decode") from e
-    return count
-
-
-def probe_video(path: str | os.PathLike, name: str | None = None,
-                max_input_pixels: int | None = None) -> tuple[int, float, int, int]:
-    """(total_frames, fps, height, width) from the container header, nothing decoded (a header without a frame
-    count has its packets counted); the same one-line PreprocessErrors as ``read_video``."""
-    name = name or input_name("video", None, path)
-    container, stream, total, rate = _open_video(path, name, max_input_pixels)
-    with container:
-        return total, rate, stream.height, stream.width
-
-
 def read_video(path: str | os.PathLike, vcfg: VideoConfig, *, name: str | None = None,
                temporal_patch_size: int = 2, max_input_pixels: int | None = None,
                size: Callable[[int, int, int], tuple[int, int]] | None = None,
                counted: int | None = None) -> tuple[np.ndarray, VideoInfo]:
     """Decode the frames ``vcfg``'s sampling rule keeps: ((F, H, W, 3) uint8 RGB, VideoInfo).
 
-    ``transformers.video_utils.read_video_pyav`` with the family's ``sample_frames`` as ``sample_indices_fn``:
-    PyAV, ``frame.to_ndarray(format="rgb24")``, decoding stops after the last sampled index. Only sampled
-    frames are held. With ``size`` (``(frames, height, width) -> (h, w)``, asked once with the first decoded
-    frame's size), each frame is resized to it as soon as it is decoded (``resize_uint8_torch``, the video
-    processors' resize), so a long high-resolution clip never holds its frames at full size. Deviations (frame
-    count, edit lists, truncated files, errors): module docstring. ``counted``: ``probe_video``'s frame count
-    of this file, if the caller has it.
+    ``video_io.read_video_frames`` (``read_video_pyav``) with the family's ``sample_frames`` (``sample_indices``)
+    as its sampler; ``size``, ``counted`` and the errors are its.
     """
-    name = name or input_name("video", None, path)
-    container, stream, total, rate = _open_video(path, name, max_input_pixels, counted)
-    with container:
-        source = stream.height, stream.width
-        indices = sample_indices(total, rate, vcfg, temporal_patch_size)
-        frames, decoded = _decode_sampled(container, stream, indices, name, size)
-        edited = decoded <= indices[-1] and _cut_by_edit_list(container, stream, decoded, total, name)
-    if decoded == 0:
-        raise PreprocessError(f"{name}: no frame decodes")
-    if decoded <= indices[-1]:
-        if not edited:
-            raise PreprocessError(f"{name}: header declares {total} frames but only {decoded} decode")
-        # An edit list (a cut made without re-encoding) hides frames the header still counts: sample the
-        # frames that are shown, as if the header had said so.
-        total = decoded
-        container, stream, _, rate = _open_video(path, name, max_input_pixels)
-        with container:
-            indices = sample_indices(total, rate, vcfg, temporal_patch_size)
-            frames, decoded = _decode_sampled(container, stream, indices, name, size)
-        if decoded <= indices[-1]:
-            raise PreprocessError(f"{name}: only {decoded} frames decode on a second read")
-    return frames, VideoInfo(total_frames=total, video_fps=rate, frame_indices=list(indices),
-                             height=source[0], width=source[1])
 
+    def pick_indices(total_frames: int, video_fps: float) -> list[int]:
+        return sample_indices(total_frames, video_fps, vcfg, temporal_patch_size)
 
-def _decode_sampled(container: Any, stream: Any, indices: list[int], name: str,
-                    size: Callable[[int, int, int], tuple[int, int]] | None) -> tuple[np.ndarray | None, int]:
-    """(the frames at ``indices``, resized by ``size`` if given; how many frames were decoded).
+    return read_video_frames(path, pick_indices, name=name, max_input_pixels=max_input_pixels, size=size,
+                             counted=counted)
 
-    Only FFmpeg's work is reported as the file's fault; the size rule and the resize raise their own errors.
-    """
-    from .preprocess import resize_uint8_torch
-
-    slots: dict[int, list[int]] = {}
-    for slot, i in enumerate(indices):
-        slots.setdefault(i, []).append(slot)
-    frames = source = target = None
-    decoded = 0
-    for frame in _decoded(container, stream, name):
-        if decoded in slots:
-            rgb = _av_call(frame.to_ndarray, name, format="rgb24")
-            if frames is None:
-                source = rgb.shape
-                target = size(len(indices), *rgb.shape[:2]) if size is not None else rgb.shape[:2]
-                frames = np.empty((len(indices), *target, 3), dtype=np.uint8)
-            elif rgb.shape != source:
-                raise PreprocessError(f"{name}: frame {decoded} is {rgb.shape[1]}x{rgb.shape[0]}, earlier "
-                                      f"frames {source[1]}x{source[0]}; the size must not change")
-            resized = resize_uint8_torch(rgb, *target)
-            for slot in slots[decoded]:
-                frames[slot] = resized
-        decoded += 1
-        if decoded > indices[-1]:
-            break
-    return frames, decoded
-
-
-def _decoded(container: Any, stream: Any, name: str) -> Iterator[Any]:
-    """The stream's frames; what FFmpeg raises while decoding becomes one line naming the file."""
-    frames = container.decode(stream)
-    while True:
-        try:
-            frame = next(frames)
-        except StopIteration:
-            return
-        except MemoryError:
-            raise
-        except Exception as e:  # noqa: BLE001 - FFmpeg's decoders raise many error types
-            raise _av_error(e, name, "decode") from e
-        yield frame
-
-
-def _av_call(fn: Callable[..., Any], name: str, **kwargs: Any) -> Any:
-    try:
-        return fn(**kwargs)
-    except MemoryError:
-        raise
-    except Exception as e:  # noqa: BLE001 - as in _decoded
-        raise _av_error(e, name, "decode") from e
-
-
-def _cut_by_edit_list(container: Any, stream: Any, decoded: int, total: int, name: str) -> bool:
-    """Whether the frames that decode are what an mp4 edit list shows, rather than a truncated file: the packets
-    shown (not marked discarded) are the frames decoded, and either the discarded ones make up the header's count
-    or the shown packets' durations add up to the stream's (a head cut of all-intra footage drops the cut packets
-    from the index altogether; a truncated file falls short of the declared duration)."""
-    shown = discarded = shown_duration = 0
-    try:
-        container.seek(0)
-        for packet in container.demux(stream):
-            if packet.size > 0:
-                discarded += bool(packet.is_discard)
-                if not packet.is_discard:
-                    shown += 1
-                    shown_duration += packet.duration or 0
-    except Exception as e:  # noqa: BLE001
-        raise _av_error(e, name, "decode") from e
-    if shown != decoded:
-        return False
-    return (discarded > 0 and shown + discarded == total) or bool(stream.duration and shown_duration == stream.duration)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -664,9 +431,9 @@ def preprocess_video(frames: Any, config: PreprocessConfig, *, min_pixels: int |
 
     With ``video_config``: the clip is sized by ``video_target_size`` (the video processors' ``resize``) and
     ``resize`` None means "torch", the video processors' own pipeline (they exist only for torchvision);
-    "pil" resizes the same sizes with PIL. Without it (what encoder.py calls today): every frame goes through
-    the image pipeline, sized by the image ``smart_resize`` of the first frame with ``config``'s bounds, and
-    ``resize`` None means "pil" (the pipeline this function always had). ``min_pixels`` / ``max_pixels``
+    "pil" resizes the same sizes with PIL (the encoder always passes one). Without it: every frame goes through
+    the PIL image processor's steps, sized by the image ``smart_resize`` of the first frame with ``config``'s
+    bounds, and ``resize`` None means "pil". ``min_pixels`` / ``max_pixels``
     override the bounds; ``max_input_pixels`` applies to frames given as paths.
     """
     name = input_name("video", index)
@@ -686,13 +453,11 @@ def _preprocess_frames(frame_list: list, pre: PreprocessConfig, vcfg: VideoConfi
     load = _loader(frame_list, name, max_input_pixels, backend, video=vcfg is not None)
     first = load(0)
     height, width = first.shape[:2]
-    if target is not None:
-        pass
-    elif vcfg is None:
-        target = _target_size(height, width, pre, min_pixels, max_pixels, name)
-    else:
+    if target is None and vcfg is None:
+        target = image_target_size(height, width, pre, min_pixels, max_pixels, name)
+    elif target is None:
         target = video_target_size(len(frame_list), height, width, pre, vcfg, min_pixels, max_pixels, name)
-    table = _normalize_table(pre.image_mean, pre.image_std, backend)
+    table = normalize_table(pre.image_mean, pre.image_std, backend)
     t = pre.temporal_patch_size
     grid_t = math.ceil(len(frame_list) / t)
     group = np.empty((t, 3, *target), dtype=np.float32)
@@ -707,8 +472,8 @@ def _preprocess_frames(frame_list: list, pre: PreprocessConfig, vcfg: VideoConfi
             if vcfg is not None and rgb.shape != first.shape:
                 raise PreprocessError(f"{name}: frame {i} is {rgb.shape[1]}x{rgb.shape[0]}, frame 0 "
                                       f"{width}x{height}; a video's frames must share one size")
-            group[slot] = _normalize(_resize_array(rgb, *target, backend), table)
-        rows, (_, grid_h, grid_w) = _patchify(group, pre)
+            group[slot] = normalize(_resize_array(rgb, *target, backend), table)
+        rows, (_, grid_h, grid_w) = patchify(group, t, pre.patch_size, pre.merge_size)
         if out is None:
             out = torch.empty((grid_t * rows.shape[0], rows.shape[1]), dtype=torch.float32)
         out[g * rows.shape[0]:(g + 1) * rows.shape[0]] = rows
@@ -716,11 +481,10 @@ def _preprocess_frames(frame_list: list, pre: PreprocessConfig, vcfg: VideoConfi
 
 
 def _resize_array(rgb: np.ndarray, height: int, width: int, backend: str) -> np.ndarray:
+    """A decoded HxWx3 frame resized by ``backend``: the video processors' uint8 torch resize, or PIL's."""
     if backend == "torch":
-        from .preprocess import resize_uint8_torch
-
         return resize_uint8_torch(rgb, height, width)
-    return _resize(PIL.Image.fromarray(rgb), height, width, "pil")
+    return resize_image(PIL.Image.fromarray(rgb), height, width, "pil")
 
 
 def _loader(frame_list: list, name: str, max_input_pixels: int | None, backend: str, video: bool):
@@ -730,8 +494,8 @@ def _loader(frame_list: list, name: str, max_input_pixels: int | None, backend: 
         item = frame_list[i]
         frame_name = input_name(f"{name} frame", i, item)
         if video and isinstance(item, (np.ndarray, torch.Tensor)):
-            return _video_array_to_rgb(_as_hwc(item, frame_name), frame_name, check_aspect=i == 0)
-        rgb = _load_rgb(item, frame_name, check_aspect=i == 0, max_input_pixels=max_input_pixels,
+            return _video_array_to_rgb(as_hwc(item, frame_name), frame_name, check_aspect=i == 0)
+        rgb = load_rgb(item, frame_name, check_aspect=i == 0, max_input_pixels=max_input_pixels,
                         backend=backend if video else "pil")
         return np.asarray(rgb)
 
@@ -741,7 +505,7 @@ def _loader(frame_list: list, name: str, max_input_pixels: int | None, backend: 
 def _video_array_to_rgb(hwc: np.ndarray, name: str, check_aspect: bool) -> np.ndarray:
     """The video processors' ``convert_to_rgb`` for uint8 frames: 1 channel repeated, an opaque alpha dropped."""
     if check_aspect:
-        _check_aspect_ratio(hwc.shape[0], hwc.shape[1], name)
+        check_aspect_ratio(hwc.shape[0], hwc.shape[1], name)
     channels = hwc.shape[2]
     if channels == 1:
         return np.repeat(hwc, 3, axis=2)

@@ -5,38 +5,25 @@ min/max pixels 3136/12845056; Qwen3-VL: patch 16, mean = std = 0.5, size 65536/1
 from literal values so a bug in PreprocessConfig cannot leak into the reference. Images are generated
 (smooth gradients + noise) so that resize and rounding differences would show.
 
-The video tests here cover ``preprocess_video`` without a VideoConfig and ``resize="pil"``: every frame through
-the PIL image processor's own resize / rescale / normalize, then the video processors' ``patchify`` and
-``sample_frames`` compiled straight from the installed source files (they need no torchvision). The video
-processors' own torchvision pipeline, files and sizes are compared in tests/test_video.py.
+The torchvision-backed image processor is compared in tests/test_preprocess_torch.py, the shared ``smart_resize``
+in tests/test_pixels.py, videos in tests/test_video.py and tests/test_video_io.py (which reuse this module's generated
+content and reference processors: ``content``, ``pil_config``, ``image_processors``, ``image_reference``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import pathlib
 import subprocess
 import sys
-import types
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
-from qwenvl_vision.preprocess import (
-    PreprocessConfig,
-    PreprocessError,
-    load_image,
-    preprocess_image,
-    preprocess_video,
-    probe_image,
-    sample_frame_indices,
-    sample_frame_indices_qwen3,
-    smart_resize,
-)
-from tests.helpers import VIDEO_FILES, hf_source_function, reference_video
+from qwenvl_vision.errors import PreprocessError
+from qwenvl_vision.preprocess import PreprocessConfig, load_image, preprocess_image, probe_image
 
 hf_pil = pytest.importorskip("transformers.models.qwen2_vl.image_processing_pil_qwen2_vl")
 Qwen2VLImageProcessorPil = hf_pil.Qwen2VLImageProcessorPil
@@ -44,17 +31,18 @@ Qwen2VLImageProcessorPil = hf_pil.Qwen2VLImageProcessorPil
 FAMILIES = ("qwen2_5_vl", "qwen3_vl")
 
 
-def _pil_config(family: str) -> PreprocessConfig:
+def pil_config(family: str) -> PreprocessConfig:
     """The family's released settings with the PIL backend, this module's reference (Qwen3-VL's files name the
     torchvision processor; tests/test_preprocess_torch.py compares that backend)."""
     return dataclasses.replace(PreprocessConfig.for_family(family), resize="pil")
+
+
 TOL = 1e-6
 CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
 CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 
 
-@pytest.fixture(scope="module")
-def hf():
+def image_processors() -> dict:
     """family -> reference image processor with the released checkpoints' settings."""
     return {
         "qwen2_5_vl": Qwen2VLImageProcessorPil(
@@ -68,12 +56,18 @@ def hf():
     }
 
 
+@pytest.fixture(scope="module")
+def hf():
+    """image_processors(), built once for this module."""
+    return image_processors()
+
+
 # --------------------------------------------------------------------------------------------------
 # Generated content
 # --------------------------------------------------------------------------------------------------
 
 
-def _content(height: int, width: int, channels: int = 3, seed: int = 0) -> np.ndarray:
+def content(height: int, width: int, channels: int = 3, seed: int = 0) -> np.ndarray:
     """uint8 HxWxC: per-channel sinusoidal gradients plus Gaussian noise, clipped (hits 0 and 255)."""
     rng = np.random.default_rng(seed)
     y = np.linspace(0, 1, height)[:, None, None]
@@ -94,12 +88,12 @@ def _alpha(height: int, width: int) -> np.ndarray:
 
 
 def _frombytes(mode: str, channels: int, height: int, width: int, seed: int = 0) -> Image.Image:
-    return Image.frombytes(mode, (width, height), _content(height, width, channels, seed).tobytes())
+    return Image.frombytes(mode, (width, height), content(height, width, channels, seed).tobytes())
 
 
 def _mode_image(kind: str, height: int = 150, width: int = 230) -> Image.Image:
     """A PIL image of the given mode (or special kind) with real content."""
-    rgb = _content(height, width, 3)
+    rgb = content(height, width, 3)
     gray = rgb[..., 0]
     alpha = _alpha(height, width)
     if kind == "RGB":
@@ -115,7 +109,7 @@ def _mode_image(kind: str, height: int = 150, width: int = 230) -> Image.Image:
     if kind.startswith("P"):
         # 64-entry palette indexed by the content (Image.quantize would be slow on noisy images).
         image = Image.fromarray(gray // 4)
-        image.putpalette(_content(1, 64, 3, seed=3).reshape(-1).tolist())
+        image.putpalette(content(1, 64, 3, seed=3).reshape(-1).tolist())
         if kind == "P_trns_index":
             image.info["transparency"] = 5
         elif kind == "P_trns_bytes":
@@ -148,7 +142,8 @@ def _mode_image(kind: str, height: int = 150, width: int = 230) -> Image.Image:
 # --------------------------------------------------------------------------------------------------
 
 
-def _reference(processor, image, min_pixels=None, max_pixels=None):
+def image_reference(processor, image, min_pixels=None, max_pixels=None):
+    """The reference's (pixel_values, grid) for one image; per-call bounds go in as its ``size`` argument."""
     kwargs = {}
     if min_pixels is not None or max_pixels is not None:
         kwargs["size"] = {
@@ -161,9 +156,9 @@ def _reference(processor, image, min_pixels=None, max_pixels=None):
 
 def _assert_matches(hf, family, image, ours_input=None, **bounds) -> float:
     """preprocess_image(ours_input or image) equals the reference on image; returns the max abs diff."""
-    ref_values, ref_grid = _reference(hf[family], image, **bounds)
+    ref_values, ref_grid = image_reference(hf[family], image, **bounds)
     values, grid = preprocess_image(image if ours_input is None else ours_input,
-                                    _pil_config(family), **bounds)
+                                    pil_config(family), **bounds)
     assert grid == ref_grid
     assert values.dtype == torch.float32
     assert tuple(values.shape) == ref_values.shape
@@ -181,7 +176,7 @@ def _assert_matches(hf, family, image, ours_input=None, **bounds) -> float:
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("size", [(224, 224), (300, 451), (97, 513), (640, 120), (28, 5000), (333, 333)])
 def test_sizes_match_reference(hf, family, size):
-    _assert_matches(hf, family, Image.fromarray(_content(*size, seed=size[0])))
+    _assert_matches(hf, family, Image.fromarray(content(*size, seed=size[0])))
 
 
 MODES = ["RGB", "RGBA", "LA", "L", "1", "P", "P_trns_index", "P_trns_bytes", "PA", "RGB_trns",
@@ -241,7 +236,7 @@ def test_files_match_reference(hf, tmp_path, family, fmt, kind):
 def test_path_rgba_drops_alpha_like_transformers(hf, tmp_path):
     """For a path, transformers' load_image converts RGBA -> RGB without compositing; a PIL input composites."""
     path = _save(tmp_path, "png", "RGBA")
-    config = _pil_config("qwen2_5_vl")
+    config = pil_config("qwen2_5_vl")
     from_path, _ = preprocess_image(path, config)
     from_pil, _ = preprocess_image(Image.open(path), config)
     assert not torch.equal(from_path, from_pil)
@@ -250,7 +245,7 @@ def test_path_rgba_drops_alpha_like_transformers(hf, tmp_path):
 
 
 def test_exif_orientation_applied_for_paths(hf, tmp_path):
-    image = Image.fromarray(_content(120, 200))
+    image = Image.fromarray(content(120, 200))
     exif = Image.Exif()
     exif[0x0112] = 6  # rotate 90 degrees on display
     path = tmp_path / "rotated.jpg"
@@ -263,7 +258,7 @@ def test_exif_orientation_applied_for_paths(hf, tmp_path):
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("channels", [1, 3, 4])
 def test_numpy_hwc_matches_reference(hf, family, channels):
-    array = _content(130, 210, channels, seed=channels)
+    array = content(130, 210, channels, seed=channels)
     if channels == 4:
         array[..., 3] = _alpha(130, 210)
     _assert_matches(hf, family, array)
@@ -272,14 +267,14 @@ def test_numpy_hwc_matches_reference(hf, family, channels):
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("channels", [1, 3, 4])
 def test_torch_chw_matches_reference(hf, family, channels):
-    array = _content(130, 210, channels, seed=10 + channels)
+    array = content(130, 210, channels, seed=10 + channels)
     if channels == 4:
         array[..., 3] = _alpha(130, 210)
     _assert_matches(hf, family, torch.from_numpy(array).permute(2, 0, 1).contiguous())
 
 
 def test_other_array_layouts_match_reference(hf):
-    array = _content(130, 210, 3)
+    array = content(130, 210, 3)
     _assert_matches(hf, "qwen2_5_vl", array.transpose(2, 0, 1).copy())  # numpy CHW: unambiguous
     _assert_matches(hf, "qwen2_5_vl", torch.from_numpy(array))  # torch HWC: unambiguous
     # HxW grayscale is rejected by transformers; it must equal the (H, W, 1) array.
@@ -287,8 +282,8 @@ def test_other_array_layouts_match_reference(hf):
 
 
 def test_input_types_agree():
-    array = _content(100, 150)
-    config = _pil_config("qwen3_vl")
+    array = content(100, 150)
+    config = pil_config("qwen3_vl")
     expected, grid = preprocess_image(Image.fromarray(array), config)
     # the last one is a non-contiguous view (negative strides)
     for image in (array, torch.from_numpy(array).permute(2, 0, 1), array[:, ::-1][:, ::-1]):
@@ -299,69 +294,35 @@ def test_input_types_agree():
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("size", [(10, 13), (1, 1), (3, 40)])
 def test_tiny_image_is_upscaled(hf, family, size):
-    config = _pil_config(family)
-    _assert_matches(hf, family, Image.fromarray(_content(*size)))
-    _, (_, grid_h, grid_w) = preprocess_image(Image.fromarray(_content(*size)), config)
+    config = pil_config(family)
+    _assert_matches(hf, family, Image.fromarray(content(*size)))
+    _, (_, grid_h, grid_w) = preprocess_image(Image.fromarray(content(*size)), config)
     assert grid_h * grid_w * config.patch_size**2 >= config.min_pixels
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_pixel_bound_overrides(hf, family):
-    big = Image.fromarray(_content(600, 800))
+    big = Image.fromarray(content(600, 800))
     _assert_matches(hf, family, big, max_pixels=100_000)
-    _, (_, grid_h, grid_w) = preprocess_image(big, _pil_config(family), max_pixels=100_000)
-    patch = _pil_config(family).patch_size
+    _, (_, grid_h, grid_w) = preprocess_image(big, pil_config(family), max_pixels=100_000)
+    patch = pil_config(family).patch_size
     assert grid_h * grid_w * patch**2 <= 100_000
-    _assert_matches(hf, family, Image.fromarray(_content(64, 90)), min_pixels=200_000)
+    _assert_matches(hf, family, Image.fromarray(content(64, 90)), min_pixels=200_000)
 
-
-# --------------------------------------------------------------------------------------------------
-# smart_resize
-# --------------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("factor", [28, 32])
-@pytest.mark.parametrize("bounds", [(3136, 12845056), (65536, 16777216), (3136, 100_000), (200_000, 400_000)])
-def test_smart_resize_matches_reference(factor, bounds):
-    rng = np.random.default_rng(factor)
-    sizes = rng.integers(1, 6000, size=(400, 2)).tolist() + [[14, 14], [42, 70], [2, 400], [400, 2], [1, 1]]
-    for height, width in sizes:
-        if max(height, width) / min(height, width) > 200:
-            continue
-        expected = hf_pil.smart_resize(height, width, factor, *bounds)
-        assert smart_resize(height, width, factor, *bounds) == expected, (height, width)
-
-
-def test_smart_resize_rounds_half_to_even():
-    big = 10**9
-    assert smart_resize(70, 98, 28, 1, big) == (56, 112)  # 2.5 -> 2, 3.5 -> 4
-    assert smart_resize(42, 126, 28, 1, big) == (56, 112)  # 1.5 -> 2, 4.5 -> 4
-    assert smart_resize(80, 112, 32, 1, big) == (64, 128)  # 2.5 -> 2, 3.5 -> 4
-    assert smart_resize(80, 112, 32, 1, big) == hf_pil.smart_resize(80, 112, 32, 1, big)
-
-
-def test_smart_resize_aspect_ratio_limit():
-    assert smart_resize(10, 2000, 28, 3136, 12845056) == hf_pil.smart_resize(10, 2000, 28, 3136, 12845056)
-    with pytest.raises(PreprocessError, match="aspect ratio"):
-        smart_resize(10, 2001, 28, 3136, 12845056)
-    with pytest.raises(ValueError):  # PreprocessError is a ValueError, like the reference's
-        smart_resize(2001, 10, 28, 3136, 12845056)
-    with pytest.raises(PreprocessError):
-        smart_resize(0, 10, 28, 3136, 12845056)
 
 
 def test_aspect_ratio_error_names_input():
     with pytest.raises(PreprocessError, match=r"image 7: aspect ratio"):
-        preprocess_image(np.zeros((2, 500, 3), np.uint8), _pil_config("qwen3_vl"), index=7)
+        preprocess_image(np.zeros((2, 500, 3), np.uint8), pil_config("qwen3_vl"), index=7)
 
 
 def test_aspect_ratio_checked_before_decoding(tmp_path):
     """A file with a valid header but truncated pixel data: the aspect check fires before decoding."""
     path = tmp_path / "strip.png"
-    Image.fromarray(_content(4, 1000)).save(path)
+    Image.fromarray(content(4, 1000)).save(path)
     path.write_bytes(path.read_bytes()[:120])
     with pytest.raises(PreprocessError, match="aspect ratio") as err:
-        preprocess_image(path, _pil_config("qwen2_5_vl"), index=0)
+        preprocess_image(path, pil_config("qwen2_5_vl"), index=0)
     assert str(path) in str(err.value)
     with pytest.raises(PreprocessError, match="corrupt or truncated"):
         load_image(path)
@@ -375,7 +336,7 @@ def test_aspect_ratio_checked_before_decoding(tmp_path):
 def _assert_error(image, pattern, index=4, path=None):
     """The error names the input (a file by its path, anything else by its index), the same from loading and
     from probing."""
-    config = _pil_config("qwen2_5_vl")
+    config = pil_config("qwen2_5_vl")
     with pytest.raises(PreprocessError, match=pattern) as err:
         preprocess_image(image, config, index=index)
     assert str(err.value).startswith(f"image {str(path)!r}: " if path is not None else f"image {index}: ")
@@ -396,7 +357,7 @@ def test_missing_file(tmp_path):
 
 def test_corrupt_file(tmp_path):
     path = tmp_path / "corrupt.png"
-    Image.fromarray(_content(100, 100)).save(path)
+    Image.fromarray(content(100, 100)).save(path)
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     _assert_error(path, "corrupt or truncated", path=path)
 
@@ -498,8 +459,8 @@ def test_to_dict_round_trips_and_loads_in_transformers(config):
     assert PreprocessConfig.from_dict(d, "qwen2_5_vl") == config
     assert PreprocessConfig.from_dict(d, "qwen3_vl") == config
     reference = Qwen2VLImageProcessorPil.from_dict(d)
-    image = Image.fromarray(_content(180, 260))
-    ref_values, ref_grid = _reference(reference, image)
+    image = Image.fromarray(content(180, 260))
+    ref_values, ref_grid = image_reference(reference, image)
     values, grid = preprocess_image(image, config, resize="pil")
     assert grid == ref_grid
     assert float(np.abs(values.numpy() - ref_values).max()) <= TOL
@@ -528,148 +489,7 @@ def test_scalar_mean_std():
     assert config.image_mean == config.image_std == (0.5, 0.5, 0.5)
 
 
-# --------------------------------------------------------------------------------------------------
-# Video
-# --------------------------------------------------------------------------------------------------
-
-
-def _frames(count: int, height: int = 120, width: int = 170) -> np.ndarray:
-    return np.stack([_content(height, width, 3, seed=100 + i) for i in range(count)])
-
-
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("count", [1, 4, 5])
-def test_video_matches_reference(hf, family, count):
-    frames = _frames(count)
-    ref_values, ref_grid = reference_video(hf[family], family, list(frames))
-    values, grid = preprocess_video(frames, _pil_config(family), resize="pil")
-    assert grid == ref_grid == (math.ceil(count / 2), ref_grid[1], ref_grid[2])
-    assert values.dtype == torch.float32 and tuple(values.shape) == ref_values.shape
-    assert float(np.abs(values.numpy() - ref_values).max()) <= TOL
-
-
-def test_video_layout_and_last_frame_padding(hf):
-    """Video rows: (C, T, P, P) with T slot k from frame 2t+k; the odd last frame fills both slots."""
-    family = "qwen2_5_vl"
-    config = _pil_config(family)
-    frames = _frames(5)
-    values, (grid_t, grid_h, grid_w) = preprocess_video(frames, config, resize="pil")
-    p, c = config.patch_size, 3
-    rows = values.reshape(grid_t, grid_h * grid_w, c, 2, p, p)
-    per_frame = [_reference(hf[family], Image.fromarray(f))[0].reshape(-1, c, 2, p, p)[:, :, 0] for f in frames]
-    for i in range(5):
-        np.testing.assert_array_equal(rows[i // 2, :, :, i % 2].numpy(), per_frame[i])
-    np.testing.assert_array_equal(rows[2, :, :, 1].numpy(), per_frame[4])  # padding repeats the last frame
-
-
-def test_video_input_types_agree(tmp_path):
-    frames = _frames(3, 90, 130)
-    config = _pil_config("qwen3_vl")
-    expected, grid = preprocess_video(frames, config, resize="pil")
-    paths = []
-    for i, frame in enumerate(frames):
-        paths.append(tmp_path / f"frame{i}.png")
-        Image.fromarray(frame).save(paths[-1])
-    inputs = [
-        list(frames),
-        [Image.fromarray(f) for f in frames],
-        paths,
-        torch.from_numpy(frames).permute(0, 3, 1, 2).contiguous(),
-        [torch.from_numpy(f).permute(2, 0, 1) for f in frames],
-    ]
-    for video in inputs:
-        values, other_grid = preprocess_video(video, config, resize="pil")
-        assert other_grid == grid and torch.equal(values, expected)
-
-
-def test_video_of_one_repeated_frame_equals_image():
-    frame = _content(100, 140)
-    config = _pil_config("qwen2_5_vl")
-    assert torch.equal(preprocess_video([frame, frame], config, resize="pil")[0], preprocess_image(frame, config)[0])
-    assert torch.equal(preprocess_video([frame], config, resize="pil")[0], preprocess_image(frame, config)[0])
-
-
-def test_video_frames_resized_to_first_frame_size():
-    config = _pil_config("qwen2_5_vl")
-    first, second = _content(100, 140), _content(300, 200, seed=5)
-    values, grid = preprocess_video([first, second], config, max_pixels=50_000, resize="pil")
-    assert grid == (1, *preprocess_image(first, config, max_pixels=50_000)[1][1:])
-    assert values.shape[0] == grid[1] * grid[2]
-
-
-def test_video_errors(tmp_path):
-    config = _pil_config("qwen2_5_vl")
-    missing = tmp_path / "gone.png"
-    with pytest.raises(PreprocessError, match=r"video 2 frame '.*gone.png': file not found"):
-        preprocess_video([_content(50, 50), missing], config, index=2)
-    with pytest.raises(PreprocessError, match="video 0: no frames"):
-        preprocess_video([], config, index=0)
-    with pytest.raises(PreprocessError, match="4-D frame array"):
-        preprocess_video(np.zeros((5, 10, 3), np.uint8), config)
-    with pytest.raises(PreprocessError, match="sequence of frames"):
-        preprocess_video(str(missing), config)
-    with pytest.raises(PreprocessError, match="video frame 0: aspect ratio"):
-        preprocess_video(np.zeros((3, 2, 900, 3), np.uint8), config)
-
-
-# --------------------------------------------------------------------------------------------------
-# Frame sampling
-# --------------------------------------------------------------------------------------------------
-
-FRAME_COUNTS = [2, 3, 7, 10, 31, 60, 61, 299, 1001, 5000]
-VIDEO_FPS = [1.0, 7.5, 24.0, 29.97, 30.0, 60.0]
-TARGET_FPS = [0.5, 1.0, 2.0, 4.0]
-
-
-def test_sample_frame_indices_matches_qwen2_vl_reference():
-    sample = hf_source_function(*VIDEO_FILES["qwen2"], "sample_frames",
-                                 {"torch": torch, "math": math, "VideoMetadata": object})
-    for max_frames in (768, 8):
-        processor = types.SimpleNamespace(num_frames=None, fps=None, temporal_patch_size=2, min_frames=4,
-                                          max_frames=max_frames)
-        for total in FRAME_COUNTS:
-            for video_fps in VIDEO_FPS:
-                for fps in TARGET_FPS:
-                    metadata = types.SimpleNamespace(total_num_frames=total, fps=video_fps)
-                    expected = sample(processor, metadata, fps=fps).tolist()
-                    ours = sample_frame_indices(total, video_fps, fps, max_frames=max_frames)
-                    # The reference can step past the last frame (see the next test); we drop that index.
-                    assert ours == [i for i in expected if i < total], (total, video_fps, fps, max_frames)
-
-
-def test_sample_frame_indices_drops_reference_overrun():
-    """1001 frames, 1 fps, sampled at 0.5 fps: the reference's float arange yields 501 indices, the last 1001."""
-    sample = hf_source_function(*VIDEO_FILES["qwen2"], "sample_frames",
-                                 {"torch": torch, "math": math, "VideoMetadata": object})
-    processor = types.SimpleNamespace(num_frames=None, fps=None, temporal_patch_size=2, min_frames=4,
-                                      max_frames=768)
-    expected = sample(processor, types.SimpleNamespace(total_num_frames=1001, fps=1.0), fps=0.5).tolist()
-    assert len(expected) == 501 and expected[-1] == 1001
-    assert sample_frame_indices(1001, 1.0, 0.5) == expected[:-1]
-
-
-def test_sample_frame_indices_short_video():
-    assert sample_frame_indices(1, 30.0) == [0]  # the reference divides by zero here
-    with pytest.raises(ValueError):
-        sample_frame_indices(0, 30.0)
-    with pytest.raises(ValueError):
-        sample_frame_indices(10, 0.0)
-
-
-def test_sample_frame_indices_matches_qwen3_vl_reference():
-    sample = hf_source_function(*VIDEO_FILES["qwen3"], "sample_frames",
-                                 {"np": np, "VideoMetadata": object, "logger": None})
-    for max_frames in (768, 8):
-        processor = types.SimpleNamespace(fps=2, min_frames=4, max_frames=max_frames)
-        for total in FRAME_COUNTS:
-            for video_fps in VIDEO_FPS:
-                for fps in TARGET_FPS:
-                    metadata = types.SimpleNamespace(total_num_frames=total, fps=video_fps)
-                    expected = sample(processor, metadata, fps=fps).tolist()
-                    assert sample_frame_indices_qwen3(total, video_fps, fps, max_frames=max_frames) == expected
-
-
-
+@pytest.mark.slow  # a subprocess
 def test_torch_backend_and_video_files_never_import_torchvision(tmp_path):
     """The package must not need torchvision: the torch resize path and video files run without importing it."""
     pytest.importorskip("av")
