@@ -266,9 +266,10 @@ class VisionEncoder:
             video=video, min_pixels=min_pixels, max_pixels=max_pixels, max_input_pixels=max_input_pixels,
             resize=resize, video_config=video_config or self.video_config, pooled=pooled,
             max_batch_tokens=max_batch_tokens, num_workers=num_workers, prefetch=prefetch, decode_bytes=decode_bytes)
-        report = None if on_prepared is None else \
+        # batching counts patches; the caller is told embedding rows.
+        report_rows = None if on_prepared is None else \
             (lambda p: on_prepared(p.index, p.tokens // self.config.merge_unit))
-        yield from self._encode_batches(items, options, report)
+        yield from self._encode_batches(items, options, report_rows)
 
     def _encode_batches(self, items: Iterable[Any], options: EncodeOptions,
                         on_prepared: Callable[[Prepared], None] | None = None) -> Iterator[list[ItemResult]]:
