@@ -13,58 +13,36 @@ Decode memory: ``iter_encode`` (and so ``encode_images`` / ``encode_videos`` and
 threads under one byte budget (``decode_bytes``, 1 GiB by default): an input is admitted, in input order,
 only when its estimated decode cost fits beside the inputs already being decoded or waiting for their
 batch (an input larger than the budget waits until it is alone). Files whose header declares more than
-``max_input_pixels`` are refused before decoding.
+``max_input_pixels`` are refused before decoding. That machinery (options, decoding, batching) is
+``batching``'s; this module runs the tower on each batch and assembles the results.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import math
 import os
-import stat
 import threading
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import PIL.Image
 import torch
 
 from .attention import resolve_attn_impl
+from .batching import DECODE_BYTES_PER_PIXEL as DECODE_BYTES_PER_PIXEL
+from .batching import DEFAULT_DECODE_BYTES, EncodeOptions, Prepared, preflight, prepared_batches
 from .config import VisionConfig, resolve_config
 from .devices import resolve_device, resolve_dtype
-from .errors import ConfigError, EncoderClosedError, InputError, NumericalError, QwenVLVisionError
+from .errors import ConfigError, EncoderClosedError, InputError, NumericalError, PreprocessError, QwenVLVisionError
 from .hub import resolve_folder
 from .init import random_tower
-from .preprocess import (
-    DEFAULT_MAX_INPUT_PIXELS,
-    PreprocessConfig,
-    PreprocessError,
-    check_resize_backend,
-    input_name,
-    preprocess_image,
-)
+from .preprocess import DEFAULT_MAX_INPUT_PIXELS, PreprocessConfig
 from .tower import VisionTower
-from .video import (
-    VideoConfig,
-    VideoInfo,
-    is_video_file,
-    preprocess_video,
-    preprocess_video_file,
-    probe_video,
-    sample_indices,
-    video_target_size,
-)
+from .video import VideoConfig, VideoInfo, sample_indices
 from .weights import load_tower, open_checkpoint
 
-DEFAULT_DECODE_BYTES = 1 << 30
-# Peak bytes per header pixel while a file is decoded and converted to RGB, measured on 12 and 64 MP files
-# decoded one at a time: ~4 for an RGB file (Pillow holds RGB as 4 bytes a pixel); 8.0 for the
-# worst kinds, where a second full image exists for a moment: an EXIF-rotated photo (the transpose), a CMYK,
-# RGBA, grayscale or palette file (the RGB conversion). Rounded up.
-DECODE_BYTES_PER_PIXEL = 9
+# DECODE_BYTES_PER_PIXEL is batching's; it stays importable from here until tests/test_embed_faults.py reads it there.
 
 
 @dataclass
@@ -77,7 +55,10 @@ class EncodeResult:
         towers without DeepStack (every family but Qwen3-VL, Qwen3-VL-MoE and Qwen3-Omni).
     pooled: (n, out_hidden_size) mean over each item's tokens, when requested.
     video_info: per item, what was read from a video file (frames kept, source fps, timestamps; a
-        ``video.VideoInfo``), None for images and for videos given as frames.
+        ``video.VideoInfo``), None for images, for videos given as frames and for ``encode_patches``.
+    modality: what the items are, "image" or "video" (``encode_videos``; ``encode_patches`` says what its
+        caller says): a language model places image and video tokens differently.
+    family: the tower's ``model_type`` (``VisionEncoder.family``), the family these embeddings belong to.
     """
 
     embeddings: list[torch.Tensor]
@@ -85,6 +66,8 @@ class EncodeResult:
     deepstack: list[list[torch.Tensor]] = field(default_factory=list)
     pooled: torch.Tensor | None = None
     video_info: list[VideoInfo | None] = field(default_factory=list)
+    modality: str = "image"
+    family: str = ""
 
     def __len__(self) -> int:
         return len(self.embeddings)
@@ -107,18 +90,6 @@ class ItemResult:
     @property
     def ok(self) -> bool:
         return self.error is None
-
-
-@dataclass
-class _Prepared:
-    index: int
-    name: str
-    pixel_values: torch.Tensor | None = None
-    grid: tuple[int, int, int] | None = None
-    error: str | None = None
-    tokens: int = field(default=0)
-    held: int = 0  # bytes of the decode budget this input holds until it joins a batch
-    video_info: VideoInfo | None = None
 
 
 class VisionEncoder:
@@ -226,10 +197,16 @@ class VisionEncoder:
     # ------------------------------------------------------------------ encoding
 
     def encode_patches(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor | Sequence, *,
-                       pooled: bool = False) -> EncodeResult:
-        """Encode inputs already processed the transformers way (rows in merge-block order)."""
+                       pooled: bool = False, modality: str = "image") -> EncodeResult:
+        """Encode inputs already processed the transformers way (rows in merge-block order).
+
+        ``modality`` ("image" or "video") is what the rows are, recorded in the result; the tower's math is the
+        same for both. ``video_info`` is one None per item: nothing was read from a file here.
+        """
         if not isinstance(pixel_values, torch.Tensor):
             raise InputError(f"pixel_values must be a torch.Tensor, got {type(pixel_values).__name__}")
+        if modality not in ("image", "video"):
+            raise InputError(f'modality must be "image" or "video", got {modality!r}')
         model = self._begin_forward()
         try:
             grids = model.grid_list(grid_thw)
@@ -244,7 +221,8 @@ class VisionEncoder:
         per_level = [level.split(sizes) for level in levels]
         deepstack = [[chunks[i] for chunks in per_level] for i in range(len(grids))]
         pooled_out = torch.stack([e.float().mean(0) for e in embeddings]).to(merged.dtype) if pooled else None
-        return EncodeResult(embeddings, torch.tensor(grids, dtype=torch.int64), deepstack, pooled_out)
+        return EncodeResult(embeddings, torch.tensor(grids, dtype=torch.int64), deepstack, pooled_out,
+                            video_info=[None] * len(grids), modality=modality, family=self.family)
 
     def _check_finite(self, merged: torch.Tensor, levels: list[torch.Tensor]) -> None:
         if merged.dtype != torch.float16:
@@ -253,44 +231,6 @@ class VisionEncoder:
             if not torch.isfinite(t).all():
                 raise NumericalError(f"{name} contain inf/nan in float16 (the tower overflowed); "
                                      f"use bfloat16 or float32")
-
-    def _prepare(self, item: Any, index: int, video: bool | None, min_pixels: int | None, max_pixels: int | None,
-                 max_input_pixels: int | None, budget: _DecodeBudget, pin: bool, resize: str | None,
-                 video_config: VideoConfig) -> _Prepared:
-        """Decode and resize one input on a worker thread, admitted by the decode budget in input order."""
-        if video is None:  # mixed: the pixel bounds given are the images'; videos keep their video_config's
-            video = is_video_file(item)
-            if video:
-                min_pixels = max_pixels = None
-        name = input_name("video" if video else "image", index, item)
-        # A video file's header is read once: for its decode estimate, and its frame count for the read itself.
-        header = _probe_quietly(item, max_input_pixels) if video and isinstance(item, (str, os.PathLike)) else None
-        cost = _video_file_cost(header, self.preprocess_config, video_config) if header else \
-            _decode_cost(item, video, max_input_pixels)
-        held = budget.admit(index, cost)
-        info = None
-        # `resize` chooses between transformers' two image processors; its video processors have one pipeline.
-        options = dict(min_pixels=min_pixels, max_pixels=max_pixels, index=index, max_input_pixels=max_input_pixels)
-        try:
-            if not video:
-                pixel_values, grid = preprocess_image(item, self.preprocess_config, resize=resize, **options)
-            elif isinstance(item, (str, os.PathLike)):
-                pixel_values, grid, info = preprocess_video_file(item, self.preprocess_config, video_config,
-                                                                 counted=header[0] if header else None, **options)
-            else:
-                pixel_values, grid = preprocess_video(item, self.preprocess_config, video_config=video_config,
-                                                      **options)
-        except PreprocessError as e:
-            budget.release(held)
-            return _Prepared(index, name, error=str(e))
-        except Exception as e:  # noqa: BLE001 - a batch job records any per-input failure and goes on
-            budget.release(held)
-            return _Prepared(index, name, error=f"{name}: {type(e).__name__}: {e}")
-        if pin:
-            pixel_values = pixel_values.pin_memory()
-        # From here on the input holds its resized pixels, not its decode peak.
-        held = budget.resize(held, pixel_values.element_size() * pixel_values.nelement())
-        return _Prepared(index, name, pixel_values, tuple(grid), tokens=math.prod(grid), held=held, video_info=info)
 
     def iter_encode(self, items: Iterable[Any], *, video: bool | None = False, min_pixels: int | None = None,
                     max_pixels: int | None = None, max_batch_tokens: int = 16384, pooled: bool = False,
@@ -322,43 +262,27 @@ class VisionEncoder:
         pipeline.
         """
         self.model  # noqa: B018 - raises if closed, before any work
-        if resize is not None:
-            check_resize_backend(resize, "resize")
-        for option, value in (("max_batch_tokens", max_batch_tokens), ("max_input_pixels", max_input_pixels),
-                              ("decode_bytes", decode_bytes), ("prefetch", prefetch)):
-            if value is not None and value < (0 if option == "prefetch" else 1):
-                raise ConfigError(f"{option} must be positive, got {value}")
-        _check_pixel_bounds(min_pixels, max_pixels)
-        pin = self.device.type == "cuda"
-        budget = _DecodeBudget(decode_bytes)
-        workers = num_workers if num_workers is not None else min(4, os.cpu_count() or 1)
-        with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-            prefetched = _ordered_prefetch(pool, items, prefetch, lambda item, i: self._prepare(
-                item, i, video, min_pixels, max_pixels, max_input_pixels, budget, pin, resize,
-                video_config or self.video_config))
-            try:
-                batch: list[_Prepared] = []
-                failed: list[_Prepared] = []
-                for prepared in prefetched:
-                    if on_prepared is not None:
-                        on_prepared(prepared.index, prepared.tokens // self.config.merge_unit)
-                    if prepared.error is not None:
-                        failed.append(prepared)
-                        continue
-                    if batch and sum(p.tokens for p in batch) + prepared.tokens > max_batch_tokens:
-                        yield self._run_batch(batch, failed, pooled)
-                        batch, failed = [], []
-                    batch.append(prepared)
-                    budget.release(prepared.held)  # now counted by the batch's token bound instead
-                if batch or failed:
-                    yield self._run_batch(batch, failed, pooled)
-            finally:
-                # Stopped early (an error, or the caller left the loop): wake the workers waiting for
-                # budget and drop the inputs not started, so the pool's shutdown does not wait on them.
-                budget.close()
-                prefetched.close()
+        options = EncodeOptions(
+            video=video, min_pixels=min_pixels, max_pixels=max_pixels, max_input_pixels=max_input_pixels,
+            resize=resize, video_config=video_config or self.video_config, pooled=pooled,
+            max_batch_tokens=max_batch_tokens, num_workers=num_workers, prefetch=prefetch, decode_bytes=decode_bytes)
+        # batching counts patches; the caller is told embedding rows.
+        report_rows = None if on_prepared is None else \
+            (lambda p: on_prepared(p.index, p.tokens // self.config.merge_unit))
+        yield from self._encode_batches(items, options, report_rows)
 
-    def _run_batch(self, batch: list[_Prepared], failed: list[_Prepared], pooled: bool) -> list[ItemResult]:
+    def _encode_batches(self, items: Iterable[Any], options: EncodeOptions,
+                        on_prepared: Callable[[Prepared], None] | None = None) -> Iterator[list[ItemResult]]:
+        """iter_encode with its options built: batches prepared by ``batching``, each one forward here."""
+        batches = prepared_batches(items, options, self.preprocess_config, pin_memory=self.device.type == "cuda",
+                                   on_prepared=on_prepared)
+        # Closing the batches, however this generator ends, releases the decode workers and their budget.
+        with contextlib.closing(batches):
+            for batch, failed in batches:
+                yield self._run_batch(batch, failed, options.pooled)
+
+    def _run_batch(self, batch: list[Prepared], failed: list[Prepared], pooled: bool) -> list[ItemResult]:
+        """One forward over a batch's inputs; the failed inputs beside it become error results."""
         results = [ItemResult(p.index, p.name, error=p.error) for p in failed]
         if batch:
             pixel_values = torch.cat([p.pixel_values for p in batch]).to(self.device, non_blocking=True)
@@ -376,13 +300,12 @@ class VisionEncoder:
                 ))
         return sorted(results, key=lambda r: r.index)
 
-    def _encode_all(self, items: Sequence[Any], video: bool, pooled: bool, **options: Any) -> EncodeResult:
+    def _encode_all(self, items: Sequence[Any], options: EncodeOptions) -> EncodeResult:
+        """Every input encoded, or the first bad one raised: refused before any compute when preflight sees it."""
         items = list(items)
-        _check_pixel_bounds(options.get("min_pixels"), options.get("max_pixels"))
-        self._preflight(items, video, options.get("min_pixels"), options.get("max_pixels"),
-                        options.get("max_input_pixels"), options.get("video_config") or self.video_config)
+        preflight(items, options, self.preprocess_config)
         results: list[ItemResult] = []
-        for batch in self.iter_encode(items, video=video, pooled=pooled, **options):
+        for batch in self._encode_batches(items, options):
             for r in batch:
                 if r.error is not None:
                     raise r.error_class(r.error)
@@ -392,36 +315,11 @@ class VisionEncoder:
             embeddings=[r.embedding for r in results],
             grid_thw=torch.tensor([r.grid_thw for r in results], dtype=torch.int64).view(-1, 3),
             deepstack=[r.deepstack for r in results],
-            pooled=torch.stack([r.pooled for r in results]) if pooled and results else None,
+            pooled=torch.stack([r.pooled for r in results]) if options.pooled and results else None,
             video_info=[r.video_info for r in results],
+            modality="video" if options.video else "image",
+            family=self.family,
         )
-
-    def _preflight(self, items: list[Any], video: bool, min_pixels: int | None, max_pixels: int | None,
-                   max_input_pixels: int | None, video_config: VideoConfig) -> None:
-        """Reject unreadable or oversized files, zero-size arrays and extreme aspect ratios before any compute."""
-        from .preprocess import probe_image
-
-        for i, item in enumerate(items):
-            first, name = item, None
-            if video and isinstance(item, (str, os.PathLike)):
-                total, rate, height, width = probe_video(item, input_name("video", i, item), max_input_pixels)
-                count = len(sample_indices(total, rate, video_config, self.config.temporal_patch_size))
-                video_target_size(count, height, width, self.preprocess_config, video_config, min_pixels, max_pixels,
-                                  input_name("video", i, item))
-                continue
-            if video:
-                if isinstance(item, torch.Tensor) or hasattr(item, "shape"):
-                    if len(item) == 0:
-                        raise PreprocessError(f"{input_name('video', i)}: no frames")
-                    first = item[0]
-                else:
-                    frames = list(item)
-                    if not frames:
-                        raise PreprocessError(f"{input_name('video', i)}: no frames")
-                    first = frames[0]
-                name = input_name(f"{input_name('video', i)} frame", 0, first)  # as preprocess_video names it
-            probe_image(first, self.preprocess_config, index=i, min_pixels=min_pixels, max_pixels=max_pixels,
-                        max_input_pixels=max_input_pixels, name=name)
 
     def encode_images(self, images: Sequence[Any], *, min_pixels: int | None = None, max_pixels: int | None = None,
                       max_batch_tokens: int = 16384, pooled: bool = False, num_workers: int | None = None,
@@ -438,9 +336,10 @@ class VisionEncoder:
         naming it, and so does a file whose header declares more than `max_input_pixels` (None: only PIL's own
         limit).
         """
-        return self._encode_all(images, False, pooled, min_pixels=min_pixels, max_pixels=max_pixels,
-                                max_batch_tokens=max_batch_tokens, num_workers=num_workers,
-                                max_input_pixels=max_input_pixels, resize=resize)
+        options = EncodeOptions(video=False, min_pixels=min_pixels, max_pixels=max_pixels,
+                                max_input_pixels=max_input_pixels, resize=resize, video_config=self.video_config,
+                                pooled=pooled, max_batch_tokens=max_batch_tokens, num_workers=num_workers)
+        return self._encode_all(images, options)
 
     def encode_videos(self, videos: Sequence[Any], *, min_pixels: int | None = None, max_pixels: int | None = None,
                       max_batch_tokens: int = 16384, pooled: bool = False, num_workers: int | None = None,
@@ -463,9 +362,10 @@ class VisionEncoder:
         if fps is not None and any(not isinstance(v, (str, os.PathLike)) for v in videos):
             videos = self._sample_by_fps(videos, fps, video_fps)
         video_config = self.video_config if fps is None else dataclasses.replace(self.video_config, fps=fps)
-        return self._encode_all(videos, True, pooled, min_pixels=min_pixels, max_pixels=max_pixels,
-                                max_batch_tokens=max_batch_tokens, num_workers=num_workers,
-                                max_input_pixels=max_input_pixels, video_config=video_config)
+        options = EncodeOptions(video=True, min_pixels=min_pixels, max_pixels=max_pixels,
+                                max_input_pixels=max_input_pixels, video_config=video_config, pooled=pooled,
+                                max_batch_tokens=max_batch_tokens, num_workers=num_workers)
+        return self._encode_all(videos, options)
 
     def _sample_by_fps(self, videos: list[Any], fps: float, video_fps: float | Sequence[float] | None) -> list[Any]:
         """Frames in memory sampled at ``fps`` with the family's rule (files are sampled when they are read)."""
@@ -484,128 +384,6 @@ class VisionEncoder:
             keep = sample_indices(len(frames), rate, vcfg, self.config.temporal_patch_size)
             sampled.append(frames[keep] if hasattr(frames, "shape") else [frames[i] for i in keep])
         return sampled
-
-
-def _check_pixel_bounds(min_pixels: int | None, max_pixels: int | None) -> None:
-    """Per-call pixel bounds: whole numbers of at least 1 (None: the checkpoint's), min not above max."""
-    for option, value in (("min_pixels", min_pixels), ("max_pixels", max_pixels)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ConfigError(f"{option} must be a positive integer, got {value!r}")
-    if min_pixels is not None and max_pixels is not None and min_pixels > max_pixels:
-        raise ConfigError(f"min_pixels {min_pixels} is above max_pixels {max_pixels}")
-
-
-def _ordered_prefetch(pool: ThreadPoolExecutor, items: Iterable[Any], depth: int, fn) -> Iterator[Any]:
-    """fn(item, index) on the pool, at most `depth` in flight, results in input order."""
-    pending: deque = deque()
-    try:
-        for index, item in enumerate(items):
-            pending.append(pool.submit(fn, item, index))
-            if len(pending) > depth:
-                yield pending.popleft().result()
-        while pending:
-            yield pending.popleft().result()
-    finally:
-        for future in pending:
-            future.cancel()
-
-
-class _BudgetClosed(Exception):
-    """The iteration that owned a decode budget stopped; inputs still waiting for it are dropped."""
-
-
-class _DecodeBudget:
-    """Bytes that inputs being decoded, or decoded and waiting for their batch, may hold at once.
-
-    Admission is in input order (input i waits until inputs 0..i-1 were admitted): a small later input never
-    overtakes a large earlier one, so whatever holds bytes is consumed before the waiter and every wait
-    ends. An input costing more than the whole budget is admitted when nothing else holds any.
-    capacity None: no bound (inputs are still admitted in order).
-    """
-
-    def __init__(self, capacity: int | None) -> None:
-        self.capacity = capacity
-        self._cond = threading.Condition()
-        self._used = 0
-        self._next = 0
-        self._closed = False
-
-    def admit(self, ticket: int, cost: int) -> int:
-        with self._cond:
-            while not self._closed and (ticket != self._next or not self._fits(cost)):
-                self._cond.wait()
-            if self._closed:
-                raise _BudgetClosed
-            self._next += 1
-            self._used += cost
-            self._cond.notify_all()
-            return cost
-
-    def _fits(self, cost: int) -> bool:
-        return self.capacity is None or self._used == 0 or self._used + cost <= self.capacity
-
-    def resize(self, held: int, now: int) -> int:
-        """An admitted input now holds `now` bytes instead of `held` (may exceed the budget: it is already in)."""
-        with self._cond:
-            self._used += now - held
-            self._cond.notify_all()
-        return now
-
-    def release(self, held: int) -> None:
-        self.resize(held, 0)
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-
-
-def _probe_quietly(path: str | os.PathLike, max_input_pixels: int | None) -> tuple[int, float, int, int] | None:
-    """``probe_video``'s (frames, fps, height, width), or None when it fails: preprocessing names the problem."""
-    try:
-        return probe_video(path, max_input_pixels=max_input_pixels)
-    except Exception:  # noqa: BLE001 - this only feeds an estimate
-        return None
-
-
-def _video_file_cost(header: tuple[int, float, int, int], pre: PreprocessConfig, video_config: VideoConfig) -> int:
-    """Estimated peak bytes of reading a video file: its sampled frames resized (3 bytes a pixel, each resized as
-    it is decoded) and its float32 output (12 bytes a pixel of every padded frame), beside one decoded source
-    frame and its conversions (the image rate)."""
-    total, rate, height, width = header
-    try:
-        kept = len(sample_indices(total, rate, video_config, pre.temporal_patch_size))
-        target = math.prod(video_target_size(kept, height, width, pre, video_config))
-    except QwenVLVisionError:  # preprocessing names the problem; this is only an estimate
-        return 0
-    padded = -(-kept // pre.temporal_patch_size) * pre.temporal_patch_size
-    return kept * target * 3 + padded * target * 12 + height * width * DECODE_BYTES_PER_PIXEL
-
-
-def _decode_cost(item: Any, video: bool, max_input_pixels: int | None) -> int:
-    """Estimated peak bytes of decoding `item`, read from a file's header; 0 for what is already in memory.
-
-    Frames given as a list are estimated by their first frame: they are decoded one at a time (video files:
-    ``_video_file_cost``). A file refused by max_input_pixels, or whose header cannot be read, costs nothing:
-    preprocessing refuses it unread.
-    """
-    first = item
-    if video:
-        if not isinstance(item, (list, tuple)) or not item:
-            return 0
-        first = item[0]
-    if not isinstance(first, (str, os.PathLike)):
-        return 0
-    try:
-        if not stat.S_ISREG(os.stat(first).st_mode):  # opening a FIFO would block: preprocessing refuses it
-            return 0
-        with PIL.Image.open(first) as image:
-            pixels = image.width * image.height
-    except Exception:  # noqa: BLE001 - preprocessing names the problem; this is only an estimate
-        return 0
-    if max_input_pixels is not None and pixels > max_input_pixels:
-        return 0
-    return pixels * DECODE_BYTES_PER_PIXEL
 
 
 # ---------------------------------------------------------------------- loading

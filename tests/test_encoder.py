@@ -1,6 +1,8 @@
-"""encode_images / encode_videos end to end against transformers' processors + tower, for every family.
+"""The public encoder (qwenvl_vision.encoder): encode_images / encode_videos / encode_patches end to end against
+transformers' processors + tower, for every family, and what their results say (modality, family, video_info).
 
 Images: the PIL processor always, and the torchvision processor (``resize="torch"``) where torchvision imports.
+How inputs become batches (token bound, decode budget, prefetch) is tests/test_batching.py's.
 """
 
 from __future__ import annotations
@@ -15,14 +17,13 @@ from PIL import Image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from qwenvl_vision import load_encoder
-from qwenvl_vision.errors import ConfigError
-from qwenvl_vision.preprocess import PreprocessError
+from qwenvl_vision.errors import ConfigError, InputError, PreprocessError
 from tests.helpers import (
     FAMILY_SMALL,
     PREPROCESSOR_FILES,
+    assert_matches_reference,
     hf_forward,
     hf_tower,
-    rel_err,
     write_checkpoint,
     write_video,
 )
@@ -84,11 +85,16 @@ def _reference_images(processor, images, **kwargs):
     return out["pixel_values"], out["image_grid_thw"]
 
 
-def _reference_embeddings(ref, pixel_values, grid_thw):
+def _reference(ref, pixel_values, grid_thw):
+    """transformers' tower on the reference inputs: (merged, [DeepStack levels]) of the whole pack."""
     with torch.no_grad():
-        merged, levels = hf_forward(ref, pixel_values, grid_thw)
-    sizes = (grid_thw.prod(1) // 4).tolist()
-    return list(merged.split(sizes)), [list(level.split(sizes)) for level in levels]
+        return hf_forward(ref, pixel_values, grid_thw)
+
+
+def _packed(result):
+    """An EncodeResult as one pack, (merged, [DeepStack levels]), in the reference's layout."""
+    levels = [torch.cat(level) for level in zip(*result.deepstack)] if result.deepstack else []
+    return torch.cat(result.embeddings), levels
 
 
 @pytest.mark.parametrize("backend", ["pil", "torch"])
@@ -100,14 +106,13 @@ def test_encode_images_matches_processor_and_tower(setup, photos, backend):
     result = encoder.encode_images(images, max_batch_tokens=4096, pooled=True, resize=backend)
     pixel_values, grid_thw = _reference_images(processor, images)
     assert torch.equal(result.grid_thw, grid_thw.to(torch.int64))
-    expected, expected_levels = _reference_embeddings(ref, pixel_values, grid_thw)
+    reference = _reference(ref, pixel_values, grid_thw)
+    assert_matches_reference(_packed(result), reference, grid_thw, 1e-4)  # every item, every DeepStack level
+    expected = reference[0].split((grid_thw.prod(1) // 4).tolist())
     for i, name in enumerate(names):
         assert result.embeddings[i].shape == expected[i].shape, name
-        assert rel_err(result.embeddings[i], expected[i]) <= 1e-4, name
         assert torch.allclose(result.pooled[i], expected[i].mean(0), atol=1e-5, rtol=1e-4), name
-        assert len(result.deepstack[i]) == len(cfg.deepstack_visual_indexes) == len(expected_levels)
-        for level, ref_level in zip(result.deepstack[i], [lv[i] for lv in expected_levels]):
-            assert rel_err(level, ref_level) <= 1e-4, name
+        assert len(result.deepstack[i]) == len(cfg.deepstack_visual_indexes) == len(reference[1])
 
 
 def test_pixel_bounds_override_per_call(setup, photos):
@@ -118,28 +123,7 @@ def test_pixel_bounds_override_per_call(setup, photos):
     pixel_values, grid_thw = _reference_images(processor, [image], size={"shortest_edge": bounds["min_pixels"],
                                                                          "longest_edge": bounds["max_pixels"]})
     assert result.grid_thw.tolist() == grid_thw.tolist()
-    assert rel_err(result.embeddings[0], _reference_embeddings(ref, pixel_values, grid_thw)[0][0]) <= 1e-4
-
-
-def test_token_budget_does_not_change_results(setup, photos):
-    encoder, *_ = setup
-    images = [photos[n] for n in ("photo.jpg", "small", "gray", "numpy")]
-    one_batch = encoder.encode_images(images, max_batch_tokens=1 << 20)
-    singles = encoder.encode_images(images, max_batch_tokens=1)  # every item above budget runs alone
-    for a, b in zip(one_batch.embeddings, singles.embeddings):
-        assert rel_err(a, b) <= 1e-5
-
-
-def test_batches_respect_the_token_budget(setup, photos):
-    encoder, *_ = setup
-    images = [photos[n] for n in ("small", "gray", "numpy", "torch", "palette")]
-    tokens = [int(g.prod()) for g in encoder.encode_images(images).grid_thw]
-    budget = max(tokens) + min(tokens)
-    batches = list(encoder.iter_encode(images, max_batch_tokens=budget))
-    assert [r.index for b in batches for r in b] == list(range(len(images)))
-    for batch in batches:
-        assert len(batch) == 1 or sum(tokens[r.index] for r in batch) <= budget
-    assert len(batches) > 1
+    assert_matches_reference(_packed(result), _reference(ref, pixel_values, grid_thw), grid_thw, 1e-4)
 
 
 def video_processor(encoder, cfg):
@@ -165,8 +149,7 @@ def test_video_frames_match_video_processor_and_tower(setup):
     out = processor([frames], do_sample_frames=False, return_tensors="pt")
     grid = out["video_grid_thw"]
     assert grid[0, 0] == 3 and result.grid_thw.tolist() == grid.tolist()
-    expected, _ = _reference_embeddings(ref, out["pixel_values_videos"], grid)
-    assert rel_err(result.embeddings[0], expected[0]) <= 1e-4
+    assert_matches_reference(_packed(result), _reference(ref, out["pixel_values_videos"], grid), grid, 1e-4)
     assert result.video_info == [None]  # frames in memory: nothing was read
 
 
@@ -188,10 +171,7 @@ def test_video_file_matches_load_video_processor_and_tower(setup, tmp_path):
                     return_metadata=True)
     grid = out["video_grid_thw"]
     assert result.grid_thw.tolist() == grid.tolist()
-    expected, expected_levels = _reference_embeddings(ref, out["pixel_values_videos"], grid)
-    assert rel_err(result.embeddings[0], expected[0]) <= 1e-4
-    for level, ref_level in zip(result.deepstack[0], [lv[0] for lv in expected_levels]):
-        assert rel_err(level, ref_level) <= 1e-4
+    assert_matches_reference(_packed(result), _reference(ref, out["pixel_values_videos"], grid), grid, 1e-4)
     info, sampled = result.video_info[0], out["video_metadata"][0]
     assert info.frame_indices == np.asarray(sampled.frames_indices).tolist()
     assert info.timestamps == sampled.timestamps and info.video_fps == sampled.fps == 10
@@ -243,3 +223,25 @@ def test_bad_pixel_bounds_are_one_project_error(setup, photos, bounds, message):
                  lambda: list(encoder.iter_encode([photos["small"]], **bounds))):
         with pytest.raises(ConfigError, match=f"^{message}$"):
             call()
+
+
+def test_results_say_their_modality_and_family(setup, photos):
+    encoder, _, _, cfg = setup
+    images = encoder.encode_images([photos["small"], photos["gray"]])
+    assert (images.modality, images.family) == ("image", cfg.family)
+    videos = encoder.encode_videos([np.zeros((2, 64, 64, 3), np.uint8)])
+    assert (videos.modality, videos.family) == ("video", cfg.family)
+    assert videos.video_info == [None]
+
+
+def test_encode_patches_matches_the_tower_with_one_video_info_per_item(setup, photos):
+    encoder, ref, processor, cfg = setup
+    pixel_values, grid_thw = _reference_images(processor, [photos["small"], photos["numpy"], photos["gray"]])
+    out = encoder.encode_patches(pixel_values, grid_thw)
+    assert_matches_reference(_packed(out), _reference(ref, pixel_values, grid_thw), grid_thw, 1e-4)
+    assert out.video_info == [None, None, None]  # out.video_info[i] exists for every item, as on every path
+    assert (out.modality, out.family) == ("image", cfg.family)
+    as_video = encoder.encode_patches(pixel_values, grid_thw, modality="video")
+    assert as_video.modality == "video" and len(as_video.video_info) == len(as_video) == 3
+    with pytest.raises(InputError, match='modality must be "image" or "video", got \'audio\''):
+        encoder.encode_patches(pixel_values, grid_thw, modality="audio")

@@ -1,0 +1,335 @@
+"""From a stream of inputs to token-bounded batches of pixel rows, in input order, under a decode-memory budget.
+
+One call's settings are one frozen ``EncodeOptions``, checked when it is built. ``preflight`` refuses bad inputs
+before any compute (``encode_images`` / ``encode_videos``); ``prepared_batches`` decodes and resizes inputs on
+worker threads (``prepare``), at most ``prefetch`` ahead (``ordered_prefetch``), each admitted in input order by
+one byte budget (``DecodeBudget``) sized from its file header (``decode_cost`` / ``video_file_cost``), and groups
+them into batches of at most ``max_batch_tokens`` patches. Running the tower on a batch is the encoder's job.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import stat
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import PIL.Image
+import torch
+
+from .errors import ConfigError, PreprocessError, QwenVLVisionError
+from .preprocess import (
+    DEFAULT_MAX_INPUT_PIXELS,
+    PreprocessConfig,
+    check_resize_backend,
+    input_name,
+    preprocess_image,
+    probe_image,
+)
+from .video import (
+    VideoConfig,
+    VideoInfo,
+    is_video_file,
+    preprocess_video,
+    preprocess_video_file,
+    probe_video,
+    sample_indices,
+    video_target_size,
+)
+
+DEFAULT_DECODE_BYTES = 1 << 30
+# Peak bytes per header pixel while a file is decoded and converted to RGB, measured on 12 and 64 MP files
+# decoded one at a time: ~4 for an RGB file (Pillow holds RGB as 4 bytes a pixel); 8.0 for the
+# worst kinds, where a second full image exists for a moment: an EXIF-rotated photo (the transpose), a CMYK,
+# RGBA, grayscale or palette file (the RGB conversion). Rounded up.
+DECODE_BYTES_PER_PIXEL = 9
+
+
+@dataclass(frozen=True, kw_only=True)
+class EncodeOptions:
+    """One encode call's settings, refused (ConfigError) when built if out of range.
+
+    video: False, every input is an image; True, every input is a video; None, a path with a video extension is a
+        video and anything else an image (min/max_pixels then bound the images only).
+    min_pixels / max_pixels: per-call pixel bounds (None: the checkpoint's; for videos, the video settings').
+    max_input_pixels: a file whose header declares more is refused unread (None: only PIL's own limit).
+    resize: images' "pil" or "torch" backend (None: the checkpoint's); videos have one pipeline.
+    video_config: the video settings of this call (sampling fps included).
+    pooled: also return each input's mean embedding.
+    max_batch_tokens: patches per batch (a larger input runs alone).
+    num_workers: decoding threads (None: up to 4, one per core).
+    prefetch: inputs decoded ahead of the compute.
+    decode_bytes: the decode budget (None: no bound).
+    """
+
+    video_config: VideoConfig
+    video: bool | None = False
+    min_pixels: int | None = None
+    max_pixels: int | None = None
+    max_input_pixels: int | None = DEFAULT_MAX_INPUT_PIXELS
+    resize: str | None = None
+    pooled: bool = False
+    max_batch_tokens: int = 16384
+    num_workers: int | None = None
+    prefetch: int = 8
+    decode_bytes: int | None = DEFAULT_DECODE_BYTES
+
+    def __post_init__(self) -> None:
+        if self.resize is not None:
+            check_resize_backend(self.resize, "resize")
+        for option, value in (("max_batch_tokens", self.max_batch_tokens), ("max_input_pixels", self.max_input_pixels),
+                              ("decode_bytes", self.decode_bytes), ("prefetch", self.prefetch)):
+            if value is not None and value < (0 if option == "prefetch" else 1):
+                raise ConfigError(f"{option} must be positive, got {value}")
+        check_pixel_bounds(self.min_pixels, self.max_pixels)
+
+    @property
+    def workers(self) -> int:
+        return max(1, self.num_workers if self.num_workers is not None else min(4, os.cpu_count() or 1))
+
+
+def check_pixel_bounds(min_pixels: int | None, max_pixels: int | None) -> None:
+    """Per-call pixel bounds: whole numbers of at least 1 (None: the checkpoint's), min not above max."""
+    for option, value in (("min_pixels", min_pixels), ("max_pixels", max_pixels)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConfigError(f"{option} must be a positive integer, got {value!r}")
+    if min_pixels is not None and max_pixels is not None and min_pixels > max_pixels:
+        raise ConfigError(f"min_pixels {min_pixels} is above max_pixels {max_pixels}")
+
+
+@dataclass
+class Prepared:
+    """One input decoded and resized (or the error that stopped it), waiting for its batch."""
+
+    index: int
+    name: str
+    pixel_values: torch.Tensor | None = None
+    grid: tuple[int, int, int] | None = None
+    error: str | None = None
+    tokens: int = field(default=0)  # patches (pixel rows), not embedding rows
+    held: int = 0  # bytes of the decode budget this input holds until it joins a batch
+    video_info: VideoInfo | None = None
+
+
+def preflight(items: list[Any], options: EncodeOptions, pre: PreprocessConfig) -> None:
+    """Reject unreadable or oversized files, zero-size arrays and extreme aspect ratios before any compute."""
+    video, min_pixels, max_pixels = options.video, options.min_pixels, options.max_pixels
+    for i, item in enumerate(items):
+        first, name = item, None
+        if video and isinstance(item, (str, os.PathLike)):
+            total, rate, height, width = probe_video(item, input_name("video", i, item), options.max_input_pixels)
+            count = len(sample_indices(total, rate, options.video_config, pre.temporal_patch_size))
+            video_target_size(count, height, width, pre, options.video_config, min_pixels, max_pixels,
+                              input_name("video", i, item))
+            continue
+        if video:
+            if isinstance(item, torch.Tensor) or hasattr(item, "shape"):
+                if len(item) == 0:
+                    raise PreprocessError(f"{input_name('video', i)}: no frames")
+                first = item[0]
+            else:
+                frames = list(item)
+                if not frames:
+                    raise PreprocessError(f"{input_name('video', i)}: no frames")
+                first = frames[0]
+            name = input_name(f"{input_name('video', i)} frame", 0, first)  # as preprocess_video names it
+        probe_image(first, pre, index=i, min_pixels=min_pixels, max_pixels=max_pixels,
+                    max_input_pixels=options.max_input_pixels, name=name)
+
+
+def prepare(item: Any, index: int, options: EncodeOptions, pre: PreprocessConfig, budget: DecodeBudget,
+            pin_memory: bool) -> Prepared:
+    """Decode and resize one input on a worker thread, admitted by the decode budget in input order."""
+    video, min_pixels, max_pixels = options.video, options.min_pixels, options.max_pixels
+    if video is None:  # mixed: the pixel bounds given are the images'; videos keep their video_config's
+        video = is_video_file(item)
+        if video:
+            min_pixels = max_pixels = None
+    name = input_name("video" if video else "image", index, item)
+    is_file = isinstance(item, (str, os.PathLike))
+    # A video file's header is read once: for its decode estimate, and its frame count for the read itself.
+    header = probe_quietly(item, options.max_input_pixels) if video and is_file else None
+    cost = video_file_cost(header, pre, options.video_config) if header else \
+        decode_cost(item, video, options.max_input_pixels)
+    held = budget.admit(index, cost)
+    info = None
+    sizes = dict(min_pixels=min_pixels, max_pixels=max_pixels, index=index, max_input_pixels=options.max_input_pixels)
+    try:
+        if not video:
+            # `resize` chooses between transformers' two image processors; its video processors have one pipeline.
+            pixel_values, grid = preprocess_image(item, pre, resize=options.resize, **sizes)
+        elif is_file:
+            pixel_values, grid, info = preprocess_video_file(item, pre, options.video_config,
+                                                             counted=header[0] if header else None, **sizes)
+        else:
+            pixel_values, grid = preprocess_video(item, pre, video_config=options.video_config, **sizes)
+    except PreprocessError as e:
+        budget.release(held)
+        return Prepared(index, name, error=str(e))
+    except Exception as e:  # noqa: BLE001 - a batch job records any per-input failure and goes on
+        budget.release(held)
+        return Prepared(index, name, error=f"{name}: {type(e).__name__}: {e}")
+    if pin_memory:
+        pixel_values = pixel_values.pin_memory()
+    # From here on the input holds its resized pixels, not its decode peak.
+    held = budget.resize(held, pixel_values.element_size() * pixel_values.nelement())
+    return Prepared(index, name, pixel_values, tuple(grid), tokens=math.prod(grid), held=held, video_info=info)
+
+
+def prepared_batches(items: Iterable[Any], options: EncodeOptions, pre: PreprocessConfig, *, pin_memory: bool,
+                     on_prepared: Callable[[Prepared], None] | None = None
+                     ) -> Iterator[tuple[list[Prepared], list[Prepared]]]:
+    """(batch, failed) in input order: the inputs of one forward (at most ``max_batch_tokens`` patches, or one
+    larger input) and the inputs that failed since the previous batch. ``on_prepared`` sees every input, on the
+    iterating thread, as soon as it is ready (or has failed). Close the iterator when stopping early: that wakes
+    the workers waiting for budget and drops the inputs not started."""
+    budget = DecodeBudget(options.decode_bytes)
+    with ThreadPoolExecutor(max_workers=options.workers) as pool:
+        prefetched = ordered_prefetch(pool, items, options.prefetch,
+                                      lambda item, i: prepare(item, i, options, pre, budget, pin_memory))
+        try:
+            batch: list[Prepared] = []
+            failed: list[Prepared] = []
+            for prepared in prefetched:
+                if on_prepared is not None:
+                    on_prepared(prepared)
+                if prepared.error is not None:
+                    failed.append(prepared)
+                    continue
+                if batch and sum(p.tokens for p in batch) + prepared.tokens > options.max_batch_tokens:
+                    yield batch, failed
+                    batch, failed = [], []
+                batch.append(prepared)
+                budget.release(prepared.held)  # now counted by the batch's token bound instead
+            if batch or failed:
+                yield batch, failed
+        finally:
+            # Stopped early (an error, or the caller left the loop): wake the workers waiting for budget and
+            # drop the inputs not started, so the pool's shutdown does not wait on them.
+            budget.close()
+            prefetched.close()
+
+
+def ordered_prefetch(pool: ThreadPoolExecutor, items: Iterable[Any], depth: int,
+                     fn: Callable[[Any, int], Any]) -> Iterator[Any]:
+    """fn(item, index) on the pool, at most `depth` in flight, results in input order."""
+    pending: deque = deque()
+    try:
+        for index, item in enumerate(items):
+            pending.append(pool.submit(fn, item, index))
+            if len(pending) > depth:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+    finally:
+        for future in pending:
+            future.cancel()
+
+
+class BudgetClosed(Exception):
+    """The iteration that owned a decode budget stopped; inputs still waiting for it are dropped."""
+
+
+class DecodeBudget:
+    """Bytes that inputs being decoded, or decoded and waiting for their batch, may hold at once.
+
+    Admission is in input order (input i waits until inputs 0..i-1 were admitted): a small later input never
+    overtakes a large earlier one, so whatever holds bytes is consumed before the waiter and every wait
+    ends. An input costing more than the whole budget is admitted when nothing else holds any.
+    capacity None: no bound (inputs are still admitted in order).
+    """
+
+    def __init__(self, capacity: int | None) -> None:
+        self.capacity = capacity
+        self._cond = threading.Condition()
+        self._used = 0
+        self._next = 0
+        self._closed = False
+
+    @property
+    def used(self) -> int:
+        with self._cond:
+            return self._used
+
+    def admit(self, ticket: int, cost: int) -> int:
+        """Wait until input `ticket` is next and its `cost` fits; returns the bytes it now holds."""
+        with self._cond:
+            while not self._closed and (ticket != self._next or not self._fits(cost)):
+                self._cond.wait()
+            if self._closed:
+                raise BudgetClosed
+            self._next += 1
+            self._used += cost
+            self._cond.notify_all()
+            return cost
+
+    def _fits(self, cost: int) -> bool:
+        return self.capacity is None or self._used == 0 or self._used + cost <= self.capacity
+
+    def resize(self, held: int, now: int) -> int:
+        """An admitted input now holds `now` bytes instead of `held` (may exceed the budget: it is already in)."""
+        with self._cond:
+            self._used += now - held
+            self._cond.notify_all()
+        return now
+
+    def release(self, held: int) -> None:
+        self.resize(held, 0)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+
+def probe_quietly(path: str | os.PathLike, max_input_pixels: int | None) -> tuple[int, float, int, int] | None:
+    """``probe_video``'s (frames, fps, height, width), or None when it fails: preprocessing names the problem."""
+    try:
+        return probe_video(path, max_input_pixels=max_input_pixels)
+    except Exception:  # noqa: BLE001 - this only feeds an estimate
+        return None
+
+
+def video_file_cost(header: tuple[int, float, int, int], pre: PreprocessConfig, video_config: VideoConfig) -> int:
+    """Estimated peak bytes of reading a video file: its sampled frames resized (3 bytes a pixel, each resized as
+    it is decoded) and its float32 output (12 bytes a pixel of every padded frame), beside one decoded source
+    frame and its conversions (the image rate)."""
+    total, rate, height, width = header
+    try:
+        kept = len(sample_indices(total, rate, video_config, pre.temporal_patch_size))
+        target = math.prod(video_target_size(kept, height, width, pre, video_config))
+    except QwenVLVisionError:  # preprocessing names the problem; this is only an estimate
+        return 0
+    padded = -(-kept // pre.temporal_patch_size) * pre.temporal_patch_size
+    return kept * target * 3 + padded * target * 12 + height * width * DECODE_BYTES_PER_PIXEL
+
+
+def decode_cost(item: Any, video: bool, max_input_pixels: int | None) -> int:
+    """Estimated peak bytes of decoding `item`, read from a file's header; 0 for what is already in memory.
+
+    Frames given as a list are estimated by their first frame: they are decoded one at a time (video files:
+    ``video_file_cost``). A file refused by max_input_pixels, or whose header cannot be read, costs nothing:
+    preprocessing refuses it unread.
+    """
+    first = item
+    if video:
+        if not isinstance(item, (list, tuple)) or not item:
+            return 0
+        first = item[0]
+    if not isinstance(first, (str, os.PathLike)):
+        return 0
+    try:
+        if not stat.S_ISREG(os.stat(first).st_mode):  # opening a FIFO would block: preprocessing refuses it
+            return 0
+        with PIL.Image.open(first) as image:
+            pixels = image.width * image.height
+    except Exception:  # noqa: BLE001 - preprocessing names the problem; this is only an estimate
+        return 0
+    if max_input_pixels is not None and pixels > max_input_pixels:
+        return 0
+    return pixels * DECODE_BYTES_PER_PIXEL
