@@ -20,7 +20,8 @@ from .qwen2_5 import Qwen2_5VisionTransformer
 from .qwen3 import Qwen3VisionTransformer
 from .tower import VisionTower
 from .version import __version__
-from .video import VideoConfig, VideoInfo
+from .video import VideoConfig
+from .video_io import VideoInfo
 
 __all__ = [
     "PRESETS",

@@ -23,24 +23,10 @@ import PIL.Image
 import torch
 
 from .errors import ConfigError, PreprocessError, QwenVLVisionError
-from .preprocess import (
-    DEFAULT_MAX_INPUT_PIXELS,
-    PreprocessConfig,
-    check_resize_backend,
-    input_name,
-    preprocess_image,
-    probe_image,
-)
-from .video import (
-    VideoConfig,
-    VideoInfo,
-    is_video_file,
-    preprocess_video,
-    preprocess_video_file,
-    probe_video,
-    sample_indices,
-    video_target_size,
-)
+from .pixels import DEFAULT_MAX_INPUT_PIXELS, check_resize_backend, input_name
+from .preprocess import PreprocessConfig, preprocess_image, probe_image
+from .video import VideoConfig, preprocess_video, preprocess_video_file, sample_indices, video_target_size
+from .video_io import VideoInfo, is_video_file, probe_video
 
 DEFAULT_DECODE_BYTES = 1 << 30
 # Peak bytes per header pixel while a file is decoded and converted to RGB, measured on 12 and 64 MP files

@@ -37,9 +37,11 @@ from .devices import resolve_device, resolve_dtype
 from .errors import ConfigError, EncoderClosedError, InputError, NumericalError, PreprocessError, QwenVLVisionError
 from .hub import resolve_folder
 from .init import random_tower
-from .preprocess import DEFAULT_MAX_INPUT_PIXELS, PreprocessConfig
+from .pixels import DEFAULT_MAX_INPUT_PIXELS
+from .preprocess import PreprocessConfig
 from .tower import VisionTower
-from .video import VideoConfig, VideoInfo, sample_indices
+from .video import VideoConfig, sample_indices
+from .video_io import VideoInfo
 from .weights import load_tower, open_checkpoint
 
 # DECODE_BYTES_PER_PIXEL is batching's; it stays importable from here until tests/test_embed_faults.py reads it there.
