@@ -176,10 +176,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=cmd_inspect)
 
-    from .embed import add_embed_parser
+    from .embed.args import add_embed_parser
+    from .embed.job import run_embed
     from .teardown import add_bench_parser
 
-    add_embed_parser(sub, parents=[common])
+    add_embed_parser(sub, parents=[common]).set_defaults(func=run_embed)
     add_bench_parser(sub)
     return parser
 

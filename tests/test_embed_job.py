@@ -1,13 +1,10 @@
-"""`qwenvl-vision embed` — manifest, shards, bad inputs, resume, SIGKILL, two ranks."""
+"""qwenvl_vision.embed.job: whole embed runs through the CLI. Stored tensors equal encode_images / encode_videos
+on the same files, bad inputs are recorded with the API's message, two torchrun ranks merge one manifest, setup
+errors are one line with nothing written."""
 
 from __future__ import annotations
 
-import json
-import os
-import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -16,26 +13,13 @@ from PIL import Image
 from safetensors import safe_open
 
 from qwenvl_vision.cli import main
-from qwenvl_vision.embed import gather_inputs, read_embeddings, read_manifest_lines, read_run
+from qwenvl_vision.config import preset
+from qwenvl_vision.embed import MANIFEST, read_embeddings, read_manifest_lines, read_run
 from qwenvl_vision.encoder import load_encoder
-from qwenvl_vision.errors import PreprocessError
-from tests.helpers import QWEN3_SMALL_72, REPO, rel_err, synthetic_photo, write_video
+from qwenvl_vision.errors import PreprocessError, QwenVLVisionError
+from tests.embed_helpers import ENV, make_media_folder, one_error_line, records, torchrun_embed_cmd
+from tests.helpers import QWEN3_SMALL_72, rel_err, synthetic_photo
 from tests.helpers import make_image_folder as make_folder
-
-
-def manifest(out: Path) -> list[dict]:
-    return read_manifest_lines(out / "manifest.jsonl")
-
-
-def test_gather_inputs_folders_lists_and_files(tmp_path):
-    paths = make_folder(tmp_path / "imgs", 4)
-    listing = tmp_path / "list.txt"
-    listing.write_text(f"{paths[0]}\n# a comment\n\nimgs/img001.png\n")
-    got = gather_inputs([str(tmp_path / "imgs"), str(listing), str(tmp_path / "missing.jpg")]).paths
-    assert str(tmp_path / "imgs" / "readme.md") not in got
-    assert str(tmp_path / "imgs" / "corrupt.jpg") in got
-    assert got[-1] == str(tmp_path / "missing.jpg")
-    assert len(got) == len(set(got)) == 4 + 3 + 1  # the listed files were already found in the folder
 
 
 def test_embed_folder_with_good_and_bad_files(tmp_path, checkpoint, capsys):
@@ -44,12 +28,12 @@ def test_embed_folder_with_good_and_bad_files(tmp_path, checkpoint, capsys):
     code = main(["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(out),
                  "--batch-tokens", "64"])
     assert code == 1  # some inputs failed
-    records = manifest(out)
-    by_name = {Path(r["path"]).name: r for r in records}
-    assert len(records) == 9
+    recs = records(out)
+    by_name = {Path(r["path"]).name: r for r in recs}
+    assert len(recs) == 9
     for bad in ("corrupt.jpg", "empty.png", "notes.png"):
         assert by_name[bad]["status"] == "error" and bad in by_name[bad]["error"]
-    ok = [r for r in records if r["status"] == "ok"]
+    ok = [r for r in recs if r["status"] == "ok"]
     assert len(ok) == 6
     # The stored tensors equal encode_images on the same files.
     encoder = load_encoder(checkpoint, device="cpu")
@@ -75,22 +59,6 @@ def test_embed_pooled_only_and_deepstack(tmp_path, checkpoint3):
     for path, (emb, levels) in read_embeddings(out2, deepstack=True):
         assert len(levels) == 2 and all(level.shape == emb.shape for level in levels)
         assert torch.allclose(vectors[path], emb.mean(0), rtol=1e-5, atol=1e-6)
-
-
-def test_iter_encode_reports_every_input_as_it_is_prepared(tmp_path, checkpoint):
-    """Per image, in input order, before the one batch they form is encoded: what embed's progress counts."""
-    paths = make_folder(tmp_path / "imgs", 5, bad=False)
-    inputs = [*map(str, paths[:3]), str(tmp_path / "missing.jpg"), *map(str, paths[3:])]
-    reported: list[tuple[int, int]] = []
-    seen_before_batch = []
-    with load_encoder(checkpoint, device="cpu") as encoder:
-        for batch in encoder.iter_encode(inputs, on_prepared=lambda index, tokens: reported.append((index, tokens))):
-            seen_before_batch.append(len(reported))
-            results = batch
-    assert seen_before_batch == [6]  # a single batch, reported input by input before it ran
-    assert [index for index, _ in reported] == list(range(6))
-    assert [tokens for _, tokens in reported] == [0 if r.error else r.embedding.shape[0] for r in results]
-    assert reported[3][1] == 0 and results[3].error
 
 
 def _bad_files(folder: Path) -> dict[str, tuple[Path, str]]:
@@ -126,7 +94,7 @@ def test_one_message_per_kind_of_bad_image_from_the_api_and_from_embed(tmp_path,
     out = tmp_path / "out"
     assert main(["embed", str(listing), "--model", str(checkpoint), "--out", str(out), "--max-input-pixels",
                  "100000", "--quiet"]) == 1
-    recorded = {r["path"]: r for r in manifest(out)}
+    recorded = {r["path"]: r for r in records(out)}
     assert recorded[good]["status"] == "ok"
     with load_encoder(checkpoint, device="cpu") as encoder:
         for kind, (path, says) in kinds.items():
@@ -143,76 +111,32 @@ def test_one_message_per_kind_of_bad_image_from_the_api_and_from_embed(tmp_path,
                               "uint8 torch tensor")
 
 
-def test_resume_duplicates_nothing(tmp_path, checkpoint):
-    make_folder(tmp_path / "imgs", 5)
+def test_images_above_max_input_pixels_are_refused_from_the_header(tmp_path, checkpoint, capsys, monkeypatch):
+    make_folder(tmp_path / "imgs", 2, bad=False)
+    Image.new("RGB", (400, 300), (10, 20, 30)).save(tmp_path / "imgs" / "big.png")
+    decoded = []
+    real_open = Image.Image.load
+    monkeypatch.setattr(Image.Image, "load", lambda self: (decoded.append(self.size), real_open(self))[1])
     out = tmp_path / "out"
-    args = ["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(out), "--batch-tokens", "64"]
-    main(args)
-    first = manifest(out)
-    shards = sorted(p.name for p in out.glob("*.safetensors"))
-    assert main(args) == 2  # refusing to mix two runs without --resume
-    (tmp_path / "imgs" / "corrupt.jpg").unlink()
-    # fixed between runs: retried on resume
-    Image.fromarray(synthetic_photo(33, 47, 99)).save(tmp_path / "imgs" / "corrupt.jpg")
-    assert main([*args, "--resume"]) == 1  # empty.png and notes.png still fail
-    records = manifest(out)
-    paths = [r["path"] for r in records]
-    assert len(paths) == len(set(paths)) == len(first)
-    ok_first = {r["path"]: (r["shard"], r["key"]) for r in first if r["status"] == "ok"}
-    ok_now = {r["path"]: (r["shard"], r["key"]) for r in records if r["status"] == "ok"}
-    assert {p: ok_now[p] for p in ok_first} == ok_first  # nothing recomputed
-    assert len(ok_now) == len(ok_first) + 1
-    assert set(shards) < {p.name for p in out.glob("*.safetensors")}
+    code = main(["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(out),
+                 "--max-input-pixels", "100000"])
+    assert code == 1
+    one_error_line(capsys.readouterr().err, "embedded 2 of 3 inputs", "1 failed")
+    (big,) = [r for r in records(out) if r["status"] == "error"]
+    assert big["path"].endswith("big.png")
+    assert "400x300 = 120,000 pixels is above the input limit of 100,000" in big["error"]
+    assert (400, 300) not in decoded  # refused before its pixels were decoded
+    # The API refuses it the same way, before any compute.
+    with pytest.raises(QwenVLVisionError, match="above the input limit"):
+        load_encoder(checkpoint, device="cpu").encode_images([big["path"]], max_input_pixels=100_000)
 
 
-def _embed_cmd(inputs, model, out, *extra):
-    return [sys.executable, "-m", "qwenvl_vision.cli", "embed", *map(str, inputs), "--model", str(model),
-            "--out", str(out), *extra]
-
-
-def _kill_then_resume(inputs: Path, model: Path, out: Path, killed_once) -> int:
-    """Run embed (one input a batch) in a child, SIGKILL it once ``killed_once(manifest records)`` holds, then
-    resume it to the end; returns how many records the killed run had left."""
-    cmd = _embed_cmd([inputs], model, out, "--batch-tokens", "1", "--device", "cpu")
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 120
-    while time.time() < deadline and proc.poll() is None:
-        if killed_once(read_manifest_lines(out / "manifest.jsonl")):
-            break
-        time.sleep(0.005)
-    assert proc.poll() is None, "the run finished before it could be killed"
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    killed_at = len(read_manifest_lines(out / "manifest.jsonl"))
-    resumed = subprocess.run([*cmd, "--resume"], env=env, capture_output=True, text=True, timeout=300)
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    return killed_at
-
-
-def test_sigkill_mid_run_then_resume(tmp_path, checkpoint):
-    make_folder(tmp_path / "imgs", 60, bad=False)
-    out = tmp_path / "out"
-    killed_at = _kill_then_resume(tmp_path / "imgs", checkpoint, out, lambda records: len(records) >= 5)
-    assert 5 <= killed_at < 60
-    records = manifest(out)
-    paths = [r["path"] for r in records]
-    assert len(paths) == len(set(paths)) == 60
-    assert all(r["status"] == "ok" for r in records)
-    referenced = {r["shard"] for r in records}
-    assert referenced == {p.name for p in out.glob("*.safetensors")}  # no orphan shard left behind
-    assert not list(out.glob("*.tmp"))
-    assert len(dict(read_embeddings(out))) == 60  # every shard readable
-
-
+@pytest.mark.slow
 def test_two_ranks_under_torchrun_merge_one_manifest(tmp_path, checkpoint):
     paths = make_folder(tmp_path / "imgs", 7)
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "qwenvl_vision.cli", "embed", str(tmp_path / "imgs"), "--model", str(checkpoint),
-           "--out", str(out), "--device", "cpu"]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(torchrun_embed_cmd([tmp_path / "imgs"], checkpoint, out), env=ENV, capture_output=True,
+                            text=True, timeout=300)
     # The bad files fail, yet the finished job exits 0 on every rank: any other exit code makes torchrun
     # report a crash (ChildFailedError) and kill the other ranks. The summary line says what failed.
     assert result.returncode == 0, result.stderr[-3000:]
@@ -220,10 +144,10 @@ def test_two_ranks_under_torchrun_merge_one_manifest(tmp_path, checkpoint):
     summary = [line for line in result.stderr.splitlines() if line.startswith("embedded")]
     assert summary == [f"embedded {len(paths)} of {len(paths) + 3} inputs into {out} (3 failed; see "
                        f"{out / 'manifest.jsonl'})"]
-    records = manifest(out)
-    assert len(records) == len(paths) + 3
-    assert len({r["path"] for r in records}) == len(records)  # split statically, never duplicated
-    assert {r["rank"] for r in records} == {0, 1}
+    recs = records(out)
+    assert len(recs) == len(paths) + 3
+    assert len({r["path"] for r in recs}) == len(recs)  # split statically, never duplicated
+    assert {r["rank"] for r in recs} == {0, 1}
     assert not list(out.glob("manifest.rank*.jsonl"))
     assert {p.name.split("-")[1] for p in out.glob("shard-*.safetensors")} == {"r0", "r1"}
     assert len(dict(read_embeddings(out))) == len(paths)
@@ -233,16 +157,21 @@ def test_two_ranks_under_torchrun_merge_one_manifest(tmp_path, checkpoint):
             assert f.metadata()["qwenvl_vision_run"] == run_id, shard.name
 
 
+@pytest.mark.slow
 def test_embed_offline_random_preset(tmp_path):
     paths = make_folder(tmp_path / "imgs", 1, bad=False)
     out = tmp_path / "out"
     assert main(["embed", str(paths[0]), "--model", "qwen3-vl-2b", "--random-weights", "--out", str(out),
                  "--max-pixels", str(64 * 64), "--pooled-only"]) == 0
-    (record,) = manifest(out)
+    (record,) = records(out)
     assert record["status"] == "ok" and record["grid_thw"][0] == 1
-    assert json.loads((out / "manifest.jsonl").read_text().splitlines()[0])["tokens"] == record["tokens"]
+    t, h, w = record["grid_thw"]
+    assert record["tokens"] == t * h * w // 4  # one token per 2x2 merged patches
+    (vector,) = dict(read_embeddings(out)).values()
+    assert vector.shape == (preset("qwen3-vl-2b").out_hidden_size,) and torch.isfinite(vector).all()
 
 
+@pytest.mark.slow
 def test_embed_compiled_matches_eager(tmp_path, checkpoint3):
     paths = make_folder(tmp_path / "imgs", 3, bad=False)
     runs = {}
@@ -254,20 +183,6 @@ def test_embed_compiled_matches_eager(tmp_path, checkpoint3):
     assert runs["compiled"].keys() == runs["eager"].keys() and len(runs["eager"]) == 3
     for path, emb in runs["eager"].items():
         assert rel_err(runs["compiled"][path], emb) <= 1e-5
-
-
-# ---------------------------------------------------------------------- videos beside images
-
-
-def make_media_folder(root: Path, images: int, videos: int) -> tuple[list[Path], list[Path]]:
-    """Images (make_image_folder, no bad files) and small video files (mp4, avi, mkv) in one folder tree."""
-    image_paths = make_folder(root, images, bad=False)
-    video_paths = []
-    for i in range(videos):
-        path = root / ("sub" if i % 2 else ".") / f"clip{i:03d}{('.mp4', '.avi', '.mkv')[i % 3]}"
-        write_video(path, 5 + 3 * i, 48 + 8 * (i % 3), 40, 4 + i % 3)  # 1..3 s at 4..6 fps: 2..6 frames sampled
-        video_paths.append(path)
-    return image_paths, video_paths
 
 
 @pytest.mark.parametrize("model", ["checkpoint", "checkpoint3"])
@@ -282,7 +197,7 @@ def test_embed_folder_mixing_images_and_videos(tmp_path, request, model):
     out = tmp_path / "out"
     assert main(["embed", str(tmp_path / "media"), "--model", str(checkpoint), "--out", str(out),
                  "--fps", "3"]) == 1  # the broken video fails, the rest embed
-    records = {Path(r["path"]).name: r for r in manifest(out)}
+    records = {Path(r["path"]).name: r for r in read_manifest_lines(out / MANIFEST)}
     assert len(records) == 3 + 3 + 1
     assert records["broken.mp4"]["status"] == "error" and "broken.mp4" in records["broken.mp4"]["error"]
     run = read_run(out)
@@ -308,37 +223,42 @@ def test_embed_folder_mixing_images_and_videos(tmp_path, request, model):
                  "--resume", "--fps", "2"]) == 2
 
 
-def test_sigkill_mid_run_with_videos_then_resume(tmp_path, checkpoint):
-    pytest.importorskip("av")
-    images, videos = make_media_folder(tmp_path / "media", 20, 12)
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_without_a_gpu(tmp_path, checkpoint, capsys):
     out = tmp_path / "out"
-    killed_at = _kill_then_resume(tmp_path / "media", checkpoint, out,
-                                  lambda records: any("video" in r for r in records))
-    assert 1 <= killed_at < 32
-    records = manifest(out)
-    assert len({r["path"] for r in records}) == len(records) == 32
-    assert all(r["status"] == "ok" for r in records)
-    assert sum("video" in r for r in records) == 12
-    assert {r["shard"] for r in records} == {p.name for p in out.glob("*.safetensors")}
-    assert not list(out.glob("*.tmp"))
-    encoder = load_encoder(checkpoint, device="cpu")
-    stored = dict(read_embeddings(out))
-    expected = encoder.encode_videos([str(p) for p in videos])
-    by_path = {Path(r["path"]).name: r["path"] for r in records}
-    for path, emb in zip(videos, expected.embeddings):
-        assert rel_err(stored[by_path[path.name]], emb) <= 1e-5
+    assert main(["embed", str(tmp_path), "--model", str(checkpoint), "--out", str(out), "--device", "cuda"]) == 2
+    one_error_line(capsys.readouterr().err, "--device", "CUDA is not available", "--device cpu")
+    assert not out.exists()
 
 
-def test_a_header_without_frame_count_is_counted_once_per_video(tmp_path, checkpoint, monkeypatch):
-    """Matroska writes no frame count: the decode estimate's probe counts the packets, and the read reuses it."""
-    pytest.importorskip("av")
-    import qwenvl_vision.video as video
+def test_setup_errors_are_one_line_exit_2_nothing_written(tmp_path, checkpoint, capsys):
+    make_folder(tmp_path / "imgs", 1, bad=False)
+    a_file = tmp_path / "emb.txt"
+    a_file.write_text("not a folder")
+    cases = [
+        (["--model", str(checkpoint), "--out", str(a_file)], [str(a_file), "is a file, not a folder"]),
+        (["--model", str(checkpoint), "--out", str(a_file / "sub")], ["Not a directory", str(a_file)]),
+        (["--model", "qwen2.5-vl-3b", "--out", str(tmp_path / "o1")], ["preset", "--random-weights"]),
+        (["--model", str(tmp_path / "no-such-ckpt"), "--out", str(tmp_path / "o2")], ["does not exist"]),
+        (["--model", str(tmp_path / "imgs"), "--out", str(tmp_path / "o3")], ["config.json"]),
+        (["--model", str(checkpoint), "--out", str(tmp_path / "o4" / "deeper")], []),  # fine: the control
+    ]
+    for extra, needles in cases:
+        code = main(["embed", str(tmp_path / "imgs"), *extra])
+        err = capsys.readouterr().err
+        if not needles:
+            assert code == 0, err
+            continue
+        assert code == 2, err
+        one_error_line(err, *needles)
+    assert a_file.read_text() == "not a folder"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["emb.txt", "imgs", "o4"]  # o1..o3 never created
 
-    write_video(tmp_path / "clip.mkv", 20, 48, 40, 10)
-    counts = []
-    real = video._count_packets
-    monkeypatch.setattr(video, "_count_packets", lambda *a: counts.append(1) or real(*a))
-    encoder = load_encoder(checkpoint, device="cpu")
-    [[result]] = list(encoder.iter_encode([str(tmp_path / "clip.mkv")], video=None))
-    assert result.ok and result.video_info.total_frames == 20
-    assert len(counts) == 1
+
+def test_debug_shows_the_traceback(tmp_path, checkpoint, capsys):
+    out = tmp_path / "out"
+    out.write_text("a file")
+    for argv in (["--debug", "embed"], ["embed", "--debug"]):
+        assert main([*argv, str(tmp_path), "--model", str(checkpoint), "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert "Traceback" in err and err.strip().splitlines()[-1].startswith("qwenvl-vision embed: error:")

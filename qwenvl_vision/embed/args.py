@@ -1,0 +1,108 @@
+"""The ``embed`` command line: its options, their types and the checks across them (``add_embed_parser``,
+``validate_embed_args``). What runs the command is ``job.run_embed``: the CLI binds the parser to it."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+from ..attention import ATTN_IMPLS
+from ..config import PRESETS
+from ..devices import device_option, dtype_option
+from ..errors import ConfigError
+from ..preprocess import DEFAULT_MAX_INPUT_PIXELS, RESIZE_BACKENDS
+
+
+def _positive_int(name: str):
+    """An argparse type: a whole number of at least 1, the error naming the option."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{name} must be at least 1, got {value}")
+        return value
+
+    return parse
+
+
+def _positive_float(name: str):
+    """An argparse type: a finite number above 0, the error naming the option."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a number, got {text!r}") from None
+        if not math.isfinite(value) or value <= 0:
+            raise argparse.ArgumentTypeError(f"{name} must be a positive number, got {text}")
+        return value
+
+    return parse
+
+
+def validate_embed_args(args: argparse.Namespace) -> None:
+    """Checks across options, right after parsing (argparse checks each option alone)."""
+    if args.min_pixels is not None and args.max_pixels is not None and args.min_pixels > args.max_pixels:
+        raise ConfigError(f"--min-pixels {args.min_pixels} is above --max-pixels {args.max_pixels}")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file, not a folder")
+    if args.random_weights and args.revision:
+        raise ConfigError("--revision means a Hub checkpoint; --random-weights takes a preset")
+    if args.model.lower() in PRESETS and not args.random_weights and not Path(args.model).is_dir():
+        raise ConfigError(f"--model {args.model} is a preset (no weights): add --random-weights for random weights "
+                          f"at its size, or give a checkpoint folder or repo id")
+
+
+def add_embed_parser(sub, parents=()) -> argparse.ArgumentParser:
+    """The ``embed`` subparser of `sub`, its options checked by validate_embed_args; the caller sets its func."""
+    p = sub.add_parser("embed", help="embed images into safetensors shards with a manifest", parents=list(parents))
+    p.add_argument("inputs", nargs="+", help="image files, folders (recursive), or .txt files listing paths")
+    p.add_argument("--model", required=True, help="checkpoint folder, vision-only folder, repo id, or preset")
+    p.add_argument("--out", required=True, help="output folder for shards, manifest.jsonl and run.json")
+    p.add_argument("--revision", help="Hub branch, tag or commit of --model (default: main)")
+    p.add_argument("--local-files-only", action="store_true",
+                   help="take a repo id --model from the Hugging Face cache only, never the network (as "
+                        "HF_HUB_OFFLINE=1)")
+    p.add_argument("--device", type=device_option,
+                   help="cpu, cuda or cuda:N (default: cuda when available, else cpu; under torchrun each rank "
+                        "takes cuda:LOCAL_RANK)")
+    p.add_argument("--dtype", type=dtype_option,
+                   help="fp32/float32, bf16/bfloat16, fp16/float16/half (default: bf16 on CUDA, fp32 on CPU)")
+    p.add_argument("--min-pixels", type=_positive_int("--min-pixels"),
+                   help="smallest image area after resizing (default: the checkpoint's, e.g. 3136 for "
+                        "Qwen2.5-VL, 65536 for Qwen3-VL)")
+    p.add_argument("--max-pixels", type=_positive_int("--max-pixels"),
+                   help="largest image area after resizing (default: the checkpoint's, e.g. 12845056 for "
+                        "Qwen2.5-VL, 16777216 for Qwen3-VL); below the checkpoint's min_pixels, small images are "
+                        "still upscaled to that min, as in transformers' processor: give --min-pixels too")
+    p.add_argument("--resize", choices=RESIZE_BACKENDS,
+                   help="whose resize the pixels match: pil = transformers' PIL image processor (transformers "
+                        "without torchvision), torch = its torchvision processor (with torchvision; vLLM); default: "
+                        "what the checkpoint's preprocessor_config.json names (...Fast: torch)")
+    p.add_argument("--fps", type=_positive_float("--fps"),
+                   help="frames per second sampled from video files (default: the checkpoint's "
+                        "video_preprocessor_config.json, else 2)")
+    p.add_argument("--max-input-pixels", type=_positive_int("--max-input-pixels"), default=DEFAULT_MAX_INPUT_PIXELS,
+                   help="refuse (record as failed) files whose header declares more pixels, before decoding "
+                        "(default %(default)s)")
+    p.add_argument("--decode-mib", type=_positive_int("--decode-mib"), default=1024,
+                   help="memory images being decoded or waiting for their batch may hold at once, in MiB "
+                        "(an image needing more is decoded alone; default %(default)s)")
+    p.add_argument("--batch-tokens", type=_positive_int("--batch-tokens"), default=16384,
+                   help="patches per forward (an item above runs alone; default %(default)s)")
+    p.add_argument("--pooled-only", action="store_true", help="store one mean vector per image")
+    p.add_argument("--resume", action="store_true", help="continue a killed or failed run in --out")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress (bar on a terminal, else a line every few seconds) and no loading lines; "
+                        "errors, a note on crossed pixel bounds and the final summary still print")
+    p.add_argument("--random-weights", action="store_true", help="with a preset --model: random weights, offline")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the blocks (pays off on CUDA for long jobs; slower on CPU, see README)")
+    p.add_argument("--attn", default="auto", choices=ATTN_IMPLS,
+                   help="attention backend (default auto: flash-attn, else torch varlen on CUDA in bf16/fp16, "
+                        "else sdpa); one that cannot run on the device and dtype is refused")
+    p.set_defaults(validate=validate_embed_args)
+    return p

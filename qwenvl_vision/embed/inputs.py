@@ -1,0 +1,96 @@
+"""What an embed run works on: the inputs gathered from files, folders and list files, and each rank's share.
+
+Inputs are deduplicated by real path (the first spelling is the one recorded). A list that is not text is one
+failed input; a missing file is kept (recorded as an error later, not dropped). A path with a video extension
+(``video.VIDEO_EXTENSIONS``) is a video file. Under ``torchrun`` (RANK / WORLD_SIZE set) inputs are split
+statically, rank r taking inputs r, r+W, r+2W, ... (never padded with duplicates).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..video import VIDEO_EXTENSIONS
+
+IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".ppm", ".pgm"}
+MEDIA_EXTENSIONS = IMAGE_EXTENSIONS | VIDEO_EXTENSIONS
+LIST_EXTENSIONS = {".txt", ".lst", ".list"}
+
+@dataclass
+class Inputs:
+    """Inputs in order, one per real file (first spelling kept); `errors` holds the ones already known bad."""
+
+    paths: list[str] = field(default_factory=list)
+    errors: dict[str, str] = field(default_factory=dict)
+    keys: dict[str, str] = field(default_factory=dict)  # path -> real_key(path)
+    _seen: set[str] = field(default_factory=set, repr=False)
+
+    def add(self, path: str, error: str | None = None) -> None:
+        key = real_key(path)
+        if key in self._seen:  # the same file named twice (another spelling, a link) is embedded once
+            return
+        self._seen.add(key)
+        self.paths.append(path)
+        self.keys[path] = key
+        if error is not None:
+            self.errors[path] = error
+
+
+def real_key(path: str, base: str | None = None) -> str:
+    """The identity of an input: its resolved real path (relative paths taken from `base`, default the cwd)."""
+    return os.path.realpath(os.path.join(base, path) if base else path)
+
+
+def gather_inputs(inputs: list[str]) -> Inputs:
+    """Files as given, folders recursively by image and video extension (sorted), text files as path lists.
+
+    A list file that cannot be read as text, or a folder that cannot be listed, is one failed input; a
+    missing file is kept (recorded as an error later, not dropped).
+    """
+    found = Inputs()
+    for item in inputs:
+        p = Path(item)
+        if p.is_dir():
+            try:
+                files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in MEDIA_EXTENSIONS)
+            except OSError as e:
+                found.add(item, f"cannot list folder {item}: {e.strerror or e}")
+                continue
+            for f in files:
+                found.add(str(f))
+        elif p.suffix.lower() in LIST_EXTENSIONS and p.is_file():
+            try:
+                lines = _read_list(p)
+            except (OSError, ValueError) as e:
+                found.add(item, f"list file {item}: {e}")
+                continue
+            for line in lines:
+                found.add(str(Path(line) if Path(line).is_absolute() else p.parent / line))
+        else:
+            found.add(str(p))
+    return found
+
+
+def _read_list(path: Path) -> list[str]:
+    """Paths listed one per line ('#' comments, blank lines skipped), relative ones to the list's folder."""
+    data = path.read_bytes()
+    if b"\0" in data:
+        raise ValueError(f"not a text file (NUL byte at offset {data.index(bytes(1))})")
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"not a UTF-8 text file (byte {e.start} is {data[e.start]:#04x})") from None
+    return [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("#")]
+
+
+def rank_and_world() -> tuple[int, int]:
+    """(rank, world size) of this process: torchrun's RANK / WORLD_SIZE, else (0, 1)."""
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def shard_for_rank(paths: list[str], rank: int, world: int) -> list[str]:
+    """Rank `rank`'s inputs: every `world`-th from its own index, so the shares never overlap."""
+    return paths[rank::world]
+

@@ -1,0 +1,372 @@
+"""One embed run, start to end: ``run_embed`` (what ``qwenvl-vision embed`` calls) and ``EmbedJob``, one
+process's part of it: check everything and take the folder's lock (nothing written), load the encoder, write
+run.json, encode this rank's inputs batch by batch through a ``writer.RankWriter``, merge the ranks' parts.
+
+Ranks: under ``torchrun`` each rank writes ``shard-r{rank}-*.safetensors`` and ``manifest.rank{rank}.jsonl``
+(its share of the inputs: ``inputs.shard_for_rank``); the ranks agree (gloo) that every one of them got its
+lock and passed the checks before anything is written, and after a barrier rank 0 merges the parts into
+``manifest.jsonl``.
+
+Exit codes: 0 every input embedded; 1 the run finished and some inputs failed (see the manifest); 2 usage or
+setup error, nothing written; 3 the run stopped on an I/O fault writing the output, nothing recorded is lost
+and ``--resume`` finishes it. Under torchrun a finished run exits 0 on every rank even when some inputs
+failed (the summary line says how many): torchrun treats any other exit as a crash and kills the other ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import EmbedError, OutputFaultError, PeerFailedError, QwenVLVisionError, exit_code_of
+from .inputs import MEDIA_EXTENSIONS, Inputs, gather_inputs, rank_and_world, shard_for_rank
+from .lock import FolderLock, lock_name
+from .manifest import MANIFEST, RUN_FIELD_DEFAULTS, RUN_FILE, record_key
+from .progress import Progress
+from .reader import read_manifest_lines, read_run
+from .run_record import compare_runs, crossed_bounds_note, describe_run
+from .writer import OUTPUT_FAULTS, RankWriter, atomic_write_text, merge_parts, output_fault
+
+
+def _make_dirs(out: Path) -> list[Path]:
+    """mkdir -p; returns the folders it created, deepest last (removed again if setup fails)."""
+    missing = []
+    folder = out.absolute()
+    while not folder.exists():
+        missing.append(folder)
+        folder = folder.parent
+    out.mkdir(parents=True, exist_ok=True)
+    return missing[::-1]
+
+
+def _holds_run(out: Path) -> bool:
+    """Whether `out` holds (part of) a run: a fresh run there would mix two runs' files."""
+    return (out / RUN_FILE).exists() or (out / MANIFEST).exists() or any(out.glob("manifest.rank*.jsonl")) \
+        or any(out.glob("shard-r*.safetensors"))
+
+
+class _Group:
+    """The torchrun process group (gloo), or nothing for a single process."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        self.rank, self.world = rank, world
+        if world > 1:
+            import torch.distributed as dist
+
+            # A rank that finishes its part early waits for the slowest at the barrier: gloo's default 30 min
+            # timeout is too short for hours-long jobs. A rank that dies closes its sockets, which the others
+            # notice at once, so the long timeout does not make them hang.
+            dist.init_process_group("gloo", timeout=datetime.timedelta(hours=48))
+
+    def agree(self, error: BaseException | None) -> None:
+        """Every rank learns whether any rank failed; a failing rank raises its own error, the others stop quietly."""
+        code = 0 if error is None else exit_code_of(error)
+        if self.world > 1:
+            import torch.distributed as dist
+
+            flag = torch.tensor([code])
+            try:
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            except RuntimeError as e:  # a rank died (torch.distributed reports it as a RuntimeError)
+                raise OutputFaultError(f"rank {self.rank}: another rank stopped ({e})") from None
+            if error is None and flag.item():
+                raise PeerFailedError(int(flag.item()))
+        if error is not None:
+            raise error
+
+    def barrier(self) -> None:
+        self.agree(None)
+
+    def share(self, value: Any) -> Any:
+        """Rank 0's value, on every rank (a fresh run's run.json: one run id for every rank's shards)."""
+        if self.world == 1:
+            return value
+        import torch.distributed as dist
+
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def close(self) -> None:
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+class _PathResult:
+    """An ItemResult with the input's path attached (the manifest's key)."""
+
+    def __init__(self, item, path: str) -> None:
+        self.path = path
+        self.ok = item.ok
+        self.error = item.error
+        self.embedding = item.embedding
+        self.grid_thw = item.grid_thw
+        self.deepstack = item.deepstack
+        self.pooled = item.pooled
+        self.video_info = item.video_info
+
+
+class _Failed:
+    """An input known bad before encoding (an unreadable list file), shaped like a failed _PathResult."""
+
+    ok = False
+    video_info = None
+
+    def __init__(self, path: str, error: str) -> None:
+        self.path, self.error = path, error
+
+
+def _pick_device(args: argparse.Namespace, rank: int, world: int) -> str | None:
+    """--device, else cuda when there is one (None: the encoder's default); under torchrun cuda:LOCAL_RANK."""
+    device = args.device
+    if device is None and torch.cuda.is_available():
+        device = "cuda"
+    if device and device.startswith("cuda") and world > 1:  # one GPU per local rank
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', rank)) % max(torch.cuda.device_count(), 1)}"
+    return device
+
+
+def _load(args: argparse.Namespace, device: str | None, progress: Progress):
+    """The encoder, and the checkpoint folder it came from (None for random weights); says what it does."""
+    from ..attention import resolve_attn_impl
+    from ..devices import resolve_device, resolve_dtype
+    from ..encoder import load_encoder
+    from ..hub import looks_like_repo_id, resolve_folder
+
+    where = str(resolve_device(device))
+    resolve_attn_impl(args.attn, where, resolve_dtype(args.dtype, torch.device(where)))  # before any fetch or read
+    start = time.perf_counter()
+    if args.random_weights:
+        progress.note(f"building {args.model} with random weights on {where}")
+        encoder = load_encoder(args.model, device=device, dtype=args.dtype, random_weights=True,
+                               compile=args.compile, attn_impl=args.attn)
+        folder = None
+    else:
+        if looks_like_repo_id(args.model):
+            progress.note(f"fetching config, index and vision shards of {args.model} from the Hugging Face Hub "
+                          f"(or its local cache)")
+        resolved = resolve_folder(args.model, args.revision, args.local_files_only, None, None)
+        shards, size = _vision_shards(resolved)
+        progress.note(f"reading {shards} shard{'s' if shards != 1 else ''} with the vision tensors "
+                      f"({_size(size)}) from {resolved} onto {where}")
+        encoder = load_encoder(resolved, device=device, dtype=args.dtype, compile=args.compile, attn_impl=args.attn)
+        folder = str(resolved.absolute())
+    progress.note(f"loaded the {encoder.family} tower ({str(encoder.dtype).removeprefix('torch.')}) in "
+                  f"{time.perf_counter() - start:.1f} s")
+    return encoder, folder
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def _vision_shards(folder: Path) -> tuple[int, int]:
+    """(files holding vision tensors, their vision bytes), from the headers only."""
+    from ..weights import open_checkpoint, read_header
+
+    checkpoint = open_checkpoint(folder)
+    headers = {path: read_header(path)[0] for path in checkpoint.shard_files}
+    size = 0
+    for source in checkpoint.tensors.values():
+        begin, end = headers[source.file][source.name]["data_offsets"]
+        size += end - begin
+    return len({source.file for source in checkpoint.tensors.values()}), size
+
+
+def _let_pil_return_memory() -> None:
+    """Make Pillow allocate images in 64 MiB blocks instead of 16 MiB.
+
+    glibc serves allocations under 32 MiB from per-thread arenas and keeps what they freed: after decoding
+    large images on 4 worker threads, each thread's arena held its own peak (4.2 GB RSS for six 89 MP
+    images). Blocks above 32 MiB are mmapped and go back to the system when freed. Only if the user did
+    not choose a size (PILLOW_BLOCK_SIZE).
+    """
+    import PIL.Image
+
+    if "PILLOW_BLOCK_SIZE" not in os.environ:
+        PIL.Image.core.set_block_size(64 << 20)
+
+
+class EmbedJob:
+    """One process's part of an embed run: setup (nothing written), then write, then merge."""
+
+    def __init__(self, args: argparse.Namespace, rank: int, world: int) -> None:
+        self.args, self.rank, self.world = args, rank, world
+        self.out = Path(args.out)
+        self.lock: FolderLock | None = None
+        self.created: list[Path] = []
+        self.encoder = None
+        self.run: dict | None = None
+        self.fresh = True
+        self.filled: list[str] = []  # run.json fields an older run file lacked, filled in on resume
+        self.inputs = Inputs()
+        self.progress = Progress(rank, args.quiet)
+
+    # -- setup: every check before the first write; on failure the folder is left as it was
+
+    def setup(self) -> None:
+        args, out = self.args, self.out
+        what = str(out) if self.rank == 0 else f"part {self.rank} of {out}"
+        try:
+            self.created = _make_dirs(out)
+            self.lock = FolderLock(out / lock_name(self.rank, self.world), what)
+            self.lock.acquire()
+        except OSError as e:
+            if e.errno in OUTPUT_FAULTS:  # nothing written; the same command runs once the folder is fixed
+                raise output_fault(e, out) from e
+            raise
+        recorded = None
+        if (out / RUN_FILE).exists():
+            recorded = read_run(out)
+        if _holds_run(out):
+            if not args.resume:
+                raise EmbedError(f"{out} already holds a run; add --resume to continue it, or choose another --out")
+            if recorded is None:
+                raise EmbedError(f"{out} holds a run without {RUN_FILE} (an older qwenvl-vision), so its settings "
+                                 f"cannot be checked; finish it with that version, or choose another --out")
+        self.inputs = gather_inputs(args.inputs)
+        if not self.inputs.paths:
+            raise EmbedError(f"no inputs: {', '.join(args.inputs)} hold no image or video files (by extension: "
+                             f"{' '.join(sorted(MEDIA_EXTENSIONS))}) and list no paths")
+        self.encoder, folder = _load(args, _pick_device(args, self.rank, self.world), self.progress)
+        if args.fps is not None:
+            self.encoder.video_config = dataclasses.replace(self.encoder.video_config, fps=args.fps)
+        now = describe_run(self.encoder, args, folder, self.world)
+        note = crossed_bounds_note(args, self.encoder.preprocess_config)
+        if note is not None and self.rank == 0:  # what the stored tensors are: printed even with --quiet
+            print(f"embed: note: {note}", file=sys.stderr, flush=True)
+        if recorded is not None:
+            compare_runs(recorded, now, out)
+            self.run, self.fresh = recorded, False
+            # A run file from before a field existed: it now records this invocation's value, so that later
+            # resumes are held to it (an old run that goes on to embed videos keeps one video setting).
+            self.filled = [key for key in RUN_FIELD_DEFAULTS if recorded.get(key) is None]
+            self.run.update({key: now[key] for key in self.filled})
+        else:
+            self.run = now
+
+    def undo_setup(self) -> None:
+        """Nothing was written: remove the lock file and the folders setup created."""
+        if self.encoder is not None:
+            self.encoder.close()
+        self.release()
+        for folder in reversed(self.created):
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+
+    def release(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+    # -- the run
+
+    def start_writing(self) -> RankWriter:
+        if (self.fresh or self.filled) and self.rank == 0:
+            atomic_write_text(self.out / RUN_FILE, json.dumps(self.run, indent=2) + "\n", self.run["run_id"])
+        writer = RankWriter(self.out, self.rank, self.world, self.run["run_id"], self.run.get("cwd"))
+        if not self.fresh:
+            writer.recover()
+        return writer
+
+    def encode(self, writer: RankWriter) -> None:
+        args = self.args
+        mine = shard_for_rank(self.inputs.paths, self.rank, self.world)
+        todo = [p for p in mine if self.inputs.keys[p] not in writer.done]
+        known_bad = [_Failed(p, self.inputs.errors[p]) for p in todo if p in self.inputs.errors]
+        todo = [p for p in todo if p not in self.inputs.errors]
+        progress = self.progress
+        progress.begin(len(todo) + len(known_bad))
+        with self.encoder:
+            if known_bad:
+                writer.write_batch(known_bad, args.pooled_only)
+                progress.update(len(known_bad), 0)
+            batches = self.encoder.iter_encode(
+                # The options as given, as encode_images takes them: an option alone keeps the checkpoint's
+                # other bound even where they cross (run.json records both; a resume compared them).
+                todo, video=None, min_pixels=args.min_pixels, max_pixels=args.max_pixels,
+                max_batch_tokens=args.batch_tokens, resize=self.run["resize"],
+                pooled=args.pooled_only, max_input_pixels=args.max_input_pixels,
+                decode_bytes=args.decode_mib << 20,
+                on_prepared=lambda index, tokens: progress.update(1, tokens))
+            for batch in batches:
+                writer.write_batch([_PathResult(r, todo[r.index]) for r in batch], args.pooled_only)
+        progress.close()
+
+    def summary(self) -> tuple[int, int]:
+        """(ok, failed) over this run's inputs, each counted once, from the merged manifest (rank 0)."""
+        status: dict[str, str] = {}
+        for r in read_manifest_lines(self.out / MANIFEST):
+            status.setdefault(record_key(r, self.run.get("cwd")), r["status"])
+        keys = [self.inputs.keys[p] for p in self.inputs.paths]
+        ok = sum(1 for k in keys if status.get(k) == "ok")
+        return ok, len(keys) - ok
+
+
+def run_embed(args: argparse.Namespace) -> int:
+    rank, world = rank_and_world()
+    _let_pil_return_memory()
+    if args.max_input_pixels:  # our own header check replaces PIL's bomb limit (and its warning)
+        import PIL.Image
+
+        PIL.Image.MAX_IMAGE_PIXELS = max(PIL.Image.MAX_IMAGE_PIXELS or 0, args.max_input_pixels)
+    group = _Group(rank, world)
+    job = EmbedJob(args, rank, world)
+    try:
+        error = None
+        try:
+            job.setup()
+        except (QwenVLVisionError, OSError) as e:
+            error = e
+        try:
+            group.agree(error)  # every rank holds its lock and passed the checks; nothing written yet
+            job.run = group.share(job.run)  # rank 0's run id tags every rank's shards
+        except BaseException:
+            job.undo_setup()
+            raise
+        # From here on the output is written; an OSError stops the run with exit code 3.
+        writer = None
+        try:
+            writer = job.start_writing()
+        except OSError as e:
+            error = output_fault(e, job.out)
+        group.agree(error)  # run.json is on disk (and parts recovered) before any rank adds a shard
+        try:
+            job.encode(writer)
+        except OSError as e:
+            error = output_fault(e, job.out, writer.recorded)
+        group.agree(error)  # every rank finished writing its part
+        if rank == 0 and world > 1:
+            try:
+                merge_parts(job.out, world, job.run["run_id"])
+            except OSError as e:
+                error = output_fault(e, job.out)
+        group.agree(error)  # the merged manifest is complete
+        failed = 0
+        if rank == 0:
+            ok, failed = job.summary()
+            print(f"embedded {ok} of {ok + failed} inputs into {job.out} ({failed} failed; see "
+                  f"{job.out / MANIFEST})", file=sys.stderr)
+        if world > 1:
+            # A finished run exits 0 on every rank, failed inputs or not: torchrun reports any other exit as a
+            # crash and stops the other ranks. The summary line and the manifest tell the failures.
+            return 0
+        return 1 if failed else 0
+    finally:
+        if job.encoder is not None:
+            job.encoder.close()
+        job.release()
+        group.close()

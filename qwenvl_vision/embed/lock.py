@@ -1,0 +1,70 @@
+"""One writer per output folder: an exclusive ``fcntl.flock`` held from before a run looks at the folder until
+it exits.
+
+Rank 0 locks ``OUT/embed.lock``, rank r > 0 of a torchrun job ``OUT/embed.rank{r}.lock``. The kernel drops the
+lock when the process dies, so SIGKILL leaves no stale lock. Another process on the same folder, fresh or
+``--resume``, gets no lock and stops at once. The lock file is removed on exit; taking a lock checks that the
+file still is the one on disk, so that removal cannot let two processes in.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+from pathlib import Path
+
+from ..errors import OutputInUseError
+
+
+def lock_name(rank: int, world: int) -> str:
+    """The lock file of a rank's part of the folder."""
+    return "embed.lock" if rank == 0 else f"embed.rank{rank}.lock"
+
+
+class FolderLock:
+    """An exclusive ``fcntl.flock`` on a lock file; the kernel releases it when the process dies.
+
+    ``release`` removes the file while still holding the lock. A process that opened the file just before
+    and takes the lock just after would hold a lock on a removed file, so ``acquire`` checks that the file
+    it locked still is the one at the path, and starts again if not.
+    """
+
+    def __init__(self, path: Path, what: str) -> None:
+        self.path, self.what = path, what
+        self.fd: int | None = None
+
+    def acquire(self) -> None:
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip()
+                os.close(fd)
+                raise OutputInUseError(f"{self.what} is in use by another embed run"
+                                       f"{f' ({holder})' if holder else ''}; wait for it to finish, "
+                                       f"or choose another --out") from None
+            try:
+                same = os.path.samestat(os.fstat(fd), os.stat(self.path))
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        self.fd = fd
+        try:  # who holds it, for the message another process prints; best effort (the disk may be full)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        except OSError:
+            pass
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        try:
+            self.path.unlink(missing_ok=True)
+        except OSError:  # read-only by now: the stale file is harmless, the lock goes with the descriptor
+            pass
+        os.close(self.fd)
+        self.fd = None

@@ -1,0 +1,126 @@
+"""What an embed output folder holds and what its files must say: the file names, the run.json fields a
+resume compares, and the manifest records' schema, with a parse that tells each damaged line apart.
+
+A folder holds ``run.json`` (what produced the tensors), ``manifest.jsonl`` (one JSON record a line per input,
+``status`` "ok" with its shard, key, grid and token count, or "error" with why; a video's record also says which
+frames were used), the shards ``shard-r{rank}-{n:06d}.safetensors`` and, while a multi-rank run is going, the
+ranks' parts ``manifest.rank{rank}.jsonl``. A last line without its newline is a torn write (a run killed mid-
+append) and is left out; any other line that is not a valid record is damaged (a hand edit).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .inputs import real_key
+
+MANIFEST = "manifest.jsonl"
+RUN_FILE = "run.json"
+RUN_FORMAT = 1
+# The run.json fields a resumed run must share with the run it continues: everything the stored tensors
+# depend on. Not compared: the model's spelling (a moved folder is the same model: the hashes decide), the
+# revision (likewise), the package version, the device, batch size and compile (same tensors up to
+# floating-point noise).
+RUN_COMPARED = ("format", "config_sha256", "weights_sha256", "dtype", "min_pixels", "max_pixels", "resize",
+                "video", "pooled", "world_size")
+# What a compared field meant in run files written before it existed ("video": None, no videos were embedded,
+# so any video settings continue such a run).
+RUN_FIELD_DEFAULTS = {"resize": "pil", "video": None}
+SHARD_NAME = re.compile(r"^shard-r(\d+)-(\d+)\.safetensors$")
+
+
+def part_name(rank: int, world: int) -> str:
+    """The manifest file a rank appends to: the manifest itself for one process, else the rank's part."""
+    return MANIFEST if world == 1 else f"manifest.rank{rank}.jsonl"
+
+
+def record_key(record: dict, base: str | None = None) -> str:
+    """A manifest record's input identity: the real path recorded with it (written by every run since the
+    field exists, so resuming from another working directory still matches), else its path resolved from
+    `base`, the working directory of the run."""
+    realpath = record.get("realpath")
+    return realpath if isinstance(realpath, str) and realpath else real_key(record["path"], base)
+
+
+@dataclass
+class ManifestLine:
+    """One complete line of a manifest file: its record, or why it is damaged."""
+
+    number: int  # 1-based line number in its file
+    record: dict | None  # None: damaged
+    problem: str = ""
+
+
+def parse_manifest(path: Path) -> list[ManifestLine]:
+    """Every complete line of a manifest, each either a valid record or damaged (with why).
+
+    A last line without its newline is a torn write (the run was killed or stopped mid-append) and is
+    left out; blank lines are skipped.
+    """
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return []
+    lines = data.split(b"\n")[:-1]  # the piece after the last newline is empty or torn
+    parsed = []
+    for number, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        try:
+            record = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            parsed.append(ManifestLine(number, None, f"not a JSON line ({e})"))
+            continue
+        problem = _record_problem(record)
+        parsed.append(ManifestLine(number, None if problem else record, problem))
+    return parsed
+
+
+def _record_problem(record: Any) -> str:
+    """Why a manifest record cannot be used ('' when it can)."""
+    if not isinstance(record, dict):
+        return f"not a JSON object ({type(record).__name__})"
+    if not isinstance(record.get("path"), str) or not record["path"]:
+        return "no 'path'"
+    if "realpath" in record and not (isinstance(record["realpath"], str) and os.path.isabs(record["realpath"])):
+        return f"realpath {record['realpath']!r} is not an absolute path"
+    if record.get("status") not in ("ok", "error"):
+        return f"status {record.get('status')!r} is neither 'ok' nor 'error'"
+    if not isinstance(record.get("rank", 0), int):
+        return f"rank {record.get('rank')!r} is not an integer"
+    if record["status"] == "error":
+        return ""
+    shard = record.get("shard")
+    if not isinstance(shard, str) or not SHARD_NAME.match(shard):
+        return f"status ok but shard {shard!r} is not a shard file name of this folder" if shard is not None \
+            else "status ok but no 'shard'"
+    if not isinstance(record.get("key"), str) or not record["key"]:
+        return "status ok but no 'key'"
+    grid = record.get("grid_thw")
+    if not (isinstance(grid, list) and len(grid) == 3 and all(isinstance(g, int) and g > 0 for g in grid)):
+        return f"grid_thw {grid!r} is not three positive integers"
+    if not isinstance(record.get("tokens"), int) or record["tokens"] < 1:
+        return f"tokens {record.get('tokens')!r} is not a positive integer"
+    return _video_problem(record["video"]) if "video" in record else ""
+
+
+def _video_problem(video: Any) -> str:
+    """Why a record's ``video`` entry (frames used, timestamps, source fps) cannot be used ('' when it can)."""
+    if not isinstance(video, dict):
+        return "video is not a JSON object"
+    frames, stamps, fps = video.get("frames"), video.get("timestamps"), video.get("fps")
+    if not (isinstance(frames, list) and frames and all(isinstance(i, int) and i >= 0 for i in frames)):
+        return f"video frames {frames!r} are not frame indices"
+    if not (isinstance(stamps, list) and len(stamps) == len(frames)
+            and all(isinstance(t, (int, float)) for t in stamps)):
+        return "video timestamps are not one number per frame"
+    if not (isinstance(fps, (int, float)) and fps > 0):
+        return f"video fps {fps!r} is not a positive number"
+    return ""
+
+

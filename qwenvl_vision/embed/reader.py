@@ -1,0 +1,117 @@
+"""Reading an embed output back: its run file (``read_run``), its manifest records (``read_manifest_lines``)
+and the stored tensors (``read_embeddings``). Readers need nothing of the writer: no lock, no torch.distributed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from ..errors import ManifestError
+from .manifest import MANIFEST, RUN_COMPARED, RUN_FIELD_DEFAULTS, RUN_FILE, RUN_FORMAT, ManifestLine, parse_manifest
+
+
+def _damaged(manifest: Path, line: ManifestLine) -> ManifestError:
+    return ManifestError(f"{manifest}, line {line.number}: damaged manifest line: {line.problem} "
+                         f"(embed --resume on the folder redoes its input)")
+
+
+def read_manifest_lines(path: str | os.PathLike) -> list[dict]:
+    """The records of a manifest, in order; a torn last line (a run killed mid-write) is left out.
+
+    Raises ManifestError naming the file and line for any other damaged line (``--resume`` redoes its input).
+    """
+    path = Path(path)
+    records = []
+    for line in parse_manifest(path):
+        if line.record is None:
+            raise _damaged(path, line)
+        records.append(line.record)
+    return records
+
+
+def read_run(out: str | os.PathLike) -> dict:
+    """The run file (``DIR/run.json``) of an embed output: what produced its tensors.
+
+    Keys: format, run_id, created, package_version, model (as given), model_folder, revision (a Hub
+    commit, or null), random_weights, family, config_sha256 (vision + preprocessing config), weights_sha256
+    (the vision tensors as loaded), dtype, min_pixels and max_pixels (the images' bounds: each option, else
+    the checkpoint's, as encode_images takes them; min above max where an option crossed the checkpoint's
+    other bound), resize ("pil" or "torch"; "pil" in files written before it was recorded), video, pooled,
+    world_size, cwd (where the run started; each manifest record's ``path`` is as given to the invocation that
+    recorded it, and its ``realpath`` the resolved file). Raises ManifestError if it is missing or damaged.
+    """
+    path = Path(out) / RUN_FILE
+    try:
+        run = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ManifestError(f"{path} does not exist: not an embed output (or one written before run files)") \
+            from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ManifestError(f"{path} is damaged: {e}") from None
+    if not isinstance(run, dict) or not isinstance(run.get("format"), int):
+        raise ManifestError(f"{path} is damaged: no format version")
+    if run["format"] > RUN_FORMAT:
+        raise ManifestError(f"{path} has format {run['format']}; this qwenvl-vision reads format {RUN_FORMAT} "
+                            f"(upgrade it)")
+    missing = [key for key in RUN_COMPARED + ("run_id",) if key not in run and key not in RUN_FIELD_DEFAULTS]
+    if missing:
+        raise ManifestError(f"{path} is damaged: no {', '.join(missing)}")
+    return {**RUN_FIELD_DEFAULTS, **run}
+
+
+def read_embeddings(out: str | os.PathLike, *, deepstack: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """(path, tensor) for every input recorded ok in DIR/manifest.jsonl, in manifest order.
+
+    With deepstack=True yields (path, (embedding, [levels...])) for Qwen3-VL runs. What produced the tensors
+    (model, dtype, pixel bounds, pooling): ``read_run(DIR)``. A damaged manifest line, a missing shard or
+    key raises ManifestError naming the line.
+    """
+    out = Path(out)
+    manifest = out / MANIFEST
+    if not manifest.exists() and any(out.glob("manifest.rank*.jsonl")):
+        raise ManifestError(f"{out} holds the ranks' manifest parts but no {MANIFEST}: the run stopped before "
+                            f"merging them; embed --resume on the folder finishes and merges it")
+    lines = parse_manifest(manifest)
+    open_shard, handle = None, None
+    try:
+        for line in lines:
+            r = line.record
+            if r is None:
+                raise _damaged(manifest, line)
+            if r["status"] != "ok":
+                continue
+            if r["shard"] != open_shard:
+                if handle is not None:
+                    handle.__exit__(None, None, None)
+                    handle = None
+                handle = _open_shard(out, r["shard"], manifest, line.number)
+                open_shard = r["shard"]
+            if r["key"] not in handle.keys():
+                raise ManifestError(f"{manifest}, line {line.number}: {r['shard']} has no tensor {r['key']!r}")
+            tensor = handle.get_tensor(r["key"])
+            if deepstack:
+                names = sorted(k for k in handle.keys() if k.startswith(r["key"] + ".deepstack."))
+                yield r["path"], (tensor, [handle.get_tensor(k) for k in names])
+            else:
+                yield r["path"], tensor
+    finally:
+        if handle is not None:
+            handle.__exit__(None, None, None)
+
+
+def _open_shard(out: Path, name: str, manifest: Path, number: int):
+    path = out / name
+    if not path.is_file():
+        raise ManifestError(f"{manifest}, line {number}: shard {name} does not exist")
+    try:
+        handle = safe_open(path, framework="pt")
+        handle.__enter__()
+    except Exception as e:  # noqa: BLE001 - safetensors' own error type for a damaged file
+        raise ManifestError(f"{manifest}, line {number}: shard {name} is unreadable ({e})") from None
+    return handle

@@ -1,0 +1,121 @@
+"""The run file, ``run.json``: what an embed run's tensors depend on (model config and weights hashes, dtype,
+pixel bounds, resize backend, video settings, pooling, world size) and which run it is (``run_id``).
+
+``describe_run`` writes it for an invocation, ``compare_runs`` refuses a ``--resume`` with other settings,
+``pixel_bounds`` says which image bounds the run's images are sized with. Reading it back is
+``reader.read_run``; its fields and their defaults for older files are in ``manifest``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import RunMismatchError
+from ..hub import COMMIT_HASH
+from ..version import package_version
+from .manifest import RUN_COMPARED, RUN_FIELD_DEFAULTS, RUN_FILE, RUN_FORMAT
+
+
+def _sha256_json(value: Any) -> str:
+    """A hash of a JSON value, independent of its key order."""
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
+
+
+def _weights_sha256(model: torch.nn.Module) -> str:
+    """A hash of the vision tensors as loaded (names, dtypes, shapes, bytes).
+
+    Stronger than hashing the checkpoint's index: a fine-tune keeps its base model's tensor names and
+    index. ~1 s per GB.
+    """
+    h = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        data = tensor.detach().reshape(-1).contiguous().cpu()
+        h.update(f"{name}:{data.dtype}:{tuple(tensor.shape)}\n".encode())
+        h.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+    return h.hexdigest()
+
+
+
+def pixel_bounds(args: argparse.Namespace, pre) -> tuple[int, int]:
+    """(min, max) pixels the run's images are sized with: each option, else the checkpoint's bound, exactly as
+    ``encode_images(min_pixels=..., max_pixels=...)`` and transformers' processor combine them.
+
+    A bound given alone keeps the checkpoint's other one even when they cross (``--max-pixels 50176`` on a
+    Qwen3-VL checkpoint whose min is 65536 runs at 65536..50176): smart_resize checks the max first, so an image
+    above it shrinks to at most the max, and a smaller one grows to at least the min, past the max
+    (``crossed_bounds_note`` says so). Both given with min > max is refused when the options are parsed.
+    """
+    low = args.min_pixels if args.min_pixels is not None else pre.min_pixels
+    high = args.max_pixels if args.max_pixels is not None else pre.max_pixels
+    return low, high
+
+
+def crossed_bounds_note(args: argparse.Namespace, pre) -> str | None:
+    """One line telling that an option crosses the checkpoint's other pixel bound, and what that does (None: not
+    crossed)."""
+    low, high = pixel_bounds(args, pre)
+    if low <= high:
+        return None
+    if args.max_pixels is not None:
+        what, fix = f"the checkpoint's min_pixels {low} is above --max-pixels {high}", "--min-pixels to lower the floor"
+    else:
+        what, fix = f"--min-pixels {low} is above the checkpoint's max_pixels {high}", "--max-pixels to raise the cap"
+    return (f"{what}: as in encode_images and transformers' processor, images over {high} pixels shrink below it "
+            f"and smaller ones are upscaled to at least {low} (add {fix})")
+
+
+def describe_run(encoder, args: argparse.Namespace, folder: str | None, world: int) -> dict:
+    """run.json for this invocation: what its tensors depend on, plus where they came from."""
+    pre = encoder.preprocess_config
+    min_pixels, max_pixels = pixel_bounds(args, pre)
+    revision = args.revision
+    if folder and COMMIT_HASH.match(Path(folder).name):  # a Hub snapshot folder is named after its commit
+        revision = Path(folder).name
+    return {
+        "format": RUN_FORMAT,
+        "run_id": uuid.uuid4().hex,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "package_version": package_version(),
+        "model": args.model,
+        "model_folder": folder,
+        "revision": revision,
+        "random_weights": bool(args.random_weights),
+        "family": encoder.family,
+        "config_sha256": _sha256_json({"vision": encoder.config.to_vision_dict(), "preprocess": pre.to_dict()}),
+        "weights_sha256": _weights_sha256(encoder.model),
+        "dtype": str(encoder.dtype).removeprefix("torch."),
+        "min_pixels": min_pixels,
+        "max_pixels": max_pixels,
+        "resize": args.resize or pre.resize,
+        # The video settings as a video_preprocessor_config.json (fps, frame bounds, pixel bounds, budget).
+        "video": encoder.video_config.to_dict(),
+        "pooled": bool(args.pooled_only),
+        "world_size": world,
+        "cwd": os.getcwd(),
+    }
+
+
+def compare_runs(recorded: dict, now: dict, out: Path) -> None:
+    """Raise RunMismatchError listing every compared field that differs."""
+    differ = [key for key in RUN_COMPARED if recorded.get(key) != now.get(key)
+              and not (key in RUN_FIELD_DEFAULTS and recorded.get(key) is None)]
+    if not differ:
+        return
+
+    def show(key: str, value: Any) -> str:
+        return f"{value[:12]}..." if key.endswith("sha256") and isinstance(value, str) else json.dumps(value)
+
+    fields = ", ".join(f"{key} {show(key, recorded.get(key))} (now {show(key, now.get(key))})" for key in differ)
+    hint = " (another model, or other weights)" if any(k.endswith("sha256") for k in differ) else ""
+    raise RunMismatchError(f"{out} holds a run with other settings, refusing to mix them: {fields}{hint}; "
+                           f"resume with the run's settings (see {out / RUN_FILE}) or choose another --out")
+

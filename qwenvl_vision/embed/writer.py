@@ -1,0 +1,208 @@
+"""Durable writes of an embed run: each rank's shards and manifest part (``RankWriter``), the recovery of what a
+stopped run left, and rank 0's merge of the parts into ``manifest.jsonl``.
+
+Durability: a batch's shard is written to a temporary file, fsynced and renamed into place *before* its
+manifest lines are appended (one write, flushed and fsynced). A run killed at any instant, or stopped by an
+I/O fault (disk full, read-only folder), therefore leaves (a) complete shards, (b) a manifest whose complete
+lines all point at complete shards, and at worst (c) one shard nobody references and one half-written last
+line. ``recover`` drops (c), keeps every input recorded ok exactly once, and never reuses a shard name.
+Damaged manifest lines (hand edits) are treated like a torn line: their inputs are redone.
+
+Every shard carries its run id in its metadata and temporary files carry it in their names: recovery deletes
+only files of the run that holds the lock.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save
+
+from ..errors import OutputFaultError
+from .inputs import real_key
+from .manifest import MANIFEST, RUN_FILE, SHARD_NAME, parse_manifest, part_name, record_key
+
+# OSErrors at the start that are the output folder's state (exit 3, like a fault mid-run), not a usage error.
+OUTPUT_FAULTS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO}
+
+
+def output_fault(e: OSError, out: Path, recorded: int | None = None) -> OutputFaultError:
+    """The one-line error for an OSError writing `out`: what failed, and that --resume finishes the run."""
+    what = e.strerror or str(e)
+    where = f" ({Path(e.filename).name})" if e.filename else ""
+    done = f"; this process recorded {recorded} inputs before it" if recorded is not None else ""
+    return OutputFaultError(f"cannot write to {out}: {what}{where}{done}; nothing recorded is lost: fix the "
+                            f"output folder (free space, permissions) and run the same command with --resume")
+
+
+def fsync_dir(folder: Path) -> None:
+    """Make renames in `folder` durable (its entries are data too)."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno != errno.EINVAL:  # some file systems cannot fsync a directory
+            raise
+    finally:
+        os.close(fd)
+
+
+def atomic_write_text(path: Path, text: str, tag: str) -> None:
+    """Write `path` whole or not at all; the temporary file's name carries `tag` (the run id)."""
+    tmp = path.with_name(f"{path.name}.{tag}.tmp")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def append_lines(path: Path, records: list[dict]) -> None:
+    """Append `records` as JSON lines in one write, fsynced: a kill leaves at most one torn last line."""
+    if not records:
+        return
+    data = "".join(json.dumps(r) + "\n" for r in records)
+    with open(path, "a") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def save_shard(tensors: dict[str, torch.Tensor], tmp: Path, run_id: str) -> None:
+    """Serialise in memory, then write with Python's file I/O: a full disk or a read-only folder is an
+    OSError with its errno (safetensors' save_file reports them as its own error type), and the file gets
+    the permissions the umask allows (save_file creates 0600 files)."""
+    data = save(tensors, metadata={"format": "pt", "qwenvl_vision_run": run_id})
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _shard_run_id(path: Path) -> str | None:
+    """The run id a shard was written by (None: unreadable header, or not written by embed)."""
+    try:
+        with safe_open(path, framework="pt") as f:
+            return (f.metadata() or {}).get("qwenvl_vision_run")
+    except Exception:  # noqa: BLE001 - safetensors raises its own error type for a bad header
+        return None
+
+
+class RankWriter:
+    """Writes one rank's shards and manifest part; on resume, recovers what a stopped run left."""
+
+    def __init__(self, out: Path, rank: int, world: int, run_id: str, run_cwd: str | None = None) -> None:
+        self.out, self.rank, self.world, self.run_id = out, rank, world, run_id
+        self.run_cwd = run_cwd or os.getcwd()
+        self.manifest = out / part_name(rank, world)
+        self.own: dict[str, dict] = {}  # real key -> this rank's ok record
+        self.done: set[str] = set()  # real keys recorded ok by any rank
+        self.next_shard = 0
+        self.recorded = 0  # inputs recorded (ok or error) by this process
+        self.failed = 0  # of which failed
+
+    def _own_shards(self) -> list[Path]:
+        return sorted(p for p in self.out.glob(f"shard-r{self.rank}-*.safetensors") if SHARD_NAME.match(p.name))
+
+    def _records(self, path: Path) -> list[dict]:
+        """Usable records of one manifest file; damaged lines are dropped like a torn line."""
+        return [line.record for line in parse_manifest(path) if line.record is not None]
+
+    def recover(self) -> None:
+        """Resume: keep this rank's ok records whose shard exists, once each; delete this run's orphans."""
+        mine = self._records(self.manifest)
+        if self.world > 1 and not mine:  # resuming a finished multi-rank run: the parts were merged
+            mine = [r for r in self._records(self.out / MANIFEST) if r.get("rank", 0) == self.rank]
+        for r in mine:
+            if r["status"] == "ok" and r.get("rank", 0) == self.rank and (self.out / r["shard"]).is_file():
+                self.own.setdefault(record_key(r, self.run_cwd), r)
+        self.done = set(self.own) | self._done_by_other_ranks()
+        referenced = {r["shard"] for r in self.own.values()}
+        for shard in self._own_shards():  # renamed but never recorded: the run stopped between rename and append
+            if shard.name not in referenced and _shard_run_id(shard) == self.run_id:
+                shard.unlink()
+        # Temporary files of this run left by a kill: this rank's shards and manifest part, and (rank 0) the
+        # merged manifest and run.json being rewritten.
+        names = [f"shard-r{self.rank}-*.{self.run_id}.tmp", f"{self.manifest.name}.{self.run_id}.tmp"]
+        if self.rank == 0:
+            names += [f"{MANIFEST}.{self.run_id}.tmp", f"{RUN_FILE}.{self.run_id}.tmp"]
+        for pattern in names:
+            for tmp in self.out.glob(pattern):
+                tmp.unlink()
+        numbers = [int(SHARD_NAME.match(s.name).group(2)) for s in self._own_shards()]
+        self.next_shard = max(numbers, default=-1) + 1
+        # Rewrite the part with each ok input once; errors and damaged lines are dropped so they are redone.
+        atomic_write_text(self.manifest, "".join(json.dumps(r) + "\n" for r in self.own.values()), self.run_id)
+
+    def _done_by_other_ranks(self) -> set[str]:
+        """Inputs other ranks recorded ok: not redone here even if the input list (and so the split) changed."""
+        if self.world == 1:
+            return set()
+        files = [self.out / MANIFEST] + [self.out / part_name(r, self.world) for r in range(self.world)]
+        return {record_key(r, self.run_cwd) for f in files if f != self.manifest for r in self._records(f)
+                if r["status"] == "ok" and r.get("rank", 0) != self.rank and (self.out / r["shard"]).is_file()}
+
+    def write_batch(self, results, pooled_only: bool) -> tuple[int, int]:
+        """One shard for the batch's successes (renamed into place), then its manifest lines."""
+        tensors: dict[str, torch.Tensor] = {}
+        records = []
+        shard_name = f"shard-r{self.rank}-{self.next_shard:06d}.safetensors"
+        ok = failed = 0
+        for r in results:
+            record = {"path": r.path, "realpath": real_key(r.path), "status": "ok" if r.ok else "error",
+                      "error": r.error, "rank": self.rank}
+            if r.video_info is not None:
+                info = r.video_info
+                record["video"] = {"frames": info.frame_indices, "timestamps": info.timestamps,
+                                   "fps": info.video_fps, "sampled_fps": info.sampled_fps,
+                                   "total_frames": info.total_frames}
+            if r.ok:
+                key = f"{ok:06d}"
+                if pooled_only:
+                    tensors[key] = r.pooled.float().contiguous().cpu()
+                else:
+                    tensors[key] = r.embedding.contiguous().cpu()
+                    for level, t in enumerate(r.deepstack or []):
+                        tensors[f"{key}.deepstack.{level}"] = t.contiguous().cpu()
+                record.update(shard=shard_name, key=key, grid_thw=list(r.grid_thw),
+                              tokens=int(r.embedding.shape[0]))
+                ok += 1
+            else:
+                failed += 1
+            records.append(record)
+        if tensors:
+            tmp = self.out / f"{shard_name[: -len('.safetensors')]}.{self.run_id}.tmp"
+            try:
+                save_shard(tensors, tmp, self.run_id)
+                os.replace(tmp, self.out / shard_name)
+            except OSError:
+                tmp.unlink(missing_ok=True)  # frees the space on a full disk; recovery would remove it too
+                raise
+            fsync_dir(self.out)
+            self.next_shard += 1
+        append_lines(self.manifest, records)
+        self.recorded += len(records)
+        self.failed += failed
+        return ok, failed
+
+
+def merge_parts(out: Path, world: int, run_id: str) -> Path:
+    """Rank 0, after all ranks finished: parts -> one manifest.jsonl (atomic), parts removed."""
+    records = []
+    for rank in range(world):
+        records.extend(line.record for line in parse_manifest(out / part_name(rank, world)) if line.record)
+    atomic_write_text(out / MANIFEST, "".join(json.dumps(r) + "\n" for r in records), run_id)
+    for rank in range(world):
+        (out / part_name(rank, world)).unlink(missing_ok=True)
+    return out / MANIFEST
+
