@@ -67,7 +67,8 @@ def _stored_dtype(folder: Path):
     """Keep the checkpoint's own dtype when extracting (the first vision tensor's)."""
     import torch
 
-    from .weights import SAFETENSORS_DTYPES, open_checkpoint, read_header
+    from .safetensors_checks import SAFETENSORS_DTYPES, read_header
+    from .weights import open_checkpoint
 
     first = next(iter(open_checkpoint(folder).tensors.values()))
     entry = read_header(first.file)[0].get(first.name, {})  # absent: the load that follows names the fault

@@ -30,7 +30,6 @@ from typing import Any
 import torch
 
 from .attention import resolve_attn_impl
-from .batching import DECODE_BYTES_PER_PIXEL as DECODE_BYTES_PER_PIXEL
 from .batching import DEFAULT_DECODE_BYTES, EncodeOptions, Prepared, preflight, prepared_batches
 from .config import VisionConfig, resolve_config
 from .devices import resolve_device, resolve_dtype
@@ -43,8 +42,6 @@ from .tower import VisionTower
 from .video import VideoConfig, sample_indices
 from .video_io import VideoInfo
 from .weights import load_tower, open_checkpoint
-
-# DECODE_BYTES_PER_PIXEL is batching's; it stays importable from here until tests/test_embed_faults.py reads it there.
 
 
 @dataclass

@@ -57,9 +57,7 @@ from .config import FAMILIES, FAMILY_ALIASES
 from .errors import ConfigError, PreprocessError
 from .pixels import (
     BICUBIC,
-    DEFAULT_MAX_INPUT_PIXELS,  # noqa: F401 - importers (encoder, embed) still take it from here (issue 21)
     RESCALE_FACTOR,
-    RESIZE_BACKENDS,  # noqa: F401 - as DEFAULT_MAX_INPUT_PIXELS
     as_hwc,
     check_aspect_ratio,
     check_resize_backend,

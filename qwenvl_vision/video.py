@@ -63,10 +63,7 @@ from .pixels import (
 )
 from .preprocess import PreprocessConfig, check_supported, image_target_size
 from .video_io import (
-    VIDEO_EXTENSIONS,  # noqa: F401 - importers (embed) still take it from here (issue 21)
     VideoInfo,
-    is_video_file,  # noqa: F401 - as VIDEO_EXTENSIONS (encoder)
-    probe_video,  # noqa: F401 - as VIDEO_EXTENSIONS (encoder)
     read_video_frames,
 )
 

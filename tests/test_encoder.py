@@ -8,6 +8,8 @@ How inputs become batches (token bound, decode budget, prefetch) is tests/test_b
 from __future__ import annotations
 
 import json
+import threading
+from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +18,7 @@ import torch
 from PIL import Image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-from qwenvl_vision import load_encoder
+from qwenvl_vision import EncoderClosedError, load_encoder
 from qwenvl_vision.errors import ConfigError, InputError, PreprocessError
 from tests.helpers import (
     FAMILY_SMALL,
@@ -24,9 +26,11 @@ from tests.helpers import (
     assert_matches_reference,
     hf_forward,
     hf_tower,
+    synthetic_photo,
     write_checkpoint,
     write_video,
 )
+from tests.helpers import make_image_folder as make_folder
 from tests.helpers import sample_photo as sample
 
 pytest.importorskip("matplotlib.cbook")  # its bundled sample photos are the real pictures here
@@ -245,3 +249,78 @@ def test_encode_patches_matches_the_tower_with_one_video_info_per_item(setup, ph
     assert as_video.modality == "video" and len(as_video.video_info) == len(as_video) == 3
     with pytest.raises(InputError, match='modality must be "image" or "video", got \'audio\''):
         encoder.encode_patches(pixel_values, grid_thw, modality="audio")
+
+
+def test_iter_encode_reports_every_input_as_it_is_prepared(tmp_path, checkpoint):
+    """Per image, in input order, before the one batch they form is encoded: what embed's progress counts."""
+    paths = make_folder(tmp_path / "imgs", 5, bad=False)
+    inputs = [*map(str, paths[:3]), str(tmp_path / "missing.jpg"), *map(str, paths[3:])]
+    reported: list[tuple[int, int]] = []
+    seen_before_batch = []
+    with load_encoder(checkpoint, device="cpu") as encoder:
+        for batch in encoder.iter_encode(inputs, on_prepared=lambda index, tokens: reported.append((index, tokens))):
+            seen_before_batch.append(len(reported))
+            results = batch
+    assert seen_before_batch == [6]  # a single batch, reported input by input before it ran
+    assert [index for index, _ in reported] == list(range(6))
+    assert [tokens for _, tokens in reported] == [0 if r.error else r.embedding.shape[0] for r in results]
+    assert reported[3][1] == 0 and results[3].error
+
+
+@pytest.mark.parametrize("call", ["images", "videos sampled by fps"])
+def test_close_while_other_threads_encode(checkpoint, call):
+    encoder = load_encoder(checkpoint, device="cpu")
+    images = [synthetic_photo(56 + 28 * (i % 3), 84, i) for i in range(4)]
+    if call == "images":
+        def encode():
+            return encoder.encode_images(images, max_batch_tokens=64)
+    else:  # per-call video settings (fps) must not escape close() either
+        def encode():
+            return encoder.encode_videos([np.stack(images[:1] * 6)], fps=2.0, video_fps=4.0, max_batch_tokens=64)
+    outcomes: dict[str, int] = defaultdict(int)
+    unexpected: list[BaseException] = []
+    lock, one_done = threading.Lock(), threading.Event()
+    started = threading.Barrier(5)
+
+    def count(outcome: str) -> None:
+        with lock:
+            outcomes[outcome] += 1
+
+    def work() -> None:
+        started.wait()
+        while True:
+            try:
+                out = encode()
+            except EncoderClosedError:
+                count("closed")
+                return
+            except BaseException as e:  # noqa: BLE001 - what the issue saw: RuntimeError about a meta tensor
+                with lock:
+                    unexpected.append(e)
+                return
+            assert all(torch.isfinite(e).all() for e in out.embeddings)
+            count("ok")
+            one_done.set()
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    started.wait()
+    assert one_done.wait(timeout=120)  # encodes complete, and every thread keeps starting new ones
+    encoder.close()
+    for t in threads:
+        t.join(timeout=60)
+    assert not unexpected, unexpected
+    assert outcomes["closed"] == 4 and outcomes["ok"] >= 1
+    with pytest.raises(EncoderClosedError):
+        encoder.encode_images(images)
+
+
+
+
+def test_decode_budget_is_released_when_the_caller_stops_early(checkpoint, tmp_path):
+    paths = [str(p) for p in make_folder(tmp_path / "imgs", 12, bad=False)]
+    encoder = load_encoder(checkpoint, device="cpu")
+    for _ in encoder.iter_encode(paths, max_batch_tokens=1, num_workers=4, decode_bytes=1):
+        break  # the workers still waiting for budget are woken and the pool shuts down
+    assert len([r for b in encoder.iter_encode(paths, num_workers=4, decode_bytes=1) for r in b]) == 12

@@ -20,6 +20,7 @@ import pytest
 import torch
 from PIL import Image
 
+from qwenvl_vision.encoder import load_encoder
 from qwenvl_vision.errors import PreprocessError
 from qwenvl_vision.preprocess import PreprocessConfig
 from qwenvl_vision.video import VideoConfig, preprocess_video, preprocess_video_file, read_video
@@ -319,3 +320,18 @@ def test_a_file_whose_every_frame_is_cut_names_it(tmp_path):
     _write_x264(tmp_path / "nothing.mp4", range(-5, 0))  # every frame before the edit list's start
     with pytest.raises(PreprocessError, match=r"^video '.*nothing\.mp4': no frame decodes$"):
         preprocess_video_file(str(tmp_path / "nothing.mp4"), *configs("qwen3_vl"))
+
+
+def test_a_header_without_frame_count_is_counted_once_per_video(tmp_path, checkpoint, monkeypatch):
+    """Matroska writes no frame count: the decode estimate's probe counts the packets, and the read reuses it."""
+    pytest.importorskip("av")
+    import qwenvl_vision.video_io as video_io
+
+    write_video(tmp_path / "clip.mkv", 20, 48, 40, 10)
+    counts = []
+    real = video_io.count_packets
+    monkeypatch.setattr(video_io, "count_packets", lambda *a: counts.append(1) or real(*a))
+    encoder = load_encoder(checkpoint, device="cpu")
+    [[result]] = list(encoder.iter_encode([str(tmp_path / "clip.mkv")], video=None))
+    assert result.ok and result.video_info.total_frames == 20
+    assert len(counts) == 1

@@ -11,7 +11,7 @@ from ..attention import ATTN_IMPLS
 from ..config import PRESETS
 from ..devices import device_option, dtype_option
 from ..errors import ConfigError
-from ..preprocess import DEFAULT_MAX_INPUT_PIXELS, RESIZE_BACKENDS
+from ..pixels import DEFAULT_MAX_INPUT_PIXELS, RESIZE_BACKENDS
 
 
 def _positive_int(name: str):

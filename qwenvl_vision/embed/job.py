@@ -173,7 +173,8 @@ def _size(n: int) -> str:
 
 def _vision_shards(folder: Path) -> tuple[int, int]:
     """(files holding vision tensors, their vision bytes), from the headers only."""
-    from ..weights import open_checkpoint, read_header
+    from ..safetensors_checks import read_header
+    from ..weights import open_checkpoint
 
     checkpoint = open_checkpoint(folder)
     headers = {path: read_header(path)[0] for path in checkpoint.shard_files}
