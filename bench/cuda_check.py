@@ -1,12 +1,13 @@
 """The one prepared check for a lent GPU (issue 16): CUDA tests, bf16 parity, teardown, throughput and load, as JSON.
 
-    python bench/cuda_check.py --out DIR                      # on the GPU machine (DIR: the device tool's $OUT)
-    python bench/cuda_check.py --out DIR --dry-run            # the same logic on CPU with tiny configs (CI)
-    python bench/cuda_check.py --out DIR --only parity,load   # some sections (e.g. a rerun)
+    python -m bench.cuda_check --out DIR                      # on the GPU machine (DIR: the device tool's $OUT)
+    python -m bench.cuda_check --out DIR --dry-run            # the same logic on CPU with tiny configs (CI)
+    python -m bench.cuda_check --out DIR --only parity,load   # some sections (e.g. a rerun)
 
-With the device tool, from the repository root (its python3 has torch and transformers; nothing is installed):
+From the repository root (``bench`` is a package). With the device tool (its python3 has torch and transformers;
+nothing is installed):
 
-    run(command="PYTHONUNBUFFERED=1 python3 bench/cuda_check.py --out $OUT", timeout_s=570)
+    run(command="PYTHONUNBUFFERED=1 python3 -m bench.cuda_check --out $OUT", timeout_s=570)
 
 Every section runs in its own fresh process (``--section NAME``, started by this script) under its own time limit,
 so a crash, a CUDA error that poisons the context, a hang or leftover GPU memory stays in that section: it is
@@ -25,26 +26,26 @@ less than ``MIN_LIMIT_S`` is skipped with that reason.
 1. ``tests`` (~150 s, limit 210 s): ``pytest tests/test_cuda.py tests/test_compile.py``: counts, every test's
    outcome and the output tail. On 2 CPU cores test_compile.py takes 150 s (its inductor C++ compiles); 16
    cores, and Triton compiles of test_cuda.py's two compiled tests, should land near 150 s in all.
-2. ``parity`` (~20 s, limit 60 s): every family of ``tests.helpers.FAMILY_SMALL``: our tower in bf16 against
+2. ``parity`` (~20 s, limit 60 s): every family of ``bench.workloads.FAMILY_SMALL``: our tower in bf16 against
    transformers' tower of that family in fp32 (same weights, same device, TF32 off), on a packed mix with a
    2-frame video, a 2x2 grid, frames off the window grid and (GPU) a 64x80-patch frame: merged tokens and every
-   DeepStack level within 3e-2 relative error. Then the same tower with ``attn_impl="sdpa"`` against the fused
-   varlen path that ``"auto"`` chose (flash or torch_varlen), within 1e-2: both are bf16 with fp32 softmax
+   DeepStack level of every item within 3e-2 relative error. Then the same tower with ``attn_impl="sdpa"`` against
+   the fused varlen path that ``"auto"`` chose (flash or torch_varlen), within 1e-2: both are bf16 with fp32 softmax
    accumulation and the same weights, so they differ only where the attention output rounds differently, a
    part of the bf16-vs-fp32 error of these towers (7e-3 to 1.2e-2 on CPU; each entry also records the sdpa
    path's error against fp32, the noise floor of that run), while a wrong segment boundary gives errors near 1.
-3. ``teardown`` (~45 s, limit 120 s): ``qwenvl_vision.teardown.cmd_teardown`` (with bench/teardown.py's
+3. ``teardown`` (~45 s, limit 120 s): ``qwenvl_vision.teardown.cmd_teardown`` (with bench.teardown's
    transformers tower as comparison) for qwen2.5-vl-3b and qwen3-vl-8b, random weights at real size, bf16,
    5 cycles each of ``del`` and of ``close()``: ``memory_allocated`` against the baseline after each, and the
    reserved bytes after ``torch.cuda.empty_cache()``. Each cycle is ~1 s on a GPU (load 1.3 GB, encode 5 images,
    6 memory readings with a census of live tensors), 30 cycles in all.
-4. ``throughput`` (~170 s, limit 240 s): ``bench/throughput.py``'s pieces, bf16, qwen2.5-vl-3b then qwen3-vl-8b,
+4. ``throughput`` (~170 s, limit 240 s): ``bench.throughput``'s pieces, bf16, qwen2.5-vl-3b then qwen3-vl-8b,
    each on the mixed pack (29k / 22k patches) and on 16 images of 1024 patches: ours eager, ours compiled,
    transformers sdpa and flash_attention_2 where usable, 3 timed repeats after warm-up, with images/s,
    patches/s, TFLOP/s and the fraction of the dense bf16 peak. Per preset: ~45 s compiling, ~1 s per
    transformers forward on the mixed pack (a Python loop over ~450 windows in 28 blocks) and ~0.1 s per forward
    of ours, so ~80 s.
-5. ``load`` (~45 s, limit 100 s): ``bench/load.py --device cuda``: a real-layout bf16 qwen2.5-vl-3b checkpoint
+5. ``load`` (~45 s, limit 100 s): ``python -m bench.load --device cuda``: a real-layout bf16 qwen2.5-vl-3b checkpoint
    (1.3 GB of vision tensors, written once, ~10 s), then 1 warm-up and 3 measured fresh-process loads of ours and
    2 of transformers' tower: load time, peak host RSS against the tower bytes, peak GPU allocation.
 
@@ -90,7 +91,6 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
 PRESETS = ("qwen2.5-vl-3b", "qwen3-vl-8b")
 PARITY_TOL = 3e-2  # our bf16 against transformers fp32 (issue 16)
@@ -205,10 +205,10 @@ def feature_probes() -> dict[str, Any]:
     the backend "auto" picks on CUDA in bf16, and transformers' flash_attention_2."""
     import torch
 
-    from qwenvl_vision.attention import _torch_varlen_missing, resolve_attn_impl
+    from qwenvl_vision.attention import resolve_attn_impl, torch_varlen_missing
 
     probes: dict[str, Any] = {"flash_attn": _module_version("flash_attn"), "triton": _module_version("triton")}
-    reason = _torch_varlen_missing()
+    reason = torch_varlen_missing()
     probes["torch_varlen"] = {"available": reason is None, "reason": reason}
     probes["attn_auto_cuda_bf16"] = resolve_attn_impl("auto", "cuda", torch.bfloat16)
     try:
@@ -296,8 +296,8 @@ def section_parity(ctx: Context, rec: Record) -> str:
     import torch
 
     from bench.throughput import transformers_unavailable
+    from bench.workloads import FAMILY_SMALL
     from qwenvl_vision.attention import resolve_attn_impl
-    from tests.helpers import FAMILY_SMALL
 
     device, dtype = ctx.device, torch.bfloat16
     # The reference is fp32: no TF32 in its convolution (cuDNN allows it by default) or matmuls.
@@ -328,18 +328,19 @@ def section_parity(ctx: Context, rec: Record) -> str:
 
 
 def fused_missing(device, dtype) -> str:
-    from qwenvl_vision.attention import _unavailable
-
     if device.type != "cuda":
         return "no CUDA"
-    return "; ".join(f"{name}: {_unavailable(name, device, dtype)}" for name in ("flash", "torch_varlen"))
+    from qwenvl_vision.attention import unavailable_reason
+
+    return "; ".join(f"{name}: {unavailable_reason(name, device, dtype)}" for name in ("flash", "torch_varlen"))
 
 
 def parity_one(cfg, device, dtype, fused_reason: str | None, entry: dict, extra_grids: bool) -> None:
     """Our bf16 tower against transformers' fp32 tower (same weights, same device); then sdpa against fused."""
     import torch
 
-    from tests.helpers import grids_for, hf_forward, hf_tower, inputs, ours_from, rel_err
+    from bench.reference import hf_forward, hf_tower, item_errors, ours_from
+    from bench.workloads import grids_for, inputs
 
     grids = list(grids_for(cfg)) + ([(1, 64, 80)] if extra_grids else [])  # a long frame: 5120 patches
     pixel_values, grid_thw = inputs(cfg, grids)
@@ -351,7 +352,13 @@ def parity_one(cfg, device, dtype, fused_reason: str | None, entry: dict, extra_
     del ref
     with torch.inference_mode():
         merged, levels = ours(pixel_values, grid_thw)
-    errors = {"merged": rel_err(merged, ref_merged), "deepstack": [rel_err(a, b) for a, b in zip(levels, ref_levels)]}
+    # Item by item: one norm over the pack would let a large error confined to the smallest image pass.
+    merge = cfg.spatial_merge_size
+    items = {"merged": item_errors(merged.float().cpu(), ref_merged.float().cpu(), grid_thw, merge),
+             "deepstack": [item_errors(a.float().cpu(), b.float().cpu(), grid_thw, merge)
+                           for a, b in zip(levels, ref_levels)]}
+    errors = {"merged": max(items["merged"]), "deepstack": [max(level) for level in items["deepstack"]],
+              "items": items}
     worst = max([errors["merged"], *errors["deepstack"]])
     ok = worst <= PARITY_TOL and len(levels) == len(ref_levels)
     entry.update(attention=ours.attention, grids=grids, patches=int(grid_thw.prod(1).sum()), rel_err=errors,
@@ -363,11 +370,14 @@ def parity_one(cfg, device, dtype, fused_reason: str | None, entry: dict, extra_
     ours.set_attention("sdpa", device, dtype)
     with torch.inference_mode():
         sdpa_merged, sdpa_levels = ours(pixel_values, grid_thw)
-    fused_errors = [rel_err(merged, sdpa_merged)] + [rel_err(a, b) for a, b in zip(levels, sdpa_levels)]
+    # Per output (merged, then each DeepStack level), the worst item.
+    fused_errors = [max(item_errors(a.float().cpu(), b.float().cpu(), grid_thw, merge))
+                    for a, b in zip([merged, *levels], [sdpa_merged, *sdpa_levels])]
     fused_ok = max(fused_errors) <= FUSED_TOL
     entry["fused_vs_sdpa"] = {"status": "ok" if fused_ok else "fail", "fused": fused_name,
                               "rel_err": fused_errors, "max_rel_err": max(fused_errors),
-                              "sdpa_vs_transformers_fp32": rel_err(sdpa_merged, ref_merged)}
+                              "sdpa_vs_transformers_fp32": max(item_errors(sdpa_merged.float().cpu(),
+                                                                           ref_merged.float().cpu(), grid_thw, merge))}
     if not fused_ok:
         entry["status"] = "fail"
 
@@ -377,7 +387,8 @@ def parity_one(cfg, device, dtype, fused_reason: str | None, entry: dict, extra_
 
 def section_teardown(ctx: Context, rec: Record) -> str:
     from bench.teardown import TRANSFORMERS, transformers_variant
-    from qwenvl_vision.teardown import PER_INSTANCE, add_teardown_arguments, cmd_teardown, run_ok
+    from qwenvl_vision.teardown import add_teardown_arguments, cmd_teardown
+    from qwenvl_vision.teardown_cycles import PER_INSTANCE, run_ok
 
     rec.data["presets"] = {}
     statuses = []
@@ -407,8 +418,8 @@ def section_teardown(ctx: Context, rec: Record) -> str:
 
 def small_config(preset_name: str):
     """The dry run's stand-in for a preset: its family's FAMILY_SMALL tower, named after it."""
+    from bench.workloads import FAMILY_SMALL
     from qwenvl_vision.config import preset
-    from tests.helpers import FAMILY_SMALL
 
     return FAMILY_SMALL[preset(preset_name).family].replace(name=f"{preset_name} (dry run: FAMILY_SMALL size)")
 
@@ -458,6 +469,7 @@ def section_throughput(ctx: Context, rec: Record) -> str:
     import torch
 
     import bench.throughput as tp
+    from bench.workloads import build_inputs
     from qwenvl_vision import preset
 
     device = ctx.device
@@ -478,7 +490,7 @@ def section_throughput(ctx: Context, rec: Record) -> str:
         try:
             variants, skipped = tp.build_variants(cfg, device, dtype, ("sdpa", "flash_attention_2"), compile_options)
             for i, inputs in enumerate(input_sets):
-                pixel_values, grid_thw, items = tp.build_inputs(inputs, cfg)
+                pixel_values, grid_thw, items = build_inputs(inputs, cfg)
                 failed: dict[str, str] = {}
                 # The first round of the first input set compiles; one more warm-up lets its autotuning settle.
                 warmup = 2 if i == 0 and not ctx.dry_run else 1
@@ -589,7 +601,7 @@ def run_child(name: str, out: Path, dry_run: bool, limit_s: float) -> tuple[int 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
            "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false"}
-    command = [sys.executable, str(Path(__file__).resolve()), "--section", name, "--out", str(out),
+    command = [sys.executable, "-m", "bench.cuda_check", "--section", name, "--out", str(out),
                "--limit", str(limit_s)] + (["--dry-run"] if dry_run else [])
     start = time.monotonic()
     proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -721,7 +733,7 @@ def summary_text(summary: dict[str, Any]) -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="bench/cuda_check.py", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m bench.cuda_check", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True, help="folder for the JSON files (the device tool's $OUT)")
     p.add_argument("--dry-run", action="store_true", help="the same logic on CPU with tiny configs")
