@@ -1,39 +1,49 @@
 """Old tree against this one and transformers, side by side in one process: the ratio a refactor must keep.
 
     cp -r OLD_CHECKOUT/qwenvl_vision /tmp/oldpkg/qwenvl_vision_old   # the old package under another name
-    python bench/before_after.py --old /tmp/oldpkg --preset qwen2.5-vl-3b --inputs photos --dtype fp32
+    python -m bench.before_after --old /tmp/oldpkg --preset qwen2.5-vl-3b --inputs photos --dtype fp32
 
 The old package must name its tensors as the checkpoints do (every tree up to 86749f6 does): it loads the
-reference tower's state dict directly. Timing as ``bench/throughput.py``: interleaved, median after warm-up.
+reference tower's state dict directly. Timing as ``bench.throughput``: interleaved, median after warm-up.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
+import importlib.util
 import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench import throughput
+from bench.workloads import add_workload_arguments, workload
 
-import throughput  # noqa: E402
+
+def import_old_package(folder: Path, name: str = "qwenvl_vision_old"):
+    """The old package from folder/name, imported under its own name without putting folder on the import path
+    (its modules import each other relatively, so only the package itself needs finding)."""
+    spec = importlib.util.spec_from_file_location(name, folder / name / "__init__.py",
+                                                  submodule_search_locations=[str(folder / name)])
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"no package {name} in {folder}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--old", required=True, help="folder holding the old package as qwenvl_vision_old")
-    throughput.add_workload_arguments(parser, dtypes=("fp32", "bf16"))
+    add_workload_arguments(parser, dtypes=("fp32", "bf16"))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     args = parser.parse_args(argv)
     device = torch.device("cpu")
-    cfg, pixel_values, grid_thw, items, dtype = throughput.workload(args)
+    cfg, pixel_values, grid_thw, items, dtype = workload(args)
     variants, _ = throughput.build_variants(cfg, device, dtype)
-    sys.path.insert(0, args.old)
-    old = importlib.import_module("qwenvl_vision_old")
+    old = import_old_package(Path(args.old))
     fields = {k: getattr(cfg, k) for k in ("depth", "hidden_size", "intermediate_size", "num_heads",
                                             "out_hidden_size", "patch_size", "fullatt_block_indexes",
                                             "deepstack_visual_indexes")}

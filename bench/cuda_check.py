@@ -1,12 +1,13 @@
 """The one prepared check for a lent GPU (issue 16): CUDA tests, bf16 parity, teardown, throughput and load, as JSON.
 
-    python bench/cuda_check.py --out DIR                      # on the GPU machine (DIR: the device tool's $OUT)
-    python bench/cuda_check.py --out DIR --dry-run            # the same logic on CPU with tiny configs (CI)
-    python bench/cuda_check.py --out DIR --only parity,load   # some sections (e.g. a rerun)
+    python -m bench.cuda_check --out DIR                      # on the GPU machine (DIR: the device tool's $OUT)
+    python -m bench.cuda_check --out DIR --dry-run            # the same logic on CPU with tiny configs (CI)
+    python -m bench.cuda_check --out DIR --only parity,load   # some sections (e.g. a rerun)
 
-With the device tool, from the repository root (its python3 has torch and transformers; nothing is installed):
+From the repository root (``bench`` is a package). With the device tool (its python3 has torch and transformers;
+nothing is installed):
 
-    run(command="PYTHONUNBUFFERED=1 python3 bench/cuda_check.py --out $OUT", timeout_s=570)
+    run(command="PYTHONUNBUFFERED=1 python3 -m bench.cuda_check --out $OUT", timeout_s=570)
 
 Every section runs in its own fresh process (``--section NAME``, started by this script) under its own time limit,
 so a crash, a CUDA error that poisons the context, a hang or leftover GPU memory stays in that section: it is
@@ -25,26 +26,26 @@ less than ``MIN_LIMIT_S`` is skipped with that reason.
 1. ``tests`` (~150 s, limit 210 s): ``pytest tests/test_cuda.py tests/test_compile.py``: counts, every test's
    outcome and the output tail. On 2 CPU cores test_compile.py takes 150 s (its inductor C++ compiles); 16
    cores, and Triton compiles of test_cuda.py's two compiled tests, should land near 150 s in all.
-2. ``parity`` (~20 s, limit 60 s): every family of ``tests.helpers.FAMILY_SMALL``: our tower in bf16 against
+2. ``parity`` (~20 s, limit 60 s): every family of ``bench.workloads.FAMILY_SMALL``: our tower in bf16 against
    transformers' tower of that family in fp32 (same weights, same device, TF32 off), on a packed mix with a
    2-frame video, a 2x2 grid, frames off the window grid and (GPU) a 64x80-patch frame: merged tokens and every
-   DeepStack level within 3e-2 relative error. Then the same tower with ``attn_impl="sdpa"`` against the fused
-   varlen path that ``"auto"`` chose (flash or torch_varlen), within 1e-2: both are bf16 with fp32 softmax
+   DeepStack level of every item within 3e-2 relative error. Then the same tower with ``attn_impl="sdpa"`` against
+   the fused varlen path that ``"auto"`` chose (flash or torch_varlen), within 1e-2: both are bf16 with fp32 softmax
    accumulation and the same weights, so they differ only where the attention output rounds differently, a
    part of the bf16-vs-fp32 error of these towers (7e-3 to 1.2e-2 on CPU; each entry also records the sdpa
    path's error against fp32, the noise floor of that run), while a wrong segment boundary gives errors near 1.
-3. ``teardown`` (~45 s, limit 120 s): ``qwenvl_vision.teardown.cmd_teardown`` (with bench/teardown.py's
+3. ``teardown`` (~45 s, limit 120 s): ``qwenvl_vision.teardown.cmd_teardown`` (with bench.teardown's
    transformers tower as comparison) for qwen2.5-vl-3b and qwen3-vl-8b, random weights at real size, bf16,
    5 cycles each of ``del`` and of ``close()``: ``memory_allocated`` against the baseline after each, and the
    reserved bytes after ``torch.cuda.empty_cache()``. Each cycle is ~1 s on a GPU (load 1.3 GB, encode 5 images,
    6 memory readings with a census of live tensors), 30 cycles in all.
-4. ``throughput`` (~170 s, limit 240 s): ``bench/throughput.py``'s pieces, bf16, qwen2.5-vl-3b then qwen3-vl-8b,
+4. ``throughput`` (~170 s, limit 240 s): ``bench.throughput``'s pieces, bf16, qwen2.5-vl-3b then qwen3-vl-8b,
    each on the mixed pack (29k / 22k patches) and on 16 images of 1024 patches: ours eager, ours compiled,
    transformers sdpa and flash_attention_2 where usable, 3 timed repeats after warm-up, with images/s,
    patches/s, TFLOP/s and the fraction of the dense bf16 peak. Per preset: ~45 s compiling, ~1 s per
    transformers forward on the mixed pack (a Python loop over ~450 windows in 28 blocks) and ~0.1 s per forward
    of ours, so ~80 s.
-5. ``load`` (~45 s, limit 100 s): ``bench/load.py --device cuda``: a real-layout bf16 qwen2.5-vl-3b checkpoint
+5. ``load`` (~45 s, limit 100 s): ``python -m bench.load --device cuda``: a real-layout bf16 qwen2.5-vl-3b checkpoint
    (1.3 GB of vision tensors, written once, ~10 s), then 1 warm-up and 3 measured fresh-process loads of ours and
    2 of transformers' tower: load time, peak host RSS against the tower bytes, peak GPU allocation.
 
@@ -62,6 +63,9 @@ bf16 against fp32 on CPU, the fused comparison skipped ("no CUDA"); teardown and
 ``backend="aot_eager"``: dynamo and AOT autograd without inductor's code generation, divided by a measured fp32
 matmul rate); load writes and loads a one-block qwen2.5-vl-3b checkpoint. It cannot check anything CUDA-specific:
 kernels, the fused varlen path, memory counters, inductor/Triton code generation, speed, real-size memory.
+
+This module is the parent (limits, processes, summary) and a section's process entry; the sections themselves are
+``bench.cuda_sections``.
 """
 
 from __future__ import annotations
@@ -69,13 +73,9 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import gc
-import importlib.metadata
 import importlib.util
 import json
 import os
-import platform
-import shutil
 import signal
 import subprocess
 import sys
@@ -83,22 +83,14 @@ import tempfile
 import threading
 import time
 import traceback
-import xml.etree.ElementTree as ET
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from bench.cuda_sections import LOG_TAIL, REPO, SECTION_FUNCTIONS, Context, Record, environment, error_text, write_json
 
-PRESETS = ("qwen2.5-vl-3b", "qwen3-vl-8b")
-PARITY_TOL = 3e-2  # our bf16 against transformers fp32 (issue 16)
-FUSED_TOL = 1e-2  # fused varlen against sdpa, both bf16: rounding only
 MAX_FILES = 8  # what the device tool brings back from $OUT
-SNAPSHOT_MAX_BYTES = 16 << 20  # its per-file limit
 MIN_LIMIT_S = 20  # a section given less than this is skipped
-LOG_TAIL = 4000
 
 
 @dataclass(frozen=True)
@@ -118,97 +110,16 @@ SECTIONS: dict[str, Section] = {
 }
 
 
-# ---------------------------------------------------------------------- shared by the sections
-
-
-@dataclass
-class Context:
-    name: str
-    out: Path
-    dry_run: bool
-    limit_s: float
-    tmp: Path
-    started: float
-
-    @property
-    def device(self):
-        import torch
-
-        return torch.device("cpu" if self.dry_run else "cuda")
-
-    def time_left(self) -> float:
-        return self.limit_s - (time.monotonic() - self.started)
-
-
-class Record:
-    """One section's JSON, rewritten (atomically) after every item, so a section stopped at its limit keeps what
-    it measured."""
-
-    def __init__(self, path: Path, data: dict[str, Any]) -> None:
-        self.path = path
-        self.data = data
-
-    def save(self) -> None:
-        write_json(self.path, self.data)
-
-
-def write_json(path: Path, data: dict[str, Any]) -> None:
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps(data, indent=1, default=str) + "\n")
-    partial.replace(path)
-
-
-def combine(statuses: list[str]) -> str:
-    """A section's status from its items': any error, else any fail, else any ok, else skipped."""
-    for status in ("timeout", "error", "fail", "ok"):
-        if status in statuses:
-            return status
-    return "skipped"
-
-
-def error_text(exc: BaseException) -> str:
-    return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))[-3000:]
-
-
-def release_memory() -> None:
-    """Between items on a GPU: collect cycles that may hold device memory and hand cached blocks back, so the next
-    item starts from the same state. On CPU there is nothing to hand back (and a collection costs ~0.3 s)."""
-    import torch
-
-    if torch.cuda.is_available():
-        gc.collect()
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-
-
-def environment() -> dict[str, Any]:
-    """Versions and the device, as the section's process sees them (the parent probes the optional features)."""
-    import torch
-
-    env: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
-                           "torch_cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available(),
-                           "cpus": os.cpu_count(), "machine": platform.machine()}
-    if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(0)
-        env.update(device_name=props.name, capability=f"{props.major}.{props.minor}",
-                   memory_bytes=props.total_memory, multiprocessors=props.multi_processor_count)
-    try:  # the installed distribution's version, without importing it
-        env["transformers"] = importlib.metadata.version("transformers")
-    except importlib.metadata.PackageNotFoundError:
-        env["transformers"] = None
-    return env
-
-
 def feature_probes() -> dict[str, Any]:
     """Every optional feature a comparison depends on, probed once in the parent (no CUDA context needed):
     flash-attn, Triton, torch's varlen_attn and its scale keyword (importing it loads torch._dynamo: seconds),
     the backend "auto" picks on CUDA in bf16, and transformers' flash_attention_2."""
     import torch
 
-    from qwenvl_vision.attention import _torch_varlen_missing, resolve_attn_impl
+    from qwenvl_vision.attention import resolve_attn_impl, torch_varlen_missing
 
     probes: dict[str, Any] = {"flash_attn": _module_version("flash_attn"), "triton": _module_version("triton")}
-    reason = _torch_varlen_missing()
+    reason = torch_varlen_missing()
     probes["torch_varlen"] = {"available": reason is None, "reason": reason}
     probes["attn_auto_cuda_bf16"] = resolve_attn_impl("auto", "cuda", torch.bfloat16)
     try:
@@ -229,318 +140,6 @@ def _module_version(name: str) -> dict[str, Any]:
     except Exception as e:  # noqa: BLE001 - a broken build (ABI mismatch) is as good as absent
         return {"version": None, "reason": f"import {name} failed: {type(e).__name__}: {e}"}
     return {"version": getattr(module, "__version__", "?")}
-
-
-# ---------------------------------------------------------------------- 1. tests
-
-
-def section_tests(ctx: Context, rec: Record) -> str:
-    files = ["tests/test_cuda.py"] + ([] if ctx.dry_run else ["tests/test_compile.py"])
-    junit = ctx.tmp / "junit.xml"
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", f"--junitxml={junit}", *files]
-    rec.data.update(command=" ".join(command[1:]), files=files)
-    if ctx.dry_run:
-        rec.data["dry_run_excludes"] = ("tests/test_compile.py: its inductor compiles take minutes on 2 cores, "
-                                        "and CI runs it anyway")
-    try:
-        proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=max(5, ctx.time_left() - 10))
-        output, returncode = proc.stdout + proc.stderr, proc.returncode
-    except subprocess.TimeoutExpired as e:
-        output, returncode = _text(e.stdout) + _text(e.stderr), None
-    rec.data.update(returncode=returncode, output_tail=output[-LOG_TAIL:])
-    outcomes = junit_outcomes(junit) if junit.is_file() else []
-    counts = collections.Counter(t["outcome"] for t in outcomes)
-    rec.data["counts"] = {k: counts.get(k, 0) for k in ("passed", "failed", "error", "skipped")}
-    rec.data["tests"] = outcomes
-    rec.data["skip_reasons"] = sorted({t["message"] for t in outcomes if t["outcome"] == "skipped"})
-    if returncode is None:
-        rec.data["reason"] = "pytest ran past its limit"
-        return "timeout"
-    if returncode not in (0, 1):
-        rec.data["reason"] = f"pytest exited {returncode} (interrupted, internal or usage error)"
-        return "error"
-    if counts["failed"] or counts["error"]:
-        return "fail"
-    if not counts["passed"]:
-        rec.data["reason"] = "; ".join(rec.data["skip_reasons"])
-        return "skipped"
-    return "ok"
-
-
-def _text(data: bytes | str | None) -> str:
-    if data is None:
-        return ""
-    return data if isinstance(data, str) else data.decode(errors="replace")
-
-
-def junit_outcomes(path: Path) -> list[dict[str, Any]]:
-    """Every test case of a pytest junit XML: name, outcome, seconds and (not passed) the message."""
-    cases = []
-    for case in ET.parse(path).getroot().iter("testcase"):
-        outcome, message = "passed", ""
-        for tag in ("failure", "error", "skipped"):
-            node = case.find(tag)
-            if node is not None:
-                outcome = {"failure": "failed"}.get(tag, tag)
-                message = (node.get("message") or node.text or "")[:500]
-                break
-        cases.append({"test": f"{case.get('classname')}::{case.get('name')}", "outcome": outcome,
-                      "seconds": float(case.get("time") or 0), "message": message})
-    return cases
-
-
-# ---------------------------------------------------------------------- 2. parity
-
-
-def section_parity(ctx: Context, rec: Record) -> str:
-    import torch
-
-    from bench.throughput import transformers_unavailable
-    from qwenvl_vision.attention import resolve_attn_impl
-    from tests.helpers import FAMILY_SMALL
-
-    device, dtype = ctx.device, torch.bfloat16
-    # The reference is fp32: no TF32 in its convolution (cuDNN allows it by default) or matmuls.
-    torch.backends.cudnn.allow_tf32 = False
-    torch.backends.cuda.matmul.allow_tf32 = False
-    fused = resolve_attn_impl("auto", device, dtype)
-    fused_reason = None if fused != "sdpa" else fused_missing(device, dtype)
-    rec.data.update(device=str(device), dtype="bfloat16", reference_dtype="float32", tf32=False,
-                    tolerance={"bf16_vs_transformers_fp32": PARITY_TOL, "fused_vs_sdpa": FUSED_TOL},
-                    fused_attention=fused if fused_reason is None else None, fused_reason=fused_reason, families={})
-    statuses = []
-    for family, cfg in FAMILY_SMALL.items():
-        entry = rec.data["families"][family] = {}
-        reason = transformers_unavailable(cfg, "sdpa")
-        if reason is not None:
-            entry.update(status="skipped", reason=reason)
-        else:
-            try:
-                parity_one(cfg, device, dtype, fused_reason, entry, extra_grids=not ctx.dry_run)
-            except Exception as e:  # noqa: BLE001 - recorded; the next family still runs
-                entry.update(status="error", error=error_text(e))
-            release_memory()
-        statuses.append(entry["status"])
-        print(f"parity {family}: {entry['status']} {entry.get('max_rel_err', '')} {entry.get('reason', '')}",
-              flush=True)
-        rec.save()
-    return combine(statuses)
-
-
-def fused_missing(device, dtype) -> str:
-    from qwenvl_vision.attention import _unavailable
-
-    if device.type != "cuda":
-        return "no CUDA"
-    return "; ".join(f"{name}: {_unavailable(name, device, dtype)}" for name in ("flash", "torch_varlen"))
-
-
-def parity_one(cfg, device, dtype, fused_reason: str | None, entry: dict, extra_grids: bool) -> None:
-    """Our bf16 tower against transformers' fp32 tower (same weights, same device); then sdpa against fused."""
-    import torch
-
-    from tests.helpers import grids_for, hf_forward, hf_tower, inputs, ours_from, rel_err
-
-    grids = list(grids_for(cfg)) + ([(1, 64, 80)] if extra_grids else [])  # a long frame: 5120 patches
-    pixel_values, grid_thw = inputs(cfg, grids)
-    pixel_values = pixel_values.to(device)
-    ref = hf_tower(cfg, "sdpa", device=device, dtype=torch.float32, seed=0)
-    with torch.inference_mode():
-        ref_merged, ref_levels = hf_forward(ref, pixel_values, grid_thw.to(device))
-    ours = ours_from(ref, cfg).to(dtype)
-    del ref
-    with torch.inference_mode():
-        merged, levels = ours(pixel_values, grid_thw)
-    errors = {"merged": rel_err(merged, ref_merged), "deepstack": [rel_err(a, b) for a, b in zip(levels, ref_levels)]}
-    worst = max([errors["merged"], *errors["deepstack"]])
-    ok = worst <= PARITY_TOL and len(levels) == len(ref_levels)
-    entry.update(attention=ours.attention, grids=grids, patches=int(grid_thw.prod(1).sum()), rel_err=errors,
-                 deepstack_levels=[len(levels), len(ref_levels)], max_rel_err=worst, status="ok" if ok else "fail")
-    if fused_reason is not None:
-        entry["fused_vs_sdpa"] = {"status": "skipped", "reason": fused_reason}
-        return
-    fused_name = ours.attention
-    ours.set_attention("sdpa", device, dtype)
-    with torch.inference_mode():
-        sdpa_merged, sdpa_levels = ours(pixel_values, grid_thw)
-    fused_errors = [rel_err(merged, sdpa_merged)] + [rel_err(a, b) for a, b in zip(levels, sdpa_levels)]
-    fused_ok = max(fused_errors) <= FUSED_TOL
-    entry["fused_vs_sdpa"] = {"status": "ok" if fused_ok else "fail", "fused": fused_name,
-                              "rel_err": fused_errors, "max_rel_err": max(fused_errors),
-                              "sdpa_vs_transformers_fp32": rel_err(sdpa_merged, ref_merged)}
-    if not fused_ok:
-        entry["status"] = "fail"
-
-
-# ---------------------------------------------------------------------- 3. teardown
-
-
-def section_teardown(ctx: Context, rec: Record) -> str:
-    from bench.teardown import TRANSFORMERS, transformers_variant
-    from qwenvl_vision.teardown import PER_INSTANCE, add_teardown_arguments, cmd_teardown, run_ok
-
-    rec.data["presets"] = {}
-    statuses = []
-    for name in PRESETS:
-        source = ["--preset", name]
-        if ctx.dry_run:  # the preset's family at FAMILY_SMALL size
-            source = ["--config", str(small_config_file(ctx.tmp, name))]
-        parser = argparse.ArgumentParser()
-        add_teardown_arguments(parser, variants=(PER_INSTANCE, TRANSFORMERS))
-        args = parser.parse_args([*source, "--cycles", "1" if ctx.dry_run else "5", "--device", ctx.device.type,
-                                  "--dtype", "fp32" if ctx.dry_run else "bf16", "--snapshot-dir", str(ctx.tmp),
-                                  "--quiet"])
-        reports: list[dict] = []
-        entry = rec.data["presets"][name] = {}
-        try:
-            cmd_teardown(args, extra_variants={TRANSFORMERS: transformers_variant}, after=reports.append)
-            report = reports[0]
-            entry.update(teardown_summary(report, run_ok), status="ok" if report["ok"] else "fail", report=report)
-            entry["snapshot"] = keep_snapshot(report, ctx.out)
-        except Exception as e:  # noqa: BLE001 - recorded; the next preset still runs
-            entry.update(status="error", error=error_text(e))
-        release_memory()
-        statuses.append(entry["status"])
-        rec.save()
-    return combine(statuses)
-
-
-def small_config(preset_name: str):
-    """The dry run's stand-in for a preset: its family's FAMILY_SMALL tower, named after it."""
-    from qwenvl_vision.config import preset
-    from tests.helpers import FAMILY_SMALL
-
-    return FAMILY_SMALL[preset(preset_name).family].replace(name=f"{preset_name} (dry run: FAMILY_SMALL size)")
-
-
-def small_config_file(folder: Path, preset_name: str) -> Path:
-    path = folder / f"{preset_name}.json"
-    path.write_text(json.dumps(small_config(preset_name).to_config_json()))
-    return path
-
-
-def teardown_summary(report: dict, run_ok: Callable[[dict], bool]) -> dict:
-    """Per run: retained allocated bytes per cycle (after del / after close and del), bytes still held after
-    close() while the caller holds the encoder, and the reserved bytes after empty_cache() against the baseline."""
-    runs = []
-    for run in report["runs"]:
-        base = run["baseline"]
-        reserved = [c["phases"]["after_teardown"].get("cuda_reserved") for c in run["cycles"]]
-        runs.append({
-            "variant": run["variant"], "teardown": run["teardown"], "cycles": len(run["cycles"]),
-            "weights_bytes": run["weights_bytes"], "retained_bytes": run["retained_bytes"],
-            "retained_by_cycle": run["retained_by_cycle"], "retained_bytes_after_gc": run["retained_bytes_after_gc"],
-            "held_after_close_bytes": run.get("held_after_close_bytes"), "freed_by_refcount": run["freed_by_refcount"],
-            "baseline_allocated": base.get("cuda_allocated"), "baseline_reserved": base.get("cuda_reserved"),
-            "reserved_after_empty_cache_by_cycle": reserved,
-            "ok": run_ok(run) if run["variant"] == "per-instance" else None,
-        })
-    return {"model": report["model"], "device": report["device"], "dtype": report["dtype"],
-            "metric": report["metric"], "runs": runs, "skipped": report["skipped"]}
-
-
-def keep_snapshot(report: dict, out: Path) -> dict | None:
-    """The first CUDA memory snapshot of a failed run, copied into out if it fits what comes back."""
-    for path in map(Path, report.get("snapshots", ())):
-        size = path.stat().st_size
-        target = out / "teardown-snapshot.pickle"
-        if size <= SNAPSHOT_MAX_BYTES and not target.exists():
-            shutil.copyfile(path, target)
-            return {"file": target.name, "bytes": size}
-        return {"file": None, "bytes": size, "reason": "over the 16 MiB a returned file may have"}
-    return None
-
-
-# ---------------------------------------------------------------------- 4. throughput
-
-
-def section_throughput(ctx: Context, rec: Record) -> str:
-    import torch
-
-    import bench.throughput as tp
-    from qwenvl_vision import preset
-
-    device = ctx.device
-    dtype = torch.float32 if ctx.dry_run else torch.bfloat16
-    peak = tp.peak_rate(device, dtype, matmul_n=256 if ctx.dry_run else 8192)
-    input_sets = ("small",) if ctx.dry_run else ("mixed", "1024-patch")
-    # Dry run: dynamo and AOT autograd without inductor's code generation (minutes on 2 cores). Not "eager":
-    # dynamo's eager backend fails on these packs with a ConstraintViolationError that aot_eager and inductor
-    # do not raise.
-    compile_options = {"backend": "aot_eager"} if ctx.dry_run else {}
-    repeats = 1 if ctx.dry_run else 3
-    rec.data.update(device=str(device), dtype=str(dtype).replace("torch.", ""), peak=peak, inputs=input_sets,
-                    compile_options=compile_options, repeats=repeats, results=[])
-    statuses = []
-    for name in PRESETS:
-        cfg = small_config(name) if ctx.dry_run else preset(name)
-        variants = None
-        try:
-            variants, skipped = tp.build_variants(cfg, device, dtype, ("sdpa", "flash_attention_2"), compile_options)
-            for i, inputs in enumerate(input_sets):
-                pixel_values, grid_thw, items = tp.build_inputs(inputs, cfg)
-                failed: dict[str, str] = {}
-                # The first round of the first input set compiles; one more warm-up lets its autotuning settle.
-                warmup = 2 if i == 0 and not ctx.dry_run else 1
-                timings = tp.measure(variants, pixel_values, grid_thw, device, warmup=warmup,
-                                     repeats=repeats, failed=failed)
-                result = tp.summarize(cfg, name, inputs, grid_thw, items, device, dtype, timings, peak, skipped)
-                result["failed"] = failed
-                result["goals"] = throughput_goals(result)
-                result["status"] = "fail" if any(not n.startswith(tp.REFERENCE) for n in failed) else "ok"
-                tp.print_table(result)
-                rec.data["results"].append(result)
-                statuses.append(result["status"])
-                rec.save()
-        except Exception as e:  # noqa: BLE001 - recorded; the next preset still runs
-            rec.data["results"].append({"preset": name, "status": "error", "error": error_text(e)})
-            statuses.append("error")
-            rec.save()
-        del variants
-        release_memory()
-    return combine(statuses)
-
-
-def throughput_goals(result: dict) -> dict:
-    """Issue 16's goals, reported (not asserted): >= 2x transformers sdpa at >= 16k patches a pack, and >= 50% of
-    the dense bf16 peak."""
-    goals: dict[str, Any] = {"patches_at_least_16k": result["patches"] >= 16384}
-    for name, v in result["variants"].items():
-        if "speedup_vs" in v:
-            goals[name] = {"speedup_vs_sdpa_at_least_2x": v["speedup_vs"].get("transformers", 0) >= 2,
-                           "half_of_peak": v["fraction_of_peak"] >= 0.5}
-    return goals
-
-
-# ---------------------------------------------------------------------- 5. load
-
-
-def section_load(ctx: Context, rec: Record) -> str:
-    import bench.load as bl
-
-    argv = ["--preset", PRESETS[0], "--device", ctx.device.type, "--dtypes", "bf16", "--workdir", str(ctx.tmp),
-            "--timeout", str(int(max(10, ctx.time_left())))]
-    argv += ["--depth", "1", "--repeats", "1", "--warmup", "0"] if ctx.dry_run else ["--repeats", "3", "--warmup", "1"]
-    rec.data.update(argv=argv)
-    try:
-        report = bl.main([*argv, "--rows", "ours,hf-tower"])
-    except Exception as e:  # noqa: BLE001 - transformers' row may fail on another version: measure ours alone
-        rec.data["hf_tower_error"] = error_text(e)
-        rec.save()
-        report = bl.main([*argv, "--rows", "ours"])
-    rec.data["report"] = report
-    rec.data["rows"] = {f"{r['row']}-{r['dtype']}": {k: r.get(k) for k in (
-        "seconds_median", "seconds_all", "peak_delta_median", "peak_over_tower", "tower_bytes", "tower_device",
-        "cuda_peak_allocated", "time_vs_ours", "peak_vs_ours", "max_rel_err_vs_ours")} for r in report["rows"]}
-    if "hf_tower_error" in rec.data:
-        rec.data["skipped"] = {"hf-tower": "transformers' tower load failed (see hf_tower_error)"}
-    return "ok"
-
-
-SECTION_FUNCTIONS: dict[str, Callable[[Context, Record], str]] = {
-    "tests": section_tests, "parity": section_parity, "teardown": section_teardown,
-    "throughput": section_throughput, "load": section_load,
-}
 
 
 def run_section(name: str, out: Path, dry_run: bool, limit_s: float) -> int:
@@ -589,7 +188,7 @@ def run_child(name: str, out: Path, dry_run: bool, limit_s: float) -> tuple[int 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
            "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false"}
-    command = [sys.executable, str(Path(__file__).resolve()), "--section", name, "--out", str(out),
+    command = [sys.executable, "-m", "bench.cuda_check", "--section", name, "--out", str(out),
                "--limit", str(limit_s)] + (["--dry-run"] if dry_run else [])
     start = time.monotonic()
     proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -721,7 +320,7 @@ def summary_text(summary: dict[str, Any]) -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="bench/cuda_check.py", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m bench.cuda_check", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True, help="folder for the JSON files (the device tool's $OUT)")
     p.add_argument("--dry-run", action="store_true", help="the same logic on CPU with tiny configs")

@@ -72,10 +72,14 @@ def write_images(folder: Path, count: int, pixels: int) -> list[Path]:
 
 
 def write_tiny_checkpoint(folder: Path) -> Path:
+    """The small Qwen2.5-VL tower in the released layout (which every tree reads, old ones included), fp32."""
     if not (folder / "config.json").exists():
-        from tests.helpers import QWEN2_5_SMALL, write_checkpoint
+        import torch
 
-        write_checkpoint(folder, QWEN2_5_SMALL)
+        from bench.load import write_checkpoint
+        from bench.workloads import QWEN2_5_SMALL
+
+        write_checkpoint(folder, QWEN2_5_SMALL, dtype=torch.float32)
     return folder
 
 
@@ -85,7 +89,7 @@ def run_child(pythonpath: Path, argv: list[str], cpus: int) -> tuple[int, int]:
         result_file = Path(tmp) / "peak"
         env = {**os.environ, "PYTHONPATH": str(pythonpath), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
                "EMBED_MEMORY_CPUS": str(cpus)}
-        # cwd = the tree: `python -c` puts the cwd first on sys.path, ahead of PYTHONPATH.
+        # cwd = the tree: `python -c` puts the cwd first on the import path, ahead of PYTHONPATH.
         proc = subprocess.run([sys.executable, "-c", CHILD, str(result_file), *argv], env=env, capture_output=True,
                               text=True, cwd=pythonpath)
         if not result_file.exists():

@@ -1,31 +1,28 @@
 """The time a forward cannot beat on this machine: its matrix products at the rate the hardware reaches alone.
 
-    python bench/gemm_bound.py --preset qwen2.5-vl-3b --inputs photos --dtype bf16
+    python -m bench.gemm_bound --preset qwen2.5-vl-3b --inputs photos --dtype bf16
 
 For one packed forward of a tower, every GEMM (patch embedding, qkv, projection, MLP, mergers) is listed with its
 shape and timed alone with ``torch.mm`` on a weight laid out as a Linear holds it (best of a few runs, output
 preallocated, the same weight every run, so it may stay in cache: an optimistic rate). Attention is timed alone
 as the SDPA calls our attention plan makes (``attention.sdpa_attention`` on random q/k/v with the forward's
 segments: PyTorch's SDPA kernel alone, batched as we batch it; for Qwen3 towers, which attend over whole frames,
-that is a fifth of the bound). The bound is the sum; ``bench/throughput.py`` reports each forward as a fraction
+that is a fifth of the bound). The bound is the sum; ``bench.throughput`` reports each forward as a fraction
 of it.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from collections import Counter
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from qwenvl_vision.attention import sdpa_attention  # noqa: E402
-from qwenvl_vision.config import VisionConfig  # noqa: E402
-from qwenvl_vision.models import build_model  # noqa: E402
+from bench.workloads import add_workload_arguments, workload
+from qwenvl_vision.attention import sdpa_attention
+from qwenvl_vision.config import VisionConfig
+from qwenvl_vision.models import build_model
 
 Shape = tuple[int, int, int]  # (m, k, n): an (m, k) x (k, n) product
 
@@ -98,16 +95,13 @@ def gemm_bound(cfg: VisionConfig, grids: list[tuple[int, int, int]], dtype: torc
 
 
 def main(argv: list[str] | None = None) -> dict:
-    import throughput
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    throughput.add_workload_arguments(parser)
-    cfg, _, grid_thw, _, dtype = throughput.workload(parser.parse_args(argv))
+    add_workload_arguments(parser)
+    cfg, _, grid_thw, _, dtype = workload(parser.parse_args(argv))
     result = gemm_bound(cfg, [tuple(g) for g in grid_thw.tolist()], dtype)
     print(result)
     return result
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     main()

@@ -42,7 +42,7 @@ non-fp32 row also with ours in fp32 ("vs fp32": its rounding error).
 ``--device cuda`` loads onto the GPU instead (the rows above with ``device=`` / ``device_map=``): the child creates
 its CUDA context before the baseline (its host memory is not the load's), the timer stops after a synchronize,
 and each run also reports the GPU's peak allocated bytes. The peak RSS is still the host's: what staging the
-weights costs. ``--depth N`` truncates the tower (a smoke test in seconds; ``bench/cuda_check.py --dry-run``).
+weights costs. ``--depth N`` truncates the tower (a smoke test in seconds; ``python -m bench.cuda_check --dry-run``).
 """
 
 from __future__ import annotations
@@ -517,7 +517,7 @@ def main(argv=None) -> dict | None:
 
     cfg = preset(args.preset)
     if args.depth:
-        from bench.throughput import truncated
+        from bench.workloads import truncated
 
         cfg = truncated(cfg, args.depth)
         cfg = cfg.replace(name=f"{cfg.name}-depth{cfg.depth}")

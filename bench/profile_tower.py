@@ -1,6 +1,6 @@
 """Where a forward's time goes, ours against transformers': GEMM, attention, norms, rope, activation, copies.
 
-    python bench/profile_tower.py --preset qwen2.5-vl-3b --inputs photos --dtype bf16
+    python -m bench.profile_tower --preset qwen2.5-vl-3b --inputs photos --dtype bf16
 
 One forward of each tower (same weights, same inputs) under ``torch.profiler``, after a warm-up forward. Every
 module's forward is wrapped in a ``record_function`` scope, so each aten op's self time is attributed to a
@@ -13,14 +13,12 @@ copies and the position embedding -> other).
 from __future__ import annotations
 
 import argparse
-import sys
 from collections import defaultdict
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench.throughput import build_variants
+from bench.workloads import add_workload_arguments, workload
 
 GEMM_OPS = {"aten::addmm", "aten::mm", "aten::bmm", "aten::baddbmm", "aten::mkldnn_convolution",
             "aten::_mkldnn_convolution", "aten::convolution_overrideable", "aten::_convolution"}
@@ -107,16 +105,14 @@ def format_profile(profiles: dict[str, dict[str, float]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    import throughput
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    throughput.add_workload_arguments(parser)
+    add_workload_arguments(parser)
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    cfg, pixel_values, grid_thw, _, dtype = throughput.workload(args)
-    variants, _ = throughput.build_variants(cfg, torch.device("cpu"), dtype)
+    cfg, pixel_values, grid_thw, _, dtype = workload(args)
+    variants, _ = build_variants(cfg, torch.device("cpu"), dtype)
     profiles = {name: profile_forward(v.model, lambda v=v: v.run(v.model, pixel_values, grid_thw))
                 for name, v in variants.items()}
     print(f"{args.preset} depth {cfg.depth}, {args.inputs} ({int(grid_thw.prod(1).sum())} patches), {args.dtype}, "

@@ -1,10 +1,10 @@
 """Teardown benchmark with its comparisons: our per-instance caches against a class-level ``functools.lru_cache``
 (the bug this package exists to avoid) and against transformers' tower.
 
-    python bench/teardown.py --preset qwen2.5-vl-3b --cycles 20 --json bench/results/teardown.json --plot t.png
+    python -m bench.teardown --preset qwen2.5-vl-3b --cycles 20 --json bench/results/teardown.json --plot t.png
     qwenvl-vision bench teardown --preset qwen3-vl-2b   # the package's own part: per-instance only
 
-What is measured, and how, is ``qwenvl_vision/teardown.py`` (the same options). This file adds:
+What is measured, and how, is ``qwenvl_vision.teardown`` (the same options). This file adds:
 
 - ``class-level-cache``: the same model, with ``grid_plan`` memoised by a class-level ``lru_cache`` keyed on
   ``(self, grid)`` as serving engines had it (ruff B019; it kept 1.35 GB of GPU memory after shutting
@@ -21,19 +21,10 @@ import argparse
 import functools
 import importlib.util
 import sys
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from qwenvl_vision.teardown import (  # noqa: E402
-    PER_INSTANCE,
-    Options,
-    Variant,
-    _load_plain,
-    add_teardown_arguments,
-    cmd_teardown,
-)
+from qwenvl_vision.teardown import add_teardown_arguments, cmd_teardown
+from qwenvl_vision.teardown_cycles import PER_INSTANCE, Options, Variant, load_plain
 
 CLASS_LEVEL = "class-level-cache"
 TRANSFORMERS = "transformers"
@@ -72,7 +63,7 @@ def cache_clear() -> None:
 
 
 def class_level_variant(opts: Options) -> Variant:
-    return Variant(CLASS_LEVEL, lambda: adopt(_load_plain(opts)), ("del", "close"), expect_free=False,
+    return Variant(CLASS_LEVEL, lambda: adopt(load_plain(opts)), ("del", "close"), expect_free=False,
                    note="grid_plan memoised by a class-level functools.lru_cache keyed on (self, grid)",
                    cache_entries=cache_entries, cache_clear=cache_clear)
 
@@ -86,13 +77,13 @@ def transformers_variant(opts: Options) -> Variant | str:
     def prepare() -> None:
         import transformers
 
-        from tests.helpers import hf_classes
+        from bench.reference import hf_classes
 
         hf_classes(opts.config)  # the import happens here, not inside the first measured cycle
         variant.note = f"transformers {transformers.__version__} tower, random init, del only"
 
     def load() -> Any:
-        from tests.helpers import hf_tower
+        from bench.reference import hf_tower
 
         return hf_tower(opts.config, device=opts.device, dtype=opts.dtype, seed=None)
 
@@ -149,7 +140,7 @@ def plot_report(report: dict[str, Any], path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="bench/teardown.py", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m bench.teardown", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_teardown_arguments(parser, variants=(PER_INSTANCE, CLASS_LEVEL, TRANSFORMERS))
     parser.add_argument("--plot", help="draw memory over the cycle phases per variant to this image "
@@ -159,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            print("bench/teardown.py: --plot needs matplotlib; rerun without --plot for the table and --json",
+            print("bench.teardown: --plot needs matplotlib; rerun without --plot for the table and --json",
                   file=sys.stderr)
             return 2
     after = None

@@ -1,8 +1,9 @@
 """Throughput of our tower against transformers' tower: same weights, same inputs, same device, interleaved.
 
-    python bench/throughput.py --preset qwen2.5-vl-3b --device cpu --json bench/results/throughput-cpu.json
-    python bench/throughput.py --preset qwen3-vl-8b --device cuda --dtype bf16 --attn sdpa,flash_attention_2
+    python -m bench.throughput --preset qwen2.5-vl-3b --device cpu --json bench/results/throughput-cpu.json
+    python -m bench.throughput --preset qwen3-vl-8b --device cuda --dtype bf16 --attn sdpa,flash_attention_2
 
+(from the repository root: ``bench`` is a package).
 Inputs (default "mixed"): photos at 448x448, 1024x768 and 2048x1536 and a 16-frame 448x448 video,
 preprocessed once with our (bit-exact) Qwen2VL preprocessing and packed into one batch, so both towers
 see identical pixel_values and grid_thw. "1024-patch" is 16 images of 32x32 patches (448 px at patch 14,
@@ -21,14 +22,13 @@ of the linears and attention), its fraction of the GPU's dense bf16 peak (datash
 ``DENSE_BF16_PEAK_TFLOPS``, else the matmul rate measured in the same run, as ``peak_source`` says) and
 of the bf16 matmul rate measured in the same run.
 
-``bench/cuda_check.py`` imports these pieces (``build_variants``, ``build_inputs``, ``measure``,
-``summarize``, ``peak_rate``) to time several input sets on one set of models.
+``bench.cuda_check`` imports these pieces (``build_variants``, ``measure``, ``summarize``, ``peak_rate``; the
+input sets are ``bench.workloads``') to time several input sets on one set of models.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import platform
@@ -40,24 +40,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from qwenvl_vision import preset  # noqa: E402
-from qwenvl_vision.config import VisionConfig  # noqa: E402
-from qwenvl_vision.init import random_tower  # noqa: E402
-from qwenvl_vision.preprocess import PreprocessConfig, preprocess_image, preprocess_video  # noqa: E402
-from tests.helpers import photo  # noqa: E402
-
-INPUT_SETS = {
-    # 4 photos as a user embeds them: ~3.9k patches (patch 14), each resized under max_pixels 448^2.
-    "photos": {"images": [(600, 512), (480, 640), (640, 480), (560, 560)], "video": None, "max_pixels": 448 * 448},
-    "mixed": {"images": [(448, 448), (768, 1024), (1536, 2048)], "video": (16, 448, 448)},
-    "1024-patch": {"image_patches": [(32, 32)] * 16, "video": None},  # sized in patches: same count per family
-    "small": {"images": [(224, 224), (336, 448)], "video": (4, 224, 224)},
-}
+from bench.gemm_bound import gemm_bound
+from bench.reference import hf_classes, hf_tower, ours_from
+from bench.workloads import INPUT_SETS, build_inputs, truncated
+from qwenvl_vision import preset
+from qwenvl_vision.config import VisionConfig
+from qwenvl_vision.init import random_tower
 
 # Dense (no sparsity) bf16 tensor-core peaks from NVIDIA's datasheets, TFLOP/s, matched as substrings of
 # torch.cuda.get_device_name(); the first match wins, so the more specific names come first.
@@ -71,52 +61,6 @@ DENSE_BF16_PEAK_TFLOPS = (
     ("A100", 312.0),
 )
 REFERENCE = "transformers"
-
-
-def add_workload_arguments(parser: argparse.ArgumentParser, dtypes: tuple[str, ...] = ("bf16", "fp32")) -> None:
-    """The options that pick a tower and a pack, shared by the CPU benchmarks built on this file."""
-    parser.add_argument("--preset", default="qwen2.5-vl-3b")
-    parser.add_argument("--inputs", default="photos", choices=sorted(INPUT_SETS))
-    parser.add_argument("--dtype", default=dtypes[0], choices=dtypes)
-    parser.add_argument("--depth", type=int, default=None, help="truncate the tower (see truncated())")
-
-
-def workload(args: argparse.Namespace) -> tuple[VisionConfig, torch.Tensor, torch.Tensor, int, torch.dtype]:
-    """(config, pixel_values, grid_thw, items, dtype) for add_workload_arguments' options."""
-    cfg = truncated(preset(args.preset), args.depth)
-    pixel_values, grid_thw, items = build_inputs(args.inputs, cfg)
-    return cfg, pixel_values, grid_thw, items, torch.bfloat16 if args.dtype == "bf16" else torch.float32
-
-
-def truncated(cfg: VisionConfig, depth: int | None) -> VisionConfig:
-    if not depth or depth >= cfg.depth:
-        return cfg
-    if cfg.spec.windows:
-        return cfg.replace(depth=depth, fullatt_block_indexes=tuple(i for i in range(depth) if (i + 1) % 8 == 0))
-    return cfg.replace(depth=depth, deepstack_visual_indexes=tuple(i for i in cfg.deepstack_visual_indexes
-                                                                     if i < depth))
-
-
-def build_inputs(name: str, cfg: VisionConfig) -> tuple[torch.Tensor, torch.Tensor, int]:
-    spec = INPUT_SETS[name]
-    pre = PreprocessConfig.for_family(cfg.family)
-    if "max_pixels" in spec:
-        pre = dataclasses.replace(pre, max_pixels=spec["max_pixels"])
-    sizes = list(spec.get("images", ()))
-    sizes += [(h * cfg.patch_size, w * cfg.patch_size) for h, w in spec.get("image_patches", ())]
-    rows, grids = [], []
-    for i, (h, w) in enumerate(sizes):
-        values, grid = preprocess_image(photo(h, w, i), pre)
-        rows.append(values)
-        grids.append(grid)
-    if spec["video"]:
-        frames, h, w = spec["video"]
-        clip = np.stack([np.roll(photo(h, w), 7 * f, axis=1) for f in range(frames)])
-        values, grid = preprocess_video(clip, pre)
-        rows.append(values)
-        grids.append(grid)
-    items = len(sizes) + (1 if spec["video"] else 0)
-    return torch.cat(rows), torch.tensor(grids), items
 
 
 def run_ours(model, pixel_values, grid_thw):
@@ -138,8 +82,6 @@ class Variant:
 
 def transformers_unavailable(cfg: VisionConfig, attn: str) -> str | None:
     """Why transformers' tower of cfg's family cannot run with attention implementation `attn`, or None."""
-    from tests.helpers import hf_classes
-
     try:
         import transformers
 
@@ -163,8 +105,6 @@ def build_variants(cfg: VisionConfig, device: torch.device, dtype: torch.dtype, 
     """Ours (eager), ours compiled (when compile_options is not None) and transformers' tower per attention
     implementation, all with the same spread random weights (ours read under the checkpoint names); returns the
     variants and, for those that cannot run here, the reason."""
-    from tests.helpers import hf_tower, ours_from
-
     variants: dict[str, Variant] = {}
     skipped: dict[str, str] = {}
     weights = None
@@ -403,7 +343,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--compile", action="store_true",
                         help="also time a torch.compile'd copy of ours (compile_blocks; compiled during warm-up)")
     parser.add_argument("--gemm-bound", action="store_true",
-                        help="also time the forward's GEMMs and attention alone (bench/gemm_bound.py) and report each "
+                        help="also time the forward's GEMMs and attention alone (bench.gemm_bound) and report each "
                              "variant as a fraction of that bound")
     parser.add_argument("--json", help="write the numbers here")
     args = parser.parse_args(argv)
@@ -425,8 +365,6 @@ def main(argv: list[str] | None = None) -> dict:
     peak = peak_rate(device, dtype) if device.type == "cuda" else None
     result = summarize(cfg, args.preset, args.inputs, grid_thw, items, device, dtype, timings, peak, skipped)
     if args.gemm_bound:
-        from gemm_bound import gemm_bound
-
         result["gemm_bound"] = gemm_bound(cfg, result["grids"], dtype, device)
         for entry in result["variants"].values():
             entry["fraction_of_bound"] = result["gemm_bound"]["bound_s"] / entry["median_s"]
@@ -469,5 +407,4 @@ def print_table(result: dict) -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     main()

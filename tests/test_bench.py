@@ -1,23 +1,21 @@
-"""The CPU benchmarks that check the speed targets run (on the smallest workload): they must not rot."""
+"""The CPU benchmarks that check the speed targets run (on the smallest workload): they must not rot.
+
+Each builds a released preset's width (one block deep) and transformers' tower of it: slow.
+"""
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 
-from tests.helpers import REPO
+from bench import gemm_bound, profile_tower, throughput
 
 TINY = ["--preset", "qwen3.5-0.8b", "--inputs", "small", "--depth", "1", "--dtype", "fp32"]
 
-
-@pytest.fixture(autouse=True)
-def bench_on_path(monkeypatch):
-    monkeypatch.syspath_prepend(str(REPO / "bench"))
+pytestmark = pytest.mark.slow
 
 
 def test_gemm_bound_times_every_product_and_the_attention():
-    result = importlib.import_module("gemm_bound").main(TINY)
+    result = gemm_bound.main(TINY)
     assert result["bound_s"] == pytest.approx(result["gemm_s"] + result["attention_s"])
     assert result["gemm_s"] > 0 and result["attention_s"] > 0
     # patch embedding, qkv, proj, fc1, fc2, merger fc1 and fc2: every shape timed
@@ -25,7 +23,7 @@ def test_gemm_bound_times_every_product_and_the_attention():
 
 
 def test_profile_attributes_every_op_of_both_towers(capsys):
-    profiles = importlib.import_module("profile_tower").main(TINY)
+    profiles = profile_tower.main(TINY)
     assert set(profiles) == {"ours", "transformers"}
     for profile in profiles.values():  # the kernels are found by name, the rest through the module scopes
         assert profile["GEMM"] > 0 and profile["attention (SDPA)"] > 0 and profile["norm"] > 0
@@ -34,6 +32,6 @@ def test_profile_attributes_every_op_of_both_towers(capsys):
 
 
 def test_throughput_reports_the_fraction_of_the_bound(capsys):
-    result = importlib.import_module("throughput").main([*TINY, "--repeats", "1", "--warmup", "0", "--gemm-bound"])
+    result = throughput.main([*TINY, "--repeats", "1", "--warmup", "0", "--gemm-bound"])
     assert 0 < result["variants"]["ours"]["fraction_of_bound"]
     assert "GEMM bound" in capsys.readouterr().out

@@ -153,7 +153,7 @@ FRESH_PROCESS = """
 import gc, json, sys, weakref
 import numpy as np, torch
 from qwenvl_vision import VisionConfig, load_encoder
-from qwenvl_vision.teardown import live_tensor_bytes as census
+from qwenvl_vision.memory_census import live_tensor_bytes as census
 
 results = {}
 for name, fields in json.loads(sys.argv[1]).items():  # Qwen2.5 first: it never triggers the Qwen3 case
@@ -186,6 +186,7 @@ def fresh_process_results():
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", IDS)
 def test_first_encoder_in_a_fresh_process_is_freed_by_refcount(fresh_process_results, name):
     """One-time work inside the first build must not pin the tower. Regression: nn.Embedding's default
@@ -256,7 +257,7 @@ def test_scanner_sees_the_benchmark_variant():
 
 
 def _run_bench(tmp_path, cfg, *extra, script: bool = False):
-    """The teardown benchmark on a small config: the package's CLI, or bench/teardown.py with its comparisons."""
+    """The teardown benchmark on a small config: the package's CLI, or bench.teardown with its comparisons."""
     import importlib
 
     from qwenvl_vision.cli import main

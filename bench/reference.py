@@ -1,0 +1,117 @@
+"""transformers' own vision towers as the reference for every family, and how far our outputs are from them.
+
+The reference for every family is transformers 5.24's vision tower. Its module names are the checkpoints' tensor
+names, so a reference tower's state dict is a checkpoint in the released naming: ``ours_from`` reads it through
+``qwenvl_vision.names``, which tests our name mapping against the reference itself. Used by the benchmarks (the
+comparison rows) and by the tests (re-exported by ``tests.helpers``).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from qwenvl_vision import build_model
+from qwenvl_vision.config import QWEN2_5, VisionConfig
+from qwenvl_vision.init import spread_init_
+from qwenvl_vision.names import to_module_state
+
+# family -> (transformers module, vision config class, vision tower class)
+HF_TOWERS = {
+    "qwen2_vl": ("qwen2_vl", "Qwen2VLVisionConfig", "Qwen2VisionTransformerPretrainedModel"),
+    "qwen2_5_vl": ("qwen2_5_vl", "Qwen2_5_VLVisionConfig", "Qwen2_5_VisionTransformerPretrainedModel"),
+    "qwen2_5_omni": ("qwen2_5_omni", "Qwen2_5OmniVisionEncoderConfig", "Qwen2_5OmniVisionEncoder"),
+    "qwen3_vl": ("qwen3_vl", "Qwen3VLVisionConfig", "Qwen3VLVisionModel"),
+    "qwen3_vl_moe": ("qwen3_vl_moe", "Qwen3VLMoeVisionConfig", "Qwen3VLMoeVisionModel"),
+    "qwen3_omni_moe": ("qwen3_omni_moe", "Qwen3OmniMoeVisionEncoderConfig", "Qwen3OmniMoeVisionEncoder"),
+    "qwen3_5": ("qwen3_5", "Qwen3_5VisionConfig", "Qwen3_5VisionModel"),
+    "qwen3_5_moe": ("qwen3_5_moe", "Qwen3_5MoeVisionConfig", "Qwen3_5MoeVisionModel"),
+    "qwen4_exp": ("qwen4_exp", "Qwen4ExpVisionConfig", "Qwen4ExpVisionModel"),
+}
+
+
+def hf_classes(cfg: VisionConfig) -> tuple[type, type]:
+    """(vision config class, vision tower class) of cfg's family in the installed transformers."""
+    module_name, config_name, tower_name = HF_TOWERS[cfg.family]
+    config_module = importlib.import_module(f"transformers.models.{module_name}.configuration_{module_name}")
+    tower_module = importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}")
+    return getattr(config_module, config_name), getattr(tower_module, tower_name)
+
+
+def hf_vision_fields(cfg: VisionConfig) -> dict:
+    """Our config in the spelling of the family's transformers vision config."""
+    common = dict(depth=cfg.depth, num_heads=cfg.num_heads, patch_size=cfg.patch_size, in_channels=cfg.in_channels,
+                  temporal_patch_size=cfg.temporal_patch_size, spatial_merge_size=cfg.spatial_merge_size,
+                  hidden_act=cfg.hidden_act)
+    if cfg.family == "qwen2_vl":
+        ratio = cfg.intermediate_size // cfg.hidden_size
+        assert cfg.hidden_size * ratio == cfg.intermediate_size, "Qwen2-VL's MLP width is an integer ratio"
+        return dict(common, embed_dim=cfg.hidden_size, hidden_size=cfg.out_hidden_size, mlp_ratio=ratio)
+    fields = dict(common, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                  out_hidden_size=cfg.out_hidden_size)
+    if cfg.spec.windows:
+        fields.update(window_size=cfg.window_size, fullatt_block_indexes=list(cfg.fullatt_block_indexes))
+    if cfg.design != QWEN2_5:
+        fields["num_position_embeddings"] = cfg.num_position_embeddings
+    if cfg.spec.deepstack:
+        fields["deepstack_visual_indexes"] = list(cfg.deepstack_visual_indexes)
+    return fields
+
+
+def hf_vision_config(cfg: VisionConfig, attn_implementation: str = "sdpa"):
+    config_class, _ = hf_classes(cfg)
+    hf_cfg = config_class(**hf_vision_fields(cfg))
+    hf_cfg._attn_implementation = attn_implementation
+    return hf_cfg
+
+
+def hf_tower(cfg: VisionConfig, attn_implementation: str = "sdpa", *, device=None, dtype=None, seed: int | None = 0
+             ) -> torch.nn.Module:
+    """transformers' tower for cfg; weights with real spread (``seed``), or its own init with seed=None.
+    ``device="meta"`` builds it without memory (load weights with ``load_state_dict(..., assign=True)``)."""
+    _, tower_class = hf_classes(cfg)
+    with torch.device(device or "cpu"):
+        tower = tower_class._from_config(hf_vision_config(cfg, attn_implementation), dtype=dtype)
+    if seed is not None and device != "meta":
+        spread_init_(tower, seed)
+    return tower.eval().requires_grad_(False)
+
+
+def hf_forward(tower: torch.nn.Module, pixel_values: torch.Tensor, grid_thw: torch.Tensor):
+    """(merged, deepstack levels) from transformers' tower, in the same shape as ours."""
+    out = tower(pixel_values, grid_thw=grid_thw)
+    return out.pooler_output, list(getattr(out, "deepstack_features", None) or [])
+
+
+def ours_from(ref: torch.nn.Module, cfg: VisionConfig, **options) -> torch.nn.Module:
+    """Our tower carrying the reference tower's weights (read under the checkpoint names the reference uses)."""
+    ours = build_model(cfg, device="meta", **options)
+    state = to_module_state(cfg, dict(ref.state_dict()), list(ours.state_dict()))
+    ours.load_state_dict({k: v.clone() for k, v in state.items()}, strict=True, assign=True)
+    weight = ours.patch_embed.proj.weight
+    ours.set_attention(ours.attn_impl, weight.device, weight.dtype)
+    return ours.eval().requires_grad_(False)
+
+
+def pair(cfg: VisionConfig, seed: int = 0):
+    """(ours, reference) with the same spread weights."""
+    ref = hf_tower(cfg, seed=seed)
+    return ours_from(ref, cfg), ref
+
+
+# ----------------------------------------------------------------------------- how far from the reference
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Frobenius relative error of a against reference b, in fp64."""
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def item_errors(ours: torch.Tensor, ref: torch.Tensor, grid_thw, merge_size: int = 2) -> list[float]:
+    """rel_err per item of a pack of merged outputs (rows split by t*h*w / merge**2): one norm over the whole pack
+    would let a large error confined to the smallest image pass."""
+    counts = [int(t * h * w) // merge_size**2 for t, h, w in torch.as_tensor(grid_thw).tolist()]
+    assert ours.shape == ref.shape and sum(counts) == ref.shape[0], (tuple(ours.shape), tuple(ref.shape), counts)
+    return [rel_err(a, b) for a, b in zip(ours.split(counts), ref.split(counts), strict=True)]
