@@ -101,7 +101,10 @@ def run_child(pythonpath: Path, argv: list[str], cpus: int) -> tuple[int, int]:
 
 
 def supports_max_input_pixels(pythonpath: Path) -> bool:
-    return "max-input-pixels" in (pythonpath / "qwenvl_vision" / "embed.py").read_text()
+    """Whether the tree's embed has --max-input-pixels (a module before issue 21, a package with args.py since)."""
+    root = pythonpath / "qwenvl_vision"
+    source = root / "embed.py" if (root / "embed.py").exists() else root / "embed" / "args.py"
+    return "max-input-pixels" in source.read_text()
 
 
 def main() -> None:

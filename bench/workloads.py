@@ -14,7 +14,8 @@ import torch
 from PIL import Image
 
 from qwenvl_vision.config import FAMILIES, QWEN2_5, VisionConfig, preset
-from qwenvl_vision.preprocess import PreprocessConfig, preprocess_image, preprocess_video
+from qwenvl_vision.preprocess import PreprocessConfig, preprocess_image
+from qwenvl_vision.video import preprocess_video
 
 # ----------------------------------------------------------------------------- small configs of every family
 

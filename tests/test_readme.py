@@ -50,7 +50,7 @@ EXCUSED = {  # README command (without its comment) -> why it is not run here
     TEST_LINE: "the test command, of which this file is a part; .ci/run runs it (checked below)",
     "torchrun --nproc-per-node 4 -m qwenvl_vision.cli embed photos/ --model Qwen/Qwen3-VL-8B-Instruct --out emb/ "
     "--device cuda": "needs 4 CUDA devices; torchrun runs are tested with 2 CPU ranks in tests/test_embed*.py",
-    "python bench/cuda_check.py --out DIR": "needs a GPU; its --dry-run, the same logic on CPU, runs in "
+    "python -m bench.cuda_check --out DIR": "needs a GPU; its --dry-run, the same logic on CPU, runs in "
     "tests/test_cuda_check.py",
 }
 RUN_LANGUAGES = {"python", "bash"}
