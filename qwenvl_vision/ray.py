@@ -58,9 +58,10 @@ class Embedder:
     batch_format="numpy")``: one encoder per actor, loaded in its constructor.
 
     ``source`` and ``load_options`` are ``load_encoder``'s (``device``, ``dtype``, ``random_weights``,
-    ``attn_impl``, ``revision``, ``local_files_only``, ...). The input column is ``column`` (default: whichever
-    of ``path``, ``bytes``, ``image`` the batch has); ``kind`` says what it holds when its name is another
-    (e.g. img2dataset's ``jpg``: ``column="jpg", kind="bytes"``):
+    ``attn_impl``, ``revision``, ``local_files_only``, ...). The input column is ``column`` (default: ``image``,
+    else ``bytes``, else ``path``, the first the batch has: next to pixels or bytes a ``path`` column is the row's
+    identity, as ``read_images`` / ``read_binary_files(include_paths=True)`` add it); ``kind`` says what it holds
+    when its name is another (e.g. img2dataset's ``jpg``: ``column="jpg", kind="bytes"``):
 
     - ``path``: image and video files, as ``embed`` takes them (a video extension makes it a video, sampled at
       ``fps``; ``min_pixels`` / ``max_pixels`` bound the images only);
@@ -102,11 +103,13 @@ class Embedder:
             if self.column not in batch:
                 raise KeyError(f"the batch has no column {self.column!r} (columns: {sorted(batch)})")
             return self.column, self.kind
-        found = [name for name in INPUT_KINDS if name in batch]
-        if len(found) != 1:
-            raise KeyError(f"expected one input column of {list(INPUT_KINDS)}, the batch has {sorted(batch)}: "
-                           f"pass column= (and kind=)")
-        return found[0], found[0]
+        # Pixels or bytes over a path: read_images / read_binary_files(include_paths=True) add a path column,
+        # which is then the row's identity, not its input.
+        for name in ("image", "bytes", "path"):
+            if name in batch:
+                return name, name
+        raise KeyError(f"expected an input column ({', '.join(INPUT_KINDS)}), the batch has {sorted(batch)}: "
+                       f"pass column= (and kind=)")
 
     def _spool_folder(self) -> str:
         """A folder of this actor's own, removed with it, where encoded bytes become files for the length of a
