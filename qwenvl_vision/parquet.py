@@ -289,7 +289,7 @@ def _rows_problem(table: pa.Table, layout: ParquetLayout) -> tuple[int, str] | N
     tensor_names = (["embedding"] if layout.tokens else []) + (["pooled"] if layout.pooled else []) \
         + layout.level_columns
     tensors = {name: table.column(name).combine_chunks() for name in tensor_names}
-    lengths = {name: (None if name == "pooled" else col.value_lengths().to_numpy(zero_copy_only=False))
+    lengths = {name: (None if name == "pooled" else col.value_lengths().fill_null(0).to_numpy())
                for name, col in tensors.items()}
     valid = {name: col.is_valid().to_numpy(zero_copy_only=False) for name, col in tensors.items()}
     paths, realpaths = table.column("path").to_pylist(), table.column("realpath").to_pylist()
@@ -369,7 +369,10 @@ def read_parquet_table(path: str | os.PathLike) -> tuple[pa.Table, ParquetLayout
         differ = [f"{f.name}: {f.type}" for f in table.schema if f.name not in expected.names
                   or expected.field(f.name).type != f.type]
         missing = [name for name in expected.names if name not in table.schema.names]
-        raise ManifestError(f"{path}: schema is not the layout's (unexpected {differ or 'order'}, missing {missing})")
+        why = [f"columns of another name or type: {differ}"] if differ else []
+        why += [f"missing {missing}"] if missing else []
+        why = "; ".join(why) or "columns out of order"
+        raise ManifestError(f"{path}: schema is not the layout's ({why})")
     problem = _rows_problem(table, layout)
     if problem is not None:
         raise ManifestError(f"{path}, row {problem[0]}: {problem[1]}")
@@ -419,7 +422,8 @@ def parquet_files(folder: str | os.PathLike) -> list[Path]:
     folder = Path(folder)
     if not folder.is_dir():
         raise ManifestError(f"{folder}: not a folder")
-    files = sorted(p for p in folder.iterdir() if p.name.endswith(SHARD_SUFFIX) and not p.name.startswith("."))
+    files = sorted(p for p in folder.iterdir() if p.name.endswith(SHARD_SUFFIX) and not p.name.startswith(".")
+                   and p.is_file())
     if not files:
         raise ManifestError(f"{folder}: holds no {SHARD_SUFFIX} files")
     return files

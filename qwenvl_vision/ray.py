@@ -47,15 +47,21 @@ from ray.data.extensions import ArrowTensorArray, ArrowVariableShapedTensorArray
 
 from .encoder import DEFAULT_DECODE_BYTES, ItemResult, load_encoder
 from .parquet import EmbeddingRecord, video_record
-from .preprocess import DEFAULT_MAX_INPUT_PIXELS
+from .preprocess import DEFAULT_MAX_INPUT_PIXELS, input_name
+from .video import is_video_file
 
 INPUT_KINDS = ("path", "bytes", "image")
 BATCH_FORMAT = "numpy"
 
 
 class Embedder:
-    """``ds.map_batches(Embedder, fn_constructor_args=(source,), fn_constructor_kwargs={...}, concurrency=N,
-    batch_format="numpy")``: one encoder per actor, loaded in its constructor.
+    """``ds.map_batches(Embedder, fn_constructor_args=(source,), fn_constructor_kwargs={...},
+    compute=ray.data.ActorPoolStrategy(size=N), batch_format="numpy", num_cpus=...)``: one encoder per actor,
+    loaded in its constructor (``embed_dataset`` does this).
+
+    Threads: Ray runs an actor's torch on as many threads as its whole CPUs (at least one), and the last bits of
+    a CPU matmul depend on how it is split over threads: an actor's results are bitwise those of
+    ``encode_images`` on that many threads.
 
     ``source`` and ``load_options`` are ``load_encoder``'s (``device``, ``dtype``, ``random_weights``,
     ``attn_impl``, ``revision``, ``local_files_only``, ...). The input column is ``column`` (default: ``image``,
@@ -153,21 +159,27 @@ class Embedder:
     # ------------------------------------------------------------------ encoding
 
     def _encode(self, items: list[Any], kind: str) -> list[ItemResult]:
-        """One result per item, in order; a forward that fails as a whole is retried item by item."""
+        """One result per item, in order; a forward that fails as a whole (out of memory on a large batch, say)
+        is retried item by item, and an item that fails alone too is that row's error."""
         video = None if kind == "path" else False
-        try:
-            return [r for batch in self.encoder.iter_encode(items, video=video, **self.options) for r in batch]
-        except Exception:  # noqa: BLE001 - e.g. out of memory on a large batch: each input alone decides
-            if len(items) == 1:
-                raise
+
+        def encode(some: list[Any]) -> list[ItemResult]:
+            return [r for batch in self.encoder.iter_encode(some, video=video, **self.options) for r in batch]
+
+        if len(items) > 1:
+            try:
+                return encode(items)
+            except Exception:  # noqa: BLE001 - each input alone decides, below
+                pass
         results = []
         for index, item in enumerate(items):
             try:
-                (result,) = [r for batch in self.encoder.iter_encode([item], video=video, **self.options)
-                             for r in batch]
+                (result,) = encode([item])
                 result.index = index
-            except Exception as e:  # noqa: BLE001 - the row's error, the other rows go on
-                result = ItemResult(index, f"input {index}", error=f"{type(e).__name__}: {e}".splitlines()[0])
+            except Exception as e:  # noqa: BLE001 - the row's error; the other rows go on
+                name = input_name("video" if video is None and is_video_file(item) else "image", index, item)
+                reason = str(e).splitlines()[0] if str(e) else ""
+                result = ItemResult(index, name, error=f"{name}: {type(e).__name__}: {reason}")
             results.append(result)
         return results
 
@@ -256,8 +268,10 @@ def embed_dataset(ds: ray.data.Dataset, source: Any, *, concurrency: int = 1, ba
     if num_gpus:
         resources["num_gpus"] = num_gpus
         options.setdefault("device", "cuda")
+    # compute= rather than concurrency=, which Ray 2.51 deprecated for actor pools.
     return ds.map_batches(Embedder, fn_constructor_args=(source,), fn_constructor_kwargs=options,
-                          concurrency=concurrency, batch_size=batch_size, batch_format=BATCH_FORMAT, **resources)
+                          compute=ray.data.ActorPoolStrategy(size=concurrency), batch_size=batch_size,
+                          batch_format=BATCH_FORMAT, **resources)
 
 
 def paths_dataset(paths: Sequence[str | os.PathLike], *, blocks: int | None = None) -> ray.data.Dataset:

@@ -165,6 +165,28 @@ def test_image_column_and_pooled(checkpoint3, encoder):
     assert all(np.isnan(_tensor(r, "pooled")).all() for r in rows if r["status"] == "error")
 
 
+def test_a_failing_forward_costs_only_its_own_row(checkpoint3, encoder, media, monkeypatch):
+    """A forward that fails for the whole batch (out of memory, say) is retried input by input; an input that
+    fails alone too is an error row, never a failed task, and the other rows keep their tensors."""
+    embedder = Embedder(str(checkpoint3), device="cpu", dtype="float32", **SETTINGS)
+    forward = embedder.encoder.encode_patches
+    poisoned = tuple(encoder.encode_images([media["good"][1]], **SETTINGS).grid_thw[0].tolist())
+
+    def out_of_memory(pixel_values, grid_thw, **options):
+        if len(grid_thw) > 1 or tuple(grid_thw[0]) == poisoned:
+            raise RuntimeError("out of memory (a stand-in)\nits second line")
+        return forward(pixel_values, grid_thw, **options)
+
+    monkeypatch.setattr(embedder.encoder, "encode_patches", out_of_memory)
+    rows = embedder({"path": np.array(media["good"], dtype=object)}).to_pylist()
+    assert [r["status"] for r in rows] == ["ok", "error", "ok"]
+    assert rows[1]["error"] == f"image {media['good'][1]!r}: RuntimeError: out of memory (a stand-in)"
+    for row, path in zip([rows[0], rows[2]], [media["good"][0], media["good"][2]]):
+        check_rows([dict(row, embedding=_tensor(row, "embedding"), deepstack_0=_tensor(row, "deepstack_0"),
+                         deepstack_1=_tensor(row, "deepstack_1"))], [True],
+                   encoder.encode_images([path], **SETTINGS), levels=2)
+
+
 # ---------------------------------------------------------------------- on Ray
 
 
