@@ -1,0 +1,311 @@
+"""Ray Data integration: ``Embedder``, a callable class for ``Dataset.map_batches`` that embeds a column of images
+(paths, encoded bytes or decoded arrays) with one encoder per actor, and the pieces a pipeline needs around it
+(a dataset of paths, its mapping, Ray's rows back as ``parquet.EmbeddingRecord``).
+
+Only this module imports Ray (``import qwenvl_vision`` does not): install ``ray[data]`` to use it.
+
+Batch format: numpy. Ray hands a numpy batch over without building pandas objects: ``read_images``' tensor
+column arrives as arrays (zero copy when the shapes agree), ``read_binary_files``' bytes as a list of bytes, and
+the UDF works row by row anyway. It returns a ``pyarrow.Table`` (built here, not by Ray's numpy conversion) so
+that every block has the same schema: Ray would give a batch whose embeddings happen to share a shape a
+fixed-shape tensor type and another a variable-shaped one, and an all-ok batch a null ``error`` type.
+
+Output columns, one row per input row: the input's other columns passed through (a ``path`` input column is
+kept: it is the row's identity; bytes and pixels are not), ``status`` ("ok" / "error"), ``error`` (the one-line
+reason), ``grid_thw`` (fixed_size_list<int64, 3>), ``tokens``, then ``embedding`` (tokens x D float32, Ray's
+``ArrowVariableShapedTensorType``) and ``deepstack_0`` .. ``deepstack_{L-1}`` alike, or with ``pooled=True`` only
+``pooled`` (D float32, a fixed-shape tensor), and ``video`` (JSON of the frames used, for a video file; null
+otherwise). Float32 holds bf16 and fp16 values exactly. A tensor column holds no nulls, so an error row has
+null ``grid_thw``, ``tokens`` 0, zero-row tensors and a NaN ``pooled``: ``status`` tells them apart.
+
+Bad rows: every input is decoded and encoded under ``VisionEncoder.iter_encode``, which turns a bad input
+(corrupt, empty, not an image, too large) into an error result; a forward that fails as a whole (out of memory)
+is retried input by input, so one input's failure is that row's error, never a failed task, and the good rows
+of the batch are kept. (Ray's ``max_errored_blocks`` would instead drop whole blocks, good rows included.)
+
+CPUs: an actor asks for ``num_cpus`` CPUs (default 1 in Ray). With ``concurrency`` actors taking every CPU of
+the cluster, the read tasks never get one and the job hangs: ``embed_dataset`` gives actors a fraction then.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import ray
+import torch
+from ray.data.block import BlockAccessor
+from ray.data.extensions import ArrowTensorArray, ArrowVariableShapedTensorArray
+
+from .encoder import DEFAULT_DECODE_BYTES, ItemResult, load_encoder
+from .parquet import EmbeddingRecord, video_record
+from .preprocess import DEFAULT_MAX_INPUT_PIXELS, input_name
+from .video import is_video_file
+
+INPUT_KINDS = ("path", "bytes", "image")
+BATCH_FORMAT = "numpy"
+
+
+class Embedder:
+    """``ds.map_batches(Embedder, fn_constructor_args=(source,), fn_constructor_kwargs={...},
+    compute=ray.data.ActorPoolStrategy(size=N), batch_format="numpy", num_cpus=...)``: one encoder per actor,
+    loaded in its constructor (``embed_dataset`` does this).
+
+    Threads: Ray runs an actor's torch on as many threads as its whole CPUs (at least one), and the last bits of
+    a CPU matmul depend on how it is split over threads: an actor's results are bitwise those of
+    ``encode_images`` on that many threads.
+
+    ``source`` and ``load_options`` are ``load_encoder``'s (``device``, ``dtype``, ``random_weights``,
+    ``attn_impl``, ``revision``, ``local_files_only``, ...). The input column is ``column`` (default: ``image``,
+    else ``bytes``, else ``path``, the first the batch has: next to pixels or bytes a ``path`` column is the row's
+    identity, as ``read_images`` / ``read_binary_files(include_paths=True)`` add it); ``kind`` says what it holds
+    when its name is another (e.g. img2dataset's ``jpg``: ``column="jpg", kind="bytes"``):
+
+    - ``path``: image and video files, as ``embed`` takes them (a video extension makes it a video, sampled at
+      ``fps``; ``min_pixels`` / ``max_pixels`` bound the images only);
+    - ``bytes``: encoded image files (``read_binary_files``, img2dataset); decoded exactly as the same file
+      on disk would be (they are written to a private spool folder and read as files, so every check and
+      message is the file path's, with ``image bytes`` for the name);
+    - ``image``: HxWxC (or HxW) uint8 arrays (``read_images``), as ``encode_images`` takes arrays.
+
+    Encode options: ``min_pixels``, ``max_pixels``, ``resize``, ``pooled`` (a mean vector instead of the tokens,
+    as ``embed --pooled-only``), ``fps`` (videos), ``max_batch_tokens``, ``max_input_pixels``, ``decode_bytes``,
+    ``num_workers`` (decode threads), as for ``VisionEncoder.iter_encode``.
+    """
+
+    def __init__(self, source: Any, *, column: str | None = None, kind: str | None = None,
+                 min_pixels: int | None = None, max_pixels: int | None = None, resize: str | None = None,
+                 pooled: bool = False, fps: float | None = None, max_batch_tokens: int = 16384,
+                 max_input_pixels: int | None = DEFAULT_MAX_INPUT_PIXELS,
+                 decode_bytes: int | None = DEFAULT_DECODE_BYTES, num_workers: int | None = None,
+                 spool_dir: str | None = None, **load_options: Any) -> None:
+        kind = kind or column
+        if column is not None and kind not in INPUT_KINDS:
+            raise ValueError(f"column {column!r}: pass kind= (one of {list(INPUT_KINDS)})")
+        self.column, self.kind = column, kind
+        self.pooled = pooled
+        self.encoder = load_encoder(source, **load_options)
+        self.dim = self.encoder.out_hidden_size
+        self.levels = 0 if pooled else len(self.encoder.config.deepstack_visual_indexes)
+        video_config = None if fps is None else dataclasses.replace(self.encoder.video_config, fps=fps)
+        self.options = dict(min_pixels=min_pixels, max_pixels=max_pixels, resize=resize, pooled=pooled,
+                            max_batch_tokens=max_batch_tokens, max_input_pixels=max_input_pixels,
+                            decode_bytes=decode_bytes, num_workers=num_workers, video_config=video_config)
+        self.spool_dir = spool_dir
+        self._spool: str | None = None
+
+    # ------------------------------------------------------------------ inputs
+
+    def _input_column(self, batch: dict[str, np.ndarray]) -> tuple[str, str]:
+        if self.column is not None:
+            if self.column not in batch:
+                raise KeyError(f"the batch has no column {self.column!r} (columns: {sorted(batch)})")
+            return self.column, self.kind
+        # Pixels or bytes over a path: read_images / read_binary_files(include_paths=True) add a path column,
+        # which is then the row's identity, not its input.
+        for name in ("image", "bytes", "path"):
+            if name in batch:
+                return name, name
+        raise KeyError(f"expected an input column ({', '.join(INPUT_KINDS)}), the batch has {sorted(batch)}: "
+                       f"pass column= (and kind=)")
+
+    def _spool_folder(self) -> str:
+        """A folder of this actor's own, removed with it, where encoded bytes become files for the length of a
+        batch."""
+        if self._spool is None:
+            self._spool = tempfile.mkdtemp(prefix="qwenvl-ray-", dir=self.spool_dir)
+            weakref.finalize(self, shutil.rmtree, self._spool, ignore_errors=True)
+        return self._spool
+
+    def _items(self, values: Sequence[Any], kind: str) -> tuple[list[Any], dict[int, str], dict[int, str]]:
+        """(what iter_encode gets per row, rows already known bad -> error, row -> the name its errors use)."""
+        items: list[Any] = []
+        bad: dict[int, str] = {}
+        names: dict[int, str] = {}
+        for row, value in enumerate(values):
+            if kind == "path":
+                items.append(os.fspath(value) if isinstance(value, (str, os.PathLike)) else value)
+                if not isinstance(value, (str, os.PathLike)):
+                    bad[row] = f"path: expected a file path, got {type(value).__name__}"
+                continue
+            if kind == "image":
+                names[row] = "image array"
+                items.append(value)
+                if value is None:
+                    bad[row] = "image array: missing (null)"
+                continue
+            names[row] = "image bytes"
+            if not isinstance(value, (bytes, bytearray, memoryview)):
+                bad[row] = f"image bytes: expected bytes, got {type(value).__name__}"
+            elif len(value) == 0:
+                bad[row] = "image bytes: empty (0 bytes)"
+            if row in bad:
+                items.append(None)
+                continue
+            spooled = os.path.join(self._spool_folder(), f"{row:06d}")
+            with open(spooled, "wb") as f:
+                f.write(value)
+            items.append(spooled)
+        return items, bad, names
+
+    # ------------------------------------------------------------------ encoding
+
+    def _encode(self, items: list[Any], kind: str) -> list[ItemResult]:
+        """One result per item, in order; a forward that fails as a whole (out of memory on a large batch, say)
+        is retried item by item, and an item that fails alone too is that row's error."""
+        video = None if kind == "path" else False
+
+        def encode(some: list[Any]) -> list[ItemResult]:
+            return [r for batch in self.encoder.iter_encode(some, video=video, **self.options) for r in batch]
+
+        if len(items) > 1:
+            try:
+                return encode(items)
+            except Exception:  # noqa: BLE001 - each input alone decides, below
+                pass
+        results = []
+        for index, item in enumerate(items):
+            try:
+                (result,) = encode([item])
+                result.index = index
+            except Exception as e:  # noqa: BLE001 - the row's error; the other rows go on
+                name = input_name("video" if video is None and is_video_file(item) else "image", index, item)
+                reason = str(e).splitlines()[0] if str(e) else ""
+                result = ItemResult(index, name, error=f"{name}: {type(e).__name__}: {reason}")
+            results.append(result)
+        return results
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> pa.Table:
+        name, kind = self._input_column(batch)
+        values = list(batch[name])
+        items, bad, names = self._items(values, kind)
+        todo = [row for row in range(len(values)) if row not in bad]
+        results: dict[int, ItemResult] = {}
+        try:
+            for result in self._encode([items[row] for row in todo], kind) if todo else []:
+                row = todo[result.index]
+                if result.error is not None and row in names:
+                    result.error = _renamed(result.error, result.name, names[row], items[row])
+                results[row] = result
+        finally:
+            if kind == "bytes":
+                for row in todo:
+                    os.unlink(items[row])
+        for row, error in bad.items():
+            results[row] = ItemResult(row, names.get(row, "input"), error=error)
+        keep = {k: v for k, v in batch.items() if k != name or kind == "path"}
+        return self._table(keep, [results[row] for row in range(len(values))])
+
+    def _table(self, keep: dict[str, np.ndarray], results: list[ItemResult]) -> pa.Table:
+        passthrough = BlockAccessor.batch_to_block(keep) if keep else None
+        columns: dict[str, pa.Array] = {}
+        if passthrough is not None:
+            columns.update({n: passthrough.column(n) for n in passthrough.column_names})
+        ok = [r if r.error is None else None for r in results]
+        grids = np.array([r.grid_thw if r else (0, 0, 0) for r in ok], np.int64).reshape(-1)
+        columns["status"] = pa.array(["ok" if r else "error" for r in ok], pa.string())
+        columns["error"] = pa.array([r.error for r in results], pa.string())
+        columns["grid_thw"] = pa.FixedSizeListArray.from_arrays(
+            pa.array(grids, pa.int64()), 3, mask=pa.array([r is None for r in ok], pa.bool_()))
+        columns["tokens"] = pa.array([r.embedding.shape[0] if r else 0 for r in ok], pa.int64())
+        empty = np.zeros((0, self.dim), np.float32)
+        if self.pooled:
+            pooled = np.full((len(ok), self.dim), np.nan, np.float32)
+            for i, r in enumerate(ok):
+                if r:
+                    pooled[i] = _float32(r.pooled)
+            columns["pooled"] = ArrowTensorArray.from_numpy(pooled)
+        else:
+            columns["embedding"] = ArrowVariableShapedTensorArray.from_numpy(
+                [_float32(r.embedding) if r else empty for r in ok])
+            for level in range(self.levels):
+                columns[f"deepstack_{level}"] = ArrowVariableShapedTensorArray.from_numpy(
+                    [_float32(r.deepstack[level]) if r else empty for r in ok])
+        columns["video"] = pa.array([json.dumps(video_record(r.video_info)) if r and r.video_info else None
+                                     for r in ok], pa.string())
+        return pa.table(columns)
+
+
+def _float32(tensor: torch.Tensor) -> np.ndarray:
+    # bf16 / fp16 -> fp32 is exact; numpy has no bf16, so the conversion happens in torch.
+    return tensor.detach().to("cpu", torch.float32).contiguous().numpy()
+
+
+def _renamed(error: str, name: str, new_name: str, spooled: Any) -> str:
+    """An error as the user's row would say it: iter_encode names an array by its position in the batch and
+    spooled bytes by their temporary file, neither of which means anything to the user."""
+    if error.startswith(name):
+        error = new_name + error[len(name):]
+    return error.replace(repr(spooled), "<bytes>") if isinstance(spooled, str) else error
+
+
+# ---------------------------------------------------------------------- pipelines
+
+
+def actor_cpus(concurrency: int) -> float:
+    """CPUs for each of ``concurrency`` actors: 1, unless that would leave the cluster no CPU for the read tasks
+    (which then never run: the job hangs); then an equal share of all but one CPU (at least 0.1)."""
+    total = float(ray.cluster_resources().get("CPU", 1))
+    if concurrency + 1 <= total:
+        return 1.0
+    return max(0.1, (total - 1) / concurrency) if total > 1 else total / (concurrency + 1)
+
+
+def embed_dataset(ds: ray.data.Dataset, source: Any, *, concurrency: int = 1, batch_size: int = 16,
+                  num_cpus: float | None = None, num_gpus: float | None = None, **options: Any) -> ray.data.Dataset:
+    """``ds.map_batches(Embedder)`` with ``concurrency`` actors (one encoder each), ``batch_size`` rows a batch;
+    ``options`` are Embedder's (encode and ``load_encoder`` options). ``num_cpus`` per actor defaults to
+    ``actor_cpus(concurrency)``; with ``num_gpus`` (e.g. 1), each actor's encoder goes to the GPU Ray gives it."""
+    resources: dict[str, float] = {"num_cpus": actor_cpus(concurrency) if num_cpus is None else num_cpus}
+    if num_gpus:
+        resources["num_gpus"] = num_gpus
+        options.setdefault("device", "cuda")
+    # compute= rather than concurrency=, which Ray 2.51 deprecated for actor pools.
+    return ds.map_batches(Embedder, fn_constructor_args=(source,), fn_constructor_kwargs=options,
+                          compute=ray.data.ActorPoolStrategy(size=concurrency), batch_size=batch_size,
+                          batch_format=BATCH_FORMAT, **resources)
+
+
+def paths_dataset(paths: Sequence[str | os.PathLike], *, blocks: int | None = None) -> ray.data.Dataset:
+    """A dataset of one ``path`` row per input, in order (``embed``'s gathered inputs, say)."""
+    items = [{"path": os.fspath(p)} for p in paths]
+    return ray.data.from_items(items, override_num_blocks=blocks)
+
+
+def embed_paths(paths: Sequence[str | os.PathLike], source: Any, **options: Any) -> ray.data.Dataset:
+    """The Ray pipeline for a list of image and video paths: ``embed_dataset(paths_dataset(paths), ...)``."""
+    return embed_dataset(paths_dataset(paths), source, **options)
+
+
+def records_from_batch(batch: dict[str, Any], *, path_column: str = "path") -> list[EmbeddingRecord]:
+    """Rows of Embedder's output (a numpy batch of ``Dataset.iter_batches(batch_format="numpy")``) as Parquet
+    records (``parquet.results_table``), tensors float32. ``realpath`` is resolved here unless the batch has one.
+    """
+    rows = len(batch["status"])
+    paths = batch[path_column]
+    realpaths = batch.get("realpath")
+    levels = sorted((n for n in batch if n.startswith("deepstack_")), key=lambda n: int(n.split("_")[1]))
+    records = []
+    for i in range(rows):
+        path = os.fspath(paths[i])
+        realpath = str(realpaths[i]) if realpaths is not None else os.path.realpath(path)
+        video = batch["video"][i] if "video" in batch else None
+        video = json.loads(video) if video else None
+        if batch["status"][i] != "ok":
+            records.append(EmbeddingRecord(path, realpath, "error", str(batch["error"][i]), video=video))
+            continue
+        grid = tuple(int(x) for x in batch["grid_thw"][i])
+        embedding = torch.from_numpy(np.array(batch["embedding"][i])) if "embedding" in batch else None
+        pooled = torch.from_numpy(np.array(batch["pooled"][i])) if "pooled" in batch else None
+        deepstack = [torch.from_numpy(np.array(batch[name][i])) for name in levels]
+        records.append(EmbeddingRecord(path, realpath, "ok", None, grid, int(batch["tokens"][i]), embedding,
+                                       deepstack, pooled, video))
+    return records
