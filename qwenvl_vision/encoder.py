@@ -71,6 +71,20 @@ class EncodeResult:
     def __len__(self) -> int:
         return len(self.embeddings)
 
+    def to_transformers(self, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> dict:
+        """The keyword arguments of a transformers Qwen VL model's ``forward`` / ``generate`` that stand for this
+        batch's pixels (``mm_encoder_outputs`` and the grid): ``handoff.to_transformers``."""
+        from .handoff import to_transformers
+
+        return to_transformers(self, dtype=dtype, device=device)
+
+    def to_vllm(self, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> dict:
+        """vLLM's ``multi_modal_data`` for this batch (DeepStack levels concatenated along the features):
+        ``handoff.to_vllm``."""
+        from .handoff import to_vllm
+
+        return to_vllm(self, dtype=dtype, device=device)
+
 
 @dataclass
 class ItemResult:

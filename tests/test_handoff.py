@@ -47,12 +47,9 @@ FAMILY_LIST = list(FULL_MODELS)
 
 
 def tagged(result, modality: str, family: str):
-    """The result as the handoff reads it. An EncodeResult that already says its modality and family must say
-    these; one from before those fields is wrapped with them."""
-    if hasattr(result, "modality") and hasattr(result, "family"):
-        assert (result.modality, result.family) == (modality, family)
-        return result
-    return EncodedItems(result.embeddings, result.grid_thw, result.deepstack, modality, family)
+    """The result as the handoff reads it: it must say its modality and family itself."""
+    assert (result.modality, result.family) == (modality, family)
+    return result
 
 
 @dataclasses.dataclass
