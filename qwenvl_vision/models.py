@@ -24,7 +24,7 @@ def build_model(
     attn_impl: str = "auto",
 ) -> VisionTower:
     """An uninitialised tower (PyTorch's default init); ``device="meta"`` allocates nothing (the attention
-    backend is then chosen when the weights arrive: ``VisionTower.set_attention``)."""
+    backend is then chosen for wherever the weights arrive: ``VisionTower.attention_backend``)."""
     cfg = resolve_config(config)
     with torch.device(device or "cpu"):
         model = DESIGNS[cfg.design](cfg, cache_size=cache_size, cache_bytes=cache_bytes, attn_impl=attn_impl)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from qwenvl_vision import load_encoder
-from qwenvl_vision.attention import BACKENDS, SegmentPlan, _sdpa_batched, resolve_attn_impl
+from qwenvl_vision.attention import BACKENDS, SegmentPlan, resolve_attn_impl, sdpa_batched
 from qwenvl_vision.teardown import measure
 from tests.helpers import QWEN2_5_GRIDS, QWEN2_5_SMALL, QWEN3_GRIDS, QWEN3_SMALL_72, hf_forward, inputs, pair, rel_err
 
@@ -45,7 +45,7 @@ def test_fused_varlen_kernel_equals_grouped_sdpa():
     start, pieces = 0, []
     for length in lengths:
         sl = slice(start, start + length)
-        pieces.append(_sdpa_batched(q[sl].float(), k[sl].float(), v[sl].float(), 1, 80**-0.5))
+        pieces.append(sdpa_batched(q[sl].float(), k[sl].float(), v[sl].float(), 1, 80**-0.5))
         start += length
     assert rel_err(fused.float(), torch.cat(pieces)) <= 1e-2
 

@@ -8,7 +8,7 @@ from transformers.activations import ACT2FN
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLRMSNorm, apply_rotary_pos_emb_vision
 
 from qwenvl_vision import config
-from qwenvl_vision.layers import ACTIVATIONS, SCRATCH_ELEMENTS, LayerNorm, RMSNorm, Workspace, rope_cos_sin, rotate
+from qwenvl_vision.layers import ACTIVATIONS, SCRATCH_ELEMENTS, LayerNorm, RMSNorm, Workspace, rope_cos_sin, rotate_
 from tests.helpers import QWEN2_5_GRIDS, QWEN2_5_SMALL, QWEN3_GRIDS, QWEN3_SMALL_72, hf_forward, inputs, pair, rel_err
 
 
@@ -22,7 +22,7 @@ def test_rope_in_a_workspace_is_bitwise_the_reference_on_strided_views(dtype):
     expected_q, expected_k = apply_rotary_pos_emb_vision(qkv[:, 0].clone(), qkv[:, 1].clone(), cos, sin)
     untouched = qkv[:, 2].clone()
     with Workspace(rows, 240, 720, dtype, torch.device("cpu")).active():
-        q, k = rotate(qkv[:, 0], qkv[:, 1], (cos, sin))  # strided views, as inside attention
+        q, k = rotate_(qkv[:, 0], qkv[:, 1], (cos, sin))  # strided views, as inside attention
     assert q.data_ptr() == qkv[:, 0].data_ptr() and k.data_ptr() == qkv[:, 1].data_ptr()
     assert torch.equal(q, expected_q.to(dtype)) and torch.equal(k, expected_k.to(dtype))
     assert torch.equal(qkv[:, 2], untouched)  # v was not written
