@@ -5,7 +5,7 @@ Reference: the vision classes of transformers' ``modeling_qwen2_vl.py``, ``model
 
 - the Conv3d patch embedding (kernel == stride) runs as one matmul over the flattened row;
 - the gated MLP's gate and up projections are one fused ``gate_up_proj`` (stacked at load time, see
-  ``config.FUSED_GATE_UP``), and a Qwen2.5-Omni tower's separate q/k/v are one ``qkv``;
+  ``names.RULE_SETS``), and a Qwen2.5-Omni tower's separate q/k/v are one ``qkv``;
 - attention runs through the tower's backend (``attention.py``) on a per-forward segment plan;
 - in eager inference, activations are written into the forward's two ``Workspace`` buffers instead of fresh
   tensors (the same operations in the reference's order: fp32 results are bitwise those of the plain ops).

@@ -5,7 +5,7 @@
 
 Reference: transformers' ``Qwen2VisionTransformerPretrainedModel``, ``Qwen2_5_VisionTransformerPretrainedModel``
 and ``Qwen3VLVisionModel`` (v5.24). Module names equal the checkpoint's tensor names without the prefix, except
-for what ``config.Family.names`` fuses or renames at load time. Deviations from the reference (same numbers):
+for what ``names.RULE_SETS`` fuses or renames at load time. Deviations from the reference (same numbers):
 grids are read from the host once per forward; per-grid tensors (token order, rope tables, segment lengths,
 position taps) are cached per instance in a bounded ``ShapeCache``, concatenated for the pack and moved to the
 device once, so the block loop does no host sync; activations reuse one ``Workspace`` per forward.
