@@ -3,7 +3,8 @@
 A *family* is what a checkpoint's top-level ``model_type`` means for its vision tower: which of the two tower
 *designs* it uses, where its vision config and tensors sit, and the handful of ways it differs from the other
 members of its design (norm, MLP, windows, DeepStack, tensor names). Everything below was read from
-transformers 5.24's modules (see REFERENCE.md); adding a family is one ``Family(...)`` entry.
+transformers 5.24's modules (docs/architecture.md lists them, with the file each fact was read from);
+adding a family is one ``Family(...)`` entry.
 
 The checkpoints disagree on spelling (Qwen2-VL writes ``embed_dim`` / ``mlp_ratio`` and calls the output width
 ``hidden_size``; Qwen2.5-VL writes ``in_chans`` and an unhelpful nested ``model_type``; the Omni models nest the
@@ -50,7 +51,7 @@ class Family:
     prefixes: tuple[str, ...] = ("model.visual.", "visual.")
     # Which of names.RULE_SETS turn its module tensor names into its checkpoint names (stacks and renames).
     names: tuple[str, ...] = ()
-    # Preprocessing when the checkpoint has no preprocessor_config.json (REFERENCE.md).
+    # Preprocessing when the checkpoint has no preprocessor_config.json: the releases' values (docs/architecture.md).
     patch_size: int = 14
     image_mean: tuple[float, float, float] = CLIP_MEAN
     image_std: tuple[float, float, float] = CLIP_STD
@@ -397,8 +398,8 @@ def _qwen3(name: str, depth: int, hidden: int, intermediate: int, out: int, deep
                         deepstack_visual_indexes=deepstack)
 
 
-# Released towers. Sources: REFERENCE.md ("Released vision configs") and public config.json files (the README's
-# table of presets says which file each one was read from). Qwen3.5 / 3.6 / 3.8 share three tower sizes.
+# Released towers, from the releases' public config.json files (docs/architecture.md, "Released vision towers";
+# the README's table of presets says which file each one was read from). Qwen3.5 / 3.6 / 3.8 share three tower sizes.
 PRESETS: dict[str, VisionConfig] = {
     c.name: c
     for c in (
