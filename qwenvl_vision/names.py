@@ -73,6 +73,23 @@ def to_module_state(config: VisionConfig, tensors: Mapping[str, torch.Tensor],
     return state
 
 
+def to_module_names_(config: VisionConfig, state: dict[str, torch.Tensor], module_names: Iterable[str],
+                     prefix: str = "") -> None:
+    """In place on a state dict about to be loaded: every module tensor absent under its own name whose checkpoint
+    tensors are all there gets them, stacked or renamed, under its module name (the parts leave the dict).
+
+    Anything else is left as it is, so that ``load_state_dict`` still reports it: a module tensor with a part
+    missing stays missing and its other parts stay unexpected.
+    """
+    for module_name in module_names:
+        key = prefix + module_name
+        parts = [prefix + name for name in checkpoint_names(config, module_name)]
+        if key in state or parts == [key] or not all(part in state for part in parts):
+            continue
+        pieces = [state.pop(part) for part in parts]
+        state[key] = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
 def to_checkpoint_state(config: VisionConfig, module_state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Module state dict -> tensors named as the family's checkpoints name them (stacked tensors split)."""
     tensors: dict[str, torch.Tensor] = {}

@@ -25,6 +25,7 @@ from .cache import ShapeCache
 from .config import VisionConfig
 from .errors import ConfigError, InputError
 from .layers import AttentionInputs, Block, PatchEmbed, PatchMerger, Workspace
+from .names import to_module_names_
 
 Grid = tuple[int, int, int]
 
@@ -67,6 +68,13 @@ def compile_boundary(backend):
     return torch.compiler.disable(attend)
 
 
+def accept_checkpoint_names(tower: VisionTower, state_dict: dict, prefix: str, *_load_arguments) -> None:
+    """``load_state_dict`` pre-hook (torch's ``register_load_state_dict_pre_hook`` signature): the family's
+    checkpoint names put together into the tower's module names (``names.to_module_names_``) before loading."""
+    module_names = [name for name, _ in tower.named_parameters()] + [name for name, _ in tower.named_buffers()]
+    to_module_names_(tower.config, state_dict, module_names, prefix)
+
+
 class VisionTower(nn.Module):
     """A Qwen vision tower of any family: patch embedding, blocks, merger and (Qwen3-VL) DeepStack mergers.
 
@@ -98,6 +106,9 @@ class VisionTower(nn.Module):
         # A plain attribute, not a module/buffer: it is not saved, moved by .to() or shared between instances.
         self.shape_cache = ShapeCache(cache_size, cache_bytes)
         self.compiled = False
+        # load_state_dict takes the family's checkpoint names too (transformers' tower's state dict, a released
+        # checkpoint's tensors without prefix): stacked and renamed as they arrive, still strict.
+        self.register_load_state_dict_pre_hook(accept_checkpoint_names)
         # (placement it was chosen for, backend name, callable); attention_backend is the one place that sets it.
         self.attention_choice: tuple[tuple, str, Callable] | None = None
         self.set_attention(attn_impl)
