@@ -84,8 +84,8 @@ class SegmentPlan:
         return cls(cu.to(device, non_blocking=True), max(lengths, default=0), groups, start)
 
 
-def _sdpa_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int, scale: float,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+def sdpa_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int, scale: float,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
     """count equal segments packed as (count*L, H, hd) -> (count*L, H, hd), into `out` if given."""
     def split(x: torch.Tensor) -> torch.Tensor:
         return rearrange(x, "(b l) h d -> b h l d", b=count)
@@ -103,15 +103,15 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Segm
     if out is None:
         if len(plan.groups) == 1 and plan.groups[0].start == 0:  # one run of equal segments: no copy
             group = plan.groups[0]
-            return _sdpa_batched(q, k, v, group.count, scale)
+            return sdpa_batched(q, k, v, group.count, scale)
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     for group in plan.groups:
         if group.index is None:
             rows = slice(group.start, group.start + group.count * group.length)
-            _sdpa_batched(q[rows], k[rows], v[rows], group.count, scale, out=out[rows])
+            sdpa_batched(q[rows], k[rows], v[rows], group.count, scale, out=out[rows])
         else:
             idx = group.index
-            out[idx] = _sdpa_batched(q[idx], k[idx], v[idx], group.count, scale)
+            out[idx] = sdpa_batched(q[idx], k[idx], v[idx], group.count, scale)
     return out
 
 
@@ -139,8 +139,9 @@ BACKENDS: dict[str, Callable] = {
 }
 
 
-def _unavailable(name: str, device: torch.device, dtype: torch.dtype) -> str | None:
+def unavailable_reason(name: str, device: torch.device | str, dtype: torch.dtype) -> str | None:
     """Why backend `name` cannot run for a tower on device/dtype, or None if it can."""
+    device = torch.device(device)
     if name == "sdpa":
         return None
     if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
@@ -155,11 +156,11 @@ def _unavailable(name: str, device: torch.device, dtype: torch.dtype) -> str | N
         except Exception as e:  # noqa: BLE001 - not installed, or built for another torch / CUDA
             return f"flash-attn cannot be imported ({type(e).__name__}: {e})"
     if name == "torch_varlen":
-        return _torch_varlen_missing()
+        return torch_varlen_missing()
     return None
 
 
-def _torch_varlen_missing() -> str | None:
+def torch_varlen_missing() -> str | None:
     """Why this PyTorch's varlen_attn cannot serve us, or None. The API is recent and its first form took no
     ``scale`` keyword (added in pytorch#171199, Dec 2025); a version without it is reported unavailable here
     ("auto" then falls back to sdpa) instead of failing with a TypeError in the first forward."""
@@ -181,8 +182,9 @@ def resolve_attn_impl(attn_impl: str, device: torch.device | str, dtype: torch.d
     if attn_impl not in ATTN_IMPLS:
         raise ConfigError(f"attn_impl {attn_impl!r} is not one of {list(ATTN_IMPLS)}")
     if attn_impl == "auto":
-        return next(name for name in ("flash", "torch_varlen", "sdpa") if _unavailable(name, device, dtype) is None)
-    reason = _unavailable(attn_impl, device, dtype)
+        return next(name for name in ("flash", "torch_varlen", "sdpa")
+                    if unavailable_reason(name, device, dtype) is None)
+    reason = unavailable_reason(attn_impl, device, dtype)
     if reason is not None:
         raise ConfigError(f"attn_impl {attn_impl!r} is not available: {reason}")
     return attn_impl

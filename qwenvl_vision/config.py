@@ -3,7 +3,8 @@
 A *family* is what a checkpoint's top-level ``model_type`` means for its vision tower: which of the two tower
 *designs* it uses, where its vision config and tensors sit, and the handful of ways it differs from the other
 members of its design (norm, MLP, windows, DeepStack, tensor names). Everything below was read from
-transformers 5.24's modules (see REFERENCE.md); adding a family is one ``Family(...)`` entry.
+transformers 5.24's modules (docs/architecture.md lists them, with the file each fact was read from);
+adding a family is one ``Family(...)`` entry.
 
 The checkpoints disagree on spelling (Qwen2-VL writes ``embed_dim`` / ``mlp_ratio`` and calls the output width
 ``hidden_size``; Qwen2.5-VL writes ``in_chans`` and an unhelpful nested ``model_type``; the Omni models nest the
@@ -32,27 +33,6 @@ CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 HALF = (0.5, 0.5, 0.5)
 
-# Checkpoint-name rules: (module tensor name pattern, checkpoint tensor name(s) it is read from). Several names
-# are stacked along dim 0 at load time (vLLM's stacked_params_mapping); one name is a rename. Unmatched module
-# names are read under their own name. Matched with re.fullmatch, templates filled with match.expand.
-Rule = tuple[str, tuple[str, ...]]
-FUSED_GATE_UP: tuple[Rule, ...] = (
-    (r"(.*\.mlp)\.gate_up_proj\.(weight|bias)", (r"\1.gate_proj.\2", r"\1.up_proj.\2")),
-)
-SPLIT_QKV: tuple[Rule, ...] = ((r"(.*\.attn)\.qkv\.(weight|bias)", (r"\1.q.\2", r"\1.k.\2", r"\1.v.\2")),)
-FC_MLP: tuple[Rule, ...] = ((r"(.*\.mlp)\.linear_fc(1|2)\.(weight|bias)", (r"\1.fc\2.\3",)),)
-LN_Q_MERGER: tuple[Rule, ...] = (
-    (r"merger\.norm\.(weight|bias)", (r"merger.ln_q.\1",)),
-    (r"merger\.linear_fc1\.(weight|bias)", (r"merger.mlp.0.\1",)),
-    (r"merger\.linear_fc2\.(weight|bias)", (r"merger.mlp.2.\1",)),
-)
-LN_Q_DEEPSTACK: tuple[Rule, ...] = (
-    (r"deepstack_merger_list\.(\d+)\.norm\.(weight|bias)", (r"merger_list.\1.ln_q.\2",)),
-    (r"deepstack_merger_list\.(\d+)\.linear_fc1\.(weight|bias)", (r"merger_list.\1.mlp.0.\2",)),
-    (r"deepstack_merger_list\.(\d+)\.linear_fc2\.(weight|bias)", (r"merger_list.\1.mlp.2.\2",)),
-)
-
-
 @dataclass(frozen=True)
 class Family:
     """One config ``model_type``: its tower design, its checkpoint layout and what differs, as data."""
@@ -69,8 +49,9 @@ class Family:
     vision_config_at: tuple[str, ...] = ("vision_config",)
     # Tensor name prefixes of the tower in a full checkpoint: the releases' first, then transformers' re-saves.
     prefixes: tuple[str, ...] = ("model.visual.", "visual.")
-    names: tuple[Rule, ...] = ()  # module name -> checkpoint name(s), see Rule
-    # Preprocessing when the checkpoint has no preprocessor_config.json (REFERENCE.md).
+    # Which of names.RULE_SETS turn its module tensor names into its checkpoint names (stacks and renames).
+    names: tuple[str, ...] = ()
+    # Preprocessing when the checkpoint has no preprocessor_config.json: the releases' values (docs/architecture.md).
     patch_size: int = 14
     image_mean: tuple[float, float, float] = CLIP_MEAN
     image_std: tuple[float, float, float] = CLIP_STD
@@ -94,18 +75,18 @@ def _qwen3_family(model_type: str, label: str, **changes: Any) -> Family:
 
 
 QWEN2_5_VL = Family("qwen2_5_vl", "Qwen2.5-VL", QWEN2_5, norm="rms", mlp="gated", hidden_act="silu", windows=True,
-                    prefixes=("visual.", "model.visual."), names=FUSED_GATE_UP + LN_Q_MERGER)
+                    prefixes=("visual.", "model.visual."), names=("fused_gate_up", "ln_q_merger"))
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("qwen2_vl", "Qwen2-VL", QWEN2_5, norm="layer", mlp="plain", hidden_act="quick_gelu",
-           prefixes=("visual.", "model.visual."), names=FC_MLP + LN_Q_MERGER),
+           prefixes=("visual.", "model.visual."), names=("fc_mlp", "ln_q_merger")),
     QWEN2_5_VL,
     dataclasses.replace(QWEN2_5_VL, model_type="qwen2_5_omni", label="Qwen2.5-Omni",
                         vision_config_at=("thinker_config", "vision_config"), prefixes=("thinker.visual.",),
-                        names=FUSED_GATE_UP + SPLIT_QKV + LN_Q_MERGER),
+                        names=("fused_gate_up", "split_qkv", "ln_q_merger")),
     _qwen3_family("qwen3_vl", "Qwen3-VL"),
     _qwen3_family("qwen3_vl_moe", "Qwen3-VL-MoE"),
     _qwen3_family("qwen3_omni_moe", "Qwen3-Omni", vision_config_at=("thinker_config", "vision_config"),
-                  prefixes=("thinker.visual.",), names=LN_Q_MERGER + LN_Q_DEEPSTACK, min_pixels=3136,
+                  prefixes=("thinker.visual.",), names=("ln_q_merger", "ln_q_deepstack"), min_pixels=3136,
                   max_pixels=12845056, video_sampling="qwen2", resize="pil"),  # its processors: Qwen2VL's
     _qwen3_family("qwen3_5", "Qwen3.5", deepstack=False),
     _qwen3_family("qwen3_5_moe", "Qwen3.5-MoE", deepstack=False),
@@ -417,8 +398,8 @@ def _qwen3(name: str, depth: int, hidden: int, intermediate: int, out: int, deep
                         deepstack_visual_indexes=deepstack)
 
 
-# Released towers. Sources: REFERENCE.md ("Released vision configs") and public config.json files (the README's
-# table of presets says which file each one was read from). Qwen3.5 / 3.6 / 3.8 share three tower sizes.
+# Released towers, from the releases' public config.json files (docs/architecture.md, "Released vision towers";
+# the README's table of presets says which file each one was read from). Qwen3.5 / 3.6 / 3.8 share three tower sizes.
 PRESETS: dict[str, VisionConfig] = {
     c.name: c
     for c in (

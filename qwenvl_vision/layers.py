@@ -5,7 +5,7 @@ Reference: the vision classes of transformers' ``modeling_qwen2_vl.py``, ``model
 
 - the Conv3d patch embedding (kernel == stride) runs as one matmul over the flattened row;
 - the gated MLP's gate and up projections are one fused ``gate_up_proj`` (stacked at load time, see
-  ``config.FUSED_GATE_UP``), and a Qwen2.5-Omni tower's separate q/k/v are one ``qkv``;
+  ``names.RULE_SETS``), and a Qwen2.5-Omni tower's separate q/k/v are one ``qkv``;
 - attention runs through the tower's backend (``attention.py``) on a per-forward segment plan;
 - in eager inference, activations are written into the forward's two ``Workspace`` buffers instead of fresh
   tensors (the same operations in the reference's order: fp32 results are bitwise those of the plain ops).
@@ -47,7 +47,7 @@ class Workspace:
     The rule that makes reuse safe: every op writes into the buffer that does not hold its input
     (``take``), so no op overwrites what it reads, and a value lives until the op after next consumes it;
     in-place steps (rope, activation, gate * up) change only their own value. The residual stream x belongs to
-    the forward and is updated in place (``residual``). Results that leave the forward (mergers) are fresh.
+    the forward and is updated in place (``residual_``). Results that leave the forward (mergers) are fresh.
 
     Modules reach the active workspace through ``output_buffer`` (a context variable, like autocast's state),
     so their ``forward`` reads as the math. Without one (under autograd, which cannot differentiate ``out=``
@@ -116,13 +116,18 @@ def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     return torch.addmm(layer.bias, x, layer.weight.t(), out=out)
 
 
-def residual(x: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
-    """x + update; in place on the forward's own x when buffers are in use."""
+# The trailing underscore is torch's mark of an in-place op. These are in place when the forward's workspace is
+# active (x is then a workspace value or the forward's own residual stream), else out of place: under autograd,
+# inside torch.compile and for a module called on its own, where in-place writes would be wrong or unplanned.
+
+
+def residual_(x: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
+    """x + update: in place on x when the forward's workspace is active, else out of place."""
     return x.add_(update) if buffered() else x + update
 
 
-def multiply(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """x * y; in place on x (a workspace value) when buffers are in use."""
+def multiply_(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """x * y: in place on x when the forward's workspace is active, else out of place."""
     return x.mul_(y) if buffered() else x * y
 
 
@@ -175,10 +180,10 @@ def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, tmp: torc
     return x.mul_(cos).add_(tmp)
 
 
-def rotate(q: torch.Tensor, k: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
-           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """2D rope on q and k (N, H, hd), computed in fp32 as the reference: in place when buffers are in use (on
-    row chunks through the fp32 scratch), else new tensors."""
+def rotate_(q: torch.Tensor, k: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """2D rope on q and k (N, H, hd), computed in fp32 as the reference: in place when the forward's workspace
+    is active (on row chunks through the fp32 scratch), else out of place (new tensors)."""
     cos, sin = rope
     if not buffered():
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -207,8 +212,8 @@ ACTIVATIONS: dict[str, tuple[Callable, Callable]] = {  # name -> (function, in-p
 }
 
 
-def activate(x: torch.Tensor, name: str) -> torch.Tensor:
-    """The activation `name` on x: in place when buffers are in use (x is then a workspace value)."""
+def activate_(x: torch.Tensor, name: str) -> torch.Tensor:
+    """The activation `name` on x: in place when the forward's workspace is active, else out of place."""
     function, in_place = ACTIVATIONS[name]
     return in_place(x) if buffered() else function(x)
 
@@ -291,7 +296,7 @@ class VisionAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, inputs: AttentionInputs) -> torch.Tensor:
         q, k, v = rearrange(linear(x, self.qkv), "n (qkv h d) -> qkv n h d", qkv=3, h=self.num_heads)
-        q, k = rotate(q, k, inputs.rope)
+        q, k = rotate_(q, k, inputs.rope)
         attended = inputs.attend(q, k, v, inputs.segments, self.scale, out=output_buffer(q, *q.shape))
         return linear(attended.flatten(1), self.proj)
 
@@ -307,7 +312,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = linear(x, self.gate_up_proj).chunk(2, dim=-1)
-        return linear(multiply(activate(gate, self.act), up), self.down_proj)
+        return linear(multiply_(activate_(gate, self.act), up), self.down_proj)
 
 
 class MLP(nn.Module):
@@ -320,7 +325,7 @@ class MLP(nn.Module):
         self.act = act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(activate(linear(x, self.linear_fc1), self.act), self.linear_fc2)
+        return linear(activate_(linear(x, self.linear_fc1), self.act), self.linear_fc2)
 
 
 class Block(nn.Module):
@@ -334,8 +339,8 @@ class Block(nn.Module):
         self.mlp = (GatedMLP if mlp == "gated" else MLP)(dim, mlp_hidden, act)
 
     def forward(self, x: torch.Tensor, attention: AttentionInputs) -> torch.Tensor:
-        x = residual(x, self.attn(self.norm1(x), attention))
-        return residual(x, self.mlp(self.norm2(x)))
+        x = residual_(x, self.attn(self.norm1(x), attention))
+        return residual_(x, self.mlp(self.norm2(x)))
 
 
 class PatchMerger(nn.Module):
@@ -356,5 +361,5 @@ class PatchMerger(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (N, D) -> (N/4, out), a fresh tensor (it leaves the forward)."""
         grouped = self.norm(x.view(-1, self.hidden)) if self.norm_after_view else self.norm(x).view(-1, self.hidden)
-        hidden = activate(linear(grouped, self.linear_fc1), "gelu")
+        hidden = activate_(linear(grouped, self.linear_fc1), "gelu")
         return F.linear(hidden, self.linear_fc2.weight, self.linear_fc2.bias)

@@ -5,7 +5,7 @@
 
 Reference: transformers' ``Qwen2VisionTransformerPretrainedModel``, ``Qwen2_5_VisionTransformerPretrainedModel``
 and ``Qwen3VLVisionModel`` (v5.24). Module names equal the checkpoint's tensor names without the prefix, except
-for what ``config.Family.names`` fuses or renames at load time. Deviations from the reference (same numbers):
+for what ``names.RULE_SETS`` fuses or renames at load time. Deviations from the reference (same numbers):
 grids are read from the host once per forward; per-grid tensors (token order, rope tables, segment lengths,
 position taps) are cached per instance in a bounded ``ShapeCache``, concatenated for the pack and moved to the
 device once, so the block loop does no host sync; activations reuse one ``Workspace`` per forward.
@@ -14,16 +14,18 @@ device once, so the block loop does no host sync; activations reuse one ``Worksp
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from .attention import BACKENDS, SegmentPlan, resolve_attn_impl
+from .attention import ATTN_IMPLS, BACKENDS, SegmentPlan, resolve_attn_impl
 from .cache import ShapeCache
 from .config import VisionConfig
 from .errors import ConfigError, InputError
 from .layers import AttentionInputs, Block, PatchEmbed, PatchMerger, Workspace
+from .names import to_module_names_
 
 Grid = tuple[int, int, int]
 
@@ -66,6 +68,13 @@ def compile_boundary(backend):
     return torch.compiler.disable(attend)
 
 
+def accept_checkpoint_names(tower: VisionTower, state_dict: dict, prefix: str, *_load_arguments) -> None:
+    """``load_state_dict`` pre-hook (torch's ``register_load_state_dict_pre_hook`` signature): the family's
+    checkpoint names put together into the tower's module names (``names.to_module_names_``) before loading."""
+    module_names = [name for name, _ in tower.named_parameters()] + [name for name, _ in tower.named_buffers()]
+    to_module_names_(tower.config, state_dict, module_names, prefix)
+
+
 class VisionTower(nn.Module):
     """A Qwen vision tower of any family: patch embedding, blocks, merger and (Qwen3-VL) DeepStack mergers.
 
@@ -97,12 +106,12 @@ class VisionTower(nn.Module):
         # A plain attribute, not a module/buffer: it is not saved, moved by .to() or shared between instances.
         self.shape_cache = ShapeCache(cache_size, cache_bytes)
         self.compiled = False
-        self.attn_impl = attn_impl
-        self.attention: str | None = None  # the backend that runs; resolved once the tower has a real device
-        self.attend = None
-        placed = self.patch_embed.proj.weight
-        if not placed.is_meta:
-            self.set_attention(attn_impl, placed.device, placed.dtype)
+        # load_state_dict takes the family's checkpoint names too (transformers' tower's state dict, a released
+        # checkpoint's tensors without prefix): stacked and renamed as they arrive, still strict.
+        self.register_load_state_dict_pre_hook(accept_checkpoint_names)
+        # (placement it was chosen for, backend name, callable); attention_backend is the one place that sets it.
+        self.attention_choice: tuple[tuple, str, Callable] | None = None
+        self.set_attention(attn_impl)
 
     # ------------------------------------------------------------------ what a design supplies
 
@@ -209,28 +218,40 @@ class VisionTower(nn.Module):
 
     # ------------------------------------------------------------------ attention backend and compile
 
-    def set_attention(self, attn_impl: str, device: torch.device | str, dtype: torch.dtype) -> None:
-        """Choose the attention backend once for the device and dtype the tower runs on (ConfigError if
-        ``attn_impl`` cannot run there). Moving or casting the tower chooses again."""
-        self.attention = resolve_attn_impl(attn_impl, device, dtype)
+    def set_attention(self, attn_impl: str, device=None, dtype=None) -> None:
+        """Run attention with ``attn_impl`` ("auto", "sdpa", "flash", "torch_varlen"): checked now for the device
+        and dtype the weights are on (ConfigError if it cannot run there; on meta weights, when they arrive).
+
+        ``device`` and ``dtype`` are not used (the weights say where the tower runs); accepted so that callers of
+        the former signature ``set_attention(attn_impl, device, dtype)`` keep working.
+        """
+        if attn_impl not in ATTN_IMPLS:
+            raise ConfigError(f"attn_impl {attn_impl!r} is not one of {list(ATTN_IMPLS)}")
         self.attn_impl = attn_impl
+        self.attention_choice = None
+        if not self.patch_embed.proj.weight.is_meta:
+            self.attention_backend()
 
-    def attention_backend(self):
-        """The backend callable; compiled blocks reach it through the tower's one compile boundary."""
-        if self.attention is None:
-            weight = self.patch_embed.proj.weight
-            self.set_attention(self.attn_impl, weight.device, weight.dtype)
-        if self.attend is None or self.attend[0] != self.attention:
-            backend = BACKENDS[self.attention]
-            self.attend = (self.attention, compile_boundary(backend) if self.compiled else backend)
-        return self.attend[1]
-
-    def _apply(self, fn, recurse=True):
-        result = super()._apply(fn, recurse)
+    def attention_backend(self) -> Callable:
+        """The backend callable for where the weights are now: the one place the backend is chosen, once per
+        forward. It is chosen again only when the weights' device or dtype, ``attn_impl`` or compilation changed
+        (a tower moved with ``.to("cuda", torch.bfloat16)`` then runs the fused kernel). Compiled blocks reach it
+        through the tower's one compile boundary."""
         weight = self.patch_embed.proj.weight
-        if not weight.is_meta:
-            self.set_attention(self.attn_impl, weight.device, weight.dtype)
-        return result
+        placement = (weight.device, weight.dtype, self.attn_impl, self.compiled)
+        if self.attention_choice is None or self.attention_choice[0] != placement:
+            name = resolve_attn_impl(self.attn_impl, weight.device, weight.dtype)
+            backend = BACKENDS[name]
+            self.attention_choice = (placement, name, compile_boundary(backend) if self.compiled else backend)
+        return self.attention_choice[2]
+
+    @property
+    def attention(self) -> str | None:
+        """The name of the backend that runs where the weights are now (None while they are on meta)."""
+        if self.patch_embed.proj.weight.is_meta:
+            return None
+        self.attention_backend()
+        return self.attention_choice[1]
 
     def compile_blocks(self, **options) -> None:
         """``torch.compile`` every block with a dynamic token count: one graph pair serves every block, pack size
@@ -248,7 +269,6 @@ class VisionTower(nn.Module):
             raise ConfigError(f"compile_blocks: mode={options['mode']!r} records CUDA graphs, which need fixed "
                              "shapes; the token count varies per pack. Use 'max-autotune-no-cudagraphs' or 'default'")
         self.compiled = True
-        self.attend = None
         for block in self.blocks:
             block.compile(**options)
 

@@ -19,15 +19,16 @@ from tests.helpers import (
     QWEN2_5_SMALL,
     QWEN3_GRIDS,
     QWEN3_SMALL_72,
+    assert_matches_reference,
     census,
     hf_forward,
     inputs,
     pair,
-    rel_err,
 )
 
-pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
-                                reason="inductor on CPU needs a C++ compiler")
+pytestmark = [pytest.mark.slow,  # every test here compiles with inductor (tens of seconds each)
+              pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                                 reason="inductor on CPU needs a C++ compiler")]
 
 
 def _graphs_compiled() -> int:
@@ -49,11 +50,8 @@ def test_compiled_blocks_match_transformers_and_do_not_recompile_for_new_packs(c
     with torch.no_grad():
         for pack in packs:
             pixel_values, grid_thw = inputs(cfg, pack)
-            merged, levels = ours(pixel_values, grid_thw)
-            ref_merged, ref_levels = hf_forward(ref, pixel_values, grid_thw)
-            assert rel_err(merged, ref_merged) <= 1e-5
-            for level, ref_level in zip(levels, ref_levels, strict=True):
-                assert rel_err(level, ref_level) <= 1e-5
+            assert_matches_reference(ours(pixel_values, grid_thw), hf_forward(ref, pixel_values, grid_thw),
+                                     grid_thw, 1e-5)
             graphs.append(_graphs_compiled())
     assert graphs[0] > 0
     assert len(set(graphs)) == 1, f"recompiled for a new pack: graphs after each pack {graphs}"
@@ -65,9 +63,8 @@ def test_compiling_the_whole_tower_works_too():
     compiled = torch.compile(ours)
     pixel_values, grid_thw = inputs(QWEN2_5_SMALL, QWEN2_5_GRIDS)
     with torch.no_grad():
-        merged, _ = compiled(pixel_values, grid_thw)
-        ref_merged, _ = hf_forward(ref, pixel_values, grid_thw)
-    assert rel_err(merged, ref_merged) <= 1e-5
+        assert_matches_reference(compiled(pixel_values, grid_thw), hf_forward(ref, pixel_values, grid_thw),
+                                 grid_thw, 1e-5)
 
 
 @pytest.mark.parametrize("options", [{"fullgraph": True}, {"mode": "reduce-overhead"}])

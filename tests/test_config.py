@@ -10,7 +10,7 @@ import pytest
 
 from qwenvl_vision import ConfigError, QwenVLVisionError, VisionConfig, load_encoder
 from qwenvl_vision.config import LIMITS
-from tests.helpers import FAMILY_SMALL, QWEN2_5_SMALL, write_checkpoint
+from tests.helpers import QWEN2_5_SMALL, write_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -89,10 +89,11 @@ def test_every_config_error_is_a_project_error():
                      out_hidden_size=64, patch_size=14)
 
 
-def test_limits_admit_every_released_size():
-    """The bounds are wide: every family's small test tower and every preset sit inside them."""
-    from qwenvl_vision import PRESETS
-
-    for cfg in [*FAMILY_SMALL.values(), *PRESETS.values()]:
-        for name, (low, high) in LIMITS.items():
-            assert low <= getattr(cfg, name) <= high, (cfg.name, name)
+@pytest.mark.parametrize("name", sorted(LIMITS))
+def test_every_limit_is_enforced_at_both_ends(name):
+    """Each size bound refuses the value just outside it, naming the field (a dropped check would pass silently
+    here otherwise: the presets and the small towers all sit well inside)."""
+    low, high = LIMITS[name]
+    for value in (low - 1, high + 1):
+        with pytest.raises(ConfigError, match=rf"vision_config\.{name} = {value} is outside the supported range"):
+            QWEN2_5_SMALL.replace(**{name: value})

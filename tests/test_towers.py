@@ -19,60 +19,59 @@ from tests.helpers import (
     QWEN3_GRIDS,
     QWEN3_SMALL_64,
     QWEN3_SMALL_72,
+    assert_matches_reference,
     grids_for,
     hf_forward,
     hf_tower,
     inputs,
     pair,
-    rel_err,
 )
 
 FAMILY_IDS = list(FAMILY_SMALL)
 
 
+def forward_both(ours, ref, cfg, grids):
+    """(ours, reference) outputs, each (merged, DeepStack levels), on one pack of grids; and its grid_thw."""
+    pixel_values, grid_thw = inputs(cfg, grids)
+    with torch.no_grad():
+        return ours(pixel_values, grid_thw), hf_forward(ref, pixel_values, grid_thw), grid_thw
+
+
 @pytest.mark.parametrize("family", FAMILY_IDS)
 def test_against_hf_tower_fp32(family):
     """Every family's tower, on a pack mixing a grid that is not a multiple of the window, a 2-frame video, the
-    smallest grid and (Qwen3 design) one larger than the position table: merged tokens and every DeepStack level."""
+    smallest grid and (Qwen3 design) one larger than the position table: merged tokens and every DeepStack level,
+    each item within 1e-5 of the reference."""
     cfg = FAMILY_SMALL[family]
-    ours, ref = pair(cfg)
-    pixel_values, grid_thw = inputs(cfg, grids_for(cfg))
-    with torch.no_grad():
-        merged, levels = ours(pixel_values, grid_thw)
-        ref_merged, ref_levels = hf_forward(ref, pixel_values, grid_thw)
+    (merged, levels), expected, grid_thw = forward_both(*pair(cfg), cfg, grids_for(cfg))
     assert merged.shape == (int(grid_thw.prod(1).sum()) // 4, cfg.out_hidden_size)
-    assert rel_err(merged, ref_merged) <= 1e-5
-    assert len(levels) == len(cfg.deepstack_visual_indexes) == len(ref_levels)
-    for level, ref_level in zip(levels, ref_levels):
-        assert level.shape == merged.shape
-        assert rel_err(level, ref_level) <= 1e-5
+    assert len(levels) == len(cfg.deepstack_visual_indexes)
+    assert all(level.shape == merged.shape for level in levels)
+    assert_matches_reference((merged, levels), expected, grid_thw, 1e-5)
 
 
 @pytest.mark.parametrize("family", FAMILY_IDS)
 def test_bf16_end_to_end_close_to_fp32(family):
     cfg = FAMILY_SMALL[family]
     ours, ref = pair(cfg)
-    pixel_values, grid_thw = inputs(cfg, grids_for(cfg))
-    with torch.no_grad():
-        ref_merged, ref_levels = hf_forward(ref, pixel_values, grid_thw)
-        merged, levels = ours.to(torch.bfloat16)(pixel_values, grid_thw)
+    (merged, levels), expected, grid_thw = forward_both(ours.to(torch.bfloat16), ref, cfg, grids_for(cfg))
     assert merged.dtype == torch.bfloat16 and torch.isfinite(merged).all()
-    assert rel_err(merged, ref_merged) <= 3e-2
-    for level, ref_level in zip(levels, ref_levels, strict=True):
-        assert rel_err(level, ref_level) <= 3e-2
+    assert_matches_reference((merged, levels), expected, grid_thw, 3e-2)
 
 
 @pytest.mark.parametrize("cfg,grids", [(QWEN2_5_SMALL, QWEN2_5_GRIDS), (QWEN3_SMALL_72, QWEN3_GRIDS)],
                          ids=["qwen2.5", "qwen3"])
 def test_pack_equals_items_one_by_one(cfg, grids):
-    """Attention never crosses an image: a packed forward equals each item encoded alone."""
+    """Attention never crosses an image: a packed forward equals each item encoded alone, item by item."""
     model, _ = pair(cfg)
     pixel_values, grid_thw = inputs(cfg, grids)
     with torch.no_grad():
-        packed, _ = model(pixel_values, grid_thw)
-        singles = [model(chunk, grid_thw[i : i + 1])[0]
+        packed = model(pixel_values, grid_thw)
+        singles = [model(chunk, grid_thw[i : i + 1])
                    for i, chunk in enumerate(pixel_values.split(grid_thw.prod(1).tolist()))]
-    assert rel_err(packed, torch.cat(singles)) <= 1e-5
+    alone = (torch.cat([merged for merged, _ in singles]),
+             [torch.cat(level) for level in zip(*[levels for _, levels in singles])])
+    assert_matches_reference(packed, alone, grid_thw, 1e-5)
 
 
 @pytest.mark.parametrize("family", FAMILY_IDS)
@@ -82,9 +81,8 @@ def test_our_weights_load_into_the_reference_strictly(family):
     ours, _ = pair(cfg, seed=3)
     ref = hf_tower(cfg, seed=None)
     ref.load_state_dict(to_checkpoint_state(cfg, ours.state_dict()), strict=True)
-    pixel_values, grid_thw = inputs(cfg, grids_for(cfg)[:2])
-    with torch.no_grad():
-        assert rel_err(ours(pixel_values, grid_thw)[0], hf_forward(ref, pixel_values, grid_thw)[0]) <= 1e-5
+    ours_out, expected, grid_thw = forward_both(ours, ref, cfg, grids_for(cfg)[:2])
+    assert_matches_reference(ours_out, expected, grid_thw, 1e-5)
 
 
 def test_window_index_worked_example():
@@ -127,8 +125,22 @@ def test_every_preset_builds_on_meta():
     assert {cfg.family for cfg in PRESETS.values()} == set(FAMILIES)
     for name, cfg in PRESETS.items():
         model = build_model(name, device="meta")
-        assert model.config == cfg
-        assert model.merger.linear_fc2.out_features == cfg.out_hidden_size
+        # The module shapes follow from the released numbers (plain arithmetic, not the builder's own code).
+        d, merged = cfg.hidden_size, cfg.hidden_size * cfg.spatial_merge_size**2
+        mlp_in = 2 * cfg.intermediate_size if cfg.spec.mlp == "gated" else cfg.intermediate_size
+        shapes = {name: tuple(p.shape) for name, p in model.state_dict().items()}
+        assert len(model.blocks) == cfg.depth, name
+        assert shapes["patch_embed.proj.weight"] == (d, cfg.in_channels, cfg.temporal_patch_size, cfg.patch_size,
+                                                     cfg.patch_size), name
+        assert shapes["blocks.0.attn.qkv.weight"] == (3 * d, d), name
+        assert shapes["blocks.0.mlp." + ("gate_up_proj" if cfg.spec.mlp == "gated" else "linear_fc1") + ".weight"] \
+            == (mlp_in, d), name
+        assert shapes["merger.linear_fc1.weight"] == (merged, merged), name
+        assert shapes["merger.linear_fc2.weight"] == (cfg.out_hidden_size, merged), name
+        deepstack = [k for k in shapes if k.startswith("deepstack_merger_list.") and k.endswith("linear_fc2.weight")]
+        assert len(deepstack) == len(cfg.deepstack_visual_indexes), name
+        if cfg.design == "qwen3":
+            assert shapes["pos_embed.weight"] == (48 * 48, d), name
 
 
 # config.json excerpts as the released checkpoints write them
