@@ -249,7 +249,7 @@ def parity_one(cfg, device, dtype, fused_reason: str | None, entry: dict, extra_
         entry["fused_vs_sdpa"] = {"status": "skipped", "reason": fused_reason}
         return
     fused_name = ours.attention
-    ours.set_attention("sdpa", device, dtype)
+    ours.set_attention("sdpa")
     with torch.inference_mode():
         sdpa_merged, sdpa_levels = ours(pixel_values, grid_thw)
     # Per output (merged, then each DeepStack level), the worst item.

@@ -15,7 +15,6 @@ import torch
 from qwenvl_vision import build_model
 from qwenvl_vision.config import QWEN2_5, VisionConfig
 from qwenvl_vision.init import spread_init_
-from qwenvl_vision.names import to_module_state
 
 # family -> (transformers module, vision config class, vision tower class)
 HF_TOWERS = {
@@ -85,12 +84,11 @@ def hf_forward(tower: torch.nn.Module, pixel_values: torch.Tensor, grid_thw: tor
 
 
 def ours_from(ref: torch.nn.Module, cfg: VisionConfig, **options) -> torch.nn.Module:
-    """Our tower carrying the reference tower's weights (read under the checkpoint names the reference uses)."""
+    """Our tower carrying the reference tower's weights: its state dict loads as it is (the tower's load hook takes
+    the checkpoint names transformers' towers use), into copies that share nothing with the reference."""
     ours = build_model(cfg, device="meta", **options)
-    state = to_module_state(cfg, dict(ref.state_dict()), list(ours.state_dict()))
-    ours.load_state_dict({k: v.clone() for k, v in state.items()}, strict=True, assign=True)
-    weight = ours.patch_embed.proj.weight
-    ours.set_attention(ours.attn_impl, weight.device, weight.dtype)
+    ours.load_state_dict({k: v.clone() for k, v in ref.state_dict().items()}, strict=True, assign=True)
+    ours.set_attention(ours.attn_impl)
     return ours.eval().requires_grad_(False)
 
 

@@ -15,7 +15,8 @@ from .errors import (
     PreprocessError,
     QwenVLVisionError,
 )
-from .models import build_model
+from .handoff import EncodedItems, to_transformers, to_vllm
+from .models import build_model, from_transformers
 from .qwen2_5 import Qwen2_5VisionTransformer
 from .qwen3 import Qwen3VisionTransformer
 from .tower import VisionTower
@@ -48,6 +49,10 @@ __all__ = [
     "VideoConfig",
     "VideoInfo",
     "build_model",
+    "from_transformers",
+    "EncodedItems",
+    "to_transformers",
+    "to_vllm",
     "from_config_json",
     "preset",
     "resolve_config",

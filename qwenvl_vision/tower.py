@@ -218,13 +218,9 @@ class VisionTower(nn.Module):
 
     # ------------------------------------------------------------------ attention backend and compile
 
-    def set_attention(self, attn_impl: str, device=None, dtype=None) -> None:
+    def set_attention(self, attn_impl: str) -> None:
         """Run attention with ``attn_impl`` ("auto", "sdpa", "flash", "torch_varlen"): checked now for the device
-        and dtype the weights are on (ConfigError if it cannot run there; on meta weights, when they arrive).
-
-        ``device`` and ``dtype`` are not used (the weights say where the tower runs); accepted so that callers of
-        the former signature ``set_attention(attn_impl, device, dtype)`` keep working.
-        """
+        and dtype the weights are on (ConfigError if it cannot run there; on meta weights, when they arrive)."""
         if attn_impl not in ATTN_IMPLS:
             raise ConfigError(f"attn_impl {attn_impl!r} is not one of {list(ATTN_IMPLS)}")
         self.attn_impl = attn_impl

@@ -334,8 +334,7 @@ def load_tower(checkpoint: VisionCheckpoint, device: torch.device, dtype: torch.
     # Names and shapes were checked against `expected`, which to_checkpoint_state made from this very model: a
     # failure from here on is a bug of ours (names.py), not the checkpoint's, and is not renamed into one.
     model.load_state_dict(to_module_state(checkpoint.config, tensors, module_state), strict=True, assign=True)
-    first = next(model.parameters())
-    model.set_attention(attn_impl, first.device, first.dtype)
+    model.set_attention(attn_impl)
     return model.eval().requires_grad_(False)
 
 

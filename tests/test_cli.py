@@ -19,7 +19,18 @@ from qwenvl_vision import build_model, load_encoder
 from qwenvl_vision.cli import main
 from qwenvl_vision.version import package_version
 from tests.embed_helpers import one_error_line
-from tests.helpers import QWEN2_5_SMALL, QWEN3_SMALL_72, inputs, non_vision_shards, write_checkpoint
+from tests.helpers import (
+    FAMILY_SMALL,
+    QWEN2_5_SMALL,
+    QWEN3_SMALL_72,
+    assert_matches_reference,
+    grids_for,
+    hf_forward,
+    hf_tower,
+    inputs,
+    non_vision_shards,
+    write_checkpoint,
+)
 from tests.test_checkpoint_validation import offsets_of, same_size_pair, set_entry
 
 GRIDS = [(1, 6, 10), (2, 4, 4), (1, 2, 2)]
@@ -149,3 +160,28 @@ def test_extract_weights_refuses_a_non_empty_target_without_force(tmp_path, chec
     assert sorted(p.name for p in target.iterdir()) == ["keep.txt"]
     assert main(["extract-weights", str(checkpoint), "--out", str(target), "--force"]) == 0
     assert (target / "keep.txt").read_text() == "mine" and (target / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("family", list(FAMILY_SMALL))
+def test_extract_weights_and_inspect(tmp_path, capsys, family):
+    cfg = FAMILY_SMALL[family]
+    folder = tmp_path / "released"
+    vision = write_checkpoint(folder, cfg, sharded=True, other_shards=2)
+    ref = hf_tower(cfg, seed=None)
+    ref.load_state_dict(vision, strict=True)
+    out = tmp_path / "vision-only"
+    assert main(["extract-weights", str(folder), "--out", str(out)]) == 0
+    names = set(load_file(str(out / "model.safetensors")))
+    assert not any(name.startswith(cfg.spec.prefixes) for name in names)
+    assert names == set(vision)  # the family's own names, as transformers' tower names its modules
+    pixel_values, grid_thw = inputs(cfg, grids_for(cfg))
+    result = load_encoder(out, device="cpu").encode_patches(pixel_values, grid_thw)
+    with torch.no_grad():
+        expected = hf_forward(ref, pixel_values, grid_thw)
+    levels = [torch.cat([item[level] for item in result.deepstack]) for level in range(len(expected[1]))]
+    assert_matches_reference((torch.cat(result.embeddings), levels), expected, grid_thw, 1e-5)
+    capsys.readouterr()
+    for source in (folder, out):
+        assert main(["inspect", str(source), "--json"]) == 0
+        report = json.loads(capsys.readouterr().out)
+        assert report["family"] == cfg.family and report["tensors"] == len(names)
