@@ -45,10 +45,11 @@ import torch
 from ray.data.block import BlockAccessor
 from ray.data.extensions import ArrowTensorArray, ArrowVariableShapedTensorArray
 
-from .encoder import DEFAULT_DECODE_BYTES, ItemResult, load_encoder
+from .batching import DEFAULT_DECODE_BYTES
+from .encoder import ItemResult, load_encoder
 from .parquet import EmbeddingRecord, video_record
-from .preprocess import DEFAULT_MAX_INPUT_PIXELS, input_name
-from .video import is_video_file
+from .pixels import DEFAULT_MAX_INPUT_PIXELS, input_name
+from .video_io import is_video_file
 
 INPUT_KINDS = ("path", "bytes", "image")
 BATCH_FORMAT = "numpy"

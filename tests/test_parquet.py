@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 
 from qwenvl_vision import ManifestError, load_encoder
-from qwenvl_vision.video import VideoInfo
+from qwenvl_vision.video_io import VideoInfo
 from tests.helpers import synthetic_photo
 
 pa = pytest.importorskip("pyarrow")
