@@ -275,6 +275,7 @@ def _runs(report):
     return {(r["variant"], r["teardown"]): r for r in report["runs"]}
 
 
+@pytest.mark.slow  # the whole benchmark command, several load-encode-teardown cycles (6-10 s)
 def test_cli_benchmark_measures_our_encoder_only(tmp_path):
     rc, report = _run_bench(tmp_path, QWEN2_5_SMALL, "--cycles", "2")
     assert rc == 0 and report["ok"]
@@ -313,6 +314,7 @@ def test_new_families_retain_nothing(tmp_path, family):
     assert rc == 0 and report["ok"] and _runs(report)["per-instance", "del"]["retained_bytes"] == 0
 
 
+@pytest.mark.slow  # the whole benchmark command, several load-encode-teardown cycles (6-10 s)
 def test_benchmark_qwen3_script_with_transformers_and_plot(tmp_path):
     plot = tmp_path / "t.png"
     try:
