@@ -25,7 +25,6 @@ and fsyncs the folder: a reader sees a whole shard or none. Temporary files end 
 from __future__ import annotations
 
 import dataclasses
-import errno
 import json
 import math
 import os
@@ -40,6 +39,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from .durable import fsync_dir
 from .errors import ManifestError
 
 PARQUET_FORMAT = 1
@@ -224,16 +224,6 @@ def results_table(records: Iterable[EmbeddingRecord], layout: ParquetLayout, run
     return pa.Table.from_arrays([columns[f.name] for f in schema], schema=schema)
 
 
-def fsync_dir(folder: str | os.PathLike) -> None:
-    """Make renames in ``folder`` durable (its entries are data too)."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError as e:
-        if e.errno != errno.EINVAL:  # some file systems cannot fsync a directory
-            raise
-    finally:
-        os.close(fd)
 
 
 def write_table_atomic(table: pa.Table, path: str | os.PathLike, **write_options: Any) -> Path:

@@ -23,6 +23,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
+from ..durable import fsync_dir
 from ..errors import OutputFaultError
 from .inputs import real_key
 from .manifest import MANIFEST, RUN_FILE, SHARD_NAME, parse_manifest, part_name, record_key
@@ -40,16 +41,6 @@ def output_fault(e: OSError, out: Path, recorded: int | None = None) -> OutputFa
                             f"output folder (free space, permissions) and run the same command with --resume")
 
 
-def fsync_dir(folder: Path) -> None:
-    """Make renames in `folder` durable (its entries are data too)."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError as e:
-        if e.errno != errno.EINVAL:  # some file systems cannot fsync a directory
-            raise
-    finally:
-        os.close(fd)
 
 
 def atomic_write_text(path: Path, text: str, tag: str) -> None:
