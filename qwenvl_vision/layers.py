@@ -25,6 +25,7 @@ from einops import rearrange
 from torch import nn
 
 from .attention import SegmentPlan
+from .cpu_linear import packed_linear
 
 # ----------------------------------------------------------------------------- activation buffers
 
@@ -109,11 +110,23 @@ def fp32_chunks(rows: int, *shape: int) -> Iterator[tuple[slice, torch.Tensor, t
 def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     """``layer(x)``, written into a workspace buffer when one is active: the same addmm, so the same bits."""
     out = output_buffer(x, x.shape[0], layer.out_features)
-    if out is None:
-        return F.linear(x, layer.weight, layer.bias)
+    if out is None or (layer.weight.is_mkldnn and torch.is_grad_enabled() and x.requires_grad):
+        return fresh_linear(x, layer)
+    if layer.weight.is_mkldnn:
+        return packed_linear(x, layer.weight, layer.bias, out)
     if layer.bias is None:
         return torch.mm(x, layer.weight.t(), out=out)
     return torch.addmm(layer.bias, x, layer.weight.t(), out=out)
+
+
+def fresh_linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+    """``layer(x)`` into a new tensor. A layer packed for oneDNN (``cpu_linear``) runs its prepacked kernel, except
+    under autograd, which that kernel lacks (the plain weight is then unpacked for the call)."""
+    if not layer.weight.is_mkldnn:
+        return F.linear(x, layer.weight, layer.bias)
+    if torch.is_grad_enabled() and x.requires_grad:
+        return F.linear(x, layer.weight.to_dense(), layer.bias)
+    return packed_linear(x, layer.weight, layer.bias)
 
 
 # The trailing underscore is torch's mark of an in-place op. These are in place when the forward's workspace is
@@ -362,4 +375,4 @@ class PatchMerger(nn.Module):
         """x (N, D) -> (N/4, out), a fresh tensor (it leaves the forward)."""
         grouped = self.norm(x.view(-1, self.hidden)) if self.norm_after_view else self.norm(x).view(-1, self.hidden)
         hidden = activate_(linear(grouped, self.linear_fc1), "gelu")
-        return F.linear(hidden, self.linear_fc2.weight, self.linear_fc2.bias)
+        return fresh_linear(hidden, self.linear_fc2)

@@ -32,9 +32,12 @@ def live_tensor_storages() -> dict[tuple[str, int], tuple[int, str]]:
         try:
             if obj.is_meta:
                 continue
-            storage = obj.untyped_storage()
-            ptr, nbytes = storage.data_ptr(), storage.nbytes()
-            key = (str(storage.device), ptr)
+            if obj.is_mkldnn:  # oneDNN's packed weights (cpu_linear) have no storage to ask: one per tensor
+                ptr, nbytes, key = id(obj), obj.numel() * obj.element_size(), ("mkldnn", id(obj))
+            else:
+                storage = obj.untyped_storage()
+                ptr, nbytes = storage.data_ptr(), storage.nbytes()
+                key = (str(storage.device), ptr)
         except Exception:  # noqa: BLE001 - sparse / nested / wrapper tensors without a plain storage
             continue
         if ptr == 0 and nbytes == 0:

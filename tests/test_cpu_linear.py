@@ -1,0 +1,181 @@
+"""oneDNN's prepacked linear weights on the CPU (qwenvl_vision.cpu_linear): outputs against transformers' towers
+per item, bf16 bitwise against plain addmm, one copy of each weight, plain tensors out of state_dict and
+extract-weights, loads into a packed tower, close() and teardown, threads, autograd, compile."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from qwenvl_vision import ConfigError, build_model, load_encoder
+from qwenvl_vision.cli import main
+from qwenvl_vision.cpu_linear import DECISIONS, measure_kernels, onednn_linear_available, pack_weight, packed_linear
+from tests.helpers import (
+    FAMILY_SMALL,
+    QWEN2_5_SMALL,
+    QWEN3_SMALL_72,
+    assert_matches_reference,
+    census,
+    grids_for,
+    hf_forward,
+    hf_tower,
+    inputs,
+    ours_from,
+    write_checkpoint,
+)
+
+pytestmark = pytest.mark.skipif(not onednn_linear_available(), reason="this torch has no oneDNN linear ops")
+
+
+def packed_count(model) -> int:
+    return sum(p.is_mkldnn for p in model.parameters())
+
+
+@pytest.mark.parametrize("family", list(FAMILY_SMALL))
+def test_packed_towers_match_transformers_per_item(family, tmp_path):
+    cfg = FAMILY_SMALL[family]
+    write_checkpoint(tmp_path, cfg)
+    encoder = load_encoder(tmp_path, device="cpu", linear_kernel="onednn")
+    assert packed_count(encoder.model) == len(encoder.model.linear_layers()) > 0
+    ref = hf_tower(cfg, seed=0)
+    pixel_values, grid_thw = inputs(cfg, grids_for(cfg))
+    result = encoder.encode_patches(pixel_values, grid_thw)
+    with torch.no_grad():
+        expected = hf_forward(ref, pixel_values, grid_thw)
+    ours = (torch.cat(result.embeddings), [torch.cat([item[i] for item in result.deepstack])
+                                          for i in range(len(expected[1]))])
+    assert_matches_reference(ours, expected, grid_thw, 1e-5)
+
+
+@pytest.mark.parametrize("cfg", [QWEN2_5_SMALL, QWEN3_SMALL_72], ids=["qwen2.5", "qwen3"])
+def test_bf16_packed_is_bitwise_addmm(cfg):
+    """torch's bf16 addmm on the CPU is a oneDNN matmul: packing changes the layout, not one bit."""
+    ref = hf_tower(cfg, seed=0)
+    plain = ours_from(ref, cfg).to(torch.bfloat16)
+    packed = ours_from(ref, cfg).to(torch.bfloat16)
+    packed.pack_linear_weights_("onednn")
+    pixel_values, grid_thw = inputs(cfg, grids_for(cfg))
+    with torch.no_grad():
+        (a, levels_a), (b, levels_b) = plain(pixel_values, grid_thw), packed(pixel_values, grid_thw)
+    assert torch.equal(a, b) and all(torch.equal(x, y) for x, y in zip(levels_a, levels_b, strict=True))
+
+
+def test_the_packed_weight_replaces_the_plain_one():
+    model = build_model(QWEN2_5_SMALL)
+    before = census()
+    model.pack_linear_weights_("onednn")
+    # The plain weights are gone: what is live is the packed ones (the census counts each as its elements), so
+    # the total has not grown; keeping the plain weights beside them would have added their bytes again.
+    linear_bytes = sum(layer.weight.numel() * 4 for _, layer in model.linear_layers())
+    assert packed_count(model) == len(model.linear_layers()) and linear_bytes > before / 2
+    assert census() == before
+
+
+def test_state_dict_and_extract_weights_give_plain_tensors_equal_to_the_checkpoint(tmp_path, capsys):
+    vision = write_checkpoint(tmp_path / "ckpt", QWEN2_5_SMALL)
+    encoder = load_encoder(tmp_path / "ckpt", device="cpu", linear_kernel="onednn")
+    state = encoder.model.state_dict()
+    assert not any(v.is_mkldnn for v in state.values())
+    qkv = vision["blocks.1.attn.qkv.weight"]
+    assert torch.equal(state["blocks.1.attn.qkv.weight"], qkv)  # a layout change, not a rounding
+    assert main(["extract-weights", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out")]) == 0
+    saved = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert set(saved) == set(vision) and all(torch.equal(saved[k], vision[k]) for k in vision)
+
+
+def test_a_state_dict_loads_into_a_packed_tower_and_is_packed_again():
+    cfg = QWEN3_SMALL_72
+    ref = hf_tower(cfg, seed=3)
+    model = build_model(cfg)
+    model.pack_linear_weights_("onednn")
+    model.load_state_dict(ref.state_dict(), strict=True)  # transformers' names, through the load hook
+    assert packed_count(model) == len(model.linear_layers())
+    pixel_values, grid_thw = inputs(cfg, grids_for(cfg))
+    with torch.no_grad():
+        assert_matches_reference(model(pixel_values, grid_thw), hf_forward(ref, pixel_values, grid_thw), grid_thw,
+                                 1e-5)
+    with pytest.raises(RuntimeError, match="Missing key"):
+        model.load_state_dict({k: v for k, v in ref.state_dict().items() if "qkv" not in k}, strict=True)
+
+
+def test_close_frees_packed_weights_and_nothing_stays_behind():
+    baseline = census()
+    encoder = load_encoder(QWEN3_SMALL_72, random_weights=True, device="cpu", linear_kernel="onednn")
+    assert packed_count(encoder.model) > 0 and census() > baseline
+    pixel_values, grid_thw = inputs(QWEN3_SMALL_72, grids_for(QWEN3_SMALL_72))
+    encoder.encode_patches(pixel_values, grid_thw)
+    model = encoder.model
+    encoder.close()
+    assert all(p.is_meta for p in model.parameters())
+    del model, encoder, pixel_values, grid_thw
+    assert census() == baseline
+
+
+def test_threads_share_a_packed_encoder():
+    encoder = load_encoder(QWEN2_5_SMALL, random_weights=True, device="cpu", linear_kernel="onednn")
+    pixel_values, grid_thw = inputs(QWEN2_5_SMALL, grids_for(QWEN2_5_SMALL))
+    expected = torch.cat(encoder.encode_patches(pixel_values, grid_thw).embeddings)
+    results = []
+
+    def work():
+        results.append(torch.cat(encoder.encode_patches(pixel_values, grid_thw).embeddings))
+
+    threads = [threading.Thread(target=work) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 3 and all(torch.equal(r, expected) for r in results)
+
+
+def test_packs_of_any_size_use_one_packed_weight():
+    """The reorder's row count is a hint: each row's result does not depend on how many rows the call has."""
+    generator = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(96, 64, generator=generator), torch.randn(96, generator=generator)
+    x = torch.randn(3000, 64, generator=generator)
+    packed = pack_weight(weight, rows=1024)
+    whole = packed_linear(x, packed, bias)
+    assert torch.allclose(whole, torch.addmm(bias, x, weight.t()), rtol=1e-5, atol=1e-5)
+    for rows in (slice(0, 7), slice(5, 1029), slice(100, 3000)):
+        assert torch.equal(packed_linear(x[rows].contiguous(), packed, bias), whole[rows])
+    out = torch.empty(3000, 96)  # the workspace form: by row chunks into a given buffer
+    assert torch.equal(packed_linear(x, packed, bias, out), whole)
+
+
+def test_gradients_through_a_packed_tower_match_the_plain_one():
+    cfg = QWEN2_5_SMALL
+    ref = hf_tower(cfg, seed=0)
+    plain, packed = ours_from(ref, cfg), ours_from(ref, cfg)
+    packed.pack_linear_weights_("onednn")
+    pixel_values, grid_thw = inputs(cfg, grids_for(cfg))
+    grads = []
+    for model in (plain, packed):
+        x = pixel_values.clone().requires_grad_(True)
+        model(x, grid_thw)[0].square().sum().backward()
+        grads.append(x.grad)
+    assert torch.allclose(grads[1], grads[0], rtol=1e-4, atol=1e-6)
+
+
+def test_auto_measures_each_shape_once_and_every_tower_of_the_process_agrees():
+    first = load_encoder(QWEN2_5_SMALL, random_weights=True, device="cpu").model
+    second = load_encoder(QWEN2_5_SMALL, random_weights=True, device="cpu").model
+    assert first.linear_kernels == second.linear_kernels
+    key = (QWEN2_5_SMALL.hidden_size, 3 * QWEN2_5_SMALL.hidden_size, torch.float32, torch.get_num_threads())
+    assert DECISIONS[key] == first.linear_kernels["blocks.0.attn.qkv"]
+    seconds = measure_kernels(64, 96, torch.float32, rows=128, repeats=1)
+    assert set(seconds) == {"addmm", "onednn"} and all(s > 0 for s in seconds.values())
+    assert load_encoder(QWEN2_5_SMALL, random_weights=True, device="cpu", linear_kernel="addmm").model \
+        .linear_kernels == dict.fromkeys(first.linear_kernels, "addmm")
+    with pytest.raises(ConfigError, match="linear_kernel 'mkl'"):
+        load_encoder(QWEN2_5_SMALL, random_weights=True, device="cpu", linear_kernel="mkl")
+
+
+@pytest.mark.slow
+def test_compiling_unpacks_first():
+    model = build_model(QWEN2_5_SMALL)
+    model.pack_linear_weights_("onednn")
+    model.compile_blocks(backend="eager")
+    assert packed_count(model) == 0
