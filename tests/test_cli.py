@@ -23,15 +23,16 @@ from tests.helpers import (
     FAMILY_SMALL,
     QWEN2_5_SMALL,
     QWEN3_SMALL_72,
-    assert_matches_reference,
+    assert_result_matches_reference,
     grids_for,
-    hf_forward,
-    hf_tower,
     inputs,
     non_vision_shards,
+    offsets_of,
+    reference_outputs,
+    same_size_pair,
+    set_entry,
     write_checkpoint,
 )
-from tests.test_checkpoint_validation import offsets_of, same_size_pair, set_entry
 
 GRIDS = [(1, 6, 10), (2, 4, 4), (1, 2, 2)]
 
@@ -167,8 +168,6 @@ def test_extract_weights_and_inspect(tmp_path, capsys, family):
     cfg = FAMILY_SMALL[family]
     folder = tmp_path / "released"
     vision = write_checkpoint(folder, cfg, sharded=True, other_shards=2)
-    ref = hf_tower(cfg, seed=None)
-    ref.load_state_dict(vision, strict=True)
     out = tmp_path / "vision-only"
     assert main(["extract-weights", str(folder), "--out", str(out)]) == 0
     names = set(load_file(str(out / "model.safetensors")))
@@ -176,10 +175,8 @@ def test_extract_weights_and_inspect(tmp_path, capsys, family):
     assert names == set(vision)  # the family's own names, as transformers' tower names its modules
     pixel_values, grid_thw = inputs(cfg, grids_for(cfg))
     result = load_encoder(out, device="cpu").encode_patches(pixel_values, grid_thw)
-    with torch.no_grad():
-        expected = hf_forward(ref, pixel_values, grid_thw)
-    levels = [torch.cat([item[level] for item in result.deepstack]) for level in range(len(expected[1]))]
-    assert_matches_reference((torch.cat(result.embeddings), levels), expected, grid_thw, 1e-5)
+    expected = reference_outputs(cfg, vision, pixel_values, grid_thw)
+    assert_result_matches_reference(result, expected, grid_thw, 1e-5)
     capsys.readouterr()
     for source in (folder, out):
         assert main(["inspect", str(source), "--json"]) == 0

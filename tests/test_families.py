@@ -10,12 +10,11 @@ import torch
 from qwenvl_vision import PreprocessError, load_encoder
 from tests.helpers import (
     FAMILY_SMALL,
-    assert_matches_reference,
+    assert_result_matches_reference,
     grids_for,
-    hf_forward,
-    hf_tower,
     inputs,
     non_vision_shards,
+    reference_outputs,
     write_checkpoint,
 )
 
@@ -37,32 +36,19 @@ RELEASED_PREPROCESSING = {
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def released(request, tmp_path_factory):
-    """(config, folder, reference tower, reference outputs on a packed mixed pack) per family."""
+    """(config, folder, a packed mixed pack, the reference tower's outputs on it) per family."""
     cfg = FAMILY_SMALL[request.param]
     folder = tmp_path_factory.mktemp(request.param)
     vision = write_checkpoint(folder, cfg, sharded=True, other_shards=2)
-    ref = hf_tower(cfg, seed=None)
-    ref.load_state_dict(vision, strict=True)
     pixel_values, grid_thw = inputs(cfg, grids_for(cfg))
-    with torch.no_grad():
-        expected = hf_forward(ref, pixel_values, grid_thw)
-    return cfg, folder, (pixel_values, grid_thw), expected
-
-
-def check(result, expected, grid_thw, tol: float) -> None:
-    """An EncodeResult against the reference's (merged, levels): one embedding per item, every item within tol."""
-    sizes = (grid_thw.prod(1) // 4).tolist()
-    assert [e.shape[0] for e in result.embeddings] == sizes
-    assert all(len(item) == len(expected[1]) for item in result.deepstack)
-    levels = [torch.cat([item[level] for item in result.deepstack]) for level in range(len(expected[1]))]
-    assert_matches_reference((torch.cat(result.embeddings), levels), expected, grid_thw, tol)
+    return cfg, folder, (pixel_values, grid_thw), reference_outputs(cfg, vision, pixel_values, grid_thw)
 
 
 def test_loads_and_matches_the_reference_fp32(released):
     cfg, folder, (pixel_values, grid_thw), expected = released
     encoder = load_encoder(folder, device="cpu")
     assert encoder.family == cfg.family and encoder.config.replace(name="") == cfg
-    check(encoder.encode_patches(pixel_values, grid_thw), expected, grid_thw, 1e-5)
+    assert_result_matches_reference(encoder.encode_patches(pixel_values, grid_thw), expected, grid_thw, 1e-5)
 
 
 def test_loads_and_matches_the_reference_bf16(released):
@@ -70,7 +56,7 @@ def test_loads_and_matches_the_reference_bf16(released):
     encoder = load_encoder(folder, device="cpu", dtype="bf16")
     result = encoder.encode_patches(pixel_values, grid_thw)
     assert result.embeddings[0].dtype == torch.bfloat16
-    check(result, expected, grid_thw, 3e-2)
+    assert_result_matches_reference(result, expected, grid_thw, 3e-2)
 
 
 def test_other_shards_are_never_opened(released, tmp_path):
@@ -82,7 +68,8 @@ def test_other_shards_are_never_opened(released, tmp_path):
     assert len(others) == 2
     for path in folder.iterdir():
         (copy / path.name).write_bytes(b"\x00garbage" * 10 if path.name in others else path.read_bytes())
-    check(load_encoder(copy, device="cpu").encode_patches(pixel_values, grid_thw), expected, grid_thw, 1e-5)
+    result = load_encoder(copy, device="cpu").encode_patches(pixel_values, grid_thw)
+    assert_result_matches_reference(result, expected, grid_thw, 1e-5)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -22,17 +22,20 @@ from qwenvl_vision.hub import fetch_vision_checkpoint, resolve_folder
 from qwenvl_vision.names import to_checkpoint_state
 from tests.helpers import (
     FAMILY_SMALL,
+    INDEX_FILE,
+    LN_Q,
     QWEN2_5_SMALL,
     QWEN3_SMALL_72,
     REPO,
     FakeHub,
-    assert_matches_reference,
-    hf_forward,
-    hf_tower,
+    assert_result_matches_reference,
     inputs,
     non_vision_shards,
+    read_index,
+    reference_outputs,
     use_endpoint,
     write_checkpoint,
+    write_index,
 )
 
 hf_constants = pytest.importorskip("huggingface_hub.constants")
@@ -49,17 +52,12 @@ SETTINGS_FILES = {"config.json", "preprocessor_config.json", "video_preprocessor
 
 def _check_against_reference(encoder, cfg, vision_state: dict, grids) -> None:
     """Encoder outputs (fp32, CPU) equal transformers' tower holding the same weights."""
-    ref = hf_tower(cfg, seed=None)
-    ref.load_state_dict(vision_state, strict=True)
     pixel_values, grid_thw = inputs(cfg, grids)
     out = encoder.encode_patches(pixel_values, grid_thw)
-    with torch.no_grad():
-        reference = hf_forward(ref, pixel_values, grid_thw)
-    merged = torch.cat(out.embeddings)
-    assert merged.dtype == torch.float32 and merged.shape == reference[0].shape
+    reference = reference_outputs(cfg, vision_state, pixel_values, grid_thw)
+    assert all(e.dtype == torch.float32 for e in out.embeddings)
     assert len(reference[1]) == len(cfg.deepstack_visual_indexes)
-    levels = [torch.cat([item[level] for item in out.deepstack]) for level in range(len(out.deepstack[0]))]
-    assert_matches_reference((merged, levels), reference, grid_thw, 1e-5)
+    assert_result_matches_reference(out, reference, grid_thw, 1e-5)
 
 
 def _check_weights(encoder, vision_state: dict) -> None:
@@ -320,6 +318,19 @@ def test_repo_without_config_or_vision_tensors(hub, tmp_path):
     hub.add("org/no-config", tmp_path / "no-config")
     with pytest.raises(CheckpointError, match="has no config.json"):
         load_encoder("org/no-config", device="cpu")
+
+
+def test_hub_refuses_a_shard_name_outside_the_repo_before_downloading(hub, tmp_path):
+    """An index naming a shard outside the repo is refused once the index is read: no shard is asked for."""
+    folder = tmp_path / "repo"
+    write_checkpoint(folder, QWEN2_5_SMALL)
+    index = read_index(folder)
+    index["weight_map"][LN_Q] = "../../evil.safetensors"
+    write_index(folder, index)
+    hub.add("org/evil", folder)
+    with pytest.raises(CheckpointError, match=re.escape("shard name '../../evil.safetensors'")):
+        fetch_vision_checkpoint("org/evil")
+    assert hub.files_touched() == SETTINGS_FILES | {INDEX_FILE}
 
 
 # ---------------------------------------------------------------------- the Omni models' nested layout

@@ -18,12 +18,12 @@ from qwenvl_vision.cli import main
 from tests.helpers import (
     QWEN2_5_SMALL,
     QWEN3_SMALL_72,
-    assert_matches_reference,
-    hf_forward,
-    hf_tower,
+    assert_result_matches_reference,
     inputs,
     non_vision_shards,
+    reference_outputs,
     rel_err,
+    shard_of,
     synthetic_photo,
     write_checkpoint,
 )
@@ -33,13 +33,6 @@ GRIDS = [(1, 6, 10), (2, 4, 4), (1, 2, 2)]
 
 def _inputs(cfg):
     return inputs(cfg, GRIDS, seed=5)
-
-
-def _reference_outputs(cfg, vision_state, pixel_values, grid_thw):
-    ref = hf_tower(cfg, seed=None)
-    ref.load_state_dict({k: v.float() for k, v in vision_state.items()}, strict=True)
-    with torch.no_grad():
-        return hf_forward(ref, pixel_values, grid_thw)
 
 
 @pytest.mark.parametrize("cfg,prefix,sharded,drop_llm", [
@@ -58,12 +51,11 @@ def test_load_matches_hf_tower(tmp_path, cfg, prefix, sharded, drop_llm):
     assert encoder.dtype == torch.float32 and encoder.family == cfg.family
     pixel_values, grid_thw = _inputs(cfg)
     result = encoder.encode_patches(pixel_values, grid_thw)
-    reference = _reference_outputs(cfg, vision, pixel_values, grid_thw)
+    reference = reference_outputs(cfg, vision, pixel_values, grid_thw)
     assert [e.shape[0] for e in result.embeddings] == [t * h * w // 4 for t, h, w in GRIDS]
     assert result.grid_thw.tolist() == [list(g) for g in GRIDS]
     assert len(result.deepstack) == len(GRIDS)
-    levels = [torch.cat([item[level] for item in result.deepstack]) for level in range(len(result.deepstack[0]))]
-    assert_matches_reference((torch.cat(result.embeddings), levels), reference, grid_thw, 1e-5)
+    assert_result_matches_reference(result, reference, grid_thw, 1e-5)
     if not cfg.deepstack_visual_indexes:
         assert result.deepstack == [[] for _ in GRIDS]
 
@@ -148,11 +140,6 @@ def _rewrite_shard(path, change):
     save_file(tensors, str(path), metadata={"format": "pt"})
 
 
-def _shard_of(folder, name):
-    index = json.loads((folder / "model.safetensors.index.json").read_text())
-    return folder / index["weight_map"][name]
-
-
 def test_missing_tensor_is_named(tmp_path):
     write_checkpoint(tmp_path, QWEN2_5_SMALL, sharded=False)
     _rewrite_shard(tmp_path / "model.safetensors", lambda t: t.pop("visual.blocks.2.attn.qkv.bias"))
@@ -170,7 +157,7 @@ def test_surplus_tensor_is_named(tmp_path):
 def test_wrong_shape_is_named_with_both_shapes(tmp_path):
     write_checkpoint(tmp_path, QWEN3_SMALL_72)
     name = "model.visual.merger.linear_fc2.weight"
-    shard = _shard_of(tmp_path, name)
+    shard = shard_of(tmp_path, name)
     _rewrite_shard(shard, lambda t: t.update({name: torch.zeros(63, 576)}))
     with pytest.raises(CheckpointError, match=r"merger\.linear_fc2\.weight.*\(63, 576\), expected \(64, 576\)"):
         load_encoder(tmp_path, device="cpu")
@@ -178,7 +165,7 @@ def test_wrong_shape_is_named_with_both_shapes(tmp_path):
 
 def test_truncated_shard_is_named(tmp_path):
     write_checkpoint(tmp_path, QWEN2_5_SMALL)
-    shard = _shard_of(tmp_path, "visual.merger.ln_q.weight")
+    shard = shard_of(tmp_path, "visual.merger.ln_q.weight")
     data = shard.read_bytes()
     shard.write_bytes(data[: len(data) - 1000])
     with pytest.raises(CheckpointError, match=rf"{shard.name}.*truncated"):
@@ -187,7 +174,7 @@ def test_truncated_shard_is_named(tmp_path):
 
 def test_corrupt_shard_is_named(tmp_path):
     write_checkpoint(tmp_path, QWEN2_5_SMALL)
-    shard = _shard_of(tmp_path, "visual.merger.ln_q.weight")
+    shard = shard_of(tmp_path, "visual.merger.ln_q.weight")
     shard.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
     with pytest.raises(CheckpointError, match=shard.name):
         load_encoder(tmp_path, device="cpu")
@@ -195,7 +182,7 @@ def test_corrupt_shard_is_named(tmp_path):
 
 def test_missing_vision_shard_is_named(tmp_path):
     write_checkpoint(tmp_path, QWEN2_5_SMALL)
-    shard = _shard_of(tmp_path, "visual.merger.ln_q.weight")
+    shard = shard_of(tmp_path, "visual.merger.ln_q.weight")
     shard.unlink()
     with pytest.raises(CheckpointError, match=rf"{shard.name}.*missing"):
         load_encoder(tmp_path, device="cpu")

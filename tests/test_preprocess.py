@@ -1,18 +1,16 @@
 """qwenvl_vision.preprocess against transformers' Qwen2VLImageProcessorPil, the numerical reference.
 
 The reference is configured the way the released checkpoints are (Qwen2.5-VL: patch 14, CLIP mean/std,
-min/max pixels 3136/12845056; Qwen3-VL: patch 16, mean = std = 0.5, size 65536/16777216), built here
-from literal values so a bug in PreprocessConfig cannot leak into the reference. Images are generated
-(smooth gradients + noise) so that resize and rounding differences would show.
+min/max pixels 3136/12845056; Qwen3-VL: patch 16, mean = std = 0.5, size 65536/16777216), built from
+literal values (``tests.helpers.processors``) so a bug in PreprocessConfig cannot leak into the reference. Images
+are generated (smooth gradients + noise, ``tests.helpers.content``) so that resize and rounding differences would show.
 
 The torchvision-backed image processor is compared in tests/test_preprocess_torch.py, the shared ``smart_resize``
-in tests/test_pixels.py, videos in tests/test_video.py and tests/test_video_io.py (which reuse this module's generated
-content and reference processors: ``content``, ``pil_config``, ``image_processors``, ``image_reference``).
+in tests/test_pixels.py, videos in tests/test_video.py and tests/test_video_io.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import pathlib
 import subprocess
 import sys
@@ -24,36 +22,19 @@ from PIL import Image
 
 from qwenvl_vision.errors import PreprocessError
 from qwenvl_vision.preprocess import PreprocessConfig, load_image, preprocess_image, probe_image
+from tests.helpers import (
+    CLIP_MEAN,
+    CLIP_STD,
+    PIXEL_TOL,
+    REFERENCE_FAMILIES,
+    content,
+    image_processors,
+    image_reference,
+    pil_config,
+)
 
 hf_pil = pytest.importorskip("transformers.models.qwen2_vl.image_processing_pil_qwen2_vl")
 Qwen2VLImageProcessorPil = hf_pil.Qwen2VLImageProcessorPil
-
-FAMILIES = ("qwen2_5_vl", "qwen3_vl")
-
-
-def pil_config(family: str) -> PreprocessConfig:
-    """The family's released settings with the PIL backend, this module's reference (Qwen3-VL's files name the
-    torchvision processor; tests/test_preprocess_torch.py compares that backend)."""
-    return dataclasses.replace(PreprocessConfig.for_family(family), resize="pil")
-
-
-TOL = 1e-6
-CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
-CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
-
-
-def image_processors() -> dict:
-    """family -> reference image processor with the released checkpoints' settings."""
-    return {
-        "qwen2_5_vl": Qwen2VLImageProcessorPil(
-            min_pixels=3136, max_pixels=12845056, patch_size=14, temporal_patch_size=2, merge_size=2,
-            image_mean=CLIP_MEAN, image_std=CLIP_STD,
-        ),
-        "qwen3_vl": Qwen2VLImageProcessorPil(
-            size={"shortest_edge": 65536, "longest_edge": 16777216}, patch_size=16, temporal_patch_size=2,
-            merge_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3,
-        ),
-    }
 
 
 @pytest.fixture(scope="module")
@@ -65,16 +46,6 @@ def hf():
 # --------------------------------------------------------------------------------------------------
 # Generated content
 # --------------------------------------------------------------------------------------------------
-
-
-def content(height: int, width: int, channels: int = 3, seed: int = 0) -> np.ndarray:
-    """uint8 HxWxC: per-channel sinusoidal gradients plus Gaussian noise, clipped (hits 0 and 255)."""
-    rng = np.random.default_rng(seed)
-    y = np.linspace(0, 1, height)[:, None, None]
-    x = np.linspace(0, 1, width)[None, :, None]
-    c = np.arange(channels)[None, None, :]
-    smooth = 128 + 110 * np.sin(2 * np.pi * (x * (1 + c) + 0.7 * y) + c) * np.cos(np.pi * y * (2 - 0.3 * c))
-    return np.clip(smooth + rng.normal(0, 14, (height, width, channels)), 0, 255).astype(np.uint8)
 
 
 def _alpha(height: int, width: int) -> np.ndarray:
@@ -142,18 +113,6 @@ def _mode_image(kind: str, height: int = 150, width: int = 230) -> Image.Image:
 # --------------------------------------------------------------------------------------------------
 
 
-def image_reference(processor, image, min_pixels=None, max_pixels=None):
-    """The reference's (pixel_values, grid) for one image; per-call bounds go in as its ``size`` argument."""
-    kwargs = {}
-    if min_pixels is not None or max_pixels is not None:
-        kwargs["size"] = {
-            "shortest_edge": processor.size.shortest_edge if min_pixels is None else min_pixels,
-            "longest_edge": processor.size.longest_edge if max_pixels is None else max_pixels,
-        }
-    out = processor(image, return_tensors="np", **kwargs)
-    return out["pixel_values"], tuple(int(v) for v in out["image_grid_thw"][0])
-
-
 def _assert_matches(hf, family, image, ours_input=None, **bounds) -> float:
     """preprocess_image(ours_input or image) equals the reference on image; returns the max abs diff."""
     ref_values, ref_grid = image_reference(hf[family], image, **bounds)
@@ -164,7 +123,7 @@ def _assert_matches(hf, family, image, ours_input=None, **bounds) -> float:
     assert tuple(values.shape) == ref_values.shape
     assert values.shape[0] == grid[0] * grid[1] * grid[2]
     diff = float(np.abs(values.numpy() - ref_values).max())
-    assert diff <= TOL, f"max abs diff {diff}"
+    assert diff <= PIXEL_TOL, f"max abs diff {diff}"
     return diff
 
 
@@ -173,7 +132,7 @@ def _assert_matches(hf, family, image, ours_input=None, **bounds) -> float:
 # --------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", REFERENCE_FAMILIES)
 @pytest.mark.parametrize("size", [(224, 224), (300, 451), (97, 513), (640, 120), (28, 5000), (333, 333)])
 def test_sizes_match_reference(hf, family, size):
     _assert_matches(hf, family, Image.fromarray(content(*size, seed=size[0])))
@@ -183,7 +142,7 @@ MODES = ["RGB", "RGBA", "LA", "L", "1", "P", "P_trns_index", "P_trns_bytes", "PA
          "CMYK", "I;16", "I;16_low", "I", "F", "YCbCr", "RGBa", "LAB"]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", REFERENCE_FAMILIES)
 @pytest.mark.parametrize("kind", MODES)
 def test_pil_modes_match_reference(hf, family, kind):
     _assert_matches(hf, family, _mode_image(kind))
@@ -225,7 +184,7 @@ def _save(tmp_path: pathlib.Path, fmt: str, kind: str) -> pathlib.Path:
 
 
 @pytest.mark.filterwarnings("ignore:Palette images with Transparency:UserWarning")  # PIL, on P + tRNS bytes
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", REFERENCE_FAMILIES)
 @pytest.mark.parametrize("fmt,kind", FILES)
 def test_files_match_reference(hf, tmp_path, family, fmt, kind):
     path = _save(tmp_path, fmt, kind)
@@ -255,7 +214,7 @@ def test_exif_orientation_applied_for_paths(hf, tmp_path):
     _assert_matches(hf, "qwen2_5_vl", Image.open(path))  # PIL input: not transposed, by both
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", REFERENCE_FAMILIES)
 @pytest.mark.parametrize("channels", [1, 3, 4])
 def test_numpy_hwc_matches_reference(hf, family, channels):
     array = content(130, 210, channels, seed=channels)
@@ -264,7 +223,7 @@ def test_numpy_hwc_matches_reference(hf, family, channels):
     _assert_matches(hf, family, array)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", REFERENCE_FAMILIES)
 @pytest.mark.parametrize("channels", [1, 3, 4])
 def test_torch_chw_matches_reference(hf, family, channels):
     array = content(130, 210, channels, seed=10 + channels)
@@ -291,7 +250,7 @@ def test_input_types_agree():
         assert other_grid == grid and torch.equal(values, expected)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", REFERENCE_FAMILIES)
 @pytest.mark.parametrize("size", [(10, 13), (1, 1), (3, 40)])
 def test_tiny_image_is_upscaled(hf, family, size):
     config = pil_config(family)
@@ -300,7 +259,7 @@ def test_tiny_image_is_upscaled(hf, family, size):
     assert grid_h * grid_w * config.patch_size**2 >= config.min_pixels
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", REFERENCE_FAMILIES)
 def test_pixel_bound_overrides(hf, family):
     big = Image.fromarray(content(600, 800))
     _assert_matches(hf, family, big, max_pixels=100_000)
@@ -463,7 +422,7 @@ def test_to_dict_round_trips_and_loads_in_transformers(config):
     ref_values, ref_grid = image_reference(reference, image)
     values, grid = preprocess_image(image, config, resize="pil")
     assert grid == ref_grid
-    assert float(np.abs(values.numpy() - ref_values).max()) <= TOL
+    assert float(np.abs(values.numpy() - ref_values).max()) <= PIXEL_TOL
 
 
 @pytest.mark.parametrize("override", [

@@ -15,21 +15,12 @@ import torch
 from PIL import Image
 
 from qwenvl_vision.preprocess import PreprocessConfig, preprocess_image
-from tests.helpers import sample_photo
+from tests.helpers import IMAGE_SETTINGS, PIXEL_TOL, sample_photo
 
 pytest.importorskip("torchvision")
 pytest.importorskip("matplotlib.cbook")
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil  # noqa: E402
 from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor  # noqa: E402
-
-TOL = 1e-6
-SETTINGS = {  # the released preprocessor configs' values, literal so a PreprocessConfig bug cannot leak in
-    "qwen2_5_vl": {"min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14,
-                   "image_mean": [0.48145466, 0.4578275, 0.40821073],
-                   "image_std": [0.26862954, 0.26130258, 0.27577711]},
-    "qwen3_vl": {"size": {"shortest_edge": 65536, "longest_edge": 16777216}, "patch_size": 16,
-                 "image_mean": [0.5] * 3, "image_std": [0.5] * 3},
-}
 
 
 def _hopper() -> Image.Image:
@@ -70,9 +61,9 @@ def images(tmp_path_factory):
     return _images(tmp_path_factory.mktemp("torch-photos"))
 
 
-@pytest.mark.parametrize("family", list(SETTINGS))
+@pytest.mark.parametrize("family", list(IMAGE_SETTINGS))
 def test_torch_resize_equals_torchvision_processor(images, family):
-    settings = dict(SETTINGS[family])
+    settings = dict(IMAGE_SETTINGS[family])
     reference = Qwen2VLImageProcessor(**settings)
     config = dataclasses.replace(PreprocessConfig.for_family(family), resize="pil")  # resize chosen per call
     if family == "qwen3_vl":  # above max_pixels at Qwen3's 16.7 MP bound would be a 60 MP test image
@@ -84,19 +75,19 @@ def test_torch_resize_equals_torchvision_processor(images, family):
         values, grid = preprocess_image(image, config, resize="torch")
         assert list(grid) == expected["image_grid_thw"][0].tolist(), name
         assert values.shape == expected["pixel_values"].shape, name
-        assert (values - expected["pixel_values"]).abs().max().item() <= TOL, name
+        assert (values - expected["pixel_values"]).abs().max().item() <= PIXEL_TOL, name
 
 
 def test_backends_differ_and_each_matches_its_own_processor(images):
     """The reason for the option: the two transformers backends disagree by far more than our tolerance."""
-    settings = SETTINGS["qwen3_vl"]
+    settings = IMAGE_SETTINGS["qwen3_vl"]
     config = PreprocessConfig.for_family("qwen3_vl")
     image = images["photo (jpeg path)"]
     pil_ref = Qwen2VLImageProcessorPil(**settings)([image], return_tensors="pt")["pixel_values"]
     torch_ref = Qwen2VLImageProcessor(**settings)([image], return_tensors="pt")["pixel_values"]
     assert (pil_ref - torch_ref).abs().max().item() > 1e-3
-    assert (preprocess_image(image, config, resize="pil")[0] - pil_ref).abs().max().item() <= TOL
-    assert (preprocess_image(image, config, resize="torch")[0] - torch_ref).abs().max().item() <= TOL
+    assert (preprocess_image(image, config, resize="pil")[0] - pil_ref).abs().max().item() <= PIXEL_TOL
+    assert (preprocess_image(image, config, resize="torch")[0] - torch_ref).abs().max().item() <= PIXEL_TOL
     # Qwen3-VL's released config names the torchvision processor: that is the default.
     assert config.resize == "torch"
     assert torch.equal(preprocess_image(image, config)[0], preprocess_image(image, config, resize="torch")[0])

@@ -20,21 +20,14 @@ from tests.helpers import (
     QWEN3_SMALL_64,
     QWEN3_SMALL_72,
     assert_matches_reference,
+    forward_both,
     grids_for,
-    hf_forward,
     hf_tower,
     inputs,
     pair,
 )
 
 FAMILY_IDS = list(FAMILY_SMALL)
-
-
-def forward_both(ours, ref, cfg, grids):
-    """(ours, reference) outputs, each (merged, DeepStack levels), on one pack of grids; and its grid_thw."""
-    pixel_values, grid_thw = inputs(cfg, grids)
-    with torch.no_grad():
-        return ours(pixel_values, grid_thw), hf_forward(ref, pixel_values, grid_thw), grid_thw
 
 
 @pytest.mark.parametrize("family", FAMILY_IDS)

@@ -5,8 +5,8 @@ straight from the installed source files, and ``preprocess_video`` without a Vid
 frame through the PIL image processor's own resize / rescale / normalize then the video processors' ``patchify``:
 neither needs torchvision. The size rules and VideoConfig are compared with the video processors themselves, which
 import torchvision (those tests skip without it). Video files, read and sampled end to end, are tests/test_video_io.py.
-The reference processors are configured from literal values (patch 14 + CLIP mean/std, patch 16 + 0.5), not from this
-package's configs.
+The reference processors are configured from literal values (patch 14 + CLIP mean/std, patch 16 + 0.5;
+``tests.helpers.processors``), not from this package's configs.
 """
 
 from __future__ import annotations
@@ -31,8 +31,22 @@ from qwenvl_vision.video import (
     sample_frame_indices_qwen3,
     video_target_size,
 )
-from tests.helpers import VIDEO_FILES, hf_source_function, reference_video
-from tests.test_preprocess import FAMILIES, content, image_processors, image_reference, pil_config
+from tests.helpers import (
+    CLIP_MEAN,
+    PIXEL_TOL,
+    QWEN2_5_SAVED_VIDEO,
+    QWEN3_SAVED_VIDEO,
+    REFERENCE_FAMILIES,
+    VIDEO_FILES,
+    VIDEO_SETTINGS,
+    content,
+    hf_source_function,
+    image_processors,
+    image_reference,
+    pil_config,
+    reference_video,
+    video_processor,
+)
 
 # transformers' video processors import torchvision: without it the tests that build one skip, the rest run.
 HAS_VIDEO_PROCESSORS = importlib.util.find_spec("torchvision") is not None
@@ -44,14 +58,6 @@ else:
     Qwen2VLVideoProcessor = Qwen3VLVideoProcessor = None
 needs_video_processors = pytest.mark.skipif(not HAS_VIDEO_PROCESSORS,
                                             reason="transformers' video processors need torchvision")
-
-TOL = 1e-6
-CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
-CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
-REFERENCE = {  # family -> (processor class, its settings as the family's checkpoints write them)
-    "qwen2_5_vl": (Qwen2VLVideoProcessor, {"patch_size": 14, "image_mean": CLIP_MEAN, "image_std": CLIP_STD}),
-    "qwen3_vl": (Qwen3VLVideoProcessor, {"patch_size": 16, "image_mean": [0.5] * 3, "image_std": [0.5] * 3}),
-}
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +75,7 @@ def _frames(count: int, height: int = 120, width: int = 170) -> np.ndarray:
     return np.stack([content(height, width, 3, seed=100 + i) for i in range(count)])
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", REFERENCE_FAMILIES)
 @pytest.mark.parametrize("count", [1, 4, 5])
 def test_video_matches_reference(hf, family, count):
     frames = _frames(count)
@@ -77,7 +83,7 @@ def test_video_matches_reference(hf, family, count):
     values, grid = preprocess_video(frames, pil_config(family), resize="pil")
     assert grid == ref_grid == (math.ceil(count / 2), ref_grid[1], ref_grid[2])
     assert values.dtype == torch.float32 and tuple(values.shape) == ref_values.shape
-    assert float(np.abs(values.numpy() - ref_values).max()) <= TOL
+    assert float(np.abs(values.numpy() - ref_values).max()) <= PIXEL_TOL
 
 
 def test_video_layout_and_last_frame_padding(hf):
@@ -210,16 +216,15 @@ TARGET_SIZES = [(16, 24), (48, 64), (75, 100), (200, 40), (480, 640)]
 
 
 @needs_video_processors
-@pytest.mark.parametrize("family", list(REFERENCE))
+@pytest.mark.parametrize("family", list(VIDEO_SETTINGS))
 @pytest.mark.parametrize("cap", [True, False])
 def test_video_target_size_matches_processor_resize(family, cap):
     """Our size rule against the processors' own ``resize`` on blank clips, over sizes, frame counts and bounds."""
-    cls, settings = REFERENCE[family]
     pre = PreprocessConfig.for_family(family)
     for min_pixels, max_pixels, tokens in [(3136, 40000, 100), (4096, 400000, 30), (65536, 16777216, 768)]:
         vcfg = dataclasses.replace(VideoConfig.for_family(family), min_pixels=min_pixels, max_pixels=max_pixels,
                                    max_video_tokens=tokens, cap_pixels_per_frame=cap)
-        processor = cls(**settings, max_video_tokens=tokens)
+        processor = video_processor(family, max_video_tokens=tokens)
         size = SizeDict(shortest_edge=min_pixels, longest_edge=max_pixels)
         for height, width in TARGET_SIZES:
             for frames in (2, 3, 8, 24):
@@ -248,31 +253,13 @@ def test_for_family_is_its_processor_class_defaults(family, cls):
     assert vcfg.fps == 2.0 and vcfg.cap_pixels_per_frame is bool(cls.cap_pixels_per_frame) is False
 
 
-QWEN2_5_SAVED = {  # video_preprocessor_config.json as transformers saves a Qwen2.5-VL processor
-    "do_convert_rgb": True, "do_normalize": True, "do_rescale": True, "do_resize": True, "do_sample_frames": False,
-    "fps": None, "image_mean": CLIP_MEAN, "image_std": CLIP_STD, "input_data_format": None, "max_frames": 768,
-    "max_pixels": 12845056, "merge_size": 2, "min_frames": 4, "min_pixels": 3136, "num_frames": None,
-    "patch_size": 14, "processor_class": "Qwen2_5_VLProcessor", "resample": 3,
-    "rescale_factor": 0.00392156862745098, "size": {"longest_edge": 12845056, "shortest_edge": 3136},
-    "size_divisor": None, "temporal_patch_size": 2, "video_metadata": None,
-    "video_processor_type": "Qwen2VLVideoProcessor",
-}
-QWEN3_SAVED = {
-    "do_convert_rgb": True, "do_normalize": True, "do_rescale": True, "do_resize": True, "do_sample_frames": True,
-    "fps": 2, "image_mean": [0.5] * 3, "image_std": [0.5] * 3, "max_frames": 768, "merge_size": 2, "min_frames": 4,
-    "patch_size": 16, "resample": 3, "rescale_factor": 0.00392156862745098, "return_metadata": False,
-    "size": {"longest_edge": 25165824, "shortest_edge": 4096}, "temporal_patch_size": 2,
-    "video_processor_type": "Qwen3VLVideoProcessor",
-}
-
-
 def test_from_dict_reads_saved_configs():
-    vcfg = VideoConfig.from_dict(QWEN2_5_SAVED, "qwen2_5_vl", PreprocessConfig.for_family("qwen2_5_vl"))
+    vcfg = VideoConfig.from_dict(QWEN2_5_SAVED_VIDEO, "qwen2_5_vl", PreprocessConfig.for_family("qwen2_5_vl"))
     assert (vcfg.sampling, vcfg.min_pixels, vcfg.max_pixels, vcfg.fps) == ("qwen2", 3136, 12845056, 2.0)
     overridden = VideoConfig.from_dict({"size": {"shortest_edge": 1000, "longest_edge": 9000}, "max_pixels": 5000},
                                        "qwen2_5_vl")
     assert (overridden.min_pixels, overridden.max_pixels) == (1000, 5000)  # as Qwen2VLVideoProcessor.__init__
-    vcfg = VideoConfig.from_dict(QWEN3_SAVED, "qwen3_vl", PreprocessConfig.for_family("qwen3_vl"))
+    vcfg = VideoConfig.from_dict(QWEN3_SAVED_VIDEO, "qwen3_vl", PreprocessConfig.for_family("qwen3_vl"))
     assert (vcfg.sampling, vcfg.min_pixels, vcfg.max_pixels, vcfg.max_video_tokens) == ("qwen3", 4096, 25165824, 768)
     assert VideoConfig.from_dict(None, "qwen3_vl") == VideoConfig.for_family("qwen3_vl")
 
@@ -300,7 +287,7 @@ def test_from_dict_reads_saved_configs():
 ])
 def test_from_dict_refuses_bad_fields(changes, field):
     with pytest.raises(ConfigError, match=field) as info:
-        VideoConfig.from_dict({**QWEN3_SAVED, **changes}, "qwen3_vl", PreprocessConfig.for_family("qwen3_vl"))
+        VideoConfig.from_dict({**QWEN3_SAVED_VIDEO, **changes}, "qwen3_vl", PreprocessConfig.for_family("qwen3_vl"))
     assert "\n" not in str(info.value)
 
 

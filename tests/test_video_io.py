@@ -5,7 +5,7 @@ has none), edit lists, the frames decoded, and the one-line errors for bad files
 
 The videos are written here with PyAV (mpeg4 in .mp4 / .avi / .mkv): a real photo panned a few pixels per frame plus
 noise, so that sampling the wrong frame or resizing differently would show. The reference processors are configured
-from literal values (tests/test_video.py's REFERENCE), not from this package's configs.
+from literal values (``tests.helpers.processors``), not from this package's configs.
 """
 
 from __future__ import annotations
@@ -25,14 +25,21 @@ from qwenvl_vision.errors import PreprocessError
 from qwenvl_vision.preprocess import PreprocessConfig
 from qwenvl_vision.video import VideoConfig, preprocess_video, preprocess_video_file, read_video
 from qwenvl_vision.video_io import probe_video
-from tests.helpers import sample_photo, write_video
+from tests.helpers import (
+    PIXEL_TOL,
+    QWEN2_5_SAVED_VIDEO,
+    QWEN3_SAVED_VIDEO,
+    VIDEO_SETTINGS,
+    sample_photo,
+    video_processor,
+    video_processor_class,
+    write_video,
+)
 
 av = pytest.importorskip("av")
 pytest.importorskip("torchvision")
 pytest.importorskip("matplotlib.cbook")
 from transformers.video_utils import VideoMetadata, load_video  # noqa: E402
-
-from tests.test_video import QWEN2_5_SAVED, QWEN3_SAVED, REFERENCE, TOL  # noqa: E402
 
 NTSC = fractions.Fraction(30000, 1001)
 VIDEOS = {  # name -> (frames, width, height, rate)
@@ -59,10 +66,9 @@ def configs(family: str, **changes):
 
 def reference(family, vcfg, frames, metadata, size=None):
     """The family's transformers video processor, sampling from all frames with their metadata."""
-    cls, settings = REFERENCE[family]
-    processor = cls(**settings, temporal_patch_size=2, merge_size=2, min_frames=vcfg.min_frames,
-                    max_frames=vcfg.max_frames, max_video_tokens=vcfg.max_video_tokens,
-                    size=size or {"shortest_edge": vcfg.min_pixels, "longest_edge": vcfg.max_pixels})
+    processor = video_processor(family, temporal_patch_size=2, merge_size=2, min_frames=vcfg.min_frames,
+                                max_frames=vcfg.max_frames, max_video_tokens=vcfg.max_video_tokens,
+                                size=size or {"shortest_edge": vcfg.min_pixels, "longest_edge": vcfg.max_pixels})
     out = processor(frames, video_metadata=[metadata], do_sample_frames=True, fps=vcfg.fps,
                     cap_pixels_per_frame=vcfg.cap_pixels_per_frame, return_tensors="pt", return_metadata=True)
     return out["pixel_values_videos"], tuple(out["video_grid_thw"][0].tolist()), out["video_metadata"][0]
@@ -72,7 +78,7 @@ def assert_matches(values, grid, info, ref):
     ref_values, ref_grid, metadata = ref
     assert grid == ref_grid
     assert values.dtype == torch.float32 and values.shape == ref_values.shape
-    assert float((values - ref_values).abs().max()) <= TOL
+    assert float((values - ref_values).abs().max()) <= PIXEL_TOL
     assert info.frame_indices == np.asarray(metadata.frames_indices).tolist()
     assert info.timestamps == metadata.timestamps
     assert info.sampled_fps == pytest.approx(metadata.sampled_fps, rel=1e-12)
@@ -113,7 +119,7 @@ def test_file_matches_transformers(videos, family, video, changes, bounds):
     assert_matches(values, grid, info, reference(family, vcfg, frames, metadata, size))
 
 
-@pytest.mark.parametrize("family", list(REFERENCE))
+@pytest.mark.parametrize("family", list(VIDEO_SETTINGS))
 def test_header_without_frame_count(videos, family):
     """Matroska writes no frame count (read_video_pyav then samples from 0 frames): packets are counted instead."""
     path = videos["noframecount.mkv"]
@@ -127,7 +133,7 @@ def test_header_without_frame_count(videos, family):
     assert_matches(values, grid, info, reference(family, vcfg, frames, metadata))
 
 
-@pytest.mark.parametrize("family", list(REFERENCE))
+@pytest.mark.parametrize("family", list(VIDEO_SETTINGS))
 def test_clip_shorter_than_temporal_patch(videos, family):
     """One frame: sized as if padded to T (Qwen3's smart_resize raises, Qwen2's sampler divides by zero)."""
     pre, vcfg = configs(family)
@@ -137,10 +143,10 @@ def test_clip_shorter_than_temporal_patch(videos, family):
     padded = np.concatenate([frames, frames])  # what patchify does to the one frame
     metadata.total_num_frames = 2
     ref_values, ref_grid, _ = reference(family, vcfg, padded, metadata)
-    assert grid == ref_grid and float((values - ref_values).abs().max()) <= TOL
+    assert grid == ref_grid and float((values - ref_values).abs().max()) <= PIXEL_TOL
 
 
-@pytest.mark.parametrize("family", list(REFERENCE))
+@pytest.mark.parametrize("family", list(VIDEO_SETTINGS))
 def test_frames_as_arrays_equal_the_file(videos, family):
     pre, vcfg = configs(family, fps=3.0)
     path = videos["ntsc.avi"]
@@ -150,11 +156,10 @@ def test_frames_as_arrays_equal_the_file(videos, family):
         other, other_grid = preprocess_video(given, pre, video_config=vcfg)
         assert other_grid == grid and torch.equal(other, values)
     # And against the reference given the same frames as an array (no sampling: they are the sampled ones).
-    cls, settings = REFERENCE[family]
-    processor = cls(**settings, size={"shortest_edge": vcfg.min_pixels, "longest_edge": vcfg.max_pixels})
+    processor = video_processor(family, size={"shortest_edge": vcfg.min_pixels, "longest_edge": vcfg.max_pixels})
     out = processor([frames], do_sample_frames=False, cap_pixels_per_frame=False, return_tensors="pt")
     assert tuple(out["video_grid_thw"][0].tolist()) == grid
-    assert float((out["pixel_values_videos"] - values).abs().max()) <= TOL
+    assert float((out["pixel_values_videos"] - values).abs().max()) <= PIXEL_TOL
     opaque = np.concatenate([frames, np.full(frames.shape[:3] + (1,), 255, np.uint8)], axis=3)
     assert torch.equal(preprocess_video(opaque, pre, video_config=vcfg)[0], values)
     opaque[1, 0, 0, 3] = 254
@@ -240,15 +245,14 @@ def test_missing_pyav_names_the_extra(videos, monkeypatch):
         preprocess_video_file(videos["clip.mp4"], pre, vcfg)
 
 
-@pytest.mark.parametrize(("family", "saved"), [("qwen2_5_vl", QWEN2_5_SAVED), ("qwen3_vl", QWEN3_SAVED)],
-                         ids=["QWEN2_5_SAVED", "QWEN3_SAVED"])
+@pytest.mark.parametrize(("family", "saved"), [("qwen2_5_vl", QWEN2_5_SAVED_VIDEO), ("qwen3_vl", QWEN3_SAVED_VIDEO)],
+                         ids=["QWEN2_5_SAVED_VIDEO", "QWEN3_SAVED_VIDEO"])
 def test_saved_config_as_transformers_loads_it(videos, family, saved):
     """No settings passed by hand: the processor transformers builds from the file, against ours from the same file
     (what a checkpoint folder holding it gives both)."""
     # The Qwen2 file samples nothing (do_sample_frames false, fps null): here both sample at 2 fps.
     d = dict(saved, fps=2, do_sample_frames=True)
-    cls = REFERENCE[family][0]
-    processor = cls.from_dict({k: v for k, v in d.items() if v is not None})
+    processor = video_processor_class(family).from_dict({k: v for k, v in d.items() if v is not None})
     pre = PreprocessConfig.for_family(family)
     vcfg = VideoConfig.from_dict(d, family, pre)
     frames, metadata = load_video(videos["clip.mp4"], backend="pyav")
@@ -311,7 +315,7 @@ def test_head_cut_by_edit_list_drops_packets_the_header_still_counts(tmp_path):
     with av.open(str(tmp_path / "cut.mp4")) as container:
         assert container.streams.video[0].frames == 40
         assert sum(1 for _ in container.decode(video=0)) == 28
-    for family in REFERENCE:
+    for family in VIDEO_SETTINGS:
         _, grid, info = preprocess_video_file(str(tmp_path / "cut.mp4"), *configs(family))
         assert info.total_frames == 28 and info.frame_indices[-1] <= 27 and grid[0] == 2
 

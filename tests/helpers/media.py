@@ -1,5 +1,5 @@
-"""Media files for tests: a video file of a panned real photo (PyAV), and a folder of small images with
-broken ones among them. The photos themselves are ``bench.workloads``'.
+"""Media for tests: generated image content (gradients plus noise), a video file of a panned real photo (PyAV),
+and a folder of small images with broken ones among them. The photos themselves are ``bench.workloads``'.
 """
 
 from __future__ import annotations
@@ -10,6 +10,17 @@ import numpy as np
 from PIL import Image
 
 from bench.workloads import sample_photo, synthetic_photo
+
+
+def content(height: int, width: int, channels: int = 3, seed: int = 0) -> np.ndarray:
+    """uint8 HxWxC: per-channel sinusoidal gradients plus Gaussian noise, clipped (hits 0 and 255), so that resize
+    and rounding differences would show."""
+    rng = np.random.default_rng(seed)
+    y = np.linspace(0, 1, height)[:, None, None]
+    x = np.linspace(0, 1, width)[None, :, None]
+    c = np.arange(channels)[None, None, :]
+    smooth = 128 + 110 * np.sin(2 * np.pi * (x * (1 + c) + 0.7 * y) + c) * np.cos(np.pi * y * (2 - 0.3 * c))
+    return np.clip(smooth + rng.normal(0, 14, (height, width, channels)), 0, 255).astype(np.uint8)
 
 
 def write_video(path, count: int, width: int, height: int, rate, codec: str = "mpeg4") -> None:

@@ -1,6 +1,7 @@
-"""Checks against transformers that only tests make: every item of a pack within tolerance of the reference
-tower (the towers themselves are ``bench.reference``'s), and the reference video preprocessing, compiled from
-transformers' installed source because its module needs torchvision.
+"""Checks against transformers that only tests make: the reference tower's outputs on a pack (the towers
+themselves are ``bench.reference``'s), every item of a pack (a tower's output or an ``EncodeResult``) within
+tolerance of them, and the reference video preprocessing, compiled from transformers' installed source because its
+module needs torchvision.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ import pathlib
 import numpy as np
 import torch
 
-from bench.reference import item_errors
+from bench.reference import hf_forward, hf_tower, item_errors
+from bench.workloads import inputs
 from qwenvl_vision.config import FAMILIES
 
 
@@ -28,6 +30,39 @@ def assert_matches_reference(ours, ref, grid_thw, tol: float, merge_size: int = 
         assert not bad, f"{what}: items over {tol:g}: " + ", ".join(f"#{i} {e:.2e}" for i, e in bad)
         worst = max(worst, *errors)
     return worst
+
+
+def reference_outputs(cfg, vision_state: dict, pixel_values, grid_thw):
+    """transformers' tower holding these vision weights (checkpoint names without prefix, any float dtype, run in
+    fp32) on one pack: (merged, [DeepStack levels])."""
+    ref = hf_tower(cfg, seed=None)
+    ref.load_state_dict({k: v.float() for k, v in vision_state.items()}, strict=True)
+    with torch.no_grad():
+        return hf_forward(ref, pixel_values, grid_thw)
+
+
+def forward_both(ours, ref, cfg, grids):
+    """(ours, reference) outputs, each (merged, DeepStack levels), on one pack of random inputs of these grids; and
+    its grid_thw."""
+    pixel_values, grid_thw = inputs(cfg, grids)
+    with torch.no_grad():
+        return ours(pixel_values, grid_thw), hf_forward(ref, pixel_values, grid_thw), grid_thw
+
+
+def packed(result) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """An EncodeResult as one pack, (merged, [DeepStack levels]), in the reference's layout."""
+    assert len(result.deepstack) == len(result.embeddings), "not one DeepStack list per item"
+    counts = sorted({len(item) for item in result.deepstack})
+    assert len(counts) <= 1, f"the items carry different numbers of DeepStack levels: {counts}"
+    return torch.cat(result.embeddings), [torch.cat(level) for level in zip(*result.deepstack)]
+
+
+def assert_result_matches_reference(result, ref, grid_thw, tol: float, merge_size: int = 2) -> float:
+    """An EncodeResult against the reference's (merged, [DeepStack levels]) of the same pack: one embedding of the
+    item's size per item, and every item of every output within tol. Returns the largest error."""
+    sizes = [int(t * h * w) // merge_size**2 for t, h, w in torch.as_tensor(grid_thw).tolist()]
+    assert [e.shape[0] for e in result.embeddings] == sizes
+    return assert_matches_reference(packed(result), ref, grid_thw, tol, merge_size)
 
 
 def hf_source_function(relative_path: str, class_name: str, function_name: str, namespace: dict):
