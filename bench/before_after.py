@@ -3,13 +3,17 @@
     cp -r OLD_CHECKOUT/qwenvl_vision /tmp/oldpkg/qwenvl_vision_old   # the old package under another name
     python -m bench.before_after --old /tmp/oldpkg --preset qwen2.5-vl-3b --inputs photos --dtype fp32
 
-The old package must name its tensors as the checkpoints do (every tree up to 86749f6 does): it loads the
-reference tower's state dict directly. Timing as ``bench.throughput``: interleaved, median after warm-up.
+The old package gets the reference tower's weights through its own ``names.to_module_state`` when it has one (trees
+that stack gate/up at load time), else loads the state dict directly (every tree up to 86749f6). Variants: this
+tree as load_encoder sets it up ("ours": on the CPU, oneDNN's prepacked linears where they are faster here), this
+tree with every linear on addmm ("ours-addmm": what a pure restructure must keep), the old tree, transformers.
+Timing as ``bench.throughput``: interleaved, median after warm-up.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
 import sys
 from pathlib import Path
@@ -42,15 +46,20 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     device = torch.device("cpu")
     cfg, pixel_values, grid_thw, items, dtype = workload(args)
-    variants, _ = throughput.build_variants(cfg, device, dtype)
+    variants, _ = throughput.build_variants(cfg, device, dtype, addmm_variant=True)
     old = import_old_package(Path(args.old))
     fields = {k: getattr(cfg, k) for k in ("depth", "hidden_size", "intermediate_size", "num_heads",
                                             "out_hidden_size", "patch_size", "fullatt_block_indexes",
                                             "deepstack_visual_indexes")}
     family = "qwen2_5_vl" if cfg.design == "qwen2_5" else "qwen3_vl"
     old_model = old.build_model(old.VisionConfig(family=family, **fields), dtype=dtype)
-    old_model.load_state_dict(variants["transformers"].model.state_dict(), strict=True)
-    variants = {"ours": variants["ours"], "ours-before": throughput.Variant(throughput.run_ours, old_model),
+    state = dict(variants["transformers"].model.state_dict())
+    old_names = getattr(old, "names", None) or importlib.import_module("qwenvl_vision_old.names")
+    if hasattr(old_names, "to_module_state"):
+        state = old_names.to_module_state(old_model.config, state, list(old_model.state_dict()))
+    old_model.load_state_dict(state, strict=True)
+    variants = {"ours": variants["ours"], "ours-addmm": variants["ours-addmm"],
+                "ours-before": throughput.Variant(throughput.run_ours, old_model),
                 "transformers": variants["transformers"]}
     timings = throughput.measure(variants, pixel_values, grid_thw, device, args.warmup, args.repeats)
     result = throughput.summarize(cfg, args.preset, args.inputs, grid_thw, items, device, dtype, timings, None, {})

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from bench.gemm_bound import gemm_bound
+from bench.gemm_bound import gemm_bound, print_rates
 from bench.reference import hf_classes, hf_tower, ours_from
 from bench.workloads import INPUT_SETS, build_inputs, truncated
 from qwenvl_vision import preset
@@ -100,7 +100,7 @@ def transformers_unavailable(cfg: VisionConfig, attn: str) -> str | None:
 
 
 def build_variants(cfg: VisionConfig, device: torch.device, dtype: torch.dtype, attns: tuple[str, ...] = ("sdpa",),
-                   compile_options: dict | None = None, seed: int = 0
+                   compile_options: dict | None = None, seed: int = 0, addmm_variant: bool = False
                    ) -> tuple[dict[str, Variant], dict[str, str]]:
     """Ours (eager), ours compiled (when compile_options is not None) and transformers' tower per attention
     implementation, all with the same spread random weights (ours read under the checkpoint names); returns the
@@ -125,7 +125,13 @@ def build_variants(cfg: VisionConfig, device: torch.device, dtype: torch.dtype, 
             return random_tower(cfg, device, dtype, seed=seed)
         return ours_from(weights, cfg)
 
+    # "ours" runs as load_encoder sets a tower up: on the CPU, oneDNN's prepacked linears where they are faster
+    # here; "ours-addmm" keeps every linear on torch's addmm (the kernel transformers' tower uses).
     built = {"ours": Variant(run_ours, ours())}
+    if device.type == "cpu":
+        built["ours"].model.pack_linear_weights_("auto")
+        if addmm_variant:
+            built["ours-addmm"] = Variant(run_ours, ours())
     if compile_options is not None:
         compiled = ours()
         compiled.compile_blocks(**compile_options)
@@ -345,6 +351,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--gemm-bound", action="store_true",
                         help="also time the forward's GEMMs and attention alone (bench.gemm_bound) and report each "
                              "variant as a fraction of that bound")
+    parser.add_argument("--addmm", action="store_true",
+                        help="CPU: also time ours with every linear on torch's addmm (no oneDNN prepacking)")
     parser.add_argument("--json", help="write the numbers here")
     args = parser.parse_args(argv)
     if args.compile and args.warmup < 1:
@@ -358,7 +366,8 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = truncated(preset(args.preset), args.depth)
     pixel_values, grid_thw, items = build_inputs(args.inputs, cfg)
     attns = tuple(a.strip() for a in args.attn.split(",") if a.strip())
-    variants, skipped = build_variants(cfg, device, dtype, attns, {} if args.compile else None)
+    variants, skipped = build_variants(cfg, device, dtype, attns, {} if args.compile else None,
+                                       addmm_variant=args.addmm)
     for name, reason in skipped.items():
         print(f"{name}: skipped ({reason})", file=sys.stderr)
     timings = measure(variants, pixel_values, grid_thw, device, args.warmup, args.repeats)
@@ -396,8 +405,9 @@ def print_table(result: dict) -> None:
               f"{result['matmul_tflops']:.1f} TFLOP/s")
     if "gemm_bound" in result:
         bound = result["gemm_bound"]
+        print_rates(bound)
         print(f"GEMM bound {bound['bound_s']:.2f} s (GEMMs {bound['gemm_s']:.2f} s at {bound['gemm_gflops_per_s']} "
-              f"GFLOP/s alone, attention {bound['attention_s']:.2f} s as SDPA alone): "
+              f"GFLOP/s, the best kernel per shape, alone; attention {bound['attention_s']:.2f} s as SDPA alone): "
               + ", ".join(f"{name} {v['fraction_of_bound']:.0%}" for name, v in result["variants"].items()))
     for name, v in result["variants"].items():
         for ref, speedup in v.get("speedup_vs", {}).items():

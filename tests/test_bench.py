@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench import gemm_bound, profile_tower, throughput
+from bench import attention_paths, gemm_bound, profile_tower, throughput
+from qwenvl_vision.cpu_linear import onednn_linear_available
 
 TINY = ["--preset", "qwen3.5-0.8b", "--inputs", "small", "--depth", "1", "--dtype", "fp32"]
 
@@ -18,8 +19,10 @@ def test_gemm_bound_times_every_product_and_the_attention():
     result = gemm_bound.main(TINY)
     assert result["bound_s"] == pytest.approx(result["gemm_s"] + result["attention_s"])
     assert result["gemm_s"] > 0 and result["attention_s"] > 0
-    # patch embedding, qkv, proj, fc1, fc2, merger fc1 and fc2: every shape timed
-    assert len(result["rates_gflops_per_s"]) == 7 and all(r > 0 for r in result["rates_gflops_per_s"].values())
+    # patch embedding, qkv, proj, fc1, fc2, merger fc1 and fc2: every shape timed by every kernel here
+    kernels = {"mm", "onednn"} if onednn_linear_available() else {"mm"}
+    assert len(result["rates_gflops_per_s"]) == 7
+    assert all(set(rates) == kernels and min(rates.values()) > 0 for rates in result["rates_gflops_per_s"].values())
 
 
 def test_profile_attributes_every_op_of_both_towers(capsys):
@@ -35,3 +38,11 @@ def test_throughput_reports_the_fraction_of_the_bound(capsys):
     result = throughput.main([*TINY, "--repeats", "1", "--warmup", "0", "--gemm-bound"])
     assert 0 < result["variants"]["ours"]["fraction_of_bound"]
     assert "GEMM bound" in capsys.readouterr().out
+
+
+def test_attention_paths_time_each_path_and_bound_its_error(capsys):
+    rows = attention_paths.main(["--dtype", "fp32", "--repeats", "1"])
+    assert {row["size"] for row in rows} == {size[0] for size in attention_paths.SIZES}
+    for row in rows:
+        assert all(row[path]["gflops_per_s"] > 0 and row[path]["rel_err"] < 1e-5 for path in attention_paths.PATHS)
+    assert "fastest" in capsys.readouterr().out
