@@ -39,6 +39,7 @@ import torch
 import qwenvl_vision
 from qwenvl_vision.cli import main
 from qwenvl_vision.embed import read_manifest_lines
+from tests.handoff_helpers import write_full_model
 from tests.helpers import FAMILY_SMALL, REPO, write_checkpoint
 
 README = REPO / "README.md"
@@ -147,6 +148,17 @@ def family_of(repo_id: str) -> str:
     raise AssertionError(f"README names {repo_id}: add its family to HUB_FAMILIES in tests/test_readme.py")
 
 
+# Local folders an example names that stand for a full released VLM: a tiny random one of the family, saved by
+# transformers (tests/handoff_helpers.py), written into the working directory before the example runs.
+TINY_FULL_MODELS = {"tiny-qwen3-vl": "qwen3_vl"}
+
+
+def write_tiny_full_models(code: str, workdir: Path) -> None:
+    for folder, family in TINY_FULL_MODELS.items():
+        if f'"{folder}"' in code:
+            write_full_model(workdir / folder, family)
+
+
 def serve_repos(hub, code: str, folder: Path) -> None:
     """Every repo id the example names, on the stand-in Hub: a tiny random checkpoint of its family."""
     for repo_id in sorted(set(REPO_ID.findall(code))):
@@ -226,6 +238,7 @@ def test_readme_example_runs(block, workdir, hub, tmp_path, capsys):
     if not runnable:
         pytest.skip("excused: " + "; ".join(EXCUSED[c.text] for c in commands(block)))
     serve_repos(hub, runnable, tmp_path / "repos")
+    write_tiny_full_models(runnable, workdir)
     if block.language == "python":
         run_python(block)
         return
