@@ -21,7 +21,8 @@ from bench.throughput import build_variants
 from bench.workloads import add_workload_arguments, workload
 
 GEMM_OPS = {"aten::addmm", "aten::mm", "aten::bmm", "aten::baddbmm", "aten::mkldnn_convolution",
-            "aten::_mkldnn_convolution", "aten::convolution_overrideable", "aten::_convolution"}
+            "aten::_mkldnn_convolution", "aten::convolution_overrideable", "aten::_convolution",
+            "mkldnn::_linear_pointwise"}  # oneDNN's prepacked linear (qwenvl_vision.cpu_linear)
 SDPA_PREFIX = ("aten::_scaled_dot_product", "aten::_flash_attention", "aten::_efficient_attention")
 CATEGORIES = ("GEMM", "attention (SDPA)", "norm", "rope & attention glue", "activation & gate", "merger other",
               "residual (block)", "other")
@@ -74,7 +75,7 @@ def profile_forward(model: torch.nn.Module, run) -> dict[str, float]:
             handle.remove()
     seconds: dict[str, float] = defaultdict(float)
     for event in prof.events():
-        if not event.name.startswith("aten::"):
+        if not event.name.startswith(("aten::", "mkldnn::")):
             continue
         if event.name in GEMM_OPS:
             category = "GEMM"
