@@ -8,15 +8,17 @@ kernel is chosen by measurement on the machine at hand, per (in, out, dtype), ne
 Reference: the calls inductor's CPU freezing pass emits for a frozen ``nn.Linear``
 (torch/_inductor/fx_passes/mkldnn_fusion.py): ``torch.ops.mkldnn._reorder_linear_weight(w, rows)`` once, then
 ``torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")`` per call. Its fp32 result is
-fp32-accurate (relative error against float64 ~5e-7, addmm's ~2.5e-7); its bf16 result is addmm's bit for bit.
-The reorder's row count is only a hint for the blocking: any row count runs, and each row's result does not
-depend on the others (checked for 7 to 3,740 rows), so packs of any size use one packed weight.
+fp32-accurate (relative error against float64 ~5e-7, addmm's ~2.5e-7), not addmm's bits; its bf16 result is
+addmm's bit for bit (torch's bf16 addmm on the CPU is a oneDNN matmul itself). The reorder's row count is only a
+hint for the blocking: any row count runs with one packed weight. Each row's result does not depend on the other
+rows of the call from a few rows up (checked for 7 to 3,740; a single-row call may round differently, as MKL's
+addmm does for 1 to 7 rows), so chunks are balanced and never leave a short tail.
 
-Memory: the packed weight *replaces* the plain one (the Linear's ``weight`` parameter becomes the packed tensor:
-one copy). ``state_dict`` hands out plain tensors (``dense_state_dict_``), loading into a packed tower unpacks
-first and packs again after, and a packed tower is unpacked before it is compiled (``VisionTower`` does these);
-``unpack_`` restores plain parameters before a move to another device or dtype, which packed tensors do not
-support.
+``PackableLinear`` is an ``nn.Linear`` that owns this: ``pack_()`` replaces its weight by the packed tensor (one
+copy, not two), ``state_dict`` hands out the plain tensor, a state dict loads into it (and it packs again), a move
+to another device or dtype unpacks first and packs again where it still can (as ``nn.RNNBase._apply`` re-flattens
+its weights), and calling it, autograd and autocast included, gives ``F.linear``'s result. ``copy.deepcopy`` of a
+packed layer is not supported: unpack first.
 
 Deviation from ``F.linear``: oneDNN has no ``out=`` form, so a call that must write into the forward's workspace
 runs on row chunks whose fresh outputs stay below glibc's mmap threshold (reused heap memory, no page faults)
@@ -25,10 +27,12 @@ and copies each into place.
 
 from __future__ import annotations
 
+import math
+import threading
 import time
-from collections.abc import Iterable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .errors import ConfigError
@@ -39,14 +43,14 @@ PROBE_ROWS = 1024  # rows of the timing probe: the towers' packs hold thousands,
 PROBE_REPEATS = 3
 # How much faster oneDNN must be to be chosen. fp32: the two kernels round differently, so a choice must not flip
 # between two processes on timing noise (on AMD the gap is 2x; on a CPU where MKL runs at full speed it is a tie,
-# and addmm stays). bf16: torch's bf16 addmm on the CPU is itself a oneDNN matmul and the results are bitwise
-# equal (checked on every released tower shape), so any gain counts.
+# and addmm stays). bf16: the results are bitwise equal (checked on every released tower shape), so any gain counts.
 MARGIN = {torch.float32: 1.25, torch.bfloat16: 1.03}
 CHUNK_BYTES = 16 << 20  # fresh output per oneDNN call when writing into a workspace: under glibc's 32 MiB threshold
 # Process-wide memo of measured choices, like cuDNN's benchmark cache: kernel names only (no tensor, no model),
 # one entry per (in, out, dtype, threads) of the towers loaded, so every tower of a process makes the same choice
-# for a shape, and two encoders of one process give the same bits.
+# for a shape and two encoders of one process give the same bits. The lock makes concurrent loads measure once.
 DECISIONS: dict[tuple[int, int, torch.dtype, int], str] = {}
+DECISIONS_LOCK = threading.Lock()
 
 
 def onednn_linear_available() -> bool:
@@ -60,14 +64,19 @@ def pack_weight(weight: torch.Tensor, rows: int = PROBE_ROWS) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
 
 
+def balanced_chunks(rows: int, step: int) -> list[slice]:
+    """Slices of at most ``step`` rows covering ``rows``, as equal as can be (no one-row tail)."""
+    count = max(1, math.ceil(rows / step))
+    size = math.ceil(rows / count)
+    return [slice(start, min(start + size, rows)) for start in range(0, rows, size)]
+
+
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   out: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` with a packed weight; into ``out`` by row chunks when given (see module docstring)."""
     if out is None:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    step = max(1, CHUNK_BYTES // (out.shape[1] * out.element_size()))
-    for start in range(0, x.shape[0], step):
-        rows = slice(start, start + step)
+    for rows in balanced_chunks(x.shape[0], max(1, CHUNK_BYTES // (out.shape[1] * out.element_size()))):
         out[rows].copy_(torch.ops.mkldnn._linear_pointwise(x[rows], weight, bias, "none", [], ""))
     return out
 
@@ -102,10 +111,11 @@ def choose_kernel(in_features: int, out_features: int, dtype: torch.dtype) -> st
     if not onednn_linear_available() or dtype not in MARGIN:
         return "addmm"
     key = (in_features, out_features, dtype, torch.get_num_threads())
-    if key not in DECISIONS:
-        seconds = measure_kernels(in_features, out_features, dtype)
-        DECISIONS[key] = "onednn" if seconds["onednn"] * MARGIN[dtype] < seconds["addmm"] else "addmm"
-    return DECISIONS[key]
+    with DECISIONS_LOCK:
+        if key not in DECISIONS:
+            seconds = measure_kernels(in_features, out_features, dtype)
+            DECISIONS[key] = "onednn" if seconds["onednn"] * MARGIN[dtype] < seconds["addmm"] else "addmm"
+        return DECISIONS[key]
 
 
 def check_policy(policy: str) -> str:
@@ -116,48 +126,81 @@ def check_policy(policy: str) -> str:
     return policy
 
 
-def pack_(layers: Iterable[tuple[str, nn.Linear]], policy: str = "auto") -> dict[str, str]:
-    """Replace each CPU layer's weight by its oneDNN-packed form where the policy picks oneDNN, in place; the
-    packed tensor is the layer's ``weight`` from then on (one copy). Returns the kernel per layer name.
+def _needs_dense(layer: nn.Linear, x: torch.Tensor) -> bool:
+    """The packed kernel has no autograd and no autocast: those calls take the plain weight."""
+    if torch.is_autocast_enabled(x.device.type):
+        return True
+    return torch.is_grad_enabled() and (x.requires_grad or layer.weight.requires_grad
+                                        or (layer.bias is not None and layer.bias.requires_grad))
 
-    policy: "auto" (measured per shape: ``choose_kernel``), "onednn" (wherever it runs), "addmm" (no packing)."""
-    check_policy(policy)
-    kernels: dict[str, str] = {}
-    for name, layer in layers:
-        weight = layer.weight
+
+class PackableLinear(nn.Linear):
+    """``nn.Linear`` whose weight may live in oneDNN's prepacked layout on the CPU (see the module docstring)."""
+
+    pack_policy = "auto"  # the policy it was packed with: a move to another dtype packs again by it
+
+    @property
+    def packed(self) -> bool:
+        return self.weight.is_mkldnn
+
+    def pack_(self, policy: str = "auto") -> str:
+        """Pack the weight where the policy picks oneDNN for this shape on this machine; returns the kernel."""
+        weight = self.weight
         if weight.is_mkldnn:
-            kernels[name] = "onednn"
-            continue
-        runs_here = weight.device.type == "cpu" and weight.dtype in MARGIN and onednn_linear_available()
+            return "onednn"
+        runs_here = (weight.device.type == "cpu" and weight.dtype in MARGIN and onednn_linear_available()
+                     and not weight.requires_grad)  # a trainable weight stays plain: the packed kernel has no grad
         if not runs_here or policy == "addmm":
-            kernels[name] = "addmm"
-            continue
-        kernel = "onednn" if policy == "onednn" else choose_kernel(layer.in_features, layer.out_features, weight.dtype)
+            return "addmm"
+        kernel = "onednn" if policy == "onednn" else choose_kernel(self.in_features, self.out_features, weight.dtype)
         if kernel == "onednn":
-            layer.weight = nn.Parameter(pack_weight(weight), requires_grad=False)
-        kernels[name] = kernel
-    return kernels
+            self.weight = nn.Parameter(pack_weight(weight), requires_grad=False)
+            self.pack_policy = policy
+        return kernel
 
+    def unpack_(self) -> None:
+        if self.weight.is_mkldnn:
+            self.weight = nn.Parameter(self.weight.to_dense(), requires_grad=False)
 
-def unpack_(layers: Iterable[tuple[str, nn.Linear]]) -> None:
-    """Plain weights again (before a move to another device or dtype, or autograd, which packed tensors lack)."""
-    for _, layer in layers:
-        if layer.weight.is_mkldnn:
-            layer.weight = nn.Parameter(layer.weight.to_dense(), requires_grad=False)
-
-
-def drop_(layers: Iterable[tuple[str, nn.Linear]]) -> None:
-    """Packed weights replaced by storage-less meta tensors of their shape (freeing, not converting: a packed
-    tensor cannot move to the meta device, and unpacking first would allocate a copy just to drop it)."""
-    for _, layer in layers:
-        weight = layer.weight
+    def drop_(self) -> None:
+        """A packed weight replaced by a storage-less meta tensor of its shape (freeing, not converting: unpacking
+        first would allocate a copy just to drop it)."""
+        weight = self.weight
         if weight.is_mkldnn:
-            layer.weight = nn.Parameter(torch.empty(weight.shape, dtype=weight.dtype, device="meta"),
-                                        requires_grad=False)
+            self.weight = nn.Parameter(torch.empty(weight.shape, dtype=weight.dtype, device="meta"),
+                                       requires_grad=False)
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
 
-def dense_state_dict_(module: nn.Module, state: dict, prefix: str, local_metadata) -> None:
-    """A state_dict post-hook: packed weights leave as plain tensors (what checkpoints and other code expect)."""
-    for name, value in state.items():
-        if isinstance(value, torch.Tensor) and value.is_mkldnn:
-            state[name] = value.to_dense()
+    def linear(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``F.linear(x, weight, bias)``, into ``out`` when given (the forward's workspace)."""
+        if self.weight.is_mkldnn and not _needs_dense(self, x):
+            return packed_linear(x, self.weight, self.bias, out)
+        weight = self.weight.to_dense() if self.weight.is_mkldnn else self.weight
+        if out is None:
+            return F.linear(x, weight, self.bias)
+        if self.bias is None:
+            return torch.mm(x, weight.t(), out=out)
+        return torch.addmm(self.bias, x, weight.t(), out=out)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.weight.is_mkldnn:  # what checkpoints and every other reader expect
+            destination[prefix + "weight"] = self.weight.detach().to_dense()
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        was_packed = self.weight.is_mkldnn
+        self.unpack_()  # a packed tensor cannot be copied into
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        if was_packed:
+            self.pack_(self.pack_policy)
+
+    def _apply(self, fn, recurse=True):
+        # Packed tensors support no conversion: move the plain weight, then pack again where it still runs.
+        was_packed = self.weight.is_mkldnn
+        self.unpack_()
+        result = super()._apply(fn, recurse)
+        if was_packed and not self.weight.is_meta:
+            self.pack_(self.pack_policy)
+        return result

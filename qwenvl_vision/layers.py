@@ -8,7 +8,9 @@ Reference: the vision classes of transformers' ``modeling_qwen2_vl.py``, ``model
   ``names.RULE_SETS``), and a Qwen2.5-Omni tower's separate q/k/v are one ``qkv``;
 - attention runs through the tower's backend (``attention.py``) on a per-forward segment plan;
 - in eager inference, activations are written into the forward's two ``Workspace`` buffers instead of fresh
-  tensors (the same operations in the reference's order: fp32 results are bitwise those of the plain ops).
+  tensors (the same operations in the reference's order: results are bitwise those of the same ops out of place);
+- on the CPU the linears may run oneDNN's prepacked kernel where it is faster (``cpu_linear.PackableLinear``):
+  in fp32 it rounds differently from addmm (both within ~5e-7 of float64), in bf16 it gives the same bits.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from einops import rearrange
 from torch import nn
 
 from .attention import SegmentPlan
-from .cpu_linear import packed_linear
+from .cpu_linear import PackableLinear
 
 # ----------------------------------------------------------------------------- activation buffers
 
@@ -107,26 +109,10 @@ def fp32_chunks(rows: int, *shape: int) -> Iterator[tuple[slice, torch.Tensor, t
         yield chunk, scratch[0, :size].view(-1, *shape), scratch[1, :size].view(-1, *shape)
 
 
-def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
-    """``layer(x)``, written into a workspace buffer when one is active: the same addmm, so the same bits."""
-    out = output_buffer(x, x.shape[0], layer.out_features)
-    if out is None or (layer.weight.is_mkldnn and torch.is_grad_enabled() and x.requires_grad):
-        return fresh_linear(x, layer)
-    if layer.weight.is_mkldnn:
-        return packed_linear(x, layer.weight, layer.bias, out)
-    if layer.bias is None:
-        return torch.mm(x, layer.weight.t(), out=out)
-    return torch.addmm(layer.bias, x, layer.weight.t(), out=out)
-
-
-def fresh_linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
-    """``layer(x)`` into a new tensor. A layer packed for oneDNN (``cpu_linear``) runs its prepacked kernel, except
-    under autograd, which that kernel lacks (the plain weight is then unpacked for the call)."""
-    if not layer.weight.is_mkldnn:
-        return F.linear(x, layer.weight, layer.bias)
-    if torch.is_grad_enabled() and x.requires_grad:
-        return F.linear(x, layer.weight.to_dense(), layer.bias)
-    return packed_linear(x, layer.weight, layer.bias)
+def linear(x: torch.Tensor, layer: PackableLinear) -> torch.Tensor:
+    """``layer(x)``, written into a workspace buffer when one is active: the same kernel as the layer's own call
+    (addmm, or oneDNN's prepacked linear where ``cpu_linear`` packed the layer), so the same bits."""
+    return layer.linear(x, output_buffer(x, x.shape[0], layer.out_features))
 
 
 # The trailing underscore is torch's mark of an in-place op. These are in place when the forward's workspace is
@@ -304,8 +290,8 @@ class VisionAttention(nn.Module):
         self.num_heads = num_heads
         self.head_dim = dim // num_heads
         self.scale = self.head_dim**-0.5
-        self.qkv = nn.Linear(dim, 3 * dim, bias=True)
-        self.proj = nn.Linear(dim, dim, bias=True)
+        self.qkv = PackableLinear(dim, 3 * dim, bias=True)
+        self.proj = PackableLinear(dim, dim, bias=True)
 
     def forward(self, x: torch.Tensor, inputs: AttentionInputs) -> torch.Tensor:
         q, k, v = rearrange(linear(x, self.qkv), "n (qkv h d) -> qkv n h d", qkv=3, h=self.num_heads)
@@ -319,8 +305,8 @@ class GatedMLP(nn.Module):
 
     def __init__(self, dim: int, hidden: int, act: str) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(dim, 2 * hidden, bias=True)
-        self.down_proj = nn.Linear(hidden, dim, bias=True)
+        self.gate_up_proj = PackableLinear(dim, 2 * hidden, bias=True)
+        self.down_proj = PackableLinear(hidden, dim, bias=True)
         self.act = act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -333,8 +319,8 @@ class MLP(nn.Module):
 
     def __init__(self, dim: int, hidden: int, act: str) -> None:
         super().__init__()
-        self.linear_fc1 = nn.Linear(dim, hidden, bias=True)
-        self.linear_fc2 = nn.Linear(hidden, dim, bias=True)
+        self.linear_fc1 = PackableLinear(dim, hidden, bias=True)
+        self.linear_fc2 = PackableLinear(hidden, dim, bias=True)
         self.act = act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -368,11 +354,11 @@ class PatchMerger(nn.Module):
         self.hidden = dim * merge_unit
         self.norm_after_view = norm_after_view
         self.norm = norm_layer(norm, self.hidden if norm_after_view else dim)
-        self.linear_fc1 = nn.Linear(self.hidden, self.hidden)
-        self.linear_fc2 = nn.Linear(self.hidden, out)
+        self.linear_fc1 = PackableLinear(self.hidden, self.hidden)
+        self.linear_fc2 = PackableLinear(self.hidden, out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (N, D) -> (N/4, out), a fresh tensor (it leaves the forward)."""
         grouped = self.norm(x.view(-1, self.hidden)) if self.norm_after_view else self.norm(x).view(-1, self.hidden)
         hidden = activate_(linear(grouped, self.linear_fc1), "gelu")
-        return fresh_linear(hidden, self.linear_fc2)
+        return self.linear_fc2(hidden)

@@ -24,7 +24,7 @@ from torch import nn
 from .attention import ATTN_IMPLS, BACKENDS, SegmentPlan, resolve_attn_impl
 from .cache import ShapeCache
 from .config import VisionConfig
-from .cpu_linear import dense_state_dict_, drop_, pack_, unpack_
+from .cpu_linear import PackableLinear, check_policy
 from .errors import ConfigError, InputError
 from .layers import AttentionInputs, Block, PatchEmbed, PatchMerger, Workspace
 from .names import to_module_names_
@@ -77,16 +77,6 @@ def accept_checkpoint_names(tower: VisionTower, state_dict: dict, prefix: str, *
     to_module_names_(tower.config, state_dict, module_names, prefix)
 
 
-def unpack_for_loading(tower: VisionTower, *_load_arguments) -> None:
-    """``load_state_dict`` pre-hook: packed weights cannot be copied into; the load goes into plain ones."""
-    unpack_(tower.linear_layers())
-
-
-def repack_after_loading(tower: VisionTower, _incompatible_keys) -> None:
-    """``load_state_dict`` post-hook: weights that were packed are packed again, with the same policy."""
-    tower.repack_linear_weights_()
-
-
 class VisionTower(nn.Module):
     """A Qwen vision tower of any family: patch embedding, blocks, merger and (Qwen3-VL) DeepStack mergers.
 
@@ -121,15 +111,8 @@ class VisionTower(nn.Module):
         # load_state_dict takes the family's checkpoint names too (transformers' tower's state dict, a released
         # checkpoint's tensors without prefix): stacked and renamed as they arrive, still strict.
         self.register_load_state_dict_pre_hook(accept_checkpoint_names)
-        # Linear weights packed for oneDNN on the CPU (pack_linear_weights_): state_dict hands out plain tensors,
-        # and a state dict loads into plain weights that are packed again after.
+        # The kernel of each Linear (pack_linear_weights_); each layer keeps its packed weight's state itself.
         self.linear_kernels: dict[str, str] = {}
-        self.linear_policy = "addmm"
-        # Hooks are module-level functions handed the tower: a closure over self would be a reference cycle, and
-        # a tower must be freed by reference counting alone (the teardown benchmark checks).
-        self.register_state_dict_post_hook(dense_state_dict_)
-        self.register_load_state_dict_pre_hook(unpack_for_loading)
-        self.register_load_state_dict_post_hook(repack_after_loading)
         # (placement it was chosen for, backend name, callable); attention_backend is the one place that sets it.
         self.attention_choice: tuple[tuple, str, Callable] | None = None
         self.set_attention(attn_impl)
@@ -292,33 +275,32 @@ class VisionTower(nn.Module):
 
     # ------------------------------------------------------------------ CPU linear kernels
 
-    def linear_layers(self) -> list[tuple[str, nn.Linear]]:
-        return [(name, m) for name, m in self.named_modules() if isinstance(m, nn.Linear)]
+    def linear_layers(self) -> list[tuple[str, PackableLinear]]:
+        return [(name, m) for name, m in self.named_modules() if isinstance(m, PackableLinear)]
 
     def pack_linear_weights_(self, policy: str = "auto") -> dict[str, str]:
         """On the CPU, put each Linear's weight in oneDNN's prepacked layout where that kernel is faster here
         (``cpu_linear``: measured per shape with policy "auto"; "onednn" always; "addmm" never), in place: the
         packed weight replaces the plain one. Returns (and keeps in ``linear_kernels``) the kernel per layer.
-        Call ``unpack_linear_weights_`` before moving the tower to another device or dtype."""
-        self.linear_kernels = pack_(self.linear_layers(), policy)
-        self.linear_policy = policy
+        Compiled blocks keep plain weights (inductor chooses its own kernels)."""
+        check_policy(policy)
+        if self.compiled:
+            policy = "addmm"
+        self.linear_kernels = {name: layer.pack_(policy) for name, layer in self.linear_layers()}
         return self.linear_kernels
 
     def unpack_linear_weights_(self) -> None:
-        unpack_(self.linear_layers())
+        for _, layer in self.linear_layers():
+            layer.unpack_()
         self.linear_kernels = {}
 
     def free_weights_(self) -> None:
         """Every parameter and buffer replaced by a storage-less meta tensor (``VisionEncoder.close``): a reference
         to the module kept elsewhere no longer pins the weights."""
-        drop_(self.linear_layers())
+        for _, layer in self.linear_layers():
+            layer.drop_()
         self.linear_kernels = {}
         self.to("meta")
-
-    def repack_linear_weights_(self) -> None:
-        """After a load into a packed tower: the new weights packed as the old ones were."""
-        if any(kernel == "onednn" for kernel in self.linear_kernels.values()):
-            self.pack_linear_weights_(self.linear_policy)
 
     def _dynamic(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Compiled blocks: the token count is the one dynamic size of their inputs (so a pack whose token count

@@ -1,6 +1,6 @@
 """The ``qwenvl-vision`` command line (``qwenvl_vision/cli.py``): ``extract-weights`` (from a folder and from a repo
 id), ``inspect`` (its report, and its header checks, the same a load makes), the one-line errors and a reader
-that goes away. ``embed`` has its own test files (test_embed.py, test_embed_faults.py).
+that goes away, and every family's extract-weights round trip. `embed` has its own test files (tests/test_embed_*.py).
 """
 
 from __future__ import annotations

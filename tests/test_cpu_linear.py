@@ -12,7 +12,15 @@ from safetensors.torch import load_file
 
 from qwenvl_vision import ConfigError, build_model, load_encoder
 from qwenvl_vision.cli import main
-from qwenvl_vision.cpu_linear import DECISIONS, measure_kernels, onednn_linear_available, pack_weight, packed_linear
+from qwenvl_vision.cpu_linear import (
+    DECISIONS,
+    PackableLinear,
+    balanced_chunks,
+    measure_kernels,
+    onednn_linear_available,
+    pack_weight,
+    packed_linear,
+)
 from tests.helpers import (
     FAMILY_SMALL,
     QWEN2_5_SMALL,
@@ -61,6 +69,15 @@ def test_bf16_packed_is_bitwise_addmm(cfg):
     with torch.no_grad():
         (a, levels_a), (b, levels_b) = plain(pixel_values, grid_thw), packed(pixel_values, grid_thw)
     assert torch.equal(a, b) and all(torch.equal(x, y) for x, y in zip(levels_a, levels_b, strict=True))
+
+
+def test_a_block_of_a_packed_tower_gives_plain_tensors_too():
+    model = build_model(QWEN2_5_SMALL)
+    model.pack_linear_weights_("onednn")
+    state = model.blocks[0].state_dict()
+    assert state and not any(v.is_mkldnn for v in state.values())
+    model.blocks[0].load_state_dict(state)
+    assert model.blocks[0].attn.qkv.packed
 
 
 def test_the_packed_weight_replaces_the_plain_one():
@@ -146,6 +163,8 @@ def test_packs_of_any_size_use_one_packed_weight():
 
 
 def test_gradients_through_a_packed_tower_match_the_plain_one():
+    """Input gradients, and weight gradients of layers made trainable after packing: the packed kernel has no
+    autograd, so such calls take the plain weight."""
     cfg = QWEN2_5_SMALL
     ref = hf_tower(cfg, seed=0)
     plain, packed = ours_from(ref, cfg), ours_from(ref, cfg)
@@ -153,10 +172,70 @@ def test_gradients_through_a_packed_tower_match_the_plain_one():
     pixel_values, grid_thw = inputs(cfg, grids_for(cfg))
     grads = []
     for model in (plain, packed):
+        model.blocks[0].attn.qkv.weight.requires_grad_(True)
         x = pixel_values.clone().requires_grad_(True)
         model(x, grid_thw)[0].square().sum().backward()
-        grads.append(x.grad)
-    assert torch.allclose(grads[1], grads[0], rtol=1e-4, atol=1e-6)
+        grads.append((x.grad, model.blocks[0].attn.qkv.weight.grad))
+    assert torch.allclose(grads[1][0], grads[0][0], rtol=1e-4, atol=1e-6)
+    assert grads[1][1] is not None
+    assert torch.allclose(grads[1][1].to_dense(), grads[0][1], rtol=1e-4, atol=1e-5)
+
+
+def test_a_packed_tower_moves_and_casts_and_stays_exact():
+    cfg = QWEN3_SMALL_72
+    ref = hf_tower(cfg, seed=0)
+    model = ours_from(ref, cfg)
+    model.pack_linear_weights_("onednn")
+    pixel_values, grid_thw = inputs(cfg, grids_for(cfg))
+    plain_bf16 = ours_from(ref, cfg).to(torch.bfloat16)
+    model.to(torch.bfloat16)  # unpacked, cast, packed again
+    assert packed_count(model) == len(model.linear_layers()) and model.blocks[0].attn.qkv.weight.dtype == torch.bfloat16
+    with torch.no_grad():
+        assert torch.equal(model(pixel_values, grid_thw)[0], plain_bf16(pixel_values, grid_thw)[0])
+    model = ours_from(ref, cfg)
+    model.pack_linear_weights_("onednn")
+    model.double()  # oneDNN packs no float64: plain weights, still right
+    assert packed_count(model) == 0
+    with torch.no_grad():
+        assert_matches_reference(model(pixel_values.double(), grid_thw), hf_forward(ref, pixel_values, grid_thw),
+                                 grid_thw, 1e-5)
+
+
+def test_autocast_reaches_packed_layers():
+    cfg = QWEN2_5_SMALL
+    ref = hf_tower(cfg, seed=0)
+    plain, packed = ours_from(ref, cfg), ours_from(ref, cfg)
+    packed.pack_linear_weights_("onednn")
+    pixel_values, grid_thw = inputs(cfg, grids_for(cfg))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        a, b = plain(pixel_values, grid_thw)[0], packed(pixel_values, grid_thw)[0]
+    assert a.dtype == b.dtype == torch.bfloat16 and torch.equal(a, b)
+
+
+def test_a_packed_layer_on_its_own_calls_saves_and_loads_like_a_linear():
+    torch.manual_seed(0)
+    layer, plain = PackableLinear(64, 96), PackableLinear(64, 96)
+    plain.load_state_dict(layer.state_dict())
+    assert layer.pack_("onednn") == "addmm" and not layer.packed  # a trainable weight stays plain
+    layer.requires_grad_(False)
+    assert layer.pack_("onednn") == "onednn"
+    x = torch.randn(10, 64)
+    with torch.no_grad():
+        assert torch.allclose(layer(x), plain(x), rtol=1e-5, atol=1e-6)
+    state = layer.state_dict()
+    assert not state["weight"].is_mkldnn and torch.equal(state["weight"], plain.weight)
+    other = PackableLinear(64, 96)
+    layer.load_state_dict(other.state_dict())  # into the packed layer: packed again
+    assert layer.packed and torch.equal(layer.state_dict()["weight"], other.weight)
+
+
+def test_chunks_are_balanced_and_leave_no_short_tail():
+    assert [s.stop - s.start for s in balanced_chunks(1840, 613)] == [460, 460, 460, 460]
+    assert [s.stop - s.start for s in balanced_chunks(5, 613)] == [5]
+    for rows, step in ((1, 1), (1000, 7), (613 * 3 + 1, 613)):
+        chunks = balanced_chunks(rows, step)
+        sizes = [s.stop - s.start for s in chunks]
+        assert sum(sizes) == rows and max(sizes) <= step and max(sizes) - min(sizes) <= 1
 
 
 def test_auto_measures_each_shape_once_and_every_tower_of_the_process_agrees():
