@@ -131,7 +131,8 @@ def encode_on_ray(job, writer) -> None:
         return
     absolute = {p: os.path.abspath(p) for p in todo}
     items = [{"path": absolute[p], "given": p, "realpath": job.inputs.keys[p]} for p in todo]
-    blocks = max(1, min(len(items) // BATCH_ROWS, 4 * plan.actors))
+    blocks = max(1, min(-(-len(items) // BATCH_ROWS), 4 * plan.actors))
+    actors = min(plan.actors, blocks)  # an actor with no block to work on would only load the tower
     options: dict[str, Any] = dict(
         column="path", kind="path", min_pixels=args.min_pixels, max_pixels=args.max_pixels,
         resize=job.run["resize"], pooled=args.pooled_only, fps=args.fps, max_batch_tokens=args.batch_tokens,
@@ -142,7 +143,7 @@ def encode_on_ray(job, writer) -> None:
         options["random_weights"] = True
     source = job.folder or args.model
     extra = {"udf": UDF} if UDF is not None else {}
-    ds = embed_dataset(ray.data.from_items(items, override_num_blocks=blocks), source, concurrency=plan.actors,
+    ds = embed_dataset(ray.data.from_items(items, override_num_blocks=blocks), source, concurrency=actors,
                        batch_size=BATCH_ROWS, num_cpus=plan.actor_cpus, num_gpus=plan.actor_gpus or None,
                        **extra, **options)
     try:
