@@ -136,3 +136,21 @@ def test_sigkill_mid_run_then_resume_parquet(tmp_path, checkpoint):
     assert main(cmd[3:] + ["--resume"]) == 0
     rows = assert_each_parquet_input_once(out, 40)
     assert all(r["status"] == "ok" for r in rows)
+
+
+@pytest.mark.slow
+def test_two_ranks_under_torchrun_write_parquet_shards_each_input_once(tmp_path, checkpoint):
+    import subprocess
+
+    from tests.embed_helpers import ENV, torchrun_embed_cmd
+
+    make_image_folder(tmp_path / "imgs", 7)
+    out = tmp_path / "out"
+    done = subprocess.run(torchrun_embed_cmd([tmp_path / "imgs"], checkpoint, out, "--format", "parquet"), env=ENV,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = assert_each_parquet_input_once(out, 10)  # 7 images and 3 bad files
+    assert sum(r["status"] == "ok" for r in rows) == 7
+    assert {p.name.split("-")[1] for p in out.glob("shard-*.parquet")} == {"r0", "r1"}
+    assert not list(out.glob("manifest*.jsonl"))
+    assert read_run(out)["world_size"] == 2

@@ -107,3 +107,26 @@ def test_driver_sigkilled_then_resumed_embeds_each_input_once(tmp_path, local_ra
     rows = assert_each_parquet_input_once(out, 80)
     assert all(r["status"] == "ok" for r in rows)
     assert read_run(out)["threads"] == 1
+
+
+def test_the_readme_map_batches_example_runs_as_written(tmp_path):
+    """The "Many machines: Ray Data" python block (README.md once merged, README_ADDITION.md until then) runs as
+    written in a fresh process (its own ray.init) from a folder holding examples/photos, and says what it claims."""
+    import re
+    import shutil
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO
+
+    readme = REPO / "README.md"
+    if "### Many machines: Ray Data" not in readme.read_text():
+        readme = REPO / "README_ADDITION.md"
+    section = readme.read_text().split("### Many machines: Ray Data", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    assert "map_batches(" in code and "Embedder" in code
+    shutil.copytree(REPO / "examples" / "photos", tmp_path / "examples" / "photos")
+    check = "\nassert sorted(r.status for r in records) == ['ok', 'ok']\nassert records[0].embedding.shape[1] == 1024\n"
+    done = subprocess.run([sys.executable, "-c", code + check], cwd=tmp_path, env=embed_helpers.ENV,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
