@@ -25,6 +25,15 @@ of the batch are kept. (Ray's ``max_errored_blocks`` would instead drop whole bl
 
 CPUs: an actor asks for ``num_cpus`` CPUs (default 1 in Ray). With ``concurrency`` actors taking every CPU of
 the cluster, the read tasks never get one and the job hangs: ``embed_dataset`` gives actors a fraction then.
+
+Threads: Ray starts an actor's torch on as many threads as its whole CPUs (1 for a fraction); ``Embedder(threads=N)``
+sets N explicitly. CPU results are bitwise equal only at the same thread count: an actor's rows are bitwise
+``encode_images`` under ``torch.set_num_threads(N)`` (``embed --engine ray`` records N in run.json).
+
+Restarts: an actor that dies mid-batch (a segfaulting decoder, the OOM killer) is restarted and its batch retried:
+Ray Data's actor pools default to ``max_restarts=-1, max_task_retries=-1``, kept here (bounding them takes
+``ray_remote_args``, deprecated since Ray 2.60), so an input that kills every actor it meets is retried until the
+job is stopped. A retried batch's rows come out once: Ray hands on only the output of the try that finished.
 """
 
 from __future__ import annotations
@@ -47,6 +56,7 @@ from ray.data.extensions import ArrowTensorArray, ArrowVariableShapedTensorArray
 
 from .batching import DEFAULT_DECODE_BYTES
 from .encoder import ItemResult, load_encoder
+from .errors import CheckpointError
 from .parquet import EmbeddingRecord, video_record
 from .pixels import DEFAULT_MAX_INPUT_PIXELS, input_name
 from .video_io import is_video_file
@@ -79,7 +89,10 @@ class Embedder:
 
     Encode options: ``min_pixels``, ``max_pixels``, ``resize``, ``pooled`` (a mean vector instead of the tokens,
     as ``embed --pooled-only``), ``fps`` (videos), ``max_batch_tokens``, ``max_input_pixels``, ``decode_bytes``,
-    ``num_workers`` (decode threads), as for ``VisionEncoder.iter_encode``.
+    ``num_workers`` (decode threads), as for ``VisionEncoder.iter_encode``. ``threads``: torch threads of the
+    forward (default: Ray's, the actor's whole CPUs). ``weights_sha256``: the hash the loaded tower must have
+    (``embed.run_record.weights_sha256``, as run.json records it), checked once in the constructor: an actor on
+    another checkpoint, or drawing other random weights, fails instead of writing other tensors.
     """
 
     def __init__(self, source: Any, *, column: str | None = None, kind: str | None = None,
@@ -87,13 +100,23 @@ class Embedder:
                  pooled: bool = False, fps: float | None = None, max_batch_tokens: int = 16384,
                  max_input_pixels: int | None = DEFAULT_MAX_INPUT_PIXELS,
                  decode_bytes: int | None = DEFAULT_DECODE_BYTES, num_workers: int | None = None,
-                 spool_dir: str | None = None, **load_options: Any) -> None:
+                 spool_dir: str | None = None, threads: int | None = None, weights_sha256: str | None = None,
+                 **load_options: Any) -> None:
         kind = kind or column
         if column is not None and kind not in INPUT_KINDS:
             raise ValueError(f"column {column!r}: pass kind= (one of {list(INPUT_KINDS)})")
         self.column, self.kind = column, kind
         self.pooled = pooled
+        if threads is not None:
+            torch.set_num_threads(threads)
         self.encoder = load_encoder(source, **load_options)
+        if weights_sha256 is not None:
+            from .embed.run_record import weights_sha256 as tower_hash
+
+            found = tower_hash(self.encoder.model)
+            if found != weights_sha256:
+                raise CheckpointError(f"{source}: the actor's tower hashes to {found[:12]}..., the run's to "
+                                      f"{weights_sha256[:12]}... (another checkpoint, or other random weights)")
         self.dim = self.encoder.out_hidden_size
         self.levels = 0 if pooled else len(self.encoder.config.deepstack_visual_indexes)
         video_config = None if fps is None else dataclasses.replace(self.encoder.video_config, fps=fps)
@@ -251,26 +274,28 @@ def _renamed(error: str, name: str, new_name: str, spooled: Any) -> str:
 # ---------------------------------------------------------------------- pipelines
 
 
-def actor_cpus(concurrency: int) -> float:
-    """CPUs for each of ``concurrency`` actors: 1, unless that would leave the cluster no CPU for the read tasks
-    (which then never run: the job hangs); then an equal share of all but one CPU (at least 0.1)."""
+def actor_cpus(concurrency: int, want: float = 1.0) -> float:
+    """CPUs for each of ``concurrency`` actors: ``want``, unless that would leave the cluster no CPU for the read
+    tasks (which then never run: the job hangs); then an equal share of all but one CPU (at least 0.1)."""
     total = float(ray.cluster_resources().get("CPU", 1))
-    if concurrency + 1 <= total:
-        return 1.0
+    if concurrency * want + 1 <= total:
+        return float(want)
     return max(0.1, (total - 1) / concurrency) if total > 1 else total / (concurrency + 1)
 
 
 def embed_dataset(ds: ray.data.Dataset, source: Any, *, concurrency: int = 1, batch_size: int = 16,
-                  num_cpus: float | None = None, num_gpus: float | None = None, **options: Any) -> ray.data.Dataset:
+                  num_cpus: float | None = None, num_gpus: float | None = None, udf: type = Embedder,
+                  **options: Any) -> ray.data.Dataset:
     """``ds.map_batches(Embedder)`` with ``concurrency`` actors (one encoder each), ``batch_size`` rows a batch;
     ``options`` are Embedder's (encode and ``load_encoder`` options). ``num_cpus`` per actor defaults to
-    ``actor_cpus(concurrency)``; with ``num_gpus`` (e.g. 1), each actor's encoder goes to the GPU Ray gives it."""
+    ``actor_cpus(concurrency)``; with ``num_gpus`` (e.g. 1), each actor's encoder goes to the GPU Ray gives it.
+    A dead actor is restarted and its batch retried (Ray Data's defaults). ``udf``: Embedder or a subclass."""
     resources: dict[str, float] = {"num_cpus": actor_cpus(concurrency) if num_cpus is None else num_cpus}
     if num_gpus:
         resources["num_gpus"] = num_gpus
         options.setdefault("device", "cuda")
     # compute= rather than concurrency=, which Ray 2.51 deprecated for actor pools.
-    return ds.map_batches(Embedder, fn_constructor_args=(source,), fn_constructor_kwargs=options,
+    return ds.map_batches(udf, fn_constructor_args=(source,), fn_constructor_kwargs=options,
                           compute=ray.data.ActorPoolStrategy(size=concurrency), batch_size=batch_size,
                           batch_format=BATCH_FORMAT, **resources)
 

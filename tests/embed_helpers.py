@@ -7,6 +7,8 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 from qwenvl_vision.embed import read_embeddings, read_manifest_lines
 from tests.helpers import REPO, make_image_folder, write_video
 
@@ -67,3 +69,51 @@ def make_media_folder(root: Path, images: int, videos: int) -> tuple[list[Path],
         write_video(path, 5 + 3 * i, 48 + 8 * (i % 3), 40, 4 + i % 3)  # 1..3 s at 4..6 fps: 2..6 frames sampled
         video_paths.append(path)
     return image_paths, video_paths
+
+
+def parquet_rows(out: Path) -> list[dict]:
+    """Every row of the output's Parquet shards as plain ``pyarrow.parquet`` reads them (no package code)."""
+    import pyarrow.parquet as pq
+
+    rows = []
+    for shard in sorted(out.glob("shard-r*.parquet")):
+        rows += pq.read_table(shard).to_pylist()
+    return rows
+
+
+def assert_each_parquet_input_once(out: Path, expected: int) -> list[dict]:
+    """`expected` rows, one per input (by realpath), no temporary file left, all readable by read_embeddings."""
+    rows = parquet_rows(out)
+    keys = [r["realpath"] for r in rows]
+    assert len(keys) == len(set(keys)) == expected, (len(keys), len(set(keys)), expected)
+    assert not list(out.glob("*.tmp")) and not list(out.glob(".*.tmp"))
+    assert len(dict(read_embeddings(out))) == sum(r["status"] == "ok" for r in rows)
+    return rows
+
+
+def kill_when(cmd: list[str], ready, timeout: float = 180) -> None:
+    """Run `cmd` in a child and SIGKILL it once ``ready()`` holds (polled every 5 ms); it must not finish first."""
+    import signal
+    import subprocess
+    import time
+
+    proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None and not ready():
+        time.sleep(0.005)
+    assert proc.poll() is None, "the run finished (or failed) before it could be killed"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+
+
+@pytest.fixture(scope="session")
+def local_ray():
+    """One local Ray for the session, on the 2 CPUs the test machines have, no dashboard (it takes seconds); shared
+    by the modules that import it (the first to run starts it, the session's end stops it)."""
+    ray = pytest.importorskip("ray")
+    if ray.is_initialized():
+        yield ray
+        return
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield ray
+    ray.shutdown()

@@ -15,6 +15,7 @@ import torch
 from PIL import Image
 
 from qwenvl_vision import load_encoder
+from tests import embed_helpers
 from tests.helpers import REPO, synthetic_photo
 
 ray = pytest.importorskip("ray")
@@ -23,17 +24,11 @@ pa = pytest.importorskip("pyarrow")
 from qwenvl_vision.parquet import ParquetLayout, read_parquet_records, results_table, write_table_atomic  # noqa: E402
 from qwenvl_vision.ray import Embedder, embed_dataset, embed_paths, records_from_batch  # noqa: E402
 
+local_ray = embed_helpers.local_ray  # the session's Ray (a fixture shared with test_ray_engine)
+
 # Small images and small pixel bounds: every image a handful of tokens (patch 16, merge 2: 32x32 pixels a token).
 SETTINGS = dict(min_pixels=32 * 32, max_pixels=96 * 96)
 SIZES = [(40, 56), (64, 96), (50, 50)]
-
-
-@pytest.fixture(scope="session")
-def local_ray():
-    """One local Ray for the session, on the 2 CPUs the test machines have; no dashboard (it takes seconds)."""
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    yield ray
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,6 @@
 """The ``embed`` command line: its options, their types and the checks across them (``add_embed_parser``,
-``validate_embed_args``). What runs the command is ``job.run_embed``: the CLI binds the parser to it."""
+``validate_embed_args``, which also settles ``--format``'s default: parquet with ``--engine ray``, else
+safetensors). What runs the command is ``job.run_embed``: the CLI binds the parser to it."""
 
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ from ..config import PRESETS
 from ..devices import device_option, dtype_option
 from ..errors import ConfigError
 from ..pixels import DEFAULT_MAX_INPUT_PIXELS, RESIZE_BACKENDS
+
+FORMATS = ("safetensors", "parquet")
+ENGINES = ("local", "ray")
 
 
 def _positive_int(name: str):
@@ -46,6 +50,17 @@ def validate_embed_args(args: argparse.Namespace) -> None:
     """Checks across options, right after parsing (argparse checks each option alone)."""
     if args.min_pixels is not None and args.max_pixels is not None and args.min_pixels > args.max_pixels:
         raise ConfigError(f"--min-pixels {args.min_pixels} is above --max-pixels {args.max_pixels}")
+    engine = getattr(args, "engine", "local")
+    if engine == "ray" and getattr(args, "format", None) == "safetensors":
+        raise ConfigError("--engine ray writes --format parquet only (its shards are written by the driver as Ray "
+                          "hands the rows back): drop --format safetensors, or use --engine local")
+    if getattr(args, "ray_address", None) and engine != "ray":
+        raise ConfigError(f"--ray-address {args.ray_address} needs --engine ray")
+    if getattr(args, "ray_actors", None) and engine != "ray":
+        raise ConfigError("--ray-actors needs --engine ray")
+    args.format_given = getattr(args, "format", None) is not None  # a --resume without it takes the run's
+    if not args.format_given:
+        args.format = "parquet" if engine == "ray" else "safetensors"
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file, not a folder")
@@ -58,7 +73,8 @@ def validate_embed_args(args: argparse.Namespace) -> None:
 
 def add_embed_parser(sub, parents=()) -> argparse.ArgumentParser:
     """The ``embed`` subparser of `sub`, its options checked by validate_embed_args; the caller sets its func."""
-    p = sub.add_parser("embed", help="embed images into safetensors shards with a manifest", parents=list(parents))
+    p = sub.add_parser("embed", help="embed images and videos into safetensors (with a manifest) or Parquet shards",
+                       parents=list(parents))
     p.add_argument("inputs", nargs="+", help="image files, folders (recursive), or .txt files listing paths")
     p.add_argument("--model", required=True, help="checkpoint folder, vision-only folder, repo id, or preset")
     p.add_argument("--out", required=True, help="output folder for shards, manifest.jsonl and run.json")
@@ -94,6 +110,23 @@ def add_embed_parser(sub, parents=()) -> argparse.ArgumentParser:
     p.add_argument("--batch-tokens", type=_positive_int("--batch-tokens"), default=16384,
                    help="patches per forward (an item above runs alone; default %(default)s)")
     p.add_argument("--pooled-only", action="store_true", help="store one mean vector per image")
+    p.add_argument("--format", choices=FORMATS,
+                   help="safetensors: shards + manifest.jsonl; parquet: shards of one row per input (path, status, "
+                        "error, grid, tokens, the tensors as float32, video frames), run.json in their schema "
+                        "metadata (default: a resumed run's; else safetensors, parquet with --engine ray)")
+    p.add_argument("--engine", choices=ENGINES, default="local",
+                   help="local: this process (or torchrun's ranks); ray: a Ray Data pipeline, the forward on actors "
+                        "(needs ray[data]; writes --format parquet; default %(default)s)")
+    p.add_argument("--ray-address",
+                   help="with --engine ray: join this Ray cluster (e.g. auto, or ray://head:10001; default: start a "
+                        "local one with this machine's CPUs and GPUs)")
+    p.add_argument("--ray-actors", type=_positive_int("--ray-actors"),
+                   help="with --engine ray: encoder actors (default: one per GPU with --device cuda, else the "
+                        "cluster's CPUs / --threads); each holds a copy of the tower")
+    p.add_argument("--threads", type=_positive_int("--threads"),
+                   help="torch threads of each forward (default: torch's, one per core, locally; on Ray CPU actors the "
+                        "cluster's CPUs / 4, at least 1; a --resume keeps the run's). run.json records it: CPU "
+                        "results are bitwise equal only at the same thread count")
     p.add_argument("--resume", action="store_true", help="continue a killed or failed run in --out")
     p.add_argument("--quiet", action="store_true",
                    help="no progress (bar on a terminal, else a line every few seconds) and no loading lines; "

@@ -2,6 +2,15 @@
 process's part of it: check everything and take the folder's lock (nothing written), load the encoder, write
 run.json, encode this rank's inputs batch by batch through a ``writer.RankWriter``, merge the ranks' parts.
 
+Formats: ``--format safetensors`` writes through ``writer.RankWriter`` (shards + manifest), ``--format parquet``
+through ``parquet_writer.ParquetRankWriter`` (shards that are their own manifest); the lock, the run.json checks,
+resume, ranks and exit codes are the same. ``--engine ray`` runs the encoding as a Ray Data pipeline
+(``ray_engine.encode_on_ray``) after the same setup, the driver writing Parquet shards as rows come back.
+
+Threads: run.json records the torch threads of every forward (``threads``): ``--threads``, else a resumed run's,
+else torch's default here (the Ray engine: each actor's). CPU results are bitwise equal only at the same count,
+so ``encode_images`` under ``torch.set_num_threads(run["threads"])`` gives a run's very tensors.
+
 Ranks: under ``torchrun`` each rank writes ``shard-r{rank}-*.safetensors`` and ``manifest.rank{rank}.jsonl``
 (its share of the inputs: ``inputs.shard_for_rank``); the ranks agree (gloo) that every one of them got its
 lock and passed the checks before anything is written, and after a barrier rank 0 merges the parts into
@@ -30,7 +39,7 @@ import torch
 from ..errors import EmbedError, OutputFaultError, PeerFailedError, QwenVLVisionError, exit_code_of
 from .inputs import MEDIA_EXTENSIONS, Inputs, gather_inputs, rank_and_world, shard_for_rank
 from .lock import FolderLock, lock_name
-from .manifest import MANIFEST, RUN_FIELD_DEFAULTS, RUN_FILE, record_key
+from .manifest import MANIFEST, PARQUET_SHARD_NAME, RUN_FIELD_DEFAULTS, RUN_FILE, record_key
 from .progress import Progress
 from .reader import read_manifest_lines, read_run
 from .run_record import compare_runs, crossed_bounds_note, describe_run
@@ -51,7 +60,8 @@ def _make_dirs(out: Path) -> list[Path]:
 def _holds_run(out: Path) -> bool:
     """Whether `out` holds (part of) a run: a fresh run there would mix two runs' files."""
     return (out / RUN_FILE).exists() or (out / MANIFEST).exists() or any(out.glob("manifest.rank*.jsonl")) \
-        or any(out.glob("shard-r*.safetensors"))
+        or any(out.glob("shard-r*.safetensors")) \
+        or any(PARQUET_SHARD_NAME.match(p.name) for p in out.glob("shard-r*.parquet"))
 
 
 class _Group:
@@ -137,20 +147,23 @@ def _pick_device(args: argparse.Namespace, rank: int, world: int) -> str | None:
     return device
 
 
-def _load(args: argparse.Namespace, device: str | None, progress: Progress):
-    """The encoder, and the checkpoint folder it came from (None for random weights); says what it does."""
+def _load(args: argparse.Namespace, device: str | None, progress: Progress, dtype=None, attn: str | None = None):
+    """The encoder, and the checkpoint folder it came from (None for random weights); says what it does.
+    ``dtype`` and ``attn`` default to the options (the Ray driver loads on its CPU in the actors' dtype)."""
     from ..attention import resolve_attn_impl
     from ..devices import resolve_device, resolve_dtype
     from ..encoder import load_encoder
     from ..hub import looks_like_repo_id, resolve_folder
 
+    dtype = args.dtype if dtype is None else dtype
+    attn = args.attn if attn is None else attn
     where = str(resolve_device(device))
-    resolve_attn_impl(args.attn, where, resolve_dtype(args.dtype, torch.device(where)))  # before any fetch or read
+    resolve_attn_impl(attn, where, resolve_dtype(dtype, torch.device(where)))  # before any fetch or read
     start = time.perf_counter()
     if args.random_weights:
         progress.note(f"building {args.model} with random weights on {where}")
-        encoder = load_encoder(args.model, device=device, dtype=args.dtype, random_weights=True,
-                               compile=args.compile, attn_impl=args.attn)
+        encoder = load_encoder(args.model, device=device, dtype=dtype, random_weights=True,
+                               compile=args.compile, attn_impl=attn)
         folder = None
     else:
         if looks_like_repo_id(args.model):
@@ -160,7 +173,7 @@ def _load(args: argparse.Namespace, device: str | None, progress: Progress):
         shards, size = _vision_shards(resolved)
         progress.note(f"reading {shards} shard{'s' if shards != 1 else ''} with the vision tensors "
                       f"({_size(size)}) from {resolved} onto {where}")
-        encoder = load_encoder(resolved, device=device, dtype=args.dtype, compile=args.compile, attn_impl=args.attn)
+        encoder = load_encoder(resolved, device=device, dtype=dtype, compile=args.compile, attn_impl=attn)
         folder = str(resolved.absolute())
     progress.note(f"loaded the {encoder.family} tower ({str(encoder.dtype).removeprefix('torch.')}) in "
                   f"{time.perf_counter() - start:.1f} s")
@@ -213,6 +226,10 @@ class EmbedJob:
         self.filled: list[str] = []  # run.json fields an older run file lacked, filled in on resume
         self.inputs = Inputs()
         self.progress = Progress(rank, args.quiet)
+        self.folder: str | None = None  # the checkpoint folder (the Ray actors load it again)
+        self.layout = None  # a Parquet run's layout
+        self.threads: int | None = None  # torch threads of each forward
+        self.ray = None  # --engine ray: the cluster and the actors' plan (ray_engine.RayPlan)
 
     # -- setup: every check before the first write; on failure the folder is left as it was
 
@@ -236,14 +253,31 @@ class EmbedJob:
             if recorded is None:
                 raise EmbedError(f"{out} holds a run without {RUN_FILE} (an older qwenvl-vision), so its settings "
                                  f"cannot be checked; finish it with that version, or choose another --out")
+        if recorded is not None and not getattr(args, "format_given", True):
+            args.format = recorded["file_format"]  # --resume continues the folder's format unless told another
         self.inputs = gather_inputs(args.inputs)
         if not self.inputs.paths:
             raise EmbedError(f"no inputs: {', '.join(args.inputs)} hold no image or video files (by extension: "
                              f"{' '.join(sorted(MEDIA_EXTENSIONS))}) and list no paths")
-        self.encoder, folder = _load(args, _pick_device(args, self.rank, self.world), self.progress)
+        if getattr(args, "engine", "local") == "ray":
+            from .ray_engine import RayPlan, driver_load_options
+
+            # Ray is up before the model loads (the plan needs the cluster's CPUs and GPUs); nothing is written.
+            self.ray = RayPlan.start(args, self.world, (recorded or {}).get("threads"), self.progress)
+            self.threads = self.ray.threads
+            self.encoder, folder = _load(args, "cpu", self.progress, **driver_load_options(args))
+        else:
+            self.threads = args.threads or (recorded or {}).get("threads") or torch.get_num_threads()
+            torch.set_num_threads(self.threads)
+            self.encoder, folder = _load(args, _pick_device(args, self.rank, self.world), self.progress)
+        self.folder = folder
         if args.fps is not None:
             self.encoder.video_config = dataclasses.replace(self.encoder.video_config, fps=args.fps)
-        now = describe_run(self.encoder, args, folder, self.world)
+        if getattr(args, "format", "safetensors") == "parquet":
+            from .parquet_writer import layout_for
+
+            self.layout = layout_for(self.encoder, args.pooled_only)
+        now = describe_run(self.encoder, args, folder, self.world, self.threads)
         note = crossed_bounds_note(args, self.encoder.preprocess_config)
         if note is not None and self.rank == 0:  # what the stored tensors are: printed even with --quiet
             print(f"embed: note: {note}", file=sys.stderr, flush=True)
@@ -275,15 +309,25 @@ class EmbedJob:
 
     # -- the run
 
-    def start_writing(self) -> RankWriter:
+    def start_writing(self):
         if (self.fresh or self.filled) and self.rank == 0:
             atomic_write_text(self.out / RUN_FILE, json.dumps(self.run, indent=2) + "\n", self.run["run_id"])
-        writer = RankWriter(self.out, self.rank, self.world, self.run["run_id"], self.run.get("cwd"))
+        if self.layout is not None:
+            from .parquet_writer import ParquetRankWriter
+
+            writer = ParquetRankWriter(self.out, self.rank, self.run, self.layout)
+        else:
+            writer = RankWriter(self.out, self.rank, self.world, self.run["run_id"], self.run.get("cwd"))
         if not self.fresh:
             writer.recover()
         return writer
 
-    def encode(self, writer: RankWriter) -> None:
+    def encode(self, writer) -> None:
+        if getattr(self.args, "engine", "local") == "ray":
+            from .ray_engine import encode_on_ray
+
+            encode_on_ray(self, writer)
+            return
         args = self.args
         mine = shard_for_rank(self.inputs.paths, self.rank, self.world)
         todo = [p for p in mine if self.inputs.keys[p] not in writer.done]
@@ -310,8 +354,14 @@ class EmbedJob:
     def summary(self) -> tuple[int, int]:
         """(ok, failed) over this run's inputs, each counted once, from the merged manifest (rank 0)."""
         status: dict[str, str] = {}
-        for r in read_manifest_lines(self.out / MANIFEST):
-            status.setdefault(record_key(r, self.run.get("cwd")), r["status"])
+        if self.layout is not None:
+            from .parquet_writer import statuses
+
+            for key, state in statuses(self.out):
+                status.setdefault(key, state)
+        else:
+            for r in read_manifest_lines(self.out / MANIFEST):
+                status.setdefault(record_key(r, self.run.get("cwd")), r["status"])
         keys = [self.inputs.keys[p] for p in self.inputs.paths]
         ok = sum(1 for k in keys if status.get(k) == "ok")
         return ok, len(keys) - ok
@@ -326,6 +376,7 @@ def run_embed(args: argparse.Namespace) -> int:
         PIL.Image.MAX_IMAGE_PIXELS = max(PIL.Image.MAX_IMAGE_PIXELS or 0, args.max_input_pixels)
     group = _Group(rank, world)
     job = EmbedJob(args, rank, world)
+    threads = torch.get_num_threads()  # set for the run (--threads, a resumed run's), given back at the end
     try:
         error = None
         try:
@@ -350,7 +401,7 @@ def run_embed(args: argparse.Namespace) -> int:
         except OSError as e:
             error = output_fault(e, job.out, writer.recorded)
         group.agree(error)  # every rank finished writing its part
-        if rank == 0 and world > 1:
+        if rank == 0 and world > 1 and job.layout is None:  # Parquet shards are their own manifest: no merge
             try:
                 merge_parts(job.out, world, job.run["run_id"])
             except OSError as e:
@@ -359,8 +410,9 @@ def run_embed(args: argparse.Namespace) -> int:
         failed = 0
         if rank == 0:
             ok, failed = job.summary()
-            print(f"embedded {ok} of {ok + failed} inputs into {job.out} ({failed} failed; see "
-                  f"{job.out / MANIFEST})", file=sys.stderr)
+            where = job.out / MANIFEST if job.layout is None else job.out / "shard-r*.parquet"
+            print(f"embedded {ok} of {ok + failed} inputs into {job.out} ({failed} failed; see {where})",
+                  file=sys.stderr)
         if world > 1:
             # A finished run exits 0 on every rank, failed inputs or not: torchrun reports any other exit as a
             # crash and stops the other ranks. The summary line and the manifest tell the failures.
@@ -371,3 +423,6 @@ def run_embed(args: argparse.Namespace) -> int:
             job.encoder.close()
         job.release()
         group.close()
+        if job.ray is not None:
+            job.ray.stop()
+        torch.set_num_threads(threads)

@@ -4,7 +4,9 @@ resume compares, and the manifest records' schema, with a parse that tells each 
 A folder holds ``run.json`` (what produced the tensors), ``manifest.jsonl`` (one JSON record a line per input,
 ``status`` "ok" with its shard, key, grid and token count, or "error" with why; a video's record also says which
 frames were used), the shards ``shard-r{rank}-{n:06d}.safetensors`` and, while a multi-rank run is going, the
-ranks' parts ``manifest.rank{rank}.jsonl``. A last line without its newline is a torn write (a run killed mid-
+ranks' parts ``manifest.rank{rank}.jsonl``. A ``--format parquet`` folder holds ``run.json`` and the shards
+``shard-r{rank}-{n:06d}.parquet`` only: each row is an input's record (``parquet``'s layout), so the shards are
+the manifest. A last line without its newline is a torn write (a run killed mid-
 append) and is left out; any other line that is not a valid record is damaged (a hand edit).
 """
 
@@ -26,12 +28,17 @@ RUN_FORMAT = 1
 # depend on. Not compared: the model's spelling (a moved folder is the same model: the hashes decide), the
 # revision (likewise), the package version, the device, batch size and compile (same tensors up to
 # floating-point noise).
+# file_format (safetensors / parquet: one folder holds one), engine (local / ray) and threads (torch threads of
+# each forward: CPU results are bitwise equal only at the same count; a --resume takes the run's by default) are
+# compared too.
 RUN_COMPARED = ("format", "config_sha256", "weights_sha256", "dtype", "min_pixels", "max_pixels", "resize",
-                "video", "pooled", "world_size")
+                "video", "pooled", "world_size", "file_format", "engine", "threads")
 # What a compared field meant in run files written before it existed ("video": None, no videos were embedded,
-# so any video settings continue such a run).
-RUN_FIELD_DEFAULTS = {"resize": "pil", "video": None}
+# so any video settings continue such a run; "threads": None, not recorded, so any count continues it).
+RUN_FIELD_DEFAULTS = {"resize": "pil", "video": None, "file_format": "safetensors", "engine": "local",
+                      "threads": None}
 SHARD_NAME = re.compile(r"^shard-r(\d+)-(\d+)\.safetensors$")
+PARQUET_SHARD_NAME = re.compile(r"^shard-r(\d+)-(\d+)\.parquet$")
 
 
 def part_name(rank: int, world: int) -> str:

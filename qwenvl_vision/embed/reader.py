@@ -1,5 +1,7 @@
 """Reading an embed output back: its run file (``read_run``), its manifest records (``read_manifest_lines``)
-and the stored tensors (``read_embeddings``). Readers need nothing of the writer: no lock, no torch.distributed.
+and the stored tensors (``read_embeddings``), of either format: safetensors shards with manifest.jsonl, or
+``--format parquet`` shards (read through ``parquet.read_parquet_records``, pyarrow imported only then). Readers
+need nothing of the writer: no lock, no torch.distributed.
 """
 
 from __future__ import annotations
@@ -50,6 +52,10 @@ def read_run(out: str | os.PathLike) -> dict:
     try:
         run = json.loads(path.read_text())
     except FileNotFoundError:
+        if _parquet_shards(Path(out)):  # Parquet shards copied without run.json: each carries the run
+            from ..parquet import read_parquet_run
+
+            return {**RUN_FIELD_DEFAULTS, **read_parquet_run(out)}
         raise ManifestError(f"{path} does not exist: not an embed output (or one written before run files)") \
             from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -66,13 +72,19 @@ def read_run(out: str | os.PathLike) -> dict:
 
 
 def read_embeddings(out: str | os.PathLike, *, deepstack: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-    """(path, tensor) for every input recorded ok in DIR/manifest.jsonl, in manifest order.
+    """(path, tensor) for every input recorded ok in DIR/manifest.jsonl, in manifest order, or in DIR's Parquet
+    shards (a ``--format parquet`` run), in shard and row order.
 
     With deepstack=True yields (path, (embedding, [levels...])) for Qwen3-VL runs. What produced the tensors
     (model, dtype, pixel bounds, pooling): ``read_run(DIR)``. A damaged manifest line, a missing shard or
-    key raises ManifestError naming the line.
+    key raises ManifestError naming the line; a damaged Parquet shard, naming the file and row. Both formats
+    yield the same values for the same run: the tokens in the run's dtype, pooled vectors as float32 (as the
+    safetensors shards store them).
     """
     out = Path(out)
+    if _is_parquet(out):
+        yield from _parquet_embeddings(out, deepstack)
+        return
     manifest = out / MANIFEST
     if not manifest.exists() and any(out.glob("manifest.rank*.jsonl")):
         raise ManifestError(f"{out} holds the ranks' manifest parts but no {MANIFEST}: the run stopped before "
@@ -115,3 +127,30 @@ def _open_shard(out: Path, name: str, manifest: Path, number: int):
     except Exception as e:  # noqa: BLE001 - safetensors' own error type for a damaged file
         raise ManifestError(f"{manifest}, line {number}: shard {name} is unreadable ({e})") from None
     return handle
+
+
+def _parquet_shards(out: Path) -> bool:
+    return out.is_dir() and any(out.glob("shard-r*-*.parquet"))
+
+
+def _is_parquet(out: Path) -> bool:
+    """Whether `out` holds a --format parquet run (its run.json says so, or it holds Parquet shards only)."""
+    try:
+        return json.loads((out / RUN_FILE).read_text()).get("file_format") == "parquet"
+    except (OSError, ValueError, AttributeError):
+        return not (out / MANIFEST).exists() and _parquet_shards(out)
+
+
+def _parquet_embeddings(out: Path, deepstack: bool) -> Iterator[tuple[str, object]]:
+    from ..parquet import read_parquet_records
+
+    if not _parquet_shards(out):  # a run stopped before its first shard
+        return
+    for record in read_parquet_records(out):
+        if not record.ok:
+            continue
+        if record.embedding is None:  # a pooled-only run
+            tensor, levels = record.pooled.float(), []
+        else:
+            tensor, levels = record.embedding, record.deepstack
+        yield record.path, ((tensor, levels) if deepstack else tensor)

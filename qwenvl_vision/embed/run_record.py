@@ -1,5 +1,6 @@
 """The run file, ``run.json``: what an embed run's tensors depend on (model config and weights hashes, dtype,
-pixel bounds, resize backend, video settings, pooling, world size) and which run it is (``run_id``).
+pixel bounds, resize backend, video settings, pooling, world size, file format, engine, torch threads) and which
+run it is (``run_id``).
 
 ``describe_run`` writes it for an invocation, ``compare_runs`` refuses a ``--resume`` with other settings,
 ``pixel_bounds`` says which image bounds the run's images are sized with. Reading it back is
@@ -30,7 +31,7 @@ def _sha256_json(value: Any) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
 
 
-def _weights_sha256(model: torch.nn.Module) -> str:
+def weights_sha256(model: torch.nn.Module) -> str:
     """A hash of the vision tensors as loaded (names, dtypes, shapes, bytes).
 
     Stronger than hashing the checkpoint's index: a fine-tune keeps its base model's tensor names and
@@ -73,8 +74,9 @@ def crossed_bounds_note(args: argparse.Namespace, pre) -> str | None:
             f"and smaller ones are upscaled to at least {low} (add {fix})")
 
 
-def describe_run(encoder, args: argparse.Namespace, folder: str | None, world: int) -> dict:
-    """run.json for this invocation: what its tensors depend on, plus where they came from."""
+def describe_run(encoder, args: argparse.Namespace, folder: str | None, world: int, threads: int | None = None) -> dict:
+    """run.json for this invocation: what its tensors depend on, plus where they came from. ``threads`` is the
+    torch thread count of every forward (the local process's, or each Ray actor's; default: this process's now)."""
     pre = encoder.preprocess_config
     min_pixels, max_pixels = pixel_bounds(args, pre)
     revision = args.revision
@@ -91,7 +93,7 @@ def describe_run(encoder, args: argparse.Namespace, folder: str | None, world: i
         "random_weights": bool(args.random_weights),
         "family": encoder.family,
         "config_sha256": _sha256_json({"vision": encoder.config.to_vision_dict(), "preprocess": pre.to_dict()}),
-        "weights_sha256": _weights_sha256(encoder.model),
+        "weights_sha256": weights_sha256(encoder.model),
         "dtype": str(encoder.dtype).removeprefix("torch."),
         "min_pixels": min_pixels,
         "max_pixels": max_pixels,
@@ -100,12 +102,21 @@ def describe_run(encoder, args: argparse.Namespace, folder: str | None, world: i
         "video": encoder.video_config.to_dict(),
         "pooled": bool(args.pooled_only),
         "world_size": world,
+        "file_format": getattr(args, "format", None) or "safetensors",
+        "engine": getattr(args, "engine", None) or "local",
+        "threads": threads if threads is not None else torch.get_num_threads(),
         "cwd": os.getcwd(),
     }
 
 
 def compare_runs(recorded: dict, now: dict, out: Path) -> None:
-    """Raise RunMismatchError listing every compared field that differs."""
+    """Raise RunMismatchError listing every compared field that differs (another file format alone: its own line,
+    since one folder holds one format)."""
+    was, asked = recorded.get("file_format") or "safetensors", now.get("file_format") or "safetensors"
+    if was != asked:
+        engine = " (--engine ray writes parquet)" if now.get("engine") == "ray" else ""
+        raise RunMismatchError(f"{out} holds a --format {was} run; --resume with --format {asked}{engine} would mix "
+                               f"two formats in one folder: resume it with --format {was}, or choose another --out")
     differ = [key for key in RUN_COMPARED if recorded.get(key) != now.get(key)
               and not (key in RUN_FIELD_DEFAULTS and recorded.get(key) is None)]
     if not differ:

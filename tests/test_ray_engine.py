@@ -1,0 +1,132 @@
+"""embed --engine ray (qwenvl_vision.embed.ray_engine) on a local 2-CPU Ray: the same tensors as every other path
+for the same settings (encode_images / encode_videos, embed in either format; crossed pixel bounds too); every
+input exactly once when an actor dies mid-run (Ray restarts it) and when the driver is SIGKILLed and resumed."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from qwenvl_vision.cli import main
+from qwenvl_vision.embed import read_embeddings, read_run
+from qwenvl_vision.encoder import load_encoder
+from tests import embed_helpers
+from tests.embed_helpers import assert_each_parquet_input_once, embed_cmd, kill_when, make_media_folder, parquet_rows
+from tests.helpers import make_image_folder
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("av")
+
+from qwenvl_vision import ray as qv_ray  # noqa: E402
+from qwenvl_vision.embed import ray_engine  # noqa: E402
+
+pytestmark = pytest.mark.slow
+local_ray = embed_helpers.local_ray  # the session's Ray (a fixture shared with test_ray)
+# The actors unpickle CrashOnce: by value, since pytest imports this file under a name they cannot import.
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+@pytest.mark.parametrize("max_pixels", [None, 50176])
+def test_every_path_gives_the_same_tensors(tmp_path, local_ray, checkpoint3, max_pixels):
+    """At one thread (run.json's threads) and the same options, encode_images / encode_videos, embed --format
+    safetensors, --format parquet and --engine ray store bitwise the same tensors. With --max-pixels 50176 under
+    the checkpoint's min_pixels 65536 (crossed bounds), every path keeps both bounds, as encode_images does, and
+    records them."""
+    images, videos = make_media_folder(tmp_path / "media", 3, 2)
+    bounds = ["--max-pixels", str(max_pixels)] if max_pixels else []
+    options = [str(tmp_path / "media"), "--model", str(checkpoint3), "--threads", "1", "--fps", "3", "--quiet",
+               *bounds]
+    outs = {"safetensors": [], "parquet": ["--format", "parquet"], "ray": ["--engine", "ray"]}
+    for name, extra in outs.items():
+        assert main(["embed", *options, "--out", str(tmp_path / name), *extra]) == 0, name
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with load_encoder(checkpoint3, device="cpu") as encoder:
+            want = {str(p): (e, d) for p, e, d in zip(images, *_pair(encoder.encode_images(
+                [str(p) for p in images], max_pixels=max_pixels)))}
+            want.update({str(p): (e, d) for p, e, d in zip(videos, *_pair(encoder.encode_videos(
+                [str(p) for p in videos], fps=3.0)))})
+            low, high = encoder.preprocess_config.min_pixels, max_pixels or encoder.preprocess_config.max_pixels
+    finally:
+        torch.set_num_threads(threads)
+    for name in outs:
+        run = read_run(tmp_path / name)
+        assert (run["min_pixels"], run["max_pixels"], run["threads"]) == (low, high, 1), name
+        assert run["engine"] == ("ray" if name == "ray" else "local")
+        got = dict(read_embeddings(tmp_path / name, deepstack=True))
+        assert got.keys() == want.keys(), name
+        for path, (embedding, levels) in got.items():
+            assert torch.equal(embedding, want[path][0]), (name, path)
+            assert len(levels) == 2 and all(torch.equal(a, b) for a, b in zip(levels, want[path][1])), (name, path)
+    assert parquet_rows(tmp_path / "ray")[0].keys() == parquet_rows(tmp_path / "parquet")[0].keys()
+
+
+def _pair(result) -> tuple[list, list]:
+    return result.embeddings, result.deepstack
+
+
+class CrashOnce(qv_ray.Embedder):
+    """Kills its actor (os._exit, no cleanup) the first time a batch holds crash-me.png; a marker file next to the
+    input says it happened, so the retried batch (on the restarted actor) goes through."""
+
+    def __call__(self, batch):
+        for path in batch["path"]:
+            marker = Path(path).with_name("crashed.marker")
+            if Path(path).name == "crash-me.png" and not marker.exists():
+                marker.touch()
+                os._exit(1)
+        return super().__call__(batch)
+
+
+def test_an_actor_killed_mid_run_is_restarted_and_no_row_is_lost_or_doubled(tmp_path, local_ray, checkpoint,
+                                                                            monkeypatch):
+    paths = make_image_folder(tmp_path / "imgs", 40, bad=False)
+    paths[25].rename(paths[25].with_name("crash-me.png"))
+    monkeypatch.setattr(ray_engine, "UDF", CrashOnce)
+    out = tmp_path / "out"
+    assert main(["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(out), "--engine", "ray",
+                 "--quiet"]) == 0
+    assert (tmp_path / "imgs" / "crashed.marker").exists()  # the actor did die
+    rows = assert_each_parquet_input_once(out, 40)
+    assert all(r["status"] == "ok" for r in rows)
+
+
+def test_driver_sigkilled_then_resumed_embeds_each_input_once(tmp_path, local_ray, checkpoint):
+    make_image_folder(tmp_path / "imgs", 80, bad=False)
+    out = tmp_path / "out"
+    cmd = embed_cmd([tmp_path / "imgs"], checkpoint, out, "--engine", "ray", "--quiet")
+    kill_when(cmd, lambda: any(out.glob("shard-*.parquet")))
+    killed_at = len(parquet_rows(out))
+    assert 0 < killed_at < 80
+    assert main(cmd[3:] + ["--resume"]) == 0  # on the session's Ray
+    rows = assert_each_parquet_input_once(out, 80)
+    assert all(r["status"] == "ok" for r in rows)
+    assert read_run(out)["threads"] == 1
+
+
+def test_the_readme_map_batches_example_runs_as_written(tmp_path):
+    """The "Many machines: Ray Data" python block (README.md once merged, README_ADDITION.md until then) runs as
+    written in a fresh process (its own ray.init) from a folder holding examples/photos, and says what it claims."""
+    import re
+    import shutil
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO
+
+    readme = REPO / "README.md"
+    if "### Many machines: Ray Data" not in readme.read_text():
+        readme = REPO / "README_ADDITION.md"
+    section = readme.read_text().split("### Many machines: Ray Data", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    assert "map_batches(" in code and "Embedder" in code
+    shutil.copytree(REPO / "examples" / "photos", tmp_path / "examples" / "photos")
+    check = "\nassert sorted(r.status for r in records) == ['ok', 'ok']\nassert records[0].embedding.shape[1] == 1024\n"
+    done = subprocess.run([sys.executable, "-c", code + check], cwd=tmp_path, env=embed_helpers.ENV,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
