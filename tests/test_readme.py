@@ -215,8 +215,8 @@ class _CheckClaims(ast.NodeTransformer):
     def visit_Expr(self, node: ast.Expr) -> ast.AST:
         if node.lineno not in self.claims:
             return node
-        call = ast.Call(ast.Name("_readme_claim", ast.Load()),
-                        [node.value, ast.Constant(self.claims[node.lineno]), ast.Constant(node.lineno)], [])
+        literal = ast.parse(repr(self.claims[node.lineno]), mode="eval").body  # lists and dicts too
+        call = ast.Call(ast.Name("_readme_claim", ast.Load()), [node.value, literal, ast.Constant(node.lineno)], [])
         return ast.copy_location(ast.Expr(call), node)
 
 
@@ -231,7 +231,13 @@ def run_python(block: Block) -> None:
     exec(compile(tree, str(README), "exec"), {"__name__": "readme_example", "_readme_claim": claim})
 
 
-@pytest.mark.parametrize("block", RUN_BLOCKS, ids=[b.id for b in RUN_BLOCKS])
+def uses_ray(block: Block) -> bool:
+    """Examples that start Ray (seconds of start-up each): the slow lane."""
+    return "--engine ray" in block.code or "import ray" in block.code
+
+
+@pytest.mark.parametrize("block", [pytest.param(b, marks=pytest.mark.slow) if uses_ray(b) else b for b in RUN_BLOCKS],
+                         ids=[b.id for b in RUN_BLOCKS])
 def test_readme_example_runs(block, workdir, hub, tmp_path, capsys):
     runnable = block.code if block.language == "python" else "\n".join(
         c.text for c in commands(block) if c.text not in EXCUSED)
