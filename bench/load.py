@@ -240,10 +240,12 @@ def resident_split() -> dict[str, int | None]:
 
 
 def touch_all(module: torch.nn.Module) -> None:
-    """Read every parameter and buffer once (a reduction: no full-size temporary), as a first forward would."""
+    """Read every parameter and buffer once (a reduction: no full-size temporary), as a first forward would.
+    oneDNN-packed weights (qwenvl_vision.cpu_linear) have no reduction, and the reorder that made them has just
+    written every page of them: they are resident already."""
     with torch.inference_mode():
         for t in list(module.parameters()) + list(module.buffers()):
-            if t.numel():
+            if t.numel() and not t.is_mkldnn:
                 t.sum()
 
 

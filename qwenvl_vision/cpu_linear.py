@@ -91,30 +91,30 @@ def _best_seconds(fn, repeats: int) -> float:
     return best
 
 
-def measure_kernels(in_features: int, out_features: int, dtype: torch.dtype, *, rows: int = PROBE_ROWS,
+def measure_kernels(weight: torch.Tensor, packed: torch.Tensor | None = None, *, rows: int = PROBE_ROWS,
                     repeats: int = PROBE_REPEATS) -> dict[str, float]:
-    """Seconds of a (rows, in) x (in, out) product + bias into a reused output, by each kernel, the way the
-    forward calls them. Random data: the rate depends on the shape, not on the values."""
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(rows, in_features, generator=generator).to(dtype)
-    weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
-    bias = torch.zeros(out_features, dtype=dtype)
-    out = torch.empty(rows, out_features, dtype=dtype)
-    packed = pack_weight(weight, rows)
+    """Seconds of a (rows, in) x weight.T product + bias into a reused output, by each kernel, the way the forward
+    calls them, on the layer's own weight (and its packed form, when made already: no second copy for the probe).
+    Random inputs: the rate depends on the shape, not on the values."""
+    out_features, in_features = weight.shape
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(0)).to(weight.dtype)
+    bias = torch.zeros(out_features, dtype=weight.dtype)
+    out = torch.empty(rows, out_features, dtype=weight.dtype)
+    packed = pack_weight(weight, rows) if packed is None else packed
     return {"addmm": _best_seconds(lambda: torch.addmm(bias, x, weight.t(), out=out), repeats),
             "onednn": _best_seconds(lambda: packed_linear(x, packed, bias, out), repeats)}
 
 
-def choose_kernel(in_features: int, out_features: int, dtype: torch.dtype) -> str:
-    """"onednn" where its prepacked linear beats addmm by MARGIN on this machine, else "addmm"; measured once
-    per shape, dtype and thread count in a process (DECISIONS)."""
-    if not onednn_linear_available() or dtype not in MARGIN:
+def choose_kernel(weight: torch.Tensor, packed: torch.Tensor | None = None) -> str:
+    """"onednn" where its prepacked linear beats addmm by MARGIN on this machine for this weight's shape, else
+    "addmm"; measured once per shape, dtype and thread count in a process (DECISIONS)."""
+    if not onednn_linear_available() or weight.dtype not in MARGIN:
         return "addmm"
-    key = (in_features, out_features, dtype, torch.get_num_threads())
+    key = (weight.shape[1], weight.shape[0], weight.dtype, torch.get_num_threads())
     with DECISIONS_LOCK:
         if key not in DECISIONS:
-            seconds = measure_kernels(in_features, out_features, dtype)
-            DECISIONS[key] = "onednn" if seconds["onednn"] * MARGIN[dtype] < seconds["addmm"] else "addmm"
+            seconds = measure_kernels(weight, packed)
+            DECISIONS[key] = "onednn" if seconds["onednn"] * MARGIN[weight.dtype] < seconds["addmm"] else "addmm"
         return DECISIONS[key]
 
 
@@ -152,9 +152,13 @@ class PackableLinear(nn.Linear):
                      and not weight.requires_grad)  # a trainable weight stays plain: the packed kernel has no grad
         if not runs_here or policy == "addmm":
             return "addmm"
-        kernel = "onednn" if policy == "onednn" else choose_kernel(self.in_features, self.out_features, weight.dtype)
+        known = DECISIONS.get((self.in_features, self.out_features, weight.dtype, torch.get_num_threads()))
+        if policy == "auto" and known == "addmm":
+            return "addmm"  # measured already: no packed copy made just to be dropped
+        packed = pack_weight(weight)
+        kernel = "onednn" if policy == "onednn" else choose_kernel(weight, packed)
         if kernel == "onednn":
-            self.weight = nn.Parameter(pack_weight(weight), requires_grad=False)
+            self.weight = nn.Parameter(packed, requires_grad=False)  # the plain weight goes with the old Parameter
             self.pack_policy = policy
         return kernel
 
