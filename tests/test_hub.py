@@ -239,6 +239,7 @@ def dead_endpoint(request, hub, monkeypatch):
         yield request.param
 
 
+@pytest.mark.slow  # waits out the reachability timeout (4 s)
 def test_unreachable_hub_fails_within_seconds_with_one_line(dead_endpoint, tmp_path, capfd):
     """hf_hub_download alone retries for ~25 s (refused) or minutes (no answer), printing a warning per try."""
     start = time.perf_counter()
@@ -256,6 +257,7 @@ def test_unreachable_hub_fails_within_seconds_with_one_line(dead_endpoint, tmp_p
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow  # waits out the reachability timeout (4 s)
 def test_unreachable_hub_loads_a_cached_repo_without_waiting(hub, qwen25_repo, monkeypatch, capfd):
     _, vision, _ = qwen25_repo
     load_encoder("org/qwen25-tiny", device="cpu").close()

@@ -308,6 +308,7 @@ def test_benchmark_class_level_cache_grows_per_instance(tmp_path):
     assert 0 < closed["retained_bytes"] < weights
 
 
+@pytest.mark.slow  # the whole benchmark command per family (3 s each)
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_omni", "qwen3_omni_moe", "qwen3_5"])
 def test_new_families_retain_nothing(tmp_path, family):
     rc, report = _run_bench(tmp_path, FAMILY_SMALL[family], "--cycles", "2", "--teardown", "del")
