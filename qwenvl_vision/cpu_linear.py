@@ -118,10 +118,14 @@ def choose_kernel(weight: torch.Tensor, packed: torch.Tensor | None = None) -> s
         return DECISIONS[key]
 
 
-def check_policy(policy: str) -> str:
-    if policy not in POLICIES:
-        raise ConfigError(f"linear_kernel {policy!r} is not one of {list(POLICIES)}")
-    if policy == "onednn" and not onednn_linear_available():
+def check_policy(policy: str | dict[str, str]) -> str | dict[str, str]:
+    """A policy is "auto", "addmm", "onednn", or a kernel per layer name (a tower's ``linear_kernels``, as a run
+    recorded it: the same choices again in another process, so the same bits)."""
+    kernels, allowed = (list(policy.values()), KERNELS) if isinstance(policy, dict) else ([policy], POLICIES)
+    for kernel in kernels:
+        if kernel not in allowed:
+            raise ConfigError(f"linear_kernel {kernel!r} is not one of {list(allowed)}")
+    if "onednn" in kernels and not onednn_linear_available():
         raise ConfigError("linear_kernel 'onednn' is not available: this torch has no oneDNN (mkldnn) linear ops")
     return policy
 

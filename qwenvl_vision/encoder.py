@@ -419,7 +419,7 @@ def load_encoder(
     compile: bool | dict = False,
     attn_impl: str = "auto",
     check_finite: bool = True,
-    linear_kernel: str = "auto",
+    linear_kernel: str | dict[str, str] = "auto",
 ) -> VisionEncoder:
     """Load a Qwen2.5-VL / Qwen3-VL vision encoder, reading only the vision tensors.
 
@@ -436,7 +436,8 @@ def load_encoder(
     preprocess_config / video_config: override the checkpoint's ``preprocessor_config.json`` /
     ``video_preprocessor_config.json`` (a settings object, or a dict in the file's format).
     linear_kernel: on the CPU, "auto" puts each Linear weight in oneDNN's prepacked layout where that kernel is
-    faster on this machine (measured once per shape; ``cpu_linear``), "onednn" everywhere, "addmm" nowhere.
+    faster on this machine (measured once per shape; ``cpu_linear``), "onednn" everywhere, "addmm" nowhere, or a
+    kernel per layer name (``encoder.model.linear_kernels`` of another encoder: the same bits in fp32).
     Packed weights replace the plain ones; ``state_dict()`` still gives plain tensors. Ignored off the CPU and
     with ``compile``.
     """
@@ -462,7 +463,7 @@ def load_encoder(
     return VisionEncoder(model, pre, source=os.fspath(source), video_config=video)
 
 
-def _placed(model: VisionTower, compile: bool | dict, linear_kernel: str) -> VisionTower:
+def _placed(model: VisionTower, compile: bool | dict, linear_kernel: str | dict[str, str]) -> VisionTower:
     """The tower as it will run: compiled blocks, or (on the CPU) the linear kernels chosen."""
     if compile:
         model.compile_blocks(**(compile if isinstance(compile, dict) else {}))

@@ -278,15 +278,21 @@ class VisionTower(nn.Module):
     def linear_layers(self) -> list[tuple[str, PackableLinear]]:
         return [(name, m) for name, m in self.named_modules() if isinstance(m, PackableLinear)]
 
-    def pack_linear_weights_(self, policy: str = "auto") -> dict[str, str]:
+    def pack_linear_weights_(self, policy: str | dict[str, str] = "auto") -> dict[str, str]:
         """On the CPU, put each Linear's weight in oneDNN's prepacked layout where that kernel is faster here
-        (``cpu_linear``: measured per shape with policy "auto"; "onednn" always; "addmm" never), in place: the
-        packed weight replaces the plain one. Returns (and keeps in ``linear_kernels``) the kernel per layer.
-        Compiled blocks keep plain weights (inductor chooses its own kernels)."""
+        (``cpu_linear``: measured per shape with policy "auto"; "onednn" always; "addmm" never; or a kernel per
+        layer name, e.g. another tower's ``linear_kernels``), in place: the packed weight replaces the plain one.
+        Returns (and keeps in ``linear_kernels``) the kernel per layer. Compiled blocks keep plain weights
+        (inductor chooses its own kernels)."""
         check_policy(policy)
-        if self.compiled:
-            policy = "addmm"
-        self.linear_kernels = {name: layer.pack_(policy) for name, layer in self.linear_layers()}
+        layers = self.linear_layers()
+        if isinstance(policy, dict) and set(policy) != {name for name, _ in layers}:
+            names = {name for name, _ in layers}
+            raise ConfigError(f"linear_kernel is not this tower's: it lacks {sorted(names - set(policy))[:3]} and "
+                              f"names {sorted(set(policy) - names)[:3]}")
+        self.linear_kernels = {
+            name: layer.pack_("addmm" if self.compiled else policy[name] if isinstance(policy, dict) else policy)
+            for name, layer in layers}
         return self.linear_kernels
 
     def unpack_linear_weights_(self) -> None:
