@@ -13,6 +13,12 @@ One row per input:
 - ``video``: a struct of the frames used, their times, the file's and the sampled fps and its frame count, as
   embed's manifest records them; null for images.
 
+Text columns are UTF-8, as Parquet's strings must be. A file name that is not valid UTF-8 (Python holds its
+undecodable bytes as surrogates, ``b'caf\\xe9.jpg'`` -> ``'caf\\udce9.jpg'``) cannot be stored as it is: ``text``
+writes every character UTF-8 cannot encode as its backslash escape (``caf\\udce9.jpg``, as ``json`` and ``repr``
+spell it). That spelling is not a file name (a literal one could be the same text), so embed records such an input
+as an error row (``needs_escape``), never as an ok row that a resume would skip by it.
+
 Tensors of an error row are null. Arrow has no bfloat16: a bf16 (or fp16) run stores float32, which holds every
 such value exactly, and the file records the run's dtype so that the reader gives back the very tensors the encoder
 returned. The file's schema metadata (key ``qwenvl_vision``) holds the layout (D, L, merge size, dtype, which
@@ -122,6 +128,23 @@ class EmbeddingRecord:
         return self.status == "ok"
 
 
+def text(value: str | None) -> str | None:
+    """``value`` as Parquet can store it: characters UTF-8 cannot encode (surrogates, a non-UTF-8 file name's
+    undecodable bytes) as their backslash escapes (``\\udce9``); any other text unchanged."""
+    if value is None or not needs_escape(value):
+        return value
+    return value.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def needs_escape(value: str) -> bool:
+    """Whether ``value`` holds a character UTF-8 cannot encode (``text`` then stores an escaped spelling)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
 def video_record(info: Any) -> dict | None:
     """A ``video.VideoInfo`` as embed's manifest records it (None for an image)."""
     if info is None:
@@ -205,10 +228,10 @@ def results_table(records: Iterable[EmbeddingRecord], layout: ParquetLayout, run
     ok = [r if r.ok else None for r in records]
     grids = np.array([r.grid_thw if r else (0, 0, 0) for r in ok], np.int64).reshape(-1)
     columns: dict[str, pa.Array] = {
-        "path": pa.array([r.path for r in records], pa.string()),
-        "realpath": pa.array([r.realpath for r in records], pa.string()),
+        "path": pa.array([text(r.path) for r in records], pa.string()),
+        "realpath": pa.array([text(r.realpath) for r in records], pa.string()),
         "status": pa.array([r.status for r in records], pa.string()),
-        "error": pa.array([r.error for r in records], pa.string()),
+        "error": pa.array([text(r.error) for r in records], pa.string()),
         "grid_thw": pa.FixedSizeListArray.from_arrays(pa.array(grids, pa.int64()), 3,
                                                       mask=pa.array([r is None for r in ok], pa.bool_())),
         "tokens": pa.array([r.tokens if r else None for r in ok], pa.int64()),
@@ -222,8 +245,6 @@ def results_table(records: Iterable[EmbeddingRecord], layout: ParquetLayout, run
     columns["video"] = pa.array([r.video for r in records], VIDEO_TYPE)
     schema = layout.schema(run)
     return pa.Table.from_arrays([columns[f.name] for f in schema], schema=schema)
-
-
 
 
 def write_table_atomic(table: pa.Table, path: str | os.PathLike, **write_options: Any) -> Path:
@@ -373,6 +394,34 @@ def read_parquet_table(path: str | os.PathLike) -> tuple[pa.Table, ParquetLayout
     return table, layout, run
 
 
+def read_parquet_index(path: str | os.PathLike) -> tuple[list[str], list[str], ParquetLayout, dict]:
+    """(realpaths, statuses, layout, run) of one shard, reading only its footer and those two columns (a resume's
+    question: which inputs are done), checked as far as they go: metadata and schema as ``read_parquet_table``
+    checks them, every row a realpath and a known status. The tensors are not read (``read_parquet_table`` reads
+    and checks everything). Any fault is one ManifestError naming the file."""
+    path = Path(path)
+    try:
+        schema = pq.read_schema(path)
+        layout, run = read_metadata(schema, str(path))
+        if not schema.remove_metadata().equals(layout.schema()):
+            raise ManifestError(f"{path}: schema is not the layout's (read it with read_parquet_table for why)")
+        table = pq.read_table(path, columns=["realpath", "status"])
+    except (OSError, pa.ArrowException) as e:
+        raise ManifestError(f"{path}: not a readable Parquet file ({type(e).__name__}: {e})") from None
+    realpaths, status = table.column("realpath").to_pylist(), table.column("status").to_pylist()
+    for row, (realpath, state) in enumerate(zip(realpaths, status)):
+        if not realpath or state not in STATUSES:
+            raise ManifestError(f"{path}, row {row}: realpath {realpath!r} with status {state!r}")
+    return realpaths, status, layout, run
+
+
+def same_run(a: dict, b: dict) -> bool:
+    """Whether two shards' run records are one run's: the same run id and the same value for every field both
+    record (a resume fills a field an older run file lacked, so a later shard may record more)."""
+    return a.get("run_id") == b.get("run_id") and all(
+        a[key] == b[key] for key in a.keys() & b.keys() if a[key] is not None and b[key] is not None)
+
+
 def _tensors(column: pa.Array, dim: int, dtype: torch.dtype, per_row_vectors: bool) -> list[torch.Tensor | None]:
     """A tensor column's rows as tensors of the run's dtype (float32 -> bf16/fp16 is exact: the values came from
     there); each row owns its memory, so a record kept does not pin the whole table."""
@@ -433,15 +482,15 @@ def read_parquet_records(folder: str | os.PathLike, *, files: Sequence[str | os.
                          ) -> Iterator[EmbeddingRecord]:
     """Every record of a folder of shards (or of ``files``), shard by shard in name order, rows in order; tensors
     in the run's dtype, bitwise the encoder's. Each shard is validated whole before its first record (see
-    ``read_parquet_table``), and every shard must carry the first one's layout and run record: a folder mixing
-    runs is refused like a damaged file, naming the shard."""
+    ``read_parquet_table``), and every shard must carry the first one's layout and run (``same_run``): a folder
+    mixing runs is refused like a damaged file, naming the shard."""
     paths = [Path(f) for f in files] if files is not None else parquet_files(folder)
     first: tuple[ParquetLayout, dict, Path] | None = None
     for path in paths:
         table, layout, run = read_parquet_table(path)
         if first is None:
             first = (layout, run, path)
-        elif (layout, run) != first[:2]:
+        elif layout != first[0] or not same_run(run, first[1]):
             what = "layout" if layout != first[0] else "run record"
             raise ManifestError(f"{path}: its {what} differs from {first[2].name}'s (shards of another run)")
         yield from records_of_table(table, layout)

@@ -40,10 +40,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
+import re
 import shutil
+import socket
 import tempfile
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -124,7 +126,7 @@ class Embedder:
                             max_batch_tokens=max_batch_tokens, max_input_pixels=max_input_pixels,
                             decode_bytes=decode_bytes, num_workers=num_workers, video_config=video_config)
         self.spool_dir = spool_dir
-        self._spool: str | None = None
+        _remove_dead_spools(spool_dir)
 
     # ------------------------------------------------------------------ inputs
 
@@ -141,16 +143,11 @@ class Embedder:
         raise KeyError(f"expected an input column ({', '.join(INPUT_KINDS)}), the batch has {sorted(batch)}: "
                        f"pass column= (and kind=)")
 
-    def _spool_folder(self) -> str:
-        """A folder of this actor's own, removed with it, where encoded bytes become files for the length of a
-        batch."""
-        if self._spool is None:
-            self._spool = tempfile.mkdtemp(prefix="qwenvl-ray-", dir=self.spool_dir)
-            weakref.finalize(self, shutil.rmtree, self._spool, ignore_errors=True)
-        return self._spool
-
-    def _items(self, values: Sequence[Any], kind: str) -> tuple[list[Any], dict[int, str], dict[int, str]]:
-        """(what iter_encode gets per row, rows already known bad -> error, row -> the name its errors use)."""
+    def _items(self, values: Sequence[Any], kind: str, spool: list[str]
+               ) -> tuple[list[Any], dict[int, str], dict[int, str]]:
+        """(what iter_encode gets per row, rows already known bad -> error, row -> the name its errors use).
+        Encoded bytes are written to files in a folder made for this call, its path put in ``spool`` (the
+        caller removes it, whatever happens)."""
         items: list[Any] = []
         bad: dict[int, str] = {}
         names: dict[int, str] = {}
@@ -174,7 +171,9 @@ class Embedder:
             if row in bad:
                 items.append(None)
                 continue
-            spooled = os.path.join(self._spool_folder(), f"{row:06d}")
+            if not spool:
+                spool.append(tempfile.mkdtemp(prefix=_spool_prefix(), dir=self.spool_dir))
+            spooled = os.path.join(spool[0], f"{row:06d}")
             with open(spooled, "wb") as f:
                 f.write(value)
             items.append(spooled)
@@ -210,19 +209,19 @@ class Embedder:
     def __call__(self, batch: dict[str, np.ndarray]) -> pa.Table:
         name, kind = self._input_column(batch)
         values = list(batch[name])
-        items, bad, names = self._items(values, kind)
-        todo = [row for row in range(len(values)) if row not in bad]
+        spool: list[str] = []  # this call's folder for encoded bytes, removed whatever happens
         results: dict[int, ItemResult] = {}
         try:
+            items, bad, names = self._items(values, kind, spool)
+            todo = [row for row in range(len(values)) if row not in bad]
             for result in self._encode([items[row] for row in todo], kind) if todo else []:
                 row = todo[result.index]
                 if result.error is not None and row in names:
                     result.error = _renamed(result.error, result.name, names[row], items[row])
                 results[row] = result
         finally:
-            if kind == "bytes":
-                for row in todo:
-                    os.unlink(items[row])
+            for folder in spool:
+                shutil.rmtree(folder, ignore_errors=True)
         for row, error in bad.items():
             results[row] = ItemResult(row, names.get(row, "input"), error=error)
         keep = {k: v for k, v in batch.items() if k != name or kind == "path"}
@@ -258,6 +257,35 @@ class Embedder:
         return pa.table(columns)
 
 
+SPOOL_PREFIX = "qwenvl-ray-"
+
+
+def _spool_prefix() -> str:
+    """A spool folder's name: this host and process, so that a later actor can tell a dead one's leftovers."""
+    return f"{SPOOL_PREFIX}{socket.gethostname()}-{os.getpid()}-"
+
+
+def _remove_dead_spools(spool_dir: str | None) -> None:
+    """Remove the spool folders of this host's processes that are gone (an actor killed mid-batch: SIGKILL, the
+    OOM killer, runs no cleanup)."""
+    parent = spool_dir or tempfile.gettempdir()
+    mine = re.compile(rf"^{re.escape(SPOOL_PREFIX + socket.gethostname())}-(\d+)-")
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return
+    for name in names:
+        match = mine.match(name)
+        if match is None:
+            continue
+        try:
+            os.kill(int(match.group(1)), 0)
+        except ProcessLookupError:
+            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+        except OSError:  # alive, another user's
+            pass
+
+
 def _float32(tensor: torch.Tensor) -> np.ndarray:
     # bf16 / fp16 -> fp32 is exact; numpy has no bf16, so the conversion happens in torch.
     return tensor.detach().to("cpu", torch.float32).contiguous().numpy()
@@ -276,11 +304,17 @@ def _renamed(error: str, name: str, new_name: str, spooled: Any) -> str:
 
 def actor_cpus(concurrency: int, want: float = 1.0) -> float:
     """CPUs for each of ``concurrency`` actors: ``want``, unless that would leave the cluster no CPU for the read
-    tasks (which then never run: the job hangs); then an equal share of all but one CPU (at least 0.1)."""
+    tasks (which then never run: the job hangs); then an equal share of all but one CPU, rounded down to Ray's
+    resource precision (1e-4) so that the shares never add up to more (else some actors never start)."""
     total = float(ray.cluster_resources().get("CPU", 1))
     if concurrency * want + 1 <= total:
         return float(want)
-    return max(0.1, (total - 1) / concurrency) if total > 1 else total / (concurrency + 1)
+    share = (total - 1) / concurrency if total > 1 else total / (concurrency + 1)
+    share = math.floor(share * 10_000) / 10_000
+    if share <= 0:
+        raise ValueError(f"{concurrency} actors cannot share the cluster's {total:g} CPUs (Ray counts CPUs in "
+                         f"steps of 0.0001): use fewer actors")
+    return share
 
 
 def embed_dataset(ds: ray.data.Dataset, source: Any, *, concurrency: int = 1, batch_size: int = 16,

@@ -147,9 +147,11 @@ def _pick_device(args: argparse.Namespace, rank: int, world: int) -> str | None:
     return device
 
 
-def _load(args: argparse.Namespace, device: str | None, progress: Progress, dtype=None, attn: str | None = None):
+def _load(args: argparse.Namespace, device: str | None, progress: Progress, dtype=None, attn: str | None = None,
+          linear_kernel: str | dict = "auto"):
     """The encoder, and the checkpoint folder it came from (None for random weights); says what it does.
-    ``dtype`` and ``attn`` default to the options (the Ray driver loads on its CPU in the actors' dtype)."""
+    ``dtype`` and ``attn`` default to the options (the Ray driver loads on its CPU in the actors' dtype);
+    ``linear_kernel`` is load_encoder's (a resumed run's recorded kernels: its very bits)."""
     from ..attention import resolve_attn_impl
     from ..devices import resolve_device, resolve_dtype
     from ..encoder import load_encoder
@@ -163,7 +165,7 @@ def _load(args: argparse.Namespace, device: str | None, progress: Progress, dtyp
     if args.random_weights:
         progress.note(f"building {args.model} with random weights on {where}")
         encoder = load_encoder(args.model, device=device, dtype=dtype, random_weights=True,
-                               compile=args.compile, attn_impl=attn)
+                               compile=args.compile, attn_impl=attn, linear_kernel=linear_kernel)
         folder = None
     else:
         if looks_like_repo_id(args.model):
@@ -173,7 +175,8 @@ def _load(args: argparse.Namespace, device: str | None, progress: Progress, dtyp
         shards, size = _vision_shards(resolved)
         progress.note(f"reading {shards} shard{'s' if shards != 1 else ''} with the vision tensors "
                       f"({_size(size)}) from {resolved} onto {where}")
-        encoder = load_encoder(resolved, device=device, dtype=dtype, compile=args.compile, attn_impl=attn)
+        encoder = load_encoder(resolved, device=device, dtype=dtype, compile=args.compile, attn_impl=attn,
+                               linear_kernel=linear_kernel)
         folder = str(resolved.absolute())
     progress.note(f"loaded the {encoder.family} tower ({str(encoder.dtype).removeprefix('torch.')}) in "
                   f"{time.perf_counter() - start:.1f} s")
@@ -259,17 +262,22 @@ class EmbedJob:
         if not self.inputs.paths:
             raise EmbedError(f"no inputs: {', '.join(args.inputs)} hold no image or video files (by extension: "
                              f"{' '.join(sorted(MEDIA_EXTENSIONS))}) and list no paths")
+        # A resumed run's CPU kernel choices (cpu_linear), so that its tensors are bitwise one run's.
+        kernels = (recorded or {}).get("linear_kernels") or "auto"
         if getattr(args, "engine", "local") == "ray":
             from .ray_engine import RayPlan, driver_load_options
 
             # Ray is up before the model loads (the plan needs the cluster's CPUs and GPUs); nothing is written.
             self.ray = RayPlan.start(args, self.world, (recorded or {}).get("threads"), self.progress)
             self.threads = self.ray.threads
-            self.encoder, folder = _load(args, "cpu", self.progress, **driver_load_options(args))
+            torch.set_num_threads(self.threads)  # the kernels are chosen at the actors' thread count
+            self.encoder, folder = _load(args, "cpu", self.progress, **driver_load_options(args, self.ray.device),
+                                         linear_kernel=kernels)
         else:
             self.threads = args.threads or (recorded or {}).get("threads") or torch.get_num_threads()
             torch.set_num_threads(self.threads)
-            self.encoder, folder = _load(args, _pick_device(args, self.rank, self.world), self.progress)
+            self.encoder, folder = _load(args, _pick_device(args, self.rank, self.world), self.progress,
+                                         linear_kernel=kernels)
         self.folder = folder
         if args.fps is not None:
             self.encoder.video_config = dataclasses.replace(self.encoder.video_config, fps=args.fps)
@@ -278,6 +286,8 @@ class EmbedJob:
 
             self.layout = layout_for(self.encoder, args.pooled_only)
         now = describe_run(self.encoder, args, folder, self.world, self.threads)
+        if self.ray is not None and self.ray.device != "cpu":
+            now["linear_kernels"] = None  # the driver's CPU choices; the actors' GPUs have none
         note = crossed_bounds_note(args, self.encoder.preprocess_config)
         if note is not None and self.rank == 0:  # what the stored tensors are: printed even with --quiet
             print(f"embed: note: {note}", file=sys.stderr, flush=True)
@@ -286,10 +296,22 @@ class EmbedJob:
             self.run, self.fresh = recorded, False
             # A run file from before a field existed: it now records this invocation's value, so that later
             # resumes are held to it (an old run that goes on to embed videos keeps one video setting).
-            self.filled = [key for key in RUN_FIELD_DEFAULTS if recorded.get(key) is None]
+            self.filled = [key for key in RUN_FIELD_DEFAULTS if recorded.get(key) is None and now.get(key) is not None]
             self.run.update({key: now[key] for key in self.filled})
         else:
             self.run = now
+
+    def adopt_run(self) -> None:
+        """After ``_Group.share``: run as the run records (rank 0's choices under torchrun, where the other ranks'
+        own could differ): its torch threads and its CPU linear kernels, so that every rank's tensors are bitwise
+        one run's."""
+        if self.ray is not None:
+            return  # the actors take both from the run (ray_engine)
+        torch.set_num_threads(self.run["threads"])
+        kernels, model = self.run.get("linear_kernels"), self.encoder.model
+        if kernels and model.linear_kernels and kernels != model.linear_kernels:
+            model.unpack_linear_weights_()
+            model.pack_linear_weights_(kernels)
 
     def undo_setup(self) -> None:
         """Nothing was written: remove the lock file and the folders setup created."""
@@ -322,6 +344,11 @@ class EmbedJob:
             writer.recover()
         return writer
 
+    def finish_recovery(self, writer) -> None:
+        """A resume's writes that must wait until every rank has read the folder (``ParquetRankWriter``)."""
+        if not self.fresh and hasattr(writer, "finish_recovery"):
+            writer.finish_recovery()
+
     def encode(self, writer) -> None:
         if getattr(self.args, "engine", "local") == "ray":
             from .ray_engine import encode_on_ray
@@ -333,6 +360,12 @@ class EmbedJob:
         todo = [p for p in mine if self.inputs.keys[p] not in writer.done]
         known_bad = [_Failed(p, self.inputs.errors[p]) for p in todo if p in self.inputs.errors]
         todo = [p for p in todo if p not in self.inputs.errors]
+        if self.layout is not None:  # a name Parquet cannot store as it is: an error row, not a failed batch
+            from .parquet_writer import unstorable
+
+            bad = {p: unstorable(p, self.inputs.keys[p]) for p in todo}
+            known_bad += [_Failed(p, why) for p, why in bad.items() if why is not None]
+            todo = [p for p in todo if bad[p] is None]
         progress = self.progress
         progress.begin(len(todo) + len(known_bad))
         with self.encoder:
@@ -386,6 +419,7 @@ def run_embed(args: argparse.Namespace) -> int:
         try:
             group.agree(error)  # every rank holds its lock and passed the checks; nothing written yet
             job.run = group.share(job.run)  # rank 0's run id tags every rank's shards
+            job.adopt_run()  # rank 0's threads and kernels on every rank
         except BaseException:
             job.undo_setup()
             raise
@@ -395,7 +429,14 @@ def run_embed(args: argparse.Namespace) -> int:
             writer = job.start_writing()
         except OSError as e:
             error = output_fault(e, job.out)
-        group.agree(error)  # run.json is on disk (and parts recovered) before any rank adds a shard
+        group.agree(error)  # run.json is on disk (and every rank has read the folder) before anything is rewritten
+        try:
+            job.finish_recovery(writer)
+        except OSError as e:
+            error = output_fault(e, job.out)
+        except QwenVLVisionError as e:  # a damaged shard, named
+            error = e
+        group.agree(error)  # parts recovered before any rank adds a shard
         try:
             job.encode(writer)
         except OSError as e:

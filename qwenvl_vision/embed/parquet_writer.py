@@ -5,23 +5,30 @@ per input (ok rows with their tensors, error rows with why), run.json in its sch
 The shards are the manifest: a shard is written to a temporary file, fsynced and renamed into place
 (``parquet.write_table_atomic``), so a run killed at any instant (even SIGKILL) leaves whole shards, each row an
 input recorded exactly once, and at worst one temporary file. ``recover`` (``--resume``) deletes this rank's
-temporary files, takes every ok row of the folder (any rank's) as done, and rewrites each of this rank's shards
-that hold error rows without them (atomically; a shard left with none is removed), so that the retried inputs are
-recorded once: never an input twice, never one lost. A shard that cannot be read (a hand edit, a bad disk) is
-refused naming it, never dropped silently. Shard numbers are never reused.
+temporary files and takes every ok row of the folder (any rank's) as done, reading only the shards' footers and
+realpath / status columns; then, once every rank has read (a barrier under torchrun), ``finish_recovery``
+rewrites each of this rank's shards that hold error rows without them (atomically; a shard left with none is
+removed), so that the retried inputs are recorded once: never an input twice, never one lost. A shard that
+cannot be read (a hand edit, a bad disk) is refused naming it, never dropped silently. Shard numbers are never
+reused.
+
+Names: Parquet stores text as UTF-8, which a file name of other bytes is not. ``unstorable`` makes such an input
+an error row (its name stored escaped, ``parquet.text``) instead of failing the batch: an escaped spelling is
+not an identity a resume could skip an input by. ``--format safetensors`` (JSON escapes them) embeds them.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ..errors import ManifestError
 from ..parquet import (
     ParquetLayout,
+    needs_escape,
+    read_parquet_index,
     read_parquet_table,
     record_from_result,
     results_table,
@@ -29,7 +36,7 @@ from ..parquet import (
     write_table_atomic,
 )
 from .inputs import real_key
-from .manifest import PARQUET_SHARD_NAME
+from .manifest import PARQUET_SHARD_NAME, RUN_FILE
 
 
 def parquet_shards(out: Path, rank: int | None = None) -> list[Path]:
@@ -62,30 +69,48 @@ class ParquetRankWriter:
         self.next_shard = 0
         self.recorded = 0  # inputs recorded (ok or error) by this process
         self.failed = 0
+        self.to_rewrite: list[Path] = []  # this rank's shards holding error rows (recover -> finish_recovery)
 
-    def _read(self, shard: Path) -> pa.Table:
-        table, layout, run = read_parquet_table(shard)  # ManifestError naming the shard (and row) if damaged
+    def _check(self, shard: Path, layout: ParquetLayout, run: dict) -> None:
         if run.get("run_id") != self.run["run_id"] or layout != self.layout:
-            raise ManifestError(f"{shard}: written by another run or with another layout than {self.out / 'run.json'}"
+            raise ManifestError(f"{shard}: written by another run or with another layout than {self.out / RUN_FILE}"
                                 f" (move it away; --resume then redoes its inputs)")
-        return table
 
     def recover(self) -> None:
-        for tmp in self.out.glob(f".shard-r{self.rank}-*.tmp"):  # a write the kill interrupted
-            tmp.unlink()
+        """Resume, first step (reads only): delete this rank's temporary files (rank 0: run.json's too), take
+        every ok row of the folder (any rank's) as done, and note which of this rank's shards hold error rows.
+        Only the footer and the realpath / status columns of a shard are read. Under torchrun every rank reads
+        every rank's shards, so no rank rewrites its own before all have read (``finish_recovery``, after a
+        barrier): a shard another rank is rewriting or removing is never read half-way or missed."""
+        patterns = [f".shard-r{self.rank}-*.tmp"]  # a write the kill interrupted
+        if self.rank == 0:
+            patterns.append(f"{RUN_FILE}.{self.run['run_id']}.tmp")  # run.json being rewritten (filled fields)
+        for pattern in patterns:
+            for tmp in self.out.glob(pattern):
+                tmp.unlink()
         own = parquet_shards(self.out, self.rank)
         for shard in parquet_shards(self.out):
-            table = self._read(shard)
-            ok = pc.equal(table.column("status"), "ok")
-            self.done.update(table.filter(ok).column("realpath").to_pylist())
-            if shard in own and not pc.all(ok).as_py():
-                kept = table.filter(ok)  # the error rows go: their inputs are retried and recorded once more
-                if kept.num_rows:
-                    write_table_atomic(kept, shard)
-                else:
-                    shard.unlink()
+            realpaths, status, layout, run = read_parquet_index(shard)
+            self._check(shard, layout, run)
+            self.done.update(key for key, state in zip(realpaths, status) if state == "ok")
+            if shard in own and any(state != "ok" for state in status):
+                self.to_rewrite.append(shard)
         numbers = [int(PARQUET_SHARD_NAME.match(s.name).group(2)) for s in own]
         self.next_shard = max(numbers, default=-1) + 1
+
+    def finish_recovery(self) -> None:
+        """Resume, second step: rewrite each of this rank's shards that hold error rows without them (atomically;
+        a shard left with none is removed), so that the retried inputs are recorded once. Each is read and
+        checked whole (``read_parquet_table``) first."""
+        for shard in self.to_rewrite:
+            table, layout, run = read_parquet_table(shard)  # ManifestError naming the shard (and row) if damaged
+            self._check(shard, layout, run)
+            kept = table.filter(pc.equal(table.column("status"), "ok"))  # error rows go: their inputs are retried
+            if kept.num_rows:
+                write_table_atomic(kept, shard)
+            else:
+                shard.unlink()
+        self.to_rewrite = []
 
     def write_records(self, records: list) -> tuple[int, int]:
         """One shard of ``parquet.EmbeddingRecord``s, renamed into place whole."""
@@ -103,6 +128,14 @@ class ParquetRankWriter:
         """``RankWriter.write_batch``'s interface: results with a ``path`` (ok ones with their tensors)."""
         del pooled_only  # the layout says which tensor columns there are
         return self.write_records([record_from_result(r, r.path, real_key(r.path)) for r in results])
+
+
+def unstorable(path: str, key: str) -> str | None:
+    """Why an input cannot be an ok row of a Parquet shard (its name is not valid UTF-8), or None."""
+    if not (needs_escape(path) or needs_escape(key)):
+        return None
+    return (f"file name {path!r} is not valid UTF-8, which Parquet's text columns need: rename the file, "
+            f"or use --format safetensors")
 
 
 def layout_for(encoder, pooled_only: bool) -> ParquetLayout:

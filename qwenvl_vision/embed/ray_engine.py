@@ -30,21 +30,53 @@ CPU (else the job hangs). The thread count goes into run.json: CPU results are b
 from __future__ import annotations
 
 import os
+import re
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import EmbedError, OutputFaultError
+from ..errors import ClusterSetupError, EmbedError, OutputFaultError
 
 UDF = None  # the map_batches class (None: qwenvl_vision.ray.Embedder); a test may put a subclass here
 BATCH_ROWS = 16  # rows a map_batches batch (and a shard) holds
 
 
-def driver_load_options(args) -> dict:
-    """How the driver loads the tower for run.json (on its own CPU): in the actors' dtype, any attention."""
+def driver_load_options(args, device: str) -> dict:
+    """How the driver loads the tower for run.json (on its own CPU): in the actors' dtype (on ``device``), any
+    attention."""
     import torch
 
-    cuda = (args.device or "cpu").startswith("cuda")
+    cuda = device.startswith("cuda")
     return {"dtype": args.dtype if args.dtype is not None else (torch.bfloat16 if cuda else None), "attn": "auto"}
+
+
+def local_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask: taskset, cgroup cpusets), not the machine's count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
+def check_attn(args, device: str) -> None:
+    """--attn on the actors' device and dtype, refused before anything is written (else every actor fails to load
+    the tower, and a resume again). Without a GPU here, a CUDA actor's backend is checked as far as the driver can:
+    the fused kernels run in float16/bfloat16 only."""
+    import torch
+
+    from ..attention import resolve_attn_impl
+    from ..devices import resolve_dtype
+    from ..errors import ConfigError
+
+    cuda = device.startswith("cuda")
+    with warnings.catch_warnings():  # fp16's warning comes once, from the driver's load
+        warnings.simplefilter("ignore")
+        dtype = resolve_dtype(args.dtype, torch.device("cuda" if cuda else "cpu"))
+    if not cuda or torch.cuda.is_available():
+        resolve_attn_impl(args.attn, "cuda" if cuda else "cpu", dtype)
+    elif args.attn not in ("auto", "sdpa") and dtype not in (torch.float16, torch.bfloat16):
+        raise ConfigError(f"attn_impl {args.attn!r} is not available: it runs on CUDA in float16/bfloat16 only "
+                          f"(the actors: cuda, {dtype})")
 
 
 @dataclass
@@ -60,6 +92,8 @@ class RayPlan:
 
     @classmethod
     def start(cls, args, world: int, recorded_threads: int | None, progress) -> RayPlan:
+        """Join or start Ray and lay the actors out; a Ray this call started is shut down again if the plan
+        cannot be made (no GPU in the cluster, say)."""
         if world > 1:
             raise EmbedError("--engine ray runs from one driver process, not under torchrun (WORLD_SIZE is set): "
                              "start it once, Ray spreads the work")
@@ -71,31 +105,49 @@ class RayPlan:
             import ray.data
         except ImportError:
             raise EmbedError("--engine ray needs Ray Data: pip install 'ray[data]'") from None
-        from ..ray import actor_cpus
-
         started = not ray.is_initialized()
         if started:
             where = f"joining the Ray cluster at {args.ray_address}" if args.ray_address else \
-                f"starting a local Ray ({os.cpu_count()} CPUs)"
+                f"starting a local Ray ({local_cpus()} CPUs)"
             progress.note(where)
             try:
                 if args.ray_address:
                     ray.init(address=args.ray_address, log_to_driver=not args.quiet, logging_level="warning")
                 else:
-                    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=not args.quiet,
+                    ray.init(num_cpus=local_cpus(), include_dashboard=False, log_to_driver=not args.quiet,
                              logging_level="warning")
             except (ConnectionError, RuntimeError, ValueError) as e:
                 raise EmbedError(f"--engine ray: cannot {where.split(' (')[0]}: "
                                  f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        try:
+            return cls._plan(args, started, recorded_threads)
+        except BaseException:
+            if started:
+                ray.shutdown()
+            raise
+
+    @classmethod
+    def _plan(cls, args, started: bool, recorded_threads: int | None) -> RayPlan:
+        import ray
+        import ray.data
+
+        from ..ray import actor_cpus
+
         context = ray.data.DataContext.get_current()
         context.enable_progress_bars = False  # embed's own progress says it
         context.print_on_execution_start = False
         resources = ray.cluster_resources()
         cpus, gpus = int(resources.get("CPU", 1)), int(resources.get("GPU", 0))
-        device = args.device or "cpu"
+        # No --device: cuda where the cluster has GPUs, as the local engine takes cuda where there is one (random
+        # weights stay on the CPU: the actors' GPUs would draw other weights than the driver hashes).
+        device = args.device or ("cuda" if gpus and not args.random_weights else "cpu")
+        check_attn(args, device)
         if device.startswith("cuda"):
             if gpus < 1:
                 raise EmbedError("--device cuda: the Ray cluster has no GPU (ray.cluster_resources() lists none)")
+            if args.ray_actors and args.ray_actors > gpus:
+                raise EmbedError(f"--ray-actors {args.ray_actors}: the Ray cluster has {gpus} GPU"
+                                 f"{'s' if gpus != 1 else ''} and each actor takes one (the rest would wait forever)")
             actors = args.ray_actors or gpus
             threads = args.threads or recorded_threads or max(1, (cpus - 1) // actors)
             return cls(started, "cuda", actors, threads, actor_cpus(actors, threads), 1.0)
@@ -112,17 +164,23 @@ class RayPlan:
 
 
 def encode_on_ray(job, writer) -> None:
-    """Encode the job's inputs still to do on its RayPlan's actors, each block back a shard by `writer`."""
+    """Encode the job's inputs still to do on its RayPlan's actors, each block back a shard by `writer`.
+
+    Errors: an OSError of the writer goes up as it is (the job makes it an output fault, exit 3); a failure of
+    the pipeline itself (an actor that cannot load the tower, Ray's timeouts, a lost node) is one line:
+    ``ClusterSetupError`` (exit 2) when an actor failed with one of this package's errors (another checkpoint, a
+    model folder missing on a node: it would fail again), else ``OutputFaultError`` (exit 3, ``--resume``)."""
     import ray
 
     from ..parquet import EmbeddingRecord
     from ..ray import embed_dataset, records_from_batch
+    from .parquet_writer import unstorable
 
     args, plan, progress = job.args, job.ray, job.progress
     todo = [p for p in job.inputs.paths if job.inputs.keys[p] not in writer.done]
-    known_bad = [EmbeddingRecord(p, job.inputs.keys[p], "error", job.inputs.errors[p])
-                 for p in todo if p in job.inputs.errors]
-    todo = [p for p in todo if p not in job.inputs.errors]
+    errors = {p: job.inputs.errors.get(p) or unstorable(p, job.inputs.keys[p]) for p in todo}
+    known_bad = [EmbeddingRecord(p, job.inputs.keys[p], "error", errors[p]) for p in todo if errors[p]]
+    todo = [p for p in todo if not errors[p]]
     progress.begin(len(todo) + len(known_bad))
     writer.write_records(known_bad)
     progress.update(len(known_bad), 0)
@@ -139,24 +197,64 @@ def encode_on_ray(job, writer) -> None:
         max_input_pixels=args.max_input_pixels, decode_bytes=args.decode_mib << 20,
         num_workers=max(1, min(4, plan.threads)), threads=plan.threads, weights_sha256=job.run["weights_sha256"],
         device=plan.device, dtype=job.run["dtype"], attn_impl=args.attn, compile=args.compile)
+    if plan.device == "cpu" and job.run.get("linear_kernels"):
+        options["linear_kernel"] = job.run["linear_kernels"]  # the run's kernels: its very bits on every actor
     if args.random_weights:
         options["random_weights"] = True
-    source = job.folder or args.model
+    source = actor_source(job, options)
     extra = {"udf": UDF} if UDF is not None else {}
     ds = embed_dataset(ray.data.from_items(items, override_num_blocks=blocks), source, concurrency=actors,
                        batch_size=BATCH_ROWS, num_cpus=plan.actor_cpus, num_gpus=plan.actor_gpus or None,
                        **extra, **options)
-    try:
-        for batch in ds.iter_batches(batch_format="numpy", batch_size=None):
-            records = records_from_batch(batch, path_column="given")
-            for r in records:  # the actors saw absolute paths; messages name the input as given
-                if r.error and absolute[r.path] != r.path:
-                    r.error = r.error.replace(repr(absolute[r.path]), repr(r.path))
-            writer.write_records(records)
-            progress.update(len(records), sum(r.tokens or 0 for r in records))
-    except ray.exceptions.RayError as e:
-        why = (str(e).strip().splitlines() or [type(e).__name__])[-1][:300]
-        # Exit 3 as for an output fault: the run stopped, every shard written is whole, --resume finishes it.
-        raise OutputFaultError(f"--engine ray: the pipeline failed ({type(e).__name__}: {why}); what was written is "
-                               f"kept: run the same command with --resume") from None
+    batches = ds.iter_batches(batch_format="numpy", batch_size=None)
+    while True:
+        try:
+            batch = next(batches, None)
+        except Exception as e:  # noqa: BLE001 - Ray's own errors, an actor's, ExecutionTimeoutError: one line each
+            raise pipeline_error(e) from None
+        if batch is None:
+            break
+        records = records_from_batch(batch, path_column="given")
+        for r in records:  # the actors saw absolute paths; messages name the input as given
+            if r.error and absolute[r.path] != r.path:
+                r.error = r.error.replace(repr(absolute[r.path]), repr(r.path))
+        writer.write_records(records)  # an OSError here is the output's (exit 3 by the job)
+        progress.update(len(records), sum(r.tokens or 0 for r in records))
     progress.close()
+
+
+def actor_source(job, options: dict) -> str:
+    """What the actors load: the driver's checkpoint folder on a Ray this process started (this machine), else,
+    for a checkpoint from the Hub, its repo id pinned to the run's revision (another machine has no such folder,
+    or another snapshot in its cache), with --local-files-only passed on."""
+    args = job.args
+    if job.folder is None:
+        return args.model
+    if job.ray.started:
+        return job.folder
+    from ..hub import looks_like_repo_id
+
+    if looks_like_repo_id(args.model):
+        options["revision"] = job.run.get("revision") or args.revision
+        options["local_files_only"] = bool(args.local_files_only)
+        return args.model
+    return job.folder  # a local folder: every node must see it at this path
+
+
+# What an actor's constructor raises the package's way (load_encoder's errors, the weights-hash check), as Ray's
+# message quotes it (the exception Ray raises is its own, wrapping the actor's traceback).
+_SETUP_ERRORS = re.compile(r"\b(ConfigError|CheckpointError): (.+)")
+
+
+def pipeline_error(e: BaseException) -> EmbedError:
+    """The one-line error for a failed pipeline (see ``encode_on_ray``)."""
+    text = str(e)
+    own = list(_SETUP_ERRORS.finditer(text))
+    if own:  # an actor's constructor failed the package's way: the same would happen on every try
+        name, why = own[-1].group(1), own[-1].group(2).strip()[:300]
+        return ClusterSetupError(f"--engine ray: an actor could not start ({name}: {why}); fix that, then run the "
+                                 f"same command with --resume (what was written is kept)")
+    why = (text.strip().splitlines() or [type(e).__name__])[-1][:300]
+    # Exit 3 as for an output fault: the run stopped, every shard written is whole, --resume finishes it.
+    return OutputFaultError(f"--engine ray: the pipeline failed ({type(e).__name__}: {why}); what was written is "
+                            f"kept: run the same command with --resume")

@@ -1,6 +1,6 @@
 """The run file, ``run.json``: what an embed run's tensors depend on (model config and weights hashes, dtype,
-pixel bounds, resize backend, video settings, pooling, world size, file format, engine, torch threads) and which
-run it is (``run_id``).
+pixel bounds, resize backend, video settings, pooling, world size, file format, engine, torch threads, the CPU
+linear kernels chosen) and which run it is (``run_id``).
 
 ``describe_run`` writes it for an invocation, ``compare_runs`` refuses a ``--resume`` with other settings,
 ``pixel_bounds`` says which image bounds the run's images are sized with. Reading it back is
@@ -105,6 +105,8 @@ def describe_run(encoder, args: argparse.Namespace, folder: str | None, world: i
         "file_format": getattr(args, "format", None) or "safetensors",
         "engine": getattr(args, "engine", None) or "local",
         "threads": threads if threads is not None else torch.get_num_threads(),
+        # The CPU kernel of each linear layer as loaded (None off the CPU or compiled): not compared, reused.
+        "linear_kernels": dict(encoder.model.linear_kernels) or None,
         "cwd": os.getcwd(),
     }
 
