@@ -262,3 +262,55 @@ def test_debug_shows_the_traceback(tmp_path, checkpoint, capsys):
         assert main([*argv, str(tmp_path), "--model", str(checkpoint), "--out", str(out)]) == 2
         err = capsys.readouterr().err
         assert "Traceback" in err and err.strip().splitlines()[-1].startswith("qwenvl-vision embed: error:")
+
+
+def test_a_resume_and_every_rank_use_the_run_s_cpu_linear_kernels(tmp_path, checkpoint, monkeypatch):
+    """The CPU kernel of each linear layer is chosen by timing, per process, and the bits differ between kernels:
+    run.json records the first run's choices, a resume (whose own timing would choose otherwise) loads with them,
+    and a rank adopts rank 0's (``adopt_run``, with its thread count)."""
+    from qwenvl_vision import cpu_linear
+    from qwenvl_vision.embed.job import EmbedJob
+
+    if not cpu_linear.onednn_linear_available():
+        pytest.skip("this torch has no oneDNN linear")
+    make_folder(tmp_path / "imgs", 2, bad=False)
+    out = tmp_path / "out"
+    args = ["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(out), "--quiet",
+            "--format", "parquet"]
+
+    def timing_says(kernel):
+        monkeypatch.setattr(cpu_linear, "DECISIONS", {})
+        monkeypatch.setattr(cpu_linear, "choose_kernel", lambda weight, packed=None: kernel)
+
+    timing_says("onednn")
+    assert main(args) == 0
+    kernels = read_run(out)["linear_kernels"]
+    assert kernels and set(kernels.values()) == {"onednn"}
+    make_folder(tmp_path / "more", 1, bad=False)
+    timing_says("addmm")
+    loaded = []
+    real_load = load_encoder
+
+    def spy(*a, **k):
+        encoder = real_load(*a, **k)
+        loaded.append(dict(encoder.model.linear_kernels))
+        return encoder
+
+    monkeypatch.setattr("qwenvl_vision.encoder.load_encoder", spy)
+    assert main([*args[:2], str(tmp_path / "more"), *args[2:], "--resume"]) == 0
+    assert loaded == [kernels] and read_run(out)["linear_kernels"] == kernels
+    got = dict(read_embeddings(out))
+    with real_load(checkpoint, device="cpu", linear_kernel="onednn") as encoder:
+        want = encoder.encode_images(sorted(got))
+    assert all(torch.equal(got[p], e) for p, e in zip(sorted(got), want.embeddings))
+
+    threads = torch.get_num_threads()
+    job = EmbedJob.__new__(EmbedJob)
+    job.ray, job.run = None, {"threads": 1, "linear_kernels": kernels}
+    job.encoder = real_load(checkpoint, device="cpu", linear_kernel="addmm")  # this rank's own choice
+    try:
+        job.adopt_run()
+        assert job.encoder.model.linear_kernels == kernels and torch.get_num_threads() == 1
+    finally:
+        job.encoder.close()
+        torch.set_num_threads(threads)

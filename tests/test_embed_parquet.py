@@ -154,3 +154,72 @@ def test_two_ranks_under_torchrun_write_parquet_shards_each_input_once(tmp_path,
     assert {p.name.split("-")[1] for p in out.glob("shard-*.parquet")} == {"r0", "r1"}
     assert not list(out.glob("manifest*.jsonl"))
     assert read_run(out)["world_size"] == 2
+
+
+def test_a_file_name_that_is_not_utf8_is_an_error_row_and_the_batch_is_kept(tmp_path, checkpoint, capsys):
+    """pyarrow cannot store b'caf\\xe9.jpg' (Python's 'caf\\udce9.jpg') as a string: that input is an error row
+    under an escaped name, the other rows of its batch are ok, and a resume records it once again (no traceback,
+    nothing lost). The safetensors format embeds it (JSON escapes it)."""
+    import os
+
+    folder = tmp_path / "imgs"
+    make_image_folder(folder, 3, bad=False)
+    odd = os.fsdecode(os.fsencode(str(folder)) + b"/caf\xe9.jpg")
+    Image.fromarray(synthetic_photo(40, 48, 7)).save(odd, format="JPEG")
+    out = tmp_path / "out"
+    args = ["embed", str(folder), "--model", str(checkpoint), "--out", str(out), "--quiet", "--format", "parquet"]
+    assert main(args) == 1
+    assert "Traceback" not in capsys.readouterr().err
+    for _ in range(2):
+        rows = assert_each_parquet_input_once(out, 4)
+        by_status = {r["status"]: r for r in rows if "caf" in r["path"]}
+        assert list(by_status) == ["error"] and by_status["error"]["path"].endswith("caf\\udce9.jpg")
+        assert "not valid UTF-8" in by_status["error"]["error"]
+        assert sum(r["status"] == "ok" for r in rows) == 3
+        assert main([*args, "--resume"]) == 1
+    twin = tmp_path / "st"
+    assert main(["embed", str(folder), "--model", str(checkpoint), "--out", str(twin), "--quiet"]) == 0
+    assert odd in dict(read_embeddings(twin))
+
+
+def test_resume_removes_planted_temporary_files_and_reads_no_tensors_of_finished_shards(tmp_path, checkpoint,
+                                                                                       monkeypatch):
+    """A temporary shard and a run.json being rewritten, as a kill leaves them, are removed by the resume; shards
+    of only ok rows are read by their footer and realpath / status columns, never whole."""
+    from qwenvl_vision.embed import parquet_writer
+
+    make_image_folder(tmp_path / "imgs", 3, bad=False)
+    out = tmp_path / "out"
+    args = ["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(out), "--quiet", "--format",
+            "parquet"]
+    assert main(args) == 0
+    run_id = read_run(out)["run_id"]
+    (out / ".shard-r0-000001.parquet.0123abcd.tmp").write_bytes(b"half a shard")
+    (out / f"run.json.{run_id}.tmp").write_text("{")
+    whole = []
+    monkeypatch.setattr(parquet_writer, "read_parquet_table",
+                        lambda path: whole.append(path) or pytest.fail(f"{path} read whole"))
+    assert main([*args, "--resume"]) == 0
+    assert whole == []
+    assert_each_parquet_input_once(out, 3)
+
+
+def test_recover_only_reads_and_rewrites_after_every_rank_has_read(tmp_path, checkpoint):
+    """Under torchrun every rank reads every rank's shards: ``recover`` changes nothing in the folder (another
+    rank may be reading it), ``finish_recovery`` (after the barrier) drops this rank's error rows."""
+    from qwenvl_vision.embed.parquet_writer import ParquetRankWriter, parquet_shards
+    from qwenvl_vision.parquet import ParquetLayout
+
+    make_image_folder(tmp_path / "imgs", 2)  # 2 images and 3 bad files
+    out = tmp_path / "out"
+    assert main(["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(out), "--quiet",
+                 "--format", "parquet", "--batch-tokens", "1"]) == 1
+    run = read_run(out)
+    layout = ParquetLayout(**json.loads(pq.read_schema(parquet_shards(out)[0]).metadata[b"qwenvl_vision"])["layout"])
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    writer = ParquetRankWriter(out, 0, {k: v for k, v in run.items()}, layout)
+    writer.recover()
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert len(writer.done) == 2 and writer.to_rewrite
+    writer.finish_recovery()
+    assert [r["status"] for r in parquet_rows(out)] == ["ok", "ok"]

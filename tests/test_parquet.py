@@ -241,3 +241,42 @@ def test_an_unreadable_file_and_odd_folders_are_refused(tmp_path, shard, fp32):
     other.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     with pytest.raises(ManifestError, match=r"z.parquet: not a readable Parquet file"):
         list(read_parquet_records(shard.parent))
+
+
+def test_text_columns_store_a_non_utf8_name_escaped(tmp_path, fp32):
+    """A surrogate-escaped file name ('caf\\udce9.jpg', Python's b'caf\\xe9.jpg') and an error naming it: plain
+    pa.array refuses them (UnicodeEncodeError); the layout stores their backslash escapes, valid text unchanged."""
+    _, layout = fp32
+    odd = "/data/caf\udce9.jpg"
+    with pytest.raises(UnicodeEncodeError):
+        pa.array([odd], pa.string())
+    records = [EmbeddingRecord(odd, odd, "error", f"image {odd}: not a recognised image file"),
+               EmbeddingRecord("/data/né.jpg", "/data/né.jpg", "error", "gone")]
+    path = write_table_atomic(results_table(records, layout, RUN), tmp_path / shard_name(0, 0))
+    rows = pq.read_table(path).to_pylist()
+    assert [r["path"] for r in rows] == ["/data/caf\\udce9.jpg", "/data/né.jpg"]
+    assert rows[0]["realpath"] == "/data/caf\\udce9.jpg" and "caf\\udce9.jpg" in rows[0]["error"]
+    assert qparquet.text("plain é") == "plain é" and qparquet.needs_escape(odd) and not qparquet.needs_escape("é")
+
+
+def test_the_index_reads_realpaths_and_statuses_and_shards_of_one_run_may_fill_a_field(tmp_path, fp32):
+    """read_parquet_index gives what a resume needs without the tensors; a later shard of the same run whose
+    record fills a field the first lacked (a resume on an older run file) reads as one run, another run id not."""
+    records, layout = fp32
+    first = write_table_atomic(results_table(records, layout, RUN), tmp_path / shard_name(0, 0))
+    realpaths, statuses, got_layout, run = qparquet.read_parquet_index(first)
+    assert statuses == [r.status for r in records] and realpaths == [r.realpath for r in records]
+    assert (got_layout, run) == (layout, RUN)
+    write_table_atomic(results_table(records[:1], layout, {**RUN, "linear_kernels": {"a": "addmm"}}),
+                       tmp_path / shard_name(0, 1))
+    assert len(list(read_parquet_records(tmp_path))) == len(records) + 1
+    write_table_atomic(results_table(records[:1], layout, {**RUN, "run_id": "r2"}), tmp_path / shard_name(0, 2))
+    with pytest.raises(ManifestError, match="run record differs"):
+        list(read_parquet_records(tmp_path))
+    with pytest.raises(ManifestError, match="not a readable Parquet file"):
+        qparquet.read_parquet_index(_write(tmp_path / "junk.parquet", b"not parquet"))
+
+
+def _write(path: Path, data: bytes) -> Path:
+    path.write_bytes(data)
+    return path

@@ -5,6 +5,7 @@ Ray; Ray's rows into the Parquet layout; ``import qwenvl_vision`` loads neither 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -123,8 +124,9 @@ def _tensor(row: dict, name: str) -> np.ndarray:
     return np.asarray(cell)
 
 
-def test_bytes_column_decodes_as_the_files_do(embedder, encoder, media):
+def test_bytes_column_decodes_as_the_files_do(embedder, encoder, media, tmp_path, monkeypatch):
     """Encoded bytes give the very tensors their file gives; bad bytes are error rows naming no temporary file."""
+    monkeypatch.setattr(embedder, "spool_dir", str(tmp_path))
     data = [Path(p).read_bytes() for p in media["good"]]
     bad = [Path(media["bad"][0]).read_bytes(), b"", b"plain text, not an image\n" * 5]
     items, is_good = interleave(data, bad)
@@ -139,7 +141,42 @@ def test_bytes_column_decodes_as_the_files_do(embedder, encoder, media):
     assert errors[1] == "image bytes: empty (0 bytes)"
     assert errors[2] == "image bytes: not a recognised image file (corrupt, or not an image)"
     assert errors[3] == "image bytes: expected bytes, got NoneType"
-    assert not list(Path(embedder._spool_folder()).iterdir()), "spooled bytes left behind"
+    assert not list(tmp_path.iterdir()), "spooled bytes left behind"
+
+
+def test_a_failed_spool_write_leaves_no_file_and_a_dead_actors_spool_goes(embedder, media, tmp_path, monkeypatch):
+    """An OSError while the bytes are spooled (a full /tmp) leaves nothing behind; the spool folder of an actor
+    that was killed (its process gone) is removed by the next Embedder on the host, a live one's kept."""
+    import builtins
+    import socket
+
+    from qwenvl_vision import ray as qv_ray
+
+    monkeypatch.setattr(embedder, "spool_dir", str(tmp_path))
+    writes = []
+
+    def full_disk(path, mode="r", *args, **kwargs):
+        if "w" in mode and str(path).startswith(str(tmp_path)):
+            writes.append(path)
+            if len(writes) == 2:
+                raise OSError(28, "No space left on device")
+        return builtins.open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(qv_ray, "open", full_disk, raising=False)
+    data = [Path(p).read_bytes() for p in media["good"]]
+    with pytest.raises(OSError, match="No space left"):
+        embedder({"bytes": np.array(data, dtype=object)})
+    assert len(writes) == 2 and not list(tmp_path.iterdir())
+    monkeypatch.undo()
+
+    gone = int(Path("/proc/sys/kernel/pid_max").read_text())  # never a process's id (ids stay below it)
+    host = socket.gethostname()
+    dead, alive = tmp_path / f"qwenvl-ray-{host}-{gone}-x1", tmp_path / f"qwenvl-ray-{host}-{os.getpid()}-x2"
+    for folder in (dead, alive):
+        folder.mkdir()
+        (folder / "000000").write_bytes(b"spooled")
+    qv_ray._remove_dead_spools(str(tmp_path))
+    assert sorted(tmp_path.iterdir()) == [alive]
 
 
 def test_image_column_and_pooled(checkpoint3, encoder):

@@ -130,3 +130,66 @@ def test_the_readme_map_batches_example_runs_as_written(tmp_path):
     done = subprocess.run([sys.executable, "-c", code + check], cwd=tmp_path, env=embed_helpers.ENV,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+class Reports(qv_ray.Embedder):
+    """Writes what its actor runs with (torch threads, the linear kernels) next to the first input it sees."""
+
+    def __call__(self, batch):
+        import json
+
+        first = Path(batch["path"][0])
+        report = first.parent / f"actor-{os.getpid()}.json"
+        report.write_text(json.dumps({"threads": torch.get_num_threads(),
+                                      "kernels": self.encoder.model.linear_kernels}))
+        return super().__call__(batch)
+
+
+def test_actors_run_at_the_run_threads_and_kernels_bitwise_another_process(tmp_path, local_ray, checkpoint,
+                                                                         monkeypatch):
+    """At --threads 2 (Ray's own default is 1) and with the driver's timing made to pick oneDNN everywhere (the
+    actors' own would not), every actor runs 2 threads and the run's kernels, and its tensors are bitwise
+    encode_images in this process under the same threads and kernels."""
+    import json
+
+    from qwenvl_vision import cpu_linear
+
+    if not cpu_linear.onednn_linear_available():
+        pytest.skip("this torch has no oneDNN linear")
+    paths = make_image_folder(tmp_path / "imgs", 3, bad=False)
+    monkeypatch.setattr(cpu_linear, "DECISIONS", {})
+    monkeypatch.setattr(cpu_linear, "choose_kernel", lambda weight, packed=None: "onednn")
+    monkeypatch.setattr(ray_engine, "UDF", Reports)
+    out = tmp_path / "out"
+    assert main(["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(out), "--engine", "ray",
+                 "--threads", "2", "--quiet"]) == 0
+    run = read_run(out)
+    assert run["threads"] == 2 and set(run["linear_kernels"].values()) == {"onednn"}
+    reports = [json.loads(p.read_text()) for p in (tmp_path / "imgs").rglob("actor-*.json")]
+    assert reports and all(r == {"threads": 2, "kernels": run["linear_kernels"]} for r in reports), reports
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with load_encoder(checkpoint, device="cpu", linear_kernel=run["linear_kernels"]) as encoder:
+            want = encoder.encode_images([str(p) for p in paths])
+    finally:
+        torch.set_num_threads(threads)
+    got = dict(read_embeddings(out))
+    assert all(torch.equal(got[str(p)], e) for p, e in zip(paths, want.embeddings))
+
+
+class CannotStart(qv_ray.Embedder):
+    """An actor whose tower is not the run's: the constructor's check fails, as on a node with another checkpoint."""
+
+    def __init__(self, source, **options):
+        options["weights_sha256"] = "0" * 64
+        super().__init__(source, **options)
+
+
+def test_an_actor_that_cannot_start_is_one_line_exit_2(tmp_path, local_ray, checkpoint, monkeypatch, capsys):
+    make_image_folder(tmp_path / "imgs", 2, bad=False)
+    monkeypatch.setattr(ray_engine, "UDF", CannotStart)
+    assert main(["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(tmp_path / "out"),
+                 "--engine", "ray", "--quiet"]) == 2
+    embed_helpers.one_error_line(capsys.readouterr().err, "an actor could not start (CheckpointError:",
+                                 "hashes to", "--resume")
