@@ -85,8 +85,9 @@ class Embedder:
     - ``path``: image and video files, as ``embed`` takes them (a video extension makes it a video, sampled at
       ``fps``; ``min_pixels`` / ``max_pixels`` bound the images only);
     - ``bytes``: encoded image files (``read_binary_files``, img2dataset); decoded exactly as the same file
-      on disk would be (they are written to a private spool folder and read as files, so every check and
-      message is the file path's, with ``image bytes`` for the name);
+      on disk would be (they are written to a spool folder made for the call and read as files, so every
+      check and message is the file path's, with ``image bytes`` for the name; the folder is removed when the
+      call ends, and one a killed actor left by the next Embedder on its host: ``spool_dir``, default /tmp);
     - ``image``: HxWxC (or HxW) uint8 arrays (``read_images``), as ``encode_images`` takes arrays.
 
     Encode options: ``min_pixels``, ``max_pixels``, ``resize``, ``pooled`` (a mean vector instead of the tokens,

@@ -20,11 +20,17 @@ its record would be a second truth next to the shards. Here the shards are the o
 or is done again, so a driver killed at any instant resumes with every input exactly once. An actor that dies
 mid-batch is restarted by Ray and the batch retried (Ray Data's defaults); its rows come back once.
 
-CPUs and GPUs (``RayPlan``): with ``--device cuda``, one actor per GPU of the cluster (``num_gpus=1``); on CPU,
+CPUs and GPUs (``RayPlan``): without ``--device``, cuda where the cluster has GPUs (as the local engine), else the
+CPU. With cuda, one actor per GPU of the cluster (``num_gpus=1``, never more actors than GPUs); on CPU,
 ``--ray-actors`` actors (default: the cluster's CPUs / threads) of ``--threads`` torch threads (default: the
 cluster's CPUs / 4, at least 1), their CPU shares cut (``ray.actor_cpus``) so that the read tasks always get a
-CPU (else the job hangs). The thread count goes into run.json: CPU results are bitwise those of
-``encode_images`` under ``torch.set_num_threads(threads)`` (a resume keeps the recorded count).
+CPU and the shares fit the cluster (else the job hangs). A local Ray gets this process's CPUs (its affinity).
+The thread count and the driver's CPU linear kernels go into run.json and every actor runs with them: CPU results
+are bitwise those of ``encode_images`` under ``torch.set_num_threads(threads)`` on a tower loaded with
+``linear_kernel=run["linear_kernels"]`` (a resume keeps both).
+
+Sources: on a Ray this process started, the actors load the driver's checkpoint folder; on a joined cluster, a
+Hub checkpoint by its repo id at the run's revision (another node has no such folder), a local folder as is.
 """
 
 from __future__ import annotations
@@ -131,8 +137,6 @@ class RayPlan:
         import ray
         import ray.data
 
-        from ..ray import actor_cpus
-
         context = ray.data.DataContext.get_current()
         context.enable_progress_bars = False  # embed's own progress says it
         context.print_on_execution_start = False
@@ -150,10 +154,10 @@ class RayPlan:
                                  f"{'s' if gpus != 1 else ''} and each actor takes one (the rest would wait forever)")
             actors = args.ray_actors or gpus
             threads = args.threads or recorded_threads or max(1, (cpus - 1) // actors)
-            return cls(started, "cuda", actors, threads, actor_cpus(actors, threads), 1.0)
+            return cls(started, "cuda", actors, threads, _shares(actors, threads), 1.0)
         threads = args.threads or recorded_threads or max(1, cpus // 4)
         actors = args.ray_actors or max(1, cpus // threads)
-        return cls(started, "cpu", actors, threads, actor_cpus(actors, threads), 0.0)
+        return cls(started, "cpu", actors, threads, _shares(actors, threads), 0.0)
 
     def stop(self) -> None:
         if self.started:
@@ -161,6 +165,15 @@ class RayPlan:
 
             ray.shutdown()
             self.started = False
+
+
+def _shares(actors: int, threads: int) -> float:
+    from ..ray import actor_cpus
+
+    try:
+        return actor_cpus(actors, threads)
+    except ValueError as e:
+        raise EmbedError(f"--ray-actors {actors}: {e}") from None
 
 
 def encode_on_ray(job, writer) -> None:
