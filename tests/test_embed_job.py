@@ -270,6 +270,7 @@ def test_a_resume_and_every_rank_use_the_run_s_cpu_linear_kernels(tmp_path, chec
     and a rank adopts rank 0's (``adopt_run``, with its thread count)."""
     from qwenvl_vision import cpu_linear
     from qwenvl_vision.embed.job import EmbedJob
+    from qwenvl_vision.encoder import VisionEncoder
 
     if not cpu_linear.onednn_linear_available():
         pytest.skip("this torch has no oneDNN linear")
@@ -288,17 +289,16 @@ def test_a_resume_and_every_rank_use_the_run_s_cpu_linear_kernels(tmp_path, chec
     assert kernels and set(kernels.values()) == {"onednn"}
     make_folder(tmp_path / "more", 1, bad=False)
     timing_says("addmm")
-    loaded = []
-    real_load = load_encoder
+    used = []
+    real_load, iter_encode = load_encoder, VisionEncoder.iter_encode
 
-    def spy(*a, **k):
-        encoder = real_load(*a, **k)
-        loaded.append(dict(encoder.model.linear_kernels))
-        return encoder
+    def spy(self, *a, **k):
+        used.append(dict(self.model.linear_kernels))
+        return iter_encode(self, *a, **k)
 
-    monkeypatch.setattr("qwenvl_vision.encoder.load_encoder", spy)
+    monkeypatch.setattr(VisionEncoder, "iter_encode", spy)
     assert main([*args[:2], str(tmp_path / "more"), *args[2:], "--resume"]) == 0
-    assert loaded == [kernels] and read_run(out)["linear_kernels"] == kernels
+    assert used == [kernels] and read_run(out)["linear_kernels"] == kernels
     got = dict(read_embeddings(out))
     with real_load(checkpoint, device="cpu", linear_kernel="onednn") as encoder:
         want = encoder.encode_images(sorted(got))

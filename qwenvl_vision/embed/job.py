@@ -262,8 +262,10 @@ class EmbedJob:
         if not self.inputs.paths:
             raise EmbedError(f"no inputs: {', '.join(args.inputs)} hold no image or video files (by extension: "
                              f"{' '.join(sorted(MEDIA_EXTENSIONS))}) and list no paths")
-        # A resumed run's CPU kernel choices (cpu_linear), so that its tensors are bitwise one run's.
-        kernels = (recorded or {}).get("linear_kernels") or "auto"
+        # A resumed run's CPU kernel choices (cpu_linear), so that its tensors are bitwise one run's: applied once
+        # its settings are checked (another model's would not fit); until then no timing, no packing.
+        recorded_kernels = (recorded or {}).get("linear_kernels")
+        kernels = "addmm" if recorded_kernels else "auto"
         if getattr(args, "engine", "local") == "ray":
             from .ray_engine import RayPlan, driver_load_options
 
@@ -293,6 +295,8 @@ class EmbedJob:
             print(f"embed: note: {note}", file=sys.stderr, flush=True)
         if recorded is not None:
             compare_runs(recorded, now, out)
+            if recorded_kernels:
+                self._use_kernels(recorded_kernels)
             self.run, self.fresh = recorded, False
             # A run file from before a field existed: it now records this invocation's value, so that later
             # resumes are held to it (an old run that goes on to embed videos keeps one video setting).
@@ -308,10 +312,16 @@ class EmbedJob:
         if self.ray is not None:
             return  # the actors take both from the run (ray_engine)
         torch.set_num_threads(self.run["threads"])
-        kernels, model = self.run.get("linear_kernels"), self.encoder.model
-        if kernels and model.linear_kernels and kernels != model.linear_kernels:
-            model.unpack_linear_weights_()
-            model.pack_linear_weights_(kernels)
+        if self.run.get("linear_kernels"):
+            self._use_kernels(self.run["linear_kernels"])
+
+    def _use_kernels(self, kernels: dict[str, str]) -> None:
+        """The run's CPU linear kernels on this process's tower (on the CPU, uncompiled: else there are none)."""
+        model = self.encoder.model
+        if model.device.type != "cpu" or model.compiled or kernels == model.linear_kernels:
+            return
+        model.unpack_linear_weights_()
+        model.pack_linear_weights_(kernels)
 
     def undo_setup(self) -> None:
         """Nothing was written: remove the lock file and the folders setup created."""
