@@ -219,12 +219,12 @@ def encode_on_ray(job, writer) -> None:
     ds = embed_dataset(ray.data.from_items(items, override_num_blocks=blocks), source, concurrency=actors,
                        batch_size=BATCH_ROWS, num_cpus=plan.actor_cpus, num_gpus=plan.actor_gpus or None,
                        **extra, **options)
-    batches = ds.iter_batches(batch_format="numpy", batch_size=None)
+    batches = iter(ds.iter_batches(batch_format="numpy", batch_size=None))
     while True:
         try:
             batch = next(batches, None)
         except Exception as e:  # noqa: BLE001 - Ray's own errors, an actor's, ExecutionTimeoutError: one line each
-            raise pipeline_error(e) from None
+            raise pipeline_error(e) from e  # --debug shows the cause
         if batch is None:
             break
         records = records_from_batch(batch, path_column="given")
