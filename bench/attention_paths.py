@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
 import torch.nn.functional as F
+
+from qwenvl_vision.cpu_linear import best_seconds
 
 SIZES = (  # (name, segments, tokens per segment, heads, head dim)
     ("qwen2.5 windows", 64, 64, 16, 80),
@@ -28,15 +29,6 @@ SIZES = (  # (name, segments, tokens per segment, heads, head dim)
     ("qwen3 frame 1024", 4, 1024, 16, 72),
 )
 
-
-def best_seconds(fn, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def plain(q, k, v, scale, scores_fp32: bool = False):

@@ -8,15 +8,15 @@ weight laid out as a Linear holds it, and oneDNN's prepacked linear (``qwenvl_vi
 torch has it; best of a few runs, output preallocated, the same weight every run, so it may stay in cache: an
 optimistic rate. Each shape counts at the faster kernel's time, so the bound is the machine's limit, not one
 library's. Attention is timed alone as the SDPA calls our attention plan makes (``attention.sdpa_attention`` on
-random q/k/v with the forward's segments: PyTorch's SDPA kernel alone, batched as we batch it; it is the fastest
-exact path at every real size measured, see ``bench.attention_paths``). The bound is the sum; ``bench.throughput``
-reports each forward as a fraction of it.
+random q/k/v with the forward's segments: PyTorch's SDPA kernel alone, batched as we batch it; at the towers' real
+sizes it is the fastest path as exact as the reference's, but for bf16 64-token windows, where a plain GEMM
+attention with fp32 scores is ~1.1x faster, about 1% of a forward: see ``bench.attention_paths``). The bound is the
+sum; ``bench.throughput`` reports each forward as a fraction of it.
 """
 
 from __future__ import annotations
 
 import argparse
-import time
 from collections import Counter
 
 import torch
@@ -24,7 +24,7 @@ import torch
 from bench.workloads import add_workload_arguments, workload
 from qwenvl_vision.attention import sdpa_attention
 from qwenvl_vision.config import VisionConfig
-from qwenvl_vision.cpu_linear import onednn_linear_available, pack_weight, packed_linear
+from qwenvl_vision.cpu_linear import best_seconds, onednn_linear_available, pack_weight, packed_linear
 from qwenvl_vision.models import build_model
 
 Shape = tuple[int, int, int]  # (m, k, n): an (m, k) x (k, n) product
@@ -45,15 +45,6 @@ def gemm_shapes(cfg: VisionConfig, grids: list[tuple[int, int, int]]) -> Counter
     return shapes
 
 
-def _best_time(fn, repeats: int) -> float:
-    fn()  # warm-up: first-call allocations and kernel selection
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
-
 
 def gemm_seconds(shapes: Counter[Shape], dtype: torch.dtype, device: torch.device, repeats: int = 3
                  ) -> tuple[float, dict[str, dict[str, float]]]:
@@ -64,10 +55,10 @@ def gemm_seconds(shapes: Counter[Shape], dtype: torch.dtype, device: torch.devic
         # The weight as a Linear holds it, (n, k), used transposed: the layout the tower's products read.
         a, weight = torch.randn(m, k, device=device).to(dtype), torch.randn(n, k, device=device).to(dtype)
         out = torch.empty(m, n, device=device, dtype=dtype)
-        seconds = {"mm": _best_time(lambda a=a, w=weight, out=out: torch.mm(a, w.t(), out=out), repeats)}
+        seconds = {"mm": best_seconds(lambda a=a, w=weight, out=out: torch.mm(a, w.t(), out=out), repeats)}
         if packs:
             packed, bias = pack_weight(weight, m), torch.zeros(n, dtype=dtype)
-            seconds["onednn"] = _best_time(lambda a=a, p=packed, b=bias, out=out: packed_linear(a, p, b, out),
+            seconds["onednn"] = best_seconds(lambda a=a, p=packed, b=bias, out=out: packed_linear(a, p, b, out),
                                            repeats)
         rates[f"{m}x{k}x{n}"] = {kernel: round(2 * m * k * n / s / 1e9, 1) for kernel, s in seconds.items()}
         total += count * min(seconds.values())
@@ -86,7 +77,7 @@ def attention_seconds(cfg: VisionConfig, grids: list[tuple[int, int, int]], dtyp
     for segments in [s for s in (plan.frames, plan.windows) if s is not None]:
         blocks = sum(1 for i in range(cfg.depth) if (segments is plan.frames) == (i in cfg.full_attention_blocks))
         if blocks:
-            seconds = _best_time(lambda s=segments: sdpa_attention(q, k, v, s, hd**-0.5, out=out), repeats)
+            seconds = best_seconds(lambda s=segments: sdpa_attention(q, k, v, s, hd**-0.5, out=out), repeats)
             total += blocks * seconds
     return total
 

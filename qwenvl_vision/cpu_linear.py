@@ -81,7 +81,8 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return out
 
 
-def _best_seconds(fn, repeats: int) -> float:
+def best_seconds(fn, repeats: int) -> float:
+    """The best of ``repeats`` timed calls after one untimed warm-up (the benchmarks time kernels the same way)."""
     fn()  # warm-up: first-call dispatch and the kernel's own setup
     best = float("inf")
     for _ in range(repeats):
@@ -101,8 +102,8 @@ def measure_kernels(weight: torch.Tensor, packed: torch.Tensor | None = None, *,
     bias = torch.zeros(out_features, dtype=weight.dtype)
     out = torch.empty(rows, out_features, dtype=weight.dtype)
     packed = pack_weight(weight, rows) if packed is None else packed
-    return {"addmm": _best_seconds(lambda: torch.addmm(bias, x, weight.t(), out=out), repeats),
-            "onednn": _best_seconds(lambda: packed_linear(x, packed, bias, out), repeats)}
+    return {"addmm": best_seconds(lambda: torch.addmm(bias, x, weight.t(), out=out), repeats),
+            "onednn": best_seconds(lambda: packed_linear(x, packed, bias, out), repeats)}
 
 
 def choose_kernel(weight: torch.Tensor, packed: torch.Tensor | None = None) -> str:
