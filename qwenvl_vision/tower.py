@@ -24,7 +24,7 @@ from torch import nn
 from .attention import ATTN_IMPLS, BACKENDS, SegmentPlan, resolve_attn_impl
 from .cache import ShapeCache
 from .config import VisionConfig
-from .cpu_linear import PackableLinear, check_policy
+from .cpu_linear import PackableLinear, check_policy, return_freed_memory
 from .errors import ConfigError, InputError
 from .layers import AttentionInputs, Block, PatchEmbed, PatchMerger, Workspace
 from .names import to_module_names_
@@ -290,9 +290,12 @@ class VisionTower(nn.Module):
             names = {name for name, _ in layers}
             raise ConfigError(f"linear_kernel is not this tower's: it lacks {sorted(names - set(policy))[:3]} and "
                               f"names {sorted(set(policy) - names)[:3]}")
-        self.linear_kernels = {
-            name: layer.pack_("addmm" if self.compiled else policy[name] if isinstance(policy, dict) else policy)
-            for name, layer in layers}
+        self.linear_kernels = {}
+        for name, layer in layers:
+            kernel = layer.pack_("addmm" if self.compiled else policy[name] if isinstance(policy, dict) else policy)
+            self.linear_kernels[name] = kernel
+            if kernel == "onednn":
+                return_freed_memory()  # the plain weight just freed: the peak stays one layer above the tower
         return self.linear_kernels
 
     def unpack_linear_weights_(self) -> None:
