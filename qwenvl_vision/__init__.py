@@ -2,7 +2,7 @@
 
 from .cache import ShapeCache
 from .config import PRESETS, VisionConfig, from_config_json, preset, resolve_config
-from .embed import read_embeddings, read_run
+from .embed import read_embeddings, read_encoded, read_run
 from .encoder import EncodeResult, VisionEncoder, load_encoder
 from .errors import (
     CheckpointError,
@@ -31,6 +31,7 @@ __all__ = [
     "PreprocessError",
     "QwenVLVisionError",
     "read_embeddings",
+    "read_encoded",
     "read_run",
     "ConfigError",
     "EmbedError",

@@ -96,3 +96,30 @@ def test_reading_an_output_needs_neither_the_writer_nor_the_lock(tmp_path, check
     assert counts.split() == ["2", "5", str(RUN_FORMAT)]
     assert loaded.split() == ["qwenvl_vision.embed", "qwenvl_vision.embed.inputs", "qwenvl_vision.embed.manifest",
                               "qwenvl_vision.embed.reader"]
+
+
+@pytest.mark.parametrize("file_format", ["safetensors", "parquet"])
+def test_stored_results_hand_over_like_the_encoder_result(tmp_path, checkpoint3, file_format):
+    """read_encoded gives what encode_images gives the language model: vLLM's layout (DeepStack levels along the
+    features) and transformers' grids, bitwise, for the records asked, in the order asked."""
+    import torch
+
+    from qwenvl_vision import load_encoder, read_encoded
+    from qwenvl_vision.handoff import to_vllm
+
+    make_folder(tmp_path / "imgs", 3, bad=False)
+    out = tmp_path / "out"
+    assert main(["embed", str(tmp_path / "imgs"), "--model", str(checkpoint3), "--out", str(out), "--quiet",
+                 "--format", file_format]) == 0
+    paths = sorted(r["path"] for r in records(out)) if file_format == "safetensors" else None
+    stored = read_encoded(out, paths[::-1] if paths else None)
+    asked = paths[::-1] if paths else [p for p, _ in read_embeddings(out)]
+    expected = load_encoder(checkpoint3, device="cpu").encode_images(asked)
+    ours, theirs = to_vllm(stored)["image"], expected.to_vllm()["image"]
+    assert stored.family == "qwen3_vl" and len(stored.embeddings) == 3
+    assert torch.equal(ours["image_grid_thw"], theirs["image_grid_thw"])
+    assert torch.equal(ours["image_embeds"], theirs["image_embeds"])
+    with pytest.raises(ManifestError, match="no ok record"):
+        read_encoded(out, ["nowhere.jpg"])
+    with pytest.raises(ManifestError, match="a video"):
+        read_encoded(out, asked[:1], modality="video")

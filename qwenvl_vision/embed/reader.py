@@ -154,3 +154,53 @@ def _parquet_embeddings(out: Path, deepstack: bool) -> Iterator[tuple[str, objec
         else:
             tensor, levels = record.embedding, record.deepstack
         yield record.path, ((tensor, levels) if deepstack else tensor)
+
+
+def stored_records(out: str | os.PathLike) -> Iterator[tuple[str, list[int], bool]]:
+    """(path, grid_thw, is_video) of every input recorded ok, in the order ``read_embeddings`` yields them."""
+    out = Path(out)
+    if _is_parquet(out):
+        from ..parquet import read_parquet_records
+
+        if _parquet_shards(out):
+            for record in read_parquet_records(out):
+                if record.ok:
+                    yield record.path, [int(v) for v in record.grid_thw], record.video is not None
+        return
+    for r in read_manifest_lines(out / MANIFEST):
+        if r["status"] == "ok":
+            yield r["path"], r["grid_thw"], r.get("video") is not None
+
+
+def read_encoded(out: str | os.PathLike, paths: list[str] | None = None, *, modality: str | None = None):
+    """Stored results as the language model takes them: a ``handoff.EncodedItems`` of the ok records of ``paths``
+    (as recorded, in that order; None: every ok record of the modality), with their grids, DeepStack levels and
+    the run's family, for ``handoff.to_transformers`` / ``to_vllm``, the same as ``EncodeResult`` converts.
+
+    ``modality``: "image" or "video"; None takes the records' own when they agree. A prompt's images and its
+    videos are two calls. A ``--pooled-only`` run has no tokens to hand over: a ManifestError.
+    """
+    from ..handoff import EncodedItems
+
+    run = read_run(out)
+    if run.get("pooled"):
+        raise ManifestError(f"{out} is a --pooled-only run: it stores one vector per input, not the tokens a "
+                            f"language model takes")
+    found = {path: (grid, video) for path, grid, video in stored_records(out)}
+    wanted = list(found) if paths is None else list(paths)
+    missing = [p for p in wanted if p not in found]
+    if missing:
+        raise ManifestError(f"{out} has no ok record for {missing[0]!r}" + (f" (and {len(missing) - 1} more)"
+                                                                            if len(missing) > 1 else ""))
+    kinds = {"video" if found[p][1] else "image" for p in wanted}
+    if modality is None and len(kinds) > 1:
+        raise ManifestError("these records are images and videos: pass modality='image' or 'video' (a prompt's "
+                            "images and its videos are handed over separately)")
+    modality = modality or (kinds.pop() if kinds else "image")
+    if paths is None:
+        wanted = [p for p in wanted if ("video" if found[p][1] else "image") == modality]
+    elif {"video" if found[p][1] else "image" for p in wanted} - {modality}:
+        raise ManifestError(f"not every one of these records is a {modality}")
+    tensors = {path: value for path, value in read_embeddings(out, deepstack=True) if path in set(wanted)}
+    return EncodedItems([tensors[p][0] for p in wanted], [found[p][0] for p in wanted],
+                        [tensors[p][1] for p in wanted], modality, run["family"])
