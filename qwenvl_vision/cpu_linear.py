@@ -163,9 +163,11 @@ class PackableLinear(nn.Linear):
 
     def pack_(self, policy: str = "auto") -> str:
         """Pack the weight where the policy picks oneDNN for this shape on this machine; returns the kernel."""
+        if self.weight.is_mkldnn:
+            if policy != "addmm":
+                return "onednn"
+            self.unpack_()  # asked for addmm (a recorded choice): plain again
         weight = self.weight
-        if weight.is_mkldnn:
-            return "onednn"
         runs_here = (weight.device.type == "cpu" and weight.dtype in MARGIN and onednn_linear_available()
                      and not weight.requires_grad)  # a trainable weight stays plain: the packed kernel has no grad
         if not runs_here or policy == "addmm":

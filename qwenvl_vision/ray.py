@@ -263,14 +263,14 @@ SPOOL_PREFIX = "qwenvl-ray-"
 
 def _spool_prefix() -> str:
     """A spool folder's name: this host and process, so that a later actor can tell a dead one's leftovers."""
-    return f"{SPOOL_PREFIX}{socket.gethostname()}-{os.getpid()}-"
+    return f"{SPOOL_PREFIX}{socket.gethostname()}@{os.getpid()}-"  # '@' cannot be in a host name: no other host's
 
 
 def _remove_dead_spools(spool_dir: str | None) -> None:
     """Remove the spool folders of this host's processes that are gone (an actor killed mid-batch: SIGKILL, the
     OOM killer, runs no cleanup)."""
     parent = spool_dir or tempfile.gettempdir()
-    mine = re.compile(rf"^{re.escape(SPOOL_PREFIX + socket.gethostname())}-(\d+)-")
+    mine = re.compile(rf"^{re.escape(SPOOL_PREFIX + socket.gethostname())}@(\d+)-")
     try:
         names = os.listdir(parent)
     except OSError:

@@ -258,3 +258,12 @@ def test_compiling_unpacks_first():
     model.pack_linear_weights_("onednn")
     model.compile_blocks(backend="eager")
     assert packed_count(model) == 0
+
+
+def test_a_recorded_choice_replaces_the_packing_a_tower_has():
+    model = build_model(QWEN2_5_SMALL)
+    model.pack_linear_weights_("onednn")
+    recorded = dict.fromkeys(model.linear_kernels, "addmm")
+    assert model.pack_linear_weights_(recorded) == recorded and packed_count(model) == 0
+    with pytest.raises(ConfigError, match="not this tower's"):
+        model.pack_linear_weights_({"blocks.0.attn.qkv": "addmm"})

@@ -123,3 +123,5 @@ def test_stored_results_hand_over_like_the_encoder_result(tmp_path, checkpoint3,
         read_encoded(out, ["nowhere.jpg"])
     with pytest.raises(ManifestError, match="a video"):
         read_encoded(out, asked[:1], modality="video")
+    with pytest.raises(ManifestError, match="modality 'images'"):
+        read_encoded(out, modality="images")

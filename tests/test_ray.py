@@ -171,7 +171,7 @@ def test_a_failed_spool_write_leaves_no_file_and_a_dead_actors_spool_goes(embedd
 
     gone = int(Path("/proc/sys/kernel/pid_max").read_text())  # never a process's id (ids stay below it)
     host = socket.gethostname()
-    dead, alive = tmp_path / f"qwenvl-ray-{host}-{gone}-x1", tmp_path / f"qwenvl-ray-{host}-{os.getpid()}-x2"
+    dead, alive = tmp_path / f"qwenvl-ray-{host}@{gone}-x1", tmp_path / f"qwenvl-ray-{host}@{os.getpid()}-x2"
     for folder in (dead, alive):
         folder.mkdir()
         (folder / "000000").write_bytes(b"spooled")

@@ -429,7 +429,11 @@ def run_embed(args: argparse.Namespace) -> int:
         try:
             group.agree(error)  # every rank holds its lock and passed the checks; nothing written yet
             job.run = group.share(job.run)  # rank 0's run id tags every rank's shards
-            job.adopt_run()  # rank 0's threads and kernels on every rank
+            try:
+                job.adopt_run()  # rank 0's threads and kernels on every rank
+            except QwenVLVisionError as e:  # e.g. a recorded kernel this rank's torch lacks: every rank stops
+                error = e
+            group.agree(error)
         except BaseException:
             job.undo_setup()
             raise
@@ -439,6 +443,8 @@ def run_embed(args: argparse.Namespace) -> int:
             writer = job.start_writing()
         except OSError as e:
             error = output_fault(e, job.out)
+        except QwenVLVisionError as e:  # a damaged shard found by recovery: every rank stops, one line each
+            error = e
         group.agree(error)  # run.json is on disk (and every rank has read the folder) before anything is rewritten
         try:
             job.finish_recovery(writer)

@@ -157,17 +157,21 @@ def _parquet_embeddings(out: Path, deepstack: bool) -> Iterator[tuple[str, objec
 
 
 def stored_records(out: str | os.PathLike) -> Iterator[tuple[str, list[int], bool]]:
-    """(path, grid_thw, is_video) of every input recorded ok, in the order ``read_embeddings`` yields them."""
+    """(path, grid_thw, is_video) of every input recorded ok, in the order ``read_embeddings`` yields them (for
+    Parquet from the footers and the small columns only)."""
     out = Path(out)
     if _is_parquet(out):
-        from ..parquet import read_parquet_records
+        from ..parquet import parquet_files, read_parquet_grids
 
-        if _parquet_shards(out):
-            for record in read_parquet_records(out):
-                if record.ok:
-                    yield record.path, [int(v) for v in record.grid_thw], record.video is not None
+        if _parquet_shards(out):  # a run stopped before its first shard has none
+            for path in parquet_files(out):
+                yield from read_parquet_grids(path)
         return
-    for r in read_manifest_lines(out / MANIFEST):
+    manifest = out / MANIFEST
+    if not manifest.exists() and any(out.glob("manifest.rank*.jsonl")):
+        raise ManifestError(f"{out} holds the ranks' manifest parts but no {MANIFEST}: the run stopped before "
+                            f"merging them; embed --resume on the folder finishes and merges it")
+    for r in read_manifest_lines(manifest):
         if r["status"] == "ok":
             yield r["path"], r["grid_thw"], r.get("video") is not None
 
@@ -178,29 +182,38 @@ def read_encoded(out: str | os.PathLike, paths: list[str] | None = None, *, moda
     the run's family, for ``handoff.to_transformers`` / ``to_vllm``, the same as ``EncodeResult`` converts.
 
     ``modality``: "image" or "video"; None takes the records' own when they agree. A prompt's images and its
-    videos are two calls. A ``--pooled-only`` run has no tokens to hand over: a ManifestError.
+    videos are two calls. A ``--pooled-only`` run has no tokens to hand over, and a path recorded twice (two files
+    given under one relative path from two directories) is ambiguous: a ManifestError each.
     """
     from ..handoff import EncodedItems
 
+    if modality not in (None, "image", "video"):
+        raise ManifestError(f"modality {modality!r}: use 'image' or 'video'")
     run = read_run(out)
     if run.get("pooled"):
         raise ManifestError(f"{out} is a --pooled-only run: it stores one vector per input, not the tokens a "
                             f"language model takes")
-    found = {path: (grid, video) for path, grid, video in stored_records(out)}
+    found: dict[str, tuple[list[int], str]] = {}
+    for path, grid, video in stored_records(out):
+        if path in found:
+            raise ManifestError(f"{out} records {path!r} twice (two files under one relative path): ask by realpath "
+                                f"in read_manifest_lines, or pass paths as recorded once")
+        found[path] = (grid, "video" if video else "image")
     wanted = list(found) if paths is None else list(paths)
     missing = [p for p in wanted if p not in found]
     if missing:
-        raise ManifestError(f"{out} has no ok record for {missing[0]!r}" + (f" (and {len(missing) - 1} more)"
-                                                                            if len(missing) > 1 else ""))
-    kinds = {"video" if found[p][1] else "image" for p in wanted}
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ManifestError(f"{out} has no ok record for {missing[0]!r}{more}")
+    kinds = {found[p][1] for p in wanted}
     if modality is None and len(kinds) > 1:
         raise ManifestError("these records are images and videos: pass modality='image' or 'video' (a prompt's "
                             "images and its videos are handed over separately)")
     modality = modality or (kinds.pop() if kinds else "image")
     if paths is None:
-        wanted = [p for p in wanted if ("video" if found[p][1] else "image") == modality]
-    elif {"video" if found[p][1] else "image" for p in wanted} - {modality}:
+        wanted = [p for p in wanted if found[p][1] == modality]
+    elif any(found[p][1] != modality for p in wanted):
         raise ManifestError(f"not every one of these records is a {modality}")
-    tensors = {path: value for path, value in read_embeddings(out, deepstack=True) if path in set(wanted)}
+    keep = set(wanted)
+    tensors = {path: value for path, value in read_embeddings(out, deepstack=True) if path in keep}
     return EncodedItems([tensors[p][0] for p in wanted], [found[p][0] for p in wanted],
                         [tensors[p][1] for p in wanted], modality, run["family"])
