@@ -45,7 +45,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from .durable import fsync_dir
+from .durable import replace_atomically
 from .errors import ManifestError
 
 PARQUET_FORMAT = 1
@@ -252,17 +252,8 @@ def write_table_atomic(table: pa.Table, path: str | os.PathLike, **write_options
     systems would not be atomic), fsynced, renamed into place, then the folder fsynced. An OSError (a full disk,
     a read-only folder) leaves no temporary file behind. ``write_options`` go to ``pyarrow.parquet.write_table``."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            pq.write_table(table, f, **write_options)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
+    replace_atomically(path, path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp"),
+                       lambda f: pq.write_table(table, f, **write_options))
     return path
 
 

@@ -23,7 +23,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
-from ..durable import fsync_dir
+from ..durable import fsync_dir, replace_atomically
 from ..errors import OutputFaultError
 from .inputs import real_key
 from .manifest import MANIFEST, RUN_FILE, SHARD_NAME, parse_manifest, part_name, record_key
@@ -45,17 +45,7 @@ def output_fault(e: OSError, out: Path, recorded: int | None = None) -> OutputFa
 
 def atomic_write_text(path: Path, text: str, tag: str) -> None:
     """Write `path` whole or not at all; the temporary file's name carries `tag` (the run id)."""
-    tmp = path.with_name(f"{path.name}.{tag}.tmp")
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
+    replace_atomically(path, path.with_name(f"{path.name}.{tag}.tmp"), lambda f: f.write(text.encode()))
 
 
 def append_lines(path: Path, records: list[dict]) -> None:
