@@ -6,7 +6,8 @@
 The old package gets the reference tower's weights through its own ``names.to_module_state`` when it has one (trees
 that stack gate/up at load time), else loads the state dict directly (every tree up to 86749f6). Variants: this
 tree as load_encoder sets it up ("ours": on the CPU, oneDNN's prepacked linears where they are faster here), this
-tree with every linear on addmm ("ours-addmm": what a pure restructure must keep), the old tree, transformers.
+tree with every linear on addmm ("ours-addmm": what a pure restructure must keep), the old tree (with this tree's
+kernel choices where it packs linears too), transformers.
 Timing as ``bench.throughput``: interleaved, median after warm-up.
 """
 
@@ -58,6 +59,9 @@ def main(argv: list[str] | None = None) -> dict:
     if hasattr(old_names, "to_module_state"):
         state = old_names.to_module_state(old_model.config, state, list(old_model.state_dict()))
     old_model.load_state_dict(state, strict=True)
+    if hasattr(old_model, "pack_linear_weights_"):  # a tree with packed CPU linears: set up as its load_encoder
+        # does, with this tree's measured choices, so the two differ in code only, not in a timing probe's noise
+        old_model.pack_linear_weights_(dict(variants["ours"].model.linear_kernels))
     variants = {"ours": variants["ours"], "ours-addmm": variants["ours-addmm"],
                 "ours-before": throughput.Variant(throughput.run_ours, old_model),
                 "transformers": variants["transformers"]}

@@ -21,8 +21,10 @@ its weights), and calling it, autograd and autocast included, gives ``F.linear``
 packed layer is not supported: unpack first.
 
 Deviation from ``F.linear``: oneDNN has no ``out=`` form, so a call that must write into the forward's workspace
-runs on row chunks whose fresh outputs stay below glibc's mmap threshold (reused heap memory, no page faults)
-and copies each into place.
+runs on row chunks whose fresh outputs stay in cache and below glibc's mmap threshold (reused heap memory, no
+page faults) and copies each into place; where the forward consumes a result at once (the activation after an MLP's
+first linear, the residual add after the last), it takes the chunks as they come and nothing is copied
+(``layers.linear_chunks``).
 """
 
 from __future__ import annotations
@@ -47,7 +49,9 @@ PROBE_REPEATS = 3
 # between two processes on timing noise (on AMD the gap is 2x; on a CPU where MKL runs at full speed it is a tie,
 # and addmm stays). bf16: the results are bitwise equal (checked on every released tower shape), so any gain counts.
 MARGIN = {torch.float32: 1.25, torch.bfloat16: 1.03}
-CHUNK_BYTES = 16 << 20  # fresh output per oneDNN call when writing into a workspace: under glibc's 32 MiB threshold
+# Fresh output per oneDNN call on row chunks (into a workspace, or consumed at once by an epilogue): small enough to
+# stay in the last-level cache until it is read again (tens of MiB on server CPUs), far under glibc's mmap threshold.
+CHUNK_BYTES = 4 << 20
 # Process-wide memo of measured choices, like cuDNN's benchmark cache: kernel names only (no tensor, no model),
 # one entry per (in, out, dtype, threads) of the towers loaded, so every tower of a process makes the same choice
 # for a shape and two encoders of one process give the same bits. The lock makes concurrent loads measure once.
@@ -84,12 +88,17 @@ def balanced_chunks(rows: int, step: int) -> list[slice]:
     return [slice(start, min(start + size, rows)) for start in range(0, rows, size)]
 
 
+def chunk_rows(rows: int, out_features: int, element_size: int) -> list[slice]:
+    """The row chunks of a (rows, out_features) oneDNN result computed CHUNK_BYTES at a time."""
+    return balanced_chunks(rows, max(1, CHUNK_BYTES // (out_features * element_size)))
+
+
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   out: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` with a packed weight; into ``out`` by row chunks when given (see module docstring)."""
     if out is None:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    for rows in balanced_chunks(x.shape[0], max(1, CHUNK_BYTES // (out.shape[1] * out.element_size()))):
+    for rows in chunk_rows(x.shape[0], out.shape[1], out.element_size()):
         out[rows].copy_(torch.ops.mkldnn._linear_pointwise(x[rows], weight, bias, "none", [], ""))
     return out
 
@@ -197,9 +206,13 @@ class PackableLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear(x)
 
+    def runs_packed(self, x: torch.Tensor) -> bool:
+        """Whether a call on x runs oneDNN's prepacked kernel (a fresh output per call, no ``out=``)."""
+        return self.weight.is_mkldnn and not _needs_dense(self, x)
+
     def linear(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """``F.linear(x, weight, bias)``, into ``out`` when given (the forward's workspace)."""
-        if self.weight.is_mkldnn and not _needs_dense(self, x):
+        if self.runs_packed(x):
             return packed_linear(x, self.weight, self.bias, out)
         weight = self.weight.to_dense() if self.weight.is_mkldnn else self.weight
         if out is None:

@@ -27,7 +27,7 @@ from einops import rearrange
 from torch import nn
 
 from .attention import SegmentPlan
-from .cpu_linear import PackableLinear
+from .cpu_linear import PackableLinear, chunk_rows
 
 # ----------------------------------------------------------------------------- activation buffers
 
@@ -115,18 +115,68 @@ def linear(x: torch.Tensor, layer: PackableLinear) -> torch.Tensor:
     return layer.linear(x, output_buffer(x, x.shape[0], layer.out_features))
 
 
+def in_chunks(x: torch.Tensor, layer: PackableLinear) -> bool:
+    """Whether ``linear_chunks(x, layer)`` hands out fresh row chunks (else one result in the workspace)."""
+    return buffered() and layer.runs_packed(x)
+
+
+def linear_chunks(x: torch.Tensor, layer: PackableLinear) -> Iterator[tuple[slice, torch.Tensor]]:
+    """``layer(x)`` as (rows, those rows of the result) pairs, for a caller that consumes each at once (an
+    activation, a residual add).
+
+    oneDNN's prepacked kernel has no ``out=``: writing its result into the workspace costs a copy of it. Here,
+    when ``in_chunks``, each chunk is a fresh output of ``cpu_linear.CHUNK_BYTES`` (still in cache when the caller
+    reads it) and is never copied; otherwise there is one pair, ``linear(x, layer)``. The same bits either way:
+    each row's result does not depend on the chunking (``cpu_linear``).
+    """
+    if not in_chunks(x, layer):
+        yield slice(None), linear(x, layer)
+        return
+    for rows in chunk_rows(x.shape[0], layer.out_features, x.element_size()):
+        yield rows, layer.linear(x[rows])
+
+
+def add_linear_(residual: torch.Tensor | None, x: torch.Tensor, layer: PackableLinear) -> torch.Tensor:
+    """``residual + layer(x)`` (``layer(x)`` without a residual): in place on the residual, chunk by chunk as the
+    rows come (``linear_chunks``), when the forward's workspace is active, else out of place."""
+    if residual is None:
+        return linear(x, layer)
+    if not buffered():
+        return residual + layer(x)
+    for rows, update in linear_chunks(x, layer):
+        residual[rows].add_(update)
+    return residual
+
+
 # The trailing underscore is torch's mark of an in-place op. These are in place when the forward's workspace is
-# active (x is then a workspace value or the forward's own residual stream), else out of place: under autograd,
+# active (x is then a workspace value, a fresh chunk or the forward's own residual stream), else out of place: under autograd,
 # inside torch.compile and for a module called on its own, where in-place writes would be wrong or unplanned.
 
 
-def residual_(x: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
-    """x + update: in place on x when the forward's workspace is active, else out of place."""
-    return x.add_(update) if buffered() else x + update
+def activated_linear(x: torch.Tensor, layer: PackableLinear, act: str) -> torch.Tensor:
+    """``act(layer(x))``: from each fresh chunk of the rows straight into a workspace buffer, or in place on the
+    one result (``linear_chunks``)."""
+    hidden = output_buffer(x, x.shape[0], layer.out_features) if in_chunks(x, layer) else None
+    for rows, y in linear_chunks(x, layer):
+        activated = activate_(y, act) if hidden is None else activate_into(y, act, hidden[rows])
+    return activated if hidden is None else hidden
 
 
-def multiply_(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """x * y: in place on x when the forward's workspace is active, else out of place."""
+def gated_linear(x: torch.Tensor, layer: PackableLinear, act: str) -> torch.Tensor:
+    """``act(gate) * up`` of ``layer(x) = [gate | up]``: from each fresh chunk of the rows straight into a
+    workspace buffer, or in place on the one result (``linear_chunks``)."""
+    hidden = output_buffer(x, x.shape[0], layer.out_features // 2) if in_chunks(x, layer) else None
+    for rows, gate_up in linear_chunks(x, layer):
+        gate, up = gate_up.chunk(2, dim=-1)
+        gated = multiply_(activate_(gate, act), up, out=None if hidden is None else hidden[rows])
+    return gated if hidden is None else hidden
+
+
+def multiply_(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x * y: into ``out`` when given, else in place on x when the forward's workspace is active, else out of
+    place."""
+    if out is not None:
+        return torch.mul(x, y, out=out)
     return x.mul_(y) if buffered() else x * y
 
 
@@ -186,10 +236,15 @@ def rotate_(q: torch.Tensor, k: torch.Tensor, rope: tuple[torch.Tensor, torch.Te
     cos, sin = rope
     if not buffered():
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    for x in (q, k):
-        for rows, x32, tmp in fp32_chunks(x.shape[0], *x.shape[1:]):
-            x[rows].copy_(apply_rope_(x32.copy_(x[rows]), cos[rows], sin[rows], tmp))
-    return q, k
+    return rotate_into(q, q, cos, sin), rotate_into(k, k, cos, sin)
+
+
+def rotate_into(x: torch.Tensor, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``apply_rope(x, cos, sin)`` written into out (x itself for in place), on row chunks through the active
+    workspace's fp32 scratch: each chunk is read before its rows are written."""
+    for rows, x32, tmp in fp32_chunks(x.shape[0], *x.shape[1:]):
+        out[rows].copy_(apply_rope_(x32.copy_(x[rows]), cos[rows], sin[rows], tmp))
+    return out
 
 
 # ----------------------------------------------------------------------------- activations
@@ -200,21 +255,29 @@ def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
 
 
 
-ACTIVATIONS: dict[str, tuple[Callable, Callable]] = {  # name -> (function, in-place function)
-    "silu": (F.silu, lambda x: F.silu(x, inplace=True)),
-    "swish": (F.silu, lambda x: F.silu(x, inplace=True)),
-    "gelu": (F.gelu, lambda x: torch.ops.aten.gelu_(x)),
+# name -> (function, in-place function, function into out)
+ACTIVATIONS: dict[str, tuple[Callable, Callable, Callable]] = {
+    "silu": (F.silu, lambda x: F.silu(x, inplace=True), lambda x, out: torch.ops.aten.silu.out(x, out=out)),
+    "swish": (F.silu, lambda x: F.silu(x, inplace=True), lambda x, out: torch.ops.aten.silu.out(x, out=out)),
+    "gelu": (F.gelu, lambda x: torch.ops.aten.gelu_(x), lambda x, out: torch.ops.aten.gelu.out(x, out=out)),
     "gelu_pytorch_tanh": (lambda x: F.gelu(x, approximate="tanh"),
-                          lambda x: torch.ops.aten.gelu_(x, approximate="tanh")),
-    # In place but for its sigmoid temporary; chunking it would move the vector kernels' tails (1-ulp changes).
-    "quick_gelu": (_quick_gelu, lambda x: x.mul_(torch.sigmoid(1.702 * x))),
+                          lambda x: torch.ops.aten.gelu_(x, approximate="tanh"),
+                          lambda x, out: torch.ops.aten.gelu.out(x, approximate="tanh", out=out)),
+    # In place but for its sigmoid temporary.
+    "quick_gelu": (_quick_gelu, lambda x: x.mul_(torch.sigmoid(1.702 * x)),
+                   lambda x, out: torch.mul(x, torch.sigmoid(1.702 * x), out=out)),
 }
 
 
 def activate_(x: torch.Tensor, name: str) -> torch.Tensor:
     """The activation `name` on x: in place when the forward's workspace is active, else out of place."""
-    function, in_place = ACTIVATIONS[name]
+    function, in_place, _ = ACTIVATIONS[name]
     return in_place(x) if buffered() else function(x)
+
+
+def activate_into(x: torch.Tensor, name: str, out: torch.Tensor) -> torch.Tensor:
+    """The activation `name` on x, written into ``out`` (the same elementwise kernel as ``activate_``)."""
+    return ACTIVATIONS[name][2](x, out)
 
 
 # ----------------------------------------------------------------------------- modules
@@ -293,11 +356,31 @@ class VisionAttention(nn.Module):
         self.qkv = PackableLinear(dim, 3 * dim, bias=True)
         self.proj = PackableLinear(dim, dim, bias=True)
 
-    def forward(self, x: torch.Tensor, inputs: AttentionInputs) -> torch.Tensor:
-        q, k, v = rearrange(linear(x, self.qkv), "n (qkv h d) -> qkv n h d", qkv=3, h=self.num_heads)
-        q, k = rotate_(q, k, inputs.rope)
+    def forward(self, x: torch.Tensor, inputs: AttentionInputs, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The attention's output for x, added to ``residual`` when given (``add_linear_``)."""
+        q, k, v = self.rotated_qkv(x, inputs.rope)
         attended = inputs.attend(q, k, v, inputs.segments, self.scale, out=output_buffer(q, *q.shape))
-        return linear(attended.flatten(1), self.proj)
+        return add_linear_(residual, attended.flatten(1), self.proj)
+
+
+    def split_heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return rearrange(qkv, "n (qkv h d) -> qkv n h d", qkv=3, h=self.num_heads)
+
+    def rotated_qkv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v (N, H, hd) of x, 2D rope on q and k: when qkv's rows come in fresh chunks, each is rotated (and
+        its v copied) straight into a workspace buffer; else rope runs in place on the one result."""
+        if not in_chunks(x, self.qkv):
+            q, k, v = self.split_heads(linear(x, self.qkv))
+            return (*rotate_(q, k, rope), v)
+        q, k, v = self.split_heads(output_buffer(x, x.shape[0], self.qkv.out_features))
+        cos, sin = rope
+        for rows, qkv in linear_chunks(x, self.qkv):
+            rows_q, rows_k, rows_v = self.split_heads(qkv)
+            rotate_into(rows_q, q[rows], cos[rows], sin[rows])
+            rotate_into(rows_k, k[rows], cos[rows], sin[rows])
+            v[rows].copy_(rows_v)
+        return q, k, v
 
 
 class GatedMLP(nn.Module):
@@ -309,9 +392,9 @@ class GatedMLP(nn.Module):
         self.down_proj = PackableLinear(hidden, dim, bias=True)
         self.act = act
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(x, self.gate_up_proj).chunk(2, dim=-1)
-        return linear(multiply_(activate_(gate, self.act), up), self.down_proj)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The MLP's output for x, added to ``residual`` when given (``add_linear_``)."""
+        return add_linear_(residual, gated_linear(x, self.gate_up_proj, self.act), self.down_proj)
 
 
 class MLP(nn.Module):
@@ -323,8 +406,9 @@ class MLP(nn.Module):
         self.linear_fc2 = PackableLinear(hidden, dim, bias=True)
         self.act = act
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(activate_(linear(x, self.linear_fc1), self.act), self.linear_fc2)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The MLP's output for x, added to ``residual`` when given (``add_linear_``)."""
+        return add_linear_(residual, activated_linear(x, self.linear_fc1, self.act), self.linear_fc2)
 
 
 class Block(nn.Module):
@@ -338,8 +422,8 @@ class Block(nn.Module):
         self.mlp = (GatedMLP if mlp == "gated" else MLP)(dim, mlp_hidden, act)
 
     def forward(self, x: torch.Tensor, attention: AttentionInputs) -> torch.Tensor:
-        x = residual_(x, self.attn(self.norm1(x), attention))
-        return residual_(x, self.mlp(self.norm2(x)))
+        x = self.attn(self.norm1(x), attention, residual=x)
+        return self.mlp(self.norm2(x), residual=x)
 
 
 class PatchMerger(nn.Module):
@@ -360,5 +444,5 @@ class PatchMerger(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (N, D) -> (N/4, out), a fresh tensor (it leaves the forward)."""
         grouped = self.norm(x.view(-1, self.hidden)) if self.norm_after_view else self.norm(x).view(-1, self.hidden)
-        hidden = activate_(linear(grouped, self.linear_fc1), "gelu")
+        hidden = activated_linear(grouped, self.linear_fc1, "gelu")
         return self.linear_fc2(hidden)

@@ -64,8 +64,10 @@ def test_every_activation_a_config_may_name_is_implemented():
 @pytest.mark.parametrize("name", sorted(ACTIVATIONS))
 def test_in_place_activations_are_bitwise_transformers_activations(name):
     x = torch.randn(2 * SCRATCH_ELEMENTS // 33 + 40, 33) * 5  # chunked ones cover every row
-    in_place = ACTIVATIONS[name][1]
+    _, in_place, into = ACTIVATIONS[name]
     assert torch.equal(in_place(x.clone()), ACT2FN[name](x))
+    out = torch.full_like(x, float("nan"))[:, 1:]  # a strided destination: a workspace's rows of a wider buffer
+    assert torch.equal(into(x[:, 1:], out), ACT2FN[name](x[:, 1:]))
 
 
 @pytest.mark.parametrize(("cfg", "grids"), [(QWEN2_5_SMALL, QWEN2_5_GRIDS), (QWEN3_SMALL_72, QWEN3_GRIDS)])
