@@ -149,8 +149,9 @@ def add_linear_(residual: torch.Tensor | None, x: torch.Tensor, layer: PackableL
 
 
 # The trailing underscore is torch's mark of an in-place op. These are in place when the forward's workspace is
-# active (x is then a workspace value, a fresh chunk or the forward's own residual stream), else out of place: under autograd,
-# inside torch.compile and for a module called on its own, where in-place writes would be wrong or unplanned.
+# active (x is then a workspace value, a fresh chunk or the forward's own residual stream), else out of place:
+# under autograd, inside torch.compile and for a module called on its own, where in-place writes would be wrong or
+# unplanned.
 
 
 def activated_linear(x: torch.Tensor, layer: PackableLinear, act: str) -> torch.Tensor:
