@@ -194,10 +194,13 @@ class Timings:
 
 
 def measure(variants: dict[str, Variant], pixel_values: torch.Tensor, grid_thw: torch.Tensor, device: torch.device,
-            warmup: int, repeats: int, failed: dict[str, str] | None = None) -> Timings:
+            warmup: int, repeats: int, failed: dict[str, str] | None = None,
+            each_round: Callable[[], None] | None = None) -> Timings:
     """warmup untimed rounds, then repeats timed rounds; every round runs every variant, order alternating.
     With ``failed`` (a dict), a variant that raises is dropped from the rest of the run and its error recorded
-    there (name -> message), so one broken variant does not lose the others' numbers; without, it propagates."""
+    there (name -> message), so one broken variant does not lose the others' numbers; without, it propagates.
+    ``each_round`` runs after each timed round's variants (``--gemm-bound`` measures the bound there, so that a
+    shared machine's drift between minutes moves the bound and the forwards it is compared with together)."""
     pixel_values = pixel_values.to(device)
     grid_dev = grid_thw.to(device)
     result = Timings({k: [] for k in variants}, dict.fromkeys(variants, 0), {}, {})
@@ -220,6 +223,8 @@ def measure(variants: dict[str, Variant], pixel_values: torch.Tensor, grid_thw: 
             if r >= warmup:
                 result.times[name].append(elapsed)
                 result.peaks[name] = max(result.peaks[name], peak)
+        if r >= warmup and each_round is not None:
+            each_round()
     return result
 
 
@@ -370,18 +375,30 @@ def main(argv: list[str] | None = None) -> dict:
                                        addmm_variant=args.addmm)
     for name, reason in skipped.items():
         print(f"{name}: skipped ({reason})", file=sys.stderr)
-    timings = measure(variants, pixel_values, grid_thw, device, args.warmup, args.repeats)
+    bounds: list[dict] = []
+    grids = [tuple(g) for g in grid_thw.tolist()]
+    each_round = (lambda: bounds.append(gemm_bound(cfg, grids, dtype, device))) if args.gemm_bound else None
+    timings = measure(variants, pixel_values, grid_thw, device, args.warmup, args.repeats, each_round=each_round)
     peak = peak_rate(device, dtype) if device.type == "cuda" else None
     result = summarize(cfg, args.preset, args.inputs, grid_thw, items, device, dtype, timings, peak, skipped)
-    if args.gemm_bound:
-        result["gemm_bound"] = gemm_bound(cfg, result["grids"], dtype, device)
-        for entry in result["variants"].values():
-            entry["fraction_of_bound"] = result["gemm_bound"]["bound_s"] / entry["median_s"]
+    if bounds:
+        add_bound(result, bounds, timings)
     print_table(result)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=2))
     return result
+
+
+def add_bound(result: dict, bounds: list[dict], timings: Timings) -> None:
+    """The bound of the median round, each round's bound, and each variant's fraction of the bound: the median
+    over rounds of that round's bound over that round's forward (numbers measured minutes apart on a shared
+    machine are not compared)."""
+    by_time = sorted(bounds, key=lambda bound: bound["bound_s"])
+    result["gemm_bound"] = dict(by_time[len(by_time) // 2], rounds_s=[round(b["bound_s"], 3) for b in bounds])
+    for name, entry in result["variants"].items():
+        entry["fraction_of_bound"] = statistics.median(
+            bound["bound_s"] / seconds for bound, seconds in zip(bounds, timings.times[name], strict=True))
 
 
 def print_table(result: dict) -> None:
@@ -406,8 +423,10 @@ def print_table(result: dict) -> None:
     if "gemm_bound" in result:
         bound = result["gemm_bound"]
         print_rates(bound)
+        rounds = ", ".join(f"{s:.2f}" for s in bound["rounds_s"])
         print(f"GEMM bound {bound['bound_s']:.2f} s (GEMMs {bound['gemm_s']:.2f} s at {bound['gemm_gflops_per_s']} "
-              f"GFLOP/s, the best kernel per shape, alone; attention {bound['attention_s']:.2f} s as SDPA alone): "
+              f"GFLOP/s, the best kernel per shape, alone; attention {bound['attention_s']:.2f} s as SDPA alone; "
+              f"measured after each round: {rounds} s). Bound / forward, median over rounds: "
               + ", ".join(f"{name} {v['fraction_of_bound']:.0%}" for name, v in result["variants"].items()))
     for name, v in result["variants"].items():
         for ref, speedup in v.get("speedup_vs", {}).items():
