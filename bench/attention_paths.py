@@ -1,14 +1,18 @@
-"""Which exact attention path is fastest at each real size: SDPA against a plain batched GEMM with an fp32 softmax.
+"""Which exact attention path is fastest at each real size: SDPA, two fp32 GEMMs per head, or a plain batched GEMM.
 
     python -m bench.attention_paths                # both dtypes, the towers' window and frame sizes
     python -m bench.attention_paths --repeats 5 --json attention.json
 
 Sizes are the towers' own: Qwen2.5-VL's 8x8-patch windows (64 tokens, 16 heads of 80) as many as a few photos
 make, its full-attention frames (1,024 and 3,740 tokens), Qwen3-VL's frames (784 and 1,024 tokens, 16 heads of 72)
-and Qwen2-VL's (1,024 tokens, heads of 80). Each path runs on the same q/k/v batch (segments of one length, as our
-attention plan batches them); the error of each is against float64 SDPA. "plain" is matmul -> softmax in fp32 ->
-matmul (scores in the input dtype, probabilities cast back); "plain-fp32" computes the scores in fp32 too. The
-tower uses SDPA wherever it is the fastest of these within the tolerances.
+and Qwen2-VL's (1,024 tokens, heads of 80), plus 256, 512 and 2,048 tokens around the ends of the range where the
+tower takes the GEMM path. Each path runs on the same q/k/v batch (segments of one length, as our attention plan
+batches them); the error of each is against float64 SDPA. "sdpa" is PyTorch's kernel; "gemm-heads" is the
+tower's CPU path for ``attention.GEMM_ATTENTION_LENGTHS`` (``attention.gemm_batched``: per segment and head, fp32
+scores by oneDNN's linear, softmax in place, fp32 probabilities times v); "plain" is matmul -> softmax in fp32 ->
+matmul over the whole batch (scores in the input dtype, probabilities cast back); "plain-fp32" computes the scores
+in fp32 too. The tower uses SDPA, or gemm-heads inside its length range, wherever that is the fastest of these
+within the tolerances.
 """
 
 from __future__ import annotations
@@ -18,11 +22,16 @@ import json
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 
+from qwenvl_vision.attention import gemm_batched
 from qwenvl_vision.cpu_linear import best_seconds
 
 SIZES = (  # (name, segments, tokens per segment, heads, head dim)
     ("qwen2.5 windows", 64, 64, 16, 80),
+    ("frames 256", 16, 256, 16, 80),
+    ("frames 512", 8, 512, 16, 80),
+    ("frame 2048", 1, 2048, 16, 80),
     ("qwen2.5 frame 1024", 4, 1024, 16, 80),
     ("qwen2.5 frame 3740", 1, 3740, 16, 80),
     ("qwen3 frame 784", 4, 784, 16, 72),
@@ -39,8 +48,16 @@ def plain(q, k, v, scale, scores_fp32: bool = False):
     return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
+def gemm_heads(q, k, v, scale):
+    """``attention.gemm_batched`` (the tower's CPU path for GEMM_ATTENTION_LENGTHS) on (count, H, L, hd)."""
+    count = q.shape[0]
+    packed = [rearrange(x, "b h l d -> (b l) h d") for x in (q, k, v)]
+    return rearrange(gemm_batched(*packed, count, scale), "(b l) h d -> b h l d", b=count)
+
+
 PATHS = {
     "sdpa": lambda q, k, v, scale: F.scaled_dot_product_attention(q, k, v, scale=scale),
+    "gemm-heads": gemm_heads,
     "plain": lambda q, k, v, scale: plain(q, k, v, scale),
     "plain-fp32": lambda q, k, v, scale: plain(q, k, v, scale, scores_fp32=True),
 }

@@ -7,9 +7,10 @@ shape and timed alone by each kernel this machine has: ``torch.mm`` (MKL for fp3
 weight laid out as a Linear holds it, and oneDNN's prepacked linear (``qwenvl_vision.cpu_linear``) where this
 torch has it; best of a few runs, output preallocated, the same weight every run, so it may stay in cache: an
 optimistic rate. Each shape counts at the faster kernel's time, so the bound is the machine's limit, not one
-library's. Attention is timed alone as the SDPA calls our attention plan makes (``attention.sdpa_attention`` on
-random q/k/v with the forward's segments: PyTorch's SDPA kernel alone, batched as we batch it; at the towers' real
-sizes it is the fastest path as exact as the reference's, but for bf16 64-token windows, where a plain GEMM
+library's. Attention is timed alone as the calls our attention plan makes (``attention.sdpa_attention`` on random
+q/k/v with the forward's segments, batched as we batch them: PyTorch's SDPA kernel, and on the CPU two fp32 GEMMs
+per head for frame-sized segments, ``attention.gemm_batched``, where that is 1.4-1.7x faster; at the towers' real
+sizes these are the fastest paths as exact as the reference's, but for bf16 64-token windows, where a plain GEMM
 attention with fp32 scores is ~1.1x faster, about 1% of a forward: see ``bench.attention_paths``). The bound is the
 sum; ``bench.throughput`` reports each forward as a fraction of it.
 """

@@ -425,7 +425,7 @@ def print_table(result: dict) -> None:
         print_rates(bound)
         rounds = ", ".join(f"{s:.2f}" for s in bound["rounds_s"])
         print(f"GEMM bound {bound['bound_s']:.2f} s (GEMMs {bound['gemm_s']:.2f} s at {bound['gemm_gflops_per_s']} "
-              f"GFLOP/s, the best kernel per shape, alone; attention {bound['attention_s']:.2f} s as SDPA alone; "
+              f"GFLOP/s, the best kernel per shape, alone; attention {bound['attention_s']:.2f} s by its paths alone; "
               f"measured after each round: {rounds} s). Bound / forward, median over rounds: "
               + ", ".join(f"{name} {v['fraction_of_bound']:.0%}" for name, v in result["variants"].items()))
     for name, v in result["variants"].items():
