@@ -61,7 +61,10 @@ def main(argv: list[str] | None = None) -> dict:
     old_model.load_state_dict(state, strict=True)
     if hasattr(old_model, "pack_linear_weights_"):  # a tree with packed CPU linears: set up as its load_encoder
         # does, with this tree's measured choices, so the two differ in code only, not in a timing probe's noise
-        old_model.pack_linear_weights_(dict(variants["ours"].model.linear_kernels))
+        try:
+            old_model.pack_linear_weights_(dict(variants["ours"].model.linear_kernels))
+        except (TypeError, ValueError, getattr(old, "ConfigError", ValueError)):  # a str-only policy, other names
+            old_model.pack_linear_weights_("auto")
     variants = {"ours": variants["ours"], "ours-addmm": variants["ours-addmm"],
                 "ours-before": throughput.Variant(throughput.run_ours, old_model),
                 "transformers": variants["transformers"]}

@@ -4,15 +4,17 @@
 
 For one packed forward of a tower, every GEMM (patch embedding, qkv, projection, MLP, mergers) is listed with its
 shape and timed alone by each kernel this machine has: ``torch.mm`` (MKL for fp32 on x86, oneDNN for bf16) on a
-weight laid out as a Linear holds it, and oneDNN's prepacked linear (``qwenvl_vision.cpu_linear``) where this
-torch has it; best of a few runs, output preallocated, the same weight every run, so it may stay in cache: an
-optimistic rate. Each shape counts at the faster kernel's time, so the bound is the machine's limit, not one
-library's. Attention is timed alone as the calls our attention plan makes (``attention.sdpa_attention`` on random
-q/k/v with the forward's segments, batched as we batch them: PyTorch's SDPA kernel, and on the CPU two fp32 GEMMs
-per head for frame-sized segments, ``attention.gemm_batched``, where that is 1.4-1.7x faster; at the towers' real
-sizes these are the fastest paths as exact as the reference's, but for bf16 64-token windows, where a plain GEMM
-attention with fp32 scores is ~1.1x faster, about 1% of a forward: see ``bench.attention_paths``). The bound is the
-sum; ``bench.throughput`` reports each forward as a fraction of it.
+weight laid out as a Linear holds it, output preallocated, and oneDNN's prepacked linear
+(``qwenvl_vision.cpu_linear``) where this torch has it, on the row chunks of fresh outputs the forward consumes
+as they come; best of a few runs, the same weight every run, so it may stay in cache: an optimistic rate. Each
+shape counts at the faster kernel's time, so the bound is the machine's limit, not one library's.
+
+Attention is timed alone as the calls our attention plan makes (``attention.sdpa_attention`` on random q/k/v with
+the forward's segments, batched as we batch them): PyTorch's SDPA kernel, and on the CPU two fp32 GEMMs per head
+for frame-sized segments (``attention.gemm_batched``), where that is 1.4-1.7x faster. At the towers' real sizes
+these are the fastest paths as exact as the reference's, but for bf16 64-token windows, where a plain GEMM
+attention with fp32 scores was ~1.1x faster in one run and even in another, about 1% of a forward (see
+``bench.attention_paths``). The bound is the sum; ``bench.throughput`` reports each forward as a fraction of it.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 from bench.workloads import add_workload_arguments, workload
 from qwenvl_vision.attention import sdpa_attention
 from qwenvl_vision.config import VisionConfig
-from qwenvl_vision.cpu_linear import best_seconds, onednn_linear_available, pack_weight, packed_linear
+from qwenvl_vision.cpu_linear import best_seconds, chunk_rows, consume_chunks, onednn_linear_available, pack_weight
 from qwenvl_vision.models import build_model
 
 Shape = tuple[int, int, int]  # (m, k, n): an (m, k) x (k, n) product
@@ -59,8 +61,9 @@ def gemm_seconds(shapes: Counter[Shape], dtype: torch.dtype, device: torch.devic
         seconds = {"mm": best_seconds(lambda a=a, w=weight, out=out: torch.mm(a, w.t(), out=out), repeats)}
         if packs:
             packed, bias = pack_weight(weight, m), torch.zeros(n, dtype=dtype)
-            seconds["onednn"] = best_seconds(lambda a=a, p=packed, b=bias, out=out: packed_linear(a, p, b, out),
-                                           repeats)
+            chunks = chunk_rows(m, n, a.element_size())  # as the forward calls it: each fresh chunk is consumed
+            seconds["onednn"] = best_seconds(lambda a=a, p=packed, b=bias, c=chunks: consume_chunks(a, p, b, c),
+                                             repeats)
         rates[f"{m}x{k}x{n}"] = {kernel: round(2 * m * k * n / s / 1e9, 1) for kernel, s in seconds.items()}
         total += count * min(seconds.values())
     return total, rates
@@ -68,7 +71,7 @@ def gemm_seconds(shapes: Counter[Shape], dtype: torch.dtype, device: torch.devic
 
 def attention_seconds(cfg: VisionConfig, grids: list[tuple[int, int, int]], dtype: torch.dtype,
                       device: torch.device, repeats: int = 3) -> float:
-    """Every block's attention alone: SDPA over the forward's windows or frames, as our plan batches them."""
+    """Every block's attention alone over the forward's windows or frames, by the paths and batches our plan runs."""
     model = build_model(cfg, device="meta")
     plan = model.prepare(grids, device)
     n, heads, hd = plan.frames.total, cfg.num_heads, cfg.head_dim

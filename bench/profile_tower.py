@@ -4,27 +4,31 @@
 
 One forward of each tower (same weights, same inputs) under ``torch.profiler``, after a warm-up forward. Every
 module's forward is wrapped in a ``record_function`` scope, so each aten op's self time is attributed to a
-category: GEMMs and SDPA kernels by name wherever they run; every other op by the innermost module around it
+category: GEMMs and SDPA kernels by name wherever they run (the CPU's GEMM attention path counts as attention);
+every other op by the innermost module around it
 (norm modules -> norm; attention modules -> rope, q/k/v split and other attention glue; MLP modules ->
 activation and gate multiply; mergers; the block itself -> residual adds; the rest, e.g. the patch embedding's
-copies and the position embedding -> other).
+copies and the position embedding -> other). Our layers' fused steps (a linear's rows handed straight to the
+residual add, the activation or rope: ``FUSED_STEPS``) are scoped by what they do, not by the module around them.
 """
 
 from __future__ import annotations
 
 import argparse
 from collections import defaultdict
+from contextlib import contextmanager
 
 import torch
 
 from bench.throughput import build_variants
 from bench.workloads import add_workload_arguments, workload
+from qwenvl_vision import attention, layers
 
 GEMM_OPS = {"aten::addmm", "aten::mm", "aten::bmm", "aten::baddbmm", "aten::mkldnn_convolution",
             "aten::_mkldnn_convolution", "aten::convolution_overrideable", "aten::_convolution",
             "mkldnn::_linear_pointwise"}  # oneDNN's prepacked linear (qwenvl_vision.cpu_linear)
 SDPA_PREFIX = ("aten::_scaled_dot_product", "aten::_flash_attention", "aten::_efficient_attention")
-CATEGORIES = ("GEMM", "attention (SDPA)", "norm", "rope & attention glue", "activation & gate", "merger other",
+CATEGORIES = ("GEMM", "attention", "norm", "rope & attention glue", "activation & gate", "merger other",
               "residual (block)", "other")
 
 
@@ -62,11 +66,51 @@ def _scope_hooks(model: torch.nn.Module) -> list:
     return handles
 
 
+# Our layers' fused steps, each scoped as the category of its non-GEMM ops: a packed linear's rows go straight to
+# the residual add, the activation or rope inside one module (``layers.linear_chunks``), so the module alone would
+# file the residual adds under attention or MLP. The CPU's GEMM attention path is attention, GEMMs included.
+FUSED_STEPS = {(layers, "add_linear_"): "residual (block)", (layers, "gated_linear"): "activation & gate",
+               (layers, "activated_linear"): "activation & gate", (layers, "rotate_into"): "rope & attention glue",
+               (attention, "gemm_batched"): "attention"}
+
+
+@contextmanager
+def _scoped_fused_steps():
+    """Wrap each of FUSED_STEPS in record_function('cat::<category>') while profiling; restored after."""
+    originals = {(module, name): getattr(module, name) for module, name in FUSED_STEPS}
+
+    def scoped(function, category):
+        def run(*args, **kwargs):
+            with torch.autograd.profiler.record_function(f"cat::{category}"):
+                return function(*args, **kwargs)
+        return run
+
+    for (module, name), category in FUSED_STEPS.items():
+        setattr(module, name, scoped(originals[module, name], category))
+    try:
+        yield
+    finally:
+        for (module, name), function in originals.items():
+            setattr(module, name, function)
+
+
+def _scope_category(event) -> str | None:
+    """The category of the innermost ``cat::`` or ``mod::`` scope around an event (None outside any)."""
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name.startswith("cat::"):
+            return parent.name[5:]
+        if parent.name.startswith("mod::"):
+            return _module_category(parent.name[5:])
+        parent = parent.cpu_parent
+    return None
+
+
 def profile_forward(model: torch.nn.Module, run) -> dict[str, float]:
     """Self CPU seconds per category for one forward (``run()``)."""
     handles = _scope_hooks(model)
     try:
-        with torch.inference_mode():
+        with torch.inference_mode(), _scoped_fused_steps():
             run()  # warm-up, outside the profile
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                 run()
@@ -77,17 +121,13 @@ def profile_forward(model: torch.nn.Module, run) -> dict[str, float]:
     for event in prof.events():
         if not event.name.startswith(("aten::", "mkldnn::")):
             continue
-        if event.name in GEMM_OPS:
+        scope = _scope_category(event)
+        if event.name.startswith(SDPA_PREFIX) or scope == "attention":
+            category = "attention"
+        elif event.name in GEMM_OPS:
             category = "GEMM"
-        elif event.name.startswith(SDPA_PREFIX):
-            category = "attention (SDPA)"
         else:
-            parent, category = event.cpu_parent, "other"
-            while parent is not None:
-                if parent.name.startswith("mod::"):
-                    category = _module_category(parent.name[5:])
-                    break
-                parent = parent.cpu_parent
+            category = scope or "other"
         seconds[category] += event.self_cpu_time_total / 1e6
     seconds["total"] = sum(seconds.values())
     return dict(seconds)

@@ -92,10 +92,12 @@ class SegmentPlan:
 
 def gemm_attention_runs(q: torch.Tensor, length: int) -> bool:
     """Whether segments of ``length`` tokens run ``gemm_batched`` instead of SDPA: on the CPU, in fp32 or bf16,
-    with oneDNN's linear, without autograd, for GEMM_ATTENTION_LENGTHS."""
+    with oneDNN's linear, without autograd, outside a compiled graph (a per-head Python loop there would unroll
+    and recompile per image mix), for GEMM_ATTENTION_LENGTHS."""
     low, high = GEMM_ATTENTION_LENGTHS
     return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16) and low <= length <= high
-            and not (torch.is_grad_enabled() and q.requires_grad) and onednn_linear_available())
+            and not (torch.is_grad_enabled() and q.requires_grad) and not torch.compiler.is_compiling()
+            and onednn_linear_available())
 
 
 def gemm_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int, scale: float,

@@ -22,9 +22,9 @@ packed layer is not supported: unpack first.
 
 Deviation from ``F.linear``: oneDNN has no ``out=`` form, so a call that must write into the forward's workspace
 runs on row chunks whose fresh outputs stay in cache and below glibc's mmap threshold (reused heap memory, no
-page faults) and copies each into place; where the forward consumes a result at once (the activation after an MLP's
-first linear, the residual add after the last), it takes the chunks as they come and nothing is copied
-(``layers.linear_chunks``).
+page faults) and copies each into place; where the forward consumes a result at once (rope on q and k after qkv,
+the activation after an MLP's or a merger's first linear, the residual add after the last), it takes the chunks
+as they come and nothing is copied (``layers.linear_chunks``).
 """
 
 from __future__ import annotations
@@ -103,6 +103,13 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return out
 
 
+def consume_chunks(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, chunks: list[slice]) -> None:
+    """The packed product on each row chunk, each result dropped as the next arrives: what the kernel costs when
+    the forward's next step reads every chunk as it comes (for timing)."""
+    for rows in chunks:
+        torch.ops.mkldnn._linear_pointwise(x[rows], weight, bias, "none", [], "")
+
+
 def best_seconds(fn, repeats: int) -> float:
     """The best of ``repeats`` timed calls after one untimed warm-up (the benchmarks time kernels the same way)."""
     fn()  # warm-up: first-call dispatch and the kernel's own setup
@@ -116,16 +123,18 @@ def best_seconds(fn, repeats: int) -> float:
 
 def measure_kernels(weight: torch.Tensor, packed: torch.Tensor | None = None, *, rows: int = PROBE_ROWS,
                     repeats: int = PROBE_REPEATS) -> dict[str, float]:
-    """Seconds of a (rows, in) x weight.T product + bias into a reused output, by each kernel, the way the forward
-    calls them, on the layer's own weight (and its packed form, when made already: no second copy for the probe).
-    Random inputs: the rate depends on the shape, not on the values."""
+    """Seconds of a (rows, in) x weight.T product + bias by each kernel, the way the forward calls them: addmm
+    into a reused output; oneDNN on row chunks of fresh outputs that the next step reads as they come
+    (``layers.linear_chunks``: no copy). On the layer's own weight (and its packed form, when made already: no
+    second copy for the probe). Random inputs: the rate depends on the shape, not on the values."""
     out_features, in_features = weight.shape
     x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(0)).to(weight.dtype)
     bias = torch.zeros(out_features, dtype=weight.dtype)
     out = torch.empty(rows, out_features, dtype=weight.dtype)
     packed = pack_weight(weight, rows) if packed is None else packed
+    chunks = chunk_rows(rows, out_features, weight.element_size())
     return {"addmm": best_seconds(lambda: torch.addmm(bias, x, weight.t(), out=out), repeats),
-            "onednn": best_seconds(lambda: packed_linear(x, packed, bias, out), repeats)}
+            "onednn": best_seconds(lambda: consume_chunks(x, packed, bias, chunks), repeats)}
 
 
 def choose_kernel(weight: torch.Tensor, packed: torch.Tensor | None = None) -> str:

@@ -8,7 +8,8 @@ Reference: the vision classes of transformers' ``modeling_qwen2_vl.py``, ``model
   ``names.RULE_SETS``), and a Qwen2.5-Omni tower's separate q/k/v are one ``qkv``;
 - attention runs through the tower's backend (``attention.py``) on a per-forward segment plan;
 - in eager inference, activations are written into the forward's two ``Workspace`` buffers instead of fresh
-  tensors (the same operations in the reference's order: results are bitwise those of the same ops out of place);
+  tensors (the same operations in the reference's order: results are bitwise those of the same ops out of place,
+  but where a packed linear's rows come in chunks: see ``linear_chunks``);
 - on the CPU the linears may run oneDNN's prepacked kernel where it is faster (``cpu_linear.PackableLinear``):
   in fp32 it rounds differently from addmm (both within ~5e-7 of float64), in bf16 it gives the same bits.
 """
@@ -50,7 +51,9 @@ class Workspace:
     The rule that makes reuse safe: every op writes into the buffer that does not hold its input
     (``take``), so no op overwrites what it reads, and a value lives until the op after next consumes it;
     in-place steps (rope, activation, gate * up) change only their own value. The residual stream x belongs to
-    the forward and is updated in place (``residual_``). Results that leave the forward (mergers) are fresh.
+    the forward and is updated in place (``add_linear_``). Results that leave the forward (mergers) are fresh.
+    A packed linear's fresh row chunks (``linear_chunks``) are read by the step after it as they come, so they
+    belong to no buffer; the step writes its result into the buffer not holding the linear's input.
 
     Modules reach the active workspace through ``output_buffer`` (a context variable, like autocast's state),
     so their ``forward`` reads as the math. Without one (under autograd, which cannot differentiate ``out=``
@@ -126,8 +129,12 @@ def linear_chunks(x: torch.Tensor, layer: PackableLinear) -> Iterator[tuple[slic
 
     oneDNN's prepacked kernel has no ``out=``: writing its result into the workspace costs a copy of it. Here,
     when ``in_chunks``, each chunk is a fresh output of ``cpu_linear.CHUNK_BYTES`` (still in cache when the caller
-    reads it) and is never copied; otherwise there is one pair, ``linear(x, layer)``. The same bits either way:
-    each row's result does not depend on the chunking (``cpu_linear``).
+    reads it) and is never copied; otherwise there is one pair, ``linear(x, layer)``. The linear's rows are the
+    same bits either way (each row's result does not depend on the chunking, ``cpu_linear``), and so are the
+    residual add, gate * up and rope. A transcendental activation on chunks may differ in the last bit of a few
+    fp32 elements: where a thread's share of a call ends mid-row, that row's tail takes the scalar kernel instead
+    of the vector one (silu / GELU-tanh at the towers' widths, 2-3 threads: 0-150 of 13-56 M elements, 1 ulp; in
+    bf16 none, the ulp vanishes in the rounding).
     """
     if not in_chunks(x, layer):
         yield slice(None), linear(x, layer)
@@ -148,12 +155,6 @@ def add_linear_(residual: torch.Tensor | None, x: torch.Tensor, layer: PackableL
     return residual
 
 
-# The trailing underscore is torch's mark of an in-place op. These are in place when the forward's workspace is
-# active (x is then a workspace value, a fresh chunk or the forward's own residual stream), else out of place:
-# under autograd, inside torch.compile and for a module called on its own, where in-place writes would be wrong or
-# unplanned.
-
-
 def activated_linear(x: torch.Tensor, layer: PackableLinear, act: str) -> torch.Tensor:
     """``act(layer(x))``: from each fresh chunk of the rows straight into a workspace buffer, or in place on the
     one result (``linear_chunks``)."""
@@ -171,6 +172,12 @@ def gated_linear(x: torch.Tensor, layer: PackableLinear, act: str) -> torch.Tens
         gate, up = gate_up.chunk(2, dim=-1)
         gated = multiply_(activate_(gate, act), up, out=None if hidden is None else hidden[rows])
     return gated if hidden is None else hidden
+
+
+# The trailing underscore is torch's mark of an in-place op. These are in place when the forward's workspace is
+# active (x is then a workspace value, a fresh chunk or the forward's own residual stream), else out of place:
+# under autograd, inside torch.compile and for a module called on its own, where in-place writes would be wrong or
+# unplanned (``add_linear_`` above follows the same rule).
 
 
 def multiply_(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -370,7 +377,8 @@ class VisionAttention(nn.Module):
     def rotated_qkv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v (N, H, hd) of x, 2D rope on q and k: when qkv's rows come in fresh chunks, each is rotated (and
-        its v copied) straight into a workspace buffer; else rope runs in place on the one result."""
+        its v copied) straight into a workspace buffer; else ``rotate_`` runs on the one result (in place when the
+        workspace is active)."""
         if not in_chunks(x, self.qkv):
             q, k, v = self.split_heads(linear(x, self.qkv))
             return (*rotate_(q, k, rope), v)

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from qwenvl_vision import attention
 from qwenvl_vision.attention import GEMM_ATTENTION_LENGTHS, SegmentPlan, gemm_attention_runs, sdpa_attention
 from qwenvl_vision.cpu_linear import onednn_linear_available
 from tests.helpers import QWEN2_5_SMALL, QWEN3_SMALL_72, assert_matches_reference, forward_both, pair
@@ -32,7 +33,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @needs_onednn
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_frame_segments_take_the_gemm_path_and_are_as_exact_as_sdpa(dtype):
+def test_frame_segments_take_the_gemm_path_and_are_as_exact_as_sdpa(dtype, monkeypatch):
     """A plan of windows (SDPA), two 600-token frames (two GEMMs per head) and one frame longer than the GEMM
     range (SDPA), on strided q/k/v views of one fused qkv, into a strided output: each segment within fp32
     accuracy of float64, and in bf16 no further from it than SDPA itself on the same frames."""
@@ -42,7 +43,12 @@ def test_frame_segments_take_the_gemm_path_and_are_as_exact_as_sdpa(dtype):
     q, k, v = qkv.unbind(1)
     assert [gemm_attention_runs(q, length) for length in (64, 600, lengths[-1])] == [False, True, False]
     out = torch.full((n, 2, HEADS, HEAD_DIM), float("nan"), dtype=dtype)[:, 0]
+    counts = []  # the GEMM path runs once, for the run of two 600-token frames
+    monkeypatch.setattr(attention, "gemm_batched",
+                        lambda q, k, v, count, *rest, run=attention.gemm_batched: counts.append(count) or run(
+                            q, k, v, count, *rest))
     attended = sdpa_attention(q, k, v, SegmentPlan.from_lengths(lengths), scale, out=out)
+    assert counts == [2]
     assert attended.data_ptr() == out.data_ptr()
     expected = segment_reference(q, k, v, lengths, scale)
     frames = slice(3 * 64, 3 * 64 + 1200)
@@ -51,8 +57,23 @@ def test_frame_segments_take_the_gemm_path_and_are_as_exact_as_sdpa(dtype):
     else:
         sdpa = F.scaled_dot_product_attention(*[x[frames].unflatten(0, (2, 600)).transpose(1, 2) for x in (q, k, v)],
                                               scale=scale).transpose(1, 2).flatten(0, 1)
-        assert rel(attended[frames], expected[frames]) <= rel(sdpa, expected[frames])
+        assert rel(attended[frames], expected[frames]) < rel(sdpa, expected[frames])
         assert rel(attended, expected) < 4e-3
+
+
+@needs_onednn
+def test_many_scattered_frames_are_gathered_onto_the_gemm_path():
+    """Six 520-token images between 8-token ones: one gathered group of the six (``out[index] = ...``)."""
+    lengths = [520, 8] * 6
+    n, scale = sum(lengths), HEAD_DIM**-0.5
+    q, k, v = (torch.randn(n, HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    plan = SegmentPlan.from_lengths(lengths)
+    assert any(group.index is not None and group.length == 520 for group in plan.groups)
+    assert rel(sdpa_attention(q, k, v, plan, scale), segment_reference(q, k, v, lengths, scale)) < 1e-6
+
+
+def test_half_precision_stays_on_sdpa():
+    assert not gemm_attention_runs(torch.zeros(600, HEADS, HEAD_DIM, dtype=torch.float16), 600)
 
 
 @needs_onednn
