@@ -224,8 +224,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x * cos + rotate_half(x) * sin).to(dtype)
 
 
-def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
-    """``apply_rope`` in place on fp32 x (N, H, hd), using fp32 tmp (N, H, hd) as scratch; the same bits.
+def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, tmp: torch.Tensor,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """``apply_rope`` on fp32 x (N, H, hd) into ``out`` (x itself by default: in place), using fp32 tmp
+    (N, H, hd) as scratch; the same bits.
 
     rotate_half(x) * sin is [-x2 * sin1, x1 * sin2] (negation is exact), then x * cos + that, in the
     reference's order.
@@ -234,7 +236,7 @@ def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, tmp: torc
     cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
     torch.mul(x[..., half:], sin[..., :half], out=tmp[..., :half]).neg_()
     torch.mul(x[..., :half], sin[..., half:], out=tmp[..., half:])
-    return x.mul_(cos).add_(tmp)
+    return torch.mul(x, cos, out=x if out is None else out).add_(tmp)
 
 
 def rotate_(q: torch.Tensor, k: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
@@ -249,9 +251,13 @@ def rotate_(q: torch.Tensor, k: torch.Tensor, rope: tuple[torch.Tensor, torch.Te
 
 def rotate_into(x: torch.Tensor, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """``apply_rope(x, cos, sin)`` written into out (x itself for in place), on row chunks through the active
-    workspace's fp32 scratch: each chunk is read before its rows are written."""
+    workspace's fp32 scratch: each chunk is read before its rows are written. An fp32 x is its own fp32 copy
+    (the reference's x.float() returns it): it is rotated straight into out."""
     for rows, x32, tmp in fp32_chunks(x.shape[0], *x.shape[1:]):
-        out[rows].copy_(apply_rope_(x32.copy_(x[rows]), cos[rows], sin[rows], tmp))
+        if x.dtype == torch.float32:
+            apply_rope_(x[rows], cos[rows], sin[rows], tmp, out=out[rows])
+        else:
+            out[rows].copy_(apply_rope_(x32.copy_(x[rows]), cos[rows], sin[rows], tmp))
     return out
 
 
@@ -305,8 +311,13 @@ class RMSNorm(nn.Module):
             x32 = x.float()
             x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
             return self.weight * x32.to(x.dtype)
-        # The same ops in the same order on row chunks (x*x is what pow(2) computes), written into the buffer.
+        # The same ops in the same order on row chunks (x*x is what pow(2) computes), written into the buffer; an
+        # fp32 x is its own fp32 copy (the reference's x.float() returns it).
         for rows, x32, squares in fp32_chunks(x.shape[0], x.shape[1]):
+            if x.dtype == torch.float32:
+                scale = torch.mul(x[rows], x[rows], out=squares).mean(-1, keepdim=True).add_(self.eps).rsqrt_()
+                torch.mul(x[rows], scale, out=out[rows]).mul_(self.weight)
+                continue
             x32.copy_(x[rows])
             scale = torch.mul(x32, x32, out=squares).mean(-1, keepdim=True).add_(self.eps).rsqrt_()
             out[rows].copy_(x32.mul_(scale)).mul_(self.weight)
@@ -320,8 +331,10 @@ class LayerNorm(nn.LayerNorm):
         out = output_buffer(x, *x.shape)
         if out is None:
             return super().forward(x)
-        for rows in row_chunks(x.shape[0], x.shape[1]):  # per-row statistics: chunks change no bit
-            out[rows].copy_(F.layer_norm(x[rows], self.normalized_shape, self.weight, self.bias, self.eps))
+        # F.layer_norm's own kernel, written straight into the buffer (its per-row statistics are thrown away).
+        mean, rstd = torch.empty(2, x.shape[0], 1, dtype=x.dtype, device=x.device)
+        torch.ops.aten.native_layer_norm.out(x, self.normalized_shape, self.weight, self.bias, self.eps,
+                                             out0=out, out1=mean, out2=rstd)
         return out
 
 
