@@ -11,7 +11,7 @@ shape counts at the faster kernel's time, so the bound is the machine's limit, n
 
 Attention is timed alone as the calls our attention plan makes (``attention.sdpa_attention`` on random q/k/v with
 the forward's segments, batched as we batch them): PyTorch's SDPA kernel, and on the CPU two fp32 GEMMs per head
-for frame-sized segments (``attention.gemm_batched``), where that is 1.4-1.7x faster. At the towers' real sizes
+for frame-sized segments (``attention.gemm_batched``), where that is 1.2-1.7x faster. At the towers' real sizes
 these are the fastest paths as exact as the reference's, but for bf16 64-token windows, where a plain GEMM
 attention with fp32 scores was ~1.1x faster in one run and even in another, about 1% of a forward (see
 ``bench.attention_paths``). The bound is the sum; ``bench.throughput`` reports each forward as a fraction of it.

@@ -7,7 +7,7 @@ Backends, chosen once per tower (``attn_impl``; timm's ``fused_attn`` / vLLM's `
 
 - ``"sdpa"``: segments of equal length batched into one ``scaled_dot_product_attention`` call each (a view
   when they are contiguous, a gather otherwise). Runs on every device and dtype. On the CPU, segments of
-  ``GEMM_ATTENTION_LENGTHS`` run two fp32 GEMMs per head instead (``gemm_batched``: 1.4-1.7x SDPA's rate there).
+  ``GEMM_ATTENTION_LENGTHS`` run two fp32 GEMMs per head instead (``gemm_batched``: 1.2-1.7x SDPA's rate there).
 - ``"flash"``: flash-attn's ``flash_attn_varlen_func``, one call per layer over the whole pack (CUDA, fp16/bf16).
 - ``"torch_varlen"``: PyTorch's ``torch.nn.attention.varlen.varlen_attn``, the same (CUDA, fp16/bf16).
 - ``"auto"``: flash, else torch_varlen, where they can run; else sdpa.
@@ -104,10 +104,10 @@ def gemm_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int, 
                  out: torch.Tensor | None = None) -> torch.Tensor:
     """``sdpa_batched``'s result, one (segment, head) at a time by two fp32 GEMMs and a softmax in place.
 
-    Why: PyTorch's CPU flash attention reaches 165-190 GFLOP/s on segments of 512-2,048 tokens (the towers'
+    Why: PyTorch's CPU flash attention reaches 150-190 GFLOP/s on segments of 512-2,048 tokens (the towers'
     frames: 784-1,024 tokens, heads of 72 or 80) in both dtypes, while oneDNN's fp32 linear runs at ~450 on a
-    2-vCPU Zen 5 and one head's L x L fp32 scores stay in cache between the GEMMs and the softmax: 250-316
-    GFLOP/s here, 1.4-1.7x SDPA (``bench.attention_paths``). Shorter segments (windows) are too small for the
+    2-vCPU Zen 5 and one head's L x L fp32 scores stay in cache between the GEMMs and the softmax: 184-316
+    GFLOP/s here, 1.2-1.7x SDPA (``bench.attention_paths``). Shorter segments (windows) are too small for the
     GEMMs and longer ones spill the cache: SDPA stays faster there. Everything is computed in fp32 (bf16 inputs
     are widened exactly) and rounded once into the output, so in bf16 it is closer to float64 than SDPA, whose
     probabilities are rounded to bf16 (relative error 1.7e-3 against 2.2e-3); in fp32 both are fp32-accurate

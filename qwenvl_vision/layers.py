@@ -331,10 +331,10 @@ class LayerNorm(nn.LayerNorm):
         out = output_buffer(x, *x.shape)
         if out is None:
             return super().forward(x)
-        # F.layer_norm's own kernel, written straight into the buffer (its per-row statistics are thrown away).
-        mean, rstd = torch.empty(2, x.shape[0], 1, dtype=x.dtype, device=x.device)
-        torch.ops.aten.native_layer_norm.out(x, self.normalized_shape, self.weight, self.bias, self.eps,
-                                             out0=out, out1=mean, out2=rstd)
+        # Row chunks: aten has no true out= layer norm (its .out form computes a full fresh result and copies it),
+        # so each chunk's fresh result stays small and in cache; per-row statistics: chunks change no bit.
+        for rows in row_chunks(x.shape[0], x.shape[1]):
+            out[rows].copy_(F.layer_norm(x[rows], self.normalized_shape, self.weight, self.bias, self.eps))
         return out
 
 
