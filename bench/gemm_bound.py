@@ -27,7 +27,7 @@ import torch
 from bench.workloads import add_workload_arguments, workload
 from qwenvl_vision.attention import sdpa_attention
 from qwenvl_vision.config import VisionConfig
-from qwenvl_vision.cpu_linear import best_seconds, chunk_rows, consume_chunks, onednn_linear_available, pack_weight
+from qwenvl_vision.cpu_linear import best_seconds, consume_chunks, onednn_linear_available, pack_weight
 from qwenvl_vision.models import build_model
 
 Shape = tuple[int, int, int]  # (m, k, n): an (m, k) x (k, n) product
@@ -61,9 +61,8 @@ def gemm_seconds(shapes: Counter[Shape], dtype: torch.dtype, device: torch.devic
         seconds = {"mm": best_seconds(lambda a=a, w=weight, out=out: torch.mm(a, w.t(), out=out), repeats)}
         if packs:
             packed, bias = pack_weight(weight, m), torch.zeros(n, dtype=dtype)
-            chunks = chunk_rows(m, n, a.element_size())  # as the forward calls it: each fresh chunk is consumed
-            seconds["onednn"] = best_seconds(lambda a=a, p=packed, b=bias, c=chunks: consume_chunks(a, p, b, c),
-                                             repeats)
+            # as the forward calls it: each fresh chunk is consumed as it comes
+            seconds["onednn"] = best_seconds(lambda a=a, p=packed, b=bias: consume_chunks(a, p, b), repeats)
         rates[f"{m}x{k}x{n}"] = {kernel: round(2 * m * k * n / s / 1e9, 1) for kernel, s in seconds.items()}
         total += count * min(seconds.values())
     return total, rates

@@ -34,6 +34,7 @@ import math
 import sys
 import threading
 import time
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -93,21 +94,29 @@ def chunk_rows(rows: int, out_features: int, element_size: int) -> list[slice]:
     return balanced_chunks(rows, max(1, CHUNK_BYTES // (out_features * element_size)))
 
 
+def packed_chunks(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+                  ) -> Iterator[tuple[slice, torch.Tensor]]:
+    """``x @ weight.T + bias`` with a packed weight as (rows, fresh result of those rows) pairs, CHUNK_BYTES of
+    output at a time, each computed when the caller asks for it (see the module docstring)."""
+    for rows in chunk_rows(x.shape[0], weight.shape[0], x.element_size()):
+        yield rows, torch.ops.mkldnn._linear_pointwise(x[rows], weight, bias, "none", [], "")
+
+
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   out: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` with a packed weight; into ``out`` by row chunks when given (see module docstring)."""
     if out is None:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    for rows in chunk_rows(x.shape[0], out.shape[1], out.element_size()):
-        out[rows].copy_(torch.ops.mkldnn._linear_pointwise(x[rows], weight, bias, "none", [], ""))
+    for rows, result in packed_chunks(x, weight, bias):
+        out[rows].copy_(result)
     return out
 
 
-def consume_chunks(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, chunks: list[slice]) -> None:
-    """The packed product on each row chunk, each result dropped as the next arrives: what the kernel costs when
-    the forward's next step reads every chunk as it comes (for timing)."""
-    for rows in chunks:
-        torch.ops.mkldnn._linear_pointwise(x[rows], weight, bias, "none", [], "")
+def consume_chunks(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """``packed_chunks``, each result dropped as the next arrives: what the kernel costs when the forward's next
+    step reads every chunk as it comes (for timing)."""
+    for _ in packed_chunks(x, weight, bias):
+        pass
 
 
 def best_seconds(fn, repeats: int) -> float:
@@ -132,9 +141,8 @@ def measure_kernels(weight: torch.Tensor, packed: torch.Tensor | None = None, *,
     bias = torch.zeros(out_features, dtype=weight.dtype)
     out = torch.empty(rows, out_features, dtype=weight.dtype)
     packed = pack_weight(weight, rows) if packed is None else packed
-    chunks = chunk_rows(rows, out_features, weight.element_size())
     return {"addmm": best_seconds(lambda: torch.addmm(bias, x, weight.t(), out=out), repeats),
-            "onednn": best_seconds(lambda: consume_chunks(x, packed, bias, chunks), repeats)}
+            "onednn": best_seconds(lambda: consume_chunks(x, packed, bias), repeats)}
 
 
 def choose_kernel(weight: torch.Tensor, packed: torch.Tensor | None = None) -> str:

@@ -28,7 +28,7 @@ from einops import rearrange
 from torch import nn
 
 from .attention import SegmentPlan
-from .cpu_linear import PackableLinear, chunk_rows
+from .cpu_linear import PackableLinear, packed_chunks
 
 # ----------------------------------------------------------------------------- activation buffers
 
@@ -139,8 +139,7 @@ def linear_chunks(x: torch.Tensor, layer: PackableLinear) -> Iterator[tuple[slic
     if not in_chunks(x, layer):
         yield slice(None), linear(x, layer)
         return
-    for rows in chunk_rows(x.shape[0], layer.out_features, x.element_size()):
-        yield rows, layer.linear(x[rows])
+    yield from packed_chunks(x, layer.weight, layer.bias)
 
 
 def add_linear_(residual: torch.Tensor | None, x: torch.Tensor, layer: PackableLinear) -> torch.Tensor:
@@ -314,13 +313,9 @@ class RMSNorm(nn.Module):
         # The same ops in the same order on row chunks (x*x is what pow(2) computes), written into the buffer; an
         # fp32 x is its own fp32 copy (the reference's x.float() returns it).
         for rows, x32, squares in fp32_chunks(x.shape[0], x.shape[1]):
-            if x.dtype == torch.float32:
-                scale = torch.mul(x[rows], x[rows], out=squares).mean(-1, keepdim=True).add_(self.eps).rsqrt_()
-                torch.mul(x[rows], scale, out=out[rows]).mul_(self.weight)
-                continue
-            x32.copy_(x[rows])
+            x32 = x[rows] if x.dtype == torch.float32 else x32.copy_(x[rows])
             scale = torch.mul(x32, x32, out=squares).mean(-1, keepdim=True).add_(self.eps).rsqrt_()
-            out[rows].copy_(x32.mul_(scale)).mul_(self.weight)
+            torch.mul(x32, scale, out=out[rows]).mul_(self.weight)  # the fp32 product, rounded once into out
         return out
 
 
