@@ -30,6 +30,10 @@ local_ray = embed_helpers.local_ray  # the session's Ray (a fixture shared with 
 # Small images and small pixel bounds: every image a handful of tokens (patch 16, merge 2: 32x32 pixels a token).
 SETTINGS = dict(min_pixels=32 * 32, max_pixels=96 * 96)
 SIZES = [(40, 56), (64, 96), (50, 50)]
+# Rows are compared bitwise with the test's own encoder, in this process and in Ray's actors. In fp32 oneDNN and
+# addmm round differently, and "auto" picks between them by timing each shape in each process (on these tiny
+# shapes, noise), so every encoder here is pinned to one kernel.
+LOAD = dict(device="cpu", dtype="float32", linear_kernel="addmm")
 
 
 @pytest.fixture(scope="module")
@@ -50,14 +54,14 @@ def media(tmp_path_factory) -> dict[str, list]:
 
 @pytest.fixture(scope="module")
 def encoder(checkpoint3):
-    with load_encoder(checkpoint3, device="cpu", dtype="float32") as enc:
+    with load_encoder(checkpoint3, **LOAD) as enc:
         yield enc
 
 
 @pytest.fixture(scope="module")
 def embedder(checkpoint3):
     """An Embedder called directly, as Ray's actor calls it (the UDF without a cluster)."""
-    return Embedder(str(checkpoint3), device="cpu", dtype="float32", **SETTINGS)
+    return Embedder(str(checkpoint3), **LOAD, **SETTINGS)
 
 
 def interleave(good: list, bad: list) -> tuple[list, list[bool]]:
@@ -184,7 +188,7 @@ def test_image_column_and_pooled(checkpoint3, encoder):
     good = [synthetic_photo(h, w, seed=10 + i) for i, (h, w) in enumerate(SIZES)]
     bad = [np.zeros((0, 0, 3), np.uint8), np.zeros((8, 8, 2), np.uint8), np.zeros((1, 300, 3), np.uint8)]
     items, is_good = interleave(good, bad)
-    pooled = Embedder(str(checkpoint3), device="cpu", dtype="float32", pooled=True, **SETTINGS)
+    pooled = Embedder(str(checkpoint3), **LOAD, pooled=True, **SETTINGS)
     column = np.empty(len(items), dtype=object)
     column[:] = items
     table = pooled({"image": column})
@@ -200,7 +204,7 @@ def test_image_column_and_pooled(checkpoint3, encoder):
 def test_a_failing_forward_costs_only_its_own_row(checkpoint3, encoder, media, monkeypatch):
     """A forward that fails for the whole batch (out of memory, say) is retried input by input; an input that
     fails alone too is an error row, never a failed task, and the other rows keep their tensors."""
-    embedder = Embedder(str(checkpoint3), device="cpu", dtype="float32", **SETTINGS)
+    embedder = Embedder(str(checkpoint3), **LOAD, **SETTINGS)
     forward = embedder.encoder.encode_patches
     poisoned = tuple(encoder.encode_images([media["good"][1]], **SETTINGS).grid_thw[0].tolist())
 
@@ -228,7 +232,7 @@ def test_ray_pipeline_over_every_input_kind(local_ray, checkpoint3, encoder, med
     CPU), bytes (read_binary_files) and images (read_images); then Ray's rows into the Parquet layout and back."""
     # Every image alone in its forward (max_batch_tokens=1), so the reference is each image encoded alone
     # whatever rows Ray puts together in a batch.
-    options = dict(device="cpu", dtype="float32", max_batch_tokens=1, **SETTINGS)
+    options = dict(LOAD, max_batch_tokens=1, **SETTINGS)
     # Ray runs an actor's torch on as many threads as its CPUs, here 1 (OMP_NUM_THREADS), and a CPU matmul's
     # last bits depend on how it is split over threads: the reference is computed on one thread too.
     threads = torch.get_num_threads()
