@@ -70,7 +70,7 @@ def _scope_hooks(model: torch.nn.Module) -> list:
 # the residual add, the activation or rope inside one module (``layers.linear_chunks``), so the module alone would
 # file the residual adds under attention or MLP. The CPU's GEMM attention path is attention, GEMMs included.
 FUSED_STEPS = {(layers, "add_linear_"): "residual (block)", (layers, "gated_linear"): "activation & gate",
-               (layers, "activated_linear"): "activation & gate", (layers, "rotate_into"): "rope & attention glue",
+               (layers, "activated_linear"): "activation & gate", (layers, "rotate_qk_into"): "rope & attention glue",
                (attention, "gemm_batched"): "attention"}
 
 

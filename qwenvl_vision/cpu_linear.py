@@ -112,6 +112,22 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return out
 
 
+# Activations oneDNN computes in its GEMM's epilogue, as (attr, algorithm) of ``_linear_pointwise``: on the fp32
+# accumulator, before the result is rounded to its dtype (one rounding fewer than the linear then the activation: in
+# bf16 closer to float64, in fp32 within an ulp or two of torch's activation). quick_gelu, x * sigmoid(1.702 x), has
+# none: the swish post-op takes no alpha through this call (it computes silu whatever the scalar).
+EPILOGUE_ACTIVATIONS = {"silu": ("swish", ""), "swish": ("swish", ""), "gelu": ("gelu", "none"),
+                        "gelu_pytorch_tanh": ("gelu", "tanh")}
+
+
+def packed_activated_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                            activation: str) -> torch.Tensor:
+    """``act(x @ weight.T + bias)`` with a packed weight, the activation in the GEMM's epilogue
+    (EPILOGUE_ACTIVATIONS); a fresh result."""
+    attr, algorithm = EPILOGUE_ACTIVATIONS[activation]
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, attr, [], algorithm)
+
+
 def consume_chunks(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
     """``packed_chunks``, each result dropped as the next arrives: what the kernel costs when the forward's next
     step reads every chunk as it comes (for timing)."""

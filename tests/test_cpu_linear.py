@@ -9,8 +9,9 @@ import threading
 import pytest
 import torch
 from safetensors.torch import load_file
+from transformers.activations import ACT2FN
 
-from qwenvl_vision import ConfigError, build_model, cpu_linear, load_encoder
+from qwenvl_vision import ConfigError, build_model, cpu_linear, layers, load_encoder
 from qwenvl_vision.cli import main
 from qwenvl_vision.cpu_linear import (
     DECISIONS,
@@ -21,6 +22,7 @@ from qwenvl_vision.cpu_linear import (
     pack_weight,
     packed_linear,
 )
+from qwenvl_vision.layers import Workspace
 from tests.helpers import (
     FAMILY_SMALL,
     QWEN2_5_SMALL,
@@ -32,6 +34,7 @@ from tests.helpers import (
     hf_tower,
     inputs,
     ours_from,
+    rel_err,
     write_checkpoint,
 )
 
@@ -60,12 +63,15 @@ def test_packed_towers_match_transformers_per_item(family, tmp_path):
 
 @pytest.mark.parametrize("cfg", [QWEN2_5_SMALL, QWEN3_SMALL_72, FAMILY_SMALL["qwen2_vl"]],
                          ids=["qwen2.5", "qwen3", "qwen2-vl"])
-def test_bf16_packed_is_bitwise_addmm(cfg, monkeypatch):
+def test_bf16_packed_is_bitwise_addmm_but_for_the_epilogue_activation(cfg, monkeypatch):
     """torch's bf16 addmm on the CPU is a oneDNN matmul: packing changes the layout, not one bit. Packed layers
     hand their rows to the activation and the residual add in chunks (layers.linear_chunks), the plain ones in
-    one result: chunks of a few dozen rows, so every pack crosses many chunk boundaries, change no bit either
-    (the gated SiLU, the GELU-tanh and the quick-GELU MLPs)."""
+    one result, and packed MLPs run by row blocks: chunks of a few dozen rows, so every pack crosses many chunk
+    boundaries, change no bit either (the gated SiLU and the quick-GELU MLPs). Where oneDNN computes the MLP's
+    activation in its GEMM's epilogue (Qwen3's GELU-tanh), the hidden activations skip one bf16 rounding: the
+    packed tower is then closer to the fp32 tower than the plain one, on every item."""
     monkeypatch.setattr(cpu_linear, "CHUNK_BYTES", 16 << 10)
+    monkeypatch.setattr(layers, "MLP_BLOCK_ROWS", 24)
     ref = hf_tower(cfg, seed=0)
     plain = ours_from(ref, cfg).to(torch.bfloat16)
     packed = ours_from(ref, cfg).to(torch.bfloat16)
@@ -73,7 +79,41 @@ def test_bf16_packed_is_bitwise_addmm(cfg, monkeypatch):
     pixel_values, grid_thw = inputs(cfg, grids_for(cfg))
     with torch.no_grad():
         (a, levels_a), (b, levels_b) = plain(pixel_values, grid_thw), packed(pixel_values, grid_thw)
-    assert torch.equal(a, b) and all(torch.equal(x, y) for x, y in zip(levels_a, levels_b, strict=True))
+        exact = ours_from(ref, cfg)(pixel_values, grid_thw)
+    if cfg.hidden_act not in cpu_linear.EPILOGUE_ACTIVATIONS or cfg.spec.mlp == "gated":
+        assert torch.equal(a, b) and all(torch.equal(x, y) for x, y in zip(levels_a, levels_b, strict=True))
+        return
+    assert_matches_reference((b, levels_b), exact, grid_thw, 3e-2)  # test_towers' bf16 tolerance, per item
+    # One MLP alone, where the skipped rounding is not lost among the tower's others: closer to float64.
+    gen = torch.Generator().manual_seed(1)
+    x, residual = (torch.randn(200, cfg.hidden_size, generator=gen).bfloat16() for _ in range(2))
+    mlp_plain, mlp_packed = plain.blocks[0].mlp, packed.blocks[0].mlp
+    fc1, fc2 = (layer.weight.double() for layer in (mlp_plain.linear_fc1, mlp_plain.linear_fc2))
+    hidden = ACT2FN[cfg.hidden_act](x.double() @ fc1.T + mlp_plain.linear_fc1.bias.double())
+    want = residual.double() + hidden @ fc2.T + mlp_plain.linear_fc2.bias.double()
+    wide = max(3 * cfg.hidden_size, mlp_plain.linear_fc1.out_features)  # as the tower sizes its workspace
+    with torch.no_grad(), Workspace(200, cfg.hidden_size, wide, torch.bfloat16, torch.device("cpu")).active():
+        got = {name: mlp(x, residual=residual.clone()).double() for name, mlp in
+               [("plain", mlp_plain), ("packed", mlp_packed)]}
+    assert rel_err(got["packed"], want) < rel_err(got["plain"], want)
+
+
+@pytest.mark.parametrize("name", sorted(cpu_linear.EPILOGUE_ACTIVATIONS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_epilogue_activations_are_transformers_activations(name, dtype):
+    """oneDNN's activation in the GEMM's epilogue against transformers' on the linear's result: within fp32's
+    rounding in fp32; in bf16 closer to float64 than the linear rounded and then activated."""
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(300, 96, generator=gen) * 2).to(dtype)
+    weight = (torch.randn(160, 96, generator=gen) / 5).to(dtype)
+    bias = torch.randn(160, generator=gen).to(dtype)
+    fused = cpu_linear.packed_activated_linear(x, pack_weight(weight), bias, name)
+    separate = ACT2FN[name](torch.nn.functional.linear(x, weight, bias))
+    exact = ACT2FN[name](torch.nn.functional.linear(x.double(), weight.double(), bias.double()))
+    if dtype == torch.float32:
+        assert rel_err(fused, separate) < 1e-6
+    else:
+        assert rel_err(fused.double(), exact) < rel_err(separate.double(), exact)
 
 
 def test_a_block_of_a_packed_tower_gives_plain_tensors_too():
@@ -192,11 +232,12 @@ def test_a_packed_tower_moves_and_casts_and_stays_exact():
     model = ours_from(ref, cfg)
     model.pack_linear_weights_("onednn")
     pixel_values, grid_thw = inputs(cfg, grids_for(cfg))
-    plain_bf16 = ours_from(ref, cfg).to(torch.bfloat16)
+    packed_bf16 = ours_from(ref, cfg).to(torch.bfloat16)  # cast, then packed
+    packed_bf16.pack_linear_weights_("onednn")
     model.to(torch.bfloat16)  # unpacked, cast, packed again
     assert packed_count(model) == len(model.linear_layers()) and model.blocks[0].attn.qkv.weight.dtype == torch.bfloat16
     with torch.no_grad():
-        assert torch.equal(model(pixel_values, grid_thw)[0], plain_bf16(pixel_values, grid_thw)[0])
+        assert torch.equal(model(pixel_values, grid_thw)[0], packed_bf16(pixel_values, grid_thw)[0])
     model = ours_from(ref, cfg)
     model.pack_linear_weights_("onednn")
     model.double()  # oneDNN packs no float64: plain weights, still right

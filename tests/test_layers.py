@@ -8,25 +8,37 @@ from transformers.activations import ACT2FN
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLRMSNorm, apply_rotary_pos_emb_vision
 
 from qwenvl_vision import config
-from qwenvl_vision.layers import ACTIVATIONS, SCRATCH_ELEMENTS, LayerNorm, RMSNorm, Workspace, rope_cos_sin, rotate_
+from qwenvl_vision.layers import (
+    ACTIVATIONS,
+    SCRATCH_ELEMENTS,
+    LayerNorm,
+    RMSNorm,
+    Workspace,
+    rope_cos_sin,
+    rotate_qk_into,
+    signed_sin,
+)
 from qwenvl_vision.names import to_checkpoint_state
 from tests.helpers import QWEN2_5_GRIDS, QWEN2_5_SMALL, QWEN3_GRIDS, QWEN3_SMALL_72, hf_forward, inputs, pair, rel_err
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rope_in_a_workspace_is_bitwise_the_reference_on_strided_views(dtype):
-    """In place on q and k inside the qkv buffer, by row chunks through fp32 scratch: the reference's bits."""
+@pytest.mark.parametrize("in_place", [True, False])
+def test_rope_in_a_workspace_is_bitwise_the_reference_on_strided_views(dtype, in_place):
+    """q and k rotated together inside the qkv rows (in place, or from a fresh chunk into a buffer), by row chunks
+    through fp32 scratch with the signs folded into the sin table: the reference's bits, v untouched."""
     gen = torch.Generator().manual_seed(0)
-    rows = 2 * (SCRATCH_ELEMENTS // (3 * 80)) + 37  # three chunks, the last one partial
+    rows = 2 * (SCRATCH_ELEMENTS // (2 * 3 * 80)) + 37  # three chunks, the last one partial
     qkv = (torch.randn(rows, 3, 3, 80, generator=gen) * 4).to(dtype)
     cos, sin = rope_cos_sin(torch.randint(0, 90, (rows, 2), generator=gen), 80)
     expected_q, expected_k = apply_rotary_pos_emb_vision(qkv[:, 0].clone(), qkv[:, 1].clone(), cos, sin)
     untouched = qkv[:, 2].clone()
+    out = qkv if in_place else torch.full_like(qkv, float("nan"))
     with Workspace(rows, 240, 720, dtype, torch.device("cpu")).active():
-        q, k = rotate_(qkv[:, 0], qkv[:, 1], (cos, sin))  # strided views, as inside attention
-    assert q.data_ptr() == qkv[:, 0].data_ptr() and k.data_ptr() == qkv[:, 1].data_ptr()
-    assert torch.equal(q, expected_q.to(dtype)) and torch.equal(k, expected_k.to(dtype))
+        rotate_qk_into(qkv.view(rows, 9, 80)[:, :6], out.view(rows, 9, 80)[:, :6], cos, signed_sin(sin))
+    assert torch.equal(out[:, 0], expected_q.to(dtype)) and torch.equal(out[:, 1], expected_k.to(dtype))
     assert torch.equal(qkv[:, 2], untouched)  # v was not written
+    assert in_place or out[:, 2].isnan().all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
