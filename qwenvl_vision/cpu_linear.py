@@ -23,8 +23,13 @@ packed layer is not supported: unpack first.
 Deviation from ``F.linear``: oneDNN has no ``out=`` form, so a call that must write into the forward's workspace
 runs on row chunks whose fresh outputs stay in cache and below glibc's mmap threshold (reused heap memory, no
 page faults) and copies each into place; where the forward consumes a result at once (rope on q and k after qkv,
-the activation after an MLP's or a merger's first linear, the residual add after the last), it takes the chunks
-as they come and nothing is copied (``layers.linear_chunks``).
+the activation after a merger's first linear, the residual add after the last), it takes the chunks as they come
+and nothing is copied (``layers.linear_chunks``). A packed MLP runs by row blocks (``layers.add_by_row_blocks_``).
+
+Deviation from the reference's rounding: ``packed_activated_linear`` computes an activation in oneDNN's GEMM
+epilogue (``EPILOGUE_ACTIVATIONS``, used by the plain MLPs), on the fp32 accumulator: in bf16 the linear's result is
+not rounded before the activation (one rounding fewer than transformers' Linear then activation: closer to float64,
+not its bits); in fp32 oneDNN's activation is within an ulp or two of torch's (relative error under 1e-6).
 """
 
 from __future__ import annotations
@@ -48,7 +53,10 @@ PROBE_ROWS = 1024  # rows of the timing probe: the towers' packs hold thousands,
 PROBE_REPEATS = 3
 # How much faster oneDNN must be to be chosen. fp32: the two kernels round differently, so a choice must not flip
 # between two processes on timing noise (on AMD the gap is 2x; on a CPU where MKL runs at full speed it is a tie,
-# and addmm stays). bf16: the results are bitwise equal (checked on every released tower shape), so any gain counts.
+# and addmm stays). bf16: a linear's results are bitwise equal (checked on every released tower shape), so any gain
+# counts; but whether a plain MLP computes its activation in the epilogue (one rounding fewer) follows its layers'
+# choice, so two processes on "auto" may differ there, as in fp32: a run records its choices (``linear_kernels``)
+# and every later forward of it loads with them.
 MARGIN = {torch.float32: 1.25, torch.bfloat16: 1.03}
 # Fresh output per oneDNN call on row chunks (into a workspace, or consumed at once by an epilogue): small enough to
 # stay in the last-level cache until it is read again (tens of MiB on server CPUs), far under glibc's mmap threshold.

@@ -437,7 +437,7 @@ def load_encoder(
     ``video_preprocessor_config.json`` (a settings object, or a dict in the file's format).
     linear_kernel: on the CPU, "auto" puts each Linear weight in oneDNN's prepacked layout where that kernel is
     faster on this machine (measured once per shape; ``cpu_linear``), "onednn" everywhere, "addmm" nowhere, or a
-    kernel per layer name (``encoder.model.linear_kernels`` of another encoder: the same bits in fp32).
+    kernel per layer name (``encoder.model.linear_kernels`` of another encoder: the same bits).
     Packed weights replace the plain ones; ``state_dict()`` still gives plain tensors. Ignored off the CPU and
     with ``compile``.
     """

@@ -9,9 +9,11 @@ Reference: the vision classes of transformers' ``modeling_qwen2_vl.py``, ``model
 - attention runs through the tower's backend (``attention.py``) on a per-forward segment plan;
 - in eager inference, activations are written into the forward's two ``Workspace`` buffers instead of fresh
   tensors (the same operations in the reference's order: results are bitwise those of the same ops out of place,
-  but where a packed linear's rows come in chunks: see ``linear_chunks``);
+  but where a packed linear's rows come in chunks or an MLP runs by row blocks: see ``linear_chunks``);
 - on the CPU the linears may run oneDNN's prepacked kernel where it is faster (``cpu_linear.PackableLinear``):
-  in fp32 it rounds differently from addmm (both within ~5e-7 of float64), in bf16 it gives the same bits.
+  in fp32 it rounds differently from addmm (both within ~5e-7 of float64), in bf16 it gives the same bits;
+- a packed plain (non-gated) MLP computes its activation in oneDNN's GEMM epilogue (``epilogue_activated``): in
+  bf16 one rounding fewer than the reference's Linear then activation (closer to float64, not its bits).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -95,7 +97,9 @@ def buffered() -> bool:
     return not torch.compiler.is_compiling() and _ACTIVE.get() is not None
 
 
-SCRATCH_ELEMENTS = 1 << 18  # 1 MiB of fp32 per scratch buffer: a chunk's temporaries stay in cache
+# 2 MiB of fp32 per scratch buffer: a chunk's temporaries stay in the last-level cache, and the chunks are few
+# enough that dispatch is not the cost (1 MiB chunks ran a 3,848 x 1,280 bf16 RMSNorm ~20% slower).
+SCRATCH_ELEMENTS = 1 << 19
 
 
 def row_chunks(rows: int, width: int) -> list[slice]:
@@ -173,8 +177,10 @@ def gated_linear(x: torch.Tensor, layer: PackableLinear, act: str) -> torch.Tens
     return gated if hidden is None else hidden
 
 
-# Rows of an MLP's block (``add_by_row_blocks_``): a (512, hidden) activation stays in cache between the two GEMMs,
-# and 512 rows run the GEMMs at their full rate (256 ran the Qwen3-VL-8B MLP ~8% slower).
+# Rows of an MLP's block (``add_by_row_blocks_``): a block's hidden activations (512 x hidden, 3.5-14 MB) stay in
+# the last-level cache between the two GEMMs, and 512 rows run the GEMMs at their full rate (256 ran the
+# Qwen3-VL-8B MLP ~8% slower). A block's fresh results may exceed cpu_linear.CHUNK_BYTES; at these sizes glibc
+# serves them from the heap once the first is freed (its mmap threshold follows the largest freed chunk).
 MLP_BLOCK_ROWS = 512
 
 
@@ -188,7 +194,8 @@ def add_by_row_blocks_(residual: torch.Tensor, x: torch.Tensor, hidden_of: Calla
                        second: PackableLinear) -> torch.Tensor:
     """``residual += second(hidden_of(x))`` in place, MLP_BLOCK_ROWS rows at a time (balanced): each block's hidden
     activations are computed, consumed and dropped while in cache, instead of an N x hidden tensor written to memory
-    and read back. A row's result does not depend on its block (``cpu_linear``): the same bits as one pass."""
+    and read back. A row's linear result does not depend on its block (``cpu_linear``), so in bf16 the same bits
+    as one pass; in fp32 a transcendental activation on other splits may differ by an ulp (``linear_chunks``)."""
     for rows in balanced_chunks(x.shape[0], MLP_BLOCK_ROWS):
         add_linear_(residual[rows], hidden_of(x[rows]), second)
     return residual
@@ -199,7 +206,7 @@ def epilogue_activated(x: torch.Tensor, layer: PackableLinear, act: str) -> torc
     it (``cpu_linear.EPILOGUE_ACTIVATIONS``), else in place on the result."""
     if act in EPILOGUE_ACTIVATIONS:
         return packed_activated_linear(x, layer.weight, layer.bias, act)
-    return activate_(layer(x), act)
+    return activate_(layer.linear(x), act)
 
 
 # The trailing underscore is torch's mark of an in-place op. These are in place when the forward's workspace is
@@ -337,7 +344,10 @@ class RMSNorm(nn.Module):
         for rows, x32, squares in fp32_chunks(x.shape[0], x.shape[1]):
             x32 = x[rows] if x.dtype == torch.float32 else x32.copy_(x[rows])
             scale = torch.mul(x32, x32, out=squares).mean(-1, keepdim=True).add_(self.eps).rsqrt_()
-            torch.mul(x32, scale, out=out[rows]).mul_(self.weight)  # the fp32 product, rounded once into out
+            if x.dtype == torch.float32:
+                torch.mul(x32, scale, out=out[rows]).mul_(self.weight)
+            else:  # the fp32 product rounded once into out (a mixed-dtype out= would allocate an fp32 temporary)
+                out[rows].copy_(x32.mul_(scale)).mul_(self.weight)
         return out
 
 
@@ -381,10 +391,11 @@ class AttentionInputs:
     rope: tuple[torch.Tensor, torch.Tensor]  # cos, sin (N, hd) fp32, in the forward's token order
     segments: SegmentPlan
     attend: Callable  # an attention backend, see attention.py
-    signed_sin: torch.Tensor = field(init=False)  # sin with rotate_half's signs (rotate_qk_into), once a forward
+    signed_sin: torch.Tensor | None = None  # sin with rotate_half's signs (rotate_qk_into); made when not given
 
     def __post_init__(self) -> None:
-        self.signed_sin = signed_sin(self.rope[1])
+        if self.signed_sin is None:
+            self.signed_sin = signed_sin(self.rope[1])
 
 
 class VisionAttention(nn.Module):
@@ -442,14 +453,14 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """The MLP's output for x, added to ``residual`` when given (``add_linear_``); by row blocks where both
-        linears run packed (``add_by_row_blocks_``: the same bits)."""
+        linears run packed (``add_by_row_blocks_``: the same bits in bf16)."""
         if by_row_blocks(residual, x, self.gate_up_proj, self.down_proj):
             return add_by_row_blocks_(residual, x, self.gated_block, self.down_proj)
         return add_linear_(residual, gated_linear(x, self.gate_up_proj, self.act), self.down_proj)
 
     def gated_block(self, x: torch.Tensor) -> torch.Tensor:
         """act(gate) * up of a block of rows, into the workspace (one block's worth, reused by every block)."""
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate, up = self.gate_up_proj.linear(x).chunk(2, dim=-1)
         return multiply_(activate_(gate, self.act), up, out=output_buffer(x, x.shape[0], up.shape[1]))
 
 

@@ -141,7 +141,8 @@ class VisionTower(nn.Module):
         plan = self.prepare(grids, device)
         x = self.embed(pixel_values.to(device, non_blocking=True), plan)
         full = AttentionInputs(self._dynamic(*plan.rope), plan.frames, self.attention_backend())
-        windowed = full if plan.windows is None else AttentionInputs(plan.rope, plan.windows, full.attend)
+        windowed = full if plan.windows is None else AttentionInputs(plan.rope, plan.windows, full.attend,
+                                                                     full.signed_sin)
         levels = []
         with self.workspace(x):
             for i, block in enumerate(self.blocks):

@@ -30,9 +30,10 @@ local_ray = embed_helpers.local_ray  # the session's Ray (a fixture shared with 
 # Small images and small pixel bounds: every image a handful of tokens (patch 16, merge 2: 32x32 pixels a token).
 SETTINGS = dict(min_pixels=32 * 32, max_pixels=96 * 96)
 SIZES = [(40, 56), (64, 96), (50, 50)]
-# Rows are compared bitwise with the test's own encoder, in this process and in Ray's actors. In fp32 oneDNN and
-# addmm round differently, and "auto" picks between them by timing each shape in each process (on these tiny
-# shapes, noise), so every encoder here is pinned to one kernel.
+# Rows are compared bitwise with the test's own encoder, in this process and in Ray's actors. oneDNN and addmm
+# round differently (in fp32; in bf16 where a plain MLP's activation moves into oneDNN's GEMM), and "auto" picks
+# between them by timing each shape in each process (on these tiny shapes, noise), so every encoder here is pinned
+# to one kernel.
 LOAD = dict(device="cpu", dtype="float32", linear_kernel="addmm")
 
 
