@@ -10,8 +10,8 @@ every other op by the innermost module around it
 activation and gate multiply; mergers; the block itself -> residual adds; the rest, e.g. the patch embedding's
 copies and the position embedding -> other). Our layers' fused steps (a linear's rows handed straight to the
 residual add, the activation or rope: ``FUSED_STEPS``) are scoped by what they do, not by the module around them.
-A packed plain MLP's activation runs inside oneDNN's GEMM (``cpu_linear.EPILOGUE_ACTIVATIONS``) and counts as GEMM:
-compare the towers' totals, not that row, for Qwen3 and Qwen2-VL.
+A packed plain MLP's activation runs inside oneDNN's GEMM where it can (``cpu_linear.EPILOGUE_ACTIVATIONS``: Qwen3's
+GELU-tanh, not Qwen2-VL's quick-GELU) and then counts as GEMM: compare the towers' totals, not that row.
 """
 
 from __future__ import annotations

@@ -344,9 +344,9 @@ class RMSNorm(nn.Module):
         for rows, x32, squares in fp32_chunks(x.shape[0], x.shape[1]):
             x32 = x[rows] if x.dtype == torch.float32 else x32.copy_(x[rows])
             scale = torch.mul(x32, x32, out=squares).mean(-1, keepdim=True).add_(self.eps).rsqrt_()
-            if x.dtype == torch.float32:
-                torch.mul(x32, scale, out=out[rows]).mul_(self.weight)
-            else:  # the fp32 product rounded once into out (a mixed-dtype out= would allocate an fp32 temporary)
+            if x.dtype == torch.float32 or x.device.type != "cpu":
+                torch.mul(x32, scale, out=out[rows]).mul_(self.weight)  # the fp32 product, rounded once into out
+            else:  # on the CPU a mixed-dtype out= allocates an fp32 temporary: scale in the scratch, then round
                 out[rows].copy_(x32.mul_(scale)).mul_(self.weight)
         return out
 
