@@ -108,12 +108,15 @@ def row_chunks(rows: int, width: int) -> list[slice]:
     return [slice(start, min(start + step, rows)) for start in range(0, rows, step)]
 
 
-def fp32_chunks(rows: int, *shape: int) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor]]:
-    """(rows slice, two fp32 scratch views of (chunk rows, *shape)) over `rows`, from the active workspace."""
-    scratch = _ACTIVE.get().scratch
-    for chunk in row_chunks(rows, math.prod(shape)):
+def fp32_chunks(x: torch.Tensor) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor]]:
+    """(rows slice, those rows of x in fp32, an fp32 scratch view of their shape) over x's rows, through the active
+    workspace's scratch: the reference's ``x.float()`` chunk by chunk. An fp32 x's rows are x's own (``float()``
+    returns them: never write into them), any other dtype's are widened into the first scratch buffer."""
+    scratch, shape = _ACTIVE.get().scratch, x.shape[1:]
+    for chunk in row_chunks(x.shape[0], math.prod(shape)):
         size = (chunk.stop - chunk.start) * math.prod(shape)
-        yield chunk, scratch[0, :size].view(-1, *shape), scratch[1, :size].view(-1, *shape)
+        x32 = x[chunk] if x.dtype == torch.float32 else scratch[0, :size].view(-1, *shape).copy_(x[chunk])
+        yield chunk, x32, scratch[1, :size].view(-1, *shape)
 
 
 def linear(x: torch.Tensor, layer: PackableLinear) -> torch.Tensor:
@@ -172,9 +175,14 @@ def gated_linear(x: torch.Tensor, layer: PackableLinear, act: str) -> torch.Tens
     workspace buffer, or in place on the one result (``linear_chunks``)."""
     hidden = output_buffer(x, x.shape[0], layer.out_features // 2) if in_chunks(x, layer) else None
     for rows, gate_up in linear_chunks(x, layer):
-        gate, up = gate_up.chunk(2, dim=-1)
-        gated = multiply_(activate_(gate, act), up, out=None if hidden is None else hidden[rows])
+        gated = gate_times_up(gate_up, act, out=None if hidden is None else hidden[rows])
     return gated if hidden is None else hidden
+
+
+def gate_times_up(gate_up: torch.Tensor, act: str, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``act(gate) * up`` of ``[gate | up]`` rows: the activation in place on gate, the product into ``out``."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return multiply_(activate_(gate, act), up, out=out)
 
 
 # Rows of an MLP's block (``add_by_row_blocks_``): a block's hidden activations (512 x hidden, 3.5-14 MB) stay in
@@ -272,13 +280,12 @@ def rotate_qk_into(qk: torch.Tensor, out: torch.Tensor, cos: torch.Tensor, signe
 
     The reference's ops in its order, x * cos + rotate_half(x) * sin in fp32 rounded once to the dtype, on row
     chunks through the active workspace's fp32 scratch (each chunk is read before its rows are written): the same
-    bits. An fp32 qk is its own fp32 copy (the reference's x.float() returns it) and is rotated straight into out.
+    bits. An fp32 qk is rotated straight into out (``fp32_chunks``).
     One pass for q and k together, with the signs in the table, is half the ops of rotating each alone: at
     3,848 tokens that was ~1,000 ops a block, and their dispatch cost more than their arithmetic.
     """
     half = qk.shape[-1] // 2
-    for rows, x32, tmp in fp32_chunks(qk.shape[0], *qk.shape[1:]):
-        x = qk[rows] if qk.dtype == torch.float32 else x32.copy_(qk[rows])
+    for rows, x, tmp in fp32_chunks(qk):
         c, s = cos[rows].unsqueeze(-2), signed[rows].unsqueeze(-2)
         torch.mul(x[..., half:], s[..., :half], out=tmp[..., :half])
         torch.mul(x[..., :half], s[..., half:], out=tmp[..., half:])
@@ -339,10 +346,8 @@ class RMSNorm(nn.Module):
             x32 = x.float()
             x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
             return self.weight * x32.to(x.dtype)
-        # The same ops in the same order on row chunks (x*x is what pow(2) computes), written into the buffer; an
-        # fp32 x is its own fp32 copy (the reference's x.float() returns it).
-        for rows, x32, squares in fp32_chunks(x.shape[0], x.shape[1]):
-            x32 = x[rows] if x.dtype == torch.float32 else x32.copy_(x[rows])
+        # The same ops in the same order on row chunks (x*x is what pow(2) computes), written into the buffer.
+        for rows, x32, squares in fp32_chunks(x):
             scale = torch.mul(x32, x32, out=squares).mean(-1, keepdim=True).add_(self.eps).rsqrt_()
             if x.dtype == torch.float32 or x.device.type != "cpu":
                 torch.mul(x32, scale, out=out[rows]).mul_(self.weight)  # the fp32 product, rounded once into out
@@ -460,8 +465,8 @@ class GatedMLP(nn.Module):
 
     def gated_block(self, x: torch.Tensor) -> torch.Tensor:
         """act(gate) * up of a block of rows, into the workspace (one block's worth, reused by every block)."""
-        gate, up = self.gate_up_proj.linear(x).chunk(2, dim=-1)
-        return multiply_(activate_(gate, self.act), up, out=output_buffer(x, x.shape[0], up.shape[1]))
+        hidden = output_buffer(x, x.shape[0], self.down_proj.in_features)
+        return gate_times_up(self.gate_up_proj.linear(x), self.act, out=hidden)
 
 
 class MLP(nn.Module):
