@@ -100,8 +100,8 @@ def transformers_unavailable(cfg: VisionConfig, attn: str) -> str | None:
 
 
 def build_variants(cfg: VisionConfig, device: torch.device, dtype: torch.dtype, attns: tuple[str, ...] = ("sdpa",),
-                   compile_options: dict | None = None, seed: int = 0, addmm_variant: bool = False
-                   ) -> tuple[dict[str, Variant], dict[str, str]]:
+                   compile_options: dict | None = None, seed: int = 0, addmm_variant: bool = False,
+                   one_forward_variant: bool = False) -> tuple[dict[str, Variant], dict[str, str]]:
     """Ours (eager), ours compiled (when compile_options is not None) and transformers' tower per attention
     implementation, all with the same spread random weights (ours read under the checkpoint names); returns the
     variants and, for those that cannot run here, the reason."""
@@ -132,6 +132,10 @@ def build_variants(cfg: VisionConfig, device: torch.device, dtype: torch.dtype, 
         built["ours"].model.pack_linear_weights_("auto")
         if addmm_variant:
             built["ours-addmm"] = Variant(run_ours, ours())
+        if one_forward_variant:  # the pack as one forward, as on CUDA: what running each item alone costs
+            one = built["ours-one-forward"] = Variant(run_ours, ours())
+            one.model.pack_linear_weights_(built["ours"].model.linear_kernels)
+            one.model.packs = lambda grids, device: [grids]
     if compile_options is not None:
         compiled = ours()
         compiled.compile_blocks(**compile_options)
@@ -358,6 +362,9 @@ def main(argv: list[str] | None = None) -> dict:
                              "variant as a fraction of that bound")
     parser.add_argument("--addmm", action="store_true",
                         help="CPU: also time ours with every linear on torch's addmm (no oneDNN prepacking)")
+    parser.add_argument("--one-forward", action="store_true",
+                        help="CPU: also time ours with the pack as one forward (as on CUDA) instead of one forward "
+                             "per item (which makes an item's bits independent of its neighbours)")
     parser.add_argument("--json", help="write the numbers here")
     args = parser.parse_args(argv)
     if args.compile and args.warmup < 1:
@@ -372,7 +379,7 @@ def main(argv: list[str] | None = None) -> dict:
     pixel_values, grid_thw, items = build_inputs(args.inputs, cfg)
     attns = tuple(a.strip() for a in args.attn.split(",") if a.strip())
     variants, skipped = build_variants(cfg, device, dtype, attns, {} if args.compile else None,
-                                       addmm_variant=args.addmm)
+                                       addmm_variant=args.addmm, one_forward_variant=args.one_forward)
     for name, reason in skipped.items():
         print(f"{name}: skipped ({reason})", file=sys.stderr)
     bounds: list[dict] = []

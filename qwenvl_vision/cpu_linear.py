@@ -8,11 +8,13 @@ kernel is chosen by measurement on the machine at hand, per (in, out, dtype), ne
 Reference: the calls inductor's CPU freezing pass emits for a frozen ``nn.Linear``
 (torch/_inductor/fx_passes/mkldnn_fusion.py): ``torch.ops.mkldnn._reorder_linear_weight(w, rows)`` once, then
 ``torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")`` per call. Its fp32 result is
-fp32-accurate (relative error against float64 ~5e-7, addmm's ~2.5e-7), not addmm's bits; its bf16 result is
-addmm's bit for bit (torch's bf16 addmm on the CPU is a oneDNN matmul itself). The reorder's row count is only a
-hint for the blocking: any row count runs with one packed weight. Each row's result does not depend on the other
-rows of the call from a few rows up (checked for 7 to 3,740; a single-row call may round differently, as MKL's
-addmm does for 1 to 7 rows), so chunks are balanced and never leave a short tail.
+fp32-accurate (relative error against float64 ~5e-7, addmm's ~2.5e-7), not addmm's bits. In bf16 torch's addmm
+on the CPU is a oneDNN matmul itself: on CPUs where the plain and the packed weight take the same kernel the bits
+are addmm's, on others (AMX machines, whose packed weights take another kernel) they differ within bf16 rounding.
+The reorder's row count is only a hint for the blocking: any row count runs with one packed weight. Whether a
+row's bits depend on the call's row count is the CPU's kernels' affair (on some they do); the tower runs each item
+as its own forward, so an item's calls are the same wherever it is (``tower.VisionTower.packs``). Chunks are
+balanced and never leave a short tail (a call of a few rows runs slowly).
 
 ``PackableLinear`` is an ``nn.Linear`` that owns this: ``pack_()`` replaces its weight by the packed tensor (one
 copy, not two), ``state_dict`` hands out the plain tensor, a state dict loads into it (and it packs again), a move
@@ -54,8 +56,8 @@ PROBE_ROWS = 1024  # rows of the timing probe: the towers' packs hold thousands,
 PROBE_REPEATS = 3
 # How much faster oneDNN's GEMM alone must be to be chosen (below 1: how much slower it may be). fp32: the two
 # kernels round differently, so a choice must not flip between two processes on timing noise (on AMD the gap is 2x;
-# on a CPU where MKL runs at full speed it is a tie, and addmm stays). bf16: a linear's results are bitwise equal
-# (checked on every released tower shape), and a packed layer hands its rows to the next step without a copy and
+# on a CPU where MKL runs at full speed it is a tie, and addmm stays). bf16: the two agree within bf16 rounding
+# (bitwise on some CPUs), and a packed layer hands its rows to the next step without a copy and
 # lets an MLP run by row blocks with its activation in the GEMM (``layers``): worth more than a few percent of the
 # GEMM (the Qwen3-VL-8B MLP ran ~10% faster so), so oneDNN is kept unless addmm is 5% faster. That also keeps the
 # choice off the noise: on this project's AMD CPU oneDNN's bf16 lead is 0-10% per shape, and a 1.03 margin flipped

@@ -11,7 +11,8 @@ Reference: the vision classes of transformers' ``modeling_qwen2_vl.py``, ``model
   tensors (the same operations in the reference's order: results are bitwise those of the same ops out of place,
   but where a packed linear's rows come in chunks or an MLP runs by row blocks: see ``linear_chunks``);
 - on the CPU the linears may run oneDNN's prepacked kernel where it is faster (``cpu_linear.PackableLinear``):
-  in fp32 it rounds differently from addmm (both within ~5e-7 of float64), in bf16 it gives the same bits;
+  in fp32 it rounds differently from addmm (both within ~5e-7 of float64), in bf16 it agrees within bf16 rounding
+  (bitwise on CPUs where both weights take one oneDNN kernel);
 - a packed plain (non-gated) MLP computes its activation in oneDNN's GEMM epilogue (``epilogue_activated``): in
   bf16 one rounding fewer than the reference's Linear then activation (closer to float64, not its bits).
 """
@@ -137,11 +138,11 @@ def linear_chunks(x: torch.Tensor, layer: PackableLinear) -> Iterator[tuple[slic
     oneDNN's prepacked kernel has no ``out=``: writing its result into the workspace costs a copy of it. Here,
     when ``in_chunks``, each chunk is a fresh output of ``cpu_linear.CHUNK_BYTES`` (still in cache when the caller
     reads it) and is never copied; otherwise there is one pair, ``linear(x, layer)``. The linear's rows are the
-    same bits either way (each row's result does not depend on the chunking, ``cpu_linear``), and so are the
-    residual add, gate * up and rope. A transcendental activation on chunks may differ in the last bit of a few
-    fp32 elements: where a thread's share of a call ends mid-row, that row's tail takes the scalar kernel instead
-    of the vector one (silu / GELU-tanh at the towers' widths, 2-3 threads: 0-150 of 13-56 M elements, 1 ulp; in
-    bf16 none, the ulp vanishes in the rounding).
+    same bits either way where the CPU's kernel gives a row the same bits in calls of any row count (on some it
+    does not: then they agree within the dtype's rounding); the residual add, gate * up and rope are exact. A
+    transcendental activation on chunks may differ in the last bit of a few fp32 elements: where a thread's share
+    of a call ends mid-row, that row's tail takes the scalar kernel instead of the vector one (in bf16 the ulp
+    vanishes in the rounding). Either way an item's chunks are the same wherever it is (``VisionTower.packs``).
     """
     if not in_chunks(x, layer):
         yield slice(None), linear(x, layer)
@@ -202,8 +203,8 @@ def add_by_row_blocks_(residual: torch.Tensor, x: torch.Tensor, hidden_of: Calla
                        second: PackableLinear) -> torch.Tensor:
     """``residual += second(hidden_of(x))`` in place, MLP_BLOCK_ROWS rows at a time (balanced): each block's hidden
     activations are computed, consumed and dropped while in cache, instead of an N x hidden tensor written to memory
-    and read back. A row's linear result does not depend on its block (``cpu_linear``), so in bf16 the same bits
-    as one pass; in fp32 a transcendental activation on other splits may differ by an ulp (``linear_chunks``)."""
+    and read back. In bf16 the same bits as one pass where the CPU's kernel gives a row the same bits in calls of
+    any row count; in fp32 a transcendental activation on other splits may differ by an ulp (``linear_chunks``)."""
     for rows in balanced_chunks(x.shape[0], MLP_BLOCK_ROWS):
         add_linear_(residual[rows], hidden_of(x[rows]), second)
     return residual
@@ -458,7 +459,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """The MLP's output for x, added to ``residual`` when given (``add_linear_``); by row blocks where both
-        linears run packed (``add_by_row_blocks_``: the same bits in bf16)."""
+        linears run packed (``add_by_row_blocks_``)."""
         if by_row_blocks(residual, x, self.gate_up_proj, self.down_proj):
             return add_by_row_blocks_(residual, x, self.gated_block, self.down_proj)
         return add_linear_(residual, gated_linear(x, self.gate_up_proj, self.act), self.down_proj)

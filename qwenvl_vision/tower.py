@@ -134,22 +134,48 @@ class VisionTower(nn.Module):
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor | list
                 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """pixel_values (sum t*h*w, C*T*P*P) in merge-block order -> (merged tokens (sum t*h*w/4, out) in input
-        order, DeepStack levels of the same shape, [] for towers without DeepStack)."""
+        order, DeepStack levels of the same shape, [] for towers without DeepStack). The items run as the
+        forwards ``packs`` says, one workspace shared by all of them."""
         grids = self.grid_list(grid_thw)
         self.check_pixels(pixel_values, grids)
         device = self.patch_embed.proj.weight.device
-        plan = self.prepare(grids, device)
-        x = self.embed(pixel_values.to(device, non_blocking=True), plan)
+        pixel_values = pixel_values.to(device, non_blocking=True)
+        packs = self.packs(grids, device)
+        rows = [sum(t * h * w for t, h, w in pack) for pack in packs]
+        with self.workspace(max(rows), pixel_values):
+            results = [self.forward_pack(pixels, pack)
+                       for pixels, pack in zip(pixel_values.split(rows), packs, strict=True)]
+        if len(results) == 1:
+            return results[0]
+        merged = torch.cat([embeddings for embeddings, _ in results])
+        return merged, [torch.cat(level) for level in zip(*(levels for _, levels in results), strict=True)]
+
+    def packs(self, grids: list[Grid], device: torch.device) -> list[list[Grid]]:
+        """The forwards a pack of items runs as: on the CPU one per item, elsewhere one for the whole pack.
+
+        Why: an item's result must not depend on the items beside it (every output path, resume, rank and Ray
+        actor batches differently and promises the same tensors). On some CPUs a GEMM row's bits depend on the
+        call's row count or on the row's place in it (and a threaded elementwise kernel's vector/scalar split
+        falls where the call's length puts it), so on the CPU each item runs alone: the same calls on the same
+        rows whatever its neighbours, on any CPU, at a given thread count and kernel choice. Its GEMMs are one
+        item's rows instead of the pack's, which costs little at the towers' sizes (docs/benchmarks.md). On
+        CUDA a pack of small images alone would be launch-bound: it runs whole, and an item agrees across
+        batchings within its dtype's rounding."""
+        return [[grid] for grid in grids] if device.type == "cpu" else [grids]
+
+    def forward_pack(self, pixel_values: torch.Tensor, grids: list[Grid]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """One forward over a pack of items (``forward``), inside the active workspace if any."""
+        plan = self.prepare(grids, pixel_values.device)
+        x = self.embed(pixel_values, plan)
         full = AttentionInputs(self._dynamic(*plan.rope), plan.frames, self.attention_backend())
         windowed = full if plan.windows is None else AttentionInputs(plan.rope, plan.windows, full.attend,
                                                                      full.signed_sin)
         levels = []
-        with self.workspace(x):
-            for i, block in enumerate(self.blocks):
-                x = block(self._dynamic(x)[0], full if i in self.full_attention_blocks else windowed)
-                if i in self.deepstack_level:
-                    levels.append(self.deepstack_merger_list[self.deepstack_level[i]](x))
-            merged = self.merger(x)
+        for i, block in enumerate(self.blocks):
+            x = block(self._dynamic(x)[0], full if i in self.full_attention_blocks else windowed)
+            if i in self.deepstack_level:
+                levels.append(self.deepstack_merger_list[self.deepstack_level[i]](x))
+        merged = self.merger(x)
         if plan.reverse is not None:
             merged, levels = merged[plan.reverse], [level[plan.reverse] for level in levels]
         return merged, levels
@@ -322,20 +348,22 @@ class VisionTower(nn.Module):
 
     # ------------------------------------------------------------------ activation memory
 
-    def workspace(self, x: torch.Tensor):
-        """This forward's activation buffers for hidden states like x (N, D), active around the block loop; see
+    def workspace(self, rows: int, pixel_values: torch.Tensor):
+        """The activation buffers of up to ``rows`` hidden states, active around the forwards; see
         ``layers.Workspace``. None (everything out of place) for compiled blocks, inside a compiled graph, under
         autocast and when autograd is recording."""
-        if (self.compiled or torch.compiler.is_compiling() or self._recording_grad(x)
-                or torch.is_autocast_enabled(x.device.type)):  # out= ops do not autocast: run as the reference
+        weight = self.patch_embed.proj.weight
+        if (self.compiled or torch.compiler.is_compiling() or self._recording_grad(pixel_values)
+                or torch.is_autocast_enabled(weight.device.type)):  # out= ops do not autocast: run as the reference
             return contextlib.nullcontext()
         cfg = self.config
         mlp_width = cfg.intermediate_size * (2 if cfg.spec.mlp == "gated" else 1)
-        return Workspace(x.shape[0], cfg.hidden_size, max(3 * cfg.hidden_size, mlp_width), x.dtype,
-                         x.device).active()
+        return Workspace(rows, cfg.hidden_size, max(3 * cfg.hidden_size, mlp_width), weight.dtype,
+                         weight.device).active()
 
-    def _recording_grad(self, x: torch.Tensor) -> bool:
-        return torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters()))
+    def _recording_grad(self, pixel_values: torch.Tensor) -> bool:
+        return torch.is_grad_enabled() and (pixel_values.requires_grad
+                                            or any(p.requires_grad for p in self.parameters()))
 
     # ------------------------------------------------------------------ reporting
 
@@ -351,6 +379,7 @@ class VisionTower(nn.Module):
             "attn_impl": self.attn_impl, "attention": self.attention,
             "device": str(weight.device), "dtype": str(weight.dtype).replace("torch.", ""),
             "compiled": self.compiled, "parameters": sum(p.numel() for p in self.parameters()),
+            "items": "one forward each" if weight.device.type == "cpu" else "one forward per pack",
             "linear_kernels": dict(Counter(self.linear_kernels.values()) or {"addmm": len(self.linear_layers())}),
         }
 

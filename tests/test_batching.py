@@ -29,7 +29,7 @@ from qwenvl_vision.batching import (
 from qwenvl_vision.errors import ConfigError
 from qwenvl_vision.preprocess import PreprocessConfig
 from qwenvl_vision.video import VideoConfig
-from tests.helpers import FAMILY_SMALL, QWEN2_5_SMALL, photo, rel_err, synthetic_photo
+from tests.helpers import FAMILY_SMALL, QWEN2_5_SMALL, photo, synthetic_photo
 
 WAIT = 5.0  # seconds a thread that should proceed is given; a thread that should wait is watched for 0.2 s
 
@@ -58,12 +58,14 @@ def images(tmp_path_factory):
 # ---------------------------------------------------------------------- batches and their token bound
 
 
-def test_token_budget_does_not_change_results(encoder, images):
+def test_token_budget_does_not_change_a_bit(encoder, images):
+    """On the CPU each item of a batch runs as its own forward (``VisionTower.packs``): how inputs are batched
+    changes no bit, on any CPU."""
     chosen = [images[n] for n in ("photo.jpg", "small", "gray", "numpy")]
     one_batch = encoder.encode_images(chosen, max_batch_tokens=1 << 20)
     singles = encoder.encode_images(chosen, max_batch_tokens=1)  # every item above budget runs alone
     for a, b in zip(one_batch.embeddings, singles.embeddings, strict=True):
-        assert rel_err(a, b) <= 1e-5
+        assert torch.equal(a, b)
 
 
 def test_batches_respect_the_token_budget(encoder, images):

@@ -26,7 +26,8 @@ from tests.helpers import QWEN2_5_GRIDS, QWEN2_5_SMALL, QWEN3_GRIDS, QWEN3_SMALL
 @pytest.mark.parametrize("in_place", [True, False])
 def test_rope_in_a_workspace_is_bitwise_the_reference_on_strided_views(dtype, in_place):
     """q and k rotated together inside the qkv rows (in place, or from a fresh chunk into a buffer), by row chunks
-    through fp32 scratch with the signs folded into the sin table: the reference's bits, v untouched."""
+    through fp32 scratch with the signs folded into the sin table: the reference's bits, v untouched. Bits on any
+    CPU: the reference's multiplies and adds in its order, each IEEE-rounded, whatever the rows' chunking."""
     gen = torch.Generator().manual_seed(0)
     rows = 2 * (SCRATCH_ELEMENTS // (2 * 3 * 80)) + 37  # three chunks, the last one partial
     qkv = (torch.randn(rows, 3, 3, 80, generator=gen) * 4).to(dtype)
@@ -43,6 +44,8 @@ def test_rope_in_a_workspace_is_bitwise_the_reference_on_strided_views(dtype, in
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_into_a_workspace_buffer_is_bitwise_the_reference(dtype):
+    """Bits on any CPU: the reference's ops in its order, and aten reduces each row alone (a chunk of rows is
+    reduced as the whole tensor's rows are)."""
     ours, ref = RMSNorm(96), Qwen2_5_VLRMSNorm(96)
     with torch.no_grad():
         ours.weight.copy_(torch.randn(96) * 3)
@@ -57,6 +60,7 @@ def test_rms_norm_into_a_workspace_buffer_is_bitwise_the_reference(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_layer_norm_into_a_workspace_buffer_is_bitwise_torch(dtype):
+    """Bits on any CPU: the same aten kernel, which normalises each row alone, on chunks of the rows."""
     ours, ref = LayerNorm(96, eps=1e-6), torch.nn.LayerNorm(96, eps=1e-6)
     with torch.no_grad():
         ours.weight.normal_(), ours.bias.normal_()
@@ -75,6 +79,8 @@ def test_every_activation_a_config_may_name_is_implemented():
 
 @pytest.mark.parametrize("name", sorted(ACTIVATIONS))
 def test_in_place_activations_are_bitwise_transformers_activations(name):
+    """Bits on any CPU: the same aten kernel over the same iteration (in place on a contiguous tensor, into a
+    strided destination from the same strided rows)."""
     x = torch.randn(2 * SCRATCH_ELEMENTS // 33 + 40, 33) * 5  # chunked ones cover every row
     _, in_place, into = ACTIVATIONS[name]
     assert torch.equal(in_place(x.clone()), ACT2FN[name](x))

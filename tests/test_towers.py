@@ -5,12 +5,15 @@ from __future__ import annotations
 import gc
 import threading
 import weakref
+from unittest.mock import patch
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from qwenvl_vision import PRESETS, ConfigError, InputError, build_model, from_config_json, preset
 from qwenvl_vision.config import FAMILIES
+from qwenvl_vision.cpu_linear import onednn_linear_available
 from qwenvl_vision.names import to_checkpoint_state
 from tests.helpers import (
     FAMILY_SMALL,
@@ -54,17 +57,78 @@ def test_bf16_end_to_end_close_to_fp32(family):
 
 @pytest.mark.parametrize("cfg,grids", [(QWEN2_5_SMALL, QWEN2_5_GRIDS), (QWEN3_SMALL_72, QWEN3_GRIDS)],
                          ids=["qwen2.5", "qwen3"])
-def test_pack_equals_items_one_by_one(cfg, grids):
-    """Attention never crosses an image: a packed forward equals each item encoded alone, item by item."""
+def test_a_pack_as_one_forward_equals_items_one_by_one(cfg, grids):
+    """Attention never crosses an image: a pack run as one forward (as on CUDA; the CPU runs each item alone)
+    equals each item encoded alone, item by item."""
     model, _ = pair(cfg)
     pixel_values, grid_thw = inputs(cfg, grids)
     with torch.no_grad():
-        packed = model(pixel_values, grid_thw)
+        with patch.object(model, "packs", lambda grids, device: [grids]):
+            packed = model(pixel_values, grid_thw)
         singles = [model(chunk, grid_thw[i : i + 1])
                    for i, chunk in enumerate(pixel_values.split(grid_thw.prod(1).tolist()))]
     alone = (torch.cat([merged for merged, _ in singles]),
              [torch.cat(level) for level in zip(*[levels for _, levels in singles])])
     assert_matches_reference(packed, alone, grid_thw, 1e-5)
+
+
+class RowDependentKernels(TorchDispatchMode):
+    """GEMMs and attention whose results' last bits depend on the call's row count (or batch of segments) and on
+    each row's place in the call, as some CPUs' kernels do: whatever of an item's result depends on the other
+    items of its pack shows as changed bits."""
+
+    GEMMS = {torch.ops.aten.addmm, torch.ops.aten.mm, torch.ops.mkldnn._linear_pointwise}
+    ATTENTION = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        packet = func.overloadpacket
+        if packet in self.GEMMS:
+            self.nudge_(result, result.shape[0])
+        elif packet in self.ATTENTION:  # (batch, heads, L, hd): the batch is the count of equal segments
+            self.nudge_(result[0].transpose(0, 2), result[0].shape[0])
+        return result
+
+    @staticmethod
+    def nudge_(x: torch.Tensor, calls_rows: int) -> None:
+        place = (torch.arange(x.shape[0]) + calls_rows) % 5
+        x.mul_((1 + 8 * torch.finfo(x.dtype).eps * place).to(x.dtype).view(-1, *[1] * (x.ndim - 1)))
+
+
+@pytest.mark.parametrize("cfg,dtype,kernel", [(QWEN2_5_SMALL, torch.float32, "addmm"),
+                                              (QWEN2_5_SMALL, torch.bfloat16, "onednn"),
+                                              (QWEN3_SMALL_72, torch.float32, "onednn"),
+                                              (QWEN3_SMALL_72, torch.bfloat16, "addmm")],
+                         ids=["qwen2.5-fp32-addmm", "qwen2.5-bf16-onednn", "qwen3-fp32-onednn", "qwen3-bf16-addmm"])
+def test_an_item_has_the_same_bits_in_any_pack_even_where_kernels_depend_on_the_call(cfg, dtype, kernel):
+    """On the CPU each item of a pack runs as its own forward (``VisionTower.packs``), so its bits do not depend on
+    its neighbours: a property of the code, not of this CPU's kernels. Shown with kernels made to depend on the
+    call (``RowDependentKernels``): alone, in a pack and in another order, every item is bitwise the same; the
+    same pack run as one forward (what the tower does on CUDA) changes an item, so the check has teeth."""
+    if kernel == "onednn" and not onednn_linear_available():
+        pytest.skip("this torch has no oneDNN linear ops")
+    model = pair(cfg)[0].to(dtype)
+    model.pack_linear_weights_(kernel)
+    grids = grids_for(cfg)
+    pixel_values, grid_thw = inputs(cfg, grids)
+    items = pixel_values.split(grid_thw.prod(1).tolist())
+
+    def encode(order: list[int]) -> dict[int, list[torch.Tensor]]:
+        merged, levels = model(torch.cat([items[i] for i in order]), grid_thw[order])
+        counts = [int(grid_thw[i].prod()) // cfg.merge_unit for i in order]
+        per_level = [output.split(counts) for output in (merged, *levels)]
+        return {i: [level[n] for level in per_level] for n, i in enumerate(order)}
+
+    with torch.no_grad(), RowDependentKernels():
+        pack = encode(list(range(len(grids))))
+        shuffled = encode(list(reversed(range(len(grids)))))
+        alone = {i: encode([i])[i] for i in range(len(grids))}
+        with patch.object(type(model), "packs", lambda self, grids, device: [grids]):
+            one_forward = encode(list(range(len(grids))))
+    for i in range(len(grids)):
+        assert all(torch.equal(a, b) for a, b in zip(pack[i], alone[i], strict=True)), i
+        assert all(torch.equal(a, b) for a, b in zip(shuffled[i], alone[i], strict=True)), i
+    assert any(not torch.equal(a, b) for i in pack for a, b in zip(one_forward[i], alone[i], strict=True))
 
 
 @pytest.mark.parametrize("family", FAMILY_IDS)

@@ -26,8 +26,8 @@ RUN_FILE = "run.json"
 RUN_FORMAT = 1
 # The run.json fields a resumed run must share with the run it continues: everything the stored tensors
 # depend on. Not compared: the model's spelling (a moved folder is the same model: the hashes decide), the
-# revision (likewise), the package version, the device, batch size and compile (same tensors up to
-# floating-point noise).
+# revision (likewise), the package version, the device, compile (same tensors up to floating-point noise) and the
+# batch size (on the CPU each item runs as its own forward: the same bits; on CUDA up to floating-point noise).
 # file_format (safetensors / parquet: one folder holds one), engine (local / ray) and threads (torch threads of
 # each forward: CPU results are bitwise equal only at the same count; a --resume takes the run's by default) are
 # compared too.

@@ -13,6 +13,7 @@ Each lives in one home, re-exported here:
 - ``tests.helpers.checkpoints``: checkpoints in each family's released on-disk layout;
 - ``tests.helpers.safetensors_files``: editing a written checkpoint's index and shard headers in place;
 - ``tests.helpers.media``: generated image content, video files and image folders;
+- ``tests.helpers.machine``: probes of this machine's kernels, for claims that hold on some CPUs only;
 - ``tests.helpers.memory``: the live-tensor census;
 - ``tests.helpers.fake_hub``: a stand-in of the Hugging Face Hub (loopback HTTP only).
 """
@@ -56,6 +57,7 @@ from tests.helpers.checkpoints import (
     write_checkpoint,
 )
 from tests.helpers.fake_hub import FakeHub, Revision, serve_hub, use_endpoint
+from tests.helpers.machine import packed_gives_addmm_bits
 from tests.helpers.media import content, make_image_folder, write_video
 from tests.helpers.memory import census, live_tensor_bytes, rss_bytes
 from tests.helpers.processors import (
@@ -107,7 +109,8 @@ __all__ = [
     "assert_result_matches_reference", "census", "content", "edit_header", "forward_both", "grids_for", "hf_classes",
     "hf_forward", "hf_source_function", "hf_tower", "hf_vision_config", "hf_vision_fields", "image_processors",
     "image_reference", "inputs", "item_errors", "join_shard", "live_tensor_bytes", "make_image_folder",
-    "non_vision_shards", "offsets_of", "ours_from", "packed", "pair", "photo", "pil_config", "read_index",
+    "non_vision_shards", "offsets_of", "ours_from", "packed", "packed_gives_addmm_bits", "pair", "photo",
+    "pil_config", "read_index",
     "reference_outputs", "reference_video", "rel_err", "released_config_json", "rss_bytes", "same_size_pair",
     "sample_photo", "serve_hub", "set_entry", "shard_of", "split_shard", "synthetic_photo", "use_endpoint",
     "video_processor", "video_processor_class", "write_checkpoint", "write_index", "write_video",
