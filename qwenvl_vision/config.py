@@ -61,6 +61,9 @@ class Family:
     # The image resize backend its released preprocessor_config.json names: "torch" for Qwen2VLImageProcessorFast
     # (transformers' torchvision processor), "pil" for Qwen2VLImageProcessor (the PIL processor).
     resize: str = "pil"
+    # Its processor writes each temporal patch's time into the prompt ("<1.2 seconds>", Qwen3-VL's): a serving
+    # engine given video embeddings needs those times with them (``handoff.to_vllm``'s ``timestamps``).
+    prompt_timestamps: bool = False
 
     @property
     def text_config_at(self) -> tuple[str, ...]:
@@ -70,7 +73,8 @@ class Family:
 def _qwen3_family(model_type: str, label: str, **changes: Any) -> Family:
     base = Family(model_type, label, QWEN3, norm="layer", mlp="plain", hidden_act="gelu_pytorch_tanh",
                   deepstack=True, patch_bias=True, patch_size=16, image_mean=HALF, image_std=HALF,
-                  min_pixels=65536, max_pixels=16777216, video_sampling="qwen3", resize="torch")
+                  min_pixels=65536, max_pixels=16777216, video_sampling="qwen3", resize="torch",
+                  prompt_timestamps=True)
     return dataclasses.replace(base, **changes)
 
 
@@ -87,7 +91,8 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     _qwen3_family("qwen3_vl_moe", "Qwen3-VL-MoE"),
     _qwen3_family("qwen3_omni_moe", "Qwen3-Omni", vision_config_at=("thinker_config", "vision_config"),
                   prefixes=("thinker.visual.",), names=("ln_q_merger", "ln_q_deepstack"), min_pixels=3136,
-                  max_pixels=12845056, video_sampling="qwen2", resize="pil"),  # its processors: Qwen2VL's
+                  max_pixels=12845056, video_sampling="qwen2", resize="pil",  # its processors: Qwen2VL's
+                  prompt_timestamps=False),
     _qwen3_family("qwen3_5", "Qwen3.5", deepstack=False),
     _qwen3_family("qwen3_5_moe", "Qwen3.5-MoE", deepstack=False),
     _qwen3_family("qwen4_exp", "Qwen4-Exp", deepstack=False),

@@ -22,10 +22,10 @@ qwen2_vl ~1018-1029, qwen3_vl ~1027-1043):
   a tuple with one tensor per item (their own ``BaseModelOutputWithDeepstackFeatures`` class, defined in each of
   the three modeling files). Level i is added after decoder layer i at the vision tokens.
 
-vLLM (``vllm/model_executor/models/qwen2_vl.py``, ``qwen2_5_vl.py``, ``qwen3_vl.py``: the ``image_embeds`` /
-``video_embeds`` inputs and ``Qwen3VLForConditionalGeneration._compute_deepstack_embeds``; vLLM is not a
-dependency and is not installed here, so this layout is checked against a re-implementation of that split,
-``split_vllm_deepstack``, not against vLLM itself):
+vLLM 0.33 (``vllm/model_executor/models/qwen2_vl.py``, ``qwen2_5_vl.py``, ``qwen3_vl.py``: the ``image_embeds`` /
+``video_embeds`` inputs, ``Qwen3VLMultiModalDataParser``, ``Qwen3VLProcessingInfo._calculate_timestamps`` and
+``Qwen3VLForConditionalGeneration._compute_deepstack_embeds``; vLLM is not a dependency: tests/contract/ runs
+this layout through vLLM's own code in a venv of its own):
 
 - ``LLM(..., enable_mm_embeds=True)`` and ``multi_modal_data={"image": {"image_embeds": T, "image_grid_thw": G}}``
   (``"video"``: ``video_embeds`` / ``video_grid_thw``), T ``(sum of tokens, width)`` over the prompt's items of
@@ -33,9 +33,15 @@ dependency and is not installed here, so this layout is checked against a re-imp
 - For the DeepStack families T is ``[merged | level 0 | level 1 | ...]`` concatenated along the features
   (width ``D * (1 + levels)``); ``_compute_deepstack_embeds`` splits it back at ``visual_dim`` and views the rest
   as ``(levels, D)`` per token. Other families: width D.
-- Qwen3-VL video embeddings (``video_embeds``) are reported broken upstream in vLLM (project issue 23; not
-  reproduced here, vLLM not being installed): ``to_vllm`` writes the documented layout for videos too, but do not
-  rely on vLLM's Qwen3-VL-family models taking them until that is fixed there.
+- The Qwen3-VL-family parsers (Qwen3-VL, -MoE, Qwen3.5, -MoE, Qwen4-Exp: ``Family.prompt_timestamps``) require
+  ``timestamps`` with ``video_embeds``: per video one time in seconds per temporal patch, which their processor
+  writes into the prompt (``<1.2 seconds>``). ``to_vllm`` computes them as vLLM does from the frames a video
+  file was sampled at and its frame rate (``vllm_timestamps``); a video without that record (frames given in
+  memory) is an InputError naming ``video_info``.
+- Qwen2.5-VL's embedding fields take no timing: vLLM's positions then assume the default 2 frames per second of
+  sampling (a video sampled at another ``fps`` gets its temporal positions scaled as if at 2). The Omni thinkers
+  take an optional ``second_per_grid_ts`` that ``to_vllm`` does not write yet: they assume 1.0 (Qwen2.5-Omni) and
+  2.0 (Qwen3-Omni) seconds per temporal patch.
 
 Deviations, on purpose:
 - ``last_hidden_state`` is None in the outputs built here: transformers' own holds the tower's pre-merger patch
@@ -76,7 +82,9 @@ class EncodedItems:
 
     embeddings: one ``(tokens_i, D)`` tensor per item. grid_thw: ``(n, 3)`` patch grids (a tensor or lists).
     deepstack: per item its list of DeepStack levels (each the shape of its embedding), or empty lists / None for
-    families without DeepStack. modality: "image" or "video". family: the tower's model_type.
+    families without DeepStack. modality: "image" or "video". family: the tower's model_type. video_info: per
+    video, the frames it was sampled at and its source frame rate (a ``video_io.VideoInfo``, or an embed record's
+    ``"video"`` entry), which ``to_vllm`` needs for the Qwen3-VL families; None for images.
     """
 
     embeddings: Sequence[torch.Tensor]
@@ -84,6 +92,7 @@ class EncodedItems:
     deepstack: Sequence[Sequence[torch.Tensor]] | None = field(default=None)
     modality: str = "image"
     family: str = ""
+    video_info: Sequence[Any] | None = None
 
 
 @dataclass
@@ -93,6 +102,7 @@ class _Checked:
     embeddings: list[torch.Tensor]
     grids: list[tuple[int, int, int]]
     levels: list[list[torch.Tensor]]  # per item; [] for every item of a family without DeepStack
+    timing: list[tuple[list[int], float] | None]  # per item (frame indices, source fps) of a video, when known
 
 
 def _family_of(name: str) -> str:
@@ -135,7 +145,36 @@ def _check(result: Any, what: str) -> _Checked:
         if bad:
             raise InputError(f"{what}, item {i}: DeepStack level {bad[0]} of shape {tuple(levels[bad[0]].shape)}, "
                              f"not the embedding's {tuple(embedding.shape)}")
-    return _Checked(family, modality, embeddings, grids, deepstack)
+    infos = list(getattr(result, "video_info", None) or [None] * len(embeddings))
+    if len(infos) != len(embeddings):
+        raise InputError(f"{what}: {len(embeddings)} embeddings but video_info for {len(infos)} items")
+    timing = [_frame_timing(info, f"{what}, item {i}") for i, info in enumerate(infos)]
+    return _Checked(family, modality, embeddings, grids, deepstack, timing)
+
+
+def _frame_timing(info: Any, what: str) -> tuple[list[int], float] | None:
+    """(frame indices, source fps) of a ``VideoInfo`` or an embed record's ``"video"`` entry; None for None."""
+    if info is None:
+        return None
+    if isinstance(info, dict):
+        indices, fps = info.get("frames"), info.get("fps")
+    else:
+        indices, fps = getattr(info, "frame_indices", None), getattr(info, "video_fps", None)
+    if not indices or not isinstance(fps, (int, float)) or not fps > 0:
+        raise InputError(f"{what}: video_info holds no frame indices and source fps ({info!r:.80})")
+    return [int(i) for i in indices], float(fps)
+
+
+def vllm_timestamps(frame_indices: Sequence[int], video_fps: float, temporal_patch_size: int = 2) -> list[float]:
+    """One time in seconds per temporal patch of a video, as vLLM's Qwen3-VL processor computes them
+    (``Qwen3VLProcessingInfo._calculate_timestamps``): the sampled frame indices padded to a multiple of the
+    temporal patch by repeating the last, each divided by the source fps, then the mean of each group's first and
+    last."""
+    indices = list(frame_indices)
+    indices += [indices[-1]] * (-len(indices) % temporal_patch_size)
+    seconds = [index / video_fps for index in indices]
+    step = temporal_patch_size
+    return [(seconds[i] + seconds[i + step - 1]) / 2 for i in range(0, len(seconds), step)]
 
 
 def _by_modality(results: Sequence[Any]) -> dict[str, _Checked]:
@@ -146,10 +185,11 @@ def _by_modality(results: Sequence[Any]) -> dict[str, _Checked]:
         raise InputError(f"results from towers of different families: {sorted(families)}")
     grouped: dict[str, _Checked] = {}
     for c in checked:
-        into = grouped.setdefault(c.modality, _Checked(c.family, c.modality, [], [], []))
+        into = grouped.setdefault(c.modality, _Checked(c.family, c.modality, [], [], [], []))
         into.embeddings += c.embeddings
         into.grids += c.grids
         into.levels += c.levels
+        into.timing += c.timing
     return grouped
 
 
@@ -204,7 +244,8 @@ def to_vllm(result: Any, *more: Any, dtype: torch.dtype | None = None,
 
     T is ``(sum of tokens, D)`` over the items in order; for the DeepStack families each row is ``[merged |
     level 0 | level 1 | ...]`` (width ``D * (1 + levels)``), the layout vLLM's ``_compute_deepstack_embeds``
-    splits back (``split_vllm_deepstack``). Qwen3-VL-family video embeddings: see the module docstring.
+    splits back (``split_vllm_deepstack``). For the Qwen3-VL families' videos ``"timestamps"`` too: per video one
+    float per temporal patch (``vllm_timestamps``), from each item's ``video_info`` (see the module docstring).
     """
     data: dict[str, dict[str, torch.Tensor]] = {}
     for modality, items in _by_modality((result, *more)).items():
@@ -213,7 +254,25 @@ def to_vllm(result: Any, *more: Any, dtype: torch.dtype | None = None,
         embeds = torch.cat(rows, dim=0) if rows else torch.empty(0, 0)
         data[modality] = {f"{modality}_embeds": _moved(embeds, dtype, device),
                           f"{modality}_grid_thw": _grid_tensor(items.grids, device)}
+        if modality == "video" and FAMILIES[items.family].prompt_timestamps:
+            data[modality]["timestamps"] = _timestamps(items)
     return data
+
+
+def _timestamps(items: _Checked) -> list[list[float]]:
+    """Each video's ``vllm_timestamps``, checked against its grid (one per temporal patch)."""
+    stamps = []
+    for i, (timing, (t, _, _)) in enumerate(zip(items.timing, items.grids, strict=True)):
+        if timing is None:
+            raise InputError(f"video {i}: vLLM's {FAMILIES[items.family].label} models need each video's timestamps, "
+                             f"and this one has no frame timing (frames given in memory): encode the video file, or "
+                             f"pass video_info= (its sampled frame indices and source fps) to EncodedItems")
+        times = vllm_timestamps(*timing)
+        if len(times) != t:
+            raise InputError(f"video {i}: {len(timing[0])} sampled frames make {len(times)} temporal patches, but its "
+                             f"grid has t={t}")
+        stamps.append(times)
+    return stamps
 
 
 def split_vllm_deepstack(embeds: torch.Tensor, levels: int) -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -385,10 +385,10 @@ def read_parquet_table(path: str | os.PathLike) -> tuple[pa.Table, ParquetLayout
     return table, layout, run
 
 
-def read_parquet_grids(path: str | os.PathLike) -> list[tuple[str, list[int], bool]]:
-    """(path, grid_thw, is_video) of one shard's ok rows, from its footer and the path, status, grid and video
-    columns only (what a hand-off needs before it reads any tensor). Any fault is one ManifestError naming the
-    file."""
+def read_parquet_grids(path: str | os.PathLike) -> list[tuple[str, list[int], dict | None]]:
+    """(path, grid_thw, video entry or None for an image) of one shard's ok rows, from its footer and the path,
+    status, grid and video columns only (what a hand-off needs before it reads any tensor). Any fault is one
+    ManifestError naming the file."""
     path = Path(path)
     try:
         schema = pq.read_schema(path)
@@ -397,7 +397,7 @@ def read_parquet_grids(path: str | os.PathLike) -> list[tuple[str, list[int], bo
     except (OSError, pa.ArrowException) as e:
         raise ManifestError(f"{path}: not a readable Parquet file ({type(e).__name__}: {e})") from None
     rows = zip(*(table.column(name).to_pylist() for name in ("path", "status", "grid_thw", "video")), strict=True)
-    return [(p, list(grid), video is not None) for p, status, grid, video in rows if status == "ok"]
+    return [(p, list(grid), video) for p, status, grid, video in rows if status == "ok"]
 
 
 def read_parquet_index(path: str | os.PathLike) -> tuple[list[str], list[str], ParquetLayout, dict]:

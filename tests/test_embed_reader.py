@@ -125,3 +125,28 @@ def test_stored_results_hand_over_like_the_encoder_result(tmp_path, checkpoint3,
         read_encoded(out, asked[:1], modality="video")
     with pytest.raises(ManifestError, match="modality 'images'"):
         read_encoded(out, modality="images")
+
+
+@pytest.mark.parametrize("file_format", ["safetensors", "parquet"])
+def test_stored_videos_hand_over_with_the_timestamps_of_the_encoder_result(tmp_path, checkpoint3, file_format):
+    """A Qwen3-VL run's video records carry the frames each video was sampled at and its frame rate, so
+    read_encoded hands vLLM the same video embeddings and timestamps as encode_videos (from its video_info)."""
+    pytest.importorskip("av")
+    import torch
+
+    from qwenvl_vision import load_encoder, read_encoded
+    from qwenvl_vision.handoff import to_vllm
+    from tests.embed_helpers import make_media_folder
+
+    _, videos = make_media_folder(tmp_path / "media", 1, 3)
+    out = tmp_path / "out"
+    assert main(["embed", str(tmp_path / "media"), "--model", str(checkpoint3), "--out", str(out), "--quiet",
+                 "--format", file_format, "--fps", "3"]) == 0
+    stored = read_encoded(out, modality="video")
+    asked = [p for p, _ in read_embeddings(out) if p.endswith((".mp4", ".avi", ".mkv"))]
+    expected = load_encoder(checkpoint3, device="cpu").encode_videos(asked, fps=3.0)
+    ours, theirs = to_vllm(stored)["video"], expected.to_vllm()["video"]
+    assert len(stored.embeddings) == len(videos) == len(ours["timestamps"])
+    assert ours["timestamps"] == theirs["timestamps"]
+    assert [len(t) for t in ours["timestamps"]] == ours["video_grid_thw"][:, 0].tolist()
+    assert torch.equal(ours["video_embeds"], theirs["video_embeds"])

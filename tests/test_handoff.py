@@ -208,8 +208,22 @@ def test_pixels_and_embeddings_together_are_refused_by_transformers(case):
 
 
 def test_vllm_layout_splits_back_bitwise(case):
-    data = to_vllm(case.images, case.video)
+    """The layout split back as vLLM splits it (tests/contract/ runs vLLM's own code). The video's frames were
+    given in memory, so its frame timing is given as the frames' own (the Qwen3-VL families' vLLM models need
+    their timestamps; without it to_vllm refuses, naming video_info)."""
+    video = case.video
+    if FAMILIES[case.family].prompt_timestamps:
+        with pytest.raises(InputError, match="video_info"):
+            to_vllm(case.images, case.video)
+        frames = 2 * int(video.grid_thw[0, 0])
+        video = EncodedItems(video.embeddings, video.grid_thw, video.deepstack, "video", case.family,
+                             video_info=[{"frames": list(range(frames)), "fps": 4.0}])
+    data = to_vllm(case.images, video)
     assert set(data) == {"image", "video"}
+    if FAMILIES[case.family].prompt_timestamps:  # frames 0-3 at 4 fps: the mean time of each pair
+        assert data["video"]["timestamps"] == [[0.125, 0.625]]
+    else:
+        assert "timestamps" not in data["video"]
     for modality, result in [("image", case.images), ("video", case.video)]:
         embeds, grid = data[modality][f"{modality}_embeds"], data[modality][f"{modality}_grid_thw"]
         levels = len(result.deepstack[0])

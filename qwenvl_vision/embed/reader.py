@@ -156,9 +156,9 @@ def _parquet_embeddings(out: Path, deepstack: bool) -> Iterator[tuple[str, objec
         yield record.path, ((tensor, levels) if deepstack else tensor)
 
 
-def stored_records(out: str | os.PathLike) -> Iterator[tuple[str, list[int], bool]]:
-    """(path, grid_thw, is_video) of every input recorded ok, in the order ``read_embeddings`` yields them (for
-    Parquet from the footers and the small columns only)."""
+def stored_records(out: str | os.PathLike) -> Iterator[tuple[str, list[int], dict | None]]:
+    """(path, grid_thw, its video entry or None for an image) of every input recorded ok, in the order
+    ``read_embeddings`` yields them (for Parquet from the footers and the small columns only)."""
     out = Path(out)
     if _is_parquet(out):
         from ..parquet import parquet_files, read_parquet_grids
@@ -173,7 +173,7 @@ def stored_records(out: str | os.PathLike) -> Iterator[tuple[str, list[int], boo
                             f"merging them; embed --resume on the folder finishes and merges it")
     for r in read_manifest_lines(manifest):
         if r["status"] == "ok":
-            yield r["path"], r["grid_thw"], r.get("video") is not None
+            yield r["path"], r["grid_thw"], r.get("video")
 
 
 def read_encoded(out: str | os.PathLike, paths: list[str] | None = None, *, modality: str | None = None):
@@ -193,12 +193,12 @@ def read_encoded(out: str | os.PathLike, paths: list[str] | None = None, *, moda
     if run.get("pooled"):
         raise ManifestError(f"{out} is a --pooled-only run: it stores one vector per input, not the tokens a "
                             f"language model takes")
-    found: dict[str, tuple[list[int], str]] = {}
+    found: dict[str, tuple[list[int], str, dict | None]] = {}
     for path, grid, video in stored_records(out):
         if path in found:
             raise ManifestError(f"{out} records {path!r} twice (two files under one relative path): ask by realpath "
                                 f"in read_manifest_lines, or pass paths as recorded once")
-        found[path] = (grid, "video" if video else "image")
+        found[path] = (grid, "video" if video else "image", video)
     wanted = list(found) if paths is None else list(paths)
     missing = [p for p in wanted if p not in found]
     if missing:
@@ -216,4 +216,5 @@ def read_encoded(out: str | os.PathLike, paths: list[str] | None = None, *, moda
     keep = set(wanted)
     tensors = {path: value for path, value in read_embeddings(out, deepstack=True) if path in keep}
     return EncodedItems([tensors[p][0] for p in wanted], [found[p][0] for p in wanted],
-                        [tensors[p][1] for p in wanted], modality, run["family"])
+                        [tensors[p][1] for p in wanted], modality, run["family"],
+                        video_info=[found[p][2] for p in wanted])

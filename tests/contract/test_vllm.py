@@ -1,0 +1,217 @@
+"""``to_vllm``'s output through vLLM 0.33.0's own code (the contract tier: it runs in a venv with vLLM, see
+.ci/run; the main suite skips it).
+
+Tiny random full VLMs of each family that vLLM serves (tests.handoff_helpers, saved by transformers), encoded by
+our encoder, handed over with ``to_vllm`` and fed to vLLM's functions, no copies of them:
+
+- ``ModelConfig(model=folder, skip_tokenizer_init=True, enable_mm_embeds=True)`` and the family's processing info
+  from vLLM's registry (``MULTIMODAL_REGISTRY.get_processing_info``), its data parser's ``parse_mm_data``;
+- ``vllm.multimodal.utils.group_and_batch_mm_kwargs`` over the parsed items, then the model class's
+  ``embed_multimodal`` on a stand-in (``model_stand_in``: an ``object.__new__`` of the class holding only what
+  that method reads), which splits the pack back into items;
+- ``Qwen3VLForConditionalGeneration._compute_deepstack_embeds`` on the same stand-in, for the DeepStack families;
+- for the Qwen3-VL-family videos, ``Qwen3VLProcessingInfo._get_video_second_idx`` (the timestamps vLLM computes
+  for the same frames) and ``get_video_repl`` (the prompt text they become).
+
+The Omni thinkers are not covered yet: their processing info builds transformers' Omni processor, which needs a
+tokenizer with the Omni special tokens that the tiny models do not carry.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from fractions import Fraction
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm", reason="the contract tier runs in a venv with vLLM (.ci/run)")
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+from PIL import Image  # noqa: E402
+from vllm.config import ModelConfig  # noqa: E402
+from vllm.multimodal import MULTIMODAL_REGISTRY  # noqa: E402
+from vllm.multimodal.utils import group_and_batch_mm_kwargs  # noqa: E402
+
+from qwenvl_vision import load_encoder  # noqa: E402
+from qwenvl_vision.config import FAMILIES  # noqa: E402
+from tests.handoff_helpers import write_full_model  # noqa: E402
+from tests.helpers import synthetic_photo  # noqa: E402
+
+SERVED = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "qwen4_exp"]
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@pytest.fixture(scope="module", params=SERVED)
+def served(request, tmp_path_factory):
+    """(family, model folder, vLLM's ModelConfig, its processing info) of one family."""
+    family = request.param
+    folder = write_full_model(tmp_path_factory.mktemp(family) / "model", family)
+    config = ModelConfig(model=str(folder), skip_tokenizer_init=True, enable_mm_embeds=True)
+    return family, folder, config, MULTIMODAL_REGISTRY.get_processing_info(config)
+
+
+class Visual(torch.nn.Module):
+    """What the model's ``_process_*_input`` reads of its vision tower: its dtype and merge size."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.spatial_merge_size = 2
+        self.register_buffer("anchor", torch.zeros(1, dtype=dtype))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.anchor.dtype
+
+
+def model_stand_in(config: ModelConfig, dtype: torch.dtype, width: int, levels: int):
+    """``object.__new__`` of the family's vLLM model class with only the attributes ``embed_multimodal`` and
+    ``_compute_deepstack_embeds`` read: ``visual`` (dtype, merge size), ``is_multimodal_pruning_enabled``,
+    ``use_data_parallel`` and, for DeepStack, ``visual_dim`` / ``multiscale_dim`` / ``deepstack_num_level``."""
+    model_class = MULTIMODAL_REGISTRY._get_model_cls(config)
+    model = object.__new__(model_class)
+    torch.nn.Module.__init__(model)
+    model.visual = Visual(dtype)
+    model.is_multimodal_pruning_enabled = False
+    model.use_data_parallel = False
+    model.visual_dim, model.multiscale_dim, model.deepstack_num_level = width, width * levels, levels
+    return model
+
+
+def images() -> list[Image.Image]:
+    return [Image.fromarray(synthetic_photo(70, 100, seed=1)), Image.fromarray(synthetic_photo(90, 60, seed=2))]
+
+
+def write_video(path: Path, frames: int, rate: Fraction) -> Path:
+    import av
+
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("mpeg4", rate=rate)
+        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
+        for i in range(frames):
+            frame = av.VideoFrame.from_ndarray(synthetic_photo(48, 64, seed=i), format="rgb24")
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode())
+    return path
+
+
+def through_vllm(config, info, data: dict, modality: str, dtype: torch.dtype, width: int, levels: int):
+    """The parsed items' own tensors, and the per-item embeddings vLLM's model makes of their batch."""
+    parsed = info.get_data_parser().parse_mm_data({modality: data})[modality]
+    items = [parsed.get(i) for i in range(parsed.get_count())]
+    kwargs_items = [(modality, parsed._kwargs[modality][i]) for i in range(parsed.get_count())]
+    batches = list(group_and_batch_mm_kwargs(kwargs_items))
+    assert [(m, n) for m, n, _ in batches] == [(modality, len(items))]  # one batch of every item
+    model = model_stand_in(config, dtype, width, levels)
+    return items, model, model.embed_multimodal(**batches[0][2])
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_images_parse_split_and_embed_per_item_bitwise(served, dtype):
+    """Two images of different sizes: vLLM's parser finds two items with our grids and rows, its model splits
+    the batch back into our items bit for bit (vLLM casts to its tower's dtype: ours already is), and for
+    DeepStack families ``_compute_deepstack_embeds`` scatters every level where ours go."""
+    family, folder, config, info = served
+    encoder = load_encoder(folder, device="cpu", dtype=DTYPES[dtype])
+    result = encoder.encode_images(images())
+    levels = len(result.deepstack[0])
+    width = result.embeddings[0].shape[1]
+    data = result.to_vllm()["image"]
+    items, model, embedded = through_vllm(config, info, data, "image", DTYPES[dtype], width, levels)
+    assert len(items) == len(embedded) == 2
+    for i, (item, out) in enumerate(zip(items, embedded, strict=True)):
+        assert torch.equal(item["image_grid_thw"], result.grid_thw[i])
+        whole = torch.cat([result.embeddings[i], *result.deepstack[i]], dim=-1)
+        assert torch.equal(item["image_embeds"], whole) and torch.equal(out, whole)
+    if not FAMILIES[family].deepstack:
+        assert levels == 0
+        return
+    tokens = sum(len(e) for e in result.embeddings)
+    placeholder = torch.zeros(3 + tokens + 2, dtype=torch.bool)  # text, then the images' tokens, then text
+    placeholder[3:3 + tokens] = True
+    inputs = torch.zeros(len(placeholder), width, dtype=DTYPES[dtype])
+    scattered, main = model._compute_deepstack_embeds(inputs, embedded, placeholder)
+    assert scattered.shape == (levels, len(placeholder), width)
+    for level in range(levels):
+        want = torch.cat([item[level] for item in result.deepstack])
+        assert torch.equal(scattered[level, placeholder], want)
+        assert not scattered[level, ~placeholder].any()
+    assert all(torch.equal(m, e) for m, e in zip(main, result.embeddings, strict=True))
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_videos_parse_and_embed_per_item_with_the_timestamps_vllm_computes(served, dtype, tmp_path):
+    """Two video files of other lengths and frame rates (one with an odd frame count, padded): vLLM's parser takes
+    ``to_vllm``'s video data (the Qwen3-VL families' require ``timestamps``), splits it into our items bitwise,
+    and the timestamps are the ones vLLM computes from the same frames and rate, and sampling itself at our fps;
+    ``get_video_repl`` makes each of them a frame's ``<t seconds>`` before that frame's tokens."""
+    family, folder, config, info = served
+    encoder = load_encoder(folder, device="cpu", dtype=DTYPES[dtype])
+    paths = [write_video(tmp_path / "a.mp4", 23, Fraction(30000, 1001)),
+             write_video(tmp_path / "b.mp4", 9, Fraction(10))]
+    result = encoder.encode_videos([str(p) for p in paths], fps=3.0)
+    data = result.to_vllm()["video"]
+    if not FAMILIES[family].prompt_timestamps:
+        assert "timestamps" not in data
+    levels, width = len(result.deepstack[0]), result.embeddings[0].shape[1]
+    items, _, embedded = through_vllm(config, info, data, "video", DTYPES[dtype], width, levels)
+    for i, (item, out) in enumerate(zip(items, embedded, strict=True)):
+        whole = torch.cat([result.embeddings[i], *result.deepstack[i]], dim=-1)
+        assert torch.equal(item["video_grid_thw"], result.grid_thw[i]) and torch.equal(out, whole)
+    if not FAMILIES[family].prompt_timestamps:
+        return
+    info.get_video_processor = lambda **_: VideoProcessor(folder)
+    for i, video in enumerate(result.video_info):
+        metadata = {"frames_indices": video.frame_indices, "fps": video.video_fps,
+                    "total_num_frames": video.total_frames}
+        assert items[i]["timestamps"] == info._get_video_second_idx(metadata, do_sample_frames=False)
+        assert items[i]["timestamps"] == info._get_video_second_idx(metadata, do_sample_frames=True, sampled_fps=3.0)
+        t, h, w = result.grid_thw[i].tolist()
+        assert len(items[i]["timestamps"]) == t
+        details = vllm_video_repl(items[i]["timestamps"], h * w // 4)
+        assert details.full.count(0x110003) == t * h * w // 4  # every frame's tokens, after its time
+        text = "".join(chr(token) for token in details.full if token < 0x110000)
+        assert [f"<{stamp:.1f} seconds>" in text for stamp in items[i]["timestamps"]] == [True] * t
+
+
+class VideoProcessor:
+    """What ``_get_video_second_idx`` reads of transformers' video processor (built by vLLM from a tokenizer the
+    tiny models lack): the folder's ``video_preprocessor_config.json`` values it names."""
+
+    def __init__(self, folder: Path) -> None:
+        saved = json.loads((folder / "video_preprocessor_config.json").read_text())
+        self.temporal_patch_size, self.fps = saved["temporal_patch_size"], saved["fps"]
+        self.min_frames, self.max_frames = saved["min_frames"], saved["max_frames"]
+
+
+class CharTokenizer:
+    """What ``get_video_repl`` reads of a tokenizer: ``encode(text, add_special_tokens=False)``, one id a
+    character (the timestamps' text then reads back from the ids)."""
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [ord(c) for c in text]
+
+
+def vllm_video_repl(timestamps, tokens_per_frame: int):
+    from vllm.model_executor.models.qwen3_vl import Qwen3VLMultiModalProcessor
+
+    return Qwen3VLMultiModalProcessor.get_video_repl(
+        tokens_per_frame=[tokens_per_frame] * len(timestamps), timestamps=timestamps, tokenizer=CharTokenizer(),
+        vision_start_token_id=0x110001, vision_end_token_id=0x110002, video_token_id=0x110003)
+
+
+def test_a_qwen3_family_video_without_frame_timing_is_refused_naming_what_to_pass(served):
+    """Frames given in memory carry no frame indices and rate: vLLM would refuse the data, so ``to_vllm`` refuses
+    first, naming ``video_info``."""
+    family, folder, _, _ = served
+    encoder = load_encoder(folder, device="cpu")
+    frames = np.stack([synthetic_photo(48, 64, seed=i) for i in range(4)])
+    result = encoder.encode_videos([frames])
+    if not FAMILIES[family].prompt_timestamps:
+        assert "timestamps" not in result.to_vllm()["video"]
+        return
+    with pytest.raises(Exception, match="video_info"):
+        result.to_vllm()
