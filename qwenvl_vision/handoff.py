@@ -102,7 +102,7 @@ class _Checked:
     embeddings: list[torch.Tensor]
     grids: list[tuple[int, int, int]]
     levels: list[list[torch.Tensor]]  # per item; [] for every item of a family without DeepStack
-    timing: list[tuple[list[int], float] | None]  # per item (frame indices, source fps) of a video, when known
+    infos: list[Any]  # per item its video_info (a VideoInfo, an embed record's "video" entry) or None
 
 
 def _family_of(name: str) -> str:
@@ -148,16 +148,16 @@ def _check(result: Any, what: str) -> _Checked:
     infos = list(getattr(result, "video_info", None) or [None] * len(embeddings))
     if len(infos) != len(embeddings):
         raise InputError(f"{what}: {len(embeddings)} embeddings but video_info for {len(infos)} items")
-    timing = [_frame_timing(info, f"{what}, item {i}") for i, info in enumerate(infos)]
-    return _Checked(family, modality, embeddings, grids, deepstack, timing)
+    return _Checked(family, modality, embeddings, grids, deepstack, infos)
 
 
 def _frame_timing(info: Any, what: str) -> tuple[list[int], float] | None:
-    """(frame indices, source fps) of a ``VideoInfo`` or an embed record's ``"video"`` entry; None for None."""
+    """(frame indices, source fps) of a ``VideoInfo``, its ``to_dict()`` or an embed record's ``"video"`` entry;
+    None for None."""
     if info is None:
         return None
     if isinstance(info, dict):
-        indices, fps = info.get("frames"), info.get("fps")
+        indices, fps = info.get("frames", info.get("frame_indices")), info.get("fps", info.get("video_fps"))
     else:
         indices, fps = getattr(info, "frame_indices", None), getattr(info, "video_fps", None)
     if not indices or not isinstance(fps, (int, float)) or not fps > 0:
@@ -189,7 +189,7 @@ def _by_modality(results: Sequence[Any]) -> dict[str, _Checked]:
         into.embeddings += c.embeddings
         into.grids += c.grids
         into.levels += c.levels
-        into.timing += c.timing
+        into.infos += c.infos
     return grouped
 
 
@@ -262,7 +262,8 @@ def to_vllm(result: Any, *more: Any, dtype: torch.dtype | None = None,
 def _timestamps(items: _Checked) -> list[list[float]]:
     """Each video's ``vllm_timestamps``, checked against its grid (one per temporal patch)."""
     stamps = []
-    for i, (timing, (t, _, _)) in enumerate(zip(items.timing, items.grids, strict=True)):
+    for i, (info, (t, _, _)) in enumerate(zip(items.infos, items.grids, strict=True)):
+        timing = _frame_timing(info, f"video {i}")
         if timing is None:
             raise InputError(f"video {i}: vLLM's {FAMILIES[items.family].label} models need each video's timestamps, "
                              f"and this one has no frame timing (frames given in memory): encode the video file, or "

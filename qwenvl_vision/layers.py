@@ -39,7 +39,8 @@ _ACTIVE: ContextVar[Workspace | None] = ContextVar("qwenvl_vision_workspace", de
 
 
 class Workspace:
-    """The activation memory of one eager forward: two buffers that every block reuses, freed with the forward.
+    """The activation memory of an eager call: two buffers that every block of its forwards reuses (one forward
+    per item on the CPU, ``tower.VisionTower.packs``), freed with the call.
 
     Why: on CPU a fresh tensor larger than glibc's mmap threshold (up to 32 MiB) is mapped from the OS and
     page-faulted on first write; at 30k tokens a block made ~30 such N x D tensors and the faults cost ~27% of

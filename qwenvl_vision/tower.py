@@ -1,6 +1,7 @@
 """The skeleton both tower designs share; a design (qwen2_5.py, qwen3.py) supplies only what differs.
 
-    forward = validate grids -> per-grid plans from the instance's cache -> one pack plan on the device
+    forward = validate grids -> the forwards the items run as (``packs``: on the CPU one per item)
+              -> per forward: per-grid plans from the instance's cache -> one plan on the device
               -> patch embedding (+ positions) -> blocks -> merger (+ DeepStack) -> input token order
 
 Reference: transformers' ``Qwen2VisionTransformerPretrainedModel``, ``Qwen2_5_VisionTransformerPretrainedModel``
@@ -8,7 +9,8 @@ and ``Qwen3VLVisionModel`` (v5.24). Module names equal the checkpoint's tensor n
 for what ``names.RULE_SETS`` fuses or renames at load time. Deviations from the reference (same numbers):
 grids are read from the host once per forward; per-grid tensors (token order, rope tables, segment lengths,
 position taps) are cached per instance in a bounded ``ShapeCache``, concatenated for the pack and moved to the
-device once, so the block loop does no host sync; activations reuse one ``Workspace`` per forward.
+device once, so the block loop does no host sync; activations reuse one ``Workspace`` per call, shared by its
+forwards; on the CPU each item runs as its own forward (``packs``), which changes no number.
 """
 
 from __future__ import annotations
@@ -54,6 +56,15 @@ class ForwardPlan:
     order: torch.Tensor | None  # merged-token permutation into block order (None: input order)
     reverse: torch.Tensor | None  # its inverse, applied to the merger outputs
     extras: dict[str, torch.Tensor]
+
+
+def aligned(rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` contiguous and 64-byte aligned, copied only where they are not: an item's rows cut from a pack start
+    where its neighbours end, and some CPU kernels round by the address of their input (MKL without its
+    reproducibility mode)."""
+    if rows.is_contiguous() and rows.data_ptr() % 64 == 0:
+        return rows
+    return rows.clone(memory_format=torch.contiguous_format)
 
 
 def compile_boundary(backend):
@@ -143,7 +154,7 @@ class VisionTower(nn.Module):
         packs = self.packs(grids, device)
         rows = [sum(t * h * w for t, h, w in pack) for pack in packs]
         with self.workspace(max(rows), pixel_values):
-            results = [self.forward_pack(pixels, pack)
+            results = [self.forward_pack(aligned(pixels), pack)
                        for pixels, pack in zip(pixel_values.split(rows), packs, strict=True)]
         if len(results) == 1:
             return results[0]
@@ -379,7 +390,8 @@ class VisionTower(nn.Module):
             "attn_impl": self.attn_impl, "attention": self.attention,
             "device": str(weight.device), "dtype": str(weight.dtype).replace("torch.", ""),
             "compiled": self.compiled, "parameters": sum(p.numel() for p in self.parameters()),
-            "items": "one forward each" if weight.device.type == "cpu" else "one forward per pack",
+            "items": "one forward each" if len(self.packs([(1, 2, 2)] * 2, weight.device)) > 1
+            else "one forward per pack",
             "linear_kernels": dict(Counter(self.linear_kernels.values()) or {"addmm": len(self.linear_layers())}),
         }
 

@@ -277,7 +277,7 @@ def test_ci_runs_exactly_the_readme_set_up_and_test_commands():
     assert SETUP_LINE in bash and TEST_LINE in bash and CONTRACT_LINE in bash
     ci = [line for line in (REPO / ".ci" / "run").read_text().splitlines()
           if line.strip() and not line.lstrip().startswith("#")]
-    assert ci == ["set -euo pipefail", 'cd "$(dirname "$0")/.."', f"{SETUP_LINE} || exit 1", TEST_LINE,
+    assert ci == ["set -euo pipefail", 'cd "$(dirname "$0")/.."', f"{SETUP_LINE} || exit 1", f"{TEST_LINE} || exit 1",
                   CONTRACT_LINE]
 
 

@@ -28,7 +28,9 @@ import numpy as np
 import pytest
 import torch
 
-vllm = pytest.importorskip("vllm", reason="the contract tier runs in a venv with vLLM (.ci/run)")
+vllm = pytest.importorskip("vllm", reason="the contract tier runs in a venv with vLLM 0.33.0 (bash .ci/contract)")
+if vllm.__version__ != "0.33.0":
+    pytest.skip(f"the contract is vLLM 0.33.0's; this is {vllm.__version__}", allow_module_level=True)
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 from PIL import Image  # noqa: E402
@@ -143,7 +145,7 @@ def test_images_parse_split_and_embed_per_item_bitwise(served, dtype):
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
-def test_videos_parse_and_embed_per_item_with_the_timestamps_vllm_computes(served, dtype, tmp_path):
+def test_videos_parse_and_embed_per_item_with_the_timestamps_vllm_computes(served, dtype, tmp_path, monkeypatch):
     """Two video files of other lengths and frame rates (one with an odd frame count, padded): vLLM's parser takes
     ``to_vllm``'s video data (the Qwen3-VL families' require ``timestamps``), splits it into our items bitwise,
     and the timestamps are the ones vLLM computes from the same frames and rate, and sampling itself at our fps;
@@ -163,7 +165,7 @@ def test_videos_parse_and_embed_per_item_with_the_timestamps_vllm_computes(serve
         assert torch.equal(item["video_grid_thw"], result.grid_thw[i]) and torch.equal(out, whole)
     if not FAMILIES[family].prompt_timestamps:
         return
-    info.get_video_processor = lambda **_: VideoProcessor(folder)
+    monkeypatch.setattr(info, "get_video_processor", lambda **_: VideoProcessor(folder))
     for i, video in enumerate(result.video_info):
         metadata = {"frames_indices": video.frame_indices, "fps": video.video_fps,
                     "total_num_frames": video.total_frames}

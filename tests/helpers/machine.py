@@ -11,18 +11,22 @@ import torch
 from qwenvl_vision.cpu_linear import balanced_chunks, pack_weight, packed_linear
 
 
-def packed_gives_addmm_bits(shapes: list[tuple[int, int]], dtype: torch.dtype, rows: int, steps: list[int]) -> bool:
-    """Whether oneDNN's prepacked linear, on balanced row chunks of each of ``steps`` rows, gives bitwise what one
-    addmm over all ``rows`` gives, for every (in, out) of ``shapes`` in ``dtype``, on random operands: in bf16 true
-    on CPUs where both run one oneDNN kernel, false where the plain and the packed weight take different ones."""
+def packed_gives_addmm_bits(shapes: list[tuple[int, int]], dtype: torch.dtype, rows: list[int],
+                            steps: list[int]) -> bool:
+    """Whether oneDNN's prepacked linear, on balanced row chunks of each of ``steps`` rows (and whole), gives
+    bitwise what one addmm gives, for calls of each of ``rows`` rows, for every (in, out) of ``shapes`` in
+    ``dtype``, on random operands: in bf16 true on CPUs where both run one oneDNN kernel, false where the plain and
+    the packed weight take different ones."""
     generator = torch.Generator().manual_seed(0)
     for in_features, out_features in shapes:
         weight = torch.randn(out_features, in_features, generator=generator).to(dtype) / in_features**0.5
         bias = torch.randn(out_features, generator=generator).to(dtype)
-        x = torch.randn(rows, in_features, generator=generator).to(dtype)
-        whole, packed = torch.addmm(bias, x, weight.t()), pack_weight(weight)
-        for step in steps:
-            if not all(torch.equal(packed_linear(x[chunk], packed, bias), whole[chunk])
-                       for chunk in balanced_chunks(rows, step)):
-                return False
+        packed = pack_weight(weight)
+        for count in rows:
+            x = torch.randn(count, in_features, generator=generator).to(dtype)
+            whole = torch.addmm(bias, x, weight.t())
+            for step in (*steps, count):
+                if not all(torch.equal(packed_linear(x[chunk], packed, bias), whole[chunk])
+                           for chunk in balanced_chunks(count, step)):
+                    return False
     return True
