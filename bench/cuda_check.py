@@ -1,4 +1,4 @@
-"""The one prepared check for a lent GPU (issue 16): CUDA tests, bf16 parity, teardown, throughput and load, as JSON.
+"""The one prepared check for a lent GPU: CUDA tests, bf16 parity, teardown, throughput and load, as JSON.
 
     python -m bench.cuda_check --out DIR                      # on the GPU machine (DIR: the device tool's $OUT)
     python -m bench.cuda_check --out DIR --dry-run            # the same logic on CPU with tiny configs (CI)

@@ -1,4 +1,4 @@
-"""Peak RSS of ``qwenvl-vision embed`` on a folder of very large images: what decoding costs (issue 13).
+"""Peak RSS of ``qwenvl-vision embed`` on a folder of very large images: what decoding costs.
 
 What is measured
 ----------------
@@ -101,7 +101,7 @@ def run_child(pythonpath: Path, argv: list[str], cpus: int) -> tuple[int, int]:
 
 
 def supports_max_input_pixels(pythonpath: Path) -> bool:
-    """Whether the tree's embed has --max-input-pixels (a module before issue 21, a package with args.py since)."""
+    """Whether the tree's embed has --max-input-pixels (embed.py in older trees, embed/args.py now)."""
     root = pythonpath / "qwenvl_vision"
     source = root / "embed.py" if (root / "embed.py").exists() else root / "embed" / "args.py"
     return "max-input-pixels" in source.read_text()

@@ -1,4 +1,4 @@
-"""What ``embed --engine ray`` costs over the local engine on one machine (issue 22): the same folder through both,
+"""What ``embed --engine ray`` costs over the local engine on one machine: the same folder through both,
 side by side in one run, and where the difference goes.
 
 What is measured

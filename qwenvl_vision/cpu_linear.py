@@ -1,9 +1,10 @@
 """CPU linear layers on the fastest kernel this machine has: oneDNN's prepacked weights where they beat addmm.
 
-Why: on AMD CPUs torch's fp32 ``addmm`` goes to MKL, which runs at about half the cores' rate there (~200 GFLOP/s
-on the towers' shapes on a 2-vCPU Zen 5), while oneDNN's linear on a weight reordered once into its blocked layout
-reaches ~400; in bf16 the gap is ~10%. On a CPU where MKL runs at full speed the choice falls back to addmm. So the
-kernel is chosen by measurement on the machine at hand, per (in, out, dtype), never by vendor (``choose_kernel``).
+Why: on AMD CPUs torch's fp32 ``addmm`` goes to MKL, which runs at about half the cores' rate there, while
+oneDNN's linear on a weight reordered once into its blocked layout reaches about twice that; in bf16 the gap is
+smaller (the README's Benchmarks section has the measured rates). On a CPU where MKL runs at full speed the choice
+falls back to addmm. So the kernel is chosen by measurement on the machine at hand, per (in, out, dtype), never by
+vendor (``choose_kernel``).
 
 Reference: the calls inductor's CPU freezing pass emits for a frozen ``nn.Linear``
 (torch/_inductor/fx_passes/mkldnn_fusion.py): ``torch.ops.mkldnn._reorder_linear_weight(w, rows)`` once, then

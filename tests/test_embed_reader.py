@@ -101,7 +101,7 @@ def test_reading_an_output_needs_neither_the_writer_nor_the_lock(tmp_path, check
 @pytest.mark.parametrize("file_format", ["safetensors", "parquet"])
 def test_stored_results_hand_over_like_the_encoder_result(tmp_path, checkpoint3, file_format):
     """read_encoded gives what encode_images gives the language model: vLLM's layout (DeepStack levels along the
-    features) and transformers' grids, bitwise, for the records asked, in the order asked."""
+    features) and transformers' grids, bitwise, for the paths asked, in the order asked."""
     import torch
 
     from qwenvl_vision import load_encoder, read_encoded

@@ -1,4 +1,4 @@
-"""The code's shape (issue 21), checked on the source: no import cycle between the package's modules, no module
+"""The code's shape, checked on the source: no import cycle between the package's modules, no module
 over MAX_LINES, no ``_private`` name used outside the module that defines it (a test of that module excepted),
 and bench/ importing only ``bench.*`` and the package, with no ``sys.path`` edits.
 

@@ -1,4 +1,4 @@
-"""Every ```python and ```bash example of README.md runs as written (issue 14): an example that does not run fails CI.
+"""Every ```python and ```bash example of README.md runs as written: an example that does not run fails CI.
 
 How an example runs:
 - A bash line that is one ``qwenvl-vision ...`` command runs in this process, through ``qwenvl_vision.cli.main``,
@@ -283,7 +283,7 @@ def test_ci_runs_exactly_the_readme_set_up_and_test_commands():
 
 def test_readme_names_only_what_the_package_has():
     """Every `qv.NAME` / `qwenvl_vision.NAME` the README mentions, in code or prose, exists (a README call that
-    raises AttributeError is how issue 14 began)."""
+    raises AttributeError is how a broken README began)."""
     missing = []
     for match in sorted(set(re.findall(r"\b(?:qv|qwenvl_vision)((?:\.\w+)+)", README.read_text()))):
         target = qwenvl_vision
