@@ -64,6 +64,10 @@ class Family:
     # Its processor writes each temporal patch's time into the prompt ("<1.2 seconds>", Qwen3-VL's): a serving
     # engine given video embeddings needs those times with them (``handoff.to_vllm``'s ``timestamps``).
     prompt_timestamps: bool = False
+    # Its language model reads each video's seconds per temporal patch (the Omni thinkers'
+    # ``video_second_per_grid``): a serving engine given video embeddings needs it with them (``to_vllm``'s
+    # ``second_per_grid_ts``).
+    seconds_per_grid: bool = False
 
     @property
     def text_config_at(self) -> tuple[str, ...]:
@@ -86,13 +90,13 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     QWEN2_5_VL,
     dataclasses.replace(QWEN2_5_VL, model_type="qwen2_5_omni", label="Qwen2.5-Omni",
                         vision_config_at=("thinker_config", "vision_config"), prefixes=("thinker.visual.",),
-                        names=("fused_gate_up", "split_qkv", "ln_q_merger")),
+                        names=("fused_gate_up", "split_qkv", "ln_q_merger"), seconds_per_grid=True),
     _qwen3_family("qwen3_vl", "Qwen3-VL"),
     _qwen3_family("qwen3_vl_moe", "Qwen3-VL-MoE"),
     _qwen3_family("qwen3_omni_moe", "Qwen3-Omni", vision_config_at=("thinker_config", "vision_config"),
                   prefixes=("thinker.visual.",), names=("ln_q_merger", "ln_q_deepstack"), min_pixels=3136,
                   max_pixels=12845056, video_sampling="qwen2", resize="pil",  # its processors: Qwen2VL's
-                  prompt_timestamps=False),
+                  prompt_timestamps=False, seconds_per_grid=True),
     _qwen3_family("qwen3_5", "Qwen3.5", deepstack=False),
     _qwen3_family("qwen3_5_moe", "Qwen3.5-MoE", deepstack=False),
     _qwen3_family("qwen4_exp", "Qwen4-Exp", deepstack=False),

@@ -39,9 +39,10 @@ this layout through vLLM's own code in a venv of its own):
   file was sampled at and its frame rate (``vllm_timestamps``); a video without that record (frames given in
   memory) is an InputError naming ``video_info``.
 - Qwen2.5-VL's embedding fields take no timing: vLLM's positions then assume the default 2 frames per second of
-  sampling (a video sampled at another ``fps`` gets its temporal positions scaled as if at 2). The Omni thinkers
-  take an optional ``second_per_grid_ts`` that ``to_vllm`` does not write yet: they assume 1.0 (Qwen2.5-Omni) and
-  2.0 (Qwen3-Omni) seconds per temporal patch.
+  sampling (a video sampled at another ``fps`` gets its temporal positions scaled as if at 2).
+- The Omni thinkers' parsers require ``second_per_grid_ts`` with ``video_embeds``: per video the seconds one
+  temporal patch spans, which their processors compute as ``temporal_patch_size / fps`` from the ``fps`` asked
+  for (not the rate the frames came out at); ``to_vllm`` takes it from ``video_info.requested_fps``.
 
 Deviations, on purpose:
 - ``last_hidden_state`` is None in the outputs built here: transformers' own holds the tower's pre-merger patch
@@ -70,6 +71,7 @@ MODALITIES = ("image", "video")
 # mm_token_type_ids values (transformers' ProcessorMixin.create_mm_token_type_ids): 0 text, 1 image, 2 video.
 TOKEN_TYPES = {"image": 1, "video": 2}
 SPATIAL_MERGE = 2  # every released Qwen VL tower merges 2x2 patches into one token
+TEMPORAL_PATCH = 2  # and packs 2 frames into one temporal patch
 
 
 @dataclass
@@ -151,18 +153,30 @@ def _check(result: Any, what: str) -> _Checked:
     return _Checked(family, modality, embeddings, grids, deepstack, infos)
 
 
-def _frame_timing(info: Any, what: str) -> tuple[list[int], float] | None:
-    """(frame indices, source fps) of a ``VideoInfo``, its ``to_dict()`` or an embed record's ``"video"`` entry;
-    None for None."""
+@dataclass
+class _Timing:
+    """A sampled video's frame indices, its source fps and the fps its frames were asked at (None: unknown)."""
+
+    indices: list[int]
+    fps: float
+    requested_fps: float | None
+
+
+def _frame_timing(info: Any, what: str) -> _Timing | None:
+    """The timing in a ``VideoInfo``, its ``to_dict()`` or an embed record's ``"video"`` entry; None for None."""
     if info is None:
         return None
     if isinstance(info, dict):
         indices, fps = info.get("frames", info.get("frame_indices")), info.get("fps", info.get("video_fps"))
+        requested = info.get("requested_fps")
     else:
         indices, fps = getattr(info, "frame_indices", None), getattr(info, "video_fps", None)
+        requested = getattr(info, "requested_fps", None)
     if not indices or not isinstance(fps, (int, float)) or not fps > 0:
         raise InputError(f"{what}: video_info holds no frame indices and source fps ({info!r:.80})")
-    return [int(i) for i in indices], float(fps)
+    if requested is not None and not (isinstance(requested, (int, float)) and requested > 0):
+        raise InputError(f"{what}: video_info's requested_fps {requested!r} is not a positive number")
+    return _Timing([int(i) for i in indices], float(fps), None if requested is None else float(requested))
 
 
 def vllm_timestamps(frame_indices: Sequence[int], video_fps: float, temporal_patch_size: int = 2) -> list[float]:
@@ -238,42 +252,87 @@ def to_transformers(result: Any, *more: Any, dtype: torch.dtype | None = None,
 
 
 def to_vllm(result: Any, *more: Any, dtype: torch.dtype | None = None,
-            device: torch.device | str | None = None) -> dict[str, dict[str, torch.Tensor]]:
+            device: torch.device | str | None = None) -> dict[str, dict[str, Any]]:
     """vLLM's ``multi_modal_data`` for a prompt (``LLM(..., enable_mm_embeds=True)``): ``{"image": {"image_embeds":
     T, "image_grid_thw": G}, "video": {"video_embeds": ..., "video_grid_thw": ...}}`` (the modalities present).
 
     T is ``(sum of tokens, D)`` over the items in order; for the DeepStack families each row is ``[merged |
     level 0 | level 1 | ...]`` (width ``D * (1 + levels)``), the layout vLLM's ``_compute_deepstack_embeds``
-    splits back (``split_vllm_deepstack``). For the Qwen3-VL families' videos ``"timestamps"`` too: per video one
-    float per temporal patch (``vllm_timestamps``), from each item's ``video_info`` (see the module docstring).
+    splits back (``split_vllm_deepstack``). Videos carry their timing where the family needs it (see the module
+    docstring): the Qwen3-VL families' ``"timestamps"`` (per video one float per temporal patch,
+    ``vllm_timestamps``), the Omni thinkers' ``"second_per_grid_ts"`` (one float per video), from each item's
+    ``video_info``.
     """
-    data: dict[str, dict[str, torch.Tensor]] = {}
+    data: dict[str, dict[str, Any]] = {}
     for modality, items in _by_modality((result, *more)).items():
-        rows = [torch.cat([e, *levels], dim=-1) if levels else e
-                for e, levels in zip(items.embeddings, items.levels, strict=True)]
+        per_item = _items_for_vllm(items)
+        rows = [item.rows for item in per_item]
         embeds = torch.cat(rows, dim=0) if rows else torch.empty(0, 0)
         data[modality] = {f"{modality}_embeds": _moved(embeds, dtype, device),
-                          f"{modality}_grid_thw": _grid_tensor(items.grids, device)}
-        if modality == "video" and FAMILIES[items.family].prompt_timestamps:
-            data[modality]["timestamps"] = _timestamps(items)
+                          f"{modality}_grid_thw": _grid_tensor(items.grids, device),
+                          **_timing_fields(per_item)}
     return data
 
 
-def _timestamps(items: _Checked) -> list[list[float]]:
-    """Each video's ``vllm_timestamps``, checked against its grid (one per temporal patch)."""
-    stamps = []
-    for i, (info, (t, _, _)) in enumerate(zip(items.infos, items.grids, strict=True)):
-        timing = _frame_timing(info, f"video {i}")
-        if timing is None:
-            raise InputError(f"video {i}: vLLM's {FAMILIES[items.family].label} models need each video's timestamps, "
-                             f"and this one has no frame timing (frames given in memory): encode the video file, or "
-                             f"pass video_info= (its sampled frame indices and source fps) to EncodedItems")
-        times = vllm_timestamps(*timing)
-        if len(times) != t:
-            raise InputError(f"video {i}: {len(timing[0])} sampled frames make {len(times)} temporal patches, but its "
-                             f"grid has t={t}")
-        stamps.append(times)
-    return stamps
+@dataclass
+class VllmItem:
+    """One item as a vLLM model's encoder output holds it: its rows (``[merged | level 0 | ...]``), its grid,
+    and the timing its family's prompt needs (``timestamps`` / ``second_per_grid_t``; None where it needs none)."""
+
+    modality: str
+    rows: torch.Tensor
+    grid_thw: tuple[int, int, int]
+    timestamps: list[float] | None = None
+    second_per_grid_t: float | None = None
+
+
+def vllm_items(result: Any) -> list[VllmItem]:
+    """Each item of one result (an ``EncodeResult`` or ``EncodedItems``) as vLLM's encoder output holds it, checked
+    as ``to_vllm`` checks it."""
+    return _items_for_vllm(_check(result, "result"))
+
+
+def _items_for_vllm(items: _Checked) -> list[VllmItem]:
+    """Each checked item in vLLM's encoder-output form, its timing checked against its grid."""
+    family = FAMILIES[items.family]
+    out = []
+    for i, (embedding, levels, grid, info) in enumerate(zip(items.embeddings, items.levels, items.grids, items.infos,
+                                                            strict=True)):
+        item = VllmItem(items.modality, torch.cat([embedding, *levels], dim=-1) if levels else embedding, grid)
+        if items.modality == "video" and (family.prompt_timestamps or family.seconds_per_grid):
+            timing = _frame_timing(info, f"video {i}")
+            if timing is None:
+                raise InputError(f"video {i}: vLLM's {family.label} models need each video's timing, and this one "
+                                 f"has none (frames given in memory): encode the video file, or pass video_info= "
+                                 f"(its sampled frame indices, source fps and requested_fps) to EncodedItems")
+            if family.prompt_timestamps:
+                item.timestamps = _checked_timestamps(timing, grid, i)
+            else:
+                if timing.requested_fps is None:
+                    raise InputError(f"video {i}: vLLM's {family.label} models need the fps its frames were sampled "
+                                     f"at, and its video_info has no requested_fps: pass video_info= with "
+                                     f"requested_fps (the fps given to encode_videos)")
+                item.second_per_grid_t = TEMPORAL_PATCH / timing.requested_fps
+        out.append(item)
+    return out
+
+
+def _timing_fields(items: Sequence[VllmItem]) -> dict[str, Any]:
+    """The timing entries of a modality's ``multi_modal_data``, as vLLM's parsers take them."""
+    if items and items[0].timestamps is not None:
+        return {"timestamps": [item.timestamps for item in items]}
+    if items and items[0].second_per_grid_t is not None:
+        return {"second_per_grid_ts": torch.tensor([item.second_per_grid_t for item in items])}
+    return {}
+
+
+def _checked_timestamps(timing: _Timing, grid: tuple[int, int, int], i: int) -> list[float]:
+    """A video's ``vllm_timestamps``, one per temporal patch of its grid."""
+    times = vllm_timestamps(timing.indices, timing.fps, TEMPORAL_PATCH)
+    if len(times) != grid[0]:
+        raise InputError(f"video {i}: {len(timing.indices)} sampled frames make {len(times)} temporal patches, but "
+                         f"its grid has t={grid[0]}")
+    return times
 
 
 def split_vllm_deepstack(embeds: torch.Tensor, levels: int) -> tuple[torch.Tensor, list[torch.Tensor]]:

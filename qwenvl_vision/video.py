@@ -381,8 +381,10 @@ def read_video(path: str | os.PathLike, vcfg: VideoConfig, *, name: str | None =
     def pick_indices(total_frames: int, video_fps: float) -> list[int]:
         return sample_indices(total_frames, video_fps, vcfg, temporal_patch_size)
 
-    return read_video_frames(path, pick_indices, name=name, max_input_pixels=max_input_pixels, size=size,
-                             counted=counted)
+    frames, info = read_video_frames(path, pick_indices, name=name, max_input_pixels=max_input_pixels, size=size,
+                                     counted=counted)
+    info.requested_fps = float(vcfg.fps)
+    return frames, info
 
 
 

@@ -58,7 +58,9 @@ class VideoInfo:
 
     As transformers' ``VideoMetadata``: ``total_frames`` / ``video_fps`` from the header (or counted, see the
     module docstring), ``timestamps`` = index / video_fps in seconds, ``sampled_fps`` = kept / total * fps.
-    ``height`` / ``width``: the source frames'.
+    ``height`` / ``width``: the source frames'. ``requested_fps``: the rate the frames were asked to be sampled at
+    (the video settings' ``fps``; the Omni processors' ``fps`` keyword, from which they compute the seconds per
+    temporal patch), None where the caller picked the frames itself.
     """
 
     total_frames: int
@@ -69,6 +71,7 @@ class VideoInfo:
     timestamps: list[float] = field(init=False)
     sampled_fps: float = field(init=False)
     backend: str = "pyav"
+    requested_fps: float | None = None
 
     def __post_init__(self) -> None:
         self.timestamps = [i / self.video_fps for i in self.frame_indices]

@@ -213,7 +213,7 @@ def test_embed_folder_mixing_images_and_videos(tmp_path, request, model):
         assert record["status"] == "ok" and record["grid_thw"][0] == (len(info.frame_indices) + 1) // 2
         assert record["video"] == {"frames": info.frame_indices, "timestamps": info.timestamps,
                                    "fps": info.video_fps, "sampled_fps": info.sampled_fps,
-                                   "total_frames": info.total_frames}
+                                   "total_frames": info.total_frames, "requested_fps": 3.0}
         assert rel_err(stored[record["path"]], emb) <= 1e-5
     for path, emb in zip(images, images_expected.embeddings):
         assert "video" not in records[path.name] and records[path.name]["grid_thw"][0] == 1

@@ -210,20 +210,25 @@ def test_pixels_and_embeddings_together_are_refused_by_transformers(case):
 def test_vllm_layout_splits_back_bitwise(case):
     """The layout split back as vLLM splits it (tests/contract/ runs vLLM's own code). The video's frames were
     given in memory, so its frame timing is given as the frames' own (the Qwen3-VL families' vLLM models need
-    their timestamps; without it to_vllm refuses, naming video_info)."""
-    video = case.video
-    if FAMILIES[case.family].prompt_timestamps:
+    their timestamps, the Omni thinkers' the seconds per temporal patch; without it to_vllm refuses, naming
+    video_info)."""
+    video, family = case.video, FAMILIES[case.family]
+    if family.prompt_timestamps or family.seconds_per_grid:
         with pytest.raises(InputError, match="video_info"):
             to_vllm(case.images, case.video)
         frames = 2 * int(video.grid_thw[0, 0])
         video = EncodedItems(video.embeddings, video.grid_thw, video.deepstack, "video", case.family,
-                             video_info=[{"frames": list(range(frames)), "fps": 4.0}])
+                             video_info=[{"frames": list(range(frames)), "fps": 4.0, "requested_fps": 4.0}])
     data = to_vllm(case.images, video)
     assert set(data) == {"image", "video"}
-    if FAMILIES[case.family].prompt_timestamps:  # frames 0-3 at 4 fps: the mean time of each pair
+    if family.prompt_timestamps:  # frames 0-3 at 4 fps: the mean time of each pair
         assert data["video"]["timestamps"] == [[0.125, 0.625]]
     else:
         assert "timestamps" not in data["video"]
+    if family.seconds_per_grid:  # 2 frames per temporal patch, asked at 4 fps
+        assert data["video"]["second_per_grid_ts"].tolist() == [0.5]
+    else:
+        assert "second_per_grid_ts" not in data["video"]
     for modality, result in [("image", case.images), ("video", case.video)]:
         embeds, grid = data[modality][f"{modality}_embeds"], data[modality][f"{modality}_grid_thw"]
         levels = len(result.deepstack[0])

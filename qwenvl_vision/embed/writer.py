@@ -112,18 +112,21 @@ class RankWriter:
         for shard in self._own_shards():  # renamed but never recorded: the run stopped between rename and append
             if shard.name not in referenced and _shard_run_id(shard) == self.run_id:
                 shard.unlink()
-        # Temporary files of this run left by a kill: this rank's shards and manifest part, and (rank 0) the
-        # merged manifest and run.json being rewritten.
-        names = [f"shard-r{self.rank}-*.{self.run_id}.tmp", f"{self.manifest.name}.{self.run_id}.tmp"]
-        if self.rank == 0:
-            names += [f"{MANIFEST}.{self.run_id}.tmp", f"{RUN_FILE}.{self.run_id}.tmp"]
-        for pattern in names:
+        for pattern in self.temporary_files():
             for tmp in self.out.glob(pattern):
                 tmp.unlink()
         numbers = [int(SHARD_NAME.match(s.name).group(2)) for s in self._own_shards()]
         self.next_shard = max(numbers, default=-1) + 1
         # Rewrite the part with each ok input once; errors and damaged lines are dropped so they are redone.
         atomic_write_text(self.manifest, "".join(json.dumps(r) + "\n" for r in self.own.values()), self.run_id)
+
+    def temporary_files(self) -> list[str]:
+        """Glob patterns of the temporary files a kill may have left of this run: this rank's shards and manifest
+        part, and (rank 0) the merged manifest and run.json being rewritten."""
+        names = [f"shard-r{self.rank}-*.{self.run_id}.tmp", f"{self.manifest.name}.{self.run_id}.tmp"]
+        if self.rank == 0:
+            names += [f"{MANIFEST}.{self.run_id}.tmp", f"{RUN_FILE}.{self.run_id}.tmp"]
+        return names
 
     def _done_by_other_ranks(self) -> set[str]:
         """Inputs other ranks recorded ok: not redone here even if the input list (and so the split) changed."""
@@ -133,6 +136,23 @@ class RankWriter:
         return {record_key(r, self.run_cwd) for f in files if f != self.manifest for r in self._records(f)
                 if r["status"] == "ok" and r.get("rank", 0) != self.rank and (self.out / r["shard"]).is_file()}
 
+    def base_record(self, r) -> dict:
+        """The manifest fields every record of an input has: its path, status, error, rank, and a video's frames."""
+        record = {"path": r.path, "realpath": real_key(r.path), "status": "ok" if r.ok else "error",
+                  "error": r.error, "rank": self.rank}
+        if r.video_info is not None:
+            info = r.video_info
+            record["video"] = {"frames": info.frame_indices, "timestamps": info.timestamps,
+                               "fps": info.video_fps, "sampled_fps": info.sampled_fps,
+                               "total_frames": info.total_frames, "requested_fps": info.requested_fps}
+        return record
+
+    def finish_batch(self, records: list[dict], failed: int) -> None:
+        """Append a batch's records (after its tensors are in place) and count them."""
+        append_lines(self.manifest, records)
+        self.recorded += len(records)
+        self.failed += failed
+
     def write_batch(self, results, pooled_only: bool) -> tuple[int, int]:
         """One shard for the batch's successes (renamed into place), then its manifest lines."""
         tensors: dict[str, torch.Tensor] = {}
@@ -140,13 +160,7 @@ class RankWriter:
         shard_name = f"shard-r{self.rank}-{self.next_shard:06d}.safetensors"
         ok = failed = 0
         for r in results:
-            record = {"path": r.path, "realpath": real_key(r.path), "status": "ok" if r.ok else "error",
-                      "error": r.error, "rank": self.rank}
-            if r.video_info is not None:
-                info = r.video_info
-                record["video"] = {"frames": info.frame_indices, "timestamps": info.timestamps,
-                                   "fps": info.video_fps, "sampled_fps": info.sampled_fps,
-                                   "total_frames": info.total_frames}
+            record = self.base_record(r)
             if r.ok:
                 key = f"{ok:06d}"
                 if pooled_only:
@@ -171,9 +185,7 @@ class RankWriter:
                 raise
             fsync_dir(self.out)
             self.next_shard += 1
-        append_lines(self.manifest, records)
-        self.recorded += len(records)
-        self.failed += failed
+        self.finish_batch(records, failed)
         return ok, failed
 
 
