@@ -23,6 +23,7 @@ import PIL.Image
 import torch
 
 from .errors import ConfigError, PreprocessError, QwenVLVisionError
+from .item_ids import pixels_sha256
 from .pixels import DEFAULT_MAX_INPUT_PIXELS, check_resize_backend, input_name
 from .preprocess import PreprocessConfig, preprocess_image, probe_image
 from .video import VideoConfig, preprocess_video, preprocess_video_file, sample_indices, video_target_size
@@ -100,6 +101,7 @@ class Prepared:
     tokens: int = field(default=0)  # patches (pixel rows), not embedding rows
     held: int = 0  # bytes of the decode budget this input holds until it joins a batch
     video_info: VideoInfo | None = None
+    pixels_sha256: str | None = None  # item_ids.pixels_sha256, hashed here on the worker thread
 
 
 def preflight(items: list[Any], options: EncodeOptions, pre: PreprocessConfig) -> None:
@@ -160,11 +162,13 @@ def prepare(item: Any, index: int, options: EncodeOptions, pre: PreprocessConfig
     except Exception as e:  # noqa: BLE001 - a batch job records any per-input failure and goes on
         budget.release(held)
         return Prepared(index, name, error=f"{name}: {type(e).__name__}: {e}")
+    digest = pixels_sha256(pixel_values)
     if pin_memory:
         pixel_values = pixel_values.pin_memory()
     # From here on the input holds its resized pixels, not its decode peak.
     held = budget.resize(held, pixel_values.element_size() * pixel_values.nelement())
-    return Prepared(index, name, pixel_values, tuple(grid), tokens=math.prod(grid), held=held, video_info=info)
+    return Prepared(index, name, pixel_values, tuple(grid), tokens=math.prod(grid), held=held, video_info=info,
+                    pixels_sha256=digest)
 
 
 def prepared_batches(items: Iterable[Any], options: EncodeOptions, pre: PreprocessConfig, *, pin_memory: bool,

@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import os
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +38,7 @@ from .devices import resolve_device, resolve_dtype
 from .errors import ConfigError, EncoderClosedError, InputError, NumericalError, PreprocessError, QwenVLVisionError
 from .hub import resolve_folder
 from .init import random_tower
+from .item_ids import config_sha256, pixels_sha256, weights_sha256
 from .pixels import DEFAULT_MAX_INPUT_PIXELS
 from .preprocess import PreprocessConfig
 from .tower import VisionTower
@@ -59,6 +61,9 @@ class EncodeResult:
     modality: what the items are, "image" or "video" (``encode_videos``; ``encode_patches`` says what its
         caller says): a language model places image and video tokens differently.
     family: the tower's ``model_type`` (``VisionEncoder.family``), the family these embeddings belong to.
+    pixels_sha256: per item, a hash of the pixel rows the tower read (``item_ids.pixels_sha256``): with the
+        encoder's ``identity()``, what ``to_vllm_cache`` names each item by.
+    encoder: a weak reference to the encoder that made the result (it does not keep the encoder alive).
     """
 
     embeddings: list[torch.Tensor]
@@ -68,6 +73,8 @@ class EncodeResult:
     video_info: list[VideoInfo | None] = field(default_factory=list)
     modality: str = "image"
     family: str = ""
+    pixels_sha256: list[str] = field(default_factory=list)
+    encoder: Any = field(default=None, repr=False, compare=False)
 
     def __len__(self) -> int:
         return len(self.embeddings)
@@ -86,6 +93,13 @@ class EncodeResult:
 
         return to_vllm(self, dtype=dtype, device=device)
 
+    def to_vllm_cache(self, path: str | os.PathLike) -> list[dict]:
+        """Write each item into a vLLM encoder cache folder (``ECExampleConnector``'s layout) and return what a
+        request needs of each (its id, modality, grid and timing): ``vllm_cache.write_vllm_cache``."""
+        from .vllm_cache import write_vllm_cache
+
+        return write_vllm_cache(self, path)
+
 
 @dataclass
 class ItemResult:
@@ -98,6 +112,7 @@ class ItemResult:
     deepstack: list[torch.Tensor] | None = None
     pooled: torch.Tensor | None = None
     video_info: VideoInfo | None = None  # a video file's frames, fps and timestamps
+    pixels_sha256: str | None = None  # item_ids.pixels_sha256 of the pixel rows the tower read
     error: str | None = None
     error_class: type[QwenVLVisionError] = PreprocessError  # what encode_images raises for this error
 
@@ -120,6 +135,7 @@ class VisionEncoder:
         self._state = threading.Condition()
         self._closing = False
         self._forwards = 0
+        self._loaded: dict[str, str] | None = None  # identity()'s weights hash and dtype, kept after close
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -190,6 +206,15 @@ class VisionEncoder:
                                "image_std": list(pre.image_std), "resize": pre.resize},
                 "video": dataclasses.asdict(self.video_config)}
 
+    def identity(self) -> dict[str, str]:
+        """Which model this is, as its outputs record it (``item_ids.model_identity``: family, config hash, weights
+        hash, dtype). The weights are hashed on the first call (about a second per GB) and remembered."""
+        if self._loaded is None:
+            model = self.model
+            self._loaded = {"weights_sha256": weights_sha256(model), "dtype": str(model.dtype).removeprefix("torch.")}
+        return {"family": self.family, "config_sha256": config_sha256(self.config, self.preprocess_config),
+                **self._loaded}
+
     @property
     def family(self) -> str:
         return self.config.family
@@ -219,6 +244,14 @@ class VisionEncoder:
             raise InputError(f"pixel_values must be a torch.Tensor, got {type(pixel_values).__name__}")
         if modality not in ("image", "video"):
             raise InputError(f'modality must be "image" or "video", got {modality!r}')
+        result = self._encode_rows(pixel_values, grid_thw, pooled, modality)
+        rows = [int(t * h * w) for t, h, w in result.grid_thw.tolist()]
+        result.pixels_sha256 = [pixels_sha256(chunk) for chunk in pixel_values.split(rows)]
+        return result
+
+    def _encode_rows(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor | Sequence, pooled: bool,
+                 modality: str) -> EncodeResult:
+        """One forward over checked-shape inputs: encode_patches without the pixels' hashes."""
         model = self._begin_forward()
         try:
             grids = model.grid_list(grid_thw)
@@ -234,7 +267,8 @@ class VisionEncoder:
         deepstack = [[chunks[i] for chunks in per_level] for i in range(len(grids))]
         pooled_out = torch.stack([e.float().mean(0) for e in embeddings]).to(merged.dtype) if pooled else None
         return EncodeResult(embeddings, torch.tensor(grids, dtype=torch.int64), deepstack, pooled_out,
-                            video_info=[None] * len(grids), modality=modality, family=self.family)
+                            video_info=[None] * len(grids), modality=modality, family=self.family,
+                            encoder=weakref.ref(self))
 
     def _check_finite(self, merged: torch.Tensor, levels: list[torch.Tensor]) -> None:
         if merged.dtype != torch.float16:
@@ -299,7 +333,7 @@ class VisionEncoder:
         if batch:
             pixel_values = torch.cat([p.pixel_values for p in batch]).to(self.device, non_blocking=True)
             try:
-                out = self.encode_patches(pixel_values, [p.grid for p in batch], pooled=pooled)
+                out = self._encode_rows(pixel_values, [p.grid for p in batch], pooled, "image")
             except NumericalError as e:  # the batch is lost, the stream goes on (embed records each input)
                 results += [ItemResult(p.index, p.name, error=f"{p.name}: {e}", error_class=NumericalError)
                             for p in batch]
@@ -309,6 +343,7 @@ class VisionEncoder:
                     p.index, p.name, embedding=out.embeddings[i], grid_thw=p.grid,
                     deepstack=out.deepstack[i],
                     pooled=out.pooled[i] if out.pooled is not None else None, video_info=p.video_info,
+                    pixels_sha256=p.pixels_sha256,
                 ))
         return sorted(results, key=lambda r: r.index)
 
@@ -331,6 +366,8 @@ class VisionEncoder:
             video_info=[r.video_info for r in results],
             modality="video" if options.video else "image",
             family=self.family,
+            pixels_sha256=[r.pixels_sha256 for r in results],
+            encoder=weakref.ref(self),
         )
 
     def encode_images(self, images: Sequence[Any], *, min_pixels: int | None = None, max_pixels: int | None = None,

@@ -34,6 +34,10 @@ class NumericalError(QwenVLVisionError, FloatingPointError):
     """The tower's outputs are not finite (float16 overflows in the Qwen2.5-VL tower): use bfloat16 or float32."""
 
 
+class CacheFolderError(QwenVLVisionError, ValueError):
+    """A vLLM encoder-cache folder that holds another model's items, or items of unknown origin."""
+
+
 class EmbedError(QwenVLVisionError):
     """An embed run that cannot start or go on; ``exit_code`` is what the CLI exits with."""
 

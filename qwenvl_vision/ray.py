@@ -94,7 +94,7 @@ class Embedder:
     as ``embed --pooled-only``), ``fps`` (videos), ``max_batch_tokens``, ``max_input_pixels``, ``decode_bytes``,
     ``num_workers`` (decode threads), as for ``VisionEncoder.iter_encode``. ``threads``: torch threads of the
     forward (default: Ray's, the actor's whole CPUs). ``weights_sha256``: the hash the loaded tower must have
-    (``embed.run_record.weights_sha256``, as run.json records it), checked once in the constructor: an actor on
+    (``item_ids.weights_sha256``, as run.json records it), checked once in the constructor: an actor on
     another checkpoint, or drawing other random weights, fails instead of writing other tensors.
     """
 
@@ -114,7 +114,7 @@ class Embedder:
             torch.set_num_threads(threads)
         self.encoder = load_encoder(source, **load_options)
         if weights_sha256 is not None:
-            from .embed.run_record import weights_sha256 as tower_hash
+            from .item_ids import weights_sha256 as tower_hash
 
             found = tower_hash(self.encoder.model)
             if found != weights_sha256:

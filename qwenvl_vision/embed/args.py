@@ -14,7 +14,7 @@ from ..devices import device_option, dtype_option
 from ..errors import ConfigError
 from ..pixels import DEFAULT_MAX_INPUT_PIXELS, RESIZE_BACKENDS
 
-FORMATS = ("safetensors", "parquet")
+FORMATS = ("safetensors", "parquet", "vllm-cache")
 ENGINES = ("local", "ray")
 
 
@@ -51,9 +51,13 @@ def validate_embed_args(args: argparse.Namespace) -> None:
     if args.min_pixels is not None and args.max_pixels is not None and args.min_pixels > args.max_pixels:
         raise ConfigError(f"--min-pixels {args.min_pixels} is above --max-pixels {args.max_pixels}")
     engine = getattr(args, "engine", "local")
-    if engine == "ray" and getattr(args, "format", None) == "safetensors":
-        raise ConfigError("--engine ray writes --format parquet only (its shards are written by the driver as Ray "
-                          "hands the rows back): drop --format safetensors, or use --engine local")
+    if engine == "ray" and getattr(args, "format", None) in ("safetensors", "vllm-cache"):
+        raise ConfigError(f"--engine ray writes --format parquet only (its shards are written by the driver as Ray "
+                          f"hands the rows back): drop --format {args.format}, or use --engine local (torchrun for "
+                          f"several processes)")
+    if getattr(args, "format", None) == "vllm-cache" and args.pooled_only:
+        raise ConfigError("--format vllm-cache stores each item's tokens, which a vLLM consumer places in the prompt: "
+                          "drop --pooled-only")
     if getattr(args, "ray_address", None) and engine != "ray":
         raise ConfigError(f"--ray-address {args.ray_address} needs --engine ray")
     if getattr(args, "ray_actors", None) and engine != "ray":
@@ -113,7 +117,9 @@ def add_embed_parser(sub, parents=()) -> argparse.ArgumentParser:
     p.add_argument("--format", choices=FORMATS,
                    help="safetensors: shards + manifest.jsonl; parquet: shards of one row per input (path, status, "
                         "error, grid, tokens, the tensors as float32, video frames), run.json in their schema "
-                        "metadata (default: a resumed run's; else safetensors, parquet with --engine ray)")
+                        "metadata; vllm-cache: one {id}/encoder_cache.safetensors per item, the folder a vLLM "
+                        "consumer's ECExampleConnector reads, and manifest.jsonl with each item's id, grid and "
+                        "timing (default: a resumed run's; else safetensors, parquet with --engine ray)")
     p.add_argument("--engine", choices=ENGINES, default="local",
                    help="local: this process (or torchrun's ranks); ray: a Ray Data pipeline, the forward on actors "
                         "(needs ray[data]; writes --format parquet; default %(default)s)")

@@ -3,7 +3,8 @@ process's part of it: check everything and take the folder's lock (nothing writt
 run.json, encode this rank's inputs batch by batch through a ``writer.RankWriter``, merge the ranks' parts.
 
 Formats: ``--format safetensors`` writes through ``writer.RankWriter`` (shards + manifest), ``--format parquet``
-through ``parquet_writer.ParquetRankWriter`` (shards that are their own manifest); the lock, the run.json checks,
+through ``parquet_writer.ParquetRankWriter`` (shards that are their own manifest), ``--format vllm-cache`` through
+``cache_writer.CacheRankWriter`` (a vLLM encoder-cache folder + manifest); the lock, the run.json checks,
 resume, ranks and exit codes are the same. ``--engine ray`` runs the encoding as a Ray Data pipeline
 (``ray_engine.encode_on_ray``) after the same setup, the driver writing Parquet shards as rows come back.
 
@@ -37,6 +38,8 @@ from typing import Any
 import torch
 
 from ..errors import EmbedError, OutputFaultError, PeerFailedError, QwenVLVisionError, exit_code_of
+from ..item_ids import IDENTITY_FIELDS
+from ..vllm_cache import check_cache_folder, claim_cache_folder
 from .inputs import MEDIA_EXTENSIONS, Inputs, gather_inputs, rank_and_world, shard_for_rank
 from .lock import FolderLock, lock_name
 from .manifest import MANIFEST, PARQUET_SHARD_NAME, RUN_FIELD_DEFAULTS, RUN_FILE, record_key
@@ -125,6 +128,7 @@ class _PathResult:
         self.deepstack = item.deepstack
         self.pooled = item.pooled
         self.video_info = item.video_info
+        self.pixels_sha256 = item.pixels_sha256
 
 
 class _Failed:
@@ -288,6 +292,8 @@ class EmbedJob:
 
             self.layout = layout_for(self.encoder, args.pooled_only)
         now = describe_run(self.encoder, args, folder, self.world, self.threads)
+        if args.format == "vllm-cache":  # another model's items in the folder: refused before anything is written
+            check_cache_folder(out, self.encoder.identity())
         if self.ray is not None and self.ray.device != "cpu":
             now["linear_kernels"] = None  # the driver's CPU choices; the actors' GPUs have none
         note = crossed_bounds_note(args, self.encoder.preprocess_config)
@@ -348,6 +354,12 @@ class EmbedJob:
             from .parquet_writer import ParquetRankWriter
 
             writer = ParquetRankWriter(self.out, self.rank, self.run, self.layout)
+        elif self.run["file_format"] == "vllm-cache":
+            from .cache_writer import CacheRankWriter
+
+            if self.rank == 0:
+                claim_cache_folder(self.out, {k: self.run[k] for k in IDENTITY_FIELDS}, self.run["run_id"])
+            writer = CacheRankWriter(self.out, self.rank, self.world, self.run)
         else:
             writer = RankWriter(self.out, self.rank, self.world, self.run["run_id"], self.run.get("cwd"))
         if not self.fresh:

@@ -6,8 +6,10 @@ A folder holds ``run.json`` (what produced the tensors), ``manifest.jsonl`` (one
 frames were used), the shards ``shard-r{rank}-{n:06d}.safetensors`` and, while a multi-rank run is going, the
 ranks' parts ``manifest.rank{rank}.jsonl``. A ``--format parquet`` folder holds ``run.json`` and the shards
 ``shard-r{rank}-{n:06d}.parquet`` only: each row is an input's record (``parquet``'s layout), so the shards are
-the manifest. A last line without its newline is a torn write (a run killed mid-
-append) and is left out; any other line that is not a valid record is damaged (a hand edit).
+the manifest. A ``--format vllm-cache`` folder holds run.json, the manifest and, instead of shards, one
+``{id}/encoder_cache.safetensors`` per item (``vllm_cache``'s layout: an ok record's shard is its item's file).
+A last line without its newline is a torn write (a run killed mid-append) and is left out; any other line that
+is not a valid record is damaged (a hand edit).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..vllm_cache import CACHE_KEY, ITEM_FILE
 from .inputs import real_key
 
 MANIFEST = "manifest.jsonl"
@@ -107,11 +110,16 @@ def _record_problem(record: Any) -> str:
     if record["status"] == "error":
         return ""
     shard = record.get("shard")
-    if not isinstance(shard, str) or not SHARD_NAME.match(shard):
+    item = ITEM_FILE.match(shard) if isinstance(shard, str) else None
+    if not isinstance(shard, str) or not (SHARD_NAME.match(shard) or item):
         return f"status ok but shard {shard!r} is not a shard file name of this folder" if shard is not None \
             else "status ok but no 'shard'"
     if not isinstance(record.get("key"), str) or not record["key"]:
         return "status ok but no 'key'"
+    if item and (record.get("id") != item.group(1) or record["key"] != CACHE_KEY):
+        return f"encoder-cache item {shard!r} recorded with id {record.get('id')!r} and key {record['key']!r}"
+    if item and not (isinstance(record.get("levels"), int) and record["levels"] >= 0):
+        return f"encoder-cache item {shard!r} with levels {record.get('levels')!r}, not a count"
     grid = record.get("grid_thw")
     if not (isinstance(grid, list) and len(grid) == 3 and all(isinstance(g, int) and g > 0 for g in grid)):
         return f"grid_thw {grid!r} is not three positive integers"
@@ -132,6 +140,9 @@ def _video_problem(video: Any) -> str:
         return "video timestamps are not one number per frame"
     if not (isinstance(fps, (int, float)) and fps > 0):
         return f"video fps {fps!r} is not a positive number"
+    requested = video.get("requested_fps")
+    if requested is not None and not (isinstance(requested, (int, float)) and requested > 0):
+        return f"video requested_fps {requested!r} is not a positive number"
     return ""
 
 

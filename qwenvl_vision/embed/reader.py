@@ -73,7 +73,8 @@ def read_run(out: str | os.PathLike) -> dict:
 
 def read_embeddings(out: str | os.PathLike, *, deepstack: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """(path, tensor) for every input recorded ok in DIR/manifest.jsonl, in manifest order, or in DIR's Parquet
-    shards (a ``--format parquet`` run), in shard and row order.
+    shards (a ``--format parquet`` run), in shard and row order. A ``--format vllm-cache`` run's items are split
+    back into the embedding and its DeepStack levels.
 
     With deepstack=True yields (path, (embedding, [levels...])) for Qwen3-VL runs. What produced the tensors
     (model, dtype, pixel bounds, pooling): ``read_run(DIR)``. A damaged manifest line, a missing shard or
@@ -107,7 +108,13 @@ def read_embeddings(out: str | os.PathLike, *, deepstack: bool = False) -> Itera
             if r["key"] not in handle.keys():
                 raise ManifestError(f"{manifest}, line {line.number}: {r['shard']} has no tensor {r['key']!r}")
             tensor = handle.get_tensor(r["key"])
-            if deepstack:
+            if "levels" in r:  # an encoder-cache item: [merged | level 0 | ...] along the features, as vLLM splits it
+                from ..handoff import split_vllm_deepstack
+
+                tensor, levels = split_vllm_deepstack(tensor, r["levels"])
+                yield r["path"], ((tensor.contiguous(), [level.contiguous() for level in levels]) if deepstack
+                                  else tensor.contiguous())
+            elif deepstack:
                 names = sorted(k for k in handle.keys() if k.startswith(r["key"] + ".deepstack."))
                 yield r["path"], (tensor, [handle.get_tensor(k) for k in names])
             else:

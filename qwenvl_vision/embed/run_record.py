@@ -10,7 +10,6 @@ linear kernels chosen) and which run it is (``run_id``).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import time
@@ -24,26 +23,6 @@ from ..errors import RunMismatchError
 from ..hub import COMMIT_HASH
 from ..version import package_version
 from .manifest import RUN_COMPARED, RUN_FIELD_DEFAULTS, RUN_FILE, RUN_FORMAT
-
-
-def _sha256_json(value: Any) -> str:
-    """A hash of a JSON value, independent of its key order."""
-    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
-
-
-def weights_sha256(model: torch.nn.Module) -> str:
-    """A hash of the vision tensors as loaded (names, dtypes, shapes, bytes).
-
-    Stronger than hashing the checkpoint's index: a fine-tune keeps its base model's tensor names and
-    index. ~1 s per GB.
-    """
-    h = hashlib.sha256()
-    for name, tensor in sorted(model.state_dict().items()):
-        data = tensor.detach().reshape(-1).contiguous().cpu()
-        h.update(f"{name}:{data.dtype}:{tuple(tensor.shape)}\n".encode())
-        h.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
-    return h.hexdigest()
-
 
 
 def pixel_bounds(args: argparse.Namespace, pre) -> tuple[int, int]:
@@ -91,10 +70,7 @@ def describe_run(encoder, args: argparse.Namespace, folder: str | None, world: i
         "model_folder": folder,
         "revision": revision,
         "random_weights": bool(args.random_weights),
-        "family": encoder.family,
-        "config_sha256": _sha256_json({"vision": encoder.config.to_vision_dict(), "preprocess": pre.to_dict()}),
-        "weights_sha256": weights_sha256(encoder.model),
-        "dtype": str(encoder.dtype).removeprefix("torch."),
+        **encoder.identity(),  # family, config_sha256, weights_sha256, dtype
         "min_pixels": min_pixels,
         "max_pixels": max_pixels,
         "resize": args.resize or pre.resize,

@@ -1,0 +1,63 @@
+"""``embed --format vllm-cache``: a rank's writer of vLLM encoder-cache items (``vllm_cache``'s layout, the
+folder a consumer's ``ECExampleConnector`` reads) with the run's manifest beside them.
+
+The same run as ``--format safetensors`` (``writer.RankWriter``: lock, run.json, manifest parts, resume, ranks)
+with one file per item instead of shards: an ok record's ``shard`` is its item's file (``{id}/
+encoder_cache.safetensors``), its ``key`` ``"ec_cache"``, and it carries what a request needs (``vllm_cache.entry``:
+id, modality, grid, tokens, a video's timing) and ``levels``, the DeepStack levels in the rows. An item's file is
+renamed into place before its record is appended; an item written and not recorded (a kill between the two) is a
+complete item of this model, which its input's redo finds in place.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import QwenVLVisionError
+from ..handoff import EncodedItems, vllm_items
+from ..item_ids import IDENTITY_FIELDS, item_id
+from ..vllm_cache import CACHE_FILE, CACHE_KEY, IDENTITY_FILE, entry, write_item
+from .writer import RankWriter
+
+
+class CacheRankWriter(RankWriter):
+    """Writes one rank's encoder-cache items and manifest part; recovery as ``RankWriter``'s."""
+
+    def __init__(self, out: Path, rank: int, world: int, run: dict) -> None:
+        super().__init__(out, rank, world, run["run_id"], run.get("cwd"))
+        self.identity = {k: run[k] for k in IDENTITY_FIELDS}
+        self.family = run["family"]
+        self.tag = f"{self.run_id}-r{rank}"  # ranks that meet on one id write their own temporary files
+
+    def temporary_files(self) -> list[str]:
+        names = super().temporary_files() + [f"*/{CACHE_FILE}.{self.tag}.tmp"]
+        return names + ([f"{IDENTITY_FILE}.{self.run_id}.tmp"] if self.rank == 0 else [])
+
+    def write_batch(self, results, pooled_only: bool) -> tuple[int, int]:
+        """Each success's item file (renamed into place), then the batch's manifest lines."""
+        records = []
+        ok = failed = 0
+        for r in results:
+            record = self.base_record(r)
+            if r.ok:
+                try:
+                    record.update(self._write(r))
+                    ok += 1
+                except QwenVLVisionError as e:  # an item vLLM could not take: recorded, the run goes on
+                    record.update(status="error", error=f"{r.path}: {e}")
+                    failed += 1
+            else:
+                failed += 1
+            records.append(record)
+        self.finish_batch(records, failed)
+        return ok, failed
+
+    def _write(self, r) -> dict:
+        """One item's file; its record's fields."""
+        modality = "image" if r.video_info is None else "video"
+        (item,) = vllm_items(EncodedItems([r.embedding], [r.grid_thw], [r.deepstack or []], modality, self.family,
+                                          [r.video_info]))
+        name = item_id(self.identity, modality, item.grid_thw, r.pixels_sha256)
+        write_item(self.out, name, item.rows, self.tag)
+        return {**entry(name, item), "shard": f"{name}/{CACHE_FILE}", "key": CACHE_KEY,
+                "levels": len(r.deepstack or [])}

@@ -1,0 +1,187 @@
+"""vLLM's encoder cache as an output: the folder a vLLM consumer's ``ECExampleConnector`` reads embeddings from,
+what each item is called there, and the request fields that point a prompt at its items.
+
+vLLM 0.33 (``vllm/distributed/ec_transfer/ec_connector/example_connector.py``): an instance started with
+``--ec-transfer-config '{"ec_connector": "ECExampleConnector", "ec_role": "ec_consumer",
+"ec_connector_extra_config": {"shared_storage_path": "P"}}'`` looks for ``P/{mm_hash}/encoder_cache.safetensors``,
+checks only that it exists, and loads its one tensor ``"ec_cache"`` onto its device as the item's encoder output.
+That tensor is what its model's ``embed_multimodal`` gives for the item: the item's rows of ``to_vllm``
+(``[merged | level 0 | ...]``, width ``D * (1 + levels)`` for the DeepStack families), in the dtype they were
+made in. A consumer takes requests whose items carry only what sizes their placeholders (``image_grid_thw``;
+``video_grid_thw`` with the timing its family reads) and ``multi_modal_uuids``; with a uuid and no processor
+keyword arguments, vLLM uses the uuid as the item's ``mm_hash``. ``vllm_request`` builds those fields.
+
+The folder, as written here (``write_vllm_cache``, and ``embed --format vllm-cache``):
+
+- ``{id}/encoder_cache.safetensors`` per item, ``id`` = ``item_ids.item_id`` (64 hex digits: the model's identity,
+  the modality, the grid and the pixels' hash). Each file is written whole under a temporary name and renamed
+  into place; an id already there is that item (same model, same pixels) and is not written again.
+- ``qwenvl_vision_cache.json``: the identity of the model whose items the folder holds. A folder with another
+  model's identity, or with items and no identity (written by something else), is refused before anything is
+  written (``CacheFolderError``): a consumer would load those items for this model's prompts.
+
+Entries (``write_vllm_cache``'s return value, and the ``embed`` manifest's records of such a run) are dicts with
+``id``, ``modality``, ``grid_thw`` and ``tokens``, and for videos ``timestamps`` (the Qwen3-VL families: one
+float per temporal patch) or ``second_per_grid_t`` (the Omni thinkers: seconds per temporal patch).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save
+
+from .durable import fsync_dir, replace_atomically
+from .errors import CacheFolderError, InputError
+from .handoff import MODALITIES, VllmItem, vllm_items
+from .item_ids import IDENTITY_FIELDS, item_id
+
+CACHE_FILE = "encoder_cache.safetensors"
+CACHE_KEY = "ec_cache"
+IDENTITY_FILE = "qwenvl_vision_cache.json"
+ITEM_ID = re.compile(r"^[0-9a-f]{64}$")
+ITEM_FILE = re.compile(r"^([0-9a-f]{64})/encoder_cache\.safetensors$")  # an item's file, relative to the folder
+
+
+def check_cache_folder(folder: str | os.PathLike, identity: dict[str, str]) -> None:
+    """Refuse a folder that holds another model's items, or items without an identity file; read only."""
+    folder = Path(folder)
+    path = folder / IDENTITY_FILE
+    try:
+        found = json.loads(path.read_text())
+    except FileNotFoundError:
+        if folder.is_dir() and any((item / CACHE_FILE).exists() for item in folder.iterdir()
+                                   if ITEM_ID.match(item.name)):
+            raise CacheFolderError(f"{folder} holds encoder-cache items but no {IDENTITY_FILE}: they were not written "
+                                   f"by qwenvl-vision, so which model made them is unknown; choose another folder") \
+                from None
+        return
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CacheFolderError(f"{path} is unreadable ({e})") from None
+    if not isinstance(found, dict):
+        raise CacheFolderError(f"{path} is damaged: not a JSON object")
+    differ = [k for k in IDENTITY_FIELDS if found.get(k) != identity[k]]
+    if differ:
+        fields = ", ".join(f"{k} {str(found.get(k))[:12]} (this model: {identity[k][:12]})" for k in differ)
+        raise CacheFolderError(f"{folder} holds the encoder cache of another model ({fields}): a consumer would load "
+                               f"its items for this model's prompts; choose another folder")
+
+
+def claim_cache_folder(folder: str | os.PathLike, identity: dict[str, str], tag: str) -> None:
+    """Check the folder (``check_cache_folder``), create it, and write its identity file if it has none."""
+    folder = Path(folder)
+    check_cache_folder(folder, identity)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / IDENTITY_FILE
+    if not path.exists():
+        text = json.dumps({k: identity[k] for k in IDENTITY_FIELDS}, indent=2) + "\n"
+        replace_atomically(path, folder / f"{IDENTITY_FILE}.{tag}.tmp", lambda f: f.write(text.encode()))
+
+
+def write_item(folder: Path, item: str, rows: torch.Tensor, tag: str) -> None:
+    """``folder/item/encoder_cache.safetensors`` holding ``rows`` as ``"ec_cache"``, whole or not at all; an item
+    already there is kept (its id says it holds these rows). ``tag`` names the temporary file."""
+    target = folder / item / CACHE_FILE
+    if target.is_file():
+        return
+    target.parent.mkdir(exist_ok=True)
+    data = save({CACHE_KEY: rows.detach().contiguous().cpu()}, metadata={"format": "pt"})
+    replace_atomically(target, target.parent / f"{CACHE_FILE}.{tag}.tmp", lambda f: f.write(data))
+    fsync_dir(folder)
+
+
+def entry(name: str, item: VllmItem) -> dict[str, Any]:
+    """What a request needs of the item cached as ``name`` (see the module docstring)."""
+    out: dict[str, Any] = {"id": name, "modality": item.modality, "grid_thw": list(item.grid_thw),
+                           "tokens": int(item.rows.shape[0])}
+    if item.timestamps is not None:
+        out["timestamps"] = list(item.timestamps)
+    if item.second_per_grid_t is not None:
+        out["second_per_grid_t"] = item.second_per_grid_t
+    return out
+
+
+def write_vllm_cache(result: Any, folder: str | os.PathLike) -> list[dict[str, Any]]:
+    """Write an ``EncodeResult``'s items into a vLLM encoder-cache folder; their entries, in order.
+
+    The result's encoder must still be loaded, or have given its ``identity()`` before it closed. Nothing is
+    written when the folder holds another model's items or an item cannot be handed to vLLM (a video without
+    its frame timing where the family needs it).
+    """
+    encoder = result.encoder() if getattr(result, "encoder", None) is not None else None
+    if encoder is None:
+        raise InputError("this result's encoder is gone (a result does not keep it alive), so which model made it "
+                         "is unknown: keep the encoder in a variable until the cache is written")
+    digests = list(getattr(result, "pixels_sha256", None) or [])
+    if len(digests) != len(result.embeddings) or any(d is None for d in digests):
+        raise InputError(f"the result has pixel hashes for {len(digests)} of its {len(result.embeddings)} items: "
+                         f"only results of encode_images, encode_videos and encode_patches can be cached")
+    identity = encoder.identity()
+    items = vllm_items(result)
+    ids = [item_id(identity, item.modality, item.grid_thw, digest) for item, digest in zip(items, digests, strict=True)]
+    folder = Path(folder)
+    tag = uuid.uuid4().hex
+    claim_cache_folder(folder, identity, tag)
+    for name, item in zip(ids, items, strict=True):
+        write_item(folder, name, item.rows, tag)
+    return [entry(name, item) for name, item in zip(ids, items, strict=True)]
+
+
+def vllm_request(entries: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The fields of a vLLM request whose items come from an encoder cache: ``{"multi_modal_data": {...},
+    "multi_modal_uuids": {...}}``, to pass beside the prompt (``LLM.generate({"prompt": ..., **request})``).
+
+    ``entries``: the prompt's items, each modality's in the order of its placeholders (``write_vllm_cache``'s
+    entries, or records of an ``embed --format vllm-cache`` manifest).
+    """
+    data: dict[str, dict[str, Any]] = {}
+    uuids: dict[str, list[str]] = {}
+    grouped: dict[str, list[dict[str, Any]]] = {}
+    for i, e in enumerate(entries):
+        problem = _entry_problem(e)
+        if problem:
+            raise InputError(f"entry {i}: {problem}")
+        grouped.setdefault(e["modality"], []).append(e)
+    for modality, items in grouped.items():
+        fields: dict[str, Any] = {f"{modality}_grid_thw": torch.tensor([e["grid_thw"] for e in items],
+                                                                       dtype=torch.long)}
+        for key in ("timestamps", "second_per_grid_t"):
+            have = [key in e for e in items]
+            if any(have) and not all(have):
+                raise InputError(f"{modality} entries: {sum(have)} of {len(items)} carry {key}; a family's videos all "
+                                 f"do or none do")
+        if "timestamps" in items[0]:
+            fields["timestamps"] = [list(e["timestamps"]) for e in items]
+        if "second_per_grid_t" in items[0]:
+            fields["second_per_grid_ts"] = torch.tensor([float(e["second_per_grid_t"]) for e in items])
+        data[modality] = fields
+        uuids[modality] = [e["id"] for e in items]
+    return {"multi_modal_data": data, "multi_modal_uuids": uuids}
+
+
+def _entry_problem(e: Any) -> str:
+    """Why an entry cannot name a cached item ('' when it can)."""
+    if not isinstance(e, dict):
+        return f"not a dict ({type(e).__name__})"
+    if not isinstance(e.get("id"), str) or not ITEM_ID.match(e["id"]):
+        return f"id {e.get('id')!r} is not 64 hex digits"
+    if e.get("modality") not in MODALITIES:
+        return f"modality {e.get('modality')!r} is not one of {MODALITIES}"
+    grid = e.get("grid_thw")
+    if not (isinstance(grid, (list, tuple)) and len(grid) == 3 and all(isinstance(g, int) and g > 0 for g in grid)):
+        return f"grid_thw {grid!r} is not three positive integers"
+    stamps = e.get("timestamps")
+    if stamps is not None and not (isinstance(stamps, list) and len(stamps) == grid[0]
+                                   and all(isinstance(t, (int, float)) for t in stamps)):
+        return f"timestamps are not one number per temporal patch (grid t={grid[0]})"
+    step = e.get("second_per_grid_t")
+    if step is not None and not (isinstance(step, (int, float)) and step > 0):
+        return f"second_per_grid_t {step!r} is not a positive number"
+    return ""
