@@ -40,9 +40,10 @@ this layout through vLLM's own code in a venv of its own):
   memory) is an InputError naming ``video_info``.
 - Qwen2.5-VL's embedding fields take no timing: vLLM's positions then assume the default 2 frames per second of
   sampling (a video sampled at another ``fps`` gets its temporal positions scaled as if at 2).
-- The Omni thinkers' parsers require ``second_per_grid_ts`` with ``video_embeds``: per video the seconds one
-  temporal patch spans, which their processors compute as ``temporal_patch_size / fps`` from the ``fps`` asked
-  for (not the rate the frames came out at); ``to_vllm`` takes it from ``video_info.requested_fps``.
+- The Omni thinkers' parsers take ``second_per_grid_ts`` with ``video_embeds``: per video the seconds one temporal
+  patch spans, which their processors compute as ``temporal_patch_size / fps`` from the ``fps`` asked for (not the
+  rate the frames came out at). Without it vLLM assumes 1.0 (Qwen2.5-Omni) or 2.0 (Qwen3-Omni), silently wrong
+  positions at another fps, so ``to_vllm`` always writes it, from ``video_info.requested_fps``.
 
 Deviations, on purpose:
 - ``last_hidden_state`` is None in the outputs built here: transformers' own holds the tower's pre-merger patch

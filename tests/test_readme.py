@@ -53,6 +53,10 @@ EXCUSED = {  # README command (without its comment) -> why it is not run here
     CONTRACT_LINE: "the contract tier, in a venv of its own with vLLM; .ci/run runs it (checked below)",
     "torchrun --nproc-per-node 4 -m qwenvl_vision.cli embed photos/ --model Qwen/Qwen3-VL-8B-Instruct --out emb/ "
     "--device cuda": "needs 4 CUDA devices; torchrun runs are tested with 2 CPU ranks in tests/test_embed*.py",
+    "vllm serve Qwen/Qwen3-VL-2B-Instruct --ec-transfer-config '{\"ec_connector\": \"ECExampleConnector\", "
+    "\"ec_role\": \"ec_consumer\", \"ec_connector_extra_config\": {\"shared_storage_path\": \"/tmp/ec\"}}'":
+    "needs vLLM with a GPU; tests/contract/ builds this consumer's VllmConfig from the line and loads the items with "
+    "its ECExampleConnector",
     "python -m bench.cuda_check --out DIR": "needs a GPU; its --dry-run, the same logic on CPU, runs in "
     "tests/test_cuda_check.py",
 }

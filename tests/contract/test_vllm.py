@@ -13,14 +13,20 @@ our encoder, handed over with ``to_vllm`` and fed to vLLM's functions, no copies
 - for the Qwen3-VL-family videos, ``Qwen3VLProcessingInfo._get_video_second_idx`` (the timestamps vLLM computes
   for the same frames) and ``get_video_repl`` (the prompt text they become).
 
-The Omni thinkers are not covered yet: their processing info builds transformers' Omni processor, which needs a
-tokenizer with the Omni special tokens that the tiny models do not carry.
+The Omni thinkers' processing info builds transformers' Omni processor, which needs a tokenizer with the Omni
+special tokens that the tiny models do not carry: their tests build the parser class that info builds
+(``Qwen2_5OmniThinkerMultiModalDataParser``, both thinkers') themselves, with the model's merge size.
+
+The encoder cache (``embed --format vllm-cache``): a consumer's ``VllmConfig`` (``ec_role`` ``ec_consumer``), its
+parser taking ``vllm_request``'s grid-only items, and ``ECExampleConnector`` finding and loading each item.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 from fractions import Fraction
 from pathlib import Path
 
@@ -43,6 +49,7 @@ from qwenvl_vision.config import FAMILIES  # noqa: E402
 from tests.handoff_helpers import write_full_model  # noqa: E402
 from tests.helpers import synthetic_photo  # noqa: E402
 
+OMNI = ["qwen2_5_omni", "qwen3_omni_moe"]
 SERVED = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "qwen4_exp"]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -100,9 +107,9 @@ def write_video(path: Path, frames: int, rate: Fraction) -> Path:
     return path
 
 
-def through_vllm(config, info, data: dict, modality: str, dtype: torch.dtype, width: int, levels: int):
+def through_vllm(config, parser, data: dict, modality: str, dtype: torch.dtype, width: int, levels: int):
     """The parsed items' own tensors, and the per-item embeddings vLLM's model makes of their batch."""
-    parsed = info.get_data_parser().parse_mm_data({modality: data})[modality]
+    parsed = parser.parse_mm_data({modality: data})[modality]
     items = [parsed.get(i) for i in range(parsed.get_count())]
     kwargs_items = [(modality, parsed._kwargs[modality][i]) for i in range(parsed.get_count())]
     batches = list(group_and_batch_mm_kwargs(kwargs_items))
@@ -122,7 +129,7 @@ def test_images_parse_split_and_embed_per_item_bitwise(served, dtype):
     levels = len(result.deepstack[0])
     width = result.embeddings[0].shape[1]
     data = result.to_vllm()["image"]
-    items, model, embedded = through_vllm(config, info, data, "image", DTYPES[dtype], width, levels)
+    items, model, embedded = through_vllm(config, info.get_data_parser(), data, "image", DTYPES[dtype], width, levels)
     assert len(items) == len(embedded) == 2
     for i, (item, out) in enumerate(zip(items, embedded, strict=True)):
         assert torch.equal(item["image_grid_thw"], result.grid_thw[i])
@@ -159,7 +166,7 @@ def test_videos_parse_and_embed_per_item_with_the_timestamps_vllm_computes(serve
     if not FAMILIES[family].prompt_timestamps:
         assert "timestamps" not in data
     levels, width = len(result.deepstack[0]), result.embeddings[0].shape[1]
-    items, _, embedded = through_vllm(config, info, data, "video", DTYPES[dtype], width, levels)
+    items, _, embedded = through_vllm(config, info.get_data_parser(), data, "video", DTYPES[dtype], width, levels)
     for i, (item, out) in enumerate(zip(items, embedded, strict=True)):
         whole = torch.cat([result.embeddings[i], *result.deepstack[i]], dim=-1)
         assert torch.equal(item["video_grid_thw"], result.grid_thw[i]) and torch.equal(out, whole)
@@ -217,3 +224,184 @@ def test_a_qwen3_family_video_without_frame_timing_is_refused_naming_what_to_pas
         return
     with pytest.raises(Exception, match="video_info"):
         result.to_vllm()
+
+
+@pytest.fixture(scope="module", params=OMNI)
+def omni(request, tmp_path_factory):
+    """(family, model folder, vLLM's ModelConfig, the thinkers' data parser) of one Omni family."""
+    from vllm.model_executor.models.qwen2_5_omni_thinker import Qwen2_5OmniThinkerMultiModalDataParser
+
+    family = request.param
+    folder = write_full_model(tmp_path_factory.mktemp(family) / "model", family)
+    config = ModelConfig(model=str(folder), skip_tokenizer_init=True, enable_mm_embeds=True)
+    return family, folder, config, Qwen2_5OmniThinkerMultiModalDataParser(spatial_merge_size=2)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_omni_videos_parse_with_the_seconds_per_temporal_patch_of_the_fps_asked(omni, dtype, tmp_path):
+    """The Omni thinkers' parser takes ``second_per_grid_ts`` with video embeddings; ``to_vllm`` gives
+    ``temporal_patch_size / fps`` of the fps asked for, as their processors compute it, and the model splits the
+    batch back into our items bit for bit. Without it the parser still takes the data (vLLM then assumes its
+    default timing, silently wrong at another fps): the items carry none."""
+    family, folder, config, parser = omni
+    encoder = load_encoder(folder, device="cpu", dtype=DTYPES[dtype])
+    paths = [write_video(tmp_path / "a.mp4", 23, Fraction(30000, 1001)),
+             write_video(tmp_path / "b.mp4", 9, Fraction(10))]
+    result = encoder.encode_videos([str(p) for p in paths], fps=3.0)
+    data = result.to_vllm()["video"]
+    levels, width = len(result.deepstack[0]), result.embeddings[0].shape[1]
+    items, _, embedded = through_vllm(config, parser, data, "video", DTYPES[dtype], width, levels)
+    assert len(items) == len(embedded) == 2
+    for i, (item, out) in enumerate(zip(items, embedded, strict=True)):
+        whole = torch.cat([result.embeddings[i], *result.deepstack[i]], dim=-1)
+        assert torch.equal(item["video_grid_thw"], result.grid_thw[i]) and torch.equal(out, whole)
+        assert item["second_per_grid_ts"].item() == pytest.approx(2 / 3.0)
+    legacy = parser.parse_mm_data({"video": {k: v for k, v in data.items() if k != "second_per_grid_ts"}})["video"]
+    assert "second_per_grid_ts" not in legacy.get(0)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_omni_images_parse_split_and_embed_per_item_bitwise(omni, dtype):
+    family, folder, config, parser = omni
+    encoder = load_encoder(folder, device="cpu", dtype=DTYPES[dtype])
+    result = encoder.encode_images(images())
+    levels, width = len(result.deepstack[0]), result.embeddings[0].shape[1]
+    items, _, embedded = through_vllm(config, parser, result.to_vllm()["image"], "image", DTYPES[dtype], width,
+                                      levels)
+    assert len(items) == len(embedded) == 2
+    for i, out in enumerate(embedded):
+        assert torch.equal(out, torch.cat([result.embeddings[i], *result.deepstack[i]], dim=-1))
+
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+SECTION = "### Feed a vLLM encoder-cache consumer"
+
+
+def readme_section() -> tuple[str, dict, str]:
+    """The README's encoder-cache section: its producer command, its consumer's ``--ec-transfer-config`` and its
+    Python block."""
+    text = README.read_text()
+    section = text[text.index(SECTION):]
+    section = section[:section.index("\n##", len(SECTION))]
+    blocks = re.findall(r"```(\w*)\n(.*?)```", section, re.S)
+    bash = next(code for language, code in blocks if language == "bash").splitlines()
+    producer = next(line for line in bash if line.startswith("qwenvl-vision embed")).split("  #")[0]
+    consumer = next(line for line in bash if line.startswith("vllm serve"))
+    transfer = json.loads(re.search(r"--ec-transfer-config '(.*?)'", consumer).group(1))
+    return producer, transfer, next(code for language, code in blocks if language == "python")
+
+
+def consumer_config(folder: Path, transfer: dict, cache: Path):
+    """The README's consumer as vLLM builds it: a real ``VllmConfig`` with its ``--ec-transfer-config``, the shared
+    storage path moved to ``cache``."""
+    from vllm.config import ECTransferConfig, VllmConfig
+
+    transfer = {**transfer, "ec_connector_extra_config": {**transfer["ec_connector_extra_config"],
+                                                          "shared_storage_path": str(cache)}}
+    model = ModelConfig(model=str(folder), skip_tokenizer_init=True)
+    return VllmConfig(model_config=model, ec_transfer_config=ECTransferConfig(**transfer))
+
+
+def loaded_by_the_connector(config, request: dict) -> dict[str, torch.Tensor]:
+    """What ``ECExampleConnector`` does for a consumer: the scheduler's side finds each item, the worker's loads
+    it into its encoder cache (the metadata bound as the scheduler's ``build_connector_meta`` makes it)."""
+    from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+    from vllm.distributed.ec_transfer.ec_connector.example_connector import (
+        ECExampleConnector,
+        ECExampleConnectorMetadata,
+        MMMeta,
+    )
+
+    scheduler = ECExampleConnector(config, ECConnectorRole.SCHEDULER)
+    worker = ECExampleConnector(config, ECConnectorRole.WORKER)
+    ids = [i for modality in request["multi_modal_uuids"].values() for i in modality]
+    assert all(scheduler.has_cache_item(i) for i in ids) and not scheduler.has_cache_item("0" * 64)
+    metadata = ECExampleConnectorMetadata()
+    for i in ids:
+        metadata.add_mm_data(MMMeta.make_meta(i, 0))
+    worker.bind_connector_metadata(metadata)
+    cache: dict[str, torch.Tensor] = {}
+    worker.start_load_caches(cache)
+    worker.clear_connector_metadata()
+    return cache
+
+
+def parsed_by_the_consumer(config, request: dict) -> dict:
+    """The request's items as the consumer's own parser takes them (embeddings may be absent there)."""
+    assert config.model_config.multimodal_config.allow_missing_mm_embeddings
+    info = MULTIMODAL_REGISTRY.get_processing_info(config.model_config)
+    parsed = info.get_data_parser().parse_mm_data(request["multi_modal_data"])
+    return {modality: [items.get(i) for i in range(items.get_count())] for modality, items in parsed.items()}
+
+
+def test_the_readme_producer_s_cache_loads_in_a_vllm_consumer_bitwise(served, tmp_path, monkeypatch):
+    """The README's command (--format vllm-cache) over images and a video; the consumer built from its
+    --ec-transfer-config line parses the request made from the manifest (the grids, a video's timestamps) and its
+    connector loads every item equal to to_vllm()'s rows for it, bit for bit."""
+    from qwenvl_vision.cli import main
+    from qwenvl_vision.embed import read_manifest_lines
+    from qwenvl_vision.vllm_cache import vllm_request
+
+    family, folder, _, _ = served
+    producer, transfer, _ = readme_section()
+    media = tmp_path / "media"
+    media.mkdir()
+    photos = []
+    for i, image in enumerate(images()):
+        photos.append(media / f"photo{i}.png")
+        image.save(photos[-1])
+    clip = write_video(media / "clip.mp4", 9, Fraction(10))
+    cache = tmp_path / "ec"
+    argv = shlex.split(producer)[1:]
+    argv[argv.index("examples/photos/")] = str(media)
+    argv[argv.index("--model") + 1] = str(folder)
+    argv[argv.index("--out") + 1] = str(cache)
+    assert main(argv) == 0
+    records = {Path(r["path"]).name: r for r in read_manifest_lines(cache / "manifest.jsonl")}
+    order = [records["photo1.png"], records["clip.mp4"], records["photo0.png"]]
+    request = vllm_request(order)
+    config = consumer_config(folder, transfer, cache)
+    parsed = parsed_by_the_consumer(config, request)
+    assert [item["image_grid_thw"].tolist() for item in parsed["image"]] == [records["photo1.png"]["grid_thw"],
+                                                                             records["photo0.png"]["grid_thw"]]
+    assert parsed["video"][0]["video_grid_thw"].tolist() == records["clip.mp4"]["grid_thw"]
+    assert all("image_embeds" not in item for item in parsed["image"])
+    if FAMILIES[family].prompt_timestamps:
+        assert parsed["video"][0]["timestamps"] == records["clip.mp4"]["timestamps"]
+    loaded = loaded_by_the_connector(config, request)
+    dtype = DTYPES[{"bfloat16": "bf16", "float32": "fp32"}[read_run_dtype(cache)]]
+    encoder = load_encoder(folder, device="cpu", dtype=dtype)
+    want_images = encoder.encode_images([str(photos[1]), str(photos[0])]).to_vllm()["image"]
+    want_video = encoder.encode_videos([str(clip)]).to_vllm()["video"]
+    rows = [r["tokens"] for r in (records["photo1.png"], records["photo0.png"])]
+    for record, want in zip([records["photo1.png"], records["photo0.png"]],
+                            want_images["image_embeds"].split(rows), strict=True):
+        assert loaded[record["id"]].dtype == dtype and torch.equal(loaded[record["id"]], want)
+    assert torch.equal(loaded[records["clip.mp4"]["id"]], want_video["video_embeds"])
+
+
+def read_run_dtype(cache: Path) -> str:
+    return json.loads((cache / "run.json").read_text())["dtype"]
+
+
+def test_the_readme_python_example_feeds_the_same_consumer(served, tmp_path, monkeypatch):
+    """The README's Python block, with the family's tiny model for the repo id and a folder of its own for
+    /tmp/ec: its request parses in the consumer and every id loads equal to to_vllm()'s rows."""
+    family, folder, _, _ = served
+    _, transfer, code = readme_section()
+    cache = tmp_path / "ec"
+    repo = REPO_ID.search(code).group(0)
+    monkeypatch.chdir(README.parent)  # the block names examples/photos/ as a checkout has it
+    namespace: dict = {}
+    exec(code.replace(f'"{repo}"', repr(str(folder))).replace('"/tmp/ec"', repr(str(cache))), namespace)
+    request, items, enc = namespace["request"], namespace["items"], namespace["enc"]
+    config = consumer_config(folder, transfer, cache)
+    parsed = parsed_by_the_consumer(config, request)
+    assert [item["image_grid_thw"].tolist() for item in parsed["image"]] == [item["grid_thw"] for item in items]
+    loaded = loaded_by_the_connector(config, request)
+    paths = ["examples/photos/hopper.jpg", "examples/photos/logo.png"]
+    want = enc.encode_images(paths).to_vllm()["image"]["image_embeds"].split([item["tokens"] for item in items])
+    assert all(torch.equal(loaded[item["id"]], rows) for item, rows in zip(items, want, strict=True))
+
+
+REPO_ID = re.compile(r"Qwen/[\w.-]+")
