@@ -38,7 +38,8 @@ from .devices import resolve_device, resolve_dtype
 from .errors import ConfigError, EncoderClosedError, InputError, NumericalError, PreprocessError, QwenVLVisionError
 from .hub import resolve_folder
 from .init import random_tower
-from .item_ids import config_sha256, pixels_sha256, weights_sha256
+from .item_ids import config_sha256, weights_sha256
+from .item_ids import pixels_sha256 as item_pixels_sha256
 from .pixels import DEFAULT_MAX_INPUT_PIXELS
 from .preprocess import PreprocessConfig
 from .tower import VisionTower
@@ -234,24 +235,19 @@ class VisionEncoder:
     # ------------------------------------------------------------------ encoding
 
     def encode_patches(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor | Sequence, *,
-                       pooled: bool = False, modality: str = "image") -> EncodeResult:
+                       pooled: bool = False, modality: str = "image",
+                       pixels_sha256: Sequence[str] | None = None) -> EncodeResult:
         """Encode inputs already processed the transformers way (rows in merge-block order).
 
         ``modality`` ("image" or "video") is what the rows are, recorded in the result; the tower's math is the
         same for both. ``video_info`` is one None per item: nothing was read from a file here.
+        ``pixels_sha256``: the items' ``item_ids.pixels_sha256`` where the caller has them (the batch job hashes
+        each input on its decode thread); else they are hashed here.
         """
         if not isinstance(pixel_values, torch.Tensor):
             raise InputError(f"pixel_values must be a torch.Tensor, got {type(pixel_values).__name__}")
         if modality not in ("image", "video"):
             raise InputError(f'modality must be "image" or "video", got {modality!r}')
-        result = self._encode_rows(pixel_values, grid_thw, pooled, modality)
-        rows = [int(t * h * w) for t, h, w in result.grid_thw.tolist()]
-        result.pixels_sha256 = [pixels_sha256(chunk) for chunk in pixel_values.split(rows)]
-        return result
-
-    def _encode_rows(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor | Sequence, pooled: bool,
-                 modality: str) -> EncodeResult:
-        """One forward over checked-shape inputs: encode_patches without the pixels' hashes."""
         model = self._begin_forward()
         try:
             grids = model.grid_list(grid_thw)
@@ -261,6 +257,10 @@ class VisionEncoder:
         finally:
             self._end_forward()
         self._check_finite(merged, levels)
+        if pixels_sha256 is None:
+            pixels_sha256 = [item_pixels_sha256(rows) for rows in pixel_values.split([t * h * w for t, h, w in grids])]
+        elif len(pixels_sha256) != len(grids):
+            raise InputError(f"pixels_sha256 has {len(pixels_sha256)} entries for {len(grids)} items")
         sizes = [t * h * w // self.config.merge_unit for t, h, w in grids]
         embeddings = list(merged.split(sizes))
         per_level = [level.split(sizes) for level in levels]
@@ -268,7 +268,7 @@ class VisionEncoder:
         pooled_out = torch.stack([e.float().mean(0) for e in embeddings]).to(merged.dtype) if pooled else None
         return EncodeResult(embeddings, torch.tensor(grids, dtype=torch.int64), deepstack, pooled_out,
                             video_info=[None] * len(grids), modality=modality, family=self.family,
-                            encoder=weakref.ref(self))
+                            pixels_sha256=list(pixels_sha256), encoder=weakref.ref(self))
 
     def _check_finite(self, merged: torch.Tensor, levels: list[torch.Tensor]) -> None:
         if merged.dtype != torch.float16:
@@ -333,7 +333,8 @@ class VisionEncoder:
         if batch:
             pixel_values = torch.cat([p.pixel_values for p in batch]).to(self.device, non_blocking=True)
             try:
-                out = self._encode_rows(pixel_values, [p.grid for p in batch], pooled, "image")
+                out = self.encode_patches(pixel_values, [p.grid for p in batch], pooled=pooled,
+                                          pixels_sha256=[p.pixels_sha256 for p in batch])
             except NumericalError as e:  # the batch is lost, the stream goes on (embed records each input)
                 results += [ItemResult(p.index, p.name, error=f"{p.name}: {e}", error_class=NumericalError)
                             for p in batch]
@@ -343,7 +344,7 @@ class VisionEncoder:
                     p.index, p.name, embedding=out.embeddings[i], grid_thw=p.grid,
                     deepstack=out.deepstack[i],
                     pooled=out.pooled[i] if out.pooled is not None else None, video_info=p.video_info,
-                    pixels_sha256=p.pixels_sha256,
+                    pixels_sha256=out.pixels_sha256[i],
                 ))
         return sorted(results, key=lambda r: r.index)
 

@@ -47,6 +47,7 @@ import torch
 
 from .durable import replace_atomically
 from .errors import ManifestError
+from .video_io import video_record
 
 PARQUET_FORMAT = 1
 METADATA_KEY = b"qwenvl_vision"
@@ -122,6 +123,7 @@ class EmbeddingRecord:
     deepstack: list[torch.Tensor] = field(default_factory=list)
     pooled: torch.Tensor | None = None
     video: dict | None = None
+    pixels_sha256: str | None = None  # item_ids.pixels_sha256 (not stored in Parquet: the encoder cache's ids)
 
     @property
     def ok(self) -> bool:
@@ -143,14 +145,6 @@ def needs_escape(value: str) -> bool:
     except UnicodeEncodeError:
         return True
     return False
-
-
-def video_record(info: Any) -> dict | None:
-    """A ``video.VideoInfo`` as embed's manifest records it (None for an image)."""
-    if info is None:
-        return None
-    return {"frames": list(info.frame_indices), "timestamps": list(info.timestamps), "fps": info.video_fps,
-            "sampled_fps": info.sampled_fps, "total_frames": info.total_frames}
 
 
 def record_from_result(result: Any, path: str | None = None, realpath: str | None = None) -> EmbeddingRecord:

@@ -14,9 +14,11 @@ Output columns, one row per input row: the input's other columns passed through 
 kept: it is the row's identity; bytes and pixels are not), ``status`` ("ok" / "error"), ``error`` (the one-line
 reason), ``grid_thw`` (fixed_size_list<int64, 3>), ``tokens``, then ``embedding`` (tokens x D float32, Ray's
 ``ArrowVariableShapedTensorType``) and ``deepstack_0`` .. ``deepstack_{L-1}`` alike, or with ``pooled=True`` only
-``pooled`` (D float32, a fixed-shape tensor), and ``video`` (JSON of the frames used, for a video file; null
-otherwise). Float32 holds bf16 and fp16 values exactly. A tensor column holds no nulls, so an error row has
-null ``grid_thw``, ``tokens`` 0, zero-row tensors and a NaN ``pooled``: ``status`` tells them apart.
+``pooled`` (D float32, a fixed-shape tensor), ``video`` (JSON of the frames used, for a video file; null
+otherwise) and ``pixels_sha256`` (``item_ids.pixels_sha256`` of the pixels the tower read, from which the encoder
+cache names the item; null for an error row). Float32 holds bf16 and fp16 values exactly. A tensor column holds
+no nulls, so an error row has null ``grid_thw``, ``tokens`` 0, zero-row tensors and a NaN ``pooled``: ``status``
+tells them apart.
 
 Bad rows: every input is decoded and encoded under ``VisionEncoder.iter_encode``, which turns a bad input
 (corrupt, empty, not an image, too large) into an error result; a forward that fails as a whole (out of memory)
@@ -59,9 +61,9 @@ from ray.data.extensions import ArrowTensorArray, ArrowVariableShapedTensorArray
 from .batching import DEFAULT_DECODE_BYTES
 from .encoder import ItemResult, load_encoder
 from .errors import CheckpointError
-from .parquet import EmbeddingRecord, video_record
+from .parquet import EmbeddingRecord
 from .pixels import DEFAULT_MAX_INPUT_PIXELS, input_name
-from .video_io import is_video_file
+from .video_io import is_video_file, video_record
 
 INPUT_KINDS = ("path", "bytes", "image")
 BATCH_FORMAT = "numpy"
@@ -255,6 +257,7 @@ class Embedder:
                     [_float32(r.deepstack[level]) if r else empty for r in ok])
         columns["video"] = pa.array([json.dumps(video_record(r.video_info)) if r and r.video_info else None
                                      for r in ok], pa.string())
+        columns["pixels_sha256"] = pa.array([r.pixels_sha256 if r else None for r in ok], pa.string())
         return pa.table(columns)
 
 
@@ -367,6 +370,7 @@ def records_from_batch(batch: dict[str, Any], *, path_column: str = "path") -> l
         embedding = torch.from_numpy(np.array(batch["embedding"][i])) if "embedding" in batch else None
         pooled = torch.from_numpy(np.array(batch["pooled"][i])) if "pooled" in batch else None
         deepstack = [torch.from_numpy(np.array(batch[name][i])) for name in levels]
+        digest = batch["pixels_sha256"][i] if "pixels_sha256" in batch else None
         records.append(EmbeddingRecord(path, realpath, "ok", None, grid, int(batch["tokens"][i]), embedding,
-                                       deepstack, pooled, video))
+                                       deepstack, pooled, video, None if digest is None else str(digest)))
     return records

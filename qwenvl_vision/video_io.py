@@ -81,6 +81,18 @@ class VideoInfo:
         return dataclasses.asdict(self)
 
 
+def video_record(info: VideoInfo | None) -> dict | None:
+    """A ``VideoInfo`` as every embed output records it (None for an image): the frames kept, their times, the
+    source and sampled fps, the frame count and, where known, the fps asked for."""
+    if info is None:
+        return None
+    record = {"frames": list(info.frame_indices), "timestamps": list(info.timestamps), "fps": info.video_fps,
+              "sampled_fps": info.sampled_fps, "total_frames": info.total_frames}
+    if info.requested_fps is not None:
+        record["requested_fps"] = info.requested_fps
+    return record
+
+
 def _import_av(name: str) -> Any:
     try:
         import av

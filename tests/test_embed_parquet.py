@@ -113,7 +113,7 @@ def test_resume_records_each_input_once_and_keeps_one_format(tmp_path, checkpoin
     one_error_line(capsys.readouterr().err, "holds a --format parquet run", "--format safetensors")
     assert main(["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(tmp_path / "o2"),
                  "--engine", "ray", "--format", "safetensors"]) == 2
-    one_error_line(capsys.readouterr().err, "--engine ray writes --format parquet only")
+    one_error_line(capsys.readouterr().err, "--engine ray writes --format parquet or vllm-cache")
     assert not (tmp_path / "o2").exists()
 
     Image.fromarray(synthetic_photo(33, 47, 99)).save(tmp_path / "imgs" / "corrupt.jpg")  # fixed: retried

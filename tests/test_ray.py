@@ -107,7 +107,7 @@ def test_path_column_with_bad_files(embedder, encoder, media):
     paths, is_good = interleave(media["good"], media["bad"])
     table = embedder({"path": np.array(paths, dtype=object), "id": np.arange(len(paths))})
     assert table.column_names == ["path", "id", "status", "error", "grid_thw", "tokens", "embedding",
-                                  "deepstack_0", "deepstack_1", "video"]
+                                  "deepstack_0", "deepstack_1", "video", "pixels_sha256"]
     assert table.schema.field("grid_thw").type == pa.list_(pa.int64(), 3)
     assert type(table.schema.field("embedding").type).__name__ == "ArrowVariableShapedTensorType"
     rows = table.to_pylist()
@@ -193,7 +193,7 @@ def test_image_column_and_pooled(checkpoint3, encoder):
     column = np.empty(len(items), dtype=object)
     column[:] = items
     table = pooled({"image": column})
-    assert table.column_names == ["status", "error", "grid_thw", "tokens", "pooled", "video"]
+    assert table.column_names == ["status", "error", "grid_thw", "tokens", "pooled", "video", "pixels_sha256"]
     rows = table.to_pylist()
     check_rows([dict(r, pooled=_tensor(r, "pooled")) for r in rows], is_good,
                encoder.encode_images(good, pooled=True, **SETTINGS), levels=0, pooled=True)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from qwenvl_vision.cli import main
-from qwenvl_vision.embed import read_embeddings, read_run
+from qwenvl_vision.embed import read_embeddings, read_manifest_lines, read_run
 from qwenvl_vision.encoder import load_encoder
 from tests import embed_helpers
 from tests.embed_helpers import assert_each_parquet_input_once, embed_cmd, kill_when, make_media_folder, parquet_rows
@@ -33,14 +33,16 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 @pytest.mark.parametrize("max_pixels", [None, 50176])
 def test_every_path_gives_the_same_tensors(tmp_path, local_ray, checkpoint3, max_pixels):
     """At one thread (run.json's threads) and the same options, encode_images / encode_videos, embed --format
-    safetensors, --format parquet and --engine ray store bitwise the same tensors. With --max-pixels 50176 under
+    safetensors, --format parquet, --format vllm-cache and --engine ray in both its formats store bitwise the same
+    tensors (the encoder caches under the same ids). With --max-pixels 50176 under
     the checkpoint's min_pixels 65536 (crossed bounds), every path keeps both bounds, as encode_images does, and
     records them."""
     images, videos = make_media_folder(tmp_path / "media", 3, 2)
     bounds = ["--max-pixels", str(max_pixels)] if max_pixels else []
     options = [str(tmp_path / "media"), "--model", str(checkpoint3), "--threads", "1", "--fps", "3", "--quiet",
                *bounds]
-    outs = {"safetensors": [], "parquet": ["--format", "parquet"], "ray": ["--engine", "ray"]}
+    outs = {"safetensors": [], "parquet": ["--format", "parquet"], "ray": ["--engine", "ray"],
+            "vllm-cache": ["--format", "vllm-cache"], "ray-vllm-cache": ["--engine", "ray", "--format", "vllm-cache"]}
     for name, extra in outs.items():
         assert main(["embed", *options, "--out", str(tmp_path / name), *extra]) == 0, name
     threads = torch.get_num_threads()
@@ -57,13 +59,17 @@ def test_every_path_gives_the_same_tensors(tmp_path, local_ray, checkpoint3, max
     for name in outs:
         run = read_run(tmp_path / name)
         assert (run["min_pixels"], run["max_pixels"], run["threads"]) == (low, high, 1), name
-        assert run["engine"] == ("ray" if name == "ray" else "local")
+        assert run["engine"] == ("ray" if name.startswith("ray") else "local")
         got = dict(read_embeddings(tmp_path / name, deepstack=True))
         assert got.keys() == want.keys(), name
         for path, (embedding, levels) in got.items():
             assert torch.equal(embedding, want[path][0]), (name, path)
             assert len(levels) == 2 and all(torch.equal(a, b) for a, b in zip(levels, want[path][1])), (name, path)
     assert parquet_rows(tmp_path / "ray")[0].keys() == parquet_rows(tmp_path / "parquet")[0].keys()
+    ids = {name: {r["path"]: (r["id"], r["grid_thw"], r.get("timestamps"))
+                  for r in read_manifest_lines(tmp_path / name / "manifest.jsonl")}
+           for name in ("vllm-cache", "ray-vllm-cache")}
+    assert ids["ray-vllm-cache"] == ids["vllm-cache"] and len(ids["vllm-cache"]) == len(want)
 
 
 def _pair(result) -> tuple[list, list]:

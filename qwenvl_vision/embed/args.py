@@ -51,10 +51,9 @@ def validate_embed_args(args: argparse.Namespace) -> None:
     if args.min_pixels is not None and args.max_pixels is not None and args.min_pixels > args.max_pixels:
         raise ConfigError(f"--min-pixels {args.min_pixels} is above --max-pixels {args.max_pixels}")
     engine = getattr(args, "engine", "local")
-    if engine == "ray" and getattr(args, "format", None) in ("safetensors", "vllm-cache"):
-        raise ConfigError(f"--engine ray writes --format parquet only (its shards are written by the driver as Ray "
-                          f"hands the rows back): drop --format {args.format}, or use --engine local (torchrun for "
-                          f"several processes)")
+    if engine == "ray" and getattr(args, "format", None) == "safetensors":
+        raise ConfigError("--engine ray writes --format parquet or vllm-cache (the driver writes what Ray hands "
+                          "back, row by row): drop --format safetensors, or use --engine local")
     if getattr(args, "format", None) == "vllm-cache" and args.pooled_only:
         raise ConfigError("--format vllm-cache stores each item's tokens, which a vLLM consumer places in the prompt: "
                           "drop --pooled-only")
@@ -122,7 +121,7 @@ def add_embed_parser(sub, parents=()) -> argparse.ArgumentParser:
                         "timing (default: a resumed run's; else safetensors, parquet with --engine ray)")
     p.add_argument("--engine", choices=ENGINES, default="local",
                    help="local: this process (or torchrun's ranks); ray: a Ray Data pipeline, the forward on actors "
-                        "(needs ray[data]; writes --format parquet; default %(default)s)")
+                        "(needs ray[data]; writes --format parquet or vllm-cache; default %(default)s)")
     p.add_argument("--ray-address",
                    help="with --engine ray: join this Ray cluster (e.g. auto, or ray://head:10001; default: start a "
                         "local one with this machine's CPUs and GPUs)")

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from ..errors import QwenVLVisionError
 from ..handoff import EncodedItems, vllm_items
 from ..item_ids import IDENTITY_FIELDS, item_id
@@ -52,6 +54,12 @@ class CacheRankWriter(RankWriter):
         self.finish_batch(records, failed)
         return ok, failed
 
+    def write_records(self, records: list) -> tuple[int, int]:
+        """``--engine ray``'s rows (``parquet.EmbeddingRecord``s, their tensors float32), in the run's dtype again
+        (exact: they were made in it)."""
+        dtype = getattr(torch, self.identity["dtype"])
+        return self.write_batch([_RayRow(r, dtype) for r in records], False)
+
     def _write(self, r) -> dict:
         """One item's file; its record's fields."""
         modality = "image" if r.video_info is None else "video"
@@ -61,3 +69,13 @@ class CacheRankWriter(RankWriter):
         write_item(self.out, name, item.rows, self.tag)
         return {**entry(name, item), "shard": f"{name}/{CACHE_FILE}", "key": CACHE_KEY,
                 "levels": len(r.deepstack or [])}
+
+
+class _RayRow:
+    """A Ray row shaped like the local engine's results (``job``'s): what ``write_batch`` reads."""
+
+    def __init__(self, record, dtype: torch.dtype) -> None:
+        self.path, self.ok, self.error, self.grid_thw = record.path, record.ok, record.error, record.grid_thw
+        self.embedding = record.embedding.to(dtype) if record.embedding is not None else None
+        self.deepstack = [level.to(dtype) for level in record.deepstack]
+        self.video_info, self.pixels_sha256 = record.video, record.pixels_sha256

@@ -25,6 +25,7 @@ from safetensors.torch import save
 
 from ..durable import fsync_dir, replace_atomically
 from ..errors import OutputFaultError
+from ..video_io import video_record
 from .inputs import real_key
 from .manifest import MANIFEST, RUN_FILE, SHARD_NAME, parse_manifest, part_name, record_key
 
@@ -140,11 +141,8 @@ class RankWriter:
         """The manifest fields every record of an input has: its path, status, error, rank, and a video's frames."""
         record = {"path": r.path, "realpath": real_key(r.path), "status": "ok" if r.ok else "error",
                   "error": r.error, "rank": self.rank}
-        if r.video_info is not None:
-            info = r.video_info
-            record["video"] = {"frames": info.frame_indices, "timestamps": info.timestamps,
-                               "fps": info.video_fps, "sampled_fps": info.sampled_fps,
-                               "total_frames": info.total_frames, "requested_fps": info.requested_fps}
+        if r.video_info is not None:  # a VideoInfo, or a record's video entry already (the Ray rows')
+            record["video"] = r.video_info if isinstance(r.video_info, dict) else video_record(r.video_info)
         return record
 
     def finish_batch(self, records: list[dict], failed: int) -> None:
