@@ -327,10 +327,18 @@ def loaded_by_the_connector(config, request: dict) -> dict[str, torch.Tensor]:
 
 
 def parsed_by_the_consumer(config, request: dict) -> dict:
-    """The request's items as the consumer's own parser takes them (embeddings may be absent there)."""
+    """The request's items as the consumer's own parser takes them (embeddings may be absent there), and the
+    cache identity its processor gives each (``ProcessorInputs.get_mm_hashes``, as ``_get_mm_hashes`` calls it):
+    with a uuid and no processor keyword arguments, the uuid itself, which the connector then looks up."""
+    from vllm.multimodal.parse import parse_mm_uuids
+    from vllm.multimodal.processing.inputs import ProcessorInputs
+
     assert config.model_config.multimodal_config.allow_missing_mm_embeddings
     info = MULTIMODAL_REGISTRY.get_processing_info(config.model_config)
     parsed = info.get_data_parser().parse_mm_data(request["multi_modal_data"])
+    inputs = ProcessorInputs([0], parsed, parse_mm_uuids(request["multi_modal_uuids"]))
+    hashes = inputs.get_mm_hashes(info.model_id, info.ctx.get_mm_config().mm_hasher_algorithm)
+    assert hashes == request["multi_modal_uuids"]
     return {modality: [items.get(i) for i in range(items.get_count())] for modality, items in parsed.items()}
 
 
