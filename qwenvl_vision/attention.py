@@ -107,7 +107,7 @@ def gemm_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int, 
     Why: on CPUs where oneDNN's fp32 linear runs well above PyTorch's CPU flash attention on segments of
     512-2,048 tokens (the towers' frames: 784-1,024 tokens, heads of 72 or 80), one head's L x L fp32 scores stay
     in cache between the GEMMs and the softmax, and this path beats SDPA (rates: ``bench.attention_paths`` and the
-    README's Benchmarks section). Shorter segments (windows) are too small for the
+    docs/benchmarks.md). Shorter segments (windows) are too small for the
     GEMMs and longer ones spill the cache: SDPA stays faster there. Everything is computed in fp32 (bf16 inputs
     are widened exactly) and rounded once into the output, so in bf16 it is closer to float64 than SDPA, whose
     probabilities are rounded to bf16 (relative error 1.7e-3 against 2.2e-3); in fp32 both are fp32-accurate

@@ -52,6 +52,8 @@ class EncodeOptions:
     num_workers: decoding threads (None: up to 4, one per core).
     prefetch: inputs decoded ahead of the compute.
     decode_bytes: the decode budget (None: no bound).
+    hash_pixels: hash each input's pixel rows on its decode thread (``item_ids.pixels_sha256``, what an encoder
+        cache names the item by; about 15 ms per megapixel, so only where a caller asks).
     """
 
     video_config: VideoConfig
@@ -65,6 +67,7 @@ class EncodeOptions:
     num_workers: int | None = None
     prefetch: int = 8
     decode_bytes: int | None = DEFAULT_DECODE_BYTES
+    hash_pixels: bool = False
 
     def __post_init__(self) -> None:
         if self.resize is not None:
@@ -162,7 +165,7 @@ def prepare(item: Any, index: int, options: EncodeOptions, pre: PreprocessConfig
     except Exception as e:  # noqa: BLE001 - a batch job records any per-input failure and goes on
         budget.release(held)
         return Prepared(index, name, error=f"{name}: {type(e).__name__}: {e}")
-    digest = pixels_sha256(pixel_values)
+    digest = pixels_sha256(pixel_values) if options.hash_pixels else None
     if pin_memory:
         pixel_values = pixel_values.pin_memory()
     # From here on the input holds its resized pixels, not its decode peak.

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from .devices import DTYPE_CHOICES, dtype_option
 
-DEFAULT_WEIGHTS_DIR = Path("weights")  # relative to where the command runs, as the README shows
+DEFAULT_WEIGHTS_DIR = Path("weights")  # relative to where the command runs, as docs/api.md shows
 
 
 def _default_out(source: str) -> Path:

@@ -408,7 +408,7 @@ def _qwen3(name: str, depth: int, hidden: int, intermediate: int, out: int, deep
 
 
 # Released towers, from the releases' public config.json files (docs/architecture.md, "Released vision towers";
-# the README's table of presets says which file each one was read from). Qwen3.5 / 3.6 / 3.8 share three tower sizes.
+# docs/api.md's table of presets says which file each one was read from). Qwen3.5 / 3.6 / 3.8 share three tower sizes.
 PRESETS: dict[str, VisionConfig] = {
     c.name: c
     for c in (

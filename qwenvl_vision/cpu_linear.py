@@ -2,7 +2,7 @@
 
 Why: on AMD CPUs torch's fp32 ``addmm`` goes to MKL, which runs at about half the cores' rate there, while
 oneDNN's linear on a weight reordered once into its blocked layout reaches about twice that; in bf16 the gap is
-smaller (the README's Benchmarks section has the measured rates). On a CPU where MKL runs at full speed the choice
+smaller (docs/benchmarks.md has the measured rates). On a CPU where MKL runs at full speed the choice
 falls back to addmm. So the kernel is chosen by measurement on the machine at hand, per (in, out, dtype), never by
 vendor (``choose_kernel``).
 

@@ -38,7 +38,7 @@ from .devices import resolve_device, resolve_dtype
 from .errors import ConfigError, EncoderClosedError, InputError, NumericalError, PreprocessError, QwenVLVisionError
 from .hub import resolve_folder
 from .init import random_tower
-from .item_ids import config_sha256, weights_sha256
+from .item_ids import config_sha256, is_sha256, weights_sha256
 from .item_ids import pixels_sha256 as item_pixels_sha256
 from .pixels import DEFAULT_MAX_INPUT_PIXELS
 from .preprocess import PreprocessConfig
@@ -62,9 +62,10 @@ class EncodeResult:
     modality: what the items are, "image" or "video" (``encode_videos``; ``encode_patches`` says what its
         caller says): a language model places image and video tokens differently.
     family: the tower's ``model_type`` (``VisionEncoder.family``), the family these embeddings belong to.
-    pixels_sha256: per item, a hash of the pixel rows the tower read (``item_ids.pixels_sha256``): with the
-        encoder's ``identity()``, what ``to_vllm_cache`` names each item by.
-    encoder: a weak reference to the encoder that made the result (it does not keep the encoder alive).
+    pixels_sha256: per item, a hash of the pixel rows the tower read (``item_ids.pixels_sha256``; None where not
+        hashed): with the encoder's ``identity()``, what ``to_vllm_cache`` names each item by.
+    encoder: a weak reference to the encoder that made the result (it does not keep the encoder alive; a pickled
+        or ``torch.save``d result drops it).
     """
 
     embeddings: list[torch.Tensor]
@@ -79,6 +80,9 @@ class EncodeResult:
 
     def __len__(self) -> int:
         return len(self.embeddings)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "encoder": None}  # a weak reference does not pickle
 
     def to_transformers(self, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> dict:
         """The keyword arguments of a transformers Qwen VL model's ``forward`` / ``generate`` that stand for this
@@ -208,7 +212,7 @@ class VisionEncoder:
                 "video": dataclasses.asdict(self.video_config)}
 
     def identity(self) -> dict[str, str]:
-        """Which model this is, as its outputs record it (``item_ids.model_identity``: family, config hash, weights
+        """Which model this is, as its outputs record it (``item_ids``: family, config hash, weights
         hash, dtype). The weights are hashed on the first call (about a second per GB) and remembered."""
         if self._loaded is None:
             model = self.model
@@ -242,7 +246,8 @@ class VisionEncoder:
         ``modality`` ("image" or "video") is what the rows are, recorded in the result; the tower's math is the
         same for both. ``video_info`` is one None per item: nothing was read from a file here.
         ``pixels_sha256``: the items' ``item_ids.pixels_sha256`` where the caller has them (the batch job hashes
-        each input on its decode thread); else they are hashed here.
+        each input on its decode thread); else CPU rows are hashed here, and rows on another device are not (the
+        hash is a host computation: pass it, or ``to_vllm_cache`` refuses the result).
         """
         if not isinstance(pixel_values, torch.Tensor):
             raise InputError(f"pixel_values must be a torch.Tensor, got {type(pixel_values).__name__}")
@@ -257,10 +262,13 @@ class VisionEncoder:
         finally:
             self._end_forward()
         self._check_finite(merged, levels)
-        if pixels_sha256 is None:
+        if pixels_sha256 is None and pixel_values.device.type == "cpu":
             pixels_sha256 = [item_pixels_sha256(rows) for rows in pixel_values.split([t * h * w for t, h, w in grids])]
-        elif len(pixels_sha256) != len(grids):
-            raise InputError(f"pixels_sha256 has {len(pixels_sha256)} entries for {len(grids)} items")
+        elif pixels_sha256 is None:
+            pixels_sha256 = [None] * len(grids)
+        elif len(pixels_sha256) != len(grids) or not all(d is None or is_sha256(d) for d in pixels_sha256):
+            raise InputError(f"pixels_sha256 must be one 64-hex-digit hash (or None) per item, {len(grids)} items; "
+                             f"got {list(pixels_sha256)!r:.120}")
         sizes = [t * h * w // self.config.merge_unit for t, h, w in grids]
         embeddings = list(merged.split(sizes))
         per_level = [level.split(sizes) for level in levels]
@@ -285,7 +293,8 @@ class VisionEncoder:
                     decode_bytes: int | None = DEFAULT_DECODE_BYTES,
                     on_prepared: Callable[[int, int], None] | None = None,
                     resize: str | None = None,
-                    video_config: VideoConfig | None = None) -> Iterator[list[ItemResult]]:
+                    video_config: VideoConfig | None = None,
+                    hash_pixels: bool = False) -> Iterator[list[ItemResult]]:
         """Yield results batch by batch, in input order; a bad input yields an ItemResult with its error.
 
         ``video``: False, every item is an image; True, every item is a video (a file, or frames); None, an item
@@ -305,13 +314,15 @@ class VisionEncoder:
         patches, or one larger input). A file whose header declares more than `max_input_pixels` pixels
         is refused before decoding and yields an error (None: no limit beyond PIL's own). ``resize``: images'
         "pil" or "torch" (see encode_images); None takes the checkpoint's. Videos always use the video processors'
-        pipeline.
+        pipeline. ``hash_pixels``: give each result its ``pixels_sha256`` (hashed on the decode threads, about 15 ms
+        per megapixel), what an encoder cache names the item by.
         """
         self.model  # noqa: B018 - raises if closed, before any work
         options = EncodeOptions(
             video=video, min_pixels=min_pixels, max_pixels=max_pixels, max_input_pixels=max_input_pixels,
             resize=resize, video_config=video_config or self.video_config, pooled=pooled,
-            max_batch_tokens=max_batch_tokens, num_workers=num_workers, prefetch=prefetch, decode_bytes=decode_bytes)
+            max_batch_tokens=max_batch_tokens, num_workers=num_workers, prefetch=prefetch, decode_bytes=decode_bytes,
+            hash_pixels=hash_pixels)
         # batching counts patches; the caller is told embedding rows.
         report_rows = None if on_prepared is None else \
             (lambda p: on_prepared(p.index, p.tokens // self.config.merge_unit))
@@ -388,7 +399,8 @@ class VisionEncoder:
         """
         options = EncodeOptions(video=False, min_pixels=min_pixels, max_pixels=max_pixels,
                                 max_input_pixels=max_input_pixels, resize=resize, video_config=self.video_config,
-                                pooled=pooled, max_batch_tokens=max_batch_tokens, num_workers=num_workers)
+                                pooled=pooled, max_batch_tokens=max_batch_tokens, num_workers=num_workers,
+                                hash_pixels=True)
         return self._encode_all(images, options)
 
     def encode_videos(self, videos: Sequence[Any], *, min_pixels: int | None = None, max_pixels: int | None = None,
@@ -414,7 +426,7 @@ class VisionEncoder:
         video_config = self.video_config if fps is None else dataclasses.replace(self.video_config, fps=fps)
         options = EncodeOptions(video=True, min_pixels=min_pixels, max_pixels=max_pixels,
                                 max_input_pixels=max_input_pixels, video_config=video_config, pooled=pooled,
-                                max_batch_tokens=max_batch_tokens, num_workers=num_workers)
+                                max_batch_tokens=max_batch_tokens, num_workers=num_workers, hash_pixels=True)
         return self._encode_all(videos, options)
 
     def _sample_by_fps(self, videos: list[Any], fps: float, video_fps: float | Sequence[float] | None) -> list[Any]:

@@ -86,8 +86,9 @@ class EncodedItems:
     embeddings: one ``(tokens_i, D)`` tensor per item. grid_thw: ``(n, 3)`` patch grids (a tensor or lists).
     deepstack: per item its list of DeepStack levels (each the shape of its embedding), or empty lists / None for
     families without DeepStack. modality: "image" or "video". family: the tower's model_type. video_info: per
-    video, the frames it was sampled at and its source frame rate (a ``video_io.VideoInfo``, or an embed record's
-    ``"video"`` entry), which ``to_vllm`` needs for the Qwen3-VL families; None for images.
+    video, the frames it was sampled at, its source frame rate and the fps asked for (a ``video_io.VideoInfo``, or an
+    embed record's ``"video"`` entry), which ``to_vllm`` needs for the Qwen3-VL families and the Omni thinkers; None
+    for images.
     """
 
     embeddings: Sequence[torch.Tensor]
@@ -303,9 +304,10 @@ def _items_for_vllm(items: _Checked) -> list[VllmItem]:
         if items.modality == "video" and (family.prompt_timestamps or family.seconds_per_grid):
             timing = _frame_timing(info, f"video {i}")
             if timing is None:
+                need = "sampled frame indices and source fps" if family.prompt_timestamps else "requested_fps"
                 raise InputError(f"video {i}: vLLM's {family.label} models need each video's timing, and this one "
                                  f"has none (frames given in memory): encode the video file, or pass video_info= "
-                                 f"(its sampled frame indices, source fps and requested_fps) to EncodedItems")
+                                 f"(its {need}) to EncodedItems")
             if family.prompt_timestamps:
                 item.timestamps = _checked_timestamps(timing, grid, i)
             else:

@@ -15,11 +15,20 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from typing import Any
 
 import torch
 
+from .errors import InputError
+
 IDENTITY_FIELDS = ("family", "config_sha256", "weights_sha256", "dtype")
+SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def is_sha256(value: object) -> bool:
+    """Whether ``value`` is a SHA-256 as this module writes them: 64 lowercase hex digits, nothing else."""
+    return isinstance(value, str) and SHA256.fullmatch(value) is not None
 
 
 def sha256_json(value: Any) -> str:
@@ -56,6 +65,10 @@ def pixels_sha256(rows: torch.Tensor) -> str:
 
 def item_id(identity: dict[str, str], modality: str, grid_thw: tuple[int, int, int] | list[int],
             pixels: str) -> str:
-    """An item's id: 64 hex digits over the model's identity, the modality, the grid and the pixels' hash."""
+    """An item's id: 64 hex digits over the model's identity, the modality, the grid and the pixels' hash. A missing
+    or malformed pixels hash is an InputError: every item without one would share an id."""
+    if not is_sha256(pixels):
+        raise InputError(f"no pixel hash for this {modality} ({pixels!r:.80}), which its id needs: encode it with "
+                         f"hash_pixels=True (encode_images and encode_videos do)")
     return sha256_json({"model": {k: identity[k] for k in IDENTITY_FIELDS}, "modality": modality,
                         "grid_thw": [int(g) for g in grid_thw], "pixels_sha256": pixels})

@@ -16,9 +16,9 @@ reason), ``grid_thw`` (fixed_size_list<int64, 3>), ``tokens``, then ``embedding`
 ``ArrowVariableShapedTensorType``) and ``deepstack_0`` .. ``deepstack_{L-1}`` alike, or with ``pooled=True`` only
 ``pooled`` (D float32, a fixed-shape tensor), ``video`` (JSON of the frames used, for a video file; null
 otherwise) and ``pixels_sha256`` (``item_ids.pixels_sha256`` of the pixels the tower read, from which the encoder
-cache names the item; null for an error row). Float32 holds bf16 and fp16 values exactly. A tensor column holds
-no nulls, so an error row has null ``grid_thw``, ``tokens`` 0, zero-row tensors and a NaN ``pooled``: ``status``
-tells them apart.
+cache names the item, with ``hash_pixels=True``; null otherwise and for an error row). Float32 holds bf16 and
+fp16 values exactly. A tensor column holds no nulls, so an error row has null ``grid_thw``, ``tokens`` 0,
+zero-row tensors and a NaN ``pooled``: ``status`` tells them apart.
 
 Bad rows: every input is decoded and encoded under ``VisionEncoder.iter_encode``, which turns a bad input
 (corrupt, empty, not an image, too large) into an error result; a forward that fails as a whole (out of memory)
@@ -98,6 +98,7 @@ class Embedder:
     forward (default: Ray's, the actor's whole CPUs). ``weights_sha256``: the hash the loaded tower must have
     (``item_ids.weights_sha256``, as run.json records it), checked once in the constructor: an actor on
     another checkpoint, or drawing other random weights, fails instead of writing other tensors.
+    ``hash_pixels``: fill the ``pixels_sha256`` column (``iter_encode``'s; null otherwise).
     """
 
     def __init__(self, source: Any, *, column: str | None = None, kind: str | None = None,
@@ -106,7 +107,7 @@ class Embedder:
                  max_input_pixels: int | None = DEFAULT_MAX_INPUT_PIXELS,
                  decode_bytes: int | None = DEFAULT_DECODE_BYTES, num_workers: int | None = None,
                  spool_dir: str | None = None, threads: int | None = None, weights_sha256: str | None = None,
-                 **load_options: Any) -> None:
+                 hash_pixels: bool = False, **load_options: Any) -> None:
         kind = kind or column
         if column is not None and kind not in INPUT_KINDS:
             raise ValueError(f"column {column!r}: pass kind= (one of {list(INPUT_KINDS)})")
@@ -127,7 +128,8 @@ class Embedder:
         video_config = None if fps is None else dataclasses.replace(self.encoder.video_config, fps=fps)
         self.options = dict(min_pixels=min_pixels, max_pixels=max_pixels, resize=resize, pooled=pooled,
                             max_batch_tokens=max_batch_tokens, max_input_pixels=max_input_pixels,
-                            decode_bytes=decode_bytes, num_workers=num_workers, video_config=video_config)
+                            decode_bytes=decode_bytes, num_workers=num_workers, video_config=video_config,
+                            hash_pixels=hash_pixels)
         self.spool_dir = spool_dir
         _remove_dead_spools(spool_dir)
 

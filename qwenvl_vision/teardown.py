@@ -131,7 +131,7 @@ def add_teardown_arguments(p: argparse.ArgumentParser, variants: tuple[str, ...]
     src.add_argument("model", nargs="?", help="checkpoint folder or Hugging Face repo id (real weights)")
     src.add_argument("--model", dest="model_option", help=argparse.SUPPRESS)  # the older spelling
     src.add_argument("--preset", help="a released tower's name (random weights at its real size), e.g. "
-                                      "qwen2.5-vl-3b; see README for the list")
+                                      "qwen2.5-vl-3b; docs/api.md lists them")
     src.add_argument("--config", help="a config.json (a checkpoint's or ours) to build with random weights, "
                                       "e.g. a tiny one for a smoke test")
     p.add_argument("--random-weights", action="store_true",

@@ -41,13 +41,12 @@ from safetensors.torch import save
 from .durable import fsync_dir, replace_atomically
 from .errors import CacheFolderError, InputError
 from .handoff import MODALITIES, VllmItem, vllm_items
-from .item_ids import IDENTITY_FIELDS, item_id
+from .item_ids import IDENTITY_FIELDS, is_sha256, item_id
 
 CACHE_FILE = "encoder_cache.safetensors"
 CACHE_KEY = "ec_cache"
 IDENTITY_FILE = "qwenvl_vision_cache.json"
-ITEM_ID = re.compile(r"^[0-9a-f]{64}$")
-ITEM_FILE = re.compile(r"^([0-9a-f]{64})/encoder_cache\.safetensors$")  # an item's file, relative to the folder
+ITEM_FILE = re.compile(rf"([0-9a-f]{{64}})/{re.escape(CACHE_FILE)}")  # an item's file in the folder (fullmatch)
 
 
 def check_cache_folder(folder: str | os.PathLike, identity: dict[str, str]) -> None:
@@ -57,8 +56,7 @@ def check_cache_folder(folder: str | os.PathLike, identity: dict[str, str]) -> N
     try:
         found = json.loads(path.read_text())
     except FileNotFoundError:
-        if folder.is_dir() and any((item / CACHE_FILE).exists() for item in folder.iterdir()
-                                   if ITEM_ID.match(item.name)):
+        if folder.is_dir() and any((item / CACHE_FILE).exists() for item in folder.iterdir() if is_sha256(item.name)):
             raise CacheFolderError(f"{folder} holds encoder-cache items but no {IDENTITY_FILE}: they were not written "
                                    f"by qwenvl-vision, so which model made them is unknown; choose another folder") \
                 from None
@@ -75,14 +73,29 @@ def check_cache_folder(folder: str | os.PathLike, identity: dict[str, str]) -> N
 
 
 def claim_cache_folder(folder: str | os.PathLike, identity: dict[str, str], tag: str) -> None:
-    """Check the folder (``check_cache_folder``), create it, and write its identity file if it has none."""
+    """Check the folder (``check_cache_folder``), create it, and give it this identity if it has none: written
+    whole under a temporary name, then linked into place only if no other writer's got there first (a link does
+    not replace), and checked again."""
     folder = Path(folder)
     check_cache_folder(folder, identity)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / IDENTITY_FILE
-    if not path.exists():
-        text = json.dumps({k: identity[k] for k in IDENTITY_FIELDS}, indent=2) + "\n"
-        replace_atomically(path, folder / f"{IDENTITY_FILE}.{tag}.tmp", lambda f: f.write(text.encode()))
+    if path.exists():
+        return
+    tmp = folder / f"{IDENTITY_FILE}.{tag}.tmp"
+    text = json.dumps({k: identity[k] for k in IDENTITY_FIELDS}, indent=2) + "\n"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(text.encode())
+            f.flush()
+            os.fsync(f.fileno())
+        os.link(tmp, path)
+    except FileExistsError:
+        pass  # another writer claimed it meanwhile: its identity decides, below
+    finally:
+        tmp.unlink(missing_ok=True)
+    fsync_dir(folder)
+    check_cache_folder(folder, identity)
 
 
 def write_item(folder: Path, item: str, rows: torch.Tensor, tag: str) -> None:
@@ -95,6 +108,13 @@ def write_item(folder: Path, item: str, rows: torch.Tensor, tag: str) -> None:
     data = save({CACHE_KEY: rows.detach().contiguous().cpu()}, metadata={"format": "pt"})
     replace_atomically(target, target.parent / f"{CACHE_FILE}.{tag}.tmp", lambda f: f.write(data))
     fsync_dir(folder)
+
+
+def cache_item(folder: Path, identity: dict[str, str], item: VllmItem, pixels: str | None, tag: str) -> dict[str, Any]:
+    """Write one item under its id (``item_ids.item_id``); its entry."""
+    name = item_id(identity, item.modality, item.grid_thw, pixels)
+    write_item(folder, name, item.rows, tag)
+    return entry(name, item)
 
 
 def entry(name: str, item: VllmItem) -> dict[str, Any]:
@@ -115,23 +135,26 @@ def write_vllm_cache(result: Any, folder: str | os.PathLike) -> list[dict[str, A
     written when the folder holds another model's items or an item cannot be handed to vLLM (a video without
     its frame timing where the family needs it).
     """
-    encoder = result.encoder() if getattr(result, "encoder", None) is not None else None
+    if not hasattr(result, "encoder"):
+        raise InputError(f"a {type(result).__name__} names no model: only an EncodeResult (of encode_images, "
+                         f"encode_videos or encode_patches) can be cached")
+    encoder = result.encoder() if result.encoder is not None else None
     if encoder is None:
-        raise InputError("this result's encoder is gone (a result does not keep it alive), so which model made it "
-                         "is unknown: keep the encoder in a variable until the cache is written")
-    digests = list(getattr(result, "pixels_sha256", None) or [])
-    if len(digests) != len(result.embeddings) or any(d is None for d in digests):
-        raise InputError(f"the result has pixel hashes for {len(digests)} of its {len(result.embeddings)} items: "
-                         f"only results of encode_images, encode_videos and encode_patches can be cached")
+        raise InputError("this result's encoder is gone (a result does not keep it alive, and a pickled one drops "
+                         "it), so which model made it is unknown: keep the encoder in a variable until the cache is "
+                         "written")
+    digests = list(result.pixels_sha256 or [])
+    hashed = sum(is_sha256(d) for d in digests)
+    if len(digests) != len(result.embeddings) or hashed != len(digests):
+        raise InputError(f"the result has pixel hashes for {hashed} of its {len(result.embeddings)} items, which "
+                         f"their ids need: encode with encode_images / encode_videos, or give encode_patches CPU "
+                         f"rows or pixels_sha256=")
     identity = encoder.identity()
-    items = vllm_items(result)
-    ids = [item_id(identity, item.modality, item.grid_thw, digest) for item, digest in zip(items, digests, strict=True)]
+    items = vllm_items(result)  # every item checked before anything is written
     folder = Path(folder)
     tag = uuid.uuid4().hex
     claim_cache_folder(folder, identity, tag)
-    for name, item in zip(ids, items, strict=True):
-        write_item(folder, name, item.rows, tag)
-    return [entry(name, item) for name, item in zip(ids, items, strict=True)]
+    return [cache_item(folder, identity, item, digest, tag) for item, digest in zip(items, digests, strict=True)]
 
 
 def vllm_request(entries: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -170,7 +193,7 @@ def _entry_problem(e: Any) -> str:
     """Why an entry cannot name a cached item ('' when it can)."""
     if not isinstance(e, dict):
         return f"not a dict ({type(e).__name__})"
-    if not isinstance(e.get("id"), str) or not ITEM_ID.match(e["id"]):
+    if not is_sha256(e.get("id")):
         return f"id {e.get('id')!r} is not 64 hex digits"
     if e.get("modality") not in MODALITIES:
         return f"modality {e.get('modality')!r} is not one of {MODALITIES}"

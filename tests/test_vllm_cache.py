@@ -16,12 +16,13 @@ from safetensors.torch import load_file
 
 from qwenvl_vision import load_encoder
 from qwenvl_vision.cli import main
-from qwenvl_vision.embed import read_embeddings, read_manifest_lines, read_run
+from qwenvl_vision.embed import read_embeddings, read_encoded, read_manifest_lines, read_run
 from qwenvl_vision.errors import CacheFolderError, EncoderClosedError, InputError
-from qwenvl_vision.handoff import vllm_timestamps
+from qwenvl_vision.handoff import to_vllm, vllm_timestamps
+from qwenvl_vision.item_ids import item_id
 from qwenvl_vision.vllm_cache import CACHE_FILE, IDENTITY_FILE, vllm_request
 from tests.embed_helpers import ENV, make_media_folder, one_error_line, torchrun_embed_cmd
-from tests.helpers import FAMILY_SMALL, make_image_folder, rel_err, write_video
+from tests.helpers import FAMILY_SMALL, make_image_folder, rel_err, write_checkpoint, write_video
 
 SMALL = ["--max-pixels", str(64 * 64)]
 
@@ -208,3 +209,62 @@ def test_vllm_cache_options_that_cannot_work_are_refused(tmp_path, checkpoint, c
                      *extra]) == 2
         assert needle in one_error_line(capsys.readouterr().err, needle)
         assert not out.exists()
+
+
+def test_a_resume_removes_a_killed_run_s_temporary_item_and_records_each_input_once(tmp_path, checkpoint):
+    """A run killed while an item was being written leaves its temporary file (removed by the resume) and maybe a
+    complete item it never recorded (kept: the redone input finds it under its id). Two files with the same pixels
+    are one item, recorded for both."""
+    paths = make_image_folder(tmp_path / "imgs", 3, bad=False)
+    twin = tmp_path / "imgs" / "twin.png"
+    twin.write_bytes(paths[1].read_bytes())
+    out = tmp_path / "cache"
+    assert main(["embed", str(paths[0]), "--model", str(checkpoint), "--out", str(out), "--format", "vllm-cache",
+                 *SMALL]) == 0
+    run_id = read_run(out)["run_id"]
+    encoder = load_encoder(checkpoint, device="cpu")
+    (orphan,) = encoder.encode_images([str(paths[2])], max_pixels=64 * 64).to_vllm_cache(out)  # written, unrecorded
+    stale = out / orphan["id"] / f"{CACHE_FILE}.{run_id}-r0.tmp"
+    stale.write_bytes(b"half an item")
+    assert main(["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(out), "--resume",
+                 *SMALL]) == 0
+    recs = read_manifest_lines(out / "manifest.jsonl")
+    assert sorted(Path(r["path"]).name for r in recs) == sorted([p.name for p in paths] + ["twin.png"])
+    by_name = {Path(r["path"]).name: r for r in recs}
+    assert by_name["twin.png"]["id"] == by_name[paths[1].name]["id"]
+    assert by_name[paths[2].name]["id"] == orphan["id"]
+    assert not stale.exists() and not list(out.rglob("*.tmp"))
+    assert {p.name for p in out.iterdir() if p.is_dir()} == {r["id"] for r in recs}
+
+
+def test_a_pickled_result_keeps_its_tensors_and_drops_its_encoder(tmp_path, checkpoint3):
+    import pickle
+
+    paths = [str(p) for p in make_image_folder(tmp_path / "imgs", 1, bad=False)]
+    encoder = load_encoder(checkpoint3, device="cpu")
+    result = encoder.encode_images(paths, max_pixels=64 * 64)
+    copy = pickle.loads(pickle.dumps(result))
+    assert torch.equal(copy.embeddings[0], result.embeddings[0]) and copy.pixels_sha256 == result.pixels_sha256
+    with pytest.raises(InputError, match="pickled one drops it"):
+        copy.to_vllm_cache(tmp_path / "cache")
+    streamed = [r for batch in encoder.iter_encode(paths, max_pixels=64 * 64) for r in batch]
+    assert streamed[0].pixels_sha256 is None  # hashing is asked for: iter_encode(hash_pixels=True)
+    hashed = [r for batch in encoder.iter_encode(paths, max_pixels=64 * 64, hash_pixels=True) for r in batch]
+    assert hashed[0].pixels_sha256 == result.pixels_sha256[0]
+    with pytest.raises(InputError, match="no pixel hash"):
+        item_id(encoder.identity(), "image", [1, 4, 4], None)
+
+
+def test_an_omni_video_from_a_parquet_run_hands_over_at_the_run_s_fps(tmp_path):
+    """Parquet has no column for the fps a video was asked at: read_encoded takes the run's."""
+    pytest.importorskip("pyarrow")
+    pytest.importorskip("av")
+    folder = tmp_path / "omni"
+    write_checkpoint(folder, FAMILY_SMALL["qwen2_5_omni"])
+    video = tmp_path / "clip.mp4"
+    write_video(video, 11, 48, 40, 5)
+    out = tmp_path / "out"
+    assert main(["embed", str(video), "--model", str(folder), "--out", str(out), "--format", "parquet",
+                 "--fps", "2.5"]) == 0
+    data = to_vllm(read_encoded(out))["video"]
+    assert data["second_per_grid_ts"].tolist() == [pytest.approx(2 / 2.5)]

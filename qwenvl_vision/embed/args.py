@@ -138,7 +138,8 @@ def add_embed_parser(sub, parents=()) -> argparse.ArgumentParser:
                         "errors, a note on crossed pixel bounds and the final summary still print")
     p.add_argument("--random-weights", action="store_true", help="with a preset --model: random weights, offline")
     p.add_argument("--compile", action="store_true",
-                   help="torch.compile the blocks (pays off on CUDA for long jobs; slower on CPU, see README)")
+                   help="torch.compile the blocks (pays off on CUDA for long jobs; slower on CPU: "
+                        "docs/benchmarks.md)")
     p.add_argument("--attn", default="auto", choices=ATTN_IMPLS,
                    help="attention backend (default auto: flash-attn, else torch varlen on CUDA in bf16/fp16, "
                         "else sdpa); one that cannot run on the device and dtype is refused")

@@ -17,8 +17,8 @@ import torch
 
 from ..errors import QwenVLVisionError
 from ..handoff import EncodedItems, vllm_items
-from ..item_ids import IDENTITY_FIELDS, item_id
-from ..vllm_cache import CACHE_FILE, CACHE_KEY, IDENTITY_FILE, entry, write_item
+from ..item_ids import IDENTITY_FIELDS
+from ..vllm_cache import CACHE_FILE, CACHE_KEY, IDENTITY_FILE, cache_item
 from .writer import RankWriter
 
 
@@ -65,10 +65,8 @@ class CacheRankWriter(RankWriter):
         modality = "image" if r.video_info is None else "video"
         (item,) = vllm_items(EncodedItems([r.embedding], [r.grid_thw], [r.deepstack or []], modality, self.family,
                                           [r.video_info]))
-        name = item_id(self.identity, modality, item.grid_thw, r.pixels_sha256)
-        write_item(self.out, name, item.rows, self.tag)
-        return {**entry(name, item), "shard": f"{name}/{CACHE_FILE}", "key": CACHE_KEY,
-                "levels": len(r.deepstack or [])}
+        cached = cache_item(self.out, self.identity, item, r.pixels_sha256, self.tag)
+        return {**cached, "shard": f"{cached['id']}/{CACHE_FILE}", "key": CACHE_KEY, "levels": len(r.deepstack or [])}
 
 
 class _RayRow:

@@ -6,7 +6,8 @@ Formats: ``--format safetensors`` writes through ``writer.RankWriter`` (shards +
 through ``parquet_writer.ParquetRankWriter`` (shards that are their own manifest), ``--format vllm-cache`` through
 ``cache_writer.CacheRankWriter`` (a vLLM encoder-cache folder + manifest); the lock, the run.json checks,
 resume, ranks and exit codes are the same. ``--engine ray`` runs the encoding as a Ray Data pipeline
-(``ray_engine.encode_on_ray``) after the same setup, the driver writing Parquet shards as rows come back.
+(``ray_engine.encode_on_ray``) after the same setup, the driver writing Parquet shards (or encoder-cache items) as
+rows come back.
 
 Threads: run.json records the torch threads of every forward (``threads``): ``--threads``, else a resumed run's,
 else torch's default here (the Ray engine: each actor's). CPU results are bitwise equal only at the same count,
@@ -400,7 +401,7 @@ class EmbedJob:
                 todo, video=None, min_pixels=args.min_pixels, max_pixels=args.max_pixels,
                 max_batch_tokens=args.batch_tokens, resize=self.run["resize"],
                 pooled=args.pooled_only, max_input_pixels=args.max_input_pixels,
-                decode_bytes=args.decode_mib << 20,
+                decode_bytes=args.decode_mib << 20, hash_pixels=self.run["file_format"] == "vllm-cache",
                 on_prepared=lambda index, tokens: progress.update(1, tokens))
             for batch in batches:
                 writer.write_batch([_PathResult(r, todo[r.index]) for r in batch], args.pooled_only)

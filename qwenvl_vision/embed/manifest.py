@@ -31,9 +31,9 @@ RUN_FORMAT = 1
 # depend on. Not compared: the model's spelling (a moved folder is the same model: the hashes decide), the
 # revision (likewise), the package version, the device, compile (same tensors up to floating-point noise) and the
 # batch size (on the CPU each item runs as its own forward: the same bits; on CUDA up to floating-point noise).
-# file_format (safetensors / parquet: one folder holds one), engine (local / ray) and threads (torch threads of
-# each forward: CPU results are bitwise equal only at the same count; a --resume takes the run's by default) are
-# compared too.
+# file_format (safetensors / parquet / vllm-cache: one folder holds one), engine (local / ray) and threads (torch
+# threads of each forward: CPU results are bitwise equal only at the same count; a --resume takes the run's by
+# default) are compared too.
 RUN_COMPARED = ("format", "config_sha256", "weights_sha256", "dtype", "min_pixels", "max_pixels", "resize",
                 "video", "pooled", "world_size", "file_format", "engine", "threads")
 # What a compared field meant in run files written before it existed ("video": None, no videos were embedded,
@@ -110,7 +110,7 @@ def _record_problem(record: Any) -> str:
     if record["status"] == "error":
         return ""
     shard = record.get("shard")
-    item = ITEM_FILE.match(shard) if isinstance(shard, str) else None
+    item = ITEM_FILE.fullmatch(shard) if isinstance(shard, str) else None
     if not isinstance(shard, str) or not (SHARD_NAME.match(shard) or item):
         return f"status ok but shard {shard!r} is not a shard file name of this folder" if shard is not None \
             else "status ok but no 'shard'"

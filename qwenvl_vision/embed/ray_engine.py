@@ -4,7 +4,8 @@ engine (lock, run.json checks, resume recovery; ``job.EmbedJob``).
 The pipeline: ``ray.data.from_items`` of the inputs still to do (their absolute paths: an actor's working folder
 is not the driver's) -> ``map_batches(Embedder)`` on an ``ActorPoolStrategy`` of ``RayPlan.actors`` actors, each
 loading the tower once and doing decode, preprocessing and the forward on its batches -> the driver, which writes
-each block Ray hands back as one Parquet shard (``parquet_writer.ParquetRankWriter``).
+each block Ray hands back as one Parquet shard (``parquet_writer.ParquetRankWriter``), or, with ``--format
+vllm-cache``, as its items' encoder-cache files and manifest lines (``cache_writer.CacheRankWriter``).
 
 Where each stage runs, and why: decoding and preprocessing run in the actors, next to the forward, with their
 own decode threads: that scales with the actors, and what crosses the object store is a path in and the tensors
@@ -209,6 +210,7 @@ def encode_on_ray(job, writer) -> None:
         resize=job.run["resize"], pooled=args.pooled_only, fps=args.fps, max_batch_tokens=args.batch_tokens,
         max_input_pixels=args.max_input_pixels, decode_bytes=args.decode_mib << 20,
         num_workers=max(1, min(4, plan.threads)), threads=plan.threads, weights_sha256=job.run["weights_sha256"],
+        hash_pixels=job.run["file_format"] == "vllm-cache",
         device=plan.device, dtype=job.run["dtype"], attn_impl=args.attn, compile=args.compile)
     if plan.device == "cpu" and job.run.get("linear_kernels"):
         options["linear_kernel"] = job.run["linear_kernels"]  # the run's kernels: its very bits on every actor

@@ -1,7 +1,7 @@
 """Reading an embed output back: its run file (``read_run``), its manifest records (``read_manifest_lines``)
-and the stored tensors (``read_embeddings``), of either format: safetensors shards with manifest.jsonl, or
-``--format parquet`` shards (read through ``parquet.read_parquet_records``, pyarrow imported only then). Readers
-need nothing of the writer: no lock, no torch.distributed.
+and the stored tensors (``read_embeddings``), of every format: safetensors shards or vLLM encoder-cache items with
+manifest.jsonl, or ``--format parquet`` shards (read through ``parquet.read_parquet_records``, pyarrow imported
+only then). Readers need nothing of the writer: no lock, no torch.distributed.
 """
 
 from __future__ import annotations
@@ -109,9 +109,13 @@ def read_embeddings(out: str | os.PathLike, *, deepstack: bool = False) -> Itera
                 raise ManifestError(f"{manifest}, line {line.number}: {r['shard']} has no tensor {r['key']!r}")
             tensor = handle.get_tensor(r["key"])
             if "levels" in r:  # an encoder-cache item: [merged | level 0 | ...] along the features, as vLLM splits it
+                from ..errors import InputError
                 from ..handoff import split_vllm_deepstack
 
-                tensor, levels = split_vllm_deepstack(tensor, r["levels"])
+                try:
+                    tensor, levels = split_vllm_deepstack(tensor, r["levels"])
+                except InputError as e:
+                    raise ManifestError(f"{manifest}, line {line.number}: {r['shard']}: {e}") from None
                 yield r["path"], ((tensor.contiguous(), [level.contiguous() for level in levels]) if deepstack
                                   else tensor.contiguous())
             elif deepstack:
@@ -222,6 +226,10 @@ def read_encoded(out: str | os.PathLike, paths: list[str] | None = None, *, moda
         raise ManifestError(f"not every one of these records is a {modality}")
     keep = set(wanted)
     tensors = {path: value for path, value in read_embeddings(out, deepstack=True) if path in keep}
+    # Records written before requested_fps was recorded (and Parquet's, which has no column for it) were sampled at
+    # the run's video fps.
+    fps = (run.get("video") or {}).get("fps")
+    infos = [found[p][2] if found[p][2] is None or "requested_fps" in found[p][2] or fps is None
+             else {**found[p][2], "requested_fps": fps} for p in wanted]
     return EncodedItems([tensors[p][0] for p in wanted], [found[p][0] for p in wanted],
-                        [tensors[p][1] for p in wanted], modality, run["family"],
-                        video_info=[found[p][2] for p in wanted])
+                        [tensors[p][1] for p in wanted], modality, run["family"], video_info=infos)
