@@ -116,8 +116,8 @@ def test_driver_sigkilled_then_resumed_embeds_each_input_once(tmp_path, local_ra
 
 
 def test_the_readme_map_batches_example_runs_as_written(tmp_path):
-    """The "Many machines: Ray Data" python block (README.md once merged, README_ADDITION.md until then) runs as
-    written in a fresh process (its own ray.init) from a folder holding examples/photos, and says what it claims."""
+    """The "Many machines: Ray Data" python block of docs/embed.md runs as written in a fresh process (its own
+    ray.init) from a folder holding examples/photos, and says what it claims."""
     import re
     import shutil
     import subprocess
@@ -125,10 +125,7 @@ def test_the_readme_map_batches_example_runs_as_written(tmp_path):
 
     from tests.helpers import REPO
 
-    readme = REPO / "README.md"
-    if "### Many machines: Ray Data" not in readme.read_text():
-        readme = REPO / "README_ADDITION.md"
-    section = readme.read_text().split("### Many machines: Ray Data", 1)[1]
+    section = (REPO / "docs" / "embed.md").read_text().split("## Many machines: Ray Data", 1)[1]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     assert "map_batches(" in code and "Embedder" in code
     shutil.copytree(REPO / "examples" / "photos", tmp_path / "examples" / "photos")

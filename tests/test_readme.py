@@ -1,4 +1,5 @@
-"""Every ```python and ```bash example of README.md runs as written: an example that does not run fails CI.
+"""Every ```python and ```bash example of README.md and of docs/*.md runs as written: an example that does not run
+fails CI.
 
 How an example runs:
 - A bash line that is one ``qwenvl-vision ...`` command runs in this process, through ``qwenvl_vision.cli.main``,
@@ -43,6 +44,7 @@ from tests.handoff_helpers import write_full_model
 from tests.helpers import FAMILY_SMALL, REPO, write_checkpoint
 
 README = REPO / "README.md"
+DOCS = [README, *sorted((REPO / "docs").glob("*.md"))]  # every page whose examples run
 SETUP_LINE = ('python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.14.1 torchvision==0.29.1 '
               '&& pip install -e ".[test]"')
 TEST_LINE = "ruff check . && python -m pytest -q"
@@ -57,6 +59,9 @@ EXCUSED = {  # README command (without its comment) -> why it is not run here
     "\"ec_role\": \"ec_consumer\", \"ec_connector_extra_config\": {\"shared_storage_path\": \"/tmp/ec\"}}'":
     "needs vLLM with a GPU; tests/contract/ builds this consumer's VllmConfig from the line and loads the items with "
     "its ECExampleConnector",
+    "python -m bench.throughput --preset qwen2.5-vl-3b --device cpu --dtype bf16 --inputs 256-patch --depth 8 "
+    "--repeats 3 --one-forward": "a benchmark of minutes at real size; tests/test_bench.py runs its logic on small "
+    "towers",
     "python -m bench.cuda_check --out DIR": "needs a GPU; its --dry-run, the same logic on CPU, runs in "
     "tests/test_cuda_check.py",
 }
@@ -78,11 +83,16 @@ REPO_ID = re.compile(r"\bQwen/[A-Za-z0-9][\w.-]*")
 class Block:
     language: str
     code: str
-    line: int  # README line of its first code line
+    line: int  # the page's line of its first code line
+    page: Path = README
+
+    @property
+    def where(self) -> str:
+        return str(self.page.relative_to(REPO))
 
     @property
     def id(self) -> str:
-        return f"{self.language or 'plain'}@README:{self.line}"
+        return f"{self.language or 'plain'}@{self.where}:{self.line}"
 
 
 @dataclass(frozen=True)
@@ -90,13 +100,16 @@ class Command:
     text: str  # without its comment
     comment: str
     line: int
+    where: str = "README.md"  # its page
 
 
 def readme_blocks() -> list[Block]:
-    blocks, text = [], README.read_text()
-    for match in re.finditer(r"^```([^\n`]*)\n(.*?)^```[ \t]*$", text, re.M | re.S):
-        line = text[:match.start(2)].count("\n") + 1
-        blocks.append(Block(match.group(1).strip(), match.group(2), line))
+    blocks = []
+    for page in DOCS:
+        text = page.read_text()
+        for match in re.finditer(r"^```([^\n`]*)\n(.*?)^```[ \t]*$", text, re.M | re.S):
+            line = text[:match.start(2)].count("\n") + 1
+            blocks.append(Block(match.group(1).strip(), match.group(2), line, page))
     return blocks
 
 
@@ -125,7 +138,7 @@ def commands(block: Block) -> list[Command]:
         text, comment = split_comment(pending + raw)
         pending = ""
         if text:
-            found.append(Command(text, comment, start))
+            found.append(Command(text, comment, start, block.where))
     return found
 
 
@@ -183,7 +196,7 @@ def in_workdir(text: str, workdir: Path) -> str:
 def run_command(command: Command, workdir: Path, capsys) -> None:
     text = in_workdir(command.text, workdir)
     argv = shlex.split(text)
-    where = f"README.md:{command.line}: {command.text}"
+    where = f"{command.where}:{command.line}: {command.text}"
     if argv[0] == "qwenvl-vision" and not re.search(r"[|&;<>$`()*?]", text):  # one command, nothing for a shell
         code = main(argv[1:])
         out = capsys.readouterr()
@@ -231,10 +244,10 @@ def run_python(block: Block) -> None:
 
     def claim(value, expected, line):
         found = tuple(value.shape) if isinstance(value, torch.Tensor) else value
-        assert found == expected, f"README.md:{block.line + line - 1}: {found!r}, the README says {expected!r}"
+        assert found == expected, f"{block.where}:{block.line + line - 1}: {found!r}, the page says {expected!r}"
 
-    ast.increment_lineno(tree, block.line - 1)  # tracebacks point into README.md
-    exec(compile(tree, str(README), "exec"), {"__name__": "readme_example", "_readme_claim": claim})
+    ast.increment_lineno(tree, block.line - 1)  # tracebacks point into the page
+    exec(compile(tree, str(block.page), "exec"), {"__name__": "readme_example", "_readme_claim": claim})
 
 
 def uses_ray(block: Block) -> bool:
@@ -269,7 +282,7 @@ def test_every_block_is_run_illustrative_or_excused():
     assert len(RUN_BLOCKS) >= 6  # the extraction found the README's examples
     lines = {c.text for b in RUN_BLOCKS if b.language == "bash" for c in commands(b)}
     stale = set(EXCUSED) - lines
-    assert not stale, f"excused but no longer in README.md: {stale}"
+    assert not stale, f"excused but no longer in README.md or docs/: {stale}"
     assert (REPO / "bench" / "cuda_check.py").is_file()
 
 
@@ -286,10 +299,11 @@ def test_ci_runs_exactly_the_readme_set_up_and_test_commands():
 
 
 def test_readme_names_only_what_the_package_has():
-    """Every `qv.NAME` / `qwenvl_vision.NAME` the README mentions, in code or prose, exists (a README call that
-    raises AttributeError is how a broken README began)."""
+    """Every `qv.NAME` / `qwenvl_vision.NAME` the README and docs/ mention, in code or prose, exists (a README call
+    that raises AttributeError is how a broken README began)."""
     missing = []
-    for match in sorted(set(re.findall(r"\b(?:qv|qwenvl_vision)((?:\.\w+)+)", README.read_text()))):
+    text = "\n".join(page.read_text() for page in DOCS)
+    for match in sorted(set(re.findall(r"\b(?:qv|qwenvl_vision)((?:\.\w+)+)", text))):
         target = qwenvl_vision
         for part in match.lstrip(".").split("."):
             if not hasattr(target, part) and hasattr(target, "__path__"):
@@ -315,3 +329,36 @@ def test_illustrated_manifest_lines_are_what_embed_writes(workdir, capsys):
     assert set(written) == {ok["path"], error["path"]}
     assert written[ok["path"]].keys() == ok.keys() and written[error["path"]].keys() == error.keys()
     assert written[error["path"]]["error"] == error["error"]
+
+
+def test_the_readme_is_short_with_the_commands_first_and_the_api_soon():
+    """A newcomer reads the README in minutes: at most ~200 lines, the set-up and test commands on its first screen,
+    the Python API within its first 80 lines; the rest is in docs/."""
+    lines = README.read_text().splitlines()
+    assert len(lines) <= 200, len(lines)
+    first_screen = "\n".join(lines[:50])
+    assert SETUP_LINE in first_screen and TEST_LINE in first_screen
+    assert any(line == "## Python API" for line in lines[:80])
+
+
+def slug(header: str) -> str:
+    """GitHub's anchor for a Markdown header."""
+    return re.sub(r"[^\w\- ]", "", header.strip("# ").lower()).replace(" ", "-")
+
+
+def test_every_link_between_the_pages_resolves():
+    """Relative links of the README and docs/ point at files that exist and at headers those files have."""
+    broken = []
+    for page in DOCS:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if re.match(r"[a-z]+://", target):
+                continue
+            path, _, anchor = target.partition("#")
+            linked = (page.parent / path).resolve() if path else page
+            if not linked.exists():
+                broken.append(f"{page.name}: {target}")
+            elif anchor and linked.suffix == ".md":
+                headers = {slug(line) for line in linked.read_text().splitlines() if line.startswith("#")}
+                if anchor not in headers:
+                    broken.append(f"{page.name}: {target}")
+    assert not broken, broken

@@ -273,16 +273,17 @@ def test_omni_images_parse_split_and_embed_per_item_bitwise(omni, dtype):
         assert torch.equal(out, torch.cat([result.embeddings[i], *result.deepstack[i]], dim=-1))
 
 
-README = Path(__file__).resolve().parents[2] / "README.md"
-SECTION = "### Feed a vLLM encoder-cache consumer"
+HANDOFF = Path(__file__).resolve().parents[2] / "docs" / "handoff.md"
+SECTION = "## Feed a vLLM encoder-cache consumer"
 
 
 def readme_section() -> tuple[str, dict, str]:
-    """The README's encoder-cache section: its producer command, its consumer's ``--ec-transfer-config`` and its
+    """docs/handoff.md's encoder-cache section: its producer command, its consumer's ``--ec-transfer-config`` and its
     Python block."""
-    text = README.read_text()
+    text = HANDOFF.read_text()
     section = text[text.index(SECTION):]
-    section = section[:section.index("\n##", len(SECTION))]
+    end = section.find("\n## ", len(SECTION))
+    section = section if end < 0 else section[:end]
     blocks = re.findall(r"```(\w*)\n(.*?)```", section, re.S)
     bash = next(code for language, code in blocks if language == "bash").splitlines()
     producer = next(line for line in bash if line.startswith("qwenvl-vision embed")).split("  #")[0]
@@ -292,7 +293,7 @@ def readme_section() -> tuple[str, dict, str]:
 
 
 def consumer_config(folder: Path, transfer: dict, cache: Path):
-    """The README's consumer as vLLM builds it: a real ``VllmConfig`` with its ``--ec-transfer-config``, the shared
+    """The documented consumer as vLLM builds it: a real ``VllmConfig`` with its ``--ec-transfer-config``, the shared
     storage path moved to ``cache``."""
     from vllm.config import ECTransferConfig, VllmConfig
 
@@ -342,8 +343,8 @@ def parsed_by_the_consumer(config, request: dict) -> dict:
     return {modality: [items.get(i) for i in range(items.get_count())] for modality, items in parsed.items()}
 
 
-def test_the_readme_producer_s_cache_loads_in_a_vllm_consumer_bitwise(served, tmp_path, monkeypatch):
-    """The README's command (--format vllm-cache) over images and a video; the consumer built from its
+def test_the_documented_producer_s_cache_loads_in_a_vllm_consumer_bitwise(served, tmp_path, monkeypatch):
+    """The documented command (--format vllm-cache) over images and a video; the consumer built from its
     --ec-transfer-config line parses the request made from the manifest (the grids, a video's timestamps) and its
     connector loads every item equal to to_vllm()'s rows for it, bit for bit."""
     from qwenvl_vision.cli import main
@@ -392,14 +393,14 @@ def read_run_dtype(cache: Path) -> str:
     return json.loads((cache / "run.json").read_text())["dtype"]
 
 
-def test_the_readme_python_example_feeds_the_same_consumer(served, tmp_path, monkeypatch):
-    """The README's Python block, with the family's tiny model for the repo id and a folder of its own for
+def test_the_documented_python_example_feeds_the_same_consumer(served, tmp_path, monkeypatch):
+    """The documented Python block, with the family's tiny model for the repo id and a folder of its own for
     /tmp/ec: its request parses in the consumer and every id loads equal to to_vllm()'s rows."""
     family, folder, _, _ = served
     _, transfer, code = readme_section()
     cache = tmp_path / "ec"
     repo = REPO_ID.search(code).group(0)
-    monkeypatch.chdir(README.parent)  # the block names examples/photos/ as a checkout has it
+    monkeypatch.chdir(HANDOFF.parents[1])  # the block names examples/photos/ as a checkout has it
     namespace: dict = {}
     exec(code.replace(f'"{repo}"', repr(str(folder))).replace('"/tmp/ec"', repr(str(cache))), namespace)
     request, items, enc = namespace["request"], namespace["items"], namespace["enc"]
@@ -413,3 +414,39 @@ def test_the_readme_python_example_feeds_the_same_consumer(served, tmp_path, mon
 
 
 REPO_ID = re.compile(r"Qwen/[\w.-]+")
+
+
+def test_an_omni_consumer_takes_the_cache_with_the_seconds_per_temporal_patch(omni, tmp_path):
+    """The Omni thinkers as encoder-cache consumers: their parser (built as their processing info builds it, for a
+    consumer: embeddings may be absent) takes the grid-only request with ``second_per_grid_ts``, and the connector
+    of a consumer ``VllmConfig`` loads the items equal to ``to_vllm()``'s rows."""
+    from vllm.model_executor.models.qwen2_5_omni_thinker import Qwen2_5OmniThinkerMultiModalDataParser
+
+    from qwenvl_vision.cli import main
+    from qwenvl_vision.embed import read_manifest_lines
+    from qwenvl_vision.vllm_cache import vllm_request
+
+    family, folder, _, _ = omni
+    _, transfer, _ = readme_section()
+    media = tmp_path / "media"
+    media.mkdir()
+    images()[0].save(media / "photo.png")
+    clip = write_video(media / "clip.mp4", 9, Fraction(10))
+    cache = tmp_path / "ec"
+    assert main(["embed", str(media), "--model", str(folder), "--out", str(cache), "--format", "vllm-cache",
+                 "--fps", "2.5"]) == 0
+    records = {Path(r["path"]).name: r for r in read_manifest_lines(cache / "manifest.jsonl")}
+    request = vllm_request([records["photo.png"], records["clip.mp4"]])
+    config = consumer_config(folder, transfer, cache)
+    consumer = config.model_config.multimodal_config.allow_missing_mm_embeddings
+    assert consumer
+    parser = Qwen2_5OmniThinkerMultiModalDataParser(spatial_merge_size=2, allow_missing_mm_embeddings=consumer)
+    parsed = parser.parse_mm_data(request["multi_modal_data"])
+    (video,) = [parsed["video"].get(i) for i in range(parsed["video"].get_count())]
+    assert "video_embeds" not in video and video["second_per_grid_ts"].item() == pytest.approx(2 / 2.5)
+    loaded = loaded_by_the_connector(config, request)
+    encoder = load_encoder(folder, device="cpu")
+    assert torch.equal(loaded[records["photo.png"]["id"]],
+                       encoder.encode_images([str(media / "photo.png")]).to_vllm()["image"]["image_embeds"])
+    assert torch.equal(loaded[records["clip.mp4"]["id"]],
+                       encoder.encode_videos([str(clip)], fps=2.5).to_vllm()["video"]["video_embeds"])
