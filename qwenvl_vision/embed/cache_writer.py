@@ -35,7 +35,7 @@ class CacheRankWriter(RankWriter):
         names = super().temporary_files() + [f"*/{CACHE_FILE}.{self.tag}.tmp"]
         return names + ([f"{IDENTITY_FILE}.{self.run_id}.tmp"] if self.rank == 0 else [])
 
-    def write_batch(self, results, pooled_only: bool) -> tuple[int, int]:
+    def write_batch(self, results) -> tuple[int, int]:
         """Each success's item file (renamed into place), then the batch's manifest lines."""
         records = []
         ok = failed = 0
@@ -58,7 +58,7 @@ class CacheRankWriter(RankWriter):
         """``--engine ray``'s rows (``parquet.EmbeddingRecord``s, their tensors float32), in the run's dtype again
         (exact: they were made in it)."""
         dtype = getattr(torch, self.identity["dtype"])
-        return self.write_batch([_RayRow(r, dtype) for r in records], False)
+        return self.write_batch([_RayRow(r, dtype) for r in records])
 
     def _write(self, r) -> dict:
         """One item's file; its record's fields."""

@@ -47,7 +47,7 @@ from .manifest import MANIFEST, PARQUET_SHARD_NAME, RUN_FIELD_DEFAULTS, RUN_FILE
 from .progress import Progress
 from .reader import read_manifest_lines, read_run
 from .run_record import compare_runs, crossed_bounds_note, describe_run
-from .writer import OUTPUT_FAULTS, RankWriter, atomic_write_text, merge_parts, output_fault
+from .writer import OUTPUT_FAULTS, RankWriter, Writer, atomic_write_text, merge_parts, output_fault
 
 
 def _make_dirs(out: Path) -> list[Path]:
@@ -348,7 +348,7 @@ class EmbedJob:
 
     # -- the run
 
-    def start_writing(self):
+    def start_writing(self) -> Writer:
         if (self.fresh or self.filled) and self.rank == 0:
             atomic_write_text(self.out / RUN_FILE, json.dumps(self.run, indent=2) + "\n", self.run["run_id"])
         if self.layout is not None:
@@ -362,17 +362,18 @@ class EmbedJob:
                 claim_cache_folder(self.out, {k: self.run[k] for k in IDENTITY_FIELDS}, self.run["run_id"])
             writer = CacheRankWriter(self.out, self.rank, self.world, self.run)
         else:
-            writer = RankWriter(self.out, self.rank, self.world, self.run["run_id"], self.run.get("cwd"))
+            writer = RankWriter(self.out, self.rank, self.world, self.run["run_id"], self.run.get("cwd"),
+                                self.run["pooled"])
         if not self.fresh:
             writer.recover()
         return writer
 
-    def finish_recovery(self, writer) -> None:
-        """A resume's writes that must wait until every rank has read the folder (``ParquetRankWriter``)."""
-        if not self.fresh and hasattr(writer, "finish_recovery"):
+    def finish_recovery(self, writer: Writer) -> None:
+        """A resume's writes that must wait until every rank has read the folder (``ParquetRankWriter``'s)."""
+        if not self.fresh:
             writer.finish_recovery()
 
-    def encode(self, writer) -> None:
+    def encode(self, writer: Writer) -> None:
         if getattr(self.args, "engine", "local") == "ray":
             from .ray_engine import encode_on_ray
 
@@ -393,7 +394,7 @@ class EmbedJob:
         progress.begin(len(todo) + len(known_bad))
         with self.encoder:
             if known_bad:
-                writer.write_batch(known_bad, args.pooled_only)
+                writer.write_batch(known_bad)
                 progress.update(len(known_bad), 0)
             batches = self.encoder.iter_encode(
                 # The options as given, as encode_images takes them: an option alone keeps the checkpoint's
@@ -404,7 +405,7 @@ class EmbedJob:
                 decode_bytes=args.decode_mib << 20, hash_pixels=self.run["file_format"] == "vllm-cache",
                 on_prepared=lambda index, tokens: progress.update(1, tokens))
             for batch in batches:
-                writer.write_batch([_PathResult(r, todo[r.index]) for r in batch], args.pooled_only)
+                writer.write_batch([_PathResult(r, todo[r.index]) for r in batch])
         progress.close()
 
     def summary(self) -> tuple[int, int]:

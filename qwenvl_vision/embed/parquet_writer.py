@@ -124,9 +124,8 @@ class ParquetRankWriter:
         self.failed += failed
         return len(records) - failed, failed
 
-    def write_batch(self, results, pooled_only: bool) -> tuple[int, int]:
-        """``RankWriter.write_batch``'s interface: results with a ``path`` (ok ones with their tensors)."""
-        del pooled_only  # the layout says which tensor columns there are
+    def write_batch(self, results) -> tuple[int, int]:
+        """``writer.Writer``'s: results with a ``path`` (ok ones with their tensors; the layout says which)."""
         return self.write_records([record_from_result(r, r.path, real_key(r.path)) for r in results])
 
 

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ClusterSetupError, EmbedError, OutputFaultError
+from .writer import RowWriter
 
 UDF = None  # the map_batches class (None: qwenvl_vision.ray.Embedder); a test may put a subclass here
 BATCH_ROWS = 16  # rows a map_batches batch (and a shard) holds
@@ -177,7 +178,7 @@ def _shares(actors: int, threads: int) -> float:
         raise EmbedError(f"--ray-actors {actors}: {e}") from None
 
 
-def encode_on_ray(job, writer) -> None:
+def encode_on_ray(job, writer: RowWriter) -> None:
     """Encode the job's inputs still to do on its RayPlan's actors, each block back a shard by `writer`.
 
     Errors: an OSError of the writer goes up as it is (the job makes it an output fault, exit 3); a failure of

@@ -18,6 +18,7 @@ import errno
 import json
 import os
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from safetensors import safe_open
@@ -80,11 +81,39 @@ def _shard_run_id(path: Path) -> str | None:
         return None
 
 
-class RankWriter:
-    """Writes one rank's shards and manifest part; on resume, recovers what a stopped run left."""
+class Writer(Protocol):
+    """What an embed run asks of a rank's writer, whatever the format (``RankWriter``: safetensors shards,
+    ``parquet_writer.ParquetRankWriter``, ``cache_writer.CacheRankWriter``: vLLM encoder-cache items)."""
 
-    def __init__(self, out: Path, rank: int, world: int, run_id: str, run_cwd: str | None = None) -> None:
+    done: set[str]  # real keys of the inputs already recorded ok (a resume skips them)
+    recorded: int  # inputs recorded (ok or error) by this process
+    failed: int  # of which failed
+
+    def recover(self) -> None:
+        """A resume, before any rank writes: what a stopped run left, made consistent."""
+
+    def finish_recovery(self) -> None:
+        """A resume, after every rank has read the folder: the rewrites that had to wait."""
+
+    def write_batch(self, results) -> tuple[int, int]:
+        """One batch of results (each with its ``path``), written durably; (ok, failed)."""
+
+
+class RowWriter(Writer, Protocol):
+    """A writer that also takes ``--engine ray``'s rows (``parquet.EmbeddingRecord``s)."""
+
+    def write_records(self, records: list) -> tuple[int, int]:
+        """The driver's rows as Ray hands them back, written durably; (ok, failed)."""
+
+
+class RankWriter:
+    """Writes one rank's shards and manifest part; on resume, recovers what a stopped run left. ``pooled``: store
+    each input's mean vector (float32) instead of its tokens."""
+
+    def __init__(self, out: Path, rank: int, world: int, run_id: str, run_cwd: str | None = None,
+                 pooled: bool = False) -> None:
         self.out, self.rank, self.world, self.run_id = out, rank, world, run_id
+        self.pooled = pooled
         self.run_cwd = run_cwd or os.getcwd()
         self.manifest = out / part_name(rank, world)
         self.own: dict[str, dict] = {}  # real key -> this rank's ok record
@@ -121,6 +150,9 @@ class RankWriter:
         # Rewrite the part with each ok input once; errors and damaged lines are dropped so they are redone.
         atomic_write_text(self.manifest, "".join(json.dumps(r) + "\n" for r in self.own.values()), self.run_id)
 
+    def finish_recovery(self) -> None:
+        """Nothing waits here: ``recover`` rewrites only this rank's own part."""
+
     def temporary_files(self) -> list[str]:
         """Glob patterns of the temporary files a kill may have left of this run: this rank's shards and manifest
         part, and (rank 0) the merged manifest and run.json being rewritten."""
@@ -151,7 +183,7 @@ class RankWriter:
         self.recorded += len(records)
         self.failed += failed
 
-    def write_batch(self, results, pooled_only: bool) -> tuple[int, int]:
+    def write_batch(self, results) -> tuple[int, int]:
         """One shard for the batch's successes (renamed into place), then its manifest lines."""
         tensors: dict[str, torch.Tensor] = {}
         records = []
@@ -161,7 +193,7 @@ class RankWriter:
             record = self.base_record(r)
             if r.ok:
                 key = f"{ok:06d}"
-                if pooled_only:
+                if self.pooled:
                     tensors[key] = r.pooled.float().contiguous().cpu()
                 else:
                     tensors[key] = r.embedding.contiguous().cpu()
