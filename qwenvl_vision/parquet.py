@@ -36,7 +36,7 @@ import math
 import os
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +47,7 @@ import torch
 
 from .durable import replace_atomically
 from .errors import ManifestError
-from .video_io import video_record
+from .records import EmbeddingRecord
 
 PARQUET_FORMAT = 1
 METADATA_KEY = b"qwenvl_vision"
@@ -108,28 +108,6 @@ class ParquetLayout:
         return schema.with_metadata({METADATA_KEY: json.dumps(meta).encode()})
 
 
-@dataclass
-class EmbeddingRecord:
-    """One input's row: what the writer takes and the reader gives back. Tensors are None for an error row;
-    ``deepstack`` is empty when the run has no levels (or stores only pooled vectors)."""
-
-    path: str
-    realpath: str
-    status: str
-    error: str | None = None
-    grid_thw: tuple[int, int, int] | None = None
-    tokens: int | None = None  # merged tokens, t*h*w / merge**2 (also in a run that stores only pooled vectors)
-    embedding: torch.Tensor | None = None
-    deepstack: list[torch.Tensor] = field(default_factory=list)
-    pooled: torch.Tensor | None = None
-    video: dict | None = None
-    pixels_sha256: str | None = None  # item_ids.pixels_sha256 (not stored in Parquet: the encoder cache's ids)
-
-    @property
-    def ok(self) -> bool:
-        return self.status == "ok"
-
-
 def text(value: str | None) -> str | None:
     """``value`` as Parquet can store it: characters UTF-8 cannot encode (surrogates, a non-UTF-8 file name's
     undecodable bytes) as their backslash escapes (``\\udce9``); any other text unchanged."""
@@ -145,20 +123,6 @@ def needs_escape(value: str) -> bool:
     except UnicodeEncodeError:
         return True
     return False
-
-
-def record_from_result(result: Any, path: str | None = None, realpath: str | None = None) -> EmbeddingRecord:
-    """An ``encoder.ItemResult`` (or anything with its fields: ``error``, ``embedding``, ``grid_thw``,
-    ``deepstack``, ``pooled``, ``video_info``) as a record of the input at ``path`` (default ``result.path``);
-    ``realpath`` defaults to the path resolved from the current directory."""
-    path = os.fspath(path if path is not None else result.path)
-    realpath = realpath or os.path.realpath(path)
-    video = video_record(getattr(result, "video_info", None))
-    if result.error is not None:
-        return EmbeddingRecord(path, realpath, "error", str(result.error), video=video)
-    return EmbeddingRecord(path, realpath, "ok", None, tuple(int(x) for x in result.grid_thw),
-                           int(result.embedding.shape[0]), result.embedding, list(result.deepstack or []),
-                           result.pooled, video)
 
 
 # ---------------------------------------------------------------------- writing

@@ -1,6 +1,6 @@
 """Ray Data integration: ``Embedder``, a callable class for ``Dataset.map_batches`` that embeds a column of images
 (paths, encoded bytes or decoded arrays) with one encoder per actor, and the pieces a pipeline needs around it
-(a dataset of paths, its mapping, Ray's rows back as ``parquet.EmbeddingRecord``).
+(a dataset of paths, its mapping, Ray's rows back as ``records.EmbeddingRecord``).
 
 Only this module imports Ray (``import qwenvl_vision`` does not): install ``ray[data]`` to use it.
 
@@ -61,8 +61,8 @@ from ray.data.extensions import ArrowTensorArray, ArrowVariableShapedTensorArray
 from .batching import DEFAULT_DECODE_BYTES
 from .encoder import ItemResult, load_encoder
 from .errors import CheckpointError
-from .parquet import EmbeddingRecord
 from .pixels import DEFAULT_MAX_INPUT_PIXELS, input_name
+from .records import EmbeddingRecord
 from .video_io import is_video_file, video_record
 
 INPUT_KINDS = ("path", "bytes", "image")

@@ -21,16 +21,15 @@ pq = pytest.importorskip("pyarrow.parquet")
 
 import qwenvl_vision.parquet as qparquet  # noqa: E402
 from qwenvl_vision.parquet import (  # noqa: E402
-    EmbeddingRecord,
     ParquetLayout,
     read_parquet_records,
     read_parquet_run,
     read_parquet_table,
-    record_from_result,
     results_table,
     shard_name,
     write_table_atomic,
 )
+from qwenvl_vision.records import EmbeddingRecord, record_from_result  # noqa: E402
 
 SETTINGS = dict(min_pixels=32 * 32, max_pixels=96 * 96)
 RUN = {"model": "tiny-qwen3", "dtype": "float32", "run_id": "r1"}

@@ -18,6 +18,7 @@ import torch
 from ..errors import QwenVLVisionError
 from ..handoff import EncodedItems, vllm_items
 from ..item_ids import IDENTITY_FIELDS
+from ..records import EmbeddingRecord
 from ..vllm_cache import CACHE_FILE, CACHE_KEY, IDENTITY_FILE, cache_item
 from .writer import RankWriter
 
@@ -29,17 +30,18 @@ class CacheRankWriter(RankWriter):
         super().__init__(out, rank, world, run["run_id"], run.get("cwd"))
         self.identity = {k: run[k] for k in IDENTITY_FIELDS}
         self.family = run["family"]
+        self.dtype = getattr(torch, run["dtype"])
         self.tag = f"{self.run_id}-r{rank}"  # ranks that meet on one id write their own temporary files
 
     def temporary_files(self) -> list[str]:
         names = super().temporary_files() + [f"*/{CACHE_FILE}.{self.tag}.tmp"]
         return names + ([f"{IDENTITY_FILE}.{self.run_id}.tmp"] if self.rank == 0 else [])
 
-    def write_batch(self, results) -> tuple[int, int]:
+    def write_records(self, records: list[EmbeddingRecord]) -> tuple[int, int]:
         """Each success's item file (renamed into place), then the batch's manifest lines."""
-        records = []
+        lines = []
         ok = failed = 0
-        for r in results:
+        for r in records:
             record = self.base_record(r)
             if r.ok:
                 try:
@@ -50,30 +52,17 @@ class CacheRankWriter(RankWriter):
                     failed += 1
             else:
                 failed += 1
-            records.append(record)
-        self.finish_batch(records, failed)
+            lines.append(record)
+        self.finish_batch(lines, failed)
         return ok, failed
 
-    def write_records(self, records: list) -> tuple[int, int]:
-        """``--engine ray``'s rows (``parquet.EmbeddingRecord``s, their tensors float32), in the run's dtype again
-        (exact: they were made in it)."""
-        dtype = getattr(torch, self.identity["dtype"])
-        return self.write_batch([_RayRow(r, dtype) for r in records])
-
-    def _write(self, r) -> dict:
-        """One item's file; its record's fields."""
-        modality = "image" if r.video_info is None else "video"
-        (item,) = vllm_items(EncodedItems([r.embedding], [r.grid_thw], [r.deepstack or []], modality, self.family,
-                                          [r.video_info]))
+    def _write(self, r: EmbeddingRecord) -> dict:
+        """One item's file, in the run's dtype (Ray's rows come as float32: exact, they were made in it); its
+        record's fields."""
+        modality = "image" if r.video is None else "video"
+        levels = [level.to(self.dtype) for level in r.deepstack]
+        (item,) = vllm_items(EncodedItems([r.embedding.to(self.dtype)], [r.grid_thw], [levels], modality, self.family,
+                                          [r.video]))
         cached = cache_item(self.out, self.identity, item, r.pixels_sha256, self.tag)
-        return {**cached, "shard": f"{cached['id']}/{CACHE_FILE}", "key": CACHE_KEY, "levels": len(r.deepstack or [])}
+        return {**cached, "shard": f"{cached['id']}/{CACHE_FILE}", "key": CACHE_KEY, "levels": len(levels)}
 
-
-class _RayRow:
-    """A Ray row shaped like the local engine's results (``job``'s): what ``write_batch`` reads."""
-
-    def __init__(self, record, dtype: torch.dtype) -> None:
-        self.path, self.ok, self.error, self.grid_thw = record.path, record.ok, record.error, record.grid_thw
-        self.embedding = record.embedding.to(dtype) if record.embedding is not None else None
-        self.deepstack = [level.to(dtype) for level in record.deepstack]
-        self.video_info, self.pixels_sha256 = record.video, record.pixels_sha256

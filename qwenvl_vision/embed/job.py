@@ -40,6 +40,7 @@ import torch
 
 from ..errors import EmbedError, OutputFaultError, PeerFailedError, QwenVLVisionError, exit_code_of
 from ..item_ids import IDENTITY_FIELDS
+from ..records import EmbeddingRecord, record_from_result
 from ..vllm_cache import check_cache_folder, claim_cache_folder
 from .inputs import MEDIA_EXTENSIONS, Inputs, gather_inputs, rank_and_world, shard_for_rank
 from .lock import FolderLock, lock_name
@@ -115,31 +116,6 @@ class _Group:
             import torch.distributed as dist
 
             dist.destroy_process_group()
-
-
-class _PathResult:
-    """An ItemResult with the input's path attached (the manifest's key)."""
-
-    def __init__(self, item, path: str) -> None:
-        self.path = path
-        self.ok = item.ok
-        self.error = item.error
-        self.embedding = item.embedding
-        self.grid_thw = item.grid_thw
-        self.deepstack = item.deepstack
-        self.pooled = item.pooled
-        self.video_info = item.video_info
-        self.pixels_sha256 = item.pixels_sha256
-
-
-class _Failed:
-    """An input known bad before encoding (an unreadable list file), shaped like a failed _PathResult."""
-
-    ok = False
-    video_info = None
-
-    def __init__(self, path: str, error: str) -> None:
-        self.path, self.error = path, error
 
 
 def _pick_device(args: argparse.Namespace, rank: int, world: int) -> str | None:
@@ -381,20 +357,21 @@ class EmbedJob:
             return
         args = self.args
         mine = shard_for_rank(self.inputs.paths, self.rank, self.world)
-        todo = [p for p in mine if self.inputs.keys[p] not in writer.done]
-        known_bad = [_Failed(p, self.inputs.errors[p]) for p in todo if p in self.inputs.errors]
-        todo = [p for p in todo if p not in self.inputs.errors]
+        keys, errors = self.inputs.keys, self.inputs.errors
+        todo = [p for p in mine if keys[p] not in writer.done]
+        known_bad = [EmbeddingRecord(p, keys[p], "error", errors[p]) for p in todo if p in errors]
+        todo = [p for p in todo if p not in errors]
         if self.layout is not None:  # a name Parquet cannot store as it is: an error row, not a failed batch
             from .parquet_writer import unstorable
 
             bad = {p: unstorable(p, self.inputs.keys[p]) for p in todo}
-            known_bad += [_Failed(p, why) for p, why in bad.items() if why is not None]
+            known_bad += [EmbeddingRecord(p, keys[p], "error", why) for p, why in bad.items() if why is not None]
             todo = [p for p in todo if bad[p] is None]
         progress = self.progress
         progress.begin(len(todo) + len(known_bad))
         with self.encoder:
             if known_bad:
-                writer.write_batch(known_bad)
+                writer.write_records(known_bad)
                 progress.update(len(known_bad), 0)
             batches = self.encoder.iter_encode(
                 # The options as given, as encode_images takes them: an option alone keeps the checkpoint's
@@ -405,7 +382,7 @@ class EmbedJob:
                 decode_bytes=args.decode_mib << 20, hash_pixels=self.run["file_format"] == "vllm-cache",
                 on_prepared=lambda index, tokens: progress.update(1, tokens))
             for batch in batches:
-                writer.write_batch([_PathResult(r, todo[r.index]) for r in batch])
+                writer.write_records([record_from_result(r, todo[r.index], keys[todo[r.index]]) for r in batch])
         progress.close()
 
     def summary(self) -> tuple[int, int]:

@@ -30,12 +30,10 @@ from ..parquet import (
     needs_escape,
     read_parquet_index,
     read_parquet_table,
-    record_from_result,
     results_table,
     shard_name,
     write_table_atomic,
 )
-from .inputs import real_key
 from .manifest import PARQUET_SHARD_NAME, RUN_FILE
 
 
@@ -113,7 +111,7 @@ class ParquetRankWriter:
         self.to_rewrite = []
 
     def write_records(self, records: list) -> tuple[int, int]:
-        """One shard of ``parquet.EmbeddingRecord``s, renamed into place whole."""
+        """One shard of ``records.EmbeddingRecord``s, renamed into place whole."""
         if not records:
             return 0, 0
         table = results_table(records, self.layout, self.run)
@@ -123,10 +121,6 @@ class ParquetRankWriter:
         self.recorded += len(records)
         self.failed += failed
         return len(records) - failed, failed
-
-    def write_batch(self, results) -> tuple[int, int]:
-        """``writer.Writer``'s: results with a ``path`` (ok ones with their tensors; the layout says which)."""
-        return self.write_records([record_from_result(r, r.path, real_key(r.path)) for r in results])
 
 
 def unstorable(path: str, key: str) -> str | None:

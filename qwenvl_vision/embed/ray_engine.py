@@ -43,7 +43,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ClusterSetupError, EmbedError, OutputFaultError
-from .writer import RowWriter
+from ..records import EmbeddingRecord
+from .writer import Writer
 
 UDF = None  # the map_batches class (None: qwenvl_vision.ray.Embedder); a test may put a subclass here
 BATCH_ROWS = 16  # rows a map_batches batch (and a shard) holds
@@ -178,7 +179,7 @@ def _shares(actors: int, threads: int) -> float:
         raise EmbedError(f"--ray-actors {actors}: {e}") from None
 
 
-def encode_on_ray(job, writer: RowWriter) -> None:
+def encode_on_ray(job, writer: Writer) -> None:
     """Encode the job's inputs still to do on its RayPlan's actors, each block back a shard by `writer`.
 
     Errors: an OSError of the writer goes up as it is (the job makes it an output fault, exit 3); a failure of
@@ -187,7 +188,6 @@ def encode_on_ray(job, writer: RowWriter) -> None:
     model folder missing on a node: it would fail again), else ``OutputFaultError`` (exit 3, ``--resume``)."""
     import ray
 
-    from ..parquet import EmbeddingRecord
     from ..ray import embed_dataset, records_from_batch
     from .parquet_writer import unstorable
 

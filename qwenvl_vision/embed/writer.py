@@ -26,8 +26,7 @@ from safetensors.torch import save
 
 from ..durable import fsync_dir, replace_atomically
 from ..errors import OutputFaultError
-from ..video_io import video_record
-from .inputs import real_key
+from ..records import EmbeddingRecord
 from .manifest import MANIFEST, RUN_FILE, SHARD_NAME, parse_manifest, part_name, record_key
 
 # OSErrors at the start that are the output folder's state (exit 3, like a fault mid-run), not a usage error.
@@ -95,15 +94,8 @@ class Writer(Protocol):
     def finish_recovery(self) -> None:
         """A resume, after every rank has read the folder: the rewrites that had to wait."""
 
-    def write_batch(self, results) -> tuple[int, int]:
-        """One batch of results (each with its ``path``), written durably; (ok, failed)."""
-
-
-class RowWriter(Writer, Protocol):
-    """A writer that also takes ``--engine ray``'s rows (``parquet.EmbeddingRecord``s)."""
-
-    def write_records(self, records: list) -> tuple[int, int]:
-        """The driver's rows as Ray hands them back, written durably; (ok, failed)."""
+    def write_records(self, records: list[EmbeddingRecord]) -> tuple[int, int]:
+        """One batch of records (the local engine's results, or Ray's rows), written durably; (ok, failed)."""
 
 
 class RankWriter:
@@ -169,12 +161,11 @@ class RankWriter:
         return {record_key(r, self.run_cwd) for f in files if f != self.manifest for r in self._records(f)
                 if r["status"] == "ok" and r.get("rank", 0) != self.rank and (self.out / r["shard"]).is_file()}
 
-    def base_record(self, r) -> dict:
+    def base_record(self, r: EmbeddingRecord) -> dict:
         """The manifest fields every record of an input has: its path, status, error, rank, and a video's frames."""
-        record = {"path": r.path, "realpath": real_key(r.path), "status": "ok" if r.ok else "error",
-                  "error": r.error, "rank": self.rank}
-        if r.video_info is not None:  # a VideoInfo, or a record's video entry already (the Ray rows')
-            record["video"] = r.video_info if isinstance(r.video_info, dict) else video_record(r.video_info)
+        record = {"path": r.path, "realpath": r.realpath, "status": r.status, "error": r.error, "rank": self.rank}
+        if r.video is not None:
+            record["video"] = r.video
         return record
 
     def finish_batch(self, records: list[dict], failed: int) -> None:
@@ -183,13 +174,13 @@ class RankWriter:
         self.recorded += len(records)
         self.failed += failed
 
-    def write_batch(self, results) -> tuple[int, int]:
+    def write_records(self, records: list[EmbeddingRecord]) -> tuple[int, int]:
         """One shard for the batch's successes (renamed into place), then its manifest lines."""
         tensors: dict[str, torch.Tensor] = {}
-        records = []
+        lines = []
         shard_name = f"shard-r{self.rank}-{self.next_shard:06d}.safetensors"
         ok = failed = 0
-        for r in results:
+        for r in records:
             record = self.base_record(r)
             if r.ok:
                 key = f"{ok:06d}"
@@ -199,12 +190,11 @@ class RankWriter:
                     tensors[key] = r.embedding.contiguous().cpu()
                     for level, t in enumerate(r.deepstack or []):
                         tensors[f"{key}.deepstack.{level}"] = t.contiguous().cpu()
-                record.update(shard=shard_name, key=key, grid_thw=list(r.grid_thw),
-                              tokens=int(r.embedding.shape[0]))
+                record.update(shard=shard_name, key=key, grid_thw=list(r.grid_thw), tokens=int(r.tokens))
                 ok += 1
             else:
                 failed += 1
-            records.append(record)
+            lines.append(record)
         if tensors:
             tmp = self.out / f"{shard_name[: -len('.safetensors')]}.{self.run_id}.tmp"
             try:
@@ -215,7 +205,7 @@ class RankWriter:
                 raise
             fsync_dir(self.out)
             self.next_shard += 1
-        self.finish_batch(records, failed)
+        self.finish_batch(lines, failed)
         return ok, failed
 
 
