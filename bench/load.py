@@ -146,8 +146,8 @@ def write_checkpoint(folder: Path, cfg, seed: int = 0, dtype: torch.dtype = torc
     """Write the released layout into `folder` (via a temporary folder renamed at the end)."""
     from safetensors.torch import save_file
 
-    from qwenvl_vision.init import random_tower
     from qwenvl_vision.names import to_checkpoint_state
+    from qwenvl_vision.random_init import random_tower
 
     _, _, _, prefix = HF_CLASSES[cfg.model_type]
     partial = folder.with_name(folder.name + ".partial")

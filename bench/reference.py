@@ -14,7 +14,7 @@ import torch
 
 from qwenvl_vision import build_model
 from qwenvl_vision.config import QWEN2_5, VisionConfig
-from qwenvl_vision.init import spread_init_
+from qwenvl_vision.random_init import spread_init_
 
 # family -> (transformers module, vision config class, vision tower class)
 HF_TOWERS = {

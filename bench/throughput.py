@@ -47,7 +47,7 @@ from bench.reference import hf_classes, hf_tower, ours_from
 from bench.workloads import INPUT_SETS, build_inputs, truncated
 from qwenvl_vision import preset
 from qwenvl_vision.config import VisionConfig
-from qwenvl_vision.init import random_tower
+from qwenvl_vision.random_init import random_tower
 
 # Dense (no sparsity) bf16 tensor-core peaks from NVIDIA's datasheets, TFLOP/s, matched as substrings of
 # torch.cuda.get_device_name(); the first match wins, so the more specific names come first.

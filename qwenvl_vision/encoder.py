@@ -37,11 +37,11 @@ from .cpu_linear import check_policy
 from .devices import resolve_device, resolve_dtype
 from .errors import ConfigError, EncoderClosedError, InputError, NumericalError, PreprocessError, QwenVLVisionError
 from .hub import resolve_folder
-from .init import random_tower
 from .item_ids import config_sha256, is_sha256, weights_sha256
 from .item_ids import pixels_sha256 as item_pixels_sha256
 from .pixels import DEFAULT_MAX_INPUT_PIXELS
 from .preprocess import PreprocessConfig
+from .random_init import random_tower
 from .tower import VisionTower
 from .video import VideoConfig, sample_indices
 from .video_io import VideoInfo

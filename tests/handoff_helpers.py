@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from qwenvl_vision.config import FAMILIES, QWEN2_5
-from qwenvl_vision.init import spread_init_
+from qwenvl_vision.random_init import spread_init_
 from tests.helpers import (
     FAMILY_SMALL,
     PREPROCESSOR_FILES,

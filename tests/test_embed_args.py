@@ -12,7 +12,9 @@ USAGE_ERRORS = {
     "unknown device": (["--device", "tpu9"], ["--device", "tpu9"]),
     "device with a typo": (["--device", "cdua"], ["unknown device 'cdua'"]),
     "dtype fp8": (["--dtype", "fp8"], ["unsupported dtype 'fp8'", "bf16"]),
-    "batch tokens 0": (["--batch-tokens", "0"], ["--batch-tokens must be at least 1, got 0"]),
+    "batch patches 0": (["--batch-patches", "0"], ["--batch-patches must be at least 1, got 0"]),
+    "old and new batch names disagree": (["--batch-tokens", "8", "--batch-patches", "16"],
+                                         ["--batch-tokens 8 and --batch-patches 16 disagree"]),
     "max pixels 0": (["--max-pixels", "0"], ["--max-pixels must be at least 1, got 0"]),
     "max pixels -1": (["--max-pixels", "-1"], ["--max-pixels must be at least 1, got -1"]),
     "max pixels not a number": (["--max-pixels", "1e6"], ["--max-pixels must be an integer"]),
@@ -47,3 +49,13 @@ def test_every_option_has_help_with_its_default(capsys):
     for needle in ("cpu, cuda or cuda:N", "bf16/bfloat16", "default: bf16 on CUDA, fp32 on CPU",
                    "default: the checkpoint's", "default 16384", "default 64000000"):
         assert needle in text
+
+
+def test_the_old_batch_option_still_works_and_says_its_new_name(tmp_path, checkpoint, capsys):
+    """--batch-tokens counted patches: it is --batch-patches now, and the old spelling warns for one release."""
+    make_folder(tmp_path / "imgs", 2, bad=False)
+    out = tmp_path / "out"
+    assert main(["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(out), "--batch-tokens",
+                 "1", "--quiet"]) == 0
+    err = capsys.readouterr().err
+    assert "--batch-tokens is deprecated" in err and "use --batch-patches" in err

@@ -26,7 +26,7 @@ def test_embed_folder_with_good_and_bad_files(tmp_path, checkpoint, capsys):
     make_folder(tmp_path / "imgs", 6)
     out = tmp_path / "out"
     code = main(["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(out),
-                 "--batch-tokens", "64"])
+                 "--batch-patches", "64"])
     assert code == 1  # some inputs failed
     recs = records(out)
     by_name = {Path(r["path"]).name: r for r in recs}

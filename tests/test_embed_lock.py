@@ -36,7 +36,7 @@ sys.exit(main(sys.argv[2:]))
 
 def slow_embed(inputs, model, out, *extra, delay=0.1) -> list[str]:
     return [sys.executable, "-c", SLOW_EMBED, str(delay), "embed", *map(str, inputs), "--model", str(model),
-            "--out", str(out), "--device", "cpu", "--batch-tokens", "1", *extra]
+            "--out", str(out), "--device", "cpu", "--batch-patches", "1", *extra]
 
 
 def wait_for_lines(out: Path, n: int, proc: subprocess.Popen, timeout: float = 120) -> None:
@@ -77,7 +77,7 @@ def test_two_processes_one_out_fresh_then_both_resume(tmp_path, checkpoint):
 
     recs = assert_each_input_once(out, 40)
     assert all(r["status"] == "ok" for r in recs)
-    # Every stored tensor is the one of its path: each image re-encoded alone (as --batch-tokens 1 ran it),
+    # Every stored tensor is the one of its path: each image re-encoded alone (as --batch-patches 1 ran it),
     # single-threaded like the children and with the run's recorded linear kernels (this process's own timing
     # probe may choose otherwise on these tiny shapes, and in fp32 the kernels round differently), gives exactly
     # the stored bits.

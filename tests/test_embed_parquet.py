@@ -128,7 +128,7 @@ def test_resume_records_each_input_once_and_keeps_one_format(tmp_path, checkpoin
 def test_sigkill_mid_run_then_resume_parquet(tmp_path, checkpoint):
     make_image_folder(tmp_path / "imgs", 40, bad=False)
     out = tmp_path / "out"
-    cmd = embed_cmd([tmp_path / "imgs"], checkpoint, out, "--batch-tokens", "1", "--device", "cpu", "--format",
+    cmd = embed_cmd([tmp_path / "imgs"], checkpoint, out, "--batch-patches", "1", "--device", "cpu", "--format",
                     "parquet", "--quiet")
     kill_when(cmd, lambda: len(list(out.glob("shard-*.parquet"))) >= 5)
     killed_at = len(parquet_rows(out))
@@ -213,7 +213,7 @@ def test_recover_only_reads_and_rewrites_after_every_rank_has_read(tmp_path, che
     make_image_folder(tmp_path / "imgs", 2)  # 2 images and 3 bad files
     out = tmp_path / "out"
     assert main(["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(out), "--quiet",
-                 "--format", "parquet", "--batch-tokens", "1"]) == 1
+                 "--format", "parquet", "--batch-patches", "1"]) == 1
     run = read_run(out)
     layout = ParquetLayout(**json.loads(pq.read_schema(parquet_shards(out)[0]).metadata[b"qwenvl_vision"])["layout"])
     before = {p.name: p.read_bytes() for p in out.iterdir()}

@@ -27,7 +27,7 @@ from tests.helpers import rel_err, synthetic_photo
 def test_resume_duplicates_nothing(tmp_path, checkpoint):
     make_folder(tmp_path / "imgs", 5)
     out = tmp_path / "out"
-    args = ["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(out), "--batch-tokens", "64"]
+    args = ["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(out), "--batch-patches", "64"]
     main(args)
     first = records(out)
     shards = sorted(p.name for p in out.glob("*.safetensors"))
@@ -49,7 +49,7 @@ def test_resume_duplicates_nothing(tmp_path, checkpoint):
 def kill_then_resume(inputs: Path, model: Path, out: Path, killed_once) -> int:
     """Run embed (one input a batch) in a child, SIGKILL it once ``killed_once(manifest records)`` holds, then
     resume it to the end; returns how many records the killed run had left."""
-    cmd = embed_cmd([inputs], model, out, "--batch-tokens", "1", "--device", "cpu")
+    cmd = embed_cmd([inputs], model, out, "--batch-patches", "1", "--device", "cpu")
     proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
     while time.time() < deadline and proc.poll() is None:
@@ -133,7 +133,7 @@ def test_output_fault_exits_3_and_resume_finishes(fault, tmp_path, checkpoint, c
     name, n, code, text = FAULTS[fault]
     make_folder(tmp_path / "imgs", 12)  # 12 images and 3 bad files
     out = tmp_path / "out"
-    args = ["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(out), "--batch-tokens", "64"]
+    args = ["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(out), "--batch-patches", "64"]
     with monkeypatch.context() as patch:
         fail_on_call(patch, name, n, OSError(code, os.strerror(code), str(out / "x")), partial=True)
         assert main(args) == 3
@@ -169,7 +169,7 @@ def remount(mount_point: Path, options: str) -> None:
 def test_real_full_disk_and_read_only_folder(small_tmpfs, tmp_path, checkpoint, capsys, monkeypatch):
     make_folder(tmp_path / "imgs", 60, bad=False)
     out = small_tmpfs / "out"
-    args = ["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(out), "--batch-tokens", "64"]
+    args = ["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(out), "--batch-patches", "64"]
     filler = small_tmpfs / "filler"
     filler.write_bytes(b"\x00" * 32 * 1024)  # leaves room for a few shards only
     assert main(args) == 3
@@ -218,7 +218,7 @@ def test_resume_of_a_stopped_run_from_another_directory_redoes_only_what_is_miss
     monkeypatch.chdir(tmp_path / "a")
     with monkeypatch.context() as patch:
         fail_on_call(patch, "save_shard", 2, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(out)))
-        assert main(["embed", "imgs", "--model", str(checkpoint), "--out", str(out), "--batch-tokens", "64"]) == 3
+        assert main(["embed", "imgs", "--model", str(checkpoint), "--out", str(out), "--batch-patches", "64"]) == 3
     assert 0 < len(records(out)) < 4
     (tmp_path / "b" / "c").mkdir(parents=True)
     monkeypatch.chdir(tmp_path / "b" / "c")

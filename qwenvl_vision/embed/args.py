@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 from pathlib import Path
 
 from ..attention import ATTN_IMPLS
@@ -14,6 +15,7 @@ from ..devices import device_option, dtype_option
 from ..errors import ConfigError
 from ..pixels import DEFAULT_MAX_INPUT_PIXELS, RESIZE_BACKENDS
 
+BATCH_PATCHES = 16384  # encode_images' max_batch_tokens default
 FORMATS = ("safetensors", "parquet", "vllm-cache")
 ENGINES = ("local", "ray")
 
@@ -48,6 +50,16 @@ def _positive_float(name: str):
 
 def validate_embed_args(args: argparse.Namespace) -> None:
     """Checks across options, right after parsing (argparse checks each option alone)."""
+    old = getattr(args, "batch_tokens", None)
+    if old is not None:
+        print("embed: warning: --batch-tokens is deprecated (it counts patches, not the tokens the outputs hold): "
+              "use --batch-patches", file=sys.stderr, flush=True)
+        if args.batch_patches is not None and args.batch_patches != old:
+            raise ConfigError(f"--batch-tokens {old} and --batch-patches {args.batch_patches} disagree: give "
+                              f"--batch-patches only")
+        args.batch_patches = old
+    if getattr(args, "batch_patches", None) is None:
+        args.batch_patches = BATCH_PATCHES
     if args.min_pixels is not None and args.max_pixels is not None and args.min_pixels > args.max_pixels:
         raise ConfigError(f"--min-pixels {args.min_pixels} is above --max-pixels {args.max_pixels}")
     engine = getattr(args, "engine", "local")
@@ -110,8 +122,10 @@ def add_embed_parser(sub, parents=()) -> argparse.ArgumentParser:
     p.add_argument("--decode-mib", type=_positive_int("--decode-mib"), default=1024,
                    help="memory images being decoded or waiting for their batch may hold at once, in MiB "
                         "(an image needing more is decoded alone; default %(default)s)")
-    p.add_argument("--batch-tokens", type=_positive_int("--batch-tokens"), default=16384,
-                   help="patches per forward (an item above runs alone; default %(default)s)")
+    p.add_argument("--batch-patches", type=_positive_int("--batch-patches"),
+                   help=f"patches per forward (an item above runs alone; default {BATCH_PATCHES})")
+    p.add_argument("--batch-tokens", type=_positive_int("--batch-tokens"), dest="batch_tokens",
+                   help=argparse.SUPPRESS)  # the old name: it counts patches, not tokens; warns, kept for a release
     p.add_argument("--pooled-only", action="store_true", help="store one mean vector per image")
     p.add_argument("--format", choices=FORMATS,
                    help="safetensors: shards + manifest.jsonl; parquet: shards of one row per input (path, status, "

@@ -377,7 +377,7 @@ class EmbedJob:
                 # The options as given, as encode_images takes them: an option alone keeps the checkpoint's
                 # other bound even where they cross (run.json records both; a resume compared them).
                 todo, video=None, min_pixels=args.min_pixels, max_pixels=args.max_pixels,
-                max_batch_tokens=args.batch_tokens, resize=self.run["resize"],
+                max_batch_tokens=args.batch_patches, resize=self.run["resize"],
                 pooled=args.pooled_only, max_input_pixels=args.max_input_pixels,
                 decode_bytes=args.decode_mib << 20, hash_pixels=self.run["file_format"] == "vllm-cache",
                 on_prepared=lambda index, tokens: progress.update(1, tokens))
