@@ -6,6 +6,7 @@ a joined cluster load a Hub checkpoint at the run's revision."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from types import SimpleNamespace
 
@@ -15,6 +16,7 @@ ray = pytest.importorskip("ray")
 pytest.importorskip("ray.data")
 
 from qwenvl_vision.embed import ray_engine  # noqa: E402
+from qwenvl_vision.embed.args import EmbedSettings  # noqa: E402
 from qwenvl_vision.errors import ClusterSetupError, ConfigError, EmbedError, OutputFaultError  # noqa: E402
 from qwenvl_vision.ray import actor_cpus  # noqa: E402
 
@@ -39,10 +41,10 @@ class FakeRay:
         self.shutdowns += 1
 
 
-def args(**given) -> SimpleNamespace:
-    options = dict(device=None, random_weights=False, ray_address=None, quiet=True, ray_actors=None, threads=None,
-                   dtype=None, attn="auto")
-    return SimpleNamespace(**{**options, **given})
+def args(**given) -> EmbedSettings:
+    """An embed run's settings with --engine ray, as the job reads them."""
+    return EmbedSettings(**{"inputs": ("photos",), "model": "qwen3.5-0.8b", "out": "out", "engine": "ray",
+                            "format": "parquet", "quiet": True, **given})
 
 
 def plan(options) -> ray_engine.RayPlan:
@@ -111,13 +113,13 @@ def test_pipeline_failures_are_one_line_with_the_right_exit_code():
 
 def test_actors_on_a_joined_cluster_load_a_hub_checkpoint_at_the_run_revision(tmp_path):
     snapshot = str(tmp_path / "snapshots" / ("a" * 40))
-    job = SimpleNamespace(folder=snapshot, args=args(model="Qwen/Qwen3-VL-2B-Instruct", revision=None,
-                                                     local_files_only=True),
+    job = SimpleNamespace(folder=snapshot, settings=args(model="Qwen/Qwen3-VL-2B-Instruct", revision=None,
+                                                         local_files_only=True),
                           run={"revision": "a" * 40}, ray=SimpleNamespace(started=False))
     options: dict = {}
     assert ray_engine.actor_source(job, options) == "Qwen/Qwen3-VL-2B-Instruct"
     assert options == {"revision": "a" * 40, "local_files_only": True}
     job.ray.started = True  # a local Ray: this machine's folder
     assert ray_engine.actor_source(job, {}) == snapshot
-    job.args.model, job.ray.started = str(tmp_path), False  # a local folder stays a folder
+    job.settings, job.ray.started = dataclasses.replace(job.settings, model=str(tmp_path)), False  # a folder stays one
     assert ray_engine.actor_source(job, {}) == snapshot

@@ -1,13 +1,17 @@
 """The ``embed`` command line: its options, their types and the checks across them (``add_embed_parser``,
 ``validate_embed_args``, which also settles ``--format``'s default: parquet with ``--engine ray``, else
-safetensors). What runs the command is ``job.run_embed``: the CLI binds the parser to it."""
+safetensors), and ``EmbedSettings``, the checked options as the job reads them. What runs the command is
+``job.run_embed``: the CLI binds the parser to it."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ..attention import ATTN_IMPLS
 from ..config import PRESETS
@@ -46,6 +50,46 @@ def _positive_float(name: str):
         return value
 
     return parse
+
+
+@dataclass(frozen=True)
+class EmbedSettings:
+    """One embed run's options, checked and with their defaults settled (``from_args``, after
+    ``validate_embed_args``): the job reads these, never the argparse Namespace. ``format_given``: whether
+    ``--format`` was given (a ``--resume`` without it takes the run's)."""
+
+    inputs: tuple[str, ...]
+    model: str
+    out: str
+    revision: str | None = None
+    local_files_only: bool = False
+    device: str | None = None
+    dtype: Any = None  # a torch.dtype, or None for the device's default
+    min_pixels: int | None = None
+    max_pixels: int | None = None
+    resize: str | None = None
+    fps: float | None = None
+    max_input_pixels: int | None = DEFAULT_MAX_INPUT_PIXELS
+    decode_mib: int = 1024
+    batch_patches: int = BATCH_PATCHES
+    pooled_only: bool = False
+    format: str = "safetensors"
+    format_given: bool = False
+    engine: str = "local"
+    ray_address: str | None = None
+    ray_actors: int | None = None
+    threads: int | None = None
+    resume: bool = False
+    quiet: bool = False
+    random_weights: bool = False
+    compile: bool = False
+    attn: str = "auto"
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> EmbedSettings:
+        """The settings of a parsed and validated command line (options it lacks keep their defaults)."""
+        given = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+        return cls(**{**given, "inputs": tuple(args.inputs)})
 
 
 def validate_embed_args(args: argparse.Namespace) -> None:

@@ -1,6 +1,6 @@
 """One embed run, start to end: ``run_embed`` (what ``qwenvl-vision embed`` calls) and ``EmbedJob``, one
 process's part of it: check everything and take the folder's lock (nothing written), load the encoder, write
-run.json, encode this rank's inputs batch by batch through a ``writer.RankWriter``, merge the ranks' parts.
+run.json, encode this rank's inputs batch by batch through the format's ``writer.Writer``, merge the ranks' parts.
 
 Formats: ``--format safetensors`` writes through ``writer.RankWriter`` (shards + manifest), ``--format parquet``
 through ``parquet_writer.ParquetRankWriter`` (shards that are their own manifest), ``--format vllm-cache`` through
@@ -42,6 +42,7 @@ from ..errors import EmbedError, OutputFaultError, PeerFailedError, QwenVLVision
 from ..item_ids import IDENTITY_FIELDS
 from ..records import EmbeddingRecord, record_from_result
 from ..vllm_cache import check_cache_folder, claim_cache_folder
+from .args import EmbedSettings
 from .inputs import MEDIA_EXTENSIONS, Inputs, gather_inputs, rank_and_world, shard_for_rank
 from .lock import FolderLock, lock_name
 from .manifest import MANIFEST, PARQUET_SHARD_NAME, RUN_FIELD_DEFAULTS, RUN_FILE, record_key
@@ -118,7 +119,7 @@ class _Group:
             dist.destroy_process_group()
 
 
-def _pick_device(args: argparse.Namespace, rank: int, world: int) -> str | None:
+def _pick_device(args: EmbedSettings, rank: int, world: int) -> str | None:
     """--device, else cuda when there is one (None: the encoder's default); under torchrun cuda:LOCAL_RANK."""
     device = args.device
     if device is None and torch.cuda.is_available():
@@ -128,7 +129,7 @@ def _pick_device(args: argparse.Namespace, rank: int, world: int) -> str | None:
     return device
 
 
-def _load(args: argparse.Namespace, device: str | None, progress: Progress, dtype=None, attn: str | None = None,
+def _load(args: EmbedSettings, device: str | None, progress: Progress, dtype=None, attn: str | None = None,
           linear_kernel: str | dict = "auto"):
     """The encoder, and the checkpoint folder it came from (None for random weights); says what it does.
     ``dtype`` and ``attn`` default to the options (the Ray driver loads on its CPU in the actors' dtype);
@@ -199,8 +200,8 @@ def _let_pil_return_memory() -> None:
 class EmbedJob:
     """One process's part of an embed run: setup (nothing written), then write, then merge."""
 
-    def __init__(self, args: argparse.Namespace, rank: int, world: int) -> None:
-        self.args, self.rank, self.world = args, rank, world
+    def __init__(self, args: EmbedSettings, rank: int, world: int) -> None:
+        self.settings, self.rank, self.world = args, rank, world
         self.out = Path(args.out)
         self.lock: FolderLock | None = None
         self.created: list[Path] = []
@@ -218,7 +219,7 @@ class EmbedJob:
     # -- setup: every check before the first write; on failure the folder is left as it was
 
     def setup(self) -> None:
-        args, out = self.args, self.out
+        args, out = self.settings, self.out
         what = str(out) if self.rank == 0 else f"part {self.rank} of {out}"
         try:
             self.created = _make_dirs(out)
@@ -237,8 +238,8 @@ class EmbedJob:
             if recorded is None:
                 raise EmbedError(f"{out} holds a run without {RUN_FILE} (an older qwenvl-vision), so its settings "
                                  f"cannot be checked; finish it with that version, or choose another --out")
-        if recorded is not None and not getattr(args, "format_given", True):
-            args.format = recorded["file_format"]  # --resume continues the folder's format unless told another
+        if recorded is not None and not args.format_given:  # --resume continues the folder's format unless told
+            self.settings = args = dataclasses.replace(args, format=recorded["file_format"])
         self.inputs = gather_inputs(args.inputs)
         if not self.inputs.paths:
             raise EmbedError(f"no inputs: {', '.join(args.inputs)} hold no image or video files (by extension: "
@@ -247,7 +248,7 @@ class EmbedJob:
         # its settings are checked (another model's would not fit); until then no timing, no packing.
         recorded_kernels = (recorded or {}).get("linear_kernels")
         kernels = "addmm" if recorded_kernels else "auto"
-        if getattr(args, "engine", "local") == "ray":
+        if args.engine == "ray":
             from .ray_engine import RayPlan, driver_load_options
 
             # Ray is up before the model loads (the plan needs the cluster's CPUs and GPUs); nothing is written.
@@ -264,7 +265,7 @@ class EmbedJob:
         self.folder = folder
         if args.fps is not None:
             self.encoder.video_config = dataclasses.replace(self.encoder.video_config, fps=args.fps)
-        if getattr(args, "format", "safetensors") == "parquet":
+        if args.format == "parquet":
             from .parquet_writer import layout_for
 
             self.layout = layout_for(self.encoder, args.pooled_only)
@@ -350,12 +351,12 @@ class EmbedJob:
             writer.finish_recovery()
 
     def encode(self, writer: Writer) -> None:
-        if getattr(self.args, "engine", "local") == "ray":
+        if self.settings.engine == "ray":
             from .ray_engine import encode_on_ray
 
             encode_on_ray(self, writer)
             return
-        args = self.args
+        args = self.settings
         mine = shard_for_rank(self.inputs.paths, self.rank, self.world)
         keys, errors = self.inputs.keys, self.inputs.errors
         todo = [p for p in mine if keys[p] not in writer.done]
@@ -402,14 +403,16 @@ class EmbedJob:
 
 
 def run_embed(args: argparse.Namespace) -> int:
+    """``qwenvl-vision embed``: the parsed and validated command line, run; its exit code."""
+    settings = EmbedSettings.from_args(args)
     rank, world = rank_and_world()
     _let_pil_return_memory()
-    if args.max_input_pixels:  # our own header check replaces PIL's bomb limit (and its warning)
+    if settings.max_input_pixels:  # our own header check replaces PIL's bomb limit (and its warning)
         import PIL.Image
 
-        PIL.Image.MAX_IMAGE_PIXELS = max(PIL.Image.MAX_IMAGE_PIXELS or 0, args.max_input_pixels)
+        PIL.Image.MAX_IMAGE_PIXELS = max(PIL.Image.MAX_IMAGE_PIXELS or 0, settings.max_input_pixels)
     group = _Group(rank, world)
-    job = EmbedJob(args, rank, world)
+    job = EmbedJob(settings, rank, world)
     threads = torch.get_num_threads()  # set for the run (--threads, a resumed run's), given back at the end
     try:
         error = None

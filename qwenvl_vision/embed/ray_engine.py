@@ -191,7 +191,7 @@ def encode_on_ray(job, writer: Writer) -> None:
     from ..ray import embed_dataset, records_from_batch
     from .parquet_writer import unstorable
 
-    args, plan, progress = job.args, job.ray, job.progress
+    args, plan, progress = job.settings, job.ray, job.progress
     todo = [p for p in job.inputs.paths if job.inputs.keys[p] not in writer.done]
     errors = {p: job.inputs.errors.get(p) or unstorable(p, job.inputs.keys[p]) for p in todo}
     known_bad = [EmbeddingRecord(p, job.inputs.keys[p], "error", errors[p]) for p in todo if errors[p]]
@@ -243,7 +243,7 @@ def actor_source(job, options: dict) -> str:
     """What the actors load: the driver's checkpoint folder on a Ray this process started (this machine), else,
     for a checkpoint from the Hub, its repo id pinned to the run's revision (another machine has no such folder,
     or another snapshot in its cache), with --local-files-only passed on."""
-    args = job.args
+    args = job.settings
     if job.folder is None:
         return args.model
     if job.ray.started:

@@ -9,7 +9,6 @@ linear kernels chosen) and which run it is (``run_id``).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
@@ -22,10 +21,11 @@ import torch
 from ..errors import RunMismatchError
 from ..hub import COMMIT_HASH
 from ..version import package_version
+from .args import EmbedSettings
 from .manifest import RUN_COMPARED, RUN_FIELD_DEFAULTS, RUN_FILE, RUN_FORMAT
 
 
-def pixel_bounds(args: argparse.Namespace, pre) -> tuple[int, int]:
+def pixel_bounds(args: EmbedSettings, pre) -> tuple[int, int]:
     """(min, max) pixels the run's images are sized with: each option, else the checkpoint's bound, exactly as
     ``encode_images(min_pixels=..., max_pixels=...)`` and transformers' processor combine them.
 
@@ -39,7 +39,7 @@ def pixel_bounds(args: argparse.Namespace, pre) -> tuple[int, int]:
     return low, high
 
 
-def crossed_bounds_note(args: argparse.Namespace, pre) -> str | None:
+def crossed_bounds_note(args: EmbedSettings, pre) -> str | None:
     """One line telling that an option crosses the checkpoint's other pixel bound, and what that does (None: not
     crossed)."""
     low, high = pixel_bounds(args, pre)
@@ -53,7 +53,7 @@ def crossed_bounds_note(args: argparse.Namespace, pre) -> str | None:
             f"and smaller ones are upscaled to at least {low} (add {fix})")
 
 
-def describe_run(encoder, args: argparse.Namespace, folder: str | None, world: int, threads: int | None = None) -> dict:
+def describe_run(encoder, args: EmbedSettings, folder: str | None, world: int, threads: int | None = None) -> dict:
     """run.json for this invocation: what its tensors depend on, plus where they came from. ``threads`` is the
     torch thread count of every forward (the local process's, or each Ray actor's; default: this process's now)."""
     pre = encoder.preprocess_config
@@ -78,8 +78,8 @@ def describe_run(encoder, args: argparse.Namespace, folder: str | None, world: i
         "video": encoder.video_config.to_dict(),
         "pooled": bool(args.pooled_only),
         "world_size": world,
-        "file_format": getattr(args, "format", None) or "safetensors",
-        "engine": getattr(args, "engine", None) or "local",
+        "file_format": args.format,
+        "engine": args.engine,
         "threads": threads if threads is not None else torch.get_num_threads(),
         # The CPU kernel of each linear layer as loaded (None off the CPU or compiled): not compared, reused.
         "linear_kernels": dict(encoder.model.linear_kernels) or None,
