@@ -38,7 +38,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .memory_census import live_tensor_bytes, measure, rss_bytes  # noqa: F401 - their old import path
 from .teardown_cycles import (
     CPU_SIZES,
     CUDA_SIZES,
@@ -129,7 +128,6 @@ def _parse_sizes(text: str, cfg: Any) -> list[tuple[int, int]]:
 def add_teardown_arguments(p: argparse.ArgumentParser, variants: tuple[str, ...] = (PER_INSTANCE,)) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("model", nargs="?", help="checkpoint folder or Hugging Face repo id (real weights)")
-    src.add_argument("--model", dest="model_option", help=argparse.SUPPRESS)  # the older spelling
     src.add_argument("--preset", help="a released tower's name (random weights at its real size), e.g. "
                                       "qwen2.5-vl-3b; docs/api.md lists them")
     src.add_argument("--config", help="a config.json (a checkpoint's or ours) to build with random weights, "
@@ -182,7 +180,7 @@ def cmd_teardown(args: argparse.Namespace, extra_variants: dict[str, VariantFact
 
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    model = args.model or getattr(args, "model_option", None)
+    model = args.model
     if model:
         config = _checkpoint_config(model)
         # --random-weights with a checkpoint: its config at its size, without reading the weights

@@ -12,7 +12,7 @@ import torch
 
 from qwenvl_vision import load_encoder
 from qwenvl_vision.attention import BACKENDS, SegmentPlan, resolve_attn_impl, sdpa_batched
-from qwenvl_vision.teardown import measure
+from qwenvl_vision.memory_census import measure
 from tests.helpers import (
     QWEN2_5_GRIDS,
     QWEN2_5_SMALL,
