@@ -20,6 +20,7 @@ batch (an input larger than the budget waits until it is alone). Files whose hea
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import os
 import threading
@@ -83,6 +84,13 @@ class EncodeResult:
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "encoder": None}  # a weak reference does not pickle
+
+    def __copy__(self) -> EncodeResult:
+        return dataclasses.replace(self)
+
+    def __deepcopy__(self, memo: dict) -> EncodeResult:
+        return dataclasses.replace(self, **{f.name: copy.deepcopy(getattr(self, f.name), memo)
+                                            for f in dataclasses.fields(self) if f.name != "encoder"})
 
     def to_transformers(self, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> dict:
         """The keyword arguments of a transformers Qwen VL model's ``forward`` / ``generate`` that stand for this

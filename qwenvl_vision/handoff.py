@@ -7,9 +7,8 @@ numbers it would have computed from ``pixel_values`` itself.
 transformers 5.24 (the reference; ``transformers/models/<family>/modeling_<family>.py`` of the family's
 model_type, ``<Family>Model.forward``: the block that starts ``if (pixel_values is not None or
 pixel_values_videos is not None) and mm_encoder_outputs is not None`` and the ``mm_encoder_outputs.get("image")``
-/ ``.get("video")`` branches after it, e.g. qwen2_vl lines ~1141-1176, qwen3_vl ~1157-1225,
-qwen2_5_omni ~1883-1925, qwen3_omni_moe ~1977-2047; the encoders' own output in ``get_image_features``, e.g.
-qwen2_vl ~1018-1029, qwen3_vl ~1027-1043):
+/ ``.get("video")`` branches after it, in ``Qwen2VLModel``, ``Qwen3VLModel``, the Omni thinkers'
+``forward``; the encoders' own output in their ``get_image_features``):
 
 - every Qwen VL ``forward`` and ``generate`` (and the Omni thinkers') take ``mm_encoder_outputs={"image": out,
   "video": out}`` with ``image_grid_thw`` / ``video_grid_thw`` and, for M-RoPE, ``mm_token_type_ids`` (0 text,
@@ -157,11 +156,10 @@ def _check(result: Any, what: str) -> _Checked:
 
 @dataclass
 class _Timing:
-    """A sampled video's frame indices, its source fps and the fps its frames were asked at (None: unknown)."""
+    """A sampled video's frame indices and its source fps."""
 
     indices: list[int]
     fps: float
-    requested_fps: float | None
 
 
 def _frame_timing(info: Any, what: str) -> _Timing | None:
@@ -170,15 +168,22 @@ def _frame_timing(info: Any, what: str) -> _Timing | None:
         return None
     if isinstance(info, dict):
         indices, fps = info.get("frames", info.get("frame_indices")), info.get("fps", info.get("video_fps"))
-        requested = info.get("requested_fps")
     else:
         indices, fps = getattr(info, "frame_indices", None), getattr(info, "video_fps", None)
-        requested = getattr(info, "requested_fps", None)
     if not indices or not isinstance(fps, (int, float)) or not fps > 0:
         raise InputError(f"{what}: video_info holds no frame indices and source fps ({info!r:.80})")
-    if requested is not None and not (isinstance(requested, (int, float)) and requested > 0):
-        raise InputError(f"{what}: video_info's requested_fps {requested!r} is not a positive number")
-    return _Timing([int(i) for i in indices], float(fps), None if requested is None else float(requested))
+    return _Timing([int(i) for i in indices], float(fps))
+
+
+def _requested_fps(info: Any, i: int, label: str) -> float:
+    """The fps a video's frames were asked to be sampled at, from its ``video_info``."""
+    fps = None if info is None else (info.get("requested_fps") if isinstance(info, dict)
+                                     else getattr(info, "requested_fps", None))
+    if not (isinstance(fps, (int, float)) and fps > 0):
+        raise InputError(f"video {i}: vLLM's {label} models need the fps its frames were sampled at, and its "
+                         f"video_info has no requested_fps ({fps!r}): encode the video file, or pass video_info= "
+                         f"with requested_fps (the fps given to encode_videos)")
+    return float(fps)
 
 
 def vllm_timestamps(frame_indices: Sequence[int], video_fps: float, temporal_patch_size: int = 2) -> list[float]:
@@ -301,21 +306,15 @@ def _items_for_vllm(items: _Checked) -> list[VllmItem]:
     for i, (embedding, levels, grid, info) in enumerate(zip(items.embeddings, items.levels, items.grids, items.infos,
                                                             strict=True)):
         item = VllmItem(items.modality, torch.cat([embedding, *levels], dim=-1) if levels else embedding, grid)
-        if items.modality == "video" and (family.prompt_timestamps or family.seconds_per_grid):
+        if items.modality == "video" and family.prompt_timestamps:
             timing = _frame_timing(info, f"video {i}")
             if timing is None:
-                need = "sampled frame indices and source fps" if family.prompt_timestamps else "requested_fps"
-                raise InputError(f"video {i}: vLLM's {family.label} models need each video's timing, and this one "
-                                 f"has none (frames given in memory): encode the video file, or pass video_info= "
-                                 f"(its {need}) to EncodedItems")
-            if family.prompt_timestamps:
-                item.timestamps = _checked_timestamps(timing, grid, i)
-            else:
-                if timing.requested_fps is None:
-                    raise InputError(f"video {i}: vLLM's {family.label} models need the fps its frames were sampled "
-                                     f"at, and its video_info has no requested_fps: pass video_info= with "
-                                     f"requested_fps (the fps given to encode_videos)")
-                item.second_per_grid_t = TEMPORAL_PATCH / timing.requested_fps
+                raise InputError(f"video {i}: vLLM's {family.label} models need each video's timestamps, and this "
+                                 f"one has no frame timing (frames given in memory): encode the video file, or pass "
+                                 f"video_info= (its sampled frame indices and source fps) to EncodedItems")
+            item.timestamps = _checked_timestamps(timing, grid, i)
+        elif items.modality == "video" and family.seconds_per_grid:
+            item.second_per_grid_t = TEMPORAL_PATCH / _requested_fps(info, i, family.label)
         out.append(item)
     return out
 

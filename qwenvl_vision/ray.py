@@ -352,8 +352,9 @@ def embed_paths(paths: Sequence[str | os.PathLike], source: Any, **options: Any)
 
 
 def records_from_batch(batch: dict[str, Any], *, path_column: str = "path") -> list[EmbeddingRecord]:
-    """Rows of Embedder's output (a numpy batch of ``Dataset.iter_batches(batch_format="numpy")``) as Parquet
-    records (``parquet.results_table``), tensors float32. ``realpath`` is resolved here unless the batch has one.
+    """Rows of Embedder's output (a numpy batch of ``Dataset.iter_batches(batch_format="numpy")``) as
+    ``records.EmbeddingRecord``s (what every writer takes), tensors float32. ``realpath`` is resolved here unless
+    the batch has one.
     """
     rows = len(batch["status"])
     paths = batch[path_column]

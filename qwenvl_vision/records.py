@@ -1,6 +1,6 @@
 """One input's outcome as every output stores it: ``EmbeddingRecord``, from the encoder's ``ItemResult`` (or an
-input known bad before encoding) to the safetensors manifest, the Parquet rows, Ray's rows and the vLLM encoder
-cache, and back from each reader. No format's library is needed to build one.
+input known bad before encoding) to every writer (the safetensors manifest, the Parquet rows, the vLLM encoder
+cache), from Ray's rows, and back from the Parquet reader. No format's library is needed to build one.
 """
 
 from __future__ import annotations

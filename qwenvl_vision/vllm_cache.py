@@ -27,6 +27,7 @@ float per temporal patch) or ``second_per_grid_t`` (the Omni thinkers: seconds p
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -89,13 +90,30 @@ def claim_cache_folder(folder: str | os.PathLike, identity: dict[str, str], tag:
             f.write(text.encode())
             f.flush()
             os.fsync(f.fileno())
-        os.link(tmp, path)
+        try:
+            os.link(tmp, path)
+        except OSError as e:
+            if e.errno not in NO_HARD_LINKS:
+                raise
+            _create_exclusively(path, text)  # a file system without hard links (FUSE mounts, SMB, exFAT)
     except FileExistsError:
         pass  # another writer claimed it meanwhile: its identity decides, below
     finally:
         tmp.unlink(missing_ok=True)
     fsync_dir(folder)
     check_cache_folder(folder, identity)
+
+
+NO_HARD_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS, errno.EMLINK}
+
+
+def _create_exclusively(path: Path, text: str) -> None:
+    """``path`` created only if absent (FileExistsError otherwise), written and fsynced."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    with os.fdopen(fd, "wb") as f:
+        f.write(text.encode())
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def write_item(folder: Path, item: str, rows: torch.Tensor, tag: str) -> None:

@@ -59,3 +59,4 @@ def test_the_old_batch_option_still_works_and_says_its_new_name(tmp_path, checkp
                  "1", "--quiet"]) == 0
     err = capsys.readouterr().err
     assert "--batch-tokens is deprecated" in err and "use --batch-patches" in err
+    assert len(list(out.glob("shard-*.safetensors"))) == 2  # one patch per forward: each image its own batch

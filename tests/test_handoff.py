@@ -78,7 +78,7 @@ def case(request, tmp_path_factory) -> Case:
     pixels = {"pixel_values": image_inputs["pixel_values"], "image_grid_thw": image_inputs["image_grid_thw"],
               "pixel_values_videos": video_inputs["pixel_values_videos"],
               "video_grid_thw": video_inputs["video_grid_thw"]}
-    # resize="torch": transformers 5.x resizes with torchvision whatever the file names (README, which pipeline).
+    # resize="torch": transformers 5.x resizes with torchvision whatever the file names (docs/api.md, which pipeline).
     with load_encoder(str(folder), device="cpu", dtype="fp32") as encoder:
         assert encoder.family == family
         ours_images = encoder.encode_images(images, resize="torch")

@@ -285,11 +285,3 @@ def test_importing_the_package_loads_neither_ray_nor_pyarrow():
                          check=True)
     assert json.loads(out.stdout) == []
 
-
-def test_the_integration_module_named_ray_shadows_nothing():
-    """``qwenvl_vision.ray`` imports Ray itself (absolute imports: a module of a package never hides a top-level
-    one), and ``import ray`` anywhere, inside the package too, is Ray."""
-    import qwenvl_vision.ray as integration
-
-    assert integration.ray is sys.modules["ray"] and hasattr(integration.ray, "data")
-    assert "qwenvl_vision" not in integration.ray.__file__

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from qwenvl_vision.cli import main
 from qwenvl_vision.embed import read_embeddings, read_manifest_lines, read_run
@@ -196,3 +197,20 @@ def test_an_actor_that_cannot_start_is_one_line_exit_2(tmp_path, local_ray, chec
                  "--engine", "ray", "--quiet"]) == 2
     embed_helpers.one_error_line(capsys.readouterr().err, "an actor could not start (CheckpointError:",
                                  "hashes to", "--resume")
+
+
+def test_a_bf16_encoder_cache_from_ray_is_the_local_one_bit_for_bit(tmp_path, local_ray, checkpoint3):
+    """Ray's rows travel as float32; the driver writes the cache items in the run's dtype again: the same files,
+    dtype and bits as --engine local at the same threads."""
+    images = make_image_folder(tmp_path / "imgs", 3, bad=False)
+    options = [*map(str, images), "--model", str(checkpoint3), "--threads", "1", "--dtype", "bf16", "--quiet",
+               "--format", "vllm-cache", "--max-pixels", str(64 * 64)]
+    assert main(["embed", *options, "--out", str(tmp_path / "local")]) == 0
+    assert main(["embed", *options, "--out", str(tmp_path / "ray"), "--engine", "ray"]) == 0
+    local = {r["path"]: r for r in read_manifest_lines(tmp_path / "local" / "manifest.jsonl")}
+    remote = {r["path"]: r for r in read_manifest_lines(tmp_path / "ray" / "manifest.jsonl")}
+    assert local.keys() == remote.keys() and len(local) == 3
+    for path, record in local.items():
+        assert remote[path]["id"] == record["id"]
+        mine, theirs = (load_file(tmp_path / name / record["shard"])["ec_cache"] for name in ("local", "ray"))
+        assert mine.dtype == theirs.dtype == torch.bfloat16 and torch.equal(mine, theirs), path

@@ -247,6 +247,9 @@ def test_a_pickled_result_keeps_its_tensors_and_drops_its_encoder(tmp_path, chec
     assert torch.equal(copy.embeddings[0], result.embeddings[0]) and copy.pixels_sha256 == result.pixels_sha256
     with pytest.raises(InputError, match="pickled one drops it"):
         copy.to_vllm_cache(tmp_path / "cache")
+    import copy as copying
+
+    assert len(copying.deepcopy(result).to_vllm_cache(tmp_path / "cache")) == 1  # a copy in memory keeps it
     streamed = [r for batch in encoder.iter_encode(paths, max_pixels=64 * 64) for r in batch]
     assert streamed[0].pixels_sha256 is None  # hashing is asked for: iter_encode(hash_pixels=True)
     hashed = [r for batch in encoder.iter_encode(paths, max_pixels=64 * 64, hash_pixels=True) for r in batch]
@@ -268,3 +271,19 @@ def test_an_omni_video_from_a_parquet_run_hands_over_at_the_run_s_fps(tmp_path):
                  "--fps", "2.5"]) == 0
     data = to_vllm(read_encoded(out))["video"]
     assert data["second_per_grid_ts"].tolist() == [pytest.approx(2 / 2.5)]
+
+
+def test_a_folder_on_a_file_system_without_hard_links_is_claimed_all_the_same(tmp_path, checkpoint, monkeypatch):
+    """FUSE mounts, SMB and exFAT refuse os.link: the identity file is then created exclusively instead."""
+    import errno
+    import os
+
+    def no_links(src, dst):
+        raise OSError(errno.EPERM, "Operation not permitted", str(dst))
+
+    monkeypatch.setattr(os, "link", no_links)
+    paths = [str(p) for p in make_image_folder(tmp_path / "imgs", 1, bad=False)]
+    encoder = load_encoder(checkpoint, device="cpu")
+    (e,) = encoder.encode_images(paths, max_pixels=64 * 64).to_vllm_cache(tmp_path / "cache")
+    assert (tmp_path / "cache" / IDENTITY_FILE).is_file() and (tmp_path / "cache" / e["id"] / CACHE_FILE).is_file()
+    assert not list((tmp_path / "cache").rglob("*.tmp"))
