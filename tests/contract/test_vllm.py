@@ -107,6 +107,14 @@ def write_video(path: Path, frames: int, rate: Fraction) -> Path:
     return path
 
 
+def two_videos(folder: Path, dtype: torch.dtype, tmp_path: Path):
+    """Two video files of other lengths and frame rates (23 frames at 29.97 fps, 9 at 10), encoded at 3 fps."""
+    encoder = load_encoder(folder, device="cpu", dtype=dtype)
+    paths = [write_video(tmp_path / "a.mp4", 23, Fraction(30000, 1001)),
+             write_video(tmp_path / "b.mp4", 9, Fraction(10))]
+    return encoder.encode_videos([str(p) for p in paths], fps=3.0)
+
+
 def through_vllm(config, parser, data: dict, modality: str, dtype: torch.dtype, width: int, levels: int):
     """The parsed items' own tensors, and the per-item embeddings vLLM's model makes of their batch."""
     parsed = parser.parse_mm_data({modality: data})[modality]
@@ -158,10 +166,7 @@ def test_videos_parse_and_embed_per_item_with_the_timestamps_vllm_computes(serve
     and the timestamps are the ones vLLM computes from the same frames and rate, and sampling itself at our fps;
     ``get_video_repl`` makes each of them a frame's ``<t seconds>`` before that frame's tokens."""
     family, folder, config, info = served
-    encoder = load_encoder(folder, device="cpu", dtype=DTYPES[dtype])
-    paths = [write_video(tmp_path / "a.mp4", 23, Fraction(30000, 1001)),
-             write_video(tmp_path / "b.mp4", 9, Fraction(10))]
-    result = encoder.encode_videos([str(p) for p in paths], fps=3.0)
+    result = two_videos(folder, DTYPES[dtype], tmp_path)
     data = result.to_vllm()["video"]
     if not FAMILIES[family].prompt_timestamps:
         assert "timestamps" not in data
@@ -244,10 +249,7 @@ def test_omni_videos_parse_with_the_seconds_per_temporal_patch_of_the_fps_asked(
     batch back into our items bit for bit. Without it the parser still takes the data (vLLM then assumes its
     default timing, silently wrong at another fps): the items carry none."""
     family, folder, config, parser = omni
-    encoder = load_encoder(folder, device="cpu", dtype=DTYPES[dtype])
-    paths = [write_video(tmp_path / "a.mp4", 23, Fraction(30000, 1001)),
-             write_video(tmp_path / "b.mp4", 9, Fraction(10))]
-    result = encoder.encode_videos([str(p) for p in paths], fps=3.0)
+    result = two_videos(folder, DTYPES[dtype], tmp_path)
     data = result.to_vllm()["video"]
     levels, width = len(result.deepstack[0]), result.embeddings[0].shape[1]
     items, _, embedded = through_vllm(config, parser, data, "video", DTYPES[dtype], width, levels)
