@@ -179,7 +179,7 @@ def _requested_fps(info: Any, i: int, label: str) -> float:
     """The fps a video's frames were asked to be sampled at, from its ``video_info``."""
     fps = None if info is None else (info.get("requested_fps") if isinstance(info, dict)
                                      else getattr(info, "requested_fps", None))
-    if not (isinstance(fps, (int, float)) and fps > 0):
+    if isinstance(fps, bool) or not (isinstance(fps, (int, float)) and fps > 0):
         raise InputError(f"video {i}: vLLM's {label} models need the fps its frames were sampled at, and its "
                          f"video_info has no requested_fps ({fps!r}): encode the video file, or pass video_info= "
                          f"with requested_fps (the fps given to encode_videos)")

@@ -31,6 +31,7 @@ import errno
 import json
 import os
 import re
+import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
@@ -63,7 +64,8 @@ def check_cache_folder(folder: str | os.PathLike, identity: dict[str, str]) -> N
                 from None
         return
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CacheFolderError(f"{path} is unreadable ({e})") from None
+        raise CacheFolderError(f"{path} is unreadable ({e}): if no writer is running, delete it and write again") \
+            from None
     if not isinstance(found, dict):
         raise CacheFolderError(f"{path} is damaged: not a JSON object")
     differ = [k for k in IDENTITY_FIELDS if found.get(k) != identity[k]]
@@ -76,7 +78,7 @@ def check_cache_folder(folder: str | os.PathLike, identity: dict[str, str]) -> N
 def claim_cache_folder(folder: str | os.PathLike, identity: dict[str, str], tag: str) -> None:
     """Check the folder (``check_cache_folder``), create it, and give it this identity if it has none: written
     whole under a temporary name, then linked into place only if no other writer's got there first (a link does
-    not replace), and checked again."""
+    not replace; where links are refused, created exclusively), and checked again."""
     folder = Path(folder)
     check_cache_folder(folder, identity)
     folder.mkdir(parents=True, exist_ok=True)
@@ -101,7 +103,14 @@ def claim_cache_folder(folder: str | os.PathLike, identity: dict[str, str], tag:
     finally:
         tmp.unlink(missing_ok=True)
     fsync_dir(folder)
-    check_cache_folder(folder, identity)
+    for attempt in range(5):  # an exclusive create is visible before its bytes: another writer may be mid-write
+        try:
+            check_cache_folder(folder, identity)
+            return
+        except CacheFolderError as e:
+            if "unreadable" not in str(e) or attempt == 4:
+                raise
+            time.sleep(0.05)
 
 
 NO_HARD_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS, errno.EMLINK}
@@ -110,10 +119,14 @@ NO_HARD_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS, err
 def _create_exclusively(path: Path, text: str) -> None:
     """``path`` created only if absent (FileExistsError otherwise), written and fsynced."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    with os.fdopen(fd, "wb") as f:
-        f.write(text.encode())
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(text.encode())
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        path.unlink(missing_ok=True)  # a half-written identity would lock the folder for good
+        raise
 
 
 def write_item(folder: Path, item: str, rows: torch.Tensor, tag: str) -> None:

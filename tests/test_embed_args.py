@@ -60,3 +60,17 @@ def test_the_old_batch_option_still_works_and_says_its_new_name(tmp_path, checkp
     err = capsys.readouterr().err
     assert "--batch-tokens is deprecated" in err and "use --batch-patches" in err
     assert len(list(out.glob("shard-*.safetensors"))) == 2  # one patch per forward: each image its own batch
+
+
+def test_the_settings_hold_every_option_the_parser_gives():
+    """EmbedSettings.from_args takes the options by name: a renamed option would silently keep its default."""
+    import argparse
+    import dataclasses
+
+    from qwenvl_vision.embed.args import EmbedSettings, add_embed_parser
+
+    parser = argparse.ArgumentParser()
+    embed = add_embed_parser(parser.add_subparsers())
+    dests = {a.dest for a in embed._actions if a.dest != "help"}
+    fields = {f.name for f in dataclasses.fields(EmbedSettings)}
+    assert dests - {"batch_tokens"} == fields - {"format_given"}  # the old alias is folded in; validate adds one

@@ -287,3 +287,27 @@ def test_a_folder_on_a_file_system_without_hard_links_is_claimed_all_the_same(tm
     (e,) = encoder.encode_images(paths, max_pixels=64 * 64).to_vllm_cache(tmp_path / "cache")
     assert (tmp_path / "cache" / IDENTITY_FILE).is_file() and (tmp_path / "cache" / e["id"] / CACHE_FILE).is_file()
     assert not list((tmp_path / "cache").rglob("*.tmp"))
+
+
+def test_a_model_that_claims_the_folder_first_wins_and_the_other_is_refused(tmp_path, checkpoint, checkpoint3,
+                                                                              monkeypatch):
+    """Two writers of two models meet on a fresh folder: the identity file is never replaced; whoever's lands
+    first decides, and the other is refused before writing an item."""
+    import os
+
+    paths = [str(p) for p in make_image_folder(tmp_path / "imgs", 1, bad=False)]
+    folder = tmp_path / "cache"
+    qwen3, qwen25 = load_encoder(checkpoint3, device="cpu"), load_encoder(checkpoint, device="cpu")
+    qwen3.encode_images(paths, max_pixels=64 * 64).to_vllm_cache(tmp_path / "first")
+    theirs = (tmp_path / "first" / IDENTITY_FILE).read_bytes()
+    link = os.link
+
+    def another_writer_got_there_first(src, dst):
+        Path(dst).write_bytes(theirs)  # between our exists() and our link
+        return link(src, dst)
+
+    monkeypatch.setattr(os, "link", another_writer_got_there_first)
+    with pytest.raises(CacheFolderError, match="another model"):
+        qwen25.encode_images(paths, max_pixels=64 * 64).to_vllm_cache(folder)
+    assert (folder / IDENTITY_FILE).read_bytes() == theirs
+    assert sorted(p.name for p in folder.iterdir()) == [IDENTITY_FILE]

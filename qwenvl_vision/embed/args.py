@@ -11,7 +11,6 @@ import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from ..attention import ATTN_IMPLS
 from ..config import PRESETS
@@ -64,7 +63,7 @@ class EmbedSettings:
     revision: str | None = None
     local_files_only: bool = False
     device: str | None = None
-    dtype: Any = None  # a torch.dtype, or None for the device's default
+    dtype: str | None = None  # a --dtype spelling (devices.dtype_option), None: the device's default
     min_pixels: int | None = None
     max_pixels: int | None = None
     resize: str | None = None
