@@ -103,14 +103,13 @@ def claim_cache_folder(folder: str | os.PathLike, identity: dict[str, str], tag:
     finally:
         tmp.unlink(missing_ok=True)
     fsync_dir(folder)
-    for attempt in range(5):  # an exclusive create is visible before its bytes: another writer may be mid-write
+    for _ in range(4):  # an exclusive create is visible before its bytes: another writer may be mid-write
         try:
-            check_cache_folder(folder, identity)
-            return
-        except CacheFolderError as e:
-            if "unreadable" not in str(e) or attempt == 4:
-                raise
+            json.loads(path.read_text())
+            break
+        except (UnicodeDecodeError, json.JSONDecodeError):
             time.sleep(0.05)
+    check_cache_folder(folder, identity)
 
 
 NO_HARD_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS, errno.EMLINK}

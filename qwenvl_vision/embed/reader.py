@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from ..errors import ManifestError
+from ..errors import InputError, ManifestError
 from .manifest import MANIFEST, RUN_COMPARED, RUN_FIELD_DEFAULTS, RUN_FILE, RUN_FORMAT, ManifestLine, parse_manifest
 
 
@@ -109,7 +109,6 @@ def read_embeddings(out: str | os.PathLike, *, deepstack: bool = False) -> Itera
                 raise ManifestError(f"{manifest}, line {line.number}: {r['shard']} has no tensor {r['key']!r}")
             tensor = handle.get_tensor(r["key"])
             if "levels" in r:  # an encoder-cache item: [merged | level 0 | ...] along the features, as vLLM splits it
-                from ..errors import InputError
                 from ..handoff import split_vllm_deepstack
 
                 try:
