@@ -6,7 +6,7 @@
 The old package gets the reference tower's weights through its own ``names.to_module_state`` when it has one (trees
 that stack gate/up at load time), else loads the state dict directly (every tree up to 86749f6). Variants: this
 tree as load_encoder sets it up ("ours": on the CPU, oneDNN's prepacked linears where they are faster here), this
-tree with every linear on addmm ("ours-addmm": what a pure restructure must keep), the old tree (with this tree's
+tree with every linear on addmm ("ours-reference": the modules' own ops), the old tree (with this tree's
 kernel choices where it packs linears too), transformers.
 Timing as ``bench.throughput``: interleaved, median after warm-up.
 """
@@ -60,12 +60,10 @@ def main(argv: list[str] | None = None) -> dict:
         state = old_names.to_module_state(old_model.config, state, list(old_model.state_dict()))
     old_model.load_state_dict(state, strict=True)
     if hasattr(old_model, "pack_linear_weights_"):  # a tree with packed CPU linears: set up as its load_encoder
-        # does, with this tree's measured choices, so the two differ in code only, not in a timing probe's noise
-        try:
-            old_model.pack_linear_weights_(dict(variants["ours"].model.linear_kernels))
-        except (TypeError, ValueError, getattr(old, "ConfigError", ValueError)):  # a str-only policy, other names
-            old_model.pack_linear_weights_("auto")
-    variants = {"ours": variants["ours"], "ours-addmm": variants["ours-addmm"],
+        old_model.pack_linear_weights_("auto")
+    if hasattr(old_model, "set_cpu_kernels"):  # a tree with the CPU backend: this tree's plan, the same kernels
+        old_model.set_cpu_kernels(variants["ours"].model.cpu_plan.to_dict())
+    variants = {"ours": variants["ours"], "ours-reference": variants["ours-reference"],
                 "ours-before": throughput.Variant(throughput.run_ours, old_model),
                 "transformers": variants["transformers"]}
     timings = throughput.measure(variants, pixel_values, grid_thw, device, args.warmup, args.repeats)

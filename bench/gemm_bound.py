@@ -5,18 +5,16 @@
 For one packed forward of a tower, every GEMM (patch embedding, qkv, projection, MLP, mergers) is listed with its
 shape and timed alone by each kernel this machine has: ``torch.mm`` (MKL for fp32 on x86, oneDNN for bf16) on a
 weight laid out as a Linear holds it, output preallocated, and oneDNN's prepacked linear
-(``qwenvl_vision.cpu_linear``) where this torch has it, on the row chunks of fresh outputs the forward consumes
+(``qwenvl_vision.cpu.kernels``) where this torch has it, on the row chunks of fresh outputs the forward consumes
 as they come (the forward runs packed MLPs in 512-row blocks, most plain ones with the activation in the GEMM:
 timed here on the whole pack, without it); best of a few runs, the same weight every run, so it may stay in
 cache: an optimistic rate. Each shape counts at the faster kernel's time, so the bound is the machine's limit,
 not one library's.
 
-Attention is timed alone as the calls our attention plan makes (``attention.sdpa_attention`` on random q/k/v with
-the forward's segments, batched as we batch them): PyTorch's SDPA kernel, and on the CPU two fp32 GEMMs per head
-for frame-sized segments (``attention.gemm_batched``), where that is 1.2-1.7x faster. At the towers' real sizes
-these are the fastest paths as exact as the reference's, but for bf16 64-token windows, where a plain GEMM
-attention with fp32 scores was ~1.1x faster in one run and even in another, about 1% of a forward (see
-``bench.attention_paths``). The bound is the sum; ``bench.throughput`` reports each forward as a fraction of it.
+Attention is timed alone as the calls our segment plan makes (``attention.sdpa_attention`` on random q/k/v with
+the forward's segments, batched as we batch them), each segment group by every exact path this machine has:
+PyTorch's SDPA kernel, and on the CPU two fp32 GEMMs per head (``cpu.kernels.gemm_attention``); each group counts
+at the faster one. The bound is the sum; ``bench.throughput`` reports each forward as a fraction of it.
 """
 
 from __future__ import annotations
@@ -27,9 +25,9 @@ from collections import Counter
 import torch
 
 from bench.workloads import add_workload_arguments, workload
-from qwenvl_vision.attention import sdpa_attention
+from qwenvl_vision.attention import SegmentPlan, sdpa_attention, sdpa_batched
 from qwenvl_vision.config import VisionConfig
-from qwenvl_vision.cpu_linear import best_seconds, consume_chunks, onednn_linear_available, pack_weight
+from qwenvl_vision.cpu.kernels import best_seconds, gemm_attention, onednn_linear_available, pack_weight, packed_chunks
 from qwenvl_vision.models import build_model
 
 Shape = tuple[int, int, int]  # (m, k, n): an (m, k) x (k, n) product
@@ -64,7 +62,8 @@ def gemm_seconds(shapes: Counter[Shape], dtype: torch.dtype, device: torch.devic
         if packs:
             packed, bias = pack_weight(weight, m), torch.zeros(n, dtype=dtype)
             # as the forward calls it: each fresh chunk is consumed as it comes
-            seconds["onednn"] = best_seconds(lambda a=a, p=packed, b=bias: consume_chunks(a, p, b), repeats)
+            seconds["onednn"] = best_seconds(lambda a=a, p=packed, b=bias: list(packed_chunks(a, p, b)) and None,
+                                             repeats)
         rates[f"{m}x{k}x{n}"] = {kernel: round(2 * m * k * n / s / 1e9, 1) for kernel, s in seconds.items()}
         total += count * min(seconds.values())
     return total, rates
@@ -72,7 +71,8 @@ def gemm_seconds(shapes: Counter[Shape], dtype: torch.dtype, device: torch.devic
 
 def attention_seconds(cfg: VisionConfig, grids: list[tuple[int, int, int]], dtype: torch.dtype,
                       device: torch.device, repeats: int = 3) -> float:
-    """Every block's attention alone over the forward's windows or frames, by the paths and batches our plan runs."""
+    """Every block's attention alone over the forward's windows or frames, batched as our segment plan batches
+    them, each group of equal segments at the fastest exact path here."""
     model = build_model(cfg, device="meta")
     plan = model.prepare(grids, device)
     n, heads, hd = plan.frames.total, cfg.num_heads, cfg.head_dim
@@ -81,9 +81,16 @@ def attention_seconds(cfg: VisionConfig, grids: list[tuple[int, int, int]], dtyp
     total = 0.0
     for segments in [s for s in (plan.frames, plan.windows) if s is not None]:
         blocks = sum(1 for i in range(cfg.depth) if (segments is plan.frames) == (i in cfg.full_attention_blocks))
-        if blocks:
-            seconds = best_seconds(lambda s=segments: sdpa_attention(q, k, v, s, hd**-0.5, out=out), repeats)
-            total += blocks * seconds
+        for group in segments.groups if blocks else []:
+            alone = SegmentPlan.from_lengths([group.length] * group.count, device)
+            paths = [sdpa_batched]
+            if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and onednn_linear_available():
+                paths.append(gemm_attention)
+            rows = group.length * group.count
+            total += blocks * min(
+                best_seconds(lambda p=path, s=alone, r=rows: sdpa_attention(q[:r], k[:r], v[:r], s, hd**-0.5,
+                                                                           out=out[:r], batched=p), repeats)
+                for path in paths)
     return total
 
 

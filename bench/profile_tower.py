@@ -10,7 +10,7 @@ every other op by the innermost module around it
 activation and gate multiply; mergers; the block itself -> residual adds; the rest, e.g. the patch embedding's
 copies and the position embedding -> other). Our layers' fused steps (a linear's rows handed straight to the
 residual add, the activation or rope: ``FUSED_STEPS``) are scoped by what they do, not by the module around them.
-A packed plain MLP's activation runs inside oneDNN's GEMM where it can (``cpu_linear.EPILOGUE_ACTIVATIONS``: Qwen3's
+A packed plain MLP's activation runs inside oneDNN's GEMM where it can (``cpu.kernels.EPILOGUE_ACTIVATIONS``: Qwen3's
 GELU-tanh, not Qwen2-VL's quick-GELU) and then counts as GEMM: compare the towers' totals, not that row.
 """
 
@@ -24,11 +24,12 @@ import torch
 
 from bench.throughput import build_variants
 from bench.workloads import add_workload_arguments, workload
-from qwenvl_vision import attention, layers
+from qwenvl_vision.cpu import forward
+from qwenvl_vision.cpu.forward import CpuExecution
 
 GEMM_OPS = {"aten::addmm", "aten::mm", "aten::bmm", "aten::baddbmm", "aten::mkldnn_convolution",
             "aten::_mkldnn_convolution", "aten::convolution_overrideable", "aten::_convolution",
-            "mkldnn::_linear_pointwise"}  # oneDNN's prepacked linear (qwenvl_vision.cpu_linear)
+            "mkldnn::_linear_pointwise"}  # oneDNN's prepacked linear (qwenvl_vision.cpu.kernels)
 SDPA_PREFIX = ("aten::_scaled_dot_product", "aten::_flash_attention", "aten::_efficient_attention")
 CATEGORIES = ("GEMM", "attention", "norm", "rope & attention glue", "activation & gate", "merger other",
               "residual (block)", "other")
@@ -68,12 +69,13 @@ def _scope_hooks(model: torch.nn.Module) -> list:
     return handles
 
 
-# Our layers' fused steps, each scoped as the category of its non-GEMM ops: a packed linear's rows go straight to
-# the residual add, the activation or rope inside one module (``layers.linear_chunks``), so the module alone would
-# file the residual adds under attention or MLP. The CPU's GEMM attention path is attention, GEMMs included.
-FUSED_STEPS = {(layers, "add_linear_"): "residual (block)", (layers, "gated_linear"): "activation & gate",
-               (layers, "activated_linear"): "activation & gate", (layers, "rotate_qk_into"): "rope & attention glue",
-               (attention, "gemm_batched"): "attention"}
+# The CPU backend's steps (it calls no module's forward), each scoped as the category of its non-GEMM ops; the
+# innermost scope wins, so a packed linear's rows consumed inside a step (rope, the activation, the residual add)
+# count there. The CPU's GEMM attention path is attention, GEMMs included.
+FUSED_STEPS = {(CpuExecution, "norm"): "norm", (CpuExecution, "rotated_qkv"): "rope & attention glue",
+               (CpuExecution, "add_linear_"): "residual (block)", (CpuExecution, "gated"): "activation & gate",
+               (CpuExecution, "activated"): "activation & gate", (CpuExecution, "hidden_block"): "activation & gate",
+               (CpuExecution, "merger"): "merger other", (forward, "gemm_attention"): "attention"}
 
 
 @contextmanager

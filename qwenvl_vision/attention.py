@@ -6,8 +6,8 @@ segment (or one flash varlen call). Attention never crosses a segment, and no N 
 Backends, chosen once per tower (``attn_impl``; timm's ``fused_attn`` / vLLM's ``attn_backend_override``):
 
 - ``"sdpa"``: segments of equal length batched into one ``scaled_dot_product_attention`` call each (a view
-  when they are contiguous, a gather otherwise). Runs on every device and dtype. On the CPU, segments of
-  ``GEMM_ATTENTION_LENGTHS`` run two fp32 GEMMs per head instead (``gemm_batched``: 1.2-1.7x SDPA's rate there).
+  when they are contiguous, a gather otherwise). Runs on every device and dtype. The CPU inference backend
+  (``cpu/``) runs this grouping with its own per-length kernel choice.
 - ``"flash"``: flash-attn's ``flash_attn_varlen_func``, one call per layer over the whole pack (CUDA, fp16/bf16).
 - ``"torch_varlen"``: PyTorch's ``torch.nn.attention.varlen.varlen_attn``, the same (CUDA, fp16/bf16).
 - ``"auto"``: flash, else torch_varlen, where they can run; else sdpa.
@@ -26,16 +26,11 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
-from .cpu_linear import onednn_linear_available
 from .errors import ConfigError
 
 VIEW_MIN_TOKENS = 2048  # a run of equal segments this large runs in place; smaller ones may be gathered
 GATHER_MIN_RUNS = 5  # small runs of one length are gathered into one call only when there are this many
 ATTN_IMPLS = ("auto", "sdpa", "flash", "torch_varlen")
-# Segment lengths (tokens) that the CPU attends by two GEMMs per head (``gemm_batched``): from where one head's
-# scores are large enough for the GEMMs to run at their rate (at 256 tokens SDPA is still 1.2x faster), to where
-# they no longer stay in cache (at 3,740 SDPA is 1.1-1.2x faster).
-GEMM_ATTENTION_LENGTHS = (512, 2048)
 
 
 @dataclass
@@ -90,53 +85,9 @@ class SegmentPlan:
         return cls(cu.to(device, non_blocking=True), max(lengths, default=0), groups, start)
 
 
-def gemm_attention_runs(q: torch.Tensor, length: int) -> bool:
-    """Whether segments of ``length`` tokens run ``gemm_batched`` instead of SDPA: on the CPU, in fp32 or bf16,
-    with oneDNN's linear, without autograd, outside a compiled graph (a per-head Python loop there would unroll
-    and recompile per image mix), for GEMM_ATTENTION_LENGTHS."""
-    low, high = GEMM_ATTENTION_LENGTHS
-    return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16) and low <= length <= high
-            and not (torch.is_grad_enabled() and q.requires_grad) and not torch.compiler.is_compiling()
-            and onednn_linear_available())
-
-
-def gemm_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int, scale: float,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
-    """``sdpa_batched``'s result, one (segment, head) at a time by two fp32 GEMMs and a softmax in place.
-
-    Why: on CPUs where oneDNN's fp32 linear runs well above PyTorch's CPU flash attention on segments of
-    512-2,048 tokens (the towers' frames: 784-1,024 tokens, heads of 72 or 80), one head's L x L fp32 scores stay
-    in cache between the GEMMs and the softmax, and this path beats SDPA (rates: ``bench.attention_paths`` and the
-    docs/benchmarks.md). Shorter segments (windows) are too small for the
-    GEMMs and longer ones spill the cache: SDPA stays faster there. Everything is computed in fp32 (bf16 inputs
-    are widened exactly) and rounded once into the output, so in bf16 it is closer to float64 than SDPA, whose
-    probabilities are rounded to bf16 (relative error 1.7e-3 against 2.2e-3); in fp32 both are fp32-accurate
-    (5e-7 and 4e-7). Deviation: the scale multiplies q before the product, not the scores after.
-    Memory: one head's scores at a time (L^2 fp32; 16 MiB at the longest length that takes this path).
-    """
-    length = q.shape[0] // count
-    out = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
-    for segment in range(count):
-        rows = slice(segment * length, (segment + 1) * length)
-        for head in range(q.shape[1]):
-            # Contiguous fp32 operands: oneDNN's linear on a strided weight is ~1000x slower (and ``to`` returns
-            # an fp32 view as it is).
-            q32 = q[rows, head].float() * scale
-            k32 = k[rows, head].float().contiguous()
-            v32_t = v[rows, head].t().float().contiguous()
-            scores = torch.ops.mkldnn._linear_pointwise(q32, k32, None, "none", [], "")  # q32 @ k32.T
-            torch.ops.aten._softmax.out(scores, -1, False, out=scores)
-            out[rows, head] = torch.ops.mkldnn._linear_pointwise(scores, v32_t, None, "none", [], "")
-    return out
-
-
 def sdpa_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int, scale: float,
                  out: torch.Tensor | None = None) -> torch.Tensor:
-    """count equal segments packed as (count*L, H, hd) -> (count*L, H, hd), into `out` if given; on the CPU,
-    segment lengths where two GEMMs beat SDPA run ``gemm_batched``."""
-    if gemm_attention_runs(q, q.shape[0] // count):
-        return gemm_batched(q, k, v, count, scale, out)
-
+    """count equal segments packed as (count*L, H, hd) -> (count*L, H, hd), into `out` if given."""
     def split(x: torch.Tensor) -> torch.Tensor:
         return rearrange(x, "(b l) h d -> b h l d", b=count)
 
@@ -148,20 +99,21 @@ def sdpa_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int, 
 
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: SegmentPlan, scale: float,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
-    """Non-causal attention inside each segment of the plan; q, k, v: (N, H, hd); into `out` when given."""
+                   out: torch.Tensor | None = None, batched: Callable = sdpa_batched) -> torch.Tensor:
+    """Non-causal attention inside each segment of the plan; q, k, v: (N, H, hd); into `out` when given.
+    ``batched`` runs each group of equal segments (``sdpa_batched``'s signature; the CPU backend passes its own)."""
     if out is None:
         if len(plan.groups) == 1 and plan.groups[0].start == 0:  # one run of equal segments: no copy
             group = plan.groups[0]
-            return sdpa_batched(q, k, v, group.count, scale)
+            return batched(q, k, v, group.count, scale)
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     for group in plan.groups:
         if group.index is None:
             rows = slice(group.start, group.start + group.count * group.length)
-            sdpa_batched(q[rows], k[rows], v[rows], group.count, scale, out=out[rows])
+            batched(q[rows], k[rows], v[rows], group.count, scale, out=out[rows])
         else:
             idx = group.index
-            out[idx] = sdpa_batched(q[idx], k[idx], v[idx], group.count, scale)
+            out[idx] = batched(q[idx], k[idx], v[idx], group.count, scale)
     return out
 
 

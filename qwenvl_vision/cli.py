@@ -53,7 +53,7 @@ def cmd_extract_weights(args: argparse.Namespace) -> int:
     from .weights import save_vision_only
 
     folder = resolve_folder(args.source, args.revision, args.local_files_only, None, None)  # a repo id: fetched
-    encoder = load_encoder(folder, device="cpu", dtype=args.dtype or _stored_dtype(folder), linear_kernel="addmm")
+    encoder = load_encoder(folder, device="cpu", dtype=args.dtype or _stored_dtype(folder), cpu_kernels="reference")
     out = Path(args.out) if args.out else _default_out(args.source)
     with encoder:
         save_vision_only(encoder.model, out, encoder.preprocess_config.to_dict())

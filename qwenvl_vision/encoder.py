@@ -34,7 +34,7 @@ import torch
 from .attention import resolve_attn_impl
 from .batching import DEFAULT_DECODE_BYTES, EncodeOptions, Prepared, preflight, prepared_batches
 from .config import VisionConfig, resolve_config
-from .cpu_linear import check_policy
+from .cpu.plan import CpuPlan
 from .devices import resolve_device, resolve_dtype
 from .errors import ConfigError, EncoderClosedError, InputError, NumericalError, PreprocessError, QwenVLVisionError
 from .hub import resolve_folder
@@ -43,7 +43,7 @@ from .item_ids import pixels_sha256 as item_pixels_sha256
 from .pixels import DEFAULT_MAX_INPUT_PIXELS
 from .preprocess import PreprocessConfig
 from .random_init import random_tower
-from .tower import VisionTower
+from .tower import VisionTower, check_cpu_kernels
 from .video import VideoConfig, sample_indices
 from .video_io import VideoInfo
 from .weights import load_tower, open_checkpoint
@@ -477,7 +477,7 @@ def load_encoder(
     compile: bool | dict = False,
     attn_impl: str = "auto",
     check_finite: bool = True,
-    linear_kernel: str | dict[str, str] = "auto",
+    cpu_kernels: str | dict | CpuPlan = "auto",
 ) -> VisionEncoder:
     """Load a Qwen2.5-VL / Qwen3-VL vision encoder, reading only the vision tensors.
 
@@ -493,20 +493,21 @@ def load_encoder(
     tensor); False loads such a checkpoint as it is, for deliberately odd ones.
     preprocess_config / video_config: override the checkpoint's ``preprocessor_config.json`` /
     ``video_preprocessor_config.json`` (a settings object, or a dict in the file's format).
-    linear_kernel: on the CPU, "auto" puts each Linear weight in oneDNN's prepacked layout where that kernel is
-    faster on this machine (measured once per shape; ``cpu_linear``), "onednn" everywhere, "addmm" nowhere, or a
-    kernel per layer name (``encoder.model.linear_kernels`` of another encoder: the same bits).
-    Packed weights replace the plain ones; ``state_dict()`` still gives plain tensors. Ignored off the CPU and
-    with ``compile``.
+    cpu_kernels: how the CPU runs inference. "auto": the CPU backend on this machine's plan, measured once per
+    machine and kept in the user's cache folder (``cpu.plan``): oneDNN's prepacked linear where it is faster than
+    addmm (its weights replace the plain ones; ``state_dict()`` still gives plain tensors), GEMM attention at the
+    segment lengths where it beats SDPA. "reference": the modules' own ops (transformers' addmm and SDPA). Or a
+    plan, as ``encoder.model.cpu_plan`` or a run's ``run.json`` holds it: the same kernels, the same bits, on any
+    machine. Ignored off the CPU and with ``compile``.
     """
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     resolve_attn_impl(attn_impl, device, dtype)  # refuse an impossible backend before any download or read
-    check_policy(linear_kernel)
+    cpu_kernels = check_cpu_kernels(cpu_kernels)
     options = dict(cache_size=cache_size, cache_bytes=cache_bytes, attn_impl=attn_impl)
     if random_weights:
         config = resolve_config(source)
-        model = _placed(random_tower(config, device, dtype, seed=seed, **options), compile, linear_kernel)
+        model = _placed(random_tower(config, device, dtype, seed=seed, **options), compile, cpu_kernels)
         pre = _preprocess_config(preprocess_config, None, config)
         return VisionEncoder(model, pre, source=config.name or config.family,
                              video_config=_video_config(video_config, None, config, pre))
@@ -515,18 +516,18 @@ def load_encoder(
     folder = resolve_folder(os.fspath(source), revision, local_files_only, cache_dir, token)
     checkpoint = open_checkpoint(folder)
     model = _placed(load_tower(checkpoint, device, dtype, check_finite=check_finite, **options), compile,
-                    linear_kernel)
+                    cpu_kernels)
     pre = _preprocess_config(preprocess_config, checkpoint.preprocessor_json(), checkpoint.config)
     video = _video_config(video_config, checkpoint.video_preprocessor_json(), checkpoint.config, pre)
     return VisionEncoder(model, pre, source=os.fspath(source), video_config=video)
 
 
-def _placed(model: VisionTower, compile: bool | dict, linear_kernel: str | dict[str, str]) -> VisionTower:
-    """The tower as it will run: compiled blocks, or (on the CPU) the linear kernels chosen."""
+def _placed(model: VisionTower, compile: bool | dict, cpu_kernels: str | CpuPlan) -> VisionTower:
+    """The tower as it will run: compiled blocks, or (on the CPU) the backend's plan applied."""
     if compile:
         model.compile_blocks(**(compile if isinstance(compile, dict) else {}))
-    elif model.device.type == "cpu":
-        model.pack_linear_weights_(linear_kernel)
+    else:
+        model.set_cpu_kernels(cpu_kernels)
     return model
 
 

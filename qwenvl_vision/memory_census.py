@@ -32,7 +32,7 @@ def live_tensor_storages() -> dict[tuple[str, int], tuple[int, str]]:
         try:
             if obj.is_meta:
                 continue
-            if obj.is_mkldnn:  # oneDNN's packed weights (cpu_linear) have no storage to ask: one per tensor
+            if obj.is_mkldnn:  # oneDNN's packed weights (cpu.packing) have no storage to ask: one per tensor
                 ptr, nbytes, key = id(obj), obj.numel() * obj.element_size(), ("mkldnn", id(obj))
             else:
                 storage = obj.untyped_storage()

@@ -9,14 +9,17 @@ and ``Qwen3VLVisionModel`` (v5.24). Module names equal the checkpoint's tensor n
 for what ``names.RULE_SETS`` fuses or renames at load time. Deviations from the reference (same numbers):
 grids are read from the host once per forward; per-grid tensors (token order, rope tables, segment lengths,
 position taps) are cached per instance in a bounded ``ShapeCache``, concatenated for the pack and moved to the
-device once, so the block loop does no host sync; activations reuse one ``Workspace`` per call, shared by its
-forwards; on the CPU each item runs as its own forward (``packs``), which changes no number.
+device once, so the block loop does no host sync; on the CPU each item runs as its own forward (``packs``), which
+changes no number.
+
+Execution, chosen once per call (``execution``): the modules' own forward (``ReferenceExecution``: autograd,
+autocast, ``torch.compile``, CUDA, and ``cpu_kernels="reference"``), or on the CPU in inference the CPU backend
+(``cpu.forward.CpuExecution``) on the machine's measured plan (``cpu.plan``), its linears packed where the plan
+says so (``cpu.packing``). Only the tower knows which: the modules never read an execution state.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -26,9 +29,12 @@ from torch import nn
 from .attention import ATTN_IMPLS, BACKENDS, SegmentPlan, resolve_attn_impl
 from .cache import ShapeCache
 from .config import VisionConfig
-from .cpu_linear import PackableLinear, check_policy, return_freed_memory
+from .cpu.forward import CpuExecution
+from .cpu.packing import dense_state_dict, drop_packed_, linear_layers, pack_linears_, plan_needs, unpack_linears_
+from .cpu.plan import CpuPlan, machine_plan
+from .cpu.workspace import Workspace
 from .errors import ConfigError, InputError
-from .layers import AttentionInputs, Block, PatchEmbed, PatchMerger, Workspace
+from .layers import AttentionInputs, Block, PatchEmbed, PatchMerger
 from .names import to_module_names_
 
 Grid = tuple[int, int, int]
@@ -67,6 +73,39 @@ def aligned(rows: torch.Tensor) -> torch.Tensor:
     return rows.clone(memory_format=torch.contiguous_format)
 
 
+class ReferenceExecution:
+    """The modules' own forward (``layers.py``, the math) with the tower's attention backend."""
+
+    name = "reference"
+
+    def __init__(self, attend: Callable) -> None:
+        self.attend = attend
+
+    def attention_inputs(self, rope: tuple[torch.Tensor, torch.Tensor], segments: SegmentPlan) -> AttentionInputs:
+        return AttentionInputs(rope, segments, self.attend)
+
+    def block(self, block: Block, x: torch.Tensor, inputs: AttentionInputs) -> torch.Tensor:
+        return block(x, inputs)
+
+    def merger(self, merger: PatchMerger, x: torch.Tensor) -> torch.Tensor:
+        return merger(x)
+
+
+CPU_KERNELS = ("auto", "reference")
+
+
+def check_cpu_kernels(cpu_kernels: str | dict | CpuPlan) -> str | CpuPlan:
+    """"auto" (the machine's measured plan), "reference" (the modules' own ops: addmm and SDPA, out of place), or a
+    plan (a ``CpuPlan`` or its dict, as a run recorded it: the same kernels again, the same bits)."""
+    if isinstance(cpu_kernels, CpuPlan):
+        return cpu_kernels
+    if isinstance(cpu_kernels, dict):
+        return CpuPlan.from_dict(cpu_kernels)
+    if cpu_kernels not in CPU_KERNELS:
+        raise ConfigError(f"cpu_kernels {cpu_kernels!r} is not one of {list(CPU_KERNELS)} or a CPU plan")
+    return cpu_kernels
+
+
 def compile_boundary(backend):
     """The attention backend as compiled blocks call it: run eagerly (``torch.compiler.disable``: its segment plan
     is host data), returning a tensor of its own whose token dimension is dynamic, so the graph after the break
@@ -86,6 +125,15 @@ def accept_checkpoint_names(tower: VisionTower, state_dict: dict, prefix: str, *
     checkpoint names put together into the tower's module names (``names.to_module_names_``) before loading."""
     module_names = [name for name, _ in tower.named_parameters()] + [name for name, _ in tower.named_buffers()]
     to_module_names_(tower.config, state_dict, module_names, prefix)
+
+
+def autocasting(device_type: str) -> bool:
+    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+
+
+def unpack_before_load(tower: VisionTower, *_load_arguments) -> None:
+    """``load_state_dict`` pre-hook: a packed tensor cannot be copied into; the next CPU forward packs again."""
+    tower.unpack_linear_weights_()
 
 
 class VisionTower(nn.Module):
@@ -122,8 +170,13 @@ class VisionTower(nn.Module):
         # load_state_dict takes the family's checkpoint names too (transformers' tower's state dict, a released
         # checkpoint's tensors without prefix): stacked and renamed as they arrive, still strict.
         self.register_load_state_dict_pre_hook(accept_checkpoint_names)
-        # The kernel of each Linear (pack_linear_weights_); each layer keeps its packed weight's state itself.
-        self.linear_kernels: dict[str, str] = {}
+        # The CPU backend's setting, the plan it resolved to for the weights' dtype, and the plan the linears are
+        # packed for (``prepare_cpu_``). Packed weights leave as plain tensors, are unpacked to load into and to move.
+        self.cpu_kernels: str | CpuPlan = "auto"
+        self.cpu_plan: CpuPlan | None = None
+        self.packed_plan: CpuPlan | None = None
+        self.register_state_dict_post_hook(dense_state_dict)
+        self.register_load_state_dict_pre_hook(unpack_before_load)
         # (placement it was chosen for, backend name, callable); attention_backend is the one place that sets it.
         self.attention_choice: tuple[tuple, str, Callable] | None = None
         self.set_attention(attn_impl)
@@ -146,16 +199,16 @@ class VisionTower(nn.Module):
                 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """pixel_values (sum t*h*w, C*T*P*P) in merge-block order -> (merged tokens (sum t*h*w/4, out) in input
         order, DeepStack levels of the same shape, [] for towers without DeepStack). The items run as the
-        forwards ``packs`` says, one workspace shared by all of them."""
+        forwards ``packs`` says, all on one execution (``execution``)."""
         grids = self.grid_list(grid_thw)
         self.check_pixels(pixel_values, grids)
         device = self.patch_embed.proj.weight.device
         pixel_values = pixel_values.to(device, non_blocking=True)
         packs = self.packs(grids, device)
         rows = [sum(t * h * w for t, h, w in pack) for pack in packs]
-        with self.workspace(max(rows), pixel_values):
-            results = [self.forward_pack(aligned(pixels), pack)
-                       for pixels, pack in zip(pixel_values.split(rows), packs, strict=True)]
+        execution = self.execution(max(rows), pixel_values)
+        results = [self.forward_pack(aligned(pixels), pack, execution)
+                   for pixels, pack in zip(pixel_values.split(rows), packs, strict=True)]
         if len(results) == 1:
             return results[0]
         merged = torch.cat([embeddings for embeddings, _ in results])
@@ -174,19 +227,19 @@ class VisionTower(nn.Module):
         batchings within its dtype's rounding."""
         return [[grid] for grid in grids] if device.type == "cpu" else [grids]
 
-    def forward_pack(self, pixel_values: torch.Tensor, grids: list[Grid]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """One forward over a pack of items (``forward``), inside the active workspace if any."""
+    def forward_pack(self, pixel_values: torch.Tensor, grids: list[Grid], execution: ReferenceExecution | CpuExecution
+                     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """One forward over a pack of items (``forward``) on the call's execution."""
         plan = self.prepare(grids, pixel_values.device)
         x = self.embed(pixel_values, plan)
-        full = AttentionInputs(self._dynamic(*plan.rope), plan.frames, self.attention_backend())
-        windowed = full if plan.windows is None else AttentionInputs(plan.rope, plan.windows, full.attend,
-                                                                     full.signed_sin)
+        full = execution.attention_inputs(self._dynamic(*plan.rope), plan.frames)
+        windowed = full if plan.windows is None else execution.attention_inputs(plan.rope, plan.windows)
         levels = []
         for i, block in enumerate(self.blocks):
-            x = block(self._dynamic(x)[0], full if i in self.full_attention_blocks else windowed)
+            x = execution.block(block, self._dynamic(x)[0], full if i in self.full_attention_blocks else windowed)
             if i in self.deepstack_level:
-                levels.append(self.deepstack_merger_list[self.deepstack_level[i]](x))
-        merged = self.merger(x)
+                levels.append(execution.merger(self.deepstack_merger_list[self.deepstack_level[i]], x))
+        merged = execution.merger(self.merger, x)
         if plan.reverse is not None:
             merged, levels = merged[plan.reverse], [level[plan.reverse] for level in levels]
         return merged, levels
@@ -311,43 +364,47 @@ class VisionTower(nn.Module):
         for block in self.blocks:
             block.compile(**options)
 
-    # ------------------------------------------------------------------ CPU linear kernels
+    # ------------------------------------------------------------------ the CPU backend
 
-    def linear_layers(self) -> list[tuple[str, PackableLinear]]:
-        return [(name, m) for name, m in self.named_modules() if isinstance(m, PackableLinear)]
+    def set_cpu_kernels(self, cpu_kernels: str | dict | CpuPlan = "auto") -> None:
+        """How the CPU runs inference: "auto" (the machine's measured plan, ``cpu.plan.machine_plan``),
+        "reference" (the modules' own ops: transformers' addmm and SDPA), or a plan (a ``CpuPlan`` or its dict,
+        e.g. a run's recorded one). Applied now where the weights are on the CPU (measuring what this machine's
+        plan lacks, packing the linears it runs on oneDNN), else when they arrive there."""
+        self.cpu_kernels = check_cpu_kernels(cpu_kernels)
+        self.cpu_plan = None
+        self.prepare_cpu_()
 
-    def pack_linear_weights_(self, policy: str | dict[str, str] = "auto") -> dict[str, str]:
-        """On the CPU, put each Linear's weight in oneDNN's prepacked layout where that kernel is faster here
-        (``cpu_linear``: measured per shape with policy "auto"; "onednn" always; "addmm" never; or a kernel per
-        layer name, e.g. another tower's ``linear_kernels``), in place: the packed weight replaces the plain one.
-        Returns (and keeps in ``linear_kernels``) the kernel per layer. Compiled blocks keep plain weights
-        (inductor chooses its own kernels)."""
-        check_policy(policy)
-        layers = self.linear_layers()
-        if isinstance(policy, dict) and set(policy) != {name for name, _ in layers}:
-            names = {name for name, _ in layers}
-            raise ConfigError(f"linear_kernel is not this tower's: it lacks {sorted(names - set(policy))[:3]} and "
-                              f"names {sorted(set(policy) - names)[:3]}")
-        self.linear_kernels = {}
-        for name, layer in layers:
-            kernel = layer.pack_("addmm" if self.compiled else policy[name] if isinstance(policy, dict) else policy)
-            self.linear_kernels[name] = kernel
-            if kernel == "onednn":
-                return_freed_memory()  # the plain weight just freed: the peak stays one layer above the tower
-        return self.linear_kernels
+    def prepare_cpu_(self) -> CpuPlan | None:
+        """The plan the CPU backend runs now (None: the modules' own forward), its linears packed for it."""
+        weight = self.patch_embed.proj.weight
+        if self.cpu_kernels == "reference" or weight.device.type != "cpu" or weight.is_meta or self.compiled:
+            self.unpack_linear_weights_()
+            return None
+        if self.cpu_plan is None:
+            given = self.cpu_kernels
+            self.cpu_plan = machine_plan(plan_needs(self)) if given == "auto" else given
+        if self.packed_plan is not self.cpu_plan:
+            pack_linears_(self, self.cpu_plan)
+            self.packed_plan = self.cpu_plan
+        return self.cpu_plan
 
     def unpack_linear_weights_(self) -> None:
-        for _, layer in self.linear_layers():
-            layer.unpack_()
-        self.linear_kernels = {}
+        unpack_linears_(self)
+        self.packed_plan = None
 
     def free_weights_(self) -> None:
         """Every parameter and buffer replaced by a storage-less meta tensor (``VisionEncoder.close``): a reference
         to the module kept elsewhere no longer pins the weights."""
-        for _, layer in self.linear_layers():
-            layer.drop_()
-        self.linear_kernels = {}
+        drop_packed_(self)
+        self.packed_plan = None
         self.to("meta")
+
+    def _apply(self, fn, recurse=True):
+        # Packed tensors support no conversion: moved plain, packed again for the new dtype by the next forward.
+        self.unpack_linear_weights_()
+        self.cpu_plan = None
+        return super()._apply(fn, recurse)
 
     def _dynamic(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Compiled blocks: the token count is the one dynamic size of their inputs (so a pack whose token count
@@ -359,18 +416,22 @@ class VisionTower(nn.Module):
 
     # ------------------------------------------------------------------ activation memory
 
-    def workspace(self, rows: int, pixel_values: torch.Tensor):
-        """The activation buffers of up to ``rows`` hidden states, active around the forwards; see
-        ``layers.Workspace``. None (everything out of place) for compiled blocks, inside a compiled graph, under
-        autocast and when autograd is recording."""
+    def execution(self, rows: int, pixel_values: torch.Tensor) -> ReferenceExecution | CpuExecution:
+        """How this call runs, chosen once: the CPU backend in CPU inference on a plan (its workspace sized for
+        ``rows`` hidden states), else the modules' own forward (compiled blocks, inside a compiled graph, under
+        autocast, when autograd is recording, off the CPU, and with ``cpu_kernels="reference"``)."""
         weight = self.patch_embed.proj.weight
-        if (self.compiled or torch.compiler.is_compiling() or self._recording_grad(pixel_values)
-                or torch.is_autocast_enabled(weight.device.type)):  # out= ops do not autocast: run as the reference
-            return contextlib.nullcontext()
+        reference = (self.compiled or torch.compiler.is_compiling() or self._recording_grad(pixel_values)
+                     or autocasting(weight.device.type))
+        plan = None if reference else self.prepare_cpu_()
+        if plan is None:
+            if self.packed_plan is not None:
+                self.unpack_linear_weights_()  # the modules' forward takes plain weights; the next CPU call packs
+            return ReferenceExecution(self.attention_backend())
         cfg = self.config
         mlp_width = cfg.intermediate_size * (2 if cfg.spec.mlp == "gated" else 1)
-        return Workspace(rows, cfg.hidden_size, max(3 * cfg.hidden_size, mlp_width), weight.dtype,
-                         weight.device).active()
+        return CpuExecution(plan, Workspace(rows, cfg.hidden_size, max(3 * cfg.hidden_size, mlp_width),
+                                            weight.dtype, weight.device))
 
     def _recording_grad(self, pixel_values: torch.Tensor) -> bool:
         return torch.is_grad_enabled() and (pixel_values.requires_grad
@@ -392,7 +453,10 @@ class VisionTower(nn.Module):
             "compiled": self.compiled, "parameters": sum(p.numel() for p in self.parameters()),
             "items": "one forward each" if len(self.packs([(1, 2, 2)] * 2, weight.device)) > 1
             else "one forward per pack",
-            "linear_kernels": dict(Counter(self.linear_kernels.values()) or {"addmm": len(self.linear_layers())}),
+            "execution": "cpu" if self.cpu_plan is not None and self.packed_plan is self.cpu_plan else "reference",
+            "cpu_plan": None if self.cpu_plan is None else self.cpu_plan.machine,
+            "linear_kernels": {"addmm": sum(not m.weight.is_mkldnn for _, m in linear_layers(self)),
+                               "onednn": sum(m.weight.is_mkldnn for _, m in linear_layers(self))},
         }
 
     def cache_stats(self) -> dict[str, int]:

@@ -3,11 +3,21 @@ stand-in Hub."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from tests.helpers import QWEN2_5_SMALL, QWEN3_SMALL_72, serve_hub, write_checkpoint
+
+
+@pytest.fixture(scope="session", autouse=True)
+def plan_cache(tmp_path_factory) -> Path:
+    """The CPU plans the suite measures go to a folder of its own (not the user's cache), shared by the session's
+    processes (subprocesses, torchrun ranks and Ray workers inherit it)."""
+    folder = tmp_path_factory.mktemp("qwenvl-vision-cache")
+    os.environ["QWENVL_VISION_CACHE"] = str(folder)
+    return folder
 
 
 @pytest.fixture(scope="session")

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench import attention_paths, gemm_bound, profile_tower, throughput
-from qwenvl_vision.cpu_linear import onednn_linear_available
+from bench import gemm_bound, profile_tower, throughput
+from qwenvl_vision.cpu.kernels import onednn_linear_available
 
 TINY = ["--preset", "qwen3.5-0.8b", "--inputs", "small", "--depth", "1", "--dtype", "fp32"]
 
@@ -40,11 +40,3 @@ def test_throughput_reports_the_fraction_of_the_bound(capsys):
     assert len(rounds) == 2 and result["gemm_bound"]["bound_s"] == pytest.approx(sum(rounds) / 2, abs=1e-3)
     assert 0 < result["variants"]["ours"]["fraction_of_bound"]
     assert "GEMM bound" in capsys.readouterr().out
-
-
-def test_attention_paths_time_each_path_and_bound_its_error(capsys):
-    rows = attention_paths.main(["--dtype", "fp32", "--repeats", "1"])
-    assert {row["size"] for row in rows} == {size[0] for size in attention_paths.SIZES}
-    for row in rows:
-        assert all(row[path]["gflops_per_s"] > 0 and row[path]["rel_err"] < 1e-5 for path in attention_paths.PATHS)
-    assert "fastest" in capsys.readouterr().out

@@ -264,53 +264,58 @@ def test_debug_shows_the_traceback(tmp_path, checkpoint, capsys):
         assert "Traceback" in err and err.strip().splitlines()[-1].startswith("qwenvl-vision embed: error:")
 
 
-def test_a_resume_and_every_rank_use_the_run_s_cpu_linear_kernels(tmp_path, checkpoint, monkeypatch):
-    """The CPU kernel of each linear layer is chosen by timing, per process, and the bits differ between kernels:
-    run.json records the first run's choices, a resume (whose own timing would choose otherwise) loads with them,
-    and a rank adopts rank 0's (``adopt_run``, with its thread count)."""
-    from qwenvl_vision import cpu_linear
+def machine_measures(monkeypatch, tmp_path, kernel: str) -> None:
+    """This process's machine plan made to choose ``kernel`` for every linear: a fresh cache folder, no memo."""
+    from qwenvl_vision.cpu import plan
+
+    monkeypatch.setenv("QWENVL_VISION_CACHE", str(tmp_path / f"cache-{kernel}"))
+    monkeypatch.setattr(plan, "PLANS", {})
+    monkeypatch.setattr(plan, "measure_linear", lambda *_, **__: kernel)
+
+
+def test_a_resume_and_every_rank_use_the_run_s_cpu_plan(tmp_path, checkpoint, monkeypatch):
+    """The CPU plan is this machine's measurement, and the bits differ between kernels: run.json records the first
+    run's plan, a resume (whose machine would now choose otherwise) loads with it, and a rank adopts rank 0's
+    (``adopt_run``, with its thread count)."""
+    from qwenvl_vision.cpu.kernels import onednn_linear_available
     from qwenvl_vision.embed.job import EmbedJob
     from qwenvl_vision.encoder import VisionEncoder
 
-    if not cpu_linear.onednn_linear_available():
+    if not onednn_linear_available():
         pytest.skip("this torch has no oneDNN linear")
     make_folder(tmp_path / "imgs", 2, bad=False)
     out = tmp_path / "out"
     args = ["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(out), "--quiet",
             "--format", "parquet"]
-
-    def timing_says(kernel):
-        monkeypatch.setattr(cpu_linear, "DECISIONS", {})
-        monkeypatch.setattr(cpu_linear, "choose_kernel", lambda weight, packed=None: kernel)
-
-    timing_says("onednn")
+    machine_measures(monkeypatch, tmp_path, "onednn")
     assert main(args) == 0
-    kernels = read_run(out)["linear_kernels"]
-    assert kernels and set(kernels.values()) == {"onednn"}
+    plan = read_run(out)["cpu_plan"]
+    assert plan and set(plan["linear"].values()) == {"onednn"}
     make_folder(tmp_path / "more", 1, bad=False)
-    timing_says("addmm")
+    machine_measures(monkeypatch, tmp_path, "addmm")
     used = []
     real_load, iter_encode = load_encoder, VisionEncoder.iter_encode
 
     def spy(self, *a, **k):
-        used.append(dict(self.model.linear_kernels))
+        used.append((self.model.cpu_plan.to_dict(), self.describe()["linear_kernels"]["addmm"]))
         return iter_encode(self, *a, **k)
 
     monkeypatch.setattr(VisionEncoder, "iter_encode", spy)
     assert main([*args[:2], str(tmp_path / "more"), *args[2:], "--resume"]) == 0
-    assert used == [kernels] and read_run(out)["linear_kernels"] == kernels
+    assert used == [(plan, 0)] and read_run(out)["cpu_plan"] == plan
     got = dict(read_embeddings(out))
-    with real_load(checkpoint, device="cpu", linear_kernel="onednn") as encoder:
+    with real_load(checkpoint, device="cpu", cpu_kernels=plan) as encoder:
         want = encoder.encode_images(sorted(got))
     assert all(torch.equal(got[p], e) for p, e in zip(sorted(got), want.embeddings))
 
     threads = torch.get_num_threads()
     job = EmbedJob.__new__(EmbedJob)
-    job.ray, job.run = None, {"threads": 1, "linear_kernels": kernels}
-    job.encoder = real_load(checkpoint, device="cpu", linear_kernel="addmm")  # this rank's own choice
+    job.ray, job.run = None, {"threads": 1, "cpu_plan": plan}
+    job.encoder = real_load(checkpoint, device="cpu")  # this rank's own plan: addmm everywhere
     try:
         job.adopt_run()
-        assert job.encoder.model.linear_kernels == kernels and torch.get_num_threads() == 1
+        assert job.encoder.model.cpu_plan.to_dict() == plan and torch.get_num_threads() == 1
+        assert job.encoder.describe()["linear_kernels"]["addmm"] == 0
     finally:
         job.encoder.close()
         torch.set_num_threads(threads)

@@ -78,10 +78,9 @@ def test_two_processes_one_out_fresh_then_both_resume(tmp_path, checkpoint):
     recs = assert_each_input_once(out, 40)
     assert all(r["status"] == "ok" for r in recs)
     # Every stored tensor is the one of its path: each image re-encoded alone (as --batch-patches 1 ran it),
-    # single-threaded like the children and with the run's recorded linear kernels (this process's own timing
-    # probe may choose otherwise on these tiny shapes, and in fp32 the kernels round differently), gives exactly
-    # the stored bits.
-    encoder = load_encoder(checkpoint, device="cpu", linear_kernel=read_run(out)["linear_kernels"] or "auto")
+    # single-threaded like the children and with the run's recorded CPU plan (measured at the children's one
+    # thread; in fp32 the kernels round differently), gives exactly the stored bits.
+    encoder = load_encoder(checkpoint, device="cpu", cpu_kernels=read_run(out)["cpu_plan"] or "auto")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -158,3 +158,22 @@ def test_nothing_cites_a_file_outside_the_repository():
                                                REPO / "README.md", *(REPO / "docs").glob("*.md")]
              if "REFERENCE.md" in p.read_text()]
     assert not cites, f"cite REFERENCE.md, which is not in the repository: {cites}"
+
+
+# The model core: the math, which runs the same whatever executes it. The tower picks the execution (once per
+# call) and is not in this list; the CPU backend (qwenvl_vision.cpu) reads these modules, never the reverse.
+MODEL_CORE = ("qwenvl_vision.layers", "qwenvl_vision.attention", "qwenvl_vision.qwen2_5", "qwenvl_vision.qwen3")
+EXECUTION_STATE = ("ContextVar", "is_compiling", "is_grad_enabled", "is_autocast_enabled", "is_mkldnn",
+                   "requires_grad", "is_inference_mode_enabled")
+
+
+@pytest.mark.parametrize("name", MODEL_CORE)
+def test_the_model_core_reads_no_execution_state(name):
+    """A module of the model core neither imports the CPU backend nor asks how it is being run (autograd, compile,
+    autocast, a packed weight, a context variable): one path per module."""
+    path = PACKAGE_MODULES[name]
+    reached = [module for module, _, _ in imported(path, name) if module.startswith("qwenvl_vision.cpu")]
+    assert not reached, f"{name} imports the CPU backend: {reached}"
+    names = {node.attr if isinstance(node, ast.Attribute) else node.id
+             for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, (ast.Attribute, ast.Name))}
+    assert not names & set(EXECUTION_STATE), f"{name} reads {sorted(names & set(EXECUTION_STATE))}"

@@ -266,7 +266,7 @@ def test_the_index_reads_realpaths_and_statuses_and_shards_of_one_run_may_fill_a
     realpaths, statuses, got_layout, run = qparquet.read_parquet_index(first)
     assert statuses == [r.status for r in records] and realpaths == [r.realpath for r in records]
     assert (got_layout, run) == (layout, RUN)
-    write_table_atomic(results_table(records[:1], layout, {**RUN, "linear_kernels": {"a": "addmm"}}),
+    write_table_atomic(results_table(records[:1], layout, {**RUN, "cpu_plan": {"format": 1}}),
                        tmp_path / shard_name(0, 1))
     assert len(list(read_parquet_records(tmp_path))) == len(records) + 1
     write_table_atomic(results_table(records[:1], layout, {**RUN, "run_id": "r2"}), tmp_path / shard_name(0, 2))

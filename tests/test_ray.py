@@ -34,7 +34,7 @@ SIZES = [(40, 56), (64, 96), (50, 50)]
 # round differently (in fp32; in bf16 where a plain MLP's activation moves into oneDNN's GEMM), and "auto" picks
 # between them by timing each shape in each process (on these tiny shapes, noise), so every encoder here is pinned
 # to one kernel.
-LOAD = dict(device="cpu", dtype="float32", linear_kernel="addmm")
+LOAD = dict(device="cpu", dtype="float32", cpu_kernels="reference")
 
 
 @pytest.fixture(scope="module")

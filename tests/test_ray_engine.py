@@ -137,7 +137,7 @@ def test_the_readme_map_batches_example_runs_as_written(tmp_path):
 
 
 class Reports(qv_ray.Embedder):
-    """Writes what its actor runs with (torch threads, the linear kernels) next to the first input it sees."""
+    """Writes what its actor runs with (torch threads, the CPU plan) next to the first input it sees."""
 
     def __call__(self, batch):
         import json
@@ -145,36 +145,38 @@ class Reports(qv_ray.Embedder):
         first = Path(batch["path"][0])
         report = first.parent / f"actor-{os.getpid()}.json"
         report.write_text(json.dumps({"threads": torch.get_num_threads(),
-                                      "kernels": self.encoder.model.linear_kernels}))
+                                      "plan": self.encoder.model.cpu_plan.to_dict()}))
         return super().__call__(batch)
 
 
-def test_actors_run_at_the_run_threads_and_kernels_bitwise_another_process(tmp_path, local_ray, checkpoint,
-                                                                         monkeypatch):
-    """At --threads 2 (Ray's own default is 1) and with the driver's timing made to pick oneDNN everywhere (the
-    actors' own would not), every actor runs 2 threads and the run's kernels, and its tensors are bitwise
-    encode_images in this process under the same threads and kernels."""
+def test_actors_run_at_the_run_threads_and_plan_bitwise_another_process(tmp_path, local_ray, checkpoint,
+                                                                       monkeypatch):
+    """At --threads 2 (Ray's own default is 1) and with the driver's machine plan made to pick oneDNN everywhere
+    (the actors' own would not), every actor runs 2 threads and the run's plan, and its tensors are bitwise
+    encode_images in this process under the same threads and plan."""
     import json
 
-    from qwenvl_vision import cpu_linear
+    from qwenvl_vision.cpu import plan
+    from qwenvl_vision.cpu.kernels import onednn_linear_available
 
-    if not cpu_linear.onednn_linear_available():
+    if not onednn_linear_available():
         pytest.skip("this torch has no oneDNN linear")
     paths = make_image_folder(tmp_path / "imgs", 3, bad=False)
-    monkeypatch.setattr(cpu_linear, "DECISIONS", {})
-    monkeypatch.setattr(cpu_linear, "choose_kernel", lambda weight, packed=None: "onednn")
+    monkeypatch.setenv("QWENVL_VISION_CACHE", str(tmp_path / "driver-cache"))  # the actors keep the session's
+    monkeypatch.setattr(plan, "PLANS", {})
+    monkeypatch.setattr(plan, "measure_linear", lambda *_, **__: "onednn")
     monkeypatch.setattr(ray_engine, "UDF", Reports)
     out = tmp_path / "out"
     assert main(["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(out), "--engine", "ray",
                  "--threads", "2", "--quiet"]) == 0
     run = read_run(out)
-    assert run["threads"] == 2 and set(run["linear_kernels"].values()) == {"onednn"}
+    assert run["threads"] == 2 and set(run["cpu_plan"]["linear"].values()) == {"onednn"}
     reports = [json.loads(p.read_text()) for p in (tmp_path / "imgs").rglob("actor-*.json")]
-    assert reports and all(r == {"threads": 2, "kernels": run["linear_kernels"]} for r in reports), reports
+    assert reports and all(r == {"threads": 2, "plan": run["cpu_plan"]} for r in reports), reports
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        with load_encoder(checkpoint, device="cpu", linear_kernel=run["linear_kernels"]) as encoder:
+        with load_encoder(checkpoint, device="cpu", cpu_kernels=run["cpu_plan"]) as encoder:
             want = encoder.encode_images([str(p) for p in paths])
     finally:
         torch.set_num_threads(threads)

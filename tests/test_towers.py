@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from qwenvl_vision import PRESETS, ConfigError, InputError, build_model, from_config_json, preset
 from qwenvl_vision.config import FAMILIES
-from qwenvl_vision.cpu_linear import onednn_linear_available
+from qwenvl_vision.cpu.kernels import onednn_linear_available
 from qwenvl_vision.names import to_checkpoint_state
 from tests.helpers import (
     FAMILY_SMALL,
@@ -23,6 +23,7 @@ from tests.helpers import (
     QWEN3_SMALL_64,
     QWEN3_SMALL_72,
     assert_matches_reference,
+    forced_plan,
     forward_both,
     grids_for,
     hf_tower,
@@ -108,7 +109,7 @@ def test_an_item_has_the_same_bits_in_any_pack_even_where_kernels_depend_on_the_
     if kernel == "onednn" and not onednn_linear_available():
         pytest.skip("this torch has no oneDNN linear ops")
     model = pair(cfg)[0].to(dtype)
-    model.pack_linear_weights_(kernel)
+    model.set_cpu_kernels(forced_plan(model, kernel))
     grids = grids_for(cfg)
     pixel_values, grid_thw = inputs(cfg, grids)
     items = pixel_values.split(grid_thw.prod(1).tolist())

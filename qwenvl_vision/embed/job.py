@@ -130,10 +130,10 @@ def _pick_device(args: EmbedSettings, rank: int, world: int) -> str | None:
 
 
 def _load(args: EmbedSettings, device: str | None, progress: Progress, dtype=None, attn: str | None = None,
-          linear_kernel: str | dict = "auto"):
+          cpu_plan: dict | None = None):
     """The encoder, and the checkpoint folder it came from (None for random weights); says what it does.
     ``dtype`` and ``attn`` default to the options (the Ray driver loads on its CPU in the actors' dtype);
-    ``linear_kernel`` is load_encoder's (a resumed run's recorded kernels: its very bits)."""
+    ``cpu_plan`` is a resumed run's recorded CPU plan (its very bits), else this machine's runs."""
     from ..attention import resolve_attn_impl
     from ..devices import resolve_device, resolve_dtype
     from ..encoder import load_encoder
@@ -147,7 +147,7 @@ def _load(args: EmbedSettings, device: str | None, progress: Progress, dtype=Non
     if args.random_weights:
         progress.note(f"building {args.model} with random weights on {where}")
         encoder = load_encoder(args.model, device=device, dtype=dtype, random_weights=True,
-                               compile=args.compile, attn_impl=attn, linear_kernel=linear_kernel)
+                               compile=args.compile, attn_impl=attn, cpu_kernels=cpu_plan or "auto")
         folder = None
     else:
         if looks_like_repo_id(args.model):
@@ -158,7 +158,7 @@ def _load(args: EmbedSettings, device: str | None, progress: Progress, dtype=Non
         progress.note(f"reading {shards} shard{'s' if shards != 1 else ''} with the vision tensors "
                       f"({_size(size)}) from {resolved} onto {where}")
         encoder = load_encoder(resolved, device=device, dtype=dtype, compile=args.compile, attn_impl=attn,
-                               linear_kernel=linear_kernel)
+                               cpu_kernels=cpu_plan or "auto")
         folder = str(resolved.absolute())
     progress.note(f"loaded the {encoder.family} tower ({str(encoder.dtype).removeprefix('torch.')}) in "
                   f"{time.perf_counter() - start:.1f} s")
@@ -244,24 +244,21 @@ class EmbedJob:
         if not self.inputs.paths:
             raise EmbedError(f"no inputs: {', '.join(args.inputs)} hold no image or video files (by extension: "
                              f"{' '.join(sorted(MEDIA_EXTENSIONS))}) and list no paths")
-        # A resumed run's CPU kernel choices (cpu_linear), so that its tensors are bitwise one run's: applied once
-        # its settings are checked (another model's would not fit); until then no timing, no packing.
-        recorded_kernels = (recorded or {}).get("linear_kernels")
-        kernels = "addmm" if recorded_kernels else "auto"
+        recorded_plan = (recorded or {}).get("cpu_plan")  # a resumed run's CPU plan: its very bits
         if args.engine == "ray":
             from .ray_engine import RayPlan, driver_load_options
 
             # Ray is up before the model loads (the plan needs the cluster's CPUs and GPUs); nothing is written.
             self.ray = RayPlan.start(args, self.world, (recorded or {}).get("threads"), self.progress)
             self.threads = self.ray.threads
-            torch.set_num_threads(self.threads)  # the kernels are chosen at the actors' thread count
+            torch.set_num_threads(self.threads)  # the CPU plan is the machine's at the actors' thread count
             self.encoder, folder = _load(args, "cpu", self.progress, **driver_load_options(args, self.ray.device),
-                                         linear_kernel=kernels)
+                                         cpu_plan=recorded_plan)
         else:
             self.threads = args.threads or (recorded or {}).get("threads") or torch.get_num_threads()
             torch.set_num_threads(self.threads)
             self.encoder, folder = _load(args, _pick_device(args, self.rank, self.world), self.progress,
-                                         linear_kernel=kernels)
+                                         cpu_plan=recorded_plan)
         self.folder = folder
         if args.fps is not None:
             self.encoder.video_config = dataclasses.replace(self.encoder.video_config, fps=args.fps)
@@ -273,14 +270,12 @@ class EmbedJob:
         if args.format == "vllm-cache":  # another model's items in the folder: refused before anything is written
             check_cache_folder(out, self.encoder.identity())
         if self.ray is not None and self.ray.device != "cpu":
-            now["linear_kernels"] = None  # the driver's CPU choices; the actors' GPUs have none
+            now["cpu_plan"] = None  # the driver's CPU plan; the actors' GPUs have none
         note = crossed_bounds_note(args, self.encoder.preprocess_config)
         if note is not None and self.rank == 0:  # what the stored tensors are: printed even with --quiet
             print(f"embed: note: {note}", file=sys.stderr, flush=True)
         if recorded is not None:
             compare_runs(recorded, now, out)
-            if recorded_kernels:
-                self._use_kernels(recorded_kernels)
             self.run, self.fresh = recorded, False
             # A run file from before a field existed: it now records this invocation's value, so that later
             # resumes are held to it (an old run that goes on to embed videos keeps one video setting).
@@ -290,22 +285,13 @@ class EmbedJob:
             self.run = now
 
     def adopt_run(self) -> None:
-        """After ``_Group.share``: run as the run records (rank 0's choices under torchrun, where the other ranks'
-        own could differ): its torch threads and its CPU linear kernels, so that every rank's tensors are bitwise
-        one run's."""
+        """After ``_Group.share``: run as the run records (rank 0's choices under torchrun, where another node's
+        own could differ): its torch threads and its CPU plan, so that every rank's tensors are bitwise one run's."""
         if self.ray is not None:
             return  # the actors take both from the run (ray_engine)
         torch.set_num_threads(self.run["threads"])
-        if self.run.get("linear_kernels"):
-            self._use_kernels(self.run["linear_kernels"])
-
-    def _use_kernels(self, kernels: dict[str, str]) -> None:
-        """The run's CPU linear kernels on this process's tower (on the CPU, uncompiled: else there are none)."""
-        model = self.encoder.model
-        if model.device.type != "cpu" or model.compiled or kernels == model.linear_kernels:
-            return
-        model.unpack_linear_weights_()
-        model.pack_linear_weights_(kernels)
+        if self.run.get("cpu_plan"):
+            self.encoder.model.set_cpu_kernels(self.run["cpu_plan"])
 
     def undo_setup(self) -> None:
         """Nothing was written: remove the lock file and the folders setup created."""

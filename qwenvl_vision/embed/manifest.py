@@ -38,12 +38,12 @@ RUN_COMPARED = ("format", "config_sha256", "weights_sha256", "dtype", "min_pixel
                 "video", "pooled", "world_size", "file_format", "engine", "threads")
 # What a compared field meant in run files written before it existed ("video": None, no videos were embedded,
 # so any video settings continue such a run; "threads": None, not recorded, so any count continues it).
-# Not compared, but recorded so that every later forward of the run uses it: "linear_kernels", the CPU kernel
-# of each linear layer (cpu_linear's choice, made by timing; the bits differ at fp32 rounding level, and in bf16
-# where a plain MLP's activation moves into the GEMM's epilogue), None off the CPU and in run files from before it
-# (the first resume on a CPU records its own).
+# Not compared, but recorded so that every later forward of the run uses it: "cpu_plan", the CPU backend's
+# measured kernel choices (cpu.plan; the bits differ by kernel at fp32 rounding level, and in bf16 where a plain
+# MLP's activation moves into the GEMM's epilogue), None off the CPU and in run files from before it (the first
+# resume on a CPU records its own).
 RUN_FIELD_DEFAULTS = {"resize": "pil", "video": None, "file_format": "safetensors", "engine": "local",
-                      "threads": None, "linear_kernels": None}
+                      "threads": None, "cpu_plan": None}
 SHARD_NAME = re.compile(r"^shard-r(\d+)-(\d+)\.safetensors$")
 PARQUET_SHARD_NAME = re.compile(r"^shard-r(\d+)-(\d+)\.parquet$")
 

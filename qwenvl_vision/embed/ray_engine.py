@@ -26,9 +26,9 @@ CPU. With cuda, one actor per GPU of the cluster (``num_gpus=1``, never more act
 ``--ray-actors`` actors (default: the cluster's CPUs / threads) of ``--threads`` torch threads (default: the
 cluster's CPUs / 4, at least 1), their CPU shares cut (``ray.actor_cpus``) so that the read tasks always get a
 CPU and the shares fit the cluster (else the job hangs). A local Ray gets this process's CPUs (its affinity).
-The thread count and the driver's CPU linear kernels go into run.json and every actor runs with them: CPU results
-are bitwise those of ``encode_images`` under ``torch.set_num_threads(threads)`` on a tower loaded with
-``linear_kernel=run["linear_kernels"]`` (a resume keeps both).
+The thread count and the driver's CPU plan go into run.json and every actor runs with them: CPU results are
+bitwise those of ``encode_images`` under ``torch.set_num_threads(threads)`` on a tower loaded with
+``cpu_kernels=run["cpu_plan"]`` (a resume keeps both).
 
 Sources: on a Ray this process started, the actors load the driver's checkpoint folder; on a joined cluster, a
 Hub checkpoint by its repo id at the run's revision (another node has no such folder), a local folder as is.
@@ -213,8 +213,8 @@ def encode_on_ray(job, writer: Writer) -> None:
         num_workers=max(1, min(4, plan.threads)), threads=plan.threads, weights_sha256=job.run["weights_sha256"],
         hash_pixels=job.run["file_format"] == "vllm-cache",
         device=plan.device, dtype=job.run["dtype"], attn_impl=args.attn, compile=args.compile)
-    if plan.device == "cpu" and job.run.get("linear_kernels"):
-        options["linear_kernel"] = job.run["linear_kernels"]  # the run's kernels: its very bits on every actor
+    if plan.device == "cpu" and job.run.get("cpu_plan"):
+        options["cpu_kernels"] = job.run["cpu_plan"]  # the run's CPU plan: its very bits on every actor
     if args.random_weights:
         options["random_weights"] = True
     source = actor_source(job, options)

@@ -81,8 +81,9 @@ def describe_run(encoder, args: EmbedSettings, folder: str | None, world: int, t
         "file_format": args.format,
         "engine": args.engine,
         "threads": threads if threads is not None else torch.get_num_threads(),
-        # The CPU kernel of each linear layer as loaded (None off the CPU or compiled): not compared, reused.
-        "linear_kernels": dict(encoder.model.linear_kernels) or None,
+        # The CPU backend's plan as loaded (None off the CPU, compiled or on the reference kernels): not compared,
+        # reused by every resume, rank and actor of the run.
+        "cpu_plan": None if encoder.model.cpu_plan is None else encoder.model.cpu_plan.to_dict(),
         "cwd": os.getcwd(),
     }
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from qwenvl_vision.cpu_linear import balanced_chunks, pack_weight, packed_linear
+from qwenvl_vision.cpu.kernels import balanced_chunks, pack_weight, packed_linear
+from qwenvl_vision.cpu.packing import plan_needs
+from qwenvl_vision.cpu.plan import CpuPlan
 
 
 def packed_gives_addmm_bits(shapes: list[tuple[int, int]], dtype: torch.dtype, rows: list[int],
@@ -30,3 +32,11 @@ def packed_gives_addmm_bits(shapes: list[tuple[int, int]], dtype: torch.dtype, r
                            for chunk in balanced_chunks(count, step)):
                     return False
     return True
+
+
+def forced_plan(model: torch.nn.Module, linear: str = "addmm", attention: str = "sdpa") -> CpuPlan:
+    """A CPU plan that runs every linear of ``model`` on ``linear`` and every attention segment on ``attention``,
+    whatever this machine would measure: for tests of one kernel's numbers."""
+    needs = plan_needs(model)
+    return CpuPlan("forced", dict.fromkeys(needs.linear_keys(), linear),
+                   dict.fromkeys(needs.attention_keys(), attention))

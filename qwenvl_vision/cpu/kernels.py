@@ -1,0 +1,128 @@
+"""The CPU kernels the backend chooses between: oneDNN's prepacked linear, and attention by two fp32 GEMMs.
+
+Reference: the calls inductor's CPU freezing pass emits for a frozen ``nn.Linear``
+(torch/_inductor/fx_passes/mkldnn_fusion.py): ``torch.ops.mkldnn._reorder_linear_weight(w, rows)`` once, then
+``torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")`` per call. Its fp32 result is
+fp32-accurate (relative error against float64 ~5e-7, addmm's ~2.5e-7), not addmm's bits. In bf16 torch's addmm
+on the CPU is a oneDNN matmul itself: on CPUs where the plain and the packed weight take the same kernel the bits
+are addmm's, on others they differ within bf16 rounding. The reorder's row count is only a hint for the blocking:
+any row count runs with one packed weight. Chunks are balanced and never leave a short tail (a call of a few rows
+runs slowly).
+
+oneDNN has no ``out=`` form: a result that must land in the workspace is computed on row chunks whose fresh
+outputs stay in cache and below glibc's mmap threshold, and copied into place (``packed_linear``); a step that
+consumes the rows at once takes the chunks as they come (``packed_chunks``).
+
+``packed_activated_linear`` computes an activation in oneDNN's GEMM epilogue, on the fp32 accumulator: in bf16 the
+linear's result is not rounded before the activation (one rounding fewer than transformers' Linear then activation:
+closer to float64, not its bits); in fp32 oneDNN's activation is within an ulp or two of torch's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import sys
+import time
+from collections.abc import Callable, Iterator
+
+import torch
+
+# Fresh output per oneDNN call on row chunks: small enough to stay in the last-level cache until it is read again
+# and far under glibc's mmap threshold (no page faults on reused heap memory).
+CHUNK_BYTES = 4 << 20
+# Activations oneDNN computes in its GEMM's epilogue, as (attr, algorithm) of ``_linear_pointwise``. quick_gelu,
+# x * sigmoid(1.702 x), has none: the swish post-op takes no alpha through this call.
+EPILOGUE_ACTIVATIONS = {"silu": ("swish", ""), "swish": ("swish", ""), "gelu": ("gelu", "none"),
+                        "gelu_pytorch_tanh": ("gelu", "tanh")}
+
+
+def onednn_linear_available() -> bool:
+    """Whether this torch has oneDNN's prepacked linear ops (CPU builds with mkldnn)."""
+    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+def return_freed_memory() -> None:
+    """Hand the heap pages freed so far back to the OS (glibc's ``malloc_trim``; nothing elsewhere). Packing a
+    tower frees each plain weight as its packed form arrives; without this the freed holes stay resident and the
+    packing would peak near twice the weights."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):  # not glibc (musl): nothing to trim
+            pass
+
+
+def pack_weight(weight: torch.Tensor, rows: int = 1024) -> torch.Tensor:
+    """The weight in oneDNN's blocked layout (an opaque ``mkldnn`` tensor); ``rows`` is a blocking hint."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
+
+
+def balanced_chunks(rows: int, step: int) -> list[slice]:
+    """Slices of at most ``step`` rows covering ``rows``, as equal as can be (no one-row tail)."""
+    count = max(1, math.ceil(rows / step))
+    size = math.ceil(rows / count)
+    return [slice(start, min(start + size, rows)) for start in range(0, rows, size)]
+
+
+def packed_chunks(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+                  ) -> Iterator[tuple[slice, torch.Tensor]]:
+    """``x @ weight.T + bias`` with a packed weight as (rows, fresh result of those rows) pairs, CHUNK_BYTES of
+    output at a time, each computed when the caller asks for it."""
+    step = max(1, CHUNK_BYTES // (weight.shape[0] * x.element_size()))
+    for rows in balanced_chunks(x.shape[0], step):
+        yield rows, torch.ops.mkldnn._linear_pointwise(x[rows], weight, bias, "none", [], "")
+
+
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` with a packed weight; into ``out`` by row chunks when given."""
+    if out is None:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    for rows, result in packed_chunks(x, weight, bias):
+        out[rows].copy_(result)
+    return out
+
+
+def packed_activated_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                            activation: str) -> torch.Tensor:
+    """``act(x @ weight.T + bias)`` with a packed weight, the activation in the GEMM's epilogue; a fresh result."""
+    attr, algorithm = EPILOGUE_ACTIVATIONS[activation]
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, attr, [], algorithm)
+
+
+def gemm_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int, scale: float,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """``attention.sdpa_batched``'s result, one (segment, head) at a time by two fp32 GEMMs and a softmax in place.
+
+    Where one head's L x L fp32 scores stay in cache between the GEMMs and the softmax, and oneDNN's GEMM runs
+    well above the CPU's SDPA kernel, this is faster; the plan measures where (``plan.CpuPlan``). Everything is
+    computed in fp32 (bf16 inputs are widened exactly) and rounded once into the output, so in bf16 it is closer to
+    float64 than SDPA, whose probabilities are rounded to bf16. Deviation: the scale multiplies q before the
+    product, not the scores after. Memory: one head's scores at a time (L^2 fp32).
+    """
+    length = q.shape[0] // count
+    out = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
+    for segment in range(count):
+        rows = slice(segment * length, (segment + 1) * length)
+        for head in range(q.shape[1]):
+            # Contiguous fp32 operands: oneDNN's linear on a strided weight is orders of magnitude slower.
+            q32 = q[rows, head].float() * scale
+            k32 = k[rows, head].float().contiguous()
+            v32_t = v[rows, head].t().float().contiguous()
+            scores = torch.ops.mkldnn._linear_pointwise(q32, k32, None, "none", [], "")  # q32 @ k32.T
+            torch.ops.aten._softmax.out(scores, -1, False, out=scores)
+            out[rows, head] = torch.ops.mkldnn._linear_pointwise(scores, v32_t, None, "none", [], "")
+    return out
+
+
+def best_seconds(fn: Callable[[], object], repeats: int) -> float:
+    """The best of ``repeats`` timed calls after one untimed warm-up (the benchmarks time kernels the same way)."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best

@@ -1,0 +1,74 @@
+"""A tower's linear weights in the layout the machine's plan chose: oneDNN's prepacked tensor, or plain.
+
+A packed weight replaces the plain one in its ``nn.Linear`` (one copy, not two: the load peak stays one layer above
+the tower). The modules never see it: only ``forward.CpuExecution`` runs a packed tower, and the tower unpacks before
+running the modules' own forward (autograd, autocast, compile). The tower's hooks keep the rest of torch's module
+contract: ``state_dict`` gives plain tensors (``dense_state_dict``), ``load_state_dict`` and ``.to()`` unpack first
+and pack again where the plan still applies.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..layers import VisionAttention
+from .kernels import pack_weight, return_freed_memory
+from .plan import DTYPES, CpuPlan, PlanNeeds, dtype_name
+
+
+def linear_layers(module: nn.Module) -> list[tuple[str, nn.Linear]]:
+    return [(name, m) for name, m in module.named_modules() if isinstance(m, nn.Linear)]
+
+
+def plan_needs(module: nn.Module) -> PlanNeeds:
+    """The linear shapes and attention shapes of a module's layers, in its dtype."""
+    linear = {(m.in_features, m.out_features, m.weight.dtype) for _, m in linear_layers(module)}
+    attention = {(m.qkv.weight.dtype, m.num_heads, m.head_dim) for m in module.modules()
+                 if isinstance(m, VisionAttention)}
+    return PlanNeeds(frozenset(linear), frozenset(attention))
+
+
+def pack_linears_(module: nn.Module, plan: CpuPlan) -> dict[str, int]:
+    """Each linear's weight packed where the plan runs oneDNN for its shape, plain elsewhere; returns the count of
+    layers per kernel. Weights off the CPU, in other dtypes or trainable stay plain."""
+    counts = {"addmm": 0, "onednn": 0}
+    for _, layer in linear_layers(module):
+        weight = layer.weight
+        runs_here = (weight.device.type == "cpu" and dtype_name(weight.dtype) in DTYPES and not weight.requires_grad
+                     and not weight.is_meta)
+        kernel = plan.linear_kernel(layer.in_features, layer.out_features, weight.dtype) if runs_here else "addmm"
+        if kernel == "onednn" and not weight.is_mkldnn:
+            layer.weight = nn.Parameter(pack_weight(weight), requires_grad=False)  # the plain one goes with its
+            return_freed_memory()  # Parameter: the peak stays one layer above the tower
+        elif kernel == "addmm" and weight.is_mkldnn:
+            layer.weight = nn.Parameter(weight.to_dense(), requires_grad=False)
+        counts[kernel] += 1
+    return counts
+
+
+def unpack_linears_(module: nn.Module) -> bool:
+    """Every packed weight plain again; returns whether there was one."""
+    found = False
+    for _, layer in linear_layers(module):
+        if layer.weight.is_mkldnn:
+            layer.weight = nn.Parameter(layer.weight.to_dense(), requires_grad=False)
+            found = True
+    return found
+
+
+def drop_packed_(module: nn.Module) -> None:
+    """Each packed weight replaced by a storage-less meta tensor of its shape (freeing, not converting: unpacking
+    first would allocate a copy just to drop it)."""
+    for _, layer in linear_layers(module):
+        weight = layer.weight
+        if weight.is_mkldnn:
+            layer.weight = nn.Parameter(torch.empty(weight.shape, dtype=weight.dtype, device="meta"),
+                                        requires_grad=False)
+
+
+def dense_state_dict(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+    """A ``state_dict`` hook: packed weights handed out plain, as checkpoints and every other reader expect."""
+    for key, value in state_dict.items():
+        if getattr(value, "is_mkldnn", False):
+            state_dict[key] = value.detach().to_dense()

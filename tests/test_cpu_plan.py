@@ -1,0 +1,163 @@
+"""The machine's CPU plan (qwenvl_vision.cpu.plan): measured once per machine and reused by later processes (the
+same bits), safe against corrupt, truncated, foreign and invalid files, an unwritable folder and two processes
+tuning at once; strict as a dict; and a run's plan applied on any machine."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+from qwenvl_vision import ConfigError, load_encoder
+from qwenvl_vision.cpu import plan as cpu_plan
+from qwenvl_vision.cpu.plan import CpuPlan, PlanNeeds, attention_key, machine_identity, machine_key, machine_plan
+from tests.helpers import QWEN2_5_SMALL, grids_for, inputs
+
+NEEDS = PlanNeeds(frozenset({(64, 96, torch.float32), (96, 64, torch.bfloat16)}),
+                  frozenset({(torch.float32, 2, 16)}))
+
+
+@pytest.fixture
+def fresh(tmp_path, monkeypatch):
+    """A cache folder of this test's own, no process memo, and a count of every measurement made."""
+    monkeypatch.setenv("QWENVL_VISION_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_plan, "PLANS", {})
+    calls = []
+    real = cpu_plan.measure
+    monkeypatch.setattr(cpu_plan, "measure", lambda needs, key: calls.append(needs) or real(needs, key))
+    return tmp_path / "cpu-plans", calls
+
+
+def plan_file(folder):
+    [path] = folder.glob("*.json")
+    return path
+
+
+def forget(monkeypatch):
+    """As a new process would start: no memo (the file stays)."""
+    monkeypatch.setattr(cpu_plan, "PLANS", {})
+
+
+def test_a_plan_is_measured_once_per_machine_and_read_back_by_a_later_process(fresh, monkeypatch):
+    folder, calls = fresh
+    first = machine_plan(NEEDS)
+    assert len(calls) == 1 and set(first.linear) == {"64x96:float32", "96x64:bfloat16"}
+    assert set(first.attention) == {attention_key(torch.float32, 2, 16, n) for n in cpu_plan.PROBE_LENGTHS}
+    stored = json.loads(plan_file(folder).read_text())
+    assert stored["identity"] == machine_identity() and plan_file(folder).stem == machine_key(machine_identity())
+    forget(monkeypatch)
+    assert machine_plan(NEEDS) == first and len(calls) == 1  # read, not measured
+    more = PlanNeeds(frozenset({(64, 96, torch.float32), (128, 64, torch.float32)}))
+    forget(monkeypatch)
+    grown = machine_plan(more)
+    assert len(calls) == 2 and calls[1].linear == {(128, 64, torch.float32)}  # only what the file lacked
+    assert grown.linear["64x96:float32"] == first.linear["64x96:float32"]
+
+
+@pytest.mark.parametrize("content", ["{not json", '{"format": 1, "machine": "x"', json.dumps([1, 2]),
+                                     "FOREIGN", "INVALID"], ids=["corrupt", "truncated", "not-an-object",
+                                                                 "foreign", "invalid-entry"])
+def test_a_bad_plan_file_is_one_warning_and_a_fresh_measurement(fresh, monkeypatch, content):
+    folder, calls = fresh
+    good = machine_plan(NEEDS)
+    path = plan_file(folder)
+    stored = json.loads(path.read_text())
+    if content == "FOREIGN":
+        content = json.dumps({**stored, "identity": {**stored["identity"], "cpu": "another CPU"}})
+    elif content == "INVALID":
+        content = json.dumps({**stored, "linear": {**stored["linear"], "64x96:float32": "mkl"}})
+    path.write_text(content)
+    forget(monkeypatch)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        again = machine_plan(NEEDS)
+    assert len(caught) == 1 and "measuring this machine again" in str(caught[0].message)
+    assert str(path) in str(caught[0].message) and "\n" not in str(caught[0].message)
+    assert len(calls) == 2 and set(again.linear) == set(good.linear)
+    assert CpuPlan.from_dict({k: v for k, v in json.loads(path.read_text()).items() if k != "identity"}) == again
+
+
+def test_an_unwritable_cache_folder_still_gives_a_plan(tmp_path, monkeypatch):
+    """A folder that cannot be made (a file sits where it would be: permissions do not stop root): one warning, the
+    plan measured for the process, no file."""
+    (tmp_path / "blocked").write_text("a file, not a folder")
+    monkeypatch.setenv("QWENVL_VISION_CACHE", str(tmp_path / "blocked"))
+    monkeypatch.setattr(cpu_plan, "PLANS", {})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = machine_plan(NEEDS)
+    assert len(caught) == 1 and "for this process only" in str(caught[0].message)
+    assert set(plan.linear) == {"64x96:float32", "96x64:bfloat16"}
+
+
+TUNER = """
+import json, sys
+import torch
+from qwenvl_vision.cpu import plan
+real = plan.measure
+def counted(needs, key):
+    print("measured", flush=True)
+    return real(needs, key)
+plan.measure = counted
+needs = plan.PlanNeeds(frozenset({(512, 768, torch.float32), (768, 512, torch.float32)}),
+                       frozenset({(torch.float32, 4, 64)}))
+print(json.dumps(plan.machine_plan(needs).to_dict()), flush=True)
+"""
+
+
+def test_two_processes_tuning_at_once_measure_once_and_agree(tmp_path):
+    env = {**__import__("os").environ, "QWENVL_VISION_CACHE": str(tmp_path)}
+    procs = [subprocess.Popen([sys.executable, "-c", TUNER], env=env, stdout=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outputs = [p.communicate(timeout=300)[0].splitlines() for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert sum(line == "measured" for out in outputs for line in out) == 1
+    assert json.loads(outputs[0][-1]) == json.loads(outputs[1][-1])
+
+
+def test_two_processes_give_the_same_bits_on_the_machine_plan():
+    """A later process on this machine reads the plan this one runs: the same kernels, so the same bits."""
+    encoder = load_encoder(QWEN2_5_SMALL, random_weights=True, device="cpu", dtype="bfloat16")
+    pixel_values, grid_thw = inputs(QWEN2_5_SMALL, grids_for(QWEN2_5_SMALL))
+    here = torch.cat(encoder.encode_patches(pixel_values, grid_thw).embeddings)
+    script = f"""
+import json
+import torch
+from qwenvl_vision import load_encoder
+from tests.helpers import QWEN2_5_SMALL, grids_for, inputs
+torch.set_num_threads({torch.get_num_threads()})
+encoder = load_encoder(QWEN2_5_SMALL, random_weights=True, device="cpu", dtype="bfloat16")
+pixel_values, grid_thw = inputs(QWEN2_5_SMALL, grids_for(QWEN2_5_SMALL))
+print(json.dumps(encoder.model.cpu_plan.to_dict()))
+torch.save(torch.cat(encoder.encode_patches(pixel_values, grid_thw).embeddings), "{{out}}")
+"""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        out = f"{folder}/there.pt"
+        done = subprocess.run([sys.executable, "-c", script.replace("{out}", out)], capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert json.loads(done.stdout.splitlines()[-1]) == encoder.model.cpu_plan.to_dict()
+        assert torch.equal(torch.load(out), here)
+
+
+def test_a_plan_round_trips_as_a_dict_and_bad_ones_are_refused():
+    plan = CpuPlan("abc", {"64x96:float32": "addmm"}, {attention_key(torch.bfloat16, 2, 16, 512): "gemm"})
+    assert CpuPlan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
+    assert plan.attention_path(torch.bfloat16, 2, 16, 600) == "gemm"  # nearest probe: 512
+    assert plan.attention_path(torch.bfloat16, 2, 16, 64) == "sdpa"  # no entry: torch's own
+    assert plan.attention_path(torch.bfloat16, 2, 16, 100_000) == "sdpa"  # beyond the GEMM path's memory bound
+    assert plan.linear_kernel(128, 64, torch.float32) == "addmm"
+    for bad, match in [([], "JSON object"), ({**plan.to_dict(), "extra": 1}, "fields"),
+                       ({**plan.to_dict(), "format": 9}, "format 9"),
+                       ({**plan.to_dict(), "linear": {"64x96:float16": "addmm"}}, "64x96:float16"),
+                       ({**plan.to_dict(), "attention": {"bfloat16:2x16:512": "flash"}}, "flash")]:
+        with pytest.raises(ConfigError, match=match):
+            CpuPlan.from_dict(bad)
+    with pytest.raises(ConfigError, match="format"):
+        load_encoder(QWEN2_5_SMALL, random_weights=True, device="cpu", cpu_kernels={"format": 2})
