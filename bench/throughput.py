@@ -358,6 +358,9 @@ def main(argv: list[str] | None = None) -> dict:
                              "(e.g. sdpa,flash_attention_2)")
     parser.add_argument("--compile", action="store_true",
                         help="also time a torch.compile'd copy of ours (compile_blocks; compiled during warm-up)")
+    parser.add_argument("--freezing", action="store_true",
+                        help="with --compile: inductor's freezing pass (weights folded as constants, oneDNN's "
+                             "prepacked linears: what the CPU backend writes by hand)")
     parser.add_argument("--gemm-bound", action="store_true",
                         help="also time the forward's GEMMs and attention alone (bench.gemm_bound) and report each "
                              "variant as a fraction of that bound")
@@ -370,6 +373,12 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.compile and args.warmup < 1:
         parser.error("--compile needs --warmup >= 1: the first forward compiles")
+    if args.freezing:
+        if not args.compile:
+            parser.error("--freezing needs --compile")
+        import torch._inductor.config as inductor_config
+
+        inductor_config.freezing = True
 
     if args.threads:
         torch.set_num_threads(args.threads)

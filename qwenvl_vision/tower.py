@@ -30,8 +30,9 @@ from .attention import ATTN_IMPLS, BACKENDS, SegmentPlan, resolve_attn_impl
 from .cache import ShapeCache
 from .config import VisionConfig
 from .cpu.forward import CpuExecution
+from .cpu.machine import machine_plan
 from .cpu.packing import dense_state_dict, drop_packed_, linear_layers, pack_linears_, plan_needs, unpack_linears_
-from .cpu.plan import CpuPlan, machine_plan
+from .cpu.plan import CpuPlan
 from .cpu.workspace import Workspace
 from .errors import ConfigError, InputError
 from .layers import AttentionInputs, Block, PatchEmbed, PatchMerger
@@ -367,7 +368,7 @@ class VisionTower(nn.Module):
     # ------------------------------------------------------------------ the CPU backend
 
     def set_cpu_kernels(self, cpu_kernels: str | dict | CpuPlan = "auto") -> None:
-        """How the CPU runs inference: "auto" (the machine's measured plan, ``cpu.plan.machine_plan``),
+        """How the CPU runs inference: "auto" (the machine's measured plan, ``cpu.machine.machine_plan``),
         "reference" (the modules' own ops: transformers' addmm and SDPA), or a plan (a ``CpuPlan`` or its dict,
         e.g. a run's recorded one). Applied now where the weights are on the CPU (measuring what this machine's
         plan lacks, packing the linears it runs on oneDNN), else when they arrive there."""

@@ -159,12 +159,11 @@ def test_bf16_packed_tower_within_tolerance_and_addmm_bitwise_where_this_machine
     GELU-tanh), the hidden activations skip one bf16 rounding: one MLP alone is closer to float64, on any CPU."""
     chunk_bytes, block_rows = 16 << 10, 24
     monkeypatch.setattr(kernels, "CHUNK_BYTES", chunk_bytes)
-    monkeypatch.setattr(forward, "MLP_BLOCK_ROWS", block_rows)
     ref = hf_tower(cfg, seed=0)
     plain = ours_from(ref, cfg).to(torch.bfloat16)
     plain.set_cpu_kernels(forced_plan(plain, "addmm"))
     packed = ours_from(ref, cfg).to(torch.bfloat16)
-    packed.set_cpu_kernels(forced_plan(packed, "onednn"))
+    packed.set_cpu_kernels(forced_plan(packed, "onednn", mlp_rows=block_rows))
     pixel_values, grid_thw = inputs(cfg, grids_for(cfg))
     with torch.no_grad():
         a, levels_a = plain(pixel_values, grid_thw)
@@ -193,7 +192,7 @@ def test_bf16_packed_tower_within_tolerance_and_addmm_bitwise_where_this_machine
     hidden = ACT2FN[cfg.hidden_act](x.double() @ fc1.T + mlp_plain.linear_fc1.bias.double())
     want = hidden @ fc2.T + mlp_plain.linear_fc2.bias.double()
     wide = max(3 * cfg.hidden_size, mlp_plain.linear_fc1.out_features)  # as the tower sizes its workspace
-    run = execution(torch.bfloat16, 200, cfg.hidden_size, wide)
+    run = execution(torch.bfloat16, 200, cfg.hidden_size, wide, packed.cpu_plan)
     with torch.no_grad():
         got = {name: run.mlp(mlp, x, residual=torch.zeros_like(x)).double() for name, mlp in
                [("plain", mlp_plain), ("packed", mlp_packed)]}

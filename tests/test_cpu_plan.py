@@ -1,6 +1,6 @@
-"""The machine's CPU plan (qwenvl_vision.cpu.plan): measured once per machine and reused by later processes (the
-same bits), safe against corrupt, truncated, foreign and invalid files, an unwritable folder and two processes
-tuning at once; strict as a dict; and a run's plan applied on any machine."""
+"""The machine's CPU plan (qwenvl_vision.cpu.machine, cpu.plan): measured once per machine and reused by later
+processes (the same bits), safe against corrupt, truncated, foreign and invalid files, an unwritable folder and
+two processes tuning at once; strict as a dict; and a run's plan applied on any machine."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from qwenvl_vision import ConfigError, load_encoder
-from qwenvl_vision.cpu import plan as cpu_plan
-from qwenvl_vision.cpu.plan import CpuPlan, PlanNeeds, attention_key, machine_identity, machine_key, machine_plan
+from qwenvl_vision.cpu import machine
+from qwenvl_vision.cpu.machine import machine_identity, machine_key, machine_plan
+from qwenvl_vision.cpu.plan import DEFAULT_MLP_ROWS, PROBE_LENGTHS, CpuPlan, PlanNeeds, attention_key
 from tests.helpers import QWEN2_5_SMALL, grids_for, inputs
 
 NEEDS = PlanNeeds(frozenset({(64, 96, torch.float32), (96, 64, torch.bfloat16)}),
@@ -25,10 +26,11 @@ NEEDS = PlanNeeds(frozenset({(64, 96, torch.float32), (96, 64, torch.bfloat16)})
 def fresh(tmp_path, monkeypatch):
     """A cache folder of this test's own, no process memo, and a count of every measurement made."""
     monkeypatch.setenv("QWENVL_VISION_CACHE", str(tmp_path))
-    monkeypatch.setattr(cpu_plan, "PLANS", {})
+    monkeypatch.setattr(machine, "PLANS", {})
     calls = []
-    real = cpu_plan.measure
-    monkeypatch.setattr(cpu_plan, "measure", lambda needs, key: calls.append(needs) or real(needs, key))
+    real = machine.measure
+    monkeypatch.setattr(machine, "measure",
+                        lambda needs, key, known=None: calls.append(needs) or real(needs, key, known))
     return tmp_path / "cpu-plans", calls
 
 
@@ -39,14 +41,14 @@ def plan_file(folder):
 
 def forget(monkeypatch):
     """As a new process would start: no memo (the file stays)."""
-    monkeypatch.setattr(cpu_plan, "PLANS", {})
+    monkeypatch.setattr(machine, "PLANS", {})
 
 
 def test_a_plan_is_measured_once_per_machine_and_read_back_by_a_later_process(fresh, monkeypatch):
     folder, calls = fresh
     first = machine_plan(NEEDS)
     assert len(calls) == 1 and set(first.linear) == {"64x96:float32", "96x64:bfloat16"}
-    assert set(first.attention) == {attention_key(torch.float32, 2, 16, n) for n in cpu_plan.PROBE_LENGTHS}
+    assert set(first.attention) == {attention_key(torch.float32, 2, 16, n) for n in PROBE_LENGTHS}
     stored = json.loads(plan_file(folder).read_text())
     assert stored["identity"] == machine_identity() and plan_file(folder).stem == machine_key(machine_identity())
     forget(monkeypatch)
@@ -86,7 +88,7 @@ def test_an_unwritable_cache_folder_still_gives_a_plan(tmp_path, monkeypatch):
     plan measured for the process, no file."""
     (tmp_path / "blocked").write_text("a file, not a folder")
     monkeypatch.setenv("QWENVL_VISION_CACHE", str(tmp_path / "blocked"))
-    monkeypatch.setattr(cpu_plan, "PLANS", {})
+    monkeypatch.setattr(machine, "PLANS", {})
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         plan = machine_plan(NEEDS)
@@ -97,11 +99,11 @@ def test_an_unwritable_cache_folder_still_gives_a_plan(tmp_path, monkeypatch):
 TUNER = """
 import json, sys
 import torch
-from qwenvl_vision.cpu import plan
+from qwenvl_vision.cpu import machine as plan
 real = plan.measure
-def counted(needs, key):
+def counted(needs, key, known=None):
     print("measured", flush=True)
-    return real(needs, key)
+    return real(needs, key, known)
 plan.measure = counted
 needs = plan.PlanNeeds(frozenset({(512, 768, torch.float32), (768, 512, torch.float32)}),
                        frozenset({(torch.float32, 4, 64)}))
@@ -161,3 +163,24 @@ def test_a_plan_round_trips_as_a_dict_and_bad_ones_are_refused():
             CpuPlan.from_dict(bad)
     with pytest.raises(ConfigError, match="format"):
         load_encoder(QWEN2_5_SMALL, random_weights=True, device="cpu", cpu_kernels={"format": 2})
+
+
+@pytest.mark.parametrize("kernel", ["onednn", "addmm"])
+def test_an_mlp_s_block_rows_are_measured_where_both_its_linears_run_packed(fresh, monkeypatch, kernel):
+    from qwenvl_vision.cpu.kernels import onednn_linear_available
+
+    if not onednn_linear_available():
+        pytest.skip("this torch has no oneDNN linear")
+    monkeypatch.setattr(machine, "measure_linear", lambda *_, **__: kernel)
+    timed = []
+    real = machine.measure_mlp_rows
+    monkeypatch.setattr(machine, "measure_mlp_rows", lambda *a, **k: timed.append(a) or real(*a, **k))
+    needs = PlanNeeds(frozenset({(64, 192, torch.bfloat16), (96, 64, torch.bfloat16)}), frozenset(),
+                      frozenset({("gated", 64, 96, "silu", torch.bfloat16)}))
+    plan = machine_plan(needs)
+    rows = plan.mlp_rows("gated", 64, 96, torch.bfloat16)
+    if kernel == "onednn":
+        assert timed == [("gated", 64, 96, "silu", torch.bfloat16)] and rows in machine.MLP_ROW_CHOICES
+    else:
+        assert timed == [] and rows == DEFAULT_MLP_ROWS  # no row blocks without both linears packed
+    assert plan.mlp == {"gated:64x96:bfloat16": rows}

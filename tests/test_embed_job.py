@@ -266,7 +266,7 @@ def test_debug_shows_the_traceback(tmp_path, checkpoint, capsys):
 
 def machine_measures(monkeypatch, tmp_path, kernel: str) -> None:
     """This process's machine plan made to choose ``kernel`` for every linear: a fresh cache folder, no memo."""
-    from qwenvl_vision.cpu import plan
+    from qwenvl_vision.cpu import machine as plan
 
     monkeypatch.setenv("QWENVL_VISION_CACHE", str(tmp_path / f"cache-{kernel}"))
     monkeypatch.setattr(plan, "PLANS", {})

@@ -156,7 +156,7 @@ def test_actors_run_at_the_run_threads_and_plan_bitwise_another_process(tmp_path
     encode_images in this process under the same threads and plan."""
     import json
 
-    from qwenvl_vision.cpu import plan
+    from qwenvl_vision.cpu import machine as plan
     from qwenvl_vision.cpu.kernels import onednn_linear_available
 
     if not onednn_linear_available():

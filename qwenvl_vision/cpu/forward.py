@@ -43,10 +43,6 @@ from .kernels import (
 from .plan import CpuPlan
 from .workspace import Workspace, row_chunks
 
-# Rows of an MLP's block: a block's hidden activations stay in the last-level cache between the two GEMMs, and
-# 512 rows are enough for the GEMMs to run at their full rate.
-MLP_BLOCK_ROWS = 512
-
 # name -> (in place, into out)
 ACTIVATIONS: dict[str, tuple[Callable, Callable]] = {
     "silu": (lambda x: F.silu(x, inplace=True), lambda x, out: torch.ops.aten.silu.out(x, out=out)),
@@ -178,11 +174,12 @@ class CpuExecution:
 
     def mlp(self, mlp: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """``residual += mlp(x)``: by row blocks where both linears are packed (each block's hidden activations
-        computed, consumed and dropped while in cache), else through the workspace."""
+        computed, consumed and dropped while in cache; the plan's rows per block), else through the workspace."""
         gated = isinstance(mlp, GatedMLP)
         first, second = (mlp.gate_up_proj, mlp.down_proj) if gated else (mlp.linear_fc1, mlp.linear_fc2)
         if packed(first) and packed(second):
-            for rows in balanced_chunks(x.shape[0], MLP_BLOCK_ROWS):
+            block = self.plan.mlp_rows("gated" if gated else "plain", first.in_features, second.in_features, x.dtype)
+            for rows in balanced_chunks(x.shape[0], block):
                 self.add_linear_(residual[rows], self.hidden_block(mlp, x[rows], gated), second)
             return residual
         hidden = self.gated(x, first, mlp.act) if gated else self.activated(x, first, mlp.act)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..layers import VisionAttention
+from ..layers import MLP, GatedMLP, VisionAttention
 from .kernels import pack_weight, return_freed_memory
 from .plan import DTYPES, CpuPlan, PlanNeeds, dtype_name
 
@@ -22,11 +22,15 @@ def linear_layers(module: nn.Module) -> list[tuple[str, nn.Linear]]:
 
 
 def plan_needs(module: nn.Module) -> PlanNeeds:
-    """The linear shapes and attention shapes of a module's layers, in its dtype."""
+    """The linear shapes, attention shapes and MLPs of a module's layers, in its dtype."""
     linear = {(m.in_features, m.out_features, m.weight.dtype) for _, m in linear_layers(module)}
     attention = {(m.qkv.weight.dtype, m.num_heads, m.head_dim) for m in module.modules()
                  if isinstance(m, VisionAttention)}
-    return PlanNeeds(frozenset(linear), frozenset(attention))
+    mlp = {("gated", m.down_proj.out_features, m.down_proj.in_features, m.act, m.down_proj.weight.dtype)
+           if isinstance(m, GatedMLP) else
+           ("plain", m.linear_fc2.out_features, m.linear_fc2.in_features, m.act, m.linear_fc2.weight.dtype)
+           for m in module.modules() if isinstance(m, (GatedMLP, MLP))}
+    return PlanNeeds(frozenset(linear), frozenset(attention), frozenset(mlp))
 
 
 def pack_linears_(module: nn.Module, plan: CpuPlan) -> dict[str, int]:

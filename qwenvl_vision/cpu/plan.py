@@ -1,18 +1,10 @@
-"""The CPU backend's choices for one machine, measured on it once and kept in the user's cache folder.
+"""The CPU backend's choices for one machine: ``CpuPlan``, and what a tower asks of one (``PlanNeeds``).
 
-A ``CpuPlan`` says which kernel runs each linear shape and dtype (torch's ``addmm`` or oneDNN's prepacked linear)
-and which attention path runs each segment length (SDPA, or two fp32 GEMMs per head). Each entry is a timing on
-the machine at hand, never a constant fitted to one CPU: the rates differ by vendor, ISA (AVX-512, AMX), torch
-build and thread count, and so do the winners.
-
-A plan is keyed by the machine (CPU model, ISA flags, architecture, torch version, torch threads, oneDNN) and
-stored as ``{key}.json`` under ``$QWENVL_VISION_CACHE/cpu-plans`` (default ``$XDG_CACHE_HOME/qwenvl-vision`` or
-``~/.cache/qwenvl-vision``). Every later process on that machine reuses it, so two processes choose the same
-kernels and give the same bits. The file is only an optimisation: one that is corrupt, truncated, foreign (another
-machine's key or format) or invalid is reported in one warning and measured again; two processes tuning at once
-take turns on a lock file (the second reads what the first measured); a folder that cannot be written still works,
-its plan measured for the process alone. Entries are added as towers need them (``machine_plan``); an entry once
-recorded is never measured again.
+A plan says which kernel runs each linear shape and dtype (torch's ``addmm`` or oneDNN's prepacked linear), which
+attention path runs each segment length (SDPA, or two fp32 GEMMs per head) and how many rows an MLP with both
+linears packed runs at a time. Each entry is a timing on the machine at hand (``machine.machine_plan``), never a
+constant fitted to one CPU: the rates differ by vendor, ISA (AVX-512, AMX), torch build and thread count, and so do
+the winners. Shapes a plan holds no entry for run torch's own kernels.
 
 A plan travels as a dict (``to_dict`` / ``from_dict``, validated strictly), so a resumed run, a rank or a Ray actor
 on another machine runs the plan its run recorded.
@@ -20,27 +12,18 @@ on another machine runs the plan its run recorded.
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import json
 import math
-import os
-import platform
 import re
-import threading
-import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-from ..durable import replace_atomically
 from ..errors import ConfigError
-from .kernels import best_seconds, gemm_attention, onednn_linear_available, pack_weight, packed_chunks
+from .kernels import onednn_linear_available
 
 PLAN_FORMAT = 1
+PLAN_FIELDS = ("format", "machine", "linear", "attention", "mlp")
 LINEAR_KERNELS = ("addmm", "onednn")
 ATTENTION_PATHS = ("sdpa", "gemm")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -49,15 +32,13 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # 8,192 tokens), a memory bound, not a speed one.
 PROBE_LENGTHS = (64, 128, 256, 512, 1024, 2048, 4096)
 MAX_GEMM_LENGTH = 6144
-PROBE_TOKENS = 2048  # tokens per attention probe (segments of a length batched up to it): rates, not totals
-LINEAR_PROBE_ROWS = 1024  # the towers' packs hold thousands of rows, and the rate flattens by here
-# Preferences on a near tie, not fits to a machine: in fp32 oneDNN rounds differently from addmm, so the reference's
-# kernel stays unless oneDNN is 10% faster; in bf16 a packed weight also lets an MLP run by row blocks with its
-# activation in the GEMM's epilogue, so oneDNN stays unless addmm is 5% faster.
-ONEDNN_FASTER_BY = {"float32": 1.10, "bfloat16": 0.95}
+# Rows of an MLP's block where a plan has no measurement (a recorded plan of another tower): a block's hidden
+# activations should stay in the last-level cache between the two GEMMs, with enough rows for the GEMMs' full rate.
+DEFAULT_MLP_ROWS = 512
 
 LINEAR_KEY = re.compile(r"^(\d+)x(\d+):(float32|bfloat16)$")
 ATTENTION_KEY = re.compile(r"^(float32|bfloat16):(\d+)x(\d+):(\d+)$")
+MLP_KEY = re.compile(r"^(gated|plain):(\d+)x(\d+):(float32|bfloat16)$")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -72,16 +53,22 @@ def attention_key(dtype: torch.dtype, heads: int, head_dim: int, length: int) ->
     return f"{dtype_name(dtype)}:{heads}x{head_dim}:{length}"
 
 
+def mlp_key(kind: str, dim: int, hidden: int, dtype: torch.dtype) -> str:
+    return f"{kind}:{dim}x{hidden}:{dtype_name(dtype)}"
+
+
 def nearest_probe(length: int) -> int:
     return min(PROBE_LENGTHS, key=lambda probe: abs(math.log2(probe) - math.log2(max(length, 1))))
 
 
 @dataclass(frozen=True)
 class PlanNeeds:
-    """What a tower asks of a plan: its linear shapes and its attention shapes (heads, head_dim), per dtype."""
+    """What a tower asks of a plan: its linear shapes, its attention shapes (heads, head_dim) and its MLPs (kind,
+    dim, hidden, activation), per dtype."""
 
     linear: frozenset[tuple[int, int, torch.dtype]] = frozenset()
     attention: frozenset[tuple[torch.dtype, int, int]] = frozenset()
+    mlp: frozenset[tuple[str, int, int, str, torch.dtype]] = frozenset()
 
     def linear_keys(self) -> list[str]:
         return sorted(linear_key(i, o, d) for i, o, d in self.linear if dtype_name(d) in DTYPES)
@@ -89,6 +76,12 @@ class PlanNeeds:
     def attention_keys(self) -> list[str]:
         return sorted(attention_key(d, h, hd, n) for d, h, hd in self.attention if dtype_name(d) in DTYPES
                       for n in PROBE_LENGTHS)
+
+    def mlp_keys(self) -> list[str]:
+        return sorted(mlp_key(kind, dim, hidden, d) for kind, dim, hidden, _, d in self.mlp if dtype_name(d) in DTYPES)
+
+    def empty(self) -> bool:
+        return not (self.linear or self.attention or self.mlp)
 
 
 @dataclass(frozen=True)
@@ -99,6 +92,7 @@ class CpuPlan:
     machine: str
     linear: Mapping[str, str] = field(default_factory=dict)
     attention: Mapping[str, str] = field(default_factory=dict)
+    mlp: Mapping[str, int] = field(default_factory=dict)
 
     def linear_kernel(self, in_features: int, out_features: int, dtype: torch.dtype) -> str:
         return self.linear.get(linear_key(in_features, out_features, dtype), "addmm")
@@ -108,22 +102,28 @@ class CpuPlan:
             return "sdpa"
         return self.attention.get(attention_key(dtype, heads, head_dim, nearest_probe(length)), "sdpa")
 
+    def mlp_rows(self, kind: str, dim: int, hidden: int, dtype: torch.dtype) -> int:
+        return self.mlp.get(mlp_key(kind, dim, hidden, dtype), DEFAULT_MLP_ROWS)
+
     def missing(self, needs: PlanNeeds) -> PlanNeeds:
         """The part of ``needs`` this plan holds no entry for."""
         linear = {need for need in needs.linear if dtype_name(need[2]) in DTYPES
                   and linear_key(*need) not in self.linear}
         attention = {need for need in needs.attention if dtype_name(need[0]) in DTYPES
                      and any(attention_key(*need, n) not in self.attention for n in PROBE_LENGTHS)}
-        return PlanNeeds(frozenset(linear), frozenset(attention))
+        mlp = {need for need in needs.mlp if dtype_name(need[4]) in DTYPES
+               and mlp_key(*need[:3], need[4]) not in self.mlp}
+        return PlanNeeds(frozenset(linear), frozenset(attention), frozenset(mlp))
 
     def with_entries(self, other: CpuPlan) -> CpuPlan:
         """This plan with ``other``'s entries added where it has none (its own are kept: a choice a process has run
         with does not change under it)."""
-        return CpuPlan(self.machine, {**other.linear, **self.linear}, {**other.attention, **self.attention})
+        return CpuPlan(self.machine, {**other.linear, **self.linear}, {**other.attention, **self.attention},
+                       {**other.mlp, **self.mlp})
 
     def to_dict(self) -> dict:
         return {"format": PLAN_FORMAT, "machine": self.machine, "linear": dict(sorted(self.linear.items())),
-                "attention": dict(sorted(self.attention.items()))}
+                "attention": dict(sorted(self.attention.items())), "mlp": dict(sorted(self.mlp.items()))}
 
     @classmethod
     def from_dict(cls, data: object) -> CpuPlan:
@@ -131,8 +131,8 @@ class CpuPlan:
         this version writes."""
         if not isinstance(data, dict):
             raise ConfigError(f"a CPU plan must be a JSON object, got {type(data).__name__}")
-        if set(data) != {"format", "machine", "linear", "attention"}:
-            raise ConfigError(f"a CPU plan has the fields format, machine, linear, attention; got {sorted(data)}")
+        if set(data) != set(PLAN_FIELDS):
+            raise ConfigError(f"a CPU plan has the fields {', '.join(PLAN_FIELDS)}; got {sorted(data)}")
         if data["format"] != PLAN_FORMAT:
             raise ConfigError(f"CPU plan format {data['format']!r} is not {PLAN_FORMAT}")
         if not isinstance(data["machine"], str):
@@ -145,192 +145,11 @@ class CpuPlan:
             for key, value in entries.items():
                 if not isinstance(key, str) or not pattern.match(key) or value not in allowed:
                     raise ConfigError(f"CPU plan {name} entry {key!r}: {value!r} (allowed: {list(allowed)})")
+        if not isinstance(data["mlp"], dict):
+            raise ConfigError("a CPU plan's mlp must be an object")
+        for key, rows in data["mlp"].items():
+            if not isinstance(key, str) or not MLP_KEY.match(key) or type(rows) is not int or rows < 1:
+                raise ConfigError(f"CPU plan mlp entry {key!r}: {rows!r} (rows of a block, a positive integer)")
         if "onednn" in data["linear"].values() and not onednn_linear_available():
             raise ConfigError("the CPU plan runs oneDNN's linear, which this torch lacks (no mkldnn linear ops)")
-        return cls(data["machine"], dict(data["linear"]), dict(data["attention"]))
-
-
-# ----------------------------------------------------------------------------- measuring
-
-
-def measure_linear(in_features: int, out_features: int, dtype: torch.dtype, repeats: int = 3) -> str:
-    """The kernel for a (rows, in) x (in, out) product in ``dtype`` here: addmm into a reused output, or oneDNN's
-    prepacked linear on row chunks the next step reads as they come (as the backend calls each)."""
-    generator = torch.Generator().manual_seed(0)
-    weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
-    x = torch.randn(LINEAR_PROBE_ROWS, in_features, generator=generator).to(dtype)
-    bias, out = torch.zeros(out_features, dtype=dtype), torch.empty(LINEAR_PROBE_ROWS, out_features, dtype=dtype)
-    packed = pack_weight(weight)
-
-    def onednn() -> None:
-        for _ in packed_chunks(x, packed, bias):
-            pass
-
-    addmm_s = best_seconds(lambda: torch.addmm(bias, x, weight.t(), out=out), repeats)
-    onednn_s = best_seconds(onednn, repeats)
-    return "onednn" if onednn_s * ONEDNN_FASTER_BY[dtype_name(dtype)] < addmm_s else "addmm"
-
-
-def measure_attention(dtype: torch.dtype, heads: int, head_dim: int, repeats: int = 2) -> dict[str, str]:
-    """The attention path per probe length for segments of (heads, head_dim) in ``dtype`` here: SDPA or the GEMM
-    form, whichever ran faster on PROBE_TOKENS tokens of such segments."""
-    generator = torch.Generator().manual_seed(0)
-    choices = {}
-    for length in PROBE_LENGTHS:
-        count = max(1, PROBE_TOKENS // length)
-        q, k, v = (torch.randn(count * length, heads, head_dim, generator=generator).to(dtype) for _ in range(3))
-        sdpa_s, gemm_s = attention_seconds(q, k, v, count, repeats)
-        choices[attention_key(dtype, heads, head_dim, length)] = "gemm" if gemm_s < sdpa_s else "sdpa"
-    return choices
-
-
-def attention_seconds(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int, repeats: int
-                      ) -> tuple[float, float]:
-    """Seconds of ``count`` equal segments by SDPA (as ``attention.sdpa_batched`` calls it) and by the GEMM form."""
-    out, scale = torch.empty_like(q), q.shape[-1] ** -0.5
-    length, heads, head_dim = q.shape[0] // count, q.shape[1], q.shape[2]
-
-    def sdpa() -> None:
-        split = [x.view(count, length, heads, head_dim).transpose(1, 2) for x in (q, k, v)]
-        out.view(count, length, heads, head_dim).transpose(1, 2).copy_(
-            F.scaled_dot_product_attention(*split, scale=scale))
-
-    return (best_seconds(sdpa, repeats),
-            best_seconds(lambda: gemm_attention(q, k, v, count, scale, out), repeats))
-
-
-def measure(needs: PlanNeeds, machine: str) -> CpuPlan:
-    """A plan of ``needs`` measured now (torch's kernels only where this torch has no oneDNN linear)."""
-    if not onednn_linear_available():
-        return CpuPlan(machine, dict.fromkeys(needs.linear_keys(), "addmm"),
-                       dict.fromkeys(needs.attention_keys(), "sdpa"))
-    with torch.no_grad():
-        linear = {linear_key(i, o, d): measure_linear(i, o, d) for i, o, d in sorted(needs.linear, key=str)
-                  if dtype_name(d) in DTYPES}
-        attention = {}
-        for d, h, hd in sorted(needs.attention, key=str):
-            if dtype_name(d) in DTYPES:
-                attention.update(measure_attention(d, h, hd))
-    return CpuPlan(machine, linear, attention)
-
-
-# ----------------------------------------------------------------------------- the machine and its cache file
-
-
-def machine_identity() -> dict:
-    """What a plan's measurements depend on: the CPU (model name and ISA flags), torch, its threads, oneDNN."""
-    name, flags = platform.processor(), ""
-    with contextlib.suppress(OSError):
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                key = key.strip()
-                if key in ("model name", "Model", "cpu model") and not name.strip():
-                    name = value.strip()
-                elif key in ("flags", "Features") and not flags:
-                    flags = " ".join(sorted(value.split()))
-            # the first processor's lines describe the CPU: every later one repeats them
-    return {"cpu": name.strip() or platform.machine(), "arch": platform.machine(),
-            "isa_sha256": hashlib.sha256(flags.encode()).hexdigest()[:16], "torch": torch.__version__,
-            "threads": torch.get_num_threads(), "onednn": onednn_linear_available()}
-
-
-def machine_key(identity: dict) -> str:
-    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def plan_folder() -> Path:
-    root = os.environ.get("QWENVL_VISION_CACHE")
-    if root:
-        return Path(root) / "cpu-plans"
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "qwenvl-vision" / "cpu-plans"
-
-
-def warn(message: str) -> None:
-    warnings.warn(f"qwenvl-vision: {message}", RuntimeWarning, stacklevel=3)
-
-
-def read_plan_file(path: Path, identity: dict, key: str) -> CpuPlan | None:
-    """The plan stored at ``path`` for this machine, or None: missing silently; unreadable, corrupt, truncated,
-    foreign or invalid with one warning (it is measured again and the file replaced)."""
-    try:
-        text = path.read_text()
-    except (FileNotFoundError, NotADirectoryError):  # never measured here, or no folder to hold it
-        return None
-    except (OSError, UnicodeDecodeError) as e:
-        warn(f"cannot read the CPU plan {path} ({e}); measuring this machine again")
-        return None
-    try:
-        data = json.loads(text)
-        if not isinstance(data, dict) or data.get("identity") != identity:
-            raise ConfigError("it was measured on another machine, torch or thread count")
-        plan = CpuPlan.from_dict({name: data.get(name) for name in ("format", "machine", "linear", "attention")})
-        if plan.machine != key:
-            raise ConfigError(f"its key {plan.machine!r} is not this machine's {key!r}")
-        return plan
-    except (ValueError, ConfigError) as e:  # json's errors are ValueErrors
-        warn(f"ignoring the CPU plan {path}: {e}; measuring this machine again")
-        return None
-
-
-@contextlib.contextmanager
-def plan_lock(folder: Path, key: str) -> Iterator[bool]:
-    """Hold ``{key}.lock`` (one process tunes at a time); yields whether the folder can be written at all."""
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        fd = os.open(folder / f"{key}.lock", os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError:
-        yield False
-        return
-    try:
-        try:
-            import fcntl
-        except ImportError:  # no flock on this platform: concurrent tuners may both measure, each file whole
-            yield True
-            return
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield True
-    finally:
-        os.close(fd)  # closing releases the lock
-
-
-# Process-wide memo of plans by machine key: strings only (no tensor, no model), so every tower of a process runs
-# one plan; the lock makes concurrent loads measure once.
-PLANS: dict[str, CpuPlan] = {}
-PLANS_LOCK = threading.Lock()
-
-
-def machine_plan(needs: PlanNeeds) -> CpuPlan:
-    """This machine's plan, holding an entry for every need: read from the cache file, what it lacks measured now
-    and saved (see the module docstring)."""
-    identity = machine_identity()
-    key = machine_key(identity)
-    with PLANS_LOCK:
-        plan = PLANS.get(key, CpuPlan(key))
-        if not plan.missing(needs).linear and not plan.missing(needs).attention:
-            return plan
-        folder = plan_folder()
-        path = folder / f"{key}.json"
-        with plan_lock(folder, key) as writable:
-            stored = read_plan_file(path, identity, key)
-            if stored is not None:
-                plan = plan.with_entries(stored)
-            missing = plan.missing(needs)
-            if missing.linear or missing.attention:
-                plan = plan.with_entries(measure(missing, key))
-                if writable:
-                    save_plan(path, plan, identity)
-                else:
-                    warn(f"cannot write the CPU plan cache {folder}: this machine's plan is measured for this "
-                         f"process only (set QWENVL_VISION_CACHE to a writable folder to keep it)")
-        PLANS[key] = plan
-        return plan
-
-
-def save_plan(path: Path, plan: CpuPlan, identity: dict) -> None:
-    data = json.dumps({**plan.to_dict(), "identity": identity}, indent=1).encode()
-    try:
-        replace_atomically(path, path.with_name(f"{path.name}.{os.getpid()}.tmp"), lambda f: f.write(data))
-    except OSError as e:
-        warn(f"cannot save the CPU plan {path} ({e}): it is measured for this process only")
+        return cls(data["machine"], dict(data["linear"]), dict(data["attention"]), dict(data["mlp"]))

@@ -34,9 +34,11 @@ def packed_gives_addmm_bits(shapes: list[tuple[int, int]], dtype: torch.dtype, r
     return True
 
 
-def forced_plan(model: torch.nn.Module, linear: str = "addmm", attention: str = "sdpa") -> CpuPlan:
-    """A CPU plan that runs every linear of ``model`` on ``linear`` and every attention segment on ``attention``,
-    whatever this machine would measure: for tests of one kernel's numbers."""
+def forced_plan(model: torch.nn.Module, linear: str = "addmm", attention: str = "sdpa",
+                mlp_rows: int = 512) -> CpuPlan:
+    """A CPU plan that runs every linear of ``model`` on ``linear``, every attention segment on ``attention`` and
+    every MLP with both linears packed ``mlp_rows`` rows at a time, whatever this machine would measure: for tests
+    of one kernel's numbers."""
     needs = plan_needs(model)
     return CpuPlan("forced", dict.fromkeys(needs.linear_keys(), linear),
-                   dict.fromkeys(needs.attention_keys(), attention))
+                   dict.fromkeys(needs.attention_keys(), attention), dict.fromkeys(needs.mlp_keys(), mlp_rows))

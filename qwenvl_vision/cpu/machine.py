@@ -1,0 +1,270 @@
+"""This machine's CPU plan: measured on it once, kept in the user's cache folder, reused by every later process.
+
+A plan is keyed by the machine (CPU model, ISA flags, architecture, torch version, torch threads, oneDNN) and
+stored as ``{key}.json`` under ``$QWENVL_VISION_CACHE/cpu-plans`` (default ``$XDG_CACHE_HOME/qwenvl-vision`` or
+``~/.cache/qwenvl-vision``). Every later process on that machine reuses it, so two processes choose the same
+kernels and give the same bits. The file is only an optimisation: one that is corrupt, truncated, foreign (another
+machine's key) or invalid is reported in one warning and measured again; two processes tuning at once take turns on
+a lock file (the second reads what the first measured); a folder that cannot be written still works, its plan
+measured for the process alone. Entries are added as towers need them (``machine_plan``); an entry once recorded is
+never measured again.
+
+Each measurement times the kernels as the backend calls them, on random operands of the shape (the rate depends on
+the shape, not on the values).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import platform
+import threading
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..durable import replace_atomically
+from ..errors import ConfigError
+from ..layers import MLP, GatedMLP
+from .forward import CpuExecution
+from .kernels import best_seconds, gemm_attention, onednn_linear_available, pack_weight, packed_chunks
+from .plan import (
+    DEFAULT_MLP_ROWS,
+    DTYPES,
+    PLAN_FIELDS,
+    PROBE_LENGTHS,
+    CpuPlan,
+    PlanNeeds,
+    attention_key,
+    dtype_name,
+    linear_key,
+    mlp_key,
+)
+from .workspace import Workspace
+
+PROBE_TOKENS = 2048  # tokens per attention probe (segments of a length batched up to it): rates, not totals
+LINEAR_PROBE_ROWS = 1024  # the towers' packs hold thousands of rows, and the rate flattens by here
+MLP_PROBE_ROWS = 2048
+MLP_ROW_CHOICES = (128, 256, 512, 1024, 2048)  # the search space of an MLP's block rows (2048: one block)
+# Preferences on a near tie, not fits to a machine: in fp32 oneDNN rounds differently from addmm, so the reference's
+# kernel stays unless oneDNN is 10% faster; in bf16 a packed weight also lets an MLP run by row blocks with its
+# activation in the GEMM's epilogue, so oneDNN stays unless addmm is 5% faster.
+ONEDNN_FASTER_BY = {"float32": 1.10, "bfloat16": 0.95}
+
+
+def measure_linear(in_features: int, out_features: int, dtype: torch.dtype, repeats: int = 3) -> str:
+    """The kernel for a (rows, in) x (in, out) product in ``dtype`` here: addmm into a reused output, or oneDNN's
+    prepacked linear on row chunks the next step reads as they come (as the backend calls each)."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
+    x = torch.randn(LINEAR_PROBE_ROWS, in_features, generator=generator).to(dtype)
+    bias, out = torch.zeros(out_features, dtype=dtype), torch.empty(LINEAR_PROBE_ROWS, out_features, dtype=dtype)
+    packed = pack_weight(weight)
+
+    def onednn() -> None:
+        for _ in packed_chunks(x, packed, bias):
+            pass
+
+    addmm_s = best_seconds(lambda: torch.addmm(bias, x, weight.t(), out=out), repeats)
+    onednn_s = best_seconds(onednn, repeats)
+    return "onednn" if onednn_s * ONEDNN_FASTER_BY[dtype_name(dtype)] < addmm_s else "addmm"
+
+
+def measure_attention(dtype: torch.dtype, heads: int, head_dim: int, repeats: int = 2) -> dict[str, str]:
+    """The attention path per probe length for segments of (heads, head_dim) in ``dtype`` here: SDPA or the GEMM
+    form, whichever ran faster on PROBE_TOKENS tokens of such segments."""
+    generator = torch.Generator().manual_seed(0)
+    choices = {}
+    for length in PROBE_LENGTHS:
+        count = max(1, PROBE_TOKENS // length)
+        q, k, v = (torch.randn(count * length, heads, head_dim, generator=generator).to(dtype) for _ in range(3))
+        sdpa_s, gemm_s = attention_seconds(q, k, v, count, repeats)
+        choices[attention_key(dtype, heads, head_dim, length)] = "gemm" if gemm_s < sdpa_s else "sdpa"
+    return choices
+
+
+def attention_seconds(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int, repeats: int
+                      ) -> tuple[float, float]:
+    """Seconds of ``count`` equal segments by SDPA (as ``attention.sdpa_batched`` calls it) and by the GEMM form."""
+    out, scale = torch.empty_like(q), q.shape[-1] ** -0.5
+    length, heads, head_dim = q.shape[0] // count, q.shape[1], q.shape[2]
+
+    def sdpa() -> None:
+        split = [x.view(count, length, heads, head_dim).transpose(1, 2) for x in (q, k, v)]
+        out.view(count, length, heads, head_dim).transpose(1, 2).copy_(
+            F.scaled_dot_product_attention(*split, scale=scale))
+
+    return (best_seconds(sdpa, repeats),
+            best_seconds(lambda: gemm_attention(q, k, v, count, scale, out), repeats))
+
+
+def measure_mlp_rows(kind: str, dim: int, hidden: int, act: str, dtype: torch.dtype, repeats: int = 2) -> int:
+    """The rows per block at which the backend's MLP (both linears packed) ran fastest here, of MLP_ROW_CHOICES."""
+    torch.manual_seed(0)
+    mlp = (GatedMLP if kind == "gated" else MLP)(dim, hidden, act).to(dtype).requires_grad_(False)
+    for module in mlp.children():
+        if isinstance(module, nn.Linear):
+            module.weight = nn.Parameter(pack_weight(module.weight), requires_grad=False)
+    x = torch.randn(MLP_PROBE_ROWS, dim).to(dtype)
+    residual = torch.zeros_like(x)
+    wide = max(3 * dim, hidden * (2 if kind == "gated" else 1))
+    workspace = Workspace(MLP_PROBE_ROWS, dim, wide, dtype, "cpu")
+    seconds = {}
+    for rows in MLP_ROW_CHOICES:
+        run = CpuExecution(CpuPlan("probe", mlp={mlp_key(kind, dim, hidden, dtype): rows}), workspace)
+        seconds[rows] = best_seconds(lambda run=run: run.mlp(mlp, x, residual), repeats)
+    return min(seconds, key=seconds.get)
+
+
+def measure(needs: PlanNeeds, machine: str, known: CpuPlan | None = None) -> CpuPlan:
+    """A plan of ``needs`` measured now (torch's kernels only where this torch has no oneDNN linear). An MLP's
+    block rows are measured where its two linears run packed (in ``known`` or in this measurement)."""
+    if not onednn_linear_available():
+        return CpuPlan(machine, dict.fromkeys(needs.linear_keys(), "addmm"),
+                       dict.fromkeys(needs.attention_keys(), "sdpa"))
+    with torch.no_grad():
+        linear = {linear_key(i, o, d): measure_linear(i, o, d) for i, o, d in sorted(needs.linear, key=str)
+                  if dtype_name(d) in DTYPES}
+        attention = {}
+        for d, h, hd in sorted(needs.attention, key=str):
+            if dtype_name(d) in DTYPES:
+                attention.update(measure_attention(d, h, hd))
+        kernels = CpuPlan(machine, linear).with_entries(known or CpuPlan(machine))
+        mlp = {}
+        for kind, dim, hidden, act, d in sorted(needs.mlp, key=str):
+            first = 2 * hidden if kind == "gated" else hidden
+            if dtype_name(d) not in DTYPES:
+                continue
+            both_packed = (kernels.linear_kernel(dim, first, d) == "onednn"
+                           and kernels.linear_kernel(hidden, dim, d) == "onednn")
+            mlp[mlp_key(kind, dim, hidden, d)] = (measure_mlp_rows(kind, dim, hidden, act, d) if both_packed
+                                                  else DEFAULT_MLP_ROWS)  # no row blocks without both packed
+    return CpuPlan(machine, linear, attention, mlp)
+
+
+# ----------------------------------------------------------------------------- the machine and its cache file
+
+
+def machine_identity() -> dict:
+    """What a plan's measurements depend on: the CPU (model name and ISA flags), torch, its threads, oneDNN."""
+    name, flags = platform.processor(), ""
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("model name", "Model", "cpu model") and not name.strip():
+                    name = value.strip()
+                elif key in ("flags", "Features") and not flags:
+                    flags = " ".join(sorted(value.split()))
+            # the first processor's lines describe the CPU: every later one repeats them
+    return {"cpu": name.strip() or platform.machine(), "arch": platform.machine(),
+            "isa_sha256": hashlib.sha256(flags.encode()).hexdigest()[:16], "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "onednn": onednn_linear_available()}
+
+
+def machine_key(identity: dict) -> str:
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def plan_folder() -> Path:
+    root = os.environ.get("QWENVL_VISION_CACHE")
+    if root:
+        return Path(root) / "cpu-plans"
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "qwenvl-vision" / "cpu-plans"
+
+
+def warn(message: str) -> None:
+    warnings.warn(f"qwenvl-vision: {message}", RuntimeWarning, stacklevel=3)
+
+
+def read_plan_file(path: Path, identity: dict, key: str) -> CpuPlan | None:
+    """The plan stored at ``path`` for this machine, or None: missing silently; unreadable, corrupt, truncated,
+    foreign or invalid with one warning (it is measured again and the file replaced)."""
+    try:
+        text = path.read_text()
+    except (FileNotFoundError, NotADirectoryError):  # never measured here, or no folder to hold it
+        return None
+    except (OSError, UnicodeDecodeError) as e:
+        warn(f"cannot read the CPU plan {path} ({e}); measuring this machine again")
+        return None
+    try:
+        data = json.loads(text)
+        if not isinstance(data, dict) or data.get("identity") != identity:
+            raise ConfigError("it was measured on another machine, torch or thread count")
+        plan = CpuPlan.from_dict({name: data.get(name) for name in PLAN_FIELDS})
+        if plan.machine != key:
+            raise ConfigError(f"its key {plan.machine!r} is not this machine's {key!r}")
+        return plan
+    except (ValueError, ConfigError) as e:  # json's errors are ValueErrors
+        warn(f"ignoring the CPU plan {path}: {e}; measuring this machine again")
+        return None
+
+
+@contextlib.contextmanager
+def plan_lock(folder: Path, key: str) -> Iterator[bool]:
+    """Hold ``{key}.lock`` (one process tunes at a time); yields whether the folder can be written at all."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(folder / f"{key}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        yield False
+        return
+    try:
+        try:
+            import fcntl
+        except ImportError:  # no flock on this platform: concurrent tuners may both measure, each file whole
+            yield True
+            return
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield True
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
+# Process-wide memo of plans by machine key: strings only (no tensor, no model), so every tower of a process runs
+# one plan; the lock makes concurrent loads measure once.
+PLANS: dict[str, CpuPlan] = {}
+PLANS_LOCK = threading.Lock()
+
+
+def machine_plan(needs: PlanNeeds) -> CpuPlan:
+    """This machine's plan, holding an entry for every need: read from the cache file, what it lacks measured now
+    and saved (see the module docstring)."""
+    identity = machine_identity()
+    key = machine_key(identity)
+    with PLANS_LOCK:
+        plan = PLANS.get(key, CpuPlan(key))
+        if plan.missing(needs).empty():
+            return plan
+        folder = plan_folder()
+        path = folder / f"{key}.json"
+        with plan_lock(folder, key) as writable:
+            stored = read_plan_file(path, identity, key)
+            if stored is not None:
+                plan = plan.with_entries(stored)
+            missing = plan.missing(needs)
+            if not missing.empty():
+                plan = plan.with_entries(measure(missing, key, plan))
+                if writable:
+                    save_plan(path, plan, identity)
+                else:
+                    warn(f"cannot write the CPU plan cache {folder}: this machine's plan is measured for this "
+                         f"process only (set QWENVL_VISION_CACHE to a writable folder to keep it)")
+        PLANS[key] = plan
+        return plan
+
+
+def save_plan(path: Path, plan: CpuPlan, identity: dict) -> None:
+    data = json.dumps({**plan.to_dict(), "identity": identity}, indent=1).encode()
+    try:
+        replace_atomically(path, path.with_name(f"{path.name}.{os.getpid()}.tmp"), lambda f: f.write(data))
+    except OSError as e:
+        warn(f"cannot save the CPU plan {path} ({e}): it is measured for this process only")
