@@ -4,7 +4,7 @@ One call's settings are one frozen ``EncodeOptions``, checked when it is built. 
 before any compute (``encode_images`` / ``encode_videos``); ``prepared_batches`` decodes and resizes inputs on
 worker threads (``prepare``), at most ``prefetch`` ahead (``ordered_prefetch``), each admitted in input order by
 one byte budget (``DecodeBudget``) sized from its file header (``decode_cost`` / ``video_file_cost``), and groups
-them into batches of at most ``max_batch_tokens`` patches. Running the tower on a batch is the encoder's job.
+them into batches of at most ``max_batch_patches`` patches. Running the tower on a batch is the encoder's job.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import math
 import os
 import stat
 import threading
+import warnings
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +30,7 @@ from .preprocess import PreprocessConfig, preprocess_image, probe_image
 from .video import VideoConfig, preprocess_video, preprocess_video_file, sample_indices, video_target_size
 from .video_io import VideoInfo, is_video_file, probe_video
 
+DEFAULT_BATCH_PATCHES = 16384  # patches per forward: a few photos at a time
 DEFAULT_DECODE_BYTES = 1 << 30
 # Peak bytes per header pixel while a file is decoded and converted to RGB, measured on 12 and 64 MP files
 # decoded one at a time: ~4 for an RGB file (Pillow holds RGB as 4 bytes a pixel); 8.0 for the
@@ -48,7 +50,7 @@ class EncodeOptions:
     resize: images' "pil" or "torch" backend (None: the checkpoint's); videos have one pipeline.
     video_config: the video settings of this call (sampling fps included).
     pooled: also return each input's mean embedding.
-    max_batch_tokens: patches per batch (a larger input runs alone).
+    max_batch_patches: patches (pixel rows) per batch (a larger input runs alone).
     num_workers: decoding threads (None: up to 4, one per core).
     prefetch: inputs decoded ahead of the compute.
     decode_bytes: the decode budget (None: no bound).
@@ -63,7 +65,7 @@ class EncodeOptions:
     max_input_pixels: int | None = DEFAULT_MAX_INPUT_PIXELS
     resize: str | None = None
     pooled: bool = False
-    max_batch_tokens: int = 16384
+    max_batch_patches: int = DEFAULT_BATCH_PATCHES
     num_workers: int | None = None
     prefetch: int = 8
     decode_bytes: int | None = DEFAULT_DECODE_BYTES
@@ -72,7 +74,8 @@ class EncodeOptions:
     def __post_init__(self) -> None:
         if self.resize is not None:
             check_resize_backend(self.resize, "resize")
-        for option, value in (("max_batch_tokens", self.max_batch_tokens), ("max_input_pixels", self.max_input_pixels),
+        for option, value in (("max_batch_patches", self.max_batch_patches),
+                              ("max_input_pixels", self.max_input_pixels),
                               ("decode_bytes", self.decode_bytes), ("prefetch", self.prefetch)):
             if value is not None and value < (0 if option == "prefetch" else 1):
                 raise ConfigError(f"{option} must be positive, got {value}")
@@ -81,6 +84,18 @@ class EncodeOptions:
     @property
     def workers(self) -> int:
         return max(1, self.num_workers if self.num_workers is not None else min(4, os.cpu_count() or 1))
+
+
+def batch_patches(max_batch_patches: int | None, max_batch_tokens: int | None) -> int:
+    """The batch size in patches: ``max_batch_patches`` (default DEFAULT_BATCH_PATCHES), or its deprecated spelling
+    ``max_batch_tokens`` ("tokens" meant patches there, merged tokens everywhere else), which warns."""
+    if max_batch_tokens is None:
+        return DEFAULT_BATCH_PATCHES if max_batch_patches is None else max_batch_patches
+    if max_batch_patches is not None:
+        raise ConfigError("max_batch_tokens is the deprecated name of max_batch_patches: pass one of them")
+    warnings.warn("max_batch_tokens is deprecated: it counts patches; pass max_batch_patches (the same value)",
+                  DeprecationWarning, stacklevel=3)
+    return max_batch_tokens
 
 
 def check_pixel_bounds(min_pixels: int | None, max_pixels: int | None) -> None:
@@ -101,7 +116,7 @@ class Prepared:
     pixel_values: torch.Tensor | None = None
     grid: tuple[int, int, int] | None = None
     error: str | None = None
-    tokens: int = field(default=0)  # patches (pixel rows), not embedding rows
+    patches: int = field(default=0)  # pixel rows, not embedding rows
     held: int = 0  # bytes of the decode budget this input holds until it joins a batch
     video_info: VideoInfo | None = None
     pixels_sha256: str | None = None  # item_ids.pixels_sha256, hashed here on the worker thread
@@ -170,14 +185,14 @@ def prepare(item: Any, index: int, options: EncodeOptions, pre: PreprocessConfig
         pixel_values = pixel_values.pin_memory()
     # From here on the input holds its resized pixels, not its decode peak.
     held = budget.resize(held, pixel_values.element_size() * pixel_values.nelement())
-    return Prepared(index, name, pixel_values, tuple(grid), tokens=math.prod(grid), held=held, video_info=info,
+    return Prepared(index, name, pixel_values, tuple(grid), patches=math.prod(grid), held=held, video_info=info,
                     pixels_sha256=digest)
 
 
 def prepared_batches(items: Iterable[Any], options: EncodeOptions, pre: PreprocessConfig, *, pin_memory: bool,
                      on_prepared: Callable[[Prepared], None] | None = None
                      ) -> Iterator[tuple[list[Prepared], list[Prepared]]]:
-    """(batch, failed) in input order: the inputs of one forward (at most ``max_batch_tokens`` patches, or one
+    """(batch, failed) in input order: the inputs of one forward (at most ``max_batch_patches`` patches, or one
     larger input) and the inputs that failed since the previous batch. ``on_prepared`` sees every input, on the
     iterating thread, as soon as it is ready (or has failed). Close the iterator when stopping early: that wakes
     the workers waiting for budget and drops the inputs not started."""
@@ -194,7 +209,7 @@ def prepared_batches(items: Iterable[Any], options: EncodeOptions, pre: Preproce
                 if prepared.error is not None:
                     failed.append(prepared)
                     continue
-                if batch and sum(p.tokens for p in batch) + prepared.tokens > options.max_batch_tokens:
+                if batch and sum(p.patches for p in batch) + prepared.patches > options.max_batch_patches:
                     yield batch, failed
                     batch, failed = [], []
                 batch.append(prepared)

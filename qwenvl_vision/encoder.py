@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from .attention import resolve_attn_impl
-from .batching import DEFAULT_DECODE_BYTES, EncodeOptions, Prepared, preflight, prepared_batches
+from .batching import DEFAULT_DECODE_BYTES, EncodeOptions, Prepared, batch_patches, preflight, prepared_batches
 from .config import VisionConfig, resolve_config
 from .cpu.plan import CpuPlan
 from .devices import resolve_device, resolve_dtype
@@ -295,14 +295,14 @@ class VisionEncoder:
                                      f"use bfloat16 or float32")
 
     def iter_encode(self, items: Iterable[Any], *, video: bool | None = False, min_pixels: int | None = None,
-                    max_pixels: int | None = None, max_batch_tokens: int = 16384, pooled: bool = False,
+                    max_pixels: int | None = None, max_batch_patches: int | None = None, pooled: bool = False,
                     num_workers: int | None = None, prefetch: int = 8,
                     max_input_pixels: int | None = DEFAULT_MAX_INPUT_PIXELS,
                     decode_bytes: int | None = DEFAULT_DECODE_BYTES,
                     on_prepared: Callable[[int, int], None] | None = None,
                     resize: str | None = None,
                     video_config: VideoConfig | None = None,
-                    hash_pixels: bool = False) -> Iterator[list[ItemResult]]:
+                    hash_pixels: bool = False, max_batch_tokens: int | None = None) -> Iterator[list[ItemResult]]:
         """Yield results batch by batch, in input order; a bad input yields an ItemResult with its error.
 
         ``video``: False, every item is an image; True, every item is a video (a file, or frames); None, an item
@@ -318,22 +318,24 @@ class VisionEncoder:
         Inputs are decoded and resized by worker threads ahead of the compute (PIL and torch release the
         GIL), at most `prefetch` inputs ahead. Host memory for inputs is bounded by `decode_bytes` (inputs
         being decoded, at ~9 bytes per header pixel, plus decoded ones waiting for their batch; an input
-        larger than that is handled alone; None: no bound) plus the batch being encoded (`max_batch_tokens`
-        patches, or one larger input). A file whose header declares more than `max_input_pixels` pixels
-        is refused before decoding and yields an error (None: no limit beyond PIL's own). ``resize``: images'
-        "pil" or "torch" (see encode_images); None takes the checkpoint's. Videos always use the video processors'
-        pipeline. ``hash_pixels``: give each result its ``pixels_sha256`` (hashed on the decode threads, about 15 ms
-        per megapixel), what an encoder cache names the item by.
+        larger than that is handled alone; None: no bound) plus the batch being encoded (`max_batch_patches`
+        patches, or one larger input; ``max_batch_tokens`` is its deprecated spelling). A file whose header
+        declares more than `max_input_pixels` pixels is refused before decoding and yields an error (None: no
+        limit beyond PIL's own). ``resize``: images' "pil" or "torch" (see encode_images); None takes the
+        checkpoint's. Videos always use the video processors' pipeline. ``hash_pixels``: give each result its
+        ``pixels_sha256`` (hashed on the decode threads, about 15 ms per megapixel), what an encoder cache names
+        the item by.
         """
         self.model  # noqa: B018 - raises if closed, before any work
         options = EncodeOptions(
             video=video, min_pixels=min_pixels, max_pixels=max_pixels, max_input_pixels=max_input_pixels,
             resize=resize, video_config=video_config or self.video_config, pooled=pooled,
-            max_batch_tokens=max_batch_tokens, num_workers=num_workers, prefetch=prefetch, decode_bytes=decode_bytes,
+            max_batch_patches=batch_patches(max_batch_patches, max_batch_tokens), num_workers=num_workers,
+            prefetch=prefetch, decode_bytes=decode_bytes,
             hash_pixels=hash_pixels)
         # batching counts patches; the caller is told embedding rows.
         report_rows = None if on_prepared is None else \
-            (lambda p: on_prepared(p.index, p.tokens // self.config.merge_unit))
+            (lambda p: on_prepared(p.index, p.patches // self.config.merge_unit))
         yield from self._encode_batches(items, options, report_rows)
 
     def _encode_batches(self, items: Iterable[Any], options: EncodeOptions,
@@ -391,9 +393,9 @@ class VisionEncoder:
         )
 
     def encode_images(self, images: Sequence[Any], *, min_pixels: int | None = None, max_pixels: int | None = None,
-                      max_batch_tokens: int = 16384, pooled: bool = False, num_workers: int | None = None,
+                      max_batch_patches: int | None = None, pooled: bool = False, num_workers: int | None = None,
                       max_input_pixels: int | None = DEFAULT_MAX_INPUT_PIXELS,
-                      resize: str | None = None) -> EncodeResult:
+                      resize: str | None = None, max_batch_tokens: int | None = None) -> EncodeResult:
         """Images (paths, PIL images, HxWxC uint8 arrays, CxHxW uint8 tensors) -> embeddings, in input order.
 
         Preprocessing reproduces transformers' Qwen2VL image processor with this checkpoint's preprocessor
@@ -401,20 +403,22 @@ class VisionEncoder:
         (``Qwen2VLImageProcessorPil``, and transformers without torchvision), "torch" its torchvision backend
         (transformers with torchvision, the processor ``...Fast`` configs name); None takes what this
         checkpoint's ``preprocessor_config.json`` names (``preprocess_config.resize``). Batches hold at most
-        `max_batch_tokens` patches (an item larger than that runs alone). Bad input raises PreprocessError
+        `max_batch_patches` patches (an item larger than that runs alone; ``max_batch_tokens`` is its deprecated
+        spelling). Bad input raises PreprocessError
         naming it, and so does a file whose header declares more than `max_input_pixels` (None: only PIL's own
         limit).
         """
         options = EncodeOptions(video=False, min_pixels=min_pixels, max_pixels=max_pixels,
                                 max_input_pixels=max_input_pixels, resize=resize, video_config=self.video_config,
-                                pooled=pooled, max_batch_tokens=max_batch_tokens, num_workers=num_workers,
-                                hash_pixels=True)
+                                pooled=pooled, max_batch_patches=batch_patches(max_batch_patches, max_batch_tokens),
+                                num_workers=num_workers, hash_pixels=True)
         return self._encode_all(images, options)
 
     def encode_videos(self, videos: Sequence[Any], *, min_pixels: int | None = None, max_pixels: int | None = None,
-                      max_batch_tokens: int = 16384, pooled: bool = False, num_workers: int | None = None,
+                      max_batch_patches: int | None = None, pooled: bool = False, num_workers: int | None = None,
                       fps: float | None = None, video_fps: float | Sequence[float] | None = None,
-                      max_input_pixels: int | None = DEFAULT_MAX_INPUT_PIXELS) -> EncodeResult:
+                      max_input_pixels: int | None = DEFAULT_MAX_INPUT_PIXELS,
+                      max_batch_tokens: int | None = None) -> EncodeResult:
         """Videos -> embeddings, as transformers' video processor of this family + the tower; see encode_images.
 
         Each video is a file path (decoded with PyAV, the ``[video]`` extra), a sequence of frames, or an
@@ -434,7 +438,8 @@ class VisionEncoder:
         video_config = self.video_config if fps is None else dataclasses.replace(self.video_config, fps=fps)
         options = EncodeOptions(video=True, min_pixels=min_pixels, max_pixels=max_pixels,
                                 max_input_pixels=max_input_pixels, video_config=video_config, pooled=pooled,
-                                max_batch_tokens=max_batch_tokens, num_workers=num_workers, hash_pixels=True)
+                                max_batch_patches=batch_patches(max_batch_patches, max_batch_tokens),
+                                num_workers=num_workers, hash_pixels=True)
         return self._encode_all(videos, options)
 
     def _sample_by_fps(self, videos: list[Any], fps: float, video_fps: float | Sequence[float] | None) -> list[Any]:
@@ -494,7 +499,7 @@ def load_encoder(
     preprocess_config / video_config: override the checkpoint's ``preprocessor_config.json`` /
     ``video_preprocessor_config.json`` (a settings object, or a dict in the file's format).
     cpu_kernels: how the CPU runs inference. "auto": the CPU backend on this machine's plan, measured once per
-    machine and kept in the user's cache folder (``cpu.plan``): oneDNN's prepacked linear where it is faster than
+    machine and kept in the user's cache folder (``cpu.machine``): oneDNN's prepacked linear where it is faster than
     addmm (its weights replace the plain ones; ``state_dict()`` still gives plain tensors), GEMM attention at the
     segment lengths where it beats SDPA. "reference": the modules' own ops (transformers' addmm and SDPA). Or a
     plan, as ``encoder.model.cpu_plan`` or a run's ``run.json`` holds it: the same kernels, the same bits, on any

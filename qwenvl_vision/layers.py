@@ -1,7 +1,7 @@
 """The modules both tower designs are made of: 2D rope, norms, MLPs, attention, patch embedding and merger.
 
-This is the math, one path per module, used by autograd, ``torch.compile``, CUDA and the "reference" CPU plan; the
-CPU inference backend (``cpu/``) runs the same operations on these modules' parameters.
+This is the math, one path per module, used by autograd, ``torch.compile``, CUDA and ``cpu_kernels="reference"``;
+the CPU inference backend (``cpu/``) runs the same operations on these modules' parameters.
 
 Reference: the vision classes of transformers' ``modeling_qwen2_vl.py``, ``modeling_qwen2_5_vl.py`` and
 ``modeling_qwen3_vl.py`` (v5.24). Deviations, all numerically equivalent at fp32 rounding level:

@@ -67,11 +67,11 @@ class Qwen3VisionTransformer(VisionTower):
         indices, weights = position_grid_taps(h, w, cfg.num_grid_per_side, cfg.spatial_merge_size)
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
         return GridPlan(cos, sin, frame_lengths=[h * w] * t,
-                        extras={"interp_indices": indices.repeat(t, 1), "interp_weights": weights.repeat(t, 1)})
+                        position_taps=(indices.repeat(t, 1), weights.repeat(t, 1)))
 
     def embed(self, pixel_values: torch.Tensor, plan: ForwardPlan) -> torch.Tensor:
         x = super().embed(pixel_values, plan)
-        return x + self.position_embedding(plan.extras["interp_indices"], plan.extras["interp_weights"]).to(x.dtype)
+        return x + self.position_embedding(*plan.position_taps).to(x.dtype)
 
     def position_embedding(self, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Bilinearly resampled learned positions, (N, D) in fp32: sum over 4 taps of weight * table row."""

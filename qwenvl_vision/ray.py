@@ -58,7 +58,7 @@ import torch
 from ray.data.block import BlockAccessor
 from ray.data.extensions import ArrowTensorArray, ArrowVariableShapedTensorArray
 
-from .batching import DEFAULT_DECODE_BYTES
+from .batching import DEFAULT_DECODE_BYTES, batch_patches
 from .encoder import ItemResult, load_encoder
 from .errors import CheckpointError
 from .pixels import DEFAULT_MAX_INPUT_PIXELS, input_name
@@ -93,7 +93,7 @@ class Embedder:
     - ``image``: HxWxC (or HxW) uint8 arrays (``read_images``), as ``encode_images`` takes arrays.
 
     Encode options: ``min_pixels``, ``max_pixels``, ``resize``, ``pooled`` (a mean vector instead of the tokens,
-    as ``embed --pooled-only``), ``fps`` (videos), ``max_batch_tokens``, ``max_input_pixels``, ``decode_bytes``,
+    as ``embed --pooled-only``), ``fps`` (videos), ``max_batch_patches``, ``max_input_pixels``, ``decode_bytes``,
     ``num_workers`` (decode threads), as for ``VisionEncoder.iter_encode``. ``threads``: torch threads of the
     forward (default: Ray's, the actor's whole CPUs). ``weights_sha256``: the hash the loaded tower must have
     (``item_ids.weights_sha256``, as run.json records it), checked once in the constructor: an actor on
@@ -103,11 +103,11 @@ class Embedder:
 
     def __init__(self, source: Any, *, column: str | None = None, kind: str | None = None,
                  min_pixels: int | None = None, max_pixels: int | None = None, resize: str | None = None,
-                 pooled: bool = False, fps: float | None = None, max_batch_tokens: int = 16384,
+                 pooled: bool = False, fps: float | None = None, max_batch_patches: int | None = None,
                  max_input_pixels: int | None = DEFAULT_MAX_INPUT_PIXELS,
                  decode_bytes: int | None = DEFAULT_DECODE_BYTES, num_workers: int | None = None,
                  spool_dir: str | None = None, threads: int | None = None, weights_sha256: str | None = None,
-                 hash_pixels: bool = False, **load_options: Any) -> None:
+                 hash_pixels: bool = False, max_batch_tokens: int | None = None, **load_options: Any) -> None:
         kind = kind or column
         if column is not None and kind not in INPUT_KINDS:
             raise ValueError(f"column {column!r}: pass kind= (one of {list(INPUT_KINDS)})")
@@ -127,7 +127,8 @@ class Embedder:
         self.levels = 0 if pooled else len(self.encoder.config.deepstack_visual_indexes)
         video_config = None if fps is None else dataclasses.replace(self.encoder.video_config, fps=fps)
         self.options = dict(min_pixels=min_pixels, max_pixels=max_pixels, resize=resize, pooled=pooled,
-                            max_batch_tokens=max_batch_tokens, max_input_pixels=max_input_pixels,
+                            max_batch_patches=batch_patches(max_batch_patches, max_batch_tokens),
+                            max_input_pixels=max_input_pixels,
                             decode_bytes=decode_bytes, num_workers=num_workers, video_config=video_config,
                             hash_pixels=hash_pixels)
         self.spool_dir = spool_dir

@@ -21,7 +21,7 @@ says so (``cpu.packing``). Only the tower knows which: the modules never read an
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -31,7 +31,15 @@ from .cache import ShapeCache
 from .config import VisionConfig
 from .cpu.forward import CpuExecution
 from .cpu.machine import machine_plan
-from .cpu.packing import dense_state_dict, drop_packed_, linear_layers, pack_linears_, plan_needs, unpack_linears_
+from .cpu.packing import (
+    PACKING_LOCK,
+    dense_state_dict,
+    drop_packed_,
+    linear_layers,
+    pack_linears_,
+    plan_needs,
+    unpack_linears_,
+)
 from .cpu.plan import CpuPlan
 from .cpu.workspace import Workspace
 from .errors import ConfigError, InputError
@@ -50,7 +58,8 @@ class GridPlan:
     frame_lengths: list[int]  # in patches
     window_lengths: list[int] | None = None  # windowed designs
     order: torch.Tensor | None = None  # (t*h*w/4,) merged-token order the blocks see, when not the input order
-    extras: dict[str, torch.Tensor] = field(default_factory=dict)  # per-patch tensors of a design, packed as is
+    # learned-position designs: (t*h*w, 4) indices into the position table and their bilinear weights
+    position_taps: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -62,7 +71,7 @@ class ForwardPlan:
     windows: SegmentPlan | None
     order: torch.Tensor | None  # merged-token permutation into block order (None: input order)
     reverse: torch.Tensor | None  # its inverse, applied to the merger outputs
-    extras: dict[str, torch.Tensor]
+    position_taps: tuple[torch.Tensor, torch.Tensor] | None  # the grids' GridPlan.position_taps, packed
 
 
 def aligned(rows: torch.Tensor) -> torch.Tensor:
@@ -176,7 +185,9 @@ class VisionTower(nn.Module):
         self.cpu_kernels: str | CpuPlan = "auto"
         self.cpu_plan: CpuPlan | None = None
         self.packed_plan: CpuPlan | None = None
-        self.register_state_dict_post_hook(dense_state_dict)
+        for module in self.modules():  # a packed weight leaves as a plain tensor from any module's state_dict
+            if isinstance(module, nn.Linear):
+                module.register_state_dict_post_hook(dense_state_dict)
         self.register_load_state_dict_pre_hook(unpack_before_load)
         # (placement it was chosen for, backend name, callable); attention_backend is the one place that sets it.
         self.attention_choice: tuple[tuple, str, Callable] | None = None
@@ -272,7 +283,8 @@ class VisionTower(nn.Module):
             windows=windows,
             order=order,
             reverse=reverse,
-            extras={key: packed([p.extras[key] for p in plans]) for key in plans[0].extras},
+            position_taps=None if plans[0].position_taps is None else (
+                packed([p.position_taps[0] for p in plans]), packed([p.position_taps[1] for p in plans])),
         )
 
     # ------------------------------------------------------------------ inputs
@@ -362,6 +374,7 @@ class VisionTower(nn.Module):
                              "shapes; the token count varies per pack. Use 'max-autotune-no-cudagraphs' or 'default'")
         self.unpack_linear_weights_()  # inductor plans its own kernels; dynamo does not trace opaque tensors
         self.compiled = True
+        self.cpu_plan = None
         for block in self.blocks:
             block.compile(**options)
 
@@ -377,22 +390,29 @@ class VisionTower(nn.Module):
         self.prepare_cpu_()
 
     def prepare_cpu_(self) -> CpuPlan | None:
-        """The plan the CPU backend runs now (None: the modules' own forward), its linears packed for it."""
+        """The plan the CPU backend runs now (None: the modules' own forward), its linears packed for it.
+
+        Packing changes the tower's Parameters (one lock for every tower, so that concurrent first calls pack
+        once), outside inference mode (they stay ordinary tensors). Calls on one tower from several threads are
+        safe while they all run inference, or all the modules' forward; mixing the two at once is not."""
         weight = self.patch_embed.proj.weight
         if self.cpu_kernels == "reference" or weight.device.type != "cpu" or weight.is_meta or self.compiled:
             self.unpack_linear_weights_()
             return None
-        if self.cpu_plan is None:
-            given = self.cpu_kernels
-            self.cpu_plan = machine_plan(plan_needs(self)) if given == "auto" else given
-        if self.packed_plan is not self.cpu_plan:
-            pack_linears_(self, self.cpu_plan)
-            self.packed_plan = self.cpu_plan
-        return self.cpu_plan
+        with PACKING_LOCK, torch.inference_mode(False), torch.no_grad():
+            if self.cpu_plan is None:
+                given = self.cpu_kernels
+                self.cpu_plan = machine_plan(plan_needs(self)) if given == "auto" else given
+            if self.packed_plan is not self.cpu_plan:
+                pack_linears_(self, self.cpu_plan)
+                self.packed_plan = self.cpu_plan
+            return self.cpu_plan
 
+    @torch.compiler.disable  # inside a traced forward too: Parameters are swapped, not computed
     def unpack_linear_weights_(self) -> None:
-        unpack_linears_(self)
-        self.packed_plan = None
+        with PACKING_LOCK, torch.inference_mode(False), torch.no_grad():
+            unpack_linears_(self)
+            self.packed_plan = None
 
     def free_weights_(self) -> None:
         """Every parameter and buffer replaced by a storage-less meta tensor (``VisionEncoder.close``): a reference
@@ -415,24 +435,31 @@ class VisionTower(nn.Module):
                 torch._dynamo.mark_dynamic(tensor, 0)
         return tensors
 
-    # ------------------------------------------------------------------ activation memory
+    # ------------------------------------------------------------------ the execution of a call
 
     def execution(self, rows: int, pixel_values: torch.Tensor) -> ReferenceExecution | CpuExecution:
         """How this call runs, chosen once: the CPU backend in CPU inference on a plan (its workspace sized for
         ``rows`` hidden states), else the modules' own forward (compiled blocks, inside a compiled graph, under
-        autocast, when autograd is recording, off the CPU, and with ``cpu_kernels="reference"``)."""
+        autocast, when autograd is recording, off the CPU, with ``cpu_kernels="reference"``, and while a module
+        has forward hooks: the CPU backend calls no module's forward, and a hook is there to see one)."""
         weight = self.patch_embed.proj.weight
         reference = (self.compiled or torch.compiler.is_compiling() or self._recording_grad(pixel_values)
-                     or autocasting(weight.device.type))
+                     or autocasting(weight.device.type) or self.hooked())
         plan = None if reference else self.prepare_cpu_()
         if plan is None:
-            if self.packed_plan is not None:
+            if any(m.weight.is_mkldnn for _, m in linear_layers(self)):
                 self.unpack_linear_weights_()  # the modules' forward takes plain weights; the next CPU call packs
             return ReferenceExecution(self.attention_backend())
         cfg = self.config
         mlp_width = cfg.intermediate_size * (2 if cfg.spec.mlp == "gated" else 1)
         return CpuExecution(plan, Workspace(rows, cfg.hidden_size, max(3 * cfg.hidden_size, mlp_width),
                                             weight.dtype, weight.device))
+
+    def hooked(self) -> bool:
+        """Whether a forward hook would see a module of this tower run (its own, or a global one)."""
+        if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
+            return True
+        return any(m._forward_hooks or m._forward_pre_hooks for m in self.modules() if m is not self)
 
     def _recording_grad(self, pixel_values: torch.Tensor) -> bool:
         return torch.is_grad_enabled() and (pixel_values.requires_grad

@@ -4,20 +4,24 @@ stand-in Hub."""
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from tests.helpers import QWEN2_5_SMALL, QWEN3_SMALL_72, serve_hub, write_checkpoint
 
+# The CPU plans the suite measures go to a folder of its own (not the user's cache), shared by the session's
+# processes: set when this file is imported, before any test module copies the environment for its subprocesses.
+PLAN_CACHE = tempfile.mkdtemp(prefix="qwenvl-vision-test-cache-")
+os.environ["QWENVL_VISION_CACHE"] = PLAN_CACHE
+
 
 @pytest.fixture(scope="session", autouse=True)
-def plan_cache(tmp_path_factory) -> Path:
-    """The CPU plans the suite measures go to a folder of its own (not the user's cache), shared by the session's
-    processes (subprocesses, torchrun ranks and Ray workers inherit it)."""
-    folder = tmp_path_factory.mktemp("qwenvl-vision-cache")
-    os.environ["QWENVL_VISION_CACHE"] = str(folder)
-    return folder
+def plan_cache():
+    yield Path(PLAN_CACHE)
+    shutil.rmtree(PLAN_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,7 @@ import dataclasses
 import os
 import threading
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -55,33 +56,41 @@ def images(tmp_path_factory):
     }
 
 
-# ---------------------------------------------------------------------- batches and their token bound
+# ---------------------------------------------------------------------- batches and their patch bound
 
 
-def test_token_budget_does_not_change_a_bit(encoder, images):
+def test_patch_budget_does_not_change_a_bit(encoder, images):
     """On the CPU each item of a batch runs as its own forward (``VisionTower.packs``): how inputs are batched
     changes no bit, on any CPU."""
     chosen = [images[n] for n in ("photo.jpg", "small", "gray", "numpy")]
-    one_batch = encoder.encode_images(chosen, max_batch_tokens=1 << 20)
-    singles = encoder.encode_images(chosen, max_batch_tokens=1)  # every item above budget runs alone
+    one_batch = encoder.encode_images(chosen, max_batch_patches=1 << 20)
+    singles = encoder.encode_images(chosen, max_batch_patches=1)  # every item above budget runs alone
     for a, b in zip(one_batch.embeddings, singles.embeddings, strict=True):
         assert torch.equal(a, b)
 
 
-def test_batches_respect_the_token_budget(encoder, images):
+@pytest.mark.parametrize("spelling", ["max_batch_patches", "max_batch_tokens"])
+def test_batches_respect_the_patch_budget_under_either_spelling(encoder, images, spelling):
+    """``max_batch_tokens`` is the deprecated spelling of ``max_batch_patches``: it warns, and its value is used."""
     chosen = [images[n] for n in ("small", "gray", "numpy", "torch", "palette")]
-    tokens = [int(g.prod()) for g in encoder.encode_images(chosen).grid_thw]
-    budget = max(tokens) + min(tokens)
-    batches = list(encoder.iter_encode(chosen, max_batch_tokens=budget))
+    patches = [int(g.prod()) for g in encoder.encode_images(chosen).grid_thw]
+    budget = max(patches) + min(patches)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        batches = list(encoder.iter_encode(chosen, **{spelling: budget}))
+    deprecated = [w for w in caught if issubclass(w.category, DeprecationWarning) and "max_batch" in str(w.message)]
+    assert len(deprecated) == (spelling == "max_batch_tokens")
     assert [r.index for b in batches for r in b] == list(range(len(chosen)))
     for batch in batches:
-        assert len(batch) == 1 or sum(tokens[r.index] for r in batch) <= budget
+        assert len(batch) == 1 or sum(patches[r.index] for r in batch) <= budget
     assert len(batches) > 1
+    with pytest.raises(ConfigError, match="pass one of them"):
+        encoder.encode_images(chosen, max_batch_patches=budget, max_batch_tokens=budget)
 
 
 def test_prepared_batches_keep_input_order_and_carry_failures_with_the_next_batch():
     pre = PreprocessConfig.from_dict(None, "qwen2_5_vl")
-    options = EncodeOptions(video_config=VideoConfig.for_family("qwen2_5_vl"), max_batch_tokens=200, num_workers=3)
+    options = EncodeOptions(video_config=VideoConfig.for_family("qwen2_5_vl"), max_batch_patches=200, num_workers=3)
     inputs = [synthetic_photo(112, 112, 0), np.zeros((0, 4, 3), np.uint8), synthetic_photo(140, 196, 1),
               synthetic_photo(56, 84, 2), "/nonexistent/x.png", synthetic_photo(224, 224, 3)]
     seen = []
@@ -92,9 +101,9 @@ def test_prepared_batches_keep_input_order_and_carry_failures_with_the_next_batc
     assert order == list(range(len(inputs)))
     for batch, failed in batches:
         assert all(p.error for p in failed) and not any(p.error for p in batch)
-        assert len(batch) <= 1 or sum(p.tokens for p in batch) <= options.max_batch_tokens
+        assert len(batch) <= 1 or sum(p.patches for p in batch) <= options.max_batch_patches
         for p in batch:
-            assert p.pixel_values.shape[0] == p.tokens == int(np.prod(p.grid))
+            assert p.pixel_values.shape[0] == p.patches == int(np.prod(p.grid))
     assert "image 1" in seen[1].error and "x.png" in seen[4].error
 
 
@@ -106,7 +115,7 @@ def test_options_are_frozen_and_refused_when_out_of_range():
     options = EncodeOptions(video_config=video_config, prefetch=0)  # no prefetch is allowed
     with pytest.raises(dataclasses.FrozenInstanceError):
         options.pooled = True  # type: ignore[misc]
-    bad = [({"max_batch_tokens": 0}, "max_batch_tokens must be positive, got 0"),
+    bad = [({"max_batch_patches": 0}, "max_batch_patches must be positive, got 0"),
            ({"decode_bytes": 0}, "decode_bytes must be positive, got 0"),
            ({"max_input_pixels": -1}, "max_input_pixels must be positive, got -1"),
            ({"prefetch": -1}, "prefetch must be positive, got -1"),

@@ -37,6 +37,7 @@ from tests.helpers import (
     FAMILY_SMALL,
     QWEN2_5_SMALL,
     QWEN3_SMALL_72,
+    addmm_ignores_row_stride,
     assert_matches_reference,
     census,
     forced_plan,
@@ -506,3 +507,55 @@ def test_compiling_unpacks_first():
     model.set_cpu_kernels(forced_plan(model, "onednn"))
     model.compile_blocks(backend="eager")
     assert packed_count(model) == 0 and model.describe()["execution"] == "reference"
+
+
+def test_the_addmm_and_sdpa_plan_gives_the_reference_bits_where_addmm_ignores_strides():
+    """The backend on torch's own kernels (addmm into the workspace, SDPA) runs the reference's ops in its order:
+    the modules' own forward's bits, in fp32 and bf16, where this machine's addmm gives a strided view's rows the
+    bits of the same rows contiguous (``addmm_ignores_row_stride``); within the towers' tolerance everywhere."""
+    for dtype in (torch.float32, torch.bfloat16):
+        for cfg in (QWEN2_5_SMALL, QWEN3_SMALL_72):
+            model = build_model(cfg).to(dtype)
+            pixel_values, grid_thw = inputs(cfg, grids_for(cfg))
+            with torch.no_grad():
+                model.set_cpu_kernels("reference")
+                reference = model(pixel_values, grid_thw)
+                model.set_cpu_kernels(forced_plan(model, "addmm", "sdpa"))
+                assert model.describe()["execution"] == "cpu"
+                backend = model(pixel_values, grid_thw)
+            assert_matches_reference(backend, reference, grid_thw, 1e-5 if dtype == torch.float32 else 3e-2)
+            if addmm_ignores_row_stride(model, int(grid_thw.prod(1).max()), dtype):
+                assert torch.equal(backend[0], reference[0]), (cfg.family, dtype)
+                assert all(torch.equal(a, b) for a, b in zip(backend[1], reference[1], strict=True))
+
+
+@needs_onednn
+def test_forward_hooks_see_every_module_and_a_block_s_state_dict_is_plain():
+    """A hook is there to see a module run, and the CPU backend calls no module's forward: with a hook the tower
+    runs the modules' forward (the same numbers within the kernels' rounding). A packed block's own state_dict
+    gives plain tensors."""
+    cfg = QWEN3_SMALL_72
+    model = build_model(cfg)
+    model.set_cpu_kernels(forced_plan(model, "onednn", "gemm"))
+    pixel_values, grid_thw = inputs(cfg, grids_for(cfg))
+    state = model.blocks[0].state_dict()
+    assert state and not any(v.is_mkldnn for v in state.values()) and packed_count(model) > 0
+    with torch.no_grad():
+        packed = model(pixel_values, grid_thw)[0]
+        seen = []
+        handle = model.blocks[1].mlp.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+        hooked = model(pixel_values, grid_thw)[0]
+        handle.remove()
+    assert len(seen) == len(grid_thw) and rel_err(hooked, packed) < 1e-5
+
+
+@needs_onednn
+def test_a_packed_weight_made_trainable_stays_trainable():
+    cfg = QWEN2_5_SMALL
+    model = build_model(cfg)
+    model.set_cpu_kernels(forced_plan(model, "onednn"))
+    model.blocks[0].attn.qkv.weight.requires_grad_(True)
+    pixel_values, grid_thw = inputs(cfg, grids_for(cfg))
+    model(pixel_values, grid_thw)[0].square().sum().backward()
+    weight = model.blocks[0].attn.qkv.weight
+    assert weight.requires_grad and not weight.is_mkldnn and weight.grad is not None and weight.grad.abs().sum() > 0

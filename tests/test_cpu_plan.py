@@ -178,9 +178,29 @@ def test_an_mlp_s_block_rows_are_measured_where_both_its_linears_run_packed(fres
     needs = PlanNeeds(frozenset({(64, 192, torch.bfloat16), (96, 64, torch.bfloat16)}), frozenset(),
                       frozenset({("gated", 64, 96, "silu", torch.bfloat16)}))
     plan = machine_plan(needs)
-    rows = plan.mlp_rows("gated", 64, 96, torch.bfloat16)
+    rows = plan.mlp_rows("gated", 64, 96, "silu", torch.bfloat16)
     if kernel == "onednn":
         assert timed == [("gated", 64, 96, "silu", torch.bfloat16)] and rows in machine.MLP_ROW_CHOICES
     else:
         assert timed == [] and rows == DEFAULT_MLP_ROWS  # no row blocks without both linears packed
-    assert plan.mlp == {"gated:64x96:bfloat16": rows}
+    assert plan.mlp == {"gated:64x96:silu:bfloat16": rows}
+
+
+def test_measuring_leaves_the_caller_s_random_state_alone(fresh):
+    needs = PlanNeeds(frozenset({(64, 192, torch.float32), (96, 64, torch.float32)}), frozenset(),
+                      frozenset({("gated", 64, 96, "silu", torch.float32)}))
+    torch.manual_seed(5)
+    expected = torch.rand(3)
+    torch.manual_seed(5)
+    machine_plan(needs)
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_a_recorded_plan_with_onednn_kernels_is_refused_where_torch_has_none(monkeypatch):
+    from qwenvl_vision.cpu import plan as plan_module
+
+    monkeypatch.setattr(plan_module, "onednn_linear_available", lambda: False)
+    for entries in ({"linear": {"64x96:float32": "onednn"}}, {"attention": {"float32:2x16:512": "gemm"}}):
+        with pytest.raises(ConfigError, match="lacks"):
+            CpuPlan.from_dict({**CpuPlan("m").to_dict(), **entries})
+    assert CpuPlan.from_dict(CpuPlan("m", {"64x96:float32": "addmm"}).to_dict()).linear == {"64x96:float32": "addmm"}

@@ -85,7 +85,7 @@ def test_two_processes_one_out_fresh_then_both_resume(tmp_path, checkpoint):
     torch.set_num_threads(1)
     try:
         for path, stored in read_embeddings(out):
-            assert torch.equal(encoder.encode_images([path], max_batch_tokens=1).embeddings[0], stored), path
+            assert torch.equal(encoder.encode_images([path], max_batch_patches=1).embeddings[0], stored), path
     finally:
         torch.set_num_threads(threads)
 

@@ -107,7 +107,7 @@ def test_encode_images_matches_processor_and_tower(setup, photos, backend):
     processor = image_processor(PREPROCESSOR_FILES[cfg.design], backend)
     names = list(photos)
     images = [photos[n] for n in names]
-    result = encoder.encode_images(images, max_batch_tokens=4096, pooled=True, resize=backend)
+    result = encoder.encode_images(images, max_batch_patches=4096, pooled=True, resize=backend)
     pixel_values, grid_thw = _reference_images(processor, images)
     assert torch.equal(result.grid_thw, grid_thw.to(torch.int64))
     reference = _reference(ref, pixel_values, grid_thw)
@@ -273,10 +273,10 @@ def test_close_while_other_threads_encode(checkpoint, call):
     images = [synthetic_photo(56 + 28 * (i % 3), 84, i) for i in range(4)]
     if call == "images":
         def encode():
-            return encoder.encode_images(images, max_batch_tokens=64)
+            return encoder.encode_images(images, max_batch_patches=64)
     else:  # per-call video settings (fps) must not escape close() either
         def encode():
-            return encoder.encode_videos([np.stack(images[:1] * 6)], fps=2.0, video_fps=4.0, max_batch_tokens=64)
+            return encoder.encode_videos([np.stack(images[:1] * 6)], fps=2.0, video_fps=4.0, max_batch_patches=64)
     outcomes: dict[str, int] = defaultdict(int)
     unexpected: list[BaseException] = []
     lock, one_done = threading.Lock(), threading.Event()
@@ -321,6 +321,6 @@ def test_close_while_other_threads_encode(checkpoint, call):
 def test_decode_budget_is_released_when_the_caller_stops_early(checkpoint, tmp_path):
     paths = [str(p) for p in make_folder(tmp_path / "imgs", 12, bad=False)]
     encoder = load_encoder(checkpoint, device="cpu")
-    for _ in encoder.iter_encode(paths, max_batch_tokens=1, num_workers=4, decode_bytes=1):
+    for _ in encoder.iter_encode(paths, max_batch_patches=1, num_workers=4, decode_bytes=1):
         break  # the workers still waiting for budget are woken and the pool shuts down
     assert len([r for b in encoder.iter_encode(paths, num_workers=4, decode_bytes=1) for r in b]) == 12

@@ -79,7 +79,7 @@ def test_fp16_warns_and_checks_finite(tmp_path):
         encoder.encode_patches(*_inputs(QWEN2_5_SMALL))
     # A stream records the lost batch's inputs and goes on; encode_images raises the same error.
     images = [synthetic_photo(56, 84, i) for i in range(3)]
-    (batch,) = list(encoder.iter_encode(images, max_batch_tokens=1 << 14))
+    (batch,) = list(encoder.iter_encode(images, max_batch_patches=1 << 14))
     assert [r.ok for r in batch] == [False] * 3 and all("float16" in r.error for r in batch)
     with pytest.raises(NumericalError, match="float16"):
         encoder.encode_images(images)

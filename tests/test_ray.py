@@ -231,9 +231,9 @@ def test_a_failing_forward_costs_only_its_own_row(checkpoint3, encoder, media, m
 def test_ray_pipeline_over_every_input_kind(local_ray, checkpoint3, encoder, media, tmp_path):
     """map_batches(Embedder) on a local Ray over paths (two actors on two CPUs: they must leave the read tasks a
     CPU), bytes (read_binary_files) and images (read_images); then Ray's rows into the Parquet layout and back."""
-    # Every image alone in its forward (max_batch_tokens=1), so the reference is each image encoded alone
+    # Every image alone in its forward (max_batch_patches=1), so the reference is each image encoded alone
     # whatever rows Ray puts together in a batch.
-    options = dict(LOAD, max_batch_tokens=1, **SETTINGS)
+    options = dict(LOAD, max_batch_patches=1, **SETTINGS)
     # Ray runs an actor's torch on as many threads as its CPUs, here 1 (OMP_NUM_THREADS), and a CPU matmul's
     # last bits depend on how it is split over threads: the reference is computed on one thread too.
     threads = torch.get_num_threads()

@@ -3,6 +3,6 @@
 ``plan`` holds the choices, ``machine`` measures them on the machine at hand and caches them per machine,
 ``packing`` puts the weights in the layouts they chose,
 ``forward`` runs a tower's blocks and mergers on them through a ``workspace``; ``kernels`` holds the oneDNN and
-GEMM-attention kernels. The model core (``layers``, ``tower``) never reads any of it: the tower picks this
-execution or the modules' own once per forward.
+GEMM-attention kernels. The modules (``layers``) never read any of it: the tower picks this execution or the
+modules' own once per call.
 """

@@ -178,7 +178,8 @@ class CpuExecution:
         gated = isinstance(mlp, GatedMLP)
         first, second = (mlp.gate_up_proj, mlp.down_proj) if gated else (mlp.linear_fc1, mlp.linear_fc2)
         if packed(first) and packed(second):
-            block = self.plan.mlp_rows("gated" if gated else "plain", first.in_features, second.in_features, x.dtype)
+            block = self.plan.mlp_rows("gated" if gated else "plain", first.in_features, second.in_features, mlp.act,
+                                       x.dtype)
             for rows in balanced_chunks(x.shape[0], block):
                 self.add_linear_(residual[rows], self.hidden_block(mlp, x[rows], gated), second)
             return residual
@@ -200,10 +201,8 @@ class CpuExecution:
     # ------------------------------------------------------------------ linears
 
     def linear_into(self, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
-        """``layer(x)`` in the workspace: addmm (the reference's kernel), or the packed kernel by row chunks."""
+        """``layer(x)`` of a plain layer in the workspace, by addmm (the reference's kernel)."""
         out = self.workspace.take(x, x.shape[0], layer.out_features)
-        if packed(layer):
-            return packed_linear(x, layer.weight, layer.bias, out)
         if layer.bias is None:
             return torch.mm(x, layer.weight.t(), out=out)
         return torch.addmm(layer.bias, x, layer.weight.t(), out=out)

@@ -65,14 +65,18 @@ def measure_linear(in_features: int, out_features: int, dtype: torch.dtype, repe
     weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
     x = torch.randn(LINEAR_PROBE_ROWS, in_features, generator=generator).to(dtype)
     bias, out = torch.zeros(out_features, dtype=dtype), torch.empty(LINEAR_PROBE_ROWS, out_features, dtype=dtype)
-    packed = pack_weight(weight)
 
-    def onednn() -> None:
+    def onednn(packed: torch.Tensor) -> None:
         for _ in packed_chunks(x, packed, bias):
             pass
 
     addmm_s = best_seconds(lambda: torch.addmm(bias, x, weight.t(), out=out), repeats)
-    onednn_s = best_seconds(onednn, repeats)
+    try:
+        packed = pack_weight(weight)
+        onednn_s = best_seconds(lambda: onednn(packed), repeats)
+    except RuntimeError as e:  # a oneDNN kernel this CPU cannot run in this dtype: torch's own kernel runs
+        warn(f"oneDNN's linear failed for {in_features}x{out_features} {dtype_name(dtype)} ({e}); using addmm")
+        return "addmm"
     return "onednn" if onednn_s * ONEDNN_FASTER_BY[dtype_name(dtype)] < addmm_s else "addmm"
 
 
@@ -84,7 +88,11 @@ def measure_attention(dtype: torch.dtype, heads: int, head_dim: int, repeats: in
     for length in PROBE_LENGTHS:
         count = max(1, PROBE_TOKENS // length)
         q, k, v = (torch.randn(count * length, heads, head_dim, generator=generator).to(dtype) for _ in range(3))
-        sdpa_s, gemm_s = attention_seconds(q, k, v, count, repeats)
+        try:
+            sdpa_s, gemm_s = attention_seconds(q, k, v, count, repeats)
+        except RuntimeError as e:  # a oneDNN kernel this CPU cannot run in this dtype: SDPA runs
+            warn(f"GEMM attention failed for {heads}x{head_dim} {dtype_name(dtype)} ({e}); using SDPA")
+            sdpa_s, gemm_s = 0.0, float("inf")
         choices[attention_key(dtype, heads, head_dim, length)] = "gemm" if gemm_s < sdpa_s else "sdpa"
     return choices
 
@@ -106,7 +114,7 @@ def attention_seconds(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: 
 
 def measure_mlp_rows(kind: str, dim: int, hidden: int, act: str, dtype: torch.dtype, repeats: int = 2) -> int:
     """The rows per block at which the backend's MLP (both linears packed) ran fastest here, of MLP_ROW_CHOICES."""
-    torch.manual_seed(0)
+    torch.manual_seed(0)  # inside measure's fork_rng: the caller's random state is untouched
     mlp = (GatedMLP if kind == "gated" else MLP)(dim, hidden, act).to(dtype).requires_grad_(False)
     for module in mlp.children():
         if isinstance(module, nn.Linear):
@@ -117,7 +125,7 @@ def measure_mlp_rows(kind: str, dim: int, hidden: int, act: str, dtype: torch.dt
     workspace = Workspace(MLP_PROBE_ROWS, dim, wide, dtype, "cpu")
     seconds = {}
     for rows in MLP_ROW_CHOICES:
-        run = CpuExecution(CpuPlan("probe", mlp={mlp_key(kind, dim, hidden, dtype): rows}), workspace)
+        run = CpuExecution(CpuPlan("probe", mlp={mlp_key(kind, dim, hidden, act, dtype): rows}), workspace)
         seconds[rows] = best_seconds(lambda run=run: run.mlp(mlp, x, residual), repeats)
     return min(seconds, key=seconds.get)
 
@@ -127,8 +135,8 @@ def measure(needs: PlanNeeds, machine: str, known: CpuPlan | None = None) -> Cpu
     block rows are measured where its two linears run packed (in ``known`` or in this measurement)."""
     if not onednn_linear_available():
         return CpuPlan(machine, dict.fromkeys(needs.linear_keys(), "addmm"),
-                       dict.fromkeys(needs.attention_keys(), "sdpa"))
-    with torch.no_grad():
+                       dict.fromkeys(needs.attention_keys(), "sdpa"), dict.fromkeys(needs.mlp_keys(), DEFAULT_MLP_ROWS))
+    with torch.random.fork_rng(devices=[]), torch.inference_mode(False), torch.no_grad():
         linear = {linear_key(i, o, d): measure_linear(i, o, d) for i, o, d in sorted(needs.linear, key=str)
                   if dtype_name(d) in DTYPES}
         attention = {}
@@ -143,8 +151,8 @@ def measure(needs: PlanNeeds, machine: str, known: CpuPlan | None = None) -> Cpu
                 continue
             both_packed = (kernels.linear_kernel(dim, first, d) == "onednn"
                            and kernels.linear_kernel(hidden, dim, d) == "onednn")
-            mlp[mlp_key(kind, dim, hidden, d)] = (measure_mlp_rows(kind, dim, hidden, act, d) if both_packed
-                                                  else DEFAULT_MLP_ROWS)  # no row blocks without both packed
+            mlp[mlp_key(kind, dim, hidden, act, d)] = (measure_mlp_rows(kind, dim, hidden, act, d) if both_packed
+                                                       else DEFAULT_MLP_ROWS)  # no row blocks without both packed
     return CpuPlan(machine, linear, attention, mlp)
 
 
@@ -153,18 +161,17 @@ def measure(needs: PlanNeeds, machine: str, known: CpuPlan | None = None) -> Cpu
 
 def machine_identity() -> dict:
     """What a plan's measurements depend on: the CPU (model name and ISA flags), torch, its threads, oneDNN."""
-    name, flags = platform.processor(), ""
+    name, flags = "", ""
     with contextlib.suppress(OSError):
-        with open("/proc/cpuinfo") as f:
+        with open("/proc/cpuinfo") as f:  # the first processor's lines describe the CPU: later ones repeat them
             for line in f:
                 key, _, value = line.partition(":")
                 key = key.strip()
-                if key in ("model name", "Model", "cpu model") and not name.strip():
+                if key in ("model name", "Model", "cpu model") and not name:
                     name = value.strip()
                 elif key in ("flags", "Features") and not flags:
                     flags = " ".join(sorted(value.split()))
-            # the first processor's lines describe the CPU: every later one repeats them
-    return {"cpu": name.strip() or platform.machine(), "arch": platform.machine(),
+    return {"cpu": name or platform.processor() or platform.machine(), "arch": platform.machine(),
             "isa_sha256": hashlib.sha256(flags.encode()).hexdigest()[:16], "torch": torch.__version__,
             "threads": torch.get_num_threads(), "onednn": onednn_linear_available()}
 
@@ -223,7 +230,10 @@ def plan_lock(folder: Path, key: str) -> Iterator[bool]:
         except ImportError:  # no flock on this platform: concurrent tuners may both measure, each file whole
             yield True
             return
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as e:  # some network file systems refuse locks: tune unlocked, each file still written whole
+            warn(f"cannot lock the CPU plan cache {folder} ({e}): a process tuning beside this one may measure too")
         yield True
     finally:
         os.close(fd)  # closing releases the lock

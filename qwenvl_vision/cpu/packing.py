@@ -3,11 +3,15 @@
 A packed weight replaces the plain one in its ``nn.Linear`` (one copy, not two: the load peak stays one layer above
 the tower). The modules never see it: only ``forward.CpuExecution`` runs a packed tower, and the tower unpacks before
 running the modules' own forward (autograd, autocast, compile). The tower's hooks keep the rest of torch's module
-contract: ``state_dict`` gives plain tensors (``dense_state_dict``), ``load_state_dict`` and ``.to()`` unpack first
-and pack again where the plan still applies.
+contract: ``state_dict`` gives plain tensors (``dense_state_dict``, on every linear), ``load_state_dict`` and
+``.to()`` unpack first and pack again where the plan still applies. Packing and unpacking replace a layer's
+Parameter object (an optimizer built before holds the old one); a weight keeps its ``requires_grad``. A submodule of
+a packed tower called on its own (``tower.blocks[0](...)``) is not supported: call the tower.
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 from torch import nn
@@ -15,6 +19,9 @@ from torch import nn
 from ..layers import MLP, GatedMLP, VisionAttention
 from .kernels import pack_weight, return_freed_memory
 from .plan import DTYPES, CpuPlan, PlanNeeds, dtype_name
+
+# Packing and unpacking of every tower take turns (no tensor or model is held by it).
+PACKING_LOCK = threading.RLock()
 
 
 def linear_layers(module: nn.Module) -> list[tuple[str, nn.Linear]]:
@@ -43,10 +50,11 @@ def pack_linears_(module: nn.Module, plan: CpuPlan) -> dict[str, int]:
                      and not weight.is_meta)
         kernel = plan.linear_kernel(layer.in_features, layer.out_features, weight.dtype) if runs_here else "addmm"
         if kernel == "onednn" and not weight.is_mkldnn:
-            layer.weight = nn.Parameter(pack_weight(weight), requires_grad=False)  # the plain one goes with its
-            return_freed_memory()  # Parameter: the peak stays one layer above the tower
+            layer.weight = nn.Parameter(pack_weight(weight), requires_grad=False)
+            del weight  # the plain tensor goes with its Parameter: the peak stays one layer above the tower
+            return_freed_memory()
         elif kernel == "addmm" and weight.is_mkldnn:
-            layer.weight = nn.Parameter(weight.to_dense(), requires_grad=False)
+            layer.weight = nn.Parameter(weight.to_dense(), requires_grad=weight.requires_grad)
         counts[kernel] += 1
     return counts
 
@@ -55,8 +63,9 @@ def unpack_linears_(module: nn.Module) -> bool:
     """Every packed weight plain again; returns whether there was one."""
     found = False
     for _, layer in linear_layers(module):
-        if layer.weight.is_mkldnn:
-            layer.weight = nn.Parameter(layer.weight.to_dense(), requires_grad=False)
+        weight = layer.weight
+        if weight.is_mkldnn:
+            layer.weight = nn.Parameter(weight.to_dense(), requires_grad=weight.requires_grad)
             found = True
     return found
 
@@ -72,7 +81,8 @@ def drop_packed_(module: nn.Module) -> None:
 
 
 def dense_state_dict(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
-    """A ``state_dict`` hook: packed weights handed out plain, as checkpoints and every other reader expect."""
-    for key, value in state_dict.items():
-        if getattr(value, "is_mkldnn", False):
-            state_dict[key] = value.detach().to_dense()
+    """A linear's ``state_dict`` post-hook: a packed weight handed out plain, as checkpoints and every other reader
+    expect."""
+    value = state_dict.get(prefix + "weight")
+    if value is not None and value.is_mkldnn:
+        state_dict[prefix + "weight"] = value.detach().to_dense()

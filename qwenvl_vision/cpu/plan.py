@@ -36,9 +36,9 @@ MAX_GEMM_LENGTH = 6144
 # activations should stay in the last-level cache between the two GEMMs, with enough rows for the GEMMs' full rate.
 DEFAULT_MLP_ROWS = 512
 
-LINEAR_KEY = re.compile(r"^(\d+)x(\d+):(float32|bfloat16)$")
-ATTENTION_KEY = re.compile(r"^(float32|bfloat16):(\d+)x(\d+):(\d+)$")
-MLP_KEY = re.compile(r"^(gated|plain):(\d+)x(\d+):(float32|bfloat16)$")
+LINEAR_KEY = re.compile(r"(\d+)x(\d+):(float32|bfloat16)")
+ATTENTION_KEY = re.compile(r"(float32|bfloat16):(\d+)x(\d+):(\d+)")
+MLP_KEY = re.compile(r"(gated|plain):(\d+)x(\d+):([a-z_]+):(float32|bfloat16)")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -53,8 +53,8 @@ def attention_key(dtype: torch.dtype, heads: int, head_dim: int, length: int) ->
     return f"{dtype_name(dtype)}:{heads}x{head_dim}:{length}"
 
 
-def mlp_key(kind: str, dim: int, hidden: int, dtype: torch.dtype) -> str:
-    return f"{kind}:{dim}x{hidden}:{dtype_name(dtype)}"
+def mlp_key(kind: str, dim: int, hidden: int, act: str, dtype: torch.dtype) -> str:
+    return f"{kind}:{dim}x{hidden}:{act}:{dtype_name(dtype)}"
 
 
 def nearest_probe(length: int) -> int:
@@ -78,7 +78,7 @@ class PlanNeeds:
                       for n in PROBE_LENGTHS)
 
     def mlp_keys(self) -> list[str]:
-        return sorted(mlp_key(kind, dim, hidden, d) for kind, dim, hidden, _, d in self.mlp if dtype_name(d) in DTYPES)
+        return sorted(mlp_key(*need) for need in self.mlp if dtype_name(need[4]) in DTYPES)
 
     def empty(self) -> bool:
         return not (self.linear or self.attention or self.mlp)
@@ -102,8 +102,8 @@ class CpuPlan:
             return "sdpa"
         return self.attention.get(attention_key(dtype, heads, head_dim, nearest_probe(length)), "sdpa")
 
-    def mlp_rows(self, kind: str, dim: int, hidden: int, dtype: torch.dtype) -> int:
-        return self.mlp.get(mlp_key(kind, dim, hidden, dtype), DEFAULT_MLP_ROWS)
+    def mlp_rows(self, kind: str, dim: int, hidden: int, act: str, dtype: torch.dtype) -> int:
+        return self.mlp.get(mlp_key(kind, dim, hidden, act, dtype), DEFAULT_MLP_ROWS)
 
     def missing(self, needs: PlanNeeds) -> PlanNeeds:
         """The part of ``needs`` this plan holds no entry for."""
@@ -111,8 +111,7 @@ class CpuPlan:
                   and linear_key(*need) not in self.linear}
         attention = {need for need in needs.attention if dtype_name(need[0]) in DTYPES
                      and any(attention_key(*need, n) not in self.attention for n in PROBE_LENGTHS)}
-        mlp = {need for need in needs.mlp if dtype_name(need[4]) in DTYPES
-               and mlp_key(*need[:3], need[4]) not in self.mlp}
+        mlp = {need for need in needs.mlp if dtype_name(need[4]) in DTYPES and mlp_key(*need) not in self.mlp}
         return PlanNeeds(frozenset(linear), frozenset(attention), frozenset(mlp))
 
     def with_entries(self, other: CpuPlan) -> CpuPlan:
@@ -143,13 +142,15 @@ class CpuPlan:
             if not isinstance(entries, dict):
                 raise ConfigError(f"a CPU plan's {name} must be an object")
             for key, value in entries.items():
-                if not isinstance(key, str) or not pattern.match(key) or value not in allowed:
+                if not isinstance(key, str) or not pattern.fullmatch(key) or value not in allowed:
                     raise ConfigError(f"CPU plan {name} entry {key!r}: {value!r} (allowed: {list(allowed)})")
         if not isinstance(data["mlp"], dict):
             raise ConfigError("a CPU plan's mlp must be an object")
         for key, rows in data["mlp"].items():
-            if not isinstance(key, str) or not MLP_KEY.match(key) or type(rows) is not int or rows < 1:
+            if not isinstance(key, str) or not MLP_KEY.fullmatch(key) or type(rows) is not int or rows < 1:
                 raise ConfigError(f"CPU plan mlp entry {key!r}: {rows!r} (rows of a block, a positive integer)")
-        if "onednn" in data["linear"].values() and not onednn_linear_available():
-            raise ConfigError("the CPU plan runs oneDNN's linear, which this torch lacks (no mkldnn linear ops)")
+        if ("onednn" in data["linear"].values() or "gemm" in data["attention"].values()) \
+                and not onednn_linear_available():
+            raise ConfigError("the CPU plan runs oneDNN's linear (in its linears or its GEMM attention), which this "
+                              "torch lacks (no mkldnn linear ops)")
         return cls(data["machine"], dict(data["linear"]), dict(data["attention"]), dict(data["mlp"]))

@@ -18,7 +18,7 @@ from ..devices import device_option, dtype_option
 from ..errors import ConfigError
 from ..pixels import DEFAULT_MAX_INPUT_PIXELS, RESIZE_BACKENDS
 
-BATCH_PATCHES = 16384  # encode_images' max_batch_tokens default
+BATCH_PATCHES = 16384  # encode_images' max_batch_patches default
 FORMATS = ("safetensors", "parquet", "vllm-cache")
 ENGINES = ("local", "ray")
 

@@ -130,10 +130,11 @@ def _pick_device(args: EmbedSettings, rank: int, world: int) -> str | None:
 
 
 def _load(args: EmbedSettings, device: str | None, progress: Progress, dtype=None, attn: str | None = None,
-          cpu_plan: dict | None = None):
+          cpu_plan: dict | str | None = None):
     """The encoder, and the checkpoint folder it came from (None for random weights); says what it does.
     ``dtype`` and ``attn`` default to the options (the Ray driver loads on its CPU in the actors' dtype);
-    ``cpu_plan`` is a resumed run's recorded CPU plan (its very bits), else this machine's runs."""
+    ``cpu_plan`` is a resumed run's recorded CPU plan (its very bits) or "reference" (a Ray driver whose actors run
+    on GPUs: no CPU plan to measure), else this machine's runs."""
     from ..attention import resolve_attn_impl
     from ..devices import resolve_device, resolve_dtype
     from ..encoder import load_encoder
@@ -245,6 +246,9 @@ class EmbedJob:
             raise EmbedError(f"no inputs: {', '.join(args.inputs)} hold no image or video files (by extension: "
                              f"{' '.join(sorted(MEDIA_EXTENSIONS))}) and list no paths")
         recorded_plan = (recorded or {}).get("cpu_plan")  # a resumed run's CPU plan: its very bits
+        if recorded is not None and recorded.get("linear_kernels") and not recorded_plan:
+            self.progress.note("this run's earlier items ran on per-layer CPU kernels that this version no longer "
+                               "records; new items run on this machine's CPU plan (equal within the dtype's rounding)")
         if args.engine == "ray":
             from .ray_engine import RayPlan, driver_load_options
 
@@ -253,7 +257,7 @@ class EmbedJob:
             self.threads = self.ray.threads
             torch.set_num_threads(self.threads)  # the CPU plan is the machine's at the actors' thread count
             self.encoder, folder = _load(args, "cpu", self.progress, **driver_load_options(args, self.ray.device),
-                                         cpu_plan=recorded_plan)
+                                         cpu_plan=recorded_plan if self.ray.device == "cpu" else "reference")
         else:
             self.threads = args.threads or (recorded or {}).get("threads") or torch.get_num_threads()
             torch.set_num_threads(self.threads)
@@ -364,7 +368,7 @@ class EmbedJob:
                 # The options as given, as encode_images takes them: an option alone keeps the checkpoint's
                 # other bound even where they cross (run.json records both; a resume compared them).
                 todo, video=None, min_pixels=args.min_pixels, max_pixels=args.max_pixels,
-                max_batch_tokens=args.batch_patches, resize=self.run["resize"],
+                max_batch_patches=args.batch_patches, resize=self.run["resize"],
                 pooled=args.pooled_only, max_input_pixels=args.max_input_pixels,
                 decode_bytes=args.decode_mib << 20, hash_pixels=self.run["file_format"] == "vllm-cache",
                 on_prepared=lambda index, tokens: progress.update(1, tokens))

@@ -57,7 +57,7 @@ from tests.helpers.checkpoints import (
     write_checkpoint,
 )
 from tests.helpers.fake_hub import FakeHub, Revision, serve_hub, use_endpoint
-from tests.helpers.machine import forced_plan, packed_gives_addmm_bits
+from tests.helpers.machine import addmm_ignores_row_stride, forced_plan, packed_gives_addmm_bits
 from tests.helpers.media import content, make_image_folder, write_video
 from tests.helpers.memory import census, live_tensor_bytes, rss_bytes
 from tests.helpers.processors import (
@@ -109,8 +109,8 @@ __all__ = [
     "assert_result_matches_reference", "census", "content", "edit_header", "forward_both", "grids_for", "hf_classes",
     "hf_forward", "hf_source_function", "hf_tower", "hf_vision_config", "hf_vision_fields", "image_processors",
     "image_reference", "inputs", "item_errors", "join_shard", "live_tensor_bytes", "make_image_folder",
-    "non_vision_shards", "offsets_of", "ours_from", "packed", "forced_plan", "packed_gives_addmm_bits", "pair", "photo",
-    "pil_config", "read_index",
+    "non_vision_shards", "offsets_of", "ours_from", "packed", "addmm_ignores_row_stride", "forced_plan",
+    "packed_gives_addmm_bits", "pair", "photo", "pil_config", "read_index",
     "reference_outputs", "reference_video", "rel_err", "released_config_json", "rss_bytes", "same_size_pair",
     "sample_photo", "serve_hub", "set_entry", "shard_of", "split_shard", "synthetic_photo", "use_endpoint",
     "video_processor", "video_processor_class", "write_checkpoint", "write_index", "write_video",

@@ -7,9 +7,10 @@ probe here shows this machine's kernels give them.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from qwenvl_vision.cpu.kernels import balanced_chunks, pack_weight, packed_linear
-from qwenvl_vision.cpu.packing import plan_needs
+from qwenvl_vision.cpu.packing import linear_layers, plan_needs
 from qwenvl_vision.cpu.plan import CpuPlan
 
 
@@ -42,3 +43,18 @@ def forced_plan(model: torch.nn.Module, linear: str = "addmm", attention: str = 
     needs = plan_needs(model)
     return CpuPlan("forced", dict.fromkeys(needs.linear_keys(), linear),
                    dict.fromkeys(needs.attention_keys(), attention), dict.fromkeys(needs.mlp_keys(), mlp_rows))
+
+
+def addmm_ignores_row_stride(model: torch.nn.Module, rows: int, dtype: torch.dtype) -> bool:
+    """Whether this machine's addmm gives the same bits for every linear of ``model`` on an input whose rows are a
+    strided view (as the CPU backend hands a gated MLP's hidden rows, and q/k/v, to the next op) as on the same rows
+    contiguous: on most CPUs' GEMM kernels the operand's stride does not change the arithmetic."""
+    generator = torch.Generator().manual_seed(0)
+    for _, layer in linear_layers(model):
+        wide = torch.randn(rows, 2 * layer.in_features, generator=generator).to(dtype)
+        x = wide[:, : layer.in_features]
+        weight = layer.weight.detach().to(dtype)
+        bias = None if layer.bias is None else layer.bias.detach().to(dtype)
+        if not torch.equal(F.linear(x, weight, bias), F.linear(x.contiguous(), weight, bias)):
+            return False
+    return True
