@@ -365,7 +365,7 @@ def main(argv: list[str] | None = None) -> dict:
                         help="also time the forward's GEMMs and attention alone (bench.gemm_bound) and report each "
                              "variant as a fraction of that bound")
     parser.add_argument("--addmm", action="store_true",
-                        help="CPU: also time ours with every linear on torch's addmm (no oneDNN prepacking)")
+                        help="CPU: also time ours with cpu_kernels='reference' (the modules' own ops: addmm, SDPA)")
     parser.add_argument("--one-forward", action="store_true",
                         help="CPU: also time ours with the pack as one forward (as on CUDA) instead of one forward "
                              "per item (which makes an item's bits independent of its neighbours)")
