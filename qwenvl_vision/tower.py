@@ -14,7 +14,7 @@ changes no number.
 
 Execution, chosen once per call (``execution``): the modules' own forward (``ReferenceExecution``: autograd,
 autocast, ``torch.compile``, CUDA, and ``cpu_kernels="reference"``), or on the CPU in inference the CPU backend
-(``cpu.forward.CpuExecution``) on the machine's measured plan (``cpu.plan``), its linears packed where the plan
+(``cpu.forward.CpuExecution``) on the machine's measured plan (``cpu.machine``), its linears packed where the plan
 says so (``cpu.packing``). Only the tower knows which: the modules never read an execution state.
 """
 
@@ -397,8 +397,11 @@ class VisionTower(nn.Module):
         safe while they all run inference, or all the modules' forward; mixing the two at once is not."""
         weight = self.patch_embed.proj.weight
         if self.cpu_kernels == "reference" or weight.device.type != "cpu" or weight.is_meta or self.compiled:
-            self.unpack_linear_weights_()
+            if self.packed_plan is not None:
+                self.unpack_linear_weights_()
             return None
+        if self.cpu_plan is not None and self.packed_plan is self.cpu_plan:
+            return self.cpu_plan  # the steady state: no lock taken
         with PACKING_LOCK, torch.inference_mode(False), torch.no_grad():
             if self.cpu_plan is None:
                 given = self.cpu_kernels
@@ -408,7 +411,6 @@ class VisionTower(nn.Module):
                 self.packed_plan = self.cpu_plan
             return self.cpu_plan
 
-    @torch.compiler.disable  # inside a traced forward too: Parameters are swapped, not computed
     def unpack_linear_weights_(self) -> None:
         with PACKING_LOCK, torch.inference_mode(False), torch.no_grad():
             unpack_linears_(self)
@@ -448,7 +450,10 @@ class VisionTower(nn.Module):
         plan = None if reference else self.prepare_cpu_()
         if plan is None:
             if any(m.weight.is_mkldnn for _, m in linear_layers(self)):
-                self.unpack_linear_weights_()  # the modules' forward takes plain weights; the next CPU call packs
+                # the modules' forward takes plain weights; the next CPU call packs. Inside a traced forward too:
+                # Parameters are swapped, not computed
+                unpack = self.unpack_linear_weights_
+                (torch.compiler.disable(unpack) if torch.compiler.is_compiling() else unpack)()
             return ReferenceExecution(self.attention_backend())
         cfg = self.config
         mlp_width = cfg.intermediate_size * (2 if cfg.spec.mlp == "gated" else 1)
@@ -457,7 +462,9 @@ class VisionTower(nn.Module):
 
     def hooked(self) -> bool:
         """Whether a forward hook would see a module of this tower run (its own, or a global one)."""
-        if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
+        module_globals = nn.modules.module  # torch's own registry of global hooks (no public getter)
+        if getattr(module_globals, "_global_forward_hooks", None) or \
+                getattr(module_globals, "_global_forward_pre_hooks", None):
             return True
         return any(m._forward_hooks or m._forward_pre_hooks for m in self.modules() if m is not self)
 

@@ -186,14 +186,23 @@ def test_an_mlp_s_block_rows_are_measured_where_both_its_linears_run_packed(fres
     assert plan.mlp == {"gated:64x96:silu:bfloat16": rows}
 
 
-def test_measuring_leaves_the_caller_s_random_state_alone(fresh):
+def test_measuring_leaves_the_caller_s_random_state_alone(fresh, monkeypatch):
+    """Every probe, the MLP's included (its linears made to measure packed), draws from generators of its own."""
+    from qwenvl_vision.cpu.kernels import onednn_linear_available
+
+    if not onednn_linear_available():
+        pytest.skip("this torch has no oneDNN linear")
+    monkeypatch.setattr(machine, "measure_linear", lambda *_, **__: "onednn")
+    timed = []
+    real = machine.measure_mlp_rows
+    monkeypatch.setattr(machine, "measure_mlp_rows", lambda *a, **k: timed.append(a) or real(*a, **k))
     needs = PlanNeeds(frozenset({(64, 192, torch.float32), (96, 64, torch.float32)}), frozenset(),
                       frozenset({("gated", 64, 96, "silu", torch.float32)}))
     torch.manual_seed(5)
     expected = torch.rand(3)
     torch.manual_seed(5)
     machine_plan(needs)
-    assert torch.equal(torch.rand(3), expected)
+    assert timed and torch.equal(torch.rand(3), expected)
 
 
 def test_a_recorded_plan_with_onednn_kernels_is_refused_where_torch_has_none(monkeypatch):

@@ -114,12 +114,16 @@ def attention_seconds(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: 
 
 def measure_mlp_rows(kind: str, dim: int, hidden: int, act: str, dtype: torch.dtype, repeats: int = 2) -> int:
     """The rows per block at which the backend's MLP (both linears packed) ran fastest here, of MLP_ROW_CHOICES."""
-    torch.manual_seed(0)  # inside measure's fork_rng: the caller's random state is untouched
-    mlp = (GatedMLP if kind == "gated" else MLP)(dim, hidden, act).to(dtype).requires_grad_(False)
+    generator = torch.Generator().manual_seed(0)  # never the caller's random state
+    with torch.device("meta"):
+        mlp = (GatedMLP if kind == "gated" else MLP)(dim, hidden, act)
+    mlp = mlp.to_empty(device="cpu").requires_grad_(False)
     for module in mlp.children():
         if isinstance(module, nn.Linear):
-            module.weight = nn.Parameter(pack_weight(module.weight), requires_grad=False)
-    x = torch.randn(MLP_PROBE_ROWS, dim).to(dtype)
+            weight = torch.randn(module.weight.shape, generator=generator) / module.in_features**0.5
+            module.weight = nn.Parameter(pack_weight(weight.to(dtype)), requires_grad=False)
+            module.bias = nn.Parameter(torch.zeros(module.out_features, dtype=dtype), requires_grad=False)
+    x = torch.randn(MLP_PROBE_ROWS, dim, generator=generator).to(dtype)
     residual = torch.zeros_like(x)
     wide = max(3 * dim, hidden * (2 if kind == "gated" else 1))
     workspace = Workspace(MLP_PROBE_ROWS, dim, wide, dtype, "cpu")
@@ -136,7 +140,7 @@ def measure(needs: PlanNeeds, machine: str, known: CpuPlan | None = None) -> Cpu
     if not onednn_linear_available():
         return CpuPlan(machine, dict.fromkeys(needs.linear_keys(), "addmm"),
                        dict.fromkeys(needs.attention_keys(), "sdpa"), dict.fromkeys(needs.mlp_keys(), DEFAULT_MLP_ROWS))
-    with torch.random.fork_rng(devices=[]), torch.inference_mode(False), torch.no_grad():
+    with torch.inference_mode(False), torch.no_grad():
         linear = {linear_key(i, o, d): measure_linear(i, o, d) for i, o, d in sorted(needs.linear, key=str)
                   if dtype_name(d) in DTYPES}
         attention = {}
@@ -151,8 +155,13 @@ def measure(needs: PlanNeeds, machine: str, known: CpuPlan | None = None) -> Cpu
                 continue
             both_packed = (kernels.linear_kernel(dim, first, d) == "onednn"
                            and kernels.linear_kernel(hidden, dim, d) == "onednn")
-            mlp[mlp_key(kind, dim, hidden, act, d)] = (measure_mlp_rows(kind, dim, hidden, act, d) if both_packed
-                                                       else DEFAULT_MLP_ROWS)  # no row blocks without both packed
+            rows = DEFAULT_MLP_ROWS  # no row blocks without both linears packed
+            if both_packed:
+                try:
+                    rows = measure_mlp_rows(kind, dim, hidden, act, d)
+                except RuntimeError as e:  # a oneDNN kernel this CPU cannot run in this dtype
+                    warn(f"the {kind} MLP {dim}x{hidden} {dtype_name(d)} failed on oneDNN ({e}); {rows} rows")
+            mlp[mlp_key(kind, dim, hidden, act, d)] = rows
     return CpuPlan(machine, linear, attention, mlp)
 
 

@@ -22,7 +22,7 @@ import torch
 from ..errors import ConfigError
 from .kernels import onednn_linear_available
 
-PLAN_FORMAT = 1
+PLAN_FORMAT = 2
 PLAN_FIELDS = ("format", "machine", "linear", "attention", "mlp")
 LINEAR_KERNELS = ("addmm", "onednn")
 ATTENTION_PATHS = ("sdpa", "gemm")
