@@ -4,25 +4,11 @@ each segment against float64 SDPA of that segment alone, and gradients."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from qwenvl_vision.attention import SegmentPlan, sdpa_attention
+from tests.helpers import rel_err, segment_reference
 
 HEADS, HEAD_DIM = 4, 72
-
-
-def segment_reference(q, k, v, lengths, scale):
-    pieces, start = [], 0
-    for n in lengths:
-        rows = slice(start, start + n)
-        split = [x[rows].double().transpose(0, 1)[None] for x in (q, k, v)]
-        pieces.append(F.scaled_dot_product_attention(*split, scale=scale)[0].transpose(0, 1))
-        start += n
-    return torch.cat(pieces)
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b).norm() / b.norm())
 
 
 def test_scattered_segments_are_gathered_and_every_segment_attends_alone():
@@ -32,7 +18,7 @@ def test_scattered_segments_are_gathered_and_every_segment_attends_alone():
     q, k, v = (torch.randn(n, HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(i)) for i in range(3))
     plan = SegmentPlan.from_lengths(lengths)
     assert {group.length for group in plan.groups if group.index is not None} == {520, 8}
-    assert rel(sdpa_attention(q, k, v, plan, scale), segment_reference(q, k, v, lengths, scale)) < 1e-6
+    assert rel_err(sdpa_attention(q, k, v, plan, scale), segment_reference(q, k, v, lengths, scale)) < 1e-6
 
 
 def test_runs_of_equal_segments_are_views_into_a_strided_output():
@@ -45,7 +31,7 @@ def test_runs_of_equal_segments_are_views_into_a_strided_output():
     out = torch.full((n, 2, HEADS, HEAD_DIM), float("nan"))[:, 0]
     attended = sdpa_attention(q, k, v, plan, scale, out=out)
     assert attended.data_ptr() == out.data_ptr()
-    assert rel(attended, segment_reference(q, k, v, lengths, scale)) < 1e-6
+    assert rel_err(attended, segment_reference(q, k, v, lengths, scale)) < 1e-6
 
 
 def test_gradients_flow_through_segments():

@@ -50,11 +50,22 @@ from tests.helpers import (
     packed_gives_addmm_bits,
     pair,
     rel_err,
+    segment_reference,
     write_checkpoint,
 )
 
 needs_onednn = pytest.mark.skipif(not onednn_linear_available(), reason="this torch has no oneDNN linear ops")
 HEADS, HEAD_DIM = 4, 72
+
+
+def plain_and_packed(cfg):
+    """Two towers of one transformers tower's weights, one on the reference kernels, one with every linear packed,
+    and inputs for them."""
+    ref = hf_tower(cfg, seed=0)
+    plain, packed = ours_from(ref, cfg), ours_from(ref, cfg)
+    plain.set_cpu_kernels("reference")
+    packed.set_cpu_kernels(forced_plan(packed, "onednn"))
+    return plain, packed, inputs(cfg, grids_for(cfg))
 
 
 def packed_count(model) -> int:
@@ -242,21 +253,6 @@ def test_the_reference_setting_runs_the_modules_own_forward_bitwise():
 # ----------------------------------------------------------------------------- attention paths
 
 
-def segment_reference(q, k, v, lengths, scale):
-    """Each segment attended alone by float64 SDPA."""
-    pieces, start = [], 0
-    for n in lengths:
-        rows = slice(start, start + n)
-        split = [x[rows].double().transpose(0, 1)[None] for x in (q, k, v)]
-        pieces.append(F.scaled_dot_product_attention(*split, scale=scale)[0].transpose(0, 1))
-        start += n
-    return torch.cat(pieces)
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b).norm() / b.norm())
-
-
 @needs_onednn
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_segments_take_the_plan_s_attention_path_and_it_is_as_exact_as_sdpa(dtype, monkeypatch):
@@ -279,12 +275,12 @@ def test_segments_take_the_plan_s_attention_path_and_it_is_as_exact_as_sdpa(dtyp
     expected = segment_reference(q, k, v, lengths, scale)
     frames = slice(3 * 64, 3 * 64 + 1200)
     if dtype == torch.float32:
-        assert rel(attended, expected) < 1e-6
+        assert rel_err(attended, expected) < 1e-6
     else:
         sdpa = F.scaled_dot_product_attention(*[x[frames].unflatten(0, (2, 600)).transpose(1, 2) for x in (q, k, v)],
                                               scale=scale).transpose(1, 2).flatten(0, 1)
-        assert rel(attended[frames], expected[frames]) < rel(sdpa, expected[frames])
-        assert rel(attended, expected) < 4e-3
+        assert rel_err(attended[frames], expected[frames]) < rel_err(sdpa, expected[frames])
+        assert rel_err(attended, expected) < 4e-3
 
 
 @needs_onednn
@@ -297,7 +293,7 @@ def test_many_scattered_frames_are_gathered_onto_the_gemm_path():
     assert any(group.index is not None and group.length == 520 for group in segments.groups)
     plan = CpuPlan("test", {}, {attention_key(torch.float32, HEADS, HEAD_DIM, 512): "gemm"})
     attended = execution(plan=plan).attend(q, k, v, segments, scale)
-    assert rel(attended, segment_reference(q, k, v, lengths, scale)) < 1e-6
+    assert rel_err(attended, segment_reference(q, k, v, lengths, scale)) < 1e-6
 
 
 @needs_onednn
@@ -440,12 +436,7 @@ def test_one_packed_weight_serves_calls_of_any_row_count(monkeypatch):
 def test_gradients_through_a_packed_tower_match_the_plain_one_and_inference_packs_again():
     """Autograd runs the modules' forward: a packed tower is unpacked for it (input gradients and a layer made
     trainable match the plain tower's), and the next inference call runs the plan's packed weights again."""
-    cfg = QWEN2_5_SMALL
-    ref = hf_tower(cfg, seed=0)
-    plain, packed = ours_from(ref, cfg), ours_from(ref, cfg)
-    plain.set_cpu_kernels("reference")
-    packed.set_cpu_kernels(forced_plan(packed, "onednn"))
-    pixel_values, grid_thw = inputs(cfg, grids_for(cfg))
+    plain, packed, (pixel_values, grid_thw) = plain_and_packed(QWEN2_5_SMALL)
     grads = []
     for model in (plain, packed):
         x = pixel_values.clone().requires_grad_(True)
@@ -481,12 +472,7 @@ def test_a_packed_tower_moves_and_casts_and_stays_exact():
 
 @needs_onednn
 def test_autocast_runs_the_modules_forward_on_a_packed_tower():
-    cfg = QWEN2_5_SMALL
-    ref = hf_tower(cfg, seed=0)
-    plain, packed = ours_from(ref, cfg), ours_from(ref, cfg)
-    plain.set_cpu_kernels("reference")
-    packed.set_cpu_kernels(forced_plan(packed, "onednn"))
-    pixel_values, grid_thw = inputs(cfg, grids_for(cfg))
+    plain, packed, (pixel_values, grid_thw) = plain_and_packed(QWEN2_5_SMALL)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         a, b = plain(pixel_values, grid_thw)[0], packed(pixel_values, grid_thw)[0]
     assert a.dtype == b.dtype == torch.bfloat16 and torch.equal(a, b)

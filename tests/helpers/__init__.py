@@ -84,6 +84,7 @@ from tests.helpers.reference import (
     packed,
     reference_outputs,
     reference_video,
+    segment_reference,
 )
 from tests.helpers.safetensors_files import (
     INDEX_FILE,
@@ -112,6 +113,7 @@ __all__ = [
     "non_vision_shards", "offsets_of", "ours_from", "packed", "addmm_ignores_row_stride", "forced_plan",
     "packed_gives_addmm_bits", "pair", "photo", "pil_config", "read_index",
     "reference_outputs", "reference_video", "rel_err", "released_config_json", "rss_bytes", "same_size_pair",
+    "segment_reference",
     "sample_photo", "serve_hub", "set_entry", "shard_of", "split_shard", "synthetic_photo", "use_endpoint",
     "video_processor", "video_processor_class", "write_checkpoint", "write_index", "write_video",
 ]

@@ -100,3 +100,15 @@ def reference_video(processor, family, frames):
     values, grid_t, grid_h, grid_w = patchify(None, video, processor.patch_size, processor.merge_size,
                                               processor.temporal_patch_size)
     return values[0].numpy(), (grid_t, grid_h, grid_w)
+
+
+def segment_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int], scale: float
+                      ) -> torch.Tensor:
+    """Each segment of packed (N, H, hd) q/k/v attended alone by float64 SDPA."""
+    pieces, start = [], 0
+    for n in lengths:
+        rows = slice(start, start + n)
+        split = [x[rows].double().transpose(0, 1)[None] for x in (q, k, v)]
+        pieces.append(torch.nn.functional.scaled_dot_product_attention(*split, scale=scale)[0].transpose(0, 1))
+        start += n
+    return torch.cat(pieces)
