@@ -161,11 +161,11 @@ def _vector_column(vectors: list[torch.Tensor | None], dim: int) -> pa.Array:
     return pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1), pa.float32()), dim, mask=mask)
 
 
-def results_table(records: Iterable[EmbeddingRecord], layout: ParquetLayout, run: dict) -> pa.Table:
-    """The records as one Arrow table in ``layout``, the run record in its metadata. A record that does not fit
-    the layout (a vector of another width, a missing tensor, a level count that differs) is a ValueError: the
-    writer's mistake, caught before anything is written."""
-    records = list(records)
+def result_columns(records: Sequence[EmbeddingRecord], layout: ParquetLayout) -> dict[str, pa.Array]:
+    """The records' result columns in ``layout`` (``status`` .. ``video``, everything but the input's identity),
+    the one conversion of records to Arrow: the Parquet writer and Ray's Embedder both build their rows here. A
+    record that does not fit the layout (a vector of another width, a missing tensor, a level count that differs)
+    is a ValueError: the writer's mistake, caught before anything is written."""
     for i, r in enumerate(records):
         if r.status not in STATUSES or (r.status == "error") != (r.error is not None):
             raise ValueError(f"row {i} ({r.path}): status {r.status!r} with error {r.error!r}")
@@ -186,8 +186,6 @@ def results_table(records: Iterable[EmbeddingRecord], layout: ParquetLayout, run
     ok = [r if r.ok else None for r in records]
     grids = np.array([r.grid_thw if r else (0, 0, 0) for r in ok], np.int64).reshape(-1)
     columns: dict[str, pa.Array] = {
-        "path": pa.array([text(r.path) for r in records], pa.string()),
-        "realpath": pa.array([text(r.realpath) for r in records], pa.string()),
         "status": pa.array([r.status for r in records], pa.string()),
         "error": pa.array([text(r.error) for r in records], pa.string()),
         "grid_thw": pa.FixedSizeListArray.from_arrays(pa.array(grids, pa.int64()), 3,
@@ -201,6 +199,16 @@ def results_table(records: Iterable[EmbeddingRecord], layout: ParquetLayout, run
     for level, name in enumerate(layout.level_columns):
         columns[name] = _token_column([r.deepstack[level] if r else None for r in ok], layout.dim, name)
     columns["video"] = pa.array([r.video for r in records], VIDEO_TYPE)
+    return columns
+
+
+def results_table(records: Iterable[EmbeddingRecord], layout: ParquetLayout, run: dict) -> pa.Table:
+    """The records as one Arrow table in ``layout`` (their identity, then ``result_columns``), the run record in
+    its metadata."""
+    records = list(records)
+    columns = {"path": pa.array([text(r.path) for r in records], pa.string()),
+               "realpath": pa.array([text(r.realpath) for r in records], pa.string()),
+               **result_columns(records, layout)}
     schema = layout.schema(run)
     return pa.Table.from_arrays([columns[f.name] for f in schema], schema=schema)
 
@@ -402,21 +410,34 @@ def _tensors(column: pa.Array, dim: int, dtype: torch.dtype, per_row_vectors: bo
     return out
 
 
-def records_of_table(table: pa.Table, layout: ParquetLayout) -> list[EmbeddingRecord]:
-    """A validated table's rows as records (``read_parquet_table`` first: this trusts the table)."""
-    dtype = DTYPES[layout.dtype]
-    embeddings = _tensors(table.column("embedding").combine_chunks(), layout.dim, dtype, True) \
-        if layout.tokens else [None] * table.num_rows
-    pooled = _tensors(table.column("pooled").combine_chunks(), layout.dim, dtype, False) \
-        if layout.pooled else [None] * table.num_rows
-    levels = [_tensors(table.column(name).combine_chunks(), layout.dim, dtype, True) for name in layout.level_columns]
+def records_of_table(table: pa.Table, dtype: str, *, path_column: str = "path") -> list[EmbeddingRecord]:
+    """A table's rows as records, tensors in ``dtype`` (the run's): a Parquet shard validated by
+    ``read_parquet_table`` (this trusts the table), or Ray's ``Embedder`` rows (``result_columns`` beside the
+    input's columns: the path in ``path_column``; without a ``realpath`` column the path is resolved here). The
+    tensor columns are those the table has: ``embedding`` and its ``deepstack_*`` levels, or ``pooled``."""
+    torch_dtype = DTYPES[dtype]
+    names = set(table.column_names)
+    levels = sorted((n for n in names if n.startswith("deepstack_")), key=lambda n: int(n.removeprefix("deepstack_")))
+
+    def tensors(name: str, per_row_vectors: bool) -> list[torch.Tensor | None]:
+        if name not in names:
+            return [None] * table.num_rows
+        column = table.column(name).combine_chunks()
+        size = (column.type.value_type if per_row_vectors else column.type).list_size
+        return _tensors(column, size, torch_dtype, per_row_vectors)
+
+    embeddings, pooled = tensors("embedding", True), tensors("pooled", False)
+    deepstack = [tensors(name, True) for name in levels]
+    plain = table.select([path_column, "status", "error", "grid_thw", "tokens", "video",
+                          *(n for n in ("realpath", "pixels_sha256") if n in names)]).to_pylist()
     records = []
-    plain = table.select(["path", "realpath", "status", "error", "grid_thw", "tokens", "video"]).to_pylist()
     for row, r in enumerate(plain):
         grid = tuple(r["grid_thw"]) if r["grid_thw"] is not None else None
-        deepstack = [level[row] for level in levels] if r["status"] == "ok" else []
-        records.append(EmbeddingRecord(r["path"], r["realpath"], r["status"], r["error"], grid, r["tokens"],
-                                       embeddings[row], deepstack, pooled[row], r["video"]))
+        path = r[path_column]
+        records.append(EmbeddingRecord(
+            path, r.get("realpath") or os.path.realpath(path), r["status"], r["error"], grid, r["tokens"],
+            embeddings[row], [level[row] for level in deepstack] if r["status"] == "ok" else [], pooled[row],
+            r["video"], r.get("pixels_sha256")))
     return records
 
 
@@ -457,4 +478,4 @@ def read_parquet_records(folder: str | os.PathLike, *, files: Sequence[str | os.
         elif layout != first[0] or not same_run(run, first[1]):
             what = "layout" if layout != first[0] else "run record"
             raise ManifestError(f"{path}: its {what} differs from {first[2].name}'s (shards of another run)")
-        yield from records_of_table(table, layout)
+        yield from records_of_table(table, layout.dtype)

@@ -4,21 +4,22 @@
 
 Only this module imports Ray (``import qwenvl_vision`` does not): install ``ray[data]`` to use it.
 
-Batch format: numpy. Ray hands a numpy batch over without building pandas objects: ``read_images``' tensor
-column arrives as arrays (zero copy when the shapes agree), ``read_binary_files``' bytes as a list of bytes, and
-the UDF works row by row anyway. It returns a ``pyarrow.Table`` (built here, not by Ray's numpy conversion) so
-that every block has the same schema: Ray would give a batch whose embeddings happen to share a shape a
-fixed-shape tensor type and another a variable-shaped one, and an all-ok batch a null ``error`` type.
+Batch format: numpy in, Arrow out. Ray hands a numpy batch over without building pandas objects:
+``read_images``' tensor column arrives as arrays (zero copy when the shapes agree), ``read_binary_files``' bytes
+as a list of bytes, and the UDF works row by row anyway. It returns a ``pyarrow.Table`` built by
+``parquet.result_columns``, the Parquet writer's conversion, so that every block has one schema whatever its rows
+(Ray's own numpy conversion would type a batch by the shapes it happens to hold) and Ray's rows are the Parquet
+layout's.
 
 Output columns, one row per input row: the input's other columns passed through (a ``path`` input column is
-kept: it is the row's identity; bytes and pixels are not), ``status`` ("ok" / "error"), ``error`` (the one-line
-reason), ``grid_thw`` (fixed_size_list<int64, 3>), ``tokens``, then ``embedding`` (tokens x D float32, Ray's
-``ArrowVariableShapedTensorType``) and ``deepstack_0`` .. ``deepstack_{L-1}`` alike, or with ``pooled=True`` only
-``pooled`` (D float32, a fixed-shape tensor), ``video`` (JSON of the frames used, for a video file; null
-otherwise) and ``pixels_sha256`` (``item_ids.pixels_sha256`` of the pixels the tower read, from which the encoder
-cache names the item, with ``hash_pixels=True``; null otherwise and for an error row). Float32 holds bf16 and
-fp16 values exactly. A tensor column holds no nulls, so an error row has null ``grid_thw``, ``tokens`` 0,
-zero-row tensors and a NaN ``pooled``: ``status`` tells them apart.
+kept: it is the row's identity; bytes and pixels are not), then the Parquet layout's result columns:
+``status`` ("ok" / "error"), ``error`` (the one-line reason), ``grid_thw``, ``tokens``, then ``embedding``
+(``list<fixed_size_list<float32, D>>``, tokens x D) and ``deepstack_0`` .. ``deepstack_{L-1}`` alike, or with
+``pooled=True`` only ``pooled`` (``fixed_size_list<float32, D>``), and ``video`` (a struct of the frames used, for
+a video file); last ``pixels_sha256`` (``item_ids.pixels_sha256`` of the pixels the tower read, from which the
+encoder cache names the item, with ``hash_pixels=True``). Float32 holds bf16 and fp16 values exactly. An error
+row is null in every column but ``status`` and ``error`` (and ``video``, for a video file). ``records_from_batch``
+turns rows back into records.
 
 Bad rows: every input is decoded and encoded under ``VisionEncoder.iter_encode``, which turns a bad input
 (corrupt, empty, not an image, too large) into an error result; a forward that fails as a whole (out of memory)
@@ -41,7 +42,6 @@ job is stopped. A retried batch's rows come out once: Ray hands on only the outp
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import re
@@ -56,14 +56,14 @@ import pyarrow as pa
 import ray
 import torch
 from ray.data.block import BlockAccessor
-from ray.data.extensions import ArrowTensorArray, ArrowVariableShapedTensorArray
 
 from .batching import DEFAULT_DECODE_BYTES, batch_patches
 from .encoder import ItemResult, load_encoder
-from .errors import CheckpointError
+from .errors import CheckpointError, InputError
+from .parquet import ParquetLayout, records_of_table, result_columns
 from .pixels import DEFAULT_MAX_INPUT_PIXELS, input_name
-from .records import EmbeddingRecord
-from .video_io import is_video_file, video_record
+from .records import EmbeddingRecord, record_from_result
+from .video_io import is_video_file
 
 INPUT_KINDS = ("path", "bytes", "image")
 BATCH_FORMAT = "numpy"
@@ -123,8 +123,7 @@ class Embedder:
             if found != weights_sha256:
                 raise CheckpointError(f"{source}: the actor's tower hashes to {found[:12]}..., the run's to "
                                       f"{weights_sha256[:12]}... (another checkpoint, or other random weights)")
-        self.dim = self.encoder.out_hidden_size
-        self.levels = 0 if pooled else len(self.encoder.config.deepstack_visual_indexes)
+        self.layout = ParquetLayout.for_encoder(self.encoder, tokens=not pooled, pooled=pooled)
         video_config = None if fps is None else dataclasses.replace(self.encoder.video_config, fps=fps)
         self.options = dict(min_pixels=min_pixels, max_pixels=max_pixels, resize=resize, pooled=pooled,
                             max_batch_patches=batch_patches(max_batch_patches, max_batch_tokens),
@@ -238,29 +237,9 @@ class Embedder:
         columns: dict[str, pa.Array] = {}
         if passthrough is not None:
             columns.update({n: passthrough.column(n) for n in passthrough.column_names})
-        ok = [r if r.error is None else None for r in results]
-        grids = np.array([r.grid_thw if r else (0, 0, 0) for r in ok], np.int64).reshape(-1)
-        columns["status"] = pa.array(["ok" if r else "error" for r in ok], pa.string())
-        columns["error"] = pa.array([r.error for r in results], pa.string())
-        columns["grid_thw"] = pa.FixedSizeListArray.from_arrays(
-            pa.array(grids, pa.int64()), 3, mask=pa.array([r is None for r in ok], pa.bool_()))
-        columns["tokens"] = pa.array([r.embedding.shape[0] if r else 0 for r in ok], pa.int64())
-        empty = np.zeros((0, self.dim), np.float32)
-        if self.pooled:
-            pooled = np.full((len(ok), self.dim), np.nan, np.float32)
-            for i, r in enumerate(ok):
-                if r:
-                    pooled[i] = _float32(r.pooled)
-            columns["pooled"] = ArrowTensorArray.from_numpy(pooled)
-        else:
-            columns["embedding"] = ArrowVariableShapedTensorArray.from_numpy(
-                [_float32(r.embedding) if r else empty for r in ok])
-            for level in range(self.levels):
-                columns[f"deepstack_{level}"] = ArrowVariableShapedTensorArray.from_numpy(
-                    [_float32(r.deepstack[level]) if r else empty for r in ok])
-        columns["video"] = pa.array([json.dumps(video_record(r.video_info)) if r and r.video_info else None
-                                     for r in ok], pa.string())
-        columns["pixels_sha256"] = pa.array([r.pixels_sha256 if r else None for r in ok], pa.string())
+        records = [record_from_result(r, path=r.name, realpath=r.name) for r in results]
+        columns.update(result_columns(records, self.layout))
+        columns["pixels_sha256"] = pa.array([r.pixels_sha256 if r.ok else None for r in records], pa.string())
         return pa.table(columns)
 
 
@@ -291,11 +270,6 @@ def _remove_dead_spools(spool_dir: str | None) -> None:
             shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
         except OSError:  # alive, another user's
             pass
-
-
-def _float32(tensor: torch.Tensor) -> np.ndarray:
-    # bf16 / fp16 -> fp32 is exact; numpy has no bf16, so the conversion happens in torch.
-    return tensor.detach().to("cpu", torch.float32).contiguous().numpy()
 
 
 def _renamed(error: str, name: str, new_name: str, spooled: Any) -> str:
@@ -352,29 +326,13 @@ def embed_paths(paths: Sequence[str | os.PathLike], source: Any, **options: Any)
     return embed_dataset(paths_dataset(paths), source, **options)
 
 
-def records_from_batch(batch: dict[str, Any], *, path_column: str = "path") -> list[EmbeddingRecord]:
-    """Rows of Embedder's output (a numpy batch of ``Dataset.iter_batches(batch_format="numpy")``) as
-    ``records.EmbeddingRecord``s (what every writer takes), tensors float32. ``realpath`` is resolved here unless
-    the batch has one.
-    """
-    rows = len(batch["status"])
-    paths = batch[path_column]
-    realpaths = batch.get("realpath")
-    levels = sorted((n for n in batch if n.startswith("deepstack_")), key=lambda n: int(n.split("_")[1]))
-    records = []
-    for i in range(rows):
-        path = os.fspath(paths[i])
-        realpath = str(realpaths[i]) if realpaths is not None else os.path.realpath(path)
-        video = batch["video"][i] if "video" in batch else None
-        video = json.loads(video) if video else None
-        if batch["status"][i] != "ok":
-            records.append(EmbeddingRecord(path, realpath, "error", str(batch["error"][i]), video=video))
-            continue
-        grid = tuple(int(x) for x in batch["grid_thw"][i])
-        embedding = torch.from_numpy(np.array(batch["embedding"][i])) if "embedding" in batch else None
-        pooled = torch.from_numpy(np.array(batch["pooled"][i])) if "pooled" in batch else None
-        deepstack = [torch.from_numpy(np.array(batch[name][i])) for name in levels]
-        digest = batch["pixels_sha256"][i] if "pixels_sha256" in batch else None
-        records.append(EmbeddingRecord(path, realpath, "ok", None, grid, int(batch["tokens"][i]), embedding,
-                                       deepstack, pooled, video, None if digest is None else str(digest)))
-    return records
+def records_from_batch(batch: pa.Table, *, path_column: str = "path") -> list[EmbeddingRecord]:
+    """Embedder's rows (a batch of ``Dataset.iter_batches(batch_format="pyarrow")``) as ``records.EmbeddingRecord``s,
+    what every writer takes, tensors float32 (``parquet.records_of_table``). ``realpath`` is resolved here unless
+    the batch has a column of it."""
+    if not isinstance(batch, pa.Table):
+        raise InputError(f"records_from_batch takes a pyarrow Table (iter_batches(batch_format=\"pyarrow\")), "
+                         f"got {type(batch).__name__}")
+    if path_column not in batch.column_names:
+        raise InputError(f"the batch has no column {path_column!r} (columns: {batch.column_names})")
+    return records_of_table(batch, "float32", path_column=path_column)

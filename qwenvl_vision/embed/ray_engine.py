@@ -222,7 +222,7 @@ def encode_on_ray(job, writer: Writer) -> None:
     ds = embed_dataset(ray.data.from_items(items, override_num_blocks=blocks), source, concurrency=actors,
                        batch_size=BATCH_ROWS, num_cpus=plan.actor_cpus, num_gpus=plan.actor_gpus or None,
                        **extra, **options)
-    batches = iter(ds.iter_batches(batch_format="numpy", batch_size=None))
+    batches = iter(ds.iter_batches(batch_format="pyarrow", batch_size=None))
     while True:
         try:
             batch = next(batches, None)
