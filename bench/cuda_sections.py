@@ -303,7 +303,7 @@ def small_config(preset_name: str):
     from bench.workloads import FAMILY_SMALL
     from qwenvl_vision.config import preset
 
-    return FAMILY_SMALL[preset(preset_name).family].replace(name=f"{preset_name} (dry run: FAMILY_SMALL size)")
+    return FAMILY_SMALL[preset(preset_name).model_type].replace(name=f"{preset_name} (dry run: FAMILY_SMALL size)")
 
 
 def small_config_file(folder: Path, preset_name: str) -> Path:

@@ -39,7 +39,7 @@ def gemm_shapes(cfg: VisionConfig, grids: list[tuple[int, int, int]]) -> Counter
     d, inner, merged = cfg.hidden_size, cfg.intermediate_size, n // cfg.merge_unit
     shapes: Counter[Shape] = Counter({(n, cfg.patch_dim, d): 1})
     block = [(n, d, 3 * d), (n, d, d)]
-    block += [(n, d, 2 * inner), (n, inner, d)] if cfg.spec.mlp == "gated" else [(n, d, inner), (n, inner, d)]
+    block += [(n, d, 2 * inner), (n, inner, d)] if cfg.family.mlp == "gated" else [(n, d, inner), (n, inner, d)]
     for shape in block:
         shapes[shape] += cfg.depth
     for _ in range(1 + len(cfg.deepstack_visual_indexes)):  # the final merger and each DeepStack merger

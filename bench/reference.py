@@ -32,7 +32,7 @@ HF_TOWERS = {
 
 def hf_classes(cfg: VisionConfig) -> tuple[type, type]:
     """(vision config class, vision tower class) of cfg's family in the installed transformers."""
-    module_name, config_name, tower_name = HF_TOWERS[cfg.family]
+    module_name, config_name, tower_name = HF_TOWERS[cfg.model_type]
     config_module = importlib.import_module(f"transformers.models.{module_name}.configuration_{module_name}")
     tower_module = importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}")
     return getattr(config_module, config_name), getattr(tower_module, tower_name)
@@ -43,17 +43,17 @@ def hf_vision_fields(cfg: VisionConfig) -> dict:
     common = dict(depth=cfg.depth, num_heads=cfg.num_heads, patch_size=cfg.patch_size, in_channels=cfg.in_channels,
                   temporal_patch_size=cfg.temporal_patch_size, spatial_merge_size=cfg.spatial_merge_size,
                   hidden_act=cfg.hidden_act)
-    if cfg.family == "qwen2_vl":
+    if cfg.model_type == "qwen2_vl":
         ratio = cfg.intermediate_size // cfg.hidden_size
         assert cfg.hidden_size * ratio == cfg.intermediate_size, "Qwen2-VL's MLP width is an integer ratio"
         return dict(common, embed_dim=cfg.hidden_size, hidden_size=cfg.out_hidden_size, mlp_ratio=ratio)
     fields = dict(common, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
                   out_hidden_size=cfg.out_hidden_size)
-    if cfg.spec.windows:
+    if cfg.family.windows:
         fields.update(window_size=cfg.window_size, fullatt_block_indexes=list(cfg.fullatt_block_indexes))
     if cfg.design != QWEN2_5:
         fields["num_position_embeddings"] = cfg.num_position_embeddings
-    if cfg.spec.deepstack:
+    if cfg.family.deepstack:
         fields["deepstack_visual_indexes"] = list(cfg.deepstack_visual_indexes)
     return fields
 

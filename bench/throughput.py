@@ -87,7 +87,7 @@ def transformers_unavailable(cfg: VisionConfig, attn: str) -> str | None:
 
         hf_classes(cfg)
     except (ImportError, AttributeError) as e:
-        return f"transformers has no tower for {cfg.family}: {type(e).__name__}: {e}"
+        return f"transformers has no tower for {cfg.family.label}: {type(e).__name__}: {e}"
     if attn == "flash_attention_2":
         try:
             from transformers.utils import is_flash_attn_2_available
@@ -237,7 +237,7 @@ def tower_flops(cfg: VisionConfig, grids: list[tuple[int, int, int]]) -> float:
     """Analytic forward FLOPs: every Linear (2 * in * out per token) plus attention (4 * L * D per token)."""
     d, inner = cfg.hidden_size, cfg.intermediate_size
     tokens = sum(t * h * w for t, h, w in grids)
-    mlp = 3 * d * inner if cfg.spec.mlp == "gated" else 2 * d * inner
+    mlp = 3 * d * inner if cfg.family.mlp == "gated" else 2 * d * inner
     per_token_block = 2 * (3 * d * d + d * d + mlp)
     total = cfg.depth * per_token_block * tokens + 2 * cfg.patch_dim * d * tokens
     merged = tokens // cfg.merge_unit
@@ -245,7 +245,7 @@ def tower_flops(cfg: VisionConfig, grids: list[tuple[int, int, int]]) -> float:
     total += mergers * 2 * merged * (4 * d * 4 * d + 4 * d * cfg.out_hidden_size)
     frame_lengths = [h * w for t, h, w in grids for _ in range(t)]
     full = sum(n * n for n in frame_lengths)
-    if cfg.spec.windows:
+    if cfg.family.windows:
         window = 4 * cfg.window_merged**2  # upper bound: every window full (64 patches)
         windowed = tokens * window
         n_full = len(cfg.fullatt_block_indexes)

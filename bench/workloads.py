@@ -124,7 +124,7 @@ def truncated(cfg: VisionConfig, depth: int | None) -> VisionConfig:
     for Qwen2.5 (as released), the DeepStack indexes below the depth for Qwen3."""
     if not depth or depth >= cfg.depth:
         return cfg
-    if cfg.spec.windows:
+    if cfg.family.windows:
         return cfg.replace(depth=depth, fullatt_block_indexes=tuple(i for i in range(depth) if (i + 1) % 8 == 0))
     return cfg.replace(depth=depth, deepstack_visual_indexes=tuple(i for i in cfg.deepstack_visual_indexes
                                                                      if i < depth))

@@ -84,7 +84,7 @@ def _preset_report(name: str) -> dict:
     parameters = sum(p.numel() for p in build_model(config, device="meta").parameters())
     return {
         "preset": config.name,
-        "family": config.family,
+        "family": config.model_type,
         "model_type": config.model_type,
         "weights": "none: use --random-weights (embed, bench) for random weights at this size, or a repo id",
         "parameters": parameters,
@@ -111,7 +111,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         total_bytes += end - begin
     report = {
         "folder": str(folder),
-        "family": checkpoint.config.family,
+        "family": checkpoint.config.model_type,
         "model_type": checkpoint.config.model_type,
         "vision_only": checkpoint.vision_only,
         "tensors": len(checkpoint.tensors),

@@ -33,7 +33,7 @@ CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 HALF = (0.5, 0.5, 0.5)
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class Family:
     """One config ``model_type``: its tower design, its checkpoint layout and what differs, as data."""
 
@@ -73,6 +73,9 @@ class Family:
     def text_config_at(self) -> tuple[str, ...]:
         return (*self.vision_config_at[:-1], "text_config")
 
+    def __repr__(self) -> str:  # a config's repr names its family, not every field of it
+        return f"Family({self.model_type!r})"
+
 
 def _qwen3_family(model_type: str, label: str, **changes: Any) -> Family:
     base = Family(model_type, label, QWEN3, norm="layer", mlp="plain", hidden_act="gelu_pytorch_tanh",
@@ -101,8 +104,14 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     _qwen3_family("qwen3_5_moe", "Qwen3.5-MoE", deepstack=False),
     _qwen3_family("qwen4_exp", "Qwen4-Exp", deepstack=False),
 )}
-# Older names for a family, as written by our vision-only checkpoints before every model_type was a family.
-FAMILY_ALIASES = {"qwen2_5": "qwen2_5_vl", "qwen3": "qwen3_vl"}
+def family_named(family: Family | str, error: type[Exception] = ConfigError) -> Family:
+    """The Family itself, or the one a model_type names; another name is ``error`` listing the supported ones."""
+    if isinstance(family, Family):
+        return family
+    if isinstance(family, str) and family in FAMILIES:
+        return FAMILIES[family]
+    raise error(f"unknown family {family!r}; supported (model_type): {sorted(FAMILIES)}")
+
 
 # Plausible bounds for every size, checked before anything is built: the largest released tower is 32 x 1280
 # (patch 14/16, 48 x 48 positions, output 8192); these leave wide room and refuse absurd values in milliseconds.
@@ -126,10 +135,11 @@ ACTIVATIONS = ("silu", "swish", "gelu", "gelu_pytorch_tanh", "quick_gelu")
 class VisionConfig:
     """Everything needed to build one vision tower, with the released checkpoints' meaning.
 
-    ``family`` is a key of FAMILIES (the checkpoint's model_type). Sizes are validated on construction.
+    ``family`` is the tower's ``Family`` (given as one or by its model_type, a key of FAMILIES). Sizes are
+    validated on construction.
     """
 
-    family: str
+    family: Family
     depth: int
     hidden_size: int
     intermediate_size: int
@@ -151,12 +161,9 @@ class VisionConfig:
     name: str = ""
 
     def __post_init__(self) -> None:
-        family = FAMILY_ALIASES.get(self.family, self.family)
-        if family not in FAMILIES:
-            raise ConfigError(f"unsupported model_type {self.family!r}; supported: {sorted(FAMILIES)}")
-        object.__setattr__(self, "family", family)
+        object.__setattr__(self, "family", family_named(self.family))
         if not self.hidden_act:
-            object.__setattr__(self, "hidden_act", self.spec.hidden_act)
+            object.__setattr__(self, "hidden_act", self.family.hidden_act)
         for name in ("fullatt_block_indexes", "deepstack_visual_indexes"):
             object.__setattr__(self, name, _index_tuple(name, getattr(self, name)))
         self._validate()
@@ -176,10 +183,10 @@ class VisionConfig:
         if self.head_dim % 4:
             raise ConfigError(f"head_dim {self.head_dim} (hidden_size / num_heads) must be a multiple of 4 "
                               "for the 2D rotary embedding")
-        if self.spec.windows and self.window_merged < 1:
+        if self.family.windows and self.window_merged < 1:
             raise ConfigError(f"vision_config.window_size {self.window_size} is smaller than one merged token "
                               f"(patch_size {self.patch_size} x spatial_merge_size {self.spatial_merge_size})")
-        if self.spec.design == QWEN3 and math.isqrt(self.num_position_embeddings) ** 2 != self.num_position_embeddings:
+        if self.design == QWEN3 and math.isqrt(self.num_position_embeddings) ** 2 != self.num_position_embeddings:
             raise ConfigError(f"vision_config.num_position_embeddings {self.num_position_embeddings} is not a "
                               "square (the learned positions are a square grid)")
         for name in ("fullatt_block_indexes", "deepstack_visual_indexes"):
@@ -190,21 +197,17 @@ class VisionConfig:
                                   f"{bad}")
             if len(set(indexes)) != len(indexes):
                 raise ConfigError(f"vision_config.{name} {list(indexes)} repeats a block")
-        if self.deepstack_visual_indexes and not self.spec.deepstack:
-            raise ConfigError(f"{self.family} towers have no DeepStack, but deepstack_visual_indexes is "
+        if self.deepstack_visual_indexes and not self.family.deepstack:
+            raise ConfigError(f"{self.family.label} towers have no DeepStack, but deepstack_visual_indexes is "
                               f"{list(self.deepstack_visual_indexes)}")
 
     @property
-    def spec(self) -> Family:
-        return FAMILIES[self.family]
-
-    @property
     def design(self) -> str:
-        return self.spec.design
+        return self.family.design
 
     @property
     def model_type(self) -> str:
-        return self.family
+        return self.family.model_type
 
     @property
     def head_dim(self) -> int:
@@ -231,7 +234,7 @@ class VisionConfig:
     @property
     def full_attention_blocks(self) -> frozenset[int]:
         """Blocks attending over whole frames: all of them in families without windows."""
-        if not self.spec.windows:
+        if not self.family.windows:
             return frozenset(range(self.depth))
         return frozenset(self.fullatt_block_indexes)
 
@@ -249,11 +252,11 @@ class VisionConfig:
             "spatial_merge_size": self.spatial_merge_size,
             "hidden_act": self.hidden_act,
         }
-        if self.spec.windows:
+        if self.family.windows:
             d.update(window_size=self.window_size, fullatt_block_indexes=list(self.fullatt_block_indexes))
         if self.design == QWEN3:
             d["num_position_embeddings"] = self.num_position_embeddings
-        if self.spec.deepstack:
+        if self.family.deepstack:
             d["deepstack_visual_indexes"] = list(self.deepstack_visual_indexes)
         if self.rope_theta != 10000.0:
             d["rope_theta"] = self.rope_theta
@@ -261,7 +264,7 @@ class VisionConfig:
 
     def to_config_json(self) -> dict:
         """A self-contained config.json for a vision-only checkpoint; from_config_json reads it back."""
-        return {"model_type": self.family, "family": self.family, "name": self.name,
+        return {"model_type": self.model_type, "family": self.model_type, "name": self.name,
                 "vision_config": self.to_vision_dict()}
 
     def replace(self, **changes: Any) -> VisionConfig:
@@ -290,8 +293,8 @@ def _family_of(config_json: dict) -> Family:
     """The family a checkpoint's config.json (or our vision-only one) describes."""
     for key in ("family", "model_type"):
         value = config_json.get(key)
-        if isinstance(value, str) and FAMILY_ALIASES.get(value, value) in FAMILIES:
-            return FAMILIES[FAMILY_ALIASES.get(value, value)]
+        if isinstance(value, str) and value in FAMILIES:
+            return FAMILIES[value]
     raise ConfigError(f"unsupported model_type {config_json.get('model_type') or '(missing)'!r}; "
                       f"supported: {sorted(FAMILIES)}")
 

@@ -207,7 +207,7 @@ class VisionEncoder:
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"{self.device}, {self.dtype}"
-        return f"VisionEncoder({self.config.name or self.config.family}, {state})"
+        return f"VisionEncoder({self.config.name or self.config.model_type}, {state})"
 
     def describe(self) -> dict:
         """The tower (family, sizes, attention backend, device, dtype), its image and video preprocessing and where
@@ -230,7 +230,8 @@ class VisionEncoder:
 
     @property
     def family(self) -> str:
-        return self.config.family
+        """The tower's model_type, as its results' ``family`` says (``config.family`` is the ``Family``)."""
+        return self.config.model_type
 
     @property
     def device(self) -> torch.device:
@@ -514,7 +515,7 @@ def load_encoder(
         config = resolve_config(source)
         model = _placed(random_tower(config, device, dtype, seed=seed, **options), compile, cpu_kernels)
         pre = _preprocess_config(preprocess_config, None, config)
-        return VisionEncoder(model, pre, source=config.name or config.family,
+        return VisionEncoder(model, pre, source=config.name or config.model_type,
                              video_config=_video_config(video_config, None, config, pre))
     if isinstance(source, (VisionConfig, dict)):
         raise ConfigError("a config alone has no weights: pass random_weights=True, or a checkpoint folder/repo id")

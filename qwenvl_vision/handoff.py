@@ -64,7 +64,7 @@ from typing import Any
 
 import torch
 
-from .config import FAMILIES, FAMILY_ALIASES
+from .config import FAMILIES, family_named
 from .errors import InputError
 
 MODALITIES = ("image", "video")
@@ -109,10 +109,7 @@ class _Checked:
 
 
 def _family_of(name: str) -> str:
-    family = FAMILY_ALIASES.get(name, name)
-    if family not in FAMILIES:
-        raise InputError(f"unknown family {name!r}; supported: {sorted(FAMILIES)}")
-    return family
+    return family_named(name, InputError).model_type
 
 
 def _check(result: Any, what: str) -> _Checked:

@@ -188,7 +188,7 @@ def fetch_vision_checkpoint(repo_id: str, *, revision: str | None = None, cache_
     commit = snapshot.name if COMMIT_HASH.match(snapshot.name) else revision
     kwargs["revision"] = commit
     where = _where(repo_id, revision)
-    prefixes = from_config_json(read_json(config_path)).spec.prefixes  # an unsupported model stops here
+    prefixes = from_config_json(read_json(config_path)).family.prefixes  # an unsupported model stops here
     _download(repo_id, PREPROCESSOR_FILE, required=False, **kwargs)
     _download(repo_id, VIDEO_PREPROCESSOR_FILE, required=False, **kwargs)
     index_path = _download(repo_id, INDEX_FILE, required=False, **kwargs)

@@ -46,7 +46,7 @@ RULE_SETS: dict[str, tuple[Rule, ...]] = {
 
 def rules(config: VisionConfig) -> tuple[Rule, ...]:
     """The rules of the config's family, in the order its ``Family.names`` lists the sets."""
-    return tuple(rule for set_name in config.spec.names for rule in RULE_SETS[set_name])
+    return tuple(rule for set_name in config.family.names for rule in RULE_SETS[set_name])
 
 
 def checkpoint_names(config: VisionConfig, module_name: str) -> tuple[str, ...]:
@@ -67,7 +67,7 @@ def to_module_state(config: VisionConfig, tensors: Mapping[str, torch.Tensor],
         parts = checkpoint_names(config, module_name)
         missing = [name for name in parts if name not in tensors]
         if missing:
-            raise CheckpointError(f"missing tensor(s) {missing} for the {config.spec.label} tower")
+            raise CheckpointError(f"missing tensor(s) {missing} for the {config.family.label} tower")
         pieces = [tensors.pop(name) if isinstance(tensors, dict) else tensors[name] for name in parts]
         state[module_name] = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
     return state

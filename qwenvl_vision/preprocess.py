@@ -53,7 +53,7 @@ import torch
 
 from .config import CLIP_MEAN as OPENAI_CLIP_MEAN
 from .config import CLIP_STD as OPENAI_CLIP_STD
-from .config import FAMILIES, FAMILY_ALIASES
+from .config import Family, family_named
 from .errors import ConfigError, PreprocessError
 from .pixels import (
     BICUBIC,
@@ -119,16 +119,14 @@ class PreprocessConfig:
         return self.patch_size * self.merge_size
 
     @classmethod
-    def for_family(cls, family: str) -> PreprocessConfig:
-        """The released checkpoints' settings for a family (a config model_type, see config.FAMILIES)."""
-        spec = FAMILIES.get(FAMILY_ALIASES.get(family, family))
-        if spec is None:
-            raise ConfigError(f"unknown family {family!r}; expected one of {sorted(FAMILIES)}")
+    def for_family(cls, family: Family | str) -> PreprocessConfig:
+        """The released checkpoints' settings for a family (a ``config.Family`` or its model_type)."""
+        spec = family_named(family)
         return cls(patch_size=spec.patch_size, min_pixels=spec.min_pixels, max_pixels=spec.max_pixels,
                    image_mean=spec.image_mean, image_std=spec.image_std, resize=spec.resize)
 
     @classmethod
-    def from_dict(cls, d: dict | None, family: str) -> PreprocessConfig:
+    def from_dict(cls, d: dict | None, family: Family | str) -> PreprocessConfig:
         """Parse a ``preprocessor_config.json`` dict; keys it lacks (or ``d=None``) take the family's values.
 
         Pixel bounds follow ``Qwen2VLImageProcessorPil.__init__``: ``size.shortest_edge`` /

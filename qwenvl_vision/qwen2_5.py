@@ -61,7 +61,7 @@ class Qwen2_5VisionTransformer(VisionTower):
         cfg = self.config
         merge = cfg.spatial_merge_size
         positions = merge_block_positions(h, w, merge).repeat(t, 1)
-        if not cfg.spec.windows:
+        if not cfg.family.windows:
             cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
             return GridPlan(cos, sin, frame_lengths=[h * w] * t)
         merged_h, merged_w = h // merge, w // merge

@@ -190,7 +190,7 @@ def cmd_teardown(args: argparse.Namespace, extra_variants: dict[str, VariantFact
         source = resolve_config(args.preset or args.config)
         random_weights = True
         config = source
-        label = args.preset or (source.name or f"{source.family} config {args.config}")
+        label = args.preset or (source.name or f"{source.model_type} config {args.config}")
     opts = Options(source, random_weights, device, dtype, label, config)
     sizes = _parse_sizes(args.sizes, config) if args.sizes else list(CUDA_SIZES if device.type == "cuda" else CPU_SIZES)
     inputs = make_inputs(config, device, sizes, args.inputs)

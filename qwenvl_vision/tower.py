@@ -157,7 +157,7 @@ class VisionTower(nn.Module):
                  attn_impl: str = "auto") -> None:
         super().__init__()
         self.config = config
-        spec = config.spec
+        spec = config.family
         self.patch_embed = PatchEmbed(config.in_channels, config.temporal_patch_size, config.patch_size,
                                       config.hidden_size, bias=spec.patch_bias)
         self.blocks = nn.ModuleList(
@@ -456,7 +456,7 @@ class VisionTower(nn.Module):
                 (torch.compiler.disable(unpack) if torch.compiler.is_compiling() else unpack)()
             return ReferenceExecution(self.attention_backend())
         cfg = self.config
-        mlp_width = cfg.intermediate_size * (2 if cfg.spec.mlp == "gated" else 1)
+        mlp_width = cfg.intermediate_size * (2 if cfg.family.mlp == "gated" else 1)
         return CpuExecution(plan, Workspace(rows, cfg.hidden_size, max(3 * cfg.hidden_size, mlp_width),
                                             weight.dtype, weight.device))
 
@@ -479,7 +479,7 @@ class VisionTower(nn.Module):
         weight = self.patch_embed.proj.weight
         cfg = self.config
         return {
-            "family": cfg.family, "label": cfg.spec.label, "design": cfg.design, "name": cfg.name,
+            "family": cfg.model_type, "label": cfg.family.label, "design": cfg.design, "name": cfg.name,
             "depth": cfg.depth, "hidden_size": cfg.hidden_size, "num_heads": cfg.num_heads,
             "out_hidden_size": cfg.out_hidden_size, "patch_size": cfg.patch_size,
             "deepstack_levels": len(cfg.deepstack_visual_indexes),

@@ -42,7 +42,7 @@ import numpy as np
 import PIL.Image
 import torch
 
-from .config import FAMILIES, FAMILY_ALIASES
+from .config import Family, family_named
 from .errors import ConfigError, InputError, PreprocessError
 from .pixels import (
     BICUBIC,
@@ -123,7 +123,7 @@ class VideoConfig:
             raise ConfigError(f"VideoConfig.min_frames ({self.min_frames}) is above max_frames ({self.max_frames})")
 
     @classmethod
-    def for_family(cls, model_type: str) -> VideoConfig:
+    def for_family(cls, family: Family | str) -> VideoConfig:
         """The class defaults of the transformers video processor this family uses (``AutoVideoProcessor``).
 
         Qwen2-VL, Qwen2.5-VL and both Omnis use ``Qwen2VLVideoProcessor`` (128*28*28 .. 28*28*768 pixels per
@@ -133,15 +133,13 @@ class VideoConfig:
         values (``from_dict``); without a ``video_preprocessor_config.json`` transformers reads the video
         settings from ``preprocessor_config.json``.
         """
-        spec = FAMILIES.get(FAMILY_ALIASES.get(model_type, model_type))
-        if spec is None:
-            raise ConfigError(f"unknown family {model_type!r}; expected one of {sorted(FAMILIES)}")
+        spec = family_named(family)
         d = _CLASS_DEFAULTS[spec.video_sampling]
         return cls(sampling=spec.video_sampling, min_pixels=d["min_pixels"], max_pixels=d["max_pixels"],
                    max_video_tokens=d["max_video_tokens"])
 
     @classmethod
-    def from_dict(cls, d: dict | None, family: str, pre: PreprocessConfig | None = None) -> VideoConfig:
+    def from_dict(cls, d: dict | None, family: Family | str, pre: PreprocessConfig | None = None) -> VideoConfig:
         """Parse a ``video_preprocessor_config.json`` dict; keys it lacks (or null) take ``for_family``'s values.
 
         Pixel bounds as ``Qwen2VLVideoProcessor.__init__`` reads them: ``size.shortest_edge`` /

@@ -158,7 +158,7 @@ def open_checkpoint(folder: str | os.PathLike) -> VisionCheckpoint:
     with _named_errors(ConfigError, f"{config_path} does not describe a vision tower"):
         config = from_config_json(config_json, name=config_json.get("name", "") or folder.name)
     vision_only = config_json.get("format") == VISION_ONLY_FORMAT
-    prefixes = config.spec.prefixes
+    prefixes = config.family.prefixes
     index_path, single = folder / INDEX_FILE, folder / SINGLE_FILE
     if index_path.exists():
         with _named_errors(CheckpointError, f"cannot read index {index_path}"):
@@ -193,7 +193,7 @@ def check_names(checkpoint: VisionCheckpoint, expected: dict[str, torch.Tensor])
             parts.append(f"missing {len(missing)} tensor(s): {_names(missing)}")
         if surplus:
             parts.append(f"unexpected {len(surplus)} tensor(s): {_names(surplus)}")
-        raise CheckpointError(f"{checkpoint.folder} does not match the {checkpoint.config.spec.label} tower "
+        raise CheckpointError(f"{checkpoint.folder} does not match the {checkpoint.config.family.label} tower "
                               f"({len(expected)} tensors expected): " + "; ".join(parts))
 
 
@@ -325,7 +325,7 @@ def load_tower(checkpoint: VisionCheckpoint, device: torch.device, dtype: torch.
 
     check_finite=False skips the NaN/Inf check, for checkpoints that hold such values on purpose.
     """
-    with _named_errors(ConfigError, f"cannot build the {checkpoint.config.family} tower of {checkpoint.folder}"):
+    with _named_errors(ConfigError, f"cannot build the {checkpoint.config.family.label} tower of {checkpoint.folder}"):
         model = build_model(checkpoint.config, device="meta", attn_impl=attn_impl, **model_options)
     module_state = model.state_dict()
     expected = to_checkpoint_state(checkpoint.config, module_state)  # meta tensors under the checkpoint's names
@@ -354,7 +354,7 @@ def save_vision_only(model: VisionTower, folder: str | os.PathLike, preprocessor
     config_json = {**model.config.to_config_json(), "format": VISION_ONLY_FORMAT}
     state = {k: v.detach().contiguous().cpu() for k, v in to_checkpoint_state(model.config, model.state_dict()).items()}
     tmp = folder / (SINGLE_FILE + ".tmp")
-    save_file(state, str(tmp), metadata={"format": "pt", "family": model.config.family})
+    save_file(state, str(tmp), metadata={"format": "pt", "family": model.config.model_type})
     os.chmod(tmp, 0o666 & ~_umask())  # safetensors creates its file 0600; the folder's other files follow the umask
     os.replace(tmp, folder / SINGLE_FILE)
     (folder / CONFIG_FILE).write_text(json.dumps(config_json, indent=2) + "\n")

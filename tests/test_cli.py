@@ -171,7 +171,7 @@ def test_extract_weights_and_inspect(tmp_path, capsys, family):
     out = tmp_path / "vision-only"
     assert main(["extract-weights", str(folder), "--out", str(out)]) == 0
     names = set(load_file(str(out / "model.safetensors")))
-    assert not any(name.startswith(cfg.spec.prefixes) for name in names)
+    assert not any(name.startswith(cfg.family.prefixes) for name in names)
     assert names == set(vision)  # the family's own names, as transformers' tower names its modules
     pixel_values, grid_thw = inputs(cfg, grids_for(cfg))
     result = load_encoder(out, device="cpu").encode_patches(pixel_values, grid_thw)
@@ -181,4 +181,4 @@ def test_extract_weights_and_inspect(tmp_path, capsys, family):
     for source in (folder, out):
         assert main(["inspect", str(source), "--json"]) == 0
         report = json.loads(capsys.readouterr().out)
-        assert report["family"] == cfg.family and report["tensors"] == len(names)
+        assert report["family"] == cfg.model_type and report["tensors"] == len(names)

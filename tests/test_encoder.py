@@ -140,7 +140,7 @@ def video_processor(encoder, cfg):
     folder = Path(encoder.source)
     file = folder / "video_preprocessor_config.json"
     settings = json.loads((file if file.exists() else folder / "preprocessor_config.json").read_text())
-    cls = Qwen3VLVideoProcessor if cfg.spec.video_sampling == "qwen3" else Qwen2VLVideoProcessor
+    cls = Qwen3VLVideoProcessor if cfg.family.video_sampling == "qwen3" else Qwen2VLVideoProcessor
     return cls.from_dict(settings)
 
 
@@ -232,9 +232,9 @@ def test_bad_pixel_bounds_are_one_project_error(setup, photos, bounds, message):
 def test_results_say_their_modality_and_family(setup, photos):
     encoder, _, _, cfg = setup
     images = encoder.encode_images([photos["small"], photos["gray"]])
-    assert (images.modality, images.family) == ("image", cfg.family)
+    assert (images.modality, images.family) == ("image", cfg.model_type)
     videos = encoder.encode_videos([np.zeros((2, 64, 64, 3), np.uint8)])
-    assert (videos.modality, videos.family) == ("video", cfg.family)
+    assert (videos.modality, videos.family) == ("video", cfg.model_type)
     assert videos.video_info == [None]
 
 
@@ -244,7 +244,7 @@ def test_encode_patches_matches_the_tower_with_one_video_info_per_item(setup, ph
     out = encoder.encode_patches(pixel_values, grid_thw)
     assert_matches_reference(_packed(out), _reference(ref, pixel_values, grid_thw), grid_thw, 1e-4)
     assert out.video_info == [None, None, None]  # out.video_info[i] exists for every item, as on every path
-    assert (out.modality, out.family) == ("image", cfg.family)
+    assert (out.modality, out.family) == ("image", cfg.model_type)
     as_video = encoder.encode_patches(pixel_values, grid_thw, modality="video")
     assert as_video.modality == "video" and len(as_video.video_info) == len(as_video) == 3
     with pytest.raises(InputError, match='modality must be "image" or "video", got \'audio\''):

@@ -48,7 +48,7 @@ def test_load_matches_hf_tower(tmp_path, cfg, prefix, sharded, drop_llm):
         for shard in non_vision_shards(tmp_path):
             shard.unlink()
     encoder = load_encoder(tmp_path, device="cpu")
-    assert encoder.dtype == torch.float32 and encoder.family == cfg.family
+    assert encoder.dtype == torch.float32 and encoder.family == cfg.model_type
     pixel_values, grid_thw = _inputs(cfg)
     result = encoder.encode_patches(pixel_values, grid_thw)
     reference = reference_outputs(cfg, vision, pixel_values, grid_thw)

@@ -180,18 +180,18 @@ def test_presets_need_the_released_tensor_count(name, tensors):
 
 
 def test_every_preset_builds_on_meta():
-    assert {cfg.family for cfg in PRESETS.values()} == set(FAMILIES)
+    assert {cfg.family for cfg in PRESETS.values()} == set(FAMILIES.values())
     for name, cfg in PRESETS.items():
         model = build_model(name, device="meta")
         # The module shapes follow from the released numbers (plain arithmetic, not the builder's own code).
         d, merged = cfg.hidden_size, cfg.hidden_size * cfg.spatial_merge_size**2
-        mlp_in = 2 * cfg.intermediate_size if cfg.spec.mlp == "gated" else cfg.intermediate_size
+        mlp_in = 2 * cfg.intermediate_size if cfg.family.mlp == "gated" else cfg.intermediate_size
         shapes = {name: tuple(p.shape) for name, p in model.state_dict().items()}
         assert len(model.blocks) == cfg.depth, name
         assert shapes["patch_embed.proj.weight"] == (d, cfg.in_channels, cfg.temporal_patch_size, cfg.patch_size,
                                                      cfg.patch_size), name
         assert shapes["blocks.0.attn.qkv.weight"] == (3 * d, d), name
-        assert shapes["blocks.0.mlp." + ("gate_up_proj" if cfg.spec.mlp == "gated" else "linear_fc1") + ".weight"] \
+        assert shapes["blocks.0.mlp." + ("gate_up_proj" if cfg.family.mlp == "gated" else "linear_fc1") + ".weight"] \
             == (mlp_in, d), name
         assert shapes["merger.linear_fc1.weight"] == (merged, merged), name
         assert shapes["merger.linear_fc2.weight"] == (cfg.out_hidden_size, merged), name
@@ -248,7 +248,7 @@ def test_parse_released_config_json():
     assert from_config_json(QWEN2_5_3B_JSON).replace(name="qwen2.5-vl-3b") == preset("qwen2.5-vl-3b")
     assert from_config_json(QWEN3_2B_JSON).replace(name="qwen3-vl-2b") == preset("qwen3-vl-2b")
     moe = from_config_json(QWEN3_MOE_JSON)
-    assert moe.family == "qwen3_vl_moe" and moe.spec.label == "Qwen3-VL-MoE"
+    assert moe.model_type == "qwen3_vl_moe" and moe.family.label == "Qwen3-VL-MoE"
     assert moe.replace(name="qwen3-vl-30b-a3b") == preset("qwen3-vl-30b-a3b")
     assert from_config_json(QWEN3_OMNI_JSON).replace(name="qwen3-omni-30b-a3b") == preset("qwen3-omni-30b-a3b")
     assert from_config_json(QWEN3_5_4B_JSON).replace(name="qwen3.5-4b") == preset("qwen3.5-4b")

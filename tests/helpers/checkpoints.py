@@ -52,15 +52,14 @@ def released_config_json(cfg: VisionConfig) -> dict:
     if cfg.design == QWEN2_5:  # the patch-14 releases write in_chans and spatial_patch_size
         vision["in_chans"] = vision.pop("in_channels")
         vision["spatial_patch_size"] = vision["patch_size"]
-    vision["model_type"] = cfg.family
-    spec = cfg.spec
-    text = {"hidden_size": cfg.out_hidden_size, "model_type": f"{cfg.family}_text"}
-    if spec.vision_config_at == ("vision_config",):
-        return {"architectures": ["ForConditionalGeneration"], "model_type": cfg.family, "text_config": text,
+    vision["model_type"] = cfg.model_type
+    text = {"hidden_size": cfg.out_hidden_size, "model_type": f"{cfg.model_type}_text"}
+    if cfg.family.vision_config_at == ("vision_config",):
+        return {"architectures": ["ForConditionalGeneration"], "model_type": cfg.model_type, "text_config": text,
                 "vision_config": vision}
-    thinker = {"model_type": f"{cfg.family}_thinker", "vision_config": vision, "text_config": text,
+    thinker = {"model_type": f"{cfg.model_type}_thinker", "vision_config": vision, "text_config": text,
                "audio_config": {"d_model": 32}}
-    return {"architectures": ["ForConditionalGeneration"], "model_type": cfg.family, "thinker_config": thinker,
+    return {"architectures": ["ForConditionalGeneration"], "model_type": cfg.model_type, "thinker_config": thinker,
             "talker_config": {"hidden_size": 32}}
 
 
@@ -74,10 +73,10 @@ def write_checkpoint(folder: Path, cfg: VisionConfig, *, prefix: str | None = No
     releases, where a shard boundary falls inside the tower), plus `other_shards` shards without vision tensors.
     """
     folder.mkdir(parents=True, exist_ok=True)
-    prefix = cfg.spec.prefixes[0] if prefix is None else prefix
+    prefix = cfg.family.prefixes[0] if prefix is None else prefix
     vision = {k: v.to(dtype).contiguous() for k, v in hf_tower(cfg, seed=seed).state_dict().items()}
     gen = torch.Generator().manual_seed(seed + 1)
-    names = OTHER_TENSORS.get(cfg.family, DEFAULT_OTHER)
+    names = OTHER_TENSORS.get(cfg.model_type, DEFAULT_OTHER)
 
     def other(i: int) -> dict[str, torch.Tensor]:
         return {name.format(i=i): torch.randn(16, 8, generator=gen).to(dtype) for name in names}
@@ -85,7 +84,7 @@ def write_checkpoint(folder: Path, cfg: VisionConfig, *, prefix: str | None = No
     named = {prefix + k: v for k, v in vision.items()}
     (folder / "config.json").write_text(json.dumps(released_config_json(cfg)))
     (folder / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR_FILES[cfg.design]))
-    if cfg.spec.video_sampling == "qwen3":  # Qwen3-VL's releases carry their own video settings
+    if cfg.family.video_sampling == "qwen3":  # Qwen3-VL's releases carry their own video settings
         (folder / "video_preprocessor_config.json").write_text(json.dumps(QWEN3_VIDEO_PREPROCESSOR_FILE))
     if not sharded:
         save_file({**named, **other(0)}, str(folder / "model.safetensors"), metadata={"format": "pt"})
