@@ -26,7 +26,7 @@ less than ``MIN_LIMIT_S`` is skipped with that reason.
 1. ``tests`` (~150 s, limit 210 s): ``pytest tests/test_cuda.py tests/test_compile.py``: counts, every test's
    outcome and the output tail. On 2 CPU cores test_compile.py takes 150 s (its inductor C++ compiles); 16
    cores, and Triton compiles of test_cuda.py's two compiled tests, should land near 150 s in all.
-2. ``parity`` (~20 s, limit 60 s): every family of ``bench.workloads.FAMILY_SMALL``: our tower in bf16 against
+2. ``parity`` (~20 s, limit 60 s): every family of ``testing.workloads.FAMILY_SMALL``: our tower in bf16 against
    transformers' tower of that family in fp32 (same weights, same device, TF32 off), on a packed mix with a
    2-frame video, a 2x2 grid, frames off the window grid and (GPU) a 64x80-patch frame: merged tokens and every
    DeepStack level of every item within 3e-2 relative error. Then the same tower with ``attn_impl="sdpa"`` against

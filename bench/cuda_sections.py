@@ -178,8 +178,8 @@ def section_parity(ctx: Context, rec: Record) -> str:
     import torch
 
     from bench.throughput import transformers_unavailable
-    from bench.workloads import FAMILY_SMALL
     from qwenvl_vision.attention import resolve_attn_impl
+    from qwenvl_vision.testing.workloads import FAMILY_SMALL
 
     device, dtype = ctx.device, torch.bfloat16
     # The reference is fp32: no TF32 in its convolution (cuDNN allows it by default) or matmuls.
@@ -221,8 +221,8 @@ def parity_one(cfg, device, dtype, fused_reason: str | None, entry: dict, extra_
     """Our bf16 tower against transformers' fp32 tower (same weights, same device); then sdpa against fused."""
     import torch
 
-    from bench.reference import hf_forward, hf_tower, item_errors, ours_from
-    from bench.workloads import grids_for, inputs
+    from qwenvl_vision.testing.reference import hf_forward, hf_tower, item_errors, ours_from
+    from qwenvl_vision.testing.workloads import grids_for, inputs
 
     grids = list(grids_for(cfg)) + ([(1, 64, 80)] if extra_grids else [])  # a long frame: 5120 patches
     pixel_values, grid_thw = inputs(cfg, grids)
@@ -300,8 +300,8 @@ def section_teardown(ctx: Context, rec: Record) -> str:
 
 def small_config(preset_name: str):
     """The dry run's stand-in for a preset: its family's FAMILY_SMALL tower, named after it."""
-    from bench.workloads import FAMILY_SMALL
     from qwenvl_vision.config import preset
+    from qwenvl_vision.testing.workloads import FAMILY_SMALL
 
     return FAMILY_SMALL[preset(preset_name).model_type].replace(name=f"{preset_name} (dry run: FAMILY_SMALL size)")
 
@@ -351,8 +351,8 @@ def section_throughput(ctx: Context, rec: Record) -> str:
     import torch
 
     import bench.throughput as tp
-    from bench.workloads import build_inputs
     from qwenvl_vision import preset
+    from qwenvl_vision.testing.workloads import build_inputs
 
     device = ctx.device
     dtype = torch.float32 if ctx.dry_run else torch.bfloat16

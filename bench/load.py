@@ -519,7 +519,7 @@ def main(argv=None) -> dict | None:
 
     cfg = preset(args.preset)
     if args.depth:
-        from bench.workloads import truncated
+        from qwenvl_vision.testing.workloads import truncated
 
         cfg = truncated(cfg, args.depth)
         cfg = cfg.replace(name=f"{cfg.name}-depth{cfg.depth}")

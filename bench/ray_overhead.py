@@ -3,9 +3,10 @@ side by side in one run, and where the difference goes.
 
 What is measured
 ----------------
-``--images`` small photos (``bench.workloads.photo``, 96..160 px a side, written once into ``--workdir``) embedded
-on the CPU with a preset's random weights (``--preset``, default qwen3.5-0.8b), ``--rounds`` times each, the two
-engines alternating, each run ``qwenvl_vision.cli.main(["embed", ...])`` in this process into a fresh ``--out``:
+``--images`` small photos (``qwenvl_vision.testing.workloads.photo``, 96..160 px a side, written once into
+``--workdir``) embedded on the CPU with a preset's random weights (``--preset``, default qwen3.5-0.8b),
+``--rounds`` times each, the two engines alternating, each run ``qwenvl_vision.cli.main(["embed", ...])`` in
+this process into a fresh ``--out``:
 
 - ``local``: ``embed`` as it is (one process, torch's threads: one per core);
 - ``ray``: ``embed --engine ray``, which starts a local Ray with the machine's CPUs, loads the tower in the driver
@@ -35,8 +36,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from bench.workloads import photo
 from qwenvl_vision.cli import main as cli
+from qwenvl_vision.testing.workloads import photo
 
 
 def make_folder(folder: Path, count: int) -> Path:

@@ -77,13 +77,13 @@ def transformers_variant(opts: Options) -> Variant | str:
     def prepare() -> None:
         import transformers
 
-        from bench.reference import hf_classes
+        from qwenvl_vision.testing.reference import hf_classes
 
         hf_classes(opts.config)  # the import happens here, not inside the first measured cycle
         variant.note = f"transformers {transformers.__version__} tower, random init, del only"
 
     def load() -> Any:
-        from bench.reference import hf_tower
+        from qwenvl_vision.testing.reference import hf_tower
 
         return hf_tower(opts.config, device=opts.device, dtype=opts.dtype, seed=None)
 

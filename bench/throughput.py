@@ -23,7 +23,7 @@ of the linears and attention), its fraction of the GPU's dense bf16 peak (datash
 of the bf16 matmul rate measured in the same run.
 
 ``bench.cuda_check`` imports these pieces (``build_variants``, ``measure``, ``summarize``, ``peak_rate``; the
-input sets are ``bench.workloads``') to time several input sets on one set of models.
+input sets are ``qwenvl_vision.testing.workloads.INPUT_SETS``) to time several input sets on one set of models.
 """
 
 from __future__ import annotations
@@ -43,11 +43,11 @@ from pathlib import Path
 import torch
 
 from bench.gemm_bound import gemm_bound, print_rates
-from bench.reference import hf_classes, hf_tower, ours_from
-from bench.workloads import INPUT_SETS, build_inputs, truncated
 from qwenvl_vision import preset
 from qwenvl_vision.config import VisionConfig
 from qwenvl_vision.random_init import random_tower
+from qwenvl_vision.testing.reference import hf_classes, hf_tower, ours_from
+from qwenvl_vision.testing.workloads import INPUT_SETS, build_inputs, truncated
 
 # Dense (no sparsity) bf16 tensor-core peaks from NVIDIA's datasheets, TFLOP/s, matched as substrings of
 # torch.cuda.get_device_name(); the first match wins, so the more specific names come first.

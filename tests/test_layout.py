@@ -153,6 +153,24 @@ def test_bench_imports_only_bench_and_the_package():
     assert not problems, "\n".join(problems)
 
 
+# The tests that run a benchmark's own code on small towers; every other test takes its fixtures from the package
+# (qwenvl_vision.testing) or tests/, never from bench/.
+BENCHMARK_TESTS = {"tests.test_bench", "tests.test_cuda_check", "tests.test_teardown"}
+
+
+def test_only_the_benchmarks_tests_import_bench_and_the_package_imports_neither():
+    problems = []
+    for name, path in sources("qwenvl_vision", "tests").items():
+        for module, _, line in imported(path, name):
+            top = module.split(".")[0]
+            if top == "bench" and name not in BENCHMARK_TESTS or top == "tests" and name.startswith("qwenvl_vision"):
+                problems.append(f"{path.relative_to(REPO)}:{line} imports {module}")
+            if module.startswith("qwenvl_vision.testing") and name.startswith("qwenvl_vision") \
+                    and not name.startswith("qwenvl_vision.testing"):
+                problems.append(f"{path.relative_to(REPO)}:{line} imports {module} (the package's test kit)")
+    assert not problems, "\n".join(problems)
+
+
 def test_nothing_cites_a_file_outside_the_repository():
     cites = [str(p.relative_to(REPO)) for p in [*PACKAGE.rglob("*.py"), *(REPO / "bench").rglob("*.py"),
                                                REPO / "README.md", *(REPO / "docs").glob("*.md")]

@@ -2,10 +2,10 @@
 
 Each lives in one home, re-exported here:
 
-- ``bench.workloads``: the small config of every family (``FAMILY_SMALL``, ``QWEN2_5_SMALL``, ...), packs of
-  grids and random inputs, photos;
-- ``bench.reference``: transformers' towers as the reference (``hf_tower``, ``pair``, ...) and relative errors,
-  per item of a pack (``item_errors``);
+- ``qwenvl_vision.testing.workloads``: the small config of every family (``FAMILY_SMALL``, ``QWEN2_5_SMALL``,
+  ...), packs of grids and random inputs, photos;
+- ``qwenvl_vision.testing.reference``: transformers' towers as the reference (``hf_tower``, ``pair``, ...) and
+  relative errors, per item of a pack (``item_errors``);
 - ``tests.helpers.reference``: the reference tower's outputs on a pack, the per-item assertions against them (of
   a tower's outputs or an ``EncodeResult``), transformers' video preprocessing;
 - ``tests.helpers.processors``: transformers' image and video processors with the released settings, the saved
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench.reference import (
+from qwenvl_vision.testing.reference import (
     HF_TOWERS,
     hf_classes,
     hf_forward,
@@ -34,7 +34,7 @@ from bench.reference import (
     pair,
     rel_err,
 )
-from bench.workloads import (
+from qwenvl_vision.testing.workloads import (
     FAMILY_SMALL,
     QWEN2_5_GRIDS,
     QWEN2_5_SMALL,

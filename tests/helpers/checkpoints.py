@@ -1,7 +1,7 @@
 """Checkpoints written in each family's released on-disk layout: the nesting of its config.json, its
-preprocessor files, the tensor prefix, shards split inside the tower and shards without vision tensors. The weights
-are the reference tower's (``bench.reference.hf_tower``, real spread), so loading one through ``load_encoder``
-tests our name mapping against transformers itself.
+preprocessor files, the tensor prefix, shards split inside the tower and shards without vision tensors. The
+weights are the reference tower's (``qwenvl_vision.testing.reference.hf_tower``, real spread), so loading one
+through ``load_encoder`` tests our name mapping against transformers itself.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from bench.reference import hf_tower, hf_vision_fields
 from qwenvl_vision.config import QWEN2_5, VisionConfig
+from qwenvl_vision.testing.reference import hf_tower, hf_vision_fields
 
 # The shards a full checkpoint holds besides the tower, by where they are in each family's layout.
 OTHER_TENSORS = {

@@ -1,5 +1,6 @@
 """Media for tests: generated image content (gradients plus noise), a video file of a panned real photo (PyAV),
-and a folder of small images with broken ones among them. The photos themselves are ``bench.workloads``'.
+and a folder of small images with broken ones among them. The photos themselves are
+``qwenvl_vision.testing.workloads``'.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from bench.workloads import sample_photo, synthetic_photo
+from qwenvl_vision.testing.workloads import sample_photo, synthetic_photo
 
 
 def content(height: int, width: int, channels: int = 3, seed: int = 0) -> np.ndarray:

@@ -1,7 +1,7 @@
 """Checks against transformers that only tests make: the reference tower's outputs on a pack (the towers
-themselves are ``bench.reference``'s), every item of a pack (a tower's output or an ``EncodeResult``) within
-tolerance of them, and the reference video preprocessing, compiled from transformers' installed source because its
-module needs torchvision.
+themselves are ``qwenvl_vision.testing.reference``'s), every item of a pack (a tower's output or an
+``EncodeResult``) within tolerance of them, and the reference video preprocessing, compiled from transformers'
+installed source because its module needs torchvision.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import pathlib
 import numpy as np
 import torch
 
-from bench.reference import hf_forward, hf_tower, item_errors
-from bench.workloads import inputs
 from qwenvl_vision.config import FAMILIES
+from qwenvl_vision.testing.reference import hf_forward, hf_tower, item_errors
+from qwenvl_vision.testing.workloads import inputs
 
 
 def assert_matches_reference(ours, ref, grid_thw, tol: float, merge_size: int = 2) -> float:

@@ -3,7 +3,7 @@
 The reference for every family is transformers 5.24's vision tower. Its module names are the checkpoints' tensor
 names, so a reference tower's state dict is a checkpoint in the released naming: ``ours_from`` reads it through
 ``qwenvl_vision.names``, which tests our name mapping against the reference itself. Used by the benchmarks (the
-comparison rows) and by the tests (re-exported by ``tests.helpers``).
+comparison rows) and by the tests (re-exported by ``tests.helpers``); needs transformers.
 """
 
 from __future__ import annotations
