@@ -179,7 +179,7 @@ def fresh_process_results():
     """The first encoder of each family built in a new process (one subprocess for both)."""
     import subprocess
 
-    configs = {name: dict(cfg.__dict__) for name, cfg in zip(IDS, CONFIGS)}
+    configs = {name: dict(cfg.__dict__, family=cfg.model_type) for name, cfg in zip(IDS, CONFIGS)}
     proc = subprocess.run([sys.executable, "-c", FRESH_PROCESS, json.dumps(configs)], capture_output=True,
                           text=True, timeout=120, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
