@@ -4,6 +4,7 @@ Ray; Ray's rows into the Parquet layout; ``import qwenvl_vision`` loads neither 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -279,3 +280,15 @@ def test_importing_the_package_loads_neither_ray_nor_pyarrow():
                          check=True)
     assert json.loads(out.stdout) == []
 
+
+
+def test_the_module_named_ray_shadows_nothing():
+    """qwenvl_vision.ray is a submodule, not a top-level name: inside the package (here and in embed.ray_engine)
+    ``import ray`` is Ray itself (Python 3 imports are absolute), and importing ours leaves ``ray`` Ray's."""
+    import qwenvl_vision.ray as ours
+
+    package = Path(ours.__file__).parent
+    assert sys.modules["ray"] is ray and ours.ray is ray and ours.ray.data is ray.data
+    assert package not in Path(ray.__file__).parents and hasattr(ray, "init")
+    spec = importlib.util.find_spec("ray")
+    assert spec is not None and package not in Path(spec.origin).parents
