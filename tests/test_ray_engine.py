@@ -67,7 +67,8 @@ def test_every_path_gives_the_same_tensors(tmp_path, local_ray, checkpoint3, max
             assert torch.equal(embedding, want[path][0]), (name, path)
             assert len(levels) == 2 and all(torch.equal(a, b) for a, b in zip(levels, want[path][1])), (name, path)
     assert parquet_rows(tmp_path / "ray")[0].keys() == parquet_rows(tmp_path / "parquet")[0].keys()
-    ids = {name: {r["path"]: (r["id"], r["grid_thw"], r.get("timestamps"))
+    # The video entries too (frames, times, the fps asked for, which an Omni model's hand-off needs).
+    ids = {name: {r["path"]: (r["id"], r["grid_thw"], r.get("timestamps"), r.get("video"))
                   for r in read_manifest_lines(tmp_path / name / "manifest.jsonl")}
            for name in ("vllm-cache", "ray-vllm-cache")}
     assert ids["ray-vllm-cache"] == ids["vllm-cache"] and len(ids["vllm-cache"]) == len(want)

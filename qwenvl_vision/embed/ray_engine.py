@@ -222,6 +222,7 @@ def encode_on_ray(job, writer: Writer) -> None:
     ds = embed_dataset(ray.data.from_items(items, override_num_blocks=blocks), source, concurrency=actors,
                        batch_size=BATCH_ROWS, num_cpus=plan.actor_cpus, num_gpus=plan.actor_gpus or None,
                        **extra, **options)
+    video_fps = (job.run.get("video") or {}).get("fps")
     batches = iter(ds.iter_batches(batch_format="pyarrow", batch_size=None))
     while True:
         try:
@@ -234,6 +235,10 @@ def encode_on_ray(job, writer: Writer) -> None:
         for r in records:  # the actors saw absolute paths; messages name the input as given
             if r.error and absolute[r.path] != r.path:
                 r.error = r.error.replace(repr(absolute[r.path]), repr(r.path))
+            # Ray's rows carry the Parquet video struct, which has no requested_fps: the actors sampled at the
+            # run's fps, which the local engine records (and an Omni model's hand-off needs).
+            if r.video is not None and video_fps is not None:
+                r.video.setdefault("requested_fps", video_fps)
         writer.write_records(records)  # an OSError here is the output's (exit 3 by the job)
         progress.update(len(records), sum(r.tokens or 0 for r in records))
     progress.close()
