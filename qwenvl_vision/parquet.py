@@ -410,24 +410,51 @@ def _tensors(column: pa.Array, dim: int, dtype: torch.dtype, per_row_vectors: bo
     return out
 
 
+def layout_of_columns(schema: pa.Schema, dtype: str) -> ParquetLayout:
+    """The layout whose result columns ``schema`` holds beside any other columns (Ray's ``Embedder`` rows, a
+    validated shard), its merge size unknown (1); a ValueError naming the first column that does not fit: the
+    tensor columns' dim from ``embedding`` (or ``pooled``), DeepStack levels ``deepstack_0`` .. in order, every
+    result column of the layout's type."""
+    names = set(schema.names)
+    tokens, pooled = "embedding" in names, "pooled" in names
+    if not (tokens or pooled):
+        raise ValueError("no embedding or pooled column")
+    source = "embedding" if tokens else "pooled"
+    vector = schema.field(source).type
+    vector = vector.value_type if tokens and pa.types.is_list(vector) else vector
+    if not pa.types.is_fixed_size_list(vector):
+        raise ValueError(f"column {source!r} is {schema.field(source).type}, not of fixed-size float32 vectors")
+    levels = sum(name.startswith("deepstack_") for name in names) if tokens else 0
+    layout = ParquetLayout(dim=vector.list_size, levels=levels, merge_size=1, dtype=dtype, tokens=tokens,
+                           pooled=pooled)
+    for field in layout.schema():
+        if field.name in ("path", "realpath"):  # the input's identity: Ray's rows carry it in a column of their own
+            continue
+        if field.name not in names:
+            raise ValueError(f"no column {field.name!r}" + (" (DeepStack levels are deepstack_0, deepstack_1, ..)"
+                                                            if field.name.startswith("deepstack_") else ""))
+        if schema.field(field.name).type != field.type:
+            raise ValueError(f"column {field.name!r} is {schema.field(field.name).type}, not {field.type}")
+    return layout
+
+
 def records_of_table(table: pa.Table, dtype: str, *, path_column: str = "path") -> list[EmbeddingRecord]:
     """A table's rows as records, tensors in ``dtype`` (the run's): a Parquet shard validated by
-    ``read_parquet_table`` (this trusts the table), or Ray's ``Embedder`` rows (``result_columns`` beside the
-    input's columns: the path in ``path_column``; without a ``realpath`` column the path is resolved here). The
-    tensor columns are those the table has: ``embedding`` and its ``deepstack_*`` levels, or ``pooled``."""
+    ``read_parquet_table``, or Ray's ``Embedder`` rows (``result_columns`` beside the input's columns: the path in
+    ``path_column``; without a ``realpath`` column the path is resolved here). The tensor columns are those of
+    ``layout_of_columns`` (whose ValueError names a column that does not fit)."""
     torch_dtype = DTYPES[dtype]
+    layout = layout_of_columns(table.schema, dtype)
     names = set(table.column_names)
-    levels = sorted((n for n in names if n.startswith("deepstack_")), key=lambda n: int(n.removeprefix("deepstack_")))
 
     def tensors(name: str, per_row_vectors: bool) -> list[torch.Tensor | None]:
         if name not in names:
             return [None] * table.num_rows
-        column = table.column(name).combine_chunks()
-        size = (column.type.value_type if per_row_vectors else column.type).list_size
-        return _tensors(column, size, torch_dtype, per_row_vectors)
+        return _tensors(table.column(name).combine_chunks(), layout.dim, torch_dtype, per_row_vectors)
 
     embeddings, pooled = tensors("embedding", True), tensors("pooled", False)
-    deepstack = [tensors(name, True) for name in levels]
+    deepstack = [tensors(name, True) for name in layout.level_columns]
+    has_realpath = "realpath" in names
     plain = table.select([path_column, "status", "error", "grid_thw", "tokens", "video",
                           *(n for n in ("realpath", "pixels_sha256") if n in names)]).to_pylist()
     records = []
@@ -435,9 +462,9 @@ def records_of_table(table: pa.Table, dtype: str, *, path_column: str = "path") 
         grid = tuple(r["grid_thw"]) if r["grid_thw"] is not None else None
         path = r[path_column]
         records.append(EmbeddingRecord(
-            path, r.get("realpath") or os.path.realpath(path), r["status"], r["error"], grid, r["tokens"],
-            embeddings[row], [level[row] for level in deepstack] if r["status"] == "ok" else [], pooled[row],
-            r["video"], r.get("pixels_sha256")))
+            path, r["realpath"] if has_realpath else os.path.realpath(path), r["status"], r["error"], grid,
+            r["tokens"], embeddings[row], [level[row] for level in deepstack] if r["status"] == "ok" else [],
+            pooled[row], r["video"], r.get("pixels_sha256")))
     return records
 
 

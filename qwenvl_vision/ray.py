@@ -335,4 +335,7 @@ def records_from_batch(batch: pa.Table, *, path_column: str = "path") -> list[Em
                          f"got {type(batch).__name__}")
     if path_column not in batch.column_names:
         raise InputError(f"the batch has no column {path_column!r} (columns: {batch.column_names})")
-    return records_of_table(batch, "float32", path_column=path_column)
+    try:
+        return records_of_table(batch, "float32", path_column=path_column)
+    except ValueError as e:
+        raise InputError(f"the batch is not Embedder's rows: {e}") from None

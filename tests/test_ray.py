@@ -23,8 +23,16 @@ from tests.helpers import REPO, synthetic_photo
 ray = pytest.importorskip("ray")
 pa = pytest.importorskip("pyarrow")
 
-from qwenvl_vision.parquet import ParquetLayout, read_parquet_records, results_table, write_table_atomic  # noqa: E402
+from qwenvl_vision.errors import InputError  # noqa: E402
+from qwenvl_vision.parquet import (  # noqa: E402
+    ParquetLayout,
+    read_parquet_records,
+    result_columns,
+    results_table,
+    write_table_atomic,
+)
 from qwenvl_vision.ray import Embedder, embed_dataset, embed_paths, records_from_batch  # noqa: E402
+from qwenvl_vision.records import EmbeddingRecord  # noqa: E402
 
 local_ray = embed_helpers.local_ray  # the session's Ray (a fixture shared with test_ray_engine)
 
@@ -270,6 +278,32 @@ def test_ray_pipeline_over_every_input_kind(local_ray, checkpoint3, encoder, med
         assert back[path].ok and torch.equal(back[path].embedding, ref.embeddings[0])
         assert all(torch.equal(a, b) for a, b in zip(back[path].deepstack, ref.deepstack[0], strict=True))
     assert all(back[p].status == "error" for p in media["bad"])
+
+
+def test_records_from_batch_names_the_column_that_is_not_embedder_s():
+    """Rows in Embedder's layout read back as they were built (levels by number, the path resolved where no
+    realpath column is); a batch with a stray level, a variable-size vector column, a column of another type or
+    none of a result column is one InputError naming that column."""
+    layout = ParquetLayout(dim=4, levels=2, merge_size=1, dtype="float32")
+    gen = torch.Generator().manual_seed(0)
+    record = EmbeddingRecord("a.png", "", "ok", None, (1, 2, 2), 4, torch.randn(4, 4, generator=gen),
+                             [torch.randn(4, 4, generator=gen) + i for i in range(2)])
+    good = pa.table({"path": pa.array(["a.png"]), **result_columns([record], layout)})
+    [back] = records_from_batch(good)
+    assert back.realpath == os.path.realpath("a.png") and torch.equal(back.embedding, record.embedding)
+    assert all(torch.equal(a, b) for a, b in zip(back.deepstack, record.deepstack, strict=True))
+    variable = pa.list_(pa.list_(pa.float32()))
+    for bad, culprit in [
+        (good.append_column("deepstack_extra", good.column("deepstack_0")), "'deepstack_2'"),
+        (good.set_column(good.schema.get_field_index("embedding"), "embedding",
+                         good.column("embedding").cast(variable)), "'embedding'"),
+        (good.set_column(good.schema.get_field_index("grid_thw"), "grid_thw",
+                         good.column("grid_thw").cast(pa.list_(pa.int32(), 3))), "'grid_thw'"),
+        (good.drop_columns(["status"]), "'status'"),
+    ]:
+        with pytest.raises(InputError, match=culprit) as caught:
+            records_from_batch(bad)
+        assert "\n" not in str(caught.value)
 
 
 @pytest.mark.slow
