@@ -29,6 +29,7 @@ input sets are ``qwenvl_vision.testing.workloads.INPUT_SETS``) to time several i
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -101,7 +102,8 @@ def transformers_unavailable(cfg: VisionConfig, attn: str) -> str | None:
 
 def build_variants(cfg: VisionConfig, device: torch.device, dtype: torch.dtype, attns: tuple[str, ...] = ("sdpa",),
                    compile_options: dict | None = None, seed: int = 0, addmm_variant: bool = False,
-                   one_forward_variant: bool = False) -> tuple[dict[str, Variant], dict[str, str]]:
+                   one_forward_variant: bool = False, default_sizes_variant: bool = False
+                   ) -> tuple[dict[str, Variant], dict[str, str]]:
     """Ours (eager), ours compiled (when compile_options is not None) and transformers' tower per attention
     implementation, all with the same spread random weights (ours read under the checkpoint names); returns the
     variants and, for those that cannot run here, the reason."""
@@ -137,6 +139,9 @@ def build_variants(cfg: VisionConfig, device: torch.device, dtype: torch.dtype, 
             one = built["ours-one-forward"] = Variant(run_ours, ours())
             one.model.set_cpu_kernels(built["ours"].model.cpu_plan)
             one.model.packs = lambda grids, device: [grids]
+        if default_sizes_variant:  # the plan's kernels with the default chunk and scratch sizes, not the measured
+            sized = built["ours-default-sizes"] = Variant(run_ours, ours())
+            sized.model.set_cpu_kernels(dataclasses.replace(built["ours"].model.cpu_plan, linear_chunk={}, scratch={}))
     if compile_options is not None:
         compiled = ours()
         compiled.compile_blocks(**compile_options)
@@ -369,6 +374,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--one-forward", action="store_true",
                         help="CPU: also time ours with the pack as one forward (as on CUDA) instead of one forward "
                              "per item (which makes an item's bits independent of its neighbours)")
+    parser.add_argument("--default-sizes", action="store_true",
+                        help="CPU: also time ours on this machine's plan with the default chunk and scratch sizes "
+                             "instead of the measured ones (what measuring them gains)")
     parser.add_argument("--json", help="write the numbers here")
     args = parser.parse_args(argv)
     if args.compile and args.warmup < 1:
@@ -389,7 +397,8 @@ def main(argv: list[str] | None = None) -> dict:
     pixel_values, grid_thw, items = build_inputs(args.inputs, cfg)
     attns = tuple(a.strip() for a in args.attn.split(",") if a.strip())
     variants, skipped = build_variants(cfg, device, dtype, attns, {} if args.compile else None,
-                                       addmm_variant=args.addmm, one_forward_variant=args.one_forward)
+                                       addmm_variant=args.addmm, one_forward_variant=args.one_forward,
+                                       default_sizes_variant=args.default_sizes)
     for name, reason in skipped.items():
         print(f"{name}: skipped ({reason})", file=sys.stderr)
     bounds: list[dict] = []

@@ -34,6 +34,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -424,7 +425,7 @@ def layout_of_columns(schema: pa.Schema, dtype: str) -> ParquetLayout:
     vector = vector.value_type if tokens and pa.types.is_list(vector) else vector
     if not pa.types.is_fixed_size_list(vector):
         raise ValueError(f"column {source!r} is {schema.field(source).type}, not of fixed-size float32 vectors")
-    levels = sum(name.startswith("deepstack_") for name in names) if tokens else 0
+    levels = sum(bool(re.fullmatch(r"deepstack_\d+", name)) for name in names) if tokens else 0
     layout = ParquetLayout(dim=vector.list_size, levels=levels, merge_size=1, dtype=dtype, tokens=tokens,
                            pooled=pooled)
     for field in layout.schema():
@@ -462,7 +463,8 @@ def records_of_table(table: pa.Table, dtype: str, *, path_column: str = "path") 
         grid = tuple(r["grid_thw"]) if r["grid_thw"] is not None else None
         path = r[path_column]
         records.append(EmbeddingRecord(
-            path, r["realpath"] if has_realpath else os.path.realpath(path), r["status"], r["error"], grid,
+            path, r["realpath"] if has_realpath and r["realpath"] is not None else os.path.realpath(path),
+            r["status"], r["error"], grid,
             r["tokens"], embeddings[row], [level[row] for level in deepstack] if r["status"] == "ok" else [],
             pooled[row], r["video"], r.get("pixels_sha256")))
     return records

@@ -33,6 +33,7 @@ from .cpu.forward import CpuExecution
 from .cpu.machine import machine_plan
 from .cpu.packing import (
     PACKING_LOCK,
+    block_need,
     dense_state_dict,
     drop_packed_,
     linear_layers,
@@ -457,8 +458,10 @@ class VisionTower(nn.Module):
             return ReferenceExecution(self.attention_backend())
         cfg = self.config
         mlp_width = cfg.intermediate_size * (2 if cfg.family.mlp == "gated" else 1)
-        return CpuExecution(plan, Workspace(rows, cfg.hidden_size, max(3 * cfg.hidden_size, mlp_width),
-                                            weight.dtype, weight.device))
+        block = block_need(self.blocks[0])
+        workspace = Workspace(rows, cfg.hidden_size, max(3 * cfg.hidden_size, mlp_width), weight.dtype,
+                              weight.device, plan.scratch_elements(block))
+        return CpuExecution(plan, workspace, plan.chunk_bytes(block))
 
     def hooked(self) -> bool:
         """Whether a forward hook would see a module of this tower run (its own, or a global one)."""

@@ -19,7 +19,7 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLRMSNorm
 from qwenvl_vision import ConfigError, build_model, config, load_encoder
 from qwenvl_vision.attention import SegmentPlan
 from qwenvl_vision.cli import main
-from qwenvl_vision.cpu import forward, kernels
+from qwenvl_vision.cpu import forward
 from qwenvl_vision.cpu.forward import ACTIVATIONS, CpuExecution, signed_sin
 from qwenvl_vision.cpu.kernels import (
     EPILOGUE_ACTIVATIONS,
@@ -31,7 +31,7 @@ from qwenvl_vision.cpu.kernels import (
 )
 from qwenvl_vision.cpu.packing import linear_layers
 from qwenvl_vision.cpu.plan import CpuPlan, attention_key
-from qwenvl_vision.cpu.workspace import SCRATCH_ELEMENTS, Workspace
+from qwenvl_vision.cpu.workspace import DEFAULT_SCRATCH_ELEMENTS, Workspace
 from qwenvl_vision.layers import RMSNorm, rope_cos_sin
 from tests.helpers import (
     FAMILY_SMALL,
@@ -86,7 +86,7 @@ def test_rope_in_a_workspace_is_bitwise_the_reference_on_strided_views(dtype, in
     through fp32 scratch with the signs folded into the sin table: the reference's bits, v untouched. Bits on any
     CPU: the reference's multiplies and adds in its order, each IEEE-rounded, whatever the rows' chunking."""
     gen = torch.Generator().manual_seed(0)
-    rows = 2 * (SCRATCH_ELEMENTS // (2 * 3 * 80)) + 37  # three chunks, the last one partial
+    rows = 2 * (DEFAULT_SCRATCH_ELEMENTS // (2 * 3 * 80)) + 37  # three chunks, the last one partial
     qkv = (torch.randn(rows, 3, 3, 80, generator=gen) * 4).to(dtype)
     cos, sin = rope_cos_sin(torch.randint(0, 90, (rows, 2), generator=gen), 80)
     expected_q, expected_k = apply_rotary_pos_emb_vision(qkv[:, 0].clone(), qkv[:, 1].clone(), cos, sin)
@@ -114,7 +114,7 @@ def test_norms_into_a_workspace_buffer_are_bitwise_the_reference(dtype, kind):
         with torch.no_grad():
             ours.weight.normal_(), ours.bias.normal_()
     ours, ref = ours.to(dtype), ref.to(dtype)
-    x = (torch.randn(3 * SCRATCH_ELEMENTS // 96 + 5, 96) * 7).to(dtype)  # several chunks
+    x = (torch.randn(3 * DEFAULT_SCRATCH_ELEMENTS // 96 + 5, 96) * 7).to(dtype)  # several chunks
     run = execution(dtype, x.shape[0], 96, 96 * 3)
     with torch.no_grad():
         out = run.norm(ours, x)
@@ -130,7 +130,7 @@ def test_every_activation_a_config_may_name_is_implemented():
 def test_in_place_activations_are_bitwise_transformers_activations(name):
     """Bits on any CPU: the same aten kernel over the same iteration (in place on a contiguous tensor, into a
     strided destination from the same strided rows)."""
-    x = torch.randn(2 * SCRATCH_ELEMENTS // 33 + 40, 33) * 5
+    x = torch.randn(2 * DEFAULT_SCRATCH_ELEMENTS // 33 + 40, 33) * 5
     in_place, into = ACTIVATIONS[name]
     assert torch.equal(in_place(x.clone()), ACT2FN[name](x))
     out = torch.full_like(x, float("nan"))[:, 1:]  # a strided destination: a workspace's rows of a wider buffer
@@ -170,13 +170,13 @@ def test_bf16_packed_tower_within_tolerance_and_addmm_bitwise_where_this_machine
     (``packed_gives_addmm_bits``). Where oneDNN computes a plain MLP's activation in its GEMM's epilogue (Qwen3's
     GELU-tanh), the hidden activations skip one bf16 rounding: one MLP alone is closer to float64, on any CPU."""
     chunk_bytes, block_rows = 16 << 10, 24
-    monkeypatch.setattr(kernels, "CHUNK_BYTES", chunk_bytes)
     ref = hf_tower(cfg, seed=0)
     plain = ours_from(ref, cfg).to(torch.bfloat16)
     plain.set_cpu_kernels(forced_plan(plain, "addmm"))
     packed = ours_from(ref, cfg).to(torch.bfloat16)
-    packed.set_cpu_kernels(forced_plan(packed, "onednn", mlp_rows=block_rows))
+    packed.set_cpu_kernels(forced_plan(packed, "onednn", mlp_rows=block_rows, chunk_bytes=chunk_bytes))
     pixel_values, grid_thw = inputs(cfg, grids_for(cfg))
+    assert packed.execution(64, pixel_values).chunk_bytes == chunk_bytes  # chunks of a few dozen rows
     with torch.no_grad():
         a, levels_a = plain(pixel_values, grid_thw)
         with monkeypatch.context() as no_epilogue:
@@ -338,6 +338,35 @@ def test_off_the_cpu_a_block_launches_no_per_chunk_kernels(monkeypatch):
     assert counts[0] == counts[1] and model.describe()["execution"] == "reference"
 
 
+@needs_onednn
+@pytest.mark.parametrize("cfg", [QWEN2_5_SMALL, QWEN3_SMALL_72], ids=["qwen2.5", "qwen3"])
+def test_the_forward_runs_the_plan_s_chunk_and_scratch_sizes_and_the_scratch_changes_no_bit(cfg, monkeypatch):
+    """A packed linear computes the plan's bytes of output per oneDNN call, and norms and rope run through the
+    plan's fp32 scratch (both the plan's for the tower's block shape). The scratch's size changes no bit on any CPU
+    (each row's norm and rope are computed alone, in the same ops); the chunked tower stays within fp32 tolerance
+    of transformers' per item."""
+    ref = hf_tower(cfg, seed=0)
+    pixel_values, grid_thw = inputs(cfg, grids_for(cfg))
+    default, small = ours_from(ref, cfg), ours_from(ref, cfg)
+    default.set_cpu_kernels(forced_plan(default, "addmm"))
+    small.set_cpu_kernels(forced_plan(small, "addmm", scratch=1 << 10))
+    assert small.execution(64, pixel_values).workspace.scratch.shape == (2, 1 << 10)
+    packed = ours_from(ref, cfg)
+    packed.set_cpu_kernels(forced_plan(packed, "onednn", chunk_bytes=8 << 10, scratch=1 << 10))
+    asked = []
+    real = forward.packed_chunks
+    monkeypatch.setattr(forward, "packed_chunks", lambda x, w, b, chunk: asked.append(chunk) or real(x, w, b, chunk))
+    with torch.no_grad():
+        a, levels_a = default(pixel_values, grid_thw)
+        b, levels_b = small(pixel_values, grid_thw)
+        assert not asked  # addmm everywhere: no chunked oneDNN call
+        chunked = packed(pixel_values, grid_thw)
+        expected = hf_forward(ref, pixel_values, grid_thw)
+    assert torch.equal(a, b) and all(torch.equal(x, y) for x, y in zip(levels_a, levels_b, strict=True))
+    assert asked and set(asked) == {8 << 10}
+    assert_matches_reference(chunked, expected, grid_thw, 1e-5)
+
+
 # ----------------------------------------------------------------------------- packed weights
 
 
@@ -417,7 +446,7 @@ def test_threads_share_an_encoder_on_the_backend():
 
 
 @needs_onednn
-def test_one_packed_weight_serves_calls_of_any_row_count(monkeypatch):
+def test_one_packed_weight_serves_calls_of_any_row_count():
     """The reorder's row count is only a hint for the blocking: calls of any row count, and the ``out=`` form by
     row chunks, are fp32-accurate with the one packed weight."""
     generator = torch.Generator().manual_seed(0)
@@ -427,9 +456,8 @@ def test_one_packed_weight_serves_calls_of_any_row_count(monkeypatch):
     exact = x.double() @ weight.double().T + bias.double()
     for rows in (slice(0, 1), slice(0, 7), slice(5, 1029), slice(100, 3000), slice(None)):
         assert rel_err(packed_linear(x[rows].contiguous(), packed, bias), exact[rows]) < 1e-6, rows
-    monkeypatch.setattr(kernels, "CHUNK_BYTES", 96 * 4 * 100)  # the workspace form: 30 chunks into a buffer
-    out = torch.full((3000, 96), float("nan"))
-    assert packed_linear(x, packed, bias, out) is out and rel_err(out, exact) < 1e-6
+    out = torch.full((3000, 96), float("nan"))  # the workspace form: 30 chunks into a buffer
+    assert packed_linear(x, packed, bias, out, chunk_bytes=96 * 4 * 100) is out and rel_err(out, exact) < 1e-6
 
 
 @needs_onednn

@@ -14,8 +14,10 @@ import torch
 
 from qwenvl_vision import ConfigError, load_encoder
 from qwenvl_vision.cpu import machine
+from qwenvl_vision.cpu.kernels import DEFAULT_CHUNK_BYTES
 from qwenvl_vision.cpu.machine import machine_identity, machine_key, machine_plan
 from qwenvl_vision.cpu.plan import DEFAULT_MLP_ROWS, PROBE_LENGTHS, CpuPlan, PlanNeeds, attention_key
+from qwenvl_vision.cpu.workspace import DEFAULT_SCRATCH_ELEMENTS
 from tests.helpers import QWEN2_5_SMALL, grids_for, inputs
 
 NEEDS = PlanNeeds(frozenset({(64, 96, torch.float32), (96, 64, torch.bfloat16)}),
@@ -149,8 +151,15 @@ torch.save(torch.cat(encoder.encode_patches(pixel_values, grid_thw).embeddings),
 
 
 def test_a_plan_round_trips_as_a_dict_and_bad_ones_are_refused():
-    plan = CpuPlan("abc", {"64x96:float32": "addmm"}, {attention_key(torch.bfloat16, 2, 16, 512): "gemm"})
+    block = ("gated", "rms", 64, 2, 96, "silu", torch.bfloat16)
+    other = ("gated", "rms", 64, 4, 96, "silu", torch.bfloat16)
+    plan = CpuPlan("abc", {"64x96:float32": "onednn"}, {attention_key(torch.bfloat16, 2, 16, 512): "gemm"},
+                   linear_chunk={"gated:rms:64x2:96:silu:bfloat16": 1 << 20},
+                   scratch={"gated:rms:64x2:96:silu:bfloat16": 1 << 17})
     assert CpuPlan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
+    assert plan.chunk_bytes(block) == 1 << 20 and plan.scratch_elements(block) == 1 << 17
+    assert plan.chunk_bytes(other) == DEFAULT_CHUNK_BYTES  # no entry: the default
+    assert plan.scratch_elements(other) == DEFAULT_SCRATCH_ELEMENTS
     assert plan.attention_path(torch.bfloat16, 2, 16, 600) == "gemm"  # nearest probe: 512
     assert plan.attention_path(torch.bfloat16, 2, 16, 64) == "sdpa"  # no entry: torch's own
     assert plan.attention_path(torch.bfloat16, 2, 16, 100_000) == "sdpa"  # beyond the GEMM path's memory bound
@@ -158,11 +167,19 @@ def test_a_plan_round_trips_as_a_dict_and_bad_ones_are_refused():
     for bad, match in [([], "JSON object"), ({**plan.to_dict(), "extra": 1}, "fields"),
                        ({**plan.to_dict(), "format": 9}, "format 9"),
                        ({**plan.to_dict(), "linear": {"64x96:float16": "addmm"}}, "64x96:float16"),
-                       ({**plan.to_dict(), "attention": {"bfloat16:2x16:512": "flash"}}, "flash")]:
+                       ({**plan.to_dict(), "attention": {"bfloat16:2x16:512": "flash"}}, "flash"),
+                       ({**plan.to_dict(), "linear_chunk": {"gated:rms:64x2:96:silu:bfloat16": 0}}, "integer of 1"),
+                       ({**plan.to_dict(), "scratch": {"gated:rms:64x2:96:silu:bfloat16": True}}, "integer of 1"),
+                       ({**plan.to_dict(), "scratch": {"gated:rms:64x2:96:silu:bfloat16": 1 << 40}}, "integer of 1"),
+                       ({**plan.to_dict(), "scratch": {"64x96:float32": 512}}, "64x96:float32"),
+                       ({**plan.to_dict(), "format": 2}, "format 2 has the fields")]:
         with pytest.raises(ConfigError, match=match):
             CpuPlan.from_dict(bad)
     with pytest.raises(ConfigError, match="format"):
-        load_encoder(QWEN2_5_SMALL, random_weights=True, device="cpu", cpu_kernels={"format": 2})
+        load_encoder(QWEN2_5_SMALL, random_weights=True, device="cpu", cpu_kernels={"format": 1})
+    # A plan recorded before the block sizes (format 2: five fields) runs the defaults it ran with.
+    old = {"format": 2, "machine": "abc", "linear": {"64x96:float32": "addmm"}, "attention": {}, "mlp": {}}
+    assert CpuPlan.from_dict(old) == CpuPlan("abc", {"64x96:float32": "addmm"})
 
 
 @pytest.mark.parametrize("kernel", ["onednn", "addmm"])
@@ -186,6 +203,46 @@ def test_an_mlp_s_block_rows_are_measured_where_both_its_linears_run_packed(fres
     assert plan.mlp == {"gated:64x96:silu:bfloat16": rows}
 
 
+@pytest.mark.parametrize("kernel", ["onednn", "addmm"])
+def test_a_block_s_chunk_and_scratch_are_measured_on_the_plan_s_kernels_and_only_what_a_file_lacks(
+        fresh, monkeypatch, kernel):
+    """A tower's block shape gets its packed linears' output per call (where any runs packed; else the default) and
+    its scratch, each of the search space, timed on a block running the plan's kernels; a stored plan that lacks
+    them (a format-2 file, measured before they were) has them measured alone, its kernels kept."""
+    from qwenvl_vision.cpu.kernels import onednn_linear_available
+
+    if kernel == "onednn" and not onednn_linear_available():
+        pytest.skip("this torch has no oneDNN linear")
+    folder, calls = fresh
+    block = ("plain", "layer", 64, 2, 96, "gelu_pytorch_tanh", torch.float32)
+    needs = PlanNeeds(frozenset({(64, 192, torch.float32), (64, 64, torch.float32), (64, 96, torch.float32),
+                                 (96, 64, torch.float32)}), frozenset({(torch.float32, 2, 32)}),
+                      frozenset({("plain", 64, 96, "gelu_pytorch_tanh", torch.float32)}), frozenset({block}))
+    monkeypatch.setattr(machine, "measure_linear", lambda *_, **__: kernel)
+    timed = []
+    real = machine.measure_block_sizes
+    monkeypatch.setattr(machine, "measure_block_sizes",
+                        lambda need, plan, **k: timed.append((need, dict(plan.linear))) or real(need, plan, **k))
+    full = machine_plan(needs)
+    key = "plain:layer:64x2:96:gelu_pytorch_tanh:float32"
+    assert timed == [(block, dict.fromkeys(full.linear, kernel))]  # timed on the kernels chosen before
+    assert set(full.linear_chunk) == set(full.scratch) == {key}
+    assert full.scratch_elements(block) in machine.SCRATCH_CHOICES
+    assert full.chunk_bytes(block) in (machine.CHUNK_CHOICES if kernel == "onednn" else (DEFAULT_CHUNK_BYTES,))
+    path = plan_file(folder)
+    stored = json.loads(path.read_text())
+    # as a version before the block sizes wrote it: format 2, five fields (and the identity)
+    path.write_text(json.dumps({**{k: v for k, v in stored.items() if k not in ("linear_chunk", "scratch")},
+                                "format": 2}))
+    forget(monkeypatch)
+    for probe in ("measure_linear", "measure_attention", "measure_mlp_rows"):
+        monkeypatch.setattr(machine, probe, lambda *_, probe=probe, **__: pytest.fail(f"{probe} ran again"))
+    again = machine_plan(needs)
+    assert calls[-1] == PlanNeeds(blocks=frozenset({block})) and len(timed) == 2
+    assert (again.linear, again.attention, again.mlp) == (full.linear, full.attention, full.mlp)
+    assert set(json.loads(path.read_text())["scratch"]) == {key}
+
+
 def test_measuring_leaves_the_caller_s_random_state_alone(fresh, monkeypatch):
     """Every probe, the MLP's included (its linears made to measure packed), draws from generators of its own."""
     from qwenvl_vision.cpu.kernels import onednn_linear_available
@@ -196,13 +253,17 @@ def test_measuring_leaves_the_caller_s_random_state_alone(fresh, monkeypatch):
     timed = []
     real = machine.measure_mlp_rows
     monkeypatch.setattr(machine, "measure_mlp_rows", lambda *a, **k: timed.append(a) or real(*a, **k))
-    needs = PlanNeeds(frozenset({(64, 192, torch.float32), (96, 64, torch.float32)}), frozenset(),
-                      frozenset({("gated", 64, 96, "silu", torch.float32)}))
+    blocks = []
+    real_block = machine.measure_block_sizes
+    monkeypatch.setattr(machine, "measure_block_sizes", lambda *a, **k: blocks.append(a) or real_block(*a, **k))
+    needs = PlanNeeds(frozenset({(64, 192, torch.float32), (96, 64, torch.float32), (64, 64, torch.float32)}),
+                      frozenset(), frozenset({("gated", 64, 96, "silu", torch.float32)}),
+                      frozenset({("gated", "rms", 64, 2, 96, "silu", torch.float32)}))
     torch.manual_seed(5)
     expected = torch.rand(3)
     torch.manual_seed(5)
     machine_plan(needs)
-    assert timed and torch.equal(torch.rand(3), expected)
+    assert timed and blocks and torch.equal(torch.rand(3), expected)
 
 
 def test_a_recorded_plan_with_onednn_kernels_is_refused_where_torch_has_none(monkeypatch):

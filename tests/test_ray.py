@@ -282,8 +282,8 @@ def test_ray_pipeline_over_every_input_kind(local_ray, checkpoint3, encoder, med
 
 def test_records_from_batch_names_the_column_that_is_not_embedder_s():
     """Rows in Embedder's layout read back as they were built (levels by number, the path resolved where no
-    realpath column is); a batch with a stray level, a variable-size vector column, a column of another type or
-    none of a result column is one InputError naming that column."""
+    realpath column is); a batch with a level out of sequence, a variable-size vector column, a column of another
+    type or none of a result column is one InputError naming that column."""
     layout = ParquetLayout(dim=4, levels=2, merge_size=1, dtype="float32")
     gen = torch.Generator().manual_seed(0)
     record = EmbeddingRecord("a.png", "", "ok", None, (1, 2, 2), 4, torch.randn(4, 4, generator=gen),
@@ -294,7 +294,7 @@ def test_records_from_batch_names_the_column_that_is_not_embedder_s():
     assert all(torch.equal(a, b) for a, b in zip(back.deepstack, record.deepstack, strict=True))
     variable = pa.list_(pa.list_(pa.float32()))
     for bad, culprit in [
-        (good.append_column("deepstack_extra", good.column("deepstack_0")), "'deepstack_2'"),
+        (good.append_column("deepstack_3", good.column("deepstack_0")), "'deepstack_2'"),
         (good.set_column(good.schema.get_field_index("embedding"), "embedding",
                          good.column("embedding").cast(variable)), "'embedding'"),
         (good.set_column(good.schema.get_field_index("grid_thw"), "grid_thw",

@@ -2,8 +2,9 @@
 
 The modules (``layers.py``) stay the math; this reads their parameters and runs the same operations with what the
 CPU rewards: activations in the call's ``Workspace`` instead of fresh tensors, each linear on the kernel the
-machine's ``CpuPlan`` chose (a packed weight is oneDNN's), norm statistics and rope in fp32 on row chunks, MLPs
-by row blocks where both their linears are packed, attention per segment length on the plan's path. It runs only
+machine's ``CpuPlan`` chose (a packed weight is oneDNN's, its rows computed in chunks of the plan's size), norm
+statistics and rope in fp32 on row chunks (through the plan's scratch size), MLPs by row blocks where both their
+linears are packed, attention per segment length on the plan's path. It runs only
 in inference (no autograd, no compile, never on CUDA): ``tower.VisionTower`` picks it once per forward.
 
 Numbers against the reference's ops (transformers' vision blocks, as ``layers.py`` writes them):
@@ -33,6 +34,7 @@ from torch import nn
 from ..attention import SegmentPlan, sdpa_attention, sdpa_batched
 from ..layers import AttentionInputs, GatedMLP, PatchMerger, RMSNorm, VisionAttention
 from .kernels import (
+    DEFAULT_CHUNK_BYTES,
     EPILOGUE_ACTIVATIONS,
     balanced_chunks,
     gemm_attention,
@@ -41,7 +43,7 @@ from .kernels import (
     packed_linear,
 )
 from .plan import CpuPlan
-from .workspace import Workspace, row_chunks
+from .workspace import Workspace
 
 # name -> (in place, into out)
 ACTIVATIONS: dict[str, tuple[Callable, Callable]] = {
@@ -78,9 +80,10 @@ class CpuExecution:
 
     name = "cpu"
 
-    def __init__(self, plan: CpuPlan, workspace: Workspace) -> None:
+    def __init__(self, plan: CpuPlan, workspace: Workspace, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
         self.plan = plan
         self.workspace = workspace
+        self.chunk_bytes = chunk_bytes  # output per oneDNN call of a packed linear (the plan's for the tower)
 
     # ------------------------------------------------------------------ what the tower calls
 
@@ -128,7 +131,7 @@ class CpuExecution:
             return out
         # aten has no true out= layer norm: each chunk's fresh result stays small and in cache (per-row statistics:
         # chunks change no bit).
-        for rows in row_chunks(x.shape[0], x.shape[1]):
+        for rows in self.workspace.row_chunks(x.shape[0], x.shape[1]):
             out[rows].copy_(F.layer_norm(x[rows], module.normalized_shape, module.weight, module.bias, module.eps))
         return out
 
@@ -151,7 +154,7 @@ class CpuExecution:
             return attn.split_heads(qkv)
         qkv = self.workspace.take(x, x.shape[0], attn.qkv.out_features)
         heads = qkv.view(x.shape[0], -1, attn.head_dim)
-        for rows, chunk in packed_chunks(x, attn.qkv.weight, attn.qkv.bias):
+        for rows, chunk in self.packed_chunks(x, attn.qkv):
             fresh = chunk.view(chunk.shape[0], -1, attn.head_dim)
             self.rotate_qk_into(fresh[:, qk], heads[rows, qk], cos[rows], signed[rows])
             heads[rows, qk.stop:].copy_(fresh[:, qk.stop:])
@@ -200,6 +203,10 @@ class CpuExecution:
 
     # ------------------------------------------------------------------ linears
 
+    def packed_chunks(self, x: torch.Tensor, layer: nn.Linear) -> Iterator[tuple[slice, torch.Tensor]]:
+        """A packed layer's ``layer(x)`` as (rows, fresh result) pairs of ``chunk_bytes`` each."""
+        return packed_chunks(x, layer.weight, layer.bias, self.chunk_bytes)
+
     def linear_into(self, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
         """``layer(x)`` of a plain layer in the workspace, by addmm (the reference's kernel)."""
         out = self.workspace.take(x, x.shape[0], layer.out_features)
@@ -211,7 +218,7 @@ class CpuExecution:
         """``layer(x)`` as (rows, those rows of the result) pairs for a caller that consumes each at once: a packed
         layer's fresh chunks (``kernels.packed_chunks``: never copied), else one pair in the workspace."""
         if packed(layer):
-            yield from packed_chunks(x, layer.weight, layer.bias)
+            yield from self.packed_chunks(x, layer)
         else:
             yield slice(None), self.linear_into(x, layer)
 
@@ -226,7 +233,7 @@ class CpuExecution:
         if not packed(layer):
             return ACTIVATIONS[act][0](self.linear_into(x, layer))
         hidden = self.workspace.take(x, x.shape[0], layer.out_features)
-        for rows, y in packed_chunks(x, layer.weight, layer.bias):
+        for rows, y in self.packed_chunks(x, layer):
             ACTIVATIONS[act][1](y, hidden[rows])
         return hidden
 
@@ -236,7 +243,7 @@ class CpuExecution:
         if not packed(layer):
             return gate_times_up(self.linear_into(x, layer), act)
         hidden = self.workspace.take(x, x.shape[0], layer.out_features // 2)
-        for rows, gate_up in packed_chunks(x, layer.weight, layer.bias):
+        for rows, gate_up in self.packed_chunks(x, layer):
             gate_times_up(gate_up, act, out=hidden[rows])
         return hidden
 

@@ -28,9 +28,10 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-# Fresh output per oneDNN call on row chunks: small enough to stay in the last-level cache until it is read again
-# and far under glibc's mmap threshold (no page faults on reused heap memory).
-CHUNK_BYTES = 4 << 20
+# Fresh output per oneDNN call on row chunks where the machine's plan has no measurement for a tower's block shape
+# (a recorded plan of another tower): small enough to stay in a server CPU's last-level cache until it is read
+# again and far under glibc's mmap threshold (no page faults on reused heap memory).
+DEFAULT_CHUNK_BYTES = 4 << 20
 # Activations oneDNN computes in its GEMM's epilogue, as (attr, algorithm) of ``_linear_pointwise``. quick_gelu,
 # x * sigmoid(1.702 x), has none: the swish post-op takes no alpha through this call.
 EPILOGUE_ACTIVATIONS = {"silu": ("swish", ""), "swish": ("swish", ""), "gelu": ("gelu", "none"),
@@ -66,21 +67,26 @@ def balanced_chunks(rows: int, step: int) -> list[slice]:
     return [slice(start, min(start + size, rows)) for start in range(0, rows, size)]
 
 
-def packed_chunks(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+def chunk_rows(out_features: int, element_size: int, chunk_bytes: int) -> int:
+    """Rows of a (rows, out_features) result that fit ``chunk_bytes``."""
+    return max(1, chunk_bytes // (out_features * element_size))
+
+
+def packed_chunks(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, chunk_bytes: int
                   ) -> Iterator[tuple[slice, torch.Tensor]]:
-    """``x @ weight.T + bias`` with a packed weight as (rows, fresh result of those rows) pairs, CHUNK_BYTES of
+    """``x @ weight.T + bias`` with a packed weight as (rows, fresh result of those rows) pairs, ``chunk_bytes`` of
     output at a time, each computed when the caller asks for it."""
-    step = max(1, CHUNK_BYTES // (weight.shape[0] * x.element_size()))
+    step = chunk_rows(weight.shape[0], x.element_size(), chunk_bytes)
     for rows in balanced_chunks(x.shape[0], step):
         yield rows, torch.ops.mkldnn._linear_pointwise(x[rows], weight, bias, "none", [], "")
 
 
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias`` with a packed weight; into ``out`` by row chunks when given."""
+                  out: torch.Tensor | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> torch.Tensor:
+    """``x @ weight.T + bias`` with a packed weight; into ``out`` by row chunks of ``chunk_bytes`` when given."""
     if out is None:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    for rows, result in packed_chunks(x, weight, bias):
+    for rows, result in packed_chunks(x, weight, bias, chunk_bytes):
         out[rows].copy_(result)
     return out
 

@@ -29,33 +29,50 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..attention import SegmentPlan
 from ..durable import replace_atomically
 from ..errors import ConfigError
-from ..layers import MLP, GatedMLP
+from ..layers import MLP, Block, GatedMLP, RMSNorm
 from .forward import CpuExecution
-from .kernels import best_seconds, gemm_attention, onednn_linear_available, pack_weight, packed_chunks
+from .kernels import (
+    DEFAULT_CHUNK_BYTES,
+    best_seconds,
+    gemm_attention,
+    onednn_linear_available,
+    pack_weight,
+    packed_chunks,
+)
 from .plan import (
     DEFAULT_MLP_ROWS,
     DTYPES,
-    PLAN_FIELDS,
     PROBE_LENGTHS,
     CpuPlan,
     PlanNeeds,
     attention_key,
+    block_key,
     dtype_name,
     linear_key,
     mlp_key,
 )
-from .workspace import Workspace
+from .workspace import DEFAULT_SCRATCH_ELEMENTS, Workspace
 
 PROBE_TOKENS = 2048  # tokens per attention probe (segments of a length batched up to it): rates, not totals
 LINEAR_PROBE_ROWS = 1024  # the towers' packs hold thousands of rows, and the rate flattens by here
 MLP_PROBE_ROWS = 2048
 MLP_ROW_CHOICES = (128, 256, 512, 1024, 2048)  # the search space of an MLP's block rows (2048: one block)
+# The search spaces of a packed linear's output bytes per call and of the fp32 scratch: from well inside a core's
+# private cache to beyond a small last-level cache share, where fewer, larger calls may still win.
+CHUNK_CHOICES = (1 << 20, 2 << 20, 4 << 20, 8 << 20)
+SCRATCH_CHOICES = (1 << 17, 1 << 18, 1 << 19, 1 << 20, 1 << 21)
+BLOCK_PROBE_SEGMENTS = (1024,)  # one frame of a photo's size: on the CPU each item runs as its own forward
 # Preferences on a near tie, not fits to a machine: in fp32 oneDNN rounds differently from addmm, so the reference's
 # kernel stays unless oneDNN is 10% faster; in bf16 a packed weight also lets an MLP run by row blocks with its
 # activation in the GEMM's epilogue, so oneDNN stays unless addmm is 5% faster.
 ONEDNN_FASTER_BY = {"float32": 1.10, "bfloat16": 0.95}
+# Near the best, a block's chunk and scratch sizes time alike within noise (the scratch changes no bit; the chunk
+# may move a last fp32 bit, so a plan records it): a size other than the default is taken only where the block
+# ran this much faster with it.
+SIZE_FASTER_BY = 1.05
 
 
 def measure_linear(in_features: int, out_features: int, dtype: torch.dtype, repeats: int = 3) -> str:
@@ -67,7 +84,7 @@ def measure_linear(in_features: int, out_features: int, dtype: torch.dtype, repe
     bias, out = torch.zeros(out_features, dtype=dtype), torch.empty(LINEAR_PROBE_ROWS, out_features, dtype=dtype)
 
     def onednn(packed: torch.Tensor) -> None:
-        for _ in packed_chunks(x, packed, bias):
+        for _ in packed_chunks(x, packed, bias, DEFAULT_CHUNK_BYTES):
             pass
 
     addmm_s = best_seconds(lambda: torch.addmm(bias, x, weight.t(), out=out), repeats)
@@ -78,6 +95,52 @@ def measure_linear(in_features: int, out_features: int, dtype: torch.dtype, repe
         warn(f"oneDNN's linear failed for {in_features}x{out_features} {dtype_name(dtype)} ({e}); using addmm")
         return "addmm"
     return "onednn" if onednn_s * ONEDNN_FASTER_BY[dtype_name(dtype)] < addmm_s else "addmm"
+
+
+def measure_block_sizes(need: tuple, plan: CpuPlan, repeats: int = 3) -> tuple[int, int]:
+    """(output bytes per packed linear call of CHUNK_CHOICES, scratch elements of SCRATCH_CHOICES) at which one of
+    the tower's blocks ran fastest here, on ``plan``'s kernels, as the backend runs it: BLOCK_PROBE_SEGMENTS frames
+    of random tokens through a block of random weights. The chunk is chosen first (on the default scratch; the
+    default where no linear runs packed), then the scratch with it; each is the default unless another ran
+    SIZE_FASTER_BY faster."""
+    mlp, norm, dim, heads, hidden, act, dtype = need
+    generator = torch.Generator().manual_seed(0)  # never the caller's random state
+    with torch.device("meta"):
+        block = Block(dim, heads, hidden, act, norm, mlp)
+    block = block.to_empty(device="cpu").requires_grad_(False)
+    for module in block.modules():
+        if isinstance(module, nn.Linear):
+            weight = (torch.randn(module.weight.shape, generator=generator) / module.in_features**0.5).to(dtype)
+            packs = plan.linear_kernel(module.in_features, module.out_features, dtype) == "onednn"
+            module.weight = nn.Parameter(pack_weight(weight) if packs else weight, requires_grad=False)
+            module.bias = nn.Parameter(torch.zeros(module.out_features, dtype=dtype), requires_grad=False)
+        elif isinstance(module, (RMSNorm, nn.LayerNorm)):
+            module.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
+            if getattr(module, "bias", None) is not None:
+                module.bias = nn.Parameter(torch.zeros(dim, dtype=dtype), requires_grad=False)
+    rows = sum(BLOCK_PROBE_SEGMENTS)
+    start = torch.randn(rows, dim, generator=generator).to(dtype)
+    x = torch.empty_like(start)
+    angles = torch.rand(rows, dim // heads, generator=generator) * 6
+    segments = SegmentPlan.from_lengths(list(BLOCK_PROBE_SEGMENTS), "cpu")
+    wide = max(3 * dim, hidden * (2 if mlp == "gated" else 1))
+
+    def seconds(chunk: int, scratch: int) -> float:
+        run = CpuExecution(plan, Workspace(rows, dim, wide, dtype, "cpu", scratch), chunk)
+        inputs = run.attention_inputs((angles.cos(), angles.sin()), segments)
+        return best_seconds(lambda: run.block(block, x.copy_(start), inputs), repeats)
+
+    packed = any(isinstance(m, nn.Linear) and m.weight.is_mkldnn for m in block.modules())
+    chunk = DEFAULT_CHUNK_BYTES
+    if packed:
+        chunk = fastest({c: seconds(c, DEFAULT_SCRATCH_ELEMENTS) for c in CHUNK_CHOICES}, DEFAULT_CHUNK_BYTES)
+    return chunk, fastest({e: seconds(chunk, e) for e in SCRATCH_CHOICES}, DEFAULT_SCRATCH_ELEMENTS)
+
+
+def fastest(seconds: dict[int, float], default: int) -> int:
+    """The fastest choice, or ``default`` unless that one is SIZE_FASTER_BY faster."""
+    best = min(seconds, key=seconds.get)
+    return best if seconds[best] * SIZE_FASTER_BY < seconds[default] else default
 
 
 def measure_attention(dtype: torch.dtype, heads: int, head_dim: int, repeats: int = 2) -> dict[str, str]:
@@ -135,34 +198,49 @@ def measure_mlp_rows(kind: str, dim: int, hidden: int, act: str, dtype: torch.dt
 
 
 def measure(needs: PlanNeeds, machine: str, known: CpuPlan | None = None) -> CpuPlan:
-    """A plan of ``needs`` measured now (torch's kernels only where this torch has no oneDNN linear). An MLP's
-    block rows are measured where its two linears run packed (in ``known`` or in this measurement)."""
-    if not onednn_linear_available():
-        return CpuPlan(machine, dict.fromkeys(needs.linear_keys(), "addmm"),
-                       dict.fromkeys(needs.attention_keys(), "sdpa"), dict.fromkeys(needs.mlp_keys(), DEFAULT_MLP_ROWS))
+    """A plan of ``needs`` measured now, with ``known``'s choices where it has them (torch's kernels only where this
+    torch has no oneDNN linear). An MLP's block rows are measured where its two linears run packed, a block's chunk
+    and scratch sizes last, on the kernels chosen before."""
+    known = known or CpuPlan(machine)
     with torch.inference_mode(False), torch.no_grad():
-        linear = {linear_key(i, o, d): measure_linear(i, o, d) for i, o, d in sorted(needs.linear, key=str)
-                  if dtype_name(d) in DTYPES}
-        attention = {}
-        for d, h, hd in sorted(needs.attention, key=str):
-            if dtype_name(d) in DTYPES:
-                attention.update(measure_attention(d, h, hd))
-        kernels = CpuPlan(machine, linear).with_entries(known or CpuPlan(machine))
-        mlp = {}
-        for kind, dim, hidden, act, d in sorted(needs.mlp, key=str):
-            first = 2 * hidden if kind == "gated" else hidden
-            if dtype_name(d) not in DTYPES:
+        if not onednn_linear_available():
+            plan = CpuPlan(machine, dict.fromkeys(needs.linear_keys(), "addmm"),
+                           dict.fromkeys(needs.attention_keys(), "sdpa"),
+                           dict.fromkeys(needs.mlp_keys(), DEFAULT_MLP_ROWS))
+        else:
+            linear = {linear_key(i, o, d): measure_linear(i, o, d) for i, o, d in sorted(needs.linear, key=str)
+                      if dtype_name(d) in DTYPES}
+            attention = {}
+            for d, h, hd in sorted(needs.attention, key=str):
+                if dtype_name(d) in DTYPES:
+                    attention.update(measure_attention(d, h, hd))
+            kernels = CpuPlan(machine, linear).with_entries(known)
+            mlp = {}
+            for kind, dim, hidden, act, d in sorted(needs.mlp, key=str):
+                first = 2 * hidden if kind == "gated" else hidden
+                if dtype_name(d) not in DTYPES:
+                    continue
+                both_packed = (kernels.linear_kernel(dim, first, d) == "onednn"
+                               and kernels.linear_kernel(hidden, dim, d) == "onednn")
+                rows = DEFAULT_MLP_ROWS  # no row blocks without both linears packed
+                if both_packed:
+                    try:
+                        rows = measure_mlp_rows(kind, dim, hidden, act, d)
+                    except RuntimeError as e:  # a oneDNN kernel this CPU cannot run in this dtype
+                        warn(f"the {kind} MLP {dim}x{hidden} {dtype_name(d)} failed on oneDNN ({e}); {rows} rows")
+                mlp[mlp_key(kind, dim, hidden, act, d)] = rows
+            plan = CpuPlan(machine, linear, attention, mlp)
+        chunks, scratch = {}, {}
+        for need in sorted(needs.blocks, key=str):
+            if dtype_name(need[6]) not in DTYPES:
                 continue
-            both_packed = (kernels.linear_kernel(dim, first, d) == "onednn"
-                           and kernels.linear_kernel(hidden, dim, d) == "onednn")
-            rows = DEFAULT_MLP_ROWS  # no row blocks without both linears packed
-            if both_packed:
-                try:
-                    rows = measure_mlp_rows(kind, dim, hidden, act, d)
-                except RuntimeError as e:  # a oneDNN kernel this CPU cannot run in this dtype
-                    warn(f"the {kind} MLP {dim}x{hidden} {dtype_name(d)} failed on oneDNN ({e}); {rows} rows")
-            mlp[mlp_key(kind, dim, hidden, act, d)] = rows
-    return CpuPlan(machine, linear, attention, mlp)
+            key = block_key(*need)
+            try:
+                chunks[key], scratch[key] = measure_block_sizes(need, plan.with_entries(known))
+            except RuntimeError as e:  # a oneDNN kernel this CPU cannot run in this dtype
+                warn(f"the block {key} failed ({e}); the default chunk and scratch sizes")
+                chunks[key], scratch[key] = DEFAULT_CHUNK_BYTES, DEFAULT_SCRATCH_ELEMENTS
+    return CpuPlan(machine, plan.linear, plan.attention, plan.mlp, chunks, scratch)
 
 
 # ----------------------------------------------------------------------------- the machine and its cache file
@@ -215,7 +293,7 @@ def read_plan_file(path: Path, identity: dict, key: str) -> CpuPlan | None:
         data = json.loads(text)
         if not isinstance(data, dict) or data.get("identity") != identity:
             raise ConfigError("it was measured on another machine, torch or thread count")
-        plan = CpuPlan.from_dict({name: data.get(name) for name in PLAN_FIELDS})
+        plan = CpuPlan.from_dict({name: value for name, value in data.items() if name != "identity"})
         if plan.machine != key:
             raise ConfigError(f"its key {plan.machine!r} is not this machine's {key!r}")
         return plan

@@ -16,7 +16,7 @@ import threading
 import torch
 from torch import nn
 
-from ..layers import MLP, GatedMLP, VisionAttention
+from ..layers import MLP, Block, GatedMLP, RMSNorm, VisionAttention
 from .kernels import pack_weight, return_freed_memory
 from .plan import DTYPES, CpuPlan, PlanNeeds, dtype_name
 
@@ -28,8 +28,17 @@ def linear_layers(module: nn.Module) -> list[tuple[str, nn.Linear]]:
     return [(name, m) for name, m in module.named_modules() if isinstance(m, nn.Linear)]
 
 
+def block_need(block: Block) -> tuple[str, str, int, int, int, str, torch.dtype]:
+    """A block's shape as ``PlanNeeds.blocks`` holds it: (MLP kind, norm kind, dim, heads, MLP hidden, activation,
+    dtype)."""
+    gated = isinstance(block.mlp, GatedMLP)
+    second = block.mlp.down_proj if gated else block.mlp.linear_fc2
+    return ("gated" if gated else "plain", "rms" if isinstance(block.norm1, RMSNorm) else "layer",
+            second.out_features, block.attn.num_heads, second.in_features, block.mlp.act, second.weight.dtype)
+
+
 def plan_needs(module: nn.Module) -> PlanNeeds:
-    """The linear shapes, attention shapes and MLPs of a module's layers, in its dtype."""
+    """The linear shapes, attention shapes, MLPs and blocks of a module's layers, in its dtype."""
     linear = {(m.in_features, m.out_features, m.weight.dtype) for _, m in linear_layers(module)}
     attention = {(m.qkv.weight.dtype, m.num_heads, m.head_dim) for m in module.modules()
                  if isinstance(m, VisionAttention)}
@@ -37,7 +46,8 @@ def plan_needs(module: nn.Module) -> PlanNeeds:
            if isinstance(m, GatedMLP) else
            ("plain", m.linear_fc2.out_features, m.linear_fc2.in_features, m.act, m.linear_fc2.weight.dtype)
            for m in module.modules() if isinstance(m, (GatedMLP, MLP))}
-    return PlanNeeds(frozenset(linear), frozenset(attention), frozenset(mlp))
+    blocks = {block_need(m) for m in module.modules() if isinstance(m, Block)}
+    return PlanNeeds(frozenset(linear), frozenset(attention), frozenset(mlp), frozenset(blocks))
 
 
 def pack_linears_(module: nn.Module, plan: CpuPlan) -> dict[str, int]:

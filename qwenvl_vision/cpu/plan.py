@@ -1,10 +1,14 @@
 """The CPU backend's choices for one machine: ``CpuPlan``, and what a tower asks of one (``PlanNeeds``).
 
 A plan says which kernel runs each linear shape and dtype (torch's ``addmm`` or oneDNN's prepacked linear), which
-attention path runs each segment length (SDPA, or two fp32 GEMMs per head) and how many rows an MLP with both
-linears packed runs at a time. Each entry is a timing on the machine at hand (``machine.machine_plan``), never a
-constant fitted to one CPU: the rates differ by vendor, ISA (AVX-512, AMX), torch build and thread count, and so do
-the winners. Shapes a plan holds no entry for run torch's own kernels.
+attention path runs each segment length (SDPA, or two fp32 GEMMs per head), how many rows an MLP with both linears
+packed runs at a time and, per tower block shape, how many bytes of output a packed linear computes per oneDNN call
+(``linear_chunk``) and how large the fp32 scratch is through which norms and rope run on row chunks (``scratch``).
+The two sizes are timed on a whole block, since what they trade (a chunk that stays in cache until the next step
+reads it, against fewer and larger calls) depends on everything else the block keeps in cache. Each entry is a
+timing on the machine at hand (``machine.machine_plan``), never a constant fitted to one CPU: the rates and cache
+sizes differ by vendor, ISA (AVX-512, AMX), torch build and thread count, and so do the winners. Shapes a plan
+holds no kernel entry for run torch's own kernels; sizes it holds none for take the defaults (``DEFAULT_*``).
 
 A plan travels as a dict (``to_dict`` / ``from_dict``, validated strictly), so a resumed run, a rank or a Ray actor
 on another machine runs the plan its run recorded.
@@ -20,10 +24,14 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import ConfigError
-from .kernels import onednn_linear_available
+from .kernels import DEFAULT_CHUNK_BYTES, onednn_linear_available
+from .workspace import DEFAULT_SCRATCH_ELEMENTS
 
-PLAN_FORMAT = 2
-PLAN_FIELDS = ("format", "machine", "linear", "attention", "mlp")
+PLAN_FORMAT = 3
+PLAN_FIELDS = ("format", "machine", "linear", "attention", "mlp", "linear_chunk", "scratch")
+SIZE_FIELDS = {"mlp": "rows of a block", "linear_chunk": "bytes of output per call",
+               "scratch": "fp32 elements per buffer"}
+MAX_SIZE = 1 << 30  # far above any choice measured: a larger size is not a plan's, and would be allocated
 LINEAR_KERNELS = ("addmm", "onednn")
 ATTENTION_PATHS = ("sdpa", "gemm")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -39,6 +47,9 @@ DEFAULT_MLP_ROWS = 512
 LINEAR_KEY = re.compile(r"(\d+)x(\d+):(float32|bfloat16)")
 ATTENTION_KEY = re.compile(r"(float32|bfloat16):(\d+)x(\d+):(\d+)")
 MLP_KEY = re.compile(r"(gated|plain):(\d+)x(\d+):([a-z_]+):(float32|bfloat16)")
+BLOCK_KEY = re.compile(r"(gated|plain):(rms|layer):(\d+)x(\d+):(\d+):([a-z_]+):(float32|bfloat16)")
+KEYS = {"linear": LINEAR_KEY, "attention": ATTENTION_KEY, "mlp": MLP_KEY, "linear_chunk": BLOCK_KEY,
+        "scratch": BLOCK_KEY}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -57,18 +68,23 @@ def mlp_key(kind: str, dim: int, hidden: int, act: str, dtype: torch.dtype) -> s
     return f"{kind}:{dim}x{hidden}:{act}:{dtype_name(dtype)}"
 
 
+def block_key(mlp: str, norm: str, dim: int, heads: int, hidden: int, act: str, dtype: torch.dtype) -> str:
+    return f"{mlp}:{norm}:{dim}x{heads}:{hidden}:{act}:{dtype_name(dtype)}"
+
+
 def nearest_probe(length: int) -> int:
     return min(PROBE_LENGTHS, key=lambda probe: abs(math.log2(probe) - math.log2(max(length, 1))))
 
 
 @dataclass(frozen=True)
 class PlanNeeds:
-    """What a tower asks of a plan: its linear shapes, its attention shapes (heads, head_dim) and its MLPs (kind,
-    dim, hidden, activation), per dtype."""
+    """What a tower asks of a plan: its linear shapes, its attention shapes (heads, head_dim), its MLPs (kind,
+    dim, hidden, activation) and its blocks (MLP kind, norm kind, dim, heads, MLP hidden, activation), per dtype."""
 
     linear: frozenset[tuple[int, int, torch.dtype]] = frozenset()
     attention: frozenset[tuple[torch.dtype, int, int]] = frozenset()
     mlp: frozenset[tuple[str, int, int, str, torch.dtype]] = frozenset()
+    blocks: frozenset[tuple[str, str, int, int, int, str, torch.dtype]] = frozenset()
 
     def linear_keys(self) -> list[str]:
         return sorted(linear_key(i, o, d) for i, o, d in self.linear if dtype_name(d) in DTYPES)
@@ -80,19 +96,24 @@ class PlanNeeds:
     def mlp_keys(self) -> list[str]:
         return sorted(mlp_key(*need) for need in self.mlp if dtype_name(need[4]) in DTYPES)
 
+    def block_keys(self) -> list[str]:
+        return sorted(block_key(*need) for need in self.blocks if dtype_name(need[6]) in DTYPES)
+
     def empty(self) -> bool:
-        return not (self.linear or self.attention or self.mlp)
+        return not (self.linear or self.attention or self.mlp or self.blocks)
 
 
 @dataclass(frozen=True)
 class CpuPlan:
-    """One machine's measured choices (see the module docstring). Shapes it holds no entry for run torch's own
-    kernels (addmm, SDPA)."""
+    """One machine's measured choices (see the module docstring). Shapes it holds no kernel entry for run torch's
+    own kernels (addmm, SDPA); sizes it holds none for take the defaults."""
 
     machine: str
     linear: Mapping[str, str] = field(default_factory=dict)
     attention: Mapping[str, str] = field(default_factory=dict)
     mlp: Mapping[str, int] = field(default_factory=dict)
+    linear_chunk: Mapping[str, int] = field(default_factory=dict)
+    scratch: Mapping[str, int] = field(default_factory=dict)
 
     def linear_kernel(self, in_features: int, out_features: int, dtype: torch.dtype) -> str:
         return self.linear.get(linear_key(in_features, out_features, dtype), "addmm")
@@ -105,6 +126,15 @@ class CpuPlan:
     def mlp_rows(self, kind: str, dim: int, hidden: int, act: str, dtype: torch.dtype) -> int:
         return self.mlp.get(mlp_key(kind, dim, hidden, act, dtype), DEFAULT_MLP_ROWS)
 
+    def chunk_bytes(self, block: tuple) -> int:
+        """Bytes of output per oneDNN call of a packed linear in a tower of this block shape (a ``PlanNeeds``
+        block)."""
+        return self.linear_chunk.get(block_key(*block), DEFAULT_CHUNK_BYTES)
+
+    def scratch_elements(self, block: tuple) -> int:
+        """fp32 elements per scratch buffer of a tower of this block shape."""
+        return self.scratch.get(block_key(*block), DEFAULT_SCRATCH_ELEMENTS)
+
     def missing(self, needs: PlanNeeds) -> PlanNeeds:
         """The part of ``needs`` this plan holds no entry for."""
         linear = {need for need in needs.linear if dtype_name(need[2]) in DTYPES
@@ -112,17 +142,18 @@ class CpuPlan:
         attention = {need for need in needs.attention if dtype_name(need[0]) in DTYPES
                      and any(attention_key(*need, n) not in self.attention for n in PROBE_LENGTHS)}
         mlp = {need for need in needs.mlp if dtype_name(need[4]) in DTYPES and mlp_key(*need) not in self.mlp}
-        return PlanNeeds(frozenset(linear), frozenset(attention), frozenset(mlp))
+        blocks = {need for need in needs.blocks if dtype_name(need[6]) in DTYPES
+                  and not (block_key(*need) in self.linear_chunk and block_key(*need) in self.scratch)}
+        return PlanNeeds(frozenset(linear), frozenset(attention), frozenset(mlp), frozenset(blocks))
 
     def with_entries(self, other: CpuPlan) -> CpuPlan:
         """This plan with ``other``'s entries added where it has none (its own are kept: a choice a process has run
         with does not change under it)."""
-        return CpuPlan(self.machine, {**other.linear, **self.linear}, {**other.attention, **self.attention},
-                       {**other.mlp, **self.mlp})
+        return CpuPlan(self.machine, *({**getattr(other, name), **getattr(self, name)} for name in PLAN_FIELDS[2:]))
 
     def to_dict(self) -> dict:
-        return {"format": PLAN_FORMAT, "machine": self.machine, "linear": dict(sorted(self.linear.items())),
-                "attention": dict(sorted(self.attention.items())), "mlp": dict(sorted(self.mlp.items()))}
+        return {"format": PLAN_FORMAT, "machine": self.machine,
+                **{name: dict(sorted(getattr(self, name).items())) for name in PLAN_FIELDS[2:]}}
 
     @classmethod
     def from_dict(cls, data: object) -> CpuPlan:
@@ -130,27 +161,31 @@ class CpuPlan:
         this version writes."""
         if not isinstance(data, dict):
             raise ConfigError(f"a CPU plan must be a JSON object, got {type(data).__name__}")
-        if set(data) != set(PLAN_FIELDS):
-            raise ConfigError(f"a CPU plan has the fields {', '.join(PLAN_FIELDS)}; got {sorted(data)}")
-        if data["format"] != PLAN_FORMAT:
-            raise ConfigError(f"CPU plan format {data['format']!r} is not {PLAN_FORMAT}")
+        if data.get("format") not in (2, PLAN_FORMAT):
+            raise ConfigError(f"CPU plan format {data.get('format')!r} is not one this version reads (2, 3)")
+        fields = PLAN_FIELDS[:5] if data["format"] == 2 else PLAN_FIELDS
+        if set(data) != set(fields):
+            raise ConfigError(f"a CPU plan of format {data['format']} has the fields {', '.join(fields)}; got "
+                              f"{sorted(data)}")
+        if data["format"] == 2:  # measured before the block sizes were: it ran the defaults, which no entry means
+            data = {**data, "linear_chunk": {}, "scratch": {}}
         if not isinstance(data["machine"], str):
             raise ConfigError("a CPU plan's machine must be a string")
-        for name, pattern, allowed in (("linear", LINEAR_KEY, LINEAR_KERNELS),
-                                       ("attention", ATTENTION_KEY, ATTENTION_PATHS)):
+        for name in PLAN_FIELDS[2:]:
             entries = data[name]
             if not isinstance(entries, dict):
                 raise ConfigError(f"a CPU plan's {name} must be an object")
             for key, value in entries.items():
-                if not isinstance(key, str) or not pattern.fullmatch(key) or value not in allowed:
+                if not isinstance(key, str) or not KEYS[name].fullmatch(key):
+                    raise ConfigError(f"CPU plan {name} entry {key!r}: not a key of this version's plans")
+                if name in SIZE_FIELDS and (type(value) is not int or not 1 <= value <= MAX_SIZE):
+                    raise ConfigError(f"CPU plan {name} entry {key!r}: {value!r} ({SIZE_FIELDS[name]}, an integer "
+                                      f"of 1 to {MAX_SIZE})")
+                allowed = {"linear": LINEAR_KERNELS, "attention": ATTENTION_PATHS}.get(name)
+                if allowed is not None and value not in allowed:
                     raise ConfigError(f"CPU plan {name} entry {key!r}: {value!r} (allowed: {list(allowed)})")
-        if not isinstance(data["mlp"], dict):
-            raise ConfigError("a CPU plan's mlp must be an object")
-        for key, rows in data["mlp"].items():
-            if not isinstance(key, str) or not MLP_KEY.fullmatch(key) or type(rows) is not int or rows < 1:
-                raise ConfigError(f"CPU plan mlp entry {key!r}: {rows!r} (rows of a block, a positive integer)")
         if ("onednn" in data["linear"].values() or "gemm" in data["attention"].values()) \
                 and not onednn_linear_available():
             raise ConfigError("the CPU plan runs oneDNN's linear (in its linears or its GEMM attention), which this "
                               "torch lacks (no mkldnn linear ops)")
-        return cls(data["machine"], dict(data["linear"]), dict(data["attention"]), dict(data["mlp"]))
+        return cls(data["machine"], *(dict(data[name]) for name in PLAN_FIELDS[2:]))

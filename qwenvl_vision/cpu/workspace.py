@@ -21,18 +21,22 @@ from collections.abc import Iterator
 
 import torch
 
-# fp32 elements per scratch buffer (2 MiB): a chunk's temporaries stay in a server CPU's last-level cache, and the
-# chunks are few enough that dispatch is not the cost.
-SCRATCH_ELEMENTS = 1 << 19
+# fp32 elements per scratch buffer (2 MiB) where the machine's plan has no measurement (a recorded plan of another
+# tower): a chunk's temporaries stay in a server CPU's last-level cache, and the chunks are few enough that dispatch
+# is not the cost. The plan measures each tower's own.
+DEFAULT_SCRATCH_ELEMENTS = 1 << 19
 
 
 class Workspace:
-    """Two activation buffers of ``rows`` x ``dim`` and ``rows`` x ``wide`` elements, and the fp32 scratch."""
+    """Two activation buffers of ``rows`` x ``dim`` and ``rows`` x ``wide`` elements, and two fp32 scratch buffers
+    of ``scratch_elements`` each (the plan's size; at least one row of rope's)."""
 
-    def __init__(self, rows: int, dim: int, wide: int, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, rows: int, dim: int, wide: int, dtype: torch.dtype, device: torch.device | str,
+                 scratch_elements: int = DEFAULT_SCRATCH_ELEMENTS) -> None:
         self.buffers = (torch.empty(rows * dim, dtype=dtype, device=device),
                         torch.empty(rows * wide, dtype=dtype, device=device))
-        self.scratch = torch.empty(2, SCRATCH_ELEMENTS, dtype=torch.float32, device=device)
+        # at least the widest row that passes through it (rope's q and k, 2 * dim), whatever the plan says
+        self.scratch = torch.empty(2, max(scratch_elements, 2 * dim), dtype=torch.float32, device=device)
 
     def take(self, source: torch.Tensor, *shape: int) -> torch.Tensor:
         """A view of ``shape`` in a buffer that does not hold ``source`` and is large enough."""
@@ -47,13 +51,13 @@ class Workspace:
         ``x.float()`` chunk by chunk. An fp32 x's rows are x's own (never write into them); any other dtype's are
         widened into the first scratch buffer."""
         shape = x.shape[1:]
-        for chunk in row_chunks(x.shape[0], math.prod(shape)):
+        for chunk in self.row_chunks(x.shape[0], math.prod(shape)):
             size = (chunk.stop - chunk.start) * math.prod(shape)
             x32 = x[chunk] if x.dtype == torch.float32 else self.scratch[0, :size].view(-1, *shape).copy_(x[chunk])
             yield chunk, x32, self.scratch[1, :size].view(-1, *shape)
 
 
-def row_chunks(rows: int, width: int) -> list[slice]:
-    """Slices of at most SCRATCH_ELEMENTS // width rows covering ``rows``."""
-    step = max(1, SCRATCH_ELEMENTS // width)
-    return [slice(start, min(start + step, rows)) for start in range(0, rows, step)]
+    def row_chunks(self, rows: int, width: int) -> list[slice]:
+        """Slices of ``rows`` rows of ``width`` elements, each of which fits a scratch buffer."""
+        step = max(1, self.scratch.shape[1] // width)
+        return [slice(start, min(start + step, rows)) for start in range(0, rows, step)]

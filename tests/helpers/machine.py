@@ -36,13 +36,16 @@ def packed_gives_addmm_bits(shapes: list[tuple[int, int]], dtype: torch.dtype, r
 
 
 def forced_plan(model: torch.nn.Module, linear: str = "addmm", attention: str = "sdpa",
-                mlp_rows: int = 512) -> CpuPlan:
-    """A CPU plan that runs every linear of ``model`` on ``linear``, every attention segment on ``attention`` and
-    every MLP with both linears packed ``mlp_rows`` rows at a time, whatever this machine would measure: for tests
-    of one kernel's numbers."""
+                mlp_rows: int = 512, chunk_bytes: int | None = None, scratch: int | None = None) -> CpuPlan:
+    """A CPU plan that runs every linear of ``model`` on ``linear``, every attention segment on ``attention``, every
+    MLP with both linears packed ``mlp_rows`` rows at a time and, where given, every packed linear ``chunk_bytes``
+    of output per call and its norms and rope through ``scratch`` fp32 elements, whatever this machine would
+    measure: for tests of one kernel's numbers."""
     needs = plan_needs(model)
     return CpuPlan("forced", dict.fromkeys(needs.linear_keys(), linear),
-                   dict.fromkeys(needs.attention_keys(), attention), dict.fromkeys(needs.mlp_keys(), mlp_rows))
+                   dict.fromkeys(needs.attention_keys(), attention), dict.fromkeys(needs.mlp_keys(), mlp_rows),
+                   {} if chunk_bytes is None else dict.fromkeys(needs.block_keys(), chunk_bytes),
+                   {} if scratch is None else dict.fromkeys(needs.block_keys(), scratch))
 
 
 def addmm_ignores_row_stride(model: torch.nn.Module, rows: int, dtype: torch.dtype) -> bool:
