@@ -459,8 +459,10 @@ class VisionTower(nn.Module):
         cfg = self.config
         mlp_width = cfg.intermediate_size * (2 if cfg.family.mlp == "gated" else 1)
         block = block_need(self.blocks[0])
+        # the plan's scratch, but at least the widest row through it (rope's q and k, a merger's grouped rows)
+        scratch = max(plan.scratch_elements(block), 2 * cfg.hidden_size, cfg.merge_unit * cfg.hidden_size)
         workspace = Workspace(rows, cfg.hidden_size, max(3 * cfg.hidden_size, mlp_width), weight.dtype,
-                              weight.device, plan.scratch_elements(block))
+                              weight.device, scratch)
         return CpuExecution(plan, workspace, plan.chunk_bytes(block))
 
     def hooked(self) -> bool:

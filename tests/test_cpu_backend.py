@@ -351,6 +351,9 @@ def test_the_forward_runs_the_plan_s_chunk_and_scratch_sizes_and_the_scratch_cha
     default.set_cpu_kernels(forced_plan(default, "addmm"))
     small.set_cpu_kernels(forced_plan(small, "addmm", scratch=1 << 10))
     assert small.execution(64, pixel_values).workspace.scratch.shape == (2, 1 << 10)
+    tiny = ours_from(ref, cfg)  # a plan's scratch below a row: the widest row's (a merger's grouped rows)
+    tiny.set_cpu_kernels(forced_plan(tiny, "addmm", scratch=1))
+    assert tiny.execution(64, pixel_values).workspace.scratch.shape == (2, cfg.merge_unit * cfg.hidden_size)
     packed = ours_from(ref, cfg)
     packed.set_cpu_kernels(forced_plan(packed, "onednn", chunk_bytes=8 << 10, scratch=1 << 10))
     asked = []
@@ -359,6 +362,7 @@ def test_the_forward_runs_the_plan_s_chunk_and_scratch_sizes_and_the_scratch_cha
     with torch.no_grad():
         a, levels_a = default(pixel_values, grid_thw)
         b, levels_b = small(pixel_values, grid_thw)
+        assert torch.equal(tiny(pixel_values, grid_thw)[0], a)
         assert not asked  # addmm everywhere: no chunked oneDNN call
         chunked = packed(pixel_values, grid_thw)
         expected = hf_forward(ref, pixel_values, grid_thw)

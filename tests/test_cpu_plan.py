@@ -63,8 +63,9 @@ def test_a_plan_is_measured_once_per_machine_and_read_back_by_a_later_process(fr
 
 
 @pytest.mark.parametrize("content", ["{not json", '{"format": 1, "machine": "x"', json.dumps([1, 2]),
-                                     "FOREIGN", "INVALID"], ids=["corrupt", "truncated", "not-an-object",
-                                                                 "foreign", "invalid-entry"])
+                                     "FOREIGN", "INVALID", "EXTRA", "NO-IDENTITY"],
+                         ids=["corrupt", "truncated", "not-an-object", "foreign", "invalid-entry", "extra-field",
+                              "no-identity"])
 def test_a_bad_plan_file_is_one_warning_and_a_fresh_measurement(fresh, monkeypatch, content):
     folder, calls = fresh
     good = machine_plan(NEEDS)
@@ -74,6 +75,10 @@ def test_a_bad_plan_file_is_one_warning_and_a_fresh_measurement(fresh, monkeypat
         content = json.dumps({**stored, "identity": {**stored["identity"], "cpu": "another CPU"}})
     elif content == "INVALID":
         content = json.dumps({**stored, "linear": {**stored["linear"], "64x96:float32": "mkl"}})
+    elif content == "EXTRA":
+        content = json.dumps({**stored, "extra": 1})
+    elif content == "NO-IDENTITY":
+        content = json.dumps({k: v for k, v in stored.items() if k != "identity"})
     path.write_text(content)
     forget(monkeypatch)
     with warnings.catch_warnings(record=True) as caught:
@@ -219,13 +224,19 @@ def test_a_block_s_chunk_and_scratch_are_measured_on_the_plan_s_kernels_and_only
                                  (96, 64, torch.float32)}), frozenset({(torch.float32, 2, 32)}),
                       frozenset({("plain", 64, 96, "gelu_pytorch_tanh", torch.float32)}), frozenset({block}))
     monkeypatch.setattr(machine, "measure_linear", lambda *_, **__: kernel)
-    timed = []
-    real = machine.measure_block_sizes
+    timed, searched = [], []
+    real, real_fastest = machine.measure_block_sizes, machine.fastest
     monkeypatch.setattr(machine, "measure_block_sizes",
                         lambda need, plan, **k: timed.append((need, dict(plan.linear))) or real(need, plan, **k))
-    full = machine_plan(needs)
+    monkeypatch.setattr(machine, "fastest", lambda seconds, default: searched.append(tuple(seconds))
+                        or real_fastest(seconds, default))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a probe that failed would warn and record the defaults
+        full = machine_plan(needs)
     key = "plain:layer:64x2:96:gelu_pytorch_tanh:float32"
     assert timed == [(block, dict.fromkeys(full.linear, kernel))]  # timed on the kernels chosen before
+    # both searches ran where a linear runs packed; the scratch alone where none does (no chunks to size)
+    assert searched == ([machine.CHUNK_CHOICES] if kernel == "onednn" else []) + [machine.SCRATCH_CHOICES]
     assert set(full.linear_chunk) == set(full.scratch) == {key}
     assert full.scratch_elements(block) in machine.SCRATCH_CHOICES
     assert full.chunk_bytes(block) in (machine.CHUNK_CHOICES if kernel == "onednn" else (DEFAULT_CHUNK_BYTES,))
@@ -237,10 +248,35 @@ def test_a_block_s_chunk_and_scratch_are_measured_on_the_plan_s_kernels_and_only
     forget(monkeypatch)
     for probe in ("measure_linear", "measure_attention", "measure_mlp_rows"):
         monkeypatch.setattr(machine, probe, lambda *_, probe=probe, **__: pytest.fail(f"{probe} ran again"))
-    again = machine_plan(needs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a format-2 file is read, not refused
+        again = machine_plan(needs)
     assert calls[-1] == PlanNeeds(blocks=frozenset({block})) and len(timed) == 2
     assert (again.linear, again.attention, again.mlp) == (full.linear, full.attention, full.mlp)
     assert set(json.loads(path.read_text())["scratch"]) == {key}
+
+
+def test_a_size_other_than_the_default_must_be_clearly_faster():
+    assert machine.fastest({1: 0.90, 4: 1.0, 8: 0.99}, 4) == 1
+    assert machine.fastest({1: 0.97, 4: 1.0, 8: 0.99}, 4) == 4  # within the margin: the default stays
+    assert machine.fastest({1: 0.97, 8: 1.0}, 4) == 1  # no default among the choices: the fastest
+
+
+def test_without_onednn_a_plan_holds_torch_s_kernels_and_block_sizes_and_is_complete(fresh, monkeypatch):
+    """A torch without oneDNN's linear: addmm and SDPA everywhere, no chunks to size (the default chunk), the
+    scratch measured; the plan then lacks nothing, so a later load measures nothing."""
+    folder, calls = fresh
+    monkeypatch.setattr(machine, "onednn_linear_available", lambda: False)
+    block = ("gated", "rms", 64, 2, 96, "silu", torch.float32)
+    needs = PlanNeeds(frozenset({(64, 192, torch.float32), (96, 64, torch.float32), (64, 64, torch.float32)}),
+                      frozenset({(torch.float32, 2, 32)}), frozenset({("gated", 64, 96, "silu", torch.float32)}),
+                      frozenset({block}))
+    plan = machine_plan(needs)
+    assert set(plan.linear.values()) == {"addmm"} and set(plan.attention.values()) == {"sdpa"}
+    assert plan.chunk_bytes(block) == DEFAULT_CHUNK_BYTES and plan.scratch_elements(block) in machine.SCRATCH_CHOICES
+    assert plan.missing(needs).empty()
+    forget(monkeypatch)
+    assert machine_plan(needs) == plan and len(calls) == 1
 
 
 def test_measuring_leaves_the_caller_s_random_state_alone(fresh, monkeypatch):

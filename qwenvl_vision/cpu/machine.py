@@ -140,7 +140,7 @@ def measure_block_sizes(need: tuple, plan: CpuPlan, repeats: int = 3) -> tuple[i
 def fastest(seconds: dict[int, float], default: int) -> int:
     """The fastest choice, or ``default`` unless that one is SIZE_FASTER_BY faster."""
     best = min(seconds, key=seconds.get)
-    return best if seconds[best] * SIZE_FASTER_BY < seconds[default] else default
+    return best if seconds[best] * SIZE_FASTER_BY < seconds.get(default, float("inf")) else default
 
 
 def measure_attention(dtype: torch.dtype, heads: int, head_dim: int, repeats: int = 2) -> dict[str, str]:

@@ -29,14 +29,13 @@ DEFAULT_SCRATCH_ELEMENTS = 1 << 19
 
 class Workspace:
     """Two activation buffers of ``rows`` x ``dim`` and ``rows`` x ``wide`` elements, and two fp32 scratch buffers
-    of ``scratch_elements`` each (the plan's size; at least one row of rope's)."""
+    of ``scratch_elements`` each (at least the widest row that passes through them)."""
 
     def __init__(self, rows: int, dim: int, wide: int, dtype: torch.dtype, device: torch.device | str,
                  scratch_elements: int = DEFAULT_SCRATCH_ELEMENTS) -> None:
         self.buffers = (torch.empty(rows * dim, dtype=dtype, device=device),
                         torch.empty(rows * wide, dtype=dtype, device=device))
-        # at least the widest row that passes through it (rope's q and k, 2 * dim), whatever the plan says
-        self.scratch = torch.empty(2, max(scratch_elements, 2 * dim), dtype=torch.float32, device=device)
+        self.scratch = torch.empty(2, scratch_elements, dtype=torch.float32, device=device)
 
     def take(self, source: torch.Tensor, *shape: int) -> torch.Tensor:
         """A view of ``shape`` in a buffer that does not hold ``source`` and is large enough."""
