@@ -67,16 +67,11 @@ def balanced_chunks(rows: int, step: int) -> list[slice]:
     return [slice(start, min(start + size, rows)) for start in range(0, rows, size)]
 
 
-def chunk_rows(out_features: int, element_size: int, chunk_bytes: int) -> int:
-    """Rows of a (rows, out_features) result that fit ``chunk_bytes``."""
-    return max(1, chunk_bytes // (out_features * element_size))
-
-
 def packed_chunks(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, chunk_bytes: int
                   ) -> Iterator[tuple[slice, torch.Tensor]]:
     """``x @ weight.T + bias`` with a packed weight as (rows, fresh result of those rows) pairs, ``chunk_bytes`` of
     output at a time, each computed when the caller asks for it."""
-    step = chunk_rows(weight.shape[0], x.element_size(), chunk_bytes)
+    step = max(1, chunk_bytes // (weight.shape[0] * x.element_size()))
     for rows in balanced_chunks(x.shape[0], step):
         yield rows, torch.ops.mkldnn._linear_pointwise(x[rows], weight, bias, "none", [], "")
 
