@@ -188,24 +188,54 @@ def test_a_plan_round_trips_as_a_dict_and_bad_ones_are_refused():
 
 
 @pytest.mark.parametrize("kernel", ["onednn", "addmm"])
-def test_an_mlp_s_block_rows_are_measured_where_both_its_linears_run_packed(fresh, monkeypatch, kernel):
+@pytest.mark.parametrize("whole_mlp_packed", [True, False])
+def test_an_mlp_is_timed_whole_and_its_shapes_run_packed_where_it_ran_faster_so(
+        fresh, monkeypatch, kernel, whole_mlp_packed):
+    """Every MLP is measured as the backend runs it, told its lone linears' choices; where it ran faster with both
+    packed (the activation in the epilogue, row blocks), its two shapes are packed and its rows recorded; else its
+    linears keep their lone choices and it has the default rows. A shape already recorded keeps its choice."""
     from qwenvl_vision.cpu.kernels import onednn_linear_available
 
     if not onednn_linear_available():
         pytest.skip("this torch has no oneDNN linear")
     monkeypatch.setattr(machine, "measure_linear", lambda *_, **__: kernel)
     timed = []
-    real = machine.measure_mlp_rows
-    monkeypatch.setattr(machine, "measure_mlp_rows", lambda *a, **k: timed.append(a) or real(*a, **k))
-    needs = PlanNeeds(frozenset({(64, 192, torch.bfloat16), (96, 64, torch.bfloat16)}), frozenset(),
-                      frozenset({("gated", 64, 96, "silu", torch.bfloat16)}))
+    monkeypatch.setattr(machine, "measure_mlp", lambda *a, **k: timed.append(a) or (
+        (True, 256) if whole_mlp_packed or kernel == "onednn" else (False, DEFAULT_MLP_ROWS)))
+    shapes = (64, 192, torch.bfloat16), (96, 64, torch.bfloat16)
+    needs = PlanNeeds(frozenset(shapes), frozenset(), frozenset({("gated", 64, 96, "silu", torch.bfloat16)}))
     plan = machine_plan(needs)
-    rows = plan.mlp_rows("gated", 64, 96, "silu", torch.bfloat16)
-    if kernel == "onednn":
-        assert timed == [("gated", 64, 96, "silu", torch.bfloat16)] and rows in machine.MLP_ROW_CHOICES
-    else:
-        assert timed == [] and rows == DEFAULT_MLP_ROWS  # no row blocks without both linears packed
-    assert plan.mlp == {"gated:64x96:silu:bfloat16": rows}
+    packs = (kernel == "onednn",) * 2
+    assert timed == [("gated", 64, 96, "silu", torch.bfloat16, packs)]
+    both = kernel == "onednn" or whole_mlp_packed
+    assert plan.mlp == {"gated:64x96:silu:bfloat16": 256 if both else DEFAULT_MLP_ROWS}
+    assert [plan.linear_kernel(*s) for s in shapes] == ["onednn" if both else "addmm"] * 2
+    # A shape recorded before (a process ran with it) keeps its kernel; the other follows the MLP.
+    recorded = CpuPlan("m", {"64x192:bfloat16": "addmm"})
+    missing = PlanNeeds(frozenset(shapes[1:]), frozenset(), needs.mlp)
+    again = machine.measure(missing, "m", recorded).with_entries(recorded)
+    assert timed[-1][-1] == (False, kernel == "onednn")
+    assert [again.linear_kernel(*s) for s in shapes] == ["addmm", "onednn" if both else kernel]
+
+
+@pytest.mark.parametrize(("timings", "expected"), [
+    ((1.0, 0.5, 0.9, 0.8, 0.3, 0.9, 0.9), (True, 512)),  # packed ran faster: the rows of the fastest block
+    ((1.0, 1.04, 0.9, 0.3, 0.9, 0.9, 0.9), (True, 256)),  # bf16's tie preference keeps oneDNN within 5%
+    ((1.0, 1.2), (False, DEFAULT_MLP_ROWS)),  # the lone choices ran faster: no rows measured
+])
+def test_an_mlp_is_timed_as_chosen_then_packed_then_per_block_rows(monkeypatch, timings, expected):
+    """measure_mlp runs the backend's MLP (each timing a real call), lone choices first, then both packed at the
+    default rows, then each of MLP_ROW_CHOICES; both linears already packed skip the first two."""
+    from qwenvl_vision.cpu.kernels import onednn_linear_available
+
+    if not onednn_linear_available():
+        pytest.skip("this torch has no oneDNN linear")
+    calls = iter(timings)
+    monkeypatch.setattr(machine, "best_seconds", lambda fn, repeats: (fn(), next(calls))[1])
+    assert machine.measure_mlp("gated", 64, 96, "silu", torch.bfloat16, (False, True)) == expected
+    assert next(calls, None) is None
+    calls = iter((0.9, 0.2, 0.9, 0.9, 0.9))
+    assert machine.measure_mlp("plain", 64, 96, "gelu_pytorch_tanh", torch.bfloat16, (True, True)) == (True, 256)
 
 
 @pytest.mark.parametrize("kernel", ["onednn", "addmm"])
@@ -246,7 +276,7 @@ def test_a_block_s_chunk_and_scratch_are_measured_on_the_plan_s_kernels_and_only
     path.write_text(json.dumps({**{k: v for k, v in stored.items() if k not in ("linear_chunk", "scratch")},
                                 "format": 2}))
     forget(monkeypatch)
-    for probe in ("measure_linear", "measure_attention", "measure_mlp_rows"):
+    for probe in ("measure_linear", "measure_attention", "measure_mlp"):
         monkeypatch.setattr(machine, probe, lambda *_, probe=probe, **__: pytest.fail(f"{probe} ran again"))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a format-2 file is read, not refused
@@ -287,8 +317,8 @@ def test_measuring_leaves_the_caller_s_random_state_alone(fresh, monkeypatch):
         pytest.skip("this torch has no oneDNN linear")
     monkeypatch.setattr(machine, "measure_linear", lambda *_, **__: "onednn")
     timed = []
-    real = machine.measure_mlp_rows
-    monkeypatch.setattr(machine, "measure_mlp_rows", lambda *a, **k: timed.append(a) or real(*a, **k))
+    real = machine.measure_mlp
+    monkeypatch.setattr(machine, "measure_mlp", lambda *a, **k: timed.append(a) or real(*a, **k))
     blocks = []
     real_block = machine.measure_block_sizes
     monkeypatch.setattr(machine, "measure_block_sizes", lambda *a, **k: blocks.append(a) or real_block(*a, **k))

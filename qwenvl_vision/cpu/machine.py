@@ -175,26 +175,43 @@ def attention_seconds(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: 
             best_seconds(lambda: gemm_attention(q, k, v, count, scale, out), repeats))
 
 
-def measure_mlp_rows(kind: str, dim: int, hidden: int, act: str, dtype: torch.dtype, repeats: int = 2) -> int:
-    """The rows per block at which the backend's MLP (both linears packed) ran fastest here, of MLP_ROW_CHOICES."""
-    generator = torch.Generator().manual_seed(0)  # never the caller's random state
+def probe_mlp(kind: str, dim: int, hidden: int, act: str, dtype: torch.dtype, packs: tuple[bool, bool],
+              generator: torch.Generator) -> nn.Module:
+    """An MLP of random weights of this shape, its (first, second) linears packed as ``packs`` says."""
     with torch.device("meta"):
         mlp = (GatedMLP if kind == "gated" else MLP)(dim, hidden, act)
     mlp = mlp.to_empty(device="cpu").requires_grad_(False)
-    for module in mlp.children():
-        if isinstance(module, nn.Linear):
-            weight = torch.randn(module.weight.shape, generator=generator) / module.in_features**0.5
-            module.weight = nn.Parameter(pack_weight(weight.to(dtype)), requires_grad=False)
-            module.bias = nn.Parameter(torch.zeros(module.out_features, dtype=dtype), requires_grad=False)
+    for module, pack in zip((c for c in mlp.children() if isinstance(c, nn.Linear)), packs, strict=True):
+        weight = (torch.randn(module.weight.shape, generator=generator) / module.in_features**0.5).to(dtype)
+        module.weight = nn.Parameter(pack_weight(weight) if pack else weight, requires_grad=False)
+        module.bias = nn.Parameter(torch.zeros(module.out_features, dtype=dtype), requires_grad=False)
+    return mlp
+
+
+def measure_mlp(kind: str, dim: int, hidden: int, act: str, dtype: torch.dtype, packs: tuple[bool, bool],
+                repeats: int = 2) -> tuple[bool, int]:
+    """(whether the MLP runs both linears packed, its rows per block of MLP_ROW_CHOICES) as it ran fastest here,
+    as the backend runs it. With ``packs`` (the lone linears' choices) not both packed, the MLP is timed that way
+    and with both packed: a packed first linear computes the activation in its epilogue and lets the MLP run by row
+    blocks, which a lone linear's timing does not see; both packed is taken by ONEDNN_FASTER_BY's preference."""
+    generator = torch.Generator().manual_seed(0)  # never the caller's random state
     x = torch.randn(MLP_PROBE_ROWS, dim, generator=generator).to(dtype)
     residual = torch.zeros_like(x)
     wide = max(3 * dim, hidden * (2 if kind == "gated" else 1))
     workspace = Workspace(MLP_PROBE_ROWS, dim, wide, dtype, "cpu")
-    seconds = {}
-    for rows in MLP_ROW_CHOICES:
-        run = CpuExecution(CpuPlan("probe", mlp={mlp_key(kind, dim, hidden, act, dtype): rows}), workspace)
-        seconds[rows] = best_seconds(lambda run=run: run.mlp(mlp, x, residual), repeats)
-    return min(seconds, key=seconds.get)
+    key = mlp_key(kind, dim, hidden, act, dtype)
+
+    def seconds(mlp: nn.Module, rows: int) -> float:
+        run = CpuExecution(CpuPlan("probe", mlp={key: rows}), workspace, DEFAULT_CHUNK_BYTES)
+        return best_seconds(lambda: run.mlp(mlp, x, residual), repeats)
+
+    both = probe_mlp(kind, dim, hidden, act, dtype, (True, True), generator)
+    if not all(packs):
+        chosen_s = seconds(probe_mlp(kind, dim, hidden, act, dtype, packs, generator), DEFAULT_MLP_ROWS)
+        if seconds(both, DEFAULT_MLP_ROWS) * ONEDNN_FASTER_BY[dtype_name(dtype)] >= chosen_s:
+            return False, DEFAULT_MLP_ROWS
+    timed = {rows: seconds(both, rows) for rows in MLP_ROW_CHOICES}
+    return True, min(timed, key=timed.get)
 
 
 def measure(needs: PlanNeeds, machine: str, known: CpuPlan | None = None) -> CpuPlan:
@@ -217,17 +234,21 @@ def measure(needs: PlanNeeds, machine: str, known: CpuPlan | None = None) -> Cpu
             kernels = CpuPlan(machine, linear).with_entries(known)
             mlp = {}
             for kind, dim, hidden, act, d in sorted(needs.mlp, key=str):
-                first = 2 * hidden if kind == "gated" else hidden
                 if dtype_name(d) not in DTYPES:
                     continue
-                both_packed = (kernels.linear_kernel(dim, first, d) == "onednn"
-                               and kernels.linear_kernel(hidden, dim, d) == "onednn")
+                shapes = ((dim, 2 * hidden if kind == "gated" else hidden, d), (hidden, dim, d))
+                packs = tuple(kernels.linear_kernel(*shape) == "onednn" for shape in shapes)
                 rows = DEFAULT_MLP_ROWS  # no row blocks without both linears packed
-                if both_packed:
-                    try:
-                        rows = measure_mlp_rows(kind, dim, hidden, act, d)
-                    except RuntimeError as e:  # a oneDNN kernel this CPU cannot run in this dtype
-                        warn(f"the {kind} MLP {dim}x{hidden} {dtype_name(d)} failed on oneDNN ({e}); {rows} rows")
+                try:
+                    both_packed, rows = measure_mlp(kind, dim, hidden, act, d, packs)
+                except RuntimeError as e:  # a oneDNN kernel this CPU cannot run in this dtype
+                    warn(f"the {kind} MLP {dim}x{hidden} {dtype_name(d)} failed on oneDNN ({e}); {rows} rows")
+                    both_packed = False
+                if both_packed and not all(packs):  # the whole MLP ran faster packed: so do its shapes, where no
+                    # process has run with a recorded choice for them yet
+                    linear.update({linear_key(*shape): "onednn" for shape in shapes
+                                   if linear_key(*shape) not in known.linear})
+                    kernels = CpuPlan(machine, linear).with_entries(known)
                 mlp[mlp_key(kind, dim, hidden, act, d)] = rows
             plan = CpuPlan(machine, linear, attention, mlp)
         chunks, scratch = {}, {}
