@@ -254,6 +254,8 @@ def test_a_block_s_chunk_and_scratch_are_measured_on_the_plan_s_kernels_and_only
                                  (96, 64, torch.float32)}), frozenset({(torch.float32, 2, 32)}),
                       frozenset({("plain", 64, 96, "gelu_pytorch_tanh", torch.float32)}), frozenset({block}))
     monkeypatch.setattr(machine, "measure_linear", lambda *_, **__: kernel)
+    # the MLP keeps its lone choices (timed whole it might pack them, which is another test's)
+    monkeypatch.setattr(machine, "measure_mlp", lambda *a, **__: (all(a[5]), DEFAULT_MLP_ROWS))
     timed, searched = [], []
     real, real_fastest = machine.measure_block_sizes, machine.fastest
     monkeypatch.setattr(machine, "measure_block_sizes",
