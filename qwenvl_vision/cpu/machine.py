@@ -216,8 +216,8 @@ def measure_mlp(kind: str, dim: int, hidden: int, act: str, dtype: torch.dtype, 
 
 def measure(needs: PlanNeeds, machine: str, known: CpuPlan | None = None) -> CpuPlan:
     """A plan of ``needs`` measured now, with ``known``'s choices where it has them (torch's kernels only where this
-    torch has no oneDNN linear). An MLP's block rows are measured where its two linears run packed, a block's chunk
-    and scratch sizes last, on the kernels chosen before."""
+    torch has no oneDNN linear). Each MLP is then timed whole (its shapes packed where that ran faster, its block
+    rows measured where both run packed), a block's chunk and scratch sizes last, on the kernels chosen before."""
     known = known or CpuPlan(machine)
     with torch.inference_mode(False), torch.no_grad():
         if not onednn_linear_available():
