@@ -2,13 +2,15 @@
 
     python -m bench.profile_tower --preset qwen2.5-vl-3b --inputs photos --dtype bf16
 
-One forward of each tower (same weights, same inputs) under ``torch.profiler``, after a warm-up forward. Every
-module's forward is wrapped in a ``record_function`` scope, so each aten op's self time is attributed to a
-category: GEMMs and SDPA kernels by name wherever they run (the CPU's GEMM attention path counts as attention);
-every other op by the innermost module around it
+One forward of each tower (same weights, same inputs) under ``torch.profiler``, after a warm-up forward. A tower
+that runs its modules (transformers', ours off the CPU backend) has every module's forward wrapped in a
+``record_function`` scope; ours on the CPU backend calls no module's forward (and a module hook would make it run
+the modules instead), so only its steps are scoped. Each aten op's self time is attributed to a category: GEMMs
+and SDPA kernels by name wherever they run (the CPU's GEMM attention path counts as attention); every other op by
+the innermost scope around it
 (norm modules -> norm; attention modules -> rope, q/k/v split and other attention glue; MLP modules ->
 activation and gate multiply; mergers; the block itself -> residual adds; the rest, e.g. the patch embedding's
-copies and the position embedding -> other). Our layers' fused steps (a linear's rows handed straight to the
+copies and the position embedding -> other). The CPU backend's steps (a linear's rows handed straight to the
 residual add, the activation or rope: ``FUSED_STEPS``) are scoped by what they do, not by the module around them.
 A packed plain MLP's activation runs inside oneDNN's GEMM where it can (``cpu.kernels.EPILOGUE_ACTIVATIONS``: Qwen3's
 GELU-tanh, not Qwen2-VL's quick-GELU) and then counts as GEMM: compare the towers' totals, not that row.
@@ -26,6 +28,7 @@ from bench.throughput import build_variants
 from bench.workloads import add_workload_arguments, workload
 from qwenvl_vision.cpu import forward
 from qwenvl_vision.cpu.forward import CpuExecution
+from qwenvl_vision.tower import VisionTower
 
 GEMM_OPS = {"aten::addmm", "aten::mm", "aten::bmm", "aten::baddbmm", "aten::mkldnn_convolution",
             "aten::_mkldnn_convolution", "aten::convolution_overrideable", "aten::_convolution",
@@ -110,15 +113,36 @@ def _scope_category(event) -> str | None:
     return None
 
 
-def profile_forward(model: torch.nn.Module, run) -> dict[str, float]:
-    """Self CPU seconds per category for one forward (``run()``)."""
-    handles = _scope_hooks(model)
+def runs_cpu_backend(model: torch.nn.Module, pixel_values: torch.Tensor) -> bool:
+    """Whether a forward of ``model`` on these inputs runs our CPU backend (which calls no module's forward)."""
+    if not isinstance(model, VisionTower):
+        return False
+    with torch.inference_mode():
+        return isinstance(model.execution(1, pixel_values), CpuExecution)
+
+
+def profile_forward(model: torch.nn.Module, run, pixel_values: torch.Tensor) -> dict[str, float]:
+    """Self CPU seconds per category for one forward (``run()``), and ``cpu_backend_blocks``: the block calls the
+    profiled forward ran on our CPU backend. Module hooks scope a forward that runs the modules (transformers',
+    ours on the reference path); the backend is scoped by its steps alone, since a module hook makes our tower
+    run the modules' forward instead (``VisionTower.execution``) and would profile the wrong path."""
+    handles = [] if runs_cpu_backend(model, pixel_values) else _scope_hooks(model)
+    blocks = 0
+    original_block = CpuExecution.block
+
+    def counted_block(*args, **kwargs):
+        nonlocal blocks
+        blocks += 1
+        return original_block(*args, **kwargs)
+
     try:
         with torch.inference_mode(), _scoped_fused_steps():
             run()  # warm-up, outside the profile
+            CpuExecution.block = counted_block
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                 run()
     finally:
+        CpuExecution.block = original_block
         for handle in handles:
             handle.remove()
     seconds: dict[str, float] = defaultdict(float)
@@ -134,6 +158,7 @@ def profile_forward(model: torch.nn.Module, run) -> dict[str, float]:
             category = scope or "other"
         seconds[category] += event.self_cpu_time_total / 1e6
     seconds["total"] = sum(seconds.values())
+    seconds["cpu_backend_blocks"] = blocks
     return dict(seconds)
 
 
@@ -158,7 +183,7 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(args.threads)
     cfg, pixel_values, grid_thw, _, dtype = workload(args)
     variants, _ = build_variants(cfg, torch.device("cpu"), dtype)
-    profiles = {name: profile_forward(v.model, lambda v=v: v.run(v.model, pixel_values, grid_thw))
+    profiles = {name: profile_forward(v.model, lambda v=v: v.run(v.model, pixel_values, grid_thw), pixel_values)
                 for name, v in variants.items()}
     print(f"{args.preset} depth {cfg.depth}, {args.inputs} ({int(grid_thw.prod(1).sum())} patches), {args.dtype}, "
           f"{torch.get_num_threads()} threads: self CPU time by category")
