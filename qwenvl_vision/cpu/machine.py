@@ -239,15 +239,17 @@ def measure(needs: PlanNeeds, machine: str, known: CpuPlan | None = None) -> Cpu
                 shapes = ((dim, 2 * hidden if kind == "gated" else hidden, d), (hidden, dim, d))
                 packs = tuple(kernels.linear_kernel(*shape) == "onednn" for shape in shapes)
                 rows = DEFAULT_MLP_ROWS  # no row blocks without both linears packed
-                try:
-                    both_packed, rows = measure_mlp(kind, dim, hidden, act, d, packs)
-                except RuntimeError as e:  # a oneDNN kernel this CPU cannot run in this dtype
-                    warn(f"the {kind} MLP {dim}x{hidden} {dtype_name(d)} failed on oneDNN ({e}); {rows} rows")
-                    both_packed = False
-                if both_packed and not all(packs):  # the whole MLP ran faster packed: so do its shapes, where no
-                    # process has run with a recorded choice for them yet
-                    linear.update({linear_key(*shape): "onednn" for shape in shapes
-                                   if linear_key(*shape) not in known.linear})
+                both_packed = False
+                # A shape recorded before keeps its kernel (a process ran with it): the MLP then runs its linears'
+                # choices as they are, never a mix of recorded and overridden kernels that was not timed whole.
+                recorded = any(linear_key(*shape) in known.linear for shape in shapes)
+                if all(packs) or not recorded:
+                    try:
+                        both_packed, rows = measure_mlp(kind, dim, hidden, act, d, packs)
+                    except RuntimeError as e:  # a oneDNN kernel this CPU cannot run in this dtype
+                        warn(f"the {kind} MLP {dim}x{hidden} {dtype_name(d)} failed on oneDNN ({e}); {rows} rows")
+                if both_packed and not all(packs):  # the whole MLP ran faster packed: so do its shapes
+                    linear.update({linear_key(*shape): "onednn" for shape in shapes})
                     kernels = CpuPlan(machine, linear).with_entries(known)
                 mlp[mlp_key(kind, dim, hidden, act, d)] = rows
             plan = CpuPlan(machine, linear, attention, mlp)
