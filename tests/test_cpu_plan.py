@@ -62,6 +62,16 @@ def test_a_plan_is_measured_once_per_machine_and_read_back_by_a_later_process(fr
     assert grown.linear["64x96:float32"] == first.linear["64x96:float32"]
 
 
+def test_a_plan_of_older_probes_is_not_reused(fresh, monkeypatch):
+    """Probes that choose differently (a new revision) measure the machine afresh, beside the older file."""
+    folder, calls = fresh
+    first = machine_plan(NEEDS)
+    forget(monkeypatch)
+    monkeypatch.setattr(machine, "PROBE_REVISION", machine.PROBE_REVISION + 1)
+    assert machine_plan(NEEDS).linear.keys() == first.linear.keys() and len(calls) == 2
+    assert len(list(folder.glob("*.json"))) == 2
+
+
 @pytest.mark.parametrize("content", ["{not json", '{"format": 1, "machine": "x"', json.dumps([1, 2]),
                                      "FOREIGN", "INVALID", "EXTRA", "NO-IDENTITY"],
                          ids=["corrupt", "truncated", "not-an-object", "foreign", "invalid-entry", "extra-field",
@@ -223,6 +233,7 @@ def test_an_mlp_is_timed_whole_and_its_shapes_run_packed_where_it_ran_faster_so(
 @pytest.mark.parametrize(("timings", "expected"), [
     ((1.0, 0.5, 0.9, 0.8, 0.3, 0.9, 0.9), (True, 512)),  # packed ran faster: the rows of the fastest block
     ((1.0, 1.04, 0.9, 0.3, 0.9, 0.9, 0.9), (True, 256)),  # bf16's tie preference keeps oneDNN within 5%
+    ((1.0, 0.5, 0.9, 0.87, 0.9, 0.9, 0.9), (True, DEFAULT_MLP_ROWS)),  # a near tie keeps the default rows
     ((1.0, 1.2), (False, DEFAULT_MLP_ROWS)),  # the lone choices ran faster: no rows measured
 ])
 def test_an_mlp_is_timed_as_chosen_then_packed_then_per_block_rows(monkeypatch, timings, expected):

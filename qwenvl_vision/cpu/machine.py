@@ -69,10 +69,14 @@ BLOCK_PROBE_SEGMENTS = (1024,)  # one frame of a photo's size: on the CPU each i
 # kernel stays unless oneDNN is 10% faster; in bf16 a packed weight also lets an MLP run by row blocks with its
 # activation in the GEMM's epilogue, so oneDNN stays unless addmm is 5% faster.
 ONEDNN_FASTER_BY = {"float32": 1.10, "bfloat16": 0.95}
-# Near the best, a block's chunk and scratch sizes time alike within noise (the scratch changes no bit; the chunk
-# may move a last fp32 bit, so a plan records it): a size other than the default is taken only where the block
-# ran this much faster with it.
+# Near the best, an MLP's block rows and a block's chunk and scratch sizes time alike within noise (the scratch
+# changes no bit; the rows and the chunk may move a last fp32 bit, so a plan records them): a size other than the
+# default is taken only where it ran this much faster.
 SIZE_FASTER_BY = 1.05
+# Raised whenever the probes would choose differently on the same machine (what they time, their margins): a cache
+# file of older probes is then another machine key, and its machine is measured afresh. A recorded run's plan is
+# not affected: it runs as recorded.
+PROBE_REVISION = 2
 
 
 def measure_linear(in_features: int, out_features: int, dtype: torch.dtype, repeats: int = 3) -> str:
@@ -190,8 +194,8 @@ def probe_mlp(kind: str, dim: int, hidden: int, act: str, dtype: torch.dtype, pa
 
 def measure_mlp(kind: str, dim: int, hidden: int, act: str, dtype: torch.dtype, packs: tuple[bool, bool],
                 repeats: int = 2) -> tuple[bool, int]:
-    """(whether the MLP runs both linears packed, its rows per block of MLP_ROW_CHOICES) as it ran fastest here,
-    as the backend runs it. With ``packs`` (the lone linears' choices) not both packed, the MLP is timed that way
+    """(whether the MLP runs both linears packed, its rows per block of MLP_ROW_CHOICES: DEFAULT_MLP_ROWS unless
+    another ran SIZE_FASTER_BY faster) as it ran fastest here, as the backend runs it. With ``packs`` (the lone linears' choices) not both packed, the MLP is timed that way
     and with both packed: a packed first linear computes the activation in its epilogue and lets the MLP run by row
     blocks, which a lone linear's timing does not see; both packed is taken by ONEDNN_FASTER_BY's preference."""
     generator = torch.Generator().manual_seed(0)  # never the caller's random state
@@ -210,8 +214,7 @@ def measure_mlp(kind: str, dim: int, hidden: int, act: str, dtype: torch.dtype, 
         chosen_s = seconds(probe_mlp(kind, dim, hidden, act, dtype, packs, generator), DEFAULT_MLP_ROWS)
         if seconds(both, DEFAULT_MLP_ROWS) * ONEDNN_FASTER_BY[dtype_name(dtype)] >= chosen_s:
             return False, DEFAULT_MLP_ROWS
-    timed = {rows: seconds(both, rows) for rows in MLP_ROW_CHOICES}
-    return True, min(timed, key=timed.get)
+    return True, fastest({rows: seconds(both, rows) for rows in MLP_ROW_CHOICES}, DEFAULT_MLP_ROWS)
 
 
 def measure(needs: PlanNeeds, machine: str, known: CpuPlan | None = None) -> CpuPlan:
@@ -270,7 +273,8 @@ def measure(needs: PlanNeeds, machine: str, known: CpuPlan | None = None) -> Cpu
 
 
 def machine_identity() -> dict:
-    """What a plan's measurements depend on: the CPU (model name and ISA flags), torch, its threads, oneDNN."""
+    """What a plan's measurements depend on: the CPU (model name and ISA flags), torch, its threads, oneDNN, and
+    the probes' revision."""
     name, flags = "", ""
     with contextlib.suppress(OSError):
         with open("/proc/cpuinfo") as f:  # the first processor's lines describe the CPU: later ones repeat them
@@ -283,7 +287,7 @@ def machine_identity() -> dict:
                     flags = " ".join(sorted(value.split()))
     return {"cpu": name or platform.processor() or platform.machine(), "arch": platform.machine(),
             "isa_sha256": hashlib.sha256(flags.encode()).hexdigest()[:16], "torch": torch.__version__,
-            "threads": torch.get_num_threads(), "onednn": onednn_linear_available()}
+            "threads": torch.get_num_threads(), "onednn": onednn_linear_available(), "probes": PROBE_REVISION}
 
 
 def machine_key(identity: dict) -> str:
