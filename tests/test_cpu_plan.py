@@ -243,12 +243,27 @@ def test_an_mlp_is_timed_as_chosen_then_packed_then_per_block_rows(monkeypatch, 
 
     if not onednn_linear_available():
         pytest.skip("this torch has no oneDNN linear")
-    calls = iter(timings)
+    calls, ran = iter(timings), []
     monkeypatch.setattr(machine, "best_seconds", lambda fn, repeats: (fn(), next(calls))[1])
+    real_mlp = machine.CpuExecution.mlp
+
+    def spied_mlp(self, mlp, x, residual):  # the linears' kernels of each timed MLP, as it ran
+        ran.append(tuple(m.weight.is_mkldnn for m in mlp.children() if isinstance(m, torch.nn.Linear)))
+        return real_mlp(self, mlp, x, residual)
+
+    monkeypatch.setattr(machine.CpuExecution, "mlp", spied_mlp)
     assert machine.measure_mlp("gated", 64, 96, "silu", torch.bfloat16, (False, True)) == expected
     assert next(calls, None) is None
+    assert ran == [(False, True)] + [(True, True)] * (len(timings) - 1)  # as told first, then both packed
     calls = iter((0.9, 0.2, 0.9, 0.9, 0.9))
     assert machine.measure_mlp("plain", 64, 96, "gelu_pytorch_tanh", torch.bfloat16, (True, True)) == (True, 256)
+    # fp32 keeps the lone choices unless both packed ran 10% faster (oneDNN rounds differently from addmm)
+    calls = iter((1.0, 0.95))
+    assert machine.measure_mlp("plain", 64, 96, "gelu_pytorch_tanh", torch.float32, (False, False)) == (
+        False, DEFAULT_MLP_ROWS)
+    calls = iter((1.0, 0.85, 0.9, 0.9, 0.9, 0.9, 0.9))
+    assert machine.measure_mlp("plain", 64, 96, "gelu_pytorch_tanh", torch.float32, (False, False)) == (
+        True, DEFAULT_MLP_ROWS)
 
 
 @pytest.mark.parametrize("kernel", ["onednn", "addmm"])

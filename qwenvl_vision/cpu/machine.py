@@ -65,9 +65,10 @@ MLP_ROW_CHOICES = (128, 256, 512, 1024, 2048)  # the search space of an MLP's bl
 CHUNK_CHOICES = (1 << 20, 2 << 20, 4 << 20, 8 << 20)
 SCRATCH_CHOICES = (1 << 17, 1 << 18, 1 << 19, 1 << 20, 1 << 21)
 BLOCK_PROBE_SEGMENTS = (1024,)  # one frame of a photo's size: on the CPU each item runs as its own forward
-# Preferences on a near tie, not fits to a machine: in fp32 oneDNN rounds differently from addmm, so the reference's
-# kernel stays unless oneDNN is 10% faster; in bf16 a packed weight also lets an MLP run by row blocks with its
-# activation in the GEMM's epilogue, so oneDNN stays unless addmm is 5% faster.
+# Preferences on a near tie, not fits to a machine, for a lone linear and for a whole MLP against its linears' lone
+# choices: in fp32 oneDNN rounds differently from addmm, so the reference's kernel stays unless oneDNN is 10%
+# faster; in bf16 the two agree within bf16 rounding and a packed linear's rows are consumed in chunks while in
+# cache (rope, the activation, the residual add), so oneDNN stays unless addmm is 5% faster.
 ONEDNN_FASTER_BY = {"float32": 1.10, "bfloat16": 0.95}
 # Near the best, an MLP's block rows and a block's chunk and scratch sizes time alike within noise (the scratch
 # changes no bit; the rows and the chunk may move a last fp32 bit, so a plan records them): a size other than the
