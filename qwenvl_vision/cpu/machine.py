@@ -196,9 +196,10 @@ def probe_mlp(kind: str, dim: int, hidden: int, act: str, dtype: torch.dtype, pa
 def measure_mlp(kind: str, dim: int, hidden: int, act: str, dtype: torch.dtype, packs: tuple[bool, bool],
                 repeats: int = 2) -> tuple[bool, int]:
     """(whether the MLP runs both linears packed, its rows per block of MLP_ROW_CHOICES: DEFAULT_MLP_ROWS unless
-    another ran SIZE_FASTER_BY faster) as it ran fastest here, as the backend runs it. With ``packs`` (the lone linears' choices) not both packed, the MLP is timed that way
-    and with both packed: a packed first linear computes the activation in its epilogue and lets the MLP run by row
-    blocks, which a lone linear's timing does not see; both packed is taken by ONEDNN_FASTER_BY's preference."""
+    another ran SIZE_FASTER_BY faster) as it ran fastest here, as the backend runs it. With ``packs`` (the lone
+    linears' choices) not both packed, the MLP is timed that way and with both packed: a packed first linear computes
+    the activation in its epilogue and lets the MLP run by row blocks, which a lone linear's timing does not see;
+    both packed is taken by ONEDNN_FASTER_BY's preference."""
     generator = torch.Generator().manual_seed(0)  # never the caller's random state
     x = torch.randn(MLP_PROBE_ROWS, dim, generator=generator).to(dtype)
     residual = torch.zeros_like(x)
