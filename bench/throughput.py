@@ -31,11 +31,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import platform
 import statistics
 import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,6 +42,7 @@ from pathlib import Path
 import torch
 
 from bench.gemm_bound import gemm_bound, print_rates
+from bench.load import proc_status_bytes, start_rss_window
 from qwenvl_vision import preset
 from qwenvl_vision.config import VisionConfig
 from qwenvl_vision.random_init import random_tower
@@ -149,36 +148,24 @@ def build_variants(cfg: VisionConfig, device: torch.device, dtype: torch.dtype, 
     return {**built, **variants}, skipped
 
 
-class RssSampler:
-    """Resident-set high-water mark during a block, sampled every 5 ms (CPU peak memory)."""
-
-    def __init__(self) -> None:
-        self.peak = 0
-        self._stop = threading.Event()
-
-    @staticmethod
-    def rss() -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+class PeakRss:
+    """The resident set's high-water mark over a block, above its start (CPU peak memory): Linux's ``VmHWM``, reset
+    on entry to the current RSS (``bench.load.start_rss_window``). Nothing runs beside the timed forward: a thread
+    sampling the RSS every few milliseconds took a core from a 2-core machine's workers often enough to slow our
+    forward by ~12%. Off Linux the peak is not known (``peak`` None)."""
 
     def __enter__(self):
-        self.base = self.rss()
-        self.peak = self.base
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-        self._thread.start()
+        self.base, method = start_rss_window()
+        self.resets = method == "VmHWM (reset after imports)"
+        self.peak = None
         return self
 
-    def _loop(self) -> None:
-        while not self._stop.wait(0.005):
-            self.peak = max(self.peak, self.rss())
-
     def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self.rss())
+        high = proc_status_bytes("VmHWM") if self.resets else None
+        self.peak = None if high is None else max(0, high - self.base)
 
 
-def timed(fn, model, pixel_values, grid_thw, device: torch.device) -> tuple[float, int, torch.Tensor]:
+def timed(fn, model, pixel_values, grid_thw, device: torch.device) -> tuple[float, int | None, torch.Tensor]:
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -188,17 +175,17 @@ def timed(fn, model, pixel_values, grid_thw, device: torch.device) -> tuple[floa
             out = fn(model, pixel_values, grid_thw)
         torch.cuda.synchronize()
         return time.perf_counter() - start, torch.cuda.max_memory_allocated() - base, out
-    with RssSampler() as sampler, torch.inference_mode():
+    with PeakRss() as memory, torch.inference_mode():
         start = time.perf_counter()
         out = fn(model, pixel_values, grid_thw)
         elapsed = time.perf_counter() - start
-    return elapsed, sampler.peak - sampler.base, out
+    return elapsed, memory.peak, out
 
 
 @dataclass
 class Timings:
     times: dict[str, list[float]]  # the timed repeats
-    peaks: dict[str, int]
+    peaks: dict[str, int | None]  # None where the machine cannot tell
     first: dict[str, float]  # the first call (a compiled variant compiles here)
     outputs: dict[str, torch.Tensor]  # the last output of each
 
@@ -232,7 +219,8 @@ def measure(variants: dict[str, Variant], pixel_values: torch.Tensor, grid_thw: 
             result.first.setdefault(name, elapsed)
             if r >= warmup:
                 result.times[name].append(elapsed)
-                result.peaks[name] = max(result.peaks[name], peak)
+                result.peaks[name] = None if peak is None or result.peaks[name] is None else max(
+                    result.peaks[name], peak)
         if r >= warmup and each_round is not None:
             each_round()
     return result
@@ -441,7 +429,7 @@ def print_table(result: dict) -> None:
     print(header)
     for name, v in result["variants"].items():
         line = (f"{name:30s} {v['median_s']:9.3f} {v['items_per_s']:8.2f} {v['patches_per_s']:10.0f} "
-                f"{v['peak_bytes'] / 2**20:9.0f}")
+                + (f"{'n/a':>9s}" if v["peak_bytes"] is None else f"{v['peak_bytes'] / 2**20:9.0f}"))
         if rated:
             line += f" {v['tflops']:8.1f} {v['fraction_of_peak']:8.1%} {v['fraction_of_matmul']:9.1%}"
         print(line)

@@ -42,3 +42,28 @@ def test_throughput_reports_the_fraction_of_the_bound(capsys):
     assert len(rounds) == 2 and result["gemm_bound"]["bound_s"] == pytest.approx(sum(rounds) / 2, abs=1e-3)
     assert 0 < result["variants"]["ours"]["fraction_of_bound"]
     assert "GEMM bound" in capsys.readouterr().out
+
+
+def test_a_timed_forward_runs_alone_and_its_peak_is_the_rss_high_water_mark():
+    """No thread samples memory beside a timed CPU forward (one slowed a 2-core machine's forward); the peak is
+    Linux's reset high-water mark, which sees a transient the block freed before it ended."""
+    import threading
+
+    import torch
+
+    from bench.load import start_rss_window
+
+    threads = []
+
+    def forward(model, pixel_values, grid_thw):
+        threads.append(threading.active_count())
+        transient = torch.ones(16 << 20)  # 64 MiB, mapped afresh (above glibc's largest mmap threshold), then freed
+        return transient.sum()
+
+    before = threading.active_count()
+    elapsed, peak, out = throughput.timed(forward, None, None, None, torch.device("cpu"))
+    assert threads == [before] and elapsed > 0 and out.item() == 16 << 20
+    if start_rss_window()[1] != "VmHWM (reset after imports)":
+        assert peak is None  # no resettable high-water mark here: unknown, never a wrong number
+    else:
+        assert peak >= 60 << 20
