@@ -214,6 +214,9 @@ def proc_status_bytes(field: str) -> int | None:
     return None
 
 
+RESET_HIGH_WATER_MARK = "VmHWM (reset after imports)"  # start_rss_window's method where the peak was reset
+
+
 def start_rss_window() -> tuple[int, str]:
     """Baseline RSS now, with the peak counter reset to it where the OS allows; returns (bytes, method).
 
@@ -228,7 +231,7 @@ def start_rss_window() -> tuple[int, str]:
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
-        return proc_status_bytes("VmRSS"), "VmHWM (reset after imports)"
+        return proc_status_bytes("VmRSS"), RESET_HIGH_WATER_MARK
     except OSError:
         return current, "VmHWM"
 

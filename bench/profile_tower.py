@@ -4,10 +4,10 @@
 
 One forward of each tower (same weights, same inputs) under ``torch.profiler``, after a warm-up forward. A tower
 that runs its modules (transformers', ours off the CPU backend) has every module's forward wrapped in a
-``record_function`` scope; ours on the CPU backend calls no module's forward (and a module hook would make it run
-the modules instead), so only its steps are scoped. Each aten op's self time is attributed to a category: GEMMs
-and SDPA kernels by name wherever they run (the CPU's GEMM attention path counts as attention); every other op by
-the innermost scope around it
+``record_function`` scope; ours on the CPU backend runs its blocks without their modules' forward (and a module hook
+would make it run the modules instead), so its steps are scoped instead. Each aten op's self time is attributed to a
+category: GEMMs and SDPA kernels by name wherever they run (the CPU's GEMM attention path counts as attention);
+every other op by the innermost scope around it
 (norm modules -> norm; attention modules -> rope, q/k/v split and other attention glue; MLP modules ->
 activation and gate multiply; mergers; the block itself -> residual adds; the rest, e.g. the patch embedding's
 copies and the position embedding -> other). The CPU backend's steps (a linear's rows handed straight to the
@@ -72,10 +72,11 @@ def _scope_hooks(model: torch.nn.Module) -> list:
     return handles
 
 
-# The CPU backend's steps (it calls no module's forward), each scoped as the category of its non-GEMM ops; the
+# The CPU backend's steps (it runs no block's modules), each scoped as the category of its non-GEMM ops; the
 # innermost scope wins, so a packed linear's rows consumed inside a step (rope, the activation, the residual add)
 # count there. The CPU's GEMM attention path is attention, GEMMs included.
-FUSED_STEPS = {(CpuExecution, "norm"): "norm", (CpuExecution, "rotated_qkv"): "rope & attention glue",
+FUSED_STEPS = {(CpuExecution, "norm"): "norm", (CpuExecution, "attention"): "rope & attention glue",
+               (CpuExecution, "rotated_qkv"): "rope & attention glue",
                (CpuExecution, "add_linear_"): "residual (block)", (CpuExecution, "gated"): "activation & gate",
                (CpuExecution, "activated"): "activation & gate", (CpuExecution, "hidden_block"): "activation & gate",
                (CpuExecution, "merger"): "merger other", (forward, "gemm_attention"): "attention"}
@@ -114,14 +115,14 @@ def _scope_category(event) -> str | None:
 
 
 def runs_cpu_backend(model: torch.nn.Module, pixel_values: torch.Tensor) -> bool:
-    """Whether a forward of ``model`` on these inputs runs our CPU backend (which calls no module's forward)."""
+    """Whether a forward of ``model`` on these inputs runs our CPU backend (its blocks without their modules)."""
     if not isinstance(model, VisionTower):
         return False
     with torch.inference_mode():
         return isinstance(model.execution(1, pixel_values), CpuExecution)
 
 
-def profile_forward(model: torch.nn.Module, run, pixel_values: torch.Tensor) -> dict[str, float]:
+def profile_forward(model: torch.nn.Module, run, pixel_values: torch.Tensor) -> dict[str, float | int]:
     """Self CPU seconds per category for one forward (``run()``), and ``cpu_backend_blocks``: the block calls the
     profiled forward ran on our CPU backend. Module hooks scope a forward that runs the modules (transformers',
     ours on the reference path); the backend is scoped by its steps alone, since a module hook makes our tower

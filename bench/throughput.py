@@ -11,16 +11,16 @@ see identical pixel_values and grid_thw. "1024-patch" is 16 images of 32x32 patc
 the tower for slow CPUs; every 8th block stays full-attention for Qwen2.5, DeepStack indexes below the
 depth are kept for Qwen3 — the per-layer mix is unchanged).
 
-Variants: ``ours`` (eager), ``ours-compiled`` (``--compile``: ``compile_blocks``, compiled during warm-up)
-and transformers' tower once per ``--attn`` implementation: the first is the reference ``transformers``,
-the others ``transformers-<attn>`` (one that cannot run here, e.g. flash_attention_2 without flash-attn,
-is skipped with the reason). Each repeat times every variant back to back (order alternating), after
-``--warmup`` untimed runs; the median is reported. "patches" are the tower's input tokens. Peak memory:
-on CUDA ``max_memory_allocated`` above the weights; on CPU the resident-set high-water mark above the
-pre-run RSS, sampled by a thread every 5 ms. On CUDA it also prints achieved TFLOP/s (analytic FLOP count
-of the linears and attention), its fraction of the GPU's dense bf16 peak (datasheet value for the GPUs in
-``DENSE_BF16_PEAK_TFLOPS``, else the matmul rate measured in the same run, as ``peak_source`` says) and
-of the bf16 matmul rate measured in the same run.
+Variants: ``ours`` (eager), ``ours-compiled`` (``--compile``: ``compile_blocks``, compiled during warm-up) and
+transformers' tower once per ``--attn`` implementation: the first is the reference ``transformers``, the others
+``transformers-<attn>`` (one that cannot run here, e.g. flash_attention_2 without flash-attn, is skipped with the
+reason). Each repeat times every variant back to back (order alternating), after ``--warmup`` untimed runs; the
+median is reported. "patches" are the tower's input tokens. Peak memory: on CUDA ``max_memory_allocated`` above the
+weights; on CPU Linux's resident-set high-water mark (VmHWM, reset before each timed forward) above the RSS then;
+unknown (null) where it cannot be reset. On CUDA it also prints achieved TFLOP/s (analytic FLOP count of the linears
+and attention), its fraction of the GPU's dense bf16 peak (datasheet value for the GPUs in
+``DENSE_BF16_PEAK_TFLOPS``, else the matmul rate measured in the same run, as ``peak_source`` says) and of the bf16
+matmul rate measured in the same run.
 
 ``bench.cuda_check`` imports these pieces (``build_variants``, ``measure``, ``summarize``, ``peak_rate``; the
 input sets are ``qwenvl_vision.testing.workloads.INPUT_SETS``) to time several input sets on one set of models.
@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 from bench.gemm_bound import gemm_bound, print_rates
-from bench.load import proc_status_bytes, start_rss_window
+from bench.load import RESET_HIGH_WATER_MARK, proc_status_bytes, start_rss_window
 from qwenvl_vision import preset
 from qwenvl_vision.config import VisionConfig
 from qwenvl_vision.random_init import random_tower
@@ -156,7 +156,7 @@ class PeakRss:
 
     def __enter__(self):
         self.base, method = start_rss_window()
-        self.resets = method == "VmHWM (reset after imports)"
+        self.resets = method == RESET_HIGH_WATER_MARK
         self.peak = None
         return self
 

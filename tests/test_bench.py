@@ -51,7 +51,7 @@ def test_a_timed_forward_runs_alone_and_its_peak_is_the_rss_high_water_mark():
 
     import torch
 
-    from bench.load import start_rss_window
+    from bench.load import RESET_HIGH_WATER_MARK, start_rss_window
 
     threads = []
 
@@ -63,7 +63,7 @@ def test_a_timed_forward_runs_alone_and_its_peak_is_the_rss_high_water_mark():
     before = threading.active_count()
     elapsed, peak, out = throughput.timed(forward, None, None, None, torch.device("cpu"))
     assert threads == [before] and elapsed > 0 and out.item() == 16 << 20
-    if start_rss_window()[1] != "VmHWM (reset after imports)":
+    if start_rss_window()[1] != RESET_HIGH_WATER_MARK:
         assert peak is None  # no resettable high-water mark here: unknown, never a wrong number
     else:
         assert peak >= 60 << 20

@@ -220,18 +220,24 @@ def test_an_mlp_is_timed_whole_and_its_shapes_run_packed_where_it_ran_faster_so(
     both = kernel == "onednn" or whole_mlp_packed
     assert plan.mlp == {"gated:64x96:silu:bfloat16": 256 if both else DEFAULT_MLP_ROWS}
     assert [plan.linear_kernel(*s) for s in shapes] == ["onednn" if both else "addmm"] * 2
-    # A shape recorded before (a process ran with it) keeps its kernel, and so does the other: the MLP is not timed
-    # whole, since only a mix of kernels nobody timed together could follow.
-    recorded = CpuPlan("m", {"64x192:bfloat16": "addmm"})
+    # A shape recorded before (a process ran with it) keeps its kernel. Recorded as addmm, the other keeps its own
+    # too: the MLP is not timed whole, since only a mix of kernels nobody timed together could follow.
     missing = PlanNeeds(frozenset(shapes[1:]), frozenset(), needs.mlp)
+    recorded = CpuPlan("m", {"64x192:bfloat16": "addmm"})
     again = machine.measure(missing, "m", recorded).with_entries(recorded)
     assert len(timed) == 1
     assert [again.linear_kernel(*s) for s in shapes] == ["addmm", kernel]
     assert again.mlp == {"gated:64x96:silu:bfloat16": DEFAULT_MLP_ROWS}
+    # Recorded as oneDNN, the MLP is timed with it, and both packed (what it timed) may follow.
+    recorded = CpuPlan("m", {"64x192:bfloat16": "onednn"})
+    again = machine.measure(missing, "m", recorded).with_entries(recorded)
+    assert timed[-1] == ("gated", 64, 96, "silu", torch.bfloat16, (True, kernel == "onednn"))
+    assert [again.linear_kernel(*s) for s in shapes] == ["onednn", "onednn" if both else "addmm"]
+    assert again.mlp == {"gated:64x96:silu:bfloat16": 256 if both else DEFAULT_MLP_ROWS}
 
 
 @pytest.mark.parametrize(("timings", "expected"), [
-    ((1.0, 0.5, 0.9, 0.8, 0.3, 0.9, 0.9), (True, 512)),  # packed ran faster: the rows of the fastest block
+    ((1.0, 0.5, 0.9, 0.8, 0.9, 0.3, 0.9), (True, 1024)),  # packed ran faster: the rows of the fastest block
     ((1.0, 1.04, 0.9, 0.3, 0.9, 0.9, 0.9), (True, 256)),  # bf16's tie preference keeps oneDNN within 5%
     ((1.0, 0.5, 0.9, 0.87, 0.9, 0.9, 0.9), (True, DEFAULT_MLP_ROWS)),  # a near tie keeps the default rows
     ((1.0, 1.2), (False, DEFAULT_MLP_ROWS)),  # the lone choices ran faster: no rows measured

@@ -1,13 +1,13 @@
 """This machine's CPU plan: measured on it once, kept in the user's cache folder, reused by every later process.
 
-A plan is keyed by the machine (CPU model, ISA flags, architecture, torch version, torch threads, oneDNN) and
-stored as ``{key}.json`` under ``$QWENVL_VISION_CACHE/cpu-plans`` (default ``$XDG_CACHE_HOME/qwenvl-vision`` or
-``~/.cache/qwenvl-vision``). Every later process on that machine reuses it, so two processes choose the same
-kernels and give the same bits. The file is only an optimisation: one that is corrupt, truncated, foreign (another
-machine's key) or invalid is reported in one warning and measured again; two processes tuning at once take turns on
-a lock file (the second reads what the first measured); a folder that cannot be written still works, its plan
-measured for the process alone. Entries are added as towers need them (``machine_plan``); an entry once recorded is
-never measured again.
+A plan is keyed by the machine (CPU model, ISA flags, architecture, torch version, torch threads, oneDNN) and the
+probes' revision, and stored as ``{key}.json`` under ``$QWENVL_VISION_CACHE/cpu-plans`` (default
+``$XDG_CACHE_HOME/qwenvl-vision`` or ``~/.cache/qwenvl-vision``). Every later process on that machine reuses it, so
+two processes choose the same kernels and give the same bits. The file is only an optimisation: one that is corrupt,
+truncated, foreign (another machine's key) or invalid is reported in one warning and measured again; two processes
+tuning at once take turns on a lock file (the second reads what the first measured); a folder that cannot be written
+still works, its plan measured for the process alone. Entries are added as towers need them (``machine_plan``); an
+entry once recorded is never measured again.
 
 Each measurement times the kernels as the backend calls them, on random operands of the shape (the rate depends on
 the shape, not on the values).
@@ -222,7 +222,8 @@ def measure_mlp(kind: str, dim: int, hidden: int, act: str, dtype: torch.dtype, 
 def measure(needs: PlanNeeds, machine: str, known: CpuPlan | None = None) -> CpuPlan:
     """A plan of ``needs`` measured now, with ``known``'s choices where it has them (torch's kernels only where this
     torch has no oneDNN linear). Each MLP is then timed whole (its shapes packed where that ran faster, its block
-    rows measured where both run packed), a block's chunk and scratch sizes last, on the kernels chosen before."""
+    rows measured where both run packed; not where a shape of it was recorded as addmm, which it keeps), a block's
+    chunk and scratch sizes last, on the kernels chosen before."""
     known = known or CpuPlan(machine)
     with torch.inference_mode(False), torch.no_grad():
         if not onednn_linear_available():
@@ -245,10 +246,10 @@ def measure(needs: PlanNeeds, machine: str, known: CpuPlan | None = None) -> Cpu
                 packs = tuple(kernels.linear_kernel(*shape) == "onednn" for shape in shapes)
                 rows = DEFAULT_MLP_ROWS  # no row blocks without both linears packed
                 both_packed = False
-                # A shape recorded before keeps its kernel (a process ran with it): the MLP then runs its linears'
-                # choices as they are, never a mix of recorded and overridden kernels that was not timed whole.
-                recorded = any(linear_key(*shape) in known.linear for shape in shapes)
-                if all(packs) or not recorded:
+                # A shape recorded before keeps its kernel (a process ran with it). One recorded as addmm keeps
+                # the MLP's linears as they are: packing the other would make a mix that was never timed whole.
+                kept_unpacked = any(known.linear.get(linear_key(*shape)) == "addmm" for shape in shapes)
+                if all(packs) or not kept_unpacked:
                     try:
                         both_packed, rows = measure_mlp(kind, dim, hidden, act, d, packs)
                     except RuntimeError as e:  # a oneDNN kernel this CPU cannot run in this dtype
