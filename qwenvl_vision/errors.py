@@ -62,6 +62,27 @@ class OutputFaultError(EmbedError):
     exit_code = 3
 
 
+class OutputLinkError(OutputFaultError):
+    """A symbolic link where this package writes a file of its own (a lock, a temporary file, a config it
+    writes): refused and left as it is, never written through. Exit 3, like any fault of the output folder."""
+
+
+class ForwardFaultError(QwenVLVisionError, RuntimeError):
+    """A forward failed for the machine's reasons, not an input's (a kernel's RuntimeError, or out of memory on a
+    batch that then also failed item by item for another reason). The message names the batch's inputs; the
+    original error is its ``__cause__``. ``embed`` stops with exit 4; what is recorded is kept, ``--resume``
+    goes on."""
+
+    exit_code = 4
+
+
+class InternalError(QwenVLVisionError, RuntimeError):
+    """An error the package did not expect (a bug): the CLI says so in one line, ``--debug`` shows the
+    traceback."""
+
+    exit_code = 5
+
+
 class ClusterSetupError(EmbedError):
     """``--engine ray``: the actors could not start (another checkpoint on a node, a model folder it lacks): it
     would fail again the same way. Exit 2, though run.json (and maybe shards) are written: once fixed,
@@ -79,5 +100,6 @@ class PeerFailedError(EmbedError):
 
 
 def exit_code_of(error: BaseException) -> int:
-    """2 for usage and setup errors; an error may carry its own (embed: 3 for an output fault)."""
+    """2 for usage and setup errors; an error may carry its own (embed: 3 for an output fault, 4 for a forward
+    that failed for the machine's reasons)."""
     return getattr(error, "exit_code", 2)
