@@ -195,7 +195,7 @@ def _one_line(error: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .errors import QwenVLVisionError, exit_code_of
+    from .errors import InternalError, QwenVLVisionError, exit_code_of
 
     try:
         args = build_parser().parse_args(argv)
@@ -224,6 +224,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"qwenvl-vision {args.command}: interrupted" + ("; what is recorded is kept, --resume continues"
                                                              if args.command == "embed" else ""), file=sys.stderr)
         return 130
+    except Exception as e:  # noqa: BLE001 - a bug still ends in one line; --debug shows the traceback
+        if args.debug:
+            traceback.print_exc()
+        print(f"qwenvl-vision {args.command}: error: internal error, {type(e).__name__}: {_one_line(e)[:500]} "
+              f"(a bug: run again with --debug for the traceback and report it)", file=sys.stderr)
+        return InternalError.exit_code
 
 
 if __name__ == "__main__":

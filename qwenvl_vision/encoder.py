@@ -36,7 +36,15 @@ from .batching import DEFAULT_DECODE_BYTES, EncodeOptions, Prepared, batch_patch
 from .config import VisionConfig, resolve_config
 from .cpu.plan import CpuPlan
 from .devices import resolve_device, resolve_dtype
-from .errors import ConfigError, EncoderClosedError, InputError, NumericalError, PreprocessError, QwenVLVisionError
+from .errors import (
+    ConfigError,
+    EncoderClosedError,
+    ForwardFaultError,
+    InputError,
+    NumericalError,
+    PreprocessError,
+    QwenVLVisionError,
+)
 from .hub import resolve_folder
 from .item_ids import config_sha256, is_sha256, weights_sha256
 from .item_ids import pixels_sha256 as item_pixels_sha256
@@ -257,7 +265,22 @@ class VisionEncoder:
         ``pixels_sha256``: the items' ``item_ids.pixels_sha256`` where the caller has them (the batch job hashes
         each input on its decode thread); else CPU rows are hashed here, and rows on another device are not (the
         hash is a host computation: pass it, or ``to_vllm_cache`` refuses the result).
+
+        Outputs that are not finite (in any dtype: float16 overflows in the Qwen2.5-VL tower; absurd weights or a
+        config overflow in any) raise ``NumericalError`` naming the items.
         """
+        result = self._encode_unchecked(pixel_values, grid_thw, pooled=pooled, modality=modality,
+                                        pixels_sha256=pixels_sha256)
+        bad = nonfinite_items(result)
+        if bad:
+            raise NumericalError(nonfinite_message(f"item{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))}",
+                                                   self.dtype))
+        return result
+
+    def _encode_unchecked(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor | Sequence, *,
+                          pooled: bool = False, modality: str = "image",
+                          pixels_sha256: Sequence[str] | None = None) -> EncodeResult:
+        """``encode_patches`` without its finiteness check (a batch job checks each item on its own)."""
         if not isinstance(pixel_values, torch.Tensor):
             raise InputError(f"pixel_values must be a torch.Tensor, got {type(pixel_values).__name__}")
         if modality not in ("image", "video"):
@@ -270,7 +293,6 @@ class VisionEncoder:
                 merged, levels = model(pixel_values, grids)
         finally:
             self._end_forward()
-        self._check_finite(merged, levels)
         if pixels_sha256 is None and pixel_values.device.type == "cpu":
             pixels_sha256 = [item_pixels_sha256(rows) for rows in pixel_values.split([t * h * w for t, h, w in grids])]
         elif pixels_sha256 is None:
@@ -286,14 +308,6 @@ class VisionEncoder:
         return EncodeResult(embeddings, torch.tensor(grids, dtype=torch.int64), deepstack, pooled_out,
                             video_info=[None] * len(grids), modality=modality, family=self.family,
                             pixels_sha256=list(pixels_sha256), encoder=weakref.ref(self))
-
-    def _check_finite(self, merged: torch.Tensor, levels: list[torch.Tensor]) -> None:
-        if merged.dtype != torch.float16:
-            return
-        for name, t in [("merged tokens", merged)] + [(f"DeepStack level {i}", x) for i, x in enumerate(levels)]:
-            if not torch.isfinite(t).all():
-                raise NumericalError(f"{name} contain inf/nan in float16 (the tower overflowed); "
-                                     f"use bfloat16 or float32")
 
     def iter_encode(self, items: Iterable[Any], *, video: bool | None = False, min_pixels: int | None = None,
                     max_pixels: int | None = None, max_batch_patches: int | None = None, pooled: bool = False,
@@ -353,22 +367,48 @@ class VisionEncoder:
         """One forward over a batch's inputs; the failed inputs beside it become error results."""
         results = [ItemResult(p.index, p.name, error=p.error) for p in failed]
         if batch:
-            pixel_values = torch.cat([p.pixel_values for p in batch]).to(self.device, non_blocking=True)
-            try:
-                out = self.encode_patches(pixel_values, [p.grid for p in batch], pooled=pooled,
-                                          pixels_sha256=[p.pixels_sha256 for p in batch])
-            except NumericalError as e:  # the batch is lost, the stream goes on (embed records each input)
-                results += [ItemResult(p.index, p.name, error=f"{p.name}: {e}", error_class=NumericalError)
-                            for p in batch]
-                return sorted(results, key=lambda r: r.index)
-            for i, p in enumerate(batch):
-                results.append(ItemResult(
-                    p.index, p.name, embedding=out.embeddings[i], grid_thw=p.grid,
-                    deepstack=out.deepstack[i],
-                    pooled=out.pooled[i] if out.pooled is not None else None, video_info=p.video_info,
-                    pixels_sha256=out.pixels_sha256[i],
-                ))
+            results += self._forward_batch(batch, pooled)
         return sorted(results, key=lambda r: r.index)
+
+    def _forward_batch(self, batch: list[Prepared], pooled: bool) -> list[ItemResult]:
+        """A batch's results. Out of memory: the batch again item by item, and an item that alone runs out of
+        memory is a failed input (what it needs is the input's size). Any other failure of the forward is the
+        machine's (a kernel's error), not an input's: ``ForwardFaultError`` naming the batch's inputs. An item whose
+        outputs are not finite is a failed input; the others of its batch are unaffected (attention never crosses
+        items)."""
+        try:
+            pixel_values = torch.cat([p.pixel_values for p in batch]).to(self.device, non_blocking=True)
+            out = self._encode_unchecked(pixel_values, [p.grid for p in batch], pooled=pooled,
+                                         pixels_sha256=[p.pixels_sha256 for p in batch])
+        except (RuntimeError, MemoryError) as e:
+            if isinstance(e, QwenVLVisionError):
+                raise
+            if not is_out_of_memory(e):
+                raise ForwardFaultError(f"the forward of {describe_batch(batch)} failed: {type(e).__name__}: "
+                                        f"{first_line(e)}") from e
+            out = None
+        if out is None:  # out of memory; outside the except block, so the failed forward's frames are freed
+            release_cached_memory(self.device)
+            if len(batch) == 1:
+                p = batch[0]
+                return [ItemResult(p.index, p.name, error=f"{p.name}: out of memory encoding it alone ({p.patches:,} "
+                                   f"patches on {self.device}): lower its size (max_pixels, --max-pixels)",
+                                   error_class=ForwardFaultError)]
+            return [r for p in batch for r in self._forward_batch([p], pooled)]
+        bad = set(nonfinite_items(out))
+        results = []
+        for i, p in enumerate(batch):
+            if i in bad:
+                results.append(ItemResult(p.index, p.name, error=nonfinite_message(p.name, self.dtype),
+                                          error_class=NumericalError))
+                continue
+            results.append(ItemResult(
+                p.index, p.name, embedding=out.embeddings[i], grid_thw=p.grid,
+                deepstack=out.deepstack[i],
+                pooled=out.pooled[i] if out.pooled is not None else None, video_info=p.video_info,
+                pixels_sha256=out.pixels_sha256[i],
+            ))
+        return results
 
     def _encode_all(self, items: Sequence[Any], options: EncodeOptions) -> EncodeResult:
         """Every input encoded, or the first bad one raised: refused before any compute when preflight sees it."""
@@ -526,6 +566,54 @@ def load_encoder(
     pre = _preprocess_config(preprocess_config, checkpoint.preprocessor_json(), checkpoint.config)
     video = _video_config(video_config, checkpoint.video_preprocessor_json(), checkpoint.config, pre)
     return VisionEncoder(model, pre, source=os.fspath(source), video_config=video)
+
+
+def nonfinite_items(result: EncodeResult) -> list[int]:
+    """Indices of the items whose embedding, DeepStack levels or pooled vector hold inf or nan (one host sync)."""
+    if not result.embeddings:
+        return []
+    finite = torch.stack([torch.isfinite(e).all() for e in result.embeddings])
+    for i, levels in enumerate(result.deepstack):
+        for level in levels:
+            finite[i] &= torch.isfinite(level).all()
+    if result.pooled is not None:
+        finite &= torch.isfinite(result.pooled).all(dim=-1)
+    return (~finite).nonzero().flatten().tolist()
+
+
+def nonfinite_message(what: str, dtype: torch.dtype) -> str:
+    """The one line for outputs with inf/nan: float16 overflows in the tower; in another dtype the weights or the
+    config are at fault."""
+    if dtype == torch.float16:
+        return f"{what}: the tower's outputs contain inf/nan in float16 (the tower overflowed); use bfloat16 or float32"
+    return (f"{what}: the tower's outputs contain inf/nan in {str(dtype).removeprefix('torch.')}: the checkpoint's "
+            f"weights or config values overflow; check them (qwenvl-vision inspect shows the config)")
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Out of memory, on any device: torch's own error, Python's, or an allocator's RuntimeError that says so."""
+    if isinstance(error, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    text = str(error).lower()
+    return any(s in text for s in ("out of memory", "can't allocate memory", "not enough memory"))
+
+
+def release_cached_memory(device: torch.device) -> None:
+    """Give the caching allocator's free blocks back before retrying smaller (CUDA keeps them otherwise)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def first_line(error: BaseException, limit: int = 300) -> str:
+    """The first line of an error's message, at most ``limit`` characters (torch's messages run long)."""
+    text = (str(error).strip().splitlines() or [""])[0]
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def describe_batch(batch: list[Prepared], shown: int = 3) -> str:
+    """'a batch of 3 inputs (a.jpg, b.jpg, c.jpg)', the first few named."""
+    names = ", ".join(p.name for p in batch[:shown]) + (f" and {len(batch) - shown} more" if len(batch) > shown else "")
+    return f"a batch of {len(batch)} input{'s' if len(batch) != 1 else ''} ({names})"
 
 
 def _placed(model: VisionTower, compile: bool | dict, cpu_kernels: str | CpuPlan) -> VisionTower:

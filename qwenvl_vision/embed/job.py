@@ -20,8 +20,11 @@ lock and passed the checks before anything is written, and after a barrier rank 
 
 Exit codes: 0 every input embedded; 1 the run finished and some inputs failed (see the manifest); 2 usage or
 setup error, nothing written; 3 the run stopped on an I/O fault writing the output, nothing recorded is lost
-and ``--resume`` finishes it. Under torchrun a finished run exits 0 on every rank even when some inputs
-failed (the summary line says how many): torchrun treats any other exit as a crash and kills the other ranks.
+and ``--resume`` finishes it; 4 the run stopped because a forward failed for the machine's reasons (a kernel's
+error; out of memory is first retried item by item, and an input that alone runs out of memory is a failed
+input), nothing recorded is lost and ``--resume`` goes on. Under torchrun a finished run exits 0 on every rank
+even when some inputs failed (the summary line says how many): torchrun treats any other exit as a crash and
+kills the other ranks.
 """
 
 from __future__ import annotations
@@ -38,7 +41,14 @@ from typing import Any
 
 import torch
 
-from ..errors import EmbedError, OutputFaultError, PeerFailedError, QwenVLVisionError, exit_code_of
+from ..errors import (
+    EmbedError,
+    ForwardFaultError,
+    OutputFaultError,
+    PeerFailedError,
+    QwenVLVisionError,
+    exit_code_of,
+)
 from ..item_ids import IDENTITY_FIELDS
 from ..records import EmbeddingRecord, record_from_result
 from ..vllm_cache import check_cache_folder, claim_cache_folder
@@ -441,6 +451,11 @@ def run_embed(args: argparse.Namespace) -> int:
             job.encode(writer)
         except OSError as e:
             error = output_fault(e, job.out, writer.recorded)
+        except ForwardFaultError as e:  # the machine's fault, not an input's: stop, keep what is recorded
+            error = ForwardFaultError(f"{e}; this process recorded {writer.recorded} inputs before it, nothing "
+                                      f"recorded is lost: fix the cause (memory, device, drivers) and run the same "
+                                      f"command with --resume")
+            error.__cause__ = e.__cause__
         group.agree(error)  # every rank finished writing its part
         if rank == 0 and world > 1 and job.layout is None:  # Parquet shards are their own manifest: no merge
             try:

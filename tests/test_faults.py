@@ -1,0 +1,247 @@
+"""The fault-injection tier: ``qwenvl-vision embed`` in child processes with faults at its seams (a forward that
+fails at batch k, out of memory, a full disk at some byte, SIGKILL at random instants in each output format, a
+damaged manifest), then ``--resume``; every input must end up recorded exactly once with the very tensor a
+clean run stores. The forward's faults are injected by tests/fault_driver.py; the disk and the kills are real."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from qwenvl_vision import NumericalError, load_encoder
+from qwenvl_vision.cli import main
+from qwenvl_vision.embed import read_embeddings, read_manifest_lines
+from tests.embed_helpers import ENV, embed_cmd, one_error_line, parquet_rows
+from tests.helpers import QWEN2_5_SMALL, make_image_folder, write_checkpoint
+
+IMAGES = 8
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("fault-images")
+    make_image_folder(folder, IMAGES, bad=False)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def clean_out(images, checkpoint, tmp_path_factory) -> Path:
+    """A run without faults (one input a batch, as the faulty runs)."""
+    out = tmp_path_factory.mktemp("fault-clean") / "out"
+    done = run(embed_cmd([images], checkpoint, out, "--batch-patches", "1", "--device", "cpu"))
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+@pytest.fixture(scope="module")
+def clean(clean_out) -> dict[str, torch.Tensor]:
+    """What a run without faults stores, by file name."""
+    return stored(clean_out)
+
+
+def run(cmd: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+def with_fault(spec: dict, cmd: list[str]) -> list[str]:
+    """``cmd`` (an ``embed_cmd``) run by the fault driver with ``spec`` injected."""
+    assert cmd[1:3] == ["-m", "qwenvl_vision.cli"]
+    return [sys.executable, "-m", "tests.fault_driver", json.dumps(spec), *cmd[3:]]
+
+
+def stored(out: Path) -> dict[str, torch.Tensor]:
+    """Every stored embedding of a run, by file name; an input stored twice fails here."""
+    result: dict[str, torch.Tensor] = {}
+    for path, tensor in read_embeddings(out):
+        name = Path(path).name
+        assert name not in result, f"{name} is stored twice"
+        result[name] = tensor
+    return result
+
+
+def statuses(out: Path) -> dict[str, list[str]]:
+    """Each input's recorded statuses (a list: exactly-once means one each), from the manifest or Parquet rows."""
+    rows = parquet_rows(out) if list(out.glob("shard-r*.parquet")) else read_manifest_lines(out / "manifest.jsonl")
+    found: dict[str, list[str]] = {}
+    for r in rows:
+        found.setdefault(Path(r["path"]).name, []).append(r["status"])
+    return found
+
+
+def assert_exactly_once(out: Path, clean: dict[str, torch.Tensor]) -> None:
+    """Every input recorded once, ok, with the clean run's very tensor; no temporary file left."""
+    assert {name: ["ok"] for name in clean} == statuses(out)
+    got = stored(out)
+    assert got.keys() == clean.keys()
+    for name, tensor in clean.items():
+        assert torch.equal(got[name], tensor), name
+    assert not [p for p in out.rglob("*.tmp")]
+
+
+def test_a_kernel_error_at_batch_k_stops_with_exit_4_naming_the_batch_then_resume_finishes(
+        tmp_path, images, checkpoint, clean):
+    out = tmp_path / "out"
+    cmd = embed_cmd([images], checkpoint, out, "--batch-patches", "1", "--device", "cpu")
+    failed = run(with_fault({"fail_at": 3, "error": "runtime"}, cmd))
+    assert failed.returncode == 4, failed.stderr
+    line = one_error_line(failed.stderr, "the forward of a batch of 1 input", "RuntimeError",
+                          "injected: a kernel failed", "recorded 3 inputs", "--resume")
+    assert line.startswith("qwenvl-vision embed: error: ")
+    assert [s for v in statuses(out).values() for s in v] == ["ok"] * 3  # the three before it, kept
+    resumed = run([*cmd, "--resume"])
+    assert resumed.returncode == 0, resumed.stderr
+    assert_exactly_once(out, clean)
+
+
+def test_out_of_memory_on_a_batch_retries_it_item_by_item(tmp_path, images, checkpoint, clean):
+    out = tmp_path / "out"
+    # One batch holds every input; the machine cannot hold more than one at a time.
+    done = run(with_fault({"oom_above_items": 1}, embed_cmd([images], checkpoint, out, "--device", "cpu")))
+    assert done.returncode == 0, done.stderr
+    assert_exactly_once(out, clean)  # an item's bits do not depend on its pack
+
+
+def test_an_input_that_alone_runs_out_of_memory_is_a_failed_input_and_the_run_goes_on(
+        tmp_path, images, checkpoint, clean):
+    out = tmp_path / "out"
+    done = run(with_fault({"oom_item": "img003"}, embed_cmd([images], checkpoint, out, "--device", "cpu")))
+    assert done.returncode == 1, done.stderr
+    records = {Path(r["path"]).name: r for r in read_manifest_lines(out / "manifest.jsonl")}
+    bad = records.pop("img003.png")
+    assert bad["status"] == "error" and "out of memory encoding it alone" in bad["error"], bad
+    assert "--max-pixels" in bad["error"]
+    assert all(r["status"] == "ok" for r in records.values())
+    got = stored(out)
+    assert got.keys() == clean.keys() - {"img003.png"}
+    assert all(torch.equal(got[name], clean[name]) for name in got)
+
+
+def test_an_error_the_package_did_not_expect_is_one_line_exit_5(tmp_path, images, checkpoint):
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-c", "import sys; from qwenvl_vision import encoder; from qwenvl_vision.cli import main; "
+           "encoder.VisionEncoder._forward_batch = lambda *a: {}['no such key']; sys.exit(main(sys.argv[1:]))",
+           *embed_cmd([images], checkpoint, out, "--device", "cpu")[3:]]
+    done = run(cmd)
+    assert done.returncode == 5, done.stderr
+    one_error_line(done.stderr, "internal error, KeyError", "--debug")
+    debug = run([*cmd, "--resume", "--debug"])
+    assert debug.returncode == 5 and "Traceback" in debug.stderr
+
+
+@pytest.mark.parametrize("file_format", ["safetensors", "parquet", "vllm-cache"])
+def test_sigkill_at_random_instants_then_resume_records_each_input_once(
+        tmp_path, images, checkpoint, clean, file_format):
+    out = tmp_path / "out"
+    cmd = embed_cmd([images], checkpoint, out, "--batch-patches", "1", "--device", "cpu", "--format", file_format)
+    rng = random.Random(f"{file_format}-kills")
+    kills = 0
+    for _ in range(2):
+        proc = subprocess.Popen([*cmd, "--resume"], env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        # Once its first record is on disk the run is writing; then anywhere in the next fraction of a second.
+        deadline = time.time() + 120
+        while proc.poll() is None and time.time() < deadline and not any(out.glob("shard-r*")) and \
+                not (out / "manifest.jsonl").exists():
+            time.sleep(0.005)
+        time.sleep(rng.uniform(0.0, 0.6))
+        if proc.poll() is None:
+            proc.kill()
+            kills += 1
+        proc.wait()
+    resumed = run([*cmd, "--resume"])
+    assert resumed.returncode == 0, resumed.stderr
+    assert kills >= 1, "no run was killed: the runs finished before any instant was reached"
+    assert_exactly_once(out, clean)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "torn last line", "garbage line"])
+def test_a_damaged_manifest_then_resume_records_each_input_once(tmp_path, images, checkpoint, clean, damage):
+    out = tmp_path / "out"
+    cmd = embed_cmd([images], checkpoint, out, "--batch-patches", "1", "--device", "cpu")
+    assert run(cmd).returncode == 0
+    manifest = out / "manifest.jsonl"
+    text = manifest.read_bytes()
+    lines = text.splitlines(keepends=True)
+    if damage == "truncated":
+        manifest.write_bytes(text[: len(text) // 3])
+    elif damage == "torn last line":
+        manifest.write_bytes(b"".join(lines[:-1]) + lines[-1][:10])
+    else:
+        manifest.write_bytes(b"".join(lines[:2]) + b"\x00garbage{\n" + b"".join(lines[2:]))
+    resumed = run([*cmd, "--resume"])
+    assert resumed.returncode == 0, resumed.stderr
+    assert_exactly_once(out, clean)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real file system (a 4 MiB tmpfs) and ``fill(free)``, which leaves only ``free`` bytes of it free, and
+    ``make_room()``, which frees them again."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if shutil.which("mount") is None:
+        pytest.skip("no mount command: a full disk cannot be made here")
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)], capture_output=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root and mount rights): {made.stderr.decode().strip()}")
+    filler = mount / "filler"
+
+    def fill(free: int) -> None:
+        stats = os.statvfs(mount)
+        filler.write_bytes(b"\0" * (stats.f_bavail * stats.f_frsize - free))
+
+    try:
+        yield mount, fill, lambda: filler.unlink()
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+def test_a_full_disk_stops_with_exit_3_and_resume_finishes_once_there_is_room(
+        small_disk, images, checkpoint, clean, clean_out):
+    mount, fill, make_room = small_disk
+    out = mount / "out"
+    cmd = embed_cmd([images], checkpoint, out, "--batch-patches", "1", "--device", "cpu")
+    files = [p for p in clean_out.rglob("*") if p.is_file()]
+    fill(sum(-(-p.stat().st_size // 4096) * 4096 for p in files) // 2)  # room for about half the run (pages)
+    full = run(cmd)
+    assert full.returncode == 3, full.stderr
+    one_error_line(full.stderr, "No space left on device", "--resume")
+    done_before = [s for v in statuses(out).values() for s in v]
+    assert 0 < len(done_before) < IMAGES, done_before  # the disk filled up mid-run
+    make_room()
+    resumed = run([*cmd, "--resume"])
+    assert resumed.returncode == 0, resumed.stderr
+    assert_exactly_once(out, clean)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_outputs_that_are_not_finite_are_never_stored_as_ok_in_any_dtype(tmp_path, images, dtype, capsys):
+    """A checkpoint whose finite weights overflow the forward (the merger's last weight near float32's largest):
+    the API raises NumericalError, and embed records every input as failed with that one line (exit 1) instead of
+    storing inf/nan embeddings as ok."""
+    folder = tmp_path / "ckpt"
+    write_checkpoint(folder, QWEN2_5_SMALL, sharded=False)
+    tensors = load_file(folder / "model.safetensors")
+    weight = next(name for name in tensors if name.endswith("merger.mlp.2.weight"))
+    tensors[weight] = torch.full_like(tensors[weight], 3e38)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    with load_encoder(str(folder), device="cpu", dtype=torch_dtype) as encoder:
+        with pytest.raises(NumericalError, match=f"inf/nan in {str(torch_dtype).removeprefix('torch.')}"):
+            encoder.encode_images(sorted(images.rglob("*.jpg"))[:2])
+    out = tmp_path / "out"
+    assert main(["embed", str(images), "--model", str(folder), "--out", str(out), "--dtype", dtype,
+                 "--device", "cpu", "--quiet"]) == 1
+    records = read_manifest_lines(out / "manifest.jsonl")
+    assert len(records) == IMAGES and all(r["status"] == "error" for r in records)
+    assert all("the tower's outputs contain inf/nan" in r["error"] for r in records)
+    assert list(read_embeddings(out)) == []
