@@ -14,8 +14,12 @@ keyword arguments, vLLM uses the uuid as the item's ``mm_hash``. ``vllm_request`
 The folder, as written here (``write_vllm_cache``, and ``embed --format vllm-cache``):
 
 - ``{id}/encoder_cache.safetensors`` per item, ``id`` = ``item_ids.item_id`` (64 hex digits: the model's identity,
-  the modality, the grid and the pixels' hash). Each file is written whole under a temporary name and renamed
-  into place; an id already there is that item (same model, same pixels) and is not written again.
+  the modality, the grid and the pixels' hash). Each file is written whole under a temporary name (created
+  exclusively, never through a link) and renamed into place; its metadata names its id (``ITEM_KEY``). A file
+  already at an id's name counts as that item only if it reads as the item must be (``item_problem``: a strict
+  safetensors header, the one tensor ``"ec_cache"`` of the item's shape and dtype, its recorded id); any other
+  (a crashed or foreign writer's) is replaced atomically. A link at an item's name or folder is an
+  ``OutputLinkError``, left as it is.
 - ``qwenvl_vision_cache.json``: the identity of the model whose items the folder holds. A folder with another
   model's identity, or with items and no identity (written by something else), is refused before anything is
   written (``CacheFolderError``): a consumer would load those items for this model's prompts.
@@ -40,14 +44,15 @@ from typing import Any
 import torch
 from safetensors.torch import save
 
-from .durable import fsync_dir, replace_atomically
-from .errors import CacheFolderError, InputError
+from .durable import create_new, fsync_dir, open_no_follow, refuse_link, replace_atomically
+from .errors import CacheFolderError, CheckpointError, InputError
 from .handoff import MODALITIES, VllmItem, vllm_items
 from .item_ids import IDENTITY_FIELDS, is_sha256, item_id
 
 CACHE_FILE = "encoder_cache.safetensors"
 CACHE_KEY = "ec_cache"
 IDENTITY_FILE = "qwenvl_vision_cache.json"
+ITEM_KEY = "qwenvl_vision_item"  # an item file's metadata: its id
 ITEM_FILE = re.compile(rf"([0-9a-f]{{64}})/{re.escape(CACHE_FILE)}")  # an item's file in the folder (fullmatch)
 
 
@@ -88,7 +93,7 @@ def claim_cache_folder(folder: str | os.PathLike, identity: dict[str, str], tag:
     tmp = folder / f"{IDENTITY_FILE}.{tag}.tmp"
     text = json.dumps({k: identity[k] for k in IDENTITY_FIELDS}, indent=2) + "\n"
     try:
-        with open(tmp, "wb") as f:
+        with create_new(tmp) as f:
             f.write(text.encode())
             f.flush()
             os.fsync(f.fileno())
@@ -117,7 +122,7 @@ NO_HARD_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS, err
 
 def _create_exclusively(path: Path, text: str) -> None:
     """``path`` created only if absent (FileExistsError otherwise), written and fsynced."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    fd = open_no_follow(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(text.encode())
@@ -128,16 +133,48 @@ def _create_exclusively(path: Path, text: str) -> None:
         raise
 
 
-def write_item(folder: Path, item: str, rows: torch.Tensor, tag: str) -> None:
-    """``folder/item/encoder_cache.safetensors`` holding ``rows`` as ``"ec_cache"``, whole or not at all; an item
-    already there is kept (its id says it holds these rows). ``tag`` names the temporary file."""
+def item_problem(path: Path, item: str, rows: torch.Tensor) -> str:
+    """Why the file at ``path`` is not item ``item`` holding rows like ``rows`` ('' when it is): its header read as
+    strictly as safetensors' own reader does (``safetensors_checks``), exactly the one tensor ``"ec_cache"`` of
+    ``rows``' shape and dtype, and the id in its metadata, where it records one."""
+    from safetensors import safe_open
+
+    from .safetensors_checks import SAFETENSORS_DTYPES, read_header
+
+    try:
+        header, _ = read_header(path)
+    except CheckpointError as e:
+        return str(e)
+    if list(header) != [CACHE_KEY]:
+        return f"it holds the tensors {sorted(header)!r}, not exactly {CACHE_KEY!r}"
+    entry = header[CACHE_KEY]
+    if entry["shape"] != list(rows.shape) or SAFETENSORS_DTYPES.get(entry["dtype"]) != rows.dtype:
+        return f"{CACHE_KEY} is {entry['dtype']} x {entry['shape']}, this item is {rows.dtype} x {list(rows.shape)}"
+    try:
+        with safe_open(path, framework="pt") as f:
+            recorded = (f.metadata() or {}).get(ITEM_KEY)
+    except Exception as e:  # noqa: BLE001 - safetensors' own error type
+        return f"unreadable ({e})"
+    if recorded is not None and recorded != item:
+        return f"its metadata names the item {recorded[:80]!r}"
+    return ""
+
+
+def write_item(folder: Path, item: str, rows: torch.Tensor, tag: str, metadata: dict[str, str] | None = None) -> bool:
+    """``folder/item/encoder_cache.safetensors`` holding ``rows`` as ``"ec_cache"``, whole or not at all, its id and
+    ``metadata`` in its metadata. An item already there is kept if it is valid (``item_problem``: its id says it
+    holds these rows), else replaced. ``tag`` names the temporary file. Whether it was written."""
     target = folder / item / CACHE_FILE
-    if target.is_file():
-        return
+    refuse_link(target.parent)  # a folder linked elsewhere would take the item (and its temporary file) there
+    refuse_link(target)
+    rows = rows.detach().contiguous().cpu()
+    if target.exists() and not item_problem(target, item, rows):
+        return False
     target.parent.mkdir(exist_ok=True)
-    data = save({CACHE_KEY: rows.detach().contiguous().cpu()}, metadata={"format": "pt"})
+    data = save({CACHE_KEY: rows}, metadata={"format": "pt", **(metadata or {}), ITEM_KEY: item})
     replace_atomically(target, target.parent / f"{CACHE_FILE}.{tag}.tmp", lambda f: f.write(data))
     fsync_dir(folder)
+    return True
 
 
 def cache_item(folder: Path, identity: dict[str, str], item: VllmItem, pixels: str | None, tag: str) -> dict[str, Any]:

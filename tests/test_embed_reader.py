@@ -16,7 +16,8 @@ from tests.embed_helpers import ENV, assert_each_input_once, one_error_line, rec
 from tests.helpers import make_image_folder as make_folder
 
 
-def test_hand_edited_manifest_gets_a_named_error_and_resume_redoes_the_line(tmp_path, checkpoint, capsys):
+def test_hand_edited_manifest_gets_a_named_error_and_resume_restores_the_line_from_its_shard(tmp_path, checkpoint,
+                                                                                             capsys):
     make_folder(tmp_path / "imgs", 4, bad=False)
     out = tmp_path / "out"
     args = ["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(out)]
@@ -33,12 +34,14 @@ def test_hand_edited_manifest_gets_a_named_error_and_resume_redoes_the_line(tmp_
         list(read_embeddings(out))
     with pytest.raises(ManifestError, match=r"line 2"):
         read_manifest_lines(out / MANIFEST)
+    shards = sorted(p.name for p in out.glob("*.safetensors"))
     capsys.readouterr()
     assert main([*args, "--resume"]) == 0
     one_error_line(capsys.readouterr().err, "embedded 4 of 4 inputs")
     recs = assert_each_input_once(out, 4)
-    redone = {r["path"]: r["shard"] for r in recs}
-    assert redone[edited["path"]] != json.loads(lines[0])["shard"]  # its input was embedded again
+    restored = {r["path"]: r["shard"] for r in recs}
+    assert restored[edited["path"]] == json.loads(lines[0])["shard"]  # its record came back from its shard
+    assert sorted(p.name for p in out.glob("*.safetensors")) == shards  # nothing embedded again
 
 
 def test_a_shard_name_that_leaves_the_folder_is_refused(tmp_path, checkpoint):

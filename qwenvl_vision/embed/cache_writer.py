@@ -5,21 +5,25 @@ The same run as ``--format safetensors`` (``writer.RankWriter``: lock, run.json,
 with one file per item instead of shards: an ok record's ``shard`` is its item's file (``{id}/
 encoder_cache.safetensors``), its ``key`` ``"ec_cache"``, and it carries what a request needs (``vllm_cache.entry``:
 id, modality, grid, tokens, a video's timing) and ``levels``, the DeepStack levels in the rows. An item's file is
-renamed into place before its record is appended; an item written and not recorded (a kill between the two) is a
-complete item of this model, which its input's redo finds in place.
+renamed into place before its record is appended, and carries that record in its metadata (with the run id), as a
+shard does: an item written and not recorded (a kill between the two), or whose line a damaged manifest lost, is
+rolled forward by ``recover``. An input whose pixels match an item already in place records that item without
+writing it again: if its manifest line is lost, its input is redone (the item is found in place).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 
-from ..errors import QwenVLVisionError
+from ..errors import OutputFaultError, QwenVLVisionError
 from ..handoff import EncodedItems, vllm_items
-from ..item_ids import IDENTITY_FIELDS
+from ..item_ids import IDENTITY_FIELDS, is_sha256, item_id
 from ..records import EmbeddingRecord
-from ..vllm_cache import CACHE_FILE, CACHE_KEY, IDENTITY_FILE, cache_item
+from ..vllm_cache import CACHE_FILE, CACHE_KEY, IDENTITY_FILE, entry, write_item
+from .manifest import RECORDS_KEY, RUN_KEY
 from .writer import RankWriter
 
 
@@ -37,6 +41,11 @@ class CacheRankWriter(RankWriter):
         names = super().temporary_files() + [f"*/{CACHE_FILE}.{self.tag}.tmp"]
         return names + ([f"{IDENTITY_FILE}.{self.run_id}.tmp"] if self.rank == 0 else [])
 
+    def stored_files(self) -> list[Path]:
+        """Every item file of the folder (recovery keeps those whose metadata is this run's and this rank's)."""
+        return sorted(p / CACHE_FILE for p in self.out.iterdir()
+                      if is_sha256(p.name) and not p.is_symlink() and (p / CACHE_FILE).is_file())
+
     def write_records(self, records: list[EmbeddingRecord]) -> tuple[int, int]:
         """Each success's item file (renamed into place), then the batch's manifest lines."""
         lines = []
@@ -45,8 +54,10 @@ class CacheRankWriter(RankWriter):
             record = self.base_record(r)
             if r.ok:
                 try:
-                    record.update(self._write(r))
+                    record = self._write(r, record)
                     ok += 1
+                except OutputFaultError:
+                    raise  # the folder's fault (a planted link), not the item's: the run stops, exit 3
                 except QwenVLVisionError as e:  # an item vLLM could not take: recorded, the run goes on
                     record.update(status="error", error=f"{r.path}: {e}")
                     failed += 1
@@ -56,13 +67,16 @@ class CacheRankWriter(RankWriter):
         self.finish_batch(lines, failed)
         return ok, failed
 
-    def _write(self, r: EmbeddingRecord) -> dict:
+    def _write(self, r: EmbeddingRecord, base: dict) -> dict:
         """One item's file, in the run's dtype (Ray's rows come as float32: exact, they were made in it); its
-        record's fields."""
+        record (``base`` and the item's fields), which the file also carries."""
         modality = "image" if r.video is None else "video"
         levels = [level.to(self.dtype) for level in r.deepstack]
         (item,) = vllm_items(EncodedItems([r.embedding.to(self.dtype)], [r.grid_thw], [levels], modality, self.family,
                                           [r.video]))
-        cached = cache_item(self.out, self.identity, item, r.pixels_sha256, self.tag)
-        return {**cached, "shard": f"{cached['id']}/{CACHE_FILE}", "key": CACHE_KEY, "levels": len(levels)}
+        name = item_id(self.identity, item.modality, item.grid_thw, r.pixels_sha256)
+        record = {**base, **entry(name, item), "shard": f"{name}/{CACHE_FILE}", "key": CACHE_KEY,
+                  "levels": len(levels)}
+        write_item(self.out, name, item.rows, self.tag, {RUN_KEY: self.run_id, RECORDS_KEY: json.dumps([record])})
+        return record
 

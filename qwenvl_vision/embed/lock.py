@@ -4,7 +4,8 @@ it exits.
 Rank 0 locks ``OUT/embed.lock``, rank r > 0 of a torchrun job ``OUT/embed.rank{r}.lock``. The kernel drops the
 lock when the process dies, so SIGKILL leaves no stale lock. Another process on the same folder, fresh or
 ``--resume``, gets no lock and stops at once. The lock file is removed on exit; taking a lock checks that the
-file still is the one on disk, so that removal cannot let two processes in.
+file still is the one on disk, so that removal cannot let two processes in. The lock file is opened without
+following links: a link planted at its name is an ``OutputLinkError`` naming it, and what it points to is untouched.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import os
 import socket
 from pathlib import Path
 
+from ..durable import open_no_follow
 from ..errors import OutputInUseError
 
 
@@ -36,7 +38,7 @@ class FolderLock:
 
     def acquire(self) -> None:
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fd = open_no_follow(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -46,7 +48,7 @@ class FolderLock:
                                        f"{f' ({holder})' if holder else ''}; wait for it to finish, "
                                        f"or choose another --out") from None
             try:
-                same = os.path.samestat(os.fstat(fd), os.stat(self.path))
+                same = os.path.samestat(os.fstat(fd), os.lstat(self.path))
             except FileNotFoundError:
                 same = False
             if same:

@@ -45,6 +45,13 @@ RUN_COMPARED = ("format", "config_sha256", "weights_sha256", "dtype", "min_pixel
 RUN_FIELD_DEFAULTS = {"resize": "pil", "video": None, "file_format": "safetensors", "engine": "local",
                       "threads": None, "cpu_plan": None}
 SHARD_NAME = re.compile(r"^shard-r(\d+)-(\d+)\.safetensors$")
+# A run id is part of file names and glob patterns (temporary files, shard metadata): a plain token only.
+RUN_ID = re.compile(r"[0-9A-Za-z_-]{1,64}")
+# Shard metadata: the run that wrote a shard (or encoder-cache item), and its items' manifest records (a JSON list),
+# from which a resume restores what a damaged manifest lost.
+RUN_KEY = "qwenvl_vision_run"
+RECORDS_KEY = "qwenvl_vision_records"
+TENSOR_KEY = re.compile(r"\d{1,12}")  # an item's tensor in a shard, as RankWriter names them
 PARQUET_SHARD_NAME = re.compile(r"^shard-r(\d+)-(\d+)\.parquet$")
 
 
@@ -90,13 +97,18 @@ def parse_manifest(path: Path) -> list[ManifestLine]:
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             parsed.append(ManifestLine(number, None, f"not a JSON line ({e})"))
             continue
-        problem = _record_problem(record)
+        problem = record_problem(record)
         parsed.append(ManifestLine(number, None if problem else record, problem))
     return parsed
 
 
-def _record_problem(record: Any) -> str:
-    """Why a manifest record cannot be used ('' when it can)."""
+def _count(value: Any, least: int) -> bool:
+    """An integer of at least `least` (JSON's true is not one)."""
+    return type(value) is int and value >= least
+
+
+def record_problem(record: Any) -> str:
+    """Why a manifest record (a line, or one a shard carries) cannot be used ('' when it can)."""
     if not isinstance(record, dict):
         return f"not a JSON object ({type(record).__name__})"
     if not isinstance(record.get("path"), str) or not record["path"]:
@@ -105,8 +117,10 @@ def _record_problem(record: Any) -> str:
         return f"realpath {record['realpath']!r} is not an absolute path"
     if record.get("status") not in ("ok", "error"):
         return f"status {record.get('status')!r} is neither 'ok' nor 'error'"
-    if not isinstance(record.get("rank", 0), int):
-        return f"rank {record.get('rank')!r} is not an integer"
+    if not _count(record.get("rank", 0), 0):
+        return f"rank {record.get('rank')!r} is not a non-negative integer"
+    if record.get("error") is not None and not isinstance(record["error"], str):
+        return f"error {record['error']!r} is not text"
     if record["status"] == "error":
         return ""
     shard = record.get("shard")
@@ -116,14 +130,16 @@ def _record_problem(record: Any) -> str:
             else "status ok but no 'shard'"
     if not isinstance(record.get("key"), str) or not record["key"]:
         return "status ok but no 'key'"
+    if not item and not TENSOR_KEY.fullmatch(record["key"]):
+        return f"key {record['key']!r} is not a tensor name of a shard"
     if item and (record.get("id") != item.group(1) or record["key"] != CACHE_KEY):
         return f"encoder-cache item {shard!r} recorded with id {record.get('id')!r} and key {record['key']!r}"
-    if item and not (isinstance(record.get("levels"), int) and record["levels"] >= 0):
+    if item and not _count(record.get("levels"), 0):
         return f"encoder-cache item {shard!r} with levels {record.get('levels')!r}, not a count"
     grid = record.get("grid_thw")
-    if not (isinstance(grid, list) and len(grid) == 3 and all(isinstance(g, int) and g > 0 for g in grid)):
+    if not (isinstance(grid, list) and len(grid) == 3 and all(_count(g, 1) for g in grid)):
         return f"grid_thw {grid!r} is not three positive integers"
-    if not isinstance(record.get("tokens"), int) or record["tokens"] < 1:
+    if not _count(record.get("tokens"), 1):
         return f"tokens {record.get('tokens')!r} is not a positive integer"
     return _video_problem(record["video"]) if "video" in record else ""
 
@@ -133,7 +149,7 @@ def _video_problem(video: Any) -> str:
     if not isinstance(video, dict):
         return "video is not a JSON object"
     frames, stamps, fps = video.get("frames"), video.get("timestamps"), video.get("fps")
-    if not (isinstance(frames, list) and frames and all(isinstance(i, int) and i >= 0 for i in frames)):
+    if not (isinstance(frames, list) and frames and all(_count(i, 0) for i in frames)):
         return f"video frames {frames!r} are not frame indices"
     if not (isinstance(stamps, list) and len(stamps) == len(frames)
             and all(isinstance(t, (int, float)) for t in stamps)):
@@ -146,3 +162,55 @@ def _video_problem(video: Any) -> str:
     return ""
 
 
+
+
+def _text(value: Any) -> bool:
+    return isinstance(value, str)
+
+
+def _optional(check):
+    return lambda value: value is None or check(value)
+
+
+def _hex64(value: Any) -> bool:
+    return isinstance(value, str) and re.fullmatch(r"[0-9a-f]{64}", value) is not None
+
+
+# Each run.json field this version reads: (check, what a valid value is). A field absent from a file is checked
+# by read_run (required or defaulted); one present must pass, so that nothing downstream meets a wrong type.
+RUN_FIELD_CHECKS: dict[str, tuple[Any, str]] = {
+    "format": (lambda v: _count(v, 1), "an integer of at least 1"),
+    "run_id": (lambda v: isinstance(v, str) and RUN_ID.fullmatch(v) is not None,
+               "1 to 64 letters, digits, '_' or '-'"),
+    "created": (_text, "text"),
+    "package_version": (_text, "text"),
+    "model": (_text, "text"),
+    "model_folder": (_optional(_text), "text or null"),
+    "revision": (_optional(_text), "text or null"),
+    "random_weights": (lambda v: type(v) is bool, "true or false"),
+    "family": (lambda v: isinstance(v, str) and re.fullmatch(r"[0-9a-z_]{1,64}", v) is not None,
+               "a model family's name"),
+    "config_sha256": (_hex64, "64 lowercase hex digits"),
+    "weights_sha256": (_hex64, "64 lowercase hex digits"),
+    "dtype": (lambda v: v in ("float32", "bfloat16", "float16"), "float32, bfloat16 or float16"),
+    "min_pixels": (lambda v: _count(v, 1), "a positive integer"),
+    "max_pixels": (lambda v: _count(v, 1), "a positive integer"),
+    "resize": (lambda v: v in ("pil", "torch"), "pil or torch"),
+    "video": (_optional(lambda v: isinstance(v, dict)), "a JSON object or null"),
+    "pooled": (lambda v: type(v) is bool, "true or false"),
+    "world_size": (lambda v: _count(v, 1) and v <= 1 << 20, "a positive integer"),
+    "file_format": (lambda v: v in ("safetensors", "parquet", "vllm-cache"), "safetensors, parquet or vllm-cache"),
+    "engine": (lambda v: v in ("local", "ray"), "local or ray"),
+    "threads": (_optional(lambda v: _count(v, 1) and v <= 1 << 16), "a positive integer or null"),
+    "cpu_plan": (_optional(lambda v: isinstance(v, dict)), "a JSON object or null"),
+    "cwd": (_optional(lambda v: isinstance(v, str) and os.path.isabs(v)), "an absolute path or null"),
+}
+
+
+def run_problem(run: dict) -> str:
+    """Why a run record's fields cannot be used ('' when they can): the first field of the wrong type or range,
+    named with its value and what it must be."""
+    for name, (check, what) in RUN_FIELD_CHECKS.items():
+        if name in run and not check(run[name]):
+            return f"field {name!r} is {json.dumps(run[name])[:80]}, not {what}"
+    return ""

@@ -24,6 +24,7 @@ from pathlib import Path
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from ..durable import refuse_link
 from ..errors import ManifestError
 from ..parquet import (
     ParquetLayout,
@@ -85,6 +86,7 @@ class ParquetRankWriter:
             patterns.append(f"{RUN_FILE}.{self.run['run_id']}.tmp")  # run.json being rewritten (filled fields)
         for pattern in patterns:
             for tmp in self.out.glob(pattern):
+                refuse_link(tmp)  # somebody's link at our temporary name: named, left as it is
                 tmp.unlink()
         own = parquet_shards(self.out, self.rank)
         for shard in parquet_shards(self.out):

@@ -15,12 +15,21 @@ import torch
 from safetensors import safe_open
 
 from ..errors import InputError, ManifestError
-from .manifest import MANIFEST, RUN_COMPARED, RUN_FIELD_DEFAULTS, RUN_FILE, RUN_FORMAT, ManifestLine, parse_manifest
+from .manifest import (
+    MANIFEST,
+    RUN_COMPARED,
+    RUN_FIELD_DEFAULTS,
+    RUN_FILE,
+    RUN_FORMAT,
+    ManifestLine,
+    parse_manifest,
+    run_problem,
+)
 
 
 def _damaged(manifest: Path, line: ManifestLine) -> ManifestError:
     return ManifestError(f"{manifest}, line {line.number}: damaged manifest line: {line.problem} "
-                         f"(embed --resume on the folder redoes its input)")
+                         f"(embed --resume on the folder restores its record from its shard, or redoes its input)")
 
 
 def read_manifest_lines(path: str | os.PathLike) -> list[dict]:
@@ -55,12 +64,12 @@ def read_run(out: str | os.PathLike) -> dict:
         if _parquet_shards(Path(out)):  # Parquet shards copied without run.json: each carries the run
             from ..parquet import read_parquet_run
 
-            return {**RUN_FIELD_DEFAULTS, **read_parquet_run(out)}
+            return _checked_run(Path(out) / "shard-r*.parquet", {**RUN_FIELD_DEFAULTS, **read_parquet_run(out)})
         raise ManifestError(f"{path} does not exist: not an embed output (or one written before run files)") \
             from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ManifestError(f"{path} is damaged: {e}") from None
-    if not isinstance(run, dict) or not isinstance(run.get("format"), int):
+    if not isinstance(run, dict) or type(run.get("format")) is not int:
         raise ManifestError(f"{path} is damaged: no format version")
     if run["format"] > RUN_FORMAT:
         raise ManifestError(f"{path} has format {run['format']}; this qwenvl-vision reads format {RUN_FORMAT} "
@@ -68,7 +77,23 @@ def read_run(out: str | os.PathLike) -> dict:
     missing = [key for key in RUN_COMPARED + ("run_id",) if key not in run and key not in RUN_FIELD_DEFAULTS]
     if missing:
         raise ManifestError(f"{path} is damaged: no {', '.join(missing)}")
-    return {**RUN_FIELD_DEFAULTS, **run}
+    return _checked_run(path, {**RUN_FIELD_DEFAULTS, **run})
+
+
+def _checked_run(path: Path, run: dict) -> dict:
+    """``run``, each field checked; a ManifestError naming ``path`` and the field otherwise."""
+    problem = run_problem(run)
+    if not problem and run.get("cpu_plan") is not None:
+        from ..cpu.plan import CpuPlan
+        from ..errors import ConfigError
+
+        try:
+            CpuPlan.from_dict(run["cpu_plan"])
+        except ConfigError as e:
+            problem = f"field 'cpu_plan': {e}"
+    if problem:
+        raise ManifestError(f"{path} is damaged: {problem}; restore it (or move the folder away and embed afresh)")
+    return run
 
 
 def read_embeddings(out: str | os.PathLike, *, deepstack: bool = False) -> Iterator[tuple[str, torch.Tensor]]:

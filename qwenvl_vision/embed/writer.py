@@ -5,11 +5,15 @@ Durability: a batch's shard is written to a temporary file, fsynced and renamed 
 manifest lines are appended (one write, flushed and fsynced). A run killed at any instant, or stopped by an
 I/O fault (disk full, read-only folder), therefore leaves (a) complete shards, (b) a manifest whose complete
 lines all point at complete shards, and at worst (c) one shard nobody references and one half-written last
-line. ``recover`` drops (c), keeps every input recorded ok exactly once, and never reuses a shard name.
-Damaged manifest lines (hand edits) are treated like a torn line: their inputs are redone.
+line. Every shard also carries its own items' manifest records in its metadata (``RECORDS_KEY``), written with
+its tensors in one file: so ``recover`` rolls forward from the shards whatever the manifest lacks (a shard
+renamed but never recorded, a torn, truncated or damaged manifest), keeps every input recorded ok exactly once,
+even inputs the resumed invocation does not list, and never reuses a shard name. Error records and damaged lines
+whose input no shard holds are dropped: their inputs are redone.
 
-Every shard carries its run id in its metadata and temporary files carry it in their names: recovery deletes
-only files of the run that holds the lock.
+Recovery deletes nothing but this run's own temporary files (its run id is in their names). A shard of this run
+that no manifest line references and that carries no records (written by an older qwenvl-vision) cannot be
+accounted for: the resume refuses with one line, the shard kept.
 """
 
 from __future__ import annotations
@@ -24,10 +28,20 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
-from ..durable import fsync_dir, replace_atomically
-from ..errors import OutputFaultError
+from ..durable import create_new, fsync_dir, open_no_follow, refuse_link, replace_atomically
+from ..errors import ManifestError, OutputFaultError
 from ..records import EmbeddingRecord
-from .manifest import MANIFEST, RUN_FILE, SHARD_NAME, parse_manifest, part_name, record_key
+from .manifest import (
+    MANIFEST,
+    RECORDS_KEY,
+    RUN_FILE,
+    RUN_KEY,
+    SHARD_NAME,
+    parse_manifest,
+    part_name,
+    record_key,
+    record_problem,
+)
 
 # OSErrors at the start that are the output folder's state (exit 3, like a fault mid-run), not a usage error.
 OUTPUT_FAULTS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO}
@@ -54,30 +68,46 @@ def append_lines(path: Path, records: list[dict]) -> None:
     if not records:
         return
     data = "".join(json.dumps(r) + "\n" for r in records)
-    with open(path, "a") as f:
+    # Never through a link: somebody's link at the manifest's name would make us append to the file it points to.
+    with os.fdopen(open_no_follow(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "w") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
 
 
-def save_shard(tensors: dict[str, torch.Tensor], tmp: Path, run_id: str) -> None:
+def save_shard(tensors: dict[str, torch.Tensor], tmp: Path, run_id: str, records: list[dict] | None = None) -> None:
     """Serialise in memory, then write with Python's file I/O: a full disk or a read-only folder is an
     OSError with its errno (safetensors' save_file reports them as its own error type), and the file gets
-    the permissions the umask allows (save_file creates 0600 files)."""
-    data = save(tensors, metadata={"format": "pt", "qwenvl_vision_run": run_id})
-    with open(tmp, "wb") as f:
+    the permissions the umask allows (save_file creates 0600 files). ``tmp`` is created exclusively, never
+    through a link. ``records``: the manifest records of the shard's items, stored in its metadata."""
+    metadata = {"format": "pt", RUN_KEY: run_id}
+    if records is not None:
+        metadata[RECORDS_KEY] = json.dumps(records)
+    data = save(tensors, metadata=metadata)
+    with create_new(tmp) as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
 
 
-def _shard_run_id(path: Path) -> str | None:
-    """The run id a shard was written by (None: unreadable header, or not written by embed)."""
+def stored_records(path: Path) -> tuple[str | None, list | None, set[str]]:
+    """(run id, the records its metadata carries or None, its tensor names) of a shard or cache item; a
+    ManifestError naming it if its header is unreadable or its records are not a JSON list."""
     try:
         with safe_open(path, framework="pt") as f:
-            return (f.metadata() or {}).get("qwenvl_vision_run")
-    except Exception:  # noqa: BLE001 - safetensors raises its own error type for a bad header
-        return None
+            metadata, keys = f.metadata() or {}, set(f.keys())
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error type for a bad header
+        raise ManifestError(f"{path} is unreadable ({e})") from None
+    raw = metadata.get(RECORDS_KEY)
+    if raw is None:
+        return metadata.get(RUN_KEY), None, keys
+    try:
+        found = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ManifestError(f"{path}: its {RECORDS_KEY} metadata is damaged ({e})") from None
+    if not isinstance(found, list):
+        raise ManifestError(f"{path}: its {RECORDS_KEY} metadata is not a list of records")
+    return metadata.get(RUN_KEY), found, keys
 
 
 class Writer(Protocol):
@@ -117,30 +147,71 @@ class RankWriter:
     def _own_shards(self) -> list[Path]:
         return sorted(p for p in self.out.glob(f"shard-r{self.rank}-*.safetensors") if SHARD_NAME.match(p.name))
 
+    def stored_files(self) -> list[Path]:
+        """The files whose metadata records may hold this rank's items: its shards."""
+        return self._own_shards()
+
+    def unaccounted(self, path: Path, why: str) -> ManifestError:
+        """The error for a shard of this run that recovery can neither read nor match to a record: kept, named."""
+        return ManifestError(f"{path} {why}, and no manifest line records it: nothing was changed; move it out of "
+                             f"{self.out} (its inputs are then redone) and run the same command with --resume again")
+
     def _records(self, path: Path) -> list[dict]:
         """Usable records of one manifest file; damaged lines are dropped like a torn line."""
         return [line.record for line in parse_manifest(path) if line.record is not None]
 
     def recover(self) -> None:
-        """Resume: keep this rank's ok records whose shard exists, once each; delete this run's orphans."""
+        """Resume: keep this rank's ok records whose shard exists, once each, then roll forward every record its
+        shards carry that no line holds (see the module). Deletes only this run's temporary files."""
         mine = self._records(self.manifest)
         if self.world > 1 and not mine:  # resuming a finished multi-rank run: the parts were merged
             mine = [r for r in self._records(self.out / MANIFEST) if r.get("rank", 0) == self.rank]
         for r in mine:
             if r["status"] == "ok" and r.get("rank", 0) == self.rank and (self.out / r["shard"]).is_file():
                 self.own.setdefault(record_key(r, self.run_cwd), r)
-        self.done = set(self.own) | self._done_by_other_ranks()
-        referenced = {r["shard"] for r in self.own.values()}
-        for shard in self._own_shards():  # renamed but never recorded: the run stopped between rename and append
-            if shard.name not in referenced and _shard_run_id(shard) == self.run_id:
-                shard.unlink()
+        others = self._done_by_other_ranks()
+        self._roll_forward(others)
+        self.done = set(self.own) | others
         for pattern in self.temporary_files():
             for tmp in self.out.glob(pattern):
+                refuse_link(tmp)  # somebody's link at our temporary name: named, left as it is
                 tmp.unlink()
         numbers = [int(SHARD_NAME.match(s.name).group(2)) for s in self._own_shards()]
         self.next_shard = max(numbers, default=-1) + 1
         # Rewrite the part with each ok input once; errors and damaged lines are dropped so they are redone.
         atomic_write_text(self.manifest, "".join(json.dumps(r) + "\n" for r in self.own.values()), self.run_id)
+
+    def _roll_forward(self, others: set[str]) -> None:
+        """Add the records of this rank's stored files (this run's) that no manifest line holds: a shard renamed
+        but never recorded, or lines a damaged manifest lost. An input recorded already (here, or ok by another
+        rank) keeps its first record."""
+        referenced = {r["shard"] for r in self.own.values()}
+        for path in self.stored_files():
+            name = path.relative_to(self.out).as_posix()
+            try:
+                run_id, found, keys = stored_records(path)
+            except ManifestError as e:
+                if name in referenced or not SHARD_NAME.match(name):
+                    continue  # a recorded shard is read (and refused, named) by its readers; an item is rewritten
+                raise self.unaccounted(path, f"cannot be read ({e})") from None
+            if run_id != self.run_id:
+                continue  # another run's file: not this run's to take, nor to remove
+            if found is None:
+                if name not in referenced and SHARD_NAME.match(name):
+                    raise self.unaccounted(path, "carries no records of its items (an older qwenvl-vision wrote it)")
+                continue
+            for record in found:
+                problem = record_problem(record)
+                if problem or record.get("rank", 0) != self.rank or record["status"] != "ok":
+                    if problem:
+                        raise self.unaccounted(path, f"carries a damaged record ({problem})")
+                    continue
+                if record["shard"] != name or record["key"] not in keys:
+                    raise self.unaccounted(path, f"carries a record of {record['shard']} {record['key']!r}, "
+                                                 f"not one of its own tensors")
+                key = record_key(record, self.run_cwd)
+                if key not in others:
+                    self.own.setdefault(key, record)
 
     def finish_recovery(self) -> None:
         """Nothing waits here: ``recover`` rewrites only this rank's own part."""
@@ -198,7 +269,7 @@ class RankWriter:
         if tensors:
             tmp = self.out / f"{shard_name[: -len('.safetensors')]}.{self.run_id}.tmp"
             try:
-                save_shard(tensors, tmp, self.run_id)
+                save_shard(tensors, tmp, self.run_id, [line for line in lines if line["status"] == "ok"])
                 os.replace(tmp, self.out / shard_name)
             except OSError:
                 tmp.unlink(missing_ok=True)  # frees the space on a full disk; recovery would remove it too
