@@ -245,3 +245,16 @@ def test_outputs_that_are_not_finite_are_never_stored_as_ok_in_any_dtype(tmp_pat
     assert len(records) == IMAGES and all(r["status"] == "error" for r in records)
     assert all("the tower's outputs contain inf/nan" in r["error"] for r in records)
     assert list(read_embeddings(out)) == []
+
+
+@pytest.mark.parametrize("name", ["manifest.jsonl", "run.json"])
+def test_a_link_at_the_run_s_own_file_names_is_refused_before_anything_is_written(tmp_path, images, checkpoint,
+                                                                                    capsys, name):
+    out = tmp_path / "out"
+    out.mkdir()
+    target = tmp_path / "someone-else's.txt"
+    (out / name).symlink_to(target)  # dangling: exists() is False, so only a link check sees it
+    assert main(["embed", str(images), "--model", str(checkpoint), "--out", str(out), "--device", "cpu",
+                 "--quiet"]) == 3
+    one_error_line(capsys.readouterr().err, name, "symbolic link")
+    assert sorted(p.name for p in out.iterdir()) == [name] and (out / name).is_symlink() and not target.exists()

@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from ..durable import refuse_link
 from ..errors import (
     EmbedError,
     ForwardFaultError,
@@ -55,7 +56,7 @@ from ..vllm_cache import check_cache_folder, claim_cache_folder
 from .args import EmbedSettings
 from .inputs import MEDIA_EXTENSIONS, Inputs, gather_inputs, rank_and_world, shard_for_rank
 from .lock import FolderLock, lock_name
-from .manifest import MANIFEST, PARQUET_SHARD_NAME, RUN_FIELD_DEFAULTS, RUN_FILE, record_key
+from .manifest import MANIFEST, PARQUET_SHARD_NAME, RUN_FIELD_DEFAULTS, RUN_FILE, part_name, record_key
 from .progress import Progress
 from .reader import read_manifest_lines, read_run
 from .run_record import compare_runs, crossed_bounds_note, describe_run
@@ -240,6 +241,8 @@ class EmbedJob:
             if e.errno in OUTPUT_FAULTS:  # nothing written; the same command runs once the folder is fixed
                 raise output_fault(e, out) from e
             raise
+        for name in (RUN_FILE, MANIFEST, part_name(self.rank, self.world)):  # refused before anything is written
+            refuse_link(out / name)
         recorded = None
         if (out / RUN_FILE).exists():
             recorded = read_run(out)
