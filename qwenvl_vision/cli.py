@@ -1,10 +1,11 @@
 """``qwenvl-vision``: extract-weights, inspect, embed, bench.
 
-Errors: every error the package raises on purpose (``QwenVLVisionError``) and every ``OSError`` ends the
-command with one line on stderr, ``qwenvl-vision COMMAND: error: ...``; ``--debug`` adds the traceback.
-Anything else is a bug and keeps its traceback. Exit codes: 0 done; 1 some inputs failed (the run
-finished, the failures are recorded); 2 usage or setup error (nothing written); 3 the run stopped on an
-I/O fault writing its output (nothing recorded is lost; ``embed --resume`` finishes it).
+Errors: every error ends the command with one line on stderr, ``qwenvl-vision COMMAND: error: ...``;
+``--debug`` adds the traceback. Exit codes (docs/embed.md lists them with what to do next): 0 done; 1 some
+inputs failed (the run finished, the failures are recorded); 2 usage or setup error (nothing written); 3 the
+run stopped on an I/O fault of its output (nothing recorded is lost; ``embed --resume`` finishes it); 4 the
+run stopped because a forward failed for the machine's reasons (nothing recorded is lost; ``--resume``); 5 an
+internal error (a bug: the line says so, ``--debug`` shows where); 130 interrupted; 141 stdout closed.
 """
 
 from __future__ import annotations
@@ -33,18 +34,79 @@ def _is_preset(source: str) -> bool:
 
 
 def validate_extract_args(args: argparse.Namespace) -> None:
-    """Refuse, before loading anything: a preset (it has no weights) and a non-empty target without --force."""
+    """Refuse, before loading anything: a preset (it has no weights), a target whose writing would change a local
+    source or the Hugging Face cache (even with --force), and a non-empty target without --force."""
     from .errors import ConfigError
 
     if _is_preset(args.source):
         raise ConfigError(f"{args.source} is a preset: it has no weights to extract (--random-weights is for "
                           f"embed and bench); give a checkpoint folder or a repo id")
     out = Path(args.out) if args.out else _default_out(args.source)
+    source = Path(args.source).expanduser()
+    if source.is_dir():  # a repo id is checked once fetched (cmd_extract_weights), against its snapshot folder
+        refuse_extract_target(source, out)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file, not a folder")
     if out.is_dir() and any(out.iterdir()) and not args.force:
         raise ConfigError(f"{out} is not empty; add --force to write the vision checkpoint into it anyway "
                           f"(its files of the same names are replaced)")
+
+
+# The Hugging Face cache's layout (huggingface_hub's file_download.py): a folder per repo, "models--org--name"
+# (or datasets--, spaces--), holding "blobs" and "snapshots" whose files are links into "blobs".
+_HUB_REPO_FOLDER_PREFIXES = ("models--", "datasets--", "spaces--")
+
+
+def _hub_cache_roots() -> list[Path]:
+    """The Hugging Face caches this process would use: huggingface_hub's HF_HUB_CACHE, and the environment's."""
+    roots = [os.environ.get("HF_HUB_CACHE"), os.environ.get("HUGGINGFACE_HUB_CACHE")]
+    if os.environ.get("HF_HOME"):
+        roots.append(os.path.join(os.environ["HF_HOME"], "hub"))
+    try:
+        from huggingface_hub import constants
+
+        roots.append(getattr(constants, "HF_HUB_CACHE", None))
+    except ImportError:
+        pass
+    return [Path(r).expanduser().resolve() for r in dict.fromkeys(roots) if r]
+
+
+def _in_hub_cache(path: Path) -> Path | None:
+    """The Hugging Face cache (or a repo folder in that layout) that the resolved ``path`` is in, or None."""
+    for root in _hub_cache_roots():
+        if path == root or root in path.parents:
+            return root
+    for folder in (path, *path.parents):
+        if folder.name.startswith(_HUB_REPO_FOLDER_PREFIXES) and \
+                any((folder / part).is_dir() for part in ("blobs", "snapshots")):
+            return folder
+    return None
+
+
+def refuse_extract_target(source: Path, out: Path) -> None:
+    """A ConfigError, whatever --force says, for a target whose writing could change a checkpoint: the source
+    folder itself or a folder inside it, any folder in the Hugging Face cache (its snapshot files are links into
+    blobs other snapshots share), and a folder where a name extract-weights writes is a source file (a source
+    file that is a link into the target). Paths are compared resolved, so links to folders cannot hide them."""
+    from .errors import ConfigError
+    from .weights import TEMPORARY_SUFFIX, VISION_ONLY_FILES
+
+    src, dst = source.expanduser().resolve(), out.expanduser().resolve()
+    if dst == src or src in dst.parents:
+        where = "is the source folder" if dst == src else f"is inside the source folder {source}"
+        raise ConfigError(f"--out {out} {where}: extract-weights never writes into its source (its files would be "
+                          f"replaced, --force or not); choose an --out outside {source}")
+    cache = _in_hub_cache(dst)
+    if cache is not None:
+        raise ConfigError(f"--out {out} is inside the Hugging Face cache {cache}, whose files other snapshots and "
+                          f"programs share: extract-weights never writes there, --force or not; choose an --out "
+                          f"outside it")
+    source_files = {entry.resolve(): entry for entry in src.iterdir()}
+    for name in VISION_ONLY_FILES:
+        for written in (dst / name, dst / (name + TEMPORARY_SUFFIX)):
+            if written in source_files:
+                raise ConfigError(f"--out {out}: writing {written.name} there would replace the source's "
+                                  f"{source_files[written]} (a link to it), --force or not; choose another --out")
 
 
 def cmd_extract_weights(args: argparse.Namespace) -> int:
@@ -53,8 +115,9 @@ def cmd_extract_weights(args: argparse.Namespace) -> int:
     from .weights import save_vision_only
 
     folder = resolve_folder(args.source, args.revision, args.local_files_only, None, None)  # a repo id: fetched
-    encoder = load_encoder(folder, device="cpu", dtype=args.dtype or _stored_dtype(folder), cpu_kernels="reference")
     out = Path(args.out) if args.out else _default_out(args.source)
+    refuse_extract_target(folder, out)  # again for a local folder: it may have changed since validate
+    encoder = load_encoder(folder, device="cpu", dtype=args.dtype or _stored_dtype(folder), cpu_kernels="reference")
     with encoder:
         save_vision_only(encoder.model, out, encoder.preprocess_config.to_dict())
         total = sum(p.numel() * p.element_size() for p in encoder.model.parameters())

@@ -128,6 +128,10 @@ LIMITS = {
     "window_size": (1, 4096),
     "num_position_embeddings": (1, 1 << 20),
 }
+# The rotary base: every released tower uses 10000 and language models go up to ~1e7. Below 1 the rotation gets
+# faster with the dimension instead of slower (and near 1e-300 its tables overflow to inf/NaN); above 1e9 even
+# the fastest frequency of a vision head hardly turns. Both ends are far outside anything trained.
+ROPE_THETA_RANGE = (1.0, 1e9)
 ACTIVATIONS = ("silu", "swish", "gelu", "gelu_pytorch_tanh", "quick_gelu")
 
 
@@ -174,9 +178,12 @@ class VisionConfig:
         if self.hidden_act not in ACTIVATIONS:
             raise ConfigError(f"vision_config.hidden_act {self.hidden_act!r} is not supported; "
                               f"supported: {list(ACTIVATIONS)}")
-        if isinstance(self.rope_theta, bool) or not isinstance(self.rope_theta, (int, float)) \
-                or not math.isfinite(self.rope_theta) or self.rope_theta <= 0:
-            raise ConfigError(f"vision_config.rope_theta must be a positive number, got {self.rope_theta!r}")
+        if isinstance(self.rope_theta, bool) or not isinstance(self.rope_theta, (int, float)):
+            raise ConfigError(f"vision_config.rope_theta must be a number, got {self.rope_theta!r}")
+        low, high = ROPE_THETA_RANGE
+        if not low <= self.rope_theta <= high:  # NaN fails both comparisons
+            raise ConfigError(f"vision_config.rope_theta = {self.rope_theta!r} is outside the supported range "
+                              f"{low:g}..{high:g} (the released towers use 10000): fix it in the config")
         if self.hidden_size % self.num_heads:
             raise ConfigError(f"vision_config.hidden_size {self.hidden_size} is not divisible by "
                               f"num_heads {self.num_heads}")

@@ -12,10 +12,11 @@ Without network the answer comes at once and quietly: before the first download,
 retries and with a short timeout (``REACH_TIMEOUT_S``, or ``HF_HUB_ETAG_TIMEOUT`` when set) checks that the Hub
 answers at all. If it does not, and with ``HF_HUB_OFFLINE`` or ``local_files_only``, every file is looked up
 in the cache only (``try_to_load_from_cache``: no request, not even huggingface_hub's user-agent registry
-fetch), and a file that is not there is one CheckpointError. Deviation from calling ``hf_hub_download``
-alone: for a file that is not cached, it retries an unreachable Hub five times with backoff and a 60 s timeout
-(~25 s of warning lines, minutes against an endpoint that accepts connections but never answers) before the
-same conclusion.
+fetch), and a file that is not there is one CheckpointError; an optional file (a preprocessor config, the index)
+counts as absent only where the cache recorded that the repo lacks it (``.no_exist``), never because it was not
+downloaded. Deviation from calling ``hf_hub_download`` alone: for a file that is not cached, it retries an
+unreachable Hub five times with backoff and a 60 s timeout (~25 s of warning lines, minutes against an endpoint
+that accepts connections but never answers) before the same conclusion.
 """
 
 from __future__ import annotations
@@ -43,8 +44,29 @@ COMMIT_HASH = re.compile(r"^[0-9a-f]{40}$")
 REACH_TIMEOUT_S = 4.0
 
 
+def _local_reason(source: str) -> str | None:
+    """Why `source` is read as a local path rather than a Hub repo id (a phrase for messages), or None.
+
+    A path: it starts with ``./``, ``../``, ``/`` or ``~``, holds more than one ``/`` (or a ``\\``), or its first
+    component is a folder here (``models/foo`` with a ``models/`` folder in the working directory). Anything else
+    of the shape ``owner/name`` is a repo id.
+    """
+    for start in ("./", "../", "/", "~"):
+        if source.startswith(start):
+            return f"it starts with {start}"
+    if "\\" in source or source.count("/") > 1:
+        return "a Hub repo id is 'owner/name', with one '/' and no '\\'"
+    owner = source.split("/", 1)[0]
+    if "/" in source and Path(owner).is_dir():
+        return (f"{owner}/ is a folder here; to fetch the Hub repo {source!r} instead, run from a folder "
+                f"without {owner}/")
+    return None
+
+
 def looks_like_repo_id(source: str) -> bool:
-    return bool(REPO_ID.match(source)) and not Path(source).exists()
+    """`source` names a Hugging Face repo, not a local folder: it has the shape ``owner/name``, no such path
+    exists, and it does not look like a path (``_local_reason``)."""
+    return bool(REPO_ID.match(source)) and not Path(source).exists() and _local_reason(source) is None
 
 
 def _where(repo_id: str, revision: str | None) -> str:
@@ -101,9 +123,16 @@ def _unreachable(repo_id: str, filename: str, revision: str | None) -> str | Non
 
 
 def _from_cache(repo_id: str, filename: str, *, required: bool, revision: str | None, cache_dir: str | None,
-                why: str) -> Path | None:
-    """`filename` from the local cache without any request (None for an absent optional file)."""
-    from huggingface_hub import try_to_load_from_cache
+                why: str, snapshot: Path | None = None) -> Path | None:
+    """`filename` from the local cache without any request.
+
+    None only for an optional file the cache recorded as absent from the repo (``.no_exist``, written when the
+    Hub answered "no such file"), or that a whole snapshot lacks (``whole_snapshot``). An optional file the cache
+    neither holds nor knows to be absent is an error like a required one: the repo may well have it (a partial
+    download), and its defaults would then be wrong.
+    `snapshot`: the snapshot folder, to name a link whose blob is gone.
+    """
+    from huggingface_hub import _CACHED_NO_EXIST, try_to_load_from_cache
     from huggingface_hub.utils import HFValidationError
 
     try:
@@ -112,10 +141,26 @@ def _from_cache(repo_id: str, filename: str, *, required: bool, revision: str | 
         raise CheckpointError(f"{repo_id!r} is not a valid Hugging Face repo id: {e}") from e
     if isinstance(found, str):
         return Path(found)
-    if not required:
+    where = _where(repo_id, revision)
+    if snapshot is not None and (snapshot / filename).is_symlink():
+        raise CheckpointError(f"cannot get {filename} of {where}: {why} and the Hugging Face cache is broken "
+                              f"({snapshot / filename} is a link to a missing blob): download it again online")
+    if not required and (found is _CACHED_NO_EXIST or (snapshot is not None and whole_snapshot(snapshot))):
         return None
-    raise CheckpointError(f"cannot get {filename} of {_where(repo_id, revision)}: {why} and it is not in the local "
-                          f"Hugging Face cache (download it once online first)")
+    if required:
+        raise CheckpointError(f"cannot get {filename} of {where}: {why} and it is not in the local Hugging Face "
+                              f"cache (download it once online first)")
+    raise CheckpointError(f"cannot tell whether {where} has {filename}: {why}, and the local Hugging Face cache "
+                          f"holds neither the file nor a record that the repo lacks it: load it once online, which "
+                          f"records either (defaults are never put in place of settings the repo may have)")
+
+
+def whole_snapshot(snapshot: Path) -> bool:
+    """Whether a cached snapshot holds the whole repo (what ``hf download`` / ``snapshot_download`` leave: every file
+    of the repo, the tokenizer's and the language model's among them) rather than this package's or another tool's
+    partial fetch: it holds a file that this package never fetches. What a whole snapshot lacks, the repo lacks."""
+    fetched = {CONFIG_FILE, PREPROCESSOR_FILE, VIDEO_PREPROCESSOR_FILE, INDEX_FILE, SINGLE_FILE}
+    return any(p.name not in fetched and not p.name.endswith(".safetensors") for p in snapshot.iterdir())
 
 
 def _known_absent(repo_id: str, filename: str, revision: str | None, cache_dir: str | None) -> bool:
@@ -127,13 +172,16 @@ def _known_absent(repo_id: str, filename: str, revision: str | None, cache_dir: 
 
 def _download(repo_id: str, filename: str, *, required: bool = True, revision: str | None = None,
               cache_dir: str | None = None, token: str | bool | None = None,
-              offline: str | None = None) -> Path | None:
-    """One file into the cache; None for an absent optional file. Every failure is a CheckpointError.
+              offline: str | None = None, snapshot: Path | None = None) -> Path | None:
+    """One file into the cache; None for an optional file the repo lacks. Every failure is a CheckpointError.
 
-    offline: why the Hub is not to be asked (see fetch_vision_checkpoint); the file then comes from the cache.
+    offline: why the Hub is not to be asked (see fetch_vision_checkpoint); the file then comes from the cache,
+    and an optional file counts as absent only where the cache recorded its absence. snapshot: the snapshot
+    folder once known, for naming a broken cache link.
     """
     if offline is not None:
-        return _from_cache(repo_id, filename, required=required, revision=revision, cache_dir=cache_dir, why=offline)
+        return _from_cache(repo_id, filename, required=required, revision=revision, cache_dir=cache_dir, why=offline,
+                           snapshot=snapshot)
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import (
         EntryNotFoundError,
@@ -186,7 +234,7 @@ def fetch_vision_checkpoint(repo_id: str, *, revision: str | None = None, cache_
     snapshot = config_path.parent
     # hf_hub_download returns <cache>/models--org--name/snapshots/<commit>/config.json: pin the rest to it.
     commit = snapshot.name if COMMIT_HASH.match(snapshot.name) else revision
-    kwargs["revision"] = commit
+    kwargs.update(revision=commit, snapshot=snapshot)
     where = _where(repo_id, revision)
     prefixes = from_config_json(read_json(config_path)).family.prefixes  # an unsupported model stops here
     _download(repo_id, PREPROCESSOR_FILE, required=False, **kwargs)
@@ -207,7 +255,11 @@ def fetch_vision_checkpoint(repo_id: str, *, revision: str | None = None, cache_
 
 def resolve_folder(source: str, revision: str | None = None, local_files_only: bool = False,
                    cache_dir: str | None = None, token: str | bool | None = None) -> Path:
-    """The checkpoint folder a source names: a folder as it is, a repo id fetched (vision files only)."""
+    """The checkpoint folder a source names: a folder as it is, a repo id fetched (vision files only).
+
+    A source that looks like a path (``looks_like_repo_id``) and does not exist is a CheckpointError saying why
+    it was read as a path; the Hub is never asked about it.
+    """
     path = Path(source).expanduser()
     if path.is_dir():
         return path
@@ -217,4 +269,7 @@ def resolve_folder(source: str, revision: str | None = None, local_files_only: b
     if looks_like_repo_id(source):
         return fetch_vision_checkpoint(source, revision=revision, cache_dir=cache_dir,
                                        local_files_only=local_files_only, token=token)
+    reason = _local_reason(source)
+    if reason is not None:
+        raise CheckpointError(f"checkpoint folder {source} does not exist (read as a local path: {reason})")
     raise CheckpointError(f"checkpoint folder {source} does not exist (and it is not a repo id like 'Qwen/...')")

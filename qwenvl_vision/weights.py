@@ -14,9 +14,10 @@ Layouts understood:
   holding the family's tensor names without prefix.
 
 Every file is checked before it is used (``safetensors_checks.py``: regular files only, strict JSON, plain shard
-names, safetensors headers as strict as the format's own reader). Tensors are read under the checkpoint's own
-names and only then stacked or renamed into module tensors (``names.py``), so every error names a tensor as the
-checkpoint spells it.
+names, safetensors headers as strict as the format's own reader); a file that is a symbolic link to nothing (a
+broken Hugging Face cache) is an error naming it, never read as absent (``present``). Tensors are read under the
+checkpoint's own names and only then stacked or renamed into module tensors (``names.py``), so every error names
+a tensor as the checkpoint spells it.
 
 The model is built on the meta device and every tensor is materialised once, directly on the target device
 in the target dtype, so a load never holds a second copy of the tower. Anything unexpected in the files (a
@@ -31,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +42,7 @@ import numpy as np
 import torch
 
 from .config import FAMILIES, VisionConfig, from_config_json
+from .durable import refuse_link, replace_atomically
 from .errors import CheckpointError, ConfigError, QwenVLVisionError
 from .models import build_model
 from .names import to_checkpoint_state, to_module_state
@@ -97,12 +100,31 @@ class VisionCheckpoint:
 
     def _settings(self, filename: str, what: str) -> dict | None:
         path = self.folder / filename
-        if not path.exists():
+        if not present(path, what):
             return None
         settings = read_json(path, what)
         if not isinstance(settings, dict):
             raise ConfigError(f"{path} is not a JSON object (found {json_type(settings)})")
         return settings
+
+
+def present(path: Path, what: str) -> bool:
+    """Whether the checkpoint has the file ``path``: False only when no entry of that name exists at all.
+
+    A symbolic link whose target is missing (a Hugging Face cache whose blob is gone) or that loops is a
+    ``CheckpointError`` naming it: reading it as "absent" would silently put defaults in place of its settings.
+    """
+    try:
+        os.stat(path)
+        return True
+    except FileNotFoundError:
+        if not os.path.islink(path):
+            return False
+        raise CheckpointError(f"{what} {path} is a symbolic link to {os.readlink(path)}, which is missing (a "
+                              f"broken Hugging Face cache?): download the checkpoint again, or remove the "
+                              f"link if the checkpoint has no such file") from None
+    except OSError as e:  # a link loop, a folder we may not search
+        raise CheckpointError(f"cannot read {what} {path}: {e.strerror or e}") from e
 
 
 def strip_vision_prefix(name: str, prefixes: tuple[str, ...] = VISION_PREFIXES) -> str | None:
@@ -149,7 +171,7 @@ def open_checkpoint(folder: str | os.PathLike) -> VisionCheckpoint:
     if not folder.is_dir():
         raise CheckpointError(f"checkpoint folder {folder} does not exist")
     config_path = folder / CONFIG_FILE
-    if not config_path.exists():
+    if not present(config_path, "config"):
         raise CheckpointError(f"{folder} has no {CONFIG_FILE}")
     with _named_errors(CheckpointError, f"cannot read config {config_path}"):
         config_json = read_json(config_path, "config")
@@ -160,11 +182,11 @@ def open_checkpoint(folder: str | os.PathLike) -> VisionCheckpoint:
     vision_only = config_json.get("format") == VISION_ONLY_FORMAT
     prefixes = config.family.prefixes
     index_path, single = folder / INDEX_FILE, folder / SINGLE_FILE
-    if index_path.exists():
+    if present(index_path, "index"):
         with _named_errors(CheckpointError, f"cannot read index {index_path}"):
             weight_map = parse_weight_map(read_json(index_path, "index"), str(index_path))
         files = {name: folder / shard for name, shard in weight_map.items()}
-    elif single.exists():
+    elif present(single, "shard"):
         with _named_errors(CheckpointError, f"cannot read shard {single}"):
             header, _ = read_header(single)
         files = dict.fromkeys(header, single)
@@ -344,22 +366,75 @@ def _umask() -> int:
     return mask
 
 
+# Every name save_vision_only writes in its folder, final and temporary: extract-weights refuses a target where one
+# of them is a file of its source.
+VISION_ONLY_FILES = (SINGLE_FILE, CONFIG_FILE, PREPROCESSOR_FILE, VIDEO_PREPROCESSOR_FILE)
+TEMPORARY_SUFFIX = ".tmp"
+_DTYPE_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
+
+
+def write_safetensors(f: BinaryIO, state: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """``state`` in the safetensors format, streamed into the open file ``f`` one tensor at a time (no serialised
+    copy of the tower in memory): the 8-byte little-endian header length, the JSON header padded with spaces to
+    a multiple of 8 (as safetensors writes it), then each tensor's little-endian bytes in header order."""
+    header: dict[str, object] = {"__metadata__": metadata}
+    offset = 0
+    for name in sorted(state):
+        tensor = state[name]
+        size = tensor.numel() * tensor.element_size()
+        header[name] = {"dtype": _DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    f.write(len(raw).to_bytes(8, "little"))
+    f.write(raw)
+    for name in sorted(state):
+        tensor = state[name].detach().cpu().contiguous().reshape(-1)
+        if not tensor.numel():
+            continue
+        data = tensor.view(torch.uint8).reshape(-1, tensor.element_size())
+        if sys.byteorder == "big":  # the format is little-endian whatever the machine
+            data = data.flip(-1).contiguous()
+        f.write(memoryview(data.numpy()).cast("B"))
+
+
+def _set_mode(f: BinaryIO, mode: int) -> None:
+    if hasattr(os, "fchmod"):  # POSIX; elsewhere a file has no such mode bits
+        os.fchmod(f.fileno(), mode)
+
+
 def save_vision_only(model: VisionTower, folder: str | os.PathLike, preprocessor: dict | None = None,
                      video_preprocessor: dict | None = None) -> Path:
-    """Write a self-contained vision-only checkpoint that ``open_checkpoint`` reads back."""
-    from safetensors.torch import save_file
+    """Write a self-contained vision-only checkpoint that ``open_checkpoint`` reads back.
 
+    Each file is replaced whole or not at all (written to ``NAME.tmp``, created exclusively, then renamed), and
+    nothing is written through a symbolic link: a link at any of the names written, final or temporary, is an
+    ``OutputLinkError`` naming it, raised before any file is written.
+    """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     config_json = {**model.config.to_config_json(), "format": VISION_ONLY_FORMAT}
-    state = {k: v.detach().contiguous().cpu() for k, v in to_checkpoint_state(model.config, model.state_dict()).items()}
-    tmp = folder / (SINGLE_FILE + ".tmp")
-    save_file(state, str(tmp), metadata={"format": "pt", "family": model.config.model_type})
-    os.chmod(tmp, 0o666 & ~_umask())  # safetensors creates its file 0600; the folder's other files follow the umask
-    os.replace(tmp, folder / SINGLE_FILE)
-    (folder / CONFIG_FILE).write_text(json.dumps(config_json, indent=2) + "\n")
-    if preprocessor is not None:
-        (folder / PREPROCESSOR_FILE).write_text(json.dumps(preprocessor, indent=2) + "\n")
-    if video_preprocessor is not None:
-        (folder / VIDEO_PREPROCESSOR_FILE).write_text(json.dumps(video_preprocessor, indent=2) + "\n")
+    documents = {CONFIG_FILE: config_json, PREPROCESSOR_FILE: preprocessor, VIDEO_PREPROCESSOR_FILE: video_preprocessor}
+    for name in (SINGLE_FILE, *(n for n, d in documents.items() if d is not None)):
+        refuse_link(folder / name)
+        refuse_link(folder / (name + TEMPORARY_SUFFIX))
+    state = to_checkpoint_state(model.config, model.state_dict())
+    mode = 0o666 & ~_umask()  # as a plain open() would create it: the folder's other files follow the umask too
+
+    def write_weights(f: BinaryIO) -> None:
+        _set_mode(f, mode)
+        write_safetensors(f, state, {"format": "pt", "family": model.config.model_type})
+
+    replace_atomically(folder / SINGLE_FILE, folder / (SINGLE_FILE + TEMPORARY_SUFFIX), write_weights)
+    for name, document in documents.items():
+        if document is None:
+            continue
+        data = (json.dumps(document, indent=2) + "\n").encode()
+
+        def write_document(f: BinaryIO, data: bytes = data) -> None:
+            _set_mode(f, mode)
+            f.write(data)
+
+        replace_atomically(folder / name, folder / (name + TEMPORARY_SUFFIX), write_document)
     return folder

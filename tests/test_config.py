@@ -52,13 +52,17 @@ def _vision(**changes):
     (_vision(fullatt_block_indexes="1,3"), r"fullatt_block_indexes must be a list"),
     (_vision(hidden_act="relu6"), r"hidden_act 'relu6' is not supported"),
     (_vision(window_size=2), r"window_size 2 is smaller than one merged token"),
-    (_vision(rope_theta=-1.0), r"rope_theta must be a positive number"),
+    (_vision(rope_theta=-1.0), r"rope_theta = -1\.0 is outside the supported range 1\.\.1e\+09"),
+    (_vision(rope_theta=1e-300), r"rope_theta = 1e-300 is outside the supported range 1\.\.1e\+09"),
+    (_vision(rope_theta=1e12), r"rope_theta = 1000000000000\.0 is outside the supported range"),
+    (_vision(rope_theta="1e4"), r"rope_theta must be a number, got '1e4'"),
     (_vision(patch_size=10**4), r"patch_size = 10000 is outside"),
     (lambda config: [config], r"config\.json is not a JSON object \(found an array\)"),
     (lambda config: {**config, "model_type": "llava_next"}, r"unsupported model_type 'llava_next'"),
     (lambda config: {k: v for k, v in config.items() if k != "vision_config"}, r"no vision_config section"),
 ], ids=["depth-1e6", "depth-1e5", "heads-0", "depth-str", "depth-float", "hidden-1e9", "heads-not-dividing",
-        "head-dim", "fullatt-outside", "fullatt-str", "act", "window", "rope", "patch", "list", "model-type",
+        "head-dim", "fullatt-outside", "fullatt-str", "act", "window", "rope", "rope-tiny", "rope-huge", "rope-str",
+        "patch", "list", "model-type",
         "no-vision"])
 def test_bad_config_json_is_refused_fast_naming_the_field(released, tmp_path, change, pattern):
     folder = _with_config(released, tmp_path, change)
@@ -66,6 +70,15 @@ def test_bad_config_json_is_refused_fast_naming_the_field(released, tmp_path, ch
     with pytest.raises(ConfigError, match=pattern):
         load_encoder(folder, device="cpu")
     assert time.perf_counter() - start < 1.0  # before any tower is built or any shard read
+
+
+def test_rope_theta_accepts_every_physical_base(released, tmp_path):
+    """The range's ends and a language model's base (1e6) load; only what lies outside is refused."""
+    for theta in (1, 1e6, 1e9):
+        (tmp_path / str(theta)).mkdir()
+        folder = _with_config(released, tmp_path / str(theta), _vision(rope_theta=theta))
+        with load_encoder(folder, device="cpu") as encoder:
+            assert encoder.config.rope_theta == theta
 
 
 @pytest.mark.parametrize("change,pattern", [

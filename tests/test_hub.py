@@ -381,11 +381,15 @@ def test_resolve_folder_fetches_a_repo_id(hub, qwen25_repo):
     assert "/org/qwen25-tiny/resolve/main/config.json" in hub.resolve_paths()
 
 
-@pytest.mark.parametrize("source", ["nowhere", "./org/name", "a/b/c"])
-def test_resolve_folder_names_a_missing_path(hub, tmp_path, monkeypatch, source):
-    """Neither a folder nor a repo id: one error naming it, and the Hub is not asked."""
+@pytest.mark.parametrize("source,why", [
+    ("nowhere", "and it is not a repo id"), ("./org/name", "read as a local path: it starts with ./"),
+    ("a/b/c", "read as a local path: a Hub repo id is 'owner/name'"), ("../x", "it starts with ../"),
+    ("/abs/x", "it starts with /"), ("~/x", "it starts with ~"),
+])
+def test_resolve_folder_names_a_missing_path(hub, tmp_path, monkeypatch, source, why):
+    """Neither a folder nor a repo id: one error naming it and why it was read as a path; the Hub is not asked."""
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(CheckpointError, match=rf"checkpoint folder {re.escape(source)} does not exist \(and it is "
-                                              r"not a repo id"):
+    with pytest.raises(CheckpointError, match=rf"checkpoint folder {re.escape(source)} does not exist \(.*"
+                                              rf"{re.escape(why)}"):
         resolve_folder(source)
     assert hub.requests == []
