@@ -5,18 +5,27 @@ before any compute (``encode_images`` / ``encode_videos``); ``prepared_batches``
 worker threads (``prepare``), at most ``prefetch`` ahead (``ordered_prefetch``), each admitted in input order by
 one byte budget (``DecodeBudget``) sized from its file header (``decode_cost`` / ``video_file_cost``), and groups
 them into batches of at most ``max_batch_patches`` patches. Running the tower on a batch is the encoder's job.
+
+An input whose decode runs longer than ``decode_timeout`` seconds is recorded as failed and the run goes on.
+Threads cannot be killed, so the decode threads are daemon threads that nothing joins (``DecodePool``): a decode
+stuck in C code holds neither the end of an iteration, Ctrl-C, nor the interpreter's exit. A video's frame loop
+stops at its next frame once its input is given up; an image decode runs to its end, and the budget it holds is
+released only then (the bytes are in memory until then).
 """
 
 from __future__ import annotations
 
 import math
 import os
+import queue
 import stat
 import threading
+import time
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,18 +34,30 @@ import torch
 
 from .errors import ConfigError, PreprocessError, QwenVLVisionError
 from .item_ids import pixels_sha256
-from .pixels import DEFAULT_MAX_INPUT_PIXELS, check_resize_backend, input_name
+from .pixels import DEFAULT_MAX_INPUT_PIXELS, check_resize_backend, input_name, open_header
 from .preprocess import PreprocessConfig, preprocess_image, probe_image
 from .video import VideoConfig, preprocess_video, preprocess_video_file, sample_indices, video_target_size
 from .video_io import VideoInfo, is_video_file, probe_video
 
 DEFAULT_BATCH_PATCHES = 16384  # patches per forward: a few photos at a time
 DEFAULT_DECODE_BYTES = 1 << 30
-# Peak bytes per header pixel while a file is decoded and converted to RGB, measured on 12 and 64 MP files
-# decoded one at a time: ~4 for an RGB file (Pillow holds RGB as 4 bytes a pixel); 8.0 for the
-# worst kinds, where a second full image exists for a moment: an EXIF-rotated photo (the transpose), a CMYK,
-# RGBA, grayscale or palette file (the RGB conversion). Rounded up.
+# Peak bytes per header pixel while a file is decoded, converted to RGB and resized (``preprocess_image``),
+# measured as the RSS high-water mark above the process's baseline, one 16 MP file at a time, by mode: with the
+# PIL resize ~4.3 for RGB (Pillow holds RGB as 4 bytes a pixel), 5.0 for L, P (with or without a transparent
+# index), 1; 6.0 for I;16; 8.0 where a second full image exists for a moment: an EXIF-rotated photo (the
+# transpose), CMYK, RGBA, LA (the RGB conversion). Rounded up.
 DECODE_BYTES_PER_PIXEL = 9
+# The same with the torch resize, which holds the pixels three more times (numpy's RGB copy, its CHW copy,
+# the resize kernel's 4-byte unpacked input): 14.7 for 8-bit modes, 17.3 for 16-bit ones (16.8 for a 9 MP
+# palette file: smaller files round up to more per pixel). Rounded up.
+TORCH_DECODE_BYTES_PER_PIXEL = 18
+TORCH_WIDE_DECODE_BYTES_PER_PIXEL = 21
+_WIDE_MODES = ("I", "F")  # I, I;16 and its variants, F: 2 or 4 bytes a sample
+# Seconds one input may take to decode and resize (from its admission by the decode budget) before it is
+# recorded as failed: far above a 4K photo (~1 s) or a few minutes of 1080p video, but it ends a stall.
+DEFAULT_DECODE_TIMEOUT = 600.0
+# The longest the iterating thread blocks in one wait, so that Ctrl-C (handled between waits) is prompt.
+_WAIT_SLICE = 0.25
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,6 +77,8 @@ class EncodeOptions:
     decode_bytes: the decode budget (None: no bound).
     hash_pixels: hash each input's pixel rows on its decode thread (``item_ids.pixels_sha256``, what an encoder
         cache names the item by; about 15 ms per megapixel, so only where a caller asks).
+    decode_timeout: seconds one input may spend decoding (from its admission by the decode budget) before it is
+        recorded as failed and the others go on (None: no limit).
     """
 
     video_config: VideoConfig
@@ -70,10 +93,16 @@ class EncodeOptions:
     prefetch: int = 8
     decode_bytes: int | None = DEFAULT_DECODE_BYTES
     hash_pixels: bool = False
+    decode_timeout: float | None = DEFAULT_DECODE_TIMEOUT
 
     def __post_init__(self) -> None:
         if self.resize is not None:
             check_resize_backend(self.resize, "resize")
+        timeout = self.decode_timeout
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not math.isfinite(timeout) or timeout <= 0):
+            raise ConfigError(f"decode_timeout must be a positive number of seconds (or None: no limit), "
+                              f"got {timeout!r}")
         for option, value in (("max_batch_patches", self.max_batch_patches),
                               ("max_input_pixels", self.max_input_pixels),
                               ("decode_bytes", self.decode_bytes), ("prefetch", self.prefetch)):
@@ -148,21 +177,66 @@ def preflight(items: list[Any], options: EncodeOptions, pre: PreprocessConfig) -
                     max_input_pixels=options.max_input_pixels, name=name)
 
 
+@dataclass(eq=False)
+class Decoding:
+    """One input's decode as its worker and the iterating thread share it: when the decode budget admitted it,
+    the event that stops its frame loop, and which side let go first (``finish`` / ``abandon``)."""
+
+    stop: threading.Event = field(default_factory=threading.Event)
+    started: float | None = None  # time.monotonic() at admission
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _finished: bool = False
+    _abandoned: bool = False
+
+    def finish(self) -> bool:
+        """The worker is done: False when the iterating side gave up on it first (nobody takes its result)."""
+        with self._lock:
+            self._finished = True
+            return not self._abandoned
+
+    def abandon(self) -> bool:
+        """The iterating side gives up on the input: False when its worker finished first (take its result)."""
+        with self._lock:
+            if self._finished:
+                return False
+            self._abandoned = True
+        self.stop.set()
+        return True
+
+
+def input_kind(item: Any, options: EncodeOptions) -> tuple[bool, str]:
+    """(whether ``item`` is read as a video, how errors name input ``index`` of that kind: its ``input_name`` kind)."""
+    video = is_video_file(item) if options.video is None else options.video
+    return video, "video" if video else "image"
+
+
 def prepare(item: Any, index: int, options: EncodeOptions, pre: PreprocessConfig, budget: DecodeBudget,
-            pin_memory: bool) -> Prepared:
-    """Decode and resize one input on a worker thread, admitted by the decode budget in input order."""
-    video, min_pixels, max_pixels = options.video, options.min_pixels, options.max_pixels
-    if video is None:  # mixed: the pixel bounds given are the images'; videos keep their video_config's
-        video = is_video_file(item)
-        if video:
-            min_pixels = max_pixels = None
-    name = input_name("video" if video else "image", index, item)
+            pin_memory: bool, decoding: Decoding | None = None) -> Prepared:
+    """Decode and resize one input on a worker thread, admitted by the decode budget in input order.
+
+    ``decoding``: shared with the thread waiting for the result; a video's frame loop stops once it is
+    abandoned, and the budget a result holds is released here when nobody will take it."""
+    decoding = decoding or Decoding()
+    prepared = _prepare(item, index, options, pre, budget, pin_memory, decoding)
+    if not decoding.finish():
+        budget.release(prepared.held)
+    return prepared
+
+
+def _prepare(item: Any, index: int, options: EncodeOptions, pre: PreprocessConfig, budget: DecodeBudget,
+             pin_memory: bool, decoding: Decoding) -> Prepared:
+    video, kind = input_kind(item, options)
+    min_pixels, max_pixels = options.min_pixels, options.max_pixels
+    if options.video is None and video:  # mixed: the pixel bounds given are the images'; videos keep their own
+        min_pixels = max_pixels = None
+    name = input_name(kind, index, item)
     is_file = isinstance(item, (str, os.PathLike))
     # A video file's header is read once: for its decode estimate, and its frame count for the read itself.
     header = probe_quietly(item, options.max_input_pixels) if video and is_file else None
     cost = video_file_cost(header, pre, options.video_config) if header else \
-        decode_cost(item, video, options.max_input_pixels)
+        decode_cost(item, video, options.max_input_pixels, "torch" if video else options.resize or pre.resize)
     held = budget.admit(index, cost)
+    decoding.started = time.monotonic()
     info = None
     sizes = dict(min_pixels=min_pixels, max_pixels=max_pixels, index=index, max_input_pixels=options.max_input_pixels)
     try:
@@ -171,7 +245,8 @@ def prepare(item: Any, index: int, options: EncodeOptions, pre: PreprocessConfig
             pixel_values, grid = preprocess_image(item, pre, resize=options.resize, **sizes)
         elif is_file:
             pixel_values, grid, info = preprocess_video_file(item, pre, options.video_config,
-                                                             counted=header[0] if header else None, **sizes)
+                                                             counted=header[0] if header else None,
+                                                             stop=decoding.stop, **sizes)
         else:
             pixel_values, grid = preprocess_video(item, pre, video_config=options.video_config, **sizes)
     except PreprocessError as e:
@@ -197,46 +272,122 @@ def prepared_batches(items: Iterable[Any], options: EncodeOptions, pre: Preproce
     iterating thread, as soon as it is ready (or has failed). Close the iterator when stopping early: that wakes
     the workers waiting for budget and drops the inputs not started."""
     budget = DecodeBudget(options.decode_bytes)
-    with ThreadPoolExecutor(max_workers=options.workers) as pool:
-        prefetched = ordered_prefetch(pool, items, options.prefetch,
-                                      lambda item, i: prepare(item, i, options, pre, budget, pin_memory))
-        try:
-            batch: list[Prepared] = []
-            failed: list[Prepared] = []
-            for prepared in prefetched:
-                if on_prepared is not None:
-                    on_prepared(prepared)
-                if prepared.error is not None:
-                    failed.append(prepared)
-                    continue
-                if batch and sum(p.patches for p in batch) + prepared.patches > options.max_batch_patches:
-                    yield batch, failed
-                    batch, failed = [], []
-                batch.append(prepared)
-                budget.release(prepared.held)  # now counted by the batch's token bound instead
-            if batch or failed:
+    decodings: dict[int, Decoding] = {}  # per input in flight; either thread may create its entry first
+
+    def decode(item: Any, index: int) -> Prepared:
+        return prepare(item, index, options, pre, budget, pin_memory, decodings.setdefault(index, Decoding()))
+
+    def collect(future: Future, item: Any, index: int) -> Prepared:
+        decoding = decodings.setdefault(index, Decoding())
+        limit = options.decode_timeout
+        while True:
+            try:
+                prepared = future.result(timeout=_WAIT_SLICE)
+            except FutureTimeout:  # the builtin TimeoutError only from Python 3.11
+                started = decoding.started
+                if limit is None or started is None or time.monotonic() - started < limit or not decoding.abandon():
+                    continue  # not admitted yet (waiting for budget is not decoding), within its time, or just done
+                name = input_name(input_kind(item, options)[1], index, item)
+                prepared = Prepared(index, name, error=f"{name}: not decoded within {limit:g} s (the decode time "
+                                                        f"limit: embed --decode-timeout, decode_timeout); left out, "
+                                                        f"a larger limit lets it finish")
+            decodings.pop(index, None)
+            return prepared
+
+    pool = DecodePool(options.workers)
+    prefetched = ordered_prefetch(pool, items, options.prefetch, decode, collect)
+    try:
+        batch: list[Prepared] = []
+        failed: list[Prepared] = []
+        for prepared in prefetched:
+            if on_prepared is not None:
+                on_prepared(prepared)
+            if prepared.error is not None:
+                failed.append(prepared)
+                continue
+            if batch and sum(p.patches for p in batch) + prepared.patches > options.max_batch_patches:
                 yield batch, failed
-        finally:
-            # Stopped early (an error, or the caller left the loop): wake the workers waiting for budget and
-            # drop the inputs not started, so the pool's shutdown does not wait on them.
-            budget.close()
-            prefetched.close()
+                batch, failed = [], []
+            batch.append(prepared)
+            budget.release(prepared.held)  # now counted by the batch's token bound instead
+        if batch or failed:
+            yield batch, failed
+    finally:
+        # Stopped early (an error, Ctrl-C, or the caller left the loop): wake the workers waiting for budget,
+        # stop the video decodes in flight at their next frame, drop the inputs not started, and let the
+        # workers end on their own: none is waited for.
+        budget.close()
+        for decoding in list(decodings.values()):
+            decoding.stop.set()
+        prefetched.close()
+        pool.shutdown()
 
 
-def ordered_prefetch(pool: ThreadPoolExecutor, items: Iterable[Any], depth: int,
-                     fn: Callable[[Any, int], Any]) -> Iterator[Any]:
-    """fn(item, index) on the pool, at most `depth` in flight, results in input order."""
+def ordered_prefetch(pool: Any, items: Iterable[Any], depth: int, fn: Callable[[Any, int], Any],
+                     collect: Callable[[Future, Any, int], Any] | None = None) -> Iterator[Any]:
+    """fn(item, index) on the pool (anything with ``submit``), at most `depth` in flight, results in input order.
+
+    ``collect(future, item, index)`` waits for one result (default: the future's result); each wait is in short
+    slices, so that Ctrl-C reaches the iterating thread while a result is slow."""
     pending: deque = deque()
+
+    def result(entry: tuple[Future, Any, int]) -> Any:
+        if collect is not None:
+            return collect(*entry)
+        while True:
+            try:
+                return entry[0].result(timeout=_WAIT_SLICE)
+            except FutureTimeout:  # the builtin TimeoutError only from Python 3.11
+                continue
+
     try:
         for index, item in enumerate(items):
-            pending.append(pool.submit(fn, item, index))
+            pending.append((pool.submit(fn, item, index), item, index))
             if len(pending) > depth:
-                yield pending.popleft().result()
+                yield result(pending.popleft())
         while pending:
-            yield pending.popleft().result()
+            yield result(pending.popleft())
     finally:
-        for future in pending:
+        for future, _, _ in pending:
             future.cancel()
+
+
+class DecodePool:
+    """Decode threads: ``submit`` as ``ThreadPoolExecutor``'s, but daemon threads that nothing joins.
+
+    ``ThreadPoolExecutor`` joins its threads on shutdown and again at interpreter exit, so one decode stuck in
+    C code (a huge progressive JPEG, a hung read) would hold Ctrl-C and the process's exit. Here ``shutdown``
+    only tells the threads to end once they are idle.
+    """
+
+    def __init__(self, workers: int) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._work, name=f"qwenvl-decode-{i}", daemon=True)
+                         for i in range(workers)]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        future: Future = Future()
+        self._jobs.put((future, fn, args))
+        return future
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            future, fn, args = job
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 - handed to whoever waits for the future
+                future.set_exception(e)
+            del job, future  # an idle thread holds no finished input's pixels
+
+    def shutdown(self) -> None:
+        """Each thread ends once the jobs queued before this call are done or skipped (a job whose future was
+        cancelled is skipped); nothing waits for them."""
+        for _ in self._threads:
+            self._jobs.put(None)
 
 
 class BudgetClosed(Exception):
@@ -317,8 +468,17 @@ def video_file_cost(header: tuple[int, float, int, int], pre: PreprocessConfig, 
     return kept * target * 3 + padded * target * 12 + height * width * DECODE_BYTES_PER_PIXEL
 
 
-def decode_cost(item: Any, video: bool, max_input_pixels: int | None) -> int:
-    """Estimated peak bytes of decoding `item`, read from a file's header; 0 for what is already in memory.
+def decode_bytes_per_pixel(image: PIL.Image.Image, backend: str) -> int:
+    """Peak bytes per header pixel of preprocessing an opened file (its mode read from the header) with the
+    ``backend`` resize: the measured rates above."""
+    if backend == "torch":
+        return TORCH_WIDE_DECODE_BYTES_PER_PIXEL if image.mode.startswith(_WIDE_MODES) else TORCH_DECODE_BYTES_PER_PIXEL
+    return DECODE_BYTES_PER_PIXEL
+
+
+def decode_cost(item: Any, video: bool, max_input_pixels: int | None, backend: str = "pil") -> int:
+    """Estimated peak bytes of decoding `item` with the ``backend`` resize (``decode_bytes_per_pixel``), read
+    from a file's header; 0 for what is already in memory.
 
     Frames given as a list are estimated by their first frame: they are decoded one at a time (video files:
     ``video_file_cost``). A file refused by max_input_pixels, or whose header cannot be read, costs nothing:
@@ -334,10 +494,10 @@ def decode_cost(item: Any, video: bool, max_input_pixels: int | None) -> int:
     try:
         if not stat.S_ISREG(os.stat(first).st_mode):  # opening a FIFO would block: preprocessing refuses it
             return 0
-        with PIL.Image.open(first) as image:
+        # open_header: the header checks decoding makes (a file it refuses costs nothing), PIL's limit as there.
+        with open_header(first, "", max_input_pixels, check_aspect=False) as image:
             pixels = image.width * image.height
+            per_pixel = decode_bytes_per_pixel(image, backend)
     except Exception:  # noqa: BLE001 - preprocessing names the problem; this is only an estimate
         return 0
-    if max_input_pixels is not None and pixels > max_input_pixels:
-        return 0
-    return pixels * DECODE_BYTES_PER_PIXEL
+    return pixels * per_pixel

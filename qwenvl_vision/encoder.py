@@ -32,7 +32,15 @@ from typing import Any
 import torch
 
 from .attention import resolve_attn_impl
-from .batching import DEFAULT_DECODE_BYTES, EncodeOptions, Prepared, batch_patches, preflight, prepared_batches
+from .batching import (
+    DEFAULT_DECODE_BYTES,
+    DEFAULT_DECODE_TIMEOUT,
+    EncodeOptions,
+    Prepared,
+    batch_patches,
+    preflight,
+    prepared_batches,
+)
 from .config import VisionConfig, resolve_config
 from .cpu.plan import CpuPlan
 from .devices import resolve_device, resolve_dtype
@@ -314,6 +322,7 @@ class VisionEncoder:
                     num_workers: int | None = None, prefetch: int = 8,
                     max_input_pixels: int | None = DEFAULT_MAX_INPUT_PIXELS,
                     decode_bytes: int | None = DEFAULT_DECODE_BYTES,
+                    decode_timeout: float | None = DEFAULT_DECODE_TIMEOUT,
                     on_prepared: Callable[[int, int], None] | None = None,
                     resize: str | None = None,
                     video_config: VideoConfig | None = None,
@@ -332,11 +341,13 @@ class VisionEncoder:
 
         Inputs are decoded and resized by worker threads ahead of the compute (PIL and torch release the
         GIL), at most `prefetch` inputs ahead. Host memory for inputs is bounded by `decode_bytes` (inputs
-        being decoded, at ~9 bytes per header pixel, plus decoded ones waiting for their batch; an input
-        larger than that is handled alone; None: no bound) plus the batch being encoded (`max_batch_patches`
-        patches, or one larger input; ``max_batch_tokens`` is its deprecated spelling). A file whose header
-        declares more than `max_input_pixels` pixels is refused before decoding and yields an error (None: no
-        limit beyond PIL's own). ``resize``: images' "pil" or "torch" (see encode_images); None takes the
+        being decoded, at what each image mode and resize backend holds at its peak, plus decoded ones waiting
+        for their batch; an input larger than that is handled alone; None: no bound) plus the batch being encoded
+        (`max_batch_patches` patches, or one larger input; ``max_batch_tokens`` is its deprecated spelling). A
+        file whose header declares more than `max_input_pixels` pixels is refused before decoding and yields an
+        error (None: no limit; it replaces PIL's own bomb limit). ``decode_timeout``: seconds one input may spend
+        decoding (from its admission by the decode budget) before it yields an error naming it and the limit,
+        and the others go on (None: no limit). ``resize``: images' "pil" or "torch" (see encode_images); None takes the
         checkpoint's. Videos always use the video processors' pipeline. ``hash_pixels``: give each result its
         ``pixels_sha256`` (hashed on the decode threads, about 15 ms per megapixel), what an encoder cache names
         the item by.
@@ -346,7 +357,7 @@ class VisionEncoder:
             video=video, min_pixels=min_pixels, max_pixels=max_pixels, max_input_pixels=max_input_pixels,
             resize=resize, video_config=video_config or self.video_config, pooled=pooled,
             max_batch_patches=batch_patches(max_batch_patches, max_batch_tokens), num_workers=num_workers,
-            prefetch=prefetch, decode_bytes=decode_bytes,
+            prefetch=prefetch, decode_bytes=decode_bytes, decode_timeout=decode_timeout,
             hash_pixels=hash_pixels)
         # batching counts patches; the caller is told embedding rows.
         report_rows = None if on_prepared is None else \

@@ -167,9 +167,15 @@ def open_header(path: str | os.PathLike, name: str, max_input_pixels: int | None
                 check_aspect: bool) -> PIL.Image.Image:
     """``PIL.Image.open`` (the header only) after the file checks, then the header checks: what probing and
     loading a file share, so that each kind of bad file gets the same message from both. The caller closes it.
+
+    With a ``max_input_pixels``, that limit replaces PIL's decompression-bomb limit: this process's
+    ``PIL.Image.MAX_IMAGE_PIXELS`` is raised to it if lower (never lowered, and left alone when None), so a
+    file within the limit decodes the same in every process that decodes it (a Ray actor included),
+    whatever PIL's default there.
     """
     path = os.fspath(path)
     check_regular_file(path, name)
+    _lift_pil_limit(max_input_pixels)
     try:
         opened = PIL.Image.open(path)
     except Exception as e:  # noqa: BLE001 - PIL raises many types for bad headers
@@ -183,6 +189,15 @@ def open_header(path: str | os.PathLike, name: str, max_input_pixels: int | None
         opened.close()
         raise
     return opened
+
+
+def _lift_pil_limit(max_input_pixels: int | None) -> None:
+    """PIL's bomb check (an error above twice ``MAX_IMAGE_PIXELS``, a warning above it) reads the process-wide
+    value at every open, also inside its plugins (GIF frames, TIFF tiles): it cannot be passed per call, so
+    the value is raised where our own header check, which runs first, takes over."""
+    limit = PIL.Image.MAX_IMAGE_PIXELS
+    if max_input_pixels is not None and limit is not None and limit < max_input_pixels:
+        PIL.Image.MAX_IMAGE_PIXELS = max_input_pixels
 
 
 def _unreadable(error: Exception, name: str) -> PreprocessError:
@@ -213,6 +228,9 @@ def _load_path(path: str | os.PathLike, name: str, check_aspect: bool,
         PIL.ImageOps.exif_transpose(opened, in_place=True)
         if opened.mode == "RGB" and getattr(opened, "fp", None) is None:
             image = opened
+        elif composite and opened.mode == "P" and isinstance(opened.info.get("transparency"), int):
+            with opened:
+                return _palette_onto_white(opened)
         else:  # another mode, or a multi-frame file Pillow keeps open: convert, then close the file
             with opened:
                 image = opened.convert("RGB")
@@ -220,6 +238,27 @@ def _load_path(path: str | os.PathLike, name: str, check_aspect: bool,
         opened.close()
         raise _unreadable(e, name) from e
     return _pil_to_rgb(image, name) if composite else image
+
+
+def _palette_onto_white(image: PIL.Image.Image) -> PIL.Image.Image:
+    """A palette image with one transparent index, as ``convert("RGB")`` then ``_pil_to_rgb`` give it, with
+    one full-size copy instead of four (RGB, RGBA, the white background, the composite; ~21 bytes a pixel).
+
+    There the transparency becomes a colour (the transparent index's), every pixel of that colour gets alpha 0
+    and all others 255, and compositing onto white gives white or the pixel's own colour: so the palette entries
+    of that colour are made white and the image converted once, the same bits."""
+    image.load()
+    index = image.info.pop("transparency")
+    probe = PIL.Image.new("P", (1, 1))  # Pillow's own way (Image.convert) of finding the transparent colour
+    probe.putpalette(image.palette, image.palette.mode)
+    probe.putpixel((0, 0), index)
+    transparent = list(probe.convert("RGB").getpixel((0, 0)))
+    palette = image.getpalette("RGB")
+    for i in range(0, len(palette), 3):
+        if palette[i:i + 3] == transparent:
+            palette[i:i + 3] = [255, 255, 255]
+    image.putpalette(palette, "RGB")
+    return image.convert("RGB")
 
 
 def _pil_to_rgb(image: PIL.Image.Image, name: str) -> PIL.Image.Image:

@@ -57,7 +57,7 @@ import ray
 import torch
 from ray.data.block import BlockAccessor
 
-from .batching import DEFAULT_DECODE_BYTES, batch_patches
+from .batching import DEFAULT_DECODE_BYTES, DEFAULT_DECODE_TIMEOUT, batch_patches
 from .encoder import ItemResult, load_encoder
 from .errors import CheckpointError, InputError
 from .parquet import ParquetLayout, records_of_table, result_columns
@@ -94,9 +94,9 @@ class Embedder:
 
     Encode options: ``min_pixels``, ``max_pixels``, ``resize``, ``pooled`` (a mean vector instead of the tokens,
     as ``embed --pooled-only``), ``fps`` (videos), ``max_batch_patches``, ``max_input_pixels``, ``decode_bytes``,
-    ``num_workers`` (decode threads), as for ``VisionEncoder.iter_encode``. ``threads``: torch threads of the
-    forward (default: Ray's, the actor's whole CPUs). ``weights_sha256``: the hash the loaded tower must have
-    (``item_ids.weights_sha256``, as run.json records it), checked once in the constructor: an actor on
+    ``decode_timeout``, ``num_workers`` (decode threads), as for ``VisionEncoder.iter_encode``. ``threads``: torch
+    threads of the forward (default: Ray's, the actor's whole CPUs). ``weights_sha256``: the hash the loaded tower
+    must have (``item_ids.weights_sha256``, as run.json records it), checked once in the constructor: an actor on
     another checkpoint, or drawing other random weights, fails instead of writing other tensors.
     ``hash_pixels``: fill the ``pixels_sha256`` column (``iter_encode``'s; null otherwise).
     """
@@ -105,7 +105,8 @@ class Embedder:
                  min_pixels: int | None = None, max_pixels: int | None = None, resize: str | None = None,
                  pooled: bool = False, fps: float | None = None, max_batch_patches: int | None = None,
                  max_input_pixels: int | None = DEFAULT_MAX_INPUT_PIXELS,
-                 decode_bytes: int | None = DEFAULT_DECODE_BYTES, num_workers: int | None = None,
+                 decode_bytes: int | None = DEFAULT_DECODE_BYTES,
+                 decode_timeout: float | None = DEFAULT_DECODE_TIMEOUT, num_workers: int | None = None,
                  spool_dir: str | None = None, threads: int | None = None, weights_sha256: str | None = None,
                  hash_pixels: bool = False, max_batch_tokens: int | None = None, **load_options: Any) -> None:
         kind = kind or column
@@ -128,7 +129,8 @@ class Embedder:
         self.options = dict(min_pixels=min_pixels, max_pixels=max_pixels, resize=resize, pooled=pooled,
                             max_batch_patches=batch_patches(max_batch_patches, max_batch_tokens),
                             max_input_pixels=max_input_pixels,
-                            decode_bytes=decode_bytes, num_workers=num_workers, video_config=video_config,
+                            decode_bytes=decode_bytes, decode_timeout=decode_timeout, num_workers=num_workers,
+                            video_config=video_config,
                             hash_pixels=hash_pixels)
         self.spool_dir = spool_dir
         _remove_dead_spools(spool_dir)

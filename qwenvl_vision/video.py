@@ -36,6 +36,7 @@ import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from threading import Event
 from typing import Any
 
 import numpy as np
@@ -369,18 +370,18 @@ def video_target_size(num_frames: int, height: int, width: int, pre: PreprocessC
 def read_video(path: str | os.PathLike, vcfg: VideoConfig, *, name: str | None = None,
                temporal_patch_size: int = 2, max_input_pixels: int | None = None,
                size: Callable[[int, int, int], tuple[int, int]] | None = None,
-               counted: int | None = None) -> tuple[np.ndarray, VideoInfo]:
+               counted: int | None = None, stop: Event | None = None) -> tuple[np.ndarray, VideoInfo]:
     """Decode the frames ``vcfg``'s sampling rule keeps: ((F, H, W, 3) uint8 RGB, VideoInfo).
 
     ``video_io.read_video_frames`` (``read_video_pyav``) with the family's ``sample_frames`` (``sample_indices``)
-    as its sampler; ``size``, ``counted`` and the errors are its.
+    as its sampler; ``size``, ``counted``, ``stop`` and the errors are its.
     """
 
     def pick_indices(total_frames: int, video_fps: float) -> list[int]:
         return sample_indices(total_frames, video_fps, vcfg, temporal_patch_size)
 
     frames, info = read_video_frames(path, pick_indices, name=name, max_input_pixels=max_input_pixels, size=size,
-                                     counted=counted)
+                                     counted=counted, stop=stop)
     info.requested_fps = float(vcfg.fps)
     return frames, info
 
@@ -394,12 +395,13 @@ def read_video(path: str | os.PathLike, vcfg: VideoConfig, *, name: str | None =
 def preprocess_video_file(path: str | os.PathLike, pre: PreprocessConfig, vcfg: VideoConfig, *,
                           index: int | None = None, min_pixels: int | None = None, max_pixels: int | None = None,
                           max_input_pixels: int | None = None, resize: str | None = None,
-                          counted: int | None = None) -> tuple[torch.Tensor, tuple[int, int, int], VideoInfo]:
+                          counted: int | None = None,
+                          stop: Event | None = None) -> tuple[torch.Tensor, tuple[int, int, int], VideoInfo]:
     """A video file -> (pixel_values float32 (t*h*w, C*T*P*P), grid (t, h, w), VideoInfo), as transformers'
     video processor of ``vcfg.sampling`` does with ``load_video(backend="pyav")``, ``do_sample_frames=True``,
     ``fps=vcfg.fps`` and ``cap_pixels_per_frame=vcfg.cap_pixels_per_frame``. Errors name the file
     (``input_name("video", index, path)``); ``max_input_pixels`` refuses a larger frame before decoding.
-    ``counted``: as in ``read_video``.
+    ``counted``, ``stop``: as in ``read_video``.
     """
     name = input_name("video", index, path)
     backend = check_resize_backend(resize or "torch", "resize")
@@ -410,7 +412,7 @@ def preprocess_video_file(path: str | os.PathLike, pre: PreprocessConfig, vcfg: 
         return sized["target"] if backend == "torch" else (height, width)  # PIL resizes later, from the source
 
     frames, info = read_video(path, vcfg, name=name, temporal_patch_size=pre.temporal_patch_size,
-                              max_input_pixels=max_input_pixels, size=size, counted=counted)
+                              max_input_pixels=max_input_pixels, size=size, counted=counted, stop=stop)
     values, grid = _preprocess_frames(list(frames), pre, vcfg, name, min_pixels, max_pixels, None, backend,
                                       target=sized["target"])
     return values, grid, info

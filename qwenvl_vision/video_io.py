@@ -29,6 +29,7 @@ import dataclasses
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from threading import Event
 from typing import Any
 
 import numpy as np
@@ -122,7 +123,9 @@ def _open_video(path: str | os.PathLike, name: str, max_input_pixels: int | None
     path = os.fspath(path)
     check_regular_file(path, name)
     try:
-        container = av.open(path)
+        # FFmpeg reads a name's "proto:" prefix (file:, concat:, subfile,...) as a protocol and would open
+        # another file; an absolute path starts with "/", which no protocol name does, so it is only a path.
+        container = av.open(os.path.abspath(path))
     except Exception as e:  # noqa: BLE001 - FFmpeg raises many error types for bad files
         raise _av_error(e, name, "open") from e
     try:
@@ -176,7 +179,7 @@ def probe_video(path: str | os.PathLike, name: str | None = None,
 def read_video_frames(path: str | os.PathLike, pick_indices: Callable[[int, float], list[int]], *,
                       name: str | None = None, max_input_pixels: int | None = None,
                       size: Callable[[int, int, int], tuple[int, int]] | None = None,
-                      counted: int | None = None) -> tuple[np.ndarray, VideoInfo]:
+                      counted: int | None = None, stop: Event | None = None) -> tuple[np.ndarray, VideoInfo]:
     """Decode the frames ``pick_indices(total_frames, video_fps)`` keeps: ((F, H, W, 3) uint8 RGB, VideoInfo).
 
     ``transformers.video_utils.read_video_pyav`` with ``pick_indices`` as ``sample_indices_fn``: PyAV,
@@ -185,14 +188,15 @@ def read_video_frames(path: str | os.PathLike, pick_indices: Callable[[int, floa
     frame's size), each frame is resized to it as soon as it is decoded (``resize_uint8_torch``, the video
     processors' resize), so a long high-resolution clip never holds its frames at full size. Deviations (frame
     count, edit lists, truncated files, errors): module docstring. ``counted``: ``probe_video``'s frame count
-    of this file, if the caller has it.
+    of this file, if the caller has it. ``stop``: an event checked before each frame; once it is set the read
+    ends with a PreprocessError (how a caller that gave up waiting frees the thread doing the read).
     """
     name = name or input_name("video", None, path)
     container, stream, total, rate = _open_video(path, name, max_input_pixels, counted)
     with container:
         source = stream.height, stream.width
         indices = pick_indices(total, rate)
-        frames, decoded = _decode_sampled(container, stream, indices, name, size)
+        frames, decoded = _decode_sampled(container, stream, indices, name, size, stop)
         edited = decoded <= indices[-1] and _cut_by_edit_list(container, stream, decoded, total, name)
     if decoded == 0:
         raise PreprocessError(f"{name}: no frame decodes")
@@ -205,7 +209,7 @@ def read_video_frames(path: str | os.PathLike, pick_indices: Callable[[int, floa
         container, stream, _, rate = _open_video(path, name, max_input_pixels)
         with container:
             indices = pick_indices(total, rate)
-            frames, decoded = _decode_sampled(container, stream, indices, name, size)
+            frames, decoded = _decode_sampled(container, stream, indices, name, size, stop)
         if decoded <= indices[-1]:
             raise PreprocessError(f"{name}: only {decoded} frames decode on a second read")
     return frames, VideoInfo(total_frames=total, video_fps=rate, frame_indices=list(indices),
@@ -213,7 +217,8 @@ def read_video_frames(path: str | os.PathLike, pick_indices: Callable[[int, floa
 
 
 def _decode_sampled(container: Any, stream: Any, indices: list[int], name: str,
-                    size: Callable[[int, int, int], tuple[int, int]] | None) -> tuple[np.ndarray | None, int]:
+                    size: Callable[[int, int, int], tuple[int, int]] | None,
+                    stop: Event | None = None) -> tuple[np.ndarray | None, int]:
     """(the frames at ``indices``, resized by ``size`` if given; how many frames were decoded).
 
     Only FFmpeg's work is reported as the file's fault; the size rule and the resize raise their own errors.
@@ -224,6 +229,9 @@ def _decode_sampled(container: Any, stream: Any, indices: list[int], name: str,
     frames = source = target = None
     decoded = 0
     for frame in _decoded(container, stream, name):
+        if stop is not None and stop.is_set():
+            raise PreprocessError(f"{name}: decoding stopped after {decoded} frames (its time limit passed, or the "
+                                  f"run was stopped)")
         if decoded in slots:
             rgb = _av_call(frame.to_ndarray, name, format="rgb24")
             if frames is None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..attention import ATTN_IMPLS
+from ..batching import DEFAULT_DECODE_TIMEOUT
 from ..config import PRESETS
 from ..devices import device_option, dtype_option
 from ..errors import ConfigError
@@ -70,6 +71,7 @@ class EmbedSettings:
     fps: float | None = None
     max_input_pixels: int | None = DEFAULT_MAX_INPUT_PIXELS
     decode_mib: int = 1024
+    decode_timeout: float = DEFAULT_DECODE_TIMEOUT
     batch_patches: int = BATCH_PATCHES
     pooled_only: bool = False
     format: str = "safetensors"
@@ -165,6 +167,9 @@ def add_embed_parser(sub, parents=()) -> argparse.ArgumentParser:
     p.add_argument("--decode-mib", type=_positive_int("--decode-mib"), default=1024,
                    help="memory images being decoded or waiting for their batch may hold at once, in MiB "
                         "(an image needing more is decoded alone; default %(default)s)")
+    p.add_argument("--decode-timeout", type=_positive_float("--decode-timeout"), default=DEFAULT_DECODE_TIMEOUT,
+                   metavar="SECONDS",
+                   help="record an input as failed when decoding it takes longer, and go on (default %(default)g)")
     p.add_argument("--batch-patches", type=_positive_int("--batch-patches"),
                    help=f"patches per forward (an item above runs alone; default {BATCH_PATCHES})")
     p.add_argument("--batch-tokens", type=_positive_int("--batch-tokens"), dest="batch_tokens",

@@ -46,18 +46,17 @@ def real_key(path: str, base: str | None = None) -> str:
 def gather_inputs(inputs: list[str]) -> Inputs:
     """Files as given, folders recursively by image and video extension (sorted), text files as path lists.
 
-    A list file that cannot be read as text, or a folder that cannot be listed, is one failed input; a
-    missing file is kept (recorded as an error later, not dropped).
+    A list file that cannot be read as text is one failed input, and so is each folder (the given one or one
+    inside it) that cannot be listed; a missing file is kept (recorded as an error later, not dropped).
     """
     found = Inputs()
     for item in inputs:
         p = Path(item)
         if p.is_dir():
-            try:
-                files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in MEDIA_EXTENSIONS)
-            except OSError as e:
-                found.add(item, f"cannot list folder {item}: {e.strerror or e}")
-                continue
+            files, unreadable = _walk_media(p)
+            for folder, why in unreadable:
+                found.add(str(folder), f"cannot list folder {folder}: {why}; make it readable, or leave it out "
+                                       f"of the inputs")
             for f in files:
                 found.add(str(f))
         elif p.suffix.lower() in LIST_EXTENSIONS and p.is_file():
@@ -71,6 +70,42 @@ def gather_inputs(inputs: list[str]) -> Inputs:
         else:
             found.add(str(p))
     return found
+
+
+def _walk_media(top: Path) -> tuple[list[Path], list[tuple[Path, str]]]:
+    """(the media files under ``top``, sorted; each folder that could not be listed, with why).
+
+    As ``sorted(top.rglob("*"))`` filtered by extension (links to files are followed, links to folders are not
+    entered), except that a folder the walk cannot list is returned instead of skipped in silence, as rglob
+    does, so that its files are reported missing rather than quietly never embedded.
+    """
+    files: list[Path] = []
+    unreadable: list[tuple[Path, str]] = []
+    stack = [top]
+    while stack:
+        folder = stack.pop()
+        try:
+            with os.scandir(folder) as entries:
+                listed = [(entry.name, entry.is_dir(follow_symlinks=False), _is_file(entry)) for entry in entries]
+        except OSError as e:
+            unreadable.append((folder, e.strerror or str(e)))
+            continue
+        for name, is_dir, is_file in listed:
+            path = folder / name
+            if is_dir:
+                stack.append(path)
+            elif is_file and path.suffix.lower() in MEDIA_EXTENSIONS:
+                files.append(path)
+    return sorted(files), sorted(unreadable)
+
+
+def _is_file(entry: os.DirEntry) -> bool:
+    """Whether a folder entry is a file (a link followed); one that cannot be checked counts as one, so that
+    reading it names the problem."""
+    try:
+        return entry.is_file()
+    except OSError:
+        return True
 
 
 def _read_list(path: Path) -> list[str]:

@@ -383,7 +383,8 @@ class EmbedJob:
                 todo, video=None, min_pixels=args.min_pixels, max_pixels=args.max_pixels,
                 max_batch_patches=args.batch_patches, resize=self.run["resize"],
                 pooled=args.pooled_only, max_input_pixels=args.max_input_pixels,
-                decode_bytes=args.decode_mib << 20, hash_pixels=self.run["file_format"] == "vllm-cache",
+                decode_bytes=args.decode_mib << 20, decode_timeout=args.decode_timeout,
+                hash_pixels=self.run["file_format"] == "vllm-cache",
                 on_prepared=lambda index, tokens: progress.update(1, tokens))
             for batch in batches:
                 writer.write_records([record_from_result(r, todo[r.index], keys[todo[r.index]]) for r in batch])
@@ -410,10 +411,6 @@ def run_embed(args: argparse.Namespace) -> int:
     settings = EmbedSettings.from_args(args)
     rank, world = rank_and_world()
     _let_pil_return_memory()
-    if settings.max_input_pixels:  # our own header check replaces PIL's bomb limit (and its warning)
-        import PIL.Image
-
-        PIL.Image.MAX_IMAGE_PIXELS = max(PIL.Image.MAX_IMAGE_PIXELS or 0, settings.max_input_pixels)
     group = _Group(rank, world)
     job = EmbedJob(settings, rank, world)
     threads = torch.get_num_threads()  # set for the run (--threads, a resumed run's), given back at the end

@@ -210,6 +210,7 @@ def encode_on_ray(job, writer: Writer) -> None:
         column="path", kind="path", min_pixels=args.min_pixels, max_pixels=args.max_pixels,
         resize=job.run["resize"], pooled=args.pooled_only, fps=args.fps, max_batch_patches=args.batch_patches,
         max_input_pixels=args.max_input_pixels, decode_bytes=args.decode_mib << 20,
+        decode_timeout=args.decode_timeout,
         num_workers=max(1, min(4, plan.threads)), threads=plan.threads, weights_sha256=job.run["weights_sha256"],
         hash_pixels=job.run["file_format"] == "vllm-cache",
         device=plan.device, dtype=job.run["dtype"], attn_impl=args.attn, compile=args.compile)
