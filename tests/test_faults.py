@@ -18,8 +18,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from qwenvl_vision import NumericalError, load_encoder
+from qwenvl_vision import ConfigError, NumericalError, load_encoder
 from qwenvl_vision.cli import main
+from qwenvl_vision.cpu.kernels import pack_weight
+from qwenvl_vision.cpu.packing import plan_needs
+from qwenvl_vision.cpu.plan import CpuPlan
 from qwenvl_vision.embed import read_embeddings, read_manifest_lines
 from tests.embed_helpers import ENV, embed_cmd, one_error_line, parquet_rows
 from tests.helpers import QWEN2_5_SMALL, make_image_folder, write_checkpoint
@@ -258,3 +261,20 @@ def test_a_link_at_the_run_s_own_file_names_is_refused_before_anything_is_writte
                  "--quiet"]) == 3
     one_error_line(capsys.readouterr().err, name, "symbolic link")
     assert sorted(p.name for p in out.iterdir()) == [name] and (out / name).is_symlink() and not target.exists()
+
+
+def test_a_recorded_cpu_plan_this_cpu_cannot_run_is_one_line(checkpoint):
+    """A run's plan recorded on a CPU whose oneDNN packs bf16 linears, resumed on one whose oneDNN cannot (an AVX2
+    CPU): a ConfigError saying what to do, not oneDNN's RuntimeError."""
+    try:
+        pack_weight(torch.zeros(16, 16, dtype=torch.bfloat16))
+    except RuntimeError:
+        pass
+    else:
+        pytest.skip("this CPU's oneDNN packs bf16 linears: a plan it cannot run cannot be made here")
+    with load_encoder(str(checkpoint), device="cpu", dtype=torch.bfloat16, cpu_kernels="reference") as encoder:
+        needs = plan_needs(encoder.model)
+    recorded = CpuPlan("an AVX-512 machine", dict.fromkeys(needs.linear_keys(), "onednn"))
+    with pytest.raises(ConfigError, match=r"CPU plan of an AVX-512 machine runs \d+x\d+ bfloat16 linears on oneDNN, "
+                                          r"which this CPU cannot run .*cpu_kernels='auto'"):
+        load_encoder(str(checkpoint), device="cpu", dtype=torch.bfloat16, cpu_kernels=recorded)

@@ -16,6 +16,7 @@ import threading
 import torch
 from torch import nn
 
+from ..errors import ConfigError
 from ..layers import MLP, Block, GatedMLP, RMSNorm, VisionAttention
 from .kernels import pack_weight, return_freed_memory
 from .plan import DTYPES, CpuPlan, PlanNeeds, dtype_name
@@ -60,7 +61,16 @@ def pack_linears_(module: nn.Module, plan: CpuPlan) -> dict[str, int]:
                      and not weight.is_meta)
         kernel = plan.linear_kernel(layer.in_features, layer.out_features, weight.dtype) if runs_here else "addmm"
         if kernel == "onednn" and not weight.is_mkldnn:
-            layer.weight = nn.Parameter(pack_weight(weight), requires_grad=False)
+            try:
+                packed = pack_weight(weight)
+            except RuntimeError as e:  # a plan recorded on another CPU: oneDNN's bf16 needs AVX-512 or AVX-NE-CONVERT
+                raise ConfigError(
+                    f"the CPU plan of {plan.machine} runs {layer.in_features}x{layer.out_features} "
+                    f"{dtype_name(weight.dtype)} linears on oneDNN, which this CPU cannot run "
+                    f"({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}): load with "
+                    f"cpu_kernels='auto' (this machine's plan), or resume the run on the kind of machine that "
+                    f"recorded it") from e
+            layer.weight = nn.Parameter(packed, requires_grad=False)
             del weight  # the plain tensor goes with its Parameter: the peak stays one layer above the tower
             return_freed_memory()
         elif kernel == "addmm" and weight.is_mkldnn:
