@@ -57,7 +57,12 @@ from tests.helpers.checkpoints import (
     write_checkpoint,
 )
 from tests.helpers.fake_hub import FakeHub, Revision, serve_hub, use_endpoint
-from tests.helpers.machine import addmm_ignores_row_stride, forced_plan, packed_gives_addmm_bits
+from tests.helpers.machine import (
+    addmm_ignores_row_stride,
+    forced_plan,
+    packed_gives_addmm_bits,
+    skip_unless_onednn_runs,
+)
 from tests.helpers.media import content, make_image_folder, write_video
 from tests.helpers.memory import census, live_tensor_bytes, rss_bytes
 from tests.helpers.processors import (
@@ -111,7 +116,7 @@ __all__ = [
     "hf_forward", "hf_source_function", "hf_tower", "hf_vision_config", "hf_vision_fields", "image_processors",
     "image_reference", "inputs", "item_errors", "join_shard", "live_tensor_bytes", "make_image_folder",
     "non_vision_shards", "offsets_of", "ours_from", "packed", "addmm_ignores_row_stride", "forced_plan",
-    "packed_gives_addmm_bits", "pair", "photo", "pil_config", "read_index",
+    "packed_gives_addmm_bits", "skip_unless_onednn_runs", "pair", "photo", "pil_config", "read_index",
     "reference_outputs", "reference_video", "rel_err", "released_config_json", "rss_bytes", "same_size_pair",
     "segment_reference",
     "sample_photo", "serve_hub", "set_entry", "shard_of", "split_shard", "synthetic_photo", "use_endpoint",
