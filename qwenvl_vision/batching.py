@@ -9,8 +9,9 @@ them into batches of at most ``max_batch_patches`` patches. Running the tower on
 An input whose decode runs longer than ``decode_timeout`` seconds is recorded as failed and the run goes on.
 Threads cannot be killed, so the decode threads are daemon threads that nothing joins (``DecodePool``): a decode
 stuck in C code holds neither the end of an iteration, Ctrl-C, nor the interpreter's exit. A video's frame loop
-stops at its next frame once its input is given up; an image decode runs to its end, and the budget it holds is
-released only then (the bytes are in memory until then).
+stops at its next frame once its input is given up; an image decode runs to its end in the background. A given-up
+input's bytes leave the decode budget at once and a new thread takes its worker's place, so neither the budget nor
+the threads stall the inputs behind it (memory may exceed the budget by what the stuck decodes hold).
 """
 
 from __future__ import annotations
@@ -179,14 +180,28 @@ def preflight(items: list[Any], options: EncodeOptions, pre: PreprocessConfig) -
 
 @dataclass(eq=False)
 class Decoding:
-    """One input's decode as its worker and the iterating thread share it: when the decode budget admitted it,
-    the event that stops its frame loop, and which side let go first (``finish`` / ``abandon``)."""
+    """One input's decode as its worker and the iterating thread share it: when the decode budget admitted it, the
+    budget bytes it holds, the event that stops its frame loop, and which side let go first (``finish`` /
+    ``abandon``). The bytes move with the input: the worker changes them only while the input is not given up."""
 
     stop: threading.Event = field(default_factory=threading.Event)
     started: float | None = None  # time.monotonic() at admission
+    held: int = 0  # decode budget bytes
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _finished: bool = False
     _abandoned: bool = False
+
+    def admitted(self, held: int) -> None:
+        with self._lock:
+            self.held, self.started = held, time.monotonic()
+
+    def hold(self, budget: DecodeBudget, now: int) -> int:
+        """The input now holds ``now`` bytes (0: none); a given-up input's bytes were released already."""
+        with self._lock:
+            if not self._abandoned:
+                budget.resize(self.held, now)
+                self.held = now
+        return now
 
     def finish(self) -> bool:
         """The worker is done: False when the iterating side gave up on it first (nobody takes its result)."""
@@ -194,12 +209,17 @@ class Decoding:
             self._finished = True
             return not self._abandoned
 
-    def abandon(self) -> bool:
-        """The iterating side gives up on the input: False when its worker finished first (take its result)."""
+    def abandon(self, budget: DecodeBudget) -> bool:
+        """The iterating side gives up on the input: False when its worker finished first (take its result).
+
+        Its bytes leave the budget at once, though its worker may hold them until it ends: counted, a decode that
+        never returns would keep every input behind it from being admitted, and the run would stall on it."""
         with self._lock:
             if self._finished:
                 return False
             self._abandoned = True
+            budget.release(self.held)
+            self.held = 0
         self.stop.set()
         return True
 
@@ -218,8 +238,7 @@ def prepare(item: Any, index: int, options: EncodeOptions, pre: PreprocessConfig
     abandoned, and the budget a result holds is released here when nobody will take it."""
     decoding = decoding or Decoding()
     prepared = _prepare(item, index, options, pre, budget, pin_memory, decoding)
-    if not decoding.finish():
-        budget.release(prepared.held)
+    decoding.finish()
     return prepared
 
 
@@ -235,8 +254,7 @@ def _prepare(item: Any, index: int, options: EncodeOptions, pre: PreprocessConfi
     header = probe_quietly(item, options.max_input_pixels) if video and is_file else None
     cost = video_file_cost(header, pre, options.video_config) if header else \
         decode_cost(item, video, options.max_input_pixels, "torch" if video else options.resize or pre.resize)
-    held = budget.admit(index, cost)
-    decoding.started = time.monotonic()
+    decoding.admitted(budget.admit(index, cost))
     info = None
     sizes = dict(min_pixels=min_pixels, max_pixels=max_pixels, index=index, max_input_pixels=options.max_input_pixels)
     try:
@@ -250,16 +268,16 @@ def _prepare(item: Any, index: int, options: EncodeOptions, pre: PreprocessConfi
         else:
             pixel_values, grid = preprocess_video(item, pre, video_config=options.video_config, **sizes)
     except PreprocessError as e:
-        budget.release(held)
+        decoding.hold(budget, 0)
         return Prepared(index, name, error=str(e))
     except Exception as e:  # noqa: BLE001 - a batch job records any per-input failure and goes on
-        budget.release(held)
+        decoding.hold(budget, 0)
         return Prepared(index, name, error=f"{name}: {type(e).__name__}: {e}")
     digest = pixels_sha256(pixel_values) if options.hash_pixels else None
     if pin_memory:
         pixel_values = pixel_values.pin_memory()
     # From here on the input holds its resized pixels, not its decode peak.
-    held = budget.resize(held, pixel_values.element_size() * pixel_values.nelement())
+    held = decoding.hold(budget, pixel_values.element_size() * pixel_values.nelement())
     return Prepared(index, name, pixel_values, tuple(grid), patches=math.prod(grid), held=held, video_info=info,
                     pixels_sha256=digest)
 
@@ -285,8 +303,10 @@ def prepared_batches(items: Iterable[Any], options: EncodeOptions, pre: Preproce
                 prepared = future.result(timeout=_WAIT_SLICE)
             except FutureTimeout:  # the builtin TimeoutError only from Python 3.11
                 started = decoding.started
-                if limit is None or started is None or time.monotonic() - started < limit or not decoding.abandon():
+                if limit is None or started is None or time.monotonic() - started < limit or \
+                        not decoding.abandon(budget):
                     continue  # not admitted yet (waiting for budget is not decoding), within its time, or just done
+                pool.add_worker()  # in place of the one still busy with it: stuck workers cannot starve the rest
                 name = input_name(input_kind(item, options)[1], index, item)
                 prepared = Prepared(index, name, error=f"{name}: not decoded within {limit:g} s (the decode time "
                                                         f"limit: embed --decode-timeout, decode_timeout); left out, "
@@ -366,6 +386,12 @@ class DecodePool:
                          for i in range(workers)]
         for thread in self._threads:
             thread.start()
+
+    def add_worker(self) -> None:
+        """One more thread, in place of one busy with an input given up (it ends once that input's decode does)."""
+        thread = threading.Thread(target=self._work, name=f"qwenvl-decode-{len(self._threads)}", daemon=True)
+        self._threads.append(thread)
+        thread.start()
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
         future: Future = Future()
