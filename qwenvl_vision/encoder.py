@@ -374,6 +374,19 @@ class VisionEncoder:
             for batch, failed in batches:
                 yield self._run_batch(batch, failed, options.pooled)
 
+    def _check_machine(self, batch: list[Prepared], failure: BaseException) -> None:
+        """Raise ``ForwardFaultError`` (from ``failure``) unless a forward of the smallest input works on this
+        device: then ``failure`` was the batch's inputs' doing, not the machine's."""
+        unit = self.config.spatial_merge_size
+        rows = torch.zeros(unit * unit, self.config.patch_dim, dtype=self.dtype, device=self.device)
+        try:
+            self._encode_unchecked(rows, [(1, unit, unit)])
+        except (RuntimeError, MemoryError) as e:
+            if isinstance(e, QwenVLVisionError):
+                raise
+            raise ForwardFaultError(f"the forward of {describe_batch(batch)} failed: {type(failure).__name__}: "
+                                    f"{first_line(failure)}") from failure
+
     def _run_batch(self, batch: list[Prepared], failed: list[Prepared], pooled: bool) -> list[ItemResult]:
         """One forward over a batch's inputs; the failed inputs beside it become error results."""
         results = [ItemResult(p.index, p.name, error=p.error) for p in failed]
@@ -383,10 +396,13 @@ class VisionEncoder:
 
     def _forward_batch(self, batch: list[Prepared], pooled: bool) -> list[ItemResult]:
         """A batch's results. Out of memory: the batch again item by item, and an item that alone runs out of
-        memory is a failed input (what it needs is the input's size). Any other failure of the forward is the
-        machine's (a kernel's error), not an input's: ``ForwardFaultError`` naming the batch's inputs. An item whose
-        outputs are not finite is a failed input; the others of its batch are unaffected (attention never crosses
-        items)."""
+        memory is a failed input (what it needs is the input's size). Any other failure of the forward: a forward of
+        the smallest input there is tells whose fault it is. If that fails too, the machine's (a kernel's or the
+        device's error): ``ForwardFaultError`` naming the batch's inputs. Else the batch again item by item, and an
+        item that fails alone is a failed input (a shape a kernel refuses would otherwise stop every resume). An
+        item whose outputs are not finite is a failed input; the others of its batch are unaffected (attention
+        never crosses items)."""
+        failure: BaseException | None = None
         try:
             pixel_values = torch.cat([p.pixel_values for p in batch]).to(self.device, non_blocking=True)
             out = self._encode_unchecked(pixel_values, [p.grid for p in batch], pooled=pooled,
@@ -394,18 +410,22 @@ class VisionEncoder:
         except (RuntimeError, MemoryError) as e:
             if isinstance(e, QwenVLVisionError):
                 raise
-            if not is_out_of_memory(e):
-                raise ForwardFaultError(f"the forward of {describe_batch(batch)} failed: {type(e).__name__}: "
-                                        f"{first_line(e)}") from e
             out = None
-        if out is None:  # out of memory; outside the except block, so the failed forward's frames are freed
-            release_cached_memory(self.device)
-            if len(batch) == 1:
-                p = batch[0]
-                return [ItemResult(p.index, p.name, error=f"{p.name}: out of memory encoding it alone ({p.patches:,} "
-                                   f"patches on {self.device}): lower its size (max_pixels, --max-pixels)",
-                                   error_class=ForwardFaultError)]
-            return [r for p in batch for r in self._forward_batch([p], pooled)]
+            if not is_out_of_memory(e):
+                failure = e
+        if out is None:  # outside the except block, so the failed forward's frames (and memory) are freed
+            pixel_values = None
+            if failure is None:
+                release_cached_memory(self.device)
+            else:
+                self._check_machine(batch, failure)
+            if len(batch) > 1:
+                return [r for p in batch for r in self._forward_batch([p], pooled)]
+            p = batch[0]
+            why = f"out of memory encoding it alone ({p.patches:,} patches on {self.device}): lower its size " \
+                  f"(max_pixels, --max-pixels)" if failure is None else \
+                  f"its forward fails alone while the device works: {type(failure).__name__}: {first_line(failure)}"
+            return [ItemResult(p.index, p.name, error=f"{p.name}: {why}", error_class=ForwardFaultError)]
         bad = set(nonfinite_items(out))
         results = []
         for i, p in enumerate(batch):

@@ -4,8 +4,10 @@
 
 SPEC is JSON; every key is optional:
 
-- ``{"fail_at": k, "error": "runtime" | "oom"}``: the k-th forward (0-based, counting retries) raises a kernel's
-  RuntimeError, or torch's OutOfMemoryError;
+- ``{"fail_from": k}``: the device breaks at the k-th forward (0-based, counting retries and the encoder's own
+  probe of the device): that forward and every later one raise a kernel's RuntimeError;
+- ``{"bad_item": "name"}``: every forward that holds an input whose name contains "name" raises a kernel's
+  RuntimeError (a shape a kernel refuses), alone too; the device works;
 - ``{"oom_above_items": n}``: every forward over more than n items runs out of memory (a batch too large for the
   machine: the encoder retries it item by item);
 - ``{"oom_item": "name"}``: every forward that holds an input whose name contains "name" runs out of memory,
@@ -28,22 +30,27 @@ from qwenvl_vision.cli import main
 
 def install(spec: dict) -> None:
     real = encoder_module.VisionEncoder._forward_batch
+    real_unchecked = encoder_module.VisionEncoder._encode_unchecked
     calls = {"n": 0}
 
-    def forward_batch(self, batch, pooled):
+    def encode_unchecked(self, *args, **kwargs):
         k = calls["n"]
         calls["n"] += 1
+        if "fail_from" in spec and k >= spec["fail_from"]:
+            raise RuntimeError("injected: a kernel failed (the device is gone)")
+        return real_unchecked(self, *args, **kwargs)
+
+    def forward_batch(self, batch, pooled):
         names = [p.name for p in batch]
-        if spec.get("fail_at") == k:
-            if spec.get("error") == "oom":
-                raise_inside(self, batch, pooled, real, torch.OutOfMemoryError("injected: out of memory"))
-            raise_inside(self, batch, pooled, real, RuntimeError("injected: a kernel failed (illegal instruction)"))
         if "oom_above_items" in spec and len(batch) > spec["oom_above_items"]:
             return raise_inside(self, batch, pooled, real, torch.OutOfMemoryError("injected: out of memory"))
         if "oom_item" in spec and any(spec["oom_item"] in n for n in names):
             return raise_inside(self, batch, pooled, real, torch.OutOfMemoryError("injected: out of memory"))
+        if "bad_item" in spec and any(spec["bad_item"] in n for n in names):
+            return raise_inside(self, batch, pooled, real, RuntimeError("injected: no kernel for this shape"))
         return real(self, batch, pooled)
 
+    encoder_module.VisionEncoder._encode_unchecked = encode_unchecked
     encoder_module.VisionEncoder._forward_batch = forward_batch
 
 

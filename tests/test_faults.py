@@ -91,11 +91,11 @@ def assert_exactly_once(out: Path, clean: dict[str, torch.Tensor]) -> None:
     assert not [p for p in out.rglob("*.tmp")]
 
 
-def test_a_kernel_error_at_batch_k_stops_with_exit_4_naming_the_batch_then_resume_finishes(
+def test_a_device_that_fails_from_batch_k_on_stops_with_exit_4_naming_the_batch_then_resume_finishes(
         tmp_path, images, checkpoint, clean):
     out = tmp_path / "out"
     cmd = embed_cmd([images], checkpoint, out, "--batch-patches", "1", "--device", "cpu")
-    failed = run(with_fault({"fail_at": 3, "error": "runtime"}, cmd))
+    failed = run(with_fault({"fail_from": 3}, cmd))
     assert failed.returncode == 4, failed.stderr
     line = one_error_line(failed.stderr, "the forward of a batch of 1 input", "RuntimeError",
                           "injected: a kernel failed", "recorded 3 inputs", "--resume")
@@ -104,6 +104,23 @@ def test_a_kernel_error_at_batch_k_stops_with_exit_4_naming_the_batch_then_resum
     resumed = run([*cmd, "--resume"])
     assert resumed.returncode == 0, resumed.stderr
     assert_exactly_once(out, clean)
+
+
+def test_an_input_a_kernel_refuses_while_the_device_works_is_a_failed_input_and_the_run_goes_on(
+        tmp_path, images, checkpoint, clean):
+    """The forward fails on a batch holding img004, and on img004 alone, while a probe of the device works: the
+    input's doing, so it is a failed input (a resume would otherwise meet it, and stop, every time)."""
+    out = tmp_path / "out"
+    done = run(with_fault({"bad_item": "img004"}, embed_cmd([images], checkpoint, out, "--device", "cpu")))
+    assert done.returncode == 1, done.stderr
+    records = {Path(r["path"]).name: r for r in read_manifest_lines(out / "manifest.jsonl")}
+    bad = records.pop("img004.jpg")
+    assert bad["status"] == "error" and "its forward fails alone while the device works: RuntimeError: injected: " \
+        "no kernel for this shape" in bad["error"], bad
+    assert all(r["status"] == "ok" for r in records.values())
+    got = stored(out)
+    assert got.keys() == clean.keys() - {"img004.jpg"}
+    assert all(torch.equal(got[name], clean[name]) for name in got)
 
 
 def test_out_of_memory_on_a_batch_retries_it_item_by_item(tmp_path, images, checkpoint, clean):
