@@ -5,8 +5,12 @@ two processes tuning at once; strict as a dict; and a run's plan applied on any 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 import warnings
 
 import pytest
@@ -18,7 +22,7 @@ from qwenvl_vision.cpu.kernels import DEFAULT_CHUNK_BYTES
 from qwenvl_vision.cpu.machine import machine_identity, machine_key, machine_plan
 from qwenvl_vision.cpu.plan import DEFAULT_MLP_ROWS, PROBE_LENGTHS, CpuPlan, PlanNeeds, attention_key
 from qwenvl_vision.cpu.workspace import DEFAULT_SCRATCH_ELEMENTS
-from tests.helpers import QWEN2_5_SMALL, grids_for, inputs
+from tests.helpers import QWEN2_5_SMALL, grids_for, inputs, skip_unless_onednn_runs
 
 NEEDS = PlanNeeds(frozenset({(64, 96, torch.float32), (96, 64, torch.bfloat16)}),
                   frozenset({(torch.float32, 2, 16)}))
@@ -209,6 +213,7 @@ def test_an_mlp_is_timed_whole_and_its_shapes_run_packed_where_it_ran_faster_so(
     if not onednn_linear_available():
         pytest.skip("this torch has no oneDNN linear")
     monkeypatch.setattr(machine, "measure_linear", lambda *_, **__: kernel)
+    monkeypatch.setattr(machine, "onednn_packs", lambda dtype: True)  # the probes are mocked: any CPU
     timed = []
     monkeypatch.setattr(machine, "measure_mlp", lambda *a, **k: timed.append(a) or (
         (True, 256) if whole_mlp_packed or kernel == "onednn" else (False, DEFAULT_MLP_ROWS)))
@@ -249,6 +254,7 @@ def test_an_mlp_is_timed_as_chosen_then_packed_then_per_block_rows(monkeypatch, 
 
     if not onednn_linear_available():
         pytest.skip("this torch has no oneDNN linear")
+    skip_unless_onednn_runs(torch.bfloat16)  # it runs real bf16 MLPs on oneDNN
     calls, ran = iter(timings), []
     monkeypatch.setattr(machine, "best_seconds", lambda fn, repeats: (fn(), next(calls))[1])
     real_mlp = machine.CpuExecution.mlp
@@ -288,6 +294,7 @@ def test_a_block_s_chunk_and_scratch_are_measured_on_the_plan_s_kernels_and_only
                                  (96, 64, torch.float32)}), frozenset({(torch.float32, 2, 32)}),
                       frozenset({("plain", 64, 96, "gelu_pytorch_tanh", torch.float32)}), frozenset({block}))
     monkeypatch.setattr(machine, "measure_linear", lambda *_, **__: kernel)
+    monkeypatch.setattr(machine, "onednn_packs", lambda dtype: True)  # the probes are mocked: any CPU
     # the MLP keeps its lone choices (timed whole it might pack them, which is another test's)
     monkeypatch.setattr(machine, "measure_mlp", lambda *a, **__: (all(a[5]), DEFAULT_MLP_ROWS))
     timed, searched = [], []
@@ -352,6 +359,7 @@ def test_measuring_leaves_the_caller_s_random_state_alone(fresh, monkeypatch):
     if not onednn_linear_available():
         pytest.skip("this torch has no oneDNN linear")
     monkeypatch.setattr(machine, "measure_linear", lambda *_, **__: "onednn")
+    monkeypatch.setattr(machine, "onednn_packs", lambda dtype: True)  # the probes are mocked: any CPU
     timed = []
     real = machine.measure_mlp
     monkeypatch.setattr(machine, "measure_mlp", lambda *a, **k: timed.append(a) or real(*a, **k))
@@ -376,3 +384,157 @@ def test_a_recorded_plan_with_onednn_kernels_is_refused_where_torch_has_none(mon
         with pytest.raises(ConfigError, match="lacks"):
             CpuPlan.from_dict({**CpuPlan("m").to_dict(), **entries})
     assert CpuPlan.from_dict(CpuPlan("m", {"64x96:float32": "addmm"}).to_dict()).linear == {"64x96:float32": "addmm"}
+
+
+# ----------------------------------------------------------------------------- a held lock, planted links
+
+
+# fp32 only: a CPU without oneDNN's bf16 linear warns about it while measuring, which is not what these count.
+NEEDS32 = PlanNeeds(frozenset({(64, 96, torch.float32), (96, 64, torch.float32)}), frozenset({(torch.float32, 2, 16)}))
+HOLDER = """
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o644)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("locked", flush=True)
+time.sleep(600)
+"""
+
+
+def caught_plan(needs):
+    """(machine_plan(needs), the warnings' messages)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = machine_plan(needs)
+    return plan, [str(w.message) for w in caught]
+
+
+def test_a_plan_lock_held_by_a_stopped_process_is_waited_for_a_bounded_time_then_one_warning(fresh, monkeypatch):
+    """Another process holds the lock and is stopped (SIGSTOP): the load waits PLAN_LOCK_WAIT_S, warns once naming
+    the lock file, measures for itself and saves the plan whole (a later load reads it without waiting)."""
+    folder, calls = fresh
+    folder.mkdir(parents=True)
+    lock = folder / f"{machine_key(machine_identity())}.lock"
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(lock)], stdout=subprocess.PIPE, text=True)
+    done: dict = {}
+    thread = threading.Thread(target=lambda: done.update(zip(("plan", "warnings"), caught_plan(NEEDS32))), daemon=True)
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        os.kill(holder.pid, signal.SIGSTOP)
+        monkeypatch.setattr(machine, "PLAN_LOCK_WAIT_S", 1.0, raising=False)
+        start = time.monotonic()
+        thread.start()
+        thread.join(timeout=60)
+        assert not thread.is_alive(), "the load still waits for the CPU plan lock"
+    finally:
+        holder.kill()
+        holder.wait()
+        thread.join(timeout=60)
+    assert time.monotonic() - start >= 1.0 and len(calls) == 1
+    assert set(done["plan"].linear) == {"64x96:float32", "96x64:float32"}
+    [message] = done["warnings"]
+    assert str(lock) in message and "still held" in message and "\n" not in message
+    forget(monkeypatch)
+    again, messages = caught_plan(NEEDS32)
+    assert again == done["plan"] and len(calls) == 1 and messages == []  # saved: read back, no measuring
+
+
+def test_a_link_at_the_plan_lock_is_not_followed_and_the_plan_is_not_saved(fresh, tmp_path):
+    """A dangling link planted at ``{key}.lock``: nothing is created where it points, one warning names it, the plan
+    is measured for the process alone."""
+    folder, calls = fresh
+    folder.mkdir(parents=True)
+    lock = folder / f"{machine_key(machine_identity())}.lock"
+    target = tmp_path / "somebody-else's"
+    lock.symlink_to(target)
+    plan, messages = caught_plan(NEEDS32)
+    assert set(plan.linear) == {"64x96:float32", "96x64:float32"} and len(calls) == 1
+    assert not target.exists() and lock.is_symlink() and not list(folder.glob("*.json"))
+    [message] = messages
+    assert str(lock) in message and "symbolic link" in message and "for this process only" in message
+
+
+def test_a_link_at_the_plan_s_temporary_file_is_not_written_through(fresh, tmp_path):
+    """A link planted at ``{key}.json.{pid}.tmp``: the file it points to keeps its bytes, one warning names it, no
+    plan file is saved."""
+    folder, calls = fresh
+    folder.mkdir(parents=True)
+    tmp = folder / f"{machine_key(machine_identity())}.json.{os.getpid()}.tmp"
+    target = tmp_path / "precious.bin"
+    target.write_bytes(b"precious")
+    tmp.symlink_to(target)
+    plan, messages = caught_plan(NEEDS32)
+    assert set(plan.linear) == {"64x96:float32", "96x64:float32"}
+    assert target.read_bytes() == b"precious" and tmp.is_symlink() and not list(folder.glob("*.json"))
+    [message] = messages
+    assert str(tmp) in message and "symbolic link" in message
+
+
+def test_a_link_at_the_plan_file_is_neither_read_nor_written_through(fresh, tmp_path, monkeypatch):
+    """A link at ``{key}.json`` to a valid plan file elsewhere: not read (one warning naming it); the saved plan
+    replaces the link itself, never what it points to."""
+    folder, calls = fresh
+    good = machine_plan(NEEDS32)
+    path = plan_file(folder)
+    target = tmp_path / "elsewhere.json"
+    target.write_bytes(path.read_bytes())
+    before = target.read_bytes()
+    path.unlink()
+    path.symlink_to(target)
+    forget(monkeypatch)
+    plan, messages = caught_plan(NEEDS32)
+    assert set(plan.linear) == set(good.linear) and len(calls) == 2
+    [message] = messages
+    assert str(path) in message and "symbolic link" in message
+    assert target.read_bytes() == before and not path.is_symlink()
+
+
+# ----------------------------------------------------------------------------- a plan's fields, in range
+
+
+GOOD = CpuPlan("0123456789abcdef", {"64x96:float32": "addmm"}, {attention_key(torch.float32, 2, 16, 512): "sdpa"},
+               {"gated:64x96:silu:float32": DEFAULT_MLP_ROWS},
+               {"gated:rms:64x2:96:silu:float32": DEFAULT_CHUNK_BYTES},
+               {"gated:rms:64x2:96:silu:float32": DEFAULT_SCRATCH_ELEMENTS})
+BLOCK = "gated:rms:64x2:96:silu:float32"
+
+
+@pytest.mark.parametrize(("field", "value", "named"), [
+    ("scratch", {BLOCK: 1 << 30}, "scratch"),  # 8 GiB of fp32 scratch allocated per forward
+    ("scratch", {BLOCK: (1 << 21) + 1}, "scratch"),
+    ("scratch", {BLOCK: 1 << 16}, "scratch"),
+    ("linear_chunk", {BLOCK: 1 << 30}, "linear_chunk"),
+    ("linear_chunk", {BLOCK: 1024}, "linear_chunk"),
+    ("mlp", {"gated:64x96:silu:float32": 1 << 20}, "mlp"),
+    ("mlp", {"gated:64x96:silu:float32": 1}, "mlp"),
+    ("mlp", {"gated:64x96:silu:float32": 512.0}, "mlp"),
+    ("linear", {"0x96:float32": "addmm"}, "0x96:float32"),
+    ("attention", {"float32:2x16:100": "sdpa"}, "float32:2x16:100"),
+    ("attention", {"float32:2x0:512": "sdpa"}, "float32:2x0:512"),
+    ("linear", {"64x96:float32": "mkl"}, "mkl"),
+    ("machine", "../" * 40, "machine"),
+    ("machine", "", "machine"),
+    ("machine", 5, "machine"),
+], ids=lambda v: str(v)[:24])
+def test_a_plan_with_a_field_out_of_range_is_refused_naming_it(field, value, named):
+    """A foreign plan file or a hand-edited run.json: every field is checked in type and range on reading; a size
+    outside its probe's search space (which holds the default) was never measured."""
+    bad = {**GOOD.to_dict(), field: value}
+    with pytest.raises(ConfigError, match="CPU plan") as refused:
+        CpuPlan.from_dict(bad)
+    assert named in str(refused.value) and "\n" not in str(refused.value) and len(str(refused.value)) < 300
+    with pytest.raises(ConfigError, match=named):  # the same through the public API
+        load_encoder(QWEN2_5_SMALL, random_weights=True, device="cpu", cpu_kernels=bad)
+
+
+def test_the_defaults_and_a_measured_plan_round_trip(fresh):
+    """Every size the probes can choose, and a plan measured here, read back as they were."""
+    assert CpuPlan.from_dict(json.loads(json.dumps(GOOD.to_dict()))) == GOOD
+    for rows, chunk, scratch in zip(machine.MLP_ROW_CHOICES, machine.CHUNK_CHOICES * 2, machine.SCRATCH_CHOICES,
+                                    strict=False):
+        plan = CpuPlan("m", mlp={"gated:64x96:silu:float32": rows}, linear_chunk={BLOCK: chunk},
+                       scratch={BLOCK: scratch})
+        assert CpuPlan.from_dict(plan.to_dict()) == plan
+    needs = PlanNeeds(NEEDS32.linear, NEEDS32.attention, frozenset({("gated", 64, 96, "silu", torch.float32)}),
+                      frozenset({("gated", "rms", 64, 2, 96, "silu", torch.float32)}))
+    measured = machine_plan(needs)
+    assert CpuPlan.from_dict(json.loads(json.dumps(measured.to_dict()))) == measured

@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from qwenvl_vision import ConfigError, NumericalError, load_encoder
 from qwenvl_vision.cli import main
-from qwenvl_vision.cpu.kernels import pack_weight
+from qwenvl_vision.cpu.kernels import onednn_packs
 from qwenvl_vision.cpu.packing import plan_needs
 from qwenvl_vision.cpu.plan import CpuPlan
 from qwenvl_vision.embed import read_embeddings, read_manifest_lines
@@ -283,11 +283,7 @@ def test_a_link_at_the_run_s_own_file_names_is_refused_before_anything_is_writte
 def test_a_recorded_cpu_plan_this_cpu_cannot_run_is_one_line(checkpoint):
     """A run's plan recorded on a CPU whose oneDNN packs bf16 linears, resumed on one whose oneDNN cannot (an AVX2
     CPU): a ConfigError saying what to do, not oneDNN's RuntimeError."""
-    try:
-        pack_weight(torch.zeros(16, 16, dtype=torch.bfloat16))
-    except RuntimeError:
-        pass
-    else:
+    if onednn_packs(torch.bfloat16):
         pytest.skip("this CPU's oneDNN packs bf16 linears: a plan it cannot run cannot be made here")
     with load_encoder(str(checkpoint), device="cpu", dtype=torch.bfloat16, cpu_kernels="reference") as encoder:
         needs = plan_needs(encoder.model)

@@ -385,3 +385,20 @@ def test_attention_plan_runs_large_windows_in_place_and_batches_small_ones():
     gathered = [g for g in plan.frames.groups if g.index is not None]
     assert {(g.length, g.count) for g in gathered} == {(60, 8), (16, 8)}
     assert len(plan.frames.groups) == 2
+
+
+def test_the_shape_cache_hands_evicted_entries_pages_back_to_the_os(monkeypatch):
+    """Every TRIM_EVERY_BYTES of evicted entries, and on clear, the heap is trimmed (glibc keeps freed pages of
+    evicted entries resident otherwise: RSS crept after the cache was full)."""
+    from qwenvl_vision import cache
+
+    trims = []
+    real = getattr(cache, "return_freed_memory", lambda: None)
+    monkeypatch.setattr(cache, "return_freed_memory", lambda: trims.append(1) or real(), raising=False)
+    monkeypatch.setattr(cache, "TRIM_EVERY_BYTES", 1 << 20, raising=False)
+    shapes = cache.ShapeCache(maxsize=2, max_bytes=None)
+    for grid in range(10):  # 512 KiB each: 8 evicted, 4 MiB
+        shapes.get_or_compute(grid, lambda: torch.zeros(1 << 17))
+    assert len(shapes) == 2 and len(trims) == 4
+    shapes.clear()
+    assert len(trims) == 5

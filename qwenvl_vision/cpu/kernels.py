@@ -44,6 +44,16 @@ def onednn_linear_available() -> bool:
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether this CPU's oneDNN packs a linear in ``dtype`` at all (bf16 needs AVX512-BW/VL/DQ or AVX-NE-CONVERT:
+    an AVX2-only CPU has neither); a reorder of a tiny weight tells, in microseconds."""
+    try:
+        pack_weight(torch.zeros(16, 16, dtype=dtype))
+    except RuntimeError:
+        return False
+    return True
+
+
 def return_freed_memory() -> None:
     """Hand the heap pages freed so far back to the OS (glibc's ``malloc_trim``; nothing elsewhere). Packing a
     tower frees each plain weight as its packed form arrives; without this the freed holes stay resident and the

@@ -5,9 +5,12 @@ probes' revision, and stored as ``{key}.json`` under ``$QWENVL_VISION_CACHE/cpu-
 ``$XDG_CACHE_HOME/qwenvl-vision`` or ``~/.cache/qwenvl-vision``). Every later process on that machine reuses it, so
 two processes choose the same kernels and give the same bits. The file is only an optimisation: one that is corrupt,
 truncated, foreign (another machine's key) or invalid is reported in one warning and measured again; two processes
-tuning at once take turns on a lock file (the second reads what the first measured); a folder that cannot be written
-still works, its plan measured for the process alone. Entries are added as towers need them (``machine_plan``); an
-entry once recorded is never measured again.
+tuning at once take turns on a lock file (the second reads what the first measured). A lock held longer than
+``PLAN_LOCK_WAIT_S`` (a stopped process, a stale network-file-system lock) is given up on with one warning: the process
+measures for itself and still saves its plan (each file is replaced whole, so the holder's and this process's saves
+cannot mix). A folder that cannot be written, or a symbolic link at the lock's or a temporary file's name (never
+followed, left as it is), still works: one warning, the plan measured for the process alone. Entries are added as
+towers need them (``machine_plan``); an entry once recorded is never measured again.
 
 Each measurement times the kernels as the backend calls them, on random operands of the shape (the rate depends on
 the shape, not on the values).
@@ -20,7 +23,9 @@ import hashlib
 import json
 import os
 import platform
+import stat
 import threading
+import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,8 +35,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attention import SegmentPlan
-from ..durable import replace_atomically
-from ..errors import ConfigError
+from ..durable import open_no_follow, replace_atomically
+from ..errors import ConfigError, OutputLinkError
 from ..layers import MLP, Block, GatedMLP, RMSNorm
 from .forward import CpuExecution
 from .kernels import (
@@ -39,13 +44,17 @@ from .kernels import (
     best_seconds,
     gemm_attention,
     onednn_linear_available,
+    onednn_packs,
     pack_weight,
     packed_chunks,
 )
 from .plan import (
+    CHUNK_CHOICES,
     DEFAULT_MLP_ROWS,
     DTYPES,
+    MLP_ROW_CHOICES,
     PROBE_LENGTHS,
+    SCRATCH_CHOICES,
     CpuPlan,
     PlanNeeds,
     attention_key,
@@ -59,11 +68,6 @@ from .workspace import DEFAULT_SCRATCH_ELEMENTS, Workspace
 PROBE_TOKENS = 2048  # tokens per attention probe (segments of a length batched up to it): rates, not totals
 LINEAR_PROBE_ROWS = 1024  # the towers' packs hold thousands of rows, and the rate flattens by here
 MLP_PROBE_ROWS = 2048
-MLP_ROW_CHOICES = (128, 256, 512, 1024, 2048)  # the search space of an MLP's block rows (2048: one block)
-# The search spaces of a packed linear's output bytes per call and of the fp32 scratch: from well inside a core's
-# private cache to beyond a small last-level cache share, where fewer, larger calls may still win.
-CHUNK_CHOICES = (1 << 20, 2 << 20, 4 << 20, 8 << 20)
-SCRATCH_CHOICES = (1 << 17, 1 << 18, 1 << 19, 1 << 20, 1 << 21)
 BLOCK_PROBE_SEGMENTS = (1024,)  # one frame of a photo's size: on the CPU each item runs as its own forward
 # Preferences on a near tie, not fits to a machine, for a lone linear and for a whole MLP against its linears' lone
 # choices: in fp32 oneDNN rounds differently from addmm, so the reference's kernel stays unless oneDNN is 10%
@@ -78,6 +82,12 @@ SIZE_FASTER_BY = 1.05
 # file of older probes is then another machine key, and its machine is measured afresh. A recorded run's plan is
 # not affected: it runs as recorded.
 PROBE_REVISION = 2
+# How long a load waits for another process tuning this machine before measuring for itself: far longer than any
+# tower's measuring takes, far shorter than forever (a stopped holder, a stale network-file-system lock).
+PLAN_LOCK_WAIT_S = 60.0
+LOCK_POLL_S = 0.05
+# A plan file is a few kilobytes: anything far larger is not one, and is not read into memory.
+MAX_PLAN_FILE_BYTES = 1 << 24
 
 
 def measure_linear(in_features: int, out_features: int, dtype: torch.dtype, repeats: int = 3) -> str:
@@ -231,8 +241,10 @@ def measure(needs: PlanNeeds, machine: str, known: CpuPlan | None = None) -> Cpu
                            dict.fromkeys(needs.attention_keys(), "sdpa"),
                            dict.fromkeys(needs.mlp_keys(), DEFAULT_MLP_ROWS))
         else:
-            linear = {linear_key(i, o, d): measure_linear(i, o, d) for i, o, d in sorted(needs.linear, key=str)
-                      if dtype_name(d) in DTYPES}
+            # A dtype this CPU's oneDNN cannot pack runs torch's kernels, chosen without a probe or a warning.
+            packs_here = {d: onednn_packs(d) for *_, d in needs.linear if dtype_name(d) in DTYPES}
+            linear = {linear_key(i, o, d): measure_linear(i, o, d) if packs_here[d] else "addmm"
+                      for i, o, d in sorted(needs.linear, key=str) if dtype_name(d) in DTYPES}
             attention = {}
             for d, h, hd in sorted(needs.attention, key=str):
                 if dtype_name(d) in DTYPES:
@@ -241,6 +253,9 @@ def measure(needs: PlanNeeds, machine: str, known: CpuPlan | None = None) -> Cpu
             mlp = {}
             for kind, dim, hidden, act, d in sorted(needs.mlp, key=str):
                 if dtype_name(d) not in DTYPES:
+                    continue
+                if not packs_here.get(d, False):
+                    mlp[mlp_key(kind, dim, hidden, act, d)] = DEFAULT_MLP_ROWS
                     continue
                 shapes = ((dim, 2 * hidden if kind == "gated" else hidden, d), (hidden, dim, d))
                 packs = tuple(kernels.linear_kernel(*shape) == "onednn" for shape in shapes)
@@ -309,15 +324,25 @@ def warn(message: str) -> None:
     warnings.warn(f"qwenvl-vision: {message}", RuntimeWarning, stacklevel=3)
 
 
-def read_plan_file(path: Path, identity: dict, key: str) -> CpuPlan | None:
-    """The plan stored at ``path`` for this machine, or None: missing silently; unreadable, corrupt, truncated,
-    foreign or invalid with one warning (it is measured again and the file replaced)."""
+def read_plan_file(path: Path, identity: dict, key: str, quiet: bool = False) -> CpuPlan | None:
+    """The plan stored at ``path`` for this machine, or None: missing silently; a symbolic link (never followed),
+    not a regular file, unreadable, larger than any plan, corrupt, truncated, foreign or invalid with one warning
+    unless ``quiet`` (it is measured again and the file replaced)."""
     try:
-        text = path.read_text()
+        # O_NONBLOCK: a FIFO planted at the name must not block the load; a regular file ignores it.
+        fd = open_no_follow(path, os.O_RDONLY | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise ConfigError("it is not a regular file")
+            data = f.read(MAX_PLAN_FILE_BYTES + 1)
+        if len(data) > MAX_PLAN_FILE_BYTES:
+            raise ConfigError(f"it is larger than any plan ({MAX_PLAN_FILE_BYTES} bytes)")
+        text = data.decode()
     except (FileNotFoundError, NotADirectoryError):  # never measured here, or no folder to hold it
         return None
-    except (OSError, UnicodeDecodeError) as e:
-        warn(f"cannot read the CPU plan {path} ({e}); measuring this machine again")
+    except (OSError, UnicodeDecodeError, OutputLinkError, ConfigError) as e:
+        if not quiet:
+            warn(f"cannot read the CPU plan {path} ({e}); measuring this machine again")
         return None
     try:
         data = json.loads(text)
@@ -328,30 +353,58 @@ def read_plan_file(path: Path, identity: dict, key: str) -> CpuPlan | None:
             raise ConfigError(f"its key {plan.machine!r} is not this machine's {key!r}")
         return plan
     except (ValueError, ConfigError) as e:  # json's errors are ValueErrors
-        warn(f"ignoring the CPU plan {path}: {e}; measuring this machine again")
+        if not quiet:
+            warn(f"ignoring the CPU plan {path}: {e}; measuring this machine again")
         return None
 
 
+def take_lock(fd: int) -> bool:
+    """``flock(fd, LOCK_EX)`` within PLAN_LOCK_WAIT_S: whether it was taken."""
+    import fcntl
+
+    deadline = time.monotonic() + PLAN_LOCK_WAIT_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(LOCK_POLL_S, left))
+
+
 @contextlib.contextmanager
-def plan_lock(folder: Path, key: str) -> Iterator[bool]:
-    """Hold ``{key}.lock`` (one process tunes at a time); yields whether the folder can be written at all."""
+def plan_lock(folder: Path, key: str) -> Iterator[str | None]:
+    """Hold ``{key}.lock`` (one process tunes at a time), waiting at most PLAN_LOCK_WAIT_S for another holder (then
+    one warning naming the lock, and on without it). Yields None where the plan may be saved, else why not: the
+    folder cannot be written, or a symbolic link sits at the lock's name (never followed, left as it is)."""
+    lock = folder / f"{key}.lock"
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        fd = os.open(folder / f"{key}.lock", os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError:
-        yield False
+        fd = open_no_follow(lock, os.O_RDWR | os.O_CREAT)
+    except OutputLinkError:
+        yield (f"{lock} is a symbolic link (not followed, left as it is): this machine's plan is measured for this "
+               f"process only (remove the link, or set QWENVL_VISION_CACHE to another folder, to keep it)")
+        return
+    except OSError as e:
+        yield (f"cannot write the CPU plan cache {folder} ({e.strerror or e}): this machine's plan is measured for "
+               f"this process only (set QWENVL_VISION_CACHE to a writable folder to keep it)")
         return
     try:
         try:
-            import fcntl
+            import fcntl  # noqa: F401
         except ImportError:  # no flock on this platform: concurrent tuners may both measure, each file whole
-            yield True
+            yield None
             return
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            if not take_lock(fd):
+                warn(f"the CPU plan cache's lock {lock} is still held by another process after {PLAN_LOCK_WAIT_S:g} "
+                     f"s (a stopped process, or a stale network-file-system lock): going on without it, measuring "
+                     f"what the cache lacks here (delete the lock file if no process is tuning)")
         except OSError as e:  # some network file systems refuse locks: tune unlocked, each file still written whole
             warn(f"cannot lock the CPU plan cache {folder} ({e}): a process tuning beside this one may measure too")
-        yield True
+        yield None
     finally:
         os.close(fd)  # closing releases the lock
 
@@ -373,25 +426,32 @@ def machine_plan(needs: PlanNeeds) -> CpuPlan:
             return plan
         folder = plan_folder()
         path = folder / f"{key}.json"
-        with plan_lock(folder, key) as writable:
+        # A file that holds every need is read without the lock (files are replaced whole, so a reader beside a
+        # writer sees one of them): loads do not queue behind a process that tunes another tower.
+        stored = read_plan_file(path, identity, key, quiet=True)
+        if stored is not None and plan.with_entries(stored).missing(needs).empty():
+            PLANS[key] = plan = plan.with_entries(stored)
+            return plan
+        with plan_lock(folder, key) as unsaved:
             stored = read_plan_file(path, identity, key)
             if stored is not None:
                 plan = plan.with_entries(stored)
             missing = plan.missing(needs)
             if not missing.empty():
                 plan = plan.with_entries(measure(missing, key, plan))
-                if writable:
+                if unsaved is None:
                     save_plan(path, plan, identity)
                 else:
-                    warn(f"cannot write the CPU plan cache {folder}: this machine's plan is measured for this "
-                         f"process only (set QWENVL_VISION_CACHE to a writable folder to keep it)")
+                    warn(unsaved)
         PLANS[key] = plan
         return plan
 
 
 def save_plan(path: Path, plan: CpuPlan, identity: dict) -> None:
+    """``path`` replaced whole by ``plan`` (never through a link at it or at the temporary file's name); a failure
+    is one warning."""
     data = json.dumps({**plan.to_dict(), "identity": identity}, indent=1).encode()
     try:
         replace_atomically(path, path.with_name(f"{path.name}.{os.getpid()}.tmp"), lambda f: f.write(data))
-    except OSError as e:
+    except (OSError, OutputLinkError) as e:
         warn(f"cannot save the CPU plan {path} ({e}): it is measured for this process only")

@@ -29,9 +29,17 @@ from .workspace import DEFAULT_SCRATCH_ELEMENTS
 
 PLAN_FORMAT = 3
 PLAN_FIELDS = ("format", "machine", "linear", "attention", "mlp", "linear_chunk", "scratch")
-SIZE_FIELDS = {"mlp": "rows of a block", "linear_chunk": "bytes of output per call",
-               "scratch": "fp32 elements per buffer"}
-MAX_SIZE = 1 << 30  # far above any choice measured: a larger size is not a plan's, and would be allocated
+# The probes' search spaces (``machine`` times each): an MLP's block rows (2048: one block of the probe), a packed
+# linear's output bytes per call and the fp32 scratch, from well inside a core's private cache to beyond a small
+# last-level cache share. Each holds its default.
+MLP_ROW_CHOICES = (128, 256, 512, 1024, 2048)
+CHUNK_CHOICES = (1 << 20, 2 << 20, 4 << 20, 8 << 20)
+SCRATCH_CHOICES = (1 << 17, 1 << 18, 1 << 19, 1 << 20, 1 << 21)
+# A recorded size outside its search space's range was never measured by any version: it is refused, not run (a
+# size is allocated per forward, or sets how many rows a kernel call takes).
+SIZE_FIELDS = {"mlp": ("rows of a block", MLP_ROW_CHOICES), "linear_chunk": ("bytes of output per call", CHUNK_CHOICES),
+               "scratch": ("fp32 elements per buffer", SCRATCH_CHOICES)}
+MACHINE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")  # a machine key (16 hex digits), or a caller's short name
 LINEAR_KERNELS = ("addmm", "onednn")
 ATTENTION_PATHS = ("sdpa", "gemm")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -70,6 +78,15 @@ def mlp_key(kind: str, dim: int, hidden: int, act: str, dtype: torch.dtype) -> s
 
 def block_key(mlp: str, norm: str, dim: int, heads: int, hidden: int, act: str, dtype: torch.dtype) -> str:
     return f"{mlp}:{norm}:{dim}x{heads}:{hidden}:{act}:{dtype_name(dtype)}"
+
+
+def valid_key(name: str, key: str) -> bool:
+    """Whether ``key`` is an entry key of a plan's ``name`` field this version writes: its pattern, every size at
+    least 1, an attention key's length one of PROBE_LENGTHS."""
+    match = KEYS[name].fullmatch(key)
+    if match is None or any(group.isdigit() and int(group) < 1 for group in match.groups()):
+        return False
+    return name != "attention" or int(match.group(4)) in PROBE_LENGTHS
 
 
 def nearest_probe(length: int) -> int:
@@ -169,18 +186,21 @@ class CpuPlan:
                               f"{sorted(data)}")
         if data["format"] == 2:  # measured before the block sizes were: it ran the defaults, which no entry means
             data = {**data, "linear_chunk": {}, "scratch": {}}
-        if not isinstance(data["machine"], str):
-            raise ConfigError("a CPU plan's machine must be a string")
+        if not isinstance(data["machine"], str) or not MACHINE.fullmatch(data["machine"]):
+            raise ConfigError(f"CPU plan machine {str(data['machine'])[:80]!r}: not a machine key (1 to 64 letters, "
+                              f"digits or '_.:-')")
         for name in PLAN_FIELDS[2:]:
             entries = data[name]
             if not isinstance(entries, dict):
                 raise ConfigError(f"a CPU plan's {name} must be an object")
             for key, value in entries.items():
-                if not isinstance(key, str) or not KEYS[name].fullmatch(key):
-                    raise ConfigError(f"CPU plan {name} entry {key!r}: not a key of this version's plans")
-                if name in SIZE_FIELDS and (type(value) is not int or not 1 <= value <= MAX_SIZE):
-                    raise ConfigError(f"CPU plan {name} entry {key!r}: {value!r} ({SIZE_FIELDS[name]}, an integer "
-                                      f"of 1 to {MAX_SIZE})")
+                if not isinstance(key, str) or not valid_key(name, key):
+                    raise ConfigError(f"CPU plan {name} entry {str(key)[:80]!r}: not a key of this version's plans")
+                if name in SIZE_FIELDS:
+                    what, choices = SIZE_FIELDS[name]
+                    if type(value) is not int or not min(choices) <= value <= max(choices):
+                        raise ConfigError(f"CPU plan {name} entry {key!r}: {str(value)[:80]!r} ({what}: an integer "
+                                          f"of {min(choices)} to {max(choices)}, the range the probes measure)")
                 allowed = {"linear": LINEAR_KERNELS, "attention": ATTENTION_PATHS}.get(name)
                 if allowed is not None and value not in allowed:
                     raise ConfigError(f"CPU plan {name} entry {key!r}: {value!r} (allowed: {list(allowed)})")
