@@ -229,3 +229,42 @@ def test_an_invalid_item_in_place_is_rewritten_by_the_run(tmp_path, checkpoint, 
     assert list(stored) == ["ec_cache"] and stored["ec_cache"].dtype == expected.dtype
     assert torch.allclose(stored["ec_cache"], expected, rtol=1e-5, atol=1e-6)
     assert not list(out.rglob("*.tmp"))
+
+
+def test_a_rank_s_lost_lines_are_rolled_forward_by_it_and_embedded_by_no_other_rank(tmp_path):
+    """Two ranks; rank 1's part was lost (a kill between its shard's rename and its line, or damage), and a changed
+    input list now assigns its input to rank 0. Whichever rank recovers first, rank 1 rolls the input forward from
+    its shard and rank 0 counts it done: it is recorded once, never embedded twice."""
+    from qwenvl_vision.embed.manifest import part_name
+    from qwenvl_vision.embed.writer import RankWriter
+    from qwenvl_vision.records import EmbeddingRecord
+
+    path = str(tmp_path / "a.jpg")
+    record = EmbeddingRecord(path, path, "ok", grid_thw=(1, 4, 4), tokens=4, embedding=torch.randn(4, 8))
+    RankWriter(tmp_path, 1, 2, "run1").write_records([record])
+    (tmp_path / part_name(1, 2)).write_text("")  # its line is lost
+    for order in ((0, 1), (1, 0)):
+        writers = {rank: RankWriter(tmp_path, rank, 2, "run1") for rank in order}
+        for rank in order:
+            writers[rank].recover()
+        assert path in writers[0].done and path not in writers[0].own
+        assert path in writers[1].own
+    lines = [json.loads(line) for line in (tmp_path / part_name(1, 2)).read_text().splitlines()]
+    assert [r["path"] for r in lines] == [path] and not (tmp_path / part_name(0, 2)).read_text()
+
+
+def test_an_input_two_ranks_carry_without_lines_is_rolled_forward_by_the_lower_rank_only(tmp_path):
+    from qwenvl_vision.embed.manifest import part_name
+    from qwenvl_vision.embed.writer import RankWriter
+    from qwenvl_vision.records import EmbeddingRecord
+
+    path = str(tmp_path / "a.jpg")
+    for rank in (1, 0):  # the input list changed between two stopped runs: each rank embedded it once
+        record = EmbeddingRecord(path, path, "ok", grid_thw=(1, 4, 4), tokens=4, embedding=torch.randn(4, 8))
+        RankWriter(tmp_path, rank, 2, "run1").write_records([record])
+        (tmp_path / part_name(rank, 2)).write_text("")
+    writers = [RankWriter(tmp_path, rank, 2, "run1") for rank in (0, 1)]
+    for writer in reversed(writers):
+        writer.recover()
+    assert path in writers[0].own and path not in writers[1].own
+    assert path in writers[1].done

@@ -46,6 +46,10 @@ class CacheRankWriter(RankWriter):
         return sorted(p / CACHE_FILE for p in self.out.iterdir()
                       if is_sha256(p.name) and not p.is_symlink() and (p / CACHE_FILE).is_file())
 
+    def folder_files(self) -> list[Path]:
+        """Every item file of the folder: any rank's items."""
+        return self.stored_files()
+
     def write_records(self, records: list[EmbeddingRecord]) -> tuple[int, int]:
         """Each success's item file (renamed into place), then the batch's manifest lines."""
         lines = []

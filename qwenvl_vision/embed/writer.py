@@ -151,6 +151,10 @@ class RankWriter:
         """The files whose metadata records may hold this rank's items: its shards."""
         return self._own_shards()
 
+    def folder_files(self) -> list[Path]:
+        """The files whose metadata records may hold any rank's items: every rank's shards."""
+        return sorted(p for p in self.out.glob("shard-r*-*.safetensors") if SHARD_NAME.match(p.name))
+
     def unaccounted(self, path: Path, why: str) -> ManifestError:
         """The error for a shard of this run that recovery can neither read nor match to a record: kept, named."""
         return ManifestError(f"{path} {why}, and no manifest line records it: nothing was changed; move it out of "
@@ -170,8 +174,11 @@ class RankWriter:
             if r["status"] == "ok" and r.get("rank", 0) == self.rank and (self.out / r["shard"]).is_file():
                 self.own.setdefault(record_key(r, self.run_cwd), r)
         others = self._done_by_other_ranks()
-        self._roll_forward(others)
-        self.done = set(self.own) | others
+        carried = self._carried_by_other_ranks()
+        # An input another rank's file carries (its lines lost too) is that rank's to roll forward when the rank is
+        # lower, else this one's: one owner whichever rank recovers first. Done for every rank either way.
+        self._roll_forward(others | {key for key, rank in carried.items() if rank < self.rank})
+        self.done = set(self.own) | others | set(carried)
         for pattern in self.temporary_files():
             for tmp in self.out.glob(pattern):
                 refuse_link(tmp)  # somebody's link at our temporary name: named, left as it is
@@ -231,6 +238,30 @@ class RankWriter:
         files = [self.out / MANIFEST] + [self.out / part_name(r, self.world) for r in range(self.world)]
         return {record_key(r, self.run_cwd) for f in files if f != self.manifest for r in self._records(f)
                 if r["status"] == "ok" and r.get("rank", 0) != self.rank and (self.out / r["shard"]).is_file()}
+
+    def _carried_by_other_ranks(self) -> dict[str, int]:
+        """Inputs recorded ok in the metadata of other ranks' files of this run (each with the lowest such rank):
+        a rank whose manifest lines were lost rolls them forward, so no other rank may embed them again, even where
+        a changed input list now assigns them elsewhere."""
+        if self.world == 1:
+            return {}
+        carried: dict[str, int] = {}
+        for path in self.folder_files():
+            name = path.relative_to(self.out).as_posix()
+            try:
+                run_id, found, _ = stored_records(path)
+            except ManifestError:
+                continue  # unreadable: its own rank refuses it, named
+            if run_id != self.run_id or not found:
+                continue
+            for record in found:
+                if record_problem(record) or record["status"] != "ok" or record["shard"] != name:
+                    continue
+                rank = record.get("rank", 0)
+                if rank != self.rank:
+                    key = record_key(record, self.run_cwd)
+                    carried[key] = min(rank, carried.get(key, rank))
+        return carried
 
     def base_record(self, r: EmbeddingRecord) -> dict:
         """The manifest fields every record of an input has: its path, status, error, rank, and a video's frames."""
