@@ -155,12 +155,16 @@ def _from_cache(repo_id: str, filename: str, *, required: bool, revision: str | 
                           f"records either (defaults are never put in place of settings the repo may have)")
 
 
+# Files every Hub repo has that only a download of the whole repo fetches (``hf download``, ``snapshot_download``):
+# transformers' from_pretrained, which fetches the config, the weights and maybe the tokenizer, never does.
+WHOLE_REPO_MARKERS = (".gitattributes", "README.md")
+
+
 def whole_snapshot(snapshot: Path) -> bool:
-    """Whether a cached snapshot holds the whole repo (what ``hf download`` / ``snapshot_download`` leave: every file
-    of the repo, the tokenizer's and the language model's among them) rather than this package's or another tool's
-    partial fetch: it holds a file that this package never fetches. What a whole snapshot lacks, the repo lacks."""
-    fetched = {CONFIG_FILE, PREPROCESSOR_FILE, VIDEO_PREPROCESSOR_FILE, INDEX_FILE, SINGLE_FILE}
-    return any(p.name not in fetched and not p.name.endswith(".safetensors") for p in snapshot.iterdir())
+    """Whether a cached snapshot holds the whole repo rather than this package's or another tool's partial fetch:
+    it holds a file only a whole download fetches (``WHOLE_REPO_MARKERS``). What a whole snapshot lacks, the repo
+    lacks."""
+    return any((snapshot / name).is_file() for name in WHOLE_REPO_MARKERS)
 
 
 def _known_absent(repo_id: str, filename: str, revision: str | None, cache_dir: str | None) -> bool:

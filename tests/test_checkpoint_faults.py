@@ -210,11 +210,16 @@ def test_a_missing_local_path_is_never_looked_up_on_the_hub(hub, tmp_path, monke
 
 
 def test_offline_a_whole_snapshot_without_a_settings_file_keeps_the_defaults(hub, cached_repo):
-    """A snapshot that ``hf download`` left holds every file of the repo (the tokenizer's among them, which this
-    package never fetches): a settings file it lacks, the repo lacks (Qwen2.5-VL ships no video preprocessor
-    config), so offline the family's defaults are right; a partial cache (above) is an error instead."""
+    """A snapshot that ``hf download`` left holds every file of the repo (its .gitattributes among them, which only a
+    whole download fetches): a settings file it lacks, the repo lacks (Qwen2.5-VL ships no video preprocessor
+    config), so offline the family's defaults are right. A partial cache (above), or what transformers'
+    from_pretrained fetched (a generation config, a tokenizer), is an error instead."""
     (cached_repo / "preprocessor_config.json").unlink()
-    (cached_repo / "tokenizer.json").write_text("{}")
+    for name in ("generation_config.json", "tokenizer.json"):
+        (cached_repo / name).write_text("{}")
+    with pytest.raises(CheckpointError, match=r"cannot tell whether repo 'org/qwen25-tiny'"):
+        load_encoder("org/qwen25-tiny", device="cpu")
+    (cached_repo / ".gitattributes").write_text("*.safetensors filter=lfs\n")
     with load_encoder("org/qwen25-tiny", device="cpu") as encoder:
         assert encoder.preprocess_config.max_pixels == 12845056
     assert hub.requests == []
