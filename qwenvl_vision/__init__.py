@@ -3,7 +3,7 @@
 from .cache import ShapeCache
 from .config import PRESETS, VisionConfig, from_config_json, preset, resolve_config
 from .embed import read_embeddings, read_encoded, read_run
-from .encoder import EncodeResult, VisionEncoder, load_encoder
+from .encoder import VisionEncoder, load_encoder
 from .errors import (
     CheckpointError,
     ConfigError,
@@ -20,6 +20,7 @@ from .handoff import EncodedItems, to_transformers, to_vllm
 from .models import build_model, from_transformers
 from .qwen2_5 import Qwen2_5VisionTransformer
 from .qwen3 import Qwen3VisionTransformer
+from .results import EncodeResult
 from .tower import VisionTower
 from .version import __version__
 from .video import VideoConfig

@@ -20,13 +20,11 @@ batch (an input larger than the budget waits until it is alone). Files whose hea
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import os
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -50,8 +48,16 @@ from .errors import (
     ForwardFaultError,
     InputError,
     NumericalError,
-    PreprocessError,
     QwenVLVisionError,
+)
+from .forward_faults import (
+    describe_batch,
+    first_line,
+    is_out_of_memory,
+    nonfinite_items,
+    nonfinite_message,
+    release_cached_memory,
+    why_alone,
 )
 from .hub import resolve_folder
 from .item_ids import config_sha256, is_sha256, weights_sha256
@@ -59,95 +65,10 @@ from .item_ids import pixels_sha256 as item_pixels_sha256
 from .pixels import DEFAULT_MAX_INPUT_PIXELS
 from .preprocess import PreprocessConfig
 from .random_init import random_tower
+from .results import EncodeResult, ItemResult
 from .tower import VisionTower, check_cpu_kernels
 from .video import VideoConfig, sample_indices
-from .video_io import VideoInfo
 from .weights import load_tower, open_checkpoint
-
-
-@dataclass
-class EncodeResult:
-    """Per-item outputs in input order.
-
-    embeddings: one (tokens_i, out_hidden_size) tensor per image/video (tokens_i = t*h*w/4).
-    grid_thw: (n, 3) int64, each item's patch grid.
-    deepstack: per item, the list of its DeepStack levels (each the shape of its embedding); empty lists for
-        towers without DeepStack (every family but Qwen3-VL, Qwen3-VL-MoE and Qwen3-Omni).
-    pooled: (n, out_hidden_size) mean over each item's tokens, when requested.
-    video_info: per item, what was read from a video file (frames kept, source fps, timestamps; a
-        ``video.VideoInfo``), None for images, for videos given as frames and for ``encode_patches``.
-    modality: what the items are, "image" or "video" (``encode_videos``; ``encode_patches`` says what its
-        caller says): a language model places image and video tokens differently.
-    family: the tower's ``model_type`` (``VisionEncoder.family``), the family these embeddings belong to.
-    pixels_sha256: per item, a hash of the pixel rows the tower read (``item_ids.pixels_sha256``; None where not
-        hashed): with the encoder's ``identity()``, what ``to_vllm_cache`` names each item by.
-    encoder: a weak reference to the encoder that made the result (it does not keep the encoder alive; a pickled
-        or ``torch.save``d result drops it).
-    """
-
-    embeddings: list[torch.Tensor]
-    grid_thw: torch.Tensor
-    deepstack: list[list[torch.Tensor]] = field(default_factory=list)
-    pooled: torch.Tensor | None = None
-    video_info: list[VideoInfo | None] = field(default_factory=list)
-    modality: str = "image"
-    family: str = ""
-    pixels_sha256: list[str] = field(default_factory=list)
-    encoder: Any = field(default=None, repr=False, compare=False)
-
-    def __len__(self) -> int:
-        return len(self.embeddings)
-
-    def __getstate__(self) -> dict:
-        return {**self.__dict__, "encoder": None}  # a weak reference does not pickle
-
-    def __copy__(self) -> EncodeResult:
-        return dataclasses.replace(self)
-
-    def __deepcopy__(self, memo: dict) -> EncodeResult:
-        return dataclasses.replace(self, **{f.name: copy.deepcopy(getattr(self, f.name), memo)
-                                            for f in dataclasses.fields(self) if f.name != "encoder"})
-
-    def to_transformers(self, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> dict:
-        """The keyword arguments of a transformers Qwen VL model's ``forward`` / ``generate`` that stand for this
-        batch's pixels (``mm_encoder_outputs`` and the grid): ``handoff.to_transformers``."""
-        from .handoff import to_transformers
-
-        return to_transformers(self, dtype=dtype, device=device)
-
-    def to_vllm(self, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> dict:
-        """vLLM's ``multi_modal_data`` for this batch (DeepStack levels concatenated along the features):
-        ``handoff.to_vllm``."""
-        from .handoff import to_vllm
-
-        return to_vllm(self, dtype=dtype, device=device)
-
-    def to_vllm_cache(self, path: str | os.PathLike) -> list[dict]:
-        """Write each item into a vLLM encoder cache folder (``ECExampleConnector``'s layout) and return what a
-        request needs of each (its id, modality, grid and timing): ``vllm_cache.write_vllm_cache``."""
-        from .vllm_cache import write_vllm_cache
-
-        return write_vllm_cache(self, path)
-
-
-@dataclass
-class ItemResult:
-    """One input's outcome in a streamed encode: either tensors or the error that stopped it."""
-
-    index: int
-    name: str
-    embedding: torch.Tensor | None = None
-    grid_thw: tuple[int, int, int] | None = None
-    deepstack: list[torch.Tensor] | None = None
-    pooled: torch.Tensor | None = None
-    video_info: VideoInfo | None = None  # a video file's frames, fps and timestamps
-    pixels_sha256: str | None = None  # item_ids.pixels_sha256 of the pixel rows the tower read
-    error: str | None = None
-    error_class: type[QwenVLVisionError] = PreprocessError  # what encode_images raises for this error
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None
 
 
 class VisionEncoder:
@@ -279,7 +200,7 @@ class VisionEncoder:
         """
         result = self._encode_unchecked(pixel_values, grid_thw, pooled=pooled, modality=modality,
                                         pixels_sha256=pixels_sha256)
-        bad = nonfinite_items(result)
+        bad = nonfinite_items(result.embeddings, result.deepstack, result.pooled)
         if bad:
             raise NumericalError(nonfinite_message(f"item{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))}",
                                                    self.dtype))
@@ -384,8 +305,8 @@ class VisionEncoder:
         except (RuntimeError, MemoryError) as e:
             if isinstance(e, QwenVLVisionError):
                 raise
-            raise ForwardFaultError(f"the forward of {describe_batch(batch)} failed: {type(failure).__name__}: "
-                                    f"{first_line(failure)}") from failure
+            raise ForwardFaultError(f"the forward of {describe_batch([p.name for p in batch])} failed: "
+                                    f"{type(failure).__name__}: {first_line(failure)}") from failure
 
     def _run_batch(self, batch: list[Prepared], failed: list[Prepared], pooled: bool) -> list[ItemResult]:
         """One forward over a batch's inputs; the failed inputs beside it become error results."""
@@ -395,13 +316,11 @@ class VisionEncoder:
         return sorted(results, key=lambda r: r.index)
 
     def _forward_batch(self, batch: list[Prepared], pooled: bool) -> list[ItemResult]:
-        """A batch's results. Out of memory: the batch again item by item, and an item that alone runs out of
-        memory is a failed input (what it needs is the input's size). Any other failure of the forward: a forward of
-        the smallest input there is tells whose fault it is. If that fails too, the machine's (a kernel's or the
-        device's error): ``ForwardFaultError`` naming the batch's inputs. Else the batch again item by item, and an
-        item that fails alone is a failed input (a shape a kernel refuses would otherwise stop every resume). An
-        item whose outputs are not finite is a failed input; the others of its batch are unaffected (attention
-        never crosses items)."""
+        """A batch's results. Out of memory: the batch again item by item; an item that alone runs out of memory is
+        a failed input. Another failure: a forward of the smallest input tells whose fault it is: if that fails
+        too, the machine's (``ForwardFaultError`` naming the batch's inputs); else item by item, and an item that
+        fails alone is a failed input (a shape a kernel refuses would otherwise stop every resume). An item with
+        inf/nan outputs is a failed input; attention never crosses items, so the others are unaffected."""
         failure: BaseException | None = None
         try:
             pixel_values = torch.cat([p.pixel_values for p in batch]).to(self.device, non_blocking=True)
@@ -422,11 +341,9 @@ class VisionEncoder:
             if len(batch) > 1:
                 return [r for p in batch for r in self._forward_batch([p], pooled)]
             p = batch[0]
-            why = f"out of memory encoding it alone ({p.patches:,} patches on {self.device}): lower its size " \
-                  f"(max_pixels, --max-pixels)" if failure is None else \
-                  f"its forward fails alone while the device works: {type(failure).__name__}: {first_line(failure)}"
+            why = why_alone(failure, p.patches, self.device)
             return [ItemResult(p.index, p.name, error=f"{p.name}: {why}", error_class=ForwardFaultError)]
-        bad = set(nonfinite_items(out))
+        bad = set(nonfinite_items(out.embeddings, out.deepstack, out.pooled))
         results = []
         for i, p in enumerate(batch):
             if i in bad:
@@ -597,54 +514,6 @@ def load_encoder(
     pre = _preprocess_config(preprocess_config, checkpoint.preprocessor_json(), checkpoint.config)
     video = _video_config(video_config, checkpoint.video_preprocessor_json(), checkpoint.config, pre)
     return VisionEncoder(model, pre, source=os.fspath(source), video_config=video)
-
-
-def nonfinite_items(result: EncodeResult) -> list[int]:
-    """Indices of the items whose embedding, DeepStack levels or pooled vector hold inf or nan (one host sync)."""
-    if not result.embeddings:
-        return []
-    finite = torch.stack([torch.isfinite(e).all() for e in result.embeddings])
-    for i, levels in enumerate(result.deepstack):
-        for level in levels:
-            finite[i] &= torch.isfinite(level).all()
-    if result.pooled is not None:
-        finite &= torch.isfinite(result.pooled).all(dim=-1)
-    return (~finite).nonzero().flatten().tolist()
-
-
-def nonfinite_message(what: str, dtype: torch.dtype) -> str:
-    """The one line for outputs with inf/nan: float16 overflows in the tower; in another dtype the weights or the
-    config are at fault."""
-    if dtype == torch.float16:
-        return f"{what}: the tower's outputs contain inf/nan in float16 (the tower overflowed); use bfloat16 or float32"
-    return (f"{what}: the tower's outputs contain inf/nan in {str(dtype).removeprefix('torch.')}: the checkpoint's "
-            f"weights or config values overflow; check them (qwenvl-vision inspect shows the config)")
-
-
-def is_out_of_memory(error: BaseException) -> bool:
-    """Out of memory, on any device: torch's own error, Python's, or an allocator's RuntimeError that says so."""
-    if isinstance(error, (torch.OutOfMemoryError, MemoryError)):
-        return True
-    text = str(error).lower()
-    return any(s in text for s in ("out of memory", "can't allocate memory", "not enough memory"))
-
-
-def release_cached_memory(device: torch.device) -> None:
-    """Give the caching allocator's free blocks back before retrying smaller (CUDA keeps them otherwise)."""
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-def first_line(error: BaseException, limit: int = 300) -> str:
-    """The first line of an error's message, at most ``limit`` characters (torch's messages run long)."""
-    text = (str(error).strip().splitlines() or [""])[0]
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
-def describe_batch(batch: list[Prepared], shown: int = 3) -> str:
-    """'a batch of 3 inputs (a.jpg, b.jpg, c.jpg)', the first few named."""
-    names = ", ".join(p.name for p in batch[:shown]) + (f" and {len(batch) - shown} more" if len(batch) > shown else "")
-    return f"a batch of {len(batch)} input{'s' if len(batch) != 1 else ''} ({names})"
 
 
 def _placed(model: VisionTower, compile: bool | dict, cpu_kernels: str | CpuPlan) -> VisionTower:

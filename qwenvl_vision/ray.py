@@ -58,11 +58,12 @@ import torch
 from ray.data.block import BlockAccessor
 
 from .batching import DEFAULT_DECODE_BYTES, DEFAULT_DECODE_TIMEOUT, batch_patches
-from .encoder import ItemResult, load_encoder
+from .encoder import load_encoder
 from .errors import CheckpointError, InputError
 from .parquet import ParquetLayout, records_of_table, result_columns
 from .pixels import DEFAULT_MAX_INPUT_PIXELS, input_name
 from .records import EmbeddingRecord, record_from_result
+from .results import ItemResult
 from .video_io import is_video_file
 
 INPUT_KINDS = ("path", "bytes", "image")
