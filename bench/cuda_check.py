@@ -56,7 +56,8 @@ records its own versions and device); a comparison that needs a missing one is s
 crash.
 
 ``--dry-run`` runs the same sections and code on CPU, with ``"dry_run": true``, in ~45 s of CPU time on 2 cores
-(60-70 s of wall time, measured while other work shared the cores): the tests section runs only
+(60-70 s of wall time, measured while other work shared the cores; its limits are generous, 240 s a section and
+900 s in all, since it checks the logic, not a busy machine's speed): the tests section runs only
 tests/test_cuda.py (it skips without CUDA; CI runs test_compile.py itself); parity runs the same small towers in
 bf16 against fp32 on CPU, the fused comparison skipped ("no CUDA"); teardown and throughput stand each preset's
 ``FAMILY_SMALL`` tower in for it (1 teardown cycle; the "small" inputs, 1 warm-up and 1 timed repeat, compiled with
@@ -98,15 +99,15 @@ class Section:
     expected_s: int  # on an H200, process start included
     max_s: int
     dry_expected_s: int  # on 2 shared CPU cores
-    dry_max_s: int
+    dry_max_s: int  # generous: a dry run checks the logic, not the speed of a machine that may be busy
 
 
 SECTIONS: dict[str, Section] = {
-    "tests": Section(150, 210, 8, 60),
-    "parity": Section(20, 60, 15, 60),
-    "teardown": Section(45, 120, 12, 60),
-    "throughput": Section(170, 240, 15, 90),
-    "load": Section(45, 100, 15, 90),
+    "tests": Section(150, 210, 8, 240),
+    "parity": Section(20, 60, 15, 240),
+    "teardown": Section(45, 120, 12, 240),
+    "throughput": Section(170, 240, 15, 240),
+    "load": Section(45, 100, 15, 240),
 }
 
 
@@ -325,7 +326,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, required=True, help="folder for the JSON files (the device tool's $OUT)")
     p.add_argument("--dry-run", action="store_true", help="the same logic on CPU with tiny configs")
     p.add_argument("--only", help=f"comma-separated sections, in this order: {','.join(SECTIONS)}")
-    p.add_argument("--budget", type=float, help="seconds for the whole run (default 480, dry run 300)")
+    p.add_argument("--budget", type=float, help="seconds for the whole run (default 480, dry run 900)")
     p.add_argument("--limits", default="", help="override section limits, e.g. tests=300,load=60")
     p.add_argument("--section", choices=sorted(SECTIONS), help=argparse.SUPPRESS)  # run one section, in this process
     p.add_argument("--limit", type=float, help=argparse.SUPPRESS)
@@ -349,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     selected = [s for s in SECTIONS if s in selected]
     started = time.monotonic()
-    budget = args.budget or (300.0 if args.dry_run else 480.0)
+    budget = args.budget or (900.0 if args.dry_run else 480.0)
     deadline = started + budget
     if not args.dry_run:
         import torch

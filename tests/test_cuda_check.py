@@ -31,7 +31,7 @@ SECTION_KEYS = {
 def dry_run(out: Path, *options: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     return subprocess.run([sys.executable, "-m", "bench.cuda_check", "--dry-run", "--out", str(out), *options],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
 
 
 @pytest.fixture(scope="module")
