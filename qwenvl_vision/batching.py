@@ -306,7 +306,7 @@ def prepared_batches(items: Iterable[Any], options: EncodeOptions, pre: Preproce
                 if limit is None or started is None or time.monotonic() - started < limit or \
                         not decoding.abandon(budget):
                     continue  # not admitted yet (waiting for budget is not decoding), within its time, or just done
-                pool.add_worker()  # in place of the one still busy with it: stuck workers cannot starve the rest
+                pool.replace(future)  # its thread may be stuck for good: stuck threads cannot starve the rest
                 name = input_name(input_kind(item, options)[1], index, item)
                 prepared = Prepared(index, name, error=f"{name}: not decoded within {limit:g} s (the decode time "
                                                         f"limit: embed --decode-timeout, decode_timeout); left out, "
@@ -384,13 +384,25 @@ class DecodePool:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._threads = [threading.Thread(target=self._work, name=f"qwenvl-decode-{i}", daemon=True)
                          for i in range(workers)]
+        self._lock = threading.Lock()
+        self._given_up: set[Future] = set()  # jobs still running whose thread was replaced: it ends after them
         for thread in self._threads:
             thread.start()
 
-    def add_worker(self) -> None:
-        """One more thread, in place of one busy with an input given up (it ends once that input's decode does)."""
-        thread = threading.Thread(target=self._work, name=f"qwenvl-decode-{len(self._threads)}", daemon=True)
-        self._threads.append(thread)
+    @property
+    def live(self) -> int:
+        """Threads still running (the pool's size, plus those still busy with a job given up)."""
+        return sum(thread.is_alive() for thread in self._threads)
+
+    def replace(self, future: Future) -> None:
+        """A new thread in place of the one running ``future``, a job given up; that one ends once its job does.
+        Nothing happens if the job is done already (its thread is free)."""
+        with self._lock:
+            if future.done():
+                return
+            self._given_up.add(future)
+            thread = threading.Thread(target=self._work, name=f"qwenvl-decode-{len(self._threads)}", daemon=True)
+            self._threads.append(thread)
         thread.start()
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
@@ -407,7 +419,12 @@ class DecodePool:
                 future.set_result(fn(*args))
             except BaseException as e:  # noqa: BLE001 - handed to whoever waits for the future
                 future.set_exception(e)
+            with self._lock:  # after the result is set: ``replace`` sees the job done, or this thread sees it given up
+                replaced = future in self._given_up
+                self._given_up.discard(future)
             del job, future  # an idle thread holds no finished input's pixels
+            if replaced:
+                return
 
     def shutdown(self) -> None:
         """Each thread ends once the jobs queued before this call are done or skipped (a job whose future was

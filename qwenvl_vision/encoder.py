@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import os
 import threading
+import traceback
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -297,11 +298,15 @@ class VisionEncoder:
 
     def _check_machine(self, batch: list[Prepared], failure: BaseException) -> None:
         """Raise ``ForwardFaultError`` (from ``failure``) unless a forward of the smallest input works on this
-        device: then ``failure`` was the batch's inputs' doing, not the machine's."""
+        device: then ``failure`` was the batch's inputs' doing, not the machine's. The probe's outputs are checked
+        on the host, which waits for the device (CUDA reports a kernel's fault at the next sync)."""
         unit = self.config.spatial_merge_size
-        rows = torch.zeros(unit * unit, self.config.patch_dim, dtype=self.dtype, device=self.device)
+        release_cached_memory(self.device)
         try:
-            self._encode_unchecked(rows, [(1, unit, unit)])
+            rows = torch.zeros(unit * unit, self.config.patch_dim, dtype=self.dtype, device=self.device)
+            probe = self._encode_unchecked(rows, [(1, unit, unit)])
+            if nonfinite_items(probe.embeddings, probe.deepstack, probe.pooled):
+                raise RuntimeError("the smallest input's outputs are not finite")
         except (RuntimeError, MemoryError) as e:
             if isinstance(e, QwenVLVisionError):
                 raise
@@ -326,11 +331,13 @@ class VisionEncoder:
             pixel_values = torch.cat([p.pixel_values for p in batch]).to(self.device, non_blocking=True)
             out = self._encode_unchecked(pixel_values, [p.grid for p in batch], pooled=pooled,
                                          pixels_sha256=[p.pixels_sha256 for p in batch])
+            bad = set(nonfinite_items(out.embeddings, out.deepstack, out.pooled))  # CUDA's faults surface here
         except (RuntimeError, MemoryError) as e:
             if isinstance(e, QwenVLVisionError):
                 raise
             out = None
             if not is_out_of_memory(e):
+                traceback.clear_frames(e.__traceback__)  # kept for its message: not the failed forward's tensors
                 failure = e
         if out is None:  # outside the except block, so the failed forward's frames (and memory) are freed
             pixel_values = None
@@ -342,8 +349,8 @@ class VisionEncoder:
                 return [r for p in batch for r in self._forward_batch([p], pooled)]
             p = batch[0]
             why = why_alone(failure, p.patches, self.device)
-            return [ItemResult(p.index, p.name, error=f"{p.name}: {why}", error_class=ForwardFaultError)]
-        bad = set(nonfinite_items(out.embeddings, out.deepstack, out.pooled))
+            return [ItemResult(p.index, p.name, error=f"{p.name}: {why}",
+                               error_class=ForwardFaultError if failure is None else InputError)]
         results = []
         for i, p in enumerate(batch):
             if i in bad:

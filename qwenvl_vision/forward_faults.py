@@ -37,7 +37,7 @@ def is_out_of_memory(error: BaseException) -> bool:
     if isinstance(error, (torch.OutOfMemoryError, MemoryError)):
         return True
     text = str(error).lower()
-    return any(s in text for s in ("out of memory", "can't allocate memory", "not enough memory"))
+    return any(s in text for s in ("out of memory", "can't allocate memory", "not enough memory", "alloc_failed"))
 
 
 def release_cached_memory(device: torch.device) -> None:

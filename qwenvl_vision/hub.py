@@ -155,9 +155,10 @@ def _from_cache(repo_id: str, filename: str, *, required: bool, revision: str | 
                           f"records either (defaults are never put in place of settings the repo may have)")
 
 
-# Files every Hub repo has that only a download of the whole repo fetches (``hf download``, ``snapshot_download``):
-# transformers' from_pretrained, which fetches the config, the weights and maybe the tokenizer, never does.
-WHOLE_REPO_MARKERS = (".gitattributes", "README.md")
+# A file every Hub repo has that only a download of the whole repo fetches (``hf download``, ``snapshot_download``):
+# transformers' from_pretrained (config, weights, maybe the tokenizer) never does; README.md is fetched alone too,
+# for a model card, so it vouches for nothing.
+WHOLE_REPO_MARKERS = (".gitattributes",)
 
 
 def whole_snapshot(snapshot: Path) -> bool:

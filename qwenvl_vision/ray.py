@@ -59,7 +59,7 @@ from ray.data.block import BlockAccessor
 
 from .batching import DEFAULT_DECODE_BYTES, DEFAULT_DECODE_TIMEOUT, batch_patches
 from .encoder import load_encoder
-from .errors import CheckpointError, InputError
+from .errors import CheckpointError, ForwardFaultError, InputError
 from .parquet import ParquetLayout, records_of_table, result_columns
 from .pixels import DEFAULT_MAX_INPUT_PIXELS, input_name
 from .records import EmbeddingRecord, record_from_result
@@ -200,6 +200,8 @@ class Embedder:
         if len(items) > 1:
             try:
                 return encode(items)
+            except ForwardFaultError:
+                raise  # the machine's fault (the encoder probed it): the task fails and Ray retries it elsewhere
             except Exception:  # noqa: BLE001 - each input alone decides, below
                 pass
         results = []
@@ -207,6 +209,8 @@ class Embedder:
             try:
                 (result,) = encode([item])
                 result.index = index
+            except ForwardFaultError:
+                raise
             except Exception as e:  # noqa: BLE001 - the row's error; the other rows go on
                 name = input_name("video" if video is None and is_video_file(item) else "image", index, item)
                 reason = str(e).splitlines()[0] if str(e) else ""

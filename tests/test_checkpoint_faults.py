@@ -219,6 +219,9 @@ def test_offline_a_whole_snapshot_without_a_settings_file_keeps_the_defaults(hub
         (cached_repo / name).write_text("{}")
     with pytest.raises(CheckpointError, match=r"cannot tell whether repo 'org/qwen25-tiny'"):
         load_encoder("org/qwen25-tiny", device="cpu")
+    (cached_repo / "README.md").write_text("a model card, fetched alone\n")
+    with pytest.raises(CheckpointError, match=r"cannot tell whether repo 'org/qwen25-tiny'"):
+        load_encoder("org/qwen25-tiny", device="cpu")
     (cached_repo / ".gitattributes").write_text("*.safetensors filter=lfs\n")
     with load_encoder("org/qwen25-tiny", device="cpu") as encoder:
         assert encoder.preprocess_config.max_pixels == 12845056

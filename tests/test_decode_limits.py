@@ -176,6 +176,25 @@ def test_a_given_up_input_neither_budget_nor_worker_stalls_the_inputs_behind_it(
     assert [p.index for _, fails in batches for p in fails] == [0]
 
 
+def test_a_thread_replaced_for_a_stuck_decode_ends_once_its_decode_does():
+    """Each given-up input adds a thread; without an end, every time-out would leave one more decoder for good."""
+    pool = batching.DecodePool(1)
+    release = threading.Event()
+    stuck = pool.submit(release.wait, 30)
+    pool.replace(stuck)
+    assert pool.live == 2
+    assert pool.submit(lambda: 1).result(5) == 1  # the new thread works while the first is stuck
+    assert pool.live == 2  # the stuck one ends only after its own job, the new one stays
+    release.set()
+    stuck.result(5)
+    deadline = time.monotonic() + 5
+    while pool.live > 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert pool.live == 1
+    assert pool.submit(lambda: 2).result(5) == 2
+    pool.shutdown()
+
+
 def test_a_given_up_decode_keeps_no_budget_and_its_late_result_changes_none(monkeypatch):
     stuck = _StuckDecoder()
     monkeypatch.setattr(batching, "preprocess_image", stuck)

@@ -242,8 +242,8 @@ def test_a_rank_s_lost_lines_are_rolled_forward_by_it_and_embedded_by_no_other_r
     path = str(tmp_path / "a.jpg")
     record = EmbeddingRecord(path, path, "ok", grid_thw=(1, 4, 4), tokens=4, embedding=torch.randn(4, 8))
     RankWriter(tmp_path, 1, 2, "run1").write_records([record])
-    (tmp_path / part_name(1, 2)).write_text("")  # its line is lost
     for order in ((0, 1), (1, 0)):
+        (tmp_path / part_name(1, 2)).write_text("")  # its line is lost (again: the first pass restored it)
         writers = {rank: RankWriter(tmp_path, rank, 2, "run1") for rank in order}
         for rank in order:
             writers[rank].recover()

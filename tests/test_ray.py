@@ -23,7 +23,7 @@ from tests.helpers import REPO, synthetic_photo
 ray = pytest.importorskip("ray")
 pa = pytest.importorskip("pyarrow")
 
-from qwenvl_vision.errors import InputError  # noqa: E402
+from qwenvl_vision.errors import ForwardFaultError, InputError  # noqa: E402
 from qwenvl_vision.parquet import (  # noqa: E402
     ParquetLayout,
     read_parquet_records,
@@ -225,6 +225,19 @@ def test_a_failing_forward_costs_only_its_own_row(checkpoint3, encoder, media, m
     assert rows[1]["error"].startswith(f"image {media['good'][1]!r}: out of memory encoding it alone (")
     for row, path in zip([rows[0], rows[2]], [media["good"][0], media["good"][2]]):
         check_rows([row], [True], encoder.encode_images([path], **SETTINGS), levels=2)
+
+
+def test_a_device_that_fails_every_forward_fails_the_task_not_each_row(checkpoint3, media, monkeypatch):
+    """The machine's fault (the encoder's probe of the device fails too) is no row's error: the task fails, and
+    Ray retries it elsewhere, as the local engine stops with exit 4."""
+    embedder = Embedder(str(checkpoint3), **LOAD, **SETTINGS)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered (a stand-in)")
+
+    monkeypatch.setattr(embedder.encoder, "_encode_unchecked", broken)
+    with pytest.raises(ForwardFaultError, match="the forward of a batch of 3 inputs"):
+        embedder({"path": np.array(media["good"], dtype=object)})
 
 
 # ---------------------------------------------------------------------- on Ray
