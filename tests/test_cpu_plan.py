@@ -538,3 +538,21 @@ def test_the_defaults_and_a_measured_plan_round_trip(fresh):
                       frozenset({("gated", "rms", 64, 2, 96, "silu", torch.float32)}))
     measured = machine_plan(needs)
     assert CpuPlan.from_dict(json.loads(json.dumps(measured.to_dict()))) == measured
+
+
+def test_a_plan_saved_by_another_process_while_this_one_measured_wins(fresh, monkeypatch):
+    """Without the lock (held past the wait), another process may save its plan while this one measures: the saved
+    entries win, so every process on the machine runs one plan, and ours (timed beside its measuring) replace none."""
+    folder, calls = fresh
+    real, theirs = machine.measure, {}
+
+    def measure_while_another_saves(needs, key, known=None):
+        ours = real(needs, key, known)
+        flipped = {k: "addmm" if v == "onednn" else "onednn" for k, v in ours.linear.items()}
+        theirs["plan"] = CpuPlan(ours.machine, flipped, ours.attention, ours.mlp, ours.linear_chunk, ours.scratch)
+        machine.save_plan(folder / f"{key}.json", theirs["plan"], machine_identity())
+        return ours
+
+    monkeypatch.setattr(machine, "measure", measure_while_another_saves)
+    plan = machine.machine_plan(NEEDS32)
+    assert dict(plan.linear) == dict(theirs["plan"].linear) == json.loads(plan_file(folder).read_text())["linear"]

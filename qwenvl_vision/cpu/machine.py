@@ -438,7 +438,12 @@ def machine_plan(needs: PlanNeeds) -> CpuPlan:
                 plan = plan.with_entries(stored)
             missing = plan.missing(needs)
             if not missing.empty():
-                plan = plan.with_entries(measure(missing, key, plan))
+                measured = measure(missing, key, plan)
+                # Without the lock another process may have saved meanwhile: its entries win, so every process on
+                # the machine runs one plan (and ours, timed beside its measuring, do not replace them).
+                latest = read_plan_file(path, identity, key, quiet=True)
+                plan = plan.with_entries(latest).with_entries(measured) if latest is not None else \
+                    plan.with_entries(measured)
                 if unsaved is None:
                     save_plan(path, plan, identity)
                 else:
