@@ -20,11 +20,11 @@ lock and passed the checks before anything is written, and after a barrier rank 
 
 Exit codes: 0 every input embedded; 1 the run finished and some inputs failed (see the manifest); 2 usage or
 setup error, nothing written; 3 the run stopped on an I/O fault writing the output, nothing recorded is lost
-and ``--resume`` finishes it; 4 the run stopped because a forward failed for the machine's reasons (a kernel's
-error; out of memory is first retried item by item, and an input that alone runs out of memory is a failed
-input), nothing recorded is lost and ``--resume`` goes on. Under torchrun a finished run exits 0 on every rank
-even when some inputs failed (the summary line says how many): torchrun treats any other exit as a crash and
-kills the other ranks.
+and ``--resume`` finishes it; 4 the run stopped because a forward failed for the machine's reasons (a probe of
+the device failed too; otherwise, and on out of memory, the batch is retried item by item and an input that fails
+alone is a failed input), nothing recorded is lost and ``--resume`` goes on. Under torchrun a finished run exits 0
+on every rank even when some inputs failed (the summary line says how many): torchrun treats any other exit as a
+crash and kills the other ranks.
 """
 
 from __future__ import annotations
