@@ -191,25 +191,28 @@ def test_bf16_packed_tower_within_tolerance_and_addmm_bitwise_where_this_machine
     rows = sorted({*patches, *(n // cfg.merge_unit for n in patches)})
     steps = sorted({block_rows, *(max(1, chunk_bytes // (out * 2)) for _, out in shapes)})
     bitwise = packed_gives_addmm_bits(shapes, torch.bfloat16, rows, steps)
-    if bitwise:
-        assert torch.equal(a, b) and all(torch.equal(x, y) for x, y in zip(levels_a, levels_b, strict=True))
-    if cfg.hidden_act not in EPILOGUE_ACTIVATIONS or cfg.family.mlp == "gated":
-        assert not bitwise or torch.equal(fused[0], a)  # no epilogue activation in this family's MLP
-        return
-    assert not torch.equal(fused[0], b)
-    assert_matches_reference(fused, exact, grid_thw, 3e-2)
-    # One MLP alone (no residual to round the update away): closer to float64 than the addmm plan's MLP.
-    x = torch.randn(200, cfg.hidden_size, generator=torch.Generator().manual_seed(1)).bfloat16()
-    mlp_plain, mlp_packed = plain.blocks[0].mlp, packed.blocks[0].mlp
-    fc1, fc2 = (layer.weight.double() for layer in (mlp_plain.linear_fc1, mlp_plain.linear_fc2))
-    hidden = ACT2FN[cfg.hidden_act](x.double() @ fc1.T + mlp_plain.linear_fc1.bias.double())
-    want = hidden @ fc2.T + mlp_plain.linear_fc2.bias.double()
-    wide = max(3 * cfg.hidden_size, mlp_plain.linear_fc1.out_features)  # as the tower sizes its workspace
-    run = execution(torch.bfloat16, 200, cfg.hidden_size, wide, packed.cpu_plan)
-    with torch.no_grad():
-        got = {name: run.mlp(mlp, x, residual=torch.zeros_like(x)).double() for name, mlp in
-               [("plain", mlp_plain), ("packed", mlp_packed)]}
-    assert rel_err(got["packed"], want) < rel_err(got["plain"], want)
+    epilogue = cfg.hidden_act in EPILOGUE_ACTIVATIONS and cfg.family.mlp != "gated"
+    if epilogue:
+        assert not torch.equal(fused[0], b)
+        assert_matches_reference(fused, exact, grid_thw, 3e-2)
+        # One MLP alone (no residual to round the update away): closer to float64 than the addmm plan's MLP.
+        x = torch.randn(200, cfg.hidden_size, generator=torch.Generator().manual_seed(1)).bfloat16()
+        mlp_plain, mlp_packed = plain.blocks[0].mlp, packed.blocks[0].mlp
+        fc1, fc2 = (layer.weight.double() for layer in (mlp_plain.linear_fc1, mlp_plain.linear_fc2))
+        hidden = ACT2FN[cfg.hidden_act](x.double() @ fc1.T + mlp_plain.linear_fc1.bias.double())
+        want = hidden @ fc2.T + mlp_plain.linear_fc2.bias.double()
+        wide = max(3 * cfg.hidden_size, mlp_plain.linear_fc1.out_features)  # as the tower sizes its workspace
+        run = execution(torch.bfloat16, 200, cfg.hidden_size, wide, packed.cpu_plan)
+        with torch.no_grad():
+            got = {name: run.mlp(mlp, x, residual=torch.zeros_like(x)).double() for name, mlp in
+                   [("plain", mlp_plain), ("packed", mlp_packed)]}
+        assert rel_err(got["packed"], want) < rel_err(got["plain"], want)
+    if not bitwise:
+        pytest.skip("this machine's oneDNN packed bf16 linear does not give addmm's bits on these row chunks "
+                    "(packed_gives_addmm_bits): the bitwise claims are unchecked here, the tolerances held")
+    assert torch.equal(a, b) and all(torch.equal(x, y) for x, y in zip(levels_a, levels_b, strict=True))
+    if not epilogue:  # no epilogue activation in this family's MLP: the fused tower is the addmm plan's too
+        assert torch.equal(fused[0], a)
 
 
 @needs_onednn
@@ -533,6 +536,7 @@ def test_the_addmm_and_sdpa_plan_gives_the_reference_bits_where_addmm_ignores_st
     """The backend on torch's own kernels (addmm into the workspace, SDPA) runs the reference's ops in its order:
     the modules' own forward's bits, in fp32 and bf16, where this machine's addmm gives a strided view's rows the
     bits of the same rows contiguous (``addmm_ignores_row_stride``); within the towers' tolerance everywhere."""
+    unchecked = []
     for dtype in (torch.float32, torch.bfloat16):
         for cfg in (QWEN2_5_SMALL, QWEN3_SMALL_72):
             model = build_model(cfg).to(dtype)
@@ -544,9 +548,14 @@ def test_the_addmm_and_sdpa_plan_gives_the_reference_bits_where_addmm_ignores_st
                 assert model.describe()["execution"] == "cpu"
                 backend = model(pixel_values, grid_thw)
             assert_matches_reference(backend, reference, grid_thw, 1e-5 if dtype == torch.float32 else 3e-2)
-            if addmm_ignores_row_stride(model, int(grid_thw.prod(1).max()), dtype):
-                assert torch.equal(backend[0], reference[0]), (cfg.model_type, dtype)
-                assert all(torch.equal(a, b) for a, b in zip(backend[1], reference[1], strict=True))
+            if not addmm_ignores_row_stride(model, int(grid_thw.prod(1).max()), dtype):
+                unchecked.append(f"{cfg.model_type} {dtype}")
+                continue
+            assert torch.equal(backend[0], reference[0]), (cfg.model_type, dtype)
+            assert all(torch.equal(a, b) for a, b in zip(backend[1], reference[1], strict=True))
+    if unchecked:
+        pytest.skip(f"this machine's addmm gives other bits on strided rows (addmm_ignores_row_stride) for "
+                    f"{', '.join(unchecked)}: the bitwise claim is unchecked there, the tolerances held")
 
 
 @needs_onednn
