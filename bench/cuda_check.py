@@ -23,7 +23,7 @@ stops at ``--budget`` (480 s, leaving ~7 minutes of the 15-minute device budget 
 rerun): a section's limit is cut so that every later section keeps its expected time, and a section left with
 less than ``MIN_LIMIT_S`` is skipped with that reason.
 
-1. ``tests`` (~150 s, limit 210 s): ``pytest tests/test_cuda.py tests/test_compile.py``: counts, every test's
+1. ``tests`` (~150 s, limit 210 s): ``pytest tests/backends/test_cuda.py tests/model/test_compile.py``: counts, every test's
    outcome and the output tail. On 2 CPU cores test_compile.py takes 150 s (its inductor C++ compiles); 16
    cores, and Triton compiles of test_cuda.py's two compiled tests, should land near 150 s in all.
 2. ``parity`` (~20 s, limit 60 s): every family of ``testing.workloads.FAMILY_SMALL``: our tower in bf16 against
@@ -34,7 +34,7 @@ less than ``MIN_LIMIT_S`` is skipped with that reason.
    accumulation and the same weights, so they differ only where the attention output rounds differently, a
    part of the bf16-vs-fp32 error of these towers (7e-3 to 1.2e-2 on CPU; each entry also records the sdpa
    path's error against fp32, the noise floor of that run), while a wrong segment boundary gives errors near 1.
-3. ``teardown`` (~45 s, limit 120 s): ``qwenvl_vision.teardown.cmd_teardown`` (with bench.teardown's
+3. ``teardown`` (~45 s, limit 120 s): ``qwenvl_vision.teardown.study.cmd_teardown`` (with bench.teardown's
    transformers tower as comparison) for qwen2.5-vl-3b and qwen3-vl-8b, random weights at real size, bf16,
    5 cycles each of ``del`` and of ``close()``: ``memory_allocated`` against the baseline after each, and the
    reserved bytes after ``torch.cuda.empty_cache()``. Each cycle is ~1 s on a GPU (load 1.3 GB, encode 5 images,
@@ -58,7 +58,7 @@ crash.
 ``--dry-run`` runs the same sections and code on CPU, with ``"dry_run": true``, in ~45 s of CPU time on 2 cores
 (60-70 s of wall time, measured while other work shared the cores; its limits are generous, 240 s a section and
 900 s in all, since it checks the logic, not a busy machine's speed): the tests section runs only
-tests/test_cuda.py (it skips without CUDA; CI runs test_compile.py itself); parity runs the same small towers in
+tests/backends/test_cuda.py (it skips without CUDA; CI runs test_compile.py itself); parity runs the same small towers in
 bf16 against fp32 on CPU, the fused comparison skipped ("no CUDA"); teardown and throughput stand each preset's
 ``FAMILY_SMALL`` tower in for it (1 teardown cycle; the "small" inputs, 1 warm-up and 1 timed repeat, compiled with
 ``backend="aot_eager"``: dynamo and AOT autograd without inductor's code generation, divided by a measured fp32
@@ -117,7 +117,7 @@ def feature_probes() -> dict[str, Any]:
     the backend "auto" picks on CUDA in bf16, and transformers' flash_attention_2."""
     import torch
 
-    from qwenvl_vision.attention import resolve_attn_impl, torch_varlen_missing
+    from qwenvl_vision.model.attention import resolve_attn_impl, torch_varlen_missing
 
     probes: dict[str, Any] = {"flash_attn": _module_version("flash_attn"), "triton": _module_version("triton")}
     reason = torch_varlen_missing()

@@ -117,12 +117,12 @@ def environment() -> dict[str, Any]:
 
 
 def section_tests(ctx: Context, rec: Record) -> str:
-    files = ["tests/test_cuda.py"] + ([] if ctx.dry_run else ["tests/test_compile.py"])
+    files = ["tests/backends/test_cuda.py"] + ([] if ctx.dry_run else ["tests/model/test_compile.py"])
     junit = ctx.tmp / "junit.xml"
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", f"--junitxml={junit}", *files]
     rec.data.update(command=" ".join(command[1:]), files=files)
     if ctx.dry_run:
-        rec.data["dry_run_excludes"] = ("tests/test_compile.py: its inductor compiles take minutes on 2 cores, "
+        rec.data["dry_run_excludes"] = ("tests/model/test_compile.py: its inductor compiles take minutes on 2 cores, "
                                         "and CI runs it anyway")
     try:
         proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=max(5, ctx.time_left() - 10))
@@ -178,7 +178,7 @@ def section_parity(ctx: Context, rec: Record) -> str:
     import torch
 
     from bench.throughput import transformers_unavailable
-    from qwenvl_vision.attention import resolve_attn_impl
+    from qwenvl_vision.model.attention import resolve_attn_impl
     from qwenvl_vision.testing.workloads import FAMILY_SMALL
 
     device, dtype = ctx.device, torch.bfloat16
@@ -212,7 +212,7 @@ def section_parity(ctx: Context, rec: Record) -> str:
 def fused_missing(device, dtype) -> str:
     if device.type != "cuda":
         return "no CUDA"
-    from qwenvl_vision.attention import unavailable_reason
+    from qwenvl_vision.model.attention import unavailable_reason
 
     return "; ".join(f"{name}: {unavailable_reason(name, device, dtype)}" for name in ("flash", "torch_varlen"))
 
@@ -269,8 +269,8 @@ def parity_one(cfg, device, dtype, fused_reason: str | None, entry: dict, extra_
 
 def section_teardown(ctx: Context, rec: Record) -> str:
     from bench.teardown import TRANSFORMERS, transformers_variant
-    from qwenvl_vision.teardown import add_teardown_arguments, cmd_teardown
-    from qwenvl_vision.teardown_cycles import PER_INSTANCE, run_ok
+    from qwenvl_vision.teardown.cycles import PER_INSTANCE, run_ok
+    from qwenvl_vision.teardown.study import add_teardown_arguments, cmd_teardown
 
     rec.data["presets"] = {}
     statuses = []
@@ -300,7 +300,7 @@ def section_teardown(ctx: Context, rec: Record) -> str:
 
 def small_config(preset_name: str):
     """The dry run's stand-in for a preset: its family's FAMILY_SMALL tower, named after it."""
-    from qwenvl_vision.config import preset
+    from qwenvl_vision.model.config import preset
     from qwenvl_vision.testing.workloads import FAMILY_SMALL
 
     return FAMILY_SMALL[preset(preset_name).model_type].replace(name=f"{preset_name} (dry run: FAMILY_SMALL size)")

@@ -5,7 +5,7 @@
 For one packed forward of a tower, every GEMM (patch embedding, qkv, projection, MLP, mergers) is listed with its
 shape and timed alone by each kernel this machine has: ``torch.mm`` (MKL for fp32 on x86, oneDNN for bf16) on a
 weight laid out as a Linear holds it, output preallocated, and oneDNN's prepacked linear
-(``qwenvl_vision.cpu.kernels``) where this torch has it, on the row chunks of fresh outputs the forward consumes
+(``qwenvl_vision.backends.cpu.kernels``) where this torch has it, on the row chunks of fresh outputs the forward consumes
 as they come, at the best of the chunk sizes the machine's plan chooses from (the forward runs packed MLPs in row
 blocks, most plain ones with the activation in the GEMM: timed here on the whole pack, without it); best of a few
 runs, the same weight every run, so it may stay in cache: an optimistic rate. Each shape counts at the faster
@@ -25,11 +25,17 @@ from collections import Counter
 import torch
 
 from bench.workloads import add_workload_arguments, workload
-from qwenvl_vision.attention import SegmentPlan, sdpa_attention, sdpa_batched
-from qwenvl_vision.config import VisionConfig
-from qwenvl_vision.cpu.kernels import best_seconds, gemm_attention, onednn_linear_available, pack_weight, packed_chunks
-from qwenvl_vision.cpu.machine import CHUNK_CHOICES
-from qwenvl_vision.models import build_model
+from qwenvl_vision.backends.cpu.kernels import (
+    best_seconds,
+    gemm_attention,
+    onednn_linear_available,
+    pack_weight,
+    packed_chunks,
+)
+from qwenvl_vision.backends.cpu.machine import CHUNK_CHOICES
+from qwenvl_vision.model.attention import SegmentPlan, sdpa_attention, sdpa_batched
+from qwenvl_vision.model.build import build_model
+from qwenvl_vision.model.config import VisionConfig
 
 Shape = tuple[int, int, int]  # (m, k, n): an (m, k) x (k, n) product
 

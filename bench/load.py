@@ -62,7 +62,7 @@ from pathlib import Path
 
 import torch
 
-from qwenvl_vision.config import QWEN2_5
+from qwenvl_vision.model.config import QWEN2_5
 
 REPO = Path(__file__).resolve().parent.parent
 WRITER_VERSION = 1  # bump when the written checkpoint changes, so stale work dirs are rewritten
@@ -146,8 +146,8 @@ def write_checkpoint(folder: Path, cfg, seed: int = 0, dtype: torch.dtype = torc
     """Write the released layout into `folder` (via a temporary folder renamed at the end)."""
     from safetensors.torch import save_file
 
-    from qwenvl_vision.names import to_checkpoint_state
-    from qwenvl_vision.random_init import random_tower
+    from qwenvl_vision.model.names import to_checkpoint_state
+    from qwenvl_vision.model.random_init import random_tower
 
     _, _, _, prefix = HF_CLASSES[cfg.model_type]
     partial = folder.with_name(folder.name + ".partial")
@@ -168,7 +168,7 @@ def write_checkpoint(folder: Path, cfg, seed: int = 0, dtype: torch.dtype = torc
     del vision, shards
     write_json(partial / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
     write_json(partial / "config.json", full_config_json(cfg))
-    from qwenvl_vision.preprocess import PreprocessConfig
+    from qwenvl_vision.inputs.images import PreprocessConfig
 
     preprocessor = PreprocessConfig.for_family(cfg.family).to_dict()  # the load does not depend on it
     write_json(partial / "preprocessor_config.json", preprocessor)
@@ -244,7 +244,7 @@ def resident_split() -> dict[str, int | None]:
 
 def touch_all(module: torch.nn.Module) -> None:
     """Read every parameter and buffer once (a reduction: no full-size temporary), as a first forward would.
-    oneDNN-packed weights (qwenvl_vision.cpu.kernels) have no reduction, and the reorder that made them has just
+    oneDNN-packed weights (qwenvl_vision.backends.cpu.kernels) have no reduction, and the reorder that made them has just
     written every page of them: they are resident already."""
     with torch.inference_mode():
         for t in list(module.parameters()) + list(module.buffers()):

@@ -26,13 +26,13 @@ import torch
 
 from bench.throughput import build_variants
 from bench.workloads import add_workload_arguments, workload
-from qwenvl_vision.cpu import forward
-from qwenvl_vision.cpu.forward import CpuExecution
-from qwenvl_vision.tower import VisionTower
+from qwenvl_vision.backends.cpu import forward
+from qwenvl_vision.backends.cpu.forward import CpuExecution
+from qwenvl_vision.model.tower import VisionTower
 
 GEMM_OPS = {"aten::addmm", "aten::mm", "aten::bmm", "aten::baddbmm", "aten::mkldnn_convolution",
             "aten::_mkldnn_convolution", "aten::convolution_overrideable", "aten::_convolution",
-            "mkldnn::_linear_pointwise"}  # oneDNN's prepacked linear (qwenvl_vision.cpu.kernels)
+            "mkldnn::_linear_pointwise"}  # oneDNN's prepacked linear (qwenvl_vision.backends.cpu.kernels)
 SDPA_PREFIX = ("aten::_scaled_dot_product", "aten::_flash_attention", "aten::_efficient_attention")
 CATEGORIES = ("GEMM", "attention", "norm", "rope & attention glue", "activation & gate", "merger other",
               "residual (block)", "other")

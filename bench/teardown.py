@@ -4,7 +4,7 @@
     python -m bench.teardown --preset qwen2.5-vl-3b --cycles 20 --json bench/results/teardown.json --plot t.png
     qwenvl-vision bench teardown --preset qwen3-vl-2b   # the package's own part: per-instance only
 
-What is measured, and how, is ``qwenvl_vision.teardown`` (the same options). This file adds:
+What is measured, and how, is ``qwenvl_vision.teardown.study`` (the same options). This file adds:
 
 - ``class-level-cache``: the same model, with ``grid_plan`` memoised by a class-level ``lru_cache`` keyed on
   ``(self, grid)`` as serving engines had it (ruff B019; it kept 1.35 GB of GPU memory after shutting
@@ -23,8 +23,8 @@ import importlib.util
 import sys
 from typing import Any
 
-from qwenvl_vision.teardown import add_teardown_arguments, cmd_teardown
-from qwenvl_vision.teardown_cycles import PER_INSTANCE, Options, Variant, load_plain
+from qwenvl_vision.teardown.cycles import PER_INSTANCE, Options, Variant, load_plain
+from qwenvl_vision.teardown.study import add_teardown_arguments, cmd_teardown
 
 CLASS_LEVEL = "class-level-cache"
 TRANSFORMERS = "transformers"

@@ -44,8 +44,8 @@ import torch
 from bench.gemm_bound import gemm_bound, print_rates
 from bench.load import RESET_HIGH_WATER_MARK, proc_status_bytes, start_rss_window
 from qwenvl_vision import preset
-from qwenvl_vision.config import VisionConfig
-from qwenvl_vision.random_init import random_tower
+from qwenvl_vision.model.config import VisionConfig
+from qwenvl_vision.model.random_init import random_tower
 from qwenvl_vision.testing.reference import hf_classes, hf_tower, ours_from
 from qwenvl_vision.testing.workloads import INPUT_SETS, build_inputs, truncated
 

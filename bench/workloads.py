@@ -7,7 +7,7 @@ import argparse
 
 import torch
 
-from qwenvl_vision.config import VisionConfig, preset
+from qwenvl_vision.model.config import VisionConfig, preset
 from qwenvl_vision.testing.workloads import INPUT_SETS, build_inputs, truncated
 
 

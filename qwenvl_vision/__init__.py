@@ -1,7 +1,5 @@
 """qwenvl-vision: exact, memory-owning Qwen2.5-VL and Qwen3-VL vision encoders."""
 
-from .cache import ShapeCache
-from .config import PRESETS, VisionConfig, from_config_json, preset, resolve_config
 from .embed import read_embeddings, read_encoded, read_run
 from .encoder import VisionEncoder, load_encoder
 from .errors import (
@@ -16,15 +14,17 @@ from .errors import (
     PreprocessError,
     QwenVLVisionError,
 )
-from .handoff import EncodedItems, to_transformers, to_vllm
-from .models import build_model, from_transformers
-from .qwen2_5 import Qwen2_5VisionTransformer
-from .qwen3 import Qwen3VisionTransformer
+from .inputs.video import VideoConfig
+from .inputs.video_io import VideoInfo
+from .model.build import build_model, from_transformers
+from .model.cache import ShapeCache
+from .model.config import PRESETS, VisionConfig, from_config_json, preset, resolve_config
+from .model.qwen2_5 import Qwen2_5VisionTransformer
+from .model.qwen3 import Qwen3VisionTransformer
+from .model.tower import VisionTower
+from .outputs.handoff import EncodedItems, to_transformers, to_vllm
 from .results import EncodeResult
-from .tower import VisionTower
 from .version import __version__
-from .video import VideoConfig
-from .video_io import VideoInfo
 
 __all__ = [
     "PRESETS",

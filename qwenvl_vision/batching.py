@@ -34,11 +34,11 @@ import PIL.Image
 import torch
 
 from .errors import ConfigError, PreprocessError, QwenVLVisionError
-from .item_ids import pixels_sha256
-from .pixels import DEFAULT_MAX_INPUT_PIXELS, check_resize_backend, input_name, open_header
-from .preprocess import PreprocessConfig, preprocess_image, probe_image
-from .video import VideoConfig, preprocess_video, preprocess_video_file, sample_indices, video_target_size
-from .video_io import VideoInfo, is_video_file, probe_video
+from .inputs.images import PreprocessConfig, preprocess_image, probe_image
+from .inputs.item_ids import pixels_sha256
+from .inputs.pixels import DEFAULT_MAX_INPUT_PIXELS, check_resize_backend, input_name, open_header
+from .inputs.video import VideoConfig, preprocess_video, preprocess_video_file, sample_indices, video_target_size
+from .inputs.video_io import VideoInfo, is_video_file, probe_video
 
 DEFAULT_BATCH_PATCHES = 16384  # patches per forward: a few photos at a time
 DEFAULT_DECODE_BYTES = 1 << 30

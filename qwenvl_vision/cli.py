@@ -28,7 +28,7 @@ def _default_out(source: str) -> Path:
 
 
 def _is_preset(source: str) -> bool:
-    from .config import PRESETS
+    from .model.config import PRESETS
 
     return source.lower() in PRESETS and not Path(source).is_dir()
 
@@ -88,8 +88,8 @@ def refuse_extract_target(source: Path, out: Path) -> None:
     folder itself or a folder inside it, any folder in the Hugging Face cache (its snapshot files are links into
     blobs other snapshots share), and a folder where a name extract-weights writes is a source file (a source
     file that is a link into the target). Paths are compared resolved, so links to folders cannot hide them."""
+    from .checkpoint.weights import TEMPORARY_SUFFIX, VISION_ONLY_FILES
     from .errors import ConfigError
-    from .weights import TEMPORARY_SUFFIX, VISION_ONLY_FILES
 
     src, dst = source.expanduser().resolve(), out.expanduser().resolve()
     if dst == src or src in dst.parents:
@@ -110,9 +110,9 @@ def refuse_extract_target(source: Path, out: Path) -> None:
 
 
 def cmd_extract_weights(args: argparse.Namespace) -> int:
+    from .checkpoint.hub import resolve_folder
+    from .checkpoint.weights import save_vision_only
     from .encoder import load_encoder
-    from .hub import resolve_folder
-    from .weights import save_vision_only
 
     folder = resolve_folder(args.source, args.revision, args.local_files_only, None, None)  # a repo id: fetched
     out = Path(args.out) if args.out else _default_out(args.source)
@@ -130,8 +130,8 @@ def _stored_dtype(folder: Path):
     """Keep the checkpoint's own dtype when extracting (the first vision tensor's)."""
     import torch
 
-    from .safetensors_checks import SAFETENSORS_DTYPES, read_header
-    from .weights import open_checkpoint
+    from .checkpoint.checks import SAFETENSORS_DTYPES, read_header
+    from .checkpoint.weights import open_checkpoint
 
     first = next(iter(open_checkpoint(folder).tensors.values()))
     entry = read_header(first.file)[0].get(first.name, {})  # absent: the load that follows names the fault
@@ -140,8 +140,8 @@ def _stored_dtype(folder: Path):
 
 def _preset_report(name: str) -> dict:
     """What a preset describes: a released tower's shape, without weights (counted on the meta device)."""
-    from .config import preset
-    from .models import build_model
+    from .model.build import build_model
+    from .model.config import preset
 
     config = preset(name)
     parameters = sum(p.numel() for p in build_model(config, device="meta").parameters())
@@ -157,8 +157,8 @@ def _preset_report(name: str) -> dict:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from .hub import resolve_folder
-    from .weights import open_checkpoint, vision_entries
+    from .checkpoint.hub import resolve_folder
+    from .checkpoint.weights import open_checkpoint, vision_entries
 
     if _is_preset(args.source):
         _print_report(_preset_report(args.source), args.json)
@@ -242,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .embed.args import add_embed_parser
     from .embed.job import run_embed
-    from .teardown import add_bench_parser
+    from .teardown.study import add_bench_parser
 
     add_embed_parser(sub, parents=[common]).set_defaults(func=run_embed)
     add_bench_parser(sub)

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from .attention import resolve_attn_impl
+from .backends.cpu.plan import CpuPlan
 from .batching import (
     DEFAULT_DECODE_BYTES,
     DEFAULT_DECODE_TIMEOUT,
@@ -40,8 +40,8 @@ from .batching import (
     preflight,
     prepared_batches,
 )
-from .config import VisionConfig, resolve_config
-from .cpu.plan import CpuPlan
+from .checkpoint.hub import resolve_folder
+from .checkpoint.weights import load_tower, open_checkpoint
 from .devices import resolve_device, resolve_dtype
 from .errors import (
     ConfigError,
@@ -60,16 +60,16 @@ from .forward_faults import (
     release_cached_memory,
     why_alone,
 )
-from .hub import resolve_folder
-from .item_ids import config_sha256, is_sha256, weights_sha256
-from .item_ids import pixels_sha256 as item_pixels_sha256
-from .pixels import DEFAULT_MAX_INPUT_PIXELS
-from .preprocess import PreprocessConfig
-from .random_init import random_tower
+from .inputs.images import PreprocessConfig
+from .inputs.item_ids import config_sha256, is_sha256, weights_sha256
+from .inputs.item_ids import pixels_sha256 as item_pixels_sha256
+from .inputs.pixels import DEFAULT_MAX_INPUT_PIXELS
+from .inputs.video import VideoConfig, sample_indices
+from .model.attention import resolve_attn_impl
+from .model.config import VisionConfig, resolve_config
+from .model.random_init import random_tower
+from .model.tower import VisionTower, check_cpu_kernels
 from .results import EncodeResult, ItemResult
-from .tower import VisionTower, check_cpu_kernels
-from .video import VideoConfig, sample_indices
-from .weights import load_tower, open_checkpoint
 
 
 class VisionEncoder:

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from .errors import PreprocessError, QwenVLVisionError
-from .video_io import VideoInfo
+from .inputs.video_io import VideoInfo
 
 
 @dataclass
@@ -61,21 +61,21 @@ class EncodeResult:
     def to_transformers(self, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> dict:
         """The keyword arguments of a transformers Qwen VL model's ``forward`` / ``generate`` that stand for this
         batch's pixels (``mm_encoder_outputs`` and the grid): ``handoff.to_transformers``."""
-        from .handoff import to_transformers
+        from .outputs.handoff import to_transformers
 
         return to_transformers(self, dtype=dtype, device=device)
 
     def to_vllm(self, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> dict:
         """vLLM's ``multi_modal_data`` for this batch (DeepStack levels concatenated along the features):
         ``handoff.to_vllm``."""
-        from .handoff import to_vllm
+        from .outputs.handoff import to_vllm
 
         return to_vllm(self, dtype=dtype, device=device)
 
     def to_vllm_cache(self, path: str | os.PathLike) -> list[dict]:
         """Write each item into a vLLM encoder cache folder (``ECExampleConnector``'s layout) and return what a
         request needs of each (its id, modality, grid and timing): ``vllm_cache.write_vllm_cache``."""
-        from .vllm_cache import write_vllm_cache
+        from .outputs.vllm_cache import write_vllm_cache
 
         return write_vllm_cache(self, path)
 

@@ -28,8 +28,8 @@ from qwenvl_vision.batching import (
     prepared_batches,
 )
 from qwenvl_vision.errors import ConfigError
-from qwenvl_vision.preprocess import PreprocessConfig
-from qwenvl_vision.video import VideoConfig
+from qwenvl_vision.inputs.images import PreprocessConfig
+from qwenvl_vision.inputs.video import VideoConfig
 from tests.helpers import FAMILY_SMALL, QWEN2_5_SMALL, photo, synthetic_photo
 
 WAIT = 5.0  # seconds a thread that should proceed is given; a thread that should wait is watched for 0.2 s

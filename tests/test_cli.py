@@ -18,7 +18,6 @@ from safetensors.torch import load_file
 from qwenvl_vision import build_model, load_encoder
 from qwenvl_vision.cli import main
 from qwenvl_vision.version import package_version
-from tests.embed_helpers import one_error_line
 from tests.helpers import (
     FAMILY_SMALL,
     QWEN2_5_SMALL,
@@ -33,6 +32,7 @@ from tests.helpers import (
     set_entry,
     write_checkpoint,
 )
+from tests.helpers.embed import one_error_line
 
 GRIDS = [(1, 6, 10), (2, 4, 4), (1, 2, 2)]
 

@@ -200,7 +200,7 @@ def test_bad_input_raises_before_any_compute_naming_it(setup, photos, tmp_path):
 
 def test_video_sampled_by_fps_equals_the_sampled_frames(setup):
     encoder, _, _, cfg = setup
-    from qwenvl_vision.video import sample_indices
+    from qwenvl_vision.inputs.video import sample_indices
 
     rng = np.random.default_rng(0)
     clip = rng.integers(0, 256, (12, 64, 96, 3), dtype=np.uint8)  # 12 frames at 6 fps, sampled at 2 fps

@@ -1,7 +1,7 @@
 """The fault-injection tier: ``qwenvl-vision embed`` in child processes with faults at its seams (a forward that
 fails at batch k, out of memory, a full disk at some byte, SIGKILL at random instants in each output format, a
 damaged manifest), then ``--resume``; every input must end up recorded exactly once with the very tensor a
-clean run stores. The forward's faults are injected by tests/fault_driver.py; the disk and the kills are real."""
+clean run stores. The forward's faults are injected by tests/helpers/fault_driver.py; the disk and the kills are real."""
 
 from __future__ import annotations
 
@@ -19,13 +19,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from qwenvl_vision import ConfigError, NumericalError, load_encoder
+from qwenvl_vision.backends.cpu.kernels import onednn_packs
+from qwenvl_vision.backends.cpu.packing import plan_needs
+from qwenvl_vision.backends.cpu.plan import CpuPlan
 from qwenvl_vision.cli import main
-from qwenvl_vision.cpu.kernels import onednn_packs
-from qwenvl_vision.cpu.packing import plan_needs
-from qwenvl_vision.cpu.plan import CpuPlan
 from qwenvl_vision.embed import read_embeddings, read_manifest_lines
-from tests.embed_helpers import ENV, embed_cmd, one_error_line, parquet_rows
 from tests.helpers import QWEN2_5_SMALL, make_image_folder, write_checkpoint
+from tests.helpers.embed import ENV, embed_cmd, one_error_line, parquet_rows
 
 IMAGES = 8
 
@@ -59,7 +59,7 @@ def run(cmd: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
 def with_fault(spec: dict, cmd: list[str]) -> list[str]:
     """``cmd`` (an ``embed_cmd``) run by the fault driver with ``spec`` injected."""
     assert cmd[1:3] == ["-m", "qwenvl_vision.cli"]
-    return [sys.executable, "-m", "tests.fault_driver", json.dumps(spec), *cmd[3:]]
+    return [sys.executable, "-m", "tests.helpers.fault_driver", json.dumps(spec), *cmd[3:]]
 
 
 def stored(out: Path) -> dict[str, torch.Tensor]:

@@ -51,7 +51,7 @@ def imported(path: Path, name: str, *, local_names: bool = False) -> list[tuple[
 
 
 def project_target(module: str, names: list[str], known: dict[str, Path]) -> list[str]:
-    """The project modules an import statement reaches: ``from . import video`` reaches qwenvl_vision.video."""
+    """The project modules an import statement reaches: ``from . import video`` reaches qwenvl_vision.inputs.video."""
     submodules = [f"{module}.{n}" for n in names if f"{module}.{n}" in known]
     whole = module in known and (not names or len(submodules) < len(names))
     return ([module] if whole else []) + submodules
@@ -102,7 +102,7 @@ ALL = sources("qwenvl_vision", "bench", "tests")
 def allowed_private(user: str, owner: str) -> bool:
     if user == owner or user.startswith(owner + "."):
         return True
-    # A test of that module: tests.test_video for qwenvl_vision.video, tests.test_embed_writer for
+    # A test of that module: tests.inputs.test_video for qwenvl_vision.inputs.video, tests.embed.test_writer for
     # qwenvl_vision.embed.writer.
     if user.startswith("tests.test_"):
         tail = owner.split(".")[1:]
@@ -155,7 +155,7 @@ def test_bench_imports_only_bench_and_the_package():
 
 # The tests that run a benchmark's own code on small towers; every other test takes its fixtures from the package
 # (qwenvl_vision.testing) or tests/, never from bench/.
-BENCHMARK_TESTS = {"tests.test_bench", "tests.test_cuda_check", "tests.test_teardown"}
+BENCHMARK_TESTS = {"tests.bench.test_bench", "tests.bench.test_cuda_check", "tests.teardown.test_teardown"}
 
 
 def test_only_the_benchmarks_tests_import_bench_and_the_package_imports_neither():
@@ -179,8 +179,8 @@ def test_nothing_cites_a_file_outside_the_repository():
 
 
 # The model core: the math, which runs the same whatever executes it. The tower picks the execution (once per
-# call) and is not in this list; the CPU backend (qwenvl_vision.cpu) reads these modules, never the reverse.
-MODEL_CORE = ("qwenvl_vision.layers", "qwenvl_vision.attention", "qwenvl_vision.qwen2_5", "qwenvl_vision.qwen3")
+# call) and is not in this list; the CPU backend (qwenvl_vision.backends.cpu) reads these modules, never the reverse.
+MODEL_CORE = ("qwenvl_vision.model.layers", "qwenvl_vision.model.attention", "qwenvl_vision.model.qwen2_5", "qwenvl_vision.model.qwen3")
 EXECUTION_STATE = ("ContextVar", "is_compiling", "is_grad_enabled", "is_autocast_enabled", "is_mkldnn",
                    "requires_grad", "is_inference_mode_enabled")
 
@@ -190,7 +190,7 @@ def test_the_model_core_reads_no_execution_state(name):
     """A module of the model core neither imports the CPU backend nor asks how it is being run (autograd, compile,
     autocast, a packed weight, a context variable): one path per module."""
     path = PACKAGE_MODULES[name]
-    reached = [module for module, _, _ in imported(path, name) if module.startswith("qwenvl_vision.cpu")]
+    reached = [module for module, _, _ in imported(path, name) if module.startswith("qwenvl_vision.backends.cpu")]
     assert not reached, f"{name} imports the CPU backend: {reached}"
     names = {node.attr if isinstance(node, ast.Attribute) else node.id
              for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, (ast.Attribute, ast.Name))}

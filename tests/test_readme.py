@@ -40,8 +40,8 @@ import torch
 import qwenvl_vision
 from qwenvl_vision.cli import main
 from qwenvl_vision.embed import read_manifest_lines
-from tests.handoff_helpers import write_full_model
 from tests.helpers import FAMILY_SMALL, REPO, write_checkpoint
+from tests.helpers.handoff import write_full_model
 
 README = REPO / "README.md"
 DOCS = [README, *sorted((REPO / "docs").glob("*.md"))]  # every page whose examples run
@@ -60,10 +60,10 @@ EXCUSED = {  # README command (without its comment) -> why it is not run here
     "needs vLLM with a GPU; tests/contract/ builds this consumer's VllmConfig from the line and loads the items with "
     "its ECExampleConnector",
     "python -m bench.throughput --preset qwen2.5-vl-3b --device cpu --dtype bf16 --inputs 256-patch --depth 8 "
-    "--repeats 3 --one-forward": "a benchmark of minutes at real size; tests/test_bench.py runs its logic on small "
+    "--repeats 3 --one-forward": "a benchmark of minutes at real size; tests/bench/test_bench.py runs its logic on small "
     "towers",
     "python -m bench.cuda_check --out DIR": "needs a GPU; its --dry-run, the same logic on CPU, runs in "
-    "tests/test_cuda_check.py",
+    "tests/bench/test_cuda_check.py",
 }
 RUN_LANGUAGES = {"python", "bash"}
 ILLUSTRATION_LANGUAGES = {"text", ""}  # output samples and the layout tree: shown, not run
@@ -168,7 +168,7 @@ def family_of(repo_id: str) -> str:
 
 
 # Local folders an example names that stand for a full released VLM: a tiny random one of the family, saved by
-# transformers (tests/handoff_helpers.py), written into the working directory before the example runs.
+# transformers (tests/helpers/handoff.py), written into the working directory before the example runs.
 TINY_FULL_MODELS = {"tiny-qwen3-vl": "qwen3_vl"}
 
 

@@ -12,12 +12,12 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..attention import ATTN_IMPLS
 from ..batching import DEFAULT_DECODE_TIMEOUT
-from ..config import PRESETS
 from ..devices import device_option, dtype_option
 from ..errors import ConfigError
-from ..pixels import DEFAULT_MAX_INPUT_PIXELS, RESIZE_BACKENDS
+from ..inputs.pixels import DEFAULT_MAX_INPUT_PIXELS, RESIZE_BACKENDS
+from ..model.attention import ATTN_IMPLS
+from ..model.config import PRESETS
 
 BATCH_PATCHES = 16384  # encode_images' max_batch_patches default
 FORMATS = ("safetensors", "parquet", "vllm-cache")

@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 
 from ..errors import OutputFaultError, QwenVLVisionError
-from ..handoff import EncodedItems, vllm_items
-from ..item_ids import IDENTITY_FIELDS, is_sha256, item_id
-from ..records import EmbeddingRecord
-from ..vllm_cache import CACHE_FILE, CACHE_KEY, IDENTITY_FILE, entry, write_item
+from ..inputs.item_ids import IDENTITY_FIELDS, is_sha256, item_id
+from ..outputs.handoff import EncodedItems, vllm_items
+from ..outputs.records import EmbeddingRecord
+from ..outputs.vllm_cache import CACHE_FILE, CACHE_KEY, IDENTITY_FILE, entry, write_item
 from .manifest import RECORDS_KEY, RUN_KEY
 from .writer import RankWriter
 

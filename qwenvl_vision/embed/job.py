@@ -41,7 +41,6 @@ from typing import Any
 
 import torch
 
-from ..durable import refuse_link
 from ..errors import (
     EmbedError,
     ForwardFaultError,
@@ -50,9 +49,10 @@ from ..errors import (
     QwenVLVisionError,
     exit_code_of,
 )
-from ..item_ids import IDENTITY_FIELDS
-from ..records import EmbeddingRecord, record_from_result
-from ..vllm_cache import check_cache_folder, claim_cache_folder
+from ..inputs.item_ids import IDENTITY_FIELDS
+from ..outputs.durable import refuse_link
+from ..outputs.records import EmbeddingRecord, record_from_result
+from ..outputs.vllm_cache import check_cache_folder, claim_cache_folder
 from .args import EmbedSettings
 from .inputs import MEDIA_EXTENSIONS, Inputs, gather_inputs, rank_and_world, shard_for_rank
 from .lock import FolderLock, lock_name
@@ -146,10 +146,10 @@ def _load(args: EmbedSettings, device: str | None, progress: Progress, dtype=Non
     ``dtype`` and ``attn`` default to the options (the Ray driver loads on its CPU in the actors' dtype);
     ``cpu_plan`` is a resumed run's recorded CPU plan (its very bits) or "reference" (a Ray driver whose actors run
     on GPUs: no CPU plan to measure), else this machine's runs."""
-    from ..attention import resolve_attn_impl
+    from ..checkpoint.hub import looks_like_repo_id, resolve_folder
     from ..devices import resolve_device, resolve_dtype
     from ..encoder import load_encoder
-    from ..hub import looks_like_repo_id, resolve_folder
+    from ..model.attention import resolve_attn_impl
 
     dtype = args.dtype if dtype is None else dtype
     attn = args.attn if attn is None else attn
@@ -183,8 +183,8 @@ def _size(n: int) -> str:
 
 def _vision_shards(folder: Path) -> tuple[int, int]:
     """(files holding vision tensors, their vision bytes), from the headers only."""
-    from ..safetensors_checks import read_header
-    from ..weights import open_checkpoint
+    from ..checkpoint.checks import read_header
+    from ..checkpoint.weights import open_checkpoint
 
     checkpoint = open_checkpoint(folder)
     headers = {path: read_header(path)[0] for path in checkpoint.shard_files}

@@ -15,8 +15,8 @@ import os
 import socket
 from pathlib import Path
 
-from ..durable import open_no_follow
 from ..errors import OutputInUseError
+from ..outputs.durable import open_no_follow
 
 
 def lock_name(rank: int, world: int) -> str:

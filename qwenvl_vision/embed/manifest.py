@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..vllm_cache import CACHE_KEY, ITEM_FILE
+from ..outputs.vllm_cache import CACHE_KEY, ITEM_FILE
 from .inputs import real_key
 
 MANIFEST = "manifest.jsonl"

@@ -24,9 +24,9 @@ from pathlib import Path
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from ..durable import refuse_link
 from ..errors import ManifestError
-from ..parquet import (
+from ..outputs.durable import refuse_link
+from ..outputs.parquet import (
     ParquetLayout,
     needs_escape,
     read_parquet_index,

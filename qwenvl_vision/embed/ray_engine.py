@@ -43,10 +43,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ClusterSetupError, EmbedError, OutputFaultError
-from ..records import EmbeddingRecord
+from ..outputs.records import EmbeddingRecord
 from .writer import Writer
 
-UDF = None  # the map_batches class (None: qwenvl_vision.ray.Embedder); a test may put a subclass here
+UDF = None  # the map_batches class (None: qwenvl_vision.embed.ray.Embedder); a test may put a subclass here
 BATCH_ROWS = 16  # rows a map_batches batch (and a shard) holds
 
 
@@ -73,9 +73,9 @@ def check_attn(args, device: str) -> None:
     the fused kernels run in float16/bfloat16 only."""
     import torch
 
-    from ..attention import resolve_attn_impl
     from ..devices import resolve_dtype
     from ..errors import ConfigError
+    from ..model.attention import resolve_attn_impl
 
     cuda = device.startswith("cuda")
     with warnings.catch_warnings():  # fp16's warning comes once, from the driver's load
@@ -171,7 +171,7 @@ class RayPlan:
 
 
 def _shares(actors: int, threads: int) -> float:
-    from ..ray import actor_cpus
+    from .ray import actor_cpus
 
     try:
         return actor_cpus(actors, threads)
@@ -188,8 +188,8 @@ def encode_on_ray(job, writer: Writer) -> None:
     model folder missing on a node: it would fail again), else ``OutputFaultError`` (exit 3, ``--resume``)."""
     import ray
 
-    from ..ray import embed_dataset, records_from_batch
     from .parquet_writer import unstorable
+    from .ray import embed_dataset, records_from_batch
 
     args, plan, progress = job.settings, job.ray, job.progress
     todo = [p for p in job.inputs.paths if job.inputs.keys[p] not in writer.done]
@@ -254,7 +254,7 @@ def actor_source(job, options: dict) -> str:
         return args.model
     if job.ray.started:
         return job.folder
-    from ..hub import looks_like_repo_id
+    from ..checkpoint.hub import looks_like_repo_id
 
     if looks_like_repo_id(args.model):
         options["revision"] = job.run.get("revision") or args.revision

@@ -62,7 +62,7 @@ def read_run(out: str | os.PathLike) -> dict:
         run = json.loads(path.read_text())
     except FileNotFoundError:
         if _parquet_shards(Path(out)):  # Parquet shards copied without run.json: each carries the run
-            from ..parquet import read_parquet_run
+            from ..outputs.parquet import read_parquet_run
 
             return _checked_run(Path(out) / "shard-r*.parquet", {**RUN_FIELD_DEFAULTS, **read_parquet_run(out)})
         raise ManifestError(f"{path} does not exist: not an embed output (or one written before run files)") \
@@ -84,7 +84,7 @@ def _checked_run(path: Path, run: dict) -> dict:
     """``run``, each field checked; a ManifestError naming ``path`` and the field otherwise."""
     problem = run_problem(run)
     if not problem and run.get("cpu_plan") is not None:
-        from ..cpu.plan import CpuPlan
+        from ..backends.cpu.plan import CpuPlan
         from ..errors import ConfigError
 
         try:
@@ -134,7 +134,7 @@ def read_embeddings(out: str | os.PathLike, *, deepstack: bool = False) -> Itera
                 raise ManifestError(f"{manifest}, line {line.number}: {r['shard']} has no tensor {r['key']!r}")
             tensor = handle.get_tensor(r["key"])
             if "levels" in r:  # an encoder-cache item: [merged | level 0 | ...] along the features, as vLLM splits it
-                from ..handoff import split_vllm_deepstack
+                from ..outputs.handoff import split_vllm_deepstack
 
                 try:
                     tensor, levels = split_vllm_deepstack(tensor, r["levels"])
@@ -177,7 +177,7 @@ def _is_parquet(out: Path) -> bool:
 
 
 def _parquet_embeddings(out: Path, deepstack: bool) -> Iterator[tuple[str, object]]:
-    from ..parquet import read_parquet_records
+    from ..outputs.parquet import read_parquet_records
 
     if not _parquet_shards(out):  # a run stopped before its first shard
         return
@@ -196,7 +196,7 @@ def stored_records(out: str | os.PathLike) -> Iterator[tuple[str, list[int], dic
     ``read_embeddings`` yields them (for Parquet from the footers and the small columns only)."""
     out = Path(out)
     if _is_parquet(out):
-        from ..parquet import parquet_files, read_parquet_grids
+        from ..outputs.parquet import parquet_files, read_parquet_grids
 
         if _parquet_shards(out):  # a run stopped before its first shard has none
             for path in parquet_files(out):
@@ -220,7 +220,7 @@ def read_encoded(out: str | os.PathLike, paths: list[str] | None = None, *, moda
     videos are two calls. A ``--pooled-only`` run has no tokens to hand over, and a path recorded twice (two files
     given under one relative path from two directories) is ambiguous: a ManifestError each.
     """
-    from ..handoff import EncodedItems
+    from ..outputs.handoff import EncodedItems
 
     if modality not in (None, "image", "video"):
         raise ManifestError(f"modality {modality!r}: use 'image' or 'video'")

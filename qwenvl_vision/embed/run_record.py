@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
+from ..checkpoint.hub import COMMIT_HASH
 from ..errors import RunMismatchError
-from ..hub import COMMIT_HASH
 from ..version import package_version
 from .args import EmbedSettings
 from .manifest import RUN_COMPARED, RUN_FIELD_DEFAULTS, RUN_FILE, RUN_FORMAT

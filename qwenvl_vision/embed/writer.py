@@ -28,9 +28,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
-from ..durable import create_new, fsync_dir, open_no_follow, refuse_link, replace_atomically
 from ..errors import ManifestError, OutputFaultError
-from ..records import EmbeddingRecord
+from ..outputs.durable import create_new, fsync_dir, open_no_follow, refuse_link, replace_atomically
+from ..outputs.records import EmbeddingRecord
 from .manifest import (
     MANIFEST,
     RECORDS_KEY,

@@ -2,7 +2,7 @@
 
 The reference for every family is transformers 5.24's vision tower. Its module names are the checkpoints' tensor
 names, so a reference tower's state dict is a checkpoint in the released naming: ``ours_from`` reads it through
-``qwenvl_vision.names``, which tests our name mapping against the reference itself. Used by the benchmarks (the
+``qwenvl_vision.model.names``, which tests our name mapping against the reference itself. Used by the benchmarks (the
 comparison rows) and by the tests (re-exported by ``tests.helpers``); needs transformers.
 """
 
@@ -13,8 +13,8 @@ import importlib
 import torch
 
 from qwenvl_vision import build_model
-from qwenvl_vision.config import QWEN2_5, VisionConfig
-from qwenvl_vision.random_init import spread_init_
+from qwenvl_vision.model.config import QWEN2_5, VisionConfig
+from qwenvl_vision.model.random_init import spread_init_
 
 # family -> (transformers module, vision config class, vision tower class)
 HF_TOWERS = {

@@ -11,9 +11,9 @@ import numpy as np
 import torch
 from PIL import Image
 
-from qwenvl_vision.config import FAMILIES, QWEN2_5, VisionConfig
-from qwenvl_vision.preprocess import PreprocessConfig, preprocess_image
-from qwenvl_vision.video import preprocess_video
+from qwenvl_vision.inputs.images import PreprocessConfig, preprocess_image
+from qwenvl_vision.inputs.video import preprocess_video
+from qwenvl_vision.model.config import FAMILIES, QWEN2_5, VisionConfig
 
 # ----------------------------------------------------------------------------- small configs of every family
 

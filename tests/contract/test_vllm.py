@@ -1,7 +1,7 @@
 """``to_vllm``'s output through vLLM 0.33.0's own code (the contract tier: it runs in a venv with vLLM, see
 .ci/run; the main suite skips it).
 
-Tiny random full VLMs of each family that vLLM serves (tests.handoff_helpers, saved by transformers), encoded by
+Tiny random full VLMs of each family that vLLM serves (tests.helpers.handoff, saved by transformers), encoded by
 our encoder, handed over with ``to_vllm`` and fed to vLLM's functions, no copies of them:
 
 - ``ModelConfig(model=folder, skip_tokenizer_init=True, enable_mm_embeds=True)`` and the family's processing info
@@ -45,9 +45,9 @@ from vllm.multimodal import MULTIMODAL_REGISTRY  # noqa: E402
 from vllm.multimodal.utils import group_and_batch_mm_kwargs  # noqa: E402
 
 from qwenvl_vision import load_encoder  # noqa: E402
-from qwenvl_vision.config import FAMILIES  # noqa: E402
-from tests.handoff_helpers import write_full_model  # noqa: E402
+from qwenvl_vision.model.config import FAMILIES  # noqa: E402
 from tests.helpers import synthetic_photo  # noqa: E402
+from tests.helpers.handoff import write_full_model  # noqa: E402
 
 OMNI = ["qwen2_5_omni", "qwen3_omni_moe"]
 SERVED = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "qwen4_exp"]
@@ -351,7 +351,7 @@ def test_the_documented_producer_s_cache_loads_in_a_vllm_consumer_bitwise(served
     connector loads every item equal to to_vllm()'s rows for it, bit for bit."""
     from qwenvl_vision.cli import main
     from qwenvl_vision.embed import read_manifest_lines
-    from qwenvl_vision.vllm_cache import vllm_request
+    from qwenvl_vision.outputs.vllm_cache import vllm_request
 
     family, folder, _, _ = served
     producer, transfer, _ = readme_section()
@@ -426,7 +426,7 @@ def test_an_omni_consumer_takes_the_cache_with_the_seconds_per_temporal_patch(om
 
     from qwenvl_vision.cli import main
     from qwenvl_vision.embed import read_manifest_lines
-    from qwenvl_vision.vllm_cache import vllm_request
+    from qwenvl_vision.outputs.vllm_cache import vllm_request
 
     family, folder, _, _ = omni
     _, transfer, _ = readme_section()

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from qwenvl_vision.config import QWEN2_5, VisionConfig
+from qwenvl_vision.model.config import QWEN2_5, VisionConfig
 from qwenvl_vision.testing.reference import hf_tower, hf_vision_fields
 
 # The shards a full checkpoint holds besides the tower, by where they are in each family's layout.

@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from qwenvl_vision.cpu.kernels import balanced_chunks, onednn_packs, pack_weight, packed_linear
-from qwenvl_vision.cpu.packing import linear_layers, plan_needs
-from qwenvl_vision.cpu.plan import CpuPlan
+from qwenvl_vision.backends.cpu.kernels import balanced_chunks, onednn_packs, pack_weight, packed_linear
+from qwenvl_vision.backends.cpu.packing import linear_layers, plan_needs
+from qwenvl_vision.backends.cpu.plan import CpuPlan
 
 
 def packed_gives_addmm_bits(shapes: list[tuple[int, int]], dtype: torch.dtype, rows: list[int],

@@ -1,9 +1,9 @@
 """Memory readings for tests: the census of live tensor storages that the teardown benchmark makes
-(``qwenvl_vision.memory_census``), under the short name the tests use."""
+(``qwenvl_vision.teardown.census``), under the short name the tests use."""
 
 from __future__ import annotations
 
-from qwenvl_vision.memory_census import live_tensor_bytes, rss_bytes
+from qwenvl_vision.teardown.census import live_tensor_bytes, rss_bytes
 
 __all__ = ["census", "live_tensor_bytes", "rss_bytes"]
 

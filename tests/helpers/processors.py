@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 
-from qwenvl_vision.preprocess import PreprocessConfig
+from qwenvl_vision.inputs.images import PreprocessConfig
 
 REFERENCE_FAMILIES = ("qwen2_5_vl", "qwen3_vl")  # one of each design's released settings
 PIXEL_TOL = 1e-6  # largest absolute difference from the reference's pixel values

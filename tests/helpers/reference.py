@@ -12,7 +12,7 @@ import pathlib
 import numpy as np
 import torch
 
-from qwenvl_vision.config import FAMILIES
+from qwenvl_vision.model.config import FAMILIES
 from qwenvl_vision.testing.reference import hf_forward, hf_tower, item_errors
 from qwenvl_vision.testing.workloads import inputs
 

@@ -1,0 +1,256 @@
+"""The CPU inference forward of a tower's blocks and mergers: the modules' math, run on the machine's plan.
+
+The modules (``layers.py``) stay the math; this reads their parameters and runs the same operations with what the
+CPU rewards: activations in the call's ``Workspace`` instead of fresh tensors, each linear on the kernel the
+machine's ``CpuPlan`` chose (a packed weight is oneDNN's, its rows computed in chunks of the plan's size), norm
+statistics and rope in fp32 on row chunks (through the plan's scratch size), MLPs by row blocks where both their
+linears are packed, attention per segment length on the plan's path. It runs only
+in inference (no autograd, no compile, never on CUDA): ``tower.VisionTower`` picks it once per forward.
+
+Numbers against the reference's ops (transformers' vision blocks, as ``layers.py`` writes them):
+
+- the workspace, the chunked norms and the chunked rope are the same operations in the same order: the same bits;
+- a linear on addmm is the reference's kernel: the same bits. On oneDNN's packed weight it rounds differently in
+  fp32 (both within ~5e-7 of float64); in bf16 it agrees within bf16 rounding (bitwise on CPUs where both weights
+  take one oneDNN kernel). Its rows are handed on in chunks as they come (``linear_chunks``);
+- a packed plain (non-gated) MLP computes its activation in oneDNN's GEMM epilogue: in bf16 one rounding fewer
+  than the reference's Linear then activation (closer to float64, not its bits);
+- the GEMM attention path computes in fp32 and rounds once (``kernels.gemm_attention``).
+
+A transcendental activation on row chunks may differ in the last bit of a few fp32 elements from one call over
+all rows (where a thread's share of a call ends mid-row its tail takes the scalar kernel); an item's chunks are
+the same wherever it is, since on the CPU each item runs as its own forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...model.attention import SegmentPlan, sdpa_attention, sdpa_batched
+from ...model.layers import AttentionInputs, GatedMLP, PatchMerger, RMSNorm, VisionAttention
+from .kernels import (
+    DEFAULT_CHUNK_BYTES,
+    EPILOGUE_ACTIVATIONS,
+    balanced_chunks,
+    gemm_attention,
+    packed_activated_linear,
+    packed_chunks,
+    packed_linear,
+)
+from .plan import CpuPlan
+from .workspace import Workspace
+
+# name -> (in place, into out)
+ACTIVATIONS: dict[str, tuple[Callable, Callable]] = {
+    "silu": (lambda x: F.silu(x, inplace=True), lambda x, out: torch.ops.aten.silu.out(x, out=out)),
+    "swish": (lambda x: F.silu(x, inplace=True), lambda x, out: torch.ops.aten.silu.out(x, out=out)),
+    "gelu": (lambda x: torch.ops.aten.gelu_(x), lambda x, out: torch.ops.aten.gelu.out(x, out=out)),
+    "gelu_pytorch_tanh": (lambda x: torch.ops.aten.gelu_(x, approximate="tanh"),
+                          lambda x, out: torch.ops.aten.gelu.out(x, approximate="tanh", out=out)),
+    # In place but for its sigmoid temporary; the same ops as layers.quick_gelu.
+    "quick_gelu": (lambda x: x.mul_(torch.sigmoid(1.702 * x)),
+                   lambda x, out: torch.mul(x, torch.sigmoid(1.702 * x), out=out)),
+}
+
+
+def packed(layer: nn.Linear) -> bool:
+    """Whether the plan put this layer's weight in oneDNN's layout (``packing.pack_linears_``)."""
+    return layer.weight.is_mkldnn
+
+
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """sin (N, hd) with rotate_half's signs folded in, [-sin1, sin2]: rotate_half(x) * sin is then
+    [x2 * signed1, x1 * signed2], bit for bit (a negation is exact and commutes with a product's rounding)."""
+    half = sin.shape[-1] // 2
+    return torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+
+
+@dataclass
+class CpuAttentionInputs(AttentionInputs):
+    signed_sin: torch.Tensor | None = None
+
+
+class CpuExecution:
+    """One inference call's execution of blocks and mergers (see the module docstring)."""
+
+    name = "cpu"
+
+    def __init__(self, plan: CpuPlan, workspace: Workspace, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+        self.plan = plan
+        self.workspace = workspace
+        self.chunk_bytes = chunk_bytes  # output per oneDNN call of a packed linear (the plan's for the tower)
+
+    # ------------------------------------------------------------------ what the tower calls
+
+    def attention_inputs(self, rope: tuple[torch.Tensor, torch.Tensor], segments: SegmentPlan) -> AttentionInputs:
+        return CpuAttentionInputs(rope, segments, self.attend, signed_sin(rope[1]))
+
+    def block(self, block: nn.Module, x: torch.Tensor, inputs: CpuAttentionInputs) -> torch.Tensor:
+        x = self.attention(block.attn, self.norm(block.norm1, x), inputs, residual=x)
+        return self.mlp(block.mlp, self.norm(block.norm2, x), residual=x)
+
+    def merger(self, merger: PatchMerger, x: torch.Tensor) -> torch.Tensor:
+        """x (N, D) -> (N/4, out), a fresh tensor (it leaves the forward)."""
+        if merger.norm_after_view:
+            grouped = self.norm(merger.norm, x.view(-1, merger.hidden))
+        else:
+            grouped = self.norm(merger.norm, x).view(-1, merger.hidden)
+        hidden = self.activated(grouped, merger.linear_fc1, "gelu")
+        fc2 = merger.linear_fc2
+        return packed_linear(hidden, fc2.weight, fc2.bias) if packed(fc2) else F.linear(hidden, fc2.weight, fc2.bias)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: SegmentPlan, scale: float,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        return sdpa_attention(q, k, v, segments, scale, out, batched=self.batched)
+
+    def batched(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int, scale: float,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        """``count`` equal segments on the plan's path for their length."""
+        if self.plan.attention_path(q.dtype, q.shape[1], q.shape[2], q.shape[0] // count) == "gemm":
+            return gemm_attention(q, k, v, count, scale, out)
+        return sdpa_batched(q, k, v, count, scale, out)
+
+    # ------------------------------------------------------------------ modules
+
+    def norm(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """``module(x)`` (RMSNorm or nn.LayerNorm) into the workspace, by row chunks."""
+        out = self.workspace.take(x, *x.shape)
+        if isinstance(module, RMSNorm):
+            # The reference's ops in its order on row chunks (x*x is what pow(2) computes).
+            for rows, x32, squares in self.workspace.fp32_chunks(x):
+                scale = torch.mul(x32, x32, out=squares).mean(-1, keepdim=True).add_(module.eps).rsqrt_()
+                if x.dtype == torch.float32:
+                    torch.mul(x32, scale, out=out[rows]).mul_(module.weight)
+                else:  # a mixed-dtype out= allocates an fp32 temporary: scale in the scratch, then round
+                    out[rows].copy_(x32.mul_(scale)).mul_(module.weight)
+            return out
+        # aten has no true out= layer norm: each chunk's fresh result stays small and in cache (per-row statistics:
+        # chunks change no bit).
+        for rows in self.workspace.row_chunks(x.shape[0], x.shape[1]):
+            out[rows].copy_(F.layer_norm(x[rows], module.normalized_shape, module.weight, module.bias, module.eps))
+        return out
+
+    def attention(self, attn: VisionAttention, x: torch.Tensor, inputs: CpuAttentionInputs,
+                  residual: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.rotated_qkv(attn, x, inputs)
+        attended = inputs.attend(q, k, v, inputs.segments, attn.scale, out=self.workspace.take(q, *q.shape))
+        return self.add_linear_(residual, attended.flatten(1), attn.proj)
+
+    def rotated_qkv(self, attn: VisionAttention, x: torch.Tensor, inputs: CpuAttentionInputs
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v (N, H, hd) of x, 2D rope on q and k: rotated in place on the one result, or, when qkv's rows
+        come in fresh chunks, each chunk's q and k rotated (and its v copied) straight into the workspace."""
+        cos, signed = inputs.rope[0], inputs.signed_sin
+        qk = slice(0, 2 * attn.num_heads)  # the heads of q and k in a row of qkv, (3H, hd)
+        if not packed(attn.qkv):
+            qkv = self.linear_into(x, attn.qkv)
+            heads = qkv.view(x.shape[0], -1, attn.head_dim)
+            self.rotate_qk_into(heads[:, qk], heads[:, qk], cos, signed)
+            return attn.split_heads(qkv)
+        qkv = self.workspace.take(x, x.shape[0], attn.qkv.out_features)
+        heads = qkv.view(x.shape[0], -1, attn.head_dim)
+        for rows, chunk in self.packed_chunks(x, attn.qkv):
+            fresh = chunk.view(chunk.shape[0], -1, attn.head_dim)
+            self.rotate_qk_into(fresh[:, qk], heads[rows, qk], cos[rows], signed[rows])
+            heads[rows, qk.stop:].copy_(fresh[:, qk.stop:])
+        return attn.split_heads(qkv)
+
+    def rotate_qk_into(self, qk: torch.Tensor, out: torch.Tensor, cos: torch.Tensor, signed: torch.Tensor) -> None:
+        """``layers.apply_rope`` on q and k at once, written into out (qk itself for in place): qk (N, 2H, hd) is q's
+        heads then k's; cos and ``signed_sin`` (N, hd) fp32. The reference's x * cos + rotate_half(x) * sin in fp32
+        rounded once to the dtype, on row chunks through the fp32 scratch (each chunk read before its rows are
+        written): the same bits, in one pass for q and k (half the ops of rotating each alone)."""
+        half = qk.shape[-1] // 2
+        for rows, x, tmp in self.workspace.fp32_chunks(qk):
+            c, s = cos[rows].unsqueeze(-2), signed[rows].unsqueeze(-2)
+            torch.mul(x[..., half:], s[..., :half], out=tmp[..., :half])
+            torch.mul(x[..., :half], s[..., half:], out=tmp[..., half:])
+            if qk.dtype == torch.float32:
+                torch.mul(x, c, out=out[rows]).add_(tmp)
+            else:
+                out[rows].copy_(x.mul_(c).add_(tmp))
+
+    def mlp(self, mlp: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``residual += mlp(x)``: by row blocks where both linears are packed (each block's hidden activations
+        computed, consumed and dropped while in cache; the plan's rows per block), else through the workspace."""
+        gated = isinstance(mlp, GatedMLP)
+        first, second = (mlp.gate_up_proj, mlp.down_proj) if gated else (mlp.linear_fc1, mlp.linear_fc2)
+        if packed(first) and packed(second):
+            block = self.plan.mlp_rows("gated" if gated else "plain", first.in_features, second.in_features, mlp.act,
+                                       x.dtype)
+            for rows in balanced_chunks(x.shape[0], block):
+                self.add_linear_(residual[rows], self.hidden_block(mlp, x[rows], gated), second)
+            return residual
+        hidden = self.gated(x, first, mlp.act) if gated else self.activated(x, first, mlp.act)
+        return self.add_linear_(residual, hidden, second)
+
+    def hidden_block(self, mlp: nn.Module, x: torch.Tensor, gated: bool) -> torch.Tensor:
+        """A block of rows' hidden activations, both linears packed: gate * up into the workspace, or a plain MLP's
+        activation in oneDNN's epilogue where it has it (a fresh result)."""
+        if gated:
+            hidden = self.workspace.take(x, x.shape[0], mlp.down_proj.in_features)
+            gate_up = packed_linear(x, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias)
+            return gate_times_up(gate_up, mlp.act, out=hidden)
+        fc1 = mlp.linear_fc1
+        if mlp.act in EPILOGUE_ACTIVATIONS:
+            return packed_activated_linear(x, fc1.weight, fc1.bias, mlp.act)
+        return ACTIVATIONS[mlp.act][0](packed_linear(x, fc1.weight, fc1.bias))
+
+    # ------------------------------------------------------------------ linears
+
+    def packed_chunks(self, x: torch.Tensor, layer: nn.Linear) -> Iterator[tuple[slice, torch.Tensor]]:
+        """A packed layer's ``layer(x)`` as (rows, fresh result) pairs of ``chunk_bytes`` each."""
+        return packed_chunks(x, layer.weight, layer.bias, self.chunk_bytes)
+
+    def linear_into(self, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+        """``layer(x)`` of a plain layer in the workspace, by addmm (the reference's kernel)."""
+        out = self.workspace.take(x, x.shape[0], layer.out_features)
+        if layer.bias is None:
+            return torch.mm(x, layer.weight.t(), out=out)
+        return torch.addmm(layer.bias, x, layer.weight.t(), out=out)
+
+    def linear_chunks(self, x: torch.Tensor, layer: nn.Linear) -> Iterator[tuple[slice, torch.Tensor]]:
+        """``layer(x)`` as (rows, those rows of the result) pairs for a caller that consumes each at once: a packed
+        layer's fresh chunks (``kernels.packed_chunks``: never copied), else one pair in the workspace."""
+        if packed(layer):
+            yield from self.packed_chunks(x, layer)
+        else:
+            yield slice(None), self.linear_into(x, layer)
+
+    def add_linear_(self, residual: torch.Tensor, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+        """``residual += layer(x)`` in place, chunk by chunk as the rows come."""
+        for rows, update in self.linear_chunks(x, layer):
+            residual[rows].add_(update)
+        return residual
+
+    def activated(self, x: torch.Tensor, layer: nn.Linear, act: str) -> torch.Tensor:
+        """``act(layer(x))`` in the workspace: in place on the one result, or from each fresh chunk into it."""
+        if not packed(layer):
+            return ACTIVATIONS[act][0](self.linear_into(x, layer))
+        hidden = self.workspace.take(x, x.shape[0], layer.out_features)
+        for rows, y in self.packed_chunks(x, layer):
+            ACTIVATIONS[act][1](y, hidden[rows])
+        return hidden
+
+    def gated(self, x: torch.Tensor, layer: nn.Linear, act: str) -> torch.Tensor:
+        """``act(gate) * up`` of ``layer(x) = [gate | up]`` in the workspace: in place on the one result, or from
+        each fresh chunk into it."""
+        if not packed(layer):
+            return gate_times_up(self.linear_into(x, layer), act)
+        hidden = self.workspace.take(x, x.shape[0], layer.out_features // 2)
+        for rows, gate_up in self.packed_chunks(x, layer):
+            gate_times_up(gate_up, act, out=hidden[rows])
+        return hidden
+
+
+def gate_times_up(gate_up: torch.Tensor, act: str, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``act(gate) * up`` of ``[gate | up]`` rows: the activation in place on gate, the product into ``out`` (or in
+    place on gate)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = ACTIVATIONS[act][0](gate)
+    return gate.mul_(up) if out is None else torch.mul(gate, up, out=out)

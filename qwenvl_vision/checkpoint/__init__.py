@@ -1,0 +1,2 @@
+"""Reading released checkpoints: the vision tensors of a safetensors folder or file (``weights``), checked as the
+format's own reader checks them (``checks``), from a local path or the Hugging Face Hub cache (``hub``)."""

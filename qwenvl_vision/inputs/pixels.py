@@ -1,0 +1,407 @@
+"""Pixel operations the image and the video pipelines share, each bit-identical to transformers.
+
+Reference (transformers 5.24): ``image_utils.load_image`` (paths), ``image_transforms.convert_to_rgb``, ``resize``,
+``rescale`` and ``normalize`` as ``Qwen2VLImageProcessorPil`` (``image_processing_pil_qwen2_vl.py``) and the
+``PilBackend`` / ``TorchvisionBackend`` it inherits (``image_processing_backends.py``) call them, the image
+``smart_resize``, and the processors' ``patchify``. What each input type goes through and the deliberate
+deviations are in ``preprocess``'s docstring (images) and ``video``'s (frames); this module holds the steps:
+
+- how an input is named in errors (``input_name``) and the checks made before decoding (file, input pixels,
+  aspect ratio);
+- loading and RGB conversion (``load_rgb``, ``as_hwc``, ``open_header``), for either backend;
+- sizes (``smart_resize``), resize (``resize_image``, ``resize_uint8_torch``), rescale + normalise as a per-channel
+  table of the 256 uint8 levels (``normalize_table``, ``normalize``: the same bits as the reference's float copy of
+  the image, less memory and time) and ``patchify`` into merge-block order.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import PIL.Image
+import PIL.ImageOps
+import torch
+from einops import rearrange
+
+from ..errors import ConfigError, PreprocessError
+
+RESCALE_FACTOR = 1 / 255  # BaseImageProcessor.rescale_factor
+MAX_ASPECT_RATIO = 200
+BICUBIC = PIL.Image.Resampling.BICUBIC  # == 3 == transformers' PILImageResampling.BICUBIC
+RESIZE_BACKENDS = ("pil", "torch")
+# Files whose header declares more pixels are refused before decoding (max_input_pixels=None: no limit).
+# Decoding a path holds at most about 8 bytes per pixel at its peak (measured: the decoded image and, for a
+# rotated or non-RGB file, its transposed or converted copy), so 64 MP is ~0.5 GB: well under PIL's own
+# decompression-bomb limit (PIL.Image.MAX_IMAGE_PIXELS, 89.5 MP, a warning; an error at twice that) and above every
+# common camera (61 MP).
+DEFAULT_MAX_INPUT_PIXELS = 64_000_000
+
+
+def check_resize_backend(value: Any, what: str) -> str:
+    """``value`` if it names a resize backend (RESIZE_BACKENDS), else a ConfigError naming ``what``."""
+    if value not in RESIZE_BACKENDS:
+        raise ConfigError(f"{what} must be one of {', '.join(RESIZE_BACKENDS)}, got {value!r}")
+    return value
+
+
+def is_number(value: Any) -> bool:
+    """An int or float that is not a bool (JSON numbers as configs hold them)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+# --------------------------------------------------------------------------------------------------
+# Sizes
+# --------------------------------------------------------------------------------------------------
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """Target (height, width): multiples of ``factor``, area within [min_pixels, max_pixels], aspect kept.
+
+    Copied from transformers ``qwen2_vl.image_processing_pil_qwen2_vl.smart_resize`` (Python ``round``
+    rounds half to even, so 70/28 = 2.5 gives 56). Raises PreprocessError (not a bare ValueError) for an
+    aspect ratio above 200 and, unlike the reference, for a non-positive side.
+    """
+    if height <= 0 or width <= 0:
+        raise PreprocessError(f"image size must be positive, got height {height}, width {width}")
+    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+        raise PreprocessError(
+            f"absolute aspect ratio must be smaller than {MAX_ASPECT_RATIO}, "
+            f"got {max(height, width) / min(height, width)}"
+        )
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def check_input_pixels(height: int, width: int, max_input_pixels: int | None, name: str) -> None:
+    """Refuse a file whose header declares more than max_input_pixels, before anything is decoded."""
+    if max_input_pixels is not None and height * width > max_input_pixels:
+        raise PreprocessError(f"{name}: {width}x{height} = {height * width:,} pixels is above the input limit of "
+                              f"{max_input_pixels:,} (max_input_pixels, embed --max-input-pixels)")
+
+
+def check_aspect_ratio(height: int, width: int, name: str) -> None:
+    """The smart_resize aspect check, run on the header size before anything is decoded."""
+    if height <= 0 or width <= 0:
+        raise PreprocessError(f"{name}: zero-size image (height {height}, width {width})")
+    ratio = max(height, width) / min(height, width)
+    if ratio > MAX_ASPECT_RATIO:
+        raise PreprocessError(
+            f"{name}: aspect ratio {ratio:.1f} (height {height}, width {width}) exceeds {MAX_ASPECT_RATIO}"
+        )
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading and RGB conversion
+# --------------------------------------------------------------------------------------------------
+
+
+def input_name(kind: str, index: int | None, item: Any = None) -> str:
+    """How every error message names an input, whichever entry point meets the problem: a file by its path as
+    given ("image 'photos/a.jpg'"), anything else by its position ("image 3", "video 2 frame 5"; "image" alone
+    without an index). A path is what the user can act on, and embed's positions mean nothing to its user."""
+    if isinstance(item, (str, os.PathLike)):
+        return f"{kind} {os.fspath(item)!r}"
+    return kind if index is None else f"{kind} {index}"
+
+
+def check_regular_file(path: str, name: str) -> None:
+    """The checks every file input gets before its decoder sees it (images and videos alike), so each kind of bad
+    path reads the same: missing, not a regular file, empty."""
+    if not os.path.exists(path):
+        raise PreprocessError(f"{name}: file not found")
+    if not os.path.isfile(path):
+        raise PreprocessError(f"{name}: not a regular file")
+    if os.path.getsize(path) == 0:
+        raise PreprocessError(f"{name}: file is empty (0 bytes)")
+
+
+def load_rgb(image: Any, name: str, *, check_aspect: bool = False,
+             max_input_pixels: int | None = None, backend: str = "pil") -> PIL.Image.Image:
+    """An input as an RGB PIL image, converted as transformers' image processor of ``backend`` converts that
+    input type (``preprocess``'s docstring); with check_aspect, the aspect ratio is checked before any pixel is
+    decoded.
+
+    max_input_pixels applies to paths only (what their header declares, checked before decoding): a PIL
+    image or an array passed in is already in memory. ``backend``: whose RGB conversion, the PIL or the
+    torchvision image processor's (they differ for paths and 4-channel arrays).
+    """
+    if isinstance(image, (str, os.PathLike)):
+        return _load_path(image, name, check_aspect, max_input_pixels, composite=backend == "pil")
+    if isinstance(image, PIL.Image.Image):
+        if check_aspect or min(image.size) <= 0:
+            check_aspect_ratio(image.height, image.width, name)
+        return _pil_to_rgb(image, name)
+    array = as_hwc(image, name)
+    if check_aspect:
+        check_aspect_ratio(array.shape[0], array.shape[1], name)
+    to_rgb = _array_to_rgb_torch if backend == "torch" else _array_to_rgb
+    return PIL.Image.fromarray(np.ascontiguousarray(to_rgb(array)))
+
+
+def as_hwc(image: Any, name: str) -> np.ndarray:
+    """A uint8 numpy array (read as HWC) or torch tensor (read as CHW) as HxWxC; anything else is refused."""
+    if isinstance(image, torch.Tensor):
+        if image.dtype != torch.uint8:
+            raise PreprocessError(f"{name}: expected a uint8 tensor, got {image.dtype}")
+        return _array_to_hwc(image.detach().cpu().numpy(), name, prefer_channels_first=True)
+    if isinstance(image, np.ndarray):
+        return _array_to_hwc(image, name, prefer_channels_first=False)
+    raise PreprocessError(f"{name}: unsupported input type {type(image).__name__}; expected a path, PIL image, "
+                          "uint8 numpy array or uint8 torch tensor")
+
+
+def open_header(path: str | os.PathLike, name: str, max_input_pixels: int | None,
+                check_aspect: bool) -> PIL.Image.Image:
+    """``PIL.Image.open`` (the header only) after the file checks, then the header checks: what probing and
+    loading a file share, so that each kind of bad file gets the same message from both. The caller closes it.
+
+    With a ``max_input_pixels``, that limit replaces PIL's decompression-bomb limit: this process's
+    ``PIL.Image.MAX_IMAGE_PIXELS`` is raised to it if lower (never lowered, and left alone when None), so a
+    file within the limit decodes the same in every process that decodes it (a Ray actor included),
+    whatever PIL's default there.
+    """
+    path = os.fspath(path)
+    check_regular_file(path, name)
+    _lift_pil_limit(max_input_pixels)
+    try:
+        opened = PIL.Image.open(path)
+    except Exception as e:  # noqa: BLE001 - PIL raises many types for bad headers
+        raise _unreadable(e, name) from e
+    try:
+        # Reject before decoding megapixels.
+        check_input_pixels(opened.height, opened.width, max_input_pixels, name)
+        if check_aspect:
+            check_aspect_ratio(opened.height, opened.width, name)
+    except PreprocessError:
+        opened.close()
+        raise
+    return opened
+
+
+def _lift_pil_limit(max_input_pixels: int | None) -> None:
+    """PIL's bomb check (an error above twice ``MAX_IMAGE_PIXELS``, a warning above it) reads the process-wide
+    value at every open, also inside its plugins (GIF frames, TIFF tiles): it cannot be passed per call, so
+    the value is raised where our own header check, which runs first, takes over."""
+    limit = PIL.Image.MAX_IMAGE_PIXELS
+    if max_input_pixels is not None and limit is not None and limit < max_input_pixels:
+        PIL.Image.MAX_IMAGE_PIXELS = max_input_pixels
+
+
+def _unreadable(error: Exception, name: str) -> PreprocessError:
+    """The one message for a file PIL could not open or decode, by kind (header and pixel data alike: a file
+    cut short can fail in either, depending on where the cut is)."""
+    if isinstance(error, PIL.UnidentifiedImageError):
+        return PreprocessError(f"{name}: not a recognised image file (corrupt, or not an image)")
+    if isinstance(error, PIL.Image.DecompressionBombError):
+        return PreprocessError(f"{name}: refused by PIL's decompression-bomb limit ({error})")
+    if isinstance(error, PermissionError):
+        return PreprocessError(f"{name}: cannot read file ({error.strerror})")
+    # PIL's decoders raise OSError, ValueError, SyntaxError, EOFError ...
+    return PreprocessError(f"{name}: corrupt or truncated image data ({type(error).__name__}: {error})")
+
+
+def _load_path(path: str | os.PathLike, name: str, check_aspect: bool,
+               max_input_pixels: int | None = None, composite: bool = True) -> PIL.Image.Image:
+    """transformers.image_utils.load_image for a local file, then convert_to_rgb, with named errors.
+
+    composite=False is the torchvision processor's decode (``decode_image(mode=RGB)``, EXIF applied), which
+    keeps no transparency at all: a single tRNS colour is not turned white."""
+    opened = open_header(path, name, max_input_pixels, check_aspect)
+    try:
+        # load_image: EXIF orientation applied, then a plain convert("RGB") that drops any alpha band without
+        # compositing. The reference copies the image in both (exif_transpose returns a copy, and convert to
+        # the image's own mode is a copy); the same pixels come out of transposing in place (it decodes) and
+        # of skipping convert when the image is RGB already and Pillow closed its file after decoding.
+        PIL.ImageOps.exif_transpose(opened, in_place=True)
+        if opened.mode == "RGB" and getattr(opened, "fp", None) is None:
+            image = opened
+        elif composite and opened.mode == "P" and isinstance(opened.info.get("transparency"), int):
+            with opened:
+                return _palette_onto_white(opened)
+        else:  # another mode, or a multi-frame file Pillow keeps open: convert, then close the file
+            with opened:
+                image = opened.convert("RGB")
+    except Exception as e:  # noqa: BLE001 - see _unreadable
+        opened.close()
+        raise _unreadable(e, name) from e
+    return _pil_to_rgb(image, name) if composite else image
+
+
+def _palette_onto_white(image: PIL.Image.Image) -> PIL.Image.Image:
+    """A palette image with one transparent index, as ``convert("RGB")`` then ``_pil_to_rgb`` give it, with
+    one full-size copy instead of four (RGB, RGBA, the white background, the composite; ~21 bytes a pixel).
+
+    There the transparency becomes a colour (the transparent index's), every pixel of that colour gets alpha 0
+    and all others 255, and compositing onto white gives white or the pixel's own colour: so the palette entries
+    of that colour are made white and the image converted once, the same bits."""
+    image.load()
+    index = image.info.pop("transparency")
+    probe = PIL.Image.new("P", (1, 1))  # Pillow's own way (Image.convert) of finding the transparent colour
+    probe.putpalette(image.palette, image.palette.mode)
+    probe.putpixel((0, 0), index)
+    transparent = list(probe.convert("RGB").getpixel((0, 0)))
+    palette = image.getpalette("RGB")
+    for i in range(0, len(palette), 3):
+        if palette[i:i + 3] == transparent:
+            palette[i:i + 3] = [255, 255, 255]
+    image.putpalette(palette, "RGB")
+    return image.convert("RGB")
+
+
+def _pil_to_rgb(image: PIL.Image.Image, name: str) -> PIL.Image.Image:
+    """transformers.image_transforms.convert_to_rgb, PIL branch: transparency composited onto white.
+
+    "Has alpha" is decided exactly as the reference does: an "A" band (so RGBA, LA, PA, and LAB whose
+    a* band is named "A"; not premultiplied RGBa/La) or a non-None ``info["transparency"]``.
+    """
+    try:
+        has_alpha = "A" in image.getbands() or image.info.get("transparency") is not None
+        if not has_alpha:  # convert to the image's own mode is a copy of the same pixels: skipped
+            return image if image.mode == "RGB" else image.convert("RGB")
+        rgba = image.convert("RGBA")
+        background = PIL.Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return PIL.Image.alpha_composite(background, rgba).convert("RGB")
+    except Exception as e:  # unsupported mode conversions, or a lazily opened image that fails to decode
+        raise PreprocessError(f"{name}: cannot convert mode {image.mode} to RGB ({type(e).__name__}: {e})") from e
+
+
+def _array_to_hwc(array: np.ndarray, name: str, *, prefer_channels_first: bool) -> np.ndarray:
+    """Validate a uint8 image array and return it as HxWxC with C in (1, 3, 4)."""
+    if array.ndim not in (2, 3):
+        raise PreprocessError(f"{name}: expected a 2-D or 3-D image array, got shape {tuple(array.shape)}")
+    if array.size == 0:
+        raise PreprocessError(f"{name}: zero-size array of shape {tuple(array.shape)}")
+    if array.dtype != np.uint8:
+        raise PreprocessError(f"{name}: expected a uint8 array, got {array.dtype}")
+    if array.ndim == 2:
+        return array[:, :, None]
+    first_fits, last_fits = array.shape[0] in (1, 3, 4), array.shape[2] in (1, 3, 4)
+    if first_fits and (prefer_channels_first or not last_fits):
+        return array.transpose(1, 2, 0)
+    if last_fits:
+        return array
+    raise PreprocessError(f"{name}: array of shape {tuple(array.shape)} has no axis of 1, 3 or 4 channels")
+
+
+def _array_to_rgb_torch(hwc: np.ndarray) -> np.ndarray:
+    """The torchvision processor's ``convert_to_rgb`` (uint8, channels-last): 1 channel repeated; 4 channels
+    blended onto white in float32 and truncated back (``to_dtype(scale=True)`` multiplies by 255.999)."""
+    channels = hwc.shape[2]
+    if channels == 1:
+        return np.repeat(hwc, 3, axis=2)
+    if channels == 4:
+        x = torch.from_numpy(np.array(hwc)).to(torch.float32).mul_(1.0 / 255)
+        alpha = x[..., 3:]
+        blended = x[..., :3] * alpha + (1 - alpha)
+        return blended.mul(255 + 1.0 - 1e-3).to(torch.uint8).numpy()
+    return hwc
+
+
+def _array_to_rgb(hwc: np.ndarray) -> np.ndarray:
+    """transformers.image_transforms.convert_to_rgb, numpy branch (uint8, channels-last)."""
+    channels = hwc.shape[2]
+    if channels == 1:
+        return np.repeat(hwc, 3, axis=2)
+    if channels == 4:
+        # Float64 blend onto white rounded half-to-even: not PIL's alpha_composite rounding, so a
+        # 4-channel array and the same pixels as a PIL RGBA image can differ by one level.
+        alpha = hwc[..., 3:4] / 255
+        return np.round(alpha * hwc[..., :3] + (1 - alpha) * 255).astype(np.uint8)
+    return hwc
+
+
+# --------------------------------------------------------------------------------------------------
+# Resize, normalise, patchify
+# --------------------------------------------------------------------------------------------------
+
+
+def resize_image(image: PIL.Image.Image, height: int, width: int, backend: str = "pil") -> np.ndarray:
+    """Resize an RGB image to (height, width) bicubic, as the ``backend``'s image processor does. HxWx3 uint8."""
+    if backend == "torch":
+        return resize_uint8_torch(np.asarray(image), height, width)
+    # transformers.image_transforms.resize: PIL bicubic, no reducing_gap.
+    return np.asarray(image.resize((width, height), resample=BICUBIC))
+
+
+def resize_uint8_torch(pixels: np.ndarray, height: int, width: int) -> np.ndarray:
+    """HxWxC uint8 -> (height, width): transformers' torchvision processor, with torch only.
+
+    That processor calls ``torchvision.transforms.v2.functional.resize(bicubic, antialias=True)`` on a contiguous
+    uint8 CxHxW tensor; on the CPU torchvision hands uint8 straight to ``torch.nn.functional.interpolate``
+    (``_do_native_uint8_resize_on_cpu`` is true for bicubic), whose uint8 kernel rounds and clamps itself, and
+    it returns the input unchanged when the size already matches. The same call here gives the same bits
+    without torchvision. (On a GPU torchvision instead interpolates float32, clamps and rounds; preprocessing
+    here always runs on the CPU.)
+    """
+    if pixels.shape[:2] == (height, width):
+        return pixels
+    chw = torch.from_numpy(np.array(pixels.transpose(2, 0, 1), order="C"))  # a writable contiguous copy
+    out = torch.nn.functional.interpolate(chw[None], size=[height, width], mode="bicubic", align_corners=False,
+                                          antialias=True)
+    return out[0].permute(1, 2, 0).numpy()
+
+
+def normalize_table(mean: Sequence[float], std: Sequence[float], backend: str = "pil") -> np.ndarray:
+    """(3, 256) float32: the normalised value of every uint8 level in every channel.
+
+    Reference arithmetic, PIL processor: ``rescale`` computes ``float32(float64(x) * (1/255))`` and
+    ``normalize`` ``(x - float32(mean)) / float32(std)`` in float32. Torchvision processor (and the video
+    processors): rescale fused into normalize, ``(float32(x) - m) / s`` with ``m = float32(mean) * 255.0``
+    (``_fuse_mean_std_and_rescale_factor``) and the same for ``s``, in float32 torch ops. Both are
+    elementwise in (level, channel), so the table holds exactly the reference's bits, and lookups avoid the
+    reference's float image copy.
+    """
+    if backend == "torch":
+        scale = 1.0 / RESCALE_FACTOR
+        mean_t = (torch.tensor(list(mean)) * scale)[:, None]
+        std_t = (torch.tensor(list(std)) * scale)[:, None]
+        return ((torch.arange(256, dtype=torch.float32)[None, :] - mean_t) / std_t).numpy()
+    levels = (np.arange(256, dtype=np.float64) * RESCALE_FACTOR).astype(np.float32)
+    mean32 = np.asarray(mean, dtype=np.float32)[:, None]
+    std32 = np.asarray(std, dtype=np.float32)[:, None]
+    return (levels[None, :] - mean32) / std32
+
+
+_ROWS_PER_CHUNK = 256
+
+
+def normalize(pixels: np.ndarray, table: np.ndarray) -> np.ndarray:
+    """HxWx3 uint8 -> 3xHxW float32 normalised values (rescale + normalize of the reference)."""
+    height, width, channels = pixels.shape
+    out = np.empty((channels, height, width), dtype=np.float32)
+    # Chunks of rows because numpy copies uint8 indices to int64 first: 8 bytes per pixel for a
+    # whole 16 MP image, a few MB per chunk.
+    for c in range(channels):
+        for top in range(0, height, _ROWS_PER_CHUNK):
+            rows = slice(top, top + _ROWS_PER_CHUNK)
+            out[c, rows] = table[c].take(pixels[rows, :, c])
+    return out
+
+
+def patchify(frames: np.ndarray, temporal_patch_size: int, patch_size: int,
+             merge_size: int) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """(F, C, H, W) float32 frames, F a multiple of T -> (t*h*w, C*T*P*P) rows and grid (t, h, w).
+
+    Rows are in merge-block order (t, block_row, block_col, row_in_block, col_in_block) and each row is
+    laid out (C, T, P, P): the reference's image ``patchify`` and the video processors' ``patchify``
+    (``permute(0, 1, 4, 7, 5, 8, 3, 2, 6, 9)`` of (B, t, T, C, h/m, m, P, w/m, m, P)), minus the batch.
+    """
+    num_frames, _, height, width = frames.shape
+    t, p, m = temporal_patch_size, patch_size, merge_size
+    rows = rearrange(frames, "(gt tp) c (bh m1 p1) (bw m2 p2) -> (gt bh bw m1 m2) (c tp p1 p2)",
+                     tp=t, m1=m, m2=m, p1=p, p2=p)
+    return torch.from_numpy(np.ascontiguousarray(rows)), (num_frames // t, height // p, width // p)
+

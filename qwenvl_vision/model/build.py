@@ -1,0 +1,77 @@
+"""Build a vision tower: from a config.json dict, a preset name or a VisionConfig (``build_model``), or from a
+transformers vision tower of any supported family, weights included (``from_transformers``)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError
+from .config import FAMILIES, QWEN2_5, QWEN3, VisionConfig, from_config_json, resolve_config
+from .qwen2_5 import Qwen2_5VisionTransformer
+from .qwen3 import Qwen3VisionTransformer
+from .tower import VisionTower
+
+DESIGNS: dict[str, type[VisionTower]] = {QWEN2_5: Qwen2_5VisionTransformer, QWEN3: Qwen3VisionTransformer}
+
+# transformers names a vision config's model_type after its family's: "qwen2_5_vl_vision", "qwen3_vl_vision", and
+# for the Omni models "qwen2_5_omni_vision_encoder" (the configuration_*.py of each family, docs/architecture.md).
+VISION_CONFIG_SUFFIXES = ("_vision_encoder", "_vision")
+
+
+def build_model(
+    config: VisionConfig | dict | str | os.PathLike,
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    cache_size: int = 1024,
+    cache_bytes: int | None = 1 << 30,
+    attn_impl: str = "auto",
+) -> VisionTower:
+    """An uninitialised tower (PyTorch's default init); ``device="meta"`` allocates nothing (the attention
+    backend is then chosen for wherever the weights arrive: ``VisionTower.attention_backend``)."""
+    cfg = resolve_config(config)
+    with torch.device(device or "cpu"):
+        model = DESIGNS[cfg.design](cfg, cache_size=cache_size, cache_bytes=cache_bytes, attn_impl=attn_impl)
+    if dtype is not None:
+        model = model.to(dtype)
+    return model.eval().requires_grad_(False)
+
+
+def family_of_transformers_config(vision_config: Any) -> str:
+    """The family of a transformers vision config, from its ``model_type`` ("qwen2_5_vl_vision" -> "qwen2_5_vl");
+    a ConfigError for any other config."""
+    model_type = getattr(vision_config, "model_type", None)
+    if isinstance(model_type, str):
+        for suffix in VISION_CONFIG_SUFFIXES:
+            family = model_type.removesuffix(suffix)
+            if family != model_type and family in FAMILIES:
+                return family
+    raise ConfigError(f"{type(vision_config).__name__} (model_type {model_type!r}) is not the vision config of a "
+                      f"supported family; supported: {sorted(FAMILIES)}")
+
+
+def config_from_transformers(vision_config: Any) -> VisionConfig:
+    """Our VisionConfig for a transformers vision config object: its fields read as a released config.json's
+    vision_config is read (``config.from_config_json``: Qwen2-VL's embed_dim / mlp_ratio spelling, rope_parameters),
+    every value checked."""
+    family = family_of_transformers_config(vision_config)
+    return from_config_json({"model_type": family, "vision_config": vision_config.to_dict()})
+
+
+def from_transformers(visual_module: nn.Module, *, attn_impl: str = "auto", cache_size: int = 1024,
+                      cache_bytes: int | None = 1 << 30) -> VisionTower:
+    """Our tower for a transformers vision tower (``model.visual`` of any supported family, or the tower built on
+    its own): the config read from ``visual_module.config``, the weights copied onto the device and dtype they are
+    on (the two modules share no storage), loaded strictly under the family's checkpoint names."""
+    config = config_from_transformers(getattr(visual_module, "config", None))
+    weights = next(visual_module.parameters())
+    model = build_model(config, device="meta", dtype=weights.dtype, cache_size=cache_size, cache_bytes=cache_bytes,
+                        attn_impl=attn_impl)
+    model = model.to_empty(device=weights.device)
+    model.load_state_dict(visual_module.state_dict(), strict=True)
+    model.set_attention(attn_impl)  # now that the weights are placed: a ConfigError if it cannot run there
+    return model.eval().requires_grad_(False)

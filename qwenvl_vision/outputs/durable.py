@@ -1,0 +1,83 @@
+"""Durable, link-safe file-system steps shared by every writer of outputs (the embed job's shards and manifest,
+Parquet, the vLLM cache, extract-weights, the CPU plan cache).
+
+A name this package writes is never followed if it is a symbolic link: somebody else's link at a lock or
+temporary file's name could otherwise make us truncate and write the file it points to (a Hugging Face cache
+blob, another user's data). Such a link is an error naming it, and is left where it is.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from collections.abc import Callable
+from pathlib import Path
+from typing import BinaryIO
+
+from ..errors import OutputLinkError
+
+
+def fsync_dir(folder: str | os.PathLike) -> None:
+    """Make renames in ``folder`` durable (its entries are data too)."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno != errno.EINVAL:  # some file systems cannot fsync a directory
+            raise
+    finally:
+        os.close(fd)
+
+
+def refuse_link(path: str | os.PathLike) -> None:
+    """Raise ``OutputLinkError`` if ``path`` is a symbolic link (dangling or not)."""
+    try:
+        if stat.S_ISLNK(os.lstat(path).st_mode):
+            raise OutputLinkError(f"{path} is a symbolic link where this program writes a file of its own; "
+                                  f"it was left as it is: remove it (or choose another folder) and run again")
+    except FileNotFoundError:
+        pass
+
+
+def open_no_follow(path: str | os.PathLike, flags: int, mode: int = 0o644) -> int:
+    """``os.open(path, flags | O_NOFOLLOW | O_CLOEXEC)``; a link at ``path`` is an ``OutputLinkError`` naming it."""
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    except OSError as e:
+        if e.errno == errno.ELOOP:  # O_NOFOLLOW's answer for a link
+            refuse_link(path)
+        raise
+
+
+def create_new(path: str | os.PathLike, mode: int = 0o644) -> BinaryIO:
+    """A new file at ``path`` opened for writing, created exclusively (never through a link, never another
+    process's file). A leftover regular file of that name (a killed writer's temporary file: the caller names it)
+    is replaced; a link there is an ``OutputLinkError``."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+    try:
+        fd = open_no_follow(path, flags, mode)
+    except FileExistsError:
+        refuse_link(path)
+        os.unlink(path)
+        fd = open_no_follow(path, flags, mode)
+    return os.fdopen(fd, "wb")
+
+
+def replace_atomically(path: Path, tmp: Path, write: Callable[[BinaryIO], object]) -> None:
+    """``path`` written whole or not at all: ``write(file)`` into ``tmp`` (same folder: a rename across file systems
+    would not be atomic), fsynced, renamed into place, the folder fsynced. Any failure leaves no ``tmp`` behind.
+    The caller names ``tmp``: each writer's recovery knows its own temporary files by name. ``tmp`` is created
+    exclusively and never through a link; the rename replaces a link at ``path`` itself, never what it points to."""
+    try:
+        with create_new(tmp) as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OutputLinkError:
+        raise  # the link is somebody else's: left as it is
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)

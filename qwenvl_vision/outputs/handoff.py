@@ -1,0 +1,356 @@
+"""Hand the tower's outputs to a language model: transformers' ``mm_encoder_outputs=`` and vLLM's embedding inputs.
+
+The job: turn per-item vision outputs (an ``EncodeResult``, or tensors read back from an ``embed`` run) into
+exactly what each runtime's Qwen VL model takes in place of pixels, so that the language model sees the same
+numbers it would have computed from ``pixel_values`` itself.
+
+transformers 5.24 (the reference; ``transformers/models/<family>/modeling_<family>.py`` of the family's
+model_type, ``<Family>Model.forward``: the block that starts ``if (pixel_values is not None or
+pixel_values_videos is not None) and mm_encoder_outputs is not None`` and the ``mm_encoder_outputs.get("image")``
+/ ``.get("video")`` branches after it, in ``Qwen2VLModel``, ``Qwen3VLModel``, the Omni thinkers'
+``forward``; the encoders' own output in their ``get_image_features``):
+
+- every Qwen VL ``forward`` and ``generate`` (and the Omni thinkers') take ``mm_encoder_outputs={"image": out,
+  "video": out}`` with ``image_grid_thw`` / ``video_grid_thw`` and, for M-RoPE, ``mm_token_type_ids`` (0 text,
+  1 image, 2 video; the Omni thinkers do not take it: they find the items after each vision start token).
+  Pixels and ``mm_encoder_outputs`` together raise a ValueError there.
+- ``out.pooler_output`` is a tuple with one ``(tokens_i, out_hidden_size)`` tensor per item, which the model
+  concatenates in order into the placeholder tokens of that modality. Qwen2-VL, Qwen2.5-VL, Qwen2.5-Omni,
+  Qwen3.5, Qwen3.5-MoE and Qwen4-Exp read only that (``BaseModelOutputWithPooling``).
+- Qwen3-VL, Qwen3-VL-MoE and Qwen3-Omni also read ``out.deepstack_features``: one entry per DeepStack level, each
+  a tuple with one tensor per item (their own ``BaseModelOutputWithDeepstackFeatures`` class, defined in each of
+  the three modeling files). Level i is added after decoder layer i at the vision tokens.
+
+vLLM 0.33 (``vllm/model_executor/models/qwen2_vl.py``, ``qwen2_5_vl.py``, ``qwen3_vl.py``: the ``image_embeds`` /
+``video_embeds`` inputs, ``Qwen3VLMultiModalDataParser``, ``Qwen3VLProcessingInfo._calculate_timestamps`` and
+``Qwen3VLForConditionalGeneration._compute_deepstack_embeds``; vLLM is not a dependency: tests/contract/ runs
+this layout through vLLM's own code in a venv of its own):
+
+- ``LLM(..., enable_mm_embeds=True)`` and ``multi_modal_data={"image": {"image_embeds": T, "image_grid_thw": G}}``
+  (``"video"``: ``video_embeds`` / ``video_grid_thw``), T ``(sum of tokens, width)`` over the prompt's items of
+  that modality in order, G ``(items, 3)``.
+- For the DeepStack families T is ``[merged | level 0 | level 1 | ...]`` concatenated along the features
+  (width ``D * (1 + levels)``); ``_compute_deepstack_embeds`` splits it back at ``visual_dim`` and views the rest
+  as ``(levels, D)`` per token. Other families: width D.
+- The Qwen3-VL-family parsers (Qwen3-VL, -MoE, Qwen3.5, -MoE, Qwen4-Exp: ``Family.prompt_timestamps``) require
+  ``timestamps`` with ``video_embeds``: per video one time in seconds per temporal patch, which their processor
+  writes into the prompt (``<1.2 seconds>``). ``to_vllm`` computes them as vLLM does from the frames a video
+  file was sampled at and its frame rate (``vllm_timestamps``); a video without that record (frames given in
+  memory) is an InputError naming ``video_info``.
+- Qwen2.5-VL's embedding fields take no timing: vLLM's positions then assume the default 2 frames per second of
+  sampling (a video sampled at another ``fps`` gets its temporal positions scaled as if at 2).
+- The Omni thinkers' parsers take ``second_per_grid_ts`` with ``video_embeds``: per video the seconds one temporal
+  patch spans, which their processors compute as ``temporal_patch_size / fps`` from the ``fps`` asked for (not the
+  rate the frames came out at). Without it vLLM assumes 1.0 (Qwen2.5-Omni) or 2.0 (Qwen3-Omni), silently wrong
+  positions at another fps, so ``to_vllm`` always writes it, from ``video_info.requested_fps``.
+
+Deviations, on purpose:
+- ``last_hidden_state`` is None in the outputs built here: transformers' own holds the tower's pre-merger patch
+  states, which no Qwen VL forward reads and this package does not keep.
+- ``to_transformers`` casts the tensors only when asked (``dtype=`` / ``device=``); the models cast
+  ``pooler_output`` (and the DeepStack levels) to their own dtype and device anyway, so passing the model's
+  avoids a second copy, not an error.
+- Items are checked before anything is built (item count against grids, rows against ``t*h*w / merge**2``,
+  DeepStack levels against the family), so a mismatch is an ``InputError`` naming the item instead of
+  transformers' placeholder-count error or a silent mis-scatter.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import InputError
+from ..model.config import FAMILIES, family_named
+
+MODALITIES = ("image", "video")
+# mm_token_type_ids values (transformers' ProcessorMixin.create_mm_token_type_ids): 0 text, 1 image, 2 video.
+TOKEN_TYPES = {"image": 1, "video": 2}
+SPATIAL_MERGE = 2  # every released Qwen VL tower merges 2x2 patches into one token
+TEMPORAL_PATCH = 2  # and packs 2 frames into one temporal patch
+
+
+@dataclass
+class EncodedItems:
+    """Per-item vision outputs of one modality, in prompt order: what ``to_transformers`` / ``to_vllm`` read.
+
+    An ``EncodeResult`` carries the same attributes; this class is the form for tensors read back from an
+    ``embed`` run (``read_embeddings(out, deepstack=True)`` gives each record's embedding and levels, its manifest
+    line the grid, ``read_run(out)["family"]`` the family; a record with a ``"video"`` entry is a video).
+
+    embeddings: one ``(tokens_i, D)`` tensor per item. grid_thw: ``(n, 3)`` patch grids (a tensor or lists).
+    deepstack: per item its list of DeepStack levels (each the shape of its embedding), or empty lists / None for
+    families without DeepStack. modality: "image" or "video". family: the tower's model_type. video_info: per
+    video, the frames it was sampled at, its source frame rate and the fps asked for (a ``video_io.VideoInfo``, or an
+    embed record's ``"video"`` entry), which ``to_vllm`` needs for the Qwen3-VL families and the Omni thinkers; None
+    for images.
+    """
+
+    embeddings: Sequence[torch.Tensor]
+    grid_thw: torch.Tensor | Sequence[Sequence[int]]
+    deepstack: Sequence[Sequence[torch.Tensor]] | None = field(default=None)
+    modality: str = "image"
+    family: str = ""
+    video_info: Sequence[Any] | None = None
+
+
+@dataclass
+class _Checked:
+    family: str
+    modality: str
+    embeddings: list[torch.Tensor]
+    grids: list[tuple[int, int, int]]
+    levels: list[list[torch.Tensor]]  # per item; [] for every item of a family without DeepStack
+    infos: list[Any]  # per item its video_info (a VideoInfo, an embed record's "video" entry) or None
+
+
+def _family_of(name: str) -> str:
+    return family_named(name, InputError).model_type
+
+
+def _check(result: Any, what: str) -> _Checked:
+    """One result's items, validated: the shapes a language model's placeholders and DeepStack need."""
+    try:
+        embeddings, grid_thw = list(result.embeddings), result.grid_thw
+        modality, family = result.modality, result.family
+    except AttributeError as e:
+        raise InputError(f"{what} is not an encode result (needs embeddings, grid_thw, deepstack, modality, "
+                         f"family): {e}") from None
+    if modality not in MODALITIES:
+        raise InputError(f"{what}: modality {modality!r} is not one of {MODALITIES}")
+    family = _family_of(family)
+    grids = [tuple(int(v) for v in g) for g in torch.as_tensor(grid_thw).reshape(-1, 3).tolist()]
+    if len(grids) != len(embeddings):
+        raise InputError(f"{what}: {len(embeddings)} embeddings but {len(grids)} grids")
+    deepstack = [list(levels) for levels in (getattr(result, "deepstack", None) or [[]] * len(embeddings))]
+    if len(deepstack) != len(embeddings):
+        raise InputError(f"{what}: {len(embeddings)} embeddings but DeepStack levels for {len(deepstack)} items")
+    has_deepstack = FAMILIES[family].deepstack
+    counts = {len(levels) for levels in deepstack}
+    if embeddings and (len(counts) != 1 or (0 in counts) == has_deepstack):
+        need = "its DeepStack levels for every item (read_embeddings(..., deepstack=True))" if has_deepstack \
+            else "no DeepStack levels"
+        raise InputError(f"{what}: a {FAMILIES[family].label} language model takes {need}; got "
+                         f"{sorted(counts)} levels per item")
+    for i, (embedding, (t, h, w), levels) in enumerate(zip(embeddings, grids, deepstack, strict=True)):
+        tokens = t * h * w // SPATIAL_MERGE**2
+        if embedding.dim() != 2 or embedding.shape[0] != tokens:
+            raise InputError(f"{what}, item {i}: embedding of shape {tuple(embedding.shape)}, but grid {(t, h, w)} "
+                             f"has {tokens} tokens")
+        bad = [j for j, level in enumerate(levels) if level.shape != embedding.shape]
+        if bad:
+            raise InputError(f"{what}, item {i}: DeepStack level {bad[0]} of shape {tuple(levels[bad[0]].shape)}, "
+                             f"not the embedding's {tuple(embedding.shape)}")
+    infos = list(getattr(result, "video_info", None) or [None] * len(embeddings))
+    if len(infos) != len(embeddings):
+        raise InputError(f"{what}: {len(embeddings)} embeddings but video_info for {len(infos)} items")
+    return _Checked(family, modality, embeddings, grids, deepstack, infos)
+
+
+@dataclass
+class _Timing:
+    """A sampled video's frame indices and its source fps."""
+
+    indices: list[int]
+    fps: float
+
+
+def _frame_timing(info: Any, what: str) -> _Timing | None:
+    """The timing in a ``VideoInfo``, its ``to_dict()`` or an embed record's ``"video"`` entry; None for None."""
+    if info is None:
+        return None
+    if isinstance(info, dict):
+        indices, fps = info.get("frames", info.get("frame_indices")), info.get("fps", info.get("video_fps"))
+    else:
+        indices, fps = getattr(info, "frame_indices", None), getattr(info, "video_fps", None)
+    if not indices or not isinstance(fps, (int, float)) or not fps > 0:
+        raise InputError(f"{what}: video_info holds no frame indices and source fps ({info!r:.80})")
+    return _Timing([int(i) for i in indices], float(fps))
+
+
+def _requested_fps(info: Any, i: int, label: str) -> float:
+    """The fps a video's frames were asked to be sampled at, from its ``video_info``."""
+    fps = None if info is None else (info.get("requested_fps") if isinstance(info, dict)
+                                     else getattr(info, "requested_fps", None))
+    if isinstance(fps, bool) or not (isinstance(fps, (int, float)) and fps > 0):
+        raise InputError(f"video {i}: vLLM's {label} models need the fps its frames were sampled at, and its "
+                         f"video_info has no requested_fps ({fps!r}): encode the video file, or pass video_info= "
+                         f"with requested_fps (the fps given to encode_videos)")
+    return float(fps)
+
+
+def vllm_timestamps(frame_indices: Sequence[int], video_fps: float, temporal_patch_size: int = 2) -> list[float]:
+    """One time in seconds per temporal patch of a video, as vLLM's Qwen3-VL processor computes them
+    (``Qwen3VLProcessingInfo._calculate_timestamps``): the sampled frame indices padded to a multiple of the
+    temporal patch by repeating the last, each divided by the source fps, then the mean of each group's first and
+    last."""
+    indices = list(frame_indices)
+    indices += [indices[-1]] * (-len(indices) % temporal_patch_size)
+    seconds = [index / video_fps for index in indices]
+    step = temporal_patch_size
+    return [(seconds[i] + seconds[i + step - 1]) / 2 for i in range(0, len(seconds), step)]
+
+
+def _by_modality(results: Sequence[Any]) -> dict[str, _Checked]:
+    """The results' items grouped by modality, each group in the order given (the prompt's order)."""
+    checked = [_check(r, f"result {i}") for i, r in enumerate(results)]
+    families = {c.family for c in checked}
+    if len(families) > 1:
+        raise InputError(f"results from towers of different families: {sorted(families)}")
+    grouped: dict[str, _Checked] = {}
+    for c in checked:
+        into = grouped.setdefault(c.modality, _Checked(c.family, c.modality, [], [], [], []))
+        into.embeddings += c.embeddings
+        into.grids += c.grids
+        into.levels += c.levels
+        into.infos += c.infos
+    return grouped
+
+
+def _moved(tensor: torch.Tensor, dtype: torch.dtype | None, device: torch.device | str | None) -> torch.Tensor:
+    return tensor.to(device=device, dtype=dtype) if dtype is not None or device is not None else tensor
+
+
+def _grid_tensor(grids: list[tuple[int, int, int]], device) -> torch.Tensor:
+    return torch.tensor(grids, dtype=torch.long, device=device)
+
+
+def _output_class(family: str) -> type:
+    """The class the family's own ``get_image_features`` returns (DeepStack families define their own)."""
+    if FAMILIES[family].deepstack:
+        module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+        return module.BaseModelOutputWithDeepstackFeatures
+    from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+    return BaseModelOutputWithPooling
+
+
+def to_transformers(result: Any, *more: Any, dtype: torch.dtype | None = None,
+                    device: torch.device | str | None = None) -> dict[str, Any]:
+    """Keyword arguments for a transformers 5.24 Qwen VL model's ``forward`` / ``generate`` in place of pixels.
+
+    ``result`` (and ``more``): ``EncodeResult``s or ``EncodedItems``; items of a modality are taken in the order
+    given, which must be the order of their placeholders in the prompt. Returns ``{"mm_encoder_outputs":
+    {"image": ..., "video": ...}, "image_grid_thw": ..., "video_grid_thw": ...}`` (the modalities present). Add
+    ``input_ids``, ``attention_mask`` and ``mm_token_type_ids`` (``mm_token_type_ids`` here, or the processor's).
+    ``dtype`` / ``device``: the model's, to hand over tensors it need not copy. Imports transformers.
+    """
+    grouped = _by_modality((result, *more))
+    outputs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = {"mm_encoder_outputs": outputs}
+    for modality, items in grouped.items():
+        output_class = _output_class(items.family)
+        pooled = tuple(_moved(e, dtype, device) for e in items.embeddings)
+        fields: dict[str, Any] = {"last_hidden_state": None, "pooler_output": pooled}
+        if FAMILIES[items.family].deepstack:
+            levels = len(items.levels[0]) if items.levels else 0
+            fields["deepstack_features"] = [tuple(_moved(item[k], dtype, device) for item in items.levels)
+                                            for k in range(levels)]
+        outputs[modality] = output_class(**fields)
+        kwargs[f"{modality}_grid_thw"] = _grid_tensor(items.grids, device)
+    return kwargs
+
+
+def to_vllm(result: Any, *more: Any, dtype: torch.dtype | None = None,
+            device: torch.device | str | None = None) -> dict[str, dict[str, Any]]:
+    """vLLM's ``multi_modal_data`` for a prompt (``LLM(..., enable_mm_embeds=True)``): ``{"image": {"image_embeds":
+    T, "image_grid_thw": G}, "video": {"video_embeds": ..., "video_grid_thw": ...}}`` (the modalities present).
+
+    T is ``(sum of tokens, D)`` over the items in order; for the DeepStack families each row is ``[merged |
+    level 0 | level 1 | ...]`` (width ``D * (1 + levels)``), the layout vLLM's ``_compute_deepstack_embeds``
+    splits back (``split_vllm_deepstack``). Videos carry their timing where the family needs it (see the module
+    docstring): the Qwen3-VL families' ``"timestamps"`` (per video one float per temporal patch,
+    ``vllm_timestamps``), the Omni thinkers' ``"second_per_grid_ts"`` (one float per video), from each item's
+    ``video_info``.
+    """
+    data: dict[str, dict[str, Any]] = {}
+    for modality, items in _by_modality((result, *more)).items():
+        per_item = _items_for_vllm(items)
+        rows = [item.rows for item in per_item]
+        embeds = torch.cat(rows, dim=0) if rows else torch.empty(0, 0)
+        data[modality] = {f"{modality}_embeds": _moved(embeds, dtype, device),
+                          f"{modality}_grid_thw": _grid_tensor(items.grids, device),
+                          **_timing_fields(per_item)}
+    return data
+
+
+@dataclass
+class VllmItem:
+    """One item as a vLLM model's encoder output holds it: its rows (``[merged | level 0 | ...]``), its grid,
+    and the timing its family's prompt needs (``timestamps`` / ``second_per_grid_t``; None where it needs none)."""
+
+    modality: str
+    rows: torch.Tensor
+    grid_thw: tuple[int, int, int]
+    timestamps: list[float] | None = None
+    second_per_grid_t: float | None = None
+
+
+def vllm_items(result: Any) -> list[VllmItem]:
+    """Each item of one result (an ``EncodeResult`` or ``EncodedItems``) as vLLM's encoder output holds it, checked
+    as ``to_vllm`` checks it."""
+    return _items_for_vllm(_check(result, "result"))
+
+
+def _items_for_vllm(items: _Checked) -> list[VllmItem]:
+    """Each checked item in vLLM's encoder-output form, its timing checked against its grid."""
+    family = FAMILIES[items.family]
+    out = []
+    for i, (embedding, levels, grid, info) in enumerate(zip(items.embeddings, items.levels, items.grids, items.infos,
+                                                            strict=True)):
+        item = VllmItem(items.modality, torch.cat([embedding, *levels], dim=-1) if levels else embedding, grid)
+        if items.modality == "video" and family.prompt_timestamps:
+            timing = _frame_timing(info, f"video {i}")
+            if timing is None:
+                raise InputError(f"video {i}: vLLM's {family.label} models need each video's timestamps, and this "
+                                 f"one has no frame timing (frames given in memory): encode the video file, or pass "
+                                 f"video_info= (its sampled frame indices and source fps) to EncodedItems")
+            item.timestamps = _checked_timestamps(timing, grid, i)
+        elif items.modality == "video" and family.seconds_per_grid:
+            item.second_per_grid_t = TEMPORAL_PATCH / _requested_fps(info, i, family.label)
+        out.append(item)
+    return out
+
+
+def _timing_fields(items: Sequence[VllmItem]) -> dict[str, Any]:
+    """The timing entries of a modality's ``multi_modal_data``, as vLLM's parsers take them."""
+    if items and items[0].timestamps is not None:
+        return {"timestamps": [item.timestamps for item in items]}
+    if items and items[0].second_per_grid_t is not None:
+        return {"second_per_grid_ts": torch.tensor([item.second_per_grid_t for item in items])}
+    return {}
+
+
+def _checked_timestamps(timing: _Timing, grid: tuple[int, int, int], i: int) -> list[float]:
+    """A video's ``vllm_timestamps``, one per temporal patch of its grid."""
+    times = vllm_timestamps(timing.indices, timing.fps, TEMPORAL_PATCH)
+    if len(times) != grid[0]:
+        raise InputError(f"video {i}: {len(timing.indices)} sampled frames make {len(times)} temporal patches, but "
+                         f"its grid has t={grid[0]}")
+    return times
+
+
+def split_vllm_deepstack(embeds: torch.Tensor, levels: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """``(merged, [level 0, level 1, ...])`` from a ``to_vllm`` embeds tensor, split as vLLM's
+    ``Qwen3VLForConditionalGeneration._compute_deepstack_embeds`` splits it: ``visual_dim = width / (1 + levels)``,
+    ``torch.split(embeds, [visual_dim, levels * visual_dim], dim=-1)``, the rest viewed as ``(tokens, levels,
+    visual_dim)`` and read level by level (vLLM's ``permute(1, 0, 2)`` of the scattered copy)."""
+    if embeds.dim() != 2 or levels < 0 or embeds.shape[-1] % (1 + levels):
+        raise InputError(f"embeds of shape {tuple(embeds.shape)} do not hold 1 + {levels} equal feature blocks")
+    visual_dim = embeds.shape[-1] // (1 + levels)
+    merged, multiscale = torch.split(embeds, [visual_dim, levels * visual_dim], dim=-1)
+    per_level = multiscale.reshape(embeds.shape[0], levels, visual_dim).permute(1, 0, 2)
+    return merged, list(per_level.unbind(0))
+
+
+def mm_token_type_ids(input_ids: torch.Tensor, *, image_token_id: int, video_token_id: int) -> torch.Tensor:
+    """transformers' ``mm_token_type_ids`` for ``input_ids``: 1 at image placeholders, 2 at video ones, 0 elsewhere
+    (as its processors build them; the M-RoPE positions of Qwen2-VL .. Qwen4-Exp are computed from it)."""
+    types = torch.zeros_like(input_ids, dtype=torch.int32)
+    types[input_ids == image_token_id] = TOKEN_TYPES["image"]
+    types[input_ids == video_token_id] = TOKEN_TYPES["video"]
+    return types

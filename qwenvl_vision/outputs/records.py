@@ -1,0 +1,50 @@
+"""One input's outcome as every output stores it: ``EmbeddingRecord``, from the encoder's ``ItemResult`` (or an
+input known bad before encoding) to every writer (the safetensors manifest, the Parquet rows, the vLLM encoder
+cache), from Ray's rows, and back from the Parquet reader. No format's library is needed to build one.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..inputs.video_io import video_record
+
+
+@dataclass
+class EmbeddingRecord:
+    """One input's row: what the writer takes and the reader gives back. Tensors are None for an error row;
+    ``deepstack`` is empty when the run has no levels (or stores only pooled vectors)."""
+
+    path: str
+    realpath: str
+    status: str
+    error: str | None = None
+    grid_thw: tuple[int, int, int] | None = None
+    tokens: int | None = None  # merged tokens, t*h*w / merge**2 (also in a run that stores only pooled vectors)
+    embedding: torch.Tensor | None = None
+    deepstack: list[torch.Tensor] = field(default_factory=list)
+    pooled: torch.Tensor | None = None
+    video: dict | None = None
+    pixels_sha256: str | None = None  # item_ids.pixels_sha256, what the encoder cache names it by (not in Parquet)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+def record_from_result(result: Any, path: str | None = None, realpath: str | None = None) -> EmbeddingRecord:
+    """An ``encoder.ItemResult`` (or anything with its fields: ``error``, ``embedding``, ``grid_thw``,
+    ``deepstack``, ``pooled``, ``video_info``) as a record of the input at ``path`` (default ``result.path``);
+    ``realpath`` defaults to the path resolved from the current directory."""
+    path = os.fspath(path if path is not None else result.path)
+    realpath = realpath or os.path.realpath(path)
+    video = video_record(getattr(result, "video_info", None))
+    if result.error is not None:
+        return EmbeddingRecord(path, realpath, "error", str(result.error), video=video)
+    return EmbeddingRecord(path, realpath, "ok", None, tuple(int(x) for x in result.grid_thw),
+                           int(result.embedding.shape[0]), result.embedding, list(result.deepstack or []),
+                           result.pooled, video, getattr(result, "pixels_sha256", None))

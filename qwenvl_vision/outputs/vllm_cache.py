@@ -1,0 +1,277 @@
+"""vLLM's encoder cache as an output: the folder a vLLM consumer's ``ECExampleConnector`` reads embeddings from,
+what each item is called there, and the request fields that point a prompt at its items.
+
+vLLM 0.33 (``vllm/distributed/ec_transfer/ec_connector/example_connector.py``): an instance started with
+``--ec-transfer-config '{"ec_connector": "ECExampleConnector", "ec_role": "ec_consumer",
+"ec_connector_extra_config": {"shared_storage_path": "P"}}'`` looks for ``P/{mm_hash}/encoder_cache.safetensors``,
+checks only that it exists, and loads its one tensor ``"ec_cache"`` onto its device as the item's encoder output.
+That tensor is what its model's ``embed_multimodal`` gives for the item: the item's rows of ``to_vllm``
+(``[merged | level 0 | ...]``, width ``D * (1 + levels)`` for the DeepStack families), in the dtype they were
+made in. A consumer takes requests whose items carry only what sizes their placeholders (``image_grid_thw``;
+``video_grid_thw`` with the timing its family reads) and ``multi_modal_uuids``; with a uuid and no processor
+keyword arguments, vLLM uses the uuid as the item's ``mm_hash``. ``vllm_request`` builds those fields.
+
+The folder, as written here (``write_vllm_cache``, and ``embed --format vllm-cache``):
+
+- ``{id}/encoder_cache.safetensors`` per item, ``id`` = ``item_ids.item_id`` (64 hex digits: the model's identity,
+  the modality, the grid and the pixels' hash). Each file is written whole under a temporary name (created
+  exclusively, never through a link) and renamed into place; its metadata names its id (``ITEM_KEY``). A file
+  already at an id's name counts as that item only if it reads as the item must be (``item_problem``: a strict
+  safetensors header, the one tensor ``"ec_cache"`` of the item's shape and dtype, its recorded id); any other
+  (a crashed or foreign writer's) is replaced atomically. A link at an item's name or folder is an
+  ``OutputLinkError``, left as it is.
+- ``qwenvl_vision_cache.json``: the identity of the model whose items the folder holds. A folder with another
+  model's identity, or with items and no identity (written by something else), is refused before anything is
+  written (``CacheFolderError``): a consumer would load those items for this model's prompts.
+
+Entries (``write_vllm_cache``'s return value, and the ``embed`` manifest's records of such a run) are dicts with
+``id``, ``modality``, ``grid_thw`` and ``tokens``, and for videos ``timestamps`` (the Qwen3-VL families: one
+float per temporal patch) or ``second_per_grid_t`` (the Omni thinkers: seconds per temporal patch).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save
+
+from ..errors import CacheFolderError, CheckpointError, InputError
+from ..inputs.item_ids import IDENTITY_FIELDS, is_sha256, item_id
+from .durable import create_new, fsync_dir, open_no_follow, refuse_link, replace_atomically
+from .handoff import MODALITIES, VllmItem, vllm_items
+
+CACHE_FILE = "encoder_cache.safetensors"
+CACHE_KEY = "ec_cache"
+IDENTITY_FILE = "qwenvl_vision_cache.json"
+ITEM_KEY = "qwenvl_vision_item"  # an item file's metadata: its id
+ITEM_FILE = re.compile(rf"([0-9a-f]{{64}})/{re.escape(CACHE_FILE)}")  # an item's file in the folder (fullmatch)
+
+
+def check_cache_folder(folder: str | os.PathLike, identity: dict[str, str]) -> None:
+    """Refuse a folder that holds another model's items, or items without an identity file; read only."""
+    folder = Path(folder)
+    path = folder / IDENTITY_FILE
+    try:
+        found = json.loads(path.read_text())
+    except FileNotFoundError:
+        if folder.is_dir() and any((item / CACHE_FILE).exists() for item in folder.iterdir() if is_sha256(item.name)):
+            raise CacheFolderError(f"{folder} holds encoder-cache items but no {IDENTITY_FILE}: they were not written "
+                                   f"by qwenvl-vision, so which model made them is unknown; choose another folder") \
+                from None
+        return
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CacheFolderError(f"{path} is unreadable ({e}): if no writer is running, delete it and write again") \
+            from None
+    if not isinstance(found, dict):
+        raise CacheFolderError(f"{path} is damaged: not a JSON object")
+    differ = [k for k in IDENTITY_FIELDS if found.get(k) != identity[k]]
+    if differ:
+        fields = ", ".join(f"{k} {str(found.get(k))[:12]} (this model: {identity[k][:12]})" for k in differ)
+        raise CacheFolderError(f"{folder} holds the encoder cache of another model ({fields}): a consumer would load "
+                               f"its items for this model's prompts; choose another folder")
+
+
+def claim_cache_folder(folder: str | os.PathLike, identity: dict[str, str], tag: str) -> None:
+    """Check the folder (``check_cache_folder``), create it, and give it this identity if it has none: written
+    whole under a temporary name, then linked into place only if no other writer's got there first (a link does
+    not replace; where links are refused, created exclusively), and checked again."""
+    folder = Path(folder)
+    check_cache_folder(folder, identity)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / IDENTITY_FILE
+    if path.exists():
+        return
+    tmp = folder / f"{IDENTITY_FILE}.{tag}.tmp"
+    text = json.dumps({k: identity[k] for k in IDENTITY_FIELDS}, indent=2) + "\n"
+    try:
+        with create_new(tmp) as f:
+            f.write(text.encode())
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)
+        except OSError as e:
+            if e.errno not in NO_HARD_LINKS:
+                raise
+            _create_exclusively(path, text)  # a file system without hard links (FUSE mounts, SMB, exFAT)
+    except FileExistsError:
+        pass  # another writer claimed it meanwhile: its identity decides, below
+    finally:
+        tmp.unlink(missing_ok=True)
+    fsync_dir(folder)
+    for _ in range(4):  # an exclusive create is visible before its bytes: another writer may be mid-write
+        try:
+            json.loads(path.read_text())
+            break
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            time.sleep(0.05)
+    check_cache_folder(folder, identity)
+
+
+NO_HARD_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS, errno.EMLINK}
+
+
+def _create_exclusively(path: Path, text: str) -> None:
+    """``path`` created only if absent (FileExistsError otherwise), written and fsynced."""
+    fd = open_no_follow(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(text.encode())
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        path.unlink(missing_ok=True)  # a half-written identity would lock the folder for good
+        raise
+
+
+def item_problem(path: Path, item: str, rows: torch.Tensor) -> str:
+    """Why the file at ``path`` is not item ``item`` holding rows like ``rows`` ('' when it is): its header read as
+    strictly as safetensors' own reader does (``safetensors_checks``), exactly the one tensor ``"ec_cache"`` of
+    ``rows``' shape and dtype, and the id in its metadata, where it records one."""
+    from safetensors import safe_open
+
+    from ..checkpoint.checks import SAFETENSORS_DTYPES, read_header
+
+    try:
+        header, _ = read_header(path)
+    except CheckpointError as e:
+        return str(e)
+    if list(header) != [CACHE_KEY]:
+        return f"it holds the tensors {sorted(header)!r}, not exactly {CACHE_KEY!r}"
+    entry = header[CACHE_KEY]
+    if entry["shape"] != list(rows.shape) or SAFETENSORS_DTYPES.get(entry["dtype"]) != rows.dtype:
+        return f"{CACHE_KEY} is {entry['dtype']} x {entry['shape']}, this item is {rows.dtype} x {list(rows.shape)}"
+    try:
+        with safe_open(path, framework="pt") as f:
+            recorded = (f.metadata() or {}).get(ITEM_KEY)
+    except Exception as e:  # noqa: BLE001 - safetensors' own error type
+        return f"unreadable ({e})"
+    if recorded is not None and recorded != item:
+        return f"its metadata names the item {recorded[:80]!r}"
+    return ""
+
+
+def write_item(folder: Path, item: str, rows: torch.Tensor, tag: str, metadata: dict[str, str] | None = None) -> bool:
+    """``folder/item/encoder_cache.safetensors`` holding ``rows`` as ``"ec_cache"``, whole or not at all, its id and
+    ``metadata`` in its metadata. An item already there is kept if it is valid (``item_problem``: its id says it
+    holds these rows), else replaced. ``tag`` names the temporary file. Whether it was written."""
+    target = folder / item / CACHE_FILE
+    refuse_link(target.parent)  # a folder linked elsewhere would take the item (and its temporary file) there
+    refuse_link(target)
+    rows = rows.detach().contiguous().cpu()
+    if target.exists() and not item_problem(target, item, rows):
+        return False
+    target.parent.mkdir(exist_ok=True)
+    data = save({CACHE_KEY: rows}, metadata={"format": "pt", **(metadata or {}), ITEM_KEY: item})
+    replace_atomically(target, target.parent / f"{CACHE_FILE}.{tag}.tmp", lambda f: f.write(data))
+    fsync_dir(folder)
+    return True
+
+
+def cache_item(folder: Path, identity: dict[str, str], item: VllmItem, pixels: str | None, tag: str) -> dict[str, Any]:
+    """Write one item under its id (``item_ids.item_id``); its entry."""
+    name = item_id(identity, item.modality, item.grid_thw, pixels)
+    write_item(folder, name, item.rows, tag)
+    return entry(name, item)
+
+
+def entry(name: str, item: VllmItem) -> dict[str, Any]:
+    """What a request needs of the item cached as ``name`` (see the module docstring)."""
+    out: dict[str, Any] = {"id": name, "modality": item.modality, "grid_thw": list(item.grid_thw),
+                           "tokens": int(item.rows.shape[0])}
+    if item.timestamps is not None:
+        out["timestamps"] = list(item.timestamps)
+    if item.second_per_grid_t is not None:
+        out["second_per_grid_t"] = item.second_per_grid_t
+    return out
+
+
+def write_vllm_cache(result: Any, folder: str | os.PathLike) -> list[dict[str, Any]]:
+    """Write an ``EncodeResult``'s items into a vLLM encoder-cache folder; their entries, in order.
+
+    The result's encoder must still be loaded, or have given its ``identity()`` before it closed. Nothing is
+    written when the folder holds another model's items or an item cannot be handed to vLLM (a video without
+    its frame timing where the family needs it).
+    """
+    if not hasattr(result, "encoder"):
+        raise InputError(f"a {type(result).__name__} names no model: only an EncodeResult (of encode_images, "
+                         f"encode_videos or encode_patches) can be cached")
+    encoder = result.encoder() if result.encoder is not None else None
+    if encoder is None:
+        raise InputError("this result's encoder is gone (a result does not keep it alive, and a pickled one drops "
+                         "it), so which model made it is unknown: keep the encoder in a variable until the cache is "
+                         "written")
+    digests = list(result.pixels_sha256 or [])
+    hashed = sum(is_sha256(d) for d in digests)
+    if len(digests) != len(result.embeddings) or hashed != len(digests):
+        raise InputError(f"the result has pixel hashes for {hashed} of its {len(result.embeddings)} items, which "
+                         f"their ids need: encode with encode_images / encode_videos, or give encode_patches CPU "
+                         f"rows or pixels_sha256=")
+    identity = encoder.identity()
+    items = vllm_items(result)  # every item checked before anything is written
+    folder = Path(folder)
+    tag = uuid.uuid4().hex
+    claim_cache_folder(folder, identity, tag)
+    return [cache_item(folder, identity, item, digest, tag) for item, digest in zip(items, digests, strict=True)]
+
+
+def vllm_request(entries: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The fields of a vLLM request whose items come from an encoder cache: ``{"multi_modal_data": {...},
+    "multi_modal_uuids": {...}}``, to pass beside the prompt (``LLM.generate({"prompt": ..., **request})``).
+
+    ``entries``: the prompt's items, each modality's in the order of its placeholders (``write_vllm_cache``'s
+    entries, or records of an ``embed --format vllm-cache`` manifest).
+    """
+    data: dict[str, dict[str, Any]] = {}
+    uuids: dict[str, list[str]] = {}
+    grouped: dict[str, list[dict[str, Any]]] = {}
+    for i, e in enumerate(entries):
+        problem = _entry_problem(e)
+        if problem:
+            raise InputError(f"entry {i}: {problem}")
+        grouped.setdefault(e["modality"], []).append(e)
+    for modality, items in grouped.items():
+        fields: dict[str, Any] = {f"{modality}_grid_thw": torch.tensor([e["grid_thw"] for e in items],
+                                                                       dtype=torch.long)}
+        for key in ("timestamps", "second_per_grid_t"):
+            have = [key in e for e in items]
+            if any(have) and not all(have):
+                raise InputError(f"{modality} entries: {sum(have)} of {len(items)} carry {key}; a family's videos all "
+                                 f"do or none do")
+        if "timestamps" in items[0]:
+            fields["timestamps"] = [list(e["timestamps"]) for e in items]
+        if "second_per_grid_t" in items[0]:
+            fields["second_per_grid_ts"] = torch.tensor([float(e["second_per_grid_t"]) for e in items])
+        data[modality] = fields
+        uuids[modality] = [e["id"] for e in items]
+    return {"multi_modal_data": data, "multi_modal_uuids": uuids}
+
+
+def _entry_problem(e: Any) -> str:
+    """Why an entry cannot name a cached item ('' when it can)."""
+    if not isinstance(e, dict):
+        return f"not a dict ({type(e).__name__})"
+    if not is_sha256(e.get("id")):
+        return f"id {e.get('id')!r} is not 64 hex digits"
+    if e.get("modality") not in MODALITIES:
+        return f"modality {e.get('modality')!r} is not one of {MODALITIES}"
+    grid = e.get("grid_thw")
+    if not (isinstance(grid, (list, tuple)) and len(grid) == 3 and all(isinstance(g, int) and g > 0 for g in grid)):
+        return f"grid_thw {grid!r} is not three positive integers"
+    stamps = e.get("timestamps")
+    if stamps is not None and not (isinstance(stamps, list) and len(stamps) == grid[0]
+                                   and all(isinstance(t, (int, float)) for t in stamps)):
+        return f"timestamps are not one number per temporal patch (grid t={grid[0]})"
+    step = e.get("second_per_grid_t")
+    if step is not None and not (isinstance(step, (int, float)) and step > 0):
+        return f"second_per_grid_t {step!r} is not a positive number"
+    return ""

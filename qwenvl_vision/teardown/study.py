@@ -1,0 +1,261 @@
+"""``qwenvl-vision bench teardown``: does shutting an encoder down give all of its memory back?
+
+Each cycle, in one process: load an encoder (any checkpoint, repo id or preset), encode images of several sizes
+(so every per-grid cache fills), tear it down, and measure before load / after load / after encode / (after
+close) / after teardown / after a gc collection. Teardown is either ``del`` alone, or ``close()`` while the
+caller still holds the encoder and its model, then ``del``. Measured:
+
+- CPU: bytes of live tensor storages, a census over ``gc.get_objects()`` counting each untyped storage
+  once by (device, data_ptr); meta tensors have no storage and count 0. Also the process RSS (after
+  ``malloc_trim`` on glibc), for information: the allocator may keep freed pages.
+- CUDA: ``torch.cuda.memory_allocated`` / ``memory_reserved`` after ``synchronize``, clearing the
+  process-wide cuBLAS workspaces (allocated by the first matmul, not by any encoder) and ``empty_cache``
+  (the census is recorded too); the allocator history is recorded, and on a failure dumped with
+  ``torch.cuda.memory._dump_snapshot`` (view at https://pytorch.org/memory_viz).
+- Whether the encoder, its model, every submodule and the shape cache were freed by reference counting
+  alone: weak references checked right after the teardown with the cyclic gc disabled for the whole
+  cycle, and again after ``gc.collect()``.
+
+retained = (after teardown) - (before the first load of that run), so a cache that outlives its instances
+shows as growth from cycle to cycle; the run's ``retained_bytes`` is the worst cycle. No warm-up by default:
+the first encoder of a fresh process must be freed too (``--warmup N`` to exclude one-time effects).
+
+The package measures its own encoder (variant ``per-instance``). The comparisons - the same model with a
+class-level ``functools.lru_cache`` (the bug this package exists to avoid, so it may not live in the package),
+and transformers' tower - and the plot are in the repository's ``bench/teardown.py``, which passes them in as
+``extra_variants``.
+
+This module is the command: its options, the table and the JSON. One cycle, a run of cycles and the verdict are
+``qwenvl_vision.teardown.cycles``; the memory readings are ``qwenvl_vision.teardown.census``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .cycles import (
+    CPU_SIZES,
+    CUDA_SIZES,
+    PER_INSTANCE,
+    TEARDOWNS,
+    Options,
+    Variant,
+    VariantFactory,
+    build_variants,
+    load_plain,
+    make_inputs,
+    mib,
+    run_cycle,
+    run_ok,
+    run_variant,
+)
+
+# ---------------------------------------------------------------------- reporting
+
+
+def format_table(report: dict[str, Any]) -> str:
+    metric = "CUDA memory_allocated" if report["device"].startswith("cuda") else "live tensor bytes (gc census)"
+    lines = [
+        f"teardown benchmark: {report['model']} on {report['device']}, {report['dtype']}, "
+        f"{report['cycles_requested']} cycles, inputs: {report['inputs']} {report['grids']}",
+        f"metric: {metric}; MiB; retained = after teardown - baseline (before the first load), gc disabled",
+    ]
+    cuda = report["device"].startswith("cuda")
+    header = ["variant", "teardown", "cycles", "weights", "caches", "after close (held)", "retained (worst)",
+              "after gc", "retained by cycle", "freed by refcount", "RSS delta"]
+    if cuda:
+        header.append("tensors retained (census, host+device)")
+    rows = []
+    for run in report["runs"]:
+        done = run["cycles"]
+        rss0 = run["baseline"].get("rss_bytes")
+        rss1 = done[-1]["phases"]["after_gc"].get("rss_bytes")
+        alive = sum(1 for c in done if c["alive_after_teardown"])
+        freed = "yes" if run["freed_by_refcount"] else f"no ({alive}/{len(done)} cycles)"
+        if not run["freed_by_refcount"]:
+            freed += ", after gc" if run["freed_after_gc"] else ", not even after gc"
+        by_cycle = ", ".join(mib(n) for n in run["retained_by_cycle"])
+        rows.append([
+            run["variant"], run["teardown"], str(len(done)), mib(run["weights_bytes"]), mib(run["cache_bytes"]),
+            mib(run.get("held_after_close_bytes")) if run["teardown"] == "close" else "-",
+            mib(run["retained_bytes"]), mib(run["retained_bytes_after_gc"]), by_cycle, freed,
+            mib(None if rss0 is None or rss1 is None else rss1 - rss0),
+        ] + ([mib(run["retained_tensor_bytes"])] if cuda else []))
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+    lines.append("  ".join(h.ljust(w) for h, w in zip(header, widths)))
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    for run in report["runs"]:
+        if "retained_after_cache_clear" in run:
+            lines.append(f"{run['variant']}/{run['teardown']}: {mib(run['retained_after_cache_clear'])} MiB left "
+                         f"after the class cache's cache_clear() (it held "
+                         f"{run['cycles'][-1].get('class_cache_entries_after_teardown', '?')} entries)")
+        if run.get("stopped_early"):
+            lines.append(f"{run['variant']}/{run['teardown']}: stopped early {run['stopped_early']}")
+        for c in run["cycles"]:
+            if c.get("new_storages") and run["variant"] == PER_INSTANCE:
+                lines.append(f"{run['variant']}/{run['teardown']} cycle {c['cycle']} new storages: "
+                             f"{c['new_storages']}; alive: {c['alive_after_teardown']}")
+    for s in report["skipped"]:
+        lines.append(f"skipped {s['variant']}: {s['reason']}")
+    verdict = "PASS" if report["ok"] else "FAIL"
+    lines.append(f"{verdict}: per-instance retains 0 bytes and is freed by reference counting alone"
+                 + ("" if report["ok"] else " -- NOT met, see above"))
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------- entry points
+
+
+def _parse_sizes(text: str, cfg: Any) -> list[tuple[int, int]]:
+    """'448x336,224x224' in pixels -> merged-token (h, w), rounded to the model's factor (at least 1)."""
+    factor = cfg.patch_size * cfg.spatial_merge_size
+    sizes = []
+    for item in text.split(","):
+        h, _, w = item.strip().lower().partition("x")
+        try:
+            sizes.append((max(1, round(int(h) / factor)), max(1, round(int(w) / factor))))
+        except ValueError:
+            raise SystemExit(f"--sizes: {item!r} is not HxW in pixels (e.g. 448x336)") from None
+    return sizes
+
+
+def add_teardown_arguments(p: argparse.ArgumentParser, variants: tuple[str, ...] = (PER_INSTANCE,)) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("model", nargs="?", help="checkpoint folder or Hugging Face repo id (real weights)")
+    src.add_argument("--preset", help="a released tower's name (random weights at its real size), e.g. "
+                                      "qwen2.5-vl-3b; docs/api.md lists them")
+    src.add_argument("--config", help="a config.json (a checkpoint's or ours) to build with random weights, "
+                                      "e.g. a tiny one for a smoke test")
+    p.add_argument("--random-weights", action="store_true",
+                   help="random weights instead of the checkpoint's (implied by --preset / --config)")
+    p.add_argument("--cycles", type=int, default=20, help="load/encode/teardown cycles per variant (default 20)")
+    p.add_argument("--device", help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--dtype", help="bf16, fp32, fp16 (default: bf16 on CUDA, fp32 on CPU)")
+    if len(variants) > 1:
+        p.add_argument("--variants", help=f"comma-separated subset of {','.join(variants)} (default: all)")
+    p.add_argument("--teardown", default=",".join(TEARDOWNS),
+                   help="comma-separated subset of del,close (default: both; comparison variants may be del only)")
+    p.add_argument("--inputs", choices=("auto", "images", "patches"), default="auto",
+                   help="encode_images on uint8 arrays, or encode_patches on random rows "
+                        "(auto: images, falling back to patches if preprocessing is unavailable)")
+    p.add_argument("--sizes", help="image sizes in pixels, HxW comma-separated (rounded to the model's "
+                                   "patch*merge factor); default: a few small sizes on CPU, larger on CUDA")
+    p.add_argument("--warmup", type=int, default=0,
+                   help="unmeasured cycles before the runs, so one-time process-wide state is not counted "
+                        "(default 0: the first cycle of a fresh process is part of the test)")
+    p.add_argument("--json", help="write the full results here")
+    p.add_argument("--snapshot-dir", default=".",
+                   help="CUDA: where to dump torch.cuda.memory._dump_snapshot on a per-instance failure")
+    p.add_argument("--quiet", action="store_true", help="no per-cycle progress lines")
+
+
+def cmd_teardown(args: argparse.Namespace, extra_variants: dict[str, VariantFactory] | None = None,
+                 after: Callable[[dict[str, Any]], None] | None = None) -> int:
+    """Run the benchmark; ``extra_variants`` adds comparisons (bench/teardown.py), ``after`` sees the report."""
+    import torch
+
+    from ..devices import resolve_device, resolve_dtype
+    from ..model.config import resolve_config
+
+    extra = extra_variants or {}
+    known = (PER_INSTANCE, *extra)
+    log = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
+    wanted = [v.strip() for v in (getattr(args, "variants", None) or ",".join(known)).split(",") if v.strip()]
+    bad = [v for v in wanted if v not in known]
+    teardowns = [t.strip() for t in args.teardown.split(",") if t.strip()]
+    bad += [t for t in teardowns if t not in TEARDOWNS]
+    if bad or not wanted or not teardowns:
+        print(f"bench teardown: unknown variant/teardown {bad}; variants: {list(known)}, teardowns: {TEARDOWNS}",
+              file=sys.stderr)
+        return 2
+    if args.cycles < 1:
+        print("bench teardown: --cycles must be >= 1", file=sys.stderr)
+        return 2
+
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    model = args.model
+    if model:
+        config = _checkpoint_config(model)
+        # --random-weights with a checkpoint: its config at its size, without reading the weights
+        source, random_weights = (config, True) if args.random_weights else (model, False)
+        label = model + (" (random weights)" if args.random_weights else "")
+    else:
+        source = resolve_config(args.preset or args.config)
+        random_weights = True
+        config = source
+        label = args.preset or (source.name or f"{source.model_type} config {args.config}")
+    opts = Options(source, random_weights, device, dtype, label, config)
+    sizes = _parse_sizes(args.sizes, config) if args.sizes else list(CUDA_SIZES if device.type == "cuda" else CPU_SIZES)
+    inputs = make_inputs(config, device, sizes, args.inputs)
+    variants, skipped = build_variants(opts, wanted, extra)
+    recording = False
+    if device.type == "cuda" and hasattr(torch.cuda.memory, "_record_memory_history"):
+        torch.cuda.memory._record_memory_history(max_entries=200_000)
+        recording = True
+
+    warmup = args.warmup
+    warm = Variant("warmup", lambda: load_plain(opts), ("del",), True)
+    for i in range(warmup):
+        log(f"warmup cycle {i + 1}/{warmup}")
+        run_cycle(warm, "del", inputs, device, None, log)
+
+    report: dict[str, Any] = {
+        "device": str(device), "model": label, "dtype": str(dtype).replace("torch.", ""),
+        "metric": "cuda_allocated" if device.type == "cuda" else "tensor_census",
+        "inputs": None, "grids": [list(g) for g in inputs.grids], "cycles_requested": args.cycles,
+        "warmup": warmup, "torch": torch.__version__, "runs": [], "skipped": skipped, "snapshots": [],
+    }
+    for variant in variants:
+        if variant.prepare is not None:
+            try:
+                variant.prepare()
+            except ImportError as e:
+                report["skipped"].append({"variant": variant.name, "reason": f"import failed: {e}"})
+                continue
+        for teardown in (t for t in teardowns if t in variant.teardowns):
+            log(f"{variant.name} / {teardown}:")
+            run = run_variant(variant, teardown, inputs, device, args.cycles, log)
+            report["runs"].append(run)
+            if variant.expect_free and not run_ok(run) and recording:
+                path = Path(args.snapshot_dir) / f"teardown-snapshot-{variant.name}-{teardown}.pickle"
+                torch.cuda.memory._dump_snapshot(str(path))
+                run["snapshot"] = str(path)
+                report["snapshots"].append(str(path))
+    if recording:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    report["inputs"] = inputs.mode
+    checked = [r for r in report["runs"] if r["variant"] == PER_INSTANCE]
+    report["ok"] = bool(checked) and all(run_ok(r) for r in checked)
+    print(format_table(report))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1, default=str)
+        print(f"wrote {args.json}")
+    if after is not None:
+        after(report)
+    return 0 if report["ok"] or not checked else 1
+
+
+def _checkpoint_config(source: str) -> Any:
+    from ..checkpoint.hub import resolve_folder
+    from ..checkpoint.weights import open_checkpoint
+
+    return open_checkpoint(resolve_folder(source, None, False, None, None)).config
+
+
+def add_bench_parser(sub: Any) -> None:
+    """``qwenvl-vision bench <name>``; today: teardown."""
+    p = sub.add_parser("bench", help="benchmarks (teardown: is every byte given back?)")
+    bench_sub = p.add_subparsers(dest="bench", required=True)
+    t = bench_sub.add_parser("teardown", help="memory retained after tearing an encoder down (del and close)",
+                             description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_teardown_arguments(t)
+    t.set_defaults(func=cmd_teardown)

@@ -1,0 +1,591 @@
+"""The CPU inference backend (qwenvl_vision.backends.cpu): its forward against transformers' towers per item, its
+workspace ops bitwise the reference's, oneDNN's packed weights (one copy, plain out of state_dict, loads, moves,
+autograd, autocast, teardown), the GEMM attention path against float64, and the execution the tower picks (never
+the workspace off the CPU)."""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers.activations import ACT2FN
+from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLRMSNorm, apply_rotary_pos_emb_vision
+
+from qwenvl_vision import ConfigError, build_model, load_encoder
+from qwenvl_vision.backends.cpu import forward
+from qwenvl_vision.backends.cpu.forward import ACTIVATIONS, CpuExecution, signed_sin
+from qwenvl_vision.backends.cpu.kernels import (
+    EPILOGUE_ACTIVATIONS,
+    balanced_chunks,
+    onednn_linear_available,
+    pack_weight,
+    packed_activated_linear,
+    packed_linear,
+)
+from qwenvl_vision.backends.cpu.packing import linear_layers
+from qwenvl_vision.backends.cpu.plan import CpuPlan, attention_key
+from qwenvl_vision.backends.cpu.workspace import DEFAULT_SCRATCH_ELEMENTS, Workspace
+from qwenvl_vision.cli import main
+from qwenvl_vision.model import config
+from qwenvl_vision.model.attention import SegmentPlan
+from qwenvl_vision.model.layers import RMSNorm, rope_cos_sin
+from tests.helpers import (
+    FAMILY_SMALL,
+    QWEN2_5_SMALL,
+    QWEN3_SMALL_72,
+    addmm_ignores_row_stride,
+    assert_matches_reference,
+    census,
+    forced_plan,
+    forward_both,
+    grids_for,
+    hf_forward,
+    hf_tower,
+    inputs,
+    ours_from,
+    packed_gives_addmm_bits,
+    pair,
+    rel_err,
+    segment_reference,
+    skip_unless_onednn_runs,
+    write_checkpoint,
+)
+
+needs_onednn = pytest.mark.skipif(not onednn_linear_available(), reason="this torch has no oneDNN linear ops")
+HEADS, HEAD_DIM = 4, 72
+
+
+def plain_and_packed(cfg):
+    """Two towers of one transformers tower's weights, one on the reference kernels, one with every linear packed,
+    and inputs for them."""
+    ref = hf_tower(cfg, seed=0)
+    plain, packed = ours_from(ref, cfg), ours_from(ref, cfg)
+    plain.set_cpu_kernels("reference")
+    packed.set_cpu_kernels(forced_plan(packed, "onednn"))
+    return plain, packed, inputs(cfg, grids_for(cfg))
+
+
+def packed_count(model) -> int:
+    return sum(p.is_mkldnn for p in model.parameters())
+
+
+def execution(dtype=torch.float32, rows=4096, dim=240, wide=720, plan=None) -> CpuExecution:
+    return CpuExecution(plan or CpuPlan("test"), Workspace(rows, dim, wide, dtype, "cpu"))
+
+
+# ----------------------------------------------------------------------------- workspace ops, bitwise
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("in_place", [True, False])
+def test_rope_in_a_workspace_is_bitwise_the_reference_on_strided_views(dtype, in_place):
+    """q and k rotated together inside the qkv rows (in place, or from a fresh chunk into a buffer), by row chunks
+    through fp32 scratch with the signs folded into the sin table: the reference's bits, v untouched. Bits on any
+    CPU: the reference's multiplies and adds in its order, each IEEE-rounded, whatever the rows' chunking."""
+    gen = torch.Generator().manual_seed(0)
+    rows = 2 * (DEFAULT_SCRATCH_ELEMENTS // (2 * 3 * 80)) + 37  # three chunks, the last one partial
+    qkv = (torch.randn(rows, 3, 3, 80, generator=gen) * 4).to(dtype)
+    cos, sin = rope_cos_sin(torch.randint(0, 90, (rows, 2), generator=gen), 80)
+    expected_q, expected_k = apply_rotary_pos_emb_vision(qkv[:, 0].clone(), qkv[:, 1].clone(), cos, sin)
+    untouched = qkv[:, 2].clone()
+    out = qkv if in_place else torch.full_like(qkv, float("nan"))
+    execution(dtype, rows).rotate_qk_into(qkv.view(rows, 9, 80)[:, :6], out.view(rows, 9, 80)[:, :6], cos,
+                                          signed_sin(sin))
+    assert torch.equal(out[:, 0], expected_q.to(dtype)) and torch.equal(out[:, 1], expected_k.to(dtype))
+    assert torch.equal(qkv[:, 2], untouched)  # v was not written
+    assert in_place or out[:, 2].isnan().all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+def test_norms_into_a_workspace_buffer_are_bitwise_the_reference(dtype, kind):
+    """Bits on any CPU: the reference's ops in its order (RMSNorm), the same aten kernel (LayerNorm), and aten
+    reduces each row alone (a chunk of rows is reduced as the whole tensor's rows are)."""
+    if kind == "rms":
+        ours, ref = RMSNorm(96), Qwen2_5_VLRMSNorm(96)
+        with torch.no_grad():
+            ours.weight.copy_(torch.randn(96) * 3)
+            ref.weight.copy_(ours.weight)
+    else:
+        ours = ref = torch.nn.LayerNorm(96, eps=1e-6)
+        with torch.no_grad():
+            ours.weight.normal_(), ours.bias.normal_()
+    ours, ref = ours.to(dtype), ref.to(dtype)
+    x = (torch.randn(3 * DEFAULT_SCRATCH_ELEMENTS // 96 + 5, 96) * 7).to(dtype)  # several chunks
+    run = execution(dtype, x.shape[0], 96, 96 * 3)
+    with torch.no_grad():
+        out = run.norm(ours, x)
+        assert out.untyped_storage().data_ptr() == run.workspace.buffers[0].untyped_storage().data_ptr()
+        assert torch.equal(out, ref(x))
+
+
+def test_every_activation_a_config_may_name_is_implemented():
+    assert set(ACTIVATIONS) == set(config.ACTIVATIONS)
+
+
+@pytest.mark.parametrize("name", sorted(ACTIVATIONS))
+def test_in_place_activations_are_bitwise_transformers_activations(name):
+    """Bits on any CPU: the same aten kernel over the same iteration (in place on a contiguous tensor, into a
+    strided destination from the same strided rows)."""
+    x = torch.randn(2 * DEFAULT_SCRATCH_ELEMENTS // 33 + 40, 33) * 5
+    in_place, into = ACTIVATIONS[name]
+    assert torch.equal(in_place(x.clone()), ACT2FN[name](x))
+    out = torch.full_like(x, float("nan"))[:, 1:]  # a strided destination: a workspace's rows of a wider buffer
+    assert torch.equal(into(x[:, 1:], out), ACT2FN[name](x[:, 1:]))
+
+
+# ----------------------------------------------------------------------------- towers on the backend
+
+
+@needs_onednn
+@pytest.mark.parametrize("family", list(FAMILY_SMALL))
+def test_packed_towers_match_transformers_per_item(family, tmp_path):
+    cfg = FAMILY_SMALL[family]
+    write_checkpoint(tmp_path, cfg)
+    encoder = load_encoder(tmp_path, device="cpu", cpu_kernels="reference")
+    encoder.model.set_cpu_kernels(forced_plan(encoder.model, "onednn", "gemm"))
+    assert packed_count(encoder.model) == len(linear_layers(encoder.model)) > 0
+    assert encoder.describe()["execution"] == "cpu"
+    ref = hf_tower(cfg, seed=0)
+    pixel_values, grid_thw = inputs(cfg, grids_for(cfg))
+    result = encoder.encode_patches(pixel_values, grid_thw)
+    with torch.no_grad():
+        expected = hf_forward(ref, pixel_values, grid_thw)
+    ours = (torch.cat(result.embeddings), [torch.cat([item[i] for item in result.deepstack])
+                                          for i in range(len(expected[1]))])
+    assert_matches_reference(ours, expected, grid_thw, 1e-5)
+
+
+@needs_onednn
+@pytest.mark.parametrize("cfg", [QWEN2_5_SMALL, QWEN3_SMALL_72, FAMILY_SMALL["qwen2_vl"]],
+                         ids=["qwen2.5", "qwen3", "qwen2-vl"])
+def test_bf16_packed_tower_within_tolerance_and_addmm_bitwise_where_this_machine_probes_so(cfg, monkeypatch):
+    """A bf16 tower on oneDNN's packed weights, its rows handed to rope, the activation and the residual add in
+    chunks, its MLPs by row blocks, chunks and blocks of a few dozen rows so that every pack crosses many of them:
+    within test_towers' bf16 tolerance of the fp32 tower per item. Bitwise the addmm plan's tower (oneDNN's epilogue
+    activation turned off) only where this machine's probe shows a packed linear on such chunks gives addmm's bits
+    (``packed_gives_addmm_bits``). Where oneDNN computes a plain MLP's activation in its GEMM's epilogue (Qwen3's
+    GELU-tanh), the hidden activations skip one bf16 rounding: one MLP alone is closer to float64, on any CPU."""
+    chunk_bytes, block_rows = 16 << 10, 24
+    ref = hf_tower(cfg, seed=0)
+    plain = ours_from(ref, cfg).to(torch.bfloat16)
+    plain.set_cpu_kernels(forced_plan(plain, "addmm"))
+    packed = ours_from(ref, cfg).to(torch.bfloat16)
+    packed.set_cpu_kernels(forced_plan(packed, "onednn", mlp_rows=block_rows, chunk_bytes=chunk_bytes))
+    pixel_values, grid_thw = inputs(cfg, grids_for(cfg))
+    assert packed.execution(64, pixel_values).chunk_bytes == chunk_bytes  # chunks of a few dozen rows
+    with torch.no_grad():
+        a, levels_a = plain(pixel_values, grid_thw)
+        with monkeypatch.context() as no_epilogue:
+            no_epilogue.setattr(forward, "EPILOGUE_ACTIVATIONS", {})
+            b, levels_b = packed(pixel_values, grid_thw)
+        fused = packed(pixel_values, grid_thw)
+        exact = ours_from(ref, cfg)(pixel_values, grid_thw)
+    assert_matches_reference((b, levels_b), exact, grid_thw, 3e-2)  # test_towers' bf16 tolerance, per item
+    shapes = [(layer.in_features, layer.out_features) for _, layer in linear_layers(packed)]
+    patches = grid_thw.prod(1).tolist()  # each item runs as its own forward: its rows, and its mergers' rows / 4
+    rows = sorted({*patches, *(n // cfg.merge_unit for n in patches)})
+    steps = sorted({block_rows, *(max(1, chunk_bytes // (out * 2)) for _, out in shapes)})
+    bitwise = packed_gives_addmm_bits(shapes, torch.bfloat16, rows, steps)
+    epilogue = cfg.hidden_act in EPILOGUE_ACTIVATIONS and cfg.family.mlp != "gated"
+    if epilogue:
+        assert not torch.equal(fused[0], b)
+        assert_matches_reference(fused, exact, grid_thw, 3e-2)
+        # One MLP alone (no residual to round the update away): closer to float64 than the addmm plan's MLP.
+        x = torch.randn(200, cfg.hidden_size, generator=torch.Generator().manual_seed(1)).bfloat16()
+        mlp_plain, mlp_packed = plain.blocks[0].mlp, packed.blocks[0].mlp
+        fc1, fc2 = (layer.weight.double() for layer in (mlp_plain.linear_fc1, mlp_plain.linear_fc2))
+        hidden = ACT2FN[cfg.hidden_act](x.double() @ fc1.T + mlp_plain.linear_fc1.bias.double())
+        want = hidden @ fc2.T + mlp_plain.linear_fc2.bias.double()
+        wide = max(3 * cfg.hidden_size, mlp_plain.linear_fc1.out_features)  # as the tower sizes its workspace
+        run = execution(torch.bfloat16, 200, cfg.hidden_size, wide, packed.cpu_plan)
+        with torch.no_grad():
+            got = {name: run.mlp(mlp, x, residual=torch.zeros_like(x)).double() for name, mlp in
+                   [("plain", mlp_plain), ("packed", mlp_packed)]}
+        assert rel_err(got["packed"], want) < rel_err(got["plain"], want)
+    if not bitwise:
+        pytest.skip("this machine's oneDNN packed bf16 linear does not give addmm's bits on these row chunks "
+                    "(packed_gives_addmm_bits): the bitwise claims are unchecked here, the tolerances held")
+    assert torch.equal(a, b) and all(torch.equal(x, y) for x, y in zip(levels_a, levels_b, strict=True))
+    if not epilogue:  # no epilogue activation in this family's MLP: the fused tower is the addmm plan's too
+        assert torch.equal(fused[0], a)
+
+
+@needs_onednn
+@pytest.mark.parametrize("name", sorted(EPILOGUE_ACTIVATIONS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_epilogue_activations_are_transformers_activations(name, dtype):
+    """oneDNN's activation in the GEMM's epilogue against transformers' on the linear's result: within fp32's
+    rounding in fp32; in bf16 closer to float64 than the linear rounded and then activated."""
+    skip_unless_onednn_runs(dtype)
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(300, 96, generator=gen) * 2).to(dtype)
+    weight = (torch.randn(160, 96, generator=gen) / 5).to(dtype)
+    bias = torch.randn(160, generator=gen).to(dtype)
+    fused = packed_activated_linear(x, pack_weight(weight), bias, name)
+    separate = ACT2FN[name](F.linear(x, weight, bias))
+    exact = ACT2FN[name](F.linear(x.double(), weight.double(), bias.double()))
+    if dtype == torch.float32:
+        assert rel_err(fused, separate) < 1e-6
+    else:
+        assert rel_err(fused.double(), exact) < rel_err(separate.double(), exact)
+
+
+def test_the_reference_setting_runs_the_modules_own_forward_bitwise():
+    """``cpu_kernels="reference"``: transformers' ops as the modules write them (no workspace, no packing)."""
+    cfg = QWEN3_SMALL_72
+    ref = hf_tower(cfg, seed=0)
+    model = ours_from(ref, cfg)
+    model.set_cpu_kernels("reference")
+    pixel_values, grid_thw = inputs(cfg, grids_for(cfg))
+    modules = []
+    with torch.no_grad():
+        got = model(pixel_values, grid_thw)
+        for block in model.blocks:  # what the modules' own forward gives, called here block by block
+            block.register_forward_hook(lambda *_: modules.append(1))
+        model(pixel_values, grid_thw)
+    assert model.describe()["execution"] == "reference" and packed_count(model) == 0
+    assert len(modules) == len(grid_thw) * len(model.blocks)
+    assert_matches_reference(got, hf_forward(ref, pixel_values, grid_thw), grid_thw, 1e-5)
+    with pytest.raises(ConfigError, match="cpu_kernels 'mkl'"):
+        model.set_cpu_kernels("mkl")
+
+
+# ----------------------------------------------------------------------------- attention paths
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_segments_take_the_plan_s_attention_path_and_it_is_as_exact_as_sdpa(dtype, monkeypatch):
+    """A plan that runs 512-token probes on the GEMM path: 64-token windows and one frame beyond the GEMM path's
+    memory bound run SDPA, two 600-token frames (nearest probe 512) run two GEMMs per head, on strided q/k/v views
+    of one fused qkv, into a strided output. Each segment within fp32 accuracy of float64, and in bf16 no further
+    from it than SDPA itself on the same frames."""
+    lengths = [64] * 3 + [600, 600, 6200]
+    n, scale = sum(lengths), HEAD_DIM**-0.5
+    qkv = torch.randn(n, 3, HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(0)).to(dtype)
+    q, k, v = qkv.unbind(1)
+    plan = CpuPlan("test", {}, {attention_key(dtype, HEADS, HEAD_DIM, 512): "gemm",
+                                attention_key(dtype, HEADS, HEAD_DIM, 4096): "gemm"})
+    out = torch.full((n, 2, HEADS, HEAD_DIM), float("nan"), dtype=dtype)[:, 0]
+    counts = []  # the GEMM path runs once, for the run of two 600-token frames
+    monkeypatch.setattr(forward, "gemm_attention", lambda q, k, v, count, *rest, run=forward.gemm_attention:
+                        counts.append(count) or run(q, k, v, count, *rest))
+    attended = execution(dtype, plan=plan).attend(q, k, v, SegmentPlan.from_lengths(lengths), scale, out=out)
+    assert counts == [2] and attended.data_ptr() == out.data_ptr()
+    expected = segment_reference(q, k, v, lengths, scale)
+    frames = slice(3 * 64, 3 * 64 + 1200)
+    if dtype == torch.float32:
+        assert rel_err(attended, expected) < 1e-6
+    else:
+        sdpa = F.scaled_dot_product_attention(*[x[frames].unflatten(0, (2, 600)).transpose(1, 2) for x in (q, k, v)],
+                                              scale=scale).transpose(1, 2).flatten(0, 1)
+        assert rel_err(attended[frames], expected[frames]) < rel_err(sdpa, expected[frames])
+        assert rel_err(attended, expected) < 4e-3
+
+
+@needs_onednn
+def test_many_scattered_frames_are_gathered_onto_the_gemm_path():
+    """Six 520-token images between 8-token ones: one gathered group of the six (``out[index] = ...``)."""
+    lengths = [520, 8] * 6
+    n, scale = sum(lengths), HEAD_DIM**-0.5
+    q, k, v = (torch.randn(n, HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    segments = SegmentPlan.from_lengths(lengths)
+    assert any(group.index is not None and group.length == 520 for group in segments.groups)
+    plan = CpuPlan("test", {}, {attention_key(torch.float32, HEADS, HEAD_DIM, 512): "gemm"})
+    attended = execution(plan=plan).attend(q, k, v, segments, scale)
+    assert rel_err(attended, segment_reference(q, k, v, lengths, scale)) < 1e-6
+
+
+@needs_onednn
+@pytest.mark.parametrize("cfg", [QWEN2_5_SMALL, QWEN3_SMALL_72], ids=["qwen2.5", "qwen3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_towers_with_frames_on_the_gemm_path_match_transformers(cfg, dtype):
+    """A 576-token image and a 2-frame video of 512-token frames (Qwen2.5's full-attention blocks, every Qwen3
+    block attend them by two GEMMs per head) and a small image, against transformers' fp32 tower per item."""
+    ours, ref = pair(cfg)
+    ours = ours.to(dtype)
+    ours.set_cpu_kernels(forced_plan(ours, "onednn", "gemm"))
+    grids = [(1, 24, 24), (2, 16, 32), (1, 4, 6)]
+    (merged, levels), expected, grid_thw = forward_both(ours, ref, cfg, grids)
+    assert_matches_reference((merged, levels), expected, grid_thw, 1e-5 if dtype == torch.float32 else 3e-2)
+
+
+# ----------------------------------------------------------------------------- the execution the tower picks
+
+
+class CountOps(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_off_the_cpu_a_block_launches_no_per_chunk_kernels(monkeypatch):
+    """A tower off the CPU (here on ``meta``, a device-agnostic stand-in for CUDA) runs the modules' forward: the
+    CPU workspace is never made, and a forward of one frame dispatches as many ops at 64 tokens as at 65k (the
+    workspace's fp32 chunks would grow with the rows)."""
+    monkeypatch.setattr(Workspace, "__init__", lambda *_: pytest.fail("the CPU workspace was made off the CPU"))
+    model = build_model(QWEN3_SMALL_72).to("meta")
+    counts = []
+    for side in (8, 256):
+        pixel_values = torch.empty(side * side, QWEN3_SMALL_72.patch_dim, device="meta")
+        with torch.no_grad(), CountOps() as ops:
+            model(pixel_values, torch.tensor([[1, side, side]]))
+        counts.append(ops.count)
+    assert counts[0] == counts[1] and model.describe()["execution"] == "reference"
+
+
+@needs_onednn
+@pytest.mark.parametrize("cfg", [QWEN2_5_SMALL, QWEN3_SMALL_72], ids=["qwen2.5", "qwen3"])
+def test_the_forward_runs_the_plan_s_chunk_and_scratch_sizes_and_the_scratch_changes_no_bit(cfg, monkeypatch):
+    """A packed linear computes the plan's bytes of output per oneDNN call, and norms and rope run through the
+    plan's fp32 scratch (both the plan's for the tower's block shape). The scratch's size changes no bit on any CPU
+    (each row's norm and rope are computed alone, in the same ops); the chunked tower stays within fp32 tolerance
+    of transformers' per item."""
+    ref = hf_tower(cfg, seed=0)
+    pixel_values, grid_thw = inputs(cfg, grids_for(cfg))
+    default, small = ours_from(ref, cfg), ours_from(ref, cfg)
+    default.set_cpu_kernels(forced_plan(default, "addmm"))
+    small.set_cpu_kernels(forced_plan(small, "addmm", scratch=1 << 10))
+    assert small.execution(64, pixel_values).workspace.scratch.shape == (2, 1 << 10)
+    tiny = ours_from(ref, cfg)  # a plan's scratch below a row: the widest row's (a merger's grouped rows)
+    tiny.set_cpu_kernels(forced_plan(tiny, "addmm", scratch=1))
+    assert tiny.execution(64, pixel_values).workspace.scratch.shape == (2, cfg.merge_unit * cfg.hidden_size)
+    packed = ours_from(ref, cfg)
+    packed.set_cpu_kernels(forced_plan(packed, "onednn", chunk_bytes=8 << 10, scratch=1 << 10))
+    asked = []
+    real = forward.packed_chunks
+    monkeypatch.setattr(forward, "packed_chunks", lambda x, w, b, chunk: asked.append(chunk) or real(x, w, b, chunk))
+    with torch.no_grad():
+        a, levels_a = default(pixel_values, grid_thw)
+        b, levels_b = small(pixel_values, grid_thw)
+        assert torch.equal(tiny(pixel_values, grid_thw)[0], a)
+        assert not asked  # addmm everywhere: no chunked oneDNN call
+        chunked = packed(pixel_values, grid_thw)
+        expected = hf_forward(ref, pixel_values, grid_thw)
+    assert torch.equal(a, b) and all(torch.equal(x, y) for x, y in zip(levels_a, levels_b, strict=True))
+    assert asked and set(asked) == {8 << 10}
+    assert_matches_reference(chunked, expected, grid_thw, 1e-5)
+
+
+# ----------------------------------------------------------------------------- packed weights
+
+
+@needs_onednn
+def test_the_packed_weight_replaces_the_plain_one():
+    gc.collect()  # the census runs no gc: earlier tests' cyclic garbage would count as live
+    model = build_model(QWEN2_5_SMALL)
+    model.set_cpu_kernels("reference")
+    before = census()
+    model.set_cpu_kernels(forced_plan(model, "onednn"))
+    # The plain weights are gone: what is live is the packed ones (the census counts each as its elements), so the
+    # total has not grown; keeping the plain weights beside them would have added their bytes again.
+    linear_bytes = sum(layer.weight.numel() * 4 for _, layer in linear_layers(model))
+    assert packed_count(model) == len(linear_layers(model)) and linear_bytes > before / 2
+    assert census() == before
+
+
+@needs_onednn
+def test_state_dict_and_extract_weights_give_plain_tensors_equal_to_the_checkpoint(tmp_path):
+    vision = write_checkpoint(tmp_path / "ckpt", QWEN2_5_SMALL)
+    encoder = load_encoder(tmp_path / "ckpt", device="cpu", cpu_kernels="reference")
+    encoder.model.set_cpu_kernels(forced_plan(encoder.model, "onednn"))
+    state = encoder.model.state_dict()
+    assert packed_count(encoder.model) > 0 and not any(v.is_mkldnn for v in state.values())
+    assert torch.equal(state["blocks.1.attn.qkv.weight"], vision["blocks.1.attn.qkv.weight"])  # a layout change
+    assert main(["extract-weights", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out")]) == 0
+    saved = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert set(saved) == set(vision) and all(torch.equal(saved[k], vision[k]) for k in vision)
+
+
+@needs_onednn
+def test_a_state_dict_loads_into_a_packed_tower_and_is_packed_again():
+    cfg = QWEN3_SMALL_72
+    ref = hf_tower(cfg, seed=3)
+    model = build_model(cfg)
+    model.set_cpu_kernels(forced_plan(model, "onednn"))
+    model.load_state_dict(ref.state_dict(), strict=True)  # transformers' names, through the load hook
+    pixel_values, grid_thw = inputs(cfg, grids_for(cfg))
+    with torch.no_grad():
+        assert_matches_reference(model(pixel_values, grid_thw), hf_forward(ref, pixel_values, grid_thw), grid_thw,
+                                 1e-5)
+    assert packed_count(model) == len(linear_layers(model))
+    with pytest.raises(RuntimeError, match="Missing key"):
+        model.load_state_dict({k: v for k, v in ref.state_dict().items() if "qkv" not in k}, strict=True)
+
+
+@needs_onednn
+def test_close_frees_packed_weights_and_nothing_stays_behind():
+    baseline = census()
+    encoder = load_encoder(QWEN3_SMALL_72, random_weights=True, device="cpu", cpu_kernels="reference")
+    encoder.model.set_cpu_kernels(forced_plan(encoder.model, "onednn"))
+    assert packed_count(encoder.model) > 0 and census() > baseline
+    pixel_values, grid_thw = inputs(QWEN3_SMALL_72, grids_for(QWEN3_SMALL_72))
+    encoder.encode_patches(pixel_values, grid_thw)
+    model = encoder.model
+    encoder.close()
+    assert all(p.is_meta for p in model.parameters())
+    del model, encoder, pixel_values, grid_thw
+    assert census() == baseline
+
+
+def test_threads_share_an_encoder_on_the_backend():
+    encoder = load_encoder(QWEN2_5_SMALL, random_weights=True, device="cpu")
+    pixel_values, grid_thw = inputs(QWEN2_5_SMALL, grids_for(QWEN2_5_SMALL))
+    expected = torch.cat(encoder.encode_patches(pixel_values, grid_thw).embeddings)
+    results = []
+
+    def work():
+        results.append(torch.cat(encoder.encode_patches(pixel_values, grid_thw).embeddings))
+
+    threads = [threading.Thread(target=work) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 3 and all(torch.equal(r, expected) for r in results)
+
+
+@needs_onednn
+def test_one_packed_weight_serves_calls_of_any_row_count():
+    """The reorder's row count is only a hint for the blocking: calls of any row count, and the ``out=`` form by
+    row chunks, are fp32-accurate with the one packed weight."""
+    generator = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(96, 64, generator=generator), torch.randn(96, generator=generator)
+    x = torch.randn(3000, 64, generator=generator)
+    packed = pack_weight(weight, rows=1024)
+    exact = x.double() @ weight.double().T + bias.double()
+    for rows in (slice(0, 1), slice(0, 7), slice(5, 1029), slice(100, 3000), slice(None)):
+        assert rel_err(packed_linear(x[rows].contiguous(), packed, bias), exact[rows]) < 1e-6, rows
+    out = torch.full((3000, 96), float("nan"))  # the workspace form: 30 chunks into a buffer
+    assert packed_linear(x, packed, bias, out, chunk_bytes=96 * 4 * 100) is out and rel_err(out, exact) < 1e-6
+
+
+@needs_onednn
+def test_gradients_through_a_packed_tower_match_the_plain_one_and_inference_packs_again():
+    """Autograd runs the modules' forward: a packed tower is unpacked for it (input gradients and a layer made
+    trainable match the plain tower's), and the next inference call runs the plan's packed weights again."""
+    plain, packed, (pixel_values, grid_thw) = plain_and_packed(QWEN2_5_SMALL)
+    grads = []
+    for model in (plain, packed):
+        x = pixel_values.clone().requires_grad_(True)
+        model(x, grid_thw)[0].square().sum().backward()
+        grads.append(x.grad)
+    assert packed_count(packed) == 0 and torch.equal(grads[1], grads[0])
+    with torch.no_grad():
+        packed(pixel_values, grid_thw)
+    assert packed_count(packed) == len(linear_layers(packed))
+
+
+@needs_onednn
+def test_a_packed_tower_moves_and_casts_and_stays_exact():
+    cfg = QWEN3_SMALL_72
+    ref = hf_tower(cfg, seed=0)
+    model = ours_from(ref, cfg)
+    model.set_cpu_kernels(forced_plan(model.to(torch.bfloat16), "onednn"))
+    pixel_values, grid_thw = inputs(cfg, grids_for(cfg))
+    packed_bf16 = ours_from(ref, cfg).to(torch.bfloat16)  # cast, then packed
+    packed_bf16.set_cpu_kernels(model.cpu_plan)
+    model.float().to(torch.bfloat16)  # unpacked, cast twice; packed again by the next forward
+    with torch.no_grad():
+        assert torch.equal(model(pixel_values, grid_thw)[0], packed_bf16(pixel_values, grid_thw)[0])
+    assert packed_count(model) == len(linear_layers(model)) and model.blocks[0].attn.qkv.weight.dtype == torch.bfloat16
+    model = ours_from(ref, cfg)
+    model.set_cpu_kernels(forced_plan(model, "onednn"))
+    model.double()  # oneDNN packs no float64: plain weights, still right
+    with torch.no_grad():
+        assert_matches_reference(model(pixel_values.double(), grid_thw), hf_forward(ref, pixel_values, grid_thw),
+                                 grid_thw, 1e-5)
+    assert packed_count(model) == 0
+
+
+@needs_onednn
+def test_autocast_runs_the_modules_forward_on_a_packed_tower():
+    plain, packed, (pixel_values, grid_thw) = plain_and_packed(QWEN2_5_SMALL)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        a, b = plain(pixel_values, grid_thw)[0], packed(pixel_values, grid_thw)[0]
+    assert a.dtype == b.dtype == torch.bfloat16 and torch.equal(a, b)
+
+
+def test_chunks_are_balanced_and_leave_no_short_tail():
+    assert [s.stop - s.start for s in balanced_chunks(1840, 613)] == [460, 460, 460, 460]
+    assert [s.stop - s.start for s in balanced_chunks(5, 613)] == [5]
+    for rows, step in ((1, 1), (1000, 7), (613 * 3 + 1, 613)):
+        sizes = [s.stop - s.start for s in balanced_chunks(rows, step)]
+        assert sum(sizes) == rows and max(sizes) <= step and max(sizes) - min(sizes) <= 1
+
+
+@needs_onednn
+@pytest.mark.slow
+def test_compiling_unpacks_first():
+    model = build_model(QWEN2_5_SMALL)
+    model.set_cpu_kernels(forced_plan(model, "onednn"))
+    model.compile_blocks(backend="eager")
+    assert packed_count(model) == 0 and model.describe()["execution"] == "reference"
+
+
+def test_the_addmm_and_sdpa_plan_gives_the_reference_bits_where_addmm_ignores_strides():
+    """The backend on torch's own kernels (addmm into the workspace, SDPA) runs the reference's ops in its order:
+    the modules' own forward's bits, in fp32 and bf16, where this machine's addmm gives a strided view's rows the
+    bits of the same rows contiguous (``addmm_ignores_row_stride``); within the towers' tolerance everywhere."""
+    unchecked = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for cfg in (QWEN2_5_SMALL, QWEN3_SMALL_72):
+            model = build_model(cfg).to(dtype)
+            pixel_values, grid_thw = inputs(cfg, grids_for(cfg))
+            with torch.no_grad():
+                model.set_cpu_kernels("reference")
+                reference = model(pixel_values, grid_thw)
+                model.set_cpu_kernels(forced_plan(model, "addmm", "sdpa"))
+                assert model.describe()["execution"] == "cpu"
+                backend = model(pixel_values, grid_thw)
+            assert_matches_reference(backend, reference, grid_thw, 1e-5 if dtype == torch.float32 else 3e-2)
+            if not addmm_ignores_row_stride(model, int(grid_thw.prod(1).max()), dtype):
+                unchecked.append(f"{cfg.model_type} {dtype}")
+                continue
+            assert torch.equal(backend[0], reference[0]), (cfg.model_type, dtype)
+            assert all(torch.equal(a, b) for a, b in zip(backend[1], reference[1], strict=True))
+    if unchecked:
+        pytest.skip(f"this machine's addmm gives other bits on strided rows (addmm_ignores_row_stride) for "
+                    f"{', '.join(unchecked)}: the bitwise claim is unchecked there, the tolerances held")
+
+
+@needs_onednn
+def test_forward_hooks_see_every_module_and_a_block_s_state_dict_is_plain():
+    """A hook is there to see a module run, and the CPU backend calls no module's forward: with a hook the tower
+    runs the modules' forward (the same numbers within the kernels' rounding). A packed block's own state_dict
+    gives plain tensors."""
+    cfg = QWEN3_SMALL_72
+    model = build_model(cfg)
+    model.set_cpu_kernels(forced_plan(model, "onednn", "gemm"))
+    pixel_values, grid_thw = inputs(cfg, grids_for(cfg))
+    state = model.blocks[0].state_dict()
+    assert state and not any(v.is_mkldnn for v in state.values()) and packed_count(model) > 0
+    with torch.no_grad():
+        packed = model(pixel_values, grid_thw)[0]
+        seen = []
+        handle = model.blocks[1].mlp.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+        hooked = model(pixel_values, grid_thw)[0]
+        handle.remove()
+    assert len(seen) == len(grid_thw) and rel_err(hooked, packed) < 1e-5
+
+
+@needs_onednn
+def test_a_packed_weight_made_trainable_stays_trainable():
+    cfg = QWEN2_5_SMALL
+    model = build_model(cfg)
+    model.set_cpu_kernels(forced_plan(model, "onednn"))
+    model.blocks[0].attn.qkv.weight.requires_grad_(True)
+    pixel_values, grid_thw = inputs(cfg, grids_for(cfg))
+    model(pixel_values, grid_thw)[0].square().sum().backward()
+    weight = model.blocks[0].attn.qkv.weight
+    assert weight.requires_grad and not weight.is_mkldnn and weight.grad is not None and weight.grad.abs().sum() > 0

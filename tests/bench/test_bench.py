@@ -1,0 +1,69 @@
+"""The CPU benchmarks that check the speed targets run (on the smallest workload): they must not rot.
+
+Each builds a released preset's width (one block deep) and transformers' tower of it: slow.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import gemm_bound, profile_tower, throughput
+from qwenvl_vision.backends.cpu.kernels import onednn_linear_available
+
+TINY = ["--preset", "qwen3.5-0.8b", "--inputs", "small", "--depth", "1", "--dtype", "fp32"]
+
+pytestmark = pytest.mark.slow
+
+
+def test_gemm_bound_times_every_product_and_the_attention():
+    result = gemm_bound.main(TINY)
+    assert result["bound_s"] == pytest.approx(result["gemm_s"] + result["attention_s"])
+    assert result["gemm_s"] > 0 and result["attention_s"] > 0
+    # patch embedding, qkv, proj, fc1, fc2, merger fc1 and fc2: every shape timed by every kernel here
+    kernels = {"mm", "onednn"} if onednn_linear_available() else {"mm"}
+    assert len(result["rates_gflops_per_s"]) == 7
+    assert all(set(rates) == kernels and min(rates.values()) > 0 for rates in result["rates_gflops_per_s"].values())
+
+
+def test_profile_attributes_every_op_of_both_towers(capsys):
+    profiles = profile_tower.main(TINY)
+    assert set(profiles) == {"ours", "transformers"}
+    for profile in profiles.values():  # the kernels are found by name, the rest through the module scopes
+        assert profile["GEMM"] > 0 and profile["attention"] > 0 and profile["norm"] > 0
+        assert profile["rope & attention glue"] > 0 and profile["activation & gate"] > 0
+    # ours is profiled as it runs for a user, on the CPU backend: a module hook would send it to the modules
+    assert profiles["ours"]["cpu_backend_blocks"] > 0 and profiles["transformers"]["cpu_backend_blocks"] == 0
+    assert "rope & attention glue" in capsys.readouterr().out
+
+
+def test_throughput_reports_the_fraction_of_the_bound(capsys):
+    result = throughput.main([*TINY, "--repeats", "2", "--warmup", "0", "--gemm-bound"])
+    rounds = result["gemm_bound"]["rounds_s"]  # the bound is measured after each round, beside its forwards
+    assert len(rounds) == 2 and result["gemm_bound"]["bound_s"] == pytest.approx(sum(rounds) / 2, abs=1e-3)
+    assert 0 < result["variants"]["ours"]["fraction_of_bound"]
+    assert "GEMM bound" in capsys.readouterr().out
+
+
+def test_a_timed_forward_runs_alone_and_its_peak_is_the_rss_high_water_mark():
+    """No thread samples memory beside a timed CPU forward (one slowed a 2-core machine's forward); the peak is
+    Linux's reset high-water mark, which sees a transient the block freed before it ended."""
+    import threading
+
+    import torch
+
+    from bench.load import RESET_HIGH_WATER_MARK, start_rss_window
+
+    threads = []
+
+    def forward(model, pixel_values, grid_thw):
+        threads.append(threading.active_count())
+        transient = torch.ones(16 << 20)  # 64 MiB, mapped afresh (above glibc's largest mmap threshold), then freed
+        return transient.sum()
+
+    before = threading.active_count()
+    elapsed, peak, out = throughput.timed(forward, None, None, None, torch.device("cpu"))
+    assert threads == [before] and elapsed > 0 and out.item() == 16 << 20
+    if start_rss_window()[1] != RESET_HIGH_WATER_MARK:
+        assert peak is None  # no resettable high-water mark here: unknown, never a wrong number
+    else:
+        assert peak >= 60 << 20

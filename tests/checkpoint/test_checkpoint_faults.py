@@ -1,0 +1,228 @@
+"""Faults around a checkpoint that must never lose or silently change data: ``extract-weights`` aimed at its own
+source or at the Hugging Face cache, links planted where it writes; a config file that is a dangling link, or
+that an offline cache cannot vouch for; a mistyped local path taken for a Hub repo id. Each case goes through the
+public entry points (the CLI's ``main``, ``load_encoder``). Config values out of range: tests/model/test_config.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from qwenvl_vision import CheckpointError, load_encoder
+from qwenvl_vision.checkpoint.hub import fetch_vision_checkpoint
+from qwenvl_vision.cli import main
+from tests.helpers import QWEN2_5_SMALL, write_checkpoint
+from tests.helpers.embed import one_error_line
+
+hf_constants = pytest.importorskip("huggingface_hub.constants")
+
+
+def _tree(folder: Path) -> dict[str, object]:
+    """Every entry under `folder`: a link as ("link", its target), a file as its bytes, a folder as "dir"."""
+    found: dict[str, object] = {}
+    for path in sorted(folder.rglob("*")):
+        key = path.relative_to(folder).as_posix()
+        if path.is_symlink():
+            found[key] = ("link", os.readlink(path))
+        elif path.is_dir():
+            found[key] = "dir"
+        else:
+            found[key] = path.read_bytes()
+    return found
+
+
+@pytest.fixture(scope="module")
+def single_file_checkpoint(tmp_path_factory) -> Path:
+    """A single-file Qwen2.5-VL checkpoint whose model.safetensors also holds language-model tensors."""
+    folder = tmp_path_factory.mktemp("single") / "ckpt"
+    write_checkpoint(folder, QWEN2_5_SMALL, sharded=False)
+    return folder
+
+
+def _copy(folder: Path, tmp_path: Path) -> Path:
+    copy = tmp_path / "ckpt"
+    shutil.copytree(folder, copy)
+    return copy
+
+
+# ---------------------------------------------------------------------- extract-weights: its source, the cache
+
+
+def test_extract_weights_never_writes_into_its_source(single_file_checkpoint, tmp_path, capsys):
+    """--out the source (as given, through a link to it, or a folder inside it) is refused even with --force,
+    and the single file keeps its language model: every byte of the source is unchanged."""
+    src = _copy(single_file_checkpoint, tmp_path)
+    before = _tree(src)
+    alias = tmp_path / "alias"
+    alias.symlink_to(src, target_is_directory=True)
+    for out, needle in ((src, "is the source folder"), (alias, "is the source folder"),
+                        (src / "vision", "is inside the source folder")):
+        assert main(["extract-weights", str(src), "--out", str(out), "--force"]) == 2
+        one_error_line(capsys.readouterr().err, f"--out {out}", needle, "--force or not")
+    assert _tree(src) == before
+
+
+def test_extract_weights_into_a_parent_of_its_source(single_file_checkpoint, tmp_path, capsys):
+    """A parent of the source is a fine target as long as no name written there is a file of the source: a
+    source whose config.json is a link to the parent's config.json is refused; without that link it works."""
+    parent = tmp_path / "parent"
+    src = _copy(single_file_checkpoint, parent)
+    (parent / "config.json").write_bytes((src / "config.json").read_bytes())
+    (src / "config.json").unlink()
+    (src / "config.json").symlink_to(Path("..") / "config.json")
+    before = _tree(parent)
+    assert main(["extract-weights", str(src), "--out", str(parent), "--force"]) == 2
+    one_error_line(capsys.readouterr().err, f"--out {parent}", "config.json", "--force or not")
+    assert _tree(parent) == before
+
+    (src / "config.json").unlink()
+    (src / "config.json").write_bytes((parent / "config.json").read_bytes())
+    before = _tree(src)
+    assert main(["extract-weights", str(src), "--out", str(parent), "--force"]) == 0
+    assert _tree(src) == before
+    assert json.loads((parent / "config.json").read_text())["format"] == "qwenvl-vision"
+
+
+def test_extract_weights_never_writes_into_the_hub_cache(hub, tmp_path, capsys):
+    """A snapshot's files are links into blobs: extracting into the snapshot (named by repo id or as a folder), or
+    into any other folder of the cache, is refused with --force too, and no cached byte changes."""
+    folder = tmp_path / "released"
+    write_checkpoint(folder, QWEN2_5_SMALL, sharded=True, other_shards=1)
+    hub.add("org/qwen25-tiny", folder)
+    snapshot = fetch_vision_checkpoint("org/qwen25-tiny")
+    assert (snapshot / "config.json").is_symlink()
+    before = _tree(hub.cache)
+    for source, out in (("org/qwen25-tiny", snapshot), (str(snapshot), snapshot),
+                        (str(folder), hub.cache / "mine"), (str(folder), snapshot.parent.parent / "blobs")):
+        assert main(["extract-weights", source, "--out", str(out), "--force"]) == 2
+        one_error_line(capsys.readouterr().err, f"--out {out}", "--force or not")
+    assert _tree(hub.cache) == before
+
+
+@pytest.mark.parametrize("name", ["model.safetensors.tmp", "config.json.tmp", "preprocessor_config.json"])
+def test_extract_weights_never_writes_through_a_planted_link(single_file_checkpoint, tmp_path, capsys, name):
+    """A link at a name extract-weights writes (its temporary file or a config file) is an error naming it,
+    raised before anything is written: the file it points to is untouched and the link stays."""
+    victim = tmp_path / "victim.bin"
+    victim.write_bytes(b"somebody else's data")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / name).symlink_to(victim)
+    assert main(["extract-weights", str(single_file_checkpoint), "--out", str(out), "--force"]) == 3
+    one_error_line(capsys.readouterr().err, str(out / name), "symbolic link")
+    assert victim.read_bytes() == b"somebody else's data"
+    assert (out / name).is_symlink() and sorted(p.name for p in out.iterdir()) == [name]
+
+
+# ---------------------------------------------------------------------- config files: dangling links, offline
+
+
+@pytest.mark.parametrize("name", ["preprocessor_config.json", "video_preprocessor_config.json", "config.json",
+                                  "model.safetensors.index.json"])
+def test_a_dangling_config_link_is_an_error_naming_it(checkpoint, tmp_path, name):
+    """A settings file, the config or the index that is a link to nothing (a Hub cache whose blob is gone) is a
+    CheckpointError naming it: never read as absent, which would put the family's defaults in its place."""
+    folder = _copy(checkpoint, tmp_path)
+    (folder / name).unlink(missing_ok=True)
+    (folder / name).symlink_to(tmp_path / "gone" / name)
+    with pytest.raises(CheckpointError, match=rf"{name} is a symbolic link to .*, which is missing"):
+        load_encoder(folder, device="cpu")
+
+
+def test_a_checkpoint_without_a_preprocessor_config_keeps_the_family_defaults(checkpoint, tmp_path):
+    folder = _copy(checkpoint, tmp_path)
+    (folder / "preprocessor_config.json").unlink()
+    with load_encoder(folder, device="cpu") as encoder:
+        assert (encoder.preprocess_config.min_pixels, encoder.preprocess_config.max_pixels) == (3136, 12845056)
+
+
+@pytest.fixture
+def cached_repo(hub, tmp_path, monkeypatch):
+    """org/qwen25-tiny fetched once online into the stand-in's cache; then offline (HF_HUB_OFFLINE), no request
+    made since. Returns the snapshot folder."""
+    folder = tmp_path / "released"
+    write_checkpoint(folder, QWEN2_5_SMALL, sharded=True, other_shards=1)
+    hub.add("org/qwen25-tiny", folder)
+    snapshot = fetch_vision_checkpoint("org/qwen25-tiny")
+    hub.clear()
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
+    return snapshot
+
+
+def test_offline_a_settings_file_the_cache_never_saw_is_an_error(hub, cached_repo):
+    """Offline, a preprocessor config the cache neither holds nor knows to be absent (another tool's partial
+    download) may exist in the repo: an error naming it, not the family's defaults."""
+    (cached_repo / "preprocessor_config.json").unlink()
+    for local_files_only, why in ((False, "HF_HUB_OFFLINE is set"), (True, "local_files_only=True")):
+        with pytest.raises(CheckpointError, match=rf"cannot tell whether repo 'org/qwen25-tiny' .*has "
+                                                  rf"preprocessor_config\.json: {why}"):
+            load_encoder("org/qwen25-tiny", device="cpu", local_files_only=local_files_only)
+    assert hub.requests == []
+
+
+def test_offline_a_cached_link_to_a_missing_blob_is_an_error(hub, cached_repo):
+    (cached_repo / "preprocessor_config.json").resolve().unlink()
+    with pytest.raises(CheckpointError, match=r"preprocessor_config\.json of repo 'org/qwen25-tiny'.*is a link to "
+                                              r"a missing blob"):
+        load_encoder("org/qwen25-tiny", device="cpu")
+    assert hub.requests == []
+
+
+def test_offline_a_settings_file_the_repo_lacks_keeps_the_defaults(hub, tmp_path, monkeypatch):
+    """The Hub said the repo has no preprocessor_config.json (the cache recorded it): offline, the family's
+    defaults are right, and the load works without a request."""
+    folder = tmp_path / "released"
+    write_checkpoint(folder, QWEN2_5_SMALL, sharded=True, other_shards=1)
+    (folder / "preprocessor_config.json").unlink()
+    hub.add("org/no-preprocessor", folder)
+    fetch_vision_checkpoint("org/no-preprocessor")
+    hub.clear()
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
+    with load_encoder("org/no-preprocessor", device="cpu") as encoder:
+        assert encoder.preprocess_config.max_pixels == 12845056
+    assert hub.requests == []
+
+
+# ---------------------------------------------------------------------- a mistyped local path
+
+
+@pytest.mark.parametrize("command", [["inspect"], ["extract-weights"]])
+def test_a_missing_local_path_is_never_looked_up_on_the_hub(hub, tmp_path, monkeypatch, capsys, command):
+    """`models/foo` has a repo id's shape, but models/ is a folder here: it is a local path that does not exist,
+    one line says so and why, and nothing asks the Hub."""
+    import huggingface_hub
+
+    def no_download(*args, **kwargs):
+        raise AssertionError("the Hub was asked for a local path")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", no_download)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models").mkdir()
+    assert main([*command, "models/foo"]) == 2
+    one_error_line(capsys.readouterr().err, "checkpoint folder models/foo does not exist",
+                   "models/ is a folder here")
+    assert hub.requests == []
+
+
+def test_offline_a_whole_snapshot_without_a_settings_file_keeps_the_defaults(hub, cached_repo):
+    """A snapshot that ``hf download`` left holds every file of the repo (its .gitattributes among them, which only a
+    whole download fetches): a settings file it lacks, the repo lacks (Qwen2.5-VL ships no video preprocessor
+    config), so offline the family's defaults are right. A partial cache (above), or what transformers'
+    from_pretrained fetched (a generation config, a tokenizer), is an error instead."""
+    (cached_repo / "preprocessor_config.json").unlink()
+    for name in ("generation_config.json", "tokenizer.json"):
+        (cached_repo / name).write_text("{}")
+    with pytest.raises(CheckpointError, match=r"cannot tell whether repo 'org/qwen25-tiny'"):
+        load_encoder("org/qwen25-tiny", device="cpu")
+    (cached_repo / "README.md").write_text("a model card, fetched alone\n")
+    with pytest.raises(CheckpointError, match=r"cannot tell whether repo 'org/qwen25-tiny'"):
+        load_encoder("org/qwen25-tiny", device="cpu")
+    (cached_repo / ".gitattributes").write_text("*.safetensors filter=lfs\n")
+    with load_encoder("org/qwen25-tiny", device="cpu") as encoder:
+        assert encoder.preprocess_config.max_pixels == 12845056
+    assert hub.requests == []

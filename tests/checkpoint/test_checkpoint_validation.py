@@ -1,0 +1,633 @@
+"""Checkpoint reading as strict as safetensors itself.
+
+Every case corrupts a copy of a real-layout checkpoint written by ``tests.helpers.write_checkpoint`` (vision
+tensors over two shards, the second shared with the language model, plus LLM-only shards; or one
+``model.safetensors``) and expects the named error: the shard and the tensor at fault in one line. The rules
+are those of the safetensors reader (``SafeTensors::read_metadata`` / ``Metadata::validate``), see
+``qwenvl_vision/checkpoint/checks.py``. A bug in the loading code itself must not pass for a bad
+file: the last tests here check that it escapes as what it is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import math
+import operator
+import os
+import random
+import re
+import shutil
+import signal
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+
+from qwenvl_vision import CheckpointError, ConfigError, QwenVLVisionError, load_encoder
+from qwenvl_vision.checkpoint import weights
+from qwenvl_vision.cli import main
+from tests.helpers import (
+    INDEX_FILE,
+    LN_Q,
+    QWEN2_5_SMALL,
+    QWEN3_SMALL_72,
+    edit_header,
+    join_shard,
+    offsets_of,
+    read_index,
+    same_size_pair,
+    set_entry,
+    shard_of,
+    split_shard,
+    write_checkpoint,
+    write_index,
+)
+
+# ---------------------------------------------------------------------- loading, deadlines
+
+
+def _culprit(shard: Path, name: str) -> str:
+    """The start of the message naming `name` in `shard`."""
+    return re.escape(f"tensor '{name}' in shard ") + rf".*{re.escape(shard.name)}: "
+
+
+def _load(folder: Path, **kwargs):
+    return load_encoder(folder, device="cpu", **kwargs)
+
+
+class Hang(BaseException):
+    """Raised by _deadline; a BaseException, so no ``except OSError``/``Exception`` in the code under test
+    can turn a hang into an ordinary error."""
+
+
+@contextlib.contextmanager
+def _deadline(seconds: int):
+    """Fail (instead of hanging the suite) if the block runs longer than `seconds`."""
+    def expired(signum, frame):
+        raise Hang(f"still running after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.fixture
+def ckpt(tmp_path) -> Path:
+    folder = tmp_path / "ckpt"
+    write_checkpoint(folder, QWEN2_5_SMALL)
+    return folder
+
+
+def _outputs(encoder) -> list[torch.Tensor]:
+    cfg = encoder.config
+    pixel_values = torch.randn(64, cfg.patch_dim, generator=torch.Generator().manual_seed(3))
+    return encoder.encode_patches(pixel_values, [(1, 8, 8)]).embeddings
+
+
+# ---------------------------------------------------------------------- the issue's table, row by row
+
+
+@pytest.mark.parametrize("sharded", [True, False], ids=["sharded", "single-file"])
+def test_negative_begin_is_refused(tmp_path, sharded):
+    """Row 1: begin = -8 used to read the header's last bytes as weights (NaN output)."""
+    write_checkpoint(tmp_path, QWEN2_5_SMALL, sharded=sharded)
+    begin, end = offsets_of(tmp_path, LN_Q)
+    shard = set_entry(tmp_path, LN_Q, data_offsets=[-8, end - begin - 8])
+    with pytest.raises(CheckpointError, match=_culprit(shard, LN_Q) + r"data_offsets \[-8, 632\] are not two"):
+        _load(tmp_path)
+
+
+def test_overlapping_tensors_are_refused(ckpt):
+    """Row 2: tensor B pointing at tensor A's bytes used to load A's weights into B silently."""
+    shard, a, b = same_size_pair(ckpt)
+    set_entry(ckpt, b, data_offsets=offsets_of(ckpt, a))
+    with pytest.raises(CheckpointError, match=rf"{re.escape(shard.name)}: tensors '{re.escape(a)}' and "
+                                              rf"'{re.escape(b)}' overlap"):
+        _load(ckpt)
+
+
+def test_offsets_shifted_by_four_bytes_are_refused(ckpt):
+    """Row 2: offsets shifted by 4 bytes (byte length still right) used to load shifted weights."""
+    shard, a, _ = same_size_pair(ckpt)
+    begin, end = offsets_of(ckpt, a)
+    set_entry(ckpt, a, data_offsets=[begin + 4, end + 4])
+    with pytest.raises(CheckpointError, match=rf"{re.escape(shard.name)}: tensor '{re.escape(a)}' starts at byte "
+                                              rf"{begin + 4} .* ends at {begin}"):
+        _load(ckpt)
+
+
+@pytest.mark.parametrize("sharded", [True, False], ids=["sharded", "single-file"])
+@pytest.mark.parametrize("stored", ["I32", "U32"])
+def test_float_weight_relabelled_as_integer_is_refused(tmp_path, sharded, stored):
+    """Row 3: F32 relabelled I32 (same byte length) used to load the integers as weights."""
+    write_checkpoint(tmp_path, QWEN2_5_SMALL, sharded=sharded)
+    set_entry(tmp_path, LN_Q, dtype=stored)
+    if stored == "U32":  # known to safetensors, not loadable by torch: refused before the integer rule
+        message = rf"{re.escape(LN_Q)} in .* has unsupported dtype U32"
+    else:
+        message = rf"{re.escape(LN_Q)} in .*{shard_of(tmp_path, LN_Q).name} is stored as I32, an integer dtype"
+    with pytest.raises(CheckpointError, match=message):
+        _load(tmp_path)
+
+
+@pytest.mark.parametrize("corruption", ["begin>end", "float-offsets", "length!=shape*dtype", "no-data_offsets"])
+def test_malformed_entry_is_named(ckpt, corruption):
+    """Row 4: these used to escape as bare RuntimeError / TypeError / KeyError."""
+    begin, end = offsets_of(ckpt, LN_Q)
+    if corruption == "begin>end":
+        shard = set_entry(ckpt, LN_Q, data_offsets=[end, begin])
+        message = rf"data_offsets begin {end} > end {begin}"
+    elif corruption == "float-offsets":
+        shard = set_entry(ckpt, LN_Q, data_offsets=[float(begin), float(end)])
+        message = rf"data_offsets \[{begin}\.0, {end}\.0\] are not two non-negative integers"
+    elif corruption == "length!=shape*dtype":
+        shard = set_entry(ckpt, LN_Q, shape=[161])
+        message = rf"data_offsets \[{begin}, {end}\] span 640 bytes, but F32 x \[161\] needs 644"
+    else:
+        shard = edit_header(ckpt, LN_Q, lambda header: header[LN_Q].pop("data_offsets"))
+        message = "header entry has no 'data_offsets'"
+    with pytest.raises(CheckpointError, match=_culprit(shard, LN_Q) + message):
+        _load(ckpt)
+
+
+def test_header_entry_that_is_a_string_is_named(ckpt):
+    """Row 4: an entry that is a string, not an object."""
+    shard = edit_header(ckpt, LN_Q, lambda header: header.update({LN_Q: "F32"}))
+    with pytest.raises(CheckpointError, match=_culprit(shard, LN_Q) + "header entry is a string, not an object"):
+        _load(ckpt)
+
+
+def test_shard_in_a_sibling_folder_is_refused(tmp_path):
+    """Row 5: '../other/<shard>' used to load the sibling folder's weights without a word."""
+    ours, other = tmp_path / "ours", tmp_path / "other"
+    write_checkpoint(ours, QWEN2_5_SMALL)
+    write_checkpoint(other, QWEN2_5_SMALL, seed=7)
+    index = read_index(ours)
+    target = f"../other/{index['weight_map'][LN_Q]}"
+    assert (ours / target).is_file()  # the file it names exists: only the rule refuses it
+    index["weight_map"][LN_Q] = target
+    write_index(ours, index)
+    with pytest.raises(CheckpointError, match=re.escape(f"shard name '{target}' (for tensor '{LN_Q}') leaves the "
+                                                        "checkpoint folder")):
+        _load(ours)
+
+
+@pytest.mark.parametrize("name,reason", [
+    ("/etc/passwd", "is an absolute path"),
+    ("C:\\weights\\model.safetensors", "is an absolute path"),
+    ("..", "leaves the checkpoint folder"),
+    ("sub/model-00001-of-00004.safetensors", "is not a plain file name"),
+    ("", "is empty"),
+], ids=["absolute", "windows-absolute", "dotdot", "subfolder", "empty"])
+def test_shard_names_must_be_plain_file_names(ckpt, name, reason):
+    """Row 5: '/etc/passwd' used to be opened and parsed; names are quoted in the error."""
+    index = read_index(ckpt)
+    index["weight_map"][LN_Q] = name
+    write_index(ckpt, index)
+    with pytest.raises(CheckpointError, match=re.escape(f"shard name {name!r} (for tensor '{LN_Q}') {reason}")):
+        _load(ckpt)
+    assert main(["inspect", str(ckpt)]) == 2
+
+
+def test_weight_map_value_that_is_not_a_string_is_named(ckpt):
+    """Row 6: an int shard name used to escape as a bare TypeError."""
+    index = read_index(ckpt)
+    index["weight_map"][LN_Q] = 2
+    write_index(ckpt, index)
+    with pytest.raises(CheckpointError, match=re.escape(f"weight_map['{LN_Q}'] is an integer (2), not a shard")):
+        _load(ckpt)
+
+
+def test_tensor_under_both_vision_prefixes_is_refused(ckpt):
+    """'visual.x' and 'model.visual.x' both name module x: which one is meant cannot be told."""
+    index = read_index(ckpt)
+    index["weight_map"]["model." + LN_Q] = index["weight_map"][LN_Q]
+    write_index(ckpt, index)
+    with pytest.raises(CheckpointError, match=r"holds merger\.ln_q\.weight twice, as visual\.merger\.ln_q\.weight "
+                                              r"and model\.visual\.merger\.ln_q\.weight"):
+        _load(ckpt)
+
+
+@pytest.mark.parametrize("index,found", [([], "is not a JSON object (found an array)"),
+                                         ({"weight_map": ["x"]}, "has no weight_map object (found an array)"),
+                                         ({"metadata": {}}, "has no weight_map object (found none)")])
+def test_index_that_is_not_an_object_is_named(ckpt, index, found):
+    """Row 6: index.json a list used to escape as a bare AttributeError."""
+    write_index(ckpt, index)
+    with pytest.raises(CheckpointError, match=re.escape(f"{INDEX_FILE} {found}")):
+        _load(ckpt)
+
+
+def test_config_json_that_is_a_list_is_a_config_error(ckpt):
+    """The config row's 'config.json a list' case, raised where the file is read (other config values are
+    checked by config.py)."""
+    (ckpt / "config.json").write_text("[1, 2]")
+    with pytest.raises(ConfigError, match=r"config\.json is not a JSON object \(found an array\)"):
+        _load(ckpt)
+
+
+@pytest.mark.parametrize("which", ["vision-shard", "index", "config", "single-file"])
+def test_fifo_is_refused_at_once_by_load_and_inspect(tmp_path, capsys, which):
+    """Row 8: inspect on a folder whose shard is a FIFO used to hang forever; load said 'missing'."""
+    write_checkpoint(tmp_path, QWEN2_5_SMALL, sharded=which != "single-file")
+    path = {"vision-shard": shard_of(tmp_path, LN_Q), "index": tmp_path / INDEX_FILE,
+            "config": tmp_path / "config.json", "single-file": tmp_path / "model.safetensors"}[which]
+    path.unlink()
+    os.mkfifo(path)
+    with _deadline(20):
+        with pytest.raises(CheckpointError, match=rf"{re.escape(path.name)}.* is a FIFO, not a regular file"):
+            _load(tmp_path)
+        capsys.readouterr()
+        assert main(["inspect", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert path.name in err and "is a FIFO, not a regular file" in err
+
+
+def test_device_behind_a_symlink_is_refused(ckpt):
+    """Only regular files are read: a shard that is a symlink to a character device is refused unread."""
+    shard = shard_of(ckpt, LN_Q)
+    shard.unlink()
+    shard.symlink_to("/dev/zero")
+    with _deadline(20), pytest.raises(CheckpointError, match=rf"{re.escape(shard.name)}.* is a character device"):
+        _load(ckpt)
+
+
+def test_symlinked_shards_load_as_in_the_hf_cache(tmp_path):
+    """Plain names that are symlinks to blobs outside the folder (the Hugging Face cache layout) still load."""
+    clean, linked, blobs = tmp_path / "clean", tmp_path / "snapshots" / "abc", tmp_path / "blobs"
+    write_checkpoint(clean, QWEN2_5_SMALL)
+    shutil.copytree(clean, linked)
+    blobs.mkdir()
+    for i, file in enumerate(sorted(linked.iterdir())):
+        blob = blobs / f"blob{i}"
+        file.rename(blob)
+        file.symlink_to(os.path.relpath(blob, linked))
+    assert all(torch.equal(a, b) for a, b in zip(_outputs(_load(clean)), _outputs(_load(linked))))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["f32", "bf16", "f16"])
+@pytest.mark.parametrize("value", [math.nan, -math.nan, math.inf, -math.inf], ids=["nan", "-nan", "inf", "-inf"])
+def test_non_finite_weight_is_named_and_can_be_loaded_on_request(tmp_path, dtype, value):
+    """Row 10: a NaN/Inf weight used to load, and embed recorded 'ok' with all-NaN embeddings."""
+    write_checkpoint(tmp_path, QWEN3_SMALL_72, dtype=dtype)
+    name = "model.visual.blocks.1.mlp.linear_fc1.weight"
+    shard = shard_of(tmp_path, name)
+    header, data = split_shard(shard)
+    begin = header[name]["data_offsets"][0]
+    element = torch.tensor([value], dtype=dtype).view(torch.uint8).numpy().tobytes()
+    position = begin + 37 * len(element)
+    join_shard(shard, header, data[:position] + element + data[position + len(element):])
+    kind = r"1 NaN and 0 infinite" if math.isnan(value) else r"0 NaN and 1 infinite"
+    with pytest.raises(CheckpointError, match=rf"{re.escape(name)} in .*{shard.name} holds {kind} value"):
+        _load(tmp_path, dtype=torch.float32)
+    encoder = _load(tmp_path, dtype=torch.float32, check_finite=False)
+    weight = encoder.model.state_dict()["blocks.1.mlp.linear_fc1.weight"]
+    assert weight.flatten()[37].item() == value or math.isnan(value) and math.isnan(weight.flatten()[37].item())
+
+
+def test_non_finite_weight_in_the_last_tensor_read_is_refused(ckpt):
+    """The last vision tensor of the last shard (nothing read after it) is checked too."""
+    shards = sorted({shard_of(ckpt, n) for n in read_index(ckpt)["weight_map"] if n.startswith("visual.")})
+    header, data = split_shard(shards[-1])
+    name = max((n for n in header if n.startswith("visual.")), key=lambda n: header[n]["data_offsets"])
+    end = header[name]["data_offsets"][1]
+    join_shard(shards[-1], header, data[:end - 4] + struct.pack("<f", math.nan) + data[end:])
+    with pytest.raises(CheckpointError, match=rf"{re.escape(name)} in .*{shards[-1].name} holds 1 NaN"):
+        _load(ckpt)
+
+
+@pytest.mark.parametrize("dtype,big", [(torch.float32, 3e38), (torch.float16, 60000.0)], ids=["f32", "f16"])
+def test_finite_weights_whose_sum_overflows_still_load(tmp_path, dtype, big):
+    """Finite values whose sum overflows (as fp16 sums easily do) are finite: a sum-based check would refuse them."""
+    write_checkpoint(tmp_path, QWEN2_5_SMALL, dtype=dtype)
+    shard = shard_of(tmp_path, LN_Q)
+    header, data = split_shard(shard)
+    begin = header[LN_Q]["data_offsets"][0]
+    values = torch.tensor([big, big], dtype=dtype).view(torch.uint8).numpy().tobytes()
+    join_shard(shard, header, data[:begin] + values + data[begin + len(values):])
+    weight = _load(tmp_path, dtype=torch.float32).model.merger.norm.weight
+    assert weight[:2].tolist() == [torch.tensor(big, dtype=dtype).item()] * 2
+
+
+# ---------------------------------------------------------------------- header rules beyond the table
+
+
+def _set_length_prefix(shard: Path, length: int) -> None:
+    raw = shard.read_bytes()
+    shard.write_bytes(struct.pack("<Q", length) + raw[8:])
+
+
+def test_header_length_past_the_file_is_refused(ckpt):
+    shard = shard_of(ckpt, LN_Q)
+    _set_length_prefix(shard, shard.stat().st_size)
+    with pytest.raises(CheckpointError, match=rf"{shard.name} is truncated or corrupt: header of \d+ bytes"):
+        _load(ckpt)
+
+
+def test_header_length_over_the_safetensors_limit_is_refused(ckpt):
+    shard = shard_of(ckpt, LN_Q)
+    _set_length_prefix(shard, 2**63)
+    with pytest.raises(CheckpointError, match=rf"{shard.name} is corrupt: header length {2**63} exceeds"):
+        _load(ckpt)
+
+
+@pytest.mark.parametrize("text,message", [
+    ("[]", r"has a corrupt header \(found an array, not a JSON object\)"),
+    ('{"a": ', r"is not valid JSON"),
+    ('{"a": {"dtype": "F32", "shape": [NaN], "data_offsets": [0, 4]}}', r"holds NaN, which is not JSON"),
+    ('{"__metadata__": {"format": 1}}', r"__metadata__ must map strings to strings"),
+], ids=["array", "truncated-json", "nan-literal", "metadata-not-strings"])
+def test_header_that_is_not_a_valid_json_object_is_refused(ckpt, text, message):
+    shard = shard_of(ckpt, LN_Q)
+    _, data = split_shard(shard)
+    join_shard(shard, None, data, header_text=text)
+    with pytest.raises(CheckpointError, match=rf"{shard.name}.*{message}"):
+        _load(ckpt)
+
+
+def test_header_that_is_not_utf8_is_refused(ckpt):
+    shard = shard_of(ckpt, LN_Q)
+    raw = bytearray(shard.read_bytes())
+    raw[raw.index(b"ln_q")] = 0xFF
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match=rf"the header of shard .*{shard.name} is not valid UTF-8"):
+        _load(ckpt)
+
+
+def test_tensor_named_twice_is_refused(ckpt):
+    """Python's and serde's JSON readers both keep the last of two equal keys: refused, not guessed."""
+    shard = shard_of(ckpt, LN_Q)
+    header, data = split_shard(shard)
+    text = json.dumps(header)
+    entry = json.dumps({LN_Q: header[LN_Q]})[1:-1]
+    join_shard(shard, None, data, header_text=text[:-1] + ", " + entry + "}")
+    with pytest.raises(CheckpointError, match=rf"{shard.name} gives the key '{re.escape(LN_Q)}' twice"):
+        _load(ckpt)
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("dtype", "F33", r"unknown dtype 'F33'"),
+    ("dtype", "f32", r"unknown dtype 'f32'"),
+    ("shape", [-160], r"shape \[-160\] is not a list of non-negative integers"),
+    ("shape", [True], r"shape \[True\] is not a list of non-negative integers"),
+    ("shape", [160.0], r"shape \[160\.0\] is not a list"),
+    ("shape", "160", r"shape '160' is not a list"),
+    ("shape", [2**64, 2**64], r"shape \[18446744073709551616, 18446744073709551616\] is not a list"),
+    ("shape", [2**62, 2**62], r"F32 x \[4611686018427387904, 4611686018427387904\] needs more than the whole"),
+    ("data_offsets", [0, 320, 640], r"data_offsets \[0, 320, 640\] are not two non-negative integers"),
+    ("data_offsets", ["0", "640"], r"data_offsets \['0', '640'\] are not two"),
+], ids=["unknown-dtype", "lowercase-dtype", "negative-dim", "bool-dim", "float-dim", "string-shape",
+        "dim-over-u64", "overflowing-numel", "three-offsets", "string-offsets"])
+def test_malformed_field_is_named(ckpt, field, value, message):
+    shard = set_entry(ckpt, LN_Q, **{field: value})
+    with pytest.raises(CheckpointError, match=_culprit(shard, LN_Q) + message):
+        _load(ckpt)
+
+
+def test_end_past_the_data_is_refused(ckpt):
+    shard = shard_of(ckpt, LN_Q)
+    header, data = split_shard(shard)
+    last = max((n for n in header if n != "__metadata__"), key=lambda n: header[n]["data_offsets"])
+    join_shard(shard, header, data[:-4])  # the last tensor's last element cut off
+    with pytest.raises(CheckpointError, match=_culprit(shard, last) + rf"data_offsets end {len(data)} is past the "
+                                                                      rf"end of the data \({len(data) - 4} bytes\)"):
+        _load(ckpt)
+
+
+def test_bytes_between_tensors_are_refused(ckpt):
+    """safetensors requires the tensors to tile the data exactly: a dropped entry leaves bytes to no one."""
+    shard, a, b = same_size_pair(ckpt)
+    edit_header(ckpt, a, lambda header: header.pop(a))
+    with pytest.raises(CheckpointError, match=rf"{shard.name}: tensor '{re.escape(b)}' starts at byte"):
+        _load(ckpt)
+
+
+def test_bytes_after_the_last_tensor_are_refused(ckpt):
+    """... and a header one byte short of its padding would otherwise shift every tensor by one byte."""
+    shard = shard_of(ckpt, LN_Q)
+    header, data = split_shard(shard)
+    join_shard(shard, header, data + bytes(8))
+    with pytest.raises(CheckpointError, match=rf"{shard.name}: 8 bytes after the last tensor .* belong to no tensor"):
+        _load(ckpt)
+
+
+def test_sub_byte_dtype_must_fill_whole_bytes(ckpt):
+    """Any dtype safetensors knows is accepted for tensors never read, but its bits must fill whole bytes."""
+    llm = "model.layers.0.mlp.up_proj.weight"  # F32 (16, 8): 512 bytes, in the vision + LLM shard
+    shard = set_entry(ckpt, llm, dtype="F4", shape=[1023])
+    with pytest.raises(CheckpointError, match=_culprit(shard, llm) + r"F4 x \[1023\] does not fill whole bytes"):
+        _load(ckpt)
+
+
+def test_language_model_tensor_in_a_dtype_torch_lacks_still_loads(ckpt):
+    """Not stricter than safetensors where it does not matter: an LLM tensor stored as FP8 is never read."""
+    clean = _outputs(_load(ckpt))
+    set_entry(ckpt, "model.layers.0.mlp.up_proj.weight", dtype="F8_E4M3", shape=[512])
+    assert all(torch.equal(a, b) for a, b in zip(clean, _outputs(_load(ckpt))))
+
+
+# ---------------------------------------------------------------------- our own bugs are not bad files
+
+
+def _our_bug(*args, **kwargs):
+    raise TypeError("a bug in qwenvl_vision, not in the checkpoint")
+
+
+@pytest.mark.parametrize("helper", ["strip_vision_prefix", "check_vision_entry", "to_module_state"])
+def test_a_programming_error_in_the_loading_code_is_not_a_checkpoint_error(ckpt, monkeypatch, helper):
+    """The backstop that names a bare builtin error as a bad file wraps only the calls that parse a file: a
+    TypeError from our own code between them (indexing the tensors by name, checking a header entry already
+    validated, renaming tensors into the module's) escapes as the TypeError it is, not as a CheckpointError."""
+    monkeypatch.setattr(weights, helper, _our_bug)
+    with pytest.raises(TypeError, match="a bug in qwenvl_vision") as info:
+        _load(ckpt)
+    assert not isinstance(info.value, QwenVLVisionError)
+
+
+def test_a_programming_error_in_inspect_is_not_a_checkpoint_error(ckpt, monkeypatch):
+    checkpoint = weights.open_checkpoint(ckpt)
+    monkeypatch.setattr(weights, "check_vision_entry", _our_bug)
+    with pytest.raises(TypeError, match="a bug in qwenvl_vision") as info:
+        weights.vision_entries(checkpoint)
+    assert not isinstance(info.value, QwenVLVisionError)
+
+
+@pytest.mark.parametrize("reader", ["read_header", "read_open_header", "read_json"])
+def test_a_read_error_inside_a_parsing_call_is_still_a_checkpoint_error(tmp_path, monkeypatch, reader):
+    """... while a bare builtin error from a call that reads a file (here an EIO from the disk) still becomes a
+    CheckpointError naming the file."""
+    def failing_read(path, *args):
+        raise OSError(errno.EIO, "Input/output error")
+
+    # The single-file layout for read_header: open_checkpoint reads the one shard's header to index it.
+    write_checkpoint(tmp_path, QWEN2_5_SMALL, sharded=reader != "read_header")
+    if reader == "read_header":
+        expected = r"cannot read shard .*model\.safetensors: OSError: .*Input/output error"
+    elif reader == "read_open_header":
+        expected = r"cannot read shard .*\.safetensors: OSError: .*Input/output error"
+    else:
+        expected = r"cannot read config .*config\.json: OSError: .*Input/output error"
+    monkeypatch.setattr(weights, reader, failing_read)
+    with pytest.raises(CheckpointError, match=expected):
+        _load(tmp_path)
+
+
+# ---------------------------------------------------------------------- fuzz
+
+
+FUZZ_CONFIG = QWEN2_5_SMALL.replace(depth=2, hidden_size=32, intermediate_size=16, num_heads=2, out_hidden_size=16,
+                                    fullatt_block_indexes=(1,))
+FUZZ_CASES = 200
+SAME_WIDTH_DTYPES = ["F32", "I32", "U32"]  # a relabelling that keeps the byte length
+DTYPE_NAMES = ["F16", "BF16", "F64", "I64", "U8", "F8_E4M3", "F4", "F33", "f32", "", 4, None]
+ODD_VALUES = [None, "x", 1.5, -1, True, [], {}, 2**64]
+
+
+def _mutate_list(rng: random.Random, values: list) -> object:
+    values = list(values)
+    op = rng.randrange(6)
+    if op == 0 and values:
+        values[rng.randrange(len(values))] += rng.choice([-8, -4, -1, 1, 4, 8, 1000])
+    elif op == 1 and values:
+        values[rng.randrange(len(values))] = rng.choice(ODD_VALUES)
+    elif op == 2:
+        values.insert(rng.randrange(len(values) + 1), rng.choice([0, 1, 2, 4]))
+    elif op == 3 and values:
+        values.pop(rng.randrange(len(values)))
+    elif op == 4:
+        values.reverse()
+    else:
+        return rng.choice(ODD_VALUES)
+    return values
+
+
+def _mutate_entry(rng: random.Random, header: dict, name: str) -> None:
+    """One field of one header entry changed, favouring the changes that keep byte lengths plausible (the
+    dangerous ones: without the tiling and dtype rules they load other bytes silently)."""
+    entry, op = header[name], rng.choice(["shift", "steal", "relabel", "dtype", "shape", "offsets", "entry", "drop",
+                                          "extra"])
+    names = [n for n in header if n != "__metadata__"]
+    if op == "shift":  # both offsets moved, the length kept
+        entry["data_offsets"] = [o + rng.choice([-8, -4, 4, 8, 64]) for o in entry["data_offsets"]]
+    elif op == "steal":  # another tensor's bytes, of the same length when there is one
+        length = entry["data_offsets"][1] - entry["data_offsets"][0]
+        same = [n for n in names if n != name and operator.sub(*header[n]["data_offsets"][::-1]) == length]
+        entry["data_offsets"] = list(header[rng.choice(same or names)]["data_offsets"])
+    elif op == "relabel":
+        entry["dtype"] = rng.choice(SAME_WIDTH_DTYPES)
+    elif op == "dtype":
+        entry["dtype"] = rng.choice(DTYPE_NAMES)
+    elif op in ("shape", "offsets"):
+        key = "shape" if op == "shape" else "data_offsets"
+        entry[key] = _mutate_list(rng, entry[key])
+    elif op == "entry":
+        header[name] = rng.choice(ODD_VALUES)
+    elif op == "drop":
+        entry.pop(rng.choice(["dtype", "shape", "data_offsets"]))
+    else:
+        entry["note"] = "unknown fields are ignored, as by safetensors"
+
+
+def _mutate_index(rng: random.Random, index: dict, shards: list[str]) -> str:
+    name = rng.choice(sorted(index["weight_map"]))
+    op = rng.randrange(4)
+    if op == 0:
+        index["weight_map"][name] = rng.choice(shards + ["../" + shards[0], "/" + shards[0], "sub/" + shards[0],
+                                                         "missing.safetensors", ""])
+    elif op == 1:
+        index["weight_map"][name] = rng.choice(ODD_VALUES)
+    elif op == 2:
+        del index["weight_map"][name]
+    else:
+        index["weight_map"] = rng.choice(ODD_VALUES)
+        return f"weight_map = {index['weight_map']!r}"
+    return f"{name}: {index['weight_map'].get(name, '(removed)')!r}"
+
+
+def _flip_byte(rng: random.Random, raw: bytes, end: int) -> tuple[bytes, str]:
+    position = rng.randrange(end)
+    value = rng.choice([b for b in range(256) if b != raw[position]])
+    return raw[:position] + bytes([value]) + raw[position + 1:], f"[{position}] {raw[position]:#x} -> {value:#x}"
+
+
+def _corrupt(rng: random.Random, folder: Path, shards: list[str]) -> tuple[str, Path, bytes]:
+    """Apply one random corruption to the index or a shard; return (what was done, the file, its original bytes)."""
+    kind = rng.choice(["header-byte", "header-length", "header-field", "header-field", "header-field",
+                       "index-byte", "index-field", "non-finite"])
+    vision_shards = sorted({shard_of(folder, n) for n in read_index(folder)["weight_map"] if n.startswith("visual.")})
+    if kind.startswith("index"):
+        path = folder / INDEX_FILE
+    else:
+        path = rng.choice(vision_shards if kind == "non-finite" else vision_shards + [folder / s for s in shards])
+    original = path.read_bytes()
+    if kind == "index-byte":
+        corrupted, done = _flip_byte(rng, original, len(original))
+        path.write_bytes(corrupted)
+    elif kind == "index-field":
+        index = json.loads(original)
+        done = _mutate_index(rng, index, shards)
+        path.write_text(json.dumps(index))
+    elif kind == "header-byte":  # anywhere in the length prefix or the JSON
+        corrupted, done = _flip_byte(rng, original, 8 + struct.unpack("<Q", original[:8])[0])
+        path.write_bytes(corrupted)
+    elif kind == "header-length":  # the header's padding makes +-1 still parse: the data would shift
+        change = rng.choice([-8, -2, -1, 1, 2, 8])
+        path.write_bytes(struct.pack("<Q", struct.unpack("<Q", original[:8])[0] + change) + original[8:])
+        done = f"{change:+d}"
+    else:
+        header, data = split_shard(path)
+        tensors = [n for n in header if n != "__metadata__"]
+        vision = [n for n in tensors if n.startswith("visual.")]
+        name = rng.choice(vision if vision and (kind == "non-finite" or rng.random() < 0.75) else tensors)
+        if kind == "header-field":
+            _mutate_entry(rng, header, name)
+            done = f"{name}: {header[name]!r}"
+        else:
+            begin, end = header[name]["data_offsets"]
+            position = begin + 4 * rng.randrange((end - begin) // 4)
+            value = rng.choice([math.nan, math.inf, -math.inf])
+            data = data[:position] + struct.pack("<f", value) + data[position + 4:]
+            done = f"{name} element {(position - begin) // 4} = {value}"
+        join_shard(path, header, data)
+    return f"{kind} {path.name} {done}", path, original
+
+
+def test_fuzz_single_corruptions_end_in_a_named_error_or_the_same_numbers(tmp_path):
+    """200 seeded single-byte or single-field corruptions of the weight files' metadata (safetensors headers,
+    the index) and NaN/Inf writes into tensor data: each load ends in a project error, or in outputs equal to
+    the clean checkpoint's; never another exception, a hang or different numbers.
+
+    Other bytes of the tensor data are not flipped: the format carries no checksum, so a changed finite weight
+    is undetectable by design. config.json is left alone: a changed value there (an eps) legitimately changes
+    the numbers; its checks belong to config.py.
+    """
+    folder = tmp_path / "ckpt"
+    write_checkpoint(folder, FUZZ_CONFIG, other_shards=1)
+    clean = _outputs(_load(folder))
+    shards = sorted(set(read_index(folder)["weight_map"].values()))
+    rng = random.Random(12)
+    outcomes, failures = {"error": 0, "same": 0}, []
+    for case in range(FUZZ_CASES):
+        what, path, original = _corrupt(rng, folder, shards)
+        try:
+            with _deadline(20):
+                outputs = _outputs(_load(folder))
+        except QwenVLVisionError:
+            outcomes["error"] += 1
+        except (Exception, Hang) as e:  # anything else is what this test looks for
+            failures.append(f"case {case} ({what}): {type(e).__name__}: {e}")
+        else:
+            if what.startswith("non-finite") or not all(torch.equal(a, b) for a, b in zip(clean, outputs)):
+                failures.append(f"case {case} ({what}): loaded with different numbers")
+            outcomes["same"] += 1
+        finally:
+            path.write_bytes(original)
+    assert not failures, "\n".join(failures)
+    assert outcomes["error"] > 50 and outcomes["same"] > 5, outcomes  # both ways out were exercised

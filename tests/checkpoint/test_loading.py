@@ -1,0 +1,271 @@
+"""Loading released-layout checkpoints (``qwenvl_vision/checkpoint/weights.py`` through ``load_encoder``): outputs equal
+transformers' tower holding the same weights, dtypes, strict errors, close(), the attention backend. The
+command line's extract-weights and inspect are in test_cli.py, the header rules in test_checkpoint_validation.py.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+import weakref
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from qwenvl_vision import CheckpointError, ConfigError, EncoderClosedError, InputError, NumericalError, load_encoder
+from qwenvl_vision.cli import main
+from tests.helpers import (
+    QWEN2_5_SMALL,
+    QWEN3_SMALL_72,
+    assert_result_matches_reference,
+    inputs,
+    non_vision_shards,
+    reference_outputs,
+    rel_err,
+    shard_of,
+    synthetic_photo,
+    write_checkpoint,
+)
+
+GRIDS = [(1, 6, 10), (2, 4, 4), (1, 2, 2)]
+
+
+def _inputs(cfg):
+    return inputs(cfg, GRIDS, seed=5)
+
+
+@pytest.mark.parametrize("cfg,prefix,sharded,drop_llm", [
+    (QWEN2_5_SMALL, "visual.", True, False),
+    (QWEN2_5_SMALL, "visual.", True, True),
+    (QWEN2_5_SMALL, "model.visual.", False, False),  # re-saved by transformers 4.52+
+    (QWEN3_SMALL_72, "model.visual.", True, True),
+    (QWEN3_SMALL_72, "model.visual.", False, False),
+], ids=["2.5-sharded", "2.5-sharded-no-llm", "2.5-single-new-prefix", "3-sharded-no-llm", "3-single"])
+def test_load_matches_hf_tower(tmp_path, cfg, prefix, sharded, drop_llm):
+    vision = write_checkpoint(tmp_path, cfg, prefix=prefix, sharded=sharded)
+    if drop_llm:
+        for shard in non_vision_shards(tmp_path):
+            shard.unlink()
+    encoder = load_encoder(tmp_path, device="cpu")
+    assert encoder.dtype == torch.float32 and encoder.family == cfg.model_type
+    pixel_values, grid_thw = _inputs(cfg)
+    result = encoder.encode_patches(pixel_values, grid_thw)
+    reference = reference_outputs(cfg, vision, pixel_values, grid_thw)
+    assert [e.shape[0] for e in result.embeddings] == [t * h * w // 4 for t, h, w in GRIDS]
+    assert result.grid_thw.tolist() == [list(g) for g in GRIDS]
+    assert len(result.deepstack) == len(GRIDS)
+    assert_result_matches_reference(result, reference, grid_thw, 1e-5)
+    if not cfg.deepstack_visual_indexes:
+        assert result.deepstack == [[] for _ in GRIDS]
+
+
+def test_bf16_load_gives_bf16_weights_and_finite_outputs(tmp_path):
+    write_checkpoint(tmp_path, QWEN3_SMALL_72, dtype=torch.bfloat16)
+    encoder = load_encoder(tmp_path, device="cpu", dtype="bf16")
+    assert {p.dtype for p in encoder.model.parameters()} == {torch.bfloat16}
+    result = encoder.encode_patches(*_inputs(QWEN3_SMALL_72))
+    assert all(e.dtype == torch.bfloat16 and torch.isfinite(e).all() for e in result.embeddings)
+
+
+def test_fp16_warns_and_checks_finite(tmp_path):
+    write_checkpoint(tmp_path, QWEN2_5_SMALL)
+    with pytest.warns(UserWarning, match="float16"):
+        encoder = load_encoder(tmp_path, device="cpu", dtype=torch.float16)
+    with torch.no_grad():  # force an overflow: fp16 tops out at 65504
+        encoder.model.blocks[0].mlp.down_proj.bias.fill_(60000)
+        encoder.model.blocks[1].mlp.down_proj.bias.fill_(60000)
+    with pytest.raises(NumericalError, match="float16"):  # a project error (and a FloatingPointError)
+        encoder.encode_patches(*_inputs(QWEN2_5_SMALL))
+    # A stream records the lost batch's inputs and goes on; encode_images raises the same error.
+    images = [synthetic_photo(56, 84, i) for i in range(3)]
+    (batch,) = list(encoder.iter_encode(images, max_batch_patches=1 << 14))
+    assert [r.ok for r in batch] == [False] * 3 and all("float16" in r.error for r in batch)
+    with pytest.raises(NumericalError, match="float16"):
+        encoder.encode_images(images)
+
+
+def test_preprocessing_whose_patch_grid_is_not_the_towers_is_refused(tmp_path):
+    write_checkpoint(tmp_path, QWEN3_SMALL_72, sharded=False)
+    settings = json.loads((tmp_path / "preprocessor_config.json").read_text())
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({**settings, "merge_size": 4}))
+    with pytest.raises(ConfigError, match="preprocessor config's merge_size is 4 but the vision tower's is 2"):
+        load_encoder(tmp_path, device="cpu")
+
+
+def test_autocast_runs_the_reference_path(tmp_path):
+    """out= ops do not autocast: under torch.autocast the tower runs out of place, as the reference does."""
+    write_checkpoint(tmp_path, QWEN2_5_SMALL, sharded=False)
+    encoder = load_encoder(tmp_path, device="cpu")
+    pixel_values, grid_thw = _inputs(QWEN2_5_SMALL)
+    exact = torch.cat(encoder.encode_patches(pixel_values, grid_thw).embeddings)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed = torch.cat(encoder.encode_patches(pixel_values, grid_thw).embeddings)
+    assert mixed.dtype == torch.bfloat16 and rel_err(mixed, exact) <= 3e-2
+
+
+def test_non_contiguous_pixel_values_are_read_as_they_are(tmp_path):
+    write_checkpoint(tmp_path, QWEN2_5_SMALL, sharded=False)
+    encoder = load_encoder(tmp_path, device="cpu")
+    pixel_values, grid_thw = _inputs(QWEN2_5_SMALL)
+    strided = pixel_values.t().contiguous().t()
+    assert not strided.is_contiguous()
+    a, b = (torch.cat(encoder.encode_patches(x, grid_thw).embeddings) for x in (pixel_values, strided))
+    assert torch.equal(a, b)
+
+
+def test_defaults_on_cpu_machine(tmp_path):
+    write_checkpoint(tmp_path, QWEN2_5_SMALL)
+    encoder = load_encoder(tmp_path)
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert encoder.device.type == expected
+    assert encoder.dtype == (torch.bfloat16 if expected == "cuda" else torch.float32)
+
+
+@pytest.mark.slow  # a released-size tower (on the meta device)
+def test_random_weights_preset_allocates_on_target_dtype():
+    encoder = load_encoder("qwen3-vl-2b", random_weights=True, device="meta", dtype="bf16")
+    assert encoder.config.name == "qwen3-vl-2b"
+    assert {p.dtype for p in encoder.model.parameters()} == {torch.bfloat16}
+    with pytest.raises(CheckpointError, match="random_weights=True"):
+        load_encoder("qwen3-vl-2b")
+
+
+# ----------------------------------------------------------------------------- strict errors
+
+
+def _rewrite_shard(path, change):
+    tensors = load_file(str(path))
+    change(tensors)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def test_missing_tensor_is_named(tmp_path):
+    write_checkpoint(tmp_path, QWEN2_5_SMALL, sharded=False)
+    _rewrite_shard(tmp_path / "model.safetensors", lambda t: t.pop("visual.blocks.2.attn.qkv.bias"))
+    with pytest.raises(CheckpointError, match=r"missing 1 tensor\(s\): blocks\.2\.attn\.qkv\.bias"):
+        load_encoder(tmp_path, device="cpu")
+
+
+def test_surplus_tensor_is_named(tmp_path):
+    write_checkpoint(tmp_path, QWEN2_5_SMALL, sharded=False)
+    _rewrite_shard(tmp_path / "model.safetensors", lambda t: t.update({"visual.extra.weight": torch.zeros(2)}))
+    with pytest.raises(CheckpointError, match=r"unexpected 1 tensor\(s\): extra\.weight"):
+        load_encoder(tmp_path, device="cpu")
+
+
+def test_wrong_shape_is_named_with_both_shapes(tmp_path):
+    write_checkpoint(tmp_path, QWEN3_SMALL_72)
+    name = "model.visual.merger.linear_fc2.weight"
+    shard = shard_of(tmp_path, name)
+    _rewrite_shard(shard, lambda t: t.update({name: torch.zeros(63, 576)}))
+    with pytest.raises(CheckpointError, match=r"merger\.linear_fc2\.weight.*\(63, 576\), expected \(64, 576\)"):
+        load_encoder(tmp_path, device="cpu")
+
+
+def test_truncated_shard_is_named(tmp_path):
+    write_checkpoint(tmp_path, QWEN2_5_SMALL)
+    shard = shard_of(tmp_path, "visual.merger.ln_q.weight")
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) - 1000])
+    with pytest.raises(CheckpointError, match=rf"{shard.name}.*truncated"):
+        load_encoder(tmp_path, device="cpu")
+
+
+def test_corrupt_shard_is_named(tmp_path):
+    write_checkpoint(tmp_path, QWEN2_5_SMALL)
+    shard = shard_of(tmp_path, "visual.merger.ln_q.weight")
+    shard.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
+    with pytest.raises(CheckpointError, match=shard.name):
+        load_encoder(tmp_path, device="cpu")
+
+
+def test_missing_vision_shard_is_named(tmp_path):
+    write_checkpoint(tmp_path, QWEN2_5_SMALL)
+    shard = shard_of(tmp_path, "visual.merger.ln_q.weight")
+    shard.unlink()
+    with pytest.raises(CheckpointError, match=rf"{shard.name}.*missing"):
+        load_encoder(tmp_path, device="cpu")
+
+
+def test_unsupported_model_type_is_named(tmp_path):
+    write_checkpoint(tmp_path, QWEN2_5_SMALL)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "llava_next"}))
+    with pytest.raises(ConfigError, match="llava_next"):
+        load_encoder(tmp_path, device="cpu")
+
+
+def test_missing_folder_is_named(tmp_path):
+    with pytest.raises(CheckpointError, match="nowhere"):
+        load_encoder(tmp_path / "nowhere", device="cpu")
+
+
+def test_encode_patches_validates_inputs(tmp_path):
+    write_checkpoint(tmp_path, QWEN2_5_SMALL)
+    encoder = load_encoder(tmp_path, device="cpu")
+    pixel_values, grid_thw = _inputs(QWEN2_5_SMALL)
+    with pytest.raises(InputError, match="1176"):
+        encoder.encode_patches(pixel_values[:, :-1], grid_thw)
+    with pytest.raises(InputError, match=r"expected \(96, 1176\)"):
+        encoder.encode_patches(pixel_values[:-1], grid_thw)
+    with pytest.raises(InputError, match="merge size"):
+        encoder.encode_patches(pixel_values[:15], [(1, 3, 5)])
+
+
+# ----------------------------------------------------------------------------- close()
+
+
+def test_close_frees_weights_while_references_remain(tmp_path):
+    write_checkpoint(tmp_path, QWEN2_5_SMALL)
+    encoder = load_encoder(tmp_path, device="cpu")
+    encoder.encode_patches(*_inputs(QWEN2_5_SMALL))
+    model = encoder.model  # the user keeps references to both
+    weight_ref = weakref.ref(model.blocks[0].attn.qkv.weight)
+    alias = encoder
+    encoder.close()
+    assert weight_ref() is None
+    assert all(p.is_meta for p in model.parameters())
+    assert len(model.shape_cache) == 0
+    with pytest.raises(EncoderClosedError, match="closed"):
+        alias.encode_patches(*_inputs(QWEN2_5_SMALL))
+    encoder.close()  # idempotent
+
+
+def test_context_manager_closes(tmp_path):
+    write_checkpoint(tmp_path, QWEN3_SMALL_72)
+    with load_encoder(tmp_path, device="cpu") as encoder:
+        encoder.encode_patches(*_inputs(QWEN3_SMALL_72))
+    assert encoder.closed
+    with pytest.raises(EncoderClosedError):
+        encoder.model  # noqa: B018
+
+
+def test_no_warning_for_bf16(tmp_path):
+    write_checkpoint(tmp_path, QWEN2_5_SMALL)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_encoder(tmp_path, device="cpu", dtype="bf16")
+
+
+# ----------------------------------------------------------------------------- attention backend
+
+
+@pytest.mark.parametrize("attn_impl", ["flash", "torch_varlen"])
+def test_a_fused_backend_that_cannot_run_here_is_refused(tmp_path, attn_impl, capsys):
+    write_checkpoint(tmp_path, QWEN3_SMALL_72)
+    with pytest.raises(ConfigError, match=rf"attn_impl '{attn_impl}' is not available: it runs on CUDA"):
+        load_encoder(tmp_path, device="cpu", attn_impl=attn_impl)
+    assert main(["embed", str(tmp_path / "config.json"), "--model", str(tmp_path), "--out", str(tmp_path / "out"),
+                 "--attn", attn_impl]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"qwenvl-vision embed: error: attn_impl '{attn_impl}' is not available: it runs on CUDA in "
+                   "float16/bfloat16 only (this tower: cpu, torch.float32)"]  # refused before any shard is read
+
+
+def test_auto_backend_is_chosen_once_and_shown(tmp_path):
+    write_checkpoint(tmp_path, QWEN2_5_SMALL)
+    encoder = load_encoder(tmp_path, device="cpu", dtype="bf16")
+    assert encoder.describe()["attn_impl"] == "auto" and encoder.describe()["attention"] == "sdpa"
+    with pytest.raises(ConfigError, match="not one of"):
+        load_encoder(tmp_path, device="cpu", attn_impl="xformers")

@@ -1,0 +1,76 @@
+"""qwenvl_vision.embed.args: every bad option is one line, exit 2, nothing written; every option has help."""
+
+from __future__ import annotations
+
+import pytest
+
+from qwenvl_vision.cli import main
+from tests.helpers import make_image_folder as make_folder
+from tests.helpers.embed import one_error_line
+
+USAGE_ERRORS = {
+    "unknown device": (["--device", "tpu9"], ["--device", "tpu9"]),
+    "device with a typo": (["--device", "cdua"], ["unknown device 'cdua'"]),
+    "dtype fp8": (["--dtype", "fp8"], ["unsupported dtype 'fp8'", "bf16"]),
+    "batch patches 0": (["--batch-patches", "0"], ["--batch-patches must be at least 1, got 0"]),
+    "old and new batch names disagree": (["--batch-tokens", "8", "--batch-patches", "16"],
+                                         ["--batch-tokens 8 and --batch-patches 16 disagree"]),
+    "max pixels 0": (["--max-pixels", "0"], ["--max-pixels must be at least 1, got 0"]),
+    "max pixels -1": (["--max-pixels", "-1"], ["--max-pixels must be at least 1, got -1"]),
+    "max pixels not a number": (["--max-pixels", "1e6"], ["--max-pixels must be an integer"]),
+    "min above max": (["--min-pixels", "50000", "--max-pixels", "40000"],
+                      ["--min-pixels 50000 is above --max-pixels 40000"]),
+    "max input pixels 0": (["--max-input-pixels", "0"], ["--max-input-pixels must be at least 1"]),
+}
+
+
+@pytest.mark.parametrize("case", list(USAGE_ERRORS))
+def test_usage_errors_are_one_line_exit_2_nothing_written(case, tmp_path, checkpoint, capsys):
+    extra, needles = USAGE_ERRORS[case]
+    make_folder(tmp_path / "imgs", 1, bad=False)
+    out = tmp_path / "out"
+    code = main(["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(out), *extra])
+    assert code == 2
+    one_error_line(capsys.readouterr().err, "error", *needles)
+    assert not out.exists()
+
+
+def test_every_option_has_help_with_its_default(capsys):
+    from qwenvl_vision.cli import build_parser
+
+    parser = build_parser()
+    subparsers = next(a for a in parser._actions if isinstance(a, __import__("argparse")._SubParsersAction))
+    for command in ("embed", "extract-weights", "inspect"):
+        sub = subparsers.choices[command]
+        for action in sub._actions:
+            assert action.help, f"{command} {action.option_strings or action.dest} has no help text"
+    assert main(["embed", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for needle in ("cpu, cuda or cuda:N", "bf16/bfloat16", "default: bf16 on CUDA, fp32 on CPU",
+                   "default: the checkpoint's", "default 16384", "default 64000000"):
+        assert needle in text
+
+
+def test_the_old_batch_option_still_works_and_says_its_new_name(tmp_path, checkpoint, capsys):
+    """--batch-tokens counted patches: it is --batch-patches now, and the old spelling warns for one release."""
+    make_folder(tmp_path / "imgs", 2, bad=False)
+    out = tmp_path / "out"
+    assert main(["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(out), "--batch-tokens",
+                 "1", "--quiet"]) == 0
+    err = capsys.readouterr().err
+    assert "--batch-tokens is deprecated" in err and "use --batch-patches" in err
+    assert len(list(out.glob("shard-*.safetensors"))) == 2  # one patch per forward: each image its own batch
+
+
+def test_the_settings_hold_every_option_the_parser_gives():
+    """EmbedSettings.from_args takes the options by name: a renamed option would silently keep its default."""
+    import argparse
+    import dataclasses
+
+    from qwenvl_vision.embed.args import EmbedSettings, add_embed_parser
+
+    parser = argparse.ArgumentParser()
+    embed = add_embed_parser(parser.add_subparsers())
+    dests = {a.dest for a in embed._actions if a.dest != "help"}
+    fields = {f.name for f in dataclasses.fields(EmbedSettings)}
+    assert dests - {"batch_tokens"} == fields - {"format_given"}  # the old alias is folded in; validate adds one

@@ -1,0 +1,104 @@
+"""qwenvl_vision.embed.inputs: what a run works on (files, folders, list files; one input per real file) and each
+rank's share."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from qwenvl_vision.cli import main
+from qwenvl_vision.embed import read_run
+from qwenvl_vision.embed.inputs import gather_inputs, shard_for_rank
+from tests.helpers import REPO
+from tests.helpers import make_image_folder as make_folder
+from tests.helpers.embed import ENV, one_error_line, records
+
+
+def test_gather_inputs_folders_lists_and_files(tmp_path):
+    paths = make_folder(tmp_path / "imgs", 4)
+    listing = tmp_path / "list.txt"
+    listing.write_text(f"{paths[0]}\n# a comment\n\nimgs/img001.png\n")
+    got = gather_inputs([str(tmp_path / "imgs"), str(listing), str(tmp_path / "missing.jpg")]).paths
+    assert str(tmp_path / "imgs" / "readme.md") not in got
+    assert str(tmp_path / "imgs" / "corrupt.jpg") in got
+    assert got[-1] == str(tmp_path / "missing.jpg")
+    assert len(got) == len(set(got)) == 4 + 3 + 1  # the listed files were already found in the folder
+
+
+def test_each_rank_takes_every_world_th_input_never_a_duplicate():
+    paths = [f"img{i}.png" for i in range(7)]
+    shares = [shard_for_rank(paths, rank, 3) for rank in range(3)]
+    assert shares == [["img0.png", "img3.png", "img6.png"], ["img1.png", "img4.png"], ["img2.png", "img5.png"]]
+    assert sorted(p for share in shares for p in share) == sorted(paths)
+
+
+def test_binary_list_file_is_one_failed_input_and_the_run_goes_on(tmp_path, checkpoint, capsys):
+    paths = make_folder(tmp_path / "imgs", 3, bad=False)
+    binary = tmp_path / "paths.txt"
+    binary.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" + bytes(range(256)))
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes(f"{paths[0]}\ncaf\xe9.jpg\n".encode("latin-1"))
+    good = tmp_path / "good.txt"
+    good.write_text(f"# my list\n{paths[1]}\n")
+    out = tmp_path / "out"
+    code = main(["embed", str(binary), str(latin1), str(good), str(paths[2]), "--model", str(checkpoint),
+                 "--out", str(out)])
+    assert code == 1
+    one_error_line(capsys.readouterr().err, "embedded 2 of 4 inputs", "2 failed")
+    by_path = {r["path"]: r for r in records(out)}
+    assert by_path[str(binary)]["status"] == "error"
+    assert "not a text file (NUL byte" in by_path[str(binary)]["error"]
+    assert "not a UTF-8 text file (byte" in by_path[str(latin1)]["error"]
+    assert by_path[str(paths[1])]["status"] == by_path[str(paths[2])]["status"] == "ok"
+
+
+def test_the_same_file_by_two_spellings_is_embedded_once(tmp_path, checkpoint, capsys, monkeypatch):
+    paths = make_folder(tmp_path / "imgs", 3, bad=False)
+    (tmp_path / "link.png").symlink_to(paths[1])
+    monkeypatch.chdir(tmp_path)
+    relative = os.path.relpath(paths[0], tmp_path)
+    listing = tmp_path / "list.txt"
+    listing.write_text(f"{paths[0]}\n./{relative}\n")
+    out = tmp_path / "out"
+    code = main(["embed", relative, str(paths[0]), "imgs", str(listing), "link.png", "--model", str(checkpoint),
+                 "--out", str(out)])
+    assert code == 0
+    one_error_line(capsys.readouterr().err, "embedded 3 of 3 inputs", "0 failed")
+    # First spellings: the relative name, then the folder's files as the folder spells them.
+    assert [r["path"] for r in records(out)] == [relative, "imgs/img001.png", "imgs/img002.jpg"]
+    assert read_run(out)["cwd"] == str(tmp_path)
+
+    # Resumed from elsewhere with other spellings: everything is already done.
+    monkeypatch.chdir(REPO)
+    assert main(["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(out), "--resume"]) == 0
+    one_error_line(capsys.readouterr().err, "embedded 3 of 3 inputs")
+    assert len(records(out)) == 3
+
+
+def test_empty_input_set_is_one_line_exit_2(tmp_path, checkpoint, capsys):
+    (tmp_path / "imgs").mkdir()
+    (tmp_path / "imgs" / "notes.md").write_text("no images here")
+    (tmp_path / "empty.txt").write_text("# nothing listed\n")
+    out = tmp_path / "out"
+    code = main(["embed", str(tmp_path / "imgs"), str(tmp_path / "empty.txt"), "--model", str(checkpoint),
+                 "--out", str(out)])
+    assert code == 2
+    one_error_line(capsys.readouterr().err, "no inputs", str(tmp_path / "imgs"), ".jpg")
+    assert not out.exists()
+
+
+@pytest.mark.slow
+def test_a_fifo_among_the_inputs_is_one_failed_input_not_a_hang(tmp_path, checkpoint):
+    make_folder(tmp_path / "imgs", 2, bad=False)
+    os.mkfifo(tmp_path / "pipe.jpg")  # named on the command line: a folder scan skips what is not a file
+    out = tmp_path / "out"
+    result = subprocess.run([sys.executable, "-m", "qwenvl_vision.cli", "embed", str(tmp_path / "imgs"),
+                             str(tmp_path / "pipe.jpg"), "--model", str(checkpoint), "--out", str(out), "--quiet"],
+                            env=ENV, capture_output=True, text=True, timeout=120)
+    assert "Warning" not in result.stderr, result.stderr[-2000:]
+    assert result.returncode == 1, result.stderr[-2000:]
+    (failed,) = [r for r in records(out) if r["status"] == "error"]
+    assert failed["path"].endswith("pipe.jpg") and "not a regular file" in failed["error"]

@@ -1,0 +1,321 @@
+"""qwenvl_vision.embed.job: whole embed runs through the CLI. Stored tensors equal encode_images / encode_videos
+on the same files, bad inputs are recorded with the API's message, two torchrun ranks merge one manifest, setup
+errors are one line with nothing written."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+from safetensors import safe_open
+
+from qwenvl_vision.cli import main
+from qwenvl_vision.embed import MANIFEST, read_embeddings, read_manifest_lines, read_run
+from qwenvl_vision.encoder import load_encoder
+from qwenvl_vision.errors import PreprocessError, QwenVLVisionError
+from qwenvl_vision.model.config import preset
+from tests.helpers import QWEN3_SMALL_72, rel_err, synthetic_photo
+from tests.helpers import make_image_folder as make_folder
+from tests.helpers.embed import ENV, make_media_folder, one_error_line, records, torchrun_embed_cmd
+
+
+def test_embed_folder_with_good_and_bad_files(tmp_path, checkpoint, capsys):
+    make_folder(tmp_path / "imgs", 6)
+    out = tmp_path / "out"
+    code = main(["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(out),
+                 "--batch-patches", "64"])
+    assert code == 1  # some inputs failed
+    recs = records(out)
+    by_name = {Path(r["path"]).name: r for r in recs}
+    assert len(recs) == 9
+    for bad in ("corrupt.jpg", "empty.png", "notes.png"):
+        assert by_name[bad]["status"] == "error" and bad in by_name[bad]["error"]
+    ok = [r for r in recs if r["status"] == "ok"]
+    assert len(ok) == 6
+    # The stored tensors equal encode_images on the same files.
+    encoder = load_encoder(checkpoint, device="cpu")
+    expected = encoder.encode_images([r["path"] for r in ok])
+    for r, emb, grid in zip(ok, expected.embeddings, expected.grid_thw.tolist()):
+        assert r["grid_thw"] == grid and r["tokens"] == emb.shape[0]
+        with safe_open(out / r["shard"], framework="pt") as f:
+            assert torch.allclose(f.get_tensor(r["key"]), emb, rtol=1e-5, atol=1e-6)
+    got = dict(read_embeddings(out))
+    assert set(got) == {r["path"] for r in ok}
+
+
+def test_embed_pooled_only_and_deepstack(tmp_path, checkpoint3):
+    paths = make_folder(tmp_path / "imgs", 3, bad=False)
+    out = tmp_path / "out"
+    assert main(["embed", *map(str, paths), "--model", str(checkpoint3), "--out", str(out), "--pooled-only",
+                 "--max-pixels", str(64 * 64)]) == 0
+    vectors = dict(read_embeddings(out))
+    assert all(v.shape == (QWEN3_SMALL_72.out_hidden_size,) for v in vectors.values())
+    out2 = tmp_path / "out2"
+    assert main(["embed", *map(str, paths), "--model", str(checkpoint3), "--out", str(out2),
+                 "--max-pixels", str(64 * 64)]) == 0
+    for path, (emb, levels) in read_embeddings(out2, deepstack=True):
+        assert len(levels) == 2 and all(level.shape == emb.shape for level in levels)
+        assert torch.allclose(vectors[path], emb.mean(0), rtol=1e-5, atol=1e-6)
+
+
+def _bad_files(folder: Path) -> dict[str, tuple[Path, str]]:
+    """One file per kind of bad image: kind -> (path, what its message must say)."""
+    folder.mkdir()
+    jpeg = folder / "good.jpg"
+    Image.fromarray(synthetic_photo(60, 80, 3)).save(jpeg)
+    kinds = {
+        "missing": (folder / "missing.jpg", "file not found"),
+        "empty": (folder / "empty.jpg", "file is empty (0 bytes)"),
+        "not an image": (folder / "notes.png", "not a recognised image file (corrupt, or not an image)"),
+        "corrupt header": (folder / "header.jpg", "corrupt or truncated image data (OSError: "),
+        "truncated data": (folder / "cut.jpg", "corrupt or truncated image data (OSError: "),
+        "too many pixels": (folder / "big.png", "400x300 = 120,000 pixels is above the input limit of 100,000"),
+        "aspect ratio": (folder / "strip.png", "aspect ratio 250.0 (height 4, width 1000) exceeds 200"),
+    }
+    kinds["empty"][0].write_bytes(b"")
+    kinds["not an image"][0].write_text("just text, wrongly named\n" * 10)
+    kinds["corrupt header"][0].write_bytes(b"\xff\xd8\xff\xe0 this is not really a jpeg" * 3)  # fails in open
+    kinds["truncated data"][0].write_bytes(jpeg.read_bytes()[:jpeg.stat().st_size // 2])  # header fine
+    Image.new("RGB", (400, 300)).save(kinds["too many pixels"][0])
+    Image.new("RGB", (1000, 4)).save(kinds["aspect ratio"][0])
+    return kinds
+
+
+def test_one_message_per_kind_of_bad_image_from_the_api_and_from_embed(tmp_path, checkpoint):
+    """Each kind of bad file gets one message naming the file, the same from encode_images (its check before any
+    compute, or decoding) as in embed's manifest (decoding only)."""
+    kinds = _bad_files(tmp_path / "bad")
+    good = str(tmp_path / "bad" / "good.jpg")
+    listing = tmp_path / "list.txt"
+    listing.write_text("".join(f"{path}\n" for path, _ in kinds.values()) + good + "\n")
+    out = tmp_path / "out"
+    assert main(["embed", str(listing), "--model", str(checkpoint), "--out", str(out), "--max-input-pixels",
+                 "100000", "--quiet"]) == 1
+    recorded = {r["path"]: r for r in records(out)}
+    assert recorded[good]["status"] == "ok"
+    with load_encoder(checkpoint, device="cpu") as encoder:
+        for kind, (path, says) in kinds.items():
+            with pytest.raises(PreprocessError) as api:
+                encoder.encode_images([good, str(path)], max_input_pixels=100_000)
+            message = str(api.value)
+            assert message.startswith(f"image {str(path)!r}: {says}"), (kind, message)
+            assert recorded[str(path)]["error"] == message, kind
+
+    # Not a file at all: the API's own kind (embed only takes paths), by position.
+    with load_encoder(checkpoint, device="cpu") as encoder, pytest.raises(PreprocessError) as api:
+        encoder.encode_images([good, 12345])
+    assert str(api.value) == ("image 1: unsupported input type int; expected a path, PIL image, uint8 numpy array or "
+                              "uint8 torch tensor")
+
+
+def test_images_above_max_input_pixels_are_refused_from_the_header(tmp_path, checkpoint, capsys, monkeypatch):
+    make_folder(tmp_path / "imgs", 2, bad=False)
+    Image.new("RGB", (400, 300), (10, 20, 30)).save(tmp_path / "imgs" / "big.png")
+    decoded = []
+    real_open = Image.Image.load
+    monkeypatch.setattr(Image.Image, "load", lambda self: (decoded.append(self.size), real_open(self))[1])
+    out = tmp_path / "out"
+    code = main(["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(out),
+                 "--max-input-pixels", "100000"])
+    assert code == 1
+    one_error_line(capsys.readouterr().err, "embedded 2 of 3 inputs", "1 failed")
+    (big,) = [r for r in records(out) if r["status"] == "error"]
+    assert big["path"].endswith("big.png")
+    assert "400x300 = 120,000 pixels is above the input limit of 100,000" in big["error"]
+    assert (400, 300) not in decoded  # refused before its pixels were decoded
+    # The API refuses it the same way, before any compute.
+    with pytest.raises(QwenVLVisionError, match="above the input limit"):
+        load_encoder(checkpoint, device="cpu").encode_images([big["path"]], max_input_pixels=100_000)
+
+
+@pytest.mark.slow
+def test_two_ranks_under_torchrun_merge_one_manifest(tmp_path, checkpoint):
+    paths = make_folder(tmp_path / "imgs", 7)
+    out = tmp_path / "out"
+    result = subprocess.run(torchrun_embed_cmd([tmp_path / "imgs"], checkpoint, out), env=ENV, capture_output=True,
+                            text=True, timeout=300)
+    # The bad files fail, yet the finished job exits 0 on every rank: any other exit code makes torchrun
+    # report a crash (ChildFailedError) and kill the other ranks. The summary line says what failed.
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "ChildFailedError" not in result.stderr and "Traceback" not in result.stderr
+    summary = [line for line in result.stderr.splitlines() if line.startswith("embedded")]
+    assert summary == [f"embedded {len(paths)} of {len(paths) + 3} inputs into {out} (3 failed; see "
+                       f"{out / 'manifest.jsonl'})"]
+    recs = records(out)
+    assert len(recs) == len(paths) + 3
+    assert len({r["path"] for r in recs}) == len(recs)  # split statically, never duplicated
+    assert {r["rank"] for r in recs} == {0, 1}
+    assert not list(out.glob("manifest.rank*.jsonl"))
+    assert {p.name.split("-")[1] for p in out.glob("shard-*.safetensors")} == {"r0", "r1"}
+    assert len(dict(read_embeddings(out))) == len(paths)
+    run_id = read_run(out)["run_id"]  # every rank tags its shards with the one run id in run.json
+    for shard in out.glob("shard-*.safetensors"):
+        with safe_open(shard, framework="pt") as f:
+            assert f.metadata()["qwenvl_vision_run"] == run_id, shard.name
+
+
+@pytest.mark.slow
+def test_embed_offline_random_preset(tmp_path):
+    paths = make_folder(tmp_path / "imgs", 1, bad=False)
+    out = tmp_path / "out"
+    assert main(["embed", str(paths[0]), "--model", "qwen3-vl-2b", "--random-weights", "--out", str(out),
+                 "--max-pixels", str(64 * 64), "--pooled-only"]) == 0
+    (record,) = records(out)
+    assert record["status"] == "ok" and record["grid_thw"][0] == 1
+    t, h, w = record["grid_thw"]
+    assert record["tokens"] == t * h * w // 4  # one token per 2x2 merged patches
+    (vector,) = dict(read_embeddings(out)).values()
+    assert vector.shape == (preset("qwen3-vl-2b").out_hidden_size,) and torch.isfinite(vector).all()
+
+
+@pytest.mark.slow
+def test_embed_compiled_matches_eager(tmp_path, checkpoint3):
+    paths = make_folder(tmp_path / "imgs", 3, bad=False)
+    runs = {}
+    for name, extra in (("eager", []), ("compiled", ["--compile"])):
+        out = tmp_path / name
+        assert main(["embed", *map(str, paths), "--model", str(checkpoint3), "--out", str(out),
+                     "--max-pixels", str(64 * 64), *extra]) == 0
+        runs[name] = dict(read_embeddings(out))
+    assert runs["compiled"].keys() == runs["eager"].keys() and len(runs["eager"]) == 3
+    for path, emb in runs["eager"].items():
+        assert rel_err(runs["compiled"][path], emb) <= 1e-5
+
+
+@pytest.mark.parametrize("model", ["checkpoint", "checkpoint3"])
+def test_embed_folder_mixing_images_and_videos(tmp_path, request, model):
+    """checkpoint3 (Qwen3-VL) has a video_preprocessor_config.json whose bounds differ from the image ones: each
+    kind must be sized by its own (the run's --min/--max-pixels are the images')."""
+    pytest.importorskip("av")
+    checkpoint = request.getfixturevalue(model)
+    images, videos = make_media_folder(tmp_path / "media", 3, 3)
+    broken = tmp_path / "media" / "broken.mp4"
+    broken.write_bytes(b"not a video at all" * 10)
+    out = tmp_path / "out"
+    assert main(["embed", str(tmp_path / "media"), "--model", str(checkpoint), "--out", str(out),
+                 "--fps", "3"]) == 1  # the broken video fails, the rest embed
+    records = {Path(r["path"]).name: r for r in read_manifest_lines(out / MANIFEST)}
+    assert len(records) == 3 + 3 + 1
+    assert records["broken.mp4"]["status"] == "error" and "broken.mp4" in records["broken.mp4"]["error"]
+    run = read_run(out)
+    encoder = load_encoder(checkpoint, device="cpu")
+    assert run["video"] == {**encoder.video_config.to_dict(), "fps": 3.0}
+    assert (run["min_pixels"], run["max_pixels"]) == (encoder.preprocess_config.min_pixels,
+                                                      encoder.preprocess_config.max_pixels)
+    expected = encoder.encode_videos([str(p) for p in videos], fps=3.0)
+    images_expected = encoder.encode_images([str(p) for p in images])
+    stored = dict(read_embeddings(out))
+    for path, emb, info in zip(videos, expected.embeddings, expected.video_info):
+        record = records[path.name]
+        assert record["status"] == "ok" and record["grid_thw"][0] == (len(info.frame_indices) + 1) // 2
+        assert record["video"] == {"frames": info.frame_indices, "timestamps": info.timestamps,
+                                   "fps": info.video_fps, "sampled_fps": info.sampled_fps,
+                                   "total_frames": info.total_frames, "requested_fps": 3.0}
+        assert rel_err(stored[record["path"]], emb) <= 1e-5
+    for path, emb in zip(images, images_expected.embeddings):
+        assert "video" not in records[path.name] and records[path.name]["grid_thw"][0] == 1
+        assert rel_err(stored[records[path.name]["path"]], emb) <= 1e-5
+    # Other video settings are other tensors: --resume refuses them.
+    assert main(["embed", str(tmp_path / "media"), "--model", str(checkpoint), "--out", str(out),
+                 "--resume", "--fps", "2"]) == 2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_without_a_gpu(tmp_path, checkpoint, capsys):
+    out = tmp_path / "out"
+    assert main(["embed", str(tmp_path), "--model", str(checkpoint), "--out", str(out), "--device", "cuda"]) == 2
+    one_error_line(capsys.readouterr().err, "--device", "CUDA is not available", "--device cpu")
+    assert not out.exists()
+
+
+def test_setup_errors_are_one_line_exit_2_nothing_written(tmp_path, checkpoint, capsys):
+    make_folder(tmp_path / "imgs", 1, bad=False)
+    a_file = tmp_path / "emb.txt"
+    a_file.write_text("not a folder")
+    cases = [
+        (["--model", str(checkpoint), "--out", str(a_file)], [str(a_file), "is a file, not a folder"]),
+        (["--model", str(checkpoint), "--out", str(a_file / "sub")], ["Not a directory", str(a_file)]),
+        (["--model", "qwen2.5-vl-3b", "--out", str(tmp_path / "o1")], ["preset", "--random-weights"]),
+        (["--model", str(tmp_path / "no-such-ckpt"), "--out", str(tmp_path / "o2")], ["does not exist"]),
+        (["--model", str(tmp_path / "imgs"), "--out", str(tmp_path / "o3")], ["config.json"]),
+        (["--model", str(checkpoint), "--out", str(tmp_path / "o4" / "deeper")], []),  # fine: the control
+    ]
+    for extra, needles in cases:
+        code = main(["embed", str(tmp_path / "imgs"), *extra])
+        err = capsys.readouterr().err
+        if not needles:
+            assert code == 0, err
+            continue
+        assert code == 2, err
+        one_error_line(err, *needles)
+    assert a_file.read_text() == "not a folder"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["emb.txt", "imgs", "o4"]  # o1..o3 never created
+
+
+def test_debug_shows_the_traceback(tmp_path, checkpoint, capsys):
+    out = tmp_path / "out"
+    out.write_text("a file")
+    for argv in (["--debug", "embed"], ["embed", "--debug"]):
+        assert main([*argv, str(tmp_path), "--model", str(checkpoint), "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert "Traceback" in err and err.strip().splitlines()[-1].startswith("qwenvl-vision embed: error:")
+
+
+def machine_measures(monkeypatch, tmp_path, kernel: str) -> None:
+    """This process's machine plan made to choose ``kernel`` for every linear: a fresh cache folder, no memo."""
+    from qwenvl_vision.backends.cpu import machine as plan
+
+    monkeypatch.setenv("QWENVL_VISION_CACHE", str(tmp_path / f"cache-{kernel}"))
+    monkeypatch.setattr(plan, "PLANS", {})
+    monkeypatch.setattr(plan, "measure_linear", lambda *_, **__: kernel)
+
+
+def test_a_resume_and_every_rank_use_the_run_s_cpu_plan(tmp_path, checkpoint, monkeypatch):
+    """The CPU plan is this machine's measurement, and the bits differ between kernels: run.json records the first
+    run's plan, a resume (whose machine would now choose otherwise) loads with it, and a rank adopts rank 0's
+    (``adopt_run``, with its thread count)."""
+    from qwenvl_vision.backends.cpu.kernels import onednn_linear_available
+    from qwenvl_vision.embed.job import EmbedJob
+    from qwenvl_vision.encoder import VisionEncoder
+
+    if not onednn_linear_available():
+        pytest.skip("this torch has no oneDNN linear")
+    make_folder(tmp_path / "imgs", 2, bad=False)
+    out = tmp_path / "out"
+    args = ["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(out), "--quiet",
+            "--format", "parquet"]
+    machine_measures(monkeypatch, tmp_path, "onednn")
+    assert main(args) == 0
+    plan = read_run(out)["cpu_plan"]
+    assert plan and set(plan["linear"].values()) == {"onednn"}
+    make_folder(tmp_path / "more", 1, bad=False)
+    machine_measures(monkeypatch, tmp_path, "addmm")
+    used = []
+    real_load, iter_encode = load_encoder, VisionEncoder.iter_encode
+
+    def spy(self, *a, **k):
+        used.append((self.model.cpu_plan.to_dict(), self.describe()["linear_kernels"]["addmm"]))
+        return iter_encode(self, *a, **k)
+
+    monkeypatch.setattr(VisionEncoder, "iter_encode", spy)
+    assert main([*args[:2], str(tmp_path / "more"), *args[2:], "--resume"]) == 0
+    assert used == [(plan, 0)] and read_run(out)["cpu_plan"] == plan
+    got = dict(read_embeddings(out))
+    with real_load(checkpoint, device="cpu", cpu_kernels=plan) as encoder:
+        want = encoder.encode_images(sorted(got))
+    assert all(torch.equal(got[p], e) for p, e in zip(sorted(got), want.embeddings))
+
+    threads = torch.get_num_threads()
+    job = EmbedJob.__new__(EmbedJob)
+    job.ray, job.run = None, {"threads": 1, "cpu_plan": plan}
+    job.encoder = real_load(checkpoint, device="cpu")  # this rank's own plan: addmm everywhere
+    try:
+        job.adopt_run()
+        assert job.encoder.model.cpu_plan.to_dict() == plan and torch.get_num_threads() == 1
+        assert job.encoder.describe()["linear_kernels"]["addmm"] == 0
+    finally:
+        job.encoder.close()
+        torch.set_num_threads(threads)

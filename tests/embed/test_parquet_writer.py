@@ -1,0 +1,225 @@
+"""embed --format parquet (qwenvl_vision.embed.parquet_writer and the job around it): one row per input as plain
+pyarrow reads it, tensors bitwise encode_images / encode_videos (bf16 stored as exact float32), run.json in the
+schema metadata, read_embeddings giving what the safetensors run of the same inputs gives; resume records every
+input once (killed by SIGKILL too) and never mixes formats."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from qwenvl_vision.cli import main
+from qwenvl_vision.embed import read_embeddings, read_run
+from qwenvl_vision.encoder import load_encoder
+from tests.helpers import make_image_folder, synthetic_photo
+from tests.helpers.embed import (
+    assert_each_parquet_input_once,
+    embed_cmd,
+    kill_when,
+    make_media_folder,
+    one_error_line,
+    parquet_rows,
+)
+
+pq = pytest.importorskip("pyarrow.parquet")
+pytest.importorskip("av")
+
+
+def _media(root: Path) -> tuple[list[Path], list[Path], Path]:
+    images, videos = make_media_folder(root, 3, 2)
+    broken = root / "broken.jpg"
+    broken.write_bytes(b"\xff\xd8\xff\xe0 not a jpeg" * 3)
+    return images, videos, broken
+
+
+def test_parquet_rows_equal_the_api_and_the_safetensors_run(tmp_path, checkpoint3):
+    images, videos, broken = _media(tmp_path / "media")
+    out, twin = tmp_path / "pq", tmp_path / "st"
+    common = [str(tmp_path / "media"), "--model", str(checkpoint3), "--quiet", "--fps", "3"]
+    assert main(["embed", *common, "--out", str(out), "--format", "parquet"]) == 1  # broken.jpg fails
+    assert main(["embed", *common, "--out", str(twin)]) == 1
+    assert sorted(p.name for p in out.iterdir()) == ["run.json", "shard-r0-000000.parquet"]  # no manifest
+
+    rows = {Path(r["path"]).name: r for r in parquet_rows(out)}
+    assert len(rows) == 6
+    assert rows["broken.jpg"]["status"] == "error" and "broken.jpg" in rows["broken.jpg"]["error"]
+    assert rows["broken.jpg"]["embedding"] is None and rows["broken.jpg"]["grid_thw"] is None
+    schema = pq.read_schema(out / "shard-r0-000000.parquet")
+    assert schema.names == ["path", "realpath", "status", "error", "grid_thw", "tokens", "embedding",
+                            "deepstack_0", "deepstack_1", "video"]
+    assert json.loads(schema.metadata[b"qwenvl_vision"])["run"] == json.loads((out / "run.json").read_text())
+    run = read_run(out)
+    assert (run["file_format"], run["engine"], run["threads"]) == ("parquet", "local", torch.get_num_threads())
+
+    with load_encoder(checkpoint3, device="cpu") as encoder:
+        want_images = encoder.encode_images([str(p) for p in images])
+        want_videos = encoder.encode_videos([str(p) for p in videos], fps=3.0)
+    pairs = list(zip(images, want_images.embeddings, want_images.deepstack)) + \
+        list(zip(videos, want_videos.embeddings, want_videos.deepstack))
+    for path, embedding, levels in pairs:
+        row = rows[path.name]
+        assert row["status"] == "ok" and row["tokens"] == embedding.shape[0]
+        assert torch.equal(torch.tensor(row["embedding"]), embedding)  # plain pyarrow: float32 lists
+        for level, want in enumerate(levels):
+            assert torch.equal(torch.tensor(row[f"deepstack_{level}"]), want)
+    for path, info in zip(videos, want_videos.video_info):
+        assert rows[path.name]["video"]["frames"] == info.frame_indices
+    assert all(rows[p.name]["video"] is None for p in images)
+
+    got, same = dict(read_embeddings(out, deepstack=True)), dict(read_embeddings(twin, deepstack=True))
+    assert got.keys() == same.keys() and len(got) == 5
+    for path, (embedding, levels) in got.items():
+        assert torch.equal(embedding, same[path][0]) and len(levels) == len(same[path][1]) == 2
+        assert all(torch.equal(a, b) for a, b in zip(levels, same[path][1]))
+    assert {k: v for k, v in read_run(out).items() if k not in ("run_id", "created", "file_format")} == \
+        {k: v for k, v in read_run(twin).items() if k not in ("run_id", "created", "file_format")}
+
+
+def test_bf16_is_stored_as_exact_float32_and_pooled_reads_as_safetensors_does(tmp_path, checkpoint3):
+    paths = make_image_folder(tmp_path / "imgs", 3, bad=False)
+    out, pooled, twin = tmp_path / "bf16", tmp_path / "pooled", tmp_path / "pooled-st"
+    common = [*map(str, paths), "--model", str(checkpoint3), "--dtype", "bf16", "--quiet", "--format"]
+    assert main(["embed", *common, "parquet", "--out", str(out)]) == 0
+    assert main(["embed", *common, "parquet", "--out", str(pooled), "--pooled-only"]) == 0
+    assert main(["embed", *common, "safetensors", "--out", str(twin), "--pooled-only"]) == 0
+    assert read_run(out)["dtype"] == "bfloat16"
+    assert pq.read_schema(next(out.glob("*.parquet"))).field("embedding").type.value_type.value_type == "float"
+    with load_encoder(checkpoint3, device="cpu", dtype="bf16") as encoder:
+        want = encoder.encode_images([str(p) for p in paths])
+        want_pooled = encoder.encode_images([str(p) for p in paths], pooled=True)
+    got = dict(read_embeddings(out))
+    for path, embedding in zip(paths, want.embeddings):
+        assert got[str(path)].dtype == torch.bfloat16 and torch.equal(got[str(path)], embedding)
+    vectors, same = dict(read_embeddings(pooled)), dict(read_embeddings(twin))
+    assert vectors.keys() == same.keys()
+    for path, vector in zip(paths, want_pooled.pooled):
+        assert vectors[str(path)].dtype == same[str(path)].dtype == torch.float32
+        assert torch.equal(vectors[str(path)], vector.float()) and torch.equal(same[str(path)], vector.float())
+    assert "embedding" not in parquet_rows(pooled)[0]
+
+
+def test_resume_records_each_input_once_and_keeps_one_format(tmp_path, checkpoint, capsys):
+    make_image_folder(tmp_path / "imgs", 4)  # with a corrupt, an empty and a text file named as images
+    out = tmp_path / "out"
+    args = ["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(out), "--quiet"]
+    assert main([*args, "--format", "parquet"]) == 1
+    first = {r["realpath"]: r for r in parquet_rows(out) if r["status"] == "ok"}
+    capsys.readouterr()
+    assert main([*args, "--resume", "--format", "safetensors"]) == 2
+    one_error_line(capsys.readouterr().err, "holds a --format parquet run", "--format safetensors")
+    assert main(["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(tmp_path / "o2"),
+                 "--engine", "ray", "--format", "safetensors"]) == 2
+    one_error_line(capsys.readouterr().err, "--engine ray writes --format parquet or vllm-cache")
+    assert not (tmp_path / "o2").exists()
+
+    Image.fromarray(synthetic_photo(33, 47, 99)).save(tmp_path / "imgs" / "corrupt.jpg")  # fixed: retried
+    assert main([*args, "--resume"]) == 1  # takes the folder's format; empty.png and notes.png still fail
+    rows = assert_each_parquet_input_once(out, 7)
+    ok = {r["realpath"]: r for r in rows if r["status"] == "ok"}
+    assert len(ok) == len(first) + 1 and all(ok[k]["embedding"] == r["embedding"] for k, r in first.items())
+    assert sorted(p.name for p in out.glob("*.parquet")) == ["shard-r0-000000.parquet", "shard-r0-000001.parquet"]
+
+
+@pytest.mark.slow
+def test_sigkill_mid_run_then_resume_parquet(tmp_path, checkpoint):
+    make_image_folder(tmp_path / "imgs", 40, bad=False)
+    out = tmp_path / "out"
+    cmd = embed_cmd([tmp_path / "imgs"], checkpoint, out, "--batch-patches", "1", "--device", "cpu", "--format",
+                    "parquet", "--quiet")
+    kill_when(cmd, lambda: len(list(out.glob("shard-*.parquet"))) >= 5)
+    killed_at = len(parquet_rows(out))
+    assert 5 <= killed_at < 40
+    assert main(cmd[3:] + ["--resume"]) == 0
+    rows = assert_each_parquet_input_once(out, 40)
+    assert all(r["status"] == "ok" for r in rows)
+
+
+@pytest.mark.slow
+def test_two_ranks_under_torchrun_write_parquet_shards_each_input_once(tmp_path, checkpoint):
+    import subprocess
+
+    from tests.helpers.embed import ENV, torchrun_embed_cmd
+
+    make_image_folder(tmp_path / "imgs", 7)
+    out = tmp_path / "out"
+    done = subprocess.run(torchrun_embed_cmd([tmp_path / "imgs"], checkpoint, out, "--format", "parquet"), env=ENV,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = assert_each_parquet_input_once(out, 10)  # 7 images and 3 bad files
+    assert sum(r["status"] == "ok" for r in rows) == 7
+    assert {p.name.split("-")[1] for p in out.glob("shard-*.parquet")} == {"r0", "r1"}
+    assert not list(out.glob("manifest*.jsonl"))
+    assert read_run(out)["world_size"] == 2
+
+
+def test_a_file_name_that_is_not_utf8_is_an_error_row_and_the_batch_is_kept(tmp_path, checkpoint, capsys):
+    """pyarrow cannot store b'caf\\xe9.jpg' (Python's 'caf\\udce9.jpg') as a string: that input is an error row
+    under an escaped name, the other rows of its batch are ok, and a resume records it once again (no traceback,
+    nothing lost). The safetensors format embeds it (JSON escapes it)."""
+    import os
+
+    folder = tmp_path / "imgs"
+    make_image_folder(folder, 3, bad=False)
+    odd = os.fsdecode(os.fsencode(str(folder)) + b"/caf\xe9.jpg")
+    Image.fromarray(synthetic_photo(40, 48, 7)).save(odd, format="JPEG")
+    out = tmp_path / "out"
+    args = ["embed", str(folder), "--model", str(checkpoint), "--out", str(out), "--quiet", "--format", "parquet"]
+    assert main(args) == 1
+    assert "Traceback" not in capsys.readouterr().err
+    for _ in range(2):
+        rows = assert_each_parquet_input_once(out, 4)
+        by_status = {r["status"]: r for r in rows if "caf" in r["path"]}
+        assert list(by_status) == ["error"] and by_status["error"]["path"].endswith("caf\\udce9.jpg")
+        assert "not valid UTF-8" in by_status["error"]["error"]
+        assert sum(r["status"] == "ok" for r in rows) == 3
+        assert main([*args, "--resume"]) == 1
+    twin = tmp_path / "st"
+    assert main(["embed", str(folder), "--model", str(checkpoint), "--out", str(twin), "--quiet"]) == 0
+    assert odd in dict(read_embeddings(twin))
+
+
+def test_resume_removes_planted_temporary_files_and_reads_no_tensors_of_finished_shards(tmp_path, checkpoint,
+                                                                                       monkeypatch):
+    """A temporary shard and a run.json being rewritten, as a kill leaves them, are removed by the resume; shards
+    of only ok rows are read by their footer and realpath / status columns, never whole."""
+    from qwenvl_vision.embed import parquet_writer
+
+    make_image_folder(tmp_path / "imgs", 3, bad=False)
+    out = tmp_path / "out"
+    args = ["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(out), "--quiet", "--format",
+            "parquet"]
+    assert main(args) == 0
+    run_id = read_run(out)["run_id"]
+    (out / ".shard-r0-000001.parquet.0123abcd.tmp").write_bytes(b"half a shard")
+    (out / f"run.json.{run_id}.tmp").write_text("{")
+    whole = []
+    monkeypatch.setattr(parquet_writer, "read_parquet_table",
+                        lambda path: whole.append(path) or pytest.fail(f"{path} read whole"))
+    assert main([*args, "--resume"]) == 0
+    assert whole == []
+    assert_each_parquet_input_once(out, 3)
+
+
+def test_recover_only_reads_and_rewrites_after_every_rank_has_read(tmp_path, checkpoint):
+    """Under torchrun every rank reads every rank's shards: ``recover`` changes nothing in the folder (another
+    rank may be reading it), ``finish_recovery`` (after the barrier) drops this rank's error rows."""
+    from qwenvl_vision.embed.parquet_writer import ParquetRankWriter, parquet_shards
+    from qwenvl_vision.outputs.parquet import ParquetLayout
+
+    make_image_folder(tmp_path / "imgs", 2)  # 2 images and 3 bad files
+    out = tmp_path / "out"
+    assert main(["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(out), "--quiet",
+                 "--format", "parquet", "--batch-patches", "1"]) == 1
+    run = read_run(out)
+    layout = ParquetLayout(**json.loads(pq.read_schema(parquet_shards(out)[0]).metadata[b"qwenvl_vision"])["layout"])
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    writer = ParquetRankWriter(out, 0, {k: v for k, v in run.items()}, layout)
+    writer.recover()
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert len(writer.done) == 2 and writer.to_rewrite
+    writer.finish_recovery()
+    assert [r["status"] for r in parquet_rows(out)] == ["ok", "ok"]

@@ -1,0 +1,31 @@
+"""qwenvl_vision.embed.progress: without a terminal, a line image by image (at the test's rate) and one at the end;
+nothing but the summary with --quiet."""
+
+from __future__ import annotations
+
+import re
+
+import qwenvl_vision.embed.progress as progress
+from qwenvl_vision.cli import main
+from tests.helpers import make_image_folder as make_folder
+from tests.helpers.embed import records
+
+
+def test_progress_without_a_terminal_and_quiet(tmp_path, checkpoint, capsys, monkeypatch):
+    make_folder(tmp_path / "imgs", 6, bad=False)
+    monkeypatch.setattr(progress, "PROGRESS_EVERY_S", 0.0)  # a line at every step
+    args = ["embed", str(tmp_path / "imgs"), "--model", str(checkpoint)]
+    assert main([*args, "--out", str(tmp_path / "out")]) == 0
+    assert len({r["shard"] for r in records(tmp_path / "out")}) == 1  # one batch
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith("embed: reading 2 shards with the vision tensors (") and "onto cpu" in lines[0]
+    assert lines[1].startswith("embed: loaded the qwen2_5_vl tower (float32) in ")
+    assert lines[2] == "embed: 6 images to embed"
+    steps = [line for line in lines if re.match(r"embed: \d+/6 images \(\d+%\), [\d.]+ img/s, \d+ tok/s, ETA ", line)]
+    assert [int(line.split()[1].split("/")[0]) for line in steps] == [1, 2, 3, 4, 5, 6]  # image by image
+    assert steps[-1] == lines[-2]  # the last one once everything is written, just before the summary
+    assert lines[-1].startswith("embedded 6 of 6 inputs")
+
+    assert main([*args, "--out", str(tmp_path / "quiet"), "--quiet"]) == 0
+    assert capsys.readouterr().err.splitlines() == [
+        f"embedded 6 of 6 inputs into {tmp_path / 'quiet'} (0 failed; see {tmp_path / 'quiet' / 'manifest.jsonl'})"]

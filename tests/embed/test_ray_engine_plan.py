@@ -1,0 +1,125 @@
+"""qwenvl_vision.embed.ray_engine's plan and error lines without a cluster (Ray's entry points replaced by fakes):
+a Ray this call started is shut down when the plan fails, GPU actors never outnumber the GPUs, CPU shares add up
+to what the cluster has, the local Ray gets this process's CPUs, --device defaults as the local engine's does,
+--attn is checked for the actors' device, pipeline failures are one line with the right exit code, and actors on
+a joined cluster load a Hub checkpoint at the run's revision."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from types import SimpleNamespace
+
+import pytest
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("ray.data")
+
+from qwenvl_vision.embed import ray_engine  # noqa: E402
+from qwenvl_vision.embed.args import EmbedSettings  # noqa: E402
+from qwenvl_vision.embed.ray import actor_cpus  # noqa: E402
+from qwenvl_vision.errors import ClusterSetupError, ConfigError, EmbedError, OutputFaultError  # noqa: E402
+
+
+class FakeRay:
+    """ray.init / is_initialized / cluster_resources / shutdown as a cluster of `cpus` CPUs and `gpus` GPUs."""
+
+    def __init__(self, monkeypatch, cpus: int, gpus: int = 0) -> None:
+        self.up, self.inits, self.shutdowns = False, [], 0
+        self.resources = {"CPU": float(cpus), **({"GPU": float(gpus)} if gpus else {})}
+        monkeypatch.setattr(ray, "is_initialized", lambda: self.up)
+        monkeypatch.setattr(ray, "init", self.init)
+        monkeypatch.setattr(ray, "shutdown", self.shutdown)
+        monkeypatch.setattr(ray, "cluster_resources", lambda: dict(self.resources))
+
+    def init(self, **kwargs) -> None:
+        self.up = True
+        self.inits.append(kwargs)
+
+    def shutdown(self) -> None:
+        self.up = False
+        self.shutdowns += 1
+
+
+def args(**given) -> EmbedSettings:
+    """An embed run's settings with --engine ray, as the job reads them."""
+    return EmbedSettings(**{"inputs": ("photos",), "model": "qwen3.5-0.8b", "out": "out", "engine": "ray",
+                            "format": "parquet", "quiet": True, **given})
+
+
+def plan(options) -> ray_engine.RayPlan:
+    return ray_engine.RayPlan.start(options, 1, None, SimpleNamespace(note=lambda line: None))
+
+
+def test_a_failed_plan_shuts_down_the_ray_it_started(monkeypatch):
+    fake = FakeRay(monkeypatch, cpus=4)
+    with pytest.raises(EmbedError, match="has no GPU"):
+        plan(args(device="cuda"))
+    assert (len(fake.inits), fake.shutdowns, fake.up) == (1, 1, False)
+    fake.up = True  # a Ray the caller started is left running
+    with pytest.raises(EmbedError, match="has no GPU"):
+        plan(args(device="cuda"))
+    assert fake.shutdowns == 1 and fake.up
+
+
+def test_the_local_ray_gets_this_process_cpus(monkeypatch):
+    fake = FakeRay(monkeypatch, cpus=2)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    plan(args())
+    assert fake.inits[0]["num_cpus"] == 3
+
+
+def test_gpu_actors_never_outnumber_the_gpus_and_cuda_is_the_default_on_a_gpu_cluster(monkeypatch):
+    FakeRay(monkeypatch, cpus=16, gpus=2)
+    with pytest.raises(EmbedError, match="--ray-actors 3: the Ray cluster has 2 GPUs"):
+        plan(args(device="cuda", ray_actors=3))
+    got = plan(args())
+    assert (got.device, got.actors, got.actor_gpus) == ("cuda", 2, 1.0)
+    assert plan(args(random_weights=True)).device == "cpu"  # random weights are hashed on the driver's CPU
+    assert plan(args(device="cpu")).device == "cpu"
+
+
+def test_cpu_shares_add_up_to_what_the_cluster_has(monkeypatch):
+    FakeRay(monkeypatch, cpus=4)
+    for actors in (1, 3, 7, 29, 300):
+        share = actor_cpus(actors)
+        assert share > 0 and actors * share <= 3 + 1e-9, (actors, share)  # one CPU left for the read tasks
+    with pytest.raises(ValueError, match="cannot share"):
+        actor_cpus(10**6)
+
+
+def test_attn_is_checked_for_the_actors_device_before_anything_runs(monkeypatch):
+    FakeRay(monkeypatch, cpus=4)
+    with pytest.raises(ConfigError, match="attn_impl 'flash' is not available"):
+        plan(args(attn="flash"))
+    with pytest.raises(ConfigError, match="float16/bfloat16 only"):
+        ray_engine.check_attn(args(attn="flash", dtype="fp32"), "cuda")
+    ray_engine.check_attn(args(attn="sdpa", dtype="fp32"), "cuda")
+
+
+def test_pipeline_failures_are_one_line_with_the_right_exit_code():
+    timeout = ray_engine.pipeline_error(TimeoutError("Get timed out: some object(s) not ready."))
+    assert isinstance(timeout, OutputFaultError) and timeout.exit_code == 3
+    assert "free space" not in str(timeout) and "--resume" in str(timeout) and "\n" not in str(timeout)
+    actor_text = ("The actor died because of an error raised in its creation task, ray::MapWorker.__init__()\n"
+                  "  File \"x.py\", line 1\nqwenvl_vision.errors.CheckpointError: /ckpt: the actor's tower hashes "
+                  "to 0123456789ab..., the run's to ba9876543210... (another checkpoint)\n")
+    setup = ray_engine.pipeline_error(RuntimeError(actor_text))
+    assert isinstance(setup, ClusterSetupError) and setup.exit_code == 2
+    assert "an actor could not start (CheckpointError: /ckpt: the actor's tower hashes" in str(setup)
+    assert "\n" not in str(setup)
+
+
+def test_actors_on_a_joined_cluster_load_a_hub_checkpoint_at_the_run_revision(tmp_path):
+    snapshot = str(tmp_path / "snapshots" / ("a" * 40))
+    job = SimpleNamespace(folder=snapshot, settings=args(model="Qwen/Qwen3-VL-2B-Instruct", revision=None,
+                                                         local_files_only=True),
+                          run={"revision": "a" * 40}, ray=SimpleNamespace(started=False))
+    options: dict = {}
+    assert ray_engine.actor_source(job, options) == "Qwen/Qwen3-VL-2B-Instruct"
+    assert options == {"revision": "a" * 40, "local_files_only": True}
+    job.ray.started = True  # a local Ray: this machine's folder
+    assert ray_engine.actor_source(job, {}) == snapshot
+    job.settings, job.ray.started = dataclasses.replace(job.settings, model=str(tmp_path)), False  # a folder stays one
+    assert ray_engine.actor_source(job, {}) == snapshot

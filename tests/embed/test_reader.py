@@ -1,0 +1,155 @@
+"""qwenvl_vision.embed.reader and .manifest: reading an output back; damaged lines named, a torn last line left
+out, a run stopped before its ranks' parts were merged told as such; the reader alone needs no writer."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from qwenvl_vision.cli import main
+from qwenvl_vision.embed import MANIFEST, RUN_FORMAT, read_embeddings, read_manifest_lines
+from qwenvl_vision.errors import ManifestError
+from tests.helpers import make_image_folder as make_folder
+from tests.helpers.embed import ENV, assert_each_input_once, one_error_line, records
+
+
+def test_hand_edited_manifest_gets_a_named_error_and_resume_restores_the_line_from_its_shard(tmp_path, checkpoint,
+                                                                                             capsys):
+    make_folder(tmp_path / "imgs", 4, bad=False)
+    out = tmp_path / "out"
+    args = ["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(out)]
+    assert main(args) == 0
+    lines = (out / "manifest.jsonl").read_text().splitlines()
+    edited = json.loads(lines[1])
+    del edited["shard"]
+    lines[1] = json.dumps(edited)
+    lines[2] = lines[2][:-5]  # a damaged middle line (not the torn tail of a killed run)
+    (out / "manifest.jsonl").write_text("\n".join(lines) + "\n")
+
+    with pytest.raises(ManifestError, match=r"manifest.jsonl, line 2: damaged manifest line: status ok but no "
+                                            r"'shard'"):
+        list(read_embeddings(out))
+    with pytest.raises(ManifestError, match=r"line 2"):
+        read_manifest_lines(out / MANIFEST)
+    shards = sorted(p.name for p in out.glob("*.safetensors"))
+    capsys.readouterr()
+    assert main([*args, "--resume"]) == 0
+    one_error_line(capsys.readouterr().err, "embedded 4 of 4 inputs")
+    recs = assert_each_input_once(out, 4)
+    restored = {r["path"]: r["shard"] for r in recs}
+    assert restored[edited["path"]] == json.loads(lines[0])["shard"]  # its record came back from its shard
+    assert sorted(p.name for p in out.glob("*.safetensors")) == shards  # nothing embedded again
+
+
+def test_a_shard_name_that_leaves_the_folder_is_refused(tmp_path, checkpoint):
+    make_folder(tmp_path / "imgs", 1, bad=False)
+    out = tmp_path / "out"
+    assert main(["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(out)]) == 0
+    record = records(out)[0]
+    record["shard"] = "../elsewhere/shard-r0-000000.safetensors"
+    (out / "manifest.jsonl").write_text(json.dumps(record) + "\n")
+    with pytest.raises(ManifestError, match="line 1: .* is not a shard file name of this folder"):
+        list(read_embeddings(out))
+
+
+def test_torn_last_line_is_not_damage(tmp_path, checkpoint):
+    make_folder(tmp_path / "imgs", 2, bad=False)
+    out = tmp_path / "out"
+    assert main(["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(out)]) == 0
+    with open(out / "manifest.jsonl", "a") as f:
+        f.write('{"path": "half a reco')  # a run killed mid-append
+    assert len(dict(read_embeddings(out))) == 2
+
+
+def test_read_embeddings_of_a_multi_rank_run_stopped_before_merging_says_so(tmp_path, checkpoint):
+    make_folder(tmp_path / "imgs", 2, bad=False)
+    out = tmp_path / "out"
+    assert main(["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(out), "--quiet"]) == 0
+    (out / "manifest.jsonl").rename(out / "manifest.rank0.jsonl")
+    with pytest.raises(ManifestError, match="not merged|before merging.*--resume"):
+        list(read_embeddings(out))
+
+
+# The reader imports neither the writer, the lock (fcntl) nor the job. fcntl itself is no proof: the standard
+# library's subprocess imports it (and torch imports subprocess), so the child makes it unimportable instead.
+READ_WITHOUT_FCNTL = """
+import sys
+sys.modules["fcntl"] = None  # every import of fcntl now fails
+import qwenvl_vision
+assert "qwenvl_vision.embed.writer" not in sys.modules, "import qwenvl_vision loaded the writer"
+from qwenvl_vision.embed import read_embeddings, read_manifest_lines, read_run
+out = sys.argv[1]
+print(len(dict(read_embeddings(out))), len(read_manifest_lines(out + "/manifest.jsonl")), read_run(out)["format"])
+print(" ".join(sorted(m for m in sys.modules if m.startswith("qwenvl_vision.embed"))))
+"""
+
+
+@pytest.mark.slow
+def test_reading_an_output_needs_neither_the_writer_nor_the_lock(tmp_path, checkpoint):
+    make_folder(tmp_path / "imgs", 2)  # 2 images and 3 bad files
+    out = tmp_path / "out"
+    assert main(["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(out), "--quiet"]) == 1
+    result = subprocess.run([sys.executable, "-c", READ_WITHOUT_FCNTL, str(out)], env=ENV, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    counts, loaded = result.stdout.splitlines()
+    assert counts.split() == ["2", "5", str(RUN_FORMAT)]
+    assert loaded.split() == ["qwenvl_vision.embed", "qwenvl_vision.embed.inputs", "qwenvl_vision.embed.manifest",
+                              "qwenvl_vision.embed.reader"]
+
+
+@pytest.mark.parametrize("file_format", ["safetensors", "parquet"])
+def test_stored_results_hand_over_like_the_encoder_result(tmp_path, checkpoint3, file_format):
+    """read_encoded gives what encode_images gives the language model: vLLM's layout (DeepStack levels along the
+    features) and transformers' grids, bitwise, for the paths asked, in the order asked."""
+    import torch
+
+    from qwenvl_vision import load_encoder, read_encoded
+    from qwenvl_vision.outputs.handoff import to_vllm
+
+    make_folder(tmp_path / "imgs", 3, bad=False)
+    out = tmp_path / "out"
+    assert main(["embed", str(tmp_path / "imgs"), "--model", str(checkpoint3), "--out", str(out), "--quiet",
+                 "--format", file_format]) == 0
+    paths = sorted(r["path"] for r in records(out)) if file_format == "safetensors" else None
+    stored = read_encoded(out, paths[::-1] if paths else None)
+    asked = paths[::-1] if paths else [p for p, _ in read_embeddings(out)]
+    expected = load_encoder(checkpoint3, device="cpu").encode_images(asked)
+    ours, theirs = to_vllm(stored)["image"], expected.to_vllm()["image"]
+    assert stored.family == "qwen3_vl" and len(stored.embeddings) == 3
+    assert torch.equal(ours["image_grid_thw"], theirs["image_grid_thw"])
+    assert torch.equal(ours["image_embeds"], theirs["image_embeds"])
+    with pytest.raises(ManifestError, match="no ok record"):
+        read_encoded(out, ["nowhere.jpg"])
+    with pytest.raises(ManifestError, match="a video"):
+        read_encoded(out, asked[:1], modality="video")
+    with pytest.raises(ManifestError, match="modality 'images'"):
+        read_encoded(out, modality="images")
+
+
+@pytest.mark.parametrize("file_format", ["safetensors", "parquet"])
+def test_stored_videos_hand_over_with_the_timestamps_of_the_encoder_result(tmp_path, checkpoint3, file_format):
+    """A Qwen3-VL run's video records carry the frames each video was sampled at and its frame rate, so
+    read_encoded hands vLLM the same video embeddings and timestamps as encode_videos (from its video_info)."""
+    pytest.importorskip("av")
+    import torch
+
+    from qwenvl_vision import load_encoder, read_encoded
+    from qwenvl_vision.outputs.handoff import to_vllm
+    from tests.helpers.embed import make_media_folder
+
+    _, videos = make_media_folder(tmp_path / "media", 1, 3)
+    out = tmp_path / "out"
+    assert main(["embed", str(tmp_path / "media"), "--model", str(checkpoint3), "--out", str(out), "--quiet",
+                 "--format", file_format, "--fps", "3"]) == 0
+    stored = read_encoded(out, modality="video")
+    asked = [p for p, _ in read_embeddings(out) if p.endswith((".mp4", ".avi", ".mkv"))]
+    expected = load_encoder(checkpoint3, device="cpu").encode_videos(asked, fps=3.0)
+    ours, theirs = to_vllm(stored)["video"], expected.to_vllm()["video"]
+    assert len(stored.embeddings) == len(videos) == len(ours["timestamps"])
+    assert ours["timestamps"] == theirs["timestamps"]
+    assert [len(t) for t in ours["timestamps"]] == ours["video_grid_thw"][:, 0].tolist()
+    assert torch.equal(ours["video_embeds"], theirs["video_embeds"])

@@ -1,0 +1,270 @@
+"""What an embed output keeps on disk through damage and foreign files: a truncated, torn or corrupted manifest is
+rebuilt from the records each shard (or encoder-cache item) carries, even for inputs a resume does not list, and
+nothing is deleted; a link planted where the run writes its own files is refused, named, and its target untouched;
+run.json and manifest lines are checked field by field; an existing encoder-cache item counts only if it is the
+item it must be."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from qwenvl_vision.cli import main
+from qwenvl_vision.embed import read_embeddings, read_manifest_lines, read_run
+from qwenvl_vision.encoder import load_encoder
+from qwenvl_vision.errors import ManifestError
+from tests.helpers import make_image_folder
+from tests.helpers.embed import one_error_line
+
+SMALL = ["--max-pixels", str(64 * 64), "--batch-patches", "64"]  # one input a batch: one shard each
+FIXED_RUN = "0123456789abcdef0123456789abcdef"
+
+
+def embed(inputs, checkpoint, out, *extra) -> int:
+    return main(["embed", *map(str, inputs), "--model", str(checkpoint), "--out", str(out), "--quiet", *SMALL,
+                 *extra])
+
+
+def files_of(out: Path) -> dict[str, bytes]:
+    """Every stored tensor file of an output, by its name in the folder, with its bytes."""
+    return {p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*.safetensors")}
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory) -> list[Path]:
+    return make_image_folder(tmp_path_factory.mktemp("imgs"), 5, bad=False)
+
+
+def damage(manifest: Path, how: str) -> None:
+    data = manifest.read_bytes()
+    lines = data.splitlines(keepends=True)
+    if how == "truncated":  # cut in the middle of the second line: the rest is gone
+        manifest.write_bytes(data[: len(lines[0]) + len(lines[1]) // 2])
+    elif how == "torn":  # the first line cut short, the others kept
+        manifest.write_bytes(lines[0][:10] + b"\n" + b"".join(lines[1:]))
+    elif how == "corrupted":  # bytes of a bad disk over the last line
+        manifest.write_bytes(b"".join(lines[:-1]) + b"\x00\xff" * 20 + b"\n")
+    elif how == "emptied":
+        manifest.write_bytes(b"")
+
+
+@pytest.mark.parametrize("file_format", ["safetensors", "vllm-cache"])
+@pytest.mark.parametrize("how", ["truncated", "corrupted", pytest.param("torn", marks=pytest.mark.slow),
+                                 pytest.param("emptied", marks=pytest.mark.slow)])
+def test_a_damaged_manifest_then_a_resume_with_other_inputs_keeps_every_input(tmp_path, checkpoint, images, how,
+                                                                              file_format):
+    out = tmp_path / "out"
+    first, second = images[:3], images[3:]
+    assert embed(first, checkpoint, out, "--format", file_format) == 0
+    stored = dict(read_embeddings(out))
+    assert len(stored) == 3
+    kept = files_of(out)
+    damage(out / "manifest.jsonl", how)
+    assert embed(second, checkpoint, out, "--resume") == 0
+    now = dict(read_embeddings(out))
+    assert set(now) == {str(p) for p in images}  # both runs' inputs, each once
+    for path, tensor in stored.items():
+        assert torch.equal(now[path], tensor), path
+    recs = read_manifest_lines(out / "manifest.jsonl")
+    assert len(recs) == len({r["realpath"] for r in recs}) == 5
+    after = files_of(out)
+    assert {name: after.get(name) for name in kept} == kept  # no file deleted or changed
+    assert not list(out.rglob("*.tmp"))
+
+
+def test_a_shard_renamed_but_never_recorded_is_rolled_forward_not_deleted(tmp_path, checkpoint, images):
+    """The manifest's last lines lost, as a kill between a shard's rename and its append leaves it."""
+    out = tmp_path / "out"
+    assert embed(images[:2], checkpoint, out) == 0
+    stored = dict(read_embeddings(out))
+    manifest = out / "manifest.jsonl"
+    manifest.write_bytes(manifest.read_bytes().splitlines(keepends=True)[0])
+    assert embed(images[:1], checkpoint, out, "--resume") == 0
+    assert {p: torch.equal(t, stored[p]) for p, t in read_embeddings(out)} == {p: True for p in stored}
+    assert {r["shard"] for r in read_manifest_lines(manifest)} == {p.name for p in out.glob("*.safetensors")}
+
+
+def test_a_shard_of_the_run_that_carries_no_records_and_no_line_names_is_kept_and_refused(tmp_path, checkpoint,
+                                                                                         images, capsys):
+    out = tmp_path / "out"
+    assert embed(images[:1], checkpoint, out) == 0
+    old = out / "shard-r0-000007.safetensors"  # as an older version wrote them: the run id, no records
+    run_id = read_run(out)["run_id"]
+    save_file({"000000": torch.zeros(2, 3)}, old, metadata={"format": "pt", "qwenvl_vision_run": run_id})
+    before = files_of(out), (out / "manifest.jsonl").read_bytes()
+    capsys.readouterr()
+    assert embed(images[1:2], checkpoint, out, "--resume") == 2
+    one_error_line(capsys.readouterr().err, "shard-r0-000007.safetensors", "--resume")
+    assert (files_of(out), (out / "manifest.jsonl").read_bytes()) == before
+
+
+# ---------------------------------------------------------------------- links where the run writes
+
+
+@pytest.fixture
+def fixed_run_id(monkeypatch):
+    """A fresh run's id known in advance, so that a test can plant a link at its temporary file names."""
+    monkeypatch.setattr(uuid, "uuid4", lambda: uuid.UUID(FIXED_RUN))
+    return FIXED_RUN
+
+
+def plant(link: Path, victim: Path) -> None:
+    victim.write_bytes(b"somebody else's data\n")
+    link.parent.mkdir(parents=True, exist_ok=True)
+    link.symlink_to(victim)
+
+
+def item_ids(checkpoint, paths) -> list[str]:
+    encoder = load_encoder(checkpoint, device="cpu")
+    result = encoder.encode_images([str(p) for p in paths], max_pixels=64 * 64)
+    return [item_id_of(encoder, result, i) for i in range(len(paths))]
+
+
+def item_id_of(encoder, result, index) -> str:
+    from qwenvl_vision.inputs.item_ids import item_id
+
+    return item_id(encoder.identity(), "image", result.grid_thw[index].tolist(), result.pixels_sha256[index])
+
+
+@pytest.mark.parametrize("where", ["embed.lock", "shard temp", "run.json temp", "cache item temp"])
+def test_a_link_planted_where_the_run_writes_is_refused_and_its_target_untouched(tmp_path, checkpoint, images,
+                                                                                   fixed_run_id, where, capsys):
+    out = tmp_path / "out"
+    victim = tmp_path / "victim.txt"
+    extra = []
+    name = {"embed.lock": "embed.lock", "shard temp": f"shard-r0-000000.{fixed_run_id}.tmp",
+            "run.json temp": f"run.json.{fixed_run_id}.tmp"}.get(where)
+    if where == "cache item temp":
+        (item,) = item_ids(checkpoint, images[:1])
+        name = f"{item}/encoder_cache.safetensors.{fixed_run_id}-r0.tmp"
+        extra = ["--format", "vllm-cache"]
+    plant(out / name, victim)
+    capsys.readouterr()
+    assert embed(images[:1], checkpoint, out, *extra) == 3
+    one_error_line(capsys.readouterr().err, name.rsplit("/", 1)[-1], "symbolic link")
+    assert victim.read_bytes() == b"somebody else's data\n" and (out / name).is_symlink()
+
+
+def test_a_dangling_link_at_the_manifest_is_not_written_through(tmp_path, checkpoint, images, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    target = tmp_path / "elsewhere.jsonl"
+    (out / "manifest.jsonl").symlink_to(target)
+    capsys.readouterr()
+    assert embed(images[:1], checkpoint, out) == 3
+    one_error_line(capsys.readouterr().err, "manifest.jsonl", "symbolic link")
+    assert not target.exists() and (out / "manifest.jsonl").is_symlink()
+
+
+# ---------------------------------------------------------------------- run.json and manifest fields
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory, checkpoint, images) -> Path:
+    out = tmp_path_factory.mktemp("finished") / "out"
+    assert embed(images[:1], checkpoint, out) == 0
+    return out
+
+
+@pytest.mark.parametrize("field, value", [("threads", "4"), ("cwd", 5), ("run_id", "a*b"), ("run_id", "../x"),
+                                          ("random_weights", "yes"), ("min_pixels", -1), ("world_size", True),
+                                          ("dtype", "__class__"), ("video", [1]), ("cpu_plan", {"format": 99})])
+def test_a_run_file_with_a_field_of_the_wrong_type_is_one_line_naming_it(tmp_path, checkpoint, images, finished,
+                                                                         field, value, capsys):
+    out = tmp_path / "out"
+    shutil.copytree(finished, out)
+    run = json.loads((out / "run.json").read_text())
+    run[field] = value
+    (out / "run.json").write_text(json.dumps(run))
+    before = sorted(os.listdir(out))
+    capsys.readouterr()
+    assert embed(images[1:2], checkpoint, out, "--resume") == 2
+    one_error_line(capsys.readouterr().err, "run.json", repr(field) if field != "cpu_plan" else "cpu_plan")
+    assert sorted(os.listdir(out)) == before
+    with pytest.raises(ManifestError, match=field):
+        read_run(out)
+
+
+@pytest.mark.parametrize("field, value", [("tokens", True), ("key", "../000000"), ("rank", True),
+                                          ("grid_thw", [1, True, 2]), ("error", 5)])
+def test_a_manifest_line_with_a_field_of_the_wrong_type_is_damaged(tmp_path, finished, field, value):
+    out = tmp_path / "out"
+    shutil.copytree(finished, out)
+    (record,) = read_manifest_lines(out / "manifest.jsonl")
+    (out / "manifest.jsonl").write_text(json.dumps({**record, field: value}) + "\n")
+    with pytest.raises(ManifestError, match="line 1: damaged"):
+        read_manifest_lines(out / "manifest.jsonl")
+
+
+# ---------------------------------------------------------------------- encoder-cache items already in place
+
+
+@pytest.mark.parametrize("bad", ["garbage", "wrong shape", "wrong dtype", "another key", "another item's id"])
+def test_an_invalid_item_in_place_is_rewritten_by_the_run(tmp_path, checkpoint, images, bad):
+    out = tmp_path / "cache"
+    encoder = load_encoder(checkpoint, device="cpu")
+    (entry,) = encoder.encode_images([str(images[0])], max_pixels=64 * 64).to_vllm_cache(out)
+    path = out / entry["id"] / "encoder_cache.safetensors"
+    expected = load_file(path)["ec_cache"].clone()  # not a view of the file the test overwrites
+    if bad == "garbage":
+        path.write_bytes(b"\x08" + b"\x00" * 7 + b"not a header at all")
+    elif bad == "wrong shape":
+        save_file({"ec_cache": expected[:-1].clone()}, path)
+    elif bad == "wrong dtype":
+        save_file({"ec_cache": expected.to(torch.bfloat16)}, path)
+    elif bad == "another key":
+        save_file({"ec_cache": expected, "extra": torch.zeros(1)}, path)
+    else:
+        save_file({"ec_cache": torch.zeros_like(expected)}, path, metadata={"qwenvl_vision_item": "f" * 64})
+    assert embed(images[:1], checkpoint, out, "--format", "vllm-cache") == 0
+    (record,) = read_manifest_lines(out / "manifest.jsonl")
+    stored = load_file(out / record["shard"])
+    assert list(stored) == ["ec_cache"] and stored["ec_cache"].dtype == expected.dtype
+    assert torch.allclose(stored["ec_cache"], expected, rtol=1e-5, atol=1e-6)
+    assert not list(out.rglob("*.tmp"))
+
+
+def test_a_rank_s_lost_lines_are_rolled_forward_by_it_and_embedded_by_no_other_rank(tmp_path):
+    """Two ranks; rank 1's part was lost (a kill between its shard's rename and its line, or damage), and a changed
+    input list now assigns its input to rank 0. Whichever rank recovers first, rank 1 rolls the input forward from
+    its shard and rank 0 counts it done: it is recorded once, never embedded twice."""
+    from qwenvl_vision.embed.manifest import part_name
+    from qwenvl_vision.embed.writer import RankWriter
+    from qwenvl_vision.outputs.records import EmbeddingRecord
+
+    path = str(tmp_path / "a.jpg")
+    record = EmbeddingRecord(path, path, "ok", grid_thw=(1, 4, 4), tokens=4, embedding=torch.randn(4, 8))
+    RankWriter(tmp_path, 1, 2, "run1").write_records([record])
+    for order in ((0, 1), (1, 0)):
+        (tmp_path / part_name(1, 2)).write_text("")  # its line is lost (again: the first pass restored it)
+        writers = {rank: RankWriter(tmp_path, rank, 2, "run1") for rank in order}
+        for rank in order:
+            writers[rank].recover()
+        assert path in writers[0].done and path not in writers[0].own
+        assert path in writers[1].own
+    lines = [json.loads(line) for line in (tmp_path / part_name(1, 2)).read_text().splitlines()]
+    assert [r["path"] for r in lines] == [path] and not (tmp_path / part_name(0, 2)).read_text()
+
+
+def test_an_input_two_ranks_carry_without_lines_is_rolled_forward_by_the_lower_rank_only(tmp_path):
+    from qwenvl_vision.embed.manifest import part_name
+    from qwenvl_vision.embed.writer import RankWriter
+    from qwenvl_vision.outputs.records import EmbeddingRecord
+
+    path = str(tmp_path / "a.jpg")
+    for rank in (1, 0):  # the input list changed between two stopped runs: each rank embedded it once
+        record = EmbeddingRecord(path, path, "ok", grid_thw=(1, 4, 4), tokens=4, embedding=torch.randn(4, 8))
+        RankWriter(tmp_path, rank, 2, "run1").write_records([record])
+        (tmp_path / part_name(rank, 2)).write_text("")
+    writers = [RankWriter(tmp_path, rank, 2, "run1") for rank in (0, 1)]
+    for writer in reversed(writers):
+        writer.recover()
+    assert path in writers[0].own and path not in writers[1].own
+    assert path in writers[1].done

@@ -1,0 +1,341 @@
+"""qwenvl_vision.inputs.video_io (and the file path through video.py) against transformers' video pipeline:
+``video_utils.load_video(backend="pyav")`` (every frame and its metadata) then ``Qwen2VLVideoProcessor`` /
+``Qwen3VLVideoProcessor`` with ``do_sample_frames=True``: header metadata, frame counts (also counted where a header
+has none), edit lists, the frames decoded, and the one-line errors for bad files.
+
+The videos are written here with PyAV (mpeg4 in .mp4 / .avi / .mkv): a real photo panned a few pixels per frame plus
+noise, so that sampling the wrong frame or resizing differently would show. The reference processors are configured
+from literal values (``tests.helpers.processors``), not from this package's configs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fractions
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from qwenvl_vision.encoder import load_encoder
+from qwenvl_vision.errors import PreprocessError
+from qwenvl_vision.inputs.images import PreprocessConfig
+from qwenvl_vision.inputs.video import VideoConfig, preprocess_video, preprocess_video_file, read_video
+from qwenvl_vision.inputs.video_io import probe_video
+from tests.helpers import (
+    PIXEL_TOL,
+    QWEN2_5_SAVED_VIDEO,
+    QWEN3_SAVED_VIDEO,
+    VIDEO_SETTINGS,
+    sample_photo,
+    video_processor,
+    video_processor_class,
+    write_video,
+)
+
+av = pytest.importorskip("av")
+pytest.importorskip("torchvision")
+pytest.importorskip("matplotlib.cbook")
+from transformers.video_utils import VideoMetadata, load_video  # noqa: E402
+
+NTSC = fractions.Fraction(30000, 1001)
+VIDEOS = {  # name -> (frames, width, height, rate)
+    "clip.mp4": (45, 64, 48, 24),
+    "ntsc.avi": (90, 100, 76, NTSC),
+    "tall.mp4": (7, 40, 200, 10),
+    "noframecount.mkv": (20, 64, 48, 30),
+    "tiny.mp4": (12, 24, 16, 10),
+    "one.mp4": (1, 64, 48, 10),
+}
+
+
+@pytest.fixture(scope="module")
+def videos(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("videos")
+    for name, spec in VIDEOS.items():
+        write_video(folder / name, *spec)
+    return {name: str(folder / name) for name in VIDEOS}
+
+
+def configs(family: str, **changes):
+    return PreprocessConfig.for_family(family), dataclasses.replace(VideoConfig.for_family(family), **changes)
+
+
+def reference(family, vcfg, frames, metadata, size=None):
+    """The family's transformers video processor, sampling from all frames with their metadata."""
+    processor = video_processor(family, temporal_patch_size=2, merge_size=2, min_frames=vcfg.min_frames,
+                                max_frames=vcfg.max_frames, max_video_tokens=vcfg.max_video_tokens,
+                                size=size or {"shortest_edge": vcfg.min_pixels, "longest_edge": vcfg.max_pixels})
+    out = processor(frames, video_metadata=[metadata], do_sample_frames=True, fps=vcfg.fps,
+                    cap_pixels_per_frame=vcfg.cap_pixels_per_frame, return_tensors="pt", return_metadata=True)
+    return out["pixel_values_videos"], tuple(out["video_grid_thw"][0].tolist()), out["video_metadata"][0]
+
+
+def assert_matches(values, grid, info, ref):
+    ref_values, ref_grid, metadata = ref
+    assert grid == ref_grid
+    assert values.dtype == torch.float32 and values.shape == ref_values.shape
+    assert float((values - ref_values).abs().max()) <= PIXEL_TOL
+    assert info.frame_indices == np.asarray(metadata.frames_indices).tolist()
+    assert info.timestamps == metadata.timestamps
+    assert info.sampled_fps == pytest.approx(metadata.sampled_fps, rel=1e-12)
+    assert (info.total_frames, info.video_fps) == (metadata.total_num_frames, metadata.fps)
+    json.dumps(info.to_dict())
+
+
+# family, video, VideoConfig changes, per-call (min_pixels, max_pixels)
+CASES = [
+    ("qwen2_5_vl", "clip.mp4", {}, (None, None)),
+    ("qwen3_vl", "clip.mp4", {}, (None, None)),
+    ("qwen2_5_vl", "ntsc.avi", {"cap_pixels_per_frame": False, "fps": 4.0}, (None, None)),
+    ("qwen3_vl", "ntsc.avi", {"cap_pixels_per_frame": False, "fps": 4.0}, (None, None)),
+    # A tight token budget: the cap, not max_pixels (nor the 1.05 * min_pixels floor), sizes the frames.
+    ("qwen2_5_vl", "ntsc.avi", {"fps": 3.0, "max_video_tokens": 40, "min_pixels": 3136}, (None, None)),
+    ("qwen3_vl", "ntsc.avi", {"fps": 3.0, "max_video_tokens": 6, "min_pixels": 1024}, (None, None)),
+    ("qwen2_5_vl", "tall.mp4", {"fps": 1.0}, (3136, 20000)),
+    ("qwen3_vl", "tall.mp4", {"fps": 1.0}, (4096, 200000)),
+    # More frames than max_frames at this fps, and fewer than min_frames.
+    ("qwen2_5_vl", "ntsc.avi", {"fps": 8.0, "max_frames": 6}, (3136, 50000)),
+    ("qwen3_vl", "ntsc.avi", {"fps": 8.0, "max_frames": 7}, (4096, 100000)),
+    ("qwen2_5_vl", "clip.mp4", {"fps": 0.5, "min_frames": 9}, (None, None)),
+    ("qwen3_vl", "clip.mp4", {"fps": 0.5, "min_frames": 9}, (None, None)),
+    # Frames below the factor: Qwen3 scales the sides up before its bounds apply.
+    ("qwen3_vl", "tiny.mp4", {"cap_pixels_per_frame": False}, (256, 4096 * 4)),
+    ("qwen2_5_vl", "tiny.mp4", {}, (784, 20000)),
+]
+
+
+@pytest.mark.parametrize(("family", "video", "changes", "bounds"), CASES)
+def test_file_matches_transformers(videos, family, video, changes, bounds):
+    pre, vcfg = configs(family, **changes)
+    min_pixels, max_pixels = bounds
+    values, grid, info = preprocess_video_file(videos[video], pre, vcfg, min_pixels=min_pixels,
+                                               max_pixels=max_pixels)
+    size = None if min_pixels is None else {"shortest_edge": min_pixels, "longest_edge": max_pixels}
+    frames, metadata = load_video(videos[video], backend="pyav")
+    assert_matches(values, grid, info, reference(family, vcfg, frames, metadata, size))
+
+
+@pytest.mark.parametrize("family", list(VIDEO_SETTINGS))
+def test_header_without_frame_count(videos, family):
+    """Matroska writes no frame count (read_video_pyav then samples from 0 frames): packets are counted instead."""
+    path = videos["noframecount.mkv"]
+    with av.open(path) as container:
+        assert container.streams.video[0].frames == 0
+        frames = np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
+    assert probe_video(path) == (20, 30.0, 48, 64)
+    pre, vcfg = configs(family)
+    values, grid, info = preprocess_video_file(path, pre, vcfg)
+    metadata = VideoMetadata(total_num_frames=len(frames), fps=30.0, height=48, width=64)
+    assert_matches(values, grid, info, reference(family, vcfg, frames, metadata))
+
+
+@pytest.mark.parametrize("family", list(VIDEO_SETTINGS))
+def test_clip_shorter_than_temporal_patch(videos, family):
+    """One frame: sized as if padded to T (Qwen3's smart_resize raises, Qwen2's sampler divides by zero)."""
+    pre, vcfg = configs(family)
+    values, grid, info = preprocess_video_file(videos["one.mp4"], pre, vcfg)
+    assert info.frame_indices == [0] and grid[0] == 1
+    frames, metadata = load_video(videos["one.mp4"], backend="pyav")
+    padded = np.concatenate([frames, frames])  # what patchify does to the one frame
+    metadata.total_num_frames = 2
+    ref_values, ref_grid, _ = reference(family, vcfg, padded, metadata)
+    assert grid == ref_grid and float((values - ref_values).abs().max()) <= PIXEL_TOL
+
+
+@pytest.mark.parametrize("family", list(VIDEO_SETTINGS))
+def test_frames_as_arrays_equal_the_file(videos, family):
+    pre, vcfg = configs(family, fps=3.0)
+    path = videos["ntsc.avi"]
+    values, grid, _ = preprocess_video_file(path, pre, vcfg)
+    frames, _ = read_video(path, vcfg, temporal_patch_size=pre.temporal_patch_size)
+    for given in (frames, torch.from_numpy(frames).permute(0, 3, 1, 2).contiguous(), list(frames)):
+        other, other_grid = preprocess_video(given, pre, video_config=vcfg)
+        assert other_grid == grid and torch.equal(other, values)
+    # And against the reference given the same frames as an array (no sampling: they are the sampled ones).
+    processor = video_processor(family, size={"shortest_edge": vcfg.min_pixels, "longest_edge": vcfg.max_pixels})
+    out = processor([frames], do_sample_frames=False, cap_pixels_per_frame=False, return_tensors="pt")
+    assert tuple(out["video_grid_thw"][0].tolist()) == grid
+    assert float((out["pixel_values_videos"] - values).abs().max()) <= PIXEL_TOL
+    opaque = np.concatenate([frames, np.full(frames.shape[:3] + (1,), 255, np.uint8)], axis=3)
+    assert torch.equal(preprocess_video(opaque, pre, video_config=vcfg)[0], values)
+    opaque[1, 0, 0, 3] = 254
+    with pytest.raises(PreprocessError, match="video 4 frame 1: frames with transparency"):
+        preprocess_video(opaque, pre, video_config=vcfg, index=4)
+
+
+def test_frames_as_arrays_pil_backend_keeps_video_sizes(videos):
+    pre, vcfg = configs("qwen3_vl")
+    frames, _ = read_video(videos["clip.mp4"], vcfg)
+    torch_values, grid = preprocess_video(frames, pre, video_config=vcfg)
+    pil_values, pil_grid = preprocess_video(frames, pre, video_config=vcfg, resize="pil")
+    assert pil_grid == grid and not torch.equal(pil_values, torch_values)
+    with pytest.raises(PreprocessError, match="frame 1 is 32x24, frame 0 64x48"):
+        preprocess_video([frames[0], frames[1][::2, ::2]], pre, video_config=vcfg)
+
+
+
+# --------------------------------------------------------------------------------------------------
+# Bad files
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bad_files(tmp_path_factory, videos):
+    folder = tmp_path_factory.mktemp("bad")
+    (folder / "empty.mp4").write_bytes(b"")
+    (folder / "folder.mp4").mkdir()
+    (folder / "text.mp4").write_text("not a video\n" * 20)
+    Image.open(sample_photo("grace_hopper.jpg")).save(folder / "photo.mp4", format="JPEG")
+    with av.open(str(folder / "audio.mp4"), "w") as container:
+        stream = container.add_stream("aac", rate=8000)
+        frame = av.AudioFrame.from_ndarray(np.zeros((1, 1024), np.float32), format="fltp", layout="mono")
+        frame.sample_rate = 8000
+        container.mux(stream.encode(frame))
+        container.mux(stream.encode())
+    data = open(videos["clip.mp4"], "rb").read()
+    (folder / "cut.mp4").write_bytes(data[: len(data) // 2])  # the index (moov) is at the end: nothing opens
+    write_video(folder / "whole.avi", 60, 64, 48, 24)
+    data = (folder / "whole.avi").read_bytes()
+    (folder / "cut.avi").write_bytes(data[: len(data) * 2 // 3])  # cut inside a packet
+    with av.open(str(folder / "whole.avi")) as container:
+        positions = [packet.pos for packet in container.demux(video=0) if packet.size]
+    (folder / "short.avi").write_bytes(data[: positions[30]])  # 30 whole packets; the header still declares 60
+    return folder
+
+
+@pytest.mark.parametrize(("file", "message"), [
+    ("missing.mp4", "file not found"),
+    ("folder.mp4", "not a regular file"),
+    ("empty.mp4", r"file is empty \(0 bytes\)"),
+    ("text.mp4", "not a recognised video file"),
+    ("photo.mp4", r"a still image \(jpeg_pipe\), not a video"),
+    ("audio.mp4", r"no video stream \(found: audio\)"),
+    ("cut.mp4", "not a recognised video file"),
+    ("cut.avi", r"corrupt or truncated video data \(InvalidDataError"),
+    ("short.avi", "header declares 60 frames but only 30 decode"),
+])
+def test_bad_files_raise_one_line_naming_the_file(bad_files, file, message):
+    path = str(bad_files / file)
+    pre, vcfg = configs("qwen3_vl")
+    with pytest.raises(PreprocessError, match=rf"^video '.*{file}': {message}") as info:
+        preprocess_video_file(path, pre, vcfg, index=7)
+    assert "\n" not in str(info.value)
+    if not file.endswith(".avi"):  # the header is fine: only decoding finds the cut
+        with pytest.raises(PreprocessError, match=rf"^video '.*{file}': {message}"):
+            probe_video(path)
+
+
+def test_frame_above_max_input_pixels_is_refused_before_decoding(videos):
+    pre, vcfg = configs("qwen2_5_vl")
+    with pytest.raises(PreprocessError, match=r"^video '.*ntsc.avi': 100x76 = 7,600 pixels is above the input limit"):
+        preprocess_video_file(videos["ntsc.avi"], pre, vcfg, max_input_pixels=5000)
+    with pytest.raises(PreprocessError, match="above the input limit"):
+        probe_video(videos["ntsc.avi"], max_input_pixels=5000)
+
+
+def test_missing_pyav_names_the_extra(videos, monkeypatch):
+    monkeypatch.setitem(__import__("sys").modules, "av", None)  # import av now raises ImportError
+    pre, vcfg = configs("qwen2_5_vl")
+    with pytest.raises(PreprocessError, match=r"^video '.*clip.mp4': reading video files needs PyAV: "
+                                              r"pip install 'qwenvl-vision\[video\]'$"):
+        preprocess_video_file(videos["clip.mp4"], pre, vcfg)
+
+
+@pytest.mark.parametrize(("family", "saved"), [("qwen2_5_vl", QWEN2_5_SAVED_VIDEO), ("qwen3_vl", QWEN3_SAVED_VIDEO)],
+                         ids=["QWEN2_5_SAVED_VIDEO", "QWEN3_SAVED_VIDEO"])
+def test_saved_config_as_transformers_loads_it(videos, family, saved):
+    """No settings passed by hand: the processor transformers builds from the file, against ours from the same file
+    (what a checkpoint folder holding it gives both)."""
+    # The Qwen2 file samples nothing (do_sample_frames false, fps null): here both sample at 2 fps.
+    d = dict(saved, fps=2, do_sample_frames=True)
+    processor = video_processor_class(family).from_dict({k: v for k, v in d.items() if v is not None})
+    pre = PreprocessConfig.for_family(family)
+    vcfg = VideoConfig.from_dict(d, family, pre)
+    frames, metadata = load_video(videos["clip.mp4"], backend="pyav")
+    out = processor(frames, video_metadata=[metadata], do_sample_frames=True, return_tensors="pt",
+                    return_metadata=True)
+    values, grid, info = preprocess_video_file(videos["clip.mp4"], pre, vcfg)
+    assert_matches(values, grid, info, (out["pixel_values_videos"], tuple(out["video_grid_thw"][0].tolist()),
+                                        out["video_metadata"][0]))
+
+
+def test_edit_list_frames_are_sampled_from_the_shown_frames(tmp_path):
+    """An mp4 cut without re-encoding: its header counts 45 frames, its edit list hides 5, 40 decode."""
+    path = tmp_path / "edit.mp4"
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("libx264", rate=25)
+        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
+        for i in range(-5, 40):  # negative timestamps: the muxer writes an edit list that starts at frame 0
+            frame = av.VideoFrame.from_ndarray(np.full((48, 64, 3), (i * 5) % 255, np.uint8), format="rgb24")
+            frame.pts = i
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode())
+    with av.open(str(path)) as container:
+        assert container.streams.video[0].frames == 45
+        assert sum(1 for _ in container.decode(video=0)) == 40
+    # Qwen2's sampler stops short of the hidden frames: the header's count stands, as in the reference.
+    frames, metadata = load_video(str(path), backend="pyav")
+    pre, vcfg = configs("qwen2_5_vl")
+    assert_matches(*preprocess_video_file(str(path), pre, vcfg), reference("qwen2_5_vl", vcfg, frames, metadata))
+    # Qwen3's always takes the last frame, which the reference cannot decode: sampled from the 40 shown frames.
+    pre, vcfg = configs("qwen3_vl")
+    _, grid, info = preprocess_video_file(str(path), pre, vcfg)
+    assert info.total_frames == 40 and info.frame_indices[-1] == 39
+    assert grid[0] == math.ceil(len(info.frame_indices) / 2)
+
+
+def _write_x264(path, pts, **options) -> None:
+    """H.264 in mp4 (faststart), one random 64x48 frame per presentation time in ``pts``."""
+    with av.open(str(path), "w", options={"movflags": "faststart"}) as container:
+        stream = container.add_stream("libx264", rate=25, options=options)
+        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
+        rng = np.random.default_rng(0)
+        for i in pts:
+            frame = av.VideoFrame.from_ndarray(rng.integers(0, 255, (48, 64, 3), dtype=np.uint8), format="rgb24")
+            frame.pts = i
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode())
+
+
+def test_head_cut_by_edit_list_drops_packets_the_header_still_counts(tmp_path):
+    """A head cut of 12 frames made by editing the mp4's edit list (no re-encoding), short GOPs: FFmpeg leaves the
+    cut packets it does not need out of its index altogether (none marked discarded); the header still says 40."""
+    import struct
+
+    _write_x264(tmp_path / "gop.mp4", range(40), g="5", bf="0")
+    data = bytearray((tmp_path / "gop.mp4").read_bytes())
+    at = data.find(b"elst")
+    duration, media_time = struct.unpack(">Ii", data[at + 12:at + 20])
+    data[at + 12:at + 20] = struct.pack(">Ii", duration - 12 * 40, media_time + 512 * 12)  # 40 ms, 512 ticks a frame
+    (tmp_path / "cut.mp4").write_bytes(data)
+    with av.open(str(tmp_path / "cut.mp4")) as container:
+        assert container.streams.video[0].frames == 40
+        assert sum(1 for _ in container.decode(video=0)) == 28
+    for family in VIDEO_SETTINGS:
+        _, grid, info = preprocess_video_file(str(tmp_path / "cut.mp4"), *configs(family))
+        assert info.total_frames == 28 and info.frame_indices[-1] <= 27 and grid[0] == 2
+
+
+def test_a_file_whose_every_frame_is_cut_names_it(tmp_path):
+    _write_x264(tmp_path / "nothing.mp4", range(-5, 0))  # every frame before the edit list's start
+    with pytest.raises(PreprocessError, match=r"^video '.*nothing\.mp4': no frame decodes$"):
+        preprocess_video_file(str(tmp_path / "nothing.mp4"), *configs("qwen3_vl"))
+
+
+def test_a_header_without_frame_count_is_counted_once_per_video(tmp_path, checkpoint, monkeypatch):
+    """Matroska writes no frame count: the decode estimate's probe counts the packets, and the read reuses it."""
+    pytest.importorskip("av")
+    import qwenvl_vision.inputs.video_io as video_io
+
+    write_video(tmp_path / "clip.mkv", 20, 48, 40, 10)
+    counts = []
+    real = video_io.count_packets
+    monkeypatch.setattr(video_io, "count_packets", lambda *a: counts.append(1) or real(*a))
+    encoder = load_encoder(checkpoint, device="cpu")
+    [[result]] = list(encoder.iter_encode([str(tmp_path / "clip.mkv")], video=None))
+    assert result.ok and result.video_info.total_frames == 20
+    assert len(counts) == 1

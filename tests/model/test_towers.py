@@ -1,0 +1,404 @@
+"""Towers of every family against transformers' towers (litgpt-style parity), caches, presets, config parsing."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+from unittest.mock import patch
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from qwenvl_vision import PRESETS, ConfigError, InputError, build_model, from_config_json, preset
+from qwenvl_vision.backends.cpu.kernels import onednn_linear_available
+from qwenvl_vision.model.config import FAMILIES
+from qwenvl_vision.model.names import to_checkpoint_state
+from tests.helpers import (
+    FAMILY_SMALL,
+    QWEN2_5_GRIDS,
+    QWEN2_5_SMALL,
+    QWEN3_GRIDS,
+    QWEN3_SMALL_64,
+    QWEN3_SMALL_72,
+    assert_matches_reference,
+    forced_plan,
+    forward_both,
+    grids_for,
+    hf_tower,
+    inputs,
+    pair,
+)
+
+FAMILY_IDS = list(FAMILY_SMALL)
+
+
+@pytest.mark.parametrize("family", FAMILY_IDS)
+def test_against_hf_tower_fp32(family):
+    """Every family's tower, on a pack mixing a grid that is not a multiple of the window, a 2-frame video, the
+    smallest grid and (Qwen3 design) one larger than the position table: merged tokens and every DeepStack level,
+    each item within 1e-5 of the reference."""
+    cfg = FAMILY_SMALL[family]
+    (merged, levels), expected, grid_thw = forward_both(*pair(cfg), cfg, grids_for(cfg))
+    assert merged.shape == (int(grid_thw.prod(1).sum()) // 4, cfg.out_hidden_size)
+    assert len(levels) == len(cfg.deepstack_visual_indexes)
+    assert all(level.shape == merged.shape for level in levels)
+    assert_matches_reference((merged, levels), expected, grid_thw, 1e-5)
+
+
+@pytest.mark.parametrize("family", FAMILY_IDS)
+def test_bf16_end_to_end_close_to_fp32(family):
+    cfg = FAMILY_SMALL[family]
+    ours, ref = pair(cfg)
+    (merged, levels), expected, grid_thw = forward_both(ours.to(torch.bfloat16), ref, cfg, grids_for(cfg))
+    assert merged.dtype == torch.bfloat16 and torch.isfinite(merged).all()
+    assert_matches_reference((merged, levels), expected, grid_thw, 3e-2)
+
+
+@pytest.mark.parametrize("cfg,grids", [(QWEN2_5_SMALL, QWEN2_5_GRIDS), (QWEN3_SMALL_72, QWEN3_GRIDS)],
+                         ids=["qwen2.5", "qwen3"])
+def test_a_pack_as_one_forward_equals_items_one_by_one(cfg, grids):
+    """Attention never crosses an image: a pack run as one forward (as on CUDA; the CPU runs each item alone)
+    equals each item encoded alone, item by item."""
+    model, _ = pair(cfg)
+    pixel_values, grid_thw = inputs(cfg, grids)
+    with torch.no_grad():
+        with patch.object(model, "packs", lambda grids, device: [grids]):
+            packed = model(pixel_values, grid_thw)
+        singles = [model(chunk, grid_thw[i : i + 1])
+                   for i, chunk in enumerate(pixel_values.split(grid_thw.prod(1).tolist()))]
+    alone = (torch.cat([merged for merged, _ in singles]),
+             [torch.cat(level) for level in zip(*[levels for _, levels in singles])])
+    assert_matches_reference(packed, alone, grid_thw, 1e-5)
+
+
+class RowDependentKernels(TorchDispatchMode):
+    """GEMMs and attention whose results' last bits depend on the call's row count (or batch of segments) and on
+    each row's place in the call, as some CPUs' kernels do: whatever of an item's result depends on the other
+    items of its pack shows as changed bits."""
+
+    GEMMS = {torch.ops.aten.addmm, torch.ops.aten.mm, torch.ops.mkldnn._linear_pointwise}
+    ATTENTION = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        packet = func.overloadpacket
+        if packet in self.GEMMS:
+            self.nudge_(result, result.shape[0])
+        elif packet in self.ATTENTION:  # (batch, heads, L, hd): the batch is the count of equal segments
+            self.nudge_(result[0].transpose(0, 2), result[0].shape[0])
+        return result
+
+    @staticmethod
+    def nudge_(x: torch.Tensor, calls_rows: int) -> None:
+        place = (torch.arange(x.shape[0]) + calls_rows) % 5
+        x.mul_((1 + 8 * torch.finfo(x.dtype).eps * place).to(x.dtype).view(-1, *[1] * (x.ndim - 1)))
+
+
+@pytest.mark.parametrize("cfg,dtype,kernel", [(QWEN2_5_SMALL, torch.float32, "addmm"),
+                                              (QWEN2_5_SMALL, torch.bfloat16, "onednn"),
+                                              (QWEN3_SMALL_72, torch.float32, "onednn"),
+                                              (QWEN3_SMALL_72, torch.bfloat16, "addmm")],
+                         ids=["qwen2.5-fp32-addmm", "qwen2.5-bf16-onednn", "qwen3-fp32-onednn", "qwen3-bf16-addmm"])
+def test_an_item_has_the_same_bits_in_any_pack_even_where_kernels_depend_on_the_call(cfg, dtype, kernel):
+    """On the CPU each item of a pack runs as its own forward (``VisionTower.packs``), so its bits do not depend on
+    its neighbours: a property of the code, not of this CPU's kernels. Shown with kernels made to depend on the
+    call (``RowDependentKernels``): alone, in a pack and in another order, every item is bitwise the same; the
+    same pack run as one forward (what the tower does on CUDA) changes an item, so the check has teeth."""
+    if kernel == "onednn" and not onednn_linear_available():
+        pytest.skip("this torch has no oneDNN linear ops")
+    model = pair(cfg)[0].to(dtype)
+    model.set_cpu_kernels(forced_plan(model, kernel))
+    grids = grids_for(cfg)
+    pixel_values, grid_thw = inputs(cfg, grids)
+    items = pixel_values.split(grid_thw.prod(1).tolist())
+
+    def encode(order: list[int]) -> dict[int, list[torch.Tensor]]:
+        merged, levels = model(torch.cat([items[i] for i in order]), grid_thw[order])
+        counts = [int(grid_thw[i].prod()) // cfg.merge_unit for i in order]
+        per_level = [output.split(counts) for output in (merged, *levels)]
+        return {i: [level[n] for level in per_level] for n, i in enumerate(order)}
+
+    with torch.no_grad(), RowDependentKernels():
+        pack = encode(list(range(len(grids))))
+        shuffled = encode(list(reversed(range(len(grids)))))
+        alone = {i: encode([i])[i] for i in range(len(grids))}
+        with patch.object(type(model), "packs", lambda self, grids, device: [grids]):
+            one_forward = encode(list(range(len(grids))))
+    for i in range(len(grids)):
+        assert all(torch.equal(a, b) for a, b in zip(pack[i], alone[i], strict=True)), i
+        assert all(torch.equal(a, b) for a, b in zip(shuffled[i], alone[i], strict=True)), i
+    assert any(not torch.equal(a, b) for i in pack for a, b in zip(one_forward[i], alone[i], strict=True))
+
+
+@pytest.mark.parametrize("family", FAMILY_IDS)
+def test_our_weights_load_into_the_reference_strictly(family):
+    """Our fused and renamed tensors go back to exactly the reference's (= the checkpoints') names and shapes."""
+    cfg = FAMILY_SMALL[family]
+    ours, _ = pair(cfg, seed=3)
+    ref = hf_tower(cfg, seed=None)
+    ref.load_state_dict(to_checkpoint_state(cfg, ours.state_dict()), strict=True)
+    ours_out, expected, grid_thw = forward_both(ours, ref, cfg, grids_for(cfg)[:2])
+    assert_matches_reference(ours_out, expected, grid_thw, 1e-5)
+
+
+def test_window_index_worked_example():
+    model = build_model("qwen2.5-vl-3b", device="meta")
+    plan = model.prepare([(1, 6, 10)])
+    assert plan.order.tolist() == [0, 1, 2, 3, 5, 6, 7, 8, 10, 11, 12, 13, 4, 9, 14]
+    assert plan.windows.cu_seqlens.tolist() == [0, 48, 60]
+    assert plan.frames.cu_seqlens.tolist() == [0, 60]
+
+
+def test_window_boundaries_of_a_video_and_a_pack():
+    model = build_model("qwen2.5-vl-3b", device="meta")
+    plan = model.prepare([(2, 8, 8), (1, 6, 10)])
+    # Each 8x8 frame is one whole window (the 4x4 merged grid gets an empty padding window, dropped).
+    assert plan.windows.cu_seqlens.tolist() == [0, 64, 128, 176, 188]
+    assert plan.frames.cu_seqlens.tolist() == [0, 64, 128, 188]
+    assert sorted(plan.order.tolist()) == list(range(47))
+    assert torch.equal(plan.order[plan.reverse], torch.arange(47))
+
+
+@pytest.mark.parametrize(
+    "name,expected_millions",
+    [("qwen2.5-vl-3b", 669), ("qwen2.5-vl-7b", 677), ("qwen3-vl-2b", 407), ("qwen3-vl-8b", 576),
+     ("qwen2-vl-7b", 676), ("qwen3.5-0.8b", 101), ("qwen3.8-flash-next", 449)],
+)
+def test_released_presets_parameter_counts(name, expected_millions):
+    model = build_model(name, device="meta")
+    assert all(p.is_meta for p in model.parameters())
+    assert round(sum(p.numel() for p in model.parameters()) / 1e6) == expected_millions
+
+
+@pytest.mark.parametrize("name,tensors", [("qwen2.5-omni-7b", 518), ("qwen3.8-flash-next", 333)])
+def test_presets_need_the_released_tensor_count(name, tensors):
+    """The checkpoints' vision tensor counts (518 in Qwen2.5-Omni's index: split q/k/v; 333 in Qwen3.8-Flash-Next)."""
+    cfg = preset(name)
+    assert len(to_checkpoint_state(cfg, build_model(cfg, device="meta").state_dict())) == tensors
+
+
+def test_every_preset_builds_on_meta():
+    assert {cfg.family for cfg in PRESETS.values()} == set(FAMILIES.values())
+    for name, cfg in PRESETS.items():
+        model = build_model(name, device="meta")
+        # The module shapes follow from the released numbers (plain arithmetic, not the builder's own code).
+        d, merged = cfg.hidden_size, cfg.hidden_size * cfg.spatial_merge_size**2
+        mlp_in = 2 * cfg.intermediate_size if cfg.family.mlp == "gated" else cfg.intermediate_size
+        shapes = {name: tuple(p.shape) for name, p in model.state_dict().items()}
+        assert len(model.blocks) == cfg.depth, name
+        assert shapes["patch_embed.proj.weight"] == (d, cfg.in_channels, cfg.temporal_patch_size, cfg.patch_size,
+                                                     cfg.patch_size), name
+        assert shapes["blocks.0.attn.qkv.weight"] == (3 * d, d), name
+        assert shapes["blocks.0.mlp." + ("gate_up_proj" if cfg.family.mlp == "gated" else "linear_fc1") + ".weight"] \
+            == (mlp_in, d), name
+        assert shapes["merger.linear_fc1.weight"] == (merged, merged), name
+        assert shapes["merger.linear_fc2.weight"] == (cfg.out_hidden_size, merged), name
+        deepstack = [k for k in shapes if k.startswith("deepstack_merger_list.") and k.endswith("linear_fc2.weight")]
+        assert len(deepstack) == len(cfg.deepstack_visual_indexes), name
+        if cfg.design == "qwen3":
+            assert shapes["pos_embed.weight"] == (48 * 48, d), name
+
+
+# config.json excerpts as the released checkpoints write them
+QWEN2_VL_2B_JSON = {  # the whole vision_config of Qwen2-VL-2B-Instruct: the rest are transformers' class defaults
+    "architectures": ["Qwen2VLForConditionalGeneration"], "model_type": "qwen2_vl", "hidden_size": 1536,
+    "vision_config": {"hidden_size": 1536, "in_chans": 3, "model_type": "qwen2_vl", "spatial_patch_size": 14},
+}
+QWEN2_5_3B_JSON = {
+    "architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl", "hidden_size": 2048,
+    "vision_config": {"depth": 32, "hidden_act": "silu", "hidden_size": 1280, "intermediate_size": 3420,
+                      "num_heads": 16, "in_chans": 3, "out_hidden_size": 2048, "patch_size": 14,
+                      "spatial_merge_size": 2, "spatial_patch_size": 14, "window_size": 112,
+                      "fullatt_block_indexes": [7, 15, 23, 31], "tokens_per_second": 2, "temporal_patch_size": 2},
+}
+QWEN3_2B_JSON = {
+    "architectures": ["Qwen3VLForConditionalGeneration"], "model_type": "qwen3_vl",
+    "text_config": {"hidden_size": 2048, "model_type": "qwen3_vl_text"},
+    "vision_config": {"deepstack_visual_indexes": [5, 11, 17], "depth": 24, "hidden_act": "gelu_pytorch_tanh",
+                      "hidden_size": 1024, "in_channels": 3, "initializer_range": 0.02, "intermediate_size": 4096,
+                      "model_type": "qwen3_vl", "num_heads": 16, "num_position_embeddings": 2304,
+                      "out_hidden_size": 2048, "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2},
+}
+QWEN3_MOE_JSON = {
+    "model_type": "qwen3_vl_moe", "text_config": {"hidden_size": 2048, "model_type": "qwen3_vl_moe_text"},
+    "vision_config": {**QWEN3_2B_JSON["vision_config"], "depth": 27, "hidden_size": 1152, "intermediate_size": 4304,
+                      "deepstack_visual_indexes": [8, 16, 24], "model_type": "qwen3_vl_moe"},
+}
+QWEN3_OMNI_JSON = {
+    "model_type": "qwen3_omni_moe",
+    "thinker_config": {"model_type": "qwen3_omni_moe_thinker", "text_config": {"hidden_size": 2048},
+                       "vision_config": {**QWEN3_MOE_JSON["vision_config"], "image_size": 768,
+                                         "apply_vit_abs_pos_embed": True, "out_hidden_size": 2048,
+                                         "model_type": "qwen3_omni_moe_vision_encoder"}},
+    "talker_config": {"model_type": "qwen3_omni_moe_talker"},
+}
+QWEN3_5_4B_JSON = {
+    "model_type": "qwen3_5", "text_config": {"hidden_size": 2560, "model_type": "qwen3_5_text"},
+    "vision_config": {"deepstack_visual_indexes": [], "depth": 24, "hidden_act": "gelu_pytorch_tanh",
+                      "hidden_size": 1024, "in_channels": 3, "intermediate_size": 4096, "model_type": "qwen3_5",
+                      "num_heads": 16, "num_position_embeddings": 2304, "out_hidden_size": 2560, "patch_size": 16,
+                      "spatial_merge_size": 2, "temporal_patch_size": 2},
+}
+
+
+def test_parse_released_config_json():
+    assert from_config_json(QWEN2_VL_2B_JSON).replace(name="qwen2-vl-2b") == preset("qwen2-vl-2b")
+    assert from_config_json(QWEN2_5_3B_JSON).replace(name="qwen2.5-vl-3b") == preset("qwen2.5-vl-3b")
+    assert from_config_json(QWEN3_2B_JSON).replace(name="qwen3-vl-2b") == preset("qwen3-vl-2b")
+    moe = from_config_json(QWEN3_MOE_JSON)
+    assert moe.model_type == "qwen3_vl_moe" and moe.family.label == "Qwen3-VL-MoE"
+    assert moe.replace(name="qwen3-vl-30b-a3b") == preset("qwen3-vl-30b-a3b")
+    assert from_config_json(QWEN3_OMNI_JSON).replace(name="qwen3-omni-30b-a3b") == preset("qwen3-omni-30b-a3b")
+    assert from_config_json(QWEN3_5_4B_JSON).replace(name="qwen3.5-4b") == preset("qwen3.5-4b")
+    # Our vision-only config.json round-trips.
+    for cfg in PRESETS.values():
+        assert from_config_json(cfg.to_config_json()) == cfg
+
+
+def test_out_hidden_size_from_text_config_when_absent():
+    vision = {k: v for k, v in QWEN3_MOE_JSON["vision_config"].items() if k != "out_hidden_size"}
+    assert from_config_json({**QWEN3_MOE_JSON, "vision_config": vision}).out_hidden_size == 2048
+
+
+def test_build_model_takes_dict_preset_and_dataclass():
+    for source in (QWEN3_2B_JSON, "qwen3-vl-2b", preset("qwen3-vl-2b")):
+        assert build_model(source, device="meta").config.hidden_size == 1024
+
+
+def test_unknown_model_type_is_named():
+    with pytest.raises(ConfigError, match="llava"):
+        from_config_json({"model_type": "llava", "vision_config": {}})
+    with pytest.raises(ConfigError, match="qwen9"):
+        build_model("qwen9-vl-1b")
+
+
+def test_bad_inputs_are_named():
+    model = pair(QWEN2_5_SMALL)[0]
+    pixel_values, grid_thw = inputs(QWEN2_5_SMALL, [(1, 4, 4)])
+    with pytest.raises(InputError, match=r"expected \(16, 1176\)"):
+        model(pixel_values[:-1], grid_thw)
+    with pytest.raises(InputError, match="multiples of the merge size"):
+        model(pixel_values[:15], torch.tensor([[1, 3, 5]]))
+    with pytest.raises(InputError, match=r"\(n, 3\)"):
+        model(pixel_values, torch.tensor([1, 4, 4]))
+
+
+# ----------------------------------------------------------------------------- caches
+
+
+def test_cache_hit_returns_identical_object_and_counts():
+    model = build_model(QWEN2_5_SMALL)
+    first = model.grid_plan((1, 6, 10))
+    assert model.grid_plan((1, 6, 10)) is first
+    assert model.cache_stats()["hits"] == 1 and model.cache_stats()["misses"] == 1
+    model.clear_cache()
+    assert model.grid_plan((1, 6, 10)) is not first
+    assert model.cache_stats()["entries"] == 1
+
+
+def test_cache_bound_holds_and_evicts_least_recent():
+    model = build_model(QWEN3_SMALL_64, cache_size=3)
+    for h in (2, 4, 6, 8):
+        model.grid_plan((1, h, 2))
+    stats = model.cache_stats()
+    assert stats["entries"] == 3 and stats["maxsize"] == 3
+    assert (1, 2, 2) not in model.shape_cache and (1, 8, 2) in model.shape_cache
+
+
+def test_cache_byte_bound_holds():
+    model = build_model(QWEN3_SMALL_64, cache_size=100, cache_bytes=60_000)
+    for h in range(2, 40, 2):
+        model.grid_plan((1, h, 4))
+    assert 0 < model.shape_cache.nbytes <= 60_000
+
+
+def test_instances_never_share_cache_entries():
+    a, b = build_model(QWEN3_SMALL_64), build_model(QWEN3_SMALL_64)
+    assert a.shape_cache is not b.shape_cache
+    plan = a.grid_plan((1, 4, 4))
+    assert len(b.shape_cache) == 0
+    assert b.grid_plan((1, 4, 4)) is not plan
+
+
+def test_threads_hammering_new_shapes_match_serial():
+    model = pair(QWEN2_5_SMALL)[0]
+    grids = [(1, 2 * i, 2 * j) for i in range(1, 5) for j in range(1, 5)]
+    packs = [inputs(QWEN2_5_SMALL, [g], seed=i) for i, g in enumerate(grids)]
+    with torch.no_grad():
+        fresh = pair(QWEN2_5_SMALL)[0]
+        serial = [fresh(*x)[0] for x in packs]
+    results: dict[tuple[int, int], torch.Tensor] = {}
+    plans: dict[tuple[int, int], object] = {}
+    barrier = threading.Barrier(8)
+    errors = []
+
+    def worker(tid: int) -> None:
+        try:
+            barrier.wait()
+            for k in range(len(packs)):
+                i = (k + tid) % len(packs)
+                with torch.no_grad():
+                    results[(tid, i)] = model(*packs[i])[0]
+                plans[(tid, i)] = model.grid_plan(grids[i])
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    for (tid, i), out in results.items():
+        assert torch.equal(out, serial[i]), (tid, grids[i])
+        assert plans[(tid, i)] is plans[(0, i)]  # every thread got the one computed value
+    assert model.cache_stats()["misses"] == len(grids)
+
+
+def test_model_freed_by_del_after_forwards():
+    model = pair(QWEN2_5_SMALL)[0]
+    with torch.no_grad():
+        for grids in ([(1, 4, 4)], [(1, 6, 10), (2, 8, 8)], [(1, 2, 2)]):
+            model(*inputs(QWEN2_5_SMALL, grids))
+    assert len(model.shape_cache) == 4
+    ref = weakref.ref(model)
+    cache_ref = weakref.ref(model.shape_cache)
+    gc.disable()
+    try:
+        del model
+        assert ref() is None and cache_ref() is None  # by reference counting alone, no cycles
+    finally:
+        gc.enable()
+
+
+def test_attention_plan_runs_large_windows_in_place_and_batches_small_ones():
+    model = build_model("qwen2.5-vl-3b", device="meta")
+    # A large frame: every full window of it is one contiguous run (a view, no gather), longest first.
+    plan = model.prepare([(1, 110, 146), (2, 32, 32)])
+    assert all(group.index is None for group in plan.windows.groups)
+    assert plan.windows.groups[0].length == 64 and plan.windows.groups[0].start == 0
+    assert sum(g.length * g.count for g in plan.windows.groups) == 110 * 146 + 2 * 32 * 32
+    # Many small images: their equal segments are gathered into one batched call, not one call each.
+    plan = model.prepare([(1, 6, 10), (1, 4, 4)] * 8)
+    gathered = [g for g in plan.frames.groups if g.index is not None]
+    assert {(g.length, g.count) for g in gathered} == {(60, 8), (16, 8)}
+    assert len(plan.frames.groups) == 2
+
+
+def test_the_shape_cache_hands_evicted_entries_pages_back_to_the_os(monkeypatch):
+    """Every TRIM_EVERY_BYTES of evicted entries, and on clear, the heap is trimmed (glibc keeps freed pages of
+    evicted entries resident otherwise: RSS crept after the cache was full)."""
+    from qwenvl_vision.model import cache
+
+    trims = []
+    real = getattr(cache, "return_freed_memory", lambda: None)
+    monkeypatch.setattr(cache, "return_freed_memory", lambda: trims.append(1) or real(), raising=False)
+    monkeypatch.setattr(cache, "TRIM_EVERY_BYTES", 1 << 20, raising=False)
+    shapes = cache.ShapeCache(maxsize=2, max_bytes=None)
+    for grid in range(10):  # 512 KiB each: 8 evicted, 4 MiB
+        shapes.get_or_compute(grid, lambda: torch.zeros(1 << 17))
+    assert len(shapes) == 2 and len(trims) == 4
+    shapes.clear()
+    assert len(trims) == 5

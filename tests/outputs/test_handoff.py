@@ -1,0 +1,327 @@
+"""qwenvl_vision.outputs.handoff proven through the whole VLM: for every family transformers 5.24 has a full model for, a
+tiny random VLM written by transformers' ``save_pretrained`` feeds both our ``load_encoder`` and transformers'
+model, and the language model gives the same logits and the same greedy tokens from our embeddings
+(``mm_encoder_outputs=to_transformers(...)``) as from its own processor's ``pixel_values``, also from the
+records of an ``embed`` run read back.
+
+The prompt: text, two images of different sizes, a 4-frame video (2 temporal patches), text; each item's
+placeholders between vision start/end tokens (Qwen3-VL-style families: one block per temporal patch after a
+timestamp token, as their processor writes it). From our encoder's embeddings the whole logits are within 1e-5
+relative of the pixel path's (fp32); the model's own encoder outputs handed over through the same functions give
+its logits bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from qwenvl_vision import load_encoder, read_embeddings, read_run
+from qwenvl_vision.cli import main
+from qwenvl_vision.errors import InputError
+from qwenvl_vision.model.config import FAMILIES
+from qwenvl_vision.outputs.handoff import (
+    EncodedItems,
+    mm_token_type_ids,
+    split_vllm_deepstack,
+    to_transformers,
+    to_vllm,
+)
+from tests.helpers import FAMILY_SMALL, item_errors, rel_err
+from tests.helpers.handoff import (
+    FULL_MODELS,
+    IMAGE_TOKEN,
+    VIDEO_TOKEN,
+    load_full_model,
+    prompt_ids,
+    prompt_images,
+    prompt_video,
+    write_full_model,
+)
+
+pytest.importorskip("torchvision", reason="transformers' image and video processors (the pixel side) need it")
+
+TOL = 1e-5
+NEW_TOKENS = 4
+# Every family's full model builds and runs on the CPU in transformers 5.24; none is skipped. A family's setup and
+# each of its checks take well under 5 s (the whole file ~20 s on 2 cores), so all stay in the fast lane.
+FAMILY_LIST = list(FULL_MODELS)
+
+
+def tagged(result, modality: str, family: str):
+    """The result as the handoff reads it: it must say its modality and family itself."""
+    assert (result.modality, result.family) == (modality, family)
+    return result
+
+
+@dataclasses.dataclass
+class Case:
+    family: str
+    model: torch.nn.Module
+    input_ids: torch.Tensor
+    pixels: dict  # the processor's outputs: pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw
+    common: dict  # what both paths pass besides the vision inputs (mm_token_type_ids; Omni: seconds per grid)
+    images: object  # our EncodeResult for the two images
+    video: object  # ... and for the video
+    folder: object  # the one set of files both sides read
+
+
+@pytest.fixture(scope="module", params=FAMILY_LIST)
+def case(request, tmp_path_factory) -> Case:
+    family = request.param
+    from transformers import AutoImageProcessor, AutoVideoProcessor
+
+    folder = write_full_model(tmp_path_factory.mktemp(family), family)
+    model = load_full_model(folder, family)
+    images, frames = prompt_images(), prompt_video()
+    image_inputs = AutoImageProcessor.from_pretrained(folder)(images=images, return_tensors="pt")
+    video_inputs = AutoVideoProcessor.from_pretrained(folder)(videos=[frames], do_sample_frames=False,
+                                                             return_tensors="pt")
+    pixels = {"pixel_values": image_inputs["pixel_values"], "image_grid_thw": image_inputs["image_grid_thw"],
+              "pixel_values_videos": video_inputs["pixel_values_videos"],
+              "video_grid_thw": video_inputs["video_grid_thw"]}
+    # resize="torch": transformers 5.x resizes with torchvision whatever the file names (docs/api.md, which pipeline).
+    with load_encoder(str(folder), device="cpu", dtype="fp32") as encoder:
+        assert encoder.family == family
+        ours_images = encoder.encode_images(images, resize="torch")
+        ours_video = encoder.encode_videos([frames])
+    assert ours_images.grid_thw.tolist() == pixels["image_grid_thw"].tolist()
+    assert ours_video.grid_thw.tolist() == pixels["video_grid_thw"].tolist()
+    input_ids = prompt_ids(family, pixels["image_grid_thw"].tolist(), pixels["video_grid_thw"].tolist())
+    if FULL_MODELS[family].thinker:  # the Omni thinkers place items by their vision start token, videos in time
+        common = {"video_second_per_grid": torch.tensor([1.0])}
+    else:
+        common = {"mm_token_type_ids": mm_token_type_ids(input_ids, image_token_id=model.config.image_token_id,
+                                                         video_token_id=model.config.video_token_id)}
+    return Case(family, model, input_ids, pixels, common, tagged(ours_images, "image", family),
+                tagged(ours_video, "video", family), folder)
+
+
+def logits(case: Case, **vision) -> torch.Tensor:
+    with torch.no_grad():
+        return case.model(input_ids=case.input_ids, **case.common, **vision).logits[0]
+
+
+def position_errors(ours: torch.Tensor, ref: torch.Tensor) -> list[float]:
+    return [rel_err(a, b) for a, b in zip(ours, ref, strict=True)]
+
+
+def test_the_prompt_uses_the_tiny_vocabulary_ids(case):
+    cfg = case.model.config
+    assert (cfg.image_token_id, cfg.video_token_id) == (IMAGE_TOKEN, VIDEO_TOKEN)
+
+
+def test_our_embeddings_are_the_models_own(case):
+    """Per item, against the full model's own get_image_features / get_video_features on the processor's pixels:
+    the handoff starts from the same numbers."""
+    with torch.no_grad():
+        own_images = case.model.get_image_features(case.pixels["pixel_values"], case.pixels["image_grid_thw"])
+        own_video = case.model.get_video_features(case.pixels["pixel_values_videos"], case.pixels["video_grid_thw"])
+    for ours, own in [(case.images, own_images), (case.video, own_video)]:
+        errors = item_errors(torch.cat(list(ours.embeddings)), torch.cat(own.pooler_output), ours.grid_thw)
+        assert max(errors) <= TOL, errors
+        own_levels = list(getattr(own, "deepstack_features", None) or [])
+        assert len(own_levels) == len(ours.deepstack[0])
+        for k, level in enumerate(own_levels):
+            errors = item_errors(torch.cat([item[k] for item in ours.deepstack]), torch.cat(level), ours.grid_thw)
+            assert max(errors) <= TOL, (k, errors)
+
+
+def test_the_models_own_encoder_outputs_handed_over_give_bitwise_its_logits(case):
+    """The layout alone, without the two towers' rounding: the model's own get_image_features / get_video_features
+    outputs, read as stored records and handed back through to_transformers, give exactly the logits of its pixel
+    path (a wrong item order, level order or grid would not)."""
+    with torch.no_grad():
+        own = {"image": case.model.get_image_features(case.pixels["pixel_values"], case.pixels["image_grid_thw"]),
+               "video": case.model.get_video_features(case.pixels["pixel_values_videos"],
+                                                      case.pixels["video_grid_thw"])}
+    stored = []
+    for modality, out in own.items():
+        levels = list(getattr(out, "deepstack_features", None) or [])
+        per_item = [[level[i] for level in levels] for i in range(len(out.pooler_output))]
+        stored.append(EncodedItems(list(out.pooler_output), case.pixels[f"{modality}_grid_thw"].tolist(), per_item,
+                                   modality, case.family))
+    assert torch.equal(logits(case, **to_transformers(*stored)), logits(case, **case.pixels))
+
+
+def test_logits_from_our_embeddings_equal_the_logits_from_pixels(case, record_property):
+    """Whole-logits relative error within 1e-5 (fp32); the largest per-position error is reported beside it (the
+    hybrid linear-attention models amplify the towers' ~1e-6 rounding differences to up to 5e-5 at a few positions)."""
+    reference = logits(case, **case.pixels)
+    handed = to_transformers(case.images, case.video, dtype=case.model.dtype, device=case.model.device)
+    ours = logits(case, **handed)
+    whole, per_position = rel_err(ours, reference), max(position_errors(ours, reference))
+    record_property("logits_rel_err", whole)
+    record_property("max_position_rel_err", per_position)
+    print(f"\n{case.family}: logits relative error {whole:.2e}, largest per position {per_position:.2e}")
+    assert whole <= TOL, f"{case.family}: whole-logits relative error {whole:.2e} over {TOL}"
+
+
+def test_an_embed_runs_records_hand_over_like_the_pixels(case, tmp_path):
+    """The images embedded by ``qwenvl-vision embed`` and read back (tensors, manifest grids, run family) give the
+    logits of the pixel path for a prompt of the two images, within the same 1e-5."""
+    paths = []
+    for i, image in enumerate(prompt_images()):
+        paths.append(tmp_path / f"{i}.png")  # PNG: the pixels the processor gets in memory
+        image.save(paths[-1])
+    out = tmp_path / "emb"
+    assert main(["embed", *map(str, paths), "--model", str(case.folder), "--out", str(out), "--device", "cpu",
+                 "--dtype", "fp32", "--resize", "torch", "--quiet"]) == 0
+    records = [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()]
+    read = dict(read_embeddings(out, deepstack=True))
+    stored = EncodedItems([read[r["path"]][0] for r in records], [r["grid_thw"] for r in records],
+                          [read[r["path"]][1] for r in records], "image", read_run(out)["family"])
+    images_only = dataclasses.replace(case, input_ids=prompt_ids(case.family, stored.grid_thw))
+    if "mm_token_type_ids" in case.common:
+        images_only.common = {"mm_token_type_ids": mm_token_type_ids(
+            images_only.input_ids, image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN)}
+    pixels = {k: case.pixels[k] for k in ("pixel_values", "image_grid_thw")}
+    error = rel_err(logits(images_only, **to_transformers(stored)), logits(images_only, **pixels))
+    assert error <= TOL, f"{case.family}: {error:.2e}"
+
+
+def test_the_check_sees_a_small_change_in_one_item(case):
+    """The comparison above can fail: one image's embedding off by 1e-3 (or, with DeepStack, its levels left out)
+    moves the logits well past the tolerance."""
+    reference = logits(case, **case.pixels)
+    first, second = case.images.embeddings
+    nudged = EncodedItems([first, second * 1.001], case.images.grid_thw, case.images.deepstack, "image",
+                          case.family)
+    assert max(position_errors(logits(case, **to_transformers(nudged, case.video)), reference)) > 10 * TOL
+    if FAMILIES[case.family].deepstack:
+        flat = [[torch.zeros_like(level) for level in levels] for levels in case.images.deepstack]
+        no_levels = EncodedItems(case.images.embeddings, case.images.grid_thw, flat, "image", case.family)
+        assert max(position_errors(logits(case, **to_transformers(no_levels, case.video)), reference)) > 10 * TOL
+
+
+def test_greedy_generate_gives_the_same_tokens(case):
+    settings = dict(max_new_tokens=NEW_TOKENS, do_sample=False, min_new_tokens=NEW_TOKENS, pad_token_id=0)
+    with torch.no_grad():
+        from_pixels = case.model.generate(input_ids=case.input_ids, **case.common, **case.pixels, **settings)
+        from_ours = case.model.generate(input_ids=case.input_ids, **case.common,
+                                        **to_transformers(case.images, case.video), **settings)
+    assert from_pixels.shape[1] == case.input_ids.shape[1] + NEW_TOKENS
+    assert from_ours.tolist() == from_pixels.tolist()
+
+
+def test_pixels_and_embeddings_together_are_refused_by_transformers(case):
+    with pytest.raises(ValueError, match="mm_encoder_outputs"):
+        logits(case, **case.pixels, mm_encoder_outputs=to_transformers(case.images)["mm_encoder_outputs"])
+
+
+def test_vllm_layout_splits_back_bitwise(case):
+    """The layout split back as vLLM splits it (tests/contract/ runs vLLM's own code). The video's frames were
+    given in memory, so its frame timing is given as the frames' own (the Qwen3-VL families' vLLM models need
+    their timestamps, the Omni thinkers' the seconds per temporal patch; without it to_vllm refuses, naming
+    video_info)."""
+    video, family = case.video, FAMILIES[case.family]
+    if family.prompt_timestamps or family.seconds_per_grid:
+        with pytest.raises(InputError, match="video_info"):
+            to_vllm(case.images, case.video)
+        frames = 2 * int(video.grid_thw[0, 0])
+        video = EncodedItems(video.embeddings, video.grid_thw, video.deepstack, "video", case.family,
+                             video_info=[{"frames": list(range(frames)), "fps": 4.0, "requested_fps": 4.0}])
+    data = to_vllm(case.images, video)
+    assert set(data) == {"image", "video"}
+    if family.prompt_timestamps:  # frames 0-3 at 4 fps: the mean time of each pair
+        assert data["video"]["timestamps"] == [[0.125, 0.625]]
+    else:
+        assert "timestamps" not in data["video"]
+    if family.seconds_per_grid:  # 2 frames per temporal patch, asked at 4 fps
+        assert data["video"]["second_per_grid_ts"].tolist() == [0.5]
+    else:
+        assert "second_per_grid_ts" not in data["video"]
+    for modality, result in [("image", case.images), ("video", case.video)]:
+        embeds, grid = data[modality][f"{modality}_embeds"], data[modality][f"{modality}_grid_thw"]
+        levels = len(result.deepstack[0])
+        width = result.embeddings[0].shape[1]
+        assert levels == len(FAMILY_SMALL[case.family].deepstack_visual_indexes)
+        assert embeds.shape == (sum(e.shape[0] for e in result.embeddings), width * (1 + levels))
+        assert torch.equal(grid, result.grid_thw.long())
+        merged, split_levels = split_vllm_deepstack(embeds, levels)
+        assert torch.equal(merged, torch.cat(list(result.embeddings)))
+        assert len(split_levels) == levels
+        for k, level in enumerate(split_levels):
+            assert torch.equal(level, torch.cat([item[k] for item in result.deepstack])), k
+
+
+# ----------------------------------------------------------------------------- without a model
+
+
+def items(family="qwen3_vl", levels=2, grids=((1, 4, 6), (1, 2, 2)), width=8, modality="image"):
+    gen = torch.Generator().manual_seed(0)
+    counts = [t * h * w // 4 for t, h, w in grids]
+    embeddings = [torch.randn(n, width, generator=gen) for n in counts]
+    deepstack = [[torch.randn(n, width, generator=gen) for _ in range(levels)] for n in counts]
+    return EncodedItems(embeddings, torch.tensor(grids), deepstack, modality, family)
+
+
+def test_stored_records_convert_like_the_result():
+    """Tensors read back from an embed run (lists, grids as lists) give the same handoff as the result itself."""
+    result = items()
+    stored = EncodedItems([e.clone() for e in result.embeddings], result.grid_thw.tolist(),
+                          [[lvl.clone() for lvl in levels] for levels in result.deepstack], "image", "qwen3_vl")
+    a, b = to_transformers(result), to_transformers(stored)
+    assert torch.equal(a["image_grid_thw"], b["image_grid_thw"])
+    for x, y in zip(a["mm_encoder_outputs"]["image"].pooler_output, b["mm_encoder_outputs"]["image"].pooler_output,
+                    strict=True):
+        assert torch.equal(x, y)
+    assert torch.equal(to_vllm(result)["image"]["image_embeds"], to_vllm(stored)["image"]["image_embeds"])
+
+
+def test_the_transformers_output_has_the_familys_shape():
+    out = to_transformers(items())["mm_encoder_outputs"]["image"]
+    assert type(out).__name__ == "BaseModelOutputWithDeepstackFeatures"
+    assert isinstance(out.pooler_output, tuple) and len(out.pooler_output) == 2
+    assert len(out.deepstack_features) == 2 and all(len(level) == 2 for level in out.deepstack_features)
+    plain = to_transformers(items("qwen3_5", levels=0))["mm_encoder_outputs"]["image"]
+    assert type(plain).__name__ == "BaseModelOutputWithPooling" and not hasattr(plain, "deepstack_features")
+
+
+def test_dtype_and_device_are_applied_when_asked():
+    handed = to_transformers(items(), dtype=torch.bfloat16, device="cpu")
+    out = handed["mm_encoder_outputs"]["image"]
+    assert all(t.dtype == torch.bfloat16 for t in out.pooler_output)
+    assert all(t.dtype == torch.bfloat16 for level in out.deepstack_features for t in level)
+    assert handed["image_grid_thw"].dtype == torch.long
+    assert to_vllm(items(), dtype=torch.float16)["image"]["image_embeds"].dtype == torch.float16
+
+
+def test_results_of_one_modality_are_joined_in_order():
+    a, b = items(grids=((1, 2, 2),)), items(grids=((1, 4, 4),))
+    handed = to_transformers(a, b)
+    assert handed["image_grid_thw"].tolist() == [[1, 2, 2], [1, 4, 4]]
+    assert [t.shape[0] for t in handed["mm_encoder_outputs"]["image"].pooler_output] == [1, 4]
+
+
+@pytest.mark.parametrize("broken, message", [
+    (lambda r: dataclasses.replace(r, grid_thw=torch.tensor([[1, 4, 6]])), "2 embeddings but 1 grids"),
+    (lambda r: dataclasses.replace(r, grid_thw=torch.tensor([[1, 4, 6], [1, 4, 4]])), "item 1"),
+    (lambda r: dataclasses.replace(r, deepstack=None), "DeepStack levels for every item"),
+    (lambda r: dataclasses.replace(r, modality="audio"), "modality"),
+    (lambda r: dataclasses.replace(r, family="qwen9"), "unknown family"),
+    (lambda r: dataclasses.replace(r, deepstack=[r.deepstack[0], r.deepstack[1][:1]]), "levels per item"),
+    (lambda r: SimpleNamespace(embeddings=r.embeddings, grid_thw=r.grid_thw), "not an encode result"),
+])
+def test_inconsistent_items_are_named(broken, message):
+    with pytest.raises(InputError, match=message):
+        to_transformers(broken(items()))
+
+
+def test_a_family_without_deepstack_refuses_levels():
+    with pytest.raises(InputError, match="no DeepStack levels"):
+        to_vllm(items("qwen2_5_vl", levels=1))
+
+
+def test_split_refuses_a_width_that_does_not_divide():
+    with pytest.raises(InputError, match="feature blocks"):
+        split_vllm_deepstack(torch.zeros(3, 10), 2)
+
+
+def test_mm_token_type_ids_marks_images_and_videos():
+    ids = torch.tensor([[1, 100, 100, 5, 101, 7]])
+    assert mm_token_type_ids(ids, image_token_id=100, video_token_id=101).tolist() == [[0, 1, 1, 0, 2, 0]]

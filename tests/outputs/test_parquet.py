@@ -1,0 +1,281 @@
+"""qwenvl_vision.outputs.parquet: the layout (column types, metadata) as plain pyarrow reads it, the values bitwise the
+encoder's (bf16 runs stored as exact float32 and given back as bf16), atomic shard writes, and the strict reader
+refusing damaged files with one error naming the file and row."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from qwenvl_vision import ManifestError, load_encoder
+from qwenvl_vision.inputs.video_io import VideoInfo
+from tests.helpers import synthetic_photo
+
+pa = pytest.importorskip("pyarrow")
+pq = pytest.importorskip("pyarrow.parquet")
+
+import qwenvl_vision.outputs.parquet as qparquet  # noqa: E402
+from qwenvl_vision.outputs.parquet import (  # noqa: E402
+    ParquetLayout,
+    read_parquet_records,
+    read_parquet_run,
+    read_parquet_table,
+    results_table,
+    shard_name,
+    write_table_atomic,
+)
+from qwenvl_vision.outputs.records import EmbeddingRecord, record_from_result  # noqa: E402
+
+SETTINGS = dict(min_pixels=32 * 32, max_pixels=96 * 96)
+RUN = {"model": "tiny-qwen3", "dtype": "float32", "run_id": "r1"}
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> list[str]:
+    """Three good images of different sizes and a corrupt one, in that order."""
+    folder = tmp_path_factory.mktemp("parquet-media")
+    paths = []
+    for i, (h, w) in enumerate([(40, 56), (64, 96), (50, 50)]):
+        paths.append(str(folder / f"good{i}.png"))
+        Image.fromarray(synthetic_photo(h, w, seed=i)).save(paths[-1])
+    (folder / "cut.jpg").write_bytes(b"\xff\xd8\xff\xe0 not really a jpeg" * 3)
+    return paths + [str(folder / "cut.jpg")]
+
+
+def encoded(checkpoint, paths, dtype):
+    """(records, layout): every input encoded (tokens, DeepStack and pooled), as embed would hand them over."""
+    with load_encoder(checkpoint, device="cpu", dtype=dtype) as enc:
+        results = [r for batch in enc.iter_encode(paths, pooled=True, **SETTINGS) for r in batch]
+        layout = ParquetLayout.for_encoder(enc, pooled=True)
+    return [record_from_result(r, paths[r.index]) for r in results], layout
+
+
+@pytest.fixture(scope="module")
+def fp32(checkpoint3, inputs):
+    return encoded(checkpoint3, inputs, "float32")
+
+
+@pytest.fixture
+def shard(tmp_path, fp32) -> Path:
+    records, layout = fp32
+    return write_table_atomic(results_table(records, layout, RUN), tmp_path / shard_name(0, 0))
+
+
+def test_plain_pyarrow_reads_the_layout(shard, fp32):
+    records, layout = fp32
+    assert (layout.dim, layout.levels, layout.merge_size, layout.dtype) == (64, 2, 2, "float32")
+    table = pq.read_table(shard)
+    types = {f.name: f.type for f in table.schema}
+    vectors = pa.list_(pa.float32(), 64)
+    assert types == {"path": pa.string(), "realpath": pa.string(), "status": pa.string(), "error": pa.string(),
+                     "grid_thw": pa.list_(pa.int64(), 3), "tokens": pa.int64(), "embedding": pa.list_(vectors),
+                     "pooled": vectors, "deepstack_0": pa.list_(vectors), "deepstack_1": pa.list_(vectors),
+                     "video": qparquet.VIDEO_TYPE}
+    meta = json.loads(table.schema.metadata[b"qwenvl_vision"])
+    assert meta["run"] == RUN and meta["layout"]["dtype"] == "float32" and meta["layout"]["dim"] == 64
+    rows = table.to_pylist()
+    assert [r["status"] for r in rows] == ["ok", "ok", "ok", "error"]
+    assert "not a recognised image file" in rows[3]["error"] or "corrupt" in rows[3]["error"]
+    assert rows[3]["embedding"] is None and rows[3]["pooled"] is None and rows[3]["grid_thw"] is None
+    for row, record in zip(rows[:3], records[:3], strict=True):
+        assert row["path"] == record.path and row["realpath"] == str(Path(record.path).resolve())
+        assert tuple(row["grid_thw"]) == record.grid_thw and row["tokens"] == record.embedding.shape[0]
+        assert row["tokens"] == np.prod(row["grid_thw"]) // 4
+        assert torch.equal(torch.tensor(row["embedding"]), record.embedding)
+        assert torch.equal(torch.tensor(row["pooled"]), record.pooled)
+        for level in range(2):
+            assert torch.equal(torch.tensor(row[f"deepstack_{level}"]), record.deepstack[level])
+
+
+def test_read_parquet_records_gives_back_the_encoder_tensors(shard, fp32):
+    records, _ = fp32
+    back = list(read_parquet_records(shard.parent))
+    assert read_parquet_run(shard.parent) == RUN
+    assert [(r.path, r.status, r.error, r.grid_thw, r.tokens) for r in back] == \
+        [(r.path, r.status, r.error, r.grid_thw, r.tokens) for r in records]
+    for got, want in zip(back, records, strict=True):
+        if not want.ok:
+            assert got.embedding is None and got.pooled is None and got.deepstack == []
+            continue
+        assert torch.equal(got.embedding, want.embedding) and torch.equal(got.pooled, want.pooled)
+        assert len(got.deepstack) == 2 and all(torch.equal(a, b) for a, b in zip(got.deepstack, want.deepstack))
+
+
+def test_a_bf16_run_is_stored_as_exact_float32_and_read_back_as_bf16(tmp_path, checkpoint3, inputs):
+    records, layout = encoded(checkpoint3, inputs[:2], "bfloat16")
+    assert layout.dtype == "bfloat16" and records[0].embedding.dtype == torch.bfloat16
+    path = write_table_atomic(results_table(records, layout, RUN), tmp_path / shard_name(0, 0))
+    table = pq.read_table(path)
+    assert table.schema.field("embedding").type.value_type.value_type == pa.float32()
+    assert torch.equal(torch.tensor(table.column("embedding")[0].as_py()), records[0].embedding.float())
+    for got, want in zip(read_parquet_records(tmp_path), records, strict=True):
+        assert got.embedding.dtype == torch.bfloat16 and torch.equal(got.embedding, want.embedding)
+        assert torch.equal(got.pooled, want.pooled)
+        assert all(torch.equal(a, b) for a, b in zip(got.deepstack, want.deepstack, strict=True))
+
+
+def test_pooled_only_layout_and_the_video_column(tmp_path, fp32):
+    """A run that stores only mean vectors has no token columns; a video's frames survive the round trip."""
+    records, layout = fp32
+    layout = ParquetLayout(layout.dim, layout.levels, layout.merge_size, layout.dtype, tokens=False, pooled=True)
+    info = VideoInfo(total_frames=20, video_fps=10.0, frame_indices=[0, 5, 10, 15], height=40, width=56)
+    first = record_from_result(type("Result", (), dict(error=None, embedding=records[0].embedding, video_info=info,
+                                                       grid_thw=records[0].grid_thw, deepstack=[],
+                                                       pooled=records[0].pooled))(), records[0].path)
+    path = write_table_atomic(results_table([first, *records[1:]], layout, RUN), tmp_path / "a.parquet")
+    assert pq.read_schema(path).names == ["path", "realpath", "status", "error", "grid_thw", "tokens", "pooled",
+                                          "video"]
+    back = list(read_parquet_records(tmp_path))
+    assert back[0].video == {"frames": [0, 5, 10, 15], "timestamps": [0.0, 0.5, 1.0, 1.5], "fps": 10.0,
+                             "sampled_fps": info.sampled_fps, "total_frames": 20}
+    assert back[1].video is None and back[0].embedding is None and back[0].tokens == records[0].tokens
+    assert all(torch.equal(got.pooled, want.pooled) for got, want in zip(back[:3], records[:3], strict=True))
+
+
+def test_the_writer_refuses_records_that_do_not_fit_the_layout(fp32):
+    records, layout = fp32
+    wide = EmbeddingRecord("x", "/x", "ok", None, (1, 2, 2), 1, torch.zeros(1, 65), [torch.zeros(1, 65)] * 2,
+                           torch.zeros(65))
+    with pytest.raises(ValueError, match="row 0: embedding has shape"):
+        results_table([wide], layout, RUN)
+    with pytest.raises(ValueError, match=r"row 1 \(y\): an ok record without \['pooled'\]"):
+        results_table([records[0], EmbeddingRecord("y", "/y", "ok", None, records[0].grid_thw, records[0].tokens,
+                                                   records[0].embedding, records[0].deepstack)], layout, RUN)
+    with pytest.raises(ValueError, match="status 'error' with error None"):
+        results_table([EmbeddingRecord("z", "/z", "error")], layout, RUN)
+
+
+def test_a_failed_write_leaves_neither_a_shard_nor_a_temporary_file(tmp_path, fp32, monkeypatch):
+    records, layout = fp32
+    table = results_table(records, layout, RUN)
+    target = tmp_path / shard_name(0, 1)
+
+    def full_disk(table, where, **options):
+        where.write(b"PAR1 half a file")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(qparquet.pq, "write_table", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        write_table_atomic(table, target)
+    assert list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------------- damaged files
+
+
+def _with_column(table: pa.Table, name: str, values: pa.Array) -> pa.Table:
+    """The table with one column replaced, its schema (type and metadata) otherwise kept."""
+    return table.set_column(table.schema.get_field_index(name), name, values).replace_schema_metadata(
+        table.schema.metadata)
+
+
+def _set_row(table: pa.Table, name: str, row: int, value) -> pa.Table:
+    values = table.column(name).to_pylist()
+    values[row] = value
+    return _with_column(table, name, pa.array(values, table.schema.field(name).type))
+
+
+def _float64_embedding(table: pa.Table) -> pa.Table:
+    values = pa.array(table.column("embedding").to_pylist(), pa.list_(pa.list_(pa.float64(), 64)))
+    field = pa.field("embedding", values.type)
+    return table.set_column(table.schema.get_field_index("embedding"), field, values)
+
+
+def _null_float(table: pa.Table) -> pa.Table:
+    embedding = table.column("embedding").to_pylist()
+    embedding[1][2][7] = None
+    return _with_column(table, "embedding", pa.array(embedding, table.schema.field("embedding").type))
+
+
+DAMAGE = {
+    "no metadata": (lambda t: t.replace_schema_metadata(None), "no qwenvl_vision metadata"),
+    "bad metadata": (lambda t: t.replace_schema_metadata({b"qwenvl_vision": b"{not json"}),
+                     "damaged qwenvl_vision metadata"),
+    "no run record": (lambda t: t.replace_schema_metadata({b"qwenvl_vision": json.dumps(
+        {**json.loads(t.schema.metadata[b"qwenvl_vision"]), "run": None}).encode()}), "no run record"),
+    "float64 column": (_float64_embedding, "schema is not the layout's"),
+    "missing column": (lambda t: t.drop_columns(["deepstack_1"]), "missing ['deepstack_1']"),
+    "tokens off by one": (lambda t: _set_row(t, "tokens", 1, t.column("tokens")[1].as_py() + 1), "row 1: tokens"),
+    "grid of another size": (lambda t: _set_row(t, "grid_thw", 2, [2, *t.column("grid_thw")[2].as_py()[1:]]),
+                             "row 2: tokens"),
+    "embedding cut short": (lambda t: _set_row(t, "embedding", 0, t.column("embedding")[0].as_py()[:-1]),
+                            "row 0: embedding has"),
+    "a level cut short": (lambda t: _set_row(t, "deepstack_1", 2, t.column("deepstack_1")[2].as_py()[1:]),
+                          "row 2: deepstack_1 has"),
+    "unknown status": (lambda t: _set_row(t, "status", 0, "maybe"), "row 0: status 'maybe'"),
+    "ok with an error": (lambda t: _set_row(t, "error", 1, "oops"), "row 1: status ok with an error"),
+    "error without reason": (lambda t: _set_row(t, "error", 3, None), "row 3: status error without"),
+    "error row with a tensor": (lambda t: _set_row(t, "pooled", 3, [0.0] * 64), "row 3: an error row holding"),
+    "ok row without pooled": (lambda t: _set_row(t, "pooled", 0, None), "row 0: status ok without pooled"),
+    "null float": (_null_float, "row 1: embedding holds a null value"),
+    "no path": (lambda t: _set_row(t, "path", 2, None), "row 2: no path"),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_a_damaged_file_is_one_error_naming_file_and_row(shard, damage):
+    change, message = DAMAGE[damage]
+    pq.write_table(change(pq.read_table(shard)), shard)
+    for read in (read_parquet_table, lambda p: list(read_parquet_records(p.parent))):
+        with pytest.raises(ManifestError) as caught:
+            read(shard)
+        assert str(shard) in str(caught.value) and message in str(caught.value), str(caught.value)
+
+
+def test_an_unreadable_file_and_odd_folders_are_refused(tmp_path, shard, fp32):
+    records, layout = fp32
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ManifestError, match="holds no .parquet files"):
+        list(read_parquet_records(tmp_path / "empty"))
+    (shard.parent / f".{shard.name}.abc.tmp").write_bytes(b"a write in progress")  # not a shard: skipped
+    assert len(list(read_parquet_records(shard.parent))) == len(records)
+    other = write_table_atomic(results_table(records, layout, dict(RUN, run_id="r2")), shard.parent / "z.parquet")
+    with pytest.raises(ManifestError, match=r"z.parquet: its run record differs from shard-r0-000000.parquet's"):
+        list(read_parquet_records(shard.parent))
+    other.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    with pytest.raises(ManifestError, match=r"z.parquet: not a readable Parquet file"):
+        list(read_parquet_records(shard.parent))
+
+
+def test_text_columns_store_a_non_utf8_name_escaped(tmp_path, fp32):
+    """A surrogate-escaped file name ('caf\\udce9.jpg', Python's b'caf\\xe9.jpg') and an error naming it: plain
+    pa.array refuses them (UnicodeEncodeError); the layout stores their backslash escapes, valid text unchanged."""
+    _, layout = fp32
+    odd = "/data/caf\udce9.jpg"
+    with pytest.raises(UnicodeEncodeError):
+        pa.array([odd], pa.string())
+    records = [EmbeddingRecord(odd, odd, "error", f"image {odd}: not a recognised image file"),
+               EmbeddingRecord("/data/né.jpg", "/data/né.jpg", "error", "gone")]
+    path = write_table_atomic(results_table(records, layout, RUN), tmp_path / shard_name(0, 0))
+    rows = pq.read_table(path).to_pylist()
+    assert [r["path"] for r in rows] == ["/data/caf\\udce9.jpg", "/data/né.jpg"]
+    assert rows[0]["realpath"] == "/data/caf\\udce9.jpg" and "caf\\udce9.jpg" in rows[0]["error"]
+    assert qparquet.text("plain é") == "plain é" and qparquet.needs_escape(odd) and not qparquet.needs_escape("é")
+
+
+def test_the_index_reads_realpaths_and_statuses_and_shards_of_one_run_may_fill_a_field(tmp_path, fp32):
+    """read_parquet_index gives what a resume needs without the tensors; a later shard of the same run whose
+    record fills a field the first lacked (a resume on an older run file) reads as one run, another run id not."""
+    records, layout = fp32
+    first = write_table_atomic(results_table(records, layout, RUN), tmp_path / shard_name(0, 0))
+    realpaths, statuses, got_layout, run = qparquet.read_parquet_index(first)
+    assert statuses == [r.status for r in records] and realpaths == [r.realpath for r in records]
+    assert (got_layout, run) == (layout, RUN)
+    write_table_atomic(results_table(records[:1], layout, {**RUN, "cpu_plan": {"format": 1}}),
+                       tmp_path / shard_name(0, 1))
+    assert len(list(read_parquet_records(tmp_path))) == len(records) + 1
+    write_table_atomic(results_table(records[:1], layout, {**RUN, "run_id": "r2"}), tmp_path / shard_name(0, 2))
+    with pytest.raises(ManifestError, match="run record differs"):
+        list(read_parquet_records(tmp_path))
+    with pytest.raises(ManifestError, match="not a readable Parquet file"):
+        qparquet.read_parquet_index(_write(tmp_path / "junk.parquet", b"not parquet"))
+
+
+def _write(path: Path, data: bytes) -> Path:
+    path.write_bytes(data)
+    return path

@@ -1,0 +1,313 @@
+"""qwenvl_vision.outputs.vllm_cache and ``embed --format vllm-cache``: vLLM's encoder-cache layout as an output, read back
+with plain safetensors (tests/contract/ loads it with vLLM's own ECExampleConnector).
+
+Each item file holds exactly what ``to_vllm`` gives the item, bit for bit; ids are the same from the API and from
+``embed``, and change with the model, its dtype and the pixels; a folder of another model is refused with nothing
+written; a resumed and a two-rank run record each input once."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from qwenvl_vision import load_encoder
+from qwenvl_vision.cli import main
+from qwenvl_vision.embed import read_embeddings, read_encoded, read_manifest_lines, read_run
+from qwenvl_vision.errors import CacheFolderError, EncoderClosedError, InputError
+from qwenvl_vision.inputs.item_ids import item_id
+from qwenvl_vision.outputs.handoff import to_vllm, vllm_timestamps
+from qwenvl_vision.outputs.vllm_cache import CACHE_FILE, IDENTITY_FILE, vllm_request
+from tests.helpers import FAMILY_SMALL, make_image_folder, rel_err, write_checkpoint, write_video
+from tests.helpers.embed import ENV, make_media_folder, one_error_line, torchrun_embed_cmd
+
+SMALL = ["--max-pixels", str(64 * 64)]
+
+
+def listing(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+
+
+def rows_of(data: dict, modality: str, tokens: list[int]) -> list[torch.Tensor]:
+    """to_vllm's embeds split back into items."""
+    return list(data[modality][f"{modality}_embeds"].split(tokens))
+
+
+def test_embed_writes_the_items_to_vllm_gives_named_as_the_api_names_them(tmp_path, checkpoint3, capsys):
+    pytest.importorskip("av")
+    images, videos = make_media_folder(tmp_path / "media", 3, 2)
+    (tmp_path / "media" / "broken.png").write_bytes(b"not an image")
+    out = tmp_path / "cache"
+    assert main(["embed", str(tmp_path / "media"), "--model", str(checkpoint3), "--out", str(out),
+                 "--format", "vllm-cache", "--fps", "3", *SMALL]) == 1  # the broken file fails, the rest embed
+    records = {Path(r["path"]).name: r for r in read_manifest_lines(out / "manifest.jsonl")}
+    assert records["broken.png"]["status"] == "error" and "broken.png" in records["broken.png"]["error"]
+    encoder = load_encoder(checkpoint3, device="cpu")
+    image_result = encoder.encode_images([str(p) for p in images], max_pixels=64 * 64)
+    video_result = encoder.encode_videos([str(p) for p in videos], fps=3.0)
+    for paths, result in [(images, image_result), (videos, video_result)]:
+        data = result.to_vllm()
+        expected = rows_of(data, result.modality, [e.shape[0] for e in result.embeddings])
+        entries = result.to_vllm_cache(tmp_path / "api")
+        for path, rows, e in zip(paths, expected, entries, strict=True):
+            record = records[path.name]
+            assert record["id"] == e["id"] and record["modality"] == result.modality == e["modality"]
+            assert record["shard"] == f"{e['id']}/{CACHE_FILE}" and record["grid_thw"] == e["grid_thw"]
+            stored = load_file(out / record["shard"])
+            assert list(stored) == ["ec_cache"]
+            assert stored["ec_cache"].dtype == rows.dtype and torch.equal(stored["ec_cache"], rows)
+            assert torch.equal(load_file(tmp_path / "api" / e["id"] / CACHE_FILE)["ec_cache"], rows)
+        if result.modality == "video":  # the times vLLM's Qwen3-VL processor computes for the same frames
+            assert data["video"]["timestamps"] == [records[p.name]["timestamps"] for p in videos]
+            for p, info in zip(videos, result.video_info):
+                assert records[p.name]["timestamps"] == vllm_timestamps(info.frame_indices, info.video_fps)
+        else:
+            assert all("timestamps" not in records[p.name] for p in paths)
+    assert not list(out.rglob("*.tmp")) and (out / IDENTITY_FILE).is_file()
+    assert read_run(out)["file_format"] == "vllm-cache"
+    stored = dict(read_embeddings(out, deepstack=True))  # split back into the embedding and its levels
+    for path, emb, levels in zip(images, image_result.embeddings, image_result.deepstack):
+        got, got_levels = stored[records[path.name]["path"]]
+        assert torch.equal(got, emb) and len(got_levels) == 2
+        assert all(torch.equal(a, b) for a, b in zip(got_levels, levels))
+
+
+def test_ids_change_with_the_model_its_dtype_and_the_pixels_and_stay_for_the_same(tmp_path, checkpoint, checkpoint3):
+    paths = [str(p) for p in make_image_folder(tmp_path / "imgs", 2, bad=False)]
+    fp32 = load_encoder(checkpoint3, device="cpu")
+    ids = {}
+    ids["first"] = [e["id"] for e in fp32.encode_images(paths, max_pixels=64 * 64).to_vllm_cache(tmp_path / "a")]
+    item = tmp_path / "a" / ids["first"][0] / CACHE_FILE
+    written = item.stat().st_mtime_ns
+    ids["again"] = [e["id"] for e in fp32.encode_images(paths, max_pixels=64 * 64).to_vllm_cache(tmp_path / "a")]
+    assert ids["again"] == ids["first"] and item.stat().st_mtime_ns == written  # an id present is not rewritten
+    resized = fp32.encode_images(paths, min_pixels=32 * 32, max_pixels=48 * 48)  # other pixels, other ids
+    ids["pixels"] = [e["id"] for e in resized.to_vllm_cache(tmp_path / "b")]
+    bf16 = load_encoder(checkpoint3, device="cpu", dtype=torch.bfloat16)
+    ids["dtype"] = [e["id"] for e in bf16.encode_images(paths, max_pixels=64 * 64).to_vllm_cache(tmp_path / "c")]
+    other = load_encoder(checkpoint3, device="cpu", random_weights=False)
+    with torch.no_grad():  # a fine-tune: the same names and shapes, one weight changed
+        next(other.model.parameters()).add_(1e-3)
+    ids["weights"] = [e["id"] for e in other.encode_images(paths, max_pixels=64 * 64).to_vllm_cache(tmp_path / "d")]
+    qwen25 = load_encoder(checkpoint, device="cpu")
+    ids["family"] = [e["id"] for e in qwen25.encode_images(paths, max_pixels=64 * 64).to_vllm_cache(tmp_path / "e")]
+    flat = [i for key in ("first", "pixels", "dtype", "weights", "family") for i in ids[key]]
+    assert len(set(flat)) == len(flat)
+
+
+def test_a_folder_holding_another_model_s_items_is_refused_and_nothing_written(tmp_path, checkpoint, checkpoint3,
+                                                                            capsys):
+    paths = [str(p) for p in make_image_folder(tmp_path / "imgs", 2, bad=False)]
+    folder = tmp_path / "cache"
+    qwen3, qwen25 = load_encoder(checkpoint3, device="cpu"), load_encoder(checkpoint, device="cpu")
+    qwen3.encode_images(paths, max_pixels=64 * 64).to_vllm_cache(folder)
+    before = listing(folder)
+    with pytest.raises(CacheFolderError, match="another model"):
+        qwen25.encode_images(paths, max_pixels=64 * 64).to_vllm_cache(folder)
+    assert main(["embed", *paths, "--model", str(checkpoint), "--out", str(folder), "--format", "vllm-cache",
+                 *SMALL]) == 2
+    assert "another model" in one_error_line(capsys.readouterr().err, "another model")
+    assert listing(folder) == before
+    # Items of unknown origin (vLLM's own producer, a copy without the identity file) are refused too.
+    (folder / IDENTITY_FILE).unlink()
+    with pytest.raises(CacheFolderError, match="not written by qwenvl-vision"):
+        qwen3.encode_images(paths, max_pixels=64 * 64).to_vllm_cache(folder)
+
+
+def test_the_request_names_each_item_by_its_id_with_the_grid_and_the_timing(tmp_path, checkpoint3):
+    pytest.importorskip("av")
+    video = tmp_path / "clip.mp4"
+    write_video(video, 9, 48, 40, 4)
+    encoder = load_encoder(checkpoint3, device="cpu")
+    images = encoder.encode_images([str(p) for p in make_image_folder(tmp_path / "imgs", 2, bad=False)],
+                                   max_pixels=64 * 64).to_vllm_cache(tmp_path / "cache")
+    videos = encoder.encode_videos([str(video)]).to_vllm_cache(tmp_path / "cache")
+    request = vllm_request([images[1], videos[0], images[0]])  # each modality's items in prompt order
+    assert request["multi_modal_uuids"] == {"image": [images[1]["id"], images[0]["id"]], "video": [videos[0]["id"]]}
+    data = request["multi_modal_data"]
+    assert torch.equal(data["image"]["image_grid_thw"], torch.tensor([images[1]["grid_thw"], images[0]["grid_thw"]]))
+    assert set(data["image"]) == {"image_grid_thw"}  # the embeddings come from the cache
+    assert data["video"]["timestamps"] == [videos[0]["timestamps"]] and len(videos[0]["timestamps"]) == \
+        videos[0]["grid_thw"][0]
+    with pytest.raises(InputError, match="entry 1: id"):
+        vllm_request([images[0], {**images[1], "id": "../../etc"}])
+
+
+def test_omni_videos_carry_the_seconds_per_temporal_patch_of_the_fps_asked(tmp_path):
+    """The Omni thinkers' processors compute temporal_patch_size / fps from the fps asked for (not the rate the
+    frames came out at); frames given in memory have none, which to_vllm names."""
+    pytest.importorskip("av")
+    video = tmp_path / "clip.mp4"
+    write_video(video, 11, 48, 40, 5)
+    encoder = load_encoder(FAMILY_SMALL["qwen2_5_omni"], random_weights=True, device="cpu")
+    result = encoder.encode_videos([str(video)], fps=3.0)
+    assert result.to_vllm()["video"]["second_per_grid_ts"].tolist() == [pytest.approx(2 / 3)]
+    (e,) = result.to_vllm_cache(tmp_path / "cache")
+    assert e["second_per_grid_t"] == pytest.approx(2 / 3) and "timestamps" not in e
+    assert vllm_request([e])["multi_modal_data"]["video"]["second_per_grid_ts"].tolist() == [pytest.approx(2 / 3)]
+    frames = encoder.encode_videos([torch.zeros(4, 3, 56, 56, dtype=torch.uint8)])
+    with pytest.raises(InputError, match="video_info"):
+        frames.to_vllm()
+    with pytest.raises(InputError, match="video_info"):
+        frames.to_vllm_cache(tmp_path / "other")
+    assert not (tmp_path / "other").exists()
+
+
+def test_a_result_names_its_items_while_its_encoder_is_loaded_or_has_hashed_its_weights(tmp_path, checkpoint3):
+    """A result does not keep its encoder alive: once the encoder is gone, which model made it is unknown. A closed
+    encoder that hashed its weights before it closed still names them."""
+    paths = [str(p) for p in make_image_folder(tmp_path / "imgs", 1, bad=False)]
+    result = load_encoder(checkpoint3, device="cpu").encode_images(paths, max_pixels=64 * 64)
+    with pytest.raises(InputError, match="keep the encoder"):
+        result.to_vllm_cache(tmp_path / "cache")
+    assert not (tmp_path / "cache").exists()
+    encoder = load_encoder(checkpoint3, device="cpu")
+    result = encoder.encode_images(paths, max_pixels=64 * 64)
+    encoder.close()
+    with pytest.raises(EncoderClosedError):
+        result.to_vllm_cache(tmp_path / "cache")
+    encoder = load_encoder(checkpoint3, device="cpu")
+    result = encoder.encode_images(paths, max_pixels=64 * 64)
+    identity = encoder.identity()
+    encoder.close()
+    assert encoder.identity() == identity and len(result.to_vllm_cache(tmp_path / "cache")) == 1
+
+
+def test_a_resumed_run_and_two_ranks_record_each_input_once(tmp_path, checkpoint):
+    paths = make_image_folder(tmp_path / "imgs", 5)
+    out = tmp_path / "resumed"
+    assert main(["embed", *map(str, paths[:2]), "--model", str(checkpoint), "--out", str(out),
+                 "--format", "vllm-cache", *SMALL]) == 0
+    first = {r["path"]: r["id"] for r in read_manifest_lines(out / "manifest.jsonl")}
+    assert main(["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(out), "--resume",
+                 *SMALL]) == 1  # the format is the run's; the bad files fail
+    recs = read_manifest_lines(out / "manifest.jsonl")
+    assert len({r["realpath"] for r in recs}) == len(recs) == len(paths) + 3
+    ok = [r for r in recs if r["status"] == "ok"]
+    assert {r["path"]: r["id"] for r in ok if r["path"] in first} == first
+    assert {p.name for p in out.iterdir() if p.is_dir()} == {r["id"] for r in ok}
+    ranks = tmp_path / "ranks"
+    result = subprocess.run(torchrun_embed_cmd([tmp_path / "imgs"], checkpoint, ranks, "--format", "vllm-cache",
+                                               *SMALL), env=ENV, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    by_rank = read_manifest_lines(ranks / "manifest.jsonl")
+    assert {r["rank"] for r in by_rank} == {0, 1} and len(by_rank) == len(recs)
+    assert {r["path"]: r["id"] for r in by_rank if r["status"] == "ok"} == {r["path"]: r["id"] for r in ok}
+    for r in ok:  # the ranks run 1 thread each (ENV), this process more: the same up to fp32 rounding
+        assert rel_err(load_file(ranks / r["shard"])["ec_cache"], load_file(out / r["shard"])["ec_cache"]) <= 1e-5
+    assert not list(ranks.rglob("*.tmp"))
+
+
+def test_vllm_cache_options_that_cannot_work_are_refused(tmp_path, checkpoint, capsys):
+    paths = [str(p) for p in make_image_folder(tmp_path / "imgs", 1, bad=False)]
+    for extra, needle in [(["--pooled-only"], "--pooled-only")]:
+        out = tmp_path / "out"
+        assert main(["embed", *paths, "--model", str(checkpoint), "--out", str(out), "--format", "vllm-cache",
+                     *extra]) == 2
+        assert needle in one_error_line(capsys.readouterr().err, needle)
+        assert not out.exists()
+
+
+def test_a_resume_removes_a_killed_run_s_temporary_item_and_records_each_input_once(tmp_path, checkpoint):
+    """A run killed while an item was being written leaves its temporary file (removed by the resume) and maybe a
+    complete item it never recorded (kept: the redone input finds it under its id). Two files with the same pixels
+    are one item, recorded for both."""
+    paths = make_image_folder(tmp_path / "imgs", 3, bad=False)
+    twin = tmp_path / "imgs" / "twin.png"
+    twin.write_bytes(paths[1].read_bytes())
+    out = tmp_path / "cache"
+    assert main(["embed", str(paths[0]), "--model", str(checkpoint), "--out", str(out), "--format", "vllm-cache",
+                 *SMALL]) == 0
+    run_id = read_run(out)["run_id"]
+    encoder = load_encoder(checkpoint, device="cpu")
+    (orphan,) = encoder.encode_images([str(paths[2])], max_pixels=64 * 64).to_vllm_cache(out)  # written, unrecorded
+    stale = out / orphan["id"] / f"{CACHE_FILE}.{run_id}-r0.tmp"
+    stale.write_bytes(b"half an item")
+    assert main(["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(out), "--resume",
+                 *SMALL]) == 0
+    recs = read_manifest_lines(out / "manifest.jsonl")
+    assert sorted(Path(r["path"]).name for r in recs) == sorted([p.name for p in paths] + ["twin.png"])
+    by_name = {Path(r["path"]).name: r for r in recs}
+    assert by_name["twin.png"]["id"] == by_name[paths[1].name]["id"]
+    assert by_name[paths[2].name]["id"] == orphan["id"]
+    assert not stale.exists() and not list(out.rglob("*.tmp"))
+    assert {p.name for p in out.iterdir() if p.is_dir()} == {r["id"] for r in recs}
+
+
+def test_a_pickled_result_keeps_its_tensors_and_drops_its_encoder(tmp_path, checkpoint3):
+    import pickle
+
+    paths = [str(p) for p in make_image_folder(tmp_path / "imgs", 1, bad=False)]
+    encoder = load_encoder(checkpoint3, device="cpu")
+    result = encoder.encode_images(paths, max_pixels=64 * 64)
+    copy = pickle.loads(pickle.dumps(result))
+    assert torch.equal(copy.embeddings[0], result.embeddings[0]) and copy.pixels_sha256 == result.pixels_sha256
+    with pytest.raises(InputError, match="pickled one drops it"):
+        copy.to_vllm_cache(tmp_path / "cache")
+    import copy as copying
+
+    assert len(copying.deepcopy(result).to_vllm_cache(tmp_path / "cache")) == 1  # a copy in memory keeps it
+    streamed = [r for batch in encoder.iter_encode(paths, max_pixels=64 * 64) for r in batch]
+    assert streamed[0].pixels_sha256 is None  # hashing is asked for: iter_encode(hash_pixels=True)
+    hashed = [r for batch in encoder.iter_encode(paths, max_pixels=64 * 64, hash_pixels=True) for r in batch]
+    assert hashed[0].pixels_sha256 == result.pixels_sha256[0]
+    with pytest.raises(InputError, match="no pixel hash"):
+        item_id(encoder.identity(), "image", [1, 4, 4], None)
+
+
+def test_an_omni_video_from_a_parquet_run_hands_over_at_the_run_s_fps(tmp_path):
+    """Parquet has no column for the fps a video was asked at: read_encoded takes the run's."""
+    pytest.importorskip("pyarrow")
+    pytest.importorskip("av")
+    folder = tmp_path / "omni"
+    write_checkpoint(folder, FAMILY_SMALL["qwen2_5_omni"])
+    video = tmp_path / "clip.mp4"
+    write_video(video, 11, 48, 40, 5)
+    out = tmp_path / "out"
+    assert main(["embed", str(video), "--model", str(folder), "--out", str(out), "--format", "parquet",
+                 "--fps", "2.5"]) == 0
+    data = to_vllm(read_encoded(out))["video"]
+    assert data["second_per_grid_ts"].tolist() == [pytest.approx(2 / 2.5)]
+
+
+def test_a_folder_on_a_file_system_without_hard_links_is_claimed_all_the_same(tmp_path, checkpoint, monkeypatch):
+    """FUSE mounts, SMB and exFAT refuse os.link: the identity file is then created exclusively instead."""
+    import errno
+    import os
+
+    def no_links(src, dst):
+        raise OSError(errno.EPERM, "Operation not permitted", str(dst))
+
+    monkeypatch.setattr(os, "link", no_links)
+    paths = [str(p) for p in make_image_folder(tmp_path / "imgs", 1, bad=False)]
+    encoder = load_encoder(checkpoint, device="cpu")
+    (e,) = encoder.encode_images(paths, max_pixels=64 * 64).to_vllm_cache(tmp_path / "cache")
+    assert (tmp_path / "cache" / IDENTITY_FILE).is_file() and (tmp_path / "cache" / e["id"] / CACHE_FILE).is_file()
+    assert not list((tmp_path / "cache").rglob("*.tmp"))
+
+
+def test_a_model_that_claims_the_folder_first_wins_and_the_other_is_refused(tmp_path, checkpoint, checkpoint3,
+                                                                              monkeypatch):
+    """Two writers of two models meet on a fresh folder: the identity file is never replaced; whoever's lands
+    first decides, and the other is refused before writing an item."""
+    import os
+
+    paths = [str(p) for p in make_image_folder(tmp_path / "imgs", 1, bad=False)]
+    folder = tmp_path / "cache"
+    qwen3, qwen25 = load_encoder(checkpoint3, device="cpu"), load_encoder(checkpoint, device="cpu")
+    qwen3.encode_images(paths, max_pixels=64 * 64).to_vllm_cache(tmp_path / "first")
+    theirs = (tmp_path / "first" / IDENTITY_FILE).read_bytes()
+    link = os.link
+
+    def another_writer_got_there_first(src, dst):
+        Path(dst).write_bytes(theirs)  # between our exists() and our link
+        return link(src, dst)
+
+    monkeypatch.setattr(os, "link", another_writer_got_there_first)
+    with pytest.raises(CacheFolderError, match="another model"):
+        qwen25.encode_images(paths, max_pixels=64 * 64).to_vllm_cache(folder)
+    assert (folder / IDENTITY_FILE).read_bytes() == theirs
+    assert sorted(p.name for p in folder.iterdir()) == [IDENTITY_FILE]

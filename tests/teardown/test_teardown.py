@@ -1,0 +1,346 @@
+"""Tearing an encoder down gives every byte back.
+
+- ``del`` frees the encoder, its tower, every submodule and the shape cache by reference counting alone
+  (checked with the cyclic gc disabled), and the live-tensor census returns to its baseline;
+- ``close()`` frees weights and caches while the caller still holds the encoder and its model, and a
+  later call raises EncoderClosedError;
+- the package contains no functools cache (the class-level-cache bug: ruff B019);
+- the teardown benchmark itself: per-instance retains 0 bytes, class-level-cache retains memory that
+  grows with the number of instances.
+"""
+
+from __future__ import annotations
+
+import ast
+import gc
+import json
+import sys
+import weakref
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import qwenvl_vision
+from qwenvl_vision import EncoderClosedError, load_encoder
+from tests.helpers import FAMILY_SMALL, QWEN2_5_SMALL, QWEN3_SMALL_72, census
+
+PACKAGE = Path(qwenvl_vision.__file__).resolve().parent
+REPO = PACKAGE.parent
+CONFIGS = [QWEN2_5_SMALL, QWEN3_SMALL_72]
+IDS = ["qwen2.5", "qwen3"]
+# Several shapes: a video (t=2), sizes that are not multiples of Qwen2.5's window, the smallest grid.
+GRIDS = [(1, 4, 4), (2, 4, 6), (1, 2, 2), (1, 10, 6)]
+IMAGE_SIZES = [(1, 1), (2, 3), (3, 2)]  # in merged tokens (h, w)
+
+
+@pytest.fixture
+def no_gc():
+    """The cyclic collector off: whatever is freed here is freed by reference counting alone."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def _patches(cfg, grids=GRIDS, seed=0):
+    rows = sum(t * h * w for t, h, w in grids)
+    return torch.randn(rows, cfg.patch_dim, generator=torch.Generator().manual_seed(seed))
+
+
+def _images(cfg, sizes=IMAGE_SIZES):
+    factor = cfg.patch_size * cfg.spatial_merge_size
+    rng = np.random.default_rng(0)
+    images = [rng.integers(0, 256, (h * factor, w * factor, 3), dtype=np.uint8) for h, w in sizes]
+    grids = [(1, h * cfg.spatial_merge_size, w * cfg.spatial_merge_size) for h, w in sizes]
+    return images, grids, dict(min_pixels=factor * factor, max_pixels=max(h * w for h, w in sizes) * factor**2)
+
+
+def _encode_everything(encoder, cfg):
+    """encode_patches at several grids and encode_images at several sizes; returns the outputs."""
+    out = encoder.encode_patches(_patches(cfg), GRIDS)
+    images, image_grids, pixels = _images(cfg)
+    out_images = encoder.encode_images(images, **pixels)
+    assert [tuple(g) for g in out_images.grid_thw.tolist()] == image_grids
+    distinct = set(GRIDS) | set(image_grids)
+    assert len(encoder.model.shape_cache) == len(distinct)
+    return out.embeddings + out_images.embeddings
+
+
+def _storage_bytes(tensors):
+    """Bytes of the distinct storages under tensors (split outputs share one storage)."""
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+def _weakrefs(encoder):
+    model = encoder.model
+    refs = [("encoder", weakref.ref(encoder)), ("shape_cache", weakref.ref(model.shape_cache))]
+    refs += [(f"model.{name}", weakref.ref(m)) for name, m in model.named_modules()]
+    return refs
+
+
+def _alive(refs):
+    return [name for name, ref in refs if ref() is not None]
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
+def test_del_frees_everything_by_refcount(cfg, no_gc):
+    baseline = census()
+    encoder = load_encoder(cfg, random_weights=True, device="cpu")
+    weights = sum(p.numel() * p.element_size() for p in encoder.model.parameters())
+    outputs = _encode_everything(encoder, cfg)
+    assert census() >= baseline + weights + encoder.model.shape_cache.nbytes
+    refs = _weakrefs(encoder)
+    assert len(refs) > 10
+
+    del encoder
+    assert _alive(refs) == []  # gc is disabled: reference counting alone did it
+    assert census() == baseline + _storage_bytes(outputs)  # the outputs the caller kept do not pin anything
+    del outputs
+    assert census() == baseline
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
+def test_close_frees_while_references_remain(cfg, no_gc):
+    baseline = census()
+    encoder = load_encoder(cfg, random_weights=True, device="cpu")
+    model = encoder.model
+    cache = model.shape_cache
+    _encode_everything(encoder, cfg)
+    assert len(cache) > 0 and census() > baseline
+
+    encoder.close()  # the caller still holds encoder, model and cache
+    assert encoder.closed
+    assert census() == baseline
+    assert len(cache) == 0 and cache.nbytes == 0
+    assert all(p.is_meta for p in model.parameters())
+    with pytest.raises(EncoderClosedError, match="is closed"):
+        encoder.encode_patches(_patches(cfg), GRIDS)
+    images, _, pixels = _images(cfg)
+    with pytest.raises(EncoderClosedError, match="is closed"):
+        encoder.encode_images(images, **pixels)
+    with pytest.raises(EncoderClosedError):
+        encoder.model  # noqa: B018
+    encoder.close()  # idempotent
+    assert "closed" in repr(encoder)
+
+    refs = _weakrefs_closed(encoder, model, cache)
+    del encoder, model, cache
+    assert _alive(refs) == []
+    assert census() == baseline
+
+
+def _weakrefs_closed(encoder, model, cache):
+    return ([("encoder", weakref.ref(encoder)), ("shape_cache", weakref.ref(cache))]
+            + [(f"model.{name}", weakref.ref(m)) for name, m in model.named_modules()])
+
+
+def test_context_manager_closes(no_gc):
+    cfg = QWEN3_SMALL_72
+    baseline = census()
+    with load_encoder(cfg, random_weights=True, device="cpu") as encoder:
+        embeddings = encoder.encode_patches(_patches(cfg), GRIDS).embeddings
+    assert encoder.closed
+    assert census() == baseline + _storage_bytes(embeddings)
+    with pytest.raises(EncoderClosedError):
+        encoder.encode_patches(_patches(cfg), GRIDS)
+
+
+FRESH_PROCESS = """
+import gc, json, sys, weakref
+import numpy as np, torch
+from qwenvl_vision import VisionConfig, load_encoder
+from qwenvl_vision.teardown.census import live_tensor_bytes as census
+
+results = {}
+for name, fields in json.loads(sys.argv[1]).items():  # Qwen2.5 first: it never triggers the Qwen3 case
+    cfg = VisionConfig(**fields)
+    factor = cfg.patch_size * cfg.spatial_merge_size
+    gc.collect()
+    gc.disable()
+    baseline = census()
+    encoder = load_encoder(cfg, random_weights=True, device="cpu")
+    grids = [(1, 4, 4), (2, 4, 6)]
+    encoder.encode_patches(torch.randn(sum(t * h * w for t, h, w in grids), cfg.patch_dim), grids)
+    encoder.encode_images([np.zeros((factor, 2 * factor, 3), np.uint8)], min_pixels=factor**2)
+    refs = [weakref.ref(encoder)] + [weakref.ref(m) for m in encoder.model.modules()]
+    del encoder
+    results[name] = {"alive": sum(r() is not None for r in refs), "retained": census() - baseline}
+    gc.enable()
+print(json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def fresh_process_results():
+    """The first encoder of each family built in a new process (one subprocess for both)."""
+    import subprocess
+
+    configs = {name: dict(cfg.__dict__, family=cfg.model_type) for name, cfg in zip(IDS, CONFIGS)}
+    proc = subprocess.run([sys.executable, "-c", FRESH_PROCESS, json.dumps(configs)], capture_output=True,
+                          text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", IDS)
+def test_first_encoder_in_a_fresh_process_is_freed_by_refcount(fresh_process_results, name):
+    """One-time work inside the first build must not pin the tower. Regression: nn.Embedding's default
+    init on the meta device lazily imported torch._dynamo, whose torch.fx.wrap() keeps currentframe() in a
+    reference cycle; its f_back chain held Qwen3VisionTransformer.__init__'s frame (self = the tower), so
+    the first Qwen3 encoder of a process was only freed by the next gc (fixed in qwen3.py by _weight=)."""
+    assert fresh_process_results[name] == {"alive": 0, "retained": 0}
+
+
+# ---------------------------------------------------------------------- no functools caches in the package
+
+BANNED = {"lru_cache", "cache"}
+
+
+def functools_caches(source: str, filename: str = "<string>") -> list[str]:
+    """Every functools.lru_cache / functools.cache in a module: imports of them, and uses at any level."""
+    tree = ast.parse(source, filename)
+    modules = set()  # names bound to the functools module
+    findings = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            modules |= {a.asname or a.name for a in node.names if a.name == "functools"}
+        elif isinstance(node, ast.ImportFrom) and node.module == "functools":
+            for alias in node.names:
+                if alias.name in BANNED or alias.name == "*":
+                    findings.append(f"{filename}:{node.lineno}: from functools import {alias.name}")
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and node.attr in BANNED and isinstance(node.value, ast.Name)
+                and node.value.id in modules):
+            findings.append(f"{filename}:{node.lineno}: {node.value.id}.{node.attr}")
+    return findings
+
+
+def test_package_has_no_functools_cache():
+    files = sorted(PACKAGE.rglob("*.py"))
+    assert len(files) > 10 and PACKAGE / "teardown.py" in files
+    findings = [f for path in files for f in functools_caches(path.read_text(), str(path.relative_to(REPO)))]
+    assert findings == [], ("functools caches live on the function/class and keep every instance (self) and "
+                            "its tensors alive for the whole process; use the instance's ShapeCache:\n"
+                            + "\n".join(findings))
+
+
+@pytest.mark.parametrize("snippet", [
+    "import functools\n@functools.lru_cache(maxsize=None)\ndef f(x): return x\n",
+    "import functools as ft\nclass A:\n    @ft.cache\n    def f(self, x): return x\n",
+    "from functools import lru_cache\nclass A:\n    @lru_cache(maxsize=64)\n    def f(self, x): return x\n",
+    "from functools import cache as memo\n@memo\ndef f(x): return x\n",
+    "import functools\ndef g():\n    h = functools.lru_cache()(len)\n    return h\n",
+])
+def test_scanner_catches_functools_caches(snippet):
+    assert functools_caches(snippet)
+
+
+def test_scanner_ignores_other_caches():
+    snippet = ("import functools\nfrom functools import partial, wraps\n"
+               "class A:\n    @property\n    def cache(self): return self.shape_cache\n"
+               "    @functools.wraps(len)\n    def f(self): return self.cache.get(1)\n")
+    assert functools_caches(snippet) == []
+
+
+def test_scanner_sees_the_benchmark_variant():
+    """bench/teardown.py holds the deliberate class-level lru_cache; the scanner must see it."""
+    path = REPO / "bench" / "teardown.py"
+    assert functools_caches(path.read_text(), str(path))
+
+
+# ---------------------------------------------------------------------- the benchmark itself
+
+
+def _run_bench(tmp_path, cfg, *extra, script: bool = False):
+    """The teardown benchmark on a small config: the package's CLI, or bench.teardown with its comparisons."""
+    import importlib
+
+    from qwenvl_vision.cli import main
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(cfg.to_config_json()))
+    out = tmp_path / "teardown.json"
+    argv = ["--config", str(config), "--device", "cpu", "--json", str(out), "--quiet", "--sizes", "56x56,56x112,112x84",
+            *extra]
+    rc = importlib.import_module("bench.teardown").main(argv) if script else main(["bench", "teardown", *argv])
+    return rc, json.loads(out.read_text())
+
+
+def _runs(report):
+    return {(r["variant"], r["teardown"]): r for r in report["runs"]}
+
+
+@pytest.mark.slow  # the whole benchmark command, several load-encode-teardown cycles (6-10 s)
+def test_cli_benchmark_measures_our_encoder_only(tmp_path):
+    rc, report = _run_bench(tmp_path, QWEN2_5_SMALL, "--cycles", "2")
+    assert rc == 0 and report["ok"]
+    assert report["device"] == "cpu" and report["dtype"] == "float32" and report["metric"] == "tensor_census"
+    runs = _runs(report)
+    assert set(runs) == {("per-instance", "del"), ("per-instance", "close")}
+    for teardown in ("del", "close"):
+        run = runs["per-instance", teardown]
+        assert run["retained_bytes"] == 0 and run["retained_by_cycle"] == [0, 0]
+        assert run["freed_by_refcount"] is True
+        assert run["weights_bytes"] > 0 and run["cache_bytes"] > 0
+        assert len(run["cycles"]) == 2 and all(c["alive_after_teardown"] == [] for c in run["cycles"])
+    assert runs["per-instance", "close"]["held_after_close_bytes"] == 0
+    assert runs["per-instance", "close"]["close_raises"] is True
+
+
+def test_benchmark_class_level_cache_grows_per_instance(tmp_path):
+    rc, report = _run_bench(tmp_path, QWEN2_5_SMALL, "--cycles", "2", "--variants", "per-instance,class-level-cache",
+                            script=True)
+    assert rc == 0 and report["ok"]
+    runs = _runs(report)
+    assert runs["per-instance", "del"]["retained_bytes"] == 0
+    leak = runs["class-level-cache", "del"]
+    weights = leak["weights_bytes"]
+    first, second = leak["retained_by_cycle"]
+    assert leak["retained_bytes"] > 0 and first >= weights and second >= first + weights  # grows per instance
+    assert leak["freed_by_refcount"] is False and leak["freed_after_gc"] is False
+    assert leak["retained_after_cache_clear"] == 0
+    closed = runs["class-level-cache", "close"]  # close() drops the weights, the class cache keeps the plans
+    assert 0 < closed["retained_bytes"] < weights
+
+
+@pytest.mark.slow  # the whole benchmark command per family (3 s each)
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_omni", "qwen3_omni_moe", "qwen3_5"])
+def test_new_families_retain_nothing(tmp_path, family):
+    rc, report = _run_bench(tmp_path, FAMILY_SMALL[family], "--cycles", "2", "--teardown", "del")
+    assert rc == 0 and report["ok"] and _runs(report)["per-instance", "del"]["retained_bytes"] == 0
+
+
+@pytest.mark.slow  # the whole benchmark command, several load-encode-teardown cycles (6-10 s)
+def test_benchmark_qwen3_script_with_transformers_and_plot(tmp_path):
+    plot = tmp_path / "t.png"
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        plot = None
+    extra = ["--cycles", "2", "--teardown", "del", "--inputs", "patches"] + (["--plot", str(plot)] if plot else [])
+    rc, report = _run_bench(tmp_path, QWEN3_SMALL_72, *extra, script=True)
+    assert rc == 0 and report["inputs"] == "patches"
+    runs = _runs(report)
+    assert runs["per-instance", "del"]["retained_bytes"] == 0
+    assert runs["per-instance", "del"]["freed_by_refcount"]
+    first, second = runs["class-level-cache", "del"]["retained_by_cycle"]
+    assert 0 < first < second
+    assert runs["transformers", "del"]["freed_after_gc"]
+    import bench.teardown as script
+
+    assert script.cache_entries() == 0  # the benchmark cleared the class cache after its run
+    if plot is not None:
+        assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_matplotlib_fails_fast(tmp_path, capsys, monkeypatch):
+    import bench.teardown as script
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    rc = script.main(["--preset", "qwen2.5-vl-72b", "--plot", str(tmp_path / "p.png")])
+    assert rc == 2 and "matplotlib" in capsys.readouterr().err  # before loading anything
