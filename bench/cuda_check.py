@@ -23,8 +23,8 @@ stops at ``--budget`` (480 s, leaving ~7 minutes of the 15-minute device budget 
 rerun): a section's limit is cut so that every later section keeps its expected time, and a section left with
 less than ``MIN_LIMIT_S`` is skipped with that reason.
 
-1. ``tests`` (~150 s, limit 210 s): ``pytest tests/backends/test_cuda.py tests/model/test_compile.py``: counts, every test's
-   outcome and the output tail. On 2 CPU cores test_compile.py takes 150 s (its inductor C++ compiles); 16
+1. ``tests`` (~150 s, limit 210 s): ``pytest tests/backends/test_cuda.py tests/model/test_compile.py``: counts,
+   every test's outcome and the output tail. On 2 CPU cores test_compile.py takes 150 s (its inductor C++ compiles); 16
    cores, and Triton compiles of test_cuda.py's two compiled tests, should land near 150 s in all.
 2. ``parity`` (~20 s, limit 60 s): every family of ``testing.workloads.FAMILY_SMALL``: our tower in bf16 against
    transformers' tower of that family in fp32 (same weights, same device, TF32 off), on a packed mix with a
@@ -58,10 +58,10 @@ crash.
 ``--dry-run`` runs the same sections and code on CPU, with ``"dry_run": true``, in ~45 s of CPU time on 2 cores
 (60-70 s of wall time, measured while other work shared the cores; its limits are generous, 240 s a section and
 900 s in all, since it checks the logic, not a busy machine's speed): the tests section runs only
-tests/backends/test_cuda.py (it skips without CUDA; CI runs test_compile.py itself); parity runs the same small towers in
-bf16 against fp32 on CPU, the fused comparison skipped ("no CUDA"); teardown and throughput stand each preset's
-``FAMILY_SMALL`` tower in for it (1 teardown cycle; the "small" inputs, 1 warm-up and 1 timed repeat, compiled with
-``backend="aot_eager"``: dynamo and AOT autograd without inductor's code generation, divided by a measured fp32
+tests/backends/test_cuda.py (it skips without CUDA; CI runs test_compile.py itself); parity runs the same small
+towers in bf16 against fp32 on CPU, the fused comparison skipped ("no CUDA"); teardown and throughput stand each
+preset's ``FAMILY_SMALL`` tower in for it (1 teardown cycle; the "small" inputs, 1 warm-up and 1 timed repeat, compiled
+with ``backend="aot_eager"``: dynamo and AOT autograd without inductor's code generation, divided by a measured fp32
 matmul rate); load writes and loads a one-block qwen2.5-vl-3b checkpoint. It cannot check anything CUDA-specific:
 kernels, the fused varlen path, memory counters, inductor/Triton code generation, speed, real-size memory.
 

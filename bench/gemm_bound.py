@@ -5,9 +5,9 @@
 For one packed forward of a tower, every GEMM (patch embedding, qkv, projection, MLP, mergers) is listed with its
 shape and timed alone by each kernel this machine has: ``torch.mm`` (MKL for fp32 on x86, oneDNN for bf16) on a
 weight laid out as a Linear holds it, output preallocated, and oneDNN's prepacked linear
-(``qwenvl_vision.backends.cpu.kernels``) where this torch has it, on the row chunks of fresh outputs the forward consumes
-as they come, at the best of the chunk sizes the machine's plan chooses from (the forward runs packed MLPs in row
-blocks, most plain ones with the activation in the GEMM: timed here on the whole pack, without it); best of a few
+(``qwenvl_vision.backends.cpu.kernels``) where this torch has it, on the row chunks of fresh outputs the forward
+consumes as they come, at the best of the chunk sizes the machine's plan chooses from (the forward runs packed MLPs
+in row blocks, most plain ones with the activation in the GEMM: timed here on the whole pack, without it); best of a few
 runs, the same weight every run, so it may stay in cache: an optimistic rate. Each shape counts at the faster
 kernel's time, so the bound is the machine's limit, not one library's.
 

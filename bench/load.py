@@ -244,8 +244,8 @@ def resident_split() -> dict[str, int | None]:
 
 def touch_all(module: torch.nn.Module) -> None:
     """Read every parameter and buffer once (a reduction: no full-size temporary), as a first forward would.
-    oneDNN-packed weights (qwenvl_vision.backends.cpu.kernels) have no reduction, and the reorder that made them has just
-    written every page of them: they are resident already."""
+    oneDNN-packed weights (qwenvl_vision.backends.cpu.kernels) have no reduction, and the reorder that made them has
+    just written every page of them: they are resident already."""
     with torch.inference_mode():
         for t in list(module.parameters()) + list(module.buffers()):
             if t.numel() and not t.is_mkldnn:

@@ -1,7 +1,8 @@
 """The fault-injection tier: ``qwenvl-vision embed`` in child processes with faults at its seams (a forward that
 fails at batch k, out of memory, a full disk at some byte, SIGKILL at random instants in each output format, a
 damaged manifest), then ``--resume``; every input must end up recorded exactly once with the very tensor a
-clean run stores. The forward's faults are injected by tests/helpers/fault_driver.py; the disk and the kills are real."""
+clean run stores. The forward's faults are injected by tests/helpers/fault_driver.py; the disk and the kills are
+real."""
 
 from __future__ import annotations
 

@@ -60,8 +60,8 @@ EXCUSED = {  # README command (without its comment) -> why it is not run here
     "needs vLLM with a GPU; tests/contract/ builds this consumer's VllmConfig from the line and loads the items with "
     "its ECExampleConnector",
     "python -m bench.throughput --preset qwen2.5-vl-3b --device cpu --dtype bf16 --inputs 256-patch --depth 8 "
-    "--repeats 3 --one-forward": "a benchmark of minutes at real size; tests/bench/test_bench.py runs its logic on small "
-    "towers",
+    "--repeats 3 --one-forward": "a benchmark of minutes at real size; tests/bench/test_bench.py runs its logic on "
+    "small towers",
     "python -m bench.cuda_check --out DIR": "needs a GPU; its --dry-run, the same logic on CPU, runs in "
     "tests/bench/test_cuda_check.py",
 }
