@@ -1,7 +1,7 @@
-"""The five sections of ``bench.cuda_check`` (tests, parity, teardown, throughput, load), each run in its own
+"""The five sections of ``bench.cuda_check`` (parity, throughput, tests, teardown, load), each run in its own
 process by that script's ``--section NAME``, and what they share: the section's context and time left, its JSON
-record rewritten after every item, statuses, errors, memory release between items. What each section checks and
-how long it may take is ``bench.cuda_check``'s help.
+record rewritten after every measurement, statuses, errors, memory release between items. What each section
+checks, in which order and how long it may take is ``bench.cuda_check``'s help.
 """
 
 from __future__ import annotations
@@ -13,9 +13,11 @@ import importlib.metadata
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import traceback
 import xml.etree.ElementTree as ET
@@ -113,30 +115,54 @@ def environment() -> dict[str, Any]:
     return env
 
 
-# ---------------------------------------------------------------------- 1. tests
+# ---------------------------------------------------------------------- tests
+
+
+GPU_TEST_FILES = ("tests/backends/test_cuda.py",)  # what needs the GPU; CI runs every other test file
+VERBOSE_OUTCOME = re.compile(r"^(\S+::\S+) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b")
 
 
 def section_tests(ctx: Context, rec: Record) -> str:
-    files = ["tests/backends/test_cuda.py"] + ([] if ctx.dry_run else ["tests/model/test_compile.py"])
+    """The GPU test files under pytest. Each outcome is recorded as pytest prints it (``-v``), so a run stopped
+    midway keeps the tests that finished; at the end pytest's junit XML replaces them with messages and times."""
+    files = list(GPU_TEST_FILES)
     junit = ctx.tmp / "junit.xml"
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", f"--junitxml={junit}", *files]
-    rec.data.update(command=" ".join(command[1:]), files=files)
-    if ctx.dry_run:
-        rec.data["dry_run_excludes"] = ("tests/model/test_compile.py: its inductor compiles take minutes on 2 cores, "
-                                        "and CI runs it anyway")
+    command = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-rs", f"--junitxml={junit}", *files]
+    rec.data.update(command=" ".join(command[1:]), files=files, tests=[], counts=outcome_counts([]))
+    rec.save()
+    proc = subprocess.Popen(command, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, errors="replace")
+    tail: collections.deque[str] = collections.deque(maxlen=400)
+
+    def follow() -> None:
+        for line in proc.stdout:
+            tail.append(line)
+            match = VERBOSE_OUTCOME.match(line)
+            if match:
+                outcome = match.group(2).lower()
+                rec.data["tests"].append({"test": match.group(1), "outcome": {"xpass": "passed"}.get(outcome, outcome),
+                                          "seconds": None, "message": ""})
+                rec.data["counts"] = outcome_counts(rec.data["tests"])
+                rec.save()
+
+    reader = threading.Thread(target=follow, daemon=True)
+    reader.start()
     try:
-        proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=max(5, ctx.time_left() - 10))
-        output, returncode = proc.stdout + proc.stderr, proc.returncode
-    except subprocess.TimeoutExpired as e:
-        output, returncode = _text(e.stdout) + _text(e.stderr), None
+        returncode = proc.wait(timeout=max(5.0, ctx.time_left() - 10))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        returncode = None
+    reader.join(timeout=10)
+    output = "".join(tail)
     rec.data.update(returncode=returncode, output_tail=output[-LOG_TAIL:])
-    outcomes = junit_outcomes(junit) if junit.is_file() else []
-    counts = collections.Counter(t["outcome"] for t in outcomes)
-    rec.data["counts"] = {k: counts.get(k, 0) for k in ("passed", "failed", "error", "skipped")}
-    rec.data["tests"] = outcomes
-    rec.data["skip_reasons"] = sorted({t["message"] for t in outcomes if t["outcome"] == "skipped"})
+    if junit.is_file():
+        rec.data["tests"] = junit_outcomes(junit)
+    outcomes = rec.data["tests"]
+    counts = rec.data["counts"] = outcome_counts(outcomes)
+    rec.data["skip_reasons"] = sorted({t["message"] for t in outcomes if t["outcome"] == "skipped" and t["message"]})
     if returncode is None:
-        rec.data["reason"] = "pytest ran past its limit"
+        rec.data["reason"] = "pytest ran past its limit; the outcomes before it are kept"
         return "timeout"
     if returncode not in (0, 1):
         rec.data["reason"] = f"pytest exited {returncode} (interrupted, internal or usage error)"
@@ -149,10 +175,9 @@ def section_tests(ctx: Context, rec: Record) -> str:
     return "ok"
 
 
-def _text(data: bytes | str | None) -> str:
-    if data is None:
-        return ""
-    return data if isinstance(data, str) else data.decode(errors="replace")
+def outcome_counts(outcomes: list[dict[str, Any]]) -> dict[str, int]:
+    counts = collections.Counter(t["outcome"] for t in outcomes)
+    return {k: counts.get(k, 0) for k in ("passed", "failed", "error", "skipped")}
 
 
 def junit_outcomes(path: Path) -> list[dict[str, Any]]:
@@ -171,7 +196,7 @@ def junit_outcomes(path: Path) -> list[dict[str, Any]]:
     return cases
 
 
-# ---------------------------------------------------------------------- 2. parity
+# ---------------------------------------------------------------------- parity
 
 
 def section_parity(ctx: Context, rec: Record) -> str:
@@ -264,38 +289,68 @@ def parity_one(cfg, device, dtype, fused_reason: str | None, entry: dict, extra_
         entry["status"] = "fail"
 
 
-# ---------------------------------------------------------------------- 3. teardown
+# ---------------------------------------------------------------------- teardown
+
+
+TEARDOWN_CYCLES = 3  # on the GPU; a leak shows from the first cycle, repeats show it is not a one-off
+TEARDOWN_RUNS = (("per-instance", "del"), ("per-instance", "close"), ("transformers", "del"))
 
 
 def section_teardown(ctx: Context, rec: Record) -> str:
+    """Per preset, each run (our encoder torn down by ``del``, by ``close()``, transformers' tower by ``del``) is
+    its own ``cmd_teardown`` call, saved when it ends."""
     from bench.teardown import TRANSFORMERS, transformers_variant
+    from bench.throughput import transformers_unavailable
+    from qwenvl_vision import preset
     from qwenvl_vision.teardown.cycles import PER_INSTANCE, run_ok
     from qwenvl_vision.teardown.study import add_teardown_arguments, cmd_teardown
 
-    rec.data["presets"] = {}
+    cycles = 1 if ctx.dry_run else TEARDOWN_CYCLES
+    rec.data.update(cycles=cycles, presets={})
     statuses = []
     for name in PRESETS:
-        source = ["--preset", name]
+        source, cfg = ["--preset", name], preset(name)
         if ctx.dry_run:  # the preset's family at FAMILY_SMALL size
-            source = ["--config", str(small_config_file(ctx.tmp, name))]
-        parser = argparse.ArgumentParser()
-        add_teardown_arguments(parser, variants=(PER_INSTANCE, TRANSFORMERS))
-        args = parser.parse_args([*source, "--cycles", "1" if ctx.dry_run else "5", "--device", ctx.device.type,
-                                  "--dtype", "fp32" if ctx.dry_run else "bf16", "--snapshot-dir", str(ctx.tmp),
-                                  "--quiet"])
-        reports: list[dict] = []
-        entry = rec.data["presets"][name] = {}
-        try:
-            cmd_teardown(args, extra_variants={TRANSFORMERS: transformers_variant}, after=reports.append)
-            report = reports[0]
-            entry.update(teardown_summary(report, run_ok), status="ok" if report["ok"] else "fail", report=report)
-            entry["snapshot"] = keep_snapshot(report, ctx.out)
-        except Exception as e:  # noqa: BLE001 - recorded; the next preset still runs
-            entry.update(status="error", error=error_text(e))
-        release_memory()
+            source, cfg = ["--config", str(small_config_file(ctx.tmp, name))], small_config(name)
+        entry = rec.data["presets"][name] = {"runs": [], "skipped": {}, "reports": []}
+        transformers_reason = transformers_unavailable(cfg, "sdpa")
+        for variant, teardown in TEARDOWN_RUNS:
+            label = f"{variant}/{teardown}"
+            if variant == TRANSFORMERS and transformers_reason is not None:
+                entry["skipped"][label] = transformers_reason
+            else:
+                parser = argparse.ArgumentParser()
+                add_teardown_arguments(parser, variants=(PER_INSTANCE, TRANSFORMERS))
+                args = parser.parse_args([*source, "--variants", variant, "--teardown", teardown, "--cycles",
+                                          str(cycles), "--device", ctx.device.type, "--dtype",
+                                          "fp32" if ctx.dry_run else "bf16", "--snapshot-dir", str(ctx.tmp), "--quiet"])
+                reports: list[dict] = []
+                try:
+                    cmd_teardown(args, extra_variants={TRANSFORMERS: transformers_variant}, after=reports.append)
+                    summary = teardown_summary(reports[0], run_ok)
+                    entry["runs"] += summary["runs"]
+                    entry["skipped"].update({s["variant"]: s["reason"] for s in summary["skipped"]})
+                    entry.update({k: summary[k] for k in ("model", "device", "dtype", "metric")})
+                    entry["reports"].append(reports[0])
+                    entry["snapshot"] = entry.get("snapshot") or keep_snapshot(reports[0], ctx.out)
+                except Exception as e:  # noqa: BLE001 - recorded; the next run still goes
+                    entry.setdefault("errors", {})[label] = error_text(e)
+                release_memory()
+            entry["status"] = teardown_status(entry)
+            rec.save()
         statuses.append(entry["status"])
-        rec.save()
     return combine(statuses)
+
+
+def teardown_status(entry: dict) -> str:
+    """A preset's status: error if a run raised, fail if one of ours kept memory; transformers' tower is reported,
+    not judged (it holds no per-instance cache to release)."""
+    if entry.get("errors"):
+        return "error"
+    ours = [r for r in entry["runs"] if r["ok"] is not None]
+    if not ours:
+        return "skipped"
+    return "ok" if all(r["ok"] for r in ours) else "fail"
 
 
 def small_config(preset_name: str):
@@ -344,7 +399,7 @@ def keep_snapshot(report: dict, out: Path) -> dict | None:
     return None
 
 
-# ---------------------------------------------------------------------- 4. throughput
+# ---------------------------------------------------------------------- throughput
 
 
 def section_throughput(ctx: Context, rec: Record) -> str:
@@ -364,14 +419,21 @@ def section_throughput(ctx: Context, rec: Record) -> str:
     compile_options = {"backend": "aot_eager"} if ctx.dry_run else {}
     repeats = 1 if ctx.dry_run else 3
     rec.data.update(device=str(device), dtype=str(dtype).replace("torch.", ""), peak=peak, inputs=input_sets,
-                    compile_options=compile_options, repeats=repeats, results=[])
+                    compile_options=compile_options, repeats=repeats, results=[], measuring=None)
+    rec.save()
     statuses = []
     for name in PRESETS:
         cfg = small_config(name) if ctx.dry_run else preset(name)
         variants = None
         try:
+            rec.data["measuring"] = {"preset": name, "step": "building the towers"}
+            rec.save()
             variants, skipped = tp.build_variants(cfg, device, dtype, ("sdpa", "flash_attention_2"), compile_options)
             for i, inputs in enumerate(input_sets):
+                # What a section stopped here was doing; each finished input set is in "results".
+                rec.data["measuring"] = {"preset": name, "inputs": inputs, "variants": list(variants),
+                                         "skipped": skipped}
+                rec.save()
                 pixel_values, grid_thw, items = build_inputs(inputs, cfg)
                 failed: dict[str, str] = {}
                 # The first round of the first input set compiles; one more warm-up lets its autotuning settle.
@@ -392,11 +454,12 @@ def section_throughput(ctx: Context, rec: Record) -> str:
             rec.save()
         del variants
         release_memory()
+    rec.data["measuring"] = None
     return combine(statuses)
 
 
 def throughput_goals(result: dict) -> dict:
-    """Issue 16's goals, reported (not asserted): >= 2x transformers sdpa at >= 16k patches a pack, and >= 50% of
+    """The speed goals, reported (not asserted): >= 2x transformers sdpa at >= 16k patches a pack, and >= 50% of
     the dense bf16 peak."""
     goals: dict[str, Any] = {"patches_at_least_16k": result["patches"] >= 16384}
     for name, v in result["variants"].items():
@@ -406,34 +469,94 @@ def throughput_goals(result: dict) -> dict:
     return goals
 
 
-# ---------------------------------------------------------------------- 5. load
+# ---------------------------------------------------------------------- load
+
+
+LOAD_REPEATS = 2  # fresh-process loads per row on the GPU, after one discarded warm-up load
 
 
 def section_load(ctx: Context, rec: Record) -> str:
-    import bench.load as bl
+    """``bench.load``'s rows ours and hf-tower, bf16, onto the device: every fresh-process load is saved when it
+    returns (its run, and the rows' medians so far), so a section stopped midway keeps the loads that finished."""
+    import torch
 
-    argv = ["--preset", PRESETS[0], "--device", ctx.device.type, "--dtypes", "bf16", "--workdir", str(ctx.tmp),
-            "--timeout", str(int(max(10, ctx.time_left())))]
-    argv += ["--depth", "1", "--repeats", "1", "--warmup", "0"] if ctx.dry_run else ["--repeats", "3", "--warmup", "1"]
-    rec.data.update(argv=argv)
-    try:
-        report = bl.main([*argv, "--rows", "ours,hf-tower"])
-    except Exception as e:  # noqa: BLE001 - transformers' row may fail on another version: measure ours alone
-        rec.data["hf_tower_error"] = error_text(e)
+    import bench.load as bl
+    from bench.throughput import transformers_unavailable
+
+    argv = ["--preset", PRESETS[0], "--device", ctx.device.type, "--dtypes", "bf16", "--workdir", str(ctx.tmp)]
+    argv += (["--depth", "1", "--repeats", "1", "--warmup", "0"] if ctx.dry_run
+             else ["--repeats", str(LOAD_REPEATS), "--warmup", "1"])
+    args = bl.parse_args(argv)
+    cfg = load_config(args)
+    rows = ["ours", "hf-tower"]
+    rec.data.update(argv=argv, preset=cfg.name, repeats=args.repeats, warmup=args.warmup, skipped={}, errors={},
+                    runs={}, rows={}, warmup_s=[])
+    reason = transformers_unavailable(cfg, "sdpa")
+    if reason is not None:
+        rows.remove("hf-tower")
+        rec.data["skipped"]["hf-tower"] = reason
+    rec.data["transformers_paths"] = bl.transformers_paths(cfg.model_type, set(rows))
+    folder, wrote = bl.ensure_checkpoint(args.workdir, cfg, args.seed)
+    rec.data.update(checkpoint_bytes=sum(f.stat().st_size for f in folder.glob("*.safetensors")),
+                    checkpoint_write_s=wrote, environment_load=bl.environment(args.device))
+    rec.save()
+
+    def child(row: str, probe: Path | None = None) -> dict:
+        spec = bl.spec_for(row, "bf16", folder, cfg, probe, args.device)
+        return bl.run_child(spec, max(10.0, ctx.time_left()))
+
+    for _ in range(args.warmup):  # page cache and the CUDA driver's files: discarded
+        rec.data["warmup_s"].append(child(rows[0])["seconds"])
         rec.save()
-        report = bl.main([*argv, "--rows", "ours"])
-    rec.data["report"] = report
-    rec.data["rows"] = {f"{r['row']}-{r['dtype']}": {k: r.get(k) for k in (
-        "seconds_median", "seconds_all", "peak_delta_median", "peak_over_tower", "tower_bytes", "tower_device",
-        "cuda_peak_allocated", "time_vs_ours", "peak_vs_ours", "max_rel_err_vs_ours")} for r in report["rows"]}
-    if "hf_tower_error" in rec.data:
-        rec.data["skipped"] = {"hf-tower": "transformers' tower load failed (see hf_tower_error)"}
+    runs: dict[tuple[str, str], list[dict]] = {}
+    probes: dict[tuple[str, str], torch.Tensor] = {}
+    summaries: dict[tuple[str, str], dict] = {}
+    for repeat in range(args.repeats):
+        for row in list(rows):
+            probe = ctx.tmp / f"probe-{row}.pt" if repeat == 0 else None
+            try:
+                result = child(row, probe)
+            except Exception as e:  # noqa: BLE001 - transformers' row may fail on another version: ours goes on
+                if row == "ours":
+                    raise
+                rows.remove(row)
+                rec.data["errors"][row] = error_text(e)
+                last_line = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+                rec.data["skipped"][row] = f"its load failed, so it is not compared: {last_line[:300]}"
+                rec.save()
+                continue
+            runs.setdefault((row, "bf16"), []).append(result)
+            if probe is not None:
+                probes[(row, "bf16")] = torch.load(probe)
+            summaries = {key: bl.summarize(r) for key, r in runs.items()}
+            bl.compare(summaries, probes)
+            rec.data["runs"] = {f"{r}-{dt}": rs for (r, dt), rs in runs.items()}
+            rec.data["rows"] = {f"{r}-{dt}": {k: s.get(k) for k in (
+                "seconds_median", "seconds_all", "peak_delta_median", "peak_over_tower", "tower_bytes",
+                "tower_device", "cuda_peak_allocated", "time_vs_ours", "peak_vs_ours", "max_rel_err_vs_ours")}
+                for (r, dt), s in summaries.items()}
+            rec.save()
+            print(f"load [{repeat + 1}/{args.repeats}] {row}: {result['seconds']:.2f} s", flush=True)
+    if summaries:
+        print(bl.table(summaries), flush=True)
     return "ok"
 
 
+def load_config(args: argparse.Namespace):
+    """The preset ``bench.load`` would load for these arguments (``--depth`` truncates it, named so)."""
+    from qwenvl_vision import preset
+    from qwenvl_vision.testing.workloads import truncated
+
+    cfg = preset(args.preset)
+    if args.depth:
+        cfg = truncated(cfg, args.depth)
+        cfg = cfg.replace(name=f"{cfg.name}-depth{cfg.depth}")
+    return cfg
+
+
 SECTION_FUNCTIONS: dict[str, Callable[[Context, Record], str]] = {
-    "tests": section_tests, "parity": section_parity, "teardown": section_teardown,
-    "throughput": section_throughput, "load": section_load,
+    "parity": section_parity, "throughput": section_throughput, "tests": section_tests,
+    "teardown": section_teardown, "load": section_load,
 }
 
 
