@@ -22,7 +22,6 @@ import queue
 import stat
 import threading
 import time
-import warnings
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
@@ -114,18 +113,6 @@ class EncodeOptions:
     @property
     def workers(self) -> int:
         return max(1, self.num_workers if self.num_workers is not None else min(4, os.cpu_count() or 1))
-
-
-def batch_patches(max_batch_patches: int | None, max_batch_tokens: int | None) -> int:
-    """The batch size in patches: ``max_batch_patches`` (default DEFAULT_BATCH_PATCHES), or its deprecated spelling
-    ``max_batch_tokens`` ("tokens" meant patches there, merged tokens everywhere else), which warns."""
-    if max_batch_tokens is None:
-        return DEFAULT_BATCH_PATCHES if max_batch_patches is None else max_batch_patches
-    if max_batch_patches is not None:
-        raise ConfigError("max_batch_tokens is the deprecated name of max_batch_patches: pass one of them")
-    warnings.warn("max_batch_tokens is deprecated: it counts patches; pass max_batch_patches (the same value)",
-                  DeprecationWarning, stacklevel=3)
-    return max_batch_tokens
 
 
 def check_pixel_bounds(min_pixels: int | None, max_pixels: int | None) -> None:

@@ -88,7 +88,7 @@ def refuse_extract_target(source: Path, out: Path) -> None:
     folder itself or a folder inside it, any folder in the Hugging Face cache (its snapshot files are links into
     blobs other snapshots share), and a folder where a name extract-weights writes is a source file (a source
     file that is a link into the target). Paths are compared resolved, so links to folders cannot hide them."""
-    from .checkpoint.weights import TEMPORARY_SUFFIX, VISION_ONLY_FILES
+    from .checkpoint.save import TEMPORARY_SUFFIX, VISION_ONLY_FILES
     from .errors import ConfigError
 
     src, dst = source.expanduser().resolve(), out.expanduser().resolve()
@@ -111,7 +111,7 @@ def refuse_extract_target(source: Path, out: Path) -> None:
 
 def cmd_extract_weights(args: argparse.Namespace) -> int:
     from .checkpoint.hub import resolve_folder
-    from .checkpoint.weights import save_vision_only
+    from .checkpoint.save import save_vision_only
     from .encoder import load_encoder
 
     folder = resolve_folder(args.source, args.revision, args.local_files_only, None, None)  # a repo id: fetched

@@ -9,7 +9,6 @@ import dataclasses
 import os
 import threading
 import time
-import warnings
 
 import numpy as np
 import pytest
@@ -69,23 +68,15 @@ def test_patch_budget_does_not_change_a_bit(encoder, images):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("spelling", ["max_batch_patches", "max_batch_tokens"])
-def test_batches_respect_the_patch_budget_under_either_spelling(encoder, images, spelling):
-    """``max_batch_tokens`` is the deprecated spelling of ``max_batch_patches``: it warns, and its value is used."""
+def test_batches_respect_the_patch_budget(encoder, images):
     chosen = [images[n] for n in ("small", "gray", "numpy", "torch", "palette")]
     patches = [int(g.prod()) for g in encoder.encode_images(chosen).grid_thw]
     budget = max(patches) + min(patches)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        batches = list(encoder.iter_encode(chosen, **{spelling: budget}))
-    deprecated = [w for w in caught if issubclass(w.category, DeprecationWarning) and "max_batch" in str(w.message)]
-    assert len(deprecated) == (spelling == "max_batch_tokens")
+    batches = list(encoder.iter_encode(chosen, max_batch_patches=budget))
     assert [r.index for b in batches for r in b] == list(range(len(chosen)))
     for batch in batches:
         assert len(batch) == 1 or sum(patches[r.index] for r in batch) <= budget
     assert len(batches) > 1
-    with pytest.raises(ConfigError, match="pass one of them"):
-        encoder.encode_images(chosen, max_batch_patches=budget, max_batch_tokens=budget)
 
 
 def test_prepared_batches_keep_input_order_and_carry_failures_with_the_next_batch():

@@ -1,5 +1,5 @@
-"""Loading a vision tower from a checkpoint folder: index its vision tensors, read them, build the tower; and
-writing a vision-only checkpoint.
+"""Loading a vision tower from a checkpoint folder: index its vision tensors, read them, build the tower (writing
+a vision-only checkpoint is ``save``'s).
 
 Layouts understood:
 - released: ``config.json`` + ``model.safetensors.index.json`` + ``model-0000K-of-0000N.safetensors`` shards,
@@ -9,14 +9,14 @@ Layouts understood:
   ``model.visual.*`` in Qwen3-VL / Qwen3.5 releases and anything re-saved by transformers 4.52+ (the
   ``^visual -> model.visual`` renaming of ``transformers/conversion_mapping.py``), ``thinker.visual.*`` in the
   Omni models);
-- vision-only, as written by ``qwenvl-vision extract-weights`` (``save_vision_only``): ``config.json`` with
+- vision-only, as written by ``qwenvl-vision extract-weights`` (``save.save_vision_only``): ``config.json`` with
   ``family`` and ``"format": "qwenvl-vision"``, ``preprocessor_config.json`` and one ``model.safetensors``
   holding the family's tensor names without prefix.
 
-Every file is checked before it is used (``safetensors_checks.py``: regular files only, strict JSON, plain shard
+Every file is checked before it is used (``checks``: regular files only, strict JSON, plain shard
 names, safetensors headers as strict as the format's own reader); a file that is a symbolic link to nothing (a
 broken Hugging Face cache) is an error naming it, never read as absent (``present``). Tensors are read under the
-checkpoint's own names and only then stacked or renamed into module tensors (``names.py``), so every error names
+checkpoint's own names and only then stacked or renamed into module tensors (``model.names``), so every error names
 a tensor as the checkpoint spells it.
 
 The model is built on the meta device and every tensor is materialised once, directly on the target device
@@ -30,9 +30,7 @@ logic stays what it is.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,7 +44,6 @@ from ..model.build import build_model
 from ..model.config import FAMILIES, VisionConfig, from_config_json
 from ..model.names import to_checkpoint_state, to_module_state
 from ..model.tower import VisionTower
-from ..outputs.durable import refuse_link, replace_atomically
 from .checks import (
     SAFETENSORS_DTYPES,
     check_vision_entry,
@@ -358,83 +355,3 @@ def load_tower(checkpoint: VisionCheckpoint, device: torch.device, dtype: torch.
     model.load_state_dict(to_module_state(checkpoint.config, tensors, module_state), strict=True, assign=True)
     model.set_attention(attn_impl)
     return model.eval().requires_grad_(False)
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-# Every name save_vision_only writes in its folder, final and temporary: extract-weights refuses a target where one
-# of them is a file of its source.
-VISION_ONLY_FILES = (SINGLE_FILE, CONFIG_FILE, PREPROCESSOR_FILE, VIDEO_PREPROCESSOR_FILE)
-TEMPORARY_SUFFIX = ".tmp"
-_DTYPE_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
-
-
-def write_safetensors(f: BinaryIO, state: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    """``state`` in the safetensors format, streamed into the open file ``f`` one tensor at a time (no serialised
-    copy of the tower in memory): the 8-byte little-endian header length, the JSON header padded with spaces to
-    a multiple of 8 (as safetensors writes it), then each tensor's little-endian bytes in header order."""
-    header: dict[str, object] = {"__metadata__": metadata}
-    offset = 0
-    for name in sorted(state):
-        tensor = state[name]
-        size = tensor.numel() * tensor.element_size()
-        header[name] = {"dtype": _DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape),
-                        "data_offsets": [offset, offset + size]}
-        offset += size
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    f.write(len(raw).to_bytes(8, "little"))
-    f.write(raw)
-    for name in sorted(state):
-        tensor = state[name].detach().cpu().contiguous().reshape(-1)
-        if not tensor.numel():
-            continue
-        data = tensor.view(torch.uint8).reshape(-1, tensor.element_size())
-        if sys.byteorder == "big":  # the format is little-endian whatever the machine
-            data = data.flip(-1).contiguous()
-        f.write(memoryview(data.numpy()).cast("B"))
-
-
-def _set_mode(f: BinaryIO, mode: int) -> None:
-    if hasattr(os, "fchmod"):  # POSIX; elsewhere a file has no such mode bits
-        os.fchmod(f.fileno(), mode)
-
-
-def save_vision_only(model: VisionTower, folder: str | os.PathLike, preprocessor: dict | None = None,
-                     video_preprocessor: dict | None = None) -> Path:
-    """Write a self-contained vision-only checkpoint that ``open_checkpoint`` reads back.
-
-    Each file is replaced whole or not at all (written to ``NAME.tmp``, created exclusively, then renamed), and
-    nothing is written through a symbolic link: a link at any of the names written, final or temporary, is an
-    ``OutputLinkError`` naming it, raised before any file is written.
-    """
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    config_json = {**model.config.to_config_json(), "format": VISION_ONLY_FORMAT}
-    documents = {CONFIG_FILE: config_json, PREPROCESSOR_FILE: preprocessor, VIDEO_PREPROCESSOR_FILE: video_preprocessor}
-    for name in (SINGLE_FILE, *(n for n, d in documents.items() if d is not None)):
-        refuse_link(folder / name)
-        refuse_link(folder / (name + TEMPORARY_SUFFIX))
-    state = to_checkpoint_state(model.config, model.state_dict())
-    mode = 0o666 & ~_umask()  # as a plain open() would create it: the folder's other files follow the umask too
-
-    def write_weights(f: BinaryIO) -> None:
-        _set_mode(f, mode)
-        write_safetensors(f, state, {"format": "pt", "family": model.config.model_type})
-
-    replace_atomically(folder / SINGLE_FILE, folder / (SINGLE_FILE + TEMPORARY_SUFFIX), write_weights)
-    for name, document in documents.items():
-        if document is None:
-            continue
-        data = (json.dumps(document, indent=2) + "\n").encode()
-
-        def write_document(f: BinaryIO, data: bytes = data) -> None:
-            _set_mode(f, mode)
-            f.write(data)
-
-        replace_atomically(folder / name, folder / (name + TEMPORARY_SUFFIX), write_document)
-    return folder

@@ -8,18 +8,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..batching import DEFAULT_DECODE_TIMEOUT
+from ..batching import DEFAULT_BATCH_PATCHES, DEFAULT_DECODE_TIMEOUT
 from ..devices import device_option, dtype_option
 from ..errors import ConfigError
 from ..inputs.pixels import DEFAULT_MAX_INPUT_PIXELS, RESIZE_BACKENDS
 from ..model.attention import ATTN_IMPLS
 from ..model.config import PRESETS
 
-BATCH_PATCHES = 16384  # encode_images' max_batch_patches default
 FORMATS = ("safetensors", "parquet", "vllm-cache")
 ENGINES = ("local", "ray")
 
@@ -72,7 +70,7 @@ class EmbedSettings:
     max_input_pixels: int | None = DEFAULT_MAX_INPUT_PIXELS
     decode_mib: int = 1024
     decode_timeout: float = DEFAULT_DECODE_TIMEOUT
-    batch_patches: int = BATCH_PATCHES
+    batch_patches: int = DEFAULT_BATCH_PATCHES
     pooled_only: bool = False
     format: str = "safetensors"
     format_given: bool = False
@@ -95,16 +93,6 @@ class EmbedSettings:
 
 def validate_embed_args(args: argparse.Namespace) -> None:
     """Checks across options, right after parsing (argparse checks each option alone)."""
-    old = getattr(args, "batch_tokens", None)
-    if old is not None:
-        print("embed: warning: --batch-tokens is deprecated (it counts patches, not the tokens the outputs hold): "
-              "use --batch-patches", file=sys.stderr, flush=True)
-        if args.batch_patches is not None and args.batch_patches != old:
-            raise ConfigError(f"--batch-tokens {old} and --batch-patches {args.batch_patches} disagree: give "
-                              f"--batch-patches only")
-        args.batch_patches = old
-    if getattr(args, "batch_patches", None) is None:
-        args.batch_patches = BATCH_PATCHES
     if args.min_pixels is not None and args.max_pixels is not None and args.min_pixels > args.max_pixels:
         raise ConfigError(f"--min-pixels {args.min_pixels} is above --max-pixels {args.max_pixels}")
     engine = getattr(args, "engine", "local")
@@ -170,10 +158,8 @@ def add_embed_parser(sub, parents=()) -> argparse.ArgumentParser:
     p.add_argument("--decode-timeout", type=_positive_float("--decode-timeout"), default=DEFAULT_DECODE_TIMEOUT,
                    metavar="SECONDS",
                    help="record an input as failed when decoding it takes longer, and go on (default %(default)g)")
-    p.add_argument("--batch-patches", type=_positive_int("--batch-patches"),
-                   help=f"patches per forward (an item above runs alone; default {BATCH_PATCHES})")
-    p.add_argument("--batch-tokens", type=_positive_int("--batch-tokens"), dest="batch_tokens",
-                   help=argparse.SUPPRESS)  # the old name: it counts patches, not tokens; warns, kept for a release
+    p.add_argument("--batch-patches", type=_positive_int("--batch-patches"), default=DEFAULT_BATCH_PATCHES,
+                   help="patches per forward (an item above runs alone; default %(default)s)")
     p.add_argument("--pooled-only", action="store_true", help="store one mean vector per image")
     p.add_argument("--format", choices=FORMATS,
                    help="safetensors: shards + manifest.jsonl; parquet: shards of one row per input (path, status, "

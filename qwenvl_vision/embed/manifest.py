@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..outputs.vllm_cache import CACHE_KEY, ITEM_FILE
 from .inputs import real_key
 
 MANIFEST = "manifest.jsonl"
@@ -123,6 +122,9 @@ def record_problem(record: Any) -> str:
         return f"error {record['error']!r} is not text"
     if record["status"] == "error":
         return ""
+    # The encoder-cache layout is vllm_cache's; imported here so that reading another format's run loads no writer.
+    from ..outputs.vllm_cache import CACHE_KEY, ITEM_FILE
+
     shard = record.get("shard")
     item = ITEM_FILE.fullmatch(shard) if isinstance(shard, str) else None
     if not isinstance(shard, str) or not (SHARD_NAME.match(shard) or item):

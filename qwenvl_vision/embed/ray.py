@@ -57,7 +57,7 @@ import ray
 import torch
 from ray.data.block import BlockAccessor
 
-from ..batching import DEFAULT_DECODE_BYTES, DEFAULT_DECODE_TIMEOUT, batch_patches
+from ..batching import DEFAULT_BATCH_PATCHES, DEFAULT_DECODE_BYTES, DEFAULT_DECODE_TIMEOUT
 from ..encoder import load_encoder
 from ..errors import CheckpointError, ForwardFaultError, InputError
 from ..inputs.pixels import DEFAULT_MAX_INPUT_PIXELS, input_name
@@ -104,12 +104,12 @@ class Embedder:
 
     def __init__(self, source: Any, *, column: str | None = None, kind: str | None = None,
                  min_pixels: int | None = None, max_pixels: int | None = None, resize: str | None = None,
-                 pooled: bool = False, fps: float | None = None, max_batch_patches: int | None = None,
+                 pooled: bool = False, fps: float | None = None, max_batch_patches: int = DEFAULT_BATCH_PATCHES,
                  max_input_pixels: int | None = DEFAULT_MAX_INPUT_PIXELS,
                  decode_bytes: int | None = DEFAULT_DECODE_BYTES,
                  decode_timeout: float | None = DEFAULT_DECODE_TIMEOUT, num_workers: int | None = None,
                  spool_dir: str | None = None, threads: int | None = None, weights_sha256: str | None = None,
-                 hash_pixels: bool = False, max_batch_tokens: int | None = None, **load_options: Any) -> None:
+                 hash_pixels: bool = False, **load_options: Any) -> None:
         kind = kind or column
         if column is not None and kind not in INPUT_KINDS:
             raise ValueError(f"column {column!r}: pass kind= (one of {list(INPUT_KINDS)})")
@@ -128,7 +128,7 @@ class Embedder:
         self.layout = ParquetLayout.for_encoder(self.encoder, tokens=not pooled, pooled=pooled)
         video_config = None if fps is None else dataclasses.replace(self.encoder.video_config, fps=fps)
         self.options = dict(min_pixels=min_pixels, max_pixels=max_pixels, resize=resize, pooled=pooled,
-                            max_batch_patches=batch_patches(max_batch_patches, max_batch_tokens),
+                            max_batch_patches=max_batch_patches,
                             max_input_pixels=max_input_pixels,
                             decode_bytes=decode_bytes, decode_timeout=decode_timeout, num_workers=num_workers,
                             video_config=video_config,

@@ -96,7 +96,7 @@ def _outputs(encoder) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("sharded", [True, False], ids=["sharded", "single-file"])
 def test_negative_begin_is_refused(tmp_path, sharded):
-    """Row 1: begin = -8 used to read the header's last bytes as weights (NaN output)."""
+    """begin = -8 would read the header's last bytes as weights (NaN output)."""
     write_checkpoint(tmp_path, QWEN2_5_SMALL, sharded=sharded)
     begin, end = offsets_of(tmp_path, LN_Q)
     shard = set_entry(tmp_path, LN_Q, data_offsets=[-8, end - begin - 8])
@@ -105,7 +105,7 @@ def test_negative_begin_is_refused(tmp_path, sharded):
 
 
 def test_overlapping_tensors_are_refused(ckpt):
-    """Row 2: tensor B pointing at tensor A's bytes used to load A's weights into B silently."""
+    """Tensor B pointing at tensor A's bytes would load A's weights into B silently."""
     shard, a, b = same_size_pair(ckpt)
     set_entry(ckpt, b, data_offsets=offsets_of(ckpt, a))
     with pytest.raises(CheckpointError, match=rf"{re.escape(shard.name)}: tensors '{re.escape(a)}' and "
@@ -114,7 +114,7 @@ def test_overlapping_tensors_are_refused(ckpt):
 
 
 def test_offsets_shifted_by_four_bytes_are_refused(ckpt):
-    """Row 2: offsets shifted by 4 bytes (byte length still right) used to load shifted weights."""
+    """Offsets shifted by 4 bytes (byte length still right) would load shifted weights."""
     shard, a, _ = same_size_pair(ckpt)
     begin, end = offsets_of(ckpt, a)
     set_entry(ckpt, a, data_offsets=[begin + 4, end + 4])
@@ -126,7 +126,7 @@ def test_offsets_shifted_by_four_bytes_are_refused(ckpt):
 @pytest.mark.parametrize("sharded", [True, False], ids=["sharded", "single-file"])
 @pytest.mark.parametrize("stored", ["I32", "U32"])
 def test_float_weight_relabelled_as_integer_is_refused(tmp_path, sharded, stored):
-    """Row 3: F32 relabelled I32 (same byte length) used to load the integers as weights."""
+    """F32 relabelled I32 (same byte length) would load the integers as weights."""
     write_checkpoint(tmp_path, QWEN2_5_SMALL, sharded=sharded)
     set_entry(tmp_path, LN_Q, dtype=stored)
     if stored == "U32":  # known to safetensors, not loadable by torch: refused before the integer rule
@@ -139,7 +139,7 @@ def test_float_weight_relabelled_as_integer_is_refused(tmp_path, sharded, stored
 
 @pytest.mark.parametrize("corruption", ["begin>end", "float-offsets", "length!=shape*dtype", "no-data_offsets"])
 def test_malformed_entry_is_named(ckpt, corruption):
-    """Row 4: these used to escape as bare RuntimeError / TypeError / KeyError."""
+    """Malformed entries are CheckpointErrors naming them, not bare RuntimeError / TypeError / KeyError."""
     begin, end = offsets_of(ckpt, LN_Q)
     if corruption == "begin>end":
         shard = set_entry(ckpt, LN_Q, data_offsets=[end, begin])
@@ -158,14 +158,14 @@ def test_malformed_entry_is_named(ckpt, corruption):
 
 
 def test_header_entry_that_is_a_string_is_named(ckpt):
-    """Row 4: an entry that is a string, not an object."""
+    """An entry that is a string, not an object."""
     shard = edit_header(ckpt, LN_Q, lambda header: header.update({LN_Q: "F32"}))
     with pytest.raises(CheckpointError, match=_culprit(shard, LN_Q) + "header entry is a string, not an object"):
         _load(ckpt)
 
 
 def test_shard_in_a_sibling_folder_is_refused(tmp_path):
-    """Row 5: '../other/<shard>' used to load the sibling folder's weights without a word."""
+    """'../other/<shard>' would load the sibling folder's weights without a word."""
     ours, other = tmp_path / "ours", tmp_path / "other"
     write_checkpoint(ours, QWEN2_5_SMALL)
     write_checkpoint(other, QWEN2_5_SMALL, seed=7)
@@ -187,7 +187,8 @@ def test_shard_in_a_sibling_folder_is_refused(tmp_path):
     ("", "is empty"),
 ], ids=["absolute", "windows-absolute", "dotdot", "subfolder", "empty"])
 def test_shard_names_must_be_plain_file_names(ckpt, name, reason):
-    """Row 5: '/etc/passwd' used to be opened and parsed; names are quoted in the error."""
+    """A shard name that is not a plain file name (absolute, '..', a subfolder, empty) is never opened; the name
+    is quoted in the error."""
     index = read_index(ckpt)
     index["weight_map"][LN_Q] = name
     write_index(ckpt, index)
@@ -197,7 +198,7 @@ def test_shard_names_must_be_plain_file_names(ckpt, name, reason):
 
 
 def test_weight_map_value_that_is_not_a_string_is_named(ckpt):
-    """Row 6: an int shard name used to escape as a bare TypeError."""
+    """An int shard name is a CheckpointError, not a bare TypeError."""
     index = read_index(ckpt)
     index["weight_map"][LN_Q] = 2
     write_index(ckpt, index)
@@ -219,7 +220,7 @@ def test_tensor_under_both_vision_prefixes_is_refused(ckpt):
                                          ({"weight_map": ["x"]}, "has no weight_map object (found an array)"),
                                          ({"metadata": {}}, "has no weight_map object (found none)")])
 def test_index_that_is_not_an_object_is_named(ckpt, index, found):
-    """Row 6: index.json a list used to escape as a bare AttributeError."""
+    """index.json holding a list is a CheckpointError, not a bare AttributeError."""
     write_index(ckpt, index)
     with pytest.raises(CheckpointError, match=re.escape(f"{INDEX_FILE} {found}")):
         _load(ckpt)
@@ -235,7 +236,8 @@ def test_config_json_that_is_a_list_is_a_config_error(ckpt):
 
 @pytest.mark.parametrize("which", ["vision-shard", "index", "config", "single-file"])
 def test_fifo_is_refused_at_once_by_load_and_inspect(tmp_path, capsys, which):
-    """Row 8: inspect on a folder whose shard is a FIFO used to hang forever; load said 'missing'."""
+    """A FIFO in place of a shard, the index, the config or the single file would hang a read forever: load and
+    inspect refuse it by name at once."""
     write_checkpoint(tmp_path, QWEN2_5_SMALL, sharded=which != "single-file")
     path = {"vision-shard": shard_of(tmp_path, LN_Q), "index": tmp_path / INDEX_FILE,
             "config": tmp_path / "config.json", "single-file": tmp_path / "model.safetensors"}[which]
@@ -275,7 +277,7 @@ def test_symlinked_shards_load_as_in_the_hf_cache(tmp_path):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["f32", "bf16", "f16"])
 @pytest.mark.parametrize("value", [math.nan, -math.nan, math.inf, -math.inf], ids=["nan", "-nan", "inf", "-inf"])
 def test_non_finite_weight_is_named_and_can_be_loaded_on_request(tmp_path, dtype, value):
-    """Row 10: a NaN/Inf weight used to load, and embed recorded 'ok' with all-NaN embeddings."""
+    """A NaN/Inf weight would load, and embed would record 'ok' with all-NaN embeddings: refused."""
     write_checkpoint(tmp_path, QWEN3_SMALL_72, dtype=dtype)
     name = "model.visual.blocks.1.mlp.linear_fc1.weight"
     shard = shard_of(tmp_path, name)

@@ -13,8 +13,6 @@ USAGE_ERRORS = {
     "device with a typo": (["--device", "cdua"], ["unknown device 'cdua'"]),
     "dtype fp8": (["--dtype", "fp8"], ["unsupported dtype 'fp8'", "bf16"]),
     "batch patches 0": (["--batch-patches", "0"], ["--batch-patches must be at least 1, got 0"]),
-    "old and new batch names disagree": (["--batch-tokens", "8", "--batch-patches", "16"],
-                                         ["--batch-tokens 8 and --batch-patches 16 disagree"]),
     "max pixels 0": (["--max-pixels", "0"], ["--max-pixels must be at least 1, got 0"]),
     "max pixels -1": (["--max-pixels", "-1"], ["--max-pixels must be at least 1, got -1"]),
     "max pixels not a number": (["--max-pixels", "1e6"], ["--max-pixels must be an integer"]),
@@ -51,15 +49,13 @@ def test_every_option_has_help_with_its_default(capsys):
         assert needle in text
 
 
-def test_the_old_batch_option_still_works_and_says_its_new_name(tmp_path, checkpoint, capsys):
-    """--batch-tokens counted patches: it is --batch-patches now, and the old spelling warns for one release."""
+def test_batch_patches_bounds_each_forward(tmp_path, checkpoint):
+    """--batch-patches counts patches: a budget of one runs each image alone, one shard per forward."""
     make_folder(tmp_path / "imgs", 2, bad=False)
     out = tmp_path / "out"
-    assert main(["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(out), "--batch-tokens",
+    assert main(["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(out), "--batch-patches",
                  "1", "--quiet"]) == 0
-    err = capsys.readouterr().err
-    assert "--batch-tokens is deprecated" in err and "use --batch-patches" in err
-    assert len(list(out.glob("shard-*.safetensors"))) == 2  # one patch per forward: each image its own batch
+    assert len(list(out.glob("shard-*.safetensors"))) == 2
 
 
 def test_the_settings_hold_every_option_the_parser_gives():
@@ -73,4 +69,4 @@ def test_the_settings_hold_every_option_the_parser_gives():
     embed = add_embed_parser(parser.add_subparsers())
     dests = {a.dest for a in embed._actions if a.dest != "help"}
     fields = {f.name for f in dataclasses.fields(EmbedSettings)}
-    assert dests - {"batch_tokens"} == fields - {"format_given"}  # the old alias is folded in; validate adds one
+    assert dests == fields - {"format_given"}  # validate adds format_given

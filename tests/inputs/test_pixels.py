@@ -1,7 +1,8 @@
 """qwenvl_vision.inputs.pixels against transformers: the image ``smart_resize`` (the shared size rule), compared with
 ``image_processing_pil_qwen2_vl.smart_resize`` over random sizes and bounds. The other pixel steps are compared
-pixel by pixel through ``preprocess_image`` (tests/inputs/test_images.py, tests/inputs/test_images_torch.py) and the video
-pipelines (tests/inputs/test_video.py, tests/inputs/test_video_io.py), where the reference runs them end to end.
+pixel by pixel through ``preprocess_image`` (tests/inputs/test_images.py, tests/inputs/test_images_torch.py) and
+the video pipelines (tests/inputs/test_video.py, tests/inputs/test_video_io.py), where the reference runs them end
+to end.
 """
 
 from __future__ import annotations

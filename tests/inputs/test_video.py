@@ -1,10 +1,12 @@
-"""qwenvl_vision.inputs.video against transformers: frame sampling, the video size rules, frames -> pixel values, VideoConfig.
+"""qwenvl_vision.inputs.video against transformers: frame sampling, the video size rules, frames -> pixel values,
+VideoConfig.
 
 Sampling is compared with ``Qwen2VLVideoProcessor.sample_frames`` / ``Qwen3VLVideoProcessor.sample_frames`` compiled
 straight from the installed source files, and ``preprocess_video`` without a VideoConfig (``resize="pil"``) with every
 frame through the PIL image processor's own resize / rescale / normalize then the video processors' ``patchify``:
 neither needs torchvision. The size rules and VideoConfig are compared with the video processors themselves, which
-import torchvision (those tests skip without it). Video files, read and sampled end to end, are tests/inputs/test_video_io.py.
+import torchvision (those tests skip without it). Video files, read and sampled end to end, are
+tests/inputs/test_video_io.py.
 The reference processors are configured from literal values (patch 14 + CLIP mean/std, patch 16 + 0.5;
 ``tests.helpers.processors``), not from this package's configs.
 """

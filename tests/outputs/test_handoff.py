@@ -1,5 +1,5 @@
-"""qwenvl_vision.outputs.handoff proven through the whole VLM: for every family transformers 5.24 has a full model for, a
-tiny random VLM written by transformers' ``save_pretrained`` feeds both our ``load_encoder`` and transformers'
+"""qwenvl_vision.outputs.handoff proven through the whole VLM: for every family transformers 5.24 has a full model
+for, a tiny random VLM written by transformers' ``save_pretrained`` feeds both our ``load_encoder`` and transformers'
 model, and the language model gives the same logits and the same greedy tokens from our embeddings
 (``mm_encoder_outputs=to_transformers(...)``) as from its own processor's ``pixel_values``, also from the
 records of an ``embed`` run read back.

@@ -1,5 +1,5 @@
-"""qwenvl_vision.outputs.vllm_cache and ``embed --format vllm-cache``: vLLM's encoder-cache layout as an output, read back
-with plain safetensors (tests/contract/ loads it with vLLM's own ECExampleConnector).
+"""qwenvl_vision.outputs.vllm_cache and ``embed --format vllm-cache``: vLLM's encoder-cache layout as an output, read
+back with plain safetensors (tests/contract/ loads it with vLLM's own ECExampleConnector).
 
 Each item file holds exactly what ``to_vllm`` gives the item, bit for bit; ids are the same from the API and from
 ``embed``, and change with the model, its dtype and the pixels; a folder of another model is refused with nothing
