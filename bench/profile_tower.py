@@ -12,7 +12,7 @@ every other op by the innermost scope around it
 activation and gate multiply; mergers; the block itself -> residual adds; the rest, e.g. the patch embedding's
 copies and the position embedding -> other). The CPU backend's steps (a linear's rows handed straight to the
 residual add, the activation or rope: ``FUSED_STEPS``) are scoped by what they do, not by the module around them.
-A packed plain MLP's activation runs inside oneDNN's GEMM where it can (``cpu.kernels.EPILOGUE_ACTIVATIONS``: Qwen3's
+A packed plain MLP's activation runs inside oneDNN's GEMM where it can (``backends.cpu.forward.ACTIVATIONS``: Qwen3's
 GELU-tanh, not Qwen2-VL's quick-GELU) and then counts as GEMM: compare the towers' totals, not that row.
 """
 
@@ -114,20 +114,21 @@ def _scope_category(event) -> str | None:
     return None
 
 
-def runs_cpu_backend(model: torch.nn.Module, pixel_values: torch.Tensor) -> bool:
+def runs_cpu_backend(model: torch.nn.Module, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> bool:
     """Whether a forward of ``model`` on these inputs runs our CPU backend (its blocks without their modules)."""
     if not isinstance(model, VisionTower):
         return False
     with torch.inference_mode():
-        return isinstance(model.execution(1, pixel_values), CpuExecution)
+        return isinstance(model.backend.execution(model, pixel_values, model.grid_list(grid_thw)), CpuExecution)
 
 
-def profile_forward(model: torch.nn.Module, run, pixel_values: torch.Tensor) -> dict[str, float | int]:
+def profile_forward(model: torch.nn.Module, run, pixel_values: torch.Tensor, grid_thw: torch.Tensor
+                    ) -> dict[str, float | int]:
     """Self CPU seconds per category for one forward (``run()``), and ``cpu_backend_blocks``: the block calls the
     profiled forward ran on our CPU backend. Module hooks scope a forward that runs the modules (transformers',
     ours on the reference path); the backend is scoped by its steps alone, since a module hook makes our tower
-    run the modules' forward instead (``VisionTower.execution``) and would profile the wrong path."""
-    handles = [] if runs_cpu_backend(model, pixel_values) else _scope_hooks(model)
+    run the modules' forward instead (``backends.cpu.backend``) and would profile the wrong path."""
+    handles = [] if runs_cpu_backend(model, pixel_values, grid_thw) else _scope_hooks(model)
     blocks = 0
     original_block = CpuExecution.block
 
@@ -184,7 +185,8 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(args.threads)
     cfg, pixel_values, grid_thw, _, dtype = workload(args)
     variants, _ = build_variants(cfg, torch.device("cpu"), dtype)
-    profiles = {name: profile_forward(v.model, lambda v=v: v.run(v.model, pixel_values, grid_thw), pixel_values)
+    profiles = {name: profile_forward(v.model, lambda v=v: v.run(v.model, pixel_values, grid_thw), pixel_values,
+                                  grid_thw)
                 for name, v in variants.items()}
     print(f"{args.preset} depth {cfg.depth}, {args.inputs} ({int(grid_thw.prod(1).sum())} patches), {args.dtype}, "
           f"{torch.get_num_threads()} threads: self CPU time by category")

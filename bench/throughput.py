@@ -44,8 +44,10 @@ import torch
 from bench.gemm_bound import gemm_bound, print_rates
 from bench.load import RESET_HIGH_WATER_MARK, proc_status_bytes, start_rss_window
 from qwenvl_vision import preset
+from qwenvl_vision.backends.cpu.backend import CpuBackend
 from qwenvl_vision.model.config import VisionConfig
 from qwenvl_vision.model.random_init import random_tower
+from qwenvl_vision.model.tower import one_forward
 from qwenvl_vision.testing.reference import hf_classes, hf_tower, ours_from
 from qwenvl_vision.testing.workloads import INPUT_SETS, build_inputs, truncated
 
@@ -61,6 +63,13 @@ DENSE_BF16_PEAK_TFLOPS = (
     ("A100", 312.0),
 )
 REFERENCE = "transformers"
+
+
+class OneForwardCpuBackend(CpuBackend):
+    """The CPU backend with the pack run as one forward, as on CUDA (the ``--one-forward`` variant)."""
+
+    def forwards(self, tower):
+        return one_forward
 
 
 def run_ours(model, pixel_values, grid_thw):
@@ -130,17 +139,16 @@ def build_variants(cfg: VisionConfig, device: torch.device, dtype: torch.dtype, 
     # here, before any timing, if the cache lacks it); "ours-reference" runs the modules' own ops (addmm, SDPA).
     built = {"ours": Variant(run_ours, ours())}
     if device.type == "cpu":
-        built["ours"].model.set_cpu_kernels("auto")
+        plan = CpuBackend("auto").attach(built["ours"].model).plan(built["ours"].model)
         if addmm_variant:
             built["ours-reference"] = Variant(run_ours, ours())
-            built["ours-reference"].model.set_cpu_kernels("reference")
+            CpuBackend("reference").attach(built["ours-reference"].model)
         if one_forward_variant:  # the pack as one forward, as on CUDA: what running each item alone costs
             one = built["ours-one-forward"] = Variant(run_ours, ours())
-            one.model.set_cpu_kernels(built["ours"].model.cpu_plan)
-            one.model.packs = lambda grids, device: [grids]
+            OneForwardCpuBackend(plan).attach(one.model)
         if default_sizes_variant:  # the plan's kernels with the default chunk and scratch sizes, not the measured
             sized = built["ours-default-sizes"] = Variant(run_ours, ours())
-            sized.model.set_cpu_kernels(dataclasses.replace(built["ours"].model.cpu_plan, linear_chunk={}, scratch={}))
+            CpuBackend(dataclasses.replace(plan, linear_chunk={}, scratch={})).attach(sized.model)
     if compile_options is not None:
         compiled = ours()
         compiled.compile_blocks(**compile_options)

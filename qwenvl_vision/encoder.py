@@ -30,13 +30,14 @@ from typing import Any
 
 import torch
 
+from .backends.cpu.backend import CpuBackend
 from .backends.cpu.plan import CpuPlan
 from .batching import (
+    DEFAULT_BATCH_PATCHES,
     DEFAULT_DECODE_BYTES,
     DEFAULT_DECODE_TIMEOUT,
     EncodeOptions,
     Prepared,
-    batch_patches,
     preflight,
     prepared_batches,
 )
@@ -65,10 +66,11 @@ from .inputs.item_ids import config_sha256, is_sha256, weights_sha256
 from .inputs.item_ids import pixels_sha256 as item_pixels_sha256
 from .inputs.pixels import DEFAULT_MAX_INPUT_PIXELS
 from .inputs.video import VideoConfig, sample_indices
+from .model import build
 from .model.attention import resolve_attn_impl
 from .model.config import VisionConfig, resolve_config
 from .model.random_init import random_tower
-from .model.tower import VisionTower, check_cpu_kernels
+from .model.tower import VisionTower
 from .results import EncodeResult, ItemResult
 
 
@@ -172,6 +174,19 @@ class VisionEncoder:
         return self.config.model_type
 
     @property
+    def cpu_plan(self) -> CpuPlan | None:
+        """The CPU plan this encoder's inference calls run on (None: the modules' own forward, e.g. off the CPU,
+        compiled or ``cpu_kernels="reference"``): the same kernels, the same bits, as ``load_encoder``'s
+        ``cpu_kernels`` on any machine."""
+        backend = self.model.backend
+        return backend.plan(self.model) if isinstance(backend, CpuBackend) else None
+
+    def set_cpu_kernels(self, cpu_kernels: str | dict | CpuPlan) -> None:
+        """Run the CPU inference calls from now on as ``load_encoder``'s ``cpu_kernels`` says ("auto", "reference"
+        or a plan, e.g. a run's recorded one): prepared now where the weights are on the CPU."""
+        CpuBackend(cpu_kernels).attach(self.model)
+
+    @property
     def device(self) -> torch.device:
         return self.model.device
 
@@ -217,8 +232,7 @@ class VisionEncoder:
             raise InputError(f'modality must be "image" or "video", got {modality!r}')
         model = self._begin_forward()
         try:
-            grids = model.grid_list(grid_thw)
-            model.check_pixels(pixel_values, grids)
+            grids = model.grid_list(grid_thw)  # checked here once: the tower takes checked grids as they are
             with torch.inference_mode():
                 merged, levels = model(pixel_values, grids)
         finally:
@@ -240,15 +254,15 @@ class VisionEncoder:
                             pixels_sha256=list(pixels_sha256), encoder=weakref.ref(self))
 
     def iter_encode(self, items: Iterable[Any], *, video: bool | None = False, min_pixels: int | None = None,
-                    max_pixels: int | None = None, max_batch_patches: int | None = None, pooled: bool = False,
-                    num_workers: int | None = None, prefetch: int = 8,
+                    max_pixels: int | None = None, max_batch_patches: int = DEFAULT_BATCH_PATCHES,
+                    pooled: bool = False, num_workers: int | None = None, prefetch: int = 8,
                     max_input_pixels: int | None = DEFAULT_MAX_INPUT_PIXELS,
                     decode_bytes: int | None = DEFAULT_DECODE_BYTES,
                     decode_timeout: float | None = DEFAULT_DECODE_TIMEOUT,
                     on_prepared: Callable[[int, int], None] | None = None,
                     resize: str | None = None,
                     video_config: VideoConfig | None = None,
-                    hash_pixels: bool = False, max_batch_tokens: int | None = None) -> Iterator[list[ItemResult]]:
+                    hash_pixels: bool = False) -> Iterator[list[ItemResult]]:
         """Yield results batch by batch, in input order; a bad input yields an ItemResult with its error.
 
         ``video``: False, every item is an image; True, every item is a video (a file, or frames); None, an item
@@ -265,7 +279,7 @@ class VisionEncoder:
         GIL), at most `prefetch` inputs ahead. Host memory for inputs is bounded by `decode_bytes` (inputs
         being decoded, at what each image mode and resize backend holds at its peak, plus decoded ones waiting
         for their batch; an input larger than that is handled alone; None: no bound) plus the batch being encoded
-        (`max_batch_patches` patches, or one larger input; ``max_batch_tokens`` is its deprecated spelling). A
+        (`max_batch_patches` patches, or one larger input). A
         file whose header declares more than `max_input_pixels` pixels is refused before decoding and yields an
         error (None: no limit; it replaces PIL's own bomb limit). ``decode_timeout``: seconds one input may spend
         decoding (from its admission by the decode budget) before it yields an error naming it and the limit,
@@ -278,7 +292,7 @@ class VisionEncoder:
         options = EncodeOptions(
             video=video, min_pixels=min_pixels, max_pixels=max_pixels, max_input_pixels=max_input_pixels,
             resize=resize, video_config=video_config or self.video_config, pooled=pooled,
-            max_batch_patches=batch_patches(max_batch_patches, max_batch_tokens), num_workers=num_workers,
+            max_batch_patches=max_batch_patches, num_workers=num_workers,
             prefetch=prefetch, decode_bytes=decode_bytes, decode_timeout=decode_timeout,
             hash_pixels=hash_pixels)
         # batching counts patches; the caller is told embedding rows.
@@ -389,9 +403,9 @@ class VisionEncoder:
         )
 
     def encode_images(self, images: Sequence[Any], *, min_pixels: int | None = None, max_pixels: int | None = None,
-                      max_batch_patches: int | None = None, pooled: bool = False, num_workers: int | None = None,
-                      max_input_pixels: int | None = DEFAULT_MAX_INPUT_PIXELS,
-                      resize: str | None = None, max_batch_tokens: int | None = None) -> EncodeResult:
+                      max_batch_patches: int = DEFAULT_BATCH_PATCHES, pooled: bool = False,
+                      num_workers: int | None = None, max_input_pixels: int | None = DEFAULT_MAX_INPUT_PIXELS,
+                      resize: str | None = None) -> EncodeResult:
         """Images (paths, PIL images, HxWxC uint8 arrays, CxHxW uint8 tensors) -> embeddings, in input order.
 
         Preprocessing reproduces transformers' Qwen2VL image processor with this checkpoint's preprocessor
@@ -399,22 +413,20 @@ class VisionEncoder:
         (``Qwen2VLImageProcessorPil``, and transformers without torchvision), "torch" its torchvision backend
         (transformers with torchvision, the processor ``...Fast`` configs name); None takes what this
         checkpoint's ``preprocessor_config.json`` names (``preprocess_config.resize``). Batches hold at most
-        `max_batch_patches` patches (an item larger than that runs alone; ``max_batch_tokens`` is its deprecated
-        spelling). Bad input raises PreprocessError
-        naming it, and so does a file whose header declares more than `max_input_pixels` (None: only PIL's own
-        limit).
+        `max_batch_patches` patches (an item larger than that runs alone). Bad input raises PreprocessError naming
+        it, and so does a file whose header declares more than `max_input_pixels` (None: only PIL's own limit).
         """
         options = EncodeOptions(video=False, min_pixels=min_pixels, max_pixels=max_pixels,
                                 max_input_pixels=max_input_pixels, resize=resize, video_config=self.video_config,
-                                pooled=pooled, max_batch_patches=batch_patches(max_batch_patches, max_batch_tokens),
+                                pooled=pooled, max_batch_patches=max_batch_patches,
                                 num_workers=num_workers, hash_pixels=True)
         return self._encode_all(images, options)
 
     def encode_videos(self, videos: Sequence[Any], *, min_pixels: int | None = None, max_pixels: int | None = None,
-                      max_batch_patches: int | None = None, pooled: bool = False, num_workers: int | None = None,
-                      fps: float | None = None, video_fps: float | Sequence[float] | None = None,
-                      max_input_pixels: int | None = DEFAULT_MAX_INPUT_PIXELS,
-                      max_batch_tokens: int | None = None) -> EncodeResult:
+                      max_batch_patches: int = DEFAULT_BATCH_PATCHES, pooled: bool = False,
+                      num_workers: int | None = None, fps: float | None = None,
+                      video_fps: float | Sequence[float] | None = None,
+                      max_input_pixels: int | None = DEFAULT_MAX_INPUT_PIXELS) -> EncodeResult:
         """Videos -> embeddings, as transformers' video processor of this family + the tower; see encode_images.
 
         Each video is a file path (decoded with PyAV, the ``[video]`` extra), a sequence of frames, or an
@@ -434,8 +446,7 @@ class VisionEncoder:
         video_config = self.video_config if fps is None else dataclasses.replace(self.video_config, fps=fps)
         options = EncodeOptions(video=True, min_pixels=min_pixels, max_pixels=max_pixels,
                                 max_input_pixels=max_input_pixels, video_config=video_config, pooled=pooled,
-                                max_batch_patches=batch_patches(max_batch_patches, max_batch_tokens),
-                                num_workers=num_workers, hash_pixels=True)
+                                max_batch_patches=max_batch_patches, num_workers=num_workers, hash_pixels=True)
         return self._encode_all(videos, options)
 
     def _sample_by_fps(self, videos: list[Any], fps: float, video_fps: float | Sequence[float] | None) -> list[Any]:
@@ -495,20 +506,20 @@ def load_encoder(
     preprocess_config / video_config: override the checkpoint's ``preprocessor_config.json`` /
     ``video_preprocessor_config.json`` (a settings object, or a dict in the file's format).
     cpu_kernels: how the CPU runs inference. "auto": the CPU backend on this machine's plan, measured once per
-    machine and kept in the user's cache folder (``cpu.machine``): oneDNN's prepacked linear where it is faster than
+    machine and kept in the user's cache folder (``backends.cpu``): oneDNN's prepacked linear where it is faster than
     addmm (its weights replace the plain ones; ``state_dict()`` still gives plain tensors), GEMM attention at the
     segment lengths where it beats SDPA. "reference": the modules' own ops (transformers' addmm and SDPA). Or a
-    plan, as ``encoder.model.cpu_plan`` or a run's ``run.json`` holds it: the same kernels, the same bits, on any
+    plan, as ``encoder.cpu_plan`` or a run's ``run.json`` holds it: the same kernels, the same bits, on any
     machine. Ignored off the CPU and with ``compile``.
     """
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     resolve_attn_impl(attn_impl, device, dtype)  # refuse an impossible backend before any download or read
-    cpu_kernels = check_cpu_kernels(cpu_kernels)
+    backend = CpuBackend(cpu_kernels)  # a bad setting is refused before any download or read
     options = dict(cache_size=cache_size, cache_bytes=cache_bytes, attn_impl=attn_impl)
     if random_weights:
         config = resolve_config(source)
-        model = _placed(random_tower(config, device, dtype, seed=seed, **options), compile, cpu_kernels)
+        model = _placed(random_tower(config, device, dtype, seed=seed, **options), compile, backend)
         pre = _preprocess_config(preprocess_config, None, config)
         return VisionEncoder(model, pre, source=config.name or config.model_type,
                              video_config=_video_config(video_config, None, config, pre))
@@ -516,19 +527,43 @@ def load_encoder(
         raise ConfigError("a config alone has no weights: pass random_weights=True, or a checkpoint folder/repo id")
     folder = resolve_folder(os.fspath(source), revision, local_files_only, cache_dir, token)
     checkpoint = open_checkpoint(folder)
-    model = _placed(load_tower(checkpoint, device, dtype, check_finite=check_finite, **options), compile,
-                    cpu_kernels)
+    model = _placed(load_tower(checkpoint, device, dtype, check_finite=check_finite, **options), compile, backend)
     pre = _preprocess_config(preprocess_config, checkpoint.preprocessor_json(), checkpoint.config)
     video = _video_config(video_config, checkpoint.video_preprocessor_json(), checkpoint.config, pre)
     return VisionEncoder(model, pre, source=os.fspath(source), video_config=video)
 
 
-def _placed(model: VisionTower, compile: bool | dict, cpu_kernels: str | CpuPlan) -> VisionTower:
-    """The tower as it will run: compiled blocks, or (on the CPU) the backend's plan applied."""
+def _placed(model: VisionTower, compile: bool | dict, backend: CpuBackend) -> VisionTower:
+    """The tower as it will run: on the CPU backend (prepared now where the weights are on the CPU), or with
+    compiled blocks (which the backend then runs on the modules' own forward)."""
     if compile:
+        model.use_backend(backend)
         model.compile_blocks(**(compile if isinstance(compile, dict) else {}))
     else:
-        model.set_cpu_kernels(cpu_kernels)
+        backend.attach(model)
+    return model
+
+
+def build_model(config: VisionConfig | dict | str | os.PathLike, *, device: torch.device | str | None = None,
+                dtype: torch.dtype | None = None, cache_size: int = 1024, cache_bytes: int | None = 1 << 30,
+                attn_impl: str = "auto", cpu_kernels: str | dict | CpuPlan = "auto") -> VisionTower:
+    """``model.build.build_model``'s uninitialised tower, its CPU inference calls on the CPU backend
+    (``cpu_kernels`` as ``load_encoder`` takes it; the plan is resolved at the first CPU inference call)."""
+    backend = CpuBackend(cpu_kernels)
+    model = build.build_model(config, device=device, dtype=dtype, cache_size=cache_size, cache_bytes=cache_bytes,
+                              attn_impl=attn_impl)
+    model.use_backend(backend)
+    return model
+
+
+def from_transformers(visual_module: torch.nn.Module, *, attn_impl: str = "auto", cache_size: int = 1024,
+                      cache_bytes: int | None = 1 << 30, cpu_kernels: str | dict | CpuPlan = "auto") -> VisionTower:
+    """``model.build.from_transformers``'s tower (transformers' weights copied), its CPU inference calls on the CPU
+    backend (``cpu_kernels`` as ``load_encoder`` takes it; the plan is resolved at the first CPU inference call)."""
+    backend = CpuBackend(cpu_kernels)
+    model = build.from_transformers(visual_module, attn_impl=attn_impl, cache_size=cache_size,
+                                    cache_bytes=cache_bytes)
+    model.use_backend(backend)
     return model
 
 

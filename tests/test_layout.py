@@ -1,6 +1,7 @@
 """The code's shape, checked on the source: no import cycle between the package's modules, no module
 over MAX_LINES, no ``_private`` name used outside the module that defines it (a test of that module excepted),
-and bench/ importing only ``bench.*`` and the package, with no ``sys.path`` edits.
+bench/ importing only ``bench.*`` and the package, with no ``sys.path`` edits, and the model core reading no
+execution state. Checked by running it: ``import qwenvl_vision`` loads the core and none of the periphery.
 
 Imports inside functions count: a lazy import that closes a loop is still a loop between two modules' jobs.
 """
@@ -8,6 +9,9 @@ Imports inside functions count: a lazy import that closes a loop is still a loop
 from __future__ import annotations
 
 import ast
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -102,13 +106,14 @@ ALL = sources("qwenvl_vision", "bench", "tests")
 def allowed_private(user: str, owner: str) -> bool:
     if user == owner or user.startswith(owner + "."):
         return True
-    # A test of that module: tests.inputs.test_video for qwenvl_vision.inputs.video, tests.embed.test_writer for
-    # qwenvl_vision.embed.writer.
-    if user.startswith("tests.test_"):
-        tail = owner.split(".")[1:]
-        stem = user.removeprefix("tests.test_")
-        return bool(tail) and stem.startswith("_".join(tail))
-    return False
+    # A test of that module, in the folder that mirrors the module's: tests.inputs.test_video for
+    # qwenvl_vision.inputs.video, tests.test_batching for qwenvl_vision.batching, tests.backends.test_cpu_plan for
+    # qwenvl_vision.backends.cpu.plan.
+    *folders, test = user.split(".")[1:] if user.startswith("tests.") else ("", "")
+    tail = owner.split(".")[1:]
+    if not test.startswith("test_") or tail[: len(folders)] != folders or len(tail) <= len(folders):
+        return False
+    return test.removeprefix("test_").startswith("_".join(tail[len(folders):]))
 
 
 @pytest.mark.parametrize("folder", ["qwenvl_vision", "bench", "tests"])
@@ -180,7 +185,8 @@ def test_nothing_cites_a_file_outside_the_repository():
 
 # The model core: the math, which runs the same whatever executes it. The tower picks the execution (once per
 # call) and is not in this list; the CPU backend (qwenvl_vision.backends.cpu) reads these modules, never the reverse.
-MODEL_CORE = ("qwenvl_vision.model.layers", "qwenvl_vision.model.attention", "qwenvl_vision.model.qwen2_5", "qwenvl_vision.model.qwen3")
+MODEL_CORE = ("qwenvl_vision.model.layers", "qwenvl_vision.model.attention", "qwenvl_vision.model.qwen2_5",
+              "qwenvl_vision.model.qwen3")
 EXECUTION_STATE = ("ContextVar", "is_compiling", "is_grad_enabled", "is_autocast_enabled", "is_mkldnn",
                    "requires_grad", "is_inference_mode_enabled")
 
@@ -195,3 +201,54 @@ def test_the_model_core_reads_no_execution_state(name):
     names = {node.attr if isinstance(node, ast.Attribute) else node.id
              for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, (ast.Attribute, ast.Name))}
     assert not names & set(EXECUTION_STATE), f"{name} reads {sorted(names & set(EXECUTION_STATE))}"
+
+
+@pytest.mark.parametrize("name", sorted(n for n in PACKAGE_MODULES if n.startswith("qwenvl_vision.model.")))
+def test_the_model_imports_no_backend(name):
+    """``model/`` (the math, the tower's skeleton, its cache) runs the same whoever executes it: a backend imports
+    the model, never the reverse; the tower asks the backend attached to it for each call's execution."""
+    reached = [module for module, _, _ in imported(PACKAGE_MODULES[name], name)
+               if module.startswith("qwenvl_vision.backends")]
+    assert not reached, f"{name} imports a backend: {reached}"
+
+
+# What ``import qwenvl_vision`` must not load: the batch job (with Ray), the hand-off, the vLLM cache, Parquet, the
+# teardown study, the test kit, and the libraries only they need. A module under one of these names counts too.
+PERIPHERY = ("qwenvl_vision.embed", "qwenvl_vision.outputs.handoff", "qwenvl_vision.outputs.vllm_cache",
+             "qwenvl_vision.outputs.parquet", "qwenvl_vision.teardown", "qwenvl_vision.testing", "qwenvl_vision.cli",
+             "ray", "pyarrow")
+CORE = ("qwenvl_vision.encoder", "qwenvl_vision.batching", "qwenvl_vision.results", "qwenvl_vision.model.tower",
+        "qwenvl_vision.checkpoint.weights", "qwenvl_vision.checkpoint.hub", "qwenvl_vision.inputs.images",
+        "qwenvl_vision.inputs.video")
+
+
+def loaded_by(code: str) -> dict:
+    """Run `code` in a fresh interpreter (so nothing this test process imported counts) and return what it
+    printed as JSON."""
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_importing_the_package_loads_the_core_only():
+    modules = loaded_by("import json, sys, qwenvl_vision; print(json.dumps(sorted(sys.modules)))")
+    periphery = sorted(m for m in modules if any(m == p or m.startswith(p + ".") for p in PERIPHERY))
+    assert not periphery, f"import qwenvl_vision loads the periphery: {periphery}"
+    assert set(CORE) <= set(modules), sorted(set(CORE) - set(modules))
+
+
+def test_every_exported_name_resolves_and_the_lazy_ones_load_their_module_on_first_use():
+    found = loaded_by("""
+import json, sys, qwenvl_vision
+before = set(sys.modules)
+names = {name: getattr(qwenvl_vision, name).__module__ if hasattr(getattr(qwenvl_vision, name), "__module__")
+         else None for name in qwenvl_vision.__all__}
+print(json.dumps({"all": qwenvl_vision.__all__, "dir": dir(qwenvl_vision), "names": names,
+                  "loaded": sorted(set(sys.modules) - before)}))
+""")
+    assert set(found["all"]) <= set(found["dir"])
+    for name in ("read_embeddings", "read_encoded", "read_run"):
+        assert found["names"][name] == "qwenvl_vision.embed.reader", name
+    for name in ("EncodedItems", "to_transformers", "to_vllm"):
+        assert found["names"][name] == "qwenvl_vision.outputs.handoff", name
+    assert {"qwenvl_vision.embed.reader", "qwenvl_vision.outputs.handoff"} <= set(found["loaded"])

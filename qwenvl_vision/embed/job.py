@@ -259,9 +259,6 @@ class EmbedJob:
             raise EmbedError(f"no inputs: {', '.join(args.inputs)} hold no image or video files (by extension: "
                              f"{' '.join(sorted(MEDIA_EXTENSIONS))}) and list no paths")
         recorded_plan = (recorded or {}).get("cpu_plan")  # a resumed run's CPU plan: its very bits
-        if recorded is not None and recorded.get("linear_kernels") and not recorded_plan:
-            self.progress.note("this run's earlier items ran on per-layer CPU kernels that this version no longer "
-                               "records; new items run on this machine's CPU plan (equal within the dtype's rounding)")
         if args.engine == "ray":
             from .ray_engine import RayPlan, driver_load_options
 
@@ -308,7 +305,7 @@ class EmbedJob:
             return  # the actors take both from the run (ray_engine)
         torch.set_num_threads(self.run["threads"])
         if self.run.get("cpu_plan"):
-            self.encoder.model.set_cpu_kernels(self.run["cpu_plan"])
+            self.encoder.set_cpu_kernels(self.run["cpu_plan"])
 
     def undo_setup(self) -> None:
         """Nothing was written: remove the lock file and the folders setup created."""

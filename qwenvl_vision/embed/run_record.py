@@ -83,7 +83,7 @@ def describe_run(encoder, args: EmbedSettings, folder: str | None, world: int, t
         "threads": threads if threads is not None else torch.get_num_threads(),
         # The CPU backend's plan as loaded (None off the CPU, compiled or on the reference kernels): not compared,
         # reused by every resume, rank and actor of the run.
-        "cpu_plan": None if encoder.model.cpu_plan is None else encoder.model.cpu_plan.to_dict(),
+        "cpu_plan": None if encoder.cpu_plan is None else encoder.cpu_plan.to_dict(),
         "cwd": os.getcwd(),
     }
 

@@ -1,5 +1,8 @@
 """Build a vision tower: from a config.json dict, a preset name or a VisionConfig (``build_model``), or from a
-transformers vision tower of any supported family, weights included (``from_transformers``)."""
+transformers vision tower of any supported family, weights included (``from_transformers``).
+
+These are the model's towers, running the modules' own forward; the package's ``qwenvl_vision.build_model`` and
+``qwenvl_vision.from_transformers`` (``encoder.py``) are these with the CPU backend attached."""
 
 from __future__ import annotations
 

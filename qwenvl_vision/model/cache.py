@@ -17,6 +17,8 @@ pages resident, so a churn of distinct grids grew the process by ~0.1 MB a call 
 
 from __future__ import annotations
 
+import ctypes
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
@@ -25,8 +27,18 @@ from typing import Any
 
 import torch
 
-from ..backends.cpu.kernels import return_freed_memory
 from ..errors import ConfigError
+
+
+def return_freed_memory() -> None:
+    """Hand the heap pages freed so far back to the OS (glibc's ``malloc_trim``; nothing elsewhere): freed holes
+    otherwise stay resident, after a cache's evictions as after packing a tower's weights one by one."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):  # not glibc (musl): nothing to trim
+            pass
+
 
 TRIM_EVERY_BYTES = 64 << 20  # a trim costs milliseconds: one per this many evicted bytes is noise to the forwards
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigError
+from .layers import ACTIVATIONS
 
 # The two tower designs (one file each): patch-14 blocks with optional windows, and the learned position grid.
 QWEN2_5 = "qwen2_5"
@@ -132,7 +133,6 @@ LIMITS = {
 # faster with the dimension instead of slower (and near 1e-300 its tables overflow to inf/NaN); above 1e9 even
 # the fastest frequency of a vision head hardly turns. Both ends are far outside anything trained.
 ROPE_THETA_RANGE = (1.0, 1e9)
-ACTIVATIONS = ("silu", "swish", "gelu", "gelu_pytorch_tanh", "quick_gelu")
 
 
 @dataclass(frozen=True)

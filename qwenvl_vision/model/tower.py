@@ -1,6 +1,6 @@
 """The skeleton both tower designs share; a design (qwen2_5.py, qwen3.py) supplies only what differs.
 
-    forward = validate grids -> the forwards the items run as (``packs``: on the CPU one per item)
+    forward = validate grids -> the call's execution, from the tower's backend -> the forwards it runs the items as
               -> per forward: per-grid plans from the instance's cache -> one plan on the device
               -> patch embedding (+ positions) -> blocks -> merger (+ DeepStack) -> input token order
 
@@ -9,37 +9,23 @@ and ``Qwen3VLVisionModel`` (v5.24). Module names equal the checkpoint's tensor n
 for what ``names.RULE_SETS`` fuses or renames at load time. Deviations from the reference (same numbers):
 grids are read from the host once per forward; per-grid tensors (token order, rope tables, segment lengths,
 position taps) are cached per instance in a bounded ``ShapeCache``, concatenated for the pack and moved to the
-device once, so the block loop does no host sync; on the CPU each item runs as its own forward (``packs``), which
-changes no number.
+device once, so the block loop does no host sync.
 
-Execution, chosen once per call (``execution``): the modules' own forward (``ReferenceExecution``: autograd,
-autocast, ``torch.compile``, CUDA, and ``cpu_kernels="reference"``), or on the CPU in inference the CPU backend
-(``cpu.forward.CpuExecution``) on the machine's measured plan (``cpu.machine``), its linears packed where the plan
-says so (``cpu.packing``). Only the tower knows which: the modules never read an execution state.
+Execution: the tower asks its ``backend`` once per call for the call's ``Execution`` and runs what it says; the
+modules never read an execution state. A tower runs the modules' own forward (``ReferenceBackend``) unless a backend
+is attached (``use_backend``): the package's builders (``qwenvl_vision.build_model``, ``load_encoder``) attach the
+CPU backend (``qwenvl_vision.backends.cpu``), which this module does not know.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
 
-from ..backends.cpu.forward import CpuExecution
-from ..backends.cpu.machine import machine_plan
-from ..backends.cpu.packing import (
-    PACKING_LOCK,
-    block_need,
-    dense_state_dict,
-    drop_packed_,
-    linear_layers,
-    pack_linears_,
-    plan_needs,
-    unpack_linears_,
-)
-from ..backends.cpu.plan import CpuPlan
-from ..backends.cpu.workspace import Workspace
 from ..errors import ConfigError, InputError
 from .attention import ATTN_IMPLS, BACKENDS, SegmentPlan, resolve_attn_impl
 from .cache import ShapeCache
@@ -48,6 +34,13 @@ from .layers import AttentionInputs, Block, PatchEmbed, PatchMerger
 from .names import to_module_names_
 
 Grid = tuple[int, int, int]
+
+
+class Grids(tuple):
+    """grid_thw as (t, h, w) ints, checked against one merge size (``VisionTower.grid_list``): a tower of that merge
+    size takes them as they are, so a caller that checks first (the encoder) checks once per call."""
+
+    merge: int
 
 
 @dataclass
@@ -75,22 +68,39 @@ class ForwardPlan:
     position_taps: tuple[torch.Tensor, torch.Tensor] | None  # the grids' GridPlan.position_taps, packed
 
 
-def aligned(rows: torch.Tensor) -> torch.Tensor:
-    """``rows`` contiguous and 64-byte aligned, copied only where they are not: an item's rows cut from a pack start
-    where its neighbours end, and some CPU kernels round by the address of their input (MKL without its
-    reproducibility mode)."""
-    if rows.is_contiguous() and rows.data_ptr() % 64 == 0:
-        return rows
-    return rows.clone(memory_format=torch.contiguous_format)
+def one_forward(pixel_values: torch.Tensor, grids: Grids) -> list[tuple[torch.Tensor, Grids]]:
+    return [(pixel_values, grids)]
+
+
+class Execution(Protocol):
+    """How one call runs: the forwards its items run as ((rows, grids) each, in input order), and each forward's
+    blocks and mergers."""
+
+    name: str
+    forwards: list[tuple[torch.Tensor, Grids]]
+
+    def attention_inputs(self, rope: tuple[torch.Tensor, torch.Tensor], segments: SegmentPlan) -> AttentionInputs: ...
+    def block(self, block: Block, x: torch.Tensor, inputs: AttentionInputs) -> torch.Tensor: ...
+    def merger(self, merger: PatchMerger, x: torch.Tensor) -> torch.Tensor: ...
+
+
+class Backend(Protocol):
+    """What runs a tower's calls: ``execution`` once per call, ``describe`` how calls run from the same state, and
+    ``release`` the modules back as the model defines them (before compiling, another backend, freeing)."""
+
+    def execution(self, tower: VisionTower, pixel_values: torch.Tensor, grids: Grids) -> Execution: ...
+    def release(self, tower: VisionTower) -> None: ...
+    def describe(self, tower: VisionTower) -> dict: ...
 
 
 class ReferenceExecution:
-    """The modules' own forward (``layers.py``, the math) with the tower's attention backend."""
+    """The modules' own forward (``layers.py``, the math) with the tower's attention backend, over ``forwards``."""
 
     name = "reference"
 
-    def __init__(self, attend: Callable) -> None:
+    def __init__(self, attend: Callable, forwards: list[tuple[torch.Tensor, Grids]]) -> None:
         self.attend = attend
+        self.forwards = forwards
 
     def attention_inputs(self, rope: tuple[torch.Tensor, torch.Tensor], segments: SegmentPlan) -> AttentionInputs:
         return AttentionInputs(rope, segments, self.attend)
@@ -102,19 +112,17 @@ class ReferenceExecution:
         return merger(x)
 
 
-CPU_KERNELS = ("auto", "reference")
+class ReferenceBackend:
+    """Every call on the modules' own forward, one forward per pack: a tower no backend was attached to."""
 
+    def execution(self, tower: VisionTower, pixel_values: torch.Tensor, grids: Grids) -> ReferenceExecution:
+        return ReferenceExecution(tower.attention_backend(), one_forward(pixel_values, grids))
 
-def check_cpu_kernels(cpu_kernels: str | dict | CpuPlan) -> str | CpuPlan:
-    """"auto" (the machine's measured plan), "reference" (the modules' own ops: addmm and SDPA, out of place), or a
-    plan (a ``CpuPlan`` or its dict, as a run recorded it: the same kernels again, the same bits)."""
-    if isinstance(cpu_kernels, CpuPlan):
-        return cpu_kernels
-    if isinstance(cpu_kernels, dict):
-        return CpuPlan.from_dict(cpu_kernels)
-    if cpu_kernels not in CPU_KERNELS:
-        raise ConfigError(f"cpu_kernels {cpu_kernels!r} is not one of {list(CPU_KERNELS)} or a CPU plan")
-    return cpu_kernels
+    def release(self, tower: VisionTower) -> None:
+        pass
+
+    def describe(self, tower: VisionTower) -> dict:
+        return {"execution": "reference", "items": "one forward per pack"}
 
 
 def compile_boundary(backend):
@@ -138,20 +146,12 @@ def accept_checkpoint_names(tower: VisionTower, state_dict: dict, prefix: str, *
     to_module_names_(tower.config, state_dict, module_names, prefix)
 
 
-def autocasting(device_type: str) -> bool:
-    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
-
-
-def unpack_before_load(tower: VisionTower, *_load_arguments) -> None:
-    """``load_state_dict`` pre-hook: a packed tensor cannot be copied into; the next CPU forward packs again."""
-    tower.unpack_linear_weights_()
-
-
 class VisionTower(nn.Module):
     """A Qwen vision tower of any family: patch embedding, blocks, merger and (Qwen3-VL) DeepStack mergers.
 
-    Owns ``config``, a bounded per-instance ``shape_cache`` and its attention backend (``attn_impl``: "auto",
-    "sdpa", "flash" or "torch_varlen", resolved for the device and dtype the tower runs on).
+    Owns ``config``, a bounded per-instance ``shape_cache``, its attention backend (``attn_impl``: "auto",
+    "sdpa", "flash" or "torch_varlen", resolved for the device and dtype the tower runs on) and the ``backend``
+    that runs its calls.
     """
 
     def __init__(self, config: VisionConfig, cache_size: int = 1024, cache_bytes: int | None = 1 << 30,
@@ -181,15 +181,7 @@ class VisionTower(nn.Module):
         # load_state_dict takes the family's checkpoint names too (transformers' tower's state dict, a released
         # checkpoint's tensors without prefix): stacked and renamed as they arrive, still strict.
         self.register_load_state_dict_pre_hook(accept_checkpoint_names)
-        # The CPU backend's setting, the plan it resolved to for the weights' dtype, and the plan the linears are
-        # packed for (``prepare_cpu_``). Packed weights leave as plain tensors, are unpacked to load into and to move.
-        self.cpu_kernels: str | CpuPlan = "auto"
-        self.cpu_plan: CpuPlan | None = None
-        self.packed_plan: CpuPlan | None = None
-        for module in self.modules():  # a packed weight leaves as a plain tensor from any module's state_dict
-            if isinstance(module, nn.Linear):
-                module.register_state_dict_post_hook(dense_state_dict)
-        self.register_load_state_dict_pre_hook(unpack_before_load)
+        self.backend: Backend = ReferenceBackend()
         # (placement it was chosen for, backend name, callable); attention_backend is the one place that sets it.
         self.attention_choice: tuple[tuple, str, Callable] | None = None
         self.set_attention(attn_impl)
@@ -211,36 +203,19 @@ class VisionTower(nn.Module):
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor | list
                 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """pixel_values (sum t*h*w, C*T*P*P) in merge-block order -> (merged tokens (sum t*h*w/4, out) in input
-        order, DeepStack levels of the same shape, [] for towers without DeepStack). The items run as the
-        forwards ``packs`` says, all on one execution (``execution``)."""
+        order, DeepStack levels of the same shape, [] for towers without DeepStack). The call runs on the one
+        execution its backend gives, as the forwards that execution says."""
         grids = self.grid_list(grid_thw)
         self.check_pixels(pixel_values, grids)
-        device = self.patch_embed.proj.weight.device
-        pixel_values = pixel_values.to(device, non_blocking=True)
-        packs = self.packs(grids, device)
-        rows = [sum(t * h * w for t, h, w in pack) for pack in packs]
-        execution = self.execution(max(rows), pixel_values)
-        results = [self.forward_pack(aligned(pixels), pack, execution)
-                   for pixels, pack in zip(pixel_values.split(rows), packs, strict=True)]
+        pixel_values = pixel_values.to(self.patch_embed.proj.weight.device, non_blocking=True)
+        execution = self.backend.execution(self, pixel_values, grids)
+        results = [self.forward_pack(rows, pack, execution) for rows, pack in execution.forwards]
         if len(results) == 1:
             return results[0]
         merged = torch.cat([embeddings for embeddings, _ in results])
         return merged, [torch.cat(level) for level in zip(*(levels for _, levels in results), strict=True)]
 
-    def packs(self, grids: list[Grid], device: torch.device) -> list[list[Grid]]:
-        """The forwards a pack of items runs as: on the CPU one per item, elsewhere one for the whole pack.
-
-        Why: an item's result must not depend on the items beside it (every output path, resume, rank and Ray
-        actor batches differently and promises the same tensors). On some CPUs a GEMM row's bits depend on the
-        call's row count or on the row's place in it (and a threaded elementwise kernel's vector/scalar split
-        falls where the call's length puts it), so on the CPU each item runs alone: the same calls on the same
-        rows whatever its neighbours, on any CPU, at a given thread count and kernel choice. Its GEMMs are one
-        item's rows instead of the pack's, which costs little at the towers' sizes (docs/benchmarks.md). On
-        CUDA a pack of small images alone would be launch-bound: it runs whole, and an item agrees across
-        batchings within its dtype's rounding."""
-        return [[grid] for grid in grids] if device.type == "cpu" else [grids]
-
-    def forward_pack(self, pixel_values: torch.Tensor, grids: list[Grid], execution: ReferenceExecution | CpuExecution
+    def forward_pack(self, pixel_values: torch.Tensor, grids: list[Grid], execution: Execution
                      ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """One forward over a pack of items (``forward``) on the call's execution."""
         plan = self.prepare(grids, pixel_values.device)
@@ -290,8 +265,11 @@ class VisionTower(nn.Module):
 
     # ------------------------------------------------------------------ inputs
 
-    def grid_list(self, grid_thw: torch.Tensor | list) -> list[Grid]:
+    def grid_list(self, grid_thw: torch.Tensor | list) -> Grids:
         """The grids as Python ints (one host read per forward), validated against the merge size."""
+        merge = self.config.spatial_merge_size
+        if isinstance(grid_thw, Grids) and grid_thw.merge == merge:
+            return grid_thw
         if isinstance(grid_thw, torch.Tensor):
             if grid_thw.ndim != 2 or grid_thw.shape[1] != 3:
                 raise InputError(f"grid_thw must have shape (n, 3), got {tuple(grid_thw.shape)}")
@@ -301,7 +279,6 @@ class VisionTower(nn.Module):
         else:
             rows = [list(g) for g in grid_thw]
         grids: list[Grid] = []
-        merge = self.config.spatial_merge_size
         for i, row in enumerate(rows):
             if len(row) != 3:
                 raise InputError(f"grid_thw[{i}] must be (t, h, w), got {row}")
@@ -313,7 +290,9 @@ class VisionTower(nn.Module):
             grids.append((t, h, w))
         if not grids:
             raise InputError("grid_thw is empty: nothing to encode")
-        return grids
+        checked = Grids(grids)
+        checked.merge = merge
+        return checked
 
     def check_pixels(self, pixel_values: torch.Tensor, grids: list[Grid]) -> None:
         expected_rows = sum(t * h * w for t, h, w in grids)
@@ -373,62 +352,23 @@ class VisionTower(nn.Module):
         if options.get("mode") in ("reduce-overhead", "max-autotune"):
             raise ConfigError(f"compile_blocks: mode={options['mode']!r} records CUDA graphs, which need fixed "
                              "shapes; the token count varies per pack. Use 'max-autotune-no-cudagraphs' or 'default'")
-        self.unpack_linear_weights_()  # inductor plans its own kernels; dynamo does not trace opaque tensors
+        self.backend.release(self)  # inductor plans its own kernels on the modules as the model defines them
         self.compiled = True
-        self.cpu_plan = None
         for block in self.blocks:
             block.compile(**options)
 
-    # ------------------------------------------------------------------ the CPU backend
+    # ------------------------------------------------------------------ the backend that runs the calls
 
-    def set_cpu_kernels(self, cpu_kernels: str | dict | CpuPlan = "auto") -> None:
-        """How the CPU runs inference: "auto" (the machine's measured plan, ``cpu.machine.machine_plan``),
-        "reference" (the modules' own ops: transformers' addmm and SDPA), or a plan (a ``CpuPlan`` or its dict,
-        e.g. a run's recorded one). Applied now where the weights are on the CPU (measuring what this machine's
-        plan lacks, packing the linears it runs on oneDNN), else when they arrive there."""
-        self.cpu_kernels = check_cpu_kernels(cpu_kernels)
-        self.cpu_plan = None
-        self.prepare_cpu_()
-
-    def prepare_cpu_(self) -> CpuPlan | None:
-        """The plan the CPU backend runs now (None: the modules' own forward), its linears packed for it.
-
-        Packing changes the tower's Parameters (one lock for every tower, so that concurrent first calls pack
-        once), outside inference mode (they stay ordinary tensors). Calls on one tower from several threads are
-        safe while they all run inference, or all the modules' forward; mixing the two at once is not."""
-        weight = self.patch_embed.proj.weight
-        if self.cpu_kernels == "reference" or weight.device.type != "cpu" or weight.is_meta or self.compiled:
-            if self.packed_plan is not None:
-                self.unpack_linear_weights_()
-            return None
-        if self.cpu_plan is not None and self.packed_plan is self.cpu_plan:
-            return self.cpu_plan  # the steady state: no lock taken
-        with PACKING_LOCK, torch.inference_mode(False), torch.no_grad():
-            if self.cpu_plan is None:
-                given = self.cpu_kernels
-                self.cpu_plan = machine_plan(plan_needs(self)) if given == "auto" else given
-            if self.packed_plan is not self.cpu_plan:
-                pack_linears_(self, self.cpu_plan)
-                self.packed_plan = self.cpu_plan
-            return self.cpu_plan
-
-    def unpack_linear_weights_(self) -> None:
-        with PACKING_LOCK, torch.inference_mode(False), torch.no_grad():
-            unpack_linears_(self)
-            self.packed_plan = None
+    def use_backend(self, backend: Backend) -> None:
+        """Run this tower's calls on ``backend`` from now on; the previous one gives the modules back first."""
+        self.backend.release(self)
+        self.backend = backend
 
     def free_weights_(self) -> None:
         """Every parameter and buffer replaced by a storage-less meta tensor (``VisionEncoder.close``): a reference
         to the module kept elsewhere no longer pins the weights."""
-        drop_packed_(self)
-        self.packed_plan = None
         self.to("meta")
-
-    def _apply(self, fn, recurse=True):
-        # Packed tensors support no conversion: moved plain, packed again for the new dtype by the next forward.
-        self.unpack_linear_weights_()
-        self.cpu_plan = None
-        return super()._apply(fn, recurse)
+        self.backend.release(self)
 
     def _dynamic(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Compiled blocks: the token count is the one dynamic size of their inputs (so a pack whose token count
@@ -438,49 +378,10 @@ class VisionTower(nn.Module):
                 torch._dynamo.mark_dynamic(tensor, 0)
         return tensors
 
-    # ------------------------------------------------------------------ the execution of a call
-
-    def execution(self, rows: int, pixel_values: torch.Tensor) -> ReferenceExecution | CpuExecution:
-        """How this call runs, chosen once: the CPU backend in CPU inference on a plan (its workspace sized for
-        ``rows`` hidden states), else the modules' own forward (compiled blocks, inside a compiled graph, under
-        autocast, when autograd is recording, off the CPU, with ``cpu_kernels="reference"``, and while a module
-        has forward hooks: the CPU backend calls no module's forward, and a hook is there to see one)."""
-        weight = self.patch_embed.proj.weight
-        reference = (self.compiled or torch.compiler.is_compiling() or self._recording_grad(pixel_values)
-                     or autocasting(weight.device.type) or self.hooked())
-        plan = None if reference else self.prepare_cpu_()
-        if plan is None:
-            if any(m.weight.is_mkldnn for _, m in linear_layers(self)):
-                # the modules' forward takes plain weights; the next CPU call packs. Inside a traced forward too:
-                # Parameters are swapped, not computed
-                unpack = self.unpack_linear_weights_
-                (torch.compiler.disable(unpack) if torch.compiler.is_compiling() else unpack)()
-            return ReferenceExecution(self.attention_backend())
-        cfg = self.config
-        mlp_width = cfg.intermediate_size * (2 if cfg.family.mlp == "gated" else 1)
-        block = block_need(self.blocks[0])
-        # the plan's scratch, but at least the widest row through it (rope's q and k, a merger's grouped rows)
-        scratch = max(plan.scratch_elements(block), 2 * cfg.hidden_size, cfg.merge_unit * cfg.hidden_size)
-        workspace = Workspace(rows, cfg.hidden_size, max(3 * cfg.hidden_size, mlp_width), weight.dtype,
-                              weight.device, scratch)
-        return CpuExecution(plan, workspace, plan.chunk_bytes(block))
-
-    def hooked(self) -> bool:
-        """Whether a forward hook would see a module of this tower run (its own, or a global one)."""
-        module_globals = nn.modules.module  # torch's own registry of global hooks (no public getter)
-        if getattr(module_globals, "_global_forward_hooks", None) or \
-                getattr(module_globals, "_global_forward_pre_hooks", None):
-            return True
-        return any(m._forward_hooks or m._forward_pre_hooks for m in self.modules() if m is not self)
-
-    def _recording_grad(self, pixel_values: torch.Tensor) -> bool:
-        return torch.is_grad_enabled() and (pixel_values.requires_grad
-                                            or any(p.requires_grad for p in self.parameters()))
-
     # ------------------------------------------------------------------ reporting
 
     def describe(self) -> dict:
-        """What this tower is and how it runs, for people and logs."""
+        """What this tower is and how its calls run (its backend's report), for people and logs."""
         weight = self.patch_embed.proj.weight
         cfg = self.config
         return {
@@ -491,12 +392,7 @@ class VisionTower(nn.Module):
             "attn_impl": self.attn_impl, "attention": self.attention,
             "device": str(weight.device), "dtype": str(weight.dtype).replace("torch.", ""),
             "compiled": self.compiled, "parameters": sum(p.numel() for p in self.parameters()),
-            "items": "one forward each" if len(self.packs([(1, 2, 2)] * 2, weight.device)) > 1
-            else "one forward per pack",
-            "execution": "cpu" if self.cpu_plan is not None and self.packed_plan is self.cpu_plan else "reference",
-            "cpu_plan": None if self.cpu_plan is None else self.cpu_plan.machine,
-            "linear_kernels": {"addmm": sum(not m.weight.is_mkldnn for _, m in linear_layers(self)),
-                               "onednn": sum(m.weight.is_mkldnn for _, m in linear_layers(self))},
+            **self.backend.describe(self),
         }
 
     def cache_stats(self) -> dict[str, int]:

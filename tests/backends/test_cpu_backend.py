@@ -1,12 +1,15 @@
 """The CPU inference backend (qwenvl_vision.backends.cpu): its forward against transformers' towers per item, its
 workspace ops bitwise the reference's, oneDNN's packed weights (one copy, plain out of state_dict, loads, moves,
-autograd, autocast, teardown), the GEMM attention path against float64, and the execution the tower picks (never
-the workspace off the CPU)."""
+autograd, autocast, teardown), the GEMM attention path against float64, the execution it picks per call (never the
+workspace off the CPU), and the seam: the tower knows nothing of it and carries no hook or override for it."""
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 import gc
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,11 +19,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.activations import ACT2FN
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLRMSNorm, apply_rotary_pos_emb_vision
 
-from qwenvl_vision import ConfigError, build_model, load_encoder
+from qwenvl_vision import ConfigError, InputError, VisionTower, build_model, load_encoder
 from qwenvl_vision.backends.cpu import forward
+from qwenvl_vision.backends.cpu.backend import CpuBackend
 from qwenvl_vision.backends.cpu.forward import ACTIVATIONS, CpuExecution, signed_sin
 from qwenvl_vision.backends.cpu.kernels import (
-    EPILOGUE_ACTIVATIONS,
     balanced_chunks,
     onednn_linear_available,
     pack_weight,
@@ -31,9 +34,10 @@ from qwenvl_vision.backends.cpu.packing import linear_layers
 from qwenvl_vision.backends.cpu.plan import CpuPlan, attention_key
 from qwenvl_vision.backends.cpu.workspace import DEFAULT_SCRATCH_ELEMENTS, Workspace
 from qwenvl_vision.cli import main
-from qwenvl_vision.model import config
+from qwenvl_vision.model import layers
 from qwenvl_vision.model.attention import SegmentPlan
 from qwenvl_vision.model.layers import RMSNorm, rope_cos_sin
+from qwenvl_vision.model.tower import accept_checkpoint_names
 from tests.helpers import (
     FAMILY_SMALL,
     QWEN2_5_SMALL,
@@ -58,6 +62,7 @@ from tests.helpers import (
 
 needs_onednn = pytest.mark.skipif(not onednn_linear_available(), reason="this torch has no oneDNN linear ops")
 HEADS, HEAD_DIM = 4, 72
+EPILOGUES = sorted(name for name, activation in ACTIVATIONS.items() if activation.epilogue is not None)
 
 
 def plain_and_packed(cfg):
@@ -65,13 +70,21 @@ def plain_and_packed(cfg):
     and inputs for them."""
     ref = hf_tower(cfg, seed=0)
     plain, packed = ours_from(ref, cfg), ours_from(ref, cfg)
-    plain.set_cpu_kernels("reference")
-    packed.set_cpu_kernels(forced_plan(packed, "onednn"))
+    CpuBackend("reference").attach(plain)
+    CpuBackend(forced_plan(packed, "onednn")).attach(packed)
     return plain, packed, inputs(cfg, grids_for(cfg))
 
 
 def packed_count(model) -> int:
-    return sum(p.is_mkldnn for p in model.parameters())
+    """The tower's linears on oneDNN's layout, as ``describe`` reports them (and as the modules hold them)."""
+    count = model.describe()["linear_kernels"]["onednn"]
+    assert count == sum(p.is_mkldnn for p in model.parameters())
+    return count
+
+
+def call_execution(model, pixel_values, grid_thw):
+    """The execution the tower's backend gives a call of these inputs (what ``forward`` asks it once)."""
+    return model.backend.execution(model, pixel_values, model.grid_list(grid_thw))
 
 
 def execution(dtype=torch.float32, rows=4096, dim=240, wide=720, plan=None) -> CpuExecution:
@@ -124,8 +137,8 @@ def test_norms_into_a_workspace_buffer_are_bitwise_the_reference(dtype, kind):
         assert torch.equal(out, ref(x))
 
 
-def test_every_activation_a_config_may_name_is_implemented():
-    assert set(ACTIVATIONS) == set(config.ACTIVATIONS)
+def test_the_backend_has_a_form_of_every_activation_of_the_model():
+    assert set(ACTIVATIONS) == set(layers.ACTIVATIONS)
 
 
 @pytest.mark.parametrize("name", sorted(ACTIVATIONS))
@@ -133,7 +146,7 @@ def test_in_place_activations_are_bitwise_transformers_activations(name):
     """Bits on any CPU: the same aten kernel over the same iteration (in place on a contiguous tensor, into a
     strided destination from the same strided rows)."""
     x = torch.randn(2 * DEFAULT_SCRATCH_ELEMENTS // 33 + 40, 33) * 5
-    in_place, into = ACTIVATIONS[name]
+    in_place, into = ACTIVATIONS[name].in_place, ACTIVATIONS[name].into
     assert torch.equal(in_place(x.clone()), ACT2FN[name](x))
     out = torch.full_like(x, float("nan"))[:, 1:]  # a strided destination: a workspace's rows of a wider buffer
     assert torch.equal(into(x[:, 1:], out), ACT2FN[name](x[:, 1:]))
@@ -148,7 +161,7 @@ def test_packed_towers_match_transformers_per_item(family, tmp_path):
     cfg = FAMILY_SMALL[family]
     write_checkpoint(tmp_path, cfg)
     encoder = load_encoder(tmp_path, device="cpu", cpu_kernels="reference")
-    encoder.model.set_cpu_kernels(forced_plan(encoder.model, "onednn", "gemm"))
+    CpuBackend(forced_plan(encoder.model, "onednn", "gemm")).attach(encoder.model)
     assert packed_count(encoder.model) == len(linear_layers(encoder.model)) > 0
     assert encoder.describe()["execution"] == "cpu"
     ref = hf_tower(cfg, seed=0)
@@ -174,15 +187,16 @@ def test_bf16_packed_tower_within_tolerance_and_addmm_bitwise_where_this_machine
     chunk_bytes, block_rows = 16 << 10, 24
     ref = hf_tower(cfg, seed=0)
     plain = ours_from(ref, cfg).to(torch.bfloat16)
-    plain.set_cpu_kernels(forced_plan(plain, "addmm"))
+    CpuBackend(forced_plan(plain, "addmm")).attach(plain)
     packed = ours_from(ref, cfg).to(torch.bfloat16)
-    packed.set_cpu_kernels(forced_plan(packed, "onednn", mlp_rows=block_rows, chunk_bytes=chunk_bytes))
+    CpuBackend(forced_plan(packed, "onednn", mlp_rows=block_rows, chunk_bytes=chunk_bytes)).attach(packed)
     pixel_values, grid_thw = inputs(cfg, grids_for(cfg))
-    assert packed.execution(64, pixel_values).chunk_bytes == chunk_bytes  # chunks of a few dozen rows
+    assert call_execution(packed, pixel_values, grid_thw).chunk_bytes == chunk_bytes  # chunks of a few dozen rows
     with torch.no_grad():
         a, levels_a = plain(pixel_values, grid_thw)
         with monkeypatch.context() as no_epilogue:
-            no_epilogue.setattr(forward, "EPILOGUE_ACTIVATIONS", {})
+            no_epilogue.setattr(forward, "ACTIVATIONS", {name: dataclasses.replace(activation, epilogue=None)
+                                                         for name, activation in ACTIVATIONS.items()})
             b, levels_b = packed(pixel_values, grid_thw)
         fused = packed(pixel_values, grid_thw)
         exact = ours_from(ref, cfg)(pixel_values, grid_thw)
@@ -192,7 +206,7 @@ def test_bf16_packed_tower_within_tolerance_and_addmm_bitwise_where_this_machine
     rows = sorted({*patches, *(n // cfg.merge_unit for n in patches)})
     steps = sorted({block_rows, *(max(1, chunk_bytes // (out * 2)) for _, out in shapes)})
     bitwise = packed_gives_addmm_bits(shapes, torch.bfloat16, rows, steps)
-    epilogue = cfg.hidden_act in EPILOGUE_ACTIVATIONS and cfg.family.mlp != "gated"
+    epilogue = cfg.hidden_act in EPILOGUES and cfg.family.mlp != "gated"
     if epilogue:
         assert not torch.equal(fused[0], b)
         assert_matches_reference(fused, exact, grid_thw, 3e-2)
@@ -203,7 +217,7 @@ def test_bf16_packed_tower_within_tolerance_and_addmm_bitwise_where_this_machine
         hidden = ACT2FN[cfg.hidden_act](x.double() @ fc1.T + mlp_plain.linear_fc1.bias.double())
         want = hidden @ fc2.T + mlp_plain.linear_fc2.bias.double()
         wide = max(3 * cfg.hidden_size, mlp_plain.linear_fc1.out_features)  # as the tower sizes its workspace
-        run = execution(torch.bfloat16, 200, cfg.hidden_size, wide, packed.cpu_plan)
+        run = execution(torch.bfloat16, 200, cfg.hidden_size, wide, packed.backend.plan(packed))
         with torch.no_grad():
             got = {name: run.mlp(mlp, x, residual=torch.zeros_like(x)).double() for name, mlp in
                    [("plain", mlp_plain), ("packed", mlp_packed)]}
@@ -217,7 +231,7 @@ def test_bf16_packed_tower_within_tolerance_and_addmm_bitwise_where_this_machine
 
 
 @needs_onednn
-@pytest.mark.parametrize("name", sorted(EPILOGUE_ACTIVATIONS))
+@pytest.mark.parametrize("name", EPILOGUES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_epilogue_activations_are_transformers_activations(name, dtype):
     """oneDNN's activation in the GEMM's epilogue against transformers' on the linear's result: within fp32's
@@ -227,7 +241,7 @@ def test_epilogue_activations_are_transformers_activations(name, dtype):
     x = (torch.randn(300, 96, generator=gen) * 2).to(dtype)
     weight = (torch.randn(160, 96, generator=gen) / 5).to(dtype)
     bias = torch.randn(160, generator=gen).to(dtype)
-    fused = packed_activated_linear(x, pack_weight(weight), bias, name)
+    fused = packed_activated_linear(x, pack_weight(weight), bias, ACTIVATIONS[name].epilogue)
     separate = ACT2FN[name](F.linear(x, weight, bias))
     exact = ACT2FN[name](F.linear(x.double(), weight.double(), bias.double()))
     if dtype == torch.float32:
@@ -241,7 +255,7 @@ def test_the_reference_setting_runs_the_modules_own_forward_bitwise():
     cfg = QWEN3_SMALL_72
     ref = hf_tower(cfg, seed=0)
     model = ours_from(ref, cfg)
-    model.set_cpu_kernels("reference")
+    CpuBackend("reference").attach(model)
     pixel_values, grid_thw = inputs(cfg, grids_for(cfg))
     modules = []
     with torch.no_grad():
@@ -253,7 +267,7 @@ def test_the_reference_setting_runs_the_modules_own_forward_bitwise():
     assert len(modules) == len(grid_thw) * len(model.blocks)
     assert_matches_reference(got, hf_forward(ref, pixel_values, grid_thw), grid_thw, 1e-5)
     with pytest.raises(ConfigError, match="cpu_kernels 'mkl'"):
-        model.set_cpu_kernels("mkl")
+        CpuBackend("mkl")
 
 
 # ----------------------------------------------------------------------------- attention paths
@@ -310,7 +324,7 @@ def test_towers_with_frames_on_the_gemm_path_match_transformers(cfg, dtype):
     block attend them by two GEMMs per head) and a small image, against transformers' fp32 tower per item."""
     ours, ref = pair(cfg)
     ours = ours.to(dtype)
-    ours.set_cpu_kernels(forced_plan(ours, "onednn", "gemm"))
+    CpuBackend(forced_plan(ours, "onednn", "gemm")).attach(ours)
     grids = [(1, 24, 24), (2, 16, 32), (1, 4, 6)]
     (merged, levels), expected, grid_thw = forward_both(ours, ref, cfg, grids)
     assert_matches_reference((merged, levels), expected, grid_thw, 1e-5 if dtype == torch.float32 else 3e-2)
@@ -354,14 +368,14 @@ def test_the_forward_runs_the_plan_s_chunk_and_scratch_sizes_and_the_scratch_cha
     ref = hf_tower(cfg, seed=0)
     pixel_values, grid_thw = inputs(cfg, grids_for(cfg))
     default, small = ours_from(ref, cfg), ours_from(ref, cfg)
-    default.set_cpu_kernels(forced_plan(default, "addmm"))
-    small.set_cpu_kernels(forced_plan(small, "addmm", scratch=1 << 10))
-    assert small.execution(64, pixel_values).workspace.scratch.shape == (2, 1 << 10)
+    CpuBackend(forced_plan(default, "addmm")).attach(default)
+    CpuBackend(forced_plan(small, "addmm", scratch=1 << 10)).attach(small)
+    assert call_execution(small, pixel_values, grid_thw).workspace.scratch.shape == (2, 1 << 10)
     tiny = ours_from(ref, cfg)  # a plan's scratch below a row: the widest row's (a merger's grouped rows)
-    tiny.set_cpu_kernels(forced_plan(tiny, "addmm", scratch=1))
-    assert tiny.execution(64, pixel_values).workspace.scratch.shape == (2, cfg.merge_unit * cfg.hidden_size)
+    CpuBackend(forced_plan(tiny, "addmm", scratch=1)).attach(tiny)
+    assert call_execution(tiny, pixel_values, grid_thw).workspace.scratch.shape == (2, cfg.merge_unit * cfg.hidden_size)
     packed = ours_from(ref, cfg)
-    packed.set_cpu_kernels(forced_plan(packed, "onednn", chunk_bytes=8 << 10, scratch=1 << 10))
+    CpuBackend(forced_plan(packed, "onednn", chunk_bytes=8 << 10, scratch=1 << 10)).attach(packed)
     asked = []
     real = forward.packed_chunks
     monkeypatch.setattr(forward, "packed_chunks", lambda x, w, b, chunk: asked.append(chunk) or real(x, w, b, chunk))
@@ -383,10 +397,9 @@ def test_the_forward_runs_the_plan_s_chunk_and_scratch_sizes_and_the_scratch_cha
 @needs_onednn
 def test_the_packed_weight_replaces_the_plain_one():
     gc.collect()  # the census runs no gc: earlier tests' cyclic garbage would count as live
-    model = build_model(QWEN2_5_SMALL)
-    model.set_cpu_kernels("reference")
+    model = build_model(QWEN2_5_SMALL, cpu_kernels="reference")
     before = census()
-    model.set_cpu_kernels(forced_plan(model, "onednn"))
+    CpuBackend(forced_plan(model, "onednn")).attach(model)
     # The plain weights are gone: what is live is the packed ones (the census counts each as its elements), so the
     # total has not grown; keeping the plain weights beside them would have added their bytes again.
     linear_bytes = sum(layer.weight.numel() * 4 for _, layer in linear_layers(model))
@@ -398,7 +411,7 @@ def test_the_packed_weight_replaces_the_plain_one():
 def test_state_dict_and_extract_weights_give_plain_tensors_equal_to_the_checkpoint(tmp_path):
     vision = write_checkpoint(tmp_path / "ckpt", QWEN2_5_SMALL)
     encoder = load_encoder(tmp_path / "ckpt", device="cpu", cpu_kernels="reference")
-    encoder.model.set_cpu_kernels(forced_plan(encoder.model, "onednn"))
+    CpuBackend(forced_plan(encoder.model, "onednn")).attach(encoder.model)
     state = encoder.model.state_dict()
     assert packed_count(encoder.model) > 0 and not any(v.is_mkldnn for v in state.values())
     assert torch.equal(state["blocks.1.attn.qkv.weight"], vision["blocks.1.attn.qkv.weight"])  # a layout change
@@ -412,7 +425,7 @@ def test_a_state_dict_loads_into_a_packed_tower_and_is_packed_again():
     cfg = QWEN3_SMALL_72
     ref = hf_tower(cfg, seed=3)
     model = build_model(cfg)
-    model.set_cpu_kernels(forced_plan(model, "onednn"))
+    CpuBackend(forced_plan(model, "onednn")).attach(model)
     model.load_state_dict(ref.state_dict(), strict=True)  # transformers' names, through the load hook
     pixel_values, grid_thw = inputs(cfg, grids_for(cfg))
     with torch.no_grad():
@@ -427,7 +440,7 @@ def test_a_state_dict_loads_into_a_packed_tower_and_is_packed_again():
 def test_close_frees_packed_weights_and_nothing_stays_behind():
     baseline = census()
     encoder = load_encoder(QWEN3_SMALL_72, random_weights=True, device="cpu", cpu_kernels="reference")
-    encoder.model.set_cpu_kernels(forced_plan(encoder.model, "onednn"))
+    CpuBackend(forced_plan(encoder.model, "onednn")).attach(encoder.model)
     assert packed_count(encoder.model) > 0 and census() > baseline
     pixel_values, grid_thw = inputs(QWEN3_SMALL_72, grids_for(QWEN3_SMALL_72))
     encoder.encode_patches(pixel_values, grid_thw)
@@ -491,16 +504,16 @@ def test_a_packed_tower_moves_and_casts_and_stays_exact():
     cfg = QWEN3_SMALL_72
     ref = hf_tower(cfg, seed=0)
     model = ours_from(ref, cfg)
-    model.set_cpu_kernels(forced_plan(model.to(torch.bfloat16), "onednn"))
+    CpuBackend(forced_plan(model.to(torch.bfloat16), "onednn")).attach(model)
     pixel_values, grid_thw = inputs(cfg, grids_for(cfg))
     packed_bf16 = ours_from(ref, cfg).to(torch.bfloat16)  # cast, then packed
-    packed_bf16.set_cpu_kernels(model.cpu_plan)
+    CpuBackend(model.backend.plan(model)).attach(packed_bf16)
     model.float().to(torch.bfloat16)  # unpacked, cast twice; packed again by the next forward
     with torch.no_grad():
         assert torch.equal(model(pixel_values, grid_thw)[0], packed_bf16(pixel_values, grid_thw)[0])
     assert packed_count(model) == len(linear_layers(model)) and model.blocks[0].attn.qkv.weight.dtype == torch.bfloat16
     model = ours_from(ref, cfg)
-    model.set_cpu_kernels(forced_plan(model, "onednn"))
+    CpuBackend(forced_plan(model, "onednn")).attach(model)
     model.double()  # oneDNN packs no float64: plain weights, still right
     with torch.no_grad():
         assert_matches_reference(model(pixel_values.double(), grid_thw), hf_forward(ref, pixel_values, grid_thw),
@@ -528,7 +541,7 @@ def test_chunks_are_balanced_and_leave_no_short_tail():
 @pytest.mark.slow
 def test_compiling_unpacks_first():
     model = build_model(QWEN2_5_SMALL)
-    model.set_cpu_kernels(forced_plan(model, "onednn"))
+    CpuBackend(forced_plan(model, "onednn")).attach(model)
     model.compile_blocks(backend="eager")
     assert packed_count(model) == 0 and model.describe()["execution"] == "reference"
 
@@ -543,9 +556,9 @@ def test_the_addmm_and_sdpa_plan_gives_the_reference_bits_where_addmm_ignores_st
             model = build_model(cfg).to(dtype)
             pixel_values, grid_thw = inputs(cfg, grids_for(cfg))
             with torch.no_grad():
-                model.set_cpu_kernels("reference")
+                CpuBackend("reference").attach(model)
                 reference = model(pixel_values, grid_thw)
-                model.set_cpu_kernels(forced_plan(model, "addmm", "sdpa"))
+                CpuBackend(forced_plan(model, "addmm", "sdpa")).attach(model)
                 assert model.describe()["execution"] == "cpu"
                 backend = model(pixel_values, grid_thw)
             assert_matches_reference(backend, reference, grid_thw, 1e-5 if dtype == torch.float32 else 3e-2)
@@ -566,7 +579,7 @@ def test_forward_hooks_see_every_module_and_a_block_s_state_dict_is_plain():
     gives plain tensors."""
     cfg = QWEN3_SMALL_72
     model = build_model(cfg)
-    model.set_cpu_kernels(forced_plan(model, "onednn", "gemm"))
+    CpuBackend(forced_plan(model, "onednn", "gemm")).attach(model)
     pixel_values, grid_thw = inputs(cfg, grids_for(cfg))
     state = model.blocks[0].state_dict()
     assert state and not any(v.is_mkldnn for v in state.values()) and packed_count(model) > 0
@@ -583,9 +596,118 @@ def test_forward_hooks_see_every_module_and_a_block_s_state_dict_is_plain():
 def test_a_packed_weight_made_trainable_stays_trainable():
     cfg = QWEN2_5_SMALL
     model = build_model(cfg)
-    model.set_cpu_kernels(forced_plan(model, "onednn"))
+    CpuBackend(forced_plan(model, "onednn")).attach(model)
     model.blocks[0].attn.qkv.weight.requires_grad_(True)
     pixel_values, grid_thw = inputs(cfg, grids_for(cfg))
     model(pixel_values, grid_thw)[0].square().sum().backward()
     weight = model.blocks[0].attn.qkv.weight
     assert weight.requires_grad and not weight.is_mkldnn and weight.grad is not None and weight.grad.abs().sum() > 0
+
+
+# ----------------------------------------------------------------------------- the seam
+
+
+def test_the_tower_module_imports_nothing_of_the_backends():
+    """The model asks its backend for each call's execution and knows no backend: tower.py imports none."""
+    path = Path(VisionTower.__module__.replace(".", "/") + ".py")
+    source = Path(__file__).resolve().parents[2] / path
+    reached = []
+    for node in ast.walk(ast.parse(source.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            anchor = VisionTower.__module__.split(".")[: -node.level] if node.level else []
+            reached.append(".".join(anchor + [node.module or ""]))
+        elif isinstance(node, ast.Import):
+            reached += [alias.name for alias in node.names]
+    assert reached and not [m for m in reached if m.startswith("qwenvl_vision.backends")], reached
+
+
+@needs_onednn
+def test_a_tower_run_on_packed_weights_carries_no_state_dict_hook_and_no_conversion_override():
+    """Packing swaps the layers' class (``PackedLinear`` keeps the module contract on its own class): the tower
+    and its modules carry no hook for it, and the tower converts with torch's own ``_apply``."""
+    cfg = QWEN3_SMALL_72
+    model = build_model(cfg)
+    CpuBackend(forced_plan(model, "onednn")).attach(model)
+    pixel_values, grid_thw = inputs(cfg, grids_for(cfg))
+    with torch.no_grad():
+        model(pixel_values, grid_thw)
+    assert packed_count(model) == len(linear_layers(model)) and model.describe()["execution"] == "cpu"
+    assert type(model)._apply is torch.nn.Module._apply
+    for module in model.modules():
+        assert not (module._state_dict_hooks or module._state_dict_pre_hooks or module._load_state_dict_post_hooks
+                    or module._forward_hooks or module._forward_pre_hooks), module
+        if module is not model:
+            assert not module._load_state_dict_pre_hooks, module
+    # the tower's one load hook takes the checkpoints' names, whatever runs it
+    assert [hook.hook for hook in model._load_state_dict_pre_hooks.values()] == [accept_checkpoint_names]
+
+
+@needs_onednn
+def test_a_packed_fp32_tower_converts_as_its_plain_weights_and_is_packed_again():
+    """A conversion that changes nothing keeps the packing; a cast gives the layers back plain in the new dtype (the
+    next call runs the plan there, packed where it says so); a cast back packs again; to meta frees them."""
+    cfg = QWEN2_5_SMALL
+    ref = hf_tower(cfg, seed=0)
+    model = ours_from(ref, cfg)
+    CpuBackend(forced_plan(model, "onednn")).attach(model)
+    pixel_values, grid_thw = inputs(cfg, grids_for(cfg))
+    layers_count = len(linear_layers(model))
+    with torch.no_grad():
+        before = model(pixel_values, grid_thw)
+        model.float().to("cpu")
+        assert packed_count(model) == layers_count and torch.equal(model(pixel_values, grid_thw)[0], before[0])
+        model.to(torch.bfloat16)
+        assert packed_count(model) == 0 and model.describe()["execution"] == "reference"
+        assert all(p.dtype == torch.bfloat16 and not p.is_mkldnn for p in model.parameters())
+        expected = hf_forward(ref, pixel_values, grid_thw)
+        assert_matches_reference(model(pixel_values, grid_thw), expected, grid_thw, 3e-2)  # no bf16 entry: addmm
+        model.float()
+        assert_matches_reference(model(pixel_values, grid_thw), expected, grid_thw, 3e-2)  # bf16-rounded weights
+        assert packed_count(model) == layers_count and model.describe()["execution"] == "cpu"
+        model.double()  # oneDNN packs no float64: plain weights, still right
+        assert_matches_reference(model(pixel_values.double(), grid_thw), expected, grid_thw, 3e-2)
+        assert packed_count(model) == 0
+    CpuBackend(forced_plan(model.float(), "onednn")).attach(model)
+    assert packed_count(model) == layers_count
+    model.to("meta")
+    assert all(p.is_meta for p in model.parameters()) and model.describe()["execution"] == "reference"
+
+
+@needs_onednn
+def test_describe_reports_the_execution_the_calls_run_on():
+    """``describe`` reports the state the backend decides each call on: the plan once prepared, the modules'
+    forward after a call that needed it, the plan again after the next inference call."""
+    cfg = QWEN2_5_SMALL
+    model = build_model(cfg)
+    pixel_values, grid_thw = inputs(cfg, grids_for(cfg))
+    assert model.describe()["execution"] == "reference"  # "auto" resolves the plan at the first inference call
+    CpuBackend(forced_plan(model, "onednn")).attach(model)
+    assert model.describe()["execution"] == call_execution(model, pixel_values, grid_thw).name == "cpu"
+    assert model.describe()["cpu_plan"] == "forced" and model.describe()["items"] == "one forward each"
+    needs_grad = pixel_values.clone().requires_grad_(True)
+    assert call_execution(model, needs_grad, grid_thw).name == model.describe()["execution"] == "reference"
+    assert model.describe()["linear_kernels"] == {"addmm": len(linear_layers(model)), "onednn": 0}
+    with torch.no_grad():
+        model(pixel_values, grid_thw)
+    assert model.describe()["execution"] == "cpu" and packed_count(model) == len(linear_layers(model))
+    model.to("meta")
+    assert model.describe()["items"] == "one forward per pack"
+
+
+def test_each_input_is_checked_once_per_encode_call(monkeypatch):
+    """The encoder checks the grids and hands the tower checked grids, which it takes as they are; the pixel rows
+    are checked by the tower's forward alone. A direct call still checks both."""
+    encoder = load_encoder(QWEN2_5_SMALL, random_weights=True, device="cpu", cpu_kernels="reference")
+    model = encoder.model
+    pixel_values, grid_thw = inputs(QWEN2_5_SMALL, grids_for(QWEN2_5_SMALL))
+    checked = model.grid_list(grid_thw)
+    assert model.grid_list(checked) is checked and checked == tuple(map(tuple, grid_thw.tolist()))
+    pixel_checks = []
+    real = VisionTower.check_pixels
+    monkeypatch.setattr(VisionTower, "check_pixels", lambda self, *args: pixel_checks.append(1) or real(self, *args))
+    encoder.encode_patches(pixel_values, grid_thw)
+    assert pixel_checks == [1]
+    with pytest.raises(InputError, match="pixel_values has shape"):
+        model(pixel_values[:-1], checked)
+    with pytest.raises(InputError, match="multiples of the merge size"):
+        model(pixel_values, [[1, 3, 4]])

@@ -155,7 +155,7 @@ from tests.helpers import QWEN2_5_SMALL, grids_for, inputs
 torch.set_num_threads({torch.get_num_threads()})
 encoder = load_encoder(QWEN2_5_SMALL, random_weights=True, device="cpu", dtype="bfloat16")
 pixel_values, grid_thw = inputs(QWEN2_5_SMALL, grids_for(QWEN2_5_SMALL))
-print(json.dumps(encoder.model.cpu_plan.to_dict()))
+print(json.dumps(encoder.cpu_plan.to_dict()))
 torch.save(torch.cat(encoder.encode_patches(pixel_values, grid_thw).embeddings), "{{out}}")
 """
     import tempfile
@@ -165,7 +165,7 @@ torch.save(torch.cat(encoder.encode_patches(pixel_values, grid_thw).embeddings),
         done = subprocess.run([sys.executable, "-c", script.replace("{out}", out)], capture_output=True, text=True,
                               timeout=300)
         assert done.returncode == 0, done.stderr[-2000:]
-        assert json.loads(done.stdout.splitlines()[-1]) == encoder.model.cpu_plan.to_dict()
+        assert json.loads(done.stdout.splitlines()[-1]) == encoder.cpu_plan.to_dict()
         assert torch.equal(torch.load(out), here)
 
 
@@ -191,14 +191,14 @@ def test_a_plan_round_trips_as_a_dict_and_bad_ones_are_refused():
                        ({**plan.to_dict(), "scratch": {"gated:rms:64x2:96:silu:bfloat16": True}}, "integer of 1"),
                        ({**plan.to_dict(), "scratch": {"gated:rms:64x2:96:silu:bfloat16": 1 << 40}}, "integer of 1"),
                        ({**plan.to_dict(), "scratch": {"64x96:float32": 512}}, "64x96:float32"),
-                       ({**plan.to_dict(), "format": 2}, "format 2 has the fields")]:
+                       ({**plan.to_dict(), "format": 2}, r"format 2 is not this version's \(3\)")]:
         with pytest.raises(ConfigError, match=match):
             CpuPlan.from_dict(bad)
     with pytest.raises(ConfigError, match="format"):
         load_encoder(QWEN2_5_SMALL, random_weights=True, device="cpu", cpu_kernels={"format": 1})
-    # A plan recorded before the block sizes (format 2: five fields) runs the defaults it ran with.
     old = {"format": 2, "machine": "abc", "linear": {"64x96:float32": "addmm"}, "attention": {}, "mlp": {}}
-    assert CpuPlan.from_dict(old) == CpuPlan("abc", {"64x96:float32": "addmm"})
+    with pytest.raises(ConfigError, match=r"^CPU plan format 2 is not this version's \(3\)$"):
+        CpuPlan.from_dict(old)
 
 
 @pytest.mark.parametrize("kernel", ["onednn", "addmm"])
@@ -283,7 +283,8 @@ def test_a_block_s_chunk_and_scratch_are_measured_on_the_plan_s_kernels_and_only
         fresh, monkeypatch, kernel):
     """A tower's block shape gets its packed linears' output per call (where any runs packed; else the default) and
     its scratch, each of the search space, timed on a block running the plan's kernels; a stored plan that lacks
-    them (a format-2 file, measured before they were) has them measured alone, its kernels kept."""
+    them (measured for the same kernels when no tower of this block shape had asked) has them measured alone, its
+    kernels kept."""
     from qwenvl_vision.backends.cpu.kernels import onednn_linear_available
 
     if kernel == "onednn" and not onednn_linear_available():
@@ -315,14 +316,12 @@ def test_a_block_s_chunk_and_scratch_are_measured_on_the_plan_s_kernels_and_only
     assert full.chunk_bytes(block) in (machine.CHUNK_CHOICES if kernel == "onednn" else (DEFAULT_CHUNK_BYTES,))
     path = plan_file(folder)
     stored = json.loads(path.read_text())
-    # as a version before the block sizes wrote it: format 2, five fields (and the identity)
-    path.write_text(json.dumps({**{k: v for k, v in stored.items() if k not in ("linear_chunk", "scratch")},
-                                "format": 2}))
+    path.write_text(json.dumps({**stored, "linear_chunk": {}, "scratch": {}}))
     forget(monkeypatch)
     for probe in ("measure_linear", "measure_attention", "measure_mlp"):
         monkeypatch.setattr(machine, probe, lambda *_, probe=probe, **__: pytest.fail(f"{probe} ran again"))
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # a format-2 file is read, not refused
+        warnings.simplefilter("error")  # the file is read, not refused
         again = machine_plan(needs)
     assert calls[-1] == PlanNeeds(blocks=frozenset({block})) and len(timed) == 2
     assert (again.linear, again.attention, again.mlp) == (full.linear, full.attention, full.mlp)

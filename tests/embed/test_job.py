@@ -297,7 +297,7 @@ def test_a_resume_and_every_rank_use_the_run_s_cpu_plan(tmp_path, checkpoint, mo
     real_load, iter_encode = load_encoder, VisionEncoder.iter_encode
 
     def spy(self, *a, **k):
-        used.append((self.model.cpu_plan.to_dict(), self.describe()["linear_kernels"]["addmm"]))
+        used.append((self.cpu_plan.to_dict(), self.describe()["linear_kernels"]["addmm"]))
         return iter_encode(self, *a, **k)
 
     monkeypatch.setattr(VisionEncoder, "iter_encode", spy)
@@ -314,7 +314,7 @@ def test_a_resume_and_every_rank_use_the_run_s_cpu_plan(tmp_path, checkpoint, mo
     job.encoder = real_load(checkpoint, device="cpu")  # this rank's own plan: addmm everywhere
     try:
         job.adopt_run()
-        assert job.encoder.model.cpu_plan.to_dict() == plan and torch.get_num_threads() == 1
+        assert job.encoder.cpu_plan.to_dict() == plan and torch.get_num_threads() == 1
         assert job.encoder.describe()["linear_kernels"]["addmm"] == 0
     finally:
         job.encoder.close()

@@ -146,7 +146,7 @@ class Reports(qv_ray.Embedder):
         first = Path(batch["path"][0])
         report = first.parent / f"actor-{os.getpid()}.json"
         report.write_text(json.dumps({"threads": torch.get_num_threads(),
-                                      "plan": self.encoder.model.cpu_plan.to_dict()}))
+                                      "plan": self.encoder.cpu_plan.to_dict()}))
         return super().__call__(batch)
 
 

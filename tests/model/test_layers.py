@@ -2,22 +2,26 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from transformers.activations import ACT2FN
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLRMSNorm
 
-from qwenvl_vision.model import config
+from qwenvl_vision import ConfigError
 from qwenvl_vision.model.layers import ACTIVATIONS, RMSNorm
 from qwenvl_vision.model.names import to_checkpoint_state
 from tests.helpers import QWEN2_5_GRIDS, QWEN2_5_SMALL, QWEN3_GRIDS, QWEN3_SMALL_72, hf_forward, inputs, pair, rel_err
 
 
-def test_every_activation_a_config_may_name_is_implemented_as_transformers_does():
+def test_a_config_may_name_exactly_the_model_s_activations_each_as_transformers_computes_it():
     x = torch.randn(500, 33) * 5
-    assert set(ACTIVATIONS) == set(config.ACTIVATIONS)
     for name, function in ACTIVATIONS.items():
+        assert dataclasses.replace(QWEN2_5_SMALL, hidden_act=name).hidden_act == name
         assert torch.equal(function(x), ACT2FN[name](x)), name
+    with pytest.raises(ConfigError, match="hidden_act 'relu' is not supported"):
+        dataclasses.replace(QWEN2_5_SMALL, hidden_act="relu")
 
 
 def test_rms_norm_is_bitwise_transformers():

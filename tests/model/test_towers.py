@@ -12,9 +12,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from qwenvl_vision import PRESETS, ConfigError, InputError, build_model, from_config_json, preset
+from qwenvl_vision.backends.cpu.backend import CpuBackend
 from qwenvl_vision.backends.cpu.kernels import onednn_linear_available
 from qwenvl_vision.model.config import FAMILIES
 from qwenvl_vision.model.names import to_checkpoint_state
+from qwenvl_vision.model.tower import one_forward
 from tests.helpers import (
     FAMILY_SMALL,
     QWEN2_5_GRIDS,
@@ -64,7 +66,7 @@ def test_a_pack_as_one_forward_equals_items_one_by_one(cfg, grids):
     model, _ = pair(cfg)
     pixel_values, grid_thw = inputs(cfg, grids)
     with torch.no_grad():
-        with patch.object(model, "packs", lambda grids, device: [grids]):
+        with patch.object(CpuBackend, "forwards", lambda self, tower: one_forward):
             packed = model(pixel_values, grid_thw)
         singles = [model(chunk, grid_thw[i : i + 1])
                    for i, chunk in enumerate(pixel_values.split(grid_thw.prod(1).tolist()))]
@@ -102,14 +104,14 @@ class RowDependentKernels(TorchDispatchMode):
                                               (QWEN3_SMALL_72, torch.bfloat16, "addmm")],
                          ids=["qwen2.5-fp32-addmm", "qwen2.5-bf16-onednn", "qwen3-fp32-onednn", "qwen3-bf16-addmm"])
 def test_an_item_has_the_same_bits_in_any_pack_even_where_kernels_depend_on_the_call(cfg, dtype, kernel):
-    """On the CPU each item of a pack runs as its own forward (``VisionTower.packs``), so its bits do not depend on
+    """On the CPU each item of a pack runs as its own forward (``CpuBackend.forwards``), so its bits do not depend on
     its neighbours: a property of the code, not of this CPU's kernels. Shown with kernels made to depend on the
     call (``RowDependentKernels``): alone, in a pack and in another order, every item is bitwise the same; the
     same pack run as one forward (what the tower does on CUDA) changes an item, so the check has teeth."""
     if kernel == "onednn" and not onednn_linear_available():
         pytest.skip("this torch has no oneDNN linear ops")
     model = pair(cfg)[0].to(dtype)
-    model.set_cpu_kernels(forced_plan(model, kernel))
+    CpuBackend(forced_plan(model, kernel)).attach(model)
     grids = grids_for(cfg)
     pixel_values, grid_thw = inputs(cfg, grids)
     items = pixel_values.split(grid_thw.prod(1).tolist())
@@ -124,12 +126,12 @@ def test_an_item_has_the_same_bits_in_any_pack_even_where_kernels_depend_on_the_
         pack = encode(list(range(len(grids))))
         shuffled = encode(list(reversed(range(len(grids)))))
         alone = {i: encode([i])[i] for i in range(len(grids))}
-        with patch.object(type(model), "packs", lambda self, grids, device: [grids]):
-            one_forward = encode(list(range(len(grids))))
+        with patch.object(CpuBackend, "forwards", lambda self, tower: one_forward):
+            as_one_forward = encode(list(range(len(grids))))
     for i in range(len(grids)):
         assert all(torch.equal(a, b) for a, b in zip(pack[i], alone[i], strict=True)), i
         assert all(torch.equal(a, b) for a, b in zip(shuffled[i], alone[i], strict=True)), i
-    assert any(not torch.equal(a, b) for i in pack for a, b in zip(one_forward[i], alone[i], strict=True))
+    assert any(not torch.equal(a, b) for i in pack for a, b in zip(as_one_forward[i], alone[i], strict=True))
 
 
 @pytest.mark.parametrize("family", FAMILY_IDS)

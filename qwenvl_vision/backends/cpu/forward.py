@@ -5,7 +5,7 @@ CPU rewards: activations in the call's ``Workspace`` instead of fresh tensors, e
 machine's ``CpuPlan`` chose (a packed weight is oneDNN's, its rows computed in chunks of the plan's size), norm
 statistics and rope in fp32 on row chunks (through the plan's scratch size), MLPs by row blocks where both their
 linears are packed, attention per segment length on the plan's path. It runs only
-in inference (no autograd, no compile, never on CUDA): ``tower.VisionTower`` picks it once per forward.
+in inference (no autograd, no compile, never on CUDA): ``backend.CpuBackend`` picks it once per call.
 
 Numbers against the reference's ops (transformers' vision blocks, as ``layers.py`` writes them):
 
@@ -33,34 +33,67 @@ from torch import nn
 
 from ...model.attention import SegmentPlan, sdpa_attention, sdpa_batched
 from ...model.layers import AttentionInputs, GatedMLP, PatchMerger, RMSNorm, VisionAttention
+from ...model.tower import Grid
 from .kernels import (
     DEFAULT_CHUNK_BYTES,
-    EPILOGUE_ACTIVATIONS,
     balanced_chunks,
     gemm_attention,
     packed_activated_linear,
     packed_chunks,
     packed_linear,
 )
+from .packing import PackedLinear
 from .plan import CpuPlan
 from .workspace import Workspace
 
-# name -> (in place, into out)
-ACTIVATIONS: dict[str, tuple[Callable, Callable]] = {
-    "silu": (lambda x: F.silu(x, inplace=True), lambda x, out: torch.ops.aten.silu.out(x, out=out)),
-    "swish": (lambda x: F.silu(x, inplace=True), lambda x, out: torch.ops.aten.silu.out(x, out=out)),
-    "gelu": (lambda x: torch.ops.aten.gelu_(x), lambda x, out: torch.ops.aten.gelu.out(x, out=out)),
-    "gelu_pytorch_tanh": (lambda x: torch.ops.aten.gelu_(x, approximate="tanh"),
-                          lambda x, out: torch.ops.aten.gelu.out(x, approximate="tanh", out=out)),
-    # In place but for its sigmoid temporary; the same ops as layers.quick_gelu.
-    "quick_gelu": (lambda x: x.mul_(torch.sigmoid(1.702 * x)),
-                   lambda x, out: torch.mul(x, torch.sigmoid(1.702 * x), out=out)),
+
+@dataclass(frozen=True)
+class Activation:
+    """The backend's forms of one of the model's activations (``layers.ACTIVATIONS``, the model's one table):
+    in place, into an ``out=`` tensor, and as oneDNN's GEMM-epilogue post-op (``_linear_pointwise``'s attr and
+    algorithm) where it has one."""
+
+    in_place: Callable[[torch.Tensor], torch.Tensor]
+    into: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    epilogue: tuple[str, str] | None = None
+
+
+SILU = Activation(lambda x: F.silu(x, inplace=True), lambda x, out: torch.ops.aten.silu.out(x, out=out),
+                  ("swish", ""))
+ACTIVATIONS: dict[str, Activation] = {
+    "silu": SILU,
+    "swish": SILU,
+    "gelu": Activation(lambda x: torch.ops.aten.gelu_(x), lambda x, out: torch.ops.aten.gelu.out(x, out=out),
+                       ("gelu", "none")),
+    "gelu_pytorch_tanh": Activation(lambda x: torch.ops.aten.gelu_(x, approximate="tanh"),
+                                    lambda x, out: torch.ops.aten.gelu.out(x, approximate="tanh", out=out),
+                                    ("gelu", "tanh")),
+    # In place but for its sigmoid temporary (the same ops as layers.quick_gelu); no epilogue: oneDNN's swish
+    # post-op takes no alpha through this call.
+    "quick_gelu": Activation(lambda x: x.mul_(torch.sigmoid(1.702 * x)),
+                             lambda x, out: torch.mul(x, torch.sigmoid(1.702 * x), out=out)),
 }
 
 
 def packed(layer: nn.Linear) -> bool:
-    """Whether the plan put this layer's weight in oneDNN's layout (``packing.pack_linears_``)."""
-    return layer.weight.is_mkldnn
+    """Whether the plan put this layer's weight in oneDNN's layout (``packing.PackedLinear``)."""
+    return isinstance(layer, PackedLinear)
+
+
+def one_forward_per_item(pixel_values: torch.Tensor, grids: list[Grid]) -> list[tuple[torch.Tensor, list[Grid]]]:
+    """Each item's rows as its own forward, contiguous and 64-byte aligned (copied only where they are not).
+
+    Why one forward per item: an item's result must not depend on the items beside it (every output path, resume,
+    rank and Ray actor batches differently and promises the same tensors). On some CPUs a GEMM row's bits depend on
+    the call's row count or on the row's place in it (and a threaded elementwise kernel's vector/scalar split falls
+    where the call's length puts it), so each item runs alone: the same calls on the same rows whatever its
+    neighbours, at a given thread count and kernel choice. Its GEMMs are one item's rows instead of the pack's,
+    which costs little at the towers' sizes (docs/benchmarks.md). Why aligned: an item's rows cut from a pack start
+    where its neighbours end, and some CPU kernels round by the address of their input (MKL without its
+    reproducibility mode)."""
+    rows = pixel_values.split([t * h * w for t, h, w in grids])
+    return [(item if item.is_contiguous() and item.data_ptr() % 64 == 0
+             else item.clone(memory_format=torch.contiguous_format), [grid]) for item, grid in zip(rows, grids)]
 
 
 def signed_sin(sin: torch.Tensor) -> torch.Tensor:
@@ -80,12 +113,14 @@ class CpuExecution:
 
     name = "cpu"
 
-    def __init__(self, plan: CpuPlan, workspace: Workspace, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+    def __init__(self, plan: CpuPlan, workspace: Workspace, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 forwards: list[tuple[torch.Tensor, list[Grid]]] | None = None) -> None:
         self.plan = plan
         self.workspace = workspace
         self.chunk_bytes = chunk_bytes  # output per oneDNN call of a packed linear (the plan's for the tower)
+        self.forwards = forwards or []  # a call's (rows, grids) per forward (``tower.Execution``)
 
-    # ------------------------------------------------------------------ what the tower calls
+    # ------------------------------------------------------------------ what the tower calls (tower.Execution)
 
     def attention_inputs(self, rope: tuple[torch.Tensor, torch.Tensor], segments: SegmentPlan) -> AttentionInputs:
         return CpuAttentionInputs(rope, segments, self.attend, signed_sin(rope[1]))
@@ -196,10 +231,10 @@ class CpuExecution:
             hidden = self.workspace.take(x, x.shape[0], mlp.down_proj.in_features)
             gate_up = packed_linear(x, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias)
             return gate_times_up(gate_up, mlp.act, out=hidden)
-        fc1 = mlp.linear_fc1
-        if mlp.act in EPILOGUE_ACTIVATIONS:
-            return packed_activated_linear(x, fc1.weight, fc1.bias, mlp.act)
-        return ACTIVATIONS[mlp.act][0](packed_linear(x, fc1.weight, fc1.bias))
+        fc1, activation = mlp.linear_fc1, ACTIVATIONS[mlp.act]
+        if activation.epilogue is not None:
+            return packed_activated_linear(x, fc1.weight, fc1.bias, activation.epilogue)
+        return activation.in_place(packed_linear(x, fc1.weight, fc1.bias))
 
     # ------------------------------------------------------------------ linears
 
@@ -231,10 +266,10 @@ class CpuExecution:
     def activated(self, x: torch.Tensor, layer: nn.Linear, act: str) -> torch.Tensor:
         """``act(layer(x))`` in the workspace: in place on the one result, or from each fresh chunk into it."""
         if not packed(layer):
-            return ACTIVATIONS[act][0](self.linear_into(x, layer))
+            return ACTIVATIONS[act].in_place(self.linear_into(x, layer))
         hidden = self.workspace.take(x, x.shape[0], layer.out_features)
         for rows, y in self.packed_chunks(x, layer):
-            ACTIVATIONS[act][1](y, hidden[rows])
+            ACTIVATIONS[act].into(y, hidden[rows])
         return hidden
 
     def gated(self, x: torch.Tensor, layer: nn.Linear, act: str) -> torch.Tensor:
@@ -252,5 +287,5 @@ def gate_times_up(gate_up: torch.Tensor, act: str, out: torch.Tensor | None = No
     """``act(gate) * up`` of ``[gate | up]`` rows: the activation in place on gate, the product into ``out`` (or in
     place on gate)."""
     gate, up = gate_up.chunk(2, dim=-1)
-    gate = ACTIVATIONS[act][0](gate)
+    gate = ACTIVATIONS[act].in_place(gate)
     return gate.mul_(up) if out is None else torch.mul(gate, up, out=out)

@@ -20,9 +20,7 @@ closer to float64, not its bits); in fp32 oneDNN's activation is within an ulp o
 
 from __future__ import annotations
 
-import ctypes
 import math
-import sys
 import time
 from collections.abc import Callable, Iterator
 
@@ -32,10 +30,6 @@ import torch
 # (a recorded plan of another tower): small enough to stay in a server CPU's last-level cache until it is read
 # again and far under glibc's mmap threshold (no page faults on reused heap memory).
 DEFAULT_CHUNK_BYTES = 4 << 20
-# Activations oneDNN computes in its GEMM's epilogue, as (attr, algorithm) of ``_linear_pointwise``. quick_gelu,
-# x * sigmoid(1.702 x), has none: the swish post-op takes no alpha through this call.
-EPILOGUE_ACTIVATIONS = {"silu": ("swish", ""), "swish": ("swish", ""), "gelu": ("gelu", "none"),
-                        "gelu_pytorch_tanh": ("gelu", "tanh")}
 
 
 def onednn_linear_available() -> bool:
@@ -52,17 +46,6 @@ def onednn_packs(dtype: torch.dtype) -> bool:
     except RuntimeError:
         return False
     return True
-
-
-def return_freed_memory() -> None:
-    """Hand the heap pages freed so far back to the OS (glibc's ``malloc_trim``; nothing elsewhere). Packing a
-    tower frees each plain weight as its packed form arrives; without this the freed holes stay resident and the
-    packing would peak near twice the weights."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-        except (OSError, AttributeError):  # not glibc (musl): nothing to trim
-            pass
 
 
 def pack_weight(weight: torch.Tensor, rows: int = 1024) -> torch.Tensor:
@@ -97,9 +80,10 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def packed_activated_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                            activation: str) -> torch.Tensor:
-    """``act(x @ weight.T + bias)`` with a packed weight, the activation in the GEMM's epilogue; a fresh result."""
-    attr, algorithm = EPILOGUE_ACTIVATIONS[activation]
+                            epilogue: tuple[str, str]) -> torch.Tensor:
+    """``act(x @ weight.T + bias)`` with a packed weight, the activation in the GEMM's epilogue (its
+    ``_linear_pointwise`` attr and algorithm, ``forward.ACTIVATIONS``); a fresh result."""
+    attr, algorithm = epilogue
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, attr, [], algorithm)
 
 

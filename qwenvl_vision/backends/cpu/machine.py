@@ -48,6 +48,7 @@ from .kernels import (
     pack_weight,
     packed_chunks,
 )
+from .packing import PackedLinear
 from .plan import (
     CHUNK_CHOICES,
     DEFAULT_MLP_ROWS,
@@ -69,10 +70,9 @@ PROBE_TOKENS = 2048  # tokens per attention probe (segments of a length batched 
 LINEAR_PROBE_ROWS = 1024  # the towers' packs hold thousands of rows, and the rate flattens by here
 MLP_PROBE_ROWS = 2048
 BLOCK_PROBE_SEGMENTS = (1024,)  # one frame of a photo's size: on the CPU each item runs as its own forward
-# Preferences on a near tie, not fits to a machine, for a lone linear and for a whole MLP against its linears' lone
-# choices: in fp32 oneDNN rounds differently from addmm, so the reference's kernel stays unless oneDNN is 10%
-# faster; in bf16 the two agree within bf16 rounding and a packed linear's rows are consumed in chunks while in
-# cache (rope, the activation, the residual add), so oneDNN stays unless addmm is 5% faster.
+# How much faster oneDNN must time than addmm to be chosen, per dtype (for a lone linear, and for a whole MLP
+# against its linears' lone choices). fp32: 10%, since oneDNN's rounding is not the reference's; bf16: 5% slower
+# still wins, since both round alike there and a packed linear's chunks are consumed while in cache.
 ONEDNN_FASTER_BY = {"float32": 1.10, "bfloat16": 0.95}
 # Near the best, an MLP's block rows and a block's chunk and scratch sizes time alike within noise (the scratch
 # changes no bit; the rows and the chunk may move a last fp32 bit, so a plan records them): a size other than the
@@ -123,12 +123,13 @@ def measure_block_sizes(need: tuple, plan: CpuPlan, repeats: int = 3) -> tuple[i
     with torch.device("meta"):
         block = Block(dim, heads, hidden, act, norm, mlp)
     block = block.to_empty(device="cpu").requires_grad_(False)
-    for module in block.modules():
+    for module in list(block.modules()):
         if isinstance(module, nn.Linear):
             weight = (torch.randn(module.weight.shape, generator=generator) / module.in_features**0.5).to(dtype)
-            packs = plan.linear_kernel(module.in_features, module.out_features, dtype) == "onednn"
-            module.weight = nn.Parameter(pack_weight(weight) if packs else weight, requires_grad=False)
+            module.weight = nn.Parameter(weight, requires_grad=False)
             module.bias = nn.Parameter(torch.zeros(module.out_features, dtype=dtype), requires_grad=False)
+            if plan.linear_kernel(module.in_features, module.out_features, dtype) == "onednn":
+                PackedLinear.pack_(module)
         elif isinstance(module, (RMSNorm, nn.LayerNorm)):
             module.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
             if getattr(module, "bias", None) is not None:
@@ -138,14 +139,13 @@ def measure_block_sizes(need: tuple, plan: CpuPlan, repeats: int = 3) -> tuple[i
     x = torch.empty_like(start)
     angles = torch.rand(rows, dim // heads, generator=generator) * 6
     segments = SegmentPlan.from_lengths(list(BLOCK_PROBE_SEGMENTS), "cpu")
-    wide = max(3 * dim, hidden * (2 if mlp == "gated" else 1))
 
     def seconds(chunk: int, scratch: int) -> float:
-        run = CpuExecution(plan, Workspace(rows, dim, wide, dtype, "cpu", scratch), chunk)
+        run = CpuExecution(plan, Workspace.for_blocks(rows, dim, mlp, hidden, dtype, "cpu", scratch), chunk)
         inputs = run.attention_inputs((angles.cos(), angles.sin()), segments)
         return best_seconds(lambda: run.block(block, x.copy_(start), inputs), repeats)
 
-    packed = any(isinstance(m, nn.Linear) and m.weight.is_mkldnn for m in block.modules())
+    packed = any(isinstance(m, PackedLinear) for m in block.modules())
     chunk = DEFAULT_CHUNK_BYTES
     if packed:
         chunk = fastest({c: seconds(c, DEFAULT_SCRATCH_ELEMENTS) for c in CHUNK_CHOICES}, DEFAULT_CHUNK_BYTES)
@@ -196,10 +196,12 @@ def probe_mlp(kind: str, dim: int, hidden: int, act: str, dtype: torch.dtype, pa
     with torch.device("meta"):
         mlp = (GatedMLP if kind == "gated" else MLP)(dim, hidden, act)
     mlp = mlp.to_empty(device="cpu").requires_grad_(False)
-    for module, pack in zip((c for c in mlp.children() if isinstance(c, nn.Linear)), packs, strict=True):
+    for module, pack in zip([c for c in mlp.children() if isinstance(c, nn.Linear)], packs, strict=True):
         weight = (torch.randn(module.weight.shape, generator=generator) / module.in_features**0.5).to(dtype)
-        module.weight = nn.Parameter(pack_weight(weight) if pack else weight, requires_grad=False)
+        module.weight = nn.Parameter(weight, requires_grad=False)
         module.bias = nn.Parameter(torch.zeros(module.out_features, dtype=dtype), requires_grad=False)
+        if pack:
+            PackedLinear.pack_(module)
     return mlp
 
 
@@ -213,8 +215,7 @@ def measure_mlp(kind: str, dim: int, hidden: int, act: str, dtype: torch.dtype, 
     generator = torch.Generator().manual_seed(0)  # never the caller's random state
     x = torch.randn(MLP_PROBE_ROWS, dim, generator=generator).to(dtype)
     residual = torch.zeros_like(x)
-    wide = max(3 * dim, hidden * (2 if kind == "gated" else 1))
-    workspace = Workspace(MLP_PROBE_ROWS, dim, wide, dtype, "cpu")
+    workspace = Workspace.for_blocks(MLP_PROBE_ROWS, dim, kind, hidden, dtype, "cpu")
     key = mlp_key(kind, dim, hidden, act, dtype)
 
     def seconds(mlp: nn.Module, rows: int) -> float:
@@ -230,10 +231,11 @@ def measure_mlp(kind: str, dim: int, hidden: int, act: str, dtype: torch.dtype, 
 
 
 def measure(needs: PlanNeeds, machine: str, known: CpuPlan | None = None) -> CpuPlan:
-    """A plan of ``needs`` measured now, with ``known``'s choices where it has them (torch's kernels only where this
-    torch has no oneDNN linear). Each MLP is then timed whole (its shapes packed where that ran faster, its block
-    rows measured where both run packed; not where a shape of it was recorded as addmm, which it keeps), a block's
-    chunk and scratch sizes last, on the kernels chosen before."""
+    """A plan of ``needs`` measured now, keeping ``known``'s choices (a process may have run with them).
+
+    Linears and attention are timed alone, then each MLP whole, since packing both its linears lets it run by row
+    blocks, which a lone linear's timing cannot see; a block's chunk and scratch sizes come last, because they
+    depend on the kernels chosen before. Without oneDNN's linear the kernels are torch's, untimed."""
     known = known or CpuPlan(machine)
     with torch.inference_mode(False), torch.no_grad():
         if not onednn_linear_available():

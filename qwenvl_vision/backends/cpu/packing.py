@@ -1,12 +1,13 @@
-"""A tower's linear weights in the layout the machine's plan chose: oneDNN's prepacked tensor, or plain.
+"""A tower's linears in the layout the machine's plan chose: oneDNN's prepacked weight (``PackedLinear``), or plain.
 
-A packed weight replaces the plain one in its ``nn.Linear`` (one copy, not two: the load peak stays one layer above
-the tower). The modules never see it: only ``forward.CpuExecution`` runs a packed tower, and the tower unpacks before
-running the modules' own forward (autograd, autocast, compile). The tower's hooks keep the rest of torch's module
-contract: ``state_dict`` gives plain tensors (``dense_state_dict``, on every linear), ``load_state_dict`` and
-``.to()`` unpack first and pack again where the plan still applies. Packing and unpacking replace a layer's
-Parameter object (an optimizer built before holds the old one); a weight keeps its ``requires_grad``. A submodule of
-a packed tower called on its own (``tower.blocks[0](...)``) is not supported: call the tower.
+Packing swaps a layer's class in place (as ``torch.nn.utils.parametrize`` does): the ``nn.Linear`` becomes a
+``PackedLinear`` whose weight is oneDNN's opaque tensor, and the plain weight is dropped (one copy, not two: the load
+peak stays one layer above the tower). The module object stays the same, so its hooks, its bias and every reference
+to it are kept. A ``PackedLinear`` keeps torch's module contract on its own class, as torch's packed modules
+(``torch.ao.nn.quantized.Linear``) do: ``state_dict`` gives the plain weight, and a load or a conversion (``.to()``,
+``.float()``) turns it back into a plain ``nn.Linear`` first, which the CPU backend packs again at its next call where
+its plan says so. Packing and unpacking replace the weight's Parameter object (an optimizer built before holds the old
+one); a weight keeps its ``requires_grad``.
 """
 
 from __future__ import annotations
@@ -17,12 +18,60 @@ import torch
 from torch import nn
 
 from ...errors import ConfigError
+from ...model.cache import return_freed_memory
 from ...model.layers import MLP, Block, GatedMLP, RMSNorm, VisionAttention
-from .kernels import pack_weight, return_freed_memory
+from .kernels import pack_weight, packed_linear
 from .plan import DTYPES, CpuPlan, PlanNeeds, dtype_name
 
 # Packing and unpacking of every tower take turns (no tensor or model is held by it).
 PACKING_LOCK = threading.RLock()
+
+
+class PackedLinear(nn.Linear):
+    """An ``nn.Linear`` whose weight is in oneDNN's blocked layout (``kernels.pack_weight``), for inference.
+
+    Made by ``pack_`` from a plain layer, never constructed; ``unpack_`` (or any load or conversion) makes it a
+    plain ``nn.Linear`` again.
+    """
+
+    @staticmethod
+    def pack_(layer: nn.Linear) -> PackedLinear:
+        """``layer`` itself, its weight packed and its plain weight dropped."""
+        packed = pack_weight(layer.weight)
+        layer.weight = nn.Parameter(packed, requires_grad=False)
+        layer.__class__ = PackedLinear
+        return layer
+
+    def unpack_(self, weight: torch.Tensor | None = None) -> nn.Linear:
+        """This layer as a plain ``nn.Linear`` again, on its weight made dense (or on ``weight``)."""
+        packed = self.weight
+        plain = packed.to_dense() if weight is None else weight
+        self.weight = nn.Parameter(plain, requires_grad=packed.requires_grad)
+        self.__class__ = nn.Linear
+        return self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return packed_linear(x, self.weight, self.bias)
+
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "weight"] = self.weight.detach().to_dense()  # checkpoints and readers expect plain
+
+    def _load_from_state_dict(self, *args, **kwargs) -> None:
+        # A packed tensor cannot be copied into: the layer loads as the plain layer it packs.
+        self.unpack_()._load_from_state_dict(*args, **kwargs)
+
+    def _apply(self, fn, recurse: bool = True):
+        # oneDNN's layout supports no conversion: a conversion that changes nothing for this weight keeps it packed,
+        # one to meta frees it without making it dense first, any other converts the plain weight it packs.
+        target = fn(torch.empty(0, dtype=self.weight.dtype))
+        if target.device.type == "cpu" and target.dtype == self.weight.dtype:
+            return self
+        if target.is_meta:
+            layer = self.unpack_(torch.empty(self.weight.shape, dtype=self.weight.dtype, device="meta"))
+        else:
+            layer = self.unpack_()
+        return nn.Linear._apply(layer, fn, recurse)
 
 
 def linear_layers(module: nn.Module) -> list[tuple[str, nn.Linear]]:
@@ -51,18 +100,18 @@ def plan_needs(module: nn.Module) -> PlanNeeds:
     return PlanNeeds(frozenset(linear), frozenset(attention), frozenset(mlp), frozenset(blocks))
 
 
-def pack_linears_(module: nn.Module, plan: CpuPlan) -> dict[str, int]:
-    """Each linear's weight packed where the plan runs oneDNN for its shape, plain elsewhere; returns the count of
-    layers per kernel. Weights off the CPU, in other dtypes or trainable stay plain."""
-    counts = {"addmm": 0, "onednn": 0}
+def pack_linears_(module: nn.Module, plan: CpuPlan) -> list[PackedLinear]:
+    """Each linear packed where the plan runs oneDNN for its shape, plain elsewhere; returns the packed ones.
+    Weights off the CPU, in other dtypes or trainable stay plain."""
+    packed = []
     for _, layer in linear_layers(module):
         weight = layer.weight
         runs_here = (weight.device.type == "cpu" and dtype_name(weight.dtype) in DTYPES and not weight.requires_grad
                      and not weight.is_meta)
         kernel = plan.linear_kernel(layer.in_features, layer.out_features, weight.dtype) if runs_here else "addmm"
-        if kernel == "onednn" and not weight.is_mkldnn:
+        if kernel == "onednn" and not isinstance(layer, PackedLinear):
             try:
-                packed = pack_weight(weight)
+                PackedLinear.pack_(layer)
             except RuntimeError as e:  # a plan recorded on another CPU: oneDNN's bf16 needs AVX-512 or AVX-NE-CONVERT
                 raise ConfigError(
                     f"the CPU plan of {plan.machine} runs {layer.in_features}x{layer.out_features} "
@@ -70,39 +119,17 @@ def pack_linears_(module: nn.Module, plan: CpuPlan) -> dict[str, int]:
                     f"({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}): load with "
                     f"cpu_kernels='auto' (this machine's plan), or resume the run on the kind of machine that "
                     f"recorded it") from e
-            layer.weight = nn.Parameter(packed, requires_grad=False)
             del weight  # the plain tensor goes with its Parameter: the peak stays one layer above the tower
             return_freed_memory()
-        elif kernel == "addmm" and weight.is_mkldnn:
-            layer.weight = nn.Parameter(weight.to_dense(), requires_grad=weight.requires_grad)
-        counts[kernel] += 1
-    return counts
+        elif kernel == "addmm" and isinstance(layer, PackedLinear):
+            layer.unpack_()
+        if isinstance(layer, PackedLinear):
+            packed.append(layer)
+    return packed
 
 
-def unpack_linears_(module: nn.Module) -> bool:
-    """Every packed weight plain again; returns whether there was one."""
-    found = False
+def unpack_linears_(module: nn.Module) -> None:
+    """Every packed layer a plain ``nn.Linear`` again."""
     for _, layer in linear_layers(module):
-        weight = layer.weight
-        if weight.is_mkldnn:
-            layer.weight = nn.Parameter(weight.to_dense(), requires_grad=weight.requires_grad)
-            found = True
-    return found
-
-
-def drop_packed_(module: nn.Module) -> None:
-    """Each packed weight replaced by a storage-less meta tensor of its shape (freeing, not converting: unpacking
-    first would allocate a copy just to drop it)."""
-    for _, layer in linear_layers(module):
-        weight = layer.weight
-        if weight.is_mkldnn:
-            layer.weight = nn.Parameter(torch.empty(weight.shape, dtype=weight.dtype, device="meta"),
-                                        requires_grad=False)
-
-
-def dense_state_dict(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
-    """A linear's ``state_dict`` post-hook: a packed weight handed out plain, as checkpoints and every other reader
-    expect."""
-    value = state_dict.get(prefix + "weight")
-    if value is not None and value.is_mkldnn:
-        state_dict[prefix + "weight"] = value.detach().to_dense()
+        if isinstance(layer, PackedLinear):
+            layer.unpack_()

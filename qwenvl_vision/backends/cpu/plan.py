@@ -178,14 +178,10 @@ class CpuPlan:
         this version writes."""
         if not isinstance(data, dict):
             raise ConfigError(f"a CPU plan must be a JSON object, got {type(data).__name__}")
-        if data.get("format") not in (2, PLAN_FORMAT):
-            raise ConfigError(f"CPU plan format {data.get('format')!r} is not one this version reads (2, 3)")
-        fields = PLAN_FIELDS[:5] if data["format"] == 2 else PLAN_FIELDS
-        if set(data) != set(fields):
-            raise ConfigError(f"a CPU plan of format {data['format']} has the fields {', '.join(fields)}; got "
-                              f"{sorted(data)}")
-        if data["format"] == 2:  # measured before the block sizes were: it ran the defaults, which no entry means
-            data = {**data, "linear_chunk": {}, "scratch": {}}
+        if data.get("format") != PLAN_FORMAT:
+            raise ConfigError(f"CPU plan format {data.get('format')!r} is not this version's ({PLAN_FORMAT})")
+        if set(data) != set(PLAN_FIELDS):
+            raise ConfigError(f"a CPU plan has the fields {', '.join(PLAN_FIELDS)}; got {sorted(data)}")
         if not isinstance(data["machine"], str) or not MACHINE.fullmatch(data["machine"]):
             raise ConfigError(f"CPU plan machine {str(data['machine'])[:80]!r}: not a machine key (1 to 64 letters, "
                               f"digits or '_.:-')")

@@ -37,6 +37,16 @@ class Workspace:
                         torch.empty(rows * wide, dtype=dtype, device=device))
         self.scratch = torch.empty(2, scratch_elements, dtype=torch.float32, device=device)
 
+    @classmethod
+    def for_blocks(cls, rows: int, dim: int, mlp: str, mlp_hidden: int, dtype: torch.dtype,
+                   device: torch.device | str, scratch_elements: int = DEFAULT_SCRATCH_ELEMENTS,
+                   merge_unit: int = 1) -> Workspace:
+        """The workspace of ``rows`` hidden states through blocks of this shape (``mlp``: "gated" or "plain") and,
+        with ``merge_unit``, their mergers: ``wide`` holds qkv or the MLP's hidden rows, and the scratch at least
+        the widest row that passes through it (rope's q and k, a merger's grouped rows)."""
+        wide = max(3 * dim, mlp_hidden * (2 if mlp == "gated" else 1))
+        return cls(rows, dim, wide, dtype, device, max(scratch_elements, 2 * dim, merge_unit * dim))
+
     def take(self, source: torch.Tensor, *shape: int) -> torch.Tensor:
         """A view of ``shape`` in a buffer that does not hold ``source`` and is large enough."""
         held, size = source.untyped_storage().data_ptr(), math.prod(shape)
@@ -54,7 +64,6 @@ class Workspace:
             size = (chunk.stop - chunk.start) * math.prod(shape)
             x32 = x[chunk] if x.dtype == torch.float32 else self.scratch[0, :size].view(-1, *shape).copy_(x[chunk])
             yield chunk, x32, self.scratch[1, :size].view(-1, *shape)
-
 
     def row_chunks(self, rows: int, width: int) -> list[slice]:
         """Slices of ``rows`` rows of ``width`` elements, each of which fits a scratch buffer."""

@@ -1,0 +1,170 @@
+"""The CPU backend: what runs a tower's calls on the CPU (``model.tower.Backend``), asked once per call.
+
+It owns the ``cpu_kernels`` setting, the plan that setting resolves to (``machine.machine_plan`` for "auto"), the
+linears packed for that plan (``packing``), each call's workspace (``workspace``) and the rule that on the CPU each
+item runs as its own forward (``forward.one_forward_per_item``). A call in CPU inference runs on the plan
+(``forward.CpuExecution``); any other runs the modules' own forward (``tower.ReferenceExecution``, still one forward
+per item on the CPU): see ``modules_forward_required``. ``describe`` reports the state ``execution`` decides on.
+
+Packing swaps the tower's linears in place (``packing.PackedLinear``), under one lock for every tower so that
+concurrent first calls pack once, outside inference mode (the weights stay ordinary tensors). Calls on one tower
+from several threads are safe while they all run inference, or all the modules' forward; mixing the two at once is
+not. A load or a conversion (``.to()``) of the tower gives a packed layer back plain; the next inference call packs
+again where the plan says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ...errors import ConfigError
+from ...model.tower import Grids, ReferenceExecution, VisionTower, one_forward
+from .forward import CpuExecution, one_forward_per_item
+from .machine import machine_plan
+from .packing import PACKING_LOCK, PackedLinear, block_need, linear_layers, pack_linears_, plan_needs, unpack_linears_
+from .plan import CpuPlan
+from .workspace import Workspace
+
+CPU_KERNELS = ("auto", "reference")
+
+
+def check_cpu_kernels(cpu_kernels: str | dict | CpuPlan) -> str | CpuPlan:
+    """"auto" (the machine's measured plan), "reference" (the modules' own ops: addmm and SDPA, out of place), or a
+    plan (a ``CpuPlan`` or its dict, as a run recorded it: the same kernels again, the same bits)."""
+    if isinstance(cpu_kernels, CpuPlan):
+        return cpu_kernels
+    if isinstance(cpu_kernels, dict):
+        return CpuPlan.from_dict(cpu_kernels)
+    if cpu_kernels not in CPU_KERNELS:
+        raise ConfigError(f"cpu_kernels {cpu_kernels!r} is not one of {list(CPU_KERNELS)} or a CPU plan")
+    return cpu_kernels
+
+
+def placement(tower: VisionTower) -> tuple[torch.device, torch.dtype]:
+    weight = tower.patch_embed.proj.weight
+    return weight.device, weight.dtype
+
+
+def modules_forward_required(tower: VisionTower, pixel_values: torch.Tensor) -> bool:
+    """Whether this call must run the modules' own forward: in compiled blocks or a compiled graph (inductor plans
+    its own kernels, and dynamo traces no packed tensor), while autograd records or under autocast (the backend's
+    in-place ops do neither), and while a forward hook would see a module run (the backend calls no module's
+    forward, and a hook is there to see one)."""
+    device = tower.patch_embed.proj.weight.device.type
+    recording = torch.is_grad_enabled() and (pixel_values.requires_grad
+                                             or any(p.requires_grad for p in tower.parameters()))
+    autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
+    return tower.compiled or torch.compiler.is_compiling() or recording or autocast or hooked(tower)
+
+
+def hooked(tower: VisionTower) -> bool:
+    """Whether a forward hook would see a module of this tower run (its own, or a global one)."""
+    module_globals = nn.modules.module  # torch's own registry of global hooks (no public getter)
+    if getattr(module_globals, "_global_forward_hooks", None) or \
+            getattr(module_globals, "_global_forward_pre_hooks", None):
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks for m in tower.modules() if m is not tower)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A tower made ready for a plan: where its weights were, the plan, and the layers packed for it."""
+
+    placement: tuple[torch.device, torch.dtype]
+    plan: CpuPlan
+    packed: tuple[PackedLinear, ...]
+
+
+class CpuBackend:
+    """The CPU backend of one tower (see the module docstring); ``cpu_kernels`` as ``check_cpu_kernels`` takes it.
+
+    Attach it with ``attach`` (which prepares now) or ``VisionTower.use_backend`` (which prepares at the first CPU
+    inference call).
+    """
+
+    def __init__(self, cpu_kernels: str | dict | CpuPlan = "auto") -> None:
+        self.cpu_kernels = check_cpu_kernels(cpu_kernels)
+        self.prepared: Prepared | None = None
+
+    def attach(self, tower: VisionTower) -> CpuBackend:
+        """This backend runs ``tower``'s calls from now on, prepared now where the weights are on the CPU (measuring
+        what this machine's plan lacks, packing the linears the plan runs on oneDNN), else when they arrive there."""
+        tower.use_backend(self)
+        self.prepare(tower)
+        return self
+
+    def plan(self, tower: VisionTower) -> CpuPlan | None:
+        """The plan the tower's inference calls run on now (None: the modules' own forward, or not prepared yet)."""
+        current = self.current(tower)
+        return None if current is None else current.plan
+
+    # ------------------------------------------------------------------ tower.Backend
+
+    def execution(self, tower: VisionTower, pixel_values: torch.Tensor, grids: Grids
+                  ) -> CpuExecution | ReferenceExecution:
+        """The call's execution: on the plan in CPU inference, its workspace sized for the largest forward, else
+        the modules' own forward (their plain weights given back first)."""
+        forwards = self.forwards(tower)(pixel_values, grids)
+        prepared = None if modules_forward_required(tower, pixel_values) else self.prepare(tower)
+        if prepared is None:
+            release = torch.compiler.disable(self.release) if torch.compiler.is_compiling() else self.release
+            release(tower)
+            return ReferenceExecution(tower.attention_backend(), forwards)
+        cfg, (device, dtype) = tower.config, prepared.placement
+        block = block_need(tower.blocks[0])
+        rows = max(sum(t * h * w for t, h, w in pack) for _, pack in forwards)
+        workspace = Workspace.for_blocks(rows, cfg.hidden_size, cfg.family.mlp, cfg.intermediate_size, dtype, device,
+                                         prepared.plan.scratch_elements(block), cfg.merge_unit)
+        return CpuExecution(prepared.plan, workspace, prepared.plan.chunk_bytes(block), forwards)
+
+    def release(self, tower: VisionTower) -> None:
+        if self.prepared is None:
+            return
+        with PACKING_LOCK, torch.inference_mode(False), torch.no_grad():
+            unpack_linears_(tower)
+            self.prepared = None
+
+    def describe(self, tower: VisionTower) -> dict:
+        current = self.current(tower)
+        packed = sum(isinstance(layer, PackedLinear) for _, layer in linear_layers(tower))
+        return {"items": "one forward each" if self.forwards(tower) is one_forward_per_item else "one forward per pack",
+                "execution": "reference" if current is None else "cpu",
+                "cpu_plan": None if current is None else current.plan.machine,
+                "linear_kernels": {"addmm": len(linear_layers(tower)) - packed, "onednn": packed}}
+
+    # ------------------------------------------------------------------ the decision's parts
+
+    def forwards(self, tower: VisionTower):
+        """How a call's items run: on the CPU one forward each (``forward.one_forward_per_item`` says why); on CUDA a
+        pack of small images alone would be launch-bound, so the pack runs whole (an item agrees across batchings
+        within its dtype's rounding)."""
+        return one_forward_per_item if tower.patch_embed.proj.weight.device.type == "cpu" else one_forward
+
+    def current(self, tower: VisionTower) -> Prepared | None:
+        """The last preparation while it holds: the weights where it was made, every layer it packed still packed
+        (a load or a conversion gives a packed layer back plain)."""
+        prepared = self.prepared
+        if prepared is None or prepared.placement != placement(tower) or \
+                not all(isinstance(layer, PackedLinear) for layer in prepared.packed):
+            return None
+        return prepared
+
+    def prepare(self, tower: VisionTower) -> Prepared | None:
+        """The tower ready for CPU inference on the plan: resolved and packed now unless it still is (None where
+        every call runs the modules' own forward: "reference", off the CPU, on meta, compiled)."""
+        device, _ = placement(tower)
+        if self.cpu_kernels == "reference" or device.type != "cpu" or tower.compiled:
+            self.release(tower)
+            return None
+        current = self.current(tower)
+        if current is not None:
+            return current  # the steady state: no lock taken
+        with PACKING_LOCK, torch.inference_mode(False), torch.no_grad():
+            current = self.current(tower)
+            if current is None:
+                plan = machine_plan(plan_needs(tower)) if self.cpu_kernels == "auto" else self.cpu_kernels
+                self.prepared = current = Prepared(placement(tower), plan, tuple(pack_linears_(tower, plan)))
+            return current
