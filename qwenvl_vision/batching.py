@@ -103,8 +103,10 @@ class EncodeOptions:
                                     or not math.isfinite(timeout) or timeout <= 0):
             raise ConfigError(f"decode_timeout must be a positive number of seconds (or None: no limit), "
                               f"got {timeout!r}")
-        for option, value in (("max_batch_patches", self.max_batch_patches),
-                              ("max_input_pixels", self.max_input_pixels),
+        patches = self.max_batch_patches
+        if isinstance(patches, bool) or not hasattr(patches, "__index__") or patches < 1:
+            raise ConfigError(f"max_batch_patches must be a positive integer, got {patches!r}")
+        for option, value in (("max_input_pixels", self.max_input_pixels),
                               ("decode_bytes", self.decode_bytes), ("prefetch", self.prefetch)):
             if value is not None and value < (0 if option == "prefetch" else 1):
                 raise ConfigError(f"{option} must be positive, got {value}")

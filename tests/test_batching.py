@@ -59,7 +59,7 @@ def images(tmp_path_factory):
 
 
 def test_patch_budget_does_not_change_a_bit(encoder, images):
-    """On the CPU each item of a batch runs as its own forward (``VisionTower.packs``): how inputs are batched
+    """On the CPU each item of a batch runs as its own forward (``model.execution.forwards_on``): how inputs are batched
     changes no bit, on any CPU."""
     chosen = [images[n] for n in ("photo.jpg", "small", "gray", "numpy")]
     one_batch = encoder.encode_images(chosen, max_batch_patches=1 << 20)
@@ -106,7 +106,8 @@ def test_options_are_frozen_and_refused_when_out_of_range():
     options = EncodeOptions(video_config=video_config, prefetch=0)  # no prefetch is allowed
     with pytest.raises(dataclasses.FrozenInstanceError):
         options.pooled = True  # type: ignore[misc]
-    bad = [({"max_batch_patches": 0}, "max_batch_patches must be positive, got 0"),
+    bad = [({"max_batch_patches": 0}, "max_batch_patches must be a positive integer, got 0"),
+           ({"max_batch_patches": None}, "max_batch_patches must be a positive integer, got None"),
            ({"decode_bytes": 0}, "decode_bytes must be positive, got 0"),
            ({"max_input_pixels": -1}, "max_input_pixels must be positive, got -1"),
            ({"prefetch": -1}, "prefetch must be positive, got -1"),
