@@ -84,9 +84,13 @@ def _checked_run(path: Path, run: dict) -> dict:
     """``run``, each field checked; a ManifestError naming ``path`` and the field otherwise."""
     problem = run_problem(run)
     if not problem and run.get("cpu_plan") is not None:
-        from ..backends.cpu.plan import CpuPlan
+        from ..backends.cpu.plan import PLAN_FORMAT, CpuPlan
         from ..errors import ConfigError
 
+        plan_format = run["cpu_plan"].get("format") if isinstance(run["cpu_plan"], dict) else None
+        if type(plan_format) is int and 1 <= plan_format < PLAN_FORMAT:  # not damaged: written by an older version
+            raise ManifestError(f"{path}: field 'cpu_plan' is a CPU plan of format {plan_format}, which this version "
+                                f"reads no longer (it reads {PLAN_FORMAT}): embed into a new folder")
         try:
             CpuPlan.from_dict(run["cpu_plan"])
         except ConfigError as e:
