@@ -46,8 +46,8 @@ from bench.load import RESET_HIGH_WATER_MARK, proc_status_bytes, start_rss_windo
 from qwenvl_vision import preset
 from qwenvl_vision.backends.cpu.backend import CpuBackend
 from qwenvl_vision.model.config import VisionConfig
+from qwenvl_vision.model.execution import one_forward
 from qwenvl_vision.model.random_init import random_tower
-from qwenvl_vision.model.tower import one_forward
 from qwenvl_vision.testing.reference import hf_classes, hf_tower, ours_from
 from qwenvl_vision.testing.workloads import INPUT_SETS, build_inputs, truncated
 

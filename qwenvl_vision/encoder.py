@@ -183,8 +183,12 @@ class VisionEncoder:
 
     def set_cpu_kernels(self, cpu_kernels: str | dict | CpuPlan) -> None:
         """Run the CPU inference calls from now on as ``load_encoder``'s ``cpu_kernels`` says ("auto", "reference"
-        or a plan, e.g. a run's recorded one): prepared now where the weights are on the CPU."""
-        CpuBackend(cpu_kernels).attach(self.model)
+        or a plan, e.g. a run's recorded one): prepared now where the weights are on the CPU, the layers left
+        packed where the setting resolves to the plan they are packed for."""
+        if isinstance(self.model.backend, CpuBackend):
+            self.model.backend.set_cpu_kernels(self.model, cpu_kernels)
+        else:
+            CpuBackend(cpu_kernels).attach(self.model)
 
     @property
     def device(self) -> torch.device:

@@ -72,6 +72,9 @@ class ShapeCache:
         self._evicted = 0  # bytes evicted since the heap was last trimmed
         self._lock = threading.Lock()
 
+    def __deepcopy__(self, memo: dict) -> ShapeCache:
+        return ShapeCache(self.maxsize, self.max_bytes)  # a copied tower's cache is its own, and starts empty
+
     def get_or_compute(self, key: Hashable, compute: Callable[[], Any]) -> Any:
         with self._lock:
             entry = self._entries.get(key)

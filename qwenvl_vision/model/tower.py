@@ -11,17 +11,14 @@ grids are read from the host once per forward; per-grid tensors (token order, ro
 position taps) are cached per instance in a bounded ``ShapeCache``, concatenated for the pack and moved to the
 device once, so the block loop does no host sync.
 
-Execution: the tower asks its ``backend`` once per call for the call's ``Execution`` and runs what it says; the
-modules never read an execution state. A tower runs the modules' own forward (``ReferenceBackend``) unless a backend
-is attached (``use_backend``): the package's builders (``qwenvl_vision.build_model``, ``load_encoder``) attach the
-CPU backend (``qwenvl_vision.backends.cpu``), which this module does not know.
+Execution: the tower asks its ``backend`` once per call for the call's ``Execution`` and runs what it says
+(``execution.py``); the modules never read an execution state.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 from torch import nn
@@ -30,17 +27,9 @@ from ..errors import ConfigError, InputError
 from .attention import ATTN_IMPLS, BACKENDS, SegmentPlan, resolve_attn_impl
 from .cache import ShapeCache
 from .config import VisionConfig
-from .layers import AttentionInputs, Block, PatchEmbed, PatchMerger
+from .execution import Backend, Execution, Grid, Grids, ReferenceBackend
+from .layers import Block, PatchEmbed, PatchMerger
 from .names import to_module_names_
-
-Grid = tuple[int, int, int]
-
-
-class Grids(tuple):
-    """grid_thw as (t, h, w) ints, checked against one merge size (``VisionTower.grid_list``): a tower of that merge
-    size takes them as they are, so a caller that checks first (the encoder) checks once per call."""
-
-    merge: int
 
 
 @dataclass
@@ -66,63 +55,6 @@ class ForwardPlan:
     order: torch.Tensor | None  # merged-token permutation into block order (None: input order)
     reverse: torch.Tensor | None  # its inverse, applied to the merger outputs
     position_taps: tuple[torch.Tensor, torch.Tensor] | None  # the grids' GridPlan.position_taps, packed
-
-
-def one_forward(pixel_values: torch.Tensor, grids: Grids) -> list[tuple[torch.Tensor, Grids]]:
-    return [(pixel_values, grids)]
-
-
-class Execution(Protocol):
-    """How one call runs: the forwards its items run as ((rows, grids) each, in input order), and each forward's
-    blocks and mergers."""
-
-    name: str
-    forwards: list[tuple[torch.Tensor, Grids]]
-
-    def attention_inputs(self, rope: tuple[torch.Tensor, torch.Tensor], segments: SegmentPlan) -> AttentionInputs: ...
-    def block(self, block: Block, x: torch.Tensor, inputs: AttentionInputs) -> torch.Tensor: ...
-    def merger(self, merger: PatchMerger, x: torch.Tensor) -> torch.Tensor: ...
-
-
-class Backend(Protocol):
-    """What runs a tower's calls: ``execution`` once per call, ``describe`` how calls run from the same state, and
-    ``release`` the modules back as the model defines them (before compiling, another backend, freeing)."""
-
-    def execution(self, tower: VisionTower, pixel_values: torch.Tensor, grids: Grids) -> Execution: ...
-    def release(self, tower: VisionTower) -> None: ...
-    def describe(self, tower: VisionTower) -> dict: ...
-
-
-class ReferenceExecution:
-    """The modules' own forward (``layers.py``, the math) with the tower's attention backend, over ``forwards``."""
-
-    name = "reference"
-
-    def __init__(self, attend: Callable, forwards: list[tuple[torch.Tensor, Grids]]) -> None:
-        self.attend = attend
-        self.forwards = forwards
-
-    def attention_inputs(self, rope: tuple[torch.Tensor, torch.Tensor], segments: SegmentPlan) -> AttentionInputs:
-        return AttentionInputs(rope, segments, self.attend)
-
-    def block(self, block: Block, x: torch.Tensor, inputs: AttentionInputs) -> torch.Tensor:
-        return block(x, inputs)
-
-    def merger(self, merger: PatchMerger, x: torch.Tensor) -> torch.Tensor:
-        return merger(x)
-
-
-class ReferenceBackend:
-    """Every call on the modules' own forward, one forward per pack: a tower no backend was attached to."""
-
-    def execution(self, tower: VisionTower, pixel_values: torch.Tensor, grids: Grids) -> ReferenceExecution:
-        return ReferenceExecution(tower.attention_backend(), one_forward(pixel_values, grids))
-
-    def release(self, tower: VisionTower) -> None:
-        pass
-
-    def describe(self, tower: VisionTower) -> dict:
-        return {"execution": "reference", "items": "one forward per pack"}
 
 
 def compile_boundary(backend):
@@ -268,7 +200,7 @@ class VisionTower(nn.Module):
     def grid_list(self, grid_thw: torch.Tensor | list) -> Grids:
         """The grids as Python ints (one host read per forward), validated against the merge size."""
         merge = self.config.spatial_merge_size
-        if isinstance(grid_thw, Grids) and grid_thw.merge == merge:
+        if isinstance(grid_thw, Grids) and getattr(grid_thw, "merge", None) == merge:
             return grid_thw
         if isinstance(grid_thw, torch.Tensor):
             if grid_thw.ndim != 2 or grid_thw.shape[1] != 3:

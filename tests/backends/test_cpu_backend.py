@@ -6,6 +6,7 @@ workspace off the CPU), and the seam: the tower knows nothing of it and carries 
 from __future__ import annotations
 
 import ast
+import copy as copying
 import dataclasses
 import gc
 import threading
@@ -711,3 +712,63 @@ def test_each_input_is_checked_once_per_encode_call(monkeypatch):
         model(pixel_values[:-1], checked)
     with pytest.raises(InputError, match="multiples of the merge size"):
         model(pixel_values, [[1, 3, 4]])
+
+
+@needs_onednn
+def test_a_conversion_that_changes_nothing_keeps_the_packing_and_still_reaches_the_bias():
+    """``share_memory_`` keeps the packed weight and moves the bias into shared memory; ``to_empty`` (new storage)
+    gives the layers back plain, on new storage, as it does to any module."""
+    cfg = QWEN2_5_SMALL
+    model = ours_from(hf_tower(cfg, seed=0), cfg)
+    CpuBackend(forced_plan(model, "onednn")).attach(model)
+    layers_count = len(linear_layers(model))
+    model.share_memory()
+    assert packed_count(model) == layers_count
+    assert all(layer.bias.is_shared() for _, layer in linear_layers(model) if layer.bias is not None)
+    old_bias = model.blocks[0].attn.qkv.bias.data_ptr()
+    model.to_empty(device="cpu")
+    assert packed_count(model) == 0 and not any(p.is_mkldnn for p in model.parameters())
+    assert model.blocks[0].attn.qkv.bias.data_ptr() != old_bias
+
+
+@needs_onednn
+def test_a_backend_runs_one_tower_and_a_copy_gets_its_own():
+    """A backend's preparation is its tower's packed layers: a second tower is refused by name (and stays free to
+    take a backend of its own), the first keeps running on its plan, and a deep copy of the tower (its packed layers
+    copied plain) gets a backend of its own that packs the copy's layers again: the same bits."""
+    cfg = QWEN2_5_SMALL
+    first = ours_from(hf_tower(cfg, seed=0), cfg)
+    second = ours_from(hf_tower(cfg, seed=0), cfg)
+    plan = forced_plan(first, "onednn")
+    backend = CpuBackend(plan).attach(first)
+    pixel_values, grid_thw = inputs(cfg, grids_for(cfg))
+    with pytest.raises(ConfigError, match="^this CpuBackend already runs another tower"):
+        backend.attach(second)
+    assert second.backend is not backend
+    second.use_backend(backend)  # by hand: its calls are refused, and a backend of its own takes over
+    with pytest.raises(ConfigError, match="^this CpuBackend already runs another tower"):
+        second(pixel_values, grid_thw)
+    CpuBackend(plan).attach(second)
+    with torch.no_grad():
+        expected = first(pixel_values, grid_thw)
+        assert torch.equal(second(pixel_values, grid_thw)[0], expected[0])
+        assert first.describe()["execution"] == "cpu" and packed_count(first) == len(linear_layers(first))
+        copy = copying.deepcopy(first)
+        assert copy.backend is not backend and torch.equal(copy(pixel_values, grid_thw)[0], expected[0])
+    assert copy.describe()["execution"] == "cpu" and packed_count(copy) == len(linear_layers(copy))
+    assert first.describe()["execution"] == "cpu" and packed_count(first) == len(linear_layers(first))
+    assert all(a.weight is not b.weight for (_, a), (_, b) in zip(linear_layers(first), linear_layers(copy)))
+
+
+@needs_onednn
+def test_adopting_the_plan_the_layers_are_packed_for_repacks_nothing():
+    """``set_cpu_kernels`` with the plan the encoder already runs on (a run adopting its recorded plan) keeps every
+    packed weight; another plan packs for that plan."""
+    encoder = load_encoder(QWEN2_5_SMALL, random_weights=True, device="cpu")
+    plan = forced_plan(encoder.model, "onednn")
+    encoder.set_cpu_kernels(plan)
+    weights = [layer.weight for _, layer in linear_layers(encoder.model)]
+    encoder.set_cpu_kernels(plan.to_dict())
+    assert all(a is b for a, b in zip(weights, [layer.weight for _, layer in linear_layers(encoder.model)]))
+    encoder.set_cpu_kernels(forced_plan(encoder.model, "addmm"))
+    assert encoder.describe()["linear_kernels"]["onednn"] == 0 and encoder.cpu_plan.machine == "forced"

@@ -15,8 +15,8 @@ from qwenvl_vision import PRESETS, ConfigError, InputError, build_model, from_co
 from qwenvl_vision.backends.cpu.backend import CpuBackend
 from qwenvl_vision.backends.cpu.kernels import onednn_linear_available
 from qwenvl_vision.model.config import FAMILIES
+from qwenvl_vision.model.execution import ReferenceBackend, one_forward
 from qwenvl_vision.model.names import to_checkpoint_state
-from qwenvl_vision.model.tower import one_forward
 from tests.helpers import (
     FAMILY_SMALL,
     QWEN2_5_GRIDS,
@@ -66,7 +66,7 @@ def test_a_pack_as_one_forward_equals_items_one_by_one(cfg, grids):
     model, _ = pair(cfg)
     pixel_values, grid_thw = inputs(cfg, grids)
     with torch.no_grad():
-        with patch.object(CpuBackend, "forwards", lambda self, tower: one_forward):
+        with patch.object(model.backend, "forwards", lambda tower: one_forward):
             packed = model(pixel_values, grid_thw)
         singles = [model(chunk, grid_thw[i : i + 1])
                    for i, chunk in enumerate(pixel_values.split(grid_thw.prod(1).tolist()))]
@@ -101,17 +101,23 @@ class RowDependentKernels(TorchDispatchMode):
 @pytest.mark.parametrize("cfg,dtype,kernel", [(QWEN2_5_SMALL, torch.float32, "addmm"),
                                               (QWEN2_5_SMALL, torch.bfloat16, "onednn"),
                                               (QWEN3_SMALL_72, torch.float32, "onednn"),
-                                              (QWEN3_SMALL_72, torch.bfloat16, "addmm")],
-                         ids=["qwen2.5-fp32-addmm", "qwen2.5-bf16-onednn", "qwen3-fp32-onednn", "qwen3-bf16-addmm"])
+                                              (QWEN3_SMALL_72, torch.bfloat16, "addmm"),
+                                              (QWEN3_SMALL_72, torch.float32, None)],
+                         ids=["qwen2.5-fp32-addmm", "qwen2.5-bf16-onednn", "qwen3-fp32-onednn", "qwen3-bf16-addmm",
+                              "qwen3-fp32-no-backend"])
 def test_an_item_has_the_same_bits_in_any_pack_even_where_kernels_depend_on_the_call(cfg, dtype, kernel):
-    """On the CPU each item of a pack runs as its own forward (``CpuBackend.forwards``), so its bits do not depend on
-    its neighbours: a property of the code, not of this CPU's kernels. Shown with kernels made to depend on the
-    call (``RowDependentKernels``): alone, in a pack and in another order, every item is bitwise the same; the
-    same pack run as one forward (what the tower does on CUDA) changes an item, so the check has teeth."""
+    """On the CPU each item of a pack runs as its own forward (``model.execution.forwards_on``), so its bits do not
+    depend on its neighbours: a property of the code, not of this CPU's kernels. Shown with kernels made to depend
+    on the call (``RowDependentKernels``): alone, in a pack and in another order, every item is bitwise the same;
+    the same pack run as one forward (what the tower does on CUDA) changes an item, so the check has teeth. A tower
+    with no backend attached (``ReferenceBackend``) keeps the rule too."""
     if kernel == "onednn" and not onednn_linear_available():
         pytest.skip("this torch has no oneDNN linear ops")
     model = pair(cfg)[0].to(dtype)
-    CpuBackend(forced_plan(model, kernel)).attach(model)
+    if kernel is None:  # a tower built without the package's backend runs the modules' forward, items alike
+        model.use_backend(ReferenceBackend())
+    else:
+        CpuBackend(forced_plan(model, kernel)).attach(model)
     grids = grids_for(cfg)
     pixel_values, grid_thw = inputs(cfg, grids)
     items = pixel_values.split(grid_thw.prod(1).tolist())
@@ -126,7 +132,7 @@ def test_an_item_has_the_same_bits_in_any_pack_even_where_kernels_depend_on_the_
         pack = encode(list(range(len(grids))))
         shuffled = encode(list(reversed(range(len(grids)))))
         alone = {i: encode([i])[i] for i in range(len(grids))}
-        with patch.object(CpuBackend, "forwards", lambda self, tower: one_forward):
+        with patch.object(model.backend, "forwards", lambda tower: one_forward):
             as_one_forward = encode(list(range(len(grids))))
     for i in range(len(grids)):
         assert all(torch.equal(a, b) for a, b in zip(pack[i], alone[i], strict=True)), i

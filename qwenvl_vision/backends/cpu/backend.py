@@ -1,28 +1,30 @@
-"""The CPU backend: what runs a tower's calls on the CPU (``model.tower.Backend``), asked once per call.
+"""The CPU backend: what runs a tower's calls on the CPU (``model.execution.Backend``), asked once per call.
 
 It owns the ``cpu_kernels`` setting, the plan that setting resolves to (``machine.machine_plan`` for "auto"), the
-linears packed for that plan (``packing``), each call's workspace (``workspace``) and the rule that on the CPU each
-item runs as its own forward (``forward.one_forward_per_item``). A call in CPU inference runs on the plan
-(``forward.CpuExecution``); any other runs the modules' own forward (``tower.ReferenceExecution``, still one forward
-per item on the CPU): see ``modules_forward_required``. ``describe`` reports the state ``execution`` decides on.
+linears packed for that plan (``packing``) and each call's workspace (``workspace``); its items run as for every
+backend, on the CPU one forward each (``model.execution.forwards_on``). A call in CPU inference runs on the plan
+(``forward.CpuExecution``); any other runs the modules' own forward (``tower.ReferenceExecution``): see
+``modules_forward_required``. ``describe`` reports the state ``execution`` decides on.
 
 Packing swaps the tower's linears in place (``packing.PackedLinear``), under one lock for every tower so that
 concurrent first calls pack once, outside inference mode (the weights stay ordinary tensors). Calls on one tower
 from several threads are safe while they all run inference, or all the modules' forward; mixing the two at once is
-not. A load or a conversion (``.to()``) of the tower gives a packed layer back plain; the next inference call packs
-again where the plan says so.
+not. A load, or a conversion that changes the weights (``.to()`` another dtype or device, ``to_empty``), gives a
+packed layer back plain; the next inference call packs again where the plan says so.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from ...errors import ConfigError
-from ...model.tower import Grids, ReferenceExecution, VisionTower, one_forward
-from .forward import CpuExecution, one_forward_per_item
+from ...model.execution import Grids, ReferenceExecution, forwards_on, items_name
+from ...model.tower import VisionTower
+from .forward import CpuExecution
 from .machine import machine_plan
 from .packing import PACKING_LOCK, PackedLinear, block_need, linear_layers, pack_linears_, plan_needs, unpack_linears_
 from .plan import CpuPlan
@@ -82,16 +84,54 @@ class CpuBackend:
     """The CPU backend of one tower (see the module docstring); ``cpu_kernels`` as ``check_cpu_kernels`` takes it.
 
     Attach it with ``attach`` (which prepares now) or ``VisionTower.use_backend`` (which prepares at the first CPU
-    inference call).
+    inference call). It serves the first tower that calls it and refuses any other (its preparation is that
+    tower's packed layers): one backend per tower.
     """
 
     def __init__(self, cpu_kernels: str | dict | CpuPlan = "auto") -> None:
         self.cpu_kernels = check_cpu_kernels(cpu_kernels)
         self.prepared: Prepared | None = None
+        # The tower it serves: weak, so the backend never keeps its tower alive (it holds what it packed until
+        # released).
+        self.tower: weakref.ref | None = None
+        # Until this backend has prepared or released its tower, the tower may hold layers packed by another (a deep
+        # copy's, a former backend's): a release then unpacks whatever it finds.
+        self.unaccounted = True
+
+    def __deepcopy__(self, memo: dict) -> CpuBackend:
+        return type(self)(self.cpu_kernels)  # a copied tower's layers are its own: the copy prepares them again
+
+    def serves(self, tower: VisionTower) -> bool:
+        """Whether this backend runs ``tower``: bound to it now if it runs no live tower yet."""
+        if self.tower is not None and self.tower() is tower:
+            return True  # the steady state: no lock taken
+        with PACKING_LOCK:
+            served = None if self.tower is None else self.tower()
+            if served is None:
+                self.tower, self.prepared, self.unaccounted = weakref.ref(tower), None, True
+            return served is None or served is tower
+
+    def serve(self, tower: VisionTower) -> None:
+        """``serves``, or ConfigError for a tower other than the live one it runs."""
+        if not self.serves(tower):
+            raise ConfigError("this CpuBackend already runs another tower: give each tower its own "
+                              "(CpuBackend(cpu_kernels).attach(tower))")
+
+    def set_cpu_kernels(self, tower: VisionTower, cpu_kernels: str | dict | CpuPlan) -> None:
+        """Run on ``cpu_kernels`` from now on, prepared now where the weights are on the CPU; the layers stay packed
+        where the new setting is the current one or the plan they are packed for (a run adopting its recorded
+        plan)."""
+        wanted = check_cpu_kernels(cpu_kernels)
+        current = self.current(tower)
+        if wanted != self.cpu_kernels and (current is None or wanted != current.plan):
+            self.release(tower)
+        self.cpu_kernels = wanted
+        self.prepare(tower)
 
     def attach(self, tower: VisionTower) -> CpuBackend:
         """This backend runs ``tower``'s calls from now on, prepared now where the weights are on the CPU (measuring
         what this machine's plan lacks, packing the linears the plan runs on oneDNN), else when they arrive there."""
+        self.serve(tower)
         tower.use_backend(self)
         self.prepare(tower)
         return self
@@ -107,6 +147,7 @@ class CpuBackend:
                   ) -> CpuExecution | ReferenceExecution:
         """The call's execution: on the plan in CPU inference, its workspace sized for the largest forward, else
         the modules' own forward (their plain weights given back first)."""
+        self.serve(tower)
         forwards = self.forwards(tower)(pixel_values, grids)
         prepared = None if modules_forward_required(tower, pixel_values) else self.prepare(tower)
         if prepared is None:
@@ -121,16 +162,18 @@ class CpuBackend:
         return CpuExecution(prepared.plan, workspace, prepared.plan.chunk_bytes(block), forwards)
 
     def release(self, tower: VisionTower) -> None:
-        if self.prepared is None:
+        if not self.serves(tower):
+            return  # nothing of that tower is this backend's (a backend attached to a second tower by hand)
+        if self.prepared is None and not self.unaccounted:
             return
         with PACKING_LOCK, torch.inference_mode(False), torch.no_grad():
             unpack_linears_(tower)
-            self.prepared = None
+            self.prepared, self.unaccounted = None, False
 
     def describe(self, tower: VisionTower) -> dict:
         current = self.current(tower)
         packed = sum(isinstance(layer, PackedLinear) for _, layer in linear_layers(tower))
-        return {"items": "one forward each" if self.forwards(tower) is one_forward_per_item else "one forward per pack",
+        return {"items": items_name(self.forwards(tower)),
                 "execution": "reference" if current is None else "cpu",
                 "cpu_plan": None if current is None else current.plan.machine,
                 "linear_kernels": {"addmm": len(linear_layers(tower)) - packed, "onednn": packed}}
@@ -138,14 +181,13 @@ class CpuBackend:
     # ------------------------------------------------------------------ the decision's parts
 
     def forwards(self, tower: VisionTower):
-        """How a call's items run: on the CPU one forward each (``forward.one_forward_per_item`` says why); on CUDA a
-        pack of small images alone would be launch-bound, so the pack runs whole (an item agrees across batchings
-        within its dtype's rounding)."""
-        return one_forward_per_item if tower.patch_embed.proj.weight.device.type == "cpu" else one_forward
+        """How a call's items run: as for every backend (``model.execution.forwards_on``)."""
+        return forwards_on(tower.patch_embed.proj.weight.device)
 
     def current(self, tower: VisionTower) -> Prepared | None:
         """The last preparation while it holds: the weights where it was made, every layer it packed still packed
         (a load or a conversion gives a packed layer back plain)."""
+        self.serve(tower)
         prepared = self.prepared
         if prepared is None or prepared.placement != placement(tower) or \
                 not all(isinstance(layer, PackedLinear) for layer in prepared.packed):
@@ -167,4 +209,5 @@ class CpuBackend:
             if current is None:
                 plan = machine_plan(plan_needs(tower)) if self.cpu_kernels == "auto" else self.cpu_kernels
                 self.prepared = current = Prepared(placement(tower), plan, tuple(pack_linears_(tower, plan)))
+                self.unaccounted = False
             return current

@@ -32,8 +32,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...model.attention import SegmentPlan, sdpa_attention, sdpa_batched
+from ...model.execution import Grid
 from ...model.layers import AttentionInputs, GatedMLP, PatchMerger, RMSNorm, VisionAttention
-from ...model.tower import Grid
 from .kernels import (
     DEFAULT_CHUNK_BYTES,
     balanced_chunks,
@@ -78,22 +78,6 @@ ACTIVATIONS: dict[str, Activation] = {
 def packed(layer: nn.Linear) -> bool:
     """Whether the plan put this layer's weight in oneDNN's layout (``packing.PackedLinear``)."""
     return isinstance(layer, PackedLinear)
-
-
-def one_forward_per_item(pixel_values: torch.Tensor, grids: list[Grid]) -> list[tuple[torch.Tensor, list[Grid]]]:
-    """Each item's rows as its own forward, contiguous and 64-byte aligned (copied only where they are not).
-
-    Why one forward per item: an item's result must not depend on the items beside it (every output path, resume,
-    rank and Ray actor batches differently and promises the same tensors). On some CPUs a GEMM row's bits depend on
-    the call's row count or on the row's place in it (and a threaded elementwise kernel's vector/scalar split falls
-    where the call's length puts it), so each item runs alone: the same calls on the same rows whatever its
-    neighbours, at a given thread count and kernel choice. Its GEMMs are one item's rows instead of the pack's,
-    which costs little at the towers' sizes (docs/benchmarks.md). Why aligned: an item's rows cut from a pack start
-    where its neighbours end, and some CPU kernels round by the address of their input (MKL without its
-    reproducibility mode)."""
-    rows = pixel_values.split([t * h * w for t, h, w in grids])
-    return [(item if item.is_contiguous() and item.data_ptr() % 64 == 0
-             else item.clone(memory_format=torch.contiguous_format), [grid]) for item, grid in zip(rows, grids)]
 
 
 def signed_sin(sin: torch.Tensor) -> torch.Tensor:

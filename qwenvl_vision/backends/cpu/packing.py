@@ -4,14 +4,16 @@ Packing swaps a layer's class in place (as ``torch.nn.utils.parametrize`` does):
 ``PackedLinear`` whose weight is oneDNN's opaque tensor, and the plain weight is dropped (one copy, not two: the load
 peak stays one layer above the tower). The module object stays the same, so its hooks, its bias and every reference
 to it are kept. A ``PackedLinear`` keeps torch's module contract on its own class, as torch's packed modules
-(``torch.ao.nn.quantized.Linear``) do: ``state_dict`` gives the plain weight, and a load or a conversion (``.to()``,
-``.float()``) turns it back into a plain ``nn.Linear`` first, which the CPU backend packs again at its next call where
-its plan says so. Packing and unpacking replace the weight's Parameter object (an optimizer built before holds the old
-one); a weight keeps its ``requires_grad``.
+(``torch.ao.nn.quantized.Linear``) do: ``state_dict`` gives the plain weight, and a load or a conversion that changes
+the weight (``.to()`` another dtype or device, ``.half()``, ``to_empty``) turns it back into a plain ``nn.Linear``
+first, which the CPU backend packs again at its next call where its plan says so; one that changes nothing keeps it.
+Packing and unpacking replace the weight's Parameter object (an optimizer built before holds the old one); a weight
+keeps its ``requires_grad``.
 """
 
 from __future__ import annotations
 
+import copy
 import threading
 
 import torch
@@ -61,11 +63,28 @@ class PackedLinear(nn.Linear):
         # A packed tensor cannot be copied into: the layer loads as the plain layer it packs.
         self.unpack_()._load_from_state_dict(*args, **kwargs)
 
+    def __deepcopy__(self, memo: dict) -> nn.Linear:
+        # oneDNN's tensor cannot be deep-copied: the copy is the plain layer (its tower's backend packs it again).
+        weight = self.weight
+        memo[id(weight)] = nn.Parameter(weight.detach().to_dense(), requires_grad=weight.requires_grad)
+        clone = memo[id(self)] = nn.Linear.__new__(nn.Linear)
+        clone.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return clone
+
     def _apply(self, fn, recurse: bool = True):
-        # oneDNN's layout supports no conversion: a conversion that changes nothing for this weight keeps it packed,
-        # one to meta frees it without making it dense first, any other converts the plain weight it packs.
-        target = fn(torch.empty(0, dtype=self.weight.dtype))
-        if target.device.type == "cpu" and target.dtype == self.weight.dtype:
+        # oneDNN's layout supports no conversion: one that returns a tensor as it is (``.to()`` of the same device and
+        # dtype, ``share_memory_``) keeps the weight packed, as it is (not shared), and still applies to the bias; one
+        # to meta frees the weight without making it dense first; any other (``to_empty`` too) converts the plain
+        # weight it packs.
+        probe = torch.empty(0, dtype=self.weight.dtype)
+        target = fn(probe)
+        if target is probe:
+            if self.bias is not None:  # through a holder: the layer keeps its weight while other threads run it
+                holder = nn.Module()
+                holder.bias = self.bias
+                nn.Module._apply(holder, fn, recurse=False)
+                if holder.bias is not self.bias:
+                    self.bias = holder.bias
             return self
         if target.is_meta:
             layer = self.unpack_(torch.empty(self.weight.shape, dtype=self.weight.dtype, device="meta"))
