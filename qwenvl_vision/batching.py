@@ -17,6 +17,7 @@ the threads stall the inputs behind it (memory may exceed the budget by what the
 from __future__ import annotations
 
 import math
+import operator
 import os
 import queue
 import stat
@@ -103,9 +104,13 @@ class EncodeOptions:
                                     or not math.isfinite(timeout) or timeout <= 0):
             raise ConfigError(f"decode_timeout must be a positive number of seconds (or None: no limit), "
                               f"got {timeout!r}")
-        patches = self.max_batch_patches
-        if isinstance(patches, bool) or not hasattr(patches, "__index__") or patches < 1:
-            raise ConfigError(f"max_batch_patches must be a positive integer, got {patches!r}")
+        try:
+            patches = None if isinstance(self.max_batch_patches, bool) else operator.index(self.max_batch_patches)
+        except TypeError:
+            patches = None
+        if patches is None or patches < 1:
+            raise ConfigError(f"max_batch_patches must be a positive integer, got {self.max_batch_patches!r}")
+        object.__setattr__(self, "max_batch_patches", patches)  # a plain int (a NumPy or 0-d torch integer given)
         for option, value in (("max_input_pixels", self.max_input_pixels),
                               ("decode_bytes", self.decode_bytes), ("prefetch", self.prefetch)):
             if value is not None and value < (0 if option == "prefetch" else 1):

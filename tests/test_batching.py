@@ -119,6 +119,10 @@ def test_options_are_frozen_and_refused_when_out_of_range():
     with pytest.raises(ConfigError, match="resize"):
         EncodeOptions(video_config=video_config, resize="bilinear")
     assert EncodeOptions(video_config=video_config, num_workers=0).workers == 1
+    given = EncodeOptions(video_config=video_config, max_batch_patches=np.int64(4096)).max_batch_patches
+    assert given == 4096 and type(given) is int  # a NumPy integer is taken as the int it is
+    with pytest.raises(ConfigError, match=r"^max_batch_patches must be a positive integer, got 4096\.0$"):
+        EncodeOptions(video_config=video_config, max_batch_patches=4096.0)
 
 
 # ---------------------------------------------------------------------- the decode budget
