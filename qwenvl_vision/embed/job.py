@@ -58,7 +58,7 @@ from .inputs import MEDIA_EXTENSIONS, Inputs, gather_inputs, rank_and_world, sha
 from .lock import FolderLock, lock_name
 from .manifest import MANIFEST, PARQUET_SHARD_NAME, RUN_FIELD_DEFAULTS, RUN_FILE, part_name, record_key
 from .progress import Progress
-from .reader import read_manifest_lines, read_run
+from .reader import older_plan, read_manifest_lines, read_run
 from .run_record import compare_runs, crossed_bounds_note, describe_run
 from .writer import OUTPUT_FAULTS, RankWriter, Writer, atomic_write_text, merge_parts, output_fault
 
@@ -252,6 +252,10 @@ class EmbedJob:
             if recorded is None:
                 raise EmbedError(f"{out} holds a run without {RUN_FILE} (an older qwenvl-vision), so its settings "
                                  f"cannot be checked; finish it with that version, or choose another --out")
+            if older_plan(recorded) is not None:
+                raise EmbedError(f"{out / RUN_FILE} records a CPU plan of format {older_plan(recorded)}, which this "
+                                 f"version runs no longer: its embeddings read as they are; finish the run with the "
+                                 f"version that started it, or choose another --out")
         if recorded is not None and not args.format_given:  # --resume continues the folder's format unless told
             self.settings = args = dataclasses.replace(args, format=recorded["file_format"])
         self.inputs = gather_inputs(args.inputs)

@@ -80,19 +80,25 @@ def read_run(out: str | os.PathLike) -> dict:
     return _checked_run(path, {**RUN_FIELD_DEFAULTS, **run})
 
 
+def older_plan(run: dict) -> int | None:
+    """The format of the run's CPU plan where an older version wrote it (None otherwise): this version runs only its
+    own format, so such a run reads but does not resume."""
+    from ..backends.cpu.plan import PLAN_FORMAT
+
+    plan_format = run["cpu_plan"].get("format") if isinstance(run.get("cpu_plan"), dict) else None
+    return plan_format if type(plan_format) is int and 1 <= plan_format < PLAN_FORMAT else None
+
+
 def _checked_run(path: Path, run: dict) -> dict:
     """``run``, each field checked; a ManifestError naming ``path`` and the field otherwise."""
     problem = run_problem(run)
     if not problem and run.get("cpu_plan") is not None:
-        from ..backends.cpu.plan import PLAN_FORMAT, CpuPlan
+        from ..backends.cpu.plan import CpuPlan
         from ..errors import ConfigError
 
-        plan_format = run["cpu_plan"].get("format") if isinstance(run["cpu_plan"], dict) else None
-        if type(plan_format) is int and 1 <= plan_format < PLAN_FORMAT:  # not damaged: written by an older version
-            raise ManifestError(f"{path}: field 'cpu_plan' is a CPU plan of format {plan_format}, which this version "
-                                f"reads no longer (it reads {PLAN_FORMAT}): embed into a new folder")
         try:
-            CpuPlan.from_dict(run["cpu_plan"])
+            if not older_plan(run):  # an older version's plan: its embeddings read as ever, a resume refuses it
+                CpuPlan.from_dict(run["cpu_plan"])
         except ConfigError as e:
             problem = f"field 'cpu_plan': {e}"
     if problem:

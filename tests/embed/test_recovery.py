@@ -175,8 +175,7 @@ def finished(tmp_path_factory, checkpoint, images) -> Path:
 
 @pytest.mark.parametrize("field, value", [("threads", "4"), ("cwd", 5), ("run_id", "a*b"), ("run_id", "../x"),
                                           ("random_weights", "yes"), ("min_pixels", -1), ("world_size", True),
-                                          ("dtype", "__class__"), ("video", [1]), ("cpu_plan", {"format": 99}),
-                                          ("cpu_plan", {"format": 2})])
+                                          ("dtype", "__class__"), ("video", [1]), ("cpu_plan", {"format": 99})])
 def test_a_run_file_with_a_field_of_the_wrong_type_is_one_line_naming_it(tmp_path, checkpoint, images, finished,
                                                                          field, value, capsys):
     out = tmp_path / "out"
@@ -191,6 +190,26 @@ def test_a_run_file_with_a_field_of_the_wrong_type_is_one_line_naming_it(tmp_pat
     assert sorted(os.listdir(out)) == before
     with pytest.raises(ManifestError, match=field):
         read_run(out)
+
+
+def test_a_run_with_an_older_format_of_cpu_plan_reads_but_does_not_resume(tmp_path, checkpoint, images, finished,
+                                                                           capsys):
+    """This version runs only its own plan format: a run whose run.json holds an older one still reads (its
+    embeddings are what they are), and a resume is refused with one line naming the format, writing nothing."""
+    out = tmp_path / "out"
+    shutil.copytree(finished, out)
+    run = json.loads((out / "run.json").read_text())
+    run["cpu_plan"] = {"format": 2, "machine": "old", "linear": {}}
+    (out / "run.json").write_text(json.dumps(run))
+    assert read_run(out)["cpu_plan"]["format"] == 2
+    expected, got = list(read_embeddings(finished)), list(read_embeddings(out))
+    assert got and [path for path, _ in got] == [path for path, _ in expected]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got, expected, strict=True))
+    before = sorted(os.listdir(out))
+    capsys.readouterr()
+    assert embed(images[1:2], checkpoint, out, "--resume") == 2
+    one_error_line(capsys.readouterr().err, "run.json", "CPU plan of format 2")
+    assert sorted(os.listdir(out)) == before
 
 
 @pytest.mark.parametrize("field, value", [("tokens", True), ("key", "../000000"), ("rank", True),
