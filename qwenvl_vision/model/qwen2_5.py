@@ -22,8 +22,9 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
+from .execution import Grid
 from .layers import merge_block_positions, rope_cos_sin
-from .tower import Grid, GridPlan, VisionTower
+from .tower import GridPlan, VisionTower
 
 
 def frame_window_order(merged_h: int, merged_w: int, window: int) -> tuple[torch.Tensor, list[int]]:

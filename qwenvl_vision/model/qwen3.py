@@ -20,8 +20,9 @@ import torch
 from torch import nn
 
 from .config import VisionConfig
+from .execution import Grid
 from .layers import merge_block_positions, rope_cos_sin
-from .tower import ForwardPlan, Grid, GridPlan, VisionTower
+from .tower import ForwardPlan, GridPlan, VisionTower
 
 
 def bilinear_taps(size: int, side: int) -> tuple[torch.Tensor, torch.Tensor]:

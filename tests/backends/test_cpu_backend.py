@@ -772,3 +772,17 @@ def test_adopting_the_plan_the_layers_are_packed_for_repacks_nothing():
     assert all(a is b for a, b in zip(weights, [layer.weight for _, layer in linear_layers(encoder.model)]))
     encoder.set_cpu_kernels(forced_plan(encoder.model, "addmm"))
     assert encoder.describe()["linear_kernels"]["onednn"] == 0 and encoder.cpu_plan.machine == "forced"
+
+
+def test_a_backend_that_packs_nothing_serves_any_tower():
+    """Off the packing path ("reference", off the CPU, compiled) a backend holds nothing of a tower, so towers that
+    share one (``nn.DataParallel``'s replicas share their module's attributes) all run on it."""
+    cfg = QWEN2_5_SMALL
+    ref = hf_tower(cfg, seed=0)
+    first, second = ours_from(ref, cfg), ours_from(ref, cfg)
+    backend = CpuBackend("reference").attach(first)
+    second.use_backend(backend)
+    pixel_values, grid_thw = inputs(cfg, grids_for(cfg))
+    with torch.no_grad():
+        assert torch.equal(first(pixel_values, grid_thw)[0], second(pixel_values, grid_thw)[0])
+    assert first.describe()["execution"] == second.describe()["execution"] == "reference"

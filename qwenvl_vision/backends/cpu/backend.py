@@ -3,7 +3,7 @@
 It owns the ``cpu_kernels`` setting, the plan that setting resolves to (``machine.machine_plan`` for "auto"), the
 linears packed for that plan (``packing``) and each call's workspace (``workspace``); its items run as for every
 backend, on the CPU one forward each (``model.execution.forwards_on``). A call in CPU inference runs on the plan
-(``forward.CpuExecution``); any other runs the modules' own forward (``tower.ReferenceExecution``): see
+(``forward.CpuExecution``); any other runs the modules' own forward (``execution.ReferenceExecution``): see
 ``modules_forward_required``. ``describe`` reports the state ``execution`` decides on.
 
 Packing swaps the tower's linears in place (``packing.PackedLinear``), under one lock for every tower so that
@@ -15,6 +15,7 @@ packed layer back plain; the next inference call packs again where the plan says
 
 from __future__ import annotations
 
+import threading
 import weakref
 from dataclasses import dataclass
 
@@ -84,8 +85,9 @@ class CpuBackend:
     """The CPU backend of one tower (see the module docstring); ``cpu_kernels`` as ``check_cpu_kernels`` takes it.
 
     Attach it with ``attach`` (which prepares now) or ``VisionTower.use_backend`` (which prepares at the first CPU
-    inference call). It serves the first tower that calls it and refuses any other (its preparation is that
-    tower's packed layers): one backend per tower.
+    inference call). It serves the first tower that calls it and refuses to prepare any other (its preparation is
+    that tower's packed layers): one backend per tower on the CPU. Where it packs nothing (off the CPU, "reference",
+    compiled) any tower may run on it, e.g. ``nn.DataParallel``'s replicas, which share their module's attributes.
     """
 
     def __init__(self, cpu_kernels: str | dict | CpuPlan = "auto") -> None:
@@ -97,6 +99,7 @@ class CpuBackend:
         # Until this backend has prepared or released its tower, the tower may hold layers packed by another (a deep
         # copy's, a former backend's): a release then unpacks whatever it finds.
         self.unaccounted = True
+        self.binding = threading.Lock()  # not the packing lock: binding never waits for another tower's measuring
 
     def __deepcopy__(self, memo: dict) -> CpuBackend:
         return type(self)(self.cpu_kernels)  # a copied tower's layers are its own: the copy prepares them again
@@ -105,10 +108,11 @@ class CpuBackend:
         """Whether this backend runs ``tower``: bound to it now if it runs no live tower yet."""
         if self.tower is not None and self.tower() is tower:
             return True  # the steady state: no lock taken
-        with PACKING_LOCK:
+        with self.binding:
             served = None if self.tower is None else self.tower()
             if served is None:
-                self.tower, self.prepared, self.unaccounted = weakref.ref(tower), None, True
+                self.prepared, self.unaccounted = None, True
+                self.tower = weakref.ref(tower)
             return served is None or served is tower
 
     def serve(self, tower: VisionTower) -> None:
@@ -141,13 +145,12 @@ class CpuBackend:
         current = self.current(tower)
         return None if current is None else current.plan
 
-    # ------------------------------------------------------------------ tower.Backend
+    # ------------------------------------------------------------------ execution.Backend
 
     def execution(self, tower: VisionTower, pixel_values: torch.Tensor, grids: Grids
                   ) -> CpuExecution | ReferenceExecution:
         """The call's execution: on the plan in CPU inference, its workspace sized for the largest forward, else
         the modules' own forward (their plain weights given back first)."""
-        self.serve(tower)
         forwards = self.forwards(tower)(pixel_values, grids)
         prepared = None if modules_forward_required(tower, pixel_values) else self.prepare(tower)
         if prepared is None:
@@ -165,6 +168,9 @@ class CpuBackend:
         if not self.serves(tower):
             return  # nothing of that tower is this backend's (a backend attached to a second tower by hand)
         if self.prepared is None and not self.unaccounted:
+            return
+        if self.prepared is None and not any(isinstance(layer, PackedLinear) for _, layer in linear_layers(tower)):
+            self.unaccounted = False  # nothing packed: no lock to wait for
             return
         with PACKING_LOCK, torch.inference_mode(False), torch.no_grad():
             unpack_linears_(tower)
@@ -187,7 +193,8 @@ class CpuBackend:
     def current(self, tower: VisionTower) -> Prepared | None:
         """The last preparation while it holds: the weights where it was made, every layer it packed still packed
         (a load or a conversion gives a packed layer back plain)."""
-        self.serve(tower)
+        if not self.serves(tower):
+            return None
         prepared = self.prepared
         if prepared is None or prepared.placement != placement(tower) or \
                 not all(isinstance(layer, PackedLinear) for layer in prepared.packed):
@@ -201,6 +208,7 @@ class CpuBackend:
         if self.cpu_kernels == "reference" or device.type != "cpu" or tower.compiled:
             self.release(tower)
             return None
+        self.serve(tower)
         current = self.current(tower)
         if current is not None:
             return current  # the steady state: no lock taken

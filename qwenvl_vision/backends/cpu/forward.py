@@ -102,9 +102,9 @@ class CpuExecution:
         self.plan = plan
         self.workspace = workspace
         self.chunk_bytes = chunk_bytes  # output per oneDNN call of a packed linear (the plan's for the tower)
-        self.forwards = forwards or []  # a call's (rows, grids) per forward (``tower.Execution``)
+        self.forwards = forwards or []  # a call's (rows, grids) per forward (``execution.Execution``)
 
-    # ------------------------------------------------------------------ what the tower calls (tower.Execution)
+    # ------------------------------------------------------------------ what the tower calls (execution.Execution)
 
     def attention_inputs(self, rope: tuple[torch.Tensor, torch.Tensor], segments: SegmentPlan) -> AttentionInputs:
         return CpuAttentionInputs(rope, segments, self.attend, signed_sin(rope[1]))
