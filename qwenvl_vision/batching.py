@@ -279,7 +279,7 @@ def _prepare(item: Any, index: int, options: EncodeOptions, pre: PreprocessConfi
 def prepared_batches(items: Iterable[Any], options: EncodeOptions, pre: PreprocessConfig, *, pin_memory: bool,
                      on_prepared: Callable[[Prepared], None] | None = None
                      ) -> Iterator[tuple[list[Prepared], list[Prepared]]]:
-    """(batch, failed) in input order: the inputs of one forward (at most ``max_batch_patches`` patches, or one
+    """(batch, failed) in input order: the inputs of one tower call (at most ``max_batch_patches`` patches, or one
     larger input) and the inputs that failed since the previous batch. ``on_prepared`` sees every input, on the
     iterating thread, as soon as it is ready (or has failed). Close the iterator when stopping early: that wakes
     the workers waiting for budget and drops the inputs not started."""

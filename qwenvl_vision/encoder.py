@@ -276,8 +276,8 @@ class VisionEncoder:
 
         ``on_prepared(index, tokens)`` is called once per input, in input order, on the iterating thread, as soon
         as the input is decoded and resized (or has failed: tokens 0), before it joins its batch; tokens is the
-        number of embedding rows it will get. Progress can so advance image by image: a batch is one forward,
-        and a small job is a single batch.
+        number of embedding rows it will get. Progress can so advance image by image: a batch is one tower call
+        (on the CPU each of its items its own forward), and a small job is a single batch.
 
         Inputs are decoded and resized by worker threads ahead of the compute (PIL and torch release the
         GIL), at most `prefetch` inputs ahead. Host memory for inputs is bounded by `decode_bytes` (inputs
@@ -306,7 +306,7 @@ class VisionEncoder:
 
     def _encode_batches(self, items: Iterable[Any], options: EncodeOptions,
                         on_prepared: Callable[[Prepared], None] | None = None) -> Iterator[list[ItemResult]]:
-        """iter_encode with its options built: batches prepared by ``batching``, each one forward here."""
+        """iter_encode with its options built: batches prepared by ``batching``, each one tower call here."""
         batches = prepared_batches(items, options, self.preprocess_config, pin_memory=self.device.type == "cuda",
                                    on_prepared=on_prepared)
         # Closing the batches, however this generator ends, releases the decode workers and their budget.
