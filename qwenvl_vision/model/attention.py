@@ -146,9 +146,10 @@ def unavailable_reason(name: str, device: torch.device | str, dtype: torch.dtype
     device = torch.device(device)
     if name == "sdpa":
         return None
-    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+    # On meta (shapes only: a CUDA forward's path checked without a GPU) the device has nothing to check.
+    if device.type not in ("cuda", "meta") or dtype not in (torch.float16, torch.bfloat16):
         return f"it runs on CUDA in float16/bfloat16 only (this tower: {device.type}, {dtype})"
-    capability = torch.cuda.get_device_capability(device)
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else (8, 0)
     if capability < (8, 0):
         return (f"its kernels need compute capability 8.0 (Ampere) or newer; {torch.cuda.get_device_name(device)} "
                 f"has {capability[0]}.{capability[1]}")
