@@ -78,9 +78,19 @@ def hf_tower(cfg: VisionConfig, attn_implementation: str = "sdpa", *, device=Non
 
 
 def hf_forward(tower: torch.nn.Module, pixel_values: torch.Tensor, grid_thw: torch.Tensor):
-    """(merged, deepstack levels) from transformers' tower, in the same shape as ours."""
+    """(merged, deepstack levels) from transformers' tower, in the same shape as ours. A transformers whose tower
+    names its outputs otherwise (another version than 5.24) is a RuntimeError naming what it returned, never an
+    empty list of levels that would read as our tower's error."""
     out = tower(pixel_values, grid_thw=grid_thw)
-    return out.pooler_output, list(getattr(out, "deepstack_features", None) or [])
+    merged, levels = getattr(out, "pooler_output", None), getattr(out, "deepstack_features", None)
+    deepstack = bool(getattr(tower.config, "deepstack_visual_indexes", None))
+    if merged is None or (deepstack and not levels):
+        import transformers
+
+        fields = list(out.keys()) if hasattr(out, "keys") else type(out).__name__
+        raise RuntimeError(f"transformers {transformers.__version__}'s {type(tower).__name__} returned {fields}: "
+                           f"expected pooler_output{' and deepstack_features' if deepstack else ''}")
+    return merged, list(levels or [])
 
 
 def ours_from(ref: torch.nn.Module, cfg: VisionConfig, **options) -> torch.nn.Module:

@@ -11,7 +11,13 @@ import pytest
 import torch
 
 from qwenvl_vision import load_encoder
-from qwenvl_vision.model.attention import BACKENDS, SegmentPlan, resolve_attn_impl, sdpa_batched
+from qwenvl_vision.model.attention import (
+    BACKENDS,
+    SegmentPlan,
+    resolve_attn_impl,
+    sdpa_batched,
+    unavailable_reason,
+)
 from qwenvl_vision.teardown.census import measure
 from tests.helpers import (
     QWEN2_5_GRIDS,
@@ -46,7 +52,9 @@ def test_cuda_against_cpu_fp32_reference(cfg, grids, dtype, tol):
 
 def test_fused_varlen_kernel_equals_grouped_sdpa():
     fused_name = resolve_attn_impl("auto", "cuda", torch.bfloat16)
-    assert fused_name != "sdpa", "neither flash-attn nor torch varlen_attn is usable"
+    if fused_name == "sdpa":  # e.g. no flash-attn, and a torch whose varlen_attn takes no scale
+        pytest.skip(f"no fused varlen kernel here: flash: {unavailable_reason('flash', 'cuda', torch.bfloat16)}; "
+                    f"torch_varlen: {unavailable_reason('torch_varlen', 'cuda', torch.bfloat16)}")
     lengths = [64, 48, 64, 16, 12, 1024, 64]
     plan = SegmentPlan.from_lengths(lengths, "cuda")
     n = sum(lengths)
