@@ -146,7 +146,10 @@ def unavailable_reason(name: str, device: torch.device | str, dtype: torch.dtype
     device = torch.device(device)
     if name == "sdpa":
         return None
-    # On meta (shapes only: a CUDA forward's path checked without a GPU) the device has nothing to check.
+    # On meta (shapes only: a CUDA forward's path checked without a GPU) torch's varlen kernel runs (it has a meta
+    # implementation) and the device has nothing to check; flash-attn's may have none.
+    if device.type == "meta" and name == "flash":
+        return "flash-attn's kernel is not run on meta here"
     if device.type not in ("cuda", "meta") or dtype not in (torch.float16, torch.bfloat16):
         return f"it runs on CUDA in float16/bfloat16 only (this tower: {device.type}, {dtype})"
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else (8, 0)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -44,6 +45,23 @@ class DeviceDiscipline(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+class TensorsMadeOnTheDevice(TorchFunctionMode):
+    """Tensors made from host data straight on a device (``torch.tensor(..., device=)`` and the like send no op
+    through a dispatch mode): each is a host-to-device copy, recorded in ``discipline``."""
+
+    MAKERS = {torch.tensor, torch.as_tensor, torch.asarray}
+
+    def __init__(self, discipline: DeviceDiscipline) -> None:
+        super().__init__()
+        self.discipline = discipline
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.MAKERS and kwargs.get("device") is not None and torch.device(kwargs["device"]).type != "cpu":
+            self.discipline.copies.append(self.discipline.ops)
+        return func(*args, **kwargs)
+
+
 def copies_and_outputs(preset: str, grids: list[tuple[int, int, int]]) -> tuple[list[int], int, tuple]:
     tower = build_model(preset, device="meta", dtype=torch.bfloat16, attn_impl="torch_varlen")
     assert tower.describe()["items"] == "one forward per pack"
@@ -51,7 +69,7 @@ def copies_and_outputs(preset: str, grids: list[tuple[int, int, int]]) -> tuple[
     pixel_values = torch.empty(rows, tower.config.patch_dim, dtype=torch.bfloat16)  # on the host, as handed over
     discipline = DeviceDiscipline()
     tower.blocks[0].register_forward_pre_hook(lambda *_: setattr(discipline, "first_block", discipline.ops))
-    with torch.no_grad(), discipline:
+    with torch.no_grad(), TensorsMadeOnTheDevice(discipline), discipline:
         merged, levels = tower(pixel_values, grids)
     assert merged.device.type == "meta" and merged.shape == (rows // 4, tower.config.out_hidden_size)
     assert len(levels) == len(tower.config.deepstack_visual_indexes)
@@ -72,3 +90,5 @@ def test_a_real_size_tower_runs_one_pack_without_host_syncs_and_copies_only_befo
     copies, _, _ = copies_and_outputs(preset, pack)
     alone, _, _ = copies_and_outputs(preset, pack[:1])
     assert 0 < len(copies) == len(alone) <= 8, (copies, alone)
+    # Many small images: their frames and windows are gathered (index copies, still before the first block).
+    copies_and_outputs(preset, [(1, 6, 10), (1, 4, 4)] * 8)
