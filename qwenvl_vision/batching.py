@@ -225,19 +225,19 @@ def input_kind(item: Any, options: EncodeOptions) -> tuple[bool, str]:
 
 
 def prepare(item: Any, index: int, options: EncodeOptions, pre: PreprocessConfig, budget: DecodeBudget,
-            pin_memory: bool, decoding: Decoding | None = None) -> Prepared:
+            decoding: Decoding | None = None) -> Prepared:
     """Decode and resize one input on a worker thread, admitted by the decode budget in input order.
 
     ``decoding``: shared with the thread waiting for the result; a video's frame loop stops once it is
     abandoned, and the budget a result holds is released here when nobody will take it."""
     decoding = decoding or Decoding()
-    prepared = _prepare(item, index, options, pre, budget, pin_memory, decoding)
+    prepared = _prepare(item, index, options, pre, budget, decoding)
     decoding.finish()
     return prepared
 
 
 def _prepare(item: Any, index: int, options: EncodeOptions, pre: PreprocessConfig, budget: DecodeBudget,
-             pin_memory: bool, decoding: Decoding) -> Prepared:
+             decoding: Decoding) -> Prepared:
     video, kind = input_kind(item, options)
     min_pixels, max_pixels = options.min_pixels, options.max_pixels
     if options.video is None and video:  # mixed: the pixel bounds given are the images'; videos keep their own
@@ -268,15 +268,13 @@ def _prepare(item: Any, index: int, options: EncodeOptions, pre: PreprocessConfi
         decoding.hold(budget, 0)
         return Prepared(index, name, error=f"{name}: {type(e).__name__}: {e}")
     digest = pixels_sha256(pixel_values) if options.hash_pixels else None
-    if pin_memory:
-        pixel_values = pixel_values.pin_memory()
     # From here on the input holds its resized pixels, not its decode peak.
     held = decoding.hold(budget, pixel_values.element_size() * pixel_values.nelement())
     return Prepared(index, name, pixel_values, tuple(grid), patches=math.prod(grid), held=held, video_info=info,
                     pixels_sha256=digest)
 
 
-def prepared_batches(items: Iterable[Any], options: EncodeOptions, pre: PreprocessConfig, *, pin_memory: bool,
+def prepared_batches(items: Iterable[Any], options: EncodeOptions, pre: PreprocessConfig, *,
                      on_prepared: Callable[[Prepared], None] | None = None
                      ) -> Iterator[tuple[list[Prepared], list[Prepared]]]:
     """(batch, failed) in input order: the inputs of one tower call (at most ``max_batch_patches`` patches, or one
@@ -287,7 +285,7 @@ def prepared_batches(items: Iterable[Any], options: EncodeOptions, pre: Preproce
     decodings: dict[int, Decoding] = {}  # per input in flight; either thread may create its entry first
 
     def decode(item: Any, index: int) -> Prepared:
-        return prepare(item, index, options, pre, budget, pin_memory, decodings.setdefault(index, Decoding()))
+        return prepare(item, index, options, pre, budget, decodings.setdefault(index, Decoding()))
 
     def collect(future: Future, item: Any, index: int) -> Prepared:
         decoding = decodings.setdefault(index, Decoding())

@@ -1,5 +1,6 @@
-"""Device and dtype: what the API accepts (``resolve_device``, ``resolve_dtype``) and the argparse types of the
-command line's ``--device`` and ``--dtype`` (the same spellings, refused when parsed)."""
+"""Device and dtype: what the API accepts (``resolve_device``, ``resolve_dtype``), the argparse types of the
+command line's ``--device`` and ``--dtype`` (the same spellings, refused when parsed), and ``upload``, the one way
+host data reaches the device."""
 
 from __future__ import annotations
 
@@ -16,6 +17,18 @@ DTYPES = {
     "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
 }
 DTYPE_CHOICES = "fp32/float32, bf16/bfloat16, fp16/float16/half"
+
+
+def upload(tensors: list[torch.Tensor], device: torch.device | str) -> torch.Tensor:
+    """The host tensors concatenated (dim 0) onto ``device`` in one copy. For CUDA they are concatenated into one
+    pinned buffer, so that the non-blocking copy is asynchronous (from pageable memory the host waits for it); the
+    caching host allocator keeps the buffer until the copy has run. Elsewhere: ``torch.cat`` then ``.to``."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return torch.cat(tensors).to(device)
+    first = tensors[0]
+    staging = torch.empty((sum(t.shape[0] for t in tensors), *first.shape[1:]), dtype=first.dtype, pin_memory=True)
+    return torch.cat(tensors, out=staging).to(device, non_blocking=True)
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:

@@ -43,7 +43,7 @@ from .batching import (
 )
 from .checkpoint.hub import resolve_folder
 from .checkpoint.weights import load_tower, open_checkpoint
-from .devices import resolve_device, resolve_dtype
+from .devices import resolve_device, resolve_dtype, upload
 from .errors import (
     ConfigError,
     EncoderClosedError,
@@ -307,8 +307,7 @@ class VisionEncoder:
     def _encode_batches(self, items: Iterable[Any], options: EncodeOptions,
                         on_prepared: Callable[[Prepared], None] | None = None) -> Iterator[list[ItemResult]]:
         """iter_encode with its options built: batches prepared by ``batching``, each one tower call here."""
-        batches = prepared_batches(items, options, self.preprocess_config, pin_memory=self.device.type == "cuda",
-                                   on_prepared=on_prepared)
+        batches = prepared_batches(items, options, self.preprocess_config, on_prepared=on_prepared)
         # Closing the batches, however this generator ends, releases the decode workers and their budget.
         with contextlib.closing(batches):
             for batch, failed in batches:
@@ -346,7 +345,7 @@ class VisionEncoder:
         inf/nan outputs is a failed input; attention never crosses items, so the others are unaffected."""
         failure: BaseException | None = None
         try:
-            pixel_values = torch.cat([p.pixel_values for p in batch]).to(self.device, non_blocking=True)
+            pixel_values = upload([p.pixel_values for p in batch], self.device)
             out = self._encode_unchecked(pixel_values, [p.grid for p in batch], pooled=pooled,
                                          pixels_sha256=[p.pixels_sha256 for p in batch])
             bad = set(nonfinite_items(out.embeddings, out.deepstack, out.pooled))  # CUDA's faults surface here

@@ -85,7 +85,7 @@ def test_prepared_batches_keep_input_order_and_carry_failures_with_the_next_batc
     inputs = [synthetic_photo(112, 112, 0), np.zeros((0, 4, 3), np.uint8), synthetic_photo(140, 196, 1),
               synthetic_photo(56, 84, 2), "/nonexistent/x.png", synthetic_photo(224, 224, 3)]
     seen = []
-    batches = list(prepared_batches(inputs, options, pre, pin_memory=False, on_prepared=seen.append))
+    batches = list(prepared_batches(inputs, options, pre, on_prepared=seen.append))
     assert [p.index for p in seen] == list(range(len(inputs)))  # every input reported once, in order
     assert {p.index for p in seen if p.error} == {1, 4}
     order = [p.index for batch, failed in batches for p in sorted(batch + failed, key=lambda p: p.index)]

@@ -26,11 +26,13 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
+from ..devices import upload
 from ..errors import ConfigError
 
 VIEW_MIN_TOKENS = 2048  # a run of equal segments this large runs in place; smaller ones may be gathered
 GATHER_MIN_RUNS = 5  # small runs of one length are gathered into one call only when there are this many
 ATTN_IMPLS = ("auto", "sdpa", "flash", "torch_varlen")
+FUSED = ("flash", "torch_varlen")  # one varlen call over the whole pack: they read cu_seqlens, never the groups
 
 
 @dataclass
@@ -53,12 +55,16 @@ class SegmentPlan:
     total: int
 
     @classmethod
-    def from_lengths(cls, lengths: list[int], device: torch.device | str = "cpu") -> SegmentPlan:
+    def from_lengths(cls, lengths: list[int], device: torch.device | str = "cpu", grouped: bool = True
+                     ) -> SegmentPlan:
         """Runs of consecutive equal-length segments become views (no copy); many small runs of one length
         scattered over the pack are gathered into one batched call so that many tiny images or windows
         do not cost one kernel launch each. Large runs, and a few small ones, are never gathered: the copies
-        would cost more than the calls."""
+        would cost more than the calls. ``grouped=False`` (the fused backends): ``cu_seqlens`` only, no groups."""
         lengths = [int(n) for n in lengths if n > 0]
+        cu = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0).to(torch.int32)
+        if not grouped:
+            return cls(upload([cu], device), max(lengths, default=0), [], int(cu[-1]))
         runs: list[tuple[int, int, int]] = []  # (length, start, count)
         start = 0
         for n in lengths:
@@ -80,9 +86,8 @@ class SegmentPlan:
                 continue
             starts = torch.tensor([s + i * n for s, count in small for i in range(count)])
             rows = (starts[:, None] + torch.arange(n)).flatten()
-            groups.append(SegmentGroup(n, len(starts), index=rows.to(device, non_blocking=True)))
-        cu = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0).to(torch.int32)
-        return cls(cu.to(device, non_blocking=True), max(lengths, default=0), groups, start)
+            groups.append(SegmentGroup(n, len(starts), index=upload([rows], device)))
+        return cls(upload([cu], device), max(lengths, default=0), groups, start)
 
 
 def sdpa_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int, scale: float,
@@ -117,12 +122,18 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Segm
     return out
 
 
+def last_dim_contiguous(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """What the varlen kernels need (head-dim stride 1), copied only where it is not so: v, a slice of the fused
+    qkv output, has strided rows but a contiguous head dimension, and a full ``contiguous()`` would copy it."""
+    return [t if t.stride(-1) == 1 else t.contiguous() for t in tensors]
+
+
 def flash_attention(q, k, v, plan: SegmentPlan, scale: float, out=None) -> torch.Tensor:
     """flash-attn's varlen kernel over the whole pack (returns its own tensor)."""
     from flash_attn import flash_attn_varlen_func
 
     cu, n = plan.cu_seqlens, plan.max_seqlen
-    return flash_attn_varlen_func(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, n, n,
+    return flash_attn_varlen_func(*last_dim_contiguous(q, k, v), cu, cu, n, n,
                                   softmax_scale=scale, causal=False)
 
 
@@ -131,7 +142,7 @@ def torch_varlen_attention(q, k, v, plan: SegmentPlan, scale: float, out=None) -
     from torch.nn.attention.varlen import varlen_attn
 
     cu, n = plan.cu_seqlens, plan.max_seqlen
-    return varlen_attn(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, n, n, scale=scale)
+    return varlen_attn(*last_dim_contiguous(q, k, v), cu, cu, n, n, scale=scale)
 
 
 BACKENDS: dict[str, Callable] = {

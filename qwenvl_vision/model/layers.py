@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
+from ..devices import upload
 from .attention import SegmentPlan
 
 # ----------------------------------------------------------------------------- rope
@@ -35,7 +36,10 @@ def rope_inv_freq(head_dim: int, theta: float = 10000.0) -> torch.Tensor:
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables (N, hd) in fp32 for (row, col) positions (N, 2): angles [row*f, col*f] repeated twice."""
-    freqs = positions[..., None].float() * rope_inv_freq(head_dim, theta)  # (N, 2, hd/4)
+    inv_freq = rope_inv_freq(head_dim, theta)  # on the host, as the reference's buffer is made, then moved
+    if positions.device.type != "cpu":
+        inv_freq = upload([inv_freq], positions.device)
+    freqs = positions[..., None].float() * inv_freq  # (N, 2, hd/4)
     angles = torch.cat([freqs[:, 0], freqs[:, 1]], dim=-1)  # (N, hd/2)
     angles = torch.cat([angles, angles], dim=-1)  # (N, hd)
     return angles.cos(), angles.sin()
@@ -43,7 +47,8 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float = 10000.0)
 
 def merge_block_positions(h: int, w: int, merge: int) -> torch.Tensor:
     """(h*w, 2) (row, col) of each patch listed in merge-block order (block_row, block_col, r, c)."""
-    grid = torch.stack(torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij"), dim=-1)  # (h, w, 2)
+    rows, cols = torch.arange(h, dtype=torch.int32), torch.arange(w, dtype=torch.int32)
+    grid = torch.stack(torch.meshgrid(rows, cols, indexing="ij"), dim=-1)  # (h, w, 2)
     return rearrange(grid, "(bh m1) (bw m2) rc -> (bh bw m1 m2) rc", m1=merge, m2=merge)
 
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from .execution import Grid
-from .layers import merge_block_positions, rope_cos_sin
+from .layers import merge_block_positions
 from .tower import GridPlan, VisionTower
 
 
@@ -63,12 +63,10 @@ class Qwen2_5VisionTransformer(VisionTower):
         merge = cfg.spatial_merge_size
         positions = merge_block_positions(h, w, merge).repeat(t, 1)
         if not cfg.family.windows:
-            cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
-            return GridPlan(cos, sin, frame_lengths=[h * w] * t)
+            return GridPlan(positions, frame_lengths=[h * w] * t)
         merged_h, merged_w = h // merge, w // merge
         frame_order, frame_windows = length_sorted(*frame_window_order(merged_h, merged_w, cfg.window_merged))
         order = torch.cat([frame_order + f * merged_h * merged_w for f in range(t)])
         positions = positions.view(-1, cfg.merge_unit, 2)[order].view(-1, 2)
-        cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
         window_lengths = [n * cfg.merge_unit for n in frame_windows] * t
-        return GridPlan(cos, sin, frame_lengths=[h * w] * t, window_lengths=window_lengths, order=order)
+        return GridPlan(positions, frame_lengths=[h * w] * t, window_lengths=window_lengths, order=order)

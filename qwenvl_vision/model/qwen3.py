@@ -21,7 +21,7 @@ from torch import nn
 
 from .config import VisionConfig
 from .execution import Grid
-from .layers import merge_block_positions, rope_cos_sin
+from .layers import merge_block_positions
 from .tower import ForwardPlan, GridPlan, VisionTower
 
 
@@ -66,8 +66,7 @@ class Qwen3VisionTransformer(VisionTower):
         cfg = self.config
         positions = merge_block_positions(h, w, cfg.spatial_merge_size).repeat(t, 1)
         indices, weights = position_grid_taps(h, w, cfg.num_grid_per_side, cfg.spatial_merge_size)
-        cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
-        return GridPlan(cos, sin, frame_lengths=[h * w] * t,
+        return GridPlan(positions, frame_lengths=[h * w] * t,
                         position_taps=(indices.repeat(t, 1), weights.repeat(t, 1)))
 
     def embed(self, pixel_values: torch.Tensor, plan: ForwardPlan) -> torch.Tensor:

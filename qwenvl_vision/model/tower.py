@@ -7,9 +7,9 @@
 Reference: transformers' ``Qwen2VisionTransformerPretrainedModel``, ``Qwen2_5_VisionTransformerPretrainedModel``
 and ``Qwen3VLVisionModel`` (v5.24). Module names equal the checkpoint's tensor names without the prefix, except
 for what ``names.RULE_SETS`` fuses or renames at load time. Deviations from the reference (same numbers):
-grids are read from the host once per forward; per-grid tensors (token order, rope tables, segment lengths,
-position taps) are cached per instance in a bounded ``ShapeCache``, concatenated for the pack and moved to the
-device once, so the block loop does no host sync.
+grids are read from the host once per forward; per-grid tensors (token order, rope positions, segment lengths,
+position taps) are cached per instance in a bounded ``ShapeCache``, concatenated for the pack (into pinned memory
+for CUDA) and moved to the device once, where the rope tables are computed, so the block loop does no host sync.
 
 Execution: the tower asks its ``backend`` once per call for the call's ``Execution`` and runs what it says
 (``execution.py``); the modules never read an execution state.
@@ -23,12 +23,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..devices import upload
 from ..errors import ConfigError, InputError
-from .attention import ATTN_IMPLS, BACKENDS, SegmentPlan, resolve_attn_impl
+from .attention import ATTN_IMPLS, BACKENDS, FUSED, SegmentPlan, resolve_attn_impl
 from .cache import ShapeCache
 from .config import VisionConfig
 from .execution import Backend, Execution, Grid, Grids, ReferenceBackend
-from .layers import Block, PatchEmbed, PatchMerger
+from .layers import Block, PatchEmbed, PatchMerger, rope_cos_sin
 from .names import to_module_names_
 
 
@@ -36,8 +37,7 @@ from .names import to_module_names_
 class GridPlan:
     """Everything derived from one grid (t, h, w) on the host; cached per instance."""
 
-    cos: torch.Tensor  # (t*h*w, hd) fp32, in the tower's token order
-    sin: torch.Tensor
+    positions: torch.Tensor  # (t*h*w, 2) int32 rope (row, col) of each patch, in the tower's token order
     frame_lengths: list[int]  # in patches
     window_lengths: list[int] | None = None  # windowed designs
     order: torch.Tensor | None = None  # (t*h*w/4,) merged-token order the blocks see, when not the input order
@@ -49,7 +49,7 @@ class GridPlan:
 class ForwardPlan:
     """One packed forward's indices and boundaries, on the device."""
 
-    rope: tuple[torch.Tensor, torch.Tensor]
+    rope: tuple[torch.Tensor, torch.Tensor]  # cos, sin (N, hd) fp32, computed on the device
     frames: SegmentPlan
     windows: SegmentPlan | None
     order: torch.Tensor | None  # merged-token permutation into block order (None: input order)
@@ -139,7 +139,9 @@ class VisionTower(nn.Module):
         execution its backend gives, as the forwards that execution says."""
         grids = self.grid_list(grid_thw)
         self.check_pixels(pixel_values, grids)
-        pixel_values = pixel_values.to(self.patch_embed.proj.weight.device, non_blocking=True)
+        device = self.patch_embed.proj.weight.device
+        if pixel_values.device != device:
+            pixel_values = upload([pixel_values], device)
         execution = self.backend.execution(self, pixel_values, grids)
         results = [self.forward_pack(rows, pack, execution) for rows, pack in execution.forwards]
         if len(results) == 1:
@@ -168,11 +170,14 @@ class VisionTower(nn.Module):
         return self.shape_cache.get_or_compute(grid, lambda: self.compute_grid_plan(grid))
 
     def prepare(self, grids: list[Grid], device: torch.device | str = "cpu") -> ForwardPlan:
-        """Concatenate the cached per-grid plans for a pack, with offsets, and move them to the device once."""
+        """Concatenate the cached per-grid plans for a pack, with offsets, and move them to the device once each;
+        the rope tables are computed there from the integer positions (a tenth of the bytes to copy)."""
         plans = [self.grid_plan(g) for g in grids]
+        self.attention_backend()
+        grouped = self.attention_choice[1] not in FUSED  # the fused kernels take the whole pack: no groups
 
         def packed(tensors: list[torch.Tensor]) -> torch.Tensor:
-            return torch.cat(tensors).to(device, non_blocking=True)
+            return upload(tensors, device)
 
         order = reverse = None
         if plans[0].order is not None:
@@ -181,13 +186,14 @@ class VisionTower(nn.Module):
                 offsets.append(offset)
                 offset += t * h * w // self.config.merge_unit
             order_host = torch.cat([p.order + o for p, o in zip(plans, offsets)])
-            order, reverse = order_host.to(device, non_blocking=True), packed([torch.argsort(order_host)])
+            order, reverse = packed([order_host]), packed([torch.argsort(order_host)])
         windows = None
         if plans[0].window_lengths is not None:
-            windows = SegmentPlan.from_lengths([n for p in plans for n in p.window_lengths], device)
+            windows = SegmentPlan.from_lengths([n for p in plans for n in p.window_lengths], device, grouped)
+        cfg = self.config
         return ForwardPlan(
-            rope=(packed([p.cos for p in plans]), packed([p.sin for p in plans])),
-            frames=SegmentPlan.from_lengths([n for p in plans for n in p.frame_lengths], device),
+            rope=rope_cos_sin(packed([p.positions for p in plans]), cfg.head_dim, cfg.rope_theta),
+            frames=SegmentPlan.from_lengths([n for p in plans for n in p.frame_lengths], device, grouped),
             windows=windows,
             order=order,
             reverse=reverse,

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from qwenvl_vision import load_encoder
+from qwenvl_vision.devices import upload
 from qwenvl_vision.model.attention import (
     BACKENDS,
     SegmentPlan,
@@ -56,9 +57,11 @@ def test_fused_varlen_kernel_equals_grouped_sdpa():
         pytest.skip(f"no fused varlen kernel here: flash: {unavailable_reason('flash', 'cuda', torch.bfloat16)}; "
                     f"torch_varlen: {unavailable_reason('torch_varlen', 'cuda', torch.bfloat16)}")
     lengths = [64, 48, 64, 16, 12, 1024, 64]
-    plan = SegmentPlan.from_lengths(lengths, "cuda")
+    plan = SegmentPlan.from_lengths(lengths, "cuda", grouped=False)  # what the tower builds for a fused backend
     n = sum(lengths)
-    q, k, v = (torch.randn(n, 16, 80, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    # As the blocks hand them over: slices of one fused qkv output, rows strided, the head dimension contiguous.
+    q, k, v = torch.randn(n, 3, 16, 80, device="cuda", dtype=torch.bfloat16).unbind(1)
+    assert not v.is_contiguous()
     fused = BACKENDS[fused_name](q, k, v, plan, 80**-0.5)
     start, pieces = 0, []
     for length in lengths:
@@ -66,6 +69,23 @@ def test_fused_varlen_kernel_equals_grouped_sdpa():
         pieces.append(sdpa_batched(q[sl].float(), k[sl].float(), v[sl].float(), 1, 80**-0.5))
         start += length
     assert rel_err(fused.float(), torch.cat(pieces)) <= 1e-2
+
+
+def test_upload_stages_host_tensors_in_one_pinned_buffer(monkeypatch):
+    """The batch's pixels and the plan reach the GPU from pinned memory, so the non-blocking copy is asynchronous."""
+    staged = []
+    cat = torch.cat
+
+    def recording_cat(tensors, *args, out=None, **kwargs):
+        staged.append(out)
+        return cat(tensors, *args, out=out, **kwargs)
+
+    monkeypatch.setattr(torch, "cat", recording_cat)
+    parts = [torch.randn(5, 7), torch.randn(3, 7)]
+    moved = upload(parts, "cuda")
+    monkeypatch.undo()
+    assert moved.device.type == "cuda" and torch.equal(moved.cpu(), torch.cat(parts))
+    assert len(staged) == 1 and staged[0] is not None and staged[0].is_pinned()
 
 
 def allocated() -> int:

@@ -145,7 +145,7 @@ def test_an_input_over_the_decode_time_limit_is_failed_and_the_others_go_on(monk
     inputs = [synthetic_photo(56, 84, 0), "stuck.png", synthetic_photo(112, 56, 1), synthetic_photo(84, 84, 2)]
     start = time.monotonic()
     try:
-        batches = list(prepared_batches(inputs, _options(decode_timeout=2.0, num_workers=2), pre, pin_memory=False))
+        batches = list(prepared_batches(inputs, _options(decode_timeout=2.0, num_workers=2), pre))
     finally:
         stuck.release.set()
     assert time.monotonic() - start < 20  # the stuck decode waits 30 s; the limit ends it after 2
@@ -167,7 +167,7 @@ def test_a_given_up_input_neither_budget_nor_worker_stalls_the_inputs_behind_it(
     options = _options(decode_timeout=2.0, num_workers=1, decode_bytes=4000)
     start = time.monotonic()
     try:
-        batches = list(prepared_batches(inputs, options, pre, pin_memory=False))
+        batches = list(prepared_batches(inputs, options, pre))
         assert not stuck.release.is_set()  # the stuck decode never returned while the others went on
     finally:
         stuck.release.set()
@@ -202,7 +202,7 @@ def test_a_given_up_decode_keeps_no_budget_and_its_late_result_changes_none(monk
     budget = DecodeBudget(4000)
     decoding = batching.Decoding()
     pre = PreprocessConfig.from_dict(None, QWEN25)
-    worker = threading.Thread(target=prepare, args=("stuck.png", 0, _options(), pre, budget, False, decoding))
+    worker = threading.Thread(target=prepare, args=("stuck.png", 0, _options(), pre, budget, decoding))
     worker.start()
     try:
         assert stuck.started.wait(5)
@@ -221,7 +221,7 @@ def test_closing_the_batches_does_not_wait_for_a_stuck_decode(monkeypatch):
     monkeypatch.setattr(batching, "preprocess_image", stuck)
     pre = PreprocessConfig.from_dict(None, QWEN25)
     inputs = [synthetic_photo(56, 56, 0), synthetic_photo(56, 56, 1), "stuck.png"]
-    batches = prepared_batches(inputs, _options(max_batch_patches=1, num_workers=2), pre, pin_memory=False)
+    batches = prepared_batches(inputs, _options(max_batch_patches=1, num_workers=2), pre)
     try:
         batch, _ = next(batches)
         assert [p.index for p in batch] == [0]
@@ -248,7 +248,7 @@ batching.preprocess_image = stuck
 options = batching.EncodeOptions(video_config=VideoConfig.for_family("qwen2_5_vl"))
 try:
     for _ in batching.prepared_batches([np.zeros((56, 56, 3), np.uint8)], options,
-                                       PreprocessConfig.from_dict(None, "qwen2_5_vl"), pin_memory=False):
+                                       PreprocessConfig.from_dict(None, "qwen2_5_vl")):
         pass
 except KeyboardInterrupt:
     print("interrupted", flush=True)
