@@ -23,7 +23,7 @@ throughput) first, then what CI cannot check without a GPU. Their estimated time
 their limit, each including its process start (~5 s: torch, transformers, the CUDA context), are estimates from
 the FLOP counts, the CPU runs and the machine notes (an 8192^3 bf16 matmul at ~790 TFLOP/s there), not
 measurements. The whole run is planned for ``DEVICE_BUDGET_S`` (480 s of the device's 15 minutes, the rest for the
-machine's start): the estimates add up to 355 s and the limits to 480 s, and every run records that plan and
+machine's start): the estimates add up to 370 s and the limits to 480 s, and every run records that plan and
 fails if it no longer fits. ``--budget`` stops the run earlier: a section's limit is cut so that every later
 section keeps its estimated time, and a section left with less than ``MIN_LIMIT_S`` is skipped with that reason.
 
@@ -35,21 +35,24 @@ section keeps its estimated time, and a section left with less than ``MIN_LIMIT_
    accumulation and the same weights, so they differ only where the attention output rounds differently, a
    part of the bf16-vs-fp32 error of these towers (7e-3 to 1.2e-2 on CPU; each entry also records the sdpa
    path's error against fp32, the noise floor of that run), while a wrong segment boundary gives errors near 1.
-2. ``throughput`` (~170 s, limit 200 s): ``bench.throughput``'s pieces, bf16, qwen2.5-vl-3b then qwen3-vl-8b,
-   each on the mixed pack (29k / 22k patches) and on 16 images of 1024 patches: ours eager, ours compiled,
-   transformers sdpa and flash_attention_2 where usable, 3 timed repeats after warm-up, with images/s,
-   patches/s, TFLOP/s and the fraction of the dense bf16 peak. Per preset: ~45 s compiling, ~1 s per
+2. ``throughput`` (~185 s, limit 215 s): ``bench.throughput``'s pieces, bf16, qwen2.5-vl-3b then qwen3-vl-8b,
+   each on 16 images of 1024 patches (the goal's batch) and the mixed pack (29k / 22k patches), then for the 3B
+   batches of 1, 4 and 64 such images: ours eager, ours compiled, transformers sdpa and flash_attention_2 where
+   usable, 3 timed repeats after warm-up, with images/s, patches/s, TFLOP/s and the fraction of the dense bf16
+   peak (the bf16 GEMM rate measured in the same run beside it); host time and CUDA-event time (a host time
+   well above the GPU's is a launch-bound call); peak memory above the weights and inputs; the graphs dynamo
+   made, and how many of them a later input set added (recompiles). Per preset: ~45 s compiling, ~1 s per
    transformers forward on the mixed pack (a Python loop over ~450 windows in 28 blocks) and ~0.1 s per forward
-   of ours, so ~80 s.
-3. ``tests`` (~60 s, limit 90 s): ``pytest -v tests/backends/test_cuda.py``, the tests that need the GPU (CI runs
+   of ours, so ~80 s; the 3B's batch sweep adds ~85 images a round, ~15 s with transformers' forwards.
+3. ``tests`` (~60 s, limit 85 s): ``pytest -v tests/backends/test_cuda.py``, the tests that need the GPU (CI runs
    every other file): counts, every test's outcome and the output tail. Its two compiled tests spend most of it
    in Triton compiles.
-4. ``teardown`` (~45 s, limit 70 s): ``qwenvl_vision.teardown.study.cmd_teardown`` (with bench.teardown's
+4. ``teardown`` (~45 s, limit 65 s): ``qwenvl_vision.teardown.study.cmd_teardown`` (with bench.teardown's
    transformers tower as comparison) for qwen2.5-vl-3b and qwen3-vl-8b, random weights at real size, bf16,
    3 cycles each of ``del`` and of ``close()`` and of transformers' tower by ``del``: ``memory_allocated`` against
    the baseline after each, and the reserved bytes after ``torch.cuda.empty_cache()``. Each cycle is ~1 s on a
    GPU (load 1.3 GB, encode 5 images, 6 memory readings with a census of live tensors), 18 cycles in all.
-5. ``load`` (~60 s, limit 80 s): ``bench.load``'s pieces onto the GPU: a real-layout bf16 qwen2.5-vl-3b checkpoint
+5. ``load`` (~60 s, limit 75 s): ``bench.load``'s pieces onto the GPU: a real-layout bf16 qwen2.5-vl-3b checkpoint
    (1.3 GB of vision tensors, written once, ~10 s), then 1 warm-up and 2 measured fresh-process loads each of
    ours and of transformers' tower (~9 s a process: torch, the CUDA context, transformers): load time, peak host
    RSS against the tower bytes, peak GPU allocation.
@@ -118,12 +121,12 @@ class Section:
 # In the order a run cut short should still answer: the numbers first, then the checks CI cannot make.
 SECTIONS: dict[str, Section] = {
     "parity": Section(20, 40, 15, 240),
-    "throughput": Section(170, 200, 15, 240),
-    "tests": Section(60, 90, 8, 240),
-    "teardown": Section(45, 70, 12, 240),
+    "throughput": Section(185, 215, 15, 240),
+    "tests": Section(60, 85, 8, 240),
+    "teardown": Section(45, 65, 12, 240),
     # A dry run's first CPU load with a cold plan cache (a fresh clone, the test suite's own cache folder) measures
     # this machine's kernels first: ~55 s on 2 idle cores, ~3 minutes beside other work.
-    "load": Section(60, 80, 15, 360),
+    "load": Section(60, 75, 15, 360),
 }
 
 
@@ -301,12 +304,18 @@ def headline(data: dict[str, Any]) -> list[str]:
             if "variants" not in r:
                 lines.append(f"{r['preset']}: {r['status']} {r.get('error', '')[-200:]}")
                 continue
-            parts = [f"{n} {v['median_s'] * 1e3:.0f} ms {v['items_per_s']:.1f} img/s {v['patches_per_s']:.0f} tok/s "
-                     f"{v['fraction_of_peak']:.0%} of peak" for n, v in r["variants"].items()]
+            parts = [f"{n} {v['median_s'] * 1e3:.0f} ms"
+                     + (f" (GPU {v['device_median_s'] * 1e3:.0f} ms)" if v.get("device_median_s") else "")
+                     + f" {v['items_per_s']:.1f} img/s {v['patches_per_s']:.0f} tok/s"
+                     + f" {v['fraction_of_peak']:.0%} of peak"
+                     + (f" peak +{v['peak_bytes'] / 2**30:.2f} GiB" if v.get("peak_bytes") else "")
+                     for n, v in r["variants"].items()]
             speed = [f"{n} {v['speedup_vs']['transformers']:.2f}x" for n, v in r["variants"].items()
                      if "transformers" in v.get("speedup_vs", {})]
+            graphs = r.get("compiled_graphs", {})
             lines.append(f"{r['preset']} {r['inputs']} ({r['patches']} patches): " + "; ".join(parts)
-                         + (f"; vs transformers sdpa: {', '.join(speed)}" if speed else ""))
+                         + (f"; vs transformers sdpa: {', '.join(speed)}" if speed else "")
+                         + (f"; compiled graphs {graphs['total']} (+{graphs['new']})" if graphs else ""))
             for what, variants in (("skipped", r.get("skipped", {})), ("FAILED", r.get("failed", {}))):
                 lines += [f"{r['preset']} {r['inputs']} {n}: {what}: {why[:200]}" for n, why in variants.items()]
         if data.get("measuring"):

@@ -6,7 +6,7 @@
 (from the repository root: ``bench`` is a package).
 Inputs (default "mixed"): photos at 448x448, 1024x768 and 2048x1536 and a 16-frame 448x448 video,
 preprocessed once with our (bit-exact) Qwen2VL preprocessing and packed into one batch, so both towers
-see identical pixel_values and grid_thw. "1024-patch" is 16 images of 32x32 patches (448 px at patch 14,
+see identical pixel_values and grid_thw. "16x1024" is 16 images of 32x32 patches (448 px at patch 14,
 512 px at patch 16). Weights are random with real spread at the preset's real size (``--depth`` truncates
 the tower for slow CPUs; every 8th block stays full-attention for Qwen2.5, DeepStack indexes below the
 depth are kept for Qwen3 — the per-layer mix is unchanged).
@@ -173,26 +173,41 @@ class PeakRss:
         self.peak = None if high is None else max(0, high - self.base)
 
 
-def timed(fn, model, pixel_values, grid_thw, device: torch.device) -> tuple[float, int | None, torch.Tensor]:
+@dataclass
+class Timed:
+    seconds: float  # host time, the device synchronized at both ends
+    device_seconds: float | None  # CUDA-event time between the same ends (None off CUDA)
+    peak: int | None  # bytes above what was allocated before the call (weights, inputs), None where unknown
+    out: torch.Tensor
+
+
+def timed(fn, model, pixel_values, grid_thw, device: torch.device) -> Timed:
+    """One call. On CUDA the events' time beside the host's tells a launch-bound call (host time well above the
+    device's) from a GPU-bound one."""
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start = time.perf_counter()
+        begin.record()
         with torch.inference_mode():
             out = fn(model, pixel_values, grid_thw)
+        end.record()
         torch.cuda.synchronize()
-        return time.perf_counter() - start, torch.cuda.max_memory_allocated() - base, out
+        elapsed = time.perf_counter() - start
+        return Timed(elapsed, begin.elapsed_time(end) / 1e3, torch.cuda.max_memory_allocated() - base, out)
     with PeakRss() as memory, torch.inference_mode():
         start = time.perf_counter()
         out = fn(model, pixel_values, grid_thw)
         elapsed = time.perf_counter() - start
-    return elapsed, memory.peak, out
+    return Timed(elapsed, None, memory.peak, out)
 
 
 @dataclass
 class Timings:
     times: dict[str, list[float]]  # the timed repeats
+    device_times: dict[str, list[float]]  # their CUDA-event times (empty lists off CUDA)
     peaks: dict[str, int | None]  # None where the machine cannot tell
     first: dict[str, float]  # the first call (a compiled variant compiles here)
     outputs: dict[str, torch.Tensor]  # the last output of each
@@ -208,27 +223,29 @@ def measure(variants: dict[str, Variant], pixel_values: torch.Tensor, grid_thw: 
     shared machine's drift between minutes moves the bound and the forwards it is compared with together)."""
     pixel_values = pixel_values.to(device)
     grid_dev = grid_thw.to(device)
-    result = Timings({k: [] for k in variants}, dict.fromkeys(variants, 0), {}, {})
+    result = Timings({k: [] for k in variants}, {k: [] for k in variants}, dict.fromkeys(variants, 0), {}, {})
     for r in range(warmup + repeats):
         order = [n for n in (variants if r % 2 == 0 else reversed(variants)) if n in result.times]
         for name in order:
             variant = variants[name]
             try:
-                elapsed, peak, out = timed(variant.run, variant.model, pixel_values,
-                                           grid_dev if variant.grid_on_device else grid_thw, device)
+                call = timed(variant.run, variant.model, pixel_values,
+                             grid_dev if variant.grid_on_device else grid_thw, device)
             except Exception as e:
                 if failed is None:
                     raise
                 failed[name] = f"{type(e).__name__}: {e}"[:2000]
-                for table in (result.times, result.peaks, result.first, result.outputs):
+                for table in (result.times, result.device_times, result.peaks, result.first, result.outputs):
                     table.pop(name, None)
                 continue
-            result.outputs[name] = out
-            result.first.setdefault(name, elapsed)
+            result.outputs[name] = call.out
+            result.first.setdefault(name, call.seconds)
             if r >= warmup:
-                result.times[name].append(elapsed)
-                result.peaks[name] = None if peak is None or result.peaks[name] is None else max(
-                    result.peaks[name], peak)
+                result.times[name].append(call.seconds)
+                if call.device_seconds is not None:
+                    result.device_times[name].append(call.device_seconds)
+                result.peaks[name] = None if call.peak is None or result.peaks[name] is None else max(
+                    result.peaks[name], call.peak)
         if r >= warmup and each_round is not None:
             each_round()
     return result
@@ -322,8 +339,10 @@ def summarize(cfg: VisionConfig, label: str, inputs: str, grid_thw: torch.Tensor
         result.update(peak)
     for name, values in timings.times.items():
         median = statistics.median(values)
+        device_times = timings.device_times.get(name) or None
         entry = {"median_s": median, "times_s": values, "first_s": timings.first[name], "items_per_s": items / median,
-                 "patches_per_s": tokens / median, "peak_bytes": timings.peaks[name]}
+                 "patches_per_s": tokens / median, "peak_bytes": timings.peaks[name],
+                 "device_median_s": device_times and statistics.median(device_times), "device_times_s": device_times}
         if peak is not None:
             entry["tflops"] = flops / median / 1e12
             entry["fraction_of_peak"] = entry["tflops"] / peak["peak_tflops"]

@@ -95,7 +95,8 @@ INPUT_SETS = {
     # 4 photos as a user embeds them: ~3.9k patches (patch 14), each resized under max_pixels 448^2.
     "photos": {"images": [(600, 512), (480, 640), (640, 480), (560, 560)], "video": None, "max_pixels": 448 * 448},
     "mixed": {"images": [(448, 448), (768, 1024), (1536, 2048)], "video": (16, 448, 448)},
-    "1024-patch": {"image_patches": [(32, 32)] * 16, "video": None},  # sized in patches: same count per family
+    # Batches of 448 px images at patch 14 (512 px at patch 16), sized in patches: the same count per family.
+    **{f"{n}x1024": {"image_patches": [(32, 32)] * n, "video": None} for n in (1, 4, 16, 64)},
     "256-patch": {"image_patches": [(16, 16)] * 64, "video": None},  # 64 thumbnails (224 px at patch 14)
     "small": {"images": [(224, 224), (336, 448)], "video": (4, 224, 224)},
 }

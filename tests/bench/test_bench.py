@@ -61,8 +61,10 @@ def test_a_timed_forward_runs_alone_and_its_peak_is_the_rss_high_water_mark():
         return transient.sum()
 
     before = threading.active_count()
-    elapsed, peak, out = throughput.timed(forward, None, None, None, torch.device("cpu"))
-    assert threads == [before] and elapsed > 0 and out.item() == 16 << 20
+    call = throughput.timed(forward, None, None, None, torch.device("cpu"))
+    peak = call.peak
+    assert threads == [before] and call.seconds > 0 and call.out.item() == 16 << 20
+    assert call.device_seconds is None  # CUDA events only on CUDA
     if start_rss_window()[1] != RESET_HIGH_WATER_MARK:
         assert peak is None  # no resettable high-water mark here: unknown, never a wrong number
     else:

@@ -305,7 +305,8 @@ def test_throughput_saves_each_input_set_and_says_what_it_was_measuring(tmp_path
 
     cfg = FAMILY_SMALL["qwen2_5_vl"]
     names = ("ours", "ours-compiled", "transformers")
-    timings = tp.Timings({n: [0.1] for n in names}, dict.fromkeys(names), dict.fromkeys(names, 0.2),
+    timings = tp.Timings({n: [0.1] for n in names}, {n: [] for n in names}, dict.fromkeys(names),
+                         dict.fromkeys(names, 0.2),
                          {n: torch.ones(4, cfg.out_hidden_size) for n in names})
     peak = {"device_name": "cpu", "peak_tflops": 1.0, "peak_source": "stand-in", "matmul_tflops": 1.0, "matmul_n": 8}
     monkeypatch.setattr(tp, "peak_rate", lambda device, dtype, matmul_n: peak)
