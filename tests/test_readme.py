@@ -49,10 +49,13 @@ SETUP_LINE = ('python3 -m venv .venv && . .venv/bin/activate && pip install torc
               '&& pip install -e ".[test]"')
 TEST_LINE = "ruff check . && python -m pytest -q"
 CONTRACT_LINE = "bash .ci/contract"
+DEVICE_SOFTWARE_LINE = "bash .ci/device-software"
 EXCUSED = {  # README command (without its comment) -> why it is not run here
     SETUP_LINE: "creates and fills the virtual environment these tests run in; .ci/run runs it (checked below)",
     TEST_LINE: "the test command, of which this file is a part; .ci/run runs it (checked below)",
     CONTRACT_LINE: "the contract tier, in a venv of its own with vLLM; .ci/run runs it (checked below)",
+    DEVICE_SOFTWARE_LINE: "the device-software tier, in a venv of its own with the GPU machine's torch and "
+    "transformers; .ci/run runs it (checked below)",
     "torchrun --nproc-per-node 4 -m qwenvl_vision.cli embed photos/ --model Qwen/Qwen3-VL-8B-Instruct --out emb/ "
     "--device cuda": "needs 4 CUDA devices; torchrun runs are tested with 2 CPU ranks in tests/test_embed*.py",
     "vllm serve Qwen/Qwen3-VL-2B-Instruct --ec-transfer-config '{\"ec_connector\": \"ECExampleConnector\", "
@@ -287,15 +290,15 @@ def test_every_block_is_run_illustrative_or_excused():
 
 
 def test_ci_runs_exactly_the_readme_set_up_and_test_commands():
-    """.ci/run is the README's set-up line then its test command and its contract-tier command, after its own
-    preamble. `|| exit 1`: under
+    """.ci/run is the README's set-up line then its test command, its contract-tier and its device-software-tier
+    commands, after its own preamble. `|| exit 1`: under
     `set -e` a failing command that is not the last of an && list does not stop the script."""
     bash = [c.text for b in BLOCKS if b.language == "bash" for c in commands(b)]
-    assert SETUP_LINE in bash and TEST_LINE in bash and CONTRACT_LINE in bash
+    assert SETUP_LINE in bash and TEST_LINE in bash and CONTRACT_LINE in bash and DEVICE_SOFTWARE_LINE in bash
     ci = [line for line in (REPO / ".ci" / "run").read_text().splitlines()
           if line.strip() and not line.lstrip().startswith("#")]
     assert ci == ["set -euo pipefail", 'cd "$(dirname "$0")/.."', f"{SETUP_LINE} || exit 1", f"{TEST_LINE} || exit 1",
-                  CONTRACT_LINE]
+                  f"{CONTRACT_LINE} || exit 1", DEVICE_SOFTWARE_LINE]
 
 
 def test_readme_names_only_what_the_package_has():
