@@ -72,6 +72,7 @@ class EncodeOptions:
     resize: images' "pil" or "torch" backend (None: the checkpoint's); videos have one pipeline.
     video_config: the video settings of this call (sampling fps included).
     pooled: also return each input's mean embedding.
+    normalize: the pooled vectors of unit L2 norm (computed in fp32, then cast), for cosine retrieval; needs pooled.
     max_batch_patches: patches (pixel rows) per batch (a larger input runs alone).
     num_workers: decoding threads (None: up to 4, one per core).
     prefetch: inputs decoded ahead of the compute.
@@ -89,6 +90,7 @@ class EncodeOptions:
     max_input_pixels: int | None = DEFAULT_MAX_INPUT_PIXELS
     resize: str | None = None
     pooled: bool = False
+    normalize: bool = False
     max_batch_patches: int = DEFAULT_BATCH_PATCHES
     num_workers: int | None = None
     prefetch: int = 8
@@ -97,6 +99,9 @@ class EncodeOptions:
     decode_timeout: float | None = DEFAULT_DECODE_TIMEOUT
 
     def __post_init__(self) -> None:
+        if self.normalize and not self.pooled:
+            raise ConfigError("normalize=True makes the pooled vectors unit length; the tokens a language model "
+                              "reads are never normalized: pass pooled=True too")
         if self.resize is not None:
             check_resize_backend(self.resize, "resize")
         timeout = self.decode_timeout

@@ -205,7 +205,7 @@ class VisionEncoder:
     # ------------------------------------------------------------------ encoding
 
     def encode_patches(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor | Sequence, *,
-                       pooled: bool = False, modality: str = "image",
+                       pooled: bool = False, normalize: bool = False, modality: str = "image",
                        pixels_sha256: Sequence[str] | None = None) -> EncodeResult:
         """Encode inputs already processed the transformers way (rows in merge-block order).
 
@@ -218,8 +218,10 @@ class VisionEncoder:
         Outputs that are not finite (in any dtype: float16 overflows in the Qwen2.5-VL tower; absurd weights or a
         config overflow in any) raise ``NumericalError`` naming the items.
         """
-        result = self._encode_unchecked(pixel_values, grid_thw, pooled=pooled, modality=modality,
-                                        pixels_sha256=pixels_sha256)
+        if normalize and not pooled:
+            EncodeOptions(video_config=self.video_config, pooled=pooled, normalize=normalize)  # raises, one message
+        result = self._encode_unchecked(pixel_values, grid_thw, pooled=pooled, normalize=normalize,
+                                        modality=modality, pixels_sha256=pixels_sha256)
         bad = nonfinite_items(result.embeddings, result.deepstack, result.pooled)
         if bad:
             raise NumericalError(nonfinite_message(f"item{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))}",
@@ -227,7 +229,7 @@ class VisionEncoder:
         return result
 
     def _encode_unchecked(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor | Sequence, *,
-                          pooled: bool = False, modality: str = "image",
+                          pooled: bool = False, normalize: bool = False, modality: str = "image",
                           pixels_sha256: Sequence[str] | None = None) -> EncodeResult:
         """``encode_patches`` without its finiteness check (a batch job checks each item on its own)."""
         if not isinstance(pixel_values, torch.Tensor):
@@ -252,14 +254,17 @@ class VisionEncoder:
         embeddings = list(merged.split(sizes))
         per_level = [level.split(sizes) for level in levels]
         deepstack = [[chunks[i] for chunks in per_level] for i in range(len(grids))]
-        pooled_out = torch.stack([e.float().mean(0) for e in embeddings]).to(merged.dtype) if pooled else None
+        pooled_out = None
+        if pooled:
+            means = torch.stack([e.float().mean(0) for e in embeddings])
+            pooled_out = (torch.nn.functional.normalize(means, dim=-1) if normalize else means).to(merged.dtype)
         return EncodeResult(embeddings, torch.tensor(grids, dtype=torch.int64), deepstack, pooled_out,
                             video_info=[None] * len(grids), modality=modality, family=self.family,
                             pixels_sha256=list(pixels_sha256), encoder=weakref.ref(self))
 
     def iter_encode(self, items: Iterable[Any], *, video: bool | None = False, min_pixels: int | None = None,
                     max_pixels: int | None = None, max_batch_patches: int = DEFAULT_BATCH_PATCHES,
-                    pooled: bool = False, num_workers: int | None = None, prefetch: int = 8,
+                    pooled: bool = False, normalize: bool = False, num_workers: int | None = None, prefetch: int = 8,
                     max_input_pixels: int | None = DEFAULT_MAX_INPUT_PIXELS,
                     decode_bytes: int | None = DEFAULT_DECODE_BYTES,
                     decode_timeout: float | None = DEFAULT_DECODE_TIMEOUT,
@@ -295,7 +300,7 @@ class VisionEncoder:
         self.model  # noqa: B018 - raises if closed, before any work
         options = EncodeOptions(
             video=video, min_pixels=min_pixels, max_pixels=max_pixels, max_input_pixels=max_input_pixels,
-            resize=resize, video_config=video_config or self.video_config, pooled=pooled,
+            resize=resize, video_config=video_config or self.video_config, pooled=pooled, normalize=normalize,
             max_batch_patches=max_batch_patches, num_workers=num_workers,
             prefetch=prefetch, decode_bytes=decode_bytes, decode_timeout=decode_timeout,
             hash_pixels=hash_pixels)
@@ -311,7 +316,7 @@ class VisionEncoder:
         # Closing the batches, however this generator ends, releases the decode workers and their budget.
         with contextlib.closing(batches):
             for batch, failed in batches:
-                yield self._run_batch(batch, failed, options.pooled)
+                yield self._run_batch(batch, failed, options)
 
     def _check_machine(self, batch: list[Prepared], failure: BaseException) -> None:
         """Raise ``ForwardFaultError`` (from ``failure``) unless a forward of the smallest input works on this
@@ -330,14 +335,14 @@ class VisionEncoder:
             raise ForwardFaultError(f"the forward of {describe_batch([p.name for p in batch])} failed: "
                                     f"{type(failure).__name__}: {first_line(failure)}") from failure
 
-    def _run_batch(self, batch: list[Prepared], failed: list[Prepared], pooled: bool) -> list[ItemResult]:
+    def _run_batch(self, batch: list[Prepared], failed: list[Prepared], options: EncodeOptions) -> list[ItemResult]:
         """One forward over a batch's inputs; the failed inputs beside it become error results."""
         results = [ItemResult(p.index, p.name, error=p.error) for p in failed]
         if batch:
-            results += self._forward_batch(batch, pooled)
+            results += self._forward_batch(batch, options)
         return sorted(results, key=lambda r: r.index)
 
-    def _forward_batch(self, batch: list[Prepared], pooled: bool) -> list[ItemResult]:
+    def _forward_batch(self, batch: list[Prepared], options: EncodeOptions) -> list[ItemResult]:
         """A batch's results. Out of memory: the batch again item by item; an item that alone runs out of memory is
         a failed input. Another failure: a forward of the smallest input tells whose fault it is: if that fails
         too, the machine's (``ForwardFaultError`` naming the batch's inputs); else item by item, and an item that
@@ -346,7 +351,8 @@ class VisionEncoder:
         failure: BaseException | None = None
         try:
             pixel_values = upload([p.pixel_values for p in batch], self.device)
-            out = self._encode_unchecked(pixel_values, [p.grid for p in batch], pooled=pooled,
+            out = self._encode_unchecked(pixel_values, [p.grid for p in batch], pooled=options.pooled,
+                                         normalize=options.normalize,
                                          pixels_sha256=[p.pixels_sha256 for p in batch])
             bad = set(nonfinite_items(out.embeddings, out.deepstack, out.pooled))  # CUDA's faults surface here
         except (RuntimeError, MemoryError) as e:
@@ -363,7 +369,7 @@ class VisionEncoder:
             else:
                 self._check_machine(batch, failure)
             if len(batch) > 1:
-                return [r for p in batch for r in self._forward_batch([p], pooled)]
+                return [r for p in batch for r in self._forward_batch([p], options)]
             p = batch[0]
             why = why_alone(failure, p.patches, self.device)
             return [ItemResult(p.index, p.name, error=f"{p.name}: {why}",
@@ -406,7 +412,7 @@ class VisionEncoder:
         )
 
     def encode_images(self, images: Sequence[Any], *, min_pixels: int | None = None, max_pixels: int | None = None,
-                      max_batch_patches: int = DEFAULT_BATCH_PATCHES, pooled: bool = False,
+                      max_batch_patches: int = DEFAULT_BATCH_PATCHES, pooled: bool = False, normalize: bool = False,
                       num_workers: int | None = None, max_input_pixels: int | None = DEFAULT_MAX_INPUT_PIXELS,
                       resize: str | None = None) -> EncodeResult:
         """Images (paths, PIL images, HxWxC uint8 arrays, CxHxW uint8 tensors) -> embeddings, in input order.
@@ -418,15 +424,16 @@ class VisionEncoder:
         checkpoint's ``preprocessor_config.json`` names (``preprocess_config.resize``). Batches hold at most
         `max_batch_patches` patches (an item larger than that runs alone). Bad input raises PreprocessError naming
         it, and so does a file whose header declares more than `max_input_pixels` (None: only PIL's own limit).
+        ``pooled``: also each input's mean token; ``normalize``: of unit L2 norm (for cosine retrieval).
         """
         options = EncodeOptions(video=False, min_pixels=min_pixels, max_pixels=max_pixels,
                                 max_input_pixels=max_input_pixels, resize=resize, video_config=self.video_config,
-                                pooled=pooled, max_batch_patches=max_batch_patches,
+                                pooled=pooled, normalize=normalize, max_batch_patches=max_batch_patches,
                                 num_workers=num_workers, hash_pixels=True)
         return self._encode_all(images, options)
 
     def encode_videos(self, videos: Sequence[Any], *, min_pixels: int | None = None, max_pixels: int | None = None,
-                      max_batch_patches: int = DEFAULT_BATCH_PATCHES, pooled: bool = False,
+                      max_batch_patches: int = DEFAULT_BATCH_PATCHES, pooled: bool = False, normalize: bool = False,
                       num_workers: int | None = None, fps: float | None = None,
                       video_fps: float | Sequence[float] | None = None,
                       max_input_pixels: int | None = DEFAULT_MAX_INPUT_PIXELS) -> EncodeResult:
@@ -449,7 +456,8 @@ class VisionEncoder:
         video_config = self.video_config if fps is None else dataclasses.replace(self.video_config, fps=fps)
         options = EncodeOptions(video=True, min_pixels=min_pixels, max_pixels=max_pixels,
                                 max_input_pixels=max_input_pixels, video_config=video_config, pooled=pooled,
-                                max_batch_patches=max_batch_patches, num_workers=num_workers, hash_pixels=True)
+                                normalize=normalize, max_batch_patches=max_batch_patches, num_workers=num_workers,
+                                hash_pixels=True)
         return self._encode_all(videos, options)
 
     def _sample_by_fps(self, videos: list[Any], fps: float, video_fps: float | Sequence[float] | None) -> list[Any]:

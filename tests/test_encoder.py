@@ -117,6 +117,21 @@ def test_encode_images_matches_processor_and_tower(setup, photos, backend):
         assert result.embeddings[i].shape == expected[i].shape, name
         assert torch.allclose(result.pooled[i], expected[i].mean(0), atol=1e-5, rtol=1e-4), name
         assert len(result.deepstack[i]) == len(cfg.deepstack_visual_indexes) == len(reference[1])
+    # normalize: the same vectors at unit length, as sentence-transformers' normalize_embeddings would give them
+    unit = encoder.encode_images(images, max_batch_patches=4096, pooled=True, normalize=True, resize=backend).pooled
+    expected_unit = torch.nn.functional.normalize(torch.stack([e.double().mean(0) for e in expected]), dim=-1)
+    assert torch.allclose(unit.double(), expected_unit, atol=1e-6, rtol=1e-5)
+    assert torch.allclose(unit.double().norm(dim=-1), torch.ones(len(names), dtype=torch.float64), atol=1e-6)
+
+
+def test_normalize_without_pooled_is_refused_in_one_line(setup, photos):
+    encoder = setup[0]
+    for call in (lambda: encoder.encode_images([photos["photo.jpg"]], normalize=True),
+                 lambda: encoder.encode_patches(torch.zeros(16, encoder.config.patch_dim), [(1, 4, 4)],
+                                                normalize=True)):
+        with pytest.raises(ConfigError, match="pass pooled=True too") as caught:
+            call()
+        assert "\n" not in str(caught.value)
 
 
 def test_pixel_bounds_override_per_call(setup, photos):

@@ -72,6 +72,7 @@ class EmbedSettings:
     decode_timeout: float = DEFAULT_DECODE_TIMEOUT
     batch_patches: int = DEFAULT_BATCH_PATCHES
     pooled_only: bool = False
+    normalize: bool = False
     format: str = "safetensors"
     format_given: bool = False
     engine: str = "local"
@@ -102,6 +103,9 @@ def validate_embed_args(args: argparse.Namespace) -> None:
     if getattr(args, "format", None) == "vllm-cache" and args.pooled_only:
         raise ConfigError("--format vllm-cache stores each item's tokens, which a vLLM consumer places in the prompt: "
                           "drop --pooled-only")
+    if getattr(args, "normalize", False) and not args.pooled_only:
+        raise ConfigError("--normalize makes the pooled vectors unit length; the tokens a language model reads are "
+                          "never normalized: add --pooled-only")
     if getattr(args, "ray_address", None) and engine != "ray":
         raise ConfigError(f"--ray-address {args.ray_address} needs --engine ray")
     if getattr(args, "ray_actors", None) and engine != "ray":
@@ -161,6 +165,8 @@ def add_embed_parser(sub, parents=()) -> argparse.ArgumentParser:
     p.add_argument("--batch-patches", type=_positive_int("--batch-patches"), default=DEFAULT_BATCH_PATCHES,
                    help="patches per forward (an item above runs alone; default %(default)s)")
     p.add_argument("--pooled-only", action="store_true", help="store one mean vector per image")
+    p.add_argument("--normalize", action="store_true",
+                   help="with --pooled-only: vectors of unit L2 norm (for cosine retrieval), recorded in run.json")
     p.add_argument("--format", choices=FORMATS,
                    help="safetensors: shards + manifest.jsonl; parquet: shards of one row per input (path, status, "
                         "error, grid, tokens, the tensors as float32, video frames), run.json in their schema "

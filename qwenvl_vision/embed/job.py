@@ -383,7 +383,7 @@ class EmbedJob:
                 # other bound even where they cross (run.json records both; a resume compared them).
                 todo, video=None, min_pixels=args.min_pixels, max_pixels=args.max_pixels,
                 max_batch_patches=args.batch_patches, resize=self.run["resize"],
-                pooled=args.pooled_only, max_input_pixels=args.max_input_pixels,
+                pooled=args.pooled_only, normalize=args.normalize, max_input_pixels=args.max_input_pixels,
                 decode_bytes=args.decode_mib << 20, decode_timeout=args.decode_timeout,
                 hash_pixels=self.run["file_format"] == "vllm-cache",
                 on_prepared=lambda index, tokens: progress.update(1, tokens))

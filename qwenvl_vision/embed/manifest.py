@@ -34,15 +34,16 @@ RUN_FORMAT = 1
 # threads of each forward: CPU results are bitwise equal only at the same count; a --resume takes the run's by
 # default) are compared too.
 RUN_COMPARED = ("format", "config_sha256", "weights_sha256", "dtype", "min_pixels", "max_pixels", "resize",
-                "video", "pooled", "world_size", "file_format", "engine", "threads")
+                "video", "pooled", "normalize", "world_size", "file_format", "engine", "threads")
 # What a compared field meant in run files written before it existed ("video": None, no videos were embedded,
-# so any video settings continue such a run; "threads": None, not recorded, so any count continues it).
+# so any video settings continue such a run; "threads": None, not recorded, so any count continues it; "normalize":
+# False, no vector was normalized before the option existed).
 # Not compared, but recorded so that every later forward of the run uses it: "cpu_plan", the CPU backend's
 # measured kernel choices (cpu.plan; the bits differ by kernel at fp32 rounding level, and in bf16 where a plain
 # MLP's activation moves into the GEMM's epilogue), None off the CPU and in run files from before it (the first
 # resume on a CPU records its own).
 RUN_FIELD_DEFAULTS = {"resize": "pil", "video": None, "file_format": "safetensors", "engine": "local",
-                      "threads": None, "cpu_plan": None}
+                      "threads": None, "cpu_plan": None, "normalize": False}
 SHARD_NAME = re.compile(r"^shard-r(\d+)-(\d+)\.safetensors$")
 # A run id is part of file names and glob patterns (temporary files, shard metadata): a plain token only.
 RUN_ID = re.compile(r"[0-9A-Za-z_-]{1,64}")
@@ -200,6 +201,7 @@ RUN_FIELD_CHECKS: dict[str, tuple[Any, str]] = {
     "resize": (lambda v: v in ("pil", "torch"), "pil or torch"),
     "video": (_optional(lambda v: isinstance(v, dict)), "a JSON object or null"),
     "pooled": (lambda v: type(v) is bool, "true or false"),
+    "normalize": (lambda v: type(v) is bool, "true or false"),
     "world_size": (lambda v: _count(v, 1) and v <= 1 << 20, "a positive integer"),
     "file_format": (lambda v: v in ("safetensors", "parquet", "vllm-cache"), "safetensors, parquet or vllm-cache"),
     "engine": (lambda v: v in ("local", "ray"), "local or ray"),

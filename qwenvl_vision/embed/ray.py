@@ -94,7 +94,8 @@ class Embedder:
     - ``image``: HxWxC (or HxW) uint8 arrays (``read_images``), as ``encode_images`` takes arrays.
 
     Encode options: ``min_pixels``, ``max_pixels``, ``resize``, ``pooled`` (a mean vector instead of the tokens,
-    as ``embed --pooled-only``), ``fps`` (videos), ``max_batch_patches``, ``max_input_pixels``, ``decode_bytes``,
+    as ``embed --pooled-only``), ``normalize`` (that vector of unit L2 norm, as ``embed --normalize``),
+    ``fps`` (videos), ``max_batch_patches``, ``max_input_pixels``, ``decode_bytes``,
     ``decode_timeout``, ``num_workers`` (decode threads), as for ``VisionEncoder.iter_encode``. ``threads``: torch
     threads of the forward (default: Ray's, the actor's whole CPUs). ``weights_sha256``: the hash the loaded tower
     must have (``item_ids.weights_sha256``, as run.json records it), checked once in the constructor: an actor on
@@ -104,7 +105,8 @@ class Embedder:
 
     def __init__(self, source: Any, *, column: str | None = None, kind: str | None = None,
                  min_pixels: int | None = None, max_pixels: int | None = None, resize: str | None = None,
-                 pooled: bool = False, fps: float | None = None, max_batch_patches: int = DEFAULT_BATCH_PATCHES,
+                 pooled: bool = False, normalize: bool = False, fps: float | None = None,
+                 max_batch_patches: int = DEFAULT_BATCH_PATCHES,
                  max_input_pixels: int | None = DEFAULT_MAX_INPUT_PIXELS,
                  decode_bytes: int | None = DEFAULT_DECODE_BYTES,
                  decode_timeout: float | None = DEFAULT_DECODE_TIMEOUT, num_workers: int | None = None,
@@ -128,6 +130,7 @@ class Embedder:
         self.layout = ParquetLayout.for_encoder(self.encoder, tokens=not pooled, pooled=pooled)
         video_config = None if fps is None else dataclasses.replace(self.encoder.video_config, fps=fps)
         self.options = dict(min_pixels=min_pixels, max_pixels=max_pixels, resize=resize, pooled=pooled,
+                            normalize=normalize,
                             max_batch_patches=max_batch_patches,
                             max_input_pixels=max_input_pixels,
                             decode_bytes=decode_bytes, decode_timeout=decode_timeout, num_workers=num_workers,

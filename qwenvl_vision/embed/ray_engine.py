@@ -208,7 +208,8 @@ def encode_on_ray(job, writer: Writer) -> None:
     actors = min(plan.actors, blocks)  # an actor with no block to work on would only load the tower
     options: dict[str, Any] = dict(
         column="path", kind="path", min_pixels=args.min_pixels, max_pixels=args.max_pixels,
-        resize=job.run["resize"], pooled=args.pooled_only, fps=args.fps, max_batch_patches=args.batch_patches,
+        resize=job.run["resize"], pooled=args.pooled_only, normalize=args.normalize,
+        fps=args.fps, max_batch_patches=args.batch_patches,
         max_input_pixels=args.max_input_pixels, decode_bytes=args.decode_mib << 20,
         decode_timeout=args.decode_timeout,
         num_workers=max(1, min(4, plan.threads)), threads=plan.threads, weights_sha256=job.run["weights_sha256"],

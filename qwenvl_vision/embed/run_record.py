@@ -77,6 +77,7 @@ def describe_run(encoder, args: EmbedSettings, folder: str | None, world: int, t
         # The video settings as a video_preprocessor_config.json (fps, frame bounds, pixel bounds, budget).
         "video": encoder.video_config.to_dict(),
         "pooled": bool(args.pooled_only),
+        "normalize": bool(args.normalize),
         "world_size": world,
         "file_format": args.format,
         "engine": args.engine,

@@ -102,6 +102,33 @@ def test_bf16_is_stored_as_exact_float32_and_pooled_reads_as_safetensors_does(tm
     assert "embedding" not in parquet_rows(pooled)[0]
 
 
+def test_normalize_stores_unit_vectors_in_every_format_and_a_resume_keeps_it(tmp_path, checkpoint3, capsys):
+    paths = make_image_folder(tmp_path / "imgs", 3, bad=False)
+    common = [*map(str, paths), "--model", str(checkpoint3), "--quiet", "--pooled-only", "--normalize", "--format"]
+    outs = {fmt: tmp_path / fmt for fmt in ("parquet", "safetensors")}
+    for fmt, out in outs.items():
+        assert main(["embed", *common, fmt, "--out", str(out)]) == 0
+        assert read_run(out)["normalize"] is True
+    with load_encoder(checkpoint3, device="cpu") as encoder:
+        raw = encoder.encode_images([str(p) for p in paths], pooled=True).pooled
+        want = encoder.encode_images([str(p) for p in paths], pooled=True, normalize=True).pooled
+    assert torch.allclose(want, torch.nn.functional.normalize(raw.double(), dim=-1).float(), atol=1e-6)
+    for out in outs.values():
+        got = dict(read_embeddings(out))
+        for path, vector in zip(paths, want):
+            assert torch.equal(got[str(path)], vector)
+    capsys.readouterr()
+    again = [*map(str, paths), "--model", str(checkpoint3), "--quiet", "--pooled-only", "--resume", "--out"]
+    assert main(["embed", *again, str(outs["parquet"])]) == 2  # without --normalize: a mix of unit and raw vectors
+    err = capsys.readouterr().err
+    assert "normalize true (now false)" in err and len(err.strip().splitlines()) == 1
+    assert main(["embed", *map(str, paths), "--model", str(checkpoint3), "--normalize", "--out",
+                 str(tmp_path / "tokens")]) == 2
+    err = capsys.readouterr().err
+    assert "--normalize" in err and "--pooled-only" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "tokens").exists()
+
+
 def test_resume_records_each_input_once_and_keeps_one_format(tmp_path, checkpoint, capsys):
     make_image_folder(tmp_path / "imgs", 4)  # with a corrupt, an empty and a text file named as images
     out = tmp_path / "out"

@@ -83,6 +83,7 @@ def test_resume_refuses_other_settings(tmp_path, checkpoint, checkpoint3, capsys
 
     cases = [
         (["--pooled-only"], ["pooled false (now true)"]),
+        (["--pooled-only", "--normalize"], ["pooled false (now true)", "normalize false (now true)"]),
         (["--dtype", "bf16"], ['dtype "float32" (now "bfloat16")']),
         (["--max-pixels", "50000"], ["max_pixels 12845056 (now 50000)"]),
         (["--resize", "torch"], ['resize "pil" (now "torch")']),
