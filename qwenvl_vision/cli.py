@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import traceback
@@ -187,6 +188,25 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def gigabytes(text: str) -> float:
+    """argparse type of --max-gb: a finite number of GB (10^9 bytes), at least 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of GB >= 0")
+    return value
+
+
+def cmd_cache_prune(args: argparse.Namespace) -> int:
+    from .outputs.cache_prune import prune_cache
+
+    report = prune_cache(args.folder, round(args.max_gb * 1e9), dry_run=args.dry_run)
+    print(f"qwenvl-vision cache prune: {args.folder}: {report.line(args.dry_run)}")
+    return 0 if report.kept_bytes <= report.bound else 1
+
+
 def _print_report(report: dict, as_json: bool) -> None:
     if as_json:
         print(json.dumps(report, indent=2))
@@ -239,6 +259,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="use the Hugging Face cache only, never the network (as HF_HUB_OFFLINE=1)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("cache", help="a vLLM encoder-cache folder (embed --format vllm-cache)", parents=[common])
+    cache = p.add_subparsers(dest="cache_command", required=True)
+    p = cache.add_parser("prune", help="remove the oldest items until the folder holds at most --max-gb",
+                         parents=[common])
+    p.add_argument("folder", help="the encoder-cache folder (safe beside a running embed writing into it)")
+    p.add_argument("--max-gb", type=gigabytes, required=True, help="the bound, in GB (10^9 bytes)")
+    p.add_argument("--dry-run", action="store_true", help="say what would be removed, remove nothing")
+    p.set_defaults(func=cmd_cache_prune)
 
     from .embed.args import add_embed_parser
     from .embed.job import run_embed

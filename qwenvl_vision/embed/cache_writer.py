@@ -8,7 +8,9 @@ id, modality, grid, tokens, a video's timing) and ``levels``, the DeepStack leve
 renamed into place before its record is appended, and carries that record in its metadata (with the run id), as a
 shard does: an item written and not recorded (a kill between the two), or whose line a damaged manifest lost, is
 rolled forward by ``recover``. An input whose pixels match an item already in place records that item without
-writing it again: if its manifest line is lost, its input is redone (the item is found in place).
+writing it again: if its manifest line is lost, its input is redone (the item is found in place). Items are
+written, recorded and recovered with the folder's cache lock held shared (``vllm_cache.cache_lock``); an item a
+``cache prune`` removed is not done any more, and a resume embeds it again.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from ..errors import OutputFaultError, QwenVLVisionError
 from ..inputs.item_ids import IDENTITY_FIELDS, is_sha256, item_id
 from ..outputs.handoff import EncodedItems, vllm_items
 from ..outputs.records import EmbeddingRecord
-from ..outputs.vllm_cache import CACHE_FILE, CACHE_KEY, IDENTITY_FILE, entry, write_item
+from ..outputs.vllm_cache import CACHE_FILE, CACHE_KEY, IDENTITY_FILE, cache_lock, entry, write_item
 from .manifest import RECORDS_KEY, RUN_KEY
 from .writer import RankWriter
 
@@ -50,8 +52,18 @@ class CacheRankWriter(RankWriter):
         """Every item file of the folder: any rank's items."""
         return self.stored_files()
 
+    def recover(self) -> None:
+        """``RankWriter.recover`` with the cache lock held shared: a prune removes no item while it is read."""
+        with cache_lock(self.out, exclusive=False):
+            super().recover()
+
     def write_records(self, records: list[EmbeddingRecord]) -> tuple[int, int]:
-        """Each success's item file (renamed into place), then the batch's manifest lines."""
+        """Each success's item file (renamed into place), then the batch's manifest lines, with the cache lock held
+        shared: a prune (``cache_prune``) sees an item found in place only once its line is recorded."""
+        with cache_lock(self.out, exclusive=False):
+            return self._write_records(records)
+
+    def _write_records(self, records: list[EmbeddingRecord]) -> tuple[int, int]:
         lines = []
         ok = failed = 0
         for r in records:

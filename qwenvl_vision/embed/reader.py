@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -113,7 +114,9 @@ def read_embeddings(out: str | os.PathLike, *, deepstack: bool = False) -> Itera
 
     With deepstack=True yields (path, (embedding, [levels...])) for Qwen3-VL runs. What produced the tensors
     (model, dtype, pixel bounds, pooling): ``read_run(DIR)``. A damaged manifest line, a missing shard or
-    key raises ManifestError naming the line; a damaged Parquet shard, naming the file and row. Both formats
+    key raises ManifestError naming the line; a damaged Parquet shard, naming the file and row. An encoder-cache
+    item that ``cache prune`` removed (listed in the folder's ``pruned.jsonl``) is skipped, with one warning
+    saying how many. Both formats
     yield the same values for the same run: the tokens in the run's dtype, pooled vectors as float32 (as the
     safetensors shards store them).
     """
@@ -127,6 +130,8 @@ def read_embeddings(out: str | os.PathLike, *, deepstack: bool = False) -> Itera
                             f"merging them; embed --resume on the folder finishes and merges it")
     lines = parse_manifest(manifest)
     open_shard, handle = None, None
+    pruned: set[str] | None = None  # read once, at the first missing item
+    skipped = 0
     try:
         for line in lines:
             r = line.record
@@ -134,6 +139,14 @@ def read_embeddings(out: str | os.PathLike, *, deepstack: bool = False) -> Itera
                 raise _damaged(manifest, line)
             if r["status"] != "ok":
                 continue
+            if "levels" in r and r["shard"] != open_shard and not (out / r["shard"]).is_file():
+                if pruned is None:
+                    from ..outputs.cache_prune import pruned_ids
+
+                    pruned = pruned_ids(out)
+                if r.get("id") in pruned:
+                    skipped += 1
+                    continue
             if r["shard"] != open_shard:
                 if handle is not None:
                     handle.__exit__(None, None, None)
@@ -160,6 +173,9 @@ def read_embeddings(out: str | os.PathLike, *, deepstack: bool = False) -> Itera
     finally:
         if handle is not None:
             handle.__exit__(None, None, None)
+    if skipped:
+        warnings.warn(f"{out}: {skipped} item(s) removed by `qwenvl-vision cache prune` (listed in pruned.jsonl) "
+                      f"were skipped", stacklevel=2)
 
 
 def _open_shard(out: Path, name: str, manifest: Path, number: int):

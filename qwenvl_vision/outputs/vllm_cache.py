@@ -20,6 +20,8 @@ The folder, as written here (``write_vllm_cache``, and ``embed --format vllm-cac
   safetensors header, the one tensor ``"ec_cache"`` of the item's shape and dtype, its recorded id); any other
   (a crashed or foreign writer's) is replaced atomically. A link at an item's name or folder is an
   ``OutputLinkError``, left as it is.
+- ``qwenvl_vision_cache.lock``: held shared by item writers, exclusively by ``cache prune`` (``cache_prune``), which
+  keeps the folder under a size bound; ``pruned.jsonl`` lists the items a prune removed.
 - ``qwenvl_vision_cache.json``: the identity of the model whose items the folder holds. A folder with another
   model's identity, or with items and no identity (written by something else), is refused before anything is
   written (``CacheFolderError``): a consumer would load those items for this model's prompts.
@@ -31,13 +33,15 @@ float per temporal patch) or ``second_per_grid_t`` (the Omni thinkers: seconds p
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import json
 import os
 import re
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +57,31 @@ CACHE_FILE = "encoder_cache.safetensors"
 CACHE_KEY = "ec_cache"
 IDENTITY_FILE = "qwenvl_vision_cache.json"
 ITEM_KEY = "qwenvl_vision_item"  # an item file's metadata: its id
+CACHE_LOCK = "qwenvl_vision_cache.lock"  # item writers hold it shared, a prune (cache_prune) exclusive
 ITEM_FILE = re.compile(rf"([0-9a-f]{{64}})/{re.escape(CACHE_FILE)}")  # an item's file in the folder (fullmatch)
+
+
+@contextlib.contextmanager
+def cache_lock(folder: Path, exclusive: bool, wait_s: float | None = None) -> Iterator[None]:
+    """``folder``'s cache lock, shared (writers) or exclusive (a prune): ``fcntl.flock`` on ``CACHE_LOCK``, which
+    stays in the folder (removing it would let two holders in on two files). ``wait_s``: give up after that many
+    seconds (``CacheFolderError``); None waits as long as it takes."""
+    fd = open_no_follow(folder / CACHE_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+        deadline = None if wait_s is None else time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, mode | (fcntl.LOCK_NB if deadline is not None else 0))
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise CacheFolderError(f"{folder}: a writer held {CACHE_LOCK} for {wait_s:.0f} s; "
+                                           f"try again") from None
+                time.sleep(0.05)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def check_cache_folder(folder: str | os.PathLike, identity: dict[str, str]) -> None:
@@ -221,7 +249,8 @@ def write_vllm_cache(result: Any, folder: str | os.PathLike) -> list[dict[str, A
     folder = Path(folder)
     tag = uuid.uuid4().hex
     claim_cache_folder(folder, identity, tag)
-    return [cache_item(folder, identity, item, digest, tag) for item, digest in zip(items, digests, strict=True)]
+    with cache_lock(folder, exclusive=False):  # a prune (cache_prune) removes nothing while items are written
+        return [cache_item(folder, identity, item, digest, tag) for item, digest in zip(items, digests, strict=True)]
 
 
 def vllm_request(entries: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:

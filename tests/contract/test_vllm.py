@@ -390,6 +390,23 @@ def test_the_documented_producer_s_cache_loads_in_a_vllm_consumer_bitwise(served
         assert loaded[record["id"]].dtype == dtype and torch.equal(loaded[record["id"]], want)
     assert torch.equal(loaded[records["clip.mp4"]["id"]], want_video["video_embeds"])
 
+    # Bounded by `cache prune` (docs/handoff.md): the oldest item goes; the consumer finds and loads every item
+    # that remains, bit for bit, and no longer finds the removed one.
+    from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+    from vllm.distributed.ec_transfer.ec_connector.example_connector import ECExampleConnector
+
+    from qwenvl_vision.outputs.vllm_cache import CACHE_FILE
+
+    oldest = records["photo0.png"]["id"]
+    os.utime(cache / oldest / CACHE_FILE, (1, 1))
+    size = sum(p.stat().st_size for p in cache.rglob("*") if p.is_file())
+    assert main(["cache", "prune", str(cache), "--max-gb", str((size - 1) / 1e9)]) == 0
+    assert not (cache / oldest).exists()
+    kept = [records["photo1.png"], records["clip.mp4"]]
+    again = loaded_by_the_connector(config, vllm_request(kept))
+    assert all(torch.equal(again[r["id"]], loaded[r["id"]]) for r in kept)
+    assert not ECExampleConnector(config, ECConnectorRole.SCHEDULER).has_cache_item(oldest)
+
 
 def read_run_dtype(cache: Path) -> str:
     return json.loads((cache / "run.json").read_text())["dtype"]

@@ -11,7 +11,9 @@ SPEC is JSON; every key is optional:
 - ``{"oom_above_items": n}``: every forward over more than n items runs out of memory (a batch too large for the
   machine: the encoder retries it item by item);
 - ``{"oom_item": "name"}``: every forward that holds an input whose name contains "name" runs out of memory,
-  alone too.
+  alone too;
+- ``{"slow_s": s}``: every batch's forward takes s seconds longer (a slow machine: another process can act while
+  the run is under way).
 
 Only the seam is replaced: the real forward runs whenever no fault applies, and everything around it (batching,
 retries, the writers, the CLI's error lines and exit codes) is the package's own code.
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 import torch
 
@@ -40,21 +43,22 @@ def install(spec: dict) -> None:
             raise RuntimeError("injected: a kernel failed (the device is gone)")
         return real_unchecked(self, *args, **kwargs)
 
-    def forward_batch(self, batch, pooled):
+    def forward_batch(self, batch, options):
+        time.sleep(spec.get("slow_s", 0))
         names = [p.name for p in batch]
         if "oom_above_items" in spec and len(batch) > spec["oom_above_items"]:
-            return raise_inside(self, batch, pooled, real, torch.OutOfMemoryError("injected: out of memory"))
+            return raise_inside(self, batch, options, real, torch.OutOfMemoryError("injected: out of memory"))
         if "oom_item" in spec and any(spec["oom_item"] in n for n in names):
-            return raise_inside(self, batch, pooled, real, torch.OutOfMemoryError("injected: out of memory"))
+            return raise_inside(self, batch, options, real, torch.OutOfMemoryError("injected: out of memory"))
         if "bad_item" in spec and any(spec["bad_item"] in n for n in names):
-            return raise_inside(self, batch, pooled, real, RuntimeError("injected: no kernel for this shape"))
-        return real(self, batch, pooled)
+            return raise_inside(self, batch, options, real, RuntimeError("injected: no kernel for this shape"))
+        return real(self, batch, options)
 
     encoder_module.VisionEncoder._encode_unchecked = encode_unchecked
     encoder_module.VisionEncoder._forward_batch = forward_batch
 
 
-def raise_inside(encoder, batch, pooled, real, error: BaseException):
+def raise_inside(encoder, batch, options, real, error: BaseException):
     """Run the real ``_forward_batch`` with the tower's forward raising ``error``: the encoder's own handling
     (retry item by item, the one-line fault) is what runs."""
     unchecked = encoder_module.VisionEncoder._encode_unchecked
@@ -65,7 +69,7 @@ def raise_inside(encoder, batch, pooled, real, error: BaseException):
 
     encoder_module.VisionEncoder._encode_unchecked = failing
     try:
-        return real(encoder, batch, pooled)
+        return real(encoder, batch, options)
     finally:
         encoder_module.VisionEncoder._encode_unchecked = unchecked
 

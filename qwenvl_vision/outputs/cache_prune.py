@@ -1,0 +1,176 @@
+"""``qwenvl-vision cache prune DIR --max-gb N``: a vLLM encoder-cache folder (``vllm_cache``'s layout) kept under a
+size bound, its oldest items (by last write) removed first, safely beside a running writer.
+
+vLLM's own ``ECExampleConnector`` never removes an item, so a long-lived consumer's folder only grows. Here:
+
+- Only whole items are removed: ``{id}/encoder_cache.safetensors`` files (64-hex-digit ids, regular files, never
+  through a link), then their folder where it is left empty. Temporary files, the manifest, run.json, the
+  identity file and the lock files are never touched, and a folder without the identity file (not an encoder
+  cache written here) is refused.
+- Writers (``embed --format vllm-cache``, ``write_vllm_cache``) hold ``vllm_cache.CACHE_LOCK`` shared while they
+  write items and record them; a prune holds it exclusively while it reads the folder and removes, so an item
+  found in place by a writer is recorded before a prune can see it, and nothing is removed mid-write.
+- The items a running ``embed`` has written are kept: those last written since its lock file (``embed.lock``)
+  was made. A run stopped by SIGKILL leaves its lock file, and its items stay kept until it is resumed. Items of
+  its earlier sessions (before a ``--resume``) are the oldest, and go first.
+- Every removed item is appended to ``PRUNED`` (one JSON line: id, bytes, last write, when), so a manifest line
+  whose item is gone is accounted for: ``read_embeddings`` skips the items listed there (and says how many), and
+  ``embed --resume`` embeds them again.
+
+Sizes are the item files' bytes (GB = 10^9 bytes); what else the folder holds (manifest, run.json) is counted
+too, so the folder as a whole stays under the bound.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import stat
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import CacheFolderError, ConfigError
+from ..inputs.item_ids import is_sha256
+from .durable import fsync_dir, open_no_follow
+from .vllm_cache import CACHE_FILE, IDENTITY_FILE, cache_lock
+
+PRUNED = "pruned.jsonl"  # the items a prune removed, one JSON line each
+RUN_LOCKS = ("embed.lock", "embed.rank*.lock")  # a running embed's (embed.lock's lock_name)
+LOCK_WAIT_S = 60  # a prune waits this long for the writers' current batches
+
+
+@dataclass
+class Item:
+    id: str
+    path: Path
+    bytes: int
+    last_write: float
+
+
+@dataclass
+class PruneReport:
+    removed: list[Item]
+    kept: int  # items left
+    kept_bytes: int  # the folder's bytes left
+    held: int  # items kept because a running embed wrote them
+    running: bool  # whether an embed was running into the folder (its lock file present)
+    bound: int
+
+    def line(self, dry_run: bool = False) -> str:
+        gb = 1e9
+        verb = "would remove" if dry_run else "removed"
+        text = (f"{verb} {len(self.removed)} item(s), {sum(i.bytes for i in self.removed) / gb:.3f} GB; "
+                f"{self.kept} left, {self.kept_bytes / gb:.3f} GB of {self.bound / gb:.3f} GB")
+        if self.kept_bytes > self.bound:
+            text += f": still above the bound, {self.held} item(s) were written by a running embed"
+        return text
+
+
+def items_of(folder: Path) -> list[Item]:
+    """The folder's whole items (regular files, not links), oldest last write first."""
+    found = []
+    for entry in os.scandir(folder):
+        if not is_sha256(entry.name) or not entry.is_dir(follow_symlinks=False):
+            continue
+        path = Path(entry.path) / CACHE_FILE
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            continue
+        found.append(Item(entry.name, path, st.st_size, st.st_mtime))
+    return sorted(found, key=lambda i: (i.last_write, i.id))
+
+
+def other_bytes(folder: Path) -> int:
+    """What the folder holds besides its items (manifest, run.json, identity, temporary files), counted so the
+    folder as a whole keeps to its bound."""
+    total = 0
+    for entry in os.scandir(folder):
+        if entry.is_file(follow_symlinks=False):
+            total += entry.stat(follow_symlinks=False).st_size
+        elif is_sha256(entry.name) and entry.is_dir(follow_symlinks=False):
+            total += sum(e.stat(follow_symlinks=False).st_size for e in os.scandir(entry.path)
+                         if e.name != CACHE_FILE and e.is_file(follow_symlinks=False))
+    return total
+
+
+def running_embed_since(folder: Path) -> float | None:
+    """When the running embed of this folder started (its lock file's last write, made as it took the lock; the
+    earliest of its ranks'), None when no lock file is present."""
+    times = []
+    for pattern in RUN_LOCKS:
+        for lock in folder.glob(pattern):
+            with contextlib.suppress(FileNotFoundError):
+                times.append(os.lstat(lock).st_mtime)
+    return min(times, default=None)
+
+
+def pruned_ids(folder: Path) -> set[str]:
+    """The ids ``PRUNED`` lists (empty when no prune ran)."""
+    try:
+        text = (folder / PRUNED).read_text(errors="replace")
+    except FileNotFoundError:
+        return set()
+    ids = set()
+    for line in text.splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and is_sha256(record.get("id")):
+            ids.add(record["id"])
+    return ids
+
+
+def prune_cache(folder: str | os.PathLike, max_bytes: int, dry_run: bool = False,
+                wait_s: float = LOCK_WAIT_S) -> PruneReport:
+    """Remove the oldest items of the encoder-cache ``folder`` until it holds at most ``max_bytes`` (see the
+    module); what was removed and what is left."""
+    folder = Path(folder)
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
+        raise ConfigError(f"the bound must be a number of bytes >= 0, got {max_bytes!r}")
+    if not folder.is_dir():
+        raise CacheFolderError(f"{folder} is not a folder")
+    if folder.is_symlink() or not (folder / IDENTITY_FILE).is_file():
+        raise CacheFolderError(f"{folder} is not an encoder cache written by qwenvl-vision (no {IDENTITY_FILE}): "
+                               f"nothing is removed from a folder whose files are not accounted for")
+    with cache_lock(folder, exclusive=True, wait_s=wait_s):
+        items = items_of(folder)
+        since = running_embed_since(folder)
+        held = {i.id for i in items if since is not None and i.last_write >= since}
+        total = other_bytes(folder) + sum(i.bytes for i in items)
+        removed = []
+        for item in items:
+            if total <= max_bytes:
+                break
+            if item.id in held:
+                continue
+            removed.append(item)
+            total -= item.bytes
+        if removed and not dry_run:
+            remove_items(folder, removed)
+            total = other_bytes(folder) + sum(i.bytes for i in items if i not in removed)
+        return PruneReport(removed=removed, kept=len(items) - len(removed), kept_bytes=total, held=len(held),
+                           running=since is not None, bound=max_bytes)
+
+
+def remove_items(folder: Path, items: list[Item]) -> None:
+    """Each item's line in ``PRUNED`` first (so no item is gone unaccounted), then its file and empty folder."""
+    now = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    lines = "".join(json.dumps({"id": i.id, "bytes": i.bytes, "last_write": i.last_write, "pruned": now}) + "\n"
+                    for i in items)
+    fd = open_no_follow(folder / PRUNED, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.write(fd, lines.encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    for item in items:
+        item.path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # not empty (a writer's temporary file): kept
+            item.path.parent.rmdir()
+    fsync_dir(folder)

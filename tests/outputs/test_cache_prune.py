@@ -1,0 +1,145 @@
+"""``qwenvl-vision cache prune``: a vLLM encoder-cache folder kept under a size bound, oldest items first, safely
+beside a running ``embed`` into the same folder; what it removed is accounted for (pruned.jsonl), skipped by
+``read_embeddings`` and embedded again by ``--resume``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from qwenvl_vision.cli import main
+from qwenvl_vision.embed import read_embeddings, read_manifest_lines
+from qwenvl_vision.outputs.cache_prune import PRUNED, prune_cache
+from qwenvl_vision.outputs.vllm_cache import CACHE_FILE, IDENTITY_FILE
+from tests.helpers import REPO, make_image_folder
+from tests.helpers.embed import ENV, one_error_line
+
+SMALL = ["--max-pixels", str(64 * 64)]
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def items(folder: Path) -> dict[str, Path]:
+    return {p.parent.name: p for p in folder.glob(f"*/{CACHE_FILE}")}
+
+
+def embed_cache(imgs: Path, out: Path, checkpoint: Path, *extra: str) -> int:
+    return main(["embed", str(imgs), "--model", str(checkpoint), "--out", str(out), "--format", "vllm-cache",
+                 "--quiet", *SMALL, *extra])
+
+
+def age_items(out: Path, order: list[str], base: float) -> None:
+    """Give the items last writes one minute apart, in ``order`` (the first the oldest)."""
+    for i, item in enumerate(order):
+        os.utime(out / item / CACHE_FILE, (base + 60 * i, base + 60 * i))
+
+
+def test_prune_removes_the_oldest_items_to_the_bound_accounts_for_them_and_resume_embeds_them_again(
+        tmp_path, checkpoint, capsys):
+    make_image_folder(tmp_path / "imgs", 6, bad=False)
+    out = tmp_path / "cache"
+    assert embed_cache(tmp_path / "imgs", out, checkpoint) == 0
+    records = read_manifest_lines(out / "manifest.jsonl")
+    order = [r["id"] for r in records]
+    age_items(out, order, time.time() - 3600)
+    sizes = {i: p.stat().st_size for i, p in items(out).items()}
+    bound = folder_bytes(out) - sizes[order[0]] - sizes[order[1]] // 2  # the two oldest must go, no more
+    capsys.readouterr()
+
+    assert main(["cache", "prune", str(out), "--max-gb", str(bound / 1e9), "--dry-run"]) == 0
+    assert "would remove 2 item(s)" in capsys.readouterr().out and set(items(out)) == set(order)
+
+    assert main(["cache", "prune", str(out), "--max-gb", str(bound / 1e9)]) == 0
+    line = capsys.readouterr().out.strip()
+    assert "removed 2 item(s)" in line and len(line.splitlines()) == 1
+    assert set(items(out)) == set(order[2:]) and folder_bytes(out) <= bound
+    assert not (out / order[0]).exists()  # the emptied item folder too
+    pruned = [json.loads(x) for x in (out / PRUNED).read_text().splitlines()]
+    assert [p["id"] for p in pruned] == order[:2] and [p["bytes"] for p in pruned] == [sizes[i] for i in order[:2]]
+
+    with pytest.warns(UserWarning, match="2 item"):
+        read = dict(read_embeddings(out))
+    assert sorted(read) == sorted(r["path"] for r in records[2:])
+
+    assert main(["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(out), "--resume",
+                 "--quiet", *SMALL]) == 0
+    assert set(items(out)) == set(order)  # the removed inputs are not done any more: embedded again
+    assert len(dict(read_embeddings(out))) == len(records)
+
+
+def test_prune_refuses_what_it_cannot_account_for(tmp_path, checkpoint, capsys):
+    other = tmp_path / "other"
+    (other / ("a" * 64)).mkdir(parents=True)
+    (other / ("a" * 64) / CACHE_FILE).write_bytes(b"x" * 1000)
+    assert main(["cache", "prune", str(other), "--max-gb", "0"]) == 2
+    one_error_line(capsys.readouterr().err, IDENTITY_FILE)
+    assert (other / ("a" * 64) / CACHE_FILE).exists()
+    for bad in ("-1", "nan", "lots"):
+        assert main(["cache", "prune", str(other), "--max-gb", bad]) == 2
+        one_error_line(capsys.readouterr().err, "--max-gb")
+
+    make_image_folder(tmp_path / "imgs", 2, bad=False)
+    out = tmp_path / "cache"
+    assert embed_cache(tmp_path / "imgs", out, checkpoint) == 0
+    (item,) = list(items(out))[:1]
+    elsewhere = tmp_path / "elsewhere.safetensors"
+    elsewhere.write_bytes(b"y" * 10)
+    (out / ("b" * 64)).mkdir()
+    (out / ("b" * 64) / CACHE_FILE).symlink_to(elsewhere)  # a link at an item's name: not an item, not removed
+    (out / item / f"{CACHE_FILE}.someone-r0.tmp").write_bytes(b"z")  # a writer's temporary file
+    report = prune_cache(out, 0)
+    assert report.kept == 0 and elsewhere.exists() and (out / ("b" * 64) / CACHE_FILE).is_symlink()
+    assert (out / item / f"{CACHE_FILE}.someone-r0.tmp").exists() and (out / "manifest.jsonl").exists()
+
+
+def test_a_running_embed_keeps_what_it_recorded_and_the_folder_keeps_to_its_bound(tmp_path, checkpoint):
+    """An embed (a --resume with more inputs) runs into the folder while prunes loop beside it: the earlier
+    session's items go, nothing the running session wrote is removed while it runs, it finishes cleanly, every
+    item left is whole and loads, and once it ends a prune brings the folder under the bound."""
+    imgs = tmp_path / "imgs"
+    make_image_folder(imgs, 8, bad=False)
+    out = tmp_path / "cache"
+    assert embed_cache(imgs, out, checkpoint) == 0
+    first = [r["id"] for r in read_manifest_lines(out / "manifest.jsonl")]
+    age_items(out, first, time.time() - 7200)
+    bound = 32_000  # ~14 kB of it the 32 manifest lines, run.json and pruned.jsonl: about 8 items stay
+    more = tmp_path / "more"
+    make_image_folder(more, 32, bad=False)
+    for path in sorted(more.rglob("img*.*"), key=lambda p: p.name)[8:]:  # the first 8: imgs/' pixels, not new
+        path.rename(imgs / f"more-{path.name}")
+    # A slow machine (every batch 0.2 s longer): the prunes surely run while the embed writes.
+    cmd = [sys.executable, "-m", "tests.helpers.fault_driver", json.dumps({"slow_s": 0.2}), "embed", str(imgs),
+           "--model", str(checkpoint), "--out", str(out), "--resume", "--quiet", "--batch-patches", "64", *SMALL]
+    writer = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    reports = []
+    while writer.poll() is None:
+        report = prune_cache(out, bound)
+        reports.append(report)
+        if report.running:  # not once the writer has let its lock go (its process may still be exiting)
+            assert not {i.id for i in report.removed} - set(first), "removed an item of the running embed"
+        time.sleep(0.05)
+    _, err = writer.communicate()
+    assert writer.returncode == 0, err[-2000:]
+    assert any(r.removed and r.running for r in reports)
+
+    final = prune_cache(out, bound)
+    assert final.kept_bytes <= bound and folder_bytes(out) <= bound and final.kept >= 4
+    records = read_manifest_lines(out / "manifest.jsonl")
+    pruned = {json.loads(x)["id"] for x in (out / PRUNED).read_text().splitlines()}
+    left = items(out)
+    for r in records:  # every recorded item is in place, whole, or accounted for as pruned
+        assert r["status"] == "ok"
+        if r["id"] in left:
+            assert load_file(left[r["id"]])["ec_cache"].shape[0] == r["tokens"]
+        else:
+            assert r["id"] in pruned
+    assert set(left) <= {r["id"] for r in records}
