@@ -73,6 +73,8 @@ class EmbedSettings:
     batch_patches: int = DEFAULT_BATCH_PATCHES
     pooled_only: bool = False
     normalize: bool = False
+    path_column: str = "path"
+    keep_columns: tuple[str, ...] = ()
     format: str = "safetensors"
     format_given: bool = False
     engine: str = "local"
@@ -90,6 +92,14 @@ class EmbedSettings:
         """The settings of a parsed and validated command line (options it lacks keep their defaults)."""
         given = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
         return cls(**{**given, "inputs": tuple(args.inputs)})
+
+
+def _column_names(text: str) -> tuple[str, ...]:
+    """argparse type of --keep-columns: comma-separated column names, none empty."""
+    names = tuple(name.strip() for name in text.split(","))
+    if not all(names):
+        raise argparse.ArgumentTypeError(f"{text!r} names an empty column; give names separated by commas")
+    return names
 
 
 def validate_embed_args(args: argparse.Namespace) -> None:
@@ -164,6 +174,12 @@ def add_embed_parser(sub, parents=()) -> argparse.ArgumentParser:
                    help="record an input as failed when decoding it takes longer, and go on (default %(default)g)")
     p.add_argument("--batch-patches", type=_positive_int("--batch-patches"), default=DEFAULT_BATCH_PATCHES,
                    help="patches per forward (an item above runs alone; default %(default)s)")
+    p.add_argument("--path-column", default="path", metavar="NAME",
+                   help="in a table input (.parquet, .csv, .tsv, .jsonl): the column naming each file, relative "
+                        "paths from the table's folder (default %(default)s)")
+    p.add_argument("--keep-columns", type=_column_names, default=(), metavar="A,B",
+                   help="carry these columns of a table input into the outputs: Parquet columns beside the "
+                        "results, a 'columns' object in each manifest line")
     p.add_argument("--pooled-only", action="store_true", help="store one mean vector per image")
     p.add_argument("--normalize", action="store_true",
                    help="with --pooled-only: vectors of unit L2 norm (for cosine retrieval), recorded in run.json")

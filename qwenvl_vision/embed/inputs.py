@@ -1,6 +1,8 @@
-"""What an embed run works on: the inputs gathered from files, folders and list files, and each rank's share.
+"""What an embed run works on: the inputs gathered from files, folders, list files and tables (``tables``), and
+each rank's share.
 
-Inputs are deduplicated by real path (the first spelling is the one recorded). A list that is not text is one
+Inputs are deduplicated by real path (the first spelling is the one recorded, and a table's first row naming a
+file gives its carried columns). A list that is not text is one
 failed input; a missing file is kept (recorded as an error later, not dropped). A path with a video extension
 (``video.VIDEO_EXTENSIONS``) is a video file. Under ``torchrun`` (RANK / WORLD_SIZE set) inputs are split
 statically, rank r taking inputs r, r+W, r+2W, ... (never padded with duplicates).
@@ -12,7 +14,9 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..errors import ConfigError
 from ..inputs.video_io import VIDEO_EXTENSIONS
+from .tables import check_keep_columns, is_table, read_table
 
 IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".ppm", ".pgm"}
 MEDIA_EXTENSIONS = IMAGE_EXTENSIONS | VIDEO_EXTENSIONS
@@ -25,9 +29,11 @@ class Inputs:
     paths: list[str] = field(default_factory=list)
     errors: dict[str, str] = field(default_factory=dict)
     keys: dict[str, str] = field(default_factory=dict)  # path -> real_key(path)
+    columns: dict[str, dict] = field(default_factory=dict)  # path -> the values its table row carries
+    column_types: dict[str, str] = field(default_factory=dict)  # carried column -> its type (tables.COLUMN_TYPES)
     _seen: set[str] = field(default_factory=set, repr=False)
 
-    def add(self, path: str, error: str | None = None) -> None:
+    def add(self, path: str, error: str | None = None, columns: dict | None = None) -> None:
         key = real_key(path)
         if key in self._seen:  # the same file named twice (another spelling, a link) is embedded once
             return
@@ -36,6 +42,8 @@ class Inputs:
         self.keys[path] = key
         if error is not None:
             self.errors[path] = error
+        if columns is not None:
+            self.columns[path] = columns
 
 
 def real_key(path: str, base: str | None = None) -> str:
@@ -43,16 +51,32 @@ def real_key(path: str, base: str | None = None) -> str:
     return os.path.realpath(os.path.join(base, path) if base else path)
 
 
-def gather_inputs(inputs: list[str]) -> Inputs:
-    """Files as given, folders recursively by image and video extension (sorted), text files as path lists.
+def gather_inputs(inputs: list[str], path_column: str = "path", keep_columns: tuple[str, ...] = ()) -> Inputs:
+    """Files as given, folders recursively by image and video extension (sorted), text files as path lists, tables
+    (``tables.TABLE_EXTENSIONS``) as rows naming files, ``path_column`` theirs, ``keep_columns`` carried.
 
     A list file that cannot be read as text is one failed input, and so is each folder (the given one or one
-    inside it) that cannot be listed; a missing file is kept (recorded as an error later, not dropped).
+    inside it) that cannot be listed, and each table row that names no file; a missing file is kept (recorded as
+    an error later, not dropped). A table without the columns asked for is a ``ConfigError``, and so are
+    ``keep_columns`` with no table among the inputs or tables whose columns' types differ.
     """
     found = Inputs()
+    check_keep_columns(keep_columns, path_column)
+    tables = [item for item in inputs if is_table(item) and Path(item).is_file()]
+    if keep_columns and not tables:
+        raise ConfigError(f"--keep-columns {','.join(keep_columns)} carries a table's columns, and no input is a "
+                          f"table (.parquet, .csv, .tsv, .jsonl)")
     for item in inputs:
         p = Path(item)
-        if p.is_dir():
+        if item in tables:
+            rows, types = read_table(p, path_column, keep_columns)
+            if found.column_types and types != found.column_types:
+                raise ConfigError(f"table {item}: its carried columns' types {types} differ from the other tables' "
+                                  f"{found.column_types}; one run writes one type per column")
+            found.column_types = types
+            for row in rows:
+                found.add(row.path or f"{item}#row{row.number}", row.error, row.columns)
+        elif p.is_dir():
             files, unreadable = _walk_media(p)
             for folder, why in unreadable:
                 found.add(str(folder), f"cannot list folder {folder}: {why}; make it readable, or leave it out "

@@ -258,7 +258,7 @@ class EmbedJob:
                                  f"version that started it, or choose another --out")
         if recorded is not None and not args.format_given:  # --resume continues the folder's format unless told
             self.settings = args = dataclasses.replace(args, format=recorded["file_format"])
-        self.inputs = gather_inputs(args.inputs)
+        self.inputs = gather_inputs(args.inputs, args.path_column, args.keep_columns)
         if not self.inputs.paths:
             raise EmbedError(f"no inputs: {', '.join(args.inputs)} hold no image or video files (by extension: "
                              f"{' '.join(sorted(MEDIA_EXTENSIONS))}) and list no paths")
@@ -283,8 +283,8 @@ class EmbedJob:
         if args.format == "parquet":
             from .parquet_writer import layout_for
 
-            self.layout = layout_for(self.encoder, args.pooled_only)
-        now = describe_run(self.encoder, args, folder, self.world, self.threads)
+            self.layout = layout_for(self.encoder, args.pooled_only, self.inputs.column_types)
+        now = describe_run(self.encoder, args, folder, self.world, self.threads, self.inputs.column_types)
         if args.format == "vllm-cache":  # another model's items in the folder: refused before anything is written
             check_cache_folder(out, self.encoder.identity())
         if self.ray is not None and self.ray.device != "cpu":
@@ -364,20 +364,33 @@ class EmbedJob:
         mine = shard_for_rank(self.inputs.paths, self.rank, self.world)
         keys, errors = self.inputs.keys, self.inputs.errors
         todo = [p for p in mine if keys[p] not in writer.done]
-        known_bad = [EmbeddingRecord(p, keys[p], "error", errors[p]) for p in todo if p in errors]
+        columns = self.inputs.columns
+        known_bad = [EmbeddingRecord(p, keys[p], "error", errors[p], columns=columns.get(p)) for p in todo
+                     if p in errors]
         todo = [p for p in todo if p not in errors]
         if self.layout is not None:  # a name Parquet cannot store as it is: an error row, not a failed batch
             from .parquet_writer import unstorable
 
             bad = {p: unstorable(p, self.inputs.keys[p]) for p in todo}
-            known_bad += [EmbeddingRecord(p, keys[p], "error", why) for p, why in bad.items() if why is not None]
+            known_bad += [EmbeddingRecord(p, keys[p], "error", why, columns=columns.get(p)) for p, why in bad.items()
+                          if why is not None]
             todo = [p for p in todo if bad[p] is None]
         progress = self.progress
         progress.begin(len(todo) + len(known_bad))
+        # Records are written in input order (a table's rows keep theirs): an input known bad goes with the
+        # batch that follows it.
+        order = {p: i for i, p in enumerate(mine)}
+        pending = sorted(known_bad, key=lambda r: order[r.path])
+
+        def write_in_order(records: list[EmbeddingRecord], upto: int) -> None:
+            ahead = []
+            while pending and order[pending[0].path] < upto:
+                ahead.append(pending.pop(0))
+            if ahead or records:
+                writer.write_records(sorted(ahead + records, key=lambda r: order[r.path]))
+            progress.update(len(ahead), 0)
+
         with self.encoder:
-            if known_bad:
-                writer.write_records(known_bad)
-                progress.update(len(known_bad), 0)
             batches = self.encoder.iter_encode(
                 # The options as given, as encode_images takes them: an option alone keeps the checkpoint's
                 # other bound even where they cross (run.json records both; a resume compared them).
@@ -388,7 +401,9 @@ class EmbedJob:
                 hash_pixels=self.run["file_format"] == "vllm-cache",
                 on_prepared=lambda index, tokens: progress.update(1, tokens))
             for batch in batches:
-                writer.write_records([record_from_result(r, todo[r.index], keys[todo[r.index]]) for r in batch])
+                write_in_order([record_from_result(r, todo[r.index], keys[todo[r.index]], columns.get(todo[r.index]))
+                                for r in batch], order[todo[batch[-1].index]])
+            write_in_order([], len(mine))
         progress.close()
 
     def summary(self) -> tuple[int, int]:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from .inputs import real_key
+from .tables import COLUMN_TYPES
 
 MANIFEST = "manifest.jsonl"
 RUN_FILE = "run.json"
@@ -34,16 +35,16 @@ RUN_FORMAT = 1
 # threads of each forward: CPU results are bitwise equal only at the same count; a --resume takes the run's by
 # default) are compared too.
 RUN_COMPARED = ("format", "config_sha256", "weights_sha256", "dtype", "min_pixels", "max_pixels", "resize",
-                "video", "pooled", "normalize", "world_size", "file_format", "engine", "threads")
+                "video", "pooled", "normalize", "columns", "world_size", "file_format", "engine", "threads")
 # What a compared field meant in run files written before it existed ("video": None, no videos were embedded,
 # so any video settings continue such a run; "threads": None, not recorded, so any count continues it; "normalize":
-# False, no vector was normalized before the option existed).
+# False, no vector was normalized before the option existed; "columns": [], no table columns were carried).
 # Not compared, but recorded so that every later forward of the run uses it: "cpu_plan", the CPU backend's
 # measured kernel choices (cpu.plan; the bits differ by kernel at fp32 rounding level, and in bf16 where a plain
 # MLP's activation moves into the GEMM's epilogue), None off the CPU and in run files from before it (the first
 # resume on a CPU records its own).
 RUN_FIELD_DEFAULTS = {"resize": "pil", "video": None, "file_format": "safetensors", "engine": "local",
-                      "threads": None, "cpu_plan": None, "normalize": False}
+                      "threads": None, "cpu_plan": None, "normalize": False, "columns": []}
 SHARD_NAME = re.compile(r"^shard-r(\d+)-(\d+)\.safetensors$")
 # A run id is part of file names and glob patterns (temporary files, shard metadata): a plain token only.
 RUN_ID = re.compile(r"[0-9A-Za-z_-]{1,64}")
@@ -121,6 +122,8 @@ def record_problem(record: Any) -> str:
         return f"rank {record.get('rank')!r} is not a non-negative integer"
     if record.get("error") is not None and not isinstance(record["error"], str):
         return f"error {record['error']!r} is not text"
+    if "columns" in record and not isinstance(record["columns"], dict):
+        return f"columns {json.dumps(record['columns'])[:80]} is not a JSON object"
     if record["status"] == "error":
         return ""
     # The encoder-cache layout is vllm_cache's; imported here so that reading another format's run loads no writer.
@@ -202,6 +205,9 @@ RUN_FIELD_CHECKS: dict[str, tuple[Any, str]] = {
     "video": (_optional(lambda v: isinstance(v, dict)), "a JSON object or null"),
     "pooled": (lambda v: type(v) is bool, "true or false"),
     "normalize": (lambda v: type(v) is bool, "true or false"),
+    "columns": (lambda v: isinstance(v, list) and all(
+        isinstance(c, list) and len(c) == 2 and isinstance(c[0], str) and c[1] in COLUMN_TYPES for c in v),
+        "a list of [name, type] pairs"),
     "world_size": (lambda v: _count(v, 1) and v <= 1 << 20, "a positive integer"),
     "file_format": (lambda v: v in ("safetensors", "parquet", "vllm-cache"), "safetensors, parquet or vllm-cache"),
     "engine": (lambda v: v in ("local", "ray"), "local or ray"),

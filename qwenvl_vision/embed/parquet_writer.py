@@ -133,7 +133,8 @@ def unstorable(path: str, key: str) -> str | None:
             f"or use --format safetensors")
 
 
-def layout_for(encoder, pooled_only: bool) -> ParquetLayout:
-    """The layout of a run: the tokens (and DeepStack levels), or with ``--pooled-only`` the mean vector only."""
-    return ParquetLayout.for_encoder(encoder, tokens=not pooled_only, pooled=pooled_only)
+def layout_for(encoder, pooled_only: bool, columns: dict[str, str] | None = None) -> ParquetLayout:
+    """The layout of a run: the tokens (and DeepStack levels), or with ``--pooled-only`` the mean vector only, and
+    the table columns it carries."""
+    return ParquetLayout.for_encoder(encoder, tokens=not pooled_only, pooled=pooled_only, columns=columns)
 

@@ -194,7 +194,8 @@ def encode_on_ray(job, writer: Writer) -> None:
     args, plan, progress = job.settings, job.ray, job.progress
     todo = [p for p in job.inputs.paths if job.inputs.keys[p] not in writer.done]
     errors = {p: job.inputs.errors.get(p) or unstorable(p, job.inputs.keys[p]) for p in todo}
-    known_bad = [EmbeddingRecord(p, job.inputs.keys[p], "error", errors[p]) for p in todo if errors[p]]
+    known_bad = [EmbeddingRecord(p, job.inputs.keys[p], "error", errors[p], columns=job.inputs.columns.get(p))
+                 for p in todo if errors[p]]
     todo = [p for p in todo if not errors[p]]
     progress.begin(len(todo) + len(known_bad))
     writer.write_records(known_bad)
@@ -241,6 +242,7 @@ def encode_on_ray(job, writer: Writer) -> None:
             # run's fps, which the local engine records (and an Omni model's hand-off needs).
             if r.video is not None and video_fps is not None:
                 r.video.setdefault("requested_fps", video_fps)
+            r.columns = job.inputs.columns.get(r.path)  # the table row's columns stay with the driver
         writer.write_records(records)  # an OSError here is the output's (exit 3 by the job)
         progress.update(len(records), sum(r.tokens or 0 for r in records))
     progress.close()

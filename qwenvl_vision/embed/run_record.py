@@ -53,9 +53,11 @@ def crossed_bounds_note(args: EmbedSettings, pre) -> str | None:
             f"and smaller ones are upscaled to at least {low} (add {fix})")
 
 
-def describe_run(encoder, args: EmbedSettings, folder: str | None, world: int, threads: int | None = None) -> dict:
+def describe_run(encoder, args: EmbedSettings, folder: str | None, world: int, threads: int | None = None,
+                 columns: dict[str, str] | None = None) -> dict:
     """run.json for this invocation: what its tensors depend on, plus where they came from. ``threads`` is the
-    torch thread count of every forward (the local process's, or each Ray actor's; default: this process's now)."""
+    torch thread count of every forward (the local process's, or each Ray actor's; default: this process's now);
+    ``columns``: the table columns the outputs carry, with their types."""
     pre = encoder.preprocess_config
     min_pixels, max_pixels = pixel_bounds(args, pre)
     revision = args.revision
@@ -78,6 +80,7 @@ def describe_run(encoder, args: EmbedSettings, folder: str | None, world: int, t
         "video": encoder.video_config.to_dict(),
         "pooled": bool(args.pooled_only),
         "normalize": bool(args.normalize),
+        "columns": [[name, kind] for name, kind in (columns or {}).items()],
         "world_size": world,
         "file_format": args.format,
         "engine": args.engine,

@@ -268,6 +268,8 @@ class RankWriter:
         record = {"path": r.path, "realpath": r.realpath, "status": r.status, "error": r.error, "rank": self.rank}
         if r.video is not None:
             record["video"] = r.video
+        if r.columns is not None:
+            record["columns"] = r.columns
         return record
 
     def finish_batch(self, records: list[dict], failed: int) -> None:

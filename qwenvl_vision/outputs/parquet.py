@@ -11,7 +11,9 @@ One row per input:
   fixed-size float list is the vector column DuckDB (``array_cosine_similarity``) and LanceDB search directly;
 - ``deepstack_0`` .. ``deepstack_{L-1}`` like ``embedding`` (Qwen3-VL's DeepStack levels), with the tokens;
 - ``video``: a struct of the frames used, their times, the file's and the sampled fps and its frame count, as
-  embed's manifest records them; null for images.
+  embed's manifest records them; null for images;
+- the columns carried from a table of inputs (``embed --keep-columns``), each of its type (``string``, ``int64``,
+  ``float64``, ``bool``; ``json`` as a string of JSON), null for an input no table row named.
 
 Text columns are UTF-8, as Parquet's strings must be. A file name that is not valid UTF-8 (Python holds its
 undecodable bytes as surrogates, ``b'caf\\xe9.jpg'`` -> ``'caf\\udce9.jpg'``) cannot be stored as it is: ``text``
@@ -58,13 +60,16 @@ STATUSES = ("ok", "error")
 VIDEO_TYPE = pa.struct([("frames", pa.list_(pa.int64())), ("timestamps", pa.list_(pa.float64())),
                         ("fps", pa.float64()), ("sampled_fps", pa.float64()), ("total_frames", pa.int64())])
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CARRIED_TYPES = {"string": pa.string(), "json": pa.string(), "int64": pa.int64(), "float64": pa.float64(),
+                 "bool": pa.bool_()}
 
 
 @dataclass(frozen=True)
 class ParquetLayout:
     """What a run's Parquet files hold: vectors of ``dim`` floats, ``levels`` DeepStack levels, the tower's merge
     size (tokens = grid product / merge**2), the run's dtype (``"float32"``, ``"bfloat16"``, ``"float16"``), and
-    which tensor columns are there (``tokens``: embedding and DeepStack levels; ``pooled``: the mean vector)."""
+    which tensor columns are there (``tokens``: embedding and DeepStack levels; ``pooled``: the mean vector), and
+    the columns carried from a table of inputs, (name, type) pairs of ``CARRIED_TYPES``."""
 
     dim: int
     levels: int
@@ -72,20 +77,25 @@ class ParquetLayout:
     dtype: str
     tokens: bool = True
     pooled: bool = False
+    columns: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "columns", tuple((str(n), str(t)) for n, t in self.columns))  # JSON gives lists
+        if any(t not in CARRIED_TYPES for _, t in self.columns):
+            raise ValueError(f"carried column types must be among {sorted(CARRIED_TYPES)}, got {self.columns}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.dim < 1 or self.levels < 0 or self.merge_size < 1 or not (self.tokens or self.pooled):
             raise ValueError(f"not a layout: {self}")
 
     @classmethod
-    def for_encoder(cls, encoder: Any, *, tokens: bool = True, pooled: bool = False) -> ParquetLayout:
-        """The layout of what ``encoder`` (a ``VisionEncoder``) produces."""
+    def for_encoder(cls, encoder: Any, *, tokens: bool = True, pooled: bool = False,
+                    columns: dict[str, str] | None = None) -> ParquetLayout:
+        """The layout of what ``encoder`` (a ``VisionEncoder``) produces, with ``columns`` carried."""
         config = encoder.config
         return cls(dim=config.out_hidden_size, levels=len(config.deepstack_visual_indexes),
                    merge_size=config.spatial_merge_size, dtype=str(encoder.dtype).removeprefix("torch."),
-                   tokens=tokens, pooled=pooled)
+                   tokens=tokens, pooled=pooled, columns=tuple((columns or {}).items()))
 
     @property
     def level_columns(self) -> list[str]:
@@ -102,6 +112,7 @@ class ParquetLayout:
             fields.append(("pooled", pa.list_(pa.float32(), self.dim)))
         fields += [(name, tokens_type) for name in self.level_columns]
         fields.append(("video", VIDEO_TYPE))
+        fields += [(name, CARRIED_TYPES[kind]) for name, kind in self.columns]
         schema = pa.schema(fields)
         if run is None:
             return schema
@@ -200,6 +211,12 @@ def result_columns(records: Sequence[EmbeddingRecord], layout: ParquetLayout) ->
     for level, name in enumerate(layout.level_columns):
         columns[name] = _token_column([r.deepstack[level] if r else None for r in ok], layout.dim, name)
     columns["video"] = pa.array([r.video for r in records], VIDEO_TYPE)
+    for name, kind in layout.columns:
+        values = [(r.columns or {}).get(name) for r in records]
+        try:
+            columns[name] = pa.array([text(v) if isinstance(v, str) else v for v in values], CARRIED_TYPES[kind])
+        except (pa.ArrowException, TypeError, ValueError) as e:
+            raise ValueError(f"carried column {name!r} ({kind}): {e}") from None
     return columns
 
 
@@ -439,11 +456,13 @@ def layout_of_columns(schema: pa.Schema, dtype: str) -> ParquetLayout:
     return layout
 
 
-def records_of_table(table: pa.Table, dtype: str, *, path_column: str = "path") -> list[EmbeddingRecord]:
+def records_of_table(table: pa.Table, dtype: str, *, path_column: str = "path", carried: Sequence[str] = ()
+                     ) -> list[EmbeddingRecord]:
     """A table's rows as records, tensors in ``dtype`` (the run's): a Parquet shard validated by
     ``read_parquet_table``, or Ray's ``Embedder`` rows (``result_columns`` beside the input's columns: the path in
     ``path_column``; without a ``realpath`` column the path is resolved here). The tensor columns are those of
-    ``layout_of_columns`` (whose ValueError names a column that does not fit)."""
+    ``layout_of_columns`` (whose ValueError names a column that does not fit); ``carried``: the table columns
+    each record carries (a shard's ``layout.columns``)."""
     torch_dtype = DTYPES[dtype]
     layout = layout_of_columns(table.schema, dtype)
     names = set(table.column_names)
@@ -458,6 +477,7 @@ def records_of_table(table: pa.Table, dtype: str, *, path_column: str = "path") 
     has_realpath = "realpath" in names
     plain = table.select([path_column, "status", "error", "grid_thw", "tokens", "video",
                           *(n for n in ("realpath", "pixels_sha256") if n in names)]).to_pylist()
+    values = table.select(list(carried)).to_pylist() if carried else None
     records = []
     for row, r in enumerate(plain):
         grid = tuple(r["grid_thw"]) if r["grid_thw"] is not None else None
@@ -466,7 +486,7 @@ def records_of_table(table: pa.Table, dtype: str, *, path_column: str = "path") 
             path, r["realpath"] if has_realpath and r["realpath"] is not None else os.path.realpath(path),
             r["status"], r["error"], grid,
             r["tokens"], embeddings[row], [level[row] for level in deepstack] if r["status"] == "ok" else [],
-            pooled[row], r["video"], r.get("pixels_sha256")))
+            pooled[row], r["video"], r.get("pixels_sha256"), None if values is None else values[row]))
     return records
 
 
@@ -507,4 +527,4 @@ def read_parquet_records(folder: str | os.PathLike, *, files: Sequence[str | os.
         elif layout != first[0] or not same_run(run, first[1]):
             what = "layout" if layout != first[0] else "run record"
             raise ManifestError(f"{path}: its {what} differs from {first[2].name}'s (shards of another run)")
-        yield from records_of_table(table, layout.dtype)
+        yield from records_of_table(table, layout.dtype, carried=[name for name, _ in layout.columns])

@@ -30,21 +30,23 @@ class EmbeddingRecord:
     pooled: torch.Tensor | None = None
     video: dict | None = None
     pixels_sha256: str | None = None  # item_ids.pixels_sha256, what the encoder cache names it by (not in Parquet)
+    columns: dict[str, Any] | None = None  # what its table row carries (embed --keep-columns); None: no table row
 
     @property
     def ok(self) -> bool:
         return self.status == "ok"
 
 
-def record_from_result(result: Any, path: str | None = None, realpath: str | None = None) -> EmbeddingRecord:
+def record_from_result(result: Any, path: str | None = None, realpath: str | None = None,
+                       columns: dict[str, Any] | None = None) -> EmbeddingRecord:
     """An ``encoder.ItemResult`` (or anything with its fields: ``error``, ``embedding``, ``grid_thw``,
     ``deepstack``, ``pooled``, ``video_info``) as a record of the input at ``path`` (default ``result.path``);
-    ``realpath`` defaults to the path resolved from the current directory."""
+    ``realpath`` defaults to the path resolved from the current directory; ``columns``: its table row's."""
     path = os.fspath(path if path is not None else result.path)
     realpath = realpath or os.path.realpath(path)
     video = video_record(getattr(result, "video_info", None))
     if result.error is not None:
-        return EmbeddingRecord(path, realpath, "error", str(result.error), video=video)
+        return EmbeddingRecord(path, realpath, "error", str(result.error), video=video, columns=columns)
     return EmbeddingRecord(path, realpath, "ok", None, tuple(int(x) for x in result.grid_thw),
                            int(result.embedding.shape[0]), result.embedding, list(result.deepstack or []),
-                           result.pooled, video, getattr(result, "pixels_sha256", None))
+                           result.pooled, video, getattr(result, "pixels_sha256", None), columns)

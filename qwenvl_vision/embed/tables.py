@@ -1,0 +1,202 @@
+"""Tables of inputs: a Parquet, CSV, TSV or JSON Lines file whose rows name the files to embed (``--path-column``,
+default ``path``), with columns to carry into the outputs (``--keep-columns``), as img2dataset's ``url_col`` and
+``save_additional_columns`` and clip-retrieval's metadata do.
+
+Rows keep their order. A relative path is taken from the table's folder (as a list file's lines are). A row whose
+path cell is empty, not text, or a URL (reading URLs is not supported by this version) is one failed input naming
+the table and the row; a JSON Lines line that is not a JSON object likewise. A column the table lacks is a
+``ConfigError`` naming the table and the columns it has.
+
+Carried values keep a type the outputs can hold, decided once per table: a Parquet column's own (integers as
+``int64``, floating point as ``float64``, ``bool``, text as ``string``; anything else as its JSON text,
+``json``), every CSV / TSV cell ``string``, a JSON Lines field the one of ``int64``, ``float64``, ``bool`` or
+``string`` all its values share (nulls aside), else ``json``. The manifest stores the values as JSON, Parquet as
+columns of those types.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError
+
+TABLE_EXTENSIONS = {".parquet", ".csv", ".tsv", ".jsonl"}
+COLUMN_TYPES = ("string", "int64", "float64", "bool", "json")
+# The names the outputs use for themselves: a carried column may not take one.
+RESERVED = {"path", "realpath", "status", "error", "grid_thw", "tokens", "embedding", "pooled", "video", "rank",
+            "shard", "key", "id", "modality", "levels", "timestamps", "second_per_grid_t", "columns"}
+
+
+@dataclass
+class Row:
+    """One row: its 1-based number, the path it names (None when it names none) and its carried values."""
+
+    number: int
+    path: str | None
+    columns: dict[str, Any]
+    error: str | None = None
+
+
+def is_table(path: str) -> bool:
+    return Path(path).suffix.lower() in TABLE_EXTENSIONS
+
+
+def check_keep_columns(keep: Sequence[str], path_column: str) -> None:
+    """The carried columns' names: no output field's name, not the path column, none twice."""
+    taken = sorted(set(keep) & RESERVED)
+    if taken:
+        raise ConfigError(f"--keep-columns {','.join(taken)}: the outputs use that name for their own field; rename "
+                          f"the column in the table")
+    if path_column in keep:
+        raise ConfigError(f"--keep-columns {path_column}: that is the path column, recorded as each input's path")
+    if len(set(keep)) != len(keep):
+        raise ConfigError(f"--keep-columns {','.join(keep)} names a column twice")
+
+
+def read_table(path: Path, path_column: str, keep: Sequence[str]) -> tuple[list[Row], dict[str, str]]:
+    """(the rows, each carried column's type) of the table at ``path``."""
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        rows, types = _parquet_rows(path, path_column, keep)
+    elif suffix == ".jsonl":
+        rows, types = _jsonl_rows(path, path_column, keep)
+    else:
+        rows, types = _csv_rows(path, path_column, keep, "\t" if suffix == ".tsv" else ",")
+    for row in rows:
+        if row.error is None:
+            row.path, row.error = _checked_path(path, row.number, path_column, row.path)
+    return rows, types
+
+
+def _missing(path: Path, wanted: Sequence[str], have: Sequence[str]) -> None:
+    missing = [c for c in wanted if c not in have]
+    if missing:
+        raise ConfigError(f"table {path} has no column {', '.join(map(repr, missing))}; its columns: "
+                          f"{', '.join(map(str, have)) or 'none'} (choose with --path-column / --keep-columns)")
+
+
+def _checked_path(table: Path, number: int, column: str, value: Any) -> tuple[str | None, str | None]:
+    """(the path a cell names, resolved from the table's folder; or None and why it names none)."""
+    where = f"table {table}, row {number}"
+    if not isinstance(value, str) or not value.strip():
+        return None, f"{where}: column {column!r} is {json.dumps(value)[:80]}, not a path"
+    value = value.strip()
+    if "://" in value:
+        return None, (f"{where}: {value[:200]} is a URL; this version reads local files only (download them, or "
+                      f"name local paths)")
+    p = Path(value)
+    return str(p if p.is_absolute() else table.parent / p), None
+
+
+def _parquet_rows(path: Path, path_column: str, keep: Sequence[str]) -> tuple[list[Row], dict[str, str]]:
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ConfigError(f"table {path}: reading Parquet needs pyarrow: pip install 'qwenvl-vision[parquet]'") \
+            from None
+    try:
+        schema = pq.read_schema(path)
+        _missing(path, [path_column, *keep], schema.names)
+        table = pq.read_table(path, columns=[path_column, *keep])
+    except (OSError, pa.ArrowException) as e:
+        raise ConfigError(f"table {path} cannot be read as Parquet ({e})") from None
+    types = {name: _arrow_type(table.schema.field(name).type) for name in keep}
+    paths = table.column(path_column).to_pylist()
+    values = {name: table.column(name).to_pylist() for name in keep}
+    rows = [Row(i + 1, p, {name: _value(values[name][i], types[name]) for name in keep})
+            for i, p in enumerate(paths)]
+    return rows, types
+
+
+def _arrow_type(arrow_type: Any) -> str:
+    import pyarrow as pa
+
+    if pa.types.is_boolean(arrow_type):
+        return "bool"
+    if pa.types.is_integer(arrow_type):
+        return "int64"
+    if pa.types.is_floating(arrow_type):
+        return "float64"
+    if pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type):
+        return "string"
+    return "json"
+
+
+def _value(value: Any, kind: str) -> Any:
+    """A cell as its column's type stores it (``json``: its JSON text; not-a-number floats as null)."""
+    if value is None:
+        return None
+    if kind == "json":
+        return json.dumps(value, default=str, ensure_ascii=False)
+    if kind == "float64":
+        return float(value) if math.isfinite(value) else None
+    return value
+
+
+def _csv_rows(path: Path, path_column: str, keep: Sequence[str], delimiter: str
+              ) -> tuple[list[Row], dict[str, str]]:
+    text = _text(path)
+    reader = csv.DictReader(io.StringIO(text, newline=""), delimiter=delimiter)
+    _missing(path, [path_column, *keep], reader.fieldnames or [])
+    rows = []
+    try:
+        for i, record in enumerate(reader):
+            rows.append(Row(i + 1, record.get(path_column), {name: record.get(name) for name in keep}))
+    except csv.Error as e:
+        raise ConfigError(f"table {path}, line {reader.line_num}: {e}") from None
+    return rows, dict.fromkeys(keep, "string")
+
+
+def _jsonl_rows(path: Path, path_column: str, keep: Sequence[str]) -> tuple[list[Row], dict[str, str]]:
+    rows, seen = [], set()
+    for i, line in enumerate(_text(path).splitlines()):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            record, error = None, f"table {path}, line {i + 1}: not JSON ({e.msg})"
+        else:
+            error = None if isinstance(record, dict) else f"table {path}, line {i + 1}: not a JSON object"
+        if error:
+            rows.append(Row(i + 1, None, {}, error))
+            continue
+        seen.update(record)
+        rows.append(Row(i + 1, record.get(path_column), {name: record.get(name) for name in keep}))
+    _missing(path, [path_column, *keep], sorted(seen) if rows else [])
+    types = {name: _json_type([r.columns.get(name) for r in rows if r.error is None]) for name in keep}
+    for r in rows:
+        r.columns = {name: _value(r.columns.get(name), types[name]) for name in keep} if r.error is None else {}
+    return rows, types
+
+
+def _json_type(values: list[Any]) -> str:
+    present = [v for v in values if v is not None]
+    if present and all(isinstance(v, bool) for v in present):
+        return "bool"
+    if present and all(isinstance(v, int) and not isinstance(v, bool) for v in present):
+        return "int64"
+    if present and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in present):
+        return "float64"
+    if all(isinstance(v, str) for v in present):
+        return "string"
+    return "json"
+
+
+def _text(path: Path) -> str:
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"table {path} cannot be read ({e.strerror or e})") from None
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"table {path} is not UTF-8 text (byte {e.start} is {data[e.start]:#04x})") from None

@@ -1,0 +1,162 @@
+"""Tables of inputs (qwenvl_vision.embed.tables): Parquet, CSV, TSV and JSON Lines files whose rows name the files,
+their columns carried into every output format, in row order, for the local engine, torchrun and Ray; the tensors
+bitwise those of the same files embedded from a folder."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from qwenvl_vision.cli import main
+from qwenvl_vision.embed import read_embeddings, read_manifest_lines, read_run
+from qwenvl_vision.outputs.parquet import read_parquet_records
+from tests.helpers import make_image_folder
+from tests.helpers.embed import ENV, local_ray, one_error_line, torchrun_embed_cmd  # noqa: F401 - a fixture
+
+SMALL = ["--max-pixels", str(64 * 64), "--quiet"]
+KEEP = ["--keep-columns", "caption,idx"]
+
+
+def rows_for(paths: list[Path], root: Path) -> list[dict]:
+    """One row per image (paths relative to the table's folder), then a row naming no file, a URL and a missing
+    file: every row with a caption and an index."""
+    rows = [{"path": str(p.relative_to(root)), "caption": f"photo {i}", "idx": i} for i, p in enumerate(paths)]
+    rows += [{"path": "", "caption": "empty", "idx": 90}, {"path": "https://example.com/a.jpg", "caption": "url",
+                                                           "idx": 91},
+             {"path": "imgs/missing.png", "caption": "gone", "idx": 92}]
+    return rows
+
+
+def write_table(path: Path, rows: list[dict]) -> Path:
+    if path.suffix == ".parquet":
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    elif path.suffix == ".jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    else:
+        with path.open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]), delimiter="\t" if path.suffix == ".tsv" else ",")
+            writer.writeheader()
+            writer.writerows(rows)
+    return path
+
+
+@pytest.fixture(scope="module")
+def folder_run(tmp_path_factory, checkpoint):
+    """The images embedded from their folder: the tensors every table must give, by real path."""
+    root = tmp_path_factory.mktemp("tables")
+    paths = make_image_folder(root / "imgs", 4, bad=False)
+    out = root / "from-folder"
+    assert main(["embed", str(root / "imgs"), "--model", str(checkpoint), "--out", str(out), *SMALL]) == 0
+    realpath = {r["path"]: r["realpath"] for r in read_manifest_lines(out / "manifest.jsonl")}
+    return root, sorted(paths), {realpath[p]: t for p, t in read_embeddings(out)}
+
+
+@pytest.mark.parametrize("suffix", [".parquet", ".csv", ".tsv", ".jsonl"])
+def test_a_table_s_rows_embed_bitwise_as_the_folder_and_carry_their_columns_in_row_order(folder_run, checkpoint,
+                                                                                          suffix):
+    root, paths, want = folder_run
+    rows = rows_for(paths, root)
+    table = write_table(root / f"inputs{suffix}", rows)
+    out = root / f"out{suffix}"
+    assert main(["embed", str(table), "--model", str(checkpoint), "--out", str(out), *KEEP, *SMALL]) == 1
+    records = read_manifest_lines(out / "manifest.jsonl")
+    assert [r["columns"]["caption"] for r in records] == [r["caption"] for r in rows]  # row order, bad rows too
+    typed = str if suffix in (".csv", ".tsv") else int  # CSV cells are text; the others keep their type
+    assert [r["columns"]["idx"] for r in records] == [typed(r["idx"]) for r in rows]
+    assert read_run(out)["columns"] == [["caption", "string"], ["idx", "string" if typed is str else "int64"]]
+    ok = [r for r in records if r["status"] == "ok"]
+    assert len(ok) == len(paths)
+    got = dict(read_embeddings(out))
+    for r in ok:
+        assert torch.equal(got[r["path"]], want[r["realpath"]])
+    errors = [r["error"] for r in records if r["status"] == "error"]
+    assert f"table {table}, row {len(paths) + 1}: column 'path'" in errors[0]
+    assert "is a URL" in errors[1] and f"row {len(paths) + 2}" in errors[1]
+    assert "missing.png" in errors[2]
+
+
+def test_every_format_carries_the_columns_typed_and_a_resume_keeps_each_row_once(folder_run, checkpoint):
+    root, paths, want = folder_run
+    rows = [{"path": str(p.relative_to(root)), "caption": f"c{i}", "idx": i, "score": i / 4, "keep": i % 2 == 0,
+             "meta": {"n": i}} for i, p in enumerate(paths)]
+    table = write_table(root / "typed.jsonl", rows[:2])
+    keep = ["--keep-columns", "caption,idx,score,keep,meta"]
+    out = root / "typed-parquet"
+    assert main(["embed", str(table), "--model", str(checkpoint), "--out", str(out), "--format", "parquet", *keep,
+                 *SMALL]) == 0
+    write_table(table, rows)  # two more rows: the resume embeds them, and only them
+    assert main(["embed", str(table), "--model", str(checkpoint), "--out", str(out), "--resume", *keep,
+                 *SMALL]) == 0
+    shards = sorted(out.glob("shard-*.parquet"))
+    schema = pq.read_schema(shards[0])
+    assert [str(schema.field(n).type) for n in ("caption", "idx", "score", "keep", "meta")] == \
+        ["string", "int64", "double", "bool", "string"]
+    table_rows = pa.concat_tables([pq.read_table(s) for s in shards]).to_pylist()
+    assert [r["caption"] for r in table_rows] == [r["caption"] for r in rows]
+    assert [json.loads(r["meta"]) for r in table_rows] == [r["meta"] for r in rows]
+    assert [r["keep"] for r in table_rows] == [r["keep"] for r in rows]
+    records = list(read_parquet_records(out))
+    assert [r.columns["score"] for r in records] == [r["score"] for r in rows]
+    assert all(torch.equal(r.embedding, want[r.realpath]) for r in records)
+
+    cache = root / "typed-cache"
+    assert main(["embed", str(table), "--model", str(checkpoint), "--out", str(cache), "--format", "vllm-cache",
+                 *keep, *SMALL]) == 0
+    lines = read_manifest_lines(cache / "manifest.jsonl")
+    assert [line["columns"] for line in lines] == [{k: r[k] if k != "meta" else json.dumps(r[k]) for k in
+                                                    ("caption", "idx", "score", "keep", "meta")} for r in rows]
+
+
+def test_columns_that_cannot_be_carried_are_refused_in_one_line(folder_run, checkpoint, capsys):
+    root, paths, _ = folder_run
+    table = write_table(root / "plain.csv", rows_for(paths, root))
+    cases = [
+        (["--path-column", "file"], ["no column 'file'", "path, caption, idx"]),
+        (["--keep-columns", "caption,nope"], ["no column 'nope'"]),
+        (["--keep-columns", "status"], ["status", "rename the column"]),
+        (["--keep-columns", "caption,,idx"], ["--keep-columns"]),
+    ]
+    for extra, needles in cases:
+        out = root / "refused"
+        assert main(["embed", str(table), "--model", str(checkpoint), "--out", str(out), *extra, *SMALL]) == 2
+        one_error_line(capsys.readouterr().err, *needles)
+        assert not out.exists()
+    out = root / "refused"
+    assert main(["embed", str(root / "imgs"), "--model", str(checkpoint), "--out", str(out), *KEEP, *SMALL]) == 2
+    one_error_line(capsys.readouterr().err, "no input is a table")
+
+
+def test_torchrun_ranks_carry_each_row_s_columns(folder_run, checkpoint):
+    root, paths, want = folder_run
+    table = write_table(root / "ranks.parquet", rows_for(paths, root)[:len(paths)])
+    out = root / "ranks"
+    result = subprocess.run(torchrun_embed_cmd([table], checkpoint, out, *KEEP, *SMALL), env=ENV,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = read_manifest_lines(out / "manifest.jsonl")
+    assert {r["rank"] for r in records} == {0, 1}
+    assert sorted((r["columns"]["idx"], Path(r["path"]).name) for r in records) == \
+        [(i, p.name) for i, p in enumerate(paths)]
+
+
+@pytest.mark.slow  # a local Ray instance
+def test_ray_engine_carries_each_row_s_columns(folder_run, checkpoint, local_ray):  # noqa: F811 - the fixture
+    root, paths, want = folder_run
+    rows = rows_for(paths, root)
+    table = write_table(root / "ray.csv", rows)
+    out = root / "ray"
+    threads = str(read_run(root / "from-folder")["threads"])  # CPU bits are the same at the same thread count
+    assert main(["embed", str(table), "--model", str(checkpoint), "--out", str(out), "--engine", "ray", "--ray-actors",
+                 "1", "--threads", threads, *KEEP, *SMALL]) == 1
+    records = list(read_parquet_records(out))
+    assert sorted(r.columns["caption"] for r in records) == sorted(r["caption"] for r in rows)
+    for r in records:
+        if r.ok:
+            assert torch.equal(r.embedding, want[r.realpath])
