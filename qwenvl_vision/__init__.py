@@ -21,6 +21,7 @@ from .errors import (
     PreprocessError,
     QwenVLVisionError,
 )
+from .inputs.pixels import FileBytes
 from .inputs.video import VideoConfig
 from .inputs.video_io import VideoInfo
 from .model.cache import ShapeCache
@@ -43,6 +44,7 @@ _LAZY = {
 
 __all__ = [
     "PRESETS",
+    "FileBytes",
     "CheckpointError",
     "NumericalError",
     "PreprocessError",

@@ -36,7 +36,14 @@ import torch
 from .errors import ConfigError, PreprocessError, QwenVLVisionError
 from .inputs.images import PreprocessConfig, preprocess_image, probe_image
 from .inputs.item_ids import pixels_sha256
-from .inputs.pixels import DEFAULT_MAX_INPUT_PIXELS, check_resize_backend, input_name, open_header
+from .inputs.pixels import (
+    DEFAULT_MAX_INPUT_PIXELS,
+    FileBytes,
+    check_resize_backend,
+    input_name,
+    is_file_input,
+    open_header,
+)
 from .inputs.video import VideoConfig, preprocess_video, preprocess_video_file, sample_indices, video_target_size
 from .inputs.video_io import VideoInfo, is_video_file, probe_video
 
@@ -156,7 +163,7 @@ def preflight(items: list[Any], options: EncodeOptions, pre: PreprocessConfig) -
     video, min_pixels, max_pixels = options.video, options.min_pixels, options.max_pixels
     for i, item in enumerate(items):
         first, name = item, None
-        if video and isinstance(item, (str, os.PathLike)):
+        if video and is_file_input(item):
             total, rate, height, width = probe_video(item, input_name("video", i, item), options.max_input_pixels)
             count = len(sample_indices(total, rate, options.video_config, pre.temporal_patch_size))
             video_target_size(count, height, width, pre, options.video_config, min_pixels, max_pixels,
@@ -248,7 +255,7 @@ def _prepare(item: Any, index: int, options: EncodeOptions, pre: PreprocessConfi
     if options.video is None and video:  # mixed: the pixel bounds given are the images'; videos keep their own
         min_pixels = max_pixels = None
     name = input_name(kind, index, item)
-    is_file = isinstance(item, (str, os.PathLike))
+    is_file = is_file_input(item)
     # A video file's header is read once: for its decode estimate, and its frame count for the read itself.
     header = probe_quietly(item, options.max_input_pixels) if video and is_file else None
     cost = video_file_cost(header, pre, options.video_config) if header else \
@@ -529,11 +536,11 @@ def decode_cost(item: Any, video: bool, max_input_pixels: int | None, backend: s
         if not isinstance(item, (list, tuple)) or not item:
             return 0
         first = item[0]
-    if not isinstance(first, (str, os.PathLike)):
+    if not is_file_input(first):
         return 0
     try:
-        if not stat.S_ISREG(os.stat(first).st_mode):  # opening a FIFO would block: preprocessing refuses it
-            return 0
+        if not isinstance(first, FileBytes) and not stat.S_ISREG(os.stat(first).st_mode):
+            return 0  # opening a FIFO would block: preprocessing refuses it
         # open_header: the header checks decoding makes (a file it refuses costs nothing), PIL's limit as there.
         with open_header(first, "", max_input_pixels, check_aspect=False) as image:
             pixels = image.width * image.height

@@ -64,7 +64,7 @@ from .forward_faults import (
 from .inputs.images import PreprocessConfig
 from .inputs.item_ids import config_sha256, is_sha256, weights_sha256
 from .inputs.item_ids import pixels_sha256 as item_pixels_sha256
-from .inputs.pixels import DEFAULT_MAX_INPUT_PIXELS
+from .inputs.pixels import DEFAULT_MAX_INPUT_PIXELS, is_file_input
 from .inputs.video import VideoConfig, sample_indices
 from .model import build
 from .model.attention import resolve_attn_impl
@@ -451,7 +451,7 @@ class VisionEncoder:
         are resized and normalised by the video processors' own pipeline (the torchvision one; there is no other).
         """
         videos = list(videos)
-        if fps is not None and any(not isinstance(v, (str, os.PathLike)) for v in videos):
+        if fps is not None and any(not is_file_input(v) for v in videos):
             videos = self._sample_by_fps(videos, fps, video_fps)
         video_config = self.video_config if fps is None else dataclasses.replace(self.video_config, fps=fps)
         options = EncodeOptions(video=True, min_pixels=min_pixels, max_pixels=max_pixels,
@@ -470,7 +470,7 @@ class VisionEncoder:
         vcfg = dataclasses.replace(self.video_config, fps=fps)
         sampled = []
         for video, rate in zip(videos, rates):
-            if isinstance(video, (str, os.PathLike)):
+            if is_file_input(video):
                 sampled.append(video)
                 continue
             frames = video if hasattr(video, "shape") else list(video)

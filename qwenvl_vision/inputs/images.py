@@ -43,7 +43,6 @@ Videos are ``video.py`` (sampling, the video processors' sizes, frames to pixel 
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +61,7 @@ from .pixels import (
     check_aspect_ratio,
     check_resize_backend,
     input_name,
+    is_file_input,
     is_number,
     load_rgb,
     normalize,
@@ -279,7 +279,7 @@ def probe_image(image: Any, config: PreprocessConfig, *, index: int | None = Non
     ``name``: how messages name the input, if not as image `index` (a video's first frame).
     """
     name = name or input_name("image", index, image)
-    if isinstance(image, (str, os.PathLike)):
+    if is_file_input(image):
         with open_header(image, name, max_input_pixels, check_aspect=False) as opened:
             height, width = opened.height, opened.width
     elif isinstance(image, PIL.Image.Image):

@@ -16,9 +16,11 @@ deviations are in ``preprocess``'s docstring (images) and ``video``'s (frames); 
 
 from __future__ import annotations
 
+import io
 import math
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -108,18 +110,50 @@ def check_aspect_ratio(height: int, width: int, name: str) -> None:
 # --------------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True, repr=False)
+class FileBytes:
+    """A file's bytes held in memory under a name (a WebDataset member, an object read from storage): checked,
+    decoded and named exactly as the file at ``name`` would be, its kind (image or video) by the name's
+    extension. Nothing is written to disk."""
+
+    name: str
+    data: bytes
+
+    def __repr__(self) -> str:
+        return f"FileBytes({self.name!r}, {len(self.data)} bytes)"
+
+
+def is_file_input(item: Any) -> bool:
+    """A file to decode: a path, or a file's bytes in memory."""
+    return isinstance(item, (str, os.PathLike, FileBytes))
+
+
+def file_name(item: str | os.PathLike | FileBytes) -> str:
+    """A file input's name: its path, or the name its bytes go by."""
+    return item.name if isinstance(item, FileBytes) else os.fspath(item)
+
+
+def readable(item: str | os.PathLike | FileBytes) -> str | io.BytesIO:
+    """What PIL and PyAV open: the path, or the bytes as a file."""
+    return io.BytesIO(item.data) if isinstance(item, FileBytes) else os.fspath(item)
+
+
 def input_name(kind: str, index: int | None, item: Any = None) -> str:
     """How every error message names an input, whichever entry point meets the problem: a file by its path as
     given ("image 'photos/a.jpg'"), anything else by its position ("image 3", "video 2 frame 5"; "image" alone
     without an index). A path is what the user can act on, and embed's positions mean nothing to its user."""
-    if isinstance(item, (str, os.PathLike)):
-        return f"{kind} {os.fspath(item)!r}"
+    if is_file_input(item):
+        return f"{kind} {file_name(item)!r}"
     return kind if index is None else f"{kind} {index}"
 
 
-def check_regular_file(path: str, name: str) -> None:
+def check_regular_file(path: str | FileBytes, name: str) -> None:
     """The checks every file input gets before its decoder sees it (images and videos alike), so each kind of bad
-    path reads the same: missing, not a regular file, empty."""
+    path reads the same: missing, not a regular file, empty (a file in memory: empty only)."""
+    if isinstance(path, FileBytes):
+        if not path.data:
+            raise PreprocessError(f"{name}: file is empty (0 bytes)")
+        return
     if not os.path.exists(path):
         raise PreprocessError(f"{name}: file not found")
     if not os.path.isfile(path):
@@ -138,7 +172,7 @@ def load_rgb(image: Any, name: str, *, check_aspect: bool = False,
     image or an array passed in is already in memory. ``backend``: whose RGB conversion, the PIL or the
     torchvision image processor's (they differ for paths and 4-channel arrays).
     """
-    if isinstance(image, (str, os.PathLike)):
+    if is_file_input(image):
         return _load_path(image, name, check_aspect, max_input_pixels, composite=backend == "pil")
     if isinstance(image, PIL.Image.Image):
         if check_aspect or min(image.size) <= 0:
@@ -163,7 +197,7 @@ def as_hwc(image: Any, name: str) -> np.ndarray:
                           "uint8 numpy array or uint8 torch tensor")
 
 
-def open_header(path: str | os.PathLike, name: str, max_input_pixels: int | None,
+def open_header(path: str | os.PathLike | FileBytes, name: str, max_input_pixels: int | None,
                 check_aspect: bool) -> PIL.Image.Image:
     """``PIL.Image.open`` (the header only) after the file checks, then the header checks: what probing and
     loading a file share, so that each kind of bad file gets the same message from both. The caller closes it.
@@ -173,11 +207,11 @@ def open_header(path: str | os.PathLike, name: str, max_input_pixels: int | None
     file within the limit decodes the same in every process that decodes it (a Ray actor included),
     whatever PIL's default there.
     """
-    path = os.fspath(path)
+    path = path if isinstance(path, FileBytes) else os.fspath(path)
     check_regular_file(path, name)
     _lift_pil_limit(max_input_pixels)
     try:
-        opened = PIL.Image.open(path)
+        opened = PIL.Image.open(readable(path))
     except Exception as e:  # noqa: BLE001 - PIL raises many types for bad headers
         raise _unreadable(e, name) from e
     try:
@@ -213,7 +247,7 @@ def _unreadable(error: Exception, name: str) -> PreprocessError:
     return PreprocessError(f"{name}: corrupt or truncated image data ({type(error).__name__}: {error})")
 
 
-def _load_path(path: str | os.PathLike, name: str, check_aspect: bool,
+def _load_path(path: str | os.PathLike | FileBytes, name: str, check_aspect: bool,
                max_input_pixels: int | None = None, composite: bool = True) -> PIL.Image.Image:
     """transformers.image_utils.load_image for a local file, then convert_to_rgb, with named errors.
 

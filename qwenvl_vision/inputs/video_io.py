@@ -35,7 +35,17 @@ from typing import Any
 import numpy as np
 
 from ..errors import PreprocessError
-from .pixels import check_aspect_ratio, check_input_pixels, check_regular_file, input_name, resize_uint8_torch
+from .pixels import (
+    FileBytes,
+    check_aspect_ratio,
+    check_input_pixels,
+    check_regular_file,
+    file_name,
+    input_name,
+    is_file_input,
+    readable,
+    resize_uint8_torch,
+)
 
 VIDEO_EXTRA = "pip install 'qwenvl-vision[video]'"
 # What ``embed`` and ``iter_encode(video=None)`` take for a video file (anything else is read as an image).
@@ -45,8 +55,8 @@ VIDEO_EXTENSIONS = frozenset({".mp4", ".m4v", ".mov", ".mkv", ".webm", ".avi", "
 
 
 def is_video_file(item: Any) -> bool:
-    """A path whose extension is a video container's."""
-    return isinstance(item, (str, os.PathLike)) and os.path.splitext(os.fspath(item))[1].lower() in VIDEO_EXTENSIONS
+    """A file (a path, or ``FileBytes``) whose name's extension is a video container's."""
+    return is_file_input(item) and os.path.splitext(file_name(item))[1].lower() in VIDEO_EXTENSIONS
 
 
 # Container formats FFmpeg opens for a single still image: a JPEG or PNG renamed .mp4 is not a video.
@@ -120,12 +130,12 @@ def _open_video(path: str | os.PathLike, name: str, max_input_pixels: int | None
     counting packets, so a header without one is not demuxed again. The caller closes the container.
     """
     av = _import_av(name)
-    path = os.fspath(path)
+    path = path if isinstance(path, FileBytes) else os.fspath(path)
     check_regular_file(path, name)
     try:
         # FFmpeg reads a name's "proto:" prefix (file:, concat:, subfile,...) as a protocol and would open
         # another file; an absolute path starts with "/", which no protocol name does, so it is only a path.
-        container = av.open(os.path.abspath(path))
+        container = av.open(readable(path) if isinstance(path, FileBytes) else os.path.abspath(path))
     except Exception as e:  # noqa: BLE001 - FFmpeg raises many error types for bad files
         raise _av_error(e, name, "open") from e
     try:

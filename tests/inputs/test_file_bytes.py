@@ -1,0 +1,44 @@
+"""``FileBytes``: a file's bytes in memory (a WebDataset member, an object from storage) encode bitwise as the file
+on disk does, images in both resize backends and videos, and a bad one gets the same one-line error, named by its
+name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qwenvl_vision import FileBytes, PreprocessError, load_encoder
+from tests.helpers import make_image_folder, write_video
+
+
+@pytest.fixture(scope="module")
+def encoder(checkpoint3):
+    with load_encoder(checkpoint3, device="cpu") as enc:
+        yield enc
+
+
+@pytest.mark.parametrize("resize", ["pil", "torch"])
+def test_images_in_memory_encode_bitwise_as_their_files(encoder, tmp_path, resize):
+    paths = make_image_folder(tmp_path / "imgs", 4, bad=False)
+    in_memory = [FileBytes(f"mem/{p.name}", p.read_bytes()) for p in paths]
+    want = encoder.encode_images([str(p) for p in paths], max_pixels=64 * 64, resize=resize)
+    got = encoder.encode_images(in_memory, max_pixels=64 * 64, resize=resize)
+    assert all(torch.equal(a, b) for a, b in zip(got.embeddings, want.embeddings, strict=True))
+    assert got.pixels_sha256 == want.pixels_sha256  # the same item ids in an encoder cache
+
+
+def test_a_video_in_memory_encodes_bitwise_as_its_file(encoder, tmp_path):
+    pytest.importorskip("av")
+    path = tmp_path / "clip.mp4"
+    write_video(path, 9, 48, 40, 4)
+    want = encoder.encode_videos([str(path)])
+    got = encoder.encode_videos([FileBytes("clip.mp4", path.read_bytes())])
+    assert torch.equal(got.embeddings[0], want.embeddings[0])
+    assert got.video_info[0] == want.video_info[0]
+
+
+def test_bad_bytes_are_named_by_their_name_in_one_line(encoder, tmp_path):
+    for data, needle in [(b"", "file is empty"), (b"not an image", "not a recognised image file")]:
+        with pytest.raises(PreprocessError, match=needle) as caught:
+            encoder.encode_images([FileBytes("shard.tar/000001.jpg", data)])
+        assert "'shard.tar/000001.jpg'" in str(caught.value) and "\n" not in str(caught.value)
