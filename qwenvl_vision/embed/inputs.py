@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ..errors import ConfigError
 from ..inputs.video_io import VIDEO_EXTENSIONS
+from .shards import KEY_COLUMN, Member, expand_braces, is_shard, list_shard, member_path, sample_key
 from .tables import check_keep_columns, is_table, read_table
 
 IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".ppm", ".pgm"}
@@ -31,6 +32,7 @@ class Inputs:
     keys: dict[str, str] = field(default_factory=dict)  # path -> real_key(path)
     columns: dict[str, dict] = field(default_factory=dict)  # path -> the values its table row carries
     column_types: dict[str, str] = field(default_factory=dict)  # carried column -> its type (tables.COLUMN_TYPES)
+    members: dict[str, Member] = field(default_factory=dict)  # path -> where a shard member's bytes are
     _seen: set[str] = field(default_factory=set, repr=False)
 
     def add(self, path: str, error: str | None = None, columns: dict | None = None) -> None:
@@ -44,6 +46,14 @@ class Inputs:
             self.errors[path] = error
         if columns is not None:
             self.columns[path] = columns
+
+    def carry(self, types: dict[str, str], where: str) -> None:
+        """Carried columns of one more source (a table, a shard): one type per column across the run."""
+        clash = {n: (self.column_types[n], t) for n, t in types.items() if self.column_types.get(n, t) != t}
+        if clash:
+            raise ConfigError(f"{where}: carried columns of another type than earlier inputs' {clash}; one run "
+                              f"writes one type per column")
+        self.column_types.update(types)
 
 
 def real_key(path: str, base: str | None = None) -> str:
@@ -62,20 +72,20 @@ def gather_inputs(inputs: list[str], path_column: str = "path", keep_columns: tu
     """
     found = Inputs()
     check_keep_columns(keep_columns, path_column)
+    inputs = [path for item in inputs for path in (expand_braces(item) if is_shard(item) else [item])]
     tables = [item for item in inputs if is_table(item) and Path(item).is_file()]
-    if keep_columns and not tables:
-        raise ConfigError(f"--keep-columns {','.join(keep_columns)} carries a table's columns, and no input is a "
-                          f"table (.parquet, .csv, .tsv, .jsonl)")
+    if keep_columns and not tables and not any(is_shard(item) for item in inputs):
+        raise ConfigError(f"--keep-columns {','.join(keep_columns)} carries a table's columns (or a shard's "
+                          f"members), and no input is a table (.parquet, .csv, .tsv, .jsonl) or a .tar shard")
     for item in inputs:
         p = Path(item)
         if item in tables:
             rows, types = read_table(p, path_column, keep_columns)
-            if found.column_types and types != found.column_types:
-                raise ConfigError(f"table {item}: its carried columns' types {types} differ from the other tables' "
-                                  f"{found.column_types}; one run writes one type per column")
-            found.column_types = types
+            found.carry(types, f"table {item}")
             for row in rows:
                 found.add(row.path or f"{item}#row{row.number}", row.error, row.columns)
+        elif is_shard(item) and not p.is_dir():
+            _add_shard(found, item, keep_columns)
         elif p.is_dir():
             files, unreadable = _walk_media(p)
             for folder, why in unreadable:
@@ -94,6 +104,20 @@ def gather_inputs(inputs: list[str], path_column: str = "path", keep_columns: tu
         else:
             found.add(str(p))
     return found
+
+
+def _add_shard(found: Inputs, shard: str, keep: tuple[str, ...]) -> None:
+    """A shard's media members as inputs, in member order, each with its sample's key and ``keep`` texts."""
+    listing = list_shard(shard, lambda name: Path(name).suffix.lower() in MEDIA_EXTENSIONS, keep)
+    found.carry({KEY_COLUMN: "string", **dict.fromkeys(keep, "string")}, f"shard {shard}")
+    for member in listing.members:
+        path = member_path(shard, member.name)
+        key = sample_key(member.name)
+        texts = listing.texts.get(key, {})
+        found.add(path, columns={KEY_COLUMN: key, **{ext: texts.get(ext) for ext in keep}})
+        found.members[path] = member
+    for where, why in listing.errors.items():
+        found.add(where, why)
 
 
 def _walk_media(top: Path) -> tuple[list[Path], list[tuple[Path, str]]]:
@@ -149,7 +173,22 @@ def rank_and_world() -> tuple[int, int]:
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def shard_for_rank(paths: list[str], rank: int, world: int) -> list[str]:
-    """Rank `rank`'s inputs: every `world`-th from its own index, so the shares never overlap."""
-    return paths[rank::world]
+def shard_for_rank(paths: list[str], rank: int, world: int, members: dict[str, Member] | None = None
+                   ) -> list[str]:
+    """Rank `rank`'s inputs: every `world`-th from its own index, so the shares never overlap. Where the inputs
+    hold at least `world` tar shards (``members``), a shard's members go to one rank (shards dealt in turn), so
+    that each rank reads its own shards; other inputs are dealt in turn among themselves."""
+    members = members or {}
+    if len({m.shard for m in members.values()}) < world:
+        return paths[rank::world]
+    mine, ordinal, plain = [], {}, 0
+    for path in paths:
+        member = members.get(path)
+        if member is None:
+            turn, plain = plain, plain + 1
+        else:
+            turn = ordinal.setdefault(member.shard, len(ordinal))
+        if turn % world == rank:
+            mine.append(path)
+    return mine
 

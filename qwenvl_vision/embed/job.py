@@ -60,6 +60,7 @@ from .manifest import MANIFEST, PARQUET_SHARD_NAME, RUN_FIELD_DEFAULTS, RUN_FILE
 from .progress import Progress
 from .reader import older_plan, read_manifest_lines, read_run
 from .run_record import compare_runs, crossed_bounds_note, describe_run
+from .shards import items_of
 from .writer import OUTPUT_FAULTS, RankWriter, Writer, atomic_write_text, merge_parts, output_fault
 
 
@@ -259,6 +260,9 @@ class EmbedJob:
         if recorded is not None and not args.format_given:  # --resume continues the folder's format unless told
             self.settings = args = dataclasses.replace(args, format=recorded["file_format"])
         self.inputs = gather_inputs(args.inputs, args.path_column, args.keep_columns)
+        if self.inputs.members and args.engine == "ray":
+            raise EmbedError("--engine ray hands its actors files by path, and .tar shards' members are read from "
+                             "the shard: embed shards with --engine local (or under torchrun)")
         if not self.inputs.paths:
             raise EmbedError(f"no inputs: {', '.join(args.inputs)} hold no image or video files (by extension: "
                              f"{' '.join(sorted(MEDIA_EXTENSIONS))}) and list no paths")
@@ -361,7 +365,7 @@ class EmbedJob:
             encode_on_ray(self, writer)
             return
         args = self.settings
-        mine = shard_for_rank(self.inputs.paths, self.rank, self.world)
+        mine = shard_for_rank(self.inputs.paths, self.rank, self.world, self.inputs.members)
         keys, errors = self.inputs.keys, self.inputs.errors
         todo = [p for p in mine if keys[p] not in writer.done]
         columns = self.inputs.columns
@@ -394,7 +398,8 @@ class EmbedJob:
             batches = self.encoder.iter_encode(
                 # The options as given, as encode_images takes them: an option alone keeps the checkpoint's
                 # other bound even where they cross (run.json records both; a resume compared them).
-                todo, video=None, min_pixels=args.min_pixels, max_pixels=args.max_pixels,
+                items_of(todo, self.inputs.members), video=None, min_pixels=args.min_pixels,
+                max_pixels=args.max_pixels,
                 max_batch_patches=args.batch_patches, resize=self.run["resize"],
                 pooled=args.pooled_only, normalize=args.normalize, max_input_pixels=args.max_input_pixels,
                 decode_bytes=args.decode_mib << 20, decode_timeout=args.decode_timeout,

@@ -1,0 +1,176 @@
+"""WebDataset shards as inputs: an INPUT ending in ``.tar`` (or a brace pattern such as
+``shards-{000000..000099}.tar``, as webdataset writes and reads them) whose image and video members are inputs.
+
+A shard is read as a stream, never extracted: its member headers are listed once (an uncompressed tar holds each
+member's bytes at one offset), and each member's bytes are read when its turn comes and handed to the decoder in
+memory (``FileBytes``). Members group into samples by key, the member name up to the first dot of its last path
+part, as webdataset groups them (``000123.jpg``, ``000123.json``, ``000123.txt``). Every image or video member
+(by extension) is one input, named ``{shard}/{member}`` in the manifest and the Parquet rows (its identity for
+resume: the shard's real path joined with the member); it carries its sample's key as the column ``__key__``, and
+``--keep-columns txt,json`` carries the sample's members of those extensions as text.
+
+Refused, as one failed input each, never read: a member whose name leaves the shard (absolute, ``..``, empty parts),
+a shard that is not a tar (or is damaged: the members listed before the damage stay inputs), a missing shard.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import tarfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import PurePosixPath
+
+from ..inputs.pixels import FileBytes
+
+TAR_SUFFIX = ".tar"
+KEY_COLUMN = "__key__"  # webdataset's name for a sample's key
+BRACES = re.compile(r"\{([^{}]*)\}")
+TEXT_LIMIT = 1 << 20  # a carried member is text for a column: at most 1 MiB of it
+
+
+@dataclass(frozen=True)
+class Member:
+    """One image or video member of a shard: where its bytes are."""
+
+    shard: str  # as given
+    name: str
+    offset: int
+    size: int
+
+
+def is_shard(path: str) -> bool:
+    return path.lower().endswith(TAR_SUFFIX)
+
+
+def expand_braces(pattern: str) -> list[str]:
+    """webdataset's brace patterns: ``{000..099}`` (a numeric range, zero-padded to the first bound's width) and
+    ``{a,b,c}``, each brace in turn; a pattern without braces is itself."""
+    parts: list[list[str]] = []
+    last = 0
+    for match in BRACES.finditer(pattern):
+        parts.append([pattern[last:match.start()]])
+        body = match.group(1)
+        bounds = re.fullmatch(r"(\d+)\.\.(\d+)", body)
+        if bounds:
+            low, high = bounds.groups()
+            step = 1 if int(high) >= int(low) else -1
+            parts.append([str(i).zfill(len(low)) for i in range(int(low), int(high) + step, step)])
+        else:
+            parts.append(body.split(","))
+        last = match.end()
+    parts.append([pattern[last:]])
+    return ["".join(choice) for choice in itertools.product(*parts)]
+
+
+def sample_key(name: str) -> str:
+    """A member's sample key: its name up to the first dot of its last path part (webdataset's grouping)."""
+    folder, _, base = name.rpartition("/")
+    return (folder + "/" if folder else "") + base.split(".", 1)[0]
+
+
+def member_extension(name: str) -> str:
+    """What follows the key: ``000123.jpg`` -> ``jpg``, ``a.seg.png`` -> ``seg.png`` (webdataset's field name)."""
+    return name.rpartition("/")[2].split(".", 1)[1] if "." in name.rpartition("/")[2] else ""
+
+
+def name_problem(name: str) -> str | None:
+    """Why a member name cannot be an input's name (it would leave the shard), or None."""
+    parts = PurePosixPath(name).parts
+    if name.startswith("/") or not parts or any(p in ("", ".", "..") for p in name.split("/")):
+        return "its name leaves the shard (absolute, '..' or empty parts): refused, never read"
+    return None
+
+
+@dataclass
+class ShardListing:
+    """A shard's media members in order, the failed inputs it holds (name -> why), and each sample's carried
+    text (key -> {extension: text})."""
+
+    members: list[Member]
+    errors: dict[str, str]
+    texts: dict[str, dict[str, str]]
+
+
+def list_shard(shard: str, is_media, keep: tuple[str, ...]) -> ShardListing:
+    """The members of ``shard`` (headers only): media members by ``is_media(name)``, the ``keep`` extensions'
+    members read as text."""
+    listing = ShardListing([], {}, {})
+    try:
+        with open(shard, "rb") as raw, tarfile.open(fileobj=raw, mode="r:") as tar:
+            while True:
+                try:
+                    info = tar.next()
+                except tarfile.TarError as e:
+                    listing.errors[shard] = (f"shard {shard} is damaged after {len(listing.members)} media members "
+                                             f"({e}); the members before it are inputs")
+                    break
+                if info is None:
+                    break
+                if not info.isreg():
+                    continue
+                problem = name_problem(info.name)
+                if problem and is_media(info.name):
+                    listing.errors[f"{shard}/{info.name}"] = f"member {info.name!r} of shard {shard}: {problem}"
+                    continue
+                if problem:
+                    continue
+                ext = member_extension(info.name)
+                if is_media(info.name):
+                    listing.members.append(Member(shard, info.name, info.offset_data, info.size))
+                elif ext in keep:
+                    raw.seek(info.offset_data)
+                    text = raw.read(min(info.size, TEXT_LIMIT)).decode("utf-8", "replace")
+                    listing.texts.setdefault(sample_key(info.name), {})[ext] = text
+    except FileNotFoundError:
+        listing.errors[shard] = f"shard {shard}: file not found"
+    except (OSError, tarfile.TarError) as e:
+        listing.errors[shard] = f"shard {shard} cannot be read as a tar file ({getattr(e, 'strerror', None) or e})"
+    return listing
+
+
+class MemberReader:
+    """Reads members' bytes in input order, keeping the current shard open (members of one shard come together)."""
+
+    def __init__(self) -> None:
+        self.path: str | None = None
+        self.file = None
+
+    def read(self, path: str, member: Member) -> FileBytes | str:
+        """The member's bytes; where the shard cannot be read any more (moved or cut since it was listed), the
+        name itself, which the decoder then reports as a file not found, one failed input."""
+        try:
+            if member.shard != self.path:
+                self.close()
+                self.file, self.path = open(member.shard, "rb"), member.shard  # noqa: SIM115 - kept across calls
+            self.file.seek(member.offset)
+            data = self.file.read(member.size)
+        except OSError:
+            return path
+        return FileBytes(path, data) if len(data) == member.size else path
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+        self.file = self.path = None
+
+
+def items_of(paths: list[str], members: dict[str, Member]) -> Iterator[object]:
+    """What the encoder takes for each input, lazily and in order: a path, or a member's bytes."""
+    reader = MemberReader()
+    try:
+        for path in paths:
+            member = members.get(path)
+            yield path if member is None else reader.read(path, member)
+    finally:
+        reader.close()
+
+
+def member_path(shard: str, name: str) -> str:
+    return f"{shard}/{name}"
+
+
+def shard_real_key(shard: str, name: str) -> str:
+    return os.path.join(os.path.realpath(shard), name)

@@ -1,0 +1,154 @@
+"""WebDataset shards as inputs (qwenvl_vision.embed.shards): members read from the tar, never extracted, bitwise the
+tensors of the same files from a folder; brace patterns; the sample's key and text members carried; members that
+leave the shard refused; kill-and-resume records each member once; torchrun splits by shard."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from qwenvl_vision.cli import main
+from qwenvl_vision.embed import read_embeddings, read_manifest_lines
+from qwenvl_vision.embed.shards import expand_braces
+from tests.helpers import make_image_folder, write_video
+from tests.helpers.embed import ENV, embed_cmd, one_error_line, torchrun_embed_cmd
+
+SMALL = ["--max-pixels", str(64 * 64), "--quiet"]
+
+
+def add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    tar.addfile(info, io.BytesIO(data))
+
+
+def write_shard(path: Path, files: list[Path], start: int, extra: dict[str, bytes] | None = None) -> list[str]:
+    """A webdataset shard: sample i is {key}.{ext} with {key}.txt and {key}.json beside it; its member names."""
+    names = []
+    with tarfile.open(path, "w") as tar:
+        for i, f in enumerate(files):
+            key = f"{start + i:06d}"
+            add(tar, f"{key}{f.suffix}", f.read_bytes())
+            add(tar, f"{key}.txt", f"caption of {f.name}".encode())
+            add(tar, f"{key}.json", json.dumps({"source": f.name}).encode())
+            names.append(f"{key}{f.suffix}")
+        for name, data in (extra or {}).items():
+            add(tar, name, data)
+    return names
+
+
+@pytest.fixture(scope="module")
+def collection(tmp_path_factory, checkpoint):
+    """8 images in a folder and the same in two shards, and the folder's tensors by file name."""
+    root = tmp_path_factory.mktemp("shards")
+    paths = sorted(make_image_folder(root / "imgs", 8, bad=False), key=lambda p: p.name)
+    names = write_shard(root / "shards-000000.tar", paths[:4], 0) + write_shard(root / "shards-000001.tar",
+                                                                                  paths[4:], 4)
+    out = root / "from-folder"
+    assert main(["embed", str(root / "imgs"), "--model", str(checkpoint), "--out", str(out), *SMALL]) == 0
+    by_name = {Path(p).name: t for p, t in read_embeddings(out)}
+    return root, paths, names, by_name
+
+
+def test_brace_patterns_expand_as_webdataset_s():
+    assert expand_braces("s-{000..002}.tar") == ["s-000.tar", "s-001.tar", "s-002.tar"]
+    assert expand_braces("{a,b}/x-{8..10}.tar") == ["a/x-8.tar", "a/x-9.tar", "a/x-10.tar", "b/x-8.tar", "b/x-9.tar",
+                                                    "b/x-10.tar"]
+    assert expand_braces("plain.tar") == ["plain.tar"]
+
+
+def test_shards_embed_bitwise_as_the_folder_with_the_sample_key_and_texts(collection, checkpoint):
+    root, paths, names, want = collection
+    out = root / "from-shards"
+    pattern = str(root / "shards-{000000..000001}.tar")
+    assert main(["embed", pattern, "--model", str(checkpoint), "--out", str(out), "--keep-columns", "txt,json",
+                 *SMALL]) == 0
+    records = read_manifest_lines(out / "manifest.jsonl")
+    shard_of = [f"shards-00000{i // 4}.tar" for i in range(8)]
+    assert [r["path"] for r in records] == [str(root / s / n) for s, n in zip(shard_of, names, strict=True)]
+    assert [r["columns"]["__key__"] for r in records] == [f"{i:06d}" for i in range(8)]
+    assert [r["columns"]["txt"] for r in records] == [f"caption of {p.name}" for p in paths]
+    assert [json.loads(r["columns"]["json"])["source"] for r in records] == [p.name for p in paths]
+    got = dict(read_embeddings(out))
+    for r, p in zip(records, paths, strict=True):
+        assert torch.equal(got[r["path"]], want[p.name])
+    assert not any(f.suffix in (".jpg", ".png") for f in out.rglob("*")) and sorted(os.listdir(root)) == sorted(
+        ["imgs", "from-folder", "from-shards", "shards-000000.tar", "shards-000001.tar"])  # nothing extracted
+
+
+def test_a_video_member_and_bad_members_are_inputs_of_their_own(collection, checkpoint, tmp_path):
+    pytest.importorskip("av")
+    root, paths, _, want = collection
+    clip = tmp_path / "clip.mp4"
+    write_video(clip, 9, 48, 40, 4)
+    shard = tmp_path / "mixed.tar"
+    write_shard(shard, [paths[0]], 0, {"000001.mp4": clip.read_bytes(), "000002.jpg": b"not a jpeg",
+                                       "../escape.jpg": paths[1].read_bytes(), "000003.cls": b"7"})
+    out = tmp_path / "out"
+    assert main(["embed", str(shard), str(clip), "--model", str(checkpoint), "--out", str(out), *SMALL]) == 1
+    by_path = {r["path"]: r for r in read_manifest_lines(out / "manifest.jsonl")}
+    assert by_path[f"{shard}/000000{paths[0].suffix}"]["status"] == "ok"
+    assert by_path[f"{shard}/000002.jpg"]["status"] == "error" and "not a recognised image" in \
+        by_path[f"{shard}/000002.jpg"]["error"]
+    assert "leaves the shard" in by_path[f"{shard}/../escape.jpg"]["error"]
+    got = dict(read_embeddings(out))
+    assert torch.equal(got[f"{shard}/000001.mp4"], got[str(clip)])  # a video member: bitwise its file
+    assert torch.equal(got[f"{shard}/000000{paths[0].suffix}"], want[paths[0].name])
+    assert not (tmp_path / "escape.jpg").exists()
+
+
+def test_a_missing_or_broken_shard_is_a_failed_input_and_ray_is_refused(collection, checkpoint, tmp_path, capsys):
+    root, _, _, _ = collection
+    (tmp_path / "broken.tar").write_bytes(b"no tar here" * 100)
+    out = tmp_path / "out"
+    assert main(["embed", str(tmp_path / "broken.tar"), str(tmp_path / "absent.tar"),
+                 str(root / "shards-000000.tar"), "--model", str(checkpoint), "--out", str(out), *SMALL]) == 1
+    errors = {Path(r["path"]).name: r["error"] for r in read_manifest_lines(out / "manifest.jsonl")
+              if r["status"] == "error"}
+    assert "cannot be read as a tar" in errors["broken.tar"] and "file not found" in errors["absent.tar"]
+    capsys.readouterr()
+    assert main(["embed", str(root / "shards-000000.tar"), "--model", str(checkpoint), "--out",
+                 str(tmp_path / "ray"), "--engine", "ray", *SMALL]) == 2
+    one_error_line(capsys.readouterr().err, "--engine ray", ".tar")
+
+
+@pytest.mark.slow  # SIGKILLs at several instants
+def test_kill_and_resume_over_shards_records_each_member_once(collection, checkpoint, tmp_path):
+    root, paths, names, want = collection
+    out = tmp_path / "killed"
+    cmd = embed_cmd([root / "shards-{000000..000001}.tar"], checkpoint, out, "--batch-patches", "32", *SMALL)
+    for delay in (2.5, 3.5, 5.0):
+        proc = subprocess.Popen(cmd + (["--resume"] if out.exists() else []), env=ENV, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert main([*cmd[3:], "--resume"]) == 0
+    records = read_manifest_lines(out / "manifest.jsonl")
+    assert sorted(r["path"] for r in records) == sorted(str(root / f"shards-00000{i // 4}.tar" / n)
+                                                        for i, n in enumerate(names))
+    got = dict(read_embeddings(out))
+    for r in records:
+        source = paths[names.index(Path(r["path"]).name)]
+        assert torch.equal(got[r["path"]], want[source.name])
+
+
+def test_torchrun_ranks_take_whole_shards(collection, checkpoint, tmp_path):
+    root, _, names, _ = collection
+    out = tmp_path / "ranks"
+    result = subprocess.run(torchrun_embed_cmd([root / "shards-000000.tar", root / "shards-000001.tar"], checkpoint,
+                                               out, *SMALL), env=ENV, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = read_manifest_lines(out / "manifest.jsonl")
+    assert len(records) == len(names)
+    assert {Path(r["path"]).parent.name: r["rank"] for r in records} == {"shards-000000.tar": 0,
+                                                                         "shards-000001.tar": 1}
