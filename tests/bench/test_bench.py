@@ -69,3 +69,11 @@ def test_a_timed_forward_runs_alone_and_its_peak_is_the_rss_high_water_mark():
         assert peak is None  # no resettable high-water mark here: unknown, never a wrong number
     else:
         assert peak >= 60 << 20
+
+
+def test_tar_inputs_bench_compares_bitwise_equal_sides():
+    """bench.tar_inputs' logic on 3 photos, one round a side: both sides timed, outputs checked equal inside."""
+    from bench import tar_inputs
+
+    result = tar_inputs.main(["--images", "3", "--rounds", "1"])
+    assert set(result["median_s"]) == {"folder", "shard"} and result["shard_vs_folder"] > 0
