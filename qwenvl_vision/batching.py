@@ -256,10 +256,17 @@ def _prepare(item: Any, index: int, options: EncodeOptions, pre: PreprocessConfi
         min_pixels = max_pixels = None
     name = input_name(kind, index, item)
     is_file = is_file_input(item)
+    # Bytes still to be fetched (an object in storage) are fetched inside the decode's time limit, so they are
+    # not read for an estimate before it: they cost nothing up front, like inputs already in memory.
+    estimate = is_file and not (isinstance(item, FileBytes) and not item.fetched)
     # A video file's header is read once: for its decode estimate, and its frame count for the read itself.
-    header = probe_quietly(item, options.max_input_pixels) if video and is_file else None
-    cost = video_file_cost(header, pre, options.video_config) if header else \
-        decode_cost(item, video, options.max_input_pixels, "torch" if video else options.resize or pre.resize)
+    header = probe_quietly(item, options.max_input_pixels) if video and estimate else None
+    if is_file and not estimate:
+        cost = 0
+    elif header:
+        cost = video_file_cost(header, pre, options.video_config)
+    else:
+        cost = decode_cost(item, video, options.max_input_pixels, "torch" if video else options.resize or pre.resize)
     decoding.admitted(budget.admit(index, cost))
     info = None
     sizes = dict(min_pixels=min_pixels, max_pixels=max_pixels, index=index, max_input_pixels=options.max_input_pixels)

@@ -1,5 +1,5 @@
-"""What an embed run works on: the inputs gathered from files, folders, list files and tables (``tables``), and
-each rank's share.
+"""What an embed run works on: the inputs gathered from files, folders, list files, tables (``tables``), WebDataset
+shards (``shards``) and URLs (``remote``), and each rank's share.
 
 Inputs are deduplicated by real path (the first spelling is the one recorded, and a table's first row naming a
 file gives its carried columns). A list that is not text is one
@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ..errors import ConfigError
 from ..inputs.video_io import VIDEO_EXTENSIONS
+from .remote import identities, is_url
 from .shards import KEY_COLUMN, Member, expand_braces, is_shard, list_shard, member_path, sample_key
 from .tables import check_keep_columns, is_table, read_table
 
@@ -33,19 +34,38 @@ class Inputs:
     columns: dict[str, dict] = field(default_factory=dict)  # path -> the values its table row carries
     column_types: dict[str, str] = field(default_factory=dict)  # carried column -> its type (tables.COLUMN_TYPES)
     members: dict[str, Member] = field(default_factory=dict)  # path -> where a shard member's bytes are
-    _seen: set[str] = field(default_factory=set, repr=False)
+    remote: set[str] = field(default_factory=set)  # the paths that are URLs (remote.py)
+    _pending: list[tuple] = field(default_factory=list, repr=False)
 
-    def add(self, path: str, error: str | None = None, columns: dict | None = None) -> None:
-        key = real_key(path)
-        if key in self._seen:  # the same file named twice (another spelling, a link) is embedded once
-            return
-        self._seen.add(key)
-        self.paths.append(path)
-        self.keys[path] = key
-        if error is not None:
-            self.errors[path] = error
-        if columns is not None:
-            self.columns[path] = columns
+    def add(self, path: str, error: str | None = None, columns: dict | None = None,
+            member: Member | None = None) -> None:
+        """One more input, in order (``finish`` settles them)."""
+        self._pending.append((path, error, columns, member))
+
+    def finish(self) -> Inputs:
+        """Every input added, with its identity: a URL's from its store (several at once), a file's its real path.
+        The same identity twice (another spelling, a link) is embedded once, under its first."""
+        urls = [path for path, error, _, _ in self._pending if error is None and is_url(path)]
+        known = identities(urls) if urls else {}
+        seen = set()
+        for path, error, columns, member in self._pending:
+            key, why = known.get(path, (None, None))
+            key = key or real_key(path)
+            if key in seen:
+                continue
+            seen.add(key)
+            self.paths.append(path)
+            self.keys[path] = key
+            if error is not None or why is not None:
+                self.errors[path] = error or why
+            if columns is not None:
+                self.columns[path] = columns
+            if member is not None:
+                self.members[path] = member
+            if path in known:
+                self.remote.add(path)
+        self._pending = []
+        return self
 
     def carry(self, types: dict[str, str], where: str) -> None:
         """Carried columns of one more source (a table, a shard): one type per column across the run."""
@@ -72,7 +92,8 @@ def gather_inputs(inputs: list[str], path_column: str = "path", keep_columns: tu
     """
     found = Inputs()
     check_keep_columns(keep_columns, path_column)
-    inputs = [path for item in inputs for path in (expand_braces(item) if is_shard(item) else [item])]
+    inputs = [path for item in inputs
+              for path in (expand_braces(item) if is_shard(item) and not is_url(item) else [item])]
     tables = [item for item in inputs if is_table(item) and Path(item).is_file()]
     if keep_columns and not tables and not any(is_shard(item) for item in inputs):
         raise ConfigError(f"--keep-columns {','.join(keep_columns)} carries a table's columns (or a shard's "
@@ -84,6 +105,8 @@ def gather_inputs(inputs: list[str], path_column: str = "path", keep_columns: tu
             found.carry(types, f"table {item}")
             for row in rows:
                 found.add(row.path or f"{item}#row{row.number}", row.error, row.columns)
+        elif is_url(item):
+            found.add(item)
         elif is_shard(item) and not p.is_dir():
             _add_shard(found, item, keep_columns)
         elif p.is_dir():
@@ -103,7 +126,7 @@ def gather_inputs(inputs: list[str], path_column: str = "path", keep_columns: tu
                 found.add(str(Path(line) if Path(line).is_absolute() else p.parent / line))
         else:
             found.add(str(p))
-    return found
+    return found.finish()
 
 
 def _add_shard(found: Inputs, shard: str, keep: tuple[str, ...]) -> None:
@@ -114,8 +137,7 @@ def _add_shard(found: Inputs, shard: str, keep: tuple[str, ...]) -> None:
         path = member_path(shard, member.name)
         key = sample_key(member.name)
         texts = listing.texts.get(key, {})
-        found.add(path, columns={KEY_COLUMN: key, **{ext: texts.get(ext) for ext in keep}})
-        found.members[path] = member
+        found.add(path, columns={KEY_COLUMN: key, **{ext: texts.get(ext) for ext in keep}}, member=member)
     for where, why in listing.errors.items():
         found.add(where, why)
 

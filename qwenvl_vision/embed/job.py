@@ -260,9 +260,9 @@ class EmbedJob:
         if recorded is not None and not args.format_given:  # --resume continues the folder's format unless told
             self.settings = args = dataclasses.replace(args, format=recorded["file_format"])
         self.inputs = gather_inputs(args.inputs, args.path_column, args.keep_columns)
-        if self.inputs.members and args.engine == "ray":
-            raise EmbedError("--engine ray hands its actors files by path, and .tar shards' members are read from "
-                             "the shard: embed shards with --engine local (or under torchrun)")
+        if (self.inputs.members or self.inputs.remote) and args.engine == "ray":
+            raise EmbedError("--engine ray hands its actors local files by path; .tar shards' members and URLs are "
+                             "read by the local engine: embed them with --engine local (or under torchrun)")
         if not self.inputs.paths:
             raise EmbedError(f"no inputs: {', '.join(args.inputs)} hold no image or video files (by extension: "
                              f"{' '.join(sorted(MEDIA_EXTENSIONS))}) and list no paths")
@@ -398,7 +398,7 @@ class EmbedJob:
             batches = self.encoder.iter_encode(
                 # The options as given, as encode_images takes them: an option alone keeps the checkpoint's
                 # other bound even where they cross (run.json records both; a resume compared them).
-                items_of(todo, self.inputs.members), video=None, min_pixels=args.min_pixels,
+                items_of(todo, self.inputs.members, self.inputs.remote), video=None, min_pixels=args.min_pixels,
                 max_pixels=args.max_pixels,
                 max_batch_patches=args.batch_patches, resize=self.run["resize"],
                 pooled=args.pooled_only, normalize=args.normalize, max_input_pixels=args.max_input_pixels,

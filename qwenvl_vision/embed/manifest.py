@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from .inputs import real_key
+from .remote import is_url
 from .tables import COLUMN_TYPES
 
 MANIFEST = "manifest.jsonl"
@@ -114,8 +115,9 @@ def record_problem(record: Any) -> str:
         return f"not a JSON object ({type(record).__name__})"
     if not isinstance(record.get("path"), str) or not record["path"]:
         return "no 'path'"
-    if "realpath" in record and not (isinstance(record["realpath"], str) and os.path.isabs(record["realpath"])):
-        return f"realpath {record['realpath']!r} is not an absolute path"
+    if "realpath" in record and not (isinstance(record["realpath"], str) and (
+            os.path.isabs(record["realpath"]) or is_url(record["realpath"]))):
+        return f"realpath {record['realpath']!r} is not an absolute path or a URL"
     if record.get("status") not in ("ok", "error"):
         return f"status {record.get('status')!r} is neither 'ok' nor 'error'"
     if not _count(record.get("rank", 0), 0):

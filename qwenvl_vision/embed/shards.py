@@ -157,13 +157,20 @@ class MemberReader:
         self.file = self.path = None
 
 
-def items_of(paths: list[str], members: dict[str, Member]) -> Iterator[object]:
-    """What the encoder takes for each input, lazily and in order: a path, or a member's bytes."""
+def items_of(paths: list[str], members: dict[str, Member], remote: set[str] | frozenset = frozenset()
+             ) -> Iterator[object]:
+    """What the encoder takes for each input, lazily and in order: a path, a member's bytes, or an object's bytes
+    to be fetched by its decoder (``remote``)."""
+    from .remote import remote_file
+
     reader = MemberReader()
     try:
         for path in paths:
             member = members.get(path)
-            yield path if member is None else reader.read(path, member)
+            if path in remote:
+                yield remote_file(path)
+            else:
+                yield path if member is None else reader.read(path, member)
     finally:
         reader.close()
 

@@ -2,9 +2,9 @@
 default ``path``), with columns to carry into the outputs (``--keep-columns``), as img2dataset's ``url_col`` and
 ``save_additional_columns`` and clip-retrieval's metadata do.
 
-Rows keep their order. A relative path is taken from the table's folder (as a list file's lines are). A row whose
-path cell is empty, not text, or a URL (reading URLs is not supported by this version) is one failed input naming
-the table and the row; a JSON Lines line that is not a JSON object likewise. A column the table lacks is a
+Rows keep their order. A relative path is taken from the table's folder (as a list file's lines are), a URL is read
+from its store (``remote``). A row whose path cell is empty or not text is one failed input naming the table and
+the row; a JSON Lines line that is not a JSON object likewise. A column the table lacks is a
 ``ConfigError`` naming the table and the columns it has.
 
 Carried values keep a type the outputs can hold, decided once per table: a Parquet column's own (integers as
@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from .remote import is_url
 
 TABLE_EXTENSIONS = {".parquet", ".csv", ".tsv", ".jsonl"}
 COLUMN_TYPES = ("string", "int64", "float64", "bool", "json")
@@ -88,9 +89,8 @@ def _checked_path(table: Path, number: int, column: str, value: Any) -> tuple[st
     if not isinstance(value, str) or not value.strip():
         return None, f"{where}: column {column!r} is {json.dumps(value)[:80]}, not a path"
     value = value.strip()
-    if "://" in value:
-        return None, (f"{where}: {value[:200]} is a URL; this version reads local files only (download them, or "
-                      f"name local paths)")
+    if is_url(value):
+        return value, None  # read from its store (remote.py)
     p = Path(value)
     return str(p if p.is_absolute() else table.parent / p), None
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 import io
 import math
 import os
-from collections.abc import Sequence
-from dataclasses import dataclass
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -110,17 +110,42 @@ def check_aspect_ratio(height: int, width: int, name: str) -> None:
 # --------------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, repr=False)
 class FileBytes:
     """A file's bytes held in memory under a name (a WebDataset member, an object read from storage): checked,
     decoded and named exactly as the file at ``name`` would be, its kind (image or video) by the name's
-    extension. Nothing is written to disk."""
+    extension. Nothing is written to disk.
 
-    name: str
-    data: bytes
+    ``fetch`` (instead of ``data``): called for the bytes on first use, on the thread that decodes the input
+    (once: its bytes, or the ``PreprocessError`` it raised, are kept)."""
+
+    def __init__(self, name: str, data: bytes | None = None, fetch: Callable[[], bytes] | None = None) -> None:
+        if (data is None) == (fetch is None):
+            raise TypeError("FileBytes takes data or fetch, one of them")
+        self.name, self._data, self._fetch = name, data, fetch
+        self._error: PreprocessError | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def data(self) -> bytes:
+        if self._data is None:
+            with self._lock:
+                if self._data is None and self._error is None:
+                    try:
+                        self._data = self._fetch()
+                    except PreprocessError as e:
+                        self._error = e
+            if self._error is not None:
+                raise self._error
+        return self._data
+
+    @property
+    def fetched(self) -> bool:
+        """Whether the bytes are here (given, or fetched already)."""
+        return self._data is not None
 
     def __repr__(self) -> str:
-        return f"FileBytes({self.name!r}, {len(self.data)} bytes)"
+        size = f"{len(self._data)} bytes" if self._data is not None else "not fetched"
+        return f"FileBytes({self.name!r}, {size})"
 
 
 def is_file_input(item: Any) -> bool:

@@ -19,16 +19,17 @@ from qwenvl_vision.embed import read_embeddings, read_manifest_lines, read_run
 from qwenvl_vision.outputs.parquet import read_parquet_records
 from tests.helpers import make_image_folder
 from tests.helpers.embed import ENV, local_ray, one_error_line, torchrun_embed_cmd  # noqa: F401 - a fixture
+from tests.helpers.servers import http_folder
 
 SMALL = ["--max-pixels", str(64 * 64), "--quiet"]
 KEEP = ["--keep-columns", "caption,idx"]
 
 
-def rows_for(paths: list[Path], root: Path) -> list[dict]:
-    """One row per image (paths relative to the table's folder), then a row naming no file, a URL and a missing
-    file: every row with a caption and an index."""
+def rows_for(paths: list[Path], root: Path, base_url: str = "http://127.0.0.1:9") -> list[dict]:
+    """One row per image (paths relative to the table's folder), then a row naming no file, a URL the loopback
+    server lacks and a missing file: every row with a caption and an index."""
     rows = [{"path": str(p.relative_to(root)), "caption": f"photo {i}", "idx": i} for i, p in enumerate(paths)]
-    rows += [{"path": "", "caption": "empty", "idx": 90}, {"path": "https://example.com/a.jpg", "caption": "url",
+    rows += [{"path": "", "caption": "empty", "idx": 90}, {"path": f"{base_url}/nowhere.jpg", "caption": "url",
                                                            "idx": 91},
              {"path": "imgs/missing.png", "caption": "gone", "idx": 92}]
     return rows
@@ -49,20 +50,23 @@ def write_table(path: Path, rows: list[dict]) -> Path:
 
 @pytest.fixture(scope="module")
 def folder_run(tmp_path_factory, checkpoint):
-    """The images embedded from their folder: the tensors every table must give, by real path."""
+    """The images embedded from their folder: the tensors every table must give, by real path; and an HTTP server
+    on loopback."""
     root = tmp_path_factory.mktemp("tables")
     paths = make_image_folder(root / "imgs", 4, bad=False)
     out = root / "from-folder"
     assert main(["embed", str(root / "imgs"), "--model", str(checkpoint), "--out", str(out), *SMALL]) == 0
     realpath = {r["path"]: r["realpath"] for r in read_manifest_lines(out / "manifest.jsonl")}
-    return root, sorted(paths), {realpath[p]: t for p, t in read_embeddings(out)}
+    (root / "served").mkdir()
+    with http_folder(root / "served") as base_url:  # a real server on loopback, which lacks what rows ask of it
+        yield root, sorted(paths), {realpath[p]: t for p, t in read_embeddings(out)}, base_url
 
 
 @pytest.mark.parametrize("suffix", [".parquet", ".csv", ".tsv", ".jsonl"])
 def test_a_table_s_rows_embed_bitwise_as_the_folder_and_carry_their_columns_in_row_order(folder_run, checkpoint,
                                                                                           suffix):
-    root, paths, want = folder_run
-    rows = rows_for(paths, root)
+    root, paths, want, base_url = folder_run
+    rows = rows_for(paths, root, base_url)
     table = write_table(root / f"inputs{suffix}", rows)
     out = root / f"out{suffix}"
     assert main(["embed", str(table), "--model", str(checkpoint), "--out", str(out), *KEEP, *SMALL]) == 1
@@ -78,12 +82,12 @@ def test_a_table_s_rows_embed_bitwise_as_the_folder_and_carry_their_columns_in_r
         assert torch.equal(got[r["path"]], want[r["realpath"]])
     errors = [r["error"] for r in records if r["status"] == "error"]
     assert f"table {table}, row {len(paths) + 1}: column 'path'" in errors[0]
-    assert "is a URL" in errors[1] and f"row {len(paths) + 2}" in errors[1]
+    assert errors[1] == f"{base_url}/nowhere.jpg: cannot read its metadata (not found)"  # a failed input
     assert "missing.png" in errors[2]
 
 
 def test_every_format_carries_the_columns_typed_and_a_resume_keeps_each_row_once(folder_run, checkpoint):
-    root, paths, want = folder_run
+    root, paths, want, _ = folder_run
     rows = [{"path": str(p.relative_to(root)), "caption": f"c{i}", "idx": i, "score": i / 4, "keep": i % 2 == 0,
              "meta": {"n": i}} for i, p in enumerate(paths)]
     table = write_table(root / "typed.jsonl", rows[:2])
@@ -115,7 +119,7 @@ def test_every_format_carries_the_columns_typed_and_a_resume_keeps_each_row_once
 
 
 def test_columns_that_cannot_be_carried_are_refused_in_one_line(folder_run, checkpoint, capsys):
-    root, paths, _ = folder_run
+    root, paths, _, _ = folder_run
     table = write_table(root / "plain.csv", rows_for(paths, root))
     cases = [
         (["--path-column", "file"], ["no column 'file'", "path, caption, idx"]),
@@ -134,7 +138,7 @@ def test_columns_that_cannot_be_carried_are_refused_in_one_line(folder_run, chec
 
 
 def test_torchrun_ranks_carry_each_row_s_columns(folder_run, checkpoint):
-    root, paths, want = folder_run
+    root, paths, want, _ = folder_run
     table = write_table(root / "ranks.parquet", rows_for(paths, root)[:len(paths)])
     out = root / "ranks"
     result = subprocess.run(torchrun_embed_cmd([table], checkpoint, out, *KEEP, *SMALL), env=ENV,
@@ -148,8 +152,8 @@ def test_torchrun_ranks_carry_each_row_s_columns(folder_run, checkpoint):
 
 @pytest.mark.slow  # a local Ray instance
 def test_ray_engine_carries_each_row_s_columns(folder_run, checkpoint, local_ray):  # noqa: F811 - the fixture
-    root, paths, want = folder_run
-    rows = rows_for(paths, root)
+    root, paths, want, _ = folder_run
+    rows = [r for r in rows_for(paths, root) if "://" not in r["path"]]  # Ray reads local files only
     table = write_table(root / "ray.csv", rows)
     out = root / "ray"
     threads = str(read_run(root / "from-folder")["threads"])  # CPU bits are the same at the same thread count

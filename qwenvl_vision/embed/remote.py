@@ -1,0 +1,123 @@
+"""Objects in storage as inputs: an INPUT (or a table's path cell) with a scheme (``s3://``, ``gs://``, ``hdfs://``,
+``http(s)://``, anything fsspec opens) is read through fsspec, in the optional extra ``pip install
+'qwenvl-vision[remote]'`` (fsspec, with aiohttp for http(s) and s3fs for s3; other stores bring their own fsspec
+package). Outputs stay local.
+
+- Identity (what ``--resume`` matches, the manifest's ``realpath``): the URL, with the object's version or ETag
+  where the store gives one (``s3://b/k.jpg#etag=...``): an object replaced under the same URL is a new input.
+  It is read from the store's metadata (``fs.info``) when the inputs are gathered, several at once.
+- Bytes: fetched on the thread that decodes the input (``FileBytes`` with ``fetch``), so the decode workers
+  download in parallel and ``--decode-timeout`` bounds each input, download included.
+- Failures: a transient error (a dropped connection, a timeout, a server error) is retried ``RETRIES`` times with
+  backoff; an object that is missing (or disappears between listing and reading), refused, or still failing is
+  one failed input with one line naming the URL, and the run goes on.
+
+Credentials and endpoints are the store's own (for S3: ``AWS_*`` variables, ``AWS_ENDPOINT_URL``, the profile).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from ..errors import ConfigError, PreprocessError
+from ..inputs.pixels import FileBytes
+
+SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+RETRIES = 3  # attempts after the first, on transient errors
+BACKOFF_S = 0.25  # doubled after each attempt
+TIMEOUT_S = 60  # per request (connect and read), where the store takes one
+INFO_WORKERS = 8  # metadata requests in flight while gathering
+EXTRA = "pip install 'qwenvl-vision[remote]'"
+PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, ValueError, TypeError)
+
+
+def is_url(text: str) -> bool:
+    return bool(SCHEME.match(text)) and not text.lower().startswith("file://")
+
+
+def filesystem(url: str) -> tuple[Any, str]:
+    """(the fsspec file system for ``url``, the path in it), with request timeouts where the store takes them."""
+    try:
+        import fsspec
+    except ImportError:
+        raise ConfigError(f"{url}: reading URLs needs fsspec: {EXTRA}") from None
+    protocol = url.split("://", 1)[0].lower()
+    options: dict[str, Any] = {}
+    if protocol in ("http", "https"):
+        try:
+            import aiohttp
+        except ImportError:
+            raise ConfigError(f"{url}: reading http(s) needs aiohttp: {EXTRA}") from None
+        options["client_kwargs"] = {"timeout": aiohttp.ClientTimeout(total=TIMEOUT_S)}
+    elif protocol in ("s3", "s3a"):
+        options["config_kwargs"] = {"connect_timeout": TIMEOUT_S, "read_timeout": TIMEOUT_S,
+                                    "retries": {"max_attempts": 1}}  # the retries are ours, bounded
+    try:
+        return fsspec.core.url_to_fs(url, **options)
+    except ImportError as e:
+        raise ConfigError(f"{url}: no fsspec file system for {protocol}:// here ({e})") from None
+
+
+def retried(what: Callable[[], Any], url: str, action: str) -> Any:
+    """``what()``, retried on transient errors; a permanent one, or the last, as a one-line PreprocessError."""
+    delay = BACKOFF_S
+    for attempt in range(RETRIES + 1):
+        try:
+            return what()
+        except PERMANENT as e:
+            raise PreprocessError(f"{url}: cannot {action} ({_why(e)})") from None
+        except Exception as e:  # noqa: BLE001 - stores raise their own types for dropped connections and 5xx
+            if attempt == RETRIES:
+                raise PreprocessError(f"{url}: cannot {action} after {RETRIES + 1} attempts ({_why(e)})") from None
+            time.sleep(delay)
+            delay *= 2
+    raise AssertionError("unreachable")
+
+
+def _why(error: BaseException) -> str:
+    if isinstance(error, FileNotFoundError):
+        return "not found"
+    text = " ".join(str(error).split()) or type(error).__name__
+    return f"{type(error).__name__}: {text[:300]}"
+
+
+def identity(url: str) -> str:
+    """The input's identity: the URL, and the object's version or ETag where the store gives one."""
+    fs, path = filesystem(url)
+    info = retried(lambda: fs.info(path), url, "read its metadata")
+    if info.get("type") == "directory":
+        raise PreprocessError(f"{url}: a folder, not an object")
+    for field, label in (("VersionId", "version"), ("version_id", "version"), ("ETag", "etag"), ("etag", "etag")):
+        value = info.get(field)
+        if value:
+            return f"{url}#{label}={str(value).strip(chr(34))}"
+    return url
+
+
+def identities(urls: list[str]) -> dict[str, tuple[str, str | None]]:
+    """url -> (identity, None), or (the URL, why it cannot be read): several metadata requests at once."""
+    for url in urls[:1]:
+        filesystem(url)  # a missing extra is the run's setup error, raised once here
+
+    def one(url: str) -> tuple[str, str | None]:
+        try:
+            return identity(url), None
+        except PreprocessError as e:
+            return url, str(e)
+
+    with ThreadPoolExecutor(INFO_WORKERS) as pool:
+        return dict(zip(urls, pool.map(one, urls), strict=True))
+
+
+def fetch(url: str) -> bytes:
+    fs, path = filesystem(url)
+    return retried(lambda: fs.cat_file(path), url, "read it")
+
+
+def remote_file(url: str) -> FileBytes:
+    """The object's bytes, fetched when its decoder first asks for them."""
+    return FileBytes(url, fetch=lambda: fetch(url))

@@ -1,0 +1,147 @@
+"""Objects in storage as inputs (qwenvl_vision.embed.remote), against real servers on loopback: an HTTP server over
+a folder, and moto's S3 server. Bitwise the tensors of the same files from a folder; the URL (with the ETag) as
+the identity a resume matches; a failing, slow or vanished object is one failed input and the run goes on."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from qwenvl_vision.cli import main
+from qwenvl_vision.embed import read_embeddings, read_manifest_lines, remote
+from tests.helpers import make_image_folder
+from tests.helpers.servers import http_folder, s3_server
+
+pytest.importorskip("fsspec")
+pytest.importorskip("aiohttp")
+SMALL = ["--max-pixels", str(64 * 64), "--quiet"]
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory, checkpoint):
+    """4 images in a folder and their tensors by file name."""
+    root = tmp_path_factory.mktemp("remote")
+    paths = sorted(make_image_folder(root / "imgs", 4, bad=False), key=lambda p: p.name)
+    out = root / "from-folder"
+    assert main(["embed", str(root / "imgs"), "--model", str(checkpoint), "--out", str(out), *SMALL]) == 0
+    return root, paths, {Path(p).name: t for p, t in read_embeddings(out)}
+
+
+def test_http_objects_embed_bitwise_and_a_missing_one_fails_alone(photos, checkpoint, tmp_path, monkeypatch):
+    root, paths, want = photos
+    served = tmp_path / "served"
+    served.mkdir()
+    for p in paths:
+        shutil.copy(p, served / p.name)
+    monkeypatch.setattr(remote, "BACKOFF_S", 0.01)
+    with http_folder(served) as base:
+        urls = [f"{base}/{p.name}" for p in paths]
+        table = tmp_path / "urls.jsonl"
+        table.write_text("".join(f'{{"path": "{u}", "n": {i}}}\n' for i, u in enumerate([*urls, f"{base}/gone.jpg"])))
+        out = tmp_path / "out"
+        assert main(["embed", str(table), "--keep-columns", "n", "--model", str(checkpoint), "--out", str(out),
+                     *SMALL]) == 1
+        records = read_manifest_lines(out / "manifest.jsonl")
+        assert [r["path"] for r in records] == [*urls, f"{base}/gone.jpg"]
+        assert [r["columns"]["n"] for r in records] == list(range(5))
+        assert records[-1]["error"] == f"{base}/gone.jpg: cannot read its metadata (not found)"
+        got = dict(read_embeddings(out))
+        for url, p in zip(urls, paths, strict=True):
+            assert torch.equal(got[url], want[p.name])
+        # Vanished between listing and reading: one failed input naming the URL, the others embedded.
+        (served / paths[0].name).unlink()
+        again = tmp_path / "again"
+        assert main(["embed", *urls, "--model", str(checkpoint), "--out", str(again), *SMALL]) == 1
+        (failed,) = [r for r in read_manifest_lines(again / "manifest.jsonl") if r["status"] == "error"]
+        assert failed["path"] == urls[0] and "not found" in failed["error"]
+
+
+def test_a_transient_error_is_retried_and_a_slow_object_times_out_alone(photos, checkpoint, tmp_path, monkeypatch):
+    root, paths, want = photos
+    monkeypatch.setattr(remote, "BACKOFF_S", 0.01)
+    calls = {"n": 0}
+    real = remote.fetch
+
+    def flaky(url: str) -> bytes:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise ConnectionResetError("the peer reset the connection")
+        return real(url)
+
+    served = tmp_path / "served"
+    served.mkdir()
+    shutil.copy(paths[0], served / paths[0].name)
+    with http_folder(served) as base:
+        url = f"{base}/{paths[0].name}"
+        monkeypatch.setattr(remote, "fetch", lambda u: remote.retried(lambda: flaky(u), u, "read it"))
+        out = tmp_path / "out"
+        assert main(["embed", url, "--model", str(checkpoint), "--out", str(out), *SMALL]) == 0
+        assert calls["n"] == 2 and torch.equal(dict(read_embeddings(out))[url], want[paths[0].name])
+
+        def stalls(u: str) -> bytes:
+            import time
+
+            time.sleep(4)  # past the 1 s limit: the run records it failed and goes on
+            return b""
+
+        monkeypatch.setattr(remote, "fetch", stalls)
+        slow = tmp_path / "slow"
+        assert main(["embed", url, "--model", str(checkpoint), "--out", str(slow), "--decode-timeout", "1",
+                     *SMALL]) == 1
+        (r,) = read_manifest_lines(slow / "manifest.jsonl")
+        assert r["status"] == "error" and url in r["error"] and "1 s" in r["error"], r["error"]
+
+
+def test_s3_objects_embed_bitwise_and_the_etag_is_the_identity_a_resume_matches(photos, checkpoint, tmp_path,
+                                                                                 monkeypatch):
+    pytest.importorskip("s3fs")
+    pytest.importorskip("moto")
+    root, paths, want = photos
+    env: dict = {}
+    with s3_server(env) as endpoint:
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        import boto3
+
+        client = boto3.client("s3", endpoint_url=endpoint)
+        client.create_bucket(Bucket="photos")
+        for p in paths:
+            client.put_object(Bucket="photos", Key=f"set/{p.name}", Body=p.read_bytes())
+        urls = [f"s3://photos/set/{p.name}" for p in paths]
+        out = tmp_path / "out"
+        assert main(["embed", *urls, "--model", str(checkpoint), "--out", str(out), *SMALL]) == 0
+        records = read_manifest_lines(out / "manifest.jsonl")
+        assert all(r["realpath"].startswith(f"{u}#etag=") for r, u in zip(records, urls, strict=True))
+        got = dict(read_embeddings(out))
+        for url, p in zip(urls, paths, strict=True):
+            assert torch.equal(got[url], want[p.name])
+        # A resume with the same objects does nothing; one replaced under its URL is a new input (a new ETag).
+        assert main(["embed", *urls, "--model", str(checkpoint), "--out", str(out), "--resume", *SMALL]) == 0
+        assert len(read_manifest_lines(out / "manifest.jsonl")) == len(urls)
+        client.put_object(Bucket="photos", Key=f"set/{paths[0].name}", Body=paths[1].read_bytes())
+        assert main(["embed", *urls, "--model", str(checkpoint), "--out", str(out), "--resume", *SMALL]) == 0
+        records = read_manifest_lines(out / "manifest.jsonl")
+        assert len(records) == len(urls) + 1 and len({r["realpath"] for r in records}) == len(urls) + 1
+
+
+def test_urls_without_the_extra_are_refused_in_one_line(checkpoint, tmp_path, monkeypatch, capsys):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_fsspec(name, *args, **kwargs):
+        if name == "fsspec" or name.startswith("fsspec."):
+            raise ImportError("No module named 'fsspec'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_fsspec)
+    assert main(["embed", "http://127.0.0.1:9/a.jpg", "--model", str(checkpoint), "--out", str(tmp_path / "o"),
+                 *SMALL]) == 2
+    err = capsys.readouterr().err
+    assert "qwenvl-vision[remote]" in err and len(err.strip().splitlines()) == 1
+    monkeypatch.setattr(builtins, "__import__", real_import)
+    assert not os.path.exists(tmp_path / "o")
