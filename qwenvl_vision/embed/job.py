@@ -260,9 +260,6 @@ class EmbedJob:
         if recorded is not None and not args.format_given:  # --resume continues the folder's format unless told
             self.settings = args = dataclasses.replace(args, format=recorded["file_format"])
         self.inputs = gather_inputs(args.inputs, args.path_column, args.keep_columns)
-        if (self.inputs.members or self.inputs.remote) and args.engine == "ray":
-            raise EmbedError("--engine ray hands its actors local files by path; .tar shards' members and URLs are "
-                             "read by the local engine: embed them with --engine local (or under torchrun)")
         if not self.inputs.paths:
             raise EmbedError(f"no inputs: {', '.join(args.inputs)} hold no image or video files (by extension: "
                              f"{' '.join(sorted(MEDIA_EXTENSIONS))}) and list no paths")

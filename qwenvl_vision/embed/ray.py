@@ -65,6 +65,7 @@ from ..inputs.video_io import is_video_file
 from ..outputs.parquet import ParquetLayout, records_of_table, result_columns
 from ..outputs.records import EmbeddingRecord, record_from_result
 from ..results import ItemResult
+from .shards import ItemOpener
 
 INPUT_KINDS = ("path", "bytes", "image")
 BATCH_FORMAT = "numpy"
@@ -116,6 +117,7 @@ class Embedder:
         if column is not None and kind not in INPUT_KINDS:
             raise ValueError(f"column {column!r}: pass kind= (one of {list(INPUT_KINDS)})")
         self.column, self.kind = column, kind
+        self.opener = ItemOpener()  # a URL or a shard member named by its path: read as the local engine does
         self.pooled = pooled
         if threads is not None:
             torch.set_num_threads(threads)
@@ -164,7 +166,7 @@ class Embedder:
         names: dict[int, str] = {}
         for row, value in enumerate(values):
             if kind == "path":
-                items.append(os.fspath(value) if isinstance(value, (str, os.PathLike)) else value)
+                items.append(self.opener(os.fspath(value)) if isinstance(value, (str, os.PathLike)) else value)
                 if not isinstance(value, (str, os.PathLike)):
                     bad[row] = f"path: expected a file path, got {type(value).__name__}"
                 continue

@@ -175,6 +175,47 @@ def items_of(paths: list[str], members: dict[str, Member], remote: set[str] | fr
         reader.close()
 
 
+def member_of(path: str) -> tuple[str, str] | None:
+    """(shard, member name) when ``path`` names a member inside a tar file (``.../shards-000.tar/000123.jpg``),
+    else None."""
+    parts = path.split("/")
+    for i in range(len(parts) - 1):
+        if is_shard(parts[i]):
+            shard = "/".join(parts[: i + 1])
+            if os.path.isfile(shard):
+                return shard, "/".join(parts[i + 1:])
+    return None
+
+
+class ItemOpener:
+    """Paths as the encoder takes them where only the path travels (a Ray actor): a URL's bytes fetched when
+    decoded, a shard member's bytes read by its shard's index (listed once per shard), else the path itself."""
+
+    def __init__(self) -> None:
+        self.indexes: dict[str, dict[str, Member]] = {}
+
+    def __call__(self, path: str) -> object:
+        from .remote import is_url, remote_file
+
+        if is_url(path):
+            return remote_file(path)
+        inside = member_of(path)
+        if inside is None:
+            return path
+        shard, name = inside
+        if shard not in self.indexes:
+            listing = list_shard(shard, lambda _: True, ())
+            self.indexes[shard] = {m.name: m for m in listing.members}
+        member = self.indexes[shard].get(name)
+        if member is None:
+            return path  # decoded as a path: a file not found, one failed input
+        reader = MemberReader()
+        try:
+            return reader.read(path, member)
+        finally:
+            reader.close()
+
+
 def member_path(shard: str, name: str) -> str:
     return f"{shard}/{name}"
 

@@ -12,8 +12,10 @@ import pytest
 import torch
 
 from qwenvl_vision.cli import main
-from qwenvl_vision.embed import read_embeddings, read_manifest_lines, remote
+from qwenvl_vision.embed import read_embeddings, read_manifest_lines, read_run, remote
+from qwenvl_vision.outputs.parquet import read_parquet_records
 from tests.helpers import make_image_folder
+from tests.helpers.embed import local_ray  # noqa: F401 - a fixture
 from tests.helpers.servers import http_folder, s3_server
 
 pytest.importorskip("fsspec")
@@ -145,3 +147,21 @@ def test_urls_without_the_extra_are_refused_in_one_line(checkpoint, tmp_path, mo
     assert "qwenvl-vision[remote]" in err and len(err.strip().splitlines()) == 1
     monkeypatch.setattr(builtins, "__import__", real_import)
     assert not os.path.exists(tmp_path / "o")
+
+
+@pytest.mark.slow  # a local Ray instance
+def test_ray_engine_reads_urls_bitwise(photos, checkpoint, tmp_path, local_ray):  # noqa: F811 - the fixture
+    root, paths, want = photos
+    served = tmp_path / "served"
+    served.mkdir()
+    for p in paths:
+        shutil.copy(p, served / p.name)
+    threads = str(read_run(root / "from-folder")["threads"])  # CPU bits are the same at the same thread count
+    with http_folder(served) as base:
+        urls = [f"{base}/{p.name}" for p in paths]
+        out = tmp_path / "ray"
+        assert main(["embed", *urls, "--model", str(checkpoint), "--out", str(out), "--engine", "ray",
+                     "--ray-actors", "1", "--threads", threads, *SMALL]) == 0
+    records = {r.path: r for r in read_parquet_records(out)}
+    for url, p in zip(urls, paths, strict=True):
+        assert records[url].realpath == url and torch.equal(records[url].embedding, want[p.name])
