@@ -122,7 +122,9 @@ def test_a_missing_or_broken_shard_is_a_failed_input(collection, checkpoint, tmp
 def test_kill_and_resume_over_shards_records_each_member_once(collection, checkpoint, tmp_path):
     root, paths, names, want = collection
     out = tmp_path / "killed"
-    cmd = embed_cmd([root / "shards-{000000..000001}.tar"], checkpoint, out, "--batch-patches", "32", *SMALL)
+    threads = str(read_run(root / "from-folder")["threads"])  # CPU bits are the same at the same thread count
+    cmd = embed_cmd([root / "shards-{000000..000001}.tar"], checkpoint, out, "--batch-patches", "32", "--threads",
+                    threads, *SMALL)
     for delay in (2.5, 3.5, 5.0):
         proc = subprocess.Popen(cmd + (["--resume"] if out.exists() else []), env=ENV, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL)

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import csv
 import json
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -18,7 +20,7 @@ from qwenvl_vision.cli import main
 from qwenvl_vision.embed import read_embeddings, read_manifest_lines, read_run
 from qwenvl_vision.outputs.parquet import read_parquet_records
 from tests.helpers import make_image_folder
-from tests.helpers.embed import ENV, local_ray, one_error_line, torchrun_embed_cmd  # noqa: F401 - a fixture
+from tests.helpers.embed import ENV, embed_cmd, local_ray, one_error_line, torchrun_embed_cmd  # noqa: F401
 from tests.helpers.servers import http_folder
 
 SMALL = ["--max-pixels", str(64 * 64), "--quiet"]
@@ -164,3 +166,24 @@ def test_ray_engine_carries_each_row_s_columns(folder_run, checkpoint, local_ray
     for r in records:
         if r.ok:
             assert torch.equal(r.embedding, want[r.realpath])
+
+
+@pytest.mark.slow  # SIGKILLs at several instants
+def test_kill_and_resume_over_a_table_records_each_row_once_with_its_columns(folder_run, checkpoint, tmp_path):
+    root, paths, want, _ = folder_run
+    rows = rows_for(paths, root)[: len(paths)]
+    table = write_table(root / "killed.csv", rows)
+    out = tmp_path / "killed"
+    threads = str(read_run(root / "from-folder")["threads"])  # CPU bits are the same at the same thread count
+    cmd = embed_cmd([table], checkpoint, out, "--batch-patches", "32", "--threads", threads, *KEEP, *SMALL)
+    for delay in (2.5, 3.5, 5.0):
+        proc = subprocess.Popen(cmd + (["--resume"] if out.exists() else []), env=ENV, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert main([*cmd[3:], "--resume"]) == 0
+    records = read_manifest_lines(out / "manifest.jsonl")
+    assert sorted(r["columns"]["caption"] for r in records) == sorted(r["caption"] for r in rows)
+    got = dict(read_embeddings(out))
+    assert all(torch.equal(got[r["path"]], want[r["realpath"]]) for r in records)
