@@ -315,7 +315,7 @@ def headline(data: dict[str, Any]) -> list[str]:
             graphs = r.get("compiled_graphs", {})
             lines.append(f"{r['preset']} {r['inputs']} ({r['patches']} patches): " + "; ".join(parts)
                          + (f"; vs transformers sdpa: {', '.join(speed)}" if speed else "")
-                         + (f"; compiled graphs {graphs['total']} (+{graphs['new']})" if graphs else ""))
+                         + (f"; graphs {graphs['total']} ({graphs['recompiled']} recompiled here)" if graphs else ""))
             for what, variants in (("skipped", r.get("skipped", {})), ("FAILED", r.get("failed", {}))):
                 lines += [f"{r['preset']} {r['inputs']} {n}: {what}: {why[:200]}" for n, why in variants.items()]
         if data.get("measuring"):

@@ -67,6 +67,9 @@ EXCUSED = {  # README command (without its comment) -> why it is not run here
     "small towers",
     "python -m bench.cuda_check --out DIR": "needs a GPU; its --dry-run, the same logic on CPU, runs in "
     "tests/bench/test_cuda_check.py",
+    "qwenvl-vision embed s3://my-bucket/photos/a.jpg https://example.com/b.jpg --model qwen3.5-0.8b --random-weights "
+    "--out /tmp/qwenvl-remote": "needs a bucket and the network; tests/embed/test_remote.py runs URLs against an HTTP "
+    "server and an S3 server on loopback",
 }
 RUN_LANGUAGES = {"python", "bash"}
 ILLUSTRATION_LANGUAGES = {"text", ""}  # output samples and the layout tree: shown, not run

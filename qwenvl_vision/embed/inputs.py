@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import ConfigError
+from ..inputs.pixels import is_url
 from ..inputs.video_io import VIDEO_EXTENSIONS
-from .remote import identities, is_url
-from .shards import KEY_COLUMN, Member, expand_braces, is_shard, list_shard, member_path, sample_key
+from .remote import identities
+from .shards import KEY_COLUMN, Member, expand_braces, is_shard, list_shard, member_path, sample_key, shard_real_key
 from .tables import check_keep_columns, is_table, read_table
 
 IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".ppm", ".pgm"}
@@ -38,19 +39,19 @@ class Inputs:
     _pending: list[tuple] = field(default_factory=list, repr=False)
 
     def add(self, path: str, error: str | None = None, columns: dict | None = None,
-            member: Member | None = None) -> None:
-        """One more input, in order (``finish`` settles them)."""
-        self._pending.append((path, error, columns, member))
+            member: Member | None = None, key: str | None = None) -> None:
+        """One more input, in order (``finish`` settles them); ``key``: its identity, where not its real path."""
+        self._pending.append((path, error, columns, member, key))
 
     def finish(self) -> Inputs:
         """Every input added, with its identity: a URL's from its store (several at once), a file's its real path.
         The same identity twice (another spelling, a link) is embedded once, under its first."""
-        urls = [path for path, error, _, _ in self._pending if error is None and is_url(path)]
+        urls = [path for path, error, _, _, key in self._pending if error is None and key is None and is_url(path)]
         known = identities(urls) if urls else {}
         seen = set()
-        for path, error, columns, member in self._pending:
+        for path, error, columns, member, given in self._pending:
             key, why = known.get(path, (None, None))
-            key = key or real_key(path)
+            key = key or given or real_key(path)
             if key in seen:
                 continue
             seen.add(key)
@@ -123,7 +124,7 @@ def gather_inputs(inputs: list[str], path_column: str = "path", keep_columns: tu
                 found.add(item, f"list file {item}: {e}")
                 continue
             for line in lines:
-                found.add(str(Path(line) if Path(line).is_absolute() else p.parent / line))
+                found.add(line if is_url(line) else str(Path(line) if Path(line).is_absolute() else p.parent / line))
         else:
             found.add(str(p))
     return found.finish()
@@ -137,9 +138,13 @@ def _add_shard(found: Inputs, shard: str, keep: tuple[str, ...]) -> None:
         path = member_path(shard, member.name)
         key = sample_key(member.name)
         texts = listing.texts.get(key, {})
-        found.add(path, columns={KEY_COLUMN: key, **{ext: texts.get(ext) for ext in keep}}, member=member)
+        found.add(path, columns={KEY_COLUMN: key, **{ext: texts.get(ext) for ext in keep}}, member=member,
+                  key=shard_real_key(shard, member.name))
     for where, why in listing.errors.items():
-        found.add(where, why)
+        # A refused member's name may hold "..": its identity is the name inside the shard, never resolved onto a
+        # real file's.
+        name = where[len(shard) + 1:] if where.startswith(f"{shard}/") else None
+        found.add(where, why, key=None if name is None else shard_real_key(shard, name))
 
 
 def _walk_media(top: Path) -> tuple[list[Path], list[tuple[Path, str]]]:

@@ -30,6 +30,7 @@ crash and kills the other ranks.
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import datetime
 import json
@@ -381,12 +382,12 @@ class EmbedJob:
         # Records are written in input order (a table's rows keep theirs): an input known bad goes with the
         # batch that follows it.
         order = {p: i for i, p in enumerate(mine)}
-        pending = sorted(known_bad, key=lambda r: order[r.path])
+        pending = collections.deque(sorted(known_bad, key=lambda r: order[r.path]))
 
         def write_in_order(records: list[EmbeddingRecord], upto: int) -> None:
             ahead = []
             while pending and order[pending[0].path] < upto:
-                ahead.append(pending.pop(0))
+                ahead.append(pending.popleft())
             if ahead or records:
                 writer.write_records(sorted(ahead + records, key=lambda r: order[r.path]))
             progress.update(len(ahead), 0)

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..inputs.pixels import is_url
 from .inputs import real_key
-from .remote import is_url
 from .tables import COLUMN_TYPES
 
 MANIFEST = "manifest.jsonl"

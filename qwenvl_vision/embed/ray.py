@@ -59,7 +59,7 @@ from ray.data.block import BlockAccessor
 
 from ..batching import DEFAULT_BATCH_PATCHES, DEFAULT_DECODE_BYTES, DEFAULT_DECODE_TIMEOUT
 from ..encoder import load_encoder
-from ..errors import CheckpointError, ForwardFaultError, InputError
+from ..errors import CheckpointError, ConfigError, ForwardFaultError, InputError
 from ..inputs.pixels import DEFAULT_MAX_INPUT_PIXELS, input_name
 from ..inputs.video_io import is_video_file
 from ..outputs.parquet import ParquetLayout, records_of_table, result_columns
@@ -116,6 +116,9 @@ class Embedder:
         kind = kind or column
         if column is not None and kind not in INPUT_KINDS:
             raise ValueError(f"column {column!r}: pass kind= (one of {list(INPUT_KINDS)})")
+        if normalize and not pooled:
+            raise ConfigError("normalize=True makes the pooled vectors unit length; the tokens a language model "
+                              "reads are never normalized: pass pooled=True too")
         self.column, self.kind = column, kind
         self.opener = ItemOpener()  # a URL or a shard member named by its path: read as the local engine does
         self.pooled = pooled

@@ -17,7 +17,6 @@ Credentials and endpoints are the store's own (for S3: ``AWS_*`` variables, ``AW
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -26,7 +25,6 @@ from typing import Any
 from ..errors import ConfigError, PreprocessError
 from ..inputs.pixels import FileBytes
 
-SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 RETRIES = 3  # attempts after the first, on transient errors
 BACKOFF_S = 0.25  # doubled after each attempt
 TIMEOUT_S = 60  # per request (connect and read), where the store takes one
@@ -35,31 +33,36 @@ EXTRA = "pip install 'qwenvl-vision[remote]'"
 PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, ValueError, TypeError)
 
 
-def is_url(text: str) -> bool:
-    return bool(SCHEME.match(text)) and not text.lower().startswith("file://")
+def require_fsspec(url: str) -> None:
+    """A missing fsspec is the run's setup error (``ConfigError``), raised once for all its URLs."""
+    try:
+        import fsspec  # noqa: F401
+    except ImportError:
+        raise ConfigError(f"{url}: reading URLs needs fsspec: {EXTRA}") from None
 
 
 def filesystem(url: str) -> tuple[Any, str]:
-    """(the fsspec file system for ``url``, the path in it), with request timeouts where the store takes them."""
-    try:
-        import fsspec
-    except ImportError:
-        raise ConfigError(f"{url}: reading URLs needs fsspec: {EXTRA}") from None
+    """(the fsspec file system for ``url``, the path in it), with request timeouts where the store takes them;
+    a scheme fsspec does not know, or whose package is missing, is this input's ``PreprocessError``."""
+    require_fsspec(url)
+    import fsspec
+
     protocol = url.split("://", 1)[0].lower()
     options: dict[str, Any] = {}
     if protocol in ("http", "https"):
         try:
             import aiohttp
         except ImportError:
-            raise ConfigError(f"{url}: reading http(s) needs aiohttp: {EXTRA}") from None
+            raise PreprocessError(f"{url}: reading http(s) needs aiohttp: {EXTRA}") from None
         options["client_kwargs"] = {"timeout": aiohttp.ClientTimeout(total=TIMEOUT_S)}
     elif protocol in ("s3", "s3a"):
         options["config_kwargs"] = {"connect_timeout": TIMEOUT_S, "read_timeout": TIMEOUT_S,
                                     "retries": {"max_attempts": 1}}  # the retries are ours, bounded
     try:
         return fsspec.core.url_to_fs(url, **options)
-    except ImportError as e:
-        raise ConfigError(f"{url}: no fsspec file system for {protocol}:// here ({e})") from None
+    except (ImportError, ValueError) as e:  # a scheme fsspec does not know, or its package is not installed
+        raise PreprocessError(f"{url}: no file system for {protocol}:// here ({' '.join(str(e).split())[:200]})") \
+            from None
 
 
 def retried(what: Callable[[], Any], url: str, action: str) -> Any:
@@ -101,7 +104,7 @@ def identity(url: str) -> str:
 def identities(urls: list[str]) -> dict[str, tuple[str, str | None]]:
     """url -> (identity, None), or (the URL, why it cannot be read): several metadata requests at once."""
     for url in urls[:1]:
-        filesystem(url)  # a missing extra is the run's setup error, raised once here
+        require_fsspec(url)  # a missing extra is the run's setup error, raised once here
 
     def one(url: str) -> tuple[str, str | None]:
         try:

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
-from ..inputs.pixels import FileBytes
+from ..inputs.pixels import FileBytes, is_url
 
 TAR_SUFFIX = ".tar"
 KEY_COLUMN = "__key__"  # webdataset's name for a sample's key
@@ -195,7 +195,7 @@ class ItemOpener:
         self.indexes: dict[str, dict[str, Member]] = {}
 
     def __call__(self, path: str) -> object:
-        from .remote import is_url, remote_file
+        from .remote import remote_file
 
         if is_url(path):
             return remote_file(path)
@@ -221,4 +221,6 @@ def member_path(shard: str, name: str) -> str:
 
 
 def shard_real_key(shard: str, name: str) -> str:
-    return os.path.join(os.path.realpath(shard), name)
+    """A member's identity: the shard's real path and the name inside it, joined, never normalised (a refused
+    ``../x.jpg`` stays inside its shard's name and meets no real file's identity)."""
+    return f"{os.path.realpath(shard)}/{name}"

@@ -20,19 +20,22 @@ import csv
 import io
 import json
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from .remote import is_url
+from ..inputs.pixels import is_url
 
 TABLE_EXTENSIONS = {".parquet", ".csv", ".tsv", ".jsonl"}
 COLUMN_TYPES = ("string", "int64", "float64", "bool", "json")
 # The names the outputs use for themselves: a carried column may not take one.
 RESERVED = {"path", "realpath", "status", "error", "grid_thw", "tokens", "embedding", "pooled", "video", "rank",
-            "shard", "key", "id", "modality", "levels", "timestamps", "second_per_grid_t", "columns"}
+            "shard", "key", "id", "modality", "levels", "timestamps", "second_per_grid_t", "columns", "pixels_sha256"}
+RESERVED_PATTERN = re.compile(r"deepstack_\d+")  # the DeepStack levels' columns
+INT64 = range(-(1 << 63), 1 << 63)
 
 
 @dataclass
@@ -51,7 +54,7 @@ def is_table(path: str) -> bool:
 
 def check_keep_columns(keep: Sequence[str], path_column: str) -> None:
     """The carried columns' names: no output field's name, not the path column, none twice."""
-    taken = sorted(set(keep) & RESERVED)
+    taken = sorted(name for name in keep if name in RESERVED or RESERVED_PATTERN.fullmatch(name))
     if taken:
         raise ConfigError(f"--keep-columns {','.join(taken)}: the outputs use that name for their own field; rename "
                           f"the column in the table")
@@ -121,8 +124,8 @@ def _arrow_type(arrow_type: Any) -> str:
 
     if pa.types.is_boolean(arrow_type):
         return "bool"
-    if pa.types.is_integer(arrow_type):
-        return "int64"
+    if pa.types.is_integer(arrow_type) and not (pa.types.is_uint64(arrow_type)):
+        return "int64"  # uint64 may not fit: its JSON text
     if pa.types.is_floating(arrow_type):
         return "float64"
     if pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type):
@@ -182,9 +185,10 @@ def _json_type(values: list[Any]) -> str:
     present = [v for v in values if v is not None]
     if present and all(isinstance(v, bool) for v in present):
         return "bool"
-    if present and all(isinstance(v, int) and not isinstance(v, bool) for v in present):
+    if present and all(isinstance(v, int) and not isinstance(v, bool) and v in INT64 for v in present):
         return "int64"
-    if present and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in present):
+    if present and all(isinstance(v, float) or (isinstance(v, int) and not isinstance(v, bool) and v in INT64)
+                       for v in present):
         return "float64"
     if all(isinstance(v, str) for v in present):
         return "string"

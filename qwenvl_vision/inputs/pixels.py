@@ -19,6 +19,7 @@ from __future__ import annotations
 import io
 import math
 import os
+import re
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -146,6 +147,14 @@ class FileBytes:
     def __repr__(self) -> str:
         size = f"{len(self._data)} bytes" if self._data is not None else "not fetched"
         return f"FileBytes({self.name!r}, {size})"
+
+
+URL_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def is_url(text: str) -> bool:
+    """A name with a scheme (``s3://``, ``https://``, ...): an object in storage, never a local path."""
+    return isinstance(text, str) and bool(URL_SCHEME.match(text)) and not text.lower().startswith("file://")
 
 
 def is_file_input(item: Any) -> bool:

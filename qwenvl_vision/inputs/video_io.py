@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from threading import Event
 from typing import Any
+from urllib.parse import urlsplit
 
 import numpy as np
 
@@ -43,6 +44,7 @@ from .pixels import (
     file_name,
     input_name,
     is_file_input,
+    is_url,
     readable,
     resize_uint8_torch,
 )
@@ -56,7 +58,12 @@ VIDEO_EXTENSIONS = frozenset({".mp4", ".m4v", ".mov", ".mkv", ".webm", ".avi", "
 
 def is_video_file(item: Any) -> bool:
     """A file (a path, or ``FileBytes``) whose name's extension is a video container's."""
-    return is_file_input(item) and os.path.splitext(file_name(item))[1].lower() in VIDEO_EXTENSIONS
+    if not is_file_input(item):
+        return False
+    name = file_name(item)
+    if is_url(name):  # a presigned or query-string URL: the extension is the path's
+        name = urlsplit(name).path
+    return os.path.splitext(name)[1].lower() in VIDEO_EXTENSIONS
 
 
 # Container formats FFmpeg opens for a single still image: a JPEG or PNG renamed .mp4 is not a video.

@@ -64,7 +64,9 @@ class PruneReport:
         text = (f"{verb} {len(self.removed)} item(s), {sum(i.bytes for i in self.removed) / gb:.3f} GB; "
                 f"{self.kept} left, {self.kept_bytes / gb:.3f} GB of {self.bound / gb:.3f} GB")
         if self.kept_bytes > self.bound:
-            text += f": still above the bound, {self.held} item(s) were written by a running embed"
+            text += (f": still above the bound, {self.held} item(s) were written by a running embed" if self.held
+                     else ": still above the bound, held by the folder's other files (manifest, run.json, "
+                          "pruned.jsonl)")
         return text
 
 
@@ -143,26 +145,32 @@ def prune_cache(folder: str | os.PathLike, max_bytes: int, dry_run: bool = False
         since = running_embed_since(folder)
         held = {i.id for i in items if since is not None and i.last_write >= since}
         total = other_bytes(folder) + sum(i.bytes for i in items)
-        removed = []
+        now = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        removed, lines = [], []
         for item in items:
             if total <= max_bytes:
                 break
             if item.id in held:
                 continue
+            line = pruned_line(item, now)
             removed.append(item)
-            total -= item.bytes
+            lines.append(line)
+            total -= item.bytes - len(line.encode())  # the item goes, its line in PRUNED comes
         if removed and not dry_run:
-            remove_items(folder, removed)
-            total = other_bytes(folder) + sum(i.bytes for i in items if i not in removed)
+            remove_items(folder, removed, "".join(lines))
+            gone = {i.id for i in removed}
+            total = other_bytes(folder) + sum(i.bytes for i in items if i.id not in gone)
         return PruneReport(removed=removed, kept=len(items) - len(removed), kept_bytes=total, held=len(held),
                            running=since is not None, bound=max_bytes)
 
 
-def remove_items(folder: Path, items: list[Item]) -> None:
-    """Each item's line in ``PRUNED`` first (so no item is gone unaccounted), then its file and empty folder."""
-    now = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-    lines = "".join(json.dumps({"id": i.id, "bytes": i.bytes, "last_write": i.last_write, "pruned": now}) + "\n"
-                    for i in items)
+def pruned_line(item: Item, when: str) -> str:
+    return json.dumps({"id": item.id, "bytes": item.bytes, "last_write": item.last_write, "pruned": when}) + "\n"
+
+
+def remove_items(folder: Path, items: list[Item], lines: str) -> None:
+    """The items' ``lines`` in ``PRUNED`` first (so no item is gone unaccounted), then each file and its folder
+    when left empty."""
     fd = open_no_follow(folder / PRUNED, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     try:
         os.write(fd, lines.encode())

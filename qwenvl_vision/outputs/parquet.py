@@ -49,6 +49,7 @@ import pyarrow.parquet as pq
 import torch
 
 from ..errors import ManifestError
+from ..inputs.pixels import is_url
 from .durable import replace_atomically
 from .records import EmbeddingRecord
 
@@ -483,7 +484,8 @@ def records_of_table(table: pa.Table, dtype: str, *, path_column: str = "path", 
         grid = tuple(r["grid_thw"]) if r["grid_thw"] is not None else None
         path = r[path_column]
         records.append(EmbeddingRecord(
-            path, r["realpath"] if has_realpath and r["realpath"] is not None else os.path.realpath(path),
+            path, r["realpath"] if has_realpath and r["realpath"] is not None else
+            path if is_url(path) else os.path.realpath(path),
             r["status"], r["error"], grid,
             r["tokens"], embeddings[row], [level[row] for level in deepstack] if r["status"] == "ok" else [],
             pooled[row], r["video"], r.get("pixels_sha256"), None if values is None else values[row]))

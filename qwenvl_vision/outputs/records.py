@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from ..inputs.pixels import is_url
 from ..inputs.video_io import video_record
 
 
@@ -43,7 +44,7 @@ def record_from_result(result: Any, path: str | None = None, realpath: str | Non
     ``deepstack``, ``pooled``, ``video_info``) as a record of the input at ``path`` (default ``result.path``);
     ``realpath`` defaults to the path resolved from the current directory; ``columns``: its table row's."""
     path = os.fspath(path if path is not None else result.path)
-    realpath = realpath or os.path.realpath(path)
+    realpath = realpath or (path if is_url(path) else os.path.realpath(path))
     video = video_record(getattr(result, "video_info", None))
     if result.error is not None:
         return EmbeddingRecord(path, realpath, "error", str(result.error), video=video, columns=columns)

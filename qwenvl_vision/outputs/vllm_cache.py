@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import json
 import os
 import re
@@ -66,6 +65,8 @@ def cache_lock(folder: Path, exclusive: bool, wait_s: float | None = None) -> It
     """``folder``'s cache lock, shared (writers) or exclusive (a prune): ``fcntl.flock`` on ``CACHE_LOCK``, which
     stays in the folder (removing it would let two holders in on two files). ``wait_s``: give up after that many
     seconds (``CacheFolderError``); None waits as long as it takes."""
+    import fcntl  # here: reading a cache folder needs no lock (and no fcntl, which Windows lacks)
+
     fd = open_no_follow(folder / CACHE_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
@@ -197,6 +198,7 @@ def write_item(folder: Path, item: str, rows: torch.Tensor, tag: str, metadata: 
     refuse_link(target)
     rows = rows.detach().contiguous().cpu()
     if target.exists() and not item_problem(target, item, rows):
+        os.utime(target)  # found in place is written again, for a prune's oldest-first (cache_prune)
         return False
     target.parent.mkdir(exist_ok=True)
     data = save({CACHE_KEY: rows}, metadata={"format": "pt", **(metadata or {}), ITEM_KEY: item})

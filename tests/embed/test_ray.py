@@ -17,6 +17,7 @@ import torch
 from PIL import Image
 
 from qwenvl_vision import load_encoder
+from qwenvl_vision.errors import ConfigError
 from tests.helpers import REPO, synthetic_photo
 from tests.helpers import embed as embed_helpers
 
@@ -188,6 +189,11 @@ def test_a_failed_spool_write_leaves_no_file_and_a_dead_actors_spool_goes(embedd
         (folder / "000000").write_bytes(b"spooled")
     qv_ray._remove_dead_spools(str(tmp_path))
     assert sorted(tmp_path.iterdir()) == [alive]
+
+
+def test_normalize_without_pooled_is_refused_before_the_tower_loads(checkpoint3):
+    with pytest.raises(ConfigError, match="pass pooled=True too"):
+        Embedder(str(checkpoint3), **LOAD, normalize=True)
 
 
 def test_image_column_and_pooled(checkpoint3, encoder):

@@ -97,8 +97,11 @@ def test_reading_an_output_needs_neither_the_writer_nor_the_lock(tmp_path, check
     assert result.returncode == 0, result.stderr[-2000:]
     counts, loaded = result.stdout.splitlines()
     assert counts.split() == ["2", "5", str(RUN_FORMAT)]
+    # The input descriptions the manifest's identities come from (inputs and the kinds of input it names), never the
+    # writer, the lock or the job.
     assert loaded.split() == ["qwenvl_vision.embed", "qwenvl_vision.embed.inputs", "qwenvl_vision.embed.manifest",
-                              "qwenvl_vision.embed.reader"]
+                              "qwenvl_vision.embed.reader", "qwenvl_vision.embed.remote", "qwenvl_vision.embed.shards",
+                              "qwenvl_vision.embed.tables"]
 
 
 @pytest.mark.parametrize("file_format", ["safetensors", "parquet"])

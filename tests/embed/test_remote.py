@@ -54,6 +54,14 @@ def test_http_objects_embed_bitwise_and_a_missing_one_fails_alone(photos, checkp
         got = dict(read_embeddings(out))
         for url, p in zip(urls, paths, strict=True):
             assert torch.equal(got[url], want[p.name])
+        # A list file may name URLs too; a scheme no file system knows is one failed input, the run goes on.
+        listed = tmp_path / "urls.txt"
+        listed.write_text(f"{urls[1]}\ns4://nowhere/x.jpg\n")
+        mixed = tmp_path / "mixed"
+        assert main(["embed", str(listed), "--model", str(checkpoint), "--out", str(mixed), *SMALL]) == 1
+        by_path = {r["path"]: r for r in read_manifest_lines(mixed / "manifest.jsonl")}
+        assert by_path[urls[1]]["status"] == "ok" and by_path[urls[1]]["realpath"] == urls[1]
+        assert "no file system for s4://" in by_path["s4://nowhere/x.jpg"]["error"]
         # Vanished between listing and reading: one failed input naming the URL, the others embedded.
         (served / paths[0].name).unlink()
         again = tmp_path / "again"

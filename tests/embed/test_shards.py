@@ -95,7 +95,10 @@ def test_a_video_member_and_bad_members_are_inputs_of_their_own(collection, chec
     write_shard(shard, [paths[0]], 0, {"000001.mp4": clip.read_bytes(), "000002.jpg": b"not a jpeg",
                                        "../escape.jpg": paths[1].read_bytes(), "000003.cls": b"7"})
     out = tmp_path / "out"
-    assert main(["embed", str(shard), str(clip), "--model", str(checkpoint), "--out", str(out), *SMALL]) == 1
+    beside = tmp_path / "escape.jpg"  # the file "../escape.jpg" would name if it were resolved: its own input
+    beside.write_bytes(paths[2].read_bytes())
+    assert main(["embed", str(shard), str(clip), str(beside), "--model", str(checkpoint), "--out", str(out),
+                 *SMALL]) == 1
     by_path = {r["path"]: r for r in read_manifest_lines(out / "manifest.jsonl")}
     assert by_path[f"{shard}/000000{paths[0].suffix}"]["status"] == "ok"
     assert by_path[f"{shard}/000002.jpg"]["status"] == "error" and "not a recognised image" in \
@@ -104,7 +107,7 @@ def test_a_video_member_and_bad_members_are_inputs_of_their_own(collection, chec
     got = dict(read_embeddings(out))
     assert torch.equal(got[f"{shard}/000001.mp4"], got[str(clip)])  # a video member: bitwise its file
     assert torch.equal(got[f"{shard}/000000{paths[0].suffix}"], want[paths[0].name])
-    assert not (tmp_path / "escape.jpg").exists()
+    assert by_path[str(beside)]["status"] == "ok" and torch.equal(got[str(beside)], want[paths[2].name])
 
 
 def test_a_missing_or_broken_shard_is_a_failed_input(collection, checkpoint, tmp_path, capsys):

@@ -127,6 +127,7 @@ def test_columns_that_cannot_be_carried_are_refused_in_one_line(folder_run, chec
         (["--path-column", "file"], ["no column 'file'", "path, caption, idx"]),
         (["--keep-columns", "caption,nope"], ["no column 'nope'"]),
         (["--keep-columns", "status"], ["status", "rename the column"]),
+        (["--keep-columns", "deepstack_0"], ["deepstack_0", "rename the column"]),
         (["--keep-columns", "caption,,idx"], ["--keep-columns"]),
     ]
     for extra, needles in cases:

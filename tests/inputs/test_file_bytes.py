@@ -42,3 +42,10 @@ def test_bad_bytes_are_named_by_their_name_in_one_line(encoder, tmp_path):
         with pytest.raises(PreprocessError, match=needle) as caught:
             encoder.encode_images([FileBytes("shard.tar/000001.jpg", data)])
         assert "'shard.tar/000001.jpg'" in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_a_url_s_kind_is_its_path_s_extension():
+    from qwenvl_vision.inputs.video_io import is_video_file
+
+    assert is_video_file(FileBytes("https://store/clip.mp4?X-Amz-Signature=abc", b"x"))
+    assert not is_video_file(FileBytes("https://store/photo.jpg?v=2", b"x"))

@@ -111,7 +111,7 @@ def test_a_running_embed_keeps_what_it_recorded_and_the_folder_keeps_to_its_boun
     assert embed_cache(imgs, out, checkpoint) == 0
     first = [r["id"] for r in read_manifest_lines(out / "manifest.jsonl")]
     age_items(out, first, time.time() - 7200)
-    bound = 32_000  # ~14 kB of it the 32 manifest lines, run.json and pruned.jsonl: about 8 items stay
+    bound = 50_000  # ~15-30 kB of it the 32 manifest lines, run.json and pruned.jsonl: some items stay
     more = tmp_path / "more"
     make_image_folder(more, 32, bad=False)
     for path in sorted(more.rglob("img*.*"), key=lambda p: p.name)[8:]:  # the first 8: imgs/' pixels, not new

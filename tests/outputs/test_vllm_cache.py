@@ -81,9 +81,12 @@ def test_ids_change_with_the_model_its_dtype_and_the_pixels_and_stay_for_the_sam
     ids = {}
     ids["first"] = [e["id"] for e in fp32.encode_images(paths, max_pixels=64 * 64).to_vllm_cache(tmp_path / "a")]
     item = tmp_path / "a" / ids["first"][0] / CACHE_FILE
-    written = item.stat().st_mtime_ns
+    written = item.stat().st_ino, item.read_bytes(), item.stat().st_mtime_ns
     ids["again"] = [e["id"] for e in fp32.encode_images(paths, max_pixels=64 * 64).to_vllm_cache(tmp_path / "a")]
-    assert ids["again"] == ids["first"] and item.stat().st_mtime_ns == written  # an id present is not rewritten
+    assert ids["again"] == ids["first"]
+    # An id present is not rewritten (the same file, the same bytes); its last write is refreshed, so that a
+    # cache prune, oldest first, keeps what is still being asked for.
+    assert (item.stat().st_ino, item.read_bytes()) == written[:2] and item.stat().st_mtime_ns >= written[2]
     resized = fp32.encode_images(paths, min_pixels=32 * 32, max_pixels=48 * 48)  # other pixels, other ids
     ids["pixels"] = [e["id"] for e in resized.to_vllm_cache(tmp_path / "b")]
     bf16 = load_encoder(checkpoint3, device="cpu", dtype=torch.bfloat16)
