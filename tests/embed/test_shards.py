@@ -7,10 +7,8 @@ from __future__ import annotations
 import io
 import json
 import os
-import signal
 import subprocess
 import tarfile
-import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +19,7 @@ from qwenvl_vision.embed import read_embeddings, read_manifest_lines, read_run
 from qwenvl_vision.embed.shards import expand_braces
 from qwenvl_vision.outputs.parquet import read_parquet_records
 from tests.helpers import make_image_folder, write_video
-from tests.helpers.embed import ENV, embed_cmd, local_ray, torchrun_embed_cmd  # noqa: F401 - a fixture
+from tests.helpers.embed import ENV, embed_cmd, kill_at_instants, local_ray, torchrun_embed_cmd  # noqa: F401 - a fixture
 
 SMALL = ["--max-pixels", str(64 * 64), "--quiet"]
 
@@ -128,12 +126,7 @@ def test_kill_and_resume_over_shards_records_each_member_once(collection, checkp
     threads = str(read_run(root / "from-folder")["threads"])  # CPU bits are the same at the same thread count
     cmd = embed_cmd([root / "shards-{000000..000001}.tar"], checkpoint, out, "--batch-patches", "32", "--threads",
                     threads, *SMALL)
-    for delay in (2.5, 3.5, 5.0):
-        proc = subprocess.Popen(cmd + (["--resume"] if out.exists() else []), env=ENV, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)
-        time.sleep(delay)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+    kill_at_instants(cmd, out)
     assert main([*cmd[3:], "--resume"]) == 0
     records = read_manifest_lines(out / "manifest.jsonl")
     assert sorted(r["path"] for r in records) == sorted(str(root / f"shards-00000{i // 4}.tar" / n)

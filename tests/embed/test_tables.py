@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
-import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -20,7 +18,7 @@ from qwenvl_vision.cli import main
 from qwenvl_vision.embed import read_embeddings, read_manifest_lines, read_run
 from qwenvl_vision.outputs.parquet import read_parquet_records
 from tests.helpers import make_image_folder
-from tests.helpers.embed import ENV, embed_cmd, local_ray, one_error_line, torchrun_embed_cmd  # noqa: F401
+from tests.helpers.embed import ENV, embed_cmd, kill_at_instants, local_ray, one_error_line, torchrun_embed_cmd  # noqa: F401
 from tests.helpers.servers import http_folder
 
 SMALL = ["--max-pixels", str(64 * 64), "--quiet"]
@@ -177,12 +175,7 @@ def test_kill_and_resume_over_a_table_records_each_row_once_with_its_columns(fol
     out = tmp_path / "killed"
     threads = str(read_run(root / "from-folder")["threads"])  # CPU bits are the same at the same thread count
     cmd = embed_cmd([table], checkpoint, out, "--batch-patches", "32", "--threads", threads, *KEEP, *SMALL)
-    for delay in (2.5, 3.5, 5.0):
-        proc = subprocess.Popen(cmd + (["--resume"] if out.exists() else []), env=ENV, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)
-        time.sleep(delay)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+    kill_at_instants(cmd, out)
     assert main([*cmd[3:], "--resume"]) == 0
     records = read_manifest_lines(out / "manifest.jsonl")
     assert sorted(r["columns"]["caption"] for r in records) == sorted(r["caption"] for r in rows)

@@ -106,6 +106,21 @@ def kill_when(cmd: list[str], ready, timeout: float = 180) -> None:
     proc.wait()
 
 
+def kill_at_instants(cmd: list[str], out: Path, delays: tuple[float, ...] = (2.5, 3.5, 5.0)) -> None:
+    """Run `cmd` (with --resume once `out` exists) in a child and SIGKILL it `delay` seconds in, once per delay:
+    some kills land mid-run, some after it ended."""
+    import signal
+    import subprocess
+    import time
+
+    for delay in delays:
+        proc = subprocess.Popen(cmd + (["--resume"] if out.exists() else []), env=ENV, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+
+
 @pytest.fixture(scope="session")
 def local_ray():
     """One local Ray for the session, on the 2 CPUs the test machines have, no dashboard (it takes seconds); shared
