@@ -396,8 +396,8 @@ class EmbedJob:
             batches = self.encoder.iter_encode(
                 # The options as given, as encode_images takes them: an option alone keeps the checkpoint's
                 # other bound even where they cross (run.json records both; a resume compared them).
-                items_of(todo, self.inputs.members, self.inputs.remote), video=None, min_pixels=args.min_pixels,
-                max_pixels=args.max_pixels,
+                items_of(todo, self.inputs.members, self.inputs.remote, self.inputs.keys), video=None,
+                min_pixels=args.min_pixels, max_pixels=args.max_pixels,
                 max_batch_patches=args.batch_patches, resize=self.run["resize"],
                 pooled=args.pooled_only, normalize=args.normalize, max_input_pixels=args.max_input_pixels,
                 decode_bytes=args.decode_mib << 20, decode_timeout=args.decode_timeout,

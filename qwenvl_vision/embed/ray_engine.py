@@ -203,7 +203,8 @@ def encode_on_ray(job, writer: Writer) -> None:
     if not todo:
         progress.close()
         return
-    absolute = {p: p if p in job.inputs.remote else os.path.abspath(p) for p in todo}
+    # A URL travels as its identity (with its version or ETag): the actor reads the object the run listed.
+    absolute = {p: job.inputs.keys[p] if p in job.inputs.remote else os.path.abspath(p) for p in todo}
     items = [{"path": absolute[p], "given": p, "realpath": job.inputs.keys[p]} for p in todo]
     blocks = max(1, min(-(-len(items) // BATCH_ROWS), 4 * plan.actors))
     actors = min(plan.actors, blocks)  # an actor with no block to work on would only load the tower

@@ -7,7 +7,10 @@ package). Outputs stay local.
   where the store gives one (``s3://b/k.jpg#etag=...``): an object replaced under the same URL is a new input.
   It is read from the store's metadata (``fs.info``) when the inputs are gathered, several at once.
 - Bytes: fetched on the thread that decodes the input (``FileBytes`` with ``fetch``), so the decode workers
-  download in parallel and ``--decode-timeout`` bounds each input, download included.
+  download in parallel and ``--decode-timeout`` bounds each input, download included. They are the object the run
+  listed, never another stored under its identity: a version is read by its id (S3), an ETag (or a version a
+  store cannot be asked for) is checked against the object's metadata once its bytes are read. An object replaced
+  in between is one failed input; a ``--resume`` lists it again and embeds it under its new identity.
 - Failures: a transient error (a dropped connection, a timeout, a server error) is retried ``RETRIES`` times with
   backoff; an object that is missing (or disappears between listing and reading), refused, or still failing is
   one failed input with one line naming the URL, and the run goes on.
@@ -17,6 +20,7 @@ Credentials and endpoints are the store's own (for S3: ``AWS_*`` variables, ``AW
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +34,7 @@ BACKOFF_S = 0.25  # doubled after each attempt
 TIMEOUT_S = 60  # per request (connect and read), where the store takes one
 INFO_WORKERS = 8  # metadata requests in flight while gathering
 EXTRA = "pip install 'qwenvl-vision[remote]'"
+PINNED = re.compile(r"(?s)(.+)#(version|etag)=([^#]*)")  # an identity with what it pins (``identity``)
 PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, ValueError, TypeError)
 
 
@@ -116,11 +121,29 @@ def identities(urls: list[str]) -> dict[str, tuple[str, str | None]]:
         return dict(zip(urls, pool.map(one, urls), strict=True))
 
 
-def fetch(url: str) -> bytes:
+def pin_of(key: str) -> tuple[str, str, str] | None:
+    """(URL, "version" or "etag", value) of an identity that pins one (``identity``), else None."""
+    match = PINNED.fullmatch(key)
+    return None if match is None else (match.group(1), match.group(2), match.group(3))
+
+
+def fetch(url: str, key: str | None = None) -> bytes:
+    """The object's bytes; with ``key`` (its identity as listed), those of the object the key names, or a
+    PreprocessError saying it changed."""
     fs, path = filesystem(url)
-    return retried(lambda: fs.cat_file(path), url, "read it")
+    pin = None if key is None else pin_of(key)
+    if pin is not None and pin[1] == "version" and url.split("://", 1)[0].lower() in ("s3", "s3a"):
+        return retried(lambda: fs.cat_file(path, version_id=pin[2]), url, "read it")
+    data = retried(lambda: fs.cat_file(path), url, "read it")
+    if pin is not None:
+        now = identity(url)
+        if now != key:
+            found = pin_of(now)
+            raise PreprocessError(f"{url}: changed since the run listed it ({pin[1]} {pin[2][:64]}, now "
+                                  f"{'none' if found is None else found[2][:64]}); a --resume embeds the new object")
+    return data
 
 
-def remote_file(url: str) -> FileBytes:
-    """The object's bytes, fetched when its decoder first asks for them."""
-    return FileBytes(url, fetch=lambda: fetch(url))
+def remote_file(url: str, key: str | None = None) -> FileBytes:
+    """The object's bytes, fetched when its decoder first asks for them (with ``key``: the object it names)."""
+    return FileBytes(url, fetch=lambda: fetch(url, key))

@@ -157,10 +157,10 @@ class MemberReader:
         self.file = self.path = None
 
 
-def items_of(paths: list[str], members: dict[str, Member], remote: set[str] | frozenset = frozenset()
-             ) -> Iterator[object]:
+def items_of(paths: list[str], members: dict[str, Member], remote: set[str] | frozenset = frozenset(),
+             keys: dict[str, str] | None = None) -> Iterator[object]:
     """What the encoder takes for each input, lazily and in order: a path, a member's bytes, or an object's bytes
-    to be fetched by its decoder (``remote``)."""
+    to be fetched by its decoder (``remote``: the object its identity in ``keys`` names)."""
     from .remote import remote_file
 
     reader = MemberReader()
@@ -168,7 +168,7 @@ def items_of(paths: list[str], members: dict[str, Member], remote: set[str] | fr
         for path in paths:
             member = members.get(path)
             if path in remote:
-                yield remote_file(path)
+                yield remote_file(path, (keys or {}).get(path))
             else:
                 yield path if member is None else reader.read(path, member)
     finally:
@@ -189,16 +189,18 @@ def member_of(path: str) -> tuple[str, str] | None:
 
 class ItemOpener:
     """Paths as the encoder takes them where only the path travels (a Ray actor): a URL's bytes fetched when
-    decoded, a shard member's bytes read by its shard's index (listed once per shard), else the path itself."""
+    decoded (an identity with its version or ETag, ``remote.identity``: that object's), a shard member's bytes read
+    by its shard's index (listed once per shard), else the path itself."""
 
     def __init__(self) -> None:
         self.indexes: dict[str, dict[str, Member]] = {}
 
     def __call__(self, path: str) -> object:
-        from .remote import remote_file
+        from .remote import pin_of, remote_file
 
         if is_url(path):
-            return remote_file(path)
+            pin = pin_of(path)
+            return remote_file(path) if pin is None else remote_file(pin[0], path)
         inside = member_of(path)
         if inside is None:
             return path

@@ -76,23 +76,23 @@ def test_a_transient_error_is_retried_and_a_slow_object_times_out_alone(photos, 
     calls = {"n": 0}
     real = remote.fetch
 
-    def flaky(url: str) -> bytes:
+    def flaky(url: str, key: str | None) -> bytes:
         calls["n"] += 1
         if calls["n"] == 1:
             raise ConnectionResetError("the peer reset the connection")
-        return real(url)
+        return real(url, key)
 
     served = tmp_path / "served"
     served.mkdir()
     shutil.copy(paths[0], served / paths[0].name)
     with http_folder(served) as base:
         url = f"{base}/{paths[0].name}"
-        monkeypatch.setattr(remote, "fetch", lambda u: remote.retried(lambda: flaky(u), u, "read it"))
+        monkeypatch.setattr(remote, "fetch", lambda u, key=None: remote.retried(lambda: flaky(u, key), u, "read it"))
         out = tmp_path / "out"
         assert main(["embed", url, "--model", str(checkpoint), "--out", str(out), *SMALL]) == 0
         assert calls["n"] == 2 and torch.equal(dict(read_embeddings(out))[url], want[paths[0].name])
 
-        def stalls(u: str) -> bytes:
+        def stalls(u: str, key: str | None = None) -> bytes:
             import time
 
             time.sleep(4)  # past the 1 s limit: the run records it failed and goes on
@@ -136,6 +136,70 @@ def test_s3_objects_embed_bitwise_and_the_etag_is_the_identity_a_resume_matches(
         assert main(["embed", *urls, "--model", str(checkpoint), "--out", str(out), "--resume", *SMALL]) == 0
         records = read_manifest_lines(out / "manifest.jsonl")
         assert len(records) == len(urls) + 1 and len({r["realpath"] for r in records}) == len(urls) + 1
+
+
+@pytest.mark.parametrize("versioned", [False, True], ids=["etag", "version"])
+def test_an_object_replaced_after_listing_is_never_stored_under_its_listed_identity(photos, checkpoint, tmp_path,
+                                                                                   monkeypatch, versioned):
+    """Listed (its identity read), then replaced under its URL before its bytes are read: with a version in its
+    identity the listed version is read by its id (the old object's tensors); with an ETag the bytes read are the
+    new object's, which the ETag check after reading refuses (one failed input); a resume embeds the new object
+    under its new identity. Nothing is stored under an identity it does not have."""
+    pytest.importorskip("s3fs")
+    pytest.importorskip("moto")
+    from qwenvl_vision.embed import inputs
+
+    root, paths, want = photos
+    env: dict = {}
+    with s3_server(env) as endpoint:
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        import boto3
+
+        client = boto3.client("s3", endpoint_url=endpoint)
+        client.create_bucket(Bucket="photos")
+        if versioned:
+            client.put_bucket_versioning(Bucket="photos", VersioningConfiguration={"Status": "Enabled"})
+        for p in paths[:2]:
+            client.put_object(Bucket="photos", Key=p.name, Body=p.read_bytes())
+        urls = [f"s3://photos/{p.name}" for p in paths[:2]]
+        real = inputs.identities
+
+        def listed_then_replaced(listed: list[str]) -> dict:
+            found = real(listed)
+            client.put_object(Bucket="photos", Key=paths[0].name, Body=paths[2].read_bytes())
+            return found
+
+        monkeypatch.setattr(inputs, "identities", listed_then_replaced)
+        out = tmp_path / "out"
+        code = main(["embed", *urls, "--model", str(checkpoint), "--out", str(out), *SMALL])
+        records = {r["path"]: r for r in read_manifest_lines(out / "manifest.jsonl")}
+        label = "version" if versioned else "etag"
+        assert all(r["realpath"].startswith(f"{u}#{label}=") for u, r in records.items()), records
+        got = dict(read_embeddings(out))
+        assert torch.equal(got[urls[1]], want[paths[1].name])
+        if versioned:
+            assert code == 0 and torch.equal(got[urls[0]], want[paths[0].name])  # the listed version's tensors
+            return
+        assert code == 1 and urls[0] not in got
+        assert records[urls[0]]["error"].startswith(f"{urls[0]}: changed since the run listed it (etag ")
+        monkeypatch.setattr(inputs, "identities", real)
+        assert main(["embed", *urls, "--model", str(checkpoint), "--out", str(out), "--resume", *SMALL]) == 0
+        got = dict(read_embeddings(out))
+        assert torch.equal(got[urls[0]], want[paths[2].name])
+
+
+def test_a_pinned_identity_travels_to_a_ray_actor_as_the_object_it_names(monkeypatch):
+    """Where only the path travels (a Ray actor), a URL with its ETag or version is read as that object: the
+    opener hands the decoder the URL's bytes, fetched with the identity to check against."""
+    from qwenvl_vision.embed.shards import ItemOpener
+
+    asked = []
+    monkeypatch.setattr(remote, "fetch", lambda url, key=None: asked.append((url, key)) or b"bytes")
+    opened = ItemOpener()("s3://b/a#b.jpg#etag=abc")
+    plain = ItemOpener()("https://h/x.jpg")
+    assert (opened.name, opened.data) == ("s3://b/a#b.jpg", b"bytes") and plain.data == b"bytes"
+    assert asked == [("s3://b/a#b.jpg", "s3://b/a#b.jpg#etag=abc"), ("https://h/x.jpg", None)]
 
 
 def test_urls_without_the_extra_are_refused_in_one_line(checkpoint, tmp_path, monkeypatch, capsys):

@@ -38,6 +38,10 @@ def s3_server(monkeypatch_env: dict) -> Iterator[str]:
 
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
+    with contextlib.suppress(ImportError):  # fsspec keeps file systems per options: one made for an earlier
+        import s3fs  # server (the endpoint is read from the environment) would still talk to that one
+
+        s3fs.S3FileSystem.clear_instance_cache()
     host, port = server.get_host_and_port()
     endpoint = f"http://{host}:{port}"
     monkeypatch_env.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
