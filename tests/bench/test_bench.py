@@ -47,6 +47,7 @@ def test_throughput_reports_the_fraction_of_the_bound(capsys):
 def test_a_timed_forward_runs_alone_and_its_peak_is_the_rss_high_water_mark():
     """No thread samples memory beside a timed CPU forward (one slowed a 2-core machine's forward); the peak is
     Linux's reset high-water mark, which sees a transient the block freed before it ended."""
+    import mmap
     import threading
 
     import torch
@@ -57,13 +58,18 @@ def test_a_timed_forward_runs_alone_and_its_peak_is_the_rss_high_water_mark():
 
     def forward(model, pixel_values, grid_thw):
         threads.append(threading.active_count())
-        transient = torch.ones(16 << 20)  # 64 MiB, mapped afresh (above glibc's largest mmap threshold), then freed
-        return transient.sum()
+        # 64 MiB the kernel maps afresh and faults in page by page, then unmaps: a transient the resident set
+        # cannot already hold (a tensor of that size may come from heap pages an earlier test left resident).
+        with mmap.mmap(-1, 64 << 20) as transient:
+            for page in range(0, 64 << 20, mmap.PAGESIZE):
+                transient[page] = 1
+            touched = sum(transient[page] for page in range(0, 64 << 20, mmap.PAGESIZE))
+        return torch.tensor(touched)
 
     before = threading.active_count()
     call = throughput.timed(forward, None, None, None, torch.device("cpu"))
     peak = call.peak
-    assert threads == [before] and call.seconds > 0 and call.out.item() == 16 << 20
+    assert threads == [before] and call.seconds > 0 and call.out.item() == (64 << 20) // mmap.PAGESIZE
     assert call.device_seconds is None  # CUDA events only on CUDA
     if start_rss_window()[1] != RESET_HIGH_WATER_MARK:
         assert peak is None  # no resettable high-water mark here: unknown, never a wrong number
