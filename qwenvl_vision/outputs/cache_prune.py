@@ -11,8 +11,10 @@ vLLM's own ``ECExampleConnector`` never removes an item, so a long-lived consume
   write items and record them; a prune holds it exclusively while it reads the folder and removes, so an item
   found in place by a writer is recorded before a prune can see it, and nothing is removed mid-write.
 - The items a running ``embed`` has written are kept: those last written since its lock file (``embed.lock``)
-  was made. A run stopped by SIGKILL leaves its lock file, and its items stay kept until it is resumed. Items of
-  its earlier sessions (before a ``--resume``) are the oldest, and go first.
+  was made. A run stopped by SIGKILL leaves its lock file; it holds nothing once it has outlived its run
+  (``outlived_its_run``: it names this host and a process that no longer exists, and the kernel lists no lock on
+  it), and anything less certain (another host's run on a shared disk) keeps the items. Items of its earlier
+  sessions (before a ``--resume``) are the oldest, and go first.
 - Every removed item is appended to ``PRUNED`` (one JSON line: id, bytes, last write, when), so a manifest line
   whose item is gone is accounted for: ``read_embeddings`` skips the items listed there (and says how many), and
   ``embed --resume`` embeds them again.
@@ -26,6 +28,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
+import socket
 import stat
 import time
 from dataclasses import dataclass
@@ -38,6 +42,7 @@ from .vllm_cache import CACHE_FILE, IDENTITY_FILE, cache_lock
 
 PRUNED = "pruned.jsonl"  # the items a prune removed, one JSON line each
 RUN_LOCKS = ("embed.lock", "embed.rank*.lock")  # a running embed's (embed.lock's lock_name)
+HOLDER = re.compile(r"pid (\d+) on (\S+)")  # the line embed.lock's FolderLock writes into its lock file
 LOCK_WAIT_S = 60  # a prune waits this long for the writers' current batches
 
 
@@ -102,13 +107,46 @@ def other_bytes(folder: Path) -> int:
 
 def running_embed_since(folder: Path) -> float | None:
     """When the running embed of this folder started (its lock file's last write, made as it took the lock; the
-    earliest of its ranks'), None when no lock file is present."""
+    earliest of its ranks'), None when no lock file is present but those that outlived their run."""
     times = []
     for pattern in RUN_LOCKS:
         for lock in folder.glob(pattern):
             with contextlib.suppress(FileNotFoundError):
-                times.append(os.lstat(lock).st_mtime)
+                if not outlived_its_run(lock):
+                    times.append(os.lstat(lock).st_mtime)
     return min(times, default=None)
+
+
+def outlived_its_run(lock: Path) -> bool:
+    """Whether a run's lock file is left from a run that is gone (SIGKILL, a power cut): it names this host and a
+    process that does not exist, and, where the kernel lists its locks (``/proc/locks``), none is on this file.
+    Read only: a probe that took the lock could turn away an embed starting at that moment."""
+    try:
+        st = os.lstat(lock)
+        fd = open_no_follow(lock, os.O_RDONLY)
+        try:
+            text = os.pread(fd, 200, 0).decode("utf-8", "replace")
+        finally:
+            os.close(fd)
+    except OSError:
+        return False
+    holder = HOLDER.match(text.strip())
+    if holder is None or holder.group(2) != socket.gethostname():
+        return False
+    try:
+        os.kill(int(holder.group(1)), 0)
+        return False  # a process of that id exists (the run, or one that took its id): held
+    except PermissionError:
+        return False
+    except (ProcessLookupError, OverflowError, ValueError):
+        pass
+    try:
+        with open("/proc/locks") as f:
+            listed = f.read()
+    except OSError:
+        return True  # no list of the kernel's locks here: the process is gone, and with it its lock
+    file_id = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    return not any(file_id in line.split() for line in listed.splitlines())
 
 
 def pruned_ids(folder: Path) -> set[str]:

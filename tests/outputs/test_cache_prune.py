@@ -143,3 +143,36 @@ def test_a_running_embed_keeps_what_it_recorded_and_the_folder_keeps_to_its_boun
         else:
             assert r["id"] in pruned
     assert set(left) <= {r["id"] for r in records}
+
+
+def test_a_lock_file_left_by_a_killed_run_holds_nothing_and_one_of_a_live_run_holds_its_items(tmp_path, checkpoint):
+    """SIGKILL leaves ``embed.lock`` (the kernel drops the lock, not the file): a prune sees that its process is gone
+    and nothing locks it, and removes what the bound asks. A lock file whose process is alive, or that a process
+    locks (whatever pid it names), keeps the items written since it was made."""
+    make_image_folder(tmp_path / "imgs", 4, bad=False)
+    out = tmp_path / "cache"
+    assert embed_cache(tmp_path / "imgs", out, checkpoint) == 0
+    order = [r["id"] for r in read_manifest_lines(out / "manifest.jsonl")]
+    age_items(out, order, time.time() + 60)  # written after any lock file made below
+    bound = folder_bytes(out) - items(out)[order[0]].stat().st_size + 300  # the oldest must go (its log line stays)
+    lock = out / "embed.lock"
+    # A run killed while it held the folder: the real lock, taken by a process then SIGKILLed.
+    killed = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path\n"
+                               "from qwenvl_vision.embed.lock import FolderLock\n"
+                               "FolderLock(Path(sys.argv[1]), 'the folder').acquire(); print('held', flush=True)\n"
+                               "time.sleep(60)", str(lock)], stdout=subprocess.PIPE, text=True, env=ENV, cwd=REPO)
+    with killed.stdout:
+        assert killed.stdout.readline().strip() == "held"
+    held = prune_cache(out, bound, dry_run=True)
+    assert held.running and held.held == len(order) and not held.removed  # alive: its items are kept
+    killed.kill()
+    killed.wait()
+    assert lock.exists() and f"pid {killed.pid} on " in lock.read_text()
+    report = prune_cache(out, bound)
+    assert not report.running and [i.id for i in report.removed] == order[:1] and folder_bytes(out) <= bound
+    # A file some process locks holds, whatever process it names.
+    import fcntl
+
+    with open(lock, "r+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        assert prune_cache(out, 0, dry_run=True).held == len(order) - 1
