@@ -310,10 +310,11 @@ class VisionTower(nn.Module):
 
     def _dynamic(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Compiled blocks: the token count is the one dynamic size of their inputs (so a pack whose token count
-        equals a static size, e.g. N == hidden size, does not specialise the graph to N == D)."""
+        equals a static size, e.g. N == hidden size, does not specialise the graph to N == D). A soft mark: x and the
+        rope tables share the token count, a relation a hard ``mark_dynamic`` refuses under dynamo's eager backend."""
         if self.compiled and not torch.compiler.is_compiling():
             for tensor in tensors:
-                torch._dynamo.mark_dynamic(tensor, 0)
+                torch._dynamo.maybe_mark_dynamic(tensor, 0)
         return tensors
 
     # ------------------------------------------------------------------ reporting

@@ -57,6 +57,18 @@ def test_compiled_blocks_match_transformers_and_do_not_recompile_for_new_packs(c
     assert len(set(graphs)) == 1, f"recompiled for a new pack: graphs after each pack {graphs}"
 
 
+def test_dynamo_s_debugging_backends_run_the_blocks_too():
+    """backend="eager" (dynamo's tracing alone, for finding graph breaks) on a pack whose token count equals the
+    hidden size, then another: the rope tables share the token count with x, which a hard dynamic mark refused."""
+    ours, ref = pair(QWEN2_5_SMALL)
+    ours.compile_blocks(backend="eager")
+    with torch.no_grad():
+        for pack in ([(1, 8, QWEN2_5_SMALL.hidden_size // 8)], QWEN2_5_GRIDS):
+            pixel_values, grid_thw = inputs(QWEN2_5_SMALL, pack)
+            assert_matches_reference(ours(pixel_values, grid_thw), hf_forward(ref, pixel_values, grid_thw),
+                                     grid_thw, 1e-5)
+
+
 def test_compiling_the_whole_tower_works_too():
     """torch.compile(tower) (not compile_blocks): the blocks trace the out-of-place path, and a 576-token frame
     SDPA (the CPU's per-head GEMM attention stays out of a compiled graph)."""
