@@ -10,6 +10,7 @@ following links: a link planted at its name is an ``OutputLinkError`` naming it,
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import socket
@@ -17,6 +18,18 @@ from pathlib import Path
 
 from ..errors import OutputInUseError
 from ..outputs.durable import open_no_follow
+
+
+def holder_line() -> str:
+    """Who holds a lock: the process, its host, and (where Linux says) the boot and the pid namespace the process
+    id means something in."""
+    boot, namespace = "-", "-"
+    with contextlib.suppress(OSError):
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip() or "-"
+    with contextlib.suppress(OSError):
+        namespace = str(os.stat("/proc/self/ns/pid").st_ino)
+    return f"pid {os.getpid()} on {socket.gethostname()} boot {boot} pidns {namespace}"
 
 
 def lock_name(rank: int, world: int) -> str:
@@ -42,7 +55,7 @@ class FolderLock:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip()
+                holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip().split(" boot ")[0]
                 os.close(fd)
                 raise OutputInUseError(f"{self.what} is in use by another embed run"
                                        f"{f' ({holder})' if holder else ''}; wait for it to finish, "
@@ -55,9 +68,10 @@ class FolderLock:
                 break
             os.close(fd)
         self.fd = fd
-        try:  # who holds it, for the message another process prints; best effort (the disk may be full)
+        try:  # who holds it, for the message another process prints and for a prune (``cache_prune``) to tell a
+            # lock file its process left behind; best effort (the disk may be full)
             os.ftruncate(fd, 0)
-            os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+            os.pwrite(fd, f"{holder_line()}\n".encode(), 0)
         except OSError:
             pass
 

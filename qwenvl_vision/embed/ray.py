@@ -102,6 +102,8 @@ class Embedder:
     must have (``item_ids.weights_sha256``, as run.json records it), checked once in the constructor: an actor on
     another checkpoint, or drawing other random weights, fails instead of writing other tensors.
     ``hash_pixels``: fill the ``pixels_sha256`` column (``iter_encode``'s; null otherwise).
+    ``identity_column``: a column of each path's identity as a run listed it (``embed``'s ``realpath``): a URL's
+    bytes are then checked to be the object it names (its version, or its ETag).
     """
 
     def __init__(self, source: Any, *, column: str | None = None, kind: str | None = None,
@@ -112,14 +114,14 @@ class Embedder:
                  decode_bytes: int | None = DEFAULT_DECODE_BYTES,
                  decode_timeout: float | None = DEFAULT_DECODE_TIMEOUT, num_workers: int | None = None,
                  spool_dir: str | None = None, threads: int | None = None, weights_sha256: str | None = None,
-                 hash_pixels: bool = False, **load_options: Any) -> None:
+                 hash_pixels: bool = False, identity_column: str | None = None, **load_options: Any) -> None:
         kind = kind or column
         if column is not None and kind not in INPUT_KINDS:
             raise ValueError(f"column {column!r}: pass kind= (one of {list(INPUT_KINDS)})")
         if normalize and not pooled:
             raise ConfigError("normalize=True makes the pooled vectors unit length; the tokens a language model "
                               "reads are never normalized: pass pooled=True too")
-        self.column, self.kind = column, kind
+        self.column, self.kind, self.identity_column = column, kind, identity_column
         self.opener = ItemOpener()  # a URL or a shard member named by its path: read as the local engine does
         self.pooled = pooled
         if threads is not None:
@@ -159,7 +161,7 @@ class Embedder:
         raise KeyError(f"expected an input column ({', '.join(INPUT_KINDS)}), the batch has {sorted(batch)}: "
                        f"pass column= (and kind=)")
 
-    def _items(self, values: Sequence[Any], kind: str, spool: list[str]
+    def _items(self, values: Sequence[Any], kind: str, spool: list[str], identities: Sequence[Any] | None = None
                ) -> tuple[list[Any], dict[int, str], dict[int, str]]:
         """(what iter_encode gets per row, rows already known bad -> error, row -> the name its errors use).
         Encoded bytes are written to files in a folder made for this call, its path put in ``spool`` (the
@@ -169,7 +171,9 @@ class Embedder:
         names: dict[int, str] = {}
         for row, value in enumerate(values):
             if kind == "path":
-                items.append(self.opener(os.fspath(value)) if isinstance(value, (str, os.PathLike)) else value)
+                identity = None if identities is None else identities[row]
+                items.append(self.opener(os.fspath(value), identity) if isinstance(value, (str, os.PathLike))
+                             else value)
                 if not isinstance(value, (str, os.PathLike)):
                     bad[row] = f"path: expected a file path, got {type(value).__name__}"
                 continue
@@ -232,7 +236,8 @@ class Embedder:
         spool: list[str] = []  # this call's folder for encoded bytes, removed whatever happens
         results: dict[int, ItemResult] = {}
         try:
-            items, bad, names = self._items(values, kind, spool)
+            identities = None if self.identity_column is None else batch.get(self.identity_column)
+            items, bad, names = self._items(values, kind, spool, identities)
             todo = [row for row in range(len(values)) if row not in bad]
             for result in self._encode([items[row] for row in todo], kind) if todo else []:
                 row = todo[result.index]

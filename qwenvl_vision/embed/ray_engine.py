@@ -203,13 +203,12 @@ def encode_on_ray(job, writer: Writer) -> None:
     if not todo:
         progress.close()
         return
-    # A URL travels as its identity (with its version or ETag): the actor reads the object the run listed.
-    absolute = {p: job.inputs.keys[p] if p in job.inputs.remote else os.path.abspath(p) for p in todo}
+    absolute = {p: p if p in job.inputs.remote else os.path.abspath(p) for p in todo}
     items = [{"path": absolute[p], "given": p, "realpath": job.inputs.keys[p]} for p in todo]
     blocks = max(1, min(-(-len(items) // BATCH_ROWS), 4 * plan.actors))
     actors = min(plan.actors, blocks)  # an actor with no block to work on would only load the tower
     options: dict[str, Any] = dict(
-        column="path", kind="path", min_pixels=args.min_pixels, max_pixels=args.max_pixels,
+        column="path", kind="path", identity_column="realpath", min_pixels=args.min_pixels, max_pixels=args.max_pixels,
         resize=job.run["resize"], pooled=args.pooled_only, normalize=args.normalize,
         fps=args.fps, max_batch_patches=args.batch_patches,
         max_input_pixels=args.max_input_pixels, decode_bytes=args.decode_mib << 20,

@@ -20,7 +20,6 @@ Credentials and endpoints are the store's own (for S3: ``AWS_*`` variables, ``AW
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -34,7 +33,6 @@ BACKOFF_S = 0.25  # doubled after each attempt
 TIMEOUT_S = 60  # per request (connect and read), where the store takes one
 INFO_WORKERS = 8  # metadata requests in flight while gathering
 EXTRA = "pip install 'qwenvl-vision[remote]'"
-PINNED = re.compile(r"(?s)(.+)#(version|etag)=([^#]*)")  # an identity with what it pins (``identity``)
 PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, ValueError, TypeError)
 
 
@@ -121,26 +119,30 @@ def identities(urls: list[str]) -> dict[str, tuple[str, str | None]]:
         return dict(zip(urls, pool.map(one, urls), strict=True))
 
 
-def pin_of(key: str) -> tuple[str, str, str] | None:
-    """(URL, "version" or "etag", value) of an identity that pins one (``identity``), else None."""
-    match = PINNED.fullmatch(key)
-    return None if match is None else (match.group(1), match.group(2), match.group(3))
+def pin_of(url: str, key: str | None) -> tuple[str, str] | None:
+    """("version" or "etag", value) that the identity ``key`` of ``url`` pins (``identity``), else None. Read after
+    the URL, never searched for in it: a URL may hold '#', and so may an ETag."""
+    if key is None or not key.startswith(url + "#"):
+        return None
+    label, equals, value = key[len(url) + 1:].partition("=")
+    return (label, value) if equals and label in ("version", "etag") else None
 
 
 def fetch(url: str, key: str | None = None) -> bytes:
     """The object's bytes; with ``key`` (its identity as listed), those of the object the key names, or a
     PreprocessError saying it changed."""
     fs, path = filesystem(url)
-    pin = None if key is None else pin_of(key)
-    if pin is not None and pin[1] == "version" and url.split("://", 1)[0].lower() in ("s3", "s3a"):
-        return retried(lambda: fs.cat_file(path, version_id=pin[2]), url, "read it")
+    pin = pin_of(url, key)
+    if pin is not None and pin[0] == "version" and url.split("://", 1)[0].lower() in ("s3", "s3a"):
+        # One request for the version: s3fs's ranged reads of a large object size it by the latest version.
+        return retried(lambda: fs.cat_file(path, version_id=pin[1], max_concurrency=1), url, "read it")
     data = retried(lambda: fs.cat_file(path), url, "read it")
     if pin is not None:
-        now = identity(url)
-        if now != key:
-            found = pin_of(now)
-            raise PreprocessError(f"{url}: changed since the run listed it ({pin[1]} {pin[2][:64]}, now "
-                                  f"{'none' if found is None else found[2][:64]}); a --resume embeds the new object")
+        fs.invalidate_cache(path)  # the metadata as it is now, not as listed
+        now = pin_of(url, identity(url))
+        if now != pin:
+            raise PreprocessError(f"{url}: changed since the run listed it ({pin[0]} {pin[1][:64]}, now "
+                                  f"{'none' if now is None else now[1][:64]}); a --resume embeds the new object")
     return data
 
 

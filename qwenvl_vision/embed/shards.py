@@ -189,18 +189,17 @@ def member_of(path: str) -> tuple[str, str] | None:
 
 class ItemOpener:
     """Paths as the encoder takes them where only the path travels (a Ray actor): a URL's bytes fetched when
-    decoded (an identity with its version or ETag, ``remote.identity``: that object's), a shard member's bytes read
-    by its shard's index (listed once per shard), else the path itself."""
+    decoded (with its identity as the run listed it, ``remote.identity``: that object's), a shard member's bytes
+    read by its shard's index (listed once per shard), else the path itself."""
 
     def __init__(self) -> None:
         self.indexes: dict[str, dict[str, Member]] = {}
 
-    def __call__(self, path: str) -> object:
-        from .remote import pin_of, remote_file
+    def __call__(self, path: str, identity: str | None = None) -> object:
+        from .remote import remote_file
 
         if is_url(path):
-            pin = pin_of(path)
-            return remote_file(path) if pin is None else remote_file(pin[0], path)
+            return remote_file(path, identity)
         inside = member_of(path)
         if inside is None:
             return path

@@ -12,8 +12,8 @@ vLLM's own ``ECExampleConnector`` never removes an item, so a long-lived consume
   found in place by a writer is recorded before a prune can see it, and nothing is removed mid-write.
 - The items a running ``embed`` has written are kept: those last written since its lock file (``embed.lock``)
   was made. A run stopped by SIGKILL leaves its lock file; it holds nothing once it has outlived its run
-  (``outlived_its_run``: it names this host and a process that no longer exists, and the kernel lists no lock on
-  it), and anything less certain (another host's run on a shared disk) keeps the items. Items of its earlier
+  (``outlived_its_run``: it names this host, boot and pid namespace and a process that no longer exists there, and
+  the kernel lists no lock on it), and anything less certain keeps the items. Items of its earlier
   sessions (before a ``--resume``) are the oldest, and go first.
 - Every removed item is appended to ``PRUNED`` (one JSON line: id, bytes, last write, when), so a manifest line
   whose item is gone is accounted for: ``read_embeddings`` skips the items listed there (and says how many), and
@@ -29,12 +29,12 @@ import contextlib
 import json
 import os
 import re
-import socket
 import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..embed.lock import holder_line
 from ..errors import CacheFolderError, ConfigError
 from ..inputs.item_ids import is_sha256
 from .durable import fsync_dir, open_no_follow
@@ -42,7 +42,8 @@ from .vllm_cache import CACHE_FILE, IDENTITY_FILE, cache_lock
 
 PRUNED = "pruned.jsonl"  # the items a prune removed, one JSON line each
 RUN_LOCKS = ("embed.lock", "embed.rank*.lock")  # a running embed's (embed.lock's lock_name)
-HOLDER = re.compile(r"pid (\d+) on (\S+)")  # the line embed.lock's FolderLock writes into its lock file
+# The line embed.lock's FolderLock writes into its lock file (``lock.holder_line``).
+HOLDER = re.compile(r"pid (\d+) on (\S+) boot (\S+) pidns (\S+)")
 LOCK_WAIT_S = 60  # a prune waits this long for the writers' current batches
 
 
@@ -118,20 +119,25 @@ def running_embed_since(folder: Path) -> float | None:
 
 
 def outlived_its_run(lock: Path) -> bool:
-    """Whether a run's lock file is left from a run that is gone (SIGKILL, a power cut): it names this host and a
-    process that does not exist, and, where the kernel lists its locks (``/proc/locks``), none is on this file.
-    Read only: a probe that took the lock could turn away an embed starting at that moment."""
+    """Whether a run's lock file is left from a run that is gone (SIGKILL): it names this host, this boot and this
+    pid namespace, a process that does not exist there, and the kernel lists no lock on a file of its inode
+    (``/proc/locks``). Anything less certain (another host's run on a shared disk, a container beside this one, a
+    kernel that lists no locks) counts as held. Read only: a probe that took the lock could turn away an embed
+    starting at that moment."""
     try:
         st = os.lstat(lock)
         fd = open_no_follow(lock, os.O_RDONLY)
         try:
-            text = os.pread(fd, 200, 0).decode("utf-8", "replace")
+            text = os.pread(fd, 400, 0).decode("utf-8", "replace")
         finally:
             os.close(fd)
+        with open("/proc/locks") as f:
+            listed = f.read()
     except OSError:
         return False
-    holder = HOLDER.match(text.strip())
-    if holder is None or holder.group(2) != socket.gethostname():
+    holder = HOLDER.fullmatch(text.strip())
+    here = HOLDER.fullmatch(holder_line())
+    if holder is None or here is None or "-" in here.groups()[2:] or holder.groups()[1:] != here.groups()[1:]:
         return False
     try:
         os.kill(int(holder.group(1)), 0)
@@ -140,13 +146,9 @@ def outlived_its_run(lock: Path) -> bool:
         return False
     except (ProcessLookupError, OverflowError, ValueError):
         pass
-    try:
-        with open("/proc/locks") as f:
-            listed = f.read()
-    except OSError:
-        return True  # no list of the kernel's locks here: the process is gone, and with it its lock
-    file_id = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
-    return not any(file_id in line.split() for line in listed.splitlines())
+    # By inode alone: some file systems (btrfs) list another device number than stat gives.
+    inode = f":{st.st_ino}"
+    return not any(token.endswith(inode) for line in listed.splitlines() for token in line.split())
 
 
 def pruned_ids(folder: Path) -> set[str]:

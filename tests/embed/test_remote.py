@@ -157,17 +157,18 @@ def test_an_object_replaced_after_listing_is_never_stored_under_its_listed_ident
         import boto3
 
         client = boto3.client("s3", endpoint_url=endpoint)
-        client.create_bucket(Bucket="photos")
+        bucket = f"replaced-{'version' if versioned else 'etag'}"  # moto keeps buckets across its servers
+        client.create_bucket(Bucket=bucket)
         if versioned:
-            client.put_bucket_versioning(Bucket="photos", VersioningConfiguration={"Status": "Enabled"})
+            client.put_bucket_versioning(Bucket=bucket, VersioningConfiguration={"Status": "Enabled"})
         for p in paths[:2]:
-            client.put_object(Bucket="photos", Key=p.name, Body=p.read_bytes())
-        urls = [f"s3://photos/{p.name}" for p in paths[:2]]
+            client.put_object(Bucket=bucket, Key=p.name, Body=p.read_bytes())
+        urls = [f"s3://{bucket}/{p.name}" for p in paths[:2]]
         real = inputs.identities
 
         def listed_then_replaced(listed: list[str]) -> dict:
             found = real(listed)
-            client.put_object(Bucket="photos", Key=paths[0].name, Body=paths[2].read_bytes())
+            client.put_object(Bucket=bucket, Key=paths[0].name, Body=paths[2].read_bytes())
             return found
 
         monkeypatch.setattr(inputs, "identities", listed_then_replaced)
@@ -189,17 +190,37 @@ def test_an_object_replaced_after_listing_is_never_stored_under_its_listed_ident
         assert torch.equal(got[urls[0]], want[paths[2].name])
 
 
-def test_a_pinned_identity_travels_to_a_ray_actor_as_the_object_it_names(monkeypatch):
-    """Where only the path travels (a Ray actor), a URL with its ETag or version is read as that object: the
-    opener hands the decoder the URL's bytes, fetched with the identity to check against."""
-    from qwenvl_vision.embed.shards import ItemOpener
+def test_a_ray_actor_reads_the_object_its_identity_column_names(photos, checkpoint, monkeypatch):
+    """Where only a row travels (a Ray actor, ``Embedder`` with ``identity_column``), a URL is read with the
+    identity the run listed beside it: an object replaced since is that row's failure. A path is never parsed for
+    a pin (a URL may hold '#', and so may an ETag), and without the column nothing is checked."""
+    pytest.importorskip("s3fs")
+    pytest.importorskip("moto")
+    pytest.importorskip("ray")
+    import numpy as np
 
-    asked = []
-    monkeypatch.setattr(remote, "fetch", lambda url, key=None: asked.append((url, key)) or b"bytes")
-    opened = ItemOpener()("s3://b/a#b.jpg#etag=abc")
-    plain = ItemOpener()("https://h/x.jpg")
-    assert (opened.name, opened.data) == ("s3://b/a#b.jpg", b"bytes") and plain.data == b"bytes"
-    assert asked == [("s3://b/a#b.jpg", "s3://b/a#b.jpg#etag=abc"), ("https://h/x.jpg", None)]
+    from qwenvl_vision.embed.ray import Embedder
+
+    root, paths, want = photos
+    env: dict = {}
+    with s3_server(env) as endpoint:
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        import boto3
+
+        client = boto3.client("s3", endpoint_url=endpoint)
+        client.create_bucket(Bucket="actor")  # moto keeps buckets across its servers in a process
+        url = f"s3://actor/a#1/{paths[0].name}"  # a '#' in the key itself
+        client.put_object(Bucket="actor", Key=f"a#1/{paths[0].name}", Body=paths[0].read_bytes())
+        listed = remote.identity(url)
+        assert remote.pin_of(url, listed)[0] == "etag" and remote.pin_of(url, url) is None
+        client.put_object(Bucket="actor", Key=f"a#1/{paths[0].name}", Body=paths[1].read_bytes())
+        batch = {"path": np.array([url]), "realpath": np.array([listed])}
+        checked = Embedder(checkpoint, identity_column="realpath", max_pixels=64 * 64, device="cpu")(batch)
+        (error,) = checked.column("error").to_pylist()
+        assert error.startswith(f"{url}: changed since the run listed it (etag ")
+        unchecked = Embedder(checkpoint, max_pixels=64 * 64, device="cpu")(batch)
+        assert unchecked.column("error").to_pylist() == [None]
 
 
 def test_urls_without_the_extra_are_refused_in_one_line(checkpoint, tmp_path, monkeypatch, capsys):

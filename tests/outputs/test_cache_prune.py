@@ -170,9 +170,18 @@ def test_a_lock_file_left_by_a_killed_run_holds_nothing_and_one_of_a_live_run_ho
     assert lock.exists() and f"pid {killed.pid} on " in lock.read_text()
     report = prune_cache(out, bound)
     assert not report.running and [i.id for i in report.removed] == order[:1] and folder_bytes(out) <= bound
-    # A file some process locks holds, whatever process it names.
+    # A file some process locks holds, whatever process it names; so does one naming the dead process in another
+    # boot or pid namespace (a container beside this one, sharing the folder and the host name), or in the form
+    # an older run wrote (no boot, no namespace).
     import fcntl
 
     with open(lock, "r+") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         assert prune_cache(out, 0, dry_run=True).held == len(order) - 1
+    written = lock.read_text().strip()
+    for other in (written.replace(" boot ", " boot x"), written.replace(" pidns ", " pidns 1"),
+                  written.split(" boot ")[0]):
+        lock.write_text(other + "\n")
+        assert prune_cache(out, 0, dry_run=True).held == len(order) - 1, other
+    lock.write_text(written + "\n")
+    assert prune_cache(out, 0, dry_run=True).held == 0
