@@ -16,7 +16,7 @@ from qwenvl_vision.embed import read_embeddings, read_manifest_lines, read_run, 
 from qwenvl_vision.outputs.parquet import read_parquet_records
 from tests.helpers import make_image_folder
 from tests.helpers.embed import local_ray  # noqa: F401 - a fixture
-from tests.helpers.servers import http_folder, s3_server
+from tests.helpers.servers import http_folder, s3_client
 
 pytest.importorskip("fsspec")
 pytest.importorskip("aiohttp")
@@ -111,13 +111,7 @@ def test_s3_objects_embed_bitwise_and_the_etag_is_the_identity_a_resume_matches(
     pytest.importorskip("s3fs")
     pytest.importorskip("moto")
     root, paths, want = photos
-    env: dict = {}
-    with s3_server(env) as endpoint:
-        for name, value in env.items():
-            monkeypatch.setenv(name, value)
-        import boto3
-
-        client = boto3.client("s3", endpoint_url=endpoint)
+    with s3_client(monkeypatch) as client:
         client.create_bucket(Bucket="photos")
         for p in paths:
             client.put_object(Bucket="photos", Key=f"set/{p.name}", Body=p.read_bytes())
@@ -150,13 +144,7 @@ def test_an_object_replaced_after_listing_is_never_stored_under_its_listed_ident
     from qwenvl_vision.embed import inputs
 
     root, paths, want = photos
-    env: dict = {}
-    with s3_server(env) as endpoint:
-        for name, value in env.items():
-            monkeypatch.setenv(name, value)
-        import boto3
-
-        client = boto3.client("s3", endpoint_url=endpoint)
+    with s3_client(monkeypatch) as client:
         bucket = f"replaced-{'version' if versioned else 'etag'}"  # moto keeps buckets across its servers
         client.create_bucket(Bucket=bucket)
         if versioned:
@@ -202,13 +190,7 @@ def test_a_ray_actor_reads_the_object_its_identity_column_names(photos, checkpoi
     from qwenvl_vision.embed.ray import Embedder
 
     root, paths, want = photos
-    env: dict = {}
-    with s3_server(env) as endpoint:
-        for name, value in env.items():
-            monkeypatch.setenv(name, value)
-        import boto3
-
-        client = boto3.client("s3", endpoint_url=endpoint)
+    with s3_client(monkeypatch) as client:
         client.create_bucket(Bucket="actor")  # moto keeps buckets across its servers in a process
         url = f"s3://actor/a#1/{paths[0].name}"  # a '#' in the key itself
         client.put_object(Bucket="actor", Key=f"a#1/{paths[0].name}", Body=paths[0].read_bytes())

@@ -50,3 +50,16 @@ def s3_server(monkeypatch_env: dict) -> Iterator[str]:
         yield endpoint
     finally:
         server.stop()
+
+
+@contextlib.contextmanager
+def s3_client(monkeypatch) -> Iterator:
+    """``s3_server`` with its variables set through ``monkeypatch`` (for the code under test too): a boto3 client
+    on it."""
+    import boto3
+
+    env: dict = {}
+    with s3_server(env) as endpoint:
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        yield boto3.client("s3", endpoint_url=endpoint)
