@@ -57,7 +57,7 @@ from ..outputs.vllm_cache import check_cache_folder, claim_cache_folder
 from .args import EmbedSettings
 from .inputs import MEDIA_EXTENSIONS, Inputs, gather_inputs, rank_and_world, shard_for_rank
 from .lock import FolderLock, lock_name
-from .manifest import MANIFEST, PARQUET_SHARD_NAME, RUN_FIELD_DEFAULTS, RUN_FILE, part_name, record_key
+from .manifest import MANIFEST, PARQUET_SHARD_NAME, RUN_FILE, part_name, record_key
 from .progress import Progress
 from .reader import older_plan, read_manifest_lines, read_run
 from .run_record import compare_runs, crossed_bounds_note, describe_run
@@ -222,7 +222,7 @@ class EmbedJob:
         self.encoder = None
         self.run: dict | None = None
         self.fresh = True
-        self.filled: list[str] = []  # run.json fields an older run file lacked, filled in on resume
+        self.plan_recorded = False  # a resume on a CPU of a run started elsewhere: run.json now records its plan
         self.inputs = Inputs()
         self.progress = Progress(rank, args.quiet)
         self.folder: str | None = None  # the checkpoint folder (the Ray actors load it again)
@@ -297,10 +297,11 @@ class EmbedJob:
         if recorded is not None:
             compare_runs(recorded, now, out)
             self.run, self.fresh = recorded, False
-            # A run file from before a field existed: it now records this invocation's value, so that later
-            # resumes are held to it (an old run that goes on to embed videos keeps one video setting).
-            self.filled = [key for key in RUN_FIELD_DEFAULTS if recorded.get(key) is None and now.get(key) is not None]
-            self.run.update({key: now[key] for key in self.filled})
+            # A run started off the CPU has no plan: its first resume on a CPU records this one, which every later
+            # forward of the run then uses.
+            self.plan_recorded = recorded["cpu_plan"] is None and now["cpu_plan"] is not None
+            if self.plan_recorded:
+                self.run["cpu_plan"] = now["cpu_plan"]
         else:
             self.run = now
 
@@ -332,7 +333,7 @@ class EmbedJob:
     # -- the run
 
     def start_writing(self) -> Writer:
-        if (self.fresh or self.filled) and self.rank == 0:
+        if (self.fresh or self.plan_recorded) and self.rank == 0:
             atomic_write_text(self.out / RUN_FILE, json.dumps(self.run, indent=2) + "\n", self.run["run_id"])
         if self.layout is not None:
             from .parquet_writer import ParquetRankWriter

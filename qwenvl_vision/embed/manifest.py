@@ -37,15 +37,11 @@ RUN_FORMAT = 1
 # default) are compared too.
 RUN_COMPARED = ("format", "config_sha256", "weights_sha256", "dtype", "min_pixels", "max_pixels", "resize",
                 "video", "pooled", "normalize", "columns", "world_size", "file_format", "engine", "threads")
-# What a compared field meant in run files written before it existed ("video": None, no videos were embedded,
-# so any video settings continue such a run; "threads": None, not recorded, so any count continues it; "normalize":
-# False, no vector was normalized before the option existed; "columns": [], no table columns were carried).
-# Not compared, but recorded so that every later forward of the run uses it: "cpu_plan", the CPU backend's
-# measured kernel choices (cpu.plan; the bits differ by kernel at fp32 rounding level, and in bf16 where a plain
-# MLP's activation moves into the GEMM's epilogue), None off the CPU and in run files from before it (the first
-# resume on a CPU records its own).
-RUN_FIELD_DEFAULTS = {"resize": "pil", "video": None, "file_format": "safetensors", "engine": "local",
-                      "threads": None, "cpu_plan": None, "normalize": False, "columns": []}
+# Recorded, not compared: "cpu_plan", the CPU backend's measured kernel choices (cpu.plan; the bits differ by kernel
+# at fp32 rounding level, and in bf16 where a plain MLP's activation moves into the GEMM's epilogue), reused by every
+# later forward of the run; None for a run started off the CPU, until the first resume on a CPU records its own.
+# Every field is required: a run file without one is damaged.
+RUN_FIELDS = (*RUN_COMPARED, "run_id", "cpu_plan")
 SHARD_NAME = re.compile(r"^shard-r(\d+)-(\d+)\.safetensors$")
 # A run id is part of file names and glob patterns (temporary files, shard metadata): a plain token only.
 RUN_ID = re.compile(r"[0-9A-Za-z_-]{1,64}")
@@ -204,7 +200,7 @@ RUN_FIELD_CHECKS: dict[str, tuple[Any, str]] = {
     "min_pixels": (lambda v: _count(v, 1), "a positive integer"),
     "max_pixels": (lambda v: _count(v, 1), "a positive integer"),
     "resize": (lambda v: v in ("pil", "torch"), "pil or torch"),
-    "video": (_optional(lambda v: isinstance(v, dict)), "a JSON object or null"),
+    "video": (lambda v: isinstance(v, dict), "a JSON object"),
     "pooled": (lambda v: type(v) is bool, "true or false"),
     "normalize": (lambda v: type(v) is bool, "true or false"),
     "columns": (lambda v: isinstance(v, list) and all(
@@ -213,7 +209,7 @@ RUN_FIELD_CHECKS: dict[str, tuple[Any, str]] = {
     "world_size": (lambda v: _count(v, 1) and v <= 1 << 20, "a positive integer"),
     "file_format": (lambda v: v in ("safetensors", "parquet", "vllm-cache"), "safetensors, parquet or vllm-cache"),
     "engine": (lambda v: v in ("local", "ray"), "local or ray"),
-    "threads": (_optional(lambda v: _count(v, 1) and v <= 1 << 16), "a positive integer or null"),
+    "threads": (lambda v: _count(v, 1) and v <= 1 << 16, "a positive integer"),
     "cpu_plan": (_optional(lambda v: isinstance(v, dict)), "a JSON object or null"),
     "cwd": (_optional(lambda v: isinstance(v, str) and os.path.isabs(v)), "an absolute path or null"),
 }

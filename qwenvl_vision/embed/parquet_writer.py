@@ -83,7 +83,8 @@ class ParquetRankWriter:
         barrier): a shard another rank is rewriting or removing is never read half-way or missed."""
         patterns = [f".shard-r{self.rank}-*.tmp"]  # a write the kill interrupted
         if self.rank == 0:
-            patterns.append(f"{RUN_FILE}.{self.run['run_id']}.tmp")  # run.json being rewritten (filled fields)
+            # run.json being written (a fresh run, or its CPU plan recorded)
+            patterns.append(f"{RUN_FILE}.{self.run['run_id']}.tmp")
         for pattern in patterns:
             for tmp in self.out.glob(pattern):
                 refuse_link(tmp)  # somebody's link at our temporary name: named, left as it is

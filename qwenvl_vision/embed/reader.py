@@ -18,8 +18,7 @@ from safetensors import safe_open
 from ..errors import InputError, ManifestError
 from .manifest import (
     MANIFEST,
-    RUN_COMPARED,
-    RUN_FIELD_DEFAULTS,
+    RUN_FIELDS,
     RUN_FILE,
     RUN_FORMAT,
     ManifestLine,
@@ -54,7 +53,7 @@ def read_run(out: str | os.PathLike) -> dict:
     commit, or null), random_weights, family, config_sha256 (vision + preprocessing config), weights_sha256
     (the vision tensors as loaded), dtype, min_pixels and max_pixels (the images' bounds: each option, else
     the checkpoint's, as encode_images takes them; min above max where an option crossed the checkpoint's
-    other bound), resize ("pil" or "torch"; "pil" in files written before it was recorded), video, pooled,
+    other bound), resize ("pil" or "torch"), video, pooled,
     world_size, cwd (where the run started; each manifest record's ``path`` is as given to the invocation that
     recorded it, and its ``realpath`` the resolved file). Raises ManifestError if it is missing or damaged.
     """
@@ -65,8 +64,8 @@ def read_run(out: str | os.PathLike) -> dict:
         if _parquet_shards(Path(out)):  # Parquet shards copied without run.json: each carries the run
             from ..outputs.parquet import read_parquet_run
 
-            return _checked_run(Path(out) / "shard-r*.parquet", {**RUN_FIELD_DEFAULTS, **read_parquet_run(out)})
-        raise ManifestError(f"{path} does not exist: not an embed output (or one written before run files)") \
+            return _checked_run(Path(out) / "shard-r*.parquet", read_parquet_run(out))
+        raise ManifestError(f"{path} does not exist: not an embed output") \
             from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ManifestError(f"{path} is damaged: {e}") from None
@@ -75,10 +74,7 @@ def read_run(out: str | os.PathLike) -> dict:
     if run["format"] > RUN_FORMAT:
         raise ManifestError(f"{path} has format {run['format']}; this qwenvl-vision reads format {RUN_FORMAT} "
                             f"(upgrade it)")
-    missing = [key for key in RUN_COMPARED + ("run_id",) if key not in run and key not in RUN_FIELD_DEFAULTS]
-    if missing:
-        raise ManifestError(f"{path} is damaged: no {', '.join(missing)}")
-    return _checked_run(path, {**RUN_FIELD_DEFAULTS, **run})
+    return _checked_run(path, run)
 
 
 def older_plan(run: dict) -> int | None:
@@ -91,8 +87,9 @@ def older_plan(run: dict) -> int | None:
 
 
 def _checked_run(path: Path, run: dict) -> dict:
-    """``run``, each field checked; a ManifestError naming ``path`` and the field otherwise."""
-    problem = run_problem(run)
+    """``run``, every field present and checked; a ManifestError naming ``path`` and the field otherwise."""
+    missing = [key for key in RUN_FIELDS if key not in run]
+    problem = f"no {', '.join(missing)}" if missing else run_problem(run)
     if not problem and run.get("cpu_plan") is not None:
         from ..backends.cpu.plan import CpuPlan
         from ..errors import ConfigError
@@ -276,8 +273,7 @@ def read_encoded(out: str | os.PathLike, paths: list[str] | None = None, *, moda
         raise ManifestError(f"not every one of these records is a {modality}")
     keep = set(wanted)
     tensors = {path: value for path, value in read_embeddings(out, deepstack=True) if path in keep}
-    # Records written before requested_fps was recorded (and Parquet's, which has no column for it) were sampled at
-    # the run's video fps.
+    # A record without requested_fps (a Parquet row: no column holds it) was sampled at the run's video fps.
     fps = (run.get("video") or {}).get("fps")
     infos = [found[p][2] if found[p][2] is None or "requested_fps" in found[p][2] or fps is None
              else {**found[p][2], "requested_fps": fps} for p in wanted]

@@ -4,7 +4,7 @@ linear kernels chosen) and which run it is (``run_id``).
 
 ``describe_run`` writes it for an invocation, ``compare_runs`` refuses a ``--resume`` with other settings,
 ``pixel_bounds`` says which image bounds the run's images are sized with. Reading it back is
-``reader.read_run``; its fields and their defaults for older files are in ``manifest``.
+``reader.read_run``; its fields are listed in ``manifest``.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from ..checkpoint.hub import COMMIT_HASH
 from ..errors import RunMismatchError
 from ..version import package_version
 from .args import EmbedSettings
-from .manifest import RUN_COMPARED, RUN_FIELD_DEFAULTS, RUN_FILE, RUN_FORMAT
+from .manifest import RUN_COMPARED, RUN_FILE, RUN_FORMAT
 
 
 def pixel_bounds(args: EmbedSettings, pre) -> tuple[int, int]:
@@ -95,20 +95,19 @@ def describe_run(encoder, args: EmbedSettings, folder: str | None, world: int, t
 def compare_runs(recorded: dict, now: dict, out: Path) -> None:
     """Raise RunMismatchError listing every compared field that differs (another file format alone: its own line,
     since one folder holds one format)."""
-    was, asked = recorded.get("file_format") or "safetensors", now.get("file_format") or "safetensors"
+    was, asked = recorded["file_format"], now["file_format"]
     if was != asked:
         engine = " (--engine ray writes parquet)" if now.get("engine") == "ray" else ""
         raise RunMismatchError(f"{out} holds a --format {was} run; --resume with --format {asked}{engine} would mix "
                                f"two formats in one folder: resume it with --format {was}, or choose another --out")
-    differ = [key for key in RUN_COMPARED if recorded.get(key) != now.get(key)
-              and not (key in RUN_FIELD_DEFAULTS and recorded.get(key) is None)]
+    differ = [key for key in RUN_COMPARED if recorded[key] != now[key]]
     if not differ:
         return
 
     def show(key: str, value: Any) -> str:
         return f"{value[:12]}..." if key.endswith("sha256") and isinstance(value, str) else json.dumps(value)
 
-    fields = ", ".join(f"{key} {show(key, recorded.get(key))} (now {show(key, now.get(key))})" for key in differ)
+    fields = ", ".join(f"{key} {show(key, recorded[key])} (now {show(key, now[key])})" for key in differ)
     hint = " (another model, or other weights)" if any(k.endswith("sha256") for k in differ) else ""
     raise RunMismatchError(f"{out} holds a run with other settings, refusing to mix them: {fields}{hint}; "
                            f"resume with the run's settings (see {out / RUN_FILE}) or choose another --out")

@@ -407,10 +407,11 @@ def read_parquet_index(path: str | os.PathLike) -> tuple[list[str], list[str], P
 
 
 def same_run(a: dict, b: dict) -> bool:
-    """Whether two shards' run records are one run's: the same run id and the same value for every field both
-    record (a resume fills a field an older run file lacked, so a later shard may record more)."""
-    return a.get("run_id") == b.get("run_id") and all(
-        a[key] == b[key] for key in a.keys() & b.keys() if a[key] is not None and b[key] is not None)
+    """Whether two shards' run records are one run's: equal, but for the CPU plan a run started off the CPU records
+    at its first resume on a CPU (null in the shards written before)."""
+    plans = a.get("cpu_plan"), b.get("cpu_plan")
+    return ({**a, "cpu_plan": None} == {**b, "cpu_plan": None}
+            and (plans[0] == plans[1] or None in plans))
 
 
 def _tensors(column: pa.Array, dim: int, dtype: torch.dtype, per_row_vectors: bool) -> list[torch.Tensor | None]:
@@ -529,4 +530,6 @@ def read_parquet_records(folder: str | os.PathLike, *, files: Sequence[str | os.
         elif layout != first[0] or not same_run(run, first[1]):
             what = "layout" if layout != first[0] else "run record"
             raise ManifestError(f"{path}: its {what} differs from {first[2].name}'s (shards of another run)")
+        elif first[1].get("cpu_plan") is None and run.get("cpu_plan") is not None:
+            first = (layout, run, path)  # the plan the run recorded: every later shard's must be the same
         yield from records_of_table(table, layout.dtype, carried=[name for name, _ in layout.columns])

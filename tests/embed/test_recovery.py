@@ -175,7 +175,8 @@ def finished(tmp_path_factory, checkpoint, images) -> Path:
 
 @pytest.mark.parametrize("field, value", [("threads", "4"), ("cwd", 5), ("run_id", "a*b"), ("run_id", "../x"),
                                           ("random_weights", "yes"), ("min_pixels", -1), ("world_size", True),
-                                          ("dtype", "__class__"), ("video", [1]), ("cpu_plan", {"format": 99})])
+                                          ("dtype", "__class__"), ("video", [1]), ("video", None), ("threads", None),
+                                          ("cpu_plan", {"format": 99})])
 def test_a_run_file_with_a_field_of_the_wrong_type_is_one_line_naming_it(tmp_path, checkpoint, images, finished,
                                                                          field, value, capsys):
     out = tmp_path / "out"

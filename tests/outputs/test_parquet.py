@@ -32,7 +32,7 @@ from qwenvl_vision.outputs.parquet import (  # noqa: E402
 from qwenvl_vision.outputs.records import EmbeddingRecord, record_from_result  # noqa: E402
 
 SETTINGS = dict(min_pixels=32 * 32, max_pixels=96 * 96)
-RUN = {"model": "tiny-qwen3", "dtype": "float32", "run_id": "r1"}
+RUN = {"model": "tiny-qwen3", "dtype": "float32", "run_id": "r1", "threads": 2, "cpu_plan": None}
 
 
 @pytest.fixture(scope="module")
@@ -258,9 +258,10 @@ def test_text_columns_store_a_non_utf8_name_escaped(tmp_path, fp32):
     assert qparquet.text("plain é") == "plain é" and qparquet.needs_escape(odd) and not qparquet.needs_escape("é")
 
 
-def test_the_index_reads_realpaths_and_statuses_and_shards_of_one_run_may_fill_a_field(tmp_path, fp32):
+def test_the_index_reads_realpaths_and_statuses_and_shards_of_one_run_may_record_a_cpu_plan(tmp_path, fp32):
     """read_parquet_index gives what a resume needs without the tensors; a later shard of the same run whose
-    record fills a field the first lacked (a resume on an older run file) reads as one run, another run id not."""
+    record adds the CPU plan (the first resume on a CPU of a run started off it) reads as one run; another run
+    id, another value of any other field, or another plan, not."""
     records, layout = fp32
     first = write_table_atomic(results_table(records, layout, RUN), tmp_path / shard_name(0, 0))
     realpaths, statuses, got_layout, run = qparquet.read_parquet_index(first)
@@ -269,9 +270,10 @@ def test_the_index_reads_realpaths_and_statuses_and_shards_of_one_run_may_fill_a
     write_table_atomic(results_table(records[:1], layout, {**RUN, "cpu_plan": {"format": 1}}),
                        tmp_path / shard_name(0, 1))
     assert len(list(read_parquet_records(tmp_path))) == len(records) + 1
-    write_table_atomic(results_table(records[:1], layout, {**RUN, "run_id": "r2"}), tmp_path / shard_name(0, 2))
-    with pytest.raises(ManifestError, match="run record differs"):
-        list(read_parquet_records(tmp_path))
+    for other in ({"run_id": "r2"}, {"dtype": "bfloat16"}, {"threads": 3}, {"cpu_plan": {"format": 2}}):
+        write_table_atomic(results_table(records[:1], layout, {**RUN, **other}), tmp_path / shard_name(0, 2))
+        with pytest.raises(ManifestError, match="run record differs"):
+            list(read_parquet_records(tmp_path))
     with pytest.raises(ManifestError, match="not a readable Parquet file"):
         qparquet.read_parquet_index(_write(tmp_path / "junk.parquet", b"not parquet"))
 
