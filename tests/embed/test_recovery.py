@@ -213,6 +213,19 @@ def test_a_run_with_an_older_format_of_cpu_plan_reads_but_does_not_resume(tmp_pa
     assert sorted(os.listdir(out)) == before
 
 
+def test_a_run_started_off_the_cpu_records_the_plan_of_its_first_cpu_resume(tmp_path, checkpoint, images, finished):
+    """A run started on a GPU has no CPU plan (null): its first resume on a CPU records the plan it ran with, so
+    every later resume, rank and actor runs the same kernels; nothing else of run.json changes."""
+    out = tmp_path / "out"
+    shutil.copytree(finished, out)
+    run = json.loads((out / "run.json").read_text())
+    (out / "run.json").write_text(json.dumps({**run, "cpu_plan": None}))
+    assert embed(images[1:2], checkpoint, out, "--resume") == 0
+    resumed = read_run(out)
+    assert resumed["cpu_plan"] == run["cpu_plan"] and resumed["cpu_plan"] is not None
+    assert {k: v for k, v in resumed.items() if k != "cpu_plan"} == {k: v for k, v in run.items() if k != "cpu_plan"}
+
+
 @pytest.mark.parametrize("field, value", [("tokens", True), ("key", "../000000"), ("rank", True),
                                           ("grid_thw", [1, True, 2]), ("error", 5)])
 def test_a_manifest_line_with_a_field_of_the_wrong_type_is_damaged(tmp_path, finished, field, value):
