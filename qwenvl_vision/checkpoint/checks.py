@@ -99,10 +99,18 @@ def _reject_constant(name: str) -> None:
     raise _NonStandardConstant(name)
 
 
-def parse_json(raw: bytes, what: str) -> object:
-    """Strict JSON from bytes: UTF-8 only, no key given twice, no NaN/Infinity literals; errors name `what`."""
+def parse_json(raw: bytes, what: str, unsigned: bool = False) -> object:
+    """Strict JSON from bytes: UTF-8 only, no key given twice, no NaN/Infinity literals; errors name `what`.
+    ``unsigned``: -0 is refused (a safetensors header's sizes and offsets are u64, which serde refuses signed;
+    Python reads -0 as the 0 a size may be, other negatives are refused by the header's checks, naming the tensor)."""
+    def integer(text: str) -> int:
+        if unsigned and text == "-0":
+            raise _NonStandardConstant("the signed integer -0")
+        return int(text)
+
     try:
-        return json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_object, parse_constant=_reject_constant)
+        return json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_object, parse_constant=_reject_constant,
+                          parse_int=integer)
     except UnicodeDecodeError as e:
         raise CheckpointError(f"{what} is not valid UTF-8: {e}") from e
     except _DuplicateKey as e:
@@ -113,6 +121,8 @@ def parse_json(raw: bytes, what: str) -> object:
         raise CheckpointError(f"{what} is not valid JSON: {e}") from e
     except RecursionError as e:
         raise CheckpointError(f"{what} is not valid JSON: nested too deeply") from e
+    except ValueError as e:  # e.g. an integer of more digits than Python converts
+        raise CheckpointError(f"{what} is not valid JSON: {e}") from e
 
 
 def read_json(path: Path, what: str = "file") -> object:
@@ -225,7 +235,7 @@ def read_open_header(f: BinaryIO, path: Path) -> tuple[dict[str, dict], int]:
                               f"limit of {MAX_HEADER_BYTES} bytes")
     if 8 + header_len > size:
         raise CheckpointError(f"shard {path} is truncated or corrupt: header of {header_len} bytes, file {size}")
-    header = parse_json(_read_exactly(f, header_len), f"the header of shard {path}")
+    header = parse_json(_read_exactly(f, header_len), f"the header of shard {path}", unsigned=True)
     if not isinstance(header, dict):
         raise CheckpointError(f"shard {path} has a corrupt header (found {json_type(header)}, not a JSON object)")
     _check_metadata(path, header.pop("__metadata__", None))
@@ -283,15 +293,15 @@ def _check_entry(path: Path, name: str, entry: object, data_size: int) -> dict:
 
 
 def _bits(shape: list[int], element_bits: int, cap: int) -> int | None:
-    """numel x element bits, or None once past `cap` (a forged shape of huge dims costs nothing)."""
-    if 0 in shape:
-        return 0
-    bits = element_bits
+    """numel x element bits, or None past `cap` or where safetensors' own count overflows u64: it multiplies the
+    dims in order, so a zero dim after an overflowing product does not save it."""
+    numel = 1
     for dim in shape:
-        bits *= dim
-        if bits > cap:
+        numel *= dim
+        if numel > _U64_MAX:
             return None
-    return bits
+    bits = numel * element_bits
+    return None if bits > cap else bits
 
 
 def _check_tiling(path: Path, entries: dict[str, dict], data_size: int) -> None:

@@ -244,10 +244,12 @@ def fetch_vision_checkpoint(repo_id: str, *, revision: str | None = None, cache_
     prefixes = from_config_json(read_json(config_path)).family.prefixes  # an unsupported model stops here
     _download(repo_id, PREPROCESSOR_FILE, required=False, **kwargs)
     _download(repo_id, VIDEO_PREPROCESSOR_FILE, required=False, **kwargs)
+    # transformers' order: the single file where the repository has one, else the index and its shards.
+    if _download(repo_id, SINGLE_FILE, required=False, **kwargs) is not None:
+        return snapshot
     index_path = _download(repo_id, INDEX_FILE, required=False, **kwargs)
     if index_path is None:
-        _download(repo_id, SINGLE_FILE, **kwargs)
-        return snapshot
+        raise CheckpointError(f"{where} has neither {SINGLE_FILE} nor {INDEX_FILE}")
     # Shard names are checked before any download: one naming '../x' or '/etc/passwd' is refused, not fetched.
     weight_map = parse_weight_map(read_json(index_path, "index"), f"{where}: {INDEX_FILE}")
     shards = sorted({shard for name, shard in weight_map.items() if strip_vision_prefix(name, prefixes) is not None})

@@ -178,15 +178,17 @@ def open_checkpoint(folder: str | os.PathLike) -> VisionCheckpoint:
         config = from_config_json(config_json, name=config_json.get("name", "") or folder.name)
     vision_only = config_json.get("format") == VISION_ONLY_FORMAT
     prefixes = config.family.prefixes
+    # transformers' order: the single file first, so an index that save_pretrained left beside the file it rewrote
+    # (it keeps the index, removing the shards) is not read.
     index_path, single = folder / INDEX_FILE, folder / SINGLE_FILE
-    if present(index_path, "index"):
-        with _named_errors(CheckpointError, f"cannot read index {index_path}"):
-            weight_map = parse_weight_map(read_json(index_path, "index"), str(index_path))
-        files = {name: folder / shard for name, shard in weight_map.items()}
-    elif present(single, "shard"):
+    if present(single, "shard"):
         with _named_errors(CheckpointError, f"cannot read shard {single}"):
             header, _ = read_header(single)
         files = dict.fromkeys(header, single)
+    elif present(index_path, "index"):
+        with _named_errors(CheckpointError, f"cannot read index {index_path}"):
+            weight_map = parse_weight_map(read_json(index_path, "index"), str(index_path))
+        files = {name: folder / shard for name, shard in weight_map.items()}
     else:
         raise CheckpointError(f"{folder} has neither {INDEX_FILE} nor {SINGLE_FILE}")
     tensors: dict[str, TensorSource] = {}

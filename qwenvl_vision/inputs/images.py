@@ -34,6 +34,9 @@ Deviations from the reference, on purpose:
   shape (3, 500, 3)); transformers always guesses channels-first in that ambiguous case. When only one
   reading fits, both agree.
 - ``os.PathLike`` paths are accepted (transformers takes ``str`` only); URLs and base64 strings are not.
+- A 16-bit file (PNG I;16) given as a path with ``resize="torch"`` is read like the PIL path (clipped to 0..255):
+  transformers' torch backend decodes it with torchvision's ``decode_image``, which keeps the uint16 values, and
+  rescales them as if they were 8-bit (pixel values in the hundreds), which no model was trained on.
 - Rescale + normalise is a per-channel table of the 256 uint8 levels (``pixels.normalize_table``) instead of
   the reference's float64 copy of the image: the same bits, less memory and time.
 

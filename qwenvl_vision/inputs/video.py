@@ -226,7 +226,8 @@ def _check_video_supported(d: dict, pre: PreprocessConfig | None) -> None:
         if value is None:
             continue
         values = [value] * 3 if is_number(value) else value
-        if not isinstance(values, list) or [float(v) for v in values] != list(getattr(pre, key)):
+        if not (isinstance(values, list) and all(is_number(v) for v in values)
+                and [float(v) for v in values] == list(getattr(pre, key))):
             raise ConfigError(f"video preprocessor config {key}={value!r} differs from the image "
                               f"preprocessor's {list(getattr(pre, key))}")
 

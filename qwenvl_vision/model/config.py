@@ -175,7 +175,7 @@ class VisionConfig:
     def _validate(self) -> None:
         for name, (low, high) in LIMITS.items():
             _check_int(name, getattr(self, name), low, high)
-        if self.hidden_act not in ACTIVATIONS:
+        if not isinstance(self.hidden_act, str) or self.hidden_act not in ACTIVATIONS:
             raise ConfigError(f"vision_config.hidden_act {self.hidden_act!r} is not supported; "
                               f"supported: {list(ACTIVATIONS)}")
         if isinstance(self.rope_theta, bool) or not isinstance(self.rope_theta, (int, float)):
@@ -380,7 +380,7 @@ def from_config_json(config_json: dict, *, name: str = "") -> VisionConfig:
         temporal_patch_size=vision.get("temporal_patch_size", 2),
         spatial_merge_size=vision.get("spatial_merge_size", 2),
         hidden_act=vision.get("hidden_act") or "",
-        rope_theta=vision.get("rope_theta", rope.get("rope_theta", 10000.0)),
+        rope_theta=rope.get("rope_theta", vision.get("rope_theta", 10000.0)),  # transformers reads rope_parameters
         patch_size=vision.get("patch_size", vision.get("spatial_patch_size", family.patch_size)),
         **sizes,
     )
@@ -390,7 +390,7 @@ def from_config_json(config_json: dict, *, name: str = "") -> VisionConfig:
     if family.design == QWEN3:
         fields["num_position_embeddings"] = vision.get("num_position_embeddings", 2304)
     if family.deepstack:
-        fields["deepstack_visual_indexes"] = vision.get("deepstack_visual_indexes", ())
+        fields["deepstack_visual_indexes"] = vision.get("deepstack_visual_indexes", (8, 16, 24))  # transformers'
     if not isinstance(fields["name"], str):
         fields["name"] = ""
     return VisionConfig(**fields)

@@ -345,7 +345,10 @@ def test_header_length_over_the_safetensors_limit_is_refused(ckpt):
     ('{"a": ', r"is not valid JSON"),
     ('{"a": {"dtype": "F32", "shape": [NaN], "data_offsets": [0, 4]}}', r"holds NaN, which is not JSON"),
     ('{"__metadata__": {"format": 1}}', r"__metadata__ must map strings to strings"),
-], ids=["array", "truncated-json", "nan-literal", "metadata-not-strings"])
+    # serde reads the sizes as u64: a minus sign is refused even on zero (Python reads -0 as 0).
+    ('{"a": {"dtype": "F32", "shape": [-0], "data_offsets": [0, 0]}}', r"holds the signed integer -0, which is not"),
+    ('{"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 1' + "0" * 5000 + ']}}', r"is not valid JSON"),
+], ids=["array", "truncated-json", "nan-literal", "metadata-not-strings", "minus-zero", "integer-of-5000-digits"])
 def test_header_that_is_not_a_valid_json_object_is_refused(ckpt, text, message):
     shard = shard_of(ckpt, LN_Q)
     _, data = split_shard(shard)
@@ -383,10 +386,12 @@ def test_tensor_named_twice_is_refused(ckpt):
     ("shape", "160", r"shape '160' is not a list"),
     ("shape", [2**64, 2**64], r"shape \[18446744073709551616, 18446744073709551616\] is not a list"),
     ("shape", [2**62, 2**62], r"F32 x \[4611686018427387904, 4611686018427387904\] needs more than the whole"),
+    # safetensors multiplies the dims in order: an overflow before a zero dim is refused there too.
+    ("shape", [2**63, 4, 0], r"F32 x \[9223372036854775808, 4, 0\] needs more than the whole"),
     ("data_offsets", [0, 320, 640], r"data_offsets \[0, 320, 640\] are not two non-negative integers"),
     ("data_offsets", ["0", "640"], r"data_offsets \['0', '640'\] are not two"),
 ], ids=["unknown-dtype", "lowercase-dtype", "negative-dim", "bool-dim", "float-dim", "string-shape",
-        "dim-over-u64", "overflowing-numel", "three-offsets", "string-offsets"])
+        "dim-over-u64", "overflowing-numel", "overflow-before-zero-dim", "three-offsets", "string-offsets"])
 def test_malformed_field_is_named(ckpt, field, value, message):
     shard = set_entry(ckpt, LN_Q, **{field: value})
     with pytest.raises(CheckpointError, match=_culprit(shard, LN_Q) + message):

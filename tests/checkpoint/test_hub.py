@@ -97,18 +97,21 @@ def test_sharded_repo_fetches_only_vision_shards_and_matches_transformers(hub, q
     paths = hub.resolve_paths()
     assert all(p.startswith("/org/qwen25-tiny/resolve/") for p in paths), paths
     touched = hub.files_touched()
-    assert touched == SETTINGS_FILES | {"model.safetensors.index.json"} | vision_shards
+    # transformers' order: the single file is asked for first (HEAD -> 404), then the index.
+    assert touched == SETTINGS_FILES | {"model.safetensors", "model.safetensors.index.json"} | vision_shards
     assert not any(name in p for p in paths for name in llm_only), paths
-    assert "model.safetensors" not in touched  # the index exists: no single-file probe
     # Every fetched file was downloaded once (HEAD for the metadata, then one GET).
-    # (Qwen2.5-VL releases have no video_preprocessor_config.json: asked for, found missing, not downloaded.)
-    present = touched - {"video_preprocessor_config.json"}
+    # (Qwen2.5-VL releases have no video_preprocessor_config.json, nor a sharded repo a model.safetensors: asked
+    # for, found missing, not downloaded.)
+    present = touched - {"video_preprocessor_config.json", "model.safetensors"}
     gets = [p.rsplit("/", 1)[1] for p in hub.resolve_paths("GET")]
     assert sorted(gets) == sorted(present)
     # Files landed in the (temporary) HF cache, in the snapshot of the commit main resolved to.
     snapshot = _snapshot(hub, "org/qwen25-tiny", commit)
     assert sorted(p.name for p in snapshot.iterdir()) == sorted(present)
     assert (hub.cache / "models--org--qwen25-tiny" / "refs" / "main").read_text() == commit
+    # The single file's absence was cached at the commit: a later offline load need not ask.
+    assert (hub.cache / "models--org--qwen25-tiny" / ".no_exist" / commit / "model.safetensors").exists()
 
 
 def test_fetch_returns_the_snapshot_folder_and_explicit_cache_dir(hub, qwen25_repo, tmp_path):
@@ -132,14 +135,11 @@ def test_single_file_repo_fetches_model_safetensors(hub, tmp_path):
     _check_against_reference(encoder, QWEN3_SMALL_72, vision, QWEN3_GRIDS)
     encoder.close()
 
-    assert hub.files_touched() == SETTINGS_FILES | {"model.safetensors.index.json", "model.safetensors"}
-    # The index was only probed (HEAD -> 404 EntryNotFound), the single file downloaded.
-    heads, gets = hub.resolve_paths("HEAD"), hub.resolve_paths("GET")
-    assert any(p.endswith("/model.safetensors.index.json") for p in heads)
-    assert not any(p.endswith("/model.safetensors.index.json") for p in gets)
+    # The single file is found first (transformers' order): the index is never asked for.
+    assert hub.files_touched() == SETTINGS_FILES | {"model.safetensors"}
+    gets = hub.resolve_paths("GET")
     assert sum(p.endswith("/model.safetensors") for p in gets) == 1
-    # The absence was cached at the commit: a later offline load need not ask.
-    assert (hub.cache / "models--org--qwen3-tiny" / ".no_exist" / commit / "model.safetensors.index.json").exists()
+    assert (hub.cache / "models--org--qwen3-tiny" / "snapshots" / commit / "model.safetensors").is_file()
 
 
 # ---------------------------------------------------------------------- 3. revision
@@ -313,7 +313,7 @@ def test_repo_without_config_or_vision_tensors(hub, tmp_path):
     hub.add("org/llm-only", folder)
     with pytest.raises(CheckpointError, match="lists no vision tensors"):
         load_encoder("org/llm-only", device="cpu")
-    assert not any(p.endswith(".safetensors") for p in hub.resolve_paths())
+    assert not any(p.endswith(".safetensors") for p in hub.resolve_paths("GET"))
 
     (tmp_path / "no-config").mkdir()
     (tmp_path / "no-config" / "README.md").write_text("hi")
@@ -332,7 +332,7 @@ def test_hub_refuses_a_shard_name_outside_the_repo_before_downloading(hub, tmp_p
     hub.add("org/evil", folder)
     with pytest.raises(CheckpointError, match=re.escape("shard name '../../evil.safetensors'")):
         fetch_vision_checkpoint("org/evil")
-    assert hub.files_touched() == SETTINGS_FILES | {INDEX_FILE}
+    assert hub.files_touched() == SETTINGS_FILES | {"model.safetensors", INDEX_FILE}
 
 
 # ---------------------------------------------------------------------- the Omni models' nested layout
@@ -351,7 +351,7 @@ def test_omni_repo_fetches_only_the_thinkers_vision_shards(hub, tmp_path, family
     _check_against_reference(encoder, cfg, vision, [(1, 6, 10), (2, 4, 4)])
     touched = hub.files_touched()
     assert len(others) == 3 and not touched & others
-    assert touched == SETTINGS_FILES | {"model.safetensors.index.json"} | (
+    assert touched == SETTINGS_FILES | {"model.safetensors", "model.safetensors.index.json"} | (
         {p.name for p in folder.glob("model-*.safetensors")} - others)
 
 

@@ -60,6 +60,23 @@ def test_load_matches_hf_tower(tmp_path, cfg, prefix, sharded, drop_llm):
         assert result.deepstack == [[] for _ in GRIDS]
 
 
+@pytest.mark.parametrize("shards_left", [True, False], ids=["old-shards-kept", "old-shards-gone"])
+def test_a_single_file_is_read_before_an_index_beside_it_as_transformers_does(tmp_path, shards_left):
+    """save_pretrained rewriting a sharded folder as one file keeps the old index: transformers loads the single
+    file (checked first), and so does load_encoder, never the index's stale shards."""
+    write_checkpoint(tmp_path, QWEN2_5_SMALL, sharded=True, seed=1)
+    old_shards = sorted(tmp_path.glob("model-*.safetensors"))
+    vision = write_checkpoint(tmp_path, QWEN2_5_SMALL, sharded=False, seed=2)
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    if not shards_left:
+        for shard in old_shards:
+            shard.unlink()
+    result = load_encoder(tmp_path, device="cpu").encode_patches(*_inputs(QWEN2_5_SMALL))
+    pixel_values, grid_thw = _inputs(QWEN2_5_SMALL)
+    assert_result_matches_reference(result, reference_outputs(QWEN2_5_SMALL, vision, pixel_values, grid_thw),
+                                    grid_thw, 1e-5)
+
+
 def test_bf16_load_gives_bf16_weights_and_finite_outputs(tmp_path):
     write_checkpoint(tmp_path, QWEN3_SMALL_72, dtype=torch.bfloat16)
     encoder = load_encoder(tmp_path, device="cpu", dtype="bf16")

@@ -285,6 +285,8 @@ def test_from_dict_reads_saved_configs():
     ({"do_sample_frames": False, "fps": 1}, "do_sample_frames"),
     ({"patch_size": 14}, "patch_size"),
     ({"image_mean": CLIP_MEAN}, "image_mean"),
+    ({"image_mean": ["a", 0.5, 0.5]}, "image_mean"),
+    ({"image_std": [None, 0.5, 0.5]}, "image_std"),
     ({"min_pixels": 3136}, "min_pixels"),  # Qwen3VLVideoProcessor ignores the key
 ])
 def test_from_dict_refuses_bad_fields(changes, field):

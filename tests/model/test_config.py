@@ -51,6 +51,7 @@ def _vision(**changes):
     (_vision(fullatt_block_indexes=[1, 9]), r"fullatt_block_indexes \[1, 9\] has entries outside depth 4: \[9\]"),
     (_vision(fullatt_block_indexes="1,3"), r"fullatt_block_indexes must be a list"),
     (_vision(hidden_act="relu6"), r"hidden_act 'relu6' is not supported"),
+    (_vision(hidden_act=["gelu"]), r"hidden_act \['gelu'\] is not supported"),
     (_vision(window_size=2), r"window_size 2 is smaller than one merged token"),
     (_vision(rope_theta=-1.0), r"rope_theta = -1\.0 is outside the supported range 1\.\.1e\+09"),
     (_vision(rope_theta=1e-300), r"rope_theta = 1e-300 is outside the supported range 1\.\.1e\+09"),
@@ -61,8 +62,8 @@ def _vision(**changes):
     (lambda config: {**config, "model_type": "llava_next"}, r"unsupported model_type 'llava_next'"),
     (lambda config: {k: v for k, v in config.items() if k != "vision_config"}, r"no vision_config section"),
 ], ids=["depth-1e6", "depth-1e5", "heads-0", "depth-str", "depth-float", "hidden-1e9", "heads-not-dividing",
-        "head-dim", "fullatt-outside", "fullatt-str", "act", "window", "rope", "rope-tiny", "rope-huge", "rope-str",
-        "patch", "list", "model-type",
+        "head-dim", "fullatt-outside", "fullatt-str", "act", "act-list", "window", "rope", "rope-tiny", "rope-huge",
+        "rope-str", "patch", "list", "model-type",
         "no-vision"])
 def test_bad_config_json_is_refused_fast_naming_the_field(released, tmp_path, change, pattern):
     folder = _with_config(released, tmp_path, change)
@@ -70,6 +71,23 @@ def test_bad_config_json_is_refused_fast_naming_the_field(released, tmp_path, ch
     with pytest.raises(ConfigError, match=pattern):
         load_encoder(folder, device="cpu")
     assert time.perf_counter() - start < 1.0  # before any tower is built or any shard read
+
+
+def test_settings_a_config_leaves_out_or_gives_twice_are_read_as_transformers_reads_them():
+    """A Qwen3-VL vision_config without deepstack_visual_indexes has transformers' default DeepStack levels, not
+    none; given at the top and in rope_parameters, the rotary base is rope_parameters' (what the modules read)."""
+    from transformers import Qwen3VLConfig
+
+    from qwenvl_vision.model.config import from_config_json
+
+    vision = {"depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16, "out_hidden_size": 4096,
+              "hidden_act": "gelu_pytorch_tanh", "patch_size": 16, "num_position_embeddings": 2304,
+              "rope_theta": 5000.0, "rope_parameters": {"rope_type": "axial", "rope_theta": 20000.0}}
+    config = {"model_type": "qwen3_vl", "vision_config": vision, "text_config": {"hidden_size": 4096}}
+    theirs = Qwen3VLConfig(**json.loads(json.dumps(config))).vision_config
+    ours = from_config_json(config)
+    assert list(ours.deepstack_visual_indexes) == list(theirs.deepstack_visual_indexes) == [8, 16, 24]
+    assert ours.rope_theta == theirs.rope_parameters["rope_theta"] == 20000.0
 
 
 def test_rope_theta_accepts_every_physical_base(released, tmp_path):
