@@ -40,8 +40,7 @@ RUN_COMPARED = ("format", "config_sha256", "weights_sha256", "dtype", "min_pixel
 # Recorded, not compared: "cpu_plan", the CPU backend's measured kernel choices (cpu.plan; the bits differ by kernel
 # at fp32 rounding level, and in bf16 where a plain MLP's activation moves into the GEMM's epilogue), reused by every
 # later forward of the run; None for a run started off the CPU, until the first resume on a CPU records its own.
-# Every field is required: a run file without one is damaged.
-RUN_FIELDS = (*RUN_COMPARED, "run_id", "cpu_plan")
+# Every field of ``RUN_FIELD_CHECKS`` is required: a run file without one is damaged.
 SHARD_NAME = re.compile(r"^shard-r(\d+)-(\d+)\.safetensors$")
 # A run id is part of file names and glob patterns (temporary files, shard metadata): a plain token only.
 RUN_ID = re.compile(r"[0-9A-Za-z_-]{1,64}")
@@ -213,6 +212,9 @@ RUN_FIELD_CHECKS: dict[str, tuple[Any, str]] = {
     "cpu_plan": (_optional(lambda v: isinstance(v, dict)), "a JSON object or null"),
     "cwd": (_optional(lambda v: isinstance(v, str) and os.path.isabs(v)), "an absolute path or null"),
 }
+
+
+RUN_FIELDS = tuple(RUN_FIELD_CHECKS)
 
 
 def run_problem(run: dict) -> str:
