@@ -14,7 +14,8 @@ else torch's default here (the Ray engine: each actor's). CPU results are bitwis
 so ``encode_images`` under ``torch.set_num_threads(run["threads"])`` gives a run's very tensors.
 
 Ranks: under ``torchrun`` each rank writes ``shard-r{rank}-*.safetensors`` and ``manifest.rank{rank}.jsonl``
-(its share of the inputs: ``inputs.shard_for_rank``); the ranks agree (gloo) that every one of them got its
+(its share of rank 0's list of the inputs: ``inputs.shard_for_rank``; a rank's own listing may differ, e.g. a file
+that arrived while the ranks started, and would split the inputs otherwise); the ranks agree (gloo) that every one of them got its
 lock and passed the checks before anything is written, and after a barrier rank 0 merges the parts into
 ``manifest.jsonl``.
 
@@ -443,6 +444,7 @@ def run_embed(args: argparse.Namespace) -> int:
         try:
             group.agree(error)  # every rank holds its lock and passed the checks; nothing written yet
             job.run = group.share(job.run)  # rank 0's run id tags every rank's shards
+            job.inputs = group.share(job.inputs)  # one list split over the ranks: none embedded twice or never
             try:
                 job.adopt_run()  # rank 0's threads and kernels on every rank
             except QwenVLVisionError as e:  # e.g. a recorded kernel this rank's torch lacks: every rank stops

@@ -157,6 +157,46 @@ def test_two_ranks_under_torchrun_merge_one_manifest(tmp_path, checkpoint):
             assert f.metadata()["qwenvl_vision_run"] == run_id, shard.name
 
 
+# Loaded at interpreter start on rank 1 only: its folder listings leave out one file, as a rank that listed the
+# folder before the file arrived (or another node's stale view of it) would.
+HIDE_ON_RANK_1 = """
+import os
+if os.environ.get("RANK") == "1":
+    _scandir, _hidden = os.scandir, os.environ["QWENVL_TEST_HIDE"]
+
+    class _Listing:
+        def __init__(self, entries):
+            self.entries = entries
+        def __iter__(self):
+            return (entry for entry in self.entries if entry.name != _hidden)
+        def __enter__(self):
+            return self
+        def __exit__(self, *exc):
+            self.entries.close()
+        def close(self):
+            self.entries.close()
+
+    os.scandir = lambda path=".": _Listing(_scandir(path))
+"""
+
+
+@pytest.mark.slow
+def test_ranks_whose_listings_differ_embed_rank_0s_list_once_each(tmp_path, checkpoint):
+    """Each rank embeds its share of rank 0's list: a rank that lists one file fewer would shift the split,
+    embedding some inputs twice and others never."""
+    paths = make_folder(tmp_path / "imgs", 6, bad=False)
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(HIDE_ON_RANK_1)
+    env = {**ENV, "PYTHONPATH": f"{tmp_path / 'site'}:{ENV['PYTHONPATH']}", "QWENVL_TEST_HIDE": paths[0].name}
+    out = tmp_path / "out"
+    result = subprocess.run(torchrun_embed_cmd([tmp_path / "imgs"], checkpoint, out), env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    recs = records(out)
+    assert sorted(r["realpath"] for r in recs) == sorted(str(p.resolve()) for p in paths)
+    assert {r["status"] for r in recs} == {"ok"} and {r["rank"] for r in recs} == {0, 1}
+
+
 @pytest.mark.slow
 def test_embed_offline_random_preset(tmp_path):
     paths = make_folder(tmp_path / "imgs", 1, bad=False)
