@@ -15,9 +15,9 @@ so ``encode_images`` under ``torch.set_num_threads(run["threads"])`` gives a run
 
 Ranks: under ``torchrun`` each rank writes ``shard-r{rank}-*.safetensors`` and ``manifest.rank{rank}.jsonl``
 (its share of rank 0's list of the inputs: ``inputs.shard_for_rank``; a rank's own listing may differ, e.g. a file
-that arrived while the ranks started, and would split the inputs otherwise); the ranks agree (gloo) that every one of them got its
-lock and passed the checks before anything is written, and after a barrier rank 0 merges the parts into
-``manifest.jsonl``.
+that arrived while the ranks started, and would split the inputs otherwise); the ranks agree (gloo) that every one
+of them got its lock and passed the checks before anything is written, and after a barrier rank 0 merges the parts
+into ``manifest.jsonl``.
 
 Exit codes: 0 every input embedded; 1 the run finished and some inputs failed (see the manifest); 2 usage or
 setup error, nothing written; 3 the run stopped on an I/O fault writing the output, nothing recorded is lost

@@ -78,8 +78,9 @@ def member_extension(name: str) -> str:
 
 def name_problem(name: str) -> str | None:
     """Why a member name cannot be an input's name (it would leave the shard), or None."""
+    # '.' parts stay in the shard: ``tar -C dir .`` names every member ./x (webdataset reads them as they are).
     parts = PurePosixPath(name).parts
-    if name.startswith("/") or not parts or any(p in ("", ".", "..") for p in name.split("/")):
+    if name.startswith("/") or not parts or any(p in ("", "..") for p in name.split("/")):
         return "its name leaves the shard (absolute, '..' or empty parts): refused, never read"
     return None
 
@@ -112,6 +113,8 @@ def list_shard(shard: str, is_media, keep: tuple[str, ...]) -> ShardListing:
                 if not info.isreg():
                     continue
                 problem = name_problem(info.name)
+                if not problem and info.issparse():  # its data has the holes left out: no run of bytes to read
+                    problem = "a sparse member (GNU tar -S), whose bytes are not stored in one run: refused, never read"
                 if problem and is_media(info.name):
                     listing.errors[f"{shard}/{info.name}"] = f"member {info.name!r} of shard {shard}: {problem}"
                     continue

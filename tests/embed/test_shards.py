@@ -108,6 +108,33 @@ def test_a_video_member_and_bad_members_are_inputs_of_their_own(collection, chec
     assert by_path[str(beside)]["status"] == "ok" and torch.equal(got[str(beside)], want[paths[2].name])
 
 
+def test_dot_slash_members_are_read_and_a_sparse_member_is_a_failed_input(collection, checkpoint, tmp_path):
+    """``tar -C dir .`` names its members ./x: inside the shard, read like any member. GNU tar -S stores a sparse
+    member's data without its holes, so no run of the shard's bytes is the file: a failed input, never the bytes of
+    what follows it."""
+    root, paths, _, want = collection
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dir" / "a.jpg").write_bytes(paths[0].read_bytes())
+    sparse = tmp_path / "dir" / "b.jpg"
+    with open(sparse, "wb") as f:  # a real image, then a hole, then one byte: GNU tar -S stores it sparse
+        f.write(paths[1].read_bytes())
+        f.seek(1 << 20, os.SEEK_CUR)
+        f.write(b"\xd9")
+    (tmp_path / "dir" / "c.jpg").write_bytes(paths[2].read_bytes())
+    shard = tmp_path / "dots.tar"
+    subprocess.run(["tar", "-S", "--sort=name", "-cf", str(shard), "-C", str(tmp_path / "dir"), "."], check=True)
+    with tarfile.open(shard) as tar:
+        assert [(m.name, m.issparse()) for m in tar.getmembers() if m.isreg()] == [
+            ("./a.jpg", False), ("./b.jpg", True), ("./c.jpg", False)]
+    out = tmp_path / "out"
+    assert main(["embed", str(shard), "--model", str(checkpoint), "--out", str(out), *SMALL]) == 1
+    by_path = {r["path"]: r for r in read_manifest_lines(out / "manifest.jsonl")}
+    assert by_path[f"{shard}/./b.jpg"]["status"] == "error" and "sparse member" in by_path[f"{shard}/./b.jpg"]["error"]
+    got = dict(read_embeddings(out))
+    assert torch.equal(got[f"{shard}/./a.jpg"], want[paths[0].name])
+    assert torch.equal(got[f"{shard}/./c.jpg"], want[paths[2].name])
+
+
 def test_a_missing_or_broken_shard_is_a_failed_input(collection, checkpoint, tmp_path, capsys):
     root, _, _, _ = collection
     (tmp_path / "broken.tar").write_bytes(b"no tar here" * 100)
