@@ -148,13 +148,13 @@ def _csv_rows(path: Path, path_column: str, keep: Sequence[str], delimiter: str
               ) -> tuple[list[Row], dict[str, str]]:
     text = _text(path)
     reader = csv.DictReader(io.StringIO(text, newline=""), delimiter=delimiter)
-    _missing(path, [path_column, *keep], reader.fieldnames or [])
     rows = []
     try:
+        _missing(path, [path_column, *keep], reader.fieldnames or [])  # reads the header line: csv.Error too
         for i, record in enumerate(reader):
             rows.append(Row(i + 1, record.get(path_column), {name: record.get(name) for name in keep}))
     except csv.Error as e:
-        raise ConfigError(f"table {path}, line {reader.line_num}: {e}") from None
+        raise ConfigError(f"table {path}, line {reader.line_num or 1}: {e}") from None
     return rows, dict.fromkeys(keep, "string")
 
 

@@ -136,6 +136,11 @@ def test_columns_that_cannot_be_carried_are_refused_in_one_line(folder_run, chec
     out = root / "refused"
     assert main(["embed", str(root / "imgs"), "--model", str(checkpoint), "--out", str(out), *KEEP, *SMALL]) == 2
     one_error_line(capsys.readouterr().err, "no input is a table")
+    wide = root / "wide-header.csv"  # a header cell over the csv module's field limit
+    wide.write_text("path," + "x" * 200_000 + "\n" + f"{paths[0]},1\n")
+    assert main(["embed", str(wide), "--model", str(checkpoint), "--out", str(out), *SMALL]) == 2
+    one_error_line(capsys.readouterr().err, "wide-header.csv, line 1", "field larger than field limit")
+    assert not out.exists()
 
 
 def test_torchrun_ranks_carry_each_row_s_columns(folder_run, checkpoint):
