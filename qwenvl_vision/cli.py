@@ -5,7 +5,8 @@ Errors: every error ends the command with one line on stderr, ``qwenvl-vision CO
 inputs failed (the run finished, the failures are recorded); 2 usage or setup error (nothing written); 3 the
 run stopped on an I/O fault of its output (nothing recorded is lost; ``embed --resume`` finishes it); 4 the
 run stopped because a forward failed for the machine's reasons (nothing recorded is lost; ``--resume``); 5 an
-internal error (a bug: the line says so, ``--debug`` shows where); 130 interrupted; 141 stdout closed.
+internal error (a bug: the line says so, ``--debug`` shows where); 130 interrupted; 141 stdout closed; 143
+terminated (SIGTERM: a scheduler's preemption, ``kill``; stopped as Ctrl-C stops it).
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
+import threading
 import traceback
 from pathlib import Path
 
@@ -286,6 +289,15 @@ def _one_line(error: BaseException) -> str:
     return " ".join(text.split("\n"))
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the main thread is: every clean-up that Ctrl-C runs (locks released, what is recorded
+    kept) runs for it too; the command then exits 143 (128 + SIGTERM), as a shell reports a process it ended."""
+
+
+def _terminated(signum, frame) -> None:
+    raise Terminated
+
+
 def main(argv: list[str] | None = None) -> int:
     from .errors import InternalError, QwenVLVisionError, exit_code_of
 
@@ -293,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
     except SystemExit as e:  # --help, or a usage error already printed on one line
         return e.code if isinstance(e.code, int) else 2
+    main_thread = threading.current_thread() is threading.main_thread()  # where alone a handler can be set
+    previous = signal.signal(signal.SIGTERM, _terminated) if main_thread else None
     try:
         validate = getattr(args, "validate", None)
         if validate is not None:
@@ -310,18 +324,22 @@ def main(argv: list[str] | None = None) -> int:
             where = f" [rank {rank}]" if rank is not None else ""
             print(f"qwenvl-vision {args.command}{where}: error: {message}", file=sys.stderr)
         return exit_code_of(e)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         if args.debug:
             traceback.print_exc()
-        print(f"qwenvl-vision {args.command}: interrupted" + ("; what is recorded is kept, --resume continues"
-                                                             if args.command == "embed" else ""), file=sys.stderr)
-        return 130
+        what = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
+        print(f"qwenvl-vision {args.command}: {what}" + ("; what is recorded is kept, --resume continues"
+                                                        if args.command == "embed" else ""), file=sys.stderr)
+        return 143 if isinstance(e, Terminated) else 130
     except Exception as e:  # noqa: BLE001 - a bug still ends in one line; --debug shows the traceback
         if args.debug:
             traceback.print_exc()
         print(f"qwenvl-vision {args.command}: error: internal error, {type(e).__name__}: {_one_line(e)[:500]} "
               f"(a bug: run again with --debug for the traceback and report it)", file=sys.stderr)
         return InternalError.exit_code
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -157,6 +157,51 @@ def test_two_ranks_under_torchrun_merge_one_manifest(tmp_path, checkpoint):
             assert f.metadata()["qwenvl_vision_run"] == run_id, shard.name
 
 
+_SIGTERM_CHILD = """
+import sys, threading
+from qwenvl_vision import batching
+from qwenvl_vision.cli import main
+
+real = batching.preprocess_image
+calls = []
+
+def second_stuck(*args, **kwargs):  # the first input decodes; the second never returns, as a decode stuck in C
+    calls.append(1)
+    if len(calls) > 1:
+        print("stuck", flush=True)
+        threading.Event().wait()
+    return real(*args, **kwargs)
+
+batching.preprocess_image = second_stuck
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_sigterm_stops_a_run_as_ctrl_c_does_with_its_own_status(tmp_path, checkpoint):
+    """SIGTERM (preemption, kill) mid-run: one line, exit 143, the folder's lock released and what is recorded
+    kept; --resume finishes the run."""
+    import signal
+    import sys
+
+    paths = make_folder(tmp_path / "imgs", 3, bad=False)
+    out = tmp_path / "out"
+    argv = ["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(out), "--device", "cpu"]
+    child = subprocess.Popen([sys.executable, "-c", _SIGTERM_CHILD, *argv], env=ENV, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "stuck\n"
+        child.send_signal(signal.SIGTERM)
+        _, err = child.communicate(timeout=30)
+    finally:
+        child.kill()
+        child.wait()
+    assert child.returncode == 143, err[-2000:]
+    assert "Traceback" not in err and "embed: terminated (SIGTERM); what is recorded is kept" in err
+    assert not (out / "embed.lock").exists()
+    assert main([*argv, "--resume"]) == 0
+    assert sorted(r["realpath"] for r in records(out)) == sorted(str(p.resolve()) for p in paths)
+
+
 # Loaded at interpreter start on rank 1 only: its folder listings leave out one file, as a rank that listed the
 # folder before the file arrived (or another node's stale view of it) would.
 HIDE_ON_RANK_1 = """
