@@ -273,6 +273,14 @@ def read_encoded(out: str | os.PathLike, paths: list[str] | None = None, *, moda
         raise ManifestError(f"not every one of these records is a {modality}")
     keep = set(wanted)
     tensors = {path: value for path, value in read_embeddings(out, deepstack=True) if path in keep}
+    # What read_embeddings skipped is an item ``cache prune`` removed (it warned): left out of "every record",
+    # refused by name when asked for.
+    pruned = [p for p in wanted if p not in tensors]
+    if pruned and paths is not None:
+        more = f" (and {len(pruned) - 1} more)" if len(pruned) > 1 else ""
+        raise ManifestError(f"{out}: the item of {pruned[0]!r}{more} was removed by `qwenvl-vision cache prune` "
+                            f"(listed in pruned.jsonl); embed --resume embeds it again")
+    wanted = [p for p in wanted if p in tensors]
     # A record without requested_fps (a Parquet row: no column holds it) was sampled at the run's video fps.
     fps = (run.get("video") or {}).get("fps")
     infos = [found[p][2] if found[p][2] is None or "requested_fps" in found[p][2] or fps is None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -15,7 +16,8 @@ import pytest
 from safetensors.torch import load_file
 
 from qwenvl_vision.cli import main
-from qwenvl_vision.embed import read_embeddings, read_manifest_lines
+from qwenvl_vision.embed import read_embeddings, read_encoded, read_manifest_lines
+from qwenvl_vision.errors import ManifestError
 from qwenvl_vision.outputs.cache_prune import PRUNED, prune_cache
 from qwenvl_vision.outputs.vllm_cache import CACHE_FILE, IDENTITY_FILE
 from tests.helpers import REPO, make_image_folder
@@ -69,6 +71,14 @@ def test_prune_removes_the_oldest_items_to_the_bound_accounts_for_them_and_resum
     with pytest.warns(UserWarning, match="2 item"):
         read = dict(read_embeddings(out))
     assert sorted(read) == sorted(r["path"] for r in records[2:])
+    # For a language model: every record left, or a removed one asked for by name refused in one line.
+    with pytest.warns(UserWarning, match="2 item"):
+        encoded = read_encoded(out)
+    assert [e.shape[0] for e in encoded.embeddings] == [r["tokens"] for r in records[2:]]
+    assert [list(g) for g in encoded.grid_thw] == [r["grid_thw"] for r in records[2:]]
+    with pytest.warns(UserWarning, match="2 item"), pytest.raises(ManifestError, match=(
+            rf"the item of '{re.escape(records[1]['path'])}' was removed by `qwenvl-vision cache prune`")):
+        read_encoded(out, [records[2]["path"], records[1]["path"]])
 
     assert main(["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(out), "--resume",
                  "--quiet", *SMALL]) == 0
