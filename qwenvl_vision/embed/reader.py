@@ -153,6 +153,9 @@ def read_embeddings(out: str | os.PathLike, *, deepstack: bool = False) -> Itera
             if r["key"] not in handle.keys():
                 raise ManifestError(f"{manifest}, line {line.number}: {r['shard']} has no tensor {r['key']!r}")
             tensor = handle.get_tensor(r["key"])
+            problem = _stored_problem(r, tensor, handle)
+            if problem:
+                raise ManifestError(f"{manifest}, line {line.number}: {r['shard']} {problem}")
             if "levels" in r:  # an encoder-cache item: [merged | level 0 | ...] along the features, as vLLM splits it
                 from ..outputs.handoff import split_vllm_deepstack
 
@@ -173,6 +176,20 @@ def read_embeddings(out: str | os.PathLike, *, deepstack: bool = False) -> Itera
     if skipped:
         warnings.warn(f"{out}: {skipped} item(s) removed by `qwenvl-vision cache prune` (listed in pruned.jsonl) "
                       f"were skipped", stacklevel=2)
+
+
+def _stored_problem(record: dict, tensor: torch.Tensor, handle) -> str:
+    """Why a stored tensor is not the one its record names ('' when it is): a token tensor of another length, or an
+    encoder-cache item file whose metadata names another item (a file moved or copied over it)."""
+    if tensor.dim() == 2 and tensor.shape[0] != record["tokens"]:
+        return f"holds {tensor.shape[0]} tokens for {record['path']!r}, whose record says {record['tokens']}"
+    if "levels" in record:
+        from ..outputs.vllm_cache import ITEM_KEY
+
+        named = (handle.metadata() or {}).get(ITEM_KEY)
+        if named is not None and named != record["id"]:  # vLLM's own writer records none
+            return f"is item {named[:16]}..., not {record['id'][:16]}... (a file moved or copied over it)"
+    return ""
 
 
 def _open_shard(out: Path, name: str, manifest: Path, number: int):

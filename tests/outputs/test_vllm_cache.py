@@ -7,6 +7,7 @@ written; a resumed and a two-rank run record each input once."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 
@@ -320,3 +321,35 @@ def test_a_model_that_claims_the_folder_first_wins_and_the_other_is_refused(tmp_
         qwen25.encode_images(paths, max_pixels=64 * 64).to_vllm_cache(folder)
     assert (folder / IDENTITY_FILE).read_bytes() == theirs
     assert sorted(p.name for p in folder.iterdir()) == [IDENTITY_FILE]
+
+
+def test_a_stored_tensor_that_is_not_its_records_is_refused_naming_the_line(tmp_path, checkpoint):
+    """Two items of one shape that traded places (a copy or sync gone wrong) would read as each other's: each item
+    file names its id, and the reader holds it to the record's; a token count the tensor does not have is refused
+    in every format's manifest."""
+    from PIL import Image
+
+    from qwenvl_vision.errors import ManifestError
+
+    (tmp_path / "imgs").mkdir()
+    for i, colour in enumerate(["red", "blue"]):
+        Image.new("RGB", (64, 64), colour).save(tmp_path / "imgs" / f"{i}.png")
+    out = tmp_path / "cache"
+    assert main(["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(out),
+                 "--format", "vllm-cache", *SMALL]) == 0
+    first, second = (out / r["shard"] for r in read_manifest_lines(out / "manifest.jsonl"))
+    held = first.with_name("held")
+    first.rename(held)
+    second.rename(first)
+    held.rename(second)
+    with pytest.raises(ManifestError, match=r"manifest\.jsonl, line 1: .* is item [0-9a-f]{16}\.\.\., not"):
+        dict(read_embeddings(out))
+
+    plain = tmp_path / "plain"
+    assert main(["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(plain), *SMALL]) == 0
+    lines = (plain / "manifest.jsonl").read_text().splitlines()
+    record = json.loads(lines[1])
+    lines[1] = json.dumps({**record, "tokens": record["tokens"] + 4})
+    (plain / "manifest.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(ManifestError, match=rf"line 2: .* holds {record['tokens']} tokens for .*whose record says"):
+        dict(read_embeddings(plain))
