@@ -54,7 +54,7 @@ def statuses(out: Path) -> list[tuple[str, str]]:
     """(realpath, status) of every row of the folder's shards, in shard order (the summary's source)."""
     rows: list[tuple[str, str]] = []
     for shard in parquet_shards(out):
-        table = pq.read_table(shard, columns=["realpath", "status"])
+        table = pq.read_table(shard, columns=["realpath", "status"], page_checksum_verification=True)
         rows += zip(table.column("realpath").to_pylist(), table.column("status").to_pylist())
     return rows
 

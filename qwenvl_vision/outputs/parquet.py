@@ -86,6 +86,10 @@ class ParquetLayout:
             raise ValueError(f"carried column types must be among {sorted(CARRIED_TYPES)}, got {self.columns}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        counts = (self.dim, self.levels, self.merge_size)
+        if any(type(n) is not int for n in counts) or any(type(b) is not bool for b in (self.tokens, self.pooled)):
+            raise ValueError(f"not a layout (dim, levels and merge_size are integers, tokens and pooled true or "
+                             f"false): {self}")
         if self.dim < 1 or self.levels < 0 or self.merge_size < 1 or not (self.tokens or self.pooled):
             raise ValueError(f"not a layout: {self}")
 
@@ -235,8 +239,11 @@ def results_table(records: Iterable[EmbeddingRecord], layout: ParquetLayout, run
 def write_table_atomic(table: pa.Table, path: str | os.PathLike, **write_options: Any) -> Path:
     """Write ``table`` to ``path`` whole or not at all: a temporary file in the same folder (a rename across file
     systems would not be atomic), fsynced, renamed into place, then the folder fsynced. An OSError (a full disk,
-    a read-only folder) leaves no temporary file behind. ``write_options`` go to ``pyarrow.parquet.write_table``."""
+    a read-only folder) leaves no temporary file behind. ``write_options`` go to ``pyarrow.parquet.write_table``;
+    every page carries its CRC (Parquet's page checksum), which the readers here verify: a flipped bit in a tensor
+    is a damaged file, not another value."""
     path = Path(path)
+    write_options.setdefault("write_page_checksum", True)
     replace_atomically(path, path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp"),
                        lambda f: pq.write_table(table, f, **write_options))
     return path
@@ -341,13 +348,30 @@ def _null_value_row(column: pa.Array, per_row_vectors: bool) -> int | None:
     return min(inside) if inside else None
 
 
+def _inexact_row(column: pa.Array, dtype: torch.dtype, per_row_vectors: bool) -> int | None:
+    """The first valid row holding a float that ``dtype`` cannot hold: a bf16 or fp16 run stores its values widened
+    to float32, exactly, so any other value is damage (rounding it back would hide it)."""
+    if dtype == torch.float32:
+        return None
+    vectors, offsets = _vectors_of(column, per_row_vectors)
+    values = torch.from_numpy(_floats_of(vectors).to_numpy(zero_copy_only=False))
+    bad = np.flatnonzero(((values.to(dtype).float() != values) & ~values.isnan()).numpy())
+    if not len(bad):
+        return None
+    size = vectors.type.list_size
+    valid = column.is_valid().to_numpy(zero_copy_only=False)
+    rows = np.searchsorted(offsets, bad // size, side="right") - 1
+    inside = [int(r) for r in rows if 0 <= r < len(column) and valid[r]]
+    return min(inside) if inside else None
+
+
 def read_parquet_table(path: str | os.PathLike) -> tuple[pa.Table, ParquetLayout, dict]:
     """One Parquet file of embeddings, validated strictly: its metadata (layout, run), its schema (exactly the
     layout's), every row (status and error agree, grid product / merge**2 = tokens = every tensor column's
     length, no null value inside a tensor). Any fault is one ManifestError naming the file (and the row)."""
     path = Path(path)
     try:
-        table = pq.read_table(path)
+        table = pq.read_table(path, page_checksum_verification=True)
     except (OSError, pa.ArrowException) as e:
         raise ManifestError(f"{path}: not a readable Parquet file ({type(e).__name__}: {e})") from None
     layout, run = read_metadata(table.schema, str(path))
@@ -364,9 +388,14 @@ def read_parquet_table(path: str | os.PathLike) -> tuple[pa.Table, ParquetLayout
     if problem is not None:
         raise ManifestError(f"{path}, row {problem[0]}: {problem[1]}")
     for name in (["embedding"] if layout.tokens else []) + layout.level_columns + (["pooled"] if layout.pooled else []):
-        row = _null_value_row(table.column(name).combine_chunks(), name != "pooled")
+        column = table.column(name).combine_chunks()
+        row = _null_value_row(column, name != "pooled")
         if row is not None:
             raise ManifestError(f"{path}, row {row}: {name} holds a null value")
+        # The tokens are the run's dtype widened; the pooled mean is computed and kept in float32.
+        row = None if name == "pooled" else _inexact_row(column, DTYPES[layout.dtype], True)
+        if row is not None:
+            raise ManifestError(f"{path}, row {row}: {name} holds a value a {layout.dtype} run cannot have stored")
     return table, layout, run
 
 
@@ -378,11 +407,18 @@ def read_parquet_grids(path: str | os.PathLike) -> list[tuple[str, list[int], di
     try:
         schema = pq.read_schema(path)
         read_metadata(schema, str(path))
-        table = pq.read_table(path, columns=["path", "status", "grid_thw", "video"])
+        table = pq.read_table(path, columns=["path", "status", "grid_thw", "video"], page_checksum_verification=True)
     except (OSError, pa.ArrowException) as e:
         raise ManifestError(f"{path}: not a readable Parquet file ({type(e).__name__}: {e})") from None
     rows = zip(*(table.column(name).to_pylist() for name in ("path", "status", "grid_thw", "video")), strict=True)
-    return [(p, list(grid), video) for p, status, grid, video in rows if status == "ok"]
+    found = []
+    for row, (name, status, grid, video) in enumerate(rows):
+        if status != "ok":
+            continue
+        if not (isinstance(grid, list) and len(grid) == 3 and all(isinstance(g, int) and g > 0 for g in grid)):
+            raise ManifestError(f"{path}, row {row}: status ok with grid_thw {grid!r}, not three positive integers")
+        found.append((name, grid, video))
+    return found
 
 
 def read_parquet_index(path: str | os.PathLike) -> tuple[list[str], list[str], ParquetLayout, dict]:
@@ -396,7 +432,7 @@ def read_parquet_index(path: str | os.PathLike) -> tuple[list[str], list[str], P
         layout, run = read_metadata(schema, str(path))
         if not schema.remove_metadata().equals(layout.schema()):
             raise ManifestError(f"{path}: schema is not the layout's (read it with read_parquet_table for why)")
-        table = pq.read_table(path, columns=["realpath", "status"])
+        table = pq.read_table(path, columns=["realpath", "status"], page_checksum_verification=True)
     except (OSError, pa.ArrowException) as e:
         raise ManifestError(f"{path}: not a readable Parquet file ({type(e).__name__}: {e})") from None
     realpaths, status = table.column("realpath").to_pylist(), table.column("status").to_pylist()

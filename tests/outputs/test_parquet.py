@@ -119,6 +119,33 @@ def test_a_bf16_run_is_stored_as_exact_float32_and_read_back_as_bf16(tmp_path, c
         assert all(torch.equal(a, b) for a, b in zip(got.deepstack, want.deepstack, strict=True))
 
 
+def test_a_value_a_bf16_run_cannot_have_stored_is_refused_not_rounded(tmp_path, checkpoint3, inputs):
+    records, layout = encoded(checkpoint3, inputs[:2], "bfloat16")
+    path = write_table_atomic(results_table(records, layout, RUN), tmp_path / shard_name(0, 0))
+    embedding = pq.read_table(path).column("embedding").to_pylist()
+    embedding[1][3][5] = float(records[1].embedding[3, 5]) * (1 + 2**-12)  # between two bf16 values
+    table = _with_column(pq.read_table(path), "embedding", pa.array(embedding, pq.read_table(path).schema.field(
+        "embedding").type))
+    pq.write_table(table, path)
+    with pytest.raises(ManifestError, match=r"row 1: embedding holds a value a bfloat16 run cannot have stored"):
+        list(read_parquet_records(tmp_path))
+
+
+def test_a_flipped_bit_in_a_stored_value_is_caught_by_the_page_checksum(shard, fp32):
+    """Random floats do not compress: a value's four bytes are in the file as they are, and a bit flipped there
+    reads as another valid float unless the page's CRC is checked."""
+    records, _ = fp32
+    data = bytearray(shard.read_bytes())
+    value = records[0].embedding[1, 5].numpy().tobytes()
+    at = data.find(value)
+    assert at > 0 and data.count(value) == 1
+    data[at] ^= 0x10  # a low mantissa bit
+    shard.write_bytes(bytes(data))
+    for read in (read_parquet_table, lambda p: list(read_parquet_records(p.parent))):
+        with pytest.raises(ManifestError, match="not a readable Parquet file.*CRC"):
+            read(shard)
+
+
 def test_pooled_only_layout_and_the_video_column(tmp_path, fp32):
     """A run that stores only mean vectors has no token columns; a video's frames survive the round trip."""
     records, layout = fp32
@@ -214,6 +241,10 @@ DAMAGE = {
     "ok row without pooled": (lambda t: _set_row(t, "pooled", 0, None), "row 0: status ok without pooled"),
     "null float": (_null_float, "row 1: embedding holds a null value"),
     "no path": (lambda t: _set_row(t, "path", 2, None), "row 2: no path"),
+    "levels not an integer": (lambda t: t.replace_schema_metadata({b"qwenvl_vision": json.dumps({
+        **json.loads(t.schema.metadata[b"qwenvl_vision"]),
+        "layout": {**json.loads(t.schema.metadata[b"qwenvl_vision"])["layout"], "levels": 2.0}}).encode()}),
+        "damaged qwenvl_vision metadata"),
 }
 
 
@@ -281,3 +312,10 @@ def test_the_index_reads_realpaths_and_statuses_and_shards_of_one_run_may_record
 def _write(path: Path, data: bytes) -> Path:
     path.write_bytes(data)
     return path
+
+
+def test_the_grids_reader_refuses_an_ok_row_without_a_grid(shard):
+    """What a hand-off reads before any tensor: a damaged grid is one error naming file and row, not a TypeError."""
+    pq.write_table(_set_row(pq.read_table(shard), "grid_thw", 1, None), shard)
+    with pytest.raises(ManifestError, match=r"row 1: status ok with grid_thw None, not three positive integers"):
+        qparquet.read_parquet_grids(shard)
