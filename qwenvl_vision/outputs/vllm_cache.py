@@ -117,6 +117,7 @@ def claim_cache_folder(folder: str | os.PathLike, identity: dict[str, str], tag:
     check_cache_folder(folder, identity)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / IDENTITY_FILE
+    refuse_link(path)  # a link (a dangling one reads as absent) is never the folder's identity, nor written through
     if path.exists():
         return
     tmp = folder / f"{IDENTITY_FILE}.{tag}.tmp"
@@ -141,7 +142,7 @@ def claim_cache_folder(folder: str | os.PathLike, identity: dict[str, str], tag:
         try:
             json.loads(path.read_text())
             break
-        except (UnicodeDecodeError, json.JSONDecodeError):
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):  # check_cache_folder below names what is wrong
             time.sleep(0.05)
     check_cache_folder(folder, identity)
 

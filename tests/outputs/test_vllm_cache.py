@@ -299,6 +299,30 @@ def test_a_folder_on_a_file_system_without_hard_links_is_claimed_all_the_same(tm
     assert not list((tmp_path / "cache").rglob("*.tmp"))
 
 
+@pytest.mark.parametrize("target", ["dangling", "another model's identity", "this model's identity"])
+def test_a_link_at_the_identity_file_is_refused_and_left_as_it_is(tmp_path, checkpoint, checkpoint3, target):
+    """A dangling link reads as no identity yet (it raised a FileNotFoundError); one to another model's identity is
+    that model's folder; any link is left as it is and never written through."""
+    from qwenvl_vision.errors import OutputLinkError
+
+    paths = [str(p) for p in make_image_folder(tmp_path / "imgs", 1, bad=False)]
+    folder = tmp_path / "cache"
+    folder.mkdir()
+    pointed = tmp_path / "elsewhere.json"
+    if target != "dangling":
+        other = load_encoder(checkpoint3 if target == "another model's identity" else checkpoint, device="cpu")
+        other.encode_images(paths, max_pixels=64 * 64).to_vllm_cache(tmp_path / "o")
+        pointed = tmp_path / "o" / IDENTITY_FILE
+    (folder / IDENTITY_FILE).symlink_to(pointed)
+    encoder = load_encoder(checkpoint, device="cpu")
+    result = encoder.encode_images(paths, max_pixels=64 * 64)
+    expected = (CacheFolderError, "another model") if target == "another model's identity" else (
+        OutputLinkError, f"{IDENTITY_FILE} is a symbolic link")
+    with pytest.raises(expected[0], match=expected[1]):
+        result.to_vllm_cache(folder)
+    assert (folder / IDENTITY_FILE).is_symlink() and sorted(p.name for p in folder.iterdir()) == [IDENTITY_FILE]
+
+
 def test_a_model_that_claims_the_folder_first_wins_and_the_other_is_refused(tmp_path, checkpoint, checkpoint3,
                                                                               monkeypatch):
     """Two writers of two models meet on a fresh folder: the identity file is never replaced; whoever's lands
