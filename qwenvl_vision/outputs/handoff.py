@@ -108,6 +108,26 @@ class _Checked:
     infos: list[Any]  # per item its video_info (a VideoInfo, an embed record's "video" entry) or None
 
 
+def _grids_of(grid_thw: Any, what: str) -> list[tuple[int, int, int]]:
+    """An ``(n, 3)`` table of patch grids as a tower makes them: positive integers, h and w whole merged tokens."""
+    try:
+        table = torch.as_tensor(grid_thw)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise InputError(f"{what}: grid_thw is not an (n, 3) table of integers ({e})") from None
+    if table.numel() == 0:
+        return []
+    if table.dim() != 2 or table.shape[1] != 3 or table.dtype.is_floating_point or table.dtype.is_complex \
+            or table.dtype == torch.bool:
+        raise InputError(f"{what}: grid_thw of shape {tuple(table.shape)} and dtype {table.dtype}, not an (n, 3) "
+                         f"table of integers")
+    grids = [(int(t), int(h), int(w)) for t, h, w in table.tolist()]
+    for i, (t, h, w) in enumerate(grids):
+        if min(t, h, w) < 1 or h % SPATIAL_MERGE or w % SPATIAL_MERGE:
+            raise InputError(f"{what}, item {i}: grid {(t, h, w)} is not a tower's (positive, h and w multiples of "
+                             f"the merge size {SPATIAL_MERGE})")
+    return grids
+
+
 def _family_of(name: str) -> str:
     return family_named(name, InputError).model_type
 
@@ -123,7 +143,7 @@ def _check(result: Any, what: str) -> _Checked:
     if modality not in MODALITIES:
         raise InputError(f"{what}: modality {modality!r} is not one of {MODALITIES}")
     family = _family_of(family)
-    grids = [tuple(int(v) for v in g) for g in torch.as_tensor(grid_thw).reshape(-1, 3).tolist()]
+    grids = _grids_of(grid_thw, what)
     if len(grids) != len(embeddings):
         raise InputError(f"{what}: {len(embeddings)} embeddings but {len(grids)} grids")
     deepstack = [list(levels) for levels in (getattr(result, "deepstack", None) or [[]] * len(embeddings))]
@@ -201,6 +221,12 @@ def _by_modality(results: Sequence[Any]) -> dict[str, _Checked]:
     families = {c.family for c in checked}
     if len(families) > 1:
         raise InputError(f"results from towers of different families: {sorted(families)}")
+    kinds = {(e.shape[1], e.dtype, len(levels)) for c in checked for e, levels in zip(c.embeddings, c.levels)}
+    if len(kinds) > 1:  # one tower's outputs share them; items of two towers or two dtypes do not go in one prompt
+        shown = ", ".join(f"width {d} {str(t).removeprefix('torch.')} with {n} levels" for d, t, n in sorted(
+            kinds, key=str))
+        raise InputError(f"the results' items differ in width, dtype or DeepStack levels ({shown}): hand over the "
+                         f"items of one tower and one dtype")
     grouped: dict[str, _Checked] = {}
     for c in checked:
         into = grouped.setdefault(c.modality, _Checked(c.family, c.modality, [], [], [], []))

@@ -312,6 +312,27 @@ def test_inconsistent_items_are_named(broken, message):
         to_transformers(broken(items()))
 
 
+@pytest.mark.parametrize("grid_thw, message", [
+    ([[1, -2, -2], [1, 2, 2]], r"item 0: grid \(1, -2, -2\) is not a tower's"),
+    ([[1.9, 4, 6], [1, 2, 2]], r"dtype torch.float32, not an \(n, 3\) table of integers"),
+    ([1, 4, 6, 1, 2, 2], r"grid_thw of shape \(6,\)"),
+    ([[1, 4, 6], [1, 2]], r"grid_thw is not an \(n, 3\) table of integers"),
+    ([[1, 4, 6], [1, 2, 3]], r"item 1: grid \(1, 2, 3\) is not a tower's"),
+], ids=["negative", "fractional", "flat", "ragged", "odd-width"])
+def test_grids_no_tower_makes_are_refused_in_one_line(grid_thw, message):
+    with pytest.raises(InputError, match=message):
+        to_vllm(dataclasses.replace(items(), grid_thw=grid_thw))
+
+
+def test_items_of_two_widths_or_dtypes_are_refused_not_joined():
+    for other in (items(grids=((1, 2, 2),), width=16), EncodedItems(
+            [e.to(torch.bfloat16) for e in items().embeddings], items().grid_thw,
+            [[level.to(torch.bfloat16) for level in levels] for levels in items().deepstack], "image", "qwen3_vl")):
+        for handoff in (to_vllm, to_transformers):
+            with pytest.raises(InputError, match="differ in width, dtype or DeepStack levels"):
+                handoff(items(), other)
+
+
 def test_a_family_without_deepstack_refuses_levels():
     with pytest.raises(InputError, match="no DeepStack levels"):
         to_vllm(items("qwen2_5_vl", levels=1))
