@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
+import numbers
 import os
 import threading
 import traceback
@@ -390,6 +392,7 @@ class VisionEncoder:
 
     def _encode_all(self, items: Sequence[Any], options: EncodeOptions) -> EncodeResult:
         """Every input encoded, or the first bad one raised: refused before any compute when preflight sees it."""
+        refuse_one_input(items)
         items = list(items)
         preflight(items, options, self.preprocess_config)
         results: list[ItemResult] = []
@@ -450,7 +453,10 @@ class VisionEncoder:
         bounds. The count is padded to a multiple of 2 by repeating the last frame; grid_t = frames / 2. Frames
         are resized and normalised by the video processors' own pipeline (the torchvision one; there is no other).
         """
+        refuse_one_input(videos)
         videos = list(videos)
+        if fps is not None and not _positive_number(fps):
+            raise InputError(f"fps {fps!r} is not a positive number of frames per second")
         if fps is not None and any(not is_file_input(v) for v in videos):
             videos = self._sample_by_fps(videos, fps, video_fps)
         video_config = self.video_config if fps is None else dataclasses.replace(self.video_config, fps=fps)
@@ -464,9 +470,18 @@ class VisionEncoder:
         """Frames in memory sampled at ``fps`` with the family's rule (files are sampled when they are read)."""
         if video_fps is None:
             raise InputError("sampling frames in memory by fps needs their own frame rate: pass video_fps")
-        rates = [video_fps] * len(videos) if isinstance(video_fps, (int, float)) else list(video_fps)
+        try:
+            rates = [video_fps] * len(videos) if _positive_number(video_fps) else list(video_fps)
+        except TypeError:  # not iterable (a 0-d tensor too)
+            rates = None
+        if rates is None or isinstance(video_fps, (str, bytes)):
+            raise InputError(f"video_fps {video_fps!r} is neither a positive number nor one per video")
         if len(rates) != len(videos):
             raise InputError(f"video_fps has {len(rates)} entries for {len(videos)} videos")
+        bad = [i for i, rate in enumerate(rates) if not _positive_number(rate)]
+        if bad:
+            raise InputError(f"video_fps of video {bad[0]}, {rates[bad[0]]!r}, is not a positive number of frames "
+                             f"per second")
         vcfg = dataclasses.replace(self.video_config, fps=fps)
         sampled = []
         for video, rate in zip(videos, rates):
@@ -477,6 +492,19 @@ class VisionEncoder:
             keep = sample_indices(len(frames), rate, vcfg, self.config.temporal_patch_size)
             sampled.append(frames[keep] if hasattr(frames, "shape") else [frames[i] for i in keep])
         return sampled
+
+
+def refuse_one_input(items: Any) -> None:
+    """A path or an image where a sequence of inputs belongs (a str would be read as one file per character)."""
+    if isinstance(items, (str, bytes, os.PathLike)) or hasattr(items, "getpixel"):
+        kind = "image" if hasattr(items, "getpixel") else "path"
+        raise InputError(f"the inputs must be a sequence of inputs, got one {kind} ({str(items)[-200:]!r}): pass "
+                         f"[it]")
+
+
+def _positive_number(value: Any) -> bool:
+    """A real number above zero and finite (not a bool, a string or a tensor)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
 # ---------------------------------------------------------------------- loading

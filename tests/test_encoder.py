@@ -8,6 +8,7 @@ How inputs become batches (token bound, decode budget, prefetch) is tests/test_b
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import defaultdict
 from pathlib import Path
@@ -226,6 +227,23 @@ def test_video_sampled_by_fps_equals_the_sampled_frames(setup):
     assert torch.equal(sampled.embeddings[0], direct.embeddings[0])
     with pytest.raises(ValueError, match="video_fps"):
         encoder.encode_videos([clip], fps=2.0)
+    for fps, video_fps, message in [(2.0, "30", "video_fps '30' is neither"), (2.0, [None], "video 0, None, is not"),
+                                    (2.0, torch.tensor(30.0), "video_fps tensor"), ("2", 6.0, "fps '2' is not"),
+                                    (2.0, [6.0, 6.0], "2 entries for 1 videos"), (0.0, 6.0, "fps 0.0 is not"),
+                                    (float("nan"), 6.0, "fps nan is not")]:
+        with pytest.raises(InputError, match=re.escape(message)):
+            encoder.encode_videos([clip], fps=fps, video_fps=video_fps)
+
+
+def test_one_path_where_a_sequence_of_inputs_belongs_is_named(setup, photos):
+    """A str is a sequence of characters: given alone, each would be read as a file of one letter."""
+    encoder, *_ = setup
+    for one in (str(photos["photo.jpg"]), Path(photos["photo.jpg"])):
+        for encode in (encoder.encode_images, encoder.encode_videos):
+            with pytest.raises(InputError, match=r"got one path \('.*grace_hopper\.jpg'\): pass \[it\]"):
+                encode(one)
+    with pytest.raises(InputError, match=r"got one image .*: pass \[it\]"):
+        encoder.encode_images(photos["small"])
 
 
 @pytest.mark.parametrize(("bounds", "message"), [
