@@ -300,6 +300,7 @@ class VisionEncoder:
         the item by.
         """
         self.model  # noqa: B018 - raises if closed, before any work
+        refuse_one_input(items)
         options = EncodeOptions(
             video=video, min_pixels=min_pixels, max_pixels=max_pixels, max_input_pixels=max_input_pixels,
             resize=resize, video_config=video_config or self.video_config, pooled=pooled, normalize=normalize,
