@@ -262,7 +262,8 @@ class VisionEncoder:
             pooled_out = (torch.nn.functional.normalize(means, dim=-1) if normalize else means).to(merged.dtype)
         return EncodeResult(embeddings, torch.tensor(grids, dtype=torch.int64), deepstack, pooled_out,
                             video_info=[None] * len(grids), modality=modality, family=self.family,
-                            pixels_sha256=list(pixels_sha256), encoder=weakref.ref(self))
+                            pixels_sha256=list(pixels_sha256), encoder=weakref.ref(self),
+                            merge_size=self.config.spatial_merge_size)
 
     def iter_encode(self, items: Iterable[Any], *, video: bool | None = False, min_pixels: int | None = None,
                     max_pixels: int | None = None, max_batch_patches: int = DEFAULT_BATCH_PATCHES,
@@ -413,6 +414,7 @@ class VisionEncoder:
             family=self.family,
             pixels_sha256=[r.pixels_sha256 for r in results],
             encoder=weakref.ref(self),
+            merge_size=self.config.spatial_merge_size,
         )
 
     def encode_images(self, images: Sequence[Any], *, min_pixels: int | None = None, max_pixels: int | None = None,

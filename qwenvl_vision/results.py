@@ -19,7 +19,7 @@ from .inputs.video_io import VideoInfo
 class EncodeResult:
     """Per-item outputs in input order.
 
-    embeddings: one (tokens_i, out_hidden_size) tensor per image/video (tokens_i = t*h*w/4).
+    embeddings: one (tokens_i, out_hidden_size) tensor per image/video (tokens_i = t*h*w / merge_size**2).
     grid_thw: (n, 3) int64, each item's patch grid.
     deepstack: per item, the list of its DeepStack levels (each the shape of its embedding); empty lists for
         towers without DeepStack (every family but Qwen3-VL, Qwen3-VL-MoE and Qwen3-Omni).
@@ -33,6 +33,8 @@ class EncodeResult:
         hashed): with the encoder's ``identity()``, what ``to_vllm_cache`` names each item by.
     encoder: a weak reference to the encoder that made the result (it does not keep the encoder alive; a pickled
         or ``torch.save``d result drops it).
+    merge_size: the tower's spatial merge (``spatial_merge_size``: merge_size x merge_size patches make one token;
+        2 in every release), which the hand-off holds the tokens to.
     """
 
     embeddings: list[torch.Tensor]
@@ -44,6 +46,7 @@ class EncodeResult:
     family: str = ""
     pixels_sha256: list[str] = field(default_factory=list)
     encoder: Any = field(default=None, repr=False, compare=False)
+    merge_size: int = 2
 
     def __len__(self) -> int:
         return len(self.embeddings)

@@ -7,6 +7,7 @@ only then). Readers need nothing of the writer: no lock, no torch.distributed.
 from __future__ import annotations
 
 import json
+import math
 import os
 import warnings
 from collections.abc import Iterator
@@ -231,8 +232,8 @@ def _parquet_embeddings(out: Path, deepstack: bool) -> Iterator[tuple[str, objec
         yield record.path, ((tensor, levels) if deepstack else tensor)
 
 
-def stored_records(out: str | os.PathLike) -> Iterator[tuple[str, list[int], dict | None]]:
-    """(path, grid_thw, its video entry or None for an image) of every input recorded ok, in the order
+def stored_records(out: str | os.PathLike) -> Iterator[tuple[str, list[int], dict | None, int]]:
+    """(path, grid_thw, its video entry or None for an image, tokens) of every input recorded ok, in the order
     ``read_embeddings`` yields them (for Parquet from the footers and the small columns only)."""
     out = Path(out)
     if _is_parquet(out):
@@ -248,7 +249,7 @@ def stored_records(out: str | os.PathLike) -> Iterator[tuple[str, list[int], dic
                             f"merging them; embed --resume on the folder finishes and merges it")
     for r in read_manifest_lines(manifest):
         if r["status"] == "ok":
-            yield r["path"], r["grid_thw"], r.get("video")
+            yield r["path"], r["grid_thw"], r.get("video"), r["tokens"]
 
 
 def read_encoded(out: str | os.PathLike, paths: list[str] | None = None, *, modality: str | None = None):
@@ -269,11 +270,17 @@ def read_encoded(out: str | os.PathLike, paths: list[str] | None = None, *, moda
         raise ManifestError(f"{out} is a --pooled-only run: it stores one vector per input, not the tokens a "
                             f"language model takes")
     found: dict[str, tuple[list[int], str, dict | None]] = {}
-    for path, grid, video in stored_records(out):
+    units = set()  # patches per token: the tower's merge size squared
+    for path, grid, video, tokens in stored_records(out):
         if path in found:
             raise ManifestError(f"{out} records {path!r} twice (two files under one relative path): ask by realpath "
                                 f"in read_manifest_lines, or pass paths as recorded once")
         found[path] = (grid, "video" if video else "image", video)
+        units.add(math.prod(grid) / tokens)
+    merges = {math.isqrt(int(unit)) for unit in units if unit == int(unit) and math.isqrt(int(unit)) ** 2 == unit}
+    if len(units) > 1 or len(merges) != len(units):
+        raise ManifestError(f"{out}: its records' grids and token counts give no one merge size ({sorted(units)} "
+                            f"patches per token)")
     wanted = list(found) if paths is None else list(paths)
     missing = [p for p in wanted if p not in found]
     if missing:
@@ -303,4 +310,5 @@ def read_encoded(out: str | os.PathLike, paths: list[str] | None = None, *, moda
     infos = [found[p][2] if found[p][2] is None or "requested_fps" in found[p][2] or fps is None
              else {**found[p][2], "requested_fps": fps} for p in wanted]
     return EncodedItems([tensors[p][0] for p in wanted], [found[p][0] for p in wanted],
-                        [tensors[p][1] for p in wanted], modality, run["family"], video_info=infos)
+                        [tensors[p][1] for p in wanted], modality, run["family"], video_info=infos,
+                        merge_size=merges.pop() if merges else 2)

@@ -70,7 +70,6 @@ from ..model.config import FAMILIES, family_named
 MODALITIES = ("image", "video")
 # mm_token_type_ids values (transformers' ProcessorMixin.create_mm_token_type_ids): 0 text, 1 image, 2 video.
 TOKEN_TYPES = {"image": 1, "video": 2}
-SPATIAL_MERGE = 2  # every released Qwen VL tower merges 2x2 patches into one token
 TEMPORAL_PATCH = 2  # and packs 2 frames into one temporal patch
 
 
@@ -87,7 +86,7 @@ class EncodedItems:
     families without DeepStack. modality: "image" or "video". family: the tower's model_type. video_info: per
     video, the frames it was sampled at, its source frame rate and the fps asked for (a ``video_io.VideoInfo``, or an
     embed record's ``"video"`` entry), which ``to_vllm`` needs for the Qwen3-VL families and the Omni thinkers; None
-    for images.
+    for images. merge_size: the tower's spatial merge (2 in every release; ``read_encoded`` reads the run's).
     """
 
     embeddings: Sequence[torch.Tensor]
@@ -96,6 +95,7 @@ class EncodedItems:
     modality: str = "image"
     family: str = ""
     video_info: Sequence[Any] | None = None
+    merge_size: int = 2
 
 
 @dataclass
@@ -106,9 +106,10 @@ class _Checked:
     grids: list[tuple[int, int, int]]
     levels: list[list[torch.Tensor]]  # per item; [] for every item of a family without DeepStack
     infos: list[Any]  # per item its video_info (a VideoInfo, an embed record's "video" entry) or None
+    merge_size: int = 2
 
 
-def _grids_of(grid_thw: Any, what: str) -> list[tuple[int, int, int]]:
+def _grids_of(grid_thw: Any, what: str, merge: int) -> list[tuple[int, int, int]]:
     """An ``(n, 3)`` table of patch grids as a tower makes them: positive integers, h and w whole merged tokens."""
     try:
         table = torch.as_tensor(grid_thw)
@@ -122,9 +123,9 @@ def _grids_of(grid_thw: Any, what: str) -> list[tuple[int, int, int]]:
                          f"table of integers")
     grids = [(int(t), int(h), int(w)) for t, h, w in table.tolist()]
     for i, (t, h, w) in enumerate(grids):
-        if min(t, h, w) < 1 or h % SPATIAL_MERGE or w % SPATIAL_MERGE:
+        if min(t, h, w) < 1 or h % merge or w % merge:
             raise InputError(f"{what}, item {i}: grid {(t, h, w)} is not a tower's (positive, h and w multiples of "
-                             f"the merge size {SPATIAL_MERGE})")
+                             f"the merge size {merge})")
     return grids
 
 
@@ -143,7 +144,10 @@ def _check(result: Any, what: str) -> _Checked:
     if modality not in MODALITIES:
         raise InputError(f"{what}: modality {modality!r} is not one of {MODALITIES}")
     family = _family_of(family)
-    grids = _grids_of(grid_thw, what)
+    merge = getattr(result, "merge_size", 2)
+    if type(merge) is not int or not 1 <= merge <= 8:
+        raise InputError(f"{what}: merge_size {merge!r} is not a tower's spatial merge size (an integer 1..8)")
+    grids = _grids_of(grid_thw, what, merge)
     if len(grids) != len(embeddings):
         raise InputError(f"{what}: {len(embeddings)} embeddings but {len(grids)} grids")
     deepstack = [list(levels) for levels in (getattr(result, "deepstack", None) or [[]] * len(embeddings))]
@@ -157,7 +161,7 @@ def _check(result: Any, what: str) -> _Checked:
         raise InputError(f"{what}: a {FAMILIES[family].label} language model takes {need}; got "
                          f"{sorted(counts)} levels per item")
     for i, (embedding, (t, h, w), levels) in enumerate(zip(embeddings, grids, deepstack, strict=True)):
-        tokens = t * h * w // SPATIAL_MERGE**2
+        tokens = t * h * w // merge**2
         if embedding.dim() != 2 or embedding.shape[0] != tokens:
             raise InputError(f"{what}, item {i}: embedding of shape {tuple(embedding.shape)}, but grid {(t, h, w)} "
                              f"has {tokens} tokens")
@@ -168,7 +172,7 @@ def _check(result: Any, what: str) -> _Checked:
     infos = list(getattr(result, "video_info", None) or [None] * len(embeddings))
     if len(infos) != len(embeddings):
         raise InputError(f"{what}: {len(embeddings)} embeddings but video_info for {len(infos)} items")
-    return _Checked(family, modality, embeddings, grids, deepstack, infos)
+    return _Checked(family, modality, embeddings, grids, deepstack, infos, merge)
 
 
 @dataclass
@@ -221,6 +225,9 @@ def _by_modality(results: Sequence[Any]) -> dict[str, _Checked]:
     families = {c.family for c in checked}
     if len(families) > 1:
         raise InputError(f"results from towers of different families: {sorted(families)}")
+    merges = {c.merge_size for c in checked}
+    if len(merges) > 1:
+        raise InputError(f"results from towers of different merge sizes: {sorted(merges)}")
     kinds = {(e.shape[1], e.dtype, len(levels)) for c in checked for e, levels in zip(c.embeddings, c.levels)}
     if len(kinds) > 1:  # one tower's outputs share them; items of two towers or two dtypes do not go in one prompt
         shown = ", ".join(f"width {d} {str(t).removeprefix('torch.')} with {n} levels" for d, t, n in sorted(
@@ -229,7 +236,7 @@ def _by_modality(results: Sequence[Any]) -> dict[str, _Checked]:
                          f"items of one tower and one dtype")
     grouped: dict[str, _Checked] = {}
     for c in checked:
-        into = grouped.setdefault(c.modality, _Checked(c.family, c.modality, [], [], [], []))
+        into = grouped.setdefault(c.modality, _Checked(c.family, c.modality, [], [], [], [], c.merge_size))
         into.embeddings += c.embeddings
         into.grids += c.grids
         into.levels += c.levels

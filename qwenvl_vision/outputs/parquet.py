@@ -399,25 +399,29 @@ def read_parquet_table(path: str | os.PathLike) -> tuple[pa.Table, ParquetLayout
     return table, layout, run
 
 
-def read_parquet_grids(path: str | os.PathLike) -> list[tuple[str, list[int], dict | None]]:
-    """(path, grid_thw, video entry or None for an image) of one shard's ok rows, from its footer and the path,
-    status, grid and video columns only (what a hand-off needs before it reads any tensor). Any fault is one
-    ManifestError naming the file."""
+def read_parquet_grids(path: str | os.PathLike) -> list[tuple[str, list[int], dict | None, int]]:
+    """(path, grid_thw, video entry or None for an image, tokens) of one shard's ok rows, from its footer and the
+    path, status, grid, video and tokens columns only (what a hand-off needs before it reads any tensor). Any fault
+    is one ManifestError naming the file."""
     path = Path(path)
     try:
         schema = pq.read_schema(path)
         read_metadata(schema, str(path))
-        table = pq.read_table(path, columns=["path", "status", "grid_thw", "video"], page_checksum_verification=True)
+        table = pq.read_table(path, columns=["path", "status", "grid_thw", "video", "tokens"],
+                              page_checksum_verification=True)
     except (OSError, pa.ArrowException) as e:
         raise ManifestError(f"{path}: not a readable Parquet file ({type(e).__name__}: {e})") from None
-    rows = zip(*(table.column(name).to_pylist() for name in ("path", "status", "grid_thw", "video")), strict=True)
+    rows = zip(*(table.column(name).to_pylist() for name in ("path", "status", "grid_thw", "video", "tokens")),
+               strict=True)
     found = []
-    for row, (name, status, grid, video) in enumerate(rows):
+    for row, (name, status, grid, video, tokens) in enumerate(rows):
         if status != "ok":
             continue
         if not (isinstance(grid, list) and len(grid) == 3 and all(isinstance(g, int) and g > 0 for g in grid)):
             raise ManifestError(f"{path}, row {row}: status ok with grid_thw {grid!r}, not three positive integers")
-        found.append((name, grid, video))
+        if not (isinstance(tokens, int) and tokens > 0):
+            raise ManifestError(f"{path}, row {row}: status ok with tokens {tokens!r}, not a positive integer")
+        found.append((name, grid, video, tokens))
     return found
 
 

@@ -346,3 +346,25 @@ def test_split_refuses_a_width_that_does_not_divide():
 def test_mm_token_type_ids_marks_images_and_videos():
     ids = torch.tensor([[1, 100, 100, 5, 101, 7]])
     assert mm_token_type_ids(ids, image_token_id=100, video_token_id=101).tolist() == [[0, 1, 1, 0, 2, 0]]
+
+
+def test_a_tower_of_another_merge_size_hands_over_its_own_token_counts():
+    """A tower with spatial_merge_size 1 makes one token per patch: its result carries the merge size, and the
+    hand-off holds the tokens to it (it assumed 2x2 and refused every item); results of two merge sizes are not
+    joined."""
+    import numpy as np
+
+    from qwenvl_vision import load_encoder
+    from qwenvl_vision.testing.workloads import FAMILY_SMALL
+
+    cfg = FAMILY_SMALL["qwen3_vl"].replace(spatial_merge_size=1)
+    pre = {"patch_size": cfg.patch_size, "merge_size": 1, "temporal_patch_size": cfg.temporal_patch_size,
+           "image_mean": [0.5] * 3, "image_std": [0.5] * 3, "min_pixels": 1024, "max_pixels": 96 * 96}
+    encoder = load_encoder(cfg, random_weights=True, device="cpu", cpu_kernels="reference", preprocess_config=pre)
+    result = encoder.encode_images([np.random.default_rng(0).integers(0, 255, (96, 96, 3), dtype=np.uint8)])
+    (t, h, w), = result.grid_thw.tolist()
+    assert result.merge_size == 1 and result.embeddings[0].shape[0] == t * h * w
+    assert to_vllm(result)["image"]["image_embeds"].shape[0] == t * h * w
+    assert [e.shape[0] for e in to_transformers(result)["mm_encoder_outputs"]["image"].pooler_output] == [t * h * w]
+    with pytest.raises(InputError, match=r"different merge sizes: \[1, 2\]"):
+        to_vllm(result, items(width=result.embeddings[0].shape[1]))
