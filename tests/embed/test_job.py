@@ -165,10 +165,15 @@ from qwenvl_vision.cli import main
 real = batching.preprocess_image
 calls = []
 
-def second_stuck(*args, **kwargs):  # the first input decodes; the second never returns, as a decode stuck in C
-    calls.append(1)
-    if len(calls) > 1:
-        print("stuck", flush=True)
+lock = threading.Lock()
+
+def second_stuck(*args, **kwargs):  # the first input decodes; the others never return, as a decode stuck in C
+    with lock:
+        calls.append(1)
+        count = len(calls)
+        if count == 2:
+            print("stuck", flush=True)
+    if count > 1:
         threading.Event().wait()
     return real(*args, **kwargs)
 
