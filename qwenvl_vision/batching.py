@@ -33,7 +33,7 @@ from typing import Any
 import PIL.Image
 import torch
 
-from .errors import ConfigError, PreprocessError, QwenVLVisionError
+from .errors import ConfigError, InputError, PreprocessError, QwenVLVisionError
 from .inputs.images import PreprocessConfig, preprocess_image, probe_image
 from .inputs.item_ids import pixels_sha256
 from .inputs.pixels import (
@@ -555,3 +555,11 @@ def decode_cost(item: Any, video: bool, max_input_pixels: int | None, backend: s
     except Exception:  # noqa: BLE001 - preprocessing names the problem; this is only an estimate
         return 0
     return pixels * per_pixel
+
+
+def refuse_one_input(items: Any) -> None:
+    """A path or an image where a sequence of inputs belongs (a str would be read as one file per character)."""
+    if isinstance(items, (str, bytes, os.PathLike)) or hasattr(items, "getpixel"):
+        kind = "image" if hasattr(items, "getpixel") else "path"
+        raise InputError(f"the inputs must be a sequence of inputs, got one {kind} ({str(items)[-200:]!r}): pass "
+                         f"[it]")

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
-import numbers
 import os
 import threading
 import traceback
@@ -42,6 +40,7 @@ from .batching import (
     Prepared,
     preflight,
     prepared_batches,
+    refuse_one_input,
 )
 from .checkpoint.hub import resolve_folder
 from .checkpoint.weights import load_tower, open_checkpoint
@@ -67,7 +66,7 @@ from .inputs.images import PreprocessConfig
 from .inputs.item_ids import config_sha256, is_sha256, weights_sha256
 from .inputs.item_ids import pixels_sha256 as item_pixels_sha256
 from .inputs.pixels import DEFAULT_MAX_INPUT_PIXELS, is_file_input
-from .inputs.video import VideoConfig, sample_indices
+from .inputs.video import VideoConfig, positive_number, sample_frames_by_fps
 from .model import build
 from .model.attention import resolve_attn_impl
 from .model.config import VisionConfig, resolve_config
@@ -458,56 +457,17 @@ class VisionEncoder:
         """
         refuse_one_input(videos)
         videos = list(videos)
-        if fps is not None and not _positive_number(fps):
+        if fps is not None and not positive_number(fps):
             raise InputError(f"fps {fps!r} is not a positive number of frames per second")
         if fps is not None and any(not is_file_input(v) for v in videos):
-            videos = self._sample_by_fps(videos, fps, video_fps)
+            videos = sample_frames_by_fps(videos, fps, video_fps, self.video_config,
+                                          self.config.temporal_patch_size)
         video_config = self.video_config if fps is None else dataclasses.replace(self.video_config, fps=fps)
         options = EncodeOptions(video=True, min_pixels=min_pixels, max_pixels=max_pixels,
                                 max_input_pixels=max_input_pixels, video_config=video_config, pooled=pooled,
                                 normalize=normalize, max_batch_patches=max_batch_patches, num_workers=num_workers,
                                 hash_pixels=True)
         return self._encode_all(videos, options)
-
-    def _sample_by_fps(self, videos: list[Any], fps: float, video_fps: float | Sequence[float] | None) -> list[Any]:
-        """Frames in memory sampled at ``fps`` with the family's rule (files are sampled when they are read)."""
-        if video_fps is None:
-            raise InputError("sampling frames in memory by fps needs their own frame rate: pass video_fps")
-        try:
-            rates = [video_fps] * len(videos) if _positive_number(video_fps) else list(video_fps)
-        except TypeError:  # not iterable (a 0-d tensor too)
-            rates = None
-        if rates is None or isinstance(video_fps, (str, bytes)):
-            raise InputError(f"video_fps {video_fps!r} is neither a positive number nor one per video")
-        if len(rates) != len(videos):
-            raise InputError(f"video_fps has {len(rates)} entries for {len(videos)} videos")
-        bad = [i for i, rate in enumerate(rates) if not _positive_number(rate)]
-        if bad:
-            raise InputError(f"video_fps of video {bad[0]}, {rates[bad[0]]!r}, is not a positive number of frames "
-                             f"per second")
-        vcfg = dataclasses.replace(self.video_config, fps=fps)
-        sampled = []
-        for video, rate in zip(videos, rates):
-            if is_file_input(video):
-                sampled.append(video)
-                continue
-            frames = video if hasattr(video, "shape") else list(video)
-            keep = sample_indices(len(frames), rate, vcfg, self.config.temporal_patch_size)
-            sampled.append(frames[keep] if hasattr(frames, "shape") else [frames[i] for i in keep])
-        return sampled
-
-
-def refuse_one_input(items: Any) -> None:
-    """A path or an image where a sequence of inputs belongs (a str would be read as one file per character)."""
-    if isinstance(items, (str, bytes, os.PathLike)) or hasattr(items, "getpixel"):
-        kind = "image" if hasattr(items, "getpixel") else "path"
-        raise InputError(f"the inputs must be a sequence of inputs, got one {kind} ({str(items)[-200:]!r}): pass "
-                         f"[it]")
-
-
-def _positive_number(value: Any) -> bool:
-    """A real number above zero and finite (not a bool, a string or a tensor)."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
 # ---------------------------------------------------------------------- loading

@@ -32,7 +32,9 @@ Deviations from the reference, on purpose (those of reading files: ``video_io``'
 """
 from __future__ import annotations
 
+import dataclasses
 import math
+import numbers
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -54,6 +56,7 @@ from .pixels import (
     check_aspect_ratio,
     check_resize_backend,
     input_name,
+    is_file_input,
     is_number,
     load_rgb,
     normalize,
@@ -274,6 +277,41 @@ def sample_frame_indices_qwen3(num_frames: int, video_fps: float, fps: float = 2
     count = int(num_frames / video_fps * fps)
     count = min(max(count, min_frames), max_frames, num_frames)
     return np.linspace(0, num_frames - 1, count).round().astype(int).tolist()
+
+
+def positive_number(value: Any) -> bool:
+    """A real number above zero and finite (not a bool, a string or a tensor)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+def sample_frames_by_fps(videos: list[Any], fps: float, video_fps: Any, video_config: VideoConfig,
+                         temporal_patch_size: int) -> list[Any]:
+    """Frames in memory sampled at ``fps`` with the family's rule, from their own rate ``video_fps`` (one value, or
+    one per video); files are left as they are (sampled when they are read)."""
+    if video_fps is None:
+        raise InputError("sampling frames in memory by fps needs their own frame rate: pass video_fps")
+    try:
+        rates = [video_fps] * len(videos) if positive_number(video_fps) else list(video_fps)
+    except TypeError:  # not iterable (a 0-d tensor too)
+        rates = None
+    if rates is None or isinstance(video_fps, (str, bytes)):
+        raise InputError(f"video_fps {video_fps!r} is neither a positive number nor one per video")
+    if len(rates) != len(videos):
+        raise InputError(f"video_fps has {len(rates)} entries for {len(videos)} videos")
+    bad = [i for i, rate in enumerate(rates) if not positive_number(rate)]
+    if bad:
+        raise InputError(f"video_fps of video {bad[0]}, {rates[bad[0]]!r}, is not a positive number of frames per "
+                         f"second")
+    vcfg = dataclasses.replace(video_config, fps=fps)
+    sampled = []
+    for video, rate in zip(videos, rates, strict=True):
+        if is_file_input(video):
+            sampled.append(video)
+            continue
+        frames = video if hasattr(video, "shape") else list(video)
+        keep = sample_indices(len(frames), rate, vcfg, temporal_patch_size)
+        sampled.append(frames[keep] if hasattr(frames, "shape") else [frames[i] for i in keep])
+    return sampled
 
 
 def sample_indices(num_frames: int, video_fps: float, vcfg: VideoConfig, temporal_patch_size: int) -> list[int]:
