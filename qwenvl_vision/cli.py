@@ -27,7 +27,10 @@ DEFAULT_WEIGHTS_DIR = Path("weights")  # relative to where the command runs, as 
 
 
 def _default_out(source: str) -> Path:
-    name = source.rstrip("/").replace("\\", "/").split("/")[-1] or "vision"
+    if Path(source).is_dir():  # "." or "../x": the folder's own name
+        name = Path(source).resolve().name or "vision"
+    else:  # a repo id: its name
+        name = source.rstrip("/").replace("\\", "/").split("/")[-1] or "vision"
     return DEFAULT_WEIGHTS_DIR / f"{name}-vision"
 
 
@@ -45,6 +48,8 @@ def validate_extract_args(args: argparse.Namespace) -> None:
     if _is_preset(args.source):
         raise ConfigError(f"{args.source} is a preset: it has no weights to extract (--random-weights is for "
                           f"embed and bench); give a checkpoint folder or a repo id")
+    if args.out is not None and not args.out:
+        raise ConfigError("--out is empty: give the folder to write, or leave the option out for the default")
     out = Path(args.out) if args.out else _default_out(args.source)
     source = Path(args.source).expanduser()
     if source.is_dir():  # a repo id is checked once fetched (cmd_extract_weights), against its snapshot folder
@@ -123,9 +128,16 @@ def cmd_extract_weights(args: argparse.Namespace) -> int:
     refuse_extract_target(folder, out)  # again for a local folder: it may have changed since validate
     encoder = load_encoder(folder, device="cpu", dtype=args.dtype or _stored_dtype(folder), cpu_kernels="reference")
     with encoder:
-        save_vision_only(encoder.model, out, encoder.preprocess_config.to_dict())
+        pre = encoder.preprocess_config
+        try:
+            count = save_vision_only(encoder.model, out, pre.to_dict(), encoder.video_config.to_dict(pre))
+        except OSError as e:  # the output's fault (a full disk, permissions): exit 3, like embed's
+            from .errors import OutputFaultError
+
+            where = f" ({Path(e.filename).name})" if e.filename else ""
+            raise OutputFaultError(f"cannot write to {out}: {e.strerror or e}{where}; it holds no config.json, so "
+                                   f"it does not load: fix the folder and run again with --force") from None
         total = sum(p.numel() * p.element_size() for p in encoder.model.parameters())
-        count = len(encoder.model.state_dict())
     print(f"wrote {count} vision tensors ({total / 2**20:.1f} MiB) to {out}")
     return 0
 

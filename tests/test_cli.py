@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -61,14 +62,21 @@ def test_extract_weights_roundtrip(tmp_path, cfg, capsys):
     b = load_encoder(out, device="cpu").encode_patches(*inputs(cfg, GRIDS, seed=5))
     assert all(torch.equal(x, y) for x, y in zip(a.embeddings, b.embeddings))
     assert load_encoder(out, device="cpu").preprocess_config == load_encoder(src, device="cpu").preprocess_config
+    # The video settings travel too (Qwen3-VL's own video_preprocessor_config.json differs from its image bounds).
+    assert load_encoder(out, device="cpu").video_config == load_encoder(src, device="cpu").video_config
 
 
-def test_extract_weights_default_dir_is_under_weights(tmp_path, monkeypatch):
+def test_extract_weights_default_dir_is_under_weights(tmp_path, monkeypatch, capsys):
     src = tmp_path / "Qwen2.5-VL-tiny"
     write_checkpoint(src, QWEN2_5_SMALL)
     monkeypatch.chdir(tmp_path)
     assert main(["extract-weights", str(src)]) == 0
     assert (tmp_path / "weights" / "Qwen2.5-VL-tiny-vision" / "model.safetensors").is_file()
+    shutil.rmtree(tmp_path / "weights")
+    assert main(["extract-weights", "Qwen2.5-VL-tiny/."]) == 0  # "." is named after the folder it is
+    assert (tmp_path / "weights" / "Qwen2.5-VL-tiny-vision" / "model.safetensors").is_file()
+    assert main(["extract-weights", str(src), "--out", ""]) == 2
+    assert "--out is empty" in capsys.readouterr().err
 
 
 def test_extract_weights_from_a_repo_keeps_its_stored_dtype_and_the_umask(hub, tmp_path):
@@ -171,6 +179,8 @@ def test_extract_weights_and_inspect(tmp_path, capsys, family):
     out = tmp_path / "vision-only"
     assert main(["extract-weights", str(folder), "--out", str(out)]) == 0
     names = set(load_file(str(out / "model.safetensors")))
+    assert f"wrote {len(names)} vision tensors" in capsys.readouterr().out
+    assert load_encoder(out, device="cpu").video_config == load_encoder(folder, device="cpu").video_config
     assert not any(name.startswith(cfg.family.prefixes) for name in names)
     assert names == set(vision)  # the family's own names, as transformers' tower names its modules
     pixel_values, grid_thw = inputs(cfg, grids_for(cfg))

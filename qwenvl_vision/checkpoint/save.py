@@ -65,20 +65,25 @@ def _set_mode(f: BinaryIO, mode: int) -> None:
 
 
 def save_vision_only(model: VisionTower, folder: str | os.PathLike, preprocessor: dict | None = None,
-                     video_preprocessor: dict | None = None) -> Path:
-    """Write a self-contained vision-only checkpoint that ``open_checkpoint`` reads back.
+                     video_preprocessor: dict | None = None) -> int:
+    """Write a self-contained vision-only checkpoint that ``open_checkpoint`` reads back; returns the number of
+    tensors written.
 
     Each file is replaced whole or not at all (written to ``NAME.tmp``, created exclusively, then renamed), and
-    nothing is written through a symbolic link: a link at any of the names written, final or temporary, is an
-    ``OutputLinkError`` naming it, raised before any file is written.
+    nothing is written through a symbolic link: a link at the folder or at any of the names written, final or
+    temporary, is an ``OutputLinkError`` naming it, raised before any file is written. ``config.json`` is removed
+    first and written last, so a folder left half-written (a full disk, a kill) does not load as a checkpoint with
+    another's settings.
     """
     folder = Path(folder)
+    refuse_link(folder)
     folder.mkdir(parents=True, exist_ok=True)
     config_json = {**model.config.to_config_json(), "format": VISION_ONLY_FORMAT}
-    documents = {CONFIG_FILE: config_json, PREPROCESSOR_FILE: preprocessor, VIDEO_PREPROCESSOR_FILE: video_preprocessor}
+    documents = {PREPROCESSOR_FILE: preprocessor, VIDEO_PREPROCESSOR_FILE: video_preprocessor, CONFIG_FILE: config_json}
     for name in (SINGLE_FILE, *(n for n, d in documents.items() if d is not None)):
         refuse_link(folder / name)
         refuse_link(folder / (name + TEMPORARY_SUFFIX))
+    (folder / CONFIG_FILE).unlink(missing_ok=True)
     state = to_checkpoint_state(model.config, model.state_dict())
     mode = 0o666 & ~_umask()  # as a plain open() would create it: the folder's other files follow the umask too
 
@@ -97,4 +102,4 @@ def save_vision_only(model: VisionTower, folder: str | os.PathLike, preprocessor
             f.write(data)
 
         replace_atomically(folder / name, folder / (name + TEMPORARY_SUFFIX), write_document)
-    return folder
+    return len(state)

@@ -119,6 +119,45 @@ def test_extract_weights_never_writes_through_a_planted_link(single_file_checkpo
     assert (out / name).is_symlink() and sorted(p.name for p in out.iterdir()) == [name]
 
 
+@pytest.mark.parametrize("target", ["folder", "nothing"])
+def test_extract_weights_never_writes_into_a_folder_behind_a_link(single_file_checkpoint, tmp_path, capsys, target):
+    """--out naming a link (to a folder, or dangling) is refused naming it: nothing lands where it points."""
+    real = tmp_path / "real"
+    if target == "folder":
+        real.mkdir()
+    (tmp_path / "link").symlink_to(real)
+    assert main(["extract-weights", str(single_file_checkpoint), "--out", str(tmp_path / "link"), "--force"]) == 3
+    one_error_line(capsys.readouterr().err, str(tmp_path / "link"), "symbolic link")
+    assert (tmp_path / "link").is_symlink() and (not real.exists() or not any(real.iterdir()))
+
+
+def test_an_extraction_that_fails_part_way_leaves_no_loadable_folder(single_file_checkpoint, tmp_path, capsys,
+                                                                      monkeypatch):
+    """A write that fails after the weights (a full disk) leaves the folder without config.json: it does not load
+    with another extraction's settings or the family's defaults; the ending is the output's fault, exit 3."""
+    import errno
+
+    from qwenvl_vision.checkpoint import save
+
+    out = tmp_path / "out"
+    assert main(["extract-weights", str(single_file_checkpoint), "--out", str(out)]) == 0
+    real = save.replace_atomically
+
+    def full_disk_at_the_preprocessor(path, tmp, write):
+        if path.name == "preprocessor_config.json":
+            raise OSError(errno.ENOSPC, "No space left on device", str(tmp))
+        return real(path, tmp, write)
+
+    monkeypatch.setattr(save, "replace_atomically", full_disk_at_the_preprocessor)
+    capsys.readouterr()
+    assert main(["extract-weights", str(single_file_checkpoint), "--out", str(out), "--force"]) == 3
+    one_error_line(capsys.readouterr().err, f"cannot write to {out}: No space left on device",
+                   "preprocessor_config.json.tmp")
+    assert not (out / "config.json").exists()
+    with pytest.raises(CheckpointError, match="has no config.json"):
+        load_encoder(out, device="cpu")
+
+
 # ---------------------------------------------------------------------- config files: dangling links, offline
 
 
