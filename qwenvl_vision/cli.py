@@ -209,7 +209,7 @@ def gigabytes(text: str) -> float:
         value = float(text)
     except ValueError:
         value = float("nan")
-    if not math.isfinite(value) or value < 0:
+    if not math.isfinite(value * 1e9) or value < 0:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of GB >= 0")
     return value
 
@@ -289,7 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .teardown.study import add_bench_parser
 
     add_embed_parser(sub, parents=[common]).set_defaults(func=run_embed)
-    add_bench_parser(sub)
+    add_bench_parser(sub, parents=[common])
     return parser
 
 

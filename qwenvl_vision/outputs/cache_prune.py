@@ -180,7 +180,8 @@ def prune_cache(folder: str | os.PathLike, max_bytes: int, dry_run: bool = False
     if folder.is_symlink() or not (folder / IDENTITY_FILE).is_file():
         raise CacheFolderError(f"{folder} is not an encoder cache written by qwenvl-vision (no {IDENTITY_FILE}): "
                                f"nothing is removed from a folder whose files are not accounted for")
-    with cache_lock(folder, exclusive=True, wait_s=wait_s):
+    # A dry run reads without the lock (it may be a folder it cannot write), so its count may be a moment old.
+    with contextlib.nullcontext() if dry_run else cache_lock(folder, exclusive=True, wait_s=wait_s):
         items = items_of(folder)
         since = running_embed_since(folder)
         held = {i.id for i in items if since is not None and i.last_write >= since}

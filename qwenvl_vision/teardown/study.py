@@ -34,10 +34,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from ..errors import ConfigError
+from ..outputs.durable import replace_atomically
 from .cycles import (
     CPU_SIZES,
     CUDA_SIZES,
@@ -121,7 +123,7 @@ def _parse_sizes(text: str, cfg: Any) -> list[tuple[int, int]]:
         try:
             sizes.append((max(1, round(int(h) / factor)), max(1, round(int(w) / factor))))
         except ValueError:
-            raise SystemExit(f"--sizes: {item!r} is not HxW in pixels (e.g. 448x336)") from None
+            raise ConfigError(f"--sizes: {item!r} is not HxW in pixels (e.g. 448x336)") from None
     return sizes
 
 
@@ -235,9 +237,10 @@ def cmd_teardown(args: argparse.Namespace, extra_variants: dict[str, VariantFact
     report["ok"] = bool(checked) and all(run_ok(r) for r in checked)
     print(format_table(report))
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1, default=str)
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = json.dumps(report, indent=1, default=str).encode()
+        replace_atomically(path, path.with_name(f".{path.name}.tmp"), lambda f: f.write(data))  # never through a link
         print(f"wrote {args.json}")
     if after is not None:
         after(report)
@@ -251,11 +254,12 @@ def _checkpoint_config(source: str) -> Any:
     return open_checkpoint(resolve_folder(source, None, False, None, None)).config
 
 
-def add_bench_parser(sub: Any) -> None:
-    """``qwenvl-vision bench <name>``; today: teardown."""
-    p = sub.add_parser("bench", help="benchmarks (teardown: is every byte given back?)")
+def add_bench_parser(sub: Any, parents: Sequence[argparse.ArgumentParser] = ()) -> None:
+    """``qwenvl-vision bench <name>``; today: teardown. ``parents``: the options every command takes."""
+    p = sub.add_parser("bench", help="benchmarks (teardown: is every byte given back?)", parents=list(parents))
     bench_sub = p.add_subparsers(dest="bench", required=True)
     t = bench_sub.add_parser("teardown", help="memory retained after tearing an encoder down (del and close)",
-                             description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                             description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                             parents=list(parents))
     add_teardown_arguments(t)
     t.set_defaults(func=cmd_teardown)

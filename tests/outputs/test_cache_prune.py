@@ -57,8 +57,10 @@ def test_prune_removes_the_oldest_items_to_the_bound_accounts_for_them_and_resum
     bound = folder_bytes(out) - sizes[order[0]] - sizes[order[1]] // 2  # the two oldest must go, no more
     capsys.readouterr()
 
+    (out / "qwenvl_vision_cache.lock").unlink()  # a dry run reads: it creates nothing, so a read-only folder will do
     assert main(["cache", "prune", str(out), "--max-gb", str(bound / 1e9), "--dry-run"]) == 0
     assert "would remove 2 item(s)" in capsys.readouterr().out and set(items(out)) == set(order)
+    assert not (out / "qwenvl_vision_cache.lock").exists()
 
     assert main(["cache", "prune", str(out), "--max-gb", str(bound / 1e9)]) == 0
     line = capsys.readouterr().out.strip()
@@ -93,7 +95,7 @@ def test_prune_refuses_what_it_cannot_account_for(tmp_path, checkpoint, capsys):
     assert main(["cache", "prune", str(other), "--max-gb", "0"]) == 2
     one_error_line(capsys.readouterr().err, IDENTITY_FILE)
     assert (other / ("a" * 64) / CACHE_FILE).exists()
-    for bad in ("-1", "nan", "lots"):
+    for bad in ("-1", "nan", "lots", "1e300"):  # 1e300 GB is no number of bytes
         assert main(["cache", "prune", str(other), "--max-gb", bad]) == 2
         one_error_line(capsys.readouterr().err, "--max-gb")
 

@@ -271,6 +271,16 @@ def _run_bench(tmp_path, cfg, *extra, script: bool = False):
     return rc, json.loads(out.read_text())
 
 
+def test_bad_sizes_are_a_one_line_usage_error_and_debug_is_taken_after_the_command(tmp_path, capsys):
+    from qwenvl_vision.cli import main
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(QWEN2_5_SMALL.to_config_json()))
+    for extra in ([], ["--debug"]):
+        assert main(["bench", "teardown", "--config", str(config), "--device", "cpu", "--sizes", "big", *extra]) == 2
+        assert "qwenvl-vision bench: error: --sizes: 'big' is not HxW in pixels" in capsys.readouterr().err
+
+
 def _runs(report):
     return {(r["variant"], r["teardown"]): r for r in report["runs"]}
 
