@@ -786,3 +786,44 @@ def test_a_backend_that_packs_nothing_serves_any_tower():
     with torch.no_grad():
         assert torch.equal(first(pixel_values, grid_thw)[0], second(pixel_values, grid_thw)[0])
     assert first.describe()["execution"] == second.describe()["execution"] == "reference"
+
+
+@needs_onednn
+def test_a_plan_this_cpu_cannot_pack_is_refused_and_the_tower_runs_as_before(monkeypatch):
+    """A recorded plan whose oneDNN kernels this CPU lacks (another machine's bf16) is refused in one line, and the
+    encoder goes on with the setting it had, the same bits (it kept the refused one and failed every call)."""
+    from qwenvl_vision.backends.cpu.packing import PackedLinear
+
+    encoder = load_encoder(QWEN2_5_SMALL, random_weights=True, device="cpu")
+    pixel_values, grid_thw = inputs(QWEN2_5_SMALL, grids_for(QWEN2_5_SMALL))
+    before = encoder.encode_patches(pixel_values, grid_thw).embeddings
+    plan = forced_plan(encoder.model, "onednn")
+
+    def no_kernel(layer):
+        raise RuntimeError("no oneDNN kernel for this dtype on this CPU")
+
+    monkeypatch.setattr(PackedLinear, "pack_", staticmethod(no_kernel))
+    with pytest.raises(ConfigError, match="which this CPU cannot run"):
+        encoder.set_cpu_kernels(plan)
+    monkeypatch.undo()
+    assert encoder.model.backend.cpu_kernels == "auto"
+    after = encoder.encode_patches(pixel_values, grid_thw).embeddings
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+def test_auto_runs_the_plan_of_the_thread_count_at_each_call():
+    """The machine's plan is measured per torch thread count: a process that changes the count after loading runs
+    that count's plan, as a process started at it would (the same kernels, the same bits)."""
+    threads = torch.get_num_threads()
+    encoder = load_encoder(QWEN2_5_SMALL, random_weights=True, device="cpu")
+    pixel_values, grid_thw = inputs(QWEN2_5_SMALL, grids_for(QWEN2_5_SMALL))
+    encoder.encode_patches(pixel_values, grid_thw)
+    first = encoder.describe()["cpu_plan"]
+    try:
+        torch.set_num_threads(threads + 1)
+        encoder.encode_patches(pixel_values, grid_thw)
+        assert encoder.describe()["cpu_plan"] != first
+        fresh = load_encoder(QWEN2_5_SMALL, random_weights=True, device="cpu")
+        assert encoder.describe()["cpu_plan"] == fresh.describe()["cpu_plan"]
+    finally:
+        torch.set_num_threads(threads)

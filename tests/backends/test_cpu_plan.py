@@ -18,7 +18,7 @@ import torch
 
 from qwenvl_vision import ConfigError, load_encoder
 from qwenvl_vision.backends.cpu import machine
-from qwenvl_vision.backends.cpu.kernels import DEFAULT_CHUNK_BYTES
+from qwenvl_vision.backends.cpu.kernels import DEFAULT_CHUNK_BYTES, onednn_packs
 from qwenvl_vision.backends.cpu.machine import machine_identity, machine_key, machine_plan
 from qwenvl_vision.backends.cpu.plan import DEFAULT_MLP_ROWS, PROBE_LENGTHS, CpuPlan, PlanNeeds, attention_key
 from qwenvl_vision.backends.cpu.workspace import DEFAULT_SCRATCH_ELEMENTS
@@ -77,11 +77,13 @@ def test_a_plan_of_older_probes_is_not_reused(fresh, monkeypatch):
 
 
 @pytest.mark.parametrize("content", ["{not json", '{"format": 1, "machine": "x"', json.dumps([1, 2]),
-                                     "FOREIGN", "INVALID", "EXTRA", "NO-IDENTITY"],
+                                     "FOREIGN", "INVALID", "EXTRA", "NO-IDENTITY", "[" * 100_000, "UNPACKABLE"],
                          ids=["corrupt", "truncated", "not-an-object", "foreign", "invalid-entry", "extra-field",
-                              "no-identity"])
+                              "no-identity", "nested-too-deep", "a-kernel-this-cpu-cannot-run"])
 def test_a_bad_plan_file_is_one_warning_and_a_fresh_measurement(fresh, monkeypatch, content):
     folder, calls = fresh
+    if content == "UNPACKABLE" and onednn_packs(torch.bfloat16):
+        pytest.skip("this CPU's oneDNN packs bf16 linears: no kernel of a plan is one it cannot run")
     good = machine_plan(NEEDS)
     path = plan_file(folder)
     stored = json.loads(path.read_text())
@@ -93,6 +95,8 @@ def test_a_bad_plan_file_is_one_warning_and_a_fresh_measurement(fresh, monkeypat
         content = json.dumps({**stored, "extra": 1})
     elif content == "NO-IDENTITY":
         content = json.dumps({k: v for k, v in stored.items() if k != "identity"})
+    elif content == "UNPACKABLE":  # every load would fail packing it
+        content = json.dumps({**stored, "linear": {**stored["linear"], "96x64:bfloat16": "onednn"}})
     path.write_text(content)
     forget(monkeypatch)
     with warnings.catch_warnings(record=True) as caught:
@@ -191,11 +195,17 @@ def test_a_plan_round_trips_as_a_dict_and_bad_ones_are_refused():
                        ({**plan.to_dict(), "scratch": {"gated:rms:64x2:96:silu:bfloat16": True}}, "integer of 1"),
                        ({**plan.to_dict(), "scratch": {"gated:rms:64x2:96:silu:bfloat16": 1 << 40}}, "integer of 1"),
                        ({**plan.to_dict(), "scratch": {"64x96:float32": 512}}, "64x96:float32"),
-                       ({**plan.to_dict(), "format": 2}, r"format 2 is not this version's \(3\)")]:
+                       ({**plan.to_dict(), "format": 2}, r"format 2 is not this version's \(3\)"),
+                       ({**plan.to_dict(), "linear": {"6" * 5000 + "x96:float32": "addmm"}}, "not a key of this"),
+                       ({**plan.to_dict(), "linear": {"\uff16\uff14x96:float32": "addmm"}}, "not a key of this")]:
         with pytest.raises(ConfigError, match=match):
             CpuPlan.from_dict(bad)
     with pytest.raises(ConfigError, match="format"):
         load_encoder(QWEN2_5_SMALL, random_weights=True, device="cpu", cpu_kernels={"format": 1})
+    # A CpuPlan made by hand is held to the same rules as its dict (MLP rows of 0 divided by zero in the forward).
+    with pytest.raises(ConfigError, match="rows of a block"):
+        load_encoder(QWEN2_5_SMALL, random_weights=True, device="cpu",
+                     cpu_kernels=CpuPlan("m", mlp={"plain:160x320:quick_gelu:float32": 0}))
     old = {"format": 2, "machine": "abc", "linear": {"64x96:float32": "addmm"}, "attention": {}, "mlp": {}}
     with pytest.raises(ConfigError, match=r"^CPU plan format 2 is not this version's \(3\)$"):
         CpuPlan.from_dict(old)

@@ -37,8 +37,8 @@ CPU_KERNELS = ("auto", "reference")
 def check_cpu_kernels(cpu_kernels: str | dict | CpuPlan) -> str | CpuPlan:
     """"auto" (the machine's measured plan), "reference" (the modules' own ops: addmm and SDPA, out of place), or a
     plan (a ``CpuPlan`` or its dict, as a run recorded it: the same kernels again, the same bits)."""
-    if isinstance(cpu_kernels, CpuPlan):
-        return cpu_kernels
+    if isinstance(cpu_kernels, CpuPlan):  # held to the rules a recorded plan is
+        return CpuPlan.from_dict(cpu_kernels.to_dict())
     if isinstance(cpu_kernels, dict):
         return CpuPlan.from_dict(cpu_kernels)
     if cpu_kernels not in CPU_KERNELS:
@@ -74,11 +74,13 @@ def hooked(tower: VisionTower) -> bool:
 
 @dataclass(frozen=True)
 class Prepared:
-    """A tower made ready for a plan: where its weights were, the plan, and the layers packed for it."""
+    """A tower made ready for a plan: where its weights were, the plan, the layers packed for it, and torch's
+    thread count then (the machine's plan is measured per thread count)."""
 
     placement: tuple[torch.device, torch.dtype]
     plan: CpuPlan
     packed: tuple[PackedLinear, ...]
+    threads: int
 
 
 class CpuBackend:
@@ -125,12 +127,18 @@ class CpuBackend:
         """Run on ``cpu_kernels`` from now on, prepared now where the weights are on the CPU; the layers stay packed
         where the new setting is the current one or the plan they are packed for (a run adopting its recorded
         plan)."""
-        wanted = check_cpu_kernels(cpu_kernels)
+        wanted, previous = check_cpu_kernels(cpu_kernels), self.cpu_kernels
         current = self.current(tower)
         if wanted != self.cpu_kernels and (current is None or wanted != current.plan):
             self.release(tower)
         self.cpu_kernels = wanted
-        self.prepare(tower)
+        try:
+            self.prepare(tower)
+        except BaseException:  # a setting this CPU cannot run: the tower goes on as it ran before
+            self.release(tower)
+            self.cpu_kernels = previous
+            self.prepare(tower)
+            raise
 
     def attach(self, tower: VisionTower) -> CpuBackend:
         """This backend runs ``tower``'s calls from now on, prepared now where the weights are on the CPU (measuring
@@ -192,12 +200,14 @@ class CpuBackend:
 
     def current(self, tower: VisionTower) -> Prepared | None:
         """The last preparation while it holds: the weights where it was made, every layer it packed still packed
-        (a load or a conversion gives a packed layer back plain)."""
+        (a load or a conversion gives a packed layer back plain), and for "auto" the thread count it was made at (the
+        machine's plan for another count is another plan)."""
         if not self.serves(tower):
             return None
         prepared = self.prepared
         if prepared is None or prepared.placement != placement(tower) or \
-                not all(isinstance(layer, PackedLinear) for layer in prepared.packed):
+                not all(isinstance(layer, PackedLinear) for layer in prepared.packed) or \
+                (self.cpu_kernels == "auto" and prepared.threads != torch.get_num_threads()):
             return None
         return prepared
 
@@ -216,6 +226,7 @@ class CpuBackend:
             current = self.current(tower)
             if current is None:
                 plan = machine_plan(plan_needs(tower)) if self.cpu_kernels == "auto" else self.cpu_kernels
-                self.prepared = current = Prepared(placement(tower), plan, tuple(pack_linears_(tower, plan)))
+                self.prepared = current = Prepared(placement(tower), plan, tuple(pack_linears_(tower, plan)),
+                                                   torch.get_num_threads())
                 self.unaccounted = False
             return current

@@ -353,8 +353,13 @@ def read_plan_file(path: Path, identity: dict, key: str, quiet: bool = False) ->
         plan = CpuPlan.from_dict({name: value for name, value in data.items() if name != "identity"})
         if plan.machine != key:
             raise ConfigError(f"its key {plan.machine!r} is not this machine's {key!r}")
+        # Entries this CPU cannot run (a damaged or edited file): every load would fail on them.
+        packs = {name: onednn_linear_available() and onednn_packs(dtype) for name, dtype in DTYPES.items()}
+        cannot = [k for k, kernel in plan.linear.items() if kernel == "onednn" and not packs[k.rsplit(":", 1)[1]]]
+        if cannot:
+            raise ConfigError(f"it runs {cannot[0]} on oneDNN, which cannot pack that dtype here")
         return plan
-    except (ValueError, ConfigError) as e:  # json's errors are ValueErrors
+    except (ValueError, RecursionError, ConfigError) as e:  # json's errors are ValueErrors; deep nesting recurses
         if not quiet:
             warn(f"ignoring the CPU plan {path}: {e}; measuring this machine again")
         return None

@@ -52,10 +52,10 @@ MAX_GEMM_LENGTH = 6144
 # activations should stay in the last-level cache between the two GEMMs, with enough rows for the GEMMs' full rate.
 DEFAULT_MLP_ROWS = 512
 
-LINEAR_KEY = re.compile(r"(\d+)x(\d+):(float32|bfloat16)")
-ATTENTION_KEY = re.compile(r"(float32|bfloat16):(\d+)x(\d+):(\d+)")
-MLP_KEY = re.compile(r"(gated|plain):(\d+)x(\d+):([a-z_]+):(float32|bfloat16)")
-BLOCK_KEY = re.compile(r"(gated|plain):(rms|layer):(\d+)x(\d+):(\d+):([a-z_]+):(float32|bfloat16)")
+LINEAR_KEY = re.compile(r"([0-9]{1,9})x([0-9]{1,9}):(float32|bfloat16)")
+ATTENTION_KEY = re.compile(r"(float32|bfloat16):([0-9]{1,9})x([0-9]{1,9}):([0-9]{1,9})")
+MLP_KEY = re.compile(r"(gated|plain):([0-9]{1,9})x([0-9]{1,9}):([a-z_]+):(float32|bfloat16)")
+BLOCK_KEY = re.compile(r"(gated|plain):(rms|layer):([0-9]{1,9})x([0-9]{1,9}):([0-9]{1,9}):([a-z_]+):(float32|bfloat16)")
 KEYS = {"linear": LINEAR_KEY, "attention": ATTENTION_KEY, "mlp": MLP_KEY, "linear_chunk": BLOCK_KEY,
         "scratch": BLOCK_KEY}
 
