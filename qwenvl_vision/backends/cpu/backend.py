@@ -37,8 +37,8 @@ CPU_KERNELS = ("auto", "reference")
 def check_cpu_kernels(cpu_kernels: str | dict | CpuPlan) -> str | CpuPlan:
     """"auto" (the machine's measured plan), "reference" (the modules' own ops: addmm and SDPA, out of place), or a
     plan (a ``CpuPlan`` or its dict, as a run recorded it: the same kernels again, the same bits)."""
-    if isinstance(cpu_kernels, CpuPlan):  # held to the rules a recorded plan is
-        return CpuPlan.from_dict(cpu_kernels.to_dict())
+    if isinstance(cpu_kernels, CpuPlan):
+        return cpu_kernels
     if isinstance(cpu_kernels, dict):
         return CpuPlan.from_dict(cpu_kernels)
     if cpu_kernels not in CPU_KERNELS:

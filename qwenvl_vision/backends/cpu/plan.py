@@ -132,6 +132,14 @@ class CpuPlan:
     linear_chunk: Mapping[str, int] = field(default_factory=dict)
     scratch: Mapping[str, int] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        # A plan made in code may hold any size a test or an experiment wants (``from_dict`` holds a recorded one to
+        # the probes' ranges), but a size below one row or byte cannot run at all.
+        for name in ("mlp", "linear_chunk", "scratch"):
+            bad = [(key, value) for key, value in getattr(self, name).items() if type(value) is not int or value < 1]
+            if bad:
+                raise ConfigError(f"CPU plan {name} entry {bad[0][0]!r}: {bad[0][1]!r} is not a positive integer")
+
     def linear_kernel(self, in_features: int, out_features: int, dtype: torch.dtype) -> str:
         return self.linear.get(linear_key(in_features, out_features, dtype), "addmm")
 
