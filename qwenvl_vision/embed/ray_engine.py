@@ -203,7 +203,9 @@ def encode_on_ray(job, writer: Writer) -> None:
     if not todo:
         progress.close()
         return
-    absolute = {p: p if p in job.inputs.remote else os.path.abspath(p) for p in todo}
+    # Joined, never normalised: a shard member's name is found in its shard as written (./x), and a file's path
+    # resolves as the OS resolves it (a/../b through a linked a).
+    absolute = {p: p if p in job.inputs.remote or os.path.isabs(p) else os.path.join(os.getcwd(), p) for p in todo}
     items = [{"path": absolute[p], "given": p, "realpath": job.inputs.keys[p]} for p in todo]
     blocks = max(1, min(-(-len(items) // BATCH_ROWS), 4 * plan.actors))
     actors = min(plan.actors, blocks)  # an actor with no block to work on would only load the tower

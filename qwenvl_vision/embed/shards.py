@@ -209,7 +209,10 @@ class ItemOpener:
         shard, name = inside
         if shard not in self.indexes:
             listing = list_shard(shard, lambda _: True, ())
-            self.indexes[shard] = {m.name: m for m in listing.members}
+            index: dict[str, Member] = {}
+            for m in listing.members:  # a name held twice (tar -r): its first member, as the local engine takes
+                index.setdefault(m.name, m)
+            self.indexes[shard] = index
         member = self.indexes[shard].get(name)
         if member is None:
             return path  # decoded as a path: a file not found, one failed input

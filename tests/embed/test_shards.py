@@ -189,3 +189,24 @@ def test_ray_engine_reads_shard_members_bitwise(collection, checkpoint, local_ra
     for r in records:
         source = paths[names.index(Path(r.path).name)]
         assert torch.equal(r.embedding, want[source.name]) and r.columns["txt"] == f"caption of {source.name}"
+
+    # Members found as the local engine finds them: a ./ name as written, a name held twice by its first member.
+    odd = root / "odd"
+    odd.mkdir(exist_ok=True)
+    with tarfile.open(odd / "dots.tar", "w") as tar:
+        add(tar, "./a.jpg", paths[0].read_bytes())
+    with tarfile.open(odd / "dup.tar", "w") as tar:
+        add(tar, "x.jpg", paths[1].read_bytes())
+        add(tar, "x.jpg", paths[2].read_bytes())
+    for engine in ("local", "ray"):
+        argv = ["embed", "dots.tar", "dup.tar", "--model", str(checkpoint), "--out", f"out-{engine}", "--format",
+                "parquet", "--threads", threads, *SMALL]
+        cwd = os.getcwd()
+        os.chdir(odd)  # relative paths: the actors get them joined to this folder, never normalised
+        try:
+            assert main([*argv, *(["--engine", "ray", "--ray-actors", "1"] if engine == "ray" else [])]) == 0
+        finally:
+            os.chdir(cwd)
+        got = {r.path: r.embedding for r in read_parquet_records(odd / f"out-{engine}")}
+        assert torch.equal(got["dots.tar/./a.jpg"], want[paths[0].name])
+        assert torch.equal(got["dup.tar/x.jpg"], want[paths[1].name])
