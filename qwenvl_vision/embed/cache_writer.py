@@ -22,6 +22,7 @@ import torch
 
 from ..errors import OutputFaultError, QwenVLVisionError
 from ..inputs.item_ids import IDENTITY_FIELDS, is_sha256, item_id
+from ..inputs.urls import redacted_text
 from ..outputs.handoff import EncodedItems, vllm_items
 from ..outputs.records import EmbeddingRecord
 from ..outputs.vllm_cache import CACHE_FILE, CACHE_KEY, IDENTITY_FILE, cache_lock, entry, write_item
@@ -75,7 +76,7 @@ class CacheRankWriter(RankWriter):
                 except OutputFaultError:
                     raise  # the folder's fault (a planted link), not the item's: the run stops, exit 3
                 except QwenVLVisionError as e:  # an item vLLM could not take: recorded, the run goes on
-                    record.update(status="error", error=f"{r.path}: {e}")
+                    record.update(status="error", error=redacted_text(f"{r.path}: {e}"))
                     failed += 1
             else:
                 failed += 1

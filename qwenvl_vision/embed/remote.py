@@ -3,8 +3,11 @@
 'qwenvl-vision[remote]'`` (fsspec, with aiohttp for http(s) and s3fs for s3; other stores bring their own fsspec
 package). Outputs stay local.
 
-- Identity (what ``--resume`` matches, the manifest's ``realpath``): the URL, with the object's version or ETag
+- Identity (what ``--resume`` matches, the manifest's ``realpath``): the URL without credentials or signature
+  (``inputs.urls.canonical``: a presigned URL signed again is the same input), with the object's version or ETag
   where the store gives one (``s3://b/k.jpg#etag=...``): an object replaced under the same URL is a new input.
+- Secrets: no record or message holds one; a URL's password and signing values show as ``***``
+  (``inputs.urls.redacted``, applied by every writer to the path, identity and error it stores).
   It is read from the store's metadata (``fs.info``) when the inputs are gathered, several at once.
 - Bytes: fetched on the thread that decodes the input (``FileBytes`` with ``fetch``), so the decode workers
   download in parallel and ``--decode-timeout`` bounds each input, download included. They are the object the run
@@ -27,6 +30,7 @@ from typing import Any
 
 from ..errors import ConfigError, PreprocessError
 from ..inputs.pixels import FileBytes
+from ..inputs.urls import canonical, redacted, redacted_text
 
 RETRIES = 3  # attempts after the first, on transient errors
 BACKOFF_S = 0.25  # doubled after each attempt
@@ -41,7 +45,7 @@ def require_fsspec(url: str) -> None:
     try:
         import fsspec  # noqa: F401
     except ImportError:
-        raise ConfigError(f"{url}: reading URLs needs fsspec: {EXTRA}") from None
+        raise ConfigError(f"{redacted(url)}: reading URLs needs fsspec: {EXTRA}") from None
 
 
 def filesystem(url: str) -> tuple[Any, str]:
@@ -56,16 +60,17 @@ def filesystem(url: str) -> tuple[Any, str]:
         try:
             import aiohttp
         except ImportError:
-            raise PreprocessError(f"{url}: reading http(s) needs aiohttp: {EXTRA}") from None
+            raise PreprocessError(f"{redacted(url)}: reading http(s) needs aiohttp: {EXTRA}") from None
         options["client_kwargs"] = {"timeout": aiohttp.ClientTimeout(total=TIMEOUT_S)}
     elif protocol in ("s3", "s3a"):
         options["config_kwargs"] = {"connect_timeout": TIMEOUT_S, "read_timeout": TIMEOUT_S,
                                     "retries": {"max_attempts": 1}}  # the retries are ours, bounded
     try:
-        return fsspec.core.url_to_fs(url, **options)
-    except (ImportError, ValueError) as e:  # a scheme fsspec does not know, or its package is not installed
-        raise PreprocessError(f"{url}: no file system for {protocol}:// here ({' '.join(str(e).split())[:200]})") \
-            from None
+        # Not url_to_fs: it reads '::' in a key as URL chaining.
+        fs = fsspec.filesystem(protocol, **options)
+        return fs, fs._strip_protocol(url)
+    except Exception as e:  # noqa: BLE001 - an unknown scheme, a missing package, a store refusing to connect
+        raise PreprocessError(f"{redacted(url)}: no file system for {protocol}:// here ({_why(e)})") from None
 
 
 def retried(what: Callable[[], Any], url: str, action: str) -> Any:
@@ -75,10 +80,11 @@ def retried(what: Callable[[], Any], url: str, action: str) -> Any:
         try:
             return what()
         except PERMANENT as e:
-            raise PreprocessError(f"{url}: cannot {action} ({_why(e)})") from None
+            raise PreprocessError(f"{redacted(url)}: cannot {action} ({_why(e)})") from None
         except Exception as e:  # noqa: BLE001 - stores raise their own types for dropped connections and 5xx
             if attempt == RETRIES:
-                raise PreprocessError(f"{url}: cannot {action} after {RETRIES + 1} attempts ({_why(e)})") from None
+                raise PreprocessError(f"{redacted(url)}: cannot {action} after {RETRIES + 1} attempts "
+                                      f"({_why(e)})") from None
             time.sleep(delay)
             delay *= 2
     raise AssertionError("unreachable")
@@ -87,7 +93,7 @@ def retried(what: Callable[[], Any], url: str, action: str) -> Any:
 def _why(error: BaseException) -> str:
     if isinstance(error, FileNotFoundError):
         return "not found"
-    text = " ".join(str(error).split()) or type(error).__name__
+    text = " ".join(redacted_text(str(error)).split()) or type(error).__name__  # a store's message may hold the URL
     return f"{type(error).__name__}: {text[:300]}"
 
 
@@ -96,12 +102,12 @@ def identity(url: str) -> str:
     fs, path = filesystem(url)
     info = retried(lambda: fs.info(path), url, "read its metadata")
     if info.get("type") == "directory":
-        raise PreprocessError(f"{url}: a folder, not an object")
+        raise PreprocessError(f"{redacted(url)}: a folder, not an object")
     for field, label in (("VersionId", "version"), ("version_id", "version"), ("ETag", "etag"), ("etag", "etag")):
         value = info.get(field)
         if value:
-            return f"{url}#{label}={str(value).strip(chr(34))}"
-    return url
+            return f"{canonical(url)}#{label}={str(value).strip(chr(34))}"
+    return canonical(url)
 
 
 def identities(urls: list[str]) -> dict[str, tuple[str, str | None]]:
@@ -113,7 +119,9 @@ def identities(urls: list[str]) -> dict[str, tuple[str, str | None]]:
         try:
             return identity(url), None
         except PreprocessError as e:
-            return url, str(e)
+            return canonical(url), str(e)
+        except Exception as e:  # noqa: BLE001 - a store's own error outside the retried calls: this input's
+            return canonical(url), f"{redacted(url)}: cannot read its metadata ({_why(e)})"
 
     with ThreadPoolExecutor(INFO_WORKERS) as pool:
         return dict(zip(urls, pool.map(one, urls), strict=True))
@@ -122,9 +130,10 @@ def identities(urls: list[str]) -> dict[str, tuple[str, str | None]]:
 def pin_of(url: str, key: str | None) -> tuple[str, str] | None:
     """("version" or "etag", value) that the identity ``key`` of ``url`` pins (``identity``), else None. Read after
     the URL, never searched for in it: a URL may hold '#', and so may an ETag."""
-    if key is None or not key.startswith(url + "#"):
+    base = canonical(url)
+    if key is None or not key.startswith(base + "#"):
         return None
-    label, equals, value = key[len(url) + 1:].partition("=")
+    label, equals, value = key[len(base) + 1:].partition("=")
     return (label, value) if equals and label in ("version", "etag") else None
 
 
@@ -141,7 +150,7 @@ def fetch(url: str, key: str | None = None) -> bytes:
         fs.invalidate_cache(path)  # the metadata as it is now, not as listed
         now = pin_of(url, identity(url))
         if now != pin:
-            raise PreprocessError(f"{url}: changed since the run listed it ({pin[0]} {pin[1][:64]}, now "
+            raise PreprocessError(f"{redacted(url)}: changed since the run listed it ({pin[0]} {pin[1][:64]}, now "
                                   f"{'none' if now is None else now[1][:64]}); a --resume embeds the new object")
     return data
 

@@ -29,6 +29,7 @@ from safetensors import safe_open
 from safetensors.torch import save
 
 from ..errors import ManifestError, OutputFaultError
+from ..inputs.urls import redacted_text
 from ..outputs.durable import create_new, fsync_dir, open_no_follow, refuse_link, replace_atomically
 from ..outputs.records import EmbeddingRecord
 from .manifest import (
@@ -265,7 +266,8 @@ class RankWriter:
 
     def base_record(self, r: EmbeddingRecord) -> dict:
         """The manifest fields every record of an input has: its path, status, error, rank, and a video's frames."""
-        record = {"path": r.path, "realpath": r.realpath, "status": r.status, "error": r.error, "rank": self.rank}
+        record = {"path": redacted_text(r.path), "realpath": redacted_text(r.realpath), "status": r.status,
+                  "error": redacted_text(r.error), "rank": self.rank}
         if r.video is not None:
             record["video"] = r.video
         if r.columns is not None:

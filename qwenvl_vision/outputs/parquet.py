@@ -50,6 +50,7 @@ import torch
 
 from ..errors import ManifestError
 from ..inputs.pixels import is_url
+from ..inputs.urls import redacted_text
 from .durable import replace_atomically
 from .records import EmbeddingRecord
 
@@ -204,7 +205,7 @@ def result_columns(records: Sequence[EmbeddingRecord], layout: ParquetLayout) ->
     grids = np.array([r.grid_thw if r else (0, 0, 0) for r in ok], np.int64).reshape(-1)
     columns: dict[str, pa.Array] = {
         "status": pa.array([r.status for r in records], pa.string()),
-        "error": pa.array([text(r.error) for r in records], pa.string()),
+        "error": pa.array([text(redacted_text(r.error)) for r in records], pa.string()),
         "grid_thw": pa.FixedSizeListArray.from_arrays(pa.array(grids, pa.int64()), 3,
                                                       mask=pa.array([r is None for r in ok], pa.bool_())),
         "tokens": pa.array([r.tokens if r else None for r in ok], pa.int64()),
@@ -229,8 +230,8 @@ def results_table(records: Iterable[EmbeddingRecord], layout: ParquetLayout, run
     """The records as one Arrow table in ``layout`` (their identity, then ``result_columns``), the run record in
     its metadata."""
     records = list(records)
-    columns = {"path": pa.array([text(r.path) for r in records], pa.string()),
-               "realpath": pa.array([text(r.realpath) for r in records], pa.string()),
+    columns = {"path": pa.array([text(redacted_text(r.path)) for r in records], pa.string()),
+               "realpath": pa.array([text(redacted_text(r.realpath)) for r in records], pa.string()),
                **result_columns(records, layout)}
     schema = layout.schema(run)
     return pa.Table.from_arrays([columns[f.name] for f in schema], schema=schema)

@@ -113,9 +113,9 @@ def test_s3_objects_embed_bitwise_and_the_etag_is_the_identity_a_resume_matches(
     root, paths, want = photos
     with s3_client(monkeypatch) as client:
         client.create_bucket(Bucket="photos")
-        for p in paths:
-            client.put_object(Bucket="photos", Key=f"set/{p.name}", Body=p.read_bytes())
-        urls = [f"s3://photos/set/{p.name}" for p in paths]
+        for p in paths:  # '::' in a key is a character, not fsspec's URL chaining
+            client.put_object(Bucket="photos", Key=f"set::1/{p.name}", Body=p.read_bytes())
+        urls = [f"s3://photos/set::1/{p.name}" for p in paths]
         out = tmp_path / "out"
         assert main(["embed", *urls, "--model", str(checkpoint), "--out", str(out), *SMALL]) == 0
         records = read_manifest_lines(out / "manifest.jsonl")
@@ -126,7 +126,7 @@ def test_s3_objects_embed_bitwise_and_the_etag_is_the_identity_a_resume_matches(
         # A resume with the same objects does nothing; one replaced under its URL is a new input (a new ETag).
         assert main(["embed", *urls, "--model", str(checkpoint), "--out", str(out), "--resume", *SMALL]) == 0
         assert len(read_manifest_lines(out / "manifest.jsonl")) == len(urls)
-        client.put_object(Bucket="photos", Key=f"set/{paths[0].name}", Body=paths[1].read_bytes())
+        client.put_object(Bucket="photos", Key=f"set::1/{paths[0].name}", Body=paths[1].read_bytes())
         assert main(["embed", *urls, "--model", str(checkpoint), "--out", str(out), "--resume", *SMALL]) == 0
         records = read_manifest_lines(out / "manifest.jsonl")
         assert len(records) == len(urls) + 1 and len({r["realpath"] for r in records}) == len(urls) + 1
@@ -240,3 +240,35 @@ def test_ray_engine_reads_urls_bitwise(photos, checkpoint, tmp_path, local_ray):
     records = {r.path: r for r in read_parquet_records(out)}
     for url, p in zip(urls, paths, strict=True):
         assert records[url].realpath == url and torch.equal(records[url].embedding, want[p.name])
+
+
+def test_a_url_s_secrets_are_never_stored_and_a_url_signed_again_is_the_same_input(photos, checkpoint, tmp_path,
+                                                                                   monkeypatch):
+    """A presigned URL (and one with a password) is read as given; what the run stores shows neither the password
+    nor the signature, and its identity is the URL without them, so a resume with the URL signed again embeds
+    nothing twice."""
+    root, paths, want = photos
+    served = tmp_path / "served"
+    served.mkdir()
+    shutil.copy(paths[0], served / paths[0].name)
+    monkeypatch.setattr(remote, "BACKOFF_S", 0.01)
+    with http_folder(served) as base:
+        host = base.split("://", 1)[1]
+
+        def signed(name: str, signature: str) -> str:
+            return (f"http://alice:S3cretPass@{host}/{name}?X-Amz-Credential=AKIAEXAMPLE&X-Amz-Signature={signature}"
+                    f"&w=1")
+
+        out = tmp_path / "out"
+        argv = ["--model", str(checkpoint), "--out", str(out), *SMALL]
+        assert main(["embed", signed(paths[0].name, "sig1"), signed("gone.jpg", "sig1"), *argv]) == 1
+        assert main(["embed", signed(paths[0].name, "sig2"), signed("gone.jpg", "sig2"), "--resume", *argv]) == 1
+        stored = (out / "manifest.jsonl").read_text()
+        assert not any(secret in stored for secret in ("S3cretPass", "sig1", "sig2", "AKIAEXAMPLE"))
+        records = read_manifest_lines(out / "manifest.jsonl")
+        (ok,) = [r for r in records if r["status"] == "ok"]  # embedded once: the URL signed again is the same
+        assert ok["path"] == (f"http://alice:***@{host}/{paths[0].name}?X-Amz-Credential=***&X-Amz-Signature=***"
+                              f"&w=1")
+        assert ok["realpath"] == f"http://{host}/{paths[0].name}?w=1"
+        assert torch.equal(dict(read_embeddings(out))[ok["path"]], want[paths[0].name])
+        assert all("not found" in r["error"] and "***" in r["error"] for r in records if r["status"] == "error")
