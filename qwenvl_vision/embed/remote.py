@@ -79,9 +79,9 @@ def retried(what: Callable[[], Any], url: str, action: str) -> Any:
     for attempt in range(RETRIES + 1):
         try:
             return what()
-        except PERMANENT as e:
-            raise PreprocessError(f"{redacted(url)}: cannot {action} ({_why(e)})") from None
         except Exception as e:  # noqa: BLE001 - stores raise their own types for dropped connections and 5xx
+            if not transient(e):
+                raise PreprocessError(f"{redacted(url)}: cannot {action} ({_why(e)})") from None
             if attempt == RETRIES:
                 raise PreprocessError(f"{redacted(url)}: cannot {action} after {RETRIES + 1} attempts "
                                       f"({_why(e)})") from None
@@ -90,9 +90,34 @@ def retried(what: Callable[[], Any], url: str, action: str) -> Any:
     raise AssertionError("unreachable")
 
 
+def http_status(error: BaseException) -> int | None:
+    """The HTTP status behind ``error`` (aiohttp's, where fsspec raised its own error from it), else None."""
+    seen: BaseException | None = error
+    for _ in range(8):  # a chain of causes, never a cycle's worth
+        if seen is None:
+            return None
+        status = getattr(seen, "status", None)
+        if type(status) is int and 100 <= status < 600:
+            return status
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def transient(error: BaseException) -> bool:
+    """Whether trying again may help: by the HTTP status where one is behind the error (a server's 5xx, 408 and
+    429 may; 404 and a refused signature never), else by its type (a dropped connection, a timeout may)."""
+    status = http_status(error)
+    if status is not None:
+        return status >= 500 or status in (408, 429)
+    return not isinstance(error, PERMANENT)
+
+
 def _why(error: BaseException) -> str:
-    if isinstance(error, FileNotFoundError):
+    status = http_status(error)
+    if status in (404, 410) or (status is None and isinstance(error, FileNotFoundError)):
         return "not found"
+    if status in (401, 403):
+        return f"refused, HTTP {status}: no access, or a signature expired"
     text = " ".join(redacted_text(str(error)).split()) or type(error).__name__  # a store's message may hold the URL
     return f"{type(error).__name__}: {text[:300]}"
 

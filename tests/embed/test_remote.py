@@ -272,3 +272,27 @@ def test_a_url_s_secrets_are_never_stored_and_a_url_signed_again_is_the_same_inp
         assert ok["realpath"] == f"http://{host}/{paths[0].name}?w=1"
         assert torch.equal(dict(read_embeddings(out))[ok["path"]], want[paths[0].name])
         assert all("not found" in r["error"] and "***" in r["error"] for r in records if r["status"] == "error")
+
+
+def test_http_statuses_decide_what_is_retried(photos, checkpoint, tmp_path, monkeypatch):
+    """A server's 503 is retried (it was read as 'not found' at listing and failed the input at once); a 403 (no
+    access, an expired signature) is not retried and says so; a 404 is 'not found'."""
+    root, paths, want = photos
+    served = tmp_path / "served"
+    served.mkdir()
+    for p in paths[:3]:
+        shutil.copy(p, served / p.name)
+    monkeypatch.setattr(remote, "BACKOFF_S", 0.01)
+    busy, refused, gone = paths[0].name, paths[1].name, "gone.jpg"
+    requests: list[tuple[str, str]] = []
+    with http_folder(served, failures={busy: [503, 503], refused: [403] * 20}, requests=requests) as base:
+        out = tmp_path / "out"
+        urls = [f"{base}/{name}" for name in (busy, refused, gone)]
+        assert main(["embed", *urls, "--model", str(checkpoint), "--out", str(out), *SMALL]) == 1
+    by_path = {r["path"]: r for r in read_manifest_lines(out / "manifest.jsonl")}
+    assert by_path[urls[0]]["status"] == "ok"
+    assert torch.equal(dict(read_embeddings(out))[urls[0]], want[busy])
+    assert by_path[urls[1]]["error"].endswith("cannot read its metadata (refused, HTTP 403: no access, or a "
+                                              "signature expired)")
+    assert by_path[urls[2]]["error"].endswith("cannot read its metadata (not found)")
+    assert len([r for r in requests if r[1] == refused]) <= 2  # fsspec's HEAD, then its GET: never retried

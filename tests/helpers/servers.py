@@ -16,10 +16,41 @@ class QuietHandler(http.server.SimpleHTTPRequestHandler):
         pass
 
 
+class FailingHandler(QuietHandler):
+    """Answers a request for a name in ``failures`` (name -> [status, ...]) with the next status listed, then serves
+    it; ``requests`` records (method, name) of every request."""
+
+    failures: dict[str, list[int]] = {}
+    requests: list[tuple[str, str]] = []
+
+    def answer(self, method: str) -> bool:
+        name = self.path.split("?", 1)[0].rsplit("/", 1)[-1]
+        self.requests.append((method, name))
+        pending = self.failures.get(name)
+        if pending:
+            self.send_error(pending.pop(0))
+            return True
+        return False
+
+    def do_HEAD(self) -> None:
+        if not self.answer("HEAD"):
+            super().do_HEAD()
+
+    def do_GET(self) -> None:
+        if not self.answer("GET"):
+            super().do_GET()
+
+
 @contextlib.contextmanager
-def http_folder(folder: Path) -> Iterator[str]:
-    """``folder`` served over HTTP on 127.0.0.1 (a free port); yields the base URL."""
-    handler = functools.partial(QuietHandler, directory=str(folder))
+def http_folder(folder: Path, failures: dict[str, list[int]] | None = None,
+                requests: list[tuple[str, str]] | None = None) -> Iterator[str]:
+    """``folder`` served over HTTP on 127.0.0.1 (a free port); yields the base URL. ``failures``: name -> the HTTP
+    statuses its next requests get before it is served; ``requests``: filled with (method, name) of each."""
+    handler_class = QuietHandler
+    if failures is not None or requests is not None:
+        handler_class = type("Failing", (FailingHandler,), {"failures": failures or {},
+                                                            "requests": requests if requests is not None else []})
+    handler = functools.partial(handler_class, directory=str(folder))
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
