@@ -49,7 +49,7 @@ import shutil
 import socket
 import tempfile
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -69,6 +69,13 @@ from .shards import ItemOpener
 
 INPUT_KINDS = ("path", "bytes", "image")
 BATCH_FORMAT = "numpy"
+
+
+class Source(NamedTuple):
+    """A path row's input before it is opened: its path, and its identity as the run listed it."""
+
+    path: str
+    identity: str | None
 
 
 class Embedder:
@@ -172,8 +179,8 @@ class Embedder:
         for row, value in enumerate(values):
             if kind == "path":
                 identity = None if identities is None else identities[row]
-                items.append(self.opener(os.fspath(value), identity) if isinstance(value, (str, os.PathLike))
-                             else value)
+                # Opened as the encoder reaches it (``_encode``): a batch's fetched objects are not all held at once.
+                items.append(Source(os.fspath(value), identity) if isinstance(value, (str, os.PathLike)) else value)
                 if not isinstance(value, (str, os.PathLike)):
                     bad[row] = f"path: expected a file path, got {type(value).__name__}"
                 continue
@@ -207,7 +214,8 @@ class Embedder:
         video = None if kind == "path" else False
 
         def encode(some: list[Any]) -> list[ItemResult]:
-            return [r for batch in self.encoder.iter_encode(some, video=video, **self.options) for r in batch]
+            opened = (self.opener(item.path, item.identity) if isinstance(item, Source) else item for item in some)
+            return [r for batch in self.encoder.iter_encode(opened, video=video, **self.options) for r in batch]
 
         if len(items) > 1:
             try:
@@ -224,6 +232,7 @@ class Embedder:
             except ForwardFaultError:
                 raise
             except Exception as e:  # noqa: BLE001 - the row's error; the other rows go on
+                item = item.path if isinstance(item, Source) else item
                 name = input_name("video" if video is None and is_video_file(item) else "image", index, item)
                 reason = str(e).splitlines()[0] if str(e) else ""
                 result = ItemResult(index, name, error=f"{name}: {type(e).__name__}: {reason}")

@@ -296,3 +296,37 @@ def test_http_statuses_decide_what_is_retried(photos, checkpoint, tmp_path, monk
                                               "signature expired)")
     assert by_path[urls[2]]["error"].endswith("cannot read its metadata (not found)")
     assert len([r for r in requests if r[1] == refused]) <= 2  # fsspec's HEAD, then its GET: never retried
+
+
+def test_a_ray_actor_holds_the_objects_it_decodes_not_its_whole_batch(photos, checkpoint, tmp_path, monkeypatch):
+    """An actor's batch of URLs is fetched as the decode workers reach each one: at most the workers' count (and
+    the one being fetched) are held at once, as in the local engine, not every object of the batch."""
+    import gc
+
+    import numpy as np
+
+    from qwenvl_vision.embed.ray import Embedder
+    from qwenvl_vision.inputs.pixels import FileBytes
+
+    root, paths, want = photos
+    served = tmp_path / "served"
+    served.mkdir()
+    for i in range(12):
+        shutil.copy(paths[i % len(paths)], served / f"p{i:02d}{paths[i % len(paths)].suffix}")
+    peak, real = [0], remote.fetch
+
+    def counted(url, key=None):
+        data = real(url, key)
+        held = sum(1 for o in gc.get_objects() if isinstance(o, FileBytes) and o.fetched)
+        peak[0] = max(peak[0], held + 1)
+        return data
+
+    monkeypatch.setattr(remote, "fetch", counted)
+    with http_folder(served) as base:
+        urls = [f"{base}/{p.name}" for p in sorted(served.iterdir())]
+        keys = remote.identities(urls)
+        embedder = Embedder(str(checkpoint), device="cpu", max_pixels=64 * 64, num_workers=2,
+                            identity_column="realpath")
+        table = embedder({"path": np.array(urls), "realpath": np.array([keys[u][0] for u in urls])})
+    assert table.column("status").to_pylist() == ["ok"] * 12
+    assert peak[0] <= 3
