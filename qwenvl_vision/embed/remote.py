@@ -66,8 +66,10 @@ def filesystem(url: str) -> tuple[Any, str]:
         options["config_kwargs"] = {"connect_timeout": TIMEOUT_S, "read_timeout": TIMEOUT_S,
                                     "retries": {"max_attempts": 1}}  # the retries are ours, bounded
     try:
-        # Not url_to_fs: it reads '::' in a key as URL chaining.
-        fs = fsspec.filesystem(protocol, **options)
+        # Not url_to_fs: it reads '::' in a key as URL chaining. The settings a URL carries (an FTP or HDFS host,
+        # an S3 ?versionId=) are the file system's, as url_to_fs takes them.
+        cls = fsspec.get_filesystem_class(protocol)
+        fs = fsspec.filesystem(protocol, **{**cls._get_kwargs_from_urls(url), **options})
         return fs, fs._strip_protocol(url)
     except Exception as e:  # noqa: BLE001 - an unknown scheme, a missing package, a store refusing to connect
         raise PreprocessError(f"{redacted(url)}: no file system for {protocol}:// here ({_why(e)})") from None

@@ -1,12 +1,17 @@
 """URLs as the project keeps them: ``canonical``, an object's identity, and ``redacted``, what a record or a message
 shows. Neither holds a secret: a password in the URL, or the values that sign it (a presigned S3 or GCS URL, a
-CloudFront signature, an Azure SAS token).
+CloudFront or S3 SigV2 signature, an Azure SAS token) or carry a credential (``token``, ``access_token``,
+``api_key``).
 
-- ``canonical``: without the password and user, and (for http(s), where a query is a query) without the signing
-  parameters, so a URL signed again for a ``--resume`` names the same object; every other query parameter stays
-  (it may choose the content: a size, a version).
-- ``redacted``: the URL with the password and each signing value replaced by ``***``, its other parts as given.
+- ``canonical``: without the password (and for http(s) without the user too, which only authenticates; elsewhere
+  the user may choose the object: ``abfs://container@account``), and for http(s) without the signing and credential
+  parameters, so a URL signed again for a ``--resume`` names the same object; every other query parameter stays (it
+  may choose the content: a size, a version).
+- ``redacted``: the URL with the password and each signing or credential value replaced by ``***``.
 
+A signature's companions count only beside it: Azure's short names (``sp``, ``se``, ...) where ``sig`` and ``sv``
+are both given (every SAS has them), ``Expires`` and ``Policy`` where ``Signature`` or ``Key-Pair-Id`` is, so
+``?sig=2`` alone or ``?sp=1`` stays.
 An s3:// or gs:// path has no query: '?' and '#' are characters of its key, kept as they are.
 """
 
@@ -14,43 +19,59 @@ from __future__ import annotations
 
 import re
 
-# Query parameters that sign a URL or carry a credential: AWS SigV4 and SigV2, GCS V4 and V2, CloudFront, Azure SAS.
 SIGNING_PREFIXES = ("x-amz-", "x-goog-")
-SIGNING_NAMES = frozenset({
-    "signature", "expires", "awsaccesskeyid", "googleaccessid", "key-pair-id", "policy",
-    "sig", "se", "sp", "sv", "sr", "st", "spr", "ss", "srt", "si", "sdd", "skoid", "sktid", "skt", "ske", "sks",
-    "skv", "saoid", "suoid", "scid",
-})
+SIGNING_NAMES = frozenset({"signature", "awsaccesskeyid", "googleaccessid", "key-pair-id", "token", "access_token",
+                           "api_key", "apikey"})
+# Azure SAS: signing where "sig" and "sv" are both given.
+SAS_NAMES = frozenset({"sig", "sv", "ss", "srt", "sp", "se", "st", "spr", "si", "sr", "sdd", "skoid", "sktid", "skt",
+                       "ske", "sks", "skv", "saoid", "suoid", "scid"})
+# S3 SigV2 and CloudFront: signing where "Signature" or "Key-Pair-Id" is given.
+SIGNED_URL_NAMES = frozenset({"expires", "policy"})
 HIDDEN = "***"
-URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]+")
+# A URL inside a message: it ends before the punctuation that follows it in a sentence.
+URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]*[^\s'\"<>.,;:)\]]")
 
 
-def signing(name: str) -> bool:
-    lowered = name.lower()
-    return lowered.startswith(SIGNING_PREFIXES) or lowered in SIGNING_NAMES
+def _signing_names(names: list[str]) -> set[str]:
+    """Which of a query's parameter names (lowercased) sign it or carry a credential."""
+    present = set(names)
+    signing = {n for n in present if n.startswith(SIGNING_PREFIXES) or n in SIGNING_NAMES}
+    if {"sig", "sv"} <= present:
+        signing |= present & SAS_NAMES
+    if present & {"signature", "key-pair-id"}:
+        signing |= present & SIGNED_URL_NAMES
+    return signing
 
 
 def _rewritten(url: str, hide: bool) -> str:
     scheme, sep, rest = url.partition("://")
     if not sep:
         return url
-    netloc, slash, tail = rest.partition("/")
+    http = scheme.lower() in ("http", "https")
+    end = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest)) if http else \
+        (rest.find("/") if "/" in rest else len(rest))
+    netloc, tail = rest[:end], rest[end:]
     userinfo, at, host = netloc.rpartition("@")
     if at:
         user, colon, _ = userinfo.partition(":")
-        netloc = f"{user}:{HIDDEN}@{host}" if hide and colon else (f"{user}@{host}" if hide else host)
-    if scheme.lower() in ("http", "https") and "?" in tail:
+        if hide:
+            netloc = f"{user}:{HIDDEN}@{host}" if colon else netloc
+        else:
+            netloc = host if http else f"{user}@{host}"
+    if http and "?" in tail:
         path, _, query = tail.partition("?")
         query, hash_, fragment = query.partition("#")
+        parameters = query.split("&")
+        signing = _signing_names([p.partition("=")[0].lower() for p in parameters])
         kept = []
-        for parameter in query.split("&"):
+        for parameter in parameters:
             name, equals, _ = parameter.partition("=")
-            if not signing(name):
+            if name.lower() not in signing:
                 kept.append(parameter)
             elif hide:
                 kept.append(f"{name}{equals}{HIDDEN}")
         tail = path + ("?" + "&".join(kept) if kept else "") + hash_ + fragment
-    return f"{scheme}{sep}{netloc}{slash}{tail}"
+    return f"{scheme}{sep}{netloc}{tail}"
 
 
 def canonical(url: str) -> str:

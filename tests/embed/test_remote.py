@@ -169,6 +169,11 @@ def test_an_object_replaced_after_listing_is_never_stored_under_its_listed_ident
         assert torch.equal(got[urls[1]], want[paths[1].name])
         if versioned:
             assert code == 0 and torch.equal(got[urls[0]], want[paths[0].name])  # the listed version's tensors
+            # A URL naming a version (?versionId=) reads that version, not the latest.
+            (first, _) = client.list_object_versions(Bucket=bucket, Prefix=paths[0].name)["Versions"][::-1][:2]
+            pinned = f"{urls[0]}?versionId={first['VersionId']}"
+            assert main(["embed", pinned, "--model", str(checkpoint), "--out", str(tmp_path / "pinned"), *SMALL]) == 0
+            assert torch.equal(dict(read_embeddings(tmp_path / "pinned"))[pinned], want[paths[0].name])
             return
         assert code == 1 and urls[0] not in got
         assert records[urls[0]]["error"].startswith(f"{urls[0]}: changed since the run listed it (etag ")

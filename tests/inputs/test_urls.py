@@ -17,6 +17,15 @@ from qwenvl_vision.inputs.urls import canonical, redacted, redacted_text
     ("https://storage.googleapis.com/b/a.jpg?X-Goog-Signature=s", "https://storage.googleapis.com/b/a.jpg",
      "https://storage.googleapis.com/b/a.jpg?X-Goog-Signature=***"),
     ("http://user@h/a.jpg", "http://h/a.jpg", "http://user@h/a.jpg"),
+    # Elsewhere the user may choose the object (an ADLS container): only a password goes.
+    ("abfs://container@acct.dfs.core.windows.net/a.jpg", "abfs://container@acct.dfs.core.windows.net/a.jpg",
+     "abfs://container@acct.dfs.core.windows.net/a.jpg"),
+    ("ftp://alice:pw@host/a.jpg", "ftp://alice@host/a.jpg", "ftp://alice:***@host/a.jpg"),
+    # A signature's companions alone are ordinary parameters; a credential parameter is not.
+    ("https://picsum.photos/200?sig=1", "https://picsum.photos/200?sig=1", "https://picsum.photos/200?sig=1"),
+    ("https://h/img.jpg?sp=1&w=100", "https://h/img.jpg?sp=1&w=100", "https://h/img.jpg?sp=1&w=100"),
+    ("https://h/a.jpg?token=t&w=1", "https://h/a.jpg?w=1", "https://h/a.jpg?token=***&w=1"),
+    ("https://h.example.com?X-Amz-Signature=s", "https://h.example.com", "https://h.example.com?X-Amz-Signature=***"),
     ("s3://bucket/a?sig=1#b.jpg", "s3://bucket/a?sig=1#b.jpg", "s3://bucket/a?sig=1#b.jpg"),  # a key's characters
     ("https://h/plain.jpg?w=1#part", "https://h/plain.jpg?w=1#part", "https://h/plain.jpg?w=1#part"),
 ])
@@ -30,3 +39,6 @@ def test_urls_inside_a_message_are_redacted():
     assert redacted_text(message) == ("cannot read https://bob:***@h/x.jpg?Signature=*** "
                                       "(403, url='https://h/x.jpg?X-Amz-Signature=***')")
     assert redacted_text(None) is None and redacted_text("/local/a.jpg: not found") == "/local/a.jpg: not found"
+    # A sentence's punctuation after a URL stays the sentence's.
+    assert redacted_text("https://h/p?Signature=abc: cannot decode") == "https://h/p?Signature=***: cannot decode"
+    assert redacted_text("failed (https://h/p?Signature=abc).") == "failed (https://h/p?Signature=***)."
