@@ -350,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
               f"(a bug: run again with --debug for the traceback and report it)", file=sys.stderr)
         return InternalError.exit_code
     finally:
-        if main_thread:
+        if main_thread and previous is not None:  # None: a handler set from C, which Python cannot put back
             signal.signal(signal.SIGTERM, previous)
 
 

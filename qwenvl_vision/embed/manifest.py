@@ -179,8 +179,8 @@ def _hex64(value: Any) -> bool:
     return isinstance(value, str) and re.fullmatch(r"[0-9a-f]{64}", value) is not None
 
 
-# Each run.json field this version reads: (check, what a valid value is). A field absent from a file is checked
-# by read_run (required or defaulted); one present must pass, so that nothing downstream meets a wrong type.
+# Each run.json field this version reads: (check, what a valid value is). Every one is required (read_run refuses a
+# file without it), and each must pass, so that nothing downstream meets a wrong type.
 RUN_FIELD_CHECKS: dict[str, tuple[Any, str]] = {
     "format": (lambda v: _count(v, 1), "an integer of at least 1"),
     "run_id": (lambda v: isinstance(v, str) and RUN_ID.fullmatch(v) is not None,

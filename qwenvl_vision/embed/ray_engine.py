@@ -38,6 +38,8 @@ from __future__ import annotations
 
 import os
 import re
+import signal
+import threading
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -119,6 +121,10 @@ class RayPlan:
             where = f"joining the Ray cluster at {args.ray_address}" if args.ray_address else \
                 f"starting a local Ray ({local_cpus()} CPUs)"
             progress.note(where)
+            # ray.init installs its own SIGTERM handler (it exits with status 15, without a word): the command's
+            # own (qwenvl_vision.cli: stopped as Ctrl-C stops it, exit 143) is put back once Ray is up.
+            main_thread = threading.current_thread() is threading.main_thread()
+            on_sigterm = signal.getsignal(signal.SIGTERM) if main_thread else None
             try:
                 if args.ray_address:
                     ray.init(address=args.ray_address, log_to_driver=not args.quiet, logging_level="warning")
@@ -128,6 +134,9 @@ class RayPlan:
             except (ConnectionError, RuntimeError, ValueError) as e:
                 raise EmbedError(f"--engine ray: cannot {where.split(' (')[0]}: "
                                  f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+            finally:
+                if on_sigterm is not None:
+                    signal.signal(signal.SIGTERM, on_sigterm)
         try:
             return cls._plan(args, started, recorded_threads)
         except BaseException:

@@ -17,6 +17,7 @@ import torch
 from safetensors import safe_open
 
 from ..errors import InputError, ManifestError
+from ..inputs.urls import redacted_text
 from .manifest import (
     MANIFEST,
     RUN_FIELDS,
@@ -281,7 +282,8 @@ def read_encoded(out: str | os.PathLike, paths: list[str] | None = None, *, moda
     if len(units) > 1 or len(merges) != len(units):
         raise ManifestError(f"{out}: its records' grids and token counts give no one merge size ({sorted(units)} "
                             f"patches per token)")
-    wanted = list(found) if paths is None else list(paths)
+    # A URL's path is stored with its secrets as *** (inputs.urls): asked for as given, it is found as stored.
+    wanted = list(found) if paths is None else [p if p in found else redacted_text(p) for p in paths]
     missing = [p for p in wanted if p not in found]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""

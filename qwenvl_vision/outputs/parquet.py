@@ -355,8 +355,13 @@ def _inexact_row(column: pa.Array, dtype: torch.dtype, per_row_vectors: bool) ->
     if dtype == torch.float32:
         return None
     vectors, offsets = _vectors_of(column, per_row_vectors)
-    values = torch.from_numpy(_floats_of(vectors).to_numpy(zero_copy_only=False))
-    bad = np.flatnonzero(((values.to(dtype).float() != values) & ~values.isnan()).numpy())
+    values = np.asarray(_floats_of(vectors).to_numpy(zero_copy_only=False), dtype=np.float32)
+    if dtype == torch.bfloat16:  # exact in bf16: the low 16 bits of the float32 are zero
+        inexact = (values.view(np.uint32) & 0xFFFF) != 0
+    else:
+        with np.errstate(over="ignore"):  # a value past fp16's range is inexact, not an error
+            inexact = values.astype(np.float16).astype(np.float32) != values
+    bad = np.flatnonzero(inexact & ~np.isnan(values))
     if not len(bad):
         return None
     size = vectors.type.list_size
@@ -547,13 +552,19 @@ def parquet_files(folder: str | os.PathLike) -> list[Path]:
 
 
 def read_parquet_run(folder: str | os.PathLike) -> dict:
-    """The run record the folder's shards carry (read from the first shard's metadata, no rows read)."""
-    first = parquet_files(folder)[0]
-    try:
-        schema = pq.read_schema(first)
-    except (OSError, pa.ArrowException) as e:
-        raise ManifestError(f"{first}: not a readable Parquet file ({type(e).__name__}: {e})") from None
-    return read_metadata(schema, str(first))[1]
+    """The run record the folder's shards carry (their metadata, no rows read): the first shard's, with the CPU plan
+    of the first that records one (a run started off the CPU records it at its first resume on one)."""
+    run = None
+    for path in parquet_files(folder):
+        try:
+            schema = pq.read_schema(path)
+        except (OSError, pa.ArrowException) as e:
+            raise ManifestError(f"{path}: not a readable Parquet file ({type(e).__name__}: {e})") from None
+        found = read_metadata(schema, str(path))[1]
+        run = run or found
+        if found.get("cpu_plan") is not None:
+            return {**run, "cpu_plan": found["cpu_plan"]}
+    return run
 
 
 def read_parquet_records(folder: str | os.PathLike, *, files: Sequence[str | os.PathLike] | None = None

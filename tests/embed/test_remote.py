@@ -276,6 +276,11 @@ def test_a_url_s_secrets_are_never_stored_and_a_url_signed_again_is_the_same_inp
                               f"&w=1")
         assert ok["realpath"] == f"http://{host}/{paths[0].name}?w=1"
         assert torch.equal(dict(read_embeddings(out))[ok["path"]], want[paths[0].name])
+        # Asked for by the URL as given (any signature), the record is found as stored.
+        from qwenvl_vision.embed import read_encoded
+
+        (embedding,) = read_encoded(out, [signed(paths[0].name, "sig3")]).embeddings
+        assert torch.equal(embedding, want[paths[0].name])
         assert all("not found" in r["error"] and "***" in r["error"] for r in records if r["status"] == "error")
 
 

@@ -301,6 +301,7 @@ def test_the_index_reads_realpaths_and_statuses_and_shards_of_one_run_may_record
     write_table_atomic(results_table(records[:1], layout, {**RUN, "cpu_plan": {"format": 1}}),
                        tmp_path / shard_name(0, 1))
     assert len(list(read_parquet_records(tmp_path))) == len(records) + 1
+    assert qparquet.read_parquet_run(tmp_path) == {**RUN, "cpu_plan": {"format": 1}}  # the plan the run recorded
     for other in ({"run_id": "r2"}, {"dtype": "bfloat16"}, {"threads": 3}, {"cpu_plan": {"format": 2}}):
         write_table_atomic(results_table(records[:1], layout, {**RUN, **other}), tmp_path / shard_name(0, 2))
         with pytest.raises(ManifestError, match="run record differs"):

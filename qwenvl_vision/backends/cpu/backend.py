@@ -134,7 +134,7 @@ class CpuBackend:
         self.cpu_kernels = wanted
         try:
             self.prepare(tower)
-        except BaseException:  # a setting this CPU cannot run: the tower goes on as it ran before
+        except Exception:  # a setting this CPU cannot run: the tower goes on as it ran before
             self.release(tower)
             self.cpu_kernels = previous
             self.prepare(tower)
