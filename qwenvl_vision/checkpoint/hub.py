@@ -244,8 +244,11 @@ def fetch_vision_checkpoint(repo_id: str, *, revision: str | None = None, cache_
     prefixes = from_config_json(read_json(config_path)).family.prefixes  # an unsupported model stops here
     _download(repo_id, PREPROCESSOR_FILE, required=False, **kwargs)
     _download(repo_id, VIDEO_PREPROCESSOR_FILE, required=False, **kwargs)
-    # transformers' order: the single file where the repository has one, else the index and its shards.
-    if _download(repo_id, SINGLE_FILE, required=False, **kwargs) is not None:
+    # transformers' order: the single file where the repository has one, else the index and its shards. Offline,
+    # a snapshot holding the index but not the single file (a fetch that asked for the index alone) is read by its
+    # index: what was fetched is what a load reads.
+    index_only = offline is not None and not (snapshot / SINGLE_FILE).exists() and (snapshot / INDEX_FILE).is_file()
+    if not index_only and _download(repo_id, SINGLE_FILE, required=False, **kwargs) is not None:
         return snapshot
     index_path = _download(repo_id, INDEX_FILE, required=False, **kwargs)
     if index_path is None:

@@ -393,3 +393,14 @@ def test_resolve_folder_names_a_missing_path(hub, tmp_path, monkeypatch, source,
                                               rf"{re.escape(why)}"):
         resolve_folder(source)
     assert hub.requests == []
+
+
+def test_offline_a_cached_index_without_the_single_file_s_answer_is_read_by_its_index(hub, qwen25_repo):
+    """A cache filled by a fetch that asked for the index alone (no record of whether model.safetensors exists)
+    still loads offline: by its index, as it was fetched."""
+    _, vision, commit = qwen25_repo
+    load_encoder("org/qwen25-tiny", device="cpu").close()
+    (hub.cache / "models--org--qwen25-tiny" / ".no_exist" / commit / "model.safetensors").unlink()
+    hub.stop()
+    encoder = load_encoder("org/qwen25-tiny", device="cpu", local_files_only=True)
+    _check_against_reference(encoder, QWEN2_5_SMALL, vision, QWEN2_5_GRIDS)
