@@ -334,40 +334,37 @@ def _floats_of(vectors: pa.Array) -> pa.Array:
     return vectors.values.slice(vectors.offset * size, len(vectors) * size)
 
 
-def _null_value_row(column: pa.Array, per_row_vectors: bool) -> int | None:
-    """The row of the first null vector or null float inside a tensor column's valid rows (a damaged value)."""
+def _damaged_row(column: pa.Array, per_row_vectors: bool, dtype: torch.dtype | None) -> tuple[int, str] | None:
+    """(row, what) of the first valid row of a tensor column holding a null vector or float, or, with ``dtype``
+    (bf16 or fp16), a float that dtype cannot hold: such a run stores its values widened to float32, exactly, so any
+    other value is damage (rounding it back would hide it). None: every value is sound."""
     vectors, offsets = _vectors_of(column, per_row_vectors)
     floats = _floats_of(vectors)
-    if vectors.null_count == 0 and floats.null_count == 0:
-        return None
     size = vectors.type.list_size
-    bad = np.union1d(np.flatnonzero(~vectors.is_valid().to_numpy(zero_copy_only=False)),
-                     np.flatnonzero(~floats.is_valid().to_numpy(zero_copy_only=False)) // size)
-    valid = column.is_valid().to_numpy(zero_copy_only=False)
-    rows = np.searchsorted(offsets, bad, side="right") - 1
-    inside = [int(r) for r, v in zip(rows, bad) if 0 <= r < len(column) and valid[r] and v < offsets[r + 1]]
-    return min(inside) if inside else None
-
-
-def _inexact_row(column: pa.Array, dtype: torch.dtype, per_row_vectors: bool) -> int | None:
-    """The first valid row holding a float that ``dtype`` cannot hold: a bf16 or fp16 run stores its values widened
-    to float32, exactly, so any other value is damage (rounding it back would hide it)."""
-    if dtype == torch.float32:
+    if vectors.null_count or floats.null_count:
+        bad = np.union1d(np.flatnonzero(~vectors.is_valid().to_numpy(zero_copy_only=False)),
+                         np.flatnonzero(~floats.is_valid().to_numpy(zero_copy_only=False)) // size)
+        row = _first_valid_row(column, offsets, bad)
+        if row is not None:
+            return row, "holds a null value"
+    if dtype not in (torch.bfloat16, torch.float16):
         return None
-    vectors, offsets = _vectors_of(column, per_row_vectors)
-    values = np.asarray(_floats_of(vectors).to_numpy(zero_copy_only=False), dtype=np.float32)
+    values = np.asarray(floats.to_numpy(zero_copy_only=False), dtype=np.float32)
     if dtype == torch.bfloat16:  # exact in bf16: the low 16 bits of the float32 are zero
         inexact = (values.view(np.uint32) & 0xFFFF) != 0
     else:
         with np.errstate(over="ignore"):  # a value past fp16's range is inexact, not an error
             inexact = values.astype(np.float16).astype(np.float32) != values
-    bad = np.flatnonzero(inexact & ~np.isnan(values))
-    if not len(bad):
-        return None
-    size = vectors.type.list_size
+    row = _first_valid_row(column, offsets, np.unique(np.flatnonzero(inexact & ~np.isnan(values)) // size))
+    return None if row is None else (row, f"holds a value a {str(dtype).removeprefix('torch.')} run cannot have stored")
+
+
+def _first_valid_row(column: pa.Array, offsets: np.ndarray, vector_indices: np.ndarray) -> int | None:
+    """The first valid row of ``column`` holding one of the vectors at ``vector_indices`` (rows' vectors start at
+    ``offsets``)."""
     valid = column.is_valid().to_numpy(zero_copy_only=False)
-    rows = np.searchsorted(offsets, bad // size, side="right") - 1
-    inside = [int(r) for r in rows if 0 <= r < len(column) and valid[r]]
+    rows = np.searchsorted(offsets, vector_indices, side="right") - 1
+    inside = [int(r) for r, v in zip(rows, vector_indices) if 0 <= r < len(column) and valid[r] and v < offsets[r + 1]]
     return min(inside) if inside else None
 
 
@@ -394,14 +391,11 @@ def read_parquet_table(path: str | os.PathLike) -> tuple[pa.Table, ParquetLayout
     if problem is not None:
         raise ManifestError(f"{path}, row {problem[0]}: {problem[1]}")
     for name in (["embedding"] if layout.tokens else []) + layout.level_columns + (["pooled"] if layout.pooled else []):
-        column = table.column(name).combine_chunks()
-        row = _null_value_row(column, name != "pooled")
-        if row is not None:
-            raise ManifestError(f"{path}, row {row}: {name} holds a null value")
         # The tokens are the run's dtype widened; the pooled mean is computed and kept in float32.
-        row = None if name == "pooled" else _inexact_row(column, DTYPES[layout.dtype], True)
-        if row is not None:
-            raise ManifestError(f"{path}, row {row}: {name} holds a value a {layout.dtype} run cannot have stored")
+        damaged = _damaged_row(table.column(name).combine_chunks(), name != "pooled",
+                               None if name == "pooled" else DTYPES[layout.dtype])
+        if damaged is not None:
+            raise ManifestError(f"{path}, row {damaged[0]}: {name} {damaged[1]}")
     return table, layout, run
 
 
