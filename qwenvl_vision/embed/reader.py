@@ -271,17 +271,16 @@ def read_encoded(out: str | os.PathLike, paths: list[str] | None = None, *, moda
         raise ManifestError(f"{out} is a --pooled-only run: it stores one vector per input, not the tokens a "
                             f"language model takes")
     found: dict[str, tuple[list[int], str, dict | None]] = {}
-    units = set()  # patches per token: the tower's merge size squared
+    merges = set()  # the tower's merge size, as each record's grid and tokens give it (tokens = t*h*w / merge**2)
     for path, grid, video, tokens in stored_records(out):
         if path in found:
             raise ManifestError(f"{out} records {path!r} twice (two files under one relative path): ask by realpath "
                                 f"in read_manifest_lines, or pass paths as recorded once")
         found[path] = (grid, "video" if video else "image", video)
-        units.add(math.prod(grid) / tokens)
-    merges = {math.isqrt(int(unit)) for unit in units if unit == int(unit) and math.isqrt(int(unit)) ** 2 == unit}
-    if len(units) > 1 or len(merges) != len(units):
-        raise ManifestError(f"{out}: its records' grids and token counts give no one merge size ({sorted(units)} "
-                            f"patches per token)")
+        merge = math.isqrt(math.prod(grid) // tokens)
+        merges.add(merge if merge * merge * tokens == math.prod(grid) else None)
+    if len(merges) > 1 or None in merges:
+        raise ManifestError(f"{out}: its records' grids and token counts give no one merge size")
     # A URL's path is stored with its secrets as *** (inputs.urls): asked for as given, it is found as stored.
     wanted = list(found) if paths is None else [p if p in found else redacted_text(p) for p in paths]
     missing = [p for p in wanted if p not in found]
