@@ -438,13 +438,10 @@ def run_embed(args: argparse.Namespace) -> int:
     try:
         error = None
         try:
-            job.setup()
-        except (QwenVLVisionError, OSError) as e:
-            error = e
-        except BaseException:  # a bug, or Ctrl-C while loading: the folder is left as it was all the same
-            job.undo_setup()
-            raise
-        try:
+            try:
+                job.setup()
+            except (QwenVLVisionError, OSError) as e:
+                error = e
             group.agree(error)  # every rank holds its lock and passed the checks; nothing written yet
             job.run = group.share(job.run)  # rank 0's run id tags every rank's shards
             job.inputs = group.share(job.inputs)  # one list split over the ranks: none embedded twice or never
