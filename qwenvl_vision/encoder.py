@@ -393,7 +393,6 @@ class VisionEncoder:
 
     def _encode_all(self, items: Sequence[Any], options: EncodeOptions) -> EncodeResult:
         """Every input encoded, or the first bad one raised: refused before any compute when preflight sees it."""
-        refuse_one_input(items)
         items = list(items)
         preflight(items, options, self.preprocess_config)
         results: list[ItemResult] = []
@@ -431,6 +430,7 @@ class VisionEncoder:
         it, and so does a file whose header declares more than `max_input_pixels` (None: only PIL's own limit).
         ``pooled``: also each input's mean token; ``normalize``: of unit L2 norm (for cosine retrieval).
         """
+        refuse_one_input(images)
         options = EncodeOptions(video=False, min_pixels=min_pixels, max_pixels=max_pixels,
                                 max_input_pixels=max_input_pixels, resize=resize, video_config=self.video_config,
                                 pooled=pooled, normalize=normalize, max_batch_patches=max_batch_patches,
