@@ -353,11 +353,12 @@ def read_plan_file(path: Path, identity: dict, key: str, quiet: bool = False) ->
         plan = CpuPlan.from_dict({name: value for name, value in data.items() if name != "identity"})
         if plan.machine != key:
             raise ConfigError(f"its key {plan.machine!r} is not this machine's {key!r}")
-        # Entries this CPU cannot run (a damaged or edited file): every load would fail on them.
-        packs = {name: onednn_linear_available() and onednn_packs(dtype) for name, dtype in DTYPES.items()}
-        cannot = [k for k, kernel in plan.linear.items() if kernel == "onednn" and not packs[k.rsplit(":", 1)[1]]]
+        # Entries this CPU cannot run (a damaged or edited file): every load would fail on them. (from_dict has
+        # refused oneDNN entries where torch has no oneDNN at all.)
+        onednn_dtypes = {k.rsplit(":", 1)[1] for k, kernel in plan.linear.items() if kernel == "onednn"}
+        cannot = [name for name in sorted(onednn_dtypes) if not onednn_packs(DTYPES[name])]
         if cannot:
-            raise ConfigError(f"it runs {cannot[0]} on oneDNN, which cannot pack that dtype here")
+            raise ConfigError(f"it runs {cannot[0]} linears on oneDNN, which cannot pack that dtype here")
         return plan
     except (ValueError, RecursionError, ConfigError) as e:  # json's errors are ValueErrors; deep nesting recurses
         if not quiet:
