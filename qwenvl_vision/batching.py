@@ -27,6 +27,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +50,9 @@ from .inputs.video_io import VideoInfo, is_video_file, probe_video
 
 DEFAULT_BATCH_PATCHES = 16384  # patches per forward: a few photos at a time
 DEFAULT_DECODE_BYTES = 1 << 30
+# The decode budget's capacity while this thread decodes an input under it: the most bytes of a file's body that
+# may be held in memory (an object fetched as it is decoded, ``embed.remote.fetch``, is refused above it).
+DECODE_LIMIT: ContextVar[int | None] = ContextVar("DECODE_LIMIT", default=None)
 # Peak bytes per header pixel while a file is decoded, converted to RGB and resized (``preprocess_image``),
 # measured as the RSS high-water mark above the process's baseline, one 16 MP file at a time, by mode: with the
 # PIL resize ~4.3 for RGB (Pillow holds RGB as 4 bytes a pixel), 5.0 for L, P (with or without a transparent
@@ -243,7 +247,11 @@ def prepare(item: Any, index: int, options: EncodeOptions, pre: PreprocessConfig
     ``decoding``: shared with the thread waiting for the result; a video's frame loop stops once it is
     abandoned, and the budget a result holds is released here when nobody will take it."""
     decoding = decoding or Decoding()
-    prepared = _prepare(item, index, options, pre, budget, decoding)
+    limit = DECODE_LIMIT.set(budget.capacity)
+    try:
+        prepared = _prepare(item, index, options, pre, budget, decoding)
+    finally:
+        DECODE_LIMIT.reset(limit)
     decoding.finish()
     return prepared
 

@@ -13,21 +13,27 @@ package). Outputs stay local.
   download in parallel and ``--decode-timeout`` bounds each input, download included. They are the object the run
   listed, never another stored under its identity: a version is read by its id (S3), an ETag (or a version a
   store cannot be asked for) is checked against the object's metadata once its bytes are read. An object replaced
-  in between is one failed input; a ``--resume`` lists it again and embeds it under its new identity.
+  in between is one failed input; a ``--resume`` lists it again and embeds it under its new identity. A body
+  is held to the decode budget it is decoded under (``batching.DECODE_LIMIT``, ``--decode-mib``), so one object
+  cannot take more memory than the run allows: a larger size announced is refused before any byte is read, and a
+  read (a server may announce none, or lie) stops one byte past the budget.
 - Failures: a transient error (a dropped connection, a timeout, a server error) is retried ``RETRIES`` times with
-  backoff; an object that is missing (or disappears between listing and reading), refused, or still failing is
-  one failed input with one line naming the URL, and the run goes on.
+  backoff; an object that is missing (or disappears between listing and reading), refused, redirected to another
+  scheme or in a loop, too large, or still failing is one failed input with one line naming the URL and what
+  happened, and the run goes on.
 
 Credentials and endpoints are the store's own (for S3: ``AWS_*`` variables, ``AWS_ENDPOINT_URL``, the profile).
 """
 
 from __future__ import annotations
 
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from ..batching import DECODE_LIMIT
 from ..errors import ConfigError, PreprocessError
 from ..inputs.pixels import FileBytes
 from ..inputs.urls import canonical, redacted, redacted_text
@@ -81,6 +87,8 @@ def retried(what: Callable[[], Any], url: str, action: str) -> Any:
     for attempt in range(RETRIES + 1):
         try:
             return what()
+        except PreprocessError:
+            raise  # this input's one line already (an object above the decode budget)
         except Exception as e:  # noqa: BLE001 - stores raise their own types for dropped connections and 5xx
             if not transient(e):
                 raise PreprocessError(f"{redacted(url)}: cannot {action} ({_why(e)})") from None
@@ -92,34 +100,58 @@ def retried(what: Callable[[], Any], url: str, action: str) -> Any:
     raise AssertionError("unreachable")
 
 
-def http_status(error: BaseException) -> int | None:
-    """The HTTP status behind ``error`` (aiohttp's, where fsspec raised its own error from it), else None."""
+def causes(error: BaseException) -> Iterator[BaseException]:
+    """``error`` and those it was raised from (fsspec raises its own error from aiohttp's), nearest first."""
     seen: BaseException | None = error
     for _ in range(8):  # a chain of causes, never a cycle's worth
         if seen is None:
-            return None
+            return
+        yield seen
+        seen = seen.__cause__ or seen.__context__
+
+
+def http_status(error: BaseException) -> int | None:
+    """The HTTP status behind ``error`` (aiohttp's, where fsspec raised its own error from it), else None."""
+    for seen in causes(error):
         status = getattr(seen, "status", None)
         if type(status) is int and 100 <= status < 600:
             return status
-        seen = seen.__cause__ or seen.__context__
     return None
 
 
 def transient(error: BaseException) -> bool:
     """Whether trying again may help: by the HTTP status where one is behind the error (a server's 5xx, 408 and
-    429 may; 404 and a refused signature never), else by its type (a dropped connection, a timeout may)."""
+    429 may; 404 and a refused signature never), else by its type (a dropped connection, a timeout may; a bad
+    redirect never)."""
     status = http_status(error)
     if status is not None:
         return status >= 500 or status in (408, 429)
-    return not isinstance(error, PERMANENT)
+    return not isinstance(error, PERMANENT) and bad_redirect(error) is None
+
+
+def bad_redirect(error: BaseException) -> str | None:
+    """What was wrong with the redirect behind ``error``, else None (fsspec's http(s) metadata read raises
+    FileNotFoundError from whatever failed; aiohttp is imported wherever one of its errors can be there)."""
+    aiohttp = sys.modules.get("aiohttp")
+    for seen in causes(error) if aiohttp else ():
+        if isinstance(seen, aiohttp.TooManyRedirects):
+            return f"a redirect loop: too many redirects ({len(seen.history)} followed)"
+        if isinstance(seen, aiohttp.NonHttpUrlRedirectClientError):
+            return f"a redirect to another scheme refused: {redacted_text(str(seen))[:300]}"
+    return None
 
 
 def _why(error: BaseException) -> str:
+    redirect = bad_redirect(error)
+    if redirect is not None:
+        return redirect
     status = http_status(error)
     if status in (404, 410) or (status is None and isinstance(error, FileNotFoundError)):
         return "not found"
     if status in (401, 403):
         return f"refused, HTTP {status}: no access, or a signature expired"
+    if status is not None:
+        return f"HTTP {status}"
     text = " ".join(redacted_text(str(error)).split()) or type(error).__name__  # a store's message may hold the URL
     return f"{type(error).__name__}: {text[:300]}"
 
@@ -164,15 +196,45 @@ def pin_of(url: str, key: str | None) -> tuple[str, str] | None:
     return (label, value) if equals and label in ("version", "etag") else None
 
 
+def over_budget(url: str, limit: int, size: int | None = None) -> PreprocessError:
+    """The failure of an object whose body (``size`` bytes, where announced) is above the decode budget."""
+    said = "more" if size is None else f"{size:,} bytes, more"
+    return PreprocessError(f"{redacted(url)}: {said} than the decode budget of {limit:,} bytes (decode_bytes, "
+                           f"embed --decode-mib)")
+
+
+def read_within(fs: Any, path: str, url: str, limit: int | None) -> bytes:
+    """The object's bytes, or ``over_budget`` where they are more than ``limit`` (None: no bound): a size
+    announced above it is refused unread, and a read stops one byte past it (a server may send no size)."""
+    with fs.open(path, "rb") as f:
+        if limit is None:
+            return f.read()
+        if f.size is not None and f.size > limit:
+            raise over_budget(url, limit, f.size)
+        chunks, got = [], 0
+        while got <= limit and (chunk := f.read(limit + 1 - got)):  # a stream gives what has come so far
+            chunks.append(chunk)
+            got += len(chunk)
+    if got > limit:
+        raise over_budget(url, limit)
+    return b"".join(chunks)
+
+
 def fetch(url: str, key: str | None = None) -> bytes:
-    """The object's bytes; with ``key`` (its identity as listed), those of the object the key names, or a
-    PreprocessError saying it changed."""
+    """The object's bytes, within the decode budget it is decoded under (``batching.DECODE_LIMIT``); with ``key``
+    (its identity as listed), those of the object the key names, or a PreprocessError saying it changed."""
     fs, path = filesystem(url)
     pin = pin_of(url, key)
+    limit = DECODE_LIMIT.get()
     if pin is not None and pin[0] == "version" and url.split("://", 1)[0].lower() in ("s3", "s3a"):
-        # One request for the version: s3fs's ranged reads of a large object size it by the latest version.
-        return retried(lambda: fs.cat_file(path, version_id=pin[1], max_concurrency=1), url, "read it")
-    data = retried(lambda: fs.cat_file(path), url, "read it")
+        # One request for the version (s3fs's ranged reads of a large object size it by the latest version), its
+        # range one byte past the budget.
+        data = retried(lambda: fs.cat_file(path, version_id=pin[1], start=0, end=None if limit is None else limit + 1),
+                       url, "read it")
+        if limit is not None and len(data) > limit:
+            raise over_budget(url, limit)
+        return data
+    data = retried(lambda: read_within(fs, path, url, limit), url, "read it")
     if pin is not None:
         fs.invalidate_cache(path)  # the metadata as it is now, not as listed
         now = pin_of(url, identity(url))

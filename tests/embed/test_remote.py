@@ -340,3 +340,46 @@ def test_a_ray_actor_holds_the_objects_it_decodes_not_its_whole_batch(photos, ch
         table = embedder({"path": np.array(urls), "realpath": np.array([keys[u][0] for u in urls])})
     assert table.column("status").to_pylist() == ["ok"] * 12
     assert peak[0] <= 3
+
+
+def test_a_body_above_the_decode_budget_fails_alone_unread(photos, checkpoint, tmp_path):
+    """A URL's body is held to the decode budget (--decode-mib): a larger size announced is refused before any of
+    it is read, a body sent without a size is read no further than the budget, and one within it is embedded."""
+    root, paths, want = photos
+    served = tmp_path / "served"
+    served.mkdir()
+    budget = 1 << 20  # --decode-mib 1
+    for name in ("sized.jpg", "unsized.jpg"):
+        (served / name).write_bytes(bytes(2 * budget))
+    shutil.copy(paths[0], served / paths[0].name)
+    requests: list[tuple[str, str]] = []
+    with http_folder(served, requests=requests, unsized=frozenset({"unsized.jpg", paths[0].name})) as base:
+        urls = [f"{base}/{name}" for name in ("sized.jpg", "unsized.jpg", paths[0].name)]
+        out = tmp_path / "out"
+        assert main(["embed", *urls, "--decode-mib", "1", "--model", str(checkpoint), "--out", str(out),
+                     *SMALL]) == 1
+    by_path = {r["path"]: r for r in read_manifest_lines(out / "manifest.jsonl")}
+    sized, unsized = by_path[urls[0]]["error"], by_path[urls[1]]["error"]
+    assert sized.startswith(urls[0]) and f"{2 * budget:,} bytes" in sized and f"budget of {budget:,} bytes" in sized
+    assert ("GET", "sized.jpg") not in requests  # refused by its size alone
+    assert unsized.startswith(urls[1]) and f"budget of {budget:,} bytes" in unsized
+    assert by_path[urls[2]]["status"] == "ok"
+    assert torch.equal(dict(read_embeddings(out))[urls[2]], want[paths[0].name])
+
+
+def test_a_failed_url_says_what_happened(checkpoint, tmp_path, monkeypatch):
+    """A server that always answers 500, a redirect to another scheme (never followed) and a redirect loop each
+    fail their input saying so, none as 'not found'."""
+    served = tmp_path / "served"
+    served.mkdir()
+    monkeypatch.setattr(remote, "BACKOFF_S", 0.01)
+    with http_folder(served, failures={"busy.jpg": [500] * 100},
+                     redirects={"away.jpg": "file:///etc/passwd", "loop.jpg": "/loop.jpg"}) as base:
+        urls = [f"{base}/{name}" for name in ("busy.jpg", "away.jpg", "loop.jpg")]
+        out = tmp_path / "out"
+        main(["embed", *urls, "--model", str(checkpoint), "--out", str(out), *SMALL])
+    busy, away, loop = (r["error"] for r in read_manifest_lines(out / "manifest.jsonl"))
+    assert busy.startswith(urls[0]) and busy.endswith(f"after {remote.RETRIES + 1} attempts (HTTP 500)")
+    assert away.startswith(urls[1]) and "redirect to another scheme refused: file:///etc/passwd" in away
+    assert loop.startswith(urls[2]) and "redirect loop" in loop
+    assert not any("not found" in error for error in (busy, away, loop))

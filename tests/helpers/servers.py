@@ -18,9 +18,12 @@ class QuietHandler(http.server.SimpleHTTPRequestHandler):
 
 class FailingHandler(QuietHandler):
     """Answers a request for a name in ``failures`` (name -> [status, ...]) with the next status listed, then serves
-    it; ``requests`` records (method, name) of every request."""
+    it; one in ``redirects`` (name -> URL) always with a redirect there; one in ``unsized`` with its file and no
+    length (the body ends as the connection closes). ``requests`` records (method, name) of every request."""
 
     failures: dict[str, list[int]] = {}
+    redirects: dict[str, str] = {}
+    unsized: frozenset[str] = frozenset()
     requests: list[tuple[str, str]] = []
 
     def answer(self, method: str) -> bool:
@@ -29,8 +32,20 @@ class FailingHandler(QuietHandler):
         pending = self.failures.get(name)
         if pending:
             self.send_error(pending.pop(0))
-            return True
-        return False
+        elif name in self.redirects:
+            self.send_response(302)
+            self.send_header("Location", self.redirects[name])
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+        elif name in self.unsized:
+            self.send_response(200)
+            self.end_headers()
+            if method == "GET":
+                with contextlib.suppress(ConnectionError):  # a client that read enough closes the connection
+                    self.wfile.write((Path(self.directory) / name).read_bytes())
+        else:
+            return False
+        return True
 
     def do_HEAD(self) -> None:
         if not self.answer("HEAD"):
@@ -43,13 +58,16 @@ class FailingHandler(QuietHandler):
 
 @contextlib.contextmanager
 def http_folder(folder: Path, failures: dict[str, list[int]] | None = None,
-                requests: list[tuple[str, str]] | None = None) -> Iterator[str]:
+                requests: list[tuple[str, str]] | None = None, redirects: dict[str, str] | None = None,
+                unsized: frozenset[str] = frozenset()) -> Iterator[str]:
     """``folder`` served over HTTP on 127.0.0.1 (a free port); yields the base URL. ``failures``: name -> the HTTP
-    statuses its next requests get before it is served; ``requests``: filled with (method, name) of each."""
+    statuses its next requests get before it is served; ``requests``: filled with (method, name) of each;
+    ``redirects``: name -> where it always redirects; ``unsized``: names served without a length."""
     handler_class = QuietHandler
-    if failures is not None or requests is not None:
-        handler_class = type("Failing", (FailingHandler,), {"failures": failures or {},
-                                                            "requests": requests if requests is not None else []})
+    if failures is not None or requests is not None or redirects is not None or unsized:
+        handler_class = type("Failing", (FailingHandler,), {
+            "failures": failures or {}, "requests": requests if requests is not None else [],
+            "redirects": redirects or {}, "unsized": unsized})
     handler = functools.partial(handler_class, directory=str(folder))
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
