@@ -17,6 +17,7 @@ from ..errors import ConfigError
 from ..inputs.pixels import DEFAULT_MAX_INPUT_PIXELS, RESIZE_BACKENDS
 from ..model.attention import ATTN_IMPLS
 from ..model.config import PRESETS
+from .inputs import INPUT_KINDS
 
 FORMATS = ("safetensors", "parquet", "vllm-cache")
 ENGINES = ("local", "ray")
@@ -137,7 +138,7 @@ def add_embed_parser(sub, parents=()) -> argparse.ArgumentParser:
     """The ``embed`` subparser of `sub`, its options checked by validate_embed_args; the caller sets its func."""
     p = sub.add_parser("embed", help="embed images and videos into safetensors (with a manifest) or Parquet shards",
                        parents=list(parents))
-    p.add_argument("inputs", nargs="+", help="image files, folders (recursive), or .txt files listing paths")
+    p.add_argument("inputs", nargs="+", metavar="INPUT", help=INPUT_KINDS)
     p.add_argument("--model", required=True, help="checkpoint folder, vision-only folder, repo id, or preset")
     p.add_argument("--out", required=True, help="output folder for shards, manifest.jsonl and run.json")
     p.add_argument("--revision", help="Hub branch, tag or commit of --model (default: main)")

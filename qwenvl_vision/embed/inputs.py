@@ -24,6 +24,9 @@ from .tables import check_keep_columns, is_table, read_table
 IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".ppm", ".pgm"}
 MEDIA_EXTENSIONS = IMAGE_EXTENSIONS | VIDEO_EXTENSIONS
 LIST_EXTENSIONS = {".txt", ".lst", ".list"}
+COMPRESSED_TARS = (".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz", ".tar.zst")
+INPUT_KINDS = ("image and video files or URLs, folders (recursive), lists (.txt .lst .list) of image and video paths "
+               "or URLs, tables (.parquet .csv .tsv .jsonl) and uncompressed .tar shards ('shards-{000..009}.tar')")
 
 @dataclass
 class Inputs:
@@ -105,9 +108,10 @@ def gather_inputs(inputs: list[str], path_column: str = "path", keep_columns: tu
             rows, types = read_table(p, path_column, keep_columns)
             found.carry(types, f"table {item}")
             for row in rows:
-                found.add(row.path or f"{item}#row{row.number}", row.error, row.columns)
+                found.add(row.path or f"{item}#row{row.number}", row.error or _other_kind(row.path, f"table {item}"),
+                          row.columns)
         elif is_url(item):
-            found.add(item)
+            found.add(item, _other_kind(item))
         elif is_shard(item) and not p.is_dir():
             _add_shard(found, item, keep_columns)
         elif p.is_dir():
@@ -124,10 +128,25 @@ def gather_inputs(inputs: list[str], path_column: str = "path", keep_columns: tu
                 found.add(item, f"list file {item}: {e}")
                 continue
             for line in lines:
-                found.add(line if is_url(line) else str(Path(line) if Path(line).is_absolute() else p.parent / line))
+                path = line if is_url(line) else str(Path(line) if Path(line).is_absolute() else p.parent / line)
+                found.add(path, _other_kind(path, f"list {item}"))
         else:
-            found.add(str(p))
+            found.add(str(p), _other_kind(item))
     return found.finish()
+
+
+def _other_kind(path: str, listed_in: str | None = None) -> str | None:
+    """Why ``path``, to be decoded as an image or video, names a kind of input that is read only as a local INPUT
+    of its own (a shard, a table, a list) or not at all (a compressed tar), or None; the one line says what is read,
+    since the decoder would call it "not a recognised image file"."""
+    name = path.lower() if isinstance(path, str) else ""  # a table's cell may hold no text
+    if name.endswith(COMPRESSED_TARS):
+        why = "a compressed tar is not read (a shard's members are read in place): decompress it to a .tar"
+    elif (listed_in or is_url(name)) and (is_shard(name) or is_table(name) or Path(name).suffix in LIST_EXTENSIONS):
+        why = f"named in {listed_in}, which names images and videos only" if listed_in else "read as a local file only"
+    else:
+        return None
+    return f"{path}: {why}; INPUTs are {INPUT_KINDS}"
 
 
 def _add_shard(found: Inputs, shard: str, keep: tuple[str, ...]) -> None:

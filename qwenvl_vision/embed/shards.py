@@ -9,8 +9,11 @@ part, as webdataset groups them (``000123.jpg``, ``000123.json``, ``000123.txt``
 resume: the shard's real path joined with the member); it carries its sample's key as the column ``__key__``, and
 ``--keep-columns txt,json`` carries the sample's members of those extensions as text.
 
-Refused, as one failed input each, never read: a member whose name leaves the shard (absolute, ``..``, empty parts),
-a shard that is not a tar (or is damaged: the members listed before the damage stay inputs), a missing shard.
+Members are as tar defines them: the last member of a name is the one (``tar -r`` / ``-u`` append a newer one), and a
+hard link (``tar cf``'s second name of one file) reads its target's bytes. Refused, as one failed input each, never
+read: a member whose name leaves the shard (absolute, ``..``, empty parts), a symbolic link member, a sparse member, a
+member whose data the shard's end cuts short, a shard that is not a tar, a missing shard, and a damaged shard wherever
+it is damaged (the members listed before the damage stay inputs).
 """
 
 from __future__ import annotations
@@ -92,46 +95,88 @@ class ShardListing:
 
     members: list[Member]
     errors: dict[str, str]
-    texts: dict[str, dict[str, str]]
+    texts: dict[str, dict[str, str | None]]
 
 
 def list_shard(shard: str, is_media, keep: tuple[str, ...]) -> ShardListing:
-    """The members of ``shard`` (headers only): media members by ``is_media(name)``, the ``keep`` extensions'
-    members read as text."""
+    """The members of ``shard`` (headers only) as tar defines them: the last member of a name is the one (``tar -r``
+    and ``-u`` append a newer one), a hard link reads its target's bytes. Media members by ``is_media(name)``, the
+    ``keep`` extensions' members read as text."""
     listing = ShardListing([], {}, {})
     try:
         with open(shard, "rb") as raw, tarfile.open(fileobj=raw, mode="r:") as tar:
-            while True:
-                try:
-                    info = tar.next()
-                except tarfile.TarError as e:
-                    listing.errors[shard] = (f"shard {shard} is damaged after {len(listing.members)} media members "
-                                             f"({e}); the members before it are inputs")
-                    break
-                if info is None:
-                    break
-                if not info.isreg():
+            end = os.fstat(raw.fileno()).st_size
+            infos, damage = _headers(tar, raw, end)
+            held: dict[str, tuple] = {}  # a name, normalised as tarfile finds a link's target -> _bytes_of it
+            entries: dict[str, Member | str] = {}  # a media member's name -> where its bytes are, or why not
+            for info in infos:
+                source, problem = held[os.path.normpath(info.name)] = _bytes_of(info, held, end)
+                if info.isdir():
                     continue
-                problem = name_problem(info.name)
-                if not problem and info.issparse():  # its data has the holes left out: no run of bytes to read
-                    problem = "a sparse member (GNU tar -S), whose bytes are not stored in one run: refused, never read"
-                if problem and is_media(info.name):
-                    listing.errors[f"{shard}/{info.name}"] = f"member {info.name!r} of shard {shard}: {problem}"
-                    continue
-                if problem:
-                    continue
+                problem = name_problem(info.name) or problem
                 ext = member_extension(info.name)
                 if is_media(info.name):
-                    listing.members.append(Member(shard, info.name, info.offset_data, info.size))
+                    entries[info.name] = (f"member {info.name!r} of shard {shard}: {problem}" if problem
+                                          else Member(shard, info.name, source.offset_data, source.size))
                 elif ext in keep:
-                    raw.seek(info.offset_data)
-                    text = raw.read(min(info.size, TEXT_LIMIT)).decode("utf-8", "replace")
+                    text = None
+                    if not problem:
+                        raw.seek(source.offset_data)
+                        text = raw.read(min(source.size, TEXT_LIMIT)).decode("utf-8", "replace")
                     listing.texts.setdefault(sample_key(info.name), {})[ext] = text
     except FileNotFoundError:
         listing.errors[shard] = f"shard {shard}: file not found"
+        return listing
     except (OSError, tarfile.TarError) as e:
         listing.errors[shard] = f"shard {shard} cannot be read as a tar file ({getattr(e, 'strerror', None) or e})"
+        return listing
+    listing.members = [m for m in entries.values() if isinstance(m, Member)]
+    listing.errors = {member_path(shard, name): why for name, why in entries.items() if isinstance(why, str)}
+    if damage:
+        listing.errors[shard] = f"shard {shard} is damaged ({damage}); the members before it are inputs"
     return listing
+
+
+def _headers(tar: tarfile.TarFile, raw, end: int) -> tuple[list[tarfile.TarInfo], str | None]:
+    """Every member header tarfile reads, and what damage stopped it, if any. tarfile ends as quietly at a header
+    it cannot read (after the first) as at tar's end of archive, so where it stopped is checked to be that end."""
+    infos = []
+    try:
+        while (info := tar.next()) is not None:
+            infos.append(info)
+    except tarfile.TarError as e:
+        return infos, f"{e} at byte {min(tar.offset, end)}"
+    raw.seek(tar.offset)
+    block = raw.read(2 * tarfile.BLOCKSIZE)
+    why = "a header tarfile did not read"
+    try:
+        tarfile.TarInfo.frombuf(block[:tarfile.BLOCKSIZE], tar.encoding, tar.errors)
+    except tarfile.EOFHeaderError:  # a zero block: the end, unless what follows it is not zeros as well
+        if not block.strip(b"\0"):
+            return infos, None
+        why = "a zero block with data after it"
+    except tarfile.EmptyHeaderError:
+        why = "no end-of-archive blocks: cut short"
+    except tarfile.HeaderError as e:
+        why = str(e)
+    return infos, f"{why} at byte {tar.offset}"
+
+
+def _bytes_of(info: tarfile.TarInfo, held: dict[str, tuple], end: int) -> tuple[tarfile.TarInfo | None, str | None]:
+    """(the member whose bytes ``info`` reads, or None; why it cannot be read, or None). ``held``: each name before
+    it, normalised, with its own; ``end``: the shard's size."""
+    if info.islnk():  # as tarfile.extractfile follows it: the last member of its target's name before it
+        return held.get(os.path.normpath(info.linkname),
+                        (None, f"a hard link to {info.linkname!r}, which no member before it holds"))
+    if info.issym():
+        return None, f"a symbolic link (to {info.linkname!r}): refused, never followed"
+    if not info.isreg():
+        return None, "not a file (a folder, device or FIFO)"
+    if info.issparse():  # its data has the holes left out: no run of bytes to read
+        return None, "a sparse member (GNU tar -S), whose bytes are not stored in one run: refused, never read"
+    if info.offset_data + info.size > end:
+        return None, f"its data is cut short (the shard ends at byte {end})"
+    return info, None
 
 
 class MemberReader:
@@ -208,11 +253,8 @@ class ItemOpener:
             return path
         shard, name = inside
         if shard not in self.indexes:
-            listing = list_shard(shard, lambda _: True, ())
-            index: dict[str, Member] = {}
-            for m in listing.members:  # a name held twice (tar -r): its first member, as the local engine takes
-                index.setdefault(m.name, m)
-            self.indexes[shard] = index
+            # The driver's listing: one member a name, so an actor reads the very member the local engine would.
+            self.indexes[shard] = {m.name: m for m in list_shard(shard, lambda _: True, ()).members}
         member = self.indexes[shard].get(name)
         if member is None:
             return path  # decoded as a path: a file not found, one failed input

@@ -47,6 +47,8 @@ def test_every_option_has_help_with_its_default(capsys):
     for needle in ("cpu, cuda or cuda:N", "bf16/bfloat16", "default: bf16 on CUDA, fp32 on CPU",
                    "default: the checkpoint's", "default 16384", "default 64000000"):
         assert needle in text
+    for kind in ("video", "URLs", "folders", ".txt", ".parquet", ".csv", ".jsonl", "uncompressed .tar shards"):
+        assert kind in text  # every kind of INPUT read
 
 
 def test_batch_patches_bounds_each_forward(tmp_path, checkpoint):

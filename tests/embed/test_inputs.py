@@ -28,6 +28,21 @@ def test_gather_inputs_folders_lists_and_files(tmp_path):
     assert len(got) == len(set(got)) == 4 + 3 + 1  # the listed files were already found in the folder
 
 
+def test_a_compressed_tar_or_a_shard_or_table_in_a_list_says_what_is_read(tmp_path):
+    """Decoded as images they would be "not a recognised image file": the error says what is read instead."""
+    gz = tmp_path / "shard.tar.gz"
+    gz.write_bytes(b"\x1f\x8b" + bytes(100))
+    listing = tmp_path / "list.txt"
+    listing.write_text("a.tar\nb.csv\nc.jpg\n")
+    found = gather_inputs([str(gz), str(listing)])
+    assert found.paths == [str(gz), *(str(tmp_path / n) for n in ("a.tar", "b.csv", "c.jpg"))]
+    assert "uncompressed .tar" in found.errors[str(gz)] and "compressed tar" in found.errors[str(gz)]
+    for name in ("a.tar", "b.csv"):
+        assert found.errors[str(tmp_path / name)].startswith(str(tmp_path / name))
+        assert f"named in list {listing}" in found.errors[str(tmp_path / name)]
+    assert str(tmp_path / "c.jpg") not in found.errors  # missing: the decoder says so
+
+
 def test_each_rank_takes_every_world_th_input_never_a_duplicate():
     paths = [f"img{i}.png" for i in range(7)]
     shares = [shard_for_rank(paths, rank, 3) for rank in range(3)]

@@ -16,6 +16,7 @@ import torch
 
 from qwenvl_vision.cli import main
 from qwenvl_vision.embed import read_embeddings, read_manifest_lines, read_run
+from qwenvl_vision.embed.inputs import gather_inputs
 from qwenvl_vision.embed.shards import expand_braces
 from qwenvl_vision.outputs.parquet import read_parquet_records
 from tests.helpers import make_image_folder, write_video
@@ -146,6 +147,60 @@ def test_a_missing_or_broken_shard_is_a_failed_input(collection, checkpoint, tmp
     assert "cannot be read as a tar" in errors["broken.tar"] and "file not found" in errors["absent.tar"]
 
 
+def test_members_are_as_tar_defines_them_each_recorded_once(collection, checkpoint, tmp_path):
+    """The last member of a name is the one (tar -r appends a newer one); a hard link (tar cf's second name of one
+    file) reads its target's bytes, as tarfile.extractfile does; a symbolic link member is a failed input."""
+    root, paths, _, want = collection
+    (tmp_path / "a.jpg").write_bytes(paths[0].read_bytes())
+    os.link(tmp_path / "a.jpg", tmp_path / "b.jpg")
+    (tmp_path / "c.jpg").symlink_to("a.jpg")
+    shard = tmp_path / "links.tar"
+    subprocess.run(["tar", "cf", str(shard), "-C", str(tmp_path), "a.jpg", "b.jpg", "c.jpg"], check=True)
+    (tmp_path / "a.jpg").unlink()
+    (tmp_path / "a.jpg").write_bytes(paths[1].read_bytes())
+    subprocess.run(["tar", "rf", str(shard), "-C", str(tmp_path), "a.jpg"], check=True)
+    with tarfile.open(shard) as tar:
+        assert [m.type for m in tar.getmembers()] == [tarfile.REGTYPE, tarfile.LNKTYPE, tarfile.SYMTYPE,
+                                                      tarfile.REGTYPE]
+        assert tar.extractfile("a.jpg").read() == paths[1].read_bytes()
+        assert tar.extractfile("b.jpg").read() == paths[0].read_bytes()
+    out = tmp_path / "out"
+    assert main(["embed", str(shard), "--model", str(checkpoint), "--out", str(out), *SMALL]) == 1
+    records = read_manifest_lines(out / "manifest.jsonl")
+    assert sorted(r["path"] for r in records) == [f"{shard}/{n}" for n in ("a.jpg", "b.jpg", "c.jpg")]
+    by_path = {r["path"]: r for r in records}
+    assert "symbolic link" in by_path[f"{shard}/c.jpg"]["error"]
+    got = dict(read_embeddings(out))
+    assert torch.equal(got[f"{shard}/a.jpg"], want[paths[1].name])
+    assert torch.equal(got[f"{shard}/b.jpg"], want[paths[0].name])
+
+
+DAMAGES = {  # shard bytes -> (the members still inputs, the member cut short or None, why)
+    "truncated header": (lambda d: d[:3584 + 100], ["0.jpg"], None, "truncated header"),
+    "truncated data": (lambda d: d[:4096 + 1000], ["0.jpg"], "1.jpg", "unexpected end of data"),
+    "garbage in the middle": (lambda d: d[:3584] + b"garbage!" * 64 + d[4096:], ["0.jpg"], None, "header"),
+    "zeros in the middle": (lambda d: d[:3584] + bytes(512) + d[4096:], ["0.jpg"], None, "zero block"),
+    "no end of archive": (lambda d: d[:10752], ["0.jpg", "1.jpg", "2.jpg"], None, "cut short"),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGES))
+def test_a_damaged_shard_is_a_failed_input_wherever_it_is_damaged(damage, tmp_path):
+    cut, kept, short, why = DAMAGES[damage]
+    whole = tmp_path / "whole.tar"
+    with tarfile.open(whole, "w") as tar:  # members of 3000 bytes: headers at 0, 3584 and 7168, the end at 10752
+        for i in range(3):
+            add(tar, f"{i}.jpg", bytes([i]) * 3000)
+    assert gather_inputs([str(whole)]).errors == {}
+    shard = tmp_path / "damaged.tar"
+    shard.write_bytes(cut(whole.read_bytes()))
+    found = gather_inputs([str(shard)])
+    assert "damaged" in found.errors[str(shard)] and why in found.errors[str(shard)]
+    assert [p for p in found.paths if p not in found.errors] == [f"{shard}/{n}" for n in kept]
+    if short:
+        assert "cut short" in found.errors[f"{shard}/{short}"]
+
+
 @pytest.mark.slow  # SIGKILLs at several instants
 def test_kill_and_resume_over_shards_records_each_member_once(collection, checkpoint, tmp_path):
     root, paths, names, want = collection
@@ -190,13 +245,17 @@ def test_ray_engine_reads_shard_members_bitwise(collection, checkpoint, local_ra
         source = paths[names.index(Path(r.path).name)]
         assert torch.equal(r.embedding, want[source.name]) and r.columns["txt"] == f"caption of {source.name}"
 
-    # Members found as the local engine finds them: a ./ name as written, a name held twice by its first member.
+    # Members found as the local engine finds them: a ./ name as written, a name held twice by its last member, a
+    # hard link by its target's bytes.
     odd = root / "odd"
     odd.mkdir(exist_ok=True)
     with tarfile.open(odd / "dots.tar", "w") as tar:
         add(tar, "./a.jpg", paths[0].read_bytes())
     with tarfile.open(odd / "dup.tar", "w") as tar:
         add(tar, "x.jpg", paths[1].read_bytes())
+        link = tarfile.TarInfo("y.jpg")
+        link.type, link.linkname = tarfile.LNKTYPE, "x.jpg"
+        tar.addfile(link)
         add(tar, "x.jpg", paths[2].read_bytes())
     for engine in ("local", "ray"):
         argv = ["embed", "dots.tar", "dup.tar", "--model", str(checkpoint), "--out", f"out-{engine}", "--format",
@@ -209,4 +268,5 @@ def test_ray_engine_reads_shard_members_bitwise(collection, checkpoint, local_ra
             os.chdir(cwd)
         got = {r.path: r.embedding for r in read_parquet_records(odd / f"out-{engine}")}
         assert torch.equal(got["dots.tar/./a.jpg"], want[paths[0].name])
-        assert torch.equal(got["dup.tar/x.jpg"], want[paths[1].name])
+        assert torch.equal(got["dup.tar/x.jpg"], want[paths[2].name])
+        assert torch.equal(got["dup.tar/y.jpg"], want[paths[1].name])
