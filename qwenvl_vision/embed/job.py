@@ -58,7 +58,7 @@ from ..outputs.vllm_cache import check_cache_folder, claim_cache_folder
 from .args import EmbedSettings
 from .inputs import MEDIA_EXTENSIONS, Inputs, gather_inputs, rank_and_world, shard_for_rank
 from .lock import FolderLock, lock_name
-from .manifest import MANIFEST, PARQUET_SHARD_NAME, RUN_FILE, part_name, record_key
+from .manifest import MANIFEST, PARQUET_SHARD_NAME, RUN_FILE, file_identity, file_of, part_name, record_key
 from .progress import Progress
 from .reader import older_plan, read_manifest_lines, read_run
 from .run_record import compare_runs, crossed_bounds_note, describe_run
@@ -230,6 +230,7 @@ class EmbedJob:
         self.layout = None  # a Parquet run's layout
         self.threads: int | None = None  # torch threads of each forward
         self.ray = None  # --engine ray: the cluster and the actors' plan (ray_engine.RayPlan)
+        self.changed = 0  # inputs recorded ok whose file has changed since: embedded again
 
     # -- setup: every check before the first write; on failure the folder is left as it was
 
@@ -351,7 +352,17 @@ class EmbedJob:
                                 self.run["pooled"])
         if not self.fresh:
             writer.recover()
+        self._identify(writer.done)
         return writer
+
+    def _identify(self, done: set[str]) -> None:
+        """Each local file's identity with its size and modification time (``manifest.file_identity``): a file
+        replaced since it was recorded is embedded again (``changed`` counts them)."""
+        recorded = {file_of(key) for key in done} - {None}
+        for path in self.inputs.paths:
+            if path not in self.inputs.remote:
+                self.inputs.keys[path] = key = file_identity(self.inputs.keys[path])
+                self.changed += key not in done and file_of(key) in recorded
 
     def finish_recovery(self, writer: Writer) -> None:
         """A resume's writes that must wait until every rank has read the folder (``ParquetRankWriter``'s)."""
@@ -489,7 +500,8 @@ def run_embed(args: argparse.Namespace) -> int:
         if rank == 0:
             ok, failed = job.summary()
             where = job.out / MANIFEST if job.layout is None else job.out / "shard-r*.parquet"
-            print(f"embedded {ok} of {ok + failed} inputs into {job.out} ({failed} failed; see {where})",
+            changed = f"; {job.changed} changed since recorded, embedded again" if job.changed else ""
+            print(f"embedded {ok} of {ok + failed} inputs into {job.out} ({failed} failed{changed}; see {where})",
                   file=sys.stderr)
         if world > 1:
             # A finished run exits 0 on every rank, failed inputs or not: torchrun reports any other exit as a

@@ -8,6 +8,9 @@ ranks' parts ``manifest.rank{rank}.jsonl``. A ``--format parquet`` folder holds 
 ``shard-r{rank}-{n:06d}.parquet`` only: each row is an input's record (``parquet``'s layout), so the shards are
 the manifest. A ``--format vllm-cache`` folder holds run.json, the manifest and, instead of shards, one
 ``{id}/encoder_cache.safetensors`` per item (``vllm_cache``'s layout: an ok record's shard is its item's file).
+A record's ``realpath`` is its input's identity, what ``--resume`` matches: a local file's real path with its size
+and modification time (``file_identity``: a file replaced since is embedded again, and readers take a file's latest
+record), a URL's with its version or ETag (``remote``), a shard member's the shard's real path and its name.
 A last line without its newline is a torn write (a run killed mid-append) and is left out; any other line that
 is not a valid record is damaged (a hand edit).
 """
@@ -63,6 +66,27 @@ def record_key(record: dict, base: str | None = None) -> str:
     `base`, the working directory of the run."""
     realpath = record.get("realpath")
     return realpath if isinstance(realpath, str) and realpath else real_key(record["path"], base)
+
+
+# A local file's identity: its real path, and its size and modification time (what make and rsync go by: one stat,
+# where a hash would read every input again on each resume).
+FILE_IDENTITY = re.compile(r"(.+)#size=\d+,mtime_ns=\d+")
+
+
+def file_identity(realpath: str) -> str:
+    """``realpath`` with what the file's bytes are now (``FILE_IDENTITY``); a file that cannot be read keeps its bare
+    path (its input fails, and a resume tries it again)."""
+    try:
+        stat = os.stat(realpath)
+    except OSError:
+        return realpath
+    return f"{realpath}#size={stat.st_size},mtime_ns={stat.st_mtime_ns}"
+
+
+def file_of(key: str) -> str | None:
+    """The real path a local file's identity (``file_identity``) names, else None (a URL, a shard's member)."""
+    match = FILE_IDENTITY.fullmatch(key)
+    return match.group(1) if match else None
 
 
 @dataclass

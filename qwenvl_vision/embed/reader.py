@@ -24,6 +24,7 @@ from .manifest import (
     RUN_FILE,
     RUN_FORMAT,
     ManifestLine,
+    file_of,
     parse_manifest,
     run_problem,
 )
@@ -108,8 +109,9 @@ def _checked_run(path: Path, run: dict) -> dict:
 
 def read_embeddings(out: str | os.PathLike, *, deepstack: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """(path, tensor) for every input recorded ok in DIR/manifest.jsonl, in manifest order, or in DIR's Parquet
-    shards (a ``--format parquet`` run), in shard and row order. A ``--format vllm-cache`` run's items are split
-    back into the embedding and its DeepStack levels.
+    shards (a ``--format parquet`` run), in shard and row order; of a file recorded again after it changed, its
+    latest record only. A ``--format vllm-cache`` run's items are split back into the embedding and its DeepStack
+    levels.
 
     With deepstack=True yields (path, (embedding, [levels...])) for Qwen3-VL runs. What produced the tensors
     (model, dtype, pixel bounds, pooling): ``read_run(DIR)``. A damaged manifest line, a missing shard or
@@ -128,6 +130,8 @@ def read_embeddings(out: str | os.PathLike, *, deepstack: bool = False) -> Itera
         raise ManifestError(f"{out} holds the ranks' manifest parts but no {MANIFEST}: the run stopped before "
                             f"merging them; embed --resume on the folder finishes and merges it")
     lines = parse_manifest(manifest)
+    stale = _stale(out)
+    ordinal = -1  # of the ok record
     open_shard, handle = None, None
     pruned: set[str] | None = None  # read once, at the first missing item
     skipped = 0
@@ -137,6 +141,9 @@ def read_embeddings(out: str | os.PathLike, *, deepstack: bool = False) -> Itera
             if r is None:
                 raise _damaged(manifest, line)
             if r["status"] != "ok":
+                continue
+            ordinal += 1
+            if ordinal in stale:
                 continue
             if "levels" in r and r["shard"] != open_shard and not (out / r["shard"]).is_file():
                 if pruned is None:
@@ -218,13 +225,29 @@ def _is_parquet(out: Path) -> bool:
         return not (out / MANIFEST).exists() and _parquet_shards(out)
 
 
+def _stale(out: Path) -> set[int]:
+    """The ordinals, among the folder's ok records in the order they are read, of those a later record of the same
+    file supersedes: ``--resume`` embeds a file whose contents changed again, and its latest record is current."""
+    if _is_parquet(out):
+        from ..outputs.parquet import parquet_files, read_parquet_index
+
+        files = parquet_files(out) if _parquet_shards(out) else []
+        keys = [key for path in files for key, state in zip(*read_parquet_index(path)[:2]) if state == "ok"]
+    else:
+        keys = [line.record.get("realpath", "") for line in parse_manifest(out / MANIFEST)
+                if line.record is not None and line.record["status"] == "ok"]
+    latest = {file_of(key): i for i, key in enumerate(keys)}
+    return {i for i, key in enumerate(keys) if file_of(key) and latest[file_of(key)] != i}
+
+
 def _parquet_embeddings(out: Path, deepstack: bool) -> Iterator[tuple[str, object]]:
     from ..outputs.parquet import read_parquet_records
 
     if not _parquet_shards(out):  # a run stopped before its first shard
         return
-    for record in read_parquet_records(out):
-        if not record.ok:
+    stale = _stale(out)
+    for ordinal, record in enumerate(r for r in read_parquet_records(out) if r.ok):
+        if ordinal in stale:
             continue
         if record.embedding is None:  # a pooled-only run
             tensor, levels = record.pooled.float(), []
@@ -240,17 +263,17 @@ def stored_records(out: str | os.PathLike) -> Iterator[tuple[str, list[int], dic
     if _is_parquet(out):
         from ..outputs.parquet import parquet_files, read_parquet_grids
 
-        if _parquet_shards(out):  # a run stopped before its first shard has none
-            for path in parquet_files(out):
-                yield from read_parquet_grids(path)
-        return
-    manifest = out / MANIFEST
-    if not manifest.exists() and any(out.glob("manifest.rank*.jsonl")):
-        raise ManifestError(f"{out} holds the ranks' manifest parts but no {MANIFEST}: the run stopped before "
-                            f"merging them; embed --resume on the folder finishes and merges it")
-    for r in read_manifest_lines(manifest):
-        if r["status"] == "ok":
-            yield r["path"], r["grid_thw"], r.get("video"), r["tokens"]
+        found = [grid for path in parquet_files(out) for grid in read_parquet_grids(path)] \
+            if _parquet_shards(out) else []  # a run stopped before its first shard has none
+    else:
+        manifest = out / MANIFEST
+        if not manifest.exists() and any(out.glob("manifest.rank*.jsonl")):
+            raise ManifestError(f"{out} holds the ranks' manifest parts but no {MANIFEST}: the run stopped before "
+                                f"merging them; embed --resume on the folder finishes and merges it")
+        found = [(r["path"], r["grid_thw"], r.get("video"), r["tokens"]) for r in read_manifest_lines(manifest)
+                 if r["status"] == "ok"]
+    stale = _stale(out)
+    yield from (record for ordinal, record in enumerate(found) if ordinal not in stale)
 
 
 def read_encoded(out: str | os.PathLike, paths: list[str] | None = None, *, modality: str | None = None):

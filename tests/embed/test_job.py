@@ -13,7 +13,8 @@ from PIL import Image
 from safetensors import safe_open
 
 from qwenvl_vision.cli import main
-from qwenvl_vision.embed import MANIFEST, read_embeddings, read_manifest_lines, read_run
+from qwenvl_vision.embed import MANIFEST, read_embeddings, read_encoded, read_manifest_lines, read_run
+from qwenvl_vision.embed.manifest import file_of
 from qwenvl_vision.encoder import load_encoder
 from qwenvl_vision.errors import PreprocessError, QwenVLVisionError
 from qwenvl_vision.model.config import preset
@@ -204,7 +205,7 @@ def test_sigterm_stops_a_run_as_ctrl_c_does_with_its_own_status(tmp_path, checkp
     assert "Traceback" not in err and "embed: terminated (SIGTERM); what is recorded is kept" in err
     assert not (out / "embed.lock").exists()
     assert main([*argv, "--resume"]) == 0
-    assert sorted(r["realpath"] for r in records(out)) == sorted(str(p.resolve()) for p in paths)
+    assert sorted(file_of(r["realpath"]) for r in records(out)) == sorted(str(p.resolve()) for p in paths)
 
 
 # Loaded at interpreter start on rank 1 only: its folder listings leave out one file, as a rank that listed the
@@ -243,7 +244,7 @@ def test_ranks_whose_listings_differ_embed_rank_0s_list_once_each(tmp_path, chec
                             text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     recs = records(out)
-    assert sorted(r["realpath"] for r in recs) == sorted(str(p.resolve()) for p in paths)
+    assert sorted(file_of(r["realpath"]) for r in recs) == sorted(str(p.resolve()) for p in paths)
     assert {r["status"] for r in recs} == {"ok"} and {r["rank"] for r in recs} == {0, 1}
 
 
@@ -409,3 +410,30 @@ def test_a_resume_and_every_rank_use_the_run_s_cpu_plan(tmp_path, checkpoint, mo
     finally:
         job.encoder.close()
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("file_format", ["safetensors", "parquet", "vllm-cache"])
+def test_a_file_replaced_since_it_was_recorded_is_embedded_again_and_read_as_it_is_now(tmp_path, checkpoint, capsys,
+                                                                                        file_format):
+    paths = make_folder(tmp_path / "imgs", 3, bad=False)
+    small = ["--model", str(checkpoint), "--max-pixels", str(64 * 64), "--format", file_format, "--quiet"]
+    out = tmp_path / "out"
+    assert main(["embed", str(tmp_path / "imgs"), "--out", str(out), *small]) == 0
+    replaced = str(paths[1])
+    before = read_encoded(out, [replaced])
+    Image.fromarray(synthetic_photo(64, 40, 99)).save(replaced)  # other contents, another grid, under the same name
+    alone = tmp_path / "alone"
+    assert main(["embed", replaced, "--out", str(alone), *small]) == 0
+    want = read_encoded(alone)
+    assert torch.as_tensor(want.grid_thw).tolist() != torch.as_tensor(before.grid_thw).tolist()
+    capsys.readouterr()
+    for _ in range(2):  # the first resume embeds it again; the second has nothing to do, and keeps it
+        assert main(["embed", str(tmp_path / "imgs"), "--out", str(out), "--resume", *small]) == 0
+        summary = one_error_line(capsys.readouterr().err, "embedded 3 of 3 inputs")
+        assert ("1 changed" in summary) == (_ == 0), summary
+        got = read_encoded(out, [replaced])
+        assert torch.equal(torch.as_tensor(got.grid_thw), torch.as_tensor(want.grid_thw))
+        assert torch.equal(got.embeddings[0], want.embeddings[0])
+        stored = list(read_embeddings(out))
+        assert sorted(path for path, _ in stored) == sorted(map(str, paths))
+        assert torch.equal(dict(stored)[replaced], want.embeddings[0])

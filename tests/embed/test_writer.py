@@ -18,6 +18,7 @@ from safetensors import safe_open
 import qwenvl_vision.embed.writer as writer
 from qwenvl_vision.cli import main
 from qwenvl_vision.embed import MANIFEST, read_embeddings, read_manifest_lines, read_run
+from qwenvl_vision.embed.manifest import file_of
 from qwenvl_vision.encoder import load_encoder
 from tests.helpers import make_image_folder as make_folder
 from tests.helpers import rel_err, synthetic_photo
@@ -227,7 +228,7 @@ def test_resume_of_a_stopped_run_from_another_directory_redoes_only_what_is_miss
     one_error_line(capsys.readouterr().err, "embedded 4 of 4 inputs", "0 failed")
     assert main(["embed", "../../a/imgs", "--model", str(checkpoint), "--out", str(out), "--resume"]) == 0
     recs = assert_each_input_once(out, 4)
-    assert {r["realpath"] for r in recs} == {str(p.resolve()) for p in (tmp_path / "a" / "imgs").rglob("img*")}
+    assert {file_of(r["realpath"]) for r in recs} == {str(p.resolve()) for p in (tmp_path / "a" / "imgs").rglob("img*")}
 
 
 def test_shards_follow_the_umask(tmp_path, checkpoint):
