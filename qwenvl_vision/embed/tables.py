@@ -5,13 +5,13 @@ default ``path``), with columns to carry into the outputs (``--keep-columns``), 
 Rows keep their order. A relative path is taken from the table's folder (as a list file's lines are), a URL is read
 from its store (``remote``). A row whose path cell is empty or not text is one failed input naming the table and
 the row; a JSON Lines line that is not a JSON object likewise. A column the table lacks is a
-``ConfigError`` naming the table and the columns it has.
+``ConfigError`` naming the table and the columns it has, and so is a Parquet path column that is not text.
 
 Carried values keep a type the outputs can hold, decided once per table: a Parquet column's own (integers as
-``int64``, floating point as ``float64``, ``bool``, text as ``string``; anything else as its JSON text,
-``json``), every CSV / TSV cell ``string``, a JSON Lines field the one of ``int64``, ``float64``, ``bool`` or
-``string`` all its values share (nulls aside), else ``json``. The manifest stores the values as JSON, Parquet as
-columns of those types.
+``int64``, floating point as ``float64``, ``bool``, text as ``string``, a dictionary-encoded column as its values;
+anything else as its JSON text, ``json``), every CSV / TSV cell ``string``, a JSON Lines field the one of ``int64``,
+``float64``, ``bool`` or ``string`` all its values share (nulls aside), else ``json``. The manifest stores the values
+as JSON, Parquet as columns of those types.
 """
 
 from __future__ import annotations
@@ -111,6 +111,10 @@ def _parquet_rows(path: Path, path_column: str, keep: Sequence[str]) -> tuple[li
         table = pq.read_table(path, columns=[path_column, *keep])
     except (OSError, pa.ArrowException) as e:
         raise ConfigError(f"table {path} cannot be read as Parquet ({e})") from None
+    path_type = table.schema.field(path_column).type
+    if _arrow_type(path_type) != "string":  # bytes or timestamps name no file: one line, not a TypeError per row
+        raise ConfigError(f"table {path}: column {path_column!r} holds {path_type}, not text paths (choose another "
+                          f"with --path-column, or store the paths as strings)")
     types = {name: _arrow_type(table.schema.field(name).type) for name in keep}
     paths = table.column(path_column).to_pylist()
     values = {name: table.column(name).to_pylist() for name in keep}
@@ -122,6 +126,8 @@ def _parquet_rows(path: Path, path_column: str, keep: Sequence[str]) -> tuple[li
 def _arrow_type(arrow_type: Any) -> str:
     import pyarrow as pa
 
+    if pa.types.is_dictionary(arrow_type):  # a pandas Categorical: its values' type, not their JSON text
+        return _arrow_type(arrow_type.value_type)
     if pa.types.is_boolean(arrow_type):
         return "bool"
     if pa.types.is_integer(arrow_type) and not (pa.types.is_uint64(arrow_type)):
@@ -160,7 +166,8 @@ def _csv_rows(path: Path, path_column: str, keep: Sequence[str], delimiter: str
 
 def _jsonl_rows(path: Path, path_column: str, keep: Sequence[str]) -> tuple[list[Row], dict[str, str]]:
     rows, seen = [], set()
-    for i, line in enumerate(_text(path).splitlines()):
+    # Only "\n" ends a line: str.splitlines would also split at U+2028, U+2029 and U+0085, legal in a JSON string.
+    for i, line in enumerate(_text(path).split("\n")):
         if not line.strip():
             continue
         try:

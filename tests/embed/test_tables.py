@@ -186,3 +186,48 @@ def test_kill_and_resume_over_a_table_records_each_row_once_with_its_columns(fol
     assert sorted(r["columns"]["caption"] for r in records) == sorted(r["caption"] for r in rows)
     got = dict(read_embeddings(out))
     assert all(torch.equal(got[r["path"]], want[r["realpath"]]) for r in records)
+
+
+def test_json_lines_strings_may_hold_unicode_line_separators(folder_run, checkpoint):
+    """U+2028, U+2029 and U+0085 are legal raw in a JSON string (``ensure_ascii=False`` writes them): no line ends."""
+    root, paths, want, _ = folder_run
+    captions = ["a\u2028b", "c\u2029d", "e\u0085f", "plain"]
+    table = root / "separators.jsonl"
+    table.write_text("".join(json.dumps({"path": str(p), "caption": c}, ensure_ascii=False) + "\n"
+                             for p, c in zip(paths, captions)), encoding="utf-8")
+    out = root / "out-separators"
+    assert main(["embed", str(table), "--model", str(checkpoint), "--out", str(out), "--keep-columns", "caption",
+                 *SMALL]) == 0
+    records = read_manifest_lines(out / "manifest.jsonl")
+    assert [r["columns"]["caption"] for r in records] == captions
+    assert all(torch.equal(t, want[r["realpath"]]) for r, (_, t) in zip(records, read_embeddings(out)))
+
+
+def test_a_dictionary_encoded_column_is_carried_as_its_values(folder_run, checkpoint):
+    """A pandas Categorical is stored dictionary-encoded: its values are carried as text, not as their JSON."""
+    root, paths, _, _ = folder_run
+    table = root / "categorical.parquet"
+    labels = ["a cat", "a dog", "a cat", "a bird"]
+    pq.write_table(pa.table({"path": [str(p) for p in paths], "label": pa.array(labels).dictionary_encode()}), table)
+    for file_format in ("safetensors", "parquet"):
+        out = root / f"out-categorical-{file_format}"
+        assert main(["embed", str(table), "--model", str(checkpoint), "--out", str(out), "--keep-columns", "label",
+                     "--format", file_format, *SMALL]) == 0
+        assert read_run(out)["columns"] == [["label", "string"]]
+        if file_format == "parquet":
+            assert [r.columns["label"] for r in read_parquet_records(out)] == labels
+        else:
+            assert [r["columns"]["label"] for r in read_manifest_lines(out / "manifest.jsonl")] == labels
+
+
+@pytest.mark.parametrize("column", [pa.array([b"imgs/x.png"]), pa.array([0], pa.timestamp("ms")), pa.array([7])],
+                         ids=["binary", "timestamp", "int64"])
+def test_a_parquet_path_column_that_is_not_text_is_one_line(folder_run, checkpoint, capsys, column):
+    root, _, _, _ = folder_run
+    table = root / "typed-path.parquet"
+    pq.write_table(pa.table({"file": column}), table)
+    out = root / "refused"
+    assert main(["embed", str(table), "--model", str(checkpoint), "--out", str(out), "--path-column", "file",
+                 *SMALL]) == 2
+    one_error_line(capsys.readouterr().err, "typed-path.parquet", "'file'", str(column.type))
+    assert not out.exists()
