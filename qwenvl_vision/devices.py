@@ -5,7 +5,6 @@ host data reaches the device."""
 from __future__ import annotations
 
 import argparse
-import warnings
 
 import torch
 
@@ -45,7 +44,8 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    """The compute dtype: bf16 on CUDA and fp32 elsewhere when nothing was asked; fp16 warns (it can overflow)."""
+    """The compute dtype: bf16 on CUDA and fp32 elsewhere when nothing was asked (``load_encoder`` warns of fp16,
+    naming the family, once it has read the config)."""
     if dtype is None:
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if isinstance(dtype, torch.dtype):
@@ -56,9 +56,6 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
         raise ConfigError(f"unsupported dtype {dtype!r}; use one of {sorted(DTYPES)}")
     if resolved not in (torch.float32, torch.bfloat16, torch.float16):
         raise ConfigError(f"unsupported dtype {resolved}; use float32, bfloat16 or float16")
-    if resolved == torch.float16:
-        warnings.warn("float16 can overflow in the Qwen2.5-VL tower; bfloat16 or float32 are safe. "
-                      "Outputs will be checked for non-finite values.", stacklevel=3)
     return resolved
 
 

@@ -24,6 +24,7 @@ import dataclasses
 import os
 import threading
 import traceback
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -521,6 +522,7 @@ def load_encoder(
     options = dict(cache_size=cache_size, cache_bytes=cache_bytes, attn_impl=attn_impl)
     if random_weights:
         config = resolve_config(source)
+        _warn_fp16(dtype, config)
         model = _placed(random_tower(config, device, dtype, seed=seed, **options), compile, backend)
         pre = _preprocess_config(preprocess_config, None, config)
         return VisionEncoder(model, pre, source=config.name or config.model_type,
@@ -529,10 +531,17 @@ def load_encoder(
         raise ConfigError("a config alone has no weights: pass random_weights=True, or a checkpoint folder/repo id")
     folder = resolve_folder(os.fspath(source), revision, local_files_only, cache_dir, token)
     checkpoint = open_checkpoint(folder)
+    _warn_fp16(dtype, checkpoint.config)
     model = _placed(load_tower(checkpoint, device, dtype, check_finite=check_finite, **options), compile, backend)
     pre = _preprocess_config(preprocess_config, checkpoint.preprocessor_json(), checkpoint.config)
     video = _video_config(video_config, checkpoint.video_preprocessor_json(), checkpoint.config, pre)
     return VisionEncoder(model, pre, source=os.fspath(source), video_config=video)
+
+
+def _warn_fp16(dtype: torch.dtype, config: VisionConfig) -> None:
+    if dtype == torch.float16:  # stacklevel: the line that called load_encoder
+        warnings.warn(f"float16 can overflow in the {config.family.label} tower; bfloat16 or float32 are safe. "
+                      "Outputs will be checked for non-finite values.", stacklevel=3)
 
 
 def _placed(model: VisionTower, compile: bool | dict, backend: CpuBackend) -> VisionTower:

@@ -20,7 +20,8 @@ vLLM's own ``ECExampleConnector`` never removes an item, so a long-lived consume
   ``embed --resume`` embeds them again.
 
 Sizes are the item files' bytes (GB = 10^9 bytes); what else the folder holds (manifest, run.json) is counted
-too, so the folder as a whole stays under the bound.
+too, so the folder as a whole stays under the bound. Where those files alone exceed it, every item goes and the prune
+is still done (``PruneReport.done``): only the items it may not remove yet, a running embed's, leave it undone.
 """
 
 from __future__ import annotations
@@ -64,6 +65,12 @@ class PruneReport:
     running: bool  # whether an embed was running into the folder (its lock file present)
     bound: int
 
+    @property
+    def done(self) -> bool:
+        """Whether the prune did what was asked: the folder within the bound, or every item it may remove gone (the
+        folder's own files, which a prune never removes, are then all that keeps it above)."""
+        return self.kept_bytes <= self.bound or not self.held
+
     def line(self, dry_run: bool = False) -> str:
         gb = 1e9
         verb = "would remove" if dry_run else "removed"
@@ -71,8 +78,8 @@ class PruneReport:
                 f"{self.kept} left, {self.kept_bytes / gb:.3f} GB of {self.bound / gb:.3f} GB")
         if self.kept_bytes > self.bound:
             text += (f": still above the bound, {self.held} item(s) were written by a running embed" if self.held
-                     else ": still above the bound, held by the folder's other files (manifest, run.json, "
-                          "pruned.jsonl)")
+                     else ": above the bound only by the folder's own files (manifest, run.json, pruned.jsonl), "
+                          "which a prune never removes")
         return text
 
 

@@ -298,10 +298,11 @@ def run_ok(run: dict[str, Any]) -> bool:
 
 
 def mib(n: int | None) -> str:
-    """Bytes as MiB for the tables and progress lines ("0" exactly when nothing is left)."""
+    """Bytes as MiB for the tables and progress lines: "0" exactly when nothing is left, and an amount under 0.01
+    MiB in two significant digits (rounded to "0.00" it would read as nothing left)."""
     if n is None:
         return "-"
-    return "0" if n == 0 else f"{n / 2**20:.2f}"
+    return "0" if n == 0 else f"{n / 2**20:.2f}" if abs(n) >= 2**20 / 100 else f"{n / 2**20:.2g}"
 
 
 def load_plain(opts: Options) -> Any:

@@ -66,10 +66,14 @@ def format_table(report: dict[str, Any]) -> str:
         f"teardown benchmark: {report['model']} on {report['device']}, {report['dtype']}, "
         f"{report['cycles_requested']} cycles, inputs: {report['inputs']} {report['grids']}",
         f"metric: {metric}; MiB; retained = after teardown - baseline (before the first load), gc disabled",
+        "freed by refcount: whether the encoder, its model and their modules are gone (close() frees the weights of "
+        "objects something still holds)",
+        "RSS growth: the process's resident memory after the last cycle minus before the first, for information: "
+        "beyond any retained tensors, what no tensor holds (pages the allocator keeps, libraries' first-use state)",
     ]
     cuda = report["device"].startswith("cuda")
     header = ["variant", "teardown", "cycles", "weights", "caches", "after close (held)", "retained (worst)",
-              "after gc", "retained by cycle", "freed by refcount", "RSS delta"]
+              "after gc", "retained by cycle", "freed by refcount", "RSS growth"]
     if cuda:
         header.append("tensors retained (census, host+device)")
     rows = []
@@ -80,7 +84,8 @@ def format_table(report: dict[str, Any]) -> str:
         alive = sum(1 for c in done if c["alive_after_teardown"])
         freed = "yes" if run["freed_by_refcount"] else f"no ({alive}/{len(done)} cycles)"
         if not run["freed_by_refcount"]:
-            freed += ", after gc" if run["freed_after_gc"] else ", not even after gc"
+            left = done[-1]["alive_after_gc_count"]
+            freed += ", after gc" if run["freed_after_gc"] else f", {left} objects alive even after gc"
         by_cycle = ", ".join(mib(n) for n in run["retained_by_cycle"])
         rows.append([
             run["variant"], run["teardown"], str(len(done)), mib(run["weights_bytes"]), mib(run["cache_bytes"]),

@@ -197,3 +197,24 @@ def test_a_lock_file_left_by_a_killed_run_holds_nothing_and_one_of_a_live_run_ho
         assert prune_cache(out, 0, dry_run=True).held == len(order) - 1, other
     lock.write_text(written + "\n")
     assert prune_cache(out, 0, dry_run=True).held == 0
+
+
+def test_a_folder_above_the_bound_only_by_its_own_files_is_done_and_one_held_by_a_running_embed_is_not(
+        tmp_path, capsys):
+    """`--max-gb 0` removes every item: the manifest and run.json left above the bound are no failure (exit 0, the
+    line says what remains); items a running embed wrote, kept above the bound, are (exit 1)."""
+    out = tmp_path / "cache"
+    (out / ("c" * 64)).mkdir(parents=True)
+    (out / ("c" * 64) / CACHE_FILE).write_bytes(b"x" * 1000)
+    for name in (IDENTITY_FILE, "manifest.jsonl", "run.json"):
+        (out / name).write_text("{}\n")
+    (out / "embed.lock").write_text("a run that is still going\n")
+    later = time.time() + 60  # written after the lock file was made: the running embed's
+    os.utime(out / ("c" * 64) / CACHE_FILE, (later, later))
+    assert main(["cache", "prune", str(out), "--max-gb", "0"]) == 1
+    assert "written by a running embed" in capsys.readouterr().out and items(out)
+    (out / "embed.lock").unlink()
+    assert main(["cache", "prune", str(out), "--max-gb", "0"]) == 0
+    line = capsys.readouterr().out
+    assert "removed 1 item(s)" in line and "own files" in line and not items(out)
+    assert (out / "manifest.jsonl").exists() and (out / "run.json").exists()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import gc
 import json
+import re
 import sys
 import weakref
 from pathlib import Path
@@ -302,9 +303,10 @@ def test_cli_benchmark_measures_our_encoder_only(tmp_path):
     assert runs["per-instance", "close"]["close_raises"] is True
 
 
-def test_benchmark_class_level_cache_grows_per_instance(tmp_path):
+def test_benchmark_class_level_cache_grows_per_instance(tmp_path, capsys):
     rc, report = _run_bench(tmp_path, QWEN2_5_SMALL, "--cycles", "2", "--variants", "per-instance,class-level-cache",
                             script=True)
+    table = capsys.readouterr().out.splitlines()
     assert rc == 0 and report["ok"]
     runs = _runs(report)
     assert runs["per-instance", "del"]["retained_bytes"] == 0
@@ -316,6 +318,31 @@ def test_benchmark_class_level_cache_grows_per_instance(tmp_path):
     assert leak["retained_after_cache_clear"] == 0
     closed = runs["class-level-cache", "close"]  # close() drops the weights, the class cache keeps the plans
     assert 0 < closed["retained_bytes"] < weights
+    # The table as a user reads it: the plans' few bytes are not shown as 0.00 beside the objects left alive, and
+    # the RSS column says what it is.
+    header = next(line for line in table if line.startswith("variant"))
+    cells = dict(zip(re.split(r"\s{2,}", header.strip()),
+                     re.split(r"\s{2,}", next(line for line in table if line.startswith("class-level-cache  close")))))
+    assert float(cells["retained (worst)"]) > 0 and "objects alive even after gc" in cells["freed by refcount"]
+    assert "RSS growth" in cells and any(line.startswith("RSS growth: ") and "no tensor holds" in line
+                                         for line in table)
+
+
+def test_the_plot_shows_del_and_close_apart_where_their_values_are_equal(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    import bench.teardown as script
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    phases = {phase: {"tensor_bytes": 100} for phase in script.PHASES}
+    runs = [{"variant": "per-instance", "teardown": teardown, "baseline": {"tensor_bytes": 100},
+             "cycles": [{"cycle": 1, "phases": phases}]} for teardown in ("del", "close")]
+    script.plot_report({"device": "cpu", "model": "m", "dtype": "float32", "runs": runs}, str(tmp_path / "t.png"))
+    drawn = {line.get_label(): line.get_transform().transform(line.get_xydata())
+             for line in figures[0].axes[0].get_lines() if line.get_label() in ("del", "close")}
+    assert abs(drawn["del"][:, 1] - drawn["close"][:, 1]).min() >= 2  # display points apart: both visible
 
 
 @pytest.mark.slow  # the whole benchmark command per family (3 s each)

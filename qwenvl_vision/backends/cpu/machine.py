@@ -10,7 +10,9 @@ tuning at once take turns on a lock file (the second reads what the first measur
 measures for itself and still saves its plan (each file is replaced whole, so the holder's and this process's saves
 cannot mix). A folder that cannot be written, or a symbolic link at the lock's or a temporary file's name (never
 followed, left as it is), still works: one warning, the plan measured for the process alone. Entries are added as
-towers need them (``machine_plan``); an entry once recorded is never measured again.
+towers need them (``machine_plan``); an entry once recorded is never measured again. Each measurement is one INFO
+line of the ``logging`` logger of this module, with its seconds (the command line shows it; a library's caller sees it
+where it configures logging).
 
 Each measurement times the kernels as the backend calls them, on random operands of the shape (the rate depends on
 the shape, not on the values).
@@ -21,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import platform
 import stat
@@ -88,6 +91,7 @@ PLAN_LOCK_WAIT_S = 60.0
 LOCK_POLL_S = 0.05
 # A plan file is a few kilobytes: anything far larger is not one, and is not read into memory.
 MAX_PLAN_FILE_BYTES = 1 << 24
+LOG = logging.getLogger(__name__)  # the command line shows its INFO lines; a library's caller configures logging
 
 
 def measure_linear(in_features: int, out_features: int, dtype: torch.dtype, repeats: int = 3) -> str:
@@ -446,6 +450,7 @@ def machine_plan(needs: PlanNeeds) -> CpuPlan:
                 plan = plan.with_entries(stored)
             missing = plan.missing(needs)
             if not missing.empty():
+                start = time.perf_counter()
                 measured = measure(missing, key, plan)
                 # Without the lock another process may have saved meanwhile: its entries win, so every process on
                 # the machine runs one plan (and ours, timed beside its measuring, do not replace them).
@@ -456,6 +461,9 @@ def machine_plan(needs: PlanNeeds) -> CpuPlan:
                     save_plan(path, plan, identity)
                 else:
                     warn(unsaved)
+                # A load that measures takes seconds longer than every later one: said once, where it happens.
+                LOG.info(f"measured this machine's CPU kernels in {time.perf_counter() - start:.1f} s, once: "
+                         + (f"later loads read them from {path}" if unsaved is None else "for this process only"))
         PLANS[key] = plan
         return plan
 
