@@ -12,13 +12,17 @@ terminated (SIGTERM: a scheduler's preemption, ``kill``; stopped as Ctrl-C stops
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import math
 import os
 import signal
 import sys
 import threading
 import traceback
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 from .devices import DTYPE_CHOICES, dtype_option
@@ -144,14 +148,9 @@ def cmd_extract_weights(args: argparse.Namespace) -> int:
 
 def _stored_dtype(folder: Path):
     """Keep the checkpoint's own dtype when extracting (the first vision tensor's)."""
-    import torch
+    from .checkpoint.weights import FLOAT_DTYPES, open_checkpoint, vision_entries
 
-    from .checkpoint.checks import SAFETENSORS_DTYPES, read_header
-    from .checkpoint.weights import open_checkpoint
-
-    first = next(iter(open_checkpoint(folder).tensors.values()))
-    entry = read_header(first.file)[0].get(first.name, {})  # absent: the load that follows names the fault
-    return SAFETENSORS_DTYPES.get(entry.get("dtype"), torch.float32)
+    return FLOAT_DTYPES[next(iter(vision_entries(open_checkpoint(folder)).values()))["dtype"]]
 
 
 def _preset_report(name: str) -> dict:
@@ -186,8 +185,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     dtypes: dict[str, int] = {}
     for entry in entries.values():
         dtypes[entry["dtype"]] = dtypes.get(entry["dtype"], 0) + 1
-        begin, end = entry["data_offsets"]
-        total_bytes += end - begin
+        total_bytes += entry["bytes"]
     report = {
         "folder": str(folder),
         "family": checkpoint.config.model_type,
@@ -219,7 +217,7 @@ def cmd_cache_prune(args: argparse.Namespace) -> int:
 
     report = prune_cache(args.folder, round(args.max_gb * 1e9), dry_run=args.dry_run)
     print(f"qwenvl-vision cache prune: {args.folder}: {report.line(args.dry_run)}")
-    return 0 if report.kept_bytes <= report.bound else 1
+    return 0 if report.done else 1
 
 
 def _print_report(report: dict, as_json: bool) -> None:
@@ -301,6 +299,27 @@ def _one_line(error: BaseException) -> str:
     return " ".join(text.split("\n"))
 
 
+@contextlib.contextmanager
+def _shown_on_stderr(args: argparse.Namespace) -> Iterator[None]:
+    """While a command runs: each warning as one line, ``Category: message`` (Python's own adds the library's file,
+    line and source line, which mean nothing to a user of the command), and the package's INFO log lines (a CPU plan
+    being measured) as ``COMMAND: ...``, unless ``--quiet``."""
+    logger = logging.getLogger("qwenvl_vision")
+    level, formatwarning = logger.level, warnings.formatwarning
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(f"{args.command}: %(message)s"))
+    handler.setLevel(logging.WARNING if getattr(args, "quiet", False) else logging.INFO)
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    warnings.formatwarning = lambda message, category, *_: f"{category.__name__}: {message}\n"
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        warnings.formatwarning = formatwarning
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM, raised where the main thread is: every clean-up that Ctrl-C runs (locks released, what is recorded
     kept) runs for it too; the command then exits 143 (128 + SIGTERM), as a shell reports a process it ended."""
@@ -320,10 +339,11 @@ def main(argv: list[str] | None = None) -> int:
     main_thread = threading.current_thread() is threading.main_thread()  # where alone a handler can be set
     previous = signal.signal(signal.SIGTERM, _terminated) if main_thread else None
     try:
-        validate = getattr(args, "validate", None)
-        if validate is not None:
-            validate(args)
-        return args.func(args)
+        with _shown_on_stderr(args):
+            validate = getattr(args, "validate", None)
+            if validate is not None:
+                validate(args)
+            return args.func(args)
     except BrokenPipeError:  # the reader of our stdout went away (`| head`): stop quietly, as Unix tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit flush cannot fail again
         return 141  # 128 + SIGPIPE, what a shell reports for a tool stopped by a closed pipe

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -26,6 +27,7 @@ from tests.helpers import (
     assert_result_matches_reference,
     grids_for,
     inputs,
+    make_image_folder,
     non_vision_shards,
     offsets_of,
     reference_outputs,
@@ -33,7 +35,7 @@ from tests.helpers import (
     set_entry,
     write_checkpoint,
 )
-from tests.helpers.embed import one_error_line
+from tests.helpers.embed import ENV, one_error_line
 
 GRIDS = [(1, 6, 10), (2, 4, 4), (1, 2, 2)]
 
@@ -120,8 +122,9 @@ def test_inspect_validates_headers_as_loading_does(tmp_path, capsys, corruption)
     else:
         set_entry(ckpt, b, data_offsets=offsets_of(ckpt, a))
     assert main(["inspect", str(ckpt)]) == 2
-    err = capsys.readouterr().err
-    assert shard.name in err and (b if corruption == "overlap" else a) in err and "Traceback" not in err
+    # The format's rules (offsets) are safetensors', whose errors name the shard; the integer dtype is refused by
+    # ours, naming the tensor too.
+    one_error_line(capsys.readouterr().err, shard.name, *([a] if corruption == "integer-dtype" else []))
 
 
 # ---------------------------------------------------------------------- errors, a reader gone
@@ -192,3 +195,37 @@ def test_extract_weights_and_inspect(tmp_path, capsys, family):
         assert main(["inspect", str(source), "--json"]) == 0
         report = json.loads(capsys.readouterr().out)
         assert report["family"] == cfg.model_type and report["tensors"] == len(names)
+
+
+# ---------------------------------------------------------------------- what a command says on the way
+
+
+@pytest.mark.slow  # a subprocess: under pytest a warning is recorded, not shown as the command shows it
+def test_the_fp16_warning_names_the_family_on_one_line(tmp_path, checkpoint3):
+    result = subprocess.run([sys.executable, "-m", "qwenvl_vision.cli", "extract-weights", str(checkpoint3), "--out",
+                             str(tmp_path / "out"), "--dtype", "fp16"], env=ENV, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stderr.splitlines()
+    [warning] = [line for line in lines if "float16" in line]
+    assert warning.startswith("UserWarning: float16 can overflow in the Qwen3-VL tower;"), warning
+    assert not any(".py:" in line or line.startswith(" ") for line in lines), result.stderr  # no source line
+
+
+def test_embed_says_when_it_measures_the_cpu_plan_and_for_how_long(tmp_path, checkpoint, monkeypatch, capsys):
+    """The first load on a machine measures its CPU kernels (seconds): one line says so; a later process reads them
+    back and says nothing."""
+    from qwenvl_vision.backends.cpu import machine
+
+    monkeypatch.setenv("QWENVL_VISION_CACHE", str(tmp_path / "cache"))
+    make_image_folder(tmp_path / "imgs", 1, bad=False)
+    said = []
+    for run in range(2):
+        monkeypatch.setattr(machine, "PLANS", {})  # each run as a new process would start
+        assert main(["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(tmp_path / f"{run}")
+                     ]) == 0
+        said.append([line for line in capsys.readouterr().err.splitlines() if "CPU kernels" in line])
+    [line] = said[0]
+    assert re.fullmatch(r"embed: measured this machine's CPU kernels in \d+\.\d s, once: later loads read them "
+                        r"from .*cpu-plans.*\.json", line), line
+    assert said[1] == []

@@ -27,13 +27,14 @@ from pathlib import Path
 
 from ..errors import CheckpointError
 from ..model.config import PRESETS, from_config_json
-from .checks import parse_weight_map, read_json
 from .weights import (
     CONFIG_FILE,
     INDEX_FILE,
     PREPROCESSOR_FILE,
     SINGLE_FILE,
     VIDEO_PREPROCESSOR_FILE,
+    parse_weight_map,
+    read_json,
     strip_vision_prefix,
 )
 

@@ -7,16 +7,14 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 from typing import BinaryIO
 
-import torch
+from safetensors.torch import save
 
 from ..model.names import to_checkpoint_state
 from ..model.tower import VisionTower
 from ..outputs.durable import refuse_link, replace_atomically
-from .checks import SAFETENSORS_DTYPES
 from .weights import CONFIG_FILE, PREPROCESSOR_FILE, SINGLE_FILE, VIDEO_PREPROCESSOR_FILE, VISION_ONLY_FORMAT
 
 
@@ -30,33 +28,6 @@ def _umask() -> int:
 # of them is a file of its source.
 VISION_ONLY_FILES = (SINGLE_FILE, CONFIG_FILE, PREPROCESSOR_FILE, VIDEO_PREPROCESSOR_FILE)
 TEMPORARY_SUFFIX = ".tmp"
-_DTYPE_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
-
-
-def write_safetensors(f: BinaryIO, state: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    """``state`` in the safetensors format, streamed into the open file ``f`` one tensor at a time (no serialised
-    copy of the tower in memory): the 8-byte little-endian header length, the JSON header padded with spaces to
-    a multiple of 8 (as safetensors writes it), then each tensor's little-endian bytes in header order."""
-    header: dict[str, object] = {"__metadata__": metadata}
-    offset = 0
-    for name in sorted(state):
-        tensor = state[name]
-        size = tensor.numel() * tensor.element_size()
-        header[name] = {"dtype": _DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape),
-                        "data_offsets": [offset, offset + size]}
-        offset += size
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    f.write(len(raw).to_bytes(8, "little"))
-    f.write(raw)
-    for name in sorted(state):
-        tensor = state[name].detach().cpu().contiguous().reshape(-1)
-        if not tensor.numel():
-            continue
-        data = tensor.view(torch.uint8).reshape(-1, tensor.element_size())
-        if sys.byteorder == "big":  # the format is little-endian whatever the machine
-            data = data.flip(-1).contiguous()
-        f.write(memoryview(data.numpy()).cast("B"))
 
 
 def _set_mode(f: BinaryIO, mode: int) -> None:
@@ -86,20 +57,14 @@ def save_vision_only(model: VisionTower, folder: str | os.PathLike, preprocessor
     (folder / CONFIG_FILE).unlink(missing_ok=True)
     state = to_checkpoint_state(model.config, model.state_dict())
     mode = 0o666 & ~_umask()  # as a plain open() would create it: the folder's other files follow the umask too
+    contents = {SINGLE_FILE: lambda: save(state, metadata={"format": "pt", "family": model.config.model_type})}
+    contents.update({name: lambda document=document: (json.dumps(document, indent=2) + "\n").encode()
+                     for name, document in documents.items() if document is not None})
+    for name, content in contents.items():  # the weights first, config.json last
 
-    def write_weights(f: BinaryIO) -> None:
-        _set_mode(f, mode)
-        write_safetensors(f, state, {"format": "pt", "family": model.config.model_type})
-
-    replace_atomically(folder / SINGLE_FILE, folder / (SINGLE_FILE + TEMPORARY_SUFFIX), write_weights)
-    for name, document in documents.items():
-        if document is None:
-            continue
-        data = (json.dumps(document, indent=2) + "\n").encode()
-
-        def write_document(f: BinaryIO, data: bytes = data) -> None:
+        def write(f: BinaryIO, content=content) -> None:
             _set_mode(f, mode)
-            f.write(data)
+            f.write(content())
 
-        replace_atomically(folder / name, folder / (name + TEMPORARY_SUFFIX), write_document)
+        replace_atomically(folder / name, folder / (name + TEMPORARY_SUFFIX), write)
     return len(state)

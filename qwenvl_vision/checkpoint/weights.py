@@ -13,47 +13,40 @@ Layouts understood:
   ``family`` and ``"format": "qwenvl-vision"``, ``preprocessor_config.json`` and one ``model.safetensors``
   holding the family's tensor names without prefix.
 
-Every file is checked before it is used (``checks``: regular files only, strict JSON, plain shard
-names, safetensors headers as strict as the format's own reader); a file that is a symbolic link to nothing (a
-broken Hugging Face cache) is an error naming it, never read as absent (``present``). Tensors are read under the
-checkpoint's own names and only then stacked or renamed into module tensors (``model.names``), so every error names
-a tensor as the checkpoint spells it.
+Shards are read by ``safetensors`` itself, which validates each header as the format defines it; only the shards
+the index names for vision tensors are opened. Only regular files are read (a FIFO would hang the open), an
+index's shard names must be plain file names in the folder (transformers joins them to the folder unchecked),
+and a file that is a symbolic link to nothing (a broken Hugging Face cache) is an error naming it, never read as
+absent (``present``). Tensors are read under the checkpoint's own names and only then stacked or renamed into
+module tensors (``model.names``), so every error names a tensor as the checkpoint spells it.
 
-The model is built on the meta device and every tensor is materialised once, directly on the target device
-in the target dtype, so a load never holds a second copy of the tower. Anything unexpected in the files (a
-missing or surplus tensor, a wrong shape, a truncated or corrupt shard, a shard name leaving the folder, a NaN
-weight) raises a ``CheckpointError`` naming it; nothing is ever loaded partially. Only the calls that interpret
-the files turn a bare builtin error into a project error (``_named_errors``): an error in this module's own
-logic stays what it is.
+The model is built on the meta device and every tensor is copied once out of the shard's mapping, directly onto
+the target device in the target dtype, into memory the tower owns (nothing stays mapped to the files). Anything
+unexpected in the files (a missing or surplus tensor, a wrong shape, an integer dtype, a truncated or corrupt
+shard, a shard name leaving the folder, a NaN weight) raises a ``CheckpointError`` naming it; nothing is ever
+loaded partially.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
+import math
 import os
+import re
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
-from typing import BinaryIO
+from pathlib import Path, PurePosixPath, PureWindowsPath
 
-import numpy as np
 import torch
+from safetensors import SafetensorError, safe_open
 
 from ..errors import CheckpointError, ConfigError, QwenVLVisionError
 from ..model.build import build_model
 from ..model.config import FAMILIES, VisionConfig, from_config_json
 from ..model.names import to_checkpoint_state, to_module_state
 from ..model.tower import VisionTower
-from .checks import (
-    SAFETENSORS_DTYPES,
-    check_vision_entry,
-    json_type,
-    open_regular,
-    parse_weight_map,
-    read_header,
-    read_json,
-    read_open_header,
-)
 
 # Every family's prefixes, longest first ("thinker.visual." before "visual.").
 VISION_PREFIXES = tuple(sorted({p for f in FAMILIES.values() for p in f.prefixes}, key=len, reverse=True))
@@ -63,6 +56,12 @@ CONFIG_FILE = "config.json"
 PREPROCESSOR_FILE = "preprocessor_config.json"
 VIDEO_PREPROCESSOR_FILE = "video_preprocessor_config.json"
 VISION_ONLY_FORMAT = "qwenvl-vision"
+# The dtypes a vision tensor may be stored in, by safetensors' names: every tower tensor is a floating-point
+# parameter, and an integer relabelling of the same bytes would load as weights.
+FLOAT_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
+# A shard's mapping keeps every page read through it resident until it is closed: it is reopened after this many
+# bytes, so a load holds the tower plus at most this much (or one tensor) of the files.
+MAPPED_BYTES = 32 << 20
 
 
 @dataclass
@@ -132,6 +131,91 @@ def strip_vision_prefix(name: str, prefixes: tuple[str, ...] = VISION_PREFIXES) 
     return None
 
 
+# ---------------------------------------------------------------------- files: regular only; JSON; the index
+
+
+_FILE_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+               (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def check_regular(path: Path, what: str, holds: str = "") -> None:
+    """Refuse anything but a regular file (symlinks followed, as in the HF cache) before it is opened: a FIFO would
+    block the open forever and a device may never end."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError as e:
+        raise CheckpointError(f"{what} {path}{holds} is missing") from e
+    except (OSError, ValueError) as e:  # ValueError: an embedded NUL byte
+        raise CheckpointError(f"cannot read {what} {path}{holds}: {e}") from e
+    if not stat.S_ISREG(mode):
+        kind = next((kind for is_kind, kind in _FILE_KINDS if is_kind(mode)), "not a regular file")
+        raise CheckpointError(f"{what} {path}{holds} is {kind}, not a regular file")
+
+
+def read_json(path: Path, what: str = "file") -> object:
+    """A JSON file's value (any JSON type: callers check it), read only if it is a regular file."""
+    check_regular(path, what)
+    try:
+        return json.loads(path.read_bytes())
+    except (OSError, ValueError, RecursionError) as e:  # ValueError: not JSON, or not UTF-8
+        raise CheckpointError(f"cannot read {what} {path}: {e}") from e
+
+
+def json_type(value: object) -> str:
+    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null",
+             int: "an integer", float: "a number"}
+    return names.get(type(value), type(value).__name__)
+
+
+def check_shard_name(shard: str, where: str, tensor: str) -> None:
+    """An index's shard name must be a plain file name in the checkpoint folder, as every release writes them:
+    '../other/x' would load another folder's weights without a word. A symlink named plainly inside the folder
+    stays allowed (the Hugging Face cache is made of them), and so does a name merely containing two dots."""
+    parts = re.split(r"[/\\]", shard)
+    if not shard:
+        reason = "is empty"
+    elif PurePosixPath(shard).is_absolute() or PureWindowsPath(shard).anchor:
+        reason = "is an absolute path"
+    elif ".." in parts:
+        reason = "leaves the checkpoint folder ('..')"
+    elif len(parts) > 1 or shard == ".":
+        reason = "is not a plain file name"
+    else:
+        return
+    raise CheckpointError(f"{where}: shard name {shard!r} (for tensor {tensor!r}) {reason}; shard names must be "
+                          f"plain file names in the checkpoint folder")
+
+
+def parse_weight_map(index: object, where: str) -> dict[str, str]:
+    """The index's ``weight_map`` (tensor name -> shard file name), every entry checked; errors name `where`."""
+    if not isinstance(index, dict):
+        raise CheckpointError(f"{where} is not a JSON object (found {json_type(index)})")
+    weight_map = index.get("weight_map")
+    if not isinstance(weight_map, dict):
+        found = "none" if weight_map is None else json_type(weight_map)
+        raise CheckpointError(f"{where} has no weight_map object (found {found})")
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str):
+            raise CheckpointError(f"{where}: weight_map[{name!r}] is {json_type(shard)} ({shard!r}), "
+                                  f"not a shard file name")
+        check_shard_name(shard, where, name)
+    return weight_map
+
+
+@contextlib.contextmanager
+def open_shard(path: Path, holds: str = "") -> Iterator[safe_open]:
+    """A shard opened by safetensors, which validates its header as the format defines it (the header's length,
+    dtypes, offsets that tile the data); a corrupt, truncated or unreadable file is one CheckpointError naming it."""
+    check_regular(path, "shard", holds)
+    try:
+        with safe_open(path, framework="pt") as f:
+            yield f
+    except SafetensorError as e:
+        raise CheckpointError(f"shard {path}{holds} is corrupt or truncated: {' '.join(str(e).split())}") from e
+    except OSError as e:
+        raise CheckpointError(f"cannot read shard {path}{holds}: {e}") from e
+
+
 # ---------------------------------------------------------------------- builtin errors -> project errors
 
 
@@ -142,12 +226,10 @@ _DATA_ERRORS = (OSError, ValueError, TypeError, KeyError, IndexError, AttributeE
 
 @contextlib.contextmanager
 def _named_errors(error: type[QwenVLVisionError], what: str) -> Iterator[None]:
-    """Re-raise a bare builtin error from reading data as `error` naming `what`, the original chained.
+    """Re-raise a bare builtin error from interpreting the config as `error` naming `what`, the original chained.
 
-    Only around the calls that interpret a file (the config, the index, a header, a tensor's bytes): their
-    checks name the culprit precisely, and this is the backstop that keeps a case nobody thought of from
-    escaping as a bare ``TypeError``. The code between those calls is ours, and a bug there must surface as
-    itself, not as a bad file. Running out of memory is not the checkpoint's fault: it passes.
+    Only around the calls that interpret it: a bug in the code between them must surface as itself, not as a bad
+    file. Running out of memory is not the checkpoint's fault: it passes.
     """
     try:
         yield
@@ -170,8 +252,7 @@ def open_checkpoint(folder: str | os.PathLike) -> VisionCheckpoint:
     config_path = folder / CONFIG_FILE
     if not present(config_path, "config"):
         raise CheckpointError(f"{folder} has no {CONFIG_FILE}")
-    with _named_errors(CheckpointError, f"cannot read config {config_path}"):
-        config_json = read_json(config_path, "config")
+    config_json = read_json(config_path, "config")
     if not isinstance(config_json, dict):
         raise ConfigError(f"{config_path} is not a JSON object (found {json_type(config_json)})")
     with _named_errors(ConfigError, f"{config_path} does not describe a vision tower"):
@@ -182,12 +263,10 @@ def open_checkpoint(folder: str | os.PathLike) -> VisionCheckpoint:
     # (it keeps the index, removing the shards) is not read.
     index_path, single = folder / INDEX_FILE, folder / SINGLE_FILE
     if present(single, "shard"):
-        with _named_errors(CheckpointError, f"cannot read shard {single}"):
-            header, _ = read_header(single)
-        files = dict.fromkeys(header, single)
+        with open_shard(single) as f:
+            files = dict.fromkeys(f.keys(), single)
     elif present(index_path, "index"):
-        with _named_errors(CheckpointError, f"cannot read index {index_path}"):
-            weight_map = parse_weight_map(read_json(index_path, "index"), str(index_path))
+        weight_map = parse_weight_map(read_json(index_path, "index"), str(index_path))
         files = {name: folder / shard for name, shard in weight_map.items()}
     else:
         raise CheckpointError(f"{folder} has neither {INDEX_FILE} nor {SINGLE_FILE}")
@@ -223,120 +302,97 @@ def _names(names: list[str], limit: int = 8) -> str:
     return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
 
 
-def _by_shard(checkpoint: VisionCheckpoint) -> dict[Path, list[str]]:
-    by_file: dict[Path, list[str]] = {}
+def _by_shard(checkpoint: VisionCheckpoint) -> dict[Path, dict[str, str]]:
+    """Per shard holding vision tensors: their names in it -> their names without prefix."""
+    by_file: dict[Path, dict[str, str]] = {}
     for key, source in checkpoint.tensors.items():
-        by_file.setdefault(source.file, []).append(key)
+        by_file.setdefault(source.file, {})[source.name] = key
     return dict(sorted(by_file.items()))
 
 
-def _holds(keys: list[str]) -> str:
-    return f" (it holds vision tensors {_names(sorted(keys), 3)})"
+def _holds(names: dict[str, str]) -> str:
+    return f" (it holds vision tensors {_names(sorted(names.values()), 3)})"
 
 
-def _shard_header(f: BinaryIO, path: Path) -> tuple[dict[str, dict], int]:
-    with _named_errors(CheckpointError, f"cannot read shard {path}"):
-        return read_open_header(f, path)
+def check_vision_entry(path: Path, f: safe_open, name: str, expected: torch.Tensor | None) -> dict:
+    """A vision tensor as the open shard `f` stores it: present, in a floating-point dtype and (with `expected`,
+    the meta tensor it fills) of the expected shape. Returns its ``dtype`` (safetensors' name), ``shape`` and
+    ``bytes``."""
+    try:
+        stored = f.get_slice(name)
+    except SafetensorError as e:
+        raise CheckpointError(f"tensor {name} is listed in the index for {path} but is not in that shard") from e
+    dtype, shape = stored.get_dtype(), stored.get_shape()
+    if dtype not in FLOAT_DTYPES:
+        raise CheckpointError(f"tensor {name} in {path} is stored as {dtype}, not as a floating-point dtype "
+                              f"({', '.join(FLOAT_DTYPES)})")
+    if expected is not None and tuple(shape) != tuple(expected.shape):
+        raise CheckpointError(f"tensor {name} in {path} has shape {tuple(shape)}, expected {tuple(expected.shape)}")
+    return {"dtype": dtype, "shape": shape, "bytes": math.prod(shape) * FLOAT_DTYPES[dtype].itemsize}
 
 
 def vision_entries(checkpoint: VisionCheckpoint) -> dict[str, dict]:
-    """Every vision tensor's validated header entry (name without prefix -> entry), one header read per shard.
-
-    What ``inspect`` reports from: every check a load makes short of building the tower and reading data.
-    """
+    """Every vision tensor's entry (name without prefix -> ``check_vision_entry``'s), one open per shard: every
+    check a load makes short of building the tower and reading data (what ``inspect`` reports from)."""
     entries: dict[str, dict] = {}
-    for path, keys in _by_shard(checkpoint).items():
-        with open_regular(path, "shard", _holds(keys)) as f:
-            header, _ = _shard_header(f, path)
-        for key in keys:
-            entries[key] = check_vision_entry(path, header, checkpoint.tensors[key].name, None)
+    for path, names in _by_shard(checkpoint).items():
+        with open_shard(path, _holds(names)) as f:
+            for name, key in names.items():
+                entries[key] = check_vision_entry(path, f, name, None)
     return entries
 
 
 # ---------------------------------------------------------------------- reading tensors
 
 
-# Per float dtype: its bits as signed and unsigned integers, and the bits of +Inf and -Inf. Exponent all ones
-# (NaN or Inf) means: signed bits >= +Inf's for a positive value, unsigned bits >= -Inf's for a negative one.
-_FLOAT_BITS = {
-    torch.bfloat16: (np.int16, np.uint16, 0x7F80, 0xFF80),
-    torch.float16: (np.int16, np.uint16, 0x7C00, 0xFC00),
-    torch.float32: (np.int32, np.uint32, 0x7F80_0000, 0xFF80_0000),
-    torch.float64: (np.int64, np.uint64, 0x7FF0_0000_0000_0000, 0xFFF0_0000_0000_0000),
-}
-_CHECKED_PIECE = 1 << 18  # bytes read, then checked while still in the CPU's L2 cache
+# The bits of +Inf and -Inf per float dtype. Exponent all ones (NaN or Inf) means: the bits read as signed >= +Inf's
+# for a positive value, read as unsigned >= -Inf's for a negative one.
+_INF_BITS = {torch.bfloat16: (0x7F80, 0xFF80), torch.float16: (0x7C00, 0xFC00),
+             torch.float32: (0x7F80_0000, 0xFF80_0000), torch.float64: (0x7FF0_0000_0000_0000, 0xFFF0_0000_0000_0000)}
+_SIGNED = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _finite_bits(piece: np.ndarray, bits: tuple) -> bool:
-    """No NaN or Inf among the floats whose bytes are `piece`: two integer maxima over their bits.
+def _refuse_non_finite(tensor: torch.Tensor, name: str, path: Path) -> None:
+    """A NaN or Inf weight is a CheckpointError naming the tensor, with the count of each.
 
-    Exact (a sum overflows on finite fp16 values) and single-threaded on purpose: torch's reductions fan out
-    to its OpenMP threads, and with the cores busy (a shared machine, a data loader) their barriers stalled a
-    bf16 3B check at 1.3 s against 0.05 s for these numpy maxima.
+    Two integer maxima over the bits, in numpy: exact (a sum overflows on finite fp16 values) and single-threaded
+    (torch's reductions fan out to its OpenMP threads, whose barriers stalled a bf16 3B check at 1.3 s against
+    0.05 s with the cores busy).
     """
-    signed, unsigned, positive_inf, negative_inf = bits
-    return piece.view(signed).max() < positive_inf and piece.view(unsigned).max() < negative_inf
-
-
-def _readinto_fully(f: BinaryIO, piece: np.ndarray, path: Path, name: str) -> None:
-    view, done = memoryview(piece), 0
-    while done < len(view):  # one read returns at most ~2 GiB on Linux
-        count = f.readinto(view[done:])
-        if not count:
-            raise CheckpointError(f"shard {path} is truncated inside tensor {name}")
-        done += count
-
-
-def _read_one(f: BinaryIO, path: Path, name: str, entry: dict, data_start: int, *,
-              check_finite: bool) -> torch.Tensor:
-    """One tensor's bytes read into fresh host memory (no mmap: the result owns its storage).
-
-    With `check_finite`, a floating-point tensor is read in 256 KiB pieces, each checked for NaN/Inf right
-    after it lands (cached, the check costs a fraction of a second pass over memory); a NaN or Inf is a
-    CheckpointError naming the tensor, with the count of each.
-    """
-    begin, end = entry["data_offsets"]
-    dtype = SAFETENSORS_DTYPES[entry["dtype"]]
-    buffer = torch.empty(end - begin, dtype=torch.uint8)
-    data = buffer.numpy()
-    bits = _FLOAT_BITS.get(dtype) if check_finite else None
-    step = _CHECKED_PIECE if bits is not None else max(len(data), 1)
-    finite = True
-    f.seek(data_start + begin)
-    for start in range(0, len(data), step):
-        piece = data[start : start + step]
-        _readinto_fully(f, piece, path, name)
-        finite = finite and (bits is None or _finite_bits(piece, bits))
-    tensor = buffer.view(dtype).view(entry["shape"])
-    if not finite:
-        nan, inf = int(torch.isnan(tensor).sum()), int(torch.isinf(tensor).sum())
-        raise CheckpointError(f"tensor {name} in {path} holds {nan} NaN and {inf} infinite value(s) "
-                              f"(pass check_finite=False to load it anyway)")
-    return tensor
+    positive_inf, negative_inf = _INF_BITS[tensor.dtype]
+    bits = tensor.reshape(-1).view(_SIGNED[tensor.element_size()]).numpy()
+    if not bits.size or bits.max() < positive_inf and bits.view(f"u{bits.itemsize}").max() < negative_inf:
+        return
+    nan, inf = int(torch.isnan(tensor).sum()), int(torch.isinf(tensor).sum())
+    raise CheckpointError(f"tensor {name} in {path} holds {nan} NaN and {inf} infinite value(s) "
+                          f"(pass check_finite=False to load it anyway)")
 
 
 def read_tensors(checkpoint: VisionCheckpoint, expected: dict[str, torch.Tensor], device: torch.device,
                  dtype: torch.dtype | None, *, check_finite: bool = True) -> dict[str, torch.Tensor]:
-    """Every vision tensor once, onto `device` in `dtype` (None: as stored), all checks made before reading.
+    """Every vision tensor once, onto `device` in `dtype` (None: as stored), a shard's checks made before reading.
 
-    expected: tensor name without prefix -> the (meta) tensor it fills, for shape and floating-point checks.
-    Bytes are read with plain file reads into memory the tensor owns (nothing stays mapped to the
-    checkpoint, so the files may change afterwards); a tensor already in the target dtype on CPU is
-    used as read, otherwise converted one tensor at a time on the target device, so the host peak is
-    the tower plus one tensor. With `check_finite`, each tensor is checked for NaN/Inf as stored, as it is read.
+    expected: tensor name without prefix -> the (meta) tensor it fills, for shape checks. Each tensor is copied
+    out of the shard's mapping on its own, straight onto the device and into the target dtype, so the host peak
+    is the tower plus ``MAPPED_BYTES``. With `check_finite`, each is checked for NaN/Inf as stored.
     """
     state: dict[str, torch.Tensor] = {}
-    for path, keys in _by_shard(checkpoint).items():
-        with open_regular(path, "shard", _holds(keys)) as f:
-            header, data_start = _shard_header(f, path)
-            plan = [(key, check_vision_entry(path, header, checkpoint.tensors[key].name, expected[key]))
-                    for key in keys]
-            for key, entry in sorted(plan, key=lambda item: item[1]["data_offsets"]):
-                name = checkpoint.tensors[key].name
-                with _named_errors(CheckpointError, f"cannot read tensor {name} from shard {path}"):
-                    tensor = _read_one(f, path, name, entry, data_start, check_finite=check_finite)
-                state[key] = tensor.to(device=device, dtype=dtype or tensor.dtype)
-                del tensor
+    for path, names in _by_shard(checkpoint).items():
+        with open_shard(path, _holds(names)) as f:
+            for name, key in names.items():
+                check_vision_entry(path, f, name, expected[key])
+            pending = [name for name in f.offset_keys() if name in names]  # in file order: sequential reads
+        while pending:
+            with open_shard(path, _holds(names)) as f:
+                mapped = 0
+                while pending and mapped < MAPPED_BYTES:
+                    name = pending.pop(0)
+                    stored = f.get_tensor(name)
+                    mapped += stored.nbytes
+                    if check_finite:
+                        _refuse_non_finite(stored, name, path)
+                    state[names[name]] = stored.to(device=device, dtype=dtype or stored.dtype, copy=True)
+                    del stored
     return state
 
 

@@ -186,16 +186,10 @@ def _size(n: int) -> str:
 
 def _vision_shards(folder: Path) -> tuple[int, int]:
     """(files holding vision tensors, their vision bytes), from the headers only."""
-    from ..checkpoint.checks import read_header
-    from ..checkpoint.weights import open_checkpoint
+    from ..checkpoint.weights import open_checkpoint, vision_entries
 
     checkpoint = open_checkpoint(folder)
-    headers = {path: read_header(path)[0] for path in checkpoint.shard_files}
-    size = 0
-    for source in checkpoint.tensors.values():
-        begin, end = headers[source.file][source.name]["data_offsets"]
-        size += end - begin
-    return len({source.file for source in checkpoint.tensors.values()}), size
+    return len(checkpoint.shard_files), sum(entry["bytes"] for entry in vision_entries(checkpoint).values())
 
 
 def _let_pil_return_memory() -> None:

@@ -47,7 +47,7 @@ from typing import Any
 import torch
 from safetensors.torch import save
 
-from ..errors import CacheFolderError, CheckpointError, InputError
+from ..errors import CacheFolderError, InputError
 from ..inputs.item_ids import IDENTITY_FIELDS, is_sha256, item_id
 from .durable import create_new, fsync_dir, open_no_follow, refuse_link, replace_atomically
 from .handoff import MODALITIES, VllmItem, vllm_items
@@ -164,27 +164,21 @@ def _create_exclusively(path: Path, text: str) -> None:
 
 
 def item_problem(path: Path, item: str, rows: torch.Tensor) -> str:
-    """Why the file at ``path`` is not item ``item`` holding rows like ``rows`` ('' when it is): its header read as
-    strictly as safetensors' own reader does (``safetensors_checks``), exactly the one tensor ``"ec_cache"`` of
-    ``rows``' shape and dtype, and the id in its metadata, where it records one."""
-    from safetensors import safe_open
+    """Why the file at ``path`` is not item ``item`` holding rows like ``rows`` ('' when it is): a safetensors file
+    (its header validated by safetensors) holding exactly the one tensor ``"ec_cache"`` of ``rows``' shape and
+    dtype, and the id in its metadata, where it records one."""
+    from safetensors import SafetensorError, safe_open
 
-    from ..checkpoint.checks import SAFETENSORS_DTYPES, read_header
-
-    try:
-        header, _ = read_header(path)
-    except CheckpointError as e:
-        return str(e)
-    if list(header) != [CACHE_KEY]:
-        return f"it holds the tensors {sorted(header)!r}, not exactly {CACHE_KEY!r}"
-    entry = header[CACHE_KEY]
-    if entry["shape"] != list(rows.shape) or SAFETENSORS_DTYPES.get(entry["dtype"]) != rows.dtype:
-        return f"{CACHE_KEY} is {entry['dtype']} x {entry['shape']}, this item is {rows.dtype} x {list(rows.shape)}"
     try:
         with safe_open(path, framework="pt") as f:
-            recorded = (f.metadata() or {}).get(ITEM_KEY)
-    except Exception as e:  # noqa: BLE001 - safetensors' own error type
+            names, recorded = list(f.keys()), (f.metadata() or {}).get(ITEM_KEY)
+            stored = f.get_tensor(CACHE_KEY) if names == [CACHE_KEY] else None  # a view: no data is read
+    except (SafetensorError, OSError) as e:
         return f"unreadable ({e})"
+    if stored is None:
+        return f"it holds the tensors {sorted(names)!r}, not exactly {CACHE_KEY!r}"
+    if stored.shape != rows.shape or stored.dtype != rows.dtype:
+        return f"{CACHE_KEY} is {stored.dtype} x {list(stored.shape)}, this item is {rows.dtype} x {list(rows.shape)}"
     if recorded is not None and recorded != item:
         return f"its metadata names the item {recorded[:80]!r}"
     return ""

@@ -102,6 +102,18 @@ def test_fp16_warns_and_checks_finite(tmp_path):
         encoder.encode_images(images)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["as-stored", "converted"])
+def test_loaded_weights_own_their_memory(tmp_path, dtype):
+    """Nothing stays mapped to the files: overwriting every shard in place after a load changes no weight."""
+    write_checkpoint(tmp_path, QWEN2_5_SMALL)
+    encoder = load_encoder(tmp_path, device="cpu", dtype=dtype)
+    loaded = {name: tensor.clone() for name, tensor in encoder.model.state_dict().items()}
+    for shard in tmp_path.glob("*.safetensors"):
+        with open(shard, "r+b") as f:
+            f.write(bytes(shard.stat().st_size))
+    assert all(torch.equal(tensor, loaded[name]) for name, tensor in encoder.model.state_dict().items())
+
+
 def test_preprocessing_whose_patch_grid_is_not_the_towers_is_refused(tmp_path):
     write_checkpoint(tmp_path, QWEN3_SMALL_72, sharded=False)
     settings = json.loads((tmp_path / "preprocessor_config.json").read_text())
