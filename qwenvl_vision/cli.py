@@ -305,18 +305,20 @@ def _shown_on_stderr(args: argparse.Namespace) -> Iterator[None]:
     line and source line, which mean nothing to a user of the command), and the package's INFO log lines (a CPU plan
     being measured) as ``COMMAND: ...``, unless ``--quiet``."""
     logger = logging.getLogger("qwenvl_vision")
-    level, formatwarning = logger.level, warnings.formatwarning
+    level, propagate, formatwarning = logger.level, logger.propagate, warnings.formatwarning
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter(f"{args.command}: %(message)s"))
     handler.setLevel(logging.WARNING if getattr(args, "quiet", False) else logging.INFO)
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
+    logger.propagate = False  # an application's root handler would print each line a second time
     warnings.formatwarning = lambda message, category, *_: f"{category.__name__}: {message}\n"
     try:
         yield
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
+        logger.propagate = propagate
         warnings.formatwarning = formatwarning
 
 

@@ -30,7 +30,9 @@ from .tables import COLUMN_TYPES
 
 MANIFEST = "manifest.jsonl"
 RUN_FILE = "run.json"
-RUN_FORMAT = 1
+# What records' identities mean (``file_identity``): a resume of another format is refused, since it would embed
+# its files again beside their records.
+RUN_FORMAT = 2
 # The run.json fields a resumed run must share with the run it continues: everything the stored tensors
 # depend on. Not compared: the model's spelling (a moved folder is the same model: the hashes decide), the
 # revision (likewise), the package version, the device, compile (same tensors up to floating-point noise) and the
@@ -70,7 +72,7 @@ def record_key(record: dict, base: str | None = None) -> str:
 
 # A local file's identity: its real path, and its size and modification time (what make and rsync go by: one stat,
 # where a hash would read every input again on each resume).
-FILE_IDENTITY = re.compile(r"(.+)#size=\d+,mtime_ns=\d+")
+FILE_IDENTITY = re.compile(r"(.+)#size=\d+,mtime_ns=-?\d+")  # a file dated before 1970: negative
 
 
 def file_identity(realpath: str) -> str:

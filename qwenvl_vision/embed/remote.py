@@ -205,12 +205,16 @@ def over_budget(url: str, limit: int, size: int | None = None) -> PreprocessErro
 
 def read_within(fs: Any, path: str, url: str, limit: int | None) -> bytes:
     """The object's bytes, or ``over_budget`` where they are more than ``limit`` (None: no bound): a size
-    announced above it is refused unread, and a read stops one byte past it (a server may send no size)."""
-    with fs.open(path, "rb") as f:
-        if limit is None:
-            return f.read()
-        if f.size is not None and f.size > limit:
-            raise over_budget(url, limit, f.size)
+    announced above it is refused unread, and a read stops one byte past it (a server may send no size, or more than
+    it announced)."""
+    if limit is None:
+        return fs.cat_file(path)
+    size = fs.size(path)
+    if size is not None and size > limit:
+        raise over_budget(url, limit, size)
+    # Over http(s) a stream (block_size 0): fsspec's ranged file reads a 206 answer whole, however long it runs.
+    streamed = {"block_size": 0} if url.split("://", 1)[0].lower() in ("http", "https") else {}
+    with fs.open(path, "rb", **streamed) as f:
         chunks, got = [], 0
         while got <= limit and (chunk := f.read(limit + 1 - got)):  # a stream gives what has come so far
             chunks.append(chunk)

@@ -437,3 +437,19 @@ def test_a_file_replaced_since_it_was_recorded_is_embedded_again_and_read_as_it_
         stored = list(read_embeddings(out))
         assert sorted(path for path, _ in stored) == sorted(map(str, paths))
         assert torch.equal(dict(stored)[replaced], want.embeddings[0])
+
+
+def test_a_file_dated_before_1970_replaced_is_read_as_it_is_now(tmp_path, checkpoint):
+    """A modification time before 1970 is negative: the file's records are still one file's."""
+    import os
+
+    paths = make_folder(tmp_path / "imgs", 2, bad=False)
+    small = ["--model", str(checkpoint), "--max-pixels", str(64 * 64), "--quiet"]
+    out = tmp_path / "out"
+    os.utime(paths[0], ns=(-10**18, -10**18))
+    assert main(["embed", str(tmp_path / "imgs"), "--out", str(out), *small]) == 0
+    Image.fromarray(synthetic_photo(64, 40, 99)).save(paths[0])
+    os.utime(paths[0], ns=(-2 * 10**18, -2 * 10**18))
+    assert main(["embed", str(tmp_path / "imgs"), "--out", str(out), "--resume", *small]) == 0
+    assert sorted(path for path, _ in read_embeddings(out)) == sorted(map(str, paths))
+

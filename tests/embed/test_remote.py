@@ -383,3 +383,48 @@ def test_a_failed_url_says_what_happened(checkpoint, tmp_path, monkeypatch):
     assert away.startswith(urls[1]) and "redirect to another scheme refused: file:///etc/passwd" in away
     assert loop.startswith(urls[2]) and "redirect loop" in loop
     assert not any("not found" in error for error in (busy, away, loop))
+
+
+def test_a_body_longer_than_announced_is_read_no_further_than_the_budget(checkpoint, tmp_path):
+    """A server that announces 100 bytes and answers the GET with 206 and an endless body: the read stops one byte
+    past the budget (the input fails saying so), and the server sends little more than that."""
+    import http.server
+    import threading
+
+    sent = []
+
+    class Lying(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.0"
+
+        def log_message(self, *args):
+            pass
+
+        def do_HEAD(self):
+            self.send_response(200)
+            self.send_header("Content-Length", "100")
+            self.send_header("Accept-Ranges", "bytes")
+            self.end_headers()
+
+        def do_GET(self):
+            self.send_response(206)
+            self.send_header("Content-Range", "bytes 0-99/100")
+            self.end_headers()
+            try:
+                for _ in range(256):  # 256 MiB, unless the client stops reading
+                    self.wfile.write(bytes(1 << 20))
+                    sent.append(1)
+            except OSError:
+                pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Lying)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/x.jpg"
+    try:
+        out = tmp_path / "out"
+        assert main(["embed", url, "--decode-mib", "1", "--model", str(checkpoint), "--out", str(out), *SMALL]) == 1
+    finally:
+        server.shutdown()
+        server.server_close()
+    (record,) = read_manifest_lines(out / "manifest.jsonl")
+    assert record["error"].startswith(url) and f"budget of {1 << 20:,} bytes" in record["error"]
+    assert len(sent) < 64  # MiB: what the sockets buffered past the budget, not the whole body
