@@ -14,11 +14,13 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from braceexpand import UnbalancedBracesError, braceexpand
+
 from ..errors import ConfigError
 from ..inputs.pixels import is_url
 from ..inputs.video_io import VIDEO_EXTENSIONS
 from .remote import identities
-from .shards import KEY_COLUMN, Member, expand_braces, is_shard, list_shard, member_path, sample_key, shard_real_key
+from .shards import KEY_COLUMN, Member, is_shard, list_shard
 from .tables import check_keep_columns, is_table, read_table
 
 IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".ppm", ".pgm"}
@@ -87,7 +89,8 @@ def real_key(path: str, base: str | None = None) -> str:
 
 def gather_inputs(inputs: list[str], path_column: str = "path", keep_columns: tuple[str, ...] = ()) -> Inputs:
     """Files as given, folders recursively by image and video extension (sorted), text files as path lists, tables
-    (``tables.TABLE_EXTENSIONS``) as rows naming files, ``path_column`` theirs, ``keep_columns`` carried.
+    (``tables.TABLE_EXTENSIONS``) as rows naming files, ``path_column`` theirs, ``keep_columns`` carried, and local
+    tar shards (webdataset's brace patterns expanded, ``shards-{000..099}.tar``) as their media members.
 
     A list file that cannot be read as text is one failed input, and so is each folder (the given one or one
     inside it) that cannot be listed, and each table row that names no file; a missing file is kept (recorded as
@@ -96,8 +99,7 @@ def gather_inputs(inputs: list[str], path_column: str = "path", keep_columns: tu
     """
     found = Inputs()
     check_keep_columns(keep_columns, path_column)
-    inputs = [path for item in inputs
-              for path in (expand_braces(item) if is_shard(item) and not is_url(item) else [item])]
+    inputs = [path for item in inputs for path in (_expand(item) if is_shard(item) and not is_url(item) else [item])]
     tables = [item for item in inputs if is_table(item) and Path(item).is_file()]
     if keep_columns and not tables and not any(is_shard(item) for item in inputs):
         raise ConfigError(f"--keep-columns {','.join(keep_columns)} carries a table's columns (or a shard's "
@@ -113,7 +115,9 @@ def gather_inputs(inputs: list[str], path_column: str = "path", keep_columns: tu
         elif is_url(item):
             found.add(item, _other_kind(item))
         elif is_shard(item) and not p.is_dir():
-            _add_shard(found, item, keep_columns)
+            found.carry({KEY_COLUMN: "string", **dict.fromkeys(keep_columns, "string")}, f"shard {item}")
+            for entry in list_shard(item, _is_media, keep_columns):
+                found.add(*entry)
         elif p.is_dir():
             files, unreadable = _walk_media(p)
             for folder, why in unreadable:
@@ -135,6 +139,15 @@ def gather_inputs(inputs: list[str], path_column: str = "path", keep_columns: tu
     return found.finish()
 
 
+def _expand(pattern: str) -> list[str]:
+    """A shard's brace pattern, as webdataset expands it (backslashes kept: they are the path's); braces that do
+    not pair are the name's."""
+    try:
+        return list(braceexpand(pattern, escape=False))
+    except UnbalancedBracesError:
+        return [pattern]
+
+
 def _other_kind(path: str, listed_in: str | None = None) -> str | None:
     """Why ``path``, to be decoded as an image or video, names a kind of input that is read only as a local INPUT
     of its own (a shard, a table, a list) or not at all (a compressed tar), or None; the one line says what is read,
@@ -149,53 +162,30 @@ def _other_kind(path: str, listed_in: str | None = None) -> str | None:
     return f"{path}: {why}; INPUTs are {INPUT_KINDS}"
 
 
-def _add_shard(found: Inputs, shard: str, keep: tuple[str, ...]) -> None:
-    """A shard's media members as inputs, in member order, each with its sample's key and ``keep`` texts."""
-    listing = list_shard(shard, lambda name: Path(name).suffix.lower() in MEDIA_EXTENSIONS, keep)
-    found.carry({KEY_COLUMN: "string", **dict.fromkeys(keep, "string")}, f"shard {shard}")
-    for member in listing.members:
-        path = member_path(shard, member.name)
-        key = sample_key(member.name)
-        texts = listing.texts.get(key, {})
-        found.add(path, columns={KEY_COLUMN: key, **{ext: texts.get(ext) for ext in keep}}, member=member,
-                  key=shard_real_key(shard, member.name))
-    for where, why in listing.errors.items():
-        # A refused member's name may hold "..": its identity is the name inside the shard, never resolved onto a
-        # real file's.
-        name = where[len(shard) + 1:] if where.startswith(f"{shard}/") else None
-        found.add(where, why, key=None if name is None else shard_real_key(shard, name))
+def _is_media(name: str) -> bool:
+    return Path(name).suffix.lower() in MEDIA_EXTENSIONS
 
 
 def _walk_media(top: Path) -> tuple[list[Path], list[tuple[Path, str]]]:
-    """(the media files under ``top``, sorted; each folder that could not be listed, with why).
-
-    As ``sorted(top.rglob("*"))`` filtered by extension (links to files are followed, links to folders are not
-    entered), except that a folder the walk cannot list is returned instead of skipped in silence, as rglob
-    does, so that its files are reported missing rather than quietly never embedded.
-    """
-    files: list[Path] = []
-    unreadable: list[tuple[Path, str]] = []
-    stack = [top]
+    """(the media files under ``top``, sorted; each folder that could not be listed, with why): ``top.rglob("*")``'s
+    walk (links to files followed, links to folders not entered), but a folder it cannot list is returned, where
+    rglob skips it in silence, so that its files are reported missing rather than quietly never embedded."""
+    files, unreadable, stack = [], [], [top]
     while stack:
         folder = stack.pop()
         try:
             with os.scandir(folder) as entries:
-                listed = [(entry.name, entry.is_dir(follow_symlinks=False), _is_file(entry)) for entry in entries]
+                listed = [(folder / e.name, e.is_dir(follow_symlinks=False), _is_file(e)) for e in entries]
         except OSError as e:
             unreadable.append((folder, e.strerror or str(e)))
             continue
-        for name, is_dir, is_file in listed:
-            path = folder / name
-            if is_dir:
-                stack.append(path)
-            elif is_file and path.suffix.lower() in MEDIA_EXTENSIONS:
-                files.append(path)
+        stack += [path for path, is_dir, _ in listed if is_dir]
+        files += [path for path, is_dir, is_file in listed if not is_dir and is_file and _is_media(path.name)]
     return sorted(files), sorted(unreadable)
 
 
 def _is_file(entry: os.DirEntry) -> bool:
-    """Whether a folder entry is a file (a link followed); one that cannot be checked counts as one, so that
-    reading it names the problem."""
+    """A FIFO or a dangling link is no image; an entry that cannot be checked counts, so that reading it says why."""
     try:
         return entry.is_file()
     except OSError:

@@ -18,19 +18,15 @@ it is damaged (the members listed before the damage stay inputs).
 
 from __future__ import annotations
 
-import itertools
 import os
-import re
 import tarfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import PurePosixPath
 
 from ..inputs.pixels import FileBytes, is_url
 
 TAR_SUFFIX = ".tar"
 KEY_COLUMN = "__key__"  # webdataset's name for a sample's key
-BRACES = re.compile(r"\{([^{}]*)\}")
 TEXT_LIMIT = 1 << 20  # a carried member is text for a column: at most 1 MiB of it
 
 
@@ -48,93 +44,50 @@ def is_shard(path: str) -> bool:
     return path.lower().endswith(TAR_SUFFIX)
 
 
-def expand_braces(pattern: str) -> list[str]:
-    """webdataset's brace patterns: ``{000..099}`` (a numeric range, zero-padded to the first bound's width) and
-    ``{a,b,c}``, each brace in turn; a pattern without braces is itself."""
-    parts: list[list[str]] = []
-    last = 0
-    for match in BRACES.finditer(pattern):
-        parts.append([pattern[last:match.start()]])
-        body = match.group(1)
-        bounds = re.fullmatch(r"(\d+)\.\.(\d+)", body)
-        if bounds:
-            low, high = bounds.groups()
-            step = 1 if int(high) >= int(low) else -1
-            parts.append([str(i).zfill(len(low)) for i in range(int(low), int(high) + step, step)])
-        else:
-            parts.append(body.split(","))
-        last = match.end()
-    parts.append([pattern[last:]])
-    return ["".join(choice) for choice in itertools.product(*parts)]
-
-
-def sample_key(name: str) -> str:
-    """A member's sample key: its name up to the first dot of its last path part (webdataset's grouping)."""
-    folder, _, base = name.rpartition("/")
-    return (folder + "/" if folder else "") + base.split(".", 1)[0]
-
-
-def member_extension(name: str) -> str:
-    """What follows the key: ``000123.jpg`` -> ``jpg``, ``a.seg.png`` -> ``seg.png`` (webdataset's field name)."""
-    return name.rpartition("/")[2].split(".", 1)[1] if "." in name.rpartition("/")[2] else ""
-
-
-def name_problem(name: str) -> str | None:
-    """Why a member name cannot be an input's name (it would leave the shard), or None."""
-    # '.' parts stay in the shard: ``tar -C dir .`` names every member ./x (webdataset reads them as they are).
-    parts = PurePosixPath(name).parts
-    if name.startswith("/") or not parts or any(p in ("", "..") for p in name.split("/")):
-        return "its name leaves the shard (absolute, '..' or empty parts): refused, never read"
-    return None
-
-
-@dataclass
-class ShardListing:
-    """A shard's media members in order, the failed inputs it holds (name -> why), and each sample's carried
-    text (key -> {extension: text})."""
-
-    members: list[Member]
-    errors: dict[str, str]
-    texts: dict[str, dict[str, str | None]]
-
-
-def list_shard(shard: str, is_media, keep: tuple[str, ...]) -> ShardListing:
-    """The members of ``shard`` (headers only) as tar defines them: the last member of a name is the one (``tar -r``
-    and ``-u`` append a newer one), a hard link reads its target's bytes. Media members by ``is_media(name)``, the
-    ``keep`` extensions' members read as text."""
-    listing = ShardListing([], {}, {})
+def list_shard(shard: str, is_media: Callable[[str], bool], keep: tuple[str, ...]) -> list[tuple]:
+    """The inputs ``shard`` holds, from its headers, each as ``Inputs.add`` takes it (path, why it failed or None,
+    carried columns, Member, identity): every ``is_media(name)`` member in order, carrying its sample's key and the
+    sample's ``keep`` extensions' members as text; then the shard itself where it is damaged (see the module)."""
+    entries: dict[str, tuple[str, Member | str]] = {}  # a media member's name -> (its sample, its bytes or why not)
+    texts: dict[str, dict[str, str | None]] = {}  # a sample's key -> {extension: text}
     try:
         with open(shard, "rb") as raw, tarfile.open(fileobj=raw, mode="r:") as tar:
             end = os.fstat(raw.fileno()).st_size
             infos, damage = _headers(tar, raw, end)
             held: dict[str, tuple] = {}  # a name, normalised as tarfile finds a link's target -> _bytes_of it
-            entries: dict[str, Member | str] = {}  # a media member's name -> where its bytes are, or why not
             for info in infos:
                 source, problem = held[os.path.normpath(info.name)] = _bytes_of(info, held, end)
                 if info.isdir():
                     continue
-                problem = name_problem(info.name) or problem
-                ext = member_extension(info.name)
+                # '.' parts stay in the shard: ``tar -C dir .`` names every member ./x (webdataset reads them so).
+                if info.name.startswith("/") or any(part in ("", "..") for part in info.name.split("/")):
+                    problem = "its name leaves the shard (absolute, '..' or empty parts): refused, never read"
+                folder, _, base = info.name.rpartition("/")
+                stem, _, ext = base.partition(".")  # webdataset's grouping: 000123.seg.png is 000123's "seg.png"
+                key = f"{folder}/{stem}" if folder else stem
                 if is_media(info.name):
-                    entries[info.name] = (f"member {info.name!r} of shard {shard}: {problem}" if problem
-                                          else Member(shard, info.name, source.offset_data, source.size))
+                    entries[info.name] = key, (f"member {info.name!r} of shard {shard}: {problem}" if problem
+                                               else Member(shard, info.name, source.offset_data, source.size))
                 elif ext in keep:
                     text = None
                     if not problem:
                         raw.seek(source.offset_data)
                         text = raw.read(min(source.size, TEXT_LIMIT)).decode("utf-8", "replace")
-                    listing.texts.setdefault(sample_key(info.name), {})[ext] = text
+                    texts.setdefault(key, {})[ext] = text
     except FileNotFoundError:
-        listing.errors[shard] = f"shard {shard}: file not found"
-        return listing
+        return [(shard, f"shard {shard}: file not found", None, None, None)]
     except (OSError, tarfile.TarError) as e:
-        listing.errors[shard] = f"shard {shard} cannot be read as a tar file ({getattr(e, 'strerror', None) or e})"
-        return listing
-    listing.members = [m for m in entries.values() if isinstance(m, Member)]
-    listing.errors = {member_path(shard, name): why for name, why in entries.items() if isinstance(why, str)}
-    if damage:
-        listing.errors[shard] = f"shard {shard} is damaged ({damage}); the members before it are inputs"
-    return listing
+        return [(shard, f"shard {shard} cannot be read as a tar file ({getattr(e, 'strerror', None) or e})", None,
+                 None, None)]
+    # A member's identity: the shard's real path and the name inside it, never normalised (a refused ``../x.jpg``
+    # stays inside its shard's name and meets no real file's identity).
+    real, found = os.path.realpath(shard), []
+    for name, (key, got) in entries.items():
+        columns = {KEY_COLUMN: key, **{ext: texts.get(key, {}).get(ext) for ext in keep}}
+        found.append((f"{shard}/{name}", None, columns, got, f"{real}/{name}") if isinstance(got, Member)
+                     else (f"{shard}/{name}", got, None, None, f"{real}/{name}"))
+    damaged = f"shard {shard} is damaged ({damage}); the members before it are inputs"
+    return found + ([(shard, damaged, None, None, None)] if damage else [])
 
 
 def _headers(tar: tarfile.TarFile, raw, end: int) -> tuple[list[tarfile.TarInfo], str | None]:
@@ -254,7 +207,7 @@ class ItemOpener:
         shard, name = inside
         if shard not in self.indexes:
             # The driver's listing: one member a name, so an actor reads the very member the local engine would.
-            self.indexes[shard] = {m.name: m for m in list_shard(shard, lambda _: True, ()).members}
+            self.indexes[shard] = {m.name: m for *_, m, _ in list_shard(shard, lambda _: True, ()) if m}
         member = self.indexes[shard].get(name)
         if member is None:
             return path  # decoded as a path: a file not found, one failed input
@@ -263,13 +216,3 @@ class ItemOpener:
             return reader.read(path, member)
         finally:
             reader.close()
-
-
-def member_path(shard: str, name: str) -> str:
-    return f"{shard}/{name}"
-
-
-def shard_real_key(shard: str, name: str) -> str:
-    """A member's identity: the shard's real path and the name inside it, joined, never normalised (a refused
-    ``../x.jpg`` stays inside its shard's name and meets no real file's identity)."""
-    return f"{os.path.realpath(shard)}/{name}"

@@ -17,7 +17,6 @@ import torch
 from qwenvl_vision.cli import main
 from qwenvl_vision.embed import read_embeddings, read_manifest_lines, read_run
 from qwenvl_vision.embed.inputs import gather_inputs
-from qwenvl_vision.embed.shards import expand_braces
 from qwenvl_vision.outputs.parquet import read_parquet_records
 from tests.helpers import make_image_folder, write_video
 from tests.helpers.embed import ENV, embed_cmd, kill_at_instants, local_ray, torchrun_embed_cmd  # noqa: F401 - a fixture
@@ -59,11 +58,15 @@ def collection(tmp_path_factory, checkpoint):
     return root, paths, names, by_name
 
 
-def test_brace_patterns_expand_as_webdataset_s():
-    assert expand_braces("s-{000..002}.tar") == ["s-000.tar", "s-001.tar", "s-002.tar"]
-    assert expand_braces("{a,b}/x-{8..10}.tar") == ["a/x-8.tar", "a/x-9.tar", "a/x-10.tar", "b/x-8.tar", "b/x-9.tar",
-                                                    "b/x-10.tar"]
-    assert expand_braces("plain.tar") == ["plain.tar"]
+def test_brace_patterns_expand_as_webdataset_s(tmp_path):
+    def expanded(pattern: str) -> list[str]:  # each name a missing shard: one failed input of its own
+        return [os.path.relpath(p, tmp_path) for p in gather_inputs([str(tmp_path / pattern)]).paths]
+
+    assert expanded("s-{000..002}.tar") == ["s-000.tar", "s-001.tar", "s-002.tar"]
+    assert expanded("{a,b}/x-{8..10}.tar") == ["a/x-8.tar", "a/x-9.tar", "a/x-10.tar", "b/x-8.tar", "b/x-9.tar",
+                                              "b/x-10.tar"]
+    assert expanded("plain.tar") == ["plain.tar"]
+    assert expanded("s-{0..4..2}.tar") == ["s-0.tar", "s-2.tar", "s-4.tar"]  # bash's steps, as webdataset reads them
 
 
 def test_shards_embed_bitwise_as_the_folder_with_the_sample_key_and_texts(collection, checkpoint):
