@@ -350,12 +350,15 @@ class EmbedJob:
         return writer
 
     def _identify(self, done: set[str]) -> None:
-        """Each local file's identity with its size and modification time (``manifest.file_identity``): a file
-        replaced since it was recorded is embedded again (``changed`` counts them)."""
+        """Each local file's identity with its size and modification time (``manifest.file_identity``), a shard
+        member's with its shard's: a file or shard replaced since it was recorded is embedded again (``changed``
+        counts them)."""
         recorded = {file_of(key) for key in done} - {None}
         for path in self.inputs.paths:
             if path not in self.inputs.remote:
-                self.inputs.keys[path] = key = file_identity(self.inputs.keys[path])
+                key, member = self.inputs.keys[path], self.inputs.members.get(path)
+                file = os.path.realpath(member.shard) if member else key  # a member's key: its shard's, then name
+                self.inputs.keys[path] = key = file_identity(file) + key[len(file):]
                 self.changed += key not in done and file_of(key) in recorded
 
     def finish_recovery(self, writer: Writer) -> None:

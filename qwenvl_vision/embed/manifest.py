@@ -71,12 +71,12 @@ def record_key(record: dict, base: str | None = None) -> str:
 
 
 # A local file's identity: its real path, and its size and modification time (what make and rsync go by: one stat,
-# where a hash would read every input again on each resume).
-FILE_IDENTITY = re.compile(r"(.+)#size=\d+,mtime_ns=-?\d+")  # a file dated before 1970: negative
+# where a hash would read every input again on each resume); a shard member's is its shard's, then its name.
+FILE_STATE = re.compile(r"#size=\d+,mtime_ns=-?\d+")  # a file dated before 1970: negative
 
 
 def file_identity(realpath: str) -> str:
-    """``realpath`` with what the file's bytes are now (``FILE_IDENTITY``); a file that cannot be read keeps its bare
+    """``realpath`` with what the file's bytes are now (``FILE_STATE``); a file that cannot be read keeps its bare
     path (its input fails, and a resume tries it again)."""
     try:
         stat = os.stat(realpath)
@@ -86,9 +86,10 @@ def file_identity(realpath: str) -> str:
 
 
 def file_of(key: str) -> str | None:
-    """The real path a local file's identity (``file_identity``) names, else None (a URL, a shard's member)."""
-    match = FILE_IDENTITY.fullmatch(key)
-    return match.group(1) if match else None
+    """What a local file's or shard member's identity names, without what the bytes were (``file_identity``), else
+    None (a URL)."""
+    named = FILE_STATE.sub("", key, count=1)
+    return named if named != key else None
 
 
 @dataclass

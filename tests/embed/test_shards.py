@@ -178,6 +178,21 @@ def test_members_are_as_tar_defines_them_each_recorded_once(collection, checkpoi
     assert torch.equal(got[f"{shard}/b.jpg"], want[paths[0].name])
 
 
+
+def test_a_member_appended_since_it_was_recorded_is_embedded_again_on_resume(collection, checkpoint, tmp_path):
+    """tar -r appends a newer member of a name: --resume embeds it, and the run reads back the newer one."""
+    root, paths, _, want = collection
+    (tmp_path / "a.jpg").write_bytes(paths[0].read_bytes())
+    shard = tmp_path / "s.tar"
+    subprocess.run(["tar", "cf", str(shard), "-C", str(tmp_path), "a.jpg"], check=True)
+    out = tmp_path / "out"
+    assert main(["embed", str(shard), "--model", str(checkpoint), "--out", str(out), *SMALL]) == 0
+    (tmp_path / "a.jpg").write_bytes(paths[1].read_bytes())
+    subprocess.run(["tar", "rf", str(shard), "-C", str(tmp_path), "a.jpg"], check=True)
+    assert main(["embed", str(shard), "--model", str(checkpoint), "--out", str(out), "--resume", *SMALL]) == 0
+    (got,) = [tensor for path, tensor in read_embeddings(out) if path == f"{shard}/a.jpg"]
+    assert torch.equal(got, want[paths[1].name])
+
 DAMAGES = {  # shard bytes -> (the members still inputs, the member cut short or None, why)
     "truncated header": (lambda d: d[:3584 + 100], ["0.jpg"], None, "truncated header"),
     "truncated data": (lambda d: d[:4096 + 1000], ["0.jpg"], "1.jpg", "unexpected end of data"),
