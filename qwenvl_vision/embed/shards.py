@@ -6,8 +6,8 @@ member's bytes at one offset), and each member's bytes are read when its turn co
 memory (``FileBytes``). Members group into samples by key, the member name up to the first dot of its last path
 part, as webdataset groups them (``000123.jpg``, ``000123.json``, ``000123.txt``). Every image or video member
 (by extension) is one input, named ``{shard}/{member}`` in the manifest and the Parquet rows (its identity for
-resume: the shard's real path, size and modification time, joined with the member); it carries its sample's key as the column ``__key__``, and
-``--keep-columns txt,json`` carries the sample's members of those extensions as text.
+resume: the shard's real path, size and modification time, joined with the member); it carries its sample's key as
+the column ``__key__``, and ``--keep-columns txt,json`` carries the sample's members of those extensions as text.
 
 Members are as tar defines them: the last member of a name is the one (``tar -r`` / ``-u`` append a newer one), and a
 hard link (``tar cf``'s second name of one file) reads its target's bytes. Refused, as one failed input each, never
