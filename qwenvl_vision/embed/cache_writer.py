@@ -9,7 +9,7 @@ renamed into place before its record is appended, and carries that record in its
 shard does: an item written and not recorded (a kill between the two), or whose line a damaged manifest lost, is
 rolled forward by ``recover``. An input whose pixels match an item already in place records that item without
 writing it again: if its manifest line is lost, its input is redone (the item is found in place). Items are
-written, recorded and recovered with the folder's cache lock held shared (``vllm_cache.cache_lock``); an item a
+written, recorded and recovered with the folder's cache lock held (``vllm_cache.cache_lock``); an item a
 ``cache prune`` removed is not done any more, and a resume embeds it again.
 """
 
@@ -54,14 +54,14 @@ class CacheRankWriter(RankWriter):
         return self.stored_files()
 
     def recover(self) -> None:
-        """``RankWriter.recover`` with the cache lock held shared: a prune removes no item while it is read."""
-        with cache_lock(self.out, exclusive=False):
+        """``RankWriter.recover`` with the cache lock held: a prune removes no item while it is read."""
+        with cache_lock(self.out):
             super().recover()
 
     def write_records(self, records: list[EmbeddingRecord]) -> tuple[int, int]:
-        """Each success's item file (renamed into place), then the batch's manifest lines, with the cache lock held
-        shared: a prune (``cache_prune``) sees an item found in place only once its line is recorded."""
-        with cache_lock(self.out, exclusive=False):
+        """Each success's item file (renamed into place), then the batch's manifest lines, with the cache lock held:
+        a prune (``cache_prune``) sees an item found in place only once its line is recorded."""
+        with cache_lock(self.out):
             return self._write_records(records)
 
     def _write_records(self, records: list[EmbeddingRecord]) -> tuple[int, int]:

@@ -1,35 +1,24 @@
-"""One writer per output folder: an exclusive ``fcntl.flock`` held from before a run looks at the folder until
-it exits.
+"""One writer per output folder: ``durable.file_lock`` on ``OUT/embed.lock`` (rank r > 0 of a torchrun job:
+``OUT/embed.rank{r}.lock``), held from before a run looks at the folder until it exits.
 
-Rank 0 locks ``OUT/embed.lock``, rank r > 0 of a torchrun job ``OUT/embed.rank{r}.lock``. The kernel drops the
-lock when the process dies, so SIGKILL leaves no stale lock. Another process on the same folder, fresh or
-``--resume``, gets no lock and stops at once. The lock file is removed on exit; taking a lock checks that the
-file still is the one on disk, so that removal cannot let two processes in. The lock file is opened without
-following links: a link planted at its name is an ``OutputLinkError`` naming it, and what it points to is untouched.
+The kernel drops the lock when the process dies, so SIGKILL leaves no stale lock. Another process on the same
+folder, fresh or ``--resume``, gets no lock and stops at once, naming the holder its file names. The file is
+removed on exit (``filelock`` takes a lock again whose file was removed meanwhile); a link planted at its name is an
+``OutputLinkError`` naming it, and what it points to is untouched.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import socket
 from pathlib import Path
 
 from ..errors import OutputInUseError
-from ..outputs.durable import open_no_follow
+from ..outputs.durable import file_lock
 
-
-def holder_line() -> str:
-    """Who holds a lock: the process, its host, and (where Linux says) the boot and the pid namespace the process
-    id means something in."""
-    boot, namespace = "-", "-"
-    with contextlib.suppress(OSError):
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip() or "-"
-    with contextlib.suppress(OSError):
-        namespace = str(os.stat("/proc/self/ns/pid").st_ino)
-    return f"pid {os.getpid()} on {socket.gethostname()} boot {boot} pidns {namespace}"
+# A prune's probe (cache_prune) holds a run's lock for an instant: an embed starting then is not turned away.
+WAIT_S = 1.0
 
 
 def lock_name(rank: int, world: int) -> str:
@@ -38,49 +27,31 @@ def lock_name(rank: int, world: int) -> str:
 
 
 class FolderLock:
-    """An exclusive ``fcntl.flock`` on a lock file; the kernel releases it when the process dies.
-
-    ``release`` removes the file while still holding the lock. A process that opened the file just before
-    and takes the lock just after would hold a lock on a removed file, so ``acquire`` checks that the file
-    it locked still is the one at the path, and starts again if not.
-    """
+    """``file_lock(path)`` taken by ``acquire`` (an ``OutputInUseError`` naming ``what`` and the holder where
+    another process holds it), let go by ``release``, which removes the file."""
 
     def __init__(self, path: Path, what: str) -> None:
         self.path, self.what = path, what
-        self.fd: int | None = None
+        self.held: contextlib.ExitStack | None = None
 
     def acquire(self) -> None:
-        while True:
-            fd = open_no_follow(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip().split(" boot ")[0]
-                os.close(fd)
-                raise OutputInUseError(f"{self.what} is in use by another embed run"
-                                       f"{f' ({holder})' if holder else ''}; wait for it to finish, "
-                                       f"or choose another --out") from None
-            try:
-                same = os.path.samestat(os.fstat(fd), os.lstat(self.path))
-            except FileNotFoundError:
-                same = False
-            if same:
-                break
-            os.close(fd)
-        self.fd = fd
-        try:  # who holds it, for the message another process prints and for a prune (``cache_prune``) to tell a
-            # lock file its process left behind; best effort (the disk may be full)
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{holder_line()}\n".encode(), 0)
-        except OSError:
-            pass
+        from filelock import Timeout
+
+        held = contextlib.ExitStack()
+        try:
+            held.enter_context(file_lock(self.path, WAIT_S, f"pid {os.getpid()} on {socket.gethostname()}\n"))
+        except Timeout:
+            holder = ""
+            with contextlib.suppress(OSError), open(self.path, "rb") as f:
+                holder = f.read(200).decode("utf-8", "replace").strip()
+            raise OutputInUseError(f"{self.what} is in use by another embed run{f' ({holder})' if holder else ''}; "
+                                   f"wait for it to finish, or choose another --out") from None
+        self.held = held
 
     def release(self) -> None:
-        if self.fd is None:
+        if self.held is None:
             return
-        try:
+        with contextlib.suppress(OSError):  # read-only by now: the file is harmless, the lock goes with the process
             self.path.unlink(missing_ok=True)
-        except OSError:  # read-only by now: the stale file is harmless, the lock goes with the descriptor
-            pass
-        os.close(self.fd)
-        self.fd = None
+        self.held.close()
+        self.held = None

@@ -7,14 +7,13 @@ vLLM's own ``ECExampleConnector`` never removes an item, so a long-lived consume
   through a link), then their folder where it is left empty. Temporary files, the manifest, run.json, the
   identity file and the lock files are never touched, and a folder without the identity file (not an encoder
   cache written here) is refused.
-- Writers (``embed --format vllm-cache``, ``write_vllm_cache``) hold ``vllm_cache.CACHE_LOCK`` shared while they
-  write items and record them; a prune holds it exclusively while it reads the folder and removes, so an item
-  found in place by a writer is recorded before a prune can see it, and nothing is removed mid-write.
+- Writers (``embed --format vllm-cache``, ``write_vllm_cache``) hold ``vllm_cache.CACHE_LOCK`` while they write
+  items and record them; a prune holds it while it reads the folder and removes, so an item found in place by a
+  writer is recorded before a prune can see it, and nothing is removed mid-write.
 - The items a running ``embed`` has written are kept: those last written since its lock file (``embed.lock``)
-  was made. A run stopped by SIGKILL leaves its lock file; it holds nothing once it has outlived its run
-  (``outlived_its_run``: it names this host, boot and pid namespace and a process that no longer exists there, and
-  the kernel lists no lock on it), and anything less certain keeps the items. Items of its earlier
-  sessions (before a ``--resume``) are the oldest, and go first.
+  was made, while a process holds its lock. A run stopped by SIGKILL leaves its lock file, which the kernel no
+  longer locks: it holds nothing. Items of its earlier sessions (before a ``--resume``) are the oldest, and go
+  first.
 - Every removed item is appended to ``PRUNED`` (one JSON line: id, bytes, last write, when), so a manifest line
   whose item is gone is accounted for: ``read_embeddings`` skips the items listed there (and says how many), and
   ``embed --resume`` embeds them again.
@@ -29,22 +28,18 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..embed.lock import holder_line
 from ..errors import CacheFolderError, ConfigError
 from ..inputs.item_ids import is_sha256
-from .durable import fsync_dir, open_no_follow
+from .durable import fsync_dir, lock_held, open_no_follow
 from .vllm_cache import CACHE_FILE, IDENTITY_FILE, cache_lock
 
 PRUNED = "pruned.jsonl"  # the items a prune removed, one JSON line each
 RUN_LOCKS = ("embed.lock", "embed.rank*.lock")  # a running embed's (embed.lock's lock_name)
-# The line embed.lock's FolderLock writes into its lock file (``lock.holder_line``).
-HOLDER = re.compile(r"pid (\d+) on (\S+) boot (\S+) pidns (\S+)")
 LOCK_WAIT_S = 60  # a prune waits this long for the writers' current batches
 
 
@@ -62,7 +57,7 @@ class PruneReport:
     kept: int  # items left
     kept_bytes: int  # the folder's bytes left
     held: int  # items kept because a running embed wrote them
-    running: bool  # whether an embed was running into the folder (its lock file present)
+    running: bool  # whether an embed was running into the folder (holding its lock)
     bound: int
 
     @property
@@ -114,48 +109,15 @@ def other_bytes(folder: Path) -> int:
 
 
 def running_embed_since(folder: Path) -> float | None:
-    """When the running embed of this folder started (its lock file's last write, made as it took the lock; the
-    earliest of its ranks'), None when no lock file is present but those that outlived their run."""
+    """When the embed running into this folder started (its lock file's last write, made as it took the lock; the
+    earliest of its ranks'), None when no process holds such a lock."""
     times = []
     for pattern in RUN_LOCKS:
         for lock in folder.glob(pattern):
             with contextlib.suppress(FileNotFoundError):
-                if not outlived_its_run(lock):
+                if lock_held(lock):
                     times.append(os.lstat(lock).st_mtime)
     return min(times, default=None)
-
-
-def outlived_its_run(lock: Path) -> bool:
-    """Whether a run's lock file is left from a run that is gone (SIGKILL): it names this host, this boot and this
-    pid namespace, a process that does not exist there, and the kernel lists no lock on a file of its inode
-    (``/proc/locks``). Anything less certain (another host's run on a shared disk, a container beside this one, a
-    kernel that lists no locks) counts as held. Read only: a probe that took the lock could turn away an embed
-    starting at that moment."""
-    try:
-        st = os.lstat(lock)
-        fd = open_no_follow(lock, os.O_RDONLY)
-        try:
-            text = os.pread(fd, 400, 0).decode("utf-8", "replace")
-        finally:
-            os.close(fd)
-        with open("/proc/locks") as f:
-            listed = f.read()
-    except OSError:
-        return False
-    holder = HOLDER.fullmatch(text.strip())
-    here = HOLDER.fullmatch(holder_line())
-    if holder is None or here is None or "-" in here.groups()[2:] or holder.groups()[1:] != here.groups()[1:]:
-        return False
-    try:
-        os.kill(int(holder.group(1)), 0)
-        return False  # a process of that id exists (the run, or one that took its id): held
-    except PermissionError:
-        return False
-    except (ProcessLookupError, OverflowError, ValueError):
-        pass
-    # By inode alone: some file systems (btrfs) list another device number than stat gives.
-    inode = f":{st.st_ino}"
-    return not any(token.endswith(inode) for line in listed.splitlines() for token in line.split())
 
 
 def pruned_ids(folder: Path) -> set[str]:
@@ -188,7 +150,7 @@ def prune_cache(folder: str | os.PathLike, max_bytes: int, dry_run: bool = False
         raise CacheFolderError(f"{folder} is not an encoder cache written by qwenvl-vision (no {IDENTITY_FILE}): "
                                f"nothing is removed from a folder whose files are not accounted for")
     # A dry run reads without the lock (it may be a folder it cannot write), so its count may be a moment old.
-    with contextlib.nullcontext() if dry_run else cache_lock(folder, exclusive=True, wait_s=wait_s):
+    with contextlib.nullcontext() if dry_run else cache_lock(folder, wait_s=wait_s):
         items = items_of(folder)
         since = running_embed_since(folder)
         held = {i.id for i in items if since is not None and i.last_write >= since}

@@ -1,5 +1,5 @@
 """Durable, link-safe file-system steps shared by every writer of outputs (the embed job's shards and manifest,
-Parquet, the vLLM cache, extract-weights, the CPU plan cache).
+Parquet, the vLLM cache, extract-weights, the CPU plan cache), and the one file lock they all take (``file_lock``).
 
 A name this package writes is never followed if it is a symbolic link: somebody else's link at a lock or
 temporary file's name could otherwise make us truncate and write the file it points to (a Hugging Face cache
@@ -8,10 +8,11 @@ blob, another user's data). Such a link is an error naming it, and is left where
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -81,3 +82,46 @@ def replace_atomically(path: Path, tmp: Path, write: Callable[[BinaryIO], object
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+@contextlib.contextmanager
+def file_lock(path: str | os.PathLike, wait_s: float | None = None, note: str = "") -> Iterator[None]:
+    """Hold ``path``'s lock (``filelock``: ``flock`` on Unix, which the kernel drops when its process dies, so no lock
+    is ever stale); ``filelock.Timeout`` after ``wait_s`` seconds (None: as long as it takes), the ``OSError`` of a
+    file system that refuses locks. ``note`` is written into the file once held (who holds it, for the process it
+    turns away). A link at ``path`` is an ``OutputLinkError`` naming it, never followed."""
+    from filelock import FileLock
+
+    def write_note(fd: int) -> None:
+        with contextlib.suppress(OSError):  # only a message: a full disk must not refuse the lock
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, note.encode(), 0)
+
+    # No soft fallback where flock is missing: a marker file would need a guess at its staleness.
+    lock = FileLock(path, timeout=-1 if wait_s is None else wait_s, fallback_to_soft=False,
+                    on_acquired=write_note if note else None)
+    try:
+        lock.acquire()
+    except OSError as e:
+        if e.errno == errno.ELOOP:  # O_NOFOLLOW's answer for a link
+            refuse_link(path)
+        raise
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def lock_held(path: str | os.PathLike) -> bool:
+    """Whether a process holds ``file_lock(path)`` now; read only (never creates the file), the probe's own hold
+    lasts an instant."""
+    from filelock import lock_descriptor
+
+    try:
+        fd = open_no_follow(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        return not lock_descriptor(fd, blocking=False)
+    finally:
+        os.close(fd)  # releases the probe's hold

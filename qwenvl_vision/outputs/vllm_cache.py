@@ -20,8 +20,8 @@ The folder, as written here (``write_vllm_cache``, and ``embed --format vllm-cac
   safetensors header, the one tensor ``"ec_cache"`` of the item's shape and dtype, its recorded id); any other
   (a crashed or foreign writer's) is replaced atomically. A link at an item's name or folder is an
   ``OutputLinkError``, left as it is.
-- ``qwenvl_vision_cache.lock``: held shared by item writers, exclusively by ``cache prune`` (``cache_prune``), which
-  keeps the folder under a size bound; ``pruned.jsonl`` lists the items a prune removed.
+- ``qwenvl_vision_cache.lock``: held by item writers while they write and record items, and by ``cache prune``
+  (``cache_prune``), which keeps the folder under a size bound; ``pruned.jsonl`` lists the items a prune removed.
 - ``qwenvl_vision_cache.json``: the identity of the model whose items the folder holds. A folder with another
   model's identity, or with items and no identity (written by something else), is refused before anything is
   written (``CacheFolderError``): a consumer would load those items for this model's prompts.
@@ -49,40 +49,30 @@ from safetensors.torch import save
 
 from ..errors import CacheFolderError, InputError
 from ..inputs.item_ids import IDENTITY_FIELDS, is_sha256, item_id
-from .durable import create_new, fsync_dir, open_no_follow, refuse_link, replace_atomically
+from .durable import create_new, file_lock, fsync_dir, open_no_follow, refuse_link, replace_atomically
 from .handoff import MODALITIES, VllmItem, vllm_items
 
 CACHE_FILE = "encoder_cache.safetensors"
 CACHE_KEY = "ec_cache"
 IDENTITY_FILE = "qwenvl_vision_cache.json"
 ITEM_KEY = "qwenvl_vision_item"  # an item file's metadata: its id
-CACHE_LOCK = "qwenvl_vision_cache.lock"  # item writers hold it shared, a prune (cache_prune) exclusive
+CACHE_LOCK = "qwenvl_vision_cache.lock"  # held by item writers and by a prune (cache_prune)
 ITEM_FILE = re.compile(rf"([0-9a-f]{{64}})/{re.escape(CACHE_FILE)}")  # an item's file in the folder (fullmatch)
 
 
 @contextlib.contextmanager
-def cache_lock(folder: Path, exclusive: bool, wait_s: float | None = None) -> Iterator[None]:
-    """``folder``'s cache lock, shared (writers) or exclusive (a prune): ``fcntl.flock`` on ``CACHE_LOCK``, which
-    stays in the folder (removing it would let two holders in on two files). ``wait_s``: give up after that many
-    seconds (``CacheFolderError``); None waits as long as it takes."""
-    import fcntl  # here: reading a cache folder needs no lock (and no fcntl, which Windows lacks)
+def cache_lock(folder: Path, wait_s: float | None = None) -> Iterator[None]:
+    """``folder``'s ``CACHE_LOCK`` (``durable.file_lock``), which stays in the folder; ``wait_s``: give up after that
+    many seconds (``CacheFolderError``), None waits as long as it takes. Exclusive for writers too: a batch's
+    writes hold it for moments, a prune is rare, and a shared hold could keep a prune out for good."""
+    from filelock import Timeout
 
-    fd = open_no_follow(folder / CACHE_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
-        deadline = None if wait_s is None else time.monotonic() + wait_s
-        while True:
-            try:
-                fcntl.flock(fd, mode | (fcntl.LOCK_NB if deadline is not None else 0))
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    raise CacheFolderError(f"{folder}: a writer held {CACHE_LOCK} for {wait_s:.0f} s; "
-                                           f"try again") from None
-                time.sleep(0.05)
+    with contextlib.ExitStack() as held:
+        try:
+            held.enter_context(file_lock(folder / CACHE_LOCK, wait_s))
+        except Timeout:
+            raise CacheFolderError(f"{folder}: a writer held {CACHE_LOCK} for {wait_s:.0f} s; try again") from None
         yield
-    finally:
-        os.close(fd)  # releases the lock
 
 
 def check_cache_folder(folder: str | os.PathLike, identity: dict[str, str]) -> None:
@@ -246,7 +236,7 @@ def write_vllm_cache(result: Any, folder: str | os.PathLike) -> list[dict[str, A
     folder = Path(folder)
     tag = uuid.uuid4().hex
     claim_cache_folder(folder, identity, tag)
-    with cache_lock(folder, exclusive=False):  # a prune (cache_prune) removes nothing while items are written
+    with cache_lock(folder):  # a prune (cache_prune) removes nothing while items are written
         return [cache_item(folder, identity, item, digest, tag) for item, digest in zip(items, digests, strict=True)]
 
 

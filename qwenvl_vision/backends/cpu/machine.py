@@ -40,7 +40,7 @@ from torch import nn
 from ...errors import ConfigError, OutputLinkError
 from ...model.attention import SegmentPlan
 from ...model.layers import MLP, Block, GatedMLP, RMSNorm
-from ...outputs.durable import open_no_follow, replace_atomically
+from ...outputs.durable import file_lock, open_no_follow, replace_atomically
 from .forward import CpuExecution
 from .kernels import (
     DEFAULT_CHUNK_BYTES,
@@ -88,7 +88,6 @@ PROBE_REVISION = 2
 # How long a load waits for another process tuning this machine before measuring for itself: far longer than any
 # tower's measuring takes, far shorter than forever (a stopped holder, a stale network-file-system lock).
 PLAN_LOCK_WAIT_S = 60.0
-LOCK_POLL_S = 0.05
 # A plan file is a few kilobytes: anything far larger is not one, and is not read into memory.
 MAX_PLAN_FILE_BYTES = 1 << 24
 LOG = logging.getLogger(__name__)  # the command line shows its INFO lines; a library's caller configures logging
@@ -370,55 +369,34 @@ def read_plan_file(path: Path, identity: dict, key: str, quiet: bool = False) ->
         return None
 
 
-def take_lock(fd: int) -> bool:
-    """``flock(fd, LOCK_EX)`` within PLAN_LOCK_WAIT_S: whether it was taken."""
-    import fcntl
-
-    deadline = time.monotonic() + PLAN_LOCK_WAIT_S
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return True
-        except BlockingIOError:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            time.sleep(min(LOCK_POLL_S, left))
-
-
 @contextlib.contextmanager
 def plan_lock(folder: Path, key: str) -> Iterator[str | None]:
     """Hold ``{key}.lock`` (one process tunes at a time), waiting at most PLAN_LOCK_WAIT_S for another holder (then
     one warning naming the lock, and on without it). Yields None where the plan may be saved, else why not: the
-    folder cannot be written, or a symbolic link sits at the lock's name (never followed, left as it is)."""
+    folder cannot be made, or a symbolic link sits at the lock's name (never followed, left as it is)."""
+    from filelock import Timeout
+
     lock = folder / f"{key}.lock"
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        fd = open_no_follow(lock, os.O_RDWR | os.O_CREAT)
-    except OutputLinkError:
-        yield (f"{lock} is a symbolic link (not followed, left as it is): this machine's plan is measured for this "
-               f"process only (remove the link, or set QWENVL_VISION_CACHE to another folder, to keep it)")
-        return
     except OSError as e:
         yield (f"cannot write the CPU plan cache {folder} ({e.strerror or e}): this machine's plan is measured for "
                f"this process only (set QWENVL_VISION_CACHE to a writable folder to keep it)")
         return
-    try:
+    with contextlib.ExitStack() as held:
         try:
-            import fcntl  # noqa: F401
-        except ImportError:  # no flock on this platform: concurrent tuners may both measure, each file whole
-            yield None
+            held.enter_context(file_lock(lock, PLAN_LOCK_WAIT_S))
+        except OutputLinkError:
+            yield (f"{lock} is a symbolic link (not followed, left as it is): this machine's plan is measured for "
+                   f"this process only (remove the link, or set QWENVL_VISION_CACHE to another folder, to keep it)")
             return
-        try:
-            if not take_lock(fd):
-                warn(f"the CPU plan cache's lock {lock} is still held by another process after {PLAN_LOCK_WAIT_S:g} "
-                     f"s (a stopped process, or a stale network-file-system lock): going on without it, measuring "
-                     f"what the cache lacks here (delete the lock file if no process is tuning)")
+        except Timeout:
+            warn(f"the CPU plan cache's lock {lock} is still held by another process after {PLAN_LOCK_WAIT_S:g} s (a "
+                 f"stopped process, or a stale network-file-system lock): going on without it, measuring what the "
+                 f"cache lacks here")
         except OSError as e:  # some network file systems refuse locks: tune unlocked, each file still written whole
             warn(f"cannot lock the CPU plan cache {folder} ({e}): a process tuning beside this one may measure too")
         yield None
-    finally:
-        os.close(fd)  # closing releases the lock
 
 
 # Process-wide memo of plans by machine key: strings only (no tensor, no model), so every tower of a process runs
