@@ -130,7 +130,8 @@ def read_embeddings(out: str | os.PathLike, *, deepstack: bool = False) -> Itera
         raise ManifestError(f"{out} holds the ranks' manifest parts but no {MANIFEST}: the run stopped before "
                             f"merging them; embed --resume on the folder finishes and merges it")
     lines = parse_manifest(manifest)
-    stale = _stale(out)
+    stale = superseded([line.record.get("realpath", "") for line in lines
+                        if line.record is not None and line.record["status"] == "ok"])
     ordinal = -1  # of the ok record
     open_shard, handle = None, None
     pruned: set[str] | None = None  # read once, at the first missing item
@@ -225,19 +226,18 @@ def _is_parquet(out: Path) -> bool:
         return not (out / MANIFEST).exists() and _parquet_shards(out)
 
 
-def _stale(out: Path) -> set[int]:
-    """The ordinals, among the folder's ok records in the order they are read, of those a later record of the same
+def superseded(keys: list[str]) -> set[int]:
+    """The ordinals, among ok records' identities in the order they are read, of those a later record of the same
     file supersedes: ``--resume`` embeds a file whose contents changed again, and its latest record is current."""
-    if _is_parquet(out):
-        from ..outputs.parquet import parquet_files, read_parquet_index
-
-        files = parquet_files(out) if _parquet_shards(out) else []
-        keys = [key for path in files for key, state in zip(*read_parquet_index(path)[:2]) if state == "ok"]
-    else:
-        keys = [line.record.get("realpath", "") for line in parse_manifest(out / MANIFEST)
-                if line.record is not None and line.record["status"] == "ok"]
     latest = {file_of(key): i for i, key in enumerate(keys)}
     return {i for i, key in enumerate(keys) if file_of(key) and latest[file_of(key)] != i}
+
+
+def _parquet_superseded(out: Path) -> set[int]:
+    from ..outputs.parquet import parquet_files, read_parquet_index
+
+    files = parquet_files(out) if _parquet_shards(out) else []
+    return superseded([key for path in files for key, state in zip(*read_parquet_index(path)[:2]) if state == "ok"])
 
 
 def _parquet_embeddings(out: Path, deepstack: bool) -> Iterator[tuple[str, object]]:
@@ -245,7 +245,7 @@ def _parquet_embeddings(out: Path, deepstack: bool) -> Iterator[tuple[str, objec
 
     if not _parquet_shards(out):  # a run stopped before its first shard
         return
-    stale = _stale(out)
+    stale = _parquet_superseded(out)
     for ordinal, record in enumerate(r for r in read_parquet_records(out) if r.ok):
         if ordinal in stale:
             continue
@@ -265,14 +265,15 @@ def stored_records(out: str | os.PathLike) -> Iterator[tuple[str, list[int], dic
 
         found = [grid for path in parquet_files(out) for grid in read_parquet_grids(path)] \
             if _parquet_shards(out) else []  # a run stopped before its first shard has none
+        stale = _parquet_superseded(out)
     else:
         manifest = out / MANIFEST
         if not manifest.exists() and any(out.glob("manifest.rank*.jsonl")):
             raise ManifestError(f"{out} holds the ranks' manifest parts but no {MANIFEST}: the run stopped before "
                                 f"merging them; embed --resume on the folder finishes and merges it")
-        found = [(r["path"], r["grid_thw"], r.get("video"), r["tokens"]) for r in read_manifest_lines(manifest)
-                 if r["status"] == "ok"]
-    stale = _stale(out)
+        records = [r for r in read_manifest_lines(manifest) if r["status"] == "ok"]
+        found = [(r["path"], r["grid_thw"], r.get("video"), r["tokens"]) for r in records]
+        stale = superseded([r.get("realpath", "") for r in records])
     yield from (record for ordinal, record in enumerate(found) if ordinal not in stale)
 
 
