@@ -40,6 +40,7 @@ from .inputs.item_ids import pixels_sha256
 from .inputs.pixels import (
     DEFAULT_MAX_INPUT_PIXELS,
     FileBytes,
+    check_pixel_bounds,
     check_resize_backend,
     input_name,
     is_file_input,
@@ -110,9 +111,8 @@ class EncodeOptions:
     decode_timeout: float | None = DEFAULT_DECODE_TIMEOUT
 
     def __post_init__(self) -> None:
-        if self.normalize and not self.pooled:
-            raise ConfigError("normalize=True makes the pooled vectors unit length; the tokens a language model "
-                              "reads are never normalized: pass pooled=True too")
+        check_option_rules(min_pixels=self.min_pixels, max_pixels=self.max_pixels, pooled=self.pooled,
+                           normalize=self.normalize)
         if self.resize is not None:
             check_resize_backend(self.resize, "resize")
         timeout = self.decode_timeout
@@ -131,20 +131,25 @@ class EncodeOptions:
                               ("decode_bytes", self.decode_bytes), ("prefetch", self.prefetch)):
             if value is not None and value < (0 if option == "prefetch" else 1):
                 raise ConfigError(f"{option} must be positive, got {value}")
-        check_pixel_bounds(self.min_pixels, self.max_pixels)
 
     @property
     def workers(self) -> int:
         return max(1, self.num_workers if self.num_workers is not None else min(4, os.cpu_count() or 1))
 
 
-def check_pixel_bounds(min_pixels: int | None, max_pixels: int | None) -> None:
-    """Per-call pixel bounds: whole numbers of at least 1 (None: the checkpoint's), min not above max."""
-    for option, value in (("min_pixels", min_pixels), ("max_pixels", max_pixels)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ConfigError(f"{option} must be a positive integer, got {value!r}")
-    if min_pixels is not None and max_pixels is not None and min_pixels > max_pixels:
-        raise ConfigError(f"min_pixels {min_pixels} is above max_pixels {max_pixels}")
+# The options as the API's refusals spell them (the embed command passes its flags instead).
+API_NAMES = {"min_pixels": "min_pixels", "max_pixels": "max_pixels", "pooled": "pooled=True",
+             "normalize": "normalize=True"}
+
+
+def check_option_rules(*, min_pixels: int | None = None, max_pixels: int | None = None, pooled: bool = False,
+                       normalize: bool = False, names: dict[str, str] = API_NAMES) -> None:
+    """The rules across encode options, for every path that takes them (EncodeOptions, encode_patches, the Ray
+    Embedder, the embed command); ``names``: the options as the caller spells them."""
+    check_pixel_bounds(min_pixels, max_pixels, (names["min_pixels"], names["max_pixels"]))
+    if normalize and not pooled:
+        raise ConfigError(f"{names['normalize']} makes the pooled vectors unit length; the tokens a language model "
+                          f"reads are never normalized: pass {names['pooled']} too")
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Device and dtype: what the API accepts (``resolve_device``, ``resolve_dtype``), the argparse types of the
-command line's ``--device`` and ``--dtype`` (the same spellings, refused when parsed), and ``upload``, the one way
-host data reaches the device."""
+command line's ``--device`` and ``--dtype`` (the same spellings, refused when parsed), the project's dtype names
+(``DTYPE_SPELLINGS`` and its views) and ``upload``, the one way host data reaches the device."""
 
 from __future__ import annotations
 
@@ -10,12 +10,19 @@ import torch
 
 from .errors import ConfigError
 
-DTYPES = {
-    "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
-}
-DTYPE_CHOICES = "fp32/float32, bf16/bfloat16, fp16/float16/half"
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch's name of a dtype ("bfloat16"), as DTYPES and every file the project writes spell it."""
+    return str(dtype).removeprefix("torch.")
+
+
+# The one dtype table: every spelling the API and --dtype accept of a dtype the tower runs in; the rest are views.
+DTYPE_SPELLINGS = {"fp32": torch.float32, "float32": torch.float32, "float": torch.float32, "bf16": torch.bfloat16,
+                   "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16, "half": torch.float16}
+DTYPES = {dtype_name(d): d for d in DTYPE_SPELLINGS.values()}  # by the name run.json, plans and Parquet write
+DTYPE_CHOICES = ", ".join("/".join(n for n, d in DTYPE_SPELLINGS.items() if d is t) for t in DTYPES.values())
+# safetensors' names of the floats a checkpoint may store (float64 too: it is cast on load).
+SAFETENSORS_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
 
 
 def upload(tensors: list[torch.Tensor], device: torch.device | str) -> torch.Tensor:
@@ -50,19 +57,19 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if isinstance(dtype, torch.dtype):
         resolved = dtype
-    elif isinstance(dtype, str) and dtype.lower() in DTYPES:
-        resolved = DTYPES[dtype.lower()]
+    elif isinstance(dtype, str) and dtype.lower() in DTYPE_SPELLINGS:
+        resolved = DTYPE_SPELLINGS[dtype.lower()]
     else:
-        raise ConfigError(f"unsupported dtype {dtype!r}; use one of {sorted(DTYPES)}")
-    if resolved not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ConfigError(f"unsupported dtype {dtype!r}; use one of {sorted(DTYPE_SPELLINGS)}")
+    if resolved not in DTYPES.values():
         raise ConfigError(f"unsupported dtype {resolved}; use float32, bfloat16 or float16")
     return resolved
 
 
 def dtype_option(text: str) -> str:
-    """argparse type of a --dtype option: one of DTYPES' spellings."""
-    if text.lower() not in DTYPES:
-        raise argparse.ArgumentTypeError(f"unsupported dtype {text!r}; use one of {', '.join(sorted(DTYPES))}")
+    """argparse type of a --dtype option: one of DTYPE_SPELLINGS."""
+    if text.lower() not in DTYPE_SPELLINGS:
+        raise argparse.ArgumentTypeError(f"unsupported dtype {text!r}; use one of {', '.join(sorted(DTYPE_SPELLINGS))}")
     return text
 
 

@@ -39,13 +39,14 @@ from .batching import (
     DEFAULT_DECODE_TIMEOUT,
     EncodeOptions,
     Prepared,
+    check_option_rules,
     preflight,
     prepared_batches,
     refuse_one_input,
 )
 from .checkpoint.hub import resolve_folder
 from .checkpoint.weights import load_tower, open_checkpoint
-from .devices import resolve_device, resolve_dtype, upload
+from .devices import dtype_name, resolve_device, resolve_dtype, upload
 from .errors import (
     ConfigError,
     EncoderClosedError,
@@ -166,7 +167,7 @@ class VisionEncoder:
         hash, dtype). The weights are hashed on the first call (about a second per GB) and remembered."""
         if self._loaded is None:
             model = self.model
-            self._loaded = {"weights_sha256": weights_sha256(model), "dtype": str(model.dtype).removeprefix("torch.")}
+            self._loaded = {"weights_sha256": weights_sha256(model), "dtype": dtype_name(model.dtype)}
         return {"family": self.family, "config_sha256": config_sha256(self.config, self.preprocess_config),
                 **self._loaded}
 
@@ -220,8 +221,7 @@ class VisionEncoder:
         Outputs that are not finite (in any dtype: float16 overflows in the Qwen2.5-VL tower; absurd weights or a
         config overflow in any) raise ``NumericalError`` naming the items.
         """
-        if normalize and not pooled:
-            EncodeOptions(video_config=self.video_config, pooled=pooled, normalize=normalize)  # raises, one message
+        check_option_rules(pooled=pooled, normalize=normalize)
         result = self._encode_unchecked(pixel_values, grid_thw, pooled=pooled, normalize=normalize,
                                         modality=modality, pixels_sha256=pixels_sha256)
         bad = nonfinite_items(result.embeddings, result.deepstack, result.pooled)

@@ -42,6 +42,7 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 import torch
 from safetensors import SafetensorError, safe_open
 
+from ..devices import SAFETENSORS_DTYPES as FLOAT_DTYPES
 from ..errors import CheckpointError, ConfigError, QwenVLVisionError
 from ..model.build import build_model
 from ..model.config import FAMILIES, VisionConfig, from_config_json
@@ -56,9 +57,6 @@ CONFIG_FILE = "config.json"
 PREPROCESSOR_FILE = "preprocessor_config.json"
 VIDEO_PREPROCESSOR_FILE = "video_preprocessor_config.json"
 VISION_ONLY_FORMAT = "qwenvl-vision"
-# The dtypes a vision tensor may be stored in, by safetensors' names: every tower tensor is a floating-point
-# parameter, and an integer relabelling of the same bytes would load as weights.
-FLOAT_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
 # A shard's mapping keeps every page read through it resident until it is closed: it is reopened after this many
 # bytes, so a load holds the tower plus at most this much (or one tensor) of the files.
 MAPPED_BYTES = 32 << 20
@@ -323,7 +321,7 @@ def check_vision_entry(path: Path, f: safe_open, name: str, expected: torch.Tens
     except SafetensorError as e:
         raise CheckpointError(f"tensor {name} is listed in the index for {path} but is not in that shard") from e
     dtype, shape = stored.get_dtype(), stored.get_shape()
-    if dtype not in FLOAT_DTYPES:
+    if dtype not in FLOAT_DTYPES:  # every tower tensor is a float: an integer relabelling would load as weights
         raise CheckpointError(f"tensor {name} in {path} is stored as {dtype}, not as a floating-point dtype "
                               f"({', '.join(FLOAT_DTYPES)})")
     if expected is not None and tuple(shape) != tuple(expected.shape):

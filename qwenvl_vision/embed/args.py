@@ -11,8 +11,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..batching import DEFAULT_BATCH_PATCHES, DEFAULT_DECODE_TIMEOUT
-from ..devices import device_option, dtype_option
+from ..batching import DEFAULT_BATCH_PATCHES, DEFAULT_DECODE_TIMEOUT, check_option_rules
+from ..devices import DTYPE_CHOICES, device_option, dtype_option
 from ..errors import ConfigError
 from ..inputs.pixels import DEFAULT_MAX_INPUT_PIXELS, RESIZE_BACKENDS
 from ..model.attention import ATTN_IMPLS
@@ -21,6 +21,9 @@ from .inputs import INPUT_KINDS
 
 FORMATS = ("safetensors", "parquet", "vllm-cache")
 ENGINES = ("local", "ray")
+# The encode options' flags, for the refusals batching.check_option_rules makes.
+FLAGS = {"min_pixels": "--min-pixels", "max_pixels": "--max-pixels", "pooled": "--pooled-only",
+         "normalize": "--normalize"}
 
 
 def _positive_int(name: str):
@@ -105,8 +108,8 @@ def _column_names(text: str) -> tuple[str, ...]:
 
 def validate_embed_args(args: argparse.Namespace) -> None:
     """Checks across options, right after parsing (argparse checks each option alone)."""
-    if args.min_pixels is not None and args.max_pixels is not None and args.min_pixels > args.max_pixels:
-        raise ConfigError(f"--min-pixels {args.min_pixels} is above --max-pixels {args.max_pixels}")
+    check_option_rules(min_pixels=args.min_pixels, max_pixels=args.max_pixels, pooled=args.pooled_only,
+                       normalize=getattr(args, "normalize", False), names=FLAGS)
     engine = getattr(args, "engine", "local")
     if engine == "ray" and getattr(args, "format", None) == "safetensors":
         raise ConfigError("--engine ray writes --format parquet or vllm-cache (the driver writes what Ray hands "
@@ -114,9 +117,6 @@ def validate_embed_args(args: argparse.Namespace) -> None:
     if getattr(args, "format", None) == "vllm-cache" and args.pooled_only:
         raise ConfigError("--format vllm-cache stores each item's tokens, which a vLLM consumer places in the prompt: "
                           "drop --pooled-only")
-    if getattr(args, "normalize", False) and not args.pooled_only:
-        raise ConfigError("--normalize makes the pooled vectors unit length; the tokens a language model reads are "
-                          "never normalized: add --pooled-only")
     if getattr(args, "ray_address", None) and engine != "ray":
         raise ConfigError(f"--ray-address {args.ray_address} needs --engine ray")
     if getattr(args, "ray_actors", None) and engine != "ray":
@@ -148,8 +148,7 @@ def add_embed_parser(sub, parents=()) -> argparse.ArgumentParser:
     p.add_argument("--device", type=device_option,
                    help="cpu, cuda or cuda:N (default: cuda when available, else cpu; under torchrun each rank "
                         "takes cuda:LOCAL_RANK)")
-    p.add_argument("--dtype", type=dtype_option,
-                   help="fp32/float32, bf16/bfloat16, fp16/float16/half (default: bf16 on CUDA, fp32 on CPU)")
+    p.add_argument("--dtype", type=dtype_option, help=f"{DTYPE_CHOICES} (default: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--min-pixels", type=_positive_int("--min-pixels"),
                    help="smallest image area after resizing (default: the checkpoint's, e.g. 3136 for "
                         "Qwen2.5-VL, 65536 for Qwen3-VL)")

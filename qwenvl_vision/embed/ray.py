@@ -57,9 +57,9 @@ import ray
 import torch
 from ray.data.block import BlockAccessor
 
-from ..batching import DEFAULT_BATCH_PATCHES, DEFAULT_DECODE_BYTES, DEFAULT_DECODE_TIMEOUT
+from ..batching import DEFAULT_BATCH_PATCHES, DEFAULT_DECODE_BYTES, DEFAULT_DECODE_TIMEOUT, check_option_rules
 from ..encoder import load_encoder
-from ..errors import CheckpointError, ConfigError, ForwardFaultError, InputError
+from ..errors import CheckpointError, ForwardFaultError, InputError
 from ..inputs.pixels import DEFAULT_MAX_INPUT_PIXELS, input_name
 from ..inputs.video_io import is_video_file
 from ..outputs.parquet import ParquetLayout, records_of_table, result_columns
@@ -125,9 +125,7 @@ class Embedder:
         kind = kind or column
         if column is not None and kind not in INPUT_KINDS:
             raise ValueError(f"column {column!r}: pass kind= (one of {list(INPUT_KINDS)})")
-        if normalize and not pooled:
-            raise ConfigError("normalize=True makes the pooled vectors unit length; the tokens a language model "
-                              "reads are never normalized: pass pooled=True too")
+        check_option_rules(min_pixels=min_pixels, max_pixels=max_pixels, pooled=pooled, normalize=normalize)
         self.column, self.kind, self.identity_column = column, kind, identity_column
         self.opener = ItemOpener()  # a URL or a shard member named by its path: read as the local engine does
         self.pooled = pooled
@@ -144,11 +142,9 @@ class Embedder:
         self.layout = ParquetLayout.for_encoder(self.encoder, tokens=not pooled, pooled=pooled)
         video_config = None if fps is None else dataclasses.replace(self.encoder.video_config, fps=fps)
         self.options = dict(min_pixels=min_pixels, max_pixels=max_pixels, resize=resize, pooled=pooled,
-                            normalize=normalize,
-                            max_batch_patches=max_batch_patches,
-                            max_input_pixels=max_input_pixels,
-                            decode_bytes=decode_bytes, decode_timeout=decode_timeout, num_workers=num_workers,
-                            video_config=video_config,
+                            normalize=normalize, max_batch_patches=max_batch_patches,
+                            max_input_pixels=max_input_pixels, decode_bytes=decode_bytes,
+                            decode_timeout=decode_timeout, num_workers=num_workers, video_config=video_config,
                             hash_pixels=hash_pixels)
         self.spool_dir = spool_dir
         _remove_dead_spools(spool_dir)

@@ -61,6 +61,17 @@ def is_number(value: Any) -> bool:
 # --------------------------------------------------------------------------------------------------
 
 
+def check_pixel_bounds(min_pixels: int | None, max_pixels: int | None,
+                       names: tuple[str, str] = ("min_pixels", "max_pixels")) -> None:
+    """Pixel bounds: whole numbers of at least 1 (None: the checkpoint's), min not above max; ``names``: the two
+    as the caller spells them (a call's arguments, a config's fields, the command line's options)."""
+    for name, value in zip(names, (min_pixels, max_pixels)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+    if min_pixels is not None and max_pixels is not None and min_pixels > max_pixels:
+        raise ConfigError(f"{names[0]} {min_pixels} is above {names[1]} {max_pixels}")
+
+
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
     """Target (height, width): multiples of ``factor``, area within [min_pixels, max_pixels], aspect kept.
 

@@ -54,6 +54,7 @@ from .pixels import (
     RESCALE_FACTOR,
     as_hwc,
     check_aspect_ratio,
+    check_pixel_bounds,
     check_resize_backend,
     input_name,
     is_file_input,
@@ -121,8 +122,7 @@ class VideoConfig:
         if not isinstance(self.cap_pixels_per_frame, bool):
             raise ConfigError(f"VideoConfig.cap_pixels_per_frame must be true or false, got "
                               f"{self.cap_pixels_per_frame!r}")
-        if self.min_pixels > self.max_pixels:
-            raise ConfigError(f"VideoConfig.min_pixels ({self.min_pixels}) is above max_pixels ({self.max_pixels})")
+        check_pixel_bounds(self.min_pixels, self.max_pixels, ("VideoConfig.min_pixels", "VideoConfig.max_pixels"))
         if self.min_frames > self.max_frames:
             raise ConfigError(f"VideoConfig.min_frames ({self.min_frames}) is above max_frames ({self.max_frames})")
 

@@ -10,11 +10,12 @@ depend on its neighbours.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
+from ..errors import InputError
 from .attention import SegmentPlan
 from .layers import AttentionInputs, Block, PatchMerger
 
@@ -25,10 +26,32 @@ Grid = tuple[int, int, int]
 
 
 class Grids(tuple):
-    """grid_thw as (t, h, w) ints, checked against one merge size (``VisionTower.grid_list``): a tower of that merge
-    size takes them as they are, so a caller that checks first (the encoder) checks once per call."""
+    """grid_thw as (t, h, w) ints, checked against one merge size (``check_grids``): a tower of that merge size takes
+    them as they are, so a caller that checks first (the encoder) checks once per call."""
 
     merge: int
+
+
+def check_grids(grid_thw: Any, merge: int, what: str) -> Grids:
+    """An ``(n, 3)`` table of patch grids (a tensor or lists) as a tower makes them: positive integers, h and w
+    whole merged tokens; ``what``: where they came from, for the one-line InputError."""
+    if isinstance(grid_thw, Grids) and getattr(grid_thw, "merge", None) == merge:
+        return grid_thw
+    try:
+        table = torch.as_tensor(grid_thw)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise InputError(f"{what}: grid_thw is not an (n, 3) table of integers ({e})") from None
+    if table.numel() and (table.dim() != 2 or table.shape[1] != 3 or table.is_floating_point() or table.is_complex()
+                          or table.dtype == torch.bool):
+        raise InputError(f"{what}: grid_thw of shape {tuple(table.shape)} and dtype {table.dtype}, not an (n, 3) "
+                         f"table of integers")
+    grids = Grids(tuple(row) for row in table.reshape(-1, 3).tolist())
+    for i, (t, h, w) in enumerate(grids):
+        if min(t, h, w) < 1 or h % merge or w % merge:
+            raise InputError(f"{what}, item {i}: grid {(t, h, w)} is not a tower's (positive, h and w multiples of "
+                             f"the merge size {merge})")
+    grids.merge = merge
+    return grids
 
 
 def one_forward(pixel_values: torch.Tensor, grids: Grids) -> list[tuple[torch.Tensor, Grids]]:

@@ -23,12 +23,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..devices import upload
+from ..devices import dtype_name, upload
 from ..errors import ConfigError, InputError
 from .attention import ATTN_IMPLS, BACKENDS, FUSED, SegmentPlan, resolve_attn_impl
 from .cache import ShapeCache
 from .config import VisionConfig
-from .execution import Backend, Execution, Grid, Grids, ReferenceBackend
+from .execution import Backend, Execution, Grid, Grids, ReferenceBackend, check_grids
 from .layers import Block, PatchEmbed, PatchMerger, rope_cos_sin
 from .names import to_module_names_
 
@@ -205,32 +205,10 @@ class VisionTower(nn.Module):
 
     def grid_list(self, grid_thw: torch.Tensor | list) -> Grids:
         """The grids as Python ints (one host read per forward), validated against the merge size."""
-        merge = self.config.spatial_merge_size
-        if isinstance(grid_thw, Grids) and getattr(grid_thw, "merge", None) == merge:
-            return grid_thw
-        if isinstance(grid_thw, torch.Tensor):
-            if grid_thw.ndim != 2 or grid_thw.shape[1] != 3:
-                raise InputError(f"grid_thw must have shape (n, 3), got {tuple(grid_thw.shape)}")
-            if grid_thw.is_floating_point():
-                raise InputError(f"grid_thw must be an integer tensor, got {grid_thw.dtype}")
-            rows = grid_thw.tolist()
-        else:
-            rows = [list(g) for g in grid_thw]
-        grids: list[Grid] = []
-        for i, row in enumerate(rows):
-            if len(row) != 3:
-                raise InputError(f"grid_thw[{i}] must be (t, h, w), got {row}")
-            t, h, w = (int(v) for v in row)
-            if t < 1 or h < 1 or w < 1:
-                raise InputError(f"grid_thw[{i}] = {(t, h, w)} has a non-positive entry")
-            if h % merge or w % merge:
-                raise InputError(f"grid_thw[{i}] = {(t, h, w)}: h and w must be multiples of the merge size {merge}")
-            grids.append((t, h, w))
+        grids = check_grids(grid_thw, self.config.spatial_merge_size, "the tower's input")
         if not grids:
             raise InputError("grid_thw is empty: nothing to encode")
-        checked = Grids(grids)
-        checked.merge = merge
-        return checked
+        return grids
 
     def check_pixels(self, pixel_values: torch.Tensor, grids: list[Grid]) -> None:
         expected_rows = sum(t * h * w for t, h, w in grids)
@@ -329,7 +307,7 @@ class VisionTower(nn.Module):
             "out_hidden_size": cfg.out_hidden_size, "patch_size": cfg.patch_size,
             "deepstack_levels": len(cfg.deepstack_visual_indexes),
             "attn_impl": self.attn_impl, "attention": self.attention,
-            "device": str(weight.device), "dtype": str(weight.dtype).replace("torch.", ""),
+            "device": str(weight.device), "dtype": dtype_name(weight.dtype),
             "compiled": self.compiled, "parameters": sum(p.numel() for p in self.parameters()),
             **self.backend.describe(self),
         }

@@ -64,8 +64,10 @@ from typing import Any
 
 import torch
 
+from ..devices import dtype_name
 from ..errors import InputError
 from ..model.config import FAMILIES, family_named
+from ..model.execution import check_grids
 
 MODALITIES = ("image", "video")
 # mm_token_type_ids values (transformers' ProcessorMixin.create_mm_token_type_ids): 0 text, 1 image, 2 video.
@@ -109,26 +111,6 @@ class _Checked:
     merge_size: int = 2
 
 
-def _grids_of(grid_thw: Any, what: str, merge: int) -> list[tuple[int, int, int]]:
-    """An ``(n, 3)`` table of patch grids as a tower makes them: positive integers, h and w whole merged tokens."""
-    try:
-        table = torch.as_tensor(grid_thw)
-    except (TypeError, ValueError, RuntimeError) as e:
-        raise InputError(f"{what}: grid_thw is not an (n, 3) table of integers ({e})") from None
-    if table.numel() == 0:
-        return []
-    if table.dim() != 2 or table.shape[1] != 3 or table.dtype.is_floating_point or table.dtype.is_complex \
-            or table.dtype == torch.bool:
-        raise InputError(f"{what}: grid_thw of shape {tuple(table.shape)} and dtype {table.dtype}, not an (n, 3) "
-                         f"table of integers")
-    grids = [(int(t), int(h), int(w)) for t, h, w in table.tolist()]
-    for i, (t, h, w) in enumerate(grids):
-        if min(t, h, w) < 1 or h % merge or w % merge:
-            raise InputError(f"{what}, item {i}: grid {(t, h, w)} is not a tower's (positive, h and w multiples of "
-                             f"the merge size {merge})")
-    return grids
-
-
 def _family_of(name: str) -> str:
     return family_named(name, InputError).model_type
 
@@ -147,7 +129,7 @@ def _check(result: Any, what: str) -> _Checked:
     merge = getattr(result, "merge_size", 2)
     if type(merge) is not int or not 1 <= merge <= 8:
         raise InputError(f"{what}: merge_size {merge!r} is not a tower's spatial merge size (an integer 1..8)")
-    grids = _grids_of(grid_thw, what, merge)
+    grids = list(check_grids(grid_thw, merge, what))
     if len(grids) != len(embeddings):
         raise InputError(f"{what}: {len(embeddings)} embeddings but {len(grids)} grids")
     deepstack = [list(levels) for levels in (getattr(result, "deepstack", None) or [[]] * len(embeddings))]
@@ -230,7 +212,7 @@ def _by_modality(results: Sequence[Any]) -> dict[str, _Checked]:
         raise InputError(f"results from towers of different merge sizes: {sorted(merges)}")
     kinds = {(e.shape[1], e.dtype, len(levels)) for c in checked for e, levels in zip(c.embeddings, c.levels)}
     if len(kinds) > 1:  # one tower's outputs share them; items of two towers or two dtypes do not go in one prompt
-        shown = ", ".join(f"width {d} {str(t).removeprefix('torch.')} with {n} levels" for d, t, n in sorted(
+        shown = ", ".join(f"width {d} {dtype_name(t)} with {n} levels" for d, t, n in sorted(
             kinds, key=str))
         raise InputError(f"the results' items differ in width, dtype or DeepStack levels ({shown}): hand over the "
                          f"items of one tower and one dtype")

@@ -48,6 +48,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from ..devices import DTYPES, dtype_name
 from ..errors import ManifestError
 from ..inputs.pixels import is_url
 from ..inputs.urls import redacted_text
@@ -61,7 +62,6 @@ STATUSES = ("ok", "error")
 # The video struct holds what embed's manifest records for a video file (see video.VideoInfo).
 VIDEO_TYPE = pa.struct([("frames", pa.list_(pa.int64())), ("timestamps", pa.list_(pa.float64())),
                         ("fps", pa.float64()), ("sampled_fps", pa.float64()), ("total_frames", pa.int64())])
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CARRIED_TYPES = {"string": pa.string(), "json": pa.string(), "int64": pa.int64(), "float64": pa.float64(),
                  "bool": pa.bool_()}
 
@@ -100,7 +100,7 @@ class ParquetLayout:
         """The layout of what ``encoder`` (a ``VisionEncoder``) produces, with ``columns`` carried."""
         config = encoder.config
         return cls(dim=config.out_hidden_size, levels=len(config.deepstack_visual_indexes),
-                   merge_size=config.spatial_merge_size, dtype=str(encoder.dtype).removeprefix("torch."),
+                   merge_size=config.spatial_merge_size, dtype=dtype_name(encoder.dtype),
                    tokens=tokens, pooled=pooled, columns=tuple((columns or {}).items()))
 
     @property
@@ -356,7 +356,7 @@ def _damaged_row(column: pa.Array, per_row_vectors: bool, dtype: torch.dtype | N
         with np.errstate(over="ignore"):  # a value past fp16's range is inexact, not an error
             inexact = values.astype(np.float16).astype(np.float32) != values
     row = _first_valid_row(column, offsets, np.unique(np.flatnonzero(inexact & ~np.isnan(values)) // size))
-    return None if row is None else (row, f"holds a value a {str(dtype).removeprefix('torch.')} run cannot have stored")
+    return None if row is None else (row, f"holds a value a {dtype_name(dtype)} run cannot have stored")
 
 
 def _first_valid_row(column: pa.Array, offsets: np.ndarray, vector_indices: np.ndarray) -> int | None:

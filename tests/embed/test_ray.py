@@ -191,9 +191,11 @@ def test_a_failed_spool_write_leaves_no_file_and_a_dead_actors_spool_goes(embedd
     assert sorted(tmp_path.iterdir()) == [alive]
 
 
-def test_normalize_without_pooled_is_refused_before_the_tower_loads(checkpoint3):
+def test_crossed_options_are_refused_before_the_tower_loads(checkpoint3):
     with pytest.raises(ConfigError, match="pass pooled=True too"):
         Embedder(str(checkpoint3), **LOAD, normalize=True)
+    with pytest.raises(ConfigError, match="min_pixels 9000 is above max_pixels 4000"):
+        Embedder(str(checkpoint3), **LOAD, min_pixels=9000, max_pixels=4000)
 
 
 def test_image_column_and_pooled(checkpoint3, encoder):

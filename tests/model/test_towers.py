@@ -291,6 +291,8 @@ def test_bad_inputs_are_named():
         model(pixel_values[:15], torch.tensor([[1, 3, 5]]))
     with pytest.raises(InputError, match=r"\(n, 3\)"):
         model(pixel_values, torch.tensor([1, 4, 4]))
+    with pytest.raises(InputError, match="table of integers"):  # the grid check the hand-offs make too
+        model(pixel_values, [[1, 4.5, 4]])
 
 
 # ----------------------------------------------------------------------------- caches

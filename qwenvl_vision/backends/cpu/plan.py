@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ... import devices
+from ...devices import dtype_name
 from ...errors import ConfigError
 from .kernels import DEFAULT_CHUNK_BYTES, onednn_linear_available
 from .workspace import DEFAULT_SCRATCH_ELEMENTS
@@ -42,7 +44,8 @@ SIZE_FIELDS = {"mlp": ("rows of a block", MLP_ROW_CHOICES), "linear_chunk": ("by
 MACHINE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")  # a machine key (16 hex digits), or a caller's short name
 LINEAR_KERNELS = ("addmm", "onednn")
 ATTENTION_PATHS = ("sdpa", "gemm")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# The dtypes a plan times kernels for (float16 runs torch's own kernels).
+DTYPES = {name: devices.DTYPES[name] for name in ("float32", "bfloat16")}
 # Segment lengths the attention probe times; a segment takes the choice of the nearest one (in log2). Beyond
 # MAX_GEMM_LENGTH a segment runs SDPA without asking: the GEMM path holds one head's L x L fp32 scores (256 MiB at
 # 8,192 tokens), a memory bound, not a speed one.
@@ -58,10 +61,6 @@ MLP_KEY = re.compile(r"(gated|plain):([0-9]{1,9})x([0-9]{1,9}):([a-z_]+):(float3
 BLOCK_KEY = re.compile(r"(gated|plain):(rms|layer):([0-9]{1,9})x([0-9]{1,9}):([0-9]{1,9}):([a-z_]+):(float32|bfloat16)")
 KEYS = {"linear": LINEAR_KEY, "attention": ATTENTION_KEY, "mlp": MLP_KEY, "linear_chunk": BLOCK_KEY,
         "scratch": BLOCK_KEY}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def linear_key(in_features: int, out_features: int, dtype: torch.dtype) -> str:
