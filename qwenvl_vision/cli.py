@@ -148,9 +148,10 @@ def cmd_extract_weights(args: argparse.Namespace) -> int:
 
 def _stored_dtype(folder: Path):
     """Keep the checkpoint's own dtype when extracting (the first vision tensor's)."""
-    from .checkpoint.weights import FLOAT_DTYPES, open_checkpoint, vision_entries
+    from .checkpoint.weights import open_checkpoint, vision_entries
+    from .devices import SAFETENSORS_DTYPES
 
-    return FLOAT_DTYPES[next(iter(vision_entries(open_checkpoint(folder)).values()))["dtype"]]
+    return SAFETENSORS_DTYPES[next(iter(vision_entries(open_checkpoint(folder)).values()))["dtype"]]
 
 
 def _preset_report(name: str) -> dict:

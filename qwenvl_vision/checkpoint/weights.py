@@ -42,7 +42,7 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ..devices import SAFETENSORS_DTYPES as FLOAT_DTYPES
+from ..devices import SAFETENSORS_DTYPES
 from ..errors import CheckpointError, ConfigError, QwenVLVisionError
 from ..model.build import build_model
 from ..model.config import FAMILIES, VisionConfig, from_config_json
@@ -321,12 +321,12 @@ def check_vision_entry(path: Path, f: safe_open, name: str, expected: torch.Tens
     except SafetensorError as e:
         raise CheckpointError(f"tensor {name} is listed in the index for {path} but is not in that shard") from e
     dtype, shape = stored.get_dtype(), stored.get_shape()
-    if dtype not in FLOAT_DTYPES:  # every tower tensor is a float: an integer relabelling would load as weights
+    if dtype not in SAFETENSORS_DTYPES:  # every tower tensor is a float: an integer relabelling would load as weights
         raise CheckpointError(f"tensor {name} in {path} is stored as {dtype}, not as a floating-point dtype "
-                              f"({', '.join(FLOAT_DTYPES)})")
+                              f"({', '.join(SAFETENSORS_DTYPES)})")
     if expected is not None and tuple(shape) != tuple(expected.shape):
         raise CheckpointError(f"tensor {name} in {path} has shape {tuple(shape)}, expected {tuple(expected.shape)}")
-    return {"dtype": dtype, "shape": shape, "bytes": math.prod(shape) * FLOAT_DTYPES[dtype].itemsize}
+    return {"dtype": dtype, "shape": shape, "bytes": math.prod(shape) * SAFETENSORS_DTYPES[dtype].itemsize}
 
 
 def vision_entries(checkpoint: VisionCheckpoint) -> dict[str, dict]:

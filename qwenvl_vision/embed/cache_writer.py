@@ -18,8 +18,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
-
+from ..devices import DTYPES
 from ..errors import OutputFaultError, QwenVLVisionError
 from ..inputs.item_ids import IDENTITY_FIELDS, is_sha256, item_id
 from ..inputs.urls import redacted_text
@@ -37,7 +36,7 @@ class CacheRankWriter(RankWriter):
         super().__init__(out, rank, world, run["run_id"], run.get("cwd"))
         self.identity = {k: run[k] for k in IDENTITY_FIELDS}
         self.family = run["family"]
-        self.dtype = getattr(torch, run["dtype"])
+        self.dtype = DTYPES[run["dtype"]]
         self.tag = f"{self.run_id}-r{rank}"  # ranks that meet on one id write their own temporary files
 
     def temporary_files(self) -> list[str]:

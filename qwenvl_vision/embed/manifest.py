@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..devices import DTYPES
 from ..inputs.pixels import is_url
 from .inputs import real_key
 from .tables import COLUMN_TYPES
@@ -222,7 +223,7 @@ RUN_FIELD_CHECKS: dict[str, tuple[Any, str]] = {
                "a model family's name"),
     "config_sha256": (_hex64, "64 lowercase hex digits"),
     "weights_sha256": (_hex64, "64 lowercase hex digits"),
-    "dtype": (lambda v: v in ("float32", "bfloat16", "float16"), "float32, bfloat16 or float16"),
+    "dtype": (lambda v: v in DTYPES, ", ".join(DTYPES)),
     "min_pixels": (lambda v: _count(v, 1), "a positive integer"),
     "max_pixels": (lambda v: _count(v, 1), "a positive integer"),
     "resize": (lambda v: v in ("pil", "torch"), "pil or torch"),

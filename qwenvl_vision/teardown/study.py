@@ -38,6 +38,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from ..devices import dtype_name
 from ..errors import ConfigError
 from ..outputs.durable import replace_atomically
 from .cycles import (
@@ -214,7 +215,7 @@ def cmd_teardown(args: argparse.Namespace, extra_variants: dict[str, VariantFact
         run_cycle(warm, "del", inputs, device, None, log)
 
     report: dict[str, Any] = {
-        "device": str(device), "model": label, "dtype": str(dtype).replace("torch.", ""),
+        "device": str(device), "model": label, "dtype": dtype_name(dtype),
         "metric": "cuda_allocated" if device.type == "cuda" else "tensor_census",
         "inputs": None, "grids": [list(g) for g in inputs.grids], "cycles_requested": args.cycles,
         "warmup": warmup, "torch": torch.__version__, "runs": [], "skipped": skipped, "snapshots": [],
