@@ -1,6 +1,6 @@
-"""The machine's CPU plan (qwenvl_vision.backends.cpu.machine, cpu.plan): measured once per machine and reused by later
-processes (the same bits), safe against corrupt, truncated, foreign and invalid files, an unwritable folder and
-two processes tuning at once; strict as a dict; and a run's plan applied on any machine."""
+"""The machine's CPU plan (qwenvl_vision.backends.cpu.machine, cpu.probes, cpu.plan): measured once per machine
+and reused by later processes (the same bits), safe against corrupt, truncated, foreign and invalid files, an
+unwritable folder and two processes tuning at once; strict as a dict; and a run's plan applied on any machine."""
 
 from __future__ import annotations
 
@@ -17,10 +17,19 @@ import pytest
 import torch
 
 from qwenvl_vision import ConfigError, load_encoder
-from qwenvl_vision.backends.cpu import machine
+from qwenvl_vision.backends.cpu import machine, probes
 from qwenvl_vision.backends.cpu.kernels import DEFAULT_CHUNK_BYTES, onednn_packs
 from qwenvl_vision.backends.cpu.machine import machine_identity, machine_key, machine_plan
-from qwenvl_vision.backends.cpu.plan import DEFAULT_MLP_ROWS, PROBE_LENGTHS, CpuPlan, PlanNeeds, attention_key
+from qwenvl_vision.backends.cpu.plan import (
+    CHUNK_CHOICES,
+    DEFAULT_MLP_ROWS,
+    MLP_ROW_CHOICES,
+    PROBE_LENGTHS,
+    SCRATCH_CHOICES,
+    CpuPlan,
+    PlanNeeds,
+    attention_key,
+)
 from qwenvl_vision.backends.cpu.workspace import DEFAULT_SCRATCH_ELEMENTS
 from tests.helpers import QWEN2_5_SMALL, grids_for, inputs, skip_unless_onednn_runs
 
@@ -222,10 +231,10 @@ def test_an_mlp_is_timed_whole_and_its_shapes_run_packed_where_it_ran_faster_so(
 
     if not onednn_linear_available():
         pytest.skip("this torch has no oneDNN linear")
-    monkeypatch.setattr(machine, "measure_linear", lambda *_, **__: kernel)
-    monkeypatch.setattr(machine, "onednn_packs", lambda dtype: True)  # the probes are mocked: any CPU
+    monkeypatch.setattr(probes, "measure_linear", lambda *_, **__: kernel)
+    monkeypatch.setattr(probes, "onednn_packs", lambda dtype: True)  # the probes are mocked: any CPU
     timed = []
-    monkeypatch.setattr(machine, "measure_mlp", lambda *a, **k: timed.append(a) or (
+    monkeypatch.setattr(probes, "measure_mlp", lambda *a, **k: timed.append(a) or (
         (True, 256) if whole_mlp_packed or kernel == "onednn" else (False, DEFAULT_MLP_ROWS)))
     shapes = (64, 192, torch.bfloat16), (96, 64, torch.bfloat16)
     needs = PlanNeeds(frozenset(shapes), frozenset(), frozenset({("gated", 64, 96, "silu", torch.bfloat16)}))
@@ -239,13 +248,13 @@ def test_an_mlp_is_timed_whole_and_its_shapes_run_packed_where_it_ran_faster_so(
     # too: the MLP is not timed whole, since only a mix of kernels nobody timed together could follow.
     missing = PlanNeeds(frozenset(shapes[1:]), frozenset(), needs.mlp)
     recorded = CpuPlan("m", {"64x192:bfloat16": "addmm"})
-    again = machine.measure(missing, "m", recorded).with_entries(recorded)
+    again = probes.measure(missing, "m", recorded).with_entries(recorded)
     assert len(timed) == 1
     assert [again.linear_kernel(*s) for s in shapes] == ["addmm", kernel]
     assert again.mlp == {"gated:64x96:silu:bfloat16": DEFAULT_MLP_ROWS}
     # Recorded as oneDNN, the MLP is timed with it, and both packed (what it timed) may follow.
     recorded = CpuPlan("m", {"64x192:bfloat16": "onednn"})
-    again = machine.measure(missing, "m", recorded).with_entries(recorded)
+    again = probes.measure(missing, "m", recorded).with_entries(recorded)
     assert timed[-1] == ("gated", 64, 96, "silu", torch.bfloat16, (True, kernel == "onednn"))
     assert [again.linear_kernel(*s) for s in shapes] == ["onednn", "onednn" if both else "addmm"]
     assert again.mlp == {"gated:64x96:silu:bfloat16": 256 if both else DEFAULT_MLP_ROWS}
@@ -266,25 +275,25 @@ def test_an_mlp_is_timed_as_chosen_then_packed_then_per_block_rows(monkeypatch, 
         pytest.skip("this torch has no oneDNN linear")
     skip_unless_onednn_runs(torch.bfloat16)  # it runs real bf16 MLPs on oneDNN
     calls, ran = iter(timings), []
-    monkeypatch.setattr(machine, "best_seconds", lambda fn, repeats: (fn(), next(calls))[1])
-    real_mlp = machine.CpuExecution.mlp
+    monkeypatch.setattr(probes, "best_seconds", lambda fn, repeats: (fn(), next(calls))[1])
+    real_mlp = probes.CpuExecution.mlp
 
     def spied_mlp(self, mlp, x, residual):  # the linears' kernels of each timed MLP, as it ran
         ran.append(tuple(m.weight.is_mkldnn for m in mlp.children() if isinstance(m, torch.nn.Linear)))
         return real_mlp(self, mlp, x, residual)
 
-    monkeypatch.setattr(machine.CpuExecution, "mlp", spied_mlp)
-    assert machine.measure_mlp("gated", 64, 96, "silu", torch.bfloat16, (False, True)) == expected
+    monkeypatch.setattr(probes.CpuExecution, "mlp", spied_mlp)
+    assert probes.measure_mlp("gated", 64, 96, "silu", torch.bfloat16, (False, True)) == expected
     assert next(calls, None) is None
     assert ran == [(False, True)] + [(True, True)] * (len(timings) - 1)  # as told first, then both packed
     calls = iter((0.9, 0.2, 0.9, 0.9, 0.9))
-    assert machine.measure_mlp("plain", 64, 96, "gelu_pytorch_tanh", torch.bfloat16, (True, True)) == (True, 256)
+    assert probes.measure_mlp("plain", 64, 96, "gelu_pytorch_tanh", torch.bfloat16, (True, True)) == (True, 256)
     # fp32 keeps the lone choices unless both packed ran 10% faster (oneDNN rounds differently from addmm)
     calls = iter((1.0, 0.95))
-    assert machine.measure_mlp("plain", 64, 96, "gelu_pytorch_tanh", torch.float32, (False, False)) == (
+    assert probes.measure_mlp("plain", 64, 96, "gelu_pytorch_tanh", torch.float32, (False, False)) == (
         False, DEFAULT_MLP_ROWS)
     calls = iter((1.0, 0.85, 0.9, 0.9, 0.9, 0.9, 0.9))
-    assert machine.measure_mlp("plain", 64, 96, "gelu_pytorch_tanh", torch.float32, (False, False)) == (
+    assert probes.measure_mlp("plain", 64, 96, "gelu_pytorch_tanh", torch.float32, (False, False)) == (
         True, DEFAULT_MLP_ROWS)
 
 
@@ -304,15 +313,15 @@ def test_a_block_s_chunk_and_scratch_are_measured_on_the_plan_s_kernels_and_only
     needs = PlanNeeds(frozenset({(64, 192, torch.float32), (64, 64, torch.float32), (64, 96, torch.float32),
                                  (96, 64, torch.float32)}), frozenset({(torch.float32, 2, 32)}),
                       frozenset({("plain", 64, 96, "gelu_pytorch_tanh", torch.float32)}), frozenset({block}))
-    monkeypatch.setattr(machine, "measure_linear", lambda *_, **__: kernel)
-    monkeypatch.setattr(machine, "onednn_packs", lambda dtype: True)  # the probes are mocked: any CPU
+    monkeypatch.setattr(probes, "measure_linear", lambda *_, **__: kernel)
+    monkeypatch.setattr(probes, "onednn_packs", lambda dtype: True)  # the probes are mocked: any CPU
     # the MLP keeps its lone choices (timed whole it might pack them, which is another test's)
-    monkeypatch.setattr(machine, "measure_mlp", lambda *a, **__: (all(a[5]), DEFAULT_MLP_ROWS))
+    monkeypatch.setattr(probes, "measure_mlp", lambda *a, **__: (all(a[5]), DEFAULT_MLP_ROWS))
     timed, searched = [], []
-    real, real_fastest = machine.measure_block_sizes, machine.fastest
-    monkeypatch.setattr(machine, "measure_block_sizes",
+    real, real_fastest = probes.measure_block_sizes, probes.fastest
+    monkeypatch.setattr(probes, "measure_block_sizes",
                         lambda need, plan, **k: timed.append((need, dict(plan.linear))) or real(need, plan, **k))
-    monkeypatch.setattr(machine, "fastest", lambda seconds, default: searched.append(tuple(seconds))
+    monkeypatch.setattr(probes, "fastest", lambda seconds, default: searched.append(tuple(seconds))
                         or real_fastest(seconds, default))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a probe that failed would warn and record the defaults
@@ -320,16 +329,16 @@ def test_a_block_s_chunk_and_scratch_are_measured_on_the_plan_s_kernels_and_only
     key = "plain:layer:64x2:96:gelu_pytorch_tanh:float32"
     assert timed == [(block, dict.fromkeys(full.linear, kernel))]  # timed on the kernels chosen before
     # both searches ran where a linear runs packed; the scratch alone where none does (no chunks to size)
-    assert searched == ([machine.CHUNK_CHOICES] if kernel == "onednn" else []) + [machine.SCRATCH_CHOICES]
+    assert searched == ([CHUNK_CHOICES] if kernel == "onednn" else []) + [SCRATCH_CHOICES]
     assert set(full.linear_chunk) == set(full.scratch) == {key}
-    assert full.scratch_elements(block) in machine.SCRATCH_CHOICES
-    assert full.chunk_bytes(block) in (machine.CHUNK_CHOICES if kernel == "onednn" else (DEFAULT_CHUNK_BYTES,))
+    assert full.scratch_elements(block) in SCRATCH_CHOICES
+    assert full.chunk_bytes(block) in (CHUNK_CHOICES if kernel == "onednn" else (DEFAULT_CHUNK_BYTES,))
     path = plan_file(folder)
     stored = json.loads(path.read_text())
     path.write_text(json.dumps({**stored, "linear_chunk": {}, "scratch": {}}))
     forget(monkeypatch)
     for probe in ("measure_linear", "measure_attention", "measure_mlp"):
-        monkeypatch.setattr(machine, probe, lambda *_, probe=probe, **__: pytest.fail(f"{probe} ran again"))
+        monkeypatch.setattr(probes, probe, lambda *_, probe=probe, **__: pytest.fail(f"{probe} ran again"))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the file is read, not refused
         again = machine_plan(needs)
@@ -339,23 +348,24 @@ def test_a_block_s_chunk_and_scratch_are_measured_on_the_plan_s_kernels_and_only
 
 
 def test_a_size_other_than_the_default_must_be_clearly_faster():
-    assert machine.fastest({1: 0.90, 4: 1.0, 8: 0.99}, 4) == 1
-    assert machine.fastest({1: 0.97, 4: 1.0, 8: 0.99}, 4) == 4  # within the margin: the default stays
-    assert machine.fastest({1: 0.97, 8: 1.0}, 4) == 1  # no default among the choices: the fastest
+    assert probes.fastest({1: 0.90, 4: 1.0, 8: 0.99}, 4) == 1
+    assert probes.fastest({1: 0.97, 4: 1.0, 8: 0.99}, 4) == 4  # within the margin: the default stays
+    assert probes.fastest({1: 0.97, 8: 1.0}, 4) == 1  # no default among the choices: the fastest
 
 
 def test_without_onednn_a_plan_holds_torch_s_kernels_and_block_sizes_and_is_complete(fresh, monkeypatch):
     """A torch without oneDNN's linear: addmm and SDPA everywhere, no chunks to size (the default chunk), the
     scratch measured; the plan then lacks nothing, so a later load measures nothing."""
     folder, calls = fresh
-    monkeypatch.setattr(machine, "onednn_linear_available", lambda: False)
+    for module in (machine, probes):  # the machine's identity and what its probes time
+        monkeypatch.setattr(module, "onednn_linear_available", lambda: False)
     block = ("gated", "rms", 64, 2, 96, "silu", torch.float32)
     needs = PlanNeeds(frozenset({(64, 192, torch.float32), (96, 64, torch.float32), (64, 64, torch.float32)}),
                       frozenset({(torch.float32, 2, 32)}), frozenset({("gated", 64, 96, "silu", torch.float32)}),
                       frozenset({block}))
     plan = machine_plan(needs)
     assert set(plan.linear.values()) == {"addmm"} and set(plan.attention.values()) == {"sdpa"}
-    assert plan.chunk_bytes(block) == DEFAULT_CHUNK_BYTES and plan.scratch_elements(block) in machine.SCRATCH_CHOICES
+    assert plan.chunk_bytes(block) == DEFAULT_CHUNK_BYTES and plan.scratch_elements(block) in SCRATCH_CHOICES
     assert plan.missing(needs).empty()
     forget(monkeypatch)
     assert machine_plan(needs) == plan and len(calls) == 1
@@ -367,14 +377,14 @@ def test_measuring_leaves_the_caller_s_random_state_alone(fresh, monkeypatch):
 
     if not onednn_linear_available():
         pytest.skip("this torch has no oneDNN linear")
-    monkeypatch.setattr(machine, "measure_linear", lambda *_, **__: "onednn")
-    monkeypatch.setattr(machine, "onednn_packs", lambda dtype: True)  # the probes are mocked: any CPU
+    monkeypatch.setattr(probes, "measure_linear", lambda *_, **__: "onednn")
+    monkeypatch.setattr(probes, "onednn_packs", lambda dtype: True)  # the probes are mocked: any CPU
     timed = []
-    real = machine.measure_mlp
-    monkeypatch.setattr(machine, "measure_mlp", lambda *a, **k: timed.append(a) or real(*a, **k))
+    real = probes.measure_mlp
+    monkeypatch.setattr(probes, "measure_mlp", lambda *a, **k: timed.append(a) or real(*a, **k))
     blocks = []
-    real_block = machine.measure_block_sizes
-    monkeypatch.setattr(machine, "measure_block_sizes", lambda *a, **k: blocks.append(a) or real_block(*a, **k))
+    real_block = probes.measure_block_sizes
+    monkeypatch.setattr(probes, "measure_block_sizes", lambda *a, **k: blocks.append(a) or real_block(*a, **k))
     needs = PlanNeeds(frozenset({(64, 192, torch.float32), (96, 64, torch.float32), (64, 64, torch.float32)}),
                       frozenset(), frozenset({("gated", 64, 96, "silu", torch.float32)}),
                       frozenset({("gated", "rms", 64, 2, 96, "silu", torch.float32)}))
@@ -538,8 +548,7 @@ def test_a_plan_with_a_field_out_of_range_is_refused_naming_it(field, value, nam
 def test_the_defaults_and_a_measured_plan_round_trip(fresh):
     """Every size the probes can choose, and a plan measured here, read back as they were."""
     assert CpuPlan.from_dict(json.loads(json.dumps(GOOD.to_dict()))) == GOOD
-    for rows, chunk, scratch in zip(machine.MLP_ROW_CHOICES, machine.CHUNK_CHOICES * 2, machine.SCRATCH_CHOICES,
-                                    strict=False):
+    for rows, chunk, scratch in zip(MLP_ROW_CHOICES, CHUNK_CHOICES * 2, SCRATCH_CHOICES, strict=False):
         plan = CpuPlan("m", mlp={"gated:64x96:silu:float32": rows}, linear_chunk={BLOCK: chunk},
                        scratch={BLOCK: scratch})
         assert CpuPlan.from_dict(plan.to_dict()) == plan

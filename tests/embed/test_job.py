@@ -357,11 +357,11 @@ def test_debug_shows_the_traceback(tmp_path, checkpoint, capsys):
 
 def machine_measures(monkeypatch, tmp_path, kernel: str) -> None:
     """This process's machine plan made to choose ``kernel`` for every linear: a fresh cache folder, no memo."""
-    from qwenvl_vision.backends.cpu import machine as plan
+    from qwenvl_vision.backends.cpu import machine, probes
 
     monkeypatch.setenv("QWENVL_VISION_CACHE", str(tmp_path / f"cache-{kernel}"))
-    monkeypatch.setattr(plan, "PLANS", {})
-    monkeypatch.setattr(plan, "measure_linear", lambda *_, **__: kernel)
+    monkeypatch.setattr(machine, "PLANS", {})
+    monkeypatch.setattr(probes, "measure_linear", lambda *_, **__: kernel)
 
 
 def test_a_resume_and_every_rank_use_the_run_s_cpu_plan(tmp_path, checkpoint, monkeypatch):

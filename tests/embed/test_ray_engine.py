@@ -157,15 +157,15 @@ def test_actors_run_at_the_run_threads_and_plan_bitwise_another_process(tmp_path
     encode_images in this process under the same threads and plan."""
     import json
 
-    from qwenvl_vision.backends.cpu import machine as plan
+    from qwenvl_vision.backends.cpu import machine, probes
     from qwenvl_vision.backends.cpu.kernels import onednn_linear_available
 
     if not onednn_linear_available():
         pytest.skip("this torch has no oneDNN linear")
     paths = make_image_folder(tmp_path / "imgs", 3, bad=False)
     monkeypatch.setenv("QWENVL_VISION_CACHE", str(tmp_path / "driver-cache"))  # the actors keep the session's
-    monkeypatch.setattr(plan, "PLANS", {})
-    monkeypatch.setattr(plan, "measure_linear", lambda *_, **__: "onednn")
+    monkeypatch.setattr(machine, "PLANS", {})
+    monkeypatch.setattr(probes, "measure_linear", lambda *_, **__: "onednn")
     monkeypatch.setattr(ray_engine, "UDF", Reports)
     out = tmp_path / "out"
     assert main(["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(out), "--engine", "ray",

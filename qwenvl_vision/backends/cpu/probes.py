@@ -1,0 +1,266 @@
+"""The probes that choose this machine's CPU plan: each times the kernels as the backend calls them, on random
+operands of the shape (the rate depends on the shape, not on the values), and keeps the default unless another
+choice ran clearly faster. ``measure`` turns what towers need into plan entries; ``machine`` stores them.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...model.attention import SegmentPlan
+from ...model.layers import MLP, Block, GatedMLP, RMSNorm
+from .forward import CpuExecution
+from .kernels import (
+    DEFAULT_CHUNK_BYTES,
+    best_seconds,
+    gemm_attention,
+    onednn_linear_available,
+    onednn_packs,
+    pack_weight,
+    packed_chunks,
+)
+from .packing import PackedLinear
+from .plan import (
+    CHUNK_CHOICES,
+    DEFAULT_MLP_ROWS,
+    DTYPES,
+    MLP_ROW_CHOICES,
+    PROBE_LENGTHS,
+    SCRATCH_CHOICES,
+    CpuPlan,
+    PlanNeeds,
+    attention_key,
+    block_key,
+    dtype_name,
+    linear_key,
+    mlp_key,
+)
+from .workspace import DEFAULT_SCRATCH_ELEMENTS, Workspace
+
+PROBE_TOKENS = 2048  # tokens per attention probe (segments of a length batched up to it): rates, not totals
+LINEAR_PROBE_ROWS = 1024  # the towers' packs hold thousands of rows, and the rate flattens by here
+MLP_PROBE_ROWS = 2048
+BLOCK_PROBE_SEGMENTS = (1024,)  # one frame of a photo's size: on the CPU each item runs as its own forward
+# How much faster oneDNN must time than addmm to be chosen, per dtype (for a lone linear, and for a whole MLP
+# against its linears' lone choices). fp32: 10%, since oneDNN's rounding is not the reference's; bf16: 5% slower
+# still wins, since both round alike there and a packed linear's chunks are consumed while in cache.
+ONEDNN_FASTER_BY = {"float32": 1.10, "bfloat16": 0.95}
+# Near the best, an MLP's block rows and a block's chunk and scratch sizes time alike within noise (the scratch
+# changes no bit; the rows and the chunk may move a last fp32 bit, so a plan records them): a size other than the
+# default is taken only where it ran this much faster.
+SIZE_FASTER_BY = 1.05
+# Raised whenever the probes would choose differently on the same machine (what they time, their margins): a cache
+# file of older probes is then another machine key, and its machine is measured afresh. A recorded run's plan is
+# not affected: it runs as recorded.
+PROBE_REVISION = 2
+
+
+def warn(message: str) -> None:
+    warnings.warn(f"qwenvl-vision: {message}", RuntimeWarning, stacklevel=3)
+
+
+def measure_linear(in_features: int, out_features: int, dtype: torch.dtype, repeats: int = 3) -> str:
+    """The kernel for a (rows, in) x (in, out) product in ``dtype`` here: addmm into a reused output, or oneDNN's
+    prepacked linear on row chunks the next step reads as they come (as the backend calls each)."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
+    x = torch.randn(LINEAR_PROBE_ROWS, in_features, generator=generator).to(dtype)
+    bias, out = torch.zeros(out_features, dtype=dtype), torch.empty(LINEAR_PROBE_ROWS, out_features, dtype=dtype)
+
+    def onednn(packed: torch.Tensor) -> None:
+        for _ in packed_chunks(x, packed, bias, DEFAULT_CHUNK_BYTES):
+            pass
+
+    addmm_s = best_seconds(lambda: torch.addmm(bias, x, weight.t(), out=out), repeats)
+    try:
+        packed = pack_weight(weight)
+        onednn_s = best_seconds(lambda: onednn(packed), repeats)
+    except RuntimeError as e:  # a oneDNN kernel this CPU cannot run in this dtype: torch's own kernel runs
+        warn(f"oneDNN's linear failed for {in_features}x{out_features} {dtype_name(dtype)} ({e}); using addmm")
+        return "addmm"
+    return "onednn" if onednn_s * ONEDNN_FASTER_BY[dtype_name(dtype)] < addmm_s else "addmm"
+
+
+def measure_block_sizes(need: tuple, plan: CpuPlan, repeats: int = 3) -> tuple[int, int]:
+    """(output bytes per packed linear call of CHUNK_CHOICES, scratch elements of SCRATCH_CHOICES) at which one of
+    the tower's blocks ran fastest here, on ``plan``'s kernels, as the backend runs it: BLOCK_PROBE_SEGMENTS frames
+    of random tokens through a block of random weights. The chunk is chosen first (on the default scratch; the
+    default where no linear runs packed), then the scratch with it; each is the default unless another ran
+    SIZE_FASTER_BY faster."""
+    mlp, norm, dim, heads, hidden, act, dtype = need
+    generator = torch.Generator().manual_seed(0)  # never the caller's random state
+    with torch.device("meta"):
+        block = Block(dim, heads, hidden, act, norm, mlp)
+    block = random_module(block, dtype, generator,
+                          lambda linear: plan.linear_kernel(linear.in_features, linear.out_features, dtype) == "onednn")
+    rows = sum(BLOCK_PROBE_SEGMENTS)
+    start = torch.randn(rows, dim, generator=generator).to(dtype)
+    x = torch.empty_like(start)
+    angles = torch.rand(rows, dim // heads, generator=generator) * 6
+    segments = SegmentPlan.from_lengths(list(BLOCK_PROBE_SEGMENTS), "cpu")
+
+    def seconds(chunk: int, scratch: int) -> float:
+        run = CpuExecution(plan, Workspace.for_blocks(rows, dim, mlp, hidden, dtype, "cpu", scratch), chunk)
+        inputs = run.attention_inputs((angles.cos(), angles.sin()), segments)
+        return best_seconds(lambda: run.block(block, x.copy_(start), inputs), repeats)
+
+    packed = any(isinstance(m, PackedLinear) for m in block.modules())
+    chunk = DEFAULT_CHUNK_BYTES
+    if packed:
+        chunk = fastest({c: seconds(c, DEFAULT_SCRATCH_ELEMENTS) for c in CHUNK_CHOICES}, DEFAULT_CHUNK_BYTES)
+    return chunk, fastest({e: seconds(chunk, e) for e in SCRATCH_CHOICES}, DEFAULT_SCRATCH_ELEMENTS)
+
+
+def fastest(seconds: dict[int, float], default: int) -> int:
+    """The fastest choice, or ``default`` unless that one is SIZE_FASTER_BY faster."""
+    best = min(seconds, key=seconds.get)
+    return best if seconds[best] * SIZE_FASTER_BY < seconds.get(default, float("inf")) else default
+
+
+def measure_attention(dtype: torch.dtype, heads: int, head_dim: int, repeats: int = 2) -> dict[str, str]:
+    """The attention path per probe length for segments of (heads, head_dim) in ``dtype`` here: SDPA or the GEMM
+    form, whichever ran faster on PROBE_TOKENS tokens of such segments."""
+    generator = torch.Generator().manual_seed(0)
+    choices = {}
+    for length in PROBE_LENGTHS:
+        count = max(1, PROBE_TOKENS // length)
+        q, k, v = (torch.randn(count * length, heads, head_dim, generator=generator).to(dtype) for _ in range(3))
+        try:
+            sdpa_s, gemm_s = attention_seconds(q, k, v, count, repeats)
+        except RuntimeError as e:  # a oneDNN kernel this CPU cannot run in this dtype: SDPA runs
+            warn(f"GEMM attention failed for {heads}x{head_dim} {dtype_name(dtype)} ({e}); using SDPA")
+            sdpa_s, gemm_s = 0.0, float("inf")
+        choices[attention_key(dtype, heads, head_dim, length)] = "gemm" if gemm_s < sdpa_s else "sdpa"
+    return choices
+
+
+def attention_seconds(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int, repeats: int
+                      ) -> tuple[float, float]:
+    """Seconds of ``count`` equal segments by SDPA (as ``attention.sdpa_batched`` calls it) and by the GEMM form."""
+    out, scale = torch.empty_like(q), q.shape[-1] ** -0.5
+    length, heads, head_dim = q.shape[0] // count, q.shape[1], q.shape[2]
+
+    def sdpa() -> None:
+        split = [x.view(count, length, heads, head_dim).transpose(1, 2) for x in (q, k, v)]
+        out.view(count, length, heads, head_dim).transpose(1, 2).copy_(
+            F.scaled_dot_product_attention(*split, scale=scale))
+
+    return (best_seconds(sdpa, repeats),
+            best_seconds(lambda: gemm_attention(q, k, v, count, scale, out), repeats))
+
+
+def probe_mlp(kind: str, dim: int, hidden: int, act: str, dtype: torch.dtype, packs: tuple[bool, bool],
+              generator: torch.Generator) -> nn.Module:
+    """An MLP of random weights of this shape, its (first, second) linears packed as ``packs`` says."""
+    with torch.device("meta"):
+        mlp = (GatedMLP if kind == "gated" else MLP)(dim, hidden, act)
+    linears = [c for c in mlp.children() if isinstance(c, nn.Linear)]
+    return random_module(mlp, dtype, generator, dict(zip(linears, packs, strict=True)).get)
+
+
+def random_module(module: nn.Module, dtype: torch.dtype, generator: torch.Generator,
+                  packed: Callable[[nn.Linear], bool]) -> nn.Module:
+    """``module`` (made on the meta device) on the CPU in ``dtype``: its linears of random weights (scaled as trained
+    ones are) and zero biases, packed for oneDNN where ``packed`` says, its norms the identity."""
+    module = module.to_empty(device="cpu").requires_grad_(False)
+    for layer in list(module.modules()):
+        if isinstance(layer, nn.Linear):
+            weight = (torch.randn(layer.weight.shape, generator=generator) / layer.in_features**0.5).to(dtype)
+            layer.weight = nn.Parameter(weight, requires_grad=False)
+            layer.bias = nn.Parameter(torch.zeros(layer.out_features, dtype=dtype), requires_grad=False)
+            if packed(layer):
+                PackedLinear.pack_(layer)
+        elif isinstance(layer, (RMSNorm, nn.LayerNorm)):
+            layer.weight = nn.Parameter(torch.ones(layer.weight.shape, dtype=dtype), requires_grad=False)
+            if getattr(layer, "bias", None) is not None:
+                layer.bias = nn.Parameter(torch.zeros(layer.bias.shape, dtype=dtype), requires_grad=False)
+    return module
+
+
+def measure_mlp(kind: str, dim: int, hidden: int, act: str, dtype: torch.dtype, packs: tuple[bool, bool],
+                repeats: int = 2) -> tuple[bool, int]:
+    """(whether the MLP runs both linears packed, its rows per block of MLP_ROW_CHOICES: DEFAULT_MLP_ROWS unless
+    another ran SIZE_FASTER_BY faster) as it ran fastest here, as the backend runs it. With ``packs`` (the lone
+    linears' choices) not both packed, the MLP is timed that way and with both packed: a packed first linear computes
+    the activation in its epilogue and lets the MLP run by row blocks, which a lone linear's timing does not see;
+    both packed is taken by ONEDNN_FASTER_BY's preference."""
+    generator = torch.Generator().manual_seed(0)  # never the caller's random state
+    x = torch.randn(MLP_PROBE_ROWS, dim, generator=generator).to(dtype)
+    residual = torch.zeros_like(x)
+    workspace = Workspace.for_blocks(MLP_PROBE_ROWS, dim, kind, hidden, dtype, "cpu")
+    key = mlp_key(kind, dim, hidden, act, dtype)
+
+    def seconds(mlp: nn.Module, rows: int) -> float:
+        run = CpuExecution(CpuPlan("probe", mlp={key: rows}), workspace, DEFAULT_CHUNK_BYTES)
+        return best_seconds(lambda: run.mlp(mlp, x, residual), repeats)
+
+    both = probe_mlp(kind, dim, hidden, act, dtype, (True, True), generator)
+    if not all(packs):
+        chosen_s = seconds(probe_mlp(kind, dim, hidden, act, dtype, packs, generator), DEFAULT_MLP_ROWS)
+        if seconds(both, DEFAULT_MLP_ROWS) * ONEDNN_FASTER_BY[dtype_name(dtype)] >= chosen_s:
+            return False, DEFAULT_MLP_ROWS
+    return True, fastest({rows: seconds(both, rows) for rows in MLP_ROW_CHOICES}, DEFAULT_MLP_ROWS)
+
+
+def measure(needs: PlanNeeds, machine: str, known: CpuPlan | None = None) -> CpuPlan:
+    """A plan of ``needs`` measured now, keeping ``known``'s choices (a process may have run with them).
+
+    Linears and attention are timed alone, then each MLP whole, since packing both its linears lets it run by row
+    blocks, which a lone linear's timing cannot see; a block's chunk and scratch sizes come last, because they
+    depend on the kernels chosen before. Without oneDNN's linear the kernels are torch's, untimed."""
+    known = known or CpuPlan(machine)
+    with torch.inference_mode(False), torch.no_grad():
+        if not onednn_linear_available():
+            plan = CpuPlan(machine, dict.fromkeys(needs.linear_keys(), "addmm"),
+                           dict.fromkeys(needs.attention_keys(), "sdpa"),
+                           dict.fromkeys(needs.mlp_keys(), DEFAULT_MLP_ROWS))
+        else:
+            # A dtype this CPU's oneDNN cannot pack runs torch's kernels, chosen without a probe or a warning.
+            packs_here = {d: onednn_packs(d) for *_, d in needs.linear if dtype_name(d) in DTYPES}
+            linear = {linear_key(i, o, d): measure_linear(i, o, d) if packs_here[d] else "addmm"
+                      for i, o, d in sorted(needs.linear, key=str) if dtype_name(d) in DTYPES}
+            attention = {}
+            for d, h, hd in sorted(needs.attention, key=str):
+                if dtype_name(d) in DTYPES:
+                    attention.update(measure_attention(d, h, hd))
+            kernels = CpuPlan(machine, linear).with_entries(known)
+            mlp = {}
+            for kind, dim, hidden, act, d in sorted(needs.mlp, key=str):
+                if dtype_name(d) not in DTYPES:
+                    continue
+                if not packs_here.get(d, False):
+                    mlp[mlp_key(kind, dim, hidden, act, d)] = DEFAULT_MLP_ROWS
+                    continue
+                shapes = ((dim, 2 * hidden if kind == "gated" else hidden, d), (hidden, dim, d))
+                packs = tuple(kernels.linear_kernel(*shape) == "onednn" for shape in shapes)
+                rows = DEFAULT_MLP_ROWS  # no row blocks without both linears packed
+                both_packed = False
+                # A shape recorded before keeps its kernel (a process ran with it). One recorded as addmm keeps
+                # the MLP's linears as they are: packing the other would make a mix that was never timed whole.
+                kept_unpacked = any(known.linear.get(linear_key(*shape)) == "addmm" for shape in shapes)
+                if all(packs) or not kept_unpacked:
+                    try:
+                        both_packed, rows = measure_mlp(kind, dim, hidden, act, d, packs)
+                    except RuntimeError as e:  # a oneDNN kernel this CPU cannot run in this dtype
+                        warn(f"the {kind} MLP {dim}x{hidden} {dtype_name(d)} failed on oneDNN ({e}); {rows} rows")
+                if both_packed and not all(packs):  # the whole MLP ran faster packed: so do its shapes
+                    linear.update({linear_key(*shape): "onednn" for shape in shapes})
+                    kernels = CpuPlan(machine, linear).with_entries(known)
+                mlp[mlp_key(kind, dim, hidden, act, d)] = rows
+            plan = CpuPlan(machine, linear, attention, mlp)
+        chunks, scratch = {}, {}
+        for need in sorted(needs.blocks, key=str):
+            if dtype_name(need[6]) not in DTYPES:
+                continue
+            key = block_key(*need)
+            try:
+                chunks[key], scratch[key] = measure_block_sizes(need, plan.with_entries(known))
+            except RuntimeError as e:  # a oneDNN kernel this CPU cannot run in this dtype
+                warn(f"the block {key} failed ({e}); the default chunk and scratch sizes")
+                chunks[key], scratch[key] = DEFAULT_CHUNK_BYTES, DEFAULT_SCRATCH_ELEMENTS
+    return CpuPlan(machine, plan.linear, plan.attention, plan.mlp, chunks, scratch)
