@@ -22,19 +22,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from ..errors import ManifestError
 from ..outputs.durable import refuse_link
-from ..outputs.parquet import (
-    ParquetLayout,
-    needs_escape,
-    read_parquet_index,
-    read_parquet_table,
-    results_table,
-    shard_name,
-    write_table_atomic,
-)
+from ..outputs.parquet import ParquetLayout, needs_escape, results_table, shard_name, write_table_atomic
+from ..outputs.parquet_reader import read_parquet_index, read_parquet_table
 from .manifest import PARQUET_SHARD_NAME, RUN_FILE
 
 
@@ -52,11 +44,7 @@ def parquet_shards(out: Path, rank: int | None = None) -> list[Path]:
 
 def statuses(out: Path) -> list[tuple[str, str]]:
     """(realpath, status) of every row of the folder's shards, in shard order (the summary's source)."""
-    rows: list[tuple[str, str]] = []
-    for shard in parquet_shards(out):
-        table = pq.read_table(shard, columns=["realpath", "status"], page_checksum_verification=True)
-        rows += zip(table.column("realpath").to_pylist(), table.column("status").to_pylist())
-    return rows
+    return [row for shard in parquet_shards(out) for row in zip(*read_parquet_index(shard)[:2])]
 
 
 class ParquetRankWriter:

@@ -1,6 +1,6 @@
 """Reading an embed output back: its run file (``read_run``), its manifest records (``read_manifest_lines``)
 and the stored tensors (``read_embeddings``), of every format: safetensors shards or vLLM encoder-cache items with
-manifest.jsonl, or ``--format parquet`` shards (read through ``parquet.read_parquet_records``, pyarrow imported
+manifest.jsonl, or ``--format parquet`` shards (read through ``parquet_reader.read_parquet_records``, pyarrow imported
 only then). Readers need nothing of the writer: no lock, no torch.distributed.
 """
 
@@ -65,7 +65,7 @@ def read_run(out: str | os.PathLike) -> dict:
         run = json.loads(path.read_text())
     except FileNotFoundError:
         if _parquet_shards(Path(out)):  # Parquet shards copied without run.json: each carries the run
-            from ..outputs.parquet import read_parquet_run
+            from ..outputs.parquet_reader import read_parquet_run
 
             return _checked_run(Path(out) / "shard-r*.parquet", read_parquet_run(out))
         raise ManifestError(f"{path} does not exist: not an embed output") \
@@ -234,14 +234,14 @@ def superseded(keys: list[str]) -> set[int]:
 
 
 def _parquet_superseded(out: Path) -> set[int]:
-    from ..outputs.parquet import parquet_files, read_parquet_index
+    from ..outputs.parquet_reader import parquet_files, read_parquet_index
 
     files = parquet_files(out) if _parquet_shards(out) else []
     return superseded([key for path in files for key, state in zip(*read_parquet_index(path)[:2]) if state == "ok"])
 
 
 def _parquet_embeddings(out: Path, deepstack: bool) -> Iterator[tuple[str, object]]:
-    from ..outputs.parquet import read_parquet_records
+    from ..outputs.parquet_reader import read_parquet_records
 
     if not _parquet_shards(out):  # a run stopped before its first shard
         return
@@ -261,7 +261,7 @@ def stored_records(out: str | os.PathLike) -> Iterator[tuple[str, list[int], dic
     ``read_embeddings`` yields them (for Parquet from the footers and the small columns only)."""
     out = Path(out)
     if _is_parquet(out):
-        from ..outputs.parquet import parquet_files, read_parquet_grids
+        from ..outputs.parquet_reader import parquet_files, read_parquet_grids
 
         found = [grid for path in parquet_files(out) for grid in read_parquet_grids(path)] \
             if _parquet_shards(out) else []  # a run stopped before its first shard has none

@@ -1,6 +1,6 @@
-"""qwenvl_vision.outputs.parquet: the layout (column types, metadata) as plain pyarrow reads it, the values bitwise the
-encoder's (bf16 runs stored as exact float32 and given back as bf16), atomic shard writes, and the strict reader
-refusing damaged files with one error naming the file and row."""
+"""qwenvl_vision.outputs.parquet and parquet_reader: the layout (column types, metadata) as plain pyarrow reads it,
+the values bitwise the encoder's (bf16 runs stored as exact float32 and given back as bf16), atomic shard writes,
+and the strict reader refusing damaged files with one error naming the file and row."""
 
 from __future__ import annotations
 
@@ -20,14 +20,13 @@ pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 
 import qwenvl_vision.outputs.parquet as qparquet  # noqa: E402
-from qwenvl_vision.outputs.parquet import (  # noqa: E402
-    ParquetLayout,
+from qwenvl_vision.outputs.parquet import ParquetLayout, results_table, shard_name, write_table_atomic  # noqa: E402
+from qwenvl_vision.outputs.parquet_reader import (  # noqa: E402
+    read_parquet_grids,
+    read_parquet_index,
     read_parquet_records,
     read_parquet_run,
     read_parquet_table,
-    results_table,
-    shard_name,
-    write_table_atomic,
 )
 from qwenvl_vision.outputs.records import EmbeddingRecord, record_from_result  # noqa: E402
 
@@ -295,19 +294,19 @@ def test_the_index_reads_realpaths_and_statuses_and_shards_of_one_run_may_record
     id, another value of any other field, or another plan, not."""
     records, layout = fp32
     first = write_table_atomic(results_table(records, layout, RUN), tmp_path / shard_name(0, 0))
-    realpaths, statuses, got_layout, run = qparquet.read_parquet_index(first)
+    realpaths, statuses, got_layout, run = read_parquet_index(first)
     assert statuses == [r.status for r in records] and realpaths == [r.realpath for r in records]
     assert (got_layout, run) == (layout, RUN)
     write_table_atomic(results_table(records[:1], layout, {**RUN, "cpu_plan": {"format": 1}}),
                        tmp_path / shard_name(0, 1))
     assert len(list(read_parquet_records(tmp_path))) == len(records) + 1
-    assert qparquet.read_parquet_run(tmp_path) == {**RUN, "cpu_plan": {"format": 1}}  # the plan the run recorded
+    assert read_parquet_run(tmp_path) == {**RUN, "cpu_plan": {"format": 1}}  # the plan the run recorded
     for other in ({"run_id": "r2"}, {"dtype": "bfloat16"}, {"threads": 3}, {"cpu_plan": {"format": 2}}):
         write_table_atomic(results_table(records[:1], layout, {**RUN, **other}), tmp_path / shard_name(0, 2))
         with pytest.raises(ManifestError, match="run record differs"):
             list(read_parquet_records(tmp_path))
     with pytest.raises(ManifestError, match="not a readable Parquet file"):
-        qparquet.read_parquet_index(_write(tmp_path / "junk.parquet", b"not parquet"))
+        read_parquet_index(_write(tmp_path / "junk.parquet", b"not parquet"))
 
 
 def _write(path: Path, data: bytes) -> Path:
@@ -319,4 +318,4 @@ def test_the_grids_reader_refuses_an_ok_row_without_a_grid(shard):
     """What a hand-off reads before any tensor: a damaged grid is one error naming file and row, not a TypeError."""
     pq.write_table(_set_row(pq.read_table(shard), "grid_thw", 1, None), shard)
     with pytest.raises(ManifestError, match=r"row 1: status ok with grid_thw None, not three positive integers"):
-        qparquet.read_parquet_grids(shard)
+        read_parquet_grids(shard)

@@ -1,0 +1,343 @@
+"""Reading back ``parquet``'s layout, strictly: one shard whole (``read_parquet_table``: metadata, schema, every row
+and value checked), or only what a question needs (``read_parquet_index``: which inputs are done;
+``read_parquet_grids``: the grids a hand-off needs; ``read_parquet_run``: the run record), and a folder's records
+(``read_parquet_records``), tensors bitwise the encoder's. Any fault is one ManifestError naming the file (and row).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from ..devices import DTYPES, dtype_name
+from ..errors import ManifestError
+from ..inputs.pixels import is_url
+from .parquet import METADATA_KEY, PARQUET_FORMAT, SHARD_SUFFIX, STATUSES, ParquetLayout
+from .records import EmbeddingRecord
+
+
+def _read(path: Path, read: Callable[..., Any], **options: Any) -> Any:
+    """``read(path, **options)`` (``pq.read_table`` or ``pq.read_schema``); a fault is one ManifestError naming it."""
+    try:
+        return read(path, **options)
+    except (OSError, pa.ArrowException) as e:
+        raise ManifestError(f"{path}: not a readable Parquet file ({type(e).__name__}: {e})") from None
+
+
+def read_metadata(schema: pa.Schema, where: str) -> tuple[ParquetLayout, dict]:
+    """The layout and the run record a file's schema carries; ManifestError naming ``where`` when absent or bad."""
+    raw = (schema.metadata or {}).get(METADATA_KEY)
+    if raw is None:
+        raise ManifestError(f"{where}: no {METADATA_KEY.decode()} metadata (not written by qwenvl-vision)")
+    try:
+        meta = json.loads(raw)
+        if meta.get("format") != PARQUET_FORMAT:
+            raise ValueError(f"format {meta.get('format')!r}, this version reads {PARQUET_FORMAT}")
+        if not isinstance(meta.get("run"), dict):
+            raise ValueError("no run record")
+        layout = ParquetLayout(**meta["layout"])
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        raise ManifestError(f"{where}: damaged {METADATA_KEY.decode()} metadata ({e})") from None
+    return layout, meta["run"]
+
+
+def _rows_problem(table: pa.Table, layout: ParquetLayout) -> tuple[int, str] | None:
+    """The first row that breaks the layout's rules, and why (None: every row is sound)."""
+    status = table.column("status").to_pylist()
+    error = table.column("error").to_pylist()
+    grids = table.column("grid_thw").to_pylist()
+    tokens = table.column("tokens").to_pylist()
+    tensor_names = (["embedding"] if layout.tokens else []) + (["pooled"] if layout.pooled else []) \
+        + layout.level_columns
+    tensors = {name: table.column(name).combine_chunks() for name in tensor_names}
+    lengths = {name: (None if name == "pooled" else col.value_lengths().fill_null(0).to_numpy())
+               for name, col in tensors.items()}
+    valid = {name: col.is_valid().to_numpy(zero_copy_only=False) for name, col in tensors.items()}
+    paths, realpaths = table.column("path").to_pylist(), table.column("realpath").to_pylist()
+    merge_unit = layout.merge_size ** 2
+    for row in range(table.num_rows):
+        if not paths[row] or not realpaths[row]:
+            return row, "no path or realpath"
+        if status[row] not in STATUSES:
+            return row, f"status {status[row]!r} (expected one of {list(STATUSES)})"
+        present = [name for name in tensor_names if valid[name][row]]
+        if status[row] == "error":
+            if not error[row]:
+                return row, "status error without an error message"
+            if present or grids[row] is not None or tokens[row] is not None:
+                return row, f"an error row holding tensors ({present or 'grid_thw/tokens'})"
+            continue
+        if error[row] is not None:
+            return row, f"status ok with an error ({error[row]!r})"
+        grid = grids[row]
+        if grid is None or any(x is None or x < 1 for x in grid):
+            return row, f"grid_thw {grid} (expected three positive numbers)"
+        count, rest = divmod(math.prod(grid), merge_unit)
+        if rest or count != tokens[row]:
+            return row, f"tokens {tokens[row]} but grid_thw {grid} gives {math.prod(grid)}/{merge_unit} merged tokens"
+        for name in tensor_names:
+            if not valid[name][row]:
+                return row, f"status ok without {name}"
+            if lengths[name] is not None and lengths[name][row] != count:
+                return row, f"{name} has {lengths[name][row]} vectors of {layout.dim}, grid_thw {grid} gives {count}"
+    return None
+
+
+def _vectors_of(column: pa.Array, per_row_vectors: bool) -> tuple[pa.Array, np.ndarray]:
+    """A tensor column's vectors (a fixed_size_list array, null rows' slots included) and each row's first and
+    last-plus-one vector (offsets, n + 1 of them)."""
+    if per_row_vectors:  # list<fixed_size_list>: the list offsets index the vectors
+        return column.values, column.offsets.to_numpy()
+    # fixed_size_list<float32, D>: each row is one vector, its floats re-wrapped as vectors without the row nulls
+    size = column.type.list_size
+    vectors = pa.FixedSizeListArray.from_arrays(column.values.slice(column.offset * size, len(column) * size), size)
+    return vectors, np.arange(len(column) + 1)
+
+
+def _floats_of(vectors: pa.Array) -> pa.Array:
+    """The float values of a fixed_size_list array, in order (null vectors' slots included)."""
+    size = vectors.type.list_size
+    return vectors.values.slice(vectors.offset * size, len(vectors) * size)
+
+
+def _damaged_row(column: pa.Array, per_row_vectors: bool, dtype: torch.dtype | None) -> tuple[int, str] | None:
+    """(row, what) of the first valid row of a tensor column holding a null vector or float, or, with ``dtype``
+    (bf16 or fp16), a float that dtype cannot hold: such a run stores its values widened to float32, exactly, so any
+    other value is damage (rounding it back would hide it). None: every value is sound."""
+    vectors, offsets = _vectors_of(column, per_row_vectors)
+    floats = _floats_of(vectors)
+    size = vectors.type.list_size
+    if vectors.null_count or floats.null_count:
+        bad = np.union1d(np.flatnonzero(~vectors.is_valid().to_numpy(zero_copy_only=False)),
+                         np.flatnonzero(~floats.is_valid().to_numpy(zero_copy_only=False)) // size)
+        row = _first_valid_row(column, offsets, bad)
+        if row is not None:
+            return row, "holds a null value"
+    if dtype not in (torch.bfloat16, torch.float16):
+        return None
+    values = np.asarray(floats.to_numpy(zero_copy_only=False), dtype=np.float32)
+    if dtype == torch.bfloat16:  # exact in bf16: the low 16 bits of the float32 are zero
+        inexact = (values.view(np.uint32) & 0xFFFF) != 0
+    else:
+        with np.errstate(over="ignore"):  # a value past fp16's range is inexact, not an error
+            inexact = values.astype(np.float16).astype(np.float32) != values
+    row = _first_valid_row(column, offsets, np.unique(np.flatnonzero(inexact & ~np.isnan(values)) // size))
+    return None if row is None else (row, f"holds a value a {dtype_name(dtype)} run cannot have stored")
+
+
+def _first_valid_row(column: pa.Array, offsets: np.ndarray, vector_indices: np.ndarray) -> int | None:
+    """The first valid row of ``column`` holding one of the vectors at ``vector_indices`` (rows' vectors start at
+    ``offsets``)."""
+    valid = column.is_valid().to_numpy(zero_copy_only=False)
+    rows = np.searchsorted(offsets, vector_indices, side="right") - 1
+    inside = [int(r) for r, v in zip(rows, vector_indices) if 0 <= r < len(column) and valid[r] and v < offsets[r + 1]]
+    return min(inside) if inside else None
+
+
+def read_parquet_table(path: str | os.PathLike) -> tuple[pa.Table, ParquetLayout, dict]:
+    """One Parquet file of embeddings, validated strictly: its metadata (layout, run), its schema (exactly the
+    layout's), every row (status and error agree, grid product / merge**2 = tokens = every tensor column's
+    length, no null value inside a tensor). Any fault is one ManifestError naming the file (and the row)."""
+    path = Path(path)
+    table = _read(path, pq.read_table, page_checksum_verification=True)
+    layout, run = read_metadata(table.schema, str(path))
+    expected = layout.schema()
+    if not table.schema.remove_metadata().equals(expected):
+        differ = [f"{f.name}: {f.type}" for f in table.schema if f.name not in expected.names
+                  or expected.field(f.name).type != f.type]
+        missing = [name for name in expected.names if name not in table.schema.names]
+        why = [f"columns of another name or type: {differ}"] if differ else []
+        why += [f"missing {missing}"] if missing else []
+        why = "; ".join(why) or "columns out of order"
+        raise ManifestError(f"{path}: schema is not the layout's ({why})")
+    problem = _rows_problem(table, layout)
+    if problem is not None:
+        raise ManifestError(f"{path}, row {problem[0]}: {problem[1]}")
+    for name in (["embedding"] if layout.tokens else []) + layout.level_columns + (["pooled"] if layout.pooled else []):
+        # The tokens are the run's dtype widened; the pooled mean is computed and kept in float32.
+        damaged = _damaged_row(table.column(name).combine_chunks(), name != "pooled",
+                               None if name == "pooled" else DTYPES[layout.dtype])
+        if damaged is not None:
+            raise ManifestError(f"{path}, row {damaged[0]}: {name} {damaged[1]}")
+    return table, layout, run
+
+
+def read_parquet_grids(path: str | os.PathLike) -> list[tuple[str, list[int], dict | None, int]]:
+    """(path, grid_thw, video entry or None for an image, tokens) of one shard's ok rows, from its footer and the
+    path, status, grid, video and tokens columns only (what a hand-off needs before it reads any tensor). Any fault
+    is one ManifestError naming the file."""
+    path = Path(path)
+    read_metadata(_read(path, pq.read_schema), str(path))
+    table = _read(path, pq.read_table, columns=["path", "status", "grid_thw", "video", "tokens"],
+                  page_checksum_verification=True)
+    rows = zip(*(table.column(name).to_pylist() for name in ("path", "status", "grid_thw", "video", "tokens")),
+               strict=True)
+    found = []
+    for row, (name, status, grid, video, tokens) in enumerate(rows):
+        if status != "ok":
+            continue
+        if not (isinstance(grid, list) and len(grid) == 3 and all(isinstance(g, int) and g > 0 for g in grid)):
+            raise ManifestError(f"{path}, row {row}: status ok with grid_thw {grid!r}, not three positive integers")
+        if not (isinstance(tokens, int) and tokens > 0):
+            raise ManifestError(f"{path}, row {row}: status ok with tokens {tokens!r}, not a positive integer")
+        found.append((name, grid, video, tokens))
+    return found
+
+
+def read_parquet_index(path: str | os.PathLike) -> tuple[list[str], list[str], ParquetLayout, dict]:
+    """(realpaths, statuses, layout, run) of one shard, reading only its footer and those two columns (a resume's
+    question: which inputs are done), checked as far as they go: metadata and schema as ``read_parquet_table``
+    checks them, every row a realpath and a known status. The tensors are not read (``read_parquet_table`` reads
+    and checks everything). Any fault is one ManifestError naming the file."""
+    path = Path(path)
+    schema = _read(path, pq.read_schema)
+    layout, run = read_metadata(schema, str(path))
+    if not schema.remove_metadata().equals(layout.schema()):
+        raise ManifestError(f"{path}: schema is not the layout's (read it with read_parquet_table for why)")
+    table = _read(path, pq.read_table, columns=["realpath", "status"], page_checksum_verification=True)
+    realpaths, status = table.column("realpath").to_pylist(), table.column("status").to_pylist()
+    for row, (realpath, state) in enumerate(zip(realpaths, status)):
+        if not realpath or state not in STATUSES:
+            raise ManifestError(f"{path}, row {row}: realpath {realpath!r} with status {state!r}")
+    return realpaths, status, layout, run
+
+
+def same_run(a: dict, b: dict) -> bool:
+    """Whether two shards' run records are one run's: equal, but for the CPU plan a run started off the CPU records
+    at its first resume on a CPU (null in the shards written before)."""
+    plans = a.get("cpu_plan"), b.get("cpu_plan")
+    return ({**a, "cpu_plan": None} == {**b, "cpu_plan": None}
+            and (plans[0] == plans[1] or None in plans))
+
+
+def _tensors(column: pa.Array, dim: int, dtype: torch.dtype, per_row_vectors: bool) -> list[torch.Tensor | None]:
+    """A tensor column's rows as tensors of the run's dtype (float32 -> bf16/fp16 is exact: the values came from
+    there); each row owns its memory, so a record kept does not pin the whole table."""
+    vectors, offsets = _vectors_of(column, per_row_vectors)
+    values = _floats_of(vectors).to_numpy(zero_copy_only=False)
+    valid = column.is_valid().to_numpy(zero_copy_only=False)
+    out: list[torch.Tensor | None] = []
+    for row, ok in enumerate(valid):
+        if not ok:
+            out.append(None)
+            continue
+        rows = torch.from_numpy(values[offsets[row] * dim: offsets[row + 1] * dim].copy())
+        out.append((rows.view(-1, dim) if per_row_vectors else rows).to(dtype))
+    return out
+
+
+def layout_of_columns(schema: pa.Schema, dtype: str) -> ParquetLayout:
+    """The layout whose result columns ``schema`` holds beside any other columns (Ray's ``Embedder`` rows, a
+    validated shard), its merge size unknown (1); a ValueError naming the first column that does not fit: the
+    tensor columns' dim from ``embedding`` (or ``pooled``), DeepStack levels ``deepstack_0`` .. in order, every
+    result column of the layout's type."""
+    names = set(schema.names)
+    tokens, pooled = "embedding" in names, "pooled" in names
+    if not (tokens or pooled):
+        raise ValueError("no embedding or pooled column")
+    source = "embedding" if tokens else "pooled"
+    vector = schema.field(source).type
+    vector = vector.value_type if tokens and pa.types.is_list(vector) else vector
+    if not pa.types.is_fixed_size_list(vector):
+        raise ValueError(f"column {source!r} is {schema.field(source).type}, not of fixed-size float32 vectors")
+    levels = sum(bool(re.fullmatch(r"deepstack_\d+", name)) for name in names) if tokens else 0
+    layout = ParquetLayout(dim=vector.list_size, levels=levels, merge_size=1, dtype=dtype, tokens=tokens,
+                           pooled=pooled)
+    for field in layout.schema():
+        if field.name in ("path", "realpath"):  # the input's identity: Ray's rows carry it in a column of their own
+            continue
+        if field.name not in names:
+            raise ValueError(f"no column {field.name!r}" + (" (DeepStack levels are deepstack_0, deepstack_1, ..)"
+                                                            if field.name.startswith("deepstack_") else ""))
+        if schema.field(field.name).type != field.type:
+            raise ValueError(f"column {field.name!r} is {schema.field(field.name).type}, not {field.type}")
+    return layout
+
+
+def records_of_table(table: pa.Table, dtype: str, *, path_column: str = "path", carried: Sequence[str] = ()
+                     ) -> list[EmbeddingRecord]:
+    """A table's rows as records, tensors in ``dtype`` (the run's): a Parquet shard validated by
+    ``read_parquet_table``, or Ray's ``Embedder`` rows (``result_columns`` beside the input's columns: the path in
+    ``path_column``; without a ``realpath`` column the path is resolved here). The tensor columns are those of
+    ``layout_of_columns`` (whose ValueError names a column that does not fit); ``carried``: the table columns
+    each record carries (a shard's ``layout.columns``)."""
+    torch_dtype = DTYPES[dtype]
+    layout = layout_of_columns(table.schema, dtype)
+    names = set(table.column_names)
+
+    def tensors(name: str, per_row_vectors: bool) -> list[torch.Tensor | None]:
+        if name not in names:
+            return [None] * table.num_rows
+        return _tensors(table.column(name).combine_chunks(), layout.dim, torch_dtype, per_row_vectors)
+
+    embeddings, pooled = tensors("embedding", True), tensors("pooled", False)
+    deepstack = [tensors(name, True) for name in layout.level_columns]
+    has_realpath = "realpath" in names
+    plain = table.select([path_column, "status", "error", "grid_thw", "tokens", "video",
+                          *(n for n in ("realpath", "pixels_sha256") if n in names)]).to_pylist()
+    values = table.select(list(carried)).to_pylist() if carried else None
+    records = []
+    for row, r in enumerate(plain):
+        grid = tuple(r["grid_thw"]) if r["grid_thw"] is not None else None
+        path = r[path_column]
+        records.append(EmbeddingRecord(
+            path, r["realpath"] if has_realpath and r["realpath"] is not None else
+            path if is_url(path) else os.path.realpath(path),
+            r["status"], r["error"], grid,
+            r["tokens"], embeddings[row], [level[row] for level in deepstack] if r["status"] == "ok" else [],
+            pooled[row], r["video"], r.get("pixels_sha256"), None if values is None else values[row]))
+    return records
+
+
+def parquet_files(folder: str | os.PathLike) -> list[Path]:
+    """The shards of a folder, by name (temporary files of a write in progress are not shards)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ManifestError(f"{folder}: not a folder")
+    files = sorted(p for p in folder.iterdir() if p.name.endswith(SHARD_SUFFIX) and not p.name.startswith(".")
+                   and p.is_file())
+    if not files:
+        raise ManifestError(f"{folder}: holds no {SHARD_SUFFIX} files")
+    return files
+
+
+def read_parquet_run(folder: str | os.PathLike) -> dict:
+    """The run record the folder's shards carry (their metadata, no rows read): the first shard's, with the CPU plan
+    of the first that records one (a run started off the CPU records it at its first resume on one)."""
+    run = None
+    for path in parquet_files(folder):
+        found = read_metadata(_read(path, pq.read_schema), str(path))[1]
+        run = run or found
+        if found.get("cpu_plan") is not None:
+            return {**run, "cpu_plan": found["cpu_plan"]}
+    return run
+
+
+def read_parquet_records(folder: str | os.PathLike, *, files: Sequence[str | os.PathLike] | None = None
+                         ) -> Iterator[EmbeddingRecord]:
+    """Every record of a folder of shards (or of ``files``), shard by shard in name order, rows in order; tensors
+    in the run's dtype, bitwise the encoder's. Each shard is validated whole before its first record (see
+    ``read_parquet_table``), and every shard must carry the first one's layout and run (``same_run``): a folder
+    mixing runs is refused like a damaged file, naming the shard."""
+    paths = [Path(f) for f in files] if files is not None else parquet_files(folder)
+    first: tuple[ParquetLayout, dict, Path] | None = None
+    for path in paths:
+        table, layout, run = read_parquet_table(path)
+        if first is None:
+            first = (layout, run, path)
+        elif layout != first[0] or not same_run(run, first[1]):
+            what = "layout" if layout != first[0] else "run record"
+            raise ManifestError(f"{path}: its {what} differs from {first[2].name}'s (shards of another run)")
+        elif first[1].get("cpu_plan") is None and run.get("cpu_plan") is not None:
+            first = (layout, run, path)  # the plan the run recorded: every later shard's must be the same
+        yield from records_of_table(table, layout.dtype, carried=[name for name, _ in layout.columns])
