@@ -259,7 +259,7 @@ def peak_rss(method: str) -> int:
 def import_for(row: str, model_type: str):
     """Import what the row needs before the baseline; return the loader's class or function."""
     if row == "ours":
-        from qwenvl_vision.encoder import load_encoder
+        from qwenvl_vision.loading import load_encoder
 
         return load_encoder
     import importlib

@@ -67,7 +67,7 @@ def parts(preset: str, out: Path) -> dict[str, float]:
     import torch
 
     from qwenvl_vision.embed import read_embeddings
-    from qwenvl_vision.encoder import load_encoder
+    from qwenvl_vision.loading import load_encoder
 
     start = time.perf_counter()
     ray.init(include_dashboard=False, log_to_driver=False, logging_level="error")

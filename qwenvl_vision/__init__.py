@@ -8,7 +8,7 @@ that an encode never pays for the batch job, Parquet or the vLLM cache.
 import importlib
 from typing import Any
 
-from .encoder import VisionEncoder, build_model, from_transformers, load_encoder
+from .encoder import VisionEncoder
 from .errors import (
     CheckpointError,
     ConfigError,
@@ -24,6 +24,7 @@ from .errors import (
 from .inputs.pixels import FileBytes
 from .inputs.video import VideoConfig
 from .inputs.video_io import VideoInfo
+from .loading import build_model, from_transformers, load_encoder
 from .model.cache import ShapeCache
 from .model.config import PRESETS, VisionConfig, from_config_json, preset, resolve_config
 from .model.qwen2_5 import Qwen2_5VisionTransformer

@@ -1,6 +1,7 @@
-"""From a stream of inputs to token-bounded batches of pixel rows, in input order, under a decode-memory budget.
+"""Decoding and batching: from a stream of inputs to token-bounded batches of pixel rows, in input order, under a
+decode-memory budget (the call's settings are ``options.EncodeOptions``).
 
-One call's settings are one frozen ``EncodeOptions``, checked when it is built. ``preflight`` refuses bad inputs
+``preflight`` refuses bad inputs
 before any compute (``encode_images`` / ``encode_videos``); ``prepared_batches`` decodes and resizes inputs on
 worker threads (``prepare``), at most ``prefetch`` ahead (``ordered_prefetch``), each admitted in input order by
 one byte budget (``DecodeBudget``) sized from its file header (``decode_cost`` / ``video_file_cost``), and groups
@@ -17,7 +18,6 @@ the threads stall the inputs behind it (memory may exceed the budget by what the
 from __future__ import annotations
 
 import math
-import operator
 import os
 import queue
 import stat
@@ -34,23 +34,14 @@ from typing import Any
 import PIL.Image
 import torch
 
-from .errors import ConfigError, InputError, PreprocessError, QwenVLVisionError
+from .errors import PreprocessError, QwenVLVisionError
 from .inputs.images import PreprocessConfig, preprocess_image, probe_image
 from .inputs.item_ids import pixels_sha256
-from .inputs.pixels import (
-    DEFAULT_MAX_INPUT_PIXELS,
-    FileBytes,
-    check_pixel_bounds,
-    check_resize_backend,
-    input_name,
-    is_file_input,
-    open_header,
-)
+from .inputs.pixels import FileBytes, input_name, is_file_input, open_header
 from .inputs.video import VideoConfig, preprocess_video, preprocess_video_file, sample_indices, video_target_size
 from .inputs.video_io import VideoInfo, is_video_file, probe_video
+from .options import EncodeOptions
 
-DEFAULT_BATCH_PATCHES = 16384  # patches per forward: a few photos at a time
-DEFAULT_DECODE_BYTES = 1 << 30
 # The decode budget's capacity while this thread decodes an input under it: the most bytes of a file's body that
 # may be held in memory (an object fetched as it is decoded, ``embed.remote.fetch``, is refused above it).
 DECODE_LIMIT: ContextVar[int | None] = ContextVar("DECODE_LIMIT", default=None)
@@ -66,90 +57,8 @@ DECODE_BYTES_PER_PIXEL = 9
 TORCH_DECODE_BYTES_PER_PIXEL = 18
 TORCH_WIDE_DECODE_BYTES_PER_PIXEL = 21
 _WIDE_MODES = ("I", "F")  # I, I;16 and its variants, F: 2 or 4 bytes a sample
-# Seconds one input may take to decode and resize (from its admission by the decode budget) before it is
-# recorded as failed: far above a 4K photo (~1 s) or a few minutes of 1080p video, but it ends a stall.
-DEFAULT_DECODE_TIMEOUT = 600.0
 # The longest the iterating thread blocks in one wait, so that Ctrl-C (handled between waits) is prompt.
 _WAIT_SLICE = 0.25
-
-
-@dataclass(frozen=True, kw_only=True)
-class EncodeOptions:
-    """One encode call's settings, refused (ConfigError) when built if out of range.
-
-    video: False, every input is an image; True, every input is a video; None, a path with a video extension is a
-        video and anything else an image (min/max_pixels then bound the images only).
-    min_pixels / max_pixels: per-call pixel bounds (None: the checkpoint's; for videos, the video settings').
-    max_input_pixels: a file whose header declares more is refused unread (None: only PIL's own limit).
-    resize: images' "pil" or "torch" backend (None: the checkpoint's); videos have one pipeline.
-    video_config: the video settings of this call (sampling fps included).
-    pooled: also return each input's mean embedding.
-    normalize: the pooled vectors of unit L2 norm (computed in fp32, then cast), for cosine retrieval; needs pooled.
-    max_batch_patches: patches (pixel rows) per batch (a larger input runs alone).
-    num_workers: decoding threads (None: up to 4, one per core).
-    prefetch: inputs decoded ahead of the compute.
-    decode_bytes: the decode budget (None: no bound).
-    hash_pixels: hash each input's pixel rows on its decode thread (``item_ids.pixels_sha256``, what an encoder
-        cache names the item by; about 15 ms per megapixel, so only where a caller asks).
-    decode_timeout: seconds one input may spend decoding (from its admission by the decode budget) before it is
-        recorded as failed and the others go on (None: no limit).
-    """
-
-    video_config: VideoConfig
-    video: bool | None = False
-    min_pixels: int | None = None
-    max_pixels: int | None = None
-    max_input_pixels: int | None = DEFAULT_MAX_INPUT_PIXELS
-    resize: str | None = None
-    pooled: bool = False
-    normalize: bool = False
-    max_batch_patches: int = DEFAULT_BATCH_PATCHES
-    num_workers: int | None = None
-    prefetch: int = 8
-    decode_bytes: int | None = DEFAULT_DECODE_BYTES
-    hash_pixels: bool = False
-    decode_timeout: float | None = DEFAULT_DECODE_TIMEOUT
-
-    def __post_init__(self) -> None:
-        check_option_rules(min_pixels=self.min_pixels, max_pixels=self.max_pixels, pooled=self.pooled,
-                           normalize=self.normalize)
-        if self.resize is not None:
-            check_resize_backend(self.resize, "resize")
-        timeout = self.decode_timeout
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                    or not math.isfinite(timeout) or timeout <= 0):
-            raise ConfigError(f"decode_timeout must be a positive number of seconds (or None: no limit), "
-                              f"got {timeout!r}")
-        try:
-            patches = None if isinstance(self.max_batch_patches, bool) else operator.index(self.max_batch_patches)
-        except TypeError:
-            patches = None
-        if patches is None or patches < 1:
-            raise ConfigError(f"max_batch_patches must be a positive integer, got {self.max_batch_patches!r}")
-        object.__setattr__(self, "max_batch_patches", patches)  # a plain int (a NumPy or 0-d torch integer given)
-        for option, value in (("max_input_pixels", self.max_input_pixels),
-                              ("decode_bytes", self.decode_bytes), ("prefetch", self.prefetch)):
-            if value is not None and value < (0 if option == "prefetch" else 1):
-                raise ConfigError(f"{option} must be positive, got {value}")
-
-    @property
-    def workers(self) -> int:
-        return max(1, self.num_workers if self.num_workers is not None else min(4, os.cpu_count() or 1))
-
-
-# The options as the API's refusals spell them (the embed command passes its flags instead).
-API_NAMES = {"min_pixels": "min_pixels", "max_pixels": "max_pixels", "pooled": "pooled=True",
-             "normalize": "normalize=True"}
-
-
-def check_option_rules(*, min_pixels: int | None = None, max_pixels: int | None = None, pooled: bool = False,
-                       normalize: bool = False, names: dict[str, str] = API_NAMES) -> None:
-    """The rules across encode options, for every path that takes them (EncodeOptions, encode_patches, the Ray
-    Embedder, the embed command); ``names``: the options as the caller spells them."""
-    check_pixel_bounds(min_pixels, max_pixels, (names["min_pixels"], names["max_pixels"]))
-    if normalize and not pooled:
-        raise ConfigError(f"{names['normalize']} makes the pooled vectors unit length; the tokens a language model "
-                          f"reads are never normalized: pass {names['pooled']} too")
 
 
 @dataclass
@@ -569,10 +478,3 @@ def decode_cost(item: Any, video: bool, max_input_pixels: int | None, backend: s
         return 0
     return pixels * per_pixel
 
-
-def refuse_one_input(items: Any) -> None:
-    """A path or an image where a sequence of inputs belongs (a str would be read as one file per character)."""
-    if isinstance(items, (str, bytes, os.PathLike)) or hasattr(items, "getpixel"):
-        kind = "image" if hasattr(items, "getpixel") else "path"
-        raise InputError(f"the inputs must be a sequence of inputs, got one {kind} ({str(items)[-200:]!r}): pass "
-                         f"[it]")

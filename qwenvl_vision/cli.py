@@ -125,7 +125,7 @@ def refuse_extract_target(source: Path, out: Path) -> None:
 def cmd_extract_weights(args: argparse.Namespace) -> int:
     from .checkpoint.hub import resolve_folder
     from .checkpoint.save import save_vision_only
-    from .encoder import load_encoder
+    from .loading import load_encoder
 
     folder = resolve_folder(args.source, args.revision, args.local_files_only, None, None)  # a repo id: fetched
     out = Path(args.out) if args.out else _default_out(args.source)

@@ -21,7 +21,6 @@ from qwenvl_vision.batching import (
     DECODE_BYTES_PER_PIXEL,
     BudgetClosed,
     DecodeBudget,
-    EncodeOptions,
     decode_cost,
     ordered_prefetch,
     prepared_batches,
@@ -29,6 +28,7 @@ from qwenvl_vision.batching import (
 from qwenvl_vision.errors import ConfigError
 from qwenvl_vision.inputs.images import PreprocessConfig
 from qwenvl_vision.inputs.video import VideoConfig
+from qwenvl_vision.options import EncodeOptions
 from tests.helpers import FAMILY_SMALL, QWEN2_5_SMALL, photo, synthetic_photo
 
 WAIT = 5.0  # seconds a thread that should proceed is given; a thread that should wait is watched for 0.2 s

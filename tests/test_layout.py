@@ -217,9 +217,9 @@ def test_the_model_imports_no_backend(name):
 PERIPHERY = ("qwenvl_vision.embed", "qwenvl_vision.outputs.handoff", "qwenvl_vision.outputs.vllm_cache",
              "qwenvl_vision.outputs.parquet", "qwenvl_vision.teardown", "qwenvl_vision.testing", "qwenvl_vision.cli",
              "ray", "pyarrow")
-CORE = ("qwenvl_vision.encoder", "qwenvl_vision.batching", "qwenvl_vision.results", "qwenvl_vision.model.tower",
-        "qwenvl_vision.checkpoint.weights", "qwenvl_vision.checkpoint.hub", "qwenvl_vision.inputs.images",
-        "qwenvl_vision.inputs.video")
+CORE = ("qwenvl_vision.loading", "qwenvl_vision.encoder", "qwenvl_vision.options", "qwenvl_vision.batching",
+        "qwenvl_vision.results", "qwenvl_vision.model.tower", "qwenvl_vision.checkpoint.weights",
+        "qwenvl_vision.checkpoint.hub", "qwenvl_vision.inputs.images", "qwenvl_vision.inputs.video")
 
 
 def loaded_by(code: str) -> dict:

@@ -11,17 +11,17 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..batching import DEFAULT_BATCH_PATCHES, DEFAULT_DECODE_TIMEOUT, check_option_rules
 from ..devices import DTYPE_CHOICES, device_option, dtype_option
 from ..errors import ConfigError
 from ..inputs.pixels import DEFAULT_MAX_INPUT_PIXELS, RESIZE_BACKENDS
 from ..model.attention import ATTN_IMPLS
 from ..model.config import PRESETS
+from ..options import DEFAULT_BATCH_PATCHES, DEFAULT_DECODE_TIMEOUT, check_option_rules
 from .inputs import INPUT_KINDS
 
 FORMATS = ("safetensors", "parquet", "vllm-cache")
 ENGINES = ("local", "ray")
-# The encode options' flags, for the refusals batching.check_option_rules makes.
+# The encode options' flags, for the refusals options.check_option_rules makes.
 FLAGS = {"min_pixels": "--min-pixels", "max_pixels": "--max-pixels", "pooled": "--pooled-only",
          "normalize": "--normalize"}
 

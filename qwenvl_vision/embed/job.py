@@ -151,7 +151,7 @@ def _load(args: EmbedSettings, device: str | None, progress: Progress, dtype=Non
     on GPUs: no CPU plan to measure), else this machine's runs."""
     from ..checkpoint.hub import looks_like_repo_id, resolve_folder
     from ..devices import resolve_device, resolve_dtype
-    from ..encoder import load_encoder
+    from ..loading import load_encoder
     from ..model.attention import resolve_attn_impl
 
     dtype = args.dtype if dtype is None else dtype

@@ -57,12 +57,13 @@ import ray
 import torch
 from ray.data.block import BlockAccessor
 
-from ..batching import DEFAULT_BATCH_PATCHES, DEFAULT_DECODE_BYTES, DEFAULT_DECODE_TIMEOUT, check_option_rules
-from ..encoder import load_encoder
 from ..errors import CheckpointError, ForwardFaultError, InputError
 from ..inputs.pixels import DEFAULT_MAX_INPUT_PIXELS, input_name
 from ..inputs.video_io import is_video_file
-from ..outputs.parquet import ParquetLayout, records_of_table, result_columns
+from ..loading import load_encoder
+from ..options import DEFAULT_BATCH_PATCHES, DEFAULT_DECODE_BYTES, DEFAULT_DECODE_TIMEOUT, check_option_rules
+from ..outputs.parquet import ParquetLayout, result_columns
+from ..outputs.parquet_reader import records_of_table
 from ..outputs.records import EmbeddingRecord, record_from_result
 from ..results import ItemResult
 from .shards import ItemOpener
@@ -353,7 +354,7 @@ def embed_paths(paths: Sequence[str | os.PathLike], source: Any, **options: Any)
 
 def records_from_batch(batch: pa.Table, *, path_column: str = "path") -> list[EmbeddingRecord]:
     """Embedder's rows (a batch of ``Dataset.iter_batches(batch_format="pyarrow")``) as ``records.EmbeddingRecord``s,
-    what every writer takes, tensors float32 (``parquet.records_of_table``). ``realpath`` is resolved here unless
+    what every writer takes, tensors float32 (``parquet_reader.records_of_table``). ``realpath`` is resolved here unless
     the batch has a column of it."""
     if not isinstance(batch, pa.Table):
         raise InputError(f"records_from_batch takes a pyarrow Table (iter_batches(batch_format=\"pyarrow\")), "

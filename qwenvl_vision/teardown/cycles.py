@@ -307,6 +307,6 @@ def mib(n: int | None) -> str:
 
 def load_plain(opts: Options) -> Any:
     """The package's own encoder for the run's options: the per-instance variant's load."""
-    from ..encoder import load_encoder
+    from ..loading import load_encoder
 
     return load_encoder(opts.source, device=opts.device, dtype=opts.dtype, random_weights=opts.random_weights)

@@ -15,8 +15,8 @@ from safetensors import safe_open
 from qwenvl_vision.cli import main
 from qwenvl_vision.embed import MANIFEST, read_embeddings, read_encoded, read_manifest_lines, read_run
 from qwenvl_vision.embed.manifest import file_of
-from qwenvl_vision.encoder import load_encoder
 from qwenvl_vision.errors import PreprocessError, QwenVLVisionError
+from qwenvl_vision.loading import load_encoder
 from qwenvl_vision.model.config import preset
 from tests.helpers import QWEN3_SMALL_72, rel_err, synthetic_photo
 from tests.helpers import make_image_folder as make_folder

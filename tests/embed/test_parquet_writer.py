@@ -14,7 +14,7 @@ from PIL import Image
 
 from qwenvl_vision.cli import main
 from qwenvl_vision.embed import read_embeddings, read_run
-from qwenvl_vision.encoder import load_encoder
+from qwenvl_vision.loading import load_encoder
 from tests.helpers import make_image_folder, synthetic_photo
 from tests.helpers.embed import (
     assert_each_parquet_input_once,

@@ -26,13 +26,8 @@ pa = pytest.importorskip("pyarrow")
 
 from qwenvl_vision.embed.ray import Embedder, embed_dataset, embed_paths, records_from_batch  # noqa: E402
 from qwenvl_vision.errors import ForwardFaultError, InputError  # noqa: E402
-from qwenvl_vision.outputs.parquet import (  # noqa: E402
-    ParquetLayout,
-    read_parquet_records,
-    result_columns,
-    results_table,
-    write_table_atomic,
-)
+from qwenvl_vision.outputs.parquet import ParquetLayout, result_columns, results_table, write_table_atomic  # noqa: E402
+from qwenvl_vision.outputs.parquet_reader import read_parquet_records  # noqa: E402
 from qwenvl_vision.outputs.records import EmbeddingRecord  # noqa: E402
 
 local_ray = embed_helpers.local_ray  # the session's Ray (a fixture shared with test_ray_engine)

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from qwenvl_vision.cli import main
 from qwenvl_vision.embed import read_embeddings, read_manifest_lines, read_run
-from qwenvl_vision.encoder import load_encoder
+from qwenvl_vision.loading import load_encoder
 from tests.helpers import embed as embed_helpers
 from tests.helpers import make_image_folder
 from tests.helpers.embed import assert_each_parquet_input_once, embed_cmd, kill_when, make_media_folder, parquet_rows

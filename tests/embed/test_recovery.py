@@ -18,8 +18,8 @@ from safetensors.torch import load_file, save_file
 
 from qwenvl_vision.cli import main
 from qwenvl_vision.embed import read_embeddings, read_manifest_lines, read_run
-from qwenvl_vision.encoder import load_encoder
 from qwenvl_vision.errors import ManifestError
+from qwenvl_vision.loading import load_encoder
 from tests.helpers import make_image_folder
 from tests.helpers.embed import one_error_line
 

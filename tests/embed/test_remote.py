@@ -13,7 +13,7 @@ import torch
 
 from qwenvl_vision.cli import main
 from qwenvl_vision.embed import read_embeddings, read_manifest_lines, read_run, remote
-from qwenvl_vision.outputs.parquet import read_parquet_records
+from qwenvl_vision.outputs.parquet_reader import read_parquet_records
 from tests.helpers import make_image_folder
 from tests.helpers.embed import local_ray  # noqa: F401 - a fixture
 from tests.helpers.servers import http_folder, s3_client

@@ -12,7 +12,7 @@ from PIL import Image
 from qwenvl_vision.cli import main
 from qwenvl_vision.embed import read_embeddings, read_run
 from qwenvl_vision.embed.run_record import crossed_bounds_note, pixel_bounds
-from qwenvl_vision.encoder import load_encoder
+from qwenvl_vision.loading import load_encoder
 from tests.helpers import make_image_folder as make_folder
 from tests.helpers import synthetic_photo
 from tests.helpers.embed import one_error_line, records

@@ -16,7 +16,7 @@ import torch
 
 from qwenvl_vision.cli import main
 from qwenvl_vision.embed import read_embeddings, read_manifest_lines, read_run
-from qwenvl_vision.outputs.parquet import read_parquet_records
+from qwenvl_vision.outputs.parquet_reader import read_parquet_records
 from tests.helpers import make_image_folder
 from tests.helpers.embed import ENV, embed_cmd, kill_at_instants, local_ray, one_error_line, torchrun_embed_cmd  # noqa: F401
 from tests.helpers.servers import http_folder

@@ -19,7 +19,7 @@ import qwenvl_vision.embed.writer as writer
 from qwenvl_vision.cli import main
 from qwenvl_vision.embed import MANIFEST, read_embeddings, read_manifest_lines, read_run
 from qwenvl_vision.embed.manifest import file_of
-from qwenvl_vision.encoder import load_encoder
+from qwenvl_vision.loading import load_encoder
 from tests.helpers import make_image_folder as make_folder
 from tests.helpers import rel_err, synthetic_photo
 from tests.helpers.embed import ENV, assert_each_input_once, embed_cmd, make_media_folder, one_error_line, records

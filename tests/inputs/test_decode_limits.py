@@ -24,7 +24,7 @@ import torch
 from PIL import Image
 
 import qwenvl_vision.batching as batching
-from qwenvl_vision.batching import DecodeBudget, EncodeOptions, prepare, prepared_batches
+from qwenvl_vision.batching import DecodeBudget, prepare, prepared_batches
 from qwenvl_vision.cli import main
 from qwenvl_vision.embed import read_embeddings
 from qwenvl_vision.errors import ConfigError, PreprocessError
@@ -32,6 +32,7 @@ from qwenvl_vision.inputs.images import PreprocessConfig, probe_image
 from qwenvl_vision.inputs.pixels import load_rgb
 from qwenvl_vision.inputs.video import VideoConfig
 from qwenvl_vision.inputs.video_io import probe_video, read_video_frames
+from qwenvl_vision.options import DEFAULT_DECODE_TIMEOUT, EncodeOptions
 from tests.helpers import make_image_folder, synthetic_photo, write_video
 from tests.helpers.embed import ENV, one_error_line, records
 
@@ -239,13 +240,14 @@ import numpy as np
 import qwenvl_vision.batching as batching
 from qwenvl_vision.inputs.images import PreprocessConfig
 from qwenvl_vision.inputs.video import VideoConfig
+from qwenvl_vision.options import EncodeOptions
 
 def stuck(*args, **kwargs):
     print("decoding", flush=True)
     threading.Event().wait()  # never returns, as a decode stuck in C code
 
 batching.preprocess_image = stuck
-options = batching.EncodeOptions(video_config=VideoConfig.for_family("qwen2_5_vl"))
+options = EncodeOptions(video_config=VideoConfig.for_family("qwen2_5_vl"))
 try:
     for _ in batching.prepared_batches([np.zeros((56, 56, 3), np.uint8)], options,
                                        PreprocessConfig.from_dict(None, "qwen2_5_vl")):
@@ -288,7 +290,7 @@ def test_decode_timeout_is_checked():
         with pytest.raises(ConfigError, match="decode_timeout must be a positive number"):
             _options(decode_timeout=bad)
     assert _options(decode_timeout=None).decode_timeout is None
-    assert _options().decode_timeout == batching.DEFAULT_DECODE_TIMEOUT
+    assert _options().decode_timeout == DEFAULT_DECODE_TIMEOUT
 
 
 # ---------------------------------------------------------------------- what decoding holds

@@ -20,11 +20,11 @@ import pytest
 import torch
 from PIL import Image
 
-from qwenvl_vision.encoder import load_encoder
 from qwenvl_vision.errors import PreprocessError
 from qwenvl_vision.inputs.images import PreprocessConfig
 from qwenvl_vision.inputs.video import VideoConfig, preprocess_video, preprocess_video_file, read_video
 from qwenvl_vision.inputs.video_io import probe_video
+from qwenvl_vision.loading import load_encoder
 from tests.helpers import (
     PIXEL_TOL,
     QWEN2_5_SAVED_VIDEO,

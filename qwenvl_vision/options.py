@@ -1,0 +1,98 @@
+"""One encode call's settings: ``EncodeOptions`` (frozen, checked when built), the rules across options that every
+path taking them applies (``check_option_rules``: the API, the Ray Embedder, the embed command), and the defaults."""
+
+from __future__ import annotations
+
+import math
+import operator
+import os
+from dataclasses import dataclass
+
+from .errors import ConfigError
+from .inputs.pixels import DEFAULT_MAX_INPUT_PIXELS, check_pixel_bounds, check_resize_backend
+from .inputs.video import VideoConfig
+
+DEFAULT_BATCH_PATCHES = 16384  # patches per forward: a few photos at a time
+DEFAULT_DECODE_BYTES = 1 << 30
+# Seconds one input may take to decode and resize (from its admission by the decode budget) before it is
+# recorded as failed: far above a 4K photo (~1 s) or a few minutes of 1080p video, but it ends a stall.
+DEFAULT_DECODE_TIMEOUT = 600.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class EncodeOptions:
+    """One encode call's settings, refused (ConfigError) when built if out of range.
+
+    video: False, every input is an image; True, every input is a video; None, a path with a video extension is a
+        video and anything else an image (min/max_pixels then bound the images only).
+    min_pixels / max_pixels: per-call pixel bounds (None: the checkpoint's; for videos, the video settings').
+    max_input_pixels: a file whose header declares more is refused unread (None: only PIL's own limit).
+    resize: images' "pil" or "torch" backend (None: the checkpoint's); videos have one pipeline.
+    video_config: the video settings of this call (sampling fps included).
+    pooled: also return each input's mean embedding.
+    normalize: the pooled vectors of unit L2 norm (computed in fp32, then cast), for cosine retrieval; needs pooled.
+    max_batch_patches: patches (pixel rows) per batch (a larger input runs alone).
+    num_workers: decoding threads (None: up to 4, one per core).
+    prefetch: inputs decoded ahead of the compute.
+    decode_bytes: the decode budget (None: no bound).
+    hash_pixels: hash each input's pixel rows on its decode thread (``item_ids.pixels_sha256``, what an encoder
+        cache names the item by; about 15 ms per megapixel, so only where a caller asks).
+    decode_timeout: seconds one input may spend decoding (from its admission by the decode budget) before it is
+        recorded as failed and the others go on (None: no limit).
+    """
+
+    video_config: VideoConfig
+    video: bool | None = False
+    min_pixels: int | None = None
+    max_pixels: int | None = None
+    max_input_pixels: int | None = DEFAULT_MAX_INPUT_PIXELS
+    resize: str | None = None
+    pooled: bool = False
+    normalize: bool = False
+    max_batch_patches: int = DEFAULT_BATCH_PATCHES
+    num_workers: int | None = None
+    prefetch: int = 8
+    decode_bytes: int | None = DEFAULT_DECODE_BYTES
+    hash_pixels: bool = False
+    decode_timeout: float | None = DEFAULT_DECODE_TIMEOUT
+
+    def __post_init__(self) -> None:
+        check_option_rules(min_pixels=self.min_pixels, max_pixels=self.max_pixels, pooled=self.pooled,
+                           normalize=self.normalize)
+        if self.resize is not None:
+            check_resize_backend(self.resize, "resize")
+        timeout = self.decode_timeout
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not math.isfinite(timeout) or timeout <= 0):
+            raise ConfigError(f"decode_timeout must be a positive number of seconds (or None: no limit), "
+                              f"got {timeout!r}")
+        try:
+            patches = None if isinstance(self.max_batch_patches, bool) else operator.index(self.max_batch_patches)
+        except TypeError:
+            patches = None
+        if patches is None or patches < 1:
+            raise ConfigError(f"max_batch_patches must be a positive integer, got {self.max_batch_patches!r}")
+        object.__setattr__(self, "max_batch_patches", patches)  # a plain int (a NumPy or 0-d torch integer given)
+        for option, value in (("max_input_pixels", self.max_input_pixels),
+                              ("decode_bytes", self.decode_bytes), ("prefetch", self.prefetch)):
+            if value is not None and value < (0 if option == "prefetch" else 1):
+                raise ConfigError(f"{option} must be positive, got {value}")
+
+    @property
+    def workers(self) -> int:
+        return max(1, self.num_workers if self.num_workers is not None else min(4, os.cpu_count() or 1))
+
+
+# The options as the API's refusals spell them (the embed command passes its flags instead).
+API_NAMES = {"min_pixels": "min_pixels", "max_pixels": "max_pixels", "pooled": "pooled=True",
+             "normalize": "normalize=True"}
+
+
+def check_option_rules(*, min_pixels: int | None = None, max_pixels: int | None = None, pooled: bool = False,
+                       normalize: bool = False, names: dict[str, str] = API_NAMES) -> None:
+    """The rules across encode options, for every path that takes them (EncodeOptions, encode_patches, the Ray
+    Embedder, the embed command); ``names``: the options as the caller spells them."""
+    check_pixel_bounds(min_pixels, max_pixels, (names["min_pixels"], names["max_pixels"]))
+    if normalize and not pooled:
+        raise ConfigError(f"{names['normalize']} makes the pooled vectors unit length; the tokens a language model "
+                          f"reads are never normalized: pass {names['pooled']} too")
