@@ -12,7 +12,7 @@ A record's ``realpath`` is its input's identity, what ``--resume`` matches: a lo
 and modification time (``file_identity``: a file replaced since is embedded again, and readers take a file's latest
 record), a URL's with its version or ETag (``remote``), a shard member's the shard's real path and its name.
 A last line without its newline is a torn write (a run killed mid-append) and is left out; any other line that
-is not a valid record is damaged (a hand edit).
+does not parse, or lacks what readers index, is damaged.
 """
 
 from __future__ import annotations
@@ -24,10 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..devices import DTYPES
-from ..inputs.pixels import is_url
 from .inputs import real_key
-from .tables import COLUMN_TYPES
 
 MANIFEST = "manifest.jsonl"
 RUN_FILE = "run.json"
@@ -46,15 +43,11 @@ RUN_COMPARED = ("format", "config_sha256", "weights_sha256", "dtype", "min_pixel
 # Recorded, not compared: "cpu_plan", the CPU backend's measured kernel choices (cpu.plan; the bits differ by kernel
 # at fp32 rounding level, and in bf16 where a plain MLP's activation moves into the GEMM's epilogue), reused by every
 # later forward of the run; None for a run started off the CPU, until the first resume on a CPU records its own.
-# Every field of ``RUN_FIELD_CHECKS`` is required: a run file without one is damaged.
 SHARD_NAME = re.compile(r"^shard-r(\d+)-(\d+)\.safetensors$")
-# A run id is part of file names and glob patterns (temporary files, shard metadata): a plain token only.
-RUN_ID = re.compile(r"[0-9A-Za-z_-]{1,64}")
 # Shard metadata: the run that wrote a shard (or encoder-cache item), and its items' manifest records (a JSON list),
 # from which a resume restores what a damaged manifest lost.
 RUN_KEY = "qwenvl_vision_run"
 RECORDS_KEY = "qwenvl_vision_records"
-TENSOR_KEY = re.compile(r"\d{1,12}")  # an item's tensor in a shard, as RankWriter names them
 PARQUET_SHARD_NAME = re.compile(r"^shard-r(\d+)-(\d+)\.parquet$")
 
 
@@ -103,7 +96,7 @@ class ManifestLine:
 
 
 def parse_manifest(path: Path) -> list[ManifestLine]:
-    """Every complete line of a manifest, each either a valid record or damaged (with why).
+    """Every complete line of a manifest, each either a record or damaged (with why).
 
     A last line without its newline is a torn write (the run was killed or stopped mid-append) and is
     left out; blank lines are skipped.
@@ -127,128 +120,16 @@ def parse_manifest(path: Path) -> list[ManifestLine]:
     return parsed
 
 
-def _count(value: Any, least: int) -> bool:
-    """An integer of at least `least` (JSON's true is not one)."""
-    return type(value) is int and value >= least
-
-
 def record_problem(record: Any) -> str:
-    """Why a manifest record (a line, or one a shard carries) cannot be used ('' when it can)."""
-    if not isinstance(record, dict):
-        return f"not a JSON object ({type(record).__name__})"
-    if not isinstance(record.get("path"), str) or not record["path"]:
-        return "no 'path'"
-    if "realpath" in record and not (isinstance(record["realpath"], str) and (
-            os.path.isabs(record["realpath"]) or is_url(record["realpath"]))):
-        return f"realpath {record['realpath']!r} is not an absolute path or a URL"
-    if record.get("status") not in ("ok", "error"):
-        return f"status {record.get('status')!r} is neither 'ok' nor 'error'"
-    if not _count(record.get("rank", 0), 0):
-        return f"rank {record.get('rank')!r} is not a non-negative integer"
-    if record.get("error") is not None and not isinstance(record["error"], str):
-        return f"error {record['error']!r} is not text"
-    if "columns" in record and not isinstance(record["columns"], dict):
-        return f"columns {json.dumps(record['columns'])[:80]} is not a JSON object"
-    if record["status"] == "error":
-        return ""
-    # The encoder-cache layout is vllm_cache's; imported here so that reading another format's run loads no writer.
-    from ..outputs.vllm_cache import CACHE_KEY, ITEM_FILE
-
-    shard = record.get("shard")
-    item = ITEM_FILE.fullmatch(shard) if isinstance(shard, str) else None
-    if not isinstance(shard, str) or not (SHARD_NAME.match(shard) or item):
-        return f"status ok but shard {shard!r} is not a shard file name of this folder" if shard is not None \
-            else "status ok but no 'shard'"
-    if not isinstance(record.get("key"), str) or not record["key"]:
-        return "status ok but no 'key'"
-    if not item and not TENSOR_KEY.fullmatch(record["key"]):
-        return f"key {record['key']!r} is not a tensor name of a shard"
-    if item and (record.get("id") != item.group(1) or record["key"] != CACHE_KEY):
-        return f"encoder-cache item {shard!r} recorded with id {record.get('id')!r} and key {record['key']!r}"
-    if item and not _count(record.get("levels"), 0):
-        return f"encoder-cache item {shard!r} with levels {record.get('levels')!r}, not a count"
-    grid = record.get("grid_thw")
-    if not (isinstance(grid, list) and len(grid) == 3 and all(_count(g, 1) for g in grid)):
-        return f"grid_thw {grid!r} is not three positive integers"
-    if not _count(record.get("tokens"), 1):
-        return f"tokens {record.get('tokens')!r} is not a positive integer"
-    return _video_problem(record["video"]) if "video" in record else ""
+    """Why a manifest record (a line, or one a shard carries) lacks what its readers index ('' when it has it)."""
+    if not isinstance(record, dict) or record.get("status") not in ("ok", "error"):
+        return "not a record with status 'ok' or 'error'"
+    needed = ("path", "shard", "key") if record["status"] == "ok" else ("path",)
+    missing = [name for name in needed if not isinstance(record.get(name), str)]
+    return f"status {record['status']} but no {missing[0]!r}" if missing else ""
 
 
-def _video_problem(video: Any) -> str:
-    """Why a record's ``video`` entry (frames used, timestamps, source fps) cannot be used ('' when it can)."""
-    if not isinstance(video, dict):
-        return "video is not a JSON object"
-    frames, stamps, fps = video.get("frames"), video.get("timestamps"), video.get("fps")
-    if not (isinstance(frames, list) and frames and all(_count(i, 0) for i in frames)):
-        return f"video frames {frames!r} are not frame indices"
-    if not (isinstance(stamps, list) and len(stamps) == len(frames)
-            and all(isinstance(t, (int, float)) for t in stamps)):
-        return "video timestamps are not one number per frame"
-    if not (isinstance(fps, (int, float)) and fps > 0):
-        return f"video fps {fps!r} is not a positive number"
-    requested = video.get("requested_fps")
-    if requested is not None and not (isinstance(requested, (int, float)) and requested > 0):
-        return f"video requested_fps {requested!r} is not a positive number"
-    return ""
-
-
-
-
-def _text(value: Any) -> bool:
-    return isinstance(value, str)
-
-
-def _optional(check):
-    return lambda value: value is None or check(value)
-
-
-def _hex64(value: Any) -> bool:
-    return isinstance(value, str) and re.fullmatch(r"[0-9a-f]{64}", value) is not None
-
-
-# Each run.json field this version reads: (check, what a valid value is). Every one is required (read_run refuses a
-# file without it), and each must pass, so that nothing downstream meets a wrong type.
-RUN_FIELD_CHECKS: dict[str, tuple[Any, str]] = {
-    "format": (lambda v: _count(v, 1), "an integer of at least 1"),
-    "run_id": (lambda v: isinstance(v, str) and RUN_ID.fullmatch(v) is not None,
-               "1 to 64 letters, digits, '_' or '-'"),
-    "created": (_text, "text"),
-    "package_version": (_text, "text"),
-    "model": (_text, "text"),
-    "model_folder": (_optional(_text), "text or null"),
-    "revision": (_optional(_text), "text or null"),
-    "random_weights": (lambda v: type(v) is bool, "true or false"),
-    "family": (lambda v: isinstance(v, str) and re.fullmatch(r"[0-9a-z_]{1,64}", v) is not None,
-               "a model family's name"),
-    "config_sha256": (_hex64, "64 lowercase hex digits"),
-    "weights_sha256": (_hex64, "64 lowercase hex digits"),
-    "dtype": (lambda v: v in DTYPES, ", ".join(DTYPES)),
-    "min_pixels": (lambda v: _count(v, 1), "a positive integer"),
-    "max_pixels": (lambda v: _count(v, 1), "a positive integer"),
-    "resize": (lambda v: v in ("pil", "torch"), "pil or torch"),
-    "video": (lambda v: isinstance(v, dict), "a JSON object"),
-    "pooled": (lambda v: type(v) is bool, "true or false"),
-    "normalize": (lambda v: type(v) is bool, "true or false"),
-    "columns": (lambda v: isinstance(v, list) and all(
-        isinstance(c, list) and len(c) == 2 and isinstance(c[0], str) and c[1] in COLUMN_TYPES for c in v),
-        "a list of [name, type] pairs"),
-    "world_size": (lambda v: _count(v, 1) and v <= 1 << 20, "a positive integer"),
-    "file_format": (lambda v: v in ("safetensors", "parquet", "vllm-cache"), "safetensors, parquet or vllm-cache"),
-    "engine": (lambda v: v in ("local", "ray"), "local or ray"),
-    "threads": (lambda v: _count(v, 1) and v <= 1 << 16, "a positive integer"),
-    "cpu_plan": (_optional(lambda v: isinstance(v, dict)), "a JSON object or null"),
-    "cwd": (_optional(lambda v: isinstance(v, str) and os.path.isabs(v)), "an absolute path or null"),
-}
-
-
-RUN_FIELDS = tuple(RUN_FIELD_CHECKS)
-
-
-def run_problem(run: dict) -> str:
-    """Why a run record's fields cannot be used ('' when they can): the first field of the wrong type or range,
-    named with its value and what it must be."""
-    for name, (check, what) in RUN_FIELD_CHECKS.items():
-        if name in run and not check(run[name]):
-            return f"field {name!r} is {json.dumps(run[name])[:80]}, not {what}"
-    return ""
+# The run.json fields this version reads: a run file without one is damaged.
+RUN_FIELDS = ("format", "run_id", "created", "package_version", "model", "model_folder", "revision", "random_weights",
+              "family", "config_sha256", "weights_sha256", "dtype", "min_pixels", "max_pixels", "resize", "video",
+              "pooled", "normalize", "columns", "world_size", "file_format", "engine", "threads", "cpu_plan", "cwd")

@@ -26,7 +26,6 @@ from .manifest import (
     ManifestLine,
     file_of,
     parse_manifest,
-    run_problem,
 )
 
 
@@ -90,20 +89,11 @@ def older_plan(run: dict) -> int | None:
 
 
 def _checked_run(path: Path, run: dict) -> dict:
-    """``run``, every field present and checked; a ManifestError naming ``path`` and the field otherwise."""
+    """``run``, every field this version reads present; a ManifestError naming ``path`` and the fields otherwise."""
     missing = [key for key in RUN_FIELDS if key not in run]
-    problem = f"no {', '.join(missing)}" if missing else run_problem(run)
-    if not problem and run.get("cpu_plan") is not None:
-        from ..backends.cpu.plan import CpuPlan
-        from ..errors import ConfigError
-
-        try:
-            if not older_plan(run):  # an older version's plan: its embeddings read as ever, a resume refuses it
-                CpuPlan.from_dict(run["cpu_plan"])
-        except ConfigError as e:
-            problem = f"field 'cpu_plan': {e}"
-    if problem:
-        raise ManifestError(f"{path} is damaged: {problem}; restore it (or move the folder away and embed afresh)")
+    if missing:
+        raise ManifestError(f"{path} is damaged: no {', '.join(missing)}; restore it (or move the folder away and "
+                            f"embed afresh)")
     return run
 
 
@@ -115,7 +105,7 @@ def read_embeddings(out: str | os.PathLike, *, deepstack: bool = False) -> Itera
 
     With deepstack=True yields (path, (embedding, [levels...])) for Qwen3-VL runs. What produced the tensors
     (model, dtype, pixel bounds, pooling): ``read_run(DIR)``. A damaged manifest line, a missing shard or
-    key raises ManifestError naming the line; a damaged Parquet shard, naming the file and row. An encoder-cache
+    key raises ManifestError naming the line; a damaged Parquet shard, naming the file. An encoder-cache
     item that ``cache prune`` removed (listed in the folder's ``pruned.jsonl``) is skipped, with one warning
     saying how many. Both formats
     yield the same values for the same run: the tokens in the run's dtype, pooled vectors as float32 (as the
@@ -163,9 +153,6 @@ def read_embeddings(out: str | os.PathLike, *, deepstack: bool = False) -> Itera
             if r["key"] not in handle.keys():
                 raise ManifestError(f"{manifest}, line {line.number}: {r['shard']} has no tensor {r['key']!r}")
             tensor = handle.get_tensor(r["key"])
-            problem = _stored_problem(r, tensor, handle)
-            if problem:
-                raise ManifestError(f"{manifest}, line {line.number}: {r['shard']} {problem}")
             if "levels" in r:  # an encoder-cache item: [merged | level 0 | ...] along the features, as vLLM splits it
                 from ..outputs.handoff import split_vllm_deepstack
 
@@ -186,20 +173,6 @@ def read_embeddings(out: str | os.PathLike, *, deepstack: bool = False) -> Itera
     if skipped:
         warnings.warn(f"{out}: {skipped} item(s) removed by `qwenvl-vision cache prune` (listed in pruned.jsonl) "
                       f"were skipped", stacklevel=2)
-
-
-def _stored_problem(record: dict, tensor: torch.Tensor, handle) -> str:
-    """Why a stored tensor is not the one its record names ('' when it is): a token tensor of another length, or an
-    encoder-cache item file whose metadata names another item (a file moved or copied over it)."""
-    if tensor.dim() == 2 and tensor.shape[0] != record["tokens"]:
-        return f"holds {tensor.shape[0]} tokens for {record['path']!r}, whose record says {record['tokens']}"
-    if "levels" in record:
-        from ..outputs.vllm_cache import ITEM_KEY
-
-        named = (handle.metadata() or {}).get(ITEM_KEY)
-        if named is not None and named != record["id"]:  # vLLM's own writer records none
-            return f"is item {named[:16]}..., not {record['id'][:16]}... (a file moved or copied over it)"
-    return ""
 
 
 def _open_shard(out: Path, name: str, manifest: Path, number: int):

@@ -1,5 +1,5 @@
-"""Reading back ``parquet``'s layout, strictly: one shard whole (``read_parquet_table``: metadata, schema, every row
-and value checked), or only what a question needs (``read_parquet_index``: which inputs are done;
+"""Reading back ``parquet``'s layout: one shard whole (``read_parquet_table``: its pages' checksums, metadata and
+schema checked), or only what a question needs (``read_parquet_index``: which inputs are done;
 ``read_parquet_grids``: the grids a hand-off needs; ``read_parquet_run``: the run record), and a folder's records
 (``read_parquet_records``), tensors bitwise the encoder's. Any fault is one ManifestError naming the file (and row).
 """
@@ -7,7 +7,6 @@ and value checked), or only what a question needs (``read_parquet_index``: which
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 from collections.abc import Callable, Iterator, Sequence
@@ -19,10 +18,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from ..devices import DTYPES, dtype_name
+from ..devices import DTYPES
 from ..errors import ManifestError
 from ..inputs.pixels import is_url
-from .parquet import METADATA_KEY, PARQUET_FORMAT, SHARD_SUFFIX, STATUSES, ParquetLayout
+from .parquet import METADATA_KEY, PARQUET_FORMAT, SHARD_SUFFIX, ParquetLayout
 from .records import EmbeddingRecord
 
 
@@ -51,48 +50,6 @@ def read_metadata(schema: pa.Schema, where: str) -> tuple[ParquetLayout, dict]:
     return layout, meta["run"]
 
 
-def _rows_problem(table: pa.Table, layout: ParquetLayout) -> tuple[int, str] | None:
-    """The first row that breaks the layout's rules, and why (None: every row is sound)."""
-    status = table.column("status").to_pylist()
-    error = table.column("error").to_pylist()
-    grids = table.column("grid_thw").to_pylist()
-    tokens = table.column("tokens").to_pylist()
-    tensor_names = (["embedding"] if layout.tokens else []) + (["pooled"] if layout.pooled else []) \
-        + layout.level_columns
-    tensors = {name: table.column(name).combine_chunks() for name in tensor_names}
-    lengths = {name: (None if name == "pooled" else col.value_lengths().fill_null(0).to_numpy())
-               for name, col in tensors.items()}
-    valid = {name: col.is_valid().to_numpy(zero_copy_only=False) for name, col in tensors.items()}
-    paths, realpaths = table.column("path").to_pylist(), table.column("realpath").to_pylist()
-    merge_unit = layout.merge_size ** 2
-    for row in range(table.num_rows):
-        if not paths[row] or not realpaths[row]:
-            return row, "no path or realpath"
-        if status[row] not in STATUSES:
-            return row, f"status {status[row]!r} (expected one of {list(STATUSES)})"
-        present = [name for name in tensor_names if valid[name][row]]
-        if status[row] == "error":
-            if not error[row]:
-                return row, "status error without an error message"
-            if present or grids[row] is not None or tokens[row] is not None:
-                return row, f"an error row holding tensors ({present or 'grid_thw/tokens'})"
-            continue
-        if error[row] is not None:
-            return row, f"status ok with an error ({error[row]!r})"
-        grid = grids[row]
-        if grid is None or any(x is None or x < 1 for x in grid):
-            return row, f"grid_thw {grid} (expected three positive numbers)"
-        count, rest = divmod(math.prod(grid), merge_unit)
-        if rest or count != tokens[row]:
-            return row, f"tokens {tokens[row]} but grid_thw {grid} gives {math.prod(grid)}/{merge_unit} merged tokens"
-        for name in tensor_names:
-            if not valid[name][row]:
-                return row, f"status ok without {name}"
-            if lengths[name] is not None and lengths[name][row] != count:
-                return row, f"{name} has {lengths[name][row]} vectors of {layout.dim}, grid_thw {grid} gives {count}"
-    return None
-
-
 def _vectors_of(column: pa.Array, per_row_vectors: bool) -> tuple[pa.Array, np.ndarray]:
     """A tensor column's vectors (a fixed_size_list array, null rows' slots included) and each row's first and
     last-plus-one vector (offsets, n + 1 of them)."""
@@ -110,106 +67,46 @@ def _floats_of(vectors: pa.Array) -> pa.Array:
     return vectors.values.slice(vectors.offset * size, len(vectors) * size)
 
 
-def _damaged_row(column: pa.Array, per_row_vectors: bool, dtype: torch.dtype | None) -> tuple[int, str] | None:
-    """(row, what) of the first valid row of a tensor column holding a null vector or float, or, with ``dtype``
-    (bf16 or fp16), a float that dtype cannot hold: such a run stores its values widened to float32, exactly, so any
-    other value is damage (rounding it back would hide it). None: every value is sound."""
-    vectors, offsets = _vectors_of(column, per_row_vectors)
-    floats = _floats_of(vectors)
-    size = vectors.type.list_size
-    if vectors.null_count or floats.null_count:
-        bad = np.union1d(np.flatnonzero(~vectors.is_valid().to_numpy(zero_copy_only=False)),
-                         np.flatnonzero(~floats.is_valid().to_numpy(zero_copy_only=False)) // size)
-        row = _first_valid_row(column, offsets, bad)
-        if row is not None:
-            return row, "holds a null value"
-    if dtype not in (torch.bfloat16, torch.float16):
-        return None
-    values = np.asarray(floats.to_numpy(zero_copy_only=False), dtype=np.float32)
-    if dtype == torch.bfloat16:  # exact in bf16: the low 16 bits of the float32 are zero
-        inexact = (values.view(np.uint32) & 0xFFFF) != 0
-    else:
-        with np.errstate(over="ignore"):  # a value past fp16's range is inexact, not an error
-            inexact = values.astype(np.float16).astype(np.float32) != values
-    row = _first_valid_row(column, offsets, np.unique(np.flatnonzero(inexact & ~np.isnan(values)) // size))
-    return None if row is None else (row, f"holds a value a {dtype_name(dtype)} run cannot have stored")
-
-
-def _first_valid_row(column: pa.Array, offsets: np.ndarray, vector_indices: np.ndarray) -> int | None:
-    """The first valid row of ``column`` holding one of the vectors at ``vector_indices`` (rows' vectors start at
-    ``offsets``)."""
-    valid = column.is_valid().to_numpy(zero_copy_only=False)
-    rows = np.searchsorted(offsets, vector_indices, side="right") - 1
-    inside = [int(r) for r, v in zip(rows, vector_indices) if 0 <= r < len(column) and valid[r] and v < offsets[r + 1]]
-    return min(inside) if inside else None
-
-
 def read_parquet_table(path: str | os.PathLike) -> tuple[pa.Table, ParquetLayout, dict]:
-    """One Parquet file of embeddings, validated strictly: its metadata (layout, run), its schema (exactly the
-    layout's), every row (status and error agree, grid product / merge**2 = tokens = every tensor column's
-    length, no null value inside a tensor). Any fault is one ManifestError naming the file (and the row)."""
+    """One Parquet file of embeddings: its pages' checksums verified, its metadata (layout, run) and its schema
+    (exactly the layout's) checked. Any fault is one ManifestError naming the file."""
     path = Path(path)
     table = _read(path, pq.read_table, page_checksum_verification=True)
     layout, run = read_metadata(table.schema, str(path))
-    expected = layout.schema()
-    if not table.schema.remove_metadata().equals(expected):
-        differ = [f"{f.name}: {f.type}" for f in table.schema if f.name not in expected.names
-                  or expected.field(f.name).type != f.type]
-        missing = [name for name in expected.names if name not in table.schema.names]
-        why = [f"columns of another name or type: {differ}"] if differ else []
-        why += [f"missing {missing}"] if missing else []
-        why = "; ".join(why) or "columns out of order"
-        raise ManifestError(f"{path}: schema is not the layout's ({why})")
-    problem = _rows_problem(table, layout)
-    if problem is not None:
-        raise ManifestError(f"{path}, row {problem[0]}: {problem[1]}")
-    for name in (["embedding"] if layout.tokens else []) + layout.level_columns + (["pooled"] if layout.pooled else []):
-        # The tokens are the run's dtype widened; the pooled mean is computed and kept in float32.
-        damaged = _damaged_row(table.column(name).combine_chunks(), name != "pooled",
-                               None if name == "pooled" else DTYPES[layout.dtype])
-        if damaged is not None:
-            raise ManifestError(f"{path}, row {damaged[0]}: {name} {damaged[1]}")
+    _check_schema(path, table.schema, layout)
     return table, layout, run
+
+
+def _check_schema(path: Path, schema: pa.Schema, layout: ParquetLayout) -> None:
+    """ManifestError naming the columns that differ, unless ``schema`` is exactly the layout's."""
+    if not schema.remove_metadata().equals(layout.schema()):
+        differ = sorted({f"{f.name}: {f.type}" for f in schema} ^ {f"{f.name}: {f.type}" for f in layout.schema()})
+        raise ManifestError(f"{path}: schema is not the layout's ({'; '.join(differ) or 'columns out of order'})")
 
 
 def read_parquet_grids(path: str | os.PathLike) -> list[tuple[str, list[int], dict | None, int]]:
     """(path, grid_thw, video entry or None for an image, tokens) of one shard's ok rows, from its footer and the
-    path, status, grid, video and tokens columns only (what a hand-off needs before it reads any tensor). Any fault
-    is one ManifestError naming the file."""
+    path, status, grid, video and tokens columns only (what a hand-off needs before it reads any tensor). An
+    unreadable file is one ManifestError naming it."""
     path = Path(path)
     read_metadata(_read(path, pq.read_schema), str(path))
     table = _read(path, pq.read_table, columns=["path", "status", "grid_thw", "video", "tokens"],
                   page_checksum_verification=True)
     rows = zip(*(table.column(name).to_pylist() for name in ("path", "status", "grid_thw", "video", "tokens")),
                strict=True)
-    found = []
-    for row, (name, status, grid, video, tokens) in enumerate(rows):
-        if status != "ok":
-            continue
-        if not (isinstance(grid, list) and len(grid) == 3 and all(isinstance(g, int) and g > 0 for g in grid)):
-            raise ManifestError(f"{path}, row {row}: status ok with grid_thw {grid!r}, not three positive integers")
-        if not (isinstance(tokens, int) and tokens > 0):
-            raise ManifestError(f"{path}, row {row}: status ok with tokens {tokens!r}, not a positive integer")
-        found.append((name, grid, video, tokens))
-    return found
+    return [(name, grid, video, tokens) for name, status, grid, video, tokens in rows if status == "ok"]
 
 
 def read_parquet_index(path: str | os.PathLike) -> tuple[list[str], list[str], ParquetLayout, dict]:
     """(realpaths, statuses, layout, run) of one shard, reading only its footer and those two columns (a resume's
     question: which inputs are done), checked as far as they go: metadata and schema as ``read_parquet_table``
-    checks them, every row a realpath and a known status. The tensors are not read (``read_parquet_table`` reads
-    and checks everything). Any fault is one ManifestError naming the file."""
+    checks them. The tensors are not read. Any fault is one ManifestError naming the file."""
     path = Path(path)
     schema = _read(path, pq.read_schema)
     layout, run = read_metadata(schema, str(path))
-    if not schema.remove_metadata().equals(layout.schema()):
-        raise ManifestError(f"{path}: schema is not the layout's (read it with read_parquet_table for why)")
+    _check_schema(path, schema, layout)
     table = _read(path, pq.read_table, columns=["realpath", "status"], page_checksum_verification=True)
-    realpaths, status = table.column("realpath").to_pylist(), table.column("status").to_pylist()
-    for row, (realpath, state) in enumerate(zip(realpaths, status)):
-        if not realpath or state not in STATUSES:
-            raise ManifestError(f"{path}, row {row}: realpath {realpath!r} with status {state!r}")
-    return realpaths, status, layout, run
+    return table.column("realpath").to_pylist(), table.column("status").to_pylist(), layout, run
 
 
 def same_run(a: dict, b: dict) -> bool:

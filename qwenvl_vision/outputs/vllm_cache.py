@@ -34,11 +34,8 @@ float per temporal patch) or ``second_per_grid_t`` (the Omni thinkers: seconds p
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
-import re
-import time
 import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -49,7 +46,7 @@ from safetensors.torch import save
 
 from ..errors import CacheFolderError, InputError
 from ..inputs.item_ids import IDENTITY_FIELDS, is_sha256, item_id
-from .durable import create_new, file_lock, fsync_dir, open_no_follow, refuse_link, replace_atomically
+from .durable import create_new, file_lock, fsync_dir, refuse_link, replace_atomically
 from .handoff import MODALITIES, VllmItem, vllm_items
 
 CACHE_FILE = "encoder_cache.safetensors"
@@ -57,7 +54,6 @@ CACHE_KEY = "ec_cache"
 IDENTITY_FILE = "qwenvl_vision_cache.json"
 ITEM_KEY = "qwenvl_vision_item"  # an item file's metadata: its id
 CACHE_LOCK = "qwenvl_vision_cache.lock"  # held by item writers and by a prune (cache_prune)
-ITEM_FILE = re.compile(rf"([0-9a-f]{{64}})/{re.escape(CACHE_FILE)}")  # an item's file in the folder (fullmatch)
 
 
 @contextlib.contextmanager
@@ -102,7 +98,7 @@ def check_cache_folder(folder: str | os.PathLike, identity: dict[str, str]) -> N
 def claim_cache_folder(folder: str | os.PathLike, identity: dict[str, str], tag: str) -> None:
     """Check the folder (``check_cache_folder``), create it, and give it this identity if it has none: written
     whole under a temporary name, then linked into place only if no other writer's got there first (a link does
-    not replace; where links are refused, created exclusively), and checked again."""
+    not replace), and checked again."""
     folder = Path(folder)
     check_cache_folder(folder, identity)
     folder.mkdir(parents=True, exist_ok=True)
@@ -117,40 +113,13 @@ def claim_cache_folder(folder: str | os.PathLike, identity: dict[str, str], tag:
             f.write(text.encode())
             f.flush()
             os.fsync(f.fileno())
-        try:
-            os.link(tmp, path)
-        except OSError as e:
-            if e.errno not in NO_HARD_LINKS:
-                raise
-            _create_exclusively(path, text)  # a file system without hard links (FUSE mounts, SMB, exFAT)
+        os.link(tmp, path)
     except FileExistsError:
         pass  # another writer claimed it meanwhile: its identity decides, below
     finally:
         tmp.unlink(missing_ok=True)
     fsync_dir(folder)
-    for _ in range(4):  # an exclusive create is visible before its bytes: another writer may be mid-write
-        try:
-            json.loads(path.read_text())
-            break
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError):  # check_cache_folder below names what is wrong
-            time.sleep(0.05)
     check_cache_folder(folder, identity)
-
-
-NO_HARD_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS, errno.EMLINK}
-
-
-def _create_exclusively(path: Path, text: str) -> None:
-    """``path`` created only if absent (FileExistsError otherwise), written and fsynced."""
-    fd = open_no_follow(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(text.encode())
-            f.flush()
-            os.fsync(f.fileno())
-    except BaseException:
-        path.unlink(missing_ok=True)  # a half-written identity would lock the folder for good
-        raise
 
 
 def item_problem(path: Path, item: str, rows: torch.Tensor) -> str:

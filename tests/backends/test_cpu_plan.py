@@ -1,6 +1,7 @@
 """The machine's CPU plan (qwenvl_vision.backends.cpu.machine, cpu.probes, cpu.plan): measured once per machine
 and reused by later processes (the same bits), safe against corrupt, truncated, foreign and invalid files, an
-unwritable folder and two processes tuning at once; strict as a dict; and a run's plan applied on any machine."""
+unwritable folder and two processes tuning at once; a plan that cannot run refused; and a run's plan applied on any
+machine."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import torch
 
 from qwenvl_vision import ConfigError, load_encoder
 from qwenvl_vision.backends.cpu import machine, probes
-from qwenvl_vision.backends.cpu.kernels import DEFAULT_CHUNK_BYTES, onednn_packs
+from qwenvl_vision.backends.cpu.kernels import DEFAULT_CHUNK_BYTES
 from qwenvl_vision.backends.cpu.machine import machine_identity, machine_key, machine_plan
 from qwenvl_vision.backends.cpu.plan import (
     CHUNK_CHOICES,
@@ -86,13 +87,10 @@ def test_a_plan_of_older_probes_is_not_reused(fresh, monkeypatch):
 
 
 @pytest.mark.parametrize("content", ["{not json", '{"format": 1, "machine": "x"', json.dumps([1, 2]),
-                                     "FOREIGN", "INVALID", "EXTRA", "NO-IDENTITY", "[" * 100_000, "UNPACKABLE"],
-                         ids=["corrupt", "truncated", "not-an-object", "foreign", "invalid-entry", "extra-field",
-                              "no-identity", "nested-too-deep", "a-kernel-this-cpu-cannot-run"])
+                                     "FOREIGN", "INVALID", "NO-IDENTITY"],
+                         ids=["corrupt", "truncated", "not-an-object", "foreign", "invalid-entry", "no-identity"])
 def test_a_bad_plan_file_is_one_warning_and_a_fresh_measurement(fresh, monkeypatch, content):
     folder, calls = fresh
-    if content == "UNPACKABLE" and onednn_packs(torch.bfloat16):
-        pytest.skip("this CPU's oneDNN packs bf16 linears: no kernel of a plan is one it cannot run")
     good = machine_plan(NEEDS)
     path = plan_file(folder)
     stored = json.loads(path.read_text())
@@ -100,12 +98,8 @@ def test_a_bad_plan_file_is_one_warning_and_a_fresh_measurement(fresh, monkeypat
         content = json.dumps({**stored, "identity": {**stored["identity"], "cpu": "another CPU"}})
     elif content == "INVALID":
         content = json.dumps({**stored, "linear": {**stored["linear"], "64x96:float32": "mkl"}})
-    elif content == "EXTRA":
-        content = json.dumps({**stored, "extra": 1})
     elif content == "NO-IDENTITY":
         content = json.dumps({k: v for k, v in stored.items() if k != "identity"})
-    elif content == "UNPACKABLE":  # every load would fail packing it
-        content = json.dumps({**stored, "linear": {**stored["linear"], "96x64:bfloat16": "onednn"}})
     path.write_text(content)
     forget(monkeypatch)
     with warnings.catch_warnings(record=True) as caught:
@@ -196,17 +190,12 @@ def test_a_plan_round_trips_as_a_dict_and_bad_ones_are_refused():
     assert plan.attention_path(torch.bfloat16, 2, 16, 64) == "sdpa"  # no entry: torch's own
     assert plan.attention_path(torch.bfloat16, 2, 16, 100_000) == "sdpa"  # beyond the GEMM path's memory bound
     assert plan.linear_kernel(128, 64, torch.float32) == "addmm"
-    for bad, match in [([], "JSON object"), ({**plan.to_dict(), "extra": 1}, "fields"),
+    for bad, match in [([], "format None"), ({k: v for k, v in plan.to_dict().items() if k != "linear"}, "fields"),
                        ({**plan.to_dict(), "format": 9}, "format 9"),
-                       ({**plan.to_dict(), "linear": {"64x96:float16": "addmm"}}, "64x96:float16"),
                        ({**plan.to_dict(), "attention": {"bfloat16:2x16:512": "flash"}}, "flash"),
-                       ({**plan.to_dict(), "linear_chunk": {"gated:rms:64x2:96:silu:bfloat16": 0}}, "integer of 1"),
-                       ({**plan.to_dict(), "scratch": {"gated:rms:64x2:96:silu:bfloat16": True}}, "integer of 1"),
-                       ({**plan.to_dict(), "scratch": {"gated:rms:64x2:96:silu:bfloat16": 1 << 40}}, "integer of 1"),
-                       ({**plan.to_dict(), "scratch": {"64x96:float32": 512}}, "64x96:float32"),
-                       ({**plan.to_dict(), "format": 2}, r"format 2 is not this version's \(3\)"),
-                       ({**plan.to_dict(), "linear": {"6" * 5000 + "x96:float32": "addmm"}}, "not a key of this"),
-                       ({**plan.to_dict(), "linear": {"\uff16\uff14x96:float32": "addmm"}}, "not a key of this")]:
+                       ({**plan.to_dict(), "linear_chunk": {"gated:rms:64x2:96:silu:bfloat16": 0}}, "linear_chunk"),
+                       ({**plan.to_dict(), "scratch": {"gated:rms:64x2:96:silu:bfloat16": True}}, "scratch"),
+                       ({**plan.to_dict(), "format": 2}, r"format 2 is not this version's \(3\)")]:
         with pytest.raises(ConfigError, match=match):
             CpuPlan.from_dict(bad)
     with pytest.raises(ConfigError, match="format"):
@@ -507,7 +496,7 @@ def test_a_link_at_the_plan_file_is_neither_read_nor_written_through(fresh, tmp_
     assert target.read_bytes() == before and not path.is_symlink()
 
 
-# ----------------------------------------------------------------------------- a plan's fields, in range
+# ----------------------------------------------------------------------------- a plan's fields
 
 
 GOOD = CpuPlan("0123456789abcdef", {"64x96:float32": "addmm"}, {attention_key(torch.float32, 2, 16, 512): "sdpa"},
@@ -518,25 +507,12 @@ BLOCK = "gated:rms:64x2:96:silu:float32"
 
 
 @pytest.mark.parametrize(("field", "value", "named"), [
-    ("scratch", {BLOCK: 1 << 30}, "scratch"),  # 8 GiB of fp32 scratch allocated per forward
-    ("scratch", {BLOCK: (1 << 21) + 1}, "scratch"),
-    ("scratch", {BLOCK: 1 << 16}, "scratch"),
-    ("linear_chunk", {BLOCK: 1 << 30}, "linear_chunk"),
-    ("linear_chunk", {BLOCK: 1024}, "linear_chunk"),
-    ("mlp", {"gated:64x96:silu:float32": 1 << 20}, "mlp"),
-    ("mlp", {"gated:64x96:silu:float32": 1}, "mlp"),
     ("mlp", {"gated:64x96:silu:float32": 512.0}, "mlp"),
-    ("linear", {"0x96:float32": "addmm"}, "0x96:float32"),
-    ("attention", {"float32:2x16:100": "sdpa"}, "float32:2x16:100"),
-    ("attention", {"float32:2x0:512": "sdpa"}, "float32:2x0:512"),
+    ("scratch", {BLOCK: 0}, "scratch"),
     ("linear", {"64x96:float32": "mkl"}, "mkl"),
-    ("machine", "../" * 40, "machine"),
-    ("machine", "", "machine"),
-    ("machine", 5, "machine"),
 ], ids=lambda v: str(v)[:24])
-def test_a_plan_with_a_field_out_of_range_is_refused_naming_it(field, value, named):
-    """A foreign plan file or a hand-edited run.json: every field is checked in type and range on reading; a size
-    outside its probe's search space (which holds the default) was never measured."""
+def test_a_plan_that_cannot_run_is_refused_naming_it(field, value, named):
+    """A plan given as cpu_kernels= or recorded by a run: an unknown kernel, or a size below one, is one line."""
     bad = {**GOOD.to_dict(), field: value}
     with pytest.raises(ConfigError, match="CPU plan") as refused:
         CpuPlan.from_dict(bad)

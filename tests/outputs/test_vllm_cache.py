@@ -7,7 +7,6 @@ written; a resumed and a two-rank run record each input once."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 from pathlib import Path
 
@@ -283,22 +282,6 @@ def test_an_omni_video_from_a_parquet_run_hands_over_at_the_run_s_fps(tmp_path):
     assert data["second_per_grid_ts"].tolist() == [pytest.approx(2 / 2.5)]
 
 
-def test_a_folder_on_a_file_system_without_hard_links_is_claimed_all_the_same(tmp_path, checkpoint, monkeypatch):
-    """FUSE mounts, SMB and exFAT refuse os.link: the identity file is then created exclusively instead."""
-    import errno
-    import os
-
-    def no_links(src, dst):
-        raise OSError(errno.EPERM, "Operation not permitted", str(dst))
-
-    monkeypatch.setattr(os, "link", no_links)
-    paths = [str(p) for p in make_image_folder(tmp_path / "imgs", 1, bad=False)]
-    encoder = load_encoder(checkpoint, device="cpu")
-    (e,) = encoder.encode_images(paths, max_pixels=64 * 64).to_vllm_cache(tmp_path / "cache")
-    assert (tmp_path / "cache" / IDENTITY_FILE).is_file() and (tmp_path / "cache" / e["id"] / CACHE_FILE).is_file()
-    assert not list((tmp_path / "cache").rglob("*.tmp"))
-
-
 @pytest.mark.parametrize("target", ["dangling", "another model's identity", "this model's identity"])
 def test_a_link_at_the_identity_file_is_refused_and_left_as_it_is(tmp_path, checkpoint, checkpoint3, target):
     """A dangling link reads as no identity yet (it raised a FileNotFoundError); one to another model's identity is
@@ -345,35 +328,3 @@ def test_a_model_that_claims_the_folder_first_wins_and_the_other_is_refused(tmp_
         qwen25.encode_images(paths, max_pixels=64 * 64).to_vllm_cache(folder)
     assert (folder / IDENTITY_FILE).read_bytes() == theirs
     assert sorted(p.name for p in folder.iterdir()) == [IDENTITY_FILE]
-
-
-def test_a_stored_tensor_that_is_not_its_records_is_refused_naming_the_line(tmp_path, checkpoint):
-    """Two items of one shape that traded places (a copy or sync gone wrong) would read as each other's: each item
-    file names its id, and the reader holds it to the record's; a token count the tensor does not have is refused
-    in every format's manifest."""
-    from PIL import Image
-
-    from qwenvl_vision.errors import ManifestError
-
-    (tmp_path / "imgs").mkdir()
-    for i, colour in enumerate(["red", "blue"]):
-        Image.new("RGB", (64, 64), colour).save(tmp_path / "imgs" / f"{i}.png")
-    out = tmp_path / "cache"
-    assert main(["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(out),
-                 "--format", "vllm-cache", *SMALL]) == 0
-    first, second = (out / r["shard"] for r in read_manifest_lines(out / "manifest.jsonl"))
-    held = first.with_name("held")
-    first.rename(held)
-    second.rename(first)
-    held.rename(second)
-    with pytest.raises(ManifestError, match=r"manifest\.jsonl, line 1: .* is item [0-9a-f]{16}\.\.\., not"):
-        dict(read_embeddings(out))
-
-    plain = tmp_path / "plain"
-    assert main(["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(plain), *SMALL]) == 0
-    lines = (plain / "manifest.jsonl").read_text().splitlines()
-    record = json.loads(lines[1])
-    lines[1] = json.dumps({**record, "tokens": record["tokens"] + 4})
-    (plain / "manifest.jsonl").write_text("\n".join(lines) + "\n")
-    with pytest.raises(ManifestError, match=rf"line 2: .* holds {record['tokens']} tokens for .*whose record says"):
-        dict(read_embeddings(plain))
