@@ -366,6 +366,16 @@ class EmbedJob:
         if not self.fresh:
             writer.finish_recovery()
 
+    def known_bad(self, todo: list[str], arrow: bool) -> tuple[list[EmbeddingRecord], list[str]]:
+        """(error records of the inputs of ``todo`` known bad before encoding, the others). ``arrow``: the inputs
+        pass through Arrow or Parquet, where a name they cannot store as it is is an error row, not a failed batch."""
+        if arrow:
+            from .parquet_writer import unstorable
+        keys = self.inputs.keys
+        why = {p: self.inputs.errors.get(p) or (unstorable(p, keys[p]) if arrow else None) for p in todo}
+        return ([EmbeddingRecord(p, keys[p], "error", why[p], columns=self.inputs.columns.get(p))
+                 for p in todo if why[p]], [p for p in todo if not why[p]])
+
     def encode(self, writer: Writer) -> None:
         if self.settings.engine == "ray":
             from .ray_engine import encode_on_ray
@@ -374,19 +384,8 @@ class EmbedJob:
             return
         args = self.settings
         mine = shard_for_rank(self.inputs.paths, self.rank, self.world, self.inputs.members)
-        keys, errors = self.inputs.keys, self.inputs.errors
-        todo = [p for p in mine if keys[p] not in writer.done]
-        columns = self.inputs.columns
-        known_bad = [EmbeddingRecord(p, keys[p], "error", errors[p], columns=columns.get(p)) for p in todo
-                     if p in errors]
-        todo = [p for p in todo if p not in errors]
-        if self.layout is not None:  # a name Parquet cannot store as it is: an error row, not a failed batch
-            from .parquet_writer import unstorable
-
-            bad = {p: unstorable(p, self.inputs.keys[p]) for p in todo}
-            known_bad += [EmbeddingRecord(p, keys[p], "error", why, columns=columns.get(p)) for p, why in bad.items()
-                          if why is not None]
-            todo = [p for p in todo if bad[p] is None]
+        keys, columns = self.inputs.keys, self.inputs.columns
+        known_bad, todo = self.known_bad([p for p in mine if keys[p] not in writer.done], arrow=self.layout is not None)
         progress = self.progress
         progress.begin(len(todo) + len(known_bad))
         # Records are written in input order (a table's rows keep theirs): an input known bad goes with the

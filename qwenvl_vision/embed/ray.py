@@ -265,7 +265,7 @@ class Embedder:
             columns.update({n: passthrough.column(n) for n in passthrough.column_names})
         records = [record_from_result(r, path=r.name, realpath=r.name) for r in results]
         columns.update(result_columns(records, self.layout))
-        columns["pixels_sha256"] = pa.array([r.pixels_sha256 if r.ok else None for r in records], pa.string())
+        columns["pixels_sha256"] = pa.array([r.pixels_sha256 for r in records], pa.string())
         return pa.table(columns)
 
 

@@ -45,7 +45,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ClusterSetupError, EmbedError, OutputFaultError
-from ..outputs.records import EmbeddingRecord
 from .writer import Writer
 
 UDF = None  # the map_batches class (None: qwenvl_vision.embed.ray.Embedder); a test may put a subclass here
@@ -197,15 +196,10 @@ def encode_on_ray(job, writer: Writer) -> None:
     model folder missing on a node: it would fail again), else ``OutputFaultError`` (exit 3, ``--resume``)."""
     import ray
 
-    from .parquet_writer import unstorable
     from .ray import embed_dataset, records_from_batch
 
     args, plan, progress = job.settings, job.ray, job.progress
-    todo = [p for p in job.inputs.paths if job.inputs.keys[p] not in writer.done]
-    errors = {p: job.inputs.errors.get(p) or unstorable(p, job.inputs.keys[p]) for p in todo}
-    known_bad = [EmbeddingRecord(p, job.inputs.keys[p], "error", errors[p], columns=job.inputs.columns.get(p))
-                 for p in todo if errors[p]]
-    todo = [p for p in todo if not errors[p]]
+    known_bad, todo = job.known_bad([p for p in job.inputs.paths if job.inputs.keys[p] not in writer.done], arrow=True)
     progress.begin(len(todo) + len(known_bad))
     writer.write_records(known_bad)
     progress.update(len(known_bad), 0)

@@ -1,18 +1,20 @@
 """One input's outcome as every output stores it: ``EmbeddingRecord``, from the encoder's ``ItemResult`` (or an
 input known bad before encoding) to every writer (the safetensors manifest, the Parquet rows, the vLLM encoder
 cache), from Ray's rows, and back from the Parquet reader. No format's library is needed to build one.
+
+Not the ``ItemResult`` itself: the readers and Ray's rows give a record back with no encoder behind it (the token
+count without the tokens of a pooled-only run, a video's frames as stored, not its ``VideoInfo``).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ..inputs.pixels import is_url
 from ..inputs.video_io import video_record
+from ..results import ItemResult
 
 
 @dataclass
@@ -38,16 +40,13 @@ class EmbeddingRecord:
         return self.status == "ok"
 
 
-def record_from_result(result: Any, path: str | None = None, realpath: str | None = None,
+def record_from_result(result: ItemResult, path: str, realpath: str,
                        columns: dict[str, Any] | None = None) -> EmbeddingRecord:
-    """An ``encoder.ItemResult`` (or anything with its fields: ``error``, ``embedding``, ``grid_thw``,
-    ``deepstack``, ``pooled``, ``video_info``) as a record of the input at ``path`` (default ``result.path``);
-    ``realpath`` defaults to the path resolved from the current directory; ``columns``: its table row's."""
-    path = os.fspath(path if path is not None else result.path)
-    realpath = realpath or (path if is_url(path) else os.path.realpath(path))
-    video = video_record(getattr(result, "video_info", None))
+    """The encoder's ``result`` as the record of the input at ``path`` (its identity ``realpath``), carrying its
+    table row's ``columns``."""
+    video = video_record(result.video_info)
     if result.error is not None:
-        return EmbeddingRecord(path, realpath, "error", str(result.error), video=video, columns=columns)
+        return EmbeddingRecord(path, realpath, "error", result.error, video=video, columns=columns)
     return EmbeddingRecord(path, realpath, "ok", None, tuple(int(x) for x in result.grid_thw),
                            int(result.embedding.shape[0]), result.embedding, list(result.deepstack or []),
-                           result.pooled, video, getattr(result, "pixels_sha256", None), columns)
+                           result.pooled, video, result.pixels_sha256, columns)
