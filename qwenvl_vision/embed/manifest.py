@@ -124,8 +124,8 @@ def record_problem(record: Any) -> str:
     """Why a manifest record (a line, or one a shard carries) lacks what its readers index ('' when it has it)."""
     if not isinstance(record, dict) or record.get("status") not in ("ok", "error"):
         return "not a record with status 'ok' or 'error'"
-    needed = ("path", "shard", "key") if record["status"] == "ok" else ("path",)
-    missing = [name for name in needed if not isinstance(record.get(name), str)]
+    needed = ("path", "shard", "key", "grid_thw", "tokens") if record["status"] == "ok" else ("path",)
+    missing = [name for name in needed if record.get(name) is None]
     return f"status {record['status']} but no {missing[0]!r}" if missing else ""
 
 

@@ -92,7 +92,7 @@ class ParquetRankWriter:
         a shard left with none is removed), so that the retried inputs are recorded once. Each is read and
         checked whole (``read_parquet_table``) first."""
         for shard in self.to_rewrite:
-            table, layout, run = read_parquet_table(shard)  # ManifestError naming the shard (and row) if damaged
+            table, layout, run = read_parquet_table(shard)  # ManifestError naming the shard if damaged
             self._check(shard, layout, run)
             kept = table.filter(pc.equal(table.column("status"), "ok"))  # error rows go: their inputs are retried
             if kept.num_rows:

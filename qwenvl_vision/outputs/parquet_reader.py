@@ -1,7 +1,7 @@
 """Reading back ``parquet``'s layout: one shard whole (``read_parquet_table``: its pages' checksums, metadata and
 schema checked), or only what a question needs (``read_parquet_index``: which inputs are done;
 ``read_parquet_grids``: the grids a hand-off needs; ``read_parquet_run``: the run record), and a folder's records
-(``read_parquet_records``), tensors bitwise the encoder's. Any fault is one ManifestError naming the file (and row).
+(``read_parquet_records``), tensors bitwise the encoder's. Any fault is one ManifestError naming the file.
 """
 
 from __future__ import annotations

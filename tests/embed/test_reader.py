@@ -16,21 +16,23 @@ from tests.helpers import make_image_folder as make_folder
 from tests.helpers.embed import ENV, assert_each_input_once, one_error_line, records
 
 
+@pytest.mark.parametrize("field", ["shard", "grid_thw"])
 def test_hand_edited_manifest_gets_a_named_error_and_resume_restores_the_line_from_its_shard(tmp_path, checkpoint,
-                                                                                             capsys):
+                                                                                             capsys, field):
     make_folder(tmp_path / "imgs", 4, bad=False)
     out = tmp_path / "out"
     args = ["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(out)]
     assert main(args) == 0
     lines = (out / "manifest.jsonl").read_text().splitlines()
-    edited = json.loads(lines[1])
-    del edited["shard"]
+    original = json.loads(lines[1])
+    edited = dict(original)
+    del edited[field]
     lines[1] = json.dumps(edited)
     lines[2] = lines[2][:-5]  # a damaged middle line (not the torn tail of a killed run)
     (out / "manifest.jsonl").write_text("\n".join(lines) + "\n")
 
-    with pytest.raises(ManifestError, match=r"manifest.jsonl, line 2: damaged manifest line: status ok but no "
-                                            r"'shard'"):
+    with pytest.raises(ManifestError, match=rf"manifest.jsonl, line 2: damaged manifest line: status ok but no "
+                                            rf"'{field}'"):
         list(read_embeddings(out))
     with pytest.raises(ManifestError, match=r"line 2"):
         read_manifest_lines(out / MANIFEST)
@@ -39,8 +41,9 @@ def test_hand_edited_manifest_gets_a_named_error_and_resume_restores_the_line_fr
     assert main([*args, "--resume"]) == 0
     one_error_line(capsys.readouterr().err, "embedded 4 of 4 inputs")
     recs = assert_each_input_once(out, 4)
-    restored = {r["path"]: r["shard"] for r in recs}
-    assert restored[edited["path"]] == json.loads(lines[0])["shard"]  # its record came back from its shard
+    restored = {r["path"]: r for r in recs}
+    assert restored[edited["path"]]["shard"] == json.loads(lines[0])["shard"]  # its record came back from its shard
+    assert restored[edited["path"]]["grid_thw"] == original["grid_thw"]
     assert sorted(p.name for p in out.glob("*.safetensors")) == shards  # nothing embedded again
 
 

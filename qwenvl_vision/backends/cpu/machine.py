@@ -18,6 +18,7 @@ library's caller sees it where it configures logging).
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -116,6 +117,10 @@ def plan_lock(folder: Path, key: str) -> Iterator[str | None]:
                  f"stopped process, or a stale network-file-system lock): going on without it, measuring what the "
                  f"cache lacks here")
         except OSError as e:  # some network file systems refuse locks: tune unlocked, each file still written whole
+            if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):  # a folder that cannot be written: nothing saved
+                yield (f"cannot write the CPU plan cache {folder} ({e.strerror or e}): this machine's plan is "
+                       f"measured for this process only (set QWENVL_VISION_CACHE to a writable folder to keep it)")
+                return
             warn(f"cannot lock the CPU plan cache {folder} ({e}): a process tuning beside this one may measure too")
         yield None
 
