@@ -11,24 +11,23 @@ Deviations from the reference, on purpose:
   here the video stream's packets are counted by demuxing (no decoding) and that count is used. A stream
   without ``average_rate`` (the reference takes ``float(None)`` and fails) falls back to ``guessed_rate``.
 - A file that decodes fewer frames than its header declares: the reference returns fewer frames than indices.
-  Here, when the missing frames are the packets an mp4 edit list discards (a cut made without re-encoding,
-  ``packet.is_discard``), the shown frames are sampled as if the header had counted them (``total_frames`` is
-  that count); otherwise (truncated) a PreprocessError says so. Every other failure (missing, empty, a
-  directory, not a video, a still image such as a JPEG named .mp4, audio only, corrupt data) is a one-line
-  PreprocessError naming the file, never a bare PyAV exception.
+  Here, when the missing frames are the ones an mp4 edit list hides (a cut made without re-encoding: the packets
+  it shows, not ``packet.is_discard``, are the frames decoded and add up to the stream's duration), the shown
+  frames are sampled as if the header had counted them (``total_frames`` is that count); otherwise (truncated)
+  a PreprocessError says so. Every other failure (missing, empty, a directory, not a video, a still image such
+  as a JPEG named .mp4, audio only, corrupt data) is a one-line PreprocessError naming the file, never a bare
+  PyAV exception.
 - Only the sampled frames are kept while decoding (the reference's ``load_video`` without a sampler keeps every
   frame), each resized to the clip's target size as soon as it is decoded (the same single resize from the
   source size), so memory is the sampled frames at their target size plus the output; decoding stops after the
   last sampled index.
-- The frames of one video must share one size (the reference stacks them and fails otherwise).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from threading import Event
 from typing import Any
 from urllib.parse import urlsplit
@@ -49,7 +48,6 @@ from .pixels import (
     resize_uint8_torch,
 )
 
-VIDEO_EXTRA = "pip install 'qwenvl-vision[video]'"
 # What ``embed`` and ``iter_encode(video=None)`` take for a video file (anything else is read as an image).
 # (Not ".ts": in a source tree those are TypeScript far more often than MPEG transport streams.)
 VIDEO_EXTENSIONS = frozenset({".mp4", ".m4v", ".mov", ".mkv", ".webm", ".avi", ".mpg", ".mpeg", ".wmv", ".flv",
@@ -66,11 +64,7 @@ def is_video_file(item: Any) -> bool:
     return os.path.splitext(name)[1].lower() in VIDEO_EXTENSIONS
 
 
-# Container formats FFmpeg opens for a single still image: a JPEG or PNG renamed .mp4 is not a video.
-_IMAGE_FORMATS = ("image2", "image2pipe")
-
-
-@dataclass
+@dataclasses.dataclass
 class VideoInfo:
     """What was read from a video file, JSON-friendly (``dataclasses.asdict``).
 
@@ -86,9 +80,8 @@ class VideoInfo:
     frame_indices: list[int]
     height: int
     width: int
-    timestamps: list[float] = field(init=False)
-    sampled_fps: float = field(init=False)
-    backend: str = "pyav"
+    timestamps: list[float] = dataclasses.field(init=False)
+    sampled_fps: float = dataclasses.field(init=False)
     requested_fps: float | None = None
 
     def __post_init__(self) -> None:
@@ -111,13 +104,6 @@ def video_record(info: VideoInfo | None) -> dict | None:
     return record
 
 
-def _import_av(name: str) -> Any:
-    try:
-        import av
-    except ImportError:
-        raise PreprocessError(f"{name}: reading video files needs PyAV: {VIDEO_EXTRA}") from None
-    return av
-
 def _av_error(error: Exception, name: str, what: str) -> PreprocessError:
     """One line for what PyAV/FFmpeg raised while opening (``what`` = "open") or decoding the file."""
     if isinstance(error, PermissionError):
@@ -130,14 +116,13 @@ def _av_error(error: Exception, name: str, what: str) -> PreprocessError:
 
 def _open_video(path: str | os.PathLike, name: str, max_input_pixels: int | None,
                 counted: int | None = None) -> tuple[Any, Any, int, float]:
-    """Open the container, check it holds a video stream within the limits; (container, stream, frames, fps).
-
-    Frames and fps as ``read_video_pyav`` reads them (``stream.frames``, ``float(stream.average_rate)``), with
-    the fallbacks of the module docstring; ``counted``: the frame count a probe of this file already made by
-    counting packets, so a header without one is not demuxed again. The caller closes the container.
-    """
-    av = _import_av(name)
-    path = path if isinstance(path, FileBytes) else os.fspath(path)
+    """Open the container, check it holds a video stream within the limits; (container, stream, frames, fps) as
+    ``read_video_pyav`` reads them, with the fallbacks of the module docstring. ``counted``: a probe's count of this
+    file's packets, so a header without a frame count is not demuxed again. The caller closes the container."""
+    try:
+        import av
+    except ImportError:
+        raise PreprocessError(f"{name}: reading video files needs PyAV: pip install 'qwenvl-vision[video]'") from None
     check_regular_file(path, name)
     try:
         # FFmpeg reads a name's "proto:" prefix (file:, concat:, subfile,...) as a protocol and would open
@@ -146,14 +131,19 @@ def _open_video(path: str | os.PathLike, name: str, max_input_pixels: int | None
     except Exception as e:  # noqa: BLE001 - FFmpeg raises many error types for bad files
         raise _av_error(e, name, "open") from e
     try:
-        stream = _video_stream(container, name)
-        height, width = stream.height, stream.width
-        check_input_pixels(height, width, max_input_pixels, name)
-        check_aspect_ratio(height, width, name)
+        # FFmpeg opens a single still image (a JPEG or PNG renamed .mp4) as a one-frame stream: not a video.
+        if container.format.name in ("image2", "image2pipe") or container.format.name.endswith("_pipe"):
+            raise PreprocessError(f"{name}: a still image ({container.format.name}), not a video")
+        if not container.streams.video:
+            kinds = sorted({s.type for s in container.streams}) or ["no streams"]
+            raise PreprocessError(f"{name}: no video stream (found: {', '.join(kinds)})")
+        stream = container.streams.video[0]
+        check_input_pixels(stream.height, stream.width, max_input_pixels, name)
+        check_aspect_ratio(stream.height, stream.width, name)
         rate = stream.average_rate or stream.guessed_rate
         if not rate or not float(rate) > 0:
             raise PreprocessError(f"{name}: the video stream declares no frame rate")
-        total = stream.frames or counted or count_packets(container, stream, name)
+        total = stream.frames or counted or len(shown_packets(container, stream, name))
         if total <= 0:
             raise PreprocessError(f"{name}: the video stream holds no frames")
     except BaseException:
@@ -162,25 +152,18 @@ def _open_video(path: str | os.PathLike, name: str, max_input_pixels: int | None
     return container, stream, int(total), float(rate)
 
 
-def _video_stream(container: Any, name: str) -> Any:
-    if container.format.name in _IMAGE_FORMATS or container.format.name.endswith("_pipe"):
-        raise PreprocessError(f"{name}: a still image ({container.format.name}), not a video")
-    if not container.streams.video:
-        kinds = sorted({s.type for s in container.streams}) or ["no streams"]
-        raise PreprocessError(f"{name}: no video stream (found: {', '.join(kinds)})")
-    return container.streams.video[0]
-
-
-def count_packets(container: Any, stream: Any, name: str) -> int:
-    """Frames of a stream whose header declares none: its packets, demuxed without decoding, then rewound.
-
-    Public so that a test can count how often a file is demuxed for this (once per input)."""
+def shown_packets(container: Any, stream: Any, name: str) -> list[int]:
+    """The durations of the stream's packets an edit list shows (not marked discarded), demuxed without decoding
+    from the start; the container is rewound. Their count is the frames of a stream whose header declares none
+    (public so that a test can count how often a file is demuxed for that: once per input)."""
     try:
-        count = sum(1 for packet in container.demux(stream) if packet.size > 0)
+        container.seek(0)
+        shown = [packet.duration or 0 for packet in container.demux(stream)
+                 if packet.size > 0 and not packet.is_discard]
         container.seek(0)
     except Exception as e:  # noqa: BLE001
         raise _av_error(e, name, "decode") from e
-    return count
+    return shown
 
 
 def probe_video(path: str | os.PathLike, name: str | None = None,
@@ -197,60 +180,57 @@ def read_video_frames(path: str | os.PathLike, pick_indices: Callable[[int, floa
                       name: str | None = None, max_input_pixels: int | None = None,
                       size: Callable[[int, int, int], tuple[int, int]] | None = None,
                       counted: int | None = None, stop: Event | None = None) -> tuple[np.ndarray, VideoInfo]:
-    """Decode the frames ``pick_indices(total_frames, video_fps)`` keeps: ((F, H, W, 3) uint8 RGB, VideoInfo).
-
-    ``transformers.video_utils.read_video_pyav`` with ``pick_indices`` as ``sample_indices_fn``: PyAV,
-    ``frame.to_ndarray(format="rgb24")``, decoding stops after the last index picked. Only those frames are
-    held. With ``size`` (``(frames, height, width) -> (h, w)``, asked once with the first decoded
-    frame's size), each frame is resized to it as soon as it is decoded (``resize_uint8_torch``, the video
-    processors' resize), so a long high-resolution clip never holds its frames at full size. Deviations (frame
-    count, edit lists, truncated files, errors): module docstring. ``counted``: ``probe_video``'s frame count
-    of this file, if the caller has it. ``stop``: an event checked before each frame; once it is set the read
-    ends with a PreprocessError (how a caller that gave up waiting frees the thread doing the read).
+    """Decode the frames ``pick_indices(total_frames, video_fps)`` keeps: ((F, H, W, 3) uint8 RGB, VideoInfo), as
+    ``read_video_pyav`` with it as ``sample_indices_fn`` (deviations: module docstring). ``size``: ``(frames,
+    height, width) -> (h, w)``, asked with the first frame's size; each frame is resized to it as soon as it is
+    decoded. ``counted``: ``probe_video``'s frame count of this file, if the caller has it. ``stop``: once set,
+    the read ends at its next frame with a PreprocessError (how a caller that gave up waiting frees the thread).
     """
     name = name or input_name("video", None, path)
     container, stream, total, rate = _open_video(path, name, max_input_pixels, counted)
     with container:
-        source = stream.height, stream.width
         indices = pick_indices(total, rate)
         frames, decoded = _decode_sampled(container, stream, indices, name, size, stop)
-        edited = decoded <= indices[-1] and _cut_by_edit_list(container, stream, decoded, total, name)
-    if decoded == 0:
-        raise PreprocessError(f"{name}: no frame decodes")
-    if decoded <= indices[-1]:
-        if not edited:
-            raise PreprocessError(f"{name}: header declares {total} frames but only {decoded} decode")
-        # An edit list (a cut made without re-encoding) hides frames the header still counts: sample the
-        # frames that are shown, as if the header had said so.
-        total = decoded
-        container, stream, _, rate = _open_video(path, name, max_input_pixels)
-        with container:
-            indices = pick_indices(total, rate)
-            frames, decoded = _decode_sampled(container, stream, indices, name, size, stop)
+        if decoded == 0:
+            raise PreprocessError(f"{name}: no frame decodes")
         if decoded <= indices[-1]:
-            raise PreprocessError(f"{name}: only {decoded} frames decode on a second read")
-    return frames, VideoInfo(total_frames=total, video_fps=rate, frame_indices=list(indices),
-                             height=source[0], width=source[1])
+            # Fewer frames than the header counts: an edit list (a cut made without re-encoding) hides them when
+            # the packets it shows are the frames decoded and last as long as the stream; else the file is cut.
+            shown = shown_packets(container, stream, name)
+            if len(shown) != decoded or not stream.duration or sum(shown) != stream.duration:
+                raise PreprocessError(f"{name}: header declares {total} frames but only {decoded} decode")
+            total, indices = decoded, pick_indices(decoded, rate)
+            frames, decoded = _decode_sampled(container, stream, indices, name, size, stop)
+            if decoded <= indices[-1]:
+                raise PreprocessError(f"{name}: only {decoded} frames decode on a second read")
+        return frames, VideoInfo(total_frames=total, video_fps=rate, frame_indices=list(indices),
+                                 height=stream.height, width=stream.width)
 
 
 def _decode_sampled(container: Any, stream: Any, indices: list[int], name: str,
                     size: Callable[[int, int, int], tuple[int, int]] | None,
-                    stop: Event | None = None) -> tuple[np.ndarray | None, int]:
-    """(the frames at ``indices``, resized by ``size`` if given; how many frames were decoded).
-
-    Only FFmpeg's work is reported as the file's fault; the size rule and the resize raise their own errors.
-    """
+                    stop: Event | None) -> tuple[np.ndarray | None, int]:
+    """(the frames at ``indices``, resized by ``size`` if given; how many frames were decoded). Only FFmpeg's work
+    is reported as the file's fault: the size rule, the resize and running out of memory raise their own errors."""
     slots: dict[int, list[int]] = {}
     for slot, i in enumerate(indices):
         slots.setdefault(i, []).append(slot)
     frames = source = target = None
-    decoded = 0
-    for frame in _decoded(container, stream, name):
+    decoded, stream_frames = 0, container.decode(stream)
+    while decoded <= indices[-1]:
         if stop is not None and stop.is_set():
             raise PreprocessError(f"{name}: decoding stopped after {decoded} frames (its time limit passed, or the "
                                   f"run was stopped)")
-        if decoded in slots:
-            rgb = _av_call(frame.to_ndarray, name, format="rgb24")
+        try:
+            frame = next(stream_frames, None)
+            rgb = frame.to_ndarray(format="rgb24") if frame is not None and decoded in slots else None
+        except MemoryError:
+            raise
+        except Exception as e:  # noqa: BLE001 - FFmpeg's decoders raise many error types
+            raise _av_error(e, name, "decode") from e
+        if frame is None:
+            break
+        if rgb is not None:
             if frames is None:
                 source = rgb.shape
                 target = size(len(indices), *rgb.shape[:2]) if size is not None else rgb.shape[:2]
@@ -258,55 +238,6 @@ def _decode_sampled(container: Any, stream: Any, indices: list[int], name: str,
             elif rgb.shape != source:
                 raise PreprocessError(f"{name}: frame {decoded} is {rgb.shape[1]}x{rgb.shape[0]}, earlier "
                                       f"frames {source[1]}x{source[0]}; the size must not change")
-            resized = resize_uint8_torch(rgb, *target)
-            for slot in slots[decoded]:
-                frames[slot] = resized
+            frames[slots[decoded]] = resize_uint8_torch(rgb, *target)
         decoded += 1
-        if decoded > indices[-1]:
-            break
     return frames, decoded
-
-
-def _decoded(container: Any, stream: Any, name: str) -> Iterator[Any]:
-    """The stream's frames; what FFmpeg raises while decoding becomes one line naming the file."""
-    frames = container.decode(stream)
-    while True:
-        try:
-            frame = next(frames)
-        except StopIteration:
-            return
-        except MemoryError:
-            raise
-        except Exception as e:  # noqa: BLE001 - FFmpeg's decoders raise many error types
-            raise _av_error(e, name, "decode") from e
-        yield frame
-
-
-def _av_call(fn: Callable[..., Any], name: str, **kwargs: Any) -> Any:
-    try:
-        return fn(**kwargs)
-    except MemoryError:
-        raise
-    except Exception as e:  # noqa: BLE001 - as in _decoded
-        raise _av_error(e, name, "decode") from e
-
-
-def _cut_by_edit_list(container: Any, stream: Any, decoded: int, total: int, name: str) -> bool:
-    """Whether the frames that decode are what an mp4 edit list shows, rather than a truncated file: the packets
-    shown (not marked discarded) are the frames decoded, and either the discarded ones make up the header's count
-    or the shown packets' durations add up to the stream's (a head cut of all-intra footage drops the cut packets
-    from the index altogether; a truncated file falls short of the declared duration)."""
-    shown = discarded = shown_duration = 0
-    try:
-        container.seek(0)
-        for packet in container.demux(stream):
-            if packet.size > 0:
-                discarded += bool(packet.is_discard)
-                if not packet.is_discard:
-                    shown += 1
-                    shown_duration += packet.duration or 0
-    except Exception as e:  # noqa: BLE001
-        raise _av_error(e, name, "decode") from e
-    if shown != decoded:
-        return False
-    return (discarded > 0 and shown + discarded == total) or bool(stream.duration and shown_duration == stream.duration)

@@ -1,11 +1,9 @@
 """qwenvl_vision.inputs.video_io (and the file path through video.py) against transformers' video pipeline:
-``video_utils.load_video(backend="pyav")`` (every frame and its metadata) then ``Qwen2VLVideoProcessor`` /
-``Qwen3VLVideoProcessor`` with ``do_sample_frames=True``: header metadata, frame counts (also counted where a header
-has none), edit lists, the frames decoded, and the one-line errors for bad files.
-
-The videos are written here with PyAV (mpeg4 in .mp4 / .avi / .mkv): a real photo panned a few pixels per frame plus
-noise, so that sampling the wrong frame or resizing differently would show. The reference processors are configured
-from literal values (``tests.helpers.processors``), not from this package's configs.
+``video_utils.load_video(backend="pyav")`` then the video processors with ``do_sample_frames=True``: header metadata,
+frame counts (also counted where a header has none), edit lists, the frames decoded, and the one-line errors for bad
+files. The videos are written here with PyAV (``tests.helpers.write_video``: a real photo panned, plus noise, so that
+sampling the wrong frame or resizing differently would show); the reference processors are configured from literal
+values (``tests.helpers.processors``), not from this package's configs.
 """
 
 from __future__ import annotations
@@ -22,8 +20,8 @@ from PIL import Image
 
 from qwenvl_vision.errors import PreprocessError
 from qwenvl_vision.inputs.images import PreprocessConfig
-from qwenvl_vision.inputs.video import VideoConfig, preprocess_video, preprocess_video_file, read_video
-from qwenvl_vision.inputs.video_io import probe_video
+from qwenvl_vision.inputs.video import VideoConfig, preprocess_video, preprocess_video_file, sample_indices
+from qwenvl_vision.inputs.video_io import probe_video, read_video_frames
 from qwenvl_vision.loading import load_encoder
 from tests.helpers import (
     PIXEL_TOL,
@@ -41,10 +39,9 @@ pytest.importorskip("torchvision")
 pytest.importorskip("matplotlib.cbook")
 from transformers.video_utils import VideoMetadata, load_video  # noqa: E402
 
-NTSC = fractions.Fraction(30000, 1001)
 VIDEOS = {  # name -> (frames, width, height, rate)
     "clip.mp4": (45, 64, 48, 24),
-    "ntsc.avi": (90, 100, 76, NTSC),
+    "ntsc.avi": (90, 100, 76, fractions.Fraction(30000, 1001)),
     "tall.mp4": (7, 40, 200, 10),
     "noframecount.mkv": (20, 64, 48, 30),
     "tiny.mp4": (12, 24, 16, 10),
@@ -120,29 +117,22 @@ def test_file_matches_transformers(videos, family, video, changes, bounds):
 
 
 @pytest.mark.parametrize("family", list(VIDEO_SETTINGS))
-def test_header_without_frame_count(videos, family):
-    """Matroska writes no frame count (read_video_pyav then samples from 0 frames): packets are counted instead."""
+def test_files_read_video_pyav_cannot_sample(videos, family):
+    """Matroska writes no frame count (read_video_pyav then samples from 0 frames): packets are counted instead.
+    One frame: sized as if padded to T (Qwen3's smart_resize raises, Qwen2's sampler divides by zero)."""
+    pre, vcfg = configs(family)
     path = videos["noframecount.mkv"]
     with av.open(path) as container:
         assert container.streams.video[0].frames == 0
         frames = np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
     assert probe_video(path) == (20, 30.0, 48, 64)
-    pre, vcfg = configs(family)
-    values, grid, info = preprocess_video_file(path, pre, vcfg)
     metadata = VideoMetadata(total_num_frames=len(frames), fps=30.0, height=48, width=64)
-    assert_matches(values, grid, info, reference(family, vcfg, frames, metadata))
-
-
-@pytest.mark.parametrize("family", list(VIDEO_SETTINGS))
-def test_clip_shorter_than_temporal_patch(videos, family):
-    """One frame: sized as if padded to T (Qwen3's smart_resize raises, Qwen2's sampler divides by zero)."""
-    pre, vcfg = configs(family)
+    assert_matches(*preprocess_video_file(path, pre, vcfg), reference(family, vcfg, frames, metadata))
     values, grid, info = preprocess_video_file(videos["one.mp4"], pre, vcfg)
     assert info.frame_indices == [0] and grid[0] == 1
     frames, metadata = load_video(videos["one.mp4"], backend="pyav")
-    padded = np.concatenate([frames, frames])  # what patchify does to the one frame
     metadata.total_num_frames = 2
-    ref_values, ref_grid, _ = reference(family, vcfg, padded, metadata)
+    ref_values, ref_grid, _ = reference(family, vcfg, np.concatenate([frames, frames]), metadata)  # patchify pads
     assert grid == ref_grid and float((values - ref_values).abs().max()) <= PIXEL_TOL
 
 
@@ -151,7 +141,7 @@ def test_frames_as_arrays_equal_the_file(videos, family):
     pre, vcfg = configs(family, fps=3.0)
     path = videos["ntsc.avi"]
     values, grid, _ = preprocess_video_file(path, pre, vcfg)
-    frames, _ = read_video(path, vcfg, temporal_patch_size=pre.temporal_patch_size)
+    frames, _ = read_video_frames(path, lambda total, rate: sample_indices(total, rate, vcfg, 2))  # source size
     for given in (frames, torch.from_numpy(frames).permute(0, 3, 1, 2).contiguous(), list(frames)):
         other, other_grid = preprocess_video(given, pre, video_config=vcfg)
         assert other_grid == grid and torch.equal(other, values)
@@ -165,22 +155,26 @@ def test_frames_as_arrays_equal_the_file(videos, family):
     opaque[1, 0, 0, 3] = 254
     with pytest.raises(PreprocessError, match="video 4 frame 1: frames with transparency"):
         preprocess_video(opaque, pre, video_config=vcfg, index=4)
-
-
-def test_frames_as_arrays_pil_backend_keeps_video_sizes(videos):
-    pre, vcfg = configs("qwen3_vl")
-    frames, _ = read_video(videos["clip.mp4"], vcfg)
-    torch_values, grid = preprocess_video(frames, pre, video_config=vcfg)
-    pil_values, pil_grid = preprocess_video(frames, pre, video_config=vcfg, resize="pil")
-    assert pil_grid == grid and not torch.equal(pil_values, torch_values)
-    with pytest.raises(PreprocessError, match="frame 1 is 32x24, frame 0 64x48"):
+    with pytest.raises(PreprocessError, match="frame 1 is 50x38, frame 0 100x76"):
         preprocess_video([frames[0], frames[1][::2, ::2]], pre, video_config=vcfg)
+    # resize="pil" resizes the video processors' sizes with PIL.
+    pil_values, pil_grid = preprocess_video(frames, pre, video_config=vcfg, resize="pil")
+    assert pil_grid == grid and not torch.equal(pil_values, values)
 
 
 
-# --------------------------------------------------------------------------------------------------
-# Bad files
-# --------------------------------------------------------------------------------------------------
+
+def _write_x264(path, pts, **options) -> None:
+    """H.264 in mp4 (faststart), one random 64x48 frame per presentation time in ``pts``."""
+    with av.open(str(path), "w", options={"movflags": "faststart"}) as container:
+        stream = container.add_stream("libx264", rate=25, options=options)
+        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
+        rng = np.random.default_rng(0)
+        for i in pts:
+            frame = av.VideoFrame.from_ndarray(rng.integers(0, 255, (48, 64, 3), dtype=np.uint8), format="rgb24")
+            frame.pts = i
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode())
 
 
 @pytest.fixture(scope="module")
@@ -204,6 +198,8 @@ def bad_files(tmp_path_factory, videos):
     with av.open(str(folder / "whole.avi")) as container:
         positions = [packet.pos for packet in container.demux(video=0) if packet.size]
     (folder / "short.avi").write_bytes(data[: positions[30]])  # 30 whole packets; the header still declares 60
+    _write_x264(folder / "nothing.mp4", range(-5, 0))  # every frame before the edit list's start
+    write_video(folder / "big.avi", 3, 100, 76, 10)  # above the limit the test sets
     return folder
 
 
@@ -217,32 +213,24 @@ def bad_files(tmp_path_factory, videos):
     ("cut.mp4", "not a recognised video file"),
     ("cut.avi", r"corrupt or truncated video data \(InvalidDataError"),
     ("short.avi", "header declares 60 frames but only 30 decode"),
+    ("nothing.mp4", "no frame decodes$"),
+    ("big.avi", "100x76 = 7,600 pixels is above the input limit"),  # refused before decoding
 ])
 def test_bad_files_raise_one_line_naming_the_file(bad_files, file, message):
     path = str(bad_files / file)
-    pre, vcfg = configs("qwen3_vl")
     with pytest.raises(PreprocessError, match=rf"^video '.*{file}': {message}") as info:
-        preprocess_video_file(path, pre, vcfg, index=7)
+        preprocess_video_file(path, *configs("qwen3_vl"), index=7, max_input_pixels=5000)
     assert "\n" not in str(info.value)
-    if not file.endswith(".avi"):  # the header is fine: only decoding finds the cut
+    if file not in ("cut.avi", "short.avi", "nothing.mp4"):  # the header is fine: only decoding finds these
         with pytest.raises(PreprocessError, match=rf"^video '.*{file}': {message}"):
-            probe_video(path)
-
-
-def test_frame_above_max_input_pixels_is_refused_before_decoding(videos):
-    pre, vcfg = configs("qwen2_5_vl")
-    with pytest.raises(PreprocessError, match=r"^video '.*ntsc.avi': 100x76 = 7,600 pixels is above the input limit"):
-        preprocess_video_file(videos["ntsc.avi"], pre, vcfg, max_input_pixels=5000)
-    with pytest.raises(PreprocessError, match="above the input limit"):
-        probe_video(videos["ntsc.avi"], max_input_pixels=5000)
+            probe_video(path, max_input_pixels=5000)
 
 
 def test_missing_pyav_names_the_extra(videos, monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "av", None)  # import av now raises ImportError
-    pre, vcfg = configs("qwen2_5_vl")
     with pytest.raises(PreprocessError, match=r"^video '.*clip.mp4': reading video files needs PyAV: "
                                               r"pip install 'qwenvl-vision\[video\]'$"):
-        preprocess_video_file(videos["clip.mp4"], pre, vcfg)
+        preprocess_video_file(videos["clip.mp4"], *configs("qwen2_5_vl"))
 
 
 @pytest.mark.parametrize(("family", "saved"), [("qwen2_5_vl", QWEN2_5_SAVED_VIDEO), ("qwen3_vl", QWEN3_SAVED_VIDEO)],
@@ -266,14 +254,7 @@ def test_saved_config_as_transformers_loads_it(videos, family, saved):
 def test_edit_list_frames_are_sampled_from_the_shown_frames(tmp_path):
     """An mp4 cut without re-encoding: its header counts 45 frames, its edit list hides 5, 40 decode."""
     path = tmp_path / "edit.mp4"
-    with av.open(str(path), "w") as container:
-        stream = container.add_stream("libx264", rate=25)
-        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
-        for i in range(-5, 40):  # negative timestamps: the muxer writes an edit list that starts at frame 0
-            frame = av.VideoFrame.from_ndarray(np.full((48, 64, 3), (i * 5) % 255, np.uint8), format="rgb24")
-            frame.pts = i
-            container.mux(stream.encode(frame))
-        container.mux(stream.encode())
+    _write_x264(path, range(-5, 40))  # negative timestamps: the muxer writes an edit list that starts at frame 0
     with av.open(str(path)) as container:
         assert container.streams.video[0].frames == 45
         assert sum(1 for _ in container.decode(video=0)) == 40
@@ -282,23 +263,9 @@ def test_edit_list_frames_are_sampled_from_the_shown_frames(tmp_path):
     pre, vcfg = configs("qwen2_5_vl")
     assert_matches(*preprocess_video_file(str(path), pre, vcfg), reference("qwen2_5_vl", vcfg, frames, metadata))
     # Qwen3's always takes the last frame, which the reference cannot decode: sampled from the 40 shown frames.
-    pre, vcfg = configs("qwen3_vl")
-    _, grid, info = preprocess_video_file(str(path), pre, vcfg)
+    _, grid, info = preprocess_video_file(str(path), *configs("qwen3_vl"))
     assert info.total_frames == 40 and info.frame_indices[-1] == 39
     assert grid[0] == math.ceil(len(info.frame_indices) / 2)
-
-
-def _write_x264(path, pts, **options) -> None:
-    """H.264 in mp4 (faststart), one random 64x48 frame per presentation time in ``pts``."""
-    with av.open(str(path), "w", options={"movflags": "faststart"}) as container:
-        stream = container.add_stream("libx264", rate=25, options=options)
-        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
-        rng = np.random.default_rng(0)
-        for i in pts:
-            frame = av.VideoFrame.from_ndarray(rng.integers(0, 255, (48, 64, 3), dtype=np.uint8), format="rgb24")
-            frame.pts = i
-            container.mux(stream.encode(frame))
-        container.mux(stream.encode())
 
 
 def test_head_cut_by_edit_list_drops_packets_the_header_still_counts(tmp_path):
@@ -320,22 +287,14 @@ def test_head_cut_by_edit_list_drops_packets_the_header_still_counts(tmp_path):
         assert info.total_frames == 28 and info.frame_indices[-1] <= 27 and grid[0] == 2
 
 
-def test_a_file_whose_every_frame_is_cut_names_it(tmp_path):
-    _write_x264(tmp_path / "nothing.mp4", range(-5, 0))  # every frame before the edit list's start
-    with pytest.raises(PreprocessError, match=r"^video '.*nothing\.mp4': no frame decodes$"):
-        preprocess_video_file(str(tmp_path / "nothing.mp4"), *configs("qwen3_vl"))
-
-
-def test_a_header_without_frame_count_is_counted_once_per_video(tmp_path, checkpoint, monkeypatch):
+def test_a_header_without_frame_count_is_counted_once_per_video(videos, checkpoint, monkeypatch):
     """Matroska writes no frame count: the decode estimate's probe counts the packets, and the read reuses it."""
-    pytest.importorskip("av")
     import qwenvl_vision.inputs.video_io as video_io
 
-    write_video(tmp_path / "clip.mkv", 20, 48, 40, 10)
     counts = []
-    real = video_io.count_packets
-    monkeypatch.setattr(video_io, "count_packets", lambda *a: counts.append(1) or real(*a))
+    real = video_io.shown_packets
+    monkeypatch.setattr(video_io, "shown_packets", lambda *a: counts.append(1) or real(*a))
     encoder = load_encoder(checkpoint, device="cpu")
-    [[result]] = list(encoder.iter_encode([str(tmp_path / "clip.mkv")], video=None))
+    [[result]] = list(encoder.iter_encode([videos["noframecount.mkv"]], video=None))
     assert result.ok and result.video_info.total_frames == 20
     assert len(counts) == 1
