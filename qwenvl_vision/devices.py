@@ -38,16 +38,19 @@ def upload(tensors: list[torch.Tensor], device: torch.device | str) -> torch.Ten
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
-    """The device to run on: CUDA when there is one and nothing was asked."""
+    """The device to run on: CUDA when there is one and nothing was asked; a device this machine lacks is refused."""
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise ConfigError(f"unknown device {device!r}: use cpu, cuda or cuda:N") from e
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device {device} requested but CUDA is not available on this machine")
-    return device
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from None
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {device!r}: CUDA is not available here (no GPU, or a CPU build of torch "
+                          f"{torch.__version__}); use the CPU (--device cpu)")
+    if resolved.type == "cuda" and (resolved.index or 0) >= torch.cuda.device_count():
+        raise ConfigError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return resolved
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
@@ -67,25 +70,19 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
 
 
 def dtype_option(text: str) -> str:
-    """argparse type of a --dtype option: one of DTYPE_SPELLINGS."""
-    if text.lower() not in DTYPE_SPELLINGS:
-        raise argparse.ArgumentTypeError(f"unsupported dtype {text!r}; use one of {', '.join(sorted(DTYPE_SPELLINGS))}")
+    """argparse type of a --dtype option: what ``resolve_dtype`` takes, refused when parsed."""
+    try:
+        resolve_dtype(text, torch.device("cpu"))
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     return text
 
 
 def device_option(text: str) -> str:
     """argparse type of a --device option: cpu, cuda or cuda:N, refused at once when this machine lacks it."""
     try:
-        device = torch.device(text)
-    except RuntimeError:
-        raise argparse.ArgumentTypeError(f"unknown device {text!r}; use cpu, cuda or cuda:N") from None
-    if device.type not in ("cpu", "cuda"):
-        raise argparse.ArgumentTypeError(f"device {text!r} is not supported; use cpu, cuda or cuda:N")
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise argparse.ArgumentTypeError(f"device {text!r}: CUDA is not available here (no GPU, or a CPU "
-                                             f"build of torch {torch.__version__}); use --device cpu")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise argparse.ArgumentTypeError(f"device {text!r}: this machine has {torch.cuda.device_count()} "
-                                             f"CUDA device(s)")
-    return text
+        if resolve_device(text).type in ("cpu", "cuda"):
+            return text
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    raise argparse.ArgumentTypeError(f"device {text!r} is not supported; use cpu, cuda or cuda:N")

@@ -7,7 +7,6 @@ These are the model's towers, running the modules' own forward; the package's ``
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import torch
 from torch import nn
@@ -19,10 +18,6 @@ from .qwen3 import Qwen3VisionTransformer
 from .tower import VisionTower
 
 DESIGNS: dict[str, type[VisionTower]] = {QWEN2_5: Qwen2_5VisionTransformer, QWEN3: Qwen3VisionTransformer}
-
-# transformers names a vision config's model_type after its family's: "qwen2_5_vl_vision", "qwen3_vl_vision", and
-# for the Omni models "qwen2_5_omni_vision_encoder" (the configuration_*.py of each family, docs/architecture.md).
-VISION_CONFIG_SUFFIXES = ("_vision_encoder", "_vision")
 
 
 def build_model(
@@ -44,33 +39,22 @@ def build_model(
     return model.eval().requires_grad_(False)
 
 
-def family_of_transformers_config(vision_config: Any) -> str:
-    """The family of a transformers vision config, from its ``model_type`` ("qwen2_5_vl_vision" -> "qwen2_5_vl");
-    a ConfigError for any other config."""
-    model_type = getattr(vision_config, "model_type", None)
-    if isinstance(model_type, str):
-        for suffix in VISION_CONFIG_SUFFIXES:
-            family = model_type.removesuffix(suffix)
-            if family != model_type and family in FAMILIES:
-                return family
-    raise ConfigError(f"{type(vision_config).__name__} (model_type {model_type!r}) is not the vision config of a "
-                      f"supported family; supported: {sorted(FAMILIES)}")
-
-
-def config_from_transformers(vision_config: Any) -> VisionConfig:
-    """Our VisionConfig for a transformers vision config object: its fields read as a released config.json's
-    vision_config is read (``config.from_config_json``: Qwen2-VL's embed_dim / mlp_ratio spelling, rope_parameters),
-    every value checked."""
-    family = family_of_transformers_config(vision_config)
-    return from_config_json({"model_type": family, "vision_config": vision_config.to_dict()})
-
-
 def from_transformers(visual_module: nn.Module, *, attn_impl: str = "auto", cache_size: int = 1024,
                       cache_bytes: int | None = 1 << 30) -> VisionTower:
     """Our tower for a transformers vision tower (``model.visual`` of any supported family, or the tower built on
-    its own): the config read from ``visual_module.config``, the weights copied onto the device and dtype they are
-    on (the two modules share no storage), loaded strictly under the family's checkpoint names."""
-    config = config_from_transformers(getattr(visual_module, "config", None))
+    its own): the config read from ``visual_module.config`` as a released config.json's vision_config is read
+    (``config.from_config_json``, every value checked), the weights copied onto the device and dtype they are on
+    (the two modules share no storage), loaded strictly under the family's checkpoint names."""
+    vision_config = getattr(visual_module, "config", None)
+    model_type = getattr(vision_config, "model_type", None)
+    # transformers names a vision config's model_type after its family's: "qwen2_5_vl_vision", "qwen3_vl_vision",
+    # and for the Omni models "qwen2_5_omni_vision_encoder" (the configuration_*.py of each family).
+    family = next((model_type.removesuffix(s) for s in ("_vision_encoder", "_vision")
+                   if isinstance(model_type, str) and model_type.endswith(s)), None)
+    if family not in FAMILIES:
+        raise ConfigError(f"{type(vision_config).__name__} (model_type {model_type!r}) is not the vision config of a "
+                          f"supported family; supported: {sorted(FAMILIES)}")
+    config = from_config_json({"model_type": family, "vision_config": vision_config.to_dict()})
     weights = next(visual_module.parameters())
     model = build_model(config, device="meta", dtype=weights.dtype, cache_size=cache_size, cache_bytes=cache_bytes,
                         attn_impl=attn_impl)

@@ -6,10 +6,8 @@ members of its design (norm, MLP, windows, DeepStack, tensor names). Everything 
 transformers 5.24's modules (docs/architecture.md lists them, with the file each fact was read from);
 adding a family is one ``Family(...)`` entry.
 
-The checkpoints disagree on spelling (Qwen2-VL writes ``embed_dim`` / ``mlp_ratio`` and calls the output width
-``hidden_size``; Qwen2.5-VL writes ``in_chans`` and an unhelpful nested ``model_type``; the Omni models nest the
-tower under ``thinker_config``), and transformers' class defaults are not the released values (its Qwen2.5
-default hidden_size 3584 matches no release). So we never fall back to a library default for a size: every
+The checkpoints disagree on spelling and transformers' class defaults are not the released values (its Qwen2.5
+default hidden_size 3584 matches no release), so we never fall back to a library default for a size: every
 released tower is a named preset here, and parsing reads the file's own numbers, checked before anything is
 built (``VisionConfig.__post_init__``; bounds in ``LIMITS``).
 """
@@ -21,6 +19,7 @@ import json
 import math
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
@@ -33,6 +32,7 @@ QWEN3 = "qwen3"
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 HALF = (0.5, 0.5, 0.5)
+
 
 @dataclass(frozen=True, repr=False)
 class Family:
@@ -70,52 +70,47 @@ class Family:
     # ``second_per_grid_ts``).
     seconds_per_grid: bool = False
 
-    @property
-    def text_config_at(self) -> tuple[str, ...]:
-        return (*self.vision_config_at[:-1], "text_config")
-
     def __repr__(self) -> str:  # a config's repr names its family, not every field of it
         return f"Family({self.model_type!r})"
 
 
-def _qwen3_family(model_type: str, label: str, **changes: Any) -> Family:
-    base = Family(model_type, label, QWEN3, norm="layer", mlp="plain", hidden_act="gelu_pytorch_tanh",
-                  deepstack=True, patch_bias=True, patch_size=16, image_mean=HALF, image_std=HALF,
-                  min_pixels=65536, max_pixels=16777216, video_sampling="qwen3", resize="torch",
-                  prompt_timestamps=True)
-    return dataclasses.replace(base, **changes)
-
-
 QWEN2_5_VL = Family("qwen2_5_vl", "Qwen2.5-VL", QWEN2_5, norm="rms", mlp="gated", hidden_act="silu", windows=True,
                     prefixes=("visual.", "model.visual."), names=("fused_gate_up", "ln_q_merger"))
+QWEN3_VL = Family("qwen3_vl", "Qwen3-VL", QWEN3, norm="layer", mlp="plain", hidden_act="gelu_pytorch_tanh",
+                  deepstack=True, patch_bias=True, patch_size=16, image_mean=HALF, image_std=HALF, min_pixels=65536,
+                  max_pixels=16777216, video_sampling="qwen3", resize="torch", prompt_timestamps=True)
+OMNI = dict(vision_config_at=("thinker_config", "vision_config"), prefixes=("thinker.visual.",), seconds_per_grid=True)
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("qwen2_vl", "Qwen2-VL", QWEN2_5, norm="layer", mlp="plain", hidden_act="quick_gelu",
            prefixes=("visual.", "model.visual."), names=("fc_mlp", "ln_q_merger")),
     QWEN2_5_VL,
     dataclasses.replace(QWEN2_5_VL, model_type="qwen2_5_omni", label="Qwen2.5-Omni",
-                        vision_config_at=("thinker_config", "vision_config"), prefixes=("thinker.visual.",),
-                        names=("fused_gate_up", "split_qkv", "ln_q_merger"), seconds_per_grid=True),
-    _qwen3_family("qwen3_vl", "Qwen3-VL"),
-    _qwen3_family("qwen3_vl_moe", "Qwen3-VL-MoE"),
-    _qwen3_family("qwen3_omni_moe", "Qwen3-Omni", vision_config_at=("thinker_config", "vision_config"),
-                  prefixes=("thinker.visual.",), names=("ln_q_merger", "ln_q_deepstack"), min_pixels=3136,
-                  max_pixels=12845056, video_sampling="qwen2", resize="pil",  # its processors: Qwen2VL's
-                  prompt_timestamps=False, seconds_per_grid=True),
-    _qwen3_family("qwen3_5", "Qwen3.5", deepstack=False),
-    _qwen3_family("qwen3_5_moe", "Qwen3.5-MoE", deepstack=False),
-    _qwen3_family("qwen4_exp", "Qwen4-Exp", deepstack=False),
+                        names=("fused_gate_up", "split_qkv", "ln_q_merger"), **OMNI),
+    QWEN3_VL,
+    dataclasses.replace(QWEN3_VL, model_type="qwen3_vl_moe", label="Qwen3-VL-MoE"),
+    dataclasses.replace(QWEN3_VL, model_type="qwen3_omni_moe", label="Qwen3-Omni",
+                        names=("ln_q_merger", "ln_q_deepstack"), min_pixels=3136, max_pixels=12845056,
+                        video_sampling="qwen2", resize="pil", prompt_timestamps=False, **OMNI),  # Qwen2VL's processors
+    dataclasses.replace(QWEN3_VL, model_type="qwen3_5", label="Qwen3.5", deepstack=False),
+    dataclasses.replace(QWEN3_VL, model_type="qwen3_5_moe", label="Qwen3.5-MoE", deepstack=False),
+    dataclasses.replace(QWEN3_VL, model_type="qwen4_exp", label="Qwen4-Exp", deepstack=False),
 )}
+
+
 def family_named(family: Family | str, error: type[Exception] = ConfigError) -> Family:
     """The Family itself, or the one a model_type names; another name is ``error`` listing the supported ones."""
     if isinstance(family, Family):
         return family
     if isinstance(family, str) and family in FAMILIES:
         return FAMILIES[family]
-    raise error(f"unknown family {family!r}; supported (model_type): {sorted(FAMILIES)}")
+    raise error(f"unknown family {family!r}: not a supported model_type ({sorted(FAMILIES)})")
 
 
-# Plausible bounds for every size, checked before anything is built: the largest released tower is 32 x 1280
+# Plausible bounds for every number, checked before anything is built: the largest released tower is 32 x 1280
 # (patch 14/16, 48 x 48 positions, output 8192); these leave wide room and refuse absurd values in milliseconds.
+# The rotary base: every released tower uses 10000 and language models go up to ~1e7; below 1 the rotation gets
+# faster with the dimension instead of slower (near 1e-300 its tables overflow to inf/NaN), above 1e9 even the
+# fastest frequency of a vision head hardly turns. An int bound takes an integer only, a float bound any number.
 LIMITS = {
     "depth": (1, 256),
     "hidden_size": (4, 16384),
@@ -127,12 +122,18 @@ LIMITS = {
     "temporal_patch_size": (1, 16),
     "spatial_merge_size": (1, 8),
     "window_size": (1, 4096),
-    "num_position_embeddings": (1, 1 << 20),
+    "num_position_embeddings": (1, 10**6),
+    "rope_theta": (1.0, 1e9),
 }
-# The rotary base: every released tower uses 10000 and language models go up to ~1e7. Below 1 the rotation gets
-# faster with the dimension instead of slower (and near 1e-300 its tables overflow to inf/NaN); above 1e9 even
-# the fastest frequency of a vision head hardly turns. Both ends are far outside anything trained.
-ROPE_THETA_RANGE = (1.0, 1e9)
+
+
+def check_number(name: str, value: Any, low: float, high: float) -> None:
+    """A ConfigError naming ``vision_config.<name>`` unless ``value`` lies in low..high (an integer for int bounds)."""
+    integer = isinstance(low, int)
+    if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
+        raise ConfigError(f"vision_config.{name} must be {'an integer' if integer else 'a number'}, got {value!r}")
+    if not low <= value <= high:  # NaN fails both comparisons
+        raise ConfigError(f"vision_config.{name} = {value!r} is outside the supported range {low:g}..{high:g}")
 
 
 @dataclass(frozen=True)
@@ -153,7 +154,7 @@ class VisionConfig:
     in_channels: int = 3
     temporal_patch_size: int = 2
     spatial_merge_size: int = 2
-    hidden_act: str = ""
+    hidden_act: str = ""  # "": the family's
     rope_theta: float = 10000.0
     # Windowed families only
     window_size: int = 112
@@ -166,24 +167,19 @@ class VisionConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "family", family_named(self.family))
-        if not self.hidden_act:
-            object.__setattr__(self, "hidden_act", self.family.hidden_act)
-        for name in ("fullatt_block_indexes", "deepstack_visual_indexes"):
-            object.__setattr__(self, name, _index_tuple(name, getattr(self, name)))
-        self._validate()
-
-    def _validate(self) -> None:
+        object.__setattr__(self, "hidden_act", self.hidden_act or self.family.hidden_act)
         for name, (low, high) in LIMITS.items():
-            _check_int(name, getattr(self, name), low, high)
+            check_number(name, getattr(self, name), low, high)
+        for name in ("fullatt_block_indexes", "deepstack_visual_indexes"):
+            value = () if getattr(self, name) is None else getattr(self, name)
+            if not isinstance(value, (list, tuple)) or any(type(i) is not int for i in value):  # bool is no index
+                raise ConfigError(f"vision_config.{name} must be a list of block indexes, got {value!r}")
+            if len(set(value)) != len(value) or not all(0 <= i < self.depth for i in value):
+                raise ConfigError(f"vision_config.{name} {list(value)} must be distinct blocks below {self.depth}")
+            object.__setattr__(self, name, tuple(value))
         if not isinstance(self.hidden_act, str) or self.hidden_act not in ACTIVATIONS:
             raise ConfigError(f"vision_config.hidden_act {self.hidden_act!r} is not supported; "
                               f"supported: {list(ACTIVATIONS)}")
-        if isinstance(self.rope_theta, bool) or not isinstance(self.rope_theta, (int, float)):
-            raise ConfigError(f"vision_config.rope_theta must be a number, got {self.rope_theta!r}")
-        low, high = ROPE_THETA_RANGE
-        if not low <= self.rope_theta <= high:  # NaN fails both comparisons
-            raise ConfigError(f"vision_config.rope_theta = {self.rope_theta!r} is outside the supported range "
-                              f"{low:g}..{high:g} (the released towers use 10000): fix it in the config")
         if self.hidden_size % self.num_heads:
             raise ConfigError(f"vision_config.hidden_size {self.hidden_size} is not divisible by "
                               f"num_heads {self.num_heads}")
@@ -193,17 +189,9 @@ class VisionConfig:
         if self.family.windows and self.window_merged < 1:
             raise ConfigError(f"vision_config.window_size {self.window_size} is smaller than one merged token "
                               f"(patch_size {self.patch_size} x spatial_merge_size {self.spatial_merge_size})")
-        if self.design == QWEN3 and math.isqrt(self.num_position_embeddings) ** 2 != self.num_position_embeddings:
+        if self.design == QWEN3 and self.num_grid_per_side**2 != self.num_position_embeddings:
             raise ConfigError(f"vision_config.num_position_embeddings {self.num_position_embeddings} is not a "
                               "square (the learned positions are a square grid)")
-        for name in ("fullatt_block_indexes", "deepstack_visual_indexes"):
-            indexes = getattr(self, name)
-            bad = [i for i in indexes if not 0 <= i < self.depth]
-            if bad:
-                raise ConfigError(f"vision_config.{name} {list(indexes)} has entries outside depth {self.depth}: "
-                                  f"{bad}")
-            if len(set(indexes)) != len(indexes):
-                raise ConfigError(f"vision_config.{name} {list(indexes)} repeats a block")
         if self.deepstack_visual_indexes and not self.family.deepstack:
             raise ConfigError(f"{self.family.label} towers have no DeepStack, but deepstack_visual_indexes is "
                               f"{list(self.deepstack_visual_indexes)}")
@@ -241,33 +229,12 @@ class VisionConfig:
     @property
     def full_attention_blocks(self) -> frozenset[int]:
         """Blocks attending over whole frames: all of them in families without windows."""
-        if not self.family.windows:
-            return frozenset(range(self.depth))
-        return frozenset(self.fullatt_block_indexes)
+        return frozenset(self.fullatt_block_indexes if self.family.windows else range(self.depth))
 
     def to_vision_dict(self) -> dict:
         """The vision_config in our spelling (in_channels, hidden_size = width); from_config_json reads it back."""
-        d = {
-            "depth": self.depth,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_heads": self.num_heads,
-            "out_hidden_size": self.out_hidden_size,
-            "patch_size": self.patch_size,
-            "in_channels": self.in_channels,
-            "temporal_patch_size": self.temporal_patch_size,
-            "spatial_merge_size": self.spatial_merge_size,
-            "hidden_act": self.hidden_act,
-        }
-        if self.family.windows:
-            d.update(window_size=self.window_size, fullatt_block_indexes=list(self.fullatt_block_indexes))
-        if self.design == QWEN3:
-            d["num_position_embeddings"] = self.num_position_embeddings
-        if self.family.deepstack:
-            d["deepstack_visual_indexes"] = list(self.deepstack_visual_indexes)
-        if self.rope_theta != 10000.0:
-            d["rope_theta"] = self.rope_theta
-        return d
+        d = {k: getattr(self, k) for k in fields_of(self.family) if k != "rope_theta" or self.rope_theta != 10000.0}
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
 
     def to_config_json(self) -> dict:
         """A self-contained config.json for a vision-only checkpoint; from_config_json reads it back."""
@@ -278,32 +245,26 @@ class VisionConfig:
         return dataclasses.replace(self, **changes)
 
 
-def _check_int(name: str, value: Any, low: int, high: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"vision_config.{name} must be an integer, got {value!r}")
-    if not low <= value <= high:
-        raise ConfigError(f"vision_config.{name} = {value} is outside the supported range {low}..{high}")
-
-
-def _index_tuple(name: str, value: Any) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    if not isinstance(value, (list, tuple)) or any(isinstance(i, bool) or not isinstance(i, int) for i in value):
-        raise ConfigError(f"vision_config.{name} must be a list of block indexes, got {value!r}")
-    return tuple(value)
-
-
 # ----------------------------------------------------------------------------- parsing config.json
 
 
-def _family_of(config_json: dict) -> Family:
-    """The family a checkpoint's config.json (or our vision-only one) describes."""
-    for key in ("family", "model_type"):
-        value = config_json.get(key)
-        if isinstance(value, str) and value in FAMILIES:
-            return FAMILIES[value]
-    raise ConfigError(f"unsupported model_type {config_json.get('model_type') or '(missing)'!r}; "
-                      f"supported: {sorted(FAMILIES)}")
+def fields_of(family: Family) -> list[str]:
+    """The vision_config fields a family's towers use, in our spelling: what parsing reads and to_vision_dict writes."""
+    return ["depth", "hidden_size", "intermediate_size", "num_heads", "out_hidden_size", "patch_size", "in_channels",
+            "temporal_patch_size", "spatial_merge_size", "hidden_act",
+            *(["window_size", "fullatt_block_indexes"] if family.windows else []),
+            *(["num_position_embeddings"] if family.design == QWEN3 else []),
+            *(["deepstack_visual_indexes"] if family.deepstack else []), "rope_theta"]
+
+
+# What a released config.json may leave out, as transformers' config classes default it (the released values), and
+# the older spellings it may use instead of ours.
+DEFAULTS = {"fullatt_block_indexes": (7, 15, 23, 31), "deepstack_visual_indexes": (8, 16, 24)}
+SPELLINGS = {"in_chans": "in_channels", "spatial_patch_size": "patch_size"}
+# Qwen2-VL releases write a minimal vision_config (2B: hidden_size, in_chans, model_type, spatial_patch_size) and
+# rely on transformers' Qwen2VLVisionConfig class defaults for everything else; the reference builds the tower
+# from those defaults, so we must too (they are the released 32 x 1280 tower). The 7B file omits hidden_size too.
+QWEN2_VL_DEFAULTS = {"depth": 32, "embed_dim": 1280, "mlp_ratio": 4, "num_heads": 16, "hidden_size": 3584}
 
 
 def _section(config_json: dict, path: tuple[str, ...]) -> dict | None:
@@ -313,42 +274,13 @@ def _section(config_json: dict, path: tuple[str, ...]) -> dict | None:
     return node if isinstance(node, dict) else None
 
 
-def _vision_section(config_json: dict, family: Family) -> dict:
-    # Our vision-only files keep the tower at the top level, whatever the family's nesting.
-    for path in (family.vision_config_at, ("vision_config",)):
-        vision = _section(config_json, path)
-        if vision is not None:
-            return vision
-    raise ConfigError(f"config (model_type {family.model_type!r}) has no {'.'.join(family.vision_config_at)} "
-                      "section")
-
-
-def _out_hidden_size(vision: dict, config_json: dict, family: Family) -> Any:
-    if "out_hidden_size" in vision:
-        return vision["out_hidden_size"]
-    # Older exports omit it; the merger projects to the language model's width.
-    for path in (family.text_config_at, ("text_config",), ()):
-        text = _section(config_json, path) if path else config_json
-        if text is not None and text is not vision and "hidden_size" in text:
-            return text["hidden_size"]
-    raise ConfigError("vision_config has no out_hidden_size and no text hidden_size to take it from")
-
-
-# Qwen2-VL releases write a minimal vision_config (2B: hidden_size, in_chans, model_type, spatial_patch_size) and
-# rely on transformers' Qwen2VLVisionConfig class defaults for everything else; the reference builds the tower
-# from those defaults, so we must too (they are the released 32 x 1280 tower). The 7B file omits hidden_size too.
-QWEN2_VL_DEFAULTS = {"depth": 32, "embed_dim": 1280, "mlp_ratio": 4, "num_heads": 16, "hidden_size": 3584}
-
-
 def _qwen2_vl_sizes(vision: dict) -> dict:
     """Qwen2-VL spells the width embed_dim, the MLP width as a ratio, and the output width hidden_size."""
     vision = {**QWEN2_VL_DEFAULTS, **vision}
-    width, ratio = vision["embed_dim"], vision["mlp_ratio"]
-    _check_int("mlp_ratio", ratio, 1, 64)  # an int, as transformers' strict Qwen2VLVisionConfig requires
-    _check_int("embed_dim", width, *LIMITS["hidden_size"])
-    intermediate = width * ratio
-    return dict(depth=vision["depth"], num_heads=vision["num_heads"], hidden_size=width,
-                intermediate_size=intermediate, out_hidden_size=vision["hidden_size"])
+    check_number("embed_dim", vision["embed_dim"], *LIMITS["hidden_size"])
+    check_number("mlp_ratio", vision["mlp_ratio"], 1, 64)  # an int, as transformers' Qwen2VLVisionConfig requires
+    return {**vision, "hidden_size": vision["embed_dim"], "out_hidden_size": vision["hidden_size"],
+            "intermediate_size": vision["embed_dim"] * vision["mlp_ratio"]}
 
 
 def from_config_json(config_json: dict, *, name: str = "") -> VisionConfig:
@@ -359,97 +291,74 @@ def from_config_json(config_json: dict, *, name: str = "") -> VisionConfig:
     """
     if not isinstance(config_json, dict):
         raise ConfigError(f"config.json must hold a JSON object, got {type(config_json).__name__}")
-    family = _family_of(config_json)
-    vision = _vision_section(config_json, family)
+    family = family_named(config_json.get("family") or config_json.get("model_type"))
+    # Our vision-only files keep the tower at the top level, whatever the family's nesting.
+    vision = _section(config_json, family.vision_config_at) or _section(config_json, ("vision_config",))
+    if vision is None:
+        raise ConfigError(f"config.json has no {'.'.join(family.vision_config_at)} section")
     if family.model_type == "qwen2_vl" and "intermediate_size" not in vision:  # our own files say intermediate_size
-        sizes = _qwen2_vl_sizes(vision)
-    else:
-        missing = [k for k in ("depth", "hidden_size", "intermediate_size", "num_heads") if k not in vision]
-        if missing:
-            raise ConfigError(f"vision_config of {family.model_type!r} lacks {missing}")
-        sizes = dict(depth=vision["depth"], num_heads=vision["num_heads"], hidden_size=vision["hidden_size"],
-                     intermediate_size=vision["intermediate_size"],
-                     out_hidden_size=_out_hidden_size(vision, config_json, family))
-    rope = vision.get("rope_parameters") or {}
+        vision = _qwen2_vl_sizes(vision)
+    rope = vision.get("rope_parameters") or {}  # where transformers reads the rotary base first
     if not isinstance(rope, dict):
         raise ConfigError(f"vision_config.rope_parameters must be an object, got {rope!r}")
-    fields = dict(
-        family=family.model_type,
-        name=name or config_json.get("name", "") or "",
-        in_channels=vision.get("in_channels", vision.get("in_chans", 3)),
-        temporal_patch_size=vision.get("temporal_patch_size", 2),
-        spatial_merge_size=vision.get("spatial_merge_size", 2),
-        hidden_act=vision.get("hidden_act") or "",
-        rope_theta=rope.get("rope_theta", vision.get("rope_theta", 10000.0)),  # transformers reads rope_parameters
-        patch_size=vision.get("patch_size", vision.get("spatial_patch_size", family.patch_size)),
-        **sizes,
-    )
-    if family.windows:
-        fields.update(window_size=vision.get("window_size", 112),
-                      fullatt_block_indexes=vision.get("fullatt_block_indexes", (7, 15, 23, 31)))
-    if family.design == QWEN3:
-        fields["num_position_embeddings"] = vision.get("num_position_embeddings", 2304)
-    if family.deepstack:
-        fields["deepstack_visual_indexes"] = vision.get("deepstack_visual_indexes", (8, 16, 24))  # transformers'
-    if not isinstance(fields["name"], str):
-        fields["name"] = ""
-    return VisionConfig(**fields)
+    given = {**DEFAULTS, "patch_size": family.patch_size}
+    given.update({ours: vision[theirs] for theirs, ours in SPELLINGS.items() if theirs in vision})
+    given.update(vision, **{k: v for k, v in rope.items() if k == "rope_theta"})
+    # Older exports omit out_hidden_size: the merger projects to the language model's width.
+    for text in (_section(config_json, (*family.vision_config_at[:-1], "text_config")),
+                 _section(config_json, ("text_config",)), config_json):
+        if text and "hidden_size" in text:
+            given.setdefault("out_hidden_size", text["hidden_size"])
+    missing = [k for k in ("depth", "hidden_size", "intermediate_size", "num_heads", "out_hidden_size")
+               if k not in given]
+    if missing:
+        raise ConfigError(f"vision_config of {family.model_type!r} lacks {missing}")
+    name = name or config_json.get("name")
+    return VisionConfig(family=family, name=name if isinstance(name, str) else "",
+                        **{k: given[k] for k in fields_of(family) if k in given})
 
 
 # ----------------------------------------------------------------------------- presets
 
 
-def _qwen2(name: str, out: int) -> VisionConfig:
-    return VisionConfig(family="qwen2_vl", name=name, depth=32, hidden_size=1280, intermediate_size=5120,
-                        num_heads=16, out_hidden_size=out, patch_size=14)
-
-
-def _qwen2_5(name: str, intermediate: int, out: int, family: str = "qwen2_5_vl") -> VisionConfig:
-    return VisionConfig(family=family, name=name, depth=32, hidden_size=1280, intermediate_size=intermediate,
-                        num_heads=16, out_hidden_size=out, patch_size=14, window_size=112,
-                        fullatt_block_indexes=(7, 15, 23, 31))
-
-
-def _qwen3(name: str, depth: int, hidden: int, intermediate: int, out: int, deepstack: tuple[int, ...] = (),
-           family: str = "qwen3_vl", heads: int = 16) -> VisionConfig:
-    return VisionConfig(family=family, name=name, depth=depth, hidden_size=hidden, intermediate_size=intermediate,
-                        num_heads=heads, out_hidden_size=out, patch_size=16, num_position_embeddings=2304,
-                        deepstack_visual_indexes=deepstack)
+def _released(name: str, family: str, depth: int, width: int, mlp: int, out: int, more: dict | None = None
+              ) -> VisionConfig:
+    """A released tower: its config.json's sizes, the rest read as from_config_json reads a file that omits them."""
+    vision = dict(depth=depth, hidden_size=width, intermediate_size=mlp, num_heads=16, out_hidden_size=out)
+    return from_config_json({"model_type": family, "vision_config": {**vision, **(more or {})}}, name=name)
 
 
 # Released towers, from the releases' public config.json files (docs/architecture.md, "Released vision towers";
-# docs/api.md's table of presets says which file each one was read from). Qwen3.5 / 3.6 / 3.8 share three tower sizes.
-PRESETS: dict[str, VisionConfig] = {
-    c.name: c
-    for c in (
-        _qwen2("qwen2-vl-2b", 1536),
-        _qwen2("qwen2-vl-7b", 3584),
-        _qwen2("qwen2-vl-72b", 8192),
-        _qwen2_5("qwen2.5-vl-3b", 3420, 2048),
-        _qwen2_5("qwen2.5-vl-7b", 3420, 3584),
-        _qwen2_5("qwen2.5-vl-32b", 3456, 5120),
-        _qwen2_5("qwen2.5-vl-72b", 3456, 8192),
-        _qwen2_5("qwen2.5-omni-3b", 3420, 2048, "qwen2_5_omni"),
-        _qwen2_5("qwen2.5-omni-7b", 3420, 3584, "qwen2_5_omni"),
-        _qwen3("qwen3-vl-2b", 24, 1024, 4096, 2048, (5, 11, 17)),
-        _qwen3("qwen3-vl-4b", 24, 1024, 4096, 2560, (5, 11, 17)),
-        _qwen3("qwen3-vl-8b", 27, 1152, 4304, 4096, (8, 16, 24)),
-        _qwen3("qwen3-vl-32b", 27, 1152, 4304, 5120, (8, 16, 24)),
-        _qwen3("qwen3-vl-30b-a3b", 27, 1152, 4304, 2048, (8, 16, 24), "qwen3_vl_moe"),
-        _qwen3("qwen3-vl-235b-a22b", 27, 1152, 4304, 4096, (8, 16, 24), "qwen3_vl_moe"),
-        _qwen3("qwen3-omni-30b-a3b", 27, 1152, 4304, 2048, (8, 16, 24), "qwen3_omni_moe"),
-        _qwen3("qwen3.5-0.8b", 12, 768, 3072, 1024, family="qwen3_5", heads=12),
-        _qwen3("qwen3.5-4b", 24, 1024, 4096, 2560, family="qwen3_5"),
-        _qwen3("qwen3.5-9b", 27, 1152, 4304, 4096, family="qwen3_5"),
-        _qwen3("qwen3.5-27b", 27, 1152, 4304, 5120, family="qwen3_5"),
-        _qwen3("qwen3.5-35b-a3b", 27, 1152, 4304, 2048, family="qwen3_5_moe"),
-        _qwen3("qwen3.5-122b-a10b", 27, 1152, 4304, 3072, family="qwen3_5_moe"),
-        _qwen3("qwen3.5-397b-a17b", 27, 1152, 4304, 4096, family="qwen3_5_moe"),
-        _qwen3("qwen3.6-27b", 27, 1152, 4304, 5120, family="qwen3_5"),
-        _qwen3("qwen3.8-27b", 27, 1152, 4304, 5120, family="qwen3_5"),
-        _qwen3("qwen3.8-flash-next", 27, 1152, 4304, 2560, family="qwen4_exp"),
-    )
-}
+# docs/api.md's table of presets says which file each one was read from): name, family, depth, width, MLP width,
+# output width, what else differs. Qwen3.5 / 3.6 / 3.8 share three tower sizes.
+PRESETS: dict[str, VisionConfig] = {row[0]: _released(*row) for row in (
+    ("qwen2-vl-2b", "qwen2_vl", 32, 1280, 5120, 1536),
+    ("qwen2-vl-7b", "qwen2_vl", 32, 1280, 5120, 3584),
+    ("qwen2-vl-72b", "qwen2_vl", 32, 1280, 5120, 8192),
+    ("qwen2.5-vl-3b", "qwen2_5_vl", 32, 1280, 3420, 2048),
+    ("qwen2.5-vl-7b", "qwen2_5_vl", 32, 1280, 3420, 3584),
+    ("qwen2.5-vl-32b", "qwen2_5_vl", 32, 1280, 3456, 5120),
+    ("qwen2.5-vl-72b", "qwen2_5_vl", 32, 1280, 3456, 8192),
+    ("qwen2.5-omni-3b", "qwen2_5_omni", 32, 1280, 3420, 2048),
+    ("qwen2.5-omni-7b", "qwen2_5_omni", 32, 1280, 3420, 3584),
+    ("qwen3-vl-2b", "qwen3_vl", 24, 1024, 4096, 2048, {"deepstack_visual_indexes": (5, 11, 17)}),
+    ("qwen3-vl-4b", "qwen3_vl", 24, 1024, 4096, 2560, {"deepstack_visual_indexes": (5, 11, 17)}),
+    ("qwen3-vl-8b", "qwen3_vl", 27, 1152, 4304, 4096),
+    ("qwen3-vl-32b", "qwen3_vl", 27, 1152, 4304, 5120),
+    ("qwen3-vl-30b-a3b", "qwen3_vl_moe", 27, 1152, 4304, 2048),
+    ("qwen3-vl-235b-a22b", "qwen3_vl_moe", 27, 1152, 4304, 4096),
+    ("qwen3-omni-30b-a3b", "qwen3_omni_moe", 27, 1152, 4304, 2048),
+    ("qwen3.5-0.8b", "qwen3_5", 12, 768, 3072, 1024, {"num_heads": 12}),
+    ("qwen3.5-4b", "qwen3_5", 24, 1024, 4096, 2560),
+    ("qwen3.5-9b", "qwen3_5", 27, 1152, 4304, 4096),
+    ("qwen3.5-27b", "qwen3_5", 27, 1152, 4304, 5120),
+    ("qwen3.5-35b-a3b", "qwen3_5_moe", 27, 1152, 4304, 2048),
+    ("qwen3.5-122b-a10b", "qwen3_5_moe", 27, 1152, 4304, 3072),
+    ("qwen3.5-397b-a17b", "qwen3_5_moe", 27, 1152, 4304, 4096),
+    ("qwen3.6-27b", "qwen3_5", 27, 1152, 4304, 5120),
+    ("qwen3.8-27b", "qwen3_5", 27, 1152, 4304, 5120),
+    ("qwen3.8-flash-next", "qwen4_exp", 27, 1152, 4304, 2560),
+)}
 
 
 def preset(name: str) -> VisionConfig:
@@ -469,11 +378,8 @@ def resolve_config(config: VisionConfig | dict | str | os.PathLike) -> VisionCon
         return PRESETS[config.lower()]
     if isinstance(config, (str, os.PathLike)) and os.path.isfile(config):
         try:
-            with open(config) as f:
-                data = json.load(f)
+            data = json.loads(Path(config).read_bytes())
         except (OSError, ValueError) as e:
             raise ConfigError(f"cannot read config {os.fspath(config)}: {e}") from e
         return from_config_json(data)
-    if isinstance(config, str):
-        raise ConfigError(f"{config!r} is neither a preset ({sorted(PRESETS)}) nor a config.json file")
-    raise ConfigError(f"cannot build a vision config from {type(config).__name__}")
+    raise ConfigError(f"{config!r} is neither a preset ({sorted(PRESETS)}) nor a config.json file")

@@ -13,14 +13,12 @@ from torch import nn
 
 def spread_init_(model: nn.Module, seed: int = 0) -> nn.Module:
     """Fill every parameter in place, deterministically in parameter-name order."""
-    generators: dict[torch.device, torch.Generator] = {}
+    gen = None
     with torch.no_grad():
         for name, p in sorted(model.named_parameters()):
             if p.is_meta:  # shape-only model: nothing to fill
                 continue
-            gen = generators.get(p.device)
-            if gen is None:
-                gen = generators[p.device] = torch.Generator(device=p.device).manual_seed(seed)
+            gen = gen or torch.Generator(device=p.device).manual_seed(seed)  # a tower's parameters share a device
             is_norm = "norm" in name or "ln_q" in name
             if is_norm and name.endswith("weight"):
                 p.uniform_(0.8, 1.2, generator=gen)

@@ -44,19 +44,14 @@ def released(request, tmp_path_factory):
     return cfg, folder, (pixel_values, grid_thw), reference_outputs(cfg, vision, pixel_values, grid_thw)
 
 
-def test_loads_and_matches_the_reference_fp32(released):
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)], ids=["fp32", "bf16"])
+def test_loads_and_matches_the_reference(released, dtype, tol):
     cfg, folder, (pixel_values, grid_thw), expected = released
-    encoder = load_encoder(folder, device="cpu")
+    encoder = load_encoder(folder, device="cpu", dtype=dtype)
     assert encoder.family == cfg.model_type and encoder.config.replace(name="") == cfg
-    assert_result_matches_reference(encoder.encode_patches(pixel_values, grid_thw), expected, grid_thw, 1e-5)
-
-
-def test_loads_and_matches_the_reference_bf16(released):
-    _, folder, (pixel_values, grid_thw), expected = released
-    encoder = load_encoder(folder, device="cpu", dtype="bf16")
     result = encoder.encode_patches(pixel_values, grid_thw)
-    assert result.embeddings[0].dtype == torch.bfloat16
-    assert_result_matches_reference(result, expected, grid_thw, 3e-2)
+    assert result.embeddings[0].dtype == dtype
+    assert_result_matches_reference(result, expected, grid_thw, tol)
 
 
 def test_other_shards_are_never_opened(released, tmp_path):
