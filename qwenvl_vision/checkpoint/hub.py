@@ -6,26 +6,24 @@ shards are never requested: the index tells which shards hold ``visual.*`` / ``m
 
 The revision (a branch, tag or commit) is resolved to a commit by the first download (config.json); every
 later file is fetched at that commit, so all files come from one snapshot folder even if the branch moves
-in between, and a file the cache knows to be absent at that commit is not asked for again.
+in between.
 
 Without network the answer comes at once and quietly: before the first download, one HEAD request without
 retries and with a short timeout (``REACH_TIMEOUT_S``, or ``HF_HUB_ETAG_TIMEOUT`` when set) checks that the Hub
-answers at all. If it does not, and with ``HF_HUB_OFFLINE`` or ``local_files_only``, every file is looked up
-in the cache only (``try_to_load_from_cache``: no request, not even huggingface_hub's user-agent registry
-fetch), and a file that is not there is one CheckpointError; an optional file (a preprocessor config, the index)
-counts as absent only where the cache recorded that the repo lacks it (``.no_exist``), never because it was not
-downloaded. Deviation from calling ``hf_hub_download`` alone: for a file that is not cached, it retries an
-unreachable Hub five times with backoff and a 60 s timeout (~25 s of warning lines, minutes against an endpoint
-that accepts connections but never answers) before the same conclusion.
+answers at all (``hf_hub_download`` alone retries an unreachable Hub five times with backoff and a 60 s timeout:
+~25 s of warning lines, minutes against an endpoint that accepts connections but never answers). If it does not,
+and with ``HF_HUB_OFFLINE`` or ``local_files_only``, every file comes from the cache only, and a file that is not
+there is one CheckpointError; an optional file (a preprocessor config, the index) counts as absent only where the
+cache recorded that the repo lacks it (``.no_exist``) or holds a whole download of the repo, never because it was
+not downloaded: its defaults would then replace settings the repo may have.
 """
 
 from __future__ import annotations
 
-import importlib
 import re
 from pathlib import Path
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, ConfigError
 from ..model.config import PRESETS, from_config_json
 from .weights import (
     CONFIG_FILE,
@@ -52,9 +50,9 @@ def _local_reason(source: str) -> str | None:
     component is a folder here (``models/foo`` with a ``models/`` folder in the working directory). Anything else
     of the shape ``owner/name`` is a repo id.
     """
-    for start in ("./", "../", "/", "~"):
-        if source.startswith(start):
-            return f"it starts with {start}"
+    start = next((start for start in ("./", "../", "/", "~") if source.startswith(start)), None)
+    if start is not None:
+        return f"it starts with {start}"
     if "\\" in source or source.count("/") > 1:
         return "a Hub repo id is 'owner/name', with one '/' and no '\\'"
     owner = source.split("/", 1)[0]
@@ -74,79 +72,41 @@ def _where(repo_id: str, revision: str | None) -> str:
     return f"repo {repo_id!r}" + (f" at revision {revision!r}" if revision else "")
 
 
-def _offline_reason(local_files_only: bool) -> str | None:
-    """Why the Hub must not be asked, or None."""
-    from huggingface_hub import constants
-
-    if local_files_only:
-        return "local_files_only=True"
-    return "HF_HUB_OFFLINE is set" if getattr(constants, "HF_HUB_OFFLINE", False) else None
-
-
-def _reach_timeout() -> float:
-    from huggingface_hub import constants
-
-    chosen = getattr(constants, "HF_HUB_ETAG_TIMEOUT", None)
-    return float(chosen) if chosen and chosen != getattr(constants, "DEFAULT_ETAG_TIMEOUT", 10) else REACH_TIMEOUT_S
-
-
-def _network_errors() -> tuple[type[BaseException], ...]:
-    """What the Hub's HTTP client raises when no answer came: httpx's transport errors (huggingface_hub >= 1.0
-    uses httpx2 or httpx), requests' connection errors (older versions; they are OSErrors)."""
-    errors: list[type[BaseException]] = [OSError]
-    for module in ("httpx2", "httpx"):
-        try:
-            errors.append(importlib.import_module(module).TransportError)
-        except (ImportError, AttributeError):
-            pass
-    return tuple(errors)
-
-
-def _unreachable(repo_id: str, filename: str, revision: str | None) -> str | None:
+def _unreachable(repo_id: str, revision: str | None) -> str | None:
     """Why the Hub cannot be reached (a phrase for an error message), or None when it answers, whatever the
     answer (a 404 or a 5xx is an answer: hf_hub_download then asks again and reports it as usual).
 
-    One HEAD for `filename` on huggingface_hub's own HTTP session (its proxy and TLS settings), no retries, no
-    redirects followed, `_reach_timeout()` seconds.
+    One HEAD for config.json on huggingface_hub's own HTTP session (its proxy and TLS settings), no retries, no
+    redirects followed.
     """
-    from huggingface_hub import constants, hf_hub_url
-    from huggingface_hub.utils import get_session
+    from huggingface_hub import constants, hf_hub_url, utils
 
-    timeout = _reach_timeout()
+    chosen = constants.HF_HUB_ETAG_TIMEOUT
+    timeout = float(chosen) if chosen != constants.DEFAULT_ETAG_TIMEOUT else REACH_TIMEOUT_S
     try:
-        get_session().head(hf_hub_url(repo_id, filename, revision=revision), timeout=timeout)
-    except _network_errors() as e:
+        utils.get_session().head(hf_hub_url(repo_id, CONFIG_FILE, revision=revision), timeout=timeout)
+    except Exception as e:  # whatever this version's HTTP client (httpx2, httpx, requests) raises: no answer
         waited = f" within {timeout:g} s" if "timeout" in type(e).__name__.lower() else ""
         detail = " ".join(str(e).split())
-        return (f"the Hub could not be reached ({getattr(constants, 'ENDPOINT', 'its endpoint')} did not answer"
-                f"{waited}: {type(e).__name__}{': ' + detail if detail else ''})")
+        return (f"the Hub could not be reached ({constants.ENDPOINT} did not answer{waited}: "
+                f"{type(e).__name__}{': ' + detail if detail else ''})")
     return None
 
 
-def _from_cache(repo_id: str, filename: str, *, required: bool, revision: str | None, cache_dir: str | None,
-                why: str, snapshot: Path | None = None) -> Path | None:
-    """`filename` from the local cache without any request.
-
-    None only for an optional file the cache recorded as absent from the repo (``.no_exist``, written when the
-    Hub answered "no such file"), or that a whole snapshot lacks (``whole_snapshot``). An optional file the cache
-    neither holds nor knows to be absent is an error like a required one: the repo may well have it (a partial
-    download), and its defaults would then be wrong.
-    `snapshot`: the snapshot folder, to name a link whose blob is gone.
-    """
+def _not_cached(repo_id: str, filename: str, *, required: bool, revision: str | None, cache_dir: str | None,
+                why: str, snapshot: Path | None) -> None:
+    """None for an optional file the cache knows the repo lacks; else the CheckpointError saying why the file
+    that the Hub could not be asked for is not there. `snapshot`: the snapshot folder, to name a broken link."""
     from huggingface_hub import _CACHED_NO_EXIST, try_to_load_from_cache
-    from huggingface_hub.utils import HFValidationError
 
-    try:
-        found = try_to_load_from_cache(repo_id, filename, cache_dir=cache_dir, revision=revision)
-    except HFValidationError as e:
-        raise CheckpointError(f"{repo_id!r} is not a valid Hugging Face repo id: {e}") from e
-    if isinstance(found, str):
-        return Path(found)
     where = _where(repo_id, revision)
     if snapshot is not None and (snapshot / filename).is_symlink():
         raise CheckpointError(f"cannot get {filename} of {where}: {why} and the Hugging Face cache is broken "
                               f"({snapshot / filename} is a link to a missing blob): download it again online")
-    if not required and (found is _CACHED_NO_EXIST or (snapshot is not None and whole_snapshot(snapshot))):
+    # What a whole snapshot lacks, the repo lacks: .gitattributes is in every Hub repo and only a download of the
+    # whole repo (`hf download`) fetches it; transformers' from_pretrained never does.
+    if not required and (try_to_load_from_cache(repo_id, filename, cache_dir=cache_dir, revision=revision)
+                         is _CACHED_NO_EXIST or snapshot is not None and (snapshot / ".gitattributes").is_file()):
         return None
     if required:
         raise CheckpointError(f"cannot get {filename} of {where}: {why} and it is not in the local Hugging Face "
@@ -156,75 +116,34 @@ def _from_cache(repo_id: str, filename: str, *, required: bool, revision: str | 
                           f"records either (defaults are never put in place of settings the repo may have)")
 
 
-# A file every Hub repo has that only a download of the whole repo fetches (``hf download``, ``snapshot_download``):
-# transformers' from_pretrained (config, weights, maybe the tokenizer) never does; README.md is fetched alone too,
-# for a model card, so it vouches for nothing.
-WHOLE_REPO_MARKERS = (".gitattributes",)
-
-
-def whole_snapshot(snapshot: Path) -> bool:
-    """Whether a cached snapshot holds the whole repo rather than this package's or another tool's partial fetch:
-    it holds a file only a whole download fetches (``WHOLE_REPO_MARKERS``). What a whole snapshot lacks, the repo
-    lacks."""
-    return any((snapshot / name).is_file() for name in WHOLE_REPO_MARKERS)
-
-
-def _known_absent(repo_id: str, filename: str, revision: str | None, cache_dir: str | None) -> bool:
-    """The cache recorded (``.no_exist``) that `filename` does not exist at this revision."""
-    from huggingface_hub import _CACHED_NO_EXIST, try_to_load_from_cache
-
-    return try_to_load_from_cache(repo_id, filename, cache_dir=cache_dir, revision=revision) is _CACHED_NO_EXIST
-
-
 def _download(repo_id: str, filename: str, *, required: bool = True, revision: str | None = None,
               cache_dir: str | None = None, token: str | bool | None = None,
               offline: str | None = None, snapshot: Path | None = None) -> Path | None:
     """One file into the cache; None for an optional file the repo lacks. Every failure is a CheckpointError.
 
-    offline: why the Hub is not to be asked (see fetch_vision_checkpoint); the file then comes from the cache,
-    and an optional file counts as absent only where the cache recorded its absence. snapshot: the snapshot
-    folder once known, for naming a broken cache link.
+    offline: why the Hub is not to be asked (see fetch_vision_checkpoint); the file then comes from the cache
+    without a request. snapshot: the snapshot folder once known, for naming a broken cache link.
     """
-    if offline is not None:
-        return _from_cache(repo_id, filename, required=required, revision=revision, cache_dir=cache_dir, why=offline,
-                           snapshot=snapshot)
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import (
-        EntryNotFoundError,
-        HfHubHTTPError,
-        LocalEntryNotFoundError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
-    from huggingface_hub.utils import HFValidationError
+    from huggingface_hub import hf_hub_download, utils
 
     where = _where(repo_id, revision)
-    if not required and revision and COMMIT_HASH.match(revision) and _known_absent(repo_id, filename, revision,
-                                                                                   cache_dir):
-        return None  # a commit never changes: the cache's "absent" answer is final, no request needed
     try:
-        return Path(hf_hub_download(repo_id, filename, revision=revision, cache_dir=cache_dir, token=token))
-    except RepositoryNotFoundError as e:  # includes GatedRepoError
+        return Path(hf_hub_download(repo_id, filename, revision=revision, cache_dir=cache_dir, token=token,
+                                    local_files_only=offline is not None))
+    except utils.RepositoryNotFoundError as e:  # includes GatedRepoError
         raise CheckpointError(f"repo {repo_id!r} not found on the Hub (or not accessible: private or gated "
                               f"repos need a token): {e}") from e
-    except RevisionNotFoundError as e:
-        raise CheckpointError(f"repo {repo_id!r} has no revision {revision!r}: {e}") from e
-    except LocalEntryNotFoundError as e:
-        # Before EntryNotFoundError, of which it is a subclass: this one means "not in the local cache and the
-        # Hub could not be asked" (the Hub answered the reachability check, then stopped), not "the repo has
-        # no such file".
-        if not required and _known_absent(repo_id, filename, revision, cache_dir):
-            return None
-        raise CheckpointError(f"cannot get {filename} of {where}: the Hub could not be reached and it is not in "
-                              f"the local Hugging Face cache") from e
-    except EntryNotFoundError as e:  # the Hub answered: no such file
+    except utils.LocalEntryNotFoundError:
+        # Before EntryNotFoundError, of which it is a subclass: "not in the local cache and the Hub could not be
+        # asked" (offline, or it stopped answering after the reachability check), not "the repo has no such file".
+        return _not_cached(repo_id, filename, required=required, revision=revision, cache_dir=cache_dir,
+                           why=offline or "the Hub could not be reached", snapshot=snapshot)
+    except utils.EntryNotFoundError as e:  # the Hub answered: no such file
         if required:
             raise CheckpointError(f"{where} has no {filename}") from e
         return None
-    except HfHubHTTPError as e:
+    except (utils.HfHubHTTPError, utils.HFValidationError) as e:  # a revision it lacks, an invalid id, a 5xx
         raise CheckpointError(f"cannot get {filename} of {where}: {e}") from e
-    except HFValidationError as e:
-        raise CheckpointError(f"{repo_id!r} is not a valid Hugging Face repo id: {e}") from e
 
 
 def fetch_vision_checkpoint(repo_id: str, *, revision: str | None = None, cache_dir: str | None = None,
@@ -234,7 +153,10 @@ def fetch_vision_checkpoint(repo_id: str, *, revision: str | None = None, cache_
     Offline (local_files_only, HF_HUB_OFFLINE, or a Hub that does not answer one quick HEAD), every file comes
     from the cache, without a request.
     """
-    offline = _offline_reason(local_files_only) or _unreachable(repo_id, CONFIG_FILE, revision)
+    from huggingface_hub import constants
+
+    offline = ("local_files_only=True" if local_files_only else "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE
+               else _unreachable(repo_id, revision))
     kwargs = dict(cache_dir=cache_dir, token=token, offline=offline)
     config_path = _download(repo_id, CONFIG_FILE, revision=revision, **kwargs)
     snapshot = config_path.parent
@@ -242,7 +164,8 @@ def fetch_vision_checkpoint(repo_id: str, *, revision: str | None = None, cache_
     commit = snapshot.name if COMMIT_HASH.match(snapshot.name) else revision
     kwargs.update(revision=commit, snapshot=snapshot)
     where = _where(repo_id, revision)
-    prefixes = from_config_json(read_json(config_path)).family.prefixes  # an unsupported model stops here
+    # An unsupported model stops here, before anything else is fetched.
+    prefixes = from_config_json(read_json(config_path, "config", ConfigError)).family.prefixes
     _download(repo_id, PREPROCESSOR_FILE, required=False, **kwargs)
     _download(repo_id, VIDEO_PREPROCESSOR_FILE, required=False, **kwargs)
     # transformers' order: the single file where the repository has one, else the index and its shards. Offline,

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import BinaryIO
 
 from safetensors.torch import save
 
@@ -17,22 +16,10 @@ from ..model.tower import VisionTower
 from ..outputs.durable import refuse_link, replace_atomically
 from .weights import CONFIG_FILE, PREPROCESSOR_FILE, SINGLE_FILE, VIDEO_PREPROCESSOR_FILE, VISION_ONLY_FORMAT
 
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
 # Every name save_vision_only writes in its folder, final and temporary: extract-weights refuses a target where one
 # of them is a file of its source.
 VISION_ONLY_FILES = (SINGLE_FILE, CONFIG_FILE, PREPROCESSOR_FILE, VIDEO_PREPROCESSOR_FILE)
 TEMPORARY_SUFFIX = ".tmp"
-
-
-def _set_mode(f: BinaryIO, mode: int) -> None:
-    if hasattr(os, "fchmod"):  # POSIX; elsewhere a file has no such mode bits
-        os.fchmod(f.fileno(), mode)
 
 
 def save_vision_only(model: VisionTower, folder: str | os.PathLike, preprocessor: dict | None = None,
@@ -40,31 +27,29 @@ def save_vision_only(model: VisionTower, folder: str | os.PathLike, preprocessor
     """Write a self-contained vision-only checkpoint that ``open_checkpoint`` reads back; returns the number of
     tensors written.
 
-    Each file is replaced whole or not at all (written to ``NAME.tmp``, created exclusively, then renamed), and
-    nothing is written through a symbolic link: a link at the folder or at any of the names written, final or
-    temporary, is an ``OutputLinkError`` naming it, raised before any file is written. ``config.json`` is removed
-    first and written last, so a folder left half-written (a full disk, a kill) does not load as a checkpoint with
-    another's settings.
+    Each file is replaced whole or not at all (``durable.replace_atomically``), and nothing is written through a
+    symbolic link: a link at the folder or at any of the names written, final or temporary, is an
+    ``OutputLinkError`` naming it, raised before any file is written. ``config.json`` is removed first and written
+    last, so a folder left half-written (a full disk, a kill) does not load as a checkpoint with another's settings.
     """
     folder = Path(folder)
-    refuse_link(folder)
-    folder.mkdir(parents=True, exist_ok=True)
     config_json = {**model.config.to_config_json(), "format": VISION_ONLY_FORMAT}
     documents = {PREPROCESSOR_FILE: preprocessor, VIDEO_PREPROCESSOR_FILE: video_preprocessor, CONFIG_FILE: config_json}
-    for name in (SINGLE_FILE, *(n for n, d in documents.items() if d is not None)):
-        refuse_link(folder / name)
-        refuse_link(folder / (name + TEMPORARY_SUFFIX))
+    names = [SINGLE_FILE, *(name for name, document in documents.items() if document is not None)]
+    for path in (folder, *(folder / name for name in names), *(folder / (name + TEMPORARY_SUFFIX) for name in names)):
+        refuse_link(path)
+    folder.mkdir(parents=True, exist_ok=True)
     (folder / CONFIG_FILE).unlink(missing_ok=True)
     state = to_checkpoint_state(model.config, model.state_dict())
-    mode = 0o666 & ~_umask()  # as a plain open() would create it: the folder's other files follow the umask too
-    contents = {SINGLE_FILE: lambda: save(state, metadata={"format": "pt", "family": model.config.model_type})}
-    contents.update({name: lambda document=document: (json.dumps(document, indent=2) + "\n").encode()
-                     for name, document in documents.items() if document is not None})
-    for name, content in contents.items():  # the weights first, config.json last
+    mask = os.umask(0)
+    os.umask(mask)
+    for name in names:  # the weights first, config.json last
+        data = save(state, metadata={"format": "pt", "family": model.config.model_type}) if name == SINGLE_FILE \
+            else (json.dumps(documents[name], indent=2) + "\n").encode()
 
-        def write(f: BinaryIO, content=content) -> None:
-            _set_mode(f, mode)
-            f.write(content())
+        def write(f, data=data) -> None:
+            os.fchmod(f.fileno(), 0o666 & ~mask)  # as a plain open() creates it: the folder's other files follow it
+            f.write(data)
 
         replace_atomically(folder / name, folder / (name + TEMPORARY_SUFFIX), write)
     return len(state)

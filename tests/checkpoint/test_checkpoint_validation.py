@@ -4,8 +4,7 @@ Every case corrupts a copy of a real-layout checkpoint written by ``tests.helper
 tensors over two shards, the second shared with the language model, plus LLM-only shards; or one
 ``model.safetensors``) and expects a ``CheckpointError`` naming the file (and the tensor, where a rule of this
 project's refuses it). The format's own rules are enforced by safetensors when it opens a shard; the rules
-beyond them (shard names, floating-point dtypes, shapes, NaN) by ``qwenvl_vision/checkpoint/weights.py``. A bug
-in the loading code itself must not pass for a bad file: the last tests here check that it escapes as what it is.
+beyond them (shard names, floating-point dtypes, shapes, NaN) by ``qwenvl_vision/checkpoint/weights.py``.
 """
 
 from __future__ import annotations
@@ -14,11 +13,9 @@ import contextlib
 import errno
 import json
 import math
-import operator
 import os
 import random
 import re
-import shutil
 import signal
 import struct
 from pathlib import Path
@@ -26,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from qwenvl_vision import CheckpointError, ConfigError, QwenVLVisionError, load_encoder
+from qwenvl_vision import CheckpointError, QwenVLVisionError, load_encoder
 from qwenvl_vision.checkpoint import weights
 from qwenvl_vision.cli import main
 from tests.helpers import (
@@ -89,17 +86,18 @@ def _outputs(encoder) -> list[torch.Tensor]:
 # ---------------------------------------------------------------------- the format's own rules, kept by safetensors
 
 
-def _set_length_prefix(shard: Path, length: int) -> None:
-    raw = shard.read_bytes()
-    shard.write_bytes(struct.pack("<Q", length) + raw[8:])
+def _raw(change):
+    """LN_Q's shard rewritten: ``change(its bytes, where its header ends)`` gives the new bytes."""
+    def corrupt(folder: Path) -> Path:
+        shard = shard_of(folder, LN_Q)
+        raw = shard.read_bytes()
+        shard.write_bytes(change(raw, 8 + struct.unpack("<Q", raw[:8])[0]))
+        return shard
+    return corrupt
 
 
 def _header_text(text: str):
-    def corrupt(folder: Path) -> Path:
-        shard = shard_of(folder, LN_Q)
-        join_shard(shard, None, split_shard(shard)[1], header_text=text)
-        return shard
-    return corrupt
+    return _raw(lambda raw, end: struct.pack("<Q", len(text.encode())) + text.encode() + raw[end:])
 
 
 def _entry(**fields):
@@ -121,31 +119,6 @@ def _overlap(folder: Path) -> Path:
 def _gap(folder: Path) -> Path:
     _, a, _ = same_size_pair(folder)
     return edit_header(folder, a, lambda header: header.pop(a))
-
-
-def _data(change):
-    def corrupt(folder: Path) -> Path:
-        shard = shard_of(folder, LN_Q)
-        header, data = split_shard(shard)
-        join_shard(shard, header, change(data))
-        return shard
-    return corrupt
-
-
-def _length_prefix(length):
-    def corrupt(folder: Path) -> Path:
-        shard = shard_of(folder, LN_Q)
-        _set_length_prefix(shard, length(shard))
-        return shard
-    return corrupt
-
-
-def _not_utf8(folder: Path) -> Path:
-    shard = shard_of(folder, LN_Q)
-    raw = bytearray(shard.read_bytes())
-    raw[raw.index(b"ln_q")] = 0xFF
-    shard.write_bytes(bytes(raw))
-    return shard
 
 
 # Each breaks a rule of the safetensors format, which safetensors itself enforces when it opens the shard: the
@@ -172,10 +145,10 @@ FORMAT_BREAKS = {
     "overflowing-numel": _entry(shape=[2**62, 2**62]),
     "overflow-before-zero-dim": _entry(shape=[2**63, 4, 0]),
     "sub-byte-dtype": lambda folder: set_entry(folder, "model.layers.0.mlp.up_proj.weight", dtype="F4", shape=[1023]),
-    "end-past-the-data": _data(lambda data: data[:-4]),
-    "bytes-after-the-last-tensor": _data(lambda data: data + bytes(8)),
-    "header-length-past-the-file": _length_prefix(lambda shard: shard.stat().st_size),
-    "header-length-over-the-limit": _length_prefix(lambda shard: 2**63),
+    "end-past-the-data": _raw(lambda raw, end: raw[:-4]),
+    "bytes-after-the-last-tensor": _raw(lambda raw, end: raw + bytes(8)),
+    "header-length-past-the-file": _raw(lambda raw, end: struct.pack("<Q", len(raw)) + raw[8:]),
+    "header-length-over-the-limit": _raw(lambda raw, end: struct.pack("<Q", 2**63) + raw[8:]),
     "header-an-array": _header_text("[]"),
     "header-truncated-json": _header_text('{"a": '),
     "header-nan-literal": _header_text('{"a": {"dtype": "F32", "shape": [NaN], "data_offsets": [0, 4]}}'),
@@ -183,7 +156,7 @@ FORMAT_BREAKS = {
     "header-minus-zero": _header_text('{"a": {"dtype": "F32", "shape": [-0], "data_offsets": [0, 0]}}'),
     "header-integer-of-5000-digits": _header_text(
         '{"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 1' + "0" * 5000 + ']}}'),
-    "header-not-utf8": _not_utf8,
+    "header-not-utf8": _raw(lambda raw, end: raw.replace(b"ln_q", b"\xffn_q", 1)),
 }
 
 
@@ -218,46 +191,21 @@ def test_float_weight_relabelled_as_integer_is_refused(tmp_path, sharded, stored
         _load(tmp_path)
 
 
-def test_shard_in_a_sibling_folder_is_refused(tmp_path):
-    """'../other/<shard>' would load the sibling folder's weights without a word."""
-    ours, other = tmp_path / "ours", tmp_path / "other"
-    write_checkpoint(ours, QWEN2_5_SMALL)
-    write_checkpoint(other, QWEN2_5_SMALL, seed=7)
-    index = read_index(ours)
-    target = f"../other/{index['weight_map'][LN_Q]}"
-    assert (ours / target).is_file()  # the file it names exists: only the rule refuses it
-    index["weight_map"][LN_Q] = target
-    write_index(ours, index)
-    with pytest.raises(CheckpointError, match=re.escape(f"shard name '{target}' (for tensor '{LN_Q}') leaves the "
-                                                        "checkpoint folder")):
-        _load(ours)
-
-
-@pytest.mark.parametrize("name,reason", [
-    ("/etc/passwd", "is an absolute path"),
-    ("C:\\weights\\model.safetensors", "is an absolute path"),
-    ("..", "leaves the checkpoint folder"),
-    ("sub/model-00001-of-00004.safetensors", "is not a plain file name"),
-    ("", "is empty"),
-], ids=["absolute", "windows-absolute", "dotdot", "subfolder", "empty"])
-def test_shard_names_must_be_plain_file_names(ckpt, name, reason):
-    """A shard name that is not a plain file name (absolute, '..', a subfolder, empty) is never opened; the name
-    is quoted in the error."""
+@pytest.mark.parametrize("name", ["../ckpt/{shard}", "/etc/passwd", "C:\\weights\\model.safetensors", "..",
+                                  "sub/model-00001-of-00004.safetensors", "", 2],
+                         ids=["dotdot-to-an-existing-file", "absolute", "windows-absolute", "dotdot", "subfolder",
+                              "empty", "not-a-string"])
+def test_shard_names_must_be_plain_file_names(ckpt, name):
+    """A shard name that is not a plain file name in the folder is never opened, even where the file it names
+    exists ('../ckpt/<shard>' is this very shard): '../other/x' would load another folder's weights without a word.
+    Load and inspect both refuse it, quoting the name."""
     index = read_index(ckpt)
+    name = name.format(shard=index["weight_map"][LN_Q]) if isinstance(name, str) else name
     index["weight_map"][LN_Q] = name
     write_index(ckpt, index)
-    with pytest.raises(CheckpointError, match=re.escape(f"shard name {name!r} (for tensor '{LN_Q}') {reason}")):
+    with pytest.raises(CheckpointError, match=re.escape(f"shard name {name!r} (for tensor '{LN_Q}')")):
         _load(ckpt)
     assert main(["inspect", str(ckpt)]) == 2
-
-
-def test_weight_map_value_that_is_not_a_string_is_named(ckpt):
-    """An int shard name is a CheckpointError, not a bare TypeError."""
-    index = read_index(ckpt)
-    index["weight_map"][LN_Q] = 2
-    write_index(ckpt, index)
-    with pytest.raises(CheckpointError, match=re.escape(f"weight_map['{LN_Q}'] is an integer (2), not a shard")):
-        _load(ckpt)
 
 
 def test_tensor_under_both_vision_prefixes_is_refused(ckpt):
@@ -270,62 +218,34 @@ def test_tensor_under_both_vision_prefixes_is_refused(ckpt):
         _load(ckpt)
 
 
-@pytest.mark.parametrize("index,found", [([], "is not a JSON object (found an array)"),
-                                         ({"weight_map": ["x"]}, "has no weight_map object (found an array)"),
-                                         ({"metadata": {}}, "has no weight_map object (found none)")])
-def test_index_that_is_not_an_object_is_named(ckpt, index, found):
-    """index.json holding a list is a CheckpointError, not a bare AttributeError."""
+@pytest.mark.parametrize("index", [[], {"weight_map": ["x"]}, {"metadata": {}}])
+def test_index_that_is_not_an_object_is_named(ckpt, index):
+    """An index.json holding a list, or without a weight_map object, is a CheckpointError naming it, not a bare
+    AttributeError."""
     write_index(ckpt, index)
-    with pytest.raises(CheckpointError, match=re.escape(f"{INDEX_FILE} {found}")):
+    with pytest.raises(CheckpointError, match=re.escape(INDEX_FILE)):
         _load(ckpt)
 
 
-def test_config_json_that_is_a_list_is_a_config_error(ckpt):
-    """The config row's 'config.json a list' case, raised where the file is read (other config values are
-    checked by config.py)."""
-    (ckpt / "config.json").write_text("[1, 2]")
-    with pytest.raises(ConfigError, match=r"config\.json is not a JSON object \(found an array\)"):
-        _load(ckpt)
-
-
-@pytest.mark.parametrize("which", ["vision-shard", "index", "config", "single-file"])
-def test_fifo_is_refused_at_once_by_load_and_inspect(tmp_path, capsys, which):
-    """A FIFO in place of a shard, the index, the config or the single file would hang a read forever: load and
-    inspect refuse it by name at once."""
+@pytest.mark.parametrize("which", ["vision-shard", "index", "config", "single-file", "device"])
+def test_a_fifo_or_device_is_refused_at_once_by_load_and_inspect(tmp_path, capsys, which):
+    """A FIFO in place of a shard, the index, the config or the single file, or a shard that is a link to a
+    character device, would hang a read forever: load and inspect refuse it by name at once, unread."""
     write_checkpoint(tmp_path, QWEN2_5_SMALL, sharded=which != "single-file")
-    path = {"vision-shard": shard_of(tmp_path, LN_Q), "index": tmp_path / INDEX_FILE,
-            "config": tmp_path / "config.json", "single-file": tmp_path / "model.safetensors"}[which]
+    path = {"index": tmp_path / INDEX_FILE, "config": tmp_path / "config.json",
+            "single-file": tmp_path / "model.safetensors"}.get(which) or shard_of(tmp_path, LN_Q)
     path.unlink()
-    os.mkfifo(path)
+    if which == "device":
+        path.symlink_to("/dev/zero")
+    else:
+        os.mkfifo(path)
     with _deadline(20):
-        with pytest.raises(CheckpointError, match=rf"{re.escape(path.name)}.* is a FIFO, not a regular file"):
+        with pytest.raises(CheckpointError, match=rf"{re.escape(path.name)}.* is not a regular file"):
             _load(tmp_path)
         capsys.readouterr()
         assert main(["inspect", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert path.name in err and "is a FIFO, not a regular file" in err
-
-
-def test_device_behind_a_symlink_is_refused(ckpt):
-    """Only regular files are read: a shard that is a symlink to a character device is refused unread."""
-    shard = shard_of(ckpt, LN_Q)
-    shard.unlink()
-    shard.symlink_to("/dev/zero")
-    with _deadline(20), pytest.raises(CheckpointError, match=rf"{re.escape(shard.name)}.* is a character device"):
-        _load(ckpt)
-
-
-def test_symlinked_shards_load_as_in_the_hf_cache(tmp_path):
-    """Plain names that are symlinks to blobs outside the folder (the Hugging Face cache layout) still load."""
-    clean, linked, blobs = tmp_path / "clean", tmp_path / "snapshots" / "abc", tmp_path / "blobs"
-    write_checkpoint(clean, QWEN2_5_SMALL)
-    shutil.copytree(clean, linked)
-    blobs.mkdir()
-    for i, file in enumerate(sorted(linked.iterdir())):
-        blob = blobs / f"blob{i}"
-        file.rename(blob)
-        file.symlink_to(os.path.relpath(blob, linked))
-    assert all(torch.equal(a, b) for a, b in zip(_outputs(_load(clean)), _outputs(_load(linked))))
+    assert path.name in err and "is not a regular file" in err
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["f32", "bf16", "f16"])
@@ -379,36 +299,13 @@ def test_language_model_tensor_in_a_dtype_torch_lacks_still_loads(ckpt):
     assert all(torch.equal(a, b) for a, b in zip(clean, _outputs(_load(ckpt))))
 
 
-# ---------------------------------------------------------------------- our own bugs are not bad files
-
-
-def _our_bug(*args, **kwargs):
-    raise TypeError("a bug in qwenvl_vision, not in the checkpoint")
-
-
-@pytest.mark.parametrize("helper", ["strip_vision_prefix", "check_vision_entry", "to_module_state"])
-def test_a_programming_error_in_the_loading_code_is_not_a_checkpoint_error(ckpt, monkeypatch, helper):
-    """The backstop that names a bare builtin error as a bad file wraps only the calls that parse a file: a
-    TypeError from our own code between them (indexing the tensors by name, checking a header entry already
-    validated, renaming tensors into the module's) escapes as the TypeError it is, not as a CheckpointError."""
-    monkeypatch.setattr(weights, helper, _our_bug)
-    with pytest.raises(TypeError, match="a bug in qwenvl_vision") as info:
-        _load(ckpt)
-    assert not isinstance(info.value, QwenVLVisionError)
-
-
-def test_a_programming_error_in_inspect_is_not_a_checkpoint_error(ckpt, monkeypatch):
-    checkpoint = weights.open_checkpoint(ckpt)
-    monkeypatch.setattr(weights, "check_vision_entry", _our_bug)
-    with pytest.raises(TypeError, match="a bug in qwenvl_vision") as info:
-        weights.vision_entries(checkpoint)
-    assert not isinstance(info.value, QwenVLVisionError)
+# ---------------------------------------------------------------------- disk errors
 
 
 @pytest.mark.parametrize("layout", ["single-file", "sharded", "config"])
 def test_a_disk_error_reading_a_file_is_a_checkpoint_error_naming_it(tmp_path, monkeypatch, layout):
-    """... while an error from the disk (here an EIO) reading the config or a shard is a CheckpointError naming the
-    file: the single file when open_checkpoint reads its header to index it, a shard when its tensors are read."""
+    """An error from the disk (here an EIO) reading the config or a shard is a CheckpointError naming the file:
+    the single file when open_checkpoint reads its header to index it, a shard when its tensors are read."""
     def failing_read(*args, **kwargs):
         raise OSError(errno.EIO, "Input/output error")
 
@@ -429,54 +326,7 @@ def test_a_disk_error_reading_a_file_is_a_checkpoint_error_naming_it(tmp_path, m
 FUZZ_CONFIG = QWEN2_5_SMALL.replace(depth=2, hidden_size=32, intermediate_size=16, num_heads=2, out_hidden_size=16,
                                     fullatt_block_indexes=(1,))
 FUZZ_CASES = 200
-SAME_WIDTH_DTYPES = ["F32", "I32", "U32"]  # a relabelling that keeps the byte length
-DTYPE_NAMES = ["F16", "BF16", "F64", "I64", "U8", "F8_E4M3", "F4", "F33", "f32", "", 4, None]
 ODD_VALUES = [None, "x", 1.5, -1, True, [], {}, 2**64]
-
-
-def _mutate_list(rng: random.Random, values: list) -> object:
-    values = list(values)
-    op = rng.randrange(6)
-    if op == 0 and values:
-        values[rng.randrange(len(values))] += rng.choice([-8, -4, -1, 1, 4, 8, 1000])
-    elif op == 1 and values:
-        values[rng.randrange(len(values))] = rng.choice(ODD_VALUES)
-    elif op == 2:
-        values.insert(rng.randrange(len(values) + 1), rng.choice([0, 1, 2, 4]))
-    elif op == 3 and values:
-        values.pop(rng.randrange(len(values)))
-    elif op == 4:
-        values.reverse()
-    else:
-        return rng.choice(ODD_VALUES)
-    return values
-
-
-def _mutate_entry(rng: random.Random, header: dict, name: str) -> None:
-    """One field of one header entry changed, favouring the changes that keep byte lengths plausible (the
-    dangerous ones: without the tiling and dtype rules they load other bytes silently)."""
-    entry, op = header[name], rng.choice(["shift", "steal", "relabel", "dtype", "shape", "offsets", "entry", "drop",
-                                          "extra"])
-    names = [n for n in header if n != "__metadata__"]
-    if op == "shift":  # both offsets moved, the length kept
-        entry["data_offsets"] = [o + rng.choice([-8, -4, 4, 8, 64]) for o in entry["data_offsets"]]
-    elif op == "steal":  # another tensor's bytes, of the same length when there is one
-        length = entry["data_offsets"][1] - entry["data_offsets"][0]
-        same = [n for n in names if n != name and operator.sub(*header[n]["data_offsets"][::-1]) == length]
-        entry["data_offsets"] = list(header[rng.choice(same or names)]["data_offsets"])
-    elif op == "relabel":
-        entry["dtype"] = rng.choice(SAME_WIDTH_DTYPES)
-    elif op == "dtype":
-        entry["dtype"] = rng.choice(DTYPE_NAMES)
-    elif op in ("shape", "offsets"):
-        key = "shape" if op == "shape" else "data_offsets"
-        entry[key] = _mutate_list(rng, entry[key])
-    elif op == "entry":
-        header[name] = rng.choice(ODD_VALUES)
-    elif op == "drop":
-        entry.pop(rng.choice(["dtype", "shape", "data_offsets"]))
-    else:
-        entry["note"] = "unknown fields are ignored, as by safetensors"
 
 
 def _mutate_index(rng: random.Random, index: dict, shards: list[str]) -> str:
@@ -503,50 +353,40 @@ def _flip_byte(rng: random.Random, raw: bytes, end: int) -> tuple[bytes, str]:
 
 def _corrupt(rng: random.Random, folder: Path, shards: list[str]) -> tuple[str, Path, bytes]:
     """Apply one random corruption to the index or a shard; return (what was done, the file, its original bytes)."""
-    kind = rng.choice(["header-byte", "header-length", "header-field", "header-field", "header-field",
-                       "index-byte", "index-field", "non-finite"])
+    kind = rng.choice(["header-byte", "header-byte", "header-length", "index-byte", "index-field", "non-finite"])
     vision_shards = sorted({shard_of(folder, n) for n in read_index(folder)["weight_map"] if n.startswith("visual.")})
     if kind.startswith("index"):
         path = folder / INDEX_FILE
     else:
         path = rng.choice(vision_shards if kind == "non-finite" else vision_shards + [folder / s for s in shards])
     original = path.read_bytes()
-    if kind == "index-byte":
-        corrupted, done = _flip_byte(rng, original, len(original))
-        path.write_bytes(corrupted)
-    elif kind == "index-field":
+    header_end = 8 + struct.unpack("<Q", original[:8])[0]
+    if kind == "index-field":
         index = json.loads(original)
         done = _mutate_index(rng, index, shards)
-        path.write_text(json.dumps(index))
-    elif kind == "header-byte":  # anywhere in the length prefix or the JSON
-        corrupted, done = _flip_byte(rng, original, 8 + struct.unpack("<Q", original[:8])[0])
-        path.write_bytes(corrupted)
+        corrupted = json.dumps(index).encode()
+    elif kind.endswith("byte"):  # anywhere in the index, or in a shard's length prefix and JSON
+        corrupted, done = _flip_byte(rng, original, len(original) if kind == "index-byte" else header_end)
     elif kind == "header-length":  # the header's padding makes +-1 still parse: the data would shift
         change = rng.choice([-8, -2, -1, 1, 2, 8])
-        path.write_bytes(struct.pack("<Q", struct.unpack("<Q", original[:8])[0] + change) + original[8:])
-        done = f"{change:+d}"
+        corrupted, done = struct.pack("<Q", header_end - 8 + change) + original[8:], f"{change:+d}"
     else:
-        header, data = split_shard(path)
-        tensors = [n for n in header if n != "__metadata__"]
-        vision = [n for n in tensors if n.startswith("visual.")]
-        name = rng.choice(vision if vision and (kind == "non-finite" or rng.random() < 0.75) else tensors)
-        if kind == "header-field":
-            _mutate_entry(rng, header, name)
-            done = f"{name}: {header[name]!r}"
-        else:
-            begin, end = header[name]["data_offsets"]
-            position = begin + 4 * rng.randrange((end - begin) // 4)
-            value = rng.choice([math.nan, math.inf, -math.inf])
-            data = data[:position] + struct.pack("<f", value) + data[position + 4:]
-            done = f"{name} element {(position - begin) // 4} = {value}"
-        join_shard(path, header, data)
+        header = split_shard(path)[0]
+        name = rng.choice([n for n in header if n.startswith("visual.")])
+        begin, end = header[name]["data_offsets"]
+        element, value = rng.randrange((end - begin) // 4), rng.choice([math.nan, math.inf, -math.inf])
+        position = header_end + begin + 4 * element
+        corrupted = original[:position] + struct.pack("<f", value) + original[position + 4:]
+        done = f"{name} element {element} = {value}"
+    path.write_bytes(corrupted)
     return f"{kind} {path.name} {done}", path, original
 
 
 def test_fuzz_single_corruptions_end_in_a_named_error_or_the_same_numbers(tmp_path):
-    """200 seeded single-byte or single-field corruptions of the weight files' metadata (safetensors headers,
-    the index) and NaN/Inf writes into tensor data: each load ends in a project error, or in outputs equal to
-    the clean checkpoint's; never another exception, a hang or different numbers.
+    """200 seeded single-byte corruptions of the weight files' metadata (safetensors headers, the index), changes
+    of a header's length or of one index field, and NaN/Inf writes into tensor data: each load ends in a project
+    error, or in outputs equal to the clean checkpoint's; never another exception, a hang or different numbers.
+    (Each rule a changed header field breaks is a FORMAT_BREAKS case above.)
 
     Other bytes of the tensor data are not flipped: the format carries no checksum, so a changed finite weight
     is undetectable by design. config.json is left alone: a changed value there (an eps) legitimately changes

@@ -40,8 +40,7 @@ from tests.helpers import (
 
 hf_constants = pytest.importorskip("huggingface_hub.constants")
 
-QWEN2_5_GRIDS = [(1, 6, 10), (2, 4, 4), (1, 2, 2)]
-QWEN3_GRIDS = [(1, 6, 10), (2, 4, 4), (1, 2, 2)]
+GRIDS = [(1, 6, 10), (2, 4, 4), (1, 2, 2)]
 
 # Asked for on every fetch (the video one is optional: most releases have none).
 SETTINGS_FILES = {"config.json", "preprocessor_config.json", "video_preprocessor_config.json"}
@@ -80,69 +79,40 @@ def qwen25_repo(hub, tmp_path):
     return folder, vision, commit
 
 
-# ---------------------------------------------------------------------- 1. sharded, only vision shards
+# ---------------------------------------------------------------------- what is fetched
 
 
-def test_sharded_repo_fetches_only_vision_shards_and_matches_transformers(hub, qwen25_repo):
-    folder, vision, commit = qwen25_repo
-    llm_only = {p.name for p in non_vision_shards(folder)}
-    all_shards = {p.name for p in folder.glob("model-*.safetensors")}
-    vision_shards = all_shards - llm_only
-    assert len(llm_only) == 2 and len(vision_shards) == 2
-
-    encoder = load_encoder("org/qwen25-tiny", device="cpu")
-    _check_against_reference(encoder, QWEN2_5_SMALL, vision, QWEN2_5_GRIDS)
-    encoder.close()
-
-    paths = hub.resolve_paths()
-    assert all(p.startswith("/org/qwen25-tiny/resolve/") for p in paths), paths
+@pytest.mark.parametrize("cfg,sharded", [(QWEN2_5_SMALL, True), (QWEN3_SMALL_72, False)], ids=["sharded", "single"])
+def test_a_repo_fetches_only_what_the_tower_needs_and_matches_transformers(hub, tmp_path, cfg, sharded):
+    """The settings files, then transformers' order: the single file where the repo has one (the index is then
+    never asked for), else the index and only the shards holding vision tensors, never an LLM-only one. Each file
+    the repo has is downloaded once (a HEAD, then one GET) into the snapshot of the commit main resolved to."""
+    folder = tmp_path / "repo"
+    vision = write_checkpoint(folder, cfg, sharded=sharded, other_shards=2)
+    commit = hub.add("org/tiny", folder)
+    with load_encoder("org/tiny", device="cpu") as encoder:
+        _check_against_reference(encoder, cfg, vision, GRIDS)
+    expected = SETTINGS_FILES | {"model.safetensors"}
+    if sharded:
+        expected |= {p.name for p in folder.glob("model-*.safetensors")} - {p.name for p in non_vision_shards(folder)}
     touched = hub.files_touched()
-    # transformers' order: the single file is asked for first (HEAD -> 404), then the index.
-    assert touched == SETTINGS_FILES | {"model.safetensors", "model.safetensors.index.json"} | vision_shards
-    assert not any(name in p for p in paths for name in llm_only), paths
-    # Every fetched file was downloaded once (HEAD for the metadata, then one GET).
-    # (Qwen2.5-VL releases have no video_preprocessor_config.json, nor a sharded repo a model.safetensors: asked
-    # for, found missing, not downloaded.)
-    present = touched - {"video_preprocessor_config.json", "model.safetensors"}
-    gets = [p.rsplit("/", 1)[1] for p in hub.resolve_paths("GET")]
-    assert sorted(gets) == sorted(present)
-    # Files landed in the (temporary) HF cache, in the snapshot of the commit main resolved to.
-    snapshot = _snapshot(hub, "org/qwen25-tiny", commit)
-    assert sorted(p.name for p in snapshot.iterdir()) == sorted(present)
-    assert (hub.cache / "models--org--qwen25-tiny" / "refs" / "main").read_text() == commit
-    # The single file's absence was cached at the commit: a later offline load need not ask.
-    assert (hub.cache / "models--org--qwen25-tiny" / ".no_exist" / commit / "model.safetensors").exists()
+    assert touched == expected | ({INDEX_FILE} if sharded else set())
+    assert all(p.startswith("/org/tiny/resolve/") for p in hub.resolve_paths())
+    present = sorted(touched & {p.name for p in folder.iterdir()})  # asked for and there: downloaded
+    assert sorted(p.rsplit("/", 1)[1] for p in hub.resolve_paths("GET")) == present
+    assert sorted(p.name for p in _snapshot(hub, "org/tiny", commit).iterdir()) == present
 
 
-def test_fetch_returns_the_snapshot_folder_and_explicit_cache_dir(hub, qwen25_repo, tmp_path):
+def test_fetch_returns_the_snapshot_folder_in_the_cache_chosen(hub, qwen25_repo, tmp_path):
     _, _, commit = qwen25_repo
+    assert resolve_folder("org/qwen25-tiny") == _snapshot(hub, "org/qwen25-tiny", commit)
     cache_dir = tmp_path / "elsewhere"
     folder = fetch_vision_checkpoint("org/qwen25-tiny", cache_dir=str(cache_dir))
     assert folder == cache_dir / "models--org--qwen25-tiny" / "snapshots" / commit
     assert (folder / "config.json").is_file() and (folder / "model.safetensors.index.json").is_file()
-    assert not hub.cache.exists()  # the default cache was not used
 
 
-# ---------------------------------------------------------------------- 2. single-file layout
-
-
-def test_single_file_repo_fetches_model_safetensors(hub, tmp_path):
-    folder = tmp_path / "qwen3"
-    vision = write_checkpoint(folder, QWEN3_SMALL_72, sharded=False)
-    commit = hub.add("org/qwen3-tiny", folder)
-
-    encoder = load_encoder("org/qwen3-tiny", device="cpu")
-    _check_against_reference(encoder, QWEN3_SMALL_72, vision, QWEN3_GRIDS)
-    encoder.close()
-
-    # The single file is found first (transformers' order): the index is never asked for.
-    assert hub.files_touched() == SETTINGS_FILES | {"model.safetensors"}
-    gets = hub.resolve_paths("GET")
-    assert sum(p.endswith("/model.safetensors") for p in gets) == 1
-    assert (hub.cache / "models--org--qwen3-tiny" / "snapshots" / commit / "model.safetensors").is_file()
-
-
-# ---------------------------------------------------------------------- 3. revision
+# ---------------------------------------------------------------------- revision
 
 
 def test_revision_is_honoured(hub, tmp_path):
@@ -153,14 +123,13 @@ def test_revision_is_honoured(hub, tmp_path):
     pr_commit = hub.add("org/qwen25-tiny", pr_folder, branch="refs/pr/1")  # a '/' in the revision: URL-quoted
 
     encoder = load_encoder("org/qwen25-tiny", device="cpu", revision="refs/pr/1")
-    _check_against_reference(encoder, QWEN2_5_SMALL, pr_vision, QWEN2_5_GRIDS[:1])
+    _check_against_reference(encoder, QWEN2_5_SMALL, pr_vision, GRIDS[:1])
     encoder.close()
     paths = hub.resolve_paths()
     # The first request resolves the named revision; the rest are pinned to the commit it resolved to.
     assert paths[0] == "/org/qwen25-tiny/resolve/refs/pr/1/config.json"
     assert all("/resolve/refs/pr/1/" in p or f"/resolve/{pr_commit}/" in p for p in paths), paths
     assert not any("/resolve/main/" in p or main_commit in p for p in paths)
-    assert (hub.cache / "models--org--qwen25-tiny" / "refs" / "refs" / "pr" / "1").read_text() == pr_commit
 
     # A commit hash as revision: every request names it.
     hub.clear()
@@ -174,50 +143,29 @@ def test_revision_is_honoured(hub, tmp_path):
         load_encoder("org/qwen25-tiny", device="cpu", revision="no-such-branch")
 
 
-# ---------------------------------------------------------------------- 4. cache, offline
+# ---------------------------------------------------------------------- cache, offline
 
 
-def test_cached_repo_loads_offline_without_requests(hub, qwen25_repo, tmp_path, monkeypatch):
-    _, vision, _ = qwen25_repo
+@pytest.mark.parametrize("sharded", [True, False], ids=["sharded", "single-file"])
+def test_cached_repo_loads_offline_without_requests(hub, tmp_path, monkeypatch, sharded):
+    """HF_HUB_OFFLINE, local_files_only=True, or the server gone: a repo loaded once loads from the cache, without
+    a request (a single-file repo: the cache's record that the index is absent picks the single file)."""
+    folder = tmp_path / "repo"
+    vision = write_checkpoint(folder, QWEN2_5_SMALL, sharded=sharded, other_shards=2)
+    hub.add("org/qwen25-tiny", folder)
     load_encoder("org/qwen25-tiny", device="cpu").close()
     assert hub.resolve_paths()
-
-    # HF_HUB_OFFLINE: loads from the cache, nothing reaches the (still running) server.
     hub.clear()
     monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
     with load_encoder("org/qwen25-tiny", device="cpu") as encoder:
-        _check_against_reference(encoder, QWEN2_5_SMALL, vision, QWEN2_5_GRIDS[:1])
-    assert hub.requests == []
+        _check_against_reference(encoder, QWEN2_5_SMALL, vision, GRIDS[:1])
     monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
-
-    # local_files_only=True: no request either.
     with load_encoder("org/qwen25-tiny", device="cpu", local_files_only=True) as encoder:
         _check_weights(encoder, vision)
-    assert hub.requests == []
-
-    # Server gone: local_files_only=True still loads, and so does a plain load (falls back to the cache).
-    hub.stop()
-    with load_encoder("org/qwen25-tiny", device="cpu", local_files_only=True) as encoder:
-        _check_weights(encoder, vision)
-    with load_encoder("org/qwen25-tiny", device="cpu") as encoder:
-        _check_weights(encoder, vision)
-    assert hub.requests == []
-
-
-def test_cached_single_file_repo_loads_offline(hub, tmp_path, monkeypatch):
-    """The index is absent on the Hub: offline, the cache's record of that absence picks the single file."""
-    folder = tmp_path / "qwen3"
-    vision = write_checkpoint(folder, QWEN3_SMALL_72, sharded=False)
-    hub.add("org/qwen3-tiny", folder)
-    load_encoder("org/qwen3-tiny", device="cpu").close()
-    hub.clear()
-    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
-    with load_encoder("org/qwen3-tiny", device="cpu") as encoder:
-        _check_against_reference(encoder, QWEN3_SMALL_72, vision, QWEN3_GRIDS[:1])
-    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
-    hub.stop()
-    with load_encoder("org/qwen3-tiny", device="cpu", local_files_only=True) as encoder:
-        _check_weights(encoder, vision)
+    hub.stop()  # a plain load falls back to the cache too
+    for local_files_only in (True, False):
+        with load_encoder("org/qwen25-tiny", device="cpu", local_files_only=local_files_only) as encoder:
+            _check_weights(encoder, vision)
     assert hub.requests == []
 
 
@@ -272,7 +220,7 @@ def test_unreachable_hub_loads_a_cached_repo_without_waiting(hub, qwen25_repo, m
     assert "Retry" not in capfd.readouterr().err
 
 
-# ---------------------------------------------------------------------- 5. errors
+# ---------------------------------------------------------------------- errors
 
 
 def test_missing_repo_is_a_checkpoint_error_naming_it(hub):
@@ -283,28 +231,24 @@ def test_missing_repo_is_a_checkpoint_error_naming_it(hub):
     assert set(hub.resolve_paths()) == {"/org/does-not-exist/resolve/main/config.json"}
 
 
-def test_never_downloaded_repo_with_local_files_only_is_a_clear_checkpoint_error(hub, qwen25_repo, monkeypatch):
-    # The repo exists on the Hub, but nothing of it is cached and local_files_only forbids asking.
-    with pytest.raises(CheckpointError, match="org/qwen25-tiny") as info:
-        load_encoder("org/qwen25-tiny", device="cpu", local_files_only=True)
-    message = str(info.value)
-    assert "config.json" in message and "local_files_only" in message and "cache" in message
-    assert "has no" not in message  # not a claim that the repo lacks the file
+def test_a_repo_never_downloaded_is_a_clear_error_offline_and_loads_once_cached(hub, qwen25_repo, tmp_path, capsys,
+                                                                                monkeypatch):
+    """The repo exists on the Hub, but nothing of it is cached and local_files_only (or HF_HUB_OFFLINE) forbids
+    asking: one line saying so, not a claim that the repo lacks the file, and no request; once cached, it loads."""
+    embed = ["embed", str(REPO / "examples" / "photos"), "--model", "org/qwen25-tiny", "--local-files-only",
+             "--out", str(tmp_path / "out")]
+    assert main(embed) == 2
+    err = capsys.readouterr().err
+    assert "config.json of repo 'org/qwen25-tiny': local_files_only=True and it is not in the local Hugging Face " \
+           "cache" in err and "has no" not in err
     monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
-    with pytest.raises(CheckpointError, match="HF_HUB_OFFLINE"):
+    with pytest.raises(CheckpointError, match="org/qwen25-tiny.*HF_HUB_OFFLINE"):
         load_encoder("org/qwen25-tiny", device="cpu")
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
     assert hub.requests == []
-
-
-def test_embed_local_files_only_never_asks(hub, qwen25_repo, tmp_path, capsys):
-    code = main(["embed", str(REPO / "examples" / "photos"), "--model", "org/qwen25-tiny", "--local-files-only",
-                 "--out", str(tmp_path / "out")])
-    assert code == 2 and hub.requests == []
-    assert "local_files_only=True and it is not in the local Hugging Face cache" in capsys.readouterr().err
     load_encoder("org/qwen25-tiny", device="cpu").close()
     hub.stop()
-    assert main(["embed", str(REPO / "examples" / "photos"), "--model", "org/qwen25-tiny", "--local-files-only",
-                 "--out", str(tmp_path / "out"), "--quiet"]) == 0
+    assert main([*embed, "--quiet"]) == 0
 
 
 def test_repo_without_config_or_vision_tensors(hub, tmp_path):
@@ -368,29 +312,20 @@ def test_resolve_folder_takes_a_folder_as_it_is(hub, tmp_path, monkeypatch):
     assert hub.requests == []
 
 
-@pytest.mark.parametrize("name", ["qwen3-vl-2b", "Qwen2.5-VL-3B"])
-def test_resolve_folder_refuses_a_preset_name(hub, name):
-    with pytest.raises(CheckpointError, match=rf"'{name}' is a preset: pass random_weights=True"):
-        resolve_folder(name)
-    assert hub.requests == []
-
-
-def test_resolve_folder_fetches_a_repo_id(hub, qwen25_repo):
-    _, _, commit = qwen25_repo
-    assert resolve_folder("org/qwen25-tiny") == _snapshot(hub, "org/qwen25-tiny", commit)
-    assert "/org/qwen25-tiny/resolve/main/config.json" in hub.resolve_paths()
-
-
 @pytest.mark.parametrize("source,why", [
     ("nowhere", "and it is not a repo id"), ("./org/name", "read as a local path: it starts with ./"),
+    ("models/foo", "models/ is a folder here"),
     ("a/b/c", "read as a local path: a Hub repo id is 'owner/name'"), ("../x", "it starts with ../"),
     ("/abs/x", "it starts with /"), ("~/x", "it starts with ~"),
+    ("qwen3-vl-2b", "is a preset: pass random_weights=True"), ("Qwen2.5-VL-3B", "is a preset: pass random_weights"),
 ])
-def test_resolve_folder_names_a_missing_path(hub, tmp_path, monkeypatch, source, why):
-    """Neither a folder nor a repo id: one error naming it and why it was read as a path; the Hub is not asked."""
+def test_resolve_folder_names_a_source_that_is_neither_a_folder_nor_a_repo_id(hub, tmp_path, monkeypatch, source,
+                                                                              why):
+    """A missing path: one error naming it and why it was read as a path (``models/foo`` has a repo id's shape,
+    but models/ is a folder here); a preset name: that it is one. The Hub is not asked."""
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(CheckpointError, match=rf"checkpoint folder {re.escape(source)} does not exist \(.*"
-                                              rf"{re.escape(why)}"):
+    (tmp_path / "models").mkdir()
+    with pytest.raises(CheckpointError, match=rf"{re.escape(source)}.*{re.escape(why)}"):
         resolve_folder(source)
     assert hub.requests == []
 
@@ -403,4 +338,4 @@ def test_offline_a_cached_index_without_the_single_file_s_answer_is_read_by_its_
     (hub.cache / "models--org--qwen25-tiny" / ".no_exist" / commit / "model.safetensors").unlink()
     hub.stop()
     encoder = load_encoder("org/qwen25-tiny", device="cpu", local_files_only=True)
-    _check_against_reference(encoder, QWEN2_5_SMALL, vision, QWEN2_5_GRIDS)
+    _check_against_reference(encoder, QWEN2_5_SMALL, vision, GRIDS)
