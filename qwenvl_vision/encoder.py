@@ -1,21 +1,10 @@
 """The encode API: ``VisionEncoder`` (``encode_images`` / ``encode_videos`` / ``iter_encode`` / ``encode_patches``)
 and its lifecycle; ``loading`` builds one (``load_encoder``).
 
-The encoder owns its tower and the tower owns its caches; ``close()`` (or leaving the ``with`` block)
-releases the weights and caches at once, even while other references to the encoder or its model are
-still held, and any later call raises ``EncoderClosedError``.
-
-Threads: ``encode_*`` may run on several threads at once. Each forward holds a reference that ``close()``
-respects: ``close()`` first refuses new calls (they raise ``EncoderClosedError``), then waits for the
-forwards already running to return their results, then frees. Code that calls ``encoder.model`` directly
-is outside this protocol.
-
-Decode memory: ``iter_encode`` (and so ``encode_images`` / ``encode_videos`` and ``embed``) decodes on worker
-threads under one byte budget (``decode_bytes``, 1 GiB by default): an input is admitted, in input order,
-only when its estimated decode cost fits beside the inputs already being decoded or waiting for their
-batch (an input larger than the budget waits until it is alone). Files whose header declares more than
-``max_input_pixels`` are refused before decoding. The call's settings are ``options``'; decoding and batching are
-``batching``'s; this module runs the tower on each batch and assembles the results.
+The encoder owns its tower and the tower owns its caches, which ``close()`` frees; ``encode_*`` may run on several
+threads at once. The call's settings are ``options``'; decoding and batching, under one decode-memory budget, are
+``batching``'s (see ``iter_encode``); this module runs the tower on each batch, tells what a failed forward means
+(out of memory, the machine's fault, an input's own, inf/nan) and assembles the results.
 """
 
 from __future__ import annotations
@@ -31,20 +20,11 @@ from typing import Any
 
 import torch
 
-from .backends.cpu.backend import CpuBackend
+from .backends.cpu.backend import CpuBackend, use_cpu_kernels
 from .backends.cpu.plan import CpuPlan
 from .batching import Prepared, preflight, prepared_batches
 from .devices import dtype_name, upload
 from .errors import EncoderClosedError, ForwardFaultError, InputError, NumericalError, QwenVLVisionError
-from .forward_faults import (
-    describe_batch,
-    first_line,
-    is_out_of_memory,
-    nonfinite_items,
-    nonfinite_message,
-    release_cached_memory,
-    why_alone,
-)
 from .inputs.images import PreprocessConfig
 from .inputs.item_ids import config_sha256, is_sha256, weights_sha256
 from .inputs.item_ids import pixels_sha256 as item_pixels_sha256
@@ -62,8 +42,8 @@ from .options import (
 from .results import EncodeResult, ItemResult
 
 
-class VisionEncoder:
-    """A loaded vision tower with its preprocessing; see ``load_encoder``."""
+class VisionEncoder(contextlib.AbstractContextManager):
+    """A loaded vision tower with its preprocessing; see ``load_encoder``. ``with`` closes it on leaving."""
 
     def __init__(self, model: VisionTower, preprocess_config: PreprocessConfig, source: str = "",
                  video_config: VideoConfig | None = None) -> None:
@@ -80,55 +60,46 @@ class VisionEncoder:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def _closed_error(self) -> EncoderClosedError:
-        return EncoderClosedError(f"encoder for {self.source or self.config.name!r} is closed")
-
     @property
     def model(self) -> VisionTower:
         model = self._model
         if model is None or self._closing:
-            raise self._closed_error()
+            raise EncoderClosedError(f"encoder for {self.source or self.config.name!r} is closed")
         return model
 
     @property
     def closed(self) -> bool:
         return self._model is None or self._closing
 
-    def _begin_forward(self) -> VisionTower:
-        """The model, counted as in use until _end_forward: close() waits for it rather than freeing under it."""
+    @contextlib.contextmanager
+    def _in_use(self) -> Iterator[VisionTower]:
+        """The model, counted as in use until the block ends: close() waits for it rather than freeing under it."""
         with self._state:
-            if self._model is None or self._closing:
-                raise self._closed_error()
+            model = self.model
             self._forwards += 1
-            return self._model
-
-    def _end_forward(self) -> None:
-        with self._state:
-            self._forwards -= 1
-            if self._forwards == 0:
+        try:
+            yield model
+        finally:
+            with self._state:
+                self._forwards -= 1
                 self._state.notify_all()
 
     def close(self) -> None:
         """Free weights and caches now, whoever else still references this encoder or its model.
 
-        Calls that start after close() began raise EncoderClosedError; forwards already running on other
-        threads finish first (close() waits for them), so they never see freed weights. Do not call it from
-        inside a forward.
+        Calls that start after close() began raise EncoderClosedError; forwards already running on other threads
+        finish first (close() waits for them), so they never see freed weights; code that calls ``encoder.model``
+        directly is outside this protocol. Do not call it from inside a forward.
         """
         with self._state:
             self._closing = True
             while self._forwards:
                 self._state.wait()
             model, self._model = self._model, None
-        if model is None:
-            return
-        model.clear_cache()
-        model.free_weights_()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-
-    def __enter__(self) -> VisionEncoder:
-        return self
+        if model is not None:
+            model.clear_cache()
+            model.free_weights_()
+            torch.cuda.empty_cache()  # a no-op where CUDA was never used
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
@@ -140,11 +111,8 @@ class VisionEncoder:
     def describe(self) -> dict:
         """The tower (family, sizes, attention backend, device, dtype), its image and video preprocessing and where
         it came from."""
-        pre = self.preprocess_config
         return {**self.model.describe(), "source": self.source,
-                "preprocess": {"patch_size": pre.patch_size, "min_pixels": pre.min_pixels,
-                               "max_pixels": pre.max_pixels, "image_mean": list(pre.image_mean),
-                               "image_std": list(pre.image_std), "resize": pre.resize},
+                "preprocess": dataclasses.asdict(self.preprocess_config),
                 "video": dataclasses.asdict(self.video_config)}
 
     def identity(self) -> dict[str, str]:
@@ -172,11 +140,8 @@ class VisionEncoder:
     def set_cpu_kernels(self, cpu_kernels: str | dict | CpuPlan) -> None:
         """Run the CPU inference calls from now on as ``load_encoder``'s ``cpu_kernels`` says ("auto", "reference"
         or a plan, e.g. a run's recorded one): prepared now where the weights are on the CPU, the layers left
-        packed where the setting resolves to the plan they are packed for."""
-        if isinstance(self.model.backend, CpuBackend):
-            self.model.backend.set_cpu_kernels(self.model, cpu_kernels)
-        else:
-            CpuBackend(cpu_kernels).attach(self.model)
+        packed where the setting resolves to the plan they are packed for; off the CPU only checked."""
+        use_cpu_kernels(self.model, cpu_kernels)
 
     @property
     def device(self) -> torch.device:
@@ -209,7 +174,7 @@ class VisionEncoder:
         check_option_rules(pooled=pooled, normalize=normalize)
         result = self._encode_unchecked(pixel_values, grid_thw, pooled=pooled, normalize=normalize,
                                         modality=modality, pixels_sha256=pixels_sha256)
-        bad = nonfinite_items(result.embeddings, result.deepstack, result.pooled)
+        bad = nonfinite_items(result)
         if bad:
             raise NumericalError(nonfinite_message(f"item{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))}",
                                                    self.dtype))
@@ -223,13 +188,10 @@ class VisionEncoder:
             raise InputError(f"pixel_values must be a torch.Tensor, got {type(pixel_values).__name__}")
         if modality not in ("image", "video"):
             raise InputError(f'modality must be "image" or "video", got {modality!r}')
-        model = self._begin_forward()
-        try:
+        with self._in_use() as model:
             grids = model.grid_list(grid_thw)  # checked here once: the tower takes checked grids as they are
             with torch.inference_mode():
                 merged, levels = model(pixel_values, grids)
-        finally:
-            self._end_forward()
         if pixels_sha256 is None and pixel_values.device.type == "cpu":
             pixels_sha256 = [item_pixels_sha256(rows) for rows in pixel_values.split([t * h * w for t, h, w in grids])]
         elif pixels_sha256 is None:
@@ -285,51 +247,37 @@ class VisionEncoder:
         ``pixels_sha256`` (hashed on the decode threads, about 15 ms per megapixel), what an encoder cache names
         the item by.
         """
-        self.model  # noqa: B018 - raises if closed, before any work
-        _refuse_one_input(items)
-        options = EncodeOptions(
-            video=video, min_pixels=min_pixels, max_pixels=max_pixels, max_input_pixels=max_input_pixels,
-            resize=resize, video_config=video_config or self.video_config, pooled=pooled, normalize=normalize,
-            max_batch_patches=max_batch_patches, num_workers=num_workers,
-            prefetch=prefetch, decode_bytes=decode_bytes, decode_timeout=decode_timeout,
-            hash_pixels=hash_pixels)
+        options = self._options(
+            items, video=video, min_pixels=min_pixels, max_pixels=max_pixels, max_input_pixels=max_input_pixels,
+            resize=resize, video_config=video_config, pooled=pooled, normalize=normalize,
+            max_batch_patches=max_batch_patches, num_workers=num_workers, prefetch=prefetch,
+            decode_bytes=decode_bytes, decode_timeout=decode_timeout, hash_pixels=hash_pixels)
         # batching counts patches; the caller is told embedding rows.
         report_rows = None if on_prepared is None else \
             (lambda p: on_prepared(p.index, p.patches // self.config.merge_unit))
         yield from self._encode_batches(items, options, report_rows)
 
+    def _options(self, items: Any, video_config: VideoConfig | None = None, **settings: Any) -> EncodeOptions:
+        """A call's options, once the encoder is known open and ``items`` a sequence of inputs (a str would be read as
+        one file per character)."""
+        self.model  # noqa: B018 - raises if closed, before any work
+        if isinstance(items, (str, bytes, os.PathLike)) or hasattr(items, "getpixel"):
+            kind = "image" if hasattr(items, "getpixel") else "path"
+            raise InputError(f"the inputs must be a sequence of inputs, got one {kind} ({str(items)[-200:]!r}): pass "
+                             f"[it]")
+        return EncodeOptions(video_config=video_config or self.video_config, **settings)
+
     def _encode_batches(self, items: Iterable[Any], options: EncodeOptions,
                         on_prepared: Callable[[Prepared], None] | None = None) -> Iterator[list[ItemResult]]:
-        """iter_encode with its options built: batches prepared by ``batching``, each one tower call here."""
+        """Batches prepared by ``batching``, each one tower call here; its failed inputs become error results."""
         batches = prepared_batches(items, options, self.preprocess_config, on_prepared=on_prepared)
         # Closing the batches, however this generator ends, releases the decode workers and their budget.
         with contextlib.closing(batches):
             for batch, failed in batches:
-                yield self._run_batch(batch, failed, options)
-
-    def _check_machine(self, batch: list[Prepared], failure: BaseException) -> None:
-        """Raise ``ForwardFaultError`` (from ``failure``) unless a forward of the smallest input works on this
-        device: then ``failure`` was the batch's inputs' doing, not the machine's. The probe's outputs are checked
-        on the host, which waits for the device (CUDA reports a kernel's fault at the next sync)."""
-        unit = self.config.spatial_merge_size
-        release_cached_memory(self.device)
-        try:
-            rows = torch.zeros(unit * unit, self.config.patch_dim, dtype=self.dtype, device=self.device)
-            probe = self._encode_unchecked(rows, [(1, unit, unit)])
-            if nonfinite_items(probe.embeddings, probe.deepstack, probe.pooled):
-                raise RuntimeError("the smallest input's outputs are not finite")
-        except (RuntimeError, MemoryError) as e:
-            if isinstance(e, QwenVLVisionError):
-                raise
-            raise ForwardFaultError(f"the forward of {describe_batch([p.name for p in batch])} failed: "
-                                    f"{type(failure).__name__}: {first_line(failure)}") from failure
-
-    def _run_batch(self, batch: list[Prepared], failed: list[Prepared], options: EncodeOptions) -> list[ItemResult]:
-        """One forward over a batch's inputs; the failed inputs beside it become error results."""
-        results = [ItemResult(p.index, p.name, error=p.error) for p in failed]
-        if batch:
-            results += self._forward_batch(batch, options)
-        return sorted(results, key=lambda r: r.index)
+                results = [ItemResult(p.index, p.name, error=p.error) for p in failed]
+                if batch:
+                    results += self._forward_batch(batch, options)
+                yield sorted(results, key=lambda r: r.index)
 
     def _forward_batch(self, batch: list[Prepared], options: EncodeOptions) -> list[ItemResult]:
         """A batch's results. Out of memory: the batch again item by item; an item that alone runs out of memory is
@@ -343,7 +291,7 @@ class VisionEncoder:
             out = self._encode_unchecked(pixel_values, [p.grid for p in batch], pooled=options.pooled,
                                          normalize=options.normalize,
                                          pixels_sha256=[p.pixels_sha256 for p in batch])
-            bad = set(nonfinite_items(out.embeddings, out.deepstack, out.pooled))  # CUDA's faults surface here
+            bad = set(nonfinite_items(out))  # CUDA's faults surface here
         except (RuntimeError, MemoryError) as e:
             if isinstance(e, QwenVLVisionError):
                 raise
@@ -353,33 +301,44 @@ class VisionEncoder:
                 failure = e
         if out is None:  # outside the except block, so the failed forward's frames (and memory) are freed
             pixel_values = None
-            if failure is None:
-                release_cached_memory(self.device)
-            else:
+            torch.cuda.empty_cache()  # the caching allocator's free blocks back before the probe or a smaller retry
+            if failure is not None:
                 self._check_machine(batch, failure)
             if len(batch) > 1:
                 return [r for p in batch for r in self._forward_batch([p], options)]
             p = batch[0]
-            why = why_alone(failure, p.patches, self.device)
-            return [ItemResult(p.index, p.name, error=f"{p.name}: {why}",
-                               error_class=ForwardFaultError if failure is None else InputError)]
-        results = []
-        for i, p in enumerate(batch):
-            if i in bad:
-                results.append(ItemResult(p.index, p.name, error=nonfinite_message(p.name, self.dtype),
-                                          error_class=NumericalError))
-                continue
-            results.append(ItemResult(
-                p.index, p.name, embedding=out.embeddings[i], grid_thw=p.grid,
-                deepstack=out.deepstack[i],
-                pooled=out.pooled[i] if out.pooled is not None else None, video_info=p.video_info,
-                pixels_sha256=out.pixels_sha256[i],
-            ))
-        return results
+            if failure is None:
+                return [ItemResult(p.index, p.name, error=f"{p.name}: out of memory encoding it alone ({p.patches:,} "
+                                   f"patches on {self.device}): lower its size (max_pixels, --max-pixels)",
+                                   error_class=ForwardFaultError)]
+            return [ItemResult(p.index, p.name, error=f"{p.name}: its forward fails alone while the device works: "
+                               f"{first_line(failure)}", error_class=InputError)]
+        return [ItemResult(p.index, p.name, error=nonfinite_message(p.name, self.dtype), error_class=NumericalError)
+                if i in bad else
+                ItemResult(p.index, p.name, embedding=out.embeddings[i], grid_thw=p.grid, deepstack=out.deepstack[i],
+                           pooled=out.pooled[i] if out.pooled is not None else None, video_info=p.video_info,
+                           pixels_sha256=out.pixels_sha256[i])
+                for i, p in enumerate(batch)]
 
-    def _encode_all(self, items: Sequence[Any], options: EncodeOptions) -> EncodeResult:
+    def _check_machine(self, batch: list[Prepared], failure: BaseException) -> None:
+        """Raise ``ForwardFaultError`` (from ``failure``) unless a forward of the smallest input works on this
+        device: then ``failure`` was the batch's inputs' doing, not the machine's. The probe's outputs are checked
+        on the host, which waits for the device (CUDA reports a kernel's fault at the next sync)."""
+        unit = self.config.spatial_merge_size
+        try:
+            rows = torch.zeros(unit * unit, self.config.patch_dim, dtype=self.dtype, device=self.device)
+            if nonfinite_items(self._encode_unchecked(rows, [(1, unit, unit)])):
+                raise RuntimeError("the smallest input's outputs are not finite")
+        except (RuntimeError, MemoryError) as e:
+            if isinstance(e, QwenVLVisionError):
+                raise
+            names = [p.name for p in batch]
+            listed = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            raise ForwardFaultError(f"the forward of a batch of {len(names)} input{'s' if len(names) != 1 else ''} "
+                                    f"({listed}) failed: {first_line(failure)}") from failure
+
+    def _encode_all(self, items: list[Any], options: EncodeOptions) -> EncodeResult:
         """Every input encoded, or the first bad one raised: refused before any compute when preflight sees it."""
-        items = list(items)
         preflight(items, options, self.preprocess_config)
         results: list[ItemResult] = []
         for batch in self._encode_batches(items, options):
@@ -416,12 +375,10 @@ class VisionEncoder:
         it, and so does a file whose header declares more than `max_input_pixels` (None: only PIL's own limit).
         ``pooled``: also each input's mean token; ``normalize``: of unit L2 norm (for cosine retrieval).
         """
-        _refuse_one_input(images)
-        options = EncodeOptions(video=False, min_pixels=min_pixels, max_pixels=max_pixels,
-                                max_input_pixels=max_input_pixels, resize=resize, video_config=self.video_config,
-                                pooled=pooled, normalize=normalize, max_batch_patches=max_batch_patches,
-                                num_workers=num_workers, hash_pixels=True)
-        return self._encode_all(images, options)
+        options = self._options(images, video=False, min_pixels=min_pixels, max_pixels=max_pixels,
+                                max_input_pixels=max_input_pixels, resize=resize, pooled=pooled, normalize=normalize,
+                                max_batch_patches=max_batch_patches, num_workers=num_workers, hash_pixels=True)
+        return self._encode_all(list(images), options)
 
     def encode_videos(self, videos: Sequence[Any], *, min_pixels: int | None = None, max_pixels: int | None = None,
                       max_batch_patches: int = DEFAULT_BATCH_PATCHES, pooled: bool = False, normalize: bool = False,
@@ -441,24 +398,47 @@ class VisionEncoder:
         bounds. The count is padded to a multiple of 2 by repeating the last frame; grid_t = frames / 2. Frames
         are resized and normalised by the video processors' own pipeline (the torchvision one; there is no other).
         """
-        _refuse_one_input(videos)
-        videos = list(videos)
         if fps is not None and not positive_number(fps):
             raise InputError(f"fps {fps!r} is not a positive number of frames per second")
+        options = self._options(videos, video=True, min_pixels=min_pixels, max_pixels=max_pixels,
+                                max_input_pixels=max_input_pixels, pooled=pooled, normalize=normalize,
+                                video_config=None if fps is None else dataclasses.replace(self.video_config, fps=fps),
+                                max_batch_patches=max_batch_patches, num_workers=num_workers, hash_pixels=True)
+        videos = list(videos)
         if fps is not None and any(not is_file_input(v) for v in videos):
-            videos = sample_frames_by_fps(videos, fps, video_fps, self.video_config,
-                                          self.config.temporal_patch_size)
-        video_config = self.video_config if fps is None else dataclasses.replace(self.video_config, fps=fps)
-        options = EncodeOptions(video=True, min_pixels=min_pixels, max_pixels=max_pixels,
-                                max_input_pixels=max_input_pixels, video_config=video_config, pooled=pooled,
-                                normalize=normalize, max_batch_patches=max_batch_patches, num_workers=num_workers,
-                                hash_pixels=True)
+            videos = sample_frames_by_fps(videos, fps, video_fps, self.video_config, self.config.temporal_patch_size)
         return self._encode_all(videos, options)
 
 
-def _refuse_one_input(items: Any) -> None:
-    """A path or an image where a sequence of inputs belongs (a str would be read as one file per character)."""
-    if isinstance(items, (str, bytes, os.PathLike)) or hasattr(items, "getpixel"):
-        kind = "image" if hasattr(items, "getpixel") else "path"
-        raise InputError(f"the inputs must be a sequence of inputs, got one {kind} ({str(items)[-200:]!r}): pass "
-                         f"[it]")
+def nonfinite_items(result: EncodeResult) -> list[int]:
+    """Indices of the items whose embedding, DeepStack levels or pooled vector hold inf or nan (one host sync)."""
+    if not result.embeddings:
+        return []
+    finite = torch.stack([torch.stack([t.isfinite().all() for t in (embedding, *levels)]).all()
+                          for embedding, levels in zip(result.embeddings, result.deepstack)])
+    if result.pooled is not None:
+        finite &= result.pooled.isfinite().all(dim=-1)
+    return (~finite).nonzero().flatten().tolist()
+
+
+def nonfinite_message(what: str, dtype: torch.dtype) -> str:
+    """The one line for outputs with inf/nan: float16 overflows in the tower; in another dtype the weights or the
+    config are at fault."""
+    if dtype == torch.float16:
+        return f"{what}: the tower's outputs contain inf/nan in float16 (the tower overflowed); use bfloat16 or float32"
+    return (f"{what}: the tower's outputs contain inf/nan in {dtype_name(dtype)}: the checkpoint's "
+            f"weights or config values overflow; check them (qwenvl-vision inspect shows the config)")
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Out of memory, on any device: torch's own error, Python's, or an allocator's RuntimeError that says so."""
+    if isinstance(error, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    text = str(error).lower()
+    return any(s in text for s in ("out of memory", "can't allocate memory", "not enough memory", "alloc_failed"))
+
+
+def first_line(error: BaseException, limit: int = 300) -> str:
+    """The error's type and the first line of its message, at most ``limit`` characters (torch's run long)."""
+    text = (str(error).strip().splitlines() or [""])[0]
+    return f"{type(error).__name__}: {text if len(text) <= limit else text[:limit] + '...'}"

@@ -1,7 +1,5 @@
 """The project's one family of exceptions: catch ``QwenVLVisionError`` to catch every error this package raises
-on purpose. Each subclass is also a ``ValueError`` (``EncoderClosedError`` a ``RuntimeError``), as before, so
-callers that caught the builtin keep working.
-"""
+on purpose. Each is also the builtin a caller would catch for it (``ValueError``, ``RuntimeError``, ...)."""
 
 from __future__ import annotations
 
@@ -48,10 +46,6 @@ class OutputInUseError(EmbedError):
     """Another process holds the output folder's lock."""
 
 
-class RunMismatchError(EmbedError):
-    """``--resume`` with settings other than the run in the folder was started with."""
-
-
 class ManifestError(EmbedError, ValueError):
     """A damaged manifest line or run.json; the message names the file and line."""
 
@@ -76,13 +70,6 @@ class ForwardFaultError(QwenVLVisionError, RuntimeError):
     exit_code = 4
 
 
-class InternalError(QwenVLVisionError, RuntimeError):
-    """An error the package did not expect (a bug): the CLI says so in one line, ``--debug`` shows the
-    traceback."""
-
-    exit_code = 5
-
-
 class ClusterSetupError(EmbedError):
     """``--engine ray``: the actors could not start (another checkpoint on a node, a model folder it lacks): it
     would fail again the same way. Exit 2, though run.json (and maybe shards) are written: once fixed,
@@ -101,5 +88,5 @@ class PeerFailedError(EmbedError):
 
 def exit_code_of(error: BaseException) -> int:
     """2 for usage and setup errors; an error may carry its own (embed: 3 for an output fault, 4 for a forward
-    that failed for the machine's reasons)."""
+    that failed for the machine's reasons; the CLI exits 5 for an error the package did not expect, a bug)."""
     return getattr(error, "exit_code", 2)

@@ -1,7 +1,9 @@
 """Loading: ``load_encoder(source)`` -> a ``VisionEncoder``, its tower read from a checkpoint (or random weights)
-and placed on the CPU backend or compiled, its preprocessing settings checked against the tower.
+(compiled if asked) and on the CPU backend where it runs on the CPU, its preprocessing settings checked against the
+tower.
 
-``build_model`` / ``from_transformers`` are ``model.build``'s towers with the CPU backend attached.
+``build_model`` / ``from_transformers`` are ``model.build``'s towers with the CPU backend attached where they are on the
+CPU.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import warnings
 
 import torch
 
-from .backends.cpu.backend import CpuBackend
+from .backends.cpu.backend import check_cpu_kernels, use_cpu_kernels
 from .backends.cpu.plan import CpuPlan
 from .checkpoint.hub import resolve_folder
 from .checkpoint.weights import load_tower, open_checkpoint
@@ -71,12 +73,12 @@ def load_encoder(
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     resolve_attn_impl(attn_impl, device, dtype)  # refuse an impossible backend before any download or read
-    backend = CpuBackend(cpu_kernels)  # a bad setting is refused before any download or read
+    cpu_kernels = check_cpu_kernels(cpu_kernels)  # a bad setting is refused before any download or read
     options = dict(cache_size=cache_size, cache_bytes=cache_bytes, attn_impl=attn_impl)
     if random_weights:
         config = resolve_config(source)
         _warn_fp16(dtype, config)
-        model = _placed(random_tower(config, device, dtype, seed=seed, **options), compile, backend)
+        model = _placed(random_tower(config, device, dtype, seed=seed, **options), compile, cpu_kernels)
         pre = _preprocess_config(preprocess_config, None, config)
         return VisionEncoder(model, pre, source=config.name or config.model_type,
                              video_config=_video_config(video_config, None, config, pre))
@@ -85,7 +87,8 @@ def load_encoder(
     folder = resolve_folder(os.fspath(source), revision, local_files_only, cache_dir, token)
     checkpoint = open_checkpoint(folder)
     _warn_fp16(dtype, checkpoint.config)
-    model = _placed(load_tower(checkpoint, device, dtype, check_finite=check_finite, **options), compile, backend)
+    model = _placed(load_tower(checkpoint, device, dtype, check_finite=check_finite, **options), compile,
+                    cpu_kernels)
     pre = _preprocess_config(preprocess_config, checkpoint.preprocessor_json(), checkpoint.config)
     video = _video_config(video_config, checkpoint.video_preprocessor_json(), checkpoint.config, pre)
     return VisionEncoder(model, pre, source=os.fspath(source), video_config=video)
@@ -97,38 +100,31 @@ def _warn_fp16(dtype: torch.dtype, config: VisionConfig) -> None:
                       "Outputs will be checked for non-finite values.", stacklevel=3)
 
 
-def _placed(model: VisionTower, compile: bool | dict, backend: CpuBackend) -> VisionTower:
-    """The tower as it will run: on the CPU backend (prepared now where the weights are on the CPU), or with
-    compiled blocks (which the backend then runs on the modules' own forward)."""
+def _placed(model: VisionTower, compile: bool | dict, cpu_kernels: str | CpuPlan) -> VisionTower:
+    """The tower as it will run: its blocks compiled if asked, and on the CPU the CPU backend, prepared now (compiled
+    blocks run the modules' own forward)."""
     if compile:
-        model.use_backend(backend)
         model.compile_blocks(**(compile if isinstance(compile, dict) else {}))
-    else:
-        backend.attach(model)
-    return model
+    return use_cpu_kernels(model, cpu_kernels)
 
 
 def build_model(config: VisionConfig | dict | str | os.PathLike, *, device: torch.device | str | None = None,
                 dtype: torch.dtype | None = None, cache_size: int = 1024, cache_bytes: int | None = 1 << 30,
                 attn_impl: str = "auto", cpu_kernels: str | dict | CpuPlan = "auto") -> VisionTower:
-    """``model.build.build_model``'s uninitialised tower, its CPU inference calls on the CPU backend
+    """``model.build.build_model``'s uninitialised tower, on the CPU its inference calls on the CPU backend
     (``cpu_kernels`` as ``load_encoder`` takes it; the plan is resolved at the first CPU inference call)."""
-    backend = CpuBackend(cpu_kernels)
     model = build.build_model(config, device=device, dtype=dtype, cache_size=cache_size, cache_bytes=cache_bytes,
                               attn_impl=attn_impl)
-    model.use_backend(backend)
-    return model
+    return use_cpu_kernels(model, cpu_kernels, now=False)
 
 
 def from_transformers(visual_module: torch.nn.Module, *, attn_impl: str = "auto", cache_size: int = 1024,
                       cache_bytes: int | None = 1 << 30, cpu_kernels: str | dict | CpuPlan = "auto") -> VisionTower:
-    """``model.build.from_transformers``'s tower (transformers' weights copied), its CPU inference calls on the CPU
-    backend (``cpu_kernels`` as ``load_encoder`` takes it; the plan is resolved at the first CPU inference call)."""
-    backend = CpuBackend(cpu_kernels)
+    """``model.build.from_transformers``'s tower (transformers' weights copied), on the CPU its inference calls on the
+    CPU backend (``cpu_kernels`` as ``load_encoder`` takes it; the plan is resolved at the first CPU inference call)."""
     model = build.from_transformers(visual_module, attn_impl=attn_impl, cache_size=cache_size,
                                     cache_bytes=cache_bytes)
-    model.use_backend(backend)
-    return model
+    return use_cpu_kernels(model, cpu_kernels, now=False)
 
 
 def _preprocess_config(given: PreprocessConfig | dict | None, from_checkpoint: dict | None,

@@ -3,14 +3,13 @@ path taking them applies (``check_option_rules``: the API, the Ray Embedder, the
 
 from __future__ import annotations
 
-import math
 import operator
 import os
 from dataclasses import dataclass
 
 from .errors import ConfigError
 from .inputs.pixels import DEFAULT_MAX_INPUT_PIXELS, check_pixel_bounds, check_resize_backend
-from .inputs.video import VideoConfig
+from .inputs.video import VideoConfig, positive_number
 
 DEFAULT_BATCH_PATCHES = 16384  # patches per forward: a few photos at a time
 DEFAULT_DECODE_BYTES = 1 << 30
@@ -21,25 +20,8 @@ DEFAULT_DECODE_TIMEOUT = 600.0
 
 @dataclass(frozen=True, kw_only=True)
 class EncodeOptions:
-    """One encode call's settings, refused (ConfigError) when built if out of range.
-
-    video: False, every input is an image; True, every input is a video; None, a path with a video extension is a
-        video and anything else an image (min/max_pixels then bound the images only).
-    min_pixels / max_pixels: per-call pixel bounds (None: the checkpoint's; for videos, the video settings').
-    max_input_pixels: a file whose header declares more is refused unread (None: only PIL's own limit).
-    resize: images' "pil" or "torch" backend (None: the checkpoint's); videos have one pipeline.
-    video_config: the video settings of this call (sampling fps included).
-    pooled: also return each input's mean embedding.
-    normalize: the pooled vectors of unit L2 norm (computed in fp32, then cast), for cosine retrieval; needs pooled.
-    max_batch_patches: patches (pixel rows) per batch (a larger input runs alone).
-    num_workers: decoding threads (None: up to 4, one per core).
-    prefetch: inputs decoded ahead of the compute.
-    decode_bytes: the decode budget (None: no bound).
-    hash_pixels: hash each input's pixel rows on its decode thread (``item_ids.pixels_sha256``, what an encoder
-        cache names the item by; about 15 ms per megapixel, so only where a caller asks).
-    decode_timeout: seconds one input may spend decoding (from its admission by the decode budget) before it is
-        recorded as failed and the others go on (None: no limit).
-    """
+    """One encode call's settings, each as ``VisionEncoder.iter_encode`` takes it (``num_workers`` None: up to 4
+    decoding threads, one per core), refused (ConfigError) when built if out of range."""
 
     video_config: VideoConfig
     video: bool | None = False
@@ -61,11 +43,9 @@ class EncodeOptions:
                            normalize=self.normalize)
         if self.resize is not None:
             check_resize_backend(self.resize, "resize")
-        timeout = self.decode_timeout
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                    or not math.isfinite(timeout) or timeout <= 0):
+        if self.decode_timeout is not None and not positive_number(self.decode_timeout):
             raise ConfigError(f"decode_timeout must be a positive number of seconds (or None: no limit), "
-                              f"got {timeout!r}")
+                              f"got {self.decode_timeout!r}")
         try:
             patches = None if isinstance(self.max_batch_patches, bool) else operator.index(self.max_batch_patches)
         except TypeError:

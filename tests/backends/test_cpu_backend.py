@@ -359,6 +359,18 @@ def test_off_the_cpu_a_block_launches_no_per_chunk_kernels(monkeypatch):
     assert counts[0] == counts[1] and model.describe()["execution"] == "reference"
 
 
+def test_off_the_cpu_no_cpu_backend_is_attached_and_a_bad_setting_is_still_refused():
+    """A tower loaded or built off the CPU (on ``meta``, a stand-in for CUDA) runs the modules' own forward with no
+    CPU backend attached, ``set_cpu_kernels`` included; on the CPU the builders attach one."""
+    encoder = load_encoder(QWEN3_SMALL_72, random_weights=True, device="meta")
+    encoder.set_cpu_kernels("auto")
+    with pytest.raises(ConfigError, match="cpu_kernels 'mkl'"):
+        encoder.set_cpu_kernels("mkl")
+    assert not isinstance(encoder.model.backend, CpuBackend) and encoder.cpu_plan is None
+    assert not isinstance(build_model(QWEN3_SMALL_72, device="meta").backend, CpuBackend)
+    assert isinstance(build_model(QWEN3_SMALL_72).backend, CpuBackend)
+
+
 @needs_onednn
 @pytest.mark.parametrize("cfg", [QWEN2_5_SMALL, QWEN3_SMALL_72], ids=["qwen2.5", "qwen3"])
 def test_the_forward_runs_the_plan_s_chunk_and_scratch_sizes_and_the_scratch_changes_no_bit(cfg, monkeypatch):

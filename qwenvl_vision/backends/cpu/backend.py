@@ -46,6 +46,21 @@ def check_cpu_kernels(cpu_kernels: str | dict | CpuPlan) -> str | CpuPlan:
     return cpu_kernels
 
 
+def use_cpu_kernels(tower: VisionTower, cpu_kernels: str | dict | CpuPlan, *, now: bool = True) -> VisionTower:
+    """``tower``'s CPU inference calls on ``cpu_kernels`` from now on: its CPU backend told so, else one attached where
+    its weights are on the CPU, prepared ``now`` or at its first CPU inference call. Off the CPU nothing is attached
+    (every call runs the modules' own forward, ``execution.ReferenceBackend``); the setting is checked everywhere."""
+    if isinstance(tower.backend, CpuBackend):
+        tower.backend.set_cpu_kernels(tower, cpu_kernels)
+    elif placement(tower)[0].type != "cpu":
+        check_cpu_kernels(cpu_kernels)
+    elif now:
+        CpuBackend(cpu_kernels).attach(tower)
+    else:
+        tower.use_backend(CpuBackend(cpu_kernels))
+    return tower
+
+
 def placement(tower: VisionTower) -> tuple[torch.device, torch.dtype]:
     weight = tower.patch_embed.proj.weight
     return weight.device, weight.dtype
@@ -86,10 +101,11 @@ class Prepared:
 class CpuBackend:
     """The CPU backend of one tower (see the module docstring); ``cpu_kernels`` as ``check_cpu_kernels`` takes it.
 
-    Attach it with ``attach`` (which prepares now) or ``VisionTower.use_backend`` (which prepares at the first CPU
-    inference call). It serves the first tower that calls it and refuses to prepare any other (its preparation is
-    that tower's packed layers): one backend per tower on the CPU. Where it packs nothing (off the CPU, "reference",
-    compiled) any tower may run on it, e.g. ``nn.DataParallel``'s replicas, which share their module's attributes.
+    The package attaches one only where a tower is on the CPU (``use_cpu_kernels``); by hand, ``attach`` prepares now
+    and ``VisionTower.use_backend`` at the first CPU inference call. It serves the first tower that calls it and
+    refuses to prepare any other (its preparation is that tower's packed layers): one backend per tower on the CPU.
+    Where it packs nothing (a tower moved off the CPU, "reference", compiled) any tower may run on it, e.g.
+    ``nn.DataParallel``'s replicas, which share their module's attributes.
     """
 
     def __init__(self, cpu_kernels: str | dict | CpuPlan = "auto") -> None:
