@@ -65,7 +65,7 @@ def cache_clear() -> None:
 def class_level_variant(opts: Options) -> Variant:
     return Variant(CLASS_LEVEL, lambda: adopt(load_plain(opts)), ("del", "close"), expect_free=False,
                    note="grid_plan memoised by a class-level functools.lru_cache keyed on (self, grid)",
-                   cache_entries=cache_entries, cache_clear=cache_clear)
+                   cache_clear=cache_clear)
 
 
 def transformers_variant(opts: Options) -> Variant | str:

@@ -82,29 +82,23 @@ def items_of(folder: Path) -> list[Item]:
     """The folder's whole items (regular files, not links), oldest last write first."""
     found = []
     for entry in os.scandir(folder):
-        if not is_sha256(entry.name) or not entry.is_dir(follow_symlinks=False):
-            continue
-        path = Path(entry.path) / CACHE_FILE
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            continue
-        if not stat.S_ISREG(st.st_mode):
-            continue
-        found.append(Item(entry.name, path, st.st_size, st.st_mtime))
+        if is_sha256(entry.name) and entry.is_dir(follow_symlinks=False):
+            path = Path(entry.path) / CACHE_FILE
+            with contextlib.suppress(FileNotFoundError):
+                st = os.lstat(path)
+                if stat.S_ISREG(st.st_mode):
+                    found.append(Item(entry.name, path, st.st_size, st.st_mtime))
     return sorted(found, key=lambda i: (i.last_write, i.id))
 
 
-def other_bytes(folder: Path) -> int:
-    """What the folder holds besides its items (manifest, run.json, identity, temporary files), counted so the
-    folder as a whole keeps to its bound."""
+def folder_bytes(folder: Path) -> int:
+    """Every file's bytes in the folder and below it (items, manifest, run.json, temporary files; links as the link
+    itself), counted so the folder as a whole keeps to its bound."""
     total = 0
-    for entry in os.scandir(folder):
-        if entry.is_file(follow_symlinks=False):
-            total += entry.stat(follow_symlinks=False).st_size
-        elif is_sha256(entry.name) and entry.is_dir(follow_symlinks=False):
-            total += sum(e.stat(follow_symlinks=False).st_size for e in os.scandir(entry.path)
-                         if e.name != CACHE_FILE and e.is_file(follow_symlinks=False))
+    for root, _, files in os.walk(folder):
+        for name in files:
+            with contextlib.suppress(FileNotFoundError):  # a temporary file renamed meanwhile
+                total += os.lstat(os.path.join(root, name)).st_size
     return total
 
 
@@ -150,7 +144,7 @@ def prune_cache(folder: str | os.PathLike, max_bytes: int, dry_run: bool = False
         items = items_of(folder)
         since = running_embed_since(folder)
         held = {i.id for i in items if since is not None and i.last_write >= since}
-        total = other_bytes(folder) + sum(i.bytes for i in items)
+        total = folder_bytes(folder)
         now = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         removed, lines = [], []
         for item in items:
@@ -158,20 +152,15 @@ def prune_cache(folder: str | os.PathLike, max_bytes: int, dry_run: bool = False
                 break
             if item.id in held:
                 continue
-            line = pruned_line(item, now)
             removed.append(item)
-            lines.append(line)
-            total -= item.bytes - len(line.encode())  # the item goes, its line in PRUNED comes
+            lines.append(json.dumps({"id": item.id, "bytes": item.bytes, "last_write": item.last_write,
+                                     "pruned": now}) + "\n")
+            total -= item.bytes - len(lines[-1].encode())  # the item goes, its line in PRUNED comes
         if removed and not dry_run:
             remove_items(folder, removed, "".join(lines))
-            gone = {i.id for i in removed}
-            total = other_bytes(folder) + sum(i.bytes for i in items if i.id not in gone)
+            total = folder_bytes(folder)
         return PruneReport(removed=removed, kept=len(items) - len(removed), kept_bytes=total, held=len(held),
                            running=since is not None, bound=max_bytes)
-
-
-def pruned_line(item: Item, when: str) -> str:
-    return json.dumps({"id": item.id, "bytes": item.bytes, "last_write": item.last_write, "pruned": when}) + "\n"
 
 
 def remove_items(folder: Path, items: list[Item], lines: str) -> None:

@@ -24,9 +24,6 @@ def fsync_dir(folder: str | os.PathLike) -> None:
     fd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(fd)
-    except OSError as e:
-        if e.errno != errno.EINVAL:  # some file systems cannot fsync a directory
-            raise
     finally:
         os.close(fd)
 

@@ -100,48 +100,30 @@ class EncodedItems:
     merge_size: int = 2
 
 
-@dataclass
-class _Checked:
-    family: str
-    modality: str
-    embeddings: list[torch.Tensor]
-    grids: list[tuple[int, int, int]]
-    levels: list[list[torch.Tensor]]  # per item; [] for every item of a family without DeepStack
-    infos: list[Any]  # per item its video_info (a VideoInfo, an embed record's "video" entry) or None
-    merge_size: int = 2
-
-
-def _family_of(name: str) -> str:
-    return family_named(name, InputError).model_type
-
-
-def _check(result: Any, what: str) -> _Checked:
-    """One result's items, validated: the shapes a language model's placeholders and DeepStack need."""
+def _check(result: Any, what: str) -> EncodedItems:
+    """One result's items as plain lists, validated: the shapes a language model's placeholders and DeepStack
+    need (grids as ``check_grids`` checks them for the tower)."""
     try:
         embeddings, grid_thw = list(result.embeddings), result.grid_thw
-        modality, family = result.modality, result.family
+        modality, family = result.modality, family_named(result.family, InputError)
     except AttributeError as e:
         raise InputError(f"{what} is not an encode result (needs embeddings, grid_thw, deepstack, modality, "
                          f"family): {e}") from None
     if modality not in MODALITIES:
         raise InputError(f"{what}: modality {modality!r} is not one of {MODALITIES}")
-    family = _family_of(family)
     merge = getattr(result, "merge_size", 2)
-    if type(merge) is not int or not 1 <= merge <= 8:
-        raise InputError(f"{what}: merge_size {merge!r} is not a tower's spatial merge size (an integer 1..8)")
     grids = list(check_grids(grid_thw, merge, what))
-    if len(grids) != len(embeddings):
-        raise InputError(f"{what}: {len(embeddings)} embeddings but {len(grids)} grids")
-    deepstack = [list(levels) for levels in (getattr(result, "deepstack", None) or [[]] * len(embeddings))]
-    if len(deepstack) != len(embeddings):
-        raise InputError(f"{what}: {len(embeddings)} embeddings but DeepStack levels for {len(deepstack)} items")
-    has_deepstack = FAMILIES[family].deepstack
+    n = len(embeddings)
+    deepstack = [list(levels) for levels in (getattr(result, "deepstack", None) or [[]] * n)]
+    infos = list(getattr(result, "video_info", None) or [None] * n)
+    for name, got in (("grids", grids), ("DeepStack level lists", deepstack), ("video_info entries", infos)):
+        if len(got) != n:
+            raise InputError(f"{what}: {n} embeddings but {len(got)} {name}")
     counts = {len(levels) for levels in deepstack}
-    if embeddings and (len(counts) != 1 or (0 in counts) == has_deepstack):
-        need = "its DeepStack levels for every item (read_embeddings(..., deepstack=True))" if has_deepstack \
+    if embeddings and (len(counts) != 1 or (0 in counts) == family.deepstack):
+        need = "its DeepStack levels for every item (read_embeddings(..., deepstack=True))" if family.deepstack \
             else "no DeepStack levels"
-        raise InputError(f"{what}: a {FAMILIES[family].label} language model takes {need}; got "
-                         f"{sorted(counts)} levels per item")
+        raise InputError(f"{what}: a {family.label} language model takes {need}; got {sorted(counts)} levels per item")
     for i, (embedding, (t, h, w), levels) in enumerate(zip(embeddings, grids, deepstack, strict=True)):
         tokens = t * h * w // merge**2
         if embedding.dim() != 2 or embedding.shape[0] != tokens:
@@ -151,42 +133,14 @@ def _check(result: Any, what: str) -> _Checked:
         if bad:
             raise InputError(f"{what}, item {i}: DeepStack level {bad[0]} of shape {tuple(levels[bad[0]].shape)}, "
                              f"not the embedding's {tuple(embedding.shape)}")
-    infos = list(getattr(result, "video_info", None) or [None] * len(embeddings))
-    if len(infos) != len(embeddings):
-        raise InputError(f"{what}: {len(embeddings)} embeddings but video_info for {len(infos)} items")
-    return _Checked(family, modality, embeddings, grids, deepstack, infos, merge)
+    return EncodedItems(embeddings, grids, deepstack, modality, family.model_type, infos, merge)
 
 
-@dataclass
-class _Timing:
-    """A sampled video's frame indices and its source fps."""
-
-    indices: list[int]
-    fps: float
-
-
-def _frame_timing(info: Any, what: str) -> _Timing | None:
-    """The timing in a ``VideoInfo``, its ``to_dict()`` or an embed record's ``"video"`` entry; None for None."""
-    if info is None:
-        return None
-    if isinstance(info, dict):
-        indices, fps = info.get("frames", info.get("frame_indices")), info.get("fps", info.get("video_fps"))
-    else:
-        indices, fps = getattr(info, "frame_indices", None), getattr(info, "video_fps", None)
-    if not indices or not isinstance(fps, (int, float)) or not fps > 0:
-        raise InputError(f"{what}: video_info holds no frame indices and source fps ({info!r:.80})")
-    return _Timing([int(i) for i in indices], float(fps))
-
-
-def _requested_fps(info: Any, i: int, label: str) -> float:
-    """The fps a video's frames were asked to be sampled at, from its ``video_info``."""
-    fps = None if info is None else (info.get("requested_fps") if isinstance(info, dict)
-                                     else getattr(info, "requested_fps", None))
-    if isinstance(fps, bool) or not (isinstance(fps, (int, float)) and fps > 0):
-        raise InputError(f"video {i}: vLLM's {label} models need the fps its frames were sampled at, and its "
-                         f"video_info has no requested_fps ({fps!r}): encode the video file, or pass video_info= "
-                         f"with requested_fps (the fps given to encode_videos)")
-    return float(fps)
+def _video_field(info: Any, *names: str) -> Any:
+    """The first of ``names`` a video's ``video_info`` holds (a ``VideoInfo``, its ``to_dict()``, or an embed
+    record's ``"video"`` entry), or None."""
+    get = info.get if isinstance(info, dict) else lambda name: getattr(info, name, None)
+    return next((value for value in map(get, names) if value is not None), None)
 
 
 def vllm_timestamps(frame_indices: Sequence[int], video_fps: float, temporal_patch_size: int = 2) -> list[float]:
@@ -201,37 +155,29 @@ def vllm_timestamps(frame_indices: Sequence[int], video_fps: float, temporal_pat
     return [(seconds[i] + seconds[i + step - 1]) / 2 for i in range(0, len(seconds), step)]
 
 
-def _by_modality(results: Sequence[Any]) -> dict[str, _Checked]:
+def _by_modality(results: Sequence[Any]) -> dict[str, EncodedItems]:
     """The results' items grouped by modality, each group in the order given (the prompt's order)."""
     checked = [_check(r, f"result {i}") for i, r in enumerate(results)]
-    families = {c.family for c in checked}
-    if len(families) > 1:
-        raise InputError(f"results from towers of different families: {sorted(families)}")
-    merges = {c.merge_size for c in checked}
-    if len(merges) > 1:
-        raise InputError(f"results from towers of different merge sizes: {sorted(merges)}")
-    kinds = {(e.shape[1], e.dtype, len(levels)) for c in checked for e, levels in zip(c.embeddings, c.levels)}
+    for name, kinds in (("families", {c.family for c in checked}), ("merge sizes", {c.merge_size for c in checked})):
+        if len(kinds) > 1:
+            raise InputError(f"results from towers of different {name}: {sorted(kinds)}")
+    kinds = {(e.shape[1], e.dtype, len(levels)) for c in checked for e, levels in zip(c.embeddings, c.deepstack)}
     if len(kinds) > 1:  # one tower's outputs share them; items of two towers or two dtypes do not go in one prompt
-        shown = ", ".join(f"width {d} {dtype_name(t)} with {n} levels" for d, t, n in sorted(
-            kinds, key=str))
+        shown = ", ".join(f"width {d} {dtype_name(t)} with {n} levels" for d, t, n in sorted(kinds, key=str))
         raise InputError(f"the results' items differ in width, dtype or DeepStack levels ({shown}): hand over the "
                          f"items of one tower and one dtype")
-    grouped: dict[str, _Checked] = {}
+    grouped: dict[str, EncodedItems] = {}
     for c in checked:
-        into = grouped.setdefault(c.modality, _Checked(c.family, c.modality, [], [], [], [], c.merge_size))
+        into = grouped.setdefault(c.modality, EncodedItems([], [], [], c.modality, c.family, [], c.merge_size))
         into.embeddings += c.embeddings
-        into.grids += c.grids
-        into.levels += c.levels
-        into.infos += c.infos
+        into.grid_thw += c.grid_thw
+        into.deepstack += c.deepstack
+        into.video_info += c.video_info
     return grouped
 
 
 def _moved(tensor: torch.Tensor, dtype: torch.dtype | None, device: torch.device | str | None) -> torch.Tensor:
     return tensor.to(device=device, dtype=dtype) if dtype is not None or device is not None else tensor
-
-
-def _grid_tensor(grids: list[tuple[int, int, int]], device) -> torch.Tensor:
-    return torch.tensor(grids, dtype=torch.long, device=device)
 
 
 def _output_class(family: str) -> type:
@@ -254,19 +200,16 @@ def to_transformers(result: Any, *more: Any, dtype: torch.dtype | None = None,
     ``input_ids``, ``attention_mask`` and ``mm_token_type_ids`` (``mm_token_type_ids`` here, or the processor's).
     ``dtype`` / ``device``: the model's, to hand over tensors it need not copy. Imports transformers.
     """
-    grouped = _by_modality((result, *more))
     outputs: dict[str, Any] = {}
     kwargs: dict[str, Any] = {"mm_encoder_outputs": outputs}
-    for modality, items in grouped.items():
-        output_class = _output_class(items.family)
-        pooled = tuple(_moved(e, dtype, device) for e in items.embeddings)
-        fields: dict[str, Any] = {"last_hidden_state": None, "pooler_output": pooled}
+    for modality, items in _by_modality((result, *more)).items():
+        fields: dict[str, Any] = {"last_hidden_state": None,
+                                  "pooler_output": tuple(_moved(e, dtype, device) for e in items.embeddings)}
         if FAMILIES[items.family].deepstack:
-            levels = len(items.levels[0]) if items.levels else 0
-            fields["deepstack_features"] = [tuple(_moved(item[k], dtype, device) for item in items.levels)
-                                            for k in range(levels)]
-        outputs[modality] = output_class(**fields)
-        kwargs[f"{modality}_grid_thw"] = _grid_tensor(items.grids, device)
+            fields["deepstack_features"] = [tuple(_moved(level, dtype, device) for level in per_level)
+                                            for per_level in zip(*items.deepstack)]
+        outputs[modality] = _output_class(items.family)(**fields)
+        kwargs[f"{modality}_grid_thw"] = torch.tensor(items.grid_thw, dtype=torch.long, device=device)
     return kwargs
 
 
@@ -286,10 +229,13 @@ def to_vllm(result: Any, *more: Any, dtype: torch.dtype | None = None,
     for modality, items in _by_modality((result, *more)).items():
         per_item = _items_for_vllm(items)
         rows = [item.rows for item in per_item]
-        embeds = torch.cat(rows, dim=0) if rows else torch.empty(0, 0)
-        data[modality] = {f"{modality}_embeds": _moved(embeds, dtype, device),
-                          f"{modality}_grid_thw": _grid_tensor(items.grids, device),
-                          **_timing_fields(per_item)}
+        fields = data[modality] = {
+            f"{modality}_embeds": _moved(torch.cat(rows) if rows else torch.empty(0, 0), dtype, device),
+            f"{modality}_grid_thw": torch.tensor(items.grid_thw, dtype=torch.long, device=device)}
+        if any(item.timestamps is not None for item in per_item):  # a family's videos all have them or none do
+            fields["timestamps"] = [item.timestamps for item in per_item]
+        if any(item.second_per_grid_t is not None for item in per_item):
+            fields["second_per_grid_ts"] = torch.tensor([item.second_per_grid_t for item in per_item])
     return data
 
 
@@ -311,42 +257,33 @@ def vllm_items(result: Any) -> list[VllmItem]:
     return _items_for_vllm(_check(result, "result"))
 
 
-def _items_for_vllm(items: _Checked) -> list[VllmItem]:
-    """Each checked item in vLLM's encoder-output form, its timing checked against its grid."""
+def _items_for_vllm(items: EncodedItems) -> list[VllmItem]:
+    """Each checked item in vLLM's encoder-output form, a video's timing from its ``video_info``, checked against
+    its grid."""
     family = FAMILIES[items.family]
     out = []
-    for i, (embedding, levels, grid, info) in enumerate(zip(items.embeddings, items.levels, items.grids, items.infos,
-                                                            strict=True)):
+    for i, (embedding, levels, grid, info) in enumerate(zip(items.embeddings, items.deepstack, items.grid_thw,
+                                                            items.video_info, strict=True)):
         item = VllmItem(items.modality, torch.cat([embedding, *levels], dim=-1) if levels else embedding, grid)
-        if items.modality == "video" and family.prompt_timestamps:
-            timing = _frame_timing(info, f"video {i}")
-            if timing is None:
-                raise InputError(f"video {i}: vLLM's {family.label} models need each video's timestamps, and this "
-                                 f"one has no frame timing (frames given in memory): encode the video file, or pass "
-                                 f"video_info= (its sampled frame indices and source fps) to EncodedItems")
-            item.timestamps = _checked_timestamps(timing, grid, i)
-        elif items.modality == "video" and family.seconds_per_grid:
-            item.second_per_grid_t = TEMPORAL_PATCH / _requested_fps(info, i, family.label)
         out.append(item)
+        if items.modality == "video" and family.seconds_per_grid:
+            fps = _video_field(info, "requested_fps")
+            if isinstance(fps, bool) or not (isinstance(fps, (int, float)) and fps > 0):
+                raise InputError(f"video {i}: vLLM's {family.label} models need the fps its frames were sampled at, "
+                                 f"and its video_info has no requested_fps ({fps!r}): encode the video file, or pass "
+                                 f"video_info= with requested_fps (the fps given to encode_videos)")
+            item.second_per_grid_t = TEMPORAL_PATCH / float(fps)
+        elif items.modality == "video" and family.prompt_timestamps:
+            indices, fps = _video_field(info, "frames", "frame_indices"), _video_field(info, "fps", "video_fps")
+            if not indices or isinstance(fps, bool) or not (isinstance(fps, (int, float)) and fps > 0):
+                raise InputError(f"video {i}: vLLM's {family.label} models need each video's timestamps, and its "
+                                 f"video_info holds no frame indices and source fps (frames given in memory?): encode "
+                                 f"the video file, or pass video_info= (its sampled frame indices and source fps)")
+            item.timestamps = vllm_timestamps([int(x) for x in indices], float(fps), TEMPORAL_PATCH)
+            if len(item.timestamps) != grid[0]:
+                raise InputError(f"video {i}: {len(indices)} sampled frames make {len(item.timestamps)} temporal "
+                                 f"patches, but its grid has t={grid[0]}")
     return out
-
-
-def _timing_fields(items: Sequence[VllmItem]) -> dict[str, Any]:
-    """The timing entries of a modality's ``multi_modal_data``, as vLLM's parsers take them."""
-    if items and items[0].timestamps is not None:
-        return {"timestamps": [item.timestamps for item in items]}
-    if items and items[0].second_per_grid_t is not None:
-        return {"second_per_grid_ts": torch.tensor([item.second_per_grid_t for item in items])}
-    return {}
-
-
-def _checked_timestamps(timing: _Timing, grid: tuple[int, int, int], i: int) -> list[float]:
-    """A video's ``vllm_timestamps``, one per temporal patch of its grid."""
-    times = vllm_timestamps(timing.indices, timing.fps, TEMPORAL_PATCH)
-    if len(times) != grid[0]:
-        raise InputError(f"video {i}: {len(timing.indices)} sampled frames make {len(times)} temporal patches, but "
-                         f"its grid has t={grid[0]}")
-    return times
 
 
 def split_vllm_deepstack(embeds: torch.Tensor, levels: int) -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -1,5 +1,5 @@
-"""Reading back ``parquet``'s layout: one shard whole (``read_parquet_table``: its pages' checksums, metadata and
-schema checked), or only what a question needs (``read_parquet_index``: which inputs are done;
+"""Reading back ``parquet``'s layout: one shard whole (``read_parquet_table``: its pages' checksums and its metadata
+checked), or only what a question needs (``read_parquet_index``: which inputs are done;
 ``read_parquet_grids``: the grids a hand-off needs; ``read_parquet_run``: the run record), and a folder's records
 (``read_parquet_records``), tensors bitwise the encoder's. Any fault is one ManifestError naming the file.
 """
@@ -40,72 +40,36 @@ def read_metadata(schema: pa.Schema, where: str) -> tuple[ParquetLayout, dict]:
         raise ManifestError(f"{where}: no {METADATA_KEY.decode()} metadata (not written by qwenvl-vision)")
     try:
         meta = json.loads(raw)
-        if meta.get("format") != PARQUET_FORMAT:
-            raise ValueError(f"format {meta.get('format')!r}, this version reads {PARQUET_FORMAT}")
-        if not isinstance(meta.get("run"), dict):
-            raise ValueError("no run record")
-        layout = ParquetLayout(**meta["layout"])
-    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        if meta["format"] != PARQUET_FORMAT:
+            raise ValueError(f"format {meta['format']!r}, this version reads {PARQUET_FORMAT}")
+        return ParquetLayout(**meta["layout"]), meta["run"]
+    except (ValueError, TypeError, KeyError) as e:
         raise ManifestError(f"{where}: damaged {METADATA_KEY.decode()} metadata ({e})") from None
-    return layout, meta["run"]
 
 
-def _vectors_of(column: pa.Array, per_row_vectors: bool) -> tuple[pa.Array, np.ndarray]:
-    """A tensor column's vectors (a fixed_size_list array, null rows' slots included) and each row's first and
-    last-plus-one vector (offsets, n + 1 of them)."""
-    if per_row_vectors:  # list<fixed_size_list>: the list offsets index the vectors
-        return column.values, column.offsets.to_numpy()
-    # fixed_size_list<float32, D>: each row is one vector, its floats re-wrapped as vectors without the row nulls
-    size = column.type.list_size
-    vectors = pa.FixedSizeListArray.from_arrays(column.values.slice(column.offset * size, len(column) * size), size)
-    return vectors, np.arange(len(column) + 1)
-
-
-def _floats_of(vectors: pa.Array) -> pa.Array:
-    """The float values of a fixed_size_list array, in order (null vectors' slots included)."""
-    size = vectors.type.list_size
-    return vectors.values.slice(vectors.offset * size, len(vectors) * size)
-
-
-def read_parquet_table(path: str | os.PathLike) -> tuple[pa.Table, ParquetLayout, dict]:
-    """One Parquet file of embeddings: its pages' checksums verified, its metadata (layout, run) and its schema
-    (exactly the layout's) checked. Any fault is one ManifestError naming the file."""
+def read_parquet_table(path: str | os.PathLike, columns: Sequence[str] | None = None
+                       ) -> tuple[pa.Table, ParquetLayout, dict]:
+    """One Parquet file of embeddings, or only its ``columns`` (the tensors unread): its metadata (layout, run)
+    checked first, then its pages read with their checksums verified. Any fault is one ManifestError naming the
+    file."""
     path = Path(path)
-    table = _read(path, pq.read_table, page_checksum_verification=True)
-    layout, run = read_metadata(table.schema, str(path))
-    _check_schema(path, table.schema, layout)
-    return table, layout, run
-
-
-def _check_schema(path: Path, schema: pa.Schema, layout: ParquetLayout) -> None:
-    """ManifestError naming the columns that differ, unless ``schema`` is exactly the layout's."""
-    if not schema.remove_metadata().equals(layout.schema()):
-        differ = sorted({f"{f.name}: {f.type}" for f in schema} ^ {f"{f.name}: {f.type}" for f in layout.schema()})
-        raise ManifestError(f"{path}: schema is not the layout's ({'; '.join(differ) or 'columns out of order'})")
+    layout, run = read_metadata(_read(path, pq.read_schema), str(path))
+    return _read(path, pq.read_table, columns=columns, page_checksum_verification=True), layout, run
 
 
 def read_parquet_grids(path: str | os.PathLike) -> list[tuple[str, list[int], dict | None, int]]:
     """(path, grid_thw, video entry or None for an image, tokens) of one shard's ok rows, from its footer and the
-    path, status, grid, video and tokens columns only (what a hand-off needs before it reads any tensor). An
-    unreadable file is one ManifestError naming it."""
-    path = Path(path)
-    read_metadata(_read(path, pq.read_schema), str(path))
-    table = _read(path, pq.read_table, columns=["path", "status", "grid_thw", "video", "tokens"],
-                  page_checksum_verification=True)
-    rows = zip(*(table.column(name).to_pylist() for name in ("path", "status", "grid_thw", "video", "tokens")),
-               strict=True)
+    path, status, grid, video and tokens columns only (what a hand-off needs before it reads any tensor)."""
+    names = ["path", "status", "grid_thw", "video", "tokens"]
+    table = read_parquet_table(path, names)[0]
+    rows = zip(*(table.column(name).to_pylist() for name in names), strict=True)
     return [(name, grid, video, tokens) for name, status, grid, video, tokens in rows if status == "ok"]
 
 
 def read_parquet_index(path: str | os.PathLike) -> tuple[list[str], list[str], ParquetLayout, dict]:
     """(realpaths, statuses, layout, run) of one shard, reading only its footer and those two columns (a resume's
-    question: which inputs are done), checked as far as they go: metadata and schema as ``read_parquet_table``
-    checks them. The tensors are not read. Any fault is one ManifestError naming the file."""
-    path = Path(path)
-    schema = _read(path, pq.read_schema)
-    layout, run = read_metadata(schema, str(path))
-    _check_schema(path, schema, layout)
-    table = _read(path, pq.read_table, columns=["realpath", "status"], page_checksum_verification=True)
+    question: which inputs are done). Any fault is one ManifestError naming the file."""
+    table, layout, run = read_parquet_table(path, ["realpath", "status"])
     return table.column("realpath").to_pylist(), table.column("status").to_pylist(), layout, run
 
 
@@ -119,18 +83,13 @@ def same_run(a: dict, b: dict) -> bool:
 
 def _tensors(column: pa.Array, dim: int, dtype: torch.dtype, per_row_vectors: bool) -> list[torch.Tensor | None]:
     """A tensor column's rows as tensors of the run's dtype (float32 -> bf16/fp16 is exact: the values came from
-    there); each row owns its memory, so a record kept does not pin the whole table."""
-    vectors, offsets = _vectors_of(column, per_row_vectors)
-    values = _floats_of(vectors).to_numpy(zero_copy_only=False)
+    there); each row owns its memory, so a record kept does not pin the whole table. ``flatten`` skips null rows."""
+    floats = column.flatten().flatten() if per_row_vectors else column.flatten()
     valid = column.is_valid().to_numpy(zero_copy_only=False)
-    out: list[torch.Tensor | None] = []
-    for row, ok in enumerate(valid):
-        if not ok:
-            out.append(None)
-            continue
-        rows = torch.from_numpy(values[offsets[row] * dim: offsets[row + 1] * dim].copy())
-        out.append((rows.view(-1, dim) if per_row_vectors else rows).to(dtype))
-    return out
+    lengths = column.value_lengths().fill_null(0).to_numpy() if per_row_vectors else valid
+    rows = np.split(floats.to_numpy(zero_copy_only=False), np.cumsum(lengths * dim)[:-1])
+    shape = (-1, dim) if per_row_vectors else (dim,)
+    return [torch.from_numpy(row.copy()).view(shape).to(dtype) if ok else None for row, ok in zip(rows, valid)]
 
 
 def layout_of_columns(schema: pa.Schema, dtype: str) -> ParquetLayout:
@@ -163,7 +122,7 @@ def layout_of_columns(schema: pa.Schema, dtype: str) -> ParquetLayout:
 
 def records_of_table(table: pa.Table, dtype: str, *, path_column: str = "path", carried: Sequence[str] = ()
                      ) -> list[EmbeddingRecord]:
-    """A table's rows as records, tensors in ``dtype`` (the run's): a Parquet shard validated by
+    """A table's rows as records, tensors in ``dtype`` (the run's): a Parquet shard read by
     ``read_parquet_table``, or Ray's ``Embedder`` rows (``result_columns`` beside the input's columns: the path in
     ``path_column``; without a ``realpath`` column the path is resolved here). The tensor columns are those of
     ``layout_of_columns`` (whose ValueError names a column that does not fit); ``carried``: the table columns
@@ -179,20 +138,17 @@ def records_of_table(table: pa.Table, dtype: str, *, path_column: str = "path", 
 
     embeddings, pooled = tensors("embedding", True), tensors("pooled", False)
     deepstack = [tensors(name, True) for name in layout.level_columns]
-    has_realpath = "realpath" in names
     plain = table.select([path_column, "status", "error", "grid_thw", "tokens", "video",
                           *(n for n in ("realpath", "pixels_sha256") if n in names)]).to_pylist()
     values = table.select(list(carried)).to_pylist() if carried else None
     records = []
     for row, r in enumerate(plain):
-        grid = tuple(r["grid_thw"]) if r["grid_thw"] is not None else None
-        path = r[path_column]
+        path, grid = r[path_column], r["grid_thw"]
         records.append(EmbeddingRecord(
-            path, r["realpath"] if has_realpath and r["realpath"] is not None else
-            path if is_url(path) else os.path.realpath(path),
-            r["status"], r["error"], grid,
-            r["tokens"], embeddings[row], [level[row] for level in deepstack] if r["status"] == "ok" else [],
-            pooled[row], r["video"], r.get("pixels_sha256"), None if values is None else values[row]))
+            path, r.get("realpath") or (path if is_url(path) else os.path.realpath(path)), r["status"], r["error"],
+            None if grid is None else tuple(grid), r["tokens"], embeddings[row],
+            [level[row] for level in deepstack] if r["status"] == "ok" else [], pooled[row], r["video"],
+            r.get("pixels_sha256"), None if values is None else values[row]))
     return records
 
 
@@ -237,4 +193,8 @@ def read_parquet_records(folder: str | os.PathLike, *, files: Sequence[str | os.
             raise ManifestError(f"{path}: its {what} differs from {first[2].name}'s (shards of another run)")
         elif first[1].get("cpu_plan") is None and run.get("cpu_plan") is not None:
             first = (layout, run, path)  # the plan the run recorded: every later shard's must be the same
-        yield from records_of_table(table, layout.dtype, carried=[name for name, _ in layout.columns])
+        try:
+            records = records_of_table(table, layout.dtype, carried=[name for name, _ in layout.columns])
+        except ValueError as e:  # columns that are not its layout's
+            raise ManifestError(f"{path}: {e}") from None
+        yield from records

@@ -16,10 +16,8 @@ The folder, as written here (``write_vllm_cache``, and ``embed --format vllm-cac
 - ``{id}/encoder_cache.safetensors`` per item, ``id`` = ``item_ids.item_id`` (64 hex digits: the model's identity,
   the modality, the grid and the pixels' hash). Each file is written whole under a temporary name (created
   exclusively, never through a link) and renamed into place; its metadata names its id (``ITEM_KEY``). A file
-  already at an id's name counts as that item only if it reads as the item must be (``item_problem``: a strict
-  safetensors header, the one tensor ``"ec_cache"`` of the item's shape and dtype, its recorded id); any other
-  (a crashed or foreign writer's) is replaced atomically. A link at an item's name or folder is an
-  ``OutputLinkError``, left as it is.
+  already at an id's name is that item when safetensors reads it (its header validated), and is replaced
+  atomically when it does not. A link at an item's name or folder is an ``OutputLinkError``, left as it is.
 - ``qwenvl_vision_cache.lock``: held by item writers while they write and record items, and by ``cache prune``
   (``cache_prune``), which keeps the folder under a size bound; ``pruned.jsonl`` lists the items a prune removed.
 - ``qwenvl_vision_cache.json``: the identity of the model whose items the folder holds. A folder with another
@@ -83,11 +81,9 @@ def check_cache_folder(folder: str | os.PathLike, identity: dict[str, str]) -> N
                                    f"by qwenvl-vision, so which model made them is unknown; choose another folder") \
                 from None
         return
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, ValueError) as e:
         raise CacheFolderError(f"{path} is unreadable ({e}): if no writer is running, delete it and write again") \
             from None
-    if not isinstance(found, dict):
-        raise CacheFolderError(f"{path} is damaged: not a JSON object")
     differ = [k for k in IDENTITY_FIELDS if found.get(k) != identity[k]]
     if differ:
         fields = ", ".join(f"{k} {str(found.get(k))[:12]} (this model: {identity[k][:12]})" for k in differ)
@@ -122,50 +118,25 @@ def claim_cache_folder(folder: str | os.PathLike, identity: dict[str, str], tag:
     check_cache_folder(folder, identity)
 
 
-def item_problem(path: Path, item: str, rows: torch.Tensor) -> str:
-    """Why the file at ``path`` is not item ``item`` holding rows like ``rows`` ('' when it is): a safetensors file
-    (its header validated by safetensors) holding exactly the one tensor ``"ec_cache"`` of ``rows``' shape and
-    dtype, and the id in its metadata, where it records one."""
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        with safe_open(path, framework="pt") as f:
-            names, recorded = list(f.keys()), (f.metadata() or {}).get(ITEM_KEY)
-            stored = f.get_tensor(CACHE_KEY) if names == [CACHE_KEY] else None  # a view: no data is read
-    except (SafetensorError, OSError) as e:
-        return f"unreadable ({e})"
-    if stored is None:
-        return f"it holds the tensors {sorted(names)!r}, not exactly {CACHE_KEY!r}"
-    if stored.shape != rows.shape or stored.dtype != rows.dtype:
-        return f"{CACHE_KEY} is {stored.dtype} x {list(stored.shape)}, this item is {rows.dtype} x {list(rows.shape)}"
-    if recorded is not None and recorded != item:
-        return f"its metadata names the item {recorded[:80]!r}"
-    return ""
-
-
 def write_item(folder: Path, item: str, rows: torch.Tensor, tag: str, metadata: dict[str, str] | None = None) -> bool:
     """``folder/item/encoder_cache.safetensors`` holding ``rows`` as ``"ec_cache"``, whole or not at all, its id and
-    ``metadata`` in its metadata. An item already there is kept if it is valid (``item_problem``: its id says it
-    holds these rows), else replaced. ``tag`` names the temporary file. Whether it was written."""
+    ``metadata`` in its metadata. An item already there is kept if safetensors reads it, else replaced. ``tag`` names
+    the temporary file. Whether it was written."""
+    from safetensors import SafetensorError, safe_open
+
     target = folder / item / CACHE_FILE
     refuse_link(target.parent)  # a folder linked elsewhere would take the item (and its temporary file) there
     refuse_link(target)
-    rows = rows.detach().contiguous().cpu()
-    if target.exists() and not item_problem(target, item, rows):
-        os.utime(target)  # found in place is written again, for a prune's oldest-first (cache_prune)
-        return False
+    if target.exists():  # kept when safetensors reads it: a file that does not skips to the rewrite below
+        with contextlib.suppress(SafetensorError, OSError), safe_open(target, framework="pt"):
+            os.utime(target)  # found in place is written again, for a prune's oldest-first (cache_prune)
+            return False
     target.parent.mkdir(exist_ok=True)
+    rows = rows.detach().contiguous().cpu()
     data = save({CACHE_KEY: rows}, metadata={"format": "pt", **(metadata or {}), ITEM_KEY: item})
     replace_atomically(target, target.parent / f"{CACHE_FILE}.{tag}.tmp", lambda f: f.write(data))
     fsync_dir(folder)
     return True
-
-
-def cache_item(folder: Path, identity: dict[str, str], item: VllmItem, pixels: str | None, tag: str) -> dict[str, Any]:
-    """Write one item under its id (``item_ids.item_id``); its entry."""
-    name = item_id(identity, item.modality, item.grid_thw, pixels)
-    write_item(folder, name, item.rows, tag)
-    return entry(name, item)
 
 
 def entry(name: str, item: VllmItem) -> dict[str, Any]:
@@ -194,19 +165,17 @@ def write_vllm_cache(result: Any, folder: str | os.PathLike) -> list[dict[str, A
         raise InputError("this result's encoder is gone (a result does not keep it alive, and a pickled one drops "
                          "it), so which model made it is unknown: keep the encoder in a variable until the cache is "
                          "written")
-    digests = list(result.pixels_sha256 or [])
-    hashed = sum(is_sha256(d) for d in digests)
-    if len(digests) != len(result.embeddings) or hashed != len(digests):
-        raise InputError(f"the result has pixel hashes for {hashed} of its {len(result.embeddings)} items, which "
-                         f"their ids need: encode with encode_images / encode_videos, or give encode_patches CPU "
-                         f"rows or pixels_sha256=")
     identity = encoder.identity()
-    items = vllm_items(result)  # every item checked before anything is written
+    items = vllm_items(result)  # every item checked, and named, before anything is written
+    digests = list(result.pixels_sha256 or [None] * len(items))
+    names = [item_id(identity, item.modality, item.grid_thw, d) for item, d in zip(items, digests, strict=True)]
     folder = Path(folder)
     tag = uuid.uuid4().hex
     claim_cache_folder(folder, identity, tag)
     with cache_lock(folder):  # a prune (cache_prune) removes nothing while items are written
-        return [cache_item(folder, identity, item, digest, tag) for item, digest in zip(items, digests, strict=True)]
+        for name, item in zip(names, items):
+            write_item(folder, name, item.rows, tag)
+    return [entry(name, item) for name, item in zip(names, items)]
 
 
 def vllm_request(entries: Sequence[dict[str, Any]], *, mm_processor_kwargs: dict[str, Any] | None = None,
@@ -235,18 +204,14 @@ def vllm_request(entries: Sequence[dict[str, Any]], *, mm_processor_kwargs: dict
     uuids: dict[str, list[str]] = {}
     grouped: dict[str, list[dict[str, Any]]] = {}
     for i, e in enumerate(entries):
-        problem = _entry_problem(e)
-        if problem:
-            raise InputError(f"entry {i}: {problem}")
+        # The id becomes a folder name under the consumer's cache: anything but an id could name another file.
+        if not isinstance(e, dict) or not is_sha256(e.get("id")) or e.get("modality") not in MODALITIES:
+            raise InputError(f"entry {i}: id {str(e.get('id') if isinstance(e, dict) else e)[:80]!r} is not 64 hex "
+                             f"digits, or its modality is not one of {MODALITIES}")
         grouped.setdefault(e["modality"], []).append(e)
     for modality, items in grouped.items():
         fields: dict[str, Any] = {f"{modality}_grid_thw": torch.tensor([e["grid_thw"] for e in items],
                                                                        dtype=torch.long)}
-        for key in ("timestamps", "second_per_grid_t"):
-            have = [key in e for e in items]
-            if any(have) and not all(have):
-                raise InputError(f"{modality} entries: {sum(have)} of {len(items)} carry {key}; a family's videos all "
-                                 f"do or none do")
         if "timestamps" in items[0]:
             fields["timestamps"] = [list(e["timestamps"]) for e in items]
         if "second_per_grid_t" in items[0]:
@@ -254,24 +219,3 @@ def vllm_request(entries: Sequence[dict[str, Any]], *, mm_processor_kwargs: dict
         data[modality] = fields
         uuids[modality] = [e["id"] for e in items]
     return {"multi_modal_data": data, "multi_modal_uuids": uuids}
-
-
-def _entry_problem(e: Any) -> str:
-    """Why an entry cannot name a cached item ('' when it can)."""
-    if not isinstance(e, dict):
-        return f"not a dict ({type(e).__name__})"
-    if not is_sha256(e.get("id")):
-        return f"id {e.get('id')!r} is not 64 hex digits"
-    if e.get("modality") not in MODALITIES:
-        return f"modality {e.get('modality')!r} is not one of {MODALITIES}"
-    grid = e.get("grid_thw")
-    if not (isinstance(grid, (list, tuple)) and len(grid) == 3 and all(isinstance(g, int) and g > 0 for g in grid)):
-        return f"grid_thw {grid!r} is not three positive integers"
-    stamps = e.get("timestamps")
-    if stamps is not None and not (isinstance(stamps, list) and len(stamps) == grid[0]
-                                   and all(isinstance(t, (int, float)) for t in stamps)):
-        return f"timestamps are not one number per temporal patch (grid t={grid[0]})"
-    step = e.get("second_per_grid_t")
-    if step is not None and not (isinstance(step, (int, float)) and step > 0):
-        return f"second_per_grid_t {step!r} is not a positive number"
-    return ""

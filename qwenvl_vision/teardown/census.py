@@ -5,10 +5,10 @@ benchmark's reading, ``qwenvl_vision.teardown.study``).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import os
-from itertools import compress
 from typing import Any
 
 
@@ -20,27 +20,21 @@ def live_tensor_storages() -> dict[tuple[str, int], tuple[int, str]]:
     """
     import torch
 
-    objects = gc.get_objects()
-    # type(), not isinstance(): no __class__ lookups on arbitrary objects (some warn or import on access);
-    # the tensor types are found once per census and the scan runs at C speed.
+    # type(), not isinstance(): no __class__ lookups on arbitrary objects (some warn or import on access).
     # FakeTensors (torch.compile's tracing values) have no data.
-    tensor_types = {t for t in set(map(type, objects)) if issubclass(t, torch.Tensor) and t.__name__ != "FakeTensor"}
-    tensors = list(compress(objects, map(tensor_types.__contains__, map(type, objects))))
-    del objects
+    tensors = [obj for obj in gc.get_objects() if issubclass(type(obj), torch.Tensor)
+               and type(obj).__name__ != "FakeTensor"]
     seen: dict[tuple[str, int], tuple[int, str]] = {}
     for obj in tensors:
         try:
             if obj.is_meta:
                 continue
             if obj.is_mkldnn:  # oneDNN's packed weights (cpu.packing) have no storage to ask: one per tensor
-                ptr, nbytes, key = id(obj), obj.numel() * obj.element_size(), ("mkldnn", id(obj))
+                nbytes, key = obj.numel() * obj.element_size(), ("mkldnn", id(obj))
             else:
                 storage = obj.untyped_storage()
-                ptr, nbytes = storage.data_ptr(), storage.nbytes()
-                key = (str(storage.device), ptr)
+                nbytes, key = storage.nbytes(), (str(storage.device), storage.data_ptr())
         except Exception:  # noqa: BLE001 - sparse / nested / wrapper tensors without a plain storage
-            continue
-        if ptr == 0 and nbytes == 0:
             continue
         if key not in seen or nbytes > seen[key][0]:
             seen[key] = (nbytes, f"{tuple(obj.shape)} {str(obj.dtype).replace('torch.', '')} {obj.device}")
@@ -52,24 +46,14 @@ def live_tensor_bytes() -> int:
     return sum(n for n, _ in live_tensor_storages().values())
 
 
-_LIBC: Any = None
-
-
 def rss_bytes() -> int | None:
     """Resident set size, after asking glibc to return free heap pages (malloc_trim), or None."""
-    global _LIBC
-    if _LIBC is None:
-        try:
-            _LIBC = ctypes.CDLL("libc.so.6")
-            _LIBC.malloc_trim.argtypes = [ctypes.c_size_t]
-        except (OSError, AttributeError):
-            _LIBC = False
-    if _LIBC:
-        _LIBC.malloc_trim(0)
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: RSS as it is
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
     try:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
+    except OSError:
         return None
 
 
@@ -82,31 +66,27 @@ def available_bytes(device: Any) -> int | None:
         return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     try:
         with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return None
 
 
-def measure(device: Any, storages: bool = False) -> dict[str, Any]:
-    """One point: tensor census (+ RSS on CPU, allocator counters on CUDA). Never runs the cyclic gc."""
+def measure(device: Any, storages: dict | None = None) -> dict[str, Any]:
+    """One point: tensor census (+ RSS on CPU, allocator counters on CUDA); ``storages``, when given, receives the
+    census itself (``live_tensor_storages``). Never runs the cyclic gc."""
     import torch
 
     live = live_tensor_storages()
     point: dict[str, Any] = {"tensor_bytes": sum(n for n, _ in live.values())}
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-        clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-        if clear_workspaces is not None:  # process-wide cuBLAS workspaces, allocated on the first matmul
-            clear_workspaces()
+        torch._C._cuda_clearCublasWorkspaces()  # process-wide cuBLAS workspaces, allocated on the first matmul
         torch.cuda.empty_cache()
         point["cuda_allocated"] = torch.cuda.memory_allocated(device)
         point["cuda_reserved"] = torch.cuda.memory_reserved(device)
     point["rss_bytes"] = rss_bytes()
-    if storages:
-        point["_storages"] = live
+    if storages is not None:
+        storages.update(live)
     return point
 
 

@@ -17,8 +17,8 @@ caller still holds the encoder and its model, then ``del``. Measured:
   cycle, and again after ``gc.collect()``.
 
 retained = (after teardown) - (before the first load of that run), so a cache that outlives its instances
-shows as growth from cycle to cycle; the run's ``retained_bytes`` is the worst cycle. No warm-up by default:
-the first encoder of a fresh process must be freed too (``--warmup N`` to exclude one-time effects).
+shows as growth from cycle to cycle; the run's ``retained_bytes`` is the worst cycle. No warm-up: the first
+encoder of a fresh process must be freed too.
 
 The package measures its own encoder (variant ``per-instance``). The comparisons - the same model with a
 class-level ``functools.lru_cache`` (the bug this package exists to avoid, so it may not live in the package),
@@ -40,7 +40,6 @@ from typing import Any
 
 from ..devices import dtype_name
 from ..errors import ConfigError
-from ..outputs.durable import replace_atomically
 from .cycles import (
     CPU_SIZES,
     CUDA_SIZES,
@@ -48,21 +47,17 @@ from .cycles import (
     TEARDOWNS,
     Options,
     Variant,
-    VariantFactory,
-    build_variants,
     load_plain,
     make_inputs,
     mib,
-    run_cycle,
     run_ok,
     run_variant,
 )
 
-# ---------------------------------------------------------------------- reporting
-
 
 def format_table(report: dict[str, Any]) -> str:
-    metric = "CUDA memory_allocated" if report["device"].startswith("cuda") else "live tensor bytes (gc census)"
+    cuda = report["device"].startswith("cuda")
+    metric = "CUDA memory_allocated" if cuda else "live tensor bytes (gc census)"
     lines = [
         f"teardown benchmark: {report['model']} on {report['device']}, {report['dtype']}, "
         f"{report['cycles_requested']} cycles, inputs: {report['inputs']} {report['grids']}",
@@ -72,7 +67,6 @@ def format_table(report: dict[str, Any]) -> str:
         "RSS growth: the process's resident memory after the last cycle minus before the first, for information: "
         "beyond any retained tensors, what no tensor holds (pages the allocator keeps, libraries' first-use state)",
     ]
-    cuda = report["device"].startswith("cuda")
     header = ["variant", "teardown", "cycles", "weights", "caches", "after close (held)", "retained (worst)",
               "after gc", "retained by cycle", "freed by refcount", "RSS growth"]
     if cuda:
@@ -94,15 +88,14 @@ def format_table(report: dict[str, Any]) -> str:
             mib(run["retained_bytes"]), mib(run["retained_bytes_after_gc"]), by_cycle, freed,
             mib(None if rss0 is None or rss1 is None else rss1 - rss0),
         ] + ([mib(run["retained_tensor_bytes"])] if cuda else []))
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+    widths = [max(map(len, column)) for column in zip(header, *rows)]
     lines.append("  ".join(h.ljust(w) for h, w in zip(header, widths)))
     lines.append("  ".join("-" * w for w in widths))
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
     for run in report["runs"]:
         if "retained_after_cache_clear" in run:
             lines.append(f"{run['variant']}/{run['teardown']}: {mib(run['retained_after_cache_clear'])} MiB left "
-                         f"after the class cache's cache_clear() (it held "
-                         f"{run['cycles'][-1].get('class_cache_entries_after_teardown', '?')} entries)")
+                         f"after the class cache's cache_clear()")
         if run.get("stopped_early"):
             lines.append(f"{run['variant']}/{run['teardown']}: stopped early {run['stopped_early']}")
         for c in run["cycles"]:
@@ -115,9 +108,6 @@ def format_table(report: dict[str, Any]) -> str:
     lines.append(f"{verdict}: per-instance retains 0 bytes and is freed by reference counting alone"
                  + ("" if report["ok"] else " -- NOT met, see above"))
     return "\n".join(lines)
-
-
-# ---------------------------------------------------------------------- entry points
 
 
 def _parse_sizes(text: str, cfg: Any) -> list[tuple[int, int]]:
@@ -149,83 +139,73 @@ def add_teardown_arguments(p: argparse.ArgumentParser, variants: tuple[str, ...]
         p.add_argument("--variants", help=f"comma-separated subset of {','.join(variants)} (default: all)")
     p.add_argument("--teardown", default=",".join(TEARDOWNS),
                    help="comma-separated subset of del,close (default: both; comparison variants may be del only)")
-    p.add_argument("--inputs", choices=("auto", "images", "patches"), default="auto",
-                   help="encode_images on uint8 arrays, or encode_patches on random rows "
-                        "(auto: images, falling back to patches if preprocessing is unavailable)")
+    p.add_argument("--inputs", choices=("images", "patches"), default="images",
+                   help="encode_images on uint8 arrays (default), or encode_patches on random rows")
     p.add_argument("--sizes", help="image sizes in pixels, HxW comma-separated (rounded to the model's "
                                    "patch*merge factor); default: a few small sizes on CPU, larger on CUDA")
-    p.add_argument("--warmup", type=int, default=0,
-                   help="unmeasured cycles before the runs, so one-time process-wide state is not counted "
-                        "(default 0: the first cycle of a fresh process is part of the test)")
     p.add_argument("--json", help="write the full results here")
     p.add_argument("--snapshot-dir", default=".",
                    help="CUDA: where to dump torch.cuda.memory._dump_snapshot on a per-instance failure")
     p.add_argument("--quiet", action="store_true", help="no per-cycle progress lines")
 
 
-def cmd_teardown(args: argparse.Namespace, extra_variants: dict[str, VariantFactory] | None = None,
+def cmd_teardown(args: argparse.Namespace, extra_variants: dict[str, Callable[[Options], Variant | str]] | None = None,
                  after: Callable[[dict[str, Any]], None] | None = None) -> int:
-    """Run the benchmark; ``extra_variants`` adds comparisons (bench/teardown.py), ``after`` sees the report."""
+    """Run the benchmark; ``extra_variants`` adds comparisons (bench/teardown.py: a factory from the run's options to
+    a Variant, or to the reason it cannot run here), ``after`` sees the report."""
     import torch
 
+    from ..checkpoint.hub import resolve_folder
+    from ..checkpoint.weights import open_checkpoint
     from ..devices import resolve_device, resolve_dtype
     from ..model.config import resolve_config
 
-    extra = extra_variants or {}
-    known = (PER_INSTANCE, *extra)
+    factories = {PER_INSTANCE: lambda opts: Variant(PER_INSTANCE, lambda: load_plain(opts), TEARDOWNS, True,
+                                                    note="grid plans in the model's own bounded ShapeCache"),
+                 **(extra_variants or {})}
     log = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
-    wanted = [v.strip() for v in (getattr(args, "variants", None) or ",".join(known)).split(",") if v.strip()]
-    bad = [v for v in wanted if v not in known]
+    wanted = [v.strip() for v in (getattr(args, "variants", None) or ",".join(factories)).split(",") if v.strip()]
     teardowns = [t.strip() for t in args.teardown.split(",") if t.strip()]
-    bad += [t for t in teardowns if t not in TEARDOWNS]
-    if bad or not wanted or not teardowns:
-        print(f"bench teardown: unknown variant/teardown {bad}; variants: {list(known)}, teardowns: {TEARDOWNS}",
-              file=sys.stderr)
-        return 2
-    if args.cycles < 1:
-        print("bench teardown: --cycles must be >= 1", file=sys.stderr)
+    bad = [v for v in wanted if v not in factories] + [t for t in teardowns if t not in TEARDOWNS]
+    if bad or not wanted or not teardowns or args.cycles < 1:
+        print(f"bench teardown: unknown variant/teardown {bad} or --cycles {args.cycles} below 1; variants: "
+              f"{list(factories)}, teardowns: {TEARDOWNS}", file=sys.stderr)
         return 2
 
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    model = args.model
-    if model:
-        config = _checkpoint_config(model)
+    if args.model:
+        config = open_checkpoint(resolve_folder(args.model, None, False, None, None)).config
         # --random-weights with a checkpoint: its config at its size, without reading the weights
-        source, random_weights = (config, True) if args.random_weights else (model, False)
-        label = model + (" (random weights)" if args.random_weights else "")
+        source, random_weights = (config, True) if args.random_weights else (args.model, False)
+        label = args.model + (" (random weights)" if args.random_weights else "")
     else:
-        source = resolve_config(args.preset or args.config)
+        source = config = resolve_config(args.preset or args.config)
         random_weights = True
-        config = source
         label = args.preset or (source.name or f"{source.model_type} config {args.config}")
-    opts = Options(source, random_weights, device, dtype, label, config)
+    opts = Options(source, random_weights, device, dtype, config)
     sizes = _parse_sizes(args.sizes, config) if args.sizes else list(CUDA_SIZES if device.type == "cuda" else CPU_SIZES)
     inputs = make_inputs(config, device, sizes, args.inputs)
-    variants, skipped = build_variants(opts, wanted, extra)
-    recording = False
-    if device.type == "cuda" and hasattr(torch.cuda.memory, "_record_memory_history"):
+    recording = device.type == "cuda"
+    if recording:
         torch.cuda.memory._record_memory_history(max_entries=200_000)
-        recording = True
-
-    warmup = args.warmup
-    warm = Variant("warmup", lambda: load_plain(opts), ("del",), True)
-    for i in range(warmup):
-        log(f"warmup cycle {i + 1}/{warmup}")
-        run_cycle(warm, "del", inputs, device, None, log)
 
     report: dict[str, Any] = {
         "device": str(device), "model": label, "dtype": dtype_name(dtype),
         "metric": "cuda_allocated" if device.type == "cuda" else "tensor_census",
-        "inputs": None, "grids": [list(g) for g in inputs.grids], "cycles_requested": args.cycles,
-        "warmup": warmup, "torch": torch.__version__, "runs": [], "skipped": skipped, "snapshots": [],
+        "inputs": inputs.mode, "grids": [list(g) for g in inputs.grids], "cycles_requested": args.cycles,
+        "torch": torch.__version__, "runs": [], "skipped": [], "snapshots": [],
     }
-    for variant in variants:
+    for name in wanted:
+        variant = factories[name](opts)
+        if isinstance(variant, str):  # why it cannot run here
+            report["skipped"].append({"variant": name, "reason": variant})
+            continue
         if variant.prepare is not None:
             try:
                 variant.prepare()
             except ImportError as e:
-                report["skipped"].append({"variant": variant.name, "reason": f"import failed: {e}"})
+                report["skipped"].append({"variant": name, "reason": f"import failed: {e}"})
                 continue
         for teardown in (t for t in teardowns if t in variant.teardowns):
             log(f"{variant.name} / {teardown}:")
@@ -238,26 +218,16 @@ def cmd_teardown(args: argparse.Namespace, extra_variants: dict[str, VariantFact
                 report["snapshots"].append(str(path))
     if recording:
         torch.cuda.memory._record_memory_history(enabled=None)
-    report["inputs"] = inputs.mode
     checked = [r for r in report["runs"] if r["variant"] == PER_INSTANCE]
     report["ok"] = bool(checked) and all(run_ok(r) for r in checked)
     print(format_table(report))
     if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        data = json.dumps(report, indent=1, default=str).encode()
-        replace_atomically(path, path.with_name(f".{path.name}.tmp"), lambda f: f.write(data))  # never through a link
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=1, default=str))
         print(f"wrote {args.json}")
     if after is not None:
         after(report)
     return 0 if report["ok"] or not checked else 1
-
-
-def _checkpoint_config(source: str) -> Any:
-    from ..checkpoint.hub import resolve_folder
-    from ..checkpoint.weights import open_checkpoint
-
-    return open_checkpoint(resolve_folder(source, None, False, None, None)).config
 
 
 def add_bench_parser(sub: Any, parents: Sequence[argparse.ArgumentParser] = ()) -> None:

@@ -27,30 +27,49 @@ from tests.helpers.embed import ENV, make_media_folder, one_error_line, torchrun
 SMALL = ["--max-pixels", str(64 * 64)]
 
 
+def embed(inputs, checkpoint, out, *extra) -> int:
+    """``qwenvl-vision embed`` into a vLLM encoder cache at the small size (a ``--resume`` keeps the run's format)."""
+    fmt = [] if "--resume" in extra else ["--format", "vllm-cache"]
+    return main(["embed", *map(str, inputs), "--model", str(checkpoint), "--out", str(out), *fmt, *SMALL, *extra])
+
+
+def cached(encoder, paths, folder, **pixels) -> list[dict]:
+    """The entries of the images' items, written into ``folder`` by the API (at most 64x64 pixels unless told)."""
+    return encoder.encode_images(paths, **{"max_pixels": 64 * 64, **pixels}).to_vllm_cache(folder)
+
+
+@pytest.fixture(scope="module")
+def imgs(tmp_path_factory) -> list[str]:
+    return [str(p) for p in make_image_folder(tmp_path_factory.mktemp("imgs"), 2, bad=False)]
+
+
+@pytest.fixture(scope="module")
+def qwen3(checkpoint3):
+    return load_encoder(checkpoint3, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def qwen25(checkpoint):
+    return load_encoder(checkpoint, device="cpu")
+
+
 def listing(folder: Path) -> list[str]:
     return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
 
 
-def rows_of(data: dict, modality: str, tokens: list[int]) -> list[torch.Tensor]:
-    """to_vllm's embeds split back into items."""
-    return list(data[modality][f"{modality}_embeds"].split(tokens))
-
-
-def test_embed_writes_the_items_to_vllm_gives_named_as_the_api_names_them(tmp_path, checkpoint3, capsys):
+def test_embed_writes_the_items_to_vllm_gives_named_as_the_api_names_them(tmp_path, checkpoint3, qwen3):
     pytest.importorskip("av")
     images, videos = make_media_folder(tmp_path / "media", 3, 2)
     (tmp_path / "media" / "broken.png").write_bytes(b"not an image")
     out = tmp_path / "cache"
-    assert main(["embed", str(tmp_path / "media"), "--model", str(checkpoint3), "--out", str(out),
-                 "--format", "vllm-cache", "--fps", "3", *SMALL]) == 1  # the broken file fails, the rest embed
+    assert embed([tmp_path / "media"], checkpoint3, out, "--fps", "3") == 1  # the broken file fails, the rest embed
     records = {Path(r["path"]).name: r for r in read_manifest_lines(out / "manifest.jsonl")}
     assert records["broken.png"]["status"] == "error" and "broken.png" in records["broken.png"]["error"]
-    encoder = load_encoder(checkpoint3, device="cpu")
-    image_result = encoder.encode_images([str(p) for p in images], max_pixels=64 * 64)
-    video_result = encoder.encode_videos([str(p) for p in videos], fps=3.0)
+    image_result = qwen3.encode_images([str(p) for p in images], max_pixels=64 * 64)
+    video_result = qwen3.encode_videos([str(p) for p in videos], fps=3.0)
     for paths, result in [(images, image_result), (videos, video_result)]:
         data = result.to_vllm()
-        expected = rows_of(data, result.modality, [e.shape[0] for e in result.embeddings])
+        expected = data[result.modality][f"{result.modality}_embeds"].split([e.shape[0] for e in result.embeddings])
         entries = result.to_vllm_cache(tmp_path / "api")
         for path, rows, e in zip(paths, expected, entries, strict=True):
             record = records[path.name]
@@ -75,59 +94,48 @@ def test_embed_writes_the_items_to_vllm_gives_named_as_the_api_names_them(tmp_pa
         assert all(torch.equal(a, b) for a, b in zip(got_levels, levels))
 
 
-def test_ids_change_with_the_model_its_dtype_and_the_pixels_and_stay_for_the_same(tmp_path, checkpoint, checkpoint3):
-    paths = [str(p) for p in make_image_folder(tmp_path / "imgs", 2, bad=False)]
-    fp32 = load_encoder(checkpoint3, device="cpu")
-    ids = {}
-    ids["first"] = [e["id"] for e in fp32.encode_images(paths, max_pixels=64 * 64).to_vllm_cache(tmp_path / "a")]
+def test_ids_change_with_the_model_its_dtype_and_the_pixels_and_stay_for_the_same(tmp_path, checkpoint3, qwen3,
+                                                                                   qwen25, imgs):
+    ids = {"first": [e["id"] for e in cached(qwen3, imgs, tmp_path / "a")]}
     item = tmp_path / "a" / ids["first"][0] / CACHE_FILE
     written = item.stat().st_ino, item.read_bytes(), item.stat().st_mtime_ns
-    ids["again"] = [e["id"] for e in fp32.encode_images(paths, max_pixels=64 * 64).to_vllm_cache(tmp_path / "a")]
-    assert ids["again"] == ids["first"]
+    assert [e["id"] for e in cached(qwen3, imgs, tmp_path / "a")] == ids["first"]
     # An id present is not rewritten (the same file, the same bytes); its last write is refreshed, so that a
     # cache prune, oldest first, keeps what is still being asked for.
     assert (item.stat().st_ino, item.read_bytes()) == written[:2] and item.stat().st_mtime_ns >= written[2]
-    resized = fp32.encode_images(paths, min_pixels=32 * 32, max_pixels=48 * 48)  # other pixels, other ids
-    ids["pixels"] = [e["id"] for e in resized.to_vllm_cache(tmp_path / "b")]
-    bf16 = load_encoder(checkpoint3, device="cpu", dtype=torch.bfloat16)
-    ids["dtype"] = [e["id"] for e in bf16.encode_images(paths, max_pixels=64 * 64).to_vllm_cache(tmp_path / "c")]
     other = load_encoder(checkpoint3, device="cpu", random_weights=False)
     with torch.no_grad():  # a fine-tune: the same names and shapes, one weight changed
         next(other.model.parameters()).add_(1e-3)
-    ids["weights"] = [e["id"] for e in other.encode_images(paths, max_pixels=64 * 64).to_vllm_cache(tmp_path / "d")]
-    qwen25 = load_encoder(checkpoint, device="cpu")
-    ids["family"] = [e["id"] for e in qwen25.encode_images(paths, max_pixels=64 * 64).to_vllm_cache(tmp_path / "e")]
-    flat = [i for key in ("first", "pixels", "dtype", "weights", "family") for i in ids[key]]
+    ids["pixels"] = cached(qwen3, imgs, tmp_path / "b", min_pixels=32 * 32, max_pixels=48 * 48)  # other pixels
+    ids["dtype"] = cached(load_encoder(checkpoint3, device="cpu", dtype=torch.bfloat16), imgs, tmp_path / "c")
+    ids["weights"] = cached(other, imgs, tmp_path / "d")
+    ids["family"] = cached(qwen25, imgs, tmp_path / "e")
+    flat = ids["first"] + [e["id"] for key in ("pixels", "dtype", "weights", "family") for e in ids[key]]
     assert len(set(flat)) == len(flat)
 
 
-def test_a_folder_holding_another_model_s_items_is_refused_and_nothing_written(tmp_path, checkpoint, checkpoint3,
-                                                                            capsys):
-    paths = [str(p) for p in make_image_folder(tmp_path / "imgs", 2, bad=False)]
+def test_a_folder_holding_another_model_s_items_is_refused_and_nothing_written(tmp_path, checkpoint, qwen3, qwen25,
+                                                                            imgs, capsys):
     folder = tmp_path / "cache"
-    qwen3, qwen25 = load_encoder(checkpoint3, device="cpu"), load_encoder(checkpoint, device="cpu")
-    qwen3.encode_images(paths, max_pixels=64 * 64).to_vllm_cache(folder)
+    cached(qwen3, imgs, folder)
     before = listing(folder)
     with pytest.raises(CacheFolderError, match="another model"):
-        qwen25.encode_images(paths, max_pixels=64 * 64).to_vllm_cache(folder)
-    assert main(["embed", *paths, "--model", str(checkpoint), "--out", str(folder), "--format", "vllm-cache",
-                 *SMALL]) == 2
+        cached(qwen25, imgs, folder)
+    assert embed(imgs, checkpoint, folder) == 2
     assert "another model" in one_error_line(capsys.readouterr().err, "another model")
     assert listing(folder) == before
     # Items of unknown origin (vLLM's own producer, a copy without the identity file) are refused too.
     (folder / IDENTITY_FILE).unlink()
     with pytest.raises(CacheFolderError, match="not written by qwenvl-vision"):
-        qwen3.encode_images(paths, max_pixels=64 * 64).to_vllm_cache(folder)
+        cached(qwen3, imgs, folder)
 
 
-def test_the_request_names_each_item_by_its_id_with_the_grid_and_the_timing(tmp_path, checkpoint3):
+def test_the_request_names_each_item_by_its_id_with_the_grid_and_the_timing(tmp_path, qwen3, imgs):
     pytest.importorskip("av")
     video = tmp_path / "clip.mp4"
     write_video(video, 9, 48, 40, 4)
-    encoder = load_encoder(checkpoint3, device="cpu")
-    images = encoder.encode_images([str(p) for p in make_image_folder(tmp_path / "imgs", 2, bad=False)],
-                                   max_pixels=64 * 64).to_vllm_cache(tmp_path / "cache")
-    videos = encoder.encode_videos([str(video)]).to_vllm_cache(tmp_path / "cache")
+    images = cached(qwen3, imgs, tmp_path / "cache")
+    videos = qwen3.encode_videos([str(video)]).to_vllm_cache(tmp_path / "cache")
     request = vllm_request([images[1], videos[0], images[0]])  # each modality's items in prompt order
     assert request["multi_modal_uuids"] == {"image": [images[1]["id"], images[0]["id"]], "video": [videos[0]["id"]]}
     data = request["multi_modal_data"]
@@ -135,7 +143,7 @@ def test_the_request_names_each_item_by_its_id_with_the_grid_and_the_timing(tmp_
     assert set(data["image"]) == {"image_grid_thw"}  # the embeddings come from the cache
     assert data["video"]["timestamps"] == [videos[0]["timestamps"]] and len(videos[0]["timestamps"]) == \
         videos[0]["grid_thw"][0]
-    with pytest.raises(InputError, match="entry 1: id"):
+    with pytest.raises(InputError, match="entry 1: id"):  # an id names a folder: nothing else may
         vllm_request([images[0], {**images[1], "id": "../../etc"}])
     # Options the consumer would add make vLLM name the items by another hash (the contract tier shows it with
     # vLLM's own): refused in one line naming them.
@@ -158,41 +166,35 @@ def test_omni_videos_carry_the_seconds_per_temporal_patch_of_the_fps_asked(tmp_p
     assert e["second_per_grid_t"] == pytest.approx(2 / 3) and "timestamps" not in e
     assert vllm_request([e])["multi_modal_data"]["video"]["second_per_grid_ts"].tolist() == [pytest.approx(2 / 3)]
     frames = encoder.encode_videos([torch.zeros(4, 3, 56, 56, dtype=torch.uint8)])
-    with pytest.raises(InputError, match="video_info"):
-        frames.to_vllm()
-    with pytest.raises(InputError, match="video_info"):
-        frames.to_vllm_cache(tmp_path / "other")
+    for handoff in (frames.to_vllm, lambda: frames.to_vllm_cache(tmp_path / "other")):
+        with pytest.raises(InputError, match="video_info"):
+            handoff()
     assert not (tmp_path / "other").exists()
 
 
-def test_a_result_names_its_items_while_its_encoder_is_loaded_or_has_hashed_its_weights(tmp_path, checkpoint3):
+def test_a_result_names_its_items_while_its_encoder_is_loaded_or_has_hashed_its_weights(tmp_path, checkpoint3, imgs):
     """A result does not keep its encoder alive: once the encoder is gone, which model made it is unknown. A closed
     encoder that hashed its weights before it closed still names them."""
-    paths = [str(p) for p in make_image_folder(tmp_path / "imgs", 1, bad=False)]
-    result = load_encoder(checkpoint3, device="cpu").encode_images(paths, max_pixels=64 * 64)
+    result = load_encoder(checkpoint3, device="cpu").encode_images(imgs, max_pixels=64 * 64)
     with pytest.raises(InputError, match="keep the encoder"):
         result.to_vllm_cache(tmp_path / "cache")
     assert not (tmp_path / "cache").exists()
-    encoder = load_encoder(checkpoint3, device="cpu")
-    result = encoder.encode_images(paths, max_pixels=64 * 64)
-    encoder.close()
+    encoders = [load_encoder(checkpoint3, device="cpu") for _ in range(2)]
+    results = [encoder.encode_images(imgs, max_pixels=64 * 64) for encoder in encoders]
+    identity = encoders[1].identity()  # hashed before it closes
+    for encoder in encoders:
+        encoder.close()
     with pytest.raises(EncoderClosedError):
-        result.to_vllm_cache(tmp_path / "cache")
-    encoder = load_encoder(checkpoint3, device="cpu")
-    result = encoder.encode_images(paths, max_pixels=64 * 64)
-    identity = encoder.identity()
-    encoder.close()
-    assert encoder.identity() == identity and len(result.to_vllm_cache(tmp_path / "cache")) == 1
+        results[0].to_vllm_cache(tmp_path / "cache")
+    assert encoders[1].identity() == identity and len(results[1].to_vllm_cache(tmp_path / "cache")) == 2
 
 
 def test_a_resumed_run_and_two_ranks_record_each_input_once(tmp_path, checkpoint):
     paths = make_image_folder(tmp_path / "imgs", 5)
     out = tmp_path / "resumed"
-    assert main(["embed", *map(str, paths[:2]), "--model", str(checkpoint), "--out", str(out),
-                 "--format", "vllm-cache", *SMALL]) == 0
+    assert embed(paths[:2], checkpoint, out) == 0
     first = {r["path"]: r["id"] for r in read_manifest_lines(out / "manifest.jsonl")}
-    assert main(["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(out), "--resume",
-                 *SMALL]) == 1  # the format is the run's; the bad files fail
+    assert embed([tmp_path / "imgs"], checkpoint, out, "--resume") == 1  # the format is the run's; bad files fail
     recs = read_manifest_lines(out / "manifest.jsonl")
     assert len({r["realpath"] for r in recs}) == len(recs) == len(paths) + 3
     ok = [r for r in recs if r["status"] == "ok"]
@@ -210,33 +212,24 @@ def test_a_resumed_run_and_two_ranks_record_each_input_once(tmp_path, checkpoint
     assert not list(ranks.rglob("*.tmp"))
 
 
-def test_vllm_cache_options_that_cannot_work_are_refused(tmp_path, checkpoint, capsys):
-    paths = [str(p) for p in make_image_folder(tmp_path / "imgs", 1, bad=False)]
-    for extra, needle in [(["--pooled-only"], "--pooled-only")]:
-        out = tmp_path / "out"
-        assert main(["embed", *paths, "--model", str(checkpoint), "--out", str(out), "--format", "vllm-cache",
-                     *extra]) == 2
-        assert needle in one_error_line(capsys.readouterr().err, needle)
-        assert not out.exists()
+def test_pooled_only_vllm_cache_is_refused(tmp_path, checkpoint, imgs, capsys):
+    assert embed(imgs, checkpoint, tmp_path / "out", "--pooled-only") == 2
+    one_error_line(capsys.readouterr().err, "--pooled-only")
+    assert not (tmp_path / "out").exists()
 
 
-def test_a_resume_removes_a_killed_run_s_temporary_item_and_records_each_input_once(tmp_path, checkpoint):
+def test_a_resume_removes_a_killed_run_s_temporary_item_and_records_each_input_once(tmp_path, checkpoint, qwen25):
     """A run killed while an item was being written leaves its temporary file (removed by the resume) and maybe a
     complete item it never recorded (kept: the redone input finds it under its id). Two files with the same pixels
     are one item, recorded for both."""
     paths = make_image_folder(tmp_path / "imgs", 3, bad=False)
-    twin = tmp_path / "imgs" / "twin.png"
-    twin.write_bytes(paths[1].read_bytes())
+    (tmp_path / "imgs" / "twin.png").write_bytes(paths[1].read_bytes())
     out = tmp_path / "cache"
-    assert main(["embed", str(paths[0]), "--model", str(checkpoint), "--out", str(out), "--format", "vllm-cache",
-                 *SMALL]) == 0
-    run_id = read_run(out)["run_id"]
-    encoder = load_encoder(checkpoint, device="cpu")
-    (orphan,) = encoder.encode_images([str(paths[2])], max_pixels=64 * 64).to_vllm_cache(out)  # written, unrecorded
-    stale = out / orphan["id"] / f"{CACHE_FILE}.{run_id}-r0.tmp"
+    assert embed(paths[:1], checkpoint, out) == 0
+    (orphan,) = cached(qwen25, [str(paths[2])], out)  # written, unrecorded
+    stale = out / orphan["id"] / f"{CACHE_FILE}.{read_run(out)['run_id']}-r0.tmp"
     stale.write_bytes(b"half an item")
-    assert main(["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(out), "--resume",
-                 *SMALL]) == 0
+    assert embed([tmp_path / "imgs"], checkpoint, out, "--resume") == 0
     recs = read_manifest_lines(out / "manifest.jsonl")
     assert sorted(Path(r["path"]).name for r in recs) == sorted([p.name for p in paths] + ["twin.png"])
     by_name = {Path(r["path"]).name: r for r in recs}
@@ -246,25 +239,22 @@ def test_a_resume_removes_a_killed_run_s_temporary_item_and_records_each_input_o
     assert {p.name for p in out.iterdir() if p.is_dir()} == {r["id"] for r in recs}
 
 
-def test_a_pickled_result_keeps_its_tensors_and_drops_its_encoder(tmp_path, checkpoint3):
+def test_a_pickled_result_keeps_its_tensors_and_drops_its_encoder(tmp_path, qwen3, imgs):
+    import copy
     import pickle
 
-    paths = [str(p) for p in make_image_folder(tmp_path / "imgs", 1, bad=False)]
-    encoder = load_encoder(checkpoint3, device="cpu")
-    result = encoder.encode_images(paths, max_pixels=64 * 64)
-    copy = pickle.loads(pickle.dumps(result))
-    assert torch.equal(copy.embeddings[0], result.embeddings[0]) and copy.pixels_sha256 == result.pixels_sha256
+    result = qwen3.encode_images(imgs, max_pixels=64 * 64)
+    pickled = pickle.loads(pickle.dumps(result))
+    assert torch.equal(pickled.embeddings[0], result.embeddings[0]) and pickled.pixels_sha256 == result.pixels_sha256
     with pytest.raises(InputError, match="pickled one drops it"):
-        copy.to_vllm_cache(tmp_path / "cache")
-    import copy as copying
-
-    assert len(copying.deepcopy(result).to_vllm_cache(tmp_path / "cache")) == 1  # a copy in memory keeps it
-    streamed = [r for batch in encoder.iter_encode(paths, max_pixels=64 * 64) for r in batch]
+        pickled.to_vllm_cache(tmp_path / "cache")
+    assert len(copy.deepcopy(result).to_vllm_cache(tmp_path / "cache")) == 2  # a copy in memory keeps it
+    streamed = [r for batch in qwen3.iter_encode(imgs, max_pixels=64 * 64) for r in batch]
     assert streamed[0].pixels_sha256 is None  # hashing is asked for: iter_encode(hash_pixels=True)
-    hashed = [r for batch in encoder.iter_encode(paths, max_pixels=64 * 64, hash_pixels=True) for r in batch]
+    hashed = [r for batch in qwen3.iter_encode(imgs, max_pixels=64 * 64, hash_pixels=True) for r in batch]
     assert hashed[0].pixels_sha256 == result.pixels_sha256[0]
     with pytest.raises(InputError, match="no pixel hash"):
-        item_id(encoder.identity(), "image", [1, 4, 4], None)
+        item_id(qwen3.identity(), "image", [1, 4, 4], None)
 
 
 def test_an_omni_video_from_a_parquet_run_hands_over_at_the_run_s_fps(tmp_path):
@@ -283,39 +273,32 @@ def test_an_omni_video_from_a_parquet_run_hands_over_at_the_run_s_fps(tmp_path):
 
 
 @pytest.mark.parametrize("target", ["dangling", "another model's identity", "this model's identity"])
-def test_a_link_at_the_identity_file_is_refused_and_left_as_it_is(tmp_path, checkpoint, checkpoint3, target):
+def test_a_link_at_the_identity_file_is_refused_and_left_as_it_is(tmp_path, qwen3, qwen25, imgs, target):
     """A dangling link reads as no identity yet (it raised a FileNotFoundError); one to another model's identity is
     that model's folder; any link is left as it is and never written through."""
     from qwenvl_vision.errors import OutputLinkError
 
-    paths = [str(p) for p in make_image_folder(tmp_path / "imgs", 1, bad=False)]
     folder = tmp_path / "cache"
     folder.mkdir()
     pointed = tmp_path / "elsewhere.json"
     if target != "dangling":
-        other = load_encoder(checkpoint3 if target == "another model's identity" else checkpoint, device="cpu")
-        other.encode_images(paths, max_pixels=64 * 64).to_vllm_cache(tmp_path / "o")
+        cached(qwen3 if target == "another model's identity" else qwen25, imgs, tmp_path / "o")
         pointed = tmp_path / "o" / IDENTITY_FILE
     (folder / IDENTITY_FILE).symlink_to(pointed)
-    encoder = load_encoder(checkpoint, device="cpu")
-    result = encoder.encode_images(paths, max_pixels=64 * 64)
     expected = (CacheFolderError, "another model") if target == "another model's identity" else (
         OutputLinkError, f"{IDENTITY_FILE} is a symbolic link")
     with pytest.raises(expected[0], match=expected[1]):
-        result.to_vllm_cache(folder)
+        cached(qwen25, imgs, folder)
     assert (folder / IDENTITY_FILE).is_symlink() and sorted(p.name for p in folder.iterdir()) == [IDENTITY_FILE]
 
 
-def test_a_model_that_claims_the_folder_first_wins_and_the_other_is_refused(tmp_path, checkpoint, checkpoint3,
+def test_a_model_that_claims_the_folder_first_wins_and_the_other_is_refused(tmp_path, qwen3, qwen25, imgs,
                                                                               monkeypatch):
     """Two writers of two models meet on a fresh folder: the identity file is never replaced; whoever's lands
     first decides, and the other is refused before writing an item."""
     import os
 
-    paths = [str(p) for p in make_image_folder(tmp_path / "imgs", 1, bad=False)]
-    folder = tmp_path / "cache"
-    qwen3, qwen25 = load_encoder(checkpoint3, device="cpu"), load_encoder(checkpoint, device="cpu")
-    qwen3.encode_images(paths, max_pixels=64 * 64).to_vllm_cache(tmp_path / "first")
+    cached(qwen3, imgs, tmp_path / "first")
     theirs = (tmp_path / "first" / IDENTITY_FILE).read_bytes()
     link = os.link
 
@@ -325,6 +308,6 @@ def test_a_model_that_claims_the_folder_first_wins_and_the_other_is_refused(tmp_
 
     monkeypatch.setattr(os, "link", another_writer_got_there_first)
     with pytest.raises(CacheFolderError, match="another model"):
-        qwen25.encode_images(paths, max_pixels=64 * 64).to_vllm_cache(folder)
-    assert (folder / IDENTITY_FILE).read_bytes() == theirs
-    assert sorted(p.name for p in folder.iterdir()) == [IDENTITY_FILE]
+        cached(qwen25, imgs, tmp_path / "cache")
+    assert (tmp_path / "cache" / IDENTITY_FILE).read_bytes() == theirs
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [IDENTITY_FILE]

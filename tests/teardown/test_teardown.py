@@ -16,7 +16,6 @@ import gc
 import json
 import re
 import sys
-import weakref
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +24,7 @@ import torch
 
 import qwenvl_vision
 from qwenvl_vision import EncoderClosedError, load_encoder
+from qwenvl_vision.teardown.cycles import make_inputs, tracked
 from tests.helpers import FAMILY_SMALL, QWEN2_5_SMALL, QWEN3_SMALL_72, census
 
 PACKAGE = Path(qwenvl_vision.__file__).resolve().parent
@@ -47,44 +47,24 @@ def no_gc():
         gc.enable()
 
 
-def _patches(cfg, grids=GRIDS, seed=0):
-    rows = sum(t * h * w for t, h, w in grids)
-    return torch.randn(rows, cfg.patch_dim, generator=torch.Generator().manual_seed(seed))
-
-
-def _images(cfg, sizes=IMAGE_SIZES):
-    factor = cfg.patch_size * cfg.spatial_merge_size
-    rng = np.random.default_rng(0)
-    images = [rng.integers(0, 256, (h * factor, w * factor, 3), dtype=np.uint8) for h, w in sizes]
-    grids = [(1, h * cfg.spatial_merge_size, w * cfg.spatial_merge_size) for h, w in sizes]
-    return images, grids, dict(min_pixels=factor * factor, max_pixels=max(h * w for h, w in sizes) * factor**2)
+def _patches(cfg):
+    return torch.randn(sum(t * h * w for t, h, w in GRIDS), cfg.patch_dim, generator=torch.Generator().manual_seed(0))
 
 
 def _encode_everything(encoder, cfg):
-    """encode_patches at several grids and encode_images at several sizes; returns the outputs."""
+    """encode_patches at several grids and encode_images at several sizes (the benchmark's images); returns the
+    outputs."""
     out = encoder.encode_patches(_patches(cfg), GRIDS)
-    images, image_grids, pixels = _images(cfg)
-    out_images = encoder.encode_images(images, **pixels)
-    assert [tuple(g) for g in out_images.grid_thw.tolist()] == image_grids
-    distinct = set(GRIDS) | set(image_grids)
-    assert len(encoder.model.shape_cache) == len(distinct)
+    images = make_inputs(cfg, torch.device("cpu"), IMAGE_SIZES, "images")
+    out_images = encoder.encode_images(images.images, min_pixels=images.min_pixels, max_pixels=images.max_pixels)
+    assert [tuple(g) for g in out_images.grid_thw.tolist()] == images.grids
+    assert len(encoder.model.shape_cache) == len(set(GRIDS) | set(images.grids))
     return out.embeddings + out_images.embeddings
 
 
 def _storage_bytes(tensors):
     """Bytes of the distinct storages under tensors (split outputs share one storage)."""
     return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
-
-
-def _weakrefs(encoder):
-    model = encoder.model
-    refs = [("encoder", weakref.ref(encoder)), ("shape_cache", weakref.ref(model.shape_cache))]
-    refs += [(f"model.{name}", weakref.ref(m)) for name, m in model.named_modules()]
-    return refs
-
-
-def _alive(refs):
-    return [name for name, ref in refs if ref() is not None]
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
@@ -94,11 +74,11 @@ def test_del_frees_everything_by_refcount(cfg, no_gc):
     weights = sum(p.numel() * p.element_size() for p in encoder.model.parameters())
     outputs = _encode_everything(encoder, cfg)
     assert census() >= baseline + weights + encoder.model.shape_cache.nbytes
-    refs = _weakrefs(encoder)
-    assert len(refs) > 10
+    refs = tracked(encoder)  # weak references to the encoder, its model, every submodule and the shape cache
+    assert len(refs) > 10 and "model.shape_cache" in refs
 
     del encoder
-    assert _alive(refs) == []  # gc is disabled: reference counting alone did it
+    assert list(refs) == []  # gc is disabled: reference counting alone did it
     assert census() == baseline + _storage_bytes(outputs)  # the outputs the caller kept do not pin anything
     del outputs
     assert census() == baseline
@@ -112,6 +92,7 @@ def test_close_frees_while_references_remain(cfg, no_gc):
     cache = model.shape_cache
     _encode_everything(encoder, cfg)
     assert len(cache) > 0 and census() > baseline
+    refs = tracked(encoder)
 
     encoder.close()  # the caller still holds encoder, model and cache
     assert encoder.closed
@@ -120,34 +101,16 @@ def test_close_frees_while_references_remain(cfg, no_gc):
     assert all(p.is_meta for p in model.parameters())
     with pytest.raises(EncoderClosedError, match="is closed"):
         encoder.encode_patches(_patches(cfg), GRIDS)
-    images, _, pixels = _images(cfg)
     with pytest.raises(EncoderClosedError, match="is closed"):
-        encoder.encode_images(images, **pixels)
+        encoder.encode_images([np.zeros((56, 56, 3), np.uint8)])
     with pytest.raises(EncoderClosedError):
         encoder.model  # noqa: B018
     encoder.close()  # idempotent
     assert "closed" in repr(encoder)
 
-    refs = _weakrefs_closed(encoder, model, cache)
     del encoder, model, cache
-    assert _alive(refs) == []
+    assert list(refs) == []
     assert census() == baseline
-
-
-def _weakrefs_closed(encoder, model, cache):
-    return ([("encoder", weakref.ref(encoder)), ("shape_cache", weakref.ref(cache))]
-            + [(f"model.{name}", weakref.ref(m)) for name, m in model.named_modules()])
-
-
-def test_context_manager_closes(no_gc):
-    cfg = QWEN3_SMALL_72
-    baseline = census()
-    with load_encoder(cfg, random_weights=True, device="cpu") as encoder:
-        embeddings = encoder.encode_patches(_patches(cfg), GRIDS).embeddings
-    assert encoder.closed
-    assert census() == baseline + _storage_bytes(embeddings)
-    with pytest.raises(EncoderClosedError):
-        encoder.encode_patches(_patches(cfg), GRIDS)
 
 
 FRESH_PROCESS = """
@@ -230,35 +193,26 @@ def test_package_has_no_functools_cache():
                             + "\n".join(findings))
 
 
-@pytest.mark.parametrize("snippet", [
-    "import functools\n@functools.lru_cache(maxsize=None)\ndef f(x): return x\n",
-    "import functools as ft\nclass A:\n    @ft.cache\n    def f(self, x): return x\n",
-    "from functools import lru_cache\nclass A:\n    @lru_cache(maxsize=64)\n    def f(self, x): return x\n",
-    "from functools import cache as memo\n@memo\ndef f(x): return x\n",
-    "import functools\ndef g():\n    h = functools.lru_cache()(len)\n    return h\n",
-])
-def test_scanner_catches_functools_caches(snippet):
-    assert functools_caches(snippet)
-
-
-def test_scanner_ignores_other_caches():
-    snippet = ("import functools\nfrom functools import partial, wraps\n"
-               "class A:\n    @property\n    def cache(self): return self.shape_cache\n"
-               "    @functools.wraps(len)\n    def f(self): return self.cache.get(1)\n")
-    assert functools_caches(snippet) == []
-
-
-def test_scanner_sees_the_benchmark_variant():
-    """bench/teardown.py holds the deliberate class-level lru_cache; the scanner must see it."""
-    path = REPO / "bench" / "teardown.py"
-    assert functools_caches(path.read_text(), str(path))
+@pytest.mark.parametrize("snippet, caches", [
+    ("import functools\n@functools.lru_cache(maxsize=None)\ndef f(x): return x\n", True),
+    ("import functools as ft\nclass A:\n    @ft.cache\n    def f(self, x): return x\n", True),
+    ("from functools import lru_cache\nclass A:\n    @lru_cache(maxsize=64)\n    def f(self, x): return x\n", True),
+    ("from functools import cache as memo\n@memo\ndef f(x): return x\n", True),
+    ("import functools\ndef g():\n    h = functools.lru_cache()(len)\n    return h\n", True),
+    ((REPO / "bench" / "teardown.py").read_text(), True),  # the benchmark's deliberate class-level lru_cache
+    ("import functools\nfrom functools import partial, wraps\nclass A:\n    @property\n    def cache(self): "
+     "return self.shape_cache\n    @functools.wraps(len)\n    def f(self): return self.cache.get(1)\n", False),
+], ids=["attribute", "alias", "from-import", "renamed", "call", "bench", "other caches"])
+def test_the_scanner_finds_functools_caches_and_nothing_else(snippet, caches):
+    assert bool(functools_caches(snippet)) == caches
 
 
 # ---------------------------------------------------------------------- the benchmark itself
 
 
 def _run_bench(tmp_path, cfg, *extra, script: bool = False):
-    """The teardown benchmark on a small config: the package's CLI, or bench.teardown with its comparisons."""
+    """The teardown benchmark on a small config: the package's CLI, or bench.teardown with its comparisons; its exit
+    status and its JSON report (None when it wrote none)."""
     import importlib
 
     from qwenvl_vision.cli import main
@@ -269,16 +223,12 @@ def _run_bench(tmp_path, cfg, *extra, script: bool = False):
     argv = ["--config", str(config), "--device", "cpu", "--json", str(out), "--quiet", "--sizes", "56x56,56x112,112x84",
             *extra]
     rc = importlib.import_module("bench.teardown").main(argv) if script else main(["bench", "teardown", *argv])
-    return rc, json.loads(out.read_text())
+    return rc, json.loads(out.read_text()) if out.exists() else None
 
 
 def test_bad_sizes_are_a_one_line_usage_error_and_debug_is_taken_after_the_command(tmp_path, capsys):
-    from qwenvl_vision.cli import main
-
-    config = tmp_path / "config.json"
-    config.write_text(json.dumps(QWEN2_5_SMALL.to_config_json()))
     for extra in ([], ["--debug"]):
-        assert main(["bench", "teardown", "--config", str(config), "--device", "cpu", "--sizes", "big", *extra]) == 2
+        assert _run_bench(tmp_path, QWEN2_5_SMALL, "--sizes", "big", *extra) == (2, None)
         assert "qwenvl-vision bench: error: --sizes: 'big' is not HxW in pixels" in capsys.readouterr().err
 
 
@@ -355,12 +305,8 @@ def test_new_families_retain_nothing(tmp_path, family):
 @pytest.mark.slow  # the whole benchmark command, several load-encode-teardown cycles (6-10 s)
 def test_benchmark_qwen3_script_with_transformers_and_plot(tmp_path):
     plot = tmp_path / "t.png"
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        plot = None
-    extra = ["--cycles", "2", "--teardown", "del", "--inputs", "patches"] + (["--plot", str(plot)] if plot else [])
-    rc, report = _run_bench(tmp_path, QWEN3_SMALL_72, *extra, script=True)
+    rc, report = _run_bench(tmp_path, QWEN3_SMALL_72, "--cycles", "2", "--teardown", "del", "--inputs", "patches",
+                            "--plot", str(plot), script=True)
     assert rc == 0 and report["inputs"] == "patches"
     runs = _runs(report)
     assert runs["per-instance", "del"]["retained_bytes"] == 0
@@ -371,8 +317,7 @@ def test_benchmark_qwen3_script_with_transformers_and_plot(tmp_path):
     import bench.teardown as script
 
     assert script.cache_entries() == 0  # the benchmark cleared the class cache after its run
-    if plot is not None:
-        assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_plot_without_matplotlib_fails_fast(tmp_path, capsys, monkeypatch):
