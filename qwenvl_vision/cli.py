@@ -12,6 +12,7 @@ terminated (SIGTERM: a scheduler's preemption, ``kill``; stopped as Ctrl-C stops
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import json
 import logging
@@ -70,25 +71,14 @@ def validate_extract_args(args: argparse.Namespace) -> None:
 _HUB_REPO_FOLDER_PREFIXES = ("models--", "datasets--", "spaces--")
 
 
-def _hub_cache_roots() -> list[Path]:
-    """The Hugging Face caches this process would use: huggingface_hub's HF_HUB_CACHE, and the environment's."""
-    roots = [os.environ.get("HF_HUB_CACHE"), os.environ.get("HUGGINGFACE_HUB_CACHE")]
-    if os.environ.get("HF_HOME"):
-        roots.append(os.path.join(os.environ["HF_HOME"], "hub"))
-    try:
-        from huggingface_hub import constants
-
-        roots.append(getattr(constants, "HF_HUB_CACHE", None))
-    except ImportError:
-        pass
-    return [Path(r).expanduser().resolve() for r in dict.fromkeys(roots) if r]
-
-
 def _in_hub_cache(path: Path) -> Path | None:
-    """The Hugging Face cache (or a repo folder in that layout) that the resolved ``path`` is in, or None."""
-    for root in _hub_cache_roots():
-        if path == root or root in path.parents:
-            return root
+    """The Hugging Face cache this process uses (huggingface_hub's, which follows HF_HUB_CACHE and HF_HOME), or a repo
+    folder in that layout elsewhere, that the resolved ``path`` is in; None otherwise."""
+    from huggingface_hub import constants
+
+    root = Path(constants.HF_HUB_CACHE).expanduser().resolve()
+    if path == root or root in path.parents:
+        return root
     for folder in (path, *path.parents):
         if folder.name.startswith(_HUB_REPO_FOLDER_PREFIXES) and \
                 any((folder / part).is_dir() for part in ("blobs", "snapshots")):
@@ -125,12 +115,16 @@ def refuse_extract_target(source: Path, out: Path) -> None:
 def cmd_extract_weights(args: argparse.Namespace) -> int:
     from .checkpoint.hub import resolve_folder
     from .checkpoint.save import save_vision_only
+    from .checkpoint.weights import open_checkpoint, vision_entries
+    from .devices import SAFETENSORS_DTYPES
     from .loading import load_encoder
 
     folder = resolve_folder(args.source, args.revision, args.local_files_only, None, None)  # a repo id: fetched
     out = Path(args.out) if args.out else _default_out(args.source)
     refuse_extract_target(folder, out)  # again for a local folder: it may have changed since validate
-    encoder = load_encoder(folder, device="cpu", dtype=args.dtype or _stored_dtype(folder), cpu_kernels="reference")
+    # Without --dtype, the checkpoint's own (its first vision tensor's).
+    stored = SAFETENSORS_DTYPES[next(iter(vision_entries(open_checkpoint(folder)).values()))["dtype"]]
+    encoder = load_encoder(folder, device="cpu", dtype=args.dtype or stored, cpu_kernels="reference")
     with encoder:
         pre = encoder.preprocess_config
         try:
@@ -146,55 +140,37 @@ def cmd_extract_weights(args: argparse.Namespace) -> int:
     return 0
 
 
-def _stored_dtype(folder: Path):
-    """Keep the checkpoint's own dtype when extracting (the first vision tensor's)."""
-    from .checkpoint.weights import open_checkpoint, vision_entries
-    from .devices import SAFETENSORS_DTYPES
-
-    return SAFETENSORS_DTYPES[next(iter(vision_entries(open_checkpoint(folder)).values()))["dtype"]]
-
-
-def _preset_report(name: str) -> dict:
-    """What a preset describes: a released tower's shape, without weights (counted on the meta device)."""
-    from .model.build import build_model
-    from .model.config import preset
-
-    config = preset(name)
-    parameters = sum(p.numel() for p in build_model(config, device="meta").parameters())
-    return {
-        "preset": config.name,
-        "family": config.model_type,
-        "model_type": config.model_type,
-        "weights": "none: use --random-weights (embed, bench) for random weights at this size, or a repo id",
-        "parameters": parameters,
-        "bytes_bf16": parameters * 2,
-        "config": config.to_vision_dict(),
-    }
-
-
 def cmd_inspect(args: argparse.Namespace) -> int:
     from .checkpoint.hub import resolve_folder
     from .checkpoint.weights import open_checkpoint, vision_entries
 
-    if _is_preset(args.source):
-        _print_report(_preset_report(args.source), args.json)
+    if _is_preset(args.source):  # a released tower's shape, without weights (counted on the meta device)
+        from .model.build import build_model
+        from .model.config import preset
+
+        config = preset(args.source)
+        parameters = sum(p.numel() for p in build_model(config, device="meta").parameters())
+        _print_report({
+            "preset": config.name,
+            "family": config.model_type,
+            "model_type": config.model_type,
+            "weights": "none: use --random-weights (embed, bench) for random weights at this size, or a repo id",
+            "parameters": parameters,
+            "bytes_bf16": parameters * 2,
+            "config": config.to_vision_dict(),
+        }, args.json)
         return 0
     folder = resolve_folder(args.source, args.revision, args.local_files_only, None, None)
     checkpoint = open_checkpoint(folder)
-    entries = vision_entries(checkpoint)  # every header validated as a load does; one read per shard
-    total_bytes = 0
-    dtypes: dict[str, int] = {}
-    for entry in entries.values():
-        dtypes[entry["dtype"]] = dtypes.get(entry["dtype"], 0) + 1
-        total_bytes += entry["bytes"]
+    entries = vision_entries(checkpoint).values()  # every header validated as a load does; one read per shard
     report = {
         "folder": str(folder),
         "family": checkpoint.config.model_type,
         "model_type": checkpoint.config.model_type,
         "vision_only": checkpoint.vision_only,
         "tensors": len(checkpoint.tensors),
-        "bytes": total_bytes,
-        "dtypes": dtypes,
+        "bytes": sum(entry["bytes"] for entry in entries),
+        "dtypes": dict(collections.Counter(entry["dtype"] for entry in entries)),
         "shards": [p.name for p in checkpoint.shard_files],
         "config": checkpoint.config.to_vision_dict(),
     }
@@ -236,41 +212,36 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def _version() -> str:
+def build_parser() -> argparse.ArgumentParser:
     from .version import package_version
 
-    return package_version()
-
-
-def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="qwenvl-vision", description=__doc__.split("\n\n")[0],
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
-    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     # Also accepted after the command; SUPPRESS keeps the subcommand from resetting a --debug given before it.
     common = _Parser(add_help=False)
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                         help="show the traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True)
 
+    hub = _Parser(add_help=False)  # where a repo id comes from
+    hub.add_argument("--revision", help="Hub branch, tag or commit (default: main)")
+    hub.add_argument("--local-files-only", action="store_true",
+                     help="use the Hugging Face cache only, never the network (as HF_HUB_OFFLINE=1)")
+
     p = sub.add_parser("extract-weights", help="write a vision-only checkpoint from a released one",
-                       parents=[common])
+                       parents=[common, hub])
     p.add_argument("source", help="checkpoint folder or Hugging Face repo id")
     p.add_argument("--out", help="output folder (default: weights/<name>-vision); must be empty unless --force")
     p.add_argument("--force", action="store_true", help="write into a non-empty --out (same-name files replaced)")
     p.add_argument("--dtype", type=dtype_option, help=f"convert to this dtype: {DTYPE_CHOICES} (default: keep the "
                                                 "checkpoint's stored dtype)")
-    p.add_argument("--revision", help="Hub branch, tag or commit (default: main)")
-    p.add_argument("--local-files-only", action="store_true",
-                   help="use the Hugging Face cache only, never the network (as HF_HUB_OFFLINE=1)")
     p.set_defaults(func=cmd_extract_weights, validate=validate_extract_args)
 
     p = sub.add_parser("inspect", help="family, config, tensor count and bytes, without loading weights",
-                       parents=[common])
+                       parents=[common, hub])
     p.add_argument("source", help="checkpoint folder, Hugging Face repo id, or preset name")
-    p.add_argument("--revision", help="Hub branch, tag or commit (default: main)")
-    p.add_argument("--local-files-only", action="store_true",
-                   help="use the Hugging Face cache only, never the network (as HF_HUB_OFFLINE=1)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=cmd_inspect)
 
@@ -333,7 +304,7 @@ def _terminated(signum, frame) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .errors import InternalError, QwenVLVisionError, exit_code_of
+    from .errors import QwenVLVisionError, exit_code_of
 
     try:
         args = build_parser().parse_args(argv)
@@ -350,28 +321,23 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # the reader of our stdout went away (`| head`): stop quietly, as Unix tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit flush cannot fail again
         return 141  # 128 + SIGPIPE, what a shell reports for a tool stopped by a closed pipe
-    except (QwenVLVisionError, OSError) as e:
+    except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - every error ends in one line
         if args.debug:
             traceback.print_exc()
-        message = _one_line(e)
+        if isinstance(e, KeyboardInterrupt):
+            what = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
+            print(f"qwenvl-vision {args.command}: {what}" + ("; what is recorded is kept, --resume continues"
+                                                            if args.command == "embed" else ""), file=sys.stderr)
+            return 143 if isinstance(e, Terminated) else 130
+        if not isinstance(e, (QwenVLVisionError, OSError)):  # a bug: --debug shows where
+            print(f"qwenvl-vision {args.command}: error: internal error, {type(e).__name__}: {_one_line(e)[:500]} "
+                  f"(a bug: run again with --debug for the traceback and report it)", file=sys.stderr)
+            return 5  # a bug's own exit status (docs/embed.md)
         if not getattr(e, "quiet", False):  # quiet: another torchrun rank failed and printed why
             rank = os.environ.get("RANK") if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
             where = f" [rank {rank}]" if rank is not None else ""
-            print(f"qwenvl-vision {args.command}{where}: error: {message}", file=sys.stderr)
+            print(f"qwenvl-vision {args.command}{where}: error: {_one_line(e)}", file=sys.stderr)
         return exit_code_of(e)
-    except KeyboardInterrupt as e:
-        if args.debug:
-            traceback.print_exc()
-        what = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
-        print(f"qwenvl-vision {args.command}: {what}" + ("; what is recorded is kept, --resume continues"
-                                                        if args.command == "embed" else ""), file=sys.stderr)
-        return 143 if isinstance(e, Terminated) else 130
-    except Exception as e:  # noqa: BLE001 - a bug still ends in one line; --debug shows the traceback
-        if args.debug:
-            traceback.print_exc()
-        print(f"qwenvl-vision {args.command}: error: internal error, {type(e).__name__}: {_one_line(e)[:500]} "
-              f"(a bug: run again with --debug for the traceback and report it)", file=sys.stderr)
-        return InternalError.exit_code
     finally:
         if main_thread and previous is not None:  # None: a handler set from C, which Python cannot put back
             signal.signal(signal.SIGTERM, previous)

@@ -26,29 +26,18 @@ FLAGS = {"min_pixels": "--min-pixels", "max_pixels": "--max-pixels", "pooled": "
          "normalize": "--normalize"}
 
 
-def _positive_int(name: str):
-    """An argparse type: a whole number of at least 1, the error naming the option."""
-    def parse(text: str) -> int:
+def _positive(kind: type, name: str):
+    """An argparse type: a whole number of at least 1 (``int``) or a finite number above 0 (``float``), the error
+    naming the option."""
+    what, bound = ("an integer", "at least 1") if kind is int else ("a number", "a positive number")
+
+    def parse(text: str):
         try:
-            value = int(text)
+            value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"{name} must be at least 1, got {value}")
-        return value
-
-    return parse
-
-
-def _positive_float(name: str):
-    """An argparse type: a finite number above 0, the error naming the option."""
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be a number, got {text!r}") from None
+            raise argparse.ArgumentTypeError(f"{name} must be {what}, got {text!r}") from None
         if not math.isfinite(value) or value <= 0:
-            raise argparse.ArgumentTypeError(f"{name} must be a positive number, got {text}")
+            raise argparse.ArgumentTypeError(f"{name} must be {bound}, got {text}")
         return value
 
     return parse
@@ -109,21 +98,19 @@ def _column_names(text: str) -> tuple[str, ...]:
 def validate_embed_args(args: argparse.Namespace) -> None:
     """Checks across options, right after parsing (argparse checks each option alone)."""
     check_option_rules(min_pixels=args.min_pixels, max_pixels=args.max_pixels, pooled=args.pooled_only,
-                       normalize=getattr(args, "normalize", False), names=FLAGS)
-    engine = getattr(args, "engine", "local")
-    if engine == "ray" and getattr(args, "format", None) == "safetensors":
+                       normalize=args.normalize, names=FLAGS)
+    if args.engine == "ray" and args.format == "safetensors":
         raise ConfigError("--engine ray writes --format parquet or vllm-cache (the driver writes what Ray hands "
                           "back, row by row): drop --format safetensors, or use --engine local")
-    if getattr(args, "format", None) == "vllm-cache" and args.pooled_only:
+    if args.format == "vllm-cache" and args.pooled_only:
         raise ConfigError("--format vllm-cache stores each item's tokens, which a vLLM consumer places in the prompt: "
                           "drop --pooled-only")
-    if getattr(args, "ray_address", None) and engine != "ray":
-        raise ConfigError(f"--ray-address {args.ray_address} needs --engine ray")
-    if getattr(args, "ray_actors", None) and engine != "ray":
-        raise ConfigError("--ray-actors needs --engine ray")
-    args.format_given = getattr(args, "format", None) is not None  # a --resume without it takes the run's
+    for option, value in (("--ray-address", args.ray_address), ("--ray-actors", args.ray_actors)):
+        if value and args.engine != "ray":
+            raise ConfigError(f"{option} {value} needs --engine ray")
+    args.format_given = args.format is not None  # a --resume without it takes the run's
     if not args.format_given:
-        args.format = "parquet" if engine == "ray" else "safetensors"
+        args.format = "parquet" if args.engine == "ray" else "safetensors"
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file, not a folder")
@@ -149,30 +136,29 @@ def add_embed_parser(sub, parents=()) -> argparse.ArgumentParser:
                    help="cpu, cuda or cuda:N (default: cuda when available, else cpu; under torchrun each rank "
                         "takes cuda:LOCAL_RANK)")
     p.add_argument("--dtype", type=dtype_option, help=f"{DTYPE_CHOICES} (default: bf16 on CUDA, fp32 on CPU)")
-    p.add_argument("--min-pixels", type=_positive_int("--min-pixels"),
-                   help="smallest image area after resizing (default: the checkpoint's, e.g. 3136 for "
-                        "Qwen2.5-VL, 65536 for Qwen3-VL)")
-    p.add_argument("--max-pixels", type=_positive_int("--max-pixels"),
-                   help="largest image area after resizing (default: the checkpoint's, e.g. 12845056 for "
-                        "Qwen2.5-VL, 16777216 for Qwen3-VL); below the checkpoint's min_pixels, small images are "
-                        "still upscaled to that min, as in transformers' processor: give --min-pixels too")
+    p.add_argument("--min-pixels", type=_positive(int, "--min-pixels"),
+                   help="smallest image area after resizing (default: the checkpoint's)")
+    p.add_argument("--max-pixels", type=_positive(int, "--max-pixels"),
+                   help="largest image area after resizing (default: the checkpoint's); below the checkpoint's "
+                        "min_pixels, small images are still upscaled to that min, as in transformers' processor: "
+                        "give --min-pixels too")
     p.add_argument("--resize", choices=RESIZE_BACKENDS,
                    help="whose resize the pixels match: pil = transformers' PIL image processor (transformers "
                         "without torchvision), torch = its torchvision processor (with torchvision; vLLM); default: "
                         "what the checkpoint's preprocessor_config.json names (...Fast: torch)")
-    p.add_argument("--fps", type=_positive_float("--fps"),
+    p.add_argument("--fps", type=_positive(float, "--fps"),
                    help="frames per second sampled from video files (default: the checkpoint's "
                         "video_preprocessor_config.json, else 2)")
-    p.add_argument("--max-input-pixels", type=_positive_int("--max-input-pixels"), default=DEFAULT_MAX_INPUT_PIXELS,
+    p.add_argument("--max-input-pixels", type=_positive(int, "--max-input-pixels"), default=DEFAULT_MAX_INPUT_PIXELS,
                    help="refuse (record as failed) files whose header declares more pixels, before decoding "
                         "(default %(default)s)")
-    p.add_argument("--decode-mib", type=_positive_int("--decode-mib"), default=1024,
+    p.add_argument("--decode-mib", type=_positive(int, "--decode-mib"), default=1024,
                    help="memory images being decoded or waiting for their batch may hold at once, in MiB "
                         "(an image needing more is decoded alone; default %(default)s)")
-    p.add_argument("--decode-timeout", type=_positive_float("--decode-timeout"), default=DEFAULT_DECODE_TIMEOUT,
+    p.add_argument("--decode-timeout", type=_positive(float, "--decode-timeout"), default=DEFAULT_DECODE_TIMEOUT,
                    metavar="SECONDS",
                    help="record an input as failed when decoding it takes longer, and go on (default %(default)g)")
-    p.add_argument("--batch-patches", type=_positive_int("--batch-patches"), default=DEFAULT_BATCH_PATCHES,
+    p.add_argument("--batch-patches", type=_positive(int, "--batch-patches"), default=DEFAULT_BATCH_PATCHES,
                    help="patches per forward (an item above runs alone; default %(default)s)")
     p.add_argument("--path-column", default="path", metavar="NAME",
                    help="in a table input (.parquet, .csv, .tsv, .jsonl): the column naming each file, relative "
@@ -195,10 +181,10 @@ def add_embed_parser(sub, parents=()) -> argparse.ArgumentParser:
     p.add_argument("--ray-address",
                    help="with --engine ray: join this Ray cluster (e.g. auto, or ray://head:10001; default: start a "
                         "local one with this machine's CPUs and GPUs)")
-    p.add_argument("--ray-actors", type=_positive_int("--ray-actors"),
+    p.add_argument("--ray-actors", type=_positive(int, "--ray-actors"),
                    help="with --engine ray: encoder actors (default: one per GPU with --device cuda, else the "
                         "cluster's CPUs / --threads); each holds a copy of the tower")
-    p.add_argument("--threads", type=_positive_int("--threads"),
+    p.add_argument("--threads", type=_positive(int, "--threads"),
                    help="torch threads of each forward (default: torch's, one per core, locally; on Ray CPU actors the "
                         "cluster's CPUs / 4, at least 1; a --resume keeps the run's). run.json records it: CPU "
                         "results are bitwise equal only at the same thread count")

@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 
 from ..devices import DTYPES
-from ..errors import OutputFaultError, QwenVLVisionError
+from ..errors import QwenVLVisionError
 from ..inputs.item_ids import IDENTITY_FIELDS, is_sha256, item_id
 from ..inputs.urls import redacted_text
 from ..outputs.handoff import EncodedItems, vllm_items
@@ -44,55 +44,34 @@ class CacheRankWriter(RankWriter):
         return names + ([f"{IDENTITY_FILE}.{self.run_id}.tmp"] if self.rank == 0 else [])
 
     def stored_files(self) -> list[Path]:
-        """Every item file of the folder (recovery keeps those whose metadata is this run's and this rank's)."""
+        """Every item file of the folder (recovery keeps those whose metadata is this run's)."""
         return sorted(p / CACHE_FILE for p in self.out.iterdir()
                       if is_sha256(p.name) and not p.is_symlink() and (p / CACHE_FILE).is_file())
-
-    def folder_files(self) -> list[Path]:
-        """Every item file of the folder: any rank's items."""
-        return self.stored_files()
 
     def recover(self) -> None:
         """``RankWriter.recover`` with the cache lock held: a prune removes no item while it is read."""
         with cache_lock(self.out):
             super().recover()
 
-    def write_records(self, records: list[EmbeddingRecord]) -> tuple[int, int]:
-        """Each success's item file (renamed into place), then the batch's manifest lines, with the cache lock held:
-        a prune (``cache_prune``) sees an item found in place only once its line is recorded."""
+    def store(self, records: list[EmbeddingRecord]) -> int:
+        """``RankWriter.store`` with the cache lock held: a prune (``cache_prune``) sees an item found in place only
+        once its line is recorded."""
         with cache_lock(self.out):
-            return self._write_records(records)
+            return super().store(records)
 
-    def _write_records(self, records: list[EmbeddingRecord]) -> tuple[int, int]:
-        lines = []
-        ok = failed = 0
-        for r in records:
-            record = self.base_record(r)
-            if r.ok:
-                try:
-                    record = self._write(r, record)
-                    ok += 1
-                except OutputFaultError:
-                    raise  # the folder's fault (a planted link), not the item's: the run stops, exit 3
-                except QwenVLVisionError as e:  # an item vLLM could not take: recorded, the run goes on
-                    record.update(status="error", error=redacted_text(f"{r.path}: {e}"))
-                    failed += 1
-            else:
-                failed += 1
-            lines.append(record)
-        self.finish_batch(lines, failed)
-        return ok, failed
-
-    def _write(self, r: EmbeddingRecord, base: dict) -> dict:
-        """One item's file, in the run's dtype (Ray's rows come as float32: exact, they were made in it); its
-        record (``base`` and the item's fields), which the file also carries."""
-        modality = "image" if r.video is None else "video"
-        levels = [level.to(self.dtype) for level in r.deepstack]
-        (item,) = vllm_items(EncodedItems([r.embedding.to(self.dtype)], [r.grid_thw], [levels], modality, self.family,
-                                          [r.video]))
-        name = item_id(self.identity, item.modality, item.grid_thw, r.pixels_sha256)
-        record = {**base, **entry(name, item), "shard": f"{name}/{CACHE_FILE}", "key": CACHE_KEY,
-                  "levels": len(levels)}
-        write_item(self.out, name, item.rows, self.tag, {RUN_KEY: self.run_id, RECORDS_KEY: json.dumps([record])})
-        return record
-
+    def place(self, done: list[tuple[EmbeddingRecord, dict]]) -> None:
+        """Each success's item file, in the run's dtype (Ray's rows come as float32: exact, they were made in it),
+        renamed into place; its line (which the file also carries) says which. An item vLLM could not take is
+        recorded failed, and the run goes on."""
+        for r, line in done:
+            modality = "image" if r.video is None else "video"
+            levels = [level.to(self.dtype) for level in r.deepstack]
+            try:
+                (item,) = vllm_items(EncodedItems([r.embedding.to(self.dtype)], [r.grid_thw], [levels], modality,
+                                                  self.family, [r.video]))
+                name = item_id(self.identity, item.modality, item.grid_thw, r.pixels_sha256)
+            except QwenVLVisionError as e:
+                line.update(status="error", error=redacted_text(f"{r.path}: {e}"))
+                continue
+            line.update(entry(name, item), shard=f"{name}/{CACHE_FILE}", key=CACHE_KEY, levels=len(levels))
+            write_item(self.out, name, item.rows, self.tag, {RUN_KEY: self.run_id, RECORDS_KEY: json.dumps([line])})

@@ -11,6 +11,7 @@ statically, rank r taking inputs r, r+W, r+2W, ... (never padded with duplicates
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,7 +37,7 @@ class Inputs:
 
     paths: list[str] = field(default_factory=list)
     errors: dict[str, str] = field(default_factory=dict)
-    keys: dict[str, str] = field(default_factory=dict)  # path -> real_key(path)
+    keys: dict[str, str] = field(default_factory=dict)  # path -> its identity (file_identity; a URL's: remote)
     columns: dict[str, dict] = field(default_factory=dict)  # path -> the values its table row carries
     column_types: dict[str, str] = field(default_factory=dict)  # carried column -> its type (tables.COLUMN_TYPES)
     members: dict[str, Member] = field(default_factory=dict)  # path -> where a shard member's bytes are
@@ -49,8 +50,9 @@ class Inputs:
         self._pending.append((path, error, columns, member, key))
 
     def finish(self) -> Inputs:
-        """Every input added, with its identity: a URL's from its store (several at once), a file's its real path.
-        The same identity twice (another spelling, a link) is embedded once, under its first."""
+        """Every input added, with its identity: a URL's from its store (several at once), a file's its real path
+        stamped with what its bytes are now (``file_identity``; a shard member's, its shard's). The same file twice
+        (another spelling, a link) is embedded once, under its first."""
         urls = [path for path, error, _, _, key in self._pending if error is None and key is None and is_url(path)]
         known = identities(urls) if urls else {}
         seen = set()
@@ -60,6 +62,9 @@ class Inputs:
             if key in seen:
                 continue
             seen.add(key)
+            if path not in known:
+                file = os.path.realpath(member.shard) if member else key  # a member's key: its shard's, then name
+                key = file_identity(file) + key[len(file):]
             self.paths.append(path)
             self.keys[path] = key
             if error is not None or why is not None:
@@ -85,6 +90,28 @@ class Inputs:
 def real_key(path: str, base: str | None = None) -> str:
     """The identity of an input: its resolved real path (relative paths taken from `base`, default the cwd)."""
     return os.path.realpath(os.path.join(base, path) if base else path)
+
+
+# A local file's identity: its real path, and its size and modification time (what make and rsync go by: one stat,
+# where a hash would read every input again on each resume); a shard member's is its shard's, then its name.
+FILE_STATE = re.compile(r"#size=\d+,mtime_ns=-?\d+")  # a file dated before 1970: negative
+
+
+def file_identity(realpath: str) -> str:
+    """``realpath`` with what the file's bytes are now (``FILE_STATE``); a file that cannot be read keeps its bare
+    path (its input fails, and a resume tries it again)."""
+    try:
+        stat = os.stat(realpath)
+    except OSError:
+        return realpath
+    return f"{realpath}#size={stat.st_size},mtime_ns={stat.st_mtime_ns}"
+
+
+def file_of(key: str) -> str | None:
+    """What a local file's or shard member's identity names, without what the bytes were (``file_identity``), else
+    None (a URL)."""
+    named = FILE_STATE.sub("", key, count=1)
+    return named if named != key else None
 
 
 def gather_inputs(inputs: list[str], path_column: str = "path", keep_columns: tuple[str, ...] = ()) -> Inputs:
@@ -119,12 +146,8 @@ def gather_inputs(inputs: list[str], path_column: str = "path", keep_columns: tu
             for entry in list_shard(item, _is_media, keep_columns):
                 found.add(*entry)
         elif p.is_dir():
-            files, unreadable = _walk_media(p)
-            for folder, why in unreadable:
-                found.add(str(folder), f"cannot list folder {folder}: {why}; make it readable, or leave it out "
-                                       f"of the inputs")
-            for f in files:
-                found.add(str(f))
+            for entry in _walk_media(p):
+                found.add(*entry)
         elif p.suffix.lower() in LIST_EXTENSIONS and p.is_file():
             try:
                 lines = _read_list(p)
@@ -152,7 +175,7 @@ def _other_kind(path: str, listed_in: str | None = None) -> str | None:
     """Why ``path``, to be decoded as an image or video, names a kind of input that is read only as a local INPUT
     of its own (a shard, a table, a list) or not at all (a compressed tar), or None; the one line says what is read,
     since the decoder would call it "not a recognised image file"."""
-    name = path.lower() if isinstance(path, str) else ""  # a table's cell may hold no text
+    name = path.lower()
     if name.endswith(COMPRESSED_TARS):
         why = "a compressed tar is not read (a shard's members are read in place): decompress it to a .tar"
     elif (listed_in or is_url(name)) and (is_shard(name) or is_table(name) or Path(name).suffix in LIST_EXTENSIONS):
@@ -166,30 +189,17 @@ def _is_media(name: str) -> bool:
     return Path(name).suffix.lower() in MEDIA_EXTENSIONS
 
 
-def _walk_media(top: Path) -> tuple[list[Path], list[tuple[Path, str]]]:
-    """(the media files under ``top``, sorted; each folder that could not be listed, with why): ``top.rglob("*")``'s
-    walk (links to files followed, links to folders not entered), but a folder it cannot list is returned, where
-    rglob skips it in silence, so that its files are reported missing rather than quietly never embedded."""
-    files, unreadable, stack = [], [], [top]
-    while stack:
-        folder = stack.pop()
-        try:
-            with os.scandir(folder) as entries:
-                listed = [(folder / e.name, e.is_dir(follow_symlinks=False), _is_file(e)) for e in entries]
-        except OSError as e:
-            unreadable.append((folder, e.strerror or str(e)))
-            continue
-        stack += [path for path, is_dir, _ in listed if is_dir]
-        files += [path for path, is_dir, is_file in listed if not is_dir and is_file and _is_media(path.name)]
-    return sorted(files), sorted(unreadable)
-
-
-def _is_file(entry: os.DirEntry) -> bool:
-    """A FIFO or a dangling link is no image; an entry that cannot be checked counts, so that reading it says why."""
-    try:
-        return entry.is_file()
-    except OSError:
-        return True
+def _walk_media(top: Path) -> list[tuple[str, str | None]]:
+    """The inputs under ``top`` as ``Inputs.add`` takes them (path, why it failed or None): each folder ``os.walk``
+    cannot list, which rglob skips in silence, so that its files are reported missing rather than quietly never
+    embedded; then the media files, sorted (links to files followed, links to folders not entered; a FIFO or a
+    dangling link is no image)."""
+    files, unreadable = [], []
+    for folder, _, names in os.walk(top, onerror=unreadable.append):
+        files += [Path(folder, n) for n in names if _is_media(n) and os.path.isfile(os.path.join(folder, n))]
+    failed = [(e.filename, f"cannot list folder {e.filename}: {e.strerror or e}; make it readable, or leave it out "
+                           f"of the inputs") for e in sorted(unreadable, key=lambda e: e.filename)]
+    return failed + [(str(f), None) for f in sorted(files)]
 
 
 def _read_list(path: Path) -> list[str]:

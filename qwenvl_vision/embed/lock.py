@@ -26,32 +26,27 @@ def lock_name(rank: int, world: int) -> str:
     return "embed.lock" if rank == 0 else f"embed.rank{rank}.lock"
 
 
-class FolderLock:
+class FolderLock(contextlib.ExitStack):
     """``file_lock(path)`` taken by ``acquire`` (an ``OutputInUseError`` naming ``what`` and the holder where
     another process holds it), let go by ``release``, which removes the file."""
 
     def __init__(self, path: Path, what: str) -> None:
+        super().__init__()
         self.path, self.what = path, what
-        self.held: contextlib.ExitStack | None = None
 
     def acquire(self) -> None:
         from filelock import Timeout
 
-        held = contextlib.ExitStack()
         try:
-            held.enter_context(file_lock(self.path, WAIT_S, f"pid {os.getpid()} on {socket.gethostname()}\n"))
+            self.enter_context(file_lock(self.path, WAIT_S, f"pid {os.getpid()} on {socket.gethostname()}\n"))
         except Timeout:
             holder = ""
-            with contextlib.suppress(OSError), open(self.path, "rb") as f:
-                holder = f.read(200).decode("utf-8", "replace").strip()
+            with contextlib.suppress(OSError):
+                holder = self.path.read_text(errors="replace")[:200].strip()
             raise OutputInUseError(f"{self.what} is in use by another embed run{f' ({holder})' if holder else ''}; "
                                    f"wait for it to finish, or choose another --out") from None
-        self.held = held
+        self.callback(self.path.unlink, missing_ok=True)  # runs first: the file goes while the lock is still held
 
     def release(self) -> None:
-        if self.held is None:
-            return
         with contextlib.suppress(OSError):  # read-only by now: the file is harmless, the lock goes with the process
-            self.path.unlink(missing_ok=True)
-        self.held.close()
-        self.held = None
+            self.close()

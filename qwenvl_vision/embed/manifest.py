@@ -1,5 +1,5 @@
 """What an embed output folder holds and what its files must say: the file names, the run.json fields a
-resume compares, and the manifest records' schema, with a parse that tells each damaged line apart.
+resume compares, the manifest records' schema, and the manifest's parse.
 
 A folder holds ``run.json`` (what produced the tensors), ``manifest.jsonl`` (one JSON record a line per input,
 ``status`` "ok" with its shard, key, grid and token count, or "error" with why; a video's record also says which
@@ -9,10 +9,10 @@ ranks' parts ``manifest.rank{rank}.jsonl``. A ``--format parquet`` folder holds 
 the manifest. A ``--format vllm-cache`` folder holds run.json, the manifest and, instead of shards, one
 ``{id}/encoder_cache.safetensors`` per item (``vllm_cache``'s layout: an ok record's shard is its item's file).
 A record's ``realpath`` is its input's identity, what ``--resume`` matches: a local file's real path with its size
-and modification time (``file_identity``: a file replaced since is embedded again, and readers take a file's latest
-record), a URL's with its version or ETag (``remote``), a shard member's the shard's real path and its name.
+and modification time (``inputs.file_identity``: a file replaced since is embedded again, and readers take a file's
+latest record), a URL's with its version or ETag (``remote``), a shard member's the shard's real path and its name.
 A last line without its newline is a torn write (a run killed mid-append) and is left out; any other line that
-does not parse, or lacks what readers index, is damaged.
+does not parse is damaged.
 """
 
 from __future__ import annotations
@@ -20,16 +20,15 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
+from ..errors import ManifestError
 from .inputs import real_key
 
 MANIFEST = "manifest.jsonl"
 RUN_FILE = "run.json"
-# What records' identities mean (``file_identity``): a resume of another format is refused, since it would embed
-# its files again beside their records.
+# What records' identities mean (``inputs.file_identity``): a resume of another format is refused, since it would
+# embed its files again beside their records.
 RUN_FORMAT = 2
 # The run.json fields a resumed run must share with the run it continues: everything the stored tensors
 # depend on. Not compared: the model's spelling (a moved folder is the same model: the hashes decide), the
@@ -57,76 +56,28 @@ def part_name(rank: int, world: int) -> str:
 
 
 def record_key(record: dict, base: str | None = None) -> str:
-    """A manifest record's input identity: the real path recorded with it (written by every run since the
-    field exists, so resuming from another working directory still matches), else its path resolved from
-    `base`, the working directory of the run."""
-    realpath = record.get("realpath")
-    return realpath if isinstance(realpath, str) and realpath else real_key(record["path"], base)
+    """A manifest record's input identity: the one recorded with it (``realpath``, so that resuming from another
+    working directory still matches), else its path resolved from `base`, the working directory of the run."""
+    return record.get("realpath") or real_key(record["path"], base)
 
 
-# A local file's identity: its real path, and its size and modification time (what make and rsync go by: one stat,
-# where a hash would read every input again on each resume); a shard member's is its shard's, then its name.
-FILE_STATE = re.compile(r"#size=\d+,mtime_ns=-?\d+")  # a file dated before 1970: negative
-
-
-def file_identity(realpath: str) -> str:
-    """``realpath`` with what the file's bytes are now (``FILE_STATE``); a file that cannot be read keeps its bare
-    path (its input fails, and a resume tries it again)."""
+def read_manifest_lines(path: str | os.PathLike, strict: bool = True) -> list[dict]:
+    """The records of a manifest file, in order. A last line without its newline is a torn write (a run killed
+    mid-append) and is left out; any other line that is not JSON is a ManifestError naming it, or with ``strict``
+    False skipped (a resume rolls its record forward from the shard that carries it)."""
     try:
-        stat = os.stat(realpath)
-    except OSError:
-        return realpath
-    return f"{realpath}#size={stat.st_size},mtime_ns={stat.st_mtime_ns}"
-
-
-def file_of(key: str) -> str | None:
-    """What a local file's or shard member's identity names, without what the bytes were (``file_identity``), else
-    None (a URL)."""
-    named = FILE_STATE.sub("", key, count=1)
-    return named if named != key else None
-
-
-@dataclass
-class ManifestLine:
-    """One complete line of a manifest file: its record, or why it is damaged."""
-
-    number: int  # 1-based line number in its file
-    record: dict | None  # None: damaged
-    problem: str = ""
-
-
-def parse_manifest(path: Path) -> list[ManifestLine]:
-    """Every complete line of a manifest, each either a record or damaged (with why).
-
-    A last line without its newline is a torn write (the run was killed or stopped mid-append) and is
-    left out; blank lines are skipped.
-    """
-    try:
-        data = path.read_bytes()
+        lines = Path(path).read_bytes().split(b"\n")[:-1]  # the piece after the last newline is empty or torn
     except FileNotFoundError:
         return []
-    lines = data.split(b"\n")[:-1]  # the piece after the last newline is empty or torn
-    parsed = []
+    records = []
     for number, raw in enumerate(lines, 1):
-        if not raw.strip():
-            continue
         try:
-            record = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            parsed.append(ManifestLine(number, None, f"not a JSON line ({e})"))
-            continue
-        problem = record_problem(record)
-        parsed.append(ManifestLine(number, None if problem else record, problem))
-    return parsed
-
-
-def record_problem(record: Any) -> str:
-    """Why a manifest record (a line, or one a shard carries) lacks what its readers index ('' when it has it)."""
-    if not isinstance(record, dict) or record.get("status") not in ("ok", "error"):
-        return "not a record with status 'ok' or 'error'"
-    needed = ("path", "shard", "key", "grid_thw", "tokens") if record["status"] == "ok" else ("path",)
-    missing = [name for name in needed if record.get(name) is None]
-    return f"status {record['status']} but no {missing[0]!r}" if missing else ""
+            records += [json.loads(raw)] if raw.strip() else []
+        except ValueError as e:  # not UTF-8, or not JSON
+            if strict:
+                raise ManifestError(f"{path}, line {number}: damaged manifest line ({e}); embed --resume on the "
+                                    f"folder restores its record from its shard") from None
+    return records
 
 
 # The run.json fields this version reads: a run file without one is damaged.

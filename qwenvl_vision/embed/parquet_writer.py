@@ -23,23 +23,17 @@ from pathlib import Path
 
 import pyarrow.compute as pc
 
-from ..errors import ManifestError
-from ..outputs.durable import refuse_link
 from ..outputs.parquet import ParquetLayout, needs_escape, results_table, shard_name, write_table_atomic
 from ..outputs.parquet_reader import read_parquet_index, read_parquet_table
 from .manifest import PARQUET_SHARD_NAME, RUN_FILE
+from .writer import Writer
 
 
 def parquet_shards(out: Path, rank: int | None = None) -> list[Path]:
     """The folder's Parquet shards (one rank's with ``rank``), by name: ranks in order, then batches."""
-    def sort_key(p: Path) -> tuple[int, int]:
-        m = PARQUET_SHARD_NAME.match(p.name)
-        return int(m.group(1)), int(m.group(2))
-
-    shards = [p for p in out.glob("shard-r*-*.parquet") if PARQUET_SHARD_NAME.match(p.name) and p.is_file()]
-    if rank is not None:
-        shards = [p for p in shards if sort_key(p)[0] == rank]
-    return sorted(shards, key=sort_key)
+    found = {tuple(map(int, m.groups())): p for p in out.glob("shard-r*-*.parquet")
+             if (m := PARQUET_SHARD_NAME.match(p.name)) and p.is_file()}
+    return [found[number] for number in sorted(found) if rank in (None, number[0])]
 
 
 def statuses(out: Path) -> list[tuple[str, str]]:
@@ -47,21 +41,14 @@ def statuses(out: Path) -> list[tuple[str, str]]:
     return [row for shard in parquet_shards(out) for row in zip(*read_parquet_index(shard)[:2])]
 
 
-class ParquetRankWriter:
+class ParquetRankWriter(Writer):
     """Writes one rank's Parquet shards; on resume, recovers what a stopped run left (see the module)."""
 
     def __init__(self, out: Path, rank: int, run: dict, layout: ParquetLayout) -> None:
+        super().__init__()
         self.out, self.rank, self.run, self.layout = out, rank, run, layout
-        self.done: set[str] = set()  # real keys recorded ok by any rank
         self.next_shard = 0
-        self.recorded = 0  # inputs recorded (ok or error) by this process
-        self.failed = 0
         self.to_rewrite: list[Path] = []  # this rank's shards holding error rows (recover -> finish_recovery)
-
-    def _check(self, shard: Path, layout: ParquetLayout, run: dict) -> None:
-        if run.get("run_id") != self.run["run_id"] or layout != self.layout:
-            raise ManifestError(f"{shard}: written by another run or with another layout than {self.out / RUN_FILE}"
-                                f" (move it away; --resume then redoes its inputs)")
 
     def recover(self) -> None:
         """Resume, first step (reads only): delete this rank's temporary files (rank 0: run.json's too), take
@@ -69,31 +56,26 @@ class ParquetRankWriter:
         Only the footer and the realpath / status columns of a shard are read. Under torchrun every rank reads
         every rank's shards, so no rank rewrites its own before all have read (``finish_recovery``, after a
         barrier): a shard another rank is rewriting or removing is never read half-way or missed."""
-        patterns = [f".shard-r{self.rank}-*.tmp"]  # a write the kill interrupted
-        if self.rank == 0:
-            # run.json being written (a fresh run, or its CPU plan recorded)
-            patterns.append(f"{RUN_FILE}.{self.run['run_id']}.tmp")
-        for pattern in patterns:
-            for tmp in self.out.glob(pattern):
-                refuse_link(tmp)  # somebody's link at our temporary name: named, left as it is
-                tmp.unlink()
+        self.remove_temporary_files()
         own = parquet_shards(self.out, self.rank)
         for shard in parquet_shards(self.out):
-            realpaths, status, layout, run = read_parquet_index(shard)
-            self._check(shard, layout, run)
+            realpaths, status, _, _ = read_parquet_index(shard)
             self.done.update(key for key, state in zip(realpaths, status) if state == "ok")
             if shard in own and any(state != "ok" for state in status):
                 self.to_rewrite.append(shard)
-        numbers = [int(PARQUET_SHARD_NAME.match(s.name).group(2)) for s in own]
-        self.next_shard = max(numbers, default=-1) + 1
+        self.next_shard = max((int(PARQUET_SHARD_NAME.match(s.name).group(2)) for s in own), default=-1) + 1
+
+    def temporary_files(self) -> list[str]:
+        """A shard's write the kill interrupted, and (rank 0) run.json being written (a fresh run, or its CPU plan
+        recorded)."""
+        return [f".shard-r{self.rank}-*.tmp"] + ([f"{RUN_FILE}.{self.run['run_id']}.tmp"] if self.rank == 0 else [])
 
     def finish_recovery(self) -> None:
         """Resume, second step: rewrite each of this rank's shards that hold error rows without them (atomically;
         a shard left with none is removed), so that the retried inputs are recorded once. Each is read and
         checked whole (``read_parquet_table``) first."""
         for shard in self.to_rewrite:
-            table, layout, run = read_parquet_table(shard)  # ManifestError naming the shard if damaged
-            self._check(shard, layout, run)
+            table, _, _ = read_parquet_table(shard)  # ManifestError naming the shard if damaged
             kept = table.filter(pc.equal(table.column("status"), "ok"))  # error rows go: their inputs are retried
             if kept.num_rows:
                 write_table_atomic(kept, shard)
@@ -101,17 +83,12 @@ class ParquetRankWriter:
                 shard.unlink()
         self.to_rewrite = []
 
-    def write_records(self, records: list) -> tuple[int, int]:
+    def store(self, records: list) -> int:
         """One shard of ``records.EmbeddingRecord``s, renamed into place whole."""
-        if not records:
-            return 0, 0
-        table = results_table(records, self.layout, self.run)
-        write_table_atomic(table, self.out / shard_name(self.rank, self.next_shard))
+        path = self.out / shard_name(self.rank, self.next_shard)
+        write_table_atomic(results_table(records, self.layout, self.run), path)
         self.next_shard += 1
-        failed = sum(not r.ok for r in records)
-        self.recorded += len(records)
-        self.failed += failed
-        return len(records) - failed, failed
+        return sum(not r.ok for r in records)
 
 
 def unstorable(path: str, key: str) -> str | None:

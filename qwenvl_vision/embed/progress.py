@@ -6,16 +6,9 @@ from __future__ import annotations
 import sys
 import time
 
+from tqdm import tqdm
+
 PROGRESS_EVERY_S = 5.0  # without a terminal: one progress line at most this often
-
-
-def _duration(seconds: float) -> str:
-    seconds = int(seconds)
-    if seconds < 60:
-        return f"{seconds}s"
-    if seconds < 3600:
-        return f"{seconds // 60}m{seconds % 60:02d}s"
-    return f"{seconds // 3600}h{seconds // 60 % 60:02d}m"
 
 
 class Progress:
@@ -44,8 +37,6 @@ class Progress:
         self.total, self.start = total, time.perf_counter()
         self.last_line = self.start
         if self.terminal:
-            from tqdm import tqdm
-
             self.bar = tqdm(total=total, unit="img", desc=self.label, dynamic_ncols=True, file=self.stream)
         else:
             self.note(f"{total} image{'s' if total != 1 else ''} to embed")
@@ -66,7 +57,7 @@ class Progress:
         self.last_line = now
         elapsed = max(now - self.start, 1e-9)
         rate = self.done / elapsed
-        eta = _duration((self.total - self.done) / rate) if rate > 0 else "?"
+        eta = tqdm.format_interval((self.total - self.done) / rate) if rate > 0 else "?"
         self.note(f"{self.done}/{self.total} images ({100 * self.done / max(self.total, 1):.0f}%), "
                   f"{rate:.1f} img/s, {self.tokens / elapsed:.0f} tok/s, ETA {eta}")
 

@@ -1,37 +1,18 @@
 """``embed --engine ray``: the encoding of an embed run as a Ray Data pipeline, after the same setup as the local
-engine (lock, run.json checks, resume recovery; ``job.EmbedJob``).
+engine (lock, run.json checks, resume recovery; ``job.EmbedJob``). docs/embed.md says where each stage runs, how
+the actors are laid out on the cluster (``RayPlan``) and what they load (``actor_source``).
 
 The pipeline: ``ray.data.from_items`` of the inputs still to do (their absolute paths: an actor's working folder
-is not the driver's) -> ``map_batches(Embedder)`` on an ``ActorPoolStrategy`` of ``RayPlan.actors`` actors, each
-loading the tower once and doing decode, preprocessing and the forward on its batches -> the driver, which writes
-each block Ray hands back as one Parquet shard (``parquet_writer.ParquetRankWriter``), or, with ``--format
-vllm-cache``, as its items' encoder-cache files and manifest lines (``cache_writer.CacheRankWriter``).
+is not the driver's) -> ``map_batches(Embedder)``, each actor loading the tower once and decoding next to the
+forward (what crosses the object store is a path in and the tensors out: a decoded image's patches are 10-100x its
+file) -> the driver, which records each block as the local engine records a batch (``EmbedJob.encode``).
 
-Where each stage runs, and why: decoding and preprocessing run in the actors, next to the forward, with their
-own decode threads: that scales with the actors, and what crosses the object store is a path in and the tensors
-out (a decoded image's patches are 10-100x its file). The driver writes the shards rather than
-``Dataset.write_parquet``: the folder keeps one format and one writer (the folder lock, run.json in every shard's
-metadata, shards renamed into place whole, names never reused) whatever the cluster, and ``--out`` need only
-be visible to the driver; the cost is that the embeddings travel to the driver.
-
-Resume: the ids already in the output are skipped before the read (``ParquetRankWriter.recover`` then the
-``todo`` list here), not ``ray.data.checkpoint.CheckpointConfig``: that (beta) checkpoints a read -> map ->
-``write_*`` pipeline by an id column through Ray's own sink, which this driver-written layout does not use, and
-its record would be a second truth next to the shards. Here the shards are the only record: an input has a row
-or is done again, so a driver killed at any instant resumes with every input exactly once. An actor that dies
-mid-batch is restarted by Ray and the batch retried (Ray Data's defaults); its rows come back once.
-
-CPUs and GPUs (``RayPlan``): without ``--device``, cuda where the cluster has GPUs (as the local engine), else the
-CPU. With cuda, one actor per GPU of the cluster (``num_gpus=1``, never more actors than GPUs); on CPU,
-``--ray-actors`` actors (default: the cluster's CPUs / threads) of ``--threads`` torch threads (default: the
-cluster's CPUs / 4, at least 1), their CPU shares cut (``ray.actor_cpus``) so that the read tasks always get a
-CPU and the shares fit the cluster (else the job hangs). A local Ray gets this process's CPUs (its affinity).
-The thread count and the driver's CPU plan go into run.json and every actor runs with them: CPU results are
-bitwise those of ``encode_images`` under ``torch.set_num_threads(threads)`` on a tower loaded with
-``cpu_kernels=run["cpu_plan"]`` (a resume keeps both).
-
-Sources: on a Ray this process started, the actors load the driver's checkpoint folder; on a joined cluster, a
-Hub checkpoint by its repo id at the run's revision (another node has no such folder), a local folder as is.
+The driver writes rather than ``Dataset.write_parquet``: the folder keeps one format and one writer (the folder
+lock, run.json in every shard's metadata, shards renamed into place whole, names never reused) whatever the
+cluster, and ``--out`` need only be visible to the driver; the cost is that the embeddings travel to the driver.
+So a resume skips what the output holds (``todo``) rather than use Ray's ``CheckpointConfig``, which checkpoints
+Ray's own ``write_*`` sinks and would be a second truth next to the shards: a driver killed at any instant resumes
+with every input exactly once.
 """
 
 from __future__ import annotations
@@ -41,23 +22,22 @@ import re
 import signal
 import threading
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import ClusterSetupError, EmbedError, OutputFaultError
-from .writer import Writer
+import ray
+import ray.data
+import torch
+
+from ..devices import resolve_dtype
+from ..errors import ClusterSetupError, ConfigError, EmbedError, OutputFaultError
+from ..model.attention import resolve_attn_impl
+from ..outputs.records import EmbeddingRecord
+from .ray import actor_cpus, embed_dataset, records_from_batch
 
 UDF = None  # the map_batches class (None: qwenvl_vision.embed.ray.Embedder); a test may put a subclass here
 BATCH_ROWS = 16  # rows a map_batches batch (and a shard) holds
-
-
-def driver_load_options(args, device: str) -> dict:
-    """How the driver loads the tower for run.json (on its own CPU): in the actors' dtype (on ``device``), any
-    attention."""
-    import torch
-
-    cuda = device.startswith("cuda")
-    return {"dtype": args.dtype if args.dtype is not None else (torch.bfloat16 if cuda else None), "attn": "auto"}
 
 
 def local_cpus() -> int:
@@ -72,12 +52,6 @@ def check_attn(args, device: str) -> None:
     """--attn on the actors' device and dtype, refused before anything is written (else every actor fails to load
     the tower, and a resume again). Without a GPU here, a CUDA actor's backend is checked as far as the driver can:
     the fused kernels run in float16/bfloat16 only."""
-    import torch
-
-    from ..devices import resolve_dtype
-    from ..errors import ConfigError
-    from ..model.attention import resolve_attn_impl
-
     cuda = device.startswith("cuda")
     with warnings.catch_warnings():  # fp16's warning comes once, from the driver's load
         warnings.simplefilter("ignore")
@@ -110,11 +84,6 @@ class RayPlan:
         if args.random_weights and (args.device or "").startswith("cuda"):
             raise EmbedError("--engine ray --random-weights --device cuda: the actors would draw other random weights "
                              "on their GPUs than the driver hashes on its CPU; use a checkpoint, or --device cpu")
-        try:
-            import ray
-            import ray.data
-        except ImportError:
-            raise EmbedError("--engine ray needs Ray Data: pip install 'ray[data]'") from None
         started = not ray.is_initialized()
         if started:
             where = f"joining the Ray cluster at {args.ray_address}" if args.ray_address else \
@@ -145,9 +114,6 @@ class RayPlan:
 
     @classmethod
     def _plan(cls, args, started: bool, recorded_threads: int | None) -> RayPlan:
-        import ray
-        import ray.data
-
         context = ray.data.DataContext.get_current()
         context.enable_progress_bars = False  # embed's own progress says it
         context.print_on_execution_start = False
@@ -165,47 +131,27 @@ class RayPlan:
                                  f"{'s' if gpus != 1 else ''} and each actor takes one (the rest would wait forever)")
             actors = args.ray_actors or gpus
             threads = args.threads or recorded_threads or max(1, (cpus - 1) // actors)
-            return cls(started, "cuda", actors, threads, _shares(actors, threads), 1.0)
+            return cls(started, "cuda", actors, threads, actor_cpus(actors, threads), 1.0)
         threads = args.threads or recorded_threads or max(1, cpus // 4)
         actors = args.ray_actors or max(1, cpus // threads)
-        return cls(started, "cpu", actors, threads, _shares(actors, threads), 0.0)
+        return cls(started, "cpu", actors, threads, actor_cpus(actors, threads), 0.0)
 
     def stop(self) -> None:
         if self.started:
-            import ray
-
             ray.shutdown()
             self.started = False
 
 
-def _shares(actors: int, threads: int) -> float:
-    from .ray import actor_cpus
+def encode_on_ray(job, todo: list[str]) -> Iterator[list[EmbeddingRecord]]:
+    """The records of ``todo`` (inputs of the job), encoded on its RayPlan's actors, as Ray hands their rows back.
 
-    try:
-        return actor_cpus(actors, threads)
-    except ValueError as e:
-        raise EmbedError(f"--ray-actors {actors}: {e}") from None
-
-
-def encode_on_ray(job, writer: Writer) -> None:
-    """Encode the job's inputs still to do on its RayPlan's actors, each block back a shard by `writer`.
-
-    Errors: an OSError of the writer goes up as it is (the job makes it an output fault, exit 3); a failure of
-    the pipeline itself (an actor that cannot load the tower, Ray's timeouts, a lost node) is one line:
-    ``ClusterSetupError`` (exit 2) when an actor failed with one of this package's errors (another checkpoint, a
-    model folder missing on a node: it would fail again), else ``OutputFaultError`` (exit 3, ``--resume``)."""
-    import ray
-
-    from .ray import embed_dataset, records_from_batch
-
-    args, plan, progress = job.settings, job.ray, job.progress
-    known_bad, todo = job.known_bad([p for p in job.inputs.paths if job.inputs.keys[p] not in writer.done], arrow=True)
-    progress.begin(len(todo) + len(known_bad))
-    writer.write_records(known_bad)
-    progress.update(len(known_bad), 0)
+    Errors: a failure of the pipeline itself (an actor that cannot load the tower, Ray's timeouts, a lost node) is
+    one line: ``ClusterSetupError`` (exit 2) when an actor failed with one of this package's errors (another
+    checkpoint, a model folder missing on a node: it would fail again), else ``OutputFaultError`` (exit 3,
+    ``--resume``)."""
     if not todo:
-        progress.close()
         return
+    args, plan = job.settings, job.ray
     # Joined, never normalised: a shard member's name is found in its shard as written (./x), and a file's path
     # resolves as the OS resolves it (a/../b through a linked a).
     absolute = {p: p if p in job.inputs.remote or os.path.isabs(p) else os.path.join(os.getcwd(), p) for p in todo}
@@ -213,13 +159,8 @@ def encode_on_ray(job, writer: Writer) -> None:
     blocks = max(1, min(-(-len(items) // BATCH_ROWS), 4 * plan.actors))
     actors = min(plan.actors, blocks)  # an actor with no block to work on would only load the tower
     options: dict[str, Any] = dict(
-        column="path", kind="path", identity_column="realpath", min_pixels=args.min_pixels, max_pixels=args.max_pixels,
-        resize=job.run["resize"], pooled=args.pooled_only, normalize=args.normalize,
-        fps=args.fps, max_batch_patches=args.batch_patches,
-        max_input_pixels=args.max_input_pixels, decode_bytes=args.decode_mib << 20,
-        decode_timeout=args.decode_timeout,
+        column="path", kind="path", identity_column="realpath", **job.encode_options(), fps=args.fps,
         num_workers=max(1, min(4, plan.threads)), threads=plan.threads, weights_sha256=job.run["weights_sha256"],
-        hash_pixels=job.run["file_format"] == "vllm-cache",
         device=plan.device, dtype=job.run["dtype"], attn_impl=args.attn, compile=args.compile)
     if plan.device == "cpu" and job.run.get("cpu_plan"):
         options["cpu_kernels"] = job.run["cpu_plan"]  # the run's CPU plan: its very bits on every actor
@@ -238,7 +179,7 @@ def encode_on_ray(job, writer: Writer) -> None:
         except Exception as e:  # noqa: BLE001 - Ray's own errors, an actor's, ExecutionTimeoutError: one line each
             raise pipeline_error(e) from e  # --debug shows the cause
         if batch is None:
-            break
+            return
         records = records_from_batch(batch, path_column="given")
         for r in records:  # the actors saw absolute paths; messages name the input as given
             if r.error and absolute[r.path] != r.path:
@@ -248,9 +189,8 @@ def encode_on_ray(job, writer: Writer) -> None:
             if r.video is not None and video_fps is not None:
                 r.video.setdefault("requested_fps", video_fps)
             r.columns = job.inputs.columns.get(r.path)  # the table row's columns stay with the driver
-        writer.write_records(records)  # an OSError here is the output's (exit 3 by the job)
-        progress.update(len(records), sum(r.tokens or 0 for r in records))
-    progress.close()
+        job.progress.update(len(records), sum(r.tokens or 0 for r in records))
+        yield records
 
 
 def actor_source(job, options: dict) -> str:

@@ -16,36 +16,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from ..errors import InputError, ManifestError
+from ..errors import ManifestError
 from ..inputs.urls import redacted_text
-from .manifest import (
-    MANIFEST,
-    RUN_FIELDS,
-    RUN_FILE,
-    RUN_FORMAT,
-    ManifestLine,
-    file_of,
-    parse_manifest,
-)
-
-
-def _damaged(manifest: Path, line: ManifestLine) -> ManifestError:
-    return ManifestError(f"{manifest}, line {line.number}: damaged manifest line: {line.problem} "
-                         f"(embed --resume on the folder restores its record from its shard, or redoes its input)")
-
-
-def read_manifest_lines(path: str | os.PathLike) -> list[dict]:
-    """The records of a manifest, in order; a torn last line (a run killed mid-write) is left out.
-
-    Raises ManifestError naming the file and line for any other damaged line (``--resume`` redoes its input).
-    """
-    path = Path(path)
-    records = []
-    for line in parse_manifest(path):
-        if line.record is None:
-            raise _damaged(path, line)
-        records.append(line.record)
-    return records
+from .inputs import file_of
+from .manifest import MANIFEST, RUN_FIELDS, RUN_FILE, RUN_FORMAT, read_manifest_lines
 
 
 def read_run(out: str | os.PathLike) -> dict:
@@ -67,13 +41,10 @@ def read_run(out: str | os.PathLike) -> dict:
             from ..outputs.parquet_reader import read_parquet_run
 
             return _checked_run(Path(out) / "shard-r*.parquet", read_parquet_run(out))
-        raise ManifestError(f"{path} does not exist: not an embed output") \
-            from None
+        raise ManifestError(f"{path} does not exist: not an embed output") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ManifestError(f"{path} is damaged: {e}") from None
-    if not isinstance(run, dict) or type(run.get("format")) is not int:
-        raise ManifestError(f"{path} is damaged: no format version")
-    if run["format"] > RUN_FORMAT:
+    if run.get("format", RUN_FORMAT) > RUN_FORMAT:  # without one: damaged (_checked_run)
         raise ManifestError(f"{path} has format {run['format']}; this qwenvl-vision reads format {RUN_FORMAT} "
                             f"(upgrade it)")
     return _checked_run(path, run)
@@ -105,7 +76,7 @@ def read_embeddings(out: str | os.PathLike, *, deepstack: bool = False) -> Itera
 
     With deepstack=True yields (path, (embedding, [levels...])) for Qwen3-VL runs. What produced the tensors
     (model, dtype, pixel bounds, pooling): ``read_run(DIR)``. A damaged manifest line, a missing shard or
-    key raises ManifestError naming the line; a damaged Parquet shard, naming the file. An encoder-cache
+    key raises ManifestError naming the line or the shard; a damaged Parquet shard, naming the file. An encoder-cache
     item that ``cache prune`` removed (listed in the folder's ``pruned.jsonl``) is skipped, with one warning
     saying how many. Both formats
     yield the same values for the same run: the tokens in the run's dtype, pooled vectors as float32 (as the
@@ -113,82 +84,59 @@ def read_embeddings(out: str | os.PathLike, *, deepstack: bool = False) -> Itera
     """
     out = Path(out)
     if _is_parquet(out):
-        yield from _parquet_embeddings(out, deepstack)
-        return
-    manifest = out / MANIFEST
-    if not manifest.exists() and any(out.glob("manifest.rank*.jsonl")):
+        yield from _parquet_embeddings(out, deepstack, _parquet_stale(out))
+    else:
+        yield from _manifest_embeddings(out, _manifest_ok(out), deepstack)
+
+
+def _manifest_ok(out: Path) -> list[dict]:
+    """The manifest's ok records, of a file recorded again after it changed its latest only (``superseded``)."""
+    if not (out / MANIFEST).exists() and any(out.glob("manifest.rank*.jsonl")):
         raise ManifestError(f"{out} holds the ranks' manifest parts but no {MANIFEST}: the run stopped before "
                             f"merging them; embed --resume on the folder finishes and merges it")
-    lines = parse_manifest(manifest)
-    stale = superseded([line.record.get("realpath", "") for line in lines
-                        if line.record is not None and line.record["status"] == "ok"])
-    ordinal = -1  # of the ok record
-    open_shard, handle = None, None
-    pruned: set[str] | None = None  # read once, at the first missing item
-    skipped = 0
-    try:
-        for line in lines:
-            r = line.record
-            if r is None:
-                raise _damaged(manifest, line)
-            if r["status"] != "ok":
-                continue
-            ordinal += 1
-            if ordinal in stale:
-                continue
-            if "levels" in r and r["shard"] != open_shard and not (out / r["shard"]).is_file():
-                if pruned is None:
-                    from ..outputs.cache_prune import pruned_ids
+    records = [r for r in read_manifest_lines(out / MANIFEST) if r["status"] == "ok"]
+    stale = superseded([r.get("realpath", "") for r in records])
+    return [r for ordinal, r in enumerate(records) if ordinal not in stale]
 
-                    pruned = pruned_ids(out)
-                if r.get("id") in pruned:
-                    skipped += 1
-                    continue
+
+def _manifest_embeddings(out: Path, records: list[dict], deepstack: bool) -> Iterator[tuple[str, object]]:
+    handle, open_shard, pruned, skipped = None, None, None, 0
+    for r in records:
+        if "levels" in r and r["shard"] != open_shard and not (out / r["shard"]).is_file():
+            from ..outputs.cache_prune import pruned_ids
+
+            pruned = pruned_ids(out) if pruned is None else pruned  # read once, at the first missing item
+            if r.get("id") in pruned:
+                skipped += 1
+                continue
+        try:
             if r["shard"] != open_shard:
-                if handle is not None:
-                    handle.__exit__(None, None, None)
-                    handle = None
-                handle = _open_shard(out, r["shard"], manifest, line.number)
-                open_shard = r["shard"]
-            if r["key"] not in handle.keys():
-                raise ManifestError(f"{manifest}, line {line.number}: {r['shard']} has no tensor {r['key']!r}")
+                handle, open_shard = safe_open(out / r["shard"], framework="pt"), r["shard"]
             tensor = handle.get_tensor(r["key"])
             if "levels" in r:  # an encoder-cache item: [merged | level 0 | ...] along the features, as vLLM splits it
                 from ..outputs.handoff import split_vllm_deepstack
 
-                try:
-                    tensor, levels = split_vllm_deepstack(tensor, r["levels"])
-                except InputError as e:
-                    raise ManifestError(f"{manifest}, line {line.number}: {r['shard']}: {e}") from None
-                yield r["path"], ((tensor.contiguous(), [level.contiguous() for level in levels]) if deepstack
-                                  else tensor.contiguous())
+                tensor, levels = split_vllm_deepstack(tensor, r["levels"])
+                tensor, levels = tensor.contiguous(), [level.contiguous() for level in levels]
             elif deepstack:
-                names = sorted(k for k in handle.keys() if k.startswith(r["key"] + ".deepstack."))
-                yield r["path"], (tensor, [handle.get_tensor(k) for k in names])
-            else:
-                yield r["path"], tensor
-    finally:
-        if handle is not None:
-            handle.__exit__(None, None, None)
+                levels = [handle.get_tensor(k) for k in sorted(handle.keys()) if k.startswith(r["key"] + ".deepstack.")]
+        except Exception as e:  # noqa: BLE001 - safetensors' own error for a missing or damaged shard or tensor
+            raise ManifestError(f"{out / MANIFEST}: {r['shard']} {r['key']!r} cannot be read ({e})") from None
+        yield r["path"], (tensor, levels) if deepstack else tensor
     if skipped:
         warnings.warn(f"{out}: {skipped} item(s) removed by `qwenvl-vision cache prune` (listed in pruned.jsonl) "
                       f"were skipped", stacklevel=2)
 
 
-def _open_shard(out: Path, name: str, manifest: Path, number: int):
-    path = out / name
-    if not path.is_file():
-        raise ManifestError(f"{manifest}, line {number}: shard {name} does not exist")
-    try:
-        handle = safe_open(path, framework="pt")
-        handle.__enter__()
-    except Exception as e:  # noqa: BLE001 - safetensors' own error type for a damaged file
-        raise ManifestError(f"{manifest}, line {number}: shard {name} is unreadable ({e})") from None
-    return handle
-
-
 def _parquet_shards(out: Path) -> bool:
     return out.is_dir() and any(out.glob("shard-r*-*.parquet"))
+
+
+def _parquet_files(out: Path) -> list[Path]:
+    """The folder's Parquet shards; none where the run stopped before its first."""
+    from ..outputs.parquet_reader import parquet_files
+
+    return parquet_files(out) if _parquet_shards(out) else []
 
 
 def _is_parquet(out: Path) -> bool:
@@ -206,19 +154,19 @@ def superseded(keys: list[str]) -> set[int]:
     return {i for i, key in enumerate(keys) if file_of(key) and latest[file_of(key)] != i}
 
 
-def _parquet_superseded(out: Path) -> set[int]:
-    from ..outputs.parquet_reader import parquet_files, read_parquet_index
+def _parquet_stale(out: Path) -> set[int]:
+    """``superseded`` of a Parquet folder's ok rows, from the shards' realpath and status columns."""
+    from ..outputs.parquet_reader import read_parquet_index
 
-    files = parquet_files(out) if _parquet_shards(out) else []
-    return superseded([key for path in files for key, state in zip(*read_parquet_index(path)[:2]) if state == "ok"])
+    return superseded([key for path in _parquet_files(out) for key, state in zip(*read_parquet_index(path)[:2])
+                       if state == "ok"])
 
 
-def _parquet_embeddings(out: Path, deepstack: bool) -> Iterator[tuple[str, object]]:
+def _parquet_embeddings(out: Path, deepstack: bool, stale: set[int]) -> Iterator[tuple[str, object]]:
     from ..outputs.parquet_reader import read_parquet_records
 
     if not _parquet_shards(out):  # a run stopped before its first shard
         return
-    stale = _parquet_superseded(out)
     for ordinal, record in enumerate(r for r in read_parquet_records(out) if r.ok):
         if ordinal in stale:
             continue
@@ -227,27 +175,6 @@ def _parquet_embeddings(out: Path, deepstack: bool) -> Iterator[tuple[str, objec
         else:
             tensor, levels = record.embedding, record.deepstack
         yield record.path, ((tensor, levels) if deepstack else tensor)
-
-
-def stored_records(out: str | os.PathLike) -> Iterator[tuple[str, list[int], dict | None, int]]:
-    """(path, grid_thw, its video entry or None for an image, tokens) of every input recorded ok, in the order
-    ``read_embeddings`` yields them (for Parquet from the footers and the small columns only)."""
-    out = Path(out)
-    if _is_parquet(out):
-        from ..outputs.parquet_reader import parquet_files, read_parquet_grids
-
-        found = [grid for path in parquet_files(out) for grid in read_parquet_grids(path)] \
-            if _parquet_shards(out) else []  # a run stopped before its first shard has none
-        stale = _parquet_superseded(out)
-    else:
-        manifest = out / MANIFEST
-        if not manifest.exists() and any(out.glob("manifest.rank*.jsonl")):
-            raise ManifestError(f"{out} holds the ranks' manifest parts but no {MANIFEST}: the run stopped before "
-                                f"merging them; embed --resume on the folder finishes and merges it")
-        records = [r for r in read_manifest_lines(manifest) if r["status"] == "ok"]
-        found = [(r["path"], r["grid_thw"], r.get("video"), r["tokens"]) for r in records]
-        stale = superseded([r.get("realpath", "") for r in records])
-    yield from (record for ordinal, record in enumerate(found) if ordinal not in stale)
 
 
 def read_encoded(out: str | os.PathLike, paths: list[str] | None = None, *, modality: str | None = None):
@@ -267,17 +194,26 @@ def read_encoded(out: str | os.PathLike, paths: list[str] | None = None, *, moda
     if run.get("pooled"):
         raise ManifestError(f"{out} is a --pooled-only run: it stores one vector per input, not the tokens a "
                             f"language model takes")
+    out = Path(out)
+    if _is_parquet(out):  # the small columns first (grids, tokens), the tensors of the paths asked for after
+        from ..outputs.parquet_reader import read_parquet_grids
+
+        stale = _parquet_stale(out)
+        grids = [grid for path in _parquet_files(out) for grid in read_parquet_grids(path)]
+        stored = [grid for ordinal, grid in enumerate(grids) if ordinal not in stale]
+        tensors_of = _parquet_embeddings(out, True, stale)
+    else:
+        records = _manifest_ok(out)
+        stored = [(r["path"], r["grid_thw"], r.get("video"), r["tokens"]) for r in records]
+        tensors_of = _manifest_embeddings(out, records, True)
     found: dict[str, tuple[list[int], str, dict | None]] = {}
-    merges = set()  # the tower's merge size, as each record's grid and tokens give it (tokens = t*h*w / merge**2)
-    for path, grid, video, tokens in stored_records(out):
+    merge = 2  # the tower's merge size, as a record's grid and tokens give it (tokens = t*h*w / merge**2)
+    for path, grid, video, tokens in stored:
         if path in found:
             raise ManifestError(f"{out} records {path!r} twice (two files under one relative path): ask by realpath "
                                 f"in read_manifest_lines, or pass paths as recorded once")
         found[path] = (grid, "video" if video else "image", video)
         merge = math.isqrt(math.prod(grid) // tokens)
-        merges.add(merge if merge * merge * tokens == math.prod(grid) else None)
-    if len(merges) > 1 or None in merges:
-        raise ManifestError(f"{out}: its records' grids and token counts give no one merge size")
     # A URL's path is stored with its secrets as *** (inputs.urls): asked for as given, it is found as stored.
     wanted = list(found) if paths is None else [p if p in found else redacted_text(p) for p in paths]
     missing = [p for p in wanted if p not in found]
@@ -294,8 +230,8 @@ def read_encoded(out: str | os.PathLike, paths: list[str] | None = None, *, moda
     elif any(found[p][1] != modality for p in wanted):
         raise ManifestError(f"not every one of these records is a {modality}")
     keep = set(wanted)
-    tensors = {path: value for path, value in read_embeddings(out, deepstack=True) if path in keep}
-    # What read_embeddings skipped is an item ``cache prune`` removed (it warned): left out of "every record",
+    tensors = {path: value for path, value in tensors_of if path in keep}
+    # What the reading skipped is an item ``cache prune`` removed (it warned): left out of "every record",
     # refused by name when asked for.
     pruned = [p for p in wanted if p not in tensors]
     if pruned and paths is not None:
@@ -309,4 +245,4 @@ def read_encoded(out: str | os.PathLike, paths: list[str] | None = None, *, moda
              else {**found[p][2], "requested_fps": fps} for p in wanted]
     return EncodedItems([tensors[p][0] for p in wanted], [found[p][0] for p in wanted],
                         [tensors[p][1] for p in wanted], modality, run["family"], video_info=infos,
-                        merge_size=merges.pop() if merges else 2)
+                        merge_size=merge)

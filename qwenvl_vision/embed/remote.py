@@ -14,7 +14,7 @@ package). Outputs stay local.
   listed, never another stored under its identity: a version is read by its id (S3), an ETag (or a version a
   store cannot be asked for) is checked against the object's metadata once its bytes are read. An object replaced
   in between is one failed input; a ``--resume`` lists it again and embeds it under its new identity. A body
-  is held to the decode budget it is decoded under (``batching.DECODE_LIMIT``, ``--decode-mib``), so one object
+  is held to the decode budget it is decoded under (``FileBytes.read``'s limit, ``--decode-mib``), so one object
   cannot take more memory than the run allows: a larger size announced is refused before any byte is read, and a
   read (a server may announce none, or lie) stops one byte past the budget.
 - Failures: a transient error (a dropped connection, a timeout, a server error) is retried ``RETRIES`` times with
@@ -29,11 +29,10 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ..batching import DECODE_LIMIT
 from ..errors import ConfigError, PreprocessError
 from ..inputs.pixels import FileBytes
 from ..inputs.urls import canonical, redacted, redacted_text
@@ -78,82 +77,47 @@ def filesystem(url: str) -> tuple[Any, str]:
         fs = fsspec.filesystem(protocol, **{**cls._get_kwargs_from_urls(url), **options})
         return fs, fs._strip_protocol(url)
     except Exception as e:  # noqa: BLE001 - an unknown scheme, a missing package, a store refusing to connect
-        raise PreprocessError(f"{redacted(url)}: no file system for {protocol}:// here ({_why(e)})") from None
+        raise PreprocessError(f"{redacted(url)}: no file system for {protocol}:// here ({failure(e)[0]})") from None
 
 
 def retried(what: Callable[[], Any], url: str, action: str) -> Any:
-    """``what()``, retried on transient errors; a permanent one, or the last, as a one-line PreprocessError."""
-    delay = BACKOFF_S
+    """``what()``, retried with backoff while its error is transient (``failure``); a permanent one, or the last,
+    as a one-line PreprocessError."""
     for attempt in range(RETRIES + 1):
         try:
             return what()
         except PreprocessError:
             raise  # this input's one line already (an object above the decode budget)
         except Exception as e:  # noqa: BLE001 - stores raise their own types for dropped connections and 5xx
-            if not transient(e):
-                raise PreprocessError(f"{redacted(url)}: cannot {action} ({_why(e)})") from None
-            if attempt == RETRIES:
-                raise PreprocessError(f"{redacted(url)}: cannot {action} after {RETRIES + 1} attempts "
-                                      f"({_why(e)})") from None
-            time.sleep(delay)
-            delay *= 2
-    raise AssertionError("unreachable")
+            why, transient = failure(e)
+            if not transient or attempt == RETRIES:
+                after = f" after {attempt + 1} attempts" if transient else ""
+                raise PreprocessError(f"{redacted(url)}: cannot {action}{after} ({why})") from None
+        time.sleep(BACKOFF_S * 2**attempt)
 
 
-def causes(error: BaseException) -> Iterator[BaseException]:
-    """``error`` and those it was raised from (fsspec raises its own error from aiohttp's), nearest first."""
-    seen: BaseException | None = error
+def failure(error: BaseException) -> tuple[str, bool]:
+    """(what happened, in a few words; whether trying again may help) of a store's error. fsspec raises its own error
+    from aiohttp's (its http(s) metadata read, FileNotFoundError from whatever failed), so the nearest of the error's
+    causes that tells decides: a bad redirect never helps, an HTTP status may (a server's 5xx, 408 and 429; never 404
+    or a refused signature); else the error's type (a dropped connection, a timeout may; a missing object never)."""
+    aiohttp, seen = sys.modules.get("aiohttp"), error  # imported wherever one of its errors can be there
     for _ in range(8):  # a chain of causes, never a cycle's worth
-        if seen is None:
-            return
-        yield seen
-        seen = seen.__cause__ or seen.__context__
-
-
-def http_status(error: BaseException) -> int | None:
-    """The HTTP status behind ``error`` (aiohttp's, where fsspec raised its own error from it), else None."""
-    for seen in causes(error):
+        if aiohttp and isinstance(seen, aiohttp.TooManyRedirects):
+            return f"a redirect loop: too many redirects ({len(seen.history)} followed)", False
+        if aiohttp and isinstance(seen, aiohttp.NonHttpUrlRedirectClientError):
+            return f"a redirect to another scheme refused: {redacted_text(str(seen))[:300]}", False
         status = getattr(seen, "status", None)
         if type(status) is int and 100 <= status < 600:
-            return status
-    return None
-
-
-def transient(error: BaseException) -> bool:
-    """Whether trying again may help: by the HTTP status where one is behind the error (a server's 5xx, 408 and
-    429 may; 404 and a refused signature never), else by its type (a dropped connection, a timeout may; a bad
-    redirect never)."""
-    status = http_status(error)
-    if status is not None:
-        return status >= 500 or status in (408, 429)
-    return not isinstance(error, PERMANENT) and bad_redirect(error) is None
-
-
-def bad_redirect(error: BaseException) -> str | None:
-    """What was wrong with the redirect behind ``error``, else None (fsspec's http(s) metadata read raises
-    FileNotFoundError from whatever failed; aiohttp is imported wherever one of its errors can be there)."""
-    aiohttp = sys.modules.get("aiohttp")
-    for seen in causes(error) if aiohttp else ():
-        if isinstance(seen, aiohttp.TooManyRedirects):
-            return f"a redirect loop: too many redirects ({len(seen.history)} followed)"
-        if isinstance(seen, aiohttp.NonHttpUrlRedirectClientError):
-            return f"a redirect to another scheme refused: {redacted_text(str(seen))[:300]}"
-    return None
-
-
-def _why(error: BaseException) -> str:
-    redirect = bad_redirect(error)
-    if redirect is not None:
-        return redirect
-    status = http_status(error)
-    if status in (404, 410) or (status is None and isinstance(error, FileNotFoundError)):
-        return "not found"
-    if status in (401, 403):
-        return f"refused, HTTP {status}: no access, or a signature expired"
-    if status is not None:
-        return f"HTTP {status}"
+            if status in (401, 403):
+                return f"refused, HTTP {status}: no access, or a signature expired", False
+            return "not found" if status in (404, 410) else f"HTTP {status}", status >= 500 or status in (408, 429)
+        if (seen := seen.__cause__ or seen.__context__) is None:
+            break
+    if isinstance(error, FileNotFoundError):
+        return "not found", False
     text = " ".join(redacted_text(str(error)).split()) or type(error).__name__  # a store's message may hold the URL
-    return f"{type(error).__name__}: {text[:300]}"
+    return f"{type(error).__name__}: {text[:300]}", not isinstance(error, PERMANENT)
 
 
 def identity(url: str) -> str:
@@ -180,7 +144,7 @@ def identities(urls: list[str]) -> dict[str, tuple[str, str | None]]:
         except PreprocessError as e:
             return canonical(url), str(e)
         except Exception as e:  # noqa: BLE001 - a store's own error outside the retried calls: this input's
-            return canonical(url), f"{redacted(url)}: cannot read its metadata ({_why(e)})"
+            return canonical(url), f"{redacted(url)}: cannot read its metadata ({failure(e)[0]})"
 
     with ThreadPoolExecutor(INFO_WORKERS) as pool:
         return dict(zip(urls, pool.map(one, urls), strict=True))
@@ -204,9 +168,8 @@ def over_budget(url: str, limit: int, size: int | None = None) -> PreprocessErro
 
 
 def read_within(fs: Any, path: str, url: str, limit: int | None) -> bytes:
-    """The object's bytes, or ``over_budget`` where they are more than ``limit`` (None: no bound): a size
-    announced above it is refused unread, and a read stops one byte past it (a server may send no size, or more than
-    it announced)."""
+    """The object's bytes, at most one past ``limit`` (None: no bound): a size announced above it is refused unread
+    (``over_budget``), and a read stops one byte past it (a server may send no size, or more than it announced)."""
     if limit is None:
         return fs.cat_file(path)
     size = fs.size(path)
@@ -219,27 +182,22 @@ def read_within(fs: Any, path: str, url: str, limit: int | None) -> bytes:
         while got <= limit and (chunk := f.read(limit + 1 - got)):  # a stream gives what has come so far
             chunks.append(chunk)
             got += len(chunk)
-    if got > limit:
-        raise over_budget(url, limit)
     return b"".join(chunks)
 
 
-def fetch(url: str, key: str | None = None) -> bytes:
-    """The object's bytes, within the decode budget it is decoded under (``batching.DECODE_LIMIT``); with ``key``
-    (its identity as listed), those of the object the key names, or a PreprocessError saying it changed."""
+def fetch(url: str, key: str | None = None, limit: int | None = None) -> bytes:
+    """The object's bytes, at most ``limit`` of them (the decode budget it is decoded under; None: no bound); with
+    ``key`` (its identity as listed), those of the object the key names, or a PreprocessError saying it changed."""
     fs, path = filesystem(url)
     pin = pin_of(url, key)
-    limit = DECODE_LIMIT.get()
-    if pin is not None and pin[0] == "version" and url.split("://", 1)[0].lower() in ("s3", "s3a"):
-        # One request for the version (s3fs's ranged reads of a large object size it by the latest version), its
-        # range one byte past the budget.
-        data = retried(lambda: fs.cat_file(path, version_id=pin[1], start=0, end=None if limit is None else limit + 1),
-                       url, "read it")
-        if limit is not None and len(data) > limit:
-            raise over_budget(url, limit)
-        return data
-    data = retried(lambda: read_within(fs, path, url, limit), url, "read it")
-    if pin is not None:
+    # S3 reads a version in one request (s3fs's ranged reads of a large object size it by the latest version), its
+    # range one byte past the budget.
+    by_version = pin is not None and pin[0] == "version" and url.split("://", 1)[0].lower() in ("s3", "s3a")
+    data = retried(lambda: fs.cat_file(path, version_id=pin[1], start=0, end=None if limit is None else limit + 1)
+                   if by_version else read_within(fs, path, url, limit), url, "read it")
+    if limit is not None and len(data) > limit:
+        raise over_budget(url, limit)
+    if pin is not None and not by_version:
         fs.invalidate_cache(path)  # the metadata as it is now, not as listed
         now = pin_of(url, identity(url))
         if now != pin:
@@ -250,4 +208,4 @@ def fetch(url: str, key: str | None = None) -> bytes:
 
 def remote_file(url: str, key: str | None = None) -> FileBytes:
     """The object's bytes, fetched when its decoder first asks for them (with ``key``: the object it names)."""
-    return FileBytes(url, fetch=lambda: fetch(url, key))
+    return FileBytes(url, fetch=lambda limit: fetch(url, key, limit))

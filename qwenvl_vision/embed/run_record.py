@@ -16,10 +16,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ..checkpoint.hub import COMMIT_HASH
-from ..errors import RunMismatchError
+from ..errors import EmbedError
 from ..version import package_version
 from .args import EmbedSettings
 from .manifest import RUN_COMPARED, RUN_FILE, RUN_FORMAT
@@ -53,11 +51,11 @@ def crossed_bounds_note(args: EmbedSettings, pre) -> str | None:
             f"and smaller ones are upscaled to at least {low} (add {fix})")
 
 
-def describe_run(encoder, args: EmbedSettings, folder: str | None, world: int, threads: int | None = None,
-                 columns: dict[str, str] | None = None) -> dict:
+def describe_run(encoder, args: EmbedSettings, folder: str | None, world: int, threads: int,
+                 columns: dict[str, str]) -> dict:
     """run.json for this invocation: what its tensors depend on, plus where they came from. ``threads`` is the
-    torch thread count of every forward (the local process's, or each Ray actor's; default: this process's now);
-    ``columns``: the table columns the outputs carry, with their types."""
+    torch thread count of every forward (the local process's, or each Ray actor's); ``columns``: the table columns
+    the outputs carry, with their types."""
     pre = encoder.preprocess_config
     min_pixels, max_pixels = pixel_bounds(args, pre)
     revision = args.revision
@@ -80,11 +78,11 @@ def describe_run(encoder, args: EmbedSettings, folder: str | None, world: int, t
         "video": encoder.video_config.to_dict(),
         "pooled": bool(args.pooled_only),
         "normalize": bool(args.normalize),
-        "columns": [[name, kind] for name, kind in (columns or {}).items()],
+        "columns": [[name, kind] for name, kind in columns.items()],
         "world_size": world,
         "file_format": args.format,
         "engine": args.engine,
-        "threads": threads if threads is not None else torch.get_num_threads(),
+        "threads": threads,
         # The CPU backend's plan as loaded (None off the CPU, compiled or on the reference kernels): not compared,
         # reused by every resume, rank and actor of the run.
         "cpu_plan": None if encoder.cpu_plan is None else encoder.cpu_plan.to_dict(),
@@ -93,22 +91,22 @@ def describe_run(encoder, args: EmbedSettings, folder: str | None, world: int, t
 
 
 def compare_runs(recorded: dict, now: dict, out: Path) -> None:
-    """Raise RunMismatchError listing every compared field that differs (another file format alone: its own line,
+    """Raise EmbedError listing every compared field that differs (another file format alone: its own line,
     since one folder holds one format)."""
     was, asked = recorded["file_format"], now["file_format"]
     if was != asked:
         engine = " (--engine ray writes parquet)" if now.get("engine") == "ray" else ""
-        raise RunMismatchError(f"{out} holds a --format {was} run; --resume with --format {asked}{engine} would mix "
-                               f"two formats in one folder: resume it with --format {was}, or choose another --out")
+        raise EmbedError(f"{out} holds a --format {was} run; --resume with --format {asked}{engine} would mix "
+                         f"two formats in one folder: resume it with --format {was}, or choose another --out")
     differ = [key for key in RUN_COMPARED if recorded[key] != now[key]]
     if not differ:
         return
 
     def show(key: str, value: Any) -> str:
-        return f"{value[:12]}..." if key.endswith("sha256") and isinstance(value, str) else json.dumps(value)
+        return f"{value[:12]}..." if key.endswith("sha256") else json.dumps(value)
 
     fields = ", ".join(f"{key} {show(key, recorded[key])} (now {show(key, now[key])})" for key in differ)
     hint = " (another model, or other weights)" if any(k.endswith("sha256") for k in differ) else ""
-    raise RunMismatchError(f"{out} holds a run with other settings, refusing to mix them: {fields}{hint}; "
-                           f"resume with the run's settings (see {out / RUN_FILE}) or choose another --out")
+    raise EmbedError(f"{out} holds a run with other settings, refusing to mix them: {fields}{hint}; "
+                     f"resume with the run's settings (see {out / RUN_FILE}) or choose another --out")
 

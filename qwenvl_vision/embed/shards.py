@@ -180,12 +180,8 @@ def member_of(path: str) -> tuple[str, str] | None:
     """(shard, member name) when ``path`` names a member inside a tar file (``.../shards-000.tar/000123.jpg``),
     else None."""
     parts = path.split("/")
-    for i in range(len(parts) - 1):
-        if is_shard(parts[i]):
-            shard = "/".join(parts[: i + 1])
-            if os.path.isfile(shard):
-                return shard, "/".join(parts[i + 1:])
-    return None
+    shards = ["/".join(parts[: i + 1]) for i in range(len(parts) - 1) if is_shard(parts[i])]
+    return next(((shard, path[len(shard) + 1:]) for shard in shards if os.path.isfile(shard)), None)
 
 
 class ItemOpener:
@@ -195,6 +191,7 @@ class ItemOpener:
 
     def __init__(self) -> None:
         self.indexes: dict[str, dict[str, Member]] = {}
+        self.reader = MemberReader()  # kept open: an actor's members of one shard come together too
 
     def __call__(self, path: str, identity: str | None = None) -> object:
         from .remote import remote_file
@@ -209,10 +206,5 @@ class ItemOpener:
             # The driver's listing: one member a name, so an actor reads the very member the local engine would.
             self.indexes[shard] = {m.name: m for *_, m, _ in list_shard(shard, lambda _: True, ()) if m}
         member = self.indexes[shard].get(name)
-        if member is None:
-            return path  # decoded as a path: a file not found, one failed input
-        reader = MemberReader()
-        try:
-            return reader.read(path, member)
-        finally:
-            reader.close()
+        # Not a member: decoded as a path, a file not found, one failed input.
+        return path if member is None else self.reader.read(path, member)

@@ -128,15 +128,10 @@ def _arrow_type(arrow_type: Any) -> str:
 
     if pa.types.is_dictionary(arrow_type):  # a pandas Categorical: its values' type, not their JSON text
         return _arrow_type(arrow_type.value_type)
-    if pa.types.is_boolean(arrow_type):
-        return "bool"
-    if pa.types.is_integer(arrow_type) and not (pa.types.is_uint64(arrow_type)):
-        return "int64"  # uint64 may not fit: its JSON text
-    if pa.types.is_floating(arrow_type):
-        return "float64"
-    if pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type):
-        return "string"
-    return "json"
+    kinds = {"bool": pa.types.is_boolean(arrow_type), "float64": pa.types.is_floating(arrow_type),
+             "int64": pa.types.is_integer(arrow_type) and not pa.types.is_uint64(arrow_type),  # uint64 may not fit
+             "string": pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type)}
+    return next((kind for kind, hit in kinds.items() if hit), "json")
 
 
 def _value(value: Any, kind: str) -> Any:
@@ -189,17 +184,12 @@ def _jsonl_rows(path: Path, path_column: str, keep: Sequence[str]) -> tuple[list
 
 
 def _json_type(values: list[Any]) -> str:
-    present = [v for v in values if v is not None]
-    if present and all(isinstance(v, bool) for v in present):
-        return "bool"
-    if present and all(isinstance(v, int) and not isinstance(v, bool) and v in INT64 for v in present):
-        return "int64"
-    if present and all(isinstance(v, float) or (isinstance(v, int) and not isinstance(v, bool) and v in INT64)
-                       for v in present):
-        return "float64"
-    if all(isinstance(v, str) for v in present):
-        return "string"
-    return "json"
+    """The type all of a field's values share (nulls aside; integers and floats together: float64), else json."""
+    kinds = {"bool" if isinstance(v, bool) else "int64" if isinstance(v, int) and v in INT64 else
+             "float64" if isinstance(v, float) else "string" if isinstance(v, str) else "json"
+             for v in values if v is not None}
+    kinds = {"float64"} if kinds == {"int64", "float64"} else kinds
+    return (kinds.pop() if len(kinds) == 1 else "json") if kinds else "string"
 
 
 def _text(path: Path) -> str:

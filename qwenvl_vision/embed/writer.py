@@ -22,7 +22,6 @@ import errno
 import json
 import os
 from pathlib import Path
-from typing import Protocol
 
 import torch
 from safetensors import safe_open
@@ -30,19 +29,9 @@ from safetensors.torch import save
 
 from ..errors import ManifestError, OutputFaultError
 from ..inputs.urls import redacted_text
-from ..outputs.durable import create_new, fsync_dir, open_no_follow, refuse_link, replace_atomically
+from ..outputs.durable import open_no_follow, refuse_link, replace_atomically
 from ..outputs.records import EmbeddingRecord
-from .manifest import (
-    MANIFEST,
-    RECORDS_KEY,
-    RUN_FILE,
-    RUN_KEY,
-    SHARD_NAME,
-    parse_manifest,
-    part_name,
-    record_key,
-    record_problem,
-)
+from .manifest import MANIFEST, RECORDS_KEY, RUN_FILE, RUN_KEY, SHARD_NAME, part_name, read_manifest_lines, record_key
 
 # OSErrors at the start that are the output folder's state (exit 3, like a fault mid-run), not a usage error.
 OUTPUT_FAULTS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO}
@@ -57,8 +46,6 @@ def output_fault(e: OSError, out: Path, recorded: int | None = None) -> OutputFa
                             f"output folder (free space, permissions) and run the same command with --resume")
 
 
-
-
 def atomic_write_text(path: Path, text: str, tag: str) -> None:
     """Write `path` whole or not at all; the temporary file's name carries `tag` (the run id)."""
     replace_atomically(path, path.with_name(f"{path.name}.{tag}.tmp"), lambda f: f.write(text.encode()))
@@ -66,8 +53,6 @@ def atomic_write_text(path: Path, text: str, tag: str) -> None:
 
 def append_lines(path: Path, records: list[dict]) -> None:
     """Append `records` as JSON lines in one write, fsynced: a kill leaves at most one torn last line."""
-    if not records:
-        return
     data = "".join(json.dumps(r) + "\n" for r in records)
     # Never through a link: somebody's link at the manifest's name would make us append to the file it points to.
     with os.fdopen(open_no_follow(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "w") as f:
@@ -76,48 +61,35 @@ def append_lines(path: Path, records: list[dict]) -> None:
         os.fsync(f.fileno())
 
 
-def save_shard(tensors: dict[str, torch.Tensor], tmp: Path, run_id: str, records: list[dict] | None = None) -> None:
-    """Serialise in memory, then write with Python's file I/O: a full disk or a read-only folder is an
-    OSError with its errno (safetensors' save_file reports them as its own error type), and the file gets
-    the permissions the umask allows (save_file creates 0600 files). ``tmp`` is created exclusively, never
-    through a link. ``records``: the manifest records of the shard's items, stored in its metadata."""
-    metadata = {"format": "pt", RUN_KEY: run_id}
-    if records is not None:
-        metadata[RECORDS_KEY] = json.dumps(records)
-    data = save(tensors, metadata=metadata)
-    with create_new(tmp) as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+def save_shard(tensors: dict[str, torch.Tensor], path: Path, run_id: str, records: list[dict]) -> None:
+    """The shard at ``path`` whole or not at all, its items' manifest records in its metadata. Serialised in memory,
+    then written with Python's file I/O (``replace_atomically``): a full disk or a read-only folder is an OSError with
+    its errno (safetensors' save_file reports them as its own error type), and the file gets the permissions the
+    umask allows (save_file creates 0600 files)."""
+    data = save(tensors, metadata={"format": "pt", RUN_KEY: run_id, RECORDS_KEY: json.dumps(records)})
+    replace_atomically(path, path.with_name(f"{path.stem}.{run_id}.tmp"), lambda f: f.write(data))
 
 
-def stored_records(path: Path) -> tuple[str | None, list | None, set[str]]:
-    """(run id, the records its metadata carries or None, its tensor names) of a shard or cache item; a
-    ManifestError naming it if its header is unreadable or its records are not a JSON list."""
+def stored_records(path: Path) -> tuple[str | None, list | None]:
+    """(run id, the records its metadata carries or None) of a shard or cache item; one ManifestError naming it
+    where safetensors or JSON cannot read them."""
     try:
-        with safe_open(path, framework="pt") as f:
-            metadata, keys = f.metadata() or {}, set(f.keys())
+        metadata = safe_open(path, framework="pt").metadata() or {}
+        return metadata.get(RUN_KEY), json.loads(metadata[RECORDS_KEY]) if RECORDS_KEY in metadata else None
     except Exception as e:  # noqa: BLE001 - safetensors raises its own error type for a bad header
         raise ManifestError(f"{path} is unreadable ({e})") from None
-    raw = metadata.get(RECORDS_KEY)
-    if raw is None:
-        return metadata.get(RUN_KEY), None, keys
-    try:
-        found = json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise ManifestError(f"{path}: its {RECORDS_KEY} metadata is damaged ({e})") from None
-    if not isinstance(found, list):
-        raise ManifestError(f"{path}: its {RECORDS_KEY} metadata is not a list of records")
-    return metadata.get(RUN_KEY), found, keys
 
 
-class Writer(Protocol):
-    """What an embed run asks of a rank's writer, whatever the format (``RankWriter``: safetensors shards,
-    ``parquet_writer.ParquetRankWriter``, ``cache_writer.CacheRankWriter``: vLLM encoder-cache items)."""
+class Writer:
+    """A rank's writer, whatever the format (``RankWriter``: safetensors shards, ``cache_writer.CacheRankWriter``:
+    vLLM encoder-cache items, both with manifest lines; ``parquet_writer.ParquetRankWriter``: Parquet shards). A
+    batch's records go one way, ``write_records``; each format stores them its own (``store``)."""
 
-    done: set[str]  # real keys of the inputs already recorded ok (a resume skips them)
-    recorded: int  # inputs recorded (ok or error) by this process
-    failed: int  # of which failed
+    recorded = 0  # inputs recorded (ok or error) by this process
+    failed = 0  # of which failed
+
+    def __init__(self) -> None:
+        self.done: set[str] = set()  # identities of the inputs recorded ok by any rank (a resume skips them)
 
     def recover(self) -> None:
         """A resume, before any rank writes: what a stopped run left, made consistent."""
@@ -125,203 +97,121 @@ class Writer(Protocol):
     def finish_recovery(self) -> None:
         """A resume, after every rank has read the folder: the rewrites that had to wait."""
 
+    def remove_temporary_files(self) -> None:
+        """Those a kill may have left of this run (``temporary_files``: glob patterns in ``out``)."""
+        for pattern in self.temporary_files():
+            for tmp in self.out.glob(pattern):
+                refuse_link(tmp)  # somebody's link at our temporary name: named, left as it is
+                tmp.unlink()
+
     def write_records(self, records: list[EmbeddingRecord]) -> tuple[int, int]:
         """One batch of records (the local engine's results, or Ray's rows), written durably; (ok, failed)."""
+        failed = self.store(records) if records else 0
+        self.recorded += len(records)
+        self.failed += failed
+        return len(records) - failed, failed
+
+    def store(self, records: list[EmbeddingRecord]) -> int:
+        """The batch written durably, the format's way; how many of its inputs failed."""
 
 
-class RankWriter:
+class RankWriter(Writer):
     """Writes one rank's shards and manifest part; on resume, recovers what a stopped run left. ``pooled``: store
     each input's mean vector (float32) instead of its tokens."""
 
     def __init__(self, out: Path, rank: int, world: int, run_id: str, run_cwd: str | None = None,
                  pooled: bool = False) -> None:
+        super().__init__()
         self.out, self.rank, self.world, self.run_id = out, rank, world, run_id
         self.pooled = pooled
         self.run_cwd = run_cwd or os.getcwd()
         self.manifest = out / part_name(rank, world)
-        self.own: dict[str, dict] = {}  # real key -> this rank's ok record
-        self.done: set[str] = set()  # real keys recorded ok by any rank
+        self.own: dict[str, dict] = {}  # identity -> this rank's ok record
         self.next_shard = 0
-        self.recorded = 0  # inputs recorded (ok or error) by this process
-        self.failed = 0  # of which failed
-
-    def _own_shards(self) -> list[Path]:
-        return sorted(p for p in self.out.glob(f"shard-r{self.rank}-*.safetensors") if SHARD_NAME.match(p.name))
 
     def stored_files(self) -> list[Path]:
-        """The files whose metadata records may hold this rank's items: its shards."""
-        return self._own_shards()
-
-    def folder_files(self) -> list[Path]:
         """The files whose metadata records may hold any rank's items: every rank's shards."""
         return sorted(p for p in self.out.glob("shard-r*-*.safetensors") if SHARD_NAME.match(p.name))
 
-    def unaccounted(self, path: Path, why: str) -> ManifestError:
-        """The error for a shard of this run that recovery can neither read nor match to a record: kept, named."""
-        return ManifestError(f"{path} {why}, and no manifest line records it: nothing was changed; move it out of "
-                             f"{self.out} (its inputs are then redone) and run the same command with --resume again")
-
-    def _records(self, path: Path) -> list[dict]:
-        """Usable records of one manifest file; damaged lines are dropped like a torn line."""
-        return [line.record for line in parse_manifest(path) if line.record is not None]
-
     def recover(self) -> None:
-        """Resume: keep this rank's ok records whose shard exists, once each, then roll forward every record its
-        shards carry that no line holds (see the module). Deletes only this run's temporary files."""
-        mine = self._records(self.manifest)
-        if self.world > 1 and not mine:  # resuming a finished multi-rank run: the parts were merged
-            mine = [r for r in self._records(self.out / MANIFEST) if r.get("rank", 0) == self.rank]
-        for r in mine:
-            if r["status"] == "ok" and r.get("rank", 0) == self.rank and (self.out / r["shard"]).is_file():
+        """Resume: keep the ok records whose file exists, once each (this rank's as its own), then roll forward the
+        records this rank's files carry that no line holds (see the module); one owner of an input two ranks' files
+        carry, the lower rank, whichever rank recovers first. Deletes only this run's temporary files."""
+        parts = [MANIFEST, *(part_name(r, self.world) for r in range(self.world))]
+        files = [self.manifest] + [self.out / name for name in parts if name != self.manifest.name]
+        recorded = [r for f in files for r in read_manifest_lines(f, strict=False)  # damaged lines: rolled forward
+                    if r["status"] == "ok" and (self.out / r["shard"]).is_file()]
+        others = set()  # inputs other ranks recorded ok: not redone here even if the split changed
+        for r in recorded:
+            if r.get("rank", 0) == self.rank:
                 self.own.setdefault(record_key(r, self.run_cwd), r)
-        others = self._done_by_other_ranks()
-        carried = self._carried_by_other_ranks()
-        # An input another rank's file carries (its lines lost too) is that rank's to roll forward when the rank is
-        # lower, else this one's: one owner whichever rank recovers first. Done for every rank either way.
-        self._roll_forward(others | {key for key, rank in carried.items() if rank < self.rank})
+            else:
+                others.add(record_key(r, self.run_cwd))
+        referenced = {r["shard"] for r in recorded}
+        carried: dict[str, tuple[int, dict]] = {}  # identity -> (the lowest rank whose files carry it, its record)
+        for path in self.stored_files():
+            run_id, found = stored_records(path)
+            if run_id != self.run_id:
+                continue  # another run's file: not this run's to take, nor to remove
+            name = path.relative_to(self.out).as_posix()
+            if found is None and name not in referenced and SHARD_NAME.match(name):
+                raise ManifestError(f"{path} carries no records of its items (an older qwenvl-vision wrote it), and "
+                                    f"no manifest line records it: nothing was changed; move it out of {self.out} "
+                                    f"(its inputs are then redone) and run the same command with --resume again")
+            for r in found or ():
+                key, rank = record_key(r, self.run_cwd), r.get("rank", 0)
+                if r["status"] == "ok" and rank < carried.get(key, (rank + 1,))[0]:
+                    carried[key] = rank, r
+        for key, (rank, r) in carried.items():
+            if rank == self.rank and key not in others:
+                self.own.setdefault(key, r)
         self.done = set(self.own) | others | set(carried)
-        for pattern in self.temporary_files():
-            for tmp in self.out.glob(pattern):
-                refuse_link(tmp)  # somebody's link at our temporary name: named, left as it is
-                tmp.unlink()
-        numbers = [int(SHARD_NAME.match(s.name).group(2)) for s in self._own_shards()]
+        self.remove_temporary_files()
+        numbers = [int(m.group(2)) for p in self.out.glob(f"shard-r{self.rank}-*") if (m := SHARD_NAME.match(p.name))]
         self.next_shard = max(numbers, default=-1) + 1
         # Rewrite the part with each ok input once; errors and damaged lines are dropped so they are redone.
         atomic_write_text(self.manifest, "".join(json.dumps(r) + "\n" for r in self.own.values()), self.run_id)
 
-    def _roll_forward(self, others: set[str]) -> None:
-        """Add the records of this rank's stored files (this run's) that no manifest line holds: a shard renamed
-        but never recorded, or lines a damaged manifest lost. An input recorded already (here, or ok by another
-        rank) keeps its first record."""
-        referenced = {r["shard"] for r in self.own.values()}
-        for path in self.stored_files():
-            name = path.relative_to(self.out).as_posix()
-            try:
-                run_id, found, keys = stored_records(path)
-            except ManifestError as e:
-                if name in referenced or not SHARD_NAME.match(name):
-                    continue  # a recorded shard is read (and refused, named) by its readers; an item is rewritten
-                raise self.unaccounted(path, f"cannot be read ({e})") from None
-            if run_id != self.run_id:
-                continue  # another run's file: not this run's to take, nor to remove
-            if found is None:
-                if name not in referenced and SHARD_NAME.match(name):
-                    raise self.unaccounted(path, "carries no records of its items (an older qwenvl-vision wrote it)")
-                continue
-            for record in found:
-                problem = record_problem(record)
-                if problem or record.get("rank", 0) != self.rank or record["status"] != "ok":
-                    if problem:
-                        raise self.unaccounted(path, f"carries a damaged record ({problem})")
-                    continue
-                if record["shard"] != name or record["key"] not in keys:
-                    raise self.unaccounted(path, f"carries a record of {record['shard']} {record['key']!r}, "
-                                                 f"not one of its own tensors")
-                key = record_key(record, self.run_cwd)
-                if key not in others:
-                    self.own.setdefault(key, record)
-
-    def finish_recovery(self) -> None:
-        """Nothing waits here: ``recover`` rewrites only this rank's own part."""
-
     def temporary_files(self) -> list[str]:
-        """Glob patterns of the temporary files a kill may have left of this run: this rank's shards and manifest
-        part, and (rank 0) the merged manifest and run.json being rewritten."""
+        """This rank's shards and manifest part, and (rank 0) the merged manifest and run.json being rewritten."""
         names = [f"shard-r{self.rank}-*.{self.run_id}.tmp", f"{self.manifest.name}.{self.run_id}.tmp"]
         if self.rank == 0:
             names += [f"{MANIFEST}.{self.run_id}.tmp", f"{RUN_FILE}.{self.run_id}.tmp"]
         return names
 
-    def _done_by_other_ranks(self) -> set[str]:
-        """Inputs other ranks recorded ok: not redone here even if the input list (and so the split) changed."""
-        if self.world == 1:
-            return set()
-        files = [self.out / MANIFEST] + [self.out / part_name(r, self.world) for r in range(self.world)]
-        return {record_key(r, self.run_cwd) for f in files if f != self.manifest for r in self._records(f)
-                if r["status"] == "ok" and r.get("rank", 0) != self.rank and (self.out / r["shard"]).is_file()}
-
-    def _carried_by_other_ranks(self) -> dict[str, int]:
-        """Inputs recorded ok in the metadata of other ranks' files of this run (each with the lowest such rank):
-        a rank whose manifest lines were lost rolls them forward, so no other rank may embed them again, even where
-        a changed input list now assigns them elsewhere."""
-        if self.world == 1:
-            return {}
-        carried: dict[str, int] = {}
-        for path in self.folder_files():
-            name = path.relative_to(self.out).as_posix()
-            try:
-                run_id, found, _ = stored_records(path)
-            except ManifestError:
-                continue  # unreadable: its own rank refuses it, named
-            if run_id != self.run_id or not found:
-                continue
-            for record in found:
-                if record_problem(record) or record["status"] != "ok" or record["shard"] != name:
-                    continue
-                rank = record.get("rank", 0)
-                if rank != self.rank:
-                    key = record_key(record, self.run_cwd)
-                    carried[key] = min(rank, carried.get(key, rank))
-        return carried
-
-    def base_record(self, r: EmbeddingRecord) -> dict:
-        """The manifest fields every record of an input has: its path, status, error, rank, and a video's frames."""
-        record = {"path": redacted_text(r.path), "realpath": redacted_text(r.realpath), "status": r.status,
-                  "error": redacted_text(r.error), "rank": self.rank}
-        if r.video is not None:
-            record["video"] = r.video
-        if r.columns is not None:
-            record["columns"] = r.columns
-        return record
-
-    def finish_batch(self, records: list[dict], failed: int) -> None:
-        """Append a batch's records (after its tensors are in place) and count them."""
-        append_lines(self.manifest, records)
-        self.recorded += len(records)
-        self.failed += failed
-
-    def write_records(self, records: list[EmbeddingRecord]) -> tuple[int, int]:
-        """One shard for the batch's successes (renamed into place), then its manifest lines."""
-        tensors: dict[str, torch.Tensor] = {}
+    def store(self, records: list[EmbeddingRecord]) -> int:
+        """The files of the batch's successes in place (``place``), then the batch's manifest lines."""
         lines = []
-        shard_name = f"shard-r{self.rank}-{self.next_shard:06d}.safetensors"
-        ok = failed = 0
         for r in records:
-            record = self.base_record(r)
-            if r.ok:
-                key = f"{ok:06d}"
-                if self.pooled:
-                    tensors[key] = r.pooled.float().contiguous().cpu()
-                else:
-                    tensors[key] = r.embedding.contiguous().cpu()
-                    for level, t in enumerate(r.deepstack or []):
-                        tensors[f"{key}.deepstack.{level}"] = t.contiguous().cpu()
-                record.update(shard=shard_name, key=key, grid_thw=list(r.grid_thw), tokens=int(r.tokens))
-                ok += 1
+            line = {"path": redacted_text(r.path), "realpath": redacted_text(r.realpath), "status": r.status,
+                    "error": redacted_text(r.error), "rank": self.rank}
+            lines.append(line | {k: v for k, v in (("video", r.video), ("columns", r.columns)) if v is not None})
+        self.place([(r, line) for r, line in zip(records, lines, strict=True) if r.ok])
+        append_lines(self.manifest, lines)
+        return sum(line["status"] != "ok" for line in lines)
+
+    def place(self, done: list[tuple[EmbeddingRecord, dict]]) -> None:
+        """One shard of the successes' tensors, renamed into place; each one's manifest line says where."""
+        if not done:
+            return
+        name, tensors = f"shard-r{self.rank}-{self.next_shard:06d}.safetensors", {}
+        for ordinal, (r, line) in enumerate(done):
+            key = f"{ordinal:06d}"
+            if self.pooled:
+                tensors[key] = r.pooled.float().contiguous().cpu()
             else:
-                failed += 1
-            lines.append(record)
-        if tensors:
-            tmp = self.out / f"{shard_name[: -len('.safetensors')]}.{self.run_id}.tmp"
-            try:
-                save_shard(tensors, tmp, self.run_id, [line for line in lines if line["status"] == "ok"])
-                os.replace(tmp, self.out / shard_name)
-            except OSError:
-                tmp.unlink(missing_ok=True)  # frees the space on a full disk; recovery would remove it too
-                raise
-            fsync_dir(self.out)
-            self.next_shard += 1
-        self.finish_batch(lines, failed)
-        return ok, failed
+                tensors[key] = r.embedding.contiguous().cpu()
+                for level, t in enumerate(r.deepstack or []):
+                    tensors[f"{key}.deepstack.{level}"] = t.contiguous().cpu()
+            line.update(shard=name, key=key, grid_thw=list(r.grid_thw), tokens=int(r.tokens))
+        save_shard(tensors, self.out / name, self.run_id, [line for _, line in done])
+        self.next_shard += 1
 
 
 def merge_parts(out: Path, world: int, run_id: str) -> Path:
     """Rank 0, after all ranks finished: parts -> one manifest.jsonl (atomic), parts removed."""
-    records = []
-    for rank in range(world):
-        records.extend(line.record for line in parse_manifest(out / part_name(rank, world)) if line.record)
+    records = [r for rank in range(world) for r in read_manifest_lines(out / part_name(rank, world), strict=False)]
     atomic_write_text(out / MANIFEST, "".join(json.dumps(r) + "\n" for r in records), run_id)
     for rank in range(world):
         (out / part_name(rank, world)).unlink(missing_ok=True)
     return out / MANIFEST
-

@@ -5,42 +5,35 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 
 import pytest
 
-from qwenvl_vision.cli import main
 from qwenvl_vision.embed import read_run
-from qwenvl_vision.embed.inputs import gather_inputs, shard_for_rank
+from qwenvl_vision.embed.inputs import file_identity, file_of, gather_inputs, shard_for_rank
 from tests.helpers import REPO
 from tests.helpers import make_image_folder as make_folder
-from tests.helpers.embed import ENV, one_error_line, records
+from tests.helpers.embed import ENV, embed_cmd, one_error_line, records, run_embed
 
 
-def test_gather_inputs_folders_lists_and_files(tmp_path):
+def test_gather_inputs_folders_lists_and_files_and_what_is_read_only_on_its_own(tmp_path):
+    """A compressed tar, or a shard or table named in a list, decoded as an image would be "not a recognised image
+    file": the error says what is read instead. A missing file is kept: the decoder says so."""
     paths = make_folder(tmp_path / "imgs", 4)
-    listing = tmp_path / "list.txt"
-    listing.write_text(f"{paths[0]}\n# a comment\n\nimgs/img001.png\n")
-    got = gather_inputs([str(tmp_path / "imgs"), str(listing), str(tmp_path / "missing.jpg")]).paths
-    assert str(tmp_path / "imgs" / "readme.md") not in got
-    assert str(tmp_path / "imgs" / "corrupt.jpg") in got
-    assert got[-1] == str(tmp_path / "missing.jpg")
-    assert len(got) == len(set(got)) == 4 + 3 + 1  # the listed files were already found in the folder
-
-
-def test_a_compressed_tar_or_a_shard_or_table_in_a_list_says_what_is_read(tmp_path):
-    """Decoded as images they would be "not a recognised image file": the error says what is read instead."""
     gz = tmp_path / "shard.tar.gz"
     gz.write_bytes(b"\x1f\x8b" + bytes(100))
     listing = tmp_path / "list.txt"
-    listing.write_text("a.tar\nb.csv\nc.jpg\n")
-    found = gather_inputs([str(gz), str(listing)])
-    assert found.paths == [str(gz), *(str(tmp_path / n) for n in ("a.tar", "b.csv", "c.jpg"))]
+    listing.write_text(f"{paths[0]}\n# a comment\n\nimgs/img001.png\na.tar\nb.csv\n")
+    found = gather_inputs([str(tmp_path / "imgs"), str(listing), str(tmp_path / "missing.jpg"), str(gz)])
+    assert str(tmp_path / "imgs" / "readme.md") not in found.paths
+    assert str(tmp_path / "imgs" / "corrupt.jpg") in found.paths
+    assert found.paths[-2:] == [str(tmp_path / "missing.jpg"), str(gz)]
+    assert len(found.paths) == len(set(found.paths)) == 4 + 3 + 2 + 2  # the listed images: already in the folder
+    assert set(found.errors) == {str(tmp_path / "a.tar"), str(tmp_path / "b.csv"), str(gz)}
+    real = str(paths[0].resolve())  # a file's identity, stamped where it is listed: its real path, size and mtime
+    assert found.keys[str(paths[0])] == file_identity(real) != real and file_of(found.keys[str(paths[0])]) == real
     assert "uncompressed .tar" in found.errors[str(gz)] and "compressed tar" in found.errors[str(gz)]
     for name in ("a.tar", "b.csv"):
-        assert found.errors[str(tmp_path / name)].startswith(str(tmp_path / name))
-        assert f"named in list {listing}" in found.errors[str(tmp_path / name)]
-    assert str(tmp_path / "c.jpg") not in found.errors  # missing: the decoder says so
+        assert found.errors[str(tmp_path / name)].startswith(f"{tmp_path / name}: named in list {listing}")
 
 
 def test_each_rank_takes_every_world_th_input_never_a_duplicate():
@@ -59,12 +52,9 @@ def test_binary_list_file_is_one_failed_input_and_the_run_goes_on(tmp_path, chec
     good = tmp_path / "good.txt"
     good.write_text(f"# my list\n{paths[1]}\n")
     out = tmp_path / "out"
-    code = main(["embed", str(binary), str(latin1), str(good), str(paths[2]), "--model", str(checkpoint),
-                 "--out", str(out)])
-    assert code == 1
+    assert run_embed([binary, latin1, good, paths[2]], checkpoint, out) == 1
     one_error_line(capsys.readouterr().err, "embedded 2 of 4 inputs", "2 failed")
     by_path = {r["path"]: r for r in records(out)}
-    assert by_path[str(binary)]["status"] == "error"
     assert "not a text file (NUL byte" in by_path[str(binary)]["error"]
     assert "not a UTF-8 text file (byte" in by_path[str(latin1)]["error"]
     assert by_path[str(paths[1])]["status"] == by_path[str(paths[2])]["status"] == "ok"
@@ -78,9 +68,7 @@ def test_the_same_file_by_two_spellings_is_embedded_once(tmp_path, checkpoint, c
     listing = tmp_path / "list.txt"
     listing.write_text(f"{paths[0]}\n./{relative}\n")
     out = tmp_path / "out"
-    code = main(["embed", relative, str(paths[0]), "imgs", str(listing), "link.png", "--model", str(checkpoint),
-                 "--out", str(out)])
-    assert code == 0
+    assert run_embed([relative, paths[0], "imgs", listing, "link.png"], checkpoint, out) == 0
     one_error_line(capsys.readouterr().err, "embedded 3 of 3 inputs", "0 failed")
     # First spellings: the relative name, then the folder's files as the folder spells them.
     assert [r["path"] for r in records(out)] == [relative, "imgs/img001.png", "imgs/img002.jpg"]
@@ -88,7 +76,7 @@ def test_the_same_file_by_two_spellings_is_embedded_once(tmp_path, checkpoint, c
 
     # Resumed from elsewhere with other spellings: everything is already done.
     monkeypatch.chdir(REPO)
-    assert main(["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(out), "--resume"]) == 0
+    assert run_embed([tmp_path / "imgs"], checkpoint, out, "--resume") == 0
     one_error_line(capsys.readouterr().err, "embedded 3 of 3 inputs")
     assert len(records(out)) == 3
 
@@ -98,9 +86,7 @@ def test_empty_input_set_is_one_line_exit_2(tmp_path, checkpoint, capsys):
     (tmp_path / "imgs" / "notes.md").write_text("no images here")
     (tmp_path / "empty.txt").write_text("# nothing listed\n")
     out = tmp_path / "out"
-    code = main(["embed", str(tmp_path / "imgs"), str(tmp_path / "empty.txt"), "--model", str(checkpoint),
-                 "--out", str(out)])
-    assert code == 2
+    assert run_embed([tmp_path / "imgs", tmp_path / "empty.txt"], checkpoint, out) == 2
     one_error_line(capsys.readouterr().err, "no inputs", str(tmp_path / "imgs"), ".jpg")
     assert not out.exists()
 
@@ -110,9 +96,8 @@ def test_a_fifo_among_the_inputs_is_one_failed_input_not_a_hang(tmp_path, checkp
     make_folder(tmp_path / "imgs", 2, bad=False)
     os.mkfifo(tmp_path / "pipe.jpg")  # named on the command line: a folder scan skips what is not a file
     out = tmp_path / "out"
-    result = subprocess.run([sys.executable, "-m", "qwenvl_vision.cli", "embed", str(tmp_path / "imgs"),
-                             str(tmp_path / "pipe.jpg"), "--model", str(checkpoint), "--out", str(out), "--quiet"],
-                            env=ENV, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(embed_cmd([tmp_path / "imgs", tmp_path / "pipe.jpg"], checkpoint, out, "--quiet"), env=ENV,
+                            capture_output=True, text=True, timeout=120)
     assert "Warning" not in result.stderr, result.stderr[-2000:]
     assert result.returncode == 1, result.stderr[-2000:]
     (failed,) = [r for r in records(out) if r["status"] == "error"]

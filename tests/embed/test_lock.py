@@ -11,18 +11,16 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
 from qwenvl_vision import load_encoder
-from qwenvl_vision.cli import main
 from qwenvl_vision.embed import read_embeddings, read_run
 from qwenvl_vision.embed.lock import FolderLock, lock_name
 from qwenvl_vision.errors import OutputInUseError
 from tests.helpers import make_image_folder as make_folder
-from tests.helpers.embed import ENV, assert_each_input_once, one_error_line, records, torchrun_embed_cmd
+from tests.helpers.embed import ENV, assert_each_input_once, one_error_line, records, run_embed, torchrun_embed_cmd
 
 SLOW_EMBED = """
 import sys, time
@@ -39,15 +37,6 @@ def slow_embed(inputs, model, out, *extra, delay=0.1) -> list[str]:
             "--out", str(out), "--device", "cpu", "--batch-patches", "1", *extra]
 
 
-def wait_for_lines(out: Path, n: int, proc: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline and proc.poll() is None:
-        if len(records(out)) >= n:
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"the first run wrote fewer than {n} lines (exit {proc.poll()})")
-
-
 @pytest.mark.slow
 def test_two_processes_one_out_fresh_then_both_resume(tmp_path, checkpoint):
     make_folder(tmp_path / "imgs", 40, bad=False)
@@ -56,7 +45,9 @@ def test_two_processes_one_out_fresh_then_both_resume(tmp_path, checkpoint):
     # checkpoint) and be refused while the first still runs, even on a busy 2-core machine.
     first = subprocess.Popen(slow_embed([tmp_path / "imgs"], checkpoint, out, delay=0.5), env=ENV,
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    wait_for_lines(out, 1, first)
+    deadline = time.time() + 120
+    while not records(out) and first.poll() is None and time.time() < deadline:  # its first line written
+        time.sleep(0.01)
     second = subprocess.run(slow_embed([tmp_path / "imgs"], checkpoint, out), env=ENV, capture_output=True,
                             text=True, timeout=120)
     assert second.returncode == 2
@@ -75,8 +66,7 @@ def test_two_processes_one_out_fresh_then_both_resume(tmp_path, checkpoint):
         if code == 2:
             one_error_line(stderr, "in use")
 
-    recs = assert_each_input_once(out, 40)
-    assert all(r["status"] == "ok" for r in recs)
+    assert all(r["status"] == "ok" for r in assert_each_input_once(out, 40))
     # Every stored tensor is the one of its path: each image re-encoded alone (as --batch-patches 1 ran it),
     # single-threaded like the children and with the run's recorded CPU plan (measured at the children's one
     # thread; in fp32 the kernels round differently), gives exactly the stored bits.
@@ -90,32 +80,24 @@ def test_two_processes_one_out_fresh_then_both_resume(tmp_path, checkpoint):
         torch.set_num_threads(threads)
 
 
-def test_a_second_lock_on_the_folder_is_refused_and_names_the_holder(tmp_path):
+def test_a_held_folder_is_refused_naming_the_holder_and_the_lock_file_goes_with_the_run(tmp_path, checkpoint):
     first = FolderLock(tmp_path / lock_name(0, 2), str(tmp_path))
     first.acquire()
-    try:
-        holder = re.escape(f"{tmp_path} is in use by another embed run (pid {os.getpid()} on ")
-        with pytest.raises(OutputInUseError, match=holder):
-            FolderLock(tmp_path / "embed.lock", str(tmp_path)).acquire()
-        part = FolderLock(tmp_path / lock_name(1, 2), "part 1")  # another rank's part: its own lock file
-        part.acquire()
-        part.release()
-    finally:
-        first.release()
+    holder = re.escape(f"{tmp_path} is in use by another embed run (pid {os.getpid()} on ")
+    with pytest.raises(OutputInUseError, match=holder):
+        FolderLock(tmp_path / "embed.lock", str(tmp_path)).acquire()
+    part = FolderLock(tmp_path / lock_name(1, 2), "part 1")  # another rank's part: its own lock file
+    part.acquire()
+    part.release()
+    first.release()
     assert not (tmp_path / "embed.lock").exists()
-    again = FolderLock(tmp_path / "embed.lock", str(tmp_path))  # released: the next run takes it
-    again.acquire()
-    again.release()
 
-
-def test_lock_file_is_removed_and_reused_after_the_run(tmp_path, checkpoint, capsys):
     make_folder(tmp_path / "imgs", 2, bad=False)
     out = tmp_path / "out"
-    args = ["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(out)]
-    assert main(args) == 0
+    assert run_embed([tmp_path / "imgs"], checkpoint, out) == 0
     assert not (out / "embed.lock").exists()
     (out / "embed.lock").write_text("pid 1 on a host that died\n")  # left by a SIGKILLed run: not held
-    assert main([*args, "--resume"]) == 0
+    assert run_embed([tmp_path / "imgs"], checkpoint, out, "--resume") == 0
     assert not (out / "embed.lock").exists()
 
 
@@ -129,9 +111,8 @@ def test_torchrun_job_on_a_folder_in_use_writes_nothing(tmp_path, checkpoint):
         fcntl.flock(held, fcntl.LOCK_EX)
         held.write("pid 4242 on elsewhere\n")
         held.flush()
-        result = subprocess.run(
-            torchrun_embed_cmd([tmp_path / "imgs"], checkpoint, out), env=ENV, capture_output=True, text=True,
-            timeout=300)
+        result = subprocess.run(torchrun_embed_cmd([tmp_path / "imgs"], checkpoint, out), env=ENV, capture_output=True,
+                                text=True, timeout=300)
     assert result.returncode != 0
     ours = [line for line in result.stderr.splitlines() if line.startswith("qwenvl-vision embed")]
     assert ours == [f"qwenvl-vision embed [rank 0]: error: {out} is in use by another embed run "

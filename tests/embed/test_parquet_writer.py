@@ -6,6 +6,8 @@ input once (killed by SIGKILL too) and never mixes formats."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -17,12 +19,15 @@ from qwenvl_vision.embed import read_embeddings, read_run
 from qwenvl_vision.loading import load_encoder
 from tests.helpers import make_image_folder, synthetic_photo
 from tests.helpers.embed import (
+    ENV,
     assert_each_parquet_input_once,
     embed_cmd,
     kill_when,
     make_media_folder,
     one_error_line,
     parquet_rows,
+    run_embed,
+    torchrun_embed_cmd,
 )
 
 pq = pytest.importorskip("pyarrow.parquet")
@@ -39,9 +44,8 @@ def _media(root: Path) -> tuple[list[Path], list[Path], Path]:
 def test_parquet_rows_equal_the_api_and_the_safetensors_run(tmp_path, checkpoint3):
     images, videos, broken = _media(tmp_path / "media")
     out, twin = tmp_path / "pq", tmp_path / "st"
-    common = [str(tmp_path / "media"), "--model", str(checkpoint3), "--quiet", "--fps", "3"]
-    assert main(["embed", *common, "--out", str(out), "--format", "parquet"]) == 1  # broken.jpg fails
-    assert main(["embed", *common, "--out", str(twin)]) == 1
+    assert run_embed([tmp_path / "media"], checkpoint3, out, "--quiet", "--fps", "3", "--format", "parquet") == 1
+    assert run_embed([tmp_path / "media"], checkpoint3, twin, "--quiet", "--fps", "3") == 1  # broken.jpg fails
     assert sorted(p.name for p in out.iterdir()) == ["run.json", "shard-r0-000000.parquet"]  # no manifest
 
     rows = {Path(r["path"]).name: r for r in parquet_rows(out)}
@@ -82,10 +86,9 @@ def test_parquet_rows_equal_the_api_and_the_safetensors_run(tmp_path, checkpoint
 def test_bf16_is_stored_as_exact_float32_and_pooled_reads_as_safetensors_does(tmp_path, checkpoint3):
     paths = make_image_folder(tmp_path / "imgs", 3, bad=False)
     out, pooled, twin = tmp_path / "bf16", tmp_path / "pooled", tmp_path / "pooled-st"
-    common = [*map(str, paths), "--model", str(checkpoint3), "--dtype", "bf16", "--quiet", "--format"]
-    assert main(["embed", *common, "parquet", "--out", str(out)]) == 0
-    assert main(["embed", *common, "parquet", "--out", str(pooled), "--pooled-only"]) == 0
-    assert main(["embed", *common, "safetensors", "--out", str(twin), "--pooled-only"]) == 0
+    runs = {out: ["parquet"], pooled: ["parquet", "--pooled-only"], twin: ["safetensors", "--pooled-only"]}
+    for folder, extra in runs.items():
+        assert run_embed(paths, checkpoint3, folder, "--dtype", "bf16", "--quiet", "--format", *extra) == 0
     assert read_run(out)["dtype"] == "bfloat16"
     assert pq.read_schema(next(out.glob("*.parquet"))).field("embedding").type.value_type.value_type == "float"
     with load_encoder(checkpoint3, device="cpu", dtype="bf16") as encoder:
@@ -102,12 +105,11 @@ def test_bf16_is_stored_as_exact_float32_and_pooled_reads_as_safetensors_does(tm
     assert "embedding" not in parquet_rows(pooled)[0]
 
 
-def test_normalize_stores_unit_vectors_in_every_format_and_a_resume_keeps_it(tmp_path, checkpoint3, capsys):
+def test_normalize_stores_unit_vectors_in_every_format_and_needs_pooled_only(tmp_path, checkpoint3, capsys):
     paths = make_image_folder(tmp_path / "imgs", 3, bad=False)
-    common = [*map(str, paths), "--model", str(checkpoint3), "--quiet", "--pooled-only", "--normalize", "--format"]
     outs = {fmt: tmp_path / fmt for fmt in ("parquet", "safetensors")}
     for fmt, out in outs.items():
-        assert main(["embed", *common, fmt, "--out", str(out)]) == 0
+        assert run_embed(paths, checkpoint3, out, "--quiet", "--pooled-only", "--normalize", "--format", fmt) == 0
         assert read_run(out)["normalize"] is True
     with load_encoder(checkpoint3, device="cpu") as encoder:
         raw = encoder.encode_images([str(p) for p in paths], pooled=True).pooled
@@ -118,37 +120,41 @@ def test_normalize_stores_unit_vectors_in_every_format_and_a_resume_keeps_it(tmp
         for path, vector in zip(paths, want):
             assert torch.equal(got[str(path)], vector)
     capsys.readouterr()
-    again = [*map(str, paths), "--model", str(checkpoint3), "--quiet", "--pooled-only", "--resume", "--out"]
-    assert main(["embed", *again, str(outs["parquet"])]) == 2  # without --normalize: a mix of unit and raw vectors
-    err = capsys.readouterr().err
-    assert "normalize true (now false)" in err and len(err.strip().splitlines()) == 1
-    assert main(["embed", *map(str, paths), "--model", str(checkpoint3), "--normalize", "--out",
-                 str(tmp_path / "tokens")]) == 2
-    err = capsys.readouterr().err
-    assert "--normalize" in err and "--pooled-only" in err and len(err.strip().splitlines()) == 1
+    assert run_embed(paths, checkpoint3, tmp_path / "tokens", "--normalize") == 2
+    one_error_line(capsys.readouterr().err, "--normalize", "--pooled-only")
     assert not (tmp_path / "tokens").exists()
 
 
 def test_resume_records_each_input_once_and_keeps_one_format(tmp_path, checkpoint, capsys):
-    make_image_folder(tmp_path / "imgs", 4)  # with a corrupt, an empty and a text file named as images
+    """A resume redoes the failed inputs only, in the folder's format. A file name that is not UTF-8 (b'caf\\xe9.jpg',
+    Python's 'caf\\udce9.jpg'), which pyarrow cannot store as a string, is an error row under an escaped name, the
+    rest of its batch ok, recorded once again by a resume (no traceback, nothing lost); --format safetensors embeds
+    it (JSON escapes it)."""
+    folder = tmp_path / "imgs"
+    make_image_folder(folder, 4)  # with a corrupt, an empty and a text file named as images
+    odd = os.fsdecode(os.fsencode(str(folder)) + b"/caf\xe9.jpg")
+    Image.fromarray(synthetic_photo(40, 48, 7)).save(odd, format="JPEG")
     out = tmp_path / "out"
-    args = ["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(out), "--quiet"]
+    args = ["embed", str(folder), "--model", str(checkpoint), "--out", str(out), "--quiet"]
     assert main([*args, "--format", "parquet"]) == 1
+    assert "Traceback" not in capsys.readouterr().err
     first = {r["realpath"]: r for r in parquet_rows(out) if r["status"] == "ok"}
-    capsys.readouterr()
     assert main([*args, "--resume", "--format", "safetensors"]) == 2
     one_error_line(capsys.readouterr().err, "holds a --format parquet run", "--format safetensors")
-    assert main(["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(tmp_path / "o2"),
-                 "--engine", "ray", "--format", "safetensors"]) == 2
+    assert run_embed([folder], checkpoint, tmp_path / "o2", "--engine", "ray", "--format", "safetensors") == 2
     one_error_line(capsys.readouterr().err, "--engine ray writes --format parquet or vllm-cache")
     assert not (tmp_path / "o2").exists()
 
-    Image.fromarray(synthetic_photo(33, 47, 99)).save(tmp_path / "imgs" / "corrupt.jpg")  # fixed: retried
+    Image.fromarray(synthetic_photo(33, 47, 99)).save(folder / "corrupt.jpg")  # fixed: retried
     assert main([*args, "--resume"]) == 1  # takes the folder's format; empty.png and notes.png still fail
-    rows = assert_each_parquet_input_once(out, 7)
+    rows = assert_each_parquet_input_once(out, 8)
     ok = {r["realpath"]: r for r in rows if r["status"] == "ok"}
     assert len(ok) == len(first) + 1 and all(ok[k]["embedding"] == r["embedding"] for k, r in first.items())
+    (escaped,) = [r for r in rows if "caf" in r["path"]]
+    assert escaped["path"].endswith("caf\\udce9.jpg") and "not valid UTF-8" in escaped["error"]
     assert sorted(p.name for p in out.glob("*.parquet")) == ["shard-r0-000000.parquet", "shard-r0-000001.parquet"]
+    assert run_embed([folder], checkpoint, tmp_path / "st", "--quiet") == 1
+    assert odd in dict(read_embeddings(tmp_path / "st"))
 
 
 @pytest.mark.slow
@@ -158,19 +164,13 @@ def test_sigkill_mid_run_then_resume_parquet(tmp_path, checkpoint):
     cmd = embed_cmd([tmp_path / "imgs"], checkpoint, out, "--batch-patches", "1", "--device", "cpu", "--format",
                     "parquet", "--quiet")
     kill_when(cmd, lambda: len(list(out.glob("shard-*.parquet"))) >= 5)
-    killed_at = len(parquet_rows(out))
-    assert 5 <= killed_at < 40
+    assert 5 <= len(parquet_rows(out)) < 40
     assert main(cmd[3:] + ["--resume"]) == 0
-    rows = assert_each_parquet_input_once(out, 40)
-    assert all(r["status"] == "ok" for r in rows)
+    assert all(r["status"] == "ok" for r in assert_each_parquet_input_once(out, 40))
 
 
 @pytest.mark.slow
 def test_two_ranks_under_torchrun_write_parquet_shards_each_input_once(tmp_path, checkpoint):
-    import subprocess
-
-    from tests.helpers.embed import ENV, torchrun_embed_cmd
-
     make_image_folder(tmp_path / "imgs", 7)
     out = tmp_path / "out"
     done = subprocess.run(torchrun_embed_cmd([tmp_path / "imgs"], checkpoint, out, "--format", "parquet"), env=ENV,
@@ -183,70 +183,31 @@ def test_two_ranks_under_torchrun_write_parquet_shards_each_input_once(tmp_path,
     assert read_run(out)["world_size"] == 2
 
 
-def test_a_file_name_that_is_not_utf8_is_an_error_row_and_the_batch_is_kept(tmp_path, checkpoint, capsys):
-    """pyarrow cannot store b'caf\\xe9.jpg' (Python's 'caf\\udce9.jpg') as a string: that input is an error row
-    under an escaped name, the other rows of its batch are ok, and a resume records it once again (no traceback,
-    nothing lost). The safetensors format embeds it (JSON escapes it)."""
-    import os
-
-    folder = tmp_path / "imgs"
-    make_image_folder(folder, 3, bad=False)
-    odd = os.fsdecode(os.fsencode(str(folder)) + b"/caf\xe9.jpg")
-    Image.fromarray(synthetic_photo(40, 48, 7)).save(odd, format="JPEG")
-    out = tmp_path / "out"
-    args = ["embed", str(folder), "--model", str(checkpoint), "--out", str(out), "--quiet", "--format", "parquet"]
-    assert main(args) == 1
-    assert "Traceback" not in capsys.readouterr().err
-    for _ in range(2):
-        rows = assert_each_parquet_input_once(out, 4)
-        by_status = {r["status"]: r for r in rows if "caf" in r["path"]}
-        assert list(by_status) == ["error"] and by_status["error"]["path"].endswith("caf\\udce9.jpg")
-        assert "not valid UTF-8" in by_status["error"]["error"]
-        assert sum(r["status"] == "ok" for r in rows) == 3
-        assert main([*args, "--resume"]) == 1
-    twin = tmp_path / "st"
-    assert main(["embed", str(folder), "--model", str(checkpoint), "--out", str(twin), "--quiet"]) == 0
-    assert odd in dict(read_embeddings(twin))
-
-
-def test_resume_removes_planted_temporary_files_and_reads_no_tensors_of_finished_shards(tmp_path, checkpoint,
-                                                                                       monkeypatch):
-    """A temporary shard and a run.json being rewritten, as a kill leaves them, are removed by the resume; shards
-    of only ok rows are read by their footer and realpath / status columns, never whole."""
-    from qwenvl_vision.embed import parquet_writer
-
-    make_image_folder(tmp_path / "imgs", 3, bad=False)
-    out = tmp_path / "out"
-    args = ["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(out), "--quiet", "--format",
-            "parquet"]
-    assert main(args) == 0
-    run_id = read_run(out)["run_id"]
-    (out / ".shard-r0-000001.parquet.0123abcd.tmp").write_bytes(b"half a shard")
-    (out / f"run.json.{run_id}.tmp").write_text("{")
-    whole = []
-    monkeypatch.setattr(parquet_writer, "read_parquet_table",
-                        lambda path: whole.append(path) or pytest.fail(f"{path} read whole"))
-    assert main([*args, "--resume"]) == 0
-    assert whole == []
-    assert_each_parquet_input_once(out, 3)
-
-
-def test_recover_only_reads_and_rewrites_after_every_rank_has_read(tmp_path, checkpoint):
+def test_recover_reads_only_then_rewrites_and_a_resume_removes_what_a_kill_left(tmp_path, checkpoint, monkeypatch):
     """Under torchrun every rank reads every rank's shards: ``recover`` changes nothing in the folder (another
-    rank may be reading it), ``finish_recovery`` (after the barrier) drops this rank's error rows."""
+    rank may be reading it), ``finish_recovery`` (after the barrier) drops this rank's error rows. A temporary shard
+    and a run.json being rewritten, as a kill leaves them, are removed by a resume; shards of only ok rows are read
+    by their footer and realpath / status columns, never whole."""
+    from qwenvl_vision.embed import parquet_writer
     from qwenvl_vision.embed.parquet_writer import ParquetRankWriter, parquet_shards
     from qwenvl_vision.outputs.parquet import ParquetLayout
 
     make_image_folder(tmp_path / "imgs", 2)  # 2 images and 3 bad files
     out = tmp_path / "out"
-    assert main(["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(out), "--quiet",
-                 "--format", "parquet", "--batch-patches", "1"]) == 1
+    args = ["--quiet", "--format", "parquet", "--batch-patches", "1"]
+    assert run_embed([tmp_path / "imgs"], checkpoint, out, *args) == 1
     run = read_run(out)
     layout = ParquetLayout(**json.loads(pq.read_schema(parquet_shards(out)[0]).metadata[b"qwenvl_vision"])["layout"])
     before = {p.name: p.read_bytes() for p in out.iterdir()}
-    writer = ParquetRankWriter(out, 0, {k: v for k, v in run.items()}, layout)
+    writer = ParquetRankWriter(out, 0, run, layout)
     writer.recover()
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert len(writer.done) == 2 and writer.to_rewrite
     writer.finish_recovery()
     assert [r["status"] for r in parquet_rows(out)] == ["ok", "ok"]
+
+    (out / ".shard-r0-000009.parquet.0123abcd.tmp").write_bytes(b"half a shard")
+    (out / f"run.json.{run['run_id']}.tmp").write_text("{")
+    monkeypatch.setattr(parquet_writer, "read_parquet_table", lambda path: pytest.fail(f"{path} read whole"))
+    assert run_embed([tmp_path / "imgs"], checkpoint, out, *args, "--resume") == 1  # the 3 bad files again
+    assert_each_parquet_input_once(out, 5)

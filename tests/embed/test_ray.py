@@ -1,10 +1,9 @@
 """qwenvl_vision.embed.ray: Embedder over path, bytes and image columns, bad rows as status="error" rows, each good row
 bitwise what encode_images gives for the same input with the same settings; the Ray pipeline on a local 2-CPU
-Ray; Ray's rows into the Parquet layout; ``import qwenvl_vision`` loads neither Ray nor pyarrow."""
+Ray; Ray's rows back as records; ``import qwenvl_vision`` loads neither Ray nor pyarrow."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -24,10 +23,9 @@ from tests.helpers import embed as embed_helpers
 ray = pytest.importorskip("ray")
 pa = pytest.importorskip("pyarrow")
 
-from qwenvl_vision.embed.ray import Embedder, embed_dataset, embed_paths, records_from_batch  # noqa: E402
+from qwenvl_vision.embed.ray import Embedder, embed_dataset, records_from_batch  # noqa: E402
 from qwenvl_vision.errors import ForwardFaultError, InputError  # noqa: E402
-from qwenvl_vision.outputs.parquet import ParquetLayout, result_columns, results_table, write_table_atomic  # noqa: E402
-from qwenvl_vision.outputs.parquet_reader import read_parquet_records  # noqa: E402
+from qwenvl_vision.outputs.parquet import ParquetLayout, result_columns  # noqa: E402
 from qwenvl_vision.outputs.records import EmbeddingRecord  # noqa: E402
 
 local_ray = embed_helpers.local_ray  # the session's Ray (a fixture shared with test_ray_engine)
@@ -70,15 +68,8 @@ def embedder(checkpoint3):
 
 
 def interleave(good: list, bad: list) -> tuple[list, list[bool]]:
-    """good and bad items mixed (bad first, between and last), and which ones are good."""
-    items, is_good = [bad[0]], [False]
-    for i, item in enumerate(good):
-        items.append(item)
-        is_good.append(True)
-        if i + 1 < len(bad):
-            items.append(bad[i + 1])
-            is_good.append(False)
-    return items, is_good
+    """bad and good items alternating, a bad one first, and which ones are good."""
+    return [item for pair in zip(bad, good, strict=True) for item in pair], [False, True] * len(good)
 
 
 def check_rows(rows: list[dict], is_good: list[bool], reference, levels: int, pooled: bool = False) -> None:
@@ -131,59 +122,20 @@ def _tensor(row: dict, name: str) -> np.ndarray:
     return np.asarray(row[name], np.float32)
 
 
-def test_bytes_column_decodes_as_the_files_do(embedder, encoder, media, tmp_path, monkeypatch):
-    """Encoded bytes give the very tensors their file gives; bad bytes are error rows naming no temporary file."""
-    monkeypatch.setattr(embedder, "spool_dir", str(tmp_path))
+def test_bytes_column_decodes_as_the_files_do(embedder, encoder, media):
+    """Encoded bytes give the very tensors their file gives; bad bytes are error rows naming them ``image bytes``."""
     data = [Path(p).read_bytes() for p in media["good"]]
     bad = [Path(media["bad"][0]).read_bytes(), b"", b"plain text, not an image\n" * 5]
     items, is_good = interleave(data, bad)
     batch = {"bytes": np.array(items + [None], dtype=object), "key": np.array([f"k{i}" for i in range(len(items) + 1)])}
     rows = embedder(batch).to_pylist()
     assert "bytes" not in rows[0] and [r["key"] for r in rows] == list(batch["key"])
-    rows = [dict(r, embedding=_tensor(r, "embedding"), deepstack_0=_tensor(r, "deepstack_0"),
-                 deepstack_1=_tensor(r, "deepstack_1")) for r in rows]
     check_rows(rows, is_good + [False], encoder.encode_images(media["good"], **SETTINGS), levels=2)
     errors = [r["error"] for r in rows if r["status"] == "error"]
-    assert errors[0].startswith("image bytes: corrupt or truncated image data")
-    assert errors[1] == "image bytes: empty (0 bytes)"
-    assert errors[2] == "image bytes: not a recognised image file (corrupt, or not an image)"
-    assert errors[3] == "image bytes: expected bytes, got NoneType"
-    assert not list(tmp_path.iterdir()), "spooled bytes left behind"
-
-
-def test_a_failed_spool_write_leaves_no_file_and_a_dead_actors_spool_goes(embedder, media, tmp_path, monkeypatch):
-    """An OSError while the bytes are spooled (a full /tmp) leaves nothing behind; the spool folder of an actor
-    that was killed (its process gone) is removed by the next Embedder on the host, a live one's kept."""
-    import builtins
-    import socket
-
-    from qwenvl_vision.embed import ray as qv_ray
-
-    monkeypatch.setattr(embedder, "spool_dir", str(tmp_path))
-    writes = []
-
-    def full_disk(path, mode="r", *args, **kwargs):
-        if "w" in mode and str(path).startswith(str(tmp_path)):
-            writes.append(path)
-            if len(writes) == 2:
-                raise OSError(28, "No space left on device")
-        return builtins.open(path, mode, *args, **kwargs)
-
-    monkeypatch.setattr(qv_ray, "open", full_disk, raising=False)
-    data = [Path(p).read_bytes() for p in media["good"]]
-    with pytest.raises(OSError, match="No space left"):
-        embedder({"bytes": np.array(data, dtype=object)})
-    assert len(writes) == 2 and not list(tmp_path.iterdir())
-    monkeypatch.undo()
-
-    gone = int(Path("/proc/sys/kernel/pid_max").read_text())  # never a process's id (ids stay below it)
-    host = socket.gethostname()
-    dead, alive = tmp_path / f"qwenvl-ray-{host}@{gone}-x1", tmp_path / f"qwenvl-ray-{host}@{os.getpid()}-x2"
-    for folder in (dead, alive):
-        folder.mkdir()
-        (folder / "000000").write_bytes(b"spooled")
-    qv_ray._remove_dead_spools(str(tmp_path))
-    assert sorted(tmp_path.iterdir()) == [alive]
+    assert all(e.startswith("image bytes: ") for e in errors), errors
+    assert "corrupt or truncated image data" in errors[0] and errors[1].endswith("empty (0 bytes)")
+    assert errors[2].endswith("not a recognised image file (corrupt, or not an image)")
+    assert errors[3].endswith("expected bytes, got NoneType")
 
 
 def test_crossed_options_are_refused_before_the_tower_loads(checkpoint3):
@@ -210,10 +162,9 @@ def test_image_column_and_pooled(checkpoint3, encoder):
     assert all(r["pooled"] is None for r in rows if r["status"] == "error")
 
 
-def test_a_failing_forward_costs_only_its_own_row(checkpoint3, encoder, media, monkeypatch):
+def test_a_failing_forward_costs_only_its_own_row(embedder, encoder, media, monkeypatch):
     """A forward that fails for the whole batch (out of memory, say) is retried input by input; an input that
     fails alone too is an error row, never a failed task, and the other rows keep their tensors."""
-    embedder = Embedder(str(checkpoint3), **LOAD, **SETTINGS)
     forward = embedder.encoder._encode_unchecked  # the tower's forward under the encoder's own retries
     poisoned = tuple(encoder.encode_images([media["good"][1]], **SETTINGS).grid_thw[0].tolist())
 
@@ -230,11 +181,9 @@ def test_a_failing_forward_costs_only_its_own_row(checkpoint3, encoder, media, m
         check_rows([row], [True], encoder.encode_images([path], **SETTINGS), levels=2)
 
 
-def test_a_device_that_fails_every_forward_fails_the_task_not_each_row(checkpoint3, media, monkeypatch):
+def test_a_device_that_fails_every_forward_fails_the_task_not_each_row(embedder, media, monkeypatch):
     """The machine's fault (the encoder's probe of the device fails too) is no row's error: the task fails, and
     Ray retries it elsewhere, as the local engine stops with exit 4."""
-    embedder = Embedder(str(checkpoint3), **LOAD, **SETTINGS)
-
     def broken(*args, **kwargs):
         raise RuntimeError("CUDA error: an illegal memory access was encountered (a stand-in)")
 
@@ -247,9 +196,9 @@ def test_a_device_that_fails_every_forward_fails_the_task_not_each_row(checkpoin
 
 
 @pytest.mark.slow
-def test_ray_pipeline_over_every_input_kind(local_ray, checkpoint3, encoder, media, tmp_path):
+def test_ray_pipeline_over_every_input_kind(local_ray, checkpoint3, encoder, media):
     """map_batches(Embedder) on a local Ray over paths (two actors on two CPUs: they must leave the read tasks a
-    CPU), bytes (read_binary_files) and images (read_images); then Ray's rows into the Parquet layout and back."""
+    CPU), bytes (read_binary_files) and images (read_images)."""
     # Every image alone in its forward (max_batch_patches=1), so the reference is each image encoded alone
     # whatever rows Ray puts together in a batch.
     options = dict(LOAD, max_batch_patches=1, **SETTINGS)
@@ -273,27 +222,14 @@ def test_ray_pipeline_over_every_input_kind(local_ray, checkpoint3, encoder, med
                 check_rows([by_path[path]], [True], ref, levels=2)
 
     paths, _ = interleave(media["good"], media["bad"])
-    ds = embed_paths(paths, str(checkpoint3), concurrency=2, batch_size=2, **options)
-    check(ds.take_all(), paths)
+    rows = ray.data.from_items([{"path": p} for p in paths])
+    check(embed_dataset(rows, str(checkpoint3), concurrency=2, batch_size=2, **options).take_all(), paths)
 
     files = ray.data.read_binary_files(media["good"] + media["bad"], include_paths=True)
     check(embed_dataset(files, str(checkpoint3), **options).take_all(), media["good"] + media["bad"])
 
     images = ray.data.read_images(media["good"], include_paths=True, mode="RGB")
-    out = embed_dataset(images, str(checkpoint3), **options)
-    check(out.take_all(), media["good"])
-
-    # The lead's embed --engine ray --format parquet: Ray's Arrow batches -> records -> atomic shard -> read back.
-    layout = ParquetLayout(dim=encoder.out_hidden_size, levels=2, merge_size=2, dtype="float32")
-    records = [r for batch in embed_paths(paths, str(checkpoint3), **options).iter_batches(batch_format="pyarrow")
-               for r in records_from_batch(batch)]
-    write_table_atomic(results_table(records, layout, {"engine": "ray"}), tmp_path / "shard-r0-000000.parquet")
-    back = {r.path: r for r in read_parquet_records(tmp_path)}
-    assert sorted(back) == sorted(paths)
-    for path, ref in zip(media["good"], alone):
-        assert back[path].ok and torch.equal(back[path].embedding, ref.embeddings[0])
-        assert all(torch.equal(a, b) for a, b in zip(back[path].deepstack, ref.deepstack[0], strict=True))
-    assert all(back[p].status == "error" for p in media["bad"])
+    check(embed_dataset(images, str(checkpoint3), **options).take_all(), media["good"])
 
 
 def test_records_from_batch_names_the_column_that_is_not_embedder_s():
@@ -329,16 +265,3 @@ def test_importing_the_package_loads_neither_ray_nor_pyarrow():
     out = subprocess.run([sys.executable, "-c", "import json; " + code], cwd=REPO, capture_output=True, text=True,
                          check=True)
     assert json.loads(out.stdout) == []
-
-
-
-def test_the_module_named_ray_shadows_nothing():
-    """qwenvl_vision.embed.ray is a submodule, not a top-level name: inside the package (here and in embed.ray_engine)
-    ``import ray`` is Ray itself (Python 3 imports are absolute), and importing ours leaves ``ray`` Ray's."""
-    import qwenvl_vision.embed.ray as ours
-
-    package = Path(ours.__file__).parent
-    assert sys.modules["ray"] is ray and ours.ray is ray and ours.ray.data is ray.data
-    assert package not in Path(ray.__file__).parents and hasattr(ray, "init")
-    spec = importlib.util.find_spec("ray")
-    assert spec is not None and package not in Path(spec.origin).parents

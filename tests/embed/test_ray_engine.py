@@ -5,6 +5,9 @@ input exactly once when an actor dies mid-run (Ray restarts it) and when the dri
 from __future__ import annotations
 
 import os
+import re
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -15,8 +18,8 @@ from safetensors.torch import load_file
 from qwenvl_vision.cli import main
 from qwenvl_vision.embed import read_embeddings, read_manifest_lines, read_run
 from qwenvl_vision.loading import load_encoder
+from tests.helpers import REPO, make_image_folder
 from tests.helpers import embed as embed_helpers
-from tests.helpers import make_image_folder
 from tests.helpers.embed import assert_each_parquet_input_once, embed_cmd, kill_when, make_media_folder, parquet_rows
 
 ray = pytest.importorskip("ray")
@@ -120,13 +123,6 @@ def test_driver_sigkilled_then_resumed_embeds_each_input_once(tmp_path, local_ra
 def test_the_readme_map_batches_example_runs_as_written(tmp_path):
     """The "Many machines: Ray Data" python block of docs/embed.md runs as written in a fresh process (its own
     ray.init) from a folder holding examples/photos, and says what it claims."""
-    import re
-    import shutil
-    import subprocess
-    import sys
-
-    from tests.helpers import REPO
-
     section = (REPO / "docs" / "embed.md").read_text().split("## Many machines: Ray Data", 1)[1]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     assert "map_batches(" in code and "Embedder" in code

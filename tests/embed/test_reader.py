@@ -8,60 +8,47 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
-from qwenvl_vision.cli import main
+from qwenvl_vision import load_encoder, read_encoded
 from qwenvl_vision.embed import MANIFEST, RUN_FORMAT, read_embeddings, read_manifest_lines
 from qwenvl_vision.errors import ManifestError
+from qwenvl_vision.outputs import parquet_reader
+from qwenvl_vision.outputs.handoff import to_vllm
 from tests.helpers import make_image_folder as make_folder
-from tests.helpers.embed import ENV, assert_each_input_once, one_error_line, records
+from tests.helpers.embed import ENV, assert_each_input_once, make_media_folder, one_error_line, records, run_embed
 
 
-@pytest.mark.parametrize("field", ["shard", "grid_thw"])
-def test_hand_edited_manifest_gets_a_named_error_and_resume_restores_the_line_from_its_shard(tmp_path, checkpoint,
-                                                                                             capsys, field):
+def test_a_damaged_manifest_line_is_named_and_a_resume_restores_its_record_from_its_shard(tmp_path, checkpoint,
+                                                                                           capsys):
     make_folder(tmp_path / "imgs", 4, bad=False)
     out = tmp_path / "out"
-    args = ["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(out)]
-    assert main(args) == 0
-    lines = (out / "manifest.jsonl").read_text().splitlines()
-    original = json.loads(lines[1])
-    edited = dict(original)
-    del edited[field]
-    lines[1] = json.dumps(edited)
-    lines[2] = lines[2][:-5]  # a damaged middle line (not the torn tail of a killed run)
-    (out / "manifest.jsonl").write_text("\n".join(lines) + "\n")
-
-    with pytest.raises(ManifestError, match=rf"manifest.jsonl, line 2: damaged manifest line: status ok but no "
-                                            rf"'{field}'"):
-        list(read_embeddings(out))
-    with pytest.raises(ManifestError, match=r"line 2"):
-        read_manifest_lines(out / MANIFEST)
+    assert run_embed([tmp_path / "imgs"], checkpoint, out) == 0
+    lines = (out / MANIFEST).read_text().splitlines()
+    damaged = json.loads(lines[1])
+    lines[1] = lines[1][:-5]  # a damaged middle line (not the torn tail of a killed run)
+    (out / MANIFEST).write_text("\n".join(lines) + "\n")
+    for read in (lambda: list(read_embeddings(out)), lambda: read_manifest_lines(out / MANIFEST)):
+        with pytest.raises(ManifestError, match=r"manifest.jsonl, line 2: damaged manifest line"):
+            read()
     shards = sorted(p.name for p in out.glob("*.safetensors"))
     capsys.readouterr()
-    assert main([*args, "--resume"]) == 0
+    assert run_embed([tmp_path / "imgs"], checkpoint, out, "--resume") == 0
     one_error_line(capsys.readouterr().err, "embedded 4 of 4 inputs")
-    recs = assert_each_input_once(out, 4)
-    restored = {r["path"]: r for r in recs}
-    assert restored[edited["path"]]["shard"] == json.loads(lines[0])["shard"]  # its record came back from its shard
-    assert restored[edited["path"]]["grid_thw"] == original["grid_thw"]
+    restored = {r["path"]: r for r in assert_each_input_once(out, 4)}
+    assert restored[damaged["path"]] == damaged  # its record came back from its shard
     assert sorted(p.name for p in out.glob("*.safetensors")) == shards  # nothing embedded again
 
 
-def test_torn_last_line_is_not_damage(tmp_path, checkpoint):
+def test_a_torn_last_line_is_left_out_and_a_run_stopped_before_merging_says_so(tmp_path, checkpoint):
     make_folder(tmp_path / "imgs", 2, bad=False)
     out = tmp_path / "out"
-    assert main(["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(out)]) == 0
-    with open(out / "manifest.jsonl", "a") as f:
+    assert run_embed([tmp_path / "imgs"], checkpoint, out, "--quiet") == 0
+    with open(out / MANIFEST, "a") as f:
         f.write('{"path": "half a reco')  # a run killed mid-append
     assert len(dict(read_embeddings(out))) == 2
-
-
-def test_read_embeddings_of_a_multi_rank_run_stopped_before_merging_says_so(tmp_path, checkpoint):
-    make_folder(tmp_path / "imgs", 2, bad=False)
-    out = tmp_path / "out"
-    assert main(["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(out), "--quiet"]) == 0
-    (out / "manifest.jsonl").rename(out / "manifest.rank0.jsonl")
-    with pytest.raises(ManifestError, match="not merged|before merging.*--resume"):
+    (out / MANIFEST).rename(out / "manifest.rank0.jsonl")  # a multi-rank run stopped before merging its parts
+    with pytest.raises(ManifestError, match="before merging.*--resume"):
         list(read_embeddings(out))
 
 
@@ -83,7 +70,7 @@ print(" ".join(sorted(m for m in sys.modules if m.startswith("qwenvl_vision.embe
 def test_reading_an_output_needs_neither_the_writer_nor_the_lock(tmp_path, checkpoint):
     make_folder(tmp_path / "imgs", 2)  # 2 images and 3 bad files
     out = tmp_path / "out"
-    assert main(["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(out), "--quiet"]) == 1
+    assert run_embed([tmp_path / "imgs"], checkpoint, out, "--quiet") == 1
     result = subprocess.run([sys.executable, "-c", READ_WITHOUT_FCNTL, str(out)], env=ENV, capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
@@ -97,20 +84,18 @@ def test_reading_an_output_needs_neither_the_writer_nor_the_lock(tmp_path, check
 
 
 @pytest.mark.parametrize("file_format", ["safetensors", "parquet"])
-def test_stored_results_hand_over_like_the_encoder_result(tmp_path, checkpoint3, file_format):
+def test_stored_results_hand_over_like_the_encoder_result(tmp_path, checkpoint3, file_format, monkeypatch):
     """read_encoded gives what encode_images gives the language model: vLLM's layout (DeepStack levels along the
-    features) and transformers' grids, bitwise, for the paths asked, in the order asked."""
-    import torch
-
-    from qwenvl_vision import load_encoder, read_encoded
-    from qwenvl_vision.outputs.handoff import to_vllm
-
+    features) and transformers' grids, bitwise, for the paths asked, in the order asked; a Parquet shard's index
+    (realpath and status columns) read once."""
     make_folder(tmp_path / "imgs", 3, bad=False)
     out = tmp_path / "out"
-    assert main(["embed", str(tmp_path / "imgs"), "--model", str(checkpoint3), "--out", str(out), "--quiet",
-                 "--format", file_format]) == 0
+    assert run_embed([tmp_path / "imgs"], checkpoint3, out, "--quiet", "--format", file_format) == 0
     paths = sorted(r["path"] for r in records(out)) if file_format == "safetensors" else None
+    index_reads, read_index = [], parquet_reader.read_parquet_index
+    monkeypatch.setattr(parquet_reader, "read_parquet_index", lambda path: index_reads.append(path) or read_index(path))
     stored = read_encoded(out, paths[::-1] if paths else None)
+    assert len(index_reads) == len(list(out.glob("*.parquet")))
     asked = paths[::-1] if paths else [p for p, _ in read_embeddings(out)]
     expected = load_encoder(checkpoint3, device="cpu").encode_images(asked)
     ours, theirs = to_vllm(stored)["image"], expected.to_vllm()["image"]
@@ -130,16 +115,10 @@ def test_stored_videos_hand_over_with_the_timestamps_of_the_encoder_result(tmp_p
     """A Qwen3-VL run's video records carry the frames each video was sampled at and its frame rate, so
     read_encoded hands vLLM the same video embeddings and timestamps as encode_videos (from its video_info)."""
     pytest.importorskip("av")
-    import torch
-
-    from qwenvl_vision import load_encoder, read_encoded
-    from qwenvl_vision.outputs.handoff import to_vllm
-    from tests.helpers.embed import make_media_folder
 
     _, videos = make_media_folder(tmp_path / "media", 1, 3)
     out = tmp_path / "out"
-    assert main(["embed", str(tmp_path / "media"), "--model", str(checkpoint3), "--out", str(out), "--quiet",
-                 "--format", file_format, "--fps", "3"]) == 0
+    assert run_embed([tmp_path / "media"], checkpoint3, out, "--quiet", "--format", file_format, "--fps", "3") == 0
     stored = read_encoded(out, modality="video")
     asked = [p for p, _ in read_embeddings(out) if p.endswith((".mp4", ".avi", ".mkv"))]
     expected = load_encoder(checkpoint3, device="cpu").encode_videos(asked, fps=3.0)

@@ -4,19 +4,25 @@ the identity a resume matches; a failing, slow or vanished object is one failed 
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 import shutil
+import sys
+import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from qwenvl_vision.cli import main
-from qwenvl_vision.embed import read_embeddings, read_manifest_lines, read_run, remote
+from qwenvl_vision.embed import read_embeddings, read_encoded, read_manifest_lines, read_run, remote
+from qwenvl_vision.inputs.pixels import FileBytes
 from qwenvl_vision.outputs.parquet_reader import read_parquet_records
 from tests.helpers import make_image_folder
-from tests.helpers.embed import local_ray  # noqa: F401 - a fixture
-from tests.helpers.servers import http_folder, s3_client
+from tests.helpers.embed import local_ray, one_error_line, run_embed  # noqa: F401 - a fixture
+from tests.helpers.servers import QuietHandler, http_folder, s3_client
 
 pytest.importorskip("fsspec")
 pytest.importorskip("aiohttp")
@@ -28,25 +34,32 @@ def photos(tmp_path_factory, checkpoint):
     """4 images in a folder and their tensors by file name."""
     root = tmp_path_factory.mktemp("remote")
     paths = sorted(make_image_folder(root / "imgs", 4, bad=False), key=lambda p: p.name)
-    out = root / "from-folder"
-    assert main(["embed", str(root / "imgs"), "--model", str(checkpoint), "--out", str(out), *SMALL]) == 0
-    return root, paths, {Path(p).name: t for p, t in read_embeddings(out)}
+    assert run_embed([root / "imgs"], checkpoint, root / "from-folder", *SMALL) == 0
+    return root, paths, {Path(p).name: t for p, t in read_embeddings(root / "from-folder")}
 
 
-def test_http_objects_embed_bitwise_and_a_missing_one_fails_alone(photos, checkpoint, tmp_path, monkeypatch):
-    root, paths, want = photos
-    served = tmp_path / "served"
-    served.mkdir()
-    for p in paths:
-        shutil.copy(p, served / p.name)
+@pytest.fixture(autouse=True)
+def quick_backoff(monkeypatch):
     monkeypatch.setattr(remote, "BACKOFF_S", 0.01)
-    with http_folder(served) as base:
+
+
+def served(tmp_path: Path, files: list[Path]) -> Path:
+    """A folder to serve, holding copies of ``files``."""
+    (tmp_path / "served").mkdir()
+    for f in files:
+        shutil.copy(f, tmp_path / "served" / f.name)
+    return tmp_path / "served"
+
+
+def test_http_objects_embed_bitwise_and_a_missing_one_fails_alone(photos, checkpoint, tmp_path):
+    root, paths, want = photos
+    folder = served(tmp_path, paths)
+    with http_folder(folder) as base:
         urls = [f"{base}/{p.name}" for p in paths]
         table = tmp_path / "urls.jsonl"
         table.write_text("".join(f'{{"path": "{u}", "n": {i}}}\n' for i, u in enumerate([*urls, f"{base}/gone.jpg"])))
         out = tmp_path / "out"
-        assert main(["embed", str(table), "--keep-columns", "n", "--model", str(checkpoint), "--out", str(out),
-                     *SMALL]) == 1
+        assert run_embed([table], checkpoint, out, "--keep-columns", "n", *SMALL) == 1
         records = read_manifest_lines(out / "manifest.jsonl")
         assert [r["path"] for r in records] == [*urls, f"{base}/gone.jpg"]
         assert [r["columns"]["n"] for r in records] == list(range(5))
@@ -58,87 +71,49 @@ def test_http_objects_embed_bitwise_and_a_missing_one_fails_alone(photos, checkp
         listed = tmp_path / "urls.txt"
         listed.write_text(f"{urls[1]}\ns4://nowhere/x.jpg\n")
         mixed = tmp_path / "mixed"
-        assert main(["embed", str(listed), "--model", str(checkpoint), "--out", str(mixed), *SMALL]) == 1
+        assert run_embed([listed], checkpoint, mixed, *SMALL) == 1
         by_path = {r["path"]: r for r in read_manifest_lines(mixed / "manifest.jsonl")}
         assert by_path[urls[1]]["status"] == "ok" and by_path[urls[1]]["realpath"] == urls[1]
         assert "no file system for s4://" in by_path["s4://nowhere/x.jpg"]["error"]
         # Vanished between listing and reading: one failed input naming the URL, the others embedded.
-        (served / paths[0].name).unlink()
+        (folder / paths[0].name).unlink()
         again = tmp_path / "again"
-        assert main(["embed", *urls, "--model", str(checkpoint), "--out", str(again), *SMALL]) == 1
+        assert run_embed(urls, checkpoint, again, *SMALL) == 1
         (failed,) = [r for r in read_manifest_lines(again / "manifest.jsonl") if r["status"] == "error"]
         assert failed["path"] == urls[0] and "not found" in failed["error"]
 
 
 def test_a_transient_error_is_retried_and_a_slow_object_times_out_alone(photos, checkpoint, tmp_path, monkeypatch):
-    root, paths, want = photos
-    monkeypatch.setattr(remote, "BACKOFF_S", 0.01)
-    calls = {"n": 0}
-    real = remote.fetch
+    calls = []
 
-    def flaky(url: str, key: str | None) -> bytes:
-        calls["n"] += 1
-        if calls["n"] == 1:
+    def flaky() -> bytes:
+        calls.append(1)
+        if len(calls) == 1:
             raise ConnectionResetError("the peer reset the connection")
-        return real(url, key)
+        return b"the bytes"
 
-    served = tmp_path / "served"
-    served.mkdir()
-    shutil.copy(paths[0], served / paths[0].name)
-    with http_folder(served) as base:
-        url = f"{base}/{paths[0].name}"
-        monkeypatch.setattr(remote, "fetch", lambda u, key=None: remote.retried(lambda: flaky(u, key), u, "read it"))
-        out = tmp_path / "out"
-        assert main(["embed", url, "--model", str(checkpoint), "--out", str(out), *SMALL]) == 0
-        assert calls["n"] == 2 and torch.equal(dict(read_embeddings(out))[url], want[paths[0].name])
+    assert remote.retried(flaky, "http://127.0.0.1:9/a.jpg", "read it") == b"the bytes" and len(calls) == 2
 
-        def stalls(u: str, key: str | None = None) -> bytes:
-            import time
+    def stalls(u: str, key: str | None = None, limit: int | None = None) -> bytes:
+        time.sleep(4)  # past the 1 s limit: the run records it failed and goes on
+        return b""
 
-            time.sleep(4)  # past the 1 s limit: the run records it failed and goes on
-            return b""
-
-        monkeypatch.setattr(remote, "fetch", stalls)
-        slow = tmp_path / "slow"
-        assert main(["embed", url, "--model", str(checkpoint), "--out", str(slow), "--decode-timeout", "1",
-                     *SMALL]) == 1
-        (r,) = read_manifest_lines(slow / "manifest.jsonl")
-        assert r["status"] == "error" and url in r["error"] and "1 s" in r["error"], r["error"]
-
-
-def test_s3_objects_embed_bitwise_and_the_etag_is_the_identity_a_resume_matches(photos, checkpoint, tmp_path,
-                                                                                 monkeypatch):
-    pytest.importorskip("s3fs")
-    pytest.importorskip("moto")
-    root, paths, want = photos
-    with s3_client(monkeypatch) as client:
-        client.create_bucket(Bucket="photos")
-        for p in paths:  # '::' in a key is a character, not fsspec's URL chaining
-            client.put_object(Bucket="photos", Key=f"set::1/{p.name}", Body=p.read_bytes())
-        urls = [f"s3://photos/set::1/{p.name}" for p in paths]
-        out = tmp_path / "out"
-        assert main(["embed", *urls, "--model", str(checkpoint), "--out", str(out), *SMALL]) == 0
-        records = read_manifest_lines(out / "manifest.jsonl")
-        assert all(r["realpath"].startswith(f"{u}#etag=") for r, u in zip(records, urls, strict=True))
-        got = dict(read_embeddings(out))
-        for url, p in zip(urls, paths, strict=True):
-            assert torch.equal(got[url], want[p.name])
-        # A resume with the same objects does nothing; one replaced under its URL is a new input (a new ETag).
-        assert main(["embed", *urls, "--model", str(checkpoint), "--out", str(out), "--resume", *SMALL]) == 0
-        assert len(read_manifest_lines(out / "manifest.jsonl")) == len(urls)
-        client.put_object(Bucket="photos", Key=f"set::1/{paths[0].name}", Body=paths[1].read_bytes())
-        assert main(["embed", *urls, "--model", str(checkpoint), "--out", str(out), "--resume", *SMALL]) == 0
-        records = read_manifest_lines(out / "manifest.jsonl")
-        assert len(records) == len(urls) + 1 and len({r["realpath"] for r in records}) == len(urls) + 1
+    monkeypatch.setattr(remote, "fetch", stalls)
+    with http_folder(served(tmp_path, photos[1][:1])) as base:
+        url = f"{base}/{photos[1][0].name}"
+        assert run_embed([url], checkpoint, tmp_path / "slow", "--decode-timeout", "1", *SMALL) == 1
+    (r,) = read_manifest_lines(tmp_path / "slow" / "manifest.jsonl")
+    assert r["status"] == "error" and url in r["error"] and "1 s" in r["error"], r["error"]
 
 
 @pytest.mark.parametrize("versioned", [False, True], ids=["etag", "version"])
 def test_an_object_replaced_after_listing_is_never_stored_under_its_listed_identity(photos, checkpoint, tmp_path,
                                                                                    monkeypatch, versioned):
-    """Listed (its identity read), then replaced under its URL before its bytes are read: with a version in its
-    identity the listed version is read by its id (the old object's tensors); with an ETag the bytes read are the
-    new object's, which the ETag check after reading refuses (one failed input); a resume embeds the new object
-    under its new identity. Nothing is stored under an identity it does not have."""
+    """S3 objects embed bitwise, their identity the URL with the object's ETag or version. Listed (its identity
+    read), then replaced under its URL before its bytes are read: with a version in its identity the listed version
+    is read by its id (the old object's tensors); with an ETag the bytes read are the new object's, which the ETag
+    check after reading refuses (one failed input); a resume embeds the new object under its new identity, and
+    another does nothing until an object is replaced again. Nothing is stored under an identity it does not have."""
     pytest.importorskip("s3fs")
     pytest.importorskip("moto")
     from qwenvl_vision.embed import inputs
@@ -149,19 +124,19 @@ def test_an_object_replaced_after_listing_is_never_stored_under_its_listed_ident
         client.create_bucket(Bucket=bucket)
         if versioned:
             client.put_bucket_versioning(Bucket=bucket, VersioningConfiguration={"Status": "Enabled"})
-        for p in paths[:2]:
-            client.put_object(Bucket=bucket, Key=p.name, Body=p.read_bytes())
-        urls = [f"s3://{bucket}/{p.name}" for p in paths[:2]]
+        for p in paths[:2]:  # '::' in a key is a character, not fsspec's URL chaining
+            client.put_object(Bucket=bucket, Key=f"set::1/{p.name}", Body=p.read_bytes())
+        urls = [f"s3://{bucket}/set::1/{p.name}" for p in paths[:2]]
         real = inputs.identities
 
         def listed_then_replaced(listed: list[str]) -> dict:
             found = real(listed)
-            client.put_object(Bucket=bucket, Key=paths[0].name, Body=paths[2].read_bytes())
+            client.put_object(Bucket=bucket, Key=f"set::1/{paths[0].name}", Body=paths[2].read_bytes())
             return found
 
         monkeypatch.setattr(inputs, "identities", listed_then_replaced)
         out = tmp_path / "out"
-        code = main(["embed", *urls, "--model", str(checkpoint), "--out", str(out), *SMALL])
+        code = run_embed(urls, checkpoint, out, *SMALL)
         records = {r["path"]: r for r in read_manifest_lines(out / "manifest.jsonl")}
         label = "version" if versioned else "etag"
         assert all(r["realpath"].startswith(f"{u}#{label}=") for u, r in records.items()), records
@@ -170,17 +145,22 @@ def test_an_object_replaced_after_listing_is_never_stored_under_its_listed_ident
         if versioned:
             assert code == 0 and torch.equal(got[urls[0]], want[paths[0].name])  # the listed version's tensors
             # A URL naming a version (?versionId=) reads that version, not the latest.
-            (first, _) = client.list_object_versions(Bucket=bucket, Prefix=paths[0].name)["Versions"][::-1][:2]
-            pinned = f"{urls[0]}?versionId={first['VersionId']}"
-            assert main(["embed", pinned, "--model", str(checkpoint), "--out", str(tmp_path / "pinned"), *SMALL]) == 0
+            versions = client.list_object_versions(Bucket=bucket, Prefix=f"set::1/{paths[0].name}")["Versions"]
+            pinned = f"{urls[0]}?versionId={versions[::-1][0]['VersionId']}"
+            assert run_embed([pinned], checkpoint, tmp_path / "pinned", *SMALL) == 0
             assert torch.equal(dict(read_embeddings(tmp_path / "pinned"))[pinned], want[paths[0].name])
             return
         assert code == 1 and urls[0] not in got
         assert records[urls[0]]["error"].startswith(f"{urls[0]}: changed since the run listed it (etag ")
         monkeypatch.setattr(inputs, "identities", real)
-        assert main(["embed", *urls, "--model", str(checkpoint), "--out", str(out), "--resume", *SMALL]) == 0
-        got = dict(read_embeddings(out))
-        assert torch.equal(got[urls[0]], want[paths[2].name])
+        for _ in range(2):  # the second resume: nothing to do
+            assert run_embed(urls, checkpoint, out, "--resume", *SMALL) == 0
+            assert len(read_manifest_lines(out / "manifest.jsonl")) == 2
+        assert torch.equal(dict(read_embeddings(out))[urls[0]], want[paths[2].name])
+        client.put_object(Bucket=bucket, Key=f"set::1/{paths[0].name}", Body=paths[3].read_bytes())
+        assert run_embed(urls, checkpoint, out, "--resume", *SMALL) == 0  # replaced again: a new input
+        assert len({r["realpath"] for r in read_manifest_lines(out / "manifest.jsonl")}) == 3
+        assert torch.equal(dict(read_embeddings(out))[urls[0]], want[paths[3].name])
 
 
 def test_a_ray_actor_reads_the_object_its_identity_column_names(photos, checkpoint, monkeypatch):
@@ -190,8 +170,6 @@ def test_a_ray_actor_reads_the_object_its_identity_column_names(photos, checkpoi
     pytest.importorskip("s3fs")
     pytest.importorskip("moto")
     pytest.importorskip("ray")
-    import numpy as np
-
     from qwenvl_vision.embed.ray import Embedder
 
     root, paths, want = photos
@@ -211,53 +189,32 @@ def test_a_ray_actor_reads_the_object_its_identity_column_names(photos, checkpoi
 
 
 def test_urls_without_the_extra_are_refused_in_one_line(checkpoint, tmp_path, monkeypatch, capsys):
-    import builtins
-
-    real_import = builtins.__import__
-
-    def no_fsspec(name, *args, **kwargs):
-        if name == "fsspec" or name.startswith("fsspec."):
-            raise ImportError("No module named 'fsspec'")
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", no_fsspec)
-    assert main(["embed", "http://127.0.0.1:9/a.jpg", "--model", str(checkpoint), "--out", str(tmp_path / "o"),
-                 *SMALL]) == 2
-    err = capsys.readouterr().err
-    assert "qwenvl-vision[remote]" in err and len(err.strip().splitlines()) == 1
-    monkeypatch.setattr(builtins, "__import__", real_import)
+    monkeypatch.setitem(sys.modules, "fsspec", None)  # every import of fsspec fails now
+    assert run_embed(["http://127.0.0.1:9/a.jpg"], checkpoint, tmp_path / "o", *SMALL) == 2
+    one_error_line(capsys.readouterr().err, "qwenvl-vision[remote]")
     assert not os.path.exists(tmp_path / "o")
 
 
 @pytest.mark.slow  # a local Ray instance
 def test_ray_engine_reads_urls_bitwise(photos, checkpoint, tmp_path, local_ray):  # noqa: F811 - the fixture
     root, paths, want = photos
-    served = tmp_path / "served"
-    served.mkdir()
-    for p in paths:
-        shutil.copy(p, served / p.name)
     threads = str(read_run(root / "from-folder")["threads"])  # CPU bits are the same at the same thread count
-    with http_folder(served) as base:
+    with http_folder(served(tmp_path, paths)) as base:
         urls = [f"{base}/{p.name}" for p in paths]
         out = tmp_path / "ray"
-        assert main(["embed", *urls, "--model", str(checkpoint), "--out", str(out), "--engine", "ray",
-                     "--ray-actors", "1", "--threads", threads, *SMALL]) == 0
+        assert run_embed(urls, checkpoint, out, "--engine", "ray", "--ray-actors", "1", "--threads", threads,
+                         *SMALL) == 0
     records = {r.path: r for r in read_parquet_records(out)}
     for url, p in zip(urls, paths, strict=True):
         assert records[url].realpath == url and torch.equal(records[url].embedding, want[p.name])
 
 
-def test_a_url_s_secrets_are_never_stored_and_a_url_signed_again_is_the_same_input(photos, checkpoint, tmp_path,
-                                                                                   monkeypatch):
+def test_a_url_s_secrets_are_never_stored_and_a_url_signed_again_is_the_same_input(photos, checkpoint, tmp_path):
     """A presigned URL (and one with a password) is read as given; what the run stores shows neither the password
     nor the signature, and its identity is the URL without them, so a resume with the URL signed again embeds
     nothing twice."""
     root, paths, want = photos
-    served = tmp_path / "served"
-    served.mkdir()
-    shutil.copy(paths[0], served / paths[0].name)
-    monkeypatch.setattr(remote, "BACKOFF_S", 0.01)
-    with http_folder(served) as base:
+    with http_folder(served(tmp_path, paths[:1])) as base:
         host = base.split("://", 1)[1]
 
         def signed(name: str, signature: str) -> str:
@@ -277,63 +234,58 @@ def test_a_url_s_secrets_are_never_stored_and_a_url_signed_again_is_the_same_inp
         assert ok["realpath"] == f"http://{host}/{paths[0].name}?w=1"
         assert torch.equal(dict(read_embeddings(out))[ok["path"]], want[paths[0].name])
         # Asked for by the URL as given (any signature), the record is found as stored.
-        from qwenvl_vision.embed import read_encoded
-
         (embedding,) = read_encoded(out, [signed(paths[0].name, "sig3")]).embeddings
         assert torch.equal(embedding, want[paths[0].name])
         assert all("not found" in r["error"] and "***" in r["error"] for r in records if r["status"] == "error")
 
 
-def test_http_statuses_decide_what_is_retried(photos, checkpoint, tmp_path, monkeypatch):
+def test_http_statuses_decide_what_is_retried_and_a_failed_url_says_what_happened(photos, checkpoint, tmp_path):
     """A server's 503 is retried (it was read as 'not found' at listing and failed the input at once); a 403 (no
-    access, an expired signature) is not retried and says so; a 404 is 'not found'."""
+    access, an expired signature) is not retried and says so; a 404 is 'not found'. A server that always answers
+    500, a redirect to another scheme (never followed) and a redirect loop each fail their input saying so, none as
+    'not found'."""
     root, paths, want = photos
-    served = tmp_path / "served"
-    served.mkdir()
-    for p in paths[:3]:
-        shutil.copy(p, served / p.name)
-    monkeypatch.setattr(remote, "BACKOFF_S", 0.01)
-    busy, refused, gone = paths[0].name, paths[1].name, "gone.jpg"
+    busy, refused = paths[0].name, paths[1].name
     requests: list[tuple[str, str]] = []
-    with http_folder(served, failures={busy: [503, 503], refused: [403] * 20}, requests=requests) as base:
+    with http_folder(served(tmp_path, paths[:2]), requests=requests,
+                     failures={busy: [503, 503], refused: [403] * 20, "down.jpg": [500] * 100},
+                     redirects={"away.jpg": "file:///etc/passwd", "loop.jpg": "/loop.jpg"}) as base:
         out = tmp_path / "out"
-        urls = [f"{base}/{name}" for name in (busy, refused, gone)]
-        assert main(["embed", *urls, "--model", str(checkpoint), "--out", str(out), *SMALL]) == 1
+        urls = [f"{base}/{name}" for name in (busy, refused, "gone.jpg", "down.jpg", "away.jpg", "loop.jpg")]
+        assert run_embed(urls, checkpoint, out, *SMALL) == 1
     by_path = {r["path"]: r for r in read_manifest_lines(out / "manifest.jsonl")}
     assert by_path[urls[0]]["status"] == "ok"
     assert torch.equal(dict(read_embeddings(out))[urls[0]], want[busy])
-    assert by_path[urls[1]]["error"].endswith("cannot read its metadata (refused, HTTP 403: no access, or a "
-                                              "signature expired)")
-    assert by_path[urls[2]]["error"].endswith("cannot read its metadata (not found)")
+    refused_error, gone, down, away, loop = (by_path[url]["error"] for url in urls[1:])
+    assert refused_error.startswith(urls[1]) and "HTTP 403" in refused_error and "attempts" not in refused_error
     assert len([r for r in requests if r[1] == refused]) <= 2  # fsspec's HEAD, then its GET: never retried
+    assert gone.startswith(urls[2]) and gone.endswith("(not found)")
+    assert down.startswith(urls[3]) and down.endswith(f"after {remote.RETRIES + 1} attempts (HTTP 500)")
+    assert away.startswith(urls[4]) and "redirect to another scheme refused: file:///etc/passwd" in away
+    assert loop.startswith(urls[5]) and "redirect loop" in loop
+    assert not any("not found" in error for error in (down, away, loop))
 
 
 def test_a_ray_actor_holds_the_objects_it_decodes_not_its_whole_batch(photos, checkpoint, tmp_path, monkeypatch):
     """An actor's batch of URLs is fetched as the decode workers reach each one: at most the workers' count (and
     the one being fetched) are held at once, as in the local engine, not every object of the batch."""
-    import gc
-
-    import numpy as np
-
     from qwenvl_vision.embed.ray import Embedder
-    from qwenvl_vision.inputs.pixels import FileBytes
 
     root, paths, want = photos
-    served = tmp_path / "served"
-    served.mkdir()
+    folder = served(tmp_path, [])
     for i in range(12):
-        shutil.copy(paths[i % len(paths)], served / f"p{i:02d}{paths[i % len(paths)].suffix}")
+        shutil.copy(paths[i % len(paths)], folder / f"p{i:02d}{paths[i % len(paths)].suffix}")
     peak, real = [0], remote.fetch
 
-    def counted(url, key=None):
-        data = real(url, key)
+    def counted(url, key=None, limit=None):
+        data = real(url, key, limit)
         held = sum(1 for o in gc.get_objects() if isinstance(o, FileBytes) and o.fetched)
         peak[0] = max(peak[0], held + 1)
         return data
 
     monkeypatch.setattr(remote, "fetch", counted)
-    with http_folder(served) as base:
-        urls = [f"{base}/{p.name}" for p in sorted(served.iterdir())]
+    with http_folder(folder) as base:
+        urls = [f"{base}/{p.name}" for p in sorted(folder.iterdir())]
         keys = remote.identities(urls)
         embedder = Embedder(str(checkpoint), device="cpu", max_pixels=64 * 64, num_workers=2,
                             identity_column="realpath")
@@ -346,18 +298,15 @@ def test_a_body_above_the_decode_budget_fails_alone_unread(photos, checkpoint, t
     """A URL's body is held to the decode budget (--decode-mib): a larger size announced is refused before any of
     it is read, a body sent without a size is read no further than the budget, and one within it is embedded."""
     root, paths, want = photos
-    served = tmp_path / "served"
-    served.mkdir()
+    folder = served(tmp_path, paths[:1])
     budget = 1 << 20  # --decode-mib 1
     for name in ("sized.jpg", "unsized.jpg"):
-        (served / name).write_bytes(bytes(2 * budget))
-    shutil.copy(paths[0], served / paths[0].name)
+        (folder / name).write_bytes(bytes(2 * budget))
     requests: list[tuple[str, str]] = []
-    with http_folder(served, requests=requests, unsized=frozenset({"unsized.jpg", paths[0].name})) as base:
+    with http_folder(folder, requests=requests, unsized=frozenset({"unsized.jpg", paths[0].name})) as base:
         urls = [f"{base}/{name}" for name in ("sized.jpg", "unsized.jpg", paths[0].name)]
         out = tmp_path / "out"
-        assert main(["embed", *urls, "--decode-mib", "1", "--model", str(checkpoint), "--out", str(out),
-                     *SMALL]) == 1
+        assert run_embed(urls, checkpoint, out, "--decode-mib", "1", *SMALL) == 1
     by_path = {r["path"]: r for r in read_manifest_lines(out / "manifest.jsonl")}
     sized, unsized = by_path[urls[0]]["error"], by_path[urls[1]]["error"]
     assert sized.startswith(urls[0]) and f"{2 * budget:,} bytes" in sized and f"budget of {budget:,} bytes" in sized
@@ -365,24 +314,6 @@ def test_a_body_above_the_decode_budget_fails_alone_unread(photos, checkpoint, t
     assert unsized.startswith(urls[1]) and f"budget of {budget:,} bytes" in unsized
     assert by_path[urls[2]]["status"] == "ok"
     assert torch.equal(dict(read_embeddings(out))[urls[2]], want[paths[0].name])
-
-
-def test_a_failed_url_says_what_happened(checkpoint, tmp_path, monkeypatch):
-    """A server that always answers 500, a redirect to another scheme (never followed) and a redirect loop each
-    fail their input saying so, none as 'not found'."""
-    served = tmp_path / "served"
-    served.mkdir()
-    monkeypatch.setattr(remote, "BACKOFF_S", 0.01)
-    with http_folder(served, failures={"busy.jpg": [500] * 100},
-                     redirects={"away.jpg": "file:///etc/passwd", "loop.jpg": "/loop.jpg"}) as base:
-        urls = [f"{base}/{name}" for name in ("busy.jpg", "away.jpg", "loop.jpg")]
-        out = tmp_path / "out"
-        main(["embed", *urls, "--model", str(checkpoint), "--out", str(out), *SMALL])
-    busy, away, loop = (r["error"] for r in read_manifest_lines(out / "manifest.jsonl"))
-    assert busy.startswith(urls[0]) and busy.endswith(f"after {remote.RETRIES + 1} attempts (HTTP 500)")
-    assert away.startswith(urls[1]) and "redirect to another scheme refused: file:///etc/passwd" in away
-    assert loop.startswith(urls[2]) and "redirect loop" in loop
-    assert not any("not found" in error for error in (busy, away, loop))
 
 
 def test_a_body_longer_than_announced_is_read_no_further_than_the_budget(checkpoint, tmp_path):
@@ -393,11 +324,8 @@ def test_a_body_longer_than_announced_is_read_no_further_than_the_budget(checkpo
 
     sent = []
 
-    class Lying(http.server.BaseHTTPRequestHandler):
+    class Lying(QuietHandler):
         protocol_version = "HTTP/1.0"
-
-        def log_message(self, *args):
-            pass
 
         def do_HEAD(self):
             self.send_response(200)
@@ -409,19 +337,17 @@ def test_a_body_longer_than_announced_is_read_no_further_than_the_budget(checkpo
             self.send_response(206)
             self.send_header("Content-Range", "bytes 0-99/100")
             self.end_headers()
-            try:
+            with contextlib.suppress(OSError):
                 for _ in range(256):  # 256 MiB, unless the client stops reading
                     self.wfile.write(bytes(1 << 20))
                     sent.append(1)
-            except OSError:
-                pass
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Lying)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{server.server_address[1]}/x.jpg"
     try:
         out = tmp_path / "out"
-        assert main(["embed", url, "--decode-mib", "1", "--model", str(checkpoint), "--out", str(out), *SMALL]) == 1
+        assert run_embed([url], checkpoint, out, "--decode-mib", "1", *SMALL) == 1
     finally:
         server.shutdown()
         server.server_close()

@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from qwenvl_vision.cli import main
-from qwenvl_vision.embed import read_embeddings, read_manifest_lines, read_run
+from qwenvl_vision.embed import MANIFEST, read_embeddings, read_manifest_lines, read_run
 from qwenvl_vision.embed.inputs import gather_inputs
 from qwenvl_vision.outputs.parquet_reader import read_parquet_records
 from tests.helpers import make_image_folder, write_video
-from tests.helpers.embed import ENV, embed_cmd, kill_at_instants, local_ray, torchrun_embed_cmd  # noqa: F401 - a fixture
+from tests.helpers.embed import ENV, embed_cmd, kill_at_instants, local_ray, run_embed, torchrun_embed_cmd  # noqa: F401
 
 SMALL = ["--max-pixels", str(64 * 64), "--quiet"]
 
@@ -50,12 +50,9 @@ def collection(tmp_path_factory, checkpoint):
     """8 images in a folder and the same in two shards, and the folder's tensors by file name."""
     root = tmp_path_factory.mktemp("shards")
     paths = sorted(make_image_folder(root / "imgs", 8, bad=False), key=lambda p: p.name)
-    names = write_shard(root / "shards-000000.tar", paths[:4], 0) + write_shard(root / "shards-000001.tar",
-                                                                                  paths[4:], 4)
-    out = root / "from-folder"
-    assert main(["embed", str(root / "imgs"), "--model", str(checkpoint), "--out", str(out), *SMALL]) == 0
-    by_name = {Path(p).name: t for p, t in read_embeddings(out)}
-    return root, paths, names, by_name
+    names = [name for i in (0, 1) for name in write_shard(root / f"shards-00000{i}.tar", paths[4 * i:4 * i + 4], 4 * i)]
+    assert run_embed([root / "imgs"], checkpoint, root / "from-folder", *SMALL) == 0
+    return root, paths, names, {Path(p).name: t for p, t in read_embeddings(root / "from-folder")}
 
 
 def test_brace_patterns_expand_as_webdataset_s(tmp_path):
@@ -73,8 +70,7 @@ def test_shards_embed_bitwise_as_the_folder_with_the_sample_key_and_texts(collec
     root, paths, names, want = collection
     out = root / "from-shards"
     pattern = str(root / "shards-{000000..000001}.tar")
-    assert main(["embed", pattern, "--model", str(checkpoint), "--out", str(out), "--keep-columns", "txt,json",
-                 *SMALL]) == 0
+    assert run_embed([pattern], checkpoint, out, "--keep-columns", "txt,json", *SMALL) == 0
     records = read_manifest_lines(out / "manifest.jsonl")
     shard_of = [f"shards-00000{i // 4}.tar" for i in range(8)]
     assert [r["path"] for r in records] == [str(root / s / n) for s, n in zip(shard_of, names, strict=True)]
@@ -99,12 +95,10 @@ def test_a_video_member_and_bad_members_are_inputs_of_their_own(collection, chec
     out = tmp_path / "out"
     beside = tmp_path / "escape.jpg"  # the file "../escape.jpg" would name if it were resolved: its own input
     beside.write_bytes(paths[2].read_bytes())
-    assert main(["embed", str(shard), str(clip), str(beside), "--model", str(checkpoint), "--out", str(out),
-                 *SMALL]) == 1
+    assert run_embed([shard, clip, beside], checkpoint, out, *SMALL) == 1
     by_path = {r["path"]: r for r in read_manifest_lines(out / "manifest.jsonl")}
     assert by_path[f"{shard}/000000{paths[0].suffix}"]["status"] == "ok"
-    assert by_path[f"{shard}/000002.jpg"]["status"] == "error" and "not a recognised image" in \
-        by_path[f"{shard}/000002.jpg"]["error"]
+    assert "not a recognised image" in by_path[f"{shard}/000002.jpg"]["error"]
     assert "leaves the shard" in by_path[f"{shard}/../escape.jpg"]["error"]
     got = dict(read_embeddings(out))
     assert torch.equal(got[f"{shard}/000001.mp4"], got[str(clip)])  # a video member: bitwise its file
@@ -112,86 +106,52 @@ def test_a_video_member_and_bad_members_are_inputs_of_their_own(collection, chec
     assert by_path[str(beside)]["status"] == "ok" and torch.equal(got[str(beside)], want[paths[2].name])
 
 
-def test_dot_slash_members_are_read_and_a_sparse_member_is_a_failed_input(collection, checkpoint, tmp_path):
-    """``tar -C dir .`` names its members ./x: inside the shard, read like any member. GNU tar -S stores a sparse
-    member's data without its holes, so no run of the shard's bytes is the file: a failed input, never the bytes of
-    what follows it."""
+def test_members_are_as_tar_defines_them_and_a_bad_member_or_shard_is_a_failed_input(collection, checkpoint,
+                                                                                       tmp_path):
+    """``tar -C dir .`` names its members ./x: inside the shard, read like any member. The last member of a name is
+    the one (tar -r appends a newer one: --resume embeds it, and reads back the newer one); a hard link (tar cf's
+    second name of one file) reads its target's bytes, as tarfile.extractfile does. A symbolic link member, a sparse
+    member (GNU tar -S stores its data without its holes: no run of the shard's bytes is the file), a shard that is
+    not a tar and a missing one are failed inputs, never the bytes of what follows them."""
     root, paths, _, want = collection
-    (tmp_path / "dir").mkdir()
-    (tmp_path / "dir" / "a.jpg").write_bytes(paths[0].read_bytes())
-    sparse = tmp_path / "dir" / "b.jpg"
-    with open(sparse, "wb") as f:  # a real image, then a hole, then one byte: GNU tar -S stores it sparse
+    folder = tmp_path / "dir"
+    folder.mkdir()
+    (folder / "a.jpg").write_bytes(paths[0].read_bytes())
+    with open(folder / "b.jpg", "wb") as f:  # a real image, then a hole, then one byte: GNU tar -S stores it sparse
         f.write(paths[1].read_bytes())
         f.seek(1 << 20, os.SEEK_CUR)
         f.write(b"\xd9")
-    (tmp_path / "dir" / "c.jpg").write_bytes(paths[2].read_bytes())
-    shard = tmp_path / "dots.tar"
-    subprocess.run(["tar", "-S", "--sort=name", "-cf", str(shard), "-C", str(tmp_path / "dir"), "."], check=True)
-    with tarfile.open(shard) as tar:
+    (folder / "c.jpg").write_bytes(paths[2].read_bytes())
+    dots, links, broken = tmp_path / "dots.tar", tmp_path / "links.tar", tmp_path / "broken.tar"
+    subprocess.run(["tar", "-S", "--sort=name", "-cf", str(dots), "-C", str(folder), "."], check=True)
+    with tarfile.open(dots) as tar:
         assert [(m.name, m.issparse()) for m in tar.getmembers() if m.isreg()] == [
             ("./a.jpg", False), ("./b.jpg", True), ("./c.jpg", False)]
-    out = tmp_path / "out"
-    assert main(["embed", str(shard), "--model", str(checkpoint), "--out", str(out), *SMALL]) == 1
-    by_path = {r["path"]: r for r in read_manifest_lines(out / "manifest.jsonl")}
-    assert by_path[f"{shard}/./b.jpg"]["status"] == "error" and "sparse member" in by_path[f"{shard}/./b.jpg"]["error"]
-    got = dict(read_embeddings(out))
-    assert torch.equal(got[f"{shard}/./a.jpg"], want[paths[0].name])
-    assert torch.equal(got[f"{shard}/./c.jpg"], want[paths[2].name])
-
-
-def test_a_missing_or_broken_shard_is_a_failed_input(collection, checkpoint, tmp_path, capsys):
-    root, _, _, _ = collection
-    (tmp_path / "broken.tar").write_bytes(b"no tar here" * 100)
-    out = tmp_path / "out"
-    assert main(["embed", str(tmp_path / "broken.tar"), str(tmp_path / "absent.tar"),
-                 str(root / "shards-000000.tar"), "--model", str(checkpoint), "--out", str(out), *SMALL]) == 1
-    errors = {Path(r["path"]).name: r["error"] for r in read_manifest_lines(out / "manifest.jsonl")
-              if r["status"] == "error"}
-    assert "cannot be read as a tar" in errors["broken.tar"] and "file not found" in errors["absent.tar"]
-
-
-def test_members_are_as_tar_defines_them_each_recorded_once(collection, checkpoint, tmp_path):
-    """The last member of a name is the one (tar -r appends a newer one); a hard link (tar cf's second name of one
-    file) reads its target's bytes, as tarfile.extractfile does; a symbolic link member is a failed input."""
-    root, paths, _, want = collection
-    (tmp_path / "a.jpg").write_bytes(paths[0].read_bytes())
-    os.link(tmp_path / "a.jpg", tmp_path / "b.jpg")
-    (tmp_path / "c.jpg").symlink_to("a.jpg")
-    shard = tmp_path / "links.tar"
-    subprocess.run(["tar", "cf", str(shard), "-C", str(tmp_path), "a.jpg", "b.jpg", "c.jpg"], check=True)
-    (tmp_path / "a.jpg").unlink()
-    (tmp_path / "a.jpg").write_bytes(paths[1].read_bytes())
-    subprocess.run(["tar", "rf", str(shard), "-C", str(tmp_path), "a.jpg"], check=True)
-    with tarfile.open(shard) as tar:
+    os.link(folder / "a.jpg", folder / "h.jpg")
+    (folder / "s.jpg").symlink_to("a.jpg")
+    subprocess.run(["tar", "cf", str(links), "-C", str(folder), "a.jpg", "h.jpg", "s.jpg"], check=True)
+    broken.write_bytes(b"no tar here" * 100)
+    inputs, out = [dots, links, broken, tmp_path / "absent.tar"], tmp_path / "out"
+    assert run_embed(inputs, checkpoint, out, *SMALL) == 1
+    (folder / "a.jpg").unlink()
+    (folder / "a.jpg").write_bytes(paths[3].read_bytes())
+    subprocess.run(["tar", "rf", str(links), "-C", str(folder), "a.jpg"], check=True)
+    with tarfile.open(links) as tar:
         assert [m.type for m in tar.getmembers()] == [tarfile.REGTYPE, tarfile.LNKTYPE, tarfile.SYMTYPE,
                                                       tarfile.REGTYPE]
-        assert tar.extractfile("a.jpg").read() == paths[1].read_bytes()
-        assert tar.extractfile("b.jpg").read() == paths[0].read_bytes()
-    out = tmp_path / "out"
-    assert main(["embed", str(shard), "--model", str(checkpoint), "--out", str(out), *SMALL]) == 1
-    records = read_manifest_lines(out / "manifest.jsonl")
-    assert sorted(r["path"] for r in records) == [f"{shard}/{n}" for n in ("a.jpg", "b.jpg", "c.jpg")]
-    by_path = {r["path"]: r for r in records}
-    assert "symbolic link" in by_path[f"{shard}/c.jpg"]["error"]
+        assert tar.extractfile("a.jpg").read() == paths[3].read_bytes()
+        assert tar.extractfile("h.jpg").read() == paths[0].read_bytes()
+    assert gather_inputs([str(links)]).paths == [f"{links}/{n}" for n in ("a.jpg", "h.jpg", "s.jpg")]  # once each
+    assert run_embed(inputs, checkpoint, out, "--resume", *SMALL) == 1
+    errors = {Path(r["path"]).name: r["error"] for r in read_manifest_lines(out / MANIFEST) if r["status"] == "error"}
+    assert "sparse member" in errors["b.jpg"] and "symbolic link" in errors["s.jpg"]
+    assert "cannot be read as a tar" in errors["broken.tar"] and "file not found" in errors["absent.tar"]
     got = dict(read_embeddings(out))
-    assert torch.equal(got[f"{shard}/a.jpg"], want[paths[1].name])
-    assert torch.equal(got[f"{shard}/b.jpg"], want[paths[0].name])
+    assert torch.equal(got[f"{dots}/./a.jpg"], want[paths[0].name])
+    assert torch.equal(got[f"{dots}/./c.jpg"], want[paths[2].name])
+    assert torch.equal(got[f"{links}/a.jpg"], want[paths[3].name])  # appended since it was recorded: embedded again
+    assert torch.equal(got[f"{links}/h.jpg"], want[paths[0].name])
 
-
-
-def test_a_member_appended_since_it_was_recorded_is_embedded_again_on_resume(collection, checkpoint, tmp_path):
-    """tar -r appends a newer member of a name: --resume embeds it, and the run reads back the newer one."""
-    root, paths, _, want = collection
-    (tmp_path / "a.jpg").write_bytes(paths[0].read_bytes())
-    shard = tmp_path / "s.tar"
-    subprocess.run(["tar", "cf", str(shard), "-C", str(tmp_path), "a.jpg"], check=True)
-    out = tmp_path / "out"
-    assert main(["embed", str(shard), "--model", str(checkpoint), "--out", str(out), *SMALL]) == 0
-    (tmp_path / "a.jpg").write_bytes(paths[1].read_bytes())
-    subprocess.run(["tar", "rf", str(shard), "-C", str(tmp_path), "a.jpg"], check=True)
-    assert main(["embed", str(shard), "--model", str(checkpoint), "--out", str(out), "--resume", *SMALL]) == 0
-    (got,) = [tensor for path, tensor in read_embeddings(out) if path == f"{shard}/a.jpg"]
-    assert torch.equal(got, want[paths[1].name])
 
 DAMAGES = {  # shard bytes -> (the members still inputs, the member cut short or None, why)
     "truncated header": (lambda d: d[:3584 + 100], ["0.jpg"], None, "truncated header"),
@@ -254,9 +214,8 @@ def test_ray_engine_reads_shard_members_bitwise(collection, checkpoint, local_ra
     root, paths, names, want = collection
     out = root / "ray"
     threads = str(read_run(root / "from-folder")["threads"])  # CPU bits are the same at the same thread count
-    assert main(["embed", str(root / "shards-{000000..000001}.tar"), "--model", str(checkpoint), "--out", str(out),
-                 "--engine", "ray", "--ray-actors", "1", "--threads", threads, "--keep-columns", "txt",
-                 *SMALL]) == 0
+    assert run_embed([root / "shards-{000000..000001}.tar"], checkpoint, out, "--engine", "ray", "--ray-actors", "1",
+                     "--threads", threads, "--keep-columns", "txt", *SMALL) == 0
     records = list(read_parquet_records(out))
     assert len(records) == len(names)
     for r in records:

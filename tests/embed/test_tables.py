@@ -18,7 +18,15 @@ from qwenvl_vision.cli import main
 from qwenvl_vision.embed import read_embeddings, read_manifest_lines, read_run
 from qwenvl_vision.outputs.parquet_reader import read_parquet_records
 from tests.helpers import make_image_folder
-from tests.helpers.embed import ENV, embed_cmd, kill_at_instants, local_ray, one_error_line, torchrun_embed_cmd  # noqa: F401
+from tests.helpers.embed import (
+    ENV,
+    embed_cmd,
+    kill_at_instants,
+    local_ray,  # noqa: F401 - a fixture
+    one_error_line,
+    run_embed,
+    torchrun_embed_cmd,
+)
 from tests.helpers.servers import http_folder
 
 SMALL = ["--max-pixels", str(64 * 64), "--quiet"]
@@ -29,17 +37,15 @@ def rows_for(paths: list[Path], root: Path, base_url: str = "http://127.0.0.1:9"
     """One row per image (paths relative to the table's folder), then a row naming no file, a URL the loopback
     server lacks and a missing file: every row with a caption and an index."""
     rows = [{"path": str(p.relative_to(root)), "caption": f"photo {i}", "idx": i} for i, p in enumerate(paths)]
-    rows += [{"path": "", "caption": "empty", "idx": 90}, {"path": f"{base_url}/nowhere.jpg", "caption": "url",
-                                                           "idx": 91},
-             {"path": "imgs/missing.png", "caption": "gone", "idx": 92}]
-    return rows
+    bad = [("", "empty"), (f"{base_url}/nowhere.jpg", "url"), ("imgs/missing.png", "gone")]
+    return rows + [{"path": path, "caption": caption, "idx": 90 + i} for i, (path, caption) in enumerate(bad)]
 
 
 def write_table(path: Path, rows: list[dict]) -> Path:
     if path.suffix == ".parquet":
         pq.write_table(pa.Table.from_pylist(rows), path)
     elif path.suffix == ".jsonl":
-        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
     else:
         with path.open("w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=list(rows[0]), delimiter="\t" if path.suffix == ".tsv" else ",")
@@ -87,17 +93,17 @@ def test_a_table_s_rows_embed_bitwise_as_the_folder_and_carry_their_columns_in_r
 
 
 def test_every_format_carries_the_columns_typed_and_a_resume_keeps_each_row_once(folder_run, checkpoint):
+    """JSON Lines split at newlines only: U+2028, U+2029 and U+0085 are legal raw in a JSON string."""
     root, paths, want, _ = folder_run
-    rows = [{"path": str(p.relative_to(root)), "caption": f"c{i}", "idx": i, "score": i / 4, "keep": i % 2 == 0,
+    captions = ["a\u2028b", "c\u2029d", "e\u0085f", "plain"]
+    rows = [{"path": str(p.relative_to(root)), "caption": captions[i], "idx": i, "score": i / 4, "keep": i % 2 == 0,
              "meta": {"n": i}} for i, p in enumerate(paths)]
     table = write_table(root / "typed.jsonl", rows[:2])
     keep = ["--keep-columns", "caption,idx,score,keep,meta"]
     out = root / "typed-parquet"
-    assert main(["embed", str(table), "--model", str(checkpoint), "--out", str(out), "--format", "parquet", *keep,
-                 *SMALL]) == 0
+    assert run_embed([table], checkpoint, out, "--format", "parquet", *keep, *SMALL) == 0
     write_table(table, rows)  # two more rows: the resume embeds them, and only them
-    assert main(["embed", str(table), "--model", str(checkpoint), "--out", str(out), "--resume", *keep,
-                 *SMALL]) == 0
+    assert run_embed([table], checkpoint, out, "--resume", *keep, *SMALL) == 0
     shards = sorted(out.glob("shard-*.parquet"))
     schema = pq.read_schema(shards[0])
     assert [str(schema.field(n).type) for n in ("caption", "idx", "score", "keep", "meta")] == \
@@ -111,8 +117,7 @@ def test_every_format_carries_the_columns_typed_and_a_resume_keeps_each_row_once
     assert all(torch.equal(r.embedding, want[r.realpath]) for r in records)
 
     cache = root / "typed-cache"
-    assert main(["embed", str(table), "--model", str(checkpoint), "--out", str(cache), "--format", "vllm-cache",
-                 *keep, *SMALL]) == 0
+    assert run_embed([table], checkpoint, cache, "--format", "vllm-cache", *keep, *SMALL) == 0
     lines = read_manifest_lines(cache / "manifest.jsonl")
     assert [line["columns"] for line in lines] == [{k: r[k] if k != "meta" else json.dumps(r[k]) for k in
                                                     ("caption", "idx", "score", "keep", "meta")} for r in rows]
@@ -121,26 +126,26 @@ def test_every_format_carries_the_columns_typed_and_a_resume_keeps_each_row_once
 def test_columns_that_cannot_be_carried_are_refused_in_one_line(folder_run, checkpoint, capsys):
     root, paths, _, _ = folder_run
     table = write_table(root / "plain.csv", rows_for(paths, root))
-    cases = [
-        (["--path-column", "file"], ["no column 'file'", "path, caption, idx"]),
-        (["--keep-columns", "caption,nope"], ["no column 'nope'"]),
-        (["--keep-columns", "status"], ["status", "rename the column"]),
-        (["--keep-columns", "deepstack_0"], ["deepstack_0", "rename the column"]),
-        (["--keep-columns", "caption,,idx"], ["--keep-columns"]),
-    ]
-    for extra, needles in cases:
-        out = root / "refused"
-        assert main(["embed", str(table), "--model", str(checkpoint), "--out", str(out), *extra, *SMALL]) == 2
-        one_error_line(capsys.readouterr().err, *needles)
-        assert not out.exists()
-    out = root / "refused"
-    assert main(["embed", str(root / "imgs"), "--model", str(checkpoint), "--out", str(out), *KEEP, *SMALL]) == 2
-    one_error_line(capsys.readouterr().err, "no input is a table")
     wide = root / "wide-header.csv"  # a header cell over the csv module's field limit
     wide.write_text("path," + "x" * 200_000 + "\n" + f"{paths[0]},1\n")
-    assert main(["embed", str(wide), "--model", str(checkpoint), "--out", str(out), *SMALL]) == 2
-    one_error_line(capsys.readouterr().err, "wide-header.csv, line 1", "field larger than field limit")
-    assert not out.exists()
+    cases = [
+        (table, ["--path-column", "file"], ["no column 'file'", "path, caption, idx"]),
+        (table, ["--keep-columns", "caption,nope"], ["no column 'nope'"]),
+        (table, ["--keep-columns", "status"], ["status", "rename the column"]),
+        (table, ["--keep-columns", "deepstack_0"], ["deepstack_0", "rename the column"]),
+        (table, ["--keep-columns", "caption,,idx"], ["--keep-columns"]),
+        (root / "imgs", KEEP, ["no input is a table"]),
+        (wide, [], ["wide-header.csv, line 1", "field larger than field limit"]),
+    ]
+    for i, column in enumerate([pa.array([b"imgs/x.png"]), pa.array([0], pa.timestamp("ms")), pa.array([7])]):
+        pq.write_table(pa.table({"file": column}), root / f"typed-path{i}.parquet")  # a path column not of text
+        cases.append((root / f"typed-path{i}.parquet", ["--path-column", "file"],
+                      [f"typed-path{i}.parquet", "'file'", str(column.type)]))
+    for source, extra, needles in cases:
+        out = root / "refused"
+        assert run_embed([source], checkpoint, out, *extra, *SMALL) == 2
+        one_error_line(capsys.readouterr().err, *needles)
+        assert not out.exists()
 
 
 def test_torchrun_ranks_carry_each_row_s_columns(folder_run, checkpoint):
@@ -163,8 +168,8 @@ def test_ray_engine_carries_each_row_s_columns(folder_run, checkpoint, local_ray
     table = write_table(root / "ray.csv", rows)
     out = root / "ray"
     threads = str(read_run(root / "from-folder")["threads"])  # CPU bits are the same at the same thread count
-    assert main(["embed", str(table), "--model", str(checkpoint), "--out", str(out), "--engine", "ray", "--ray-actors",
-                 "1", "--threads", threads, *KEEP, *SMALL]) == 1
+    assert run_embed([table], checkpoint, out, "--engine", "ray", "--ray-actors", "1", "--threads", threads, *KEEP,
+                     *SMALL) == 1
     records = list(read_parquet_records(out))
     assert sorted(r.columns["caption"] for r in records) == sorted(r["caption"] for r in rows)
     for r in records:
@@ -188,21 +193,6 @@ def test_kill_and_resume_over_a_table_records_each_row_once_with_its_columns(fol
     assert all(torch.equal(got[r["path"]], want[r["realpath"]]) for r in records)
 
 
-def test_json_lines_strings_may_hold_unicode_line_separators(folder_run, checkpoint):
-    """U+2028, U+2029 and U+0085 are legal raw in a JSON string (``ensure_ascii=False`` writes them): no line ends."""
-    root, paths, want, _ = folder_run
-    captions = ["a\u2028b", "c\u2029d", "e\u0085f", "plain"]
-    table = root / "separators.jsonl"
-    table.write_text("".join(json.dumps({"path": str(p), "caption": c}, ensure_ascii=False) + "\n"
-                             for p, c in zip(paths, captions)), encoding="utf-8")
-    out = root / "out-separators"
-    assert main(["embed", str(table), "--model", str(checkpoint), "--out", str(out), "--keep-columns", "caption",
-                 *SMALL]) == 0
-    records = read_manifest_lines(out / "manifest.jsonl")
-    assert [r["columns"]["caption"] for r in records] == captions
-    assert all(torch.equal(t, want[r["realpath"]]) for r, (_, t) in zip(records, read_embeddings(out)))
-
-
 def test_a_dictionary_encoded_column_is_carried_as_its_values(folder_run, checkpoint):
     """A pandas Categorical is stored dictionary-encoded: its values are carried as text, not as their JSON."""
     root, paths, _, _ = folder_run
@@ -211,23 +201,9 @@ def test_a_dictionary_encoded_column_is_carried_as_its_values(folder_run, checkp
     pq.write_table(pa.table({"path": [str(p) for p in paths], "label": pa.array(labels).dictionary_encode()}), table)
     for file_format in ("safetensors", "parquet"):
         out = root / f"out-categorical-{file_format}"
-        assert main(["embed", str(table), "--model", str(checkpoint), "--out", str(out), "--keep-columns", "label",
-                     "--format", file_format, *SMALL]) == 0
+        assert run_embed([table], checkpoint, out, "--keep-columns", "label", "--format", file_format, *SMALL) == 0
         assert read_run(out)["columns"] == [["label", "string"]]
         if file_format == "parquet":
             assert [r.columns["label"] for r in read_parquet_records(out)] == labels
         else:
             assert [r["columns"]["label"] for r in read_manifest_lines(out / "manifest.jsonl")] == labels
-
-
-@pytest.mark.parametrize("column", [pa.array([b"imgs/x.png"]), pa.array([0], pa.timestamp("ms")), pa.array([7])],
-                         ids=["binary", "timestamp", "int64"])
-def test_a_parquet_path_column_that_is_not_text_is_one_line(folder_run, checkpoint, capsys, column):
-    root, _, _, _ = folder_run
-    table = root / "typed-path.parquet"
-    pq.write_table(pa.table({"file": column}), table)
-    out = root / "refused"
-    assert main(["embed", str(table), "--model", str(checkpoint), "--out", str(out), "--path-column", "file",
-                 *SMALL]) == 2
-    one_error_line(capsys.readouterr().err, "typed-path.parquet", "'file'", str(column.type))
-    assert not out.exists()

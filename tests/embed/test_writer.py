@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import errno
 import os
-import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -18,11 +16,20 @@ from safetensors import safe_open
 import qwenvl_vision.embed.writer as writer
 from qwenvl_vision.cli import main
 from qwenvl_vision.embed import MANIFEST, read_embeddings, read_manifest_lines, read_run
-from qwenvl_vision.embed.manifest import file_of
+from qwenvl_vision.embed.inputs import file_of
 from qwenvl_vision.loading import load_encoder
 from tests.helpers import make_image_folder as make_folder
 from tests.helpers import rel_err, synthetic_photo
-from tests.helpers.embed import ENV, assert_each_input_once, embed_cmd, make_media_folder, one_error_line, records
+from tests.helpers.embed import (
+    ENV,
+    assert_each_input_once,
+    embed_cmd,
+    kill_when,
+    make_media_folder,
+    one_error_line,
+    records,
+    run_embed,
+)
 
 
 def test_resume_duplicates_nothing(tmp_path, checkpoint):
@@ -33,9 +40,7 @@ def test_resume_duplicates_nothing(tmp_path, checkpoint):
     first = records(out)
     shards = sorted(p.name for p in out.glob("*.safetensors"))
     assert main(args) == 2  # refusing to mix two runs without --resume
-    (tmp_path / "imgs" / "corrupt.jpg").unlink()
-    # fixed between runs: retried on resume
-    Image.fromarray(synthetic_photo(33, 47, 99)).save(tmp_path / "imgs" / "corrupt.jpg")
+    Image.fromarray(synthetic_photo(33, 47, 99)).save(tmp_path / "imgs" / "corrupt.jpg")  # fixed: retried on resume
     assert main([*args, "--resume"]) == 1  # empty.png and notes.png still fail
     recs = records(out)
     paths = [r["path"] for r in recs]
@@ -47,39 +52,23 @@ def test_resume_duplicates_nothing(tmp_path, checkpoint):
     assert set(shards) < {p.name for p in out.glob("*.safetensors")}
 
 
-def kill_then_resume(inputs: Path, model: Path, out: Path, killed_once) -> int:
+def kill_then_resume(inputs: Path, model: Path, out: Path, killed_once) -> list[dict]:
     """Run embed (one input a batch) in a child, SIGKILL it once ``killed_once(manifest records)`` holds, then
-    resume it to the end; returns how many records the killed run had left."""
+    resume it to the end; the records the killed run had left."""
     cmd = embed_cmd([inputs], model, out, "--batch-patches", "1", "--device", "cpu")
-    proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 120
-    while time.time() < deadline and proc.poll() is None:
-        if killed_once(read_manifest_lines(out / "manifest.jsonl")):
-            break
-        time.sleep(0.005)
-    assert proc.poll() is None, "the run finished before it could be killed"
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    killed_at = len(read_manifest_lines(out / "manifest.jsonl"))
+    kill_when(cmd, lambda: killed_once(read_manifest_lines(out / MANIFEST)))
+    killed = read_manifest_lines(out / MANIFEST)
     resumed = subprocess.run([*cmd, "--resume"], env=ENV, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    return killed_at
+    return killed
 
 
 @pytest.mark.slow
 def test_sigkill_mid_run_then_resume(tmp_path, checkpoint):
     make_folder(tmp_path / "imgs", 60, bad=False)
     out = tmp_path / "out"
-    killed_at = kill_then_resume(tmp_path / "imgs", checkpoint, out, lambda records: len(records) >= 5)
-    assert 5 <= killed_at < 60
-    records = read_manifest_lines(out / MANIFEST)
-    paths = [r["path"] for r in records]
-    assert len(paths) == len(set(paths)) == 60
-    assert all(r["status"] == "ok" for r in records)
-    referenced = {r["shard"] for r in records}
-    assert referenced == {p.name for p in out.glob("*.safetensors")}  # no orphan shard left behind
-    assert not list(out.glob("*.tmp"))
-    assert len(dict(read_embeddings(out))) == 60  # every shard readable
+    assert 5 <= len(kill_then_resume(tmp_path / "imgs", checkpoint, out, lambda records: len(records) >= 5)) < 60
+    assert all(r["status"] == "ok" for r in assert_each_input_once(out, 60))
 
 
 @pytest.mark.slow
@@ -87,18 +76,12 @@ def test_sigkill_mid_run_with_videos_then_resume(tmp_path, checkpoint):
     pytest.importorskip("av")
     images, videos = make_media_folder(tmp_path / "media", 20, 12)
     out = tmp_path / "out"
-    killed_at = kill_then_resume(tmp_path / "media", checkpoint, out,
-                                  lambda records: any("video" in r for r in records))
-    assert 1 <= killed_at < 32
-    records = read_manifest_lines(out / MANIFEST)
-    assert len({r["path"] for r in records}) == len(records) == 32
-    assert all(r["status"] == "ok" for r in records)
-    assert sum("video" in r for r in records) == 12
-    assert {r["shard"] for r in records} == {p.name for p in out.glob("*.safetensors")}
-    assert not list(out.glob("*.tmp"))
-    encoder = load_encoder(checkpoint, device="cpu")
+    killed = kill_then_resume(tmp_path / "media", checkpoint, out, lambda rs: any("video" in r for r in rs))
+    assert 1 <= len(killed) < 32
+    records = assert_each_input_once(out, 32)
+    assert all(r["status"] == "ok" for r in records) and sum("video" in r for r in records) == 12
     stored = dict(read_embeddings(out))
-    expected = encoder.encode_videos([str(p) for p in videos])
+    expected = load_encoder(checkpoint, device="cpu").encode_videos([str(p) for p in videos])
     by_path = {Path(r["path"]).name: r["path"] for r in records}
     for path, emb in zip(videos, expected.embeddings):
         assert rel_err(stored[by_path[path.name]], emb) <= 1e-5
@@ -112,8 +95,8 @@ def fail_on_call(monkeypatch, name: str, n: int, error: OSError, partial: bool =
     def faulty(*args):
         calls[0] += 1
         if calls[0] == n:
-            if partial and name == "save_shard":  # a shard that ran out of space half way
-                Path(args[1]).write_bytes(b"\x00" * 100)
+            if partial and name == "save_shard":  # a shard's temporary file that ran out of space half way
+                args[1].with_name(f"{args[1].stem}.{args[2]}.tmp").write_bytes(b"\x00" * 100)
             elif partial:  # a manifest append torn half way
                 with open(args[0], "a") as f:
                     f.write('{"path": "half a li')
@@ -130,21 +113,29 @@ FAULTS = {
 
 
 @pytest.mark.parametrize("fault", list(FAULTS))
-def test_output_fault_exits_3_and_resume_finishes(fault, tmp_path, checkpoint, capsys, monkeypatch):
+def test_output_fault_exits_3_and_a_resume_from_another_directory_finishes(fault, tmp_path, checkpoint, capsys,
+                                                                            monkeypatch):
+    """Records carry the resolved file: a run stopped part-way and resumed from elsewhere, with other spellings,
+    finishes each input exactly once and counts every input done."""
     name, n, code, text = FAULTS[fault]
-    make_folder(tmp_path / "imgs", 12)  # 12 images and 3 bad files
+    make_folder(tmp_path / "a" / "imgs", 12)  # 12 images and 3 bad files
+    (tmp_path / "b" / "c").mkdir(parents=True)
     out = tmp_path / "out"
-    args = ["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(out), "--batch-patches", "64"]
+    monkeypatch.chdir(tmp_path / "a")
     with monkeypatch.context() as patch:
         fail_on_call(patch, name, n, OSError(code, os.strerror(code), str(out / "x")), partial=True)
-        assert main(args) == 3
+        assert run_embed(["imgs"], checkpoint, out, "--batch-patches", "64") == 3
     one_error_line(capsys.readouterr().err, f"cannot write to {out}", text, "this process recorded", "--resume")
     recorded = records(out)  # every complete line is valid: nothing recorded is lost
     assert 0 < len(recorded) < 15
-    assert main([*args, "--resume"]) == 1  # the 3 bad files fail again
+    monkeypatch.chdir(tmp_path / "b" / "c")
+    assert run_embed(["../../a/imgs"], checkpoint, out, "--batch-patches", "64", "--resume") == 1  # 3 bad files
+    one_error_line(capsys.readouterr().err, "embedded 12 of 15 inputs", "3 failed")
     recs = assert_each_input_once(out, 15)
-    assert {r["path"]: r for r in recs if r["status"] == "ok"}.keys() >= {r["path"] for r in recorded
-                                                                          if r["status"] == "ok"}
+    assert {r["realpath"] for r in recs if r["status"] == "ok"} >= {r["realpath"] for r in recorded
+                                                                    if r["status"] == "ok"}
+    images = (tmp_path / "a" / "imgs").rglob("*")
+    assert {file_of(r["realpath"]) for r in recs} == {str(p.resolve()) for p in images if p.suffix in (".jpg", ".png")}
 
 
 @pytest.fixture
@@ -209,44 +200,16 @@ def test_real_full_disk_and_read_only_folder(small_tmpfs, tmp_path, checkpoint, 
     assert all(r["status"] == "ok" for r in recs)
 
 
-def test_resume_of_a_stopped_run_from_another_directory_redoes_only_what_is_missing(
-        tmp_path, checkpoint, capsys, monkeypatch):
-    """Records carry the resolved file: a run stopped part-way and resumed from elsewhere, with other spellings,
-    finishes each input exactly once and counts every input done."""
-    (tmp_path / "a").mkdir()
-    make_folder(tmp_path / "a" / "imgs", 4, bad=False)
-    out = tmp_path / "out"
-    monkeypatch.chdir(tmp_path / "a")
-    with monkeypatch.context() as patch:
-        fail_on_call(patch, "save_shard", 2, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(out)))
-        assert main(["embed", "imgs", "--model", str(checkpoint), "--out", str(out), "--batch-patches", "64"]) == 3
-    assert 0 < len(records(out)) < 4
-    (tmp_path / "b" / "c").mkdir(parents=True)
-    monkeypatch.chdir(tmp_path / "b" / "c")
-    capsys.readouterr()
-    assert main(["embed", "../../a/imgs", "--model", str(checkpoint), "--out", str(out), "--resume"]) == 0
-    one_error_line(capsys.readouterr().err, "embedded 4 of 4 inputs", "0 failed")
-    assert main(["embed", "../../a/imgs", "--model", str(checkpoint), "--out", str(out), "--resume"]) == 0
-    recs = assert_each_input_once(out, 4)
-    assert {file_of(r["realpath"]) for r in recs} == {str(p.resolve()) for p in (tmp_path / "a" / "imgs").rglob("img*")}
-
-
-def test_shards_follow_the_umask(tmp_path, checkpoint):
+def test_shards_follow_the_umask_and_name_their_run(tmp_path, checkpoint):
     make_folder(tmp_path / "imgs", 1, bad=False)
     out = tmp_path / "out"
     old = os.umask(0o022)
     try:
-        assert main(["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(out)]) == 0
+        assert run_embed([tmp_path / "imgs"], checkpoint, out) == 0
     finally:
         os.umask(old)
     for path in out.iterdir():
         assert path.stat().st_mode & 0o777 == 0o644, path.name
-
-
-def test_shard_metadata_names_the_run(tmp_path, checkpoint):
-    make_folder(tmp_path / "imgs", 1, bad=False)
-    out = tmp_path / "out"
-    assert main(["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(out)]) == 0
     (shard,) = out.glob("*.safetensors")
     with safe_open(shard, framework="pt") as f:
         assert f.metadata()["qwenvl_vision_run"] == read_run(out)["run_id"]

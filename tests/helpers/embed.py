@@ -48,6 +48,13 @@ def assert_each_input_once(out: Path, expected: int) -> list[dict]:
     return recs
 
 
+def run_embed(inputs, model, out, *extra) -> int:
+    """``qwenvl-vision embed`` in this process: its exit code."""
+    from qwenvl_vision.cli import main
+
+    return main(["embed", *map(str, inputs), "--model", str(model), "--out", str(out), *extra])
+
+
 def embed_cmd(inputs, model, out, *extra) -> list[str]:
     """``qwenvl-vision embed`` as a child process."""
     return [sys.executable, "-m", "qwenvl_vision.cli", "embed", *map(str, inputs), "--model", str(model),
