@@ -2,7 +2,7 @@
 transformers vision tower of any supported family, weights included (``from_transformers``).
 
 These are the model's towers, running the modules' own forward; the package's ``qwenvl_vision.build_model`` and
-``qwenvl_vision.from_transformers`` (``loading.py``) are these with the CPU backend attached."""
+``qwenvl_vision.from_transformers`` (``loading.py``) are these with the CPU backend attached on the CPU."""
 
 from __future__ import annotations
 
