@@ -3,8 +3,8 @@
 ``VisionTower.forward`` asks its ``Backend`` once per call for an ``Execution``: the forwards the call's items run as,
 and how each forward's blocks and mergers run. ``ReferenceBackend`` (a tower no backend was attached to) runs the
 modules' own forward; the package's builders attach the CPU backend (``qwenvl_vision.backends.cpu``) to a tower on
-the CPU, which this module does not know. Every backend runs a call's items as ``forwards_on`` says, so an item's bits on the CPU never
-depend on its neighbours.
+the CPU, which this module does not know. Every backend runs a call's items as ``forwards_on`` says, so an item's
+bits on the CPU never depend on its neighbours.
 """
 
 from __future__ import annotations
