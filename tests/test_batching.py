@@ -1,6 +1,7 @@
 """How inputs become batches (qwenvl_vision.batching): the call's options, the token bound of a batch, the decode
-budget (admission in input order, an oversized input alone, waiters woken on close), ordered prefetch and the
-decode-cost estimates. End-to-end parity with transformers is tests/test_encoder.py's.
+budget (admission in input order, at most the workers decoding, an oversized input alone, waiters woken on close),
+prefetch in input order and what a decode is charged. End-to-end parity with transformers is tests/test_encoder.py's;
+time limits and stuck decodes are tests/inputs/test_decode_limits.py's.
 """
 
 from __future__ import annotations
@@ -17,14 +18,7 @@ from PIL import Image
 
 import qwenvl_vision.batching as batching
 from qwenvl_vision import load_encoder
-from qwenvl_vision.batching import (
-    DECODE_BYTES_PER_PIXEL,
-    BudgetClosed,
-    DecodeBudget,
-    decode_cost,
-    ordered_prefetch,
-    prepared_batches,
-)
+from qwenvl_vision.batching import DECODE_BYTES_PER_PIXEL, BudgetClosed, DecodeBudget, Decoding, prepared_batches
 from qwenvl_vision.errors import ConfigError
 from qwenvl_vision.inputs.images import PreprocessConfig
 from qwenvl_vision.inputs.video import VideoConfig
@@ -32,6 +26,11 @@ from qwenvl_vision.options import EncodeOptions
 from tests.helpers import FAMILY_SMALL, QWEN2_5_SMALL, photo, synthetic_photo
 
 WAIT = 5.0  # seconds a thread that should proceed is given; a thread that should wait is watched for 0.2 s
+PRE = PreprocessConfig.from_dict(None, "qwen2_5_vl")
+
+
+def _options(**changes) -> EncodeOptions:
+    return EncodeOptions(video_config=VideoConfig.for_family("qwen2_5_vl"), **changes)
 
 
 @pytest.fixture(scope="module", params=list(FAMILY_SMALL))
@@ -80,12 +79,11 @@ def test_batches_respect_the_patch_budget(encoder, images):
 
 
 def test_prepared_batches_keep_input_order_and_carry_failures_with_the_next_batch():
-    pre = PreprocessConfig.from_dict(None, "qwen2_5_vl")
-    options = EncodeOptions(video_config=VideoConfig.for_family("qwen2_5_vl"), max_batch_patches=200, num_workers=3)
+    options = _options(max_batch_patches=200, num_workers=3)
     inputs = [synthetic_photo(112, 112, 0), np.zeros((0, 4, 3), np.uint8), synthetic_photo(140, 196, 1),
               synthetic_photo(56, 84, 2), "/nonexistent/x.png", synthetic_photo(224, 224, 3)]
     seen = []
-    batches = list(prepared_batches(inputs, options, pre, on_prepared=seen.append))
+    batches = list(prepared_batches(inputs, options, PRE, on_prepared=seen.append))
     assert [p.index for p in seen] == list(range(len(inputs)))  # every input reported once, in order
     assert {p.index for p in seen if p.error} == {1, 4}
     order = [p.index for batch, failed in batches for p in sorted(batch + failed, key=lambda p: p.index)]
@@ -134,7 +132,7 @@ def _admit_in_thread(budget: DecodeBudget, ticket: int, cost: int):
 
     def run():
         try:
-            outcome.append(budget.admit(ticket, cost))
+            outcome.append(budget.admit(ticket, Decoding(), cost))
         except BudgetClosed as e:
             outcome.append(e)
         admitted.set()
@@ -143,44 +141,42 @@ def _admit_in_thread(budget: DecodeBudget, ticket: int, cost: int):
     return admitted, outcome
 
 
-def test_budget_admits_in_input_order():
-    budget = DecodeBudget(1000)
-    admitted, outcome = _admit_in_thread(budget, 1, 10)
-    assert not admitted.wait(0.2)  # input 1 waits for input 0 although it fits
-    assert budget.admit(0, 10) == 10
-    assert admitted.wait(WAIT) and outcome == [10] and budget.used == 20
+def test_budget_admits_in_input_order_at_most_its_workers_at_once():
+    budget = DecodeBudget(None, workers=1)  # no bound on bytes
+    admitted, _ = _admit_in_thread(budget, 1, 0)
+    assert not admitted.wait(0.2)  # input 1 waits for input 0
+    first = Decoding()
+    budget.admit(0, first, 1 << 60)
+    assert not admitted.wait(0.2)  # its turn, but the one worker decodes input 0
+    assert budget.end(first, 10) and not budget.end(first)  # whichever side ends a decode first, once
+    assert admitted.wait(WAIT) and budget.used == 10
 
 
-def test_budget_holds_a_later_input_until_bytes_are_released():
-    budget = DecodeBudget(100)
-    held = budget.admit(0, 60)
-    admitted, _ = _admit_in_thread(budget, 1, 60)
+@pytest.mark.parametrize("first_cost,second_cost", [(60, 60), (10_000, 1)])
+def test_budget_holds_a_later_input_until_bytes_are_freed(first_cost, second_cost):
+    """60 + 60 do not fit in 100 until the first is decoded to 30; an input larger than the whole budget is
+    admitted alone, and the next once it is given up (its bytes leave at once)."""
+    budget = DecodeBudget(100, workers=4)
+    first = Decoding()
+    budget.admit(0, first, first_cost)
+    admitted, _ = _admit_in_thread(budget, 1, second_cost)
     assert not admitted.wait(0.2)
-    held = budget.resize(held, 30)  # decoded: now only its resized pixels, and 30 + 60 fits
-    assert admitted.wait(WAIT) and budget.used == 90
+    held = 30 if first_cost == 60 else 0
+    budget.end(first, held)
+    assert admitted.wait(WAIT) and budget.used == held + second_cost
     budget.release(held)
-    assert budget.used == 60
-
-
-def test_an_input_larger_than_the_budget_is_admitted_alone():
-    budget = DecodeBudget(100)
-    assert budget.admit(0, 10_000) == 10_000  # nothing else holds bytes: it goes in
-    admitted, _ = _admit_in_thread(budget, 1, 1)
-    assert not admitted.wait(0.2)
-    budget.release(10_000)
-    assert admitted.wait(WAIT)
-    assert DecodeBudget(None).admit(0, 1 << 60) == 1 << 60  # no bound
+    assert budget.used == second_cost
 
 
 def test_closing_the_budget_wakes_its_waiters():
-    budget = DecodeBudget(10)
-    budget.admit(0, 10)
+    budget = DecodeBudget(10, workers=4)
+    budget.admit(0, Decoding(), 10)
     admitted, outcome = _admit_in_thread(budget, 1, 10)
     assert not admitted.wait(0.2)
     budget.close()
     assert admitted.wait(WAIT) and isinstance(outcome[0], BudgetClosed)
     with pytest.raises(BudgetClosed):
-        budget.admit(1, 0)
+        budget.admit(1, Decoding(), 0)
 
 
 def test_decode_budget_bounds_what_workers_hold_at_once(tmp_path, monkeypatch):
@@ -193,24 +189,28 @@ def test_decode_budget_bounds_what_workers_hold_at_once(tmp_path, monkeypatch):
         path = folder / f"img{i}.png"
         Image.fromarray(synthetic_photo(side[1], side[0], i)).save(path)
         paths.append(str(path))
-    large_cost = 1000 * 800 * DECODE_BYTES_PER_PIXEL
+    encoder = load_encoder(QWEN2_5_SMALL, random_weights=True, device="cpu")
+    large_cost = 1000 * 800 * DECODE_BYTES_PER_PIXEL[encoder.preprocess_config.resize]
     in_flight, peak, lock = [0], [0], threading.Lock()
     real = batching.preprocess_image
 
-    def tracked(image, *args, **kwargs):
-        big = Image.open(image).size == (1000, 800)
-        with lock:
-            in_flight[0] += big
-            peak[0] = max(peak[0], in_flight[0])
-        try:
+    def tracked(image, *args, on_header, **kwargs):
+        big = [Image.open(image).size == (1000, 800)]
+
+        def admitted(header):  # the budget admits the file once its header is read: from here on it decodes
+            on_header(header)
+            with lock:
+                in_flight[0] += big[0]
+                peak[0] = max(peak[0], in_flight[0])
             time.sleep(0.05)  # a slow decode, so that overlaps would happen
-            return real(image, *args, **kwargs)
+
+        try:
+            return real(image, *args, on_header=admitted, **kwargs)
         finally:
             with lock:
-                in_flight[0] -= big
+                in_flight[0] -= big[0]
 
     monkeypatch.setattr(batching, "preprocess_image", tracked)
-    encoder = load_encoder(QWEN2_5_SMALL, random_weights=True, device="cpu")
     bounded = [r for batch in encoder.iter_encode(paths, max_pixels=20_000, num_workers=4,
                                                   decode_bytes=large_cost + 1000) for r in batch]
     assert peak[0] == 1 and all(r.ok for r in bounded)
@@ -222,42 +222,52 @@ def test_decode_budget_bounds_what_workers_hold_at_once(tmp_path, monkeypatch):
         assert torch.equal(a.embedding, b.embedding)
 
 
-# ---------------------------------------------------------------------- ordered prefetch
+def test_inputs_are_read_at_most_prefetch_ahead_and_come_in_input_order(monkeypatch):
+    pulled, seen = [], []
+    real = batching.preprocess_image
 
-
-def test_ordered_prefetch_yields_in_input_order_and_reads_at_most_depth_ahead():
-    from concurrent.futures import ThreadPoolExecutor
-
-    pulled = []
+    def slow_first(image, *args, **kwargs):  # the first input finishes last
+        time.sleep(0.2 if kwargs["index"] == 0 else 0)
+        return real(image, *args, **kwargs)
 
     def items():
         for i in range(10):
             pulled.append(i)
-            yield i
+            yield synthetic_photo(56, 56, i)
 
-    def slow_first(item, index):  # the first input finishes last
-        time.sleep(0.2 if index == 0 else 0)
-        return item * 10
-
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        results = ordered_prefetch(pool, items(), 2, slow_first)
-        assert next(results) == 0
-        assert len(pulled) == 3  # the first plus `depth` ahead
-        assert list(results) == [10 * i for i in range(1, 10)]
+    monkeypatch.setattr(batching, "preprocess_image", slow_first)
+    batches = prepared_batches(items(), _options(prefetch=2, num_workers=4), PRE,
+                               on_prepared=lambda p: seen.append((p.index, len(pulled))))
+    assert all(not failed for _, failed in batches)
+    assert [index for index, _ in seen] == list(range(10))
+    assert all(read <= index + 3 for index, read in seen)  # the input yielded, plus `prefetch` ahead
 
 
-# ---------------------------------------------------------------------- decode cost estimates
+# ---------------------------------------------------------------------- what a decode is charged
 
 
-def test_decode_cost_reads_the_header_of_files_only(tmp_path):
-    path = tmp_path / "a.png"
+def test_a_file_is_opened_once_and_charged_by_its_header(tmp_path, monkeypatch):
+    """The budget charges an image file its header's pixels at the resize backend's rate, from the header its own
+    decode opens (one open per file); a video given as frames, its first frame's at the video pipeline's. Nothing
+    is charged up front for inputs in memory, nor for files refused unread: missing, above max_input_pixels, or
+    a FIFO (never opened: that would block)."""
+    path, big = tmp_path / "a.png", tmp_path / "big.png"
     Image.fromarray(synthetic_photo(80, 100)).save(path)
-    assert decode_cost(str(path), False, None) == 100 * 80 * DECODE_BYTES_PER_PIXEL
-    assert decode_cost([str(path), str(path)], True, None) == 100 * 80 * DECODE_BYTES_PER_PIXEL  # one frame at a time
-    assert decode_cost(str(path), False, 7999) == 0  # refused unread by preprocessing
-    assert decode_cost(synthetic_photo(80, 100), False, None) == 0  # already in memory
-    assert decode_cost(str(tmp_path / "missing.png"), False, None) == 0
+    Image.fromarray(synthetic_photo(100, 100)).save(big)
+    inputs = [str(path), synthetic_photo(80, 100), str(tmp_path / "missing.png"), str(big)]
     if hasattr(os, "mkfifo"):
-        fifo = tmp_path / "pipe.png"
-        os.mkfifo(fifo)
-        assert decode_cost(str(fifo), False, None) == 0  # never opened: that would block
+        os.mkfifo(tmp_path / "pipe.png")
+        inputs.append(str(tmp_path / "pipe.png"))
+    costs, opens = {}, []
+    admit, open_image = DecodeBudget.admit, Image.open
+    monkeypatch.setattr(DecodeBudget, "admit", lambda self, ticket, decoding, cost: (
+        costs.setdefault(ticket, cost), admit(self, ticket, decoding, cost))[1])
+    monkeypatch.setattr(Image, "open", lambda file, *args: (opens.append(file), open_image(file, *args))[1])
+    prepared = [p for batch, failed in prepared_batches(inputs, _options(max_input_pixels=9000), PRE)
+                for p in batch + failed]
+    assert [p.error is None for p in prepared] == [True, True] + [False] * (len(inputs) - 2)
+    assert costs == {0: 100 * 80 * DECODE_BYTES_PER_PIXEL["pil"], **{i: 0 for i in range(1, len(inputs))}}
+    assert opens.count(str(path)) == 1 and str(tmp_path / "pipe.png") not in opens
+    costs.clear()
+    list(prepared_batches([[str(path), str(path)]], _options(video=True), PRE))
+    assert costs == {0: 100 * 80 * DECODE_BYTES_PER_PIXEL["torch"]}  # one frame at a time

@@ -46,6 +46,7 @@ Videos are ``video.py`` (sampling, the video processors' sizes, frames to pixel 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +63,7 @@ from .pixels import (
     RESCALE_FACTOR,
     as_hwc,
     check_aspect_ratio,
+    check_pixel_bounds,
     check_resize_backend,
     input_name,
     is_file_input,
@@ -74,10 +76,6 @@ from .pixels import (
     resize_image,
     smart_resize,
 )
-
-# --------------------------------------------------------------------------------------------------
-# Config
-# --------------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -99,7 +97,9 @@ class PreprocessConfig:
 
     def __post_init__(self) -> None:
         check_resize_backend(self.resize, "PreprocessConfig.resize")
-        for key in ("patch_size", "temporal_patch_size", "merge_size", "min_pixels", "max_pixels"):
+        check_pixel_bounds(self.min_pixels, self.max_pixels,
+                           ("PreprocessConfig.min_pixels", "PreprocessConfig.max_pixels"))
+        for key in ("patch_size", "temporal_patch_size", "merge_size"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"PreprocessConfig.{key} must be a positive int, got {value!r}")
@@ -165,7 +165,10 @@ class PreprocessConfig:
             max_pixels=max_pixels,
             image_mean=get("image_mean"),
             image_std=get("image_std"),
-            resize=resize_backend_of(d["image_processor_type"]) if "image_processor_type" in d else base.resize,
+            # ``...Fast`` names transformers' torchvision processor; any other name (``Qwen2VLImageProcessor``,
+            # ``...Pil``, none) the PIL/numpy processor that name loaded by default before transformers 5.
+            resize=("torch" if str(d["image_processor_type"]).endswith("Fast") else "pil")
+            if "image_processor_type" in d else base.resize,
         )
 
     def to_dict(self) -> dict:
@@ -192,13 +195,6 @@ class PreprocessConfig:
         }
 
 
-def resize_backend_of(image_processor_type: Any) -> str:
-    """The resize backend a checkpoint's ``image_processor_type`` names: ``...Fast`` is transformers'
-    torchvision processor ("torch"); any other name (``Qwen2VLImageProcessor``, ``...Pil``, none) is the
-    PIL/numpy processor that name loaded by default before transformers 5 ("pil")."""
-    return "torch" if isinstance(image_processor_type, str) and image_processor_type.endswith("Fast") else "pil"
-
-
 def check_supported(d: dict, what: str = "preprocessor config") -> None:
     """Reject settings the transformers pipeline would honour but this package does not (the image and the
     video processors share these; ``what`` names the file in the message)."""
@@ -213,11 +209,6 @@ def check_supported(d: dict, what: str = "preprocessor config") -> None:
     for key in ("do_center_crop", "do_pad"):
         if d.get(key):
             raise ConfigError(f"{what} sets {key}=true, which is not supported")
-
-
-# --------------------------------------------------------------------------------------------------
-# Public entry points
-# --------------------------------------------------------------------------------------------------
 
 
 def image_target_size(height: int, width: int, config: PreprocessConfig, min_pixels: int | None,
@@ -236,21 +227,11 @@ def image_target_size(height: int, width: int, config: PreprocessConfig, min_pix
     return target
 
 
-def load_image(image: Any, *, index: int | None = None) -> PIL.Image.Image:
-    """Load a path, PIL image, uint8 numpy array (HxWxC or HxW) or uint8 torch tensor (CxHxW) as RGB.
-
-    The conversion is the one ``Qwen2VLImageProcessorPil`` applies to that input type (module docstring):
-    paths go through ``transformers.image_utils.load_image`` (EXIF transpose, convert("RGB")) and then
-    ``convert_to_rgb``; PIL images only through ``convert_to_rgb``; arrays through its numpy branch.
-    Raises PreprocessError naming ``index`` and the path for anything unreadable.
-    """
-    return load_rgb(image, input_name("image", index, image))
-
-
 def preprocess_image(image: Any, config: PreprocessConfig, *, min_pixels: int | None = None,
                      max_pixels: int | None = None, index: int | None = None,
-                     max_input_pixels: int | None = None,
-                     resize: str | None = None) -> tuple[torch.Tensor, tuple[int, int, int]]:
+                     max_input_pixels: int | None = None, resize: str | None = None,
+                     on_header: Callable[[PIL.Image.Image], None] | None = None
+                     ) -> tuple[torch.Tensor, tuple[int, int, int]]:
     """One image -> (pixel_values float32 (h*w, C*T*P*P), grid_thw (1, h, w)), as transformers' Qwen2VL
     image processor: ``resize="pil"`` its PIL backend (``Qwen2VLImageProcessorPil``), ``"torch"`` its
     torchvision backend; None takes ``config.resize``.
@@ -258,11 +239,12 @@ def preprocess_image(image: Any, config: PreprocessConfig, *, min_pixels: int | 
     ``min_pixels`` / ``max_pixels`` override the config's bounds for this call (the reference's ``size``
     call argument). The still image is repeated over the T temporal slots of each row. A file whose
     header declares more than ``max_input_pixels`` pixels is refused before decoding (None: no limit
-    beyond PIL's own; the reference has none).
+    beyond PIL's own; the reference has none). ``on_header``: ``pixels.open_header``'s, for a file.
     """
     backend = check_resize_backend(resize or config.resize, "resize")
     name = input_name("image", index, image)
-    rgb = load_rgb(image, name, check_aspect=True, max_input_pixels=max_input_pixels, backend=backend)
+    rgb = load_rgb(image, name, check_aspect=True, max_input_pixels=max_input_pixels, backend=backend,
+                   on_header=on_header)
     height, width = image_target_size(rgb.height, rgb.width, config, min_pixels, max_pixels, name)
     table = normalize_table(config.image_mean, config.image_std, backend)
     normalized = normalize(resize_image(rgb, height, width, backend), table)

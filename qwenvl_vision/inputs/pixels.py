@@ -1,17 +1,15 @@
-"""Pixel operations the image and the video pipelines share, each bit-identical to transformers.
+"""An image's way from an input to pixel rows, step by step in this order, each bit-identical to transformers:
+how errors name an input (``input_name``); a file's checks and its header (``check_regular_file``, ``open_header``:
+the input pixel limit, the aspect ratio), read once, by the decode itself; RGB conversion (``load_rgb``) for either
+resize backend; the target size (``smart_resize``); resize (``resize_image``, ``resize_uint8_torch``); rescale +
+normalise as a per-channel table of the 256 uint8 levels (``normalize_table``, ``normalize``: the reference's bits
+without its float copy of the image); ``patchify`` into merge-block order. The image and the video pipelines share
+them; what each input type goes through, and the deliberate deviations, are ``images``'s and ``video``'s docstrings.
 
 Reference (transformers 5.24): ``image_utils.load_image`` (paths), ``image_transforms.convert_to_rgb``, ``resize``,
 ``rescale`` and ``normalize`` as ``Qwen2VLImageProcessorPil`` (``image_processing_pil_qwen2_vl.py``) and the
 ``PilBackend`` / ``TorchvisionBackend`` it inherits (``image_processing_backends.py``) call them, the image
-``smart_resize``, and the processors' ``patchify``. What each input type goes through and the deliberate
-deviations are in ``preprocess``'s docstring (images) and ``video``'s (frames); this module holds the steps:
-
-- how an input is named in errors (``input_name``) and the checks made before decoding (file, input pixels,
-  aspect ratio);
-- loading and RGB conversion (``load_rgb``, ``as_hwc``, ``open_header``), for either backend;
-- sizes (``smart_resize``), resize (``resize_image``, ``resize_uint8_torch``), rescale + normalise as a per-channel
-  table of the 256 uint8 levels (``normalize_table``, ``normalize``: the same bits as the reference's float copy of
-  the image, less memory and time) and ``patchify`` into merge-block order.
+``smart_resize``, and the processors' ``patchify``.
 """
 
 from __future__ import annotations
@@ -20,7 +18,6 @@ import io
 import math
 import os
 import re
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -36,11 +33,8 @@ RESCALE_FACTOR = 1 / 255  # BaseImageProcessor.rescale_factor
 MAX_ASPECT_RATIO = 200
 BICUBIC = PIL.Image.Resampling.BICUBIC  # == 3 == transformers' PILImageResampling.BICUBIC
 RESIZE_BACKENDS = ("pil", "torch")
-# Files whose header declares more pixels are refused before decoding (max_input_pixels=None: no limit).
-# Decoding a path holds at most about 8 bytes per pixel at its peak (measured: the decoded image and, for a
-# rotated or non-RGB file, its transposed or converted copy), so 64 MP is ~0.5 GB: well under PIL's own
-# decompression-bomb limit (PIL.Image.MAX_IMAGE_PIXELS, 89.5 MP, a warning; an error at twice that) and above every
-# common camera (61 MP).
+# Files whose header declares more pixels are refused before decoding (max_input_pixels=None: no limit): above
+# every common camera, under PIL's own decompression-bomb limit, and about half a GB to decode.
 DEFAULT_MAX_INPUT_PIXELS = 64_000_000
 
 
@@ -54,11 +48,6 @@ def check_resize_backend(value: Any, what: str) -> str:
 def is_number(value: Any) -> bool:
     """An int or float that is not a bool (JSON numbers as configs hold them)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-# --------------------------------------------------------------------------------------------------
-# Sizes
-# --------------------------------------------------------------------------------------------------
 
 
 def check_pixel_bounds(min_pixels: int | None, max_pixels: int | None,
@@ -117,37 +106,28 @@ def check_aspect_ratio(height: int, width: int, name: str) -> None:
         )
 
 
-# --------------------------------------------------------------------------------------------------
-# Loading and RGB conversion
-# --------------------------------------------------------------------------------------------------
-
-
 class FileBytes:
     """A file's bytes held in memory under a name (a WebDataset member, an object read from storage): checked,
     decoded and named exactly as the file at ``name`` would be, its kind (image or video) by the name's
     extension. Nothing is written to disk.
 
-    ``fetch`` (instead of ``data``): called for the bytes on first use, on the thread that decodes the input
-    (once: its bytes, or the ``PreprocessError`` it raised, are kept)."""
+    ``fetch`` (instead of ``data``): called for the bytes on first use (``read``), on the thread that decodes the
+    input, with the most bytes they may have (the decode budget; None: no bound)."""
 
-    def __init__(self, name: str, data: bytes | None = None, fetch: Callable[[], bytes] | None = None) -> None:
+    def __init__(self, name: str, data: bytes | None = None,
+                 fetch: Callable[[int | None], bytes] | None = None) -> None:
         if (data is None) == (fetch is None):
             raise TypeError("FileBytes takes data or fetch, one of them")
         self.name, self._data, self._fetch = name, data, fetch
-        self._error: PreprocessError | None = None
-        self._lock = threading.Lock()
 
     @property
     def data(self) -> bytes:
+        return self.read()
+
+    def read(self, limit: int | None = None) -> bytes:
+        """The bytes, fetched by the first call with at most ``limit`` of them."""
         if self._data is None:
-            with self._lock:
-                if self._data is None and self._error is None:
-                    try:
-                        self._data = self._fetch()
-                    except PreprocessError as e:
-                        self._error = e
-            if self._error is not None:
-                raise self._error
+            self._data = self._fetch(limit)
         return self._data
 
     @property
@@ -207,27 +187,47 @@ def check_regular_file(path: str | FileBytes, name: str) -> None:
         raise PreprocessError(f"{name}: file is empty (0 bytes)")
 
 
-def load_rgb(image: Any, name: str, *, check_aspect: bool = False,
-             max_input_pixels: int | None = None, backend: str = "pil") -> PIL.Image.Image:
+def load_rgb(image: Any, name: str, *, check_aspect: bool = False, max_input_pixels: int | None = None,
+             backend: str = "pil", on_header: Callable[[PIL.Image.Image], None] | None = None) -> PIL.Image.Image:
     """An input as an RGB PIL image, converted as transformers' image processor of ``backend`` converts that
-    input type (``preprocess``'s docstring); with check_aspect, the aspect ratio is checked before any pixel is
-    decoded.
+    input type (``images``'s docstring), with named errors; with check_aspect, the aspect ratio is checked before
+    any pixel is decoded.
 
-    max_input_pixels applies to paths only (what their header declares, checked before decoding): a PIL
-    image or an array passed in is already in memory. ``backend``: whose RGB conversion, the PIL or the
-    torchvision image processor's (they differ for paths and 4-channel arrays).
+    A file: ``open_header`` (its checks, ``max_input_pixels`` and ``on_header``), then ``image_utils.load_image`` and
+    ``convert_to_rgb``; the torchvision processor's decode (``decode_image(mode=RGB)``, EXIF applied) keeps no
+    transparency at all, so a single tRNS colour is not turned white there. A PIL image or an array passed in is
+    already in memory. ``backend``: whose RGB conversion, the PIL or the torchvision image processor's (they differ
+    for files and 4-channel arrays).
     """
-    if is_file_input(image):
-        return _load_path(image, name, check_aspect, max_input_pixels, composite=backend == "pil")
+    composite = backend == "pil"
     if isinstance(image, PIL.Image.Image):
         if check_aspect or min(image.size) <= 0:
             check_aspect_ratio(image.height, image.width, name)
         return _pil_to_rgb(image, name)
-    array = as_hwc(image, name)
-    if check_aspect:
-        check_aspect_ratio(array.shape[0], array.shape[1], name)
-    to_rgb = _array_to_rgb_torch if backend == "torch" else _array_to_rgb
-    return PIL.Image.fromarray(np.ascontiguousarray(to_rgb(array)))
+    if not is_file_input(image):
+        array = as_hwc(image, name)
+        if check_aspect:
+            check_aspect_ratio(array.shape[0], array.shape[1], name)
+        return PIL.Image.fromarray(np.ascontiguousarray(_array_to_rgb(array, composite)))
+    opened = open_header(image, name, max_input_pixels, check_aspect, on_header)
+    try:
+        # load_image: EXIF orientation applied, then a plain convert("RGB") that drops any alpha band without
+        # compositing. The reference copies the image in both (exif_transpose returns a copy, and convert to
+        # the image's own mode is a copy); the same pixels come out of transposing in place (it decodes) and
+        # of skipping convert when the image is RGB already and Pillow closed its file after decoding.
+        PIL.ImageOps.exif_transpose(opened, in_place=True)
+        if opened.mode == "RGB" and getattr(opened, "fp", None) is None:
+            rgb = opened
+        elif composite and opened.mode == "P" and isinstance(opened.info.get("transparency"), int):
+            with opened:
+                return _palette_onto_white(opened)
+        else:  # another mode, or a multi-frame file Pillow keeps open: convert, then close the file
+            with opened:
+                rgb = opened.convert("RGB")
+    except Exception as e:  # noqa: BLE001 - see _unreadable
+        opened.close()
+        raise _unreadable(e, name) from e
+    return _pil_to_rgb(rgb, name) if composite else rgb
 
 
 def as_hwc(image: Any, name: str) -> np.ndarray:
@@ -242,10 +242,12 @@ def as_hwc(image: Any, name: str) -> np.ndarray:
                           "uint8 numpy array or uint8 torch tensor")
 
 
-def open_header(path: str | os.PathLike | FileBytes, name: str, max_input_pixels: int | None,
-                check_aspect: bool) -> PIL.Image.Image:
+def open_header(path: str | os.PathLike | FileBytes, name: str, max_input_pixels: int | None, check_aspect: bool,
+                on_header: Callable[[PIL.Image.Image], None] | None = None) -> PIL.Image.Image:
     """``PIL.Image.open`` (the header only) after the file checks, then the header checks: what probing and
     loading a file share, so that each kind of bad file gets the same message from both. The caller closes it.
+    ``on_header(opened)`` runs once the checks pass, before any pixel is decoded (the decode budget admits the
+    file there, at the cost its header tells).
 
     With a ``max_input_pixels``, that limit replaces PIL's decompression-bomb limit: this process's
     ``PIL.Image.MAX_IMAGE_PIXELS`` is raised to it if lower (never lowered, and left alone when None), so a
@@ -254,7 +256,12 @@ def open_header(path: str | os.PathLike | FileBytes, name: str, max_input_pixels
     """
     path = path if isinstance(path, FileBytes) else os.fspath(path)
     check_regular_file(path, name)
-    _lift_pil_limit(max_input_pixels)
+    # PIL's bomb check (an error above twice ``MAX_IMAGE_PIXELS``, a warning above it) reads the process-wide value
+    # at every open, also inside its plugins (GIF frames, TIFF tiles): it cannot be passed per call, so the value is
+    # raised where our own header check, which runs first, takes over.
+    limit = PIL.Image.MAX_IMAGE_PIXELS
+    if max_input_pixels is not None and limit is not None and limit < max_input_pixels:
+        PIL.Image.MAX_IMAGE_PIXELS = max_input_pixels
     try:
         opened = PIL.Image.open(readable(path))
     except Exception as e:  # noqa: BLE001 - PIL raises many types for bad headers
@@ -264,19 +271,12 @@ def open_header(path: str | os.PathLike | FileBytes, name: str, max_input_pixels
         check_input_pixels(opened.height, opened.width, max_input_pixels, name)
         if check_aspect:
             check_aspect_ratio(opened.height, opened.width, name)
-    except PreprocessError:
+        if on_header is not None:
+            on_header(opened)
+    except BaseException:  # closed whatever stops it here
         opened.close()
         raise
     return opened
-
-
-def _lift_pil_limit(max_input_pixels: int | None) -> None:
-    """PIL's bomb check (an error above twice ``MAX_IMAGE_PIXELS``, a warning above it) reads the process-wide
-    value at every open, also inside its plugins (GIF frames, TIFF tiles): it cannot be passed per call, so
-    the value is raised where our own header check, which runs first, takes over."""
-    limit = PIL.Image.MAX_IMAGE_PIXELS
-    if max_input_pixels is not None and limit is not None and limit < max_input_pixels:
-        PIL.Image.MAX_IMAGE_PIXELS = max_input_pixels
 
 
 def _unreadable(error: Exception, name: str) -> PreprocessError:
@@ -290,33 +290,6 @@ def _unreadable(error: Exception, name: str) -> PreprocessError:
         return PreprocessError(f"{name}: cannot read file ({error.strerror})")
     # PIL's decoders raise OSError, ValueError, SyntaxError, EOFError ...
     return PreprocessError(f"{name}: corrupt or truncated image data ({type(error).__name__}: {error})")
-
-
-def _load_path(path: str | os.PathLike | FileBytes, name: str, check_aspect: bool,
-               max_input_pixels: int | None = None, composite: bool = True) -> PIL.Image.Image:
-    """transformers.image_utils.load_image for a local file, then convert_to_rgb, with named errors.
-
-    composite=False is the torchvision processor's decode (``decode_image(mode=RGB)``, EXIF applied), which
-    keeps no transparency at all: a single tRNS colour is not turned white."""
-    opened = open_header(path, name, max_input_pixels, check_aspect)
-    try:
-        # load_image: EXIF orientation applied, then a plain convert("RGB") that drops any alpha band without
-        # compositing. The reference copies the image in both (exif_transpose returns a copy, and convert to
-        # the image's own mode is a copy); the same pixels come out of transposing in place (it decodes) and
-        # of skipping convert when the image is RGB already and Pillow closed its file after decoding.
-        PIL.ImageOps.exif_transpose(opened, in_place=True)
-        if opened.mode == "RGB" and getattr(opened, "fp", None) is None:
-            image = opened
-        elif composite and opened.mode == "P" and isinstance(opened.info.get("transparency"), int):
-            with opened:
-                return _palette_onto_white(opened)
-        else:  # another mode, or a multi-frame file Pillow keeps open: convert, then close the file
-            with opened:
-                image = opened.convert("RGB")
-    except Exception as e:  # noqa: BLE001 - see _unreadable
-        opened.close()
-        raise _unreadable(e, name) from e
-    return _pil_to_rgb(image, name) if composite else image
 
 
 def _palette_onto_white(image: PIL.Image.Image) -> PIL.Image.Image:
@@ -375,36 +348,22 @@ def _array_to_hwc(array: np.ndarray, name: str, *, prefer_channels_first: bool) 
     raise PreprocessError(f"{name}: array of shape {tuple(array.shape)} has no axis of 1, 3 or 4 channels")
 
 
-def _array_to_rgb_torch(hwc: np.ndarray) -> np.ndarray:
-    """The torchvision processor's ``convert_to_rgb`` (uint8, channels-last): 1 channel repeated; 4 channels
-    blended onto white in float32 and truncated back (``to_dtype(scale=True)`` multiplies by 255.999)."""
+def _array_to_rgb(hwc: np.ndarray, composite: bool) -> np.ndarray:
+    """``convert_to_rgb`` of uint8 channels-last pixels: 1 channel repeated, 4 blended onto white, as the PIL
+    processor (``image_transforms.convert_to_rgb``, numpy branch; ``composite``) or the torchvision one does it."""
     channels = hwc.shape[2]
     if channels == 1:
         return np.repeat(hwc, 3, axis=2)
-    if channels == 4:
+    if channels != 4:
+        return hwc
+    if not composite:  # float32, truncated back (``to_dtype(scale=True)`` multiplies by 255.999)
         x = torch.from_numpy(np.array(hwc)).to(torch.float32).mul_(1.0 / 255)
         alpha = x[..., 3:]
-        blended = x[..., :3] * alpha + (1 - alpha)
-        return blended.mul(255 + 1.0 - 1e-3).to(torch.uint8).numpy()
-    return hwc
-
-
-def _array_to_rgb(hwc: np.ndarray) -> np.ndarray:
-    """transformers.image_transforms.convert_to_rgb, numpy branch (uint8, channels-last)."""
-    channels = hwc.shape[2]
-    if channels == 1:
-        return np.repeat(hwc, 3, axis=2)
-    if channels == 4:
-        # Float64 blend onto white rounded half-to-even: not PIL's alpha_composite rounding, so a
-        # 4-channel array and the same pixels as a PIL RGBA image can differ by one level.
-        alpha = hwc[..., 3:4] / 255
-        return np.round(alpha * hwc[..., :3] + (1 - alpha) * 255).astype(np.uint8)
-    return hwc
-
-
-# --------------------------------------------------------------------------------------------------
-# Resize, normalise, patchify
-# --------------------------------------------------------------------------------------------------
+        return (x[..., :3] * alpha + (1 - alpha)).mul(255 + 1.0 - 1e-3).to(torch.uint8).numpy()
+    # Float64 rounded half-to-even: not PIL's alpha_composite rounding, so a 4-channel array and the same pixels as
+    # a PIL RGBA image can differ by one level.
+    alpha = hwc[..., 3:4] / 255
+    return np.round(alpha * hwc[..., :3] + (1 - alpha) * 255).astype(np.uint8)
 
 
 def resize_image(image: PIL.Image.Image, height: int, width: int, backend: str = "pil") -> np.ndarray:

@@ -24,11 +24,11 @@ import torch
 from PIL import Image
 
 import qwenvl_vision.batching as batching
-from qwenvl_vision.batching import DecodeBudget, prepare, prepared_batches
+from qwenvl_vision.batching import DecodeBudget, Decoding, prepare, prepared_batches
 from qwenvl_vision.cli import main
 from qwenvl_vision.embed import read_embeddings
 from qwenvl_vision.errors import ConfigError, PreprocessError
-from qwenvl_vision.inputs.images import PreprocessConfig, probe_image
+from qwenvl_vision.inputs.images import PreprocessConfig, preprocess_image, probe_image
 from qwenvl_vision.inputs.pixels import load_rgb
 from qwenvl_vision.inputs.video import VideoConfig
 from qwenvl_vision.inputs.video_io import probe_video, read_video_frames
@@ -117,6 +117,7 @@ def test_a_folder_without_read_permission_is_a_failed_input(tmp_path, checkpoint
 # ---------------------------------------------------------------------- the decode time limit
 
 QWEN25 = "qwen2_5_vl"
+PRE = PreprocessConfig.from_dict(None, QWEN25)
 
 
 def _options(**changes) -> EncodeOptions:
@@ -124,15 +125,17 @@ def _options(**changes) -> EncodeOptions:
 
 
 class _StuckDecoder:
-    """``preprocess_image`` for the tests: the input named ``stuck.png`` blocks until ``release`` is set (at most
-    ``hold`` s: a decode that never ends must not outlive its test), every other input is decoded for real."""
+    """``preprocess_image`` for the tests: an input named ``stuck.png`` is admitted by the decode budget (as a real
+    decode is, once its header is read) and then blocks until ``release`` is set (at most ``hold`` s: a decode that
+    never ends must not outlive its test); every other input is decoded for real."""
 
     def __init__(self, hold: float = 30.0) -> None:
         self.release, self.started, self.hold = threading.Event(), threading.Event(), hold
         self.real = batching.preprocess_image
 
     def __call__(self, item, *args, **kwargs):
-        if isinstance(item, str) and item == "stuck.png":
+        if str(item).endswith("stuck.png"):
+            kwargs["on_header"](PIL.Image.new("RGB", (56, 56)))
             self.started.set()
             self.release.wait(self.hold)
             item = synthetic_photo(56, 56, 7)
@@ -142,11 +145,10 @@ class _StuckDecoder:
 def test_an_input_over_the_decode_time_limit_is_failed_and_the_others_go_on(monkeypatch):
     stuck = _StuckDecoder()
     monkeypatch.setattr(batching, "preprocess_image", stuck)
-    pre = PreprocessConfig.from_dict(None, QWEN25)
     inputs = [synthetic_photo(56, 84, 0), "stuck.png", synthetic_photo(112, 56, 1), synthetic_photo(84, 84, 2)]
     start = time.monotonic()
     try:
-        batches = list(prepared_batches(inputs, _options(decode_timeout=2.0, num_workers=2), pre))
+        batches = list(prepared_batches(inputs, _options(decode_timeout=2.0, num_workers=2), PRE))
     finally:
         stuck.release.set()
     assert time.monotonic() - start < 20  # the stuck decode waits 30 s; the limit ends it after 2
@@ -157,18 +159,19 @@ def test_an_input_over_the_decode_time_limit_is_failed_and_the_others_go_on(monk
     assert "\n" not in failed.error
 
 
-def test_a_given_up_input_neither_budget_nor_worker_stalls_the_inputs_behind_it(monkeypatch):
-    """A decode that never returns: its bytes leave the budget when it is given up and another thread takes its
-    worker's place, so inputs that did not fit beside it, and would wait for a free worker, are decoded at once."""
+def test_a_given_up_input_neither_budget_nor_worker_stalls_the_inputs_behind_it(tmp_path, monkeypatch):
+    """A decode that never returns: its bytes leave the budget when it is given up and so does its worker, so
+    inputs that did not fit beside it, and would wait for a free worker, are decoded at once."""
     stuck = _StuckDecoder()
     monkeypatch.setattr(batching, "preprocess_image", stuck)
     monkeypatch.setattr(batching, "decode_cost", lambda *args: 3000)  # two never fit the budget at once
-    pre = PreprocessConfig.from_dict(None, QWEN25)
-    inputs = ["stuck.png", synthetic_photo(56, 84, 0), synthetic_photo(112, 56, 1)]
+    monkeypatch.chdir(tmp_path)
+    for i, name in enumerate(("a.png", "b.png")):
+        Image.fromarray(synthetic_photo(56, 84, i)).save(name)
     options = _options(decode_timeout=2.0, num_workers=1, decode_bytes=4000)
     start = time.monotonic()
     try:
-        batches = list(prepared_batches(inputs, options, pre))
+        batches = list(prepared_batches(["stuck.png", "a.png", "b.png"], options, PRE))
         assert not stuck.release.is_set()  # the stuck decode never returned while the others went on
     finally:
         stuck.release.set()
@@ -177,52 +180,31 @@ def test_a_given_up_input_neither_budget_nor_worker_stalls_the_inputs_behind_it(
     assert [p.index for _, fails in batches for p in fails] == [0]
 
 
-def test_a_thread_replaced_for_a_stuck_decode_ends_once_its_decode_does():
-    """Each given-up input adds a thread; without an end, every time-out would leave one more decoder for good."""
-    pool = batching.DecodePool(1)
-    release = threading.Event()
-    stuck = pool.submit(release.wait, 30)
-    pool.replace(stuck)
-    assert pool.live == 2
-    assert pool.submit(lambda: 1).result(5) == 1  # the new thread works while the first is stuck
-    assert pool.live == 2  # the stuck one ends only after its own job, the new one stays
-    release.set()
-    stuck.result(5)
-    deadline = time.monotonic() + 5
-    while pool.live > 1 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert pool.live == 1
-    assert pool.submit(lambda: 2).result(5) == 2
-    pool.shutdown()
-
-
-def test_a_given_up_decode_keeps_no_budget_and_its_late_result_changes_none(monkeypatch):
+def test_a_given_up_decode_keeps_no_budget_nor_worker_and_its_late_result_changes_none(monkeypatch):
     stuck = _StuckDecoder()
     monkeypatch.setattr(batching, "preprocess_image", stuck)
     monkeypatch.setattr(batching, "decode_cost", lambda *args: 1000)
-    budget = DecodeBudget(4000)
-    decoding = batching.Decoding()
-    pre = PreprocessConfig.from_dict(None, QWEN25)
-    worker = threading.Thread(target=prepare, args=("stuck.png", 0, _options(), pre, budget, decoding))
+    budget, decoding, result = DecodeBudget(4000, workers=1), Decoding(), []
+    worker = threading.Thread(target=lambda: result.append(prepare("stuck.png", 0, _options(), PRE, budget,
+                                                                   decoding)))
     worker.start()
     try:
         assert stuck.started.wait(5)
         assert budget.used == 1000
-        assert decoding.abandon(budget) and decoding.stop.is_set()
-        assert budget.used == 0
+        assert budget.end(decoding) and budget.used == 0  # given up by the iterating side
+        budget.admit(1, Decoding(), 0)  # the one worker is free again while the stuck decode runs on
     finally:
         stuck.release.set()
         worker.join(5)
-    assert not worker.is_alive()
-    assert budget.used == 0  # the decoded pixels nobody takes are not counted either
+    assert not worker.is_alive()  # its thread ends with its decode: a time-out leaves no decoder behind for good
+    assert result == [None] and budget.used == 0  # the decoded pixels nobody takes are not counted either
 
 
 def test_closing_the_batches_does_not_wait_for_a_stuck_decode(monkeypatch):
     stuck = _StuckDecoder(hold=10.0)
     monkeypatch.setattr(batching, "preprocess_image", stuck)
-    pre = PreprocessConfig.from_dict(None, QWEN25)
     inputs = [synthetic_photo(56, 56, 0), synthetic_photo(56, 56, 1), "stuck.png"]
-    batches = prepared_batches(inputs, _options(max_batch_patches=1, num_workers=2), pre)
+    batches = prepared_batches(inputs, _options(max_batch_patches=1, num_workers=2), PRE)
     try:
         batch, _ = next(batches)
         assert [p.index for p in batch] == [0]
@@ -313,7 +295,8 @@ preprocess_image(path, pre, max_pixels=128 * 128, resize=backend)  # everything 
 open("/proc/self/clear_refs", "w").write("5")  # resets the RSS high-water mark
 base = status("VmRSS")
 preprocess_image(path, pre, max_pixels=256 * 256, resize=backend)
-print(status("VmHWM") - base, decode_cost(path, False, None, backend))
+with PIL.Image.open(path) as header:
+    print(status("VmHWM") - base, decode_cost(header, backend))
 """
 
 
@@ -374,12 +357,17 @@ def test_max_input_pixels_above_pils_limit_replaces_pils_limit(tmp_path, monkeyp
     monkeypatch.setattr(PIL.Image, "MAX_IMAGE_PIXELS", 1024 * 1024 * 1024 // 4 // 3)  # Pillow's default
     path = tmp_path / "huge.png"
     _png_header_image(path, 20_000, 10_000)
-    pre = PreprocessConfig.from_dict(None, QWEN25)
-    height, width = probe_image(str(path), pre, max_input_pixels=250_000_000, max_pixels=256 * 256)
+    height, width = probe_image(str(path), PRE, max_input_pixels=250_000_000, max_pixels=256 * 256)
     assert height * width <= 256 * 256
-    assert batching.decode_cost(str(path), False, 250_000_000) == 200_000_000 * batching.DECODE_BYTES_PER_PIXEL
+
+    def charged(header):  # what the budget charges, from the header the decode opens; then stop before decoding
+        raise StopIteration(batching.decode_cost(header, "pil"))
+
+    with pytest.raises(StopIteration) as cost:
+        preprocess_image(str(path), PRE, max_input_pixels=250_000_000, on_header=charged)
+    assert cost.value.args == (200_000_000 * batching.DECODE_BYTES_PER_PIXEL["pil"],)
     with pytest.raises(PreprocessError, match="above the input limit of 100,000,000"):
-        probe_image(str(path), pre, max_input_pixels=100_000_000)
+        probe_image(str(path), PRE, max_input_pixels=100_000_000)
 
 
 def test_embed_records_an_input_over_decode_timeout_as_failed_and_goes_on(tmp_path, checkpoint, capsys, monkeypatch):
@@ -387,26 +375,18 @@ def test_embed_records_an_input_over_decode_timeout_as_failed_and_goes_on(tmp_pa
     naming the limit (exit 1), and every other input is stored."""
     folder = tmp_path / "imgs"
     make_image_folder(folder, 3, bad=False)
-    slow = folder / "slow.png"
-    Image.fromarray(synthetic_photo(56, 56, 9)).save(slow)
-    release = threading.Event()
-    real = batching.preprocess_image
-
-    def decode(item, *args, **kwargs):
-        if str(item).endswith("slow.png"):
-            release.wait(30)
-        return real(item, *args, **kwargs)
-
-    monkeypatch.setattr(batching, "preprocess_image", decode)
+    Image.fromarray(synthetic_photo(56, 56, 9)).save(folder / "stuck.png")
+    stuck = _StuckDecoder()
+    monkeypatch.setattr(batching, "preprocess_image", stuck)
     out = tmp_path / "out"
     try:
         code = main(["embed", str(folder), "--model", str(checkpoint), "--out", str(out), "--device", "cpu",
                      "--decode-timeout", "3", "--quiet"])
     finally:
-        release.set()
+        stuck.release.set()
     assert code == 1
     by_name = {Path(r["path"]).name: r for r in records(out)}
-    assert by_name.pop("slow.png")["error"].endswith("not decoded within 3 s (the decode time limit: embed "
+    assert by_name.pop("stuck.png")["error"].endswith("not decoded within 3 s (the decode time limit: embed "
                                                       "--decode-timeout, decode_timeout); left out, a larger limit "
                                                       "lets it finish")
     assert len(by_name) == 3 and all(r["status"] == "ok" for r in by_name.values())

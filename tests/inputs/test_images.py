@@ -21,7 +21,8 @@ import torch
 from PIL import Image
 
 from qwenvl_vision.errors import PreprocessError
-from qwenvl_vision.inputs.images import PreprocessConfig, load_image, preprocess_image, probe_image
+from qwenvl_vision.inputs.images import PreprocessConfig, preprocess_image, probe_image
+from qwenvl_vision.inputs.pixels import input_name, load_rgb
 from tests.helpers import (
     CLIP_MEAN,
     CLIP_STD,
@@ -37,15 +38,15 @@ hf_pil = pytest.importorskip("transformers.models.qwen2_vl.image_processing_pil_
 Qwen2VLImageProcessorPil = hf_pil.Qwen2VLImageProcessorPil
 
 
+def load_image(image, index=None):
+    """An input as RGB, converted as the PIL image processor converts it, errors named as preprocess_image's."""
+    return load_rgb(image, input_name("image", index, image))
+
+
 @pytest.fixture(scope="module")
 def hf():
     """image_processors(), built once for this module."""
     return image_processors()
-
-
-# --------------------------------------------------------------------------------------------------
-# Generated content
-# --------------------------------------------------------------------------------------------------
 
 
 def _alpha(height: int, width: int) -> np.ndarray:
@@ -56,10 +57,6 @@ def _alpha(height: int, width: int) -> np.ndarray:
     alpha[: height // 8] = 0
     alpha[-height // 8:] = 255
     return alpha
-
-
-def _frombytes(mode: str, channels: int, height: int, width: int, seed: int = 0) -> Image.Image:
-    return Image.frombytes(mode, (width, height), content(height, width, channels, seed).tobytes())
 
 
 def _mode_image(kind: str, height: int = 150, width: int = 230) -> Image.Image:
@@ -101,20 +98,12 @@ def _mode_image(kind: str, height: int = 150, width: int = 230) -> Image.Image:
         return Image.fromarray(gray.astype(np.int32) * 3 - 200)
     if kind == "F":
         return Image.fromarray(gray.astype(np.float32) * 1.3 - 20.5)
-    if kind in ("CMYK", "RGBa", "LAB"):
-        return _frombytes(kind, 4 if kind != "LAB" else 3, height, width)
-    if kind == "YCbCr":
-        return _frombytes("YCbCr", 3, height, width)
-    raise AssertionError(kind)
+    channels = {"CMYK": 4, "RGBa": 4, "LAB": 3, "YCbCr": 3}[kind]  # raw bytes of real content in that mode
+    return Image.frombytes(kind, (width, height), content(height, width, channels).tobytes())
 
 
-# --------------------------------------------------------------------------------------------------
-# Comparison helpers
-# --------------------------------------------------------------------------------------------------
-
-
-def _assert_matches(hf, family, image, ours_input=None, **bounds) -> float:
-    """preprocess_image(ours_input or image) equals the reference on image; returns the max abs diff."""
+def _assert_matches(hf, family, image, ours_input=None, **bounds) -> None:
+    """preprocess_image(ours_input or image) equals the reference on image."""
     ref_values, ref_grid = image_reference(hf[family], image, **bounds)
     values, grid = preprocess_image(image if ours_input is None else ours_input,
                                     pil_config(family), **bounds)
@@ -124,16 +113,11 @@ def _assert_matches(hf, family, image, ours_input=None, **bounds) -> float:
     assert values.shape[0] == grid[0] * grid[1] * grid[2]
     diff = float(np.abs(values.numpy() - ref_values).max())
     assert diff <= PIXEL_TOL, f"max abs diff {diff}"
-    return diff
-
-
-# --------------------------------------------------------------------------------------------------
-# Images vs the reference
-# --------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("family", REFERENCE_FAMILIES)
-@pytest.mark.parametrize("size", [(224, 224), (300, 451), (97, 513), (640, 120), (28, 5000), (333, 333)])
+@pytest.mark.parametrize("size", [(224, 224), (300, 451), (97, 513), (640, 120), (28, 5000), (333, 333),
+                                  (10, 13), (1, 1), (3, 40)])  # the last three upscaled to min_pixels
 def test_sizes_match_reference(hf, family, size):
     _assert_matches(hf, family, Image.fromarray(content(*size, seed=size[0])))
 
@@ -216,20 +200,12 @@ def test_exif_orientation_applied_for_paths(hf, tmp_path):
 
 @pytest.mark.parametrize("family", REFERENCE_FAMILIES)
 @pytest.mark.parametrize("channels", [1, 3, 4])
-def test_numpy_hwc_matches_reference(hf, family, channels):
-    array = content(130, 210, channels, seed=channels)
+@pytest.mark.parametrize("kind", ["numpy HWC", "torch CHW"])
+def test_arrays_match_reference(hf, family, channels, kind):
+    array = content(130, 210, channels, seed=channels + 10 * (kind == "torch CHW"))
     if channels == 4:
         array[..., 3] = _alpha(130, 210)
-    _assert_matches(hf, family, array)
-
-
-@pytest.mark.parametrize("family", REFERENCE_FAMILIES)
-@pytest.mark.parametrize("channels", [1, 3, 4])
-def test_torch_chw_matches_reference(hf, family, channels):
-    array = content(130, 210, channels, seed=10 + channels)
-    if channels == 4:
-        array[..., 3] = _alpha(130, 210)
-    _assert_matches(hf, family, torch.from_numpy(array).permute(2, 0, 1).contiguous())
+    _assert_matches(hf, family, array if kind == "numpy HWC" else torch.from_numpy(array).permute(2, 0, 1).contiguous())
 
 
 def test_other_array_layouts_match_reference(hf):
@@ -251,15 +227,6 @@ def test_input_types_agree():
 
 
 @pytest.mark.parametrize("family", REFERENCE_FAMILIES)
-@pytest.mark.parametrize("size", [(10, 13), (1, 1), (3, 40)])
-def test_tiny_image_is_upscaled(hf, family, size):
-    config = pil_config(family)
-    _assert_matches(hf, family, Image.fromarray(content(*size)))
-    _, (_, grid_h, grid_w) = preprocess_image(Image.fromarray(content(*size)), config)
-    assert grid_h * grid_w * config.patch_size**2 >= config.min_pixels
-
-
-@pytest.mark.parametrize("family", REFERENCE_FAMILIES)
 def test_pixel_bound_overrides(hf, family):
     big = Image.fromarray(content(600, 800))
     _assert_matches(hf, family, big, max_pixels=100_000)
@@ -267,7 +234,6 @@ def test_pixel_bound_overrides(hf, family):
     patch = pil_config(family).patch_size
     assert grid_h * grid_w * patch**2 <= 100_000
     _assert_matches(hf, family, Image.fromarray(content(64, 90)), min_pixels=200_000)
-
 
 
 def test_aspect_ratio_error_names_input():
@@ -287,11 +253,6 @@ def test_aspect_ratio_checked_before_decoding(tmp_path):
         load_image(path)
 
 
-# --------------------------------------------------------------------------------------------------
-# Errors
-# --------------------------------------------------------------------------------------------------
-
-
 def _assert_error(image, pattern, index=4, path=None):
     """The error names the input (a file by its path, anything else by its index), the same from loading and
     from probing."""
@@ -308,33 +269,23 @@ def _assert_error(image, pattern, index=4, path=None):
         assert str(probed.value) == str(err.value)
 
 
-def test_missing_file(tmp_path):
-    path = tmp_path / "missing.png"
-    _assert_error(path, "file not found", path=path)
-    _assert_error(str(path), "file not found", path=path)
-
-
-def test_corrupt_file(tmp_path):
-    path = tmp_path / "corrupt.png"
+def _cut_in_half(path: pathlib.Path) -> None:
     Image.fromarray(content(100, 100)).save(path)
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
-    _assert_error(path, "corrupt or truncated", path=path)
 
 
-def test_empty_file(tmp_path):
-    path = tmp_path / "empty.jpg"
-    path.write_bytes(b"")
-    _assert_error(path, r"empty \(0 bytes\)", path=path)
-
-
-def test_text_file_named_jpg(tmp_path):
-    path = tmp_path / "notes.jpg"
-    path.write_text("this is not an image\n" * 20)
-    _assert_error(path, "not a recognised image", path=path)
-
-
-def test_directory(tmp_path):
-    _assert_error(tmp_path, "not a regular file", path=tmp_path)
+@pytest.mark.parametrize("name,make,pattern", [
+    ("missing.png", lambda path: None, "file not found"),
+    ("corrupt.png", _cut_in_half, "corrupt or truncated"),
+    ("empty.jpg", lambda path: path.write_bytes(b""), r"empty \(0 bytes\)"),
+    ("notes.jpg", lambda path: path.write_text("this is not an image\n" * 20), "not a recognised image"),
+    ("folder.png", lambda path: path.mkdir(), "not a regular file"),
+])
+def test_bad_files(tmp_path, name, make, pattern):
+    path = tmp_path / name
+    make(path)
+    _assert_error(path, pattern, path=path)
+    _assert_error(str(path), pattern, path=path)
 
 
 @pytest.mark.parametrize("image,pattern", [
@@ -349,16 +300,6 @@ def test_directory(tmp_path):
 ])
 def test_bad_arrays_and_types(image, pattern):
     _assert_error(image, pattern)
-
-
-def test_error_without_index(tmp_path):
-    with pytest.raises(PreprocessError, match=r"^image '.*missing.png': file not found"):
-        load_image(tmp_path / "missing.png")
-
-
-# --------------------------------------------------------------------------------------------------
-# Config
-# --------------------------------------------------------------------------------------------------
 
 
 QWEN2_5_FILE = {  # Qwen2.5-VL-7B-Instruct preprocessor_config.json
@@ -437,6 +378,7 @@ def test_from_dict_rejects_unsupported_settings(override):
 @pytest.mark.parametrize("kwargs", [
     {"patch_size": 0}, {"patch_size": 14, "merge_size": -1}, {"patch_size": 14, "image_mean": (0.5, 0.5)},
     {"patch_size": 14, "image_std": (0.5, 0.0, 0.5)}, {"patch_size": 14.0},
+    {"patch_size": 14, "min_pixels": 9000, "max_pixels": 4000},
 ])
 def test_config_validation(kwargs):
     with pytest.raises(ValueError):
