@@ -329,7 +329,7 @@ def preprocess_video(frames: Any, config: PreprocessConfig, *, min_pixels: int |
                      max_input_pixels: int | None = None, resize: str | None = None,
                      video_config: VideoConfig | None = None) -> tuple[torch.Tensor, tuple[int, int, int]]:
     """Decoded frames, not sampled here -> (pixel_values float32 (t*h*w, C*T*P*P), grid_thw (t, h, w)) in the
-    video layout. ``frames``: a sequence of anything ``load_image`` takes, or a uint8 array / tensor (F, H, W, C)
+    video layout. ``frames``: a sequence of anything ``pixels.load_rgb`` takes, or a uint8 array / tensor (F, H, W, C)
     or (F, C, H, W); padded to a multiple of T by repeating the last frame (the video processors' ``patchify``).
 
     With ``video_config``: the clip is sized by ``video_target_size`` and ``resize`` None means "torch", the video
