@@ -46,7 +46,7 @@ def weights_sha256(model: torch.nn.Module) -> str:
     for name, tensor in sorted(model.state_dict().items()):
         data = tensor.detach().reshape(-1).contiguous().cpu()
         h.update(f"{name}:{data.dtype}:{tuple(tensor.shape)}\n".encode())
-        h.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+        h.update(data.view(torch.uint8).numpy())
     return h.hexdigest()
 
 
@@ -59,7 +59,7 @@ def pixels_sha256(rows: torch.Tensor) -> str:
     """A hash of one item's pixel rows as float32 (the preprocessors' output type), shape included."""
     data = rows.detach().float().contiguous().cpu()
     h = hashlib.sha256(f"{tuple(data.shape)}\n".encode())
-    h.update(data.view(torch.uint8).numpy() if data.numel() else b"")
+    h.update(data.view(torch.uint8).numpy())
     return h.hexdigest()
 
 

@@ -195,7 +195,6 @@ def torch_varlen_missing() -> str | None:
 def resolve_attn_impl(attn_impl: str, device: torch.device | str, dtype: torch.dtype) -> str:
     """The backend that runs: ``attn_impl`` itself, or for "auto" the fastest one available; a backend that
     cannot run for this device and dtype is a ConfigError saying why."""
-    device = torch.device(device)
     if attn_impl not in ATTN_IMPLS:
         raise ConfigError(f"attn_impl {attn_impl!r} is not one of {list(ATTN_IMPLS)}")
     if attn_impl == "auto":

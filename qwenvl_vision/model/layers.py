@@ -28,15 +28,10 @@ from .attention import SegmentPlan
 # ----------------------------------------------------------------------------- rope
 
 
-def rope_inv_freq(head_dim: int, theta: float = 10000.0) -> torch.Tensor:
-    """hd/4 frequencies: 1 / theta ** (arange(0, hd/2, 2) / (hd/2)), in fp32 like the reference."""
-    spatial_dim = head_dim // 2
-    return 1.0 / (theta ** (torch.arange(0, spatial_dim, 2, dtype=torch.float) / spatial_dim))
-
-
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables (N, hd) in fp32 for (row, col) positions (N, 2): angles [row*f, col*f] repeated twice."""
-    inv_freq = rope_inv_freq(head_dim, theta)  # on the host, as the reference's buffer is made, then moved
+    spatial_dim = head_dim // 2  # hd/4 frequencies in fp32, made on the host as the reference's buffer, then moved
+    inv_freq = 1.0 / (theta ** (torch.arange(0, spatial_dim, 2, dtype=torch.float) / spatial_dim))
     if positions.device.type != "cpu":
         inv_freq = upload([inv_freq], positions.device)
     freqs = positions[..., None].float() * inv_freq  # (N, 2, hd/4)
@@ -107,11 +102,10 @@ class PatchEmbed(nn.Module):
         super().__init__()
         kernel = (temporal, patch, patch)
         self.proj = nn.Conv3d(in_channels, dim, kernel_size=kernel, stride=kernel, bias=bias)
-        self.dim = dim
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         weight = self.proj.weight
-        return F.linear(pixel_values.to(weight.dtype), weight.reshape(self.dim, -1), self.proj.bias)
+        return F.linear(pixel_values.to(weight.dtype), weight.flatten(1), self.proj.bias)
 
 
 @dataclass

@@ -43,12 +43,8 @@ def frame_window_order(merged_h: int, merged_w: int, window: int) -> tuple[torch
 
 
 def length_sorted(order: torch.Tensor, lengths: list[int]) -> tuple[torch.Tensor, list[int]]:
-    """The same windows, longest first (stable): equal windows become one contiguous run per frame.
-
-    Attention inside a window does not depend on where the window sits in the sequence, and the merger's
-    groups of four are untouched, so this changes no number; it lets the attention run every full window
-    of a frame as one view instead of gathering them.
-    """
+    """The same windows, longest first (stable): equal windows become one contiguous run per frame (see the module:
+    attention inside a window does not depend on where it sits, and the merger's groups of four are untouched)."""
     windows = list(order.split(lengths))
     ranked = sorted(range(len(windows)), key=lambda i: -lengths[i])
     return torch.cat([windows[i] for i in ranked]), [lengths[i] for i in ranked]

@@ -52,9 +52,8 @@ def position_grid_taps(h: int, w: int, side: int, merge: int) -> tuple[torch.Ten
 class Qwen3VisionTransformer(VisionTower):
     """Qwen3-VL-design towers: learned positions added after the patch embedding, every block over whole frames."""
 
-    def __init__(self, config: VisionConfig, cache_size: int = 1024, cache_bytes: int | None = 1 << 30,
-                 attn_impl: str = "auto") -> None:
-        super().__init__(config, cache_size, cache_bytes, attn_impl)
+    def __init__(self, config: VisionConfig, **options) -> None:
+        super().__init__(config, **options)
         # _weight skips Embedding's normal_ init, which on the meta device costs seconds of imports.
         self.pos_embed = nn.Embedding(config.num_position_embeddings, config.hidden_size,
                                       _weight=torch.empty(config.num_position_embeddings, config.hidden_size))

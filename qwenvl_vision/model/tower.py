@@ -10,15 +10,14 @@ for what ``names.RULE_SETS`` fuses or renames at load time. Deviations from the 
 grids are read from the host once per forward; per-grid tensors (token order, rope positions, segment lengths,
 position taps) are cached per instance in a bounded ``ShapeCache``, concatenated for the pack (into pinned memory
 for CUDA) and moved to the device once, where the rope tables are computed, so the block loop does no host sync.
-
-Execution: the tower asks its ``backend`` once per call for the call's ``Execution`` and runs what it says
-(``execution.py``); the modules never read an execution state.
+The modules never read an execution state: the tower runs what its ``backend``'s ``Execution`` says.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 from torch import nn
@@ -79,12 +78,9 @@ def accept_checkpoint_names(tower: VisionTower, state_dict: dict, prefix: str, *
 
 
 class VisionTower(nn.Module):
-    """A Qwen vision tower of any family: patch embedding, blocks, merger and (Qwen3-VL) DeepStack mergers.
-
-    Owns ``config``, a bounded per-instance ``shape_cache``, its attention backend (``attn_impl``: "auto",
-    "sdpa", "flash" or "torch_varlen", resolved for the device and dtype the tower runs on) and the ``backend``
-    that runs its calls.
-    """
+    """A Qwen vision tower of any family: patch embedding, blocks, merger and (Qwen3-VL) DeepStack mergers; owns
+    ``config``, a bounded per-instance ``shape_cache``, its attention (``set_attention``) and the ``backend`` that
+    runs its calls."""
 
     def __init__(self, config: VisionConfig, cache_size: int = 1024, cache_bytes: int | None = 1 << 30,
                  attn_impl: str = "auto") -> None:
@@ -176,29 +172,21 @@ class VisionTower(nn.Module):
         self.attention_backend()
         grouped = self.attention_choice[1] not in FUSED  # the fused kernels take the whole pack: no groups
 
-        def packed(tensors: list[torch.Tensor]) -> torch.Tensor:
-            return upload(tensors, device)
-
         order = reverse = None
         if plans[0].order is not None:
-            offsets, offset = [], 0
-            for t, h, w in grids:
-                offsets.append(offset)
-                offset += t * h * w // self.config.merge_unit
+            offsets = [0, *accumulate(t * h * w // self.config.merge_unit for t, h, w in grids)]
             order_host = torch.cat([p.order + o for p, o in zip(plans, offsets)])
-            order, reverse = packed([order_host]), packed([torch.argsort(order_host)])
-        windows = None
-        if plans[0].window_lengths is not None:
-            windows = SegmentPlan.from_lengths([n for p in plans for n in p.window_lengths], device, grouped)
+            order, reverse = upload([order_host], device), upload([torch.argsort(order_host)], device)
         cfg = self.config
         return ForwardPlan(
-            rope=rope_cos_sin(packed([p.positions for p in plans]), cfg.head_dim, cfg.rope_theta),
+            rope=rope_cos_sin(upload([p.positions for p in plans], device), cfg.head_dim, cfg.rope_theta),
             frames=SegmentPlan.from_lengths([n for p in plans for n in p.frame_lengths], device, grouped),
-            windows=windows,
+            windows=None if plans[0].window_lengths is None else SegmentPlan.from_lengths(
+                [n for p in plans for n in p.window_lengths], device, grouped),
             order=order,
             reverse=reverse,
-            position_taps=None if plans[0].position_taps is None else (
-                packed([p.position_taps[0] for p in plans]), packed([p.position_taps[1] for p in plans])),
+            position_taps=None if plans[0].position_taps is None else tuple(
+                upload([p.position_taps[i] for p in plans], device) for i in range(2)),
         )
 
     # ------------------------------------------------------------------ inputs
@@ -235,8 +223,7 @@ class VisionTower(nn.Module):
     def attention_backend(self) -> Callable:
         """The backend callable for where the weights are now: the one place the backend is chosen, once per
         forward. It is chosen again only when the weights' device or dtype, ``attn_impl`` or compilation changed
-        (a tower moved with ``.to("cuda", torch.bfloat16)`` then runs the fused kernel). Compiled blocks reach it
-        through the tower's one compile boundary."""
+        (a tower moved with ``.to("cuda", torch.bfloat16)`` then runs the fused kernel)."""
         weight = self.patch_embed.proj.weight
         placement = (weight.device, weight.dtype, self.attn_impl, self.compiled)
         if self.attention_choice is None or self.attention_choice[0] != placement:
@@ -255,13 +242,10 @@ class VisionTower(nn.Module):
 
     def compile_blocks(self, **options) -> None:
         """``torch.compile`` every block with a dynamic token count: one graph pair serves every block, pack size
-        and image mix.
-
-        The attention backend is the compile boundary (``torch.compiler.disable``): its segment plan is host
-        data computed per forward. Compiled blocks run out of place (inductor plans its own memory). options go
-        to torch.compile, e.g. mode="max-autotune-no-cudagraphs". The first forward pays the compile (seconds
-        to minutes); dynamo's code cache is process-wide, and ``close()`` still frees the weights.
-        """
+        and image mix; attention stays outside the graph (``compile_boundary``). Compiled blocks run out of place
+        (inductor plans its own memory). options go to torch.compile, e.g. mode="max-autotune-no-cudagraphs". The
+        first forward pays the compile (seconds to minutes); dynamo's code cache is process-wide, and ``close()``
+        still frees the weights."""
         if options.get("fullgraph"):
             raise ConfigError("compile_blocks: fullgraph=True is impossible: attention is kept out of the graph "
                              "on purpose (its per-forward segment plan would recompile every new image mix)")

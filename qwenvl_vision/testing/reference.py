@@ -13,48 +13,40 @@ import importlib
 import torch
 
 from qwenvl_vision import build_model
-from qwenvl_vision.model.config import QWEN2_5, VisionConfig
+from qwenvl_vision.model.config import VisionConfig
 from qwenvl_vision.model.random_init import spread_init_
 
-# family -> (transformers module, vision config class, vision tower class)
+# family (its transformers module's name too) -> (vision config class, vision tower class)
 HF_TOWERS = {
-    "qwen2_vl": ("qwen2_vl", "Qwen2VLVisionConfig", "Qwen2VisionTransformerPretrainedModel"),
-    "qwen2_5_vl": ("qwen2_5_vl", "Qwen2_5_VLVisionConfig", "Qwen2_5_VisionTransformerPretrainedModel"),
-    "qwen2_5_omni": ("qwen2_5_omni", "Qwen2_5OmniVisionEncoderConfig", "Qwen2_5OmniVisionEncoder"),
-    "qwen3_vl": ("qwen3_vl", "Qwen3VLVisionConfig", "Qwen3VLVisionModel"),
-    "qwen3_vl_moe": ("qwen3_vl_moe", "Qwen3VLMoeVisionConfig", "Qwen3VLMoeVisionModel"),
-    "qwen3_omni_moe": ("qwen3_omni_moe", "Qwen3OmniMoeVisionEncoderConfig", "Qwen3OmniMoeVisionEncoder"),
-    "qwen3_5": ("qwen3_5", "Qwen3_5VisionConfig", "Qwen3_5VisionModel"),
-    "qwen3_5_moe": ("qwen3_5_moe", "Qwen3_5MoeVisionConfig", "Qwen3_5MoeVisionModel"),
-    "qwen4_exp": ("qwen4_exp", "Qwen4ExpVisionConfig", "Qwen4ExpVisionModel"),
+    "qwen2_vl": ("Qwen2VLVisionConfig", "Qwen2VisionTransformerPretrainedModel"),
+    "qwen2_5_vl": ("Qwen2_5_VLVisionConfig", "Qwen2_5_VisionTransformerPretrainedModel"),
+    "qwen2_5_omni": ("Qwen2_5OmniVisionEncoderConfig", "Qwen2_5OmniVisionEncoder"),
+    "qwen3_vl": ("Qwen3VLVisionConfig", "Qwen3VLVisionModel"),
+    "qwen3_vl_moe": ("Qwen3VLMoeVisionConfig", "Qwen3VLMoeVisionModel"),
+    "qwen3_omni_moe": ("Qwen3OmniMoeVisionEncoderConfig", "Qwen3OmniMoeVisionEncoder"),
+    "qwen3_5": ("Qwen3_5VisionConfig", "Qwen3_5VisionModel"),
+    "qwen3_5_moe": ("Qwen3_5MoeVisionConfig", "Qwen3_5MoeVisionModel"),
+    "qwen4_exp": ("Qwen4ExpVisionConfig", "Qwen4ExpVisionModel"),
 }
 
 
 def hf_classes(cfg: VisionConfig) -> tuple[type, type]:
     """(vision config class, vision tower class) of cfg's family in the installed transformers."""
-    module_name, config_name, tower_name = HF_TOWERS[cfg.model_type]
+    module_name = cfg.model_type
+    config_name, tower_name = HF_TOWERS[module_name]
     config_module = importlib.import_module(f"transformers.models.{module_name}.configuration_{module_name}")
     tower_module = importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}")
     return getattr(config_module, config_name), getattr(tower_module, tower_name)
 
 
 def hf_vision_fields(cfg: VisionConfig) -> dict:
-    """Our config in the spelling of the family's transformers vision config."""
-    common = dict(depth=cfg.depth, num_heads=cfg.num_heads, patch_size=cfg.patch_size, in_channels=cfg.in_channels,
-                  temporal_patch_size=cfg.temporal_patch_size, spatial_merge_size=cfg.spatial_merge_size,
-                  hidden_act=cfg.hidden_act)
+    """Our config (``to_vision_dict``) in the spelling of the family's transformers vision config."""
+    fields = cfg.to_vision_dict()
+    fields.pop("rope_theta", None)  # transformers' vision towers fix it at 10000, not from the config
     if cfg.model_type == "qwen2_vl":
-        ratio = cfg.intermediate_size // cfg.hidden_size
+        ratio = fields.pop("intermediate_size") // cfg.hidden_size
         assert cfg.hidden_size * ratio == cfg.intermediate_size, "Qwen2-VL's MLP width is an integer ratio"
-        return dict(common, embed_dim=cfg.hidden_size, hidden_size=cfg.out_hidden_size, mlp_ratio=ratio)
-    fields = dict(common, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-                  out_hidden_size=cfg.out_hidden_size)
-    if cfg.family.windows:
-        fields.update(window_size=cfg.window_size, fullatt_block_indexes=list(cfg.fullatt_block_indexes))
-    if cfg.design != QWEN2_5:
-        fields["num_position_embeddings"] = cfg.num_position_embeddings
-    if cfg.family.deepstack:
-        fields["deepstack_visual_indexes"] = list(cfg.deepstack_visual_indexes)
+        fields.update(embed_dim=fields.pop("hidden_size"), hidden_size=fields.pop("out_hidden_size"), mlp_ratio=ratio)
     return fields
 
 
@@ -78,19 +70,11 @@ def hf_tower(cfg: VisionConfig, attn_implementation: str = "sdpa", *, device=Non
 
 
 def hf_forward(tower: torch.nn.Module, pixel_values: torch.Tensor, grid_thw: torch.Tensor):
-    """(merged, deepstack levels) from transformers' tower, in the same shape as ours. A transformers whose tower
-    names its outputs otherwise (another version than 5.24) is a RuntimeError naming what it returned, never an
-    empty list of levels that would read as our tower's error."""
+    """(merged, deepstack levels) from transformers' tower, in the same shape as ours. Its outputs are read by name,
+    so a transformers that names them otherwise fails here, never with an empty list read as our tower's error."""
     out = tower(pixel_values, grid_thw=grid_thw)
-    merged, levels = getattr(out, "pooler_output", None), getattr(out, "deepstack_features", None)
     deepstack = bool(getattr(tower.config, "deepstack_visual_indexes", None))
-    if merged is None or (deepstack and not levels):
-        import transformers
-
-        fields = list(out.keys()) if hasattr(out, "keys") else type(out).__name__
-        raise RuntimeError(f"transformers {transformers.__version__}'s {type(tower).__name__} returned {fields}: "
-                           f"expected pooler_output{' and deepstack_features' if deepstack else ''}")
-    return merged, list(levels or [])
+    return out.pooler_output, list(out.deepstack_features) if deepstack else []
 
 
 def ours_from(ref: torch.nn.Module, cfg: VisionConfig, **options) -> torch.nn.Module:
