@@ -143,7 +143,7 @@ def _open_video(path: str | os.PathLike, name: str, max_input_pixels: int | None
         rate = stream.average_rate or stream.guessed_rate
         if not rate or not float(rate) > 0:
             raise PreprocessError(f"{name}: the video stream declares no frame rate")
-        total = stream.frames or counted or len(shown_packets(container, stream, name))
+        total = stream.frames or counted or len(shown_packets(container, stream, name)[0])
         if total <= 0:
             raise PreprocessError(f"{name}: the video stream holds no frames")
     except BaseException:
@@ -152,18 +152,19 @@ def _open_video(path: str | os.PathLike, name: str, max_input_pixels: int | None
     return container, stream, int(total), float(rate)
 
 
-def shown_packets(container: Any, stream: Any, name: str) -> list[int]:
-    """The durations of the stream's packets an edit list shows (not marked discarded), demuxed without decoding
-    from the start; the container is rewound. Their count is the frames of a stream whose header declares none
-    (public so that a test can count how often a file is demuxed for that: once per input)."""
+def shown_packets(container: Any, stream: Any, name: str) -> tuple[list[int], int]:
+    """The durations of the stream's packets an edit list shows (not marked discarded), and how many it discards,
+    demuxed without decoding from the start; the container is rewound. The shown count is the frames of a stream
+    whose header declares none (public so that a test can count how often a file is demuxed for that: once per
+    input)."""
     try:
         container.seek(0)
-        shown = [packet.duration or 0 for packet in container.demux(stream)
-                 if packet.size > 0 and not packet.is_discard]
+        packets = [(packet.duration or 0, packet.is_discard) for packet in container.demux(stream) if packet.size > 0]
         container.seek(0)
     except Exception as e:  # noqa: BLE001
         raise _av_error(e, name, "decode") from e
-    return shown
+    shown = [duration for duration, discard in packets if not discard]
+    return shown, len(packets) - len(shown)
 
 
 def probe_video(path: str | os.PathLike, name: str | None = None,
@@ -195,9 +196,13 @@ def read_video_frames(path: str | os.PathLike, pick_indices: Callable[[int, floa
             raise PreprocessError(f"{name}: no frame decodes")
         if decoded <= indices[-1]:
             # Fewer frames than the header counts: an edit list (a cut made without re-encoding) hides them when
-            # the packets it shows are the frames decoded and last as long as the stream; else the file is cut.
-            shown = shown_packets(container, stream, name)
-            if len(shown) != decoded or not stream.duration or sum(shown) != stream.duration:
+            # the packets it shows are the frames decoded, and either the discarded ones make up the header's
+            # count (a cut inside a frame) or the shown ones last as long as the stream (a head cut that drops the
+            # cut packets from the index); else the file is truncated.
+            shown, discarded = shown_packets(container, stream, name)
+            edit_list = (discarded and len(shown) + discarded == total) or (
+                stream.duration and sum(shown) == stream.duration)
+            if len(shown) != decoded or not edit_list:
                 raise PreprocessError(f"{name}: header declares {total} frames but only {decoded} decode")
             total, indices = decoded, pick_indices(decoded, rate)
             frames, decoded = _decode_sampled(container, stream, indices, name, size, stop)

@@ -268,6 +268,21 @@ def test_edit_list_frames_are_sampled_from_the_shown_frames(tmp_path):
     assert grid[0] == math.ceil(len(info.frame_indices) / 2)
 
 
+def test_an_edit_list_starting_inside_a_frame_is_not_a_truncated_file(tmp_path):
+    """A cut without re-encoding whose edit starts 100 ticks into a frame: the shown packets no longer last as long
+    as the stream, but the discarded ones make up the header's count."""
+    import struct
+
+    _write_x264(tmp_path / "edit.mp4", range(-5, 40))
+    data = bytearray((tmp_path / "edit.mp4").read_bytes())
+    at = data.find(b"elst")
+    duration, media_time = struct.unpack(">Ii", data[at + 12:at + 20])
+    data[at + 12:at + 20] = struct.pack(">Ii", duration, media_time + 100)
+    (tmp_path / "cut.mp4").write_bytes(data)
+    _, grid, info = preprocess_video_file(str(tmp_path / "cut.mp4"), *configs("qwen3_vl"))
+    assert info.total_frames == 39 and info.frame_indices[-1] == 38
+
+
 def test_head_cut_by_edit_list_drops_packets_the_header_still_counts(tmp_path):
     """A head cut of 12 frames made by editing the mp4's edit list (no re-encoding), short GOPs: FFmpeg leaves the
     cut packets it does not need out of its index altogether (none marked discarded); the header still says 40."""
