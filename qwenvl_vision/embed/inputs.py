@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -101,10 +102,10 @@ def file_identity(realpath: str) -> str:
     """``realpath`` with what the file's bytes are now (``FILE_STATE``); a file that cannot be read keeps its bare
     path (its input fails, and a resume tries it again)."""
     try:
-        stat = os.stat(realpath)
+        state = os.stat(realpath)
     except OSError:
         return realpath
-    return f"{realpath}#size={stat.st_size},mtime_ns={stat.st_mtime_ns}"
+    return f"{realpath}#size={state.st_size},mtime_ns={state.st_mtime_ns}"
 
 
 def file_of(key: str) -> str | None:
@@ -189,6 +190,17 @@ def _is_media(name: str) -> bool:
     return Path(name).suffix.lower() in MEDIA_EXTENSIONS
 
 
+def _maybe_file(path: str) -> bool:
+    """Not known to be anything but a regular file: one that cannot be checked (a folder readable but not
+    searchable) stays an input, whose read then says why, instead of vanishing."""
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except FileNotFoundError:
+        return False  # a dangling link
+    except OSError:
+        return True
+
+
 def _walk_media(top: Path) -> list[tuple[str, str | None]]:
     """The inputs under ``top`` as ``Inputs.add`` takes them (path, why it failed or None): each folder ``os.walk``
     cannot list, which rglob skips in silence, so that its files are reported missing rather than quietly never
@@ -196,7 +208,7 @@ def _walk_media(top: Path) -> list[tuple[str, str | None]]:
     dangling link is no image)."""
     files, unreadable = [], []
     for folder, _, names in os.walk(top, onerror=unreadable.append):
-        files += [Path(folder, n) for n in names if _is_media(n) and os.path.isfile(os.path.join(folder, n))]
+        files += [Path(folder, n) for n in names if _is_media(n) and _maybe_file(os.path.join(folder, n))]
     failed = [(e.filename, f"cannot list folder {e.filename}: {e.strerror or e}; make it readable, or leave it out "
                            f"of the inputs") for e in sorted(unreadable, key=lambda e: e.filename)]
     return failed + [(str(f), None) for f in sorted(files)]

@@ -77,7 +77,8 @@ def stored_records(path: Path) -> tuple[str | None, list | None]:
         metadata = safe_open(path, framework="pt").metadata() or {}
         return metadata.get(RUN_KEY), json.loads(metadata[RECORDS_KEY]) if RECORDS_KEY in metadata else None
     except Exception as e:  # noqa: BLE001 - safetensors raises its own error type for a bad header
-        raise ManifestError(f"{path} is unreadable ({e})") from None
+        raise ManifestError(f"{path} is unreadable ({e}): nothing was changed; move it out of {path.parent} (its "
+                            f"inputs are then redone) and run the same command with --resume again") from None
 
 
 class Writer:
@@ -150,10 +151,15 @@ class RankWriter(Writer):
         referenced = {r["shard"] for r in recorded}
         carried: dict[str, tuple[int, dict]] = {}  # identity -> (the lowest rank whose files carry it, its record)
         for path in self.stored_files():
-            run_id, found = stored_records(path)
+            name = path.relative_to(self.out).as_posix()
+            try:
+                run_id, found = stored_records(path)
+            except ManifestError:
+                if name in referenced or not SHARD_NAME.match(name):
+                    continue  # a recorded shard is named by its readers; a cache item is rewritten when redone
+                raise
             if run_id != self.run_id:
                 continue  # another run's file: not this run's to take, nor to remove
-            name = path.relative_to(self.out).as_posix()
             if found is None and name not in referenced and SHARD_NAME.match(name):
                 raise ManifestError(f"{path} carries no records of its items (an older qwenvl-vision wrote it), and "
                                     f"no manifest line records it: nothing was changed; move it out of {self.out} "

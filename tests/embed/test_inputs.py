@@ -36,6 +36,20 @@ def test_gather_inputs_folders_lists_and_files_and_what_is_read_only_on_its_own(
         assert found.errors[str(tmp_path / name)].startswith(f"{tmp_path / name}: named in list {listing}")
 
 
+def test_a_file_that_cannot_be_checked_is_still_an_input(tmp_path, monkeypatch):
+    """In a folder readable but not searchable a file cannot be stat'ed: it stays an input (its read says why)."""
+    paths = make_folder(tmp_path / "imgs", 2)
+    real_stat = os.stat
+
+    def stat(path, *args, **kwargs):
+        if str(path) == str(paths[0]):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", stat)
+    assert str(paths[0]) in gather_inputs([str(tmp_path / "imgs")]).paths
+
+
 def test_each_rank_takes_every_world_th_input_never_a_duplicate():
     paths = [f"img{i}.png" for i in range(7)]
     shares = [shard_for_rank(paths, rank, 3) for rank in range(3)]
