@@ -142,7 +142,7 @@ def _download(repo_id: str, filename: str, *, required: bool = True, revision: s
         if required:
             raise CheckpointError(f"{where} has no {filename}") from e
         return None
-    except (utils.HfHubHTTPError, utils.HFValidationError) as e:  # a revision it lacks, an invalid id, a 5xx
+    except (utils.HfHubHTTPError, ValueError) as e:  # a revision it lacks, an invalid id or file name, a 5xx
         raise CheckpointError(f"cannot get {filename} of {where}: {e}") from e
 
 

@@ -122,7 +122,7 @@ LIMITS = {
     "temporal_patch_size": (1, 16),
     "spatial_merge_size": (1, 8),
     "window_size": (1, 4096),
-    "num_position_embeddings": (1, 10**6),
+    "num_position_embeddings": (1, 1 << 20),
     "rope_theta": (1.0, 1e9),
 }
 
@@ -133,7 +133,8 @@ def check_number(name: str, value: Any, low: float, high: float) -> None:
     if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
         raise ConfigError(f"vision_config.{name} must be {'an integer' if integer else 'a number'}, got {value!r}")
     if not low <= value <= high:  # NaN fails both comparisons
-        raise ConfigError(f"vision_config.{name} = {value!r} is outside the supported range {low:g}..{high:g}")
+        bounds = f"{low}..{high}" if integer else f"{low:g}..{high:g}"
+        raise ConfigError(f"vision_config.{name} = {value!r} is outside the supported range {bounds}")
 
 
 @dataclass(frozen=True)
@@ -291,7 +292,8 @@ def from_config_json(config_json: dict, *, name: str = "") -> VisionConfig:
     """
     if not isinstance(config_json, dict):
         raise ConfigError(f"config.json must hold a JSON object, got {type(config_json).__name__}")
-    family = family_named(config_json.get("family") or config_json.get("model_type"))
+    ours = config_json.get("family")  # our vision-only files name it; a released file's own "family" is not ours
+    family = family_named(ours if isinstance(ours, str) and ours in FAMILIES else config_json.get("model_type"))
     # Our vision-only files keep the tower at the top level, whatever the family's nesting.
     vision = _section(config_json, family.vision_config_at) or _section(config_json, ("vision_config",))
     if vision is None:
