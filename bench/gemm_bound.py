@@ -32,7 +32,7 @@ from qwenvl_vision.backends.cpu.kernels import (
     pack_weight,
     packed_chunks,
 )
-from qwenvl_vision.backends.cpu.plan import CHUNK_CHOICES
+from qwenvl_vision.backends.cpu.probes import CHUNK_CHOICES
 from qwenvl_vision.model.attention import SegmentPlan, sdpa_attention, sdpa_batched
 from qwenvl_vision.model.build import build_model
 from qwenvl_vision.model.config import VisionConfig

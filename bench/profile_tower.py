@@ -77,7 +77,7 @@ def _scope_hooks(model: torch.nn.Module) -> list:
 # count there. The CPU's GEMM attention path is attention, GEMMs included.
 FUSED_STEPS = {(CpuExecution, "norm"): "norm", (CpuExecution, "attention"): "rope & attention glue",
                (CpuExecution, "rotated_qkv"): "rope & attention glue",
-               (CpuExecution, "add_linear_"): "residual (block)", (CpuExecution, "gated"): "activation & gate",
+               (CpuExecution, "add_linear_"): "residual (block)",
                (CpuExecution, "activated"): "activation & gate", (CpuExecution, "hidden_block"): "activation & gate",
                (CpuExecution, "merger"): "merger other", (forward, "gemm_attention"): "attention"}
 

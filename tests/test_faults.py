@@ -279,7 +279,7 @@ def test_a_recorded_cpu_plan_this_cpu_cannot_run_is_one_line(checkpoint):
         pytest.skip("this CPU's oneDNN packs bf16 linears: a plan it cannot run cannot be made here")
     with load_encoder(str(checkpoint), device="cpu", dtype=torch.bfloat16, cpu_kernels="reference") as encoder:
         needs = plan_needs(encoder.model)
-    recorded = CpuPlan("avx512-machine", dict.fromkeys(needs.linear_keys(), "onednn"))
+    recorded = CpuPlan("avx512-machine", dict.fromkeys(needs.keys("linear"), "onednn"))
     with pytest.raises(ConfigError, match=r"CPU plan of avx512-machine runs \d+x\d+ bfloat16 linears on oneDNN, "
                                           r"which this CPU cannot run .*cpu_kernels='auto'"):
         load_encoder(str(checkpoint), device="cpu", dtype=torch.bfloat16, cpu_kernels=recorded)

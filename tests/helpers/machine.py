@@ -54,10 +54,10 @@ def forced_plan(model: torch.nn.Module, linear: str = "addmm", attention: str = 
     if linear == "onednn":
         skip_unless_onednn_runs(next(model.parameters()).dtype)
     needs = plan_needs(model)
-    return CpuPlan("forced", dict.fromkeys(needs.linear_keys(), linear),
-                   dict.fromkeys(needs.attention_keys(), attention), dict.fromkeys(needs.mlp_keys(), mlp_rows),
-                   {} if chunk_bytes is None else dict.fromkeys(needs.block_keys(), chunk_bytes),
-                   {} if scratch is None else dict.fromkeys(needs.block_keys(), scratch))
+    return CpuPlan("forced", dict.fromkeys(needs.keys("linear"), linear),
+                   dict.fromkeys(needs.keys("attention"), attention), dict.fromkeys(needs.keys("mlp"), mlp_rows),
+                   {} if chunk_bytes is None else dict.fromkeys(needs.keys("blocks"), chunk_bytes),
+                   {} if scratch is None else dict.fromkeys(needs.keys("blocks"), scratch))
 
 
 def addmm_ignores_row_stride(model: torch.nn.Module, rows: int, dtype: torch.dtype) -> bool:

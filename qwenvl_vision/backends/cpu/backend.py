@@ -1,17 +1,11 @@
 """The CPU backend: what runs a tower's calls on the CPU (``model.execution.Backend``), asked once per call.
 
 It owns the ``cpu_kernels`` setting, the plan that setting resolves to (``machine.machine_plan`` for "auto"), the
-linears packed for that plan (``packing``) and each call's workspace (``workspace``); its items run as for every
-backend, on the CPU one forward each (``model.execution.forwards_on``). A call in CPU inference runs on the plan
-(``forward.CpuExecution``); any other runs the modules' own forward (``execution.ReferenceExecution``): see
-``modules_forward_required``. ``describe`` reports the state ``execution`` decides on.
-
-Packing swaps the tower's linears in place (``packing.PackedLinear``), under one lock for every tower so that
-concurrent first calls pack once, outside inference mode (the weights stay ordinary tensors). Calls on one tower
-from several threads are safe while they all run inference, or all the modules' forward; mixing the two at once is
-not. A load, or a conversion that changes the weights (``.to()`` another dtype or device, ``to_empty``), gives a
-packed layer back plain; the next inference call packs again where the plan says so.
-"""
+linears packed for that plan (``packing``, under one lock for every tower so that concurrent first calls pack once)
+and each call's workspace; its items run as for every backend (``model.execution.forwards_on``). A call in CPU
+inference runs on the plan (``forward.CpuExecution``); any other runs the modules' own forward
+(``modules_forward_required``). Calls on one tower from several threads are safe while they all run inference, or
+all the modules' forward; mixing the two at once is not."""
 
 from __future__ import annotations
 
@@ -48,16 +42,17 @@ def check_cpu_kernels(cpu_kernels: str | dict | CpuPlan) -> str | CpuPlan:
 
 def use_cpu_kernels(tower: VisionTower, cpu_kernels: str | dict | CpuPlan, *, now: bool = True) -> VisionTower:
     """``tower``'s CPU inference calls on ``cpu_kernels`` from now on: its CPU backend told so, else one attached where
-    its weights are on the CPU, prepared ``now`` or at its first CPU inference call. Off the CPU nothing is attached
-    (every call runs the modules' own forward, ``execution.ReferenceBackend``); the setting is checked everywhere."""
+    its weights are on the CPU (prepared ``now`` or at its first CPU inference call) or on ``meta`` (not placed yet:
+    most such towers are filled on the CPU); the setting is checked everywhere."""
+    device = placement(tower)[0].type
     if isinstance(tower.backend, CpuBackend):
         tower.backend.set_cpu_kernels(tower, cpu_kernels)
-    elif placement(tower)[0].type != "cpu":
-        check_cpu_kernels(cpu_kernels)
-    elif now:
+    elif device == "cpu" and now:
         CpuBackend(cpu_kernels).attach(tower)
-    else:
+    elif device in ("cpu", "meta"):
         tower.use_backend(CpuBackend(cpu_kernels))
+    else:
+        check_cpu_kernels(cpu_kernels)
     return tower
 
 
@@ -71,7 +66,7 @@ def modules_forward_required(tower: VisionTower, pixel_values: torch.Tensor) -> 
     its own kernels, and dynamo traces no packed tensor), while autograd records or under autocast (the backend's
     in-place ops do neither), and while a forward hook would see a module run (the backend calls no module's
     forward, and a hook is there to see one)."""
-    device = tower.patch_embed.proj.weight.device.type
+    device = placement(tower)[0].type
     recording = torch.is_grad_enabled() and (pixel_values.requires_grad
                                              or any(p.requires_grad for p in tower.parameters()))
     autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
@@ -80,17 +75,14 @@ def modules_forward_required(tower: VisionTower, pixel_values: torch.Tensor) -> 
 
 def hooked(tower: VisionTower) -> bool:
     """Whether a forward hook would see a module of this tower run (its own, or a global one)."""
-    module_globals = nn.modules.module  # torch's own registry of global hooks (no public getter)
-    if getattr(module_globals, "_global_forward_hooks", None) or \
-            getattr(module_globals, "_global_forward_pre_hooks", None):
-        return True
-    return any(m._forward_hooks or m._forward_pre_hooks for m in tower.modules() if m is not tower)
+    hooks = nn.modules.module  # torch's own registry of global hooks (no public getter)
+    return bool(hooks._global_forward_hooks or hooks._global_forward_pre_hooks) or any(
+        m._forward_hooks or m._forward_pre_hooks for m in tower.modules() if m is not tower)
 
 
 @dataclass(frozen=True)
 class Prepared:
-    """A tower made ready for a plan: where its weights were, the plan, the layers packed for it, and torch's
-    thread count then (the machine's plan is measured per thread count)."""
+    """A tower made ready for a plan: where its weights were, the plan, the layers packed for it, torch's threads."""
 
     placement: tuple[torch.device, torch.dtype]
     plan: CpuPlan
@@ -99,14 +91,10 @@ class Prepared:
 
 
 class CpuBackend:
-    """The CPU backend of one tower (see the module docstring); ``cpu_kernels`` as ``check_cpu_kernels`` takes it.
-
-    The package attaches one only where a tower is on the CPU (``use_cpu_kernels``); by hand, ``attach`` prepares now
-    and ``VisionTower.use_backend`` at the first CPU inference call. It serves the first tower that calls it and
-    refuses to prepare any other (its preparation is that tower's packed layers): one backend per tower on the CPU.
-    Where it packs nothing (a tower moved off the CPU, "reference", compiled) any tower may run on it, e.g.
-    ``nn.DataParallel``'s replicas, which share their module's attributes.
-    """
+    """The CPU backend of one tower; ``cpu_kernels`` as ``check_cpu_kernels`` takes it. ``attach`` prepares now,
+    ``VisionTower.use_backend`` at the first CPU inference call. It serves the first tower that calls it and refuses
+    to prepare any other (its preparation is that tower's packed layers); where it packs nothing (off the CPU,
+    "reference", compiled) any tower may run on it, e.g. ``nn.DataParallel``'s replicas, which share attributes."""
 
     def __init__(self, cpu_kernels: str | dict | CpuPlan = "auto") -> None:
         self.cpu_kernels = check_cpu_kernels(cpu_kernels)
@@ -134,15 +122,13 @@ class CpuBackend:
             return served is None or served is tower
 
     def serve(self, tower: VisionTower) -> None:
-        """``serves``, or ConfigError for a tower other than the live one it runs."""
         if not self.serves(tower):
             raise ConfigError("this CpuBackend already runs another tower: give each tower its own "
                               "(CpuBackend(cpu_kernels).attach(tower))")
 
     def set_cpu_kernels(self, tower: VisionTower, cpu_kernels: str | dict | CpuPlan) -> None:
         """Run on ``cpu_kernels`` from now on, prepared now where the weights are on the CPU; the layers stay packed
-        where the new setting is the current one or the plan they are packed for (a run adopting its recorded
-        plan)."""
+        where the new setting is the current one or the plan they are packed for (a run adopting its recorded one)."""
         wanted, previous = check_cpu_kernels(cpu_kernels), self.cpu_kernels
         current = self.current(tower)
         if wanted != self.cpu_kernels and (current is None or wanted != current.plan):
@@ -212,7 +198,7 @@ class CpuBackend:
 
     def forwards(self, tower: VisionTower):
         """How a call's items run: as for every backend (``model.execution.forwards_on``)."""
-        return forwards_on(tower.patch_embed.proj.weight.device)
+        return forwards_on(placement(tower)[0])
 
     def current(self, tower: VisionTower) -> Prepared | None:
         """The last preparation while it holds: the weights where it was made, every layer it packed still packed

@@ -2,25 +2,16 @@
 
 The modules (``layers.py``) stay the math; this reads their parameters and runs the same operations with what the
 CPU rewards: activations in the call's ``Workspace`` instead of fresh tensors, each linear on the kernel the
-machine's ``CpuPlan`` chose (a packed weight is oneDNN's, its rows computed in chunks of the plan's size), norm
-statistics and rope in fp32 on row chunks (through the plan's scratch size), MLPs by row blocks where both their
-linears are packed, attention per segment length on the plan's path. It runs only
-in inference (no autograd, no compile, never on CUDA): ``backend.CpuBackend`` picks it once per call.
+machine's ``CpuPlan`` chose (a packed weight's rows computed in chunks of the plan's size and handed on as they
+come), norm statistics and rope in fp32 on row chunks, MLPs by row blocks where both their linears are packed,
+attention per segment length on the plan's path. It runs only in inference (no autograd, no compile, never on
+CUDA): ``backend.CpuBackend`` picks it once per call.
 
-Numbers against the reference's ops (transformers' vision blocks, as ``layers.py`` writes them):
-
-- the workspace, the chunked norms and the chunked rope are the same operations in the same order: the same bits;
-- a linear on addmm is the reference's kernel: the same bits. On oneDNN's packed weight it rounds differently in
-  fp32 (both within ~5e-7 of float64); in bf16 it agrees within bf16 rounding (bitwise on CPUs where both weights
-  take one oneDNN kernel). Its rows are handed on in chunks as they come (``linear_chunks``);
-- a packed plain (non-gated) MLP computes its activation in oneDNN's GEMM epilogue: in bf16 one rounding fewer
-  than the reference's Linear then activation (closer to float64, not its bits);
-- the GEMM attention path computes in fp32 and rounds once (``kernels.gemm_attention``).
-
-A transcendental activation on row chunks may differ in the last bit of a few fp32 elements from one call over
-all rows (where a thread's share of a call ends mid-row its tail takes the scalar kernel); an item's chunks are
-the same wherever it is, since on the CPU each item runs as its own forward.
-"""
+Numbers against the reference's ops: the workspace, the chunked norms and the chunked rope, and a linear on addmm,
+are the reference's operations in its order (the same bits); oneDNN's kernels round as ``kernels`` says. A
+transcendental activation on row chunks may differ in the last bit of a few fp32 elements from one call over all
+rows (where a thread's share of a call ends mid-row its tail takes the scalar kernel); an item's chunks are the
+same wherever it is, since on the CPU each item runs as its own forward."""
 
 from __future__ import annotations
 
@@ -38,7 +29,6 @@ from .kernels import (
     DEFAULT_CHUNK_BYTES,
     balanced_chunks,
     gemm_attention,
-    packed_activated_linear,
     packed_chunks,
     packed_linear,
 )
@@ -49,9 +39,8 @@ from .workspace import Workspace
 
 @dataclass(frozen=True)
 class Activation:
-    """The backend's forms of one of the model's activations (``layers.ACTIVATIONS``, the model's one table):
-    in place, into an ``out=`` tensor, and as oneDNN's GEMM-epilogue post-op (``_linear_pointwise``'s attr and
-    algorithm) where it has one."""
+    """The backend's forms of one of the model's activations (``layers.ACTIVATIONS``): in place, into an ``out=``
+    tensor, and as oneDNN's GEMM-epilogue post-op (``kernels.packed_linear``'s epilogue) where it has one."""
 
     in_place: Callable[[torch.Tensor], torch.Tensor]
     into: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -205,7 +194,7 @@ class CpuExecution:
             for rows in balanced_chunks(x.shape[0], block):
                 self.add_linear_(residual[rows], self.hidden_block(mlp, x[rows], gated), second)
             return residual
-        hidden = self.gated(x, first, mlp.act) if gated else self.activated(x, first, mlp.act)
+        hidden = self.activated(x, first, mlp.act, gated)
         return self.add_linear_(residual, hidden, second)
 
     def hidden_block(self, mlp: nn.Module, x: torch.Tensor, gated: bool) -> torch.Tensor:
@@ -217,7 +206,7 @@ class CpuExecution:
             return gate_times_up(gate_up, mlp.act, out=hidden)
         fc1, activation = mlp.linear_fc1, ACTIVATIONS[mlp.act]
         if activation.epilogue is not None:
-            return packed_activated_linear(x, fc1.weight, fc1.bias, activation.epilogue)
+            return packed_linear(x, fc1.weight, fc1.bias, activation.epilogue)
         return activation.in_place(packed_linear(x, fc1.weight, fc1.bias))
 
     # ------------------------------------------------------------------ linears
@@ -233,37 +222,28 @@ class CpuExecution:
             return torch.mm(x, layer.weight.t(), out=out)
         return torch.addmm(layer.bias, x, layer.weight.t(), out=out)
 
-    def linear_chunks(self, x: torch.Tensor, layer: nn.Linear) -> Iterator[tuple[slice, torch.Tensor]]:
-        """``layer(x)`` as (rows, those rows of the result) pairs for a caller that consumes each at once: a packed
-        layer's fresh chunks (``kernels.packed_chunks``: never copied), else one pair in the workspace."""
-        if packed(layer):
-            yield from self.packed_chunks(x, layer)
-        else:
-            yield slice(None), self.linear_into(x, layer)
-
     def add_linear_(self, residual: torch.Tensor, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
-        """``residual += layer(x)`` in place, chunk by chunk as the rows come."""
-        for rows, update in self.linear_chunks(x, layer):
+        """``residual += layer(x)`` in place: from a packed layer's fresh chunks as they come (never copied), else
+        from one result in the workspace."""
+        if not packed(layer):
+            return residual.add_(self.linear_into(x, layer))
+        for rows, update in self.packed_chunks(x, layer):
             residual[rows].add_(update)
         return residual
 
-    def activated(self, x: torch.Tensor, layer: nn.Linear, act: str) -> torch.Tensor:
-        """``act(layer(x))`` in the workspace: in place on the one result, or from each fresh chunk into it."""
+    def activated(self, x: torch.Tensor, layer: nn.Linear, act: str, gated: bool = False) -> torch.Tensor:
+        """``act(layer(x))``, or where ``gated`` ``act(gate) * up`` of ``layer(x) = [gate | up]``, in the workspace:
+        in place on the one result, or from each fresh chunk into it."""
+        activation = ACTIVATIONS[act]
         if not packed(layer):
-            return ACTIVATIONS[act].in_place(self.linear_into(x, layer))
-        hidden = self.workspace.take(x, x.shape[0], layer.out_features)
+            y = self.linear_into(x, layer)
+            return gate_times_up(y, act) if gated else activation.in_place(y)
+        hidden = self.workspace.take(x, x.shape[0], layer.out_features // (2 if gated else 1))
         for rows, y in self.packed_chunks(x, layer):
-            ACTIVATIONS[act].into(y, hidden[rows])
-        return hidden
-
-    def gated(self, x: torch.Tensor, layer: nn.Linear, act: str) -> torch.Tensor:
-        """``act(gate) * up`` of ``layer(x) = [gate | up]`` in the workspace: in place on the one result, or from
-        each fresh chunk into it."""
-        if not packed(layer):
-            return gate_times_up(self.linear_into(x, layer), act)
-        hidden = self.workspace.take(x, x.shape[0], layer.out_features // 2)
-        for rows, gate_up in self.packed_chunks(x, layer):
-            gate_times_up(gate_up, act, out=hidden[rows])
+            if gated:
+                gate_times_up(y, act, out=hidden[rows])
+            else:
+                activation.into(y, hidden[rows])
         return hidden
 
 

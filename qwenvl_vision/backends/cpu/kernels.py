@@ -10,12 +10,11 @@ any row count runs with one packed weight. Chunks are balanced and never leave a
 runs slowly).
 
 oneDNN has no ``out=`` form: a result that must land in the workspace is computed on row chunks whose fresh
-outputs stay in cache and below glibc's mmap threshold, and copied into place (``packed_linear``); a step that
-consumes the rows at once takes the chunks as they come (``packed_chunks``).
+outputs stay in cache and below glibc's mmap threshold (``packed_chunks``), each consumed or copied as it comes.
 
-``packed_activated_linear`` computes an activation in oneDNN's GEMM epilogue, on the fp32 accumulator: in bf16 the
-linear's result is not rounded before the activation (one rounding fewer than transformers' Linear then activation:
-closer to float64, not its bits); in fp32 oneDNN's activation is within an ulp or two of torch's.
+``packed_linear``'s epilogue computes an activation on the GEMM's fp32 accumulator: in bf16 the linear's result
+is not rounded before the activation (one rounding fewer than transformers' Linear then activation: closer to
+float64, not its bits); in fp32 oneDNN's activation is within an ulp or two of torch's.
 """
 
 from __future__ import annotations
@@ -66,23 +65,13 @@ def packed_chunks(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     output at a time, each computed when the caller asks for it."""
     step = max(1, chunk_bytes // (weight.shape[0] * x.element_size()))
     for rows in balanced_chunks(x.shape[0], step):
-        yield rows, torch.ops.mkldnn._linear_pointwise(x[rows], weight, bias, "none", [], "")
+        yield rows, packed_linear(x[rows], weight, bias)
 
 
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  out: torch.Tensor | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> torch.Tensor:
-    """``x @ weight.T + bias`` with a packed weight; into ``out`` by row chunks of ``chunk_bytes`` when given."""
-    if out is None:
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    for rows, result in packed_chunks(x, weight, bias, chunk_bytes):
-        out[rows].copy_(result)
-    return out
-
-
-def packed_activated_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                            epilogue: tuple[str, str]) -> torch.Tensor:
-    """``act(x @ weight.T + bias)`` with a packed weight, the activation in the GEMM's epilogue (its
-    ``_linear_pointwise`` attr and algorithm, ``forward.ACTIVATIONS``); a fresh result."""
+                  epilogue: tuple[str, str] = ("none", "")) -> torch.Tensor:
+    """``x @ weight.T + bias`` with a packed weight, a fresh result; with an ``epilogue`` (``_linear_pointwise``'s
+    attr and algorithm, ``forward.ACTIVATIONS``) the activation of it, computed in the GEMM's epilogue."""
     attr, algorithm = epilogue
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, attr, [], algorithm)
 

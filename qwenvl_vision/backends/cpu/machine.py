@@ -2,23 +2,18 @@
 
 A plan is keyed by the machine (CPU model, ISA flags, architecture, torch version, torch threads, oneDNN) and the
 probes' revision, and stored as ``{key}.json`` under ``$QWENVL_VISION_CACHE/cpu-plans`` (default
-``$XDG_CACHE_HOME/qwenvl-vision`` or ``~/.cache/qwenvl-vision``). Every later process on that machine reuses it, so
-two processes choose the same kernels and give the same bits. The file is only an optimisation: one that does not
-parse, or is another machine's, is reported in one warning and measured again; two processes
-tuning at once take turns on a lock file (the second reads what the first measured). A lock held longer than
-``PLAN_LOCK_WAIT_S`` (a stopped process, a stale network-file-system lock) is given up on with one warning: the process
-measures for itself and still saves its plan (each file is replaced whole, so the holder's and this process's saves
-cannot mix). A folder that cannot be written, or a symbolic link at the lock's or a temporary file's name (never
-followed, left as it is), still works: one warning, the plan measured for the process alone. Entries are added as
-towers need them (``machine_plan``), measured by ``probes``; an entry once recorded is never measured again. Each
-measurement is one INFO line of the ``logging`` logger of this module, with its seconds (the command line shows it; a
-library's caller sees it where it configures logging).
+``$XDG_CACHE_HOME/qwenvl-vision`` or ``~/.cache/qwenvl-vision``), so two processes on a machine choose the same
+kernels and give the same bits. The file is only an optimisation: one that does not parse or is another machine's is
+one warning and measured again. Two processes tuning at once take turns on a lock file; one held longer than
+``PLAN_LOCK_WAIT_S`` (a stopped process) is given up on with one warning, each file being replaced whole. A folder
+that cannot be written or locked, or a link at a name it writes (never followed), is one warning and a plan for the
+process alone. Entries are added as towers need them (``machine_plan``), measured by ``probes``; an entry once
+recorded is never measured again. Each measurement is one INFO line of this module's ``logging`` logger.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import json
 import logging
@@ -66,17 +61,13 @@ def machine_key(identity: dict) -> str:
 
 
 def plan_folder() -> Path:
-    root = os.environ.get("QWENVL_VISION_CACHE")
-    if root:
-        return Path(root) / "cpu-plans"
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "qwenvl-vision" / "cpu-plans"
+    return Path(os.environ.get("QWENVL_VISION_CACHE") or os.path.join(base, "qwenvl-vision")) / "cpu-plans"
 
 
 def read_plan_file(path: Path, identity: dict, quiet: bool = False) -> CpuPlan | None:
-    """The plan stored at ``path`` for this machine, or None: missing silently; a symbolic link (never followed),
-    unreadable, damaged or another machine's with one warning unless ``quiet`` (it is measured again and the file
-    replaced)."""
+    """The plan stored at ``path`` for this machine, or None: missing silently, else (a link, never followed, a
+    damaged file or another machine's) one warning unless ``quiet``."""
     try:
         with os.fdopen(open_no_follow(path, os.O_RDONLY), "rb") as f:
             data = json.loads(f.read())
@@ -95,33 +86,22 @@ def read_plan_file(path: Path, identity: dict, quiet: bool = False) -> CpuPlan |
 def plan_lock(folder: Path, key: str) -> Iterator[str | None]:
     """Hold ``{key}.lock`` (one process tunes at a time), waiting at most PLAN_LOCK_WAIT_S for another holder (then
     one warning naming the lock, and on without it). Yields None where the plan may be saved, else why not: the
-    folder cannot be made, or a symbolic link sits at the lock's name (never followed, left as it is)."""
+    folder cannot be made or locked, or a symbolic link sits at the lock's name (never followed, left as it is)."""
     from filelock import Timeout
 
     lock = folder / f"{key}.lock"
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        yield (f"cannot write the CPU plan cache {folder} ({e.strerror or e}): this machine's plan is measured for "
-               f"this process only (set QWENVL_VISION_CACHE to a writable folder to keep it)")
-        return
     with contextlib.ExitStack() as held:
         try:
+            folder.mkdir(parents=True, exist_ok=True)
             held.enter_context(file_lock(lock, PLAN_LOCK_WAIT_S))
-        except OutputLinkError:
-            yield (f"{lock} is a symbolic link (not followed, left as it is): this machine's plan is measured for "
-                   f"this process only (remove the link, or set QWENVL_VISION_CACHE to another folder, to keep it)")
-            return
-        except Timeout:
+        except Timeout:  # a TimeoutError, so an OSError: caught first
             warn(f"the CPU plan cache's lock {lock} is still held by another process after {PLAN_LOCK_WAIT_S:g} s (a "
                  f"stopped process, or a stale network-file-system lock): going on without it, measuring what the "
                  f"cache lacks here")
-        except OSError as e:  # some network file systems refuse locks: tune unlocked, each file still written whole
-            if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):  # a folder that cannot be written: nothing saved
-                yield (f"cannot write the CPU plan cache {folder} ({e.strerror or e}): this machine's plan is "
-                       f"measured for this process only (set QWENVL_VISION_CACHE to a writable folder to keep it)")
-                return
-            warn(f"cannot lock the CPU plan cache {folder} ({e}): a process tuning beside this one may measure too")
+        except (OSError, OutputLinkError) as e:
+            yield (f"cannot use the CPU plan cache {folder} ({getattr(e, 'strerror', None) or e}): this machine's "
+                   f"plan is measured for this process only (set QWENVL_VISION_CACHE to a writable folder to keep it)")
+            return
         yield None
 
 
@@ -158,9 +138,8 @@ def machine_plan(needs: PlanNeeds) -> CpuPlan:
                 measured = measure(missing, key, plan)
                 # Without the lock another process may have saved meanwhile: its entries win, so every process on
                 # the machine runs one plan (and ours, timed beside its measuring, do not replace them).
-                latest = read_plan_file(path, identity, quiet=True)
-                plan = plan.with_entries(latest).with_entries(measured) if latest is not None else \
-                    plan.with_entries(measured)
+                plan = plan.with_entries(read_plan_file(path, identity, quiet=True) or CpuPlan(key))
+                plan = plan.with_entries(measured)
                 if unsaved is None:
                     save_plan(path, plan, identity)
                 else:
@@ -173,8 +152,7 @@ def machine_plan(needs: PlanNeeds) -> CpuPlan:
 
 
 def save_plan(path: Path, plan: CpuPlan, identity: dict) -> None:
-    """``path`` replaced whole by ``plan`` (never through a link at it or at the temporary file's name); a failure
-    is one warning."""
+    """``path`` replaced whole by ``plan`` (never through a link); a failure is one warning."""
     data = json.dumps({**plan.to_dict(), "identity": identity}, indent=1).encode()
     try:
         replace_atomically(path, path.with_name(f"{path.name}.{os.getpid()}.tmp"), lambda f: f.write(data))

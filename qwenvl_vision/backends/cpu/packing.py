@@ -1,15 +1,12 @@
 """A tower's linears in the layout the machine's plan chose: oneDNN's prepacked weight (``PackedLinear``), or plain.
 
-Packing swaps a layer's class in place (as ``torch.nn.utils.parametrize`` does): the ``nn.Linear`` becomes a
-``PackedLinear`` whose weight is oneDNN's opaque tensor, and the plain weight is dropped (one copy, not two: the load
-peak stays one layer above the tower). The module object stays the same, so its hooks, its bias and every reference
-to it are kept. A ``PackedLinear`` keeps torch's module contract on its own class, as torch's packed modules
-(``torch.ao.nn.quantized.Linear``) do: ``state_dict`` gives the plain weight, and a load or a conversion that changes
-the weight (``.to()`` another dtype or device, ``.half()``, ``to_empty``) turns it back into a plain ``nn.Linear``
-first, which the CPU backend packs again at its next call where its plan says so; one that changes nothing keeps it.
-Packing and unpacking replace the weight's Parameter object (an optimizer built before holds the old one); a weight
-keeps its ``requires_grad``.
-"""
+Packing swaps a layer's class in place (as ``torch.nn.utils.parametrize`` does) and drops the plain weight (one
+copy, not two: the load peak stays one layer above the tower); the module object stays, with its hooks, its bias
+and every reference to it. ``PackedLinear`` keeps torch's module contract on its own class, as torch's packed
+modules (``torch.ao.nn.quantized.Linear``) do: ``state_dict`` gives the plain weight, and a load or a conversion
+that changes the weight (``.to()`` another dtype or device, ``to_empty``) makes it a plain ``nn.Linear`` first, which
+the backend packs again at its next call where its plan says so; one that changes nothing keeps it packed. A weight
+keeps its ``requires_grad``; packing replaces its Parameter object (an optimizer built before holds the old one)."""
 
 from __future__ import annotations
 
@@ -30,11 +27,8 @@ PACKING_LOCK = threading.RLock()
 
 
 class PackedLinear(nn.Linear):
-    """An ``nn.Linear`` whose weight is in oneDNN's blocked layout (``kernels.pack_weight``), for inference.
-
-    Made by ``pack_`` from a plain layer, never constructed; ``unpack_`` (or any load or conversion) makes it a
-    plain ``nn.Linear`` again.
-    """
+    """An ``nn.Linear`` whose weight is in oneDNN's blocked layout (``kernels.pack_weight``), for inference: made by
+    ``pack_`` from a plain layer, never constructed (see the module docstring)."""
 
     @staticmethod
     def pack_(layer: nn.Linear) -> PackedLinear:
@@ -79,12 +73,8 @@ class PackedLinear(nn.Linear):
         probe = torch.empty(0, dtype=self.weight.dtype)
         target = fn(probe)
         if target is probe:
-            if self.bias is not None:  # through a holder: the layer keeps its weight while other threads run it
-                holder = nn.Module()
-                holder.bias = self.bias
-                nn.Module._apply(holder, fn, recurse=False)
-                if holder.bias is not self.bias:
-                    self.bias = holder.bias
+            if self.bias is not None:  # in place (``share_memory_``), as torch's _apply does: no new Parameter
+                self.bias.data = fn(self.bias)
             return self
         if target.is_meta:
             layer = self.unpack_(torch.empty(self.weight.shape, dtype=self.weight.dtype, device="meta"))
@@ -97,13 +87,18 @@ def linear_layers(module: nn.Module) -> list[tuple[str, nn.Linear]]:
     return [(name, m) for name, m in module.named_modules() if isinstance(m, nn.Linear)]
 
 
+def mlp_need(mlp: MLP | GatedMLP) -> tuple[str, int, int, str, torch.dtype]:
+    """An MLP's shape as ``PlanNeeds.mlp`` holds it: (kind, dim, hidden, activation, dtype)."""
+    gated = isinstance(mlp, GatedMLP)
+    second = mlp.down_proj if gated else mlp.linear_fc2
+    return "gated" if gated else "plain", second.out_features, second.in_features, mlp.act, second.weight.dtype
+
+
 def block_need(block: Block) -> tuple[str, str, int, int, int, str, torch.dtype]:
     """A block's shape as ``PlanNeeds.blocks`` holds it: (MLP kind, norm kind, dim, heads, MLP hidden, activation,
     dtype)."""
-    gated = isinstance(block.mlp, GatedMLP)
-    second = block.mlp.down_proj if gated else block.mlp.linear_fc2
-    return ("gated" if gated else "plain", "rms" if isinstance(block.norm1, RMSNorm) else "layer",
-            second.out_features, block.attn.num_heads, second.in_features, block.mlp.act, second.weight.dtype)
+    kind, dim, hidden, act, dtype = mlp_need(block.mlp)
+    return kind, "rms" if isinstance(block.norm1, RMSNorm) else "layer", dim, block.attn.num_heads, hidden, act, dtype
 
 
 def plan_needs(module: nn.Module) -> PlanNeeds:
@@ -111,10 +106,7 @@ def plan_needs(module: nn.Module) -> PlanNeeds:
     linear = {(m.in_features, m.out_features, m.weight.dtype) for _, m in linear_layers(module)}
     attention = {(m.qkv.weight.dtype, m.num_heads, m.head_dim) for m in module.modules()
                  if isinstance(m, VisionAttention)}
-    mlp = {("gated", m.down_proj.out_features, m.down_proj.in_features, m.act, m.down_proj.weight.dtype)
-           if isinstance(m, GatedMLP) else
-           ("plain", m.linear_fc2.out_features, m.linear_fc2.in_features, m.act, m.linear_fc2.weight.dtype)
-           for m in module.modules() if isinstance(m, (GatedMLP, MLP))}
+    mlp = {mlp_need(m) for m in module.modules() if isinstance(m, (GatedMLP, MLP))}
     blocks = {block_need(m) for m in module.modules() if isinstance(m, Block)}
     return PlanNeeds(frozenset(linear), frozenset(attention), frozenset(mlp), frozenset(blocks))
 

@@ -25,26 +25,18 @@ from .kernels import (
     packed_chunks,
 )
 from .packing import PackedLinear
-from .plan import (
-    CHUNK_CHOICES,
-    DEFAULT_MLP_ROWS,
-    DTYPES,
-    MLP_ROW_CHOICES,
-    PROBE_LENGTHS,
-    SCRATCH_CHOICES,
-    CpuPlan,
-    PlanNeeds,
-    attention_key,
-    block_key,
-    dtype_name,
-    linear_key,
-    mlp_key,
-)
+from .plan import DEFAULT_MLP_ROWS, PROBE_LENGTHS, CpuPlan, PlanNeeds, dtype_name, plan_key, timed
 from .workspace import DEFAULT_SCRATCH_ELEMENTS, Workspace
 
 PROBE_TOKENS = 2048  # tokens per attention probe (segments of a length batched up to it): rates, not totals
 LINEAR_PROBE_ROWS = 1024  # the towers' packs hold thousands of rows, and the rate flattens by here
 MLP_PROBE_ROWS = 2048
+# The search spaces of the sizes: an MLP's block rows (2048: one block of the probe), a packed linear's output bytes
+# per call and the fp32 scratch, from well inside a core's private cache to beyond a small last-level cache share.
+# Each holds its default.
+MLP_ROW_CHOICES = (128, 256, 512, 1024, 2048)
+CHUNK_CHOICES = (1 << 20, 2 << 20, 4 << 20, 8 << 20)
+SCRATCH_CHOICES = (1 << 17, 1 << 18, 1 << 19, 1 << 20, 1 << 21)
 BLOCK_PROBE_SEGMENTS = (1024,)  # one frame of a photo's size: on the CPU each item runs as its own forward
 # How much faster oneDNN must time than addmm to be chosen, per dtype (for a lone linear, and for a whole MLP
 # against its linears' lone choices). fp32: 10%, since oneDNN's rounding is not the reference's; bf16: 5% slower
@@ -90,8 +82,7 @@ def measure_block_sizes(need: tuple, plan: CpuPlan, repeats: int = 3) -> tuple[i
     """(output bytes per packed linear call of CHUNK_CHOICES, scratch elements of SCRATCH_CHOICES) at which one of
     the tower's blocks ran fastest here, on ``plan``'s kernels, as the backend runs it: BLOCK_PROBE_SEGMENTS frames
     of random tokens through a block of random weights. The chunk is chosen first (on the default scratch; the
-    default where no linear runs packed), then the scratch with it; each is the default unless another ran
-    SIZE_FASTER_BY faster."""
+    default where no linear runs packed), then the scratch with it (each by ``fastest``)."""
     mlp, norm, dim, heads, hidden, act, dtype = need
     generator = torch.Generator().manual_seed(0)  # never the caller's random state
     with torch.device("meta"):
@@ -109,10 +100,8 @@ def measure_block_sizes(need: tuple, plan: CpuPlan, repeats: int = 3) -> tuple[i
         inputs = run.attention_inputs((angles.cos(), angles.sin()), segments)
         return best_seconds(lambda: run.block(block, x.copy_(start), inputs), repeats)
 
-    packed = any(isinstance(m, PackedLinear) for m in block.modules())
-    chunk = DEFAULT_CHUNK_BYTES
-    if packed:
-        chunk = fastest({c: seconds(c, DEFAULT_SCRATCH_ELEMENTS) for c in CHUNK_CHOICES}, DEFAULT_CHUNK_BYTES)
+    chunk = fastest({c: seconds(c, DEFAULT_SCRATCH_ELEMENTS) for c in CHUNK_CHOICES}, DEFAULT_CHUNK_BYTES) \
+        if any(isinstance(m, PackedLinear) for m in block.modules()) else DEFAULT_CHUNK_BYTES
     return chunk, fastest({e: seconds(chunk, e) for e in SCRATCH_CHOICES}, DEFAULT_SCRATCH_ELEMENTS)
 
 
@@ -135,7 +124,7 @@ def measure_attention(dtype: torch.dtype, heads: int, head_dim: int, repeats: in
         except RuntimeError as e:  # a oneDNN kernel this CPU cannot run in this dtype: SDPA runs
             warn(f"GEMM attention failed for {heads}x{head_dim} {dtype_name(dtype)} ({e}); using SDPA")
             sdpa_s, gemm_s = 0.0, float("inf")
-        choices[attention_key(dtype, heads, head_dim, length)] = "gemm" if gemm_s < sdpa_s else "sdpa"
+        choices[plan_key("attention", dtype, heads, head_dim, length)] = "gemm" if gemm_s < sdpa_s else "sdpa"
     return choices
 
 
@@ -184,16 +173,15 @@ def random_module(module: nn.Module, dtype: torch.dtype, generator: torch.Genera
 
 def measure_mlp(kind: str, dim: int, hidden: int, act: str, dtype: torch.dtype, packs: tuple[bool, bool],
                 repeats: int = 2) -> tuple[bool, int]:
-    """(whether the MLP runs both linears packed, its rows per block of MLP_ROW_CHOICES: DEFAULT_MLP_ROWS unless
-    another ran SIZE_FASTER_BY faster) as it ran fastest here, as the backend runs it. With ``packs`` (the lone
-    linears' choices) not both packed, the MLP is timed that way and with both packed: a packed first linear computes
-    the activation in its epilogue and lets the MLP run by row blocks, which a lone linear's timing does not see;
-    both packed is taken by ONEDNN_FASTER_BY's preference."""
+    """(whether the MLP runs both linears packed, its rows per block of MLP_ROW_CHOICES by ``fastest``) as it ran
+    fastest here, as the backend runs it. With ``packs`` (the lone linears' choices) not both packed, it is timed that
+    way and with both packed: a packed first linear computes the activation in its epilogue and lets the MLP run by
+    row blocks, which a lone linear's timing does not see; both packed is taken by ONEDNN_FASTER_BY's preference."""
     generator = torch.Generator().manual_seed(0)  # never the caller's random state
     x = torch.randn(MLP_PROBE_ROWS, dim, generator=generator).to(dtype)
     residual = torch.zeros_like(x)
     workspace = Workspace.for_blocks(MLP_PROBE_ROWS, dim, kind, hidden, dtype, "cpu")
-    key = mlp_key(kind, dim, hidden, act, dtype)
+    key = plan_key("mlp", kind, dim, hidden, act, dtype)
 
     def seconds(mlp: nn.Module, rows: int) -> float:
         run = CpuExecution(CpuPlan("probe", mlp={key: rows}), workspace, DEFAULT_CHUNK_BYTES)
@@ -208,56 +196,45 @@ def measure_mlp(kind: str, dim: int, hidden: int, act: str, dtype: torch.dtype, 
 
 
 def measure(needs: PlanNeeds, machine: str, known: CpuPlan | None = None) -> CpuPlan:
-    """A plan of ``needs`` measured now, keeping ``known``'s choices (a process may have run with them).
-
-    Linears and attention are timed alone, then each MLP whole, since packing both its linears lets it run by row
-    blocks, which a lone linear's timing cannot see; a block's chunk and scratch sizes come last, because they
-    depend on the kernels chosen before. Without oneDNN's linear the kernels are torch's, untimed."""
+    """A plan of ``needs`` measured now, keeping ``known``'s choices (a process may have run with them): linears and
+    attention timed alone, then each MLP whole (``measure_mlp``), then each block's sizes on the kernels chosen
+    before. Without oneDNN's linear the kernels are torch's, untimed."""
     known = known or CpuPlan(machine)
     with torch.inference_mode(False), torch.no_grad():
-        if not onednn_linear_available():
-            plan = CpuPlan(machine, dict.fromkeys(needs.linear_keys(), "addmm"),
-                           dict.fromkeys(needs.attention_keys(), "sdpa"),
-                           dict.fromkeys(needs.mlp_keys(), DEFAULT_MLP_ROWS))
-        else:
-            # A dtype this CPU's oneDNN cannot pack runs torch's kernels, chosen without a probe or a warning.
-            packs_here = {d: onednn_packs(d) for *_, d in needs.linear if dtype_name(d) in DTYPES}
-            linear = {linear_key(i, o, d): measure_linear(i, o, d) if packs_here[d] else "addmm"
-                      for i, o, d in sorted(needs.linear, key=str) if dtype_name(d) in DTYPES}
-            attention = {}
-            for d, h, hd in sorted(needs.attention, key=str):
-                if dtype_name(d) in DTYPES:
-                    attention.update(measure_attention(d, h, hd))
-            kernels = CpuPlan(machine, linear).with_entries(known)
-            mlp = {}
-            for kind, dim, hidden, act, d in sorted(needs.mlp, key=str):
-                if dtype_name(d) not in DTYPES:
-                    continue
-                if not packs_here.get(d, False):
-                    mlp[mlp_key(kind, dim, hidden, act, d)] = DEFAULT_MLP_ROWS
-                    continue
-                shapes = ((dim, 2 * hidden if kind == "gated" else hidden, d), (hidden, dim, d))
-                packs = tuple(kernels.linear_kernel(*shape) == "onednn" for shape in shapes)
-                rows = DEFAULT_MLP_ROWS  # no row blocks without both linears packed
-                both_packed = False
-                # A shape recorded before keeps its kernel (a process ran with it). One recorded as addmm keeps
-                # the MLP's linears as they are: packing the other would make a mix that was never timed whole.
-                kept_unpacked = any(known.linear.get(linear_key(*shape)) == "addmm" for shape in shapes)
-                if all(packs) or not kept_unpacked:
-                    try:
-                        both_packed, rows = measure_mlp(kind, dim, hidden, act, d, packs)
-                    except RuntimeError as e:  # a oneDNN kernel this CPU cannot run in this dtype
-                        warn(f"the {kind} MLP {dim}x{hidden} {dtype_name(d)} failed on oneDNN ({e}); {rows} rows")
-                if both_packed and not all(packs):  # the whole MLP ran faster packed: so do its shapes
-                    linear.update({linear_key(*shape): "onednn" for shape in shapes})
-                    kernels = CpuPlan(machine, linear).with_entries(known)
-                mlp[mlp_key(kind, dim, hidden, act, d)] = rows
-            plan = CpuPlan(machine, linear, attention, mlp)
-        chunks, scratch = {}, {}
-        for need in sorted(needs.blocks, key=str):
-            if dtype_name(need[6]) not in DTYPES:
+        # Without oneDNN's linear, or in a dtype this CPU's oneDNN cannot pack, torch's kernels run, chosen without a
+        # probe or a warning.
+        onednn = onednn_linear_available()
+        packs_here = {d: onednn and onednn_packs(d) for *_, d in timed(needs.linear)}
+        linear = {plan_key("linear", i, o, d): measure_linear(i, o, d) if packs_here[d] else "addmm"
+                  for i, o, d in timed(needs.linear)}
+        attention = dict.fromkeys(needs.keys("attention"), "sdpa")
+        for d, h, hd in timed(needs.attention) if onednn else ():
+            attention.update(measure_attention(d, h, hd))
+        kernels = CpuPlan(machine, linear).with_entries(known)
+        mlp = {}
+        for kind, dim, hidden, act, d in timed(needs.mlp):
+            if not packs_here.get(d, False):
+                mlp[plan_key("mlp", kind, dim, hidden, act, d)] = DEFAULT_MLP_ROWS
                 continue
-            key = block_key(*need)
+            shapes = ((dim, 2 * hidden if kind == "gated" else hidden, d), (hidden, dim, d))
+            packs = tuple(kernels.linear_kernel(*shape) == "onednn" for shape in shapes)
+            both_packed, rows = False, DEFAULT_MLP_ROWS  # no row blocks without both linears packed
+            # A shape recorded before keeps its kernel (a process ran with it). One recorded as addmm keeps
+            # the MLP's linears as they are: packing the other would make a mix that was never timed whole.
+            kept_unpacked = any(known.linear.get(plan_key("linear", *shape)) == "addmm" for shape in shapes)
+            if all(packs) or not kept_unpacked:
+                try:
+                    both_packed, rows = measure_mlp(kind, dim, hidden, act, d, packs)
+                except RuntimeError as e:  # a oneDNN kernel this CPU cannot run in this dtype
+                    warn(f"the {kind} MLP {dim}x{hidden} {dtype_name(d)} failed on oneDNN ({e}); {rows} rows")
+            if both_packed and not all(packs):  # the whole MLP ran faster packed: so do its shapes
+                linear.update({plan_key("linear", *shape): "onednn" for shape in shapes})
+                kernels = CpuPlan(machine, linear).with_entries(known)
+            mlp[plan_key("mlp", kind, dim, hidden, act, d)] = rows
+        plan = CpuPlan(machine, linear, attention, mlp)
+        chunks, scratch = {}, {}
+        for need in timed(needs.blocks):
+            key = plan_key("blocks", *need)
             try:
                 chunks[key], scratch[key] = measure_block_sizes(need, plan.with_entries(known))
             except RuntimeError as e:  # a oneDNN kernel this CPU cannot run in this dtype
