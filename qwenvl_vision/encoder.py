@@ -71,33 +71,17 @@ class VisionEncoder(contextlib.AbstractContextManager):
     def closed(self) -> bool:
         return self._model is None or self._closing
 
-    @contextlib.contextmanager
-    def _in_use(self) -> Iterator[VisionTower]:
-        """The model, counted as in use until the block ends: close() waits for it rather than freeing under it."""
-        with self._state:
-            model = self.model
-            self._forwards += 1
-        try:
-            yield model
-        finally:
-            with self._state:
-                self._forwards -= 1
-                self._state.notify_all()
-
     def close(self) -> None:
-        """Free weights and caches now, whoever else still references this encoder or its model.
-
-        Calls that start after close() began raise EncoderClosedError; forwards already running on other threads
-        finish first (close() waits for them), so they never see freed weights; code that calls ``encoder.model``
-        directly is outside this protocol. Do not call it from inside a forward.
-        """
+        """Free weights and caches now, whoever else still references this encoder or its model (docs/api.md,
+        Memory): forwards already running finish first; code that calls ``encoder.model`` directly is outside this
+        protocol. Do not call it from inside a forward."""
         with self._state:
             self._closing = True
             while self._forwards:
                 self._state.wait()
             model, self._model = self._model, None
         if model is not None:
-            model.clear_cache()
+            model.shape_cache.clear()
             model.free_weights_()
             torch.cuda.empty_cache()  # a no-op where CUDA was never used
 
@@ -109,8 +93,7 @@ class VisionEncoder(contextlib.AbstractContextManager):
         return f"VisionEncoder({self.config.name or self.config.model_type}, {state})"
 
     def describe(self) -> dict:
-        """The tower (family, sizes, attention backend, device, dtype), its image and video preprocessing and where
-        it came from."""
+        """The tower's ``describe()`` (sizes, attention, device, dtype, kernels), its preprocessing and its source."""
         return {**self.model.describe(), "source": self.source,
                 "preprocess": dataclasses.asdict(self.preprocess_config),
                 "video": dataclasses.asdict(self.video_config)}
@@ -131,9 +114,8 @@ class VisionEncoder(contextlib.AbstractContextManager):
 
     @property
     def cpu_plan(self) -> CpuPlan | None:
-        """The CPU plan this encoder's inference calls run on (None: the modules' own forward, e.g. off the CPU,
-        compiled or ``cpu_kernels="reference"``): the same kernels, the same bits, as ``load_encoder``'s
-        ``cpu_kernels`` on any machine."""
+        """The CPU plan the inference calls run on, the same bits as ``cpu_kernels`` on any machine (None: the
+        modules' own forward, e.g. off the CPU, compiled or ``cpu_kernels="reference"``)."""
         backend = self.model.backend
         return backend.plan(self.model) if isinstance(backend, CpuBackend) else None
 
@@ -188,10 +170,17 @@ class VisionEncoder(contextlib.AbstractContextManager):
             raise InputError(f"pixel_values must be a torch.Tensor, got {type(pixel_values).__name__}")
         if modality not in ("image", "video"):
             raise InputError(f'modality must be "image" or "video", got {modality!r}')
-        with self._in_use() as model:
+        with self._state:  # counted as in use until the forward ends: close() waits for it rather than freeing
+            model = self.model
+            self._forwards += 1
+        try:
             grids = model.grid_list(grid_thw)  # checked here once: the tower takes checked grids as they are
             with torch.inference_mode():
                 merged, levels = model(pixel_values, grids)
+        finally:
+            with self._state:
+                self._forwards -= 1
+                self._state.notify_all()
         if pixels_sha256 is None and pixel_values.device.type == "cpu":
             pixels_sha256 = [item_pixels_sha256(rows) for rows in pixel_values.split([t * h * w for t, h, w in grids])]
         elif pixels_sha256 is None:
@@ -296,7 +285,9 @@ class VisionEncoder(contextlib.AbstractContextManager):
             if isinstance(e, QwenVLVisionError):
                 raise
             out = None
-            if not is_out_of_memory(e):
+            text = str(e).lower()  # an allocator's out of memory may be a plain RuntimeError that only says so
+            if not isinstance(e, (torch.OutOfMemoryError, MemoryError)) and not any(
+                    s in text for s in ("out of memory", "can't allocate memory", "not enough memory", "alloc_failed")):
                 traceback.clear_frames(e.__traceback__)  # kept for its message: not the failed forward's tensors
                 failure = e
         if out is None:  # outside the except block, so the failed forward's frames (and memory) are freed
@@ -367,10 +358,8 @@ class VisionEncoder(contextlib.AbstractContextManager):
         """Images (paths, PIL images, HxWxC uint8 arrays, CxHxW uint8 tensors) -> embeddings, in input order.
 
         Preprocessing reproduces transformers' Qwen2VL image processor with this checkpoint's preprocessor
-        config; min/max pixels override it per call. ``resize``: "pil" matches its PIL backend
-        (``Qwen2VLImageProcessorPil``, and transformers without torchvision), "torch" its torchvision backend
-        (transformers with torchvision, the processor ``...Fast`` configs name); None takes what this
-        checkpoint's ``preprocessor_config.json`` names (``preprocess_config.resize``). Batches hold at most
+        config; min/max pixels override it per call. ``resize``: "pil" or "torch", the transformers backend to
+        match (docs/api.md says which); None takes the checkpoint's (``preprocess_config.resize``). Batches hold at most
         `max_batch_patches` patches (an item larger than that runs alone). Bad input raises PreprocessError naming
         it, and so does a file whose header declares more than `max_input_pixels` (None: only PIL's own limit).
         ``pooled``: also each input's mean token; ``normalize``: of unit L2 norm (for cosine retrieval).
@@ -385,19 +374,11 @@ class VisionEncoder(contextlib.AbstractContextManager):
                       num_workers: int | None = None, fps: float | None = None,
                       video_fps: float | Sequence[float] | None = None,
                       max_input_pixels: int | None = DEFAULT_MAX_INPUT_PIXELS) -> EncodeResult:
-        """Videos -> embeddings, as transformers' video processor of this family + the tower; see encode_images.
-
-        Each video is a file path (decoded with PyAV, the ``[video]`` extra), a sequence of frames, or an
-        (F, H, W, C) / (F, C, H, W) uint8 array. Files are sampled at ``fps`` frames per second (default: the
-        checkpoint's ``video_config.fps``, 2.0) with the family's rule (Qwen2VLVideoProcessor's or
-        Qwen3VLVideoProcessor's: min/max frames, the frame-count rule), and ``EncodeResult.video_info`` says
-        which frames were used, at what source fps and timestamps. Frames given in memory are used as given,
-        unless ``fps`` and their source rate ``video_fps`` (one value, or one per video) are passed. Every clip is
-        sized by the video processor's rule (``video.video_target_size``: the video pixel bounds, the
-        total-pixel budget, Qwen3-VL's frame-count-aware size); ``min_pixels`` / ``max_pixels`` override its
-        bounds. The count is padded to a multiple of 2 by repeating the last frame; grid_t = frames / 2. Frames
-        are resized and normalised by the video processors' own pipeline (the torchvision one; there is no other).
-        """
+        """Videos (file paths, sequences of frames, (F, H, W, C) / (F, C, H, W) uint8 arrays) -> embeddings, as
+        transformers' video processor of this family + the tower; see encode_images, and docs/api.md for the
+        sampling (``fps``, default the checkpoint's; ``video_fps``: frames in memory's source rate, one value or one
+        per video) and sizing (``video.video_target_size``, whose bounds ``min_pixels`` / ``max_pixels`` override).
+        grid_t = frames / 2."""
         if fps is not None and not positive_number(fps):
             raise InputError(f"fps {fps!r} is not a positive number of frames per second")
         options = self._options(videos, video=True, min_pixels=min_pixels, max_pixels=max_pixels,
@@ -428,14 +409,6 @@ def nonfinite_message(what: str, dtype: torch.dtype) -> str:
         return f"{what}: the tower's outputs contain inf/nan in float16 (the tower overflowed); use bfloat16 or float32"
     return (f"{what}: the tower's outputs contain inf/nan in {dtype_name(dtype)}: the checkpoint's "
             f"weights or config values overflow; check them (qwenvl-vision inspect shows the config)")
-
-
-def is_out_of_memory(error: BaseException) -> bool:
-    """Out of memory, on any device: torch's own error, Python's, or an allocator's RuntimeError that says so."""
-    if isinstance(error, (torch.OutOfMemoryError, MemoryError)):
-        return True
-    text = str(error).lower()
-    return any(s in text for s in ("out of memory", "can't allocate memory", "not enough memory", "alloc_failed"))
 
 
 def first_line(error: BaseException, limit: int = 300) -> str:

@@ -63,12 +63,9 @@ def load_encoder(
     tensor); False loads such a checkpoint as it is, for deliberately odd ones.
     preprocess_config / video_config: override the checkpoint's ``preprocessor_config.json`` /
     ``video_preprocessor_config.json`` (a settings object, or a dict in the file's format).
-    cpu_kernels: how the CPU runs inference. "auto": the CPU backend on this machine's plan, measured once per
-    machine and kept in the user's cache folder (``backends.cpu``): oneDNN's prepacked linear where it is faster than
-    addmm (its weights replace the plain ones; ``state_dict()`` still gives plain tensors), GEMM attention at the
-    segment lengths where it beats SDPA. "reference": the modules' own ops (transformers' addmm and SDPA). Or a
-    plan, as ``encoder.cpu_plan`` or a run's ``run.json`` holds it: the same kernels, the same bits, on any
-    machine. Ignored off the CPU and with ``compile``.
+    cpu_kernels: how the CPU runs inference (docs/api.md, CPU kernels): "auto", this machine's plan, measured once
+    and cached; "reference", the modules' own ops; or a recorded plan (``encoder.cpu_plan``, a run's ``run.json``),
+    the same bits on any machine. Ignored off the CPU and with ``compile``.
     """
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
@@ -76,36 +73,28 @@ def load_encoder(
     cpu_kernels = check_cpu_kernels(cpu_kernels)  # a bad setting is refused before any download or read
     options = dict(cache_size=cache_size, cache_bytes=cache_bytes, attn_impl=attn_impl)
     if random_weights:
-        config = resolve_config(source)
-        _warn_fp16(dtype, config)
-        model = _placed(random_tower(config, device, dtype, seed=seed, **options), compile, cpu_kernels)
-        pre = _preprocess_config(preprocess_config, None, config)
-        return VisionEncoder(model, pre, source=config.name or config.model_type,
-                             video_config=_video_config(video_config, None, config, pre))
-    if isinstance(source, (VisionConfig, dict)):
+        config, checkpoint = resolve_config(source), None
+    elif isinstance(source, (VisionConfig, dict)):
         raise ConfigError("a config alone has no weights: pass random_weights=True, or a checkpoint folder/repo id")
-    folder = resolve_folder(os.fspath(source), revision, local_files_only, cache_dir, token)
-    checkpoint = open_checkpoint(folder)
-    _warn_fp16(dtype, checkpoint.config)
-    model = _placed(load_tower(checkpoint, device, dtype, check_finite=check_finite, **options), compile,
-                    cpu_kernels)
-    pre = _preprocess_config(preprocess_config, checkpoint.preprocessor_json(), checkpoint.config)
-    video = _video_config(video_config, checkpoint.video_preprocessor_json(), checkpoint.config, pre)
-    return VisionEncoder(model, pre, source=os.fspath(source), video_config=video)
-
-
-def _warn_fp16(dtype: torch.dtype, config: VisionConfig) -> None:
-    if dtype == torch.float16:  # stacklevel: the line that called load_encoder
+    else:
+        checkpoint = open_checkpoint(resolve_folder(os.fspath(source), revision, local_files_only, cache_dir, token))
+        config = checkpoint.config
+    if dtype == torch.float16:  # warned before the weights are read; stacklevel: the line that called load_encoder
         warnings.warn(f"float16 can overflow in the {config.family.label} tower; bfloat16 or float32 are safe. "
-                      "Outputs will be checked for non-finite values.", stacklevel=3)
-
-
-def _placed(model: VisionTower, compile: bool | dict, cpu_kernels: str | CpuPlan) -> VisionTower:
-    """The tower as it will run: its blocks compiled if asked, and on the CPU the CPU backend, prepared now (compiled
-    blocks run the modules' own forward)."""
+                      "Outputs will be checked for non-finite values.", stacklevel=2)
+    model = random_tower(config, device, dtype, seed=seed, **options) if checkpoint is None else \
+        load_tower(checkpoint, device, dtype, check_finite=check_finite, **options)
     if compile:
         model.compile_blocks(**(compile if isinstance(compile, dict) else {}))
-    return use_cpu_kernels(model, cpu_kernels)
+    # On the CPU the CPU backend, prepared now (compiled blocks run the modules' own forward).
+    model = use_cpu_kernels(model, cpu_kernels)
+    pre_json = None if checkpoint is None else checkpoint.preprocessor_json()
+    video_json = None if checkpoint is None else checkpoint.video_preprocessor_json()
+    pre = _preprocess_config(preprocess_config, pre_json, config)
+    video = video_config if isinstance(video_config, VideoConfig) else \
+        VideoConfig.from_dict(video_config if video_config is not None else video_json, config.family, pre)
+    return VisionEncoder(model, pre, video_config=video,
+                         source=config.name or config.model_type if checkpoint is None else os.fspath(source))
 
 
 def build_model(config: VisionConfig | dict | str | os.PathLike, *, device: torch.device | str | None = None,
@@ -139,10 +128,3 @@ def _preprocess_config(given: PreprocessConfig | dict | None, from_checkpoint: d
         if ours != tower:
             raise ConfigError(f"the preprocessor config's {name} is {ours} but the vision tower's is {tower}")
     return pre
-
-
-def _video_config(given: VideoConfig | dict | None, from_checkpoint: dict | None, config: VisionConfig,
-                  pre: PreprocessConfig) -> VideoConfig:
-    if isinstance(given, VideoConfig):
-        return given
-    return VideoConfig.from_dict(given if given is not None else from_checkpoint, config.family, pre)

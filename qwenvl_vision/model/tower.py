@@ -296,12 +296,6 @@ class VisionTower(nn.Module):
             **self.backend.describe(self),
         }
 
-    def cache_stats(self) -> dict[str, int]:
-        return self.shape_cache.stats()
-
-    def clear_cache(self) -> None:
-        self.shape_cache.clear()
-
     @property
     def device(self) -> torch.device:
         return next(self.parameters()).device
