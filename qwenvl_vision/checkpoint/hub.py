@@ -108,12 +108,9 @@ def _not_cached(repo_id: str, filename: str, *, required: bool, revision: str | 
     if not required and (try_to_load_from_cache(repo_id, filename, cache_dir=cache_dir, revision=revision)
                          is _CACHED_NO_EXIST or snapshot is not None and (snapshot / ".gitattributes").is_file()):
         return None
-    if required:
-        raise CheckpointError(f"cannot get {filename} of {where}: {why} and it is not in the local Hugging Face "
-                              f"cache (download it once online first)")
-    raise CheckpointError(f"cannot tell whether {where} has {filename}: {why}, and the local Hugging Face cache "
-                          f"holds neither the file nor a record that the repo lacks it: load it once online, which "
-                          f"records either (defaults are never put in place of settings the repo may have)")
+    lacks = "" if required else ", nor a record that the repo lacks it (defaults never stand in for its settings)"
+    raise CheckpointError(f"cannot get {filename} of {where}: {why} and it is not in the local Hugging Face cache"
+                          f"{lacks}: load it once online first")
 
 
 def _download(repo_id: str, filename: str, *, required: bool = True, revision: str | None = None,

@@ -33,7 +33,7 @@ from ..devices import SAFETENSORS_DTYPES
 from ..errors import CheckpointError, ConfigError, QwenVLVisionError
 from ..model.build import build_model
 from ..model.config import VisionConfig, from_config_json
-from ..model.names import to_checkpoint_state, to_module_state
+from ..model.names import to_checkpoint_state, to_module_names_
 from ..model.tower import VisionTower
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -88,10 +88,7 @@ def present(path: Path, what: str) -> bool:
 
 def strip_vision_prefix(name: str, prefixes: tuple[str, ...]) -> str | None:
     """The name without its vision prefix, or None for a tensor outside the tower."""
-    for prefix in prefixes:
-        if name.startswith(prefix):
-            return name[len(prefix):]
-    return None
+    return next((name[len(prefix):] for prefix in prefixes if name.startswith(prefix)), None)
 
 
 def check_regular(path: Path, what: str) -> None:
@@ -99,12 +96,6 @@ def check_regular(path: Path, what: str) -> None:
     forever and a device may never end."""
     if not path.is_file():
         raise CheckpointError(f"{what} {path} is {'not a regular file' if path.exists() else 'missing'}")
-
-
-def json_type(value: object) -> str:
-    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null",
-             int: "an integer", float: "a number"}
-    return names.get(type(value), type(value).__name__)
 
 
 def read_json(path: Path, what: str, error: type[QwenVLVisionError] = CheckpointError) -> dict:
@@ -115,7 +106,7 @@ def read_json(path: Path, what: str, error: type[QwenVLVisionError] = Checkpoint
     except (OSError, ValueError, RecursionError) as e:  # ValueError: not JSON, or not UTF-8
         raise CheckpointError(f"cannot read {what} {path}: {e}") from e
     if not isinstance(value, dict):
-        raise error(f"{path} is not a JSON object (found {json_type(value)})")
+        raise error(f"{path} is not a JSON object (found {type(value).__name__})")
     return value
 
 
@@ -128,7 +119,7 @@ def parse_weight_map(index: dict, where: str) -> dict[str, str]:
     """
     weight_map = index.get("weight_map")
     if not isinstance(weight_map, dict):
-        raise CheckpointError(f"{where} has no weight_map object (found {json_type(weight_map)})")
+        raise CheckpointError(f"{where} has no weight_map object (found {type(weight_map).__name__})")
     for name, shard in weight_map.items():
         if not isinstance(shard, str) or shard in ("", ".", "..") or "/" in shard or "\\" in shard:
             raise CheckpointError(f"{where}: shard name {shard!r} (for tensor {name!r}) is not a plain file name "
@@ -184,17 +175,6 @@ def open_checkpoint(folder: str | os.PathLike) -> VisionCheckpoint:
     if not tensors:
         raise CheckpointError(f"{folder} holds no vision tensors (no names starting with {prefixes})")
     return VisionCheckpoint(folder, config_json, config, tensors, vision_only)
-
-
-def check_names(checkpoint: VisionCheckpoint, expected: dict[str, torch.Tensor]) -> None:
-    """The checkpoint holds exactly the tower's tensors: none missing, none more."""
-    missing = sorted(set(expected) - set(checkpoint.tensors))
-    surplus = sorted(set(checkpoint.tensors) - set(expected))
-    parts = [f"{what} {len(names)} tensor(s): {', '.join(names[:8])}" + (" ..." if len(names) > 8 else "")
-             for what, names in (("missing", missing), ("unexpected", surplus)) if names]
-    if parts:
-        raise CheckpointError(f"{checkpoint.folder} does not match the {checkpoint.config.family.label} tower "
-                              f"({len(expected)} tensors expected): " + "; ".join(parts))
 
 
 def vision_entries(checkpoint: VisionCheckpoint, expected: dict[str, torch.Tensor] | None = None) -> dict[str, dict]:
@@ -279,8 +259,15 @@ def load_tower(checkpoint: VisionCheckpoint, device: torch.device, dtype: torch.
     model = build_model(checkpoint.config, device="meta", attn_impl=attn_impl, **model_options)
     module_state = model.state_dict()
     expected = to_checkpoint_state(checkpoint.config, module_state)  # meta tensors under the checkpoint's names
-    check_names(checkpoint, expected)
+    # The checkpoint holds exactly the tower's tensors: none missing, none more.
+    missing = sorted(set(expected) - set(checkpoint.tensors))
+    surplus = sorted(set(checkpoint.tensors) - set(expected))
+    parts = [f"{what} {len(names)} tensor(s): {', '.join(names[:8])}" + (" ..." if len(names) > 8 else "")
+             for what, names in (("missing", missing), ("unexpected", surplus)) if names]
+    if parts:
+        raise CheckpointError(f"{checkpoint.folder} does not match the {checkpoint.config.family.label} tower "
+                              f"({len(expected)} tensors expected): " + "; ".join(parts))
     tensors = read_tensors(checkpoint, expected, device, dtype, check_finite=check_finite)
-    model.load_state_dict(to_module_state(checkpoint.config, tensors, module_state), strict=True, assign=True)
+    model.load_state_dict(to_module_names_(checkpoint.config, tensors, module_state), strict=True, assign=True)
     model.set_attention(attn_impl)
     return model.eval().requires_grad_(False)

@@ -45,6 +45,7 @@ Videos are ``video.py`` (sampling, the video processors' sizes, frames to pixel 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -146,30 +147,17 @@ class PreprocessConfig:
         size = d.get("size") or {}
         if not isinstance(size, dict):
             raise ConfigError(f"preprocessor config size must be a dict of pixel bounds, got {size!r}")
-        # Older files spelled the size keys min_pixels / max_pixels.
-        min_pixels = size.get("shortest_edge", size.get("min_pixels", base.min_pixels))
-        max_pixels = size.get("longest_edge", size.get("max_pixels", base.max_pixels))
-        if d.get("min_pixels") is not None:
-            min_pixels = d["min_pixels"]
-        if d.get("max_pixels") is not None:
-            max_pixels = d["max_pixels"]
+        # Older files spelled the size keys min_pixels / max_pixels; a top-level key overrides size.
+        bounds = {key: d[key] if d.get(key) is not None else size.get(edge, size.get(key, getattr(base, key)))
+                  for key, edge in (("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge"))}
 
-        def get(key: str) -> Any:
-            return d[key] if d.get(key) is not None else getattr(base, key)
-
-        return cls(
-            patch_size=get("patch_size"),
-            temporal_patch_size=get("temporal_patch_size"),
-            merge_size=get("merge_size"),
-            min_pixels=min_pixels,
-            max_pixels=max_pixels,
-            image_mean=get("image_mean"),
-            image_std=get("image_std"),
-            # ``...Fast`` names transformers' torchvision processor; any other name (``Qwen2VLImageProcessor``,
-            # ``...Pil``, none) the PIL/numpy processor that name loaded by default before transformers 5.
-            resize=("torch" if str(d["image_processor_type"]).endswith("Fast") else "pil")
-            if "image_processor_type" in d else base.resize,
-        )
+        given = {key: d[key] for key in ("patch_size", "temporal_patch_size", "merge_size", "image_mean", "image_std")
+                 if d.get(key) is not None}
+        # ``...Fast`` names transformers' torchvision processor; any other name (``Qwen2VLImageProcessor``,
+        # ``...Pil``, none) the PIL/numpy processor that name loaded by default before transformers 5.
+        if "image_processor_type" in d:
+            given["resize"] = "torch" if str(d["image_processor_type"]).endswith("Fast") else "pil"
+        return dataclasses.replace(base, **bounds, **given)
 
     def to_dict(self) -> dict:
         """A ``preprocessor_config.json`` dict that both ``from_dict`` and transformers load identically.

@@ -71,10 +71,8 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     if height <= 0 or width <= 0:
         raise PreprocessError(f"image size must be positive, got height {height}, width {width}")
     if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
-        raise PreprocessError(
-            f"absolute aspect ratio must be smaller than {MAX_ASPECT_RATIO}, "
-            f"got {max(height, width) / min(height, width)}"
-        )
+        raise PreprocessError(f"absolute aspect ratio must be smaller than {MAX_ASPECT_RATIO}, "
+                              f"got {max(height, width) / min(height, width)}")
     h_bar = round(height / factor) * factor
     w_bar = round(width / factor) * factor
     if h_bar * w_bar > max_pixels:
@@ -101,9 +99,8 @@ def check_aspect_ratio(height: int, width: int, name: str) -> None:
         raise PreprocessError(f"{name}: zero-size image (height {height}, width {width})")
     ratio = max(height, width) / min(height, width)
     if ratio > MAX_ASPECT_RATIO:
-        raise PreprocessError(
-            f"{name}: aspect ratio {ratio:.1f} (height {height}, width {width}) exceeds {MAX_ASPECT_RATIO}"
-        )
+        raise PreprocessError(f"{name}: aspect ratio {ratio:.1f} (height {height}, width {width}) exceeds "
+                              f"{MAX_ASPECT_RATIO}")
 
 
 class FileBytes:
@@ -119,10 +116,6 @@ class FileBytes:
         if (data is None) == (fetch is None):
             raise TypeError("FileBytes takes data or fetch, one of them")
         self.name, self._data, self._fetch = name, data, fetch
-
-    @property
-    def data(self) -> bytes:
-        return self.read()
 
     def read(self, limit: int | None = None) -> bytes:
         """The bytes, fetched by the first call with at most ``limit`` of them."""
@@ -140,12 +133,10 @@ class FileBytes:
         return f"FileBytes({self.name!r}, {size})"
 
 
-URL_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
-
-
 def is_url(text: str) -> bool:
     """A name with a scheme (``s3://``, ``https://``, ...): an object in storage, never a local path."""
-    return isinstance(text, str) and bool(URL_SCHEME.match(text)) and not text.lower().startswith("file://")
+    return isinstance(text, str) and bool(re.match(r"[A-Za-z][A-Za-z0-9+.-]*://", text)) \
+        and not text.lower().startswith("file://")
 
 
 def is_file_input(item: Any) -> bool:
@@ -160,7 +151,7 @@ def file_name(item: str | os.PathLike | FileBytes) -> str:
 
 def readable(item: str | os.PathLike | FileBytes) -> str | io.BytesIO:
     """What PIL and PyAV open: the path, or the bytes as a file."""
-    return io.BytesIO(item.data) if isinstance(item, FileBytes) else os.fspath(item)
+    return io.BytesIO(item.read()) if isinstance(item, FileBytes) else os.fspath(item)
 
 
 def input_name(kind: str, index: int | None, item: Any = None) -> str:
@@ -176,7 +167,7 @@ def check_regular_file(path: str | FileBytes, name: str) -> None:
     """The checks every file input gets before its decoder sees it (images and videos alike), so each kind of bad
     path reads the same: missing, not a regular file, empty (a file in memory: empty only)."""
     if isinstance(path, FileBytes):
-        if not path.data:
+        if not path.read():
             raise PreprocessError(f"{name}: file is empty (0 bytes)")
         return
     if not os.path.exists(path):
@@ -231,15 +222,30 @@ def load_rgb(image: Any, name: str, *, check_aspect: bool = False, max_input_pix
 
 
 def as_hwc(image: Any, name: str) -> np.ndarray:
-    """A uint8 numpy array (read as HWC) or torch tensor (read as CHW) as HxWxC; anything else is refused."""
-    if isinstance(image, torch.Tensor):
+    """A uint8 numpy array (read as HWC) or torch tensor (read as CHW) as HxWxC with C in (1, 3, 4); anything else
+    is refused."""
+    channels_first = isinstance(image, torch.Tensor)
+    if channels_first:
         if image.dtype != torch.uint8:
             raise PreprocessError(f"{name}: expected a uint8 tensor, got {image.dtype}")
-        return _array_to_hwc(image.detach().cpu().numpy(), name, prefer_channels_first=True)
-    if isinstance(image, np.ndarray):
-        return _array_to_hwc(image, name, prefer_channels_first=False)
-    raise PreprocessError(f"{name}: unsupported input type {type(image).__name__}; expected a path, PIL image, "
-                          "uint8 numpy array or uint8 torch tensor")
+        image = image.detach().cpu().numpy()
+    elif not isinstance(image, np.ndarray):
+        raise PreprocessError(f"{name}: unsupported input type {type(image).__name__}; expected a path, PIL image, "
+                              "uint8 numpy array or uint8 torch tensor")
+    if image.ndim not in (2, 3):
+        raise PreprocessError(f"{name}: expected a 2-D or 3-D image array, got shape {tuple(image.shape)}")
+    if image.size == 0:
+        raise PreprocessError(f"{name}: zero-size array of shape {tuple(image.shape)}")
+    if image.dtype != np.uint8:
+        raise PreprocessError(f"{name}: expected a uint8 array, got {image.dtype}")
+    if image.ndim == 2:
+        return image[:, :, None]
+    first_fits, last_fits = image.shape[0] in (1, 3, 4), image.shape[2] in (1, 3, 4)
+    if first_fits and (channels_first or not last_fits):
+        return image.transpose(1, 2, 0)
+    if last_fits:
+        return image
+    raise PreprocessError(f"{name}: array of shape {tuple(image.shape)} has no axis of 1, 3 or 4 channels")
 
 
 def open_header(path: str | os.PathLike | FileBytes, name: str, max_input_pixels: int | None, check_aspect: bool,
@@ -330,24 +336,6 @@ def _pil_to_rgb(image: PIL.Image.Image, name: str) -> PIL.Image.Image:
         raise PreprocessError(f"{name}: cannot convert mode {image.mode} to RGB ({type(e).__name__}: {e})") from e
 
 
-def _array_to_hwc(array: np.ndarray, name: str, *, prefer_channels_first: bool) -> np.ndarray:
-    """Validate a uint8 image array and return it as HxWxC with C in (1, 3, 4)."""
-    if array.ndim not in (2, 3):
-        raise PreprocessError(f"{name}: expected a 2-D or 3-D image array, got shape {tuple(array.shape)}")
-    if array.size == 0:
-        raise PreprocessError(f"{name}: zero-size array of shape {tuple(array.shape)}")
-    if array.dtype != np.uint8:
-        raise PreprocessError(f"{name}: expected a uint8 array, got {array.dtype}")
-    if array.ndim == 2:
-        return array[:, :, None]
-    first_fits, last_fits = array.shape[0] in (1, 3, 4), array.shape[2] in (1, 3, 4)
-    if first_fits and (prefer_channels_first or not last_fits):
-        return array.transpose(1, 2, 0)
-    if last_fits:
-        return array
-    raise PreprocessError(f"{name}: array of shape {tuple(array.shape)} has no axis of 1, 3 or 4 channels")
-
-
 def _array_to_rgb(hwc: np.ndarray, composite: bool) -> np.ndarray:
     """``convert_to_rgb`` of uint8 channels-last pixels: 1 channel repeated, 4 blended onto white, as the PIL
     processor (``image_transforms.convert_to_rgb``, numpy branch; ``composite``) or the torchvision one does it."""
@@ -413,18 +401,15 @@ def normalize_table(mean: Sequence[float], std: Sequence[float], backend: str = 
     return (levels[None, :] - mean32) / std32
 
 
-_ROWS_PER_CHUNK = 256
-
-
 def normalize(pixels: np.ndarray, table: np.ndarray) -> np.ndarray:
     """HxWx3 uint8 -> 3xHxW float32 normalised values (rescale + normalize of the reference)."""
     height, width, channels = pixels.shape
     out = np.empty((channels, height, width), dtype=np.float32)
-    # Chunks of rows because numpy copies uint8 indices to int64 first: 8 bytes per pixel for a
+    # Chunks of 256 rows because numpy copies uint8 indices to int64 first: 8 bytes per pixel for a
     # whole 16 MP image, a few MB per chunk.
     for c in range(channels):
-        for top in range(0, height, _ROWS_PER_CHUNK):
-            rows = slice(top, top + _ROWS_PER_CHUNK)
+        for top in range(0, height, 256):
+            rows = slice(top, top + 256)
             out[c, rows] = table[c].take(pixels[rows, :, c])
     return out
 

@@ -275,15 +275,6 @@ def _section(config_json: dict, path: tuple[str, ...]) -> dict | None:
     return node if isinstance(node, dict) else None
 
 
-def _qwen2_vl_sizes(vision: dict) -> dict:
-    """Qwen2-VL spells the width embed_dim, the MLP width as a ratio, and the output width hidden_size."""
-    vision = {**QWEN2_VL_DEFAULTS, **vision}
-    check_number("embed_dim", vision["embed_dim"], *LIMITS["hidden_size"])
-    check_number("mlp_ratio", vision["mlp_ratio"], 1, 64)  # an int, as transformers' Qwen2VLVisionConfig requires
-    return {**vision, "hidden_size": vision["embed_dim"], "out_hidden_size": vision["hidden_size"],
-            "intermediate_size": vision["embed_dim"] * vision["mlp_ratio"]}
-
-
 def from_config_json(config_json: dict, *, name: str = "") -> VisionConfig:
     """Parse a checkpoint's whole config.json (or our vision-only one) into a VisionConfig.
 
@@ -299,7 +290,12 @@ def from_config_json(config_json: dict, *, name: str = "") -> VisionConfig:
     if vision is None:
         raise ConfigError(f"config.json has no {'.'.join(family.vision_config_at)} section")
     if family.model_type == "qwen2_vl" and "intermediate_size" not in vision:  # our own files say intermediate_size
-        vision = _qwen2_vl_sizes(vision)
+        # Qwen2-VL spells the width embed_dim, the MLP width as a ratio, and the output width hidden_size.
+        vision = {**QWEN2_VL_DEFAULTS, **vision}
+        check_number("embed_dim", vision["embed_dim"], *LIMITS["hidden_size"])  # before it multiplies: None * 4
+        check_number("mlp_ratio", vision["mlp_ratio"], 1, 64)  # an int, as transformers' Qwen2VLVisionConfig requires
+        vision.update(hidden_size=vision["embed_dim"], out_hidden_size=vision["hidden_size"],
+                      intermediate_size=vision["embed_dim"] * vision["mlp_ratio"])
     rope = vision.get("rope_parameters") or {}  # where transformers reads the rotary base first
     if not isinstance(rope, dict):
         raise ConfigError(f"vision_config.rope_parameters must be an object, got {rope!r}")

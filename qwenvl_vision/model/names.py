@@ -65,10 +65,6 @@ def to_module_names_(config: VisionConfig, state: dict[str, torch.Tensor], modul
     return state
 
 
-# Checkpoint tensors -> module state dict (a load's ``load_state_dict`` reports what is missing or left over).
-to_module_state = to_module_names_
-
-
 def to_checkpoint_state(config: VisionConfig, module_state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Module state dict -> tensors named as the family's checkpoints name them (stacked tensors split)."""
     tensors: dict[str, torch.Tensor] = {}

@@ -215,8 +215,7 @@ def test_offline_a_settings_file_only_a_whole_snapshot_lacks_keeps_the_defaults(
     for name in ("generation_config.json", "tokenizer.json", "README.md"):
         (cached_repo / name).write_text("{}")
     for local_files_only, why in ((False, "HF_HUB_OFFLINE is set"), (True, "local_files_only=True")):
-        with pytest.raises(CheckpointError, match=rf"cannot tell whether repo 'org/qwen25-tiny' .*has "
-                                                  rf"preprocessor_config\.json: {why}"):
+        with pytest.raises(CheckpointError, match=rf"preprocessor_config\.json of repo 'org/qwen25-tiny'.*: {why}"):
             load_encoder("org/qwen25-tiny", device="cpu", local_files_only=local_files_only)
     (cached_repo / ".gitattributes").write_text("*.safetensors filter=lfs\n")
     with load_encoder("org/qwen25-tiny", device="cpu") as encoder:

@@ -46,7 +46,7 @@ BAD_CONFIG_JSON = {
     "rope-huge": (_vision(rope_theta=1e12), r"rope_theta = 1000000000000\.0 is outside the supported range"),
     "rope-str": (_vision(rope_theta="1e4"), r"rope_theta must be a number, got '1e4'"),
     "patch": (_vision(patch_size=10**4), r"patch_size = 10000 is outside"),
-    "list": (lambda config: [config], r"config\.json is not a JSON object \(found an array\)"),
+    "list": (lambda config: [config], r"config\.json is not a JSON object \(found list\)"),
     "model-type": (lambda config: {**config, "model_type": "llava_next"}, r"'llava_next'"),
     "no-vision": (lambda config: {k: v for k, v in config.items() if k != "vision_config"}, r"no vision_config"),
 }
@@ -82,7 +82,7 @@ def test_every_limit_is_enforced_at_both_ends(name):
     (lambda p: {**p, "image_std": [0.5, 0.0, 0.5]}, r"image_std must be non-zero"),
     (lambda p: {**p, "rescale_factor": "1/255"}, r"rescale_factor='1/255' is not supported"),
     (lambda p: {**p, "size": [1, 2]}, r"size must be a dict"),
-    (lambda p: [p], r"preprocessor_config\.json is not a JSON object \(found an array\)"),
+    (lambda p: [p], r"preprocessor_config\.json is not a JSON object \(found list\)"),
 ], ids=["max-pixels", "min-pixels-str", "mean-str", "std-zero", "rescale-str", "size-list", "list"])
 def test_bad_preprocessor_config_is_refused_naming_the_field(tmp_path, change, pattern):
     with pytest.raises(ConfigError, match=pattern):
