@@ -100,7 +100,7 @@ def load_encoder(
 def build_model(config: VisionConfig | dict | str | os.PathLike, *, device: torch.device | str | None = None,
                 dtype: torch.dtype | None = None, cache_size: int = 1024, cache_bytes: int | None = 1 << 30,
                 attn_impl: str = "auto", cpu_kernels: str | dict | CpuPlan = "auto") -> VisionTower:
-    """``model.build.build_model``'s uninitialised tower, on the CPU its inference calls on the CPU backend
+    """``model.build.build_model``'s uninitialised tower, on the CPU (or meta) its inference calls on the CPU backend
     (``cpu_kernels`` as ``load_encoder`` takes it; the plan is resolved at the first CPU inference call)."""
     model = build.build_model(config, device=device, dtype=dtype, cache_size=cache_size, cache_bytes=cache_bytes,
                               attn_impl=attn_impl)

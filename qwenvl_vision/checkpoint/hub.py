@@ -108,7 +108,7 @@ def _not_cached(repo_id: str, filename: str, *, required: bool, revision: str | 
     if not required and (try_to_load_from_cache(repo_id, filename, cache_dir=cache_dir, revision=revision)
                          is _CACHED_NO_EXIST or snapshot is not None and (snapshot / ".gitattributes").is_file()):
         return None
-    lacks = "" if required else ", nor a record that the repo lacks it (defaults never stand in for its settings)"
+    lacks = "" if required else ", nor is a record that the repo lacks it (defaults never stand in for its settings)"
     raise CheckpointError(f"cannot get {filename} of {where}: {why} and it is not in the local Hugging Face cache"
                           f"{lacks}: load it once online first")
 

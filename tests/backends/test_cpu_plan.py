@@ -5,6 +5,7 @@ machine."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -381,6 +382,19 @@ def test_a_plan_lock_held_by_a_stopped_process_is_waited_for_a_bounded_time_then
     forget(monkeypatch)
     again, messages = caught_plan(NEEDS32)
     assert again == done["plan"] and len(calls) == 1 and messages == []  # saved: read back, no measuring
+
+
+def test_a_file_system_that_refuses_locks_still_keeps_the_plan(fresh, monkeypatch):
+    """NFS without lockd or Lustre without flock refuse the lock: one warning, and the plan is still saved."""
+    def refused(*_args, **_kwargs):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(machine, "file_lock", refused)
+    plan, [message] = caught_plan(NEEDS32)
+    assert "cannot lock" in message
+    forget(monkeypatch)
+    again, messages = caught_plan(NEEDS32)
+    assert again == plan and messages == []  # saved: read back, no measuring
 
 
 @pytest.mark.parametrize("name", ["{key}.lock", "{key}.json.{pid}.tmp", ""], ids=["lock", "tmp", "folder"])

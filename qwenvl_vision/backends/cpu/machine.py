@@ -14,6 +14,7 @@ recorded is never measured again. Each measurement is one INFO line of this modu
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -98,7 +99,15 @@ def plan_lock(folder: Path, key: str) -> Iterator[str | None]:
             warn(f"the CPU plan cache's lock {lock} is still held by another process after {PLAN_LOCK_WAIT_S:g} s (a "
                  f"stopped process, or a stale network-file-system lock): going on without it, measuring what the "
                  f"cache lacks here")
-        except (OSError, OutputLinkError) as e:
+        except (OSError, NotImplementedError, OutputLinkError) as e:
+            if folder.is_dir() and not isinstance(e, OutputLinkError) and getattr(e, "errno", None) not in (
+                    errno.EACCES, errno.EPERM, errno.EROFS):
+                # Some network file systems (Lustre without flock, NFS without lockd) refuse locks: tune unlocked,
+                # and still save, each file written whole.
+                warn(f"cannot lock the CPU plan cache {folder} ({e}): a process tuning beside this one may measure "
+                     f"too")
+                yield None
+                return
             yield (f"cannot use the CPU plan cache {folder} ({getattr(e, 'strerror', None) or e}): this machine's "
                    f"plan is measured for this process only (set QWENVL_VISION_CACHE to a writable folder to keep it)")
             return
