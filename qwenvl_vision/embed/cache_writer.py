@@ -53,11 +53,11 @@ class CacheRankWriter(RankWriter):
         with cache_lock(self.out):
             super().recover()
 
-    def store(self, records: list[EmbeddingRecord]) -> int:
+    def store(self, records: list[EmbeddingRecord]) -> None:
         """``RankWriter.store`` with the cache lock held: a prune (``cache_prune``) sees an item found in place only
         once its line is recorded."""
         with cache_lock(self.out):
-            return super().store(records)
+            super().store(records)
 
     def place(self, done: list[tuple[EmbeddingRecord, dict]]) -> None:
         """Each success's item file, in the run's dtype (Ray's rows come as float32: exact, they were made in it),

@@ -83,12 +83,11 @@ class ParquetRankWriter(Writer):
                 shard.unlink()
         self.to_rewrite = []
 
-    def store(self, records: list) -> int:
+    def store(self, records: list) -> None:
         """One shard of ``records.EmbeddingRecord``s, renamed into place whole."""
         path = self.out / shard_name(self.rank, self.next_shard)
         write_table_atomic(results_table(records, self.layout, self.run), path)
         self.next_shard += 1
-        return sum(not r.ok for r in records)
 
 
 def unstorable(path: str, key: str) -> str | None:

@@ -87,7 +87,6 @@ class Writer:
     batch's records go one way, ``write_records``; each format stores them its own (``store``)."""
 
     recorded = 0  # inputs recorded (ok or error) by this process
-    failed = 0  # of which failed
 
     def __init__(self) -> None:
         self.done: set[str] = set()  # identities of the inputs recorded ok by any rank (a resume skips them)
@@ -105,15 +104,14 @@ class Writer:
                 refuse_link(tmp)  # somebody's link at our temporary name: named, left as it is
                 tmp.unlink()
 
-    def write_records(self, records: list[EmbeddingRecord]) -> tuple[int, int]:
-        """One batch of records (the local engine's results, or Ray's rows), written durably; (ok, failed)."""
-        failed = self.store(records) if records else 0
+    def write_records(self, records: list[EmbeddingRecord]) -> None:
+        """One batch of records (the local engine's results, or Ray's rows), written durably."""
+        if records:
+            self.store(records)
         self.recorded += len(records)
-        self.failed += failed
-        return len(records) - failed, failed
 
-    def store(self, records: list[EmbeddingRecord]) -> int:
-        """The batch written durably, the format's way; how many of its inputs failed."""
+    def store(self, records: list[EmbeddingRecord]) -> None:
+        """The batch written durably, the format's way."""
 
 
 class RankWriter(Writer):
@@ -185,7 +183,7 @@ class RankWriter(Writer):
             names += [f"{MANIFEST}.{self.run_id}.tmp", f"{RUN_FILE}.{self.run_id}.tmp"]
         return names
 
-    def store(self, records: list[EmbeddingRecord]) -> int:
+    def store(self, records: list[EmbeddingRecord]) -> None:
         """The files of the batch's successes in place (``place``), then the batch's manifest lines."""
         lines = []
         for r in records:
@@ -194,7 +192,6 @@ class RankWriter(Writer):
             lines.append(line | {k: v for k, v in (("video", r.video), ("columns", r.columns)) if v is not None})
         self.place([(r, line) for r, line in zip(records, lines, strict=True) if r.ok])
         append_lines(self.manifest, lines)
-        return sum(line["status"] != "ok" for line in lines)
 
     def place(self, done: list[tuple[EmbeddingRecord, dict]]) -> None:
         """One shard of the successes' tensors, renamed into place; each one's manifest line says where."""
