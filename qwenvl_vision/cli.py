@@ -1,4 +1,4 @@
-"""``qwenvl-vision``: extract-weights, inspect, embed, bench.
+"""``qwenvl-vision``: extract-weights, inspect, embed, bench, serve.
 
 Errors: every error ends the command with one line on stderr, ``qwenvl-vision COMMAND: error: ...``;
 ``--debug`` adds the traceback. Exit codes (docs/embed.md lists them with what to do next): 0 done; 1 some
@@ -256,10 +256,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .embed.args import add_embed_parser
     from .embed.job import run_embed
+    from .serve.main import add_serve_parser
     from .teardown.study import add_bench_parser
 
     add_embed_parser(sub, parents=[common]).set_defaults(func=run_embed)
     add_bench_parser(sub, parents=[common])
+    add_serve_parser(sub, parents=[common])
     return parser
 
 

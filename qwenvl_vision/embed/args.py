@@ -1,7 +1,8 @@
 """The ``embed`` command line: its options, their types and the checks across them (``add_embed_parser``,
 ``validate_embed_args``, which also settles ``--format``'s default: parquet with ``--engine ray``, else
 safetensors), and ``EmbedSettings``, the checked options as the job reads them. What runs the command is
-``job.run_embed``: the CLI binds the parser to it."""
+``job.run_embed``: the CLI binds the parser to it. The options that load the model and size its inputs
+(``model_options``, ``validate_model_args``) are ``serve``'s too."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ FLAGS = {"min_pixels": "--min-pixels", "max_pixels": "--max-pixels", "pooled": "
          "normalize": "--normalize"}
 
 
-def _positive(kind: type, name: str):
+def positive_option(kind: type, name: str):
     """An argparse type: a whole number of at least 1 (``int``) or a finite number above 0 (``float``), the error
     naming the option."""
     what, bound = ("an integer", "at least 1") if kind is int else ("a number", "a positive number")
@@ -114,6 +115,11 @@ def validate_embed_args(args: argparse.Namespace) -> None:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file, not a folder")
+    validate_model_args(args)
+
+
+def validate_model_args(args: argparse.Namespace) -> None:
+    """The checks across ``model_options``: a preset needs --random-weights, which takes no --revision."""
     if args.random_weights and args.revision:
         raise ConfigError("--revision means a Hub checkpoint; --random-weights takes a preset")
     if args.model.lower() in PRESETS and not args.random_weights and not Path(args.model).is_dir():
@@ -121,13 +127,10 @@ def validate_embed_args(args: argparse.Namespace) -> None:
                           f"at its size, or give a checkpoint folder or repo id")
 
 
-def add_embed_parser(sub, parents=()) -> argparse.ArgumentParser:
-    """The ``embed`` subparser of `sub`, its options checked by validate_embed_args; the caller sets its func."""
-    p = sub.add_parser("embed", help="embed images and videos into safetensors (with a manifest) or Parquet shards",
-                       parents=list(parents))
-    p.add_argument("inputs", nargs="+", metavar="INPUT", help=INPUT_KINDS)
+def model_options() -> argparse.ArgumentParser:
+    """A parent parser of the options that load the model and size its inputs, shared by ``embed`` and ``serve``."""
+    p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--model", required=True, help="checkpoint folder, vision-only folder, repo id, or preset")
-    p.add_argument("--out", required=True, help="output folder for shards, manifest.jsonl and run.json")
     p.add_argument("--revision", help="Hub branch, tag or commit of --model (default: main)")
     p.add_argument("--local-files-only", action="store_true",
                    help="take a repo id --model from the Hugging Face cache only, never the network (as "
@@ -136,9 +139,9 @@ def add_embed_parser(sub, parents=()) -> argparse.ArgumentParser:
                    help="cpu, cuda or cuda:N (default: cuda when available, else cpu; under torchrun each rank "
                         "takes cuda:LOCAL_RANK)")
     p.add_argument("--dtype", type=dtype_option, help=f"{DTYPE_CHOICES} (default: bf16 on CUDA, fp32 on CPU)")
-    p.add_argument("--min-pixels", type=_positive(int, "--min-pixels"),
+    p.add_argument("--min-pixels", type=positive_option(int, "--min-pixels"),
                    help="smallest image area after resizing (default: the checkpoint's)")
-    p.add_argument("--max-pixels", type=_positive(int, "--max-pixels"),
+    p.add_argument("--max-pixels", type=positive_option(int, "--max-pixels"),
                    help="largest image area after resizing (default: the checkpoint's); below the checkpoint's "
                         "min_pixels, small images are still upscaled to that min, as in transformers' processor: "
                         "give --min-pixels too")
@@ -146,20 +149,37 @@ def add_embed_parser(sub, parents=()) -> argparse.ArgumentParser:
                    help="whose resize the pixels match: pil = transformers' PIL image processor (transformers "
                         "without torchvision), torch = its torchvision processor (with torchvision; vLLM); default: "
                         "what the checkpoint's preprocessor_config.json names (...Fast: torch)")
-    p.add_argument("--fps", type=_positive(float, "--fps"),
+    p.add_argument("--fps", type=positive_option(float, "--fps"),
                    help="frames per second sampled from video files (default: the checkpoint's "
                         "video_preprocessor_config.json, else 2)")
-    p.add_argument("--max-input-pixels", type=_positive(int, "--max-input-pixels"), default=DEFAULT_MAX_INPUT_PIXELS,
+    p.add_argument("--max-input-pixels", type=positive_option(int, "--max-input-pixels"),
+                   default=DEFAULT_MAX_INPUT_PIXELS,
                    help="refuse (record as failed) files whose header declares more pixels, before decoding "
                         "(default %(default)s)")
-    p.add_argument("--decode-mib", type=_positive(int, "--decode-mib"), default=1024,
+    p.add_argument("--decode-mib", type=positive_option(int, "--decode-mib"), default=1024,
                    help="memory images being decoded or waiting for their batch may hold at once, in MiB "
                         "(an image needing more is decoded alone; default %(default)s)")
-    p.add_argument("--decode-timeout", type=_positive(float, "--decode-timeout"), default=DEFAULT_DECODE_TIMEOUT,
+    p.add_argument("--decode-timeout", type=positive_option(float, "--decode-timeout"), default=DEFAULT_DECODE_TIMEOUT,
                    metavar="SECONDS",
                    help="record an input as failed when decoding it takes longer, and go on (default %(default)g)")
-    p.add_argument("--batch-patches", type=_positive(int, "--batch-patches"), default=DEFAULT_BATCH_PATCHES,
+    p.add_argument("--batch-patches", type=positive_option(int, "--batch-patches"), default=DEFAULT_BATCH_PATCHES,
                    help="patches per forward (an item above runs alone; default %(default)s)")
+    p.add_argument("--random-weights", action="store_true", help="with a preset --model: random weights, offline")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the blocks (pays off on CUDA for long jobs; slower on CPU: "
+                        "docs/benchmarks.md)")
+    p.add_argument("--attn", default="auto", choices=ATTN_IMPLS,
+                   help="attention backend (default auto: flash-attn, else torch varlen on CUDA in bf16/fp16, "
+                        "else sdpa); one that cannot run on the device and dtype is refused")
+    return p
+
+
+def add_embed_parser(sub, parents=()) -> argparse.ArgumentParser:
+    """The ``embed`` subparser of `sub`, its options checked by validate_embed_args; the caller sets its func."""
+    p = sub.add_parser("embed", help="embed images and videos into safetensors (with a manifest) or Parquet shards",
+                       parents=[*parents, model_options()])
+    p.add_argument("inputs", nargs="+", metavar="INPUT", help=INPUT_KINDS)
+    p.add_argument("--out", required=True, help="output folder for shards, manifest.jsonl and run.json")
     p.add_argument("--path-column", default="path", metavar="NAME",
                    help="in a table input (.parquet, .csv, .tsv, .jsonl): the column naming each file, relative "
                         "paths from the table's folder (default %(default)s)")
@@ -181,10 +201,10 @@ def add_embed_parser(sub, parents=()) -> argparse.ArgumentParser:
     p.add_argument("--ray-address",
                    help="with --engine ray: join this Ray cluster (e.g. auto, or ray://head:10001; default: start a "
                         "local one with this machine's CPUs and GPUs)")
-    p.add_argument("--ray-actors", type=_positive(int, "--ray-actors"),
+    p.add_argument("--ray-actors", type=positive_option(int, "--ray-actors"),
                    help="with --engine ray: encoder actors (default: one per GPU with --device cuda, else the "
                         "cluster's CPUs / --threads); each holds a copy of the tower")
-    p.add_argument("--threads", type=_positive(int, "--threads"),
+    p.add_argument("--threads", type=positive_option(int, "--threads"),
                    help="torch threads of each forward (default: torch's, one per core, locally; on Ray CPU actors the "
                         "cluster's CPUs / 4, at least 1; a --resume keeps the run's). run.json records it: CPU "
                         "results are bitwise equal only at the same thread count")
@@ -192,12 +212,5 @@ def add_embed_parser(sub, parents=()) -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true",
                    help="no progress (bar on a terminal, else a line every few seconds) and no loading lines; "
                         "errors, a note on crossed pixel bounds and the final summary still print")
-    p.add_argument("--random-weights", action="store_true", help="with a preset --model: random weights, offline")
-    p.add_argument("--compile", action="store_true",
-                   help="torch.compile the blocks (pays off on CUDA for long jobs; slower on CPU: "
-                        "docs/benchmarks.md)")
-    p.add_argument("--attn", default="auto", choices=ATTN_IMPLS,
-                   help="attention backend (default auto: flash-attn, else torch varlen on CUDA in bf16/fp16, "
-                        "else sdpa); one that cannot run on the device and dtype is refused")
     p.set_defaults(validate=validate_embed_args)
     return p

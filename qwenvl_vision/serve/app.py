@@ -1,0 +1,245 @@
+"""The HTTP app (``build_app``): routes, the API key, the one mapping of errors to statuses, and the metrics.
+
+- ``POST /v1/chat/completions``, the encoder role: every item is written to ``shared/<uuid>/
+  encoder_cache.safetensors`` (``vllm_cache.write_item``: its rows as ``write_vllm_cache`` writes them), unless
+  a file written by this server is there already; the answer is a chat completion with ``ec_transfer_params``.
+- ``POST /v1/embeddings``: each item's pooled vector (OpenAI's shape, float or base64), or with
+  ``return_tokens`` a safetensors payload of the tokens, grids and DeepStack levels.
+- ``GET /health`` (no key), ``/v1/models``, ``/metrics`` (Prometheus text, a registry of the app's own).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import hmac
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from pathlib import Path
+from typing import Any
+
+import torch
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from safetensors.torch import save
+from starlette.exceptions import HTTPException
+
+from ..errors import EncoderClosedError, ForwardFaultError, QwenVLVisionError
+from ..outputs.handoff import EncodedItems, vllm_items
+from ..outputs.vllm_cache import CACHE_FILE, cache_lock, claim_cache_folder, entry, write_item
+from ..results import ItemResult
+from .batcher import Batcher
+from .media import Item, MediaPolicy, RequestError, request_items
+
+ENTRY_KEY = "qwenvl_vision_entry"  # an item file's metadata: what the request needs of it (vllm_cache.entry)
+ROUTES = ("/health", "/v1/models", "/metrics", "/v1/chat/completions", "/v1/embeddings")
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    served_name: str
+    api_key: str | None = None
+    shared: Path | None = None  # --ec-shared-storage: the encoder role's folder
+    policy: MediaPolicy = MediaPolicy()
+    max_body: int = 64 << 20
+    max_items: int = 64
+    max_queue: int = 256
+    options: dict[str, Any] = field(default_factory=dict)  # iter_encode's limits and pixel bounds
+
+
+def one_line(error: BaseException) -> str:
+    return " ".join(str(error).split()) or type(error).__name__
+
+
+def error_response(request: Request, error: Exception) -> JSONResponse:
+    """Every error's answer: the request's own fault 4xx, the server's 5xx, one line naming the item."""
+    if isinstance(error, RequestError):
+        status, headers = error.status, error.headers
+    elif isinstance(error, HTTPException):  # an unknown route or method
+        status, headers = error.status_code, error.headers
+    elif isinstance(error, (ForwardFaultError, EncoderClosedError)) or not isinstance(error, QwenVLVisionError):
+        status, headers = (503 if isinstance(error, EncoderClosedError) else 500), None
+    else:
+        status, headers = 400, None
+    message = one_line(error.detail if isinstance(error, HTTPException) else error)
+    if not isinstance(error, (QwenVLVisionError, HTTPException)):
+        message = f"internal error, {type(error).__name__}: {message}"
+    kind = HTTPStatus(status).phrase.replace(" ", "").replace("-", "") + "Error"
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status, headers)
+
+
+def placeholder_fields(e: dict[str, Any]) -> dict[str, Any]:
+    """An item's ``ec_transfer_params`` metadata as a vLLM 0.33 producer reports it: the fields that size its
+    placeholders (its parser's ``placeholder_metadata_fields``), which the proxy hands the decoder."""
+    fields: dict[str, Any] = {f"{e['modality']}_grid_thw": e["grid_thw"]}
+    if "timestamps" in e:
+        fields["timestamps"] = e["timestamps"]
+    if "second_per_grid_t" in e:
+        fields["second_per_grid_ts"] = [e["second_per_grid_t"]]
+    return fields
+
+
+async def read_json(request: Request, limit: int) -> Any:
+    """The body as JSON, refused (413) as soon as it is known to be over ``limit`` bytes."""
+    over = RequestError(f"the request body is larger than --max-body-mib ({limit >> 20} MiB)", 413)
+    if int(request.headers.get("content-length") or 0) > limit:
+        raise over
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise over
+        chunks.append(chunk)
+    try:
+        return json.loads(b"".join(chunks))
+    except ValueError as e:
+        raise RequestError(f"the request body is not JSON ({e})") from None
+
+
+def build_app(encoder: Any, settings: ServeSettings) -> FastAPI:
+    """The app serving ``encoder``, which its lifespan's end closes once the queue has drained."""
+    registry = CollectorRegistry()
+    requests = Counter("qwenvl_vision_requests", "requests answered", ["route", "status"], registry=registry)
+    items = Counter("qwenvl_vision_items_encoded", "items encoded (not those found written)", registry=registry)
+    latency = Histogram("qwenvl_vision_request_seconds", "request latency", ["route"], registry=registry)
+    queued = Gauge("qwenvl_vision_queue_items", "items waiting for the encoder", registry=registry)
+    shared, tag = settings.shared, uuid.uuid4().hex
+    if shared is not None:  # refused before serving: a folder holding another model's items
+        claim_cache_folder(shared, encoder.identity(), tag)
+    batcher = Batcher(encoder, settings.options, settings.max_queue, queued, items)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(batcher.close)
+            encoder.close()
+
+    def authorized(request: Request) -> None:
+        given = request.headers.get("authorization", "").encode()
+        if settings.api_key and not hmac.compare_digest(given, f"Bearer {settings.api_key}".encode()):
+            raise RequestError("a valid API key is required (Authorization: Bearer KEY)", 401)
+
+    app = FastAPI(lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)
+    for error in (QwenVLVisionError, HTTPException, Exception):
+        app.add_exception_handler(error, error_response)
+    router = APIRouter(dependencies=[Depends(authorized)])
+
+    @app.middleware("http")
+    async def measure(request: Request, call_next):
+        start, status = time.perf_counter(), 500
+        try:
+            response = await call_next(request)
+            status = response.status_code
+            return response
+        finally:
+            route = request.url.path if request.url.path in ROUTES else "other"
+            requests.labels(route, str(status)).inc()
+            latency.labels(route).observe(time.perf_counter() - start)
+
+    def items_of(body: Any, need_uuid: bool) -> list[Item]:
+        found = request_items(body, settings.policy, need_uuid)
+        if len(found) > settings.max_items:
+            raise RequestError(f"messages: {len(found)} images and videos, more than --max-items {settings.max_items}")
+        return found
+
+    async def encoded(found: list[Item], normalize: bool = False) -> list[ItemResult]:
+        """The items' results, or the first failure as one line naming its item."""
+        results = await asyncio.gather(*batcher.submit([item.file for item in found], normalize))
+        for result in results:
+            if not result.ok:
+                raise (ForwardFaultError if result.error_class is ForwardFaultError else RequestError)(result.error)
+        return results
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {}
+
+    @router.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": settings.served_name, "object": "model", "created": 0,
+                                            "owned_by": "qwenvl-vision"}]}
+
+    @router.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    def present(found: list[Item]) -> dict[str, dict]:
+        """The entries of the items this server wrote already (their metadata says what a request needs)."""
+        from safetensors import SafetensorError, safe_open
+
+        entries = {}
+        for item in found:
+            with contextlib.suppress(SafetensorError, OSError, ValueError, KeyError):
+                with safe_open(shared / item.uuid / CACHE_FILE, framework="pt") as f:
+                    entries[item.uuid] = json.loads(f.metadata()[ENTRY_KEY])
+        return entries
+
+    def write(found: list[Item], results: list[ItemResult]) -> dict[str, dict]:
+        entries = {}
+        with cache_lock(shared):  # a prune removes nothing while items are written
+            for item, r in zip(found, results):
+                try:
+                    (rows,) = vllm_items(EncodedItems([r.embedding], [r.grid_thw], [r.deepstack], item.modality,
+                                                      encoder.family, [r.video_info]))
+                except QwenVLVisionError as e:
+                    raise RequestError(f"{item.label}: {one_line(e)}") from None
+                entries[item.uuid] = {k: v for k, v in entry(item.uuid, rows).items() if k != "id"}
+                write_item(shared, item.uuid, rows.rows, tag, {ENTRY_KEY: json.dumps(entries[item.uuid])})
+        return entries
+
+    @router.post("/v1/chat/completions")
+    async def chat(request: Request) -> dict:
+        body = await read_json(request, settings.max_body)
+        if shared is None:
+            raise RequestError("this server has no encoder role: start it with --ec-shared-storage PATH")
+        found = items_of(body, need_uuid=True)
+        entries = await asyncio.to_thread(present, found)
+        todo = list({item.uuid: item for item in found if item.uuid not in entries}.values())  # each uuid once
+        if todo:
+            entries.update(await asyncio.to_thread(write, todo, await encoded(todo)))
+        transfer: dict[str, dict] = {}
+        for i, item in enumerate(found):
+            transfer.setdefault(item.uuid, {"modality": item.modality, "metadata": placeholder_fields(
+                entries[item.uuid]), "item_indices": []})["item_indices"].append(i)
+        tokens = sum(entries[item.uuid]["tokens"] for item in found)
+        return {"id": f"chatcmpl-{request.headers.get('x-request-id') or uuid.uuid4().hex}",
+                "object": "chat.completion", "created": int(time.time()), "model": settings.served_name,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": "length"}],
+                "usage": {"prompt_tokens": tokens, "completion_tokens": 0, "total_tokens": tokens},
+                "ec_transfer_params": transfer}
+
+    @router.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Any:
+        body = await read_json(request, settings.max_body)
+        found = items_of(body, need_uuid=False)
+        form, normalize = body.get("encoding_format") or "float", body.get("normalize", False)
+        if form not in ("float", "base64") or not isinstance(normalize, bool):
+            raise RequestError(f"encoding_format {form!r} / normalize {normalize!r}: float or base64 / a boolean")
+        results = await encoded(found, normalize)
+        if body.get("return_tokens"):
+            tensors = {}
+            for i, r in enumerate(results):
+                tensors[f"{i}.embeddings"] = r.embedding.cpu().contiguous()
+                tensors[f"{i}.grid_thw"] = torch.tensor(r.grid_thw, dtype=torch.int64)
+                tensors.update({f"{i}.deepstack.{level}": t.cpu().contiguous() for level, t in enumerate(r.deepstack)})
+            return Response(await asyncio.to_thread(save, tensors), media_type="application/vnd.safetensors")
+        data = []
+        for i, r in enumerate(results):
+            vector = r.pooled.float().cpu()
+            value = base64.b64encode(vector.numpy().astype("<f4").tobytes()).decode() if form == "base64" \
+                else vector.tolist()
+            data.append({"object": "embedding", "index": i, "embedding": value})
+        tokens = sum(r.embedding.shape[0] for r in results)
+        return {"object": "list", "data": data, "model": settings.served_name,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+    app.include_router(router)
+    return app

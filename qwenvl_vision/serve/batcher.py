@@ -1,0 +1,101 @@
+"""The queue of items waiting for the encoder, and the one thread that encodes them: it takes every item queued at
+that moment, hands them to ``iter_encode`` (which decodes ahead on its threads, within the decode budget, and
+batches by patches) and resolves each item's future on its event loop as its batch comes out. The event loop never
+decodes or runs a forward; a full queue is refused at once (503), never an unbounded backlog."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from ..inputs.pixels import FileBytes
+from ..results import ItemResult
+from .media import RequestError
+
+
+@dataclass
+class Job:
+    file: FileBytes
+    normalize: bool
+    future: asyncio.Future
+
+
+class Batcher:
+    """Owns the encoder's forwards. ``options``: ``iter_encode``'s keyword arguments (limits, pixel bounds)."""
+
+    def __init__(self, encoder: Any, options: dict[str, Any], max_queue: int, queue_gauge: Any, items_counter: Any):
+        self.encoder, self.options, self.max_queue = encoder, options, max_queue
+        self.queue_gauge, self.items_counter = queue_gauge, items_counter
+        self.jobs: collections.deque[Job] = collections.deque()
+        self.ready = threading.Condition()
+        self.stopping = False
+        self.thread = threading.Thread(target=self.run, name="qwenvl-vision-encoder", daemon=True)
+        self.thread.start()
+
+    def submit(self, files: list[FileBytes], normalize: bool = False) -> list[asyncio.Future]:
+        """Queue the files; their futures resolve to ``ItemResult``s. A queue without room for all of them: 503."""
+        loop = asyncio.get_running_loop()
+        jobs = [Job(f, normalize, loop.create_future()) for f in files]
+        with self.ready:
+            if self.stopping or len(self.jobs) + len(jobs) > self.max_queue:
+                raise RequestError(f"the encoder's queue is full ({len(self.jobs)} items waiting, --max-queue "
+                                   f"{self.max_queue}); try again shortly", 503, {"Retry-After": "1"})
+            self.jobs.extend(jobs)
+            self.queue_gauge.set(len(self.jobs))
+            self.ready.notify()
+        return [job.future for job in jobs]
+
+    def run(self) -> None:
+        while True:
+            with self.ready:
+                while not self.jobs and not self.stopping:
+                    self.ready.wait()
+                if not self.jobs:  # stopping, and the queue drained
+                    return
+                taken, self.jobs = list(self.jobs), collections.deque()
+                self.queue_gauge.set(0)
+            for normalize in (False, True):  # one call per setting: normalize is an option of the call
+                group = [job for job in taken if job.normalize == normalize]
+                if group:
+                    self.encode(group, normalize)
+
+    def encode(self, jobs: list[Job], normalize: bool) -> None:
+        options = self.options
+        if self.encoder.device.type == "cpu":
+            # On the CPU each item runs as its own forward whatever its batch (execution.forwards_on): batches of
+            # one answer each item as soon as its forward ends, so clients resend while the others are encoded.
+            options = {**options, "max_batch_patches": 1}
+        try:
+            for batch in self.encoder.iter_encode([job.file for job in jobs], video=None, pooled=True,
+                                                  normalize=normalize, **options):
+                for result in batch:
+                    self.resolve(jobs[result.index].future, result)
+                self.items_counter.inc(sum(result.ok for result in batch))
+        except Exception as e:  # noqa: BLE001 - a failed forward fails the items waiting for it, and the server goes on
+            for job in jobs:
+                self.resolve(job.future, e)
+
+    @staticmethod
+    def resolve(future: asyncio.Future, outcome: ItemResult | BaseException) -> None:
+        def settle() -> None:
+            if future.done():  # its request went away (a client that hung up)
+                return
+            if isinstance(outcome, BaseException):
+                future.set_exception(outcome)
+            else:
+                future.set_result(outcome)
+
+        try:
+            future.get_loop().call_soon_threadsafe(settle)
+        except RuntimeError:  # the loop is closed: nobody waits for it
+            pass
+
+    def close(self) -> None:
+        """Encode what is queued, then stop the thread."""
+        with self.ready:
+            self.stopping = True
+            self.ready.notify()
+        self.thread.join()

@@ -1,0 +1,91 @@
+"""The ``serve`` command line: its options (``add_serve_parser``, the model options ``embed`` takes) and
+``run_serve``, which loads the encoder and serves the app with uvicorn until SIGTERM or Ctrl-C."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import signal
+from pathlib import Path
+
+from ..embed.args import model_options, positive_option, validate_model_args
+from ..errors import ConfigError
+from ..options import check_option_rules
+
+API_KEY_ENV = "QWENVL_VISION_API_KEY"
+
+
+def add_serve_parser(sub, parents=()) -> argparse.ArgumentParser:
+    """The ``serve`` subparser of `sub`, bound to run_serve."""
+    p = sub.add_parser("serve", help="serve the encoder over HTTP: vLLM's encoder role (disaggregated encoding) and "
+                       "an embeddings endpoint", parents=[*parents, model_options()])
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
+    p.add_argument("--port", type=positive_option(int, "--port"), default=8000, help="port (default %(default)s)")
+    p.add_argument("--served-model-name", help="the model name the API answers with (default: --model as given)")
+    p.add_argument("--ec-shared-storage", metavar="PATH",
+                   help="the encoder role: /v1/chat/completions writes each item to PATH/<uuid>/"
+                        "encoder_cache.safetensors, as vLLM's ECExampleConnector consumer reads it (default: "
+                        "the role is off)")
+    p.add_argument("--api-key", help=f"require Authorization: Bearer KEY on every route but /health (default: "
+                                     f"${API_KEY_ENV}, else no key)")
+    p.add_argument("--allowed-media-domains", nargs="+", default=[], metavar="DOMAIN",
+                   help="fetch http(s) media only from these hosts (default: no http(s) media)")
+    p.add_argument("--allowed-local-media-path", metavar="DIR",
+                   help="read file:// media only under DIR (default: no local files)")
+    p.add_argument("--max-body-mib", type=positive_option(int, "--max-body-mib"), default=64,
+                   help="largest request body, in MiB (default %(default)s)")
+    p.add_argument("--max-items", type=positive_option(int, "--max-items"), default=64,
+                   help="most images and videos in one request (default %(default)s)")
+    p.add_argument("--max-queue", type=positive_option(int, "--max-queue"), default=256,
+                   help="most items waiting for the encoder; beyond it a request is answered 503 with Retry-After "
+                        "(default %(default)s)")
+    p.add_argument("--threads", type=positive_option(int, "--threads"),
+                   help="torch threads of each forward (default: torch's, one per core)")
+    p.set_defaults(func=run_serve, validate=validate_serve_args)
+    return p
+
+
+def validate_serve_args(args: argparse.Namespace) -> None:
+    check_option_rules(min_pixels=args.min_pixels, max_pixels=args.max_pixels,
+                       names={"min_pixels": "--min-pixels", "max_pixels": "--max-pixels"})
+    validate_model_args(args)
+    if args.allowed_local_media_path and not Path(args.allowed_local_media_path).is_dir():
+        raise ConfigError(f"--allowed-local-media-path {args.allowed_local_media_path} is not a folder")
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import torch
+    import uvicorn
+
+    from ..loading import load_encoder
+    from .app import ServeSettings, build_app
+    from .media import MediaPolicy
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    encoder = load_encoder(args.model, device=args.device, dtype=args.dtype, random_weights=args.random_weights,
+                           revision=args.revision, local_files_only=args.local_files_only, compile=args.compile,
+                           attn_impl=args.attn)
+    with encoder:  # closed here too when the app cannot start (its lifespan closes it after serving)
+        local = args.allowed_local_media_path
+        settings = ServeSettings(
+            served_name=args.served_model_name or args.model, api_key=args.api_key or os.environ.get(API_KEY_ENV),
+            shared=Path(args.ec_shared_storage) if args.ec_shared_storage else None,
+            policy=MediaPolicy(frozenset(args.allowed_media_domains), Path(local).resolve() if local else None,
+                               args.decode_timeout),
+            max_body=args.max_body_mib << 20, max_items=args.max_items, max_queue=args.max_queue,
+            options=dict(min_pixels=args.min_pixels, max_pixels=args.max_pixels, resize=args.resize,
+                         max_batch_patches=args.batch_patches, max_input_pixels=args.max_input_pixels,
+                         decode_bytes=args.decode_mib << 20, decode_timeout=args.decode_timeout,
+                         video_config=dataclasses.replace(encoder.video_config, fps=args.fps) if args.fps else None))
+        server = uvicorn.Server(uvicorn.Config(build_app(encoder, settings), host=args.host, port=args.port,
+                                               access_log=False))
+        # uvicorn handles SIGTERM (stops accepting, finishes what is in flight) and raises it again once stopped,
+        # which the CLI's own handler would turn into exit 143 after a clean stop.
+        previous = signal.signal(signal.SIGTERM, lambda *_: None)
+        try:
+            server.run()
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+    return 0

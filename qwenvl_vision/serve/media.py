@@ -1,0 +1,168 @@
+"""A request's items: the image and video parts of its chat messages, in vLLM 0.33's content-part shapes
+(``{"type": "image_url", "image_url": {"url": URL}, "uuid": ID}``, the url also as a plain string, ``video_url``
+alike), each checked against the media policy and handed to the encoder as ``FileBytes`` named by its place in
+the request (``messages[0].content[1]``), with the extension that tells the decoder an image from a video.
+
+Sources: ``data:`` URLs (base64) always; http(s) only from ``allowed_domains``, redirects followed only within
+them; ``file://`` only under ``local_root`` (symbolic links resolved before the check). URLs are fetched on the
+decode thread, within the decode budget's bytes and the decode time limit."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import mimetypes
+import re
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urljoin, urlsplit
+
+from ..embed.inputs import IMAGE_EXTENSIONS
+from ..errors import PreprocessError, QwenVLVisionError
+from ..inputs.pixels import FileBytes
+from ..inputs.urls import redacted
+from ..inputs.video_io import VIDEO_EXTENSIONS
+
+UUID = re.compile(r"[A-Za-z0-9._-]{1,128}")
+TEXT_TYPES = ("text", "input_text", "refusal", "thinking")
+EXTENSIONS = {"image": (IMAGE_EXTENSIONS, ".png"), "video": (VIDEO_EXTENSIONS, ".mp4")}
+
+
+class RequestError(QwenVLVisionError, ValueError):
+    """A request the server refuses, with the HTTP status it answers (one line naming the item)."""
+
+    def __init__(self, message: str, status: int = 400, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.headers = status, headers or {}
+
+
+@dataclass(frozen=True)
+class MediaPolicy:
+    allowed_domains: frozenset[str] = frozenset()
+    local_root: Path | None = None  # resolved
+    timeout_s: float = 60.0
+
+
+@dataclass
+class Item:
+    label: str  # its place in the request: messages[i].content[j]
+    modality: str
+    uuid: str | None
+    file: FileBytes
+
+
+def request_items(body: Any, policy: MediaPolicy, need_uuid: bool) -> list[Item]:
+    """The image and video items of a chat request's messages, in request order; text is skipped."""
+    messages = body.get("messages") if isinstance(body, dict) else None
+    if not isinstance(messages, list):
+        raise RequestError("messages: a list of chat messages is required")
+    items = []
+    for m, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise RequestError(f"messages[{m}]: a message is an object with role and content")
+        content = message.get("content")
+        for c, part in enumerate(content if isinstance(content, list) else []):  # a string content is text
+            label = f"messages[{m}].content[{c}]"
+            if not isinstance(part, dict):
+                raise RequestError(f"{label}: a content part is an object")
+            kind = part.get("type")
+            if kind in TEXT_TYPES:
+                continue
+            field = next((f for f in ("image_url", "video_url") if f in part), None)
+            if field is None or kind not in (None, field, "input_image"):
+                raise RequestError(f"{label}: content type {kind!r} is not served (image_url, video_url or text)")
+            url = part[field].get("url") if isinstance(part[field], dict) else part[field]
+            if not isinstance(url, str):
+                raise RequestError(f"{label}: {field} has no url")
+            uuid = part.get("uuid")
+            uuid = None if uuid is None else str(uuid)  # vLLM takes any value as its text
+            if uuid is None and need_uuid:
+                raise RequestError(f"{label}: no uuid: the encoder role writes each item under its uuid (vLLM's "
+                                   f"consumer finds it there); give every image and video a uuid")
+            # The uuid names a folder: anything but a plain token could name a path outside the shared one.
+            if uuid is not None and (not UUID.fullmatch(uuid) or uuid in (".", "..")):
+                raise RequestError(f"{label}: uuid {uuid[:140]!r} is not a plain token ([A-Za-z0-9._-], at most "
+                                   f"128 characters, not . or ..)")
+            modality = field.removesuffix("_url")
+            items.append(Item(label, modality, uuid, media_file(url, label, modality, policy)))
+    return items
+
+
+def media_file(url: str, label: str, modality: str, policy: MediaPolicy) -> FileBytes:
+    """The item's bytes (a data URL's now; a URL's fetched when decoded), or a RequestError naming it."""
+    known, default = EXTENSIONS[modality]
+    scheme = url.split(":", 1)[0].lower()
+    if scheme == "data":
+        header, comma, payload = url[5:].partition(",")
+        mime, *params = header.split(";")
+        if not comma or "base64" not in params:
+            raise RequestError(f"{label}: a data URL must be data:<mime type>;base64,<data>")
+        mime = mime.strip().lower()
+        if not mime.startswith(f"{modality}/"):
+            raise RequestError(f"{label}: media type {mime[:80]!r} is not {modality}/* ({modality}_url)", 415)
+        ext = mimetypes.guess_extension(mime)  # the decoders read the content: a name only tells the kind
+        try:
+            return FileBytes(label + (ext if ext in known else default), base64.b64decode(payload, validate=True))
+        except binascii.Error:
+            raise RequestError(f"{label}: the data URL's base64 is invalid") from None
+    ext = Path(urlsplit(url).path).suffix.lower()
+    name = label + (ext if ext in known else default)
+    if scheme in ("http", "https"):
+        check_remote(url, label, policy)
+        return FileBytes(name, fetch=lambda limit: fetch(url, label, policy, limit))
+    if scheme == "file":
+        if policy.local_root is None:
+            raise RequestError(f"{label}: file URLs are refused (start the server with --allowed-local-media-path)")
+        parts = urlsplit(url)
+        path = Path(unquote(parts.path)).resolve()
+        if parts.netloc not in ("", "localhost") or not path.is_relative_to(policy.local_root):
+            raise RequestError(f"{label}: {url[:200]} is not under --allowed-local-media-path")
+        return FileBytes(name, fetch=lambda limit: read_local(path, label, limit))
+    raise RequestError(f"{label}: URL scheme {scheme[:20]!r} is not served (data, http(s), file)")
+
+
+def check_remote(url: str, label: str, policy: MediaPolicy, error: type[Exception] = RequestError) -> None:
+    """Refuse a URL that is not http(s) from an allowed domain."""
+    parts = urlsplit(url)
+    if parts.scheme.lower() not in ("http", "https") or (parts.hostname or "") not in policy.allowed_domains:
+        raise error(f"{label}: {redacted(url)[:200]} is not an http(s) URL of --allowed-media-domains")
+
+
+def read_local(path: Path, label: str, limit: int | None) -> bytes:
+    with open(path, "rb") as f:
+        return within(f.read(-1 if limit is None else limit + 1), label, limit)
+
+
+def within(data: bytes, label: str, limit: int | None) -> bytes:
+    if limit is not None and len(data) > limit:
+        raise PreprocessError(f"{label}: more than the decode budget of {limit:,} bytes")
+    return data
+
+
+class Redirects(urllib.request.HTTPRedirectHandler):
+    """Follows a redirect only to an allowed domain: another host, or a file, is the item's error."""
+
+    def __init__(self, label: str, policy: MediaPolicy) -> None:
+        self.label, self.policy = label, policy
+
+    def http_error_302(self, req, fp, code, msg, headers):
+        target = urljoin(req.full_url, headers.get("location") or headers.get("uri") or "")
+        check_remote(target, f"{self.label}: a redirect to", self.policy, PreprocessError)
+        return super().http_error_302(req, fp, code, msg, headers)
+
+    http_error_301 = http_error_303 = http_error_307 = http_error_308 = http_error_302
+
+
+def fetch(url: str, label: str, policy: MediaPolicy, limit: int | None) -> bytes:
+    """The URL's body, at most ``limit`` bytes (read one past it to tell), on the decode thread."""
+    opener = urllib.request.build_opener(Redirects(label, policy))
+    try:
+        with opener.open(url, timeout=policy.timeout_s) as response:
+            return within(response.read(-1 if limit is None else limit + 1), label, limit)
+    except urllib.error.HTTPError as e:
+        raise PreprocessError(f"{label}: {redacted(url)[:200]} answered HTTP {e.code}") from None
+    except (urllib.error.URLError, OSError) as e:
+        raise PreprocessError(f"{label}: cannot fetch {redacted(url)[:200]} ({getattr(e, 'reason', e)})") from None

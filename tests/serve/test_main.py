@@ -1,0 +1,133 @@
+"""``qwenvl-vision serve`` as users run it: the real server (uvicorn, a child process) on a loopback port, sent what
+vLLM's disaggregated-encoder proxy sends, stopped by SIGTERM."""
+
+from __future__ import annotations
+
+import hashlib
+import http.server
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from qwenvl_vision.cli import main
+from qwenvl_vision.outputs.vllm_cache import CACHE_FILE, CACHE_KEY, write_vllm_cache
+from tests.helpers.serve import ENV, START_S, chat, data_url, part, serving
+
+
+def items_encoded(client: httpx.Client) -> float:
+    text = client.get("/metrics").text
+    return float(next(x for x in text.splitlines() if x.startswith("qwenvl_vision_items_encoded_total")).split()[-1])
+
+
+def test_the_proxy_s_request_writes_write_vllm_cache_s_items_under_their_uuids_once(tmp_path, checkpoint3, media,
+                                                                                   encoder3):
+    pytest.importorskip("av")
+    shared, reference = tmp_path / "shared", tmp_path / "reference"
+    images, video = [media["a.png"], media["b.png"]], media["clip.mp4"]
+    urls = [data_url(p) for p in images] + [data_url(video, "video/mp4")]
+    uuids = [hashlib.sha256(url.encode()).hexdigest() for url in urls]  # what the proxy names each item
+    parts = [part(urls[0], uuids[0]), part(urls[1], uuids[1]), part(urls[2], uuids[2], "video_url")]
+    request = chat(*parts, max_tokens=1, stream=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the server's (ENV: one thread), for the same bits
+    try:
+        entries = write_vllm_cache(encoder3.encode_images(images), reference) + \
+            write_vllm_cache(encoder3.encode_videos([video]), reference)
+    finally:
+        torch.set_num_threads(threads)
+    with serving(["--model", checkpoint3, "--device", "cpu", "--ec-shared-storage", shared],
+                 {**ENV, "QWENVL_VISION_API_KEY": "k"}) as url:
+        with httpx.Client(base_url=url, headers={"Authorization": "Bearer k"}, timeout=120) as client:
+            assert client.get("/v1/models").json()["data"][0]["id"] == str(checkpoint3)
+            response = client.post("/v1/chat/completions", json=request, headers={"x-request-id": "req-1"})
+            assert response.status_code == 200, response.text
+            answer = response.json()
+            assert answer["object"] == "chat.completion" and answer["id"] == "chatcmpl-req-1"
+            files = [shared / u / CACHE_FILE for u in uuids]
+            for i, (uuid, e, path) in enumerate(zip(uuids, entries, files)):
+                expected = load_file(reference / e["id"] / CACHE_FILE)[CACHE_KEY]
+                assert torch.equal(load_file(path)[CACHE_KEY], expected)  # bitwise, dtype included
+                assert answer["ec_transfer_params"][uuid] == {
+                    "modality": e["modality"], "metadata": {f"{e['modality']}_grid_thw": e["grid_thw"],
+                                                            **({"timestamps": e["timestamps"]} if i == 2 else {})},
+                    "item_indices": [i]}  # vLLM's producer's shape, the fields that size the item's placeholders
+            assert entries[2]["timestamps"]  # Qwen3-VL's videos carry their timing
+            assert answer["usage"]["prompt_tokens"] == sum(e["tokens"] for e in entries)
+            stamps, encoded = [(p.stat().st_mtime_ns, p.read_bytes()) for p in files], items_encoded(client)
+            again = client.post("/v1/chat/completions", json=request, headers={"x-request-id": "req-2"})
+            assert again.json()["ec_transfer_params"] == answer["ec_transfer_params"]
+            assert items_encoded(client) == encoded == 3  # found in place: not encoded again, nor written
+            assert [(p.stat().st_mtime_ns, p.read_bytes()) for p in files] == stamps
+            text_only = client.post("/v1/chat/completions", json=chat())
+            assert text_only.status_code == 200 and text_only.json()["ec_transfer_params"] == {}
+            assert httpx.get(f"{url}/v1/models").status_code == 401  # the key from the environment
+    assert url.process.returncode == 0  # SIGTERM: stopped after what was in flight, the encoder closed
+    assert sorted(p.name for p in shared.iterdir()) == sorted(uuids + ["qwenvl_vision_cache.json",
+                                                                       "qwenvl_vision_cache.lock"])
+
+
+def test_serve_refuses_a_preset_without_random_weights_in_one_line(capsys):
+    assert main(["serve", "--model", "qwen2.5-vl-3b"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "--random-weights" in err
+
+
+def test_neither_the_package_nor_the_serve_command_line_loads_the_server_s_libraries():
+    code = ("import json, sys, qwenvl_vision; core = sorted(sys.modules); from qwenvl_vision.cli import build_parser; "
+            "build_parser().parse_args(['serve', '--model', 'm']); print(json.dumps([core, sorted(sys.modules)]))")
+    done = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True, check=True)
+    core, parser = json.loads(done.stdout)
+    assert not [m for m in core if m.startswith("qwenvl_vision.serve")]
+    assert not [m for m in parser if m.split(".")[0] in ("fastapi", "starlette", "uvicorn", "prometheus_client")]
+
+
+def test_sigterm_stops_accepting_finishes_the_request_in_flight_and_exits_0(tmp_path, checkpoint3, media):
+    arrived, release = threading.Event(), threading.Event()
+    image = media["a.png"].read_bytes()
+
+    class Held(http.server.BaseHTTPRequestHandler):  # answers once the test lets it: the request stays in flight
+        def do_GET(self):
+            arrived.set()
+            release.wait()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(image)))
+            self.end_headers()
+            self.wfile.write(image)
+
+        def log_message(self, *args):
+            pass
+
+    media_server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Held)
+    threading.Thread(target=media_server.serve_forever, daemon=True).start()
+    answers = []
+    try:
+        with serving(["--model", checkpoint3, "--device", "cpu", "--allowed-media-domains", "127.0.0.1"]) as url:
+            body = chat(part(f"http://127.0.0.1:{media_server.server_address[1]}/a.png"))
+            client = threading.Thread(target=lambda: answers.append(httpx.post(f"{url}/v1/embeddings", json=body,
+                                                                                timeout=120)))
+            client.start()
+            assert arrived.wait(START_S), url.log()  # the server is fetching the item
+            url.process.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + START_S  # a bound, so that a server that goes on accepting fails, not hangs
+            while time.monotonic() < deadline:  # stopped accepting: new connections refused, the request in flight
+                try:
+                    httpx.get(f"{url}/health", timeout=5)
+                except httpx.TransportError:
+                    break
+            else:
+                raise AssertionError(f"serve still accepts connections {START_S} s after SIGTERM")
+            release.set()
+            client.join()
+    finally:
+        release.set()
+        media_server.shutdown()
+    assert answers[0].status_code == 200 and len(answers[0].json()["data"]) == 1
+    assert url.process.returncode == 0

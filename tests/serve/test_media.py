@@ -1,0 +1,65 @@
+"""Media sources under the policy: http(s) only from the allowed domains (redirects too), file:// only under the
+allowed folder, data: URLs by their media type (tests/serve/conftest.py serves 127.0.0.1 and root/local)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.helpers.serve import chat, data_url, error_of, part
+from tests.helpers.servers import http_folder
+
+
+def pooled(client, url: str, kind: str = "image_url") -> list[float]:
+    response = client.post("/v1/embeddings", json=chat(part(url, kind=kind)))
+    assert response.status_code == 200, response.text
+    return response.json()["data"][0]["embedding"]
+
+
+def test_http_from_an_allowed_domain_and_redirects_within_it_give_the_data_url_s_item(served, media):
+    client, _ = served
+    folder = media["a.png"].parent
+    with http_folder(folder, redirects={"moved.png": "/a.png"}) as base:
+        assert pooled(client, f"{base}/a.png") == pooled(client, f"{base}/moved.png") == \
+            pooled(client, data_url(media["a.png"]))
+        assert pooled(client, f"{base}/clip.mp4", "video_url") == \
+            pooled(client, data_url(media["clip.mp4"], "video/mp4"), "video_url")
+        error_of(client.post("/v1/embeddings", json=chat(part(f"{base}/missing.png"))), 400,
+                 "messages[0].content[1]", "404")
+
+
+@pytest.mark.parametrize("target", ["file:///etc/hostname", "http://localhost:{port}/a.png", "ftp://127.0.0.1/a.png"])
+def test_a_redirect_out_of_the_allowed_domains_is_the_item_s_error(served, media, target):
+    client, _ = served
+    redirects = {"away.png": target}  # the port filled in once the server has one
+    with http_folder(media["a.png"].parent, redirects=redirects) as base:
+        redirects["away.png"] = target.format(port=base.rsplit(":", 1)[1])
+        error_of(client.post("/v1/embeddings", json=chat(part(f"{base}/away.png"))), 400, "messages[0].content[1]",
+                 "redirect", target.split(":")[0])
+
+
+def test_local_files_only_under_the_allowed_folder_links_resolved(served, media, tmp_path):
+    client, root = served
+    local = root / "local"
+    assert pooled(client, f"file://{local}/a.png") == pooled(client, data_url(media["a.png"]))
+    link = local / f"link-{os.getpid()}.png"
+    link.symlink_to(media["b.png"])  # inside the folder, pointing out of it
+    try:
+        for url in (f"file://{media['b.png']}", f"file://{link}", f"file://{local}/../../{media['b.png'].parent.name}/b.png"):
+            error_of(client.post("/v1/embeddings", json=chat(part(url))), 400, "messages[0].content[1]",
+                     "--allowed-local-media-path")
+    finally:
+        link.unlink()
+
+
+def test_a_data_url_s_media_type_must_be_its_part_s_kind(served, media):
+    client, _ = served
+    # The decoder reads the content: a subtype clients misspell (image/jpg) is still an image.
+    assert pooled(client, data_url(media["a.png"], "image/jpg")) == pooled(client, data_url(media["a.png"]))
+    mp4 = data_url(media["clip.mp4"], "video/mp4")
+    error_of(client.post("/v1/embeddings", json=chat(part(mp4))), 415, "messages[0].content[1]", "video/mp4")
+    error_of(client.post("/v1/embeddings", json=chat(part(data_url(media["a.png"]), kind="video_url"))), 415,
+             "messages[0].content[1]", "image/png")
+    error_of(client.post("/v1/embeddings", json=chat(part(mp4.replace(";base64", ""), kind="video_url"))), 400,
+             "messages[0].content[1]", "base64")
