@@ -1,0 +1,240 @@
+"""``qwenvl-vision serve`` as the encoder instance of vLLM's disaggregated encoding (EPD), against vLLM 0.33.0's own
+code (the contract tier: bash .ci/contract).
+
+The server starts as docs/handoff.md's encoder-tier section starts it (a child process serving with uvicorn on a
+loopback port, ``--ec-shared-storage`` in a temporary folder), for a tiny Qwen2.5-VL and a tiny Qwen3-VL
+(DeepStack), and gets the requests vLLM's EPD proxy (``disagg_epd_proxy.py``) sends an encoder instance: the
+original request's media items, each with ``uuid`` = the sha256 of its URL, the images in one request and each
+video in one of its own, text removed, ``max_tokens`` 1, ``stream`` false, an ``x-request-id`` header. Then, in
+vLLM's own code:
+
+- its OpenAI request model (``ChatCompletionRequest``) takes every request as sent, and its chat parsing
+  (``parse_chat_messages``) finds the items in order under their uuids;
+- a consumer ``VllmConfig`` built from the section's ``--ec-transfer-config``, and its ``ECExampleConnector``, find
+  every item the server wrote and load it bit for bit equal to what they load of ``to_vllm_cache``'s folder for
+  the same files;
+- the decoder's request the proxy makes of the answers (each item a metadata-only ``image_embeds`` /
+  ``video_embeds`` part under its uuid, holding the metadata the answer's ``ec_transfer_params`` reports for it)
+  passes the same request model and parsing on the consumer, whose processor names each item by its uuid, with
+  the grids (and a Qwen3-VL video's timestamps) of ``to_vllm_cache``'s entries.
+
+The section's ``/v1/embeddings`` curl example runs against the same server: the pooled vector of its file.
+
+vLLM's multimodal processor needs a tokenizer, which the tiny models lack: chat parsing gets the family's processor
+built without one (``untokenized_processor``); it reads only the processing info and the fields' layout there.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import re
+import shlex
+import subprocess
+import urllib.error
+import urllib.request
+import uuid
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm", reason="the contract tier runs in a venv with vLLM 0.33.0 (bash .ci/contract)")
+if vllm.__version__ != "0.33.0":
+    pytest.skip(f"the contract is vLLM 0.33.0's; this is {vllm.__version__}", allow_module_level=True)
+
+from vllm.config import ModelConfig  # noqa: E402
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest  # noqa: E402
+from vllm.multimodal import MULTIMODAL_REGISTRY  # noqa: E402
+from vllm.renderers.chat_utils import parse_chat_messages  # noqa: E402
+
+from qwenvl_vision import load_encoder  # noqa: E402
+from qwenvl_vision.devices import DTYPE_SPELLINGS  # noqa: E402
+from qwenvl_vision.model.config import FAMILIES  # noqa: E402
+from qwenvl_vision.outputs.vllm_cache import vllm_request  # noqa: E402
+from tests.contract.test_vllm import (  # noqa: E402
+    HANDOFF,
+    consumer_config,
+    images,
+    loaded_by_the_connector,
+    parsed_by_the_consumer,
+    write_video,
+)
+from tests.helpers import REPO  # noqa: E402
+from tests.helpers.handoff import write_full_model  # noqa: E402
+from tests.helpers.serve import START_S, serving  # noqa: E402
+
+SECTION = "## Encoder tier for vLLM's disaggregated encoding"
+EMBEDS = {"image_url": "image_embeds", "video_url": "video_embeds"}  # the proxy's rewrite of each media part
+
+
+def section() -> tuple[list[str], dict, str]:
+    """The section's commands: the serve arguments (after ``qwenvl-vision serve``), the consumer's
+    ``--ec-transfer-config`` and the ``/v1/embeddings`` curl line."""
+    text = HANDOFF.read_text()
+    lines = re.search(r"```text\n(.*?)```", text[text.index(SECTION):], re.S).group(1).splitlines()
+    serve = shlex.split(next(line for line in lines if line.startswith("qwenvl-vision serve")))[2:]
+    consumer = next(line for line in lines if line.startswith("vllm serve"))
+    transfer = json.loads(re.search(r"--ec-transfer-config '(.*?)'", consumer).group(1))
+    return serve, transfer, next(line for line in text[text.index(SECTION):].splitlines() if line.startswith("curl"))
+
+
+def with_values(argv: list[str], **values: str) -> list[str]:
+    """``argv`` with each ``--name VALUE`` given here replaced (``--port``: removed; the helper picks a free one)."""
+    out = list(argv)
+    for name, value in values.items():
+        at = out.index(f"--{name.replace('_', '-')}")
+        out[at + 1:at + 2] = [value]
+    at = out.index("--port")
+    return out[:at] + out[at + 2:]
+
+
+def data_url(path: Path, mime: str) -> str:
+    return f"data:{mime};base64,{base64.b64encode(path.read_bytes()).decode()}"
+
+
+def content_uuid(part: dict) -> str:
+    """The proxy's cache key of a media item: the sha256 of its URL."""
+    return hashlib.sha256(part[part["type"]]["url"].encode()).hexdigest()
+
+
+def proxy_requests(original: dict) -> list[tuple[dict, dict]]:
+    """(body, headers) of each request the proxy sends the encoder instance for ``original``."""
+    items = [part for message in original["messages"] if isinstance(message["content"], list)
+             for part in message["content"] if part["type"] in EMBEDS]
+    groups = [[i for i, part in enumerate(items) if part["type"] == "image_url"]]
+    groups += [[i] for i, part in enumerate(items) if part["type"] == "video_url"]
+    parent = uuid.uuid4().hex
+    return [({"model": original["model"], "max_tokens": 1, "stream": False,
+              "messages": [{"role": "user", "content": [{**items[i], "uuid": content_uuid(items[i])} for i in group]}]},
+             {"x-request-id": f"{parent}:{group[0]}:{uuid.uuid4().hex[:6]}", "Content-Type": "application/json"})
+            for group in groups if group]
+
+
+def decoder_request(original: dict, answers: list[dict]) -> dict:
+    """The proxy's rewrite of ``original`` for the decoder: each media part a metadata-only ``*_embeds`` part under
+    its uuid, holding the metadata the encoder reported for it (each value's lists flattened, as the proxy does)."""
+    reported = {key: value for answer in answers for key, value in answer["ec_transfer_params"].items()}
+    messages = []
+    for message in original["messages"]:
+        content = []
+        for part in message["content"]:
+            if part["type"] not in EMBEDS:
+                content.append(part)
+                continue
+            key, kind = content_uuid(part), EMBEDS[part["type"]]
+            metadata = {name: [x for item in value for x in (item if isinstance(item, list) else [item])]
+                        for name, value in reported[key]["metadata"].items()}
+            content.append({"type": kind, kind: metadata, "uuid": key})
+        messages.append({**message, "content": content})
+    return {**original, "messages": messages}
+
+
+def untokenized_processor(config: ModelConfig, **_):
+    """The family's vLLM multimodal processor, built without the tokenizer its constructor asks for."""
+    factories = MULTIMODAL_REGISTRY._get_model_cls(config)._processor_factory
+    info = MULTIMODAL_REGISTRY.get_processing_info(config)
+    return type("Untokenized", (factories.processor,), {"requires_tokenizer": False})(info,
+                                                                                      factories.dummy_inputs(info))
+
+
+def chat_items(body: dict, config: ModelConfig) -> tuple[dict, dict]:
+    """(multi_modal_data, multi_modal_uuids) vLLM's request model and chat parsing make of ``body``."""
+    _, data, uuids = parse_chat_messages(ChatCompletionRequest.model_validate(body).messages, config, "openai")
+    return data, uuids
+
+
+def post(url: str, body: dict, headers: dict) -> dict:
+    request = urllib.request.Request(url, json.dumps(body).encode(), headers)
+    try:
+        with urllib.request.urlopen(request, timeout=START_S) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        raise AssertionError(f"{url}: {e.code} {e.read().decode(errors='replace')}") from None
+
+
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def model(request, tmp_path_factory) -> tuple[str, Path]:
+    family = request.param
+    return family, write_full_model(tmp_path_factory.mktemp(family) / "model", family)
+
+
+def test_the_proxy_s_requests_reach_a_vllm_consumer_bitwise(model, tmp_path, monkeypatch):
+    family, folder = model
+    serve, transfer, curl = section()
+    media = tmp_path / "media"
+    media.mkdir()
+    photos = [media / f"photo{i}.png" for i in range(2)]
+    for image, path in zip(images(), photos):
+        image.save(path)
+    clip = write_video(media / "clip.mp4", 9, Fraction(10))
+    parts = [{"type": "image_url", "image_url": {"url": data_url(photos[0], "image/png")}},
+             {"type": "video_url", "video_url": {"url": data_url(clip, "video/mp4")}},
+             {"type": "image_url", "image_url": {"url": data_url(photos[1], "image/png")}}]
+    original = {"model": str(folder), "max_tokens": 64,
+                "messages": [{"role": "user", "content": [{"type": "text", "text": "What differs?"}, *parts]}]}
+    requests = proxy_requests(original)
+    monkeypatch.setattr(MULTIMODAL_REGISTRY, "create_processor", untokenized_processor)
+    encoder_side = ModelConfig(model=str(folder), skip_tokenizer_init=True)
+    for body, _ in requests:  # vLLM takes each request as the proxy sends it, items in order under their uuids
+        _, uuids = chat_items(body, encoder_side)
+        assert [key for keys in uuids.values() for key in keys] == [p["uuid"] for p in body["messages"][0]["content"]]
+
+    storage = tmp_path / "ec"
+    dtype = DTYPE_SPELLINGS[serve[serve.index("--dtype") + 1]]
+    argv = [*with_values(serve, model=str(folder), ec_shared_storage=str(storage)), "--threads", "1"]
+    with serving(argv) as url:
+        answers = [post(f"{url}/v1/chat/completions", body, headers) for body, headers in requests]
+        # The proxy sends them again when the decoder fails (it re-encodes, then retries): the same answers.
+        again = [post(f"{url}/v1/chat/completions", body, headers) for body, headers in requests]
+        assert [a["ec_transfer_params"] for a in again] == [a["ec_transfer_params"] for a in answers]
+        example = re.sub(r"http://127\.0\.0\.1:\d+", url, curl).replace(json.dumps(serve[serve.index("--model") + 1]),
+                                                                        json.dumps(str(folder)))
+        done = subprocess.run(["bash", "-c", example], cwd=REPO, capture_output=True, text=True, timeout=START_S)
+    parser = MULTIMODAL_REGISTRY.get_processing_info(encoder_side).get_data_parser()
+    for (body, _), answer in zip(requests, answers, strict=True):
+        assert answer["object"] == "chat.completion" and len(answer["choices"]) == 1
+        sent = body["messages"][0]["content"]
+        reported = answer["ec_transfer_params"]
+        # The proxy matches each reported item to its part by these positions (it refuses missing or repeated ones),
+        # and hands the decoder the metadata as the item's fields: those a vLLM encoder instance reports, the ones
+        # the consumer's parser sizes the placeholders by (``placeholder_metadata_fields``).
+        assert {key: value["item_indices"] for key, value in reported.items()} == {
+            part["uuid"]: [i] for i, part in enumerate(sent)}
+        for part in sent:
+            fields = parser.placeholder_metadata_fields(EMBEDS[part["type"]].split("_")[0])
+            assert set(reported[part["uuid"]]["metadata"]) == fields, reported[part["uuid"]]
+
+    encoder = load_encoder(folder, device="cpu", dtype=dtype)
+    reference = tmp_path / "reference"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the server's --threads: how many threads split a forward can change its bits
+    try:
+        pictures = encoder.encode_images([str(p) for p in photos]).to_vllm_cache(reference)
+        (video,) = encoder.encode_videos([str(clip)]).to_vllm_cache(reference)
+        hopper = encoder.encode_images([str(REPO / "examples" / "photos" / "hopper.jpg")], pooled=True).pooled[0]
+    finally:
+        torch.set_num_threads(threads)
+    entries = [pictures[0], video, pictures[1]]  # in the order of ``parts``
+    consumer = consumer_config(folder, transfer, storage)
+    data, uuids = chat_items(decoder_request(original, answers), consumer.model_config)
+    request = {"multi_modal_data": data, "multi_modal_uuids": uuids}
+    parsed = parsed_by_the_consumer(consumer, request)  # the uuids are the consumer's names of the items
+    assert uuids == {"image": [content_uuid(parts[0]), content_uuid(parts[2])], "video": [content_uuid(parts[1])]}
+    assert [item["image_grid_thw"].tolist() for item in parsed["image"]] == [pictures[0]["grid_thw"],
+                                                                             pictures[1]["grid_thw"]]
+    assert parsed["video"][0]["video_grid_thw"].tolist() == video["grid_thw"]
+    if FAMILIES[family].prompt_timestamps:
+        assert list(map(float, parsed["video"][0]["timestamps"])) == video["timestamps"]
+    loaded = loaded_by_the_connector(consumer, request)
+    want = loaded_by_the_connector(consumer_config(folder, transfer, reference), vllm_request(entries))
+    for part, entry in zip(parts, entries, strict=True):
+        got = loaded[content_uuid(part)]
+        assert got.dtype == dtype and torch.equal(got, want[entry["id"]]), entry
+
+    # The section's /v1/embeddings example: one pooled vector, the encoder's own for the same file.
+    assert done.returncode == 0, done.stderr
+    (embedding,) = json.loads(done.stdout)["data"]
+    assert torch.equal(torch.tensor(embedding["embedding"], dtype=torch.float64), hopper.double())
