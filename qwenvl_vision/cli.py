@@ -6,7 +6,8 @@ inputs failed (the run finished, the failures are recorded); 2 usage or setup er
 run stopped on an I/O fault of its output (nothing recorded is lost; ``embed --resume`` finishes it); 4 the
 run stopped because a forward failed for the machine's reasons (nothing recorded is lost; ``--resume``); 5 an
 internal error (a bug: the line says so, ``--debug`` shows where); 130 interrupted; 141 stdout closed; 143
-terminated (SIGTERM: a scheduler's preemption, ``kill``; stopped as Ctrl-C stops it).
+terminated (SIGTERM: a scheduler's preemption, ``kill``; stopped as Ctrl-C stops it), except ``serve``, for
+which SIGTERM is the normal stop: 0.
 """
 
 from __future__ import annotations

@@ -2,10 +2,14 @@
 
 - ``POST /v1/chat/completions``, the encoder role: every item is written to ``shared/<uuid>/
   encoder_cache.safetensors`` (``vllm_cache.write_item``: its rows as ``write_vllm_cache`` writes them), unless
-  a file written by this server is there already; the answer is a chat completion with ``ec_transfer_params``.
+  a file written by this server is there already (then touched, as write_item does); the answer is a chat
+  completion with ``ec_transfer_params``.
 - ``POST /v1/embeddings``: each item's pooled vector (OpenAI's shape, float or base64), or with
   ``return_tokens`` a safetensors payload of the tokens, grids and DeepStack levels.
-- ``GET /health`` (no key), ``/v1/models``, ``/metrics`` (Prometheus text, a registry of the app's own).
+- ``GET /health``, ``/v1/models``, ``/metrics`` (Prometheus text, a registry of the app's own). The API key guards
+  the ``/v1`` routes only, as vLLM's: a scraper or a health check needs none.
+- Each request's JSON is parsed, and its media read, in threads of its own (the event loop never blocks, the
+  encoder's thread never waits on a network); the batcher gets bytes in memory.
 """
 
 from __future__ import annotations
@@ -15,9 +19,10 @@ import base64
 import contextlib
 import hmac
 import json
+import os
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from http import HTTPStatus
 from pathlib import Path
 from typing import Any
@@ -30,6 +35,8 @@ from safetensors.torch import save
 from starlette.exceptions import HTTPException
 
 from ..errors import EncoderClosedError, ForwardFaultError, QwenVLVisionError
+from ..inputs.pixels import FileBytes
+from ..outputs.durable import refuse_link
 from ..outputs.handoff import EncodedItems, vllm_items
 from ..outputs.vllm_cache import CACHE_FILE, cache_lock, claim_cache_folder, entry, write_item
 from ..results import ItemResult
@@ -37,19 +44,20 @@ from .batcher import Batcher
 from .media import Item, MediaPolicy, RequestError, request_items
 
 ENTRY_KEY = "qwenvl_vision_entry"  # an item file's metadata: what the request needs of it (vllm_cache.entry)
-ROUTES = ("/health", "/v1/models", "/metrics", "/v1/chat/completions", "/v1/embeddings")
 
 
 @dataclass(frozen=True)
 class ServeSettings:
+    """The command line's settings (``main.serve_settings``, which the tests use too)."""
+
     served_name: str
-    api_key: str | None = None
-    shared: Path | None = None  # --ec-shared-storage: the encoder role's folder
-    policy: MediaPolicy = MediaPolicy()
-    max_body: int = 64 << 20
-    max_items: int = 64
-    max_queue: int = 256
-    options: dict[str, Any] = field(default_factory=dict)  # iter_encode's limits and pixel bounds
+    api_key: str | None
+    shared: Path | None  # --ec-shared-storage: the encoder role's folder
+    policy: MediaPolicy
+    max_body: int
+    max_items: int
+    max_queue: int
+    options: dict[str, Any]  # iter_encode's limits and pixel bounds
 
 
 def one_line(error: BaseException) -> str:
@@ -69,7 +77,8 @@ def error_response(request: Request, error: Exception) -> JSONResponse:
     message = one_line(error.detail if isinstance(error, HTTPException) else error)
     if not isinstance(error, (QwenVLVisionError, HTTPException)):
         message = f"internal error, {type(error).__name__}: {message}"
-    kind = HTTPStatus(status).phrase.replace(" ", "").replace("-", "") + "Error"
+    kind = HTTPStatus(status).phrase.replace(" ", "").replace("-", "")
+    kind += "" if kind.endswith("Error") else "Error"  # vLLM's names: BadRequestError, InternalServerError
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status, headers)
 
 
@@ -96,9 +105,9 @@ async def read_json(request: Request, limit: int) -> Any:
             raise over
         chunks.append(chunk)
     try:
-        return json.loads(b"".join(chunks))
-    except ValueError as e:
-        raise RequestError(f"the request body is not JSON ({e})") from None
+        return await asyncio.to_thread(json.loads, b"".join(chunks))
+    except (ValueError, RecursionError) as e:  # RecursionError: nested deeper than Python's stack
+        raise RequestError(f"the request body is not JSON ({one_line(e)[:200]})") from None
 
 
 def build_app(encoder: Any, settings: ServeSettings) -> FastAPI:
@@ -129,7 +138,7 @@ def build_app(encoder: Any, settings: ServeSettings) -> FastAPI:
     app = FastAPI(lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)
     for error in (QwenVLVisionError, HTTPException, Exception):
         app.add_exception_handler(error, error_response)
-    router = APIRouter(dependencies=[Depends(authorized)])
+    router = APIRouter(prefix="/v1", dependencies=[Depends(authorized)])  # vLLM's key guards /v1 alone
 
     @app.middleware("http")
     async def measure(request: Request, call_next):
@@ -139,47 +148,66 @@ def build_app(encoder: Any, settings: ServeSettings) -> FastAPI:
             status = response.status_code
             return response
         finally:
-            route = request.url.path if request.url.path in ROUTES else "other"
+            route = getattr(request.scope.get("route"), "path", "other")  # the matched route; unknown paths: one label
             requests.labels(route, str(status)).inc()
             latency.labels(route).observe(time.perf_counter() - start)
 
-    def items_of(body: Any, need_uuid: bool) -> list[Item]:
-        found = request_items(body, settings.policy, need_uuid)
+    async def items_of(request: Request, need_uuid: bool) -> tuple[dict, list[Item]]:
+        body = await read_json(request, settings.max_body)
+        found = await asyncio.to_thread(request_items, body, settings.policy, need_uuid)  # base64 off the loop
         if len(found) > settings.max_items:
             raise RequestError(f"messages: {len(found)} images and videos, more than --max-items {settings.max_items}")
-        return found
+        return body, found
 
     async def encoded(found: list[Item], normalize: bool = False) -> list[ItemResult]:
         """The items' results, or the first failure as one line naming its item."""
-        results = await asyncio.gather(*batcher.submit([item.file for item in found], normalize))
+        files = await asyncio.gather(*map(loaded, found))
+        results = await asyncio.gather(*batcher.submit(files, normalize))
         for result in results:
             if not result.ok:
                 raise (ForwardFaultError if result.error_class is ForwardFaultError else RequestError)(result.error)
         return results
 
+    async def loaded(item: Item) -> FileBytes:
+        """The item's bytes, read on a thread of the request's own within the decode timeout: the encoder's thread
+        never waits on a network or a file."""
+        read, timeout = asyncio.to_thread(item.file.read, settings.options["decode_bytes"]), settings.policy.timeout_s
+        try:
+            return FileBytes(item.file.name, await asyncio.wait_for(read, timeout))
+        except TimeoutError:
+            raise RequestError(f"{item.label}: not read within the decode timeout ({timeout:g} s)") from None
+
     @app.get("/health")
     async def health() -> dict:
         return {}
 
-    @router.get("/v1/models")
+    @router.get("/models")
     async def models() -> dict:
         return {"object": "list", "data": [{"id": settings.served_name, "object": "model", "created": 0,
                                             "owned_by": "qwenvl-vision"}]}
 
-    @router.get("/metrics")
+    @app.get("/metrics")
     async def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
-    def present(found: list[Item]) -> dict[str, dict]:
-        """The entries of the items this server wrote already (their metadata says what a request needs)."""
+    def written(name: str) -> dict | None:
+        """The entry of the item this server wrote as ``name`` (its metadata says what a request needs), touched as
+        ``write_item`` touches what it finds (a prune removes the oldest first); None if there is none."""
         from safetensors import SafetensorError, safe_open
 
-        entries = {}
-        for item in found:
-            with contextlib.suppress(SafetensorError, OSError, ValueError, KeyError):
-                with safe_open(shared / item.uuid / CACHE_FILE, framework="pt") as f:
-                    entries[item.uuid] = json.loads(f.metadata()[ENTRY_KEY])
-        return entries
+        path = shared / name / CACHE_FILE
+        refuse_link(path.parent)  # never read through a link, which write_item refuses to write through
+        refuse_link(path)
+        with contextlib.suppress(SafetensorError, OSError, ValueError, KeyError, TypeError):
+            with safe_open(path, framework="pt") as f:
+                found = json.loads(f.metadata()[ENTRY_KEY])
+            os.utime(path)
+            return found
+        return None
+
+    def present(found: list[Item]) -> dict[str, dict]:
+        with cache_lock(shared):  # a prune removes nothing between the read and the touch
+            return {item.uuid: e for item in found if (e := written(item.uuid)) is not None}
 
     def write(found: list[Item], results: list[ItemResult]) -> dict[str, dict]:
         entries = {}
@@ -191,15 +219,16 @@ def build_app(encoder: Any, settings: ServeSettings) -> FastAPI:
                 except QwenVLVisionError as e:
                     raise RequestError(f"{item.label}: {one_line(e)}") from None
                 entries[item.uuid] = {k: v for k, v in entry(item.uuid, rows).items() if k != "id"}
-                write_item(shared, item.uuid, rows.rows, tag, {ENTRY_KEY: json.dumps(entries[item.uuid])})
+                if not write_item(shared, item.uuid, rows.rows, tag, {ENTRY_KEY: json.dumps(entries[item.uuid])}):
+                    # Another request's file got there first: the consumer loads that one, so the answer is its.
+                    entries[item.uuid] = written(item.uuid) or entries[item.uuid]
         return entries
 
-    @router.post("/v1/chat/completions")
+    @router.post("/chat/completions")
     async def chat(request: Request) -> dict:
-        body = await read_json(request, settings.max_body)
         if shared is None:
             raise RequestError("this server has no encoder role: start it with --ec-shared-storage PATH")
-        found = items_of(body, need_uuid=True)
+        _, found = await items_of(request, True)
         entries = await asyncio.to_thread(present, found)
         todo = list({item.uuid: item for item in found if item.uuid not in entries}.values())  # each uuid once
         if todo:
@@ -216,10 +245,9 @@ def build_app(encoder: Any, settings: ServeSettings) -> FastAPI:
                 "usage": {"prompt_tokens": tokens, "completion_tokens": 0, "total_tokens": tokens},
                 "ec_transfer_params": transfer}
 
-    @router.post("/v1/embeddings")
+    @router.post("/embeddings")
     async def embeddings(request: Request) -> Any:
-        body = await read_json(request, settings.max_body)
-        found = items_of(body, need_uuid=False)
+        body, found = await items_of(request, False)
         form, normalize = body.get("encoding_format") or "float", body.get("normalize", False)
         if form not in ("float", "base64") or not isinstance(normalize, bool):
             raise RequestError(f"encoding_format {form!r} / normalize {normalize!r}: float or base64 / a boolean")

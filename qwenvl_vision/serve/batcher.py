@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -40,7 +41,9 @@ class Batcher:
         loop = asyncio.get_running_loop()
         jobs = [Job(f, normalize, loop.create_future()) for f in files]
         with self.ready:
-            if self.stopping or len(self.jobs) + len(jobs) > self.max_queue:
+            if self.stopping:
+                raise RequestError("the server is stopping; send the request to another instance", 503)
+            if len(self.jobs) + len(jobs) > self.max_queue:
                 raise RequestError(f"the encoder's queue is full ({len(self.jobs)} items waiting, --max-queue "
                                    f"{self.max_queue}); try again shortly", 503, {"Retry-After": "1"})
             self.jobs.extend(jobs)
@@ -81,17 +84,11 @@ class Batcher:
     @staticmethod
     def resolve(future: asyncio.Future, outcome: ItemResult | BaseException) -> None:
         def settle() -> None:
-            if future.done():  # its request went away (a client that hung up)
-                return
-            if isinstance(outcome, BaseException):
-                future.set_exception(outcome)
-            else:
-                future.set_result(outcome)
+            if not future.done():  # done: its request went away (a client that hung up)
+                (future.set_exception if isinstance(outcome, BaseException) else future.set_result)(outcome)
 
-        try:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits for it
             future.get_loop().call_soon_threadsafe(settle)
-        except RuntimeError:  # the loop is closed: nobody waits for it
-            pass
 
     def close(self) -> None:
         """Encode what is queued, then stop the thread."""

@@ -1,5 +1,6 @@
 """The ``serve`` command line: its options (``add_serve_parser``, the model options ``embed`` takes) and
-``run_serve``, which loads the encoder and serves the app with uvicorn until SIGTERM or Ctrl-C."""
+``run_serve``, which loads the encoder and serves the app with uvicorn until SIGTERM (exit 0) or Ctrl-C;
+``serve_settings``, the app's settings from the options."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import argparse
 import dataclasses
 import os
 import signal
+import socket
 from pathlib import Path
 
 from ..embed.args import model_options, positive_option, validate_model_args
@@ -27,7 +29,7 @@ def add_serve_parser(sub, parents=()) -> argparse.ArgumentParser:
                    help="the encoder role: /v1/chat/completions writes each item to PATH/<uuid>/"
                         "encoder_cache.safetensors, as vLLM's ECExampleConnector consumer reads it (default: "
                         "the role is off)")
-    p.add_argument("--api-key", help=f"require Authorization: Bearer KEY on every route but /health (default: "
+    p.add_argument("--api-key", help=f"require Authorization: Bearer KEY on the /v1 routes, as vLLM (default: "
                                      f"${API_KEY_ENV}, else no key)")
     p.add_argument("--allowed-media-domains", nargs="+", default=[], metavar="DOMAIN",
                    help="fetch http(s) media only from these hosts (default: no http(s) media)")
@@ -38,8 +40,8 @@ def add_serve_parser(sub, parents=()) -> argparse.ArgumentParser:
     p.add_argument("--max-items", type=positive_option(int, "--max-items"), default=64,
                    help="most images and videos in one request (default %(default)s)")
     p.add_argument("--max-queue", type=positive_option(int, "--max-queue"), default=256,
-                   help="most items waiting for the encoder; beyond it a request is answered 503 with Retry-After "
-                        "(default %(default)s)")
+                   help="most items waiting for the encoder; beyond it a request is answered 503 with Retry-After; "
+                        "uvicorn answers 503 beyond twice as many connections at once (default %(default)s)")
     p.add_argument("--threads", type=positive_option(int, "--threads"),
                    help="torch threads of each forward (default: torch's, one per core)")
     p.set_defaults(func=run_serve, validate=validate_serve_args)
@@ -47,6 +49,8 @@ def add_serve_parser(sub, parents=()) -> argparse.ArgumentParser:
 
 
 def validate_serve_args(args: argparse.Namespace) -> None:
+    if args.max_items > args.max_queue:  # such a request could never be queued: 503s forever
+        raise ConfigError(f"--max-items {args.max_items} is more than --max-queue {args.max_queue}")
     check_option_rules(min_pixels=args.min_pixels, max_pixels=args.max_pixels,
                        names={"min_pixels": "--min-pixels", "max_pixels": "--max-pixels"})
     validate_model_args(args)
@@ -54,38 +58,55 @@ def validate_serve_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--allowed-local-media-path {args.allowed_local_media_path} is not a folder")
 
 
-def run_serve(args: argparse.Namespace) -> int:
-    import torch
-    import uvicorn
-
-    from ..loading import load_encoder
-    from .app import ServeSettings, build_app
+def serve_settings(args: argparse.Namespace, encoder):
+    """The app's settings (``app.ServeSettings``) from the parsed options."""
+    from .app import ServeSettings
     from .media import MediaPolicy
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    encoder = load_encoder(args.model, device=args.device, dtype=args.dtype, random_weights=args.random_weights,
-                           revision=args.revision, local_files_only=args.local_files_only, compile=args.compile,
-                           attn_impl=args.attn)
-    with encoder:  # closed here too when the app cannot start (its lifespan closes it after serving)
-        local = args.allowed_local_media_path
-        settings = ServeSettings(
-            served_name=args.served_model_name or args.model, api_key=args.api_key or os.environ.get(API_KEY_ENV),
-            shared=Path(args.ec_shared_storage) if args.ec_shared_storage else None,
-            policy=MediaPolicy(frozenset(args.allowed_media_domains), Path(local).resolve() if local else None,
-                               args.decode_timeout),
-            max_body=args.max_body_mib << 20, max_items=args.max_items, max_queue=args.max_queue,
-            options=dict(min_pixels=args.min_pixels, max_pixels=args.max_pixels, resize=args.resize,
-                         max_batch_patches=args.batch_patches, max_input_pixels=args.max_input_pixels,
-                         decode_bytes=args.decode_mib << 20, decode_timeout=args.decode_timeout,
-                         video_config=dataclasses.replace(encoder.video_config, fps=args.fps) if args.fps else None))
-        server = uvicorn.Server(uvicorn.Config(build_app(encoder, settings), host=args.host, port=args.port,
-                                               access_log=False))
+    local = args.allowed_local_media_path
+    return ServeSettings(
+        served_name=args.served_model_name or args.model, api_key=args.api_key or os.environ.get(API_KEY_ENV),
+        shared=Path(args.ec_shared_storage) if args.ec_shared_storage else None,
+        policy=MediaPolicy(frozenset(d.lower() for d in args.allowed_media_domains),  # as urlsplit's hostname
+                           Path(local).resolve() if local else None, args.decode_timeout),
+        max_body=args.max_body_mib << 20, max_items=args.max_items, max_queue=args.max_queue,
+        options=dict(min_pixels=args.min_pixels, max_pixels=args.max_pixels, resize=args.resize,
+                     max_batch_patches=args.batch_patches, max_input_pixels=args.max_input_pixels,
+                     decode_bytes=args.decode_mib << 20, decode_timeout=args.decode_timeout,
+                     video_config=dataclasses.replace(encoder.video_config, fps=args.fps) if args.fps else None))
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import torch
+
+    from ..loading import load_encoder
+
+    try:
+        import uvicorn
+
+        from .app import build_app
+    except ImportError as e:
+        raise ConfigError(f"serve needs {e.name}: pip install 'qwenvl-vision[serve]'") from None
+    try:  # bound before loading: a port in use is a setup error, said at once
+        family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+        sock = socket.create_server((args.host, args.port), family=family)
+    except OSError as e:
+        raise ConfigError(f"cannot listen on {args.host}:{args.port} ({e.strerror or e})") from None
+    with sock:
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        encoder = load_encoder(args.model, device=args.device, dtype=args.dtype, random_weights=args.random_weights,
+                               revision=args.revision, local_files_only=args.local_files_only, compile=args.compile,
+                               attn_impl=args.attn)
+        # The app's lifespan closes the encoder once the queue has drained; limit_concurrency bounds the request
+        # bodies held at once (memory), uvicorn answering 503 beyond it.
+        server = uvicorn.Server(uvicorn.Config(build_app(encoder, serve_settings(args, encoder)), access_log=False,
+                                               limit_concurrency=2 * args.max_queue))
         # uvicorn handles SIGTERM (stops accepting, finishes what is in flight) and raises it again once stopped,
         # which the CLI's own handler would turn into exit 143 after a clean stop.
         previous = signal.signal(signal.SIGTERM, lambda *_: None)
         try:
-            server.run()
+            server.run(sockets=[sock])
         finally:
             signal.signal(signal.SIGTERM, previous)
     return 0

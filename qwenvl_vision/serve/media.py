@@ -4,15 +4,18 @@ alike), each checked against the media policy and handed to the encoder as ``Fil
 the request (``messages[0].content[1]``), with the extension that tells the decoder an image from a video.
 
 Sources: ``data:`` URLs (base64) always; http(s) only from ``allowed_domains``, redirects followed only within
-them; ``file://`` only under ``local_root`` (symbolic links resolved before the check). URLs are fetched on the
-decode thread, within the decode budget's bytes and the decode time limit."""
+them; ``file://`` only under ``local_root`` (symbolic links resolved before the check), regular files only. URLs are
+read when the request's own task asks (``FileBytes.read``), within the decode budget's bytes and the decode time
+limit, never on the encoder's thread."""
 
 from __future__ import annotations
 
 import base64
 import binascii
 import mimetypes
+import os
 import re
+import stat
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -25,8 +28,10 @@ from ..errors import PreprocessError, QwenVLVisionError
 from ..inputs.pixels import FileBytes
 from ..inputs.urls import redacted
 from ..inputs.video_io import VIDEO_EXTENSIONS
+from ..outputs.durable import open_no_follow
 
-UUID = re.compile(r"[A-Za-z0-9._-]{1,128}")
+# A uuid names a folder beside the folder's own files and an embed run's, all of which have a dot: none can be named.
+UUID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 TEXT_TYPES = ("text", "input_text", "refusal", "thinking")
 EXTENSIONS = {"image": (IMAGE_EXTENSIONS, ".png"), "video": (VIDEO_EXTENSIONS, ".mp4")}
 
@@ -41,9 +46,9 @@ class RequestError(QwenVLVisionError, ValueError):
 
 @dataclass(frozen=True)
 class MediaPolicy:
-    allowed_domains: frozenset[str] = frozenset()
-    local_root: Path | None = None  # resolved
-    timeout_s: float = 60.0
+    allowed_domains: frozenset[str]  # lowercase, as urlsplit's hostname
+    local_root: Path | None  # resolved
+    timeout_s: float  # a fetch's, the decode timeout
 
 
 @dataclass
@@ -59,6 +64,10 @@ def request_items(body: Any, policy: MediaPolicy, need_uuid: bool) -> list[Item]
     messages = body.get("messages") if isinstance(body, dict) else None
     if not isinstance(messages, list):
         raise RequestError("messages: a list of chat messages is required")
+    for name in ("mm_processor_kwargs", "media_io_kwargs"):  # vLLM hashes them with each uuid: the item is elsewhere
+        if body.get(name):
+            raise RequestError(f"{name}: not served (preprocessing is the command line's; vLLM's consumer would "
+                               f"look for each item under a hash of these and its uuid)")
     items = []
     for m, message in enumerate(messages):
         if not isinstance(message, dict):
@@ -82,17 +91,17 @@ def request_items(body: Any, policy: MediaPolicy, need_uuid: bool) -> list[Item]
             if uuid is None and need_uuid:
                 raise RequestError(f"{label}: no uuid: the encoder role writes each item under its uuid (vLLM's "
                                    f"consumer finds it there); give every image and video a uuid")
-            # The uuid names a folder: anything but a plain token could name a path outside the shared one.
-            if uuid is not None and (not UUID.fullmatch(uuid) or uuid in (".", "..")):
-                raise RequestError(f"{label}: uuid {uuid[:140]!r} is not a plain token ([A-Za-z0-9._-], at most "
-                                   f"128 characters, not . or ..)")
+            if uuid is not None and not UUID.fullmatch(uuid):
+                raise RequestError(f"{label}: uuid {uuid[:140]!r} is not a plain token ([A-Za-z0-9_-], at most "
+                                   f"128 characters)")
             modality = field.removesuffix("_url")
             items.append(Item(label, modality, uuid, media_file(url, label, modality, policy)))
     return items
 
 
 def media_file(url: str, label: str, modality: str, policy: MediaPolicy) -> FileBytes:
-    """The item's bytes (a data URL's now; a URL's fetched when decoded), or a RequestError naming it."""
+    """The item's bytes (a data URL's now; a URL's when read, within the decode budget ``limit``), or a
+    RequestError naming it."""
     known, default = EXTENSIONS[modality]
     scheme = url.split(":", 1)[0].lower()
     if scheme == "data":
@@ -117,6 +126,8 @@ def media_file(url: str, label: str, modality: str, policy: MediaPolicy) -> File
         if policy.local_root is None:
             raise RequestError(f"{label}: file URLs are refused (start the server with --allowed-local-media-path)")
         parts = urlsplit(url)
+        if "\0" in unquote(parts.path):  # no path holds one: the OS would refuse it as a bug
+            raise RequestError(f"{label}: the file URL holds a NUL byte")
         path = Path(unquote(parts.path)).resolve()
         if parts.netloc not in ("", "localhost") or not path.is_relative_to(policy.local_root):
             raise RequestError(f"{label}: {url[:200]} is not under --allowed-local-media-path")
@@ -131,13 +142,20 @@ def check_remote(url: str, label: str, policy: MediaPolicy, error: type[Exceptio
         raise error(f"{label}: {redacted(url)[:200]} is not an http(s) URL of --allowed-media-domains")
 
 
-def read_local(path: Path, label: str, limit: int | None) -> bytes:
-    with open(path, "rb") as f:
-        return within(f.read(-1 if limit is None else limit + 1), label, limit)
+def read_local(path: Path, label: str, limit: int) -> bytes:
+    try:  # not through a link swapped in since the check; O_NONBLOCK: a FIFO would block the reading thread for good
+        fd = open_no_follow(path, os.O_RDONLY | os.O_NONBLOCK)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise RequestError(f"{label}: {path} is not a regular file")
+        with os.fdopen(fd, "rb") as f:
+            return within(f.read(limit + 1), label, limit)
+    except OSError as e:
+        raise RequestError(f"{label}: cannot read {path} ({e.strerror or e})") from None
 
 
-def within(data: bytes, label: str, limit: int | None) -> bytes:
-    if limit is not None and len(data) > limit:
+def within(data: bytes, label: str, limit: int) -> bytes:
+    if len(data) > limit:
         raise PreprocessError(f"{label}: more than the decode budget of {limit:,} bytes")
     return data
 
@@ -156,12 +174,15 @@ class Redirects(urllib.request.HTTPRedirectHandler):
     http_error_301 = http_error_303 = http_error_307 = http_error_308 = http_error_302
 
 
-def fetch(url: str, label: str, policy: MediaPolicy, limit: int | None) -> bytes:
-    """The URL's body, at most ``limit`` bytes (read one past it to tell), on the decode thread."""
+def fetch(url: str, label: str, policy: MediaPolicy, limit: int) -> bytes:
+    """The URL's body, at most ``limit`` bytes (read one past it to tell)."""
     opener = urllib.request.build_opener(Redirects(label, policy))
     try:
         with opener.open(url, timeout=policy.timeout_s) as response:
-            return within(response.read(-1 if limit is None else limit + 1), label, limit)
+            size = response.headers.get("content-length")
+            if size and size.isdigit() and int(size) > limit:  # refused before its bytes come
+                raise PreprocessError(f"{label}: {int(size):,} bytes, more than the decode budget of {limit:,} bytes")
+            return within(response.read(limit + 1), label, limit)
     except urllib.error.HTTPError as e:
         raise PreprocessError(f"{label}: {redacted(url)[:200]} answered HTTP {e.code}") from None
     except (urllib.error.URLError, OSError) as e:

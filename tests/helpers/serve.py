@@ -1,4 +1,5 @@
-"""``qwenvl-vision serve`` as its users start it (``serving``: a child process, uvicorn, on a free loopback port);
+"""``qwenvl-vision serve`` as its users start it (``serving``: a child process, uvicorn, on a free loopback port), or
+its app in this process (``app_of``, the test settings ``server_options``, an encoder held until let go: ``Held``);
 the requests the proxy sends (``chat``, ``part``, ``data_url``), the check of an error answer (``error_of``)."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -82,6 +84,43 @@ def serving(args: list[str], env: dict[str, str] | None = None) -> Iterator[Serv
 
 
 KEY = "test-key"  # the serve tests' API key
+
+
+def app_of(encoder, *options: str):
+    """The app ``qwenvl-vision serve --served-model-name tiny OPTIONS`` serves for ``encoder``."""
+    from qwenvl_vision.cli import build_parser
+    from qwenvl_vision.serve.app import build_app
+    from qwenvl_vision.serve.main import serve_settings
+
+    args = build_parser().parse_args(["serve", "--model", "m", "--served-model-name", "tiny", *map(str, options)])
+    args.validate(args)
+    return build_app(encoder, serve_settings(args, encoder))
+
+
+def server_options(root: Path) -> list:
+    """The in-process tests' options: a key, the encoder role over ``root/shared``, media from 127.0.0.1 and under
+    ``root/local``, small limits (4 items a request, 4 waiting, 1 MiB bodies and decode budget)."""
+    return ["--api-key", KEY, "--ec-shared-storage", root / "shared", "--max-body-mib", 1, "--max-items", 4,
+            "--max-queue", 4, "--decode-mib", 1, "--allowed-media-domains", "127.0.0.1", "--allowed-local-media-path",
+            root / "local", "--decode-timeout", 30]
+
+
+class Held:
+    """An encoder whose ``iter_encode`` waits for ``go`` (``entered`` set once it waits), or raises with ``fail``;
+    ``closed`` once the app closed it."""
+
+    def __init__(self, encoder) -> None:
+        self.encoder, self.entered, self.go, self.fail = encoder, threading.Event(), threading.Event(), False
+
+    def __getattr__(self, name):
+        return getattr(self.encoder, name)
+
+    def iter_encode(self, *args, **kwargs):
+        self.entered.set()
+        self.go.wait()
+        if self.fail:
+            raise RuntimeError("a forward's bug")
+        yield from self.encoder.iter_encode(*args, **kwargs)
 
 
 def data_url(path: Path, mime: str = "image/png") -> str:

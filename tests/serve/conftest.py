@@ -1,6 +1,6 @@
 """The serve tests' app: a tiny Qwen3-VL encoder (DeepStack) served in this process by FastAPI's TestClient, with a
-key, the encoder role, a loopback media domain, a local media folder and small limits (6 items a request, 4 waiting);
-and the media they send."""
+key, the encoder role, a loopback media domain, a local media folder and small limits (4 items a request, 4 waiting);
+one whose encoder waits to be let go (``held``); and the media they send."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from PIL import Image
 
 from qwenvl_vision import load_encoder
 from tests.helpers import synthetic_photo, write_video
-from tests.helpers.serve import KEY
+from tests.helpers.serve import KEY, Held, app_of, server_options
 
 
 @pytest.fixture(scope="session")
@@ -33,18 +33,29 @@ def served(tmp_path_factory, checkpoint3, media):
     """(client, root): the app over ``root/shared`` (encoder role), media from 127.0.0.1 and under ``root/local``."""
     from fastapi.testclient import TestClient
 
-    from qwenvl_vision.serve.app import ServeSettings, build_app
-    from qwenvl_vision.serve.media import MediaPolicy
-
     root = tmp_path_factory.mktemp("serve")
     (root / "local").mkdir()
     for name in ("a.png", "clip.mp4"):
         (root / "local" / name).write_bytes(media[name].read_bytes())
-    settings = ServeSettings("tiny", api_key=KEY, shared=root / "shared", max_body=1 << 20, max_items=6, max_queue=4,
-                             policy=MediaPolicy(frozenset({"127.0.0.1"}), (root / "local").resolve(), 30.0))
-    app = build_app(load_encoder(checkpoint3, device="cpu"), settings)
-    with TestClient(app, headers={"Authorization": f"Bearer {KEY}"}) as client:
+    with TestClient(app_of(load_encoder(checkpoint3, device="cpu"), *server_options(root)),
+                    headers={"Authorization": f"Bearer {KEY}"}) as client:
         yield client, root
+
+
+@pytest.fixture
+def held(tmp_path, checkpoint3):
+    """(client, encoder): the app's settings (``served``) over a ``Held`` encoder, let go at the end."""
+    from fastapi.testclient import TestClient
+
+    (tmp_path / "local").mkdir()
+    encoder = Held(load_encoder(checkpoint3, device="cpu"))
+    try:
+        with TestClient(app_of(encoder, *server_options(tmp_path)), headers={"Authorization": f"Bearer {KEY}"},
+                        raise_server_exceptions=False) as c:  # a 500 is answered, as to a client
+            yield c, encoder
+            encoder.go.set()
+    finally:
+        encoder.go.set()
 
 
 @pytest.fixture(scope="module")

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import base64
+import os
+import threading
+import uuid
 
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load
+from prometheus_client.parser import text_string_to_metric_families
+from safetensors.torch import load, load_file
 
-from tests.helpers.serve import KEY, chat, data_url, error_of, part
+from tests.helpers.serve import KEY, app_of, chat, data_url, error_of, part
 
 
 def files_under(root) -> set[str]:
@@ -24,7 +28,7 @@ def test_embeddings_are_the_encoder_s_pooled_vectors_as_float_and_base64(served,
         expected = encoder3.encode_images(paths, pooled=True, normalize=normalize).pooled
         answer = client.post("/v1/embeddings", json=chat(*parts, normalize=normalize)).json()
         floats = torch.tensor([d["embedding"] for d in answer["data"]])
-        assert torch.equal(floats, expected.float())
+        assert torch.equal(floats, expected.float()) and floats.dtype == torch.float32
         answer64 = client.post("/v1/embeddings", json=chat(*parts, normalize=normalize,
                                                           encoding_format="base64")).json()
         decoded = np.stack([np.frombuffer(base64.b64decode(d["embedding"]), "<f4") for d in answer64["data"]])
@@ -44,6 +48,7 @@ def test_return_tokens_answers_each_item_s_tokens_grid_and_deepstack_levels(serv
     assert expected.deepstack[0]  # the tower has DeepStack levels, all of them answered
     for i in range(2):
         assert torch.equal(tensors[f"{i}.embeddings"], expected.embeddings[i])
+        assert tensors[f"{i}.embeddings"].dtype == expected.embeddings[i].dtype
         assert torch.equal(tensors[f"{i}.grid_thw"], expected.grid_thw[i])
         for level, values in enumerate(expected.deepstack[i]):
             assert torch.equal(tensors[f"{i}.deepstack.{level}"], values)
@@ -58,6 +63,14 @@ def bad_requests(media) -> dict[str, tuple]:
         "unknown content type": ("/v1/chat/completions", chat(part(good.replace("image/png", "application/pdf"), "u2")),
                                  {}, 415, "messages[0].content[1]", "application/pdf"),
         "uuid ../x": ("/v1/chat/completions", chat(part(good, "../x")), {}, 400, "messages[0].content[1]", "../x"),
+        "uuid of the folder's identity": ("/v1/chat/completions", chat(part(good, "qwenvl_vision_cache.json")), {},
+                                          400, "messages[0].content[1]", "qwenvl_vision_cache.json"),
+        "uuid of a prune's record": ("/v1/chat/completions", chat(part(good, "pruned.jsonl")), {}, 400,
+                                     "messages[0].content[1]", "pruned.jsonl"),
+        "mm_processor_kwargs": ("/v1/chat/completions", chat(part(good, "k1"), mm_processor_kwargs={"fps": 1}), {},
+                                400, "mm_processor_kwargs"),
+        "media_io_kwargs": ("/v1/embeddings", chat(part(good), media_io_kwargs={"video": {"num_frames": 2}}), {},
+                            400, "media_io_kwargs"),
         "no uuid in the encoder role": ("/v1/chat/completions", chat(part(good)), {}, 400, "messages[0].content[1]",
                                         "uuid"),
         "a URL outside the allowed domains": ("/v1/embeddings", chat(part("http://example.com/a.png")), {}, 400,
@@ -66,55 +79,65 @@ def bad_requests(media) -> dict[str, tuple]:
                                  "messages[0].content[1]", "input_audio"),
         "a body over the limit": ("/v1/embeddings", chat(part("data:image/png;base64," + "A" * (1 << 20))), {}, 413,
                                   "--max-body-mib"),
+        "a chunked body over the limit": ("/v1/embeddings", iter([b"[" * (1 << 19)] * 3), {}, 413, "--max-body-mib"),
+        "JSON nested deeper than the stack": ("/v1/embeddings", b"[" * 100_000 + b"]" * 100_000, {}, 400, "JSON"),
         "a wrong key": ("/v1/embeddings", chat(part(good)), {"Authorization": "Bearer nope"}, 401, "API key"),
         "no key": ("/v1/models", None, {"Authorization": ""}, 401, "API key"),
         "not JSON": ("/v1/embeddings", b"{", {}, 400, "JSON"),
-        "more items than --max-items": ("/v1/embeddings", chat(*[part(good)] * 7), {}, 400, "messages", "--max-items"),
+        "more items than --max-items": ("/v1/embeddings", chat(*[part(good)] * 5), {}, 400, "messages", "--max-items"),
     }
 
 
-@pytest.mark.parametrize("case", ["broken image", "unknown content type", "uuid ../x", "no uuid in the encoder role",
-                                  "a URL outside the allowed domains", "an unknown part type", "a body over the limit",
-                                  "a wrong key", "no key", "not JSON", "more items than --max-items"])
+@pytest.mark.parametrize("case", ["broken image", "unknown content type", "uuid ../x", "uuid of the folder's identity",
+                                  "uuid of a prune's record", "no uuid in the encoder role", "mm_processor_kwargs",
+                                  "media_io_kwargs", "a URL outside the allowed domains", "an unknown part type",
+                                  "a body over the limit", "a chunked body over the limit",
+                                  "JSON nested deeper than the stack", "a wrong key", "no key", "not JSON",
+                                  "more items than --max-items"])
 def test_bad_input_gets_its_status_and_one_line_and_the_next_request_is_served(served, media, case):
     client, root = served
     route, body, headers, status, *needles = bad_requests(media)[case]
     before = files_under(root)
     if body is None:
         response = client.get(route, headers=headers)
-    elif isinstance(body, bytes):
+    elif not isinstance(body, dict):  # bytes, or an iterator of them (a chunked body)
         response = client.post(route, content=body, headers=headers)
     else:
         response = client.post(route, json=body, headers=headers)
     error_of(response, status, *needles)
     assert files_under(root) == before  # nothing written, in the shared folder or anywhere else
-    assert client.post("/v1/chat/completions", json=chat(part(data_url(media["b.png"]), "next"))).status_code == 200
+    fresh = uuid.uuid4().hex  # encoded, not found written by an earlier case
+    assert client.post("/v1/chat/completions", json=chat(part(data_url(media["b.png"]), fresh))).status_code == 200
 
 
 def test_without_shared_storage_the_encoder_role_says_how_to_start_it(checkpoint3, media):
     from fastapi.testclient import TestClient
 
     from qwenvl_vision import load_encoder
-    from qwenvl_vision.serve.app import ServeSettings, build_app
 
-    with TestClient(build_app(load_encoder(checkpoint3, device="cpu"), ServeSettings("tiny"))) as client:
+    with TestClient(app_of(load_encoder(checkpoint3, device="cpu"))) as client:
         error_of(client.post("/v1/chat/completions", json=chat(part(data_url(media["a.png"]), "u"))), 400,
                  "--ec-shared-storage")
         assert client.post("/v1/embeddings", json=chat(part(data_url(media["a.png"])))).status_code == 200
 
 
-def test_health_models_and_metrics(served, media):
+def test_health_models_and_metrics_the_key_guarding_v1_alone(served, media):
     client, _ = served
     assert client.get("/health", headers={"Authorization": ""}).json() == {}
     assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["tiny"]
     client.post("/v1/embeddings", json=chat(part(data_url(media["c.png"]))))
-    error_of(client.get("/metrics", headers={"Authorization": f"Bearer {KEY}x"}), 401)
-    text = client.get("/metrics").text
-    for needle in ('qwenvl_vision_requests_total{route="/v1/embeddings",status="200"}',
-                   'qwenvl_vision_requests_total{route="/metrics",status="401"}', "qwenvl_vision_items_encoded_total",
-                   'qwenvl_vision_request_seconds_bucket{le="0.005",route="/v1/embeddings"}',
-                   "qwenvl_vision_queue_items 0.0"):
-        assert needle in text, text
+    error_of(client.get("/v1/models", headers={"Authorization": f"Bearer {KEY}x"}), 401)
+    client.get("/nowhere")
+    response = client.get("/metrics", headers={"Authorization": ""})  # a scraper set up for vLLM has no key
+    assert response.status_code == 200
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(response.text) for s in family.samples}
+    assert samples[("qwenvl_vision_requests_total", (("route", "/v1/embeddings"), ("status", "200")))] >= 1
+    assert samples[("qwenvl_vision_requests_total", (("route", "/v1/models"), ("status", "401")))] >= 1
+    assert samples[("qwenvl_vision_requests_total", (("route", "other"), ("status", "404")))] >= 1
+    assert samples[("qwenvl_vision_items_encoded_total", ())] >= 1
+    assert samples[("qwenvl_vision_request_seconds_count", (("route", "/v1/embeddings"),))] >= 1
+    assert samples[("qwenvl_vision_queue_items", ())] == 0
 
 
 def test_an_item_sent_twice_under_one_uuid_is_written_once_and_named_at_both_places(served, media):
@@ -123,3 +146,64 @@ def test_an_item_sent_twice_under_one_uuid_is_written_once_and_named_at_both_pla
     answer = client.post("/v1/chat/completions", json=chat(part(url, "twice"), part(url, "twice"))).json()
     assert answer["ec_transfer_params"]["twice"]["item_indices"] == [0, 1]
     assert [p.name for p in (root / "shared" / "twice").iterdir()] == ["encoder_cache.safetensors"]
+
+
+def test_an_item_found_written_is_touched_for_a_prune_s_oldest_first(served, media):
+    client, root = served
+    request = chat(part(data_url(media["a.png"]), "touched"))
+    assert client.post("/v1/chat/completions", json=request).status_code == 200
+    path = root / "shared" / "touched" / "encoder_cache.safetensors"
+    os.utime(path, (0, 0))  # as old as can be
+    assert client.post("/v1/chat/completions", json=request).status_code == 200
+    assert path.stat().st_mtime > 0
+
+
+def test_a_link_at_an_item_s_folder_is_refused_never_read_through(served, media, tmp_path):
+    client, root = served
+    (root / "shared" / "linked").symlink_to(tmp_path, target_is_directory=True)
+    error_of(client.post("/v1/chat/completions", json=chat(part(data_url(media["a.png"]), "linked"))), 400, "linked")
+    assert list(tmp_path.iterdir()) == []
+
+
+def post_in_thread(client, route: str, body: dict) -> tuple[threading.Thread, list]:
+    answers: list = []
+    thread = threading.Thread(target=lambda: answers.append(client.post(route, json=body)))
+    thread.start()
+    return thread, answers
+
+
+def test_two_requests_racing_for_one_uuid_both_answer_the_file_written(held, media, tmp_path):
+    client, encoder = held
+    first = post_in_thread(client, "/v1/chat/completions", chat(part(data_url(media["a.png"]), "raced")))
+    encoder.entered.wait()  # the first is being encoded, the second finds no file either
+    second = post_in_thread(client, "/v1/chat/completions", chat(part(data_url(media["c.png"]), "raced")))
+    while "qwenvl_vision_queue_items 1.0" not in client.get("/metrics").text:
+        pass
+    encoder.go.set()
+    answers = []
+    for thread, answer in (first, second):
+        thread.join()
+        answers.append(answer[0].json())
+    rows = load_file(tmp_path / "shared" / "raced" / "encoder_cache.safetensors")["ec_cache"].shape[0]
+    assert [a["usage"]["prompt_tokens"] for a in answers] == [rows, rows]  # the file's, not the second encode's
+    assert answers[0]["ec_transfer_params"] == answers[1]["ec_transfer_params"]
+
+
+def test_a_failed_forward_is_a_500_in_vllm_s_shape(held, media):
+    client, encoder = held
+    encoder.fail = True
+    encoder.go.set()
+    response = client.post("/v1/embeddings", json=chat(part(data_url(media["a.png"]))))
+    error_of(response, 500, "internal error", "RuntimeError")
+    assert response.json()["error"]["type"] == "InternalServerError"
+
+
+def test_the_app_s_end_closes_the_encoder(checkpoint3):
+    from fastapi.testclient import TestClient
+
+    from qwenvl_vision import load_encoder
+
+    encoder = load_encoder(checkpoint3, device="cpu")
+    with TestClient(app_of(encoder)) as client:
+        assert client.get("/health").status_code == 200
+    assert encoder.closed

@@ -7,6 +7,7 @@ import hashlib
 import http.server
 import json
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -54,18 +55,19 @@ def test_the_proxy_s_request_writes_write_vllm_cache_s_items_under_their_uuids_o
             files = [shared / u / CACHE_FILE for u in uuids]
             for i, (uuid, e, path) in enumerate(zip(uuids, entries, files)):
                 expected = load_file(reference / e["id"] / CACHE_FILE)[CACHE_KEY]
-                assert torch.equal(load_file(path)[CACHE_KEY], expected)  # bitwise, dtype included
+                got = load_file(path)[CACHE_KEY]
+                assert torch.equal(got, expected) and got.dtype == expected.dtype  # bitwise, dtype included
                 assert answer["ec_transfer_params"][uuid] == {
                     "modality": e["modality"], "metadata": {f"{e['modality']}_grid_thw": e["grid_thw"],
                                                             **({"timestamps": e["timestamps"]} if i == 2 else {})},
                     "item_indices": [i]}  # vLLM's producer's shape, the fields that size the item's placeholders
             assert entries[2]["timestamps"]  # Qwen3-VL's videos carry their timing
             assert answer["usage"]["prompt_tokens"] == sum(e["tokens"] for e in entries)
-            stamps, encoded = [(p.stat().st_mtime_ns, p.read_bytes()) for p in files], items_encoded(client)
+            written, encoded = [p.read_bytes() for p in files], items_encoded(client)
             again = client.post("/v1/chat/completions", json=request, headers={"x-request-id": "req-2"})
             assert again.json()["ec_transfer_params"] == answer["ec_transfer_params"]
-            assert items_encoded(client) == encoded == 3  # found in place: not encoded again, nor written
-            assert [(p.stat().st_mtime_ns, p.read_bytes()) for p in files] == stamps
+            assert items_encoded(client) == encoded == 3  # found in place: not encoded again, nor written (touched)
+            assert [p.read_bytes() for p in files] == written
             text_only = client.post("/v1/chat/completions", json=chat())
             assert text_only.status_code == 200 and text_only.json()["ec_transfer_params"] == {}
             assert httpx.get(f"{url}/v1/models").status_code == 401  # the key from the environment
@@ -78,6 +80,65 @@ def test_serve_refuses_a_preset_without_random_weights_in_one_line(capsys):
     assert main(["serve", "--model", "qwen2.5-vl-3b"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "--random-weights" in err
+
+
+def test_serve_refuses_more_items_a_request_than_the_queue_holds(capsys):
+    assert main(["serve", "--model", "m", "--max-items", "5", "--max-queue", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "--max-items 5" in err and "--max-queue 4" in err
+
+
+def test_serve_without_its_extra_says_how_to_install_it(capsys, monkeypatch, checkpoint3):
+    monkeypatch.setitem(sys.modules, "uvicorn", None)  # as if not installed
+    assert main(["serve", "--model", str(checkpoint3), "--device", "cpu"]) == 2
+    assert "pip install 'qwenvl-vision[serve]'" in capsys.readouterr().err
+
+
+def test_a_port_in_use_is_a_setup_error_naming_it(capsys, checkpoint3):
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = str(taken.getsockname()[1])
+        assert main(["serve", "--model", str(checkpoint3), "--device", "cpu", "--port", port]) == 2
+    assert f"127.0.0.1:{port}" in capsys.readouterr().err
+
+
+def test_requests_beyond_twice_max_queue_at_once_are_answered_503(checkpoint3, media):
+    arrived, release, image = threading.Semaphore(0), threading.Event(), media["a.png"].read_bytes()
+
+    class Held(http.server.BaseHTTPRequestHandler):  # each request's media held until the test lets it go
+        def do_GET(self):
+            arrived.release()
+            release.wait(START_S)
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(image)))
+            self.end_headers()
+            self.wfile.write(image)
+
+        def log_message(self, *args):
+            pass
+
+    media_server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Held)
+    threading.Thread(target=media_server.serve_forever, daemon=True).start()
+    answers: list = []
+    try:
+        with serving(["--model", checkpoint3, "--device", "cpu", "--allowed-media-domains", "127.0.0.1",
+                      "--max-queue", "2", "--max-items", "1"]) as url:
+            body = chat(part(f"http://127.0.0.1:{media_server.server_address[1]}/a.png"))
+            clients = [threading.Thread(target=lambda: answers.append(httpx.post(f"{url}/v1/embeddings", json=body,
+                                                                                 timeout=120))) for _ in range(2)]
+            for client in clients:
+                client.start()
+            for _ in clients:
+                assert arrived.acquire(timeout=START_S), url.log()  # in flight, within the limit of 4
+            port = int(url.rsplit(":", 1)[1])
+            with socket.create_connection(("127.0.0.1", port)), socket.create_connection(("127.0.0.1", port)):
+                assert httpx.get(f"{url}/v1/models").status_code == 503  # a fifth connection
+            release.set()
+            for client in clients:
+                client.join()
+    finally:
+        release.set()
+        media_server.shutdown()
+    assert [a.status_code for a in answers] == [200] * 2
 
 
 def test_neither_the_package_nor_the_serve_command_line_loads_the_server_s_libraries():

@@ -3,11 +3,16 @@ allowed folder, data: URLs by their media type (tests/serve/conftest.py serves 1
 
 from __future__ import annotations
 
+import contextlib
+import http.server
 import os
+import threading
+from collections.abc import Iterator
 
 import pytest
 
-from tests.helpers.serve import chat, data_url, error_of, part
+from qwenvl_vision import load_encoder
+from tests.helpers.serve import START_S, app_of, chat, data_url, error_of, part
 from tests.helpers.servers import http_folder
 
 
@@ -63,3 +68,82 @@ def test_a_data_url_s_media_type_must_be_its_part_s_kind(served, media):
              "messages[0].content[1]", "image/png")
     error_of(client.post("/v1/embeddings", json=chat(part(mp4.replace(";base64", ""), kind="video_url"))), 400,
              "messages[0].content[1]", "base64")
+
+
+@contextlib.contextmanager
+def media_server(answer) -> Iterator[str]:
+    """An HTTP server on 127.0.0.1 whose GET calls ``answer(handler)``; yields its base URL."""
+    class Handler(http.server.BaseHTTPRequestHandler):
+        do_GET = answer
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+
+
+def test_a_slow_url_holds_only_its_own_request(served, media):
+    client, _ = served
+    arrived, release, image = threading.Event(), threading.Event(), media["a.png"].read_bytes()
+
+    def slow(handler):
+        arrived.set()
+        release.wait(START_S)
+        handler.send_response(200)
+        handler.send_header("Content-Length", str(len(image)))
+        handler.end_headers()
+        handler.wfile.write(image)
+
+    slow_answer: list = []
+    with media_server(slow) as base:
+        thread = threading.Thread(target=lambda: slow_answer.append(pooled(client, f"{base}/a.png")))
+        thread.start()
+        try:
+            assert arrived.wait(START_S)
+            assert pooled(client, data_url(media["b.png"])) and not slow_answer  # served while the URL is read
+        finally:
+            release.set()
+            thread.join()
+    assert slow_answer == [pooled(client, data_url(media["a.png"]))]
+
+
+def test_a_size_announced_over_the_decode_budget_is_refused_before_its_bytes(served):
+    client, _ = served
+
+    def announced(handler):  # a body it never sends: refused on the announcement alone
+        handler.send_response(200)
+        handler.send_header("Content-Length", str(2 << 20))  # tests/serve/conftest.py: --decode-mib 1
+        handler.end_headers()
+        handler.wfile.write(b"x" * 10)
+
+    with media_server(announced) as base:
+        error_of(client.post("/v1/embeddings", json=chat(part(f"{base}/a.png"))), 400, "messages[0].content[1]",
+                 "2,097,152 bytes", "decode budget")
+
+
+def test_local_media_is_a_regular_file_named_without_nul(served):
+    client, root = served
+    fifo = root / "local" / f"fifo-{os.getpid()}.png"
+    os.mkfifo(fifo)  # opened for reading, it would wait for a writer for good
+    try:
+        for url in (f"file://{root / 'local'}", f"file://{fifo}"):
+            error_of(client.post("/v1/embeddings", json=chat(part(url))), 400, "messages[0].content[1]",
+                     "not a regular file")
+    finally:
+        fifo.unlink()
+    error_of(client.post("/v1/embeddings", json=chat(part(f"file://{root / 'local'}/a%00.png"))), 400,
+             "messages[0].content[1]", "NUL")
+
+
+def test_allowed_media_domains_match_whatever_their_case(checkpoint3, media):
+    from fastapi.testclient import TestClient
+
+    with http_folder(media["a.png"].parent) as base, TestClient(app_of(
+            load_encoder(checkpoint3, device="cpu"), "--allowed-media-domains", "LocalHost")) as client:
+        assert pooled(client, base.replace("127.0.0.1", "localhost") + "/a.png") == \
+            pooled(client, data_url(media["a.png"]))
