@@ -67,6 +67,20 @@ EXCUSED = {  # README command (without its comment) -> why it is not run here
     "small towers",
     "python -m bench.cuda_check --out DIR": "needs a GPU; its --dry-run, the same logic on CPU, runs in "
     "tests/bench/test_cuda_check.py",
+    "qwenvl-vision serve --model Qwen/Qwen3-VL-2B-Instruct --dtype bfloat16 --ec-shared-storage /tmp/ec --port 8001":
+    "a server that runs until stopped; tests/contract/test_serve.py reads this line and runs it on tiny models (its "
+    "folders and port moved) against vLLM's own code",
+    "vllm serve Qwen/Qwen3-VL-2B-Instruct --port 8002 --ec-transfer-config '{\"ec_connector\": \"ECExampleConnector\", "
+    "\"ec_role\": \"ec_consumer\", \"ec_connector_extra_config\": {\"shared_storage_path\": \"/tmp/ec\"}}'":
+    "needs vLLM with a GPU; tests/contract/test_serve.py builds this consumer's VllmConfig from the line and loads the "
+    "server's items with its ECExampleConnector",
+    "python disagg_epd_proxy.py --encode-servers-urls http://127.0.0.1:8001 --prefill-servers-urls disable "
+    "--decode-servers-urls http://127.0.0.1:8002 --port 8000": "vLLM's own example proxy (not shipped here) in front "
+    "of a GPU vLLM; tests/contract/test_serve.py sends the server the requests it sends",
+    "curl -s http://127.0.0.1:8001/v1/embeddings -H 'Content-Type: application/json' -d '{\"model\": "
+    "\"Qwen/Qwen3-VL-2B-Instruct\", \"messages\": [{\"role\": \"user\", \"content\": [{\"type\": \"image_url\", "
+    "\"image_url\": {\"url\": \"data:image/jpeg;base64,'\"$(base64 -w0 examples/photos/hopper.jpg)\"'\"}}]}]}'":
+    "needs the server above running; tests/contract/test_serve.py runs it against that server",
     "qwenvl-vision embed s3://my-bucket/photos/a.jpg https://example.com/b.jpg --model qwen3.5-0.8b --random-weights "
     "--out /tmp/qwenvl-remote": "needs a bucket and the network; tests/embed/test_remote.py runs URLs against an HTTP "
     "server and an S3 server on loopback",

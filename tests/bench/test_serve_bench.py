@@ -1,5 +1,5 @@
 """bench/serve.py end to end at a tiny size (in a child, as it is run): the server started as users start it answers
-every request, and the batch loop's and the server's images/s, latencies and resident sets are reported."""
+every request, stops cleanly, and its resident sets are read."""
 
 from __future__ import annotations
 
@@ -21,11 +21,7 @@ def test_serve_bench_smoke(tmp_path):
                            "--rounds", "1", "--threads", "1", "--max-pixels", str(64 * 64), "--json", str(numbers)],
                           cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(numbers.read_text())
-    served = result["serve"]
-    assert served["failed"] == 0 and served["exit_status"] == 0
-    assert result["batch_images_per_s"] > 0 and served["images_per_s"] > 0
-    assert result["serve_vs_batch"] == pytest.approx(served["images_per_s"] / result["batch_images_per_s"])
-    assert 0 < served["p50_s"] <= served["p99_s"]
-    assert served["rss_after_100"] > 0 and served["rss_end"] > 0  # after the first 100 requests: here all 6
-    assert "serve / batch" in done.stdout and "server RSS" in done.stdout
+    served = json.loads(numbers.read_text())["serve"]
+    assert served["failed"] == 0 and served["exit_status"] == 0, served["failures"]
+    # after the first 100 requests: here all 6; the peak since the server was ready
+    assert served["rss_after_100"] > 0 and served["rss_end"] > 0 and served["rss_peak"] > 0

@@ -1,32 +1,15 @@
 """``qwenvl-vision serve`` as the encoder instance of vLLM's disaggregated encoding (EPD), against vLLM 0.33.0's own
-code (the contract tier: bash .ci/contract).
-
-The server starts as docs/handoff.md's encoder-tier section starts it (a child process serving with uvicorn on a
-loopback port, ``--ec-shared-storage`` in a temporary folder), for a tiny Qwen2.5-VL and a tiny Qwen3-VL
-(DeepStack), and gets the requests vLLM's EPD proxy (``disagg_epd_proxy.py``) sends an encoder instance: the
-original request's media items, each with ``uuid`` = the sha256 of its URL, the images in one request and each
-video in one of its own, text removed, ``max_tokens`` 1, ``stream`` false, an ``x-request-id`` header. Then, in
-vLLM's own code:
-
-- its OpenAI request model (``ChatCompletionRequest``) takes every request as sent, and its chat parsing
-  (``parse_chat_messages``) finds the items in order under their uuids;
-- a consumer ``VllmConfig`` built from the section's ``--ec-transfer-config``, and its ``ECExampleConnector``, find
-  every item the server wrote and load it bit for bit equal to what they load of ``to_vllm_cache``'s folder for
-  the same files;
-- the decoder's request the proxy makes of the answers (each item a metadata-only ``image_embeds`` /
-  ``video_embeds`` part under its uuid, holding the metadata the answer's ``ec_transfer_params`` reports for it)
-  passes the same request model and parsing on the consumer, whose processor names each item by its uuid, with
-  the grids (and a Qwen3-VL video's timestamps) of ``to_vllm_cache``'s entries.
-
-The section's ``/v1/embeddings`` curl example runs against the same server: the pooled vector of its file.
+code (the contract tier: bash .ci/contract): docs/handoff.md's encoder-tier commands, run as written for a tiny
+Qwen2.5-VL and Qwen3-VL, get the requests vLLM's EPD proxy (``disagg_epd_proxy.py``) sends; vLLM's request and
+response models take them and the answers, and a consumer's ``ECExampleConnector`` built from the section's
+``--ec-transfer-config`` loads every item the server wrote bit for bit as it loads ``to_vllm_cache``'s.
 
 vLLM's multimodal processor needs a tokenizer, which the tiny models lack: chat parsing gets the family's processor
-built without one (``untokenized_processor``); it reads only the processing info and the fields' layout there.
+built without one (``untokenized_processor``).
 """
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import json
 import re
@@ -46,7 +29,10 @@ if vllm.__version__ != "0.33.0":
     pytest.skip(f"the contract is vLLM 0.33.0's; this is {vllm.__version__}", allow_module_level=True)
 
 from vllm.config import ModelConfig  # noqa: E402
-from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest  # noqa: E402
+from vllm.entrypoints.openai.chat_completion.protocol import (  # noqa: E402
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+)
 from vllm.multimodal import MULTIMODAL_REGISTRY  # noqa: E402
 from vllm.renderers.chat_utils import parse_chat_messages  # noqa: E402
 
@@ -64,59 +50,51 @@ from tests.contract.test_vllm import (  # noqa: E402
 )
 from tests.helpers import REPO  # noqa: E402
 from tests.helpers.handoff import write_full_model  # noqa: E402
-from tests.helpers.serve import START_S, serving  # noqa: E402
+from tests.helpers.serve import START_S, data_url, serving  # noqa: E402
 
 SECTION = "## Encoder tier for vLLM's disaggregated encoding"
 EMBEDS = {"image_url": "image_embeds", "video_url": "video_embeds"}  # the proxy's rewrite of each media part
+PASSED_ON = ("mm_processor_kwargs", "media_io_kwargs", "priority", "session_id")  # the proxy copies these
 
 
 def section() -> tuple[list[str], dict, str]:
     """The section's commands: the serve arguments (after ``qwenvl-vision serve``), the consumer's
     ``--ec-transfer-config`` and the ``/v1/embeddings`` curl line."""
     text = HANDOFF.read_text()
-    lines = re.search(r"```text\n(.*?)```", text[text.index(SECTION):], re.S).group(1).splitlines()
+    text = text[text.index(SECTION):]
+    lines = [line for block in re.findall(r"```bash\n(.*?)```", text.split("\n## ")[0], re.S)
+             for line in block.splitlines()]
     serve = shlex.split(next(line for line in lines if line.startswith("qwenvl-vision serve")))[2:]
     consumer = next(line for line in lines if line.startswith("vllm serve"))
     transfer = json.loads(re.search(r"--ec-transfer-config '(.*?)'", consumer).group(1))
-    return serve, transfer, next(line for line in text[text.index(SECTION):].splitlines() if line.startswith("curl"))
+    return serve, transfer, next(line for line in lines if line.startswith("curl"))
 
 
-def with_values(argv: list[str], **values: str) -> list[str]:
-    """``argv`` with each ``--name VALUE`` given here replaced (``--port``: removed; the helper picks a free one)."""
-    out = list(argv)
-    for name, value in values.items():
-        at = out.index(f"--{name.replace('_', '-')}")
-        out[at + 1:at + 2] = [value]
-    at = out.index("--port")
-    return out[:at] + out[at + 2:]
-
-
-def data_url(path: Path, mime: str) -> str:
-    return f"data:{mime};base64,{base64.b64encode(path.read_bytes()).decode()}"
-
-
-def content_uuid(part: dict) -> str:
-    """The proxy's cache key of a media item: the sha256 of its URL."""
-    return hashlib.sha256(part[part["type"]]["url"].encode()).hexdigest()
+def item_uuid(part: dict) -> str:
+    """The proxy's cache key of a media item: its own uuid, else the sha256 of its URL."""
+    return part.get("uuid") or hashlib.sha256(part[part["type"]]["url"].encode()).hexdigest()
 
 
 def proxy_requests(original: dict) -> list[tuple[dict, dict]]:
-    """(body, headers) of each request the proxy sends the encoder instance for ``original``."""
+    """(body, headers) of each request the proxy sends its one encoder instance for ``original``: the images in one,
+    each video in one of its own, text removed, each item under its key."""
     items = [part for message in original["messages"] if isinstance(message["content"], list)
              for part in message["content"] if part["type"] in EMBEDS]
     groups = [[i for i, part in enumerate(items) if part["type"] == "image_url"]]
     groups += [[i] for i, part in enumerate(items) if part["type"] == "video_url"]
     parent = uuid.uuid4().hex
-    return [({"model": original["model"], "max_tokens": 1, "stream": False,
-              "messages": [{"role": "user", "content": [{**items[i], "uuid": content_uuid(items[i])} for i in group]}]},
+    passed = {key: original[key] for key in PASSED_ON if key in original}
+    return [({"model": original["model"], "stream": False, **passed,
+              "messages": [{"role": "user", "content": [{**items[i], "uuid": item_uuid(items[i])} for i in group]}]},
              {"x-request-id": f"{parent}:{group[0]}:{uuid.uuid4().hex[:6]}", "Content-Type": "application/json"})
             for group in groups if group]
 
 
-def decoder_request(original: dict, answers: list[dict]) -> dict:
+def decoder_request(original: dict, answers: list[ChatCompletionResponse]) -> dict:
     """The proxy's rewrite of ``original`` for the decoder: each media part a metadata-only ``*_embeds`` part under
-    its uuid, holding the metadata the encoder reported for it (each value's lists flattened, as the proxy does)."""
-    reported = {key: value for answer in answers for key, value in answer["ec_transfer_params"].items()}
+    its key, holding the metadata the encoder reported for it (each value's lists flattened, as the proxy does), and
+    every reported entry in the request's ``ec_transfer_params``."""
+    reported = {key: value for answer in answers for key, value in answer.ec_transfer_params.items()}
     messages = []
     for message in original["messages"]:
         content = []
@@ -124,12 +102,13 @@ def decoder_request(original: dict, answers: list[dict]) -> dict:
             if part["type"] not in EMBEDS:
                 content.append(part)
                 continue
-            key, kind = content_uuid(part), EMBEDS[part["type"]]
+            key, kind = item_uuid(part), EMBEDS[part["type"]]
             metadata = {name: [x for item in value for x in (item if isinstance(item, list) else [item])]
                         for name, value in reported[key]["metadata"].items()}
             content.append({"type": kind, kind: metadata, "uuid": key})
         messages.append({**message, "content": content})
-    return {**original, "messages": messages}
+    return {**original, "messages": messages,
+            "ec_transfer_params": {**(original.get("ec_transfer_params") or {}), **reported}}
 
 
 def untokenized_processor(config: ModelConfig, **_):
@@ -146,13 +125,23 @@ def chat_items(body: dict, config: ModelConfig) -> tuple[dict, dict]:
     return data, uuids
 
 
-def post(url: str, body: dict, headers: dict) -> dict:
+def post(url: str, body: dict, headers: dict) -> tuple[int, dict]:
     request = urllib.request.Request(url, json.dumps(body).encode(), headers)
     try:
         with urllib.request.urlopen(request, timeout=START_S) as response:
-            return json.loads(response.read())
+            return response.status, json.loads(response.read())
     except urllib.error.HTTPError as e:
-        raise AssertionError(f"{url}: {e.code} {e.read().decode(errors='replace')}") from None
+        return e.code, json.loads(e.read())
+
+
+def encoded(url: str, requests: list[tuple[dict, dict]]) -> list[ChatCompletionResponse]:
+    """The server's answers to the proxy's requests, each as vLLM's own response model takes it."""
+    answers = []
+    for body, headers in requests:
+        status, answer = post(f"{url}/v1/chat/completions", body, headers)
+        assert status == 200, answer
+        answers.append(ChatCompletionResponse.model_validate(answer))
+    return answers
 
 
 @pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
@@ -170,9 +159,9 @@ def test_the_proxy_s_requests_reach_a_vllm_consumer_bitwise(model, tmp_path, mon
     for image, path in zip(images(), photos):
         image.save(path)
     clip = write_video(media / "clip.mp4", 9, Fraction(10))
-    parts = [{"type": "image_url", "image_url": {"url": data_url(photos[0], "image/png")}},
+    parts = [{"type": "image_url", "image_url": {"url": data_url(photos[0])}},
              {"type": "video_url", "video_url": {"url": data_url(clip, "video/mp4")}},
-             {"type": "image_url", "image_url": {"url": data_url(photos[1], "image/png")}}]
+             {"type": "image_url", "image_url": {"url": data_url(photos[1])}, "uuid": "photo-1"}]  # a client's own
     original = {"model": str(folder), "max_tokens": 64,
                 "messages": [{"role": "user", "content": [{"type": "text", "text": "What differs?"}, *parts]}]}
     requests = proxy_requests(original)
@@ -184,20 +173,24 @@ def test_the_proxy_s_requests_reach_a_vllm_consumer_bitwise(model, tmp_path, mon
 
     storage = tmp_path / "ec"
     dtype = DTYPE_SPELLINGS[serve[serve.index("--dtype") + 1]]
-    argv = [*with_values(serve, model=str(folder), ec_shared_storage=str(storage)), "--threads", "1"]
+    # The section's line, on this model and folder, on the CPU the reference runs on (argparse keeps the last value).
+    argv = [*serve, "--model", str(folder), "--ec-shared-storage", str(storage), "--device", "cpu", "--threads", "1"]
     with serving(argv) as url:
-        answers = [post(f"{url}/v1/chat/completions", body, headers) for body, headers in requests]
+        answers = encoded(url, requests)
+        # Processor options would make vLLM name the items by another hash than their uuids: refused, naming them.
+        (body, headers), *_ = proxy_requests({**original, "mm_processor_kwargs": {"max_pixels": 64 * 64}})
+        status, refused = post(f"{url}/v1/chat/completions", body, headers)
+        assert status == 400 and "mm_processor_kwargs" in refused["error"]["message"], refused
         # The proxy sends them again when the decoder fails (it re-encodes, then retries): the same answers.
-        again = [post(f"{url}/v1/chat/completions", body, headers) for body, headers in requests]
-        assert [a["ec_transfer_params"] for a in again] == [a["ec_transfer_params"] for a in answers]
+        again = encoded(url, requests)
+        assert [a.ec_transfer_params for a in again] == [a.ec_transfer_params for a in answers]
         example = re.sub(r"http://127\.0\.0\.1:\d+", url, curl).replace(json.dumps(serve[serve.index("--model") + 1]),
                                                                         json.dumps(str(folder)))
         done = subprocess.run(["bash", "-c", example], cwd=REPO, capture_output=True, text=True, timeout=START_S)
     parser = MULTIMODAL_REGISTRY.get_processing_info(encoder_side).get_data_parser()
     for (body, _), answer in zip(requests, answers, strict=True):
-        assert answer["object"] == "chat.completion" and len(answer["choices"]) == 1
         sent = body["messages"][0]["content"]
-        reported = answer["ec_transfer_params"]
+        reported = answer.ec_transfer_params
         # The proxy matches each reported item to its part by these positions (it refuses missing or repeated ones),
         # and hands the decoder the metadata as the item's fields: those a vLLM encoder instance reports, the ones
         # the consumer's parser sizes the placeholders by (``placeholder_metadata_fields``).
@@ -222,7 +215,7 @@ def test_the_proxy_s_requests_reach_a_vllm_consumer_bitwise(model, tmp_path, mon
     data, uuids = chat_items(decoder_request(original, answers), consumer.model_config)
     request = {"multi_modal_data": data, "multi_modal_uuids": uuids}
     parsed = parsed_by_the_consumer(consumer, request)  # the uuids are the consumer's names of the items
-    assert uuids == {"image": [content_uuid(parts[0]), content_uuid(parts[2])], "video": [content_uuid(parts[1])]}
+    assert uuids == {"image": [item_uuid(parts[0]), "photo-1"], "video": [item_uuid(parts[1])]}
     assert [item["image_grid_thw"].tolist() for item in parsed["image"]] == [pictures[0]["grid_thw"],
                                                                              pictures[1]["grid_thw"]]
     assert parsed["video"][0]["video_grid_thw"].tolist() == video["grid_thw"]
@@ -231,8 +224,8 @@ def test_the_proxy_s_requests_reach_a_vllm_consumer_bitwise(model, tmp_path, mon
     loaded = loaded_by_the_connector(consumer, request)
     want = loaded_by_the_connector(consumer_config(folder, transfer, reference), vllm_request(entries))
     for part, entry in zip(parts, entries, strict=True):
-        got = loaded[content_uuid(part)]
-        assert got.dtype == dtype and torch.equal(got, want[entry["id"]]), entry
+        got = loaded[item_uuid(part)]
+        assert got.dtype == consumer.model_config.dtype and torch.equal(got, want[entry["id"]]), entry
 
     # The section's /v1/embeddings example: one pooled vector, the encoder's own for the same file.
     assert done.returncode == 0, done.stderr
