@@ -21,7 +21,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote, urljoin, urlsplit
+from urllib.parse import SplitResult, unquote, urljoin, urlsplit
 
 from ..embed.inputs import IMAGE_EXTENSIONS
 from ..errors import PreprocessError, QwenVLVisionError
@@ -117,7 +117,8 @@ def media_file(url: str, label: str, modality: str, policy: MediaPolicy) -> File
             return FileBytes(label + (ext if ext in known else default), base64.b64decode(payload, validate=True))
         except binascii.Error:
             raise RequestError(f"{label}: the data URL's base64 is invalid") from None
-    ext = Path(urlsplit(url).path).suffix.lower()
+    parts = url_parts(url, label)
+    ext = Path(parts.path).suffix.lower()
     name = label + (ext if ext in known else default)
     if scheme in ("http", "https"):
         check_remote(url, label, policy)
@@ -125,7 +126,6 @@ def media_file(url: str, label: str, modality: str, policy: MediaPolicy) -> File
     if scheme == "file":
         if policy.local_root is None:
             raise RequestError(f"{label}: file URLs are refused (start the server with --allowed-local-media-path)")
-        parts = urlsplit(url)
         if "\0" in unquote(parts.path):  # no path holds one: the OS would refuse it as a bug
             raise RequestError(f"{label}: the file URL holds a NUL byte")
         path = Path(unquote(parts.path)).resolve()
@@ -135,11 +135,20 @@ def media_file(url: str, label: str, modality: str, policy: MediaPolicy) -> File
     raise RequestError(f"{label}: URL scheme {scheme[:20]!r} is not served (data, http(s), file)")
 
 
-def check_remote(url: str, label: str, policy: MediaPolicy, error: type[Exception] = RequestError) -> None:
-    """Refuse a URL that is not http(s) from an allowed domain."""
-    parts = urlsplit(url)
+def url_parts(url: str, label: str, error: type[Exception] = RequestError, base: str = "") -> SplitResult:
+    """``url`` (joined to ``base``) split, or ``error`` naming the item when it is malformed."""
+    try:
+        return urlsplit(urljoin(base, url))
+    except ValueError:  # an unclosed IPv6 bracket, say
+        raise error(f"{label}: {redacted(url)[:200]} is not a valid URL") from None
+
+
+def check_remote(url: str, label: str, policy: MediaPolicy, error: type[Exception] = RequestError,
+                 base: str = "") -> None:
+    """Refuse a URL (joined to ``base``) that is not http(s) from an allowed domain, with ``error``."""
+    parts = url_parts(url, label, error, base)
     if parts.scheme.lower() not in ("http", "https") or (parts.hostname or "") not in policy.allowed_domains:
-        raise error(f"{label}: {redacted(url)[:200]} is not an http(s) URL of --allowed-media-domains")
+        raise error(f"{label}: {redacted(parts.geturl())[:200]} is not an http(s) URL of --allowed-media-domains")
 
 
 def read_local(path: Path, label: str, limit: int) -> bytes:
@@ -167,8 +176,8 @@ class Redirects(urllib.request.HTTPRedirectHandler):
         self.label, self.policy = label, policy
 
     def http_error_302(self, req, fp, code, msg, headers):
-        target = urljoin(req.full_url, headers.get("location") or headers.get("uri") or "")
-        check_remote(target, f"{self.label}: a redirect to", self.policy, PreprocessError)
+        target = headers.get("location") or headers.get("uri") or ""
+        check_remote(target, f"{self.label}: a redirect to", self.policy, PreprocessError, req.full_url)
         return super().http_error_302(req, fp, code, msg, headers)
 
     http_error_301 = http_error_303 = http_error_307 = http_error_308 = http_error_302

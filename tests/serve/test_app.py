@@ -75,6 +75,10 @@ def bad_requests(media) -> dict[str, tuple]:
                                         "uuid"),
         "a URL outside the allowed domains": ("/v1/embeddings", chat(part("http://example.com/a.png")), {}, 400,
                                               "messages[0].content[1]", "--allowed-media-domains"),
+        "a malformed http URL": ("/v1/embeddings", chat(part("http://[x/a.png")), {}, 400, "messages[0].content[1]",
+                                 "not a valid URL"),
+        "a malformed file URL": ("/v1/embeddings", chat(part("file://[x/a")), {}, 400, "messages[0].content[1]",
+                                 "not a valid URL"),
         "an unknown part type": ("/v1/embeddings", chat({"type": "input_audio", "input_audio": {}}), {}, 400,
                                  "messages[0].content[1]", "input_audio"),
         "a body over the limit": ("/v1/embeddings", chat(part("data:image/png;base64," + "A" * (1 << 20))), {}, 413,
@@ -90,7 +94,8 @@ def bad_requests(media) -> dict[str, tuple]:
 
 @pytest.mark.parametrize("case", ["broken image", "unknown content type", "uuid ../x", "uuid of the folder's identity",
                                   "uuid of a prune's record", "no uuid in the encoder role", "mm_processor_kwargs",
-                                  "media_io_kwargs", "a URL outside the allowed domains", "an unknown part type",
+                                  "media_io_kwargs", "a URL outside the allowed domains", "a malformed http URL",
+                                  "a malformed file URL", "an unknown part type",
                                   "a body over the limit", "a chunked body over the limit",
                                   "JSON nested deeper than the stack", "a wrong key", "no key", "not JSON",
                                   "more items than --max-items"])

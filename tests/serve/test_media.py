@@ -34,7 +34,8 @@ def test_http_from_an_allowed_domain_and_redirects_within_it_give_the_data_url_s
                  "messages[0].content[1]", "404")
 
 
-@pytest.mark.parametrize("target", ["file:///etc/hostname", "http://localhost:{port}/a.png", "ftp://127.0.0.1/a.png"])
+@pytest.mark.parametrize("target", ["file:///etc/hostname", "http://localhost:{port}/a.png", "ftp://127.0.0.1/a.png",
+                                    "http://[x/a.png"])
 def test_a_redirect_out_of_the_allowed_domains_is_the_item_s_error(served, media, target):
     client, _ = served
     redirects = {"away.png": target}  # the port filled in once the server has one
