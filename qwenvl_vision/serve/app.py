@@ -174,7 +174,7 @@ def build_app(encoder: Any, settings: ServeSettings) -> FastAPI:
         read, timeout = asyncio.to_thread(item.file.read, settings.options["decode_bytes"]), settings.policy.timeout_s
         try:
             return FileBytes(item.file.name, await asyncio.wait_for(read, timeout))
-        except TimeoutError:
+        except asyncio.TimeoutError:  # not the builtin before Python 3.11
             raise RequestError(f"{item.label}: not read within the decode timeout ({timeout:g} s)") from None
 
     @app.get("/health")
