@@ -3,10 +3,10 @@ size bound, its oldest items (by last write) removed first, safely beside a runn
 
 vLLM's own ``ECExampleConnector`` never removes an item, so a long-lived consumer's folder only grows. Here:
 
-- Only whole items are removed: ``{id}/encoder_cache.safetensors`` files (64-hex-digit ids, regular files, never
-  through a link), then their folder where it is left empty. Temporary files, the manifest, run.json, the
-  identity file and the lock files are never touched, and a folder without the identity file (not an encoder
-  cache written here) is refused.
+- Only whole items are removed: ``{id}/encoder_cache.safetensors`` files (ids as ``vllm_cache.ITEM_NAME`` takes
+  them: embed's 64 hex digits, serve's uuids; regular files, never through a link), then their folder where it is
+  left empty. Temporary files, the manifest, run.json, the identity file and the lock files are never touched,
+  and a folder without the identity file (not an encoder cache written here) is refused.
 - Writers (``embed --format vllm-cache``, ``write_vllm_cache``) hold ``vllm_cache.CACHE_LOCK`` while they write
   items and record them; a prune holds it while it reads the folder and removes, so an item found in place by a
   writer is recorded before a prune can see it, and nothing is removed mid-write.
@@ -34,9 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import CacheFolderError, ConfigError
-from ..inputs.item_ids import is_sha256
 from .durable import fsync_dir, lock_held, open_no_follow
-from .vllm_cache import CACHE_FILE, IDENTITY_FILE, cache_lock
+from .vllm_cache import CACHE_FILE, IDENTITY_FILE, ITEM_NAME, cache_lock
 
 PRUNED = "pruned.jsonl"  # the items a prune removed, one JSON line each
 RUN_LOCKS = ("embed.lock", "embed.rank*.lock")  # a running embed's (embed.lock's lock_name)
@@ -82,7 +81,7 @@ def items_of(folder: Path) -> list[Item]:
     """The folder's whole items (regular files, not links), oldest last write first."""
     found = []
     for entry in os.scandir(folder):
-        if is_sha256(entry.name) and entry.is_dir(follow_symlinks=False):
+        if ITEM_NAME.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False):
             path = Path(entry.path) / CACHE_FILE
             with contextlib.suppress(FileNotFoundError):
                 st = os.lstat(path)

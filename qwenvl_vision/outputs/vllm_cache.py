@@ -14,10 +14,11 @@ keyword arguments, vLLM uses the uuid as the item's ``mm_hash``. ``vllm_request`
 The folder, as written here (``write_vllm_cache``, and ``embed --format vllm-cache``):
 
 - ``{id}/encoder_cache.safetensors`` per item, ``id`` = ``item_ids.item_id`` (64 hex digits: the model's identity,
-  the modality, the grid and the pixels' hash). Each file is written whole under a temporary name (created
-  exclusively, never through a link) and renamed into place; its metadata names its id (``ITEM_KEY``). A file
-  already at an id's name is that item when safetensors reads it (its header validated), and is replaced
-  atomically when it does not. A link at an item's name or folder is an ``OutputLinkError``, left as it is.
+  the modality, the grid and the pixels' hash), or for ``serve`` the request's uuid (any name ``ITEM_NAME`` takes).
+  Each file is written whole under a temporary name (created exclusively, never through a link) and renamed into
+  place; its metadata names its id (``ITEM_KEY``). A file already at an id's name is that item when safetensors
+  reads it (its header validated), and is replaced atomically when it does not. A link at an item's name or folder
+  is an ``OutputLinkError``, left as it is.
 - ``qwenvl_vision_cache.lock``: held by item writers while they write and record items, and by ``cache prune``
   (``cache_prune``), which keeps the folder under a size bound; ``pruned.jsonl`` lists the items a prune removed.
 - ``qwenvl_vision_cache.json``: the identity of the model whose items the folder holds. A folder with another
@@ -34,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -51,6 +53,9 @@ CACHE_FILE = "encoder_cache.safetensors"
 CACHE_KEY = "ec_cache"
 IDENTITY_FILE = "qwenvl_vision_cache.json"
 ITEM_KEY = "qwenvl_vision_item"  # an item file's metadata: its id
+# An item's folder name (an item_id, or a serve client's uuid): the folder's own files and an embed run's all have
+# a dot, so no item can be named as one of them.
+ITEM_NAME = re.compile(r"[A-Za-z0-9_-]{1,128}")
 CACHE_LOCK = "qwenvl_vision_cache.lock"  # held by item writers and by a prune (cache_prune)
 
 
@@ -76,7 +81,8 @@ def check_cache_folder(folder: str | os.PathLike, identity: dict[str, str]) -> N
     try:
         found = json.loads(path.read_text())
     except FileNotFoundError:
-        if folder.is_dir() and any((item / CACHE_FILE).exists() for item in folder.iterdir() if is_sha256(item.name)):
+        if folder.is_dir() and any((item / CACHE_FILE).exists() for item in folder.iterdir()
+                                   if ITEM_NAME.fullmatch(item.name)):
             raise CacheFolderError(f"{folder} holds encoder-cache items but no {IDENTITY_FILE}: they were not written "
                                    f"by qwenvl-vision, so which model made them is unknown; choose another folder") \
                 from None

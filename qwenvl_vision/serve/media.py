@@ -14,7 +14,6 @@ import base64
 import binascii
 import mimetypes
 import os
-import re
 import stat
 import urllib.error
 import urllib.request
@@ -29,9 +28,8 @@ from ..inputs.pixels import FileBytes
 from ..inputs.urls import redacted
 from ..inputs.video_io import VIDEO_EXTENSIONS
 from ..outputs.durable import open_no_follow
+from ..outputs.vllm_cache import ITEM_NAME
 
-# A uuid names a folder beside the folder's own files and an embed run's, all of which have a dot: none can be named.
-UUID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 TEXT_TYPES = ("text", "input_text", "refusal", "thinking")
 EXTENSIONS = {"image": (IMAGE_EXTENSIONS, ".png"), "video": (VIDEO_EXTENSIONS, ".mp4")}
 
@@ -91,7 +89,7 @@ def request_items(body: Any, policy: MediaPolicy, need_uuid: bool) -> list[Item]
             if uuid is None and need_uuid:
                 raise RequestError(f"{label}: no uuid: the encoder role writes each item under its uuid (vLLM's "
                                    f"consumer finds it there); give every image and video a uuid")
-            if uuid is not None and not UUID.fullmatch(uuid):
+            if uuid is not None and not ITEM_NAME.fullmatch(uuid):
                 raise RequestError(f"{label}: uuid {uuid[:140]!r} is not a plain token ([A-Za-z0-9_-], at most "
                                    f"128 characters)")
             modality = field.removesuffix("_url")

@@ -204,3 +204,21 @@ def test_a_folder_above_the_bound_only_by_its_own_files_is_done_and_one_held_by_
     line = capsys.readouterr().out
     assert "removed 1 item(s)" in line and "own files" in line and not items(out)
     assert (out / "manifest.jsonl").exists() and (out / "run.json").exists()
+
+
+def test_items_written_under_a_serve_client_s_uuids_are_pruned_oldest_first(tmp_path, capsys):
+    import torch
+
+    from qwenvl_vision.inputs.item_ids import IDENTITY_FIELDS
+    from qwenvl_vision.outputs.vllm_cache import claim_cache_folder, write_item
+
+    out = tmp_path / "shared"  # as `serve --ec-shared-storage` writes it: the folder claimed, items by uuid
+    claim_cache_folder(out, dict.fromkeys(IDENTITY_FIELDS, "x"), "t")
+    names = ["old-uuid", "mid_uuid", "newUuid"]
+    for name in names:
+        assert write_item(out, name, torch.zeros(8, 16), "t")
+    age_items(out, names, time.time() - 3600)
+    bound = folder_bytes(out) - items(out)["old-uuid"].stat().st_size // 2  # the oldest must go, no more
+    assert main(["cache", "prune", str(out), "--max-gb", str(bound / 1e9)]) == 0
+    assert "removed 1 item(s)" in capsys.readouterr().out
+    assert sorted(items(out)) == ["mid_uuid", "newUuid"] and not (out / "old-uuid").exists()

@@ -128,6 +128,11 @@ def test_a_folder_holding_another_model_s_items_is_refused_and_nothing_written(t
     (folder / IDENTITY_FILE).unlink()
     with pytest.raises(CacheFolderError, match="not written by qwenvl-vision"):
         cached(qwen3, imgs, folder)
+    uuids = tmp_path / "uuids"  # vLLM's producer names each item by its request's uuid
+    (uuids / "a-uuid").mkdir(parents=True)
+    (uuids / "a-uuid" / CACHE_FILE).write_bytes(b"x")
+    with pytest.raises(CacheFolderError, match="not written by qwenvl-vision"):
+        cached(qwen3, imgs, uuids)
 
 
 def test_the_request_names_each_item_by_its_id_with_the_grid_and_the_timing(tmp_path, qwen3, imgs):
