@@ -41,8 +41,6 @@ class Batcher:
         loop = asyncio.get_running_loop()
         jobs = [Job(f, normalize, loop.create_future()) for f in files]
         with self.ready:
-            if self.stopping:
-                raise RequestError("the server is stopping; send the request to another instance", 503)
             if len(self.jobs) + len(jobs) > self.max_queue:
                 raise RequestError(f"the encoder's queue is full ({len(self.jobs)} items waiting, --max-queue "
                                    f"{self.max_queue}); try again shortly", 503, {"Retry-After": "1"})

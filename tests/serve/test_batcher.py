@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
 import threading
-from unittest import mock
-
-import pytest
 
 from tests.helpers.serve import chat, data_url, error_of, part
 
@@ -37,18 +33,3 @@ def test_a_full_queue_answers_503_with_retry_after_and_the_next_request_is_serve
     answer = client.post("/v1/embeddings", json=chat(*[part(url)] * 4)).json()
     assert len({str(d["embedding"]) for d in answer["data"]}) == 1  # the same image, the same vector
 
-
-def test_a_stopping_server_says_so():
-    from qwenvl_vision.inputs.pixels import FileBytes
-    from qwenvl_vision.serve.batcher import Batcher
-    from qwenvl_vision.serve.media import RequestError
-
-    batcher = Batcher(None, {}, 4, mock.Mock(), mock.Mock())
-    batcher.close()
-
-    async def submit() -> None:
-        batcher.submit([FileBytes("a.png", b"")])
-
-    with pytest.raises(RequestError, match="stopping") as raised:
-        asyncio.run(submit())
-    assert raised.value.status == 503
