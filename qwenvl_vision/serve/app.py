@@ -161,8 +161,9 @@ def build_app(encoder: Any, settings: ServeSettings) -> FastAPI:
 
     async def encoded(found: list[Item], normalize: bool = False) -> list[ItemResult]:
         """The items' results, or the first failure as one line naming its item."""
-        files = await asyncio.gather(*map(loaded, found))
-        results = await asyncio.gather(*batcher.submit(files, normalize))
+        with batcher.reserve(len(found)):  # a request the queue has no room for reads none of its media
+            futures = batcher.submit(await asyncio.gather(*map(loaded, found)), normalize)
+        results = await asyncio.gather(*futures)
         for result in results:
             if not result.ok:
                 raise (ForwardFaultError if result.error_class is ForwardFaultError else RequestError)(result.error)

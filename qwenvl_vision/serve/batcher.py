@@ -9,6 +9,7 @@ import asyncio
 import collections
 import contextlib
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,19 +32,33 @@ class Batcher:
         self.encoder, self.options, self.max_queue = encoder, options, max_queue
         self.queue_gauge, self.items_counter = queue_gauge, items_counter
         self.jobs: collections.deque[Job] = collections.deque()
+        self.reserved = 0  # items whose media are loading (reserve)
         self.ready = threading.Condition()
         self.stopping = False
         self.thread = threading.Thread(target=self.run, name="qwenvl-vision-encoder", daemon=True)
         self.thread.start()
 
+    @contextlib.contextmanager
+    def reserve(self, n: int) -> Iterator[None]:
+        """Room in the queue for ``n`` items while their media load and ``submit`` queues them; a queue without it:
+        503 at once, before any media is read."""
+        with self.ready:
+            if len(self.jobs) + self.reserved + n > self.max_queue:
+                raise RequestError(f"the encoder's queue is full ({len(self.jobs) + self.reserved} items waiting or "
+                                   f"loading, --max-queue {self.max_queue}); try again shortly", 503,
+                                   {"Retry-After": "1"})
+            self.reserved += n
+        try:
+            yield
+        finally:
+            with self.ready:
+                self.reserved -= n
+
     def submit(self, files: list[FileBytes], normalize: bool = False) -> list[asyncio.Future]:
-        """Queue the files; their futures resolve to ``ItemResult``s. A queue without room for all of them: 503."""
+        """Queue the files, in the room ``reserve`` holds for them; their futures resolve to ``ItemResult``s."""
         loop = asyncio.get_running_loop()
         jobs = [Job(f, normalize, loop.create_future()) for f in files]
         with self.ready:
-            if len(self.jobs) + len(jobs) > self.max_queue:
-                raise RequestError(f"the encoder's queue is full ({len(self.jobs)} items waiting, --max-queue "
-                                   f"{self.max_queue}); try again shortly", 503, {"Retry-After": "1"})
             self.jobs.extend(jobs)
             self.queue_gauge.set(len(self.jobs))
             self.ready.notify()

@@ -1,6 +1,7 @@
 """``qwenvl-vision serve`` as its users start it (``serving``: a child process, uvicorn, on a free loopback port), or
 its app in this process (``app_of``, the test settings ``server_options``, an encoder held until let go: ``Held``);
-the requests the proxy sends (``chat``, ``part``, ``data_url``), the check of an error answer (``error_of``)."""
+the requests the proxy sends (``chat``, ``part``, ``data_url``), the check of an error answer (``error_of``), a wait
+with a deadline (``until``)."""
 
 from __future__ import annotations
 
@@ -84,6 +85,14 @@ def serving(args: list[str], env: dict[str, str] | None = None) -> Iterator[Serv
 
 
 KEY = "test-key"  # the serve tests' API key
+
+
+def until(condition, what: str) -> None:
+    """Wait for ``condition()``, failing the test (never hanging it) after START_S seconds."""
+    deadline = time.monotonic() + START_S
+    while not condition():
+        assert time.monotonic() < deadline, f"not {what} after {START_S} s"
+        time.sleep(0.01)
 
 
 def app_of(encoder, *options: str):
