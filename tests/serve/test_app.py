@@ -13,7 +13,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import load, load_file
 
-from tests.helpers.serve import KEY, app_of, chat, data_url, error_of, part
+from tests.helpers.serve import KEY, START_S, app_of, chat, data_url, error_of, part, until
 
 
 def files_under(root) -> set[str]:
@@ -180,10 +180,9 @@ def post_in_thread(client, route: str, body: dict) -> tuple[threading.Thread, li
 def test_two_requests_racing_for_one_uuid_both_answer_the_file_written(held, media, tmp_path):
     client, encoder = held
     first = post_in_thread(client, "/v1/chat/completions", chat(part(data_url(media["a.png"]), "raced")))
-    encoder.entered.wait()  # the first is being encoded, the second finds no file either
+    assert encoder.entered.wait(START_S)  # the first is being encoded, the second finds no file either
     second = post_in_thread(client, "/v1/chat/completions", chat(part(data_url(media["c.png"]), "raced")))
-    while "qwenvl_vision_queue_items 1.0" not in client.get("/metrics").text:
-        pass
+    until(lambda: "qwenvl_vision_queue_items 1.0" in client.get("/metrics").text, "the second request queued")
     encoder.go.set()
     answers = []
     for thread, answer in (first, second):
