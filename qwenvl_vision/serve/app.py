@@ -180,6 +180,8 @@ def build_app(encoder: Any, settings: ServeSettings) -> FastAPI:
 
     @app.get("/health")
     async def health() -> dict:
+        if batcher.fault is not None:  # as vLLM's health answers for a dead engine
+            raise RequestError(batcher.fault, 503)
         return {}
 
     @router.get("/models")

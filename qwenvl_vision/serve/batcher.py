@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from ..errors import ForwardFaultError
 from ..inputs.pixels import FileBytes
 from ..results import ItemResult
 from .media import RequestError
@@ -33,6 +34,7 @@ class Batcher:
         self.queue_gauge, self.items_counter = queue_gauge, items_counter
         self.jobs: collections.deque[Job] = collections.deque()
         self.reserved = 0  # items whose media are loading (reserve)
+        self.fault: str | None = None  # a ForwardFaultError's line: the device is broken, every later forward fails
         self.ready = threading.Condition()
         self.stopping = False
         self.thread = threading.Thread(target=self.run, name="qwenvl-vision-encoder", daemon=True)
@@ -43,6 +45,8 @@ class Batcher:
         """Room in the queue for ``n`` items while their media load and ``submit`` queues them; a queue without it:
         503 at once, before any media is read."""
         with self.ready:
+            if self.fault is not None:
+                raise ForwardFaultError(self.fault)
             if len(self.jobs) + self.reserved + n > self.max_queue:
                 raise RequestError(f"the encoder's queue is full ({len(self.jobs) + self.reserved} items waiting or "
                                    f"loading, --max-queue {self.max_queue}); try again shortly", 503,
@@ -91,6 +95,8 @@ class Batcher:
                     self.resolve(jobs[result.index].future, result)
                 self.items_counter.inc(sum(result.ok for result in batch))
         except Exception as e:  # noqa: BLE001 - a failed forward fails the items waiting for it, and the server goes on
+            if isinstance(e, ForwardFaultError):
+                self.fault = f"the encoder's device failed; restart the server: {e}"
             for job in jobs:
                 self.resolve(job.future, e)
 

@@ -115,11 +115,12 @@ def server_options(root: Path) -> list:
 
 
 class Held:
-    """An encoder whose ``iter_encode`` waits for ``go`` (``entered`` set once it waits), or raises with ``fail``;
-    ``closed`` once the app closed it."""
+    """An encoder whose ``iter_encode`` waits for ``go`` (``entered`` set once it waits), then raises ``fail`` if it
+    is set; ``closed`` once the app closed it."""
 
     def __init__(self, encoder) -> None:
-        self.encoder, self.entered, self.go, self.fail = encoder, threading.Event(), threading.Event(), False
+        self.encoder, self.entered, self.go = encoder, threading.Event(), threading.Event()
+        self.fail: Exception | None = None
 
     def __getattr__(self, name):
         return getattr(self.encoder, name)
@@ -127,8 +128,8 @@ class Held:
     def iter_encode(self, *args, **kwargs):
         self.entered.set()
         self.go.wait()
-        if self.fail:
-            raise RuntimeError("a forward's bug")
+        if self.fail is not None:
+            raise self.fail
         yield from self.encoder.iter_encode(*args, **kwargs)
 
 

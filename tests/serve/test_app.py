@@ -13,6 +13,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import load, load_file
 
+from qwenvl_vision.errors import ForwardFaultError
 from tests.helpers.serve import KEY, START_S, app_of, chat, data_url, error_of, part, until
 
 
@@ -195,11 +196,24 @@ def test_two_requests_racing_for_one_uuid_both_answer_the_file_written(held, med
 
 def test_a_failed_forward_is_a_500_in_vllm_s_shape(held, media):
     client, encoder = held
-    encoder.fail = True
+    encoder.fail = RuntimeError("a forward's bug")
     encoder.go.set()
     response = client.post("/v1/embeddings", json=chat(part(data_url(media["a.png"]))))
     error_of(response, 500, "internal error", "RuntimeError")
     assert response.json()["error"]["type"] == "InternalServerError"
+    assert client.get("/health").status_code == 200  # one request's failure: the device works
+
+
+def test_a_broken_device_fails_health_and_every_later_request(held, media):
+    client, encoder = held
+    encoder.fail = ForwardFaultError("the forward of a batch of 1 input failed: RuntimeError: an illegal address")
+    encoder.go.set()
+    request = chat(part(data_url(media["a.png"])))
+    error_of(client.post("/v1/embeddings", json=request), 500, "an illegal address")
+    error_of(client.get("/health"), 503, "device", "an illegal address")
+    encoder.entered.clear()
+    error_of(client.post("/v1/embeddings", json=request), 500, "device", "an illegal address")
+    assert not encoder.entered.is_set()  # refused without a forward on the broken device
 
 
 def test_the_app_s_end_closes_the_encoder(checkpoint3):
