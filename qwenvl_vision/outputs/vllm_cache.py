@@ -128,21 +128,30 @@ def write_item(folder: Path, item: str, rows: torch.Tensor, tag: str, metadata: 
     """``folder/item/encoder_cache.safetensors`` holding ``rows`` as ``"ec_cache"``, whole or not at all, its id and
     ``metadata`` in its metadata. An item already there is kept if safetensors reads it, else replaced. ``tag`` names
     the temporary file. Whether it was written."""
-    from safetensors import SafetensorError, safe_open
-
     target = folder / item / CACHE_FILE
-    refuse_link(target.parent)  # a folder linked elsewhere would take the item (and its temporary file) there
-    refuse_link(target)
-    if target.exists():  # kept when safetensors reads it: a file that does not skips to the rewrite below
-        with contextlib.suppress(SafetensorError, OSError), safe_open(target, framework="pt"):
-            os.utime(target)  # found in place is written again, for a prune's oldest-first (cache_prune)
-            return False
+    if found_item(folder, item) is not None:  # kept; a file safetensors does not read is rewritten below
+        return False
     target.parent.mkdir(exist_ok=True)
     rows = rows.detach().contiguous().cpu()
     data = save({CACHE_KEY: rows}, metadata={"format": "pt", **(metadata or {}), ITEM_KEY: item})
     replace_atomically(target, target.parent / f"{CACHE_FILE}.{tag}.tmp", lambda f: f.write(data))
     fsync_dir(folder)
     return True
+
+
+def found_item(folder: Path, item: str) -> dict[str, str] | None:
+    """The metadata of ``folder/item/encoder_cache.safetensors`` when safetensors reads it, and the file touched (found
+    in place is written again, for a prune's oldest-first); None when no such file is there. A link at the item's
+    folder or file is an ``OutputLinkError``: never read, nor written through."""
+    from safetensors import SafetensorError, safe_open
+
+    target = folder / item / CACHE_FILE
+    refuse_link(target.parent)
+    refuse_link(target)
+    with contextlib.suppress(SafetensorError, OSError), safe_open(target, framework="pt") as f:
+        os.utime(target)
+        return f.metadata() or {}
+    return None
 
 
 def entry(name: str, item: VllmItem) -> dict[str, Any]:

@@ -19,7 +19,6 @@ import base64
 import contextlib
 import hmac
 import json
-import os
 import time
 import uuid
 from dataclasses import dataclass
@@ -36,9 +35,8 @@ from starlette.exceptions import HTTPException
 
 from ..errors import EncoderClosedError, ForwardFaultError, QwenVLVisionError
 from ..inputs.pixels import FileBytes
-from ..outputs.durable import refuse_link
 from ..outputs.handoff import EncodedItems, vllm_items
-from ..outputs.vllm_cache import CACHE_FILE, cache_lock, claim_cache_folder, entry, write_item
+from ..outputs.vllm_cache import cache_lock, claim_cache_folder, entry, found_item, write_item
 from ..results import ItemResult
 from .batcher import Batcher
 from .media import Item, MediaPolicy, RequestError, request_items
@@ -195,18 +193,9 @@ def build_app(encoder: Any, settings: ServeSettings) -> FastAPI:
 
     def written(name: str) -> dict | None:
         """The entry of the item this server wrote as ``name`` (its metadata says what a request needs), touched as
-        ``write_item`` touches what it finds (a prune removes the oldest first); None if there is none."""
-        from safetensors import SafetensorError, safe_open
-
-        path = shared / name / CACHE_FILE
-        refuse_link(path.parent)  # never read through a link, which write_item refuses to write through
-        refuse_link(path)
-        with contextlib.suppress(SafetensorError, OSError, ValueError, KeyError, TypeError):
-            with safe_open(path, framework="pt") as f:
-                found = json.loads(f.metadata()[ENTRY_KEY])
-            os.utime(path)
-            return found
-        return None
+        ``write_item`` touches what it finds; None if there is none."""
+        metadata = found_item(shared, name) or {}
+        return json.loads(metadata[ENTRY_KEY]) if ENTRY_KEY in metadata else None
 
     def present(found: list[Item]) -> dict[str, dict]:
         with cache_lock(shared):  # a prune removes nothing between the read and the touch
