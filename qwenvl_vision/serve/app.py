@@ -191,15 +191,19 @@ def build_app(encoder: Any, settings: ServeSettings) -> FastAPI:
     async def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
-    def written(name: str) -> dict | None:
-        """The entry of the item this server wrote as ``name`` (its metadata says what a request needs), touched as
-        ``write_item`` touches what it finds; None if there is none."""
-        metadata = found_item(shared, name) or {}
-        return json.loads(metadata[ENTRY_KEY]) if ENTRY_KEY in metadata else None
+    def written(item: Item) -> dict | None:
+        """The entry of the item this server wrote under the item's uuid (its metadata says what a request needs),
+        touched as ``write_item`` touches what it finds; None if there is none. Another writer's file there is a 409:
+        the consumer would load it, which no answer can describe."""
+        metadata = found_item(shared, item.uuid)
+        if metadata is not None and ENTRY_KEY not in metadata:
+            raise RequestError(f"{item.label}: {shared / item.uuid} holds an item this server did not write; give "
+                               f"the item another uuid, or remove that folder", 409)
+        return None if metadata is None else json.loads(metadata[ENTRY_KEY])
 
     def present(found: list[Item]) -> dict[str, dict]:
         with cache_lock(shared):  # a prune removes nothing between the read and the touch
-            return {item.uuid: e for item in found if (e := written(item.uuid)) is not None}
+            return {item.uuid: e for item in found if (e := written(item)) is not None}
 
     def write(found: list[Item], results: list[ItemResult]) -> dict[str, dict]:
         entries = {}
@@ -213,7 +217,7 @@ def build_app(encoder: Any, settings: ServeSettings) -> FastAPI:
                 entries[item.uuid] = {k: v for k, v in entry(item.uuid, rows).items() if k != "id"}
                 if not write_item(shared, item.uuid, rows.rows, tag, {ENTRY_KEY: json.dumps(entries[item.uuid])}):
                     # Another request's file got there first: the consumer loads that one, so the answer is its.
-                    entries[item.uuid] = written(item.uuid) or entries[item.uuid]
+                    entries[item.uuid] = written(item)
         return entries
 
     @router.post("/chat/completions")

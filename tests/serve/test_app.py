@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import load, load_file
 
 from qwenvl_vision.errors import ForwardFaultError
+from qwenvl_vision.outputs.vllm_cache import write_item
 from tests.helpers.serve import KEY, START_S, app_of, chat, data_url, error_of, part, until
 
 
@@ -169,6 +170,15 @@ def test_a_link_at_an_item_s_folder_is_refused_never_read_through(served, media,
     (root / "shared" / "linked").symlink_to(tmp_path, target_is_directory=True)
     error_of(client.post("/v1/chat/completions", json=chat(part(data_url(media["a.png"]), "linked"))), 400, "linked")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_item_another_writer_left_at_a_uuid_is_a_409_naming_it(served, media):
+    client, root = served
+    write_item(root / "shared", "foreign", torch.zeros(4, 8), "t")  # as embed or vLLM's producer writes one
+    before = files_under(root)
+    error_of(client.post("/v1/chat/completions", json=chat(part(data_url(media["a.png"]), "foreign"))), 409,
+             "messages[0].content[1]", "foreign", "did not write")
+    assert files_under(root) == before
 
 
 def post_in_thread(client, route: str, body: dict) -> tuple[threading.Thread, list]:
