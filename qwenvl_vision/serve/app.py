@@ -33,7 +33,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from safetensors.torch import save
 from starlette.exceptions import HTTPException
 
-from ..errors import EncoderClosedError, ForwardFaultError, QwenVLVisionError
+from ..errors import EncoderClosedError, QwenVLVisionError
 from ..inputs.pixels import FileBytes
 from ..outputs.handoff import EncodedItems, vllm_items
 from ..outputs.vllm_cache import cache_lock, claim_cache_folder, entry, found_item, write_item
@@ -68,10 +68,10 @@ def error_response(request: Request, error: Exception) -> JSONResponse:
         status, headers = error.status, error.headers
     elif isinstance(error, HTTPException):  # an unknown route or method
         status, headers = error.status_code, error.headers
-    elif isinstance(error, (ForwardFaultError, EncoderClosedError)) or not isinstance(error, QwenVLVisionError):
-        status, headers = (503 if isinstance(error, EncoderClosedError) else 500), None
-    else:
-        status, headers = 400, None
+    elif isinstance(error, EncoderClosedError):
+        status, headers = 503, None
+    else:  # a project error that is a ValueError is the input's; any other (a forward's, the folder's, a bug) ours
+        status, headers = (400 if isinstance(error, QwenVLVisionError) and isinstance(error, ValueError) else 500), None
     message = one_line(error.detail if isinstance(error, HTTPException) else error)
     if not isinstance(error, (QwenVLVisionError, HTTPException)):
         message = f"internal error, {type(error).__name__}: {message}"
@@ -164,7 +164,7 @@ def build_app(encoder: Any, settings: ServeSettings) -> FastAPI:
         results = await asyncio.gather(*futures)
         for result in results:
             if not result.ok:
-                raise (ForwardFaultError if result.error_class is ForwardFaultError else RequestError)(result.error)
+                raise result.error_class(result.error)
         return results
 
     async def loaded(item: Item) -> FileBytes:

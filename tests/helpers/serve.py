@@ -19,6 +19,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+from qwenvl_vision.results import ItemResult
 from tests.helpers import REPO
 
 # The child imports this checkout's package, single-threaded (a 2-core machine runs several processes at once).
@@ -116,11 +117,12 @@ def server_options(root: Path) -> list:
 
 class Held:
     """An encoder whose ``iter_encode`` waits for ``go`` (``entered`` set once it waits), then raises ``fail`` if it
-    is set; ``closed`` once the app closed it."""
+    is set, or fails each item with ``item_error`` (an error class) if that is; ``closed`` once the app closed it."""
 
     def __init__(self, encoder) -> None:
         self.encoder, self.entered, self.go = encoder, threading.Event(), threading.Event()
         self.fail: Exception | None = None
+        self.item_error: type[Exception] | None = None
 
     def __getattr__(self, name):
         return getattr(self.encoder, name)
@@ -130,7 +132,9 @@ class Held:
         self.go.wait()
         if self.fail is not None:
             raise self.fail
-        yield from self.encoder.iter_encode(*args, **kwargs)
+        for batch in self.encoder.iter_encode(*args, **kwargs):
+            yield [r if self.item_error is None else ItemResult(r.index, r.name, error=f"{r.name}: failed",
+                                                                 error_class=self.item_error) for r in batch]
 
 
 def data_url(path: Path, mime: str = "image/png") -> str:

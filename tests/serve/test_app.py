@@ -13,7 +13,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import load, load_file
 
-from qwenvl_vision.errors import ForwardFaultError
+from qwenvl_vision.errors import ForwardFaultError, InputError, NumericalError, PreprocessError
 from qwenvl_vision.outputs.vllm_cache import write_item
 from tests.helpers.serve import KEY, START_S, app_of, chat, data_url, error_of, part, until
 
@@ -165,10 +165,11 @@ def test_an_item_found_written_is_touched_for_a_prune_s_oldest_first(served, med
     assert path.stat().st_mtime > 0
 
 
-def test_a_link_at_an_item_s_folder_is_refused_never_read_through(served, media, tmp_path):
+def test_a_link_at_an_item_s_folder_is_the_folder_s_fault_never_read_through(served, media, tmp_path):
     client, root = served
     (root / "shared" / "linked").symlink_to(tmp_path, target_is_directory=True)
-    error_of(client.post("/v1/chat/completions", json=chat(part(data_url(media["a.png"]), "linked"))), 400, "linked")
+    error_of(client.post("/v1/chat/completions", json=chat(part(data_url(media["a.png"]), "linked"))), 500,
+             "shared/linked", "symbolic link")
     assert list(tmp_path.iterdir()) == []
 
 
@@ -212,6 +213,15 @@ def test_a_failed_forward_is_a_500_in_vllm_s_shape(held, media):
     error_of(response, 500, "internal error", "RuntimeError")
     assert response.json()["error"]["type"] == "InternalServerError"
     assert client.get("/health").status_code == 200  # one request's failure: the device works
+
+
+@pytest.mark.parametrize("error_class, status", [(PreprocessError, 400), (InputError, 400), (NumericalError, 500),
+                                                 (ForwardFaultError, 500)])
+def test_an_item_s_failure_answers_the_status_of_its_class(held, media, error_class, status):
+    client, encoder = held
+    encoder.item_error = error_class
+    encoder.go.set()
+    error_of(client.post("/v1/embeddings", json=chat(part(data_url(media["a.png"])))), status, "messages[0].content[1]")
 
 
 def test_a_broken_device_fails_health_and_every_later_request(held, media):
