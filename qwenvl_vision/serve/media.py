@@ -66,7 +66,7 @@ def request_items(body: Any, policy: MediaPolicy, need_uuid: bool) -> list[Item]
         if body.get(name):
             raise RequestError(f"{name}: not served (preprocessing is the command line's; vLLM's consumer would "
                                f"look for each item under a hash of these and its uuid)")
-    items = []
+    items, modalities = [], {}
     for m, message in enumerate(messages):
         if not isinstance(message, dict):
             raise RequestError(f"messages[{m}]: a message is an object with role and content")
@@ -93,6 +93,9 @@ def request_items(body: Any, policy: MediaPolicy, need_uuid: bool) -> list[Item]
                 raise RequestError(f"{label}: uuid {uuid[:140]!r} is not a plain token ([A-Za-z0-9_-], at most "
                                    f"128 characters)")
             modality = field.removesuffix("_url")
+            if uuid is not None and modalities.setdefault(uuid, modality) != modality:  # one file under it, one kind
+                raise RequestError(f"{label}: uuid {uuid!r} is given to both an image and a video: give each item "
+                                   f"its own uuid")
             items.append(Item(label, modality, uuid, media_file(url, label, modality, policy)))
     return items
 

@@ -69,6 +69,8 @@ def bad_requests(media) -> dict[str, tuple]:
                                           400, "messages[0].content[1]", "qwenvl_vision_cache.json"),
         "uuid of a prune's record": ("/v1/chat/completions", chat(part(good, "pruned.jsonl")), {}, 400,
                                      "messages[0].content[1]", "pruned.jsonl"),
+        "one uuid on an image and a video": ("/v1/chat/completions", chat(part(good, "both"), part(data_url(
+            media["clip.mp4"], "video/mp4"), "both", "video_url")), {}, 400, "messages[0].content[2]", "'both'"),
         "mm_processor_kwargs": ("/v1/chat/completions", chat(part(good, "k1"), mm_processor_kwargs={"fps": 1}), {},
                                 400, "mm_processor_kwargs"),
         "media_io_kwargs": ("/v1/embeddings", chat(part(good), media_io_kwargs={"video": {"num_frames": 2}}), {},
@@ -95,7 +97,8 @@ def bad_requests(media) -> dict[str, tuple]:
 
 
 @pytest.mark.parametrize("case", ["broken image", "unknown content type", "uuid ../x", "uuid of the folder's identity",
-                                  "uuid of a prune's record", "no uuid in the encoder role", "mm_processor_kwargs",
+                                  "uuid of a prune's record", "no uuid in the encoder role",
+                                  "one uuid on an image and a video", "mm_processor_kwargs",
                                   "media_io_kwargs", "a URL outside the allowed domains", "a malformed http URL",
                                   "a malformed file URL", "an unknown part type",
                                   "a body over the limit", "a chunked body over the limit",
