@@ -21,6 +21,7 @@ import hmac
 import json
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from http import HTTPStatus
 from pathlib import Path
@@ -34,13 +35,13 @@ from safetensors.torch import save
 from starlette.exceptions import HTTPException
 
 from ..errors import EncoderClosedError, QwenVLVisionError
-from ..inputs.pixels import FileBytes
 from ..outputs.handoff import EncodedItems, vllm_items
 from ..outputs.vllm_cache import cache_lock, claim_cache_folder, entry, found_item, write_item
 from ..results import ItemResult
 from .batcher import Batcher
 from .media import Item, MediaPolicy, RequestError, request_items
 
+MEDIA_THREADS = 8  # URLs and files read at once; a URL read stops at its decode timeout (fetch)
 ENTRY_KEY = "qwenvl_vision_entry"  # an item file's metadata: what the request needs of it (vllm_cache.entry)
 
 
@@ -119,12 +120,15 @@ def build_app(encoder: Any, settings: ServeSettings) -> FastAPI:
     if shared is not None:  # refused before serving: a folder holding another model's items
         claim_cache_folder(shared, encoder.identity(), tag)
     batcher = Batcher(encoder, settings.options, settings.max_queue, queued, items)
+    # Media reads have threads of their own: slow URLs wait there, never in the threads every request parses in.
+    media_threads = ThreadPoolExecutor(MEDIA_THREADS, thread_name_prefix="qwenvl-vision-media")
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         try:
             yield
         finally:
+            media_threads.shutdown(wait=False, cancel_futures=True)
             await asyncio.to_thread(batcher.close)
             encoder.close()
 
@@ -160,19 +164,25 @@ def build_app(encoder: Any, settings: ServeSettings) -> FastAPI:
     async def encoded(found: list[Item], normalize: bool = False) -> list[ItemResult]:
         """The items' results, or the first failure as one line naming its item."""
         with batcher.reserve(len(found)):  # a request the queue has no room for reads none of its media
-            futures = batcher.submit(await asyncio.gather(*map(loaded, found)), normalize)
+            await asyncio.gather(*map(loaded, found))
+            futures = batcher.submit([item.file for item in found], normalize)
         results = await asyncio.gather(*futures)
         for result in results:
             if not result.ok:
                 raise result.error_class(result.error)
         return results
 
-    async def loaded(item: Item) -> FileBytes:
-        """The item's bytes, read on a thread of the request's own within the decode timeout: the encoder's thread
-        never waits on a network or a file."""
-        read, timeout = asyncio.to_thread(item.file.read, settings.options["decode_bytes"]), settings.policy.timeout_s
+    async def loaded(item: Item) -> None:
+        """The item's bytes read (a URL's, a file's) in the media threads, the request answered when they take longer
+        than the decode timeout: the encoder's thread never waits on a network or a file. A read past the timeout goes
+        on in its thread until fetch's own deadline (or a file's end) stops it; one still queued is dropped."""
+        if item.file.fetched:
+            return
+        timeout = settings.policy.timeout_s
+        read = asyncio.get_running_loop().run_in_executor(media_threads, item.file.read,
+                                                          settings.options["decode_bytes"])
         try:
-            return FileBytes(item.file.name, await asyncio.wait_for(read, timeout))
+            await asyncio.wait_for(read, timeout)
         except asyncio.TimeoutError:  # not the builtin before Python 3.11
             raise RequestError(f"{item.label}: not read within the decode timeout ({timeout:g} s)") from None
 

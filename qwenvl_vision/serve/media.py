@@ -15,6 +15,7 @@ import binascii
 import mimetypes
 import os
 import stat
+import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -185,14 +186,23 @@ class Redirects(urllib.request.HTTPRedirectHandler):
 
 
 def fetch(url: str, label: str, policy: MediaPolicy, limit: int) -> bytes:
-    """The URL's body, at most ``limit`` bytes (read one past it to tell)."""
+    """The URL's body, at most ``limit`` bytes (read one past it to tell), all of it within the decode timeout:
+    urllib's timeout bounds each socket operation, which a server trickling its bytes never trips."""
+    deadline = time.monotonic() + policy.timeout_s
     opener = urllib.request.build_opener(Redirects(label, policy))
     try:
         with opener.open(url, timeout=policy.timeout_s) as response:
             size = response.headers.get("content-length")
             if size and size.isdigit() and int(size) > limit:  # refused before its bytes come
                 raise PreprocessError(f"{label}: {int(size):,} bytes, more than the decode budget of {limit:,} bytes")
-            return within(response.read(limit + 1), label, limit)
+            chunks, read = [], 0
+            while read <= limit and (chunk := response.read1(1 << 16)):
+                if time.monotonic() > deadline:
+                    raise PreprocessError(f"{label}: {redacted(url)[:200]} not read within the decode timeout "
+                                          f"({policy.timeout_s:g} s)")
+                chunks.append(chunk)
+                read += len(chunk)
+            return within(b"".join(chunks), label, limit)
     except urllib.error.HTTPError as e:
         raise PreprocessError(f"{label}: {redacted(url)[:200]} answered HTTP {e.code}") from None
     except (urllib.error.URLError, OSError) as e:

@@ -7,12 +7,13 @@ import contextlib
 import http.server
 import os
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
 
 from qwenvl_vision import load_encoder
-from tests.helpers.serve import START_S, app_of, chat, data_url, error_of, part
+from tests.helpers.serve import START_S, app_of, chat, data_url, error_of, part, until
 from tests.helpers.servers import http_folder
 
 
@@ -111,6 +112,45 @@ def test_a_slow_url_holds_only_its_own_request(served, media):
             release.set()
             thread.join()
     assert slow_answer == [pooled(client, data_url(media["a.png"]))]
+
+
+def test_a_url_trickling_its_bytes_stops_at_the_decode_timeout_and_slow_urls_stall_no_other_request(checkpoint3,
+                                                                                                    media):
+    from fastapi.testclient import TestClient
+
+    timeout, arrived, stopped = 2, [], []
+
+    def trickle(handler):  # a byte every 0.1 s: each socket read is quick, the whole body never comes
+        arrived.append(time.monotonic())
+        handler.send_response(200)
+        handler.send_header("Content-Length", "100000")
+        handler.end_headers()
+        try:
+            for _ in range(600):
+                handler.wfile.write(b"x")
+                handler.wfile.flush()
+                time.sleep(0.1)
+        except OSError:  # the reader went away
+            stopped.append(time.monotonic())
+
+    app = app_of(load_encoder(checkpoint3, device="cpu"), "--allowed-media-domains", "127.0.0.1", "--decode-timeout",
+                 timeout, "--max-items", 32, "--max-queue", 64)
+    slow: list = []
+    with media_server(trickle) as base, TestClient(app) as client:
+        start = time.monotonic()
+        # More slow URLs than the threads every request shares (at most 32): they wait in the media threads alone.
+        thread = threading.Thread(target=lambda: slow.append(client.post("/v1/embeddings", json=chat(
+            *[part(f"{base}/{i}.png") for i in range(32)]))))
+        thread.start()
+        try:
+            until(lambda: len(arrived) >= 4, "the URLs fetched")
+            assert pooled(client, data_url(media["b.png"])) and not slow  # served while the URLs trickle
+        finally:
+            thread.join()
+        error_of(slow[0], 400, "messages[0].content[", "decode timeout")
+        assert time.monotonic() - start < timeout + 3
+        until(lambda: len(stopped) == len(arrived), "every fetch stopped")  # no thread left reading
+        assert max(stopped) - start < timeout + 3
 
 
 def test_a_size_announced_over_the_decode_budget_is_refused_before_its_bytes(served):
