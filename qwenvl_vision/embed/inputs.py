@@ -20,12 +20,11 @@ from braceexpand import UnbalancedBracesError, braceexpand
 
 from ..errors import ConfigError
 from ..inputs.pixels import is_url
-from ..inputs.video_io import VIDEO_EXTENSIONS
+from ..inputs.video_io import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS
 from .remote import identities
 from .shards import KEY_COLUMN, Member, is_shard, list_shard
 from .tables import check_keep_columns, is_table, read_table
 
-IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".ppm", ".pgm"}
 MEDIA_EXTENSIONS = IMAGE_EXTENSIONS | VIDEO_EXTENSIONS
 LIST_EXTENSIONS = {".txt", ".lst", ".list"}
 COMPRESSED_TARS = (".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz", ".tar.zst")

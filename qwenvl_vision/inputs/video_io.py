@@ -52,6 +52,8 @@ from .pixels import (
 # (Not ".ts": in a source tree those are TypeScript far more often than MPEG transport streams.)
 VIDEO_EXTENSIONS = frozenset({".mp4", ".m4v", ".mov", ".mkv", ".webm", ".avi", ".mpg", ".mpeg", ".wmv", ".flv",
                               ".3gp", ".ogv"})
+# What ``embed`` takes from a folder as an image, and ``serve`` keeps as an image item's extension.
+IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".ppm", ".pgm"})
 
 
 def is_video_file(item: Any) -> bool:

@@ -23,11 +23,10 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import SplitResult, unquote, urljoin, urlsplit
 
-from ..embed.inputs import IMAGE_EXTENSIONS
 from ..errors import PreprocessError, QwenVLVisionError
 from ..inputs.pixels import FileBytes
 from ..inputs.urls import redacted
-from ..inputs.video_io import VIDEO_EXTENSIONS
+from ..inputs.video_io import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS
 from ..outputs.durable import open_no_follow
 from ..outputs.vllm_cache import ITEM_NAME
 
