@@ -34,6 +34,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from safetensors.torch import save
 from starlette.exceptions import HTTPException
 
+from ..encoder import first_line
 from ..errors import EncoderClosedError, QwenVLVisionError
 from ..outputs.handoff import EncodedItems, vllm_items
 from ..outputs.vllm_cache import cache_lock, claim_cache_folder, entry, found_item, write_item
@@ -59,10 +60,6 @@ class ServeSettings:
     options: dict[str, Any]  # iter_encode's limits and pixel bounds
 
 
-def one_line(error: BaseException) -> str:
-    return " ".join(str(error).split()) or type(error).__name__
-
-
 def error_response(request: Request, error: Exception) -> JSONResponse:
     """Every error's answer: the request's own fault 4xx, the server's 5xx, one line naming the item."""
     if isinstance(error, RequestError):
@@ -73,9 +70,9 @@ def error_response(request: Request, error: Exception) -> JSONResponse:
         status, headers = 503, None
     else:  # a project error that is a ValueError is the input's; any other (a forward's, the folder's, a bug) ours
         status, headers = (400 if isinstance(error, QwenVLVisionError) and isinstance(error, ValueError) else 500), None
-    message = one_line(error.detail if isinstance(error, HTTPException) else error)
+    message = str(error.detail if isinstance(error, HTTPException) else error)  # the project's are one line
     if not isinstance(error, (QwenVLVisionError, HTTPException)):
-        message = f"internal error, {type(error).__name__}: {message}"
+        message = f"internal error, {first_line(error)}"
     kind = HTTPStatus(status).phrase.replace(" ", "").replace("-", "")
     kind += "" if kind.endswith("Error") else "Error"  # vLLM's names: BadRequestError, InternalServerError
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status, headers)
@@ -106,7 +103,7 @@ async def read_json(request: Request, limit: int) -> Any:
     try:
         return await asyncio.to_thread(json.loads, b"".join(chunks))
     except (ValueError, RecursionError) as e:  # RecursionError: nested deeper than Python's stack
-        raise RequestError(f"the request body is not JSON ({one_line(e)[:200]})") from None
+        raise RequestError(f"the request body is not JSON ({first_line(e, 200)})") from None
 
 
 def build_app(encoder: Any, settings: ServeSettings) -> FastAPI:
@@ -223,7 +220,7 @@ def build_app(encoder: Any, settings: ServeSettings) -> FastAPI:
                     (rows,) = vllm_items(EncodedItems([r.embedding], [r.grid_thw], [r.deepstack], item.modality,
                                                       encoder.family, [r.video_info]))
                 except QwenVLVisionError as e:
-                    raise RequestError(f"{item.label}: {one_line(e)}") from None
+                    raise RequestError(f"{item.label}: {e}") from None
                 entries[item.uuid] = {k: v for k, v in entry(item.uuid, rows).items() if k != "id"}
                 if not write_item(shared, item.uuid, rows.rows, tag, {ENTRY_KEY: json.dumps(entries[item.uuid])}):
                     # Another request's file got there first: the consumer loads that one, so the answer is its.
