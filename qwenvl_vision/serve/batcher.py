@@ -1,7 +1,8 @@
 """The queue of items waiting for the encoder, and the one thread that encodes them: it takes every item queued at
 that moment, hands them to ``iter_encode`` (which decodes ahead on its threads, within the decode budget, and
 batches by patches) and resolves each item's future on its event loop as its batch comes out. The event loop never
-decodes or runs a forward; a full queue is refused at once (503), never an unbounded backlog."""
+decodes or runs a forward. A request's items hold their room in the queue from before their media are read
+(``reserve``); a request the queue has no room for is refused at once (503): never an unbounded backlog of items."""
 
 from __future__ import annotations
 

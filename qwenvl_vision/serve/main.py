@@ -40,8 +40,9 @@ def add_serve_parser(sub, parents=()) -> argparse.ArgumentParser:
     p.add_argument("--max-items", type=positive_option(int, "--max-items"), default=64,
                    help="most images and videos in one request (default %(default)s)")
     p.add_argument("--max-queue", type=positive_option(int, "--max-queue"), default=256,
-                   help="most items waiting for the encoder; beyond it a request is answered 503 with Retry-After; "
-                        "uvicorn answers 503 beyond twice as many connections at once (default %(default)s)")
+                   help="most items waiting for the encoder or loading their media; beyond it a request is answered "
+                        "503 with Retry-After; uvicorn answers 503 beyond twice as many connections at once (default "
+                        "%(default)s)")
     p.add_argument("--threads", type=positive_option(int, "--threads"),
                    help="torch threads of each forward (default: torch's, one per core)")
     p.set_defaults(func=run_serve, validate=validate_serve_args)
@@ -98,8 +99,8 @@ def run_serve(args: argparse.Namespace) -> int:
         encoder = load_encoder(args.model, device=args.device, dtype=args.dtype, random_weights=args.random_weights,
                                revision=args.revision, local_files_only=args.local_files_only, compile=args.compile,
                                attn_impl=args.attn)
-        # The app's lifespan closes the encoder once the queue has drained; limit_concurrency bounds the request
-        # bodies held at once (memory), uvicorn answering 503 beyond it.
+        # The app's lifespan closes the encoder once the queue has drained; limit_concurrency bounds the connections
+        # at once (a count), uvicorn answering 503 beyond it.
         server = uvicorn.Server(uvicorn.Config(build_app(encoder, serve_settings(args, encoder)), access_log=False,
                                                limit_concurrency=2 * args.max_queue))
         # uvicorn handles SIGTERM (stops accepting, finishes what is in flight) and raises it again once stopped,

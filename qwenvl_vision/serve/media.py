@@ -4,9 +4,9 @@ alike), each checked against the media policy and handed to the encoder as ``Fil
 the request (``messages[0].content[1]``), with the extension that tells the decoder an image from a video.
 
 Sources: ``data:`` URLs (base64) always; http(s) only from ``allowed_domains``, redirects followed only within
-them; ``file://`` only under ``local_root`` (symbolic links resolved before the check), regular files only. URLs are
-read when the request's own task asks (``FileBytes.read``), within the decode budget's bytes and the decode time
-limit, never on the encoder's thread."""
+them; ``file://`` only under ``local_root`` (symbolic links resolved before the check), regular files only. URLs and
+files are read when the app asks (``FileBytes.read``, in its media threads), within the decode budget's bytes and, for
+a URL, the decode timeout as a whole; never on the encoder's thread."""
 
 from __future__ import annotations
 
@@ -101,7 +101,7 @@ def request_items(body: Any, policy: MediaPolicy, need_uuid: bool) -> list[Item]
 
 
 def media_file(url: str, label: str, modality: str, policy: MediaPolicy) -> FileBytes:
-    """The item's bytes (a data URL's now; a URL's when read, within the decode budget ``limit``), or a
+    """The item's bytes (a data URL's now; a URL's or a file's when read, at most the bytes the read is given), or a
     RequestError naming it."""
     known, default = EXTENSIONS[modality]
     scheme = url.split(":", 1)[0].lower()
