@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import http.client
 import mimetypes
 import os
 import stat
@@ -204,5 +205,6 @@ def fetch(url: str, label: str, policy: MediaPolicy, limit: int) -> bytes:
             return within(b"".join(chunks), label, limit)
     except urllib.error.HTTPError as e:
         raise PreprocessError(f"{label}: {redacted(url)[:200]} answered HTTP {e.code}") from None
-    except (urllib.error.URLError, OSError) as e:
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as e:  # HTTPException: a bad port, a broken
+        # status line or chunked body
         raise PreprocessError(f"{label}: cannot fetch {redacted(url)[:200]} ({getattr(e, 'reason', e)})") from None

@@ -83,6 +83,8 @@ def bad_requests(media) -> dict[str, tuple]:
                                  "not a valid URL"),
         "a malformed file URL": ("/v1/embeddings", chat(part("file://[x/a")), {}, 400, "messages[0].content[1]",
                                  "not a valid URL"),
+        "an http URL with a port that is no number": ("/v1/embeddings", chat(part("http://127.0.0.1:x/a.png")), {},
+                                                      400, "messages[0].content[1]", "127.0.0.1:x"),
         "an unknown part type": ("/v1/embeddings", chat({"type": "input_audio", "input_audio": {}}), {}, 400,
                                  "messages[0].content[1]", "input_audio"),
         "a body over the limit": ("/v1/embeddings", chat(part("data:image/png;base64," + "A" * (1 << 20))), {}, 413,
@@ -100,7 +102,8 @@ def bad_requests(media) -> dict[str, tuple]:
                                   "uuid of a prune's record", "no uuid in the encoder role",
                                   "one uuid on an image and a video", "mm_processor_kwargs",
                                   "media_io_kwargs", "a URL outside the allowed domains", "a malformed http URL",
-                                  "a malformed file URL", "an unknown part type",
+                                  "a malformed file URL", "an http URL with a port that is no number",
+                                  "an unknown part type",
                                   "a body over the limit", "a chunked body over the limit",
                                   "JSON nested deeper than the stack", "a wrong key", "no key", "not JSON",
                                   "more items than --max-items"])
