@@ -74,7 +74,8 @@ def error_response(request: Request, error: Exception) -> JSONResponse:
         status, headers = 503, None
     else:  # a project error that is a ValueError is the input's; any other (a forward's, the folder's, a bug) ours
         status, headers = (400 if isinstance(error, QwenVLVisionError) and isinstance(error, ValueError) else 500), None
-    message = str(error.detail if isinstance(error, HTTPException) else error)  # the project's are one line
+    # One line even where an input's error quotes a decoder's multi-line text.
+    message = " ".join(str(error.detail if isinstance(error, HTTPException) else error).split())
     if not isinstance(error, (QwenVLVisionError, HTTPException)):
         message = f"internal error, {first_line(error)}"
     kind = HTTPStatus(status).phrase.replace(" ", "").replace("-", "")
@@ -165,7 +166,12 @@ def build_app(encoder: Any, settings: ServeSettings) -> FastAPI:
     async def encoded(found: list[Item], normalize: bool = False) -> list[ItemResult]:
         """The items' results, or the first failure as one line naming its item."""
         with batcher.reserve(len(found)):  # a request the queue has no room for reads none of its media
-            await asyncio.gather(*map(loaded, found))
+            reads = [asyncio.ensure_future(loaded(item)) for item in found]
+            try:
+                await asyncio.gather(*reads)
+            finally:  # one item failed: its siblings' reads not yet started leave the media threads' queue
+                for read in reads:
+                    read.cancel()
             futures = batcher.submit([item.file for item in found], normalize)
         results = await asyncio.gather(*futures)
         for result in results:
