@@ -10,8 +10,8 @@ vLLM's own ``ECExampleConnector`` never removes an item, so a long-lived consume
 - Writers (``embed --format vllm-cache``, ``write_vllm_cache``) hold ``vllm_cache.CACHE_LOCK`` while they write
   items and record them; a prune holds it while it reads the folder and removes, so an item found in place by a
   writer is recorded before a prune can see it, and nothing is removed mid-write.
-- The items a running ``embed`` has written are kept: those last written since its lock file (``embed.lock``)
-  was made, while a process holds its lock. A run stopped by SIGKILL leaves its lock file, which the kernel no
+- The items a running ``embed`` has written (64 hex digits) are kept: those last written since its lock file
+  (``embed.lock``) was made, while a process holds its lock. A run stopped by SIGKILL leaves its lock file, which the kernel no
   longer locks: it holds nothing. Items of its earlier sessions (before a ``--resume``) are the oldest, and go
   first.
 - Every removed item is appended to ``PRUNED`` (one JSON line: id, bytes, last write, when), so a manifest line
@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import CacheFolderError, ConfigError
+from ..inputs.item_ids import is_sha256
 from .durable import fsync_dir, lock_held, open_no_follow
 from .vllm_cache import CACHE_FILE, IDENTITY_FILE, ITEM_NAME, cache_lock
 
@@ -142,7 +143,8 @@ def prune_cache(folder: str | os.PathLike, max_bytes: int, dry_run: bool = False
     with contextlib.nullcontext() if dry_run else cache_lock(folder, wait_s=wait_s):
         items = items_of(folder)
         since = running_embed_since(folder)
-        held = {i.id for i in items if since is not None and i.last_write >= since}
+        # An embed's own items only (64 hex digits): the server's, named by uuids, are written under the lock.
+        held = {i.id for i in items if since is not None and is_sha256(i.id) and i.last_write >= since}
         total = folder_bytes(folder)
         now = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         removed, lines = [], []

@@ -207,6 +207,7 @@ def test_a_folder_above_the_bound_only_by_its_own_files_is_done_and_one_held_by_
 
 
 def test_items_written_under_a_serve_client_s_uuids_are_pruned_oldest_first(tmp_path, capsys):
+    """Even beside a running embed: what it holds is its own items (64 hex digits), not the server's."""
     import torch
 
     from qwenvl_vision.inputs.item_ids import IDENTITY_FIELDS
@@ -217,8 +218,11 @@ def test_items_written_under_a_serve_client_s_uuids_are_pruned_oldest_first(tmp_
     names = ["old-uuid", "mid_uuid", "newUuid"]
     for name in names:
         assert write_item(out, name, torch.zeros(8, 16), "t")
-    age_items(out, names, time.time() - 3600)
+    running = FolderLock(out / "embed.lock", str(out))  # an embed writing into the same folder meanwhile
+    running.acquire()
+    age_items(out, names, time.time() + 60)  # touched by the server since the embed started
     bound = folder_bytes(out) - items(out)["old-uuid"].stat().st_size // 2  # the oldest must go, no more
     assert main(["cache", "prune", str(out), "--max-gb", str(bound / 1e9)]) == 0
+    running.release()
     assert "removed 1 item(s)" in capsys.readouterr().out
     assert sorted(items(out)) == ["mid_uuid", "newUuid"] and not (out / "old-uuid").exists()
