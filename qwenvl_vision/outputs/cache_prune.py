@@ -11,9 +11,9 @@ vLLM's own ``ECExampleConnector`` never removes an item, so a long-lived consume
   items and record them; a prune holds it while it reads the folder and removes, so an item found in place by a
   writer is recorded before a prune can see it, and nothing is removed mid-write.
 - The items a running ``embed`` has written (64 hex digits) are kept: those last written since its lock file
-  (``embed.lock``) was made, while a process holds its lock. A run stopped by SIGKILL leaves its lock file, which the kernel no
-  longer locks: it holds nothing. Items of its earlier sessions (before a ``--resume``) are the oldest, and go
-  first.
+  (``embed.lock``) was made, while a process holds its lock. A run stopped by SIGKILL leaves its lock file, which
+  the kernel no longer locks: it holds nothing. Items of its earlier sessions (before a ``--resume``) are the
+  oldest, and go first.
 - Every removed item is appended to ``PRUNED`` (one JSON line: id, bytes, last write, when), so a manifest line
   whose item is gone is accounted for: ``read_embeddings`` skips the items listed there (and says how many), and
   ``embed --resume`` embeds them again.
