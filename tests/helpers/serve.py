@@ -1,5 +1,6 @@
 """``qwenvl-vision serve`` as its users start it (``serving``: a child process, uvicorn, on a free loopback port), or
 its app in this process (``app_of``, the test settings ``server_options``, an encoder held until let go: ``Held``);
+a media server on loopback (``media_server``; ``held_answer``: media held until let go);
 the requests the proxy sends (``chat``, ``part``, ``data_url``), the check of an error answer (``error_of``), a wait
 with a deadline (``until``)."""
 
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import http.server
 import os
 import signal
 import socket
@@ -160,3 +162,34 @@ def error_of(response, status: int, *needles: str) -> str:
     for needle in needles:
         assert needle in message, message
     return message
+
+
+@contextlib.contextmanager
+def media_server(answer) -> Iterator[str]:
+    """An HTTP server on 127.0.0.1 whose GET calls ``answer(handler)``; yields its base URL."""
+    class Handler(http.server.BaseHTTPRequestHandler):
+        do_GET = answer
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+
+
+def held_answer(image: bytes, arrived, release: threading.Event):
+    """A ``media_server`` answer that calls ``arrived()`` and sends ``image`` once ``release`` is set (at most
+    START_S later): a request whose media stay in flight until the test lets them go."""
+    def answer(handler) -> None:
+        arrived()
+        release.wait(START_S)
+        handler.send_response(200)
+        handler.send_header("Content-Length", str(len(image)))
+        handler.end_headers()
+        handler.wfile.write(image)
+
+    return answer

@@ -4,7 +4,6 @@ vLLM's disaggregated-encoder proxy sends, stopped by SIGTERM."""
 from __future__ import annotations
 
 import hashlib
-import http.server
 import json
 import signal
 import socket
@@ -20,7 +19,7 @@ from safetensors.torch import load_file
 
 from qwenvl_vision.cli import main
 from qwenvl_vision.outputs.vllm_cache import CACHE_FILE, CACHE_KEY, write_vllm_cache
-from tests.helpers.serve import ENV, START_S, chat, data_url, part, serving
+from tests.helpers.serve import ENV, START_S, chat, data_url, held_answer, media_server, part, serving
 
 
 def items_encoded(client: httpx.Client) -> float:
@@ -102,42 +101,27 @@ def test_a_port_in_use_is_a_setup_error_naming_it(capsys, checkpoint3):
 
 
 def test_requests_beyond_twice_max_queue_at_once_are_answered_503(checkpoint3, media):
-    arrived, release, image = threading.Semaphore(0), threading.Event(), media["a.png"].read_bytes()
-
-    class Held(http.server.BaseHTTPRequestHandler):  # each request's media held until the test lets it go
-        def do_GET(self):
-            arrived.release()
-            release.wait(START_S)
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(image)))
-            self.end_headers()
-            self.wfile.write(image)
-
-        def log_message(self, *args):
-            pass
-
-    media_server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Held)
-    threading.Thread(target=media_server.serve_forever, daemon=True).start()
+    arrived, release = threading.Semaphore(0), threading.Event()
     answers: list = []
-    try:
-        with serving(["--model", checkpoint3, "--device", "cpu", "--allowed-media-domains", "127.0.0.1",
-                      "--max-queue", "2", "--max-items", "1"]) as url:
-            body = chat(part(f"http://127.0.0.1:{media_server.server_address[1]}/a.png"))
-            clients = [threading.Thread(target=lambda: answers.append(httpx.post(f"{url}/v1/embeddings", json=body,
-                                                                                 timeout=120))) for _ in range(2)]
-            for client in clients:
-                client.start()
-            for _ in clients:
-                assert arrived.acquire(timeout=START_S), url.log()  # in flight, within the limit of 4
-            port = int(url.rsplit(":", 1)[1])
-            with socket.create_connection(("127.0.0.1", port)), socket.create_connection(("127.0.0.1", port)):
-                assert httpx.get(f"{url}/v1/models").status_code == 503  # a fifth connection
+    with media_server(held_answer(media["a.png"].read_bytes(), arrived.release, release)) as base:
+        try:
+            with serving(["--model", checkpoint3, "--device", "cpu", "--allowed-media-domains", "127.0.0.1",
+                          "--max-queue", "2", "--max-items", "1"]) as url:
+                body = chat(part(f"{base}/a.png"))
+                clients = [threading.Thread(target=lambda: answers.append(httpx.post(
+                    f"{url}/v1/embeddings", json=body, timeout=120))) for _ in range(2)]
+                for client in clients:
+                    client.start()
+                for _ in clients:
+                    assert arrived.acquire(timeout=START_S), url.log()  # in flight, within the limit of 4
+                port = int(url.rsplit(":", 1)[1])
+                with socket.create_connection(("127.0.0.1", port)), socket.create_connection(("127.0.0.1", port)):
+                    assert httpx.get(f"{url}/v1/models").status_code == 503  # a fifth connection
+                release.set()
+                for client in clients:
+                    client.join()
+        finally:
             release.set()
-            for client in clients:
-                client.join()
-    finally:
-        release.set()
-        media_server.shutdown()
     assert [a.status_code for a in answers] == [200] * 2
 
 
@@ -151,44 +135,28 @@ def test_neither_the_package_nor_the_serve_command_line_loads_the_server_s_libra
 
 
 def test_sigterm_stops_accepting_finishes_the_request_in_flight_and_exits_0(tmp_path, checkpoint3, media):
-    arrived, release = threading.Event(), threading.Event()
-    image = media["a.png"].read_bytes()
-
-    class Held(http.server.BaseHTTPRequestHandler):  # answers once the test lets it: the request stays in flight
-        def do_GET(self):
-            arrived.set()
-            release.wait()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(image)))
-            self.end_headers()
-            self.wfile.write(image)
-
-        def log_message(self, *args):
-            pass
-
-    media_server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Held)
-    threading.Thread(target=media_server.serve_forever, daemon=True).start()
+    arrived, release = threading.Event(), threading.Event()  # the request stays in flight until the test lets it go
     answers = []
-    try:
-        with serving(["--model", checkpoint3, "--device", "cpu", "--allowed-media-domains", "127.0.0.1"]) as url:
-            body = chat(part(f"http://127.0.0.1:{media_server.server_address[1]}/a.png"))
-            client = threading.Thread(target=lambda: answers.append(httpx.post(f"{url}/v1/embeddings", json=body,
-                                                                                timeout=120)))
-            client.start()
-            assert arrived.wait(START_S), url.log()  # the server is fetching the item
-            url.process.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + START_S  # a bound, so that a server that goes on accepting fails, not hangs
-            while time.monotonic() < deadline:  # stopped accepting: new connections refused, the request in flight
-                try:
-                    httpx.get(f"{url}/health", timeout=5)
-                except httpx.TransportError:
-                    break
-            else:
-                raise AssertionError(f"serve still accepts connections {START_S} s after SIGTERM")
+    with media_server(held_answer(media["a.png"].read_bytes(), arrived.set, release)) as base:
+        try:
+            with serving(["--model", checkpoint3, "--device", "cpu", "--allowed-media-domains", "127.0.0.1"]) as url:
+                body = chat(part(f"{base}/a.png"))
+                client = threading.Thread(target=lambda: answers.append(httpx.post(f"{url}/v1/embeddings", json=body,
+                                                                                    timeout=120)))
+                client.start()
+                assert arrived.wait(START_S), url.log()  # the server is fetching the item
+                url.process.send_signal(signal.SIGTERM)
+                deadline = time.monotonic() + START_S  # a bound: a server that goes on accepting fails, not hangs
+                while time.monotonic() < deadline:  # stopped accepting: new connections refused, the request in flight
+                    try:
+                        httpx.get(f"{url}/health", timeout=5)
+                    except httpx.TransportError:
+                        break
+                else:
+                    raise AssertionError(f"serve still accepts connections {START_S} s after SIGTERM")
+                release.set()
+                client.join()
+        finally:
             release.set()
-            client.join()
-    finally:
-        release.set()
-        media_server.shutdown()
     assert answers[0].status_code == 200 and len(answers[0].json()["data"]) == 1
     assert url.process.returncode == 0

@@ -3,17 +3,14 @@ allowed folder, data: URLs by their media type (tests/serve/conftest.py serves 1
 
 from __future__ import annotations
 
-import contextlib
-import http.server
 import os
 import threading
 import time
-from collections.abc import Iterator
 
 import pytest
 
 from qwenvl_vision import load_encoder
-from tests.helpers.serve import START_S, app_of, chat, data_url, error_of, part, until
+from tests.helpers.serve import START_S, app_of, chat, data_url, error_of, held_answer, media_server, part, until
 from tests.helpers.servers import http_folder
 
 
@@ -72,37 +69,11 @@ def test_a_data_url_s_media_type_must_be_its_part_s_kind(served, media):
              "messages[0].content[1]", "base64")
 
 
-@contextlib.contextmanager
-def media_server(answer) -> Iterator[str]:
-    """An HTTP server on 127.0.0.1 whose GET calls ``answer(handler)``; yields its base URL."""
-    class Handler(http.server.BaseHTTPRequestHandler):
-        do_GET = answer
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-
-
 def test_a_slow_url_holds_only_its_own_request(served, media):
     client, _ = served
-    arrived, release, image = threading.Event(), threading.Event(), media["a.png"].read_bytes()
-
-    def slow(handler):
-        arrived.set()
-        release.wait(START_S)
-        handler.send_response(200)
-        handler.send_header("Content-Length", str(len(image)))
-        handler.end_headers()
-        handler.wfile.write(image)
-
+    arrived, release = threading.Event(), threading.Event()
     slow_answer: list = []
-    with media_server(slow) as base:
+    with media_server(held_answer(media["a.png"].read_bytes(), arrived.set, release)) as base:
         thread = threading.Thread(target=lambda: slow_answer.append(pooled(client, f"{base}/a.png")))
         thread.start()
         try:
