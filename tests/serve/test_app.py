@@ -242,12 +242,14 @@ def test_a_broken_device_fails_health_and_every_later_request(held, media):
     assert not encoder.entered.is_set()  # refused without a forward on the broken device
 
 
-def test_the_app_s_end_closes_the_encoder(checkpoint3):
+def test_the_app_s_end_closes_the_encoder_leaving_no_tensor(checkpoint3, media):
     from fastapi.testclient import TestClient
 
     from qwenvl_vision import load_encoder
+    from qwenvl_vision.teardown.census import live_tensor_bytes
 
+    before = live_tensor_bytes()
     encoder = load_encoder(checkpoint3, device="cpu")
     with TestClient(app_of(encoder)) as client:
-        assert client.get("/health").status_code == 200
-    assert encoder.closed
+        assert client.post("/v1/embeddings", json=chat(part(data_url(media["a.png"])))).status_code == 200
+    assert encoder.closed and live_tensor_bytes() == before  # 0 bytes left, as the teardown benchmark reads it
