@@ -1,19 +1,13 @@
 """The HTTP app (``build_app``): routes, the API key, the one mapping of errors to statuses, and the metrics.
 
-- ``POST /v1/chat/completions``, the encoder role: every item is written to ``shared/<uuid>/
-  encoder_cache.safetensors`` (``vllm_cache.write_item``: its rows as ``write_vllm_cache`` writes them), unless
-  a file written by this server is there already (then touched, as write_item does; another writer's is a 409);
-  the answer is a chat completion with ``ec_transfer_params``.
-- ``POST /v1/embeddings``: each item's pooled vector (OpenAI's shape, float or base64), or with
-  ``return_tokens`` a safetensors payload of the tokens, grids and DeepStack levels.
-- ``GET /health``, ``/v1/models``, ``/metrics`` (Prometheus text, a registry of the app's own). The API key guards
-  the ``/v1`` routes only, as vLLM's: a scraper or a health check needs none.
-- Each request's JSON is parsed in asyncio's shared threads, and its media (URLs, files) read in the app's media
-  threads, a URL within the decode timeout, once the queue has room for its items (``Batcher.reserve``): the event
-  loop never blocks, the encoder's thread never waits on a network, and slow URLs hold no other request's thread.
-  The batcher gets bytes in memory.
-- Status by the error's class (``error_response``): the request's fault 4xx, the server's (a forward, the output
-  folder, a broken device) 5xx; ``/health`` answers 503 once a forward fault says the device is broken.
+- ``POST /v1/chat/completions``, the encoder role: each item written to ``shared/<uuid>/encoder_cache.safetensors``
+  (``vllm_cache.write_item``) unless this server wrote it already (another writer's file there: 409); the answer
+  is a chat completion with ``ec_transfer_params``.
+- ``POST /v1/embeddings``: pooled vectors (OpenAI's shape), or with ``return_tokens`` a safetensors payload.
+- ``GET /health`` (503 once a forward fault says the device is broken), ``/v1/models``, ``/metrics``. The API key
+  guards the ``/v1`` routes only, as vLLM's.
+- JSON is parsed off the event loop, and media are read in the app's own threads once the queue has room for the
+  request's items (``Batcher.reserve``): the encoder's thread gets bytes in memory and never waits on a network.
 """
 
 from __future__ import annotations

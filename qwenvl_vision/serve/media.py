@@ -14,8 +14,6 @@ import base64
 import binascii
 import http.client
 import mimetypes
-import os
-import stat
 import time
 import urllib.error
 import urllib.request
@@ -28,7 +26,6 @@ from ..errors import PreprocessError, QwenVLVisionError
 from ..inputs.pixels import FileBytes
 from ..inputs.urls import redacted
 from ..inputs.video_io import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS
-from ..outputs.durable import open_no_follow
 from ..outputs.vllm_cache import ITEM_NAME
 
 TEXT_TYPES = ("text", "input_text", "refusal", "thinking")
@@ -154,12 +151,10 @@ def check_remote(url: str, label: str, policy: MediaPolicy, error: type[Exceptio
 
 
 def read_local(path: Path, label: str, limit: int) -> bytes:
-    try:  # not through a link swapped in since the check; O_NONBLOCK: a FIFO would block the reading thread for good
-        fd = open_no_follow(path, os.O_RDONLY | os.O_NONBLOCK)
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            raise RequestError(f"{label}: {path} is not a regular file")
-        with os.fdopen(fd, "rb") as f:
+    if not path.is_file():  # a folder, or a FIFO, which would hold the reading thread for good
+        raise RequestError(f"{label}: {path} is not a regular file")
+    try:
+        with open(path, "rb") as f:
             return within(f.read(limit + 1), label, limit)
     except OSError as e:
         raise RequestError(f"{label}: cannot read {path} ({e.strerror or e})") from None
