@@ -110,8 +110,8 @@ def transformers_unavailable(cfg: VisionConfig, attn: str) -> str | None:
 
 def build_variants(cfg: VisionConfig, device: torch.device, dtype: torch.dtype, attns: tuple[str, ...] = ("sdpa",),
                    compile_options: dict | None = None, seed: int = 0, addmm_variant: bool = False,
-                   one_forward_variant: bool = False, default_sizes_variant: bool = False
-                   ) -> tuple[dict[str, Variant], dict[str, str]]:
+                   one_forward_variant: bool = False, default_sizes_variant: bool = False,
+                   torch_elementwise_variant: bool = False) -> tuple[dict[str, Variant], dict[str, str]]:
     """Ours (eager), ours compiled (when compile_options is not None) and transformers' tower per attention
     implementation, all with the same spread random weights (ours read under the checkpoint names); returns the
     variants and, for those that cannot run here, the reason."""
@@ -149,6 +149,9 @@ def build_variants(cfg: VisionConfig, device: torch.device, dtype: torch.dtype, 
         if default_sizes_variant:  # the plan's kernels with the default chunk and scratch sizes, not the measured
             sized = built["ours-default-sizes"] = Variant(run_ours, ours())
             CpuBackend(dataclasses.replace(plan, linear_chunk={}, scratch={})).attach(sized.model)
+        if torch_elementwise_variant:  # the plan with torch's elementwise ops where it chose the native kernels
+            aten = built["ours-torch-elementwise"] = Variant(run_ours, ours())
+            CpuBackend(dataclasses.replace(plan, elementwise={})).attach(aten.model)
     if compile_options is not None:
         compiled = ours()
         compiled.compile_blocks(**compile_options)
@@ -392,6 +395,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--default-sizes", action="store_true",
                         help="CPU: also time ours on this machine's plan with the default chunk and scratch sizes "
                              "instead of the measured ones (what measuring them gains)")
+    parser.add_argument("--torch-elementwise", action="store_true",
+                        help="CPU: also time ours on this machine's plan with torch's elementwise ops instead of "
+                             "the native kernels where it chose them (what the fused steps gain)")
     parser.add_argument("--json", help="write the numbers here")
     args = parser.parse_args(argv)
     if args.compile and args.warmup < 1:
@@ -413,7 +419,8 @@ def main(argv: list[str] | None = None) -> dict:
     attns = tuple(a.strip() for a in args.attn.split(",") if a.strip())
     variants, skipped = build_variants(cfg, device, dtype, attns, {} if args.compile else None,
                                        addmm_variant=args.addmm, one_forward_variant=args.one_forward,
-                                       default_sizes_variant=args.default_sizes)
+                                       default_sizes_variant=args.default_sizes,
+                                       torch_elementwise_variant=args.torch_elementwise)
     for name, reason in skipped.items():
         print(f"{name}: skipped ({reason})", file=sys.stderr)
     bounds: list[dict] = []

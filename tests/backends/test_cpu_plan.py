@@ -41,7 +41,7 @@ def fresh(tmp_path, monkeypatch):
     calls = []
     real = machine.measure
     monkeypatch.setattr(machine, "measure",
-                        lambda needs, key, known=None: calls.append(needs) or real(needs, key, known))
+                        lambda needs, key, *rest: calls.append(needs) or real(needs, key, *rest))
     return tmp_path / "cpu-plans", calls
 
 
@@ -108,9 +108,9 @@ import json, sys
 import torch
 from qwenvl_vision.backends.cpu import machine as plan
 real = plan.measure
-def counted(needs, key, known=None):
+def counted(needs, key, *rest):
     print("measured", flush=True)
-    return real(needs, key, known)
+    return real(needs, key, *rest)
 plan.measure = counted
 needs = plan.PlanNeeds(frozenset({(512, 768, torch.float32), (768, 512, torch.float32)}),
                        frozenset({(torch.float32, 4, 64)}))
@@ -245,9 +245,10 @@ def test_a_block_s_chunk_and_scratch_are_measured_on_the_plan_s_kernels_and_only
     """A tower's block shape gets its packed linears' output per call (where any runs packed; else the default) and
     its scratch, each of the search space, timed on a block running the plan's kernels; a stored plan that lacks
     them (measured for the same kernels when no tower of this block shape had asked) has them measured alone, its
-    kernels kept."""
+    kernels kept. (Torch's elementwise steps here: the scratch is theirs.)"""
     if kernel == "onednn" and not onednn_linear_available():
         pytest.skip("this torch has no oneDNN linear")
+    monkeypatch.setattr(machine, "native_kernels", lambda: None)
     folder, calls = fresh
     block = ("plain", "layer", 64, 2, 96, "gelu_pytorch_tanh", torch.float32)
     needs = PlanNeeds(frozenset({(64, 192, torch.float32), (64, 64, torch.float32), (64, 96, torch.float32),
@@ -258,9 +259,9 @@ def test_a_block_s_chunk_and_scratch_are_measured_on_the_plan_s_kernels_and_only
     # the MLP keeps its lone choices (timed whole it might pack them, which is another test's)
     monkeypatch.setattr(probes, "measure_mlp", lambda *a, **__: (all(a[5]), DEFAULT_MLP_ROWS))
     timed, searched = [], []
-    real, real_fastest = probes.measure_block_sizes, probes.fastest
-    monkeypatch.setattr(probes, "measure_block_sizes",
-                        lambda need, plan, **k: timed.append((need, dict(plan.linear))) or real(need, plan, **k))
+    real, real_fastest = probes.measure_block, probes.fastest
+    monkeypatch.setattr(probes, "measure_block",
+                        lambda need, plan, *a: timed.append((need, dict(plan.linear))) or real(need, plan, *a))
     monkeypatch.setattr(probes, "fastest", lambda seconds, default: searched.append(tuple(seconds))
                         or real_fastest(seconds, default))
     with warnings.catch_warnings():
@@ -320,8 +321,8 @@ def test_measuring_leaves_the_caller_s_random_state_alone(fresh, monkeypatch):
     real = probes.measure_mlp
     monkeypatch.setattr(probes, "measure_mlp", lambda *a, **k: timed.append(a) or real(*a, **k))
     blocks = []
-    real_block = probes.measure_block_sizes
-    monkeypatch.setattr(probes, "measure_block_sizes", lambda *a, **k: blocks.append(a) or real_block(*a, **k))
+    real_block = probes.measure_block
+    monkeypatch.setattr(probes, "measure_block", lambda *a, **k: blocks.append(a) or real_block(*a, **k))
     needs = PlanNeeds(frozenset({(64, 192, torch.float32), (96, 64, torch.float32), (64, 64, torch.float32)}),
                       frozenset(), frozenset({("gated", 64, 96, "silu", torch.float32)}),
                       frozenset({("gated", "rms", 64, 2, 96, "silu", torch.float32)}))
@@ -483,10 +484,11 @@ def test_a_plan_saved_by_another_process_while_this_one_measured_wins(fresh, mon
     folder, calls = fresh
     real, theirs = machine.measure, {}
 
-    def measure_while_another_saves(needs, key, known=None):
-        ours = real(needs, key, known)
+    def measure_while_another_saves(needs, key, *rest):
+        ours = real(needs, key, *rest)
         flipped = {k: "addmm" if v == "onednn" else "onednn" for k, v in ours.linear.items()}
-        theirs["plan"] = CpuPlan(ours.machine, flipped, ours.attention, ours.mlp, ours.linear_chunk, ours.scratch)
+        theirs["plan"] = CpuPlan(ours.machine, flipped, ours.attention, ours.mlp, ours.linear_chunk, ours.scratch,
+                                ours.elementwise)
         machine.save_plan(folder / f"{key}.json", theirs["plan"], machine_identity())
         return ours
 

@@ -20,7 +20,7 @@ from ...errors import ConfigError
 from ...model.execution import Grids, ReferenceExecution, forwards_on, items_name
 from ...model.tower import VisionTower
 from .forward import CpuExecution
-from .machine import machine_plan
+from .machine import machine_plan, native_kernels
 from .packing import PACKING_LOCK, PackedLinear, block_need, linear_layers, pack_linears_, plan_needs, unpack_linears_
 from .plan import CpuPlan
 from .workspace import Workspace
@@ -172,7 +172,12 @@ class CpuBackend:
         rows = max(sum(t * h * w for t, h, w in pack) for _, pack in forwards)
         workspace = Workspace.for_blocks(rows, cfg.hidden_size, cfg.family.mlp, cfg.intermediate_size, dtype, device,
                                          prepared.plan.scratch_elements(block), cfg.merge_unit)
-        return CpuExecution(prepared.plan, workspace, prepared.plan.chunk_bytes(block), forwards)
+        elementwise = prepared.plan.elementwise_kernels(block)
+        native = native_kernels() if elementwise == "native" else None
+        if elementwise == "native" and native is None:
+            raise ConfigError("the CPU plan runs the native elementwise kernels, which cannot be built here (the "
+                              "warning above says why): give cpu_kernels='auto' to measure this machine's plan")
+        return CpuExecution(prepared.plan, workspace, prepared.plan.chunk_bytes(block), forwards, native)
 
     def release(self, tower: VisionTower) -> None:
         if not self.serves(tower):

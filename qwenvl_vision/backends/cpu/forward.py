@@ -32,6 +32,7 @@ from .kernels import (
     packed_chunks,
     packed_linear,
 )
+from .native import NativeKernels
 from .packing import PackedLinear
 from .plan import CpuPlan
 from .workspace import Workspace
@@ -87,20 +88,22 @@ class CpuExecution:
     name = "cpu"
 
     def __init__(self, plan: CpuPlan, workspace: Workspace, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 forwards: list[tuple[torch.Tensor, list[Grid]]] | None = None) -> None:
+                 forwards: list[tuple[torch.Tensor, list[Grid]]] | None = None,
+                 native: NativeKernels | None = None) -> None:
         self.plan = plan
         self.workspace = workspace
         self.chunk_bytes = chunk_bytes  # output per oneDNN call of a packed linear (the plan's for the tower)
         self.forwards = forwards or []  # a call's (rows, grids) per forward (``execution.Execution``)
+        self.native = native  # the fused elementwise steps where the plan chose them for the tower
 
     # ------------------------------------------------------------------ what the tower calls (execution.Execution)
 
     def attention_inputs(self, rope: tuple[torch.Tensor, torch.Tensor], segments: SegmentPlan) -> AttentionInputs:
-        return CpuAttentionInputs(rope, segments, self.attend, signed_sin(rope[1]))
+        return CpuAttentionInputs((rope[0].contiguous(), rope[1]), segments, self.attend, signed_sin(rope[1]))
 
     def block(self, block: nn.Module, x: torch.Tensor, inputs: CpuAttentionInputs) -> torch.Tensor:
-        x = self.attention(block.attn, self.norm(block.norm1, x), inputs, residual=x)
-        return self.mlp(block.mlp, self.norm(block.norm2, x), residual=x)
+        normed = self.attention(block.attn, self.norm(block.norm1, x), inputs, residual=x, norm=block.norm2)
+        return self.mlp(block.mlp, normed, residual=x)
 
     def merger(self, merger: PatchMerger, x: torch.Tensor) -> torch.Tensor:
         """x (N, D) -> (N/4, out), a fresh tensor (it leaves the forward)."""
@@ -128,6 +131,9 @@ class CpuExecution:
     def norm(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """``module(x)`` (RMSNorm or nn.LayerNorm) into the workspace, by row chunks."""
         out = self.workspace.take(x, *x.shape)
+        if isinstance(module, RMSNorm) and self.native is not None:
+            self.native.add_rms_norm_(x, None, module.weight, module.eps, out)
+            return out
         if isinstance(module, RMSNorm):
             # The reference's ops in its order on row chunks (x*x is what pow(2) computes).
             for rows, x32, squares in self.workspace.fp32_chunks(x):
@@ -144,10 +150,11 @@ class CpuExecution:
         return out
 
     def attention(self, attn: VisionAttention, x: torch.Tensor, inputs: CpuAttentionInputs,
-                  residual: torch.Tensor) -> torch.Tensor:
+                  residual: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+        """``residual += attn(x)``, and ``norm(residual)`` returned."""
         q, k, v = self.rotated_qkv(attn, x, inputs)
         attended = inputs.attend(q, k, v, inputs.segments, attn.scale, out=self.workspace.take(q, *q.shape))
-        return self.add_linear_(residual, attended.flatten(1), attn.proj)
+        return self.add_linear_(residual, attended.flatten(1), attn.proj, norm)
 
     def rotated_qkv(self, attn: VisionAttention, x: torch.Tensor, inputs: CpuAttentionInputs
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -158,11 +165,17 @@ class CpuExecution:
         if not packed(attn.qkv):
             qkv = self.linear_into(x, attn.qkv)
             heads = qkv.view(x.shape[0], -1, attn.head_dim)
-            self.rotate_qk_into(heads[:, qk], heads[:, qk], cos, signed)
+            if self.native is not None:
+                self.native.rope(qkv, qkv, cos, signed, qk.stop, attn.head_dim)
+            else:
+                self.rotate_qk_into(heads[:, qk], heads[:, qk], cos, signed)
             return attn.split_heads(qkv)
         qkv = self.workspace.take(x, x.shape[0], attn.qkv.out_features)
         heads = qkv.view(x.shape[0], -1, attn.head_dim)
         for rows, chunk in self.packed_chunks(x, attn.qkv):
+            if self.native is not None:
+                self.native.rope(chunk, qkv[rows], cos[rows], signed[rows], qk.stop, attn.head_dim)
+                continue
             fresh = chunk.view(chunk.shape[0], -1, attn.head_dim)
             self.rotate_qk_into(fresh[:, qk], heads[rows, qk], cos[rows], signed[rows])
             heads[rows, qk.stop:].copy_(fresh[:, qk.stop:])
@@ -203,7 +216,7 @@ class CpuExecution:
         if gated:
             hidden = self.workspace.take(x, x.shape[0], mlp.down_proj.in_features)
             gate_up = packed_linear(x, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias)
-            return gate_times_up(gate_up, mlp.act, out=hidden)
+            return self.gate_times_up(gate_up, mlp.act, out=hidden)
         fc1, activation = mlp.linear_fc1, ACTIVATIONS[mlp.act]
         if activation.epilogue is not None:
             return packed_linear(x, fc1.weight, fc1.bias, activation.epilogue)
@@ -222,14 +235,25 @@ class CpuExecution:
             return torch.mm(x, layer.weight.t(), out=out)
         return torch.addmm(layer.bias, x, layer.weight.t(), out=out)
 
-    def add_linear_(self, residual: torch.Tensor, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+    def add_linear_(self, residual: torch.Tensor, x: torch.Tensor, layer: nn.Linear, norm: nn.Module | None = None
+                    ) -> torch.Tensor:
         """``residual += layer(x)`` in place: from a packed layer's fresh chunks as they come (never copied), else
-        from one result in the workspace."""
-        if not packed(layer):
-            return residual.add_(self.linear_into(x, layer))
-        for rows, update in self.packed_chunks(x, layer):
-            residual[rows].add_(update)
-        return residual
+        from one result in the workspace. With ``norm``, ``norm(residual)`` is returned, fused into the add's pass
+        (each chunk's rows while in cache) where the native kernels run it: its output may share x's buffer, each
+        chunk's rows of x being read before those rows of the output are written."""
+        updates = self.packed_chunks(x, layer) if packed(layer) else [(slice(None), self.linear_into(x, layer))]
+        fused = self.native is not None and isinstance(norm, RMSNorm)
+        out = self.workspace.take(residual, *residual.shape) if fused else None
+        for rows, update in updates:
+            if fused:
+                self.native.add_rms_norm_(residual[rows], update, norm.weight, norm.eps, out[rows])
+            elif self.native is not None:
+                self.native.add_rms_norm_(residual[rows], update, None, 0.0, None)
+            else:
+                residual[rows].add_(update)
+        if fused:
+            return out
+        return residual if norm is None else self.norm(norm, residual)
 
     def activated(self, x: torch.Tensor, layer: nn.Linear, act: str, gated: bool = False) -> torch.Tensor:
         """``act(layer(x))``, or where ``gated`` ``act(gate) * up`` of ``layer(x) = [gate | up]``, in the workspace:
@@ -237,19 +261,22 @@ class CpuExecution:
         activation = ACTIVATIONS[act]
         if not packed(layer):
             y = self.linear_into(x, layer)
-            return gate_times_up(y, act) if gated else activation.in_place(y)
+            return self.gate_times_up(y, act) if gated else activation.in_place(y)
         hidden = self.workspace.take(x, x.shape[0], layer.out_features // (2 if gated else 1))
         for rows, y in self.packed_chunks(x, layer):
             if gated:
-                gate_times_up(y, act, out=hidden[rows])
+                self.gate_times_up(y, act, out=hidden[rows])
             else:
                 activation.into(y, hidden[rows])
         return hidden
 
 
-def gate_times_up(gate_up: torch.Tensor, act: str, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``act(gate) * up`` of ``[gate | up]`` rows: the activation in place on gate, the product into ``out`` (or in
-    place on gate)."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    gate = ACTIVATIONS[act].in_place(gate)
-    return gate.mul_(up) if out is None else torch.mul(gate, up, out=out)
+    def gate_times_up(self, gate_up: torch.Tensor, act: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``act(gate) * up`` of ``[gate | up]`` rows into ``out`` (or in place on gate): SiLU's in one native pass
+        where they run, else the activation in place on gate and the product."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        if self.native is not None and ACTIVATIONS[act] is SILU:
+            self.native.silu_mul(gate_up, gate if out is None else out)
+            return gate if out is None else out
+        gate = ACTIVATIONS[act].in_place(gate)
+        return gate.mul_(up) if out is None else torch.mul(gate, up, out=out)

@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import platform
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -30,6 +31,7 @@ import torch
 from ...errors import ConfigError, OutputLinkError
 from ...outputs.durable import file_lock, open_no_follow, replace_atomically
 from .kernels import onednn_linear_available
+from .native import NativeKernels, build
 from .plan import CpuPlan, PlanNeeds
 from .probes import PROBE_REVISION, measure, warn
 
@@ -144,7 +146,7 @@ def machine_plan(needs: PlanNeeds) -> CpuPlan:
             missing = plan.missing(needs)
             if not missing.empty():
                 start = time.perf_counter()
-                measured = measure(missing, key, plan)
+                measured = measure(missing, key, plan, native_kernels())
                 # Without the lock another process may have saved meanwhile: its entries win, so every process on
                 # the machine runs one plan (and ours, timed beside its measuring, do not replace them).
                 plan = plan.with_entries(read_plan_file(path, identity, quiet=True) or CpuPlan(key))
@@ -158,6 +160,25 @@ def machine_plan(needs: PlanNeeds) -> CpuPlan:
                          + (f"later loads read them from {path}" if unsaved is None else "for this process only"))
         PLANS[key] = plan
         return plan
+
+
+# Process-wide: the native kernels once built and loaded (a library handle, no tensor), or None where they cannot be.
+NATIVE: dict[str, NativeKernels | None] = {}
+NATIVE_LOCK = threading.Lock()
+
+
+def native_kernels() -> NativeKernels | None:
+    """This machine's ``native`` kernels, built into the cache folder's ``cpu-native`` once; None (said once) where
+    they cannot be built or loaded here."""
+    with NATIVE_LOCK:
+        if "kernels" not in NATIVE:
+            try:
+                NATIVE["kernels"] = build(plan_folder().parent / "cpu-native", machine_key(machine_identity()))
+            except (OSError, subprocess.SubprocessError) as e:
+                said = (getattr(e, "stderr", None) or b"").decode(errors="replace").strip().splitlines()
+                warn(f"cannot build the native CPU kernels ({said[-1] if said else e}): torch's ops run instead")
+                NATIVE["kernels"] = None
+        return NATIVE["kernels"]
 
 
 def save_plan(path: Path, plan: CpuPlan, identity: dict) -> None:

@@ -24,6 +24,7 @@ from .kernels import (
     pack_weight,
     packed_chunks,
 )
+from .native import NativeKernels
 from .packing import PackedLinear
 from .plan import DEFAULT_MLP_ROWS, PROBE_LENGTHS, CpuPlan, PlanNeeds, dtype_name, plan_key, timed
 from .workspace import DEFAULT_SCRATCH_ELEMENTS, Workspace
@@ -49,7 +50,7 @@ SIZE_FASTER_BY = 1.05
 # Raised whenever the probes would choose differently on the same machine (what they time, their margins): a cache
 # file of older probes is then another machine key, and its machine is measured afresh. A recorded run's plan is
 # not affected: it runs as recorded.
-PROBE_REVISION = 2
+PROBE_REVISION = 3
 
 
 def warn(message: str) -> None:
@@ -78,11 +79,14 @@ def measure_linear(in_features: int, out_features: int, dtype: torch.dtype, repe
     return "onednn" if onednn_s * ONEDNN_FASTER_BY[dtype_name(dtype)] < addmm_s else "addmm"
 
 
-def measure_block_sizes(need: tuple, plan: CpuPlan, repeats: int = 3) -> tuple[int, int]:
-    """(output bytes per packed linear call of CHUNK_CHOICES, scratch elements of SCRATCH_CHOICES) at which one of
-    the tower's blocks ran fastest here, on ``plan``'s kernels, as the backend runs it: BLOCK_PROBE_SEGMENTS frames
-    of random tokens through a block of random weights. The chunk is chosen first (on the default scratch; the
-    default where no linear runs packed), then the scratch with it (each by ``fastest``)."""
+def measure_block(need: tuple, plan: CpuPlan, native: NativeKernels | None, repeats: int = 3
+                  ) -> tuple[int, int, str]:
+    """(output bytes per packed linear call of CHUNK_CHOICES, scratch elements of SCRATCH_CHOICES, "aten" or
+    "native" elementwise steps) with which one of the tower's blocks ran fastest here, on ``plan``'s kernels, as the
+    backend runs it: BLOCK_PROBE_SEGMENTS frames of random tokens through a block of random weights. The native
+    steps are chosen first (at the default sizes, where they build, by SIZE_FASTER_BY: torch's are the reference's
+    bits), then the chunk (the default where no linear runs packed), then torch's steps' scratch (each by
+    ``fastest``)."""
     mlp, norm, dim, heads, hidden, act, dtype = need
     generator = torch.Generator().manual_seed(0)  # never the caller's random state
     with torch.device("meta"):
@@ -95,14 +99,21 @@ def measure_block_sizes(need: tuple, plan: CpuPlan, repeats: int = 3) -> tuple[i
     angles = torch.rand(rows, dim // heads, generator=generator) * 6
     segments = SegmentPlan.from_lengths(list(BLOCK_PROBE_SEGMENTS), "cpu")
 
-    def seconds(chunk: int, scratch: int) -> float:
-        run = CpuExecution(plan, Workspace.for_blocks(rows, dim, mlp, hidden, dtype, "cpu", scratch), chunk)
+    def seconds(chunk: int, scratch: int = DEFAULT_SCRATCH_ELEMENTS, kernels: str = "aten") -> float:
+        run = CpuExecution(plan, Workspace.for_blocks(rows, dim, mlp, hidden, dtype, "cpu", scratch), chunk,
+                           native=native if kernels == "native" else None)
         inputs = run.attention_inputs((angles.cos(), angles.sin()), segments)
         return best_seconds(lambda: run.block(block, x.copy_(start), inputs), repeats)
 
-    chunk = fastest({c: seconds(c, DEFAULT_SCRATCH_ELEMENTS) for c in CHUNK_CHOICES}, DEFAULT_CHUNK_BYTES) \
+    choices = {"aten": seconds(DEFAULT_CHUNK_BYTES)}
+    if native is not None:
+        choices["native"] = seconds(DEFAULT_CHUNK_BYTES, kernels="native")
+    kernels = min(choices, key=choices.get) if min(choices.values()) * SIZE_FASTER_BY < choices["aten"] else "aten"
+    chunk = fastest({c: seconds(c, kernels=kernels) for c in CHUNK_CHOICES}, DEFAULT_CHUNK_BYTES) \
         if any(isinstance(m, PackedLinear) for m in block.modules()) else DEFAULT_CHUNK_BYTES
-    return chunk, fastest({e: seconds(chunk, e) for e in SCRATCH_CHOICES}, DEFAULT_SCRATCH_ELEMENTS)
+    if kernels == "native":
+        return chunk, DEFAULT_SCRATCH_ELEMENTS, kernels
+    return chunk, fastest({e: seconds(chunk, e) for e in SCRATCH_CHOICES}, DEFAULT_SCRATCH_ELEMENTS), kernels
 
 
 def fastest(seconds: dict[int, float], default: int) -> int:
@@ -195,7 +206,8 @@ def measure_mlp(kind: str, dim: int, hidden: int, act: str, dtype: torch.dtype, 
     return True, fastest({rows: seconds(both, rows) for rows in MLP_ROW_CHOICES}, DEFAULT_MLP_ROWS)
 
 
-def measure(needs: PlanNeeds, machine: str, known: CpuPlan | None = None) -> CpuPlan:
+def measure(needs: PlanNeeds, machine: str, known: CpuPlan | None = None, native: NativeKernels | None = None
+            ) -> CpuPlan:
     """A plan of ``needs`` measured now, keeping ``known``'s choices (a process may have run with them): linears and
     attention timed alone, then each MLP whole (``measure_mlp``), then each block's sizes on the kernels chosen
     before. Without oneDNN's linear the kernels are torch's, untimed."""
@@ -232,12 +244,12 @@ def measure(needs: PlanNeeds, machine: str, known: CpuPlan | None = None) -> Cpu
                 kernels = CpuPlan(machine, linear).with_entries(known)
             mlp[plan_key("mlp", kind, dim, hidden, act, d)] = rows
         plan = CpuPlan(machine, linear, attention, mlp)
-        chunks, scratch = {}, {}
+        chunks, scratch, elementwise = {}, {}, {}
         for need in timed(needs.blocks):
             key = plan_key("blocks", *need)
             try:
-                chunks[key], scratch[key] = measure_block_sizes(need, plan.with_entries(known))
+                chunks[key], scratch[key], elementwise[key] = measure_block(need, plan.with_entries(known), native)
             except RuntimeError as e:  # a oneDNN kernel this CPU cannot run in this dtype
-                warn(f"the block {key} failed ({e}); the default chunk and scratch sizes")
-                chunks[key], scratch[key] = DEFAULT_CHUNK_BYTES, DEFAULT_SCRATCH_ELEMENTS
-    return CpuPlan(machine, plan.linear, plan.attention, plan.mlp, chunks, scratch)
+                warn(f"the block {key} failed ({e}); the default chunk and scratch sizes, torch's elementwise steps")
+                chunks[key], scratch[key], elementwise[key] = DEFAULT_CHUNK_BYTES, DEFAULT_SCRATCH_ELEMENTS, "aten"
+    return CpuPlan(machine, plan.linear, plan.attention, plan.mlp, chunks, scratch, elementwise)

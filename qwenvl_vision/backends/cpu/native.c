@@ -1,0 +1,79 @@
+/* The CPU backend's fused elementwise steps (native.py builds this on the machine at hand, -march=native).
+
+   Each step is one pass over its rows where torch's eager ops make several, computed as the reference's ops in its
+   order with the same roundings (fp32 math, rounded to the dtype where the reference rounds; no FMA contraction):
+   rope's and the residual add's results are the reference's bits, the gate's and RMSNorm's differ from torch's
+   kernels only where libmvec's expf or the sum of squares' order moves a last fp32 bit. Rows are split over
+   `threads` OpenMP threads (torch's own libgomp, already loaded). Every matrix is rows of a leading dimension. */
+#include <math.h>
+#include <stdint.h>
+
+extern float expf(float) __attribute__((simd("notinbranch")));  /* vectorized by glibc's libmvec */
+
+static inline float bf16_float(uint16_t v) { union { uint32_t u; float f; } c = {(uint32_t)v << 16}; return c.f; }
+static inline uint16_t float_bf16(float f) {  /* round to nearest even, as c10::BFloat16 */
+    union { float f; uint32_t u; } c = {f};
+    if ((c.u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    return (uint16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);
+}
+static inline float f32_float(float v) { return v; }
+static inline float float_f32(float f) { return f; }
+
+#define LANES 16  /* independent partial sums: a vectorizable sum of squares without reassociation */
+
+#define KERNELS(T, NAME, LOAD, STORE)                                                                              \
+/* x += update (if given), then out = weight * dtype(x * rsqrt(mean(x^2) + eps)) (if out is given). */             \
+void add_rms_norm_##NAME(T *x, const T *update, const T *weight, T *out, long rows, long dim, long ldx,            \
+                         long ldu, long ldo, float eps, int threads) {                                             \
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")                                              \
+    for (long r = 0; r < rows; r++) {                                                                             \
+        T *xr = x + r * ldx;                                                                                      \
+        if (update)                                                                                               \
+            for (long j = 0; j < dim; j++) xr[j] = STORE(LOAD(xr[j]) + LOAD(update[r * ldu + j]));                 \
+        if (!out) continue;                                                                                       \
+        float partial[LANES] = {0}, sum = 0;                                                                      \
+        long j = 0;                                                                                               \
+        for (; j + LANES <= dim; j += LANES)                                                                      \
+            for (int l = 0; l < LANES; l++) partial[l] += LOAD(xr[j + l]) * LOAD(xr[j + l]);                       \
+        for (int l = 0; l < LANES; l++) sum += partial[l];                                                        \
+        for (; j < dim; j++) sum += LOAD(xr[j]) * LOAD(xr[j]);                                                    \
+        float scale = 1.0f / sqrtf(sum / (float)dim + eps);                                                       \
+        for (j = 0; j < dim; j++) out[r * ldo + j] = STORE(LOAD(weight[j]) * LOAD(STORE(LOAD(xr[j]) * scale)));   \
+    }                                                                                                             \
+}                                                                                                                 \
+                                                                                                                  \
+/* `heads` heads of head_dim per row rotated, out = dtype(x * cos + rotate_half(x) * sin) with rotate_half's signs  \
+   in signed_sin (fp32, rows x head_dim); then `tail` elements copied. out may be x (each head read whole first). */ \
+void rope_##NAME(const T *x, T *out, const float *cos, const float *signed_sin, long rows, long heads,            \
+                 long head_dim, long tail, long ldx, long ldo, int threads) {                                     \
+    long half = head_dim / 2;                                                                                     \
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")                                              \
+    for (long r = 0; r < rows; r++) {                                                                             \
+        const float *c = cos + r * head_dim, *s = signed_sin + r * head_dim;                                      \
+        float rotated[head_dim];                                                                                    \
+        for (long h = 0; h < heads; h++) {                                                                        \
+            const T *xh = x + r * ldx + h * head_dim;                                                             \
+            for (long d = 0; d < half; d++) rotated[d] = LOAD(xh[d]) * c[d] + LOAD(xh[d + half]) * s[d];           \
+            for (long d = half; d < head_dim; d++) rotated[d] = LOAD(xh[d]) * c[d] + LOAD(xh[d - half]) * s[d];    \
+            for (long d = 0; d < head_dim; d++) out[r * ldo + h * head_dim + d] = STORE(rotated[d]);               \
+        }                                                                                                         \
+        if (out != x)                                                                                             \
+            for (long j = heads * head_dim; j < heads * head_dim + tail; j++) out[r * ldo + j] = x[r * ldx + j];  \
+    }                                                                                                             \
+}                                                                                                                 \
+                                                                                                                  \
+/* out = dtype(dtype(silu(gate)) * up) of rows [gate | up], each `width` wide. */                                 \
+void silu_mul_##NAME(const T *gate_up, T *out, long rows, long width, long ldg, long ldo, int threads) {           \
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")                                              \
+    for (long r = 0; r < rows; r++) {                                                                             \
+        const T *g = gate_up + r * ldg, *u = g + width;                                                           \
+        _Pragma("omp simd")                                                                                       \
+        for (long j = 0; j < width; j++) {                                                                        \
+            float v = LOAD(g[j]);                                                                                 \
+            out[r * ldo + j] = STORE(LOAD(STORE(v / (1.0f + expf(-v)))) * LOAD(u[j]));                             \
+        }                                                                                                         \
+    }                                                                                                             \
+}
+
+KERNELS(uint16_t, bf16, bf16_float, float_bf16)
+KERNELS(float, f32, f32_float, float_f32)

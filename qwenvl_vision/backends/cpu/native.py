@@ -1,0 +1,91 @@
+"""The fused elementwise steps of ``native.c``: built once per machine by the C compiler at hand, called by ctypes.
+
+Why C: torch's CPU kernels have no fused add + RMSNorm, rope or gate that keep the reference's roundings (its fused
+``rms_norm`` is neither the reference's bits nor faster), so each step is several passes over its rows; inductor's
+regions fuse them at a third to a half of these kernels' speed and compile for seconds in every process, and a
+``cpp_extension`` compiles torch's headers for a minute. These need only what inductor needs, a C compiler (``$CC``,
+else ``cc``) with OpenMP and glibc's libmvec; where none builds them, ``build`` says so once and the plan runs
+torch's ops. The library is compiled for this CPU (``-march=native``) into a file named by the machine, the source
+and the compiler, written whole (a temporary renamed), so processes of one machine share it and another CPU
+sharing the cache folder builds its own.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("native.c")
+# No FMA contraction (the reference rounds each product), errno-free math (vectorized sqrt and expf), AVX-512's
+# full width where the CPU has it (GCC stops at 256 bits by default).
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC")
+X86_FLAGS = ("-mprefer-vector-width=512",)
+NAMES = {torch.bfloat16: "bf16", torch.float32: "f32"}
+
+
+class NativeKernels:
+    """The library's steps on torch tensors whose rows are contiguous (any row stride), in bf16 or fp32, on
+    ``torch.get_num_threads()`` threads."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        pointer, long, = ctypes.c_void_p, ctypes.c_long
+        signatures = {"add_rms_norm": [pointer] * 4 + [long] * 5 + [ctypes.c_float, ctypes.c_int],
+                      "rope": [pointer] * 4 + [long] * 6 + [ctypes.c_int],
+                      "silu_mul": [pointer] * 2 + [long] * 4 + [ctypes.c_int]}
+        self.functions = {}
+        for name, argtypes in signatures.items():
+            for dtype, suffix in NAMES.items():
+                function = getattr(library, f"{name}_{suffix}")
+                function.argtypes, function.restype = argtypes, None
+                self.functions[name, dtype] = function
+
+    def add_rms_norm_(self, x: torch.Tensor, update: torch.Tensor | None, weight: torch.Tensor | None,
+                      eps: float, out: torch.Tensor | None) -> None:
+        """``x += update`` in place (if given), then ``out = RMSNorm(x)`` with ``weight`` (if ``out`` is given)."""
+        self.functions["add_rms_norm", x.dtype](
+            x.data_ptr(), address(update), address(weight), address(out), x.shape[0], x.shape[1], x.stride(0),
+            0 if update is None else update.stride(0), 0 if out is None else out.stride(0), eps,
+            torch.get_num_threads())
+
+    def rope(self, x: torch.Tensor, out: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, heads: int,
+             head_dim: int) -> None:
+        """The first ``heads`` heads of x's rows rotated into out's (out may be x), the rest of each row copied."""
+        self.functions["rope", x.dtype](
+            x.data_ptr(), out.data_ptr(), cos.data_ptr(), signed_sin.data_ptr(), x.shape[0], heads, head_dim,
+            0 if out.data_ptr() == x.data_ptr() else x.shape[1] - heads * head_dim, x.stride(0), out.stride(0),
+            torch.get_num_threads())
+
+    def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor) -> None:
+        """``out = silu(gate) * up`` of rows ``[gate | up]``."""
+        self.functions["silu_mul", out.dtype](gate_up.data_ptr(), out.data_ptr(), out.shape[0], out.shape[1],
+                                             gate_up.stride(0), out.stride(0), torch.get_num_threads())
+
+
+def address(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
+
+
+def build(folder: Path, machine: str) -> NativeKernels:
+    """The kernels compiled for ``machine`` (a key of this CPU) in ``folder``, built now unless they are there.
+    Raises OSError or ``subprocess.SubprocessError`` where they cannot be built or loaded here."""
+    compiler = os.environ.get("CC") or "cc"
+    flags = (*FLAGS, *(X86_FLAGS if platform.machine().lower() in ("x86_64", "amd64") else ()))
+    version = subprocess.run([compiler, "--version"], capture_output=True, check=True, timeout=60).stdout
+    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(flags).encode(), version, machine.encode()]))
+    path = folder / f"{key.hexdigest()[:16]}.so"
+    if not path.is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp")
+        try:
+            subprocess.run([compiler, *flags, str(SOURCE), "-o", str(tmp), "-lmvec", "-lm"], capture_output=True,
+                           check=True, timeout=300)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+    return NativeKernels(ctypes.CDLL(str(path)))

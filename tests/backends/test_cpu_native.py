@@ -1,0 +1,122 @@
+"""The native elementwise kernels (``backends/cpu/native.c``) against transformers' ops, towers on them against
+transformers' towers, and the plan's choice of them where they cannot be built."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from transformers.activations import ACT2FN
+from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLRMSNorm, apply_rotary_pos_emb_vision
+
+from qwenvl_vision import ConfigError
+from qwenvl_vision.backends.cpu import machine
+from qwenvl_vision.backends.cpu.backend import CpuBackend
+from qwenvl_vision.backends.cpu.forward import signed_sin
+from qwenvl_vision.model.layers import rope_cos_sin
+from tests.helpers import (
+    FAMILY_SMALL,
+    assert_matches_reference,
+    forced_plan,
+    grids_for,
+    hf_forward,
+    hf_tower,
+    inputs,
+    ours_from,
+)
+
+DTYPES = [torch.float32, torch.bfloat16]
+ROWS = 301  # rows split unevenly over the threads
+
+
+def native():
+    kernels = machine.native_kernels()
+    if kernels is None:
+        pytest.skip("no C compiler builds the native CPU kernels here (the warning says why)")
+    return kernels
+
+
+def strided(rows: int, width: int, dtype: torch.dtype, scale: float = 1.0, seed: int = 0) -> torch.Tensor:
+    """rows x width random values, rows of a wider buffer (a workspace's rows)."""
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randn(rows, width + 7, generator=generator) * scale).to(dtype)[:, 3:3 + width]
+
+
+def assert_within_a_rounding(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Within a few fp32 ulps (a sum's order, a vector expf's last bits); in bf16 those rarely survive the rounding:
+    one bf16 ulp at most, in under 1% of the elements."""
+    rtol = {torch.float32: 4e-7, torch.bfloat16: 2**-7}[want.dtype]
+    torch.testing.assert_close(got, want, rtol=rtol, atol=1e-30)
+    assert want.dtype == torch.float32 or (got != want).float().mean() < 0.01
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_residual_add_is_bitwise_torch_s_and_the_rms_norm_is_transformers_within_a_rounding(dtype):
+    kernels, dim = native(), 200
+    x, update, out = strided(ROWS, dim, dtype, 3), strided(ROWS, dim, dtype, 3, 1), strided(ROWS, dim, dtype)
+    norm = Qwen2_5_VLRMSNorm(dim).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(dim) * 2)
+        expected_x = x + update
+        kernels.add_rms_norm_(x, update, norm.weight, norm.variance_epsilon, out)
+        assert torch.equal(x, expected_x)
+        assert_within_a_rounding(out, norm(expected_x))
+        kernels.add_rms_norm_(x, update, None, 0.0, None)  # the add alone
+        assert torch.equal(x, expected_x + update)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("in_place", [True, False])
+def test_rope_on_q_and_k_is_bitwise_transformers_and_v_is_copied(dtype, in_place):
+    kernels, heads, head_dim = native(), 3, 80
+    qkv = strided(ROWS, 3 * heads * head_dim, dtype, 4)
+    cos, sin = rope_cos_sin(torch.randint(0, 90, (ROWS, 2), generator=torch.Generator().manual_seed(0)), head_dim)
+    split = qkv.reshape(ROWS, 3, heads, head_dim)
+    expected_q, expected_k = apply_rotary_pos_emb_vision(split[:, 0], split[:, 1], cos, sin)
+    v = split[:, 2].clone()
+    out = qkv if in_place else torch.full_like(strided(ROWS, qkv.shape[1], dtype), float("nan"))
+    kernels.rope(qkv, out, cos.contiguous(), signed_sin(sin), 2 * heads, head_dim)
+    rotated = out.reshape(ROWS, 3, heads, head_dim)
+    assert torch.equal(rotated[:, 0], expected_q.to(dtype)) and torch.equal(rotated[:, 1], expected_k.to(dtype))
+    assert torch.equal(rotated[:, 2], v)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_gate_times_up_is_transformers_within_a_rounding(dtype):
+    kernels, width = native(), 300
+    gate_up, out = strided(ROWS, 2 * width, dtype, 4), strided(ROWS, width, dtype)
+    kernels.silu_mul(gate_up, out)
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert_within_a_rounding(out, ACT2FN["silu"](gate) * up)
+
+
+@pytest.mark.parametrize("family", list(FAMILY_SMALL))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("linear", ["addmm", "onednn"])
+def test_towers_on_the_native_kernels_match_transformers_per_item(family, dtype, linear):
+    """Packed linears' rows handed to rope and to the add + norm in chunks of a few dozen rows, MLPs by row
+    blocks: every pack crosses many of them."""
+    cfg = FAMILY_SMALL[family]
+    ref = hf_tower(cfg, seed=0)
+    ours = ours_from(ref, cfg).to(dtype)
+    CpuBackend(forced_plan(ours, linear, mlp_rows=24, chunk_bytes=16 << 10, elementwise="native")).attach(ours)
+    pixel_values, grid_thw = inputs(cfg, grids_for(cfg))
+    with torch.no_grad():
+        got = ours(pixel_values.to(dtype), grid_thw)
+        expected = hf_forward(ref, pixel_values, grid_thw)
+    assert_matches_reference(got, expected, grid_thw, 1e-5 if dtype == torch.float32 else 3e-2)
+
+
+def test_without_a_compiler_torch_s_ops_run_after_one_warning_and_a_native_plan_is_refused(monkeypatch):
+    monkeypatch.setenv("CC", "false")  # a compiler that fails: as one that is missing or cannot link
+    monkeypatch.setattr(machine, "NATIVE", {})
+    with pytest.warns(RuntimeWarning, match="native CPU kernels"):
+        assert machine.native_kernels() is None
+    assert machine.native_kernels() is None  # said once
+    cfg = FAMILY_SMALL["qwen2_5_vl"]
+    ours = ours_from(hf_tower(cfg, seed=0), cfg)
+    plan = forced_plan(ours, "addmm")
+    CpuBackend(dataclasses.replace(plan, elementwise=dict.fromkeys(plan.elementwise, "native"))).attach(ours)
+    with pytest.raises(ConfigError, match="native"), torch.no_grad():
+        ours(*inputs(cfg, grids_for(cfg)))
