@@ -8,7 +8,9 @@ attention per segment length on the plan's path. It runs only in inference (no a
 CUDA): ``backend.CpuBackend`` picks it once per call.
 
 Numbers against the reference's ops: the workspace, the chunked norms and the chunked rope, and a linear on addmm,
-are the reference's operations in its order (the same bits); oneDNN's kernels round as ``kernels`` says. A
+are the reference's operations in its order (the same bits); oneDNN's kernels round as ``kernels`` says; where the
+plan chose the fused ``native`` kernels, rope and the residual add keep the reference's bits, RMSNorm and the SiLU
+gate may move a last fp32 bit (``native.c``). A
 transcendental activation on row chunks may differ in the last bit of a few fp32 elements from one call over all
 rows (where a thread's share of a call ends mid-row its tail takes the scalar kernel); an item's chunks are the
 same wherever it is, since on the CPU each item runs as its own forward."""
@@ -99,7 +101,7 @@ class CpuExecution:
     # ------------------------------------------------------------------ what the tower calls (execution.Execution)
 
     def attention_inputs(self, rope: tuple[torch.Tensor, torch.Tensor], segments: SegmentPlan) -> AttentionInputs:
-        return CpuAttentionInputs((rope[0].contiguous(), rope[1]), segments, self.attend, signed_sin(rope[1]))
+        return CpuAttentionInputs(rope, segments, self.attend, signed_sin(rope[1]))
 
     def block(self, block: nn.Module, x: torch.Tensor, inputs: CpuAttentionInputs) -> torch.Tensor:
         normed = self.attention(block.attn, self.norm(block.norm1, x), inputs, residual=x, norm=block.norm2)
@@ -129,7 +131,7 @@ class CpuExecution:
     # ------------------------------------------------------------------ modules
 
     def norm(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """``module(x)`` (RMSNorm or nn.LayerNorm) into the workspace, by row chunks."""
+        """``module(x)`` (RMSNorm or nn.LayerNorm) into the workspace: by row chunks, or in one native pass."""
         out = self.workspace.take(x, *x.shape)
         if isinstance(module, RMSNorm) and self.native is not None:
             self.native.add_rms_norm_(x, None, module.weight, module.eps, out)
@@ -244,13 +246,12 @@ class CpuExecution:
         updates = self.packed_chunks(x, layer) if packed(layer) else [(slice(None), self.linear_into(x, layer))]
         fused = self.native is not None and isinstance(norm, RMSNorm)
         out = self.workspace.take(residual, *residual.shape) if fused else None
+        weight, eps = (norm.weight, norm.eps) if fused else (None, 0.0)
         for rows, update in updates:
-            if fused:
-                self.native.add_rms_norm_(residual[rows], update, norm.weight, norm.eps, out[rows])
-            elif self.native is not None:
-                self.native.add_rms_norm_(residual[rows], update, None, 0.0, None)
-            else:
+            if self.native is None:
                 residual[rows].add_(update)
+            else:
+                self.native.add_rms_norm_(residual[rows], update, weight, eps, None if out is None else out[rows])
         if fused:
             return out
         return residual if norm is None else self.norm(norm, residual)
@@ -269,7 +270,6 @@ class CpuExecution:
             else:
                 activation.into(y, hidden[rows])
         return hidden
-
 
     def gate_times_up(self, gate_up: torch.Tensor, act: str, out: torch.Tensor | None = None) -> torch.Tensor:
         """``act(gate) * up`` of ``[gate | up]`` rows into ``out`` (or in place on gate): SiLU's in one native pass

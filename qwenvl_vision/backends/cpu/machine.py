@@ -42,8 +42,14 @@ LOG = logging.getLogger(__name__)  # the command line shows its INFO lines; a li
 
 
 def machine_identity() -> dict:
-    """What a plan's measurements depend on: the CPU (model name and ISA flags), torch, its threads, oneDNN, and
-    the probes' revision."""
+    """What a plan's measurements depend on: the CPU, torch, its threads, oneDNN, whether the native kernels build
+    here, and the probes' revision."""
+    return {**cpu_identity(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "onednn": onednn_linear_available(), "native": native_kernels() is not None, "probes": PROBE_REVISION}
+
+
+def cpu_identity() -> dict:
+    """The CPU: its model name, architecture and ISA flags."""
     name, flags = "", ""
     with contextlib.suppress(OSError):
         with open("/proc/cpuinfo") as f:  # the first processor's lines describe the CPU: later ones repeat them
@@ -55,8 +61,7 @@ def machine_identity() -> dict:
                 elif key in ("flags", "Features") and not flags:
                     flags = " ".join(sorted(value.split()))
     return {"cpu": name or platform.processor() or platform.machine(), "arch": platform.machine(),
-            "isa_sha256": hashlib.sha256(flags.encode()).hexdigest()[:16], "torch": torch.__version__,
-            "threads": torch.get_num_threads(), "onednn": onednn_linear_available(), "probes": PROBE_REVISION}
+            "isa_sha256": hashlib.sha256(flags.encode()).hexdigest()[:16]}
 
 
 def machine_key(identity: dict) -> str:
@@ -168,16 +173,18 @@ NATIVE_LOCK = threading.Lock()
 
 
 def native_kernels() -> NativeKernels | None:
-    """This machine's ``native`` kernels, built into the cache folder's ``cpu-native`` once; None (said once) where
-    they cannot be built or loaded here."""
+    """This CPU's ``native`` kernels, built into the cache folder's ``cpu-native`` once; None (said once) where they
+    cannot be built or loaded here."""
     with NATIVE_LOCK:
-        if "kernels" not in NATIVE:
-            try:
-                NATIVE["kernels"] = build(plan_folder().parent / "cpu-native", machine_key(machine_identity()))
-            except (OSError, subprocess.SubprocessError) as e:
-                said = (getattr(e, "stderr", None) or b"").decode(errors="replace").strip().splitlines()
-                warn(f"cannot build the native CPU kernels ({said[-1] if said else e}): torch's ops run instead")
-                NATIVE["kernels"] = None
+        if "kernels" in NATIVE:
+            return NATIVE["kernels"]
+        NATIVE["kernels"] = None  # before the warning: one made an error is not retried
+        try:
+            NATIVE["kernels"] = build(plan_folder().parent / "cpu-native", machine_key(cpu_identity()))
+        except (OSError, ValueError, AttributeError, subprocess.SubprocessError) as e:
+            said = (getattr(e, "stderr", None) or b"").decode(errors="replace").splitlines()
+            cause = next((line for line in said if "error" in line), said[-1] if said else e)
+            warn(f"cannot build the native CPU kernels ({cause}): torch's ops run instead")
         return NATIVE["kernels"]
 
 

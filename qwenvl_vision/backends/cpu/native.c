@@ -4,7 +4,8 @@
    order with the same roundings (fp32 math, rounded to the dtype where the reference rounds; no FMA contraction):
    rope's and the residual add's results are the reference's bits, the gate's and RMSNorm's differ from torch's
    kernels only where libmvec's expf or the sum of squares' order moves a last fp32 bit. Rows are split over
-   `threads` OpenMP threads (torch's own libgomp, already loaded). Every matrix is rows of a leading dimension. */
+   `threads` OpenMP threads (the libgomp.so.1 torch loaded, where its build ships that one). Every matrix is rows of
+   a leading dimension. */
 #include <math.h>
 #include <stdint.h>
 

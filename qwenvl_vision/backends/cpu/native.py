@@ -1,13 +1,11 @@
-"""The fused elementwise steps of ``native.c``: built once per machine by the C compiler at hand, called by ctypes.
+"""The fused elementwise steps of ``native.c``, compiled for this CPU by the C compiler at hand, called by ctypes.
 
-Why C: torch's CPU kernels have no fused add + RMSNorm, rope or gate that keep the reference's roundings (its fused
-``rms_norm`` is neither the reference's bits nor faster), so each step is several passes over its rows; inductor's
-regions fuse them at a third to a half of these kernels' speed and compile for seconds in every process, and a
-``cpp_extension`` compiles torch's headers for a minute. These need only what inductor needs, a C compiler (``$CC``,
-else ``cc``) with OpenMP and glibc's libmvec; where none builds them, ``build`` says so once and the plan runs
-torch's ops. The library is compiled for this CPU (``-march=native``) into a file named by the machine, the source
-and the compiler, written whole (a temporary renamed), so processes of one machine share it and another CPU
-sharing the cache folder builds its own.
+Why C: torch has no CPU kernels for add + RMSNorm, rope or the gate in one pass at the reference's roundings (its
+fused ``rms_norm`` is neither those bits nor faster); inductor's regions fuse them at a third to a half of these
+kernels' speed after seconds of compiling per process, and a ``cpp_extension`` compiles torch's headers for a minute.
+These need a C compiler as inductor does (``$CC``, else ``cc``; GCC's OpenMP and ``simd`` declarations), and glibc's
+libmvec. The library is named by the CPU, the source and the compiler, and written whole (a temporary renamed):
+processes on one CPU share it, another CPU sharing the cache folder builds its own.
 """
 
 from __future__ import annotations
@@ -16,7 +14,9 @@ import ctypes
 import hashlib
 import os
 import platform
+import shlex
 import subprocess
+import tempfile
 from pathlib import Path
 
 import torch
@@ -38,20 +38,17 @@ class NativeKernels:
         signatures = {"add_rms_norm": [pointer] * 4 + [long] * 5 + [ctypes.c_float, ctypes.c_int],
                       "rope": [pointer] * 4 + [long] * 6 + [ctypes.c_int],
                       "silu_mul": [pointer] * 2 + [long] * 4 + [ctypes.c_int]}
-        self.functions = {}
-        for name, argtypes in signatures.items():
-            for dtype, suffix in NAMES.items():
-                function = getattr(library, f"{name}_{suffix}")
-                function.argtypes, function.restype = argtypes, None
-                self.functions[name, dtype] = function
+        self.functions = {(name, dtype): getattr(library, f"{name}_{suffix}") for name in signatures
+                          for dtype, suffix in NAMES.items()}
+        for (name, _), function in self.functions.items():
+            function.argtypes, function.restype = signatures[name], None
 
     def add_rms_norm_(self, x: torch.Tensor, update: torch.Tensor | None, weight: torch.Tensor | None,
                       eps: float, out: torch.Tensor | None) -> None:
         """``x += update`` in place (if given), then ``out = RMSNorm(x)`` with ``weight`` (if ``out`` is given)."""
         self.functions["add_rms_norm", x.dtype](
-            x.data_ptr(), address(update), address(weight), address(out), x.shape[0], x.shape[1], x.stride(0),
-            0 if update is None else update.stride(0), 0 if out is None else out.stride(0), eps,
-            torch.get_num_threads())
+            x.data_ptr(), *(None if t is None else t.data_ptr() for t in (update, weight, out)), *x.shape, x.stride(0),
+            *(0 if t is None else t.stride(0) for t in (update, out)), eps, torch.get_num_threads())
 
     def rope(self, x: torch.Tensor, out: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, heads: int,
              head_dim: int) -> None:
@@ -67,23 +64,21 @@ class NativeKernels:
                                              gate_up.stride(0), out.stride(0), torch.get_num_threads())
 
 
-def address(tensor: torch.Tensor | None) -> int | None:
-    return None if tensor is None else tensor.data_ptr()
-
-
 def build(folder: Path, machine: str) -> NativeKernels:
     """The kernels compiled for ``machine`` (a key of this CPU) in ``folder``, built now unless they are there.
     Raises OSError or ``subprocess.SubprocessError`` where they cannot be built or loaded here."""
-    compiler = os.environ.get("CC") or "cc"
+    compiler = shlex.split(os.environ.get("CC") or "cc")
     flags = (*FLAGS, *(X86_FLAGS if platform.machine().lower() in ("x86_64", "amd64") else ()))
-    version = subprocess.run([compiler, "--version"], capture_output=True, check=True, timeout=60).stdout
+    version = subprocess.run([*compiler, "--version"], capture_output=True, check=True, timeout=60).stdout
     key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(flags).encode(), version, machine.encode()]))
     path = folder / f"{key.hexdigest()[:16]}.so"
     if not path.is_file():
         folder.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp")
+        handle, name = tempfile.mkstemp(suffix=".tmp", dir=folder)
+        os.close(handle)
+        tmp = Path(name)
         try:
-            subprocess.run([compiler, *flags, str(SOURCE), "-o", str(tmp), "-lmvec", "-lm"], capture_output=True,
+            subprocess.run([*compiler, *flags, str(SOURCE), "-o", str(tmp), "-lmvec", "-lm"], capture_output=True,
                            check=True, timeout=300)
             os.replace(tmp, path)
         finally:

@@ -105,10 +105,8 @@ def measure_block(need: tuple, plan: CpuPlan, native: NativeKernels | None, repe
         inputs = run.attention_inputs((angles.cos(), angles.sin()), segments)
         return best_seconds(lambda: run.block(block, x.copy_(start), inputs), repeats)
 
-    choices = {"aten": seconds(DEFAULT_CHUNK_BYTES)}
-    if native is not None:
-        choices["native"] = seconds(DEFAULT_CHUNK_BYTES, kernels="native")
-    kernels = min(choices, key=choices.get) if min(choices.values()) * SIZE_FASTER_BY < choices["aten"] else "aten"
+    kernels = "aten" if native is None else fastest(
+        {name: seconds(DEFAULT_CHUNK_BYTES, kernels=name) for name in ("aten", "native")}, "aten")
     chunk = fastest({c: seconds(c, kernels=kernels) for c in CHUNK_CHOICES}, DEFAULT_CHUNK_BYTES) \
         if any(isinstance(m, PackedLinear) for m in block.modules()) else DEFAULT_CHUNK_BYTES
     if kernels == "native":
@@ -116,7 +114,7 @@ def measure_block(need: tuple, plan: CpuPlan, native: NativeKernels | None, repe
     return chunk, fastest({e: seconds(chunk, e) for e in SCRATCH_CHOICES}, DEFAULT_SCRATCH_ELEMENTS), kernels
 
 
-def fastest(seconds: dict[int, float], default: int) -> int:
+def fastest(seconds: dict, default):
     """The fastest choice, or ``default`` unless that one is SIZE_FASTER_BY faster."""
     best = min(seconds, key=seconds.get)
     return best if seconds[best] * SIZE_FASTER_BY < seconds.get(default, float("inf")) else default
