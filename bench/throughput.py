@@ -146,10 +146,10 @@ def build_variants(cfg: VisionConfig, device: torch.device, dtype: torch.dtype, 
         if one_forward_variant:  # the pack as one forward, as on CUDA: what running each item alone costs
             one = built["ours-one-forward"] = Variant(run_ours, ours())
             OneForwardCpuBackend(plan).attach(one.model)
-        if default_sizes_variant:  # the plan's kernels with the default chunk and scratch sizes, not the measured
+        if default_sizes_variant:  # the plan's kernels with the default chunk size, not the measured
             sized = built["ours-default-sizes"] = Variant(run_ours, ours())
-            CpuBackend(dataclasses.replace(plan, linear_chunk={}, scratch={})).attach(sized.model)
-        if torch_elementwise_variant:  # the plan with torch's elementwise ops where it chose the native kernels
+            CpuBackend(dataclasses.replace(plan, linear_chunk={})).attach(sized.model)
+        if torch_elementwise_variant:  # the plan with the modules' elementwise ops where it chose the native kernels
             aten = built["ours-torch-elementwise"] = Variant(run_ours, ours())
             CpuBackend(dataclasses.replace(plan, elementwise={})).attach(aten.model)
     if compile_options is not None:
@@ -393,11 +393,11 @@ def main(argv: list[str] | None = None) -> dict:
                         help="CPU: also time ours with the pack as one forward (as on CUDA) instead of one forward "
                              "per item (which makes an item's bits independent of its neighbours)")
     parser.add_argument("--default-sizes", action="store_true",
-                        help="CPU: also time ours on this machine's plan with the default chunk and scratch sizes "
+                        help="CPU: also time ours on this machine's plan with the default chunk size "
                              "instead of the measured ones (what measuring them gains)")
     parser.add_argument("--torch-elementwise", action="store_true",
-                        help="CPU: also time ours on this machine's plan with torch's elementwise ops instead of "
-                             "the native kernels where it chose them (what the fused steps gain)")
+                        help="CPU: also time ours on this machine's plan with the modules' elementwise ops instead "
+                             "of the native kernels where it chose them (what the fused steps gain)")
     parser.add_argument("--json", help="write the numbers here")
     args = parser.parse_args(argv)
     if args.compile and args.warmup < 1:

@@ -24,8 +24,7 @@ from qwenvl_vision.backends.cpu import plan as plan_module
 from qwenvl_vision.backends.cpu.kernels import DEFAULT_CHUNK_BYTES, onednn_linear_available
 from qwenvl_vision.backends.cpu.machine import machine_identity, machine_key, machine_plan
 from qwenvl_vision.backends.cpu.plan import DEFAULT_MLP_ROWS, PROBE_LENGTHS, CpuPlan, PlanNeeds, plan_key
-from qwenvl_vision.backends.cpu.probes import CHUNK_CHOICES, MLP_ROW_CHOICES, SCRATCH_CHOICES
-from qwenvl_vision.backends.cpu.workspace import DEFAULT_SCRATCH_ELEMENTS
+from qwenvl_vision.backends.cpu.probes import CHUNK_CHOICES, MLP_ROW_CHOICES
 from tests.helpers import QWEN2_5_SMALL, grids_for, inputs, skip_unless_onednn_runs
 
 needs_onednn = pytest.mark.skipif(not onednn_linear_available(), reason="this torch has no oneDNN linear")
@@ -157,11 +156,11 @@ def test_a_plan_round_trips_as_a_dict_and_gives_its_entries_or_the_defaults():
     other = ("gated", "rms", 64, 4, 96, "silu", torch.bfloat16)
     plan = CpuPlan("abc", {"64x96:float32": "addmm"}, {plan_key("attention", torch.bfloat16, 2, 16, 512): "gemm"},
                    linear_chunk={"gated:rms:64x2:96:silu:bfloat16": 1 << 20},
-                   scratch={"gated:rms:64x2:96:silu:bfloat16": 1 << 17})
+                   elementwise={"gated:rms:64x2:96:silu:bfloat16": "native"})
     assert CpuPlan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
-    assert plan.chunk_bytes(block) == 1 << 20 and plan.scratch_elements(block) == 1 << 17
+    assert plan.chunk_bytes(block) == 1 << 20 and plan.elementwise_kernels(block) == "native"
     assert plan.chunk_bytes(other) == DEFAULT_CHUNK_BYTES  # no entry: the default
-    assert plan.scratch_elements(other) == DEFAULT_SCRATCH_ELEMENTS
+    assert plan.elementwise_kernels(other) == "aten"
     assert plan.attention_path(torch.bfloat16, 2, 16, 600) == "gemm"  # nearest probe: 512
     assert plan.attention_path(torch.bfloat16, 2, 16, 64) == "sdpa"  # no entry: torch's own
     assert plan.attention_path(torch.bfloat16, 2, 16, 100_000) == "sdpa"  # beyond the GEMM path's memory bound
@@ -240,15 +239,19 @@ def test_an_mlp_is_timed_as_chosen_then_packed_then_per_block_rows(monkeypatch, 
 
 
 @pytest.mark.parametrize("kernel", ["onednn", "addmm"])
-def test_a_block_s_chunk_and_scratch_are_measured_on_the_plan_s_kernels_and_only_what_a_file_lacks(
-        fresh, monkeypatch, kernel):
-    """A tower's block shape gets its packed linears' output per call (where any runs packed; else the default) and
-    its scratch, each of the search space, timed on a block running the plan's kernels; a stored plan that lacks
-    them (measured for the same kernels when no tower of this block shape had asked) has them measured alone, its
-    kernels kept. (Torch's elementwise steps here: the scratch is theirs.)"""
+@pytest.mark.parametrize("native", [True, False])
+def test_a_block_s_elementwise_steps_and_chunk_are_measured_on_the_plan_s_kernels_and_only_what_a_file_lacks(
+        fresh, monkeypatch, kernel, native):
+    """A tower's block shape gets its elementwise steps (the modules' ops or the native kernels, where these build)
+    and its packed linears' output per call (where any runs packed; else the default), each of the search space,
+    timed on a block running the plan's kernels; a stored plan that lacks them (measured for the same kernels when
+    no tower of this block shape had asked) has them measured alone, its kernels kept."""
     if kernel == "onednn" and not onednn_linear_available():
         pytest.skip("this torch has no oneDNN linear")
-    monkeypatch.setattr(machine, "native_kernels", lambda: None)
+    if native and machine.native_kernels() is None:
+        pytest.skip("no C compiler builds the native CPU kernels here (the warning says why)")
+    if not native:
+        monkeypatch.setattr(machine, "native_kernels", lambda: None)
     folder, calls = fresh
     block = ("plain", "layer", 64, 2, 96, "gelu_pytorch_tanh", torch.float32)
     needs = PlanNeeds(frozenset({(64, 192, torch.float32), (64, 64, torch.float32), (64, 96, torch.float32),
@@ -269,14 +272,14 @@ def test_a_block_s_chunk_and_scratch_are_measured_on_the_plan_s_kernels_and_only
         full = machine_plan(needs)
     key = "plain:layer:64x2:96:gelu_pytorch_tanh:float32"
     assert timed == [(block, dict.fromkeys(full.linear, kernel))]  # timed on the kernels chosen before
-    # both searches ran where a linear runs packed; the scratch alone where none does (no chunks to size)
-    assert searched == ([CHUNK_CHOICES] if kernel == "onednn" else []) + [SCRATCH_CHOICES]
-    assert set(full.linear_chunk) == set(full.scratch) == {key}
-    assert full.scratch_elements(block) in SCRATCH_CHOICES
+    # the elementwise choice where the native kernels build; the chunk's where a linear runs packed
+    assert searched == ([("aten", "native")] if native else []) + ([CHUNK_CHOICES] if kernel == "onednn" else [])
+    assert set(full.linear_chunk) == set(full.elementwise) == {key}
+    assert full.elementwise_kernels(block) in (("aten", "native") if native else ("aten",))
     assert full.chunk_bytes(block) in (CHUNK_CHOICES if kernel == "onednn" else (DEFAULT_CHUNK_BYTES,))
     path = plan_file(folder)
     stored = json.loads(path.read_text())
-    path.write_text(json.dumps({**stored, "linear_chunk": {}, "scratch": {}}))
+    path.write_text(json.dumps({**stored, "linear_chunk": {}, "elementwise": {}}))
     forget(monkeypatch)
     for probe in ("measure_linear", "measure_attention", "measure_mlp"):
         monkeypatch.setattr(probes, probe, lambda *_, probe=probe, **__: pytest.fail(f"{probe} ran again"))
@@ -285,7 +288,7 @@ def test_a_block_s_chunk_and_scratch_are_measured_on_the_plan_s_kernels_and_only
         again = machine_plan(needs)
     assert calls[-1] == PlanNeeds(blocks=frozenset({block})) and len(timed) == 2
     assert (again.linear, again.attention, again.mlp) == (full.linear, full.attention, full.mlp)
-    assert set(json.loads(path.read_text())["scratch"]) == {key}
+    assert set(json.loads(path.read_text())["elementwise"]) == {key}
 
 
 def test_a_size_other_than_the_default_must_be_clearly_faster():
@@ -295,8 +298,8 @@ def test_a_size_other_than_the_default_must_be_clearly_faster():
 
 
 def test_without_onednn_a_plan_holds_torch_s_kernels_and_block_sizes_and_is_complete(fresh, monkeypatch):
-    """A torch without oneDNN's linear: addmm and SDPA everywhere, no chunks to size (the default chunk), the
-    scratch measured; the plan then lacks nothing, so a later load measures nothing."""
+    """A torch without oneDNN's linear: addmm and SDPA everywhere, no chunks to size (the default chunk); the plan
+    then lacks nothing, so a later load measures nothing."""
     folder, calls = fresh
     for module in (machine, probes):  # the machine's identity and what its probes time
         monkeypatch.setattr(module, "onednn_linear_available", lambda: False)
@@ -306,7 +309,7 @@ def test_without_onednn_a_plan_holds_torch_s_kernels_and_block_sizes_and_is_comp
                       frozenset({block}))
     plan = machine_plan(needs)
     assert set(plan.linear.values()) == {"addmm"} and set(plan.attention.values()) == {"sdpa"}
-    assert plan.chunk_bytes(block) == DEFAULT_CHUNK_BYTES and plan.scratch_elements(block) in SCRATCH_CHOICES
+    assert plan.chunk_bytes(block) == DEFAULT_CHUNK_BYTES and plan.elementwise_kernels(block) in ("aten", "native")
     assert plan.missing(needs).empty()
     forget(monkeypatch)
     assert machine_plan(needs) == plan and len(calls) == 1
@@ -442,14 +445,15 @@ def test_a_link_at_the_plan_file_is_neither_read_nor_written_through(fresh, tmp_
 GOOD = CpuPlan("0123456789abcdef", {"64x96:float32": "addmm"}, {"float32:2x16:512": "sdpa"},
                {"gated:64x96:silu:float32": DEFAULT_MLP_ROWS},
                {"gated:rms:64x2:96:silu:float32": DEFAULT_CHUNK_BYTES},
-               {"gated:rms:64x2:96:silu:float32": DEFAULT_SCRATCH_ELEMENTS})
+               {"gated:rms:64x2:96:silu:float32": "aten"})
 BLOCK = "gated:rms:64x2:96:silu:float32"
 
 
 @pytest.mark.parametrize(("bad", "named"), [
     ([], "format None"), ({"format": 9}, "format 9"), ({"format": 2, "linear": {}}, "format 2"),
-    ({"linear": None}, "fields"), ({"mlp": {"gated:64x96:silu:float32": 512.0}}, "mlp"), ({"scratch": {BLOCK: 0}},
-    "scratch"), ({"linear_chunk": {BLOCK: True}}, "linear_chunk"), ({"linear": {"64x96:float32": "mkl"}}, "mkl"),
+    ({"linear": None}, "fields"), ({"mlp": {"gated:64x96:silu:float32": 512.0}}, "mlp"),
+    ({"elementwise": {BLOCK: "fused"}}, "fused"), ({"linear_chunk": {BLOCK: True}}, "linear_chunk"),
+    ({"linear": {"64x96:float32": "mkl"}}, "mkl"),
     ({"attention": {"bfloat16:2x16:512": "flash"}}, "flash"), ("NO-ONEDNN", "onednn"),
 ], ids=lambda v: str(v)[:24])
 def test_a_plan_that_cannot_run_is_refused_naming_it(bad, named, monkeypatch):
@@ -468,9 +472,9 @@ def test_a_plan_that_cannot_run_is_refused_naming_it(bad, named, monkeypatch):
 
 def test_the_defaults_and_a_measured_plan_round_trip(fresh):
     """Every size the probes can choose, and a plan measured here, read back as they were."""
-    for rows, chunk, scratch in zip(MLP_ROW_CHOICES, CHUNK_CHOICES * 2, SCRATCH_CHOICES, strict=False):
+    for rows, chunk, kernels in zip(MLP_ROW_CHOICES, CHUNK_CHOICES * 2, ("aten", "native") * 3, strict=False):
         plan = CpuPlan("m", mlp={"gated:64x96:silu:float32": rows}, linear_chunk={BLOCK: chunk},
-                       scratch={BLOCK: scratch})
+                       elementwise={BLOCK: kernels})
         assert CpuPlan.from_dict(plan.to_dict()) == plan
     needs = PlanNeeds(NEEDS32.linear, NEEDS32.attention, frozenset({("gated", 64, 96, "silu", torch.float32)}),
                       frozenset({("gated", "rms", 64, 2, 96, "silu", torch.float32)}))
@@ -487,8 +491,7 @@ def test_a_plan_saved_by_another_process_while_this_one_measured_wins(fresh, mon
     def measure_while_another_saves(needs, key, *rest):
         ours = real(needs, key, *rest)
         flipped = {k: "addmm" if v == "onednn" else "onednn" for k, v in ours.linear.items()}
-        theirs["plan"] = CpuPlan(ours.machine, flipped, ours.attention, ours.mlp, ours.linear_chunk, ours.scratch,
-                                ours.elementwise)
+        theirs["plan"] = CpuPlan(ours.machine, flipped, ours.attention, ours.mlp, ours.linear_chunk, ours.elementwise)
         machine.save_plan(folder / f"{key}.json", theirs["plan"], machine_identity())
         return ours
 

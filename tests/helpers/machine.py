@@ -46,12 +46,11 @@ def skip_unless_onednn_runs(dtype: torch.dtype) -> None:
 
 
 def forced_plan(model: torch.nn.Module, linear: str = "addmm", attention: str = "sdpa",
-                mlp_rows: int = 512, chunk_bytes: int | None = None, scratch: int | None = None,
-                elementwise: str = "aten") -> CpuPlan:
+                mlp_rows: int = 512, chunk_bytes: int | None = None, elementwise: str = "aten") -> CpuPlan:
     """A CPU plan that runs every linear of ``model`` on ``linear``, every attention segment on ``attention``, every
     MLP with both linears packed ``mlp_rows`` rows at a time and, where given, every packed linear ``chunk_bytes``
-    of output per call and its norms and rope through ``scratch`` fp32 elements, its elementwise steps on
-    ``elementwise`` ("native": skipped where they cannot be built), whatever this machine would
+    of output per call, its elementwise steps on ``elementwise`` ("native": skipped where they cannot be built),
+    whatever this machine would
     measure: for tests of one kernel's numbers. A test forcing oneDNN where this CPU cannot run it in the model's dtype
     is skipped (``skip_unless_onednn_runs``)."""
     if linear == "onednn":
@@ -62,7 +61,6 @@ def forced_plan(model: torch.nn.Module, linear: str = "addmm", attention: str = 
     return CpuPlan("forced", dict.fromkeys(needs.keys("linear"), linear),
                    dict.fromkeys(needs.keys("attention"), attention), dict.fromkeys(needs.keys("mlp"), mlp_rows),
                    {} if chunk_bytes is None else dict.fromkeys(needs.keys("blocks"), chunk_bytes),
-                   {} if scratch is None else dict.fromkeys(needs.keys("blocks"), scratch),
                    dict.fromkeys(needs.keys("blocks"), elementwise))
 
 

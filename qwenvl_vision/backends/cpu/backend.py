@@ -170,8 +170,7 @@ class CpuBackend:
         cfg, (device, dtype) = tower.config, prepared.placement
         block = block_need(tower.blocks[0])
         rows = max(sum(t * h * w for t, h, w in pack) for _, pack in forwards)
-        workspace = Workspace.for_blocks(rows, cfg.hidden_size, cfg.family.mlp, cfg.intermediate_size, dtype, device,
-                                         prepared.plan.scratch_elements(block), cfg.merge_unit)
+        workspace = Workspace.for_blocks(rows, cfg.hidden_size, cfg.family.mlp, cfg.intermediate_size, dtype, device)
         elementwise = prepared.plan.elementwise_kernels(block)
         native = native_kernels() if elementwise == "native" else None
         if elementwise == "native" and native is None:

@@ -3,17 +3,16 @@
 The modules (``layers.py``) stay the math; this reads their parameters and runs the same operations with what the
 CPU rewards: activations in the call's ``Workspace`` instead of fresh tensors, each linear on the kernel the
 machine's ``CpuPlan`` chose (a packed weight's rows computed in chunks of the plan's size and handed on as they
-come), norm statistics and rope in fp32 on row chunks, MLPs by row blocks where both their linears are packed,
+come), norms with the residual add before them, rope and the SiLU gate each in one pass of the ``native`` kernels
+where the plan chose them (else the modules' own ops), MLPs by row blocks where both their linears are packed,
 attention per segment length on the plan's path. It runs only in inference (no autograd, no compile, never on
 CUDA): ``backend.CpuBackend`` picks it once per call.
 
-Numbers against the reference's ops: the workspace, the chunked norms and the chunked rope, and a linear on addmm,
-are the reference's operations in its order (the same bits); oneDNN's kernels round as ``kernels`` says; where the
-plan chose the fused ``native`` kernels, rope and the residual add keep the reference's bits, RMSNorm and the SiLU
-gate may move a last fp32 bit (``native.c``). A
-transcendental activation on row chunks may differ in the last bit of a few fp32 elements from one call over all
-rows (where a thread's share of a call ends mid-row its tail takes the scalar kernel); an item's chunks are the
-same wherever it is, since on the CPU each item runs as its own forward."""
+Numbers against the reference's ops: a linear on addmm and the modules' ops are the reference's bits; oneDNN's
+kernels round as ``kernels`` says; the native rope and residual add are the reference's bits, their norms and SiLU
+may move a last fp32 bit (``native.c``). A transcendental activation on row chunks may differ in the last bit of a
+few fp32 elements from one call over all rows (a thread's share ending mid-row takes the scalar kernel); an item's
+chunks are the same wherever it is, since on the CPU each item runs as its own forward."""
 
 from __future__ import annotations
 
@@ -26,7 +25,7 @@ from torch import nn
 
 from ...model.attention import SegmentPlan, sdpa_attention, sdpa_batched
 from ...model.execution import Grid
-from ...model.layers import AttentionInputs, GatedMLP, PatchMerger, RMSNorm, VisionAttention
+from ...model.layers import AttentionInputs, GatedMLP, PatchMerger, VisionAttention, apply_rope
 from .kernels import (
     DEFAULT_CHUNK_BYTES,
     balanced_chunks,
@@ -131,24 +130,11 @@ class CpuExecution:
     # ------------------------------------------------------------------ modules
 
     def norm(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """``module(x)`` (RMSNorm or nn.LayerNorm) into the workspace: by row chunks, or in one native pass."""
+        """``module(x)`` (RMSNorm or nn.LayerNorm): in one native pass into the workspace, else the module's ops."""
+        if self.native is None:
+            return module(x)
         out = self.workspace.take(x, *x.shape)
-        if isinstance(module, RMSNorm) and self.native is not None:
-            self.native.add_rms_norm_(x, None, module.weight, module.eps, out)
-            return out
-        if isinstance(module, RMSNorm):
-            # The reference's ops in its order on row chunks (x*x is what pow(2) computes).
-            for rows, x32, squares in self.workspace.fp32_chunks(x):
-                scale = torch.mul(x32, x32, out=squares).mean(-1, keepdim=True).add_(module.eps).rsqrt_()
-                if x.dtype == torch.float32:
-                    torch.mul(x32, scale, out=out[rows]).mul_(module.weight)
-                else:  # a mixed-dtype out= allocates an fp32 temporary: scale in the scratch, then round
-                    out[rows].copy_(x32.mul_(scale)).mul_(module.weight)
-            return out
-        # aten has no true out= layer norm: each chunk's fresh result stays small and in cache (per-row statistics:
-        # chunks change no bit).
-        for rows in self.workspace.row_chunks(x.shape[0], x.shape[1]):
-            out[rows].copy_(F.layer_norm(x[rows], module.normalized_shape, module.weight, module.bias, module.eps))
+        self.native.add_norm_(x, None, module, out)
         return out
 
     def attention(self, attn: VisionAttention, x: torch.Tensor, inputs: CpuAttentionInputs,
@@ -160,43 +146,24 @@ class CpuExecution:
 
     def rotated_qkv(self, attn: VisionAttention, x: torch.Tensor, inputs: CpuAttentionInputs
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k, v (N, H, hd) of x, 2D rope on q and k: rotated in place on the one result, or, when qkv's rows
-        come in fresh chunks, each chunk's q and k rotated (and its v copied) straight into the workspace."""
-        cos, signed = inputs.rope[0], inputs.signed_sin
-        qk = slice(0, 2 * attn.num_heads)  # the heads of q and k in a row of qkv, (3H, hd)
+        """q, k, v (N, H, hd) of x, 2D rope on q and k: natively on the one result in place, or from each fresh chunk
+        of a packed qkv into the workspace (v copied); else the reference's ``apply_rope`` on q and k."""
+        cos, signed, heads = inputs.rope[0], inputs.signed_sin, 2 * attn.num_heads
         if not packed(attn.qkv):
             qkv = self.linear_into(x, attn.qkv)
-            heads = qkv.view(x.shape[0], -1, attn.head_dim)
             if self.native is not None:
-                self.native.rope(qkv, qkv, cos, signed, qk.stop, attn.head_dim)
-            else:
-                self.rotate_qk_into(heads[:, qk], heads[:, qk], cos, signed)
-            return attn.split_heads(qkv)
-        qkv = self.workspace.take(x, x.shape[0], attn.qkv.out_features)
-        heads = qkv.view(x.shape[0], -1, attn.head_dim)
-        for rows, chunk in self.packed_chunks(x, attn.qkv):
-            if self.native is not None:
-                self.native.rope(chunk, qkv[rows], cos[rows], signed[rows], qk.stop, attn.head_dim)
-                continue
-            fresh = chunk.view(chunk.shape[0], -1, attn.head_dim)
-            self.rotate_qk_into(fresh[:, qk], heads[rows, qk], cos[rows], signed[rows])
-            heads[rows, qk.stop:].copy_(fresh[:, qk.stop:])
-        return attn.split_heads(qkv)
-
-    def rotate_qk_into(self, qk: torch.Tensor, out: torch.Tensor, cos: torch.Tensor, signed: torch.Tensor) -> None:
-        """``layers.apply_rope`` on q and k at once, written into out (qk itself for in place): qk (N, 2H, hd) is q's
-        heads then k's; cos and ``signed_sin`` (N, hd) fp32. The reference's x * cos + rotate_half(x) * sin in fp32
-        rounded once to the dtype, on row chunks through the fp32 scratch (each chunk read before its rows are
-        written): the same bits, in one pass for q and k (half the ops of rotating each alone)."""
-        half = qk.shape[-1] // 2
-        for rows, x, tmp in self.workspace.fp32_chunks(qk):
-            c, s = cos[rows].unsqueeze(-2), signed[rows].unsqueeze(-2)
-            torch.mul(x[..., half:], s[..., :half], out=tmp[..., :half])
-            torch.mul(x[..., :half], s[..., half:], out=tmp[..., half:])
-            if qk.dtype == torch.float32:
-                torch.mul(x, c, out=out[rows]).add_(tmp)
-            else:
-                out[rows].copy_(x.mul_(c).add_(tmp))
+                self.native.rope(qkv, qkv, cos, signed, heads, attn.head_dim)
+        else:
+            qkv = self.workspace.take(x, x.shape[0], attn.qkv.out_features)
+            for rows, chunk in self.packed_chunks(x, attn.qkv):
+                if self.native is not None:
+                    self.native.rope(chunk, qkv[rows], cos[rows], signed[rows], heads, attn.head_dim)
+                else:
+                    qkv[rows].copy_(chunk)
+        q, k, v = attn.split_heads(qkv)
+        if self.native is None:
+            q, k = apply_rope(q, *inputs.rope), apply_rope(k, *inputs.rope)
+        return q, k, v
 
     def mlp(self, mlp: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """``residual += mlp(x)``: by row blocks where both linears are packed (each block's hidden activations
@@ -244,15 +211,13 @@ class CpuExecution:
         (each chunk's rows while in cache) where the native kernels run it: its output may share x's buffer, each
         chunk's rows of x being read before those rows of the output are written."""
         updates = self.packed_chunks(x, layer) if packed(layer) else [(slice(None), self.linear_into(x, layer))]
-        fused = self.native is not None and isinstance(norm, RMSNorm)
-        out = self.workspace.take(residual, *residual.shape) if fused else None
-        weight, eps = (norm.weight, norm.eps) if fused else (None, 0.0)
+        out = None if norm is None or self.native is None else self.workspace.take(residual, *residual.shape)
         for rows, update in updates:
             if self.native is None:
                 residual[rows].add_(update)
             else:
-                self.native.add_rms_norm_(residual[rows], update, weight, eps, None if out is None else out[rows])
-        if fused:
+                self.native.add_norm_(residual[rows], update, norm, None if out is None else out[rows])
+        if out is not None:
             return out
         return residual if norm is None else self.norm(norm, residual)
 

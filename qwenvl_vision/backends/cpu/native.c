@@ -23,23 +23,34 @@ static inline float float_f32(float f) { return f; }
 #define LANES 16  /* independent partial sums: a vectorizable sum of squares without reassociation */
 
 #define KERNELS(T, NAME, LOAD, STORE)                                                                              \
-/* x += update (if given), then out = weight * dtype(x * rsqrt(mean(x^2) + eps)) (if out is given). */             \
-void add_rms_norm_##NAME(T *x, const T *update, const T *weight, T *out, long rows, long dim, long ldx,            \
-                         long ldu, long ldo, float eps, int threads) {                                             \
+/* x += update (if given), then (if out is given) RMSNorm's out = weight * dtype(x * rsqrt(mean(x^2) + eps)), or   \
+   LayerNorm's out = dtype((x - mean) * rsqrt(var + eps) * weight + bias) (bias may be NULL).                       \
+   */                                                                                                             \
+void add_norm_##NAME(T *x, const T *update, const T *weight, const T *bias, T *out, long rows, long dim, long ldx,  \
+                     long ldu, long ldo, float eps, int rms, int threads) {                                       \
     _Pragma("omp parallel for schedule(static) num_threads(threads)")                                              \
     for (long r = 0; r < rows; r++) {                                                                             \
         T *xr = x + r * ldx;                                                                                      \
         if (update)                                                                                               \
             for (long j = 0; j < dim; j++) xr[j] = STORE(LOAD(xr[j]) + LOAD(update[r * ldu + j]));                 \
         if (!out) continue;                                                                                       \
-        float partial[LANES] = {0}, sum = 0;                                                                      \
+        float mean = 0, sum = 0, partial[LANES] = {0};                                                            \
         long j = 0;                                                                                               \
-        for (; j + LANES <= dim; j += LANES)                                                                      \
-            for (int l = 0; l < LANES; l++) partial[l] += LOAD(xr[j + l]) * LOAD(xr[j + l]);                       \
+        if (!rms) { /* the mean first: LayerNorm's variance is of x - mean */                                     \
+            for (; j + LANES <= dim; j += LANES)                                                                  \
+                for (int l = 0; l < LANES; l++) partial[l] += LOAD(xr[j + l]);                                    \
+            for (int l = 0; l < LANES; l++) { mean += partial[l]; partial[l] = 0; }                               \
+            for (; j < dim; j++) mean += LOAD(xr[j]);                                                             \
+            mean /= (float)dim;                                                                                   \
+        }                                                                                                         \
+        for (j = 0; j + LANES <= dim; j += LANES)                                                                 \
+            for (int l = 0; l < LANES; l++) partial[l] += (LOAD(xr[j + l]) - mean) * (LOAD(xr[j + l]) - mean);     \
         for (int l = 0; l < LANES; l++) sum += partial[l];                                                        \
-        for (; j < dim; j++) sum += LOAD(xr[j]) * LOAD(xr[j]);                                                    \
+        for (; j < dim; j++) sum += (LOAD(xr[j]) - mean) * (LOAD(xr[j]) - mean);                                  \
         float scale = 1.0f / sqrtf(sum / (float)dim + eps);                                                       \
-        for (j = 0; j < dim; j++) out[r * ldo + j] = STORE(LOAD(weight[j]) * LOAD(STORE(LOAD(xr[j]) * scale)));   \
+        for (j = 0; j < dim; j++)                                                                                 \
+            out[r * ldo + j] = rms ? STORE(LOAD(weight[j]) * LOAD(STORE(LOAD(xr[j]) * scale)))                    \
+                                   : STORE((LOAD(xr[j]) - mean) * scale * LOAD(weight[j]) + (bias ? LOAD(bias[j]) : 0)); \
     }                                                                                                             \
 }                                                                                                                 \
                                                                                                                   \

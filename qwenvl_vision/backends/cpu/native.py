@@ -20,6 +20,9 @@ import tempfile
 from pathlib import Path
 
 import torch
+from torch import nn
+
+from ...model.layers import RMSNorm
 
 SOURCE = Path(__file__).with_name("native.c")
 # No FMA contraction (the reference rounds each product), errno-free math (vectorized sqrt and expf), AVX-512's
@@ -35,7 +38,7 @@ class NativeKernels:
 
     def __init__(self, library: ctypes.CDLL) -> None:
         pointer, long, = ctypes.c_void_p, ctypes.c_long
-        signatures = {"add_rms_norm": [pointer] * 4 + [long] * 5 + [ctypes.c_float, ctypes.c_int],
+        signatures = {"add_norm": [pointer] * 5 + [long] * 5 + [ctypes.c_float, ctypes.c_int, ctypes.c_int],
                       "rope": [pointer] * 4 + [long] * 6 + [ctypes.c_int],
                       "silu_mul": [pointer] * 2 + [long] * 4 + [ctypes.c_int]}
         self.functions = {(name, dtype): getattr(library, f"{name}_{suffix}") for name in signatures
@@ -43,12 +46,14 @@ class NativeKernels:
         for (name, _), function in self.functions.items():
             function.argtypes, function.restype = signatures[name], None
 
-    def add_rms_norm_(self, x: torch.Tensor, update: torch.Tensor | None, weight: torch.Tensor | None,
-                      eps: float, out: torch.Tensor | None) -> None:
-        """``x += update`` in place (if given), then ``out = RMSNorm(x)`` with ``weight`` (if ``out`` is given)."""
-        self.functions["add_rms_norm", x.dtype](
-            x.data_ptr(), *(None if t is None else t.data_ptr() for t in (update, weight, out)), *x.shape, x.stride(0),
-            *(0 if t is None else t.stride(0) for t in (update, out)), eps, torch.get_num_threads())
+    def add_norm_(self, x: torch.Tensor, update: torch.Tensor | None, norm: nn.Module | None = None,
+                  out: torch.Tensor | None = None) -> None:
+        """``x += update`` in place (if given), then ``out = norm(x)`` (an RMSNorm or a LayerNorm, if given)."""
+        weight, bias = (None, None) if norm is None else (norm.weight, getattr(norm, "bias", None))
+        self.functions["add_norm", x.dtype](
+            x.data_ptr(), *(None if t is None else t.data_ptr() for t in (update, weight, bias, out)), *x.shape,
+            x.stride(0), *(0 if t is None else t.stride(0) for t in (update, out)), getattr(norm, "eps", 0.0),
+            isinstance(norm, RMSNorm), torch.get_num_threads())
 
     def rope(self, x: torch.Tensor, out: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, heads: int,
              head_dim: int) -> None:

@@ -3,8 +3,8 @@
 A plan says which kernel runs each linear shape and dtype (torch's ``addmm`` or oneDNN's prepacked linear), which
 attention path runs each segment length (SDPA, or two fp32 GEMMs per head), how many rows an MLP with both linears
 packed runs at a time and, per tower block shape, how many bytes of output a packed linear computes per oneDNN call
-(``linear_chunk``), how large the fp32 scratch is through which norms and rope run (``scratch``) and whether its
-elementwise steps run torch's ops or the fused ``native`` kernels (``elementwise``). Each entry is a
+(``linear_chunk``) and whether its elementwise steps run the modules' own ops or the fused ``native`` kernels
+(``elementwise``). Each entry is a
 timing on the machine at hand (``probes``, kept per machine by ``machine``), never a constant fitted to one CPU: the
 rates and cache sizes differ by vendor, ISA (AVX-512, AMX), torch build and thread count, and so do the winners.
 Shapes a plan holds no kernel entry for run torch's own kernels; sizes it holds none for take the defaults.
@@ -24,10 +24,9 @@ from ... import devices
 from ...devices import dtype_name
 from ...errors import ConfigError
 from .kernels import DEFAULT_CHUNK_BYTES, onednn_linear_available
-from .workspace import DEFAULT_SCRATCH_ELEMENTS
 
 PLAN_FORMAT = 4
-PLAN_FIELDS = ("format", "machine", "linear", "attention", "mlp", "linear_chunk", "scratch", "elementwise")
+PLAN_FIELDS = ("format", "machine", "linear", "attention", "mlp", "linear_chunk", "elementwise")
 KERNELS = {"linear": ("addmm", "onednn"), "attention": ("sdpa", "gemm"), "elementwise": ("aten", "native")}
 # The dtypes a plan times kernels for (float16 runs torch's own kernels).
 DTYPES = {name: devices.DTYPES[name] for name in ("float32", "bfloat16")}
@@ -86,7 +85,6 @@ class CpuPlan:
     attention: Mapping[str, str] = field(default_factory=dict)
     mlp: Mapping[str, int] = field(default_factory=dict)
     linear_chunk: Mapping[str, int] = field(default_factory=dict)
-    scratch: Mapping[str, int] = field(default_factory=dict)
     elementwise: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -121,10 +119,6 @@ class CpuPlan:
         block)."""
         return self.linear_chunk.get(plan_key("blocks", *block), DEFAULT_CHUNK_BYTES)
 
-    def scratch_elements(self, block: tuple) -> int:
-        """fp32 elements per scratch buffer of a tower of this block shape."""
-        return self.scratch.get(plan_key("blocks", *block), DEFAULT_SCRATCH_ELEMENTS)
-
     def elementwise_kernels(self, block: tuple) -> str:
         """"aten" or "native" for the elementwise steps of a tower of this block shape."""
         return self.elementwise.get(plan_key("blocks", *block), "aten")
@@ -132,7 +126,7 @@ class CpuPlan:
     def missing(self, needs: PlanNeeds) -> PlanNeeds:
         """The part of ``needs`` this plan holds no entry for."""
         held = {"linear": self.linear.keys(), "attention": self.attention.keys(), "mlp": self.mlp.keys(),
-                "blocks": self.linear_chunk.keys() & self.scratch.keys() & self.elementwise.keys()}
+                "blocks": self.linear_chunk.keys() & self.elementwise.keys()}
         return PlanNeeds(**{kind: frozenset(need for need in timed(getattr(needs, kind))
                                             if not set(need_keys(kind, need)) <= entries)
                             for kind, entries in held.items()})

@@ -27,25 +27,24 @@ from .kernels import (
 from .native import NativeKernels
 from .packing import PackedLinear
 from .plan import DEFAULT_MLP_ROWS, PROBE_LENGTHS, CpuPlan, PlanNeeds, dtype_name, plan_key, timed
-from .workspace import DEFAULT_SCRATCH_ELEMENTS, Workspace
+from .workspace import Workspace
 
 PROBE_TOKENS = 2048  # tokens per attention probe (segments of a length batched up to it): rates, not totals
 LINEAR_PROBE_ROWS = 1024  # the towers' packs hold thousands of rows, and the rate flattens by here
 MLP_PROBE_ROWS = 2048
-# The search spaces of the sizes: an MLP's block rows (2048: one block of the probe), a packed linear's output bytes
-# per call and the fp32 scratch, from well inside a core's private cache to beyond a small last-level cache share.
-# Each holds its default.
+# The search spaces of the sizes: an MLP's block rows (2048: one block of the probe) and a packed linear's output
+# bytes per call, from well inside a core's private cache to beyond a small last-level cache share. Each holds its
+# default.
 MLP_ROW_CHOICES = (128, 256, 512, 1024, 2048)
 CHUNK_CHOICES = (1 << 20, 2 << 20, 4 << 20, 8 << 20)
-SCRATCH_CHOICES = (1 << 17, 1 << 18, 1 << 19, 1 << 20, 1 << 21)
 BLOCK_PROBE_SEGMENTS = (1024,)  # one frame of a photo's size: on the CPU each item runs as its own forward
 # How much faster oneDNN must time than addmm to be chosen, per dtype (for a lone linear, and for a whole MLP
 # against its linears' lone choices). fp32: 10%, since oneDNN's rounding is not the reference's; bf16: 5% slower
 # still wins, since both round alike there and a packed linear's chunks are consumed while in cache.
 ONEDNN_FASTER_BY = {"float32": 1.10, "bfloat16": 0.95}
-# Near the best, an MLP's block rows and a block's chunk and scratch sizes time alike within noise (the scratch
-# changes no bit; the rows and the chunk may move a last fp32 bit, so a plan records them): a size other than the
-# default is taken only where it ran this much faster.
+# Near the best, an MLP's block rows and a block's chunk size time alike within noise (they may move a last fp32
+# bit, so a plan records them): a choice other than the default (and the native kernels rather than the modules'
+# own ops, the reference's bits) is taken only where it ran this much faster.
 SIZE_FASTER_BY = 1.05
 # Raised whenever the probes would choose differently on the same machine (what they time, their margins): a cache
 # file of older probes is then another machine key, and its machine is measured afresh. A recorded run's plan is
@@ -79,14 +78,12 @@ def measure_linear(in_features: int, out_features: int, dtype: torch.dtype, repe
     return "onednn" if onednn_s * ONEDNN_FASTER_BY[dtype_name(dtype)] < addmm_s else "addmm"
 
 
-def measure_block(need: tuple, plan: CpuPlan, native: NativeKernels | None, repeats: int = 3
-                  ) -> tuple[int, int, str]:
-    """(output bytes per packed linear call of CHUNK_CHOICES, scratch elements of SCRATCH_CHOICES, "aten" or
-    "native" elementwise steps) with which one of the tower's blocks ran fastest here, on ``plan``'s kernels, as the
-    backend runs it: BLOCK_PROBE_SEGMENTS frames of random tokens through a block of random weights. The native
-    steps are chosen first (at the default sizes, where they build, by SIZE_FASTER_BY: torch's are the reference's
-    bits), then the chunk (the default where no linear runs packed), then torch's steps' scratch (each by
-    ``fastest``)."""
+def measure_block(need: tuple, plan: CpuPlan, native: NativeKernels | None, repeats: int = 3) -> tuple[int, str]:
+    """(output bytes per packed linear call of CHUNK_CHOICES, "aten" or "native" elementwise steps) with which one
+    of the tower's blocks ran fastest here, on ``plan``'s kernels, as the backend runs it: BLOCK_PROBE_SEGMENTS
+    frames of random tokens through a block of random weights. The elementwise steps are chosen first (at the
+    default chunk; "aten" where the native kernels do not build), then the chunk (the default where no linear runs
+    packed), each by ``fastest``."""
     mlp, norm, dim, heads, hidden, act, dtype = need
     generator = torch.Generator().manual_seed(0)  # never the caller's random state
     with torch.device("meta"):
@@ -99,19 +96,17 @@ def measure_block(need: tuple, plan: CpuPlan, native: NativeKernels | None, repe
     angles = torch.rand(rows, dim // heads, generator=generator) * 6
     segments = SegmentPlan.from_lengths(list(BLOCK_PROBE_SEGMENTS), "cpu")
 
-    def seconds(chunk: int, scratch: int = DEFAULT_SCRATCH_ELEMENTS, kernels: str = "aten") -> float:
-        run = CpuExecution(plan, Workspace.for_blocks(rows, dim, mlp, hidden, dtype, "cpu", scratch), chunk,
+    def seconds(chunk: int, kernels: str) -> float:
+        run = CpuExecution(plan, Workspace.for_blocks(rows, dim, mlp, hidden, dtype, "cpu"), chunk,
                            native=native if kernels == "native" else None)
         inputs = run.attention_inputs((angles.cos(), angles.sin()), segments)
         return best_seconds(lambda: run.block(block, x.copy_(start), inputs), repeats)
 
     kernels = "aten" if native is None else fastest(
-        {name: seconds(DEFAULT_CHUNK_BYTES, kernels=name) for name in ("aten", "native")}, "aten")
-    chunk = fastest({c: seconds(c, kernels=kernels) for c in CHUNK_CHOICES}, DEFAULT_CHUNK_BYTES) \
+        {name: seconds(DEFAULT_CHUNK_BYTES, name) for name in ("aten", "native")}, "aten")
+    chunk = fastest({c: seconds(c, kernels) for c in CHUNK_CHOICES}, DEFAULT_CHUNK_BYTES) \
         if any(isinstance(m, PackedLinear) for m in block.modules()) else DEFAULT_CHUNK_BYTES
-    if kernels == "native":
-        return chunk, DEFAULT_SCRATCH_ELEMENTS, kernels
-    return chunk, fastest({e: seconds(chunk, e) for e in SCRATCH_CHOICES}, DEFAULT_SCRATCH_ELEMENTS), kernels
+    return chunk, kernels
 
 
 def fastest(seconds: dict, default):
@@ -242,12 +237,12 @@ def measure(needs: PlanNeeds, machine: str, known: CpuPlan | None = None, native
                 kernels = CpuPlan(machine, linear).with_entries(known)
             mlp[plan_key("mlp", kind, dim, hidden, act, d)] = rows
         plan = CpuPlan(machine, linear, attention, mlp)
-        chunks, scratch, elementwise = {}, {}, {}
+        chunks, elementwise = {}, {}
         for need in timed(needs.blocks):
             key = plan_key("blocks", *need)
             try:
-                chunks[key], scratch[key], elementwise[key] = measure_block(need, plan.with_entries(known), native)
+                chunks[key], elementwise[key] = measure_block(need, plan.with_entries(known), native)
             except RuntimeError as e:  # a oneDNN kernel this CPU cannot run in this dtype
-                warn(f"the block {key} failed ({e}); the default chunk and scratch sizes, torch's elementwise steps")
-                chunks[key], scratch[key], elementwise[key] = DEFAULT_CHUNK_BYTES, DEFAULT_SCRATCH_ELEMENTS, "aten"
-    return CpuPlan(machine, plan.linear, plan.attention, plan.mlp, chunks, scratch, elementwise)
+                warn(f"the block {key} failed ({e}); the default chunk size, the modules' elementwise ops")
+                chunks[key], elementwise[key] = DEFAULT_CHUNK_BYTES, "aten"
+    return CpuPlan(machine, plan.linear, plan.attention, plan.mlp, chunks, elementwise)
