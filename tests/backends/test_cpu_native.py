@@ -13,7 +13,6 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLRMSNorm
 from qwenvl_vision import ConfigError
 from qwenvl_vision.backends.cpu import machine
 from qwenvl_vision.backends.cpu.backend import CpuBackend
-from qwenvl_vision.backends.cpu.forward import signed_sin
 from qwenvl_vision.backends.cpu.native import NativeKernels
 from qwenvl_vision.model.layers import RMSNorm, rope_cos_sin
 from tests.helpers import (
@@ -83,7 +82,7 @@ def test_rope_on_q_and_k_is_bitwise_transformers_and_v_is_copied(dtype, in_place
     expected_q, expected_k = apply_rotary_pos_emb_vision(split[:, 0], split[:, 1], cos, sin)
     v = split[:, 2].clone()
     out = qkv if in_place else torch.full_like(strided(ROWS, qkv.shape[1], dtype), float("nan"))
-    kernels.rope(qkv, out, cos.contiguous(), signed_sin(sin), 2 * heads, head_dim)
+    kernels.rope(qkv, out, cos, sin, 2 * heads, head_dim)
     rotated = out.reshape(ROWS, 3, heads, head_dim)
     assert torch.equal(rotated[:, 0], expected_q.to(dtype)) and torch.equal(rotated[:, 1], expected_k.to(dtype))
     assert torch.equal(rotated[:, 2], v)

@@ -71,18 +71,6 @@ def packed(layer: nn.Linear) -> bool:
     return isinstance(layer, PackedLinear)
 
 
-def signed_sin(sin: torch.Tensor) -> torch.Tensor:
-    """sin (N, hd) with rotate_half's signs folded in, [-sin1, sin2]: rotate_half(x) * sin is then
-    [x2 * signed1, x1 * signed2], bit for bit (a negation is exact and commutes with a product's rounding)."""
-    half = sin.shape[-1] // 2
-    return torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
-
-
-@dataclass
-class CpuAttentionInputs(AttentionInputs):
-    signed_sin: torch.Tensor | None = None
-
-
 class CpuExecution:
     """One inference call's execution of blocks and mergers (see the module docstring)."""
 
@@ -100,9 +88,9 @@ class CpuExecution:
     # ------------------------------------------------------------------ what the tower calls (execution.Execution)
 
     def attention_inputs(self, rope: tuple[torch.Tensor, torch.Tensor], segments: SegmentPlan) -> AttentionInputs:
-        return CpuAttentionInputs(rope, segments, self.attend, signed_sin(rope[1]))
+        return AttentionInputs(rope, segments, self.attend)
 
-    def block(self, block: nn.Module, x: torch.Tensor, inputs: CpuAttentionInputs) -> torch.Tensor:
+    def block(self, block: nn.Module, x: torch.Tensor, inputs: AttentionInputs) -> torch.Tensor:
         normed = self.attention(block.attn, self.norm(block.norm1, x), inputs, residual=x, norm=block.norm2)
         return self.mlp(block.mlp, normed, residual=x)
 
@@ -137,32 +125,32 @@ class CpuExecution:
         self.native.add_norm_(x, None, module, out)
         return out
 
-    def attention(self, attn: VisionAttention, x: torch.Tensor, inputs: CpuAttentionInputs,
+    def attention(self, attn: VisionAttention, x: torch.Tensor, inputs: AttentionInputs,
                   residual: torch.Tensor, norm: nn.Module) -> torch.Tensor:
         """``residual += attn(x)``, and ``norm(residual)`` returned."""
         q, k, v = self.rotated_qkv(attn, x, inputs)
         attended = inputs.attend(q, k, v, inputs.segments, attn.scale, out=self.workspace.take(q, *q.shape))
         return self.add_linear_(residual, attended.flatten(1), attn.proj, norm)
 
-    def rotated_qkv(self, attn: VisionAttention, x: torch.Tensor, inputs: CpuAttentionInputs
+    def rotated_qkv(self, attn: VisionAttention, x: torch.Tensor, inputs: AttentionInputs
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v (N, H, hd) of x, 2D rope on q and k: natively on the one result in place, or from each fresh chunk
         of a packed qkv into the workspace (v copied); else the reference's ``apply_rope`` on q and k."""
-        cos, signed, heads = inputs.rope[0], inputs.signed_sin, 2 * attn.num_heads
+        (cos, sin), heads = inputs.rope, 2 * attn.num_heads
         if not packed(attn.qkv):
             qkv = self.linear_into(x, attn.qkv)
             if self.native is not None:
-                self.native.rope(qkv, qkv, cos, signed, heads, attn.head_dim)
+                self.native.rope(qkv, qkv, cos, sin, heads, attn.head_dim)
         else:
             qkv = self.workspace.take(x, x.shape[0], attn.qkv.out_features)
             for rows, chunk in self.packed_chunks(x, attn.qkv):
                 if self.native is not None:
-                    self.native.rope(chunk, qkv[rows], cos[rows], signed[rows], heads, attn.head_dim)
+                    self.native.rope(chunk, qkv[rows], cos[rows], sin[rows], heads, attn.head_dim)
                 else:
                     qkv[rows].copy_(chunk)
         q, k, v = attn.split_heads(qkv)
         if self.native is None:
-            q, k = apply_rope(q, *inputs.rope), apply_rope(k, *inputs.rope)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         return q, k, v
 
     def mlp(self, mlp: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:

@@ -54,18 +54,19 @@ void add_norm_##NAME(T *x, const T *update, const T *weight, const T *bias, T *o
     }                                                                                                             \
 }                                                                                                                 \
                                                                                                                   \
-/* `heads` heads of head_dim per row rotated, out = dtype(x * cos + rotate_half(x) * sin) with rotate_half's signs  \
-   in signed_sin (fp32, rows x head_dim); then `tail` elements copied. out may be x (each head read whole first). */ \
-void rope_##NAME(const T *x, T *out, const float *cos, const float *signed_sin, long rows, long heads,            \
+/* `heads` heads of head_dim per row rotated, out = dtype(x * cos + rotate_half(x) * sin) (cos and sin fp32, rows x \
+   head_dim; x1 * cos - x2 * sin is x1 * cos + (-x2) * sin bit for bit); then `tail` elements copied. out may be x   \
+   (each head is read whole first). */                                                                           \
+void rope_##NAME(const T *x, T *out, const float *cos, const float *sin, long rows, long heads,                   \
                  long head_dim, long tail, long ldx, long ldo, int threads) {                                     \
     long half = head_dim / 2;                                                                                     \
     _Pragma("omp parallel for schedule(static) num_threads(threads)")                                              \
     for (long r = 0; r < rows; r++) {                                                                             \
-        const float *c = cos + r * head_dim, *s = signed_sin + r * head_dim;                                      \
+        const float *c = cos + r * head_dim, *s = sin + r * head_dim;                                             \
         float rotated[head_dim];                                                                                    \
         for (long h = 0; h < heads; h++) {                                                                        \
             const T *xh = x + r * ldx + h * head_dim;                                                             \
-            for (long d = 0; d < half; d++) rotated[d] = LOAD(xh[d]) * c[d] + LOAD(xh[d + half]) * s[d];           \
+            for (long d = 0; d < half; d++) rotated[d] = LOAD(xh[d]) * c[d] - LOAD(xh[d + half]) * s[d];           \
             for (long d = half; d < head_dim; d++) rotated[d] = LOAD(xh[d]) * c[d] + LOAD(xh[d - half]) * s[d];    \
             for (long d = 0; d < head_dim; d++) out[r * ldo + h * head_dim + d] = STORE(rotated[d]);               \
         }                                                                                                         \

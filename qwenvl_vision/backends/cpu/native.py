@@ -55,11 +55,11 @@ class NativeKernels:
             x.stride(0), *(0 if t is None else t.stride(0) for t in (update, out)), getattr(norm, "eps", 0.0),
             isinstance(norm, RMSNorm), torch.get_num_threads())
 
-    def rope(self, x: torch.Tensor, out: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, heads: int,
+    def rope(self, x: torch.Tensor, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
              head_dim: int) -> None:
         """The first ``heads`` heads of x's rows rotated into out's (out may be x), the rest of each row copied."""
         self.functions["rope", x.dtype](
-            x.data_ptr(), out.data_ptr(), cos.data_ptr(), signed_sin.data_ptr(), x.shape[0], heads, head_dim,
+            x.data_ptr(), out.data_ptr(), cos.data_ptr(), sin.data_ptr(), x.shape[0], heads, head_dim,
             0 if out.data_ptr() == x.data_ptr() else x.shape[1] - heads * head_dim, x.stride(0), out.stride(0),
             torch.get_num_threads())
 
