@@ -175,8 +175,7 @@ class CpuBackend:
         native = native_kernels() if elementwise == "native" else None
         if elementwise == "native" and native is None:
             raise ConfigError("the CPU plan runs the native elementwise kernels, which cannot be built here (the "
-                              "warning above says why): run it where a C compiler builds them, or give "
-                              "cpu_kernels='auto' (this machine's plan: other last bits)")
+                              "warning says why); cpu_kernels='auto' runs this machine's plan (other last bits)")
         return CpuExecution(prepared.plan, workspace, prepared.plan.chunk_bytes(block), forwards, native)
 
     def release(self, tower: VisionTower) -> None:

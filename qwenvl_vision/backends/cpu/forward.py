@@ -121,8 +121,7 @@ class CpuExecution:
         """``module(x)`` (RMSNorm or nn.LayerNorm): in one native pass into the workspace, else the module's ops."""
         if self.native is None:
             return module(x)
-        out = self.workspace.take(x, *x.shape)
-        self.native.add_norm_(x, None, module, out)
+        self.native.add_norm_(x, None, module, out := self.workspace.take(x, *x.shape))
         return out
 
     def attention(self, attn: VisionAttention, x: torch.Tensor, inputs: AttentionInputs,
@@ -195,9 +194,8 @@ class CpuExecution:
     def add_linear_(self, residual: torch.Tensor, x: torch.Tensor, layer: nn.Linear, norm: nn.Module | None = None
                     ) -> torch.Tensor:
         """``residual += layer(x)`` in place: from a packed layer's fresh chunks as they come (never copied), else
-        from one result in the workspace. With ``norm``, ``norm(residual)`` is returned, fused into the add's pass
-        (each chunk's rows while in cache) where the native kernels run it: its output may share x's buffer, each
-        chunk's rows of x being read before those rows of the output are written."""
+        from one result in the workspace; with ``norm``, ``norm(residual)`` returned, natively in the add's pass (its
+        output may share x's buffer: each chunk's rows of x are read before those rows of it are written)."""
         updates = self.packed_chunks(x, layer) if packed(layer) else [(slice(None), self.linear_into(x, layer))]
         out = None if norm is None or self.native is None else self.workspace.take(residual, *residual.shape)
         for rows, update in updates:
@@ -228,8 +226,8 @@ class CpuExecution:
         """``act(gate) * up`` of ``[gate | up]`` rows into ``out`` (or in place on gate): SiLU's in one native pass
         where they run, else the activation in place on gate and the product."""
         gate, up = gate_up.chunk(2, dim=-1)
+        out = gate if out is None else out
         if self.native is not None and ACTIVATIONS[act] is SILU:
-            self.native.silu_mul(gate_up, gate if out is None else out)
-            return gate if out is None else out
-        gate = ACTIVATIONS[act].in_place(gate)
-        return gate.mul_(up) if out is None else torch.mul(gate, up, out=out)
+            self.native.silu_mul(gate_up, out)
+            return out
+        return torch.mul(ACTIVATIONS[act].in_place(gate), up, out=out)

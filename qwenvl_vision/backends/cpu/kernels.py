@@ -1,16 +1,15 @@
 """The CPU kernels the backend chooses between: oneDNN's prepacked linear, and attention by two fp32 GEMMs.
 
 Reference: the calls inductor's CPU freezing pass emits for a frozen ``nn.Linear``
-(torch/_inductor/fx_passes/mkldnn_fusion.py): ``torch.ops.mkldnn._reorder_linear_weight(w, rows)`` once, then
-``torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")`` per call. Its fp32 result is
-fp32-accurate (relative error against float64 ~5e-7, addmm's ~2.5e-7), not addmm's bits. In bf16 torch's addmm
-on the CPU is a oneDNN matmul itself: on CPUs where the plain and the packed weight take the same kernel the bits
-are addmm's, on others they differ within bf16 rounding. The reorder's row count is only a hint for the blocking:
-any row count runs with one packed weight. Chunks are balanced and never leave a short tail (a call of a few rows
-runs slowly).
+(torch/_inductor/fx_passes/mkldnn_fusion.py): ``torch.ops.mkldnn._reorder_linear_weight(w, rows)`` once (the rows
+are a blocking hint: any row count runs), then ``torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [],
+"")`` per call. Its fp32 result is fp32-accurate (relative error against float64 ~5e-7, addmm's ~2.5e-7), not
+addmm's bits; in bf16 torch's addmm is a oneDNN matmul itself, with addmm's bits where the plain and the packed
+weight take the same kernel, else within bf16 rounding.
 
-oneDNN has no ``out=`` form: a result that must land in the workspace is computed on row chunks whose fresh
-outputs stay in cache and below glibc's mmap threshold (``packed_chunks``), each consumed or copied as it comes.
+oneDNN has no ``out=`` form: a result that must land in the workspace is computed on balanced row chunks (no short
+tail: a call of a few rows runs slowly) whose fresh outputs stay in cache and below glibc's mmap threshold
+(``packed_chunks``), each consumed or copied as it comes.
 
 ``packed_linear``'s epilogue computes an activation on the GEMM's fp32 accumulator: in bf16 the linear's result
 is not rounded before the activation (one rounding fewer than transformers' Linear then activation: closer to

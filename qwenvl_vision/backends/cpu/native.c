@@ -1,11 +1,8 @@
-/* The CPU backend's fused elementwise steps (native.py builds this on the machine at hand, -march=native).
-
-   Each step is one pass over its rows where torch's eager ops make several, computed as the reference's ops in its
-   order with the same roundings (fp32 math, rounded to the dtype where the reference rounds; no FMA contraction):
-   rope's and the residual add's results are the reference's bits, the gate's and RMSNorm's differ from torch's
-   kernels only where libmvec's expf or the sum of squares' order moves a last fp32 bit. Rows are split over
-   `threads` OpenMP threads (the libgomp.so.1 torch loaded, where its build ships that one). Every matrix is rows of
-   a leading dimension. */
+/* The CPU backend's fused elementwise steps (native.py builds them for the CPU at hand, -march=native): each one
+   pass over its rows, as the reference's ops in its order and roundings (fp32 math rounded to the dtype where it
+   rounds; no FMA contraction). Rope and the residual add give its bits; the norms and the gate differ only where
+   the sums' order or libmvec's expf moves a last fp32 bit. Rows are split over `threads` OpenMP threads (the
+   libgomp.so.1 torch loaded, where its build ships that one); every matrix is rows of a leading dimension. */
 #include <math.h>
 #include <stdint.h>
 
@@ -17,8 +14,7 @@ static inline uint16_t float_bf16(float f) {  /* round to nearest even, as c10::
     if ((c.u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
     return (uint16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);
 }
-static inline float f32_float(float v) { return v; }
-static inline float float_f32(float f) { return f; }
+#define SAME(v) (v)
 
 #define LANES 16  /* independent partial sums: a vectorizable sum of squares without reassociation */
 
@@ -89,4 +85,4 @@ void silu_mul_##NAME(const T *gate_up, T *out, long rows, long width, long ldg, 
 }
 
 KERNELS(uint16_t, bf16, bf16_float, float_bf16)
-KERNELS(float, f32, f32_float, float_f32)
+KERNELS(float, f32, SAME, SAME)

@@ -1,11 +1,10 @@
 """The fused elementwise steps of ``native.c``, compiled for this CPU by the C compiler at hand, called by ctypes.
 
-Why C: torch has no CPU kernels for add + RMSNorm, rope or the gate in one pass at the reference's roundings (its
-fused ``rms_norm`` is neither those bits nor faster); inductor's regions fuse them at a third to a half of these
-kernels' speed after seconds of compiling per process, and a ``cpp_extension`` compiles torch's headers for a minute.
-These need a C compiler as inductor does (``$CC``, else ``cc``; GCC's OpenMP and ``simd`` declarations), and glibc's
-libmvec. The library is named by the CPU, the source and the compiler, and written whole (a temporary renamed):
-processes on one CPU share it, another CPU sharing the cache folder builds its own.
+Why C: torch's CPU ops make several passes for add + norm, rope and the gate (its fused ``rms_norm`` is neither the
+reference's bits nor faster); inductor's regions fuse them at a third to half these kernels' speed after seconds of
+compiling per process. These need a C compiler (``$CC``, else ``cc``; GCC's OpenMP and ``simd`` declarations) and
+glibc's libmvec; the library, named by the CPU, the source and the compiler and written whole (a temporary
+renamed), is shared by the processes on one CPU.
 """
 
 from __future__ import annotations
@@ -25,10 +24,9 @@ from torch import nn
 from ...model.layers import RMSNorm
 
 SOURCE = Path(__file__).with_name("native.c")
-# No FMA contraction (the reference rounds each product), errno-free math (vectorized sqrt and expf), AVX-512's
-# full width where the CPU has it (GCC stops at 256 bits by default).
+# No FMA contraction (the reference rounds each product), errno-free math (vectorized sqrt and expf), and on x86
+# AVX-512's full width where the CPU has it (GCC stops at 256 bits by default).
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC")
-X86_FLAGS = ("-mprefer-vector-width=512",)
 NAMES = {torch.bfloat16: "bf16", torch.float32: "f32"}
 
 
@@ -60,8 +58,7 @@ class NativeKernels:
         """The first ``heads`` heads of x's rows rotated into out's (out may be x), the rest of each row copied."""
         self.functions["rope", x.dtype](
             x.data_ptr(), out.data_ptr(), cos.data_ptr(), sin.data_ptr(), x.shape[0], heads, head_dim,
-            0 if out.data_ptr() == x.data_ptr() else x.shape[1] - heads * head_dim, x.stride(0), out.stride(0),
-            torch.get_num_threads())
+            x.shape[1] - heads * head_dim, x.stride(0), out.stride(0), torch.get_num_threads())
 
     def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor) -> None:
         """``out = silu(gate) * up`` of rows ``[gate | up]``."""
@@ -73,15 +70,14 @@ def build(folder: Path, machine: str) -> NativeKernels:
     """The kernels compiled for ``machine`` (a key of this CPU) in ``folder``, built now unless they are there.
     Raises OSError or ``subprocess.SubprocessError`` where they cannot be built or loaded here."""
     compiler = shlex.split(os.environ.get("CC") or "cc")
-    flags = (*FLAGS, *(X86_FLAGS if platform.machine().lower() in ("x86_64", "amd64") else ()))
+    flags = (*FLAGS, *(("-mprefer-vector-width=512",) if platform.machine().lower() in ("x86_64", "amd64") else ()))
     version = subprocess.run([*compiler, "--version"], capture_output=True, check=True, timeout=60).stdout
     key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(flags).encode(), version, machine.encode()]))
     path = folder / f"{key.hexdigest()[:16]}.so"
     if not path.is_file():
         folder.mkdir(parents=True, exist_ok=True)
-        handle, name = tempfile.mkstemp(suffix=".tmp", dir=folder)
-        os.close(handle)
-        tmp = Path(name)
+        with tempfile.NamedTemporaryFile(suffix=".tmp", dir=folder, delete=False) as file:
+            tmp = Path(file.name)
         try:
             subprocess.run([*compiler, *flags, str(SOURCE), "-o", str(tmp), "-lmvec", "-lm"], capture_output=True,
                            check=True, timeout=300)
