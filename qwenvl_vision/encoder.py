@@ -114,7 +114,7 @@ class VisionEncoder(contextlib.AbstractContextManager):
 
     @property
     def cpu_plan(self) -> CpuPlan | None:
-        """The CPU plan the inference calls run on, the same bits as ``cpu_kernels`` on any machine (None: the
+        """The CPU plan the inference calls run on, the same kernels as ``cpu_kernels`` on any machine (None: the
         modules' own forward, e.g. off the CPU, compiled or ``cpu_kernels="reference"``)."""
         backend = self.model.backend
         return backend.plan(self.model) if isinstance(backend, CpuBackend) else None

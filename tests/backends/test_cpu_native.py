@@ -4,6 +4,7 @@ transformers' towers, and the plan's choice of them where they cannot be built."
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import pytest
 import torch
@@ -81,7 +82,7 @@ def test_rope_on_q_and_k_is_bitwise_transformers_and_v_is_copied(dtype, in_place
     split = qkv.reshape(ROWS, 3, heads, head_dim)
     expected_q, expected_k = apply_rotary_pos_emb_vision(split[:, 0], split[:, 1], cos, sin)
     v = split[:, 2].clone()
-    out = qkv if in_place else torch.full_like(strided(ROWS, qkv.shape[1], dtype), float("nan"))
+    out = qkv if in_place else strided(ROWS, qkv.shape[1], dtype).fill_(float("nan"))  # rows of a wider buffer
     kernels.rope(qkv, out, cos, sin, 2 * heads, head_dim)
     rotated = out.reshape(ROWS, 3, heads, head_dim)
     assert torch.equal(rotated[:, 0], expected_q.to(dtype)) and torch.equal(rotated[:, 1], expected_k.to(dtype))
@@ -89,12 +90,15 @@ def test_rope_on_q_and_k_is_bitwise_transformers_and_v_is_copied(dtype, in_place
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_gate_times_up_is_transformers_within_a_rounding(dtype):
+@pytest.mark.parametrize("in_place", [True, False])
+def test_silu_gate_times_up_is_transformers_within_a_rounding(dtype, in_place):
     kernels, width = native(), 300
-    gate_up, out = strided(ROWS, 2 * width, dtype, 4), strided(ROWS, width, dtype)
-    kernels.silu_mul(gate_up, out)
+    gate_up = strided(ROWS, 2 * width, dtype, 4)
     gate, up = gate_up.chunk(2, dim=-1)
-    assert_within_a_rounding(out, ACT2FN["silu"](gate) * up)
+    expected = ACT2FN["silu"](gate) * up
+    out = gate if in_place else strided(ROWS, width, dtype)
+    kernels.silu_mul(gate_up, out)
+    assert_within_a_rounding(out, expected)
 
 
 @pytest.mark.parametrize("family", list(FAMILY_SMALL))
@@ -120,12 +124,21 @@ def test_towers_on_the_native_kernels_match_transformers_per_item(family, dtype,
     assert called == {"add_norm_", "rope"} | ({"silu_mul"} if cfg.family.mlp == "gated" else set())
 
 
-def test_without_a_compiler_torch_s_ops_run_after_one_warning_and_a_native_plan_is_refused(monkeypatch):
-    monkeypatch.setenv("CC", "false")  # a compiler that fails: as one that is missing or cannot link
+def test_where_they_cannot_be_built_one_warning_names_the_compiler_s_error_and_a_native_plan_is_refused(
+        monkeypatch, tmp_path):
+    compiler = tmp_path / "cc"  # a compiler that runs and fails, as one that cannot link libmvec
+    compiler.write_text("#!/bin/sh\ncase \" $* \" in *\" --version \"*) echo 'fake 1.0'; exit 0;; esac\n"
+                        "echo 'native.c: note: in a header' >&2; echo 'ld: error: cannot find -lmvec' >&2; exit 1\n")
+    compiler.chmod(0o755)
+    monkeypatch.setenv("CC", f"{compiler} -O0")  # a command line, as $CC may be
+    monkeypatch.setenv("QWENVL_VISION_CACHE", str(tmp_path))
     monkeypatch.setattr(machine, "NATIVE", {})
-    with pytest.warns(RuntimeWarning, match="native CPU kernels"):
+    with pytest.warns(RuntimeWarning, match="cannot find -lmvec"):
         assert machine.native_kernels() is None
-    assert machine.native_kernels() is None  # said once
+    assert not list((tmp_path / "cpu-native").iterdir())  # no partial library left
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once
+        assert machine.native_kernels() is None
     cfg = FAMILY_SMALL["qwen2_5_vl"]
     ours = ours_from(hf_tower(cfg, seed=0), cfg)
     plan = forced_plan(ours, "addmm")

@@ -24,9 +24,10 @@ from torch import nn
 from ...model.layers import RMSNorm
 
 SOURCE = Path(__file__).with_name("native.c")
-# No FMA contraction (the reference rounds each product), errno-free math (vectorized sqrt and expf), and on x86
-# AVX-512's full width where the CPU has it (GCC stops at 256 bits by default).
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC")
+# No FMA contraction or fast math (the reference rounds each product), errno-free math (vectorized sqrt and expf),
+# and on x86 AVX-512's full width where the CPU has it (GCC stops at 256 bits by default).
+FLAGS = ("-O3", "-march=native", "-fno-fast-math", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-shared",
+         "-fPIC")
 NAMES = {torch.bfloat16: "bf16", torch.float32: "f32"}
 
 

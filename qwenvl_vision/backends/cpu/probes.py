@@ -43,13 +43,12 @@ BLOCK_PROBE_SEGMENTS = (1024,)  # one frame of a photo's size: on the CPU each i
 # still wins, since both round alike there and a packed linear's chunks are consumed while in cache.
 ONEDNN_FASTER_BY = {"float32": 1.10, "bfloat16": 0.95}
 # Near the best, an MLP's block rows and a block's chunk size time alike within noise (they may move a last fp32
-# bit, so a plan records them): a choice other than the default (and the native kernels rather than the modules'
-# own ops, the reference's bits) is taken only where it ran this much faster.
+# bit, so a plan records them): a size other than the default is taken only where it ran this much faster.
 SIZE_FASTER_BY = 1.05
 # Raised whenever the probes would choose differently on the same machine (what they time, their margins): a cache
 # file of older probes is then another machine key, and its machine is measured afresh. A recorded run's plan is
 # not affected: it runs as recorded.
-PROBE_REVISION = 3
+PROBE_REVISION = 4
 
 
 def warn(message: str) -> None:
@@ -81,9 +80,9 @@ def measure_linear(in_features: int, out_features: int, dtype: torch.dtype, repe
 def measure_block(need: tuple, plan: CpuPlan, native: NativeKernels | None, repeats: int = 3) -> tuple[int, str]:
     """(output bytes per packed linear call of CHUNK_CHOICES, "aten" or "native" elementwise steps) with which one
     of the tower's blocks ran fastest here, on ``plan``'s kernels, as the backend runs it: BLOCK_PROBE_SEGMENTS
-    frames of random tokens through a block of random weights. The elementwise steps are chosen first (at the
-    default chunk; "aten" where the native kernels do not build), then the chunk (the default where no linear runs
-    packed), each by ``fastest``."""
+    frames of random tokens through a block of random weights. The faster elementwise steps are chosen first (at the
+    default chunk; "aten" where the native kernels do not build), then the chunk by ``fastest`` (the default where
+    no linear runs packed)."""
     mlp, norm, dim, heads, hidden, act, dtype = need
     generator = torch.Generator().manual_seed(0)  # never the caller's random state
     with torch.device("meta"):
@@ -102,14 +101,13 @@ def measure_block(need: tuple, plan: CpuPlan, native: NativeKernels | None, repe
         inputs = run.attention_inputs((angles.cos(), angles.sin()), segments)
         return best_seconds(lambda: run.block(block, x.copy_(start), inputs), repeats)
 
-    kernels = "aten" if native is None else fastest(
-        {name: seconds(DEFAULT_CHUNK_BYTES, name) for name in ("aten", "native")}, "aten")
+    kernels = "aten" if native is None else min(("aten", "native"), key=lambda k: seconds(DEFAULT_CHUNK_BYTES, k))
     chunk = fastest({c: seconds(c, kernels) for c in CHUNK_CHOICES}, DEFAULT_CHUNK_BYTES) \
         if any(isinstance(m, PackedLinear) for m in block.modules()) else DEFAULT_CHUNK_BYTES
     return chunk, kernels
 
 
-def fastest(seconds: dict, default):
+def fastest(seconds: dict[int, float], default: int) -> int:
     """The fastest choice, or ``default`` unless that one is SIZE_FASTER_BY faster."""
     best = min(seconds, key=seconds.get)
     return best if seconds[best] * SIZE_FASTER_BY < seconds.get(default, float("inf")) else default
@@ -176,11 +174,12 @@ def random_module(module: nn.Module, dtype: torch.dtype, generator: torch.Genera
 
 
 def measure_mlp(kind: str, dim: int, hidden: int, act: str, dtype: torch.dtype, packs: tuple[bool, bool],
-                repeats: int = 2) -> tuple[bool, int]:
+                native: NativeKernels | None = None, repeats: int = 2) -> tuple[bool, int]:
     """(whether the MLP runs both linears packed, its rows per block of MLP_ROW_CHOICES by ``fastest``) as it ran
     fastest here, as the backend runs it. With ``packs`` (the lone linears' choices) not both packed, it is timed that
     way and with both packed: a packed first linear computes the activation in its epilogue and lets the MLP run by
-    row blocks, which a lone linear's timing does not see; both packed is taken by ONEDNN_FASTER_BY's preference."""
+    row blocks, which a lone linear's timing does not see; both packed is taken by ONEDNN_FASTER_BY's preference.
+    The gate runs on the ``native`` kernels where they build (as the block's probe then almost always chooses)."""
     generator = torch.Generator().manual_seed(0)  # never the caller's random state
     x = torch.randn(MLP_PROBE_ROWS, dim, generator=generator).to(dtype)
     residual = torch.zeros_like(x)
@@ -188,7 +187,7 @@ def measure_mlp(kind: str, dim: int, hidden: int, act: str, dtype: torch.dtype, 
     key = plan_key("mlp", kind, dim, hidden, act, dtype)
 
     def seconds(mlp: nn.Module, rows: int) -> float:
-        run = CpuExecution(CpuPlan("probe", mlp={key: rows}), workspace, DEFAULT_CHUNK_BYTES)
+        run = CpuExecution(CpuPlan("probe", mlp={key: rows}), workspace, DEFAULT_CHUNK_BYTES, native=native)
         return best_seconds(lambda: run.mlp(mlp, x, residual), repeats)
 
     both = probe_mlp(kind, dim, hidden, act, dtype, (True, True), generator)
@@ -229,7 +228,7 @@ def measure(needs: PlanNeeds, machine: str, known: CpuPlan | None = None, native
             kept_unpacked = any(known.linear.get(plan_key("linear", *shape)) == "addmm" for shape in shapes)
             if all(packs) or not kept_unpacked:
                 try:
-                    both_packed, rows = measure_mlp(kind, dim, hidden, act, d, packs)
+                    both_packed, rows = measure_mlp(kind, dim, hidden, act, d, packs, native)
                 except RuntimeError as e:  # a oneDNN kernel this CPU cannot run in this dtype
                     warn(f"the {kind} MLP {dim}x{hidden} {dtype_name(d)} failed on oneDNN ({e}); {rows} rows")
             if both_packed and not all(packs):  # the whole MLP ran faster packed: so do its shapes
