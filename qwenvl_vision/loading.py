@@ -65,7 +65,7 @@ def load_encoder(
     ``video_preprocessor_config.json`` (a settings object, or a dict in the file's format).
     cpu_kernels: how the CPU runs inference (docs/api.md, CPU kernels): "auto", this machine's plan, measured once
     and cached; "reference", the modules' own ops; or a recorded plan (``encoder.cpu_plan``, a run's ``run.json``),
-    the same bits on any machine. Ignored off the CPU and with ``compile``.
+    the same kernels on any machine. Ignored off the CPU and with ``compile``.
     """
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)

@@ -97,7 +97,7 @@ def execution(dtype=torch.float32, rows=4096, dim=240, wide=720, plan=None) -> C
 def test_the_backend_s_form_of_every_activation_of_the_model_is_bitwise_transformers_activation(name):
     """The backend has a form of each; bits on any CPU: the same aten kernel over the same iteration (in place on a
     contiguous tensor, into a strided destination from the same strided rows)."""
-    x = torch.randn(2 * (1 << 19) // 33 + 40, 33) * 5  # rows split over threads
+    x = torch.randn(31_817, 33) * 5  # rows split over threads
     in_place, into = ACTIVATIONS[name].in_place, ACTIVATIONS[name].into
     assert torch.equal(in_place(x.clone()), ACT2FN[name](x))
     out = torch.full_like(x, float("nan"))[:, 1:]  # a strided destination: a workspace's rows of a wider buffer
@@ -130,8 +130,8 @@ def test_packed_towers_match_transformers_per_item(family, tmp_path):
 @pytest.mark.parametrize("cfg", [QWEN2_5_SMALL, QWEN3_SMALL_72, FAMILY_SMALL["qwen2_vl"]],
                          ids=["qwen2.5", "qwen3", "qwen2-vl"])
 def test_bf16_packed_tower_within_tolerance_and_addmm_bitwise_where_this_machine_probes_so(cfg, monkeypatch):
-    """A bf16 tower on oneDNN's packed weights, its rows handed to rope, the activation and the residual add in
-    chunks, its MLPs by row blocks, chunks and blocks of a few dozen rows so that every pack crosses many of them:
+    """A bf16 tower on oneDNN's packed weights, its rows handed to the activation and the residual add in chunks, its
+    MLPs by row blocks, chunks and blocks of a few dozen rows so that every pack crosses many of them:
     within test_towers' bf16 tolerance of the fp32 tower per item. Bitwise the addmm plan's tower (oneDNN's epilogue
     activation turned off) only where this machine's probe shows a packed linear on such chunks gives addmm's bits
     (``packed_gives_addmm_bits``). Where oneDNN computes a plain MLP's activation in its GEMM's epilogue (Qwen3's
@@ -297,8 +297,8 @@ class CountOps(TorchDispatchMode):
 
 def test_off_the_cpu_a_block_launches_no_per_chunk_kernels(monkeypatch):
     """A tower off the CPU (here on ``meta``, a device-agnostic stand-in for CUDA) runs the modules' forward: the
-    CPU workspace is never made, and a forward of one frame dispatches as many ops at 64 tokens as at 65k (the
-    workspace's fp32 chunks would grow with the rows)."""
+    CPU workspace is never made, and a forward of one frame dispatches as many ops at 64 tokens as at 65k (a packed
+    linear's row chunks would grow with the rows)."""
     monkeypatch.setattr(Workspace, "__init__", lambda *_: pytest.fail("the CPU workspace was made off the CPU"))
     model = build_model(QWEN3_SMALL_72).to("meta")
     counts = []

@@ -308,7 +308,7 @@ def test_without_onednn_a_plan_holds_torch_s_kernels_and_block_sizes_and_is_comp
                       frozenset({block}))
     plan = machine_plan(needs)
     assert set(plan.linear.values()) == {"addmm"} and set(plan.attention.values()) == {"sdpa"}
-    assert plan.chunk_bytes(block) == DEFAULT_CHUNK_BYTES and plan.elementwise_kernels(block) in ("aten", "native")
+    assert plan.chunk_bytes(block) == DEFAULT_CHUNK_BYTES and set(plan.elementwise) == {plan_key("blocks", *block)}
     assert plan.missing(needs).empty()
     forget(monkeypatch)
     assert machine_plan(needs) == plan and len(calls) == 1

@@ -30,7 +30,7 @@ CPU_KERNELS = ("auto", "reference")
 
 def check_cpu_kernels(cpu_kernels: str | dict | CpuPlan) -> str | CpuPlan:
     """"auto" (the machine's measured plan), "reference" (the modules' own ops: addmm and SDPA, out of place), or a
-    plan (a ``CpuPlan`` or its dict, as a run recorded it: the same kernels again, the same bits)."""
+    plan (a ``CpuPlan`` or its dict, as a run recorded it: the same kernels again)."""
     if isinstance(cpu_kernels, CpuPlan):
         return cpu_kernels
     if isinstance(cpu_kernels, dict):
@@ -171,11 +171,7 @@ class CpuBackend:
         block = block_need(tower.blocks[0])
         rows = max(sum(t * h * w for t, h, w in pack) for _, pack in forwards)
         workspace = Workspace.for_blocks(rows, cfg.hidden_size, cfg.family.mlp, cfg.intermediate_size, dtype, device)
-        elementwise = prepared.plan.elementwise_kernels(block)
-        native = native_kernels() if elementwise == "native" else None
-        if elementwise == "native" and native is None:
-            raise ConfigError("the CPU plan runs the native elementwise kernels, which cannot be built here (the "
-                              "warning says why); cpu_kernels='auto' runs this machine's plan (other last bits)")
+        native = native_kernels() if prepared.plan.elementwise_kernels(block) == "native" else None
         return CpuExecution(prepared.plan, workspace, prepared.plan.chunk_bytes(block), forwards, native)
 
     def release(self, tower: VisionTower) -> None:
@@ -232,6 +228,9 @@ class CpuBackend:
             current = self.current(tower)
             if current is None:
                 plan = machine_plan(plan_needs(tower)) if self.cpu_kernels == "auto" else self.cpu_kernels
+                if "native" in plan.elementwise.values() and native_kernels() is None:
+                    raise ConfigError("the CPU plan runs the native elementwise kernels, which cannot be built here "
+                                      "(the warning says why); cpu_kernels='auto' runs this machine's own plan")
                 self.prepared = current = Prepared(placement(tower), plan, tuple(pack_linears_(tower, plan)),
                                                    torch.get_num_threads())
                 self.unaccounted = False

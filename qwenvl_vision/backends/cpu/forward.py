@@ -10,7 +10,7 @@ CUDA): ``backend.CpuBackend`` picks it once per call.
 
 Numbers against the reference's ops: a linear on addmm and the modules' ops are the reference's bits; oneDNN's
 kernels round as ``kernels`` says; the native rope and residual add are the reference's bits, their norms and SiLU
-may move a last fp32 bit (``native.c``). A transcendental activation on row chunks may differ in the last bit of a
+are within a few fp32 ulps (``native.c``). A transcendental activation on row chunks may differ in the last bit of a
 few fp32 elements from one call over all rows (a thread's share ending mid-row takes the scalar kernel); an item's
 chunks are the same wherever it is, since on the CPU each item runs as its own forward."""
 
@@ -148,8 +148,8 @@ class CpuExecution:
                 else:
                     qkv[rows].copy_(chunk)
         q, k, v = attn.split_heads(qkv)
-        if self.native is None:
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.native is None:  # q and k at once: the reference's bits, half its calls
+            q, k = apply_rope(qkv.view(x.shape[0], -1, attn.head_dim)[:, :heads], cos, sin).chunk(2, dim=1)
         return q, k, v
 
     def mlp(self, mlp: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:

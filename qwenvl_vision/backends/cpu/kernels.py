@@ -61,7 +61,7 @@ def balanced_chunks(rows: int, step: int) -> list[slice]:
 def packed_chunks(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, chunk_bytes: int
                   ) -> Iterator[tuple[slice, torch.Tensor]]:
     """``x @ weight.T + bias`` with a packed weight as (rows, fresh result of those rows) pairs, ``chunk_bytes`` of
-    output at a time, each computed when the caller asks for it."""
+    output at a time, each computed when the caller asks for it (``forward.add_linear_`` relies on it)."""
     step = max(1, chunk_bytes // (weight.shape[0] * x.element_size()))
     for rows in balanced_chunks(x.shape[0], step):
         yield rows, packed_linear(x[rows], weight, bias)

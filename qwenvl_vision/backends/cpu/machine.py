@@ -1,14 +1,14 @@
 """This machine's CPU plan: measured on it once, kept in the user's cache folder, reused by every later process.
 
-A plan is keyed by the machine (CPU model, ISA flags, architecture, torch version, torch threads, oneDNN) and the
-probes' revision, and stored as ``{key}.json`` under ``$QWENVL_VISION_CACHE/cpu-plans`` (default
-``$XDG_CACHE_HOME/qwenvl-vision`` or ``~/.cache/qwenvl-vision``), so two processes on a machine choose the same
-kernels and give the same bits. The file is only an optimisation: one that does not parse or is another machine's is
-one warning and measured again. Two processes tuning at once take turns on a lock file; one held longer than
-``PLAN_LOCK_WAIT_S`` (a stopped process) is given up on with one warning, each file being replaced whole. A folder
-that cannot be written or locked, or a link at a name it writes (never followed), is one warning and a plan for the
-process alone. Entries are added as towers need them (``machine_plan``), measured by ``probes``; an entry once
-recorded is never measured again. Each measurement is one INFO line of this module's ``logging`` logger.
+A plan is keyed by the machine (CPU model, ISA flags, architecture, torch version, torch threads, oneDNN, whether the
+native kernels build) and the probes' revision, and stored as ``{key}.json`` under ``$QWENVL_VISION_CACHE/cpu-plans``
+(default ``$XDG_CACHE_HOME/qwenvl-vision`` or ``~/.cache/qwenvl-vision``), so two processes on a machine choose the same
+kernels and give the same bits. The file is only an optimisation: one that does not parse or is another machine's is one
+warning and measured again. Two processes tuning at once take turns on a lock file; one held longer than
+``PLAN_LOCK_WAIT_S`` (a stopped process) is given up on with one warning, each file being replaced whole. A folder that
+cannot be written or locked, or a link at a name it writes (never followed), is one warning and a plan for the process
+alone. Entries are added as towers need them (``machine_plan``), measured by ``probes``; an entry once recorded is never
+measured again. Each measurement is one INFO line of this module's ``logging`` logger.
 """
 
 from __future__ import annotations

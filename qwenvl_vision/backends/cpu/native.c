@@ -1,7 +1,7 @@
 /* The CPU backend's fused elementwise steps (native.py builds them for the CPU at hand, -march=native): each one
    pass over its rows, as the reference's ops in its order and roundings (fp32 math rounded to the dtype where it
-   rounds; no FMA contraction). Rope and the residual add give its bits; the norms and the gate differ only where
-   the sums' order or libmvec's expf moves a last fp32 bit. Rows are split over `threads` OpenMP threads (the
+   rounds; no FMA contraction). Rope and the residual add give its bits; the norms and the gate are within a few
+   fp32 ulps (the sums' order, LayerNorm's (x - mean) * rstd form, libmvec's expf). Rows are split over `threads` OpenMP threads (the
    libgomp.so.1 torch loaded, where its build ships that one); every matrix is rows of a leading dimension. */
 #include <math.h>
 #include <stdint.h>

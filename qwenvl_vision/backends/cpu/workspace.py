@@ -6,8 +6,9 @@ faults cost a large share of the forward (docs/benchmarks.md). Here they are pai
 lower than the reference's: x, ``narrow`` (N x D) and ``wide`` (N x max(3D, MLP width)), plus the attention output.
 
 The rule that makes reuse safe: every op writes into the buffer that does not hold its input (``take``), so no op
-overwrites what it reads, and a value lives until the op after next consumes it; in-place steps (rope, activation,
-gate * up) change only their own value. The residual stream belongs to the forward and is updated in place.
+overwrites what it reads (but the residual add fused with the next norm, which writes it row by row over the
+attention output it consumes), and a value lives until the op after next consumes it; in-place steps (rope,
+activation, gate * up) change only their own value. The residual stream belongs to the forward and is updated in place.
 """
 
 from __future__ import annotations
