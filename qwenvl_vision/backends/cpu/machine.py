@@ -184,7 +184,7 @@ def native_kernels() -> NativeKernels | None:
         except (OSError, ValueError, AttributeError, subprocess.SubprocessError) as e:
             said = (getattr(e, "stderr", None) or b"").decode(errors="replace").splitlines()
             cause = next((line for line in said if "error" in line), said[-1] if said else e)
-            warn(f"cannot build the native CPU kernels ({cause}): torch's ops run instead")
+            warn(f"cannot build the native CPU kernels ({cause}): the modules' own ops run instead")
         return NATIVE["kernels"]
 
 
