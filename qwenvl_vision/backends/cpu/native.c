@@ -44,9 +44,10 @@ void add_norm_##NAME(T *x, const T *update, const T *weight, const T *bias, T *o
         for (int l = 0; l < LANES; l++) sum += partial[l];                                                        \
         for (; j < dim; j++) sum += (LOAD(xr[j]) - mean) * (LOAD(xr[j]) - mean);                                  \
         float scale = 1.0f / sqrtf(sum / (float)dim + eps);                                                       \
-        for (j = 0; j < dim; j++)                                                                                 \
-            out[r * ldo + j] = rms ? STORE(LOAD(weight[j]) * LOAD(STORE(LOAD(xr[j]) * scale)))                    \
-                                   : STORE((LOAD(xr[j]) - mean) * scale * LOAD(weight[j]) + (bias ? LOAD(bias[j]) : 0)); \
+        T *o = out + r * ldo;  /* a loop per norm, no test per element: in bf16 both vectorize only so */         \
+        for (j = 0; rms && j < dim; j++) o[j] = STORE(LOAD(weight[j]) * LOAD(STORE(LOAD(xr[j]) * scale)));        \
+        for (j = 0; !rms && j < dim; j++)  /* adding -0 where there is no bias changes no value */                \
+            o[j] = STORE((LOAD(xr[j]) - mean) * scale * LOAD(weight[j]) + (bias ? LOAD(bias[j]) : -0.0f));        \
     }                                                                                                             \
 }                                                                                                                 \
                                                                                                                   \
