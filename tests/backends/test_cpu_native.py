@@ -4,6 +4,7 @@ transformers' towers, and the plan's choice of them where they cannot be built."
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 
 import pytest
@@ -101,6 +102,23 @@ def test_silu_gate_times_up_is_transformers_within_a_rounding(dtype, in_place):
     assert_within_a_rounding(out, expected)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("in_place", [True, False])
+def test_gelu_tanh_is_transformers_within_a_rounding_and_the_exact_value_where_torch_s_cancels(dtype, in_place):
+    kernels, x = native(), strided(ROWS, 300, dtype, 4)
+    expected, wide = ACT2FN["gelu_pytorch_tanh"](x), x.double()
+    exact = wide * torch.sigmoid(2 * math.sqrt(2 / math.pi) * (wide + 0.044715 * wide**3))  # 1 + tanh(u) = 2 sigmoid(2u)
+    tail = x < -2  # torch's 0.5 * x * (1 + tanh(u)) loses its digits as tanh(u) nears -1 (its value goes to -0)
+    out = x if in_place else strided(ROWS, 300, dtype)
+    kernels.gelu_tanh(x, out)
+    assert_within_a_rounding(out[~tail], expected[~tail])
+    # there: within the rounding of torch's 1 + tanh(u) (half an fp32 ulp of 1, times x / 2) and the dtype's, and
+    # nearer the exact value than torch's over the tail
+    error, rtol = (out[tail].double() - exact[tail]).abs(), {torch.float32: 2**-23, torch.bfloat16: 2**-8}[dtype]
+    assert (error <= 2**-25 * wide[tail].abs() + rtol * exact[tail].abs()).all()
+    assert error.sum() < (expected[tail].double() - exact[tail]).abs().sum()
+
+
 @pytest.mark.parametrize("family", list(FAMILY_SMALL))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("linear", ["addmm", "onednn"])
@@ -108,7 +126,7 @@ def test_towers_on_the_native_kernels_match_transformers_per_item(family, dtype,
     """Packed linears' rows handed to rope and to the add + norm in chunks of a few dozen rows, MLPs by row
     blocks: every pack crosses many of them."""
     called = set()
-    for name in ("add_norm_", "rope", "silu_mul"):
+    for name in ("add_norm_", "rope", "silu_mul", "gelu_tanh"):
         real = getattr(NativeKernels, name)
         monkeypatch.setattr(NativeKernels, name, lambda *a, real=real, name=name: called.add(name) or real(*a))
     cfg = FAMILY_SMALL[family]
@@ -120,8 +138,9 @@ def test_towers_on_the_native_kernels_match_transformers_per_item(family, dtype,
         got = ours(pixel_values.to(dtype), grid_thw)
         expected = hf_forward(ref, pixel_values, grid_thw)
     assert_matches_reference(got, expected, grid_thw, 1e-5 if dtype == torch.float32 else 3e-2)
-    # norms and residual adds, and rope in every family; the SiLU gate in Qwen2.5's
-    assert called == {"add_norm_", "rope"} | ({"silu_mul"} if cfg.family.mlp == "gated" else set())
+    # norms and residual adds, and rope in every family; the SiLU gate in Qwen2.5's, GELU-tanh in Qwen3's
+    activations = {"silu": "silu_mul", "gelu_pytorch_tanh": "gelu_tanh"}
+    assert called == {"add_norm_", "rope"} | ({activations[cfg.hidden_act]} if cfg.hidden_act in activations else set())
 
 
 def test_where_they_cannot_be_built_one_warning_names_the_compiler_s_error_and_a_native_plan_is_refused(

@@ -64,6 +64,7 @@ ACTIVATIONS: dict[str, Activation] = {
     "quick_gelu": Activation(lambda x: x.mul_(torch.sigmoid(1.702 * x)),
                              lambda x, out: torch.mul(x, torch.sigmoid(1.702 * x), out=out)),
 }
+NATIVE_ACTIVATIONS = ("gelu_pytorch_tanh",)  # a plain MLP's activation the native kernels have
 
 
 def packed(layer: nn.Linear) -> bool:
@@ -173,10 +174,10 @@ class CpuExecution:
             hidden = self.workspace.take(x, x.shape[0], mlp.down_proj.in_features)
             gate_up = packed_linear(x, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias)
             return self.gate_times_up(gate_up, mlp.act, out=hidden)
-        fc1, activation = mlp.linear_fc1, ACTIVATIONS[mlp.act]
-        if activation.epilogue is not None:
-            return packed_linear(x, fc1.weight, fc1.bias, activation.epilogue)
-        return activation.in_place(packed_linear(x, fc1.weight, fc1.bias))
+        fc1, epilogue = mlp.linear_fc1, ACTIVATIONS[mlp.act].epilogue
+        if epilogue is not None and not (self.native is not None and mlp.act in NATIVE_ACTIVATIONS):
+            return packed_linear(x, fc1.weight, fc1.bias, epilogue)
+        return self.activate(packed_linear(x, fc1.weight, fc1.bias), mlp.act)
 
     # ------------------------------------------------------------------ linears
 
@@ -210,16 +211,15 @@ class CpuExecution:
     def activated(self, x: torch.Tensor, layer: nn.Linear, act: str, gated: bool = False) -> torch.Tensor:
         """``act(layer(x))``, or where ``gated`` ``act(gate) * up`` of ``layer(x) = [gate | up]``, in the workspace:
         in place on the one result, or from each fresh chunk into it."""
-        activation = ACTIVATIONS[act]
         if not packed(layer):
             y = self.linear_into(x, layer)
-            return self.gate_times_up(y, act) if gated else activation.in_place(y)
+            return self.gate_times_up(y, act) if gated else self.activate(y, act)
         hidden = self.workspace.take(x, x.shape[0], layer.out_features // (2 if gated else 1))
         for rows, y in self.packed_chunks(x, layer):
             if gated:
                 self.gate_times_up(y, act, out=hidden[rows])
             else:
-                activation.into(y, hidden[rows])
+                self.activate(y, act, out=hidden[rows])
         return hidden
 
     def gate_times_up(self, gate_up: torch.Tensor, act: str, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -230,4 +230,12 @@ class CpuExecution:
         if self.native is not None and ACTIVATIONS[act] is SILU:
             self.native.silu_mul(gate_up, out)
             return out
-        return torch.mul(ACTIVATIONS[act].in_place(gate), up, out=out)
+        return torch.mul(self.activate(gate, act), up, out=out)
+
+    def activate(self, x: torch.Tensor, act: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``act(x)`` into ``out`` (or in place): GELU-tanh in one native pass where they run, else the op."""
+        out = x if out is None else out
+        if self.native is not None and act in NATIVE_ACTIVATIONS:
+            self.native.gelu_tanh(x, out)
+            return out
+        return ACTIVATIONS[act].in_place(x) if out is x else ACTIVATIONS[act].into(x, out)
