@@ -107,7 +107,7 @@ def test_silu_gate_times_up_is_transformers_within_a_rounding(dtype, in_place):
 def test_gelu_tanh_is_transformers_within_a_rounding_and_the_exact_value_where_torch_s_cancels(dtype, in_place):
     kernels, x = native(), strided(ROWS, 300, dtype, 4)
     expected, wide = ACT2FN["gelu_pytorch_tanh"](x), x.double()
-    exact = wide * torch.sigmoid(2 * math.sqrt(2 / math.pi) * (wide + 0.044715 * wide**3))  # 1 + tanh(u) = 2 sigmoid(2u)
+    exact = wide * torch.sigmoid(2 * math.sqrt(2 / math.pi) * (wide + 0.044715 * wide**3))  # (1 + tanh u) / 2
     tail = x < -2  # torch's 0.5 * x * (1 + tanh(u)) loses its digits as tanh(u) nears -1 (its value goes to -0)
     out = x if in_place else strided(ROWS, 300, dtype)
     kernels.gelu_tanh(x, out)
