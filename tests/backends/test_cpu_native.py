@@ -98,7 +98,7 @@ def test_silu_gate_times_up_is_transformers_within_a_rounding(dtype, in_place):
     gate, up = gate_up.chunk(2, dim=-1)
     expected = ACT2FN["silu"](gate) * up
     out = gate if in_place else strided(ROWS, width, dtype)
-    kernels.silu_mul(gate_up, out)
+    kernels.activation(gate_up, out, gated=True)
     assert_within_a_rounding(out, expected)
 
 
@@ -110,7 +110,7 @@ def test_gelu_tanh_is_transformers_within_a_rounding_and_the_exact_value_where_t
     exact = wide * torch.sigmoid(2 * math.sqrt(2 / math.pi) * (wide + 0.044715 * wide**3))  # (1 + tanh u) / 2
     tail = x < -2  # torch's 0.5 * x * (1 + tanh(u)) loses its digits as tanh(u) nears -1 (its value goes to -0)
     out = x if in_place else strided(ROWS, 300, dtype)
-    kernels.gelu_tanh(x, out)
+    kernels.activation(x, out, gated=False)
     assert_within_a_rounding(out[~tail], expected[~tail])
     # there: within the rounding of torch's 1 + tanh(u) (half an fp32 ulp of 1, times x / 2) and the dtype's, and
     # nearer the exact value than torch's over the tail
@@ -126,9 +126,10 @@ def test_towers_on_the_native_kernels_match_transformers_per_item(family, dtype,
     """Packed linears' rows handed to rope and to the add + norm in chunks of a few dozen rows, MLPs by row
     blocks: every pack crosses many of them."""
     called = set()
-    for name in ("add_norm_", "rope", "silu_mul", "gelu_tanh"):
+    for name in ("add_norm_", "rope", "activation"):
         real = getattr(NativeKernels, name)
-        monkeypatch.setattr(NativeKernels, name, lambda *a, real=real, name=name: called.add(name) or real(*a))
+        monkeypatch.setattr(NativeKernels, name, lambda *a, real=real, name=name, **k: called.add((name, *k.values()))
+                            or real(*a, **k))
     cfg = FAMILY_SMALL[family]
     ref = hf_tower(cfg, seed=0)
     ours = ours_from(ref, cfg).to(dtype)
@@ -139,8 +140,8 @@ def test_towers_on_the_native_kernels_match_transformers_per_item(family, dtype,
         expected = hf_forward(ref, pixel_values, grid_thw)
     assert_matches_reference(got, expected, grid_thw, 1e-5 if dtype == torch.float32 else 3e-2)
     # norms and residual adds, and rope in every family; the SiLU gate in Qwen2.5's, GELU-tanh in Qwen3's
-    activations = {"silu": "silu_mul", "gelu_pytorch_tanh": "gelu_tanh"}
-    assert called == {"add_norm_", "rope"} | ({activations[cfg.hidden_act]} if cfg.hidden_act in activations else set())
+    activation = {"silu": {("activation", True)}, "gelu_pytorch_tanh": {("activation", False)}}.get(cfg.hidden_act)
+    assert called == {("add_norm_",), ("rope",)} | (activation or set())
 
 
 def test_where_they_cannot_be_built_one_warning_names_the_compiler_s_error_and_a_native_plan_is_refused(

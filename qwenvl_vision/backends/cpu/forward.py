@@ -228,7 +228,7 @@ class CpuExecution:
         gate, up = gate_up.chunk(2, dim=-1)
         out = gate if out is None else out
         if self.native is not None and ACTIVATIONS[act] is SILU:
-            self.native.silu_mul(gate_up, out)
+            self.native.activation(gate_up, out, gated=True)
             return out
         return torch.mul(self.activate(gate, act), up, out=out)
 
@@ -236,6 +236,6 @@ class CpuExecution:
         """``act(x)`` into ``out`` (or in place): GELU-tanh in one native pass where they run, else the op."""
         out = x if out is None else out
         if self.native is not None and act in NATIVE_ACTIVATIONS:
-            self.native.gelu_tanh(x, out)
+            self.native.activation(x, out, gated=False)
             return out
         return ACTIVATIONS[act].in_place(x) if out is x else ACTIVATIONS[act].into(x, out)

@@ -1,8 +1,9 @@
 /* The CPU backend's fused elementwise steps (native.py builds them for the CPU at hand, -march=native): each one
    pass over its rows, as the reference's ops in its order and roundings (fp32 math rounded to the dtype where it
-   rounds; no FMA contraction). Rope and the residual add give its bits; the norms and the gate are within a few
-   fp32 ulps (the sums' order, LayerNorm's (x - mean) * rstd form, libmvec's expf). Rows are split over `threads` OpenMP threads (the
-   libgomp.so.1 torch loaded, where its build ships that one); every matrix is rows of a leading dimension. */
+   rounds; no FMA contraction). Rope and the residual add give its bits; the norms and activations are within a few
+   fp32 ulps (the sums' order, LayerNorm's (x - mean) * rstd form, libmvec's expf). Rows are split over `threads`
+   OpenMP threads (the libgomp.so.1 torch loaded, where its build ships that one); every matrix is rows of a leading
+   dimension. */
 #include <math.h>
 #include <stdint.h>
 
@@ -72,31 +73,26 @@ void rope_##NAME(const T *x, T *out, const float *cos, const float *sin, long ro
     }                                                                                                             \
 }                                                                                                                 \
                                                                                                                   \
-/* out = dtype(dtype(silu(gate)) * up) of rows [gate | up], each `width` wide. */                                 \
-void silu_mul_##NAME(const T *gate_up, T *out, long rows, long width, long ldg, long ldo, int threads) {           \
-    _Pragma("omp parallel for schedule(static) num_threads(threads)")                                              \
-    for (long r = 0; r < rows; r++) {                                                                             \
-        const T *g = gate_up + r * ldg, *u = g + width;                                                           \
-        _Pragma("omp simd")                                                                                       \
-        for (long j = 0; j < width; j++) {                                                                        \
-            float v = LOAD(g[j]);                                                                                 \
-            out[r * ldo + j] = STORE(LOAD(STORE(v / (1.0f + expf(-v)))) * LOAD(u[j]));                             \
-        }                                                                                                         \
-    }                                                                                                             \
-}                                                                                                                 \
-                                                                                                                  \
-/* out = dtype(0.5 * x * (1 + tanh(u))), u = sqrt(2 / pi) * (x + 0.044715 * x^3) (GELU's tanh form), as the equal \
-   x / (1 + exp(-2u)): within a few fp32 ulps of torch's, and of the exact value where torch's 1 + tanh cancels. */\
-void gelu_tanh_##NAME(const T *x, T *out, long rows, long width, long ldx, long ldo, int threads) {               \
+/* gated: out = dtype(dtype(silu(gate)) * up) of rows [gate | up], each `width` wide; else out = dtype(gelu_tanh(x)),\
+   0.5 * x * (1 + tanh(u)), u = sqrt(2 / pi) * (x + 0.044715 * x^3), as the equal x / (1 + exp(-2u)): within a few\
+   fp32 ulps of torch's, and of the exact value where torch's 1 + tanh cancels. out may be gate or x. */          \
+void activation_##NAME(const T *x, T *out, long rows, long width, long ldx, long ldo, int gated, int threads) {   \
     _Pragma("omp parallel for schedule(static) num_threads(threads)")                                             \
     for (long r = 0; r < rows; r++) {                                                                             \
-        _Pragma("omp simd")                                                                                       \
-        for (long j = 0; j < width; j++) {                                                                        \
-            float v = LOAD(x[r * ldx + j]);                                                                       \
-            float u = 0.7978845608028654f * (v + 0.044715f * (v * v * v));                                        \
-            out[r * ldo + j] = STORE(v / (1.0f + expf(-2.0f * u)));  /* out may be x */                           \
+        const T *xr = x + r * ldx, *up = xr + width;                                                              \
+        T *o = out + r * ldo;                                                                                     \
+        if (gated) {                                                                                              \
+            _Pragma("omp simd")                                                                                   \
+            for (long j = 0; j < width; j++)                                                                      \
+                o[j] = STORE(LOAD(STORE(LOAD(xr[j]) / (1.0f + expf(-LOAD(xr[j]))))) * LOAD(up[j]));               \
+        } else {                                                                                                  \
+            _Pragma("omp simd")                                                                                   \
+            for (long j = 0; j < width; j++) {                                                                    \
+                float v = LOAD(xr[j]), u = 0.7978845608028654f * (v + 0.044715f * (v * v * v));                   \
+                o[j] = STORE(v / (1.0f + expf(-2.0f * u)));                                                       \
+            }                                                                                                     \
         }                                                                                                         \
-    }                                                                                                             \
+    }                                                                                                         \
 }
 
 KERNELS(uint16_t, bf16, bf16_float, float_bf16)

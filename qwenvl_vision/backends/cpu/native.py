@@ -39,8 +39,7 @@ class NativeKernels:
         pointer, long, = ctypes.c_void_p, ctypes.c_long
         signatures = {"add_norm": [pointer] * 5 + [long] * 5 + [ctypes.c_float, ctypes.c_int, ctypes.c_int],
                       "rope": [pointer] * 4 + [long] * 6 + [ctypes.c_int],
-                      "silu_mul": [pointer] * 2 + [long] * 4 + [ctypes.c_int],
-                      "gelu_tanh": [pointer] * 2 + [long] * 4 + [ctypes.c_int]}
+                      "activation": [pointer] * 2 + [long] * 4 + [ctypes.c_int] * 2}
         self.functions = {(name, dtype): getattr(library, f"{name}_{suffix}") for name in signatures
                           for dtype, suffix in NAMES.items()}
         for (name, _), function in self.functions.items():
@@ -62,16 +61,11 @@ class NativeKernels:
             x.data_ptr(), out.data_ptr(), cos.data_ptr(), sin.data_ptr(), x.shape[0], heads, head_dim,
             x.shape[1] - heads * head_dim, x.stride(0), out.stride(0), torch.get_num_threads())
 
-    def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor) -> None:
-        """``out = silu(gate) * up`` of rows ``[gate | up]``."""
-        self.functions["silu_mul", out.dtype](gate_up.data_ptr(), out.data_ptr(), out.shape[0], out.shape[1],
-                                             gate_up.stride(0), out.stride(0), torch.get_num_threads())
-
-    def gelu_tanh(self, x: torch.Tensor, out: torch.Tensor) -> None:
-        """``out = gelu(x, approximate="tanh")`` (out may be x)."""
-        self.functions["gelu_tanh", x.dtype](x.data_ptr(), out.data_ptr(), *x.shape, x.stride(0), out.stride(0),
-                                             torch.get_num_threads())
-
+    def activation(self, x: torch.Tensor, out: torch.Tensor, gated: bool) -> None:
+        """``gated``: ``out = silu(gate) * up`` of rows ``[gate | up]``; else ``out = gelu(x, approximate="tanh")``
+        (out may be gate or x)."""
+        self.functions["activation", x.dtype](x.data_ptr(), out.data_ptr(), *out.shape, x.stride(0), out.stride(0),
+                                              gated, torch.get_num_threads())
 
 def build(folder: Path, machine: str) -> NativeKernels:
     """The kernels compiled for ``machine`` (a key of this CPU) in ``folder``, built now unless they are there.

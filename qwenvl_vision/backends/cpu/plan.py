@@ -25,7 +25,7 @@ from ...devices import dtype_name
 from ...errors import ConfigError
 from .kernels import DEFAULT_CHUNK_BYTES, onednn_linear_available
 
-PLAN_FORMAT = 4
+PLAN_FORMAT = 5
 PLAN_FIELDS = ("format", "machine", "linear", "attention", "mlp", "linear_chunk", "elementwise")
 KERNELS = {"linear": ("addmm", "onednn"), "attention": ("sdpa", "gemm"), "elementwise": ("aten", "native")}
 # The dtypes a plan times kernels for (float16 runs torch's own kernels).
