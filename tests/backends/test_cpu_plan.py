@@ -24,7 +24,7 @@ from qwenvl_vision.backends.cpu import plan as plan_module
 from qwenvl_vision.backends.cpu.kernels import DEFAULT_CHUNK_BYTES, onednn_linear_available
 from qwenvl_vision.backends.cpu.machine import machine_identity, machine_key, machine_plan
 from qwenvl_vision.backends.cpu.plan import DEFAULT_MLP_ROWS, PROBE_LENGTHS, CpuPlan, PlanNeeds, plan_key
-from qwenvl_vision.backends.cpu.probes import CHUNK_CHOICES, MLP_ROW_CHOICES
+from qwenvl_vision.backends.cpu.probes import CHUNK_CHOICES, MLP_PROBE_LAYERS, MLP_ROW_CHOICES
 from tests.helpers import QWEN2_5_SMALL, grids_for, inputs, skip_unless_onednn_runs
 
 needs_onednn = pytest.mark.skipif(not onednn_linear_available(), reason="this torch has no oneDNN linear")
@@ -206,9 +206,9 @@ def test_an_mlp_is_timed_whole_and_its_shapes_run_packed_where_it_ran_faster_so(
 
 @needs_onednn
 @pytest.mark.parametrize(("timings", "expected"), [
-    ((1.0, 0.5, 0.9, 0.8, 0.9, 0.3, 0.9), (True, 1024)),  # packed ran faster: the rows of the fastest block
-    ((1.0, 1.04, 0.9, 0.3, 0.9, 0.9, 0.9), (True, 256)),  # bf16's tie preference keeps oneDNN within 5%
-    ((1.0, 0.5, 0.9, 0.87, 0.9, 0.9, 0.9), (True, DEFAULT_MLP_ROWS)),  # a near tie keeps the default rows
+    ((1.0, 0.5, 0.9, 0.8, 0.9, 0.3), (True, 1024)),  # packed ran faster: the rows of the fastest block
+    ((1.0, 1.04, 0.9, 0.3, 0.9, 0.9), (True, 256)),  # bf16's tie preference keeps oneDNN within 5%
+    ((1.0, 0.5, 0.9, 0.87, 0.9, 0.9), (True, DEFAULT_MLP_ROWS)),  # a near tie keeps the default rows
     ((1.0, 1.2), (False, DEFAULT_MLP_ROWS)),  # the lone choices ran faster: no rows measured
 ])
 def test_an_mlp_is_timed_as_chosen_then_packed_then_per_block_rows(monkeypatch, timings, expected):
@@ -226,14 +226,15 @@ def test_an_mlp_is_timed_as_chosen_then_packed_then_per_block_rows(monkeypatch, 
     monkeypatch.setattr(probes.CpuExecution, "mlp", spied_mlp)
     assert probes.measure_mlp("gated", 64, 96, "silu", torch.bfloat16, (False, True)) == expected
     assert next(calls, None) is None
-    assert ran == [(False, True)] + [(True, True)] * (len(timings) - 1)  # as told first, then both packed
-    calls = iter((0.9, 0.2, 0.9, 0.9, 0.9))
+    # as told first, then both packed; each timing a pass through MLP_PROBE_LAYERS distinct MLPs
+    assert ran == [(False, True)] * MLP_PROBE_LAYERS + [(True, True)] * MLP_PROBE_LAYERS * (len(timings) - 1)
+    calls = iter((0.9, 0.2, 0.9, 0.9))
     assert probes.measure_mlp("plain", 64, 96, "gelu_pytorch_tanh", torch.bfloat16, (True, True)) == (True, 256)
     # fp32 keeps the lone choices unless both packed ran 10% faster (oneDNN rounds differently from addmm)
     calls = iter((1.0, 0.95))
     assert probes.measure_mlp("plain", 64, 96, "gelu_pytorch_tanh", torch.float32, (False, False)) == (
         False, DEFAULT_MLP_ROWS)
-    calls = iter((1.0, 0.85, 0.9, 0.9, 0.9, 0.9, 0.9))
+    calls = iter((1.0, 0.85, 0.9, 0.9, 0.9, 0.9))
     assert probes.measure_mlp("plain", 64, 96, "gelu_pytorch_tanh", torch.float32, (False, False)) == (
         True, DEFAULT_MLP_ROWS)
 

@@ -31,11 +31,13 @@ from .workspace import Workspace
 
 PROBE_TOKENS = 2048  # tokens per attention probe (segments of a length batched up to it): rates, not totals
 LINEAR_PROBE_ROWS = 1024  # the towers' packs hold thousands of rows, and the rate flattens by here
-MLP_PROBE_ROWS = 2048
-# The search spaces of the sizes: an MLP's block rows (2048: one block of the probe) and a packed linear's output
+# An MLP is timed on one photo-sized item through distinct layers in turn, each read from memory once per pass as a
+# tower's are (one MLP timed again and again stays in cache, where smaller row blocks cost nothing).
+MLP_PROBE_ROWS, MLP_PROBE_LAYERS = 1024, 4
+# The search spaces of the sizes: an MLP's block rows (1024: one block of the probe) and a packed linear's output
 # bytes per call, from well inside a core's private cache to beyond a small last-level cache share. Each holds its
 # default.
-MLP_ROW_CHOICES = (128, 256, 512, 1024, 2048)
+MLP_ROW_CHOICES = (128, 256, 512, 1024)
 CHUNK_CHOICES = (1 << 20, 2 << 20, 4 << 20, 8 << 20)
 BLOCK_PROBE_SEGMENTS = (1024,)  # one frame of a photo's size: on the CPU each item runs as its own forward
 # How much faster oneDNN must time than addmm to be chosen, per dtype (for a lone linear, and for a whole MLP
@@ -186,15 +188,17 @@ def measure_mlp(kind: str, dim: int, hidden: int, act: str, dtype: torch.dtype, 
     workspace = Workspace.for_blocks(MLP_PROBE_ROWS, dim, kind, hidden, dtype, "cpu")
     key = plan_key("mlp", kind, dim, hidden, act, dtype)
 
-    def seconds(mlp: nn.Module, rows: int) -> float:
-        run = CpuExecution(CpuPlan("probe", mlp={key: rows}), workspace, DEFAULT_CHUNK_BYTES, native=native)
-        return best_seconds(lambda: run.mlp(mlp, x, residual), repeats)
+    def layers(packed: tuple[bool, bool]) -> list[nn.Module]:
+        return [probe_mlp(kind, dim, hidden, act, dtype, packed, generator) for _ in range(MLP_PROBE_LAYERS)]
 
-    both = probe_mlp(kind, dim, hidden, act, dtype, (True, True), generator)
-    if not all(packs):
-        chosen_s = seconds(probe_mlp(kind, dim, hidden, act, dtype, packs, generator), DEFAULT_MLP_ROWS)
-        if seconds(both, DEFAULT_MLP_ROWS) * ONEDNN_FASTER_BY[dtype_name(dtype)] >= chosen_s:
-            return False, DEFAULT_MLP_ROWS
+    def seconds(mlps: list[nn.Module], rows: int) -> float:
+        run = CpuExecution(CpuPlan("probe", mlp={key: rows}), workspace, DEFAULT_CHUNK_BYTES, native=native)
+        return best_seconds(lambda: [run.mlp(mlp, x, residual) for mlp in mlps], repeats)
+
+    chosen_s = None if all(packs) else seconds(layers(packs), DEFAULT_MLP_ROWS)  # freed before the packed are made
+    both = layers((True, True))
+    if chosen_s is not None and seconds(both, DEFAULT_MLP_ROWS) * ONEDNN_FASTER_BY[dtype_name(dtype)] >= chosen_s:
+        return False, DEFAULT_MLP_ROWS
     return True, fastest({rows: seconds(both, rows) for rows in MLP_ROW_CHOICES}, DEFAULT_MLP_ROWS)
 
 
