@@ -170,7 +170,7 @@ class CpuBackend:
         cfg, (device, dtype) = tower.config, prepared.placement
         block = block_need(tower.blocks[0])
         rows = max(sum(t * h * w for t, h, w in pack) for _, pack in forwards)
-        workspace = Workspace.for_blocks(rows, cfg.hidden_size, cfg.family.mlp, cfg.intermediate_size, dtype, device)
+        workspace = Workspace(rows, cfg.hidden_size, cfg.family.mlp, cfg.intermediate_size, dtype, device)
         native = native_kernels() if prepared.plan.elementwise_kernels(block) == "native" else None
         return CpuExecution(prepared.plan, workspace, prepared.plan.chunk_bytes(block), forwards, native)
 

@@ -3,16 +3,16 @@
 The modules (``layers.py``) stay the math; this reads their parameters and runs the same operations with what the
 CPU rewards: activations in the call's ``Workspace`` instead of fresh tensors, each linear on the kernel the
 machine's ``CpuPlan`` chose (a packed weight's rows computed in chunks of the plan's size and handed on as they
-come), norms with the residual add before them, rope and the SiLU gate each in one pass of the ``native`` kernels
-where the plan chose them (else the modules' own ops), MLPs by row blocks where both their linears are packed,
-attention per segment length on the plan's path. It runs only in inference (no autograd, no compile, never on
-CUDA): ``backend.CpuBackend`` picks it once per call.
+come), norms with the residual add before them, rope, the SiLU gate and GELU-tanh each in one pass of the ``native``
+kernels where the plan chose them (else the modules' own ops), MLPs by row blocks where both their linears are
+packed, attention per segment length on the plan's path. It runs only in inference (no autograd, no compile, never
+on CUDA): ``backend.CpuBackend`` picks it once per call.
 
 Numbers against the reference's ops: a linear on addmm and the modules' ops are the reference's bits; oneDNN's
-kernels round as ``kernels`` says; the native rope and residual add are the reference's bits, their norms and SiLU
-are within a few fp32 ulps (``native.c``). A transcendental activation on row chunks may differ in the last bit of a
-few fp32 elements from one call over all rows (a thread's share ending mid-row takes the scalar kernel); an item's
-chunks are the same wherever it is, since on the CPU each item runs as its own forward."""
+kernels round as ``kernels`` says; the native rope and residual add are the reference's bits, their norms and
+activations within a few fp32 ulps (``native.c``). A transcendental activation on row chunks may differ in the last
+bit of a few fp32 elements from one call over all rows (a thread's share ending mid-row takes the scalar kernel); an
+item's chunks are the same wherever it is, since on the CPU each item runs as its own forward."""
 
 from __future__ import annotations
 
@@ -26,13 +26,7 @@ from torch import nn
 from ...model.attention import SegmentPlan, sdpa_attention, sdpa_batched
 from ...model.execution import Grid
 from ...model.layers import AttentionInputs, GatedMLP, PatchMerger, VisionAttention, apply_rope
-from .kernels import (
-    DEFAULT_CHUNK_BYTES,
-    balanced_chunks,
-    gemm_attention,
-    packed_chunks,
-    packed_linear,
-)
+from .kernels import DEFAULT_CHUNK_BYTES, balanced_chunks, gemm_attention, packed_chunks, packed_linear
 from .native import NativeKernels
 from .packing import PackedLinear
 from .plan import CpuPlan
@@ -41,30 +35,24 @@ from .workspace import Workspace
 
 @dataclass(frozen=True)
 class Activation:
-    """The backend's forms of one of the model's activations (``layers.ACTIVATIONS``): in place, into an ``out=``
-    tensor, and as oneDNN's GEMM-epilogue post-op (``kernels.packed_linear``'s epilogue) where it has one."""
+    """The backend's forms of one of the model's activations (``layers.ACTIVATIONS``): in place, as oneDNN's
+    GEMM-epilogue post-op (``kernels.packed_linear``'s epilogue) where it has one, and whether ``native`` has it."""
 
     in_place: Callable[[torch.Tensor], torch.Tensor]
-    into: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     epilogue: tuple[str, str] | None = None
+    native: bool = False
 
 
-SILU = Activation(lambda x: F.silu(x, inplace=True), lambda x, out: torch.ops.aten.silu.out(x, out=out),
-                  ("swish", ""))
+SILU = Activation(lambda x: F.silu(x, inplace=True), ("swish", ""))
 ACTIVATIONS: dict[str, Activation] = {
     "silu": SILU,
     "swish": SILU,
-    "gelu": Activation(lambda x: torch.ops.aten.gelu_(x), lambda x, out: torch.ops.aten.gelu.out(x, out=out),
-                       ("gelu", "none")),
-    "gelu_pytorch_tanh": Activation(lambda x: torch.ops.aten.gelu_(x, approximate="tanh"),
-                                    lambda x, out: torch.ops.aten.gelu.out(x, approximate="tanh", out=out),
-                                    ("gelu", "tanh")),
+    "gelu": Activation(lambda x: torch.ops.aten.gelu_(x), ("gelu", "none")),
+    "gelu_pytorch_tanh": Activation(lambda x: torch.ops.aten.gelu_(x, approximate="tanh"), ("gelu", "tanh"), True),
     # In place but for its sigmoid temporary (the same ops as layers.quick_gelu); no epilogue: oneDNN's swish
     # post-op takes no alpha through this call.
-    "quick_gelu": Activation(lambda x: x.mul_(torch.sigmoid(1.702 * x)),
-                             lambda x, out: torch.mul(x, torch.sigmoid(1.702 * x), out=out)),
+    "quick_gelu": Activation(lambda x: x.mul_(torch.sigmoid(1.702 * x))),
 }
-NATIVE_ACTIVATIONS = ("gelu_pytorch_tanh",)  # a plain MLP's activation the native kernels have
 
 
 def packed(layer: nn.Linear) -> bool:
@@ -175,7 +163,7 @@ class CpuExecution:
             gate_up = packed_linear(x, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias)
             return self.gate_times_up(gate_up, mlp.act, out=hidden)
         fc1, epilogue = mlp.linear_fc1, ACTIVATIONS[mlp.act].epilogue
-        if epilogue is not None and not (self.native is not None and mlp.act in NATIVE_ACTIVATIONS):
+        if epilogue is not None and not (self.native is not None and ACTIVATIONS[mlp.act].native):
             return packed_linear(x, fc1.weight, fc1.bias, epilogue)
         return self.activate(packed_linear(x, fc1.weight, fc1.bias), mlp.act)
 
@@ -233,9 +221,9 @@ class CpuExecution:
         return torch.mul(self.activate(gate, act), up, out=out)
 
     def activate(self, x: torch.Tensor, act: str, out: torch.Tensor | None = None) -> torch.Tensor:
-        """``act(x)`` into ``out`` (or in place): GELU-tanh in one native pass where they run, else the op."""
-        out = x if out is None else out
-        if self.native is not None and act in NATIVE_ACTIVATIONS:
-            self.native.activation(x, out, gated=False)
-            return out
-        return ACTIVATIONS[act].in_place(x) if out is x else ACTIVATIONS[act].into(x, out)
+        """``act(x)`` into ``out`` (or in place): GELU-tanh in one native pass where they run, else the op in place
+        (then copied)."""
+        if self.native is not None and ACTIVATIONS[act].native:
+            self.native.activation(x, x if out is None else out, gated=False)
+            return x if out is None else out
+        return ACTIVATIONS[act].in_place(x) if out is None else out.copy_(ACTIVATIONS[act].in_place(x))

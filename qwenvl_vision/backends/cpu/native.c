@@ -20,9 +20,8 @@ static inline uint16_t float_bf16(float f) {  /* round to nearest even, as c10::
 #define LANES 16  /* independent partial sums: a vectorizable sum of squares without reassociation */
 
 #define KERNELS(T, NAME, LOAD, STORE)                                                                              \
-/* x += update (if given), then (if out is given) RMSNorm's out = weight * dtype(x * rsqrt(mean(x^2) + eps)), or   \
-   LayerNorm's out = dtype((x - mean) * rsqrt(var + eps) * weight + bias) (bias may be NULL).                       \
-   */                                                                                                             \
+/* x += update (if given), then (if out is given) RMSNorm's out = weight * dtype(x * rsqrt(mean(x^2) + eps)), or  \
+   LayerNorm's out = dtype((x - mean) * rsqrt(var + eps) * weight + bias) (bias may be NULL). */                  \
 void add_norm_##NAME(T *x, const T *update, const T *weight, const T *bias, T *out, long rows, long dim, long ldx,  \
                      long ldu, long ldo, float eps, int rms, int threads) {                                       \
     _Pragma("omp parallel for schedule(static) num_threads(threads)")                                              \
@@ -52,9 +51,8 @@ void add_norm_##NAME(T *x, const T *update, const T *weight, const T *bias, T *o
     }                                                                                                             \
 }                                                                                                                 \
                                                                                                                   \
-/* `heads` heads of head_dim per row rotated, out = dtype(x * cos + rotate_half(x) * sin) (cos and sin fp32, rows x \
-   head_dim; x1 * cos - x2 * sin is x1 * cos + (-x2) * sin bit for bit); then `tail` elements copied. out may be x   \
-   (each head is read whole first). */                                                                           \
+/* `heads` heads of head_dim per row rotated, out = dtype(x * cos + rotate_half(x) * sin) (cos, sin: fp32 rows x  \
+   head_dim; x1 * cos - x2 * sin is x1 * cos + (-x2) * sin bit for bit), the `tail` copied. out may be x. */      \
 void rope_##NAME(const T *x, T *out, const float *cos, const float *sin, long rows, long heads,                   \
                  long head_dim, long tail, long ldx, long ldo, int threads) {                                     \
     long half = head_dim / 2;                                                                                     \

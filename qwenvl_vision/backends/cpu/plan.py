@@ -4,10 +4,10 @@ A plan says which kernel runs each linear shape and dtype (torch's ``addmm`` or 
 attention path runs each segment length (SDPA, or two fp32 GEMMs per head), how many rows an MLP with both linears
 packed runs at a time and, per tower block shape, how many bytes of output a packed linear computes per oneDNN call
 (``linear_chunk``) and whether its elementwise steps run the modules' own ops or the fused ``native`` kernels
-(``elementwise``). Each entry is a
-timing on the machine at hand (``probes``, kept per machine by ``machine``), never a constant fitted to one CPU: the
-rates and cache sizes differ by vendor, ISA (AVX-512, AMX), torch build and thread count, and so do the winners.
-Shapes a plan holds no kernel entry for run torch's own kernels; sizes it holds none for take the defaults.
+(``elementwise``). Each entry is a timing on the machine at hand (``probes``, kept per machine by ``machine``), never
+a constant fitted to one CPU: the rates and cache sizes differ by vendor, ISA (AVX-512, AMX), torch build and thread
+count, and so do the winners. Shapes a plan holds no kernel entry for run torch's own kernels; sizes it holds none
+for take the defaults.
 
 A plan travels as a dict (``to_dict`` / ``from_dict``), so a resumed run, a rank or a Ray actor on another machine
 runs the plan its run recorded."""

@@ -6,6 +6,7 @@ choice ran clearly faster. ``measure`` turns what towers need into plan entries;
 from __future__ import annotations
 
 import warnings
+from collections import deque
 from collections.abc import Callable
 
 import torch
@@ -31,8 +32,8 @@ from .workspace import Workspace
 
 PROBE_TOKENS = 2048  # tokens per attention probe (segments of a length batched up to it): rates, not totals
 LINEAR_PROBE_ROWS = 1024  # the towers' packs hold thousands of rows, and the rate flattens by here
-# An MLP is timed on one photo-sized item through distinct layers in turn, each read from memory once per pass as a
-# tower's are (one MLP timed again and again stays in cache, where smaller row blocks cost nothing).
+# An MLP is timed on a photo-sized item through distinct layers, each read from memory once per pass as a tower's
+# are (one MLP timed again and again stays in cache, where smaller row blocks cost nothing).
 MLP_PROBE_ROWS, MLP_PROBE_LAYERS = 1024, 4
 # The search spaces of the sizes: an MLP's block rows (1024: one block of the probe) and a packed linear's output
 # bytes per call, from well inside a core's private cache to beyond a small last-level cache share. Each holds its
@@ -65,14 +66,10 @@ def measure_linear(in_features: int, out_features: int, dtype: torch.dtype, repe
     x = torch.randn(LINEAR_PROBE_ROWS, in_features, generator=generator).to(dtype)
     bias, out = torch.zeros(out_features, dtype=dtype), torch.empty(LINEAR_PROBE_ROWS, out_features, dtype=dtype)
 
-    def onednn(packed: torch.Tensor) -> None:
-        for _ in packed_chunks(x, packed, bias, DEFAULT_CHUNK_BYTES):
-            pass
-
     addmm_s = best_seconds(lambda: torch.addmm(bias, x, weight.t(), out=out), repeats)
     try:
         packed = pack_weight(weight)
-        onednn_s = best_seconds(lambda: onednn(packed), repeats)
+        onednn_s = best_seconds(lambda: deque(packed_chunks(x, packed, bias, DEFAULT_CHUNK_BYTES), maxlen=0), repeats)
     except RuntimeError as e:  # a oneDNN kernel this CPU cannot run in this dtype: torch's own kernel runs
         warn(f"oneDNN's linear failed for {in_features}x{out_features} {dtype_name(dtype)} ({e}); using addmm")
         return "addmm"
@@ -98,7 +95,7 @@ def measure_block(need: tuple, plan: CpuPlan, native: NativeKernels | None, repe
     segments = SegmentPlan.from_lengths(list(BLOCK_PROBE_SEGMENTS), "cpu")
 
     def seconds(chunk: int, kernels: str) -> float:
-        run = CpuExecution(plan, Workspace.for_blocks(rows, dim, mlp, hidden, dtype, "cpu"), chunk,
+        run = CpuExecution(plan, Workspace(rows, dim, mlp, hidden, dtype, "cpu"), chunk,
                            native=native if kernels == "native" else None)
         inputs = run.attention_inputs((angles.cos(), angles.sin()), segments)
         return best_seconds(lambda: run.block(block, x.copy_(start), inputs), repeats)
@@ -147,13 +144,14 @@ def attention_seconds(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: 
             best_seconds(lambda: gemm_attention(q, k, v, count, scale, out), repeats))
 
 
-def probe_mlp(kind: str, dim: int, hidden: int, act: str, dtype: torch.dtype, packs: tuple[bool, bool],
-              generator: torch.Generator) -> nn.Module:
-    """An MLP of random weights of this shape, its (first, second) linears packed as ``packs`` says."""
+def probe_mlps(kind: str, dim: int, hidden: int, act: str, dtype: torch.dtype, packs: tuple[bool, bool],
+               generator: torch.Generator) -> list[nn.Module]:
+    """MLP_PROBE_LAYERS MLPs of random weights of this shape, their (first, second) linears packed as ``packs`` says."""
     with torch.device("meta"):
-        mlp = (GatedMLP if kind == "gated" else MLP)(dim, hidden, act)
-    linears = [c for c in mlp.children() if isinstance(c, nn.Linear)]
-    return random_module(mlp, dtype, generator, dict(zip(linears, packs, strict=True)).get)
+        mlps = [(GatedMLP if kind == "gated" else MLP)(dim, hidden, act) for _ in range(MLP_PROBE_LAYERS)]
+    linears = [[c for c in mlp.children() if isinstance(c, nn.Linear)] for mlp in mlps]
+    return [random_module(mlp, dtype, generator, dict(zip(pair, packs, strict=True)).get)
+            for mlp, pair in zip(mlps, linears, strict=True)]
 
 
 def random_module(module: nn.Module, dtype: torch.dtype, generator: torch.Generator,
@@ -179,24 +177,22 @@ def measure_mlp(kind: str, dim: int, hidden: int, act: str, dtype: torch.dtype, 
                 native: NativeKernels | None = None, repeats: int = 2) -> tuple[bool, int]:
     """(whether the MLP runs both linears packed, its rows per block of MLP_ROW_CHOICES by ``fastest``) as it ran
     fastest here, as the backend runs it. With ``packs`` (the lone linears' choices) not both packed, it is timed that
-    way and with both packed: a packed first linear computes the activation in its epilogue and lets the MLP run by
-    row blocks, which a lone linear's timing does not see; both packed is taken by ONEDNN_FASTER_BY's preference.
-    The gate runs on the ``native`` kernels where they build (as the block's probe then almost always chooses)."""
+    way and with both packed (which lets the MLP run by row blocks, unseen by a lone linear's timing), both packed
+    taken by ONEDNN_FASTER_BY's preference. The activation runs on the ``native`` kernels where they build (as the
+    block's probe then almost always chooses)."""
     generator = torch.Generator().manual_seed(0)  # never the caller's random state
     x = torch.randn(MLP_PROBE_ROWS, dim, generator=generator).to(dtype)
     residual = torch.zeros_like(x)
-    workspace = Workspace.for_blocks(MLP_PROBE_ROWS, dim, kind, hidden, dtype, "cpu")
-    key = plan_key("mlp", kind, dim, hidden, act, dtype)
-
-    def layers(packed: tuple[bool, bool]) -> list[nn.Module]:
-        return [probe_mlp(kind, dim, hidden, act, dtype, packed, generator) for _ in range(MLP_PROBE_LAYERS)]
+    workspace = Workspace(MLP_PROBE_ROWS, dim, kind, hidden, dtype, "cpu")
+    shape = kind, dim, hidden, act, dtype
+    key = plan_key("mlp", *shape)
 
     def seconds(mlps: list[nn.Module], rows: int) -> float:
         run = CpuExecution(CpuPlan("probe", mlp={key: rows}), workspace, DEFAULT_CHUNK_BYTES, native=native)
         return best_seconds(lambda: [run.mlp(mlp, x, residual) for mlp in mlps], repeats)
 
-    chosen_s = None if all(packs) else seconds(layers(packs), DEFAULT_MLP_ROWS)  # freed before the packed are made
-    both = layers((True, True))
+    chosen_s = None if all(packs) else seconds(probe_mlps(*shape, packs, generator), DEFAULT_MLP_ROWS)  # freed first
+    both = probe_mlps(*shape, (True, True), generator)
     if chosen_s is not None and seconds(both, DEFAULT_MLP_ROWS) * ONEDNN_FASTER_BY[dtype_name(dtype)] >= chosen_s:
         return False, DEFAULT_MLP_ROWS
     return True, fastest({rows: seconds(both, rows) for rows in MLP_ROW_CHOICES}, DEFAULT_MLP_ROWS)
@@ -209,8 +205,7 @@ def measure(needs: PlanNeeds, machine: str, known: CpuPlan | None = None, native
     before. Without oneDNN's linear the kernels are torch's, untimed."""
     known = known or CpuPlan(machine)
     with torch.inference_mode(False), torch.no_grad():
-        # Without oneDNN's linear, or in a dtype this CPU's oneDNN cannot pack, torch's kernels run, chosen without a
-        # probe or a warning.
+        # Without oneDNN's linear, or in a dtype its oneDNN cannot pack, torch's kernels run (no probe, no warning).
         onednn = onednn_linear_available()
         packs_here = {d: onednn and onednn_packs(d) for *_, d in timed(needs.linear)}
         linear = {plan_key("linear", i, o, d): measure_linear(i, o, d) if packs_here[d] else "addmm"

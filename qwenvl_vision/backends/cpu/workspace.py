@@ -19,18 +19,14 @@ import torch
 
 
 class Workspace:
-    """Two activation buffers of ``rows`` x ``dim`` and ``rows`` x ``wide`` elements."""
+    """Two activation buffers: ``rows`` x ``dim`` elements, and ``rows`` x ``wide`` for qkv or the hidden rows of an
+    MLP of this shape (``mlp``: "gated" or "plain")."""
 
-    def __init__(self, rows: int, dim: int, wide: int, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, rows: int, dim: int, mlp: str, mlp_hidden: int, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        wide = max(3 * dim, mlp_hidden * (2 if mlp == "gated" else 1))
         self.buffers = (torch.empty(rows * dim, dtype=dtype, device=device),
                         torch.empty(rows * wide, dtype=dtype, device=device))
-
-    @classmethod
-    def for_blocks(cls, rows: int, dim: int, mlp: str, mlp_hidden: int, dtype: torch.dtype,
-                   device: torch.device | str) -> Workspace:
-        """The workspace of ``rows`` hidden states through blocks of this shape (``mlp``: "gated" or "plain"):
-        ``wide`` holds qkv or the MLP's hidden rows."""
-        return cls(rows, dim, max(3 * dim, mlp_hidden * (2 if mlp == "gated" else 1)), dtype, device)
 
     def take(self, source: torch.Tensor, *shape: int) -> torch.Tensor:
         """A view of ``shape`` in a buffer that does not hold ``source`` and is large enough."""
