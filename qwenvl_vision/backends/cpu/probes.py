@@ -31,16 +31,14 @@ from .plan import DEFAULT_MLP_ROWS, PROBE_LENGTHS, CpuPlan, PlanNeeds, dtype_nam
 from .workspace import Workspace
 
 PROBE_TOKENS = 2048  # tokens per attention probe (segments of a length batched up to it): rates, not totals
-LINEAR_PROBE_ROWS = 1024  # the towers' packs hold thousands of rows, and the rate flattens by here
-# An MLP is timed on a photo-sized item through distinct layers, each read from memory once per pass as a tower's
-# are (one MLP timed again and again stays in cache, where smaller row blocks cost nothing).
-MLP_PROBE_ROWS, MLP_PROBE_LAYERS = 1024, 4
-# The search spaces of the sizes: an MLP's block rows (1024: one block of the probe) and a packed linear's output
-# bytes per call, from well inside a core's private cache to beyond a small last-level cache share. Each holds its
-# default.
+# Photo-sized items (each runs as its own forward), of no particular row count: oneDNN's rate for a shape at some
+# counts (1,024 among them) is far from its rate at those around them. An MLP is timed through distinct layers, each
+# read from memory once per pass as a tower's are (one MLP timed again and again stays in cache).
+LINEAR_PROBE_ROWS, MLP_PROBE_ROWS, MLP_PROBE_LAYERS, BLOCK_PROBE_SEGMENTS = (600, 800, 1000), 1000, 4, (1000,)
+# The search spaces of the sizes, each holding its default: an MLP's block rows (1024: one block of an item) and a
+# packed linear's output bytes per call, from well inside a core's private cache to beyond a small last-level cache.
 MLP_ROW_CHOICES = (128, 256, 512, 1024)
 CHUNK_CHOICES = (1 << 20, 2 << 20, 4 << 20, 8 << 20)
-BLOCK_PROBE_SEGMENTS = (1024,)  # one frame of a photo's size: on the CPU each item runs as its own forward
 # How much faster oneDNN must time than addmm to be chosen, per dtype (for a lone linear, and for a whole MLP
 # against its linears' lone choices). fp32: 10%, since oneDNN's rounding is not the reference's; bf16: 5% slower
 # still wins, since both round alike there and a packed linear's chunks are consumed while in cache.
@@ -49,8 +47,7 @@ ONEDNN_FASTER_BY = {"float32": 1.10, "bfloat16": 0.95}
 # bit, so a plan records them): a size other than the default is taken only where it ran this much faster.
 SIZE_FASTER_BY = 1.05
 # Raised whenever the probes would choose differently on the same machine (what they time, their margins): a cache
-# file of older probes is then another machine key, and its machine is measured afresh. A recorded run's plan is
-# not affected: it runs as recorded.
+# file of older probes is then another machine key, measured afresh (a recorded run's plan runs as recorded).
 PROBE_REVISION = 5
 
 
@@ -63,13 +60,16 @@ def measure_linear(in_features: int, out_features: int, dtype: torch.dtype, repe
     prepacked linear on row chunks the next step reads as they come (as the backend calls each)."""
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
-    x = torch.randn(LINEAR_PROBE_ROWS, in_features, generator=generator).to(dtype)
-    bias, out = torch.zeros(out_features, dtype=dtype), torch.empty(LINEAR_PROBE_ROWS, out_features, dtype=dtype)
+    x = torch.randn(max(LINEAR_PROBE_ROWS), in_features, generator=generator).to(dtype)
+    bias, out = torch.zeros(out_features, dtype=dtype), torch.empty(max(LINEAR_PROBE_ROWS), out_features, dtype=dtype)
 
-    addmm_s = best_seconds(lambda: torch.addmm(bias, x, weight.t(), out=out), repeats)
+    def seconds(linear: Callable[[torch.Tensor, torch.Tensor], object]) -> float:  # summed over the row counts
+        return sum(best_seconds(lambda r=r: linear(x[:r], out[:r]), repeats) for r in LINEAR_PROBE_ROWS)
+
+    addmm_s = seconds(lambda x, out: torch.addmm(bias, x, weight.t(), out=out))
     try:
         packed = pack_weight(weight)
-        onednn_s = best_seconds(lambda: deque(packed_chunks(x, packed, bias, DEFAULT_CHUNK_BYTES), maxlen=0), repeats)
+        onednn_s = seconds(lambda x, _: deque(packed_chunks(x, packed, bias, DEFAULT_CHUNK_BYTES), maxlen=0))
     except RuntimeError as e:  # a oneDNN kernel this CPU cannot run in this dtype: torch's own kernel runs
         warn(f"oneDNN's linear failed for {in_features}x{out_features} {dtype_name(dtype)} ({e}); using addmm")
         return "addmm"
