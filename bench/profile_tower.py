@@ -11,7 +11,8 @@ every other op by the innermost scope around it
 (norm modules -> norm; attention modules -> rope, q/k/v split and other attention glue; MLP modules ->
 activation and gate multiply; mergers; the block itself -> residual adds; the rest, e.g. the patch embedding's
 copies and the position embedding -> other). The CPU backend's steps (a linear's rows handed straight to the
-residual add, the activation or rope: ``FUSED_STEPS``) are scoped by what they do, not by the module around them.
+residual add, the activation or rope: ``FUSED_STEPS``) are scoped by what they do, not by the module around them;
+its native kernels (C, no aten op inside) count by their scope's own time.
 A packed plain MLP's activation runs inside oneDNN's GEMM where it can (``backends.cpu.forward.ACTIVATIONS``: Qwen3's
 GELU-tanh, not Qwen2-VL's quick-GELU) and then counts as GEMM: compare the towers' totals, not that row.
 """
@@ -28,6 +29,7 @@ from bench.throughput import build_variants
 from bench.workloads import add_workload_arguments, workload
 from qwenvl_vision.backends.cpu import forward
 from qwenvl_vision.backends.cpu.forward import CpuExecution
+from qwenvl_vision.backends.cpu.native import NativeKernels
 from qwenvl_vision.model.tower import VisionTower
 
 GEMM_OPS = {"aten::addmm", "aten::mm", "aten::bmm", "aten::baddbmm", "aten::mkldnn_convolution",
@@ -79,22 +81,27 @@ FUSED_STEPS = {(CpuExecution, "norm"): "norm", (CpuExecution, "attention"): "rop
                (CpuExecution, "rotated_qkv"): "rope & attention glue",
                (CpuExecution, "add_linear_"): "residual (block)",
                (CpuExecution, "activated"): "activation & gate", (CpuExecution, "hidden_block"): "activation & gate",
-               (CpuExecution, "merger"): "merger other", (forward, "gemm_attention"): "attention"}
+               (CpuExecution, "merger"): "merger other", (forward, "gemm_attention"): "attention",
+               # the native kernels (C through ctypes, no aten op inside): each scope's own time is the kernel's
+               (NativeKernels, "add_norm_"): "norm", (NativeKernels, "rope"): "rope & attention glue",
+               (NativeKernels, "activation"): "activation & gate"}
 
 
 @contextmanager
 def _scoped_fused_steps():
-    """Wrap each of FUSED_STEPS in record_function('cat::<category>') while profiling; restored after."""
+    """Wrap each of FUSED_STEPS in record_function('cat::<category>') while profiling, a native kernel's in
+    'native::<category>'; restored after."""
     originals = {(module, name): getattr(module, name) for module, name in FUSED_STEPS}
 
-    def scoped(function, category):
+    def scoped(function, category, prefix):
         def run(*args, **kwargs):
-            with torch.autograd.profiler.record_function(f"cat::{category}"):
+            with torch.autograd.profiler.record_function(f"{prefix}::{category}"):
                 return function(*args, **kwargs)
         return run
 
     for (module, name), category in FUSED_STEPS.items():
-        setattr(module, name, scoped(originals[module, name], category))
+        setattr(module, name, scoped(originals[module, name], category,
+                                     "native" if module is NativeKernels else "cat"))
     try:
         yield
     finally:
@@ -149,6 +156,9 @@ def profile_forward(model: torch.nn.Module, run, pixel_values: torch.Tensor, gri
             handle.remove()
     seconds: dict[str, float] = defaultdict(float)
     for event in prof.events():
+        if event.name.startswith("native::"):
+            seconds[event.name[8:]] += event.self_cpu_time_total / 1e6
+            continue
         if not event.name.startswith(("aten::", "mkldnn::")):
             continue
         scope = _scope_category(event)
