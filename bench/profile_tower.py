@@ -13,8 +13,9 @@ activation and gate multiply; mergers; the block itself -> residual adds; the re
 copies and the position embedding -> other). The CPU backend's steps (a linear's rows handed straight to the
 residual add, the activation or rope: ``FUSED_STEPS``) are scoped by what they do, not by the module around them;
 its native kernels (C, no aten op inside) count by their scope's own time.
-A packed plain MLP's activation runs inside oneDNN's GEMM where it can (``backends.cpu.forward.ACTIVATIONS``: Qwen3's
-GELU-tanh, not Qwen2-VL's quick-GELU) and then counts as GEMM: compare the towers' totals, not that row.
+A packed plain MLP's activation runs inside oneDNN's GEMM where it can and the native kernels do not run it
+(``backends.cpu.forward.ACTIVATIONS``: Qwen3's GELU-tanh without them, never Qwen2-VL's quick-GELU) and then counts as
+GEMM: compare the towers' totals, not that row. A native residual add fused with a norm counts as norm.
 """
 
 from __future__ import annotations
@@ -95,7 +96,9 @@ def _scoped_fused_steps():
 
     def scoped(function, category, prefix):
         def run(*args, **kwargs):
-            with torch.autograd.profiler.record_function(f"{prefix}::{category}"):
+            # the native residual add without a norm after it (the MLP's) is the block's residual
+            step = "residual (block)" if function is NativeKernels.add_norm_ and args[3] is None else category
+            with torch.autograd.profiler.record_function(f"{prefix}::{step}"):
                 return function(*args, **kwargs)
         return run
 

@@ -95,9 +95,12 @@ def execution(dtype=torch.float32, rows=4096, dim=240, hidden=720, plan=None) ->
 
 @pytest.mark.parametrize("name", sorted(layers.ACTIVATIONS))
 def test_the_backend_s_form_of_every_activation_of_the_model_is_bitwise_transformers_activation(name):
-    """The backend has a form of each; bits on any CPU: the same aten kernel over the same iteration."""
+    """The backend has a form of each (where the native kernels do not run it); bits on any CPU: the same aten kernel
+    over the same iteration, in place or on a copy in the rows of a larger buffer (the workspace's)."""
     x = torch.randn(31_817, 33) * 5  # rows split over threads
-    assert torch.equal(ACTIVATIONS[name].in_place(x.clone()), ACT2FN[name](x))
+    assert torch.equal(execution().activate(x.clone(), name), ACT2FN[name](x))
+    out = torch.full((40_000, 33), float("nan"))[:31_817]
+    assert torch.equal(execution().activate(x.clone(), name, out=out), ACT2FN[name](x))
 
 
 # ----------------------------------------------------------------------------- towers on the backend

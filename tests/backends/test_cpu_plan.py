@@ -173,8 +173,9 @@ def test_a_plan_round_trips_as_a_dict_and_gives_its_entries_or_the_defaults():
 def test_an_mlp_is_timed_whole_and_its_shapes_run_packed_where_it_ran_faster_so(
         fresh, monkeypatch, kernel, whole_mlp_packed):
     """Every MLP is measured as the backend runs it, told its lone linears' choices; where it ran faster with both
-    packed (the activation in the epilogue, row blocks), its two shapes are packed and its rows recorded; else its
-    linears keep their lone choices and it has the default rows. A shape already recorded keeps its choice."""
+    packed (row blocks; a plain MLP's activation in the epilogue or natively), its two shapes are packed and its rows
+    recorded; else its linears keep their lone choices and it has the default rows. A shape already recorded keeps
+    its choice."""
     monkeypatch.setattr(probes, "measure_linear", lambda *_, **__: kernel)
     monkeypatch.setattr(probes, "onednn_packs", lambda dtype: True)  # the probes are mocked: any CPU
     timed = []
@@ -215,12 +216,13 @@ def test_an_mlp_is_timed_as_chosen_then_packed_then_per_block_rows(monkeypatch, 
     """measure_mlp runs the backend's MLP (each timing a real call), lone choices first, then both packed at the
     default rows, then each of MLP_ROW_CHOICES; both linears already packed skip the first two."""
     skip_unless_onednn_runs(torch.bfloat16)  # it runs real bf16 MLPs on oneDNN
-    calls, ran = iter(timings), []
+    calls, ran, seen = iter(timings), [], []
     monkeypatch.setattr(probes, "best_seconds", lambda fn, repeats: (fn(), next(calls))[1])
     real_mlp = probes.CpuExecution.mlp
 
     def spied_mlp(self, mlp, x, residual):  # the linears' kernels of each timed MLP, as it ran
         ran.append(tuple(m.weight.is_mkldnn for m in mlp.children() if isinstance(m, torch.nn.Linear)))
+        seen.append(id(mlp))
         return real_mlp(self, mlp, x, residual)
 
     monkeypatch.setattr(probes.CpuExecution, "mlp", spied_mlp)
@@ -228,6 +230,8 @@ def test_an_mlp_is_timed_as_chosen_then_packed_then_per_block_rows(monkeypatch, 
     assert next(calls, None) is None
     # as told first, then both packed; each timing a pass through MLP_PROBE_LAYERS distinct MLPs
     assert ran == [(False, True)] * MLP_PROBE_LAYERS + [(True, True)] * MLP_PROBE_LAYERS * (len(timings) - 1)
+    passes = [seen[i:i + MLP_PROBE_LAYERS] for i in range(0, len(seen), MLP_PROBE_LAYERS)]
+    assert all(len(set(layers)) == MLP_PROBE_LAYERS for layers in passes)  # distinct layers, as a tower has
     calls = iter((0.9, 0.2, 0.9, 0.9))
     assert probes.measure_mlp("plain", 64, 96, "gelu_pytorch_tanh", torch.bfloat16, (True, True)) == (True, 256)
     # fp32 keeps the lone choices unless both packed ran 10% faster (oneDNN rounds differently from addmm)
@@ -237,6 +241,16 @@ def test_an_mlp_is_timed_as_chosen_then_packed_then_per_block_rows(monkeypatch, 
     calls = iter((1.0, 0.85, 0.9, 0.9, 0.9, 0.9))
     assert probes.measure_mlp("plain", 64, 96, "gelu_pytorch_tanh", torch.float32, (False, False)) == (
         True, DEFAULT_MLP_ROWS)
+
+
+@pytest.mark.parametrize(("aten_s", "expected"), [(0.97, "native"), (0.9, "aten"), (1.2, "native")])
+def test_a_block_s_native_steps_are_kept_unless_the_modules_ops_ran_clearly_faster(monkeypatch, aten_s, expected):
+    """Near a tie (a few % in fp32, the block's GEMMs dominating) the native steps stay: one pass a step."""
+    timings = iter((aten_s, 1.0))
+    monkeypatch.setattr(probes, "best_seconds", lambda fn, repeats: next(timings))
+    need = ("gated", "rms", 64, 2, 96, "silu", torch.float32)
+    assert probes.measure_block(need, CpuPlan("test"), native=object()) == (DEFAULT_CHUNK_BYTES, expected)
+    assert next(timings, None) is None  # no linear packed: no chunk timed
 
 
 @pytest.mark.parametrize("kernel", ["onednn", "addmm"])
@@ -273,7 +287,8 @@ def test_a_block_s_elementwise_steps_and_chunk_are_measured_on_the_plan_s_kernel
         full = machine_plan(needs)
     key = "plain:layer:64x2:96:gelu_pytorch_tanh:float32"
     assert timed == [(block, dict.fromkeys(full.linear, kernel))]  # timed on the kernels chosen before
-    assert searched == ([CHUNK_CHOICES] if kernel == "onednn" else [])  # the chunk's where a linear runs packed
+    # the elementwise steps where the native kernels build, the chunk where a linear runs packed
+    assert searched == [("aten", "native")] * native + [CHUNK_CHOICES] * (kernel == "onednn")
     assert set(full.linear_chunk) == set(full.elementwise) == {key}
     assert full.elementwise_kernels(block) in (("aten", "native") if native else ("aten",))
     assert full.chunk_bytes(block) in (CHUNK_CHOICES if kernel == "onednn" else (DEFAULT_CHUNK_BYTES,))

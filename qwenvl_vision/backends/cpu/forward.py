@@ -10,9 +10,10 @@ on CUDA): ``backend.CpuBackend`` picks it once per call.
 
 Numbers against the reference's ops: a linear on addmm and the modules' ops are the reference's bits; oneDNN's
 kernels round as ``kernels`` says; the native rope and residual add are the reference's bits, their norms and
-activations within a few fp32 ulps (``native.c``). A transcendental activation on row chunks may differ in the last
-bit of a few fp32 elements from one call over all rows (a thread's share ending mid-row takes the scalar kernel); an
-item's chunks are the same wherever it is, since on the CPU each item runs as its own forward."""
+activations within a few fp32 ulps (GELU-tanh's tail nearer the exact value: ``native.c``). A transcendental
+activation on row chunks may differ in the last bit of a few fp32 elements from one call over all rows (a thread's
+share ending mid-row takes the scalar kernel); an item's chunks are the same wherever it is, since on the CPU each
+item runs as its own forward."""
 
 from __future__ import annotations
 
@@ -157,15 +158,15 @@ class CpuExecution:
 
     def hidden_block(self, mlp: nn.Module, x: torch.Tensor, gated: bool) -> torch.Tensor:
         """A block of rows' hidden activations, both linears packed: gate * up into the workspace, or a plain MLP's
-        activation in oneDNN's epilogue where it has it (a fresh result)."""
+        activation on its fresh result, in oneDNN's epilogue where it has one and ``native`` does not run it."""
         if gated:
             hidden = self.workspace.take(x, x.shape[0], mlp.down_proj.in_features)
             gate_up = packed_linear(x, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias)
             return self.gate_times_up(gate_up, mlp.act, out=hidden)
-        fc1, epilogue = mlp.linear_fc1, ACTIVATIONS[mlp.act].epilogue
-        if epilogue is not None and not (self.native is not None and ACTIVATIONS[mlp.act].native):
-            return packed_linear(x, fc1.weight, fc1.bias, epilogue)
-        return self.activate(packed_linear(x, fc1.weight, fc1.bias), mlp.act)
+        fc1, activation = mlp.linear_fc1, ACTIVATIONS[mlp.act]
+        if activation.epilogue is None or (self.native is not None and activation.native):
+            return self.activate(packed_linear(x, fc1.weight, fc1.bias), mlp.act)
+        return packed_linear(x, fc1.weight, fc1.bias, activation.epilogue)
 
     # ------------------------------------------------------------------ linears
 
@@ -222,8 +223,8 @@ class CpuExecution:
 
     def activate(self, x: torch.Tensor, act: str, out: torch.Tensor | None = None) -> torch.Tensor:
         """``act(x)`` into ``out`` (or in place): GELU-tanh in one native pass where they run, else the op in place
-        (then copied)."""
+        (on a copy in ``out``)."""
         if self.native is not None and ACTIVATIONS[act].native:
-            self.native.activation(x, x if out is None else out, gated=False)
-            return x if out is None else out
-        return ACTIVATIONS[act].in_place(x) if out is None else out.copy_(ACTIVATIONS[act].in_place(x))
+            self.native.activation(x, out := x if out is None else out, gated=False)
+            return out
+        return ACTIVATIONS[act].in_place(x if out is None else out.copy_(x))

@@ -67,6 +67,7 @@ class NativeKernels:
         self.functions["activation", x.dtype](x.data_ptr(), out.data_ptr(), *out.shape, x.stride(0), out.stride(0),
                                               gated, torch.get_num_threads())
 
+
 def build(folder: Path, machine: str) -> NativeKernels:
     """The kernels compiled for ``machine`` (a key of this CPU) in ``folder``, built now unless they are there.
     Raises OSError or ``subprocess.SubprocessError`` where they cannot be built or loaded here."""

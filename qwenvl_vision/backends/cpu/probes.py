@@ -33,7 +33,7 @@ from .workspace import Workspace
 PROBE_TOKENS = 2048  # tokens per attention probe (segments of a length batched up to it): rates, not totals
 # Photo-sized items (each runs as its own forward), of no particular row count: oneDNN's rate for a shape at some
 # counts (1,024 among them) is far from its rate at those around them. An MLP is timed through distinct layers, each
-# read from memory once per pass as a tower's are (one MLP timed again and again stays in cache).
+# read from memory once per pass as a tower's are where the last-level cache holds fewer (one stays in cache).
 LINEAR_PROBE_ROWS, MLP_PROBE_ROWS, MLP_PROBE_LAYERS, BLOCK_PROBE_SEGMENTS = (600, 800, 1000), 1000, 4, (1000,)
 # The search spaces of the sizes, each holding its default: an MLP's block rows (1024: one block of an item) and a
 # packed linear's output bytes per call, from well inside a core's private cache to beyond a small last-level cache.
@@ -43,8 +43,8 @@ CHUNK_CHOICES = (1 << 20, 2 << 20, 4 << 20, 8 << 20)
 # against its linears' lone choices). fp32: 10%, since oneDNN's rounding is not the reference's; bf16: 5% slower
 # still wins, since both round alike there and a packed linear's chunks are consumed while in cache.
 ONEDNN_FASTER_BY = {"float32": 1.10, "bfloat16": 0.95}
-# Near the best, an MLP's block rows and a block's chunk size time alike within noise (they may move a last fp32
-# bit, so a plan records them): a size other than the default is taken only where it ran this much faster.
+# Near the best, an MLP's block rows, a block's chunk size and elementwise steps time alike within noise (they may
+# move a last fp32 bit, so a plan records them): a choice other than the default only where it ran this much faster.
 SIZE_FASTER_BY = 1.05
 # Raised whenever the probes would choose differently on the same machine (what they time, their margins): a cache
 # file of older probes is then another machine key, measured afresh (a recorded run's plan runs as recorded).
@@ -79,9 +79,9 @@ def measure_linear(in_features: int, out_features: int, dtype: torch.dtype, repe
 def measure_block(need: tuple, plan: CpuPlan, native: NativeKernels | None, repeats: int = 3) -> tuple[int, str]:
     """(output bytes per packed linear call of CHUNK_CHOICES, "aten" or "native" elementwise steps) with which one
     of the tower's blocks ran fastest here, on ``plan``'s kernels, as the backend runs it: BLOCK_PROBE_SEGMENTS
-    frames of random tokens through a block of random weights. The faster elementwise steps are chosen first (at the
-    default chunk; "aten" where the native kernels do not build), then the chunk by ``fastest`` (the default where
-    no linear runs packed)."""
+    frames of random tokens through a block of random weights. The elementwise steps are chosen first, at the default
+    chunk by ``fastest``, native (one pass a step) by default, the modules' ops where they do not build; then the
+    chunk by ``fastest`` (the default where no linear runs packed)."""
     mlp, norm, dim, heads, hidden, act, dtype = need
     generator = torch.Generator().manual_seed(0)  # never the caller's random state
     with torch.device("meta"):
@@ -100,13 +100,13 @@ def measure_block(need: tuple, plan: CpuPlan, native: NativeKernels | None, repe
         inputs = run.attention_inputs((angles.cos(), angles.sin()), segments)
         return best_seconds(lambda: run.block(block, x.copy_(start), inputs), repeats)
 
-    kernels = "aten" if native is None else min(("aten", "native"), key=lambda k: seconds(DEFAULT_CHUNK_BYTES, k))
+    kernels = fastest({k: seconds(DEFAULT_CHUNK_BYTES, k) for k in ("aten", "native")}, "native") if native else "aten"
     chunk = fastest({c: seconds(c, kernels) for c in CHUNK_CHOICES}, DEFAULT_CHUNK_BYTES) \
         if any(isinstance(m, PackedLinear) for m in block.modules()) else DEFAULT_CHUNK_BYTES
     return chunk, kernels
 
 
-def fastest(seconds: dict[int, float], default: int) -> int:
+def fastest(seconds: dict[int | str, float], default: int | str) -> int | str:
     """The fastest choice, or ``default`` unless that one is SIZE_FASTER_BY faster."""
     best = min(seconds, key=seconds.get)
     return best if seconds[best] * SIZE_FASTER_BY < seconds.get(default, float("inf")) else default
@@ -149,9 +149,7 @@ def probe_mlps(kind: str, dim: int, hidden: int, act: str, dtype: torch.dtype, p
     """MLP_PROBE_LAYERS MLPs of random weights of this shape, their (first, second) linears packed as ``packs`` says."""
     with torch.device("meta"):
         mlps = [(GatedMLP if kind == "gated" else MLP)(dim, hidden, act) for _ in range(MLP_PROBE_LAYERS)]
-    linears = [[c for c in mlp.children() if isinstance(c, nn.Linear)] for mlp in mlps]
-    return [random_module(mlp, dtype, generator, dict(zip(pair, packs, strict=True)).get)
-            for mlp, pair in zip(mlps, linears, strict=True)]
+    return [random_module(mlp, dtype, generator, dict(zip(mlp.children(), packs, strict=True)).get) for mlp in mlps]
 
 
 def random_module(module: nn.Module, dtype: torch.dtype, generator: torch.Generator,
