@@ -97,7 +97,8 @@ def _scoped_fused_steps():
     def scoped(function, category, prefix):
         def run(*args, **kwargs):
             # the native residual add without a norm after it (the MLP's) is the block's residual
-            step = "residual (block)" if function.__name__ == "add_norm_" and args[3] is None else category
+            norm = args[3] if len(args) > 3 else kwargs.get("norm")
+            step = "residual (block)" if function.__name__ == "add_norm_" and norm is None else category
             with torch.autograd.profiler.record_function(f"{prefix}::{step}"):
                 return function(*args, **kwargs)
         return run

@@ -24,7 +24,7 @@ from qwenvl_vision.backends.cpu import plan as plan_module
 from qwenvl_vision.backends.cpu.kernels import DEFAULT_CHUNK_BYTES, onednn_linear_available
 from qwenvl_vision.backends.cpu.machine import machine_identity, machine_key, machine_plan
 from qwenvl_vision.backends.cpu.plan import DEFAULT_MLP_ROWS, PROBE_LENGTHS, CpuPlan, PlanNeeds, plan_key
-from qwenvl_vision.backends.cpu.probes import CHUNK_CHOICES, MLP_PROBE_LAYERS, MLP_ROW_CHOICES
+from qwenvl_vision.backends.cpu.probes import CHUNK_CHOICES, LINEAR_PROBE_ROWS, MLP_PROBE_LAYERS, MLP_ROW_CHOICES
 from tests.helpers import QWEN2_5_SMALL, grids_for, inputs, skip_unless_onednn_runs
 
 needs_onednn = pytest.mark.skipif(not onednn_linear_available(), reason="this torch has no oneDNN linear")
@@ -241,6 +241,16 @@ def test_an_mlp_is_timed_as_chosen_then_packed_then_per_block_rows(monkeypatch, 
     calls = iter((1.0, 0.85, 0.9, 0.9, 0.9, 0.9))
     assert probes.measure_mlp("plain", 64, 96, "gelu_pytorch_tanh", torch.float32, (False, False)) == (
         True, DEFAULT_MLP_ROWS)
+
+
+def test_a_linear_s_kernel_is_timed_summed_over_an_item_s_row_counts(monkeypatch):
+    """oneDNN's rate jumps between row counts: a kernel fast at one count only does not win."""
+    skip_unless_onednn_runs(torch.bfloat16)  # it runs real bf16 linears on oneDNN
+    counts = len(LINEAR_PROBE_ROWS)
+    times = iter([1.0] * counts + [0.5] * (counts - 1) + [2.5])  # addmm at each count, then oneDNN at each
+    monkeypatch.setattr(probes, "best_seconds", lambda fn, repeats: (fn(), next(times))[1])
+    assert probes.measure_linear(64, 96, torch.bfloat16) == "addmm"
+    assert next(times, None) is None
 
 
 @pytest.mark.parametrize(("aten_s", "expected"), [(0.97, "native"), (0.9, "aten"), (1.2, "native")])

@@ -31,6 +31,7 @@ def test_profile_attributes_every_op_of_both_towers(capsys):
     for profile in profiles.values():  # the kernels are found by name, the rest through the module scopes
         assert profile["GEMM"] > 0 and profile["attention"] > 0 and profile["norm"] > 0
         assert profile["rope & attention glue"] > 0 and profile["activation & gate"] > 0
+        assert profile["residual (block)"] > 0  # the MLP's residual add (natively: the add without a norm)
     # ours is profiled as it runs for a user, on the CPU backend: a module hook would send it to the modules
     assert profiles["ours"]["cpu_backend_blocks"] > 0 and profiles["transformers"]["cpu_backend_blocks"] == 0
     assert "rope & attention glue" in capsys.readouterr().out

@@ -37,7 +37,7 @@ from .workspace import Workspace
 @dataclass(frozen=True)
 class Activation:
     """The backend's forms of one of the model's activations (``layers.ACTIVATIONS``): in place, as oneDNN's
-    GEMM-epilogue post-op (``kernels.packed_linear``'s epilogue) where it has one, and whether ``native`` has it."""
+    GEMM-epilogue post-op (``kernels.packed_linear``'s epilogue) where it has one, whether ``native`` runs it alone."""
 
     in_place: Callable[[torch.Tensor], torch.Tensor]
     epilogue: tuple[str, str] | None = None

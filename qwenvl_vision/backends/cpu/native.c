@@ -72,8 +72,8 @@ void rope_##NAME(const T *x, T *out, const float *cos, const float *sin, long ro
 }                                                                                                                 \
                                                                                                                   \
 /* gated: out = dtype(dtype(silu(gate)) * up) of rows [gate | up], each `width` wide; else out = gelu_tanh(x) =   \
-   dtype(0.5 * x * (1 + tanh(u))), u = sqrt(2 / pi) * (x + 0.044715 * x^3), as the equal x / (1 + exp(-2u)):      \
-   a few fp32 ulps from torch's, and from the exact value where torch's 1 + tanh cancels. out may be gate or x. */\
+   dtype(0.5 * x * (1 + tanh(u))), u = sqrt(2 / pi) * (x + 0.044715 * x^3), as the equal x / (1 + exp(-2u)): a    \
+   few fp32 ulps from torch's for x >= -2, nearer the exact value below (where torch's 1 + tanh cancels). */      \
 void activation_##NAME(const T *x, T *out, long rows, long width, long ldx, long ldo, int gated, int threads) {   \
     _Pragma("omp parallel for schedule(static) num_threads(threads)")                                             \
     for (long r = 0; r < rows; r++) {                                                                             \
