@@ -20,7 +20,7 @@ at the faster one. The bound is the sum; ``bench.throughput`` reports each forwa
 from __future__ import annotations
 
 import argparse
-from collections import Counter
+from collections import Counter, deque
 
 import torch
 
@@ -71,7 +71,7 @@ def gemm_seconds(shapes: Counter[Shape], dtype: torch.dtype, device: torch.devic
             # as the forward calls it: each fresh chunk is consumed as it comes, at the best of the chunk sizes the
             # machine's plan chooses from
             seconds["onednn"] = min(
-                best_seconds(lambda a=a, p=packed, b=bias, c=chunk: list(packed_chunks(a, p, b, c)) and None, repeats)
+                best_seconds(lambda a=a, p=packed, b=bias, c=chunk: deque(packed_chunks(a, p, b, c), maxlen=0), repeats)
                 for chunk in CHUNK_CHOICES)
         rates[f"{m}x{k}x{n}"] = {kernel: round(2 * m * k * n / s / 1e9, 1) for kernel, s in seconds.items()}
         total += count * min(seconds.values())
