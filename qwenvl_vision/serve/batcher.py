@@ -43,11 +43,11 @@ class Batcher:
 
     @contextlib.contextmanager
     def reserve(self, n: int) -> Iterator[None]:
-        """Room in the queue for ``n`` items while their media load and ``submit`` queues them; a queue without it:
-        503 at once, before any media is read."""
+        """Room in the queue for ``n`` items while their media load and ``submit`` queues them; a queue without it, or
+        a broken device: 503 at once, before any media is read."""
         with self.ready:
-            if self.fault is not None:
-                raise ForwardFaultError(self.fault)
+            if self.fault is not None:  # as /health answers: a balancer sends the request elsewhere
+                raise RequestError(self.fault, 503)
             if len(self.jobs) + self.reserved + n > self.max_queue:
                 raise RequestError(f"the encoder's queue is full ({len(self.jobs) + self.reserved} items waiting or "
                                    f"loading, --max-queue {self.max_queue}); try again shortly", 503,

@@ -238,7 +238,7 @@ def test_a_broken_device_fails_health_and_every_later_request(held, media):
     error_of(client.post("/v1/embeddings", json=request), 500, "an illegal address")
     error_of(client.get("/health"), 503, "device", "an illegal address")
     encoder.entered.clear()
-    error_of(client.post("/v1/embeddings", json=request), 500, "device", "an illegal address")
+    error_of(client.post("/v1/embeddings", json=request), 503, "device", "an illegal address")
     assert not encoder.entered.is_set()  # refused without a forward on the broken device
 
 
