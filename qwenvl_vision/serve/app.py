@@ -53,6 +53,7 @@ class ServeSettings:
     shared: Path | None  # --ec-shared-storage: the encoder role's folder
     policy: MediaPolicy
     max_body: int
+    max_bodies: int  # request bodies held at once (BodyBudget)
     max_items: int
     max_queue: int
     options: dict[str, Any]  # iter_encode's limits and pixel bounds
@@ -88,16 +89,43 @@ def placeholder_fields(e: dict[str, Any]) -> dict[str, Any]:
     return fields
 
 
-async def read_json(request: Request, limit: int) -> Any:
-    """The body as JSON, refused (413) as soon as it is known to be over ``limit`` bytes."""
+@dataclass
+class BodyBudget:
+    """The request bodies the app holds at once, in bytes. Each is held, parsed and its media decoded until its
+    answer, so without it a burst of large bodies within uvicorn's connection limit could take the server's memory.
+    Touched on the event loop only."""
+
+    limit: int
+    held: int = 0
+
+    def charge(self, request: Request, size: int) -> None:
+        """``size`` more bytes held for ``request``; over the limit, 503 with Retry-After."""
+        if self.held + size > self.limit:
+            raise RequestError(f"the server holds {self.held >> 20} MiB of request bodies (--max-bodies-mib "
+                               f"{self.limit >> 20}); try again shortly", 503, {"Retry-After": "1"})
+        self.held += size
+        request.state.body_bytes = getattr(request.state, "body_bytes", 0) + size
+
+    def release(self, request: Request) -> None:
+        """What ``request`` held, given back once it is answered."""
+        self.held -= getattr(request.state, "body_bytes", 0)
+
+
+async def read_json(request: Request, limit: int, budget: BodyBudget) -> Any:
+    """The body as JSON, refused (413) as soon as it is known to be over ``limit`` bytes; held within ``budget``
+    (a declared length charged before any byte is read, a chunked body as it comes)."""
     over = RequestError(f"the request body is larger than --max-body-mib ({limit >> 20} MiB)", 413)
-    if int(request.headers.get("content-length") or 0) > limit:
+    declared = int(request.headers.get("content-length") or 0)
+    if declared > limit:
         raise over
+    budget.charge(request, declared)
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
             raise over
+        if not declared:
+            budget.charge(request, len(chunk))
         chunks.append(chunk)
     try:
         return await asyncio.to_thread(json.loads, b"".join(chunks))
@@ -116,6 +144,7 @@ def build_app(encoder: Any, settings: ServeSettings) -> FastAPI:
     if shared is not None:  # refused before serving: a folder holding another model's items
         claim_cache_folder(shared, encoder.identity(), tag)
     batcher = Batcher(encoder, settings.options, settings.max_queue, queued, items)
+    bodies = BodyBudget(settings.max_bodies)
     # Media reads have threads of their own: slow URLs wait there, never in the threads every request parses in.
     media_threads = ThreadPoolExecutor(MEDIA_THREADS, thread_name_prefix="qwenvl-vision-media")
 
@@ -146,12 +175,13 @@ def build_app(encoder: Any, settings: ServeSettings) -> FastAPI:
             status = response.status_code
             return response
         finally:
+            bodies.release(request)  # its answer is made: the body and what was parsed from it are dropped
             route = getattr(request.scope.get("route"), "path", "other")  # the matched route; unknown paths: one label
             requests.labels(route, str(status)).inc()
             latency.labels(route).observe(time.perf_counter() - start)
 
     async def items_of(request: Request, need_uuid: bool) -> tuple[dict, list[Item]]:
-        body = await read_json(request, settings.max_body)
+        body = await read_json(request, settings.max_body, bodies)
         found = await asyncio.to_thread(request_items, body, settings.policy, need_uuid)  # base64 off the loop
         if len(found) > settings.max_items:
             raise RequestError(f"messages: {len(found)} images and videos, more than --max-items {settings.max_items}")

@@ -37,6 +37,9 @@ def add_serve_parser(sub, parents=()) -> argparse.ArgumentParser:
                    help="read file:// media only under DIR (default: no local files)")
     p.add_argument("--max-body-mib", type=positive_option(int, "--max-body-mib"), default=64,
                    help="largest request body, in MiB (default %(default)s)")
+    p.add_argument("--max-bodies-mib", type=positive_option(int, "--max-bodies-mib"), default=512,
+                   help="request bodies held at once, in MiB (each until its answer); beyond it a request is answered "
+                        "503 with Retry-After (default %(default)s)")
     p.add_argument("--max-items", type=positive_option(int, "--max-items"), default=64,
                    help="most images and videos in one request (default %(default)s)")
     p.add_argument("--max-queue", type=positive_option(int, "--max-queue"), default=256,
@@ -52,6 +55,8 @@ def add_serve_parser(sub, parents=()) -> argparse.ArgumentParser:
 def validate_serve_args(args: argparse.Namespace) -> None:
     if args.max_items > args.max_queue:  # such a request could never be queued: 503s forever
         raise ConfigError(f"--max-items {args.max_items} is more than --max-queue {args.max_queue}")
+    if args.max_body_mib > args.max_bodies_mib:  # the largest body could never be held: 503s forever
+        raise ConfigError(f"--max-body-mib {args.max_body_mib} is more than --max-bodies-mib {args.max_bodies_mib}")
     check_option_rules(min_pixels=args.min_pixels, max_pixels=args.max_pixels,
                        names={"min_pixels": "--min-pixels", "max_pixels": "--max-pixels"})
     validate_model_args(args)
@@ -70,7 +75,8 @@ def serve_settings(args: argparse.Namespace, encoder):
         shared=Path(args.ec_shared_storage) if args.ec_shared_storage else None,
         policy=MediaPolicy(frozenset(d.lower() for d in args.allowed_media_domains),  # as urlsplit's hostname
                            Path(local).resolve() if local else None, args.decode_timeout),
-        max_body=args.max_body_mib << 20, max_items=args.max_items, max_queue=args.max_queue,
+        max_body=args.max_body_mib << 20, max_bodies=args.max_bodies_mib << 20, max_items=args.max_items,
+        max_queue=args.max_queue,
         options=dict(min_pixels=args.min_pixels, max_pixels=args.max_pixels, resize=args.resize,
                      max_batch_patches=args.batch_patches, max_input_pixels=args.max_input_pixels,
                      decode_bytes=args.decode_mib << 20, decode_timeout=args.decode_timeout,

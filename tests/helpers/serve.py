@@ -111,10 +111,10 @@ def app_of(encoder, *options: str):
 
 def server_options(root: Path) -> list:
     """The in-process tests' options: a key, the encoder role over ``root/shared``, media from 127.0.0.1 and under
-    ``root/local``, small limits (4 items a request, 4 waiting, 1 MiB bodies and decode budget)."""
-    return ["--api-key", KEY, "--ec-shared-storage", root / "shared", "--max-body-mib", 1, "--max-items", 4,
-            "--max-queue", 4, "--decode-mib", 1, "--allowed-media-domains", "127.0.0.1", "--allowed-local-media-path",
-            root / "local", "--decode-timeout", 30]
+    ``root/local``, small limits (4 items a request, 4 waiting, 1 MiB a body and in all, 1 MiB of decode budget)."""
+    return ["--api-key", KEY, "--ec-shared-storage", root / "shared", "--max-body-mib", 1, "--max-bodies-mib", 1,
+            "--max-items", 4, "--max-queue", 4, "--decode-mib", 1, "--allowed-media-domains", "127.0.0.1",
+            "--allowed-local-media-path", root / "local", "--decode-timeout", 30]
 
 
 class Held:

@@ -42,3 +42,28 @@ def test_a_request_whose_media_fail_to_load_gives_its_room_in_the_queue_back(ser
         for _ in range(2):  # each request fills the queue's room (--max-queue 4): one kept would refuse the next
             error_of(client.post("/v1/embeddings", json=chat(*[part(f"{base}/missing.png")] * 4)), 400, "404")
     assert client.post("/v1/embeddings", json=chat(*[part(data_url(media["a.png"]))] * 4)).status_code == 200
+
+
+def test_bodies_over_max_bodies_mib_at_once_answer_503_and_each_answer_gives_its_body_s_room_back(held, media):
+    client, encoder = held
+    request = chat(part(data_url(media["a.png"])))
+    request["messages"][0]["content"].append({"type": "text", "text": "x" * (600 << 10)})  # 0.6 of the 1 MiB in all
+    answers: list = []
+    first = threading.Thread(target=lambda: answers.append(client.post("/v1/embeddings", json=request)))
+    first.start()
+    assert encoder.entered.wait(START_S)  # the first request's body is held until it is answered
+    second: list = []
+    refused = threading.Thread(target=lambda: second.append(client.post("/v1/embeddings", json=request)), daemon=True)
+    refused.start()
+    refused.join(START_S)
+    assert second, "a body over --max-bodies-mib was queued, not refused"
+    response = second[0]
+    error_of(response, 503, "--max-bodies-mib 1")
+    assert int(response.headers["retry-after"]) >= 1
+    encoder.go.set()
+    first.join()
+    assert answers[0].status_code == 200
+    broken = chat(part(data_url(media["broken.png"])))
+    broken["messages"][0]["content"].append(request["messages"][0]["content"][-1])
+    error_of(client.post("/v1/embeddings", json=broken), 400, "messages[0].content[1]")  # a failed request too
+    assert client.post("/v1/embeddings", json=request).status_code == 200

@@ -81,10 +81,12 @@ def test_serve_refuses_a_preset_without_random_weights_in_one_line(capsys):
     assert "\n" not in err and "--random-weights" in err
 
 
-def test_serve_refuses_more_items_a_request_than_the_queue_holds(capsys):
-    assert main(["serve", "--model", "m", "--max-items", "5", "--max-queue", "4"]) == 2
+@pytest.mark.parametrize("one, all_", [(("--max-items", "5"), ("--max-queue", "4")),
+                                       (("--max-body-mib", "64"), ("--max-bodies-mib", "32"))])
+def test_serve_refuses_a_request_s_limit_over_what_the_server_holds_at_once(capsys, one, all_):
+    assert main(["serve", "--model", "m", *one, *all_]) == 2
     err = capsys.readouterr().err
-    assert "--max-items 5" in err and "--max-queue 4" in err
+    assert " ".join(one) in err and " ".join(all_) in err
 
 
 def test_serve_without_its_extra_says_how_to_install_it(capsys, monkeypatch, checkpoint3):
