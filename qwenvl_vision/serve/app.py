@@ -17,6 +17,7 @@ import base64
 import contextlib
 import hmac
 import json
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -206,15 +207,22 @@ def build_app(encoder: Any, settings: ServeSettings) -> FastAPI:
     async def loaded(item: Item) -> None:
         """The item's bytes read (a URL's, a file's) in the media threads, the request answered when they take longer
         than the decode timeout: the encoder's thread never waits on a network or a file. A read past the timeout goes
-        on in its thread until fetch's own deadline (or a file's end) stops it; one still queued is dropped."""
+        on in its thread until fetch's own deadline (or a file's end) stops it; one still queued is dropped, and its
+        request answered 503: the server was busy, the item may be fine."""
         if item.file.fetched:
             return
-        timeout = settings.policy.timeout_s
-        read = asyncio.get_running_loop().run_in_executor(media_threads, item.file.read,
-                                                          settings.options["decode_bytes"])
+        timeout, started = settings.policy.timeout_s, threading.Event()
+
+        def read() -> None:
+            started.set()
+            item.file.read(settings.options["decode_bytes"])
+
         try:
-            await asyncio.wait_for(read, timeout)
+            await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(media_threads, read), timeout)
         except asyncio.TimeoutError:  # not the builtin before Python 3.11
+            if not started.is_set():
+                raise RequestError(f"{item.label}: not read: every media thread was busy for the decode timeout "
+                                   f"({timeout:g} s); try again shortly", 503, {"Retry-After": "1"}) from None
             raise RequestError(f"{item.label}: not read within the decode timeout ({timeout:g} s)") from None
 
     @app.get("/health")

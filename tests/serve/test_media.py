@@ -159,3 +159,43 @@ def test_allowed_media_domains_match_whatever_their_case(checkpoint3, media):
             load_encoder(checkpoint3, device="cpu"), "--allowed-media-domains", "LocalHost")) as client:
         assert pooled(client, base.replace("127.0.0.1", "localhost") + "/a.png") == \
             pooled(client, data_url(media["a.png"]))
+
+
+def test_a_read_still_waiting_for_a_media_thread_at_the_timeout_is_the_server_s_503_not_the_item_s(
+        tmp_path, checkpoint3, media, monkeypatch):
+    from fastapi.testclient import TestClient
+
+    from qwenvl_vision.serve import app as app_module
+    from qwenvl_vision.serve import media as media_module
+
+    (tmp_path / "local").mkdir()
+    for name in ("slow.png", "a.png"):
+        (tmp_path / "local" / name).write_bytes(media["a.png"].read_bytes())
+    monkeypatch.setattr(app_module, "MEDIA_THREADS", 1)
+    reading, release, read_local = threading.Event(), threading.Event(), media_module.read_local
+
+    def slow_disk(path, label, limit):  # the one media thread held by a file read that takes its time
+        if path.name == "slow.png":
+            reading.set()
+            release.wait(START_S)
+        return read_local(path, label, limit)
+
+    monkeypatch.setattr(media_module, "read_local", slow_disk)
+    app = app_of(load_encoder(checkpoint3, device="cpu"), "--allowed-local-media-path", tmp_path / "local",
+                 "--decode-timeout", 1)
+    local = f"file://{tmp_path}/local"
+    slow: list = []
+    with TestClient(app) as client:
+        thread = threading.Thread(target=lambda: slow.append(client.post("/v1/embeddings", json=chat(
+            part(f"{local}/slow.png")))))
+        thread.start()
+        try:
+            assert reading.wait(START_S)
+            response = client.post("/v1/embeddings", json=chat(part(f"{local}/a.png")))
+            error_of(response, 503, "messages[0].content[1]", "media thread")
+            assert int(response.headers["retry-after"]) >= 1
+        finally:
+            release.set()
+            thread.join()
+        error_of(slow[0], 400, "messages[0].content[1]", "decode timeout")  # the slow read's own request
+        assert pooled(client, f"{local}/a.png") == pooled(client, data_url(media["a.png"]))
