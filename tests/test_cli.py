@@ -21,6 +21,7 @@ from qwenvl_vision import build_model, load_encoder
 from qwenvl_vision.cli import main
 from qwenvl_vision.version import package_version
 from tests.helpers import (
+    ENV,
     FAMILY_SMALL,
     QWEN2_5_SMALL,
     grids_for,
@@ -31,7 +32,7 @@ from tests.helpers import (
     set_entry,
     write_checkpoint,
 )
-from tests.helpers.embed import ENV, one_error_line
+from tests.helpers.embed import one_error_line
 
 # ---------------------------------------------------------------------- extract-weights
 

@@ -20,6 +20,7 @@ Each lives in one home, re-exported here:
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from qwenvl_vision.testing.reference import (
@@ -106,10 +107,12 @@ from tests.helpers.safetensors_files import (
 )
 
 REPO = Path(__file__).resolve().parents[2]
+# Children import this checkout's package, single-threaded (a 2-core machine runs several processes at once).
+ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
 
 __all__ = [
-    "CLIP_MEAN", "CLIP_STD", "DEFAULT_OTHER", "FAMILY_SMALL", "HF_TOWERS", "IMAGE_SETTINGS", "INDEX_FILE", "LN_Q",
-    "OTHER_TENSORS", "PIXEL_TOL", "PREPROCESSOR_FILES", "QWEN2_5_GRIDS", "QWEN2_5_SAVED_VIDEO", "QWEN2_5_SMALL",
+    "CLIP_MEAN", "CLIP_STD", "DEFAULT_OTHER", "ENV", "FAMILY_SMALL", "HF_TOWERS", "IMAGE_SETTINGS", "INDEX_FILE",
+    "LN_Q", "OTHER_TENSORS", "PIXEL_TOL", "PREPROCESSOR_FILES", "QWEN2_5_GRIDS", "QWEN2_5_SAVED_VIDEO", "QWEN2_5_SMALL",
     "QWEN3_GRIDS", "QWEN3_SAVED_VIDEO", "QWEN3_SMALL_64", "QWEN3_SMALL_72", "QWEN3_VIDEO_PREPROCESSOR_FILE",
     "REFERENCE_FAMILIES", "REPO", "VIDEO_FILES", "VIDEO_SETTINGS", "FakeHub", "Revision", "assert_matches_reference",
     "assert_result_matches_reference", "census", "content", "edit_header", "forward_both", "grids_for", "hf_classes",

@@ -3,17 +3,13 @@ CLI's one-line errors, and embed runs in child processes."""
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 import pytest
 
 from qwenvl_vision.embed import read_embeddings, read_manifest_lines
-from tests.helpers import REPO, make_image_folder, write_video
-
-# Children import this checkout's package, single-threaded (a 2-core machine runs several at once).
-ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+from tests.helpers import ENV, make_image_folder, write_video
 
 
 def records(out: Path) -> list[dict]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import http.server
-import os
 import signal
 import socket
 import subprocess
@@ -22,10 +21,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from qwenvl_vision.results import ItemResult
-from tests.helpers import REPO
+from tests.helpers import ENV
 
-# The child imports this checkout's package, single-threaded (a 2-core machine runs several processes at once).
-ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
 START_S = 180  # a bound on loading, so that a server that never answers fails the test instead of hanging it
 
 

@@ -19,7 +19,8 @@ from safetensors.torch import load_file
 
 from qwenvl_vision.cli import main
 from qwenvl_vision.outputs.vllm_cache import CACHE_FILE, CACHE_KEY, write_vllm_cache
-from tests.helpers.serve import ENV, START_S, chat, data_url, held_answer, media_server, part, serving
+from tests.helpers import ENV
+from tests.helpers.serve import START_S, chat, data_url, held_answer, media_server, part, serving
 
 
 def items_encoded(client: httpx.Client) -> float:
