@@ -17,7 +17,6 @@ import base64
 import contextlib
 import hmac
 import json
-import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -102,7 +101,7 @@ class BodyBudget:
     def charge(self, request: Request, size: int) -> None:
         """``size`` more bytes held for ``request``; over the limit, 503 with Retry-After."""
         if self.held + size > self.limit:
-            raise RequestError(f"the server holds {self.held >> 20} MiB of request bodies (--max-bodies-mib "
+            raise RequestError(f"the server holds {self.held / 2**20:.1f} MiB of request bodies (--max-bodies-mib "
                                f"{self.limit >> 20}); try again shortly", 503, {"Retry-After": "1"})
         self.held += size
         request.state.body_bytes = getattr(request.state, "body_bytes", 0) + size
@@ -113,20 +112,17 @@ class BodyBudget:
 
 
 async def read_json(request: Request, limit: int, budget: BodyBudget) -> Any:
-    """The body as JSON, refused (413) as soon as it is known to be over ``limit`` bytes; held within ``budget``
-    (a declared length charged before any byte is read, a chunked body as it comes)."""
+    """The body as JSON, refused (413) as soon as it is known to be over ``limit`` bytes; held within ``budget`` as
+    its bytes arrive (a declared length is not charged: a client may declare more than it sends, or less)."""
     over = RequestError(f"the request body is larger than --max-body-mib ({limit >> 20} MiB)", 413)
-    declared = int(request.headers.get("content-length") or 0)
-    if declared > limit:
+    if int(request.headers.get("content-length") or 0) > limit:
         raise over
-    budget.charge(request, declared)
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
             raise over
-        if not declared:
-            budget.charge(request, len(chunk))
+        budget.charge(request, len(chunk))
         chunks.append(chunk)
     try:
         return await asyncio.to_thread(json.loads, b"".join(chunks))
@@ -211,16 +207,12 @@ def build_app(encoder: Any, settings: ServeSettings) -> FastAPI:
         request answered 503: the server was busy, the item may be fine."""
         if item.file.fetched:
             return
-        timeout, started = settings.policy.timeout_s, threading.Event()
-
-        def read() -> None:
-            started.set()
-            item.file.read(settings.options["decode_bytes"])
-
+        timeout = settings.policy.timeout_s
+        read = media_threads.submit(item.file.read, settings.options["decode_bytes"])
         try:
-            await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(media_threads, read), timeout)
+            await asyncio.wait_for(asyncio.wrap_future(read), timeout)
         except asyncio.TimeoutError:  # not the builtin before Python 3.11
-            if not started.is_set():
+            if read.cancel():  # it never started, and now never will
                 raise RequestError(f"{item.label}: not read: every media thread was busy for the decode timeout "
                                    f"({timeout:g} s); try again shortly", 503, {"Retry-After": "1"}) from None
             raise RequestError(f"{item.label}: not read within the decode timeout ({timeout:g} s)") from None
