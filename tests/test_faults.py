@@ -25,8 +25,8 @@ from qwenvl_vision.backends.cpu.packing import plan_needs
 from qwenvl_vision.backends.cpu.plan import CpuPlan
 from qwenvl_vision.cli import main
 from qwenvl_vision.embed import read_embeddings, read_manifest_lines
-from tests.helpers import QWEN2_5_SMALL, make_image_folder, write_checkpoint
-from tests.helpers.embed import ENV, embed_cmd, one_error_line, parquet_rows
+from tests.helpers import ENV, QWEN2_5_SMALL, make_image_folder, write_checkpoint
+from tests.helpers.embed import embed_cmd, one_error_line, parquet_rows
 
 IMAGES = 8
 

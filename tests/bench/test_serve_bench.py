@@ -9,8 +9,7 @@ import sys
 
 import pytest
 
-from tests.helpers import REPO
-from tests.helpers.embed import ENV
+from tests.helpers import ENV, REPO
 
 pytest.importorskip("fastapi")
 

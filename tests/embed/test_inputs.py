@@ -10,9 +10,9 @@ import pytest
 
 from qwenvl_vision.embed import read_run
 from qwenvl_vision.embed.inputs import file_identity, file_of, gather_inputs, shard_for_rank
-from tests.helpers import REPO
+from tests.helpers import ENV, REPO
 from tests.helpers import make_image_folder as make_folder
-from tests.helpers.embed import ENV, embed_cmd, one_error_line, records, run_embed
+from tests.helpers.embed import embed_cmd, one_error_line, records, run_embed
 
 
 def test_gather_inputs_folders_lists_and_files_and_what_is_read_only_on_its_own(tmp_path):

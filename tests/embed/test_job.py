@@ -17,9 +17,9 @@ from qwenvl_vision.embed import MANIFEST, read_embeddings, read_encoded, read_ma
 from qwenvl_vision.embed.inputs import file_of
 from qwenvl_vision.errors import PreprocessError
 from qwenvl_vision.loading import load_encoder
-from tests.helpers import QWEN3_SMALL_72, rel_err, synthetic_photo
+from tests.helpers import ENV, QWEN3_SMALL_72, rel_err, synthetic_photo
 from tests.helpers import make_image_folder as make_folder
-from tests.helpers.embed import ENV, make_media_folder, one_error_line, records, torchrun_embed_cmd
+from tests.helpers.embed import make_media_folder, one_error_line, records, torchrun_embed_cmd
 
 
 def test_embed_folder_with_good_and_bad_files(tmp_path, checkpoint, capsys):

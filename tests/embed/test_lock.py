@@ -19,8 +19,9 @@ from qwenvl_vision import load_encoder
 from qwenvl_vision.embed import read_embeddings, read_run
 from qwenvl_vision.embed.lock import FolderLock, lock_name
 from qwenvl_vision.errors import OutputInUseError
+from tests.helpers import ENV
 from tests.helpers import make_image_folder as make_folder
-from tests.helpers.embed import ENV, assert_each_input_once, one_error_line, records, run_embed, torchrun_embed_cmd
+from tests.helpers.embed import assert_each_input_once, one_error_line, records, run_embed, torchrun_embed_cmd
 
 SLOW_EMBED = """
 import sys, time

@@ -15,8 +15,9 @@ from qwenvl_vision.embed import MANIFEST, RUN_FORMAT, read_embeddings, read_mani
 from qwenvl_vision.errors import ManifestError
 from qwenvl_vision.outputs import parquet_reader
 from qwenvl_vision.outputs.handoff import to_vllm
+from tests.helpers import ENV
 from tests.helpers import make_image_folder as make_folder
-from tests.helpers.embed import ENV, assert_each_input_once, make_media_folder, one_error_line, records, run_embed
+from tests.helpers.embed import assert_each_input_once, make_media_folder, one_error_line, records, run_embed
 
 
 def test_a_damaged_manifest_line_is_named_and_a_resume_restores_its_record_from_its_shard(tmp_path, checkpoint,

@@ -18,8 +18,8 @@ from qwenvl_vision.cli import main
 from qwenvl_vision.embed import MANIFEST, read_embeddings, read_manifest_lines, read_run
 from qwenvl_vision.embed.inputs import gather_inputs
 from qwenvl_vision.outputs.parquet_reader import read_parquet_records
-from tests.helpers import make_image_folder, write_video
-from tests.helpers.embed import ENV, embed_cmd, kill_at_instants, local_ray, run_embed, torchrun_embed_cmd  # noqa: F401
+from tests.helpers import ENV, make_image_folder, write_video
+from tests.helpers.embed import embed_cmd, kill_at_instants, local_ray, run_embed, torchrun_embed_cmd  # noqa: F401
 
 SMALL = ["--max-pixels", str(64 * 64), "--quiet"]
 

@@ -33,8 +33,8 @@ from qwenvl_vision.inputs.pixels import load_rgb
 from qwenvl_vision.inputs.video import VideoConfig
 from qwenvl_vision.inputs.video_io import probe_video, read_video_frames
 from qwenvl_vision.options import DEFAULT_DECODE_TIMEOUT, EncodeOptions
-from tests.helpers import make_image_folder, synthetic_photo, write_video
-from tests.helpers.embed import ENV, one_error_line, records
+from tests.helpers import ENV, make_image_folder, synthetic_photo, write_video
+from tests.helpers.embed import one_error_line, records
 
 # ---------------------------------------------------------------------- a name is a path
 

@@ -21,8 +21,8 @@ from qwenvl_vision.embed.lock import FolderLock
 from qwenvl_vision.errors import ManifestError
 from qwenvl_vision.outputs.cache_prune import PRUNED, prune_cache
 from qwenvl_vision.outputs.vllm_cache import CACHE_FILE, IDENTITY_FILE
-from tests.helpers import REPO, make_image_folder
-from tests.helpers.embed import ENV, one_error_line
+from tests.helpers import ENV, REPO, make_image_folder
+from tests.helpers.embed import one_error_line
 
 SMALL = ["--max-pixels", str(64 * 64)]
 

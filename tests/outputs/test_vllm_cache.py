@@ -21,8 +21,8 @@ from qwenvl_vision.errors import CacheFolderError, EncoderClosedError, InputErro
 from qwenvl_vision.inputs.item_ids import item_id
 from qwenvl_vision.outputs.handoff import to_vllm, vllm_timestamps
 from qwenvl_vision.outputs.vllm_cache import CACHE_FILE, IDENTITY_FILE, vllm_request
-from tests.helpers import FAMILY_SMALL, make_image_folder, rel_err, write_checkpoint, write_video
-from tests.helpers.embed import ENV, make_media_folder, one_error_line, torchrun_embed_cmd
+from tests.helpers import ENV, FAMILY_SMALL, make_image_folder, rel_err, write_checkpoint, write_video
+from tests.helpers.embed import make_media_folder, one_error_line, torchrun_embed_cmd
 
 SMALL = ["--max-pixels", str(64 * 64)]
 

@@ -172,9 +172,10 @@ def test_a_read_still_waiting_for_a_media_thread_at_the_timeout_is_the_server_s_
     for name in ("slow.png", "a.png"):
         (tmp_path / "local" / name).write_bytes(media["a.png"].read_bytes())
     monkeypatch.setattr(app_module, "MEDIA_THREADS", 1)
-    reading, release, read_local = threading.Event(), threading.Event(), media_module.read_local
+    reading, release, read_local, reads = threading.Event(), threading.Event(), media_module.read_local, []
 
     def slow_disk(path, label, limit):  # the one media thread held by a file read that takes its time
+        reads.append(path.name)
         if path.name == "slow.png":
             reading.set()
             release.wait(START_S)
@@ -198,4 +199,5 @@ def test_a_read_still_waiting_for_a_media_thread_at_the_timeout_is_the_server_s_
             release.set()
             thread.join()
         error_of(slow[0], 400, "messages[0].content[1]", "decode timeout")  # the slow read's own request
+        assert reads == ["slow.png"]  # the refused request's read was dropped, never run after its answer
         assert pooled(client, f"{local}/a.png") == pooled(client, data_url(media["a.png"]))
