@@ -84,6 +84,10 @@ class Batcher:
                     self.encode(group, normalize)
 
     def encode(self, jobs: list[Job], normalize: bool) -> None:
+        if self.fault is not None:  # queued before the device broke: refused as reserve refuses, with no forward
+            for job in jobs:
+                self.resolve(job.future, RequestError(self.fault, 503))
+            return
         options = self.options
         if self.encoder.device.type == "cpu":
             # On the CPU each item runs as its own forward whatever its batch (execution.forwards_on): batches of

@@ -233,9 +233,19 @@ def test_an_item_s_failure_answers_the_status_of_its_class(held, media, error_cl
 def test_a_broken_device_fails_health_and_every_later_request(held, media):
     client, encoder = held
     encoder.fail = ForwardFaultError("the forward of a batch of 1 input failed: RuntimeError: an illegal address")
-    encoder.go.set()
     request = chat(part(data_url(media["a.png"])))
-    error_of(client.post("/v1/embeddings", json=request), 500, "an illegal address")
+    answers: dict = {}
+    threads = [threading.Thread(target=lambda name=name: answers.setdefault(name, client.post(
+        "/v1/embeddings", json=request))) for name in ("failing", "queued")]
+    threads[0].start()
+    assert encoder.entered.wait(START_S)  # the first request's forward is under way
+    threads[1].start()
+    until(lambda: "qwenvl_vision_queue_items 1.0" in client.get("/metrics").text, "the second request queued")
+    encoder.go.set()
+    for thread in threads:
+        thread.join()
+    error_of(answers["failing"], 500, "an illegal address")
+    error_of(answers["queued"], 503, "device", "an illegal address")  # queued before the fault: no forward
     error_of(client.get("/health"), 503, "device", "an illegal address")
     encoder.entered.clear()
     error_of(client.post("/v1/embeddings", json=request), 503, "device", "an illegal address")
