@@ -153,12 +153,13 @@ def records_of_table(table: pa.Table, dtype: str, *, path_column: str = "path", 
 
 
 def parquet_files(folder: str | os.PathLike) -> list[Path]:
-    """The shards of a folder, by name (temporary files of a write in progress are not shards)."""
+    """The shards of a folder, by name with numbers compared as numbers (``shard-r2-…`` before ``shard-r10-…``, as
+    the job reads them; temporary files of a write in progress are not shards)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise ManifestError(f"{folder}: not a folder")
-    files = sorted(p for p in folder.iterdir() if p.name.endswith(SHARD_SUFFIX) and not p.name.startswith(".")
-                   and p.is_file())
+    files = sorted((p for p in folder.iterdir() if p.name.endswith(SHARD_SUFFIX) and not p.name.startswith(".")
+                    and p.is_file()), key=lambda p: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p.name)])
     if not files:
         raise ManifestError(f"{folder}: holds no {SHARD_SUFFIX} files")
     return files

@@ -99,6 +99,14 @@ def test_read_parquet_records_gives_back_the_encoder_tensors(shard, fp32):
     assert read_parquet_run(shard.parent) == RUN
 
 
+def test_a_folder_is_read_in_rank_and_shard_number_order(tmp_path, fp32):
+    """Rank 10's shards after rank 2's (the job's order), not before them as by name."""
+    records, layout = fp32
+    for rank, number, record in ((10, 0, records[0]), (2, 1, records[1]), (2, 0, records[2])):
+        write_table_atomic(results_table([record], layout, RUN), tmp_path / shard_name(rank, number))
+    assert [r.path for r in read_parquet_records(tmp_path)] == [records[i].path for i in (2, 1, 0)]
+
+
 def test_a_flipped_bit_in_a_stored_value_is_caught_by_the_page_checksum(shard, fp32):
     """Random floats do not compress: a value's four bytes are in the file as they are, and a bit flipped there
     reads as another valid float unless the page's CRC is checked."""
