@@ -33,7 +33,7 @@ class CacheRankWriter(RankWriter):
     """Writes one rank's encoder-cache items and manifest part; recovery as ``RankWriter``'s."""
 
     def __init__(self, out: Path, rank: int, world: int, run: dict) -> None:
-        super().__init__(out, rank, world, run["run_id"], run.get("cwd"))
+        super().__init__(out, rank, world, run["run_id"])
         self.identity = {k: run[k] for k in IDENTITY_FIELDS}
         self.family = run["family"]
         self.dtype = DTYPES[run["dtype"]]

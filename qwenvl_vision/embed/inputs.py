@@ -58,7 +58,7 @@ class Inputs:
         seen = set()
         for path, error, columns, member, given in self._pending:
             key, why = known.get(path, (None, None))
-            key = key or given or real_key(path)
+            key = key or given or os.path.realpath(path)
             if key in seen:
                 continue
             seen.add(key)
@@ -85,11 +85,6 @@ class Inputs:
             raise ConfigError(f"{where}: carried columns of another type than earlier inputs' {clash}; one run "
                               f"writes one type per column")
         self.column_types.update(types)
-
-
-def real_key(path: str, base: str | None = None) -> str:
-    """The identity of an input: its resolved real path (relative paths taken from `base`, default the cwd)."""
-    return os.path.realpath(os.path.join(base, path) if base else path)
 
 
 # A local file's identity: its real path, and its size and modification time (what make and rsync go by: one stat,

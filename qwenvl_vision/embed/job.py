@@ -51,7 +51,7 @@ from ..outputs.vllm_cache import check_cache_folder, claim_cache_folder
 from .args import EmbedSettings
 from .inputs import MEDIA_EXTENSIONS, Inputs, file_of, gather_inputs, rank_and_world, shard_for_rank
 from .lock import FolderLock, lock_name
-from .manifest import MANIFEST, RUN_FILE, part_name, record_key
+from .manifest import MANIFEST, RUN_FILE, part_name
 from .progress import Progress
 from .reader import older_plan, read_manifest_lines, read_run
 from .run_record import compare_runs, crossed_bounds_note, describe_run
@@ -294,8 +294,7 @@ class EmbedJob:
                 claim_cache_folder(self.out, {k: self.run[k] for k in IDENTITY_FIELDS}, self.run["run_id"])
             writer = CacheRankWriter(self.out, self.rank, self.world, self.run)
         else:
-            writer = RankWriter(self.out, self.rank, self.world, self.run["run_id"], self.run.get("cwd"),
-                                self.run["pooled"])
+            writer = RankWriter(self.out, self.rank, self.world, self.run["run_id"], self.run["pooled"])
         if not self.fresh:
             writer.recover()
         self.writer = writer
@@ -373,7 +372,7 @@ class EmbedJob:
                 status.setdefault(key, state)
         else:
             for r in read_manifest_lines(self.out / MANIFEST):
-                status.setdefault(record_key(r, self.run.get("cwd")), r["status"])
+                status.setdefault(r["realpath"], r["status"])
         keys = [self.inputs.keys[p] for p in self.inputs.paths]
         ok = sum(1 for k in keys if status.get(k) == "ok")
         return ok, len(keys) - ok

@@ -23,7 +23,6 @@ import re
 from pathlib import Path
 
 from ..errors import ManifestError
-from .inputs import real_key
 
 MANIFEST = "manifest.jsonl"
 RUN_FILE = "run.json"
@@ -53,12 +52,6 @@ PARQUET_SHARD_NAME = re.compile(r"^shard-r(\d+)-(\d+)\.parquet$")
 def part_name(rank: int, world: int) -> str:
     """The manifest file a rank appends to: the manifest itself for one process, else the rank's part."""
     return MANIFEST if world == 1 else f"manifest.rank{rank}.jsonl"
-
-
-def record_key(record: dict, base: str | None = None) -> str:
-    """A manifest record's input identity: the one recorded with it (``realpath``, so that resuming from another
-    working directory still matches), else its path resolved from `base`, the working directory of the run."""
-    return record.get("realpath") or real_key(record["path"], base)
 
 
 def read_manifest_lines(path: str | os.PathLike, strict: bool = True) -> list[dict]:

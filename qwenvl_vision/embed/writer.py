@@ -31,7 +31,7 @@ from ..errors import ManifestError, OutputFaultError
 from ..inputs.urls import redacted_text
 from ..outputs.durable import open_no_follow, refuse_link, replace_atomically
 from ..outputs.records import EmbeddingRecord
-from .manifest import MANIFEST, RECORDS_KEY, RUN_FILE, RUN_KEY, SHARD_NAME, part_name, read_manifest_lines, record_key
+from .manifest import MANIFEST, RECORDS_KEY, RUN_FILE, RUN_KEY, SHARD_NAME, part_name, read_manifest_lines
 
 # OSErrors at the start that are the output folder's state (exit 3, like a fault mid-run), not a usage error.
 OUTPUT_FAULTS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO}
@@ -118,12 +118,10 @@ class RankWriter(Writer):
     """Writes one rank's shards and manifest part; on resume, recovers what a stopped run left. ``pooled``: store
     each input's mean vector (float32) instead of its tokens."""
 
-    def __init__(self, out: Path, rank: int, world: int, run_id: str, run_cwd: str | None = None,
-                 pooled: bool = False) -> None:
+    def __init__(self, out: Path, rank: int, world: int, run_id: str, pooled: bool = False) -> None:
         super().__init__()
         self.out, self.rank, self.world, self.run_id = out, rank, world, run_id
         self.pooled = pooled
-        self.run_cwd = run_cwd or os.getcwd()
         self.manifest = out / part_name(rank, world)
         self.own: dict[str, dict] = {}  # identity -> this rank's ok record
         self.next_shard = 0
@@ -143,9 +141,9 @@ class RankWriter(Writer):
         others = set()  # inputs other ranks recorded ok: not redone here even if the split changed
         for r in recorded:
             if r.get("rank", 0) == self.rank:
-                self.own.setdefault(record_key(r, self.run_cwd), r)
+                self.own.setdefault(r["realpath"], r)
             else:
-                others.add(record_key(r, self.run_cwd))
+                others.add(r["realpath"])
         referenced = {r["shard"] for r in recorded}
         carried: dict[str, tuple[int, dict]] = {}  # identity -> (the lowest rank whose files carry it, its record)
         for path in self.stored_files():
@@ -163,7 +161,7 @@ class RankWriter(Writer):
                                     f"no manifest line records it: nothing was changed; move it out of {self.out} "
                                     f"(its inputs are then redone) and run the same command with --resume again")
             for r in found or ():
-                key, rank = record_key(r, self.run_cwd), r.get("rank", 0)
+                key, rank = r["realpath"], r.get("rank", 0)
                 if r["status"] == "ok" and rank < carried.get(key, (rank + 1,))[0]:
                     carried[key] = rank, r
         for key, (rank, r) in carried.items():
