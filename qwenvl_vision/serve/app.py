@@ -136,7 +136,8 @@ def build_app(encoder: Any, settings: ServeSettings) -> FastAPI:
     requests = Counter("qwenvl_vision_requests", "requests answered", ["route", "status"], registry=registry)
     items = Counter("qwenvl_vision_items_encoded", "items encoded (not those found written)", registry=registry)
     latency = Histogram("qwenvl_vision_request_seconds", "request latency", ["route"], registry=registry)
-    queued = Gauge("qwenvl_vision_queue_items", "items waiting for the encoder", registry=registry)
+    queued = Gauge("qwenvl_vision_queue_items", "items waiting for the encoder or loading their media (--max-queue)",
+                   registry=registry)
     shared, tag = settings.shared, uuid.uuid4().hex
     if shared is not None:  # refused before serving: a folder holding another model's items
         claim_cache_folder(shared, encoder.identity(), tag)

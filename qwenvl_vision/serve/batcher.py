@@ -53,11 +53,13 @@ class Batcher:
                                    f"loading, --max-queue {self.max_queue}); try again shortly", 503,
                                    {"Retry-After": "1"})
             self.reserved += n
+            self.count()
         try:
             yield
         finally:
             with self.ready:
                 self.reserved -= n
+                self.count()
 
     def submit(self, files: list[FileBytes], normalize: bool = False) -> list[asyncio.Future]:
         """Queue the files, in the room ``reserve`` holds for them; their futures resolve to ``ItemResult``s."""
@@ -65,9 +67,13 @@ class Batcher:
         jobs = [Job(f, normalize, loop.create_future()) for f in files]
         with self.ready:
             self.jobs.extend(jobs)
-            self.queue_gauge.set(len(self.jobs))
+            self.count()
             self.ready.notify()
         return [job.future for job in jobs]
+
+    def count(self) -> None:
+        """The gauge set to what ``reserve`` counts against --max-queue (called holding ``ready``)."""
+        self.queue_gauge.set(len(self.jobs) + self.reserved)
 
     def run(self) -> None:
         while True:
@@ -77,7 +83,7 @@ class Batcher:
                 if not self.jobs:  # stopping, and the queue drained
                     return
                 taken, self.jobs = list(self.jobs), collections.deque()
-                self.queue_gauge.set(0)
+                self.count()
             for normalize in (False, True):  # one call per setting: normalize is an option of the call
                 group = [job for job in taken if job.normalize == normalize]
                 if group:

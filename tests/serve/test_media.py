@@ -78,6 +78,7 @@ def test_a_slow_url_holds_only_its_own_request(served, media):
         thread.start()
         try:
             assert arrived.wait(START_S)
+            assert "qwenvl_vision_queue_items 1.0" in client.get("/metrics").text  # its room held while it loads
             assert pooled(client, data_url(media["b.png"])) and not slow_answer  # served while the URL is read
         finally:
             release.set()
