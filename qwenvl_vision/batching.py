@@ -5,7 +5,10 @@ decode-memory budget (the call's settings are ``options.EncodeOptions``).
 decodes and resizes each input on a thread of its own (``prepare``), at most ``prefetch`` ahead, and groups them
 into batches of at most ``max_batch_patches`` patches; running the tower on a batch is the encoder's job. One
 ``DecodeBudget`` admits the inputs in input order, each once a worker is free and its estimated peak bytes fit:
-an image file's read from the header its own decode opens (``decode_cost``), a video file's from its probe.
+an image file's read from the header its own decode opens (``decode_cost``), a video file's from its probe. An
+object in storage is fetched within its decode time, so it is admitted before its size is known and charged once
+its header is read, without waiting: the inputs behind it wait for those bytes (memory may exceed the budget by
+what objects admitted before such a charge cost).
 
 An input whose decode runs longer than ``decode_timeout`` seconds from its admission is recorded as failed and the
 run goes on: its bytes and its worker leave the budget at once, so a decode stuck in C code stalls none of the
@@ -141,6 +144,13 @@ class DecodeBudget:
             self._cond.notify_all()
         return True
 
+    def charge(self, decoding: Decoding, cost: int) -> None:
+        """An admitted decode's ``cost`` bytes more, never waited for: the inputs behind it wait for them instead."""
+        with self._cond:
+            if not decoding.over:
+                self.used += cost
+                decoding.held += cost
+
     def release(self, held: int) -> None:
         """A decoded input joined its batch: its ``held`` bytes are counted by the batch's token bound instead."""
         with self._cond:
@@ -166,6 +176,8 @@ def prepare(item: Any, index: int, options: EncodeOptions, pre: PreprocessConfig
     def admit(cost: int) -> None:
         if decoding.started is None:
             budget.admit(index, decoding, cost)
+        else:  # fetched after its admission (see decode): its cost counted, not waited for, as it holds its turn
+            budget.charge(decoding, cost)
 
     error = None
     try:
@@ -197,14 +209,14 @@ def decode(item: Any, index: int, options: EncodeOptions, pre: PreprocessConfig,
     if options.video is None and video:  # mixed: the pixel bounds given are the images'; videos keep their own
         min_pixels = max_pixels = None
     sizes = dict(min_pixels=min_pixels, max_pixels=max_pixels, index=index, max_input_pixels=options.max_input_pixels)
-    # Bytes still to be fetched (an object in storage) are fetched inside the decode's time limit, so they are
-    # not read for an estimate before it: they cost nothing up front, like inputs already in memory.
-    unfetched = isinstance(item, FileBytes) and not item.fetched
+    # An object in storage is fetched inside the decode's time limit, so it is admitted before its size is known;
+    # its decode's cost is counted once its header is read, like a local file's.
+    if isinstance(item, FileBytes) and not item.fetched:
+        admit(0)
+        item.read(limit)
     if not video:
-        if unfetched or not is_file_input(item):
+        if not is_file_input(item):
             admit(0)
-        if isinstance(item, FileBytes):
-            item.read(limit)
         backend = options.resize or pre.resize
         # `resize` chooses between transformers' two image processors; its video processors have one pipeline.
         return *preprocess_image(item, pre, resize=options.resize, **sizes,
@@ -213,12 +225,10 @@ def decode(item: Any, index: int, options: EncodeOptions, pre: PreprocessConfig,
         admit(first_frame_cost(item, options.max_input_pixels))
         return *preprocess_video(item, pre, video_config=options.video_config, **sizes), None
     try:  # a video file's header is read once: for its decode estimate, and its frame count for the read itself
-        header = None if unfetched else probe_video(item, max_input_pixels=options.max_input_pixels)
+        header = probe_video(item, max_input_pixels=options.max_input_pixels)
     except Exception:  # noqa: BLE001 - preprocessing names the problem; this only feeds an estimate
         header = None
     admit(video_file_cost(header, pre, options.video_config) if header else 0)
-    if isinstance(item, FileBytes):
-        item.read(limit)
     return preprocess_video_file(item, pre, options.video_config, counted=header[0] if header else None, stop=stop,
                                  **sizes)
 

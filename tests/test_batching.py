@@ -21,6 +21,7 @@ from qwenvl_vision import load_encoder
 from qwenvl_vision.batching import DECODE_BYTES_PER_PIXEL, BudgetClosed, DecodeBudget, Decoding, prepared_batches
 from qwenvl_vision.errors import ConfigError
 from qwenvl_vision.inputs.images import PreprocessConfig
+from qwenvl_vision.inputs.pixels import FileBytes
 from qwenvl_vision.inputs.video import VideoConfig
 from qwenvl_vision.options import EncodeOptions
 from tests.helpers import FAMILY_SMALL, QWEN2_5_SMALL, photo, synthetic_photo
@@ -168,6 +169,19 @@ def test_budget_holds_a_later_input_until_bytes_are_freed(first_cost, second_cos
     assert budget.used == second_cost
 
 
+def test_a_cost_charged_after_admission_holds_the_inputs_behind_it():
+    """An object fetched after its admission is charged its decode once its header is read, without waiting (it
+    holds its turn): a later input then waits for those bytes as for an admitted cost."""
+    budget = DecodeBudget(100, workers=4)
+    first = Decoding()
+    budget.admit(0, first, 0)
+    budget.charge(first, 60)
+    admitted, _ = _admit_in_thread(budget, 1, 60)
+    assert not admitted.wait(0.2)
+    budget.end(first, 30)
+    assert admitted.wait(WAIT) and budget.used == 90
+
+
 def test_closing_the_budget_wakes_its_waiters():
     budget = DecodeBudget(10, workers=4)
     budget.admit(0, Decoding(), 10)
@@ -271,3 +285,10 @@ def test_a_file_is_opened_once_and_charged_by_its_header(tmp_path, monkeypatch):
     costs.clear()
     list(prepared_batches([[str(path), str(path)]], _options(video=True), PRE))
     assert costs == {0: 100 * 80 * DECODE_BYTES_PER_PIXEL["torch"]}  # one frame at a time
+    charged, charge = [], DecodeBudget.charge  # an object in storage: admitted before its fetch, charged after
+    monkeypatch.setattr(DecodeBudget, "charge", lambda self, decoding, cost: (
+        charged.append(cost), charge(self, decoding, cost))[1])
+    costs.clear()
+    remote = FileBytes("https://store/a.png", fetch=lambda limit: path.read_bytes())
+    assert all(not failed for _, failed in prepared_batches([remote], _options(), PRE))
+    assert costs == {0: 0} and charged[0] == 100 * 80 * DECODE_BYTES_PER_PIXEL["pil"]
