@@ -203,7 +203,8 @@ def prepare(item: Any, index: int, options: EncodeOptions, pre: PreprocessConfig
 def decode(item: Any, index: int, options: EncodeOptions, pre: PreprocessConfig, limit: int | None,
            admit: Callable[[int], None], stop: threading.Event) -> tuple[torch.Tensor, Any, VideoInfo | None]:
     """(pixel values, grid, video info) of one input, ``admit(cost)`` called once its decode cost is known and
-    before its pixels are decoded; ``limit``: the most bytes a file's body fetched here may have."""
+    before its pixels are decoded (an object in storage: also with 0 before its fetch); ``limit``: the most bytes
+    a file's body fetched here may have."""
     video = is_video(item, options)
     min_pixels, max_pixels = options.min_pixels, options.max_pixels
     if options.video is None and video:  # mixed: the pixel bounds given are the images'; videos keep their own

@@ -226,7 +226,8 @@ class VisionEncoder(contextlib.AbstractContextManager):
         Inputs are decoded and resized by worker threads ahead of the compute (PIL and torch release the
         GIL), at most `prefetch` inputs ahead. Host memory for inputs is bounded by `decode_bytes` (inputs
         being decoded, at what the resize backend holds at its peak per pixel, plus decoded ones waiting
-        for their batch; an input larger than that is handled alone; None: no bound) plus the batch being encoded
+        for their batch; an input larger than that is handled alone; a ``FileBytes`` fetched here is charged once its
+        header is read, not before; None: no bound) plus the batch being encoded
         (`max_batch_patches` patches, or one larger input). A
         file whose header declares more than `max_input_pixels` pixels is refused before decoding and yields an
         error (None: no limit; it replaces PIL's own bomb limit). ``decode_timeout``: seconds one input may spend

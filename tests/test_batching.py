@@ -180,6 +180,11 @@ def test_a_cost_charged_after_admission_holds_the_inputs_behind_it():
     assert not admitted.wait(0.2)
     budget.end(first, 30)
     assert admitted.wait(WAIT) and budget.used == 90
+    given_up = Decoding()
+    budget.admit(2, given_up, 0)
+    budget.end(given_up)  # the iterating side gave it up: a charge from its thread afterwards counts nothing
+    budget.charge(given_up, 60)
+    assert budget.used == 90
 
 
 def test_closing_the_budget_wakes_its_waiters():

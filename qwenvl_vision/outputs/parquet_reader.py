@@ -159,7 +159,8 @@ def parquet_files(folder: str | os.PathLike) -> list[Path]:
     if not folder.is_dir():
         raise ManifestError(f"{folder}: not a folder")
     files = sorted((p for p in folder.iterdir() if p.name.endswith(SHARD_SUFFIX) and not p.name.startswith(".")
-                    and p.is_file()), key=lambda p: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p.name)])
+                    and p.is_file()),
+                   key=lambda p: ([int(t) if t.isdecimal() else t for t in re.split(r"(\d+)", p.name)], p.name))
     if not files:
         raise ManifestError(f"{folder}: holds no {SHARD_SUFFIX} files")
     return files
@@ -179,8 +180,8 @@ def read_parquet_run(folder: str | os.PathLike) -> dict:
 
 def read_parquet_records(folder: str | os.PathLike, *, files: Sequence[str | os.PathLike] | None = None
                          ) -> Iterator[EmbeddingRecord]:
-    """Every record of a folder of shards (or of ``files``), shard by shard in name order, rows in order; tensors
-    in the run's dtype, bitwise the encoder's. Each shard is validated whole before its first record (see
+    """Every record of a folder of shards (or of ``files``), shard by shard in ``parquet_files``' order, rows in
+    order; tensors in the run's dtype, bitwise the encoder's. Each shard is validated whole before its first record (see
     ``read_parquet_table``), and every shard must carry the first one's layout and run (``same_run``): a folder
     mixing runs is refused like a damaged file, naming the shard."""
     paths = [Path(f) for f in files] if files is not None else parquet_files(folder)

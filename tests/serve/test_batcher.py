@@ -41,6 +41,7 @@ def test_a_request_whose_media_fail_to_load_gives_its_room_in_the_queue_back(ser
     with http_folder(media["a.png"].parent) as base:
         for _ in range(2):  # each request fills the queue's room (--max-queue 4): one kept would refuse the next
             error_of(client.post("/v1/embeddings", json=chat(*[part(f"{base}/missing.png")] * 4)), 400, "404")
+    assert "qwenvl_vision_queue_items 0.0" in client.get("/metrics").text
     assert client.post("/v1/embeddings", json=chat(*[part(data_url(media["a.png"]))] * 4)).status_code == 200
 
 
