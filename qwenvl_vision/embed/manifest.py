@@ -49,6 +49,13 @@ RECORDS_KEY = "qwenvl_vision_records"
 PARQUET_SHARD_NAME = re.compile(r"^shard-r(\d+)-(\d+)\.parquet$")
 
 
+def parquet_shards(out: Path, rank: int | None = None) -> list[Path]:
+    """The folder's Parquet shards (one rank's with ``rank``), by name: ranks in order, then batches."""
+    found = {tuple(map(int, m.groups())): p for p in out.glob("shard-r*-*.parquet")
+             if (m := PARQUET_SHARD_NAME.match(p.name)) and p.is_file()}
+    return [found[number] for number in sorted(found) if rank in (None, number[0])]
+
+
 def part_name(rank: int, world: int) -> str:
     """The manifest file a rank appends to: the manifest itself for one process, else the rank's part."""
     return MANIFEST if world == 1 else f"manifest.rank{rank}.jsonl"

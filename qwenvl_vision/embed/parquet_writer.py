@@ -25,15 +25,8 @@ import pyarrow.compute as pc
 
 from ..outputs.parquet import ParquetLayout, needs_escape, results_table, shard_name, write_table_atomic
 from ..outputs.parquet_reader import read_parquet_index, read_parquet_table
-from .manifest import PARQUET_SHARD_NAME, RUN_FILE
+from .manifest import PARQUET_SHARD_NAME, RUN_FILE, parquet_shards
 from .writer import Writer
-
-
-def parquet_shards(out: Path, rank: int | None = None) -> list[Path]:
-    """The folder's Parquet shards (one rank's with ``rank``), by name: ranks in order, then batches."""
-    found = {tuple(map(int, m.groups())): p for p in out.glob("shard-r*-*.parquet")
-             if (m := PARQUET_SHARD_NAME.match(p.name)) and p.is_file()}
-    return [found[number] for number in sorted(found) if rank in (None, number[0])]
 
 
 def statuses(out: Path) -> list[tuple[str, str]]:

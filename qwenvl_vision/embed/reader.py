@@ -19,7 +19,7 @@ from safetensors import safe_open
 from ..errors import ManifestError
 from ..inputs.urls import redacted_text
 from .inputs import file_of
-from .manifest import MANIFEST, RUN_FIELDS, RUN_FILE, RUN_FORMAT, read_manifest_lines
+from .manifest import MANIFEST, RUN_FIELDS, RUN_FILE, RUN_FORMAT, parquet_shards, read_manifest_lines
 
 
 def read_run(out: str | os.PathLike) -> dict:
@@ -37,7 +37,7 @@ def read_run(out: str | os.PathLike) -> dict:
     try:
         run = json.loads(path.read_text())
     except FileNotFoundError:
-        if _parquet_shards(Path(out)):  # Parquet shards copied without run.json: each carries the run
+        if parquet_shards(Path(out)):  # Parquet shards copied without run.json: each carries the run
             from ..outputs.parquet_reader import read_parquet_run
 
             return _checked_run(Path(out) / "shard-r*.parquet", read_parquet_run(out))
@@ -128,23 +128,12 @@ def _manifest_embeddings(out: Path, records: list[dict], deepstack: bool) -> Ite
                       f"were skipped", stacklevel=2)
 
 
-def _parquet_shards(out: Path) -> bool:
-    return out.is_dir() and any(out.glob("shard-r*-*.parquet"))
-
-
-def _parquet_files(out: Path) -> list[Path]:
-    """The folder's Parquet shards; none where the run stopped before its first."""
-    from ..outputs.parquet_reader import parquet_files
-
-    return parquet_files(out) if _parquet_shards(out) else []
-
-
 def _is_parquet(out: Path) -> bool:
     """Whether `out` holds a --format parquet run (its run.json says so, or it holds Parquet shards only)."""
     try:
         return json.loads((out / RUN_FILE).read_text()).get("file_format") == "parquet"
     except (OSError, ValueError, AttributeError):
-        return not (out / MANIFEST).exists() and _parquet_shards(out)
+        return not (out / MANIFEST).exists() and bool(parquet_shards(out))
 
 
 def superseded(keys: list[str]) -> set[int]:
@@ -158,16 +147,15 @@ def _parquet_stale(out: Path) -> set[int]:
     """``superseded`` of a Parquet folder's ok rows, from the shards' realpath and status columns."""
     from ..outputs.parquet_reader import read_parquet_index
 
-    return superseded([key for path in _parquet_files(out) for key, state in zip(*read_parquet_index(path)[:2])
+    return superseded([key for path in parquet_shards(out) for key, state in zip(*read_parquet_index(path)[:2])
                        if state == "ok"])
 
 
 def _parquet_embeddings(out: Path, deepstack: bool, stale: set[int]) -> Iterator[tuple[str, object]]:
     from ..outputs.parquet_reader import read_parquet_records
 
-    if not _parquet_shards(out):  # a run stopped before its first shard
-        return
-    for ordinal, record in enumerate(r for r in read_parquet_records(out) if r.ok):
+    # No shards where the run stopped before its first.
+    for ordinal, record in enumerate(r for r in read_parquet_records(out, files=parquet_shards(out)) if r.ok):
         if ordinal in stale:
             continue
         if record.embedding is None:  # a pooled-only run
@@ -199,7 +187,7 @@ def read_encoded(out: str | os.PathLike, paths: list[str] | None = None, *, moda
         from ..outputs.parquet_reader import read_parquet_grids
 
         stale = _parquet_stale(out)
-        grids = [grid for path in _parquet_files(out) for grid in read_parquet_grids(path)]
+        grids = [grid for path in parquet_shards(out) for grid in read_parquet_grids(path)]
         stored = [grid for ordinal, grid in enumerate(grids) if ordinal not in stale]
         tensors_of = _parquet_embeddings(out, True, stale)
     else:

@@ -189,7 +189,8 @@ def test_recover_reads_only_then_rewrites_and_a_resume_removes_what_a_kill_left(
     and a run.json being rewritten, as a kill leaves them, are removed by a resume; shards of only ok rows are read
     by their footer and realpath / status columns, never whole."""
     from qwenvl_vision.embed import parquet_writer
-    from qwenvl_vision.embed.parquet_writer import ParquetRankWriter, parquet_shards
+    from qwenvl_vision.embed.manifest import parquet_shards
+    from qwenvl_vision.embed.parquet_writer import ParquetRankWriter
     from qwenvl_vision.outputs.parquet import ParquetLayout
 
     make_image_folder(tmp_path / "imgs", 2)  # 2 images and 3 bad files
