@@ -282,6 +282,18 @@ def test_towers_with_frames_on_the_gemm_path_match_transformers(cfg, dtype):
     assert_matches_reference((merged, levels), expected, grid_thw, 1e-5 if dtype == torch.float32 else 3e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_video_beside_a_larger_image_on_torch_s_elementwise_ops_matches_transformers(dtype):
+    """Where the elementwise steps run on torch's ops (float16 here, or no C compiler), rope makes fresh q and k and
+    v stays in the qkv buffer: an item of a third of the workspace's rows (a 6-frame video, windows of two lengths)
+    must not get its attention output written over its own v, against transformers' fp32 tower per item."""
+    ours, ref = pair(QWEN2_5_SMALL)
+    ours = ours.to(dtype)
+    CpuBackend(forced_plan(ours, elementwise="aten")).attach(ours)
+    (merged, levels), expected, grid_thw = forward_both(ours, ref, QWEN2_5_SMALL, [(1, 48, 48), (3, 12, 20)])
+    assert_matches_reference((merged.float(), levels), expected, grid_thw, 1e-5 if dtype == torch.float32 else 3e-2)
+
+
 # ----------------------------------------------------------------------------- the execution the tower picks
 
 

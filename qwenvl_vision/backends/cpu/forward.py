@@ -117,8 +117,8 @@ class CpuExecution:
     def attention(self, attn: VisionAttention, x: torch.Tensor, inputs: AttentionInputs,
                   residual: torch.Tensor, norm: nn.Module) -> torch.Tensor:
         """``residual += attn(x)``, and ``norm(residual)`` returned."""
-        q, k, v = self.rotated_qkv(attn, x, inputs)
-        attended = inputs.attend(q, k, v, inputs.segments, attn.scale, out=self.workspace.take(q, *q.shape))
+        q, k, v = self.rotated_qkv(attn, x, inputs)  # v is in the qkv buffer always; q and k, rotated natively
+        attended = inputs.attend(q, k, v, inputs.segments, attn.scale, out=self.workspace.take(v, *q.shape))
         return self.add_linear_(residual, attended.flatten(1), attn.proj, norm)
 
     def rotated_qkv(self, attn: VisionAttention, x: torch.Tensor, inputs: AttentionInputs
