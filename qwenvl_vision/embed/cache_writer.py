@@ -48,10 +48,10 @@ class CacheRankWriter(RankWriter):
         return sorted(p / CACHE_FILE for p in self.out.iterdir()
                       if is_sha256(p.name) and not p.is_symlink() and (p / CACHE_FILE).is_file())
 
-    def recover(self) -> None:
+    def recover(self, listed: dict[str, str]) -> None:
         """``RankWriter.recover`` with the cache lock held: a prune removes no item while it is read."""
         with cache_lock(self.out):
-            super().recover()
+            super().recover(listed)
 
     def store(self, records: list[EmbeddingRecord]) -> None:
         """``RankWriter.store`` with the cache lock held: a prune (``cache_prune``) sees an item found in place only

@@ -296,12 +296,12 @@ class EmbedJob:
         else:
             writer = RankWriter(self.out, self.rank, self.world, self.run["run_id"], self.run["pooled"])
         if not self.fresh:
-            writer.recover()
+            # A file (or shard, or object) replaced since it was recorded has another identity
+            # (``inputs.file_identity``, ``remote.identity``): its record is dropped, and it is embedded again.
+            writer.recover({file_of(key): key for key in self.inputs.keys.values()})
         self.writer = writer
-        # A file (or shard) replaced since it was recorded has another identity (``inputs.file_identity``): it is
-        # embedded again, and counted.
-        recorded = {file_of(key) for key in writer.done} - {None}
-        self.changed = sum(key not in writer.done and file_of(key) in recorded for key in self.inputs.keys.values())
+        self.changed = sum(key not in writer.done and file_of(key) in writer.replaced
+                           for key in self.inputs.keys.values())
 
     def encode_options(self) -> dict:
         """The run's encode options, as ``iter_encode`` (and the Ray ``Embedder``) take them: as given, so that an

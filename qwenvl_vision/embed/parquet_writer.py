@@ -5,10 +5,11 @@ per input (ok rows with their tensors, error rows with why), run.json in its sch
 The shards are the manifest: a shard is written to a temporary file, fsynced and renamed into place
 (``parquet.write_table_atomic``), so a run killed at any instant (even SIGKILL) leaves whole shards, each row an
 input recorded exactly once, and at worst one temporary file. ``recover`` (``--resume``) deletes this rank's
-temporary files and takes every ok row of the folder (any rank's) as done, reading only the shards' footers and
-realpath / status columns; then, once every rank has read (a barrier under torchrun), ``finish_recovery``
-rewrites each of this rank's shards that hold error rows without them (atomically; a shard left with none is
-removed), so that the retried inputs are recorded once: never an input twice, never one lost. A shard that
+temporary files and takes every ok row of the folder (any rank's) as done, but for the inputs this invocation
+embeds again (``writer.redone``: failed, or replaced since), reading only the shards' footers and realpath / status
+columns; then, once every rank has read (a barrier under torchrun), ``finish_recovery`` rewrites each of this
+rank's shards that hold rows of those inputs without them (atomically; a shard left with none is removed), so that
+they are recorded once: never an input twice, never one lost. A shard that
 cannot be read (a hand edit, a bad disk) is refused naming it, never dropped silently. Shard numbers are never
 reused.
 
@@ -21,12 +22,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pyarrow.compute as pc
+import pyarrow as pa
 
-from ..outputs.parquet import ParquetLayout, needs_escape, results_table, shard_name, write_table_atomic
+from ..outputs.parquet import ParquetLayout, needs_escape, results_table, shard_name, text, write_table_atomic
 from ..outputs.parquet_reader import read_parquet_index, read_parquet_table
+from .inputs import file_of
 from .manifest import PARQUET_SHARD_NAME, RUN_FILE, parquet_shards
-from .writer import Writer
+from .writer import Writer, redone
 
 
 def statuses(out: Path) -> list[tuple[str, str]]:
@@ -41,20 +43,24 @@ class ParquetRankWriter(Writer):
         super().__init__()
         self.out, self.rank, self.run, self.layout = out, rank, run, layout
         self.next_shard = 0
-        self.to_rewrite: list[Path] = []  # this rank's shards holding error rows (recover -> finish_recovery)
+        self.to_rewrite: list[Path] = []  # this rank's shards holding rows redone (recover -> finish_recovery)
+        self.listed: dict[str, str] = {}
 
-    def recover(self) -> None:
+    def recover(self, listed: dict[str, str]) -> None:
         """Resume, first step (reads only): delete this rank's temporary files (rank 0: run.json's too), take
-        every ok row of the folder (any rank's) as done, and note which of this rank's shards hold error rows.
-        Only the footer and the realpath / status columns of a shard are read. Under torchrun every rank reads
-        every rank's shards, so no rank rewrites its own before all have read (``finish_recovery``, after a
-        barrier): a shard another rank is rewriting or removing is never read half-way or missed."""
+        every ok row of the folder (any rank's) as done but those redone, and note which of this rank's shards
+        hold rows redone. Only the footer and the realpath / status columns of a shard are read. Under torchrun
+        every rank reads every rank's shards, so no rank rewrites its own before all have read
+        (``finish_recovery``, after a barrier): a shard another rank is rewriting or removing is never read
+        half-way or missed."""
         self.remove_temporary_files()
+        self.listed = listed = {text(file): text(key) for file, key in listed.items()}  # as the rows spell them
         own = parquet_shards(self.out, self.rank)
         for shard in parquet_shards(self.out):
-            realpaths, status, _, _ = read_parquet_index(shard)
-            self.done.update(key for key, state in zip(realpaths, status) if state == "ok")
-            if shard in own and any(state != "ok" for state in status):
+            rows = [(key, state == "ok") for key, state in zip(*read_parquet_index(shard)[:2])]
+            self.done.update(key for key, ok in rows if ok and not redone(key, ok, listed))
+            self.replaced.update(file_of(key) for key, ok in rows if ok and redone(key, ok, listed))
+            if shard in own and any(redone(key, ok, listed) for key, ok in rows):
                 self.to_rewrite.append(shard)
         self.next_shard = max((int(PARQUET_SHARD_NAME.match(s.name).group(2)) for s in own), default=-1) + 1
 
@@ -64,12 +70,13 @@ class ParquetRankWriter(Writer):
         return [f".shard-r{self.rank}-*.tmp"] + ([f"{RUN_FILE}.{self.run['run_id']}.tmp"] if self.rank == 0 else [])
 
     def finish_recovery(self) -> None:
-        """Resume, second step: rewrite each of this rank's shards that hold error rows without them (atomically;
-        a shard left with none is removed), so that the retried inputs are recorded once. Each is read and
+        """Resume, second step: rewrite each of this rank's shards that hold rows redone without them
+        (atomically; a shard left with none is removed), so that those inputs are recorded once. Each is read and
         checked whole (``read_parquet_table``) first."""
         for shard in self.to_rewrite:
             table, _, _ = read_parquet_table(shard)  # ManifestError naming the shard if damaged
-            kept = table.filter(pc.equal(table.column("status"), "ok"))  # error rows go: their inputs are retried
+            rows = zip(table.column("realpath").to_pylist(), table.column("status").to_pylist(), strict=True)
+            kept = table.filter(pa.array([not redone(key, state == "ok", self.listed) for key, state in rows]))
             if kept.num_rows:
                 write_table_atomic(kept, shard)
             else:

@@ -18,7 +18,6 @@ from safetensors import safe_open
 
 from ..errors import ManifestError
 from ..inputs.urls import redacted_text
-from .inputs import file_of
 from .manifest import MANIFEST, RUN_FIELDS, RUN_FILE, RUN_FORMAT, parquet_shards, read_manifest_lines
 
 
@@ -70,9 +69,9 @@ def _checked_run(path: Path, run: dict) -> dict:
 
 def read_embeddings(out: str | os.PathLike, *, deepstack: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """(path, tensor) for every input recorded ok in DIR/manifest.jsonl, in manifest order, or in DIR's Parquet
-    shards (a ``--format parquet`` run), in shard and row order; of a file recorded again after it changed, its
-    latest record only. A ``--format vllm-cache`` run's items are split back into the embedding and its DeepStack
-    levels.
+    shards (a ``--format parquet`` run), in shard and row order (a file replaced since it was recorded has the
+    record of its last resume that listed it). A ``--format vllm-cache`` run's items are split back into the
+    embedding and its DeepStack levels.
 
     With deepstack=True yields (path, (embedding, [levels...])) for Qwen3-VL runs. What produced the tensors
     (model, dtype, pixel bounds, pooling): ``read_run(DIR)``. A damaged manifest line, a missing shard or
@@ -84,19 +83,17 @@ def read_embeddings(out: str | os.PathLike, *, deepstack: bool = False) -> Itera
     """
     out = Path(out)
     if _is_parquet(out):
-        yield from _parquet_embeddings(out, deepstack, _parquet_stale(out))
+        yield from _parquet_embeddings(out, deepstack)
     else:
         yield from _manifest_embeddings(out, _manifest_ok(out), deepstack)
 
 
 def _manifest_ok(out: Path) -> list[dict]:
-    """The manifest's ok records, of a file recorded again after it changed its latest only (``superseded``)."""
+    """The manifest's ok records."""
     if not (out / MANIFEST).exists() and any(out.glob("manifest.rank*.jsonl")):
         raise ManifestError(f"{out} holds the ranks' manifest parts but no {MANIFEST}: the run stopped before "
                             f"merging them; embed --resume on the folder finishes and merges it")
-    records = [r for r in read_manifest_lines(out / MANIFEST) if r["status"] == "ok"]
-    stale = superseded([r.get("realpath", "") for r in records])
-    return [r for ordinal, r in enumerate(records) if ordinal not in stale]
+    return [r for r in read_manifest_lines(out / MANIFEST) if r["status"] == "ok"]
 
 
 def _manifest_embeddings(out: Path, records: list[dict], deepstack: bool) -> Iterator[tuple[str, object]]:
@@ -136,28 +133,11 @@ def _is_parquet(out: Path) -> bool:
         return not (out / MANIFEST).exists() and bool(parquet_shards(out))
 
 
-def superseded(keys: list[str]) -> set[int]:
-    """The ordinals, among ok records' identities in the order they are read, of those a later record of the same
-    file supersedes: ``--resume`` embeds a file whose contents changed again, and its latest record is current."""
-    latest = {file_of(key): i for i, key in enumerate(keys)}
-    return {i for i, key in enumerate(keys) if file_of(key) and latest[file_of(key)] != i}
-
-
-def _parquet_stale(out: Path) -> set[int]:
-    """``superseded`` of a Parquet folder's ok rows, from the shards' realpath and status columns."""
-    from ..outputs.parquet_reader import read_parquet_index
-
-    return superseded([key for path in parquet_shards(out) for key, state in zip(*read_parquet_index(path)[:2])
-                       if state == "ok"])
-
-
-def _parquet_embeddings(out: Path, deepstack: bool, stale: set[int]) -> Iterator[tuple[str, object]]:
+def _parquet_embeddings(out: Path, deepstack: bool) -> Iterator[tuple[str, object]]:
     from ..outputs.parquet_reader import read_parquet_records
 
     # No shards where the run stopped before its first.
-    for ordinal, record in enumerate(r for r in read_parquet_records(out, files=parquet_shards(out)) if r.ok):
-        if ordinal in stale:
-            continue
+    for record in (r for r in read_parquet_records(out, files=parquet_shards(out)) if r.ok):
         if record.embedding is None:  # a pooled-only run
             tensor, levels = record.pooled.float(), []
         else:
@@ -186,10 +166,8 @@ def read_encoded(out: str | os.PathLike, paths: list[str] | None = None, *, moda
     if _is_parquet(out):  # the small columns first (grids, tokens), the tensors of the paths asked for after
         from ..outputs.parquet_reader import read_parquet_grids
 
-        stale = _parquet_stale(out)
-        grids = [grid for path in parquet_shards(out) for grid in read_parquet_grids(path)]
-        stored = [grid for ordinal, grid in enumerate(grids) if ordinal not in stale]
-        tensors_of = _parquet_embeddings(out, True, stale)
+        stored = [grid for path in parquet_shards(out) for grid in read_parquet_grids(path)]
+        tensors_of = _parquet_embeddings(out, True)
     else:
         records = _manifest_ok(out)
         stored = [(r["path"], r["grid_thw"], r.get("video"), r["tokens"]) for r in records]

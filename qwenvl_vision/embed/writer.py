@@ -7,9 +7,10 @@ I/O fault (disk full, read-only folder), therefore leaves (a) complete shards, (
 lines all point at complete shards, and at worst (c) one shard nobody references and one half-written last
 line. Every shard also carries its own items' manifest records in its metadata (``RECORDS_KEY``), written with
 its tensors in one file: so ``recover`` rolls forward from the shards whatever the manifest lacks (a shard
-renamed but never recorded, a torn, truncated or damaged manifest), keeps every input recorded ok exactly once,
-even inputs the resumed invocation does not list, and never reuses a shard name. Error records and damaged lines
-whose input no shard holds are dropped: their inputs are redone.
+renamed but never recorded, a torn, truncated or damaged manifest), keeps every input recorded exactly once,
+even inputs the resumed invocation does not list, and never reuses a shard name. The records of the inputs this
+invocation embeds again are dropped (``redone``): a failure, or a file replaced since it was recorded, so each file
+has one record, whichever rank wrote it; damaged lines whose input no shard holds are dropped too.
 
 Recovery deletes nothing but this run's own temporary files (its run id is in their names). A shard of this run
 that no manifest line references and that carries no records (written by an older qwenvl-vision) cannot be
@@ -31,6 +32,7 @@ from ..errors import ManifestError, OutputFaultError
 from ..inputs.urls import redacted_text
 from ..outputs.durable import open_no_follow, refuse_link, replace_atomically
 from ..outputs.records import EmbeddingRecord
+from .inputs import file_of
 from .manifest import MANIFEST, RECORDS_KEY, RUN_FILE, RUN_KEY, SHARD_NAME, part_name, read_manifest_lines
 
 # OSErrors at the start that are the output folder's state (exit 3, like a fault mid-run), not a usage error.
@@ -81,6 +83,14 @@ def stored_records(path: Path) -> tuple[str | None, list | None]:
                             f"inputs are then redone) and run the same command with --resume again") from None
 
 
+def redone(key: str, ok: bool, listed: dict[str, str]) -> bool:
+    """Whether a resume embeds the input of a record (its identity ``key``) again, dropping the record: the
+    invocation lists its file (``listed``: file -> identity now, ``inputs.file_of``), and the record is a failure or
+    of other bytes (a file replaced since). A record of an input not listed is kept as it is."""
+    now = listed.get(file_of(key))
+    return now is not None and (not ok or now != key)
+
+
 class Writer:
     """A rank's writer, whatever the format (``RankWriter``: safetensors shards, ``cache_writer.CacheRankWriter``:
     vLLM encoder-cache items, both with manifest lines; ``parquet_writer.ParquetRankWriter``: Parquet shards). A
@@ -90,9 +100,11 @@ class Writer:
 
     def __init__(self) -> None:
         self.done: set[str] = set()  # identities of the inputs recorded ok by any rank (a resume skips them)
+        self.replaced: set[str] = set()  # files (``file_of``) whose record a resume dropped: replaced since
 
-    def recover(self) -> None:
-        """A resume, before any rank writes: what a stopped run left, made consistent."""
+    def recover(self, listed: dict[str, str]) -> None:
+        """A resume, before any rank writes: what a stopped run left, made consistent, without the records of the
+        inputs this invocation embeds again (``redone``)."""
 
     def finish_recovery(self) -> None:
         """A resume, after every rank has read the folder: the rewrites that had to wait."""
@@ -130,29 +142,32 @@ class RankWriter(Writer):
         """The files whose metadata records may hold any rank's items: every rank's shards."""
         return sorted(p for p in self.out.glob("shard-r*-*.safetensors") if SHARD_NAME.match(p.name))
 
-    def recover(self) -> None:
-        """Resume: keep the ok records whose file exists, once each (this rank's as its own), then roll forward the
-        records this rank's files carry that no line holds (see the module); one owner of an input two ranks' files
-        carry, the lower rank, whichever rank recovers first. Deletes only this run's temporary files."""
+    def recover(self, listed: dict[str, str]) -> None:
+        """Resume: keep the records whose input is not redone (``redone``) and, of an ok one, whose file exists,
+        once each (this rank's as its own), then roll forward the records this rank's files carry of files no line
+        holds (see the module); one owner of an input two ranks' files carry, the lower rank, whichever rank
+        recovers first. Deletes only this run's temporary files."""
         parts = [MANIFEST, *(part_name(r, self.world) for r in range(self.world))]
         files = [self.manifest] + [self.out / name for name in parts if name != self.manifest.name]
-        recorded = [r for f in files for r in read_manifest_lines(f, strict=False)  # damaged lines: rolled forward
-                    if r["status"] == "ok" and (self.out / r["shard"]).is_file()]
+        lines = [r for f in files for r in read_manifest_lines(f, strict=False)]  # damaged lines: rolled forward
+        recorded = [r for r in lines if r["status"] == "ok" and (self.out / r["shard"]).is_file()]
+        self.replaced = {file_of(r["realpath"]) for r in recorded if redone(r["realpath"], True, listed)}
+        recorded = [r for r in recorded if not redone(r["realpath"], True, listed)]
         others = set()  # inputs other ranks recorded ok: not redone here even if the split changed
         for r in recorded:
             if r.get("rank", 0) == self.rank:
                 self.own.setdefault(r["realpath"], r)
             else:
                 others.add(r["realpath"])
-        referenced = {r["shard"] for r in recorded}
+        referenced = {r["shard"] for r in lines if r["status"] == "ok"}
         carried: dict[str, tuple[int, dict]] = {}  # identity -> (the lowest rank whose files carry it, its record)
         for path in self.stored_files():
             name = path.relative_to(self.out).as_posix()
             try:
                 run_id, found = stored_records(path)
             except ManifestError:
-                if name in referenced or not SHARD_NAME.match(name):
-                    continue  # a recorded shard is named by its readers; a cache item is rewritten when redone
+                if not SHARD_NAME.match(name):
+                    continue  # a cache item is rewritten when its input is redone
                 raise
             if run_id != self.run_id:
                 continue  # another run's file: not this run's to take, nor to remove
@@ -164,15 +179,22 @@ class RankWriter(Writer):
                 key, rank = r["realpath"], r.get("rank", 0)
                 if r["status"] == "ok" and rank < carried.get(key, (rank + 1,))[0]:
                     carried[key] = rank, r
+        self.replaced |= {file_of(key) for key in carried if redone(key, True, listed)}
+        kept = {file_of(r["realpath"]) for r in recorded}  # a file's record in a line is its latest
+        carried = {key: value for key, value in carried.items() if file_of(key) not in kept
+                   and not redone(key, True, listed)}
         for key, (rank, r) in carried.items():
-            if rank == self.rank and key not in others:
+            if rank == self.rank:
                 self.own.setdefault(key, r)
         self.done = set(self.own) | others | set(carried)
+        failed = {r["realpath"]: r for r in lines if r["status"] != "ok" and r.get("rank", 0) == self.rank
+                  and not redone(r["realpath"], False, listed) and r["realpath"] not in self.done}
         self.remove_temporary_files()
         numbers = [int(m.group(2)) for p in self.out.glob(f"shard-r{self.rank}-*") if (m := SHARD_NAME.match(p.name))]
         self.next_shard = max(numbers, default=-1) + 1
-        # Rewrite the part with each ok input once; errors and damaged lines are dropped so they are redone.
-        atomic_write_text(self.manifest, "".join(json.dumps(r) + "\n" for r in self.own.values()), self.run_id)
+        # Rewrite the part with each input once (the parts may repeat the merged manifest's lines).
+        lines = [*self.own.values(), *failed.values()]
+        atomic_write_text(self.manifest, "".join(json.dumps(r) + "\n" for r in lines), self.run_id)
 
     def temporary_files(self) -> list[str]:
         """This rank's shards and manifest part, and (rank 0) the merged manifest and run.json being rewritten."""

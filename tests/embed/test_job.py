@@ -399,3 +399,28 @@ def test_a_file_replaced_since_it_was_recorded_is_embedded_again_and_read_as_it_
         stored = list(read_embeddings(out))
         assert sorted(path for path, _ in stored) == sorted(map(str, paths))
         assert torch.equal(dict(stored)[replaced], want.embeddings[0])
+
+
+@pytest.mark.parametrize("file_format", ["safetensors", "parquet"])
+def test_files_replaced_then_resumed_by_two_ranks_under_another_split_read_as_they_are_now(tmp_path, checkpoint,
+                                                                                          file_format):
+    """A resume under torchrun deals the inputs anew (one added sorts first: each file moves to the other rank), so
+    a replaced file's new record is written by another rank than its old one: the old record is dropped, and each
+    file reads back once, as it is now."""
+    paths = make_folder(tmp_path / "imgs", 4, bad=False)
+    out = tmp_path / "out"
+    cmd = torchrun_embed_cmd([tmp_path / "imgs"], checkpoint, out, "--format", file_format, "--max-pixels", "4096")
+    done = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    before = read_encoded(out)
+    for i, path in enumerate(paths):  # other contents and sizes, under the same names
+        Image.fromarray(synthetic_photo(64 - 8 * i, 40 + 8 * i, 90 + i)).save(path)
+    Image.fromarray(synthetic_photo(48, 48, 7)).save(tmp_path / "imgs" / "0-added.png")
+    done = subprocess.run([*cmd, "--resume"], env=ENV, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "embedded 5 of 5 inputs" in done.stderr and "4 changed" in done.stderr, done.stderr[-3000:]
+    names = [*map(str, paths)]
+    want = load_encoder(checkpoint, device="cpu").encode_images(names, max_pixels=4096)
+    got = read_encoded(out, names)
+    assert [list(g) for g in got.grid_thw] == [list(g) for g in want.grid_thw] != [list(g) for g in before.grid_thw]
+    assert sorted(path for path, _ in read_embeddings(out)) == sorted([*names, str(tmp_path / "imgs" / "0-added.png")])

@@ -16,6 +16,7 @@ from PIL import Image
 
 from qwenvl_vision.cli import main
 from qwenvl_vision.embed import read_embeddings, read_run
+from qwenvl_vision.embed.inputs import file_of, gather_inputs
 from qwenvl_vision.loading import load_encoder
 from tests.helpers import make_image_folder, synthetic_photo
 from tests.helpers.embed import (
@@ -201,7 +202,8 @@ def test_recover_reads_only_then_rewrites_and_a_resume_removes_what_a_kill_left(
     layout = ParquetLayout(**json.loads(pq.read_schema(parquet_shards(out)[0]).metadata[b"qwenvl_vision"])["layout"])
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     writer = ParquetRankWriter(out, 0, run, layout)
-    writer.recover()
+    listed = gather_inputs([str(tmp_path / "imgs")]).keys.values()  # the invocation's inputs, failed ones retried
+    writer.recover({file_of(key): key for key in listed})
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert len(writer.done) == 2 and writer.to_rewrite
     writer.finish_recovery()

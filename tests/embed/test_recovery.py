@@ -99,6 +99,41 @@ def test_a_shard_of_the_run_that_carries_no_records_and_no_line_names_is_kept_an
     assert (files_of(out), (out / "manifest.jsonl").read_bytes()) == before
 
 
+def test_a_recorded_shard_that_cannot_be_read_stops_the_resume_and_once_moved_out_its_input_is_redone(
+        tmp_path, checkpoint, images, capsys):
+    out = tmp_path / "out"
+    assert embed(images[:2], checkpoint, out) == 0
+    stored = {path: tensor.clone() for path, tensor in read_embeddings(out)}  # not a view of the file cut below
+    damaged = out / read_manifest_lines(out / "manifest.jsonl")[0]["shard"]
+    damaged.write_bytes(damaged.read_bytes()[:100])  # a bad disk's, or a copy cut short
+    capsys.readouterr()
+    assert embed(images[:2], checkpoint, out, "--resume") == 2
+    one_error_line(capsys.readouterr().err, damaged.name, "move it out")
+    damaged.rename(tmp_path / damaged.name)
+    assert embed(images[:2], checkpoint, out, "--resume") == 0
+    assert {p: torch.equal(t, stored[p]) for p, t in read_embeddings(out)} == {p: True for p in stored}
+
+
+@pytest.mark.parametrize("file_format", ["safetensors", "parquet"])
+def test_a_resume_of_fewer_inputs_keeps_the_others_failures_and_retries_its_own(tmp_path, checkpoint, images,
+                                                                                file_format):
+    folder = tmp_path / "imgs"
+    folder.mkdir()
+    for name in ("a.png", "b.png"):  # two inputs that fail: not images
+        (folder / name).write_text("not an image")
+    out = tmp_path / "out"
+    assert embed([folder / "a.png", folder / "b.png", images[0]], checkpoint, out, "--format", file_format) == 1
+    assert embed([folder / "a.png"], checkpoint, out, "--format", file_format, "--resume") == 1
+    if file_format == "parquet":
+        from qwenvl_vision.embed.parquet_writer import statuses
+
+        recorded = statuses(out)
+    else:
+        recorded = [(r["realpath"], r["status"]) for r in read_manifest_lines(out / "manifest.jsonl")]
+    assert sorted((Path(key).name.split("#")[0], status) for key, status in recorded) == [
+        ("a.png", "error"), ("b.png", "error"), (images[0].name, "ok")]  # each once, b's failure kept
+
+
 # ---------------------------------------------------------------------- links where the run writes
 
 
@@ -226,7 +261,7 @@ def test_an_input_whose_lines_were_lost_is_rolled_forward_by_one_rank_only(tmp_p
             (tmp_path / part_name(rank, 2)).write_text("")  # its lines are lost (again: the first pass restored one)
         writers = {rank: RankWriter(tmp_path, rank, 2, "run1") for rank in order}
         for rank in order:
-            writers[rank].recover()
+            writers[rank].recover({})
         assert path in writers[owner].own and path not in writers[1 - owner].own and path in writers[1 - owner].done
     lines = [json.loads(line) for line in (tmp_path / part_name(owner, 2)).read_text().splitlines()]
     assert [r["path"] for r in lines] == [path] and not (tmp_path / part_name(1 - owner, 2)).read_text()

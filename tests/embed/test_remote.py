@@ -108,12 +108,13 @@ def test_a_transient_error_is_retried_and_a_slow_object_times_out_alone(photos, 
 
 @pytest.mark.parametrize("versioned", [False, True], ids=["etag", "version"])
 def test_an_object_replaced_after_listing_is_never_stored_under_its_listed_identity(photos, checkpoint, tmp_path,
-                                                                                   monkeypatch, versioned):
+                                                                                   monkeypatch, capsys, versioned):
     """S3 objects embed bitwise, their identity the URL with the object's ETag or version. Listed (its identity
     read), then replaced under its URL before its bytes are read: with a version in its identity the listed version
     is read by its id (the old object's tensors); with an ETag the bytes read are the new object's, which the ETag
     check after reading refuses (one failed input); a resume embeds the new object under its new identity, and
-    another does nothing until an object is replaced again. Nothing is stored under an identity it does not have."""
+    another does nothing until an object is replaced again, when it is embedded again and its old record dropped.
+    Nothing is stored under an identity it does not have."""
     pytest.importorskip("s3fs")
     pytest.importorskip("moto")
     from qwenvl_vision.embed import inputs
@@ -159,9 +160,14 @@ def test_an_object_replaced_after_listing_is_never_stored_under_its_listed_ident
             assert len(read_manifest_lines(out / "manifest.jsonl")) == 2
         assert torch.equal(dict(read_embeddings(out))[urls[0]], want[paths[2].name])
         client.put_object(Bucket=bucket, Key=f"set::1/{paths[0].name}", Body=paths[3].read_bytes())
+        before = {r["path"]: r["realpath"] for r in read_manifest_lines(out / "manifest.jsonl")}
+        capsys.readouterr()
         assert run_embed(urls, checkpoint, out, "--resume", *SMALL) == 0  # replaced again: a new input
-        assert len({r["realpath"] for r in read_manifest_lines(out / "manifest.jsonl")}) == 3
-        assert torch.equal(dict(read_embeddings(out))[urls[0]], want[paths[3].name])
+        assert "1 changed" in capsys.readouterr().err
+        now = {r["path"]: r["realpath"] for r in read_manifest_lines(out / "manifest.jsonl")}
+        assert len(now) == 2 and now[urls[0]] != before[urls[0]] and now[urls[1]] == before[urls[1]]
+        assert [torch.equal(t, want[paths[3].name]) for p, t in read_embeddings(out) if p == urls[0]] == [True]
+        assert torch.equal(read_encoded(out, urls[:1]).embeddings[0], want[paths[3].name])  # its one record
 
 
 def test_a_ray_actor_reads_the_object_its_identity_column_names(photos, checkpoint, monkeypatch):
