@@ -112,6 +112,8 @@ def validate_embed_args(args: argparse.Namespace) -> None:
     args.format_given = args.format is not None  # a --resume without it takes the run's
     if not args.format_given:
         args.format = "parquet" if args.engine == "ray" else "safetensors"
+    if not args.out:  # as `--out "$OUT"` with OUT unset gives: never the current folder by accident
+        raise ConfigError("--out is empty: give the folder to write")
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file, not a folder")

@@ -274,13 +274,16 @@ def test_embed_folder_mixing_images_and_videos(tmp_path, request, model):
                  "--resume", "--fps", "2"]) == 2
 
 
-def test_setup_errors_are_one_line_exit_2_nothing_written(tmp_path, checkpoint, capsys):
+def test_setup_errors_are_one_line_exit_2_nothing_written(tmp_path, checkpoint, capsys, monkeypatch):
     make_folder(tmp_path / "imgs", 1, bad=False)
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")  # an empty --out must not write here
     a_file = tmp_path / "emb.txt"
     a_file.write_text("not a folder")
     cases = [
         (["--model", str(checkpoint), "--out", str(a_file)], [str(a_file), "is a file, not a folder"]),
         (["--model", str(checkpoint), "--out", str(a_file / "sub")], ["Not a directory", str(a_file)]),
+        (["--model", str(checkpoint), "--out", ""], ["--out is empty"]),
         (["--model", "qwen2.5-vl-3b", "--out", str(tmp_path / "o1")], ["preset", "--random-weights"]),
         (["--model", str(tmp_path / "no-such-ckpt"), "--out", str(tmp_path / "o2")], ["does not exist"]),
         (["--model", str(tmp_path / "imgs"), "--out", str(tmp_path / "o3")], ["config.json"]),
@@ -297,8 +300,8 @@ def test_setup_errors_are_one_line_exit_2_nothing_written(tmp_path, checkpoint, 
             continue
         assert code == 2, err
         one_error_line(err, *needles)
-    assert a_file.read_text() == "not a folder"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["emb.txt", "imgs", "o4"]  # the others never created
+    assert a_file.read_text() == "not a folder" and not any((tmp_path / "cwd").iterdir())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cwd", "emb.txt", "imgs", "o4"]  # the others never created
 
 
 def test_debug_shows_the_traceback(tmp_path, checkpoint, capsys):
