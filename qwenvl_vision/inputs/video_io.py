@@ -128,8 +128,13 @@ def _open_video(path: str | os.PathLike, name: str, max_input_pixels: int | None
     check_regular_file(path, name)
     try:
         # FFmpeg reads a name's "proto:" prefix (file:, concat:, subfile,...) as a protocol and would open
-        # another file; an absolute path starts with "/", which no protocol name does, so it is only a path.
-        container = av.open(readable(path) if isinstance(path, FileBytes) else os.path.abspath(path))
+        # another file; an absolute path starts with "/", which no protocol name does, so it is only a path. A
+        # demuxer may open other files or URLs itself (an ffconcat playlist names files): bytes sent to a server
+        # may open none, a path only files.
+        if isinstance(path, FileBytes):
+            container = av.open(readable(path), options={"protocol_whitelist": "none"})
+        else:
+            container = av.open(os.path.abspath(path), options={"protocol_whitelist": "file"})
     except Exception as e:  # noqa: BLE001 - FFmpeg raises many error types for bad files
         raise _av_error(e, name, "open") from e
     try:

@@ -37,6 +37,17 @@ def test_a_video_in_memory_encodes_bitwise_as_its_file(encoder, tmp_path):
     assert got.video_info[0] == want.video_info[0]
 
 
+def test_a_playlist_in_memory_opens_no_file_it_names(encoder, tmp_path, monkeypatch):
+    """An ffconcat playlist sent as bytes (a server's data URL) would have FFmpeg open the files it names, relative
+    to the process's folder: refused as not a video, the file never read."""
+    pytest.importorskip("av")
+    write_video(tmp_path / "private.mp4", 9, 48, 40, 4)
+    monkeypatch.chdir(tmp_path)
+    playlist = FileBytes("clip.mp4", b"ffconcat version 1.0\nfile private.mp4\n")
+    with pytest.raises(PreprocessError, match=r"'clip.mp4'.*not a recognised video file"):
+        encoder.encode_videos([playlist])
+
+
 def test_bad_bytes_are_named_by_their_name_in_one_line(encoder, tmp_path):
     for data, needle in [(b"", "file is empty"), (b"not an image", "not a recognised image file")]:
         with pytest.raises(PreprocessError, match=needle) as caught:
