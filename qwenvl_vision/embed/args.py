@@ -150,7 +150,7 @@ def model_options() -> argparse.ArgumentParser:
     p.add_argument("--resize", choices=RESIZE_BACKENDS,
                    help="whose resize the pixels match: pil = transformers' PIL image processor (transformers "
                         "without torchvision), torch = its torchvision processor (with torchvision; vLLM); default: "
-                        "what the checkpoint's preprocessor_config.json names (...Fast: torch)")
+                        "what the checkpoint's preprocessor_config.json names (...Fast: torch); serve: torch, as vLLM")
     p.add_argument("--fps", type=positive_option(float, "--fps"),
                    help="frames per second sampled from video files (default: the checkpoint's "
                         "video_preprocessor_config.json, else 2)")

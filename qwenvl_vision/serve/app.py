@@ -89,6 +89,9 @@ def placeholder_fields(e: dict[str, Any]) -> dict[str, Any]:
     return fields
 
 
+JSON_VALUE_BYTES = 64  # what a small parsed value (an empty list or dict, a short string) takes in CPython
+
+
 @dataclass
 class BodyBudget:
     """The request bodies the app holds at once, in bytes. Each is held, parsed and its media decoded until its
@@ -113,7 +116,8 @@ class BodyBudget:
 
 async def read_json(request: Request, limit: int, budget: BodyBudget) -> Any:
     """The body as JSON, refused (413) as soon as it is known to be over ``limit`` bytes; held within ``budget`` as
-    its bytes arrive (a declared length is not charged: a client may declare more than it sends, or less)."""
+    its bytes arrive (a declared length is not charged: a client may declare more than it sends, or less), and its
+    parsed values as a count of their marks gives them, before they are parsed."""
     over = RequestError(f"the request body is larger than --max-body-mib ({limit >> 20} MiB)", 413)
     if int(request.headers.get("content-length") or 0) > limit:
         raise over
@@ -124,8 +128,16 @@ async def read_json(request: Request, limit: int, budget: BodyBudget) -> Any:
             raise over
         budget.charge(request, len(chunk))
         chunks.append(chunk)
+    body = b"".join(chunks)
+    # Parsed, each JSON value is a Python object of ~64 bytes where the body may spend two ("[],"): charged so, a
+    # body of many small values cannot take twenty times its size.
+    values = JSON_VALUE_BYTES * sum(map(body.count, (b",", b"[", b"{")))
+    if size + values > limit:
+        raise RequestError(f"the request body holds too many JSON values: parsed, they would take more than "
+                           f"--max-body-mib ({limit >> 20} MiB)", 413)
+    budget.charge(request, values)
     try:
-        return await asyncio.to_thread(json.loads, b"".join(chunks))
+        return await asyncio.to_thread(json.loads, body)
     except (ValueError, RecursionError) as e:  # RecursionError: nested deeper than Python's stack
         raise RequestError(f"the request body is not JSON ({first_line(e, 200)})") from None
 
@@ -241,7 +253,11 @@ def build_app(encoder: Any, settings: ServeSettings) -> FastAPI:
         if metadata is not None and ENTRY_KEY not in metadata:
             raise RequestError(f"{item.label}: {shared / item.uuid} holds an item this server did not write; give "
                                f"the item another uuid, or remove that folder", 409)
-        return None if metadata is None else json.loads(metadata[ENTRY_KEY])
+        found = None if metadata is None else json.loads(metadata[ENTRY_KEY])
+        if found is not None and found["modality"] != item.modality:  # no answer could describe it as this item
+            raise RequestError(f"{item.label}: uuid {item.uuid!r} names a {found['modality']} item written before, "
+                               f"not this {item.modality}; give the item another uuid", 409)
+        return found
 
     def present(found: list[Item]) -> dict[str, dict]:
         with cache_lock(shared):  # a prune removes nothing between the read and the touch

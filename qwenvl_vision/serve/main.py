@@ -48,7 +48,8 @@ def add_serve_parser(sub, parents=()) -> argparse.ArgumentParser:
                         "%(default)s)")
     p.add_argument("--threads", type=positive_option(int, "--threads"),
                    help="torch threads of each forward (default: torch's, one per core)")
-    p.set_defaults(func=run_serve, validate=validate_serve_args)
+    # vLLM runs transformers' torchvision image processor whatever the checkpoint's file names: its pixels.
+    p.set_defaults(func=run_serve, validate=validate_serve_args, resize="torch")
     return p
 
 

@@ -11,16 +11,16 @@ a URL, the decode timeout as a whole; never on the encoder's thread."""
 from __future__ import annotations
 
 import base64
-import binascii
 import http.client
 import mimetypes
+import string
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import SplitResult, unquote, urljoin, urlsplit
+from urllib.parse import SplitResult, quote, unquote, urljoin, urlsplit
 
 from ..errors import PreprocessError, QwenVLVisionError
 from ..inputs.pixels import FileBytes
@@ -114,7 +114,7 @@ def media_file(url: str, label: str, modality: str, policy: MediaPolicy) -> File
         ext = mimetypes.guess_extension(mime)  # the decoders read the content: a name only tells the kind
         try:
             return FileBytes(label + (ext if ext in known else default), base64.b64decode(payload, validate=True))
-        except binascii.Error:
+        except ValueError:  # binascii.Error, or a character outside ASCII
             raise RequestError(f"{label}: the data URL's base64 is invalid") from None
     parts = url_parts(url, label)
     ext = Path(parts.path).suffix.lower()
@@ -186,7 +186,8 @@ def fetch(url: str, label: str, policy: MediaPolicy, limit: int) -> bytes:
     deadline = time.monotonic() + policy.timeout_s
     opener = urllib.request.build_opener(Redirects(label, policy))
     try:
-        with opener.open(url, timeout=policy.timeout_s) as response:
+        # Characters a URL may not hold (an "é" in a path, a space) percent-encoded, as urllib does for a redirect.
+        with opener.open(quote(url, safe=string.punctuation), timeout=policy.timeout_s) as response:
             size = response.headers.get("content-length")
             if size and size.isdigit() and int(size) > limit:  # refused before its bytes come
                 raise PreprocessError(f"{label}: {int(size):,} bytes, more than the decode budget of {limit:,} bytes")

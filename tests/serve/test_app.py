@@ -13,6 +13,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import load, load_file
 
+from qwenvl_vision import load_encoder
 from qwenvl_vision.errors import ForwardFaultError, InputError, NumericalError, PreprocessError
 from qwenvl_vision.outputs.vllm_cache import write_item
 from tests.helpers.serve import KEY, START_S, app_of, chat, data_url, error_of, part, until
@@ -56,6 +57,23 @@ def test_return_tokens_answers_each_item_s_tokens_grid_and_deepstack_levels(serv
             assert torch.equal(tensors[f"{i}.deepstack.{level}"], values)
 
 
+def test_images_are_resized_as_vllm_s_processor_resizes_them_whatever_the_checkpoint_names(checkpoint, media):
+    """vLLM runs transformers' AutoImageProcessor, which takes the torchvision processor wherever torchvision is
+    installed, whatever class a checkpoint's preprocessor_config.json names (Qwen2.5-VL's names the PIL one): the
+    server's tokens are the tower's on that processor's pixels."""
+    from fastapi.testclient import TestClient
+    from PIL import Image
+    from transformers import AutoImageProcessor
+
+    encoder = load_encoder(checkpoint, device="cpu")
+    assert encoder.preprocess_config.resize == "pil"  # the API's default for this file: the PIL processor's pixels
+    pixels = AutoImageProcessor.from_pretrained(checkpoint)(images=[Image.open(media["c.png"])], return_tensors="pt")
+    want = encoder.encode_patches(pixels["pixel_values"], pixels["image_grid_thw"].tolist())
+    with TestClient(app_of(encoder)) as client:
+        response = client.post("/v1/embeddings", json=chat(part(data_url(media["c.png"])), return_tokens=True))
+    assert torch.equal(load(response.content)["0.embeddings"], want.embeddings[0])
+
+
 def bad_requests(media) -> dict[str, tuple]:
     """name -> (route, body or raw bytes, headers, status, what the line names)."""
     good = data_url(media["a.png"])
@@ -90,7 +108,12 @@ def bad_requests(media) -> dict[str, tuple]:
         "a body over the limit": ("/v1/embeddings", chat(part("data:image/png;base64," + "A" * (1 << 20))), {}, 413,
                                   "--max-body-mib"),
         "a chunked body over the limit": ("/v1/embeddings", iter([b"[" * (1 << 19)] * 3), {}, 413, "--max-body-mib"),
-        "JSON nested deeper than the stack": ("/v1/embeddings", b"[" * 100_000 + b"]" * 100_000, {}, 400, "JSON"),
+        # Deeper than CPython's recursion limit, its lists' cost within --max-body-mib.
+        "JSON nested deeper than the stack": ("/v1/embeddings", b"[" * 15_000 + b"]" * 15_000, {}, 400, "JSON"),
+        "many small JSON values": ("/v1/embeddings", b"[" + b"{}," * 50_000 + b"{}]", {}, 413, "JSON values",
+                                   "--max-body-mib"),
+        "a character outside base64": ("/v1/embeddings", chat(part("data:image/png;base64,iVBORw0KGgo=\u00e9")), {},
+                                       400, "messages[0].content[1]", "base64"),
         "a wrong key": ("/v1/embeddings", chat(part(good)), {"Authorization": "Bearer nope"}, 401, "API key"),
         "no key": ("/v1/models", None, {"Authorization": ""}, 401, "API key"),
         "not JSON": ("/v1/embeddings", b"{", {}, 400, "JSON"),
@@ -105,7 +128,8 @@ def bad_requests(media) -> dict[str, tuple]:
                                   "a malformed file URL", "an http URL with a port that is no number",
                                   "an unknown part type",
                                   "a body over the limit", "a chunked body over the limit",
-                                  "JSON nested deeper than the stack", "a wrong key", "no key", "not JSON",
+                                  "JSON nested deeper than the stack", "many small JSON values",
+                                  "a character outside base64", "a wrong key", "no key", "not JSON",
                                   "more items than --max-items"])
 def test_bad_input_gets_its_status_and_one_line_and_the_next_request_is_served(served, media, case):
     client, root = served
@@ -185,6 +209,16 @@ def test_an_item_another_writer_left_at_a_uuid_is_a_409_naming_it(served, media)
     before = files_under(root)
     error_of(client.post("/v1/chat/completions", json=chat(part(data_url(media["a.png"]), "foreign"))), 409,
              "messages[0].content[1]", "foreign", "did not write")
+    assert files_under(root) == before
+
+
+def test_a_uuid_written_as_an_image_is_a_409_for_a_video(served, media):
+    client, root = served
+    assert client.post("/v1/chat/completions", json=chat(part(data_url(media["a.png"]), "kind"))).status_code == 200
+    before = files_under(root)
+    error_of(client.post("/v1/chat/completions", json=chat(part(data_url(media["clip.mp4"], "video/mp4"), "kind",
+                                                                   "video_url"))), 409, "messages[0].content[1]",
+             "'kind'", "image")
     assert files_under(root) == before
 
 

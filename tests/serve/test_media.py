@@ -4,6 +4,7 @@ allowed folder, data: URLs by their media type (tests/serve/conftest.py serves 1
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 import time
 
@@ -30,6 +31,13 @@ def test_http_from_an_allowed_domain_and_redirects_within_it_give_the_data_url_s
             pooled(client, data_url(media["clip.mp4"], "video/mp4"), "video_url")
         error_of(client.post("/v1/embeddings", json=chat(part(f"{base}/missing.png"))), 400,
                  "messages[0].content[1]", "404")
+
+
+def test_a_url_naming_characters_a_url_may_not_hold_is_fetched_percent_encoded(served, media, tmp_path):
+    client, _ = served
+    shutil.copy(media["a.png"], tmp_path / "\u00e9t\u00e9 1.png")
+    with http_folder(tmp_path) as base:
+        assert pooled(client, f"{base}/\u00e9t\u00e9 1.png") == pooled(client, data_url(media["a.png"]))
 
 
 @pytest.mark.parametrize("target", ["file:///etc/hostname", "http://localhost:{port}/a.png", "ftp://127.0.0.1/a.png",
