@@ -179,7 +179,7 @@ class EmbedJob:
             folders = (out.absolute(), *out.absolute().parents)
             self.created = list(itertools.takewhile(lambda folder: not folder.exists(), folders))
             out.mkdir(parents=True, exist_ok=True)
-            self.lock = FolderLock(out / lock_name(self.rank, self.world), what)
+            self.lock = FolderLock(out / lock_name(self.rank), what)
             self.lock.acquire()
         except OSError as e:
             if e.errno in OUTPUT_FAULTS:  # nothing written; the same command runs once the folder is fixed

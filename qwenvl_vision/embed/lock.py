@@ -21,7 +21,7 @@ from ..outputs.durable import file_lock
 WAIT_S = 1.0
 
 
-def lock_name(rank: int, world: int) -> str:
+def lock_name(rank: int) -> str:
     """The lock file of a rank's part of the folder."""
     return "embed.lock" if rank == 0 else f"embed.rank{rank}.lock"
 

@@ -231,10 +231,9 @@ class RankWriter(Writer):
         self.next_shard += 1
 
 
-def merge_parts(out: Path, world: int, run_id: str) -> Path:
+def merge_parts(out: Path, world: int, run_id: str) -> None:
     """Rank 0, after all ranks finished: parts -> one manifest.jsonl (atomic), parts removed."""
     records = [r for rank in range(world) for r in read_manifest_lines(out / part_name(rank, world), strict=False)]
     atomic_write_text(out / MANIFEST, "".join(json.dumps(r) + "\n" for r in records), run_id)
     for rank in range(world):
         (out / part_name(rank, world)).unlink(missing_ok=True)
-    return out / MANIFEST

@@ -187,16 +187,14 @@ def results_table(records: Iterable[EmbeddingRecord], layout: ParquetLayout, run
     return pa.Table.from_arrays([columns[f.name] for f in schema], schema=schema)
 
 
-def write_table_atomic(table: pa.Table, path: str | os.PathLike, **write_options: Any) -> Path:
+def write_table_atomic(table: pa.Table, path: str | os.PathLike) -> Path:
     """Write ``table`` to ``path`` whole or not at all: a temporary file in the same folder (a rename across file
     systems would not be atomic), fsynced, renamed into place, then the folder fsynced. An OSError (a full disk,
-    a read-only folder) leaves no temporary file behind. ``write_options`` go to ``pyarrow.parquet.write_table``;
-    every page carries its CRC (Parquet's page checksum), which the readers here verify: a flipped bit in a tensor
-    is a damaged file, not another value."""
+    a read-only folder) leaves no temporary file behind. Every page carries its CRC (Parquet's page checksum), which
+    the readers here verify: a flipped bit in a tensor is a damaged file, not another value."""
     path = Path(path)
-    write_options.setdefault("write_page_checksum", True)
     replace_atomically(path, path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp"),
-                       lambda f: pq.write_table(table, f, **write_options))
+                       lambda f: pq.write_table(table, f, write_page_checksum=True))
     return path
 
 

@@ -82,12 +82,12 @@ def test_two_processes_one_out_fresh_then_both_resume(tmp_path, checkpoint):
 
 
 def test_a_held_folder_is_refused_naming_the_holder_and_the_lock_file_goes_with_the_run(tmp_path, checkpoint):
-    first = FolderLock(tmp_path / lock_name(0, 2), str(tmp_path))
+    first = FolderLock(tmp_path / lock_name(0), str(tmp_path))
     first.acquire()
     holder = re.escape(f"{tmp_path} is in use by another embed run (pid {os.getpid()} on ")
     with pytest.raises(OutputInUseError, match=holder):
         FolderLock(tmp_path / "embed.lock", str(tmp_path)).acquire()
-    part = FolderLock(tmp_path / lock_name(1, 2), "part 1")  # another rank's part: its own lock file
+    part = FolderLock(tmp_path / lock_name(1), "part 1")  # another rank's part: its own lock file
     part.acquire()
     part.release()
     first.release()
