@@ -150,25 +150,18 @@ class RankWriter(Writer):
         parts = [MANIFEST, *(part_name(r, self.world) for r in range(self.world))]
         files = [self.manifest] + [self.out / name for name in parts if name != self.manifest.name]
         lines = [r for f in files for r in read_manifest_lines(f, strict=False)]  # damaged lines: rolled forward
-        recorded = [r for r in lines if r["status"] == "ok" and (self.out / r["shard"]).is_file()]
-        self.replaced = {file_of(r["realpath"]) for r in recorded if redone(r["realpath"], True, listed)}
-        recorded = [r for r in recorded if not redone(r["realpath"], True, listed)]
-        others = set()  # inputs other ranks recorded ok: not redone here even if the split changed
-        for r in recorded:
-            if r.get("rank", 0) == self.rank:
-                self.own.setdefault(r["realpath"], r)
-            else:
-                others.add(r["realpath"])
         referenced = {r["shard"] for r in lines if r["status"] == "ok"}
         carried: dict[str, tuple[int, dict]] = {}  # identity -> (the lowest rank whose files carry it, its record)
+        unreadable = set()  # cache items: their inputs are redone, the items rewritten
         for path in self.stored_files():
             name = path.relative_to(self.out).as_posix()
             try:
                 run_id, found = stored_records(path)
             except ManifestError:
-                if not SHARD_NAME.match(name):
-                    continue  # a cache item is rewritten when its input is redone
-                raise
+                if SHARD_NAME.match(name):
+                    raise
+                unreadable.add(name)
+                continue
             if run_id != self.run_id:
                 continue  # another run's file: not this run's to take, nor to remove
             if found is None and name not in referenced and SHARD_NAME.match(name):
@@ -179,6 +172,16 @@ class RankWriter(Writer):
                 key, rank = r["realpath"], r.get("rank", 0)
                 if r["status"] == "ok" and rank < carried.get(key, (rank + 1,))[0]:
                     carried[key] = rank, r
+        recorded = [r for r in lines if r["status"] == "ok" and r["shard"] not in unreadable
+                    and (self.out / r["shard"]).is_file()]
+        self.replaced = {file_of(r["realpath"]) for r in recorded if redone(r["realpath"], True, listed)}
+        recorded = [r for r in recorded if not redone(r["realpath"], True, listed)]
+        others = set()  # inputs other ranks recorded ok: not redone here even if the split changed
+        for r in recorded:
+            if r.get("rank", 0) == self.rank:
+                self.own.setdefault(r["realpath"], r)
+            else:
+                others.add(r["realpath"])
         self.replaced |= {file_of(key) for key in carried if redone(key, True, listed)}
         kept = {file_of(r["realpath"]) for r in recorded}  # a file's record in a line is its latest
         carried = {key: value for key, value in carried.items() if file_of(key) not in kept

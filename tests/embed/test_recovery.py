@@ -114,6 +114,16 @@ def test_a_recorded_shard_that_cannot_be_read_stops_the_resume_and_once_moved_ou
     assert {p: torch.equal(t, stored[p]) for p, t in read_embeddings(out)} == {p: True for p in stored}
 
 
+def test_a_recorded_cache_item_that_cannot_be_read_is_written_again_by_a_resume(tmp_path, checkpoint, images):
+    out = tmp_path / "out"
+    assert embed(images[:2], checkpoint, out, "--format", "vllm-cache") == 0
+    stored = {path: tensor.clone() for path, tensor in read_embeddings(out)}
+    damaged = out / read_manifest_lines(out / "manifest.jsonl")[0]["shard"]
+    damaged.write_bytes(damaged.read_bytes()[:100])
+    assert embed(images[:2], checkpoint, out, "--resume") == 0
+    assert {p: torch.equal(t, stored[p]) for p, t in read_embeddings(out)} == {p: True for p in stored}
+
+
 @pytest.mark.parametrize("file_format", ["safetensors", "parquet"])
 def test_a_resume_of_fewer_inputs_keeps_the_others_failures_and_retries_its_own(tmp_path, checkpoint, images,
                                                                                 file_format):
