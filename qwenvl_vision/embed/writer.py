@@ -86,9 +86,10 @@ def stored_records(path: Path) -> tuple[str | None, list | None]:
 def redone(key: str, ok: bool, listed: dict[str, str]) -> bool:
     """Whether a resume embeds the input of a record (its identity ``key``) again, dropping the record: the
     invocation lists its file (``listed``: file -> identity now, ``inputs.file_of``), and the record is a failure or
-    of other bytes (a file replaced since). A record of an input not listed is kept as it is."""
+    of other bytes (a file replaced since). A record of an input not listed is kept as it is, and so is an ok one of
+    a file whose bytes are not known now (it cannot be read for a moment: its input fails, recorded beside it)."""
     now = listed.get(file_of(key))
-    return now is not None and (not ok or now != key)
+    return now is not None and (not ok or (now != key and file_of(now) != now))
 
 
 class Writer:
@@ -144,12 +145,15 @@ class RankWriter(Writer):
 
     def recover(self, listed: dict[str, str]) -> None:
         """Resume: keep the records whose input is not redone (``redone``) and, of an ok one, whose file exists,
-        once each (this rank's as its own), then roll forward the records this rank's files carry of files no line
+        once each (this rank's as its own), and roll forward the records this rank's files carry of files no line
         holds (see the module); one owner of an input two ranks' files carry, the lower rank, whichever rank
         recovers first. Deletes only this run's temporary files."""
-        parts = [MANIFEST, *(part_name(r, self.world) for r in range(self.world))]
-        files = [self.manifest] + [self.out / name for name in parts if name != self.manifest.name]
-        lines = [r for f in files for r in read_manifest_lines(f, strict=False)]  # damaged lines: rolled forward
+        # Each rank's records as its part holds them (it is rewritten whole before the rank adds a line), else as
+        # the merged manifest does: a resume stopped before merging leaves the manifest behind its parts.
+        merged = [] if self.world == 1 else read_manifest_lines(self.out / MANIFEST, strict=False)
+        lines = [r for rank in range(self.world) for part in [self.out / part_name(rank, self.world)]
+                 for r in (read_manifest_lines(part, strict=False) if part.exists()  # damaged lines: rolled forward
+                           else [r for r in merged if r.get("rank", 0) == rank])]
         referenced = {r["shard"] for r in lines if r["status"] == "ok"}
         carried: dict[str, tuple[int, dict]] = {}  # identity -> (the lowest rank whose files carry it, its record)
         unreadable = set()  # cache items: their inputs are redone, the items rewritten
@@ -172,30 +176,31 @@ class RankWriter(Writer):
                 key, rank = r["realpath"], r.get("rank", 0)
                 if r["status"] == "ok" and rank < carried.get(key, (rank + 1,))[0]:
                     carried[key] = rank, r
-        recorded = [r for r in lines if r["status"] == "ok" and r["shard"] not in unreadable
-                    and (self.out / r["shard"]).is_file()]
-        self.replaced = {file_of(r["realpath"]) for r in recorded if redone(r["realpath"], True, listed)}
-        recorded = [r for r in recorded if not redone(r["realpath"], True, listed)]
+        lines = [r for r in lines if r["status"] != "ok" or (r["shard"] not in unreadable
+                                                              and (self.out / r["shard"]).is_file())]
+        # A file's latest record is its line (ok or failed): one its files carry is rolled forward only without one.
+        latest = {file_of(r["realpath"]) for r in lines}
+        rolled = [(rank, r) for rank, r in carried.values() if file_of(r["realpath"]) not in latest]
+        self.replaced = {file_of(r["realpath"]) for r in [*lines, *(r for _, r in rolled)]
+                         if r["status"] == "ok" and redone(r["realpath"], True, listed)}
+        lines = [r for r in lines if not redone(r["realpath"], r["status"] == "ok", listed)]
         others = set()  # inputs other ranks recorded ok: not redone here even if the split changed
-        for r in recorded:
-            if r.get("rank", 0) == self.rank:
+        for r in lines:
+            if r["status"] == "ok" and r.get("rank", 0) == self.rank:
                 self.own.setdefault(r["realpath"], r)
-            else:
+            elif r["status"] == "ok":
                 others.add(r["realpath"])
-        self.replaced |= {file_of(key) for key in carried if redone(key, True, listed)}
-        kept = {file_of(r["realpath"]) for r in recorded}  # a file's record in a line is its latest
-        carried = {key: value for key, value in carried.items() if file_of(key) not in kept
-                   and not redone(key, True, listed)}
-        for key, (rank, r) in carried.items():
-            if rank == self.rank:
-                self.own.setdefault(key, r)
-        self.done = set(self.own) | others | set(carried)
+        rolled = [(rank, r) for rank, r in rolled if not redone(r["realpath"], True, listed)]
+        for rank, r in rolled:
+            if rank == self.rank and r["realpath"] not in others:
+                self.own.setdefault(r["realpath"], r)
+        self.done = set(self.own) | others | {r["realpath"] for _, r in rolled}
         failed = {r["realpath"]: r for r in lines if r["status"] != "ok" and r.get("rank", 0) == self.rank
-                  and not redone(r["realpath"], False, listed) and r["realpath"] not in self.done}
+                  and r["realpath"] not in self.done}
         self.remove_temporary_files()
         numbers = [int(m.group(2)) for p in self.out.glob(f"shard-r{self.rank}-*") if (m := SHARD_NAME.match(p.name))]
         self.next_shard = max(numbers, default=-1) + 1
-        # Rewrite the part with each input once (the parts may repeat the merged manifest's lines).
+        # Rewrite the part with each of this rank's inputs once.
         lines = [*self.own.values(), *failed.values()]
         atomic_write_text(self.manifest, "".join(json.dumps(r) + "\n" for r in lines), self.run_id)
 

@@ -132,9 +132,9 @@ def _open_video(path: str | os.PathLike, name: str, max_input_pixels: int | None
         # demuxer may open other files or URLs itself (an ffconcat playlist names files): bytes sent to a server
         # may open none, a path only files.
         if isinstance(path, FileBytes):
-            container = av.open(readable(path), options={"protocol_whitelist": "none"})
+            container = av.open(readable(path), container_options={"protocol_whitelist": "none"})
         else:
-            container = av.open(os.path.abspath(path), options={"protocol_whitelist": "file"})
+            container = av.open(os.path.abspath(path), container_options={"protocol_whitelist": "file"})
     except Exception as e:  # noqa: BLE001 - FFmpeg raises many error types for bad files
         raise _av_error(e, name, "open") from e
     try:

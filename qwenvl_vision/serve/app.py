@@ -247,8 +247,8 @@ def build_app(encoder: Any, settings: ServeSettings) -> FastAPI:
 
     def written(item: Item) -> dict | None:
         """The entry of the item this server wrote under the item's uuid (its metadata says what a request needs),
-        touched as ``write_item`` touches what it finds; None if there is none. Another writer's file there is a 409:
-        the consumer would load it, which no answer can describe."""
+        touched as ``write_item`` touches what it finds; None if there is none. Another writer's file there, or an
+        item of the other modality, is a 409: the consumer would load it, which no answer can describe."""
         metadata = found_item(shared, item.uuid)
         if metadata is not None and ENTRY_KEY not in metadata:
             raise RequestError(f"{item.label}: {shared / item.uuid} holds an item this server did not write; give "

@@ -186,8 +186,12 @@ def fetch(url: str, label: str, policy: MediaPolicy, limit: int) -> bytes:
     deadline = time.monotonic() + policy.timeout_s
     opener = urllib.request.build_opener(Redirects(label, policy))
     try:
-        # Characters a URL may not hold (an "é" in a path, a space) percent-encoded, as urllib does for a redirect.
-        with opener.open(quote(url, safe=string.punctuation), timeout=policy.timeout_s) as response:
+        # Characters a path or query may not hold (an "é", a space) percent-encoded, as urllib does for a redirect;
+        # the host as it is (http.client encodes a name of other letters by IDNA).
+        parts = urlsplit(url)
+        sent = parts._replace(path=quote(parts.path, safe=string.punctuation),
+                              query=quote(parts.query, safe=string.punctuation)).geturl()
+        with opener.open(sent, timeout=policy.timeout_s) as response:
             size = response.headers.get("content-length")
             if size and size.isdigit() and int(size) > limit:  # refused before its bytes come
                 raise PreprocessError(f"{label}: {int(size):,} bytes, more than the decode budget of {limit:,} bytes")

@@ -133,7 +133,8 @@ def test_a_resume_of_fewer_inputs_keeps_the_others_failures_and_retries_its_own(
         (folder / name).write_text("not an image")
     out = tmp_path / "out"
     assert embed([folder / "a.png", folder / "b.png", images[0]], checkpoint, out, "--format", file_format) == 1
-    assert embed([folder / "a.png"], checkpoint, out, "--format", file_format, "--resume") == 1
+    shutil.copy(images[1], folder / "a.png")  # fixed: the resume that lists it embeds it
+    assert embed([folder / "a.png"], checkpoint, out, "--format", file_format, "--resume") == 0
     if file_format == "parquet":
         from qwenvl_vision.embed.parquet_writer import statuses
 
@@ -141,7 +142,7 @@ def test_a_resume_of_fewer_inputs_keeps_the_others_failures_and_retries_its_own(
     else:
         recorded = [(r["realpath"], r["status"]) for r in read_manifest_lines(out / "manifest.jsonl")]
     assert sorted((Path(key).name.split("#")[0], status) for key, status in recorded) == [
-        ("a.png", "error"), ("b.png", "error"), (images[0].name, "ok")]  # each once, b's failure kept
+        ("a.png", "ok"), ("b.png", "error"), (images[0].name, "ok")]  # each once, b's failure kept
 
 
 # ---------------------------------------------------------------------- links where the run writes
@@ -275,3 +276,46 @@ def test_an_input_whose_lines_were_lost_is_rolled_forward_by_one_rank_only(tmp_p
         assert path in writers[owner].own and path not in writers[1 - owner].own and path in writers[1 - owner].done
     lines = [json.loads(line) for line in (tmp_path / part_name(owner, 2)).read_text().splitlines()]
     assert [r["path"] for r in lines] == [path] and not (tmp_path / part_name(1 - owner, 2)).read_text()
+
+
+def test_a_resume_stopped_before_the_merge_leaves_each_input_once_for_the_next(tmp_path):
+    """Two ranks; a resume drops the record of a file replaced since (rank 0's), rank 1 records it anew, and the run
+    stops before rank 0 merges the parts (a kill, a full disk): the merged manifest still holds the old record. The
+    next resume, of fewer inputs, takes each rank's records from its part: the file once, as it is now."""
+    from qwenvl_vision.embed.inputs import file_of
+    from qwenvl_vision.embed.manifest import MANIFEST, part_name
+    from qwenvl_vision.embed.writer import RankWriter, merge_parts
+    from qwenvl_vision.outputs.records import EmbeddingRecord
+
+    def record(key: str) -> EmbeddingRecord:
+        return EmbeddingRecord("x.jpg", key, "ok", grid_thw=(1, 4, 4), tokens=4, embedding=torch.randn(4, 8))
+
+    old, new = "/d/x.jpg#size=1,mtime_ns=1", "/d/x.jpg#size=2,mtime_ns=2"
+    RankWriter(tmp_path, 0, 2, "run1").write_records([record(old)])
+    merge_parts(tmp_path, 2, "run1")
+    writers = [RankWriter(tmp_path, rank, 2, "run1") for rank in (0, 1)]
+    for writer in writers:
+        writer.recover({file_of(new): new})  # the split changed: rank 1 embeds it
+    writers[1].write_records([record(new)])
+    assert [r["realpath"] for r in read_manifest_lines(tmp_path / MANIFEST)] == [old]  # stopped before the merge
+    writers = [RankWriter(tmp_path, rank, 2, "run1") for rank in (0, 1)]
+    for writer in writers:
+        writer.recover({})
+    merge_parts(tmp_path, 2, "run1")
+    assert [r["realpath"] for r in read_manifest_lines(tmp_path / MANIFEST)] == [new]
+    assert not (tmp_path / part_name(0, 2)).exists()
+
+
+def test_a_replaced_file_that_fails_is_not_read_as_it_was_by_a_resume_that_does_not_list_it(tmp_path, checkpoint,
+                                                                                               images):
+    folder = tmp_path / "imgs"
+    folder.mkdir()
+    x = folder / "x.png"
+    shutil.copy(images[0], x)
+    out = tmp_path / "out"
+    assert embed([x, images[1]], checkpoint, out) == 0
+    x.write_text("replaced by something that is no image")
+    assert embed([x, images[1]], checkpoint, out, "--resume") == 1  # its old record dropped, its failure recorded
+    assert embed([images[1]], checkpoint, out, "--resume") == 0  # the old record, which its shard carries, stays out
+    assert [r["status"] for r in read_manifest_lines(out / "manifest.jsonl") if r["path"] == str(x)] == ["error"]
+    assert str(x) not in dict(read_embeddings(out))
