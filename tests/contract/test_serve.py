@@ -205,9 +205,11 @@ def test_the_proxy_s_requests_reach_a_vllm_consumer_bitwise(model, tmp_path, mon
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the server's --threads: how many threads split a forward can change its bits
     try:
-        pictures = encoder.encode_images([str(p) for p in photos]).to_vllm_cache(reference)
+        # The server resizes as vLLM's processor does, with torchvision's resize, whatever the checkpoint names.
+        pictures = encoder.encode_images([str(p) for p in photos], resize="torch").to_vllm_cache(reference)
         (video,) = encoder.encode_videos([str(clip)]).to_vllm_cache(reference)
-        hopper = encoder.encode_images([str(REPO / "examples" / "photos" / "hopper.jpg")], pooled=True).pooled[0]
+        hopper = encoder.encode_images([str(REPO / "examples" / "photos" / "hopper.jpg")], pooled=True,
+                                       resize="torch").pooled[0]
     finally:
         torch.set_num_threads(threads)
     entries = [pictures[0], video, pictures[1]]  # in the order of ``parts``
