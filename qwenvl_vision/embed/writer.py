@@ -7,10 +7,11 @@ I/O fault (disk full, read-only folder), therefore leaves (a) complete shards, (
 lines all point at complete shards, and at worst (c) one shard nobody references and one half-written last
 line. Every shard also carries its own items' manifest records in its metadata (``RECORDS_KEY``), written with
 its tensors in one file: so ``recover`` rolls forward from the shards whatever the manifest lacks (a shard
-renamed but never recorded, a torn, truncated or damaged manifest), keeps every input recorded exactly once,
-even inputs the resumed invocation does not list, and never reuses a shard name. The records of the inputs this
-invocation embeds again are dropped (``redone``): a failure, or a file replaced since it was recorded, so each file
-has one record, whichever rank wrote it; damaged lines whose input no shard holds are dropped too.
+renamed but never recorded, a torn, truncated or damaged manifest: a file's record from its newest shard), keeps
+every input recorded exactly once, even inputs the resumed invocation does not list, and never reuses a shard
+name. The records of the inputs this invocation embeds again are dropped (``redone``): a failure, or a file
+replaced since it was recorded, so each file has one record, whichever rank wrote it; damaged lines whose input no
+shard holds are dropped too.
 
 Recovery deletes nothing but this run's own temporary files (its run id is in their names). A shard of this run
 that no manifest line references and that carries no records (written by an older qwenvl-vision) cannot be
@@ -155,7 +156,8 @@ class RankWriter(Writer):
                  for r in (read_manifest_lines(part, strict=False) if part.exists()  # damaged lines: rolled forward
                            else [r for r in merged if r.get("rank", 0) == rank])]
         referenced = {r["shard"] for r in lines if r["status"] == "ok"}
-        carried: dict[str, tuple[int, dict]] = {}  # identity -> (the lowest rank whose files carry it, its record)
+        # identity -> (the lowest rank whose files carry it, its record, when and where that file was written)
+        carried: dict[str, tuple[int, dict, tuple[int, str]]] = {}
         unreadable = set()  # cache items: their inputs are redone, the items rewritten
         for path in self.stored_files():
             name = path.relative_to(self.out).as_posix()
@@ -175,12 +177,17 @@ class RankWriter(Writer):
             for r in found or ():
                 key, rank = r["realpath"], r.get("rank", 0)
                 if r["status"] == "ok" and rank < carried.get(key, (rank + 1,))[0]:
-                    carried[key] = rank, r
+                    carried[key] = rank, r, (path.stat().st_mtime_ns, name)  # a file is renamed into place whole
         lines = [r for r in lines if r["status"] != "ok" or (r["shard"] not in unreadable
                                                               and (self.out / r["shard"]).is_file())]
-        # A file's latest record is its line (ok or failed): one its files carry is rolled forward only without one.
+        # A file's latest record is its line (ok or failed), else the one its newest shard or item carries.
         latest = {file_of(r["realpath"]) for r in lines}
-        rolled = [(rank, r) for rank, r in carried.values() if file_of(r["realpath"]) not in latest]
+        newest: dict[str, tuple[int, dict, tuple[int, str]]] = {}
+        for rank, r, when in carried.values():
+            file = file_of(r["realpath"])
+            if file not in latest and (file not in newest or when > newest[file][2]):
+                newest[file] = rank, r, when
+        rolled = [(rank, r) for rank, r, _ in newest.values()]
         self.replaced = {file_of(r["realpath"]) for r in [*lines, *(r for _, r in rolled)]
                          if r["status"] == "ok" and redone(r["realpath"], True, listed)}
         lines = [r for r in lines if not redone(r["realpath"], r["status"] == "ok", listed)]

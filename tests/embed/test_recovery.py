@@ -319,3 +319,24 @@ def test_a_replaced_file_that_fails_is_not_read_as_it_was_by_a_resume_that_does_
     assert embed([images[1]], checkpoint, out, "--resume") == 0  # the old record, which its shard carries, stays out
     assert [r["status"] for r in read_manifest_lines(out / "manifest.jsonl") if r["path"] == str(x)] == ["error"]
     assert str(x) not in dict(read_embeddings(out))
+
+
+def test_a_dropped_record_comes_back_as_the_newest_its_shards_carry_when_the_file_is_no_longer_listed(tmp_path):
+    """A file embedded twice (replaced between), then replaced again: the resume listing it drops its record and
+    stops before embedding it. A later resume that does not list it rolls forward the record of its newest shard,
+    once: what it was last embedded as, not what it was first."""
+    from qwenvl_vision.embed.inputs import file_of
+    from qwenvl_vision.embed.writer import RankWriter
+    from qwenvl_vision.outputs.records import EmbeddingRecord
+
+    versions = [f"/d/x.jpg#size={n},mtime_ns={n}" for n in (1, 2, 3)]
+    for now in versions:
+        writer = RankWriter(tmp_path, 0, 1, "run1")
+        if now != versions[0]:
+            writer.recover({file_of(now): now})
+        if now != versions[-1]:  # the last resume stops before it embeds the file
+            writer.write_records([EmbeddingRecord("x.jpg", now, "ok", grid_thw=(1, 4, 4), tokens=4,
+                                                  embedding=torch.randn(4, 8))])
+    assert read_manifest_lines(tmp_path / "manifest.jsonl") == []
+    RankWriter(tmp_path, 0, 1, "run1").recover({})
+    assert [r["realpath"] for r in read_manifest_lines(tmp_path / "manifest.jsonl")] == [versions[1]]
