@@ -37,6 +37,8 @@ def check_grids(grid_thw: Any, merge: int, what: str) -> Grids:
     whole merged tokens; ``what``: where they came from, for the one-line InputError."""
     if isinstance(grid_thw, Grids) and getattr(grid_thw, "merge", None) == merge:
         return grid_thw
+    if not isinstance(merge, int) or merge < 1:  # a hand-built EncodedItems' merge_size
+        raise InputError(f"{what}: merge size {merge!r} is not a positive integer")
     try:
         table = torch.as_tensor(grid_thw)
     except (TypeError, ValueError, RuntimeError) as e:

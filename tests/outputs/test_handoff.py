@@ -240,6 +240,7 @@ def grids(grid_thw):
     (grids([1, 4, 6, 1, 2, 2]), r"grid_thw of shape \(6,\)"),
     (grids([[1, 4, 6], [1, 2]]), r"grid_thw is not an \(n, 3\) table of integers"),
     (grids([[1, 4, 6], [1, 2, 3]]), r"item 1: grid \(1, 2, 3\) is not a tower's"),
+    (lambda r: dataclasses.replace(r, merge_size=0), "merge size 0 is not a positive integer"),
 ])
 def test_inconsistent_items_are_named_in_one_line(broken, message):
     for handoff in (to_transformers, to_vllm):
