@@ -363,19 +363,18 @@ class EmbedJob:
             merge_parts(self.out, self.world, self.run["run_id"])
 
     def summary(self) -> tuple[int, int]:
-        """(ok, failed) over this run's inputs, each counted once, from the merged manifest (rank 0)."""
-        status: dict[str, str] = {}
+        """(ok, failed) over this run's inputs, each counted once, from the merged manifest (rank 0); an input
+        whose bytes are not known now (a bare path: ``inputs.file_identity``) counts as its file's ok record."""
         if self.layout is not None:
             from .parquet_writer import statuses
 
-            for key, state in statuses(self.out):
-                status.setdefault(key, state)
+            rows = statuses(self.out)
         else:
-            for r in read_manifest_lines(self.out / MANIFEST):
-                status.setdefault(r["realpath"], r["status"])
-        keys = [self.inputs.keys[p] for p in self.inputs.paths]
-        ok = sum(1 for k in keys if status.get(k) == "ok")
-        return ok, len(keys) - ok
+            rows = [(r["realpath"], r["status"]) for r in read_manifest_lines(self.out / MANIFEST)]
+        done = {key for key, state in rows if state == "ok"}
+        done |= {file_of(key) for key in done}
+        ok = sum(self.inputs.keys[p] in done for p in self.inputs.paths)
+        return ok, len(self.inputs.paths) - ok
 
 
 def run_embed(args: argparse.Namespace) -> int:

@@ -55,13 +55,14 @@ class ParquetRankWriter(Writer):
         half-way or missed."""
         self.remove_temporary_files()
         self.listed = listed = {text(file): text(key) for file, key in listed.items()}  # as the rows spell them
-        own = parquet_shards(self.out, self.rank)
+        own = set(parquet_shards(self.out, self.rank))
         for shard in parquet_shards(self.out):
             rows = [(key, state == "ok") for key, state in zip(*read_parquet_index(shard)[:2])]
             self.done.update(key for key, ok in rows if ok and not redone(key, ok, listed))
             self.replaced.update(file_of(key) for key, ok in rows if ok and redone(key, ok, listed))
             if shard in own and any(redone(key, ok, listed) for key, ok in rows):
                 self.to_rewrite.append(shard)
+        self.keep_unknown(listed)
         self.next_shard = max((int(PARQUET_SHARD_NAME.match(s.name).group(2)) for s in own), default=-1) + 1
 
     def temporary_files(self) -> list[str]:

@@ -90,9 +90,9 @@ def read_embeddings(out: str | os.PathLike, *, deepstack: bool = False) -> Itera
 
 def _manifest_ok(out: Path) -> list[dict]:
     """The manifest's ok records."""
-    if not (out / MANIFEST).exists() and any(out.glob("manifest.rank*.jsonl")):
-        raise ManifestError(f"{out} holds the ranks' manifest parts but no {MANIFEST}: the run stopped before "
-                            f"merging them; embed --resume on the folder finishes and merges it")
+    if any(out.glob("manifest.rank*.jsonl")):  # the manifest, if any, is behind them
+        raise ManifestError(f"{out} holds the ranks' manifest parts: a run of several ranks is going on, or stopped "
+                            f"before merging them into {MANIFEST}; embed --resume on the folder finishes and merges it")
     return [r for r in read_manifest_lines(out / MANIFEST) if r["status"] == "ok"]
 
 

@@ -111,6 +111,12 @@ class Writer:
     def finish_recovery(self) -> None:
         """A resume, after every rank has read the folder: the rewrites that had to wait."""
 
+    def keep_unknown(self, listed: dict[str, str]) -> None:
+        """An input whose bytes are not known now (it cannot be read for a moment) and whose file is recorded ok
+        keeps that record (``redone``): done, not retried to fail beside it."""
+        recorded = {file_of(key) for key in self.done}
+        self.done |= {now for file, now in listed.items() if file_of(now) == now and file in recorded}
+
     def remove_temporary_files(self) -> None:
         """Those a kill may have left of this run (``temporary_files``: glob patterns in ``out``)."""
         for pattern in self.temporary_files():
@@ -138,6 +144,7 @@ class RankWriter(Writer):
         self.pooled = pooled
         self.manifest = out / part_name(rank, world)
         self.own: dict[str, dict] = {}  # identity -> this rank's ok record
+        self.rewrite: list[dict] | None = None  # a resume's lines of this rank's part (recover -> finish_recovery)
         self.next_shard = 0
 
     def stored_files(self) -> list[Path]:
@@ -148,7 +155,8 @@ class RankWriter(Writer):
         """Resume: keep the records whose input is not redone (``redone``) and, of an ok one, whose file exists,
         once each (this rank's as its own), and roll forward the records this rank's files carry of files no line
         holds (see the module); one owner of an input two ranks' files carry, the lower rank, whichever rank
-        recovers first. Deletes only this run's temporary files."""
+        recovers first. Reads only, but for this run's temporary files (deleted): the part is rewritten by
+        ``finish_recovery``, once every rank has read every part."""
         # Each rank's records as its part holds them (it is rewritten whole before the rank adds a line), else as
         # the merged manifest does: a resume stopped before merging leaves the manifest behind its parts.
         merged = [] if self.world == 1 else read_manifest_lines(self.out / MANIFEST, strict=False)
@@ -174,10 +182,11 @@ class RankWriter(Writer):
                 raise ManifestError(f"{path} carries no records of its items (an older qwenvl-vision wrote it), and "
                                     f"no manifest line records it: nothing was changed; move it out of {self.out} "
                                     f"(its inputs are then redone) and run the same command with --resume again")
+            when = path.stat().st_mtime_ns, name  # a file is renamed into place whole
             for r in found or ():
                 key, rank = r["realpath"], r.get("rank", 0)
                 if r["status"] == "ok" and rank < carried.get(key, (rank + 1,))[0]:
-                    carried[key] = rank, r, (path.stat().st_mtime_ns, name)  # a file is renamed into place whole
+                    carried[key] = rank, r, when
         lines = [r for r in lines if r["status"] != "ok" or (r["shard"] not in unreadable
                                                               and (self.out / r["shard"]).is_file())]
         # A file's latest record is its line (ok or failed), else the one its newest shard or item carries.
@@ -204,12 +213,17 @@ class RankWriter(Writer):
         self.done = set(self.own) | others | {r["realpath"] for _, r in rolled}
         failed = {r["realpath"]: r for r in lines if r["status"] != "ok" and r.get("rank", 0) == self.rank
                   and r["realpath"] not in self.done}
+        self.keep_unknown(listed)
         self.remove_temporary_files()
         numbers = [int(m.group(2)) for p in self.out.glob(f"shard-r{self.rank}-*") if (m := SHARD_NAME.match(p.name))]
         self.next_shard = max(numbers, default=-1) + 1
-        # Rewrite the part with each of this rank's inputs once.
-        lines = [*self.own.values(), *failed.values()]
-        atomic_write_text(self.manifest, "".join(json.dumps(r) + "\n" for r in lines), self.run_id)
+        self.rewrite = [*self.own.values(), *failed.values()]  # each of this rank's inputs once
+
+    def finish_recovery(self) -> None:
+        """The part rewritten as ``recover`` found it, once every rank has read every part (a barrier between)."""
+        if self.rewrite is not None:
+            atomic_write_text(self.manifest, "".join(json.dumps(r) + "\n" for r in self.rewrite), self.run_id)
+            self.rewrite = None
 
     def temporary_files(self) -> list[str]:
         """This rank's shards and manifest part, and (rank 0) the merged manifest and run.json being rewritten."""

@@ -273,6 +273,8 @@ def test_an_input_whose_lines_were_lost_is_rolled_forward_by_one_rank_only(tmp_p
         writers = {rank: RankWriter(tmp_path, rank, 2, "run1") for rank in order}
         for rank in order:
             writers[rank].recover({})
+        for rank in order:
+            writers[rank].finish_recovery()
         assert path in writers[owner].own and path not in writers[1 - owner].own and path in writers[1 - owner].done
     lines = [json.loads(line) for line in (tmp_path / part_name(owner, 2)).read_text().splitlines()]
     assert [r["path"] for r in lines] == [path] and not (tmp_path / part_name(1 - owner, 2)).read_text()
@@ -296,11 +298,15 @@ def test_a_resume_stopped_before_the_merge_leaves_each_input_once_for_the_next(t
     writers = [RankWriter(tmp_path, rank, 2, "run1") for rank in (0, 1)]
     for writer in writers:
         writer.recover({file_of(new): new})  # the split changed: rank 1 embeds it
+    for writer in writers:
+        writer.finish_recovery()
     writers[1].write_records([record(new)])
     assert [r["realpath"] for r in read_manifest_lines(tmp_path / MANIFEST)] == [old]  # stopped before the merge
     writers = [RankWriter(tmp_path, rank, 2, "run1") for rank in (0, 1)]
     for writer in writers:
         writer.recover({})
+    for writer in writers:
+        writer.finish_recovery()
     merge_parts(tmp_path, 2, "run1")
     assert [r["realpath"] for r in read_manifest_lines(tmp_path / MANIFEST)] == [new]
     assert not (tmp_path / part_name(0, 2)).exists()
@@ -334,9 +340,26 @@ def test_a_dropped_record_comes_back_as_the_newest_its_shards_carry_when_the_fil
         writer = RankWriter(tmp_path, 0, 1, "run1")
         if now != versions[0]:
             writer.recover({file_of(now): now})
+            writer.finish_recovery()
         if now != versions[-1]:  # the last resume stops before it embeds the file
             writer.write_records([EmbeddingRecord("x.jpg", now, "ok", grid_thw=(1, 4, 4), tokens=4,
                                                   embedding=torch.randn(4, 8))])
     assert read_manifest_lines(tmp_path / "manifest.jsonl") == []
-    RankWriter(tmp_path, 0, 1, "run1").recover({})
+    writer = RankWriter(tmp_path, 0, 1, "run1")
+    writer.recover({})
+    writer.finish_recovery()
     assert [r["realpath"] for r in read_manifest_lines(tmp_path / "manifest.jsonl")] == [versions[1]]
+
+
+@pytest.mark.parametrize("file_format", ["safetensors", "parquet"])
+def test_a_file_recorded_ok_that_cannot_be_read_now_keeps_its_record_and_is_not_retried(tmp_path, checkpoint, images,
+                                                                                        file_format):
+    """Its bytes unknown (a mount gone for a moment), the file is not known to be replaced: done, as it was."""
+    x = tmp_path / "x.png"
+    shutil.copy(images[0], x)
+    out = tmp_path / "out"
+    assert embed([x, images[1]], checkpoint, out, "--format", file_format) == 0
+    stored = {path: tensor.clone() for path, tensor in read_embeddings(out)}
+    x.rename(tmp_path / "away.png")
+    assert embed([x, images[1]], checkpoint, out, "--format", file_format, "--resume") == 0
+    assert {p: torch.equal(t, stored[p]) for p, t in read_embeddings(out)} == {p: True for p in stored}
