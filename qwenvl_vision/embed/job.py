@@ -296,8 +296,6 @@ class EmbedJob:
         else:
             writer = RankWriter(self.out, self.rank, self.world, self.run["run_id"], self.run["pooled"])
         if not self.fresh:
-            # A file (or shard, or object) replaced since it was recorded has another identity
-            # (``inputs.file_identity``, ``remote.identity``): its record is dropped, and it is embedded again.
             writer.recover({file_of(key): key for key in self.inputs.keys.values()})
         self.writer = writer
         self.changed = sum(key not in writer.done and file_of(key) in writer.replaced

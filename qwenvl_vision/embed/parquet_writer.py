@@ -43,8 +43,8 @@ class ParquetRankWriter(Writer):
         super().__init__()
         self.out, self.rank, self.run, self.layout = out, rank, run, layout
         self.next_shard = 0
-        self.to_rewrite: list[Path] = []  # this rank's shards holding rows redone (recover -> finish_recovery)
-        self.listed: dict[str, str] = {}
+        # This rank's shards holding rows redone, with their identities (recover -> finish_recovery).
+        self.to_rewrite: dict[Path, set[str]] = {}
 
     def recover(self, listed: dict[str, str]) -> None:
         """Resume, first step (reads only): delete this rank's temporary files (rank 0: run.json's too), take
@@ -54,14 +54,15 @@ class ParquetRankWriter(Writer):
         (``finish_recovery``, after a barrier): a shard another rank is rewriting or removing is never read
         half-way or missed."""
         self.remove_temporary_files()
-        self.listed = listed = {text(file): text(key) for file, key in listed.items()}  # as the rows spell them
+        listed = {text(file): text(key) for file, key in listed.items()}  # as the rows spell them
         own = set(parquet_shards(self.out, self.rank))
         for shard in parquet_shards(self.out):
             rows = [(key, state == "ok") for key, state in zip(*read_parquet_index(shard)[:2])]
-            self.done.update(key for key, ok in rows if ok and not redone(key, ok, listed))
-            self.replaced.update(file_of(key) for key, ok in rows if ok and redone(key, ok, listed))
-            if shard in own and any(redone(key, ok, listed) for key, ok in rows):
-                self.to_rewrite.append(shard)
+            dropped = {key: ok for key, ok in rows if redone(key, ok, listed)}
+            self.done.update(key for key, ok in rows if ok and key not in dropped)
+            self.replaced.update(file_of(key) for key, ok in dropped.items() if ok)
+            if dropped and shard in own:
+                self.to_rewrite[shard] = set(dropped)
         self.keep_unknown(listed)
         self.next_shard = max((int(PARQUET_SHARD_NAME.match(s.name).group(2)) for s in own), default=-1) + 1
 
@@ -74,15 +75,14 @@ class ParquetRankWriter(Writer):
         """Resume, second step: rewrite each of this rank's shards that hold rows redone without them
         (atomically; a shard left with none is removed), so that those inputs are recorded once. Each is read and
         checked whole (``read_parquet_table``) first."""
-        for shard in self.to_rewrite:
+        for shard, dropped in self.to_rewrite.items():
             table, _, _ = read_parquet_table(shard)  # ManifestError naming the shard if damaged
-            rows = zip(table.column("realpath").to_pylist(), table.column("status").to_pylist(), strict=True)
-            kept = table.filter(pa.array([not redone(key, state == "ok", self.listed) for key, state in rows]))
+            kept = table.filter(pa.array([key not in dropped for key in table.column("realpath").to_pylist()]))
             if kept.num_rows:
                 write_table_atomic(kept, shard)
             else:
                 shard.unlink()
-        self.to_rewrite = []
+        self.to_rewrite = {}
 
     def store(self, records: list) -> None:
         """One shard of ``records.EmbeddingRecord``s, renamed into place whole."""

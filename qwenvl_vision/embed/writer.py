@@ -88,7 +88,7 @@ def redone(key: str, ok: bool, listed: dict[str, str]) -> bool:
     """Whether a resume embeds the input of a record (its identity ``key``) again, dropping the record: the
     invocation lists its file (``listed``: file -> identity now, ``inputs.file_of``), and the record is a failure or
     of other bytes (a file replaced since). A record of an input not listed is kept as it is, and so is an ok one of
-    a file whose bytes are not known now (it cannot be read for a moment: its input fails, recorded beside it)."""
+    a file whose bytes are not known now (it cannot be read for a moment: ``Writer.keep_unknown``)."""
     now = listed.get(file_of(key))
     return now is not None and (not ok or (now != key and file_of(now) != now))
 
@@ -164,8 +164,8 @@ class RankWriter(Writer):
                  for r in (read_manifest_lines(part, strict=False) if part.exists()  # damaged lines: rolled forward
                            else [r for r in merged if r.get("rank", 0) == rank])]
         referenced = {r["shard"] for r in lines if r["status"] == "ok"}
-        # identity -> (the lowest rank whose files carry it, its record, when and where that file was written)
-        carried: dict[str, tuple[int, dict, tuple[int, str]]] = {}
+        # identity -> (its record as the lowest rank's files carry it, when and where that file was written)
+        carried: dict[str, tuple[dict, tuple[int, str]]] = {}
         unreadable = set()  # cache items: their inputs are redone, the items rewritten
         for path in self.stored_files():
             name = path.relative_to(self.out).as_posix()
@@ -185,34 +185,32 @@ class RankWriter(Writer):
             when = path.stat().st_mtime_ns, name  # a file is renamed into place whole
             for r in found or ():
                 key, rank = r["realpath"], r.get("rank", 0)
-                if r["status"] == "ok" and rank < carried.get(key, (rank + 1,))[0]:
-                    carried[key] = rank, r, when
+                if r["status"] == "ok" and (key not in carried or rank < carried[key][0].get("rank", 0)):
+                    carried[key] = r, when
         lines = [r for r in lines if r["status"] != "ok" or (r["shard"] not in unreadable
                                                               and (self.out / r["shard"]).is_file())]
         # A file's latest record is its line (ok or failed), else the one its newest shard or item carries.
         latest = {file_of(r["realpath"]) for r in lines}
-        newest: dict[str, tuple[int, dict, tuple[int, str]]] = {}
-        for rank, r, when in carried.values():
+        newest: dict[str, tuple[dict, tuple[int, str]]] = {}
+        for r, when in carried.values():
             file = file_of(r["realpath"])
-            if file not in latest and (file not in newest or when > newest[file][2]):
-                newest[file] = rank, r, when
-        rolled = [(rank, r) for rank, r, _ in newest.values()]
-        self.replaced = {file_of(r["realpath"]) for r in [*lines, *(r for _, r in rolled)]
-                         if r["status"] == "ok" and redone(r["realpath"], True, listed)}
-        lines = [r for r in lines if not redone(r["realpath"], r["status"] == "ok", listed)]
-        others = set()  # inputs other ranks recorded ok: not redone here even if the split changed
-        for r in lines:
-            if r["status"] == "ok" and r.get("rank", 0) == self.rank:
-                self.own.setdefault(r["realpath"], r)
-            elif r["status"] == "ok":
-                others.add(r["realpath"])
-        rolled = [(rank, r) for rank, r in rolled if not redone(r["realpath"], True, listed)]
-        for rank, r in rolled:
-            if rank == self.rank and r["realpath"] not in others:
-                self.own.setdefault(r["realpath"], r)
-        self.done = set(self.own) | others | {r["realpath"] for _, r in rolled}
-        failed = {r["realpath"]: r for r in lines if r["status"] != "ok" and r.get("rank", 0) == self.rank
-                  and r["realpath"] not in self.done}
+            if file not in latest and (file not in newest or when > newest[file][1]):
+                newest[file] = r, when
+        others, failed = set(), {}  # others: inputs other ranks recorded ok, not redone here even if the split changed
+        for r in [*lines, *(r for r, _ in newest.values())]:  # lines by rank: an input's lowest rank keeps it
+            key, ok, mine = r["realpath"], r["status"] == "ok", r.get("rank", 0) == self.rank
+            if redone(key, ok, listed):
+                if ok:
+                    self.replaced.add(file_of(key))
+            elif not mine:
+                if ok:
+                    others.add(key)
+            elif not ok:
+                failed.setdefault(key, r)
+            elif key not in others:
+                self.own.setdefault(key, r)
+        self.done = set(self.own) | others
+        failed = {key: r for key, r in failed.items() if key not in self.done}
         self.keep_unknown(listed)
         self.remove_temporary_files()
         numbers = [int(m.group(2)) for p in self.out.glob(f"shard-r{self.rank}-*") if (m := SHARD_NAME.match(p.name))]
