@@ -11,10 +11,12 @@ a URL, the decode timeout as a whole; never on the encoder's thread."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import http.client
 import mimetypes
+import socket
 import string
-import time
+import threading
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -180,11 +182,40 @@ class Redirects(urllib.request.HTTPRedirectHandler):
     http_error_301 = http_error_303 = http_error_307 = http_error_308 = http_error_302
 
 
+class Connections(urllib.request.HTTPSHandler, urllib.request.HTTPHandler):
+    """urllib's http(s) handlers, with the connections they open cut at the deadline: urllib's timeout bounds each
+    socket operation, which a server trickling its status line and headers (or its TLS handshake) never trips."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.opened: list[http.client.HTTPConnection] = []
+        self.late = False
+
+    def do_open(self, http_class, req, **kwargs):
+        def connection(*args, **kw):
+            self.opened.append(conn := http_class(*args, **kw))
+            return conn
+        return super().do_open(connection, req, **kwargs)
+
+    def cut(self) -> None:
+        """Wake a read blocked on a connection's socket (the body's reads check ``late`` themselves)."""
+        self.late = True
+        for conn in self.opened:
+            if (sock := conn.sock) is not None:
+                with contextlib.suppress(OSError):  # closed meanwhile
+                    # The socket's own layer: an SSL socket's shutdown would unwrap it under its reader.
+                    socket.socket.shutdown(sock, socket.SHUT_RDWR)
+
+
 def fetch(url: str, label: str, policy: MediaPolicy, limit: int) -> bytes:
-    """The URL's body, at most ``limit`` bytes (read one past it to tell), all of it within the decode timeout:
-    urllib's timeout bounds each socket operation, which a server trickling its bytes never trips."""
-    deadline = time.monotonic() + policy.timeout_s
-    opener = urllib.request.build_opener(Redirects(label, policy))
+    """The URL's body, at most ``limit`` bytes (read one past it to tell), all of it within the decode timeout,
+    which a server trickling its bytes does not hold past it (``Connections``, and the body's reads)."""
+    connections = Connections()
+    opener = urllib.request.build_opener(Redirects(label, policy), connections)
+    late = PreprocessError(f"{label}: {redacted(url)[:200]} not read within the decode timeout "
+                           f"({policy.timeout_s:g} s)")
+    timer = threading.Timer(policy.timeout_s, connections.cut)
+    timer.start()
     try:
         # Characters a path or query may not hold (an "é", a space) percent-encoded, as urllib does for a redirect;
         # the host as it is (http.client encodes a name of other letters by IDNA).
@@ -196,15 +227,18 @@ def fetch(url: str, label: str, policy: MediaPolicy, limit: int) -> bytes:
             if size and size.isdigit() and int(size) > limit:  # refused before its bytes come
                 raise PreprocessError(f"{label}: {int(size):,} bytes, more than the decode budget of {limit:,} bytes")
             chunks, read = [], 0
-            while read <= limit and (chunk := response.read1(1 << 16)):
-                if time.monotonic() > deadline:
-                    raise PreprocessError(f"{label}: {redacted(url)[:200]} not read within the decode timeout "
-                                          f"({policy.timeout_s:g} s)")
+            while read <= limit and not connections.late and (chunk := response.read1(1 << 16)):
                 chunks.append(chunk)
                 read += len(chunk)
+            if connections.late:  # a body cut short by the deadline can look whole (no length, or cut in the headers)
+                raise late
             return within(b"".join(chunks), label, limit)
     except urllib.error.HTTPError as e:
         raise PreprocessError(f"{label}: {redacted(url)[:200]} answered HTTP {e.code}") from None
     except (urllib.error.URLError, OSError, http.client.HTTPException) as e:  # HTTPException: a bad port, a broken
         # status line or chunked body
+        if connections.late:
+            raise late from None
         raise PreprocessError(f"{label}: cannot fetch {redacted(url)[:200]} ({getattr(e, 'reason', e)})") from None
+    finally:
+        timer.cancel()

@@ -94,17 +94,21 @@ def test_a_slow_url_holds_only_its_own_request(served, media):
     assert slow_answer == [pooled(client, data_url(media["a.png"]))]
 
 
+@pytest.mark.parametrize("slow_part", ["body", "headers"])
 def test_a_url_trickling_its_bytes_stops_at_the_decode_timeout_and_slow_urls_stall_no_other_request(checkpoint3,
-                                                                                                    media):
+                                                                                                    media, slow_part):
     from fastapi.testclient import TestClient
 
     timeout, arrived, stopped = 2, [], []
 
-    def trickle(handler):  # a byte every 0.1 s: each socket read is quick, the whole body never comes
+    def trickle(handler):  # a byte every 0.1 s: each socket read is quick, the whole body (or header) never comes
         arrived.append(time.monotonic())
-        handler.send_response(200)
-        handler.send_header("Content-Length", "100000")
-        handler.end_headers()
+        if slow_part == "body":
+            handler.send_response(200)
+            handler.send_header("Content-Length", "100000")
+            handler.end_headers()
+        else:
+            handler.wfile.write(b"HTTP/1.1 200 OK\r\nX-Slow: ")
         try:
             for _ in range(600):
                 handler.wfile.write(b"x")
