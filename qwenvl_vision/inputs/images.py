@@ -200,12 +200,13 @@ def check_supported(d: dict, what: str = "preprocessor config") -> None:
 
 
 def image_target_size(height: int, width: int, config: PreprocessConfig, min_pixels: int | None,
-                      max_pixels: int | None, name: str) -> tuple[int, int]:
+                      max_pixels: int | None, name: str, num_frames: int = 1, temporal_factor: int = 1
+                      ) -> tuple[int, int]:
     """smart_resize with the config's bounds (or the overrides), errors naming the input."""
     min_pixels = config.min_pixels if min_pixels is None else min_pixels
     max_pixels = config.max_pixels if max_pixels is None else max_pixels
     try:
-        target = smart_resize(height, width, config.factor, min_pixels, max_pixels)
+        target = smart_resize(height, width, config.factor, min_pixels, max_pixels, num_frames, temporal_factor)
     except PreprocessError as e:
         raise PreprocessError(f"{name}: {e}") from None
     if min(target) <= 0:

@@ -61,12 +61,17 @@ def check_pixel_bounds(min_pixels: int | None, max_pixels: int | None,
         raise ConfigError(f"{names[0]} {min_pixels} is above {names[1]} {max_pixels}")
 
 
-def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int, num_frames: int = 1,
+                 temporal_factor: int = 1) -> tuple[int, int]:
     """Target (height, width): multiples of ``factor``, area within [min_pixels, max_pixels], aspect kept.
 
     Copied from transformers ``qwen2_vl.image_processing_pil_qwen2_vl.smart_resize`` (Python ``round``
     rounds half to even, so 70/28 = 2.5 gives 56). Raises PreprocessError (not a bare ValueError) for an
-    aspect ratio above 200 and, unlike the reference, for a non-positive side.
+    aspect ratio above 200 and, unlike the reference, for a non-positive side. With ``num_frames``, a clip's:
+    ``qwen3_vl.video_processing_qwen3_vl.smart_resize``, whose bounds apply to frames x height x width (``t_bar``
+    rounds the count to a multiple of ``temporal_factor``, ``beta`` uses the count itself); its scaling up of a
+    side below ``factor`` is the caller's, and the caller passes at least ``temporal_factor`` frames (it raises
+    below that).
     """
     if height <= 0 or width <= 0:
         raise PreprocessError(f"image size must be positive, got height {height}, width {width}")
@@ -75,12 +80,13 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
                               f"got {max(height, width) / min(height, width)}")
     h_bar = round(height / factor) * factor
     w_bar = round(width / factor) * factor
-    if h_bar * w_bar > max_pixels:
-        beta = math.sqrt((height * width) / max_pixels)
+    t_bar = round(num_frames / temporal_factor) * temporal_factor
+    if t_bar * h_bar * w_bar > max_pixels:
+        beta = math.sqrt((num_frames * height * width) / max_pixels)
         h_bar = max(factor, math.floor(height / beta / factor) * factor)
         w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
+    elif t_bar * h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (num_frames * height * width))
         h_bar = math.ceil(height * beta / factor) * factor
         w_bar = math.ceil(width * beta / factor) * factor
     return h_bar, w_bar

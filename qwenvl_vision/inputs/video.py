@@ -49,7 +49,6 @@ from ..model.config import Family, family_named
 from .images import PreprocessConfig, check_supported, image_target_size
 from .pixels import (
     BICUBIC,
-    MAX_ASPECT_RATIO,
     RESCALE_FACTOR,
     as_hwc,
     check_pixel_bounds,
@@ -250,41 +249,12 @@ def sample_frames_by_fps(videos: list[Any], fps: float, video_fps: Any, video_co
     return sampled
 
 
-def smart_resize_qwen3(num_frames: int, height: int, width: int, temporal_factor: int, factor: int,
-                       min_pixels: int, max_pixels: int) -> tuple[int, int]:
-    """Copied from transformers ``qwen3_vl.video_processing_qwen3_vl.smart_resize``: sides below ``factor`` are
-    first scaled up (``int`` truncation), then the bounds apply to frames x height x width (``t_bar`` rounds the
-    frame count to a multiple of ``temporal_factor``; ``beta`` uses the count itself). PreprocessError instead of
-    ValueError; the caller passes at least ``temporal_factor`` frames (the reference raises below that) and a
-    size already checked to be positive.
-    """
-    if height < factor or width < factor:
-        scale = max(factor / height, factor / width)
-        height = int(height * scale)
-        width = int(width * scale)
-    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
-        raise PreprocessError(f"absolute aspect ratio must be smaller than {MAX_ASPECT_RATIO}, "
-                              f"got {max(height, width) / min(height, width)}")
-    h_bar = round(height / factor) * factor
-    w_bar = round(width / factor) * factor
-    t_bar = round(num_frames / temporal_factor) * temporal_factor
-    if t_bar * h_bar * w_bar > max_pixels:
-        beta = math.sqrt((num_frames * height * width) / max_pixels)
-        h_bar = max(factor, math.floor(height / beta / factor) * factor)
-        w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif t_bar * h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (num_frames * height * width))
-        h_bar = math.ceil(height * beta / factor) * factor
-        w_bar = math.ceil(width * beta / factor) * factor
-    return h_bar, w_bar
-
-
 def video_target_size(num_frames: int, height: int, width: int, pre: PreprocessConfig, vcfg: VideoConfig,
                       min_pixels: int | None = None, max_pixels: int | None = None,
                       name: str = "video") -> tuple[int, int]:
     """(height, width) every frame of a ``num_frames``-frame clip (at least one) of ``height`` x ``width`` is
     resized to: ``Qwen2VLVideoProcessor.resize`` (the image ``smart_resize`` with the video bounds) or
-    ``Qwen3VLVideoProcessor.resize`` (``smart_resize_qwen3``), ``max_pixels`` first lowered to the token budget
+    ``Qwen3VLVideoProcessor.resize`` (``smart_resize`` of the clip), ``max_pixels`` first lowered to the token budget
     with ``cap_pixels_per_frame``, as there. ``num_frames`` is the sampled count before padding, as there; for
     qwen3 a count below T is sized as T (module docstring). ``min_pixels`` / ``max_pixels`` override the config's
     bounds (the processors' ``size``).
@@ -300,10 +270,10 @@ def video_target_size(num_frames: int, height: int, width: int, pre: PreprocessC
     frames = max(num_frames, t)
     if vcfg.cap_pixels_per_frame:
         hi = max(min(vcfg.max_video_tokens * factor * factor, hi // frames), int(lo * 1.05)) * frames
-    try:
-        return smart_resize_qwen3(frames, height, width, t, factor, lo, hi)
-    except PreprocessError as e:
-        raise PreprocessError(f"{name}: {e}") from None
+    if height < factor or width < factor:  # Qwen3's smart_resize first scales a small side up (int truncation)
+        scale = max(factor / height, factor / width)
+        height, width = int(height * scale), int(width * scale)
+    return image_target_size(height, width, pre, lo, hi, name, frames, t)
 
 
 def preprocess_video_file(path: str | os.PathLike, pre: PreprocessConfig, vcfg: VideoConfig, *,
