@@ -166,12 +166,7 @@ class PreprocessConfig:
         """
         return {
             "image_processor_type": "Qwen2VLImageProcessorFast" if self.resize == "torch" else "Qwen2VLImageProcessor",
-            "do_convert_rgb": True,
-            "do_resize": True,
-            "resample": int(BICUBIC),
-            "do_rescale": True,
-            "rescale_factor": RESCALE_FACTOR,
-            "do_normalize": True,
+            **FIXED_SETTINGS,
             "image_mean": list(self.image_mean),
             "image_std": list(self.image_std),
             "min_pixels": self.min_pixels,
@@ -181,6 +176,11 @@ class PreprocessConfig:
             "temporal_patch_size": self.temporal_patch_size,
             "merge_size": self.merge_size,
         }
+
+
+# What a processor file says of the steps this package runs always (check_supported refuses any other value).
+FIXED_SETTINGS = {"do_convert_rgb": True, "do_resize": True, "resample": int(BICUBIC), "do_rescale": True,
+                  "rescale_factor": RESCALE_FACTOR, "do_normalize": True}
 
 
 def check_supported(d: dict, what: str = "preprocessor config") -> None:

@@ -46,10 +46,8 @@ import torch
 
 from ..errors import ConfigError, InputError, PreprocessError
 from ..model.config import Family, family_named
-from .images import PreprocessConfig, check_supported, image_target_size
+from .images import FIXED_SETTINGS, PreprocessConfig, check_supported, image_target_size
 from .pixels import (
-    BICUBIC,
-    RESCALE_FACTOR,
     as_hwc,
     check_pixel_bounds,
     check_resize_backend,
@@ -176,12 +174,7 @@ class VideoConfig:
         sampling rule load to the same settings (with ``pre``, also its patch sizes and mean/std)."""
         d = {
             "video_processor_type": PROCESSORS[self.sampling],
-            "do_convert_rgb": True,
-            "do_resize": True,
-            "resample": int(BICUBIC),
-            "do_rescale": True,
-            "rescale_factor": RESCALE_FACTOR,
-            "do_normalize": True,
+            **FIXED_SETTINGS,
             "size": {"shortest_edge": self.min_pixels, "longest_edge": self.max_pixels},
             "do_sample_frames": True,
             "fps": self.fps,

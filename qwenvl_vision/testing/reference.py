@@ -50,20 +50,15 @@ def hf_vision_fields(cfg: VisionConfig) -> dict:
     return fields
 
 
-def hf_vision_config(cfg: VisionConfig, attn_implementation: str = "sdpa"):
-    config_class, _ = hf_classes(cfg)
-    hf_cfg = config_class(**hf_vision_fields(cfg))
-    hf_cfg._attn_implementation = attn_implementation
-    return hf_cfg
-
-
 def hf_tower(cfg: VisionConfig, attn_implementation: str = "sdpa", *, device=None, dtype=None, seed: int | None = 0
              ) -> torch.nn.Module:
     """transformers' tower for cfg; weights with real spread (``seed``), or its own init with seed=None.
     ``device="meta"`` builds it without memory (load weights with ``load_state_dict(..., assign=True)``)."""
-    _, tower_class = hf_classes(cfg)
+    config_class, tower_class = hf_classes(cfg)
+    hf_cfg = config_class(**hf_vision_fields(cfg))
+    hf_cfg._attn_implementation = attn_implementation
     with torch.device(device or "cpu"):
-        tower = tower_class._from_config(hf_vision_config(cfg, attn_implementation), dtype=dtype)
+        tower = tower_class._from_config(hf_cfg, dtype=dtype)
     if seed is not None and device != "meta":
         spread_init_(tower, seed)
     return tower.eval().requires_grad_(False)
