@@ -188,6 +188,8 @@ def prepare(item: Any, index: int, options: EncodeOptions, pre: PreprocessConfig
         error = str(e)
     except Exception as e:  # noqa: BLE001 - a batch job records any per-input failure and goes on
         error = f"{name}: {type(e).__name__}: {e}"
+    if isinstance(item, FileBytes):
+        item.release()
     admit(0)  # refused before its cost was known, it still takes its turn: the inputs behind it wait for that
     if error is not None:
         budget.end(decoding)

@@ -7,6 +7,7 @@ time limits and stuck decodes are tests/inputs/test_decode_limits.py's.
 from __future__ import annotations
 
 import dataclasses
+import io
 import os
 import threading
 import time
@@ -260,6 +261,20 @@ def test_inputs_are_read_at_most_prefetch_ahead_and_come_in_input_order(monkeypa
     assert all(not failed for _, failed in batches)
     assert [index for index, _ in seen] == list(range(10))
     assert all(read <= index + 3 for index, read in seen)  # the input yielded, plus `prefetch` ahead
+
+
+def test_an_object_fetched_from_storage_is_let_go_once_decoded():
+    """Objects are fetched as their decodes start, and their bytes dropped once decoded: inputs decoded ahead of a
+    slow consumer hold their pixels, not their files (a video's file may be as large as the decode budget)."""
+    buffer = io.BytesIO()
+    Image.fromarray(synthetic_photo(56, 56)).save(buffer, "PNG")
+    files = [FileBytes(f"https://store/{i}.png", fetch=lambda limit: buffer.getvalue()) for i in range(12)]
+    held = []
+    for batch, failed in prepared_batches(files, _options(max_batch_patches=1, num_workers=2, prefetch=8), PRE):
+        assert len(batch) == 1 and not failed
+        time.sleep(0.05)  # the decodes run ahead meanwhile
+        held.append(sum(f.fetched for f in files))
+    assert len(held) == len(files) and max(held) <= 2  # at most the objects being decoded
 
 
 # ---------------------------------------------------------------------- what a decode is charged

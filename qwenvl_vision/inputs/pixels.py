@@ -129,6 +129,12 @@ class FileBytes:
             self._data = self._fetch(limit)
         return self._data
 
+    def release(self) -> None:
+        """Drop fetched bytes (a decoded input waits for its batch with its pixels, not its file); a later ``read``
+        fetches them again. Bytes given are the caller's, kept."""
+        if self._fetch is not None:
+            self._data = None
+
     @property
     def fetched(self) -> bool:
         """Whether the bytes are here (given, or fetched already)."""
