@@ -222,11 +222,6 @@ def _read_list(path: Path) -> list[str]:
     return [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("#")]
 
 
-def rank_and_world() -> tuple[int, int]:
-    """(rank, world size) of this process: torchrun's RANK / WORLD_SIZE, else (0, 1)."""
-    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-
-
 def shard_for_rank(paths: list[str], rank: int, world: int, members: dict[str, Member] | None = None
                    ) -> list[str]:
     """Rank `rank`'s inputs: every `world`-th from its own index, so the shares never overlap. Where the inputs

@@ -33,6 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import PIL.Image
 import torch
 import torch.distributed as dist
 
@@ -49,7 +50,7 @@ from ..outputs.durable import refuse_link
 from ..outputs.records import EmbeddingRecord, record_from_result
 from ..outputs.vllm_cache import check_cache_folder, claim_cache_folder
 from .args import EmbedSettings
-from .inputs import MEDIA_EXTENSIONS, Inputs, file_of, gather_inputs, rank_and_world, shard_for_rank
+from .inputs import MEDIA_EXTENSIONS, Inputs, file_of, gather_inputs, shard_for_rank
 from .lock import FolderLock, lock_name
 from .manifest import MANIFEST, RUN_FILE, part_name
 from .progress import Progress
@@ -135,20 +136,6 @@ def _load(args: EmbedSettings, device: str | None, progress: Progress, dtype=Non
     return encoder, folder
 
 
-def _let_pil_return_memory() -> None:
-    """Make Pillow allocate images in 64 MiB blocks instead of 16 MiB.
-
-    glibc serves allocations under 32 MiB from per-thread arenas and keeps what they freed: after decoding
-    large images on 4 worker threads, each thread's arena held its own peak (4.2 GB RSS for six 89 MP
-    images). Blocks above 32 MiB are mmapped and go back to the system when freed. Only if the user did
-    not choose a size (PILLOW_BLOCK_SIZE).
-    """
-    import PIL.Image
-
-    if "PILLOW_BLOCK_SIZE" not in os.environ:
-        PIL.Image.core.set_block_size(64 << 20)
-
-
 class EmbedJob:
     """One process's part of an embed run: setup (nothing written), then write, then merge."""
 
@@ -231,9 +218,10 @@ class EmbedJob:
         if args.fps is not None:
             self.encoder.video_config = dataclasses.replace(self.encoder.video_config, fps=args.fps)
         if args.format == "parquet":
-            from .parquet_writer import layout_for
+            from ..outputs.parquet import ParquetLayout
 
-            self.layout = layout_for(self.encoder, args.pooled_only, self.inputs.column_types)
+            self.layout = ParquetLayout.for_encoder(self.encoder, tokens=not args.pooled_only, pooled=args.pooled_only,
+                                                    columns=self.inputs.column_types)
         now = describe_run(self.encoder, args, folder, self.world, threads, self.inputs.column_types)
         if args.format == "vllm-cache":  # another model's items in the folder: refused before anything is written
             check_cache_folder(out, self.encoder.identity())
@@ -378,8 +366,10 @@ class EmbedJob:
 def run_embed(args: argparse.Namespace) -> int:
     """``qwenvl-vision embed``: the parsed and validated command line, run; its exit code."""
     settings = EmbedSettings.from_args(args)
-    rank, world = rank_and_world()
-    _let_pil_return_memory()
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's, else one
+    if "PILLOW_BLOCK_SIZE" not in os.environ:  # unless the user chose: Pillow's blocks above glibc's 32 MiB mmap
+        # threshold go back to the system when freed; 16 MiB ones stayed in each decode thread's arena (its peak)
+        PIL.Image.core.set_block_size(64 << 20)
     group = _Group(rank, world)
     job = EmbedJob(settings, rank, world)
     threads = torch.get_num_threads()  # set for the run (--threads, a resumed run's), given back at the end

@@ -97,10 +97,3 @@ def unstorable(path: str, key: str) -> str | None:
         return None
     return (f"file name {path!r} is not valid UTF-8, which Parquet's text columns need: rename the file, "
             f"or use --format safetensors")
-
-
-def layout_for(encoder, pooled_only: bool, columns: dict[str, str] | None = None) -> ParquetLayout:
-    """The layout of a run: the tokens (and DeepStack levels), or with ``--pooled-only`` the mean vector only, and
-    the table columns it carries."""
-    return ParquetLayout.for_encoder(encoder, tokens=not pooled_only, pooled=pooled_only, columns=columns)
-

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import errno
 import json
-import os
 from pathlib import Path
 
 import torch
@@ -31,7 +30,7 @@ from safetensors.torch import save
 
 from ..errors import ManifestError, OutputFaultError
 from ..inputs.urls import redacted_text
-from ..outputs.durable import open_no_follow, refuse_link, replace_atomically
+from ..outputs.durable import append_synced, refuse_link, replace_atomically
 from ..outputs.records import EmbeddingRecord
 from .inputs import file_of
 from .manifest import MANIFEST, RECORDS_KEY, RUN_FILE, RUN_KEY, SHARD_NAME, part_name, read_manifest_lines
@@ -56,12 +55,7 @@ def atomic_write_text(path: Path, text: str, tag: str) -> None:
 
 def append_lines(path: Path, records: list[dict]) -> None:
     """Append `records` as JSON lines in one write, fsynced: a kill leaves at most one torn last line."""
-    data = "".join(json.dumps(r) + "\n" for r in records)
-    # Never through a link: somebody's link at the manifest's name would make us append to the file it points to.
-    with os.fdopen(open_no_follow(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "w") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    append_synced(path, "".join(json.dumps(r) + "\n" for r in records).encode())
 
 
 def save_shard(tensors: dict[str, torch.Tensor], path: Path, run_id: str, records: list[dict]) -> None:

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from ..errors import CacheFolderError, ConfigError
 from ..inputs.item_ids import is_sha256
-from .durable import fsync_dir, lock_held, open_no_follow
+from .durable import append_synced, fsync_dir, lock_held
 from .vllm_cache import CACHE_FILE, IDENTITY_FILE, ITEM_NAME, cache_lock
 
 PRUNED = "pruned.jsonl"  # the items a prune removed, one JSON line each
@@ -167,12 +167,7 @@ def prune_cache(folder: str | os.PathLike, max_bytes: int, dry_run: bool = False
 def remove_items(folder: Path, items: list[Item], lines: str) -> None:
     """The items' ``lines`` in ``PRUNED`` first (so no item is gone unaccounted), then each file and its folder
     when left empty."""
-    fd = open_no_follow(folder / PRUNED, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    try:
-        os.write(fd, lines.encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    append_synced(folder / PRUNED, lines.encode())
     for item in items:
         item.path.unlink(missing_ok=True)
         with contextlib.suppress(OSError):  # not empty (a writer's temporary file): kept

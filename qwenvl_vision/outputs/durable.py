@@ -62,6 +62,15 @@ def create_new(path: str | os.PathLike, mode: int = 0o644) -> BinaryIO:
     return os.fdopen(fd, "wb")
 
 
+def append_synced(path: str | os.PathLike, data: bytes) -> None:
+    """Append ``data`` in one write, fsynced (a kill leaves at most a torn last line), never through a link (one at
+    the name would make us append to the file it points to)."""
+    with os.fdopen(open_no_follow(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def replace_atomically(path: Path, tmp: Path, write: Callable[[BinaryIO], object]) -> None:
     """``path`` written whole or not at all: ``write(file)`` into ``tmp`` (same folder: a rename across file systems
     would not be atomic), fsynced, renamed into place, the folder fsynced. Any failure leaves no ``tmp`` behind.
