@@ -190,6 +190,10 @@ def prepare(item: Any, index: int, options: EncodeOptions, pre: PreprocessConfig
         error = f"{name}: {type(e).__name__}: {e}"
     if isinstance(item, FileBytes):
         item.release()
+    tokens = 0 if error else math.prod(grid) // pre.merge_size ** 2
+    if options.max_item_tokens is not None and tokens > options.max_item_tokens:  # its forward's time and memory
+        error = (f"{name}: {tokens:,} tokens, more than the bound of {options.max_item_tokens:,} (max_item_tokens, "
+                 f"--max-item-tokens)")
     admit(0)  # refused before its cost was known, it still takes its turn: the inputs behind it wait for that
     if error is not None:
         budget.end(decoding)

@@ -210,7 +210,7 @@ class VisionEncoder(contextlib.AbstractContextManager):
                     on_prepared: Callable[[int, int], None] | None = None,
                     resize: str | None = None,
                     video_config: VideoConfig | None = None,
-                    hash_pixels: bool = False) -> Iterator[list[ItemResult]]:
+                    hash_pixels: bool = False, max_item_tokens: int | None = None) -> Iterator[list[ItemResult]]:
         """Yield results batch by batch, in input order; a bad input yields an ItemResult with its error.
 
         ``video``: False, every item is an image; True, every item is a video (a file, or frames); None, an item
@@ -235,13 +235,15 @@ class VisionEncoder(contextlib.AbstractContextManager):
         and the others go on (None: no limit). ``resize``: images' "pil" or "torch" (see encode_images); None takes the
         checkpoint's. Videos always use the video processors' pipeline. ``hash_pixels``: give each result its
         ``pixels_sha256`` (hashed on the decode threads, about 15 ms per megapixel), what an encoder cache names
-        the item by.
+        the item by. ``max_item_tokens``: an input that resizes to more embedding rows yields an error naming it
+        instead of its forward (None: no bound; a long video can take hundreds of thousands).
         """
         options = self._options(
             items, video=video, min_pixels=min_pixels, max_pixels=max_pixels, max_input_pixels=max_input_pixels,
             resize=resize, video_config=video_config, pooled=pooled, normalize=normalize,
             max_batch_patches=max_batch_patches, num_workers=num_workers, prefetch=prefetch,
-            decode_bytes=decode_bytes, decode_timeout=decode_timeout, hash_pixels=hash_pixels)
+            decode_bytes=decode_bytes, decode_timeout=decode_timeout, hash_pixels=hash_pixels,
+            max_item_tokens=max_item_tokens)
         # batching counts patches; the caller is told embedding rows.
         report_rows = None if on_prepared is None else \
             (lambda p: on_prepared(p.index, p.patches // self.config.merge_unit))

@@ -37,6 +37,7 @@ class EncodeOptions:
     decode_bytes: int | None = DEFAULT_DECODE_BYTES
     hash_pixels: bool = False
     decode_timeout: float | None = DEFAULT_DECODE_TIMEOUT
+    max_item_tokens: int | None = None
 
     def __post_init__(self) -> None:
         check_option_rules(min_pixels=self.min_pixels, max_pixels=self.max_pixels, pooled=self.pooled,
@@ -54,7 +55,8 @@ class EncodeOptions:
             raise ConfigError(f"max_batch_patches must be a positive integer, got {self.max_batch_patches!r}")
         object.__setattr__(self, "max_batch_patches", patches)  # a plain int (a NumPy or 0-d torch integer given)
         for option, value in (("max_input_pixels", self.max_input_pixels),
-                              ("decode_bytes", self.decode_bytes), ("prefetch", self.prefetch)):
+                              ("decode_bytes", self.decode_bytes), ("prefetch", self.prefetch),
+                              ("max_item_tokens", self.max_item_tokens)):
             if value is not None and value < (0 if option == "prefetch" else 1):
                 raise ConfigError(f"{option} must be positive, got {value}")
 

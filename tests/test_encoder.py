@@ -264,6 +264,27 @@ def test_iter_encode_reports_every_input_as_it_is_prepared(tmp_path, checkpoint)
     assert reported[3][1] == 0 and results[3].error
 
 
+def test_an_input_over_max_item_tokens_yields_its_error_instead_of_its_forward(setup, photos):
+    """Checked once an input is resized (its rows known), before its forward; the other inputs get the tensors of a
+    call without the bound."""
+    encoder, *_ = setup
+    items = [photos["small"], photos["photo.jpg"], photos["gray"]]
+    free = [r for batch in encoder.iter_encode(items) for r in batch]
+    rows = [r.embedding.shape[0] for r in free]
+    bound = max(rows[0], rows[2])
+    assert rows[1] > bound
+    bounded = [r for batch in encoder.iter_encode(items, max_item_tokens=bound) for r in batch]
+    assert bounded[1].error.startswith(f"{free[1].name}: {rows[1]:,} tokens, ")  # the input's name: its path
+    assert "max_item_tokens" in bounded[1].error and bounded[1].embedding is None
+    for i in (0, 2):
+        assert torch.equal(bounded[i].embedding, free[i].embedding)
+    frames = np.zeros((4, 64, 64, 3), np.uint8)
+    [video] = next(encoder.iter_encode([frames], video=True, max_item_tokens=1))
+    assert video.error.startswith("video 0: ") and "max_item_tokens" in video.error
+    with pytest.raises(ConfigError, match="max_item_tokens"):
+        list(encoder.iter_encode(items, max_item_tokens=0))
+
+
 @pytest.mark.parametrize("call", ["images", "videos sampled by fps"])
 def test_close_while_other_threads_encode(checkpoint, call):
     encoder = load_encoder(checkpoint, device="cpu")

@@ -64,6 +64,7 @@ class EmbedSettings:
     max_input_pixels: int | None = DEFAULT_MAX_INPUT_PIXELS
     decode_mib: int = 1024
     decode_timeout: float = DEFAULT_DECODE_TIMEOUT
+    max_item_tokens: int | None = None
     batch_patches: int = DEFAULT_BATCH_PATCHES
     pooled_only: bool = False
     normalize: bool = False
@@ -164,6 +165,10 @@ def model_options() -> argparse.ArgumentParser:
     p.add_argument("--decode-timeout", type=positive_option(float, "--decode-timeout"), default=DEFAULT_DECODE_TIMEOUT,
                    metavar="SECONDS",
                    help="record an input as failed when decoding it takes longer, and go on (default %(default)g)")
+    p.add_argument("--max-item-tokens", type=positive_option(int, "--max-item-tokens"),
+                   help="refuse (record as failed) an input that resizes to more embedding tokens, before its forward: "
+                        "bounds one item's time and memory (a long video can take hundreds of thousands; default: "
+                        "no bound)")
     p.add_argument("--batch-patches", type=positive_option(int, "--batch-patches"), default=DEFAULT_BATCH_PATCHES,
                    help="patches per forward (an item above runs alone; default %(default)s)")
     p.add_argument("--random-weights", action="store_true", help="with a preset --model: random weights, offline")

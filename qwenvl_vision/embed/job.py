@@ -296,7 +296,8 @@ class EmbedJob:
         return dict(min_pixels=args.min_pixels, max_pixels=args.max_pixels, resize=self.run["resize"],
                     pooled=args.pooled_only, normalize=args.normalize, max_batch_patches=args.batch_patches,
                     max_input_pixels=args.max_input_pixels, decode_bytes=args.decode_mib << 20,
-                    decode_timeout=args.decode_timeout, hash_pixels=self.run["file_format"] == "vllm-cache")
+                    decode_timeout=args.decode_timeout, hash_pixels=self.run["file_format"] == "vllm-cache",
+                    max_item_tokens=args.max_item_tokens)
 
     def encode(self) -> None:
         """Encode this rank's inputs still to do, here or on Ray's actors, and record every outcome through the

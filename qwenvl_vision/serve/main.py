@@ -81,6 +81,7 @@ def serve_settings(args: argparse.Namespace, encoder):
         options=dict(min_pixels=args.min_pixels, max_pixels=args.max_pixels, resize=args.resize,
                      max_batch_patches=args.batch_patches, max_input_pixels=args.max_input_pixels,
                      decode_bytes=args.decode_mib << 20, decode_timeout=args.decode_timeout,
+                     max_item_tokens=args.max_item_tokens,
                      video_config=dataclasses.replace(encoder.video_config, fps=args.fps) if args.fps else None))
 
 

@@ -115,6 +115,18 @@ def test_one_message_per_kind_of_bad_image_from_the_api_and_from_embed(tmp_path,
                               "uint8 torch tensor")
 
 
+def test_an_input_over_max_item_tokens_is_recorded_failed_and_the_others_embedded(tmp_path, checkpoint):
+    paths = [tmp_path / "small.png", tmp_path / "large.png"]
+    Image.fromarray(synthetic_photo(56, 56)).save(paths[0])
+    Image.fromarray(synthetic_photo(224, 224)).save(paths[1])
+    out = tmp_path / "out"
+    assert main(["embed", *map(str, paths), "--model", str(checkpoint), "--out", str(out), "--max-item-tokens", "16",
+                 "--quiet"]) == 1
+    recorded = {Path(r["path"]).name: r for r in records(out)}
+    assert recorded["small.png"]["status"] == "ok" and recorded["small.png"]["tokens"] <= 16
+    assert recorded["large.png"]["status"] == "error" and "--max-item-tokens" in recorded["large.png"]["error"]
+
+
 # Loaded at interpreter start on rank 1 only: its folder listings leave out one file, as a rank that listed the
 # folder before the file arrived (or another node's stale view of it) would.
 HIDE_ON_RANK_1 = """

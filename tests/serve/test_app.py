@@ -158,6 +158,16 @@ def test_without_shared_storage_the_encoder_role_says_how_to_start_it(checkpoint
         assert client.post("/v1/embeddings", json=chat(part(data_url(media["a.png"])))).status_code == 200
 
 
+def test_an_item_over_max_item_tokens_is_refused_naming_it(checkpoint3, media):
+    from fastapi.testclient import TestClient
+
+    from qwenvl_vision import load_encoder
+
+    with TestClient(app_of(load_encoder(checkpoint3, device="cpu"), "--max-item-tokens", 1)) as client:
+        error_of(client.post("/v1/embeddings", json=chat(part(data_url(media["a.png"])))), 400,
+                 "messages[0].content[1]", "tokens, more than the bound of 1", "--max-item-tokens")
+
+
 def test_health_models_and_metrics_the_key_guarding_v1_alone(served, media):
     client, _ = served
     assert client.get("/health", headers={"Authorization": ""}).json() == {}
