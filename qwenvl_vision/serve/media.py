@@ -177,39 +177,57 @@ class Redirects(urllib.request.HTTPRedirectHandler):
     def http_error_302(self, req, fp, code, msg, headers):
         target = headers.get("location") or headers.get("uri") or ""
         check_remote(target, f"{self.label}: a redirect to", self.policy, PreprocessError, req.full_url)
+        fp.close()  # its body unread (urllib would read all of it, unbounded)
         return super().http_error_302(req, fp, code, msg, headers)
 
     http_error_301 = http_error_303 = http_error_307 = http_error_308 = http_error_302
 
 
 class Connections(urllib.request.HTTPSHandler, urllib.request.HTTPHandler):
-    """urllib's http(s) handlers, with the connections they open cut at the deadline: urllib's timeout bounds each
-    socket operation, which a server trickling its status line and headers (or its TLS handshake) never trips."""
+    """urllib's http(s) handlers, whose sockets ``cut`` shuts at the deadline: urllib's timeout bounds each socket
+    operation, which a server trickling its TLS handshake, headers or body never trips. A socket is reached through
+    a duplicate of it made when it connects (an SSL socket, or one a response reads, is not at hand: http.client
+    drops the connection's once the headers are in, and TLS detaches it while shaking hands)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.opened: list[http.client.HTTPConnection] = []
+        self.sockets: list[socket.socket] = []
         self.late = False
+        self.lock = threading.RLock()  # cut runs inside connect too
 
     def do_open(self, http_class, req, **kwargs):
         def connection(*args, **kw):
-            self.opened.append(conn := http_class(*args, **kw))
+            conn = http_class(*args, **kw)
+            conn._create_connection = self.connect  # http.client's seam for making its socket
             return conn
         return super().do_open(connection, req, **kwargs)
 
+    def connect(self, *args, **kwargs) -> socket.socket:
+        sock = socket.create_connection(*args, **kwargs)
+        with self.lock:
+            self.sockets.append(sock.dup())
+            if self.late:  # a redirect's hop, opened past the deadline
+                self.cut()
+        return sock
+
     def cut(self) -> None:
-        """Wake a read blocked on a connection's socket (the body's reads check ``late`` themselves)."""
-        self.late = True
-        for conn in self.opened:
-            if (sock := conn.sock) is not None:
-                with contextlib.suppress(OSError):  # closed meanwhile
-                    # The socket's own layer: an SSL socket's shutdown would unwrap it under its reader.
-                    socket.socket.shutdown(sock, socket.SHUT_RDWR)
+        """Shut every socket (a read blocked on one returns); called at the deadline, by the timer."""
+        with self.lock:
+            self.late = True
+            for sock in self.sockets:
+                with contextlib.suppress(OSError):  # its peer gone already
+                    sock.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        with self.lock:
+            for sock in self.sockets:
+                sock.close()
+            self.sockets.clear()
 
 
 def fetch(url: str, label: str, policy: MediaPolicy, limit: int) -> bytes:
     """The URL's body, at most ``limit`` bytes (read one past it to tell), all of it within the decode timeout,
-    which a server trickling its bytes does not hold past it (``Connections``, and the body's reads)."""
+    which a server trickling its bytes does not hold past it (``Connections``)."""
     connections = Connections()
     opener = urllib.request.build_opener(Redirects(label, policy), connections)
     late = PreprocessError(f"{label}: {redacted(url)[:200]} not read within the decode timeout "
@@ -227,7 +245,7 @@ def fetch(url: str, label: str, policy: MediaPolicy, limit: int) -> bytes:
             if size and size.isdigit() and int(size) > limit:  # refused before its bytes come
                 raise PreprocessError(f"{label}: {int(size):,} bytes, more than the decode budget of {limit:,} bytes")
             chunks, read = [], 0
-            while read <= limit and not connections.late and (chunk := response.read1(1 << 16)):
+            while read <= limit and (chunk := response.read1(1 << 16)):
                 chunks.append(chunk)
                 read += len(chunk)
             if connections.late:  # a body cut short by the deadline can look whole (no length, or cut in the headers)
@@ -242,3 +260,4 @@ def fetch(url: str, label: str, policy: MediaPolicy, limit: int) -> bytes:
         raise PreprocessError(f"{label}: cannot fetch {redacted(url)[:200]} ({getattr(e, 'reason', e)})") from None
     finally:
         timer.cancel()
+        connections.close()

@@ -94,7 +94,7 @@ def test_a_slow_url_holds_only_its_own_request(served, media):
     assert slow_answer == [pooled(client, data_url(media["a.png"]))]
 
 
-@pytest.mark.parametrize("slow_part", ["body", "headers"])
+@pytest.mark.parametrize("slow_part", ["body", "headers", "redirect's body"])
 def test_a_url_trickling_its_bytes_stops_at_the_decode_timeout_and_slow_urls_stall_no_other_request(checkpoint3,
                                                                                                     media, slow_part):
     from fastapi.testclient import TestClient
@@ -103,7 +103,12 @@ def test_a_url_trickling_its_bytes_stops_at_the_decode_timeout_and_slow_urls_sta
 
     def trickle(handler):  # a byte every 0.1 s: each socket read is quick, the whole body (or header) never comes
         arrived.append(time.monotonic())
-        if slow_part == "body":
+        if slow_part == "redirect's body" and not handler.path.endswith("?moved"):
+            handler.send_response(302)
+            handler.send_header("Location", handler.path + "?moved")  # followed at once, the body left unread
+            handler.send_header("Content-Length", "100000")
+            handler.end_headers()
+        elif slow_part != "headers":
             handler.send_response(200)
             handler.send_header("Content-Length", "100000")
             handler.end_headers()
