@@ -121,11 +121,13 @@ class FileBytes:
                  fetch: Callable[[int | None], bytes] | None = None) -> None:
         if (data is None) == (fetch is None):
             raise TypeError("FileBytes takes data or fetch, one of them")
-        self.name, self._data, self._fetch = name, data, fetch
+        self.name, self._data, self._fetch, self._limit = name, data, fetch, None
 
     def read(self, limit: int | None = None) -> bytes:
-        """The bytes, fetched by the first call with at most ``limit`` of them."""
+        """The bytes, fetched by the first call with at most ``limit`` of them (fetched again after ``release``: with
+        the first call's limit where none is given)."""
         if self._data is None:
+            self._limit = limit = self._limit if limit is None else limit
             self._data = self._fetch(limit)
         return self._data
 
