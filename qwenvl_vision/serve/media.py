@@ -17,6 +17,7 @@ import mimetypes
 import socket
 import string
 import threading
+import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -175,9 +176,9 @@ class Redirects(urllib.request.HTTPRedirectHandler):
         self.label, self.policy = label, policy
 
     def http_error_302(self, req, fp, code, msg, headers):
+        fp.close()  # its body unread (urllib would read all of it, unbounded)
         target = headers.get("location") or headers.get("uri") or ""
         check_remote(target, f"{self.label}: a redirect to", self.policy, PreprocessError, req.full_url)
-        fp.close()  # its body unread (urllib would read all of it, unbounded)
         return super().http_error_302(req, fp, code, msg, headers)
 
     http_error_301 = http_error_303 = http_error_307 = http_error_308 = http_error_302
@@ -189,10 +190,10 @@ class Connections(urllib.request.HTTPSHandler, urllib.request.HTTPHandler):
     a duplicate of it made when it connects (an SSL socket, or one a response reads, is not at hand: http.client
     drops the connection's once the headers are in, and TLS detaches it while shaking hands)."""
 
-    def __init__(self) -> None:
+    def __init__(self, timeout_s: float) -> None:
         super().__init__()
+        self.deadline = time.monotonic() + timeout_s
         self.sockets: list[socket.socket] = []
-        self.late = False
         self.lock = threading.RLock()  # cut runs inside connect too
 
     def do_open(self, http_class, req, **kwargs):
@@ -202,18 +203,29 @@ class Connections(urllib.request.HTTPSHandler, urllib.request.HTTPHandler):
             return conn
         return super().do_open(connection, req, **kwargs)
 
-    def connect(self, *args, **kwargs) -> socket.socket:
-        sock = socket.create_connection(*args, **kwargs)
+    def connect(self, address, timeout, source_address=None) -> socket.socket:
+        left = min(timeout, self.deadline - time.monotonic())  # a redirect's hop connects within what is left
+        if left <= 0:
+            raise TimeoutError
+        sock = socket.create_connection(address, left, source_address)
         with self.lock:
-            self.sockets.append(sock.dup())
-            if self.late:  # a redirect's hop, opened past the deadline
+            try:
+                self.sockets.append(sock.dup())
+            except OSError:  # out of descriptors
+                sock.close()
+                raise
+            if self.late:  # opened as the deadline passed
                 self.cut()
+        sock.settimeout(timeout)
         return sock
+
+    @property
+    def late(self) -> bool:
+        return time.monotonic() >= self.deadline
 
     def cut(self) -> None:
         """Shut every socket (a read blocked on one returns); called at the deadline, by the timer."""
         with self.lock:
-            self.late = True
             for sock in self.sockets:
                 with contextlib.suppress(OSError):  # its peer gone already
                     sock.shutdown(socket.SHUT_RDWR)
@@ -228,7 +240,7 @@ class Connections(urllib.request.HTTPSHandler, urllib.request.HTTPHandler):
 def fetch(url: str, label: str, policy: MediaPolicy, limit: int) -> bytes:
     """The URL's body, at most ``limit`` bytes (read one past it to tell), all of it within the decode timeout,
     which a server trickling its bytes does not hold past it (``Connections``)."""
-    connections = Connections()
+    connections = Connections(policy.timeout_s)
     opener = urllib.request.build_opener(Redirects(label, policy), connections)
     late = PreprocessError(f"{label}: {redacted(url)[:200]} not read within the decode timeout "
                            f"({policy.timeout_s:g} s)")
@@ -250,6 +262,9 @@ def fetch(url: str, label: str, policy: MediaPolicy, limit: int) -> bytes:
                 read += len(chunk)
             if connections.late:  # a body cut short by the deadline can look whole (no length, or cut in the headers)
                 raise late
+            if read <= limit and response.length:  # the server closed before the length it announced
+                raise PreprocessError(f"{label}: {redacted(url)[:200]} ended after {read:,} of its "
+                                      f"{read + response.length:,} bytes")
             return within(b"".join(chunks), label, limit)
     except urllib.error.HTTPError as e:
         raise PreprocessError(f"{label}: {redacted(url)[:200]} answered HTTP {e.code}") from None

@@ -3,6 +3,7 @@ allowed folder, data: URLs by their media type (tests/serve/conftest.py serves 1
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import threading
@@ -154,6 +155,35 @@ def test_a_size_announced_over_the_decode_budget_is_refused_before_its_bytes(ser
     with media_server(announced) as base:
         error_of(client.post("/v1/embeddings", json=chat(part(f"{base}/a.png"))), 400, "messages[0].content[1]",
                  "2,097,152 bytes", "decode budget")
+
+
+def test_a_redirect_s_body_is_left_unread_and_a_body_cut_short_is_refused(served, media):
+    client, _ = served
+    image = media["a.png"].read_bytes()
+
+    def answer(handler):
+        if handler.path == "/moved.png":  # a redirect whose body trickles: followed at once, its body never read
+            handler.send_response(302)
+            handler.send_header("Location", "/a.png")
+            handler.send_header("Content-Length", "100000")
+            handler.end_headers()
+            with contextlib.suppress(OSError):
+                for _ in range(300):
+                    handler.wfile.write(b"x")
+                    handler.wfile.flush()
+                    time.sleep(0.1)
+            return
+        handler.send_response(200)
+        handler.send_header("Content-Length", str(len(image)))
+        handler.end_headers()
+        handler.wfile.write(image if handler.path == "/a.png" else image[:10])  # /cut.png: closed after 10 bytes
+
+    with media_server(answer) as base:
+        start = time.monotonic()
+        assert pooled(client, f"{base}/moved.png") == pooled(client, data_url(media["a.png"]))
+        assert time.monotonic() - start < 5  # the decode timeout is 30 s
+        error_of(client.post("/v1/embeddings", json=chat(part(f"{base}/cut.png"))), 400, "messages[0].content[1]",
+                 f"ended after 10 of its {len(image):,} bytes")
 
 
 def test_local_media_is_a_regular_file_named_without_nul(served):
