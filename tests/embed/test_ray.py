@@ -116,6 +116,12 @@ def test_path_column_with_bad_files(embedder, encoder, media):
     assert errors[2].endswith("not a recognised image file (corrupt, or not an image)")
 
 
+def test_an_input_over_max_item_tokens_is_an_error_row(checkpoint3, media):
+    bounded = Embedder(str(checkpoint3), **LOAD, **SETTINGS, max_item_tokens=1)
+    [row] = bounded({"path": np.array(media["good"][:1], dtype=object)}).to_pylist()
+    assert row["status"] == "error" and "tokens, more than the bound of 1" in row["error"]
+
+
 def _tensor(row: dict, name: str) -> np.ndarray:
     """A tensor cell as to_pylist and take_all give it (nested lists of floats) as a float32 array."""
     return np.asarray(row[name], np.float32)
