@@ -190,10 +190,8 @@ def prepare(item: Any, index: int, options: EncodeOptions, pre: PreprocessConfig
         error = f"{name}: {type(e).__name__}: {e}"
     if isinstance(item, FileBytes):
         item.release()
-    tokens = 0 if error else math.prod(grid) // pre.merge_size ** 2
-    if options.max_item_tokens is not None and tokens > options.max_item_tokens:  # its forward's time and memory
-        error = (f"{name}: {tokens:,} tokens, more than the bound of {options.max_item_tokens:,} (max_item_tokens, "
-                 f"--max-item-tokens)")
+    if error is None and options.max_item_tokens is not None:  # its forward's time and memory
+        error = over_bound(name, math.prod(grid) // pre.merge_size ** 2, options.max_item_tokens)
     admit(0)  # refused before its cost was known, it still takes its turn: the inputs behind it wait for that
     if error is not None:
         budget.end(decoding)
@@ -235,7 +233,13 @@ def decode(item: Any, index: int, options: EncodeOptions, pre: PreprocessConfig,
         header = probe_video(item, max_input_pixels=options.max_input_pixels)
     except Exception:  # noqa: BLE001 - preprocessing names the problem; this only feeds an estimate
         header = None
-    admit(video_file_cost(header, pre, options.video_config) if header else 0)
+    plan = header and video_file_plan(header, pre, options.video_config, min_pixels, max_pixels)
+    if plan and options.max_item_tokens is not None:  # a long video refused before its frames are decoded
+        frames, height, width = plan
+        tokens = -(-frames // pre.temporal_patch_size) * height * width // pre.factor ** 2
+        if error := over_bound(input_name("video", index, item), tokens, options.max_item_tokens):
+            raise PreprocessError(error)
+    admit(video_file_cost(header, plan, pre) if plan else 0)
     return preprocess_video_file(item, pre, options.video_config, counted=header[0] if header else None, stop=stop,
                                  **sizes)
 
@@ -329,15 +333,31 @@ def first_frame_cost(frames: Any, max_input_pixels: int | None) -> int:
         return 0
 
 
-def video_file_cost(header: tuple[int, float, int, int], pre: PreprocessConfig, video_config: VideoConfig) -> int:
+def over_bound(name: str, tokens: int, bound: int | None) -> str | None:
+    """The error of an input of ``tokens`` embedding rows over ``max_item_tokens``, or None."""
+    if bound is not None and tokens > bound:
+        return f"{name}: {tokens:,} tokens, more than the bound of {bound:,} (max_item_tokens, --max-item-tokens)"
+    return None
+
+
+def video_file_plan(header: tuple[int, float, int, int], pre: PreprocessConfig, video_config: VideoConfig,
+                    min_pixels: int | None, max_pixels: int | None) -> tuple[int, int, int] | None:
+    """(frames sampled, height and width each is resized to) as preprocessing will read a video file of this header
+    (``probe_video``'s), or None where it will name a problem. Only an edit list hiding frames the header counts
+    makes the read take fewer."""
+    total, rate, height, width = header
+    try:
+        frames = len(sample_indices(total, rate, video_config, pre.temporal_patch_size))
+        return frames, *video_target_size(frames, height, width, pre, video_config, min_pixels, max_pixels)
+    except QwenVLVisionError:
+        return None
+
+
+def video_file_cost(header: tuple[int, float, int, int], plan: tuple[int, int, int], pre: PreprocessConfig) -> int:
     """Estimated peak bytes of reading a video file: its sampled frames resized (3 bytes a pixel, each resized as
     it is decoded) and its float32 output (12 bytes a pixel of every padded frame), beside one decoded source
     frame and its conversions (an image's rate)."""
-    total, rate, height, width = header
-    try:
-        kept = len(sample_indices(total, rate, video_config, pre.temporal_patch_size))
-        target = math.prod(video_target_size(kept, height, width, pre, video_config))
-    except QwenVLVisionError:  # preprocessing names the problem; this is only an estimate
-        return 0
-    padded = -(-kept // pre.temporal_patch_size) * pre.temporal_patch_size
-    return kept * target * 3 + padded * target * 12 + height * width * DECODE_BYTES_PER_PIXEL["pil"]
+    frames, height, width = plan
+    target = height * width
+    padded = -(-frames // pre.temporal_patch_size) * pre.temporal_patch_size
+    return frames * target * 3 + padded * target * 12 + header[2] * header[3] * DECODE_BYTES_PER_PIXEL["pil"]

@@ -25,7 +25,7 @@ from qwenvl_vision.inputs.images import PreprocessConfig
 from qwenvl_vision.inputs.pixels import FileBytes
 from qwenvl_vision.inputs.video import VideoConfig
 from qwenvl_vision.options import EncodeOptions
-from tests.helpers import FAMILY_SMALL, QWEN2_5_SMALL, photo, synthetic_photo
+from tests.helpers import FAMILY_SMALL, QWEN2_5_SMALL, photo, synthetic_photo, write_video
 
 WAIT = 5.0  # seconds a thread that should proceed is given; a thread that should wait is watched for 0.2 s
 PRE = PreprocessConfig.from_dict(None, "qwen2_5_vl")
@@ -275,6 +275,22 @@ def test_an_object_fetched_from_storage_is_let_go_once_decoded():
         time.sleep(0.05)  # the decodes run ahead meanwhile
         held.append(sum(f.fetched for f in files))
     assert len(held) == len(files) and max(held) <= 2  # at most the objects being decoded
+
+
+def test_a_video_file_over_max_item_tokens_is_refused_from_its_header_before_a_frame_decodes(encoder, tmp_path,
+                                                                                             monkeypatch):
+    pytest.importorskip("av")
+    path = tmp_path / "clip.mp4"
+    write_video(path, 24, 96, 64, 8)
+    [free] = next(encoder.iter_encode([str(path)], video=True))
+    rows = free.embedding.shape[0]
+    [exact] = next(encoder.iter_encode([str(path)], video=True, max_item_tokens=rows))  # the header's count is exact
+    assert exact.error is None and torch.equal(exact.embedding, free.embedding)
+    read = []
+    monkeypatch.setattr(batching, "preprocess_video_file", lambda *args, **kwargs: read.append(args))
+    [refused] = next(encoder.iter_encode([str(path)], video=True, max_item_tokens=rows - 1))
+    assert refused.error.startswith(f"video {str(path)!r}: {rows:,} tokens, more than the bound of {rows - 1:,}")
+    assert not read
 
 
 # ---------------------------------------------------------------------- what a decode is charged

@@ -166,9 +166,9 @@ def model_options() -> argparse.ArgumentParser:
                    metavar="SECONDS",
                    help="record an input as failed when decoding it takes longer, and go on (default %(default)g)")
     p.add_argument("--max-item-tokens", type=positive_option(int, "--max-item-tokens"),
-                   help="refuse (record as failed) an input that resizes to more embedding tokens, once decoded and "
-                        "before its forward: bounds the forward's time and memory for one item (a long video can take "
-                        "hundreds of thousands; default: no bound)")
+                   help="refuse (record as failed) an input that resizes to more embedding tokens, before its forward "
+                        "(a video file before its frames decode, from its header): bounds one item's time and memory "
+                        "(a long video can take hundreds of thousands; default: no bound)")
     p.add_argument("--batch-patches", type=positive_option(int, "--batch-patches"), default=DEFAULT_BATCH_PATCHES,
                    help="patches per forward (an item above runs alone; default %(default)s)")
     p.add_argument("--random-weights", action="store_true", help="with a preset --model: random weights, offline")
