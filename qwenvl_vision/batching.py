@@ -229,9 +229,9 @@ def decode(item: Any, index: int, options: EncodeOptions, pre: PreprocessConfig,
     if not is_file_input(item):
         admit(first_frame_cost(item, options.max_input_pixels))
         return *preprocess_video(item, pre, video_config=options.video_config, **sizes), None
-    try:  # a video file's header is read once: for its decode estimate, and its frame count for the read itself
+    try:  # a video file's header is read once: for its token count, its decode estimate, and the read's frame count
         header = probe_video(item, max_input_pixels=options.max_input_pixels)
-    except Exception:  # noqa: BLE001 - preprocessing names the problem; this only feeds an estimate
+    except Exception:  # noqa: BLE001 - preprocessing names the problem
         header = None
     plan = header and video_file_plan(header, pre, options.video_config, min_pixels, max_pixels)
     if plan and options.max_item_tokens is not None:  # a long video refused before its frames are decoded
@@ -343,8 +343,8 @@ def over_bound(name: str, tokens: int, bound: int | None) -> str | None:
 def video_file_plan(header: tuple[int, float, int, int], pre: PreprocessConfig, video_config: VideoConfig,
                     min_pixels: int | None, max_pixels: int | None) -> tuple[int, int, int] | None:
     """(frames sampled, height and width each is resized to) as preprocessing will read a video file of this header
-    (``probe_video``'s), or None where it will name a problem. Only an edit list hiding frames the header counts
-    makes the read take fewer."""
+    (``probe_video``'s), or None where it will name a problem. Only an edit list hiding frames the header counts, or a
+    first frame of another size than the header's, makes the read differ."""
     total, rate, height, width = header
     try:
         frames = len(sample_indices(total, rate, video_config, pre.temporal_patch_size))

@@ -277,18 +277,24 @@ def test_an_object_fetched_from_storage_is_let_go_once_decoded():
     assert len(held) == len(files) and max(held) <= 2  # at most the objects being decoded
 
 
+@pytest.mark.parametrize(("name", "frames", "options"), [
+    ("clip.mp4", 24, dict(video=True)),
+    ("clip.mkv", 24, dict(video=True, min_pixels=64 * 64, max_pixels=300 * 300)),  # no frame count: packets counted
+    ("one.mp4", 1, dict(video=None, min_pixels=64 * 64, max_pixels=80 * 80)),  # shorter than T; image bounds only
+])
 def test_a_video_file_over_max_item_tokens_is_refused_from_its_header_before_a_frame_decodes(encoder, tmp_path,
-                                                                                             monkeypatch):
+                                                                                             monkeypatch, name,
+                                                                                             frames, options):
     pytest.importorskip("av")
-    path = tmp_path / "clip.mp4"
-    write_video(path, 24, 96, 64, 8)
-    [free] = next(encoder.iter_encode([str(path)], video=True))
+    path = tmp_path / name
+    write_video(path, frames, 96, 64, 8)
+    [free] = next(encoder.iter_encode([str(path)], **options))
     rows = free.embedding.shape[0]
-    [exact] = next(encoder.iter_encode([str(path)], video=True, max_item_tokens=rows))  # the header's count is exact
+    [exact] = next(encoder.iter_encode([str(path)], max_item_tokens=rows, **options))  # the header's count is exact
     assert exact.error is None and torch.equal(exact.embedding, free.embedding)
     read = []
     monkeypatch.setattr(batching, "preprocess_video_file", lambda *args, **kwargs: read.append(args))
-    [refused] = next(encoder.iter_encode([str(path)], video=True, max_item_tokens=rows - 1))
+    [refused] = next(encoder.iter_encode([str(path)], max_item_tokens=rows - 1, **options))
     assert refused.error.startswith(f"video {str(path)!r}: {rows:,} tokens, more than the bound of {rows - 1:,}")
     assert not read
 
