@@ -47,18 +47,18 @@ class EncodeOptions:
         if self.decode_timeout is not None and not positive_number(self.decode_timeout):
             raise ConfigError(f"decode_timeout must be a positive number of seconds (or None: no limit), "
                               f"got {self.decode_timeout!r}")
-        try:
-            patches = None if isinstance(self.max_batch_patches, bool) else operator.index(self.max_batch_patches)
-        except TypeError:
-            patches = None
-        if patches is None or patches < 1:
-            raise ConfigError(f"max_batch_patches must be a positive integer, got {self.max_batch_patches!r}")
-        object.__setattr__(self, "max_batch_patches", patches)  # a plain int (a NumPy or 0-d torch integer given)
-        for option, value in (("max_input_pixels", self.max_input_pixels),
-                              ("decode_bytes", self.decode_bytes), ("prefetch", self.prefetch),
-                              ("max_item_tokens", self.max_item_tokens)):
-            if value is not None and value < (0 if option == "prefetch" else 1):
-                raise ConfigError(f"{option} must be positive, got {value}")
+        for option, least in (("max_batch_patches", 1), ("max_input_pixels", 1), ("decode_bytes", 1), ("prefetch", 0),
+                              ("max_item_tokens", 1)):
+            value = getattr(self, option)
+            if value is None and option != "max_batch_patches":  # None: no bound
+                continue
+            try:
+                number = None if isinstance(value, bool) else operator.index(value)
+            except TypeError:
+                number = None
+            if number is None or number < least:
+                raise ConfigError(f"{option} must be an integer of at least {least}, got {value!r}")
+            object.__setattr__(self, option, number)  # a plain int (a NumPy or 0-d torch integer given)
 
     @property
     def workers(self) -> int:

@@ -106,11 +106,14 @@ def test_options_are_frozen_and_refused_when_out_of_range():
     options = EncodeOptions(video_config=video_config, prefetch=0)  # no prefetch is allowed
     with pytest.raises(dataclasses.FrozenInstanceError):
         options.pooled = True  # type: ignore[misc]
-    bad = [({"max_batch_patches": 0}, "max_batch_patches must be a positive integer, got 0"),
-           ({"max_batch_patches": None}, "max_batch_patches must be a positive integer, got None"),
-           ({"decode_bytes": 0}, "decode_bytes must be positive, got 0"),
-           ({"max_input_pixels": -1}, "max_input_pixels must be positive, got -1"),
-           ({"prefetch": -1}, "prefetch must be positive, got -1"),
+    bad = [({"max_batch_patches": 0}, "max_batch_patches must be an integer of at least 1, got 0"),
+           ({"max_batch_patches": None}, "max_batch_patches .* got None"),
+           ({"decode_bytes": 0}, "decode_bytes .* got 0"),
+           ({"max_input_pixels": -1}, "max_input_pixels .* got -1"),
+           ({"prefetch": -1}, "prefetch must be an integer of at least 0, got -1"),
+           ({"max_item_tokens": "100"}, "max_item_tokens .* got '100'"),
+           ({"max_item_tokens": 2.5}, "max_item_tokens .* got 2.5"),
+           ({"max_item_tokens": True}, "max_item_tokens .* got True"),
            ({"min_pixels": 9000, "max_pixels": 4000}, "min_pixels 9000 is above max_pixels 4000"),
            ({"max_pixels": True}, "max_pixels must be a positive integer, got True")]
     for changes, message in bad:
@@ -121,7 +124,7 @@ def test_options_are_frozen_and_refused_when_out_of_range():
     assert EncodeOptions(video_config=video_config, num_workers=0).workers == 1
     given = EncodeOptions(video_config=video_config, max_batch_patches=np.int64(4096)).max_batch_patches
     assert given == 4096 and type(given) is int  # a NumPy integer is taken as the int it is
-    with pytest.raises(ConfigError, match=r"^max_batch_patches must be a positive integer, got 4096\.0$"):
+    with pytest.raises(ConfigError, match=r"^max_batch_patches .* got 4096\.0$"):
         EncodeOptions(video_config=video_config, max_batch_patches=4096.0)
 
 
@@ -268,13 +271,17 @@ def test_an_object_fetched_from_storage_is_let_go_once_decoded():
     slow consumer hold their pixels, not their files (a video's file may be as large as the decode budget)."""
     buffer = io.BytesIO()
     Image.fromarray(synthetic_photo(56, 56)).save(buffer, "PNG")
-    files = [FileBytes(f"https://store/{i}.png", fetch=lambda limit: buffer.getvalue()) for i in range(12)]
+    limits = []
+    files = [FileBytes(f"https://store/{i}.png", fetch=lambda limit: (limits.append(limit), buffer.getvalue())[1])
+             for i in range(12)]
     held = []
     for batch, failed in prepared_batches(files, _options(max_batch_patches=1, num_workers=2, prefetch=8), PRE):
         assert len(batch) == 1 and not failed
         time.sleep(0.05)  # the decodes run ahead meanwhile
         held.append(sum(f.fetched for f in files))
     assert len(held) == len(files) and max(held) <= 2  # at most the objects being decoded
+    files[0].read()  # fetched again after its release by a reader that gives no limit: the decode budget's
+    assert limits[-1] == limits[0] == _options().decode_bytes
 
 
 @pytest.mark.parametrize(("name", "frames", "options"), [

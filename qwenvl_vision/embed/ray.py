@@ -43,8 +43,9 @@ from ray.data.block import BlockAccessor
 
 from ..errors import CheckpointError, ConfigError, InputError
 from ..inputs.pixels import FileBytes
+from ..inputs.video import VideoConfig
 from ..loading import load_encoder
-from ..options import check_option_rules
+from ..options import EncodeOptions
 from ..outputs.parquet import ParquetLayout, result_columns
 from ..outputs.parquet_reader import records_of_table
 from ..outputs.records import EmbeddingRecord, record_from_result
@@ -89,8 +90,7 @@ class Embedder:
         if column is not None and kind not in INPUT_KINDS:
             raise ValueError(f"column {column!r}: pass kind= (one of {list(INPUT_KINDS)})")
         self.options = {name: options.pop(name) for name in ENCODE_OPTIONS if name in options}
-        rules = ("min_pixels", "max_pixels", "pooled", "normalize")  # refused before the tower loads
-        check_option_rules(**{name: value for name, value in self.options.items() if name in rules})
+        EncodeOptions(video_config=VideoConfig(), **self.options)  # refused before the tower loads
         self.column, self.kind, self.identity_column = column, kind, identity_column
         self.opener = ItemOpener()  # a URL or a shard member named by its path: read as the local engine does
         if threads is not None:

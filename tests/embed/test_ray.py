@@ -148,6 +148,8 @@ def test_crossed_options_are_refused_before_the_tower_loads(checkpoint3):
         Embedder(str(checkpoint3), **LOAD, normalize=True)
     with pytest.raises(ConfigError, match="min_pixels 9000 is above max_pixels 4000"):
         Embedder(str(checkpoint3), **LOAD, min_pixels=9000, max_pixels=4000)
+    with pytest.raises(ConfigError, match="max_item_tokens .* got 0"):
+        Embedder(str(checkpoint3), **LOAD, max_item_tokens=0)
 
 
 def test_image_column_and_pooled(checkpoint3, encoder):
