@@ -128,7 +128,8 @@ class FileBytes:
         the first call's limit where none is given)."""
         if self._data is None:
             self._limit = limit = self._limit if limit is None else limit
-            self._data = self._fetch(limit)
+            self._data = data = self._fetch(limit)  # returned as fetched: another thread may release it at once
+            return data
         return self._data
 
     def release(self) -> None:

@@ -194,6 +194,7 @@ class Connections(urllib.request.HTTPSHandler, urllib.request.HTTPHandler):
         super().__init__()
         self.deadline = time.monotonic() + timeout_s
         self.sockets: list[socket.socket] = []
+        self.was_cut = False
         self.lock = threading.RLock()  # cut runs inside connect too
 
     def do_open(self, http_class, req, **kwargs):
@@ -221,11 +222,12 @@ class Connections(urllib.request.HTTPSHandler, urllib.request.HTTPHandler):
 
     @property
     def late(self) -> bool:
-        return time.monotonic() >= self.deadline
+        return self.was_cut or time.monotonic() >= self.deadline  # the timer's clock need not be ours
 
     def cut(self) -> None:
         """Shut every socket (a read blocked on one returns); called at the deadline, by the timer."""
         with self.lock:
+            self.was_cut = True
             for sock in self.sockets:
                 with contextlib.suppress(OSError):  # its peer gone already
                     sock.shutdown(socket.SHUT_RDWR)
@@ -267,6 +269,7 @@ def fetch(url: str, label: str, policy: MediaPolicy, limit: int) -> bytes:
                                       f"{read + response.length:,} bytes")
             return within(b"".join(chunks), label, limit)
     except urllib.error.HTTPError as e:
+        e.close()  # its connection, which the exception would hold until collected
         raise PreprocessError(f"{label}: {redacted(url)[:200]} answered HTTP {e.code}") from None
     except (urllib.error.URLError, OSError, http.client.HTTPException) as e:  # HTTPException: a bad port, a broken
         # status line or chunked body
