@@ -10,12 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import QWEN2_5_SMALL, QWEN3_SMALL_72, serve_hub, write_checkpoint
-
 # The CPU plans the suite measures go to a folder of its own (not the user's cache), shared by the session's
-# processes: set when this file is imported, before any test module copies the environment for its subprocesses.
+# processes: set before tests.helpers is imported, whose ENV copies the environment for the subprocesses (a child on
+# the user's cache ran that cache's plan, not the session's, and gave other bits than the test process).
 PLAN_CACHE = tempfile.mkdtemp(prefix="qwenvl-vision-test-cache-")
 os.environ["QWENVL_VISION_CACHE"] = PLAN_CACHE
+
+from tests.helpers import QWEN2_5_SMALL, QWEN3_SMALL_72, serve_hub, write_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="session", autouse=True)
