@@ -190,7 +190,7 @@ def prepare(item: Any, index: int, options: EncodeOptions, pre: PreprocessConfig
         error = f"{name}: {type(e).__name__}: {e}"
     if isinstance(item, FileBytes):
         item.release()
-    if error is None and options.max_item_tokens is not None:  # its forward's time and memory
+    if error is None:  # its forward's time and memory
         error = over_bound(name, math.prod(grid) // pre.merge_size ** 2, options.max_item_tokens)
     admit(0)  # refused before its cost was known, it still takes its turn: the inputs behind it wait for that
     if error is not None:
@@ -234,7 +234,7 @@ def decode(item: Any, index: int, options: EncodeOptions, pre: PreprocessConfig,
     except Exception:  # noqa: BLE001 - preprocessing names the problem
         header = None
     plan = header and video_file_plan(header, pre, options.video_config, min_pixels, max_pixels)
-    if plan and options.max_item_tokens is not None:  # a long video refused before its frames are decoded
+    if plan:  # a long video refused before its frames are decoded
         frames, height, width = plan
         tokens = -(-frames // pre.temporal_patch_size) * height * width // pre.factor ** 2
         if error := over_bound(input_name("video", index, item), tokens, options.max_item_tokens):
