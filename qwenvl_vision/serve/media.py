@@ -205,10 +205,25 @@ class Connections(urllib.request.HTTPSHandler, urllib.request.HTTPHandler):
         return super().do_open(connection, req, **kwargs)
 
     def connect(self, address, timeout, source_address=None) -> socket.socket:
-        left = min(timeout, self.deadline - time.monotonic())  # a redirect's hop connects within what is left
-        if left <= 0:
-            raise TimeoutError
-        sock = socket.create_connection(address, left, source_address)
+        """``socket.create_connection``, but each of the host's addresses tried within the time left, not the whole
+        timeout each (a host whose IPv6 and IPv4 addresses both drop packets held the fetch twice the timeout); a
+        redirect's hop too. The name lookup is the resolver's, not bounded here."""
+        error: OSError = OSError(f"no address for {address[0]}")
+        for family, kind, proto, _, sockaddr in socket.getaddrinfo(*address, type=socket.SOCK_STREAM):
+            if (left := self.deadline - time.monotonic()) <= 0:
+                raise TimeoutError
+            sock = socket.socket(family, kind, proto)
+            try:
+                sock.settimeout(left)
+                if source_address:
+                    sock.bind(source_address)
+                sock.connect(sockaddr)
+                break
+            except OSError as e:
+                sock.close()
+                error = e
+        else:
+            raise error
         with self.lock:
             try:
                 self.sockets.append(sock.dup())

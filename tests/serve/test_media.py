@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import socket
 import threading
 import time
 
@@ -141,6 +142,40 @@ def test_a_url_trickling_its_bytes_stops_at_the_decode_timeout_and_slow_urls_sta
         assert time.monotonic() - start < timeout + 3
         until(lambda: len(stopped) == len(arrived), "every fetch stopped")  # no thread left reading
         assert max(stopped) - start < timeout + 3
+
+
+def test_a_host_whose_every_address_drops_connections_is_held_to_the_decode_timeout_as_a_whole(checkpoint3,
+                                                                                                 monkeypatch):
+    from fastapi.testclient import TestClient
+
+    from qwenvl_vision.serve import media as media_module
+
+    listener = socket.create_server(("127.0.0.1", 0), backlog=0)  # one connection fills its queue: later SYNs drop
+    filler = socket.create_connection(listener.getsockname())
+    resolve = socket.getaddrinfo
+
+    def three_addresses(host, *args, **kwargs):  # as a dual-stack host's, every one unanswered
+        if host != "blackhole.test":
+            return resolve(host, *args, **kwargs)
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", listener.getsockname())] * 3
+
+    def timed(*args):  # the request is answered at the timeout: the media thread's fetch is what must end then
+        try:
+            return fetch(*args)
+        finally:
+            ended.append(time.monotonic())
+
+    fetch, ended = media_module.fetch, []
+    monkeypatch.setattr(socket, "getaddrinfo", three_addresses)
+    monkeypatch.setattr(media_module, "fetch", timed)
+    app = app_of(load_encoder(checkpoint3, device="cpu"), "--allowed-media-domains", "blackhole.test",
+                 "--decode-timeout", 1)
+    with listener, filler, TestClient(app) as client:
+        start = time.monotonic()
+        error_of(client.post("/v1/embeddings", json=chat(part("http://blackhole.test/a.png"))), 400,
+                 "messages[0].content[1]", "decode timeout")
+        until(lambda: ended, "the fetch ended")
+        assert ended[0] - start < 2  # each address given the whole timeout held it 3 s
 
 
 def test_a_size_announced_over_the_decode_budget_is_refused_before_its_bytes(served):
