@@ -41,15 +41,9 @@ def save_vision_only(model: VisionTower, folder: str | os.PathLike, preprocessor
     folder.mkdir(parents=True, exist_ok=True)
     (folder / CONFIG_FILE).unlink(missing_ok=True)
     state = to_checkpoint_state(model.config, model.state_dict())
-    mask = os.umask(0)
-    os.umask(mask)
     for name in names:  # the weights first, config.json last
         data = save(state, metadata={"format": "pt", "family": model.config.model_type}) if name == SINGLE_FILE \
             else (json.dumps(documents[name], indent=2) + "\n").encode()
-
-        def write(f, data=data) -> None:
-            os.fchmod(f.fileno(), 0o666 & ~mask)  # as a plain open() creates it: the folder's other files follow it
-            f.write(data)
-
-        replace_atomically(folder / name, folder / (name + TEMPORARY_SUFFIX), write)
+        # 0o666 less the umask, as a plain open() creates it: the folder's other files follow it
+        replace_atomically(folder / name, folder / (name + TEMPORARY_SUFFIX), lambda f, data=data: f.write(data), 0o666)
     return len(state)

@@ -71,13 +71,13 @@ def append_synced(path: str | os.PathLike, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def replace_atomically(path: Path, tmp: Path, write: Callable[[BinaryIO], object]) -> None:
+def replace_atomically(path: Path, tmp: Path, write: Callable[[BinaryIO], object], mode: int = 0o644) -> None:
     """``path`` written whole or not at all: ``write(file)`` into ``tmp`` (same folder: a rename across file systems
     would not be atomic), fsynced, renamed into place, the folder fsynced. Any failure leaves no ``tmp`` behind.
     The caller names ``tmp``: each writer's recovery knows its own temporary files by name. ``tmp`` is created
     exclusively and never through a link; the rename replaces a link at ``path`` itself, never what it points to."""
     try:
-        with create_new(tmp) as f:
+        with create_new(tmp, mode) as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
