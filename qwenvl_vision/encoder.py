@@ -82,7 +82,8 @@ class VisionEncoder(contextlib.AbstractContextManager):
             model, self._model = self._model, None
         if model is not None:
             model.shape_cache.clear()
-            model.free_weights_()
+            model.to("meta")  # storage-less: a reference to the module kept elsewhere no longer pins the weights
+            model.backend.release(model)
             torch.cuda.empty_cache()  # a no-op where CUDA was never used
 
     def __exit__(self, *exc_info: object) -> None:
@@ -174,7 +175,7 @@ class VisionEncoder(contextlib.AbstractContextManager):
             model = self.model
             self._forwards += 1
         try:
-            grids = model.grid_list(grid_thw)  # checked here once: the tower takes checked grids as they are
+            grids = model.grid_list(grid_thw)
             with torch.inference_mode():
                 merged, levels = model(pixel_values, grids)
         finally:

@@ -25,18 +25,9 @@ Tower = nn.Module
 Grid = tuple[int, int, int]
 
 
-class Grids(tuple):
-    """grid_thw as (t, h, w) ints, checked against one merge size (``check_grids``): a tower of that merge size takes
-    them as they are, so a caller that checks first (the encoder) checks once per call."""
-
-    merge: int
-
-
-def check_grids(grid_thw: Any, merge: int, what: str) -> Grids:
+def check_grids(grid_thw: Any, merge: int, what: str) -> list[Grid]:
     """An ``(n, 3)`` table of patch grids (a tensor or lists) as a tower makes them: positive integers, h and w
     whole merged tokens; ``what``: where they came from, for the one-line InputError."""
-    if isinstance(grid_thw, Grids) and getattr(grid_thw, "merge", None) == merge:
-        return grid_thw
     if not isinstance(merge, int) or merge < 1:  # a hand-built EncodedItems' merge_size
         raise InputError(f"{what}: merge size {merge!r} is not a positive integer")
     try:
@@ -47,22 +38,21 @@ def check_grids(grid_thw: Any, merge: int, what: str) -> Grids:
                           or table.dtype == torch.bool):
         raise InputError(f"{what}: grid_thw of shape {tuple(table.shape)} and dtype {table.dtype}, not an (n, 3) "
                          f"table of integers")
-    grids = Grids(tuple(row) for row in table.reshape(-1, 3).tolist())
+    grids = [tuple(row) for row in table.reshape(-1, 3).tolist()]
     for i, (t, h, w) in enumerate(grids):
         if min(t, h, w) < 1 or h % merge or w % merge:
             raise InputError(f"{what}, item {i}: grid {(t, h, w)} is not a tower's (positive, h and w multiples of "
                              f"the merge size {merge})")
-    grids.merge = merge
     return grids
 
 
-def one_forward(pixel_values: torch.Tensor, grids: Grids) -> list[tuple[torch.Tensor, Grids]]:
+def one_forward(pixel_values: torch.Tensor, grids: list[Grid]) -> list[tuple[torch.Tensor, list[Grid]]]:
     """The pack as one forward (on CUDA: a pack of small images alone would be launch-bound; an item agrees across
     batchings within its dtype's rounding)."""
     return [(pixel_values, grids)]
 
 
-def one_forward_per_item(pixel_values: torch.Tensor, grids: Grids) -> list[tuple[torch.Tensor, list[Grid]]]:
+def one_forward_per_item(pixel_values: torch.Tensor, grids: list[Grid]) -> list[tuple[torch.Tensor, list[Grid]]]:
     """Each item's rows as its own forward, contiguous and 64-byte aligned (copied only where they are not).
 
     Why one forward per item: an item's result must not depend on the items beside it (every output path, resume,
@@ -88,7 +78,7 @@ class Execution(Protocol):
     blocks and mergers."""
 
     name: str
-    forwards: list[tuple[torch.Tensor, Grids]]
+    forwards: list[tuple[torch.Tensor, list[Grid]]]
 
     def attention_inputs(self, rope: tuple[torch.Tensor, torch.Tensor], segments: SegmentPlan) -> AttentionInputs: ...
     def block(self, block: Block, x: torch.Tensor, inputs: AttentionInputs) -> torch.Tensor: ...
@@ -96,13 +86,12 @@ class Execution(Protocol):
 
 
 class Backend(Protocol):
-    """What runs one tower's calls: ``execution`` once per call, ``forwards`` how a call's items run (a backend that
-    runs them otherwise than ``forwards_on`` says gives up the per-item bits on the CPU), ``describe`` how calls
+    """What runs one tower's calls: ``execution`` once per call, its items as ``forwards_on`` says (a backend that
+    runs them otherwise gives up the per-item bits on the CPU), ``describe`` how calls
     run from the same state (the keys ``ReferenceBackend.describe`` gives), and ``release`` the modules back as the
     model defines them (before compiling, another backend, freeing)."""
 
-    def execution(self, tower: Tower, pixel_values: torch.Tensor, grids: Grids) -> Execution: ...
-    def forwards(self, tower: Tower) -> Callable: ...
+    def execution(self, tower: Tower, pixel_values: torch.Tensor, grids: list[Grid]) -> Execution: ...
     def release(self, tower: Tower) -> None: ...
     def describe(self, tower: Tower) -> dict: ...
 
@@ -112,7 +101,7 @@ class ReferenceExecution:
 
     name = "reference"
 
-    def __init__(self, attend: Callable, forwards: list[tuple[torch.Tensor, Grids]]) -> None:
+    def __init__(self, attend: Callable, forwards: list[tuple[torch.Tensor, list[Grid]]]) -> None:
         self.attend = attend
         self.forwards = forwards
 
@@ -130,17 +119,16 @@ class ReferenceBackend:
     """Every call on the modules' own forward, its items as ``forwards_on`` says: a tower no backend was attached
     to. ``describe`` gives the keys every backend gives."""
 
-    def execution(self, tower: Tower, pixel_values: torch.Tensor, grids: Grids) -> ReferenceExecution:
-        return ReferenceExecution(tower.attention_backend(), self.forwards(tower)(pixel_values, grids))
-
-    def forwards(self, tower: Tower) -> Callable:
-        return forwards_on(tower.patch_embed.proj.weight.device)
+    def execution(self, tower: Tower, pixel_values: torch.Tensor, grids: list[Grid]) -> ReferenceExecution:
+        forwards = forwards_on(tower.patch_embed.proj.weight.device)(pixel_values, grids)
+        return ReferenceExecution(tower.attention_backend(), forwards)
 
     def release(self, tower: Tower) -> None:
         pass
 
     def describe(self, tower: Tower) -> dict:
-        return {"items": items_name(self.forwards(tower)), "execution": "reference", "cpu_plan": None,
+        return {"items": items_name(forwards_on(tower.patch_embed.proj.weight.device)), "execution": "reference",
+                "cpu_plan": None,
                 "linear_kernels": {"addmm": sum(isinstance(m, nn.Linear) for m in tower.modules()), "onednn": 0}}
 
 

@@ -27,7 +27,7 @@ from ..errors import ConfigError, InputError
 from .attention import ATTN_IMPLS, BACKENDS, FUSED, SegmentPlan, resolve_attn_impl
 from .cache import ShapeCache
 from .config import VisionConfig
-from .execution import Backend, Execution, Grid, Grids, ReferenceBackend, check_grids
+from .execution import Backend, Execution, Grid, ReferenceBackend, check_grids
 from .layers import Block, PatchEmbed, PatchMerger, rope_cos_sin
 from .names import to_module_names_
 
@@ -191,7 +191,7 @@ class VisionTower(nn.Module):
 
     # ------------------------------------------------------------------ inputs
 
-    def grid_list(self, grid_thw: torch.Tensor | list) -> Grids:
+    def grid_list(self, grid_thw: torch.Tensor | list) -> list[Grid]:
         """The grids as Python ints (one host read per forward), validated against the merge size."""
         grids = check_grids(grid_thw, self.config.spatial_merge_size, "the tower's input")
         if not grids:
@@ -263,12 +263,6 @@ class VisionTower(nn.Module):
         """Run this tower's calls on ``backend`` from now on; the previous one gives the modules back first."""
         self.backend.release(self)
         self.backend = backend
-
-    def free_weights_(self) -> None:
-        """Every parameter and buffer replaced by a storage-less meta tensor (``VisionEncoder.close``): a reference
-        to the module kept elsewhere no longer pins the weights."""
-        self.to("meta")
-        self.backend.release(self)
 
     def _dynamic(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Compiled blocks: the token count is the one dynamic size of their inputs (so a pack whose token count
