@@ -13,9 +13,7 @@ name. The records of the inputs this invocation embeds again are dropped (``redo
 replaced since it was recorded, so each file has one record, whichever rank wrote it; damaged lines whose input no
 shard holds are dropped too.
 
-Recovery deletes nothing but this run's own temporary files (its run id is in their names). A shard of this run
-that no manifest line references and that carries no records (written by an older qwenvl-vision) cannot be
-accounted for: the resume refuses with one line, the shard kept.
+Recovery deletes nothing but this run's own temporary files (its run id is in their names).
 """
 
 from __future__ import annotations
@@ -157,7 +155,6 @@ class RankWriter(Writer):
         lines = [r for rank in range(self.world) for part in [self.out / part_name(rank, self.world)]
                  for r in (read_manifest_lines(part, strict=False) if part.exists()  # damaged lines: rolled forward
                            else [r for r in merged if r.get("rank", 0) == rank])]
-        referenced = {r["shard"] for r in lines if r["status"] == "ok"}
         # identity -> (its record as the lowest rank's files carry it, when and where that file was written)
         carried: dict[str, tuple[dict, tuple[int, str]]] = {}
         unreadable = set()  # cache items: their inputs are redone, the items rewritten
@@ -172,10 +169,6 @@ class RankWriter(Writer):
                 continue
             if run_id != self.run_id:
                 continue  # another run's file: not this run's to take, nor to remove
-            if found is None and name not in referenced and SHARD_NAME.match(name):
-                raise ManifestError(f"{path} carries no records of its items (an older qwenvl-vision wrote it), and "
-                                    f"no manifest line records it: nothing was changed; move it out of {self.out} "
-                                    f"(its inputs are then redone) and run the same command with --resume again")
             when = path.stat().st_mtime_ns, name  # a file is renamed into place whole
             for r in found or ():
                 key, rank = r["realpath"], r.get("rank", 0)

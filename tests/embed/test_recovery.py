@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from qwenvl_vision.cli import main
 from qwenvl_vision.embed import read_embeddings, read_manifest_lines, read_run
@@ -83,20 +83,6 @@ def test_a_shard_renamed_but_never_recorded_is_rolled_forward_not_deleted(tmp_pa
     assert embed(images[:1], checkpoint, out, "--resume") == 0
     assert {p: torch.equal(t, stored[p]) for p, t in read_embeddings(out)} == {p: True for p in stored}
     assert {r["shard"] for r in read_manifest_lines(manifest)} == {p.name for p in out.glob("*.safetensors")}
-
-
-def test_a_shard_of_the_run_that_carries_no_records_and_no_line_names_is_kept_and_refused(tmp_path, checkpoint,
-                                                                                         images, capsys):
-    out = tmp_path / "out"
-    assert embed(images[:1], checkpoint, out) == 0
-    old = out / "shard-r0-000007.safetensors"  # as an older version wrote them: the run id, no records
-    run_id = read_run(out)["run_id"]
-    save_file({"000000": torch.zeros(2, 3)}, old, metadata={"format": "pt", "qwenvl_vision_run": run_id})
-    before = files_of(out), (out / "manifest.jsonl").read_bytes()
-    capsys.readouterr()
-    assert embed(images[1:2], checkpoint, out, "--resume") == 2
-    one_error_line(capsys.readouterr().err, "shard-r0-000007.safetensors", "--resume")
-    assert (files_of(out), (out / "manifest.jsonl").read_bytes()) == before
 
 
 def test_a_recorded_shard_that_cannot_be_read_stops_the_resume_and_once_moved_out_its_input_is_redone(
