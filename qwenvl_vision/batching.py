@@ -57,7 +57,7 @@ class Prepared:
     pixel_values: torch.Tensor | None = None
     grid: tuple[int, int, int] | None = None
     error: str | None = None
-    patches: int = field(default=0)  # pixel rows, not embedding rows
+    patches: int = 0  # pixel rows, not embedding rows
     held: int = 0  # bytes of the decode budget this input holds until it joins a batch
     video_info: VideoInfo | None = None
     pixels_sha256: str | None = None  # item_ids.pixels_sha256, hashed here on the decode thread

@@ -52,7 +52,6 @@ class VisionCheckpoint:
     """Where each vision tensor of a checkpoint folder lives, without reading any tensor data."""
 
     folder: Path
-    config_json: dict
     config: VisionConfig
     tensors: dict[str, tuple[Path, str]]  # checkpoint tensor name without the prefix -> (its shard, its name there)
     vision_only: bool
@@ -174,7 +173,7 @@ def open_checkpoint(folder: str | os.PathLike) -> VisionCheckpoint:
         tensors[key] = (path, name)
     if not tensors:
         raise CheckpointError(f"{folder} holds no vision tensors (no names starting with {prefixes})")
-    return VisionCheckpoint(folder, config_json, config, tensors, vision_only)
+    return VisionCheckpoint(folder, config, tensors, vision_only)
 
 
 def vision_entries(checkpoint: VisionCheckpoint, expected: dict[str, torch.Tensor] | None = None) -> dict[str, dict]:

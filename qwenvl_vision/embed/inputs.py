@@ -152,7 +152,7 @@ def gather_inputs(inputs: list[str], path_column: str = "path", keep_columns: tu
                 found.add(item, f"list file {item}: {e}")
                 continue
             for line in lines:
-                path = line if is_url(line) else str(Path(line) if Path(line).is_absolute() else p.parent / line)
+                path = line if is_url(line) else str(p.parent / line)  # an absolute path stays as it is
                 found.add(path, _other_kind(path, f"list {item}"))
         else:
             found.add(str(p), _other_kind(item))

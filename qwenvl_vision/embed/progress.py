@@ -20,8 +20,8 @@ class Progress:
     even when a whole small job is one forward; the batch it joins is written at most one batch (and the
     prefetch depth) later."""
 
-    def __init__(self, rank: int, quiet: bool, stream=None) -> None:
-        self.stream = stream if stream is not None else sys.stderr
+    def __init__(self, rank: int, quiet: bool) -> None:
+        self.stream = sys.stderr
         self.quiet = quiet
         self.label = f"embed[rank {rank}]" if rank else "embed"
         self.terminal = not quiet and self.stream.isatty()

@@ -54,8 +54,7 @@ from .shards import ItemOpener
 
 INPUT_KINDS = ("path", "bytes", "image")
 # Embedder's keywords that go to every batch's ``VisionEncoder.iter_encode``, as it takes them (and defaults them).
-ENCODE_OPTIONS = ("min_pixels", "max_pixels", "resize", "pooled", "normalize", "max_batch_patches", "max_input_pixels",
-                  "decode_bytes", "decode_timeout", "num_workers", "prefetch", "hash_pixels", "max_item_tokens")
+ENCODE_OPTIONS = tuple(f.name for f in dataclasses.fields(EncodeOptions) if f.name not in ("video", "video_config"))
 
 
 class Embedder:

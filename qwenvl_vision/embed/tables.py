@@ -94,8 +94,7 @@ def _checked_path(table: Path, number: int, column: str, value: Any) -> tuple[st
     value = value.strip()
     if is_url(value):
         return value, None  # read from its store (remote.py)
-    p = Path(value)
-    return str(p if p.is_absolute() else table.parent / p), None
+    return str(table.parent / value), None  # an absolute path stays as it is
 
 
 def _parquet_rows(path: Path, path_column: str, keep: Sequence[str]) -> tuple[list[Row], dict[str, str]]:

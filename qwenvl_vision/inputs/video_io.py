@@ -90,9 +90,6 @@ class VideoInfo:
         self.timestamps = [i / self.video_fps for i in self.frame_indices]
         self.sampled_fps = len(self.frame_indices) / self.total_frames * self.video_fps
 
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
 
 def video_record(info: VideoInfo | None) -> dict | None:
     """A ``VideoInfo`` as every embed output records it (None for an image): the frames kept, their times, the

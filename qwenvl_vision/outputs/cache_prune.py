@@ -127,8 +127,7 @@ def pruned_ids(folder: Path) -> set[str]:
     return ids
 
 
-def prune_cache(folder: str | os.PathLike, max_bytes: int, dry_run: bool = False,
-                wait_s: float = LOCK_WAIT_S) -> PruneReport:
+def prune_cache(folder: str | os.PathLike, max_bytes: int, dry_run: bool = False) -> PruneReport:
     """Remove the oldest items of the encoder-cache ``folder`` until it holds at most ``max_bytes`` (see the
     module); what was removed and what is left."""
     folder = Path(folder)
@@ -140,7 +139,7 @@ def prune_cache(folder: str | os.PathLike, max_bytes: int, dry_run: bool = False
         raise CacheFolderError(f"{folder} is not an encoder cache written by qwenvl-vision (no {IDENTITY_FILE}): "
                                f"nothing is removed from a folder whose files are not accounted for")
     # A dry run reads without the lock (it may be a folder it cannot write), so its count may be a moment old.
-    with contextlib.nullcontext() if dry_run else cache_lock(folder, wait_s=wait_s):
+    with contextlib.nullcontext() if dry_run else cache_lock(folder, wait_s=LOCK_WAIT_S):
         items = items_of(folder)
         since = running_embed_since(folder)
         # An embed's own items only (64 hex digits): the server's, named by uuids, are written under the lock.

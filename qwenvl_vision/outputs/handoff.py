@@ -137,7 +137,7 @@ def _check(result: Any, what: str) -> EncodedItems:
 
 
 def _video_field(info: Any, *names: str) -> Any:
-    """The first of ``names`` a video's ``video_info`` holds (a ``VideoInfo``, its ``to_dict()``, or an embed
+    """The first of ``names`` a video's ``video_info`` holds (a ``VideoInfo``, its ``dataclasses.asdict``, or an embed
     record's ``"video"`` entry), or None."""
     get = info.get if isinstance(info, dict) else lambda name: getattr(info, name, None)
     return next((value for value in map(get, names) if value is not None), None)

@@ -114,15 +114,12 @@ class ParquetLayout:
 def text(value: str | None) -> str | None:
     """``value`` as Parquet can store it: characters UTF-8 cannot encode (surrogates, a non-UTF-8 file name's
     undecodable bytes) as their backslash escapes (``\\udce9``); any other text unchanged."""
-    if value is None or not needs_escape(value):
-        return value
-    return value.encode("utf-8", "backslashreplace").decode("utf-8")
+    return None if value is None else value.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def needs_escape(value: str) -> bool:
-    """Whether ``value`` holds a character UTF-8 cannot encode, a surrogate (``text`` then stores an escaped
-    spelling)."""
-    return any("\ud800" <= c <= "\udfff" for c in value)
+    """Whether ``value`` holds a character UTF-8 cannot encode (``text`` then stores an escaped spelling)."""
+    return text(value) != value
 
 
 def _float_column(tensors: list[torch.Tensor | None], dim: int, what: str, per_row_vectors: bool) -> pa.Array:

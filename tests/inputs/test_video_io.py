@@ -80,7 +80,7 @@ def assert_matches(values, grid, info, ref):
     assert info.timestamps == metadata.timestamps
     assert info.sampled_fps == pytest.approx(metadata.sampled_fps, rel=1e-12)
     assert (info.total_frames, info.video_fps) == (metadata.total_num_frames, metadata.fps)
-    json.dumps(info.to_dict())
+    json.dumps(dataclasses.asdict(info))
 
 
 # family, video, VideoConfig changes, per-call (min_pixels, max_pixels)
