@@ -86,12 +86,13 @@ class Execution(Protocol):
 
 
 class Backend(Protocol):
-    """What runs one tower's calls: ``execution`` once per call, its items as ``forwards_on`` says (a backend that
-    runs them otherwise gives up the per-item bits on the CPU), ``describe`` how calls
+    """What runs one tower's calls: ``execution`` once per call, ``forwards`` how a call's items run (a backend that
+    runs them otherwise than ``forwards_on`` says gives up the per-item bits on the CPU), ``describe`` how calls
     run from the same state (the keys ``ReferenceBackend.describe`` gives), and ``release`` the modules back as the
     model defines them (before compiling, another backend, freeing)."""
 
     def execution(self, tower: Tower, pixel_values: torch.Tensor, grids: list[Grid]) -> Execution: ...
+    def forwards(self, tower: Tower) -> Callable: ...
     def release(self, tower: Tower) -> None: ...
     def describe(self, tower: Tower) -> dict: ...
 
@@ -120,15 +121,16 @@ class ReferenceBackend:
     to. ``describe`` gives the keys every backend gives."""
 
     def execution(self, tower: Tower, pixel_values: torch.Tensor, grids: list[Grid]) -> ReferenceExecution:
-        forwards = forwards_on(tower.patch_embed.proj.weight.device)(pixel_values, grids)
-        return ReferenceExecution(tower.attention_backend(), forwards)
+        return ReferenceExecution(tower.attention_backend(), self.forwards(tower)(pixel_values, grids))
+
+    def forwards(self, tower: Tower) -> Callable:
+        return forwards_on(tower.patch_embed.proj.weight.device)
 
     def release(self, tower: Tower) -> None:
         pass
 
     def describe(self, tower: Tower) -> dict:
-        return {"items": items_name(forwards_on(tower.patch_embed.proj.weight.device)), "execution": "reference",
-                "cpu_plan": None,
+        return {"items": items_name(self.forwards(tower)), "execution": "reference", "cpu_plan": None,
                 "linear_kernels": {"addmm": sum(isinstance(m, nn.Linear) for m in tower.modules()), "onednn": 0}}
 
 

@@ -161,7 +161,7 @@ class CpuBackend:
                   ) -> CpuExecution | ReferenceExecution:
         """The call's execution: on the plan in CPU inference, its workspace sized for the largest forward, else
         the modules' own forward (their plain weights given back first)."""
-        forwards = forwards_on(placement(tower)[0])(pixel_values, grids)
+        forwards = self.forwards(tower)(pixel_values, grids)
         prepared = None if modules_forward_required(tower, pixel_values) else self.prepare(tower)
         if prepared is None:
             release = torch.compiler.disable(self.release) if torch.compiler.is_compiling() else self.release
@@ -189,12 +189,16 @@ class CpuBackend:
     def describe(self, tower: VisionTower) -> dict:
         current = self.current(tower)
         packed = sum(isinstance(layer, PackedLinear) for _, layer in linear_layers(tower))
-        return {"items": items_name(forwards_on(placement(tower)[0])),
+        return {"items": items_name(self.forwards(tower)),
                 "execution": "reference" if current is None else "cpu",
                 "cpu_plan": None if current is None else current.plan.machine,
                 "linear_kernels": {"addmm": len(linear_layers(tower)) - packed, "onednn": packed}}
 
     # ------------------------------------------------------------------ the decision's parts
+
+    def forwards(self, tower: VisionTower):
+        """How a call's items run: as for every backend (``model.execution.forwards_on``)."""
+        return forwards_on(placement(tower)[0])
 
     def current(self, tower: VisionTower) -> Prepared | None:
         """The last preparation while it holds: the weights where it was made, every layer it packed still packed
