@@ -139,10 +139,10 @@ def test_an_extraction_that_fails_part_way_leaves_no_loadable_folder(single_file
     assert main(["extract-weights", str(single_file_checkpoint), "--out", str(out)]) == 0
     real = save.replace_atomically
 
-    def full_disk_at_the_preprocessor(path, tmp, write):
+    def full_disk_at_the_preprocessor(path, tmp, write, *args):
         if path.name == "preprocessor_config.json":
             raise OSError(errno.ENOSPC, "No space left on device", str(tmp))
-        return real(path, tmp, write)
+        return real(path, tmp, write, *args)
 
     monkeypatch.setattr(save, "replace_atomically", full_disk_at_the_preprocessor)
     capsys.readouterr()
