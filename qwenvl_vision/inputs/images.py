@@ -205,10 +205,8 @@ def image_target_size(height: int, width: int, config: PreprocessConfig, min_pix
     """smart_resize with the config's bounds (or the overrides), errors naming the input."""
     min_pixels = config.min_pixels if min_pixels is None else min_pixels
     max_pixels = config.max_pixels if max_pixels is None else max_pixels
-    try:
-        target = smart_resize(height, width, config.factor, min_pixels, max_pixels, num_frames, temporal_factor)
-    except PreprocessError as e:
-        raise PreprocessError(f"{name}: {e}") from None
+    check_aspect_ratio(height, width, name)  # smart_resize's own checks, naming the input
+    target = smart_resize(height, width, config.factor, min_pixels, max_pixels, num_frames, temporal_factor)
     if min(target) <= 0:
         # Only reachable with min_pixels < factor**2 (round() gave 0 and no upscale happened); the
         # reference would fail inside PIL.
@@ -260,6 +258,5 @@ def probe_image(image: Any, config: PreprocessConfig, *, index: int | None = Non
         height, width = image.height, image.width
     else:
         height, width = as_hwc(image, name).shape[:2]
-    check_aspect_ratio(height, width, name)
     return image_target_size(height, width, config, min_pixels, max_pixels, name)
 
