@@ -208,19 +208,21 @@ class Connections(urllib.request.HTTPSHandler, urllib.request.HTTPHandler):
         """``socket.create_connection``, but each of the host's addresses tried within the time left, not the whole
         timeout each (a host whose IPv6 and IPv4 addresses both drop packets held the fetch twice the timeout); a
         redirect's hop too. The name lookup is the resolver's, not bounded here."""
-        error: OSError = OSError(f"no address for {address[0]}")
+        error = OSError(f"no address for {address[0]}")
         for family, kind, proto, _, sockaddr in socket.getaddrinfo(*address, type=socket.SOCK_STREAM):
             if (left := self.deadline - time.monotonic()) <= 0:
                 raise TimeoutError
-            sock = socket.socket(family, kind, proto)
+            sock = None
             try:
+                sock = socket.socket(family, kind, proto)
                 sock.settimeout(left)
                 if source_address:
                     sock.bind(source_address)
-                sock.connect(sockaddr)
+                sock.connect(sockaddr)  # the whole address: an IPv6 one keeps its scope
                 break
-            except OSError as e:
-                sock.close()
+            except OSError as e:  # refused, timed out, or a family this machine lacks: the next address
+                if sock is not None:
+                    sock.close()
                 error = e
         else:
             raise error

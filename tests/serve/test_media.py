@@ -178,6 +178,30 @@ def test_a_host_whose_every_address_drops_connections_is_held_to_the_decode_time
         assert ended[0] - start < 2  # each address given the whole timeout held it 3 s
 
 
+def test_an_address_of_a_family_the_machine_lacks_gives_way_to_the_next(checkpoint3, media, monkeypatch):
+    from fastapi.testclient import TestClient
+
+    resolve, make = socket.getaddrinfo, socket.socket
+
+    def v6_then_v4(host, port, *args, **kwargs):  # as a dual-stack host's, its IPv6 address first
+        if host != "dual.test":
+            return resolve(host, port, *args, **kwargs)
+        return resolve("::1", port, *args, **kwargs) + resolve("127.0.0.1", port, *args, **kwargs)
+
+    class NoIPv6(make):  # a kernel booted without IPv6
+        def __init__(self, family=socket.AF_INET, *args, **kwargs):
+            if family == socket.AF_INET6:
+                raise OSError(97, "Address family not supported by protocol")
+            super().__init__(family, *args, **kwargs)
+
+    with http_folder(media["a.png"].parent) as base, TestClient(app_of(
+            load_encoder(checkpoint3, device="cpu"), "--allowed-media-domains", "dual.test")) as client:
+        monkeypatch.setattr(socket, "getaddrinfo", v6_then_v4)
+        monkeypatch.setattr(socket, "socket", NoIPv6)
+        assert pooled(client, base.replace("127.0.0.1", "dual.test") + "/a.png") == \
+            pooled(client, data_url(media["a.png"]))
+
+
 def test_a_size_announced_over_the_decode_budget_is_refused_before_its_bytes(served):
     client, _ = served
 
