@@ -112,7 +112,7 @@ def _check(result: Any, what: str) -> EncodedItems:
     if modality not in MODALITIES:
         raise InputError(f"{what}: modality {modality!r} is not one of {MODALITIES}")
     merge = getattr(result, "merge_size", 2)
-    grids = list(check_grids(grid_thw, merge, what))
+    grids = check_grids(grid_thw, merge, what)
     n = len(embeddings)
     deepstack = [list(levels) for levels in (getattr(result, "deepstack", None) or [[]] * n)]
     infos = list(getattr(result, "video_info", None) or [None] * n)
