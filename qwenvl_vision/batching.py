@@ -33,7 +33,7 @@ from typing import Any
 import PIL.Image
 import torch
 
-from .errors import PreprocessError, QwenVLVisionError
+from .errors import PreprocessError
 from .inputs.images import PreprocessConfig, preprocess_image, probe_image
 from .inputs.item_ids import pixels_sha256
 from .inputs.pixels import FileBytes, input_name, is_file_input, open_header
@@ -69,10 +69,9 @@ def preflight(items: list[Any], options: EncodeOptions, pre: PreprocessConfig) -
     for i, item in enumerate(items):
         first, name = item, None
         if video and is_file_input(item):
-            total, rate, height, width = probe_video(item, input_name("video", i, item), options.max_input_pixels)
-            count = len(sample_indices(total, rate, options.video_config, pre.temporal_patch_size))
-            video_target_size(count, height, width, pre, options.video_config, min_pixels, max_pixels,
-                              input_name("video", i, item))
+            name = input_name("video", i, item)
+            video_file_plan(probe_video(item, name, options.max_input_pixels), pre, options.video_config, min_pixels,
+                            max_pixels, name)
             continue
         if video:
             frames = item if hasattr(item, "shape") else list(item)  # an array or tensor of frames, or a sequence
@@ -231,9 +230,9 @@ def decode(item: Any, index: int, options: EncodeOptions, pre: PreprocessConfig,
         return *preprocess_video(item, pre, video_config=options.video_config, **sizes), None
     try:  # a video file's header is read once: for its token count, its decode estimate, and the read's frame count
         header = probe_video(item, max_input_pixels=options.max_input_pixels)
+        plan = video_file_plan(header, pre, options.video_config, min_pixels, max_pixels)
     except Exception:  # noqa: BLE001 - preprocessing names the problem
-        header = None
-    plan = header and video_file_plan(header, pre, options.video_config, min_pixels, max_pixels)
+        header = plan = None
     if plan:  # a long video refused before its frames are decoded
         frames, height, width = plan
         tokens = -(-frames // pre.temporal_patch_size) * height * width // pre.factor ** 2
@@ -341,16 +340,13 @@ def over_bound(name: str, tokens: int, bound: int | None) -> str | None:
 
 
 def video_file_plan(header: tuple[int, float, int, int], pre: PreprocessConfig, video_config: VideoConfig,
-                    min_pixels: int | None, max_pixels: int | None) -> tuple[int, int, int] | None:
+                    min_pixels: int | None, max_pixels: int | None, name: str = "video") -> tuple[int, int, int]:
     """(frames sampled, height and width each is resized to) as preprocessing will read a video file of this header
-    (``probe_video``'s), or None where it will name a problem. Only an edit list hiding frames the header counts, or a
-    first frame of another size than the header's, makes the read differ."""
+    (``probe_video``'s), or the PreprocessError naming ``name`` that preprocessing will raise. Only an edit list hiding
+    frames the header counts, or a first frame of another size than the header's, makes the read differ."""
     total, rate, height, width = header
-    try:
-        frames = len(sample_indices(total, rate, video_config, pre.temporal_patch_size))
-        return frames, *video_target_size(frames, height, width, pre, video_config, min_pixels, max_pixels)
-    except QwenVLVisionError:
-        return None
+    frames = len(sample_indices(total, rate, video_config, pre.temporal_patch_size))
+    return frames, *video_target_size(frames, height, width, pre, video_config, min_pixels, max_pixels, name)
 
 
 def video_file_cost(header: tuple[int, float, int, int], plan: tuple[int, int, int], pre: PreprocessConfig) -> int:
