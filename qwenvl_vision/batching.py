@@ -37,7 +37,14 @@ from .errors import PreprocessError
 from .inputs.images import PreprocessConfig, preprocess_image, probe_image
 from .inputs.item_ids import pixels_sha256
 from .inputs.pixels import FileBytes, input_name, is_file_input, open_header
-from .inputs.video import VideoConfig, preprocess_video, preprocess_video_file, sample_indices, video_target_size
+from .inputs.video import (
+    VideoConfig,
+    checked_frames,
+    preprocess_video,
+    preprocess_video_file,
+    sample_indices,
+    video_target_size,
+)
 from .inputs.video_io import VideoInfo, is_video_file, probe_video
 from .options import EncodeOptions
 
@@ -74,10 +81,7 @@ def preflight(items: list[Any], options: EncodeOptions, pre: PreprocessConfig) -
                             max_pixels, name)
             continue
         if video:
-            frames = item if hasattr(item, "shape") else list(item)  # an array or tensor of frames, or a sequence
-            if len(frames) == 0:
-                raise PreprocessError(f"{input_name('video', i)}: no frames")
-            first = frames[0]
+            first = checked_frames(item, input_name("video", i))[0]
             name = input_name(f"{input_name('video', i)} frame", 0, first)  # as preprocess_video names it
         probe_image(first, pre, index=i, min_pixels=min_pixels, max_pixels=max_pixels,
                     max_input_pixels=options.max_input_pixels, name=name)

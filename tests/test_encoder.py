@@ -203,6 +203,14 @@ def test_video_sampled_by_fps_equals_the_sampled_frames(setup):
             encoder.encode_videos([clip], fps=fps, video_fps=video_fps)
 
 
+def test_a_video_that_is_not_frames_is_named(setup, photos):
+    encoder, *_ = setup
+    for video in (5, None, photos["small"]):
+        for options in ({}, {"fps": 2.0, "video_fps": 6.0}):
+            with pytest.raises(PreprocessError, match=r"^video 1: expected a sequence of frames"):
+                encoder.encode_videos([np.zeros((2, 64, 64, 3), np.uint8), video], **options)
+
+
 def test_one_path_where_a_sequence_of_inputs_belongs_is_named(setup, photos):
     """A str is a sequence of characters: given alone, each would be read as a file of one letter."""
     encoder, *_ = setup

@@ -233,9 +233,9 @@ def sample_frames_by_fps(videos: list[Any], fps: float, video_fps: Any, video_co
                          f"second")
     vcfg = dataclasses.replace(video_config, fps=fps)
     sampled = []
-    for video, rate in zip(videos, rates, strict=True):
+    for i, (video, rate) in enumerate(zip(videos, rates, strict=True)):
         if not is_file_input(video):
-            frames = video if hasattr(video, "shape") else list(video)
+            frames = checked_frames(video, input_name("video", i))
             keep = sample_indices(len(frames), rate, vcfg, temporal_patch_size)
             video = frames[keep] if hasattr(frames, "shape") else [frames[i] for i in keep]
         sampled.append(video)
@@ -287,6 +287,19 @@ def preprocess_video_file(path: str | os.PathLike, pre: PreprocessConfig, vcfg: 
     return *_pixel_rows(len(frames), frames.__getitem__, pre, "torch"), info
 
 
+def checked_frames(frames: Any, name: str) -> Any:
+    """A video in memory as its frames: the array or tensor itself, or a list; a PreprocessError naming ``name``
+    for anything else (a single image, a string) or no frames."""
+    if (not isinstance(frames, (Sequence, np.ndarray, torch.Tensor)) or isinstance(frames, (str, bytes))
+            or getattr(frames, "ndim", 4) != 4):
+        got = f"shape {tuple(frames.shape)}" if hasattr(frames, "shape") else type(frames).__name__
+        raise PreprocessError(f"{name}: expected a sequence of frames or a 4-D frame array (F, H, W, C) or "
+                              f"(F, C, H, W), got {got}")
+    if len(frames) == 0:
+        raise PreprocessError(f"{name}: no frames")
+    return frames if hasattr(frames, "shape") else list(frames)
+
+
 def preprocess_video(frames: Any, config: PreprocessConfig, *, min_pixels: int | None = None,
                      max_pixels: int | None = None, index: int | None = None,
                      max_input_pixels: int | None = None, resize: str | None = None,
@@ -303,14 +316,7 @@ def preprocess_video(frames: Any, config: PreprocessConfig, *, min_pixels: int |
     name = input_name("video", index)
     video = video_config is not None
     backend = check_resize_backend(resize or ("torch" if video else "pil"), "resize")
-    if (not isinstance(frames, (Sequence, np.ndarray, torch.Tensor)) or isinstance(frames, (str, bytes))
-            or getattr(frames, "ndim", 4) != 4):
-        got = f"shape {tuple(frames.shape)}" if hasattr(frames, "shape") else type(frames).__name__
-        raise PreprocessError(f"{name}: expected a sequence of frames or a 4-D frame array (F, H, W, C) or "
-                              f"(F, C, H, W), got {got}")
-    if len(frames) == 0:
-        raise PreprocessError(f"{name}: no frames")
-    frame_list = list(frames)
+    frame_list = list(checked_frames(frames, name))
 
     def rgb(i: int) -> PIL.Image.Image:
         """Frame ``i`` in RGB, converted as the chosen pipeline converts that input (module docstring)."""
