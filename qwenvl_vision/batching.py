@@ -75,6 +75,8 @@ def preflight(items: list[Any], options: EncodeOptions, pre: PreprocessConfig) -
     video, min_pixels, max_pixels = options.video, options.min_pixels, options.max_pixels
     for i, item in enumerate(items):
         first, name = item, None
+        if isinstance(item, FileBytes) and not item.fetched:  # fetched within the decode budget, checked there
+            continue
         if video and is_file_input(item):
             name = input_name("video", i, item)
             video_file_plan(probe_video(item, name, options.max_input_pixels), pre, options.video_config, min_pixels,

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from qwenvl_vision import FileBytes, PreprocessError, load_encoder
+from qwenvl_vision.options import DEFAULT_DECODE_BYTES
 from tests.helpers import make_image_folder, write_video
 
 
@@ -25,6 +26,18 @@ def test_images_in_memory_encode_bitwise_as_their_files(encoder, tmp_path, resiz
     got = encoder.encode_images(in_memory, max_pixels=64 * 64, resize=resize)
     assert all(torch.equal(a, b) for a, b in zip(got.embeddings, want.embeddings, strict=True))
     assert got.pixels_sha256 == want.pixels_sha256  # the same item ids in an encoder cache
+
+
+def test_objects_are_fetched_once_each_within_the_decode_budget(encoder, tmp_path):
+    paths = make_image_folder(tmp_path / "imgs", 3, bad=False)
+    fetches = []
+    objects = [FileBytes(f"s3://bucket/{p.name}", fetch=lambda limit, p=p: (fetches.append(limit), p.read_bytes())[1])
+               for p in paths]
+    got = encoder.encode_images(objects, max_pixels=64 * 64)
+    assert fetches == [DEFAULT_DECODE_BYTES] * 3  # each fetched once, not read whole before the budget admits it
+    assert not any(o.fetched for o in objects)
+    want = encoder.encode_images([str(p) for p in paths], max_pixels=64 * 64)
+    assert all(torch.equal(a, b) for a, b in zip(got.embeddings, want.embeddings, strict=True))
 
 
 def test_a_video_in_memory_encodes_bitwise_as_its_file(encoder, tmp_path):
