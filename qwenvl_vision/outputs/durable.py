@@ -63,9 +63,13 @@ def create_new(path: str | os.PathLike, mode: int = 0o644) -> BinaryIO:
 
 
 def append_synced(path: str | os.PathLike, data: bytes) -> None:
-    """Append ``data`` in one write, fsynced (a kill leaves at most a torn last line), never through a link (one at
-    the name would make us append to the file it points to)."""
-    with os.fdopen(open_no_follow(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "wb") as f:
+    """Append ``data`` in one write, fsynced (a kill leaves at most a torn last line, which the next append ends
+    first, so that the lines it brings are read whole), never through a link (one at the name would make us append
+    to the file it points to)."""
+    with os.fdopen(open_no_follow(path, os.O_RDWR | os.O_APPEND | os.O_CREAT), "r+b") as f:
+        end = os.fstat(f.fileno()).st_size
+        if end and os.pread(f.fileno(), 1, end - 1) != b"\n":
+            data = b"\n" + data
         f.write(data)
         f.flush()
         os.fsync(f.fileno())

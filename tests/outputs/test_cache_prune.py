@@ -88,6 +88,19 @@ def test_prune_removes_the_oldest_items_to_the_bound_accounts_for_them_and_resum
     assert len(dict(read_embeddings(out))) == len(records)
 
 
+def test_a_prune_after_one_killed_mid_append_still_accounts_for_what_it_removes(tmp_path, checkpoint):
+    make_image_folder(tmp_path / "imgs", 3, bad=False)
+    out = tmp_path / "cache"
+    assert embed_cache(tmp_path / "imgs", out, checkpoint) == 0
+    records = read_manifest_lines(out / "manifest.jsonl")
+    age_items(out, [r["id"] for r in records], time.time() - 3600)
+    (out / PRUNED).write_text('{"id": "0123", "by')  # a prune killed as it appended
+    bound = folder_bytes(out) - items(out)[records[0]["id"]].stat().st_size // 2
+    assert main(["cache", "prune", str(out), "--max-gb", str(bound / 1e9)]) == 0
+    with pytest.warns(UserWarning, match="1 item"):
+        assert sorted(dict(read_embeddings(out))) == sorted(r["path"] for r in records[1:])
+
+
 def test_prune_refuses_what_it_cannot_account_for(tmp_path, checkpoint, capsys):
     other = tmp_path / "other"
     (other / ("a" * 64)).mkdir(parents=True)
