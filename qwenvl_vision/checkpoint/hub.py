@@ -139,7 +139,8 @@ def _download(repo_id: str, filename: str, *, required: bool = True, revision: s
         if required:
             raise CheckpointError(f"{where} has no {filename}") from e
         return None
-    except (utils.HfHubHTTPError, ValueError) as e:  # a revision it lacks, an invalid id or file name, a 5xx
+    except Exception as e:  # noqa: BLE001 - a revision it lacks, an invalid id or file name, a 5xx, a connection
+        # the client's retries could not keep (its HTTP library's own errors)
         raise CheckpointError(f"cannot get {filename} of {where}: {e}") from e
 
 

@@ -266,6 +266,15 @@ def test_repo_without_config_or_vision_tensors(hub, tmp_path):
         load_encoder("org/no-config", device="cpu")
 
 
+def test_a_download_dropped_past_the_client_s_retries_is_one_line_naming_the_file(hub, qwen25_repo, capsys):
+    folder, _, _ = qwen25_repo
+    shard = sorted(p.name for p in folder.glob("*.safetensors"))[0]
+    hub.cut.add(shard)
+    assert main(["inspect", "org/qwen25-tiny"]) == 2  # a CheckpointError's, not a bug's
+    [line] = capsys.readouterr().err.splitlines()
+    assert f"error: cannot get {shard} of repo 'org/qwen25-tiny'" in line and "peer closed connection" in line
+
+
 def test_hub_refuses_a_shard_name_outside_the_repo_before_downloading(hub, tmp_path):
     """An index naming a shard outside the repo is refused once the index is read: no shard is asked for."""
     folder = tmp_path / "repo"

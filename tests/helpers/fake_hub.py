@@ -29,6 +29,7 @@ class FakeHub:
     def __init__(self) -> None:
         self.repos: dict[str, dict[str, Revision]] = {}
         self.requests: list[tuple[str, str]] = []  # (method, decoded path)
+        self.cut: set[str] = set()  # files whose body stops half way, the connection dropped
         self.lock = threading.Lock()
         self.server: ThreadingHTTPServer | None = None
         self.endpoint = ""
@@ -82,14 +83,15 @@ def _handler(hub: FakeHub):
         def do_GET(self) -> None:
             self._serve(body=True)
 
-        def _reply(self, status: int, headers: dict[str, str], data: bytes = b"", body: bool = True) -> None:
+        def _reply(self, status: int, headers: dict[str, str], data: bytes = b"", body: bool = True,
+                   cut: bool = False) -> None:
             self.send_response(status)
             for name, value in headers.items():
                 self.send_header(name, value)
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             if body and data:
-                self.wfile.write(data)
+                self.wfile.write(data[:len(data) // 2] if cut else data)  # one request a connection: it closes
 
         def _error(self, status: int, code: str, message: str, commit: str | None = None, body: bool = True) -> None:
             headers = {"X-Error-Code": code, "X-Error-Message": message, "Content-Type": "application/json"}
@@ -126,7 +128,7 @@ def _handler(hub: FakeHub):
                 start = int(requested[len("bytes="):-1])
                 status = 206
                 headers["Content-Range"] = f"bytes {start}-{len(data) - 1}/{len(data)}"
-            self._reply(status, headers, data[start:], body)
+            self._reply(status, headers, data[start:], body, filename in hub.cut)
 
     return Handler
 
