@@ -201,9 +201,11 @@ def load_rgb(image: Any, name: str, *, check_aspect: bool = False, max_input_pix
 
     A file: ``open_header`` (its checks, ``max_input_pixels`` and ``on_header``), then ``image_utils.load_image`` and
     ``convert_to_rgb``; the torchvision processor's decode (``decode_image(mode=RGB)``, EXIF applied) keeps no
-    transparency at all, so a single tRNS colour is not turned white there. A PIL image or an array passed in is
-    already in memory. ``backend``: whose RGB conversion, the PIL or the torchvision image processor's (they differ
-    for files and 4-channel arrays).
+    transparency at all, so a single tRNS colour is not turned white there, and a GIF's transparent index shows its
+    background colour. One deviation: torchvision's WebP decoder ignores EXIF orientation, which transformers asks
+    for (and torchcodec, its preferred decoder, applies); a WebP is turned upright here. A PIL image or an array
+    passed in is already in memory. ``backend``: whose RGB conversion, the PIL or the torchvision image processor's
+    (they differ for files and 4-channel arrays).
     """
     composite = backend == "pil"
     if isinstance(image, PIL.Image.Image):
@@ -224,9 +226,10 @@ def load_rgb(image: Any, name: str, *, check_aspect: bool = False, max_input_pix
         PIL.ImageOps.exif_transpose(opened, in_place=True)
         if opened.mode == "RGB" and getattr(opened, "fp", None) is None:
             rgb = opened
-        elif composite and opened.mode == "P" and isinstance(opened.info.get("transparency"), int):
+        elif opened.mode == "P" and isinstance(opened.info.get("transparency"), int) and (
+                composite or opened.format == "GIF"):
             with opened:
-                return _palette_onto_white(opened)
+                return _palette_onto_white(opened) if composite else _gif_transparency_as_background(opened)
         else:  # another mode, or a multi-frame file Pillow keeps open: convert, then close the file
             with opened:
                 rgb = opened.convert("RGB")
@@ -331,6 +334,18 @@ def _palette_onto_white(image: PIL.Image.Image) -> PIL.Image.Image:
         if palette[i:i + 3] == transparent:
             palette[i:i + 3] = [255, 255, 255]
     image.putpalette(palette, "RGB")
+    return image.convert("RGB")
+
+
+def _gif_transparency_as_background(image: PIL.Image.Image) -> PIL.Image.Image:
+    """A GIF's first frame as torchvision's ``decode_gif`` paints it: the transparent index in the background's
+    colour (the screen that shows through it), not in its own palette colour, which ``convert("RGB")`` would give."""
+    image.load()
+    palette = image.getpalette("RGB")
+    index, background = image.info["transparency"], image.info.get("background", 0)
+    if 3 * max(index, background) + 3 <= len(palette):
+        palette[3 * index:3 * index + 3] = palette[3 * background:3 * background + 3]
+        image.putpalette(palette, "RGB")
     return image.convert("RGB")
 
 

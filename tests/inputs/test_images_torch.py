@@ -33,6 +33,8 @@ def _images(tmp_path) -> dict:
     rgba = Image.open(sample_photo("Minduka_Present_Blue_Pack.png"))
     rgba.load()
     hopper.save(tmp_path / "hopper.png")
+    hopper.resize((160, 120)).convert("P", palette=Image.ADAPTIVE, colors=32).save(tmp_path / "trns.gif",
+                                                                                  transparency=5, background=9)
     rgba.save(tmp_path / "rgba.png")
     alpha = np.dstack([np.asarray(hopper.resize((120, 90))), np.linspace(0, 255, 120 * 90).astype(np.uint8)
                        .reshape(90, 120)])
@@ -40,6 +42,7 @@ def _images(tmp_path) -> dict:
         "photo (jpeg path)": sample_photo("grace_hopper.jpg"),
         "png path": str(tmp_path / "hopper.png"),
         "rgba png path": str(tmp_path / "rgba.png"),
+        "gif path, a transparent index": str(tmp_path / "trns.gif"),
         "rgba": rgba,
         "logo rgba": Image.open(sample_photo("logo2.png")).convert("RGBA"),
         "grayscale": hopper.convert("L").resize((333, 211)),
