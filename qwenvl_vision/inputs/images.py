@@ -55,7 +55,7 @@ import numpy as np
 import PIL.Image
 import torch
 
-from ..errors import ConfigError, PreprocessError
+from ..errors import ConfigError
 from ..model.config import CLIP_MEAN as OPENAI_CLIP_MEAN
 from ..model.config import CLIP_STD as OPENAI_CLIP_STD
 from ..model.config import Family, family_named
@@ -205,13 +205,9 @@ def image_target_size(height: int, width: int, config: PreprocessConfig, min_pix
     """smart_resize with the config's bounds (or the overrides), errors naming the input."""
     min_pixels = config.min_pixels if min_pixels is None else min_pixels
     max_pixels = config.max_pixels if max_pixels is None else max_pixels
-    check_aspect_ratio(height, width, name)  # smart_resize's own checks, naming the input
-    target = smart_resize(height, width, config.factor, min_pixels, max_pixels, num_frames, temporal_factor)
-    if min(target) <= 0:
-        # Only reachable with min_pixels < factor**2 (round() gave 0 and no upscale happened); the
-        # reference would fail inside PIL.
-        raise PreprocessError(f"{name}: resizes to {target} with min_pixels={min_pixels}; raise min_pixels")
-    return target
+    check_aspect_ratio(height, width, name)  # smart_resize's own check, naming the input
+    # A side that rounds to 0 leaves an area below min_pixels (at least 1): scaled up to one factor at least.
+    return smart_resize(height, width, config.factor, min_pixels, max_pixels, num_frames, temporal_factor)
 
 
 def preprocess_image(image: Any, config: PreprocessConfig, *, min_pixels: int | None = None,

@@ -66,18 +66,13 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     """Target (height, width): multiples of ``factor``, area within [min_pixels, max_pixels], aspect kept.
 
     Copied from transformers ``qwen2_vl.image_processing_pil_qwen2_vl.smart_resize`` (Python ``round``
-    rounds half to even, so 70/28 = 2.5 gives 56). Raises PreprocessError (not a bare ValueError) for an
-    aspect ratio above 200 and, unlike the reference, for a non-positive side. With ``num_frames``, a clip's:
+    rounds half to even, so 70/28 = 2.5 gives 56), without its aspect-ratio check: the caller runs
+    ``check_aspect_ratio`` first, naming the input. With ``num_frames``, a clip's:
     ``qwen3_vl.video_processing_qwen3_vl.smart_resize``, whose bounds apply to frames x height x width (``t_bar``
     rounds the count to a multiple of ``temporal_factor``, ``beta`` uses the count itself); its scaling up of a
     side below ``factor`` is the caller's, and the caller passes at least ``temporal_factor`` frames (it raises
     below that).
     """
-    if height <= 0 or width <= 0:
-        raise PreprocessError(f"image size must be positive, got height {height}, width {width}")
-    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
-        raise PreprocessError(f"absolute aspect ratio must be smaller than {MAX_ASPECT_RATIO}, "
-                              f"got {max(height, width) / min(height, width)}")
     h_bar = round(height / factor) * factor
     w_bar = round(width / factor) * factor
     t_bar = round(num_frames / temporal_factor) * temporal_factor
