@@ -31,6 +31,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from safetensors.torch import save
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from ..encoder import first_line
 from ..errors import EncoderClosedError, QwenVLVisionError
@@ -53,7 +54,7 @@ class ServeSettings:
     shared: Path | None  # --ec-shared-storage: the encoder role's folder
     policy: MediaPolicy
     max_body: int
-    max_bodies: int  # request bodies held at once (BodyBudget)
+    max_bodies: int  # request bodies and their media held at once (BodyBudget)
     max_items: int
     max_queue: int
     options: dict[str, Any]  # iter_encode's limits and pixel bounds
@@ -94,20 +95,24 @@ JSON_VALUE_BYTES = 64  # what a small parsed value (an empty list or dict, a sho
 
 @dataclass
 class BodyBudget:
-    """The request bodies the app holds at once, in bytes. Each is held, parsed and its media decoded until its
-    answer, so without it a burst of large bodies within uvicorn's connection limit could take the server's memory.
-    Touched on the event loop only."""
+    """The request bodies and the media read for them (URLs', files') the app holds at once, in bytes. Each is held,
+    parsed and its media decoded until its answer, so without it a burst of large bodies or media within uvicorn's
+    connection limit could take the server's memory. Touched on the event loop only."""
 
     limit: int
     held: int = 0
 
     def charge(self, request: Request, size: int) -> None:
-        """``size`` more bytes held for ``request``; over the limit, 503 with Retry-After."""
+        """``size`` more bytes held for ``request``; over the limit, 503 with Retry-After (413 if it alone is)."""
+        mine = getattr(request.state, "body_bytes", 0) + size
+        if mine > self.limit:  # a request that could never be held: a retry would be refused again
+            raise RequestError(f"the request's body and media take more than --max-bodies-mib ({self.limit >> 20} "
+                               f"MiB)", 413)
         if self.held + size > self.limit:
-            raise RequestError(f"the server holds {self.held / 2**20:.1f} MiB of request bodies (--max-bodies-mib "
-                               f"{self.limit >> 20}); try again shortly", 503, {"Retry-After": "1"})
+            raise RequestError(f"the server holds {self.held / 2**20:.1f} MiB of request bodies and their media "
+                               f"(--max-bodies-mib {self.limit >> 20}); try again shortly", 503, {"Retry-After": "1"})
         self.held += size
-        request.state.body_bytes = getattr(request.state, "body_bytes", 0) + size
+        request.state.body_bytes = mine
 
     def release(self, request: Request) -> None:
         """What ``request`` held, given back once it is answered."""
@@ -122,12 +127,15 @@ async def read_json(request: Request, limit: int, budget: BodyBudget) -> Any:
     if int(request.headers.get("content-length") or 0) > limit:
         raise over
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise over
-        budget.charge(request, len(chunk))
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise over
+            budget.charge(request, len(chunk))
+            chunks.append(chunk)
+    except ClientDisconnect:  # the client's doing, not the server's fault: its answer goes unread
+        raise RequestError("the client hung up before the request body ended") from None
     body = b"".join(chunks)
     # Parsed, each JSON value is a Python object of ~64 bytes where the body may spend two ("[],"): charged so, a
     # body of many small values cannot take twenty times its size.
@@ -185,7 +193,7 @@ def build_app(encoder: Any, settings: ServeSettings) -> FastAPI:
             status = response.status_code
             return response
         finally:
-            bodies.release(request)  # its answer is made: the body and what was parsed from it are dropped
+            bodies.release(request)  # its answer is made: the body, what was parsed from it and its media are dropped
             route = getattr(request.scope.get("route"), "path", "other")  # the matched route; unknown paths: one label
             requests.labels(route, str(status)).inc()
             latency.labels(route).observe(time.perf_counter() - start)
@@ -197,10 +205,10 @@ def build_app(encoder: Any, settings: ServeSettings) -> FastAPI:
             raise RequestError(f"messages: {len(found)} images and videos, more than --max-items {settings.max_items}")
         return body, found
 
-    async def encoded(found: list[Item], normalize: bool = False) -> list[ItemResult]:
+    async def encoded(request: Request, found: list[Item], normalize: bool = False) -> list[ItemResult]:
         """The items' results, or the first failure as one line naming its item."""
         with batcher.reserve(len(found)):  # a request the queue has no room for reads none of its media
-            reads = [asyncio.ensure_future(loaded(item)) for item in found]
+            reads = [asyncio.ensure_future(loaded(request, item)) for item in found]
             try:
                 await asyncio.gather(*reads)
             finally:  # one item failed: its siblings' reads not yet started leave the media threads' queue
@@ -213,22 +221,25 @@ def build_app(encoder: Any, settings: ServeSettings) -> FastAPI:
                 raise result.error_class(result.error)
         return results
 
-    async def loaded(item: Item) -> None:
-        """The item's bytes read (a URL's, a file's) in the media threads, the request answered when they take longer
-        than the decode timeout: the encoder's thread never waits on a network or a file. A read past the timeout goes
-        on in its thread until fetch's own deadline (or a file's end) stops it; one still queued is dropped, and its
-        request answered 503: the server was busy, the item may be fine."""
+    async def loaded(request: Request, item: Item) -> None:
+        """The item's bytes read (a URL's, a file's) in the media threads and charged to the request's bodies: the
+        encoder's thread never waits on a network or a file. A read is bounded by fetch's own deadline (a file by its
+        end); one still waiting for a thread after the decode timeout is dropped, and its request answered 503: the
+        server was busy, the item may be fine."""
         if item.file.fetched:
             return
         timeout = settings.policy.timeout_s
         read = media_threads.submit(item.file.read, settings.options["decode_bytes"])
+        reading = asyncio.wrap_future(read)
         try:
-            await asyncio.wait_for(asyncio.wrap_future(read), timeout)
-        except asyncio.TimeoutError:  # not the builtin before Python 3.11
+            await asyncio.wait([reading], timeout=timeout)  # unlike wait_for, it leaves a read under way going
             if read.cancel():  # it never started, and now never will
                 raise RequestError(f"{item.label}: not read: every media thread was busy for the decode timeout "
-                                   f"({timeout:g} s); try again shortly", 503, {"Retry-After": "1"}) from None
-            raise RequestError(f"{item.label}: not read within the decode timeout ({timeout:g} s)") from None
+                                   f"({timeout:g} s); try again shortly", 503, {"Retry-After": "1"})
+            data = await reading
+        finally:  # this request answered without it (a sibling failed): a read still queued never runs
+            reading.cancel()
+        bodies.charge(request, len(data))
 
     @app.get("/health")
     async def health() -> dict:
@@ -286,7 +297,7 @@ def build_app(encoder: Any, settings: ServeSettings) -> FastAPI:
         entries = await asyncio.to_thread(present, found)
         todo = list({item.uuid: item for item in found if item.uuid not in entries}.values())  # each uuid once
         if todo:
-            entries.update(await asyncio.to_thread(write, todo, await encoded(todo)))
+            entries.update(await asyncio.to_thread(write, todo, await encoded(request, todo)))
         transfer: dict[str, dict] = {}
         for i, item in enumerate(found):
             transfer.setdefault(item.uuid, {"modality": item.modality, "metadata": placeholder_fields(
@@ -305,7 +316,7 @@ def build_app(encoder: Any, settings: ServeSettings) -> FastAPI:
         form, normalize = body.get("encoding_format") or "float", body.get("normalize", False)
         if form not in ("float", "base64") or not isinstance(normalize, bool):
             raise RequestError(f"encoding_format {form!r} / normalize {normalize!r}: float or base64 / a boolean")
-        results = await encoded(found, normalize)
+        results = await encoded(request, found, normalize)
         if body.get("return_tokens"):
             tensors = {}
             for i, r in enumerate(results):

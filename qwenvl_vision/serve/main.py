@@ -23,7 +23,7 @@ def add_serve_parser(sub, parents=()) -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="serve the encoder over HTTP: vLLM's encoder role (disaggregated encoding) and "
                        "an embeddings endpoint", parents=[*parents, model_options()])
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
-    p.add_argument("--port", type=positive_option(int, "--port"), default=8000, help="port (default %(default)s)")
+    p.add_argument("--port", type=port_option, default=8000, help="port (default %(default)s)")
     p.add_argument("--served-model-name", help="the model name the API answers with (default: --model as given)")
     p.add_argument("--ec-shared-storage", metavar="PATH",
                    help="the encoder role: /v1/chat/completions writes each item to PATH/<uuid>/"
@@ -38,8 +38,8 @@ def add_serve_parser(sub, parents=()) -> argparse.ArgumentParser:
     p.add_argument("--max-body-mib", type=positive_option(int, "--max-body-mib"), default=64,
                    help="largest request body, in MiB (default %(default)s)")
     p.add_argument("--max-bodies-mib", type=positive_option(int, "--max-bodies-mib"), default=512,
-                   help="request bodies held at once, in MiB (each until its answer); beyond it a request is answered "
-                        "503 with Retry-After (default %(default)s)")
+                   help="request bodies and the media read for them held at once, in MiB (each until its answer); "
+                        "beyond it a request is answered 503 with Retry-After (default %(default)s)")
     p.add_argument("--max-items", type=positive_option(int, "--max-items"), default=64,
                    help="most images and videos in one request (default %(default)s)")
     p.add_argument("--max-queue", type=positive_option(int, "--max-queue"), default=256,
@@ -51,6 +51,13 @@ def add_serve_parser(sub, parents=()) -> argparse.ArgumentParser:
     # vLLM runs transformers' torchvision image processor whatever the checkpoint's file names: its pixels.
     p.set_defaults(func=run_serve, validate=validate_serve_args, resize="torch")
     return p
+
+
+def port_option(text: str) -> int:
+    port = positive_option(int, "--port")(text)
+    if port > 65535:  # bind would raise OverflowError, which no setup error catches
+        raise argparse.ArgumentTypeError(f"--port must be at most 65535, got {text}")
+    return port
 
 
 def validate_serve_args(args: argparse.Namespace) -> None:

@@ -154,9 +154,9 @@ def check_remote(url: str, label: str, policy: MediaPolicy, error: type[Exceptio
 
 
 def read_local(path: Path, label: str, limit: int) -> bytes:
-    if not path.is_file():  # a folder, or a FIFO, which would hold the reading thread for good
-        raise RequestError(f"{label}: {path} is not a regular file")
-    try:
+    try:  # is_file within: it raises for a name too long, or a folder the server may not search
+        if not path.is_file():  # a folder, or a FIFO, which would hold the reading thread for good
+            raise RequestError(f"{label}: {path} is not a regular file")
         with open(path, "rb") as f:
             return within(f.read(limit + 1), label, limit)
     except OSError as e:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import io
 import os
 import threading
 import uuid
@@ -16,7 +17,7 @@ from safetensors.torch import load, load_file
 from qwenvl_vision import load_encoder
 from qwenvl_vision.errors import ForwardFaultError, InputError, NumericalError, PreprocessError
 from qwenvl_vision.outputs.vllm_cache import write_item
-from tests.helpers.serve import KEY, START_S, app_of, chat, data_url, error_of, part, until
+from tests.helpers.serve import KEY, START_S, app_of, chat, data_url, error_of, media_server, part, until
 
 
 def files_under(root) -> set[str]:
@@ -307,3 +308,35 @@ def test_the_app_s_end_closes_the_encoder_leaving_no_tensor(checkpoint3, media):
     with TestClient(app_of(encoder)) as client:
         assert client.post("/v1/embeddings", json=chat(part(data_url(media["a.png"])))).status_code == 200
     assert encoder.closed and live_tensor_bytes() == before  # 0 bytes left, as the teardown benchmark reads it
+
+
+def test_media_read_count_against_max_bodies_mib_until_their_answer(held):
+    from PIL import Image
+
+    client, encoder = held
+    noise = np.random.default_rng(0).integers(0, 255, (400, 500, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(noise).save(buffer, "PNG")  # ~600 KB: one fits --max-bodies-mib 1 (conftest), two do not
+    image = buffer.getvalue()
+
+    def answer(handler):
+        handler.send_response(200)
+        handler.send_header("Content-Length", str(len(image)))
+        handler.end_headers()
+        handler.wfile.write(image)
+
+    with media_server(answer) as base:
+        request = chat(part(f"{base}/noise.png"))
+        first = post_in_thread(client, "/v1/embeddings", request)
+        assert encoder.entered.wait(START_S)  # its image read, held until its answer
+        second = post_in_thread(client, "/v1/embeddings", request)
+        until(lambda: second[1] or "qwenvl_vision_queue_items 1.0" in client.get("/metrics").text,
+              "the second request answered or queued")
+        encoder.go.set()
+        for thread, _ in (first, second):
+            thread.join()
+        assert first[1][0].status_code == 200
+        error_of(second[1][0], 503, "--max-bodies-mib")  # the server's load: a retry may be served
+        assert int(second[1][0].headers["retry-after"]) >= 1
+        error_of(client.post("/v1/embeddings", json=chat(part(f"{base}/a.png"), part(f"{base}/b.png"))), 413,
+                 "--max-bodies-mib")  # more than the server ever holds: no retry would be served

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from qwenvl_vision.cli import main
 from qwenvl_vision.outputs.vllm_cache import CACHE_FILE, CACHE_KEY, write_vllm_cache
 from tests.helpers import ENV
-from tests.helpers.serve import START_S, chat, data_url, held_answer, media_server, part, serving
+from tests.helpers.serve import START_S, chat, data_url, held_answer, media_server, part, serving, until
 
 
 def items_encoded(client: httpx.Client) -> float:
@@ -101,6 +101,23 @@ def test_a_port_in_use_is_a_setup_error_naming_it(capsys, checkpoint3):
         port = str(taken.getsockname()[1])
         assert main(["serve", "--model", str(checkpoint3), "--device", "cpu", "--port", port]) == 2
     assert f"127.0.0.1:{port}" in capsys.readouterr().err
+
+
+def test_a_port_out_of_range_is_a_usage_error_naming_it(capsys):
+    assert main(["serve", "--model", "m", "--port", "70000"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "--port" in err and "70000" in err
+
+
+def test_a_client_hanging_up_mid_body_is_the_request_s_400_not_a_server_error(checkpoint3):
+    with serving(["--model", checkpoint3, "--device", "cpu"]) as url:
+        with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1]))) as client:
+            client.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: 100000\r\n\r\n{\"messages\": [")
+        answered = 'qwenvl_vision_requests_total{route="/v1/embeddings",status='
+        until(lambda: answered in httpx.get(f"{url}/metrics").text, "the request counted")
+        assert f'{answered}"400"}} 1.0' in httpx.get(f"{url}/metrics").text
+        assert "Traceback" not in url.log()
 
 
 def test_requests_beyond_twice_max_queue_at_once_are_answered_503(checkpoint3, media):

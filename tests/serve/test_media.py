@@ -259,6 +259,13 @@ def test_local_media_is_a_regular_file_named_without_nul(served):
              "messages[0].content[1]", "NUL")
 
 
+def test_a_local_name_the_system_refuses_is_the_item_s_error(served):
+    client, root = served
+    name = "a" * 300 + ".png"  # over the file system's name length
+    error_of(client.post("/v1/embeddings", json=chat(part(f"file://{root / 'local'}/{name}"))), 400,
+             "messages[0].content[1]", "cannot read")
+
+
 def test_allowed_media_domains_match_whatever_their_case(checkpoint3, media):
     from fastapi.testclient import TestClient
 
@@ -305,6 +312,48 @@ def test_a_read_still_waiting_for_a_media_thread_at_the_timeout_is_the_server_s_
         finally:
             release.set()
             thread.join()
-        error_of(slow[0], 400, "messages[0].content[1]", "decode timeout")  # the slow read's own request
+        assert slow[0].status_code == 200  # a read under way is the item's own: a file's ends with the file
         assert reads == ["slow.png"]  # the refused request's read was dropped, never run after its answer
         assert pooled(client, f"{local}/a.png") == pooled(client, data_url(media["a.png"]))
+
+
+def test_time_an_item_waited_for_a_media_thread_is_not_counted_against_its_read(tmp_path, checkpoint3, media,
+                                                                                 monkeypatch):
+    from fastapi.testclient import TestClient
+
+    from qwenvl_vision.serve import app as app_module
+    from qwenvl_vision.serve import media as media_module
+
+    timeout = 3
+    (tmp_path / "local").mkdir()
+    for name in ("held.png", "a.png"):
+        (tmp_path / "local" / name).write_bytes(media["a.png"].read_bytes())
+    monkeypatch.setattr(app_module, "MEDIA_THREADS", 1)
+    reading, release, read_local = threading.Event(), threading.Event(), media_module.read_local
+
+    def slow_disk(path, label, limit):
+        if path.name == "held.png":  # the one media thread held until the test lets it go
+            reading.set()
+            release.wait(START_S)
+        else:  # its own read within the timeout; with the third it waited for the thread, past it
+            time.sleep(timeout * 5 / 6)
+        return read_local(path, label, limit)
+
+    monkeypatch.setattr(media_module, "read_local", slow_disk)
+    app = app_of(load_encoder(checkpoint3, device="cpu"), "--allowed-local-media-path", tmp_path / "local",
+                 "--decode-timeout", timeout)
+    answers: dict = {}
+    with TestClient(app) as client:
+        threads = [threading.Thread(target=lambda name=name: answers.setdefault(name, client.post(
+            "/v1/embeddings", json=chat(part(f"file://{tmp_path}/local/{name}"))))) for name in ("held.png", "a.png")]
+        threads[0].start()
+        try:
+            assert reading.wait(START_S)
+            threads[1].start()
+            until(lambda: "qwenvl_vision_queue_items 2.0" in client.get("/metrics").text, "the second item queued")
+            time.sleep(timeout / 3)  # waiting for the one media thread
+        finally:
+            release.set()
+            for thread in threads:
+                thread.join()
+    assert [answers[name].status_code for name in ("held.png", "a.png")] == [200, 200], answers["a.png"].text
