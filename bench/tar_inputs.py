@@ -5,9 +5,10 @@ side by side in one process.
     python -m bench.tar_inputs --images 96 --max-pixels 200704
 
 Both sides use one loaded encoder and ``embed``'s own input pieces: ``gather_inputs`` over the folder or the shard,
-then ``iter_encode`` over ``shards.items_of`` (a path per file, or a member's bytes read from the shard in turn), the
-outputs checked bitwise equal. Rounds alternate (folder, shard, shard, folder, ...) so that a machine's drift moves
-both; the medians and their ratio are printed. The files are JPEGs of the package's test photos at several sizes.
+then ``iter_encode`` over ``shards.items_of`` (a path per file, or a member's bytes read from its shard when
+decoded), the outputs checked bitwise equal. Rounds alternate (folder, shard, shard, folder, ...) so that a
+machine's drift moves both; the medians and their ratio are printed. The files are JPEGs of the package's test
+photos at several sizes.
 """
 
 from __future__ import annotations

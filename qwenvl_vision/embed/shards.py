@@ -2,8 +2,8 @@
 ``shards-{000000..000099}.tar``, as webdataset writes and reads them) whose image and video members are inputs.
 
 A shard is read as a stream, never extracted: its member headers are listed once (an uncompressed tar holds each
-member's bytes at one offset), and each member's bytes are read when its turn comes and handed to the decoder in
-memory (``FileBytes``). Members group into samples by key, the member name up to the first dot of its last path
+member's bytes at one offset), and each member's bytes are read when it is decoded, at most the decode budget's
+(``FileBytes``). Members group into samples by key, the member name up to the first dot of its last path
 part, as webdataset groups them (``000123.jpg``, ``000123.json``, ``000123.txt``). Every image or video member
 (by extension) is one input, named ``{shard}/{member}`` in the manifest and the Parquet rows (its identity for
 resume: the shard's real path, size and modification time, joined with the member); it carries its sample's key as
@@ -12,8 +12,8 @@ the column ``__key__``, and ``--keep-columns txt,json`` carries the sample's mem
 Members are as tar defines them: the last member of a name is the one (``tar -r`` / ``-u`` append a newer one), and a
 hard link (``tar cf``'s second name of one file) reads its target's bytes. Refused, as one failed input each, never
 read: a member whose name leaves the shard (absolute, ``..``, empty parts), a symbolic link member, a sparse member, a
-member whose data the shard's end cuts short, a shard that is not a tar, a missing shard, and a damaged shard wherever
-it is damaged (the members listed before the damage stay inputs).
+member whose data the shard's end cuts short, a member larger than the decode budget, a shard that is not a tar, a
+missing shard, and a damaged shard wherever it is damaged (the members listed before the damage stay inputs).
 """
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ import tarfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from ..errors import PreprocessError
 from ..inputs.pixels import FileBytes, is_url
+from .remote import over_budget, remote_file
 
 TAR_SUFFIX = ".tar"
 KEY_COLUMN = "__key__"  # webdataset's name for a sample's key
@@ -76,7 +78,7 @@ def list_shard(shard: str, is_media: Callable[[str], bool], keep: tuple[str, ...
                     texts.setdefault(key, {})[ext] = text
     except FileNotFoundError:
         return [(shard, f"shard {shard}: file not found", None, None, None)]
-    except (OSError, tarfile.TarError) as e:
+    except (OSError, tarfile.TarError, ValueError) as e:  # ValueError: a malformed first header (see _headers)
         return [(shard, f"shard {shard} cannot be read as a tar file ({getattr(e, 'strerror', None) or e})", None,
                  None, None)]
     # A member's identity: the shard's real path and the name inside it, never normalised (a refused ``../x.jpg``
@@ -97,7 +99,7 @@ def _headers(tar: tarfile.TarFile, raw, end: int) -> tuple[list[tarfile.TarInfo]
     try:
         while (info := tar.next()) is not None:
             infos.append(info)
-    except tarfile.TarError as e:
+    except (tarfile.TarError, ValueError) as e:  # tarfile's int() of a malformed pax field raises ValueError
         return infos, f"{e} at byte {min(tar.offset, end)}"
     raw.seek(tar.offset)
     block = raw.read(2 * tarfile.BLOCKSIZE)
@@ -132,48 +134,35 @@ def _bytes_of(info: tarfile.TarInfo, held: dict[str, tuple], end: int) -> tuple[
     return info, None
 
 
-class MemberReader:
-    """Reads members' bytes in input order, keeping the current shard open (members of one shard come together)."""
-
-    def __init__(self) -> None:
-        self.path: str | None = None
-        self.file = None
-
-    def read(self, path: str, member: Member) -> FileBytes | str:
-        """The member's bytes; where the shard cannot be read any more (moved or cut since it was listed), the
-        name itself, which the decoder then reports as a file not found, one failed input."""
+def member_file(path: str, member: Member) -> FileBytes:
+    """The member's bytes, read when decoded and at most the read's limit (the decode budget): a larger member is
+    one failed input, and so is one whose shard cannot be read any more (moved or cut since it was listed)."""
+    def fetch(limit: int | None) -> bytes:
+        if limit is not None and member.size > limit:
+            raise over_budget(path, limit, member.size)
         try:
-            if member.shard != self.path:
-                self.close()
-                self.file, self.path = open(member.shard, "rb"), member.shard  # noqa: SIM115 - kept across calls
-            self.file.seek(member.offset)
-            data = self.file.read(member.size)
-        except OSError:
-            return path
-        return FileBytes(path, data) if len(data) == member.size else path
+            with open(member.shard, "rb") as f:  # a file of its own: decode threads share no seek position
+                f.seek(member.offset)
+                data = f.read(member.size)
+        except OSError as e:
+            raise PreprocessError(f"{path}: its shard cannot be read ({e.strerror or e})") from None
+        if len(data) < member.size:
+            raise PreprocessError(f"{path}: its shard ends before the member's data (cut since it was listed)")
+        return data
 
-    def close(self) -> None:
-        if self.file is not None:
-            self.file.close()
-        self.file = self.path = None
+    return FileBytes(path, fetch=fetch)
 
 
 def items_of(paths: list[str], members: dict[str, Member], remote: set[str] | frozenset = frozenset(),
              keys: dict[str, str] | None = None) -> Iterator[object]:
     """What the encoder takes for each input, lazily and in order: a path, a member's bytes, or an object's bytes
     to be fetched by its decoder (``remote``: the object its identity in ``keys`` names)."""
-    from .remote import remote_file
-
-    reader = MemberReader()
-    try:
-        for path in paths:
-            member = members.get(path)
-            if path in remote:
-                yield remote_file(path, (keys or {}).get(path))
-            else:
-                yield path if member is None else reader.read(path, member)
-    finally:
-        reader.close()
+    for path in paths:
+        member = members.get(path)
+        if path in remote:
+            yield remote_file(path, (keys or {}).get(path))
+        else:
+            yield path if member is None else member_file(path, member)
 
 
 def member_of(path: str) -> tuple[str, str] | None:
@@ -187,24 +176,22 @@ def member_of(path: str) -> tuple[str, str] | None:
 class ItemOpener:
     """Paths as the encoder takes them where only the path travels (a Ray actor): a URL's bytes fetched when
     decoded (with its identity as the run listed it, ``remote.identity``: that object's), a shard member's bytes
-    read by its shard's index (listed once per shard), else the path itself."""
+    read by its shard's index (listed when its shard comes, one shard's held at a time), else the path itself."""
 
     def __init__(self) -> None:
-        self.indexes: dict[str, dict[str, Member]] = {}
-        self.reader = MemberReader()  # kept open: an actor's members of one shard come together too
+        self.shard: str | None = None
+        self.index: dict[str, Member] = {}  # the shard in hand's only: an actor's members of one shard come together
 
     def __call__(self, path: str, identity: str | None = None) -> object:
-        from .remote import remote_file
-
         if is_url(path):
             return remote_file(path, identity)
         inside = member_of(path)
         if inside is None:
             return path
         shard, name = inside
-        if shard not in self.indexes:
+        if shard != self.shard:
             # The driver's listing: one member a name, so an actor reads the very member the local engine would.
-            self.indexes[shard] = {m.name: m for *_, m, _ in list_shard(shard, lambda _: True, ()) if m}
-        member = self.indexes[shard].get(name)
+            self.shard, self.index = shard, {m.name: m for *_, m, _ in list_shard(shard, lambda _: True, ()) if m}
+        member = self.index.get(name)
         # Not a member: decoded as a path, a file not found, one failed input.
-        return path if member is None else self.reader.read(path, member)
+        return path if member is None else member_file(path, member)

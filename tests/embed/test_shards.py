@@ -13,10 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from PIL import Image
 
 from qwenvl_vision.cli import main
 from qwenvl_vision.embed import MANIFEST, read_embeddings, read_manifest_lines, read_run
 from qwenvl_vision.embed.inputs import gather_inputs
+from qwenvl_vision.embed.shards import ItemOpener
 from qwenvl_vision.outputs.parquet_reader import read_parquet_records
 from tests.helpers import ENV, make_image_folder, write_video
 from tests.helpers.embed import embed_cmd, kill_at_instants, local_ray, run_embed, torchrun_embed_cmd  # noqa: F401
@@ -178,6 +180,49 @@ def test_a_damaged_shard_is_a_failed_input_wherever_it_is_damaged(damage, tmp_pa
     members = {p: e for p, e in found.errors.items() if p != str(shard)}  # the member cut short, where one is
     assert sorted(members) == ([f"{shard}/{short}"] if short else [])
     assert all("cut short" in e for e in members.values())
+
+
+def test_a_malformed_pax_field_is_damage_too(tmp_path):
+    """tarfile raises ValueError, no TarError, for a GNU sparse map that is not numbers: in the first header the
+    shard is no tar, after it the shard is damaged there."""
+    for bad in (0, 1):
+        shard = tmp_path / f"pax-{bad}.tar"
+        with tarfile.open(shard, "w", format=tarfile.PAX_FORMAT) as tar:
+            for i in range(2):
+                info = tarfile.TarInfo(f"{i}.jpg")
+                info.size, info.pax_headers = 3000, {"GNU.sparse.map": "x,y"} if i == bad else {}
+                tar.addfile(info, io.BytesIO(bytes(3000)))
+        found = gather_inputs([str(shard)])
+        assert ("damaged" if bad else "cannot be read as a tar") in found.errors[str(shard)]
+        assert [p for p in found.paths if p not in found.errors] == [f"{shard}/0.jpg"][:bad]
+
+
+def test_a_member_is_read_when_decoded_within_the_decode_budget(collection, checkpoint, tmp_path):
+    """A member's bytes are the decode budget's, as an object's in storage are: one larger is refused unread."""
+    root, paths, _, _ = collection
+    noise = io.BytesIO()
+    Image.frombytes("RGB", (1024, 768), os.urandom(1024 * 768 * 3)).save(noise, "PNG")
+    assert noise.tell() > 1 << 20
+    shard, out = tmp_path / "big.tar", tmp_path / "out"
+    with tarfile.open(shard, "w") as tar:
+        add(tar, "0.png", noise.getvalue())
+        add(tar, "1.jpg", paths[0].read_bytes())
+    assert run_embed([shard], checkpoint, out, "--decode-mib", "1", *SMALL) == 1
+    by_path = {r["path"]: r for r in read_manifest_lines(out / MANIFEST)}
+    assert "decode budget" in by_path[f"{shard}/0.png"]["error"] and by_path[f"{shard}/1.jpg"]["status"] == "ok"
+
+
+def test_an_actor_holds_the_index_of_one_shard_at_a_time(collection, tmp_path):
+    """An actor's members of one shard come together: a shard met again is listed again, as it is now."""
+    _, paths, _, _ = collection
+    a, b = tmp_path / "a.tar", tmp_path / "b.tar"
+    write_shard(a, paths[:2], 0)
+    write_shard(b, paths[2:3], 0)
+    opener = ItemOpener()
+    assert opener(f"{a}/000001{paths[1].suffix}").read() == paths[1].read_bytes()
+    assert opener(f"{b}/000000{paths[2].suffix}").read() == paths[2].read_bytes()
+    write_shard(a, paths[1:2], 1)  # the member 000001 now first, at another offset
+    assert opener(f"{a}/000001{paths[1].suffix}").read() == paths[1].read_bytes()
 
 
 @pytest.mark.slow  # SIGKILLs at several instants
