@@ -3,9 +3,9 @@ default ``path``), with columns to carry into the outputs (``--keep-columns``), 
 ``save_additional_columns`` and clip-retrieval's metadata do.
 
 Rows keep their order. A relative path is taken from the table's folder (as a list file's lines are), a URL is read
-from its store (``remote``). A row whose path cell is empty or not text is one failed input naming the table and
-the row; a JSON Lines line that is not a JSON object likewise. A column the table lacks is a
-``ConfigError`` naming the table and the columns it has, and so is a Parquet path column that is not text.
+from its store (``remote``). A row whose path cell is empty, not text or no file name (a lone surrogate) is one
+failed input naming the table and the row; a JSON Lines line that is not a JSON object likewise. A column the table
+lacks is a ``ConfigError`` naming the table and the columns it has, and so is a Parquet path column that is not text.
 
 Carried values keep a type the outputs can hold, decided once per table: a Parquet column's own (integers as
 ``int64``, floating point as ``float64``, ``bool``, text as ``string``, a dictionary-encoded column as its values;
@@ -20,6 +20,7 @@ import csv
 import io
 import json
 import math
+import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -91,6 +92,10 @@ def _checked_path(table: Path, number: int, column: str, value: Any) -> tuple[st
     where = f"table {table}, row {number}"
     if not isinstance(value, str) or not value.strip():
         return None, f"{where}: column {column!r} is {json.dumps(value)[:80]}, not a path"
+    try:
+        os.fsencode(value)
+    except UnicodeEncodeError:  # a JSON escape's lone surrogate ("\ud800"), which no file name holds
+        return None, f"{where}: column {column!r} is {json.dumps(value)[:80]}, not a path (a lone surrogate)"
     value = value.strip()
     if is_url(value):
         return value, None  # read from its store (remote.py)

@@ -207,3 +207,15 @@ def test_a_dictionary_encoded_column_is_carried_as_its_values(folder_run, checkp
             assert [r.columns["label"] for r in read_parquet_records(out)] == labels
         else:
             assert [r["columns"]["label"] for r in read_manifest_lines(out / "manifest.jsonl")] == labels
+
+
+def test_a_row_naming_a_lone_surrogate_is_that_row_s_failed_input(folder_run, checkpoint):
+    """JSON's escape "\\ud800" reads as a lone surrogate, which no file name holds: the row names no file."""
+    root, paths, _, _ = folder_run
+    table = root / "surrogate.jsonl"
+    table.write_text(json.dumps({"path": str(paths[0])}) + "\n" + json.dumps({"path": "x\ud800.jpg"}) + "\n")
+    out = root / "out-surrogate"
+    assert run_embed([table], checkpoint, out, *SMALL) == 1
+    by_path = {r["path"]: r for r in read_manifest_lines(out / "manifest.jsonl")}
+    assert by_path[str(paths[0])]["status"] == "ok"
+    assert f"table {table}, row 2" in by_path[f"{table}#row2"]["error"]
