@@ -69,7 +69,11 @@ class _Group:
             # A rank that finishes its part early waits for the slowest at the barrier: gloo's default 30 min
             # timeout is too short for hours-long jobs. A rank that dies closes its sockets, which the others
             # notice at once, so the long timeout does not make them hang.
-            dist.init_process_group("gloo", timeout=datetime.timedelta(hours=48))
+            try:
+                dist.init_process_group("gloo", timeout=datetime.timedelta(hours=48))
+            except ValueError as e:  # torchrun's other variables (MASTER_ADDR, MASTER_PORT) missing or bad
+                raise EmbedError(f"RANK={rank} WORLD_SIZE={world} set without torchrun's rendezvous ({e}); run "
+                                 f"under torchrun, or unset them") from None
 
     def agree(self, error: BaseException | None) -> None:
         """Every rank learns whether any rank failed; a failing rank raises its own error, the others stop quietly."""
@@ -367,7 +371,11 @@ class EmbedJob:
 def run_embed(args: argparse.Namespace) -> int:
     """``qwenvl-vision embed``: the parsed and validated command line, run; its exit code."""
     settings = EmbedSettings.from_args(args)
-    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's, else one
+    rank, world = os.environ.get("RANK", "0"), os.environ.get("WORLD_SIZE", "1")  # torchrun's, else one process
+    if not (rank.isdecimal() and world.isdecimal() and int(rank) < int(world)):
+        raise EmbedError(f"RANK={rank!r} WORLD_SIZE={world!r}: not a rank of a torchrun world (integers, 0 <= RANK < "
+                         f"WORLD_SIZE); run under torchrun, or unset them")
+    rank, world = int(rank), int(world)
     if "PILLOW_BLOCK_SIZE" not in os.environ:  # unless the user chose: Pillow's blocks above glibc's 32 MiB mmap
         # threshold go back to the system when freed; 16 MiB ones stayed in each decode thread's arena (its peak)
         PIL.Image.core.set_block_size(64 << 20)

@@ -312,6 +312,17 @@ def test_setup_errors_are_one_line_exit_2_nothing_written(tmp_path, checkpoint, 
             continue
         assert code == 2, err
         one_error_line(err, *needles)
+    # torchrun's RANK / WORLD_SIZE without the rest of its environment, or naming no rank of the world
+    for rank, world, needles in (("0", "2", ["WORLD_SIZE=2", "MASTER_ADDR"]), ("2", "2", ["RANK='2'", "WORLD_SIZE"]),
+                                 ("0", "two", ["WORLD_SIZE='two'"])):
+        with monkeypatch.context() as env:
+            env.delenv("MASTER_ADDR", raising=False)
+            env.setenv("RANK", rank)
+            env.setenv("WORLD_SIZE", world)
+            code = main(["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(tmp_path / "o6")])
+        err = capsys.readouterr().err
+        assert code == 2, err
+        one_error_line(err, *needles)
     assert a_file.read_text() == "not a folder" and not any((tmp_path / "cwd").iterdir())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cwd", "emb.txt", "imgs", "o4"]  # the others never created
 
