@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from ..outputs.durable import fsync_dir
 from ..outputs.parquet import ParquetLayout, needs_escape, results_table, shard_name, text, write_table_atomic
 from ..outputs.parquet_reader import read_parquet_index, read_parquet_table
 from .inputs import file_of
@@ -82,6 +83,7 @@ class ParquetRankWriter(Writer):
                 write_table_atomic(kept, shard)
             else:
                 shard.unlink()
+                fsync_dir(shard.parent)
         self.to_rewrite = {}
 
     def store(self, records: list) -> None:
