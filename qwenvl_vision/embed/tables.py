@@ -3,7 +3,7 @@ default ``path``), with columns to carry into the outputs (``--keep-columns``), 
 ``save_additional_columns`` and clip-retrieval's metadata do.
 
 Rows keep their order. A relative path is taken from the table's folder (as a list file's lines are), a URL is read
-from its store (``remote``). A row whose path cell is empty, not text or no file name (a lone surrogate) is one
+from its store (``remote``). A row whose path cell is empty, not text or no file name (a surrogate) is one
 failed input naming the table and the row; a JSON Lines line that is not a JSON object likewise. A column the table
 lacks is a ``ConfigError`` naming the table and the columns it has, and so is a Parquet path column that is not text.
 
@@ -94,8 +94,8 @@ def _checked_path(table: Path, number: int, column: str, value: Any) -> tuple[st
         return None, f"{where}: column {column!r} is {json.dumps(value)[:80]}, not a path"
     try:
         os.fsencode(value)
-    except UnicodeEncodeError:  # a JSON escape's lone surrogate ("\ud800"), which no file name holds
-        return None, f"{where}: column {column!r} is {json.dumps(value)[:80]}, not a path (a lone surrogate)"
+    except UnicodeEncodeError:  # a JSON escape's surrogate ("\ud800") that no file name's bytes decode to
+        return None, f"{where}: column {column!r} is {json.dumps(value)[:80]}, not a path (a surrogate)"
     value = value.strip()
     if is_url(value):
         return value, None  # read from its store (remote.py)

@@ -333,13 +333,16 @@ def _palette_onto_white(image: PIL.Image.Image) -> PIL.Image.Image:
 
 
 def _gif_transparency_as_background(image: PIL.Image.Image) -> PIL.Image.Image:
-    """A GIF's first frame as torchvision's ``decode_gif`` paints it: the transparent index in the background's
-    colour (the screen that shows through it), not in its own palette colour, which ``convert("RGB")`` would give."""
+    """A GIF's first frame as torchvision's ``decode_gif`` paints it: the transparent index in the screen's
+    background colour (the global colour table's, black without one), not in its own palette colour, which
+    ``convert("RGB")`` would give."""
     image.load()
     palette = image.getpalette("RGB")
-    index, background = image.info["transparency"], image.info.get("background", 0)
-    if 3 * max(index, background) + 3 <= len(palette):
-        palette[3 * index:3 * index + 3] = palette[3 * background:3 * background + 3]
+    index, screen = image.info["transparency"], getattr(image, "global_palette", None)
+    background = 3 * image.info.get("background", 0)
+    colour = list(screen.palette[background:background + 3]) if screen is not None else [0, 0, 0]
+    if 3 * index + 3 <= len(palette) and len(colour) == 3:
+        palette[3 * index:3 * index + 3] = colour
         image.putpalette(palette, "RGB")
     return image.convert("RGB")
 

@@ -237,7 +237,8 @@ def build_app(encoder: Any, settings: ServeSettings) -> FastAPI:
                 raise RequestError(f"{item.label}: not read: every media thread was busy for the decode timeout "
                                    f"({timeout:g} s); try again shortly", 503, {"Retry-After": "1"})
             data = await reading
-        finally:  # this request answered without it (a sibling failed): a read still queued never runs
+        finally:  # this request answered without it (a sibling failed): a read still queued never runs (cancelled
+            read.cancel()  # here, at once: ``reading``'s cancel reaches it only on the loop's next pass)
             reading.cancel()
         bodies.charge(request, len(data))
 

@@ -15,6 +15,7 @@ import contextlib
 import http.client
 import mimetypes
 import socket
+import stat
 import string
 import threading
 import time
@@ -154,8 +155,8 @@ def check_remote(url: str, label: str, policy: MediaPolicy, error: type[Exceptio
 
 
 def read_local(path: Path, label: str, limit: int) -> bytes:
-    try:  # is_file within: it raises for a name too long, or a folder the server may not search
-        if not path.is_file():  # a folder, or a FIFO, which would hold the reading thread for good
+    try:  # stat within: it raises for a name too long, or a folder the server may not search
+        if not stat.S_ISREG(path.stat().st_mode):  # a folder, or a FIFO, which would hold the reading thread for good
             raise RequestError(f"{label}: {path} is not a regular file")
         with open(path, "rb") as f:
             return within(f.read(limit + 1), label, limit)

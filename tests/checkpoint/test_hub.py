@@ -272,7 +272,7 @@ def test_a_download_dropped_past_the_client_s_retries_is_one_line_naming_the_fil
     hub.cut.add(shard)
     assert main(["inspect", "org/qwen25-tiny"]) == 2  # a CheckpointError's, not a bug's
     [line] = capsys.readouterr().err.splitlines()
-    assert f"error: cannot get {shard} of repo 'org/qwen25-tiny'" in line and "peer closed connection" in line
+    assert f"error: cannot get {shard} of repo 'org/qwen25-tiny'" in line
 
 
 def test_hub_refuses_a_shard_name_outside_the_repo_before_downloading(hub, tmp_path):

@@ -210,7 +210,7 @@ def test_a_dictionary_encoded_column_is_carried_as_its_values(folder_run, checkp
 
 
 def test_a_row_naming_a_lone_surrogate_is_that_row_s_failed_input(folder_run, checkpoint):
-    """JSON's escape "\\ud800" reads as a lone surrogate, which no file name holds: the row names no file."""
+    """JSON's escape "\\ud800" reads as a surrogate that no file name's bytes decode to: the row names no file."""
     root, paths, _, _ = folder_run
     table = root / "surrogate.jsonl"
     table.write_text(json.dumps({"path": str(paths[0])}) + "\n" + json.dumps({"path": "x\ud800.jpg"}) + "\n")

@@ -335,7 +335,7 @@ def test_time_an_item_waited_for_a_media_thread_is_not_counted_against_its_read(
         if path.name == "held.png":  # the one media thread held until the test lets it go
             reading.set()
             release.wait(START_S)
-        else:  # its own read within the timeout; with the third it waited for the thread, past it
+        else:  # its own read within the timeout; with the time it waited for the thread, past it
             time.sleep(timeout * 5 / 6)
         return read_local(path, label, limit)
 
