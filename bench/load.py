@@ -447,7 +447,8 @@ def transformers_paths(model_type: str, rows: set[str]) -> dict:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--preset", default="qwen2.5-vl-3b")
+    p.add_argument("--preset", default="qwen2.5-vl-3b",
+                   help="a Qwen2.5-VL, Qwen3-VL or Qwen3-VL-MoE preset (default: %(default)s)")
     p.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "qwenvl_vision_bench",
                    help="where the random checkpoint is written once and reused (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=3, help="fresh processes per row (default: %(default)s)")
@@ -521,6 +522,9 @@ def main(argv=None) -> dict | None:
     from qwenvl_vision import preset
 
     cfg = preset(args.preset)
+    if cfg.model_type not in HF_CLASSES:  # this bench writes only those families' checkpoints and transformers rows
+        sys.exit(f"bench.load: --preset {args.preset} is a {cfg.model_type} tower; presets of {sorted(HF_CLASSES)} "
+                 f"only")
     if args.depth:
         from qwenvl_vision.testing.workloads import truncated
 

@@ -84,3 +84,10 @@ def test_tar_inputs_bench_compares_bitwise_equal_sides():
 
     result = tar_inputs.main(["--images", "3", "--rounds", "1"])
     assert set(result["median_s"]) == {"folder", "shard"} and result["shard_vs_folder"] > 0
+
+
+def test_load_names_a_preset_whose_family_it_does_not_write():
+    from bench import load
+
+    with pytest.raises(SystemExit, match="qwen3.5-0.8b is a qwen3_5 tower"):
+        load.main(["--preset", "qwen3.5-0.8b", "--depth", "1"])
