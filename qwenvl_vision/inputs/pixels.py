@@ -337,13 +337,16 @@ def _gif_transparency_as_background(image: PIL.Image.Image) -> PIL.Image.Image:
     background colour (the global colour table's, black without one), not in its own palette colour, which
     ``convert("RGB")`` would give."""
     image.load()
+    index, screen, background = image.info["transparency"], getattr(image, "global_palette", None), \
+        image.info.get("background")  # set only where the file has a global table
+    if screen is not None:
+        colour = list(screen.palette[3 * background:3 * background + 3]) or [0, 0, 0]
+    else:  # a grey ramp Pillow keeps no table for, or no global table at all
+        colour = [0, 0, 0] if background is None else [background] * 3
     palette = image.getpalette("RGB")
-    index, screen = image.info["transparency"], getattr(image, "global_palette", None)
-    background = 3 * image.info.get("background", 0)
-    colour = list(screen.palette[background:background + 3]) if screen is not None else [0, 0, 0]
-    if 3 * index + 3 <= len(palette) and len(colour) == 3:
-        palette[3 * index:3 * index + 3] = colour
-        image.putpalette(palette, "RGB")
+    palette += [0] * (3 * index + 3 - len(palette))  # an index past the frame's table shows the screen too
+    palette[3 * index:3 * index + 3] = colour
+    image.putpalette(palette, "RGB")
     return image.convert("RGB")
 
 

@@ -198,8 +198,8 @@ def to_transformers(result: Any, *more: Any, dtype: torch.dtype | None = None,
     given, which must be the order of their placeholders in the prompt. Returns ``{"mm_encoder_outputs":
     {"image": ..., "video": ...}, "image_grid_thw": ..., "video_grid_thw": ...}`` (the modalities present). Add
     ``input_ids``, ``attention_mask`` and ``mm_token_type_ids`` (``mm_token_type_ids`` here, or the processor's),
-    and a video's timing where the family takes one (``second_per_grid_ts`` / ``video_second_per_grid``: the
-    processor's, or 2 / fps), as the prompt's.
+    and a video's timing where the family takes one (Qwen2.5-VL's ``second_per_grid_ts``, 2 / ``sampled_fps``; the
+    Omni thinkers' ``video_second_per_grid``, 2 / ``requested_fps``; or the processor's), as the prompt's.
     ``dtype`` / ``device``: the model's, to hand over tensors it need not copy. Imports transformers.
     """
     outputs: dict[str, Any] = {}
