@@ -165,6 +165,9 @@ def build_app(encoder: Any, settings: ServeSettings) -> FastAPI:
     bodies = BodyBudget(settings.max_bodies)
     # Media reads have threads of their own: slow URLs wait there, never in the threads every request parses in.
     media_threads = ThreadPoolExecutor(MEDIA_THREADS, thread_name_prefix="qwenvl-vision-media")
+    # And the encoder role's folder its own: a writer holding its lock (a suspended embed) holds chat requests
+    # there, not the threads every request parses in. One, as the lock lets one holder in at a time.
+    cache_thread = ThreadPoolExecutor(1, thread_name_prefix="qwenvl-vision-cache")
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -173,6 +176,7 @@ def build_app(encoder: Any, settings: ServeSettings) -> FastAPI:
         finally:
             media_threads.shutdown(wait=False, cancel_futures=True)
             await asyncio.to_thread(batcher.close)
+            cache_thread.shutdown(wait=False)  # after the queue: an item encoded is still written
             encoder.close()
 
     def authorized(request: Request) -> None:
@@ -295,10 +299,12 @@ def build_app(encoder: Any, settings: ServeSettings) -> FastAPI:
         if shared is None:
             raise RequestError("this server has no encoder role: start it with --ec-shared-storage PATH")
         _, found = await items_of(request, True)
-        entries = await asyncio.to_thread(present, found)
+        loop = asyncio.get_running_loop()
+        entries = await loop.run_in_executor(cache_thread, present, found)
         todo = list({item.uuid: item for item in found if item.uuid not in entries}.values())  # each uuid once
         if todo:
-            entries.update(await asyncio.to_thread(write, todo, await encoded(request, todo)))
+            results = await encoded(request, todo)
+            entries.update(await loop.run_in_executor(cache_thread, write, todo, results))
         transfer: dict[str, dict] = {}
         for i, item in enumerate(found):
             transfer.setdefault(item.uuid, {"modality": item.modality, "metadata": placeholder_fields(

@@ -240,6 +240,28 @@ def post_in_thread(client, route: str, body: dict) -> tuple[threading.Thread, li
     return thread, answers
 
 
+def test_chat_requests_waiting_for_the_cache_lock_leave_the_other_routes_served(served, media):
+    """A writer holding the encoder role's folder (a suspended embed) holds the chat requests, not the threads
+    every request parses in: more of them than asyncio's default threads leave /v1/embeddings answered."""
+    import time
+
+    from qwenvl_vision.outputs.vllm_cache import cache_lock
+
+    client, root = served
+    waiting = min(32, (os.cpu_count() or 1) + 4) + 1
+    with cache_lock(root / "shared"):
+        chats = [post_in_thread(client, "/v1/chat/completions", chat(part(data_url(media["a.png"]), f"locked{i}")))
+                 for i in range(waiting)]
+        time.sleep(1)  # each parsed and waiting for the lock
+        embeddings = post_in_thread(client, "/v1/embeddings", chat(part(data_url(media["a.png"]))))
+        embeddings[0].join(START_S)
+        assert embeddings[1] and embeddings[1][0].status_code == 200
+        assert not any(answers for _, answers in chats)
+    for thread, answers in chats:
+        thread.join()
+        assert answers[0].status_code in (200, 503)  # encoded and written, or beyond --max-queue 4 once let go
+
+
 def test_two_requests_racing_for_one_uuid_both_answer_the_file_written(held, media, tmp_path):
     client, encoder = held
     first = post_in_thread(client, "/v1/chat/completions", chat(part(data_url(media["a.png"]), "raced")))
