@@ -176,7 +176,7 @@ def build_app(encoder: Any, settings: ServeSettings) -> FastAPI:
         finally:
             media_threads.shutdown(wait=False, cancel_futures=True)
             await asyncio.to_thread(batcher.close)
-            cache_thread.shutdown(wait=False)  # after the queue: an item encoded is still written
+            cache_thread.shutdown(wait=False)  # uvicorn ends the lifespan once every request is answered
             encoder.close()
 
     def authorized(request: Request) -> None:

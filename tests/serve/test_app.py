@@ -258,7 +258,7 @@ def test_chat_requests_waiting_for_the_cache_lock_leave_the_other_routes_served(
         assert embeddings[1] and embeddings[1][0].status_code == 200
         assert not any(answers for _, answers in chats)
     for thread, answers in chats:
-        thread.join()
+        thread.join(START_S)
         assert answers[0].status_code in (200, 503)  # encoded and written, or beyond --max-queue 4 once let go
 
 
