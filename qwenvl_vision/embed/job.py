@@ -54,7 +54,7 @@ from .inputs import MEDIA_EXTENSIONS, Inputs, file_of, gather_inputs, shard_for_
 from .lock import FolderLock, lock_name
 from .manifest import MANIFEST, RUN_FILE, part_name
 from .progress import Progress
-from .reader import older_plan, read_manifest_lines, read_run
+from .reader import read_manifest_lines, read_run
 from .run_record import compare_runs, crossed_bounds_note, describe_run
 from .shards import items_of
 from .writer import OUTPUT_FAULTS, RankWriter, Writer, atomic_write_text, merge_parts, output_fault
@@ -185,10 +185,6 @@ class EmbedJob:
             if not args.resume:
                 raise EmbedError(f"{out} already holds a run; add --resume to continue it, or choose another --out")
             recorded = read_run(out)
-            if older_plan(recorded) is not None:
-                raise EmbedError(f"{out / RUN_FILE} records a CPU plan of format {older_plan(recorded)}, which this "
-                                 f"version runs no longer: its embeddings read as they are; finish the run with the "
-                                 f"version that started it, or choose another --out")
             if not args.format_given:  # --resume continues the folder's format unless told
                 self.settings = args = dataclasses.replace(args, format=recorded["file_format"])
         self.inputs = gather_inputs(args.inputs, args.path_column, args.keep_columns)

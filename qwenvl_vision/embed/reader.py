@@ -49,15 +49,6 @@ def read_run(out: str | os.PathLike) -> dict:
     return _checked_run(path, run)
 
 
-def older_plan(run: dict) -> int | None:
-    """The format of the run's CPU plan where an older version wrote it (None otherwise): this version runs only its
-    own format, so such a run reads but does not resume."""
-    from ..backends.cpu.plan import PLAN_FORMAT
-
-    plan_format = run["cpu_plan"].get("format") if isinstance(run.get("cpu_plan"), dict) else None
-    return plan_format if type(plan_format) is int and 1 <= plan_format < PLAN_FORMAT else None
-
-
 def _checked_run(path: Path, run: dict) -> dict:
     """``run``, every field this version reads present; a ManifestError naming ``path`` and the fields otherwise."""
     missing = [key for key in RUN_FIELDS if key not in run]
