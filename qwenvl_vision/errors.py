@@ -42,10 +42,6 @@ class EmbedError(QwenVLVisionError):
     exit_code = 2
 
 
-class OutputInUseError(EmbedError):
-    """Another process holds the output folder's lock."""
-
-
 class ManifestError(EmbedError, ValueError):
     """A damaged manifest line or run.json; the message names the file and line."""
 

@@ -14,7 +14,7 @@ import os
 import socket
 from pathlib import Path
 
-from ..errors import OutputInUseError
+from ..errors import EmbedError
 from ..outputs.durable import file_lock
 
 # A prune's probe (cache_prune) holds a run's lock for an instant: an embed starting then is not turned away.
@@ -27,7 +27,7 @@ def lock_name(rank: int) -> str:
 
 
 class FolderLock(contextlib.ExitStack):
-    """``file_lock(path)`` taken by ``acquire`` (an ``OutputInUseError`` naming ``what`` and the holder where
+    """``file_lock(path)`` taken by ``acquire`` (an ``EmbedError`` naming ``what`` and the holder where
     another process holds it), let go by ``release``, which removes the file."""
 
     def __init__(self, path: Path, what: str) -> None:
@@ -43,8 +43,8 @@ class FolderLock(contextlib.ExitStack):
             holder = ""
             with contextlib.suppress(OSError):
                 holder = self.path.read_text(errors="replace")[:200].strip()
-            raise OutputInUseError(f"{self.what} is in use by another embed run{f' ({holder})' if holder else ''}; "
-                                   f"wait for it to finish, or choose another --out") from None
+            raise EmbedError(f"{self.what} is in use by another embed run{f' ({holder})' if holder else ''}; "
+                             f"wait for it to finish, or choose another --out") from None
         self.callback(self.path.unlink, missing_ok=True)  # runs first: the file goes while the lock is still held
 
     def release(self) -> None:

@@ -18,7 +18,7 @@ import torch
 from qwenvl_vision import load_encoder
 from qwenvl_vision.embed import read_embeddings, read_run
 from qwenvl_vision.embed.lock import FolderLock, lock_name
-from qwenvl_vision.errors import OutputInUseError
+from qwenvl_vision.errors import EmbedError
 from tests.helpers import ENV
 from tests.helpers import make_image_folder as make_folder
 from tests.helpers.embed import assert_each_input_once, one_error_line, records, run_embed, torchrun_embed_cmd
@@ -85,7 +85,7 @@ def test_a_held_folder_is_refused_naming_the_holder_and_the_lock_file_goes_with_
     first = FolderLock(tmp_path / lock_name(0), str(tmp_path))
     first.acquire()
     holder = re.escape(f"{tmp_path} is in use by another embed run (pid {os.getpid()} on ")
-    with pytest.raises(OutputInUseError, match=holder):
+    with pytest.raises(EmbedError, match=holder):
         FolderLock(tmp_path / "embed.lock", str(tmp_path)).acquire()
     part = FolderLock(tmp_path / lock_name(1), "part 1")  # another rank's part: its own lock file
     part.acquire()
