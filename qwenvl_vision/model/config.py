@@ -239,8 +239,7 @@ class VisionConfig:
 
     def to_config_json(self) -> dict:
         """A self-contained config.json for a vision-only checkpoint; from_config_json reads it back."""
-        return {"model_type": self.model_type, "family": self.model_type, "name": self.name,
-                "vision_config": self.to_vision_dict()}
+        return {"model_type": self.model_type, "name": self.name, "vision_config": self.to_vision_dict()}
 
     def replace(self, **changes: Any) -> VisionConfig:
         return dataclasses.replace(self, **changes)
@@ -283,8 +282,7 @@ def from_config_json(config_json: dict, *, name: str = "") -> VisionConfig:
     """
     if not isinstance(config_json, dict):
         raise ConfigError(f"config.json must hold a JSON object, got {type(config_json).__name__}")
-    ours = config_json.get("family")  # our vision-only files name it; a released file's own "family" is not ours
-    family = family_named(ours if isinstance(ours, str) and ours in FAMILIES else config_json.get("model_type"))
+    family = family_named(config_json.get("model_type"))
     # Our vision-only files keep the tower at the top level, whatever the family's nesting.
     vision = _section(config_json, family.vision_config_at) or _section(config_json, ("vision_config",))
     if vision is None:
