@@ -15,8 +15,8 @@ pages resident, so a churn of distinct grids grew the process by ~0.1 MB a call 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
-import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
@@ -31,11 +31,8 @@ from ..errors import ConfigError
 def return_freed_memory() -> None:
     """Hand the heap pages freed so far back to the OS (glibc's ``malloc_trim``; nothing elsewhere): freed holes
     otherwise stay resident, after a cache's evictions as after packing a tower's weights one by one."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-        except (OSError, AttributeError):  # not glibc (musl): nothing to trim
-            pass
+    with contextlib.suppress(OSError, AttributeError):  # no glibc (musl, macOS): nothing to trim
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 TRIM_EVERY_BYTES = 64 << 20  # a trim costs milliseconds: one per this many evicted bytes is noise to the forwards

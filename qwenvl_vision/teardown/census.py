@@ -5,8 +5,6 @@ benchmark's reading, ``qwenvl_vision.teardown.study``).
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import gc
 import os
 from typing import Any
@@ -48,8 +46,9 @@ def live_tensor_bytes() -> int:
 
 def rss_bytes() -> int | None:
     """Resident set size, after asking glibc to return free heap pages (malloc_trim), or None."""
-    with contextlib.suppress(OSError, AttributeError):  # not glibc: RSS as it is
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    from ..model.cache import return_freed_memory
+
+    return_freed_memory()
     try:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
