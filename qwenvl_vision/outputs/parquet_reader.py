@@ -73,14 +73,6 @@ def read_parquet_index(path: str | os.PathLike) -> tuple[list[str], list[str], P
     return table.column("realpath").to_pylist(), table.column("status").to_pylist(), layout, run
 
 
-def same_run(a: dict, b: dict) -> bool:
-    """Whether two shards' run records are one run's: equal, but for the CPU plan a run started off the CPU records
-    at its first resume on a CPU (null in the shards written before)."""
-    plans = a.get("cpu_plan"), b.get("cpu_plan")
-    return ({**a, "cpu_plan": None} == {**b, "cpu_plan": None}
-            and (plans[0] == plans[1] or None in plans))
-
-
 def _tensors(column: pa.Array, dim: int, dtype: torch.dtype, per_row_vectors: bool) -> list[torch.Tensor | None]:
     """A tensor column's rows as tensors of the run's dtype (float32 -> bf16/fp16 is exact: the values came from
     there); each row owns its memory, so a record kept does not pin the whole table. ``flatten`` skips null rows."""
@@ -181,20 +173,10 @@ def read_parquet_run(folder: str | os.PathLike) -> dict:
 def read_parquet_records(folder: str | os.PathLike, *, files: Sequence[str | os.PathLike] | None = None
                          ) -> Iterator[EmbeddingRecord]:
     """Every record of a folder of shards (or of ``files``), shard by shard in ``parquet_files``' order, rows in
-    order; tensors in the run's dtype, bitwise the encoder's. Each shard is validated whole before its first record (see
-    ``read_parquet_table``), and every shard must carry the first one's layout and run (``same_run``): a folder
-    mixing runs is refused like a damaged file, naming the shard."""
-    paths = [Path(f) for f in files] if files is not None else parquet_files(folder)
-    first: tuple[ParquetLayout, dict, Path] | None = None
-    for path in paths:
-        table, layout, run = read_parquet_table(path)
-        if first is None:
-            first = (layout, run, path)
-        elif layout != first[0] or not same_run(run, first[1]):
-            what = "layout" if layout != first[0] else "run record"
-            raise ManifestError(f"{path}: its {what} differs from {first[2].name}'s (shards of another run)")
-        elif first[1].get("cpu_plan") is None and run.get("cpu_plan") is not None:
-            first = (layout, run, path)  # the plan the run recorded: every later shard's must be the same
+    order; tensors in the run's dtype, bitwise the encoder's. Each shard is validated whole before its first record
+    (see ``read_parquet_table``)."""
+    for path in [Path(f) for f in files] if files is not None else parquet_files(folder):
+        table, layout, _ = read_parquet_table(path)
         try:
             records = records_of_table(table, layout.dtype, carried=[name for name, _ in layout.columns])
         except ValueError as e:  # columns that are not its layout's
