@@ -1,13 +1,13 @@
-"""``qwenvl-vision embed``: folders of images and videos -> safetensors shards + manifest.jsonl, or Parquet shards of
-one row per input (``--format parquet``), resumable, multi-rank, or on Ray (``--engine ray``). This package's own
-namespace is the reader API (``read_embeddings``, ``read_encoded``, ``read_run``, ``read_manifest_lines`` and the
-folder's file names): reading an output back imports neither the writer nor the folder lock.
+"""``qwenvl-vision embed``, the batch job (docs/embed.md). This package's own namespace is the reader API
+(``read_embeddings``, ``read_encoded``, ``read_run``, ``read_manifest_lines`` and the folder's file names): reading an
+output back imports neither the writer nor the folder lock.
 
-The modules, one job each: ``inputs`` (what a run works on, each rank's share), ``manifest`` (what the folder's
-files hold), ``reader`` (reading them back), ``writer`` (durable writes, recovery, the ranks' merge),
-``parquet_writer`` (the same for Parquet shards), ``ray_engine`` (the encoding as a Ray Data pipeline), ``lock``
-(one writer per folder), ``run_record`` (run.json: what the tensors depend on, the resume check), ``progress``
-(stderr while it runs), ``job`` (one run, start to end; exit codes) and ``args`` (the command line).
+The modules, one job each: ``inputs`` (what a run works on, each rank's share; ``tables``, ``shards`` and ``remote``
+read tables, WebDataset shards and URLs), ``manifest`` (what the folder's files hold), ``reader`` (reading them
+back), ``writer`` (durable writes, recovery, the ranks' merge), ``parquet_writer`` and ``cache_writer`` (the same for
+Parquet shards and vLLM encoder-cache items), ``ray_engine`` and ``ray`` (the encoding as a Ray Data pipeline),
+``lock`` (one writer per folder), ``run_record`` (run.json: what the tensors depend on, the resume check),
+``progress`` (stderr while it runs), ``job`` (one run, start to end; exit codes) and ``args`` (the command line).
 """
 
 from __future__ import annotations

@@ -1,16 +1,14 @@
-"""``embed --format vllm-cache``: a rank's writer of vLLM encoder-cache items (``vllm_cache``'s layout, the
-folder a consumer's ``ECExampleConnector`` reads) with the run's manifest beside them.
+"""``embed --format vllm-cache``: a rank's writer of vLLM encoder-cache items (``vllm_cache``'s layout) with the run's
+manifest beside them: the same run as ``--format safetensors`` (``writer.RankWriter``: lock, run.json, manifest
+parts, resume, ranks) with one file per item instead of shards.
 
-The same run as ``--format safetensors`` (``writer.RankWriter``: lock, run.json, manifest parts, resume, ranks)
-with one file per item instead of shards: an ok record's ``shard`` is its item's file (``{id}/
-encoder_cache.safetensors``), its ``key`` ``"ec_cache"``, and it carries what a request needs (``vllm_cache.entry``:
-id, modality, grid, tokens, a video's timing) and ``levels``, the DeepStack levels in the rows. An item's file is
-renamed into place before its record is appended, and carries that record in its metadata (with the run id), as a
-shard does: an item written and not recorded (a kill between the two), or whose line a damaged manifest lost, is
-rolled forward by ``recover``. An input whose pixels match an item already in place records that item without
-writing it again: if its manifest line is lost, its input is redone (the item is found in place). Items are
-written, recorded and recovered with the folder's cache lock held (``vllm_cache.cache_lock``); an item a
-``cache prune`` removed is not done any more, and a resume embeds it again.
+An ok record's ``shard`` is its item's file (``{id}/encoder_cache.safetensors``), its ``key`` ``"ec_cache"``, and it
+carries ``vllm_cache.entry``'s fields and ``levels`` (the DeepStack levels in the rows). An item's file carries its
+record (with the run id) in its metadata and is renamed into place before the record is appended, so ``recover``
+rolls forward an item written and not recorded, or whose line a damaged manifest lost. An input whose pixels match
+an item already in place records that item without writing it again (if that line is lost, its input is redone and
+finds the item). Items are written, recorded and recovered under the folder's cache lock
+(``vllm_cache.cache_lock``); an item a ``cache prune`` removed is not done any more.
 """
 
 from __future__ import annotations

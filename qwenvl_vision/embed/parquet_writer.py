@@ -1,21 +1,13 @@
 """Durable writes of a ``--format parquet`` embed run (``ParquetRankWriter``, the counterpart of
-``writer.RankWriter``): each batch is one shard ``shard-r{rank}-{n:06d}.parquet`` of ``parquet``'s layout, one row
-per input (ok rows with their tensors, error rows with why), run.json in its schema metadata.
+``writer.RankWriter``): each batch is one shard ``shard-r{rank}-{n:06d}.parquet`` of ``parquet``'s layout, written
+atomically (``parquet.write_table_atomic``). The shards are the manifest (docs/embed.md, "Resume").
 
-The shards are the manifest: a shard is written to a temporary file, fsynced and renamed into place
-(``parquet.write_table_atomic``), so a run killed at any instant (even SIGKILL) leaves whole shards, each row an
-input recorded exactly once, and at worst one temporary file. ``recover`` (``--resume``) deletes this rank's
-temporary files and takes every ok row of the folder (any rank's) as done, but for the inputs this invocation
-embeds again (``writer.redone``: failed, or replaced since), reading only the shards' footers and realpath / status
-columns; then, once every rank has read (a barrier under torchrun), ``finish_recovery`` rewrites each of this
-rank's shards that hold rows of those inputs without them (atomically; a shard left with none is removed), so that
-they are recorded once: never an input twice, never one lost. A shard that
-cannot be read (a hand edit, a bad disk) is refused naming it, never dropped silently. Shard numbers are never
-reused.
-
-Names: Parquet stores text as UTF-8, which a file name of other bytes is not. ``unstorable`` makes such an input
-an error row (its name stored escaped, ``parquet.text``) instead of failing the batch: an escaped spelling is
-not an identity a resume could skip an input by. ``--format safetensors`` (JSON escapes them) embeds them.
+``recover`` (``--resume``) deletes this rank's temporary files and takes every ok row of the folder (any rank's) as
+done but for the inputs this invocation embeds again (``writer.redone``); once every rank has read (a barrier under
+torchrun), ``finish_recovery`` rewrites each of this rank's shards holding rows of those inputs without them
+(atomically; a shard left with none is removed), so an input is never recorded twice nor lost. A shard that cannot
+be read is refused naming it, never dropped. Shard numbers are never reused. ``unstorable`` makes an input whose name
+is not UTF-8 an error row (docs/embed.md, "File names").
 """
 
 from __future__ import annotations

@@ -1,30 +1,19 @@
-"""Ray Data integration: ``Embedder``, a callable class for ``Dataset.map_batches`` that embeds a column of images
-(paths, encoded bytes or decoded arrays) with one encoder per actor, and the pieces a pipeline needs around it
-(``embed_dataset``, the actors' CPU shares, Ray's rows back as ``records.EmbeddingRecord``).
+"""Ray Data integration (docs/embed.md, "Many machines: Ray Data"): ``Embedder``, the callable class for
+``Dataset.map_batches`` with one encoder per actor, and what a pipeline needs around it (``embed_dataset``, the
+actors' CPU shares, ``records_from_batch``). Only this module imports Ray (``import qwenvl_vision`` does not).
 
-Only this module imports Ray (``import qwenvl_vision`` does not): install ``ray[data]`` to use it.
-
-Batch format: numpy in, Arrow out. Ray hands a numpy batch over without building pandas objects, and the UDF works
-row by row anyway. It returns a ``pyarrow.Table`` built by ``parquet.result_columns``, the Parquet writer's
-conversion, so that every block has one schema whatever its rows (Ray's own numpy conversion would type a batch by
-the shapes it happens to hold) and Ray's rows are the Parquet layout's: the input's other columns passed through
-(a ``path`` column is kept: it is the row's identity; bytes and pixels are not), the result columns (docs/embed.md),
-then ``pixels_sha256``. ``records_from_batch`` turns rows back into records.
-
-Bad rows: every input goes through ``VisionEncoder.iter_encode``, which makes a bad input (corrupt, empty, not an
-image, too large) an error result and retries a forward that fails as a whole input by input, so one input's
-failure is that row's error, never a failed task, and the good rows of the batch are kept. (Ray's
-``max_errored_blocks`` would instead drop whole blocks, good rows included.) A forward that fails for the machine's
-reasons (``ForwardFaultError``) fails the task, which Ray retries.
-
-Threads: Ray starts an actor's torch on as many threads as its whole CPUs (1 for a fraction); ``Embedder(threads=N)``
-sets N explicitly. CPU results are bitwise equal only at the same thread count: an actor's rows are bitwise
-``encode_images`` under ``torch.set_num_threads(N)`` (``embed --engine ray`` records N in run.json).
-
-Restarts: an actor that dies mid-batch (a segfaulting decoder, the OOM killer) is restarted and its batch retried:
-Ray Data's actor pools default to ``max_restarts=-1, max_task_retries=-1``, kept here (bounding them takes
-``ray_remote_args``, deprecated since Ray 2.60), so an input that kills every actor it meets is retried until the
-job is stopped. A retried batch's rows come out once: Ray hands on only the output of the try that finished.
+- Batches: numpy in (Ray builds no pandas objects, and the UDF works row by row anyway), a ``pyarrow.Table`` out,
+  built by ``parquet.result_columns`` so that every block has one schema whatever its rows (Ray's own numpy
+  conversion would type a batch by the shapes it happens to hold). A ``path`` column is passed through (the row's
+  identity); bytes and pixels are not.
+- Bad rows: ``VisionEncoder.iter_encode`` makes a bad input an error row and retries a forward that fails as a whole
+  input by input, so the batch's good rows are kept (Ray's ``max_errored_blocks`` would drop whole blocks). A
+  ``ForwardFaultError`` (the machine's reasons) fails the task, which Ray retries.
+- Threads: Ray starts an actor's torch on as many threads as its whole CPUs (1 for a fraction);
+  ``Embedder(threads=N)`` sets N.
+- Restarts: Ray Data's actor-pool defaults ``max_restarts=-1, max_task_retries=-1`` are kept (bounding them takes
+  ``ray_remote_args``, deprecated since Ray 2.60), so an input that kills every actor it meets is retried until the
+  job is stopped. Ray hands on only the output of the try that finished.
 """
 
 from __future__ import annotations

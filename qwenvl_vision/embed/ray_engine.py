@@ -1,18 +1,13 @@
 """``embed --engine ray``: the encoding of an embed run as a Ray Data pipeline, after the same setup as the local
-engine (lock, run.json checks, resume recovery; ``job.EmbedJob``). docs/embed.md says where each stage runs, how
-the actors are laid out on the cluster (``RayPlan``) and what they load (``actor_source``).
+engine (``job.EmbedJob``). docs/embed.md ("Many machines: Ray Data") says where each stage runs, how the actors are
+laid out on the cluster (``RayPlan``) and what they load (``actor_source``).
 
-The pipeline: ``ray.data.from_items`` of the inputs still to do (their absolute paths: an actor's working folder
-is not the driver's) -> ``map_batches(Embedder)``, each actor loading the tower once and decoding next to the
-forward (what crosses the object store is a path in and the tensors out: a decoded image's patches are 10-100x its
-file) -> the driver, which records each block as the local engine records a batch (``EmbedJob.encode``).
-
-The driver writes rather than ``Dataset.write_parquet``: the folder keeps one format and one writer (the folder
-lock, run.json in every shard's metadata, shards renamed into place whole, names never reused) whatever the
-cluster, and ``--out`` need only be visible to the driver; the cost is that the embeddings travel to the driver.
-So a resume skips what the output holds (``todo``) rather than use Ray's ``CheckpointConfig``, which checkpoints
-Ray's own ``write_*`` sinks and would be a second truth next to the shards: a driver killed at any instant resumes
-with every input exactly once.
+``ray.data.from_items`` of the inputs still to do (absolute paths) -> ``map_batches(Embedder)`` -> the driver, which
+records each block as the local engine records a batch (``EmbedJob.encode``). The driver writes rather than
+``Dataset.write_parquet``: the folder keeps one format and one writer (the folder lock, run.json in every shard's
+metadata, shards renamed into place whole, names never reused) whatever the cluster, and ``--out`` need only be
+visible to the driver; the cost is that the embeddings travel to the driver. So a resume skips what the output holds
+(``todo``): Ray's ``CheckpointConfig`` would be a second truth next to the shards.
 """
 
 from __future__ import annotations

@@ -1,28 +1,17 @@
-"""Objects in storage as inputs: an INPUT (or a table's path cell) with a scheme (``s3://``, ``gs://``, ``hdfs://``,
-``http(s)://``, anything fsspec opens) is read through fsspec, in the optional extra ``pip install
-'qwenvl-vision[remote]'`` (fsspec, with aiohttp for http(s) and s3fs for s3; other stores bring their own fsspec
-package). Outputs stay local.
+"""Objects in storage as inputs (docs/embed.md, "Objects in storage"): an INPUT or a table's path cell with a scheme
+is read through fsspec (the ``[remote]`` extra); outputs stay local.
 
-- Identity (what ``--resume`` matches, the manifest's ``realpath``): the URL without credentials or signature
-  (``inputs.urls.canonical``: a presigned URL signed again is the same input), with the object's version or ETag
-  where the store gives one (``s3://b/k.jpg#etag=...``): an object replaced under the same URL is a new input.
-- Secrets: no record or message holds one; a URL's password and signing values show as ``***``
-  (``inputs.urls.redacted``, applied by every writer to the path, identity and error it stores).
-  It is read from the store's metadata (``fs.info``) when the inputs are gathered, several at once.
-- Bytes: fetched on the thread that decodes the input (``FileBytes`` with ``fetch``), so the decode workers
-  download in parallel and ``--decode-timeout`` bounds each input, download included. They are the object the run
-  listed, never another stored under its identity: a version is read by its id (S3), an ETag (or a version a
-  store cannot be asked for) is checked against the object's metadata once its bytes are read. An object replaced
-  in between is one failed input; a ``--resume`` lists it again and embeds it under its new identity. A body
-  is held to the decode budget it is decoded under (``FileBytes.read``'s limit, ``--decode-mib``), so one object
-  cannot take more memory than the run allows: a larger size announced is refused before any byte is read, and a
-  read (a server may announce none, or lie) stops one byte past the budget.
+- Identity: ``inputs.urls.canonical`` with the object's version or ETag (``s3://b/k.jpg#etag=...``), read from the
+  store's metadata (``fs.info``), several at once, when the inputs are gathered. Every writer stores the path,
+  identity and error through ``inputs.urls.redacted``.
+- Bytes: fetched on the thread that decodes the input (``FileBytes`` with ``fetch``), so ``--decode-timeout`` bounds
+  the download too. A version is read by its id (S3); an ETag, or a version a store cannot be asked for, is checked
+  against the object's metadata once its bytes are read. A body is held to ``FileBytes.read``'s limit
+  (``--decode-mib``): a larger size announced is refused before any byte is read, and a read (a server may announce
+  none, or lie) stops one byte past it.
 - Failures: a transient error (a dropped connection, a timeout, a server error) is retried ``RETRIES`` times with
-  backoff; an object that is missing (or disappears between listing and reading), refused, redirected to another
-  scheme or in a loop, too large, or still failing is one failed input with one line naming the URL and what
-  happened, and the run goes on.
-
-Credentials and endpoints are the store's own (for S3: ``AWS_*`` variables, ``AWS_ENDPOINT_URL``, the profile).
+  backoff; a missing, vanished or refused object, a redirect to another scheme or in a loop, one too large or still
+  failing is one failed input naming the URL and what happened.
 """
 
 from __future__ import annotations

@@ -1,19 +1,13 @@
-"""WebDataset shards as inputs: an INPUT ending in ``.tar`` (or a brace pattern such as
-``shards-{000000..000099}.tar``, as webdataset writes and reads them) whose image and video members are inputs.
+"""WebDataset shards as inputs (docs/embed.md, "WebDataset shards"): an INPUT ending in ``.tar`` (or a brace pattern)
+whose image and video members are inputs, each named ``{shard}/{member}``.
 
 A shard is read as a stream, never extracted: its member headers are listed once (an uncompressed tar holds each
-member's bytes at one offset), and each member's bytes are read when it is decoded, at most the decode budget's
-(``FileBytes``). Members group into samples by key, the member name up to the first dot of its last path
-part, as webdataset groups them (``000123.jpg``, ``000123.json``, ``000123.txt``). Every image or video member
-(by extension) is one input, named ``{shard}/{member}`` in the manifest and the Parquet rows (its identity for
-resume: the shard's real path, size and modification time, joined with the member); it carries its sample's key as
-the column ``__key__``, and ``--keep-columns txt,json`` carries the sample's members of those extensions as text.
-
-Members are as tar defines them: the last member of a name is the one (``tar -r`` / ``-u`` append a newer one), and a
-hard link (``tar cf``'s second name of one file) reads its target's bytes. Refused, as one failed input each, never
-read: a member whose name leaves the shard (absolute, ``..``, empty parts), a symbolic link member, a sparse member, a
-member whose data the shard's end cuts short, a member larger than the decode budget, a shard that is not a tar, a
-missing shard, and a damaged shard wherever it is damaged (the members listed before the damage stay inputs).
+member's bytes at one offset), and a member's bytes are read when it is decoded, within the decode budget
+(``FileBytes``). A sample's key is the member name up to the first dot of its last path part, as webdataset groups
+them. Members are as tar defines them (the last of a name is the one; a hard link reads its target's bytes). Refused,
+one failed input each, never read: a member whose name leaves the shard (absolute, ``..``, empty parts), a symbolic
+link member, a sparse member, one the shard's end cuts short or larger than the decode budget, and a shard that is
+missing, not a tar or damaged (the members listed before the damage stay inputs).
 """
 
 from __future__ import annotations

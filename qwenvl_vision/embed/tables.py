@@ -1,17 +1,13 @@
-"""Tables of inputs: a Parquet, CSV, TSV or JSON Lines file whose rows name the files to embed (``--path-column``,
-default ``path``), with columns to carry into the outputs (``--keep-columns``), as img2dataset's ``url_col`` and
-``save_additional_columns`` and clip-retrieval's metadata do.
+"""Tables of inputs (docs/embed.md, "Tables"): a Parquet, CSV, TSV or JSON Lines file whose rows name the files to
+embed (``--path-column``), with columns to carry into the outputs (``--keep-columns``), as img2dataset's ``url_col``
+and ``save_additional_columns`` and clip-retrieval's metadata do.
 
-Rows keep their order. A relative path is taken from the table's folder (as a list file's lines are), a URL is read
-from its store (``remote``). A row whose path cell is empty, not text or no file name (a surrogate) is one
-failed input naming the table and the row; a JSON Lines line that is not a JSON object likewise. A column the table
+A JSON Lines line that is not a JSON object is one failed input naming the table and the line. A column the table
 lacks is a ``ConfigError`` naming the table and the columns it has, and so is a Parquet path column that is not text.
-
-Carried values keep a type the outputs can hold, decided once per table: a Parquet column's own (integers as
-``int64``, floating point as ``float64``, ``bool``, text as ``string``, a dictionary-encoded column as its values;
-anything else as its JSON text, ``json``), every CSV / TSV cell ``string``, a JSON Lines field the one of ``int64``,
-``float64``, ``bool`` or ``string`` all its values share (nulls aside), else ``json``. The manifest stores the values
-as JSON, Parquet as columns of those types.
+A carried column's type is decided once per table: a Parquet column's own (integers as ``int64``, floating point as
+``float64``, ``bool``, text as ``string``, a dictionary-encoded column as its values; anything else as its JSON
+text, ``json``), every CSV / TSV cell ``string``, a JSON Lines field the one of ``int64``, ``float64``, ``bool`` or
+``string`` all its values share (nulls aside), else ``json``.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""Hand the tower's outputs to a language model: transformers' ``mm_encoder_outputs=`` and vLLM's embedding inputs.
-
-The job: turn per-item vision outputs (an ``EncodeResult``, or tensors read back from an ``embed`` run) into
-exactly what each runtime's Qwen VL model takes in place of pixels, so that the language model sees the same
-numbers it would have computed from ``pixel_values`` itself.
+"""Hand the tower's outputs to a language model in place of pixels: transformers' ``mm_encoder_outputs=`` and vLLM's
+embedding inputs (docs/handoff.md), from an ``EncodeResult`` or tensors read back from an ``embed`` run.
 
 transformers 5.24 (the reference; ``transformers/models/<family>/modeling_<family>.py`` of the family's
 model_type, ``<Family>Model.forward``: the block that starts ``if (pixel_values is not None or
@@ -10,39 +7,27 @@ pixel_values_videos is not None) and mm_encoder_outputs is not None`` and the ``
 / ``.get("video")`` branches after it, in ``Qwen2VLModel``, ``Qwen3VLModel``, the Omni thinkers'
 ``forward``; the encoders' own output in their ``get_image_features``):
 
-- every Qwen VL ``forward`` and ``generate`` (and the Omni thinkers') take ``mm_encoder_outputs={"image": out,
-  "video": out}`` with ``image_grid_thw`` / ``video_grid_thw`` and, for M-RoPE, ``mm_token_type_ids`` (0 text,
+- ``mm_encoder_outputs={"image": out, "video": out}`` with the grids and, for M-RoPE, ``mm_token_type_ids`` (0 text,
   1 image, 2 video; the Omni thinkers do not take it: they find the items after each vision start token).
-  Pixels and ``mm_encoder_outputs`` together raise a ValueError there.
-- ``out.pooler_output`` is a tuple with one ``(tokens_i, out_hidden_size)`` tensor per item, which the model
-  concatenates in order into the placeholder tokens of that modality. Qwen2-VL, Qwen2.5-VL, Qwen2.5-Omni,
-  Qwen3.5, Qwen3.5-MoE and Qwen4-Exp read only that (``BaseModelOutputWithPooling``).
-- Qwen3-VL, Qwen3-VL-MoE and Qwen3-Omni also read ``out.deepstack_features``: one entry per DeepStack level, each
-  a tuple with one tensor per item (their own ``BaseModelOutputWithDeepstackFeatures`` class, defined in each of
-  the three modeling files). Level i is added after decoder layer i at the vision tokens.
+- ``out.pooler_output`` is a tuple with one ``(tokens_i, out_hidden_size)`` tensor per item, concatenated in order
+  into the placeholder tokens of that modality; the families without DeepStack read only that
+  (``BaseModelOutputWithPooling``).
+- Qwen3-VL, Qwen3-VL-MoE and Qwen3-Omni also read ``out.deepstack_features``: per level a tuple with one tensor per
+  item (``BaseModelOutputWithDeepstackFeatures``, defined in each of the three modeling files).
 
 vLLM 0.33 (``vllm/model_executor/models/qwen2_vl.py``, ``qwen2_5_vl.py``, ``qwen3_vl.py``: the ``image_embeds`` /
 ``video_embeds`` inputs, ``Qwen3VLMultiModalDataParser``, ``Qwen3VLProcessingInfo._calculate_timestamps`` and
 ``Qwen3VLForConditionalGeneration._compute_deepstack_embeds``; vLLM is not a dependency: tests/contract/ runs
 this layout through vLLM's own code in a venv of its own):
 
-- ``LLM(..., enable_mm_embeds=True)`` and ``multi_modal_data={"image": {"image_embeds": T, "image_grid_thw": G}}``
-  (``"video"``: ``video_embeds`` / ``video_grid_thw``), T ``(sum of tokens, width)`` over the prompt's items of
-  that modality in order, G ``(items, 3)``.
-- For the DeepStack families T is ``[merged | level 0 | level 1 | ...]`` concatenated along the features
-  (width ``D * (1 + levels)``); ``_compute_deepstack_embeds`` splits it back at ``visual_dim`` and views the rest
-  as ``(levels, D)`` per token. Other families: width D.
-- The Qwen3-VL-family parsers (Qwen3-VL, -MoE, Qwen3.5, -MoE, Qwen4-Exp: ``Family.prompt_timestamps``) require
-  ``timestamps`` with ``video_embeds``: per video one time in seconds per temporal patch, which their processor
-  writes into the prompt (``<1.2 seconds>``). ``to_vllm`` computes them as vLLM does from the frames a video
-  file was sampled at and its frame rate (``vllm_timestamps``); a video without that record (frames given in
-  memory) is an InputError naming ``video_info``.
-- Qwen2.5-VL's embedding fields take no timing: vLLM's positions then assume the default 2 frames per second of
-  sampling (a video sampled at another ``fps`` gets its temporal positions scaled as if at 2).
-- The Omni thinkers' parsers take ``second_per_grid_ts`` with ``video_embeds``: per video the seconds one temporal
-  patch spans, which their processors compute as ``temporal_patch_size / fps`` from the ``fps`` asked for (not the
-  rate the frames came out at). Without it vLLM assumes 1.0 (Qwen2.5-Omni) or 2.0 (Qwen3-Omni), silently wrong
-  positions at another fps, so ``to_vllm`` always writes it, from ``video_info.requested_fps``.
+- ``image_embeds`` / ``video_embeds`` ``(sum of tokens, width)`` over the prompt's items of that modality in order,
+  their grids ``(items, 3)``; for the DeepStack families width ``D * (1 + levels)``, which
+  ``_compute_deepstack_embeds`` splits at ``visual_dim`` and views as ``(levels, D)`` per token.
+- Video timing: the parsers of ``Family.prompt_timestamps`` require ``timestamps`` (``vllm_timestamps``, from
+  ``video_info``; frames given in memory have none: an InputError naming ``video_info``). The Omni thinkers' take
+  ``second_per_grid_ts``, ``temporal_patch_size / video_info.requested_fps`` as their processors compute it, which
+  ``to_vllm`` always writes: without it vLLM assumes 1.0 (Qwen2.5-Omni) or 2.0 (Qwen3-Omni). Qwen2.5-VL's take
+  none (vLLM assumes 2 fps).
 
 Deviations, on purpose:
 - ``last_hidden_state`` is None in the outputs built here: transformers' own holds the tower's pre-merger patch

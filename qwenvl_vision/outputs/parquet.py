@@ -1,33 +1,16 @@
 """The Parquet layout of embedding results and its writing: the schema, a table built from records, shards written
-atomically (``parquet_reader`` reads them back).
+atomically (``parquet_reader`` reads them back). The columns and why a name that is not UTF-8 is an error row:
+docs/embed.md, "Parquet columns" and "File names".
 
-One row per input:
+An error row's tensors are null, and so are the carried columns (``embed --keep-columns``; ``json`` as a string of
+JSON) of an input no table row named. ``text`` writes what UTF-8 cannot encode (a surrogate) as its backslash
+escape, as ``repr`` spells it; embed records such an input as an error row (``needs_escape``). Arrow has no
+bfloat16: a bf16 or fp16 run stores float32, which holds every such value exactly. The schema metadata (key
+``qwenvl_vision``) holds the layout (D, L, merge size, dtype, which tensor columns) and the caller's run record (a
+JSON dict, e.g. run.json), so the reader gives back the very tensors the encoder returned.
 
-- ``path`` (as given), ``realpath`` (the resolved file: the input's identity, as in embed's manifest),
-  ``status`` ("ok" / "error"), ``error`` (the one-line reason, null when ok);
-- ``grid_thw`` ``fixed_size_list<int64, 3>`` and ``tokens`` (``t*h*w / merge**2``) for ok rows;
-- ``embedding`` ``list<fixed_size_list<float32, D>>`` (tokens x D), when the run stores tokens;
-- ``pooled`` ``fixed_size_list<float32, D>`` (the mean over the tokens), when it stores pooled vectors: a
-  fixed-size float list is the vector column DuckDB (``array_cosine_similarity``) and LanceDB search directly;
-- ``deepstack_0`` .. ``deepstack_{L-1}`` like ``embedding`` (Qwen3-VL's DeepStack levels), with the tokens;
-- ``video``: a struct of the frames used, their times, the file's and the sampled fps and its frame count, as
-  embed's manifest records them; null for images;
-- the columns carried from a table of inputs (``embed --keep-columns``), each of its type (``string``, ``int64``,
-  ``float64``, ``bool``; ``json`` as a string of JSON), null for an input no table row named.
-
-Text columns are UTF-8, as Parquet's strings must be. A file name that is not valid UTF-8 (Python holds its
-undecodable bytes as surrogates, ``b'caf\\xe9.jpg'`` -> ``'caf\\udce9.jpg'``) cannot be stored as it is: ``text``
-writes every character UTF-8 cannot encode as its backslash escape (``caf\\udce9.jpg``, as ``json`` and ``repr``
-spell it). That spelling is not a file name (a literal one could be the same text), so embed records such an input
-as an error row (``needs_escape``), never as an ok row that a resume would skip by it.
-
-Tensors of an error row are null. Arrow has no bfloat16: a bf16 (or fp16) run stores float32, which holds every
-such value exactly, and the file records the run's dtype so that the reader gives back the very tensors the encoder
-returned. The file's schema metadata (key ``qwenvl_vision``) holds the layout (D, L, merge size, dtype, which
-tensor columns) and the run record the caller gives (a JSON dict, e.g. embed's run.json).
-
-Durability: ``write_table_atomic`` writes a temporary file in the target's folder, fsyncs it, renames it into place
-and fsyncs the folder: a reader sees a whole shard or none. Temporary files end in ``.tmp`` and are never read.
+``write_table_atomic`` writes a temporary file (``.tmp``, never read) in the target's folder, fsyncs it, renames it
+into place and fsyncs the folder: a reader sees a whole shard or none.
 """
 
 from __future__ import annotations

@@ -1,33 +1,23 @@
-"""vLLM's encoder cache as an output: the folder a vLLM consumer's ``ECExampleConnector`` reads embeddings from,
-what each item is called there, and the request fields that point a prompt at its items.
+"""vLLM's encoder cache as an output (docs/handoff.md, "Feed a vLLM encoder-cache consumer"): the folder a consumer's
+``ECExampleConnector`` reads embeddings from, what each item is called there, and the request fields that point a
+prompt at its items (``vllm_request``).
 
-vLLM 0.33 (``vllm/distributed/ec_transfer/ec_connector/example_connector.py``): an instance started with
-``--ec-transfer-config '{"ec_connector": "ECExampleConnector", "ec_role": "ec_consumer",
-"ec_connector_extra_config": {"shared_storage_path": "P"}}'`` looks for ``P/{mm_hash}/encoder_cache.safetensors``,
-checks only that it exists, and loads its one tensor ``"ec_cache"`` onto its device as the item's encoder output.
-That tensor is what its model's ``embed_multimodal`` gives for the item: the item's rows of ``to_vllm``
-(``[merged | level 0 | ...]``, width ``D * (1 + levels)`` for the DeepStack families), in the dtype they were
-made in. A consumer takes requests whose items carry only what sizes their placeholders (``image_grid_thw``;
-``video_grid_thw`` with the timing its family reads) and ``multi_modal_uuids``; with a uuid and no processor
-keyword arguments, vLLM uses the uuid as the item's ``mm_hash``. ``vllm_request`` builds those fields.
-
-The folder, as written here (``write_vllm_cache``, and ``embed --format vllm-cache``):
+vLLM 0.33 (``vllm/distributed/ec_transfer/ec_connector/example_connector.py``): a consumer looks for
+``P/{mm_hash}/encoder_cache.safetensors``, checks only that it exists, and loads its one tensor ``"ec_cache"`` onto
+its device as the item's ``embed_multimodal`` output: here the item's rows of ``to_vllm``, in the dtype they were
+made in. With a uuid and no processor keyword arguments, vLLM uses the uuid as the item's ``mm_hash``.
 
 - ``{id}/encoder_cache.safetensors`` per item, ``id`` = ``item_ids.item_id`` (64 hex digits: the model's identity,
-  the modality, the grid and the pixels' hash), or for ``serve`` the request's uuid (any name ``ITEM_NAME`` takes).
-  Each file is written whole under a temporary name (created exclusively, never through a link) and renamed into
-  place; its metadata names its id (``ITEM_KEY``). A file already at an id's name is that item when safetensors
-  reads it (its header validated), and is replaced atomically when it does not. A link at an item's name or folder
-  is an ``OutputLinkError``, left as it is.
-- ``qwenvl_vision_cache.lock``: held by item writers while they write and record items, and by ``cache prune``
-  (``cache_prune``), which keeps the folder under a size bound; ``pruned.jsonl`` lists the items a prune removed.
-- ``qwenvl_vision_cache.json``: the identity of the model whose items the folder holds. A folder with another
-  model's identity, or with items and no identity (written by something else), is refused before anything is
-  written (``CacheFolderError``): a consumer would load those items for this model's prompts.
+  the modality, the grid and the pixels' hash), or for ``serve`` the request's uuid (any name ``ITEM_NAME`` takes);
+  its metadata names its id (``ITEM_KEY``). Each is written whole under a temporary name (created exclusively, never
+  through a link) and renamed into place. A link at an item's name or folder is an ``OutputLinkError``, left as it is.
+- ``qwenvl_vision_cache.lock`` (item writers, ``cache_prune``) and ``qwenvl_vision_cache.json`` (the model's
+  identity): a folder with another model's identity, or with items and no identity (written by something else), is
+  refused (``CacheFolderError``), since a consumer would load those items for this model's prompts.
 
-Entries (``write_vllm_cache``'s return value, and the ``embed`` manifest's records of such a run) are dicts with
-``id``, ``modality``, ``grid_thw`` and ``tokens``, and for videos ``timestamps`` (the Qwen3-VL families: one
-float per temporal patch) or ``second_per_grid_t`` (the Omni thinkers: seconds per temporal patch).
+Entries (``write_vllm_cache``'s return value, the ``embed`` manifest's records) hold ``id``, ``modality``,
+``grid_thw``, ``tokens`` and a video's ``timestamps`` (the Qwen3-VL families) or ``second_per_grid_t`` (the Omni
+thinkers).
 """
 
 from __future__ import annotations

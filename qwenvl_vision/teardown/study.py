@@ -1,32 +1,25 @@
-"""``qwenvl-vision bench teardown``: does shutting an encoder down give all of its memory back?
+"""``qwenvl-vision bench teardown``: does shutting an encoder down give all of its memory back? Results and the
+comparisons: docs/benchmarks.md, "Teardown".
 
 Each cycle, in one process: load an encoder (any checkpoint, repo id or preset), encode images of several sizes
 (so every per-grid cache fills), tear it down, and measure before load / after load / after encode / (after
 close) / after teardown / after a gc collection. Teardown is either ``del`` alone, or ``close()`` while the
 caller still holds the encoder and its model, then ``del``. Measured:
 
-- CPU: bytes of live tensor storages, a census over ``gc.get_objects()`` counting each untyped storage
-  once by (device, data_ptr); meta tensors have no storage and count 0. Also the process RSS (after
-  ``malloc_trim`` on glibc), for information: the allocator may keep freed pages.
-- CUDA: ``torch.cuda.memory_allocated`` / ``memory_reserved`` after ``synchronize``, clearing the
-  process-wide cuBLAS workspaces (allocated by the first matmul, not by any encoder) and ``empty_cache``
-  (the census is recorded too); the allocator history is recorded, and on a failure dumped with
-  ``torch.cuda.memory._dump_snapshot`` (view at https://pytorch.org/memory_viz).
-- Whether the encoder, its model, every submodule and the shape cache were freed by reference counting
-  alone: weak references checked right after the teardown with the cyclic gc disabled for the whole
-  cycle, and again after ``gc.collect()``.
+- CPU: bytes of live tensor storages, each untyped storage counted once by (device, data_ptr); meta tensors count
+  0. Also the process RSS (after ``malloc_trim`` on glibc), for information: the allocator may keep freed pages.
+- CUDA: ``torch.cuda.memory_allocated`` / ``memory_reserved`` after ``synchronize``, clearing the process-wide
+  cuBLAS workspaces (allocated by the first matmul, not by any encoder) and ``empty_cache`` (the census too); on a
+  failure the allocator history is dumped with ``torch.cuda.memory._dump_snapshot`` (view at
+  https://pytorch.org/memory_viz).
+- Whether the encoder, its model, every submodule and the shape cache were freed by reference counting alone (weak
+  references, the cyclic gc disabled for the whole cycle), and again after ``gc.collect()``.
 
-retained = (after teardown) - (before the first load of that run), so a cache that outlives its instances
-shows as growth from cycle to cycle; the run's ``retained_bytes`` is the worst cycle. No warm-up: the first
-encoder of a fresh process must be freed too.
-
-The package measures its own encoder (variant ``per-instance``). The comparisons - the same model with a
-class-level ``functools.lru_cache`` (the bug this package exists to avoid, so it may not live in the package),
-and transformers' tower - and the plot are in the repository's ``bench/teardown.py``, which passes them in as
-``extra_variants``.
-
-This module is the command: its options, the table and the JSON. One cycle, a run of cycles and the verdict are
-``qwenvl_vision.teardown.cycles``; the memory readings are ``qwenvl_vision.teardown.census``.
+retained = (after teardown) - (before the run's first load), so a cache that outlives its instances grows from
+cycle to cycle; a run's ``retained_bytes`` is its worst cycle. No warm-up: the first encoder of a fresh process
+must be freed too. This command measures the package's own encoder (``per-instance``); ``bench/teardown.py`` passes
+in the comparisons as ``extra_variants``. ``qwenvl_vision.teardown.cycles`` runs the cycles and gives the verdict,
+``qwenvl_vision.teardown.census`` reads the memory.
 """
 
 from __future__ import annotations
