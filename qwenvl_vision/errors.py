@@ -66,12 +66,6 @@ class ForwardFaultError(QwenVLVisionError, RuntimeError):
     exit_code = 4
 
 
-class ClusterSetupError(EmbedError):
-    """``--engine ray``: the actors could not start (another checkpoint on a node, a model folder it lacks): it
-    would fail again the same way. Exit 2, though run.json (and maybe shards) are written: once fixed,
-    ``--resume`` goes on."""
-
-
 class PeerFailedError(EmbedError):
     """Another rank failed and said why; this rank stops quietly with the same exit code."""
 

@@ -26,7 +26,7 @@ import ray.data
 import torch
 
 from ..devices import resolve_dtype
-from ..errors import ClusterSetupError, ConfigError, EmbedError, OutputFaultError
+from ..errors import ConfigError, EmbedError, OutputFaultError
 from ..model.attention import resolve_attn_impl
 from ..outputs.records import EmbeddingRecord
 from .ray import actor_cpus, embed_dataset, records_from_batch
@@ -141,7 +141,7 @@ def encode_on_ray(job, todo: list[str]) -> Iterator[list[EmbeddingRecord]]:
     """The records of ``todo`` (inputs of the job), encoded on its RayPlan's actors, as Ray hands their rows back.
 
     Errors: a failure of the pipeline itself (an actor that cannot load the tower, Ray's timeouts, a lost node) is
-    one line: ``ClusterSetupError`` (exit 2) when an actor failed with one of this package's errors (another
+    one line: ``EmbedError`` (exit 2) when an actor failed with one of this package's errors (another
     checkpoint, a model folder missing on a node: it would fail again), else ``OutputFaultError`` (exit 3,
     ``--resume``)."""
     if not todo:
@@ -217,8 +217,8 @@ def pipeline_error(e: BaseException) -> EmbedError:
     own = list(_SETUP_ERRORS.finditer(text))
     if own:  # an actor's constructor failed the package's way: the same would happen on every try
         name, why = own[-1].group(1), own[-1].group(2).strip()[:300]
-        return ClusterSetupError(f"--engine ray: an actor could not start ({name}: {why}); fix that, then run the "
-                                 f"same command with --resume (what was written is kept)")
+        return EmbedError(f"--engine ray: an actor could not start ({name}: {why}); fix that, then run the "
+                          f"same command with --resume (what was written is kept)")
     why = (text.strip().splitlines() or [type(e).__name__])[-1][:300]
     # Exit 3 as for an output fault: the run stopped, every shard written is whole, --resume finishes it.
     return OutputFaultError(f"--engine ray: the pipeline failed ({type(e).__name__}: {why}); what was written is "

@@ -18,7 +18,7 @@ pytest.importorskip("ray.data")
 from qwenvl_vision.embed import ray_engine  # noqa: E402
 from qwenvl_vision.embed.args import EmbedSettings  # noqa: E402
 from qwenvl_vision.embed.ray import actor_cpus  # noqa: E402
-from qwenvl_vision.errors import ClusterSetupError, ConfigError, EmbedError, OutputFaultError  # noqa: E402
+from qwenvl_vision.errors import ConfigError, EmbedError, OutputFaultError  # noqa: E402
 
 
 class FakeRay:
@@ -106,7 +106,7 @@ def test_pipeline_failures_are_one_line_with_the_right_exit_code():
                   "  File \"x.py\", line 1\nqwenvl_vision.errors.CheckpointError: /ckpt: the actor's tower hashes "
                   "to 0123456789ab..., the run's to ba9876543210... (another checkpoint)\n")
     setup = ray_engine.pipeline_error(RuntimeError(actor_text))
-    assert isinstance(setup, ClusterSetupError) and setup.exit_code == 2
+    assert type(setup) is EmbedError and setup.exit_code == 2
     assert "an actor could not start (CheckpointError: /ckpt: the actor's tower hashes" in str(setup)
     assert "\n" not in str(setup)
 
