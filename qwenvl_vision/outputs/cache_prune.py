@@ -1,26 +1,14 @@
 """``qwenvl-vision cache prune DIR --max-gb N``: a vLLM encoder-cache folder (``vllm_cache``'s layout) kept under a
-size bound, its oldest items (by last write) removed first, safely beside a running writer.
+size bound, its oldest items (by last write) removed first, safely beside a running writer (docs/handoff.md, "Keep
+the cache folder under a size bound": what is removed, what is kept, the exit statuses).
 
-vLLM's own ``ECExampleConnector`` never removes an item, so a long-lived consumer's folder only grows. Here:
-
-- Only whole items are removed: ``{id}/encoder_cache.safetensors`` files (ids as ``vllm_cache.ITEM_NAME`` takes
-  them: embed's 64 hex digits, serve's uuids; regular files, never through a link), then their folder where it is
-  left empty. Temporary files, the manifest, run.json, the identity file and the lock files are never touched,
-  and a folder without the identity file (not an encoder cache written here) is refused.
-- Writers (``embed --format vllm-cache``, ``write_vllm_cache``) hold ``vllm_cache.CACHE_LOCK`` while they write
-  items and record them; a prune holds it while it reads the folder and removes, so an item found in place by a
-  writer is recorded before a prune can see it, and nothing is removed mid-write.
-- The items a running ``embed`` has written (64 hex digits) are kept: those last written since its lock file
-  (``embed.lock``) was made, while a process holds its lock. A run stopped by SIGKILL leaves its lock file, which
-  the kernel no longer locks: it holds nothing. Items of its earlier sessions (before a ``--resume``) are the
-  oldest, and go first.
-- Every removed item is appended to ``PRUNED`` (one JSON line: id, bytes, last write, when), so a manifest line
-  whose item is gone is accounted for: ``read_embeddings`` skips the items listed there (and says how many), and
-  ``embed --resume`` embeds them again.
-
-Sizes are the item files' bytes (GB = 10^9 bytes); what else the folder holds (manifest, run.json) is counted
-too, so the folder as a whole stays under the bound. Where those files alone exceed it, every item goes and the prune
-is still done (``PruneReport.done``): only the items it may not remove yet, a running embed's, leave it undone.
+- Only whole items, as ``vllm_cache.ITEM_NAME`` takes their ids (embed's 64 hex digits, serve's uuids): regular
+  files, never through a link, then their folder where it is left empty.
+- ``vllm_cache.CACHE_LOCK`` is held while the folder is read and items removed, as writers hold it while they write
+  and record items: an item found in place by a writer is recorded before a prune can see it.
+- A running ``embed``'s items are those last written since its ``embed.lock`` was made, while a process holds it.
+- Every removed item is appended to ``PRUNED`` before it goes, so a manifest line whose item is gone is accounted
+  for. Sizes count the folder's other files too, so the folder as a whole stays under the bound.
 """
 
 from __future__ import annotations
