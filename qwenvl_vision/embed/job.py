@@ -37,7 +37,9 @@ import PIL.Image
 import torch
 import torch.distributed as dist
 
+from ..backends.cpu.plan import CpuPlan
 from ..errors import (
+    ConfigError,
     EmbedError,
     ForwardFaultError,
     OutputFaultError,
@@ -185,6 +187,12 @@ class EmbedJob:
             if not args.resume:
                 raise EmbedError(f"{out} already holds a run; add --resume to continue it, or choose another --out")
             recorded = read_run(out)
+            if recorded["cpu_plan"] is not None:  # one this version cannot run: refused before anything is fetched
+                try:
+                    CpuPlan.from_dict(recorded["cpu_plan"])
+                except ConfigError as e:
+                    raise EmbedError(f"{out / RUN_FILE}: {e}; its embeddings read as they are: finish the run with "
+                                     f"the version that started it, or choose another --out") from None
             if not args.format_given:  # --resume continues the folder's format unless told
                 self.settings = args = dataclasses.replace(args, format=recorded["file_format"])
         self.inputs = gather_inputs(args.inputs, args.path_column, args.keep_columns)

@@ -204,7 +204,7 @@ def test_a_run_with_an_older_format_of_cpu_plan_reads_but_does_not_resume(tmp_pa
     before = sorted(os.listdir(out))
     capsys.readouterr()
     assert embed(images[1:2], checkpoint, out, "--resume") == 2
-    one_error_line(capsys.readouterr().err, "CPU plan format 2")
+    one_error_line(capsys.readouterr().err, "run.json", "CPU plan format 2")
     assert sorted(os.listdir(out)) == before
 
 
