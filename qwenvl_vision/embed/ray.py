@@ -1,6 +1,7 @@
 """Ray Data integration (docs/embed.md, "Many machines: Ray Data"): ``Embedder``, the callable class for
 ``Dataset.map_batches`` with one encoder per actor, and what a pipeline needs around it (``embed_dataset``, the
-actors' CPU shares, ``records_from_batch``). Only this module imports Ray (``import qwenvl_vision`` does not).
+actors' CPU shares, ``records_from_batch``). Only this module and ``ray_engine`` import Ray
+(``import qwenvl_vision`` does not).
 
 - Batches: numpy in (Ray builds no pandas objects, and the UDF works row by row anyway), a ``pyarrow.Table`` out,
   built by ``parquet.result_columns`` so that every block has one schema whatever its rows (Ray's own numpy

@@ -9,9 +9,9 @@ caller still holds the encoder and its model, then ``del``. Measured:
 - CPU: bytes of live tensor storages, each untyped storage counted once by (device, data_ptr); meta tensors count
   0. Also the process RSS (after ``malloc_trim`` on glibc), for information: the allocator may keep freed pages.
 - CUDA: ``torch.cuda.memory_allocated`` / ``memory_reserved`` after ``synchronize``, clearing the process-wide
-  cuBLAS workspaces (allocated by the first matmul, not by any encoder) and ``empty_cache`` (the census too); on a
-  failure the allocator history is dumped with ``torch.cuda.memory._dump_snapshot`` (view at
-  https://pytorch.org/memory_viz).
+  cuBLAS workspaces (allocated by the first matmul, not by any encoder) and ``empty_cache``, the census's live
+  tensors counted too. The allocator history is recorded, and on a failure dumped with
+  ``torch.cuda.memory._dump_snapshot`` (view at https://pytorch.org/memory_viz).
 - Whether the encoder, its model, every submodule and the shape cache were freed by reference counting alone (weak
   references, the cyclic gc disabled for the whole cycle), and again after ``gc.collect()``.
 
