@@ -221,8 +221,8 @@ def load_rgb(image: Any, name: str, *, check_aspect: bool = False, max_input_pix
         PIL.ImageOps.exif_transpose(opened, in_place=True)
         if opened.mode == "RGB" and getattr(opened, "fp", None) is None:
             rgb = opened
-        elif opened.mode == "P" and isinstance(opened.info.get("transparency"), int) and (
-                composite or opened.format == "GIF"):
+        elif isinstance(opened.info.get("transparency"), int) and (opened.mode == "P" and composite or (
+                not composite and opened.format == "GIF" and opened.mode in ("P", "L"))):
             with opened:
                 return _palette_onto_white(opened) if composite else _gif_transparency_as_background(opened)
         else:  # another mode, or a multi-frame file Pillow keeps open: convert, then close the file
@@ -333,9 +333,9 @@ def _palette_onto_white(image: PIL.Image.Image) -> PIL.Image.Image:
 
 
 def _gif_transparency_as_background(image: PIL.Image.Image) -> PIL.Image.Image:
-    """A GIF's first frame as torchvision's ``decode_gif`` paints it: the transparent index in the screen's
-    background colour (the global colour table's, black without one), not in its own palette colour, which
-    ``convert("RGB")`` would give."""
+    """A GIF's first frame (a palette image, or a grey ramp Pillow opens as "L") as torchvision's ``decode_gif``
+    paints it: the transparent index in the screen's background colour (the global colour table's, black without
+    one), not in its own palette colour, which ``convert("RGB")`` would give."""
     image.load()
     index, screen, background = image.info["transparency"], getattr(image, "global_palette", None), \
         image.info.get("background")  # set only where the file has a global table
@@ -343,6 +343,9 @@ def _gif_transparency_as_background(image: PIL.Image.Image) -> PIL.Image.Image:
         colour = list(screen.palette[3 * background:3 * background + 3]) or [0, 0, 0]
     else:  # a grey ramp Pillow keeps no table for, or no global table at all
         colour = [0, 0, 0] if background is None else [background] * 3
+    if image.mode == "L":  # a grey ramp opened without its table: each index shows its own grey
+        return PIL.Image.merge("RGB", [image.point([colour[c] if i == index else i for i in range(256)])
+                                       for c in range(3)])
     palette = image.getpalette("RGB")
     palette += [0] * (3 * index + 3 - len(palette))  # an index past the frame's table shows the screen too
     palette[3 * index:3 * index + 3] = colour

@@ -35,6 +35,9 @@ def _images(tmp_path) -> dict:
     hopper.save(tmp_path / "hopper.png")
     hopper.resize((160, 120)).convert("P", palette=Image.ADAPTIVE, colors=32).save(tmp_path / "trns.gif",
                                                                                   transparency=5, background=9)
+    grey = hopper.resize((160, 120)).convert("L")  # a whole grey ramp for its table: Pillow opens it as "L"
+    grey.save(tmp_path / "grey.gif", transparency=200, background=9, optimize=False)
+    assert Image.open(tmp_path / "grey.gif").mode == "L"
     rgba.save(tmp_path / "rgba.png")
     alpha = np.dstack([np.asarray(hopper.resize((120, 90))), np.linspace(0, 255, 120 * 90).astype(np.uint8)
                        .reshape(90, 120)])
@@ -43,6 +46,7 @@ def _images(tmp_path) -> dict:
         "png path": str(tmp_path / "hopper.png"),
         "rgba png path": str(tmp_path / "rgba.png"),
         "gif path, a transparent index": str(tmp_path / "trns.gif"),
+        "grey gif path, a transparent index": str(tmp_path / "grey.gif"),
         "rgba": rgba,
         "logo rgba": Image.open(sample_photo("logo2.png")).convert("RGBA"),
         "grayscale": hopper.convert("L").resize((333, 211)),
