@@ -39,7 +39,7 @@ from ..outputs.handoff import EncodedItems, vllm_items
 from ..outputs.vllm_cache import cache_lock, claim_cache_folder, entry, found_item, write_item
 from ..results import ItemResult
 from .batcher import Batcher
-from .media import Fetcher, Item, MediaPolicy, RequestError, request_items
+from .media import Item, MediaPolicy, RequestError, request_items
 
 MEDIA_THREADS = 8  # URLs and files read at once; a URL read stops at its decode timeout (fetch)
 ENTRY_KEY = "qwenvl_vision_entry"  # an item file's metadata: what the request needs of it (vllm_cache.entry)
@@ -165,7 +165,6 @@ def build_app(encoder: Any, settings: ServeSettings) -> FastAPI:
     bodies = BodyBudget(settings.max_bodies)
     # Media reads have threads of their own: slow URLs wait there, never in the threads every request parses in.
     media_threads = ThreadPoolExecutor(MEDIA_THREADS, thread_name_prefix="qwenvl-vision-media")
-    fetcher = Fetcher(settings.policy)
     # And the encoder role's folder its own: a writer holding its lock (a suspended embed) holds chat requests
     # there, not the threads every request parses in. One, as the lock lets one holder in at a time.
     cache_thread = ThreadPoolExecutor(1, thread_name_prefix="qwenvl-vision-cache")
@@ -173,8 +172,7 @@ def build_app(encoder: Any, settings: ServeSettings) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         try:
-            async with fetcher:
-                yield
+            yield
         finally:
             media_threads.shutdown(wait=False, cancel_futures=True)
             await asyncio.to_thread(batcher.close)
@@ -206,8 +204,7 @@ def build_app(encoder: Any, settings: ServeSettings) -> FastAPI:
 
     async def items_of(request: Request, need_uuid: bool) -> tuple[dict, list[Item]]:
         body = await read_json(request, settings.max_body, bodies)
-        # base64 off the loop
-        found = await asyncio.to_thread(request_items, body, settings.policy, need_uuid, fetcher.read)
+        found = await asyncio.to_thread(request_items, body, settings.policy, need_uuid)  # base64 off the loop
         if len(found) > settings.max_items:
             raise RequestError(f"messages: {len(found)} images and videos, more than --max-items {settings.max_items}")
         return body, found

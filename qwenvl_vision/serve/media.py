@@ -5,23 +5,26 @@ the request (``messages[0].content[1]``), with the extension that tells the deco
 
 Sources: ``data:`` URLs (base64) always; http(s) only from ``allowed_domains``, redirects followed only within
 them; ``file://`` only under ``local_root`` (symbolic links resolved before the check), regular files only. URLs and
-files are read when the app asks (``FileBytes.read``, in its media threads; a URL by aiohttp on the event loop, which
-its thread waits for), within the decode budget's bytes and, for a URL, the decode timeout as a whole; never on the
-encoder's thread."""
+files are read when the app asks (``FileBytes.read``, in its media threads), within the decode budget's bytes and, for
+a URL, the decode timeout as a whole; never on the encoder's thread."""
 
 from __future__ import annotations
 
-import asyncio
 import base64
+import contextlib
+import http.client
 import mimetypes
+import socket
 import stat
-from collections.abc import Callable
+import string
+import threading
+import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import SplitResult, unquote, urljoin, urlsplit
-
-import aiohttp
+from urllib.parse import SplitResult, quote, unquote, urljoin, urlsplit
 
 from ..errors import PreprocessError, QwenVLVisionError
 from ..inputs.pixels import FileBytes
@@ -56,10 +59,8 @@ class Item:
     file: FileBytes
 
 
-def request_items(body: Any, policy: MediaPolicy, need_uuid: bool, fetch_url: Callable[[str, str, int], bytes]
-                  ) -> list[Item]:
-    """The image and video items of a chat request's messages, in request order; text is skipped. ``fetch_url(url,
-    label, limit)`` reads an http(s) item (``Fetcher.read``)."""
+def request_items(body: Any, policy: MediaPolicy, need_uuid: bool) -> list[Item]:
+    """The image and video items of a chat request's messages, in request order; text is skipped."""
     messages = body.get("messages") if isinstance(body, dict) else None
     if not isinstance(messages, list):
         raise RequestError("messages: a list of chat messages is required")
@@ -97,12 +98,11 @@ def request_items(body: Any, policy: MediaPolicy, need_uuid: bool, fetch_url: Ca
             if uuid is not None and modalities.setdefault(uuid, modality) != modality:  # one file under it, one kind
                 raise RequestError(f"{label}: uuid {uuid!r} is given to both an image and a video: give each item "
                                    f"its own uuid")
-            items.append(Item(label, modality, uuid, media_file(url, label, modality, policy, fetch_url)))
+            items.append(Item(label, modality, uuid, media_file(url, label, modality, policy)))
     return items
 
 
-def media_file(url: str, label: str, modality: str, policy: MediaPolicy,
-               fetch_url: Callable[[str, str, int], bytes]) -> FileBytes:
+def media_file(url: str, label: str, modality: str, policy: MediaPolicy) -> FileBytes:
     """The item's bytes (a data URL's now; a URL's or a file's when read, at most the bytes the read is given), or a
     RequestError naming it."""
     known, default = EXTENSIONS[modality]
@@ -125,7 +125,7 @@ def media_file(url: str, label: str, modality: str, policy: MediaPolicy,
     name = label + (ext if ext in known else default)
     if scheme in ("http", "https"):
         check_remote(url, label, policy)
-        return FileBytes(name, fetch=lambda limit: fetch_url(url, label, limit))
+        return FileBytes(name, fetch=lambda limit: fetch(url, label, policy, limit))
     if scheme == "file":
         if policy.local_root is None:
             raise RequestError(f"{label}: file URLs are refused (start the server with --allowed-local-media-path)")
@@ -170,64 +170,130 @@ def within(data: bytes, label: str, limit: int) -> bytes:
     return data
 
 
-REDIRECTS = (301, 302, 303, 307, 308)
-MAX_REDIRECTS = 10  # urllib's and aiohttp's own bound
+class Redirects(urllib.request.HTTPRedirectHandler):
+    """Follows a redirect only to an allowed domain: another host, or a file, is the item's error."""
+
+    def __init__(self, label: str, policy: MediaPolicy) -> None:
+        self.label, self.policy = label, policy
+
+    def http_error_302(self, req, fp, code, msg, headers):
+        fp.close()  # its body unread (urllib would read all of it, unbounded)
+        target = headers.get("location") or headers.get("uri") or ""
+        check_remote(target, f"{self.label}: a redirect to", self.policy, PreprocessError, req.full_url)
+        return super().http_error_302(req, fp, code, msg, headers)
+
+    http_error_301 = http_error_303 = http_error_307 = http_error_308 = http_error_302
 
 
-class Fetcher:
-    """http(s) media fetched by aiohttp on the app's event loop (``fetch``), one session for the app: connections
-    reused, no cookie kept between requests, proxies from the environment as urllib takes them. ``read`` runs in a
-    media thread, which waits for its fetch."""
+class Connections(urllib.request.HTTPSHandler, urllib.request.HTTPHandler):
+    """urllib's http(s) handlers, whose sockets ``cut`` shuts at the deadline: urllib's timeout bounds each socket
+    operation, which a server trickling its TLS handshake, headers or body never trips. A socket is reached through
+    a duplicate of it made when it connects (an SSL socket, or one a response reads, is not at hand: http.client
+    drops the connection's once the headers are in, and TLS detaches it while shaking hands)."""
 
-    def __init__(self, policy: MediaPolicy) -> None:
-        self.policy = policy
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__()
+        self.deadline = time.monotonic() + timeout_s
+        self.sockets: list[socket.socket] = []
+        self.was_cut = False
+        self.lock = threading.RLock()  # cut runs inside connect too
 
-    async def __aenter__(self) -> Fetcher:
-        self.loop = asyncio.get_running_loop()
-        self.session = aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar(), timeout=aiohttp.ClientTimeout(),
-                                             trust_env=True)  # no timeout of its own: fetch's deadline is the one
-        return self
+    def do_open(self, http_class, req, **kwargs):
+        def connection(*args, **kw):
+            conn = http_class(*args, **kw)
+            conn._create_connection = self.connect  # http.client's seam for making its socket
+            return conn
+        return super().do_open(connection, req, **kwargs)
 
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.session.close()
+    def connect(self, address, timeout, source_address=None) -> socket.socket:
+        """``socket.create_connection``, but each of the host's addresses tried within the time left, not the whole
+        timeout each (a host whose IPv6 and IPv4 addresses both drop packets held the fetch twice the timeout); a
+        redirect's hop too. The name lookup is the resolver's, not bounded here."""
+        error = OSError(f"no address for {address[0]}")
+        for family, kind, proto, _, sockaddr in socket.getaddrinfo(*address, type=socket.SOCK_STREAM):
+            if (left := self.deadline - time.monotonic()) <= 0:
+                raise TimeoutError
+            sock = None
+            try:
+                sock = socket.socket(family, kind, proto)
+                sock.settimeout(left)
+                if source_address:
+                    sock.bind(source_address)
+                sock.connect(sockaddr)  # the whole address: an IPv6 one keeps its scope
+                break
+            except OSError as e:  # refused, timed out, or a family this machine lacks: the next address
+                if sock is not None:
+                    sock.close()
+                error = e
+        else:
+            raise error
+        with self.lock:
+            try:
+                self.sockets.append(sock.dup())
+            except OSError:  # out of descriptors
+                sock.close()
+                raise
+            if self.late:  # opened as the deadline passed
+                self.cut()
+        sock.settimeout(timeout)
+        return sock
 
-    def read(self, url: str, label: str, limit: int) -> bytes:
-        return asyncio.run_coroutine_threadsafe(fetch(self.session, url, label, self.policy, limit), self.loop).result()
+    @property
+    def late(self) -> bool:
+        return self.was_cut or time.monotonic() >= self.deadline  # the timer's clock need not be ours
+
+    def cut(self) -> None:
+        """Shut every socket (a read blocked on one returns); called at the deadline, by the timer."""
+        with self.lock:
+            self.was_cut = True
+            for sock in self.sockets:
+                with contextlib.suppress(OSError):  # its peer gone already
+                    sock.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        with self.lock:
+            for sock in self.sockets:
+                sock.close()
+            self.sockets.clear()
 
 
-async def fetch(session: aiohttp.ClientSession, url: str, label: str, policy: MediaPolicy, limit: int) -> bytes:
-    """The URL's body, at most ``limit`` bytes (read one past it to tell), redirects followed only within the allowed
-    domains; all of it, name lookups and a server trickling its bytes included, within the decode timeout."""
-    async def body(at: str) -> bytes:
-        for _ in range(MAX_REDIRECTS + 1):
-            async with session.get(at, allow_redirects=False) as response:  # a body left unread closes its connection
-                if response.status in REDIRECTS:
-                    target = response.headers.get("Location", "")
-                    check_remote(target, f"{label}: a redirect to", policy, PreprocessError, at)
-                    at = urljoin(at, target)
-                    continue
-                if response.status >= 400:
-                    raise PreprocessError(f"{label}: {redacted(url)[:200]} answered HTTP {response.status}")
-                size = response.content_length
-                if size is not None and size > limit:  # refused before its bytes come
-                    raise PreprocessError(f"{label}: {size:,} bytes, more than the decode budget of {limit:,} bytes")
-                data = bytearray()
-                try:
-                    while len(data) <= limit and (chunk := await response.content.readany()):
-                        data += chunk
-                except aiohttp.ClientPayloadError:  # the server closed before the length it announced
-                    raise PreprocessError(f"{label}: {redacted(url)[:200]} ended after {len(data):,}"
-                                          f"{f' of its {size:,}' if size else ''} bytes") from None
-                return within(bytes(data), label, limit)
-        raise PreprocessError(f"{label}: {redacted(url)[:200]}: more than {MAX_REDIRECTS} redirects")
-
+def fetch(url: str, label: str, policy: MediaPolicy, limit: int) -> bytes:
+    """The URL's body, at most ``limit`` bytes (read one past it to tell), all of it within the decode timeout,
+    which a server trickling its bytes does not hold past it (``Connections``)."""
+    connections = Connections(policy.timeout_s)
+    opener = urllib.request.build_opener(Redirects(label, policy), connections)
+    late = PreprocessError(f"{label}: {redacted(url)[:200]} not read within the decode timeout "
+                           f"({policy.timeout_s:g} s)")
+    timer = threading.Timer(policy.timeout_s, connections.cut)
+    timer.start()
     try:
-        return await asyncio.wait_for(body(url), policy.timeout_s)
-    except asyncio.TimeoutError:
-        raise PreprocessError(f"{label}: {redacted(url)[:200]} not read within the decode timeout "
-                              f"({policy.timeout_s:g} s)") from None
-    except PreprocessError:  # the item's, said above
-        raise
-    except (aiohttp.ClientError, OSError, ValueError) as e:  # ValueError: a URL yarl cannot take (a bad port),
-        why = type(e).__name__ if isinstance(e, ValueError) else e  # whose text would show the URL unredacted
-        raise PreprocessError(f"{label}: cannot fetch {redacted(url)[:200]} ({why})") from None
+        # Characters a path or query may not hold (an "é", a space) percent-encoded, as urllib does for a redirect;
+        # the host as it is (http.client encodes a name of other letters by IDNA).
+        parts = urlsplit(url)
+        sent = parts._replace(path=quote(parts.path, safe=string.punctuation),
+                              query=quote(parts.query, safe=string.punctuation)).geturl()
+        with opener.open(sent, timeout=policy.timeout_s) as response:
+            size = response.headers.get("content-length")
+            if size and size.isdigit() and int(size) > limit:  # refused before its bytes come
+                raise PreprocessError(f"{label}: {int(size):,} bytes, more than the decode budget of {limit:,} bytes")
+            chunks, read = [], 0
+            while read <= limit and (chunk := response.read1(1 << 16)):
+                chunks.append(chunk)
+                read += len(chunk)
+            if connections.late:  # a body cut short by the deadline can look whole (no length, or cut in the headers)
+                raise late
+            if read <= limit and response.length:  # the server closed before the length it announced
+                raise PreprocessError(f"{label}: {redacted(url)[:200]} ended after {read:,} of its "
+                                      f"{read + response.length:,} bytes")
+            return within(b"".join(chunks), label, limit)
+    except urllib.error.HTTPError as e:
+        e.close()  # its connection, which the exception would hold until collected
+        raise PreprocessError(f"{label}: {redacted(url)[:200]} answered HTTP {e.code}") from None
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as e:  # HTTPException: a bad port, a broken
+        # status line or chunked body
+        if connections.late:
+            raise late from None
+        raise PreprocessError(f"{label}: cannot fetch {redacted(url)[:200]} ({getattr(e, 'reason', e)})") from None
+    finally:
+        timer.cancel()
+        connections.close()

@@ -26,15 +26,13 @@ def pooled(client, url: str, kind: str = "image_url") -> list[float]:
 def test_http_from_an_allowed_domain_and_redirects_within_it_give_the_data_url_s_item(served, media):
     client, _ = served
     folder = media["a.png"].parent
-    with http_folder(folder, redirects={"moved.png": "/a.png", "loop.png": "/loop.png"}) as base:
+    with http_folder(folder, redirects={"moved.png": "/a.png"}) as base:
         assert pooled(client, f"{base}/a.png") == pooled(client, f"{base}/moved.png") == \
             pooled(client, data_url(media["a.png"]))
         assert pooled(client, f"{base}/clip.mp4", "video_url") == \
             pooled(client, data_url(media["clip.mp4"], "video/mp4"), "video_url")
         error_of(client.post("/v1/embeddings", json=chat(part(f"{base}/missing.png"))), 400,
                  "messages[0].content[1]", "404")
-        error_of(client.post("/v1/embeddings", json=chat(part(f"{base}/loop.png"))), 400,
-                 "messages[0].content[1]", "more than 10 redirects")
 
 
 def test_a_url_naming_characters_a_url_may_not_hold_is_fetched_percent_encoded(served, media, tmp_path):
@@ -99,11 +97,9 @@ def test_a_slow_url_holds_only_its_own_request(served, media):
 
 
 @pytest.mark.parametrize("slow_part", ["body", "headers", "redirect's body"])
-def test_a_url_trickling_its_bytes_stops_at_the_decode_timeout_and_slow_urls_stall_no_other_request(
-        checkpoint3, media, slow_part, monkeypatch):
+def test_a_url_trickling_its_bytes_stops_at_the_decode_timeout_and_slow_urls_stall_no_other_request(checkpoint3,
+                                                                                                    media, slow_part):
     from fastapi.testclient import TestClient
-
-    from qwenvl_vision.serve import app as app_module
 
     timeout, arrived, stopped = 2, [], []
 
@@ -128,7 +124,6 @@ def test_a_url_trickling_its_bytes_stops_at_the_decode_timeout_and_slow_urls_sta
         except OSError:  # the reader went away
             stopped.append(time.monotonic())
 
-    monkeypatch.setattr(app_module, "MEDIA_THREADS", 32)  # each URL read at once: none waits for a thread
     app = app_of(load_encoder(checkpoint3, device="cpu"), "--allowed-media-domains", "127.0.0.1", "--decode-timeout",
                  timeout, "--max-items", 32, "--max-queue", 64)
     slow: list = []
@@ -164,9 +159,9 @@ def test_a_host_whose_every_address_drops_connections_is_held_to_the_decode_time
             return resolve(host, *args, **kwargs)
         return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", listener.getsockname())] * 3
 
-    async def timed(*args):  # the request is answered at the timeout: the fetch is what must end then
+    def timed(*args):  # the request is answered at the timeout: the media thread's fetch is what must end then
         try:
-            return await fetch(*args)
+            return fetch(*args)
         finally:
             ended.append(time.monotonic())
 
@@ -181,27 +176,6 @@ def test_a_host_whose_every_address_drops_connections_is_held_to_the_decode_time
                  "messages[0].content[1]", "decode timeout")
         until(lambda: ended, "the fetch ended")
         assert ended[0] - start < 2  # each address given the whole timeout held it 3 s
-
-
-def test_a_name_lookup_that_hangs_is_held_to_the_decode_timeout(checkpoint3, monkeypatch):
-    from fastapi.testclient import TestClient
-
-    resolve = socket.getaddrinfo
-
-    def slow_resolver(host, *args, **kwargs):  # a resolver that answers after 4 s
-        if host == "slow-dns.test":
-            time.sleep(4)
-            host = "127.0.0.1"
-        return resolve(host, *args, **kwargs)
-
-    monkeypatch.setattr(socket, "getaddrinfo", slow_resolver)
-    app = app_of(load_encoder(checkpoint3, device="cpu"), "--allowed-media-domains", "slow-dns.test",
-                 "--decode-timeout", 1)
-    with TestClient(app) as client:
-        start = time.monotonic()
-        error_of(client.post("/v1/embeddings", json=chat(part("http://slow-dns.test/a.png"))), 400,
-                 "messages[0].content[1]", "decode timeout")
-        assert time.monotonic() - start < 3
 
 
 def test_an_address_of_a_family_the_machine_lacks_gives_way_to_the_next(checkpoint3, media, monkeypatch):
