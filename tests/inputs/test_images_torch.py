@@ -27,6 +27,22 @@ def _hopper() -> Image.Image:
     return Image.open(sample_photo("grace_hopper.jpg")).convert("RGB")
 
 
+def _gif_local_grey_ramp(transparent: int, background: int) -> bytes:
+    """A 16 x 8 GIF Pillow cannot write: a coloured global table, the frame's own table a grey ramp (Pillow opens it
+    as "L", keeping the global palette on it) and a transparent index. Its 128 pixels as LZW literals: 9-bit codes
+    after a clear code, too few for the code size to grow."""
+    pixels = [(7 * i) % 256 for i in range(127)] + [transparent]
+    codes = [256, *pixels, 257]
+    packed = sum(code << 9 * i for i, code in enumerate(codes)).to_bytes((9 * len(codes) + 7) // 8, "little")
+    data = b"".join(bytes([len(packed[i:i + 255])]) + packed[i:i + 255] for i in range(0, len(packed), 255))
+    colour, grey = bytes((i, 255 - i, 7)[c] for i in range(256) for c in range(3)), bytes(i for i in range(256)
+                                                                                        for _ in range(3))
+    return (b"GIF89a" + (16).to_bytes(2, "little") + (8).to_bytes(2, "little") + bytes([0xF7, background, 0])
+            + colour + bytes([0x21, 0xF9, 4, 1, 0, 0, transparent, 0])
+            + b"\x2c" + bytes(4) + (16).to_bytes(2, "little") + (8).to_bytes(2, "little") + bytes([0x87]) + grey
+            + bytes([8]) + data + b"\x00\x3b")
+
+
 def _images(tmp_path) -> dict:
     """The project's test photos in every input kind and the size cases that exercise different resizes."""
     hopper = _hopper()
@@ -38,6 +54,8 @@ def _images(tmp_path) -> dict:
     grey = hopper.resize((160, 120)).convert("L")  # a whole grey ramp for its table: Pillow opens it as "L"
     grey.save(tmp_path / "grey.gif", transparency=200, background=9, optimize=False)
     assert Image.open(tmp_path / "grey.gif").mode == "L"
+    (tmp_path / "local-grey.gif").write_bytes(_gif_local_grey_ramp(transparent=200, background=9))
+    assert Image.open(tmp_path / "local-grey.gif").mode == "L"
     rgba.save(tmp_path / "rgba.png")
     alpha = np.dstack([np.asarray(hopper.resize((120, 90))), np.linspace(0, 255, 120 * 90).astype(np.uint8)
                        .reshape(90, 120)])
@@ -47,6 +65,7 @@ def _images(tmp_path) -> dict:
         "rgba png path": str(tmp_path / "rgba.png"),
         "gif path, a transparent index": str(tmp_path / "trns.gif"),
         "grey gif path, a transparent index": str(tmp_path / "grey.gif"),
+        "gif path, a grey local table under a coloured global one": str(tmp_path / "local-grey.gif"),
         "rgba": rgba,
         "logo rgba": Image.open(sample_photo("logo2.png")).convert("RGBA"),
         "grayscale": hopper.convert("L").resize((333, 211)),
