@@ -192,7 +192,7 @@ class EmbedJob:
                     CpuPlan.from_dict(recorded["cpu_plan"])
                 except ConfigError as e:
                     raise EmbedError(f"{out / RUN_FILE}: {e}; its embeddings read as they are: finish the run with "
-                                     f"the version that started it, or choose another --out") from None
+                                     f"the version and machine that started it, or choose another --out") from None
             if not args.format_given:  # --resume continues the folder's format unless told
                 self.settings = args = dataclasses.replace(args, format=recorded["file_format"])
         self.inputs = gather_inputs(args.inputs, args.path_column, args.keep_columns)

@@ -214,6 +214,7 @@ def test_the_index_reads_realpaths_and_statuses_and_the_run_has_the_plan_a_later
     assert (got_layout, run) == (layout, RUN)
     write_table_atomic(results_table(records[:1], layout, {**RUN, "cpu_plan": {"format": 1}}),
                        tmp_path / shard_name(0, 1))
+    assert len(list(read_parquet_records(tmp_path))) == len(records) + 1
     assert read_parquet_run(tmp_path) == {**RUN, "cpu_plan": {"format": 1}}  # the plan the run recorded
     (tmp_path / "junk.parquet").write_bytes(b"not parquet")
     with pytest.raises(ManifestError, match="not a readable Parquet file"):
