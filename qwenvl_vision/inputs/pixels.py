@@ -343,10 +343,9 @@ def _gif_transparency_as_background(image: PIL.Image.Image) -> PIL.Image.Image:
         colour = list(screen.palette[3 * background:3 * background + 3]) or [0, 0, 0]
     else:  # a grey ramp Pillow keeps no table for, or no global table at all
         colour = [0, 0, 0] if background is None else [background] * 3
-    if image.mode == "L":  # a grey ramp: each index shows its own grey (the raw indices: under a coloured global
-        grey = PIL.Image.frombytes("L", image.size, image.tobytes())  # table Pillow keeps that palette on the frame)
-        return PIL.Image.merge("RGB", [grey.point([colour[c] if i == index else i for i in range(256)])
-                                       for c in range(3)])
+    if image.mode == "L":  # its raw indices under the grey ramp (under a coloured global table, Pillow keeps that
+        image = PIL.Image.frombytes("P", image.size, image.tobytes())  # palette on the frame)
+        image.putpalette([i for i in range(256) for _ in range(3)], "RGB")
     palette = image.getpalette("RGB")
     palette += [0] * (3 * index + 3 - len(palette))  # an index past the frame's table shows the screen too
     palette[3 * index:3 * index + 3] = colour
