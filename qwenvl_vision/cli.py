@@ -337,8 +337,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"(a bug: run again with --debug for the traceback and report it)", file=sys.stderr)
             return 5  # a bug's own exit status (docs/embed.md)
         if not getattr(e, "quiet", False):  # quiet: another torchrun rank failed and printed why
-            world = os.environ.get("WORLD_SIZE", "1")  # torchrun's; any text where the error is that it is bad
-            rank = os.environ.get("RANK") if world.isdecimal() and int(world) > 1 else None
+            rank = os.environ.get("RANK") if os.environ.get("WORLD_SIZE", "1") != "1" else None  # torchrun's
             where = f" [rank {rank}]" if rank is not None else ""
             print(f"qwenvl-vision {args.command}{where}: error: {_one_line(e)}", file=sys.stderr)
         return exit_code_of(e)

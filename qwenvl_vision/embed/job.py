@@ -73,9 +73,9 @@ class _Group:
             # notice at once, so the long timeout does not make them hang.
             try:
                 dist.init_process_group("gloo", timeout=datetime.timedelta(hours=48))
-            except ValueError as e:  # torchrun's other variables (MASTER_ADDR, MASTER_PORT) missing or bad
-                raise EmbedError(f"RANK={rank} WORLD_SIZE={world} set without torchrun's rendezvous ({e}); run "
-                                 f"under torchrun, or unset them") from None
+            except ValueError as e:  # torchrun's other variables (MASTER_ADDR, MASTER_PORT, RANK) missing or bad
+                raise EmbedError(f"WORLD_SIZE={world} set without torchrun's rendezvous ({e}); run under torchrun, "
+                                 f"or unset it") from None
 
     def agree(self, error: BaseException | None) -> None:
         """Every rank learns whether any rank failed; a failing rank raises its own error, the others stop quietly."""
@@ -105,7 +105,7 @@ class _Group:
 
 
 def _load(args: EmbedSettings, device: str | None, progress: Progress, dtype=None, attn: str | None = None,
-          cpu_plan: dict | str | None = None):
+          cpu_plan: CpuPlan | str | None = None):
     """The encoder, and the checkpoint folder it came from (None for random weights); says what it does.
     ``dtype`` and ``attn`` default to the options (the Ray driver loads on its CPU in the actors' dtype);
     ``cpu_plan`` is a resumed run's recorded CPU plan (its very bits) or "reference" (a Ray driver whose actors run
@@ -180,7 +180,7 @@ class EmbedJob:
             raise
         for name in (RUN_FILE, MANIFEST, part_name(self.rank, self.world)):  # refused before anything is written
             refuse_link(out / name)
-        recorded = None
+        recorded = recorded_plan = None  # a resumed run's, and its CPU plan: its very bits
         # (Part of) a run already here: a fresh run would mix two runs' files.
         if any(any(out.glob(name)) for name in (RUN_FILE, MANIFEST, "manifest.rank*.jsonl", "shard-r*.safetensors",
                                                 "shard-r*.parquet")):
@@ -189,7 +189,7 @@ class EmbedJob:
             recorded = read_run(out)
             if recorded["cpu_plan"] is not None:  # one this version cannot run: refused before anything is fetched
                 try:
-                    CpuPlan.from_dict(recorded["cpu_plan"])
+                    recorded_plan = CpuPlan.from_dict(recorded["cpu_plan"])
                 except ConfigError as e:
                     raise EmbedError(f"{out / RUN_FILE}: {e}; its embeddings read as they are: finish the run with "
                                      f"the version and machine that started it, or choose another --out") from None
@@ -199,7 +199,6 @@ class EmbedJob:
         if not self.inputs.paths:
             raise EmbedError(f"no inputs: {', '.join(args.inputs)} hold no image or video files (by extension: "
                              f"{' '.join(sorted(MEDIA_EXTENSIONS))}) and list no paths")
-        recorded_plan = (recorded or {}).get("cpu_plan")  # a resumed run's CPU plan: its very bits
         if args.engine == "ray":
             try:
                 from .ray_engine import RayPlan
