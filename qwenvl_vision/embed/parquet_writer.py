@@ -75,7 +75,7 @@ class ParquetRankWriter(Writer):
                 write_table_atomic(kept, shard)
             else:
                 shard.unlink()
-                fsync_dir(shard.parent)
+        fsync_dir(self.out)  # the removals as durable as the rewrites' renames
         self.to_rewrite = {}
 
     def store(self, records: list) -> None:
