@@ -23,7 +23,7 @@ def add_serve_parser(sub, parents=()) -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="serve the encoder over HTTP: vLLM's encoder role (disaggregated encoding) and "
                        "an embeddings endpoint", parents=[*parents, model_options()])
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
-    p.add_argument("--port", type=port_option, default=8000, help="port (default %(default)s)")
+    p.add_argument("--port", type=positive_option(int, "--port"), default=8000, help="port (default %(default)s)")
     p.add_argument("--served-model-name", help="the model name the API answers with (default: --model as given)")
     p.add_argument("--ec-shared-storage", metavar="PATH",
                    help="the encoder role: /v1/chat/completions writes each item to PATH/<uuid>/"
@@ -53,14 +53,9 @@ def add_serve_parser(sub, parents=()) -> argparse.ArgumentParser:
     return p
 
 
-def port_option(text: str) -> int:
-    port = positive_option(int, "--port")(text)
-    if port > 65535:  # bind would raise OverflowError, which no setup error catches
-        raise argparse.ArgumentTypeError(f"--port must be at most 65535, got {text}")
-    return port
-
-
 def validate_serve_args(args: argparse.Namespace) -> None:
+    if args.port > 65535:  # bind would raise OverflowError, which no setup error catches
+        raise ConfigError(f"--port must be at most 65535, got {args.port}")
     if args.max_items > args.max_queue:  # such a request could never be queued: 503s forever
         raise ConfigError(f"--max-items {args.max_items} is more than --max-queue {args.max_queue}")
     if args.max_body_mib > args.max_bodies_mib:  # the largest body could never be held: 503s forever
