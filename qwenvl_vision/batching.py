@@ -71,7 +71,8 @@ class Prepared:
 
 
 def preflight(items: list[Any], options: EncodeOptions, pre: PreprocessConfig) -> None:
-    """Reject unreadable or oversized files, zero-size arrays and extreme aspect ratios before any compute."""
+    """Reject unreadable or oversized files, zero-size arrays and extreme aspect ratios before any compute (bytes not
+    fetched yet are checked when their decode fetches them)."""
     video, min_pixels, max_pixels = options.video, options.min_pixels, options.max_pixels
     for i, item in enumerate(items):
         first, name = item, None

@@ -119,8 +119,7 @@ class Embedder:
         for row, value in enumerate(values):
             if kind == "path":
                 if isinstance(value, (str, os.PathLike)):
-                    # (path, its identity as the run listed it), opened as the encoder reaches it (``__call__``):
-                    # a batch's fetched objects are not all held at once.
+                    # (path, its identity as the run listed it), opened as the encoder reaches it (``__call__``).
                     value = (os.fspath(value), None if identities is None else identities[row])
                 else:
                     bad[row] = f"path: expected a file path, got {type(value).__name__}"

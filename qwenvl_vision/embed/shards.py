@@ -1,7 +1,7 @@
 """WebDataset shards as inputs (docs/embed.md, "WebDataset shards"): an INPUT ending in ``.tar`` (or a brace pattern)
 whose image and video members are inputs, each named ``{shard}/{member}``.
 
-A shard is read as a stream, never extracted: its member headers are listed once (an uncompressed tar holds each
+A shard is read as a stream, never extracted: its member headers are listed (an uncompressed tar holds each
 member's bytes at one offset), and a member's bytes are read when it is decoded, within the decode budget
 (``FileBytes``). A sample's key is the member name up to the first dot of its last path part, as webdataset groups
 them. Members are as tar defines them (the last of a name is the one; a hard link reads its target's bytes). Refused,
@@ -149,8 +149,8 @@ def member_file(path: str, member: Member) -> FileBytes:
 
 def items_of(paths: list[str], members: dict[str, Member], remote: set[str] | frozenset = frozenset(),
              keys: dict[str, str] | None = None) -> Iterator[object]:
-    """What the encoder takes for each input, lazily and in order: a path, a member's bytes, or an object's bytes
-    to be fetched by its decoder (``remote``: the object its identity in ``keys`` names)."""
+    """What the encoder takes for each input, lazily and in order: a path, or a member's or an object's bytes to be
+    fetched by its decoder (``remote``: the object its identity in ``keys`` names)."""
     for path in paths:
         member = members.get(path)
         if path in remote:

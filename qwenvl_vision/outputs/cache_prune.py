@@ -110,7 +110,7 @@ def pruned_ids(folder: Path) -> set[str]:
         return set()
     ids = set()
     for line in text.splitlines():
-        with contextlib.suppress(ValueError, KeyError, TypeError):  # a torn last line: a prune killed mid-append
+        with contextlib.suppress(ValueError, KeyError, TypeError):  # a torn line: a prune killed mid-append
             ids.add(json.loads(line)["id"])
     return ids
 
