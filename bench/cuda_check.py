@@ -185,8 +185,9 @@ def _module_version(name: str) -> dict[str, Any]:
     return {"version": getattr(module, "__version__", "?")}
 
 
-def run_section(name: str, out: Path, dry_run: bool, limit_s: float) -> int:
-    """In the section's own process: run it, record its status; exit 0 unless the JSON could not be written."""
+def run_section(name: str, out: Path, dry_run: bool, limit_s: float, scratch: Path) -> int:
+    """In the section's own process: run it, record its status; exit 0 unless the JSON could not be written.
+    ``scratch`` (its checkpoints) belongs to the parent, which removes it even when it kills this process."""
     started = time.monotonic()
     estimate, planned_limit = SECTIONS[name].plan(dry_run)
     rec = Record(out / f"{name}.json", {
@@ -194,15 +195,14 @@ def run_section(name: str, out: Path, dry_run: bool, limit_s: float) -> int:
         "planned_limit_s": planned_limit, "estimate_s": estimate, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     })
     rec.save()
-    with tempfile.TemporaryDirectory(prefix=f"cuda_check-{name}-") as tmp:
-        ctx = Context(name, out, dry_run, limit_s, Path(tmp), started)
-        try:
-            rec.data["environment"] = environment()
-            status = SECTION_FUNCTIONS[name](ctx, rec)
-        except Exception as e:  # noqa: BLE001 - the section's own failure, recorded
-            rec.data["error"] = error_text(e)
-            status = "error"
-            traceback.print_exc()
+    ctx = Context(name, out, dry_run, limit_s, scratch, started)
+    try:
+        rec.data["environment"] = environment()
+        status = SECTION_FUNCTIONS[name](ctx, rec)
+    except Exception as e:  # noqa: BLE001 - the section's own failure, recorded
+        rec.data["error"] = error_text(e)
+        status = "error"
+        traceback.print_exc()
     rec.data.update(status=status, seconds=round(time.monotonic() - started, 1))
     rec.save()
     return 0
@@ -226,8 +226,9 @@ def run_child(name: str, out: Path, dry_run: bool, limit_s: float) -> tuple[int 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
            "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false"}
+    scratch = tempfile.TemporaryDirectory(prefix=f"cuda_check-{name}-")
     command = [sys.executable, "-m", "bench.cuda_check", "--section", name, "--out", str(out),
-               "--limit", str(limit_s)] + (["--dry-run"] if dry_run else [])
+               "--limit", str(limit_s), "--scratch", scratch.name] + (["--dry-run"] if dry_run else [])
     start = time.monotonic()
     proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             errors="replace", start_new_session=True)
@@ -248,6 +249,7 @@ def run_child(name: str, out: Path, dry_run: bool, limit_s: float) -> tuple[int 
         proc.wait()
         code = None
     reader.join(timeout=10)
+    scratch.cleanup()
     return code, "".join(tail)[-LOG_TAIL:], time.monotonic() - start
 
 
@@ -397,6 +399,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--limits", default="", help="override section limits, e.g. tests=300,load=60")
     p.add_argument("--section", choices=sorted(SECTIONS), help=argparse.SUPPRESS)  # run one section, in this process
     p.add_argument("--limit", type=float, help=argparse.SUPPRESS)
+    p.add_argument("--scratch", type=Path, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -405,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     if args.section:
         return run_section(args.section, args.out, args.dry_run,
-                           args.limit or SECTIONS[args.section].plan(args.dry_run)[1])
+                           args.limit or SECTIONS[args.section].plan(args.dry_run)[1], args.scratch)
     selected = list(SECTIONS) if not args.only else [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = [s for s in selected if s not in SECTIONS]
     try:

@@ -19,9 +19,8 @@ os.environ["QWENVL_VISION_CACHE"] = PLAN_CACHE
 from tests.helpers import QWEN2_5_SMALL, QWEN3_SMALL_72, serve_hub, write_checkpoint  # noqa: E402
 
 
-@pytest.fixture(scope="session", autouse=True)
-def plan_cache():
-    yield Path(PLAN_CACHE)
+def pytest_unconfigure(config):
+    """Also when no test ran (all deselected or skipped), where a session fixture's teardown never comes."""
     shutil.rmtree(PLAN_CACHE, ignore_errors=True)
 
 

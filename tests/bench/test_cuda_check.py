@@ -153,9 +153,13 @@ def test_load_section_times_ours_and_transformers(run):
 
 
 @pytest.mark.slow
-def test_a_section_past_its_limit_is_recorded_and_the_next_still_runs(tmp_path):
+def test_a_section_past_its_limit_is_recorded_and_the_next_still_runs(tmp_path, monkeypatch):
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setenv("TMPDIR", str(scratch))
     proc = dry_run(tmp_path, "--only", "parity,tests", "--limits", "parity=1")
     assert proc.returncode == 1  # not all ok
+    assert not list(scratch.glob("cuda_check-*"))  # the killed section's checkpoints are gone with it
     assert section(tmp_path, "parity")["status"] == "timeout"
     assert section(tmp_path, "tests")["status"] == "skipped"  # ran after it (its CUDA tests skip on CPU)
     summary = json.loads((tmp_path / "summary.json").read_text())
