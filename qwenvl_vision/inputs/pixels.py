@@ -196,9 +196,10 @@ def load_rgb(image: Any, name: str, *, check_aspect: bool = False, max_input_pix
 
     A file: ``open_header`` (its checks, ``max_input_pixels`` and ``on_header``), then ``image_utils.load_image`` and
     ``convert_to_rgb``; the torchvision processor's decode (``decode_image(mode=RGB)``, EXIF applied) keeps no
-    transparency at all, so a single tRNS colour is not turned white there, and a GIF's transparent index shows its
-    background colour. One deviation: torchvision's WebP decoder ignores EXIF orientation, which transformers asks
-    for (and torchcodec, its preferred decoder, applies); a WebP is turned upright here. A PIL image or an array
+    transparency at all, so a single tRNS colour is not turned white there, and a GIF's transparent index and the
+    screen around its first frame show its background colour. One deviation: torchvision's WebP decoder ignores
+    EXIF orientation, which transformers asks for (and torchcodec, its preferred decoder, applies); a WebP is turned
+    upright here. A PIL image or an array
     passed in is already in memory. ``backend``: whose RGB conversion, the PIL or the torchvision image processor's
     (they differ for files and 4-channel arrays).
     """
@@ -221,10 +222,12 @@ def load_rgb(image: Any, name: str, *, check_aspect: bool = False, max_input_pix
         PIL.ImageOps.exif_transpose(opened, in_place=True)
         if opened.mode == "RGB" and getattr(opened, "fp", None) is None:
             rgb = opened
-        elif isinstance(opened.info.get("transparency"), int) and (opened.mode == "P" and composite or (
-                not composite and opened.format == "GIF" and opened.mode in ("P", "L"))):
+        elif not composite and opened.format == "GIF":
             with opened:
-                return _palette_onto_white(opened) if composite else _gif_transparency_as_background(opened)
+                return _gif_as_decode_gif(opened)
+        elif composite and opened.mode == "P" and isinstance(opened.info.get("transparency"), int):
+            with opened:
+                return _palette_onto_white(opened)
         else:  # another mode, or a multi-frame file Pillow keeps open: convert, then close the file
             with opened:
                 rgb = opened.convert("RGB")
@@ -332,13 +335,14 @@ def _palette_onto_white(image: PIL.Image.Image) -> PIL.Image.Image:
     return image.convert("RGB")
 
 
-def _gif_transparency_as_background(image: PIL.Image.Image) -> PIL.Image.Image:
+def _gif_as_decode_gif(image: PIL.Image.Image) -> PIL.Image.Image:
     """A GIF's first frame (a palette image, or a grey ramp Pillow opens as "L") as torchvision's ``decode_gif``
-    paints it: the transparent index in the screen's background colour (the global colour table's, black without
-    one), not in its own palette colour, which ``convert("RGB")`` would give."""
+    paints it: the screen in its background colour (the global colour table's, black without one), where the frame
+    does not cover it and under the frame's transparent index; Pillow gives both index 0's colour or the
+    transparent index's own."""
     image.load()
-    index, screen, background = image.info["transparency"], getattr(image, "global_palette", None), \
-        image.info.get("background")  # set only where the file has a global table
+    frame, index, screen, background = image.dispose_extent, image.info.get("transparency"), \
+        getattr(image, "global_palette", None), image.info.get("background")  # set only with a global table
     if screen is not None:
         colour = list(screen.palette[3 * background:3 * background + 3]) or [0, 0, 0]
     else:  # a grey ramp Pillow keeps no table for, or no global table at all
@@ -346,11 +350,14 @@ def _gif_transparency_as_background(image: PIL.Image.Image) -> PIL.Image.Image:
     if image.mode == "L":  # its raw indices under the grey ramp (under a coloured global table, Pillow keeps that
         image = PIL.Image.frombytes("P", image.size, image.tobytes())  # palette on the frame)
         image.putpalette([i for i in range(256) for _ in range(3)], "RGB")
-    palette = image.getpalette("RGB")
-    palette += [0] * (3 * index + 3 - len(palette))  # an index past the frame's table shows the screen too
-    palette[3 * index:3 * index + 3] = colour
-    image.putpalette(palette, "RGB")
-    return image.convert("RGB")
+    if isinstance(index, int):
+        palette = image.getpalette("RGB")
+        palette += [0] * (3 * index + 3 - len(palette))  # an index past the frame's table shows the screen too
+        palette[3 * index:3 * index + 3] = colour
+        image.putpalette(palette, "RGB")
+    rgb = PIL.Image.new("RGB", image.size, tuple(colour))
+    rgb.paste(image.crop(frame).convert("RGB"), frame[:2])
+    return rgb
 
 
 def _pil_to_rgb(image: PIL.Image.Image, name: str) -> PIL.Image.Image:

@@ -27,19 +27,21 @@ def _hopper() -> Image.Image:
     return Image.open(sample_photo("grace_hopper.jpg")).convert("RGB")
 
 
-def _gif_local_grey_ramp(transparent: int, background: int) -> bytes:
-    """A 16 x 8 GIF Pillow cannot write: a coloured global table, the frame's own table a grey ramp (Pillow opens it
-    as "L", keeping the global palette on it) and a transparent index. Its 128 pixels as LZW literals: 9-bit codes
-    after a clear code, too few for the code size to grow."""
-    pixels = [(7 * i) % 256 for i in range(127)] + [transparent]
+def _gif_local_grey_ramp(transparent: int | None, background: int, frame: tuple[int, int, int, int]) -> bytes:
+    """A GIF Pillow cannot write, on a 16 x 8 screen: a coloured global table, the first ``frame`` (x, y, width,
+    height) with its own table a grey ramp (Pillow opens it as "L", keeping the global palette on it), and maybe a
+    transparent index. Its pixels as LZW literals: 9-bit codes after a clear code, too few for the code size to
+    grow."""
+    x, y, width, height = frame
+    pixels = [(7 * i) % 256 for i in range(width * height - 1)] + [0 if transparent is None else transparent]
     codes = [256, *pixels, 257]
     packed = sum(code << 9 * i for i, code in enumerate(codes)).to_bytes((9 * len(codes) + 7) // 8, "little")
     data = b"".join(bytes([len(packed[i:i + 255])]) + packed[i:i + 255] for i in range(0, len(packed), 255))
     colour, grey = bytes((i, 255 - i, 7)[c] for i in range(256) for c in range(3)), bytes(i for i in range(256)
                                                                                         for _ in range(3))
+    control = bytes([0x21, 0xF9, 4, 0 if transparent is None else 1, 0, 0, transparent or 0, 0])
     return (b"GIF89a" + (16).to_bytes(2, "little") + (8).to_bytes(2, "little") + bytes([0xF7, background, 0])
-            + colour + bytes([0x21, 0xF9, 4, 1, 0, 0, transparent, 0])
-            + b"\x2c" + bytes(4) + (16).to_bytes(2, "little") + (8).to_bytes(2, "little") + bytes([0x87]) + grey
+            + colour + control + b"\x2c" + b"".join(v.to_bytes(2, "little") for v in frame) + bytes([0x87]) + grey
             + bytes([8]) + data + b"\x00\x3b")
 
 
@@ -54,8 +56,9 @@ def _images(tmp_path) -> dict:
     grey = hopper.resize((160, 120)).convert("L")  # a whole grey ramp for its table: Pillow opens it as "L"
     grey.save(tmp_path / "grey.gif", transparency=200, background=9, optimize=False)
     assert Image.open(tmp_path / "grey.gif").mode == "L"
-    (tmp_path / "local-grey.gif").write_bytes(_gif_local_grey_ramp(transparent=200, background=9))
-    assert Image.open(tmp_path / "local-grey.gif").mode == "L"
+    (tmp_path / "local-grey.gif").write_bytes(_gif_local_grey_ramp(200, background=9, frame=(0, 0, 16, 8)))
+    (tmp_path / "inset.gif").write_bytes(_gif_local_grey_ramp(None, background=9, frame=(2, 1, 12, 6)))
+    assert Image.open(tmp_path / "local-grey.gif").mode == Image.open(tmp_path / "inset.gif").mode == "L"
     rgba.save(tmp_path / "rgba.png")
     alpha = np.dstack([np.asarray(hopper.resize((120, 90))), np.linspace(0, 255, 120 * 90).astype(np.uint8)
                        .reshape(90, 120)])
@@ -66,6 +69,7 @@ def _images(tmp_path) -> dict:
         "gif path, a transparent index": str(tmp_path / "trns.gif"),
         "grey gif path, a transparent index": str(tmp_path / "grey.gif"),
         "gif path, a grey local table under a coloured global one": str(tmp_path / "local-grey.gif"),
+        "gif path, a first frame inside its screen": str(tmp_path / "inset.gif"),
         "rgba": rgba,
         "logo rgba": Image.open(sample_photo("logo2.png")).convert("RGBA"),
         "grayscale": hopper.convert("L").resize((333, 211)),
