@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import threading
 import warnings
 from collections.abc import Iterator
@@ -33,6 +34,7 @@ from .ray import actor_cpus, embed_dataset, records_from_batch
 
 UDF = None  # the map_batches class (None: qwenvl_vision.embed.ray.Embedder); a test may put a subclass here
 BATCH_ROWS = 16  # rows a map_batches batch (and a shard) holds
+CONNECT_TIMEOUT_S = 10.0  # a cluster's head answers a TCP connect in well under this, across regions too
 
 
 def local_cpus() -> int:
@@ -41,6 +43,18 @@ def local_cpus() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux
         return os.cpu_count() or 1
+
+
+def check_reachable(address: str) -> None:
+    """A head's ``host:port`` that nothing answers at is refused here: ``ray.init`` retries it without end.
+    ``auto`` and ``ray://`` (Ray Client, which gives up on its own) are left to Ray."""
+    host, _, port = address.rpartition(":")
+    if "://" in address or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as e:
+        raise EmbedError(f"--ray-address {address}: no Ray head answers there ({e.strerror or e})") from None
 
 
 def check_attn(args, device: str) -> None:
@@ -90,6 +104,7 @@ class RayPlan:
             on_sigterm = signal.getsignal(signal.SIGTERM) if main_thread else None
             try:
                 if args.ray_address:
+                    check_reachable(args.ray_address)
                     ray.init(address=args.ray_address, log_to_driver=not args.quiet, logging_level="warning")
                 else:
                     ray.init(num_cpus=local_cpus(), include_dashboard=False, log_to_driver=not args.quiet,

@@ -1,13 +1,14 @@
 """qwenvl_vision.embed.ray_engine's plan and error lines without a cluster (Ray's entry points replaced by fakes):
 a Ray this call started is shut down when the plan fails, GPU actors never outnumber the GPUs, CPU shares add up
-to what the cluster has, the local Ray gets this process's CPUs, --device defaults as the local engine's does,
---attn is checked for the actors' device, pipeline failures are one line with the right exit code, and actors on
-a joined cluster load a Hub checkpoint at the run's revision."""
+to what the cluster has, a head address nothing answers at is refused, the local Ray gets this process's CPUs,
+--device defaults as the local engine's does, --attn is checked for the actors' device, pipeline failures are one
+line with the right exit code, and actors on a joined cluster load a Hub checkpoint at the run's revision."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import socket
 from types import SimpleNamespace
 
 import pytest
@@ -68,6 +69,19 @@ def test_the_local_ray_gets_this_process_cpus(monkeypatch):
     monkeypatch.setattr(os, "cpu_count", lambda: 64)
     plan(args())
     assert fake.inits[0]["num_cpus"] == 3
+
+
+def test_a_head_address_nothing_answers_at_is_refused_not_retried_without_end(monkeypatch):
+    fake = FakeRay(monkeypatch, cpus=2)
+    with socket.socket() as head:
+        head.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{head.getsockname()[1]}"
+        with pytest.raises(EmbedError, match=f"--ray-address {address}"):  # bound, not listening: refused
+            plan(args(ray_address=address))
+        assert not fake.inits
+        head.listen()
+        plan(args(ray_address=address))
+    assert fake.inits[0]["address"] == address
 
 
 def test_gpu_actors_never_outnumber_the_gpus_and_cuda_is_the_default_on_a_gpu_cluster(monkeypatch):
