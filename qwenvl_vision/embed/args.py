@@ -206,8 +206,8 @@ def add_embed_parser(sub, parents=()) -> argparse.ArgumentParser:
                    help="local: this process (or torchrun's ranks); ray: a Ray Data pipeline, the forward on actors "
                         "(needs ray[data]; writes --format parquet or vllm-cache; default %(default)s)")
     p.add_argument("--ray-address",
-                   help="with --engine ray: join this Ray cluster (e.g. auto, or ray://head:10001; default: start a "
-                        "local one with this machine's CPUs and GPUs)")
+                   help="with --engine ray: join this Ray cluster (e.g. auto, or ray://head:10001; default: "
+                        "RAY_ADDRESS's when set, else a local one started with this machine's CPUs and GPUs)")
     p.add_argument("--ray-actors", type=positive_option(int, "--ray-actors"),
                    help="with --engine ray: encoder actors (default: one per GPU with --device cuda, else the "
                         "cluster's CPUs / --threads); each holds a copy of the tower")

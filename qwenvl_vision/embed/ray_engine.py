@@ -47,14 +47,14 @@ def local_cpus() -> int:
 
 def check_reachable(address: str) -> None:
     """A head's ``host:port`` that nothing answers at is refused here: ``ray.init`` retries it without end.
-    ``auto`` and ``ray://`` (Ray Client, which gives up on its own) are left to Ray."""
+    ``auto`` and ``ray://`` (Ray Client, which gives up on its own) are left to Ray, as is a form Ray refuses."""
     host, _, port = address.rpartition(":")
-    if "://" in address or not port.isdigit():
+    if "://" in address or not (port.isascii() and port.isdigit()) or ":" in host and not host.startswith("["):
         return
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S).close()
     except OSError as e:
-        raise EmbedError(f"--ray-address {address}: no Ray head answers there ({e.strerror or e})") from None
+        raise EmbedError(f"Ray address {address}: no Ray head answers there ({e.strerror or e})") from None
 
 
 def check_attn(args, device: str) -> None:
@@ -76,7 +76,8 @@ def check_attn(args, device: str) -> None:
 class RayPlan:
     """The cluster this run uses and how its actors are laid out on it."""
 
-    started: bool  # this process started the cluster (and stops it)
+    started: bool  # this process called ray.init (and shuts Ray down)
+    local: bool  # a Ray this process started on this machine: the actors see the driver's folders
     device: str
     actors: int
     threads: int
@@ -94,8 +95,11 @@ class RayPlan:
             raise EmbedError("--engine ray --random-weights --device cuda: the actors would draw other random weights "
                              "on their GPUs than the driver hashes on its CPU; use a checkpoint, or --device cpu")
         started = not ray.is_initialized()
+        # ray.init joins RAY_ADDRESS (which `ray job submit` sets) when given "auto" or no address: so does the check
+        address = os.environ.get("RAY_ADDRESS") if args.ray_address in (None, "auto") else None
+        address = address or args.ray_address
         if started:
-            where = f"joining the Ray cluster at {args.ray_address}" if args.ray_address else \
+            where = f"joining the Ray cluster at {address}" if address else \
                 f"starting a local Ray ({local_cpus()} CPUs)"
             progress.note(where)
             # ray.init installs its own SIGTERM handler (it exits with status 15, without a word): the command's
@@ -103,27 +107,27 @@ class RayPlan:
             main_thread = threading.current_thread() is threading.main_thread()
             on_sigterm = signal.getsignal(signal.SIGTERM) if main_thread else None
             try:
-                if args.ray_address:
-                    check_reachable(args.ray_address)
-                    ray.init(address=args.ray_address, log_to_driver=not args.quiet, logging_level="warning")
+                if address:
+                    check_reachable(address)
+                    ray.init(address=address, log_to_driver=not args.quiet, logging_level="warning")
                 else:
                     ray.init(num_cpus=local_cpus(), include_dashboard=False, log_to_driver=not args.quiet,
                              logging_level="warning")
             except (ConnectionError, RuntimeError, ValueError) as e:
-                raise EmbedError(f"--engine ray: cannot {where.split(' (')[0]}: "
+                raise EmbedError(f"--engine ray, {where.split(' (')[0]}: "
                                  f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
             finally:
                 if on_sigterm is not None:
                     signal.signal(signal.SIGTERM, on_sigterm)
         try:
-            return cls._plan(args, started, recorded_threads)
+            return cls._plan(args, started, started and not address, recorded_threads)
         except BaseException:
             if started:
                 ray.shutdown()
             raise
 
     @classmethod
-    def _plan(cls, args, started: bool, recorded_threads: int | None) -> RayPlan:
+    def _plan(cls, args, started: bool, local: bool, recorded_threads: int | None) -> RayPlan:
         context = ray.data.DataContext.get_current()
         context.enable_progress_bars = False  # embed's own progress says it
         context.print_on_execution_start = False
@@ -141,10 +145,10 @@ class RayPlan:
                                  f"{'s' if gpus != 1 else ''} and each actor takes one (the rest would wait forever)")
             actors = args.ray_actors or gpus
             threads = args.threads or recorded_threads or max(1, (cpus - 1) // actors)
-            return cls(started, "cuda", actors, threads, actor_cpus(actors, threads), 1.0)
+            return cls(started, local, "cuda", actors, threads, actor_cpus(actors, threads), 1.0)
         threads = args.threads or recorded_threads or max(1, cpus // 4)
         actors = args.ray_actors or max(1, cpus // threads)
-        return cls(started, "cpu", actors, threads, actor_cpus(actors, threads), 0.0)
+        return cls(started, local, "cpu", actors, threads, actor_cpus(actors, threads), 0.0)
 
     def stop(self) -> None:
         if self.started:
@@ -204,13 +208,13 @@ def encode_on_ray(job, todo: list[str]) -> Iterator[list[EmbeddingRecord]]:
 
 
 def actor_source(job, options: dict) -> str:
-    """What the actors load: the driver's checkpoint folder on a Ray this process started (this machine), else,
+    """What the actors load: the driver's checkpoint folder on a local Ray this process started, else,
     for a checkpoint from the Hub, its repo id pinned to the run's revision (another machine has no such folder,
     or another snapshot in its cache), with --local-files-only passed on."""
     args = job.settings
     if job.folder is None:
         return args.model
-    if job.ray.started:
+    if job.ray.local:
         return job.folder
     from ..checkpoint.hub import looks_like_repo_id
 

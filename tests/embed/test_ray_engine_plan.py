@@ -76,12 +76,19 @@ def test_a_head_address_nothing_answers_at_is_refused_not_retried_without_end(mo
     with socket.socket() as head:
         head.bind(("127.0.0.1", 0))
         address = f"127.0.0.1:{head.getsockname()[1]}"
-        with pytest.raises(EmbedError, match=f"--ray-address {address}"):  # bound, not listening: refused
+        with pytest.raises(EmbedError, match=address):  # bound, not listening: refused
             plan(args(ray_address=address))
+        monkeypatch.setenv("RAY_ADDRESS", address)  # what ray.init joins for "auto" and for no address
+        for given in ("auto", None):
+            with pytest.raises(EmbedError, match=address):
+                plan(args(ray_address=given))
         assert not fake.inits
         head.listen()
         plan(args(ray_address=address))
     assert fake.inits[0]["address"] == address
+    fake.shutdown()
+    plan(args(ray_address="ray://127.0.0.1:1"))  # Ray Client gives up on its own
+    assert fake.inits[1]["address"] == "ray://127.0.0.1:1"
 
 
 def test_gpu_actors_never_outnumber_the_gpus_and_cuda_is_the_default_on_a_gpu_cluster(monkeypatch):
@@ -125,15 +132,20 @@ def test_pipeline_failures_are_one_line_with_the_right_exit_code():
     assert "\n" not in str(setup)
 
 
-def test_actors_on_a_joined_cluster_load_a_hub_checkpoint_at_the_run_revision(tmp_path):
+def test_actors_on_a_joined_cluster_load_a_hub_checkpoint_at_the_run_revision(tmp_path, monkeypatch):
+    fake = FakeRay(monkeypatch, cpus=2)
     snapshot = str(tmp_path / "snapshots" / ("a" * 40))
-    job = SimpleNamespace(folder=snapshot, settings=args(model="Qwen/Qwen3-VL-2B-Instruct", revision=None,
-                                                         local_files_only=True),
-                          run={"revision": "a" * 40}, ray=SimpleNamespace(started=False))
+    settings = args(model="Qwen/Qwen3-VL-2B-Instruct", revision=None, local_files_only=True)
+    with socket.socket() as head:
+        head.bind(("127.0.0.1", 0))
+        head.listen()
+        joined = plan(dataclasses.replace(settings, ray_address=f"127.0.0.1:{head.getsockname()[1]}"))
+    job = SimpleNamespace(folder=snapshot, settings=settings, run={"revision": "a" * 40}, ray=joined)
     options: dict = {}
     assert ray_engine.actor_source(job, options) == "Qwen/Qwen3-VL-2B-Instruct"
     assert options == {"revision": "a" * 40, "local_files_only": True}
-    job.ray.started = True  # a local Ray: this machine's folder
+    job.settings = dataclasses.replace(settings, model=str(tmp_path))  # a folder stays one
     assert ray_engine.actor_source(job, {}) == snapshot
-    job.settings, job.ray.started = dataclasses.replace(job.settings, model=str(tmp_path)), False  # a folder stays one
+    fake.shutdown()
+    job.settings, job.ray = settings, plan(settings)  # a local Ray: this machine's folder
     assert ray_engine.actor_source(job, {}) == snapshot
