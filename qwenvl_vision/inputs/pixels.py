@@ -219,12 +219,12 @@ def load_rgb(image: Any, name: str, *, check_aspect: bool = False, max_input_pix
         # compositing. The reference copies the image in both (exif_transpose returns a copy, and convert to
         # the image's own mode is a copy); the same pixels come out of transposing in place (it decodes) and
         # of skipping convert when the image is RGB already and Pillow closed its file after decoding.
+        if not composite and opened.format == "GIF" and opened.mode in ("P", "L"):  # no EXIF in a GIF
+            with opened:
+                return _gif_as_decode_gif(opened)
         PIL.ImageOps.exif_transpose(opened, in_place=True)
         if opened.mode == "RGB" and getattr(opened, "fp", None) is None:
             rgb = opened
-        elif not composite and opened.format == "GIF":
-            with opened:
-                return _gif_as_decode_gif(opened)
         elif composite and opened.mode == "P" and isinstance(opened.info.get("transparency"), int):
             with opened:
                 return _palette_onto_white(opened)
@@ -337,14 +337,18 @@ def _palette_onto_white(image: PIL.Image.Image) -> PIL.Image.Image:
 
 def _gif_as_decode_gif(image: PIL.Image.Image) -> PIL.Image.Image:
     """A GIF's first frame (a palette image, or a grey ramp Pillow opens as "L") as torchvision's ``decode_gif``
-    paints it: the screen in its background colour (the global colour table's, black without one), where the frame
-    does not cover it and under the frame's transparent index; Pillow gives both index 0's colour or the
-    transparent index's own."""
+    paints it: on the screen (as large as the frame where it is smaller), in its background colour (the global
+    colour table's, black without one) where the frame does not cover it and under the frame's transparent index;
+    Pillow fills both with index 0's colour, or the transparent index's own, and widens the image to a frame that
+    runs past the screen, where torchvision cuts it off. Unmatched: what lies outside the screen and uncovered by
+    the frame (its transparent pixels too), which torchvision leaves uninitialised."""
+    image.fp.seek(6)  # the screen's size: Pillow's is widened to a frame that runs past it
+    screen = int.from_bytes(image.fp.read(2), "little"), int.from_bytes(image.fp.read(2), "little")
     image.load()
-    frame, index, screen, background = image.dispose_extent, image.info.get("transparency"), \
+    frame, index, table, background = image.dispose_extent, image.info.get("transparency"), \
         getattr(image, "global_palette", None), image.info.get("background")  # set only with a global table
-    if screen is not None:
-        colour = list(screen.palette[3 * background:3 * background + 3]) or [0, 0, 0]
+    if table is not None:
+        colour = list(table.palette[3 * background:3 * background + 3]) or [0, 0, 0]
     else:  # a grey ramp Pillow keeps no table for, or no global table at all
         colour = [0, 0, 0] if background is None else [background] * 3
     if image.mode == "L":  # its raw indices under the grey ramp (under a coloured global table, Pillow keeps that
@@ -355,7 +359,10 @@ def _gif_as_decode_gif(image: PIL.Image.Image) -> PIL.Image.Image:
         palette += [0] * (3 * index + 3 - len(palette))  # an index past the frame's table shows the screen too
         palette[3 * index:3 * index + 3] = colour
         image.putpalette(palette, "RGB")
-    rgb = PIL.Image.new("RGB", image.size, tuple(colour))
+    if frame == (0, 0, *screen):  # the usual file: no canvas, no copy of the frame
+        return image.convert("RGB")
+    rgb = PIL.Image.new("RGB", (max(screen[0], frame[2] - frame[0]), max(screen[1], frame[3] - frame[1])),
+                        tuple(colour))
     rgb.paste(image.crop(frame).convert("RGB"), frame[:2])
     return rgb
 

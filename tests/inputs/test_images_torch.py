@@ -27,22 +27,24 @@ def _hopper() -> Image.Image:
     return Image.open(sample_photo("grace_hopper.jpg")).convert("RGB")
 
 
-def _gif_local_grey_ramp(transparent: int | None, background: int, frame: tuple[int, int, int, int]) -> bytes:
-    """A GIF Pillow cannot write, on a 16 x 8 screen: a coloured global table, the first ``frame`` (x, y, width,
-    height) with its own table a grey ramp (Pillow opens it as "L", keeping the global palette on it), and maybe a
-    transparent index. Its pixels as LZW literals: 9-bit codes after a clear code, too few for the code size to
-    grow."""
+def _gif(frame: tuple[int, int, int, int], transparent: int | None = None, grey: bool = True,
+         screen_table: bool = True) -> bytes:
+    """A GIF Pillow cannot write, on a 16 x 8 screen of background index 9: maybe a coloured global table, the
+    first ``frame`` (x, y, width, height) with its own table (a grey ramp, which Pillow opens as "L", keeping a
+    global palette on it; else coloured), maybe a transparent index. Its pixels as LZW literals: 9-bit codes after
+    a clear code, too few for the code size to grow."""
     x, y, width, height = frame
     pixels = [(7 * i) % 256 for i in range(width * height - 1)] + [0 if transparent is None else transparent]
     codes = [256, *pixels, 257]
     packed = sum(code << 9 * i for i, code in enumerate(codes)).to_bytes((9 * len(codes) + 7) // 8, "little")
     data = b"".join(bytes([len(packed[i:i + 255])]) + packed[i:i + 255] for i in range(0, len(packed), 255))
-    colour, grey = bytes((i, 255 - i, 7)[c] for i in range(256) for c in range(3)), bytes(i for i in range(256)
-                                                                                        for _ in range(3))
+    colour, grey_ramp = bytes((i, 255 - i, 7)[c] for i in range(256) for c in range(3)), bytes(
+        i for i in range(256) for _ in range(3))
     control = bytes([0x21, 0xF9, 4, 0 if transparent is None else 1, 0, 0, transparent or 0, 0])
-    return (b"GIF89a" + (16).to_bytes(2, "little") + (8).to_bytes(2, "little") + bytes([0xF7, background, 0])
-            + colour + control + b"\x2c" + b"".join(v.to_bytes(2, "little") for v in frame) + bytes([0x87]) + grey
-            + bytes([8]) + data + b"\x00\x3b")
+    screen = (16).to_bytes(2, "little") + (8).to_bytes(2, "little") + (bytes([0xF7, 9, 0]) + colour if screen_table
+                                                                        else bytes([0, 9, 0]))
+    return (b"GIF89a" + screen + control + b"\x2c" + b"".join(v.to_bytes(2, "little") for v in frame)
+            + bytes([0x87]) + (grey_ramp if grey else colour[::-1]) + bytes([8]) + data + b"\x00\x3b")
 
 
 def _images(tmp_path) -> dict:
@@ -56,9 +58,11 @@ def _images(tmp_path) -> dict:
     grey = hopper.resize((160, 120)).convert("L")  # a whole grey ramp for its table: Pillow opens it as "L"
     grey.save(tmp_path / "grey.gif", transparency=200, background=9, optimize=False)
     assert Image.open(tmp_path / "grey.gif").mode == "L"
-    (tmp_path / "local-grey.gif").write_bytes(_gif_local_grey_ramp(200, background=9, frame=(0, 0, 16, 8)))
-    (tmp_path / "inset.gif").write_bytes(_gif_local_grey_ramp(None, background=9, frame=(2, 1, 12, 6)))
+    (tmp_path / "local-grey.gif").write_bytes(_gif((0, 0, 16, 8), transparent=200))
+    (tmp_path / "inset.gif").write_bytes(_gif((2, 1, 12, 6)))
+    (tmp_path / "past.gif").write_bytes(_gif((4, 2, 14, 7), transparent=5, grey=False, screen_table=False))
     assert Image.open(tmp_path / "local-grey.gif").mode == Image.open(tmp_path / "inset.gif").mode == "L"
+    assert Image.open(tmp_path / "past.gif").size == (18, 9)  # Pillow widens its screen to the frame
     rgba.save(tmp_path / "rgba.png")
     alpha = np.dstack([np.asarray(hopper.resize((120, 90))), np.linspace(0, 255, 120 * 90).astype(np.uint8)
                        .reshape(90, 120)])
@@ -70,6 +74,7 @@ def _images(tmp_path) -> dict:
         "grey gif path, a transparent index": str(tmp_path / "grey.gif"),
         "gif path, a grey local table under a coloured global one": str(tmp_path / "local-grey.gif"),
         "gif path, a first frame inside its screen": str(tmp_path / "inset.gif"),
+        "gif path, a first frame past its screen, no global table": str(tmp_path / "past.gif"),
         "rgba": rgba,
         "logo rgba": Image.open(sample_photo("logo2.png")).convert("RGBA"),
         "grayscale": hopper.convert("L").resize((333, 211)),
