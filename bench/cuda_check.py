@@ -226,30 +226,31 @@ def run_child(name: str, out: Path, dry_run: bool, limit_s: float) -> tuple[int 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
            "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false"}
-    scratch = tempfile.TemporaryDirectory(prefix=f"cuda_check-{name}-")
     command = [sys.executable, "-m", "bench.cuda_check", "--section", name, "--out", str(out),
-               "--limit", str(limit_s), "--scratch", scratch.name] + (["--dry-run"] if dry_run else [])
+               "--limit", str(limit_s)] + (["--dry-run"] if dry_run else [])
     start = time.monotonic()
-    proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            errors="replace", start_new_session=True)
     tail: collections.deque[str] = collections.deque(maxlen=200)
+    with tempfile.TemporaryDirectory(prefix=f"cuda_check-{name}-", ignore_cleanup_errors=True) as scratch:
+        proc = subprocess.Popen(command + ["--scratch", scratch], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, errors="replace", start_new_session=True)
 
-    def pump() -> None:
-        for line in proc.stdout:
-            tail.append(line)
-            print(f"[{name}] {line}", end="", flush=True)
+        def pump() -> None:
+            for line in proc.stdout:
+                tail.append(line)
+                print(f"[{name}] {line}", end="", flush=True)
 
-    reader = threading.Thread(target=pump, daemon=True)
-    reader.start()
-    try:
-        code = proc.wait(timeout=limit_s)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        code = None
-    reader.join(timeout=10)
-    scratch.cleanup()
+        reader = threading.Thread(target=pump, daemon=True)
+        reader.start()
+        try:
+            code = proc.wait(timeout=limit_s)
+        except subprocess.TimeoutExpired:
+            code = None
+        finally:  # at its limit, or this process stopped (Ctrl-C): the section stops before its folder goes
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        reader.join(timeout=10)
     return code, "".join(tail)[-LOG_TAIL:], time.monotonic() - start
 
 
@@ -399,8 +400,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--limits", default="", help="override section limits, e.g. tests=300,load=60")
     p.add_argument("--section", choices=sorted(SECTIONS), help=argparse.SUPPRESS)  # run one section, in this process
     p.add_argument("--limit", type=float, help=argparse.SUPPRESS)
-    p.add_argument("--scratch", type=Path, help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    p.add_argument("--scratch", type=Path, help=argparse.SUPPRESS)  # the parent's folder for the section's files
+    args = p.parse_args(argv)
+    if args.section and not args.scratch:
+        p.error("--section runs a section for the parent, in the --scratch folder the parent removes")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
