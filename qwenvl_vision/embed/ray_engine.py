@@ -95,11 +95,13 @@ class RayPlan:
             raise EmbedError("--engine ray --random-weights --device cuda: the actors would draw other random weights "
                              "on their GPUs than the driver hashes on its CPU; use a checkpoint, or --device cpu")
         started = not ray.is_initialized()
-        # ray.init joins RAY_ADDRESS (which `ray job submit` sets) when given "auto" or no address: so does the check
+        # ray.init joins RAY_ADDRESS (which `ray job submit` sets) when given "auto" or no address: so does the check.
+        # No address (or "local") is passed as "local": ray.init would otherwise join a `ray start` of this machine.
         address = os.environ.get("RAY_ADDRESS") if args.ray_address in (None, "auto") else None
         address = address or args.ray_address
+        joined = address not in (None, "local")
         if started:
-            where = f"joining the Ray cluster at {address}" if address else \
+            where = f"joining the Ray cluster at {address}" if joined else \
                 f"starting a local Ray ({local_cpus()} CPUs)"
             progress.note(where)
             # ray.init installs its own SIGTERM handler (it exits with status 15, without a word): the command's
@@ -107,12 +109,12 @@ class RayPlan:
             main_thread = threading.current_thread() is threading.main_thread()
             on_sigterm = signal.getsignal(signal.SIGTERM) if main_thread else None
             try:
-                if address:
+                if joined:
                     check_reachable(address)
                     ray.init(address=address, log_to_driver=not args.quiet, logging_level="warning")
                 else:
-                    ray.init(num_cpus=local_cpus(), include_dashboard=False, log_to_driver=not args.quiet,
-                             logging_level="warning")
+                    ray.init(address="local", num_cpus=local_cpus(), include_dashboard=False,
+                             log_to_driver=not args.quiet, logging_level="warning")
             except (ConnectionError, RuntimeError, ValueError) as e:
                 raise EmbedError(f"--engine ray, {where.split(' (')[0]}: "
                                  f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
@@ -120,7 +122,7 @@ class RayPlan:
                 if on_sigterm is not None:
                     signal.signal(signal.SIGTERM, on_sigterm)
         try:
-            return cls._plan(args, started, started and not address, recorded_threads)
+            return cls._plan(args, started, started and not joined, recorded_threads)
         except BaseException:
             if started:
                 ray.shutdown()

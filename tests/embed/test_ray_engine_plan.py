@@ -42,6 +42,12 @@ class FakeRay:
         self.shutdowns += 1
 
 
+@pytest.fixture(autouse=True)
+def no_ray_address(monkeypatch):
+    """Not the cluster of the shell that runs the tests (a Ray node's, or `ray job submit`'s)."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+
+
 def args(**given) -> EmbedSettings:
     """An embed run's settings with --engine ray, as the job reads them."""
     return EmbedSettings(**{"inputs": ("photos",), "model": "qwen3.5-0.8b", "out": "out", "engine": "ray",
@@ -69,6 +75,7 @@ def test_the_local_ray_gets_this_process_cpus(monkeypatch):
     monkeypatch.setattr(os, "cpu_count", lambda: 64)
     plan(args())
     assert fake.inits[0]["num_cpus"] == 3
+    assert fake.inits[0]["address"] == "local"  # never a `ray start` of this machine, with all its CPUs
 
 
 def test_a_head_address_nothing_answers_at_is_refused_not_retried_without_end(monkeypatch):
@@ -149,3 +156,10 @@ def test_actors_on_a_joined_cluster_load_a_hub_checkpoint_at_the_run_revision(tm
     fake.shutdown()
     job.settings, job.ray = settings, plan(settings)  # a local Ray: this machine's folder
     assert ray_engine.actor_source(job, {}) == snapshot
+    fake.shutdown()
+    with socket.socket() as head:  # joined as `ray job submit` joins
+        head.bind(("127.0.0.1", 0))
+        head.listen()
+        monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{head.getsockname()[1]}")
+        job.ray = plan(settings)
+    assert ray_engine.actor_source(job, {}) == "Qwen/Qwen3-VL-2B-Instruct"
