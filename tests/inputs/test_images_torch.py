@@ -61,6 +61,8 @@ def _images(tmp_path) -> dict:
     (tmp_path / "local-grey.gif").write_bytes(_gif((0, 0, 16, 8), transparent=200))
     (tmp_path / "inset.gif").write_bytes(_gif((2, 1, 12, 6)))
     (tmp_path / "past.gif").write_bytes(_gif((4, 2, 14, 7), transparent=5, grey=False, screen_table=False))
+    (tmp_path / "wide.gif").write_bytes(_gif((0, 0, 20, 10), grey=False))  # no transparency: torchvision leaves
+    # a transparent pixel outside the screen unwritten
     assert Image.open(tmp_path / "local-grey.gif").mode == Image.open(tmp_path / "inset.gif").mode == "L"
     assert Image.open(tmp_path / "past.gif").size == (18, 9)  # Pillow widens its screen to the frame
     rgba.save(tmp_path / "rgba.png")
@@ -75,6 +77,7 @@ def _images(tmp_path) -> dict:
         "gif path, a grey local table under a coloured global one": str(tmp_path / "local-grey.gif"),
         "gif path, a first frame inside its screen": str(tmp_path / "inset.gif"),
         "gif path, a first frame past its screen, no global table": str(tmp_path / "past.gif"),
+        "gif path, a first frame larger than its screen": str(tmp_path / "wide.gif"),
         "rgba": rgba,
         "logo rgba": Image.open(sample_photo("logo2.png")).convert("RGBA"),
         "grayscale": hopper.convert("L").resize((333, 211)),
