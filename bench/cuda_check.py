@@ -245,11 +245,10 @@ def run_child(name: str, out: Path, dry_run: bool, limit_s: float) -> tuple[int 
             code = proc.wait(timeout=limit_s)
         except subprocess.TimeoutExpired:
             code = None
-        finally:  # at its limit, or this process stopped (Ctrl-C): the section stops before its folder goes
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        finally:  # at its limit, or this process stopped: the section and its children end before its folder
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
         reader.join(timeout=10)
     return code, "".join(tail)[-LOG_TAIL:], time.monotonic() - start
 
@@ -410,6 +409,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # a kill stops as Ctrl-C does
     if args.section:
         return run_section(args.section, args.out, args.dry_run,
                            args.limit or SECTIONS[args.section].plan(args.dry_run)[1], args.scratch)
