@@ -409,7 +409,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # a kill stops as Ctrl-C does
     if args.section:
         return run_section(args.section, args.out, args.dry_run,
                            args.limit or SECTIONS[args.section].plan(args.dry_run)[1], args.scratch)
@@ -457,4 +456,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # a kill stops as Ctrl-C does
     sys.exit(main())
