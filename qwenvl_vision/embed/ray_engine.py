@@ -97,8 +97,7 @@ class RayPlan:
         started = not ray.is_initialized()
         # ray.init joins RAY_ADDRESS (which `ray job submit` sets) when given "auto" or no address: so does the check.
         # No address (or "local") is passed as "local": ray.init would otherwise join a `ray start` of this machine.
-        address = os.environ.get("RAY_ADDRESS") if args.ray_address in (None, "auto") else None
-        address = address or args.ray_address
+        address = (args.ray_address in (None, "auto") and os.environ.get("RAY_ADDRESS")) or args.ray_address
         joined = address not in (None, "local")
         if started:
             where = f"joining the Ray cluster at {address}" if joined else \

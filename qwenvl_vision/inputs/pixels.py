@@ -199,9 +199,8 @@ def load_rgb(image: Any, name: str, *, check_aspect: bool = False, max_input_pix
     transparency at all, so a single tRNS colour is not turned white there, and a GIF's transparent index and the
     screen around its first frame show its background colour. One deviation: torchvision's WebP decoder ignores
     EXIF orientation, which transformers asks for (and torchcodec, its preferred decoder, applies); a WebP is turned
-    upright here. A PIL image or an array
-    passed in is already in memory. ``backend``: whose RGB conversion, the PIL or the torchvision image processor's
-    (they differ for files and 4-channel arrays).
+    upright here. A PIL image or an array passed in is already in memory. ``backend``: whose RGB conversion, the PIL
+    or the torchvision image processor's (they differ for files and 4-channel arrays).
     """
     composite = backend == "pil"
     if isinstance(image, PIL.Image.Image):
