@@ -400,10 +400,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--section", choices=sorted(SECTIONS), help=argparse.SUPPRESS)  # run one section, in this process
     p.add_argument("--limit", type=float, help=argparse.SUPPRESS)
     p.add_argument("--scratch", type=Path, help=argparse.SUPPRESS)  # the parent's folder for the section's files
-    args = p.parse_args(argv)
-    if args.section and not args.scratch:
-        p.error("--section runs a section for the parent, in the --scratch folder the parent removes")
-    return args
+    return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
