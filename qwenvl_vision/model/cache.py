@@ -55,8 +55,6 @@ class ShapeCache:
             raise ConfigError(f"cache_size must be >= 0, got {maxsize}")
         self.maxsize = maxsize
         self.max_bytes = max_bytes
-        self.hits = 0
-        self.misses = 0
         self._entries: OrderedDict[Hashable, tuple[Any, int]] = OrderedDict()
         self._pending: dict[Hashable, Future] = {}
         self._bytes = 0
@@ -71,15 +69,11 @@ class ShapeCache:
             entry = self._entries.get(key)
             if entry is not None:
                 self._entries.move_to_end(key)
-                self.hits += 1
                 return entry[0]
             future = self._pending.get(key)
             owner = future is None
             if owner:
-                self.misses += 1
                 future = self._pending[key] = Future()
-            else:
-                self.hits += 1
         if not owner:
             return future.result()
         try:
@@ -122,13 +116,6 @@ class ShapeCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def __contains__(self, key: Hashable) -> bool:
-        return key in self._entries
-
     @property
     def nbytes(self) -> int:
         return self._bytes
-
-    def stats(self) -> dict[str, int]:
-        return {"hits": self.hits, "misses": self.misses, "entries": len(self._entries), "bytes": self._bytes,
-                "maxsize": self.maxsize}

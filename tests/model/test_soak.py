@@ -37,7 +37,7 @@ for i, grid in enumerate(grids, 1):
     pixels = torch.randn(grid[0] * grid[1] * grid[2], cfg.patch_dim, generator=generator)
     encoder.encode_patches(pixels, [grid], pixels_sha256=["0" * 64])
     if i % EVERY == 0:
-        samples.append((i, rss_mib(), encoder.model.shape_cache.stats()["entries"]))
+        samples.append((i, rss_mib(), len(encoder.model.shape_cache)))
 print(json.dumps(samples))
 """
 CALLS, CACHE, EVERY = 4000, 512, 10
