@@ -26,7 +26,7 @@ from .writer import Writer, redone
 
 def statuses(out: Path) -> list[tuple[str, str]]:
     """(realpath, status) of every row of the folder's shards, in shard order (the summary's source)."""
-    return [row for shard in parquet_shards(out) for row in zip(*read_parquet_index(shard)[:2])]
+    return [row for shard in parquet_shards(out) for row in zip(*read_parquet_index(shard))]
 
 
 class ParquetRankWriter(Writer):
@@ -50,7 +50,7 @@ class ParquetRankWriter(Writer):
         listed = {text(file): text(key) for file, key in listed.items()}  # as the rows spell them
         own = set(parquet_shards(self.out, self.rank))
         for shard in parquet_shards(self.out):
-            rows = [(key, state == "ok") for key, state in zip(*read_parquet_index(shard)[:2])]
+            rows = [(key, state == "ok") for key, state in zip(*read_parquet_index(shard))]
             dropped = {key: ok for key, ok in rows if redone(key, ok, listed)}
             self.done.update(key for key, ok in rows if ok and key not in dropped)
             self.replaced.update(file_of(key) for key, ok in dropped.items() if ok)

@@ -36,21 +36,12 @@ def read_run(out: str | os.PathLike) -> dict:
     try:
         run = json.loads(path.read_text())
     except FileNotFoundError:
-        if parquet_shards(Path(out)):  # Parquet shards copied without run.json: each carries the run
-            from ..outputs.parquet_reader import read_parquet_run
-
-            return _checked_run(Path(out) / "shard-r*.parquet", read_parquet_run(out))
         raise ManifestError(f"{path} does not exist: not an embed output") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ManifestError(f"{path} is damaged: {e}") from None
-    if run.get("format", RUN_FORMAT) > RUN_FORMAT:  # without one: damaged (_checked_run)
+    if run.get("format", RUN_FORMAT) > RUN_FORMAT:  # without one: damaged (the fields' check)
         raise ManifestError(f"{path} has format {run['format']}; this qwenvl-vision reads format {RUN_FORMAT} "
                             f"(upgrade it)")
-    return _checked_run(path, run)
-
-
-def _checked_run(path: Path, run: dict) -> dict:
-    """``run``, every field this version reads present; a ManifestError naming ``path`` and the fields otherwise."""
     missing = [key for key in RUN_FIELDS if key not in run]
     if missing:
         raise ManifestError(f"{path} is damaged: no {', '.join(missing)}; restore it (or move the folder away and "
@@ -128,7 +119,7 @@ def _parquet_embeddings(out: Path, deepstack: bool) -> Iterator[tuple[str, objec
     from ..outputs.parquet_reader import read_parquet_records
 
     # No shards where the run stopped before its first.
-    for record in (r for r in read_parquet_records(out, files=parquet_shards(out)) if r.ok):
+    for record in (r for r in read_parquet_records(parquet_shards(out)) if r.ok):
         if record.embedding is None:  # a pooled-only run
             tensor, levels = record.pooled.float(), []
         else:

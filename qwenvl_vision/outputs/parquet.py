@@ -36,7 +36,6 @@ from .records import EmbeddingRecord
 
 PARQUET_FORMAT = 1
 METADATA_KEY = b"qwenvl_vision"
-SHARD_SUFFIX = ".parquet"
 # The video struct holds what embed's manifest records for a video file (see video.VideoInfo).
 VIDEO_TYPE = pa.struct([("frames", pa.list_(pa.int64())), ("timestamps", pa.list_(pa.float64())),
                         ("fps", pa.float64()), ("sampled_fps", pa.float64()), ("total_frames", pa.int64())])
@@ -180,5 +179,5 @@ def write_table_atomic(table: pa.Table, path: str | os.PathLike) -> Path:
 
 def shard_name(rank: int, number: int) -> str:
     """A shard's file name, as embed names its safetensors shards: ``shard-r{rank}-{number:06d}.parquet``."""
-    return f"shard-r{rank}-{number:06d}{SHARD_SUFFIX}"
+    return f"shard-r{rank}-{number:06d}.parquet"
 

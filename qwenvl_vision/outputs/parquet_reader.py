@@ -1,7 +1,7 @@
 """Reading back ``parquet``'s layout: one shard whole (``read_parquet_table``: its pages' checksums and its metadata
-checked), or only what a question needs (``read_parquet_index``: which inputs are done;
-``read_parquet_grids``: the grids a hand-off needs; ``read_parquet_run``: the run record), and a folder's records
-(``read_parquet_records``), tensors bitwise the encoder's. Any fault is one ManifestError naming the file.
+checked), or only what a question needs (``read_parquet_index``: which inputs are done; ``read_parquet_grids``: the
+grids a hand-off needs), and the records of shards (``read_parquet_records``), tensors bitwise the encoder's. Any
+fault is one ManifestError naming the file.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 from ..devices import DTYPES
 from ..errors import ManifestError
 from ..inputs.pixels import is_url
-from .parquet import METADATA_KEY, PARQUET_FORMAT, SHARD_SUFFIX, ParquetLayout
+from .parquet import METADATA_KEY, PARQUET_FORMAT, ParquetLayout
 from .records import EmbeddingRecord
 
 
@@ -66,11 +66,11 @@ def read_parquet_grids(path: str | os.PathLike) -> list[tuple[str, list[int], di
     return [(name, grid, video, tokens) for name, status, grid, video, tokens in rows if status == "ok"]
 
 
-def read_parquet_index(path: str | os.PathLike) -> tuple[list[str], list[str], ParquetLayout, dict]:
-    """(realpaths, statuses, layout, run) of one shard, reading only its footer and those two columns (a resume's
-    question: which inputs are done). Any fault is one ManifestError naming the file."""
-    table, layout, run = read_parquet_table(path, ["realpath", "status"])
-    return table.column("realpath").to_pylist(), table.column("status").to_pylist(), layout, run
+def read_parquet_index(path: str | os.PathLike) -> tuple[list[str], list[str]]:
+    """(realpaths, statuses) of one shard, reading only its footer and those two columns (a resume's question: which
+    inputs are done). Any fault is one ManifestError naming the file."""
+    table = read_parquet_table(path, ["realpath", "status"])[0]
+    return table.column("realpath").to_pylist(), table.column("status").to_pylist()
 
 
 def _tensors(column: pa.Array, dim: int, dtype: torch.dtype, per_row_vectors: bool) -> list[torch.Tensor | None]:
@@ -144,38 +144,10 @@ def records_of_table(table: pa.Table, dtype: str, *, path_column: str = "path", 
     return records
 
 
-def parquet_files(folder: str | os.PathLike) -> list[Path]:
-    """The shards of a folder, by name with numbers compared as numbers (``shard-r2-…`` before ``shard-r10-…``, as
-    the job reads them; temporary files of a write in progress are not shards)."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise ManifestError(f"{folder}: not a folder")
-    files = sorted((p for p in folder.iterdir() if p.name.endswith(SHARD_SUFFIX) and not p.name.startswith(".")
-                    and p.is_file()),
-                   key=lambda p: ([int(t) if t.isdecimal() else t for t in re.split(r"(\d+)", p.name)], p.name))
-    if not files:
-        raise ManifestError(f"{folder}: holds no {SHARD_SUFFIX} files")
-    return files
-
-
-def read_parquet_run(folder: str | os.PathLike) -> dict:
-    """The run record the folder's shards carry (their metadata, no rows read): the first shard's, with the CPU plan
-    of the first that records one (a run started off the CPU records it at its first resume on one)."""
-    run = None
-    for path in parquet_files(folder):
-        found = read_metadata(_read(path, pq.read_schema), str(path))[1]
-        run = run or found
-        if found.get("cpu_plan") is not None:
-            return {**run, "cpu_plan": found["cpu_plan"]}
-    return run
-
-
-def read_parquet_records(folder: str | os.PathLike, *, files: Sequence[str | os.PathLike] | None = None
-                         ) -> Iterator[EmbeddingRecord]:
-    """Every record of a folder of shards (or of ``files``), shard by shard in ``parquet_files``' order, rows in
-    order; tensors in the run's dtype, bitwise the encoder's. Each shard is validated whole before its first record
-    (see ``read_parquet_table``)."""
-    for path in [Path(f) for f in files] if files is not None else parquet_files(folder):
+def read_parquet_records(files: Sequence[str | os.PathLike]) -> Iterator[EmbeddingRecord]:
+    """Every record of the shards ``files``, in order, rows in order; tensors in the run's dtype, bitwise the
+    encoder's. Each shard is validated whole before its first record (see ``read_parquet_table``)."""
+    for path in files:
         table, layout, _ = read_parquet_table(path)
         try:
             records = records_of_table(table, layout.dtype, carried=[name for name, _ in layout.columns])

@@ -18,6 +18,7 @@ import torch
 
 from qwenvl_vision.cli import main
 from qwenvl_vision.embed import read_embeddings, read_encoded, read_manifest_lines, read_run, remote
+from qwenvl_vision.embed.manifest import parquet_shards
 from qwenvl_vision.inputs.pixels import FileBytes
 from qwenvl_vision.outputs.parquet_reader import read_parquet_records
 from tests.helpers import make_image_folder
@@ -211,7 +212,7 @@ def test_ray_engine_reads_urls_bitwise(photos, checkpoint, tmp_path, local_ray):
         out = tmp_path / "ray"
         assert run_embed(urls, checkpoint, out, "--engine", "ray", "--ray-actors", "1", "--threads", threads,
                          *SMALL) == 0
-    records = {r.path: r for r in read_parquet_records(out)}
+    records = {r.path: r for r in read_parquet_records(parquet_shards(out))}
     for url, p in zip(urls, paths, strict=True):
         assert records[url].realpath == url and torch.equal(records[url].embedding, want[p.name])
 

@@ -18,6 +18,7 @@ from PIL import Image
 from qwenvl_vision.cli import main
 from qwenvl_vision.embed import MANIFEST, read_embeddings, read_manifest_lines, read_run
 from qwenvl_vision.embed.inputs import gather_inputs
+from qwenvl_vision.embed.manifest import parquet_shards
 from qwenvl_vision.embed.shards import ItemOpener
 from qwenvl_vision.outputs.parquet_reader import read_parquet_records
 from tests.helpers import ENV, make_image_folder, write_video
@@ -262,7 +263,7 @@ def test_ray_engine_reads_shard_members_bitwise(collection, checkpoint, local_ra
     threads = str(read_run(root / "from-folder")["threads"])  # CPU bits are the same at the same thread count
     assert run_embed([root / "shards-{000000..000001}.tar"], checkpoint, out, "--engine", "ray", "--ray-actors", "1",
                      "--threads", threads, "--keep-columns", "txt", *SMALL) == 0
-    records = list(read_parquet_records(out))
+    records = list(read_parquet_records(parquet_shards(out)))
     assert len(records) == len(names)
     for r in records:
         source = paths[names.index(Path(r.path).name)]
@@ -289,7 +290,7 @@ def test_ray_engine_reads_shard_members_bitwise(collection, checkpoint, local_ra
             assert main([*argv, *(["--engine", "ray", "--ray-actors", "1"] if engine == "ray" else [])]) == 0
         finally:
             os.chdir(cwd)
-        got = {r.path: r.embedding for r in read_parquet_records(odd / f"out-{engine}")}
+        got = {r.path: r.embedding for r in read_parquet_records(parquet_shards(odd / f"out-{engine}"))}
         assert torch.equal(got["dots.tar/./a.jpg"], want[paths[0].name])
         assert torch.equal(got["dup.tar/x.jpg"], want[paths[2].name])
         assert torch.equal(got["dup.tar/y.jpg"], want[paths[1].name])

@@ -16,6 +16,7 @@ import torch
 
 from qwenvl_vision.cli import main
 from qwenvl_vision.embed import read_embeddings, read_manifest_lines, read_run
+from qwenvl_vision.embed.manifest import parquet_shards
 from qwenvl_vision.outputs.parquet_reader import read_parquet_records
 from tests.helpers import make_image_folder
 from tests.helpers.embed import (
@@ -112,7 +113,7 @@ def test_every_format_carries_the_columns_typed_and_a_resume_keeps_each_row_once
     assert [r["caption"] for r in table_rows] == [r["caption"] for r in rows]
     assert [json.loads(r["meta"]) for r in table_rows] == [r["meta"] for r in rows]
     assert [r["keep"] for r in table_rows] == [r["keep"] for r in rows]
-    records = list(read_parquet_records(out))
+    records = list(read_parquet_records(parquet_shards(out)))
     assert [r.columns["score"] for r in records] == [r["score"] for r in rows]
     assert all(torch.equal(r.embedding, want[r.realpath]) for r in records)
 
@@ -170,7 +171,7 @@ def test_ray_engine_carries_each_row_s_columns(folder_run, checkpoint, local_ray
     threads = str(read_run(root / "from-folder")["threads"])  # CPU bits are the same at the same thread count
     assert run_embed([table], checkpoint, out, "--engine", "ray", "--ray-actors", "1", "--threads", threads, *KEEP,
                      *SMALL) == 1
-    records = list(read_parquet_records(out))
+    records = list(read_parquet_records(parquet_shards(out)))
     assert sorted(r.columns["caption"] for r in records) == sorted(r["caption"] for r in rows)
     for r in records:
         if r.ok:
@@ -204,7 +205,7 @@ def test_a_dictionary_encoded_column_is_carried_as_its_values(folder_run, checkp
         assert run_embed([table], checkpoint, out, "--keep-columns", "label", "--format", file_format, *SMALL) == 0
         assert read_run(out)["columns"] == [["label", "string"]]
         if file_format == "parquet":
-            assert [r.columns["label"] for r in read_parquet_records(out)] == labels
+            assert [r.columns["label"] for r in read_parquet_records(parquet_shards(out))] == labels
         else:
             assert [r["columns"]["label"] for r in read_manifest_lines(out / "manifest.jsonl")] == labels
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from qwenvl_vision import ManifestError, load_encoder
+from qwenvl_vision.embed.manifest import parquet_shards
 from qwenvl_vision.inputs.video_io import VideoInfo
 from qwenvl_vision.results import ItemResult
 from tests.helpers import make_image_folder
@@ -25,7 +26,6 @@ from qwenvl_vision.outputs.parquet import ParquetLayout, results_table, shard_na
 from qwenvl_vision.outputs.parquet_reader import (  # noqa: E402
     read_parquet_index,
     read_parquet_records,
-    read_parquet_run,
     read_parquet_table,
 )
 from qwenvl_vision.outputs.records import EmbeddingRecord, record_from_result  # noqa: E402
@@ -95,8 +95,8 @@ def assert_same_records(got, want):
 
 def test_read_parquet_records_gives_back_the_encoder_tensors(shard, fp32):
     records, _ = fp32
-    assert_same_records(read_parquet_records(shard.parent), records)
-    assert read_parquet_run(shard.parent) == RUN
+    assert_same_records(read_parquet_records([shard]), records)
+    assert read_parquet_table(shard)[2] == RUN
 
 
 def test_a_folder_is_read_in_rank_and_shard_number_order(tmp_path, fp32):
@@ -104,7 +104,7 @@ def test_a_folder_is_read_in_rank_and_shard_number_order(tmp_path, fp32):
     records, layout = fp32
     for rank, number, record in ((10, 0, records[0]), (2, 1, records[1]), (2, 0, records[2])):
         write_table_atomic(results_table([record], layout, RUN), tmp_path / shard_name(rank, number))
-    assert [r.path for r in read_parquet_records(tmp_path)] == [records[i].path for i in (2, 1, 0)]
+    assert [r.path for r in read_parquet_records(parquet_shards(tmp_path))] == [records[i].path for i in (2, 1, 0)]
 
 
 def test_a_flipped_bit_in_a_stored_value_is_caught_by_the_page_checksum(shard, fp32):
@@ -117,7 +117,7 @@ def test_a_flipped_bit_in_a_stored_value_is_caught_by_the_page_checksum(shard, f
     assert at > 0 and data.count(value) == 1
     data[at] ^= 0x10  # a low mantissa bit
     shard.write_bytes(bytes(data))
-    for read in (read_parquet_table, lambda p: list(read_parquet_records(p.parent))):
+    for read in (read_parquet_table, lambda p: list(read_parquet_records([p]))):
         with pytest.raises(ManifestError, match="not a readable Parquet file.*CRC"):
             read(shard)
 
@@ -132,7 +132,7 @@ def test_pooled_only_layout_and_the_video_column(tmp_path, fp32):
     path = write_table_atomic(results_table([first, *records[1:]], layout, RUN), tmp_path / "a.parquet")
     assert pq.read_schema(path).names == ["path", "realpath", "status", "error", "grid_thw", "tokens", "pooled",
                                           "video"]
-    back = list(read_parquet_records(tmp_path))
+    back = list(read_parquet_records([path]))
     assert back[0].video == {"frames": [0, 5, 10, 15], "timestamps": [0.0, 0.5, 1.0, 1.5], "fps": 10.0,
                              "sampled_fps": info.sampled_fps, "total_frames": 20}
     assert back[1].video is None and back[0].embedding is None and back[0].tokens == records[0].tokens
@@ -169,23 +169,19 @@ def test_a_failed_write_leaves_neither_a_shard_nor_a_temporary_file(tmp_path, fp
                                                ({b"qwenvl_vision": b"{not json"}, "damaged qwenvl_vision metadata")])
 def test_a_file_without_our_metadata_is_one_error_naming_it(shard, metadata, message):
     pq.write_table(pq.read_table(shard).replace_schema_metadata(metadata), shard)
-    for read in (read_parquet_table, lambda p: list(read_parquet_records(p.parent))):
+    for read in (read_parquet_table, lambda p: list(read_parquet_records([p]))):
         with pytest.raises(ManifestError, match=message) as caught:
             read(shard)
         assert str(shard) in str(caught.value)
 
 
-def test_an_unreadable_file_and_odd_folders_are_refused(tmp_path, shard, fp32):
-    records, layout = fp32
-    (tmp_path / "empty").mkdir()
-    with pytest.raises(ManifestError, match="holds no .parquet files"):
-        list(read_parquet_records(tmp_path / "empty"))
-    (shard.parent / f".{shard.name}.abc.tmp").write_bytes(b"a write in progress")  # not a shard: skipped
-    assert len(list(read_parquet_records(shard.parent))) == len(records)
+def test_an_unreadable_file_is_refused_and_a_write_in_progress_is_no_shard(shard):
+    (shard.parent / f".{shard.name}.abc.tmp").write_bytes(b"a write in progress")
+    assert parquet_shards(shard.parent) == [shard]
     other = shard.parent / "z.parquet"
     other.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     with pytest.raises(ManifestError, match=r"z.parquet: not a readable Parquet file"):
-        list(read_parquet_records(shard.parent))
+        list(read_parquet_records([shard, other]))
 
 
 def test_text_columns_store_a_non_utf8_name_escaped(tmp_path, fp32):
@@ -204,18 +200,12 @@ def test_text_columns_store_a_non_utf8_name_escaped(tmp_path, fp32):
     assert qparquet.text("plain é") == "plain é" and qparquet.needs_escape(odd) and not qparquet.needs_escape("é")
 
 
-def test_the_index_reads_realpaths_and_statuses_and_the_run_has_the_plan_a_later_shard_records(tmp_path, fp32):
-    """read_parquet_index gives what a resume needs without the tensors; the run record of a folder whose later
-    shard adds the CPU plan (the first resume on a CPU of a run started off it) carries that plan."""
+def test_the_index_reads_realpaths_and_statuses(tmp_path, fp32):
+    """read_parquet_index gives what a resume needs without the tensors."""
     records, layout = fp32
     first = write_table_atomic(results_table(records, layout, RUN), tmp_path / shard_name(0, 0))
-    realpaths, statuses, got_layout, run = read_parquet_index(first)
+    realpaths, statuses = read_parquet_index(first)
     assert statuses == [r.status for r in records] and realpaths == [r.realpath for r in records]
-    assert (got_layout, run) == (layout, RUN)
-    write_table_atomic(results_table(records[:1], layout, {**RUN, "cpu_plan": {"format": 1}}),
-                       tmp_path / shard_name(0, 1))
-    assert len(list(read_parquet_records(tmp_path))) == len(records) + 1
-    assert read_parquet_run(tmp_path) == {**RUN, "cpu_plan": {"format": 1}}  # the plan the run recorded
     (tmp_path / "junk.parquet").write_bytes(b"not parquet")
     with pytest.raises(ManifestError, match="not a readable Parquet file"):
         read_parquet_index(tmp_path / "junk.parquet")
