@@ -82,9 +82,10 @@ def _manifest_embeddings(out: Path, records: list[dict], deepstack: bool) -> Ite
     handle, open_shard, pruned, skipped = None, None, None, 0
     for r in records:
         if "levels" in r and r["shard"] != open_shard and not (out / r["shard"]).is_file():
-            from ..outputs.cache_prune import pruned_ids
+            from ..outputs.cache_prune import PRUNED
 
-            pruned = pruned_ids(out) if pruned is None else pruned  # read once, at the first missing item
+            if pruned is None:  # read once, at the first missing item; a torn last line is a prune killed mid-append
+                pruned = {p["id"] for p in read_manifest_lines(out / PRUNED, strict=False)}
             if r.get("id") in pruned:
                 skipped += 1
                 continue

@@ -102,19 +102,6 @@ def running_embed_since(folder: Path) -> float | None:
     return min(times, default=None)
 
 
-def pruned_ids(folder: Path) -> set[str]:
-    """The ids ``PRUNED`` lists (empty when no prune ran)."""
-    try:
-        text = (folder / PRUNED).read_text(errors="replace")
-    except FileNotFoundError:
-        return set()
-    ids = set()
-    for line in text.splitlines():
-        with contextlib.suppress(ValueError, KeyError, TypeError):  # a torn line: a prune killed mid-append
-            ids.add(json.loads(line)["id"])
-    return ids
-
-
 def prune_cache(folder: str | os.PathLike, max_bytes: int, dry_run: bool = False) -> PruneReport:
     """Remove the oldest items of the encoder-cache ``folder`` until it holds at most ``max_bytes`` (see the
     module); what was removed and what is left."""
