@@ -1,15 +1,13 @@
 """The ``embed`` command line: its options, their types and the checks across them (``add_embed_parser``,
 ``validate_embed_args``, which also settles ``--format``'s default: parquet with ``--engine ray``, else
-safetensors), and ``EmbedSettings``, the checked options as the job reads them. What runs the command is
-``job.run_embed``: the CLI binds the parser to it. The options that load the model and size its inputs
-(``model_options``, ``validate_model_args``) are ``serve``'s too."""
+safetensors, and records ``format_given``). What runs the command is ``job.run_embed``, which reads the checked
+Namespace: the CLI binds the parser to it. The options that load the model and size its inputs (``model_options``,
+``validate_model_args``) are ``serve``'s too."""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
-from dataclasses import dataclass
 from pathlib import Path
 
 from ..devices import DTYPE_CHOICES, device_option, dtype_option
@@ -42,51 +40,6 @@ def positive_option(kind: type, name: str):
         return value
 
     return parse
-
-
-@dataclass(frozen=True)
-class EmbedSettings:
-    """One embed run's options, checked and with their defaults settled (``from_args``, after
-    ``validate_embed_args``): the job reads these, never the argparse Namespace. ``format_given``: whether
-    ``--format`` was given (a ``--resume`` without it takes the run's)."""
-
-    inputs: tuple[str, ...]
-    model: str
-    out: str
-    revision: str | None = None
-    local_files_only: bool = False
-    device: str | None = None
-    dtype: str | None = None  # a --dtype spelling (devices.dtype_option), None: the device's default
-    min_pixels: int | None = None
-    max_pixels: int | None = None
-    resize: str | None = None
-    fps: float | None = None
-    max_input_pixels: int | None = DEFAULT_MAX_INPUT_PIXELS
-    decode_mib: int = 1024
-    decode_timeout: float = DEFAULT_DECODE_TIMEOUT
-    max_item_tokens: int | None = None
-    batch_patches: int = DEFAULT_BATCH_PATCHES
-    pooled_only: bool = False
-    normalize: bool = False
-    path_column: str = "path"
-    keep_columns: tuple[str, ...] = ()
-    format: str = "safetensors"
-    format_given: bool = False
-    engine: str = "local"
-    ray_address: str | None = None
-    ray_actors: int | None = None
-    threads: int | None = None
-    resume: bool = False
-    quiet: bool = False
-    random_weights: bool = False
-    compile: bool = False
-    attn: str = "auto"
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> EmbedSettings:
-        """The settings of a parsed and validated command line (options it lacks keep their defaults)."""
-        given = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
-        return cls(**{**given, "inputs": tuple(args.inputs)})
 
 
 def _column_names(text: str) -> tuple[str, ...]:

@@ -51,7 +51,6 @@ from ..inputs.item_ids import IDENTITY_FIELDS
 from ..outputs.durable import refuse_link
 from ..outputs.records import EmbeddingRecord, record_from_result
 from ..outputs.vllm_cache import check_cache_folder, claim_cache_folder
-from .args import EmbedSettings
 from .inputs import MEDIA_EXTENSIONS, Inputs, file_of, gather_inputs, shard_for_rank
 from .lock import FolderLock, lock_name
 from .manifest import MANIFEST, RUN_FILE, part_name
@@ -104,7 +103,7 @@ class _Group:
             dist.destroy_process_group()
 
 
-def _load(args: EmbedSettings, device: str | None, progress: Progress, dtype=None, attn: str | None = None,
+def _load(args: argparse.Namespace, device: str | None, progress: Progress, dtype=None, attn: str | None = None,
           cpu_plan: CpuPlan | str | None = None):
     """The encoder, and the checkpoint folder it came from (None for random weights); says what it does.
     ``dtype`` and ``attn`` default to the options (the Ray driver loads on its CPU in the actors' dtype);
@@ -145,7 +144,7 @@ def _load(args: EmbedSettings, device: str | None, progress: Progress, dtype=Non
 class EmbedJob:
     """One process's part of an embed run: setup (nothing written), then write, then merge."""
 
-    def __init__(self, args: EmbedSettings, rank: int, world: int) -> None:
+    def __init__(self, args: argparse.Namespace, rank: int, world: int) -> None:
         self.settings, self.rank, self.world = args, rank, world
         self.out = Path(args.out)
         self.lock: FolderLock | None = None
@@ -194,7 +193,7 @@ class EmbedJob:
                     raise EmbedError(f"{out / RUN_FILE}: {e}; its embeddings read as they are: finish the run with "
                                      f"the version and machine that started it, or choose another --out") from None
             if not args.format_given:  # --resume continues the folder's format unless told
-                self.settings = args = dataclasses.replace(args, format=recorded["file_format"])
+                args.format = recorded["file_format"]
         self.inputs = gather_inputs(args.inputs, args.path_column, args.keep_columns)
         if not self.inputs.paths:
             raise EmbedError(f"no inputs: {', '.join(args.inputs)} hold no image or video files (by extension: "
@@ -373,7 +372,6 @@ class EmbedJob:
 
 def run_embed(args: argparse.Namespace) -> int:
     """``qwenvl-vision embed``: the parsed and validated command line, run; its exit code."""
-    settings = EmbedSettings.from_args(args)
     rank, world = os.environ.get("RANK", "0"), os.environ.get("WORLD_SIZE", "1")  # torchrun's, else one process
     if not (rank.isdecimal() and world.isdecimal() and int(rank) < int(world)):
         raise EmbedError(f"RANK={rank!r} WORLD_SIZE={world!r}: not a rank of a torchrun world (integers, 0 <= RANK < "
@@ -383,7 +381,7 @@ def run_embed(args: argparse.Namespace) -> int:
         # threshold go back to the system when freed; 16 MiB ones stayed in each decode thread's arena (its peak)
         PIL.Image.core.set_block_size(64 << 20)
     group = _Group(rank, world)
-    job = EmbedJob(settings, rank, world)
+    job = EmbedJob(args, rank, world)
     threads = torch.get_num_threads()  # set for the run (--threads, a resumed run's), given back at the end
 
     def step(action: Callable[[], Any], writing: bool = True) -> None:

@@ -9,6 +9,7 @@ linear kernels chosen) and which run it is (``run_id``).
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import time
@@ -19,11 +20,10 @@ from typing import Any
 from ..checkpoint.hub import COMMIT_HASH
 from ..errors import EmbedError
 from ..version import package_version
-from .args import EmbedSettings
 from .manifest import RUN_COMPARED, RUN_FILE, RUN_FORMAT
 
 
-def pixel_bounds(args: EmbedSettings, pre) -> tuple[int, int]:
+def pixel_bounds(args: argparse.Namespace, pre) -> tuple[int, int]:
     """(min, max) pixels the run's images are sized with: each option, else the checkpoint's bound, exactly as
     ``encode_images(min_pixels=..., max_pixels=...)`` and transformers' processor combine them.
 
@@ -37,7 +37,7 @@ def pixel_bounds(args: EmbedSettings, pre) -> tuple[int, int]:
     return low, high
 
 
-def crossed_bounds_note(args: EmbedSettings, pre) -> str | None:
+def crossed_bounds_note(args: argparse.Namespace, pre) -> str | None:
     """One line telling that an option crosses the checkpoint's other pixel bound, and what that does (None: not
     crossed)."""
     low, high = pixel_bounds(args, pre)
@@ -51,7 +51,7 @@ def crossed_bounds_note(args: EmbedSettings, pre) -> str | None:
             f"and smaller ones are upscaled to at least {low} (add {fix})")
 
 
-def describe_run(encoder, args: EmbedSettings, folder: str | None, world: int, threads: int,
+def describe_run(encoder, args: argparse.Namespace, folder: str | None, world: int, threads: int,
                  columns: dict[str, str]) -> dict:
     """run.json for this invocation: what its tensors depend on, plus where they came from. ``threads`` is the
     torch thread count of every forward (the local process's, or each Ray actor's); ``columns``: the table columns

@@ -58,17 +58,3 @@ def test_batch_patches_bounds_each_forward(tmp_path, checkpoint):
     assert main(["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(out), "--batch-patches",
                  "1", "--quiet"]) == 0
     assert len(list(out.glob("shard-*.safetensors"))) == 2
-
-
-def test_the_settings_hold_every_option_the_parser_gives():
-    """EmbedSettings.from_args takes the options by name: a renamed option would silently keep its default."""
-    import argparse
-    import dataclasses
-
-    from qwenvl_vision.embed.args import EmbedSettings, add_embed_parser
-
-    parser = argparse.ArgumentParser()
-    embed = add_embed_parser(parser.add_subparsers())
-    dests = {a.dest for a in embed._actions if a.dest != "help"}
-    fields = {f.name for f in dataclasses.fields(EmbedSettings)}
-    assert dests == fields - {"format_given"}  # validate adds format_given

@@ -6,7 +6,7 @@ line with the right exit code, and actors on a joined cluster load a Hub checkpo
 
 from __future__ import annotations
 
-import dataclasses
+import argparse
 import os
 import socket
 from types import SimpleNamespace
@@ -17,7 +17,7 @@ ray = pytest.importorskip("ray")
 pytest.importorskip("ray.data")
 
 from qwenvl_vision.embed import ray_engine  # noqa: E402
-from qwenvl_vision.embed.args import EmbedSettings  # noqa: E402
+from qwenvl_vision.embed.args import add_embed_parser  # noqa: E402
 from qwenvl_vision.embed.ray import actor_cpus  # noqa: E402
 from qwenvl_vision.errors import ConfigError, EmbedError, OutputFaultError  # noqa: E402
 
@@ -48,10 +48,12 @@ def no_ray_address(monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
 
 
-def args(**given) -> EmbedSettings:
-    """An embed run's settings with --engine ray, as the job reads them."""
-    return EmbedSettings(**{"inputs": ("photos",), "model": "qwen3.5-0.8b", "out": "out", "engine": "ray",
-                            "format": "parquet", "quiet": True, **given})
+def args(**given) -> argparse.Namespace:
+    """An embed run's options with --engine ray, as the job reads them."""
+    embed = add_embed_parser(argparse.ArgumentParser().add_subparsers())
+    parsed = embed.parse_args(["photos", "--model", "qwen3.5-0.8b", "--out", "out", "--engine", "ray", "--format",
+                               "parquet", "--quiet"])
+    return argparse.Namespace(**{**vars(parsed), **given})
 
 
 def plan(options) -> ray_engine.RayPlan:
@@ -142,16 +144,17 @@ def test_pipeline_failures_are_one_line_with_the_right_exit_code():
 def test_actors_on_a_joined_cluster_load_a_hub_checkpoint_at_the_run_revision(tmp_path, monkeypatch):
     fake = FakeRay(monkeypatch, cpus=2)
     snapshot = str(tmp_path / "snapshots" / ("a" * 40))
-    settings = args(model="Qwen/Qwen3-VL-2B-Instruct", revision=None, local_files_only=True)
+    hub = {"model": "Qwen/Qwen3-VL-2B-Instruct", "revision": None, "local_files_only": True}
+    settings = args(**hub)
     with socket.socket() as head:
         head.bind(("127.0.0.1", 0))
         head.listen()
-        joined = plan(dataclasses.replace(settings, ray_address=f"127.0.0.1:{head.getsockname()[1]}"))
+        joined = plan(args(**hub, ray_address=f"127.0.0.1:{head.getsockname()[1]}"))
     job = SimpleNamespace(folder=snapshot, settings=settings, run={"revision": "a" * 40}, ray=joined)
     options: dict = {}
     assert ray_engine.actor_source(job, options) == "Qwen/Qwen3-VL-2B-Instruct"
     assert options == {"revision": "a" * 40, "local_files_only": True}
-    job.settings = dataclasses.replace(settings, model=str(tmp_path))  # a folder stays one
+    job.settings = args(model=str(tmp_path))  # a folder stays one
     assert ray_engine.actor_source(job, {}) == snapshot
     fake.shutdown()
     job.settings, job.ray = settings, plan(settings)  # a local Ray: this machine's folder
