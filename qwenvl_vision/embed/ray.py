@@ -184,18 +184,17 @@ def actor_cpus(concurrency: int, want: float = 1.0) -> float:
 
 
 def embed_dataset(ds: ray.data.Dataset, source: Any, *, concurrency: int = 1, batch_size: int = 16,
-                  num_cpus: float | None = None, num_gpus: float | None = None, udf: type = Embedder,
-                  **options: Any) -> ray.data.Dataset:
+                  num_cpus: float | None = None, num_gpus: float | None = None, **options: Any) -> ray.data.Dataset:
     """``ds.map_batches(Embedder)`` with ``concurrency`` actors (one encoder each), ``batch_size`` rows a batch;
     ``options`` are Embedder's (encode and ``load_encoder`` options). ``num_cpus`` per actor defaults to
     ``actor_cpus(concurrency)``; with ``num_gpus`` (e.g. 1), each actor's encoder goes to the GPU Ray gives it.
-    A dead actor is restarted and its batch retried (Ray Data's defaults). ``udf``: Embedder or a subclass."""
+    A dead actor is restarted and its batch retried (Ray Data's defaults)."""
     resources: dict[str, float] = {"num_cpus": actor_cpus(concurrency) if num_cpus is None else num_cpus}
     if num_gpus:
         resources["num_gpus"] = num_gpus
         options.setdefault("device", "cuda")
     # compute= rather than concurrency=, which Ray 2.51 deprecated for actor pools.
-    return ds.map_batches(udf, fn_constructor_args=(source,), fn_constructor_kwargs=options,
+    return ds.map_batches(Embedder, fn_constructor_args=(source,), fn_constructor_kwargs=options,
                           compute=ray.data.ActorPoolStrategy(size=concurrency), batch_size=batch_size,
                           batch_format="numpy", **resources)
 

@@ -32,7 +32,6 @@ from ..model.attention import resolve_attn_impl
 from ..outputs.records import EmbeddingRecord
 from .ray import actor_cpus, embed_dataset, records_from_batch
 
-UDF = None  # the map_batches class (None: qwenvl_vision.embed.ray.Embedder); a test may put a subclass here
 BATCH_ROWS = 16  # rows a map_batches batch (and a shard) holds
 CONNECT_TIMEOUT_S = 10.0  # a cluster's head answers a TCP connect in well under this, across regions too
 
@@ -182,10 +181,9 @@ def encode_on_ray(job, todo: list[str]) -> Iterator[list[EmbeddingRecord]]:
     if args.random_weights:
         options["random_weights"] = True
     source = actor_source(job, options)
-    extra = {"udf": UDF} if UDF is not None else {}
     ds = embed_dataset(ray.data.from_items(items, override_num_blocks=blocks), source, concurrency=actors,
                        batch_size=BATCH_ROWS, num_cpus=plan.actor_cpus, num_gpus=plan.actor_gpus or None,
-                       **extra, **options)
+                       **options)
     video_fps = (job.run.get("video") or {}).get("fps")
     batches = iter(ds.iter_batches(batch_format="pyarrow", batch_size=None))
     while True:

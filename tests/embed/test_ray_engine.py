@@ -26,7 +26,6 @@ ray = pytest.importorskip("ray")
 pytest.importorskip("av")
 
 from qwenvl_vision.embed import ray as qv_ray  # noqa: E402
-from qwenvl_vision.embed import ray_engine  # noqa: E402
 
 pytestmark = pytest.mark.slow
 local_ray = embed_helpers.local_ray  # the session's Ray (a fixture shared with test_ray)
@@ -98,7 +97,7 @@ def test_an_actor_killed_mid_run_is_restarted_and_no_row_is_lost_or_doubled(tmp_
                                                                             monkeypatch):
     paths = make_image_folder(tmp_path / "imgs", 40, bad=False)
     paths[25].rename(paths[25].with_name("crash-me.png"))
-    monkeypatch.setattr(ray_engine, "UDF", CrashOnce)
+    monkeypatch.setattr(qv_ray, "Embedder", CrashOnce)
     out = tmp_path / "out"
     assert main(["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(out), "--engine", "ray",
                  "--quiet"]) == 0
@@ -162,7 +161,7 @@ def test_actors_run_at_the_run_threads_and_plan_bitwise_another_process(tmp_path
     monkeypatch.setenv("QWENVL_VISION_CACHE", str(tmp_path / "driver-cache"))  # the actors keep the session's
     monkeypatch.setattr(machine, "PLANS", {})
     monkeypatch.setattr(probes, "measure_linear", lambda *_, **__: "onednn")
-    monkeypatch.setattr(ray_engine, "UDF", Reports)
+    monkeypatch.setattr(qv_ray, "Embedder", Reports)
     out = tmp_path / "out"
     assert main(["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(out), "--engine", "ray",
                  "--threads", "2", "--quiet"]) == 0
@@ -191,7 +190,7 @@ class CannotStart(qv_ray.Embedder):
 
 def test_an_actor_that_cannot_start_is_one_line_exit_2(tmp_path, local_ray, checkpoint, monkeypatch, capsys):
     make_image_folder(tmp_path / "imgs", 2, bad=False)
-    monkeypatch.setattr(ray_engine, "UDF", CannotStart)
+    monkeypatch.setattr(qv_ray, "Embedder", CannotStart)
     assert main(["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(tmp_path / "out"),
                  "--engine", "ray", "--quiet"]) == 2
     embed_helpers.one_error_line(capsys.readouterr().err, "an actor could not start (CheckpointError:",
