@@ -154,7 +154,6 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         _print_report({
             "preset": config.name,
             "family": config.model_type,
-            "model_type": config.model_type,
             "weights": "none: use --random-weights (embed, bench) for random weights at this size, or a repo id",
             "parameters": parameters,
             "bytes_bf16": parameters * 2,
@@ -167,7 +166,6 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     report = {
         "folder": str(folder),
         "family": checkpoint.config.model_type,
-        "model_type": checkpoint.config.model_type,
         "vision_only": checkpoint.vision_only,
         "tensors": len(checkpoint.tensors),
         "bytes": sum(entry["bytes"] for entry in entries),
