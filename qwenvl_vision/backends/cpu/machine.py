@@ -5,10 +5,11 @@ native kernels build) and the probes' revision, and stored as ``{key}.json`` und
 (default ``$XDG_CACHE_HOME/qwenvl-vision`` or ``~/.cache/qwenvl-vision``), so two processes on a machine choose the same
 kernels and give the same bits. The file is only an optimisation: one that does not parse or is another machine's is one
 warning and measured again. Two processes tuning at once take turns on a lock file; one held longer than
-``PLAN_LOCK_WAIT_S`` (a stopped process) is given up on with one warning, each file being replaced whole. A folder that
-cannot be written or locked, or a link at a name it writes (never followed), is one warning and a plan for the process
-alone. Entries are added as towers need them (``machine_plan``), measured by ``probes``; an entry once recorded is never
-measured again. Each measurement is one INFO line of this module's ``logging`` logger.
+``PLAN_LOCK_WAIT_S`` (a stopped process) is given up on with one warning, each file being replaced whole; so is a file
+system that refuses locks. A folder that cannot be written, or a link at a name it writes (never followed), is one
+warning and a plan for the process alone. Entries are added as towers need them (``machine_plan``), measured by
+``probes``; an entry once recorded is never measured again. Each measurement is one INFO line of this module's
+``logging`` logger.
 """
 
 from __future__ import annotations
