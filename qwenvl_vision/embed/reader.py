@@ -35,7 +35,7 @@ def read_run(out: str | os.PathLike) -> dict:
     path = Path(out) / RUN_FILE
     try:
         run = json.loads(path.read_text())
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         raise ManifestError(f"{path} does not exist: not an embed output") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ManifestError(f"{path} is damaged: {e}") from None
@@ -56,18 +56,18 @@ def read_embeddings(out: str | os.PathLike, *, deepstack: bool = False) -> Itera
     embedding and its DeepStack levels.
 
     With deepstack=True yields (path, (embedding, [levels...])) for Qwen3-VL runs. What produced the tensors
-    (model, dtype, pixel bounds, pooling): ``read_run(DIR)``. A damaged manifest line, a missing shard or
+    (model, dtype, pixel bounds, pooling): ``read_run(DIR)``, whose ManifestError refuses a folder that is no embed
+    output here too. A damaged manifest line, a missing shard or
     key raises ManifestError naming the line or the shard; a damaged Parquet shard, naming the file. An encoder-cache
     item that ``cache prune`` removed (listed in the folder's ``pruned.jsonl``) is skipped, with one warning
     saying how many. Both formats
     yield the same values for the same run: the tokens in the run's dtype, pooled vectors as float32 (as the
     safetensors shards store them).
     """
-    out = Path(out)
-    if _is_parquet(out):
-        yield from _parquet_embeddings(out, deepstack)
+    if read_run(out)["file_format"] == "parquet":
+        yield from _parquet_embeddings(Path(out), deepstack)
     else:
-        yield from _manifest_embeddings(out, _manifest_ok(out), deepstack)
+        yield from _manifest_embeddings(Path(out), _manifest_ok(Path(out)), deepstack)
 
 
 def _manifest_ok(out: Path) -> list[dict]:
@@ -108,14 +108,6 @@ def _manifest_embeddings(out: Path, records: list[dict], deepstack: bool) -> Ite
                       f"were skipped", stacklevel=2)
 
 
-def _is_parquet(out: Path) -> bool:
-    """Whether `out` holds a --format parquet run (its run.json says so, or it holds Parquet shards only)."""
-    try:
-        return json.loads((out / RUN_FILE).read_text()).get("file_format") == "parquet"
-    except (OSError, ValueError, AttributeError):
-        return not (out / MANIFEST).exists() and bool(parquet_shards(out))
-
-
 def _parquet_embeddings(out: Path, deepstack: bool) -> Iterator[tuple[str, object]]:
     from ..outputs.parquet_reader import read_parquet_records
 
@@ -141,12 +133,14 @@ def read_encoded(out: str | os.PathLike, paths: list[str] | None = None, *, moda
 
     if modality not in (None, "image", "video"):
         raise ManifestError(f"modality {modality!r}: use 'image' or 'video'")
+    if isinstance(paths, (str, os.PathLike)):  # else read as one path per character
+        raise ManifestError(f"paths must be a list of recorded paths, got one ({str(paths)[-200:]!r}): pass [it]")
     run = read_run(out)
     if run.get("pooled"):
         raise ManifestError(f"{out} is a --pooled-only run: it stores one vector per input, not the tokens a "
                             f"language model takes")
     out = Path(out)
-    if _is_parquet(out):  # the small columns first (grids, tokens), the tensors of the paths asked for after
+    if run["file_format"] == "parquet":  # the small columns first (grids, tokens), the asked-for tensors after
         from ..outputs.parquet_reader import read_parquet_grids
 
         stored = [grid for path in parquet_shards(out) for grid in read_parquet_grids(path)]

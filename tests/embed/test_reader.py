@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from qwenvl_vision import load_encoder, read_encoded
-from qwenvl_vision.embed import MANIFEST, RUN_FORMAT, read_embeddings, read_manifest_lines
+from qwenvl_vision.embed import MANIFEST, RUN_FORMAT, read_embeddings, read_manifest_lines, read_run
 from qwenvl_vision.errors import ManifestError
 from qwenvl_vision.outputs.handoff import to_vllm
 from tests.helpers import ENV
@@ -101,6 +101,17 @@ def test_stored_results_hand_over_like_the_encoder_result(tmp_path, checkpoint3,
         read_encoded(out, asked[:1], modality="video")
     with pytest.raises(ManifestError, match="modality 'images'"):
         read_encoded(out, modality="images")
+    with pytest.raises(ManifestError, match=r"got one .*: pass \[it\]"):
+        read_encoded(out, asked[0])
+
+
+def test_what_is_no_embed_output_is_refused_by_every_reader(tmp_path):
+    """A typo of the folder, or a file given for it, is one ManifestError naming its run.json: never an empty read."""
+    (tmp_path / "a.png").write_bytes(b"not a folder")
+    for out in (tmp_path / "typo", tmp_path / "a.png"):
+        for read in (read_run, lambda o: list(read_embeddings(o)), read_encoded):
+            with pytest.raises(ManifestError, match=r"run\.json does not exist"):
+                read(out)
 
 
 @pytest.mark.parametrize("file_format", ["safetensors", "parquet"])
