@@ -277,6 +277,8 @@ def _shown_on_stderr(args: argparse.Namespace) -> Iterator[None]:
     """While a command runs: each warning as one line, ``Category: message`` (Python's own adds the library's file,
     line and source line, which mean nothing to a user of the command), and the package's INFO log lines (a CPU plan
     being measured) as ``COMMAND: ...``, unless ``--quiet``."""
+    import PIL.Image
+
     logger = logging.getLogger("qwenvl_vision")
     level, propagate, formatwarning = logger.level, logger.propagate, warnings.formatwarning
     handler = logging.StreamHandler()
@@ -287,7 +289,9 @@ def _shown_on_stderr(args: argparse.Namespace) -> Iterator[None]:
     logger.propagate = False  # an application's root handler would print each line a second time
     warnings.formatwarning = lambda message, category, *_: f"{category.__name__}: {message}\n"
     try:
-        yield
+        with warnings.catch_warnings():  # PIL's bomb warning precedes our own pixel limit's refusal of the file
+            warnings.simplefilter("ignore", PIL.Image.DecompressionBombWarning)
+            yield
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 import zlib
 from pathlib import Path
 
@@ -368,6 +369,25 @@ def test_max_input_pixels_above_pils_limit_replaces_pils_limit(tmp_path, monkeyp
     assert cost.value.args == (200_000_000 * batching.DECODE_BYTES_PER_PIXEL["pil"],)
     with pytest.raises(PreprocessError, match="above the input limit of 100,000,000"):
         probe_image(str(path), PRE, max_input_pixels=100_000_000)
+    monkeypatch.setattr(PIL.Image, "MAX_IMAGE_PIXELS", 1024 * 1024 * 1024 // 4 // 3)  # PIL's check comes first
+    with pytest.raises(PreprocessError, match=r"huge\.png': .*above the input limit of 64,000,000"):
+        probe_image(str(path), PRE, max_input_pixels=64_000_000)
+
+
+def test_embed_names_its_own_pixel_limit_without_pils_warning(tmp_path, checkpoint, capsys, monkeypatch):
+    """A 100 MP file, between PIL's warning and its error: one failed input naming --max-input-pixels, and no
+    DecompressionBombWarning line beside the command's own."""
+    monkeypatch.setattr(PIL.Image, "MAX_IMAGE_PIXELS", 1024 * 1024 * 1024 // 4 // 3)  # Pillow's default
+    make_image_folder(tmp_path / "imgs", 1, bad=False)
+    _png_header_image(tmp_path / "imgs" / "big.png", 10_000, 10_000)
+    with warnings.catch_warnings(record=True) as shown:  # what would reach stderr outside pytest
+        warnings.simplefilter("always")
+        assert main(["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(tmp_path / "out"),
+                     "--quiet"]) == 1
+    assert not [w for w in shown if w.category is PIL.Image.DecompressionBombWarning]
+    one_error_line(capsys.readouterr().err, "1 of 2")
+    [failed] = [r for r in records(tmp_path / "out") if r["status"] != "ok"]
+    assert "above the input limit of 64,000,000" in failed["error"]
 
 
 def test_embed_records_an_input_over_decode_timeout_as_failed_and_goes_on(tmp_path, checkpoint, capsys, monkeypatch):
