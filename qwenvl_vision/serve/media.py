@@ -148,8 +148,12 @@ def url_parts(url: str, label: str, error: type[Exception] = RequestError, base:
 
 def check_remote(url: str, label: str, policy: MediaPolicy, error: type[Exception] = RequestError,
                  base: str = "") -> None:
-    """Refuse a URL (joined to ``base``) that is not http(s) from an allowed domain, with ``error``."""
+    """Refuse a URL (joined to ``base``) that is not http(s) from an allowed domain, or carries credentials, with
+    ``error``."""
     parts = url_parts(url, label, error, base)
+    if "@" in parts.netloc:  # else urllib takes "user:password@host" for a host name that does not resolve
+        raise error(f"{label}: {redacted(parts.geturl())[:200]} carries credentials, which are not sent: serve the "
+                    f"media where no credentials are asked, or pass them as data URLs")
     if parts.scheme.lower() not in ("http", "https") or (parts.hostname or "") not in policy.allowed_domains:
         raise error(f"{label}: {redacted(parts.geturl())[:200]} is not an http(s) URL of --allowed-media-domains")
 
