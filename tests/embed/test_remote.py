@@ -8,6 +8,7 @@ import contextlib
 import gc
 import os
 import shutil
+import socket
 import sys
 import time
 from pathlib import Path
@@ -250,8 +251,8 @@ def test_a_url_s_secrets_are_never_stored_and_a_url_signed_again_is_the_same_inp
 def test_http_statuses_decide_what_is_retried_and_a_failed_url_says_what_happened(photos, checkpoint, tmp_path):
     """A server's 503 is retried (it was read as 'not found' at listing and failed the input at once); a 403 (no
     access, an expired signature) is not retried and says so; a 404 is 'not found'. A server that always answers
-    500, a redirect to another scheme (never followed) and a redirect loop each fail their input saying so, none as
-    'not found'."""
+    500, a redirect to another scheme (never followed), a redirect loop and a port nothing listens at (retried) each
+    fail their input saying so, none as 'not found'."""
     root, paths, want = photos
     busy, refused = paths[0].name, paths[1].name
     requests: list[tuple[str, str]] = []
@@ -260,18 +261,22 @@ def test_http_statuses_decide_what_is_retried_and_a_failed_url_says_what_happene
                      redirects={"away.jpg": "file:///etc/passwd", "loop.jpg": "/loop.jpg"}) as base:
         out = tmp_path / "out"
         urls = [f"{base}/{name}" for name in (busy, refused, "gone.jpg", "down.jpg", "away.jpg", "loop.jpg")]
+        with socket.socket() as closed:  # a port nothing listens at
+            closed.bind(("127.0.0.1", 0))
+            urls.append(f"http://127.0.0.1:{closed.getsockname()[1]}/x.jpg")
         assert run_embed(urls, checkpoint, out, *SMALL) == 1
     by_path = {r["path"]: r for r in read_manifest_lines(out / "manifest.jsonl")}
     assert by_path[urls[0]]["status"] == "ok"
     assert torch.equal(dict(read_embeddings(out))[urls[0]], want[busy])
-    refused_error, gone, down, away, loop = (by_path[url]["error"] for url in urls[1:])
+    refused_error, gone, down, away, loop, no_server = (by_path[url]["error"] for url in urls[1:])
     assert refused_error.startswith(urls[1]) and "HTTP 403" in refused_error and "attempts" not in refused_error
     assert len([r for r in requests if r[1] == refused]) <= 2  # fsspec's HEAD, then its GET: never retried
     assert gone.startswith(urls[2]) and gone.endswith("(not found)")
     assert down.startswith(urls[3]) and down.endswith(f"after {remote.RETRIES + 1} attempts (HTTP 500)")
     assert away.startswith(urls[4]) and "redirect to another scheme refused: file:///etc/passwd" in away
     assert loop.startswith(urls[5]) and "redirect loop" in loop
-    assert not any("not found" in error for error in (down, away, loop))
+    assert no_server.startswith(urls[6]) and f"after {remote.RETRIES + 1} attempts (cannot connect" in no_server
+    assert not any("not found" in error for error in (down, away, loop, no_server))
 
 
 def test_a_ray_actor_holds_the_objects_it_decodes_not_its_whole_batch(photos, checkpoint, tmp_path, monkeypatch):
