@@ -89,16 +89,17 @@ def failure(error: BaseException) -> tuple[str, bool]:
     """(what happened, in a few words; whether trying again may help) of a store's error. fsspec raises its own error
     from aiohttp's (its http(s) metadata read, FileNotFoundError from whatever failed), so the nearest of the error's
     causes that tells decides: a bad redirect never helps, an HTTP status may (a server's 5xx, 408 and 429; never 404
-    or a refused signature), a connection refused may; else the error's type (a dropped connection, a timeout may; a
-    missing object never)."""
+    or a refused signature); else the error's type (a connection refused or dropped, a timeout may; a missing object or
+    a refused certificate never)."""
     aiohttp, seen = sys.modules.get("aiohttp"), error  # imported wherever one of its errors can be there
     for _ in range(8):  # a chain of causes, never a cycle's worth
         if aiohttp and isinstance(seen, aiohttp.TooManyRedirects):
             return f"a redirect loop: too many redirects ({len(seen.history)} followed)", False
         if aiohttp and isinstance(seen, aiohttp.NonHttpUrlRedirectClientError):
             return f"a redirect to another scheme refused: {redacted_text(str(seen))[:300]}", False
-        if aiohttp and isinstance(seen, aiohttp.ClientConnectorError):  # no server there now: it may come back
-            return f"cannot connect: {redacted_text(str(seen))[:300]}", True
+        if isinstance(seen, TimeoutError) or aiohttp and isinstance(seen, aiohttp.ClientConnectionError):
+            error = seen  # the connection failed (fsspec re-raises it as FileNotFoundError): it may come back
+            break
         status = getattr(seen, "status", None)
         if type(status) is int and 100 <= status < 600:
             if status in (401, 403):
@@ -109,7 +110,8 @@ def failure(error: BaseException) -> tuple[str, bool]:
     if isinstance(error, FileNotFoundError):
         return "not found", False
     text = " ".join(redacted_text(str(error)).split()) or type(error).__name__  # a store's message may hold the URL
-    return f"{type(error).__name__}: {text[:300]}", not isinstance(error, PERMANENT)
+    permanent = isinstance(error, PERMANENT) or aiohttp and isinstance(error, aiohttp.ClientSSLError)  # a certificate
+    return f"{type(error).__name__}: {text[:300]}", not permanent
 
 
 def identity(url: str) -> str:
