@@ -36,7 +36,8 @@ def read_run(out: str | os.PathLike) -> dict:
     try:
         run = json.loads(path.read_text())
     except (FileNotFoundError, NotADirectoryError):
-        raise ManifestError(f"{path} does not exist: not an embed output") from None
+        copied = ": Parquet shards copied without it? copy it too" if parquet_shards(Path(out)) else ""
+        raise ManifestError(f"{path} does not exist: not an embed output{copied}") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ManifestError(f"{path} is damaged: {e}") from None
     if run.get("format", RUN_FORMAT) > RUN_FORMAT:  # without one: damaged (the fields' check)

@@ -287,7 +287,7 @@ def open_header(path: str | os.PathLike | FileBytes, name: str, max_input_pixels
         opened = PIL.Image.open(readable(path))
     except Exception as e:  # noqa: BLE001 - PIL raises many types for bad headers
         if isinstance(e, PIL.Image.DecompressionBombError) and max_input_pixels is not None:  # PIL's check came first
-            raise PreprocessError(f"{name}: its header declares more than {2 * PIL.Image.MAX_IMAGE_PIXELS:,} pixels, "
+            raise PreprocessError(f"{name}: its header declares more than {2 * max(limit, max_input_pixels):,} pixels, "
                                   f"above the input limit of {max_input_pixels:,} (max_input_pixels, embed "
                                   f"--max-input-pixels)") from None
         raise _unreadable(e, name) from e

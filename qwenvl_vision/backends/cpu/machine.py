@@ -95,7 +95,7 @@ def read_plan_file(path: Path, identity: dict, quiet: bool = False) -> CpuPlan |
 def plan_lock(folder: Path, key: str) -> Iterator[str | None]:
     """Hold ``{key}.lock`` (one process tunes at a time), waiting at most PLAN_LOCK_WAIT_S for another holder (then
     one warning naming the lock, and on without it). Yields None where the plan may be saved, else why not: the
-    folder cannot be made or locked, or a symbolic link sits at the lock's name (never followed, left as it is)."""
+    folder cannot be made or written, or a symbolic link sits at the lock's name (never followed, left as it is)."""
     from filelock import Timeout
 
     lock = folder / f"{key}.lock"
