@@ -112,6 +112,10 @@ def test_what_is_no_embed_output_is_refused_by_every_reader(tmp_path):
         for read in (read_run, lambda o: list(read_embeddings(o)), read_encoded):
             with pytest.raises(ManifestError, match=r"run\.json does not exist"):
                 read(out)
+    (tmp_path / "copied").mkdir()
+    (tmp_path / "copied" / "shard-r0-000000.parquet").write_bytes(b"PAR1")
+    with pytest.raises(ManifestError, match=r"run\.json does not exist: .*Parquet shards copied without it"):
+        read_run(tmp_path / "copied")
 
 
 @pytest.mark.parametrize("file_format", ["safetensors", "parquet"])
