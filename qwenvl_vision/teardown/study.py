@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..devices import dtype_name
+from ..devices import device_option, dtype_name, dtype_option
 from ..errors import ConfigError
 from .cycles import (
     CPU_SIZES,
@@ -126,8 +126,8 @@ def add_teardown_arguments(p: argparse.ArgumentParser, variants: tuple[str, ...]
     p.add_argument("--random-weights", action="store_true",
                    help="random weights instead of the checkpoint's (implied by --preset / --config)")
     p.add_argument("--cycles", type=int, default=20, help="load/encode/teardown cycles per variant (default 20)")
-    p.add_argument("--device", help="cuda or cpu (default: cuda when available)")
-    p.add_argument("--dtype", help="bf16, fp32, fp16 (default: bf16 on CUDA, fp32 on CPU)")
+    p.add_argument("--device", type=device_option, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--dtype", type=dtype_option, help="bf16, fp32, fp16 (default: bf16 on CUDA, fp32 on CPU)")
     if len(variants) > 1:
         p.add_argument("--variants", help=f"comma-separated subset of {','.join(variants)} (default: all)")
     p.add_argument("--teardown", default=",".join(TEARDOWNS),
