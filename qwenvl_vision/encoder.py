@@ -152,12 +152,15 @@ class VisionEncoder(contextlib.AbstractContextManager):
         hash is a host computation: pass it, or ``to_vllm_cache`` refuses the result).
 
         Outputs that are not finite (in any dtype: float16 overflows in the Qwen2.5-VL tower; absurd weights or a
-        config overflow in any) raise ``NumericalError`` naming the items.
+        config overflow in any) raise ``NumericalError`` naming the items, or ``InputError`` where ``pixel_values``
+        hold inf/nan.
         """
         check_option_rules(pooled=pooled, normalize=normalize)
         result = self._encode_unchecked(pixel_values, grid_thw, pooled=pooled, normalize=normalize,
                                         modality=modality, pixels_sha256=pixels_sha256)
         bad = nonfinite_items(result)
+        if bad and not torch.isfinite(pixel_values).all():  # looked at only then: the check costs a pass
+            raise InputError("pixel_values hold inf/nan: the outputs are not finite because the inputs are not")
         if bad:
             raise NumericalError(nonfinite_message(f"item{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))}",
                                                    self.dtype))

@@ -103,6 +103,9 @@ def test_cli_output_into_a_closed_pipe_stops_quietly():
 def test_cli_names_random_weights_version_and_inspect_preset(tmp_path, capsys):
     assert main(["inspect", str(tmp_path / "missing")]) == 2
     one_error_line(capsys.readouterr().err, "missing")
+    (tmp_path / "model.safetensors").write_bytes(b"x")
+    assert main(["inspect", str(tmp_path / "model.safetensors")]) == 2
+    one_error_line(capsys.readouterr().err, "model.safetensors is a file: give the folder")
     assert main(["embed", str(tmp_path), "--model", "qwen3-vl-2b", "--out", str(tmp_path / "o")]) == 2
     one_error_line(capsys.readouterr().err, "qwen3-vl-2b is a preset", "--random-weights")
     assert main(["extract-weights", "qwen3-vl-2b"]) == 2

@@ -243,6 +243,20 @@ def test_bad_options_are_one_line_of_one_project_error_on_every_path(setup, phot
         assert "\n" not in str(caught.value)
 
 
+def test_a_device_torch_knows_that_the_towers_do_not_run_on_is_refused_before_loading():
+    for device in ("mps", "xpu", "meta"):
+        with pytest.raises(ConfigError, match=f"device '{device}' is not supported; use cpu, cuda"):
+            load_encoder("/nonexistent", device=device)  # refused before the folder is looked at
+
+
+def test_patches_holding_nan_are_named_as_the_fault_not_the_checkpoint(setup):
+    encoder, *_ = setup
+    patches = torch.zeros(16, encoder.config.patch_dim)
+    patches[3, 5] = float("nan")
+    with pytest.raises(InputError, match="pixel_values hold inf/nan"):  # the input, not the checkpoint, at fault
+        encoder.encode_patches(patches, [(1, 4, 4)])
+
+
 def test_encode_patches_matches_the_tower_with_one_video_info_per_item(setup, photos):
     encoder, ref, processor, cfg = setup
     pixel_values, grid_thw = _reference_images(processor, [photos["small"], photos["numpy"], photos["gray"]])

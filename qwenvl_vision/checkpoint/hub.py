@@ -195,6 +195,8 @@ def resolve_folder(source: str, revision: str | None = None, local_files_only: b
     path = Path(source).expanduser()
     if path.is_dir():
         return path
+    if path.exists():
+        raise CheckpointError(f"checkpoint folder {source} is a file: give the folder that holds config.json")
     if source.lower() in PRESETS:
         raise CheckpointError(f"{source!r} is a preset: pass random_weights=True for random weights at its size, "
                               f"or give a checkpoint folder / repo id")

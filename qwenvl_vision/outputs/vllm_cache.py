@@ -68,6 +68,8 @@ def check_cache_folder(folder: str | os.PathLike, identity: dict[str, str]) -> N
     """Refuse a folder that holds another model's items, or items without an identity file; read only."""
     folder = Path(folder)
     path = folder / IDENTITY_FILE
+    if folder.exists() and not folder.is_dir():
+        raise CacheFolderError(f"{folder} is a file, not a folder")
     try:
         found = json.loads(path.read_text())
     except FileNotFoundError:

@@ -133,6 +133,9 @@ def test_a_folder_holding_another_model_s_items_is_refused_and_nothing_written(t
     (uuids / "a-uuid" / CACHE_FILE).write_bytes(b"x")
     with pytest.raises(CacheFolderError, match="not written by qwenvl-vision"):
         cached(qwen3, imgs, uuids)
+    (tmp_path / "a-file").write_bytes(b"x")
+    with pytest.raises(CacheFolderError, match="a-file is a file, not a folder"):
+        cached(qwen3, imgs, tmp_path / "a-file")
 
 
 def test_the_request_names_each_item_by_its_id_with_the_grid_and_the_timing(tmp_path, qwen3, imgs):
