@@ -110,7 +110,7 @@ def prune_cache(folder: str | os.PathLike, max_bytes: int, dry_run: bool = False
         raise ConfigError(f"the bound must be a number of bytes >= 0, got {max_bytes!r}")
     if not folder.is_dir():
         raise CacheFolderError(f"{folder} is not a folder")
-    if folder.is_symlink() or not (folder / IDENTITY_FILE).is_file():
+    if not (folder / IDENTITY_FILE).is_file():  # a link to the folder is followed, as writers follow it
         raise CacheFolderError(f"{folder} is not an encoder cache written by qwenvl-vision (no {IDENTITY_FILE}): "
                                f"nothing is removed from a folder whose files are not accounted for")
     # A dry run reads without the lock (it may be a folder it cannot write), so its count may be a moment old.

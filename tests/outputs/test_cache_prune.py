@@ -121,7 +121,8 @@ def test_prune_refuses_what_it_cannot_account_for(tmp_path, checkpoint, capsys):
     (out / ("b" * 64)).mkdir()
     (out / ("b" * 64) / CACHE_FILE).symlink_to(elsewhere)  # a link at an item's name: not an item, not removed
     (out / item / f"{CACHE_FILE}.someone-r0.tmp").write_bytes(b"z")  # a writer's temporary file
-    report = prune_cache(out, 0)
+    (tmp_path / "linked").symlink_to(out)  # a big disk's folder, linked where vLLM looks: pruned through the link
+    report = prune_cache(tmp_path / "linked", 0)
     assert report.kept == 0 and elsewhere.exists() and (out / ("b" * 64) / CACHE_FILE).is_symlink()
     assert (out / item / f"{CACHE_FILE}.someone-r0.tmp").exists() and (out / "manifest.jsonl").exists()
 
