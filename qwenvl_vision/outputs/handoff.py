@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from ..devices import dtype_name, resolve_device, resolve_dtype
+from ..devices import dtype_name
 from ..errors import InputError
 from ..model.config import FAMILIES, family_named
 from ..model.execution import check_grids
@@ -161,14 +161,6 @@ def _by_modality(results: Sequence[Any]) -> dict[str, EncodedItems]:
     return grouped
 
 
-def _target(dtype: torch.dtype | str | None, device: torch.device | str | None
-            ) -> tuple[torch.dtype | None, torch.device | None]:
-    """A hand-off's ``dtype`` and ``device``, spelled as ``load_encoder`` takes them (``"bf16"``, ``"cuda:0"``) and
-    checked there (None: left as they are)."""
-    return (None if dtype is None else resolve_dtype(dtype, torch.device("cpu")),
-            None if device is None else resolve_device(device))
-
-
 def _moved(tensor: torch.Tensor, dtype: torch.dtype | None, device: torch.device | str | None) -> torch.Tensor:
     return tensor.to(device=device, dtype=dtype) if dtype is not None or device is not None else tensor
 
@@ -183,7 +175,7 @@ def _output_class(family: str) -> type:
     return BaseModelOutputWithPooling
 
 
-def to_transformers(result: Any, *more: Any, dtype: torch.dtype | str | None = None,
+def to_transformers(result: Any, *more: Any, dtype: torch.dtype | None = None,
                     device: torch.device | str | None = None) -> dict[str, Any]:
     """Keyword arguments for a transformers 5.24 Qwen VL model's ``forward`` / ``generate`` in place of pixels.
 
@@ -195,7 +187,6 @@ def to_transformers(result: Any, *more: Any, dtype: torch.dtype | str | None = N
     Omni thinkers' ``video_second_per_grid``, 2 / ``requested_fps``; or the processor's), as the prompt's.
     ``dtype`` / ``device``: the model's, to hand over tensors it need not copy. Imports transformers.
     """
-    dtype, device = _target(dtype, device)
     outputs: dict[str, Any] = {}
     kwargs: dict[str, Any] = {"mm_encoder_outputs": outputs}
     for modality, items in _by_modality((result, *more)).items():
@@ -209,7 +200,7 @@ def to_transformers(result: Any, *more: Any, dtype: torch.dtype | str | None = N
     return kwargs
 
 
-def to_vllm(result: Any, *more: Any, dtype: torch.dtype | str | None = None,
+def to_vllm(result: Any, *more: Any, dtype: torch.dtype | None = None,
             device: torch.device | str | None = None) -> dict[str, dict[str, Any]]:
     """vLLM's ``multi_modal_data`` for a prompt (``LLM(..., enable_mm_embeds=True)``): ``{"image": {"image_embeds":
     T, "image_grid_thw": G}, "video": {"video_embeds": ..., "video_grid_thw": ...}}`` (the modalities present).
@@ -221,7 +212,6 @@ def to_vllm(result: Any, *more: Any, dtype: torch.dtype | str | None = None,
     ``vllm_timestamps``), the Omni thinkers' ``"second_per_grid_ts"`` (one float per video), from each item's
     ``video_info``.
     """
-    dtype, device = _target(dtype, device)
     data: dict[str, dict[str, Any]] = {}
     for modality, items in _by_modality((result, *more)).items():
         per_item = _items_for_vllm(items)

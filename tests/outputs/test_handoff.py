@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from qwenvl_vision import load_encoder
-from qwenvl_vision.errors import ConfigError, InputError
+from qwenvl_vision.errors import InputError
 from qwenvl_vision.model.config import FAMILIES
 from qwenvl_vision.outputs.handoff import (
     EncodedItems,
@@ -212,12 +212,6 @@ def test_the_transformers_output_has_the_familys_shape_and_dtype_when_asked():
     plain = to_transformers(items("qwen3_5", levels=0))["mm_encoder_outputs"]["image"]
     assert type(plain).__name__ == "BaseModelOutputWithPooling" and not hasattr(plain, "deepstack_features")
     assert to_vllm(items(), dtype=torch.float16)["image"]["image_embeds"].dtype == torch.float16
-    assert to_vllm(items(), dtype="bf16")["image"]["image_embeds"].dtype == torch.bfloat16  # load_encoder's spelling
-    for hand_off in (to_vllm, to_transformers):
-        with pytest.raises(ConfigError, match="unsupported dtype 'f8'"):
-            hand_off(items(), dtype="f8")
-        with pytest.raises(ConfigError, match="device 'mps' is not supported"):
-            hand_off(items(), device="mps")
 
 
 def test_results_of_one_modality_are_joined_in_order():
