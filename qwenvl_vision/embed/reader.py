@@ -58,17 +58,17 @@ def read_embeddings(out: str | os.PathLike, *, deepstack: bool = False) -> Itera
 
     With deepstack=True yields (path, (embedding, [levels...])) for Qwen3-VL runs. What produced the tensors
     (model, dtype, pixel bounds, pooling): ``read_run(DIR)``, whose ManifestError refuses a folder that is no embed
-    output here too. A damaged manifest line, a missing shard or
-    key raises ManifestError naming the line or the shard; a damaged Parquet shard, naming the file. An encoder-cache
-    item that ``cache prune`` removed (listed in the folder's ``pruned.jsonl``) is skipped, with one warning
-    saying how many. Both formats
-    yield the same values for the same run: the tokens in the run's dtype, pooled vectors as float32 (as the
-    safetensors shards store them).
+    output here too. A damaged manifest line, a missing shard or key raises ManifestError naming the line or the
+    shard; a damaged Parquet shard, naming the file. An encoder-cache item that ``cache prune`` removed (listed in
+    the folder's ``pruned.jsonl``) is skipped, with one warning saying how many. Both formats yield the same values
+    for the same run: the tokens in the run's dtype, pooled vectors as float32 (as the safetensors shards store
+    them).
     """
+    out = Path(out)
     if read_run(out)["file_format"] == "parquet":
-        yield from _parquet_embeddings(Path(out), deepstack)
+        yield from _parquet_embeddings(out, deepstack)
     else:
-        yield from _manifest_embeddings(Path(out), _manifest_ok(Path(out)), deepstack)
+        yield from _manifest_embeddings(out, _manifest_ok(out), deepstack)
 
 
 def _manifest_ok(out: Path) -> list[dict]:
