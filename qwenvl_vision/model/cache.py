@@ -51,8 +51,10 @@ class ShapeCache:
     """LRU from a hashable key (a grid ``(t, h, w)``) to derived tensors, bounded by count and bytes."""
 
     def __init__(self, maxsize: int = 1024, max_bytes: int | None = 1 << 30) -> None:
-        if maxsize < 0:
-            raise ConfigError(f"cache_size must be >= 0, got {maxsize}")
+        if not isinstance(maxsize, int) or maxsize < 0:
+            raise ConfigError(f"cache_size must be an int >= 0, got {maxsize!r}")
+        if max_bytes is not None and (not isinstance(max_bytes, int) or max_bytes < 0):
+            raise ConfigError(f"cache_bytes must be None or an int >= 0, got {max_bytes!r}")
         self.maxsize = maxsize
         self.max_bytes = max_bytes
         self._entries: OrderedDict[Hashable, tuple[Any, int]] = OrderedDict()

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from qwenvl_vision import PRESETS, InputError, build_model, preset
+from qwenvl_vision import PRESETS, ConfigError, InputError, build_model, load_encoder, preset
 from qwenvl_vision.backends.cpu.backend import CpuBackend
 from qwenvl_vision.backends.cpu.kernels import onednn_linear_available
 from qwenvl_vision.model.config import FAMILIES
@@ -247,6 +247,13 @@ def test_cache_bounds_hold_and_evict_the_least_recent():
     for h in range(2, 40, 2):
         model.grid_plan((1, h, 4))
     assert 0 < model.shape_cache.nbytes <= 60_000
+
+
+@pytest.mark.parametrize("option", [dict(cache_size=None), dict(cache_size=-1), dict(cache_bytes=-5),
+                                    dict(cache_bytes="1GB")])
+def test_cache_bounds_that_bound_nothing_are_refused_by_name(option):
+    with pytest.raises(ConfigError, match=next(iter(option))):
+        load_encoder(QWEN3_SMALL_64, random_weights=True, device="cpu", **option)
 
 
 def test_threads_hammering_new_shapes_match_serial():
