@@ -43,13 +43,15 @@ import torch
 
 from bench.gemm_bound import gemm_bound, print_rates
 from bench.load import RESET_HIGH_WATER_MARK, proc_status_bytes, start_rss_window
+from bench.workloads import add_workload_arguments
 from qwenvl_vision import preset
 from qwenvl_vision.backends.cpu.backend import CpuBackend
+from qwenvl_vision.embed.args import positive_option
 from qwenvl_vision.model.config import VisionConfig
 from qwenvl_vision.model.execution import one_forward
 from qwenvl_vision.model.random_init import random_tower
 from qwenvl_vision.testing.reference import hf_classes, hf_tower, ours_from
-from qwenvl_vision.testing.workloads import INPUT_SETS, build_inputs, truncated
+from qwenvl_vision.testing.workloads import build_inputs, truncated
 
 # Dense (no sparsity) bf16 tensor-core peaks from NVIDIA's datasheets, TFLOP/s, matched as substrings of
 # torch.cuda.get_device_name(); the first match wins, so the more specific names come first.
@@ -368,12 +370,10 @@ def summarize(cfg: VisionConfig, label: str, inputs: str, grid_thw: torch.Tensor
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="qwen2.5-vl-3b")
+    add_workload_arguments(parser, dtypes=("bf16", "fp16", "fp32"))
+    parser.set_defaults(inputs="mixed", dtype=None)  # dtype: bf16 on CUDA, fp32 on CPU
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", default=None, help="default: bf16 on CUDA, fp32 on CPU")
-    parser.add_argument("--inputs", default="mixed", choices=sorted(INPUT_SETS))
-    parser.add_argument("--depth", type=int, default=None, help="truncate the tower (CPU)")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=positive_option(int, "--repeats"), default=5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--attn", default="sdpa",

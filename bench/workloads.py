@@ -1,4 +1,4 @@
-"""The options that pick a tower and a pack of inputs (``qwenvl_vision.testing.workloads``), shared by the CPU
+"""The options that pick a tower and a pack of inputs (``qwenvl_vision.testing.workloads``), shared by the
 benchmarks (throughput, gemm_bound, profile_tower)."""
 
 from __future__ import annotations
@@ -7,17 +7,17 @@ import argparse
 
 import torch
 
-from qwenvl_vision.model.config import VisionConfig, preset
+from qwenvl_vision.embed.args import positive_option
+from qwenvl_vision.model.config import PRESETS, VisionConfig, preset
 from qwenvl_vision.testing.workloads import INPUT_SETS, build_inputs, truncated
 
 
 def add_workload_arguments(parser: argparse.ArgumentParser, dtypes: tuple[str, ...] = ("bf16", "fp32")) -> None:
-    """The options that pick a tower and a pack, shared by the CPU benchmarks (throughput, gemm_bound,
-    profile_tower)."""
-    parser.add_argument("--preset", default="qwen2.5-vl-3b")
+    """The options that pick a tower and a pack, shared by the benchmarks (throughput, gemm_bound, profile_tower)."""
+    parser.add_argument("--preset", default="qwen2.5-vl-3b", choices=sorted(PRESETS))
     parser.add_argument("--inputs", default="photos", choices=sorted(INPUT_SETS))
     parser.add_argument("--dtype", default=dtypes[0], choices=dtypes)
-    parser.add_argument("--depth", type=int, default=None, help="truncate the tower (see truncated())")
+    parser.add_argument("--depth", type=positive_option(int, "--depth"), help="truncate the tower (see truncated())")
 
 
 def workload(args: argparse.Namespace) -> tuple[VisionConfig, torch.Tensor, torch.Tensor, int, torch.dtype]:

@@ -91,3 +91,13 @@ def test_load_names_a_preset_whose_family_it_does_not_write():
 
     with pytest.raises(SystemExit, match="qwen3.5-0.8b is a qwen3_5 tower"):
         load.main(["--preset", "qwen3.5-0.8b", "--depth", "1"])
+
+
+@pytest.mark.parametrize(("option", "value"), [("--preset", "bogus"), ("--repeats", "0"), ("--depth", "0"),
+                                               ("--dtype", "int8")])
+def test_a_bad_workload_option_is_an_argparse_error_naming_it(option, value, capsys):
+    """No traceback, and never a silent stand-in (``--depth 0`` once timed the whole tower)."""
+    for bench in (throughput, gemm_bound):
+        with pytest.raises(SystemExit) as exit_:
+            bench.main([*TINY, option, value])
+        assert exit_.value.code == 2 and option in capsys.readouterr().err
