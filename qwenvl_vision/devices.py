@@ -37,8 +37,9 @@ def upload(tensors: list[torch.Tensor], device: torch.device | str) -> torch.Ten
     return torch.cat(tensors, out=staging).to(device, non_blocking=True)
 
 
-def resolve_device(device: str | torch.device | None) -> torch.device:
-    """The device to run on: CUDA when there is one and nothing was asked; a device this machine lacks is refused."""
+def resolve_device(device: str | torch.device | None, *, here: bool = True) -> torch.device:
+    """The device to run on: CUDA when there is one and nothing was asked; a device this machine lacks is refused
+    (``here=False`` checks the spelling only: the device of another machine, a Ray actor's)."""
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -47,10 +48,12 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
         raise ConfigError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from None
     if resolved.type not in ("cpu", "cuda", "meta"):  # mps, xpu: torch knows them, the towers run on neither
         raise ConfigError(f"device {device!r} is not supported; use cpu, cuda or cuda:N")
-    if resolved.type == "cuda" and not torch.cuda.is_available():
+    if not here or resolved.type != "cuda":
+        return resolved
+    if not torch.cuda.is_available():
         raise ConfigError(f"device {device!r}: CUDA is not available here (no GPU, or a CPU build of torch "
                           f"{torch.__version__}); use the CPU (--device cpu)")
-    if resolved.type == "cuda" and (resolved.index or 0) >= torch.cuda.device_count():
+    if (resolved.index or 0) >= torch.cuda.device_count():
         raise ConfigError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     return resolved
 
@@ -80,10 +83,11 @@ def dtype_option(text: str) -> str:
     return text
 
 
-def device_option(text: str) -> str:
-    """argparse type of a --device option: cpu, cuda or cuda:N, refused at once when this machine lacks it."""
+def device_option(text: str, here: bool = True) -> str:
+    """argparse type of a --device option: cpu, cuda or cuda:N, refused at once when this machine lacks it (unless
+    not ``here``: a device that the command checks where it runs, as embed's Ray actors run on other machines)."""
     try:
-        if resolve_device(text).type != "meta":  # the API's tower of no memory (its size): nothing a command runs
+        if resolve_device(text, here=here).type != "meta":  # the API's tower of no memory: nothing a command runs
             return text
     except ConfigError as e:
         raise argparse.ArgumentTypeError(str(e)) from None

@@ -7,6 +7,7 @@ Namespace: the CLI binds the parser to it. The options that load the model and s
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 from pathlib import Path
 
@@ -91,9 +92,10 @@ def model_options() -> argparse.ArgumentParser:
     p.add_argument("--local-files-only", action="store_true",
                    help="take a repo id --model from the Hugging Face cache only, never the network (as "
                         "HF_HUB_OFFLINE=1)")
-    p.add_argument("--device", type=device_option,
+    # Checked where the tower loads (a Ray driver needs no GPU of its own to run actors on the cluster's).
+    p.add_argument("--device", type=functools.partial(device_option, here=False),
                    help="cpu, cuda or cuda:N (default: cuda when available, else cpu; under torchrun each rank "
-                        "takes cuda:LOCAL_RANK)")
+                        "takes cuda:LOCAL_RANK; with --engine ray, the actors' device)")
     p.add_argument("--dtype", type=dtype_option, help=f"{DTYPE_CHOICES} (default: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--min-pixels", type=positive_option(int, "--min-pixels"),
                    help="smallest image area after resizing (default: the checkpoint's)")

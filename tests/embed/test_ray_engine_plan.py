@@ -48,11 +48,11 @@ def no_ray_address(monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
 
 
-def args(**given) -> argparse.Namespace:
+def args(*argv: str, **given) -> argparse.Namespace:
     """An embed run's options with --engine ray, as the job reads them."""
     embed = add_embed_parser(argparse.ArgumentParser().add_subparsers())
     parsed = embed.parse_args(["photos", "--model", "qwen3.5-0.8b", "--out", "out", "--engine", "ray", "--format",
-                               "parquet", "--quiet"])
+                               "parquet", "--quiet", *argv])
     return argparse.Namespace(**{**vars(parsed), **given})
 
 
@@ -108,6 +108,8 @@ def test_gpu_actors_never_outnumber_the_gpus_and_cuda_is_the_default_on_a_gpu_cl
     assert (got.device, got.actors, got.actor_gpus) == ("cuda", 2, 1.0)
     assert plan(args(random_weights=True)).device == "cpu"  # random weights are hashed on the driver's CPU
     assert plan(args(device="cpu")).device == "cpu"
+    # The driver needs no GPU of its own: --device cuda is parsed on any machine, and the cluster's GPUs decide.
+    assert plan(args("--device", "cuda")).device == "cuda"
 
 
 def test_cpu_shares_add_up_to_what_the_cluster_has(monkeypatch):
