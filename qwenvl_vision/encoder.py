@@ -344,8 +344,7 @@ class VisionEncoder(contextlib.AbstractContextManager):
             for r in batch:
                 if r.error is not None:
                     raise r.error_class(r.error)
-            results.extend(batch)
-        results.sort(key=lambda r: r.index)
+            results.extend(batch)  # the batches come in input order
         return EncodeResult(
             embeddings=[r.embedding for r in results],
             grid_thw=torch.tensor([r.grid_thw for r in results], dtype=torch.int64).view(-1, 3),

@@ -211,16 +211,15 @@ class EmbedJob:
             # The driver loads the tower on its CPU for run.json, in the actors' dtype (bf16 on their GPUs).
             gpus = self.ray.device != "cpu"
             dtype = torch.bfloat16 if gpus and args.dtype is None else args.dtype
-            self.encoder, folder = _load(args, "cpu", self.progress, dtype=dtype, attn="auto",
-                                         cpu_plan="reference" if gpus else recorded_plan)
+            self.encoder, self.folder = _load(args, "cpu", self.progress, dtype=dtype, attn="auto",
+                                              cpu_plan="reference" if gpus else recorded_plan)
         else:
             threads = args.threads or (recorded or {}).get("threads") or torch.get_num_threads()
             torch.set_num_threads(threads)
             device = args.device or ("cuda" if torch.cuda.is_available() else None)  # None: the encoder's default
             if device and device.startswith("cuda") and self.world > 1:  # one GPU per local rank
                 device = f"cuda:{int(os.environ.get('LOCAL_RANK', self.rank)) % max(torch.cuda.device_count(), 1)}"
-            self.encoder, folder = _load(args, device, self.progress, cpu_plan=recorded_plan)
-        self.folder = folder
+            self.encoder, self.folder = _load(args, device, self.progress, cpu_plan=recorded_plan)
         if args.fps is not None:
             self.encoder.video_config = dataclasses.replace(self.encoder.video_config, fps=args.fps)
         if args.format == "parquet":
@@ -228,7 +227,7 @@ class EmbedJob:
 
             self.layout = ParquetLayout.for_encoder(self.encoder, tokens=not args.pooled_only, pooled=args.pooled_only,
                                                     columns=self.inputs.column_types)
-        now = describe_run(self.encoder, args, folder, self.world, threads, self.inputs.column_types)
+        now = describe_run(self.encoder, args, self.folder, self.world, threads, self.inputs.column_types)
         if args.format == "vllm-cache":  # another model's items in the folder: refused before anything is written
             check_cache_folder(out, self.encoder.identity())
         if self.ray is not None and self.ray.device != "cpu":
@@ -257,9 +256,7 @@ class EmbedJob:
             self.encoder.set_cpu_kernels(self.run["cpu_plan"])
 
     def undo_setup(self) -> None:
-        """Nothing was written: remove the lock file and the folders setup created."""
-        if self.encoder is not None:
-            self.encoder.close()
+        """Nothing was written: remove the lock file and the folders setup created (run_embed closes the encoder)."""
         self.release()
         for folder in self.created:
             try:

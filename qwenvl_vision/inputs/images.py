@@ -56,9 +56,7 @@ import PIL.Image
 import torch
 
 from ..errors import ConfigError
-from ..model.config import CLIP_MEAN as OPENAI_CLIP_MEAN
-from ..model.config import CLIP_STD as OPENAI_CLIP_STD
-from ..model.config import Family, family_named
+from ..model.config import CLIP_MEAN, CLIP_STD, Family, family_named
 from .pixels import (
     BICUBIC,
     RESCALE_FACTOR,
@@ -92,8 +90,8 @@ class PreprocessConfig:
     merge_size: int = 2
     min_pixels: int = 56 * 56
     max_pixels: int = 28 * 28 * 1280
-    image_mean: tuple[float, float, float] = OPENAI_CLIP_MEAN
-    image_std: tuple[float, float, float] = OPENAI_CLIP_STD
+    image_mean: tuple[float, float, float] = CLIP_MEAN
+    image_std: tuple[float, float, float] = CLIP_STD
     resize: str = "pil"  # "pil" or "torch": which transformers backend the pixels match (module docstring)
 
     def __post_init__(self) -> None:

@@ -275,7 +275,6 @@ def open_header(path: str | os.PathLike | FileBytes, name: str, max_input_pixels
     file within the limit decodes the same in every process that decodes it (a Ray actor included),
     whatever PIL's default there.
     """
-    path = path if isinstance(path, FileBytes) else os.fspath(path)
     check_regular_file(path, name)
     # PIL's bomb check (an error above twice ``MAX_IMAGE_PIXELS``, a warning above it) reads the process-wide value
     # at every open, also inside its plugins (GIF frames, TIFF tiles): it cannot be passed per call, so the value is

@@ -51,6 +51,7 @@ import torch
 
 from ..devices import dtype_name
 from ..errors import InputError
+from ..inputs.video import positive_number
 from ..model.config import FAMILIES, family_named
 from ..model.execution import check_grids
 
@@ -161,10 +162,6 @@ def _by_modality(results: Sequence[Any]) -> dict[str, EncodedItems]:
     return grouped
 
 
-def _moved(tensor: torch.Tensor, dtype: torch.dtype | None, device: torch.device | str | None) -> torch.Tensor:
-    return tensor.to(device=device, dtype=dtype) if dtype is not None or device is not None else tensor
-
-
 def _output_class(family: str) -> type:
     """The class the family's own ``get_image_features`` returns (DeepStack families define their own)."""
     if FAMILIES[family].deepstack:
@@ -191,9 +188,9 @@ def to_transformers(result: Any, *more: Any, dtype: torch.dtype | None = None,
     kwargs: dict[str, Any] = {"mm_encoder_outputs": outputs}
     for modality, items in _by_modality((result, *more)).items():
         fields: dict[str, Any] = {"last_hidden_state": None,
-                                  "pooler_output": tuple(_moved(e, dtype, device) for e in items.embeddings)}
+                                  "pooler_output": tuple(e.to(device, dtype) for e in items.embeddings)}
         if FAMILIES[items.family].deepstack:
-            fields["deepstack_features"] = [tuple(_moved(level, dtype, device) for level in per_level)
+            fields["deepstack_features"] = [tuple(level.to(device, dtype) for level in per_level)
                                             for per_level in zip(*items.deepstack)]
         outputs[modality] = _output_class(items.family)(**fields)
         kwargs[f"{modality}_grid_thw"] = torch.tensor(items.grid_thw, dtype=torch.long, device=device)
@@ -217,7 +214,7 @@ def to_vllm(result: Any, *more: Any, dtype: torch.dtype | None = None,
         per_item = _items_for_vllm(items)
         rows = [item.rows for item in per_item]
         fields = data[modality] = {
-            f"{modality}_embeds": _moved(torch.cat(rows) if rows else torch.empty(0, 0), dtype, device),
+            f"{modality}_embeds": (torch.cat(rows) if rows else torch.empty(0, 0)).to(device, dtype),
             f"{modality}_grid_thw": torch.tensor(items.grid_thw, dtype=torch.long, device=device)}
         if any(item.timestamps is not None for item in per_item):  # a family's videos all have them or none do
             fields["timestamps"] = [item.timestamps for item in per_item]
@@ -255,14 +252,14 @@ def _items_for_vllm(items: EncodedItems) -> list[VllmItem]:
         out.append(item)
         if items.modality == "video" and family.seconds_per_grid:
             fps = _video_field(info, "requested_fps")
-            if isinstance(fps, bool) or not (isinstance(fps, (int, float)) and fps > 0):
+            if not positive_number(fps):
                 raise InputError(f"video {i}: vLLM's {family.label} models need the fps its frames were sampled at, "
                                  f"and its video_info has no requested_fps ({fps!r}): encode the video file, or pass "
                                  f"video_info= with requested_fps (the fps given to encode_videos)")
             item.second_per_grid_t = TEMPORAL_PATCH / float(fps)
         elif items.modality == "video" and family.prompt_timestamps:
             indices, fps = _video_field(info, "frames", "frame_indices"), _video_field(info, "fps", "video_fps")
-            if not indices or isinstance(fps, bool) or not (isinstance(fps, (int, float)) and fps > 0):
+            if not indices or not positive_number(fps):
                 raise InputError(f"video {i}: vLLM's {family.label} models need each video's timestamps, and its "
                                  f"video_info holds no frame indices and source fps (frames given in memory?): encode "
                                  f"the video file, or pass video_info= (its sampled frame indices and source fps)")

@@ -14,6 +14,7 @@ its logits bit for bit.
 from __future__ import annotations
 
 import dataclasses
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -169,6 +170,11 @@ def test_vllm_layout_splits_back_bitwise(case):
         with pytest.raises(InputError, match="video_info"):
             to_vllm(case.images, case.video)
         frames = 2 * int(video.grid_thw[0, 0])
+        infinite = {"frames": list(range(frames)), "fps": math.inf, "requested_fps": math.inf}
+        infinite = EncodedItems(video.embeddings, video.grid_thw, video.deepstack, "video", case.family,
+                                video_info=[infinite])
+        with pytest.raises(InputError, match="video_info"):  # no time per frame (it once gave 0 s per patch)
+            to_vllm(infinite)
         video = EncodedItems(video.embeddings, video.grid_thw, video.deepstack, "video", case.family,
                              video_info=[{"frames": list(range(frames)), "fps": 4.0, "requested_fps": 4.0}])
     data = to_vllm(case.images, video)
