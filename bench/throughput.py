@@ -46,6 +46,7 @@ from bench.load import RESET_HIGH_WATER_MARK, proc_status_bytes, start_rss_windo
 from bench.workloads import add_workload_arguments
 from qwenvl_vision import preset
 from qwenvl_vision.backends.cpu.backend import CpuBackend
+from qwenvl_vision.devices import resolve_dtype
 from qwenvl_vision.embed.args import positive_option
 from qwenvl_vision.model.config import VisionConfig
 from qwenvl_vision.model.execution import one_forward
@@ -412,8 +413,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, None: None}[args.dtype]
-    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    dtype = resolve_dtype(args.dtype, device)
     cfg = truncated(preset(args.preset), args.depth)
     pixel_values, grid_thw, items = build_inputs(args.inputs, cfg)
     attns = tuple(a.strip() for a in args.attn.split(",") if a.strip())

@@ -14,7 +14,7 @@ from qwenvl_vision.testing.workloads import INPUT_SETS, build_inputs, truncated
 
 def add_workload_arguments(parser: argparse.ArgumentParser, dtypes: tuple[str, ...] = ("bf16", "fp32")) -> None:
     """The options that pick a tower and a pack, shared by the benchmarks (throughput, gemm_bound, profile_tower)."""
-    parser.add_argument("--preset", default="qwen2.5-vl-3b", choices=sorted(PRESETS))
+    parser.add_argument("--preset", default="qwen2.5-vl-3b", type=str.lower, choices=sorted(PRESETS))
     parser.add_argument("--inputs", default="photos", choices=sorted(INPUT_SETS))
     parser.add_argument("--dtype", default=dtypes[0], choices=dtypes)
     parser.add_argument("--depth", type=positive_option(int, "--depth"), help="truncate the tower (see truncated())")

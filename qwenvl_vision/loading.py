@@ -24,6 +24,7 @@ from .inputs.images import PreprocessConfig
 from .inputs.video import VideoConfig
 from .model import build
 from .model.attention import resolve_attn_impl
+from .model.cache import check_cache_bounds
 from .model.config import VisionConfig, resolve_config
 from .model.random_init import random_tower
 from .model.tower import VisionTower
@@ -71,6 +72,7 @@ def load_encoder(
     dtype = resolve_dtype(dtype, device)
     resolve_attn_impl(attn_impl, device, dtype)  # refuse an impossible backend before any download or read
     cpu_kernels = check_cpu_kernels(cpu_kernels)  # a bad setting is refused before any download or read
+    check_cache_bounds(cache_size, cache_bytes)
     options = dict(cache_size=cache_size, cache_bytes=cache_bytes, attn_impl=attn_impl)
     if random_weights:
         config, checkpoint = resolve_config(source), None

@@ -11,7 +11,7 @@ import functools
 import math
 from pathlib import Path
 
-from ..devices import DTYPE_CHOICES, device_option, dtype_option
+from ..devices import DTYPE_CHOICES, device_option, dtype_option, resolve_device
 from ..errors import ConfigError
 from ..inputs.pixels import DEFAULT_MAX_INPUT_PIXELS, RESIZE_BACKENDS
 from ..model.attention import ATTN_IMPLS
@@ -61,6 +61,9 @@ def validate_embed_args(args: argparse.Namespace) -> None:
     if args.format == "vllm-cache" and args.pooled_only:
         raise ConfigError("--format vllm-cache stores each item's tokens, which a vLLM consumer places in the prompt: "
                           "drop --pooled-only")
+    if args.engine == "ray" and args.device not in (None, "cpu", "cuda"):
+        raise ConfigError(f"--device {args.device}: each Ray actor runs on the GPU its node gives it; use --device "
+                          f"cuda or cpu with --engine ray")
     for option, value in (("--ray-address", args.ray_address), ("--ray-actors", args.ray_actors)):
         if value and args.engine != "ray":
             raise ConfigError(f"{option} {value} needs --engine ray")
@@ -76,7 +79,10 @@ def validate_embed_args(args: argparse.Namespace) -> None:
 
 
 def validate_model_args(args: argparse.Namespace) -> None:
-    """The checks across ``model_options``: a preset needs --random-weights, which takes no --revision."""
+    """The checks across ``model_options``: a preset needs --random-weights, which takes no --revision; a --device
+    this machine lacks is refused unless Ray's actors, on the cluster's machines, load the tower."""
+    if getattr(args, "engine", None) != "ray":
+        resolve_device(args.device)
     if args.random_weights and args.revision:
         raise ConfigError("--revision means a Hub checkpoint; --random-weights takes a preset")
     if args.model.lower() in PRESETS and not args.random_weights and not Path(args.model).is_dir():
@@ -92,10 +98,9 @@ def model_options() -> argparse.ArgumentParser:
     p.add_argument("--local-files-only", action="store_true",
                    help="take a repo id --model from the Hugging Face cache only, never the network (as "
                         "HF_HUB_OFFLINE=1)")
-    # Checked where the tower loads (a Ray driver needs no GPU of its own to run actors on the cluster's).
-    p.add_argument("--device", type=functools.partial(device_option, here=False),
+    p.add_argument("--device", type=functools.partial(device_option, here=False),  # here: validate_model_args
                    help="cpu, cuda or cuda:N (default: cuda when available, else cpu; under torchrun each rank "
-                        "takes cuda:LOCAL_RANK; with --engine ray, the actors' device)")
+                        "takes cuda:LOCAL_RANK)")
     p.add_argument("--dtype", type=dtype_option, help=f"{DTYPE_CHOICES} (default: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--min-pixels", type=positive_option(int, "--min-pixels"),
                    help="smallest image area after resizing (default: the checkpoint's)")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import numbers
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
@@ -47,14 +48,19 @@ def tensor_bytes(value: Any) -> int:
     return sum(map(tensor_bytes, vars(value).values())) if hasattr(value, "__dict__") else 0
 
 
+def check_cache_bounds(cache_size: int, cache_bytes: int | None) -> None:
+    """Refuse bounds that bound nothing (a ConfigError naming the option): whole numbers >= 0 (cache_bytes None: no
+    bound in bytes)."""
+    for name, value in (("cache_size", cache_size), ("cache_bytes", 0 if cache_bytes is None else cache_bytes)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+            raise ConfigError(f"{name} must be a whole number >= 0, got {value!r}")
+
+
 class ShapeCache:
     """LRU from a hashable key (a grid ``(t, h, w)``) to derived tensors, bounded by count and bytes."""
 
     def __init__(self, maxsize: int = 1024, max_bytes: int | None = 1 << 30) -> None:
-        if not isinstance(maxsize, int) or maxsize < 0:
-            raise ConfigError(f"cache_size must be an int >= 0, got {maxsize!r}")
-        if max_bytes is not None and (not isinstance(max_bytes, int) or max_bytes < 0):
-            raise ConfigError(f"cache_bytes must be None or an int >= 0, got {max_bytes!r}")
+        check_cache_bounds(maxsize, max_bytes)
         self.maxsize = maxsize
         self.max_bytes = max_bytes
         self._entries: OrderedDict[Hashable, tuple[Any, int]] = OrderedDict()

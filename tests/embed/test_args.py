@@ -19,6 +19,7 @@ USAGE_ERRORS = {
     "min above max": (["--min-pixels", "50000", "--max-pixels", "40000"],
                       ["--min-pixels 50000 is above --max-pixels 40000"]),
     "max input pixels 0": (["--max-input-pixels", "0"], ["--max-input-pixels must be at least 1"]),
+    "a GPU index for Ray's actors": (["--engine", "ray", "--device", "cuda:1"], ["--device cuda:1", "--engine ray"]),
 }
 
 

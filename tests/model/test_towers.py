@@ -249,11 +249,13 @@ def test_cache_bounds_hold_and_evict_the_least_recent():
     assert 0 < model.shape_cache.nbytes <= 60_000
 
 
-@pytest.mark.parametrize("option", [dict(cache_size=None), dict(cache_size=-1), dict(cache_bytes=-5),
-                                    dict(cache_bytes="1GB")])
-def test_cache_bounds_that_bound_nothing_are_refused_by_name(option):
+@pytest.mark.parametrize("option", [dict(cache_size=None), dict(cache_size=-1), dict(cache_size=True),
+                                    dict(cache_bytes=-5), dict(cache_bytes="1GB")])
+def test_cache_bounds_that_bound_nothing_are_refused_by_name_before_any_read(option, tmp_path):
     with pytest.raises(ConfigError, match=next(iter(option))):
         load_encoder(QWEN3_SMALL_64, random_weights=True, device="cpu", **option)
+    with pytest.raises(ConfigError, match=next(iter(option))):  # a folder of nothing: refused before it is looked at
+        load_encoder(tmp_path / "no-such-checkpoint", **option)
 
 
 def test_threads_hammering_new_shapes_match_serial():
