@@ -24,7 +24,7 @@ from .backends.cpu.backend import CpuBackend, use_cpu_kernels
 from .backends.cpu.plan import CpuPlan
 from .batching import Prepared, preflight, prepared_batches
 from .devices import dtype_name, upload
-from .errors import EncoderClosedError, ForwardFaultError, InputError, NumericalError, QwenVLVisionError
+from .errors import EncoderClosedError, ForwardFaultError, InputError, NumericalError, QwenVLVisionError, first_line
 from .inputs.images import PreprocessConfig
 from .inputs.item_ids import config_sha256, is_sha256, weights_sha256
 from .inputs.item_ids import pixels_sha256 as item_pixels_sha256
@@ -418,7 +418,3 @@ def nonfinite_message(what: str, dtype: torch.dtype) -> str:
             f"weights or config values overflow; check them (qwenvl-vision inspect shows the config)")
 
 
-def first_line(error: BaseException, limit: int = 300) -> str:
-    """The error's type and the first line of its message, at most ``limit`` characters (torch's run long)."""
-    text = (str(error).strip().splitlines() or [""])[0]
-    return f"{type(error).__name__}: {text if len(text) <= limit else text[:limit] + '...'}"

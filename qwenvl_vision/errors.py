@@ -80,3 +80,9 @@ def exit_code_of(error: BaseException) -> int:
     """2 for usage and setup errors; an error may carry its own (embed: 3 for an output fault, 4 for a forward
     that failed for the machine's reasons; the CLI exits 5 for an error the package did not expect, a bug)."""
     return getattr(error, "exit_code", 2)
+
+
+def first_line(error: BaseException, limit: int = 300) -> str:
+    """The error's type and the first line of its message, at most ``limit`` characters (torch's run long)."""
+    text = (str(error).strip().splitlines() or [""])[0]
+    return f"{type(error).__name__}: {text if len(text) <= limit else text[:limit] + '...'}"

@@ -39,7 +39,7 @@ class Inputs:
     errors: dict[str, str] = field(default_factory=dict)
     keys: dict[str, str] = field(default_factory=dict)  # path -> its identity (file_identity; a URL's: remote)
     columns: dict[str, dict] = field(default_factory=dict)  # path -> the values its table row carries
-    column_types: dict[str, str] = field(default_factory=dict)  # carried column -> its type (tables.COLUMN_TYPES)
+    column_types: dict[str, str] = field(default_factory=dict)  # carried column -> its type (parquet.CARRIED_TYPES)
     members: dict[str, Member] = field(default_factory=dict)  # path -> where a shard member's bytes are
     remote: set[str] = field(default_factory=set)  # the paths that are URLs (remote.py)
     _pending: list[tuple] = field(default_factory=list, repr=False)

@@ -40,12 +40,9 @@ class ParquetRankWriter(Writer):
         self.to_rewrite: dict[Path, set[str]] = {}
 
     def recover(self, listed: dict[str, str]) -> None:
-        """Resume, first step (reads only): delete this rank's temporary files (rank 0: run.json's too), take
-        every ok row of the folder (any rank's) as done but those redone, and note which of this rank's shards
-        hold rows redone. Only the footer and the realpath / status columns of a shard are read. Under torchrun
-        every rank reads every rank's shards, so no rank rewrites its own before all have read
-        (``finish_recovery``, after a barrier): a shard another rank is rewriting or removing is never read
-        half-way or missed."""
+        """Resume, first step (reads only; the module docstring says why): delete this rank's temporary files
+        (rank 0: run.json's too), take every ok row of the folder as done but those redone, and note which of this
+        rank's shards hold rows redone. Only the footer and the realpath / status columns of a shard are read."""
         self.remove_temporary_files()
         listed = {text(file): text(key) for file, key in listed.items()}  # as the rows spell them
         own = set(parquet_shards(self.out, self.rank))

@@ -27,7 +27,7 @@ import ray.data
 import torch
 
 from ..devices import resolve_dtype
-from ..errors import ConfigError, EmbedError, OutputFaultError
+from ..errors import ConfigError, EmbedError, OutputFaultError, first_line
 from ..model.attention import resolve_attn_impl
 from ..outputs.records import EmbeddingRecord
 from .ray import actor_cpus, embed_dataset, records_from_batch
@@ -114,8 +114,7 @@ class RayPlan:
                     ray.init(address="local", num_cpus=local_cpus(), include_dashboard=False,
                              log_to_driver=not args.quiet, logging_level="warning")
             except (ConnectionError, RuntimeError, ValueError) as e:
-                raise EmbedError(f"--engine ray, {where.split(' (')[0]}: "
-                                 f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+                raise EmbedError(f"--engine ray, {where.split(' (')[0]}: {first_line(e)}") from None
             finally:
                 if on_sigterm is not None:
                     signal.signal(signal.SIGTERM, on_sigterm)

@@ -22,16 +22,9 @@ from .manifest import MANIFEST, RUN_FIELDS, RUN_FILE, RUN_FORMAT, parquet_shards
 
 
 def read_run(out: str | os.PathLike) -> dict:
-    """The run file (``DIR/run.json``) of an embed output: what produced its tensors.
-
-    Keys: format, run_id, created, package_version, model (as given), model_folder, revision (a Hub
-    commit, or null), random_weights, family, config_sha256 (vision + preprocessing config), weights_sha256
-    (the vision tensors as loaded), dtype, min_pixels and max_pixels (the images' bounds: each option, else
-    the checkpoint's, as encode_images takes them; min above max where an option crossed the checkpoint's
-    other bound), resize ("pil" or "torch"), video, pooled,
-    world_size, cwd (where the run started; each manifest record's ``path`` is as given to the invocation that
-    recorded it, and its ``realpath`` the resolved file). Raises ManifestError if it is missing or damaged.
-    """
+    """The run file (``DIR/run.json``) of an embed output: what produced its tensors, the keys of
+    ``manifest.RUN_FIELDS``; ``cwd`` is where the run started (each manifest record's ``path`` is as given to the
+    invocation that recorded it, its ``realpath`` the resolved file). Raises ManifestError if missing or damaged."""
     path = Path(out) / RUN_FILE
     try:
         run = json.loads(path.read_text())

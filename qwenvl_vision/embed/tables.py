@@ -27,7 +27,6 @@ from ..errors import ConfigError
 from ..inputs.pixels import is_url
 
 TABLE_EXTENSIONS = {".parquet", ".csv", ".tsv", ".jsonl"}
-COLUMN_TYPES = ("string", "int64", "float64", "bool", "json")
 # The names the outputs use for themselves: a carried column may not take one.
 RESERVED = {"path", "realpath", "status", "error", "grid_thw", "tokens", "embedding", "pooled", "video", "rank",
             "shard", "key", "id", "modality", "levels", "timestamps", "second_per_grid_t", "columns", "pixels_sha256"}

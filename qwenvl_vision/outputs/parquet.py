@@ -7,10 +7,8 @@ JSON) of an input no table row named. ``text`` writes what UTF-8 cannot encode (
 escape, as ``repr`` spells it; embed records such an input as an error row (``needs_escape``). Arrow has no
 bfloat16: a bf16 or fp16 run stores float32, which holds every such value exactly. The schema metadata (key
 ``qwenvl_vision``) holds the layout (D, L, merge size, dtype, which tensor columns) and the caller's run record (a
-JSON dict, e.g. run.json), so the reader gives back the very tensors the encoder returned.
-
-``write_table_atomic`` writes a temporary file (``.tmp``, never read) in the target's folder, fsyncs it, renames it
-into place and fsyncs the folder: a reader sees a whole shard or none.
+JSON dict, e.g. run.json), so the reader gives back the very tensors the encoder returned. A shard is written
+whole or not at all (``write_table_atomic``).
 """
 
 from __future__ import annotations
@@ -167,10 +165,9 @@ def results_table(records: Iterable[EmbeddingRecord], layout: ParquetLayout, run
 
 
 def write_table_atomic(table: pa.Table, path: str | os.PathLike) -> Path:
-    """Write ``table`` to ``path`` whole or not at all: a temporary file in the same folder (a rename across file
-    systems would not be atomic), fsynced, renamed into place, then the folder fsynced. An OSError (a full disk,
-    a read-only folder) leaves no temporary file behind. Every page carries its CRC (Parquet's page checksum), which
-    the readers here verify: a flipped bit in a tensor is a damaged file, not another value."""
+    """Write ``table`` to ``path`` whole or not at all (``durable.replace_atomically``). Every page carries its CRC
+    (Parquet's page checksum), which the readers here verify: a flipped bit in a tensor is a damaged file, not another
+    value."""
     path = Path(path)
     replace_atomically(path, path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp"),
                        lambda f: pq.write_table(table, f, write_page_checksum=True))

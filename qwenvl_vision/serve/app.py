@@ -33,8 +33,7 @@ from safetensors.torch import save
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from ..encoder import first_line
-from ..errors import EncoderClosedError, QwenVLVisionError
+from ..errors import EncoderClosedError, QwenVLVisionError, first_line
 from ..outputs.handoff import EncodedItems, vllm_items
 from ..outputs.vllm_cache import cache_lock, claim_cache_folder, entry, found_item, write_item
 from ..results import ItemResult

@@ -11,7 +11,7 @@ import signal
 import socket
 from pathlib import Path
 
-from ..embed.args import model_options, positive_option, validate_model_args
+from ..embed.args import FLAGS, model_options, positive_option, validate_model_args
 from ..errors import ConfigError
 from ..options import check_option_rules
 
@@ -60,8 +60,7 @@ def validate_serve_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--max-items {args.max_items} is more than --max-queue {args.max_queue}")
     if args.max_body_mib > args.max_bodies_mib:  # the largest body could never be held: 503s forever
         raise ConfigError(f"--max-body-mib {args.max_body_mib} is more than --max-bodies-mib {args.max_bodies_mib}")
-    check_option_rules(min_pixels=args.min_pixels, max_pixels=args.max_pixels,
-                       names={"min_pixels": "--min-pixels", "max_pixels": "--max-pixels"})
+    check_option_rules(min_pixels=args.min_pixels, max_pixels=args.max_pixels, names=FLAGS)
     validate_model_args(args)
     if args.allowed_local_media_path and not Path(args.allowed_local_media_path).is_dir():
         raise ConfigError(f"--allowed-local-media-path {args.allowed_local_media_path} is not a folder")

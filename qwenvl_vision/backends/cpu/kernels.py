@@ -19,7 +19,7 @@ float64, not its bits); in fp32 oneDNN's activation is within an ulp or two of t
 from __future__ import annotations
 
 import math
-import time
+import timeit
 from collections.abc import Callable, Iterator
 
 import torch
@@ -103,9 +103,4 @@ def gemm_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int
 def best_seconds(fn: Callable[[], object], repeats: int) -> float:
     """The best of ``repeats`` timed calls after one untimed warm-up (the benchmarks time kernels the same way)."""
     fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+    return min(timeit.repeat(fn, repeat=repeats, number=1))

@@ -16,7 +16,7 @@ import threading
 import torch
 from torch import nn
 
-from ...errors import ConfigError
+from ...errors import ConfigError, first_line
 from ...model.cache import return_freed_memory
 from ...model.layers import MLP, Block, GatedMLP, RMSNorm, VisionAttention
 from .kernels import pack_weight, packed_linear
@@ -127,7 +127,7 @@ def pack_linears_(module: nn.Module, plan: CpuPlan) -> list[PackedLinear]:
                 raise ConfigError(
                     f"the CPU plan of {plan.machine} runs {layer.in_features}x{layer.out_features} "
                     f"{dtype_name(weight.dtype)} linears on oneDNN, which this CPU cannot run "
-                    f"({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}): load with "
+                    f"({first_line(e)}): load with "
                     f"cpu_kernels='auto' (this machine's plan), or resume the run on the kind of machine that "
                     f"recorded it") from e
             del weight  # the plain tensor goes with its Parameter: the peak stays one layer above the tower

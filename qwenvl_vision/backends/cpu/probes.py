@@ -5,15 +5,15 @@ choice ran clearly faster. ``measure`` turns what towers need into plan entries;
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections import deque
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from ...model.attention import SegmentPlan
+from ...model.attention import SegmentPlan, sdpa_batched
 from ...model.layers import MLP, Block, GatedMLP, RMSNorm
 from .forward import CpuExecution
 from .kernels import (
@@ -120,28 +120,15 @@ def measure_attention(dtype: torch.dtype, heads: int, head_dim: int, repeats: in
     for length in PROBE_LENGTHS:
         count = max(1, PROBE_TOKENS // length)
         q, k, v = (torch.randn(count * length, heads, head_dim, generator=generator).to(dtype) for _ in range(3))
+        operands = (q, k, v, count, head_dim**-0.5, torch.empty_like(q))  # as the backend calls each
         try:
-            sdpa_s, gemm_s = attention_seconds(q, k, v, count, repeats)
+            sdpa_s = best_seconds(functools.partial(sdpa_batched, *operands), repeats)
+            gemm_s = best_seconds(functools.partial(gemm_attention, *operands), repeats)
         except RuntimeError as e:  # a oneDNN kernel this CPU cannot run in this dtype: SDPA runs
             warn(f"GEMM attention failed for {heads}x{head_dim} {dtype_name(dtype)} ({e}); using SDPA")
             sdpa_s, gemm_s = 0.0, float("inf")
         choices[plan_key("attention", dtype, heads, head_dim, length)] = "gemm" if gemm_s < sdpa_s else "sdpa"
     return choices
-
-
-def attention_seconds(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int, repeats: int
-                      ) -> tuple[float, float]:
-    """Seconds of ``count`` equal segments by SDPA (as ``attention.sdpa_batched`` calls it) and by the GEMM form."""
-    out, scale = torch.empty_like(q), q.shape[-1] ** -0.5
-    length, heads, head_dim = q.shape[0] // count, q.shape[1], q.shape[2]
-
-    def sdpa() -> None:
-        split = [x.view(count, length, heads, head_dim).transpose(1, 2) for x in (q, k, v)]
-        out.view(count, length, heads, head_dim).transpose(1, 2).copy_(
-            F.scaled_dot_product_attention(*split, scale=scale))
-
-    return (best_seconds(sdpa, repeats),
-            best_seconds(lambda: gemm_attention(q, k, v, count, scale, out), repeats))
 
 
 def probe_mlps(kind: str, dim: int, hidden: int, act: str, dtype: torch.dtype, packs: tuple[bool, bool],
