@@ -12,6 +12,7 @@ visible to the driver; the cost is that the embeddings travel to the driver. So 
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import signal
@@ -93,6 +94,8 @@ class RayPlan:
         if args.random_weights and (args.device or "").startswith("cuda"):
             raise EmbedError("--engine ray --random-weights --device cuda: the actors would draw other random weights "
                              "on their GPUs than the driver hashes on its CPU; use a checkpoint, or --device cpu")
+        if args.quiet:  # Ray Data's notices too (its failures still raise here)
+            logging.getLogger("ray.data").setLevel(logging.ERROR)
         started = not ray.is_initialized()
         # ray.init joins RAY_ADDRESS (which `ray job submit` sets) when given "auto" or no address: so does the check.
         # No address (or "local") is passed as "local": ray.init would otherwise join a `ray start` of this machine.
@@ -106,13 +109,13 @@ class RayPlan:
             # own (qwenvl_vision.cli: stopped as Ctrl-C stops it, exit 143) is put back once Ray is up.
             main_thread = threading.current_thread() is threading.main_thread()
             on_sigterm = signal.getsignal(signal.SIGTERM) if main_thread else None
+            logs = dict(log_to_driver=not args.quiet, logging_level="error" if args.quiet else "warning")
             try:
                 if joined:
                     check_reachable(address)
-                    ray.init(address=address, log_to_driver=not args.quiet, logging_level="warning")
+                    ray.init(address=address, **logs)
                 else:
-                    ray.init(address="local", num_cpus=local_cpus(), include_dashboard=False,
-                             log_to_driver=not args.quiet, logging_level="warning")
+                    ray.init(address="local", num_cpus=local_cpus(), include_dashboard=False, **logs)
             except (ConnectionError, RuntimeError, ValueError) as e:
                 raise EmbedError(f"--engine ray, {where.split(' (')[0]}: {first_line(e)}") from None
             finally:

@@ -110,7 +110,8 @@ def test_driver_sigkilled_then_resumed_embeds_each_input_once(tmp_path, local_ra
     make_image_folder(tmp_path / "imgs", 80, bad=False)
     out = tmp_path / "out"
     cmd = embed_cmd([tmp_path / "imgs"], checkpoint, out, "--engine", "ray", "--quiet")
-    kill_when(cmd, lambda: any(out.glob("shard-*.parquet")))
+    err = kill_when(cmd, lambda: any(out.glob("shard-*.parquet")))
+    assert not re.search(r"\b(INFO|WARNING)\b", err), err  # --quiet: Ray's and Ray Data's notices too
     killed_at = len(parquet_rows(out))
     assert 0 < killed_at < 80
     assert main(cmd[3:] + ["--resume"]) == 0  # on the session's Ray

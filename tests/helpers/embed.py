@@ -94,19 +94,24 @@ def assert_each_parquet_input_once(out: Path, expected: int) -> list[dict]:
     return rows
 
 
-def kill_when(cmd: list[str], ready, timeout: float = 180) -> None:
-    """Run `cmd` in a child and SIGKILL it once ``ready()`` holds (polled every 5 ms); it must not finish first."""
+def kill_when(cmd: list[str], ready, timeout: float = 180) -> str:
+    """Run `cmd` in a child and SIGKILL it once ``ready()`` holds (polled every 5 ms); it must not finish first.
+    Returns what it wrote to stderr."""
     import signal
     import subprocess
+    import tempfile
     import time
 
-    proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + timeout
-    while time.time() < deadline and proc.poll() is None and not ready():
-        time.sleep(0.005)
-    assert proc.poll() is None, "the run finished (or failed) before it could be killed"
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=err)
+        deadline = time.time() + timeout
+        while time.time() < deadline and proc.poll() is None and not ready():
+            time.sleep(0.005)
+        assert proc.poll() is None, "the run finished (or failed) before it could be killed"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        err.seek(0)
+        return err.read()
 
 
 def kill_at_instants(cmd: list[str], out: Path, delays: tuple[float, ...] = (2.5, 3.5, 5.0)) -> None:
