@@ -85,4 +85,6 @@ def exit_code_of(error: BaseException) -> int:
 def first_line(error: BaseException, limit: int = 300) -> str:
     """The error's type and the first line of its message, at most ``limit`` characters (torch's run long)."""
     text = (str(error).strip().splitlines() or [""])[0]
+    if not text:
+        return type(error).__name__
     return f"{type(error).__name__}: {text if len(text) <= limit else text[:limit] + '...'}"

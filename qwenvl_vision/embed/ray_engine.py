@@ -94,8 +94,10 @@ class RayPlan:
         if args.random_weights and (args.device or "").startswith("cuda"):
             raise EmbedError("--engine ray --random-weights --device cuda: the actors would draw other random weights "
                              "on their GPUs than the driver hashes on its CPU; use a checkpoint, or --device cpu")
-        if args.quiet:  # Ray Data's notices too (its failures still raise here)
-            logging.getLogger("ray.data").setLevel(logging.ERROR)
+        if args.quiet:  # Ray Data's notices on the console (its log files keep them; its failures raise here)
+            for handler in logging.getLogger("ray.data").handlers:
+                if not isinstance(handler, logging.FileHandler):
+                    handler.setLevel(logging.ERROR)
         started = not ray.is_initialized()
         # ray.init joins RAY_ADDRESS (which `ray job submit` sets) when given "auto" or no address: so does the check.
         # No address (or "local") is passed as "local": ray.init would otherwise join a `ray start` of this machine.

@@ -23,8 +23,10 @@ from .manifest import MANIFEST, RUN_FIELDS, RUN_FILE, RUN_FORMAT, parquet_shards
 
 def read_run(out: str | os.PathLike) -> dict:
     """The run file (``DIR/run.json``) of an embed output: what produced its tensors, the keys of
-    ``manifest.RUN_FIELDS``; ``cwd`` is where the run started (each manifest record's ``path`` is as given to the
-    invocation that recorded it, its ``realpath`` the resolved file). Raises ManifestError if missing or damaged."""
+    ``manifest.RUN_FIELDS``. ``config_sha256`` covers the vision and preprocessing configs; ``min_pixels`` is above
+    ``max_pixels`` where an option crossed the checkpoint's other bound; ``cwd`` is where the run started (each
+    manifest record's ``path`` is as given to the invocation that recorded it, its ``realpath`` the resolved file).
+    Raises ManifestError if missing or damaged."""
     path = Path(out) / RUN_FILE
     try:
         run = json.loads(path.read_text())

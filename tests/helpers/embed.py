@@ -102,7 +102,7 @@ def kill_when(cmd: list[str], ready, timeout: float = 180) -> str:
     import tempfile
     import time
 
-    with tempfile.TemporaryFile("w+") as err:
+    with tempfile.TemporaryFile() as err:
         proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=err)
         deadline = time.time() + timeout
         while time.time() < deadline and proc.poll() is None and not ready():
@@ -111,7 +111,7 @@ def kill_when(cmd: list[str], ready, timeout: float = 180) -> str:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         err.seek(0)
-        return err.read()
+        return err.read().decode(errors="replace")
 
 
 def kill_at_instants(cmd: list[str], out: Path, delays: tuple[float, ...] = (2.5, 3.5, 5.0)) -> None:

@@ -120,7 +120,7 @@ def measure_attention(dtype: torch.dtype, heads: int, head_dim: int, repeats: in
     for length in PROBE_LENGTHS:
         count = max(1, PROBE_TOKENS // length)
         q, k, v = (torch.randn(count * length, heads, head_dim, generator=generator).to(dtype) for _ in range(3))
-        operands = (q, k, v, count, head_dim**-0.5, torch.empty_like(q))  # as the backend calls each
+        operands = (q, k, v, count, head_dim**-0.5, torch.empty_like(q))
         try:
             sdpa_s = best_seconds(functools.partial(sdpa_batched, *operands), repeats)
             gemm_s = best_seconds(functools.partial(gemm_attention, *operands), repeats)
