@@ -301,9 +301,6 @@ def test_setup_errors_are_one_line_exit_2_nothing_written(tmp_path, checkpoint, 
         (["--model", str(tmp_path / "imgs"), "--out", str(tmp_path / "o3")], ["config.json"]),
         (["--model", str(checkpoint), "--out", str(tmp_path / "o4" / "deeper")], []),  # fine: the control
     ]
-    if not torch.cuda.is_available():
-        cases.append((["--model", str(checkpoint), "--out", str(tmp_path / "o5"), "--device", "cuda"],
-                      ["--device", "CUDA is not available", "--device cpu"]))
     for extra, needles in cases:
         code = main(["embed", str(tmp_path / "imgs"), *extra])
         err = capsys.readouterr().err
@@ -325,6 +322,17 @@ def test_setup_errors_are_one_line_exit_2_nothing_written(tmp_path, checkpoint, 
         one_error_line(err, *needles)
     assert a_file.read_text() == "not a folder" and not any((tmp_path / "cwd").iterdir())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cwd", "emb.txt", "imgs", "o4"]  # the others never created
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: --device cuda runs here")
+def test_a_missing_gpu_is_one_line_exit_2_nothing_written(tmp_path, checkpoint, capsys):
+    make_folder(tmp_path / "imgs", 1, bad=False)
+    for device in ("cuda", "cuda:1"):
+        out = tmp_path / "out" / "deeper"
+        assert main(["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(out), "--device",
+                     device]) == 2
+        one_error_line(capsys.readouterr().err, f"device '{device}'", "CUDA is not available", "--device cpu")
+        assert not (tmp_path / "out").exists()
 
 
 def test_debug_shows_the_traceback(tmp_path, checkpoint, capsys):
