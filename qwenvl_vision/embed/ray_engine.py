@@ -91,12 +91,12 @@ class RayPlan:
         if world > 1:
             raise EmbedError("--engine ray runs from one driver process, not under torchrun (WORLD_SIZE is set): "
                              "start it once, Ray spreads the work")
-        if args.random_weights and (args.device or "").startswith("cuda"):
+        if args.random_weights and args.device == "cuda":
             raise EmbedError("--engine ray --random-weights --device cuda: the actors would draw other random weights "
                              "on their GPUs than the driver hashes on its CPU; use a checkpoint, or --device cpu")
         if args.quiet:  # Ray Data's notices on the console (its log files keep them; its failures raise here)
             for handler in logging.getLogger("ray.data").handlers:
-                if not isinstance(handler, logging.FileHandler):
+                if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
                     handler.setLevel(logging.ERROR)
         started = not ray.is_initialized()
         # ray.init joins RAY_ADDRESS (which `ray job submit` sets) when given "auto" or no address: so does the check.
