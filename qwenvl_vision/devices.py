@@ -83,11 +83,11 @@ def dtype_option(text: str) -> str:
     return text
 
 
-def device_option(text: str, here: bool = True) -> str:
-    """argparse type of a --device option: cpu, cuda or cuda:N, refused at once when this machine lacks it (unless
-    not ``here``: a device that the command checks where it runs, as embed's Ray actors run on other machines)."""
+def device_option(text: str) -> str:
+    """argparse type of a --device option: cpu, cuda or cuda:N, its spelling (each command checks that the machine
+    has it where the tower loads: embed's Ray actors run on other machines)."""
     try:
-        if resolve_device(text, here=here).type != "meta":  # the API's tower of no memory: nothing a command runs
+        if resolve_device(text, here=False).type != "meta":  # the API's tower of no memory: nothing a command runs
             return text
     except ConfigError as e:
         raise argparse.ArgumentTypeError(str(e)) from None

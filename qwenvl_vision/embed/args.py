@@ -7,7 +7,6 @@ Namespace: the CLI binds the parser to it. The options that load the model and s
 from __future__ import annotations
 
 import argparse
-import functools
 import math
 from pathlib import Path
 
@@ -81,8 +80,7 @@ def validate_embed_args(args: argparse.Namespace) -> None:
 def validate_model_args(args: argparse.Namespace) -> None:
     """The checks across ``model_options``: a preset needs --random-weights, which takes no --revision; a --device
     this machine lacks is refused unless Ray's actors, on the cluster's machines, load the tower."""
-    if getattr(args, "engine", None) != "ray":
-        resolve_device(args.device)
+    resolve_device(args.device, here=getattr(args, "engine", None) != "ray")
     if args.random_weights and args.revision:
         raise ConfigError("--revision means a Hub checkpoint; --random-weights takes a preset")
     if args.model.lower() in PRESETS and not args.random_weights and not Path(args.model).is_dir():
@@ -98,7 +96,7 @@ def model_options() -> argparse.ArgumentParser:
     p.add_argument("--local-files-only", action="store_true",
                    help="take a repo id --model from the Hugging Face cache only, never the network (as "
                         "HF_HUB_OFFLINE=1)")
-    p.add_argument("--device", type=functools.partial(device_option, here=False),  # here: validate_model_args
+    p.add_argument("--device", type=device_option,
                    help="cpu, cuda or cuda:N (default: cuda when available, else cpu; under torchrun each rank "
                         "takes cuda:LOCAL_RANK)")
     p.add_argument("--dtype", type=dtype_option, help=f"{DTYPE_CHOICES} (default: bf16 on CUDA, fp32 on CPU)")
