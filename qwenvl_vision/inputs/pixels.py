@@ -232,7 +232,7 @@ def load_rgb(image: Any, name: str, *, check_aspect: bool = False, max_input_pix
                 rgb = opened.convert("RGB")
     except Exception as e:  # noqa: BLE001 - see _unreadable
         opened.close()
-        raise _unreadable(e, name) from e
+        raise _unreadable(e, name, max_input_pixels) from e
     return _pil_to_rgb(rgb, name) if composite else rgb
 
 
@@ -285,11 +285,7 @@ def open_header(path: str | os.PathLike | FileBytes, name: str, max_input_pixels
     try:
         opened = PIL.Image.open(readable(path))
     except Exception as e:  # noqa: BLE001 - PIL raises many types for bad headers
-        if isinstance(e, PIL.Image.DecompressionBombError) and max_input_pixels is not None:  # PIL's check came first
-            raise PreprocessError(f"{name}: its header declares more than {2 * max(limit, max_input_pixels):,} pixels, "
-                                  f"above the input limit of {max_input_pixels:,} (max_input_pixels, embed "
-                                  f"--max-input-pixels)") from None
-        raise _unreadable(e, name) from e
+        raise _unreadable(e, name, max_input_pixels) from e
     try:
         # Reject before decoding megapixels.
         check_input_pixels(opened.height, opened.width, max_input_pixels, name)
@@ -303,11 +299,14 @@ def open_header(path: str | os.PathLike | FileBytes, name: str, max_input_pixels
     return opened
 
 
-def _unreadable(error: Exception, name: str) -> PreprocessError:
+def _unreadable(error: Exception, name: str, max_input_pixels: int | None) -> PreprocessError:
     """The one message for a file PIL could not open or decode, by kind (header and pixel data alike: a file
     cut short can fail in either, depending on where the cut is)."""
     if isinstance(error, PIL.UnidentifiedImageError):
         return PreprocessError(f"{name}: not a recognised image file (corrupt, or not an image)")
+    if isinstance(error, PIL.Image.DecompressionBombError) and max_input_pixels is not None:  # PIL's check came first
+        return PreprocessError(f"{name}: it declares more than {2 * PIL.Image.MAX_IMAGE_PIXELS:,} pixels, above the "
+                               f"input limit of {max_input_pixels:,} (max_input_pixels, embed --max-input-pixels)")
     if isinstance(error, PIL.Image.DecompressionBombError):
         return PreprocessError(f"{name}: refused by PIL's decompression-bomb limit ({error})")
     if isinstance(error, PermissionError):
