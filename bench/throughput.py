@@ -43,16 +43,13 @@ import torch
 
 from bench.gemm_bound import gemm_bound, print_rates
 from bench.load import RESET_HIGH_WATER_MARK, proc_status_bytes, start_rss_window
-from bench.workloads import add_workload_arguments
-from qwenvl_vision import preset
+from bench.workloads import add_workload_arguments, workload
 from qwenvl_vision.backends.cpu.backend import CpuBackend
-from qwenvl_vision.devices import resolve_dtype
 from qwenvl_vision.embed.args import positive_option
 from qwenvl_vision.model.config import VisionConfig
 from qwenvl_vision.model.execution import one_forward
 from qwenvl_vision.model.random_init import random_tower
 from qwenvl_vision.testing.reference import hf_classes, hf_tower, ours_from
-from qwenvl_vision.testing.workloads import build_inputs, truncated
 
 # Dense (no sparsity) bf16 tensor-core peaks from NVIDIA's datasheets, TFLOP/s, matched as substrings of
 # torch.cuda.get_device_name(); the first match wins, so the more specific names come first.
@@ -413,9 +410,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    dtype = resolve_dtype(args.dtype, device)
-    cfg = truncated(preset(args.preset), args.depth)
-    pixel_values, grid_thw, items = build_inputs(args.inputs, cfg)
+    cfg, pixel_values, grid_thw, items, dtype = workload(args, device)
     attns = tuple(a.strip() for a in args.attn.split(",") if a.strip())
     variants, skipped = build_variants(cfg, device, dtype, attns, {} if args.compile else None,
                                        addmm_variant=args.addmm, one_forward_variant=args.one_forward,

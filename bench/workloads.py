@@ -7,6 +7,7 @@ import argparse
 
 import torch
 
+from qwenvl_vision.devices import resolve_dtype
 from qwenvl_vision.embed.args import positive_option
 from qwenvl_vision.model.config import PRESETS, VisionConfig, preset
 from qwenvl_vision.testing.workloads import INPUT_SETS, build_inputs, truncated
@@ -20,8 +21,9 @@ def add_workload_arguments(parser: argparse.ArgumentParser, dtypes: tuple[str, .
     parser.add_argument("--depth", type=positive_option(int, "--depth"), help="truncate the tower (see truncated())")
 
 
-def workload(args: argparse.Namespace) -> tuple[VisionConfig, torch.Tensor, torch.Tensor, int, torch.dtype]:
+def workload(args: argparse.Namespace, device: str | torch.device = "cpu"
+             ) -> tuple[VisionConfig, torch.Tensor, torch.Tensor, int, torch.dtype]:
     """(config, pixel_values, grid_thw, items, dtype) for add_workload_arguments' options."""
     cfg = truncated(preset(args.preset), args.depth)
     pixel_values, grid_thw, items = build_inputs(args.inputs, cfg)
-    return cfg, pixel_values, grid_thw, items, torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    return cfg, pixel_values, grid_thw, items, resolve_dtype(args.dtype, torch.device(device))
