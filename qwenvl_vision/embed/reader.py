@@ -80,7 +80,7 @@ def _manifest_embeddings(out: Path, records: list[dict], deepstack: bool) -> Ite
         if "levels" in r and r["shard"] != open_shard and not (out / r["shard"]).is_file():
             from ..outputs.cache_prune import PRUNED
 
-            if pruned is None:  # read once, at the first missing item; a torn last line is a prune killed mid-append
+            if pruned is None:  # read once, at the first missing item; a prune killed mid-append left a torn line
                 pruned = {p["id"] for p in read_manifest_lines(out / PRUNED, strict=False)}
             if r.get("id") in pruned:
                 skipped += 1
