@@ -29,6 +29,7 @@ from .weights import (
     CONFIG_FILE,
     INDEX_FILE,
     PREPROCESSOR_FILE,
+    PROCESSOR_FILE,
     SINGLE_FILE,
     VIDEO_PREPROCESSOR_FILE,
     parse_weight_map,
@@ -166,6 +167,7 @@ def fetch_vision_checkpoint(repo_id: str, *, revision: str | None = None, cache_
     prefixes = from_config_json(read_json(config_path, "config", ConfigError)).family.prefixes
     _download(repo_id, PREPROCESSOR_FILE, required=False, **kwargs)
     _download(repo_id, VIDEO_PREPROCESSOR_FILE, required=False, **kwargs)
+    _download(repo_id, PROCESSOR_FILE, required=False, **kwargs)
     # transformers' order: the single file where the repository has one, else the index and its shards. Offline,
     # a snapshot holding the index but not the single file (a fetch that asked for the index alone) is read by its
     # index: what was fetched is what a load reads.

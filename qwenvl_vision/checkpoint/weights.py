@@ -41,6 +41,7 @@ SINGLE_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 PREPROCESSOR_FILE = "preprocessor_config.json"
 VIDEO_PREPROCESSOR_FILE = "video_preprocessor_config.json"
+PROCESSOR_FILE = "processor_config.json"  # transformers 5 saves every processor's settings in it, nested
 VISION_ONLY_FORMAT = "qwenvl-vision"
 # A shard's mapping keeps every page read through it resident until it is closed: it is reopened after this many
 # bytes, so a load holds the tower plus at most this much (or one tensor) of the files.
@@ -61,16 +62,37 @@ class VisionCheckpoint:
         return sorted({file for file, _ in self.tensors.values()})
 
     def preprocessor_json(self) -> dict | None:
-        path = self.folder / PREPROCESSOR_FILE
-        return read_json(path, "preprocessor config", ConfigError) if present(path, "preprocessor config") else None
+        """The image processor's settings, where transformers 5's ``ImageProcessingMixin.get_image_processor_dict``
+        reads them: ``processor_config.json``'s ``image_processor``, else ``preprocessor_config.json``."""
+        nested = self.nested_json("image_processor")
+        if nested is None:
+            return self.file_json(PREPROCESSOR_FILE, "preprocessor config")
+        # transformers 5 writes its torchvision processor's name without "Fast" (PIL's ends "Pil"): spelled here
+        # as files written before 5 name it, which is what PreprocessConfig.from_dict reads.
+        name = nested.get("image_processor_type")
+        if isinstance(name, str) and not name.endswith(("Fast", "Pil")):
+            nested = {**nested, "image_processor_type": name + "Fast"}
+        return nested
 
     def video_preprocessor_json(self) -> dict | None:
-        """The video processor's settings: ``video_preprocessor_config.json``, else ``preprocessor_config.json``
-        (transformers' ``BaseVideoProcessor.get_video_processor_dict`` falls back to it the same way)."""
-        path = self.folder / VIDEO_PREPROCESSOR_FILE
-        if present(path, "video preprocessor config"):
-            return read_json(path, "video preprocessor config", ConfigError)
-        return self.preprocessor_json()
+        """The video processor's settings, in transformers 5's ``BaseVideoProcessor.get_video_processor_dict``
+        order: ``processor_config.json``'s ``video_processor``, ``video_preprocessor_config.json``,
+        ``preprocessor_config.json``."""
+        nested = self.nested_json("video_processor")
+        if nested is not None:
+            return nested
+        video = self.file_json(VIDEO_PREPROCESSOR_FILE, "video preprocessor config")
+        return video if video is not None else self.file_json(PREPROCESSOR_FILE, "preprocessor config")
+
+    def nested_json(self, key: str) -> dict | None:
+        """``processor_config.json``'s entry ``key`` (None where the file or the entry is absent, as transformers
+        then reads the older files)."""
+        processor = self.file_json(PROCESSOR_FILE, "processor config")
+        return None if processor is None else processor.get(key)
+
+    def file_json(self, name: str, what: str) -> dict | None:
+        path = self.folder / name
+        return read_json(path, what, ConfigError) if present(path, what) else None
 
 
 def present(path: Path, what: str) -> bool:

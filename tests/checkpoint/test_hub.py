@@ -43,7 +43,7 @@ hf_constants = pytest.importorskip("huggingface_hub.constants")
 GRIDS = [(1, 6, 10), (2, 4, 4), (1, 2, 2)]
 
 # Asked for on every fetch (the video one is optional: most releases have none).
-SETTINGS_FILES = {"config.json", "preprocessor_config.json", "video_preprocessor_config.json"}
+SETTINGS_FILES = {"config.json", "preprocessor_config.json", "video_preprocessor_config.json", "processor_config.json"}
 
 
 # ---------------------------------------------------------------------- helpers

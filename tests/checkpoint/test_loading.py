@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -16,9 +17,12 @@ from qwenvl_vision import CheckpointError, ConfigError, NumericalError, load_enc
 from qwenvl_vision.cli import main
 from tests.helpers import (
     LN_Q,
+    PREPROCESSOR_FILES,
     QWEN2_5_SMALL,
     QWEN3_SMALL_72,
     assert_result_matches_reference,
+    hf_forward,
+    hf_tower,
     inputs,
     non_vision_shards,
     reference_outputs,
@@ -75,6 +79,53 @@ def test_a_single_file_is_read_before_an_index_beside_it_as_transformers_does(tm
     pixel_values, grid_thw = _inputs(QWEN2_5_SMALL)
     assert_result_matches_reference(result, reference_outputs(QWEN2_5_SMALL, vision, pixel_values, grid_thw),
                                     grid_thw, 1e-5)
+
+
+def _word_tokenizer():
+    """The smallest tokenizer a Qwen processor takes (save_pretrained saves it beside the settings)."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<unk>", "<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"]
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)},
+                                                                               unk_token="<unk>")),
+                                   unk_token="<unk>", extra_special_tokens={"image_token": words[1],
+                                                                            "video_token": words[2]})
+
+
+@pytest.mark.parametrize("release_file", [False, True], ids=["alone", "beside-the-release-file"])
+def test_settings_a_transformers_5_processor_saved_are_read_where_transformers_reads_them(tmp_path, release_file):
+    """transformers 5 saves a processor's settings nested in processor_config.json and reads them before
+    preprocessor_config.json and video_preprocessor_config.json, naming its torchvision image processor
+    ``Qwen2VLImageProcessor``: a fine-tune's own pixel bounds, image and video, and its image processor's pixels
+    reach the tower, also where the release's preprocessor_config.json is still beside them."""
+    pytest.importorskip("torchvision")
+    from transformers import AutoImageProcessor, AutoVideoProcessor
+    from transformers.models.qwen2_5_vl.processing_qwen2_5_vl import Qwen2_5_VLProcessor
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
+    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+
+    vision = write_checkpoint(tmp_path, QWEN2_5_SMALL, sharded=False)
+    if not release_file:
+        (tmp_path / "preprocessor_config.json").unlink()
+    norm = {key: PREPROCESSOR_FILES["qwen2_5"][key] for key in ("image_mean", "image_std")}
+    Qwen2_5_VLProcessor(image_processor=Qwen2VLImageProcessor(max_pixels=128 * 28 * 28, **norm),
+                        video_processor=Qwen2VLVideoProcessor(min_pixels=56 * 56, max_pixels=36 * 28 * 28, **norm),
+                        tokenizer=_word_tokenizer()).save_pretrained(tmp_path)
+    assert not (tmp_path / "video_preprocessor_config.json").exists()
+    image, frames = synthetic_photo(600, 800), np.stack([synthetic_photo(240, 320, seed=i) for i in range(4)])
+    reference = hf_tower(QWEN2_5_SMALL, seed=None)
+    reference.load_state_dict(vision, strict=True)
+    with load_encoder(tmp_path, device="cpu") as encoder:
+        images, videos = encoder.encode_images([image]), encoder.encode_videos([frames])
+    expected = AutoImageProcessor.from_pretrained(tmp_path)([image], return_tensors="pt")
+    grid = expected["image_grid_thw"]
+    assert images.grid_thw.tolist() == grid.tolist() == [[1, 18, 26]]  # the release's bounds give [1, 42, 58]
+    assert_result_matches_reference(images, hf_forward(reference, expected["pixel_values"], grid), grid, 1e-4)
+    expected = AutoVideoProcessor.from_pretrained(tmp_path)([frames], do_sample_frames=False, return_tensors="pt")
+    grid = expected["video_grid_thw"]
+    assert videos.grid_thw.tolist() == grid.tolist() == [[2, 10, 12]]  # the class defaults give [2, 18, 24]
+    assert_result_matches_reference(videos, hf_forward(reference, expected["pixel_values_videos"], grid), grid, 1e-4)
 
 
 def test_fp16_warns_and_checks_finite(tmp_path):
