@@ -50,7 +50,7 @@ from .options import EncodeOptions
 
 # Peak bytes per header pixel while a file is decoded, converted to RGB and resized, by resize backend: the most
 # any image mode holds (the RSS high-water mark, measured per mode in docs/embed.md), rounded up.
-DECODE_BYTES_PER_PIXEL = {"pil": 9, "torch": 21}
+DECODE_BYTES_PER_PIXEL = {"pil": 9, "torch": 21, "vllm": 21}
 # The longest the iterating thread blocks in one wait, so that Ctrl-C (handled between waits) is prompt.
 WAIT_SLICE = 0.25
 

@@ -236,8 +236,8 @@ class VisionEncoder(contextlib.AbstractContextManager):
         file whose header declares more than `max_input_pixels` pixels is refused before decoding and yields an
         error (None: no limit; it replaces PIL's own bomb limit). ``decode_timeout``: seconds one input may spend
         decoding (from its admission by the decode budget) before it yields an error naming it and the limit,
-        and the others go on (None: no limit). ``resize``: images' "pil" or "torch" (see encode_images); None takes the
-        checkpoint's. Videos always use the video processors' pipeline. ``hash_pixels``: give each result its
+        and the others go on (None: no limit). ``resize``: images' "pil", "torch" or "vllm" (see encode_images); None
+        takes the checkpoint's. Videos always use the video processors' pipeline. ``hash_pixels``: give each result its
         ``pixels_sha256`` (hashed on the decode threads, about 15 ms per megapixel), what an encoder cache names
         the item by. ``max_item_tokens``: an input that resizes to more embedding rows yields an error naming it
         instead of its forward, a video file before its frames decode (None: no bound; a long video can take hundreds
@@ -366,7 +366,8 @@ class VisionEncoder(contextlib.AbstractContextManager):
 
         Preprocessing reproduces transformers' Qwen2VL image processor with this checkpoint's preprocessor
         config; min/max pixels override it per call. ``resize``: "pil" or "torch", the transformers backend to
-        match (docs/api.md says which); None takes the checkpoint's (``preprocess_config.resize``). Batches hold at most
+        match, or "vllm", vLLM's image loading before the torch one (docs/api.md says which); None takes the
+        checkpoint's (``preprocess_config.resize``). Batches hold at most
         `max_batch_patches` patches (an item larger than that runs alone). Bad input raises PreprocessError naming
         it, and so does a file whose header declares more than `max_input_pixels` (None: only PIL's own limit).
         ``pooled``: also each input's mean token; ``normalize``: of unit L2 norm (for cosine retrieval).

@@ -107,9 +107,10 @@ def model_options() -> argparse.ArgumentParser:
                         "min_pixels, small images are still upscaled to that min, as in transformers' processor: "
                         "give --min-pixels too")
     p.add_argument("--resize", choices=RESIZE_BACKENDS,
-                   help="whose resize the pixels match: pil = transformers' PIL image processor (transformers "
-                        "without torchvision), torch = its torchvision processor (with torchvision; vLLM); default: "
-                        "what the checkpoint's preprocessor_config.json names (...Fast: torch); serve: torch, as vLLM")
+                   help="whose pipeline the pixels match: pil = transformers' PIL image processor (transformers "
+                        "without torchvision), torch = its torchvision processor (with torchvision), vllm = vLLM's "
+                        "image loading (EXIF, transparency onto white) then that processor; default: what the "
+                        "checkpoint's preprocessor_config.json names (...Fast: torch); serve: vllm")
     p.add_argument("--fps", type=positive_option(float, "--fps"),
                    help="frames per second sampled from video files (default: the checkpoint's "
                         "video_preprocessor_config.json, else 2)")

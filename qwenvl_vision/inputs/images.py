@@ -163,7 +163,7 @@ class PreprocessConfig:
         Both spellings of the pixel bounds are written so that old and new readers agree.
         """
         return {
-            "image_processor_type": "Qwen2VLImageProcessorFast" if self.resize == "torch" else "Qwen2VLImageProcessor",
+            "image_processor_type": "Qwen2VLImageProcessorFast" if self.resize != "pil" else "Qwen2VLImageProcessor",
             **FIXED_SETTINGS,
             "image_mean": list(self.image_mean),
             "image_std": list(self.image_std),

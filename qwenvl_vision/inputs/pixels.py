@@ -14,6 +14,7 @@ Reference (transformers 5.24): ``image_utils.load_image`` (paths), ``image_trans
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
 import os
@@ -32,7 +33,9 @@ from ..errors import ConfigError, PreprocessError
 RESCALE_FACTOR = 1 / 255  # BaseImageProcessor.rescale_factor
 MAX_ASPECT_RATIO = 200
 BICUBIC = PIL.Image.Resampling.BICUBIC  # == 3 == transformers' PILImageResampling.BICUBIC
-RESIZE_BACKENDS = ("pil", "torch")
+# Whose pipeline the pixels match: transformers' PIL processor, its torchvision processor, or vLLM's image loading
+# (ImageMediaIO) before that torchvision processor.
+RESIZE_BACKENDS = ("pil", "torch", "vllm")
 # Files whose header declares more pixels are refused before decoding (max_input_pixels=None: no limit): above
 # every common camera, under PIL's own decompression-bomb limit, and about half a GB to decode.
 DEFAULT_MAX_INPUT_PIXELS = 64_000_000
@@ -214,6 +217,11 @@ def load_rgb(image: Any, name: str, *, check_aspect: bool = False, max_input_pix
         return PIL.Image.fromarray(np.ascontiguousarray(_array_to_rgb(array, composite)))
     opened = open_header(image, name, max_input_pixels, check_aspect, on_header)
     try:
+        if backend == "vllm":  # vLLM's ImageMediaIO.load_bytes (normalize_image ignores a failing EXIF transpose)
+            with opened:
+                with contextlib.suppress(Exception):
+                    PIL.ImageOps.exif_transpose(opened, in_place=True)
+                return _onto_white_as_vllm(opened)
         # load_image: EXIF orientation applied, then a plain convert("RGB") that drops any alpha band without
         # compositing. The reference copies the image in both (exif_transpose returns a copy, and convert to
         # the image's own mode is a copy); the same pixels come out of transposing in place (it decodes) and
@@ -385,6 +393,18 @@ def _pil_to_rgb(image: PIL.Image.Image, name: str) -> PIL.Image.Image:
         raise PreprocessError(f"{name}: cannot convert mode {image.mode} to RGB ({type(e).__name__}: {e})") from e
 
 
+def _onto_white_as_vllm(image: PIL.Image.Image) -> PIL.Image.Image:
+    """vLLM's ``convert_image_mode(image, "RGB")``: an image with an alpha band (RGBA, LA, PA) or a tRNS entry is
+    pasted onto white through its alpha (``Image.paste``'s rounding, not ``alpha_composite``'s), any other converted;
+    the file is decoded here."""
+    if image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info:
+        rgba = image.convert("RGBA")
+        rgb = PIL.Image.new("RGB", rgba.size, (255, 255, 255))
+        rgb.paste(rgba, mask=rgba.getchannel("A"))
+        return rgb
+    return image.convert("RGB")
+
+
 def _array_to_rgb(hwc: np.ndarray, composite: bool) -> np.ndarray:
     """``convert_to_rgb`` of uint8 channels-last pixels: 1 channel repeated, 4 blended onto white, as the PIL
     processor (``image_transforms.convert_to_rgb``, numpy branch; ``composite``) or the torchvision one does it."""
@@ -405,7 +425,7 @@ def _array_to_rgb(hwc: np.ndarray, composite: bool) -> np.ndarray:
 
 def resize_image(image: PIL.Image.Image, height: int, width: int, backend: str = "pil") -> np.ndarray:
     """Resize an RGB image to (height, width) bicubic, as the ``backend``'s image processor does. HxWx3 uint8."""
-    if backend == "torch":
+    if backend != "pil":
         return resize_uint8_torch(np.asarray(image), height, width)
     # transformers.image_transforms.resize: PIL bicubic, no reducing_gap.
     return np.asarray(image.resize((width, height), resample=BICUBIC))
@@ -439,7 +459,7 @@ def normalize_table(mean: Sequence[float], std: Sequence[float], backend: str = 
     elementwise in (level, channel), so the table holds exactly the reference's bits, and lookups avoid the
     reference's float image copy.
     """
-    if backend == "torch":
+    if backend != "pil":
         scale = 1.0 / RESCALE_FACTOR
         mean_t = (torch.tensor(list(mean)) * scale)[:, None]
         std_t = (torch.tensor(list(std)) * scale)[:, None]

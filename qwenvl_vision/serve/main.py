@@ -49,7 +49,7 @@ def add_serve_parser(sub, parents=()) -> argparse.ArgumentParser:
     p.add_argument("--threads", type=positive_option(int, "--threads"),
                    help="torch threads of each forward (default: torch's, one per core)")
     # vLLM runs transformers' torchvision image processor whatever the checkpoint's file names: its pixels.
-    p.set_defaults(func=run_serve, validate=validate_serve_args, resize="torch")
+    p.set_defaults(func=run_serve, validate=validate_serve_args, resize="vllm")
     return p
 
 

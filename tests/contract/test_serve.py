@@ -48,7 +48,7 @@ from tests.contract.test_vllm import (  # noqa: E402
     parsed_by_the_consumer,
     write_video,
 )
-from tests.helpers import REPO  # noqa: E402
+from tests.helpers import REPO, synthetic_photo  # noqa: E402
 from tests.helpers.handoff import write_full_model  # noqa: E402
 from tests.helpers.serve import START_S, data_url, serving  # noqa: E402
 
@@ -205,11 +205,11 @@ def test_the_proxy_s_requests_reach_a_vllm_consumer_bitwise(model, tmp_path, mon
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the server's --threads: how many threads split a forward can change its bits
     try:
-        # The server resizes as vLLM's processor does, with torchvision's resize, whatever the checkpoint names.
-        pictures = encoder.encode_images([str(p) for p in photos], resize="torch").to_vllm_cache(reference)
+        # The server loads and resizes as vLLM does, with torchvision's resize, whatever the checkpoint names.
+        pictures = encoder.encode_images([str(p) for p in photos], resize="vllm").to_vllm_cache(reference)
         (video,) = encoder.encode_videos([str(clip)]).to_vllm_cache(reference)
         hopper = encoder.encode_images([str(REPO / "examples" / "photos" / "hopper.jpg")], pooled=True,
-                                       resize="torch").pooled[0]
+                                       resize="vllm").pooled[0]
     finally:
         torch.set_num_threads(threads)
     entries = [pictures[0], video, pictures[1]]  # in the order of ``parts``
@@ -233,3 +233,45 @@ def test_the_proxy_s_requests_reach_a_vllm_consumer_bitwise(model, tmp_path, mon
     assert done.returncode == 0, done.stderr
     (embedding,) = json.loads(done.stdout)["data"]
     assert torch.equal(torch.tensor(embedding["embedding"], dtype=torch.float64), hopper.double())
+
+
+def transparent_and_turned(folder: Path) -> list[Path]:
+    """Files whose loading differs between pipelines: transparency of each kind PNG and WebP hold (an alpha band, a
+    grey alpha, a palette's tRNS, an RGB tRNS colour) and an EXIF orientation."""
+    from PIL import Image
+
+    base = Image.fromarray(synthetic_photo(60, 84, seed=3))
+    alpha = Image.linear_gradient("L").resize(base.size)  # fully transparent to opaque
+    rgba = base.convert("RGBA")
+    rgba.putalpha(alpha)
+    grey = base.convert("LA")
+    grey.putalpha(alpha)
+    palette = base.convert("P", palette=Image.ADAPTIVE, colors=16)
+    files = {"rgba.png": (rgba, {}), "la.png": (grey, {}), "rgba.webp": (rgba, {"lossless": True}),
+             "trns.png": (palette, {"transparency": 3}),
+             "rgb-trns.png": (base, {"transparency": base.getpixel((0, 0))})}
+    exif = Image.Exif()
+    exif[0x0112] = 6  # orientation: rotated 90 degrees
+    files["turned.jpg"] = (base, {"exif": exif, "quality": 95})
+    for name, (image, options) in files.items():
+        image.save(folder / name, **options)
+    return [folder / name for name in files]
+
+
+def test_resize_vllm_gives_the_pixels_vllm_s_image_loading_gives(model, tmp_path):
+    """``resize="vllm"`` (the server's default) on a file equals ``"torch"`` on the RGB image vLLM's own
+    ``ImageMediaIO`` makes of its bytes (EXIF, transparency onto white), which its processor then resizes."""
+    from vllm.multimodal.media import ImageMediaIO
+
+    files = transparent_and_turned(tmp_path)
+    loaded = [ImageMediaIO().load_bytes(path.read_bytes()).media for path in files]
+    assert {image.mode for image in loaded} == {"RGB"}
+    _, folder = model
+    with load_encoder(folder, device="cpu") as encoder:
+        ours = encoder.encode_images([str(path) for path in files], resize="vllm")
+        theirs = encoder.encode_images(loaded, resize="torch")
+        plain = encoder.encode_images([str(path) for path in files], resize="torch")
+    for path, mine, want, other in zip(files, ours.embeddings, theirs.embeddings, plain.embeddings, strict=True):
+        assert torch.equal(mine, want), path.name
+        # Transparency tells the two pipelines apart (torchvision's decode applies EXIF orientation too).
+        assert torch.equal(other, want) == path.name.startswith("turned"), path.name
