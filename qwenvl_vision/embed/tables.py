@@ -147,14 +147,19 @@ def _value(value: Any, kind: str) -> Any:
 def _csv_rows(path: Path, path_column: str, keep: Sequence[str], delimiter: str
               ) -> tuple[list[Row], dict[str, str]]:
     text = _text(path)
-    reader = csv.DictReader(io.StringIO(text, newline=""), delimiter=delimiter)
-    rows = []
+    # The field limit guards memory against a runaway cell; the whole text is in memory already.
+    csv.field_size_limit(max(csv.field_size_limit(), len(text)))
+    # strict: a quote that never closes is an error, where the lenient reader takes every later row into its cell.
+    reader = csv.DictReader(io.StringIO(text, newline=""), delimiter=delimiter, strict=True)
+    rows, start = [], 1  # the line the record being read starts on
     try:
         _missing(path, [path_column, *keep], reader.fieldnames or [])  # reads the header line: csv.Error too
+        start = reader.line_num + 1
         for i, record in enumerate(reader):
             rows.append(Row(i + 1, record.get(path_column), {name: record.get(name) for name in keep}))
+            start = reader.line_num + 1
     except csv.Error as e:
-        raise ConfigError(f"table {path}, line {reader.line_num or 1}: {e}") from None
+        raise ConfigError(f"table {path}, the record from line {start}: {e} (a cell that starts with a quote must end with one)") from None
     return rows, dict.fromkeys(keep, "string")
 
 

@@ -74,6 +74,7 @@ def test_a_table_s_rows_embed_bitwise_as_the_folder_and_carry_their_columns_in_r
                                                                                           suffix):
     root, paths, want, base_url = folder_run
     rows = rows_for(paths, root, base_url)
+    rows[0]["caption"] += " long" * 40_000  # a cell over the csv module's default field limit
     table = write_table(root / f"inputs{suffix}", rows)
     out = root / f"out{suffix}"
     assert main(["embed", str(table), "--model", str(checkpoint), "--out", str(out), *KEEP, *SMALL]) == 1
@@ -127,8 +128,8 @@ def test_every_format_carries_the_columns_typed_and_a_resume_keeps_each_row_once
 def test_columns_that_cannot_be_carried_are_refused_in_one_line(folder_run, checkpoint, capsys):
     root, paths, _, _ = folder_run
     table = write_table(root / "plain.csv", rows_for(paths, root))
-    wide = root / "wide-header.csv"  # a header cell over the csv module's field limit
-    wide.write_text("path," + "x" * 200_000 + "\n" + f"{paths[0]},1\n")
+    unclosed = root / "unclosed.csv"  # a quote that never closes would take every later row into its cell
+    unclosed.write_text(f"path,caption\n{paths[0]},a\n{paths[1]},\"6 inch\n{paths[2]},b\n")
     cases = [
         (table, ["--path-column", "file"], ["no column 'file'", "path, caption, idx"]),
         (table, ["--keep-columns", "caption,nope"], ["no column 'nope'"]),
@@ -136,7 +137,7 @@ def test_columns_that_cannot_be_carried_are_refused_in_one_line(folder_run, chec
         (table, ["--keep-columns", "deepstack_0"], ["deepstack_0", "rename the column"]),
         (table, ["--keep-columns", "caption,,idx"], ["--keep-columns"]),
         (root / "imgs", KEEP, ["no input is a table"]),
-        (wide, [], ["wide-header.csv, line 1", "field larger than field limit"]),
+        (unclosed, [], ["unclosed.csv, the record from line 3", "unexpected end of data"]),
     ]
     for i, column in enumerate([pa.array([b"imgs/x.png"]), pa.array([0], pa.timestamp("ms")), pa.array([7])]):
         pq.write_table(pa.table({"file": column}), root / f"typed-path{i}.parquet")  # a path column not of text
