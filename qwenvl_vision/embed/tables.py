@@ -159,7 +159,8 @@ def _csv_rows(path: Path, path_column: str, keep: Sequence[str], delimiter: str
             rows.append(Row(i + 1, record.get(path_column), {name: record.get(name) for name in keep}))
             start = reader.line_num + 1
     except csv.Error as e:
-        raise ConfigError(f"table {path}, the record from line {start}: {e} (a cell that starts with a quote must end with one)") from None
+        raise ConfigError(f"table {path}, the record from line {start}: {e} (a cell that starts with a quote must "
+                          f"end with one)") from None
     return rows, dict.fromkeys(keep, "string")
 
 

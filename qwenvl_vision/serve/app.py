@@ -53,6 +53,7 @@ class ServeSettings:
     shared: Path | None  # --ec-shared-storage: the encoder role's folder
     policy: MediaPolicy
     max_body: int
+    body_timeout: float  # seconds a body under way may send nothing
     max_bodies: int  # request bodies and their media held at once (BodyBudget)
     max_items: int
     max_queue: int
@@ -118,16 +119,24 @@ class BodyBudget:
         self.held -= getattr(request.state, "body_bytes", 0)
 
 
-async def read_json(request: Request, limit: int, budget: BodyBudget) -> Any:
+async def read_json(request: Request, limit: int, budget: BodyBudget, timeout: float) -> Any:
     """The body as JSON, refused (413) as soon as it is known to be over ``limit`` bytes; held within ``budget`` as
     its bytes arrive (a declared length is not charged: a client may declare more than it sends, or less), and its
-    parsed values as a count of their marks gives them, before they are parsed."""
+    parsed values as a count of their marks gives them, before they are parsed. A client that sends nothing for
+    ``timeout`` seconds mid-body is answered 408 (nginx's ``client_body_timeout``): stalled, it would hold its bytes
+    of the budget, and a SIGTERM's wait, for as long as it liked (uvicorn sets no such bound)."""
     over = RequestError(f"the request body is larger than --max-body-mib ({limit >> 20} MiB)", 413)
     if int(request.headers.get("content-length") or 0) > limit:
         raise over
-    chunks, size = [], 0
+    chunks, size, stream = [], 0, request.stream()
     try:
-        async for chunk in request.stream():
+        while True:
+            try:
+                chunk = await asyncio.wait_for(anext(stream), timeout)
+            except StopAsyncIteration:
+                break
+            except asyncio.TimeoutError:
+                raise RequestError(f"the request body sent nothing for --body-timeout ({timeout:g} s)", 408) from None
             size += len(chunk)
             if size > limit:
                 raise over
@@ -202,7 +211,7 @@ def build_app(encoder: Any, settings: ServeSettings) -> FastAPI:
             latency.labels(route).observe(time.perf_counter() - start)
 
     async def items_of(request: Request, need_uuid: bool) -> tuple[dict, list[Item]]:
-        body = await read_json(request, settings.max_body, bodies)
+        body = await read_json(request, settings.max_body, bodies, settings.body_timeout)
         found = await asyncio.to_thread(request_items, body, settings.policy, need_uuid)  # base64 off the loop
         if len(found) > settings.max_items:
             raise RequestError(f"messages: {len(found)} images and videos, more than --max-items {settings.max_items}")

@@ -37,6 +37,9 @@ def add_serve_parser(sub, parents=()) -> argparse.ArgumentParser:
                    help="read file:// media only under DIR (default: no local files)")
     p.add_argument("--max-body-mib", type=positive_option(int, "--max-body-mib"), default=64,
                    help="largest request body, in MiB (default %(default)s)")
+    p.add_argument("--body-timeout", type=positive_option(float, "--body-timeout"), default=60.0,
+                   help="seconds a client may send nothing while its request body is under way, then it is answered "
+                        "408 (nginx's client_body_timeout; default %(default)g)")
     p.add_argument("--max-bodies-mib", type=positive_option(int, "--max-bodies-mib"), default=512,
                    help="request bodies and the media read for them held at once, in MiB (each until its answer); "
                         "beyond it a request is answered 503 with Retry-After (default %(default)s)")
@@ -48,7 +51,7 @@ def add_serve_parser(sub, parents=()) -> argparse.ArgumentParser:
                         "%(default)s)")
     p.add_argument("--threads", type=positive_option(int, "--threads"),
                    help="torch threads of each forward (default: torch's, one per core)")
-    # vLLM runs transformers' torchvision image processor whatever the checkpoint's file names: its pixels.
+    # vLLM loads images its own way, then runs transformers' torchvision processor whatever the checkpoint names.
     p.set_defaults(func=run_serve, validate=validate_serve_args, resize="vllm")
     return p
 
@@ -77,8 +80,8 @@ def serve_settings(args: argparse.Namespace, encoder):
         shared=Path(args.ec_shared_storage) if args.ec_shared_storage else None,
         policy=MediaPolicy(frozenset(d.lower() for d in args.allowed_media_domains),  # as urlsplit's hostname
                            Path(local).resolve() if local else None, args.decode_timeout),
-        max_body=args.max_body_mib << 20, max_bodies=args.max_bodies_mib << 20, max_items=args.max_items,
-        max_queue=args.max_queue,
+        max_body=args.max_body_mib << 20, body_timeout=args.body_timeout, max_bodies=args.max_bodies_mib << 20,
+        max_items=args.max_items, max_queue=args.max_queue,
         options=dict(min_pixels=args.min_pixels, max_pixels=args.max_pixels, resize=args.resize,
                      max_batch_patches=args.batch_patches, max_input_pixels=args.max_input_pixels,
                      decode_bytes=args.decode_mib << 20, decode_timeout=args.decode_timeout,

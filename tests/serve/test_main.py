@@ -120,6 +120,23 @@ def test_a_client_hanging_up_mid_body_is_the_request_s_400_not_a_server_error(ch
         assert "Traceback" not in url.log()
 
 
+def test_a_client_silent_mid_body_is_answered_408_and_sigterm_does_not_wait_for_one(checkpoint3):
+    """Stalled mid-body, a client would hold its bytes of --max-bodies-mib and a SIGTERM's wait for as long as it
+    liked: after --body-timeout it is answered 408, and the server stops (exit 0) with another one still stalled."""
+    head = (b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100000\r\n\r\n{\"messages\": [")
+    with serving(["--model", checkpoint3, "--device", "cpu", "--body-timeout", 1]) as url:
+        address = ("127.0.0.1", int(url.rsplit(":", 1)[1]))
+        with socket.create_connection(address, timeout=START_S) as client, \
+                socket.create_connection(address, timeout=START_S) as stalled:
+            client.sendall(head)
+            assert client.recv(4096).startswith(b"HTTP/1.1 408 ")
+            stalled.sendall(head)
+            url.process.send_signal(signal.SIGTERM)  # serving() then asserts the exit 0
+            url.process.wait(START_S)
+        assert "Traceback" not in url.log()
+
+
 def test_requests_beyond_twice_max_queue_at_once_are_answered_503(checkpoint3, media):
     arrived, release = threading.Semaphore(0), threading.Event()
     answers: list = []
