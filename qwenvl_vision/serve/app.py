@@ -241,7 +241,8 @@ def build_app(encoder: Any, settings: ServeSettings) -> FastAPI:
         if item.file.fetched:
             return
         timeout = settings.policy.timeout_s
-        read = media_threads.submit(item.file.read, settings.options["decode_bytes"])
+        # At most what the bodies' bound allows one request: charged once read, a larger read would overshoot it.
+        read = media_threads.submit(item.file.read, min(settings.options["decode_bytes"], settings.max_bodies))
         reading = asyncio.wrap_future(read)
         try:
             await asyncio.wait([reading], timeout=timeout)  # unlike wait_for, it leaves a read under way going

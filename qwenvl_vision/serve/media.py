@@ -5,7 +5,7 @@ the request (``messages[0].content[1]``), with the extension that tells the deco
 
 Sources: ``data:`` URLs (base64) always; http(s) only from ``allowed_domains``, redirects followed only within
 them; ``file://`` only under ``local_root`` (symbolic links resolved before the check), regular files only. URLs and
-files are read when the app asks (``FileBytes.read``, in its media threads), within the decode budget's bytes and, for
+files are read when the app asks (``FileBytes.read``, in its media threads), within the bytes an item may take and, for
 a URL, the decode timeout as a whole; never on the encoder's thread."""
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from ..outputs.vllm_cache import ITEM_NAME
 
 TEXT_TYPES = ("text", "input_text", "refusal", "thinking")
 EXTENSIONS = {"image": (IMAGE_EXTENSIONS, ".png"), "video": (VIDEO_EXTENSIONS, ".mp4")}
+LIMIT = "the most one item may read (--decode-mib, or --max-bodies-mib where less)"
 
 
 class RequestError(QwenVLVisionError, ValueError):
@@ -170,7 +171,7 @@ def read_local(path: Path, label: str, limit: int) -> bytes:
 
 def within(data: bytes, label: str, limit: int) -> bytes:
     if len(data) > limit:
-        raise PreprocessError(f"{label}: more than the decode budget of {limit:,} bytes")
+        raise PreprocessError(f"{label}: more than {limit:,} bytes, {LIMIT}")
     return data
 
 
@@ -279,17 +280,18 @@ def fetch(url: str, label: str, policy: MediaPolicy, limit: int) -> bytes:
         with opener.open(sent, timeout=policy.timeout_s) as response:
             size = response.headers.get("content-length")
             if size and size.isdigit() and int(size) > limit:  # refused before its bytes come
-                raise PreprocessError(f"{label}: {int(size):,} bytes, more than the decode budget of {limit:,} bytes")
-            chunks, read = [], 0
-            while read <= limit and (chunk := response.read1(1 << 16)):
-                chunks.append(chunk)
-                read += len(chunk)
+                raise PreprocessError(f"{label}: {int(size):,} bytes, more than {limit:,}, {LIMIT}")
+            # One buffer grown in place: a list of chunks joined at the end would hold the body twice at its peak.
+            data = bytearray()
+            while len(data) <= limit and (chunk := response.read1(1 << 16)):
+                data += chunk
+            read = len(data)
             if connections.late:  # a body cut short by the deadline can look whole (no length, or cut in the headers)
                 raise late
             if read <= limit and response.length:  # the server closed before the length it announced
                 raise PreprocessError(f"{label}: {redacted(url)[:200]} ended after {read:,} of its "
                                       f"{read + response.length:,} bytes")
-            return within(b"".join(chunks), label, limit)
+            return within(data, label, limit)
     except urllib.error.HTTPError as e:
         e.close()  # its connection, which the exception would hold until collected
         raise PreprocessError(f"{label}: {redacted(url)[:200]} answered HTTP {e.code}") from None

@@ -213,7 +213,30 @@ def test_a_size_announced_over_the_decode_budget_is_refused_before_its_bytes(ser
 
     with media_server(announced) as base:
         error_of(client.post("/v1/embeddings", json=chat(part(f"{base}/a.png"))), 400, "messages[0].content[1]",
-                 "2,097,152 bytes", "decode budget")
+                 "2,097,152 bytes", "--decode-mib")
+
+
+def test_a_url_s_endless_body_is_read_no_further_than_max_bodies_mib(checkpoint3):
+    """A URL's bytes are charged to --max-bodies-mib once read: a read goes no further than that bound where the
+    decode budget is larger, and the server reads and answers the next request as before."""
+    from fastapi.testclient import TestClient
+
+    sent = []
+
+    def endless(handler):  # no Content-Length: only the bytes read can tell
+        handler.send_response(200)
+        handler.end_headers()
+        with contextlib.suppress(OSError):
+            for _ in range(64):  # 64 MiB unless the reader stops
+                handler.wfile.write(b"x" * (1 << 20))
+                sent.append(1)
+
+    options = ["--allowed-media-domains", "127.0.0.1", "--decode-mib", 64, "--max-bodies-mib", 1, "--max-body-mib", 1]
+    with media_server(endless) as base, TestClient(app_of(load_encoder(checkpoint3, device="cpu"), *options)) as client:
+        error_of(client.post("/v1/embeddings", json=chat(part(f"{base}/a.png"))), 400, "messages[0].content[1]",
+                 "more than 1,048,576 bytes", "--max-bodies-mib")
+        assert len(sent) < 16  # the reader stopped at 1 MiB; the rest is what the sockets' buffers took
+        assert client.get("/health").status_code == 200
 
 
 def test_a_redirect_s_body_is_left_unread_and_a_body_cut_short_is_refused(served, media):
