@@ -329,11 +329,13 @@ def build_app(encoder: Any, settings: ServeSettings) -> FastAPI:
     @router.post("/embeddings")
     async def embeddings(request: Request) -> Any:
         body, found = await items_of(request, False)
-        form, normalize = body.get("encoding_format") or "float", body.get("normalize", False)
-        if form not in ("float", "base64") or not isinstance(normalize, bool):
-            raise RequestError(f"encoding_format {form!r} / normalize {normalize!r}: float or base64 / a boolean")
+        form = "float" if body.get("encoding_format") is None else body["encoding_format"]  # null: OpenAI's default
+        normalize, tokens = body.get("normalize", False), body.get("return_tokens", False)
+        if form not in ("float", "base64") or not isinstance(normalize, bool) or not isinstance(tokens, bool):
+            raise RequestError(f"encoding_format {form!r} / normalize {normalize!r} / return_tokens {tokens!r}: float "
+                               f"or base64 / a boolean / a boolean")
         results = await encoded(request, found, normalize)
-        if body.get("return_tokens"):
+        if tokens:
             tensors = {}
             for i, r in enumerate(results):
                 tensors[f"{i}.embeddings"] = r.embedding.cpu().contiguous()

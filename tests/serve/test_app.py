@@ -92,6 +92,10 @@ def bad_requests(media) -> dict[str, tuple]:
             media["clip.mp4"], "video/mp4"), "both", "video_url")), {}, 400, "messages[0].content[2]", "'both'"),
         "mm_processor_kwargs": ("/v1/chat/completions", chat(part(good, "k1"), mm_processor_kwargs={"fps": 1}), {},
                                 400, "mm_processor_kwargs"),
+        "return_tokens as text": ("/v1/embeddings", chat(part(good), return_tokens="false"), {}, 400, "return_tokens",
+                                  "'false'"),
+        "encoding_format as a number": ("/v1/embeddings", chat(part(good), encoding_format=0), {}, 400,
+                                        "encoding_format"),
         "media_io_kwargs": ("/v1/embeddings", chat(part(good), media_io_kwargs={"video": {"num_frames": 2}}), {},
                             400, "media_io_kwargs"),
         "no uuid in the encoder role": ("/v1/chat/completions", chat(part(good)), {}, 400, "messages[0].content[1]",
@@ -133,7 +137,8 @@ def bad_requests(media) -> dict[str, tuple]:
                                   "a body over the limit", "a chunked body over the limit",
                                   "JSON nested deeper than the stack", "many small JSON values",
                                   "a character outside base64", "a wrong key", "no key", "not JSON",
-                                  "more items than --max-items"])
+                                  "more items than --max-items", "return_tokens as text",
+                                  "encoding_format as a number"])
 def test_bad_input_gets_its_status_and_one_line_and_the_next_request_is_served(served, media, case):
     client, root = served
     route, body, headers, status, *needles = bad_requests(media)[case]
