@@ -201,7 +201,9 @@ def sample_indices(num_frames: int, video_fps: float, vcfg: VideoConfig, tempora
     indexing the video fails); indices past the last frame are dropped, an extra one still in range is kept.
     """
     if vcfg.sampling == "qwen3":
-        count = min(max(int(num_frames / video_fps * vcfg.fps), vcfg.min_frames), vcfg.max_frames, num_frames)
+        # The rate capped at every frame before int() (the same count): a huge fps would overflow it.
+        count = min(max(int(min(num_frames / video_fps * vcfg.fps, num_frames)), vcfg.min_frames), vcfg.max_frames,
+                    num_frames)
         return np.linspace(0, num_frames - 1, count).round().astype(int).tolist()
     t = temporal_patch_size
     max_frames = math.floor(min(vcfg.max_frames, num_frames) / t) * t
