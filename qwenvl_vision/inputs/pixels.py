@@ -19,6 +19,7 @@ import io
 import math
 import os
 import re
+import stat
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -183,11 +184,15 @@ def check_regular_file(path: str | FileBytes, name: str) -> None:
         if not path.read():
             raise PreprocessError(f"{name}: file is empty (0 bytes)")
         return
-    if not os.path.exists(path):
-        raise PreprocessError(f"{name}: file not found")
-    if not os.path.isfile(path):
+    try:  # os.path.exists would read a folder it may not search, or a loop of links, as "not found"
+        mode, size = (info := os.stat(path)).st_mode, info.st_size
+    except FileNotFoundError:
+        raise PreprocessError(f"{name}: file not found") from None
+    except (OSError, ValueError) as e:  # ValueError: a NUL in the name
+        raise PreprocessError(f"{name}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+    if not stat.S_ISREG(mode):
         raise PreprocessError(f"{name}: not a regular file")
-    if os.path.getsize(path) == 0:
+    if size == 0:
         raise PreprocessError(f"{name}: file is empty (0 bytes)")
 
 

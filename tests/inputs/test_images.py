@@ -280,6 +280,7 @@ def _cut_in_half(path: pathlib.Path) -> None:
     ("empty.jpg", lambda path: path.write_bytes(b""), r"empty \(0 bytes\)"),
     ("notes.jpg", lambda path: path.write_text("this is not an image\n" * 20), "not a recognised image"),
     ("folder.png", lambda path: path.mkdir(), "not a regular file"),
+    ("loop.png", lambda path: path.symlink_to(path), "cannot read it .*symbolic links"),  # not "not found"
 ])
 def test_bad_files(tmp_path, name, make, pattern):
     path = tmp_path / name
