@@ -19,7 +19,7 @@ from pathlib import Path
 from braceexpand import UnbalancedBracesError, braceexpand
 
 from ..errors import ConfigError
-from ..inputs.pixels import is_url
+from ..inputs.pixels import is_url, local_name
 from ..inputs.video_io import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS
 from .remote import identities
 from .shards import KEY_COLUMN, Member, is_shard, list_shard
@@ -123,7 +123,8 @@ def gather_inputs(inputs: list[str], path_column: str = "path", keep_columns: tu
     """
     found = Inputs()
     check_keep_columns(keep_columns, path_column)
-    inputs = [path for item in inputs for path in (_expand(item) if is_shard(item) and not is_url(item) else [item])]
+    inputs = [path for item in map(local_name, inputs)
+              for path in (_expand(item) if is_shard(item) and not is_url(item) else [item])]
     tables = [item for item in inputs if is_table(item) and Path(item).is_file()]
     if keep_columns and not tables and not any(is_shard(item) for item in inputs):
         raise ConfigError(f"--keep-columns {','.join(keep_columns)} carries a table's columns (or a shard's "
@@ -151,7 +152,7 @@ def gather_inputs(inputs: list[str], path_column: str = "path", keep_columns: tu
             except (OSError, ValueError) as e:
                 found.add(item, f"list file {item}: {e}")
                 continue
-            for line in lines:
+            for line in map(local_name, lines):
                 path = line if is_url(line) else str(p.parent / line)  # an absolute path stays as it is
                 found.add(path, _other_kind(path, f"list {item}"))
         else:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from ..inputs.pixels import is_url
+from ..inputs.pixels import is_url, local_name
 
 TABLE_EXTENSIONS = {".parquet", ".csv", ".tsv", ".jsonl"}
 # The names the outputs use for themselves: a carried column may not take one.
@@ -91,7 +91,7 @@ def _checked_path(table: Path, number: int, column: str, value: Any) -> tuple[st
         os.fsencode(value)
     except UnicodeEncodeError:  # a JSON escape's surrogate ("\ud800") that no file name's bytes decode to
         return None, f"{where}: column {column!r} is {json.dumps(value)[:80]}, not a path (a surrogate)"
-    value = value.strip()
+    value = local_name(value.strip())
     if is_url(value):
         return value, None  # read from its store (remote.py)
     return str(table.parent / value), None  # an absolute path stays as it is

@@ -20,6 +20,7 @@ import math
 import os
 import re
 import stat
+import urllib.parse
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -151,6 +152,14 @@ def is_url(text: str) -> bool:
     """A name with a scheme (``s3://``, ``https://``, ...): an object in storage, never a local path."""
     return isinstance(text, str) and bool(re.match(r"[A-Za-z][A-Za-z0-9+.-]*://", text)) \
         and not text.lower().startswith("file://")
+
+
+def local_name(text: str) -> str:
+    """A ``file://`` URL (of no host, or localhost) as the local path it names; any other name as it is."""
+    if isinstance(text, str) and text[:7].lower() == "file://" and \
+            (parts := urllib.parse.urlsplit(text)).netloc in ("", "localhost"):
+        return urllib.parse.unquote(parts.path)
+    return text
 
 
 def is_file_input(item: Any) -> bool:

@@ -80,9 +80,10 @@ def test_the_same_file_by_two_spellings_is_embedded_once(tmp_path, checkpoint, c
     monkeypatch.chdir(tmp_path)
     relative = os.path.relpath(paths[0], tmp_path)
     listing = tmp_path / "list.txt"
-    listing.write_text(f"{paths[0]}\n./{relative}\n")
+    listing.write_text(f"{paths[0]}\n./{relative}\nfile://{paths[2]}\n")  # a file URL names its local path
     out = tmp_path / "out"
-    assert run_embed([relative, paths[0], "imgs", listing, "link.png"], checkpoint, out) == 0
+    assert run_embed([relative, paths[0], "imgs", listing, "link.png", f"FILE://localhost{paths[1]}"], checkpoint,
+                     out) == 0
     one_error_line(capsys.readouterr().err, "embedded 3 of 3 inputs", "0 failed")
     # First spellings: the relative name, then the folder's files as the folder spells them.
     assert [r["path"] for r in records(out)] == [relative, "imgs/img001.png", "imgs/img002.jpg"]
