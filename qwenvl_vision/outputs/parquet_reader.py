@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 import torch
 
 from ..devices import DTYPES
-from ..errors import ManifestError
+from ..errors import ManifestError, first_line
 from ..inputs.pixels import is_url
 from .parquet import METADATA_KEY, PARQUET_FORMAT, ParquetLayout
 from .records import EmbeddingRecord
@@ -30,7 +30,7 @@ def _read(path: Path, read: Callable[..., Any], **options: Any) -> Any:
     try:
         return read(path, **options)
     except (OSError, pa.ArrowException) as e:
-        raise ManifestError(f"{path}: not a readable Parquet file ({type(e).__name__}: {e})") from None
+        raise ManifestError(f"{path}: not a readable Parquet file ({first_line(e)})") from None  # pyarrow's run on
 
 
 def read_metadata(schema: pa.Schema, where: str) -> tuple[ParquetLayout, dict]:

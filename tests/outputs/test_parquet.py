@@ -182,6 +182,12 @@ def test_an_unreadable_file_is_refused_and_a_write_in_progress_is_no_shard(shard
     other.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     with pytest.raises(ManifestError, match=r"z.parquet: not a readable Parquet file"):
         list(read_parquet_records([shard, other]))
+    data = bytearray(shard.read_bytes())
+    data[4:68] = b"\xff" * 64  # the first page's header, after the magic: pyarrow's message runs over lines
+    other.write_bytes(bytes(data))
+    with pytest.raises(ManifestError, match=r"z.parquet: not a readable Parquet file .*thrift") as caught:
+        list(read_parquet_records([other]))
+    assert "\n" not in str(caught.value)
 
 
 def test_text_columns_store_a_non_utf8_name_escaped(tmp_path, fp32):
