@@ -128,6 +128,8 @@ def test_every_format_carries_the_columns_typed_and_a_resume_keeps_each_row_once
 def test_columns_that_cannot_be_carried_are_refused_in_one_line(folder_run, checkpoint, capsys):
     root, paths, _, _ = folder_run
     table = write_table(root / "plain.csv", rows_for(paths, root))
+    damaged = write_table(root / "damaged.parquet", rows_for(paths, root))
+    damaged.write_bytes(damaged.read_bytes()[:4] + b"\xff" * 64 + damaged.read_bytes()[68:])  # its first page header
     unclosed = root / "unclosed.csv"  # a quote that never closes would take every later row into its cell
     unclosed.write_text(f"path,caption\n{paths[0]},a\n{paths[1]},\"6 inch\n{paths[2]},b\n")
     cases = [
@@ -138,6 +140,7 @@ def test_columns_that_cannot_be_carried_are_refused_in_one_line(folder_run, chec
         (table, ["--keep-columns", "caption,,idx"], ["--keep-columns"]),
         (root / "imgs", KEEP, ["no input is a table"]),
         (unclosed, [], ["unclosed.csv, the record from line 3", "unexpected end of data"]),
+        (damaged, [], ["damaged.parquet cannot be read as Parquet", "thrift"]),
     ]
     for i, column in enumerate([pa.array([b"imgs/x.png"]), pa.array([0], pa.timestamp("ms")), pa.array([7])]):
         pq.write_table(pa.table({"file": column}), root / f"typed-path{i}.parquet")  # a path column not of text
