@@ -281,17 +281,16 @@ def fetch(url: str, label: str, policy: MediaPolicy, limit: int) -> bytes:
             size = response.headers.get("content-length")
             if size and size.isdigit() and int(size) > limit:  # refused before its bytes come
                 raise PreprocessError(f"{label}: {int(size):,} bytes, more than {limit:,}, {LIMIT}")
-            # One buffer grown in place: a list of chunks joined at the end would hold the body twice at its peak.
-            data = bytearray()
-            while len(data) <= limit and (chunk := response.read1(1 << 16)):
-                data += chunk
-            read = len(data)
+            chunks, read = [], 0
+            while read <= limit and (chunk := response.read1(1 << 16)):
+                chunks.append(chunk)
+                read += len(chunk)
             if connections.late:  # a body cut short by the deadline can look whole (no length, or cut in the headers)
                 raise late
             if read <= limit and response.length:  # the server closed before the length it announced
                 raise PreprocessError(f"{label}: {redacted(url)[:200]} ended after {read:,} of its "
                                       f"{read + response.length:,} bytes")
-            return within(data, label, limit)
+            return within(b"".join(chunks), label, limit)  # bytes: BytesIO shares them
     except urllib.error.HTTPError as e:
         e.close()  # its connection, which the exception would hold until collected
         raise PreprocessError(f"{label}: {redacted(url)[:200]} answered HTTP {e.code}") from None
