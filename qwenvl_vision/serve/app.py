@@ -136,7 +136,8 @@ async def read_json(request: Request, limit: int, budget: BodyBudget, timeout: f
             except StopAsyncIteration:
                 break
             except asyncio.TimeoutError:
-                raise RequestError(f"the request body sent nothing for --body-timeout ({timeout:g} s)", 408) from None
+                raise RequestError(f"the request body sent nothing for --body-timeout ({timeout:g} s)", 408,
+                                   {"Connection": "close"}) from None
             size += len(chunk)
             if size > limit:
                 raise over
