@@ -18,7 +18,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -147,21 +147,33 @@ def _value(value: Any, kind: str) -> Any:
 def _csv_rows(path: Path, path_column: str, keep: Sequence[str], delimiter: str
               ) -> tuple[list[Row], dict[str, str]]:
     text = _text(path)
-    # The field limit guards memory against a runaway cell; the whole text is in memory already.
+    # The field limit guards memory against a runaway cell; the whole text is in memory already (raised, never lowered).
     csv.field_size_limit(max(csv.field_size_limit(), len(text)))
-    # strict: a quote that never closes is an error, where the lenient reader takes every later row into its cell.
-    reader = csv.DictReader(io.StringIO(text, newline=""), delimiter=delimiter, strict=True)
-    rows, start = [], 1  # the line the record being read starts on
+    ended = []  # set once the reader asks past the last line: a record read after that holds a quote never closed
+    # (lenient, the reader takes every later row into that cell; strict, it would refuse '"Best" pizza' too)
+    reader = csv.DictReader(_lines(text, ended), delimiter=delimiter)
+    rows, start, unclosed = [], 1, False  # start: the line the record being read starts on
     try:
-        _missing(path, [path_column, *keep], reader.fieldnames or [])  # reads the header line: csv.Error too
-        start = reader.line_num + 1
-        for i, record in enumerate(reader):
-            rows.append(Row(i + 1, record.get(path_column), {name: record.get(name) for name in keep}))
+        names = reader.fieldnames or []  # reads the header line: csv.Error too
+        unclosed = bool(ended and names)
+        if not unclosed:
+            _missing(path, [path_column, *keep], names)
             start = reader.line_num + 1
+            for i, record in enumerate(reader):
+                if unclosed := bool(ended):
+                    break
+                rows.append(Row(i + 1, record.get(path_column), {name: record.get(name) for name in keep}))
+                start = reader.line_num + 1
     except csv.Error as e:
-        raise ConfigError(f"table {path}, the record from line {start}: {e} (a cell that starts with a quote must "
-                          f"end with one)") from None
+        raise ConfigError(f"table {path}, line {reader.line_num or 1}: {e}") from None
+    if unclosed:
+        raise ConfigError(f"table {path}: the record from line {start} opens a quote that never closes")
     return rows, dict.fromkeys(keep, "string")
+
+
+def _lines(text: str, ended: list) -> Iterator[str]:
+    yield from io.StringIO(text, newline="")
+    ended.append(True)
 
 
 def _jsonl_rows(path: Path, path_column: str, keep: Sequence[str]) -> tuple[list[Row], dict[str, str]]:

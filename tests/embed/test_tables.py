@@ -139,7 +139,7 @@ def test_columns_that_cannot_be_carried_are_refused_in_one_line(folder_run, chec
         (table, ["--keep-columns", "deepstack_0"], ["deepstack_0", "rename the column"]),
         (table, ["--keep-columns", "caption,,idx"], ["--keep-columns"]),
         (root / "imgs", KEEP, ["no input is a table"]),
-        (unclosed, [], ["unclosed.csv, the record from line 3", "unexpected end of data"]),
+        (unclosed, [], ["unclosed.csv: the record from line 3", "opens a quote that never closes"]),
         (damaged, [], ["damaged.parquet cannot be read as Parquet", "thrift"]),
     ]
     for i, column in enumerate([pa.array([b"imgs/x.png"]), pa.array([0], pa.timestamp("ms")), pa.array([7])]):
@@ -151,6 +151,18 @@ def test_columns_that_cannot_be_carried_are_refused_in_one_line(folder_run, chec
         assert run_embed([source], checkpoint, out, *extra, *SMALL) == 2
         one_error_line(capsys.readouterr().err, *needles)
         assert not out.exists()
+
+
+def test_a_cell_quoted_only_in_part_is_read_as_pandas_reads_it(folder_run, checkpoint):
+    """Hand-written tables quote a word, not the cell ('"Best" pizza'): read as the cell's text without the quotes,
+    as pandas and the csv module read it, where only a quote that never closes is refused."""
+    root, paths, want, _ = folder_run
+    table = root / "quoted.tsv"
+    table.write_text(f"path\tcaption\n{paths[0].relative_to(root)}\t\"Best\" pizza\n")
+    out = root / "quoted-out"
+    assert run_embed([table], checkpoint, out, "--keep-columns", "caption", *SMALL) == 0
+    (record,) = read_manifest_lines(out / "manifest.jsonl")
+    assert record["columns"] == {"caption": "Best pizza"}
 
 
 def test_torchrun_ranks_carry_each_row_s_columns(folder_run, checkpoint):
