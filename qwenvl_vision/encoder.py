@@ -262,8 +262,10 @@ class VisionEncoder(contextlib.AbstractContextManager):
             kind = "image" if hasattr(items, "getpixel") else "path"
             raise InputError(f"the inputs must be a sequence of inputs, got one {kind} ({str(items)[-200:]!r}): pass "
                              f"[it]")
-        if not isinstance(items, Iterable):
-            raise InputError(f"the inputs must be a sequence of inputs, got {type(items).__name__}")
+        try:
+            iter(items)  # a sequence by __getitem__ alone (a map-style Dataset) iterates too
+        except TypeError:
+            raise InputError(f"the inputs must be a sequence of inputs, got {type(items).__name__}") from None
         return EncodeOptions(video_config=video_config or self.video_config, **settings)
 
     def _encode_batches(self, items: Iterable[Any], options: EncodeOptions,
