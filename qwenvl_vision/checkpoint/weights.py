@@ -67,12 +67,9 @@ class VisionCheckpoint:
         nested = self.nested_json("image_processor")
         if nested is None:
             return self.file_json(PREPROCESSOR_FILE, "preprocessor config")
-        # transformers 5 writes its torchvision processor's name without "Fast" (PIL's ends "Pil"): spelled here
-        # as files written before 5 name it, which is what PreprocessConfig.from_dict reads.
-        name = nested.get("image_processor_type")
-        if isinstance(name, str) and not name.endswith(("Fast", "Pil")):
-            nested = {**nested, "image_processor_type": name + "Fast"}
-        return nested
+        # transformers 5 saves either processor as Qwen2VLImageProcessor and loads that name as its torchvision one
+        # wherever torchvision is installed: spelled here as files written before 5 name that one.
+        return {**nested, "image_processor_type": "Qwen2VLImageProcessorFast"}
 
     def video_preprocessor_json(self) -> dict | None:
         """The video processor's settings, in transformers 5's ``BaseVideoProcessor.get_video_processor_dict``
@@ -86,9 +83,12 @@ class VisionCheckpoint:
 
     def nested_json(self, key: str) -> dict | None:
         """``processor_config.json``'s entry ``key`` (None where the file or the entry is absent, as transformers
-        then reads the older files)."""
-        processor = self.file_json(PROCESSOR_FILE, "processor config")
-        return None if processor is None else processor.get(key)
+        then reads the older files; and in a vision-only folder, whose settings extract-weights wrote flat)."""
+        processor = None if self.vision_only else self.file_json(PROCESSOR_FILE, "processor config")
+        value = None if processor is None else processor.get(key)
+        if value is not None and not isinstance(value, dict):
+            raise ConfigError(f"{self.folder / PROCESSOR_FILE}: {key} is not a JSON object")
+        return value
 
     def file_json(self, name: str, what: str) -> dict | None:
         path = self.folder / name

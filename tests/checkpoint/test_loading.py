@@ -117,6 +117,7 @@ def test_settings_a_transformers_5_processor_saved_are_read_where_transformers_r
     reference = hf_tower(QWEN2_5_SMALL, seed=None)
     reference.load_state_dict(vision, strict=True)
     with load_encoder(tmp_path, device="cpu") as encoder:
+        assert encoder.preprocess_config.resize == "torch"  # transformers 5's processor, torchvision installed
         images, videos = encoder.encode_images([image]), encoder.encode_videos([frames])
     expected = AutoImageProcessor.from_pretrained(tmp_path)([image], return_tensors="pt")
     grid = expected["image_grid_thw"]
@@ -126,6 +127,13 @@ def test_settings_a_transformers_5_processor_saved_are_read_where_transformers_r
     grid = expected["video_grid_thw"]
     assert videos.grid_thw.tolist() == grid.tolist() == [[2, 10, 12]]  # the class defaults give [2, 18, 24]
     assert_result_matches_reference(videos, hf_forward(reference, expected["pixel_values_videos"], grid), grid, 1e-4)
+
+
+def test_a_processor_config_entry_that_is_no_object_is_named(tmp_path):
+    write_checkpoint(tmp_path, QWEN2_5_SMALL, sharded=False)
+    (tmp_path / "processor_config.json").write_text(json.dumps({"video_processor": ["fps", 2]}))
+    with pytest.raises(ConfigError, match=r"processor_config\.json: video_processor is not a JSON object"):
+        load_encoder(tmp_path, device="cpu")
 
 
 def test_fp16_warns_and_checks_finite(tmp_path):
