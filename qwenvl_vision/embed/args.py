@@ -112,8 +112,8 @@ def model_options() -> argparse.ArgumentParser:
                         "image loading (EXIF, transparency onto white) then that processor; default: what the "
                         "checkpoint's preprocessor_config.json names (...Fast: torch); serve: vllm")
     p.add_argument("--fps", type=positive_option(float, "--fps"),
-                   help="frames per second sampled from video files (default: the checkpoint's "
-                        "video_preprocessor_config.json, else 2)")
+                   help="frames per second sampled from video files (default: the checkpoint's video settings, "
+                        "else 2)")
     p.add_argument("--max-input-pixels", type=positive_option(int, "--max-input-pixels"),
                    default=DEFAULT_MAX_INPUT_PIXELS,
                    help="refuse (record as failed) files whose header declares more pixels, before decoding "

@@ -157,8 +157,8 @@ def is_url(text: str) -> bool:
 def local_name(text: str) -> str:
     """A ``file://`` URL (of no host, or localhost) as the local path it names; any other name as it is."""
     if isinstance(text, str) and text[:7].lower() == "file://" and \
-            (parts := urllib.parse.urlsplit(text)).netloc in ("", "localhost"):
-        return urllib.parse.unquote(parts.path)
+            (parts := urllib.parse.urlsplit(text)).netloc.lower() in ("", "localhost"):
+        return urllib.parse.unquote(parts.path, errors="surrogateescape")  # a name's bytes that are no UTF-8 kept
     return text
 
 
@@ -231,11 +231,12 @@ def load_rgb(image: Any, name: str, *, check_aspect: bool = False, max_input_pix
         return PIL.Image.fromarray(np.ascontiguousarray(_array_to_rgb(array, composite)))
     opened = open_header(image, name, max_input_pixels, check_aspect, on_header)
     try:
-        if backend == "vllm":  # vLLM's ImageMediaIO.load_bytes (normalize_image ignores a failing EXIF transpose)
-            with opened:
+        if backend == "vllm":  # vLLM's ImageMediaIO.load_bytes: normalize_image keeps the image as it was where the
+            with opened:  # EXIF transpose of a copy fails
+                turned = opened
                 with contextlib.suppress(Exception):
-                    PIL.ImageOps.exif_transpose(opened, in_place=True)
-                return _onto_white_as_vllm(opened)
+                    turned = PIL.ImageOps.exif_transpose(opened)
+                return _onto_white_as_vllm(turned)
         # load_image: EXIF orientation applied, then a plain convert("RGB") that drops any alpha band without
         # compositing. The reference copies the image in both (exif_transpose returns a copy, and convert to
         # the image's own mode is a copy); the same pixels come out of transposing in place (it decodes) and
