@@ -21,7 +21,7 @@ DEFAULT_DECODE_TIMEOUT = 600.0
 @dataclass(frozen=True, kw_only=True)
 class EncodeOptions:
     """One encode call's settings, each as ``VisionEncoder.iter_encode`` takes it (``num_workers`` None: up to 4
-    decoding threads, one per core), refused (ConfigError) when built if out of range."""
+    decoding threads, one per core; 0: one), refused (ConfigError) when built if out of range."""
 
     video_config: VideoConfig
     video: bool | None = False
@@ -48,7 +48,7 @@ class EncodeOptions:
             raise ConfigError(f"decode_timeout must be a positive number of seconds (or None: no limit), "
                               f"got {self.decode_timeout!r}")
         for option, least in (("max_batch_patches", 1), ("max_input_pixels", 1), ("decode_bytes", 1), ("prefetch", 0),
-                              ("max_item_tokens", 1), ("num_workers", 1)):
+                              ("max_item_tokens", 1), ("num_workers", 0)):
             value = getattr(self, option)
             if value is None and option != "max_batch_patches":  # None: no bound
                 continue
@@ -62,7 +62,7 @@ class EncodeOptions:
 
     @property
     def workers(self) -> int:
-        return self.num_workers or min(4, os.cpu_count() or 1)
+        return max(1, self.num_workers if self.num_workers is not None else min(4, os.cpu_count() or 1))
 
 
 # The options as the API's refusals spell them (the embed command passes its flags instead).

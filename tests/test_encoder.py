@@ -231,8 +231,8 @@ def test_one_path_where_a_sequence_of_inputs_belongs_is_named(setup, photos):
     ({"max_pixels": 1e6}, "^max_pixels must be a positive integer, got 1000000.0$"),
     ({"min_pixels": 9000, "max_pixels": 4000}, "^min_pixels 9000 is above max_pixels 4000$"),
     ({"normalize": True}, "normalize=True .* pass pooled=True too$"),
-    ({"num_workers": 0}, "^num_workers must be an integer of at least 1, got 0$"),
-    ({"num_workers": "2"}, "^num_workers must be an integer of at least 1, got '2'$"),
+    ({"num_workers": -1}, "^num_workers must be an integer of at least 0, got -1$"),
+    ({"num_workers": "2"}, "^num_workers must be an integer of at least 0, got '2'$"),
 ])
 def test_bad_options_are_one_line_of_one_project_error_on_every_path(setup, photos, options, message):
     encoder, *_ = setup
