@@ -149,31 +149,46 @@ def _csv_rows(path: Path, path_column: str, keep: Sequence[str], delimiter: str
     text = _text(path)
     # The field limit guards memory against a runaway cell; the whole text is in memory already (raised, never lowered).
     csv.field_size_limit(max(csv.field_size_limit(), len(text)))
-    ended = []  # set once the reader asks past the last line: a record read after that holds a quote never closed
-    # (lenient, the reader takes every later row into that cell; strict, it would refuse '"Best" pizza' too)
-    reader = csv.DictReader(_lines(text, ended), delimiter=delimiter)
-    rows, start, unclosed = [], 1, False  # start: the line the record being read starts on
+    taken, ended = [], []  # the lines the reader has read; set once it asks past the last one
+    # Lenient, as pandas reads '"Best" pizza'; a quote that never closes is found per record (_check_record).
+    reader = csv.DictReader(_lines(text, taken, ended), delimiter=delimiter)
+    rows, done = [], 0  # done: the lines of the records before the one being read
     try:
         names = reader.fieldnames or []  # reads the header line: csv.Error too
-        unclosed = bool(ended and names)
-        if not unclosed:
-            _missing(path, [path_column, *keep], names)
-            start = reader.line_num + 1
-            for i, record in enumerate(reader):
-                if unclosed := bool(ended):
-                    break
-                rows.append(Row(i + 1, record.get(path_column), {name: record.get(name) for name in keep}))
-                start = reader.line_num + 1
+        if names:
+            _check_record(path, taken, 0, bool(ended), delimiter)
+        _missing(path, [path_column, *keep], names)
+        done = len(taken)
+        for i, record in enumerate(reader):
+            _check_record(path, taken[done:], done, bool(ended), delimiter)
+            done = len(taken)
+            rows.append(Row(i + 1, record.get(path_column), {name: record.get(name) for name in keep}))
     except csv.Error as e:
-        raise ConfigError(f"table {path}, line {reader.line_num or 1}: {e}") from None
-    if unclosed:
-        raise ConfigError(f"table {path}: the record from line {start} opens a quote that never closes")
+        raise ConfigError(f"table {path}, line {reader.reader.line_num or 1}: {e}") from None
     return rows, dict.fromkeys(keep, "string")
 
 
-def _lines(text: str, ended: list) -> Iterator[str]:
-    yield from io.StringIO(text, newline="")
+def _lines(text: str, taken: list[str], ended: list) -> Iterator[str]:
+    for line in io.StringIO(text, newline=""):
+        taken.append(line)
+        yield line
     ended.append(True)
+
+
+def _check_record(path: Path, lines: list[str], before: int, ended: bool, delimiter: str) -> None:
+    """Refuse a record holding a quote that never closes, which the lenient reader would fill with every row up to
+    the next quote: one read past the last line, or one of several lines where a strict reader finds the quote
+    closed on a later line with more text after it (a quote closing a cell's lines is followed by its delimiter)."""
+    blank = next((n for n, line in enumerate(lines) if line.strip()), 0)  # blank lines the reader skipped
+    if len(lines) - blank > 1 and not ended:
+        strict = csv.reader(lines[blank:], delimiter=delimiter, strict=True)
+        try:
+            for _ in strict:
+                pass
+        except csv.Error:
+            ended = strict.line_num > 1
+    if ended:
+        raise ConfigError(f"table {path}: the record from line {before + blank + 1} opens a quote that never closes")
 
 
 def _jsonl_rows(path: Path, path_column: str, keep: Sequence[str]) -> tuple[list[Row], dict[str, str]]:

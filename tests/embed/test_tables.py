@@ -132,6 +132,8 @@ def test_columns_that_cannot_be_carried_are_refused_in_one_line(folder_run, chec
     damaged.write_bytes(damaged.read_bytes()[:4] + b"\xff" * 64 + damaged.read_bytes()[68:])  # its first page header
     unclosed = root / "unclosed.csv"  # a quote that never closes would take every later row into its cell
     unclosed.write_text(f"path,caption\n{paths[0]},a\n{paths[1]},\"6 inch\n{paths[2]},b\n")
+    runaway = root / "runaway.tsv"  # the same quote, which a later quoted word closes: the rows between swallowed
+    runaway.write_text(f"path\tcaption\n{paths[0]}\t\"6 inch\n{paths[1]}\tb\n{paths[2]}\t\"Best\" view\n")
     cases = [
         (table, ["--path-column", "file"], ["no column 'file'", "path, caption, idx"]),
         (table, ["--keep-columns", "caption,nope"], ["no column 'nope'"]),
@@ -140,6 +142,7 @@ def test_columns_that_cannot_be_carried_are_refused_in_one_line(folder_run, chec
         (table, ["--keep-columns", "caption,,idx"], ["--keep-columns"]),
         (root / "imgs", KEEP, ["no input is a table"]),
         (unclosed, [], ["unclosed.csv: the record from line 3", "opens a quote that never closes"]),
+        (runaway, [], ["runaway.tsv: the record from line 2", "opens a quote that never closes"]),
         (damaged, [], ["damaged.parquet cannot be read as Parquet", "thrift"]),
     ]
     for i, column in enumerate([pa.array([b"imgs/x.png"]), pa.array([0], pa.timestamp("ms")), pa.array([7])]):
