@@ -38,6 +38,11 @@ BICUBIC = PIL.Image.Resampling.BICUBIC  # == 3 == transformers' PILImageResampli
 # Whose pipeline the pixels match: transformers' PIL processor, its torchvision processor, or vLLM's image loading
 # (ImageMediaIO) before that torchvision processor.
 RESIZE_BACKENDS = ("pil", "torch", "vllm")
+# The formats a file may be opened as: the raster formats Pillow decodes itself, vLLM 0.33's ImageMediaIO list. Not
+# EPS, a PostScript program Pillow hands to Ghostscript, nor WMF (Windows) or the stubs (BUFR, GRIB, HDF5, MPEG).
+IMAGE_FORMATS = ("AVIF", "BLP", "BMP", "CUR", "DCX", "DDS", "DIB", "FITS", "FLI", "FTEX", "GBR", "GIF", "ICNS", "ICO",
+                 "IM", "IMT", "IPTC", "JPEG", "JPEG2000", "MCIDAS", "MSP", "PCD", "PCX", "PIXAR", "PNG", "PPM", "PSD",
+                 "QOI", "SGI", "SPIDER", "SUN", "TGA", "TIFF", "WEBP", "XBM", "XPM", "XVTHUMB")
 # Files whose header declares more pixels are refused before decoding (max_input_pixels=None: no limit): above
 # every common camera, under PIL's own decompression-bomb limit, and about half a GB to decode.
 DEFAULT_MAX_INPUT_PIXELS = 64_000_000
@@ -306,7 +311,7 @@ def open_header(path: str | os.PathLike | FileBytes, name: str, max_input_pixels
     if max_input_pixels is not None and limit is not None and limit < max_input_pixels:
         PIL.Image.MAX_IMAGE_PIXELS = max_input_pixels
     try:
-        opened = PIL.Image.open(readable(path))
+        opened = PIL.Image.open(readable(path), formats=IMAGE_FORMATS)
     except Exception as e:  # noqa: BLE001 - PIL raises many types for bad headers
         raise _unreadable(e, name, max_input_pixels) from e
     try:

@@ -281,6 +281,9 @@ def _cut_in_half(path: pathlib.Path) -> None:
     ("notes.jpg", lambda path: path.write_text("this is not an image\n" * 20), "not a recognised image"),
     ("folder.png", lambda path: path.mkdir(), "not a regular file"),
     ("loop.png", lambda path: path.symlink_to(path), "cannot read it .*symbolic links"),  # not "not found"
+    # PostScript, which Pillow would hand to Ghostscript to run: never opened, whatever the name says
+    ("drawing.png", lambda path: path.write_bytes(b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 8 8\n"),
+     "not a recognised image"),
 ])
 def test_bad_files(tmp_path, name, make, pattern):
     path = tmp_path / name
