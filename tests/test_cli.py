@@ -128,8 +128,13 @@ def test_extract_weights_refuses_a_non_empty_target_without_force(tmp_path, chec
     assert main(["extract-weights", str(checkpoint), "--out", str(target)]) == 2
     one_error_line(capsys.readouterr().err, str(target), "is not empty", "--force")
     assert sorted(p.name for p in target.iterdir()) == ["keep.txt"]
+    # Another checkpoint's transformers 5 settings, read before the flat files by transformers and by us: removed.
+    (target / "processor_config.json").write_text('{"image_processor": {"size": {"longest_edge": 3136}}}')
     assert main(["extract-weights", str(checkpoint), "--out", str(target), "--force"]) == 0
     assert (target / "keep.txt").read_text() == "mine" and (target / "model.safetensors").is_file()
+    assert not (target / "processor_config.json").exists()
+    assert load_encoder(target, device="cpu").preprocess_config == load_encoder(checkpoint,
+                                                                                 device="cpu").preprocess_config
 
 
 @pytest.mark.parametrize("family", list(FAMILY_SMALL))

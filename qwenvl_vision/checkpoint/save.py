@@ -14,7 +14,14 @@ from safetensors.torch import save
 from ..model.names import to_checkpoint_state
 from ..model.tower import VisionTower
 from ..outputs.durable import refuse_link, replace_atomically
-from .weights import CONFIG_FILE, PREPROCESSOR_FILE, SINGLE_FILE, VIDEO_PREPROCESSOR_FILE, VISION_ONLY_FORMAT
+from .weights import (
+    CONFIG_FILE,
+    PREPROCESSOR_FILE,
+    PROCESSOR_FILE,
+    SINGLE_FILE,
+    VIDEO_PREPROCESSOR_FILE,
+    VISION_ONLY_FORMAT,
+)
 
 # Every name save_vision_only writes in its folder, final and temporary: extract-weights refuses a target where one
 # of them is a file of its source.
@@ -40,6 +47,8 @@ def save_vision_only(model: VisionTower, folder: str | os.PathLike, preprocessor
         refuse_link(path)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / CONFIG_FILE).unlink(missing_ok=True)
+    # Another checkpoint's transformers 5 settings, which transformers (and open_checkpoint) would read before ours.
+    (folder / PROCESSOR_FILE).unlink(missing_ok=True)
     state = to_checkpoint_state(model.config, model.state_dict())
     for name in names:  # the weights first, config.json last
         data = save(state, metadata={"format": "pt", "family": model.config.model_type}) if name == SINGLE_FILE \

@@ -83,8 +83,8 @@ class VisionCheckpoint:
 
     def nested_json(self, key: str) -> dict | None:
         """``processor_config.json``'s entry ``key`` (None where the file or the entry is absent, as transformers
-        then reads the older files; and in a vision-only folder, whose settings extract-weights wrote flat)."""
-        processor = None if self.vision_only else self.file_json(PROCESSOR_FILE, "processor config")
+        then reads the older files)."""
+        processor = self.file_json(PROCESSOR_FILE, "processor config")
         value = None if processor is None else processor.get(key)
         if value is not None and not isinstance(value, dict):
             raise ConfigError(f"{self.folder / PROCESSOR_FILE}: {key} is not a JSON object")
