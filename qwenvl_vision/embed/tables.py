@@ -149,7 +149,7 @@ def _csv_rows(path: Path, path_column: str, keep: Sequence[str], delimiter: str
     text = _text(path)
     # The field limit guards memory against a runaway cell; the whole text is in memory already (raised, never lowered).
     csv.field_size_limit(max(csv.field_size_limit(), len(text)))
-    taken, ended = [], []  # the lines the reader has read; set once it asks past the last one
+    taken, ended = [], []  # the lines of the record being read; set once the reader asks past the last line
     # Lenient, as pandas reads '"Best" pizza'; a quote that never closes is found per record (_check_record).
     reader = csv.DictReader(_lines(text, taken, ended), delimiter=delimiter)
     rows, done = [], 0  # done: the lines of the records before the one being read
@@ -158,10 +158,12 @@ def _csv_rows(path: Path, path_column: str, keep: Sequence[str], delimiter: str
         if names:
             _check_record(path, taken, 0, bool(ended), delimiter)
         _missing(path, [path_column, *keep], names)
-        done = len(taken)
+        done += len(taken)
+        taken.clear()
         for i, record in enumerate(reader):
-            _check_record(path, taken[done:], done, bool(ended), delimiter)
-            done = len(taken)
+            _check_record(path, taken, done, bool(ended), delimiter)
+            done += len(taken)
+            taken.clear()
             rows.append(Row(i + 1, record.get(path_column), {name: record.get(name) for name in keep}))
     except csv.Error as e:
         raise ConfigError(f"table {path}, line {reader.reader.line_num or 1}: {e}") from None
