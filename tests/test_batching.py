@@ -325,7 +325,8 @@ def test_a_file_is_opened_once_and_charged_by_its_header(tmp_path, monkeypatch):
     admit, open_image = DecodeBudget.admit, Image.open
     monkeypatch.setattr(DecodeBudget, "admit", lambda self, ticket, decoding, cost: (
         costs.setdefault(ticket, cost), admit(self, ticket, decoding, cost))[1])
-    monkeypatch.setattr(Image, "open", lambda file, *args: (opens.append(file), open_image(file, *args))[1])
+    monkeypatch.setattr(Image, "open", lambda file, *args, **kwargs: (opens.append(file),
+                                                                      open_image(file, *args, **kwargs))[1])
     prepared = [p for batch, failed in prepared_batches(inputs, _options(max_input_pixels=9000), PRE)
                 for p in batch + failed]
     assert [p.error is None for p in prepared] == [True, True] + [False] * (len(inputs) - 2)
