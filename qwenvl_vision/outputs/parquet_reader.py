@@ -30,7 +30,7 @@ def _read(path: Path, read: Callable[..., Any], **options: Any) -> Any:
     try:
         return read(path, **options)
     except (OSError, pa.ArrowException) as e:
-        raise ManifestError(f"{path}: not a readable Parquet file ({first_line(e)})") from None  # pyarrow's run on
+        raise ManifestError(f"{path}: not a readable Parquet file ({first_line(e)})") from None  # one line of several
 
 
 def read_metadata(schema: pa.Schema, where: str) -> tuple[ParquetLayout, dict]:
