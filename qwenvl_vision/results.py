@@ -61,19 +61,22 @@ class EncodeResult:
         return dataclasses.replace(self, **{f.name: copy.deepcopy(getattr(self, f.name), memo)
                                             for f in dataclasses.fields(self) if f.name != "encoder"})
 
-    def to_transformers(self, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> dict:
+    def to_transformers(self, *more: Any, dtype: torch.dtype | None = None,
+                        device: torch.device | str | None = None) -> dict:
         """The keyword arguments of a transformers Qwen VL model's ``forward`` / ``generate`` that stand for this
-        batch's pixels (``mm_encoder_outputs`` and the grid): ``handoff.to_transformers``."""
+        batch's pixels, and ``more`` results' after them (``mm_encoder_outputs`` and the grids):
+        ``handoff.to_transformers``."""
         from .outputs.handoff import to_transformers
 
-        return to_transformers(self, dtype=dtype, device=device)
+        return to_transformers(self, *more, dtype=dtype, device=device)
 
-    def to_vllm(self, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> dict:
-        """vLLM's ``multi_modal_data`` for this batch (DeepStack levels concatenated along the features):
-        ``handoff.to_vllm``."""
+    def to_vllm(self, *more: Any, dtype: torch.dtype | None = None, device: torch.device | str | None = None
+                ) -> dict:
+        """vLLM's ``multi_modal_data`` for this batch and ``more`` results after it (DeepStack levels concatenated
+        along the features): ``handoff.to_vllm``."""
         from .outputs.handoff import to_vllm
 
-        return to_vllm(self, dtype=dtype, device=device)
+        return to_vllm(self, *more, dtype=dtype, device=device)
 
     def to_vllm_cache(self, path: str | os.PathLike) -> list[dict]:
         """Write each item into a vLLM encoder cache folder (``ECExampleConnector``'s layout) and return what a

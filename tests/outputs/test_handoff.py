@@ -129,7 +129,7 @@ def test_logits_from_our_embeddings_equal_the_logits_from_pixels(case, record_pr
     The comparison can fail: one image's embedding off by 1e-3 (or, with DeepStack, its levels zeroed) moves the
     logits well past the tolerance."""
     reference = logits(case, **case.pixels)
-    handed = to_transformers(case.images, case.video, dtype=case.model.dtype, device=case.model.device)
+    handed = case.images.to_transformers(case.video, dtype=case.model.dtype, device=case.model.device)
     ours = logits(case, **handed)
     whole, per_position = rel_err(ours, reference), max(position_errors(ours, reference))
     record_property("logits_rel_err", whole)
@@ -177,7 +177,7 @@ def test_vllm_layout_splits_back_bitwise(case):
             to_vllm(infinite)
         video = EncodedItems(video.embeddings, video.grid_thw, video.deepstack, "video", case.family,
                              video_info=[{"frames": list(range(frames)), "fps": 4.0, "requested_fps": 4.0}])
-    data = to_vllm(case.images, video)
+    data = case.images.to_vllm(video)
     assert set(data) == {"image", "video"}
     # frames 0-3 at 4 fps: the mean time of each pair; 2 frames per temporal patch, asked at 4 fps
     assert data["video"].get("timestamps") == ([[0.125, 0.625]] if family.prompt_timestamps else None)
@@ -195,6 +195,12 @@ def test_vllm_layout_splits_back_bitwise(case):
         assert len(split_levels) == levels
         for k, level in enumerate(split_levels):
             assert torch.equal(level, torch.cat([item[k] for item in result.deepstack])), k
+
+
+def test_a_dtype_given_where_results_go_is_refused_naming_it(case):
+    for hand_over in (case.images.to_transformers, case.images.to_vllm):
+        with pytest.raises(InputError, match="result 1"):
+            hand_over(torch.bfloat16)
 
 
 # ----------------------------------------------------------------------------- without a model
