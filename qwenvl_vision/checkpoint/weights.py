@@ -281,8 +281,9 @@ def load_tower(checkpoint: VisionCheckpoint, device: torch.device, dtype: torch.
     module_state = model.state_dict()
     expected = to_checkpoint_state(checkpoint.config, module_state)  # meta tensors under the checkpoint's names
     # The checkpoint holds exactly the tower's tensors: none missing, none more.
-    missing = sorted(set(expected) - set(checkpoint.tensors))
-    surplus = sorted(set(checkpoint.tensors) - set(expected))
+    prefix = next(name[:len(name) - len(key)] for key, (_, name) in checkpoint.tensors.items())  # as files spell
+    missing = sorted(prefix + key for key in set(expected) - set(checkpoint.tensors))
+    surplus = sorted(checkpoint.tensors[key][1] for key in set(checkpoint.tensors) - set(expected))
     parts = [f"{what} {len(names)} tensor(s): {', '.join(names[:8])}" + (" ..." if len(names) > 8 else "")
              for what, names in (("missing", missing), ("unexpected", surplus)) if names]
     if parts:

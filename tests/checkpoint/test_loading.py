@@ -217,9 +217,9 @@ def test_random_weights_preset_allocates_on_target_dtype():
 # ----------------------------------------------------------------------------- strict errors
 
 
-@pytest.mark.parametrize("change,message", [
-    (lambda t: t.pop("visual.blocks.2.attn.qkv.bias"), r"missing 1 tensor\(s\): blocks\.2\.attn\.qkv\.bias"),
-    (lambda t: t.update({"visual.extra.weight": torch.zeros(2)}), r"unexpected 1 tensor\(s\): extra\.weight"),
+@pytest.mark.parametrize("change,message", [  # named as the files spell them
+    (lambda t: t.pop("visual.blocks.2.attn.qkv.bias"), r"missing 1 tensor\(s\): visual\.blocks\.2\.attn\.qkv\.bias"),
+    (lambda t: t.update({"visual.extra.weight": torch.zeros(2)}), r"unexpected 1 tensor\(s\): visual\.extra\.weight"),
     (lambda t: t.update({LN_Q: torch.zeros(159)}), r"merger\.ln_q\.weight.*\(159,\), expected \(160,\)"),
 ], ids=["missing", "surplus", "wrong-shape"])
 def test_a_tensor_missing_surplus_or_of_the_wrong_shape_is_named(tmp_path, change, message):
