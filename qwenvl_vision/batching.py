@@ -225,10 +225,10 @@ def decode(item: Any, index: int, options: EncodeOptions, pre: PreprocessConfig,
     if isinstance(item, FileBytes) and not item.fetched:
         admit(0)
         item.read(limit)
+    backend = options.resize or pre.resize
     if not video:
         if not is_file_input(item):
             admit(0)
-        backend = options.resize or pre.resize
         # `resize` chooses between transformers' two image processors; its video processors have one pipeline.
         return *preprocess_image(item, pre, resize=options.resize, **sizes,
                                  on_header=lambda image: admit(decode_cost(image, backend))), None
@@ -246,8 +246,9 @@ def decode(item: Any, index: int, options: EncodeOptions, pre: PreprocessConfig,
         if error := over_bound(input_name("video", index, item), tokens, options.max_item_tokens):
             raise PreprocessError(error)
     admit(video_file_cost(header, plan, pre) if plan else 0)
+    # vLLM's video reader (OpenCV) turns a file's frames upright; transformers' does not.
     return preprocess_video_file(item, pre, options.video_config, counted=header[0] if header else None, stop=stop,
-                                 **sizes)
+                                 turn=backend == "vllm", **sizes)
 
 
 def prepared_batches(items: Iterable[Any], options: EncodeOptions, pre: PreprocessConfig, *,

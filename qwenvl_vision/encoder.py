@@ -237,7 +237,8 @@ class VisionEncoder(contextlib.AbstractContextManager):
         error (None: no limit; it replaces PIL's own bomb limit). ``decode_timeout``: seconds one input may spend
         decoding (from its admission by the decode budget) before it yields an error naming it and the limit,
         and the others go on (None: no limit). ``resize``: images' "pil", "torch" or "vllm" (see encode_images); None
-        takes the checkpoint's. Videos always use the video processors' pipeline. ``hash_pixels``: give each result its
+        takes the checkpoint's. Videos always use the video processors' pipeline; "vllm" also turns a video file's
+        frames upright by its rotation metadata, as vLLM's reader does. ``hash_pixels``: give each result its
         ``pixels_sha256`` (hashed on the decode threads, about 15 ms per megapixel), what an encoder cache names
         the item by. ``max_item_tokens``: an input that resizes to more embedding rows yields an error naming it
         instead of its forward, a video file before its frames decode (None: no bound; a long video can take hundreds
@@ -385,21 +386,26 @@ class VisionEncoder(contextlib.AbstractContextManager):
                       max_batch_patches: int = DEFAULT_BATCH_PATCHES, pooled: bool = False, normalize: bool = False,
                       num_workers: int | None = None, fps: float | None = None,
                       video_fps: float | Sequence[float] | None = None,
-                      max_input_pixels: int | None = DEFAULT_MAX_INPUT_PIXELS) -> EncodeResult:
+                      max_input_pixels: int | None = DEFAULT_MAX_INPUT_PIXELS, resize: str | None = None
+                      ) -> EncodeResult:
         """Videos (file paths, sequences of frames, (F, H, W, C) / (F, C, H, W) uint8 arrays) -> embeddings, as
         transformers' video processor of this family + the tower; see encode_images, and docs/api.md for the
         sampling (``fps``, default the checkpoint's; ``video_fps``: frames in memory's source rate, one value or one
-        per video) and sizing (``video.video_target_size``, whose bounds ``min_pixels`` / ``max_pixels`` override).
-        grid_t = frames / 2."""
+        per video, with which they are sampled as a file of that rate is; without it they are kept as given) and
+        sizing (``video.video_target_size``, whose bounds ``min_pixels`` / ``max_pixels`` override). ``resize``
+        "vllm": files' frames turned upright by their rotation metadata, as vLLM's reader does. grid_t = frames / 2.
+        """
         if fps is not None and not positive_number(fps):
             raise InputError(f"fps {fps!r} is not a positive number of frames per second")
         options = self._options(videos, video=True, min_pixels=min_pixels, max_pixels=max_pixels,
                                 max_input_pixels=max_input_pixels, pooled=pooled, normalize=normalize,
                                 video_config=None if fps is None else dataclasses.replace(self.video_config, fps=fps),
-                                max_batch_patches=max_batch_patches, num_workers=num_workers, hash_pixels=True)
+                                max_batch_patches=max_batch_patches, num_workers=num_workers, hash_pixels=True,
+                                resize=resize)
         videos = list(videos)
-        if fps is not None and any(not is_file_input(v) for v in videos):
-            videos = sample_frames_by_fps(videos, fps, video_fps, self.video_config, self.config.temporal_patch_size)
+        if (fps is not None or video_fps is not None) and any(not is_file_input(v) for v in videos):
+            videos = sample_frames_by_fps(videos, self.video_config.fps if fps is None else fps, video_fps,
+                                          self.video_config, self.config.temporal_patch_size)
         return self._encode_all(videos, options)
 
 

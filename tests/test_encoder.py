@@ -193,6 +193,11 @@ def test_video_sampled_by_fps_equals_the_sampled_frames(setup):
     assert len(keep) == 4
     direct = encoder.encode_videos([clip[keep]])
     assert torch.equal(sampled.embeddings[0], direct.embeddings[0])
+    # Their own rate alone: sampled at the checkpoint's fps (2, as above), as a file of that rate is, not kept whole.
+    assert encoder.video_config.fps == 2.0
+    assert torch.equal(encoder.encode_videos([clip], video_fps=6.0).embeddings[0], direct.embeddings[0])
+    with pytest.raises(InputError, match="video_fps 'junk'"):
+        encoder.encode_videos([clip], video_fps="junk")
     with pytest.raises(ValueError, match="video_fps"):
         encoder.encode_videos([clip], fps=2.0)
     for fps, video_fps, message in [(2.0, "30", "video_fps '30' is neither"), (2.0, [None], "video 0, None, is not"),

@@ -274,17 +274,18 @@ def video_target_size(num_frames: int, height: int, width: int, pre: PreprocessC
 def preprocess_video_file(path: str | os.PathLike, pre: PreprocessConfig, vcfg: VideoConfig, *,
                           index: int | None = None, min_pixels: int | None = None, max_pixels: int | None = None,
                           max_input_pixels: int | None = None, counted: int | None = None,
-                          stop: Event | None = None) -> tuple[torch.Tensor, tuple[int, int, int], VideoInfo]:
+                          stop: Event | None = None, turn: bool = False
+                          ) -> tuple[torch.Tensor, tuple[int, int, int], VideoInfo]:
     """A video file -> (pixel_values float32 (t*h*w, C*T*P*P), grid (t, h, w), VideoInfo), as transformers'
     video processor of ``vcfg.sampling`` does with ``load_video(backend="pyav")``, ``do_sample_frames=True``,
     ``fps=vcfg.fps`` and ``cap_pixels_per_frame=vcfg.cap_pixels_per_frame``. Errors name the file;
-    ``max_input_pixels``, ``counted``, ``stop`` and the file errors: ``video_io.read_video_frames``'s.
+    ``max_input_pixels``, ``counted``, ``stop``, ``turn`` and the file errors: ``video_io.read_video_frames``'s.
     """
     name = input_name("video", index, path)
     frames, info = read_video_frames(
         path, lambda total, rate: sample_indices(total, rate, vcfg, pre.temporal_patch_size), name=name,
         size=lambda *clip: video_target_size(*clip, pre, vcfg, min_pixels, max_pixels, name),
-        max_input_pixels=max_input_pixels, counted=counted, stop=stop)
+        max_input_pixels=max_input_pixels, counted=counted, stop=stop, turn=turn)
     info.requested_fps = vcfg.fps
     return *_pixel_rows(len(frames), frames.__getitem__, pre, "torch"), info
 

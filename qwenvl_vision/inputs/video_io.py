@@ -142,6 +142,8 @@ def _open_video(path: str | os.PathLike, name: str, max_input_pixels: int | None
             kinds = sorted({s.type for s in container.streams}) or ["no streams"]
             raise PreprocessError(f"{name}: no video stream (found: {', '.join(kinds)})")
         stream = container.streams.video[0]
+        if stream.codec_context is None:  # a codec FFmpeg does not know: PyAV gives the stream no size
+            raise PreprocessError(f"{name}: the video stream's codec is unknown to FFmpeg (corrupt, or unsupported)")
         check_input_pixels(stream.height, stream.width, max_input_pixels, name)
         check_aspect_ratio(stream.height, stream.width, name)
         rate = stream.average_rate or stream.guessed_rate
@@ -184,18 +186,21 @@ def probe_video(path: str | os.PathLike, name: str | None = None,
 def read_video_frames(path: str | os.PathLike, pick_indices: Callable[[int, float], list[int]], *,
                       name: str | None = None, max_input_pixels: int | None = None,
                       size: Callable[[int, int, int], tuple[int, int]] | None = None,
-                      counted: int | None = None, stop: Event | None = None) -> tuple[np.ndarray, VideoInfo]:
+                      counted: int | None = None, stop: Event | None = None, turn: bool = False
+                      ) -> tuple[np.ndarray, VideoInfo]:
     """Decode the frames ``pick_indices(total_frames, video_fps)`` keeps: ((F, H, W, 3) uint8 RGB, VideoInfo), as
     ``read_video_pyav`` with it as ``sample_indices_fn`` (deviations: module docstring). ``size``: ``(frames,
     height, width) -> (h, w)``, asked with the first frame's size; each frame is resized to it as soon as it is
     decoded. ``counted``: ``probe_video``'s frame count of this file, if the caller has it. ``stop``: once set,
     the read ends at its next frame with a PreprocessError (how a caller that gave up waiting frees the thread).
+    ``turn``: each frame turned upright by its rotation metadata (a phone's display matrix) before it is resized,
+    as vLLM's OpenCV reader does (quarter turns only); transformers' reader keeps the frames as stored.
     """
     name = name or input_name("video", None, path)
     container, stream, total, rate = _open_video(path, name, max_input_pixels, counted)
     with container:
         indices = pick_indices(total, rate)
-        frames, decoded = _decode_sampled(container, stream, indices, name, size, stop)
+        frames, decoded = _decode_sampled(container, stream, indices, name, size, stop, turn)
         if decoded == 0:
             raise PreprocessError(f"{name}: no frame decodes")
         if decoded <= indices[-1]:
@@ -209,7 +214,7 @@ def read_video_frames(path: str | os.PathLike, pick_indices: Callable[[int, floa
             if len(shown) != decoded or not edit_list:
                 raise PreprocessError(f"{name}: header declares {total} frames but only {decoded} decode")
             total, indices = decoded, pick_indices(decoded, rate)
-            frames, decoded = _decode_sampled(container, stream, indices, name, size, stop)
+            frames, decoded = _decode_sampled(container, stream, indices, name, size, stop, turn)
             if decoded <= indices[-1]:
                 raise PreprocessError(f"{name}: only {decoded} frames decode on a second read")
         return frames, VideoInfo(total_frames=total, video_fps=rate, frame_indices=list(indices),
@@ -218,7 +223,7 @@ def read_video_frames(path: str | os.PathLike, pick_indices: Callable[[int, floa
 
 def _decode_sampled(container: Any, stream: Any, indices: list[int], name: str,
                     size: Callable[[int, int, int], tuple[int, int]] | None,
-                    stop: Event | None) -> tuple[np.ndarray | None, int]:
+                    stop: Event | None, turn: bool = False) -> tuple[np.ndarray | None, int]:
     """(the frames at ``indices``, resized by ``size`` if given; how many frames were decoded). Only FFmpeg's work
     is reported as the file's fault: the size rule, the resize and running out of memory raise their own errors."""
     slots: dict[int, list[int]] = {}
@@ -233,6 +238,8 @@ def _decode_sampled(container: Any, stream: Any, indices: list[int], name: str,
         try:
             frame = next(stream_frames, None)
             rgb = frame.to_ndarray(format="rgb24") if frame is not None and decoded in slots else None
+            if rgb is not None and turn and frame.rotation % 90 == 0:  # counter-clockwise degrees, as np.rot90
+                rgb = np.ascontiguousarray(np.rot90(rgb, frame.rotation // 90))
         except MemoryError:
             raise
         except Exception as e:  # noqa: BLE001 - FFmpeg's decoders raise many error types

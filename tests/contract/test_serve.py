@@ -275,3 +275,34 @@ def test_resize_vllm_gives_the_pixels_vllm_s_image_loading_gives(model, tmp_path
         assert torch.equal(mine, want), path.name
         # Transparency tells the two pipelines apart (torchvision's decode applies EXIF orientation too).
         assert torch.equal(other, want) == path.name.startswith("turned"), path.name
+
+
+def test_resize_vllm_turns_a_video_file_upright_as_vllm_s_reader_does(model, tmp_path):
+    """A phone video's rotation metadata: vLLM's video reader (OpenCV) turns the frames upright, transformers' keeps
+    them as stored. ``resize="vllm"`` on the file equals the frames vLLM's own reader samples, encoded as given."""
+    import av
+    from vllm.multimodal.video import Qwen2VLVideoBackend, Qwen3VLVideoBackend
+
+    family, folder = model
+    reader = {"qwen2_5_vl": Qwen2VLVideoBackend, "qwen3_vl": Qwen3VLVideoBackend}[family]
+    paths = []
+    for angle in (0, 90, -90, 180):  # counter-clockwise degrees
+        paths.append(tmp_path / f"turned{angle}.mp4")
+        with av.open(str(paths[-1]), "w") as container:
+            stream = container.add_stream("mpeg4", rate=10)
+            stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
+            if angle:
+                stream.set_display_rotation(angle)
+            for i in range(9):
+                frame = av.VideoFrame.from_ndarray(synthetic_photo(48, 64, seed=i), format="rgb24")
+                container.mux(stream.encode(frame))
+            container.mux(stream.encode())
+    theirs = [reader.load_bytes(path.read_bytes(), fps=2)[0] for path in paths]
+    with load_encoder(folder, device="cpu") as encoder:
+        assert encoder.video_config.fps == 2
+        ours = encoder.encode_videos([str(path) for path in paths], resize="vllm").embeddings
+        want = encoder.encode_videos(theirs).embeddings
+        stored = encoder.encode_videos([str(path) for path in paths], resize="torch").embeddings
+    for path, mine, wanted, plain in zip(paths, ours, want, stored, strict=True):
+        assert torch.equal(mine, wanted), path.name
+        assert torch.equal(plain, wanted) == (path.name == "turned0.mp4"), path.name

@@ -28,6 +28,7 @@ from tests.helpers import (
     QWEN2_5_SAVED_VIDEO,
     QWEN3_SAVED_VIDEO,
     VIDEO_SETTINGS,
+    content,
     sample_photo,
     video_processor,
     video_processor_class,
@@ -200,6 +201,8 @@ def bad_files(tmp_path_factory, videos):
     (folder / "short.avi").write_bytes(data[: positions[30]])  # 30 whole packets; the header still declares 60
     _write_x264(folder / "nothing.mp4", range(-5, 0))  # every frame before the edit list's start
     write_video(folder / "big.avi", 3, 100, 76, 10)  # above the limit the test sets
+    _write_x264(folder / "h264.mp4", range(3))
+    (folder / "codec.mp4").write_bytes((folder / "h264.mp4").read_bytes().replace(b"avc1", b"zzzz"))
     return folder
 
 
@@ -215,6 +218,7 @@ def bad_files(tmp_path_factory, videos):
     ("short.avi", "header declares 60 frames but only 30 decode"),
     ("nothing.mp4", "no frame decodes$"),
     ("big.avi", "100x76 = 7,600 pixels is above the input limit"),  # refused before decoding
+    ("codec.mp4", "the video stream's codec is unknown to FFmpeg"),  # PyAV gives such a stream no size
 ])
 def test_bad_files_raise_one_line_naming_the_file(bad_files, file, message):
     path = str(bad_files / file)
@@ -224,6 +228,24 @@ def test_bad_files_raise_one_line_naming_the_file(bad_files, file, message):
     if file not in ("cut.avi", "short.avi", "nothing.mp4"):  # the header is fine: only decoding finds these
         with pytest.raises(PreprocessError, match=rf"^video '.*{file}': {message}"):
             probe_video(path, max_input_pixels=5000)
+
+
+def test_frames_are_turned_upright_only_when_asked(tmp_path):
+    """Rotation metadata in counter-clockwise degrees, as vLLM's reader applies it (tests/contract/test_serve.py)."""
+    frames = [content(48, 64, seed=i) for i in range(3)]
+    for angle, turns in ((0, 0), (90, 1), (-90, 3), (180, 2)):
+        path = tmp_path / f"turned{angle}.mp4"
+        with av.open(str(path), "w") as container:  # lossless: the frames come back as written
+            stream = container.add_stream("libx264rgb", rate=10, options={"qp": "0"})
+            stream.width, stream.height, stream.pix_fmt = 64, 48, "rgb24"
+            stream.set_display_rotation(angle)
+            for frame in frames:
+                container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+            container.mux(stream.encode())
+        stored, _ = read_video_frames(path, lambda total, rate: list(range(total)))
+        turned, _ = read_video_frames(path, lambda total, rate: list(range(total)), turn=True)
+        assert np.array_equal(stored, np.stack(frames)), angle
+        assert np.array_equal(turned, np.rot90(stored, turns, axes=(1, 2))), angle
 
 
 def test_missing_pyav_names_the_extra(videos, monkeypatch):
