@@ -12,6 +12,7 @@ text, ``json``), every CSV / TSV cell ``string``, a JSON Lines field the one of 
 
 from __future__ import annotations
 
+import base64
 import csv
 import io
 import json
@@ -134,14 +135,25 @@ def _arrow_type(arrow_type: Any) -> str:
 
 
 def _value(value: Any, kind: str) -> Any:
-    """A cell as its column's type stores it (``json``: its JSON text; not-a-number floats as null)."""
-    if value is None:
+    """A cell as its column's type stores it (``json``: its JSON text, strict JSON; not-a-number floats as null,
+    nested ones too)."""
+    if value is None or (kind == "float64" and not math.isfinite(value)):
         return None
     if kind == "json":
-        return json.dumps(value, default=str, ensure_ascii=False)
-    if kind == "float64":
-        return float(value) if math.isfinite(value) else None
-    return value
+        return json.dumps(_plain(value), default=str, ensure_ascii=False, allow_nan=False)
+    return float(value) if kind == "float64" else value
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as JSON holds it: NaN and infinities as null, binary as base64 (protobuf's JSON mapping of bytes);
+    what JSON has no type for (dates, decimals) is left to ``json.dumps``' ``default``, its str."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, bytes):
+        return base64.b64encode(value).decode()
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    return [_plain(item) for item in value] if isinstance(value, (list, tuple)) else value
 
 
 def _csv_rows(path: Path, path_column: str, keep: Sequence[str], delimiter: str

@@ -4,6 +4,7 @@ bitwise those of the same files embedded from a folder."""
 
 from __future__ import annotations
 
+import base64
 import csv
 import json
 import subprocess
@@ -227,6 +228,21 @@ def test_a_dictionary_encoded_column_is_carried_as_its_values(folder_run, checkp
             assert [r.columns["label"] for r in read_parquet_records(parquet_shards(out))] == labels
         else:
             assert [r["columns"]["label"] for r in read_manifest_lines(out / "manifest.jsonl")] == labels
+
+
+def test_nested_non_numbers_and_binary_cells_are_carried_as_strict_json(folder_run, checkpoint):
+    """As a float column's NaN is null, so is one inside a list; bytes as base64 (not Python's repr)."""
+    root, paths, _, _ = folder_run
+    table = root / "nested.parquet"
+    scores, blobs = [[0.5, float("nan")], [float("inf")], [], None], [b"\x00\xff", b"", b"png", None]
+    pq.write_table(pa.table({"path": [str(p) for p in paths], "scores": scores,
+                             "blob": pa.array(blobs, pa.binary())}), table)
+    out = root / "out-nested"
+    assert run_embed([table], checkpoint, out, "--keep-columns", "scores,blob", "--format", "parquet", *SMALL) == 0
+    cells = [r.columns for r in read_parquet_records(parquet_shards(out))]
+    strict = {"parse_constant": lambda constant: pytest.fail(f"{constant} is not JSON")}
+    assert [c["scores"] and json.loads(c["scores"], **strict) for c in cells] == [[0.5, None], [None], [], None]
+    assert [c["blob"] and base64.b64decode(json.loads(c["blob"])) for c in cells] == blobs
 
 
 def test_a_row_naming_a_lone_surrogate_is_that_row_s_failed_input(folder_run, checkpoint):
