@@ -81,7 +81,7 @@ def preflight(items: list[Any], options: EncodeOptions, pre: PreprocessConfig) -
         if video and is_file_input(item):
             name = input_name("video", i, item)
             video_file_plan(probe_video(item, name, options.max_input_pixels), pre, options.video_config, min_pixels,
-                            max_pixels, name)
+                            max_pixels, name, (options.resize or pre.resize) == "vllm")
             continue
         if video:
             first = checked_frames(item, input_name("video", i))[0]
@@ -237,7 +237,7 @@ def decode(item: Any, index: int, options: EncodeOptions, pre: PreprocessConfig,
         return *preprocess_video(item, pre, video_config=options.video_config, **sizes), None
     try:  # a video file's header is read once: for its token count, its decode estimate, and the read's frame count
         header = probe_video(item, max_input_pixels=options.max_input_pixels)
-        plan = video_file_plan(header, pre, options.video_config, min_pixels, max_pixels)
+        plan = video_file_plan(header, pre, options.video_config, min_pixels, max_pixels, as_vllm=backend == "vllm")
     except Exception:  # noqa: BLE001 - preprocessing names the problem
         header = plan = None
     if plan:  # a long video refused before its frames are decoded
@@ -246,9 +246,8 @@ def decode(item: Any, index: int, options: EncodeOptions, pre: PreprocessConfig,
         if error := over_bound(input_name("video", index, item), tokens, options.max_item_tokens):
             raise PreprocessError(error)
     admit(video_file_cost(header, plan, pre) if plan else 0)
-    # vLLM's video reader (OpenCV) turns a file's frames upright; transformers' does not.
     return preprocess_video_file(item, pre, options.video_config, counted=header[0] if header else None, stop=stop,
-                                 turn=backend == "vllm", **sizes)
+                                 as_vllm=backend == "vllm", **sizes)
 
 
 def prepared_batches(items: Iterable[Any], options: EncodeOptions, pre: PreprocessConfig, *,
@@ -348,12 +347,14 @@ def over_bound(name: str, tokens: int, bound: int | None) -> str | None:
 
 
 def video_file_plan(header: tuple[int, float, int, int], pre: PreprocessConfig, video_config: VideoConfig,
-                    min_pixels: int | None, max_pixels: int | None, name: str = "video") -> tuple[int, int, int]:
+                    min_pixels: int | None, max_pixels: int | None, name: str = "video", as_vllm: bool = False
+                    ) -> tuple[int, int, int]:
     """(frames sampled, height and width each is resized to) as preprocessing will read a video file of this header
-    (``probe_video``'s), or the PreprocessError naming ``name`` that preprocessing will raise. Only an edit list hiding
+    (``probe_video``'s; ``as_vllm``: ``preprocess_video_file``'s), or the PreprocessError naming ``name`` that
+    preprocessing will raise. Only an edit list hiding
     frames the header counts, or a first frame of another size than the header's, makes the read differ."""
     total, rate, height, width = header
-    frames = len(sample_indices(total, rate, video_config, pre.temporal_patch_size))
+    frames = len(sample_indices(total, rate, video_config, pre.temporal_patch_size, as_vllm))
     return frames, *video_target_size(frames, height, width, pre, video_config, min_pixels, max_pixels, name)
 
 

@@ -189,7 +189,8 @@ class VideoConfig:
         return d
 
 
-def sample_indices(num_frames: int, video_fps: float, vcfg: VideoConfig, temporal_patch_size: int) -> list[int]:
+def sample_indices(num_frames: int, video_fps: float, vcfg: VideoConfig, temporal_patch_size: int,
+                   clamp: bool = False) -> list[int]:
     """The frame indices ``vcfg``'s rule keeps when sampling ``vcfg.fps`` frames a second from ``num_frames``
     frames at ``video_fps`` (both positive: the file's header or the caller's ``video_fps`` is checked first).
 
@@ -199,6 +200,7 @@ def sample_indices(num_frames: int, video_fps: float, vcfg: VideoConfig, tempora
     frames (the reference divides by zero). The float step can make the reference's arange one element longer
     than the count (1001 frames at 1 fps sampled at 0.5 fps: 501 indices ending in 1001, past the last frame, so
     indexing the video fails); indices past the last frame are dropped, an extra one still in range is kept.
+    ``clamp``: they are the last frame instead, as vLLM's ``Qwen2VLVideoBackend`` clamps them.
     """
     if vcfg.sampling == "qwen3":
         # The rate capped at every frame before int() (the same count): a huge fps would overflow it.
@@ -212,7 +214,7 @@ def sample_indices(num_frames: int, video_fps: float, vcfg: VideoConfig, tempora
     if count == 0:
         return list(range(num_frames))
     indices = torch.arange(0, num_frames, num_frames / count, dtype=torch.float32).int().tolist()
-    return [i for i in indices if i < num_frames]
+    return [min(i, num_frames - 1) for i in indices if clamp or i < num_frames]
 
 
 def sample_frames_by_fps(videos: list[Any], fps: float, video_fps: Any, video_config: VideoConfig,
@@ -274,18 +276,19 @@ def video_target_size(num_frames: int, height: int, width: int, pre: PreprocessC
 def preprocess_video_file(path: str | os.PathLike, pre: PreprocessConfig, vcfg: VideoConfig, *,
                           index: int | None = None, min_pixels: int | None = None, max_pixels: int | None = None,
                           max_input_pixels: int | None = None, counted: int | None = None,
-                          stop: Event | None = None, turn: bool = False
+                          stop: Event | None = None, as_vllm: bool = False
                           ) -> tuple[torch.Tensor, tuple[int, int, int], VideoInfo]:
     """A video file -> (pixel_values float32 (t*h*w, C*T*P*P), grid (t, h, w), VideoInfo), as transformers'
     video processor of ``vcfg.sampling`` does with ``load_video(backend="pyav")``, ``do_sample_frames=True``,
     ``fps=vcfg.fps`` and ``cap_pixels_per_frame=vcfg.cap_pixels_per_frame``. Errors name the file;
-    ``max_input_pixels``, ``counted``, ``stop``, ``turn`` and the file errors: ``video_io.read_video_frames``'s.
+    ``max_input_pixels``, ``counted``, ``stop`` and the file errors: ``video_io.read_video_frames``'s. ``as_vllm``:
+    as vLLM 0.33 reads the file instead (frames turned upright, Qwen2's tail index clamped).
     """
     name = input_name("video", index, path)
     frames, info = read_video_frames(
-        path, lambda total, rate: sample_indices(total, rate, vcfg, pre.temporal_patch_size), name=name,
+        path, lambda total, rate: sample_indices(total, rate, vcfg, pre.temporal_patch_size, as_vllm), name=name,
         size=lambda *clip: video_target_size(*clip, pre, vcfg, min_pixels, max_pixels, name),
-        max_input_pixels=max_input_pixels, counted=counted, stop=stop, turn=turn)
+        max_input_pixels=max_input_pixels, counted=counted, stop=stop, turn=as_vllm)
     info.requested_fps = vcfg.fps
     return *_pixel_rows(len(frames), frames.__getitem__, pre, "torch"), info
 

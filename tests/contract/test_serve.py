@@ -306,3 +306,22 @@ def test_resize_vllm_turns_a_video_file_upright_as_vllm_s_reader_does(model, tmp
     for path, mine, wanted, plain in zip(paths, ours, want, stored, strict=True):
         assert torch.equal(mine, wanted), path.name
         assert torch.equal(plain, wanted) == (path.name == "turned0.mp4"), path.name
+
+
+def test_as_vllm_a_file_s_frames_are_the_ones_vllm_s_samplers_pick():
+    """Qwen2's float32 step can run one index past the last frame (0.7% of lengths at 24 fps): vLLM clamps it to the
+    last frame where transformers' reader drops it, which changes the video's temporal patches."""
+    from vllm.multimodal.video import Qwen2VLVideoBackend, Qwen3VLVideoBackend
+    from vllm.multimodal.video_decoders.base import VideoSourceMetadata, VideoTargetMetadata
+
+    from qwenvl_vision.inputs.video import VideoConfig, sample_indices
+
+    differ = 0
+    for reader, sampling in ((Qwen2VLVideoBackend, "qwen2"), (Qwen3VLVideoBackend, "qwen3")):
+        for rate in (1.0, 24.0, 29.97):
+            for total in range(2, 1200):  # one frame: both divide by zero, where this keeps the frame
+                source = VideoSourceMetadata(total, rate, total / rate)
+                want = reader.compute_frames_index_to_sample(source, VideoTargetMetadata(-1, 2.0, 300))
+                assert sample_indices(total, rate, VideoConfig(sampling), 2, clamp=True) == want, (sampling, rate)
+                differ += sample_indices(total, rate, VideoConfig(sampling), 2) != want
+    assert differ > 0  # the clamp is what tells vLLM's picks from transformers'

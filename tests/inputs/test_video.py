@@ -126,6 +126,7 @@ def test_sample_indices_match_the_reference(sampling):
         overrun = sample(processor, types.SimpleNamespace(total_num_frames=1001, fps=1.0), fps=0.5).tolist()
         assert len(overrun) == 501 and overrun[-1] == 1001
         assert sample_indices(1001, 1.0, VideoConfig(fps=0.5), 2) == overrun[:-1]
+        assert sample_indices(1001, 1.0, VideoConfig(fps=0.5), 2, clamp=True) == [*overrun[:-1], 1000]  # as vLLM
     assert sample_indices(1, 30.0, VideoConfig(sampling), 2) == [0]  # Qwen2's reference divides by zero here
     assert sample_indices(100, 30.0, VideoConfig(sampling, fps=1e308), 2) == list(range(100))  # Qwen3's overflows
 
