@@ -89,9 +89,11 @@ class Inputs:
 
 # A local file's identity: its real path, and its size and modification time (what make and rsync go by: one stat,
 # where a hash would read every input again on each resume); a shard member's is its shard's, then its name.
-FILE_STATE = re.compile(r"#size=\d+,mtime_ns=-?\d+")  # a file dated before 1970: negative
-# A URL's identity ends with the object's version or ETag (``remote.identity``); the first such mark ends the URL.
-URL_PIN = re.compile(r"#(?:version|etag)=.*\Z", re.S)
+# The state ends a file's identity, and follows its shard's path in a member's: a name with such text in it stays.
+FILE_STATE = re.compile(r"#size=\d+,mtime_ns=-?\d+\Z")  # a file dated before 1970: negative
+SHARD_STATE = re.compile(r"#size=\d+,mtime_ns=-?\d+(?=/)")
+# A URL's identity ends with the object's version or ETag (``remote.identity``).
+URL_PIN = re.compile(r"#(?:version|etag)=[^#]*\Z")
 
 
 def file_identity(realpath: str) -> str:
@@ -107,8 +109,10 @@ def file_identity(realpath: str) -> str:
 def file_of(key: str) -> str:
     """What an input's identity names, without what the bytes were: a local file's or shard member's state
     (``file_identity``), a URL's version or ETag; an identity without either is its own."""
-    named = FILE_STATE.sub("", key, count=1)
-    return URL_PIN.sub("", key, count=1) if named == key else named
+    if is_url(key):
+        return URL_PIN.sub("", key)
+    named = FILE_STATE.sub("", key)
+    return SHARD_STATE.sub("", key, count=1) if named == key else named
 
 
 def gather_inputs(inputs: list[str], path_column: str = "path", keep_columns: tuple[str, ...] = ()) -> Inputs:

@@ -401,13 +401,18 @@ def test_a_resume_and_every_rank_use_the_run_s_cpu_plan(tmp_path, checkpoint, mo
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("file_format, mtime_ns", [("safetensors", None), ("parquet", None), ("vllm-cache", None),
-                                                   ("safetensors", -10**18)])  # dated before 1970: negative
+@pytest.mark.parametrize("file_format, mtime_ns, name", [
+    ("safetensors", None, None), ("parquet", None, None), ("vllm-cache", None, None),
+    ("safetensors", -10**18, None),  # dated before 1970: negative
+    ("safetensors", None, "a#size=1,mtime_ns=2.jpg"), ("parquet", None, "a#size=1,mtime_ns=2.jpg"),  # named as a state
+])
 def test_a_file_replaced_since_it_was_recorded_is_embedded_again_and_read_as_it_is_now(tmp_path, checkpoint, capsys,
-                                                                                        file_format, mtime_ns):
+                                                                                        file_format, mtime_ns, name):
     import os
 
     paths = make_folder(tmp_path / "imgs", 3, bad=False)
+    if name is not None:
+        paths[1] = paths[1].rename(paths[1].with_name(name))
     replaced = str(paths[1])
     if mtime_ns is not None:
         os.utime(replaced, ns=(mtime_ns, mtime_ns))
@@ -433,6 +438,18 @@ def test_a_file_replaced_since_it_was_recorded_is_embedded_again_and_read_as_it_
         stored = list(read_embeddings(out))
         assert sorted(path for path, _ in stored) == sorted(map(str, paths))
         assert torch.equal(dict(stored)[replaced], want.embeddings[0])
+
+
+def test_a_missing_file_named_as_a_url_s_version_is_retried_and_recorded_once(tmp_path, checkpoint):
+    paths = make_folder(tmp_path / "imgs", 1, bad=False)
+    late = tmp_path / "imgs" / "shot#etag=1.jpg"
+    listed = tmp_path / "list.txt"
+    listed.write_text(f"{paths[0]}\n{late}\n")
+    out, small = tmp_path / "out", ["--model", str(checkpoint), "--max-pixels", str(64 * 64), "--quiet"]
+    assert main(["embed", str(listed), "--out", str(out), *small]) == 1  # the missing file is a failed input
+    Image.fromarray(synthetic_photo(40, 48, 1)).save(late)
+    assert main(["embed", str(listed), "--out", str(out), "--resume", *small]) == 0
+    assert sorted((r["path"], r["status"]) for r in records(out)) == sorted([(str(paths[0]), "ok"), (str(late), "ok")])
 
 
 @pytest.mark.parametrize("file_format", ["safetensors", "parquet"])
