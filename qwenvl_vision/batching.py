@@ -350,9 +350,10 @@ def video_file_plan(header: tuple[int, float, int, int], pre: PreprocessConfig, 
                     min_pixels: int | None, max_pixels: int | None, name: str = "video", as_vllm: bool = False
                     ) -> tuple[int, int, int]:
     """(frames sampled, height and width each is resized to) as preprocessing will read a video file of this header
-    (``probe_video``'s; ``as_vllm``: ``preprocess_video_file``'s), or the PreprocessError naming ``name`` that
-    preprocessing will raise. Only an edit list hiding
-    frames the header counts, or a first frame of another size than the header's, makes the read differ."""
+    (``probe_video``'s; ``as_vllm``: ``preprocess_video_file``'s, a quarter-turned file's height and width
+    swapped, which changes no count), or the PreprocessError naming ``name`` that preprocessing will raise. Only an
+    edit list hiding frames the header counts, or a first frame of another size than the header's, makes the read
+    differ."""
     total, rate, height, width = header
     frames = len(sample_indices(total, rate, video_config, pre.temporal_patch_size, as_vllm))
     return frames, *video_target_size(frames, height, width, pre, video_config, min_pixels, max_pixels, name)

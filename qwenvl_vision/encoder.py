@@ -237,8 +237,9 @@ class VisionEncoder(contextlib.AbstractContextManager):
         error (None: no limit; it replaces PIL's own bomb limit). ``decode_timeout``: seconds one input may spend
         decoding (from its admission by the decode budget) before it yields an error naming it and the limit,
         and the others go on (None: no limit). ``resize``: images' "pil", "torch" or "vllm" (see encode_images); None
-        takes the checkpoint's. Videos always use the video processors' pipeline; "vllm" also turns a video file's
-        frames upright by its rotation metadata, as vLLM's reader does. ``hash_pixels``: give each result its
+        takes the checkpoint's. Videos always use the video processors' pipeline; "vllm" also reads a video file as
+        vLLM's reader does (turned upright by its rotation metadata, Qwen2's frames picked as it picks them).
+        ``hash_pixels``: give each result its
         ``pixels_sha256`` (hashed on the decode threads, about 15 ms per megapixel), what an encoder cache names
         the item by. ``max_item_tokens``: an input that resizes to more embedding rows yields an error naming it
         instead of its forward, a video file before its frames decode (None: no bound; a long video can take hundreds
@@ -393,7 +394,7 @@ class VisionEncoder(contextlib.AbstractContextManager):
         sampling (``fps``, default the checkpoint's; ``video_fps``: frames in memory's source rate, one value or one
         per video, with which they are sampled as a file of that rate is; without it they are kept as given) and
         sizing (``video.video_target_size``, whose bounds ``min_pixels`` / ``max_pixels`` override). ``resize``
-        "vllm": files' frames turned upright by their rotation metadata, as vLLM's reader does. grid_t = frames / 2.
+        "vllm": files read as vLLM's reader reads them (see iter_encode). grid_t = frames / 2.
         """
         if fps is not None and not positive_number(fps):
             raise InputError(f"fps {fps!r} is not a positive number of frames per second")

@@ -109,7 +109,8 @@ def model_options() -> argparse.ArgumentParser:
     p.add_argument("--resize", choices=RESIZE_BACKENDS,
                    help="whose pipeline the pixels match: pil = transformers' PIL image processor (transformers "
                         "without torchvision), torch = its torchvision processor (with torchvision), vllm = vLLM's "
-                        "image loading (EXIF, transparency onto white) then that processor; default: what the "
+                        "image loading (EXIF, transparency onto white) then that processor, and its video reading "
+                        "(a file turned upright, Qwen2's frames picked as it picks them); default: what the "
                         "checkpoint's preprocessor_config.json names (...Fast: torch); serve: vllm")
     p.add_argument("--fps", type=positive_option(float, "--fps"),
                    help="frames per second sampled from video files (default: the checkpoint's video settings, "

@@ -22,7 +22,7 @@ from ..errors import ConfigError
 from ..inputs.pixels import is_url, local_name
 from ..inputs.video_io import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS
 from .remote import identities
-from .shards import KEY_COLUMN, Member, is_shard, list_shard
+from .shards import KEY_COLUMN, TAR_SUFFIX, Member, is_shard, list_shard
 from .tables import check_keep_columns, is_table, read_table
 
 MEDIA_EXTENSIONS = IMAGE_EXTENSIONS | VIDEO_EXTENSIONS
@@ -89,11 +89,11 @@ class Inputs:
 
 # A local file's identity: its real path, and its size and modification time (what make and rsync go by: one stat,
 # where a hash would read every input again on each resume); a shard member's is its shard's, then its name.
-# The state ends a file's identity, and follows its shard's path in a member's: a name with such text in it stays.
-FILE_STATE = re.compile(r"#size=\d+,mtime_ns=-?\d+\Z")  # a file dated before 1970: negative
-SHARD_STATE = re.compile(r"#size=\d+,mtime_ns=-?\d+(?=/)")
-# A URL's identity ends with the object's version or ETag (``remote.identity``).
-URL_PIN = re.compile(r"#(?:version|etag)=[^#]*\Z")
+# The state ends a file's identity, and follows its shard's ``.tar`` in a member's: a name with such text stays.
+STATE = r"#size=\d+,mtime_ns=-?\d+"  # a file dated before 1970: negative
+FILE_STATE, SHARD_STATE = re.compile(STATE + r"\Z"), re.compile(rf"(?<=\{TAR_SUFFIX}){STATE}(?=/)", re.I)
+# A URL's identity ends with the object's version or ETag (``remote.identity``): the last such mark.
+URL_PIN = re.compile(r"#(?:version|etag)=(?:(?!#(?:version|etag)=).)*\Z", re.S)
 
 
 def file_identity(realpath: str) -> str:

@@ -137,10 +137,11 @@ def _arrow_type(arrow_type: Any) -> str:
 def _value(value: Any, kind: str) -> Any:
     """A cell as its column's type stores it (``json``: its JSON text, strict JSON; not-a-number floats as null,
     nested ones too)."""
+    value = _plain(value) if kind == "json" else value
     if value is None or (kind == "float64" and not math.isfinite(value)):
         return None
     if kind == "json":
-        return json.dumps(_plain(value), default=str, ensure_ascii=False, allow_nan=False)
+        return json.dumps(value, default=str, ensure_ascii=False, allow_nan=False)
     return float(value) if kind == "float64" else value
 
 

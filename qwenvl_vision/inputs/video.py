@@ -23,7 +23,8 @@ Deviations from the reference, on purpose (those of reading files: ``video_io``'
   that backward-compatible default is read as "sample at the default fps". ``num_frames`` is refused.
 - A clip shorter than the temporal patch size T: Qwen2's sampler divides by zero and Qwen3's ``smart_resize``
   raises; here every frame is kept and the size is computed as if the clip had T frames (patchify pads it to T
-  by repeating the last frame anyway). Qwen2's sampler can also step one index past the last frame: dropped.
+  by repeating the last frame anyway). Qwen2's sampler can also step one index past the last frame: dropped
+  (vLLM's reader, ``as_vllm``, takes the last frame there).
 - Frames given as arrays: 1 channel is repeated and an all-opaque 4th channel dropped, as the video
   processors' ``convert_to_rgb`` does; frames with real transparency are refused (the reference blends them
   in float and resizes the float frames, which this module does not reproduce). Frames given one by one as

@@ -238,8 +238,7 @@ def _decode_sampled(container: Any, stream: Any, indices: list[int], name: str,
         try:
             frame = next(stream_frames, None)
             rgb = frame.to_ndarray(format="rgb24") if frame is not None and decoded in slots else None
-            if rgb is not None and turn and frame.rotation % 90 == 0:  # counter-clockwise degrees, as np.rot90
-                rgb = np.ascontiguousarray(np.rot90(rgb, frame.rotation // 90))
+            rotation = frame.rotation if rgb is not None and turn else 0
         except MemoryError:
             raise
         except Exception as e:  # noqa: BLE001 - FFmpeg's decoders raise many error types
@@ -247,6 +246,8 @@ def _decode_sampled(container: Any, stream: Any, indices: list[int], name: str,
         if frame is None:
             break
         if rgb is not None:
+            if rotation and rotation % 90 == 0:  # counter-clockwise degrees, as np.rot90 turns
+                rgb = np.ascontiguousarray(np.rot90(rgb, rotation // 90))
             if frames is None:
                 source = rgb.shape
                 target = size(len(indices), *rgb.shape[:2]) if size is not None else rgb.shape[:2]

@@ -117,3 +117,16 @@ def test_a_fifo_among_the_inputs_is_one_failed_input_not_a_hang(tmp_path, checkp
     assert result.returncode == 1, result.stderr[-2000:]
     (failed,) = [r for r in records(out) if r["status"] == "error"]
     assert failed["path"].endswith("pipe.jpg") and "not a regular file" in failed["error"]
+
+
+@pytest.mark.parametrize("identity, file", [
+    ("/d/a.jpg#size=5,mtime_ns=-7", "/d/a.jpg"),  # dated before 1970
+    ("/d/a#size=1,mtime_ns=2.jpg#size=5,mtime_ns=6", "/d/a#size=1,mtime_ns=2.jpg"),  # a name holding such text
+    ("/d/x#size=1,mtime_ns=2/a.jpg", "/d/x#size=1,mtime_ns=2/a.jpg"),  # a file that could not be read: bare
+    ("/d/shot#etag=1.jpg", "/d/shot#etag=1.jpg"),
+    ("/d/s.TAR#size=5,mtime_ns=6/sub/m#size=1,mtime_ns=2.jpg", "/d/s.TAR/sub/m#size=1,mtime_ns=2.jpg"),  # a member
+    ("s3://b/shot#etag=1.jpg#etag=abc", "s3://b/shot#etag=1.jpg"),
+    ("https://h/a.jpg#etag=W/a#b", "https://h/a.jpg"),  # an ETag may hold a '#'
+])
+def test_a_state_or_version_is_read_where_it_is_written(identity, file):
+    assert file_of(identity) == file

@@ -243,6 +243,11 @@ def test_nested_non_numbers_and_binary_cells_are_carried_as_strict_json(folder_r
     strict = {"parse_constant": lambda constant: pytest.fail(f"{constant} is not JSON")}
     assert [c["scores"] and json.loads(c["scores"], **strict) for c in cells] == [[0.5, None], [None], [], None]
     assert [c["blob"] and base64.b64decode(json.loads(c["blob"])) for c in cells] == blobs
+    mixed = write_table(root / "nested.jsonl", [{"path": str(p), "meta": m}  # a field of no one type: JSON text
+                                                for p, m in zip(paths, ["a", float("nan"), [1, float("nan")], None])])
+    out = root / "out-nested-jsonl"
+    assert run_embed([mixed], checkpoint, out, "--keep-columns", "meta", "--format", "parquet", *SMALL) == 0
+    assert [r.columns["meta"] for r in read_parquet_records(parquet_shards(out))] == ['"a"', None, "[1, null]", None]
 
 
 def test_a_row_naming_a_lone_surrogate_is_that_row_s_failed_input(folder_run, checkpoint):

@@ -335,3 +335,26 @@ def test_a_header_without_frame_count_is_counted_once_per_video(videos, checkpoi
     [[result]] = list(encoder.iter_encode([videos["noframecount.mkv"]], video=None))
     assert result.ok and result.video_info.total_frames == 20
     assert len(counts) == 1
+
+
+def test_resize_vllm_picks_qwen2_s_frames_as_vllm_does_and_bounds_them_so(tmp_path, checkpoint, monkeypatch):
+    """75 frames at 10 fps: Qwen2's float step reaches index 75, which transformers' reader drops (14 frames, 7
+    temporal patches) and vLLM's takes as the last frame (15, padded to 8); the token bound, checked before any
+    frame decodes, counts the same."""
+    import qwenvl_vision.inputs.video as video
+
+    reads = []
+    monkeypatch.setattr(video, "read_video_frames", lambda *a, **k: reads.append(1) or read_video_frames(*a, **k))
+    path = tmp_path / "clip.avi"
+    write_video(path, 75, 32, 32, 10)
+    with load_encoder(checkpoint, device="cpu") as encoder:
+        as_transformers = encoder.encode_videos([str(path)], resize="torch")
+        as_vllm = encoder.encode_videos([str(path)], resize="vllm")
+        assert [r.grid_thw.tolist()[0][0] for r in (as_transformers, as_vllm)] == [7, 8]
+        assert as_vllm.video_info[0].frame_indices[-2:] == [69, 74]
+        tokens = as_vllm.embeddings[0].shape[0]
+        for bound in (tokens, tokens - 1):
+            reads.clear()
+            [[result]] = encoder.iter_encode([str(path)], video=True, resize="vllm", max_item_tokens=bound)
+            assert (result.ok, len(reads)) == ((True, 1) if bound == tokens else (False, 0)), result.error
+        assert f"{tokens:,} tokens, more than the bound of {tokens - 1:,}" in result.error
