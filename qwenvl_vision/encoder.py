@@ -392,7 +392,8 @@ class VisionEncoder(contextlib.AbstractContextManager):
         """Videos (file paths, sequences of frames, (F, H, W, C) / (F, C, H, W) uint8 arrays) -> embeddings, as
         transformers' video processor of this family + the tower; see encode_images, and docs/api.md for the
         sampling (``fps``, default the checkpoint's; ``video_fps``: frames in memory's source rate, one value or one
-        per video, with which they are sampled as a file of that rate is; without it they are kept as given) and
+        per video, with which they are sampled as a file of that rate is; without it they are kept as given, and
+        ``fps`` is refused) and
         sizing (``video.video_target_size``, whose bounds ``min_pixels`` / ``max_pixels`` override). ``resize``
         "vllm": files read as vLLM's reader reads them (see iter_encode). grid_t = frames / 2.
         """
