@@ -393,9 +393,8 @@ class VisionEncoder(contextlib.AbstractContextManager):
         transformers' video processor of this family + the tower; see encode_images, and docs/api.md for the
         sampling (``fps``, default the checkpoint's; ``video_fps``: frames in memory's source rate, one value or one
         per video, with which they are sampled as a file of that rate is; without it they are kept as given, and
-        ``fps`` is refused) and
-        sizing (``video.video_target_size``, whose bounds ``min_pixels`` / ``max_pixels`` override). ``resize``
-        "vllm": files read as vLLM's reader reads them (see iter_encode). grid_t = frames / 2.
+        ``fps`` is refused) and sizing (``video.video_target_size``, whose bounds ``min_pixels`` / ``max_pixels``
+        override). ``resize`` "vllm": files read as vLLM's reader reads them (see iter_encode). grid_t = frames / 2.
         """
         if fps is not None and not positive_number(fps):
             raise InputError(f"fps {fps!r} is not a positive number of frames per second")
