@@ -40,18 +40,13 @@ def _default_out(source: str) -> Path:
     return DEFAULT_WEIGHTS_DIR / f"{name}-vision"
 
 
-def _is_preset(source: str) -> bool:
-    from .model.config import PRESETS
-
-    return source.lower() in PRESETS and not Path(source).is_dir()
-
-
 def validate_extract_args(args: argparse.Namespace) -> None:
     """Refuse, before loading anything: a preset (it has no weights), a target whose writing would change a local
     source or the Hugging Face cache (even with --force), and a non-empty target without --force."""
     from .errors import ConfigError
+    from .model.config import is_preset
 
-    if _is_preset(args.source):
+    if is_preset(args.source):
         raise ConfigError(f"{args.source} is a preset: it has no weights to extract (--random-weights is for "
                           f"embed and bench); give a checkpoint folder or a repo id")
     if args.out is not None and not args.out:
@@ -144,10 +139,10 @@ def cmd_extract_weights(args: argparse.Namespace) -> int:
 def cmd_inspect(args: argparse.Namespace) -> int:
     from .checkpoint.hub import resolve_folder
     from .checkpoint.weights import open_checkpoint, vision_entries
+    from .model.config import is_preset, preset
 
-    if _is_preset(args.source):  # a released tower's shape, without weights (counted on the meta device)
+    if is_preset(args.source):  # a released tower's shape, without weights (counted on the meta device)
         from .model.build import build_model
-        from .model.config import preset
 
         config = preset(args.source)
         parameters = sum(p.numel() for p in build_model(config, device="meta").parameters())

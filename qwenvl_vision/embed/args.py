@@ -14,7 +14,7 @@ from ..devices import DTYPE_CHOICES, device_option, dtype_option, resolve_device
 from ..errors import ConfigError
 from ..inputs.pixels import DEFAULT_MAX_INPUT_PIXELS, RESIZE_BACKENDS
 from ..model.attention import ATTN_IMPLS
-from ..model.config import PRESETS
+from ..model.config import is_preset
 from ..options import DEFAULT_BATCH_PATCHES, DEFAULT_DECODE_TIMEOUT, check_option_rules
 from .inputs import INPUT_KINDS
 
@@ -83,7 +83,7 @@ def validate_model_args(args: argparse.Namespace) -> None:
     resolve_device(args.device, here=getattr(args, "engine", None) != "ray")
     if args.random_weights and args.revision:
         raise ConfigError("--revision means a Hub checkpoint; --random-weights takes a preset")
-    if args.model.lower() in PRESETS and not args.random_weights and not Path(args.model).is_dir():
+    if is_preset(args.model) and not args.random_weights:
         raise ConfigError(f"--model {args.model} is a preset (no weights): add --random-weights for random weights "
                           f"at its size, or give a checkpoint folder or repo id")
 

@@ -230,8 +230,6 @@ class EmbedJob:
         now = describe_run(self.encoder, args, self.folder, self.world, threads, self.inputs.column_types)
         if args.format == "vllm-cache":  # another model's items in the folder: refused before anything is written
             check_cache_folder(out, self.encoder.identity())
-        if self.ray is not None and self.ray.device != "cpu":
-            now["cpu_plan"] = None  # the driver's CPU plan; the actors' GPUs have none
         note = crossed_bounds_note(args, self.encoder.preprocess_config)
         if note is not None and self.rank == 0:  # what the stored tensors are: printed even with --quiet
             print(f"embed: note: {note}", file=sys.stderr, flush=True)

@@ -357,6 +357,11 @@ PRESETS: dict[str, VisionConfig] = {row[0]: _released(*row) for row in (
 )}
 
 
+def is_preset(source: str) -> bool:
+    """Whether ``source`` names a preset (a size, no weights), not a folder of that name."""
+    return source.lower() in PRESETS and not Path(source).is_dir()
+
+
 def preset(name: str) -> VisionConfig:
     key = name.lower()
     if key not in PRESETS:
