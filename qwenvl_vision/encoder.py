@@ -52,7 +52,7 @@ class VisionEncoder(contextlib.AbstractContextManager):
         self.video_config = video_config or VideoConfig.for_family(model.config.family)
         self.source = source
         self.config: VisionConfig = model.config
-        # Guards _model, _closing and _forwards: forwards in flight, which close() waits for.
+        # Guards _model, _closing and _forwards: forwards and plan switches in flight, which close() waits for.
         self._state = threading.Condition()
         self._closing = False
         self._forwards = 0
@@ -70,6 +70,19 @@ class VisionEncoder(contextlib.AbstractContextManager):
     @property
     def closed(self) -> bool:
         return self._model is None or self._closing
+
+    @contextlib.contextmanager
+    def _in_use(self) -> Iterator[VisionTower]:
+        """The model, counted in flight until the block ends: close() waits for it rather than freeing under it."""
+        with self._state:
+            model = self.model
+            self._forwards += 1
+        try:
+            yield model
+        finally:
+            with self._state:
+                self._forwards -= 1
+                self._state.notify_all()
 
     def close(self) -> None:
         """Free weights and caches now, whoever else still references this encoder or its model (docs/api.md,
@@ -124,7 +137,8 @@ class VisionEncoder(contextlib.AbstractContextManager):
         """Run the CPU inference calls from now on as ``load_encoder``'s ``cpu_kernels`` says ("auto", "reference"
         or a plan, e.g. a run's recorded one): prepared now where the weights are on the CPU, the layers left
         packed where the setting resolves to the plan they are packed for; off the CPU only checked."""
-        use_cpu_kernels(self.model, cpu_kernels)
+        with self._in_use() as model:  # it packs and unpacks weights: close() must not free them meanwhile
+            use_cpu_kernels(model, cpu_kernels)
 
     @property
     def device(self) -> torch.device:
@@ -174,17 +188,10 @@ class VisionEncoder(contextlib.AbstractContextManager):
             raise InputError(f"pixel_values must be a torch.Tensor, got {type(pixel_values).__name__}")
         if modality not in ("image", "video"):
             raise InputError(f'modality must be "image" or "video", got {modality!r}')
-        with self._state:  # counted as in use until the forward ends: close() waits for it rather than freeing
-            model = self.model
-            self._forwards += 1
-        try:
+        with self._in_use() as model:
             grids = model.grid_list(grid_thw)
             with torch.inference_mode():
                 merged, levels = model(pixel_values, grids)
-        finally:
-            with self._state:
-                self._forwards -= 1
-                self._state.notify_all()
         if pixels_sha256 is None and pixel_values.device.type == "cpu":
             pixels_sha256 = [item_pixels_sha256(rows) for rows in pixel_values.split([t * h * w for t, h, w in grids])]
         elif pixels_sha256 is None:

@@ -355,6 +355,31 @@ def test_close_while_other_threads_encode(checkpoint, call):
         encoder.encode_images(images)
 
 
+def test_close_while_another_thread_switches_cpu_plans_frees_every_weight(checkpoint):
+    """A switch packs and unpacks the weights: close() waits for one in flight, as for a forward."""
+    encoder = load_encoder(checkpoint, device="cpu")
+    plan = encoder.cpu_plan.to_dict()
+    plan["linear"] = dict.fromkeys(plan["linear"], "onednn")  # every linear packed, then plain again
+    model, ended, switched = encoder.model, [], threading.Event()
+
+    def switch() -> None:
+        try:
+            while True:
+                encoder.set_cpu_kernels("reference")
+                encoder.set_cpu_kernels(plan)
+                switched.set()
+        except BaseException as e:  # noqa: BLE001 - the test reads what ended it
+            ended.append(e)
+
+    thread = threading.Thread(target=switch)
+    thread.start()
+    assert switched.wait(timeout=120)
+    encoder.close()
+    thread.join(timeout=60)
+    assert [type(e) for e in ended] == [EncoderClosedError]
+    assert [name for name, p in model.named_parameters() if not p.is_meta] == []
+
+
 def test_decode_budget_is_released_when_the_caller_stops_early(checkpoint, tmp_path):
     paths = [str(p) for p in make_folder(tmp_path / "imgs", 12, bad=False)]
     encoder = load_encoder(checkpoint, device="cpu")
