@@ -223,7 +223,7 @@ def read_video_frames(path: str | os.PathLike, pick_indices: Callable[[int, floa
 
 def _decode_sampled(container: Any, stream: Any, indices: list[int], name: str,
                     size: Callable[[int, int, int], tuple[int, int]] | None,
-                    stop: Event | None, turn: bool = False) -> tuple[np.ndarray | None, int]:
+                    stop: Event | None, turn: bool) -> tuple[np.ndarray | None, int]:
     """(the frames at ``indices``, resized by ``size`` if given; how many frames were decoded). Only FFmpeg's work
     is reported as the file's fault: the size rule, the resize and running out of memory raise their own errors."""
     slots: dict[int, list[int]] = {}
