@@ -247,9 +247,9 @@ class VisionEncoder(contextlib.AbstractContextManager):
         takes the checkpoint's. Videos always use the video processors' pipeline; "vllm" also reads a video file as
         vLLM's reader does (turned upright by its rotation metadata, Qwen2's frames picked as it picks them).
         ``hash_pixels``: give each result its ``pixels_sha256`` (hashed on the decode threads, about 15 ms per
-        megapixel), what an encoder cache names the item by. ``max_item_tokens``: an input that resizes to more embedding rows yields an error naming it
-        instead of its forward, a video file before its frames decode (None: no bound; a long video can take hundreds
-        of thousands).
+        megapixel), what an encoder cache names the item by. ``max_item_tokens``: an input that resizes to more
+        embedding rows yields an error naming it instead of its forward, a video file before its frames decode (None:
+        no bound; a long video can take hundreds of thousands).
         """
         options = self._options(
             items, video=video, min_pixels=min_pixels, max_pixels=max_pixels, max_input_pixels=max_input_pixels,
