@@ -159,91 +159,65 @@ async def read_json(request: Request, limit: int, budget: BodyBudget, timeout: f
         raise RequestError(f"the request body is not JSON ({first_line(e, 200)})") from None
 
 
-def build_app(encoder: Any, settings: ServeSettings) -> FastAPI:
-    """The app serving ``encoder``, which its lifespan's end closes once the queue has drained."""
-    registry = CollectorRegistry()
-    requests = Counter("qwenvl_vision_requests", "requests answered", ["route", "status"], registry=registry)
-    items = Counter("qwenvl_vision_items_encoded", "items encoded (not those found written)", registry=registry)
-    latency = Histogram("qwenvl_vision_request_seconds", "request latency", ["route"], registry=registry)
-    queued = Gauge("qwenvl_vision_queue_items", "items waiting for the encoder or loading their media (--max-queue)",
-                   registry=registry)
-    shared, tag = settings.shared, uuid.uuid4().hex
-    if shared is not None:  # refused before serving: a folder holding another model's items
-        claim_cache_folder(shared, encoder.identity(), tag)
-    batcher = Batcher(encoder, settings.options, settings.max_queue, queued, items)
-    bodies = BodyBudget(settings.max_bodies)
-    # Media reads have threads of their own: slow URLs wait there, never in the threads every request parses in.
-    media_threads = ThreadPoolExecutor(MEDIA_THREADS, thread_name_prefix="qwenvl-vision-media")
-    # And the encoder role's folder its own: a writer holding its lock (a suspended embed) holds chat requests
-    # there, not the threads every request parses in. One, as the lock lets one holder in at a time.
-    cache_thread = ThreadPoolExecutor(1, thread_name_prefix="qwenvl-vision-cache")
+class Serving:
+    """One app's state, on ``app.state.serving``; the routes are module functions that reach it through their
+    request. FastAPI keeps every route's callable in process-wide caches (``fastapi.dependencies.models``), where
+    closures over the encoder would keep it alive after its app."""
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
-        try:
-            yield
-        finally:
-            media_threads.shutdown(wait=False, cancel_futures=True)
-            await asyncio.to_thread(batcher.close)
-            cache_thread.shutdown(wait=False)  # uvicorn ends the lifespan once every request is answered
-            encoder.close()
+    def __init__(self, encoder: Any, settings: ServeSettings):
+        self.encoder, self.settings = encoder, settings
+        self.registry = registry = CollectorRegistry()
+        self.requests = Counter("qwenvl_vision_requests", "requests answered", ["route", "status"], registry=registry)
+        self.latency = Histogram("qwenvl_vision_request_seconds", "request latency", ["route"], registry=registry)
+        items = Counter("qwenvl_vision_items_encoded", "items encoded (not those found written)", registry=registry)
+        queued = Gauge("qwenvl_vision_queue_items", "items waiting for the encoder or loading their media "
+                       "(--max-queue)", registry=registry)
+        self.shared, self.tag = settings.shared, uuid.uuid4().hex
+        if self.shared is not None:  # refused before serving: a folder holding another model's items
+            claim_cache_folder(self.shared, encoder.identity(), self.tag)
+        self.batcher = Batcher(encoder, settings.options, settings.max_queue, queued, items)
+        self.bodies = BodyBudget(settings.max_bodies)
+        # Media reads have threads of their own: slow URLs wait there, never in the threads every request parses in.
+        self.media_threads = ThreadPoolExecutor(MEDIA_THREADS, thread_name_prefix="qwenvl-vision-media")
+        # And the encoder role's folder its own: a writer holding its lock (a suspended embed) holds chat requests
+        # there, not the threads every request parses in. One, as the lock lets one holder in at a time.
+        self.cache_thread = ThreadPoolExecutor(1, thread_name_prefix="qwenvl-vision-cache")
 
-    def authorized(request: Request) -> None:
-        given = request.headers.get("authorization", "").encode()
-        if settings.api_key and not hmac.compare_digest(given, f"Bearer {settings.api_key}".encode()):
-            raise RequestError("a valid API key is required (Authorization: Bearer KEY)", 401)
-
-    app = FastAPI(lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)
-    for error in (QwenVLVisionError, HTTPException, Exception):
-        app.add_exception_handler(error, error_response)
-    router = APIRouter(prefix="/v1", dependencies=[Depends(authorized)])  # vLLM's key guards /v1 alone
-
-    @app.middleware("http")
-    async def measure(request: Request, call_next):
-        start, status = time.perf_counter(), 500
-        try:
-            response = await call_next(request)
-            status = response.status_code
-            return response
-        finally:
-            bodies.release(request)  # its answer is made: the body, what was parsed from it and its media are dropped
-            route = getattr(request.scope.get("route"), "path", "other")  # the matched route; unknown paths: one label
-            requests.labels(route, str(status)).inc()
-            latency.labels(route).observe(time.perf_counter() - start)
-
-    async def items_of(request: Request, need_uuid: bool) -> tuple[dict, list[Item]]:
-        body = await read_json(request, settings.max_body, bodies, settings.body_timeout)
+    async def items_of(self, request: Request, need_uuid: bool) -> tuple[dict, list[Item]]:
+        settings = self.settings
+        body = await read_json(request, settings.max_body, self.bodies, settings.body_timeout)
         found = await asyncio.to_thread(request_items, body, settings.policy, need_uuid)  # base64 off the loop
         if len(found) > settings.max_items:
             raise RequestError(f"messages: {len(found)} images and videos, more than --max-items {settings.max_items}")
         return body, found
 
-    async def encoded(request: Request, found: list[Item], normalize: bool = False) -> list[ItemResult]:
+    async def encoded(self, request: Request, found: list[Item], normalize: bool = False) -> list[ItemResult]:
         """The items' results, or the first failure as one line naming its item."""
-        with batcher.reserve(len(found)):  # a request the queue has no room for reads none of its media
-            reads = [asyncio.ensure_future(loaded(request, item)) for item in found]
+        with self.batcher.reserve(len(found)):  # a request the queue has no room for reads none of its media
+            reads = [asyncio.ensure_future(self.loaded(request, item)) for item in found]
             try:
                 await asyncio.gather(*reads)
             finally:  # one item failed: its siblings' reads not yet started leave the media threads' queue
                 for read in reads:
                     read.cancel()
-            futures = batcher.submit([item.file for item in found], normalize)
+            futures = self.batcher.submit([item.file for item in found], normalize)
         results = await asyncio.gather(*futures)
         for result in results:
             if not result.ok:
                 raise result.error_class(result.error)
         return results
 
-    async def loaded(request: Request, item: Item) -> None:
+    async def loaded(self, request: Request, item: Item) -> None:
         """The item's bytes read (a URL's, a file's) in the media threads and charged to the request's bodies: the
         encoder's thread never waits on a network or a file. A read is bounded by fetch's own deadline (a file by its
         end); one still waiting for a thread after the decode timeout is dropped, and its request answered 503: the
         server was busy, the item may be fine."""
         if item.file.fetched:
             return
-        timeout = settings.policy.timeout_s
+        timeout = self.settings.policy.timeout_s
         # At most what the bodies' bound allows one request: charged once read, a larger read would overshoot it.
-        read = media_threads.submit(item.file.read, min(settings.options["decode_bytes"], settings.max_bodies))
+        read = self.media_threads.submit(item.file.read, min(self.settings.options["decode_bytes"],
+                                                             self.settings.max_bodies))
         reading = asyncio.wrap_future(read)
         try:
             await asyncio.wait([reading], timeout=timeout)  # unlike wait_for, it leaves a read under way going
@@ -254,104 +228,162 @@ def build_app(encoder: Any, settings: ServeSettings) -> FastAPI:
         finally:  # this request answered without it (a sibling failed): a read still queued never runs (cancelled
             read.cancel()  # here, at once: ``reading``'s cancel reaches it only on the loop's next pass)
             reading.cancel()
-        bodies.charge(request, len(data))
+        self.bodies.charge(request, len(data))
 
-    @app.get("/health")
-    async def health() -> dict:
-        if batcher.fault is not None:  # as vLLM's health answers for a dead engine
-            raise RequestError(batcher.fault, 503)
-        return {}
-
-    @router.get("/models")
-    async def models() -> dict:
-        return {"object": "list", "data": [{"id": settings.served_name, "object": "model", "created": 0,
-                                            "owned_by": "qwenvl-vision"}]}
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
-
-    def written(item: Item) -> dict | None:
+    def written(self, item: Item) -> dict | None:
         """The entry of the item this server wrote under the item's uuid (its metadata says what a request needs),
         touched as ``write_item`` touches what it finds; None if there is none. Another writer's file there, or an
         item of the other modality, is a 409: the consumer would load it, which no answer can describe."""
-        metadata = found_item(shared, item.uuid)
+        metadata = found_item(self.shared, item.uuid)
         if metadata is not None and ENTRY_KEY not in metadata:
-            raise RequestError(f"{item.label}: {shared / item.uuid} holds an item this server did not write; give "
-                               f"the item another uuid, or remove that folder", 409)
+            raise RequestError(f"{item.label}: {self.shared / item.uuid} holds an item this server did not write; "
+                               f"give the item another uuid, or remove that folder", 409)
         found = None if metadata is None else json.loads(metadata[ENTRY_KEY])
         if found is not None and found["modality"] != item.modality:  # no answer could describe it as this item
             raise RequestError(f"{item.label}: uuid {item.uuid!r} names a {found['modality']} item written before, "
                                f"not this {item.modality}; give the item another uuid", 409)
         return found
 
-    def present(found: list[Item]) -> dict[str, dict]:
-        with cache_lock(shared):  # a prune removes nothing between the read and the touch
-            return {item.uuid: e for item in found if (e := written(item)) is not None}
+    def present(self, found: list[Item]) -> dict[str, dict]:
+        with cache_lock(self.shared):  # a prune removes nothing between the read and the touch
+            return {item.uuid: e for item in found if (e := self.written(item)) is not None}
 
-    def write(found: list[Item], results: list[ItemResult]) -> dict[str, dict]:
+    def write(self, found: list[Item], results: list[ItemResult]) -> dict[str, dict]:
         entries = {}
-        with cache_lock(shared):  # a prune removes nothing while items are written
+        with cache_lock(self.shared):  # a prune removes nothing while items are written
             for item, r in zip(found, results):
                 try:
                     (rows,) = vllm_items(EncodedItems([r.embedding], [r.grid_thw], [r.deepstack], item.modality,
-                                                      encoder.family, [r.video_info]))
+                                                      self.encoder.family, [r.video_info]))
                 except QwenVLVisionError as e:
                     raise RequestError(f"{item.label}: {e}") from None
                 entries[item.uuid] = {k: v for k, v in entry(item.uuid, rows).items() if k != "id"}
-                if not write_item(shared, item.uuid, rows.rows, tag, {ENTRY_KEY: json.dumps(entries[item.uuid])}):
+                metadata = {ENTRY_KEY: json.dumps(entries[item.uuid])}
+                if not write_item(self.shared, item.uuid, rows.rows, self.tag, metadata):
                     # Another request's file got there first: the consumer loads that one, so the answer is its.
-                    entries[item.uuid] = written(item)
+                    entries[item.uuid] = self.written(item)
         return entries
 
-    @router.post("/chat/completions")
-    async def chat(request: Request) -> dict:
-        if shared is None:
-            raise RequestError("this server has no encoder role: start it with --ec-shared-storage PATH")
-        _, found = await items_of(request, True)
-        loop = asyncio.get_running_loop()
-        entries = await loop.run_in_executor(cache_thread, present, found)
-        todo = list({item.uuid: item for item in found if item.uuid not in entries}.values())  # each uuid once
-        if todo:
-            results = await encoded(request, todo)
-            entries.update(await loop.run_in_executor(cache_thread, write, todo, results))
-        transfer: dict[str, dict] = {}
-        for i, item in enumerate(found):
-            transfer.setdefault(item.uuid, {"modality": item.modality, "metadata": placeholder_fields(
-                entries[item.uuid]), "item_indices": []})["item_indices"].append(i)
-        tokens = sum(entries[item.uuid]["tokens"] for item in found)
-        return {"id": f"chatcmpl-{request.headers.get('x-request-id') or uuid.uuid4().hex}",
-                "object": "chat.completion", "created": int(time.time()), "model": settings.served_name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": ""}, "logprobs": None,
-                             "finish_reason": "length"}],
-                "usage": {"prompt_tokens": tokens, "completion_tokens": 0, "total_tokens": tokens},
-                "ec_transfer_params": transfer}
 
-    @router.post("/embeddings")
-    async def embeddings(request: Request) -> Any:
-        body, found = await items_of(request, False)
-        form = "float" if body.get("encoding_format") is None else body["encoding_format"]  # null: OpenAI's default
-        normalize, tokens = body.get("normalize", False), body.get("return_tokens", False)
-        if form not in ("float", "base64") or not isinstance(normalize, bool) or not isinstance(tokens, bool):
-            raise RequestError(f"encoding_format {form!r} / normalize {normalize!r} / return_tokens {tokens!r}: float "
-                               f"or base64 / a boolean / a boolean")
-        results = await encoded(request, found, normalize)
-        if tokens:
-            tensors = {}
-            for i, r in enumerate(results):
-                tensors[f"{i}.embeddings"] = r.embedding.cpu().contiguous()
-                tensors[f"{i}.grid_thw"] = torch.tensor(r.grid_thw, dtype=torch.int64)
-                tensors.update({f"{i}.deepstack.{level}": t.cpu().contiguous() for level, t in enumerate(r.deepstack)})
-            return Response(await asyncio.to_thread(save, tensors), media_type="application/vnd.safetensors")
-        data = []
+def serving(request: Request) -> Serving:
+    return request.app.state.serving
+
+
+@contextlib.asynccontextmanager
+async def lifespan(app: FastAPI):
+    s: Serving = app.state.serving
+    s.batcher.thread.start()
+    try:
+        yield
+    finally:
+        s.media_threads.shutdown(wait=False, cancel_futures=True)
+        await asyncio.to_thread(s.batcher.close)
+        s.cache_thread.shutdown(wait=False)  # uvicorn ends the lifespan once every request is answered
+        s.encoder.close()
+
+
+async def authorized(request: Request) -> None:
+    key = serving(request).settings.api_key
+    given = request.headers.get("authorization", "").encode()
+    if key and not hmac.compare_digest(given, f"Bearer {key}".encode()):
+        raise RequestError("a valid API key is required (Authorization: Bearer KEY)", 401)
+
+
+async def measure(request: Request, call_next):
+    s, start, status = serving(request), time.perf_counter(), 500
+    try:
+        response = await call_next(request)
+        status = response.status_code
+        return response
+    finally:
+        s.bodies.release(request)  # its answer is made: the body, what was parsed from it and its media are dropped
+        route = getattr(request.scope.get("route"), "path", "other")  # the matched route; unknown paths: one label
+        s.requests.labels(route, str(status)).inc()
+        s.latency.labels(route).observe(time.perf_counter() - start)
+
+
+public = APIRouter()
+router = APIRouter(prefix="/v1", dependencies=[Depends(authorized)])  # vLLM's key guards /v1 alone
+
+
+@public.get("/health")
+async def health(request: Request) -> dict:
+    if (fault := serving(request).batcher.fault) is not None:  # as vLLM's health answers for a dead engine
+        raise RequestError(fault, 503)
+    return {}
+
+
+@public.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(generate_latest(serving(request).registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/models")
+async def models(request: Request) -> dict:
+    return {"object": "list", "data": [{"id": serving(request).settings.served_name, "object": "model", "created": 0,
+                                        "owned_by": "qwenvl-vision"}]}
+
+
+@router.post("/chat/completions")
+async def chat(request: Request) -> dict:
+    s = serving(request)
+    if s.shared is None:
+        raise RequestError("this server has no encoder role: start it with --ec-shared-storage PATH")
+    _, found = await s.items_of(request, True)
+    loop = asyncio.get_running_loop()
+    entries = await loop.run_in_executor(s.cache_thread, s.present, found)
+    todo = list({item.uuid: item for item in found if item.uuid not in entries}.values())  # each uuid once
+    if todo:
+        results = await s.encoded(request, todo)
+        entries.update(await loop.run_in_executor(s.cache_thread, s.write, todo, results))
+    transfer: dict[str, dict] = {}
+    for i, item in enumerate(found):
+        transfer.setdefault(item.uuid, {"modality": item.modality, "metadata": placeholder_fields(
+            entries[item.uuid]), "item_indices": []})["item_indices"].append(i)
+    tokens = sum(entries[item.uuid]["tokens"] for item in found)
+    return {"id": f"chatcmpl-{request.headers.get('x-request-id') or uuid.uuid4().hex}",
+            "object": "chat.completion", "created": int(time.time()), "model": s.settings.served_name,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": ""}, "logprobs": None,
+                         "finish_reason": "length"}],
+            "usage": {"prompt_tokens": tokens, "completion_tokens": 0, "total_tokens": tokens},
+            "ec_transfer_params": transfer}
+
+
+@router.post("/embeddings")
+async def embeddings(request: Request) -> Any:
+    s = serving(request)
+    body, found = await s.items_of(request, False)
+    form = "float" if body.get("encoding_format") is None else body["encoding_format"]  # null: OpenAI's default
+    normalize, tokens = body.get("normalize", False), body.get("return_tokens", False)
+    if form not in ("float", "base64") or not isinstance(normalize, bool) or not isinstance(tokens, bool):
+        raise RequestError(f"encoding_format {form!r} / normalize {normalize!r} / return_tokens {tokens!r}: float "
+                           f"or base64 / a boolean / a boolean")
+    results = await s.encoded(request, found, normalize)
+    if tokens:
+        tensors = {}
         for i, r in enumerate(results):
-            vector = r.pooled.float().cpu()
-            value = base64.b64encode(vector.numpy().astype("<f4").tobytes()).decode() if form == "base64" \
-                else vector.tolist()
-            data.append({"object": "embedding", "index": i, "embedding": value})
-        tokens = sum(r.embedding.shape[0] for r in results)
-        return {"object": "list", "data": data, "model": settings.served_name,
-                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+            tensors[f"{i}.embeddings"] = r.embedding.cpu().contiguous()
+            tensors[f"{i}.grid_thw"] = torch.tensor(r.grid_thw, dtype=torch.int64)
+            tensors.update({f"{i}.deepstack.{level}": t.cpu().contiguous() for level, t in enumerate(r.deepstack)})
+        return Response(await asyncio.to_thread(save, tensors), media_type="application/vnd.safetensors")
+    data = []
+    for i, r in enumerate(results):
+        vector = r.pooled.float().cpu()
+        value = base64.b64encode(vector.numpy().astype("<f4").tobytes()).decode() if form == "base64" \
+            else vector.tolist()
+        data.append({"object": "embedding", "index": i, "embedding": value})
+    tokens = sum(r.embedding.shape[0] for r in results)
+    return {"object": "list", "data": data, "model": s.settings.served_name,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
+
+def build_app(encoder: Any, settings: ServeSettings) -> FastAPI:
+    """The app serving ``encoder``, which its lifespan's end closes once the queue has drained."""
+    app = FastAPI(lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)
+    app.state.serving = Serving(encoder, settings)
+    for error in (QwenVLVisionError, HTTPException, Exception):
+        app.add_exception_handler(error, error_response)
+    app.middleware("http")(measure)
+    app.include_router(public)
     app.include_router(router)
     return app

@@ -38,8 +38,8 @@ class Batcher:
         self.fault: str | None = None  # a ForwardFaultError's line: the device is broken, every later forward fails
         self.ready = threading.Condition()
         self.stopping = False
+        # Started by the app's lifespan: running from here, it would keep an app never served, and its encoder, alive.
         self.thread = threading.Thread(target=self.run, name="qwenvl-vision-encoder", daemon=True)
-        self.thread.start()
 
     @contextlib.contextmanager
     def reserve(self, n: int) -> Iterator[None]:

@@ -339,6 +339,28 @@ def test_the_app_s_end_closes_the_encoder_leaving_no_tensor(checkpoint3, media):
     assert encoder.closed and live_tensor_bytes() == before  # 0 bytes left, as the teardown benchmark reads it
 
 
+@pytest.mark.parametrize("serve", [False, True], ids=["never-served", "served"])
+def test_a_dropped_app_leaves_its_encoder_to_the_collector(checkpoint3, media, serve):
+    """FastAPI keeps every route's callable in process-wide caches: the app's routes must not hold its encoder."""
+    import gc
+    import weakref
+
+    from fastapi.testclient import TestClient
+
+    from qwenvl_vision.teardown.census import live_tensor_bytes
+
+    before = live_tensor_bytes()
+    encoder = load_encoder(checkpoint3, device="cpu")
+    app, gone = app_of(encoder), weakref.ref(encoder)
+    if serve:
+        with TestClient(app) as client:
+            assert client.post("/v1/embeddings", json=chat(part(data_url(media["a.png"])))).status_code == 200
+        del client
+    del app, encoder
+    gc.collect()
+    assert gone() is None and live_tensor_bytes() == before
+
+
 def test_media_read_count_against_max_bodies_mib_until_their_answer(held):
     from PIL import Image
 
