@@ -97,6 +97,12 @@ def test_resume_refuses_other_settings(tmp_path, checkpoint, checkpoint3, capsys
         one_error_line(capsys.readouterr().err, "other settings", *needles)
         assert ((out / "manifest.jsonl").read_bytes(), sorted(p.name for p in out.iterdir())) == before
 
+    # A run begun by an earlier release: what it wrote may differ from what this one computes for the same settings.
+    (out / "run.json").write_text(json.dumps({**run, "package_version": "0.0.1"}))
+    assert main(["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(out), "--resume"]) == 2
+    now = run["package_version"]
+    one_error_line(capsys.readouterr().err, "other settings", f'package_version "0.0.1" (now "{now}")')
+
     # A run file without a field (one this version would compare or reuse) is damaged: refused, naming the field,
     # never read as some default.
     for field in ("resize", "video", "threads", "cpu_plan", "family", "cwd"):
