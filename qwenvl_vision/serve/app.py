@@ -168,8 +168,8 @@ class Serving:
         self.encoder, self.settings = encoder, settings
         self.registry = registry = CollectorRegistry()
         self.requests = Counter("qwenvl_vision_requests", "requests answered", ["route", "status"], registry=registry)
-        self.latency = Histogram("qwenvl_vision_request_seconds", "request latency", ["route"], registry=registry)
         items = Counter("qwenvl_vision_items_encoded", "items encoded (not those found written)", registry=registry)
+        self.latency = Histogram("qwenvl_vision_request_seconds", "request latency", ["route"], registry=registry)
         queued = Gauge("qwenvl_vision_queue_items", "items waiting for the encoder or loading their media "
                        "(--max-queue)", registry=registry)
         self.shared, self.tag = settings.shared, uuid.uuid4().hex
@@ -271,8 +271,7 @@ def serving(request: Request) -> Serving:
 
 @contextlib.asynccontextmanager
 async def lifespan(app: FastAPI):
-    s: Serving = app.state.serving
-    s.batcher.thread.start()
+    s = app.state.serving
     try:
         yield
     finally:

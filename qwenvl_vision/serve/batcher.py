@@ -38,7 +38,7 @@ class Batcher:
         self.fault: str | None = None  # a ForwardFaultError's line: the device is broken, every later forward fails
         self.ready = threading.Condition()
         self.stopping = False
-        # Started by the app's lifespan: running from here, it would keep an app never served, and its encoder, alive.
+        # Started by the first request: running from here, it would keep an app never served, and its encoder, alive.
         self.thread = threading.Thread(target=self.run, name="qwenvl-vision-encoder", daemon=True)
 
     @contextlib.contextmanager
@@ -46,6 +46,8 @@ class Batcher:
         """Room in the queue for ``n`` items while their media load and ``submit`` queues them; a queue without it, or
         a broken device: 503 at once, before any media is read."""
         with self.ready:
+            if self.thread.ident is None:
+                self.thread.start()
             if self.fault is not None:  # as /health answers: a balancer sends the request elsewhere
                 raise RequestError(self.fault, 503)
             if len(self.jobs) + self.reserved + n > self.max_queue:
@@ -125,4 +127,5 @@ class Batcher:
         with self.ready:
             self.stopping = True
             self.ready.notify()
-        self.thread.join()
+        if self.thread.ident is not None:
+            self.thread.join()

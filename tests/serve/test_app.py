@@ -349,6 +349,7 @@ def test_a_dropped_app_leaves_its_encoder_to_the_collector(checkpoint3, media, s
 
     from qwenvl_vision.teardown.census import live_tensor_bytes
 
+    gc.collect()  # what earlier tests left in cycles is not counted against the app
     before = live_tensor_bytes()
     encoder = load_encoder(checkpoint3, device="cpu")
     app, gone = app_of(encoder), weakref.ref(encoder)
@@ -359,6 +360,19 @@ def test_a_dropped_app_leaves_its_encoder_to_the_collector(checkpoint3, media, s
     del app, encoder
     gc.collect()
     assert gone() is None and live_tensor_bytes() == before
+
+
+def test_an_app_mounted_in_another_answers_without_its_lifespan(checkpoint3, media):
+    """Starlette runs no lifespan of a mounted app: the encoder's thread starts with the first request."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    with load_encoder(checkpoint3, device="cpu") as encoder:
+        parent = FastAPI()
+        parent.mount("/encoder", app_of(encoder))
+        with TestClient(parent) as client:
+            response = client.post("/encoder/v1/embeddings", json=chat(part(data_url(media["a.png"]))))
+        assert response.status_code == 200 and len(response.json()["data"]) == 1
 
 
 def test_media_read_count_against_max_bodies_mib_until_their_answer(held):
