@@ -409,11 +409,13 @@ class VisionEncoder(contextlib.AbstractContextManager):
                                 video_config=None if fps is None else dataclasses.replace(self.video_config, fps=fps),
                                 max_batch_patches=max_batch_patches, num_workers=num_workers, hash_pixels=True,
                                 resize=resize)
-        videos = list(videos)
+        videos, infos = list(videos), [None] * len(videos)
         if (fps is not None or video_fps is not None) and any(not is_file_input(v) for v in videos):
-            videos = sample_frames_by_fps(videos, self.video_config.fps if fps is None else fps, video_fps,
-                                          self.video_config, self.config.temporal_patch_size)
-        return self._encode_all(videos, options)
+            videos, infos = sample_frames_by_fps(videos, self.video_config.fps if fps is None else fps, video_fps,
+                                                 self.video_config, self.config.temporal_patch_size)
+        out = self._encode_all(videos, options)
+        out.video_info = [info or read for info, read in zip(infos, out.video_info, strict=True)]
+        return out
 
 
 def nonfinite_items(result: EncodeResult) -> list[int]:

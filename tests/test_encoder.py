@@ -19,6 +19,7 @@ from transformers import AutoImageProcessor, AutoVideoProcessor
 
 from qwenvl_vision import EncoderClosedError, load_encoder
 from qwenvl_vision.errors import ConfigError, InputError, PreprocessError
+from qwenvl_vision.model.config import FAMILIES
 from tests.helpers import (
     FAMILY_SMALL,
     assert_result_matches_reference,
@@ -193,6 +194,16 @@ def test_video_sampled_by_fps_equals_the_sampled_frames(setup):
     assert len(keep) == 4
     direct = encoder.encode_videos([clip[keep]])
     assert torch.equal(sampled.embeddings[0], direct.embeddings[0])
+    # Their timing known as a file's is (kept as given, it is not), so vLLM's video fields need no video_info=.
+    info = sampled.video_info[0]
+    assert (info.frame_indices, info.total_frames, info.video_fps, info.requested_fps) == (keep, 12, 6.0, 2.0)
+    assert direct.video_info == [None]
+    family = FAMILIES[encoder.family]
+    video = sampled.to_vllm()["video"]
+    if family.prompt_timestamps:  # each temporal patch's first and last frame's mean time, at 6 fps
+        assert video["timestamps"] == [[(keep[0] + keep[1]) / 12, (keep[2] + keep[3]) / 12]]
+    if family.seconds_per_grid:  # 2 frames per temporal patch asked at 2 fps
+        assert video["second_per_grid_ts"].tolist() == [1.0]
     # Their own rate alone: sampled at the checkpoint's fps (2, as above), as a file of that rate is, not kept whole.
     assert encoder.video_config.fps == 2.0
     assert torch.equal(encoder.encode_videos([clip], video_fps=6.0).embeddings[0], direct.embeddings[0])

@@ -219,9 +219,10 @@ def sample_indices(num_frames: int, video_fps: float, vcfg: VideoConfig, tempora
 
 
 def sample_frames_by_fps(videos: list[Any], fps: float, video_fps: Any, video_config: VideoConfig,
-                         temporal_patch_size: int) -> list[Any]:
+                         temporal_patch_size: int) -> tuple[list[Any], list[VideoInfo | None]]:
     """Frames in memory sampled at ``fps`` with the family's rule, from their own rate ``video_fps`` (one value, or
-    one per video); files are left as they are (sampled when they are read)."""
+    one per video), each with its ``VideoInfo`` as a file of that rate gets (its height and width unknown: None);
+    files are left as they are (sampled, and given theirs, when they are read), with None."""
     if video_fps is None:
         raise InputError("sampling frames in memory by fps needs their own frame rate: pass video_fps")
     try:
@@ -237,14 +238,17 @@ def sample_frames_by_fps(videos: list[Any], fps: float, video_fps: Any, video_co
         raise InputError(f"video_fps of video {bad[0]}, {rates[bad[0]]!r}, is not a positive number of frames per "
                          f"second")
     vcfg = dataclasses.replace(video_config, fps=fps)
-    sampled = []
+    sampled, infos = [], []
     for i, (video, rate) in enumerate(zip(videos, rates, strict=True)):
+        info = None
         if not is_file_input(video):
             frames = checked_frames(video, input_name("video", i))
             keep = sample_indices(len(frames), rate, vcfg, temporal_patch_size)
             video = frames[keep] if hasattr(frames, "shape") else [frames[i] for i in keep]
+            info = VideoInfo(len(frames), float(rate), keep, None, None, requested_fps=fps)
         sampled.append(video)
-    return sampled
+        infos.append(info)
+    return sampled, infos
 
 
 def video_target_size(num_frames: int, height: int, width: int, pre: PreprocessConfig, vcfg: VideoConfig,

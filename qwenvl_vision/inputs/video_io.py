@@ -68,20 +68,21 @@ def is_video_file(item: Any) -> bool:
 
 @dataclasses.dataclass
 class VideoInfo:
-    """What was read from a video file, JSON-friendly (``dataclasses.asdict``).
+    """What was read from a video file, or sampled from frames in memory by their rate, JSON-friendly
+    (``dataclasses.asdict``).
 
     As transformers' ``VideoMetadata``: ``total_frames`` / ``video_fps`` from the header (or counted, see the
     module docstring), ``timestamps`` = index / video_fps in seconds, ``sampled_fps`` = kept / total * fps.
-    ``height`` / ``width``: the source frames'. ``requested_fps``: the rate the frames were asked to be sampled at
-    (the video settings' ``fps``; the Omni processors' ``fps`` keyword, from which they compute the seconds per
-    temporal patch), None where the caller picked the frames itself.
+    ``height`` / ``width``: the source frames' (None for frames in memory). ``requested_fps``: the rate the frames
+    were asked to be sampled at (the video settings' ``fps``; the Omni processors' ``fps`` keyword, from which they
+    compute the seconds per temporal patch), None where the caller picked the frames itself.
     """
 
     total_frames: int
     video_fps: float
     frame_indices: list[int]
-    height: int
-    width: int
+    height: int | None
+    width: int | None
     timestamps: list[float] = dataclasses.field(init=False)
     sampled_fps: float = dataclasses.field(init=False)
     requested_fps: float | None = None

@@ -24,10 +24,10 @@ this layout through vLLM's own code in a venv of its own):
   their grids ``(items, 3)``; for the DeepStack families width ``D * (1 + levels)``, which
   ``_compute_deepstack_embeds`` splits at ``visual_dim`` and views as ``(levels, D)`` per token.
 - Video timing: the parsers of ``Family.prompt_timestamps`` require ``timestamps`` (``vllm_timestamps``, from
-  ``video_info``; frames given in memory have none: an InputError naming ``video_info``). The Omni thinkers' take
-  ``second_per_grid_ts``, ``temporal_patch_size / video_info.requested_fps`` as their processors compute it, which
-  ``to_vllm`` always writes: without it vLLM assumes 1.0 (Qwen2.5-Omni) or 2.0 (Qwen3-Omni). Qwen2.5-VL's take
-  none (vLLM assumes 2 fps).
+  ``video_info``; frames given in memory without their rate have none: an InputError naming ``video_info``). The
+  Omni thinkers' take ``second_per_grid_ts``, ``temporal_patch_size / video_info.requested_fps`` as their
+  processors compute it, which ``to_vllm`` always writes: without it vLLM assumes 1.0 (Qwen2.5-Omni) or 2.0
+  (Qwen3-Omni). Qwen2.5-VL's take none (vLLM assumes 2 fps).
 
 Deviations, on purpose:
 - ``last_hidden_state`` is None in the outputs built here: transformers' own holds the tower's pre-merger patch
@@ -254,15 +254,16 @@ def _items_for_vllm(items: EncodedItems) -> list[VllmItem]:
             fps = _video_field(info, "requested_fps")
             if not positive_number(fps):
                 raise InputError(f"video {i}: vLLM's {family.label} models need the fps its frames were sampled at, "
-                                 f"and its video_info has no requested_fps ({fps!r}): encode the video file, or pass "
-                                 f"video_info= with requested_fps (the fps given to encode_videos)")
+                                 f"and its video_info has no requested_fps ({fps!r}): encode the video file, give "
+                                 f"video_fps, or pass video_info= with requested_fps (the fps given to encode_videos)")
             item.second_per_grid_t = TEMPORAL_PATCH / float(fps)
         elif items.modality == "video" and family.prompt_timestamps:
             indices, fps = _video_field(info, "frames", "frame_indices"), _video_field(info, "fps", "video_fps")
             if not indices or not positive_number(fps):
                 raise InputError(f"video {i}: vLLM's {family.label} models need each video's timestamps, and its "
-                                 f"video_info holds no frame indices and source fps (frames given in memory?): encode "
-                                 f"the video file, or pass video_info= (its sampled frame indices and source fps)")
+                                 f"video_info holds no frame indices and source fps (frames in memory without "
+                                 f"video_fps?): encode the video file, give video_fps, or pass video_info= (its "
+                                 f"sampled frame indices and source fps)")
             item.timestamps = vllm_timestamps([int(x) for x in indices], float(fps), TEMPORAL_PATCH)
             if len(item.timestamps) != grid[0]:
                 raise InputError(f"video {i}: {len(indices)} sampled frames make {len(item.timestamps)} temporal "
