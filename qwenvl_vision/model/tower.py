@@ -28,7 +28,7 @@ from .attention import ATTN_IMPLS, BACKENDS, FUSED, SegmentPlan, resolve_attn_im
 from .cache import ShapeCache
 from .config import VisionConfig
 from .execution import Backend, Execution, Grid, ReferenceBackend, check_grids
-from .layers import Block, PatchEmbed, PatchMerger, rope_cos_sin
+from .layers import AttentionInputs, Block, PatchEmbed, PatchMerger, rope_cos_sin
 from .names import to_module_names_
 
 
@@ -70,6 +70,13 @@ def compile_boundary(backend):
     return torch.compiler.disable(attend)
 
 
+def run_block(block: Block, x: torch.Tensor, inputs: AttentionInputs) -> torch.Tensor:
+    """A block's call as ``compile_blocks`` compiles it: one function for every block, the block an argument.
+    torch's ``Module.compile`` would store in each block a compiled call bound to that block, a cycle that only
+    the garbage collector frees, so ``del`` of a compiled encoder would keep its weights until a collection."""
+    return block(x, inputs)
+
+
 def accept_checkpoint_names(tower: VisionTower, state_dict: dict, prefix: str, *_load_arguments) -> None:
     """``load_state_dict`` pre-hook (torch's ``register_load_state_dict_pre_hook`` signature): the family's
     checkpoint names put together into the tower's module names (``names.to_module_names_``) before loading."""
@@ -105,7 +112,7 @@ class VisionTower(nn.Module):
         self.full_attention_blocks = config.full_attention_blocks
         # A plain attribute, not a module/buffer: it is not saved, moved by .to() or shared between instances.
         self.shape_cache = ShapeCache(cache_size, cache_bytes)
-        self.compiled = False
+        self.compiled_block: Callable | None = None  # compile_blocks' run_block
         # load_state_dict takes the family's checkpoint names too (transformers' tower's state dict, a released
         # checkpoint's tensors without prefix): stacked and renamed as they arrive, still strict.
         self.register_load_state_dict_pre_hook(accept_checkpoint_names)
@@ -152,9 +159,9 @@ class VisionTower(nn.Module):
         x = self.embed(pixel_values, plan)
         full = execution.attention_inputs(self._dynamic(*plan.rope), plan.frames)
         windowed = full if plan.windows is None else execution.attention_inputs(plan.rope, plan.windows)
-        levels = []
+        levels, step = [], self.compiled_block or execution.block
         for i, block in enumerate(self.blocks):
-            x = execution.block(block, self._dynamic(x)[0], full if i in self.full_attention_blocks else windowed)
+            x = step(block, self._dynamic(x)[0], full if i in self.full_attention_blocks else windowed)
             if i in self.deepstack_level:
                 levels.append(execution.merger(self.deepstack_merger_list[self.deepstack_level[i]], x))
         merged = execution.merger(self.merger, x)
@@ -253,9 +260,11 @@ class VisionTower(nn.Module):
             raise ConfigError(f"compile_blocks: mode={options['mode']!r} records CUDA graphs, which need fixed "
                              "shapes; the token count varies per pack. Use 'max-autotune-no-cudagraphs' or 'default'")
         self.backend.release(self)  # inductor plans its own kernels on the modules as the model defines them
-        self.compiled = True
-        for block in self.blocks:
-            block.compile(**options)
+        self.compiled_block = torch.compile(run_block, **options)
+
+    @property
+    def compiled(self) -> bool:
+        return self.compiled_block is not None
 
     # ------------------------------------------------------------------ the backend that runs the calls
 
