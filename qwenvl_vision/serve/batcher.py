@@ -46,6 +46,8 @@ class Batcher:
         """Room in the queue for ``n`` items while their media load and ``submit`` queues them; a queue without it, or
         a broken device: 503 at once, before any media is read."""
         with self.ready:
+            if self.stopping:  # the thread has ended, or ends once the items reserved before are queued and done
+                raise RequestError("the server is shutting down", 503)
             if self.thread.ident is None:
                 self.thread.start()
             if self.fault is not None:  # as /health answers: a balancer sends the request elsewhere
@@ -62,6 +64,7 @@ class Batcher:
             with self.ready:
                 self.reserved -= n
                 self.count()
+                self.ready.notify()  # a stopping thread waits for the reserved items
 
     def submit(self, files: list[FileBytes], normalize: bool = False) -> list[asyncio.Future]:
         """Queue the files, in the room ``reserve`` holds for them; their futures resolve to ``ItemResult``s."""
@@ -80,9 +83,9 @@ class Batcher:
     def run(self) -> None:
         while True:
             with self.ready:
-                while not self.jobs and not self.stopping:
+                while not self.jobs and not (self.stopping and not self.reserved):
                     self.ready.wait()
-                if not self.jobs:  # stopping, and the queue drained
+                if not self.jobs:  # stopping, the queue drained and nothing reserved that could still be queued
                     return
                 taken, self.jobs = list(self.jobs), collections.deque()
                 self.count()

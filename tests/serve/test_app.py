@@ -362,17 +362,14 @@ def test_a_dropped_app_leaves_its_encoder_to_the_collector(checkpoint3, media, s
     assert gone() is None and live_tensor_bytes() == before
 
 
-def test_an_app_mounted_in_another_answers_without_its_lifespan(checkpoint3, media):
-    """Starlette runs no lifespan of a mounted app: the encoder's thread starts with the first request."""
-    from fastapi import FastAPI
+def test_a_request_after_the_app_s_end_is_answered_503_not_held(checkpoint3, media):
+    """Its encoder closed and its thread ended: nothing would ever encode the request."""
     from fastapi.testclient import TestClient
 
-    with load_encoder(checkpoint3, device="cpu") as encoder:
-        parent = FastAPI()
-        parent.mount("/encoder", app_of(encoder))
-        with TestClient(parent) as client:
-            response = client.post("/encoder/v1/embeddings", json=chat(part(data_url(media["a.png"]))))
-        assert response.status_code == 200 and len(response.json()["data"]) == 1
+    app = app_of(load_encoder(checkpoint3, device="cpu"))
+    with TestClient(app):
+        pass
+    error_of(TestClient(app).post("/v1/embeddings", json=chat(part(data_url(media["a.png"])))), 503, "shutting down")
 
 
 def test_media_read_count_against_max_bodies_mib_until_their_answer(held):
