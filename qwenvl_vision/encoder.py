@@ -409,7 +409,8 @@ class VisionEncoder(contextlib.AbstractContextManager):
                                 video_config=None if fps is None else dataclasses.replace(self.video_config, fps=fps),
                                 max_batch_patches=max_batch_patches, num_workers=num_workers, hash_pixels=True,
                                 resize=resize)
-        videos, infos = list(videos), [None] * len(videos)
+        videos = list(videos)
+        infos = [None] * len(videos)
         if (fps is not None or video_fps is not None) and any(not is_file_input(v) for v in videos):
             videos, infos = sample_frames_by_fps(videos, self.video_config.fps if fps is None else fps, video_fps,
                                                  self.video_config, self.config.temporal_patch_size)

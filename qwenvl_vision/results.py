@@ -24,8 +24,9 @@ class EncodeResult:
     deepstack: per item, the list of its DeepStack levels (each the shape of its embedding); empty lists for
         towers without DeepStack (every family but Qwen3-VL, Qwen3-VL-MoE and Qwen3-Omni).
     pooled: (n, out_hidden_size) mean over each item's tokens, when requested.
-    video_info: per item, what was read from a video file (frames kept, source fps, timestamps; a
-        ``video.VideoInfo``), None for images, for videos given as frames and for ``encode_patches``.
+    video_info: per item, what was read from a video file or sampled from frames by their ``video_fps`` (frames
+        kept, source fps, timestamps; a ``video.VideoInfo``), None for images, for frames kept as given and for
+        ``encode_patches``.
     modality: what the items are, "image" or "video" (``encode_videos``; ``encode_patches`` says what its
         caller says): a language model places image and video tokens differently.
     family: the tower's ``model_type`` (``VisionEncoder.family``), the family these embeddings belong to.

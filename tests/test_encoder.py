@@ -207,6 +207,8 @@ def test_video_sampled_by_fps_equals_the_sampled_frames(setup):
     # Their own rate alone: sampled at the checkpoint's fps (2, as above), as a file of that rate is, not kept whole.
     assert encoder.video_config.fps == 2.0
     assert torch.equal(encoder.encode_videos([clip], video_fps=6.0).embeddings[0], direct.embeddings[0])
+    generated = encoder.encode_videos(v for v in [clip[keep]])  # any iterable of videos
+    assert torch.equal(generated.embeddings[0], direct.embeddings[0])
     with pytest.raises(InputError, match="video_fps 'junk'"):
         encoder.encode_videos([clip], video_fps="junk")
     with pytest.raises(ValueError, match="video_fps"):
