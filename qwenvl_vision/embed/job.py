@@ -242,13 +242,15 @@ class EmbedJob:
             if self.plan_recorded:
                 self.run["cpu_plan"] = now["cpu_plan"]
         else:
-            self.run = now
+            self.run = self.own = now
 
     def adopt_run(self) -> None:
         """After ``_Group.share``: run as the run records (rank 0's choices under torchrun, where another node's
         own could differ): its torch threads and its CPU plan, so that every rank's tensors are bitwise one run's."""
         if self.ray is not None:
             return  # the actors take both from the run (ray_engine)
+        if self.fresh and self.rank:  # another checkpoint or package version on this node: refused as a resume is
+            compare_runs(self.run, {**self.own, "threads": self.run["threads"]}, self.out, "rank 0")
         torch.set_num_threads(self.run["threads"])
         if self.run.get("cpu_plan"):
             self.encoder.set_cpu_kernels(self.run["cpu_plan"])

@@ -90,9 +90,10 @@ def describe_run(encoder, args: argparse.Namespace, folder: str | None, world: i
     }
 
 
-def compare_runs(recorded: dict, now: dict, out: Path) -> None:
+def compare_runs(recorded: dict, now: dict, out: Path, holder: str | None = None) -> None:
     """Raise EmbedError listing every compared field that differs (another file format alone: its own line,
-    since one folder holds one format)."""
+    since one folder holds one format). ``holder``: who runs ``recorded`` when it is not yet in ``out`` (a fresh
+    run's rank 0)."""
     was, asked = recorded["file_format"], now["file_format"]
     if was != asked:
         engine = " (--engine ray writes parquet)" if now.get("engine") == "ray" else ""
@@ -107,6 +108,9 @@ def compare_runs(recorded: dict, now: dict, out: Path) -> None:
 
     fields = ", ".join(f"{key} {show(key, recorded[key])} (now {show(key, now[key])})" for key in differ)
     hint = " (another model, or other weights)" if any(k.endswith("sha256") for k in differ) else ""
+    if holder is not None:
+        raise EmbedError(f"{holder} runs {out} with other settings than this process, refusing to mix them: "
+                         f"{fields}{hint}; give every process the same checkpoint and package version")
     raise EmbedError(f"{out} holds a run with other settings, refusing to mix them: {fields}{hint}; "
                      f"resume with the run's settings (see {out / RUN_FILE}) or choose another --out")
 

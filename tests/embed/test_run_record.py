@@ -4,8 +4,11 @@ and the pixel bounds are the ones encode_images and transformers' processor use 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from types import SimpleNamespace
 
+import pytest
 import torch
 from PIL import Image
 
@@ -13,9 +16,9 @@ from qwenvl_vision.cli import main
 from qwenvl_vision.embed import read_embeddings, read_run
 from qwenvl_vision.embed.run_record import crossed_bounds_note, pixel_bounds
 from qwenvl_vision.loading import load_encoder
+from tests.helpers import ENV, synthetic_photo
 from tests.helpers import make_image_folder as make_folder
-from tests.helpers import synthetic_photo
-from tests.helpers.embed import one_error_line, records
+from tests.helpers.embed import one_error_line, records, torchrun_embed_cmd
 
 
 def test_pixel_bounds_are_each_option_else_the_checkpoints_even_where_they_cross():
@@ -128,3 +131,25 @@ def test_rerun_without_resume_is_one_line_and_touches_nothing(tmp_path, checkpoi
     assert main(args) == 2
     one_error_line(capsys.readouterr().err, str(out), "already holds a run", "--resume")
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+@pytest.mark.slow
+def test_a_torchrun_rank_with_another_package_version_stops_a_fresh_run_before_writing(tmp_path, checkpoint):
+    """Another node's install: refused as a resume would refuse it, not mixed into the run's records."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import importlib.metadata, os\n"
+        "if os.environ.get('RANK') == '1':  # this rank's node has another release installed\n"
+        "    version = importlib.metadata.version\n"
+        "    importlib.metadata.version = lambda name: '0.0.1' if name == 'qwenvl-vision' else version(name)\n")
+    make_folder(tmp_path / "imgs", 2, bad=False)
+    out = tmp_path / "out"
+    env = {**ENV, "PYTHONPATH": f"{site}{os.pathsep}{ENV['PYTHONPATH']}"}
+    result = subprocess.run(torchrun_embed_cmd([tmp_path / "imgs"], checkpoint, out), env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode != 0
+    ours = [line for line in result.stderr.splitlines() if line.startswith("qwenvl-vision embed")]
+    assert len(ours) == 1 and "[rank 1]" in ours[0] and "rank 0 runs" in ours[0], result.stderr
+    assert '"0.0.1"' in ours[0] and "package_version" in ours[0]
+    assert not (out / "run.json").exists() and not list(out.glob("shard-*"))
