@@ -151,6 +151,7 @@ class EmbedJob:
         self.created: list[Path] = []  # the folders setup made, deepest first
         self.encoder = None
         self.run: dict | None = None
+        self.own: dict | None = None  # this process's own run.json, where the run is fresh: rank 0's is shared
         self.fresh = True
         self.plan_recorded = False  # a resume on a CPU of a run started elsewhere: run.json now records its plan
         self.inputs = Inputs()
@@ -249,7 +250,7 @@ class EmbedJob:
         own could differ): its torch threads and its CPU plan, so that every rank's tensors are bitwise one run's."""
         if self.ray is not None:
             return  # the actors take both from the run (ray_engine)
-        if self.fresh and self.rank:  # another checkpoint or package version on this node: refused as a resume is
+        if self.fresh and self.rank:  # other options, checkpoint, version or device here: refused as a resume is
             compare_runs(self.run, {**self.own, "threads": self.run["threads"]}, self.out, "rank 0")
         torch.set_num_threads(self.run["threads"])
         if self.run.get("cpu_plan"):

@@ -95,7 +95,7 @@ def compare_runs(recorded: dict, now: dict, out: Path, holder: str | None = None
     since one folder holds one format). ``holder``: who runs ``recorded`` when it is not yet in ``out`` (a fresh
     run's rank 0)."""
     was, asked = recorded["file_format"], now["file_format"]
-    if was != asked:
+    if was != asked and holder is None:
         engine = " (--engine ray writes parquet)" if now.get("engine") == "ray" else ""
         raise EmbedError(f"{out} holds a --format {was} run; --resume with --format {asked}{engine} would mix "
                          f"two formats in one folder: resume it with --format {was}, or choose another --out")
@@ -110,7 +110,8 @@ def compare_runs(recorded: dict, now: dict, out: Path, holder: str | None = None
     hint = " (another model, or other weights)" if any(k.endswith("sha256") for k in differ) else ""
     if holder is not None:
         raise EmbedError(f"{holder} runs {out} with other settings than this process, refusing to mix them: "
-                         f"{fields}{hint}; give every process the same checkpoint and package version")
+                         f"{fields}{hint}; give every process the same options, checkpoint, package version and "
+                         f"kind of device")
     raise EmbedError(f"{out} holds a run with other settings, refusing to mix them: {fields}{hint}; "
                      f"resume with the run's settings (see {out / RUN_FILE}) or choose another --out")
 

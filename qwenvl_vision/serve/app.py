@@ -307,8 +307,9 @@ router = APIRouter(prefix="/v1", dependencies=[Depends(authorized)])  # vLLM's k
 
 @public.get("/health")
 async def health(request: Request) -> dict:
-    if (fault := serving(request).batcher.fault) is not None:  # as vLLM's health answers for a dead engine
-        raise RequestError(fault, 503)
+    batcher = serving(request).batcher
+    if batcher.fault is not None or batcher.stopping:  # as vLLM's health answers for a dead engine
+        raise RequestError(batcher.fault or "the server is shutting down", 503)
     return {}
 
 

@@ -369,7 +369,12 @@ def test_a_request_after_the_app_s_end_is_answered_503_not_held(checkpoint3, med
     app = app_of(load_encoder(checkpoint3, device="cpu"))
     with TestClient(app):
         pass
-    error_of(TestClient(app).post("/v1/embeddings", json=chat(part(data_url(media["a.png"])))), 503, "shutting down")
+    client = TestClient(app)
+    thread, answers = post_in_thread(client, "/v1/embeddings", chat(part(data_url(media["a.png"]))))
+    thread.join(START_S)
+    assert answers, "the request is held"
+    error_of(answers[0], 503, "shutting down")
+    error_of(client.get("/health"), 503, "shutting down")
 
 
 def test_media_read_count_against_max_bodies_mib_until_their_answer(held):
