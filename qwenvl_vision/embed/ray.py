@@ -31,6 +31,7 @@ import ray
 import torch
 from ray.data.block import BlockAccessor
 
+from .. import version
 from ..errors import CheckpointError, ConfigError, InputError
 from ..inputs.pixels import FileBytes
 from ..inputs.video import VideoConfig
@@ -68,13 +69,18 @@ class Embedder:
     videos' sampling rate. ``threads``: torch threads of the forward (default: Ray's, the actor's whole CPUs).
     ``weights_sha256``: the hash the loaded tower must have (``item_ids.weights_sha256``, as run.json records it),
     checked once in the constructor: an actor on another checkpoint, or drawing other random weights, fails instead
-    of writing other tensors. ``identity_column``: a column of each path's identity as a run listed it (``embed``'s
-    ``realpath``): a URL's bytes are then checked to be the object it names (its version, or its ETag).
+    of writing other tensors; ``package_version`` likewise (run.json's): a node with another release installed, whose
+    settings may compute otherwise, fails before it loads the tower. ``identity_column``: a column of each path's
+    identity as a run listed it (``embed``'s ``realpath``): a URL's bytes are then checked to be the object it names
+    (its version, or its ETag).
     """
 
     def __init__(self, source: Any, *, column: str | None = None, kind: str | None = None, fps: float | None = None,
-                 threads: int | None = None, weights_sha256: str | None = None, identity_column: str | None = None,
-                 **options: Any) -> None:
+                 threads: int | None = None, weights_sha256: str | None = None, package_version: str | None = None,
+                 identity_column: str | None = None, **options: Any) -> None:
+        if package_version not in (None, installed := version.package_version()):
+            raise ConfigError(f"this node's qwenvl-vision is {installed}, the run's {package_version}: install the "
+                              f"run's version on every node")
         kind = kind or column
         if column is not None and kind not in INPUT_KINDS:
             raise ValueError(f"column {column!r}: pass kind= (one of {list(INPUT_KINDS)})")

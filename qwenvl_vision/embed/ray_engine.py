@@ -179,7 +179,8 @@ def encode_on_ray(job, todo: list[str]) -> Iterator[list[EmbeddingRecord]]:
     options: dict[str, Any] = dict(
         column="path", kind="path", identity_column="realpath", **job.encode_options(), fps=args.fps,
         num_workers=max(1, min(4, plan.threads)), threads=plan.threads, weights_sha256=job.run["weights_sha256"],
-        device=plan.device, dtype=job.run["dtype"], attn_impl=args.attn, compile=args.compile)
+        package_version=job.run["package_version"], device=plan.device, dtype=job.run["dtype"], attn_impl=args.attn,
+        compile=args.compile)
     if plan.device == "cpu" and job.run.get("cpu_plan"):
         options["cpu_kernels"] = job.run["cpu_plan"]  # the run's CPU plan: its very bits on every actor
     if args.random_weights:

@@ -189,13 +189,21 @@ class CannotStart(qv_ray.Embedder):
         super().__init__(source, **options)
 
 
-def test_an_actor_that_cannot_start_is_one_line_exit_2(tmp_path, local_ray, checkpoint, monkeypatch, capsys):
+@pytest.mark.parametrize("node", ["another checkpoint", "another version"])
+def test_an_actor_that_cannot_start_is_one_line_exit_2(tmp_path, local_ray, checkpoint, monkeypatch, capsys, node):
+    """An actor on a node whose tower hashes otherwise, or whose installed package is another release than the one
+    that began the run (here the driver's is patched; the actors run the installed one), fails to start."""
     make_image_folder(tmp_path / "imgs", 2, bad=False)
-    monkeypatch.setattr(qv_ray, "Embedder", CannotStart)
+    if node == "another checkpoint":
+        monkeypatch.setattr(qv_ray, "Embedder", CannotStart)
+        culprit = ["CheckpointError:", "hashes to"]
+    else:
+        monkeypatch.setattr("qwenvl_vision.embed.run_record.package_version", lambda: "0.0.1")
+        culprit = ["ConfigError:", "the run's 0.0.1"]
     assert main(["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(tmp_path / "out"),
                  "--engine", "ray", "--quiet"]) == 2
-    embed_helpers.one_error_line(capsys.readouterr().err, "an actor could not start (CheckpointError:",
-                                 "hashes to", "--resume")
+    embed_helpers.one_error_line(capsys.readouterr().err, f"an actor could not start ({culprit[0]}", culprit[1],
+                                 "--resume")
 
 
 def test_a_bf16_encoder_cache_from_ray_is_the_local_one_bit_for_bit(tmp_path, local_ray, checkpoint3):
