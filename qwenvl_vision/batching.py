@@ -220,8 +220,6 @@ def decode(item: Any, index: int, options: EncodeOptions, pre: PreprocessConfig,
     if options.video is None and video:  # mixed: the pixel bounds given are the images'; videos keep their own
         min_pixels = max_pixels = None
     sizes = dict(min_pixels=min_pixels, max_pixels=max_pixels, index=index, max_input_pixels=options.max_input_pixels)
-    # An object in storage is fetched inside the decode's time limit, so it is admitted before its size is known;
-    # its decode's cost is counted once its header is read, like a local file's.
     if isinstance(item, FileBytes) and not item.fetched:
         admit(0)
         item.read(limit)

@@ -421,8 +421,6 @@ class VisionEncoder(contextlib.AbstractContextManager):
 
 def nonfinite_items(result: EncodeResult) -> list[int]:
     """Indices of the items whose embedding, DeepStack levels or pooled vector hold inf or nan (one host sync)."""
-    if not result.embeddings:
-        return []
     finite = torch.stack([torch.stack([t.isfinite().all() for t in (embedding, *levels)]).all()
                           for embedding, levels in zip(result.embeddings, result.deepstack)])
     if result.pooled is not None:

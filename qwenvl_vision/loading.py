@@ -1,9 +1,6 @@
 """Loading: ``load_encoder(source)`` -> a ``VisionEncoder``, its tower read from a checkpoint (or random weights)
 (compiled if asked) and on the CPU backend where it runs on the CPU, its preprocessing settings checked against the
 tower.
-
-``build_model`` / ``from_transformers`` are ``model.build``'s towers with the CPU backend attached where they are on the
-CPU.
 """
 
 from __future__ import annotations

@@ -147,11 +147,8 @@ def _download(repo_id: str, filename: str, *, required: bool = True, revision: s
 
 def fetch_vision_checkpoint(repo_id: str, *, revision: str | None = None, cache_dir: str | None = None,
                             local_files_only: bool = False, token: str | bool | None = None) -> Path:
-    """Download config, preprocessor config, index and the vision shards; return the snapshot folder.
-
-    Offline (local_files_only, HF_HUB_OFFLINE, or a Hub that does not answer one quick HEAD), every file comes
-    from the cache, without a request.
-    """
+    """Download config, preprocessor config, index and the vision shards (offline: the module's docstring); return
+    the snapshot folder."""
     from huggingface_hub import constants
 
     offline = ("local_files_only=True" if local_files_only else "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE

@@ -11,8 +11,6 @@ the manifest. A ``--format vllm-cache`` folder holds run.json, the manifest and,
 A record's ``realpath`` is its input's identity, what ``--resume`` matches: a local file's real path with its size
 and modification time (``inputs.file_identity``: a file replaced since is embedded again, its old record dropped),
 a URL's with its version or ETag (``remote``), a shard member's the shard's real path and its name.
-A last line without its newline is a torn write (a run killed mid-append) and is left out; any other line that
-does not parse is damaged.
 """
 
 from __future__ import annotations
