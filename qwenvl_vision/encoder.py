@@ -18,6 +18,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from .backends.cpu.backend import CpuBackend, use_cpu_kernels
@@ -264,12 +265,17 @@ class VisionEncoder(contextlib.AbstractContextManager):
 
     def _options(self, items: Any, video_config: VideoConfig | None = None, **settings: Any) -> EncodeOptions:
         """A call's options, once the encoder is known open and ``items`` a sequence of inputs (a str would be read as
-        one file per character)."""
+        one file per character, an image array as one grayscale image per row)."""
         self.model  # noqa: B018 - raises if closed, before any work
-        if isinstance(items, (str, bytes, os.PathLike)) or hasattr(items, "getpixel"):
-            kind = "image" if hasattr(items, "getpixel") else "path"
-            raise InputError(f"the inputs must be a sequence of inputs, got one {kind} ({str(items)[-200:]!r}): pass "
-                             f"[it]")
+        pixels = isinstance(items, torch.Tensor) or isinstance(items, np.ndarray) and items.dtype.kind in "biuf"
+        if pixels and items.ndim < (5 if settings["video"] else 4):  # an array of inputs has one dimension more
+            one = f"{'video' if settings['video'] else 'image'} array (shape {tuple(items.shape)})"
+        elif isinstance(items, (str, bytes, os.PathLike)) or hasattr(items, "getpixel"):
+            one = f"{'image' if hasattr(items, 'getpixel') else 'path'} ({str(items)[-200:]!r})"
+        else:
+            one = None
+        if one is not None:
+            raise InputError(f"the inputs must be a sequence of inputs, got one {one}: pass [it]")
         try:
             iter(items)  # a sequence by __getitem__ alone (a map-style Dataset) iterates too
         except TypeError:

@@ -342,3 +342,17 @@ def test_a_file_is_opened_once_and_charged_by_its_header(tmp_path, monkeypatch):
     remote = FileBytes("https://store/a.png", fetch=lambda limit: path.read_bytes())
     assert all(not failed for _, failed in prepared_batches([remote], _options(), PRE))
     assert costs == {0: 0} and charged[0] == 100 * 80 * DECODE_BYTES_PER_PIXEL["pil"]
+
+
+def test_one_lazily_opened_image_given_many_times_decodes_as_once(encoder, tmp_path):
+    """PIL reads an opened file on first use, and not thread-safely: the same image object in several decode threads
+    at once gave other pixels, or "image file is truncated". Each use must give the pixels of the image loaded."""
+    Image.fromarray(photo(800, 600)).save(tmp_path / "big.jpg", quality=95)
+    Image.fromarray(photo(400, 300)).save(tmp_path / "big.png")
+    for name in ("big.jpg", "big.png"):
+        with Image.open(tmp_path / name) as loaded:
+            want = encoder.encode_images([loaded.copy()], max_pixels=50176).embeddings[0]
+        for _ in range(3):
+            lazy = Image.open(tmp_path / name)
+            results = [r for batch in encoder.iter_encode([lazy] * 4, max_pixels=50176, num_workers=4) for r in batch]
+            assert all(r.ok and torch.equal(r.embedding, want) for r in results), [r.error for r in results]

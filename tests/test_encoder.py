@@ -238,6 +238,14 @@ def test_one_path_where_a_sequence_of_inputs_belongs_is_named(setup, photos):
                 encode(one)
     with pytest.raises(InputError, match=r"got one image .*: pass \[it\]"):
         encoder.encode_images(photos["small"])
+    # An array is a sequence of its rows: one image (HWC, HW, CHW) would be read as one grayscale image per row.
+    array = np.asarray(photos["small"])
+    for one in (array, array[..., 0], torch.from_numpy(array).permute(2, 0, 1)):
+        with pytest.raises(InputError, match=re.escape(f"got one image array (shape {tuple(one.shape)}): pass [it]")):
+            list(encoder.iter_encode(one))
+    with pytest.raises(InputError, match=r"got one video array \(shape \(2, 64, 64, 3\)\): pass \[it\]"):
+        encoder.encode_videos(np.zeros((2, 64, 64, 3), np.uint8))
+    assert len(encoder.encode_images(array[None]).embeddings) == 1  # a batch array: each item one image
     for nothing in (None, 5):
         with pytest.raises(InputError, match=f"got {type(nothing).__name__}$"):
             encoder.encode_images(nothing)
