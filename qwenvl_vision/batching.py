@@ -33,7 +33,7 @@ from typing import Any
 import PIL.Image
 import torch
 
-from .errors import PreprocessError
+from .errors import PreprocessError, first_line
 from .inputs.images import PreprocessConfig, preprocess_image, probe_image
 from .inputs.item_ids import pixels_sha256
 from .inputs.pixels import FileBytes, input_name, is_file_input, open_header
@@ -193,7 +193,7 @@ def prepare(item: Any, index: int, options: EncodeOptions, pre: PreprocessConfig
     except PreprocessError as e:
         error = str(e)
     except Exception as e:  # noqa: BLE001 - a batch job records any per-input failure and goes on
-        error = f"{name}: {type(e).__name__}: {e}"
+        error = f"{name}: {first_line(e)}"
     if isinstance(item, FileBytes):
         item.release()
     if error is None:  # its forward's time and memory

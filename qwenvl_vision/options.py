@@ -47,8 +47,11 @@ class EncodeOptions:
         if self.decode_timeout is not None and not positive_number(self.decode_timeout):
             raise ConfigError(f"decode_timeout must be a positive number of seconds (or None: no limit), "
                               f"got {self.decode_timeout!r}")
+        if not isinstance(self.video_config, VideoConfig):
+            raise ConfigError(f"video_config must be a VideoConfig (dataclasses.replace(encoder.video_config, ...)), "
+                              f"got {type(self.video_config).__name__}")
         for option, least in (("max_batch_patches", 1), ("max_input_pixels", 1), ("decode_bytes", 1), ("prefetch", 0),
-                              ("max_item_tokens", 1), ("num_workers", 0)):
+                              ("max_item_tokens", 1), ("num_workers", 0), ("min_pixels", 1), ("max_pixels", 1)):
             value = getattr(self, option)
             if value is None and option != "max_batch_patches":  # None: no bound
                 continue

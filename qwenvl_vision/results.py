@@ -62,7 +62,7 @@ class EncodeResult:
         return dataclasses.replace(self, **{f.name: copy.deepcopy(getattr(self, f.name), memo)
                                             for f in dataclasses.fields(self) if f.name != "encoder"})
 
-    def to_transformers(self, *more: Any, dtype: torch.dtype | None = None,
+    def to_transformers(self, *more: Any, dtype: torch.dtype | str | None = None,
                         device: torch.device | str | None = None) -> dict:
         """The keyword arguments of a transformers Qwen VL model's ``forward`` / ``generate`` that stand for this
         batch's pixels, and ``more`` results' after them (``mm_encoder_outputs`` and the grids):
@@ -71,8 +71,8 @@ class EncodeResult:
 
         return to_transformers(self, *more, dtype=dtype, device=device)
 
-    def to_vllm(self, *more: Any, dtype: torch.dtype | None = None, device: torch.device | str | None = None
-                ) -> dict:
+    def to_vllm(self, *more: Any, dtype: torch.dtype | str | None = None,
+                device: torch.device | str | None = None) -> dict:
         """vLLM's ``multi_modal_data`` for this batch and ``more`` results after it (DeepStack levels concatenated
         along the features): ``handoff.to_vllm``."""
         from .outputs.handoff import to_vllm

@@ -115,15 +115,17 @@ def test_options_are_frozen_and_refused_when_out_of_range():
            ({"max_item_tokens": 2.5}, "max_item_tokens .* got 2.5"),
            ({"max_item_tokens": True}, "max_item_tokens .* got True"),
            ({"min_pixels": 9000, "max_pixels": 4000}, "min_pixels 9000 is above max_pixels 4000"),
-           ({"max_pixels": True}, "max_pixels must be a positive integer, got True")]
+           ({"max_pixels": True}, "max_pixels must be a positive integer, got True"),
+           ({"video_config": {"fps": 1}}, r"video_config must be a VideoConfig \(.*\), got dict")]
     for changes, message in bad:
         with pytest.raises(ConfigError, match=f"^{message}$"):
-            EncodeOptions(video_config=video_config, **changes)
+            EncodeOptions(**{"video_config": video_config, **changes})
     with pytest.raises(ConfigError, match="resize"):
         EncodeOptions(video_config=video_config, resize="bilinear")
     assert EncodeOptions(video_config=video_config, num_workers=0).workers == 1
-    given = EncodeOptions(video_config=video_config, max_batch_patches=np.int64(4096)).max_batch_patches
-    assert given == 4096 and type(given) is int  # a NumPy integer is taken as the int it is
+    for option in ("max_batch_patches", "max_pixels"):
+        given = getattr(EncodeOptions(video_config=video_config, **{option: np.int64(4096)}), option)
+        assert given == 4096 and type(given) is int  # a NumPy integer is taken as the int it is
     with pytest.raises(ConfigError, match=r"^max_batch_patches .* got 4096\.0$"):
         EncodeOptions(video_config=video_config, max_batch_patches=4096.0)
 
@@ -266,7 +268,18 @@ def test_inputs_are_read_at_most_prefetch_ahead_and_come_in_input_order(monkeypa
     assert all(read <= index + 3 for index, read in seen)  # the input yielded, plus `prefetch` ahead
 
 
-def test_an_object_fetched_from_storage_is_let_go_once_decoded():
+def test_a_failure_of_many_lines_is_recorded_by_its_first_and_the_file_named():
+    def fetch(limit):
+        raise OSError("connection reset\nby the store's second line")
+
+    failed = [p for _, failures in prepared_batches([FileBytes("x.png", fetch=fetch)], _options(), PRE)
+              for p in failures]
+    assert [p.error for p in failed] == ["image 'x.png': OSError: connection reset"]
+    with pytest.raises(TypeError, match="FileBytes: name .* got NoneType"):
+        FileBytes(None, b"")
+
+
+
     """Objects are fetched as their decodes start, and their bytes dropped once decoded: inputs decoded ahead of a
     slow consumer hold their pixels, not their files (a video's file may be as large as the decode budget)."""
     buffer = io.BytesIO()

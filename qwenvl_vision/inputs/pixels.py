@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import io
 import math
+import numbers
 import os
 import re
 import stat
@@ -65,7 +66,7 @@ def check_pixel_bounds(min_pixels: int | None, max_pixels: int | None,
     """Pixel bounds: whole numbers of at least 1 (None: the checkpoint's), min not above max; ``names``: the two
     as the caller spells them (a call's arguments, a config's fields, the command line's options)."""
     for name, value in zip(names, (min_pixels, max_pixels)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1):
             raise ConfigError(f"{name} must be a positive integer, got {value!r}")
     if min_pixels is not None and max_pixels is not None and min_pixels > max_pixels:
         raise ConfigError(f"{names[0]} {min_pixels} is above {names[1]} {max_pixels}")
@@ -126,6 +127,8 @@ class FileBytes:
                  fetch: Callable[[int | None], bytes] | None = None) -> None:
         if (data is None) == (fetch is None):
             raise TypeError("FileBytes takes data or fetch, one of them")
+        if not isinstance(name, (str, os.PathLike)):  # its extension says what it holds
+            raise TypeError(f"FileBytes: name must be the file's name (str), got {type(name).__name__}")
         self.name, self._data, self._fetch, self._limit = name, data, fetch, None
 
     def read(self, limit: int | None = None) -> bytes:

@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from ..devices import dtype_name
+from ..devices import dtype_name, resolve_device, resolve_dtype
 from ..errors import InputError
 from ..inputs.video import positive_number
 from ..model.config import FAMILIES, family_named
@@ -172,7 +172,14 @@ def _output_class(family: str) -> type:
     return BaseModelOutputWithPooling
 
 
-def to_transformers(result: Any, *more: Any, dtype: torch.dtype | None = None,
+def model_placement(dtype: torch.dtype | str | None, device: torch.device | str | None
+                    ) -> tuple[torch.dtype | None, torch.device | None]:
+    """A hand-off's ``dtype`` and ``device``, as ``load_encoder`` spells and checks them (None: the items' own)."""
+    return (None if dtype is None else resolve_dtype(dtype, torch.device("cpu")),
+            None if device is None else resolve_device(device))
+
+
+def to_transformers(result: Any, *more: Any, dtype: torch.dtype | str | None = None,
                     device: torch.device | str | None = None) -> dict[str, Any]:
     """Keyword arguments for a transformers 5.24 Qwen VL model's ``forward`` / ``generate`` in place of pixels.
 
@@ -184,6 +191,7 @@ def to_transformers(result: Any, *more: Any, dtype: torch.dtype | None = None,
     Omni thinkers' ``video_second_per_grid``, 2 / ``requested_fps``; or the processor's), as the prompt's.
     ``dtype`` / ``device``: the model's, to hand over tensors it need not copy. Imports transformers.
     """
+    dtype, device = model_placement(dtype, device)
     outputs: dict[str, Any] = {}
     kwargs: dict[str, Any] = {"mm_encoder_outputs": outputs}
     for modality, items in _by_modality((result, *more)).items():
@@ -197,7 +205,7 @@ def to_transformers(result: Any, *more: Any, dtype: torch.dtype | None = None,
     return kwargs
 
 
-def to_vllm(result: Any, *more: Any, dtype: torch.dtype | None = None,
+def to_vllm(result: Any, *more: Any, dtype: torch.dtype | str | None = None,
             device: torch.device | str | None = None) -> dict[str, dict[str, Any]]:
     """vLLM's ``multi_modal_data`` for a prompt (``LLM(..., enable_mm_embeds=True)``): ``{"image": {"image_embeds":
     T, "image_grid_thw": G}, "video": {"video_embeds": ..., "video_grid_thw": ...}}`` (the modalities present).
@@ -209,6 +217,7 @@ def to_vllm(result: Any, *more: Any, dtype: torch.dtype | None = None,
     ``vllm_timestamps``), the Omni thinkers' ``"second_per_grid_ts"`` (one float per video), from each item's
     ``video_info``.
     """
+    dtype, device = model_placement(dtype, device)
     data: dict[str, dict[str, Any]] = {}
     for modality, items in _by_modality((result, *more)).items():
         per_item = _items_for_vllm(items)

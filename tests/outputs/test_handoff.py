@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from qwenvl_vision import load_encoder
-from qwenvl_vision.errors import InputError
+from qwenvl_vision.errors import ConfigError, InputError
 from qwenvl_vision.model.config import FAMILIES
 from qwenvl_vision.outputs.handoff import (
     EncodedItems,
@@ -224,6 +224,17 @@ def test_the_transformers_output_has_the_familys_shape_and_dtype_when_asked():
     plain = to_transformers(items("qwen3_5", levels=0))["mm_encoder_outputs"]["image"]
     assert type(plain).__name__ == "BaseModelOutputWithPooling" and not hasattr(plain, "deepstack_features")
     assert to_vllm(items(), dtype=torch.float16)["image"]["image_embeds"].dtype == torch.float16
+
+
+def test_a_hand_off_takes_the_dtype_and_device_spellings_load_encoder_takes():
+    assert to_vllm(items(), dtype="bf16")["image"]["image_embeds"].dtype == torch.bfloat16
+    out = to_transformers(items(), dtype="float16", device="cpu")["mm_encoder_outputs"]["image"]
+    assert all(t.dtype == torch.float16 for t in out.pooler_output)
+    for hand_over in (to_transformers, to_vllm):
+        for wrong, culprit in ((dict(dtype="bf8"), "dtype 'bf8'"), (dict(dtype=torch.int8), "dtype torch.int8"),
+                               (dict(device="gpu"), "device 'gpu'")):
+            with pytest.raises(ConfigError, match=culprit):
+                hand_over(items(), **wrong)
 
 
 def test_results_of_one_modality_are_joined_in_order():
