@@ -205,6 +205,23 @@ def test_unreachable_hub_fails_within_seconds_with_one_line(dead_endpoint, tmp_p
     assert not (tmp_path / "out").exists()
 
 
+def test_hf_hub_etag_timeout_set_is_the_wait_even_at_huggingface_hub_s_default(hub, tmp_path, monkeypatch, capfd):
+    """huggingface_hub fills in its default (10 s) when the variable is unset; a user who sets that very value asks
+    for it all the same (here the default is made 1 s, so the test waits 1 s, not 10)."""
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("HF_HUB_ETAG_TIMEOUT", "1")
+    monkeypatch.setattr(constants, "HF_HUB_ETAG_TIMEOUT", 1)
+    monkeypatch.setattr(constants, "DEFAULT_ETAG_TIMEOUT", 1)
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        use_endpoint(monkeypatch, f"http://127.0.0.1:{silent.getsockname()[1]}")
+        assert main(["embed", str(REPO / "examples" / "photos"), "--model", "org/never-cached",
+                     "--out", str(tmp_path / "out")]) == 2
+    assert "did not answer within 1 s" in capfd.readouterr().err
+
+
 @pytest.mark.slow  # waits out the reachability timeout (4 s)
 def test_unreachable_hub_loads_a_cached_repo_without_waiting(hub, qwen25_repo, monkeypatch, capfd):
     _, vision, _ = qwen25_repo
