@@ -176,6 +176,9 @@ def test_bad_input_raises_before_any_compute_naming_it(setup, photos, tmp_path):
         ([photos["small"], str(tmp_path / "nope.png")], r"^image '.*nope\.png': file not found"),
         ([np.zeros((0, 10, 3), np.uint8)], r"image 0.*zero-size"),
         ([photos["photo.jpg"], Image.new("RGB", (1000, 4))], r"image 1.*aspect ratio"),
+        # A URL is no file here, and its secrets stay out of the message (messages end up in logs).
+        ([photos["photo.jpg"], "https://b.s3.amazonaws.com/a.jpg?X-Amz-Signature=SECRET"],
+         r"^image 'https://b\.s3\.amazonaws\.com/a\.jpg\?X-Amz-Signature=\*\*\*': a URL, not a file"),
     ]
     for images, pattern in cases:
         with pytest.raises(PreprocessError, match=pattern):

@@ -32,6 +32,7 @@ import torch
 from einops import rearrange
 
 from ..errors import ConfigError, PreprocessError
+from .urls import redacted
 
 RESCALE_FACTOR = 1 / 255  # BaseImageProcessor.rescale_factor
 MAX_ASPECT_RATIO = 200
@@ -188,9 +189,11 @@ def readable(item: str | os.PathLike | FileBytes) -> str | io.BytesIO:
 def input_name(kind: str, index: int | None, item: Any = None) -> str:
     """How every error message names an input, whichever entry point meets the problem: a file by its path as
     given ("image 'photos/a.jpg'"), anything else by its position ("image 3", "video 2 frame 5"; "image" alone
-    without an index). A path is what the user can act on, and embed's positions mean nothing to its user."""
+    without an index). A path is what the user can act on, and embed's positions mean nothing to its user. A URL's
+    secrets are not shown (``urls.redacted``): messages end up in logs."""
     if is_file_input(item):
-        return f"{kind} {file_name(item)!r}"
+        name = file_name(item)
+        return f"{kind} {(redacted(name) if is_url(name) else name)!r}"
     return kind if index is None else f"{kind} {index}"
 
 
@@ -204,7 +207,8 @@ def check_regular_file(path: str | FileBytes, name: str) -> None:
     try:  # os.path.exists would read a folder it may not search, or a loop of links, as "not found"
         mode, size = (info := os.stat(path)).st_mode, info.st_size
     except FileNotFoundError:
-        raise PreprocessError(f"{name}: file not found") from None
+        raise PreprocessError(f"{name}: " + ("a URL, not a file: embed and serve fetch URLs, FileBytes(url, fetch=...) "
+                                             "brings its bytes" if is_url(path) else "file not found")) from None
     except (OSError, ValueError) as e:  # ValueError: a NUL in the name
         raise PreprocessError(f"{name}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
     if not stat.S_ISREG(mode):
