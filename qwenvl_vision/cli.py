@@ -325,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             traceback.print_exc()
         if isinstance(e, KeyboardInterrupt):
+            if isinstance(e, Terminated) and args.command == "serve":  # its normal stop, while it loads too
+                return 0
             what = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
             print(f"qwenvl-vision {args.command}: {what}" + ("; what is recorded is kept, --resume continues"
                                                             if args.command == "embed" else ""), file=sys.stderr)

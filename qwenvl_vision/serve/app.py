@@ -17,6 +17,7 @@ import base64
 import contextlib
 import hmac
 import json
+import reprlib
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -356,8 +357,8 @@ async def embeddings(request: Request) -> Any:
     form = "float" if body.get("encoding_format") is None else body["encoding_format"]  # null: OpenAI's default
     normalize, tokens = body.get("normalize", False), body.get("return_tokens", False)
     if form not in ("float", "base64") or not isinstance(normalize, bool) or not isinstance(tokens, bool):
-        raise RequestError(f"encoding_format {form!r} / normalize {normalize!r} / return_tokens {tokens!r}: float "
-                           f"or base64 / a boolean / a boolean")
+        raise RequestError(f"encoding_format {reprlib.repr(form)} / normalize {reprlib.repr(normalize)} / "
+                           f"return_tokens {reprlib.repr(tokens)}: float or base64 / a boolean / a boolean")
     results = await s.encoded(request, found, normalize)
     if tokens:
         tensors = {}

@@ -14,6 +14,7 @@ import base64
 import contextlib
 import http.client
 import mimetypes
+import os
 import socket
 import stat
 import string
@@ -74,6 +75,8 @@ def request_items(body: Any, policy: MediaPolicy, need_uuid: bool) -> list[Item]
         if not isinstance(message, dict):
             raise RequestError(f"messages[{m}]: a message is an object with role and content")
         content = message.get("content")
+        if not isinstance(content, (list, str, type(None))):  # an item there would be dropped unanswered
+            raise RequestError(f"messages[{m}].content: a string or a list of content parts")
         for c, part in enumerate(content if isinstance(content, list) else []):  # a string content is text
             label = f"messages[{m}].content[{c}]"
             if not isinstance(part, dict):
@@ -107,6 +110,10 @@ def media_file(url: str, label: str, modality: str, policy: MediaPolicy) -> File
     """The item's bytes (a data URL's now; a URL's or a file's when read, at most the bytes the read is given), or a
     RequestError naming it."""
     known, default = EXTENSIONS[modality]
+    try:
+        url.encode()
+    except UnicodeEncodeError:  # JSON's lone "\ud800": no character, so no file, host or message can hold it
+        raise RequestError(f"{label}: the URL holds a lone surrogate escape, which names no character") from None
     scheme = url.split(":", 1)[0].lower()
     if scheme == "data":
         header, comma, payload = url[5:].partition(",")
@@ -132,7 +139,7 @@ def media_file(url: str, label: str, modality: str, policy: MediaPolicy) -> File
             raise RequestError(f"{label}: file URLs are refused (start the server with --allowed-local-media-path)")
         if "\0" in unquote(parts.path):  # no path holds one: the OS would refuse it as a bug
             raise RequestError(f"{label}: the file URL holds a NUL byte")
-        path = Path(unquote(parts.path)).resolve()
+        path = Path(os.path.realpath(unquote(parts.path)))  # a link loop resolves as far as it goes (read: ELOOP)
         if parts.netloc not in ("", "localhost") or not path.is_relative_to(policy.local_root):
             raise RequestError(f"{label}: {url[:200]} is not under --allowed-local-media-path")
         return FileBytes(name, fetch=lambda limit: read_local(path, label, limit))

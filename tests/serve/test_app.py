@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import os
 import threading
 import uuid
@@ -125,7 +126,21 @@ def bad_requests(media) -> dict[str, tuple]:
         "no key": ("/v1/models", None, {"Authorization": ""}, 401, "API key"),
         "not JSON": ("/v1/embeddings", b"{", {}, 400, "JSON"),
         "more items than --max-items": ("/v1/embeddings", chat(*[part(good)] * 5), {}, 400, "messages", "--max-items"),
+        "content as one part": ("/v1/embeddings", {"messages": [{"role": "user", "content": part(good)}]}, {}, 400,
+                                "messages[0].content", "a list of content parts"),
+        # Shown short, however long or deep (a repr deeper than the event loop's stack failed).
+        "encoding_format as a long text": ("/v1/embeddings", chat(encoding_format="x" * 500_000), {}, 400,
+                                           "encoding_format 'xxx"),
+        "encoding_format as deep lists": ("/v1/embeddings", b'{"messages": [], "encoding_format": ' + b"[" * 985 +
+                                          b"]" * 985 + b"}", {}, 400, "encoding_format [["),
+        # JSON's lone surrogate escapes: no host, file or message can hold one.
+        **{f"a lone surrogate in {where}": ("/v1/embeddings", json.dumps(chat(part(url))).encode(), {}, 400,
+                                            "messages[0].content[1]", "lone surrogate")
+           for where, url in [("an allowed URL", "http://127.0.0.1:1/\ud800.png"),
+                              ("another host's URL", "http://example.com/\ud800"),
+                              ("a file URL", "file:///tmp/\ud800.png")]},
     }
+
 
 
 @pytest.mark.parametrize("case", ["broken image", "unknown content type", "uuid ../x", "uuid of the folder's identity",
@@ -138,7 +153,10 @@ def bad_requests(media) -> dict[str, tuple]:
                                   "JSON nested deeper than the stack", "many small JSON values",
                                   "a character outside base64", "a wrong key", "no key", "not JSON",
                                   "more items than --max-items", "return_tokens as text",
-                                  "encoding_format as a number"])
+                                  "encoding_format as a number", "content as one part",
+                                  "encoding_format as a long text", "encoding_format as deep lists",
+                                  "a lone surrogate in an allowed URL", "a lone surrogate in another host's URL",
+                                  "a lone surrogate in a file URL"])
 def test_bad_input_gets_its_status_and_one_line_and_the_next_request_is_served(served, media, case):
     client, root = served
     route, body, headers, status, *needles = bad_requests(media)[case]

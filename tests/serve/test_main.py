@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from qwenvl_vision.cli import main
 from qwenvl_vision.outputs.vllm_cache import CACHE_FILE, CACHE_KEY, write_vllm_cache
 from tests.helpers import ENV
-from tests.helpers.serve import START_S, chat, data_url, held_answer, media_server, part, serving, until
+from tests.helpers.serve import START_S, chat, data_url, free_port, held_answer, media_server, part, serving, until
 
 
 def items_encoded(client: httpx.Client) -> float:
@@ -74,6 +74,20 @@ def test_the_proxy_s_request_writes_write_vllm_cache_s_items_under_their_uuids_o
     assert url.process.returncode == 0  # SIGTERM: stopped after what was in flight, the encoder closed
     assert sorted(p.name for p in shared.iterdir()) == sorted(uuids + ["qwenvl_vision_cache.json",
                                                                        "qwenvl_vision_cache.lock"])
+
+
+def test_sigterm_while_the_tower_loads_is_serve_s_normal_stop(checkpoint3, monkeypatch, capsys):
+    """A scheduler stopping a server that is still loading stops it as one that serves: exit 0."""
+    import os
+
+    import qwenvl_vision.loading
+
+    def load_encoder(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the signal's handler raises within
+
+    monkeypatch.setattr(qwenvl_vision.loading, "load_encoder", load_encoder)
+    assert main(["serve", "--model", str(checkpoint3), "--port", str(free_port())]) == 0
 
 
 def test_serve_refuses_a_preset_without_random_weights_in_one_line(capsys):

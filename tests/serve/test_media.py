@@ -289,6 +289,20 @@ def test_a_local_name_the_system_refuses_is_the_item_s_error(served):
              "messages[0].content[1]", "cannot read")
 
 
+def test_a_link_loop_is_the_item_s_error_and_out_of_the_folder_tells_nothing_of_what_is_there(served, tmp_path):
+    client, root = served
+    inside, outside = root / "local" / f"loop-{os.getpid()}.png", tmp_path / "loop.png"
+    for loop in (inside, outside):
+        loop.symlink_to(loop.name)
+    try:
+        error_of(client.post("/v1/embeddings", json=chat(part(f"file://{inside}"))), 400, "messages[0].content[1]",
+                 "cannot read")
+        error_of(client.post("/v1/embeddings", json=chat(part(f"file://{outside}"))), 400, "messages[0].content[1]",
+                 "--allowed-local-media-path")
+    finally:
+        inside.unlink()
+
+
 def test_allowed_media_domains_match_whatever_their_case(checkpoint3, media):
     from fastapi.testclient import TestClient
 
