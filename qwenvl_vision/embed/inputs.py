@@ -20,6 +20,7 @@ from braceexpand import UnbalancedBracesError, braceexpand
 
 from ..errors import ConfigError
 from ..inputs.pixels import is_url, local_name
+from ..inputs.urls import canonical
 from ..inputs.video_io import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS
 from .remote import identities
 from .shards import KEY_COLUMN, TAR_SUFFIX, Member, is_shard, list_shard
@@ -58,11 +59,11 @@ class Inputs:
         seen = set()
         for path, error, columns, member, given in self._pending:
             key, why = known.get(path, (None, None))
-            key = key or given or os.path.realpath(path)
+            key = key or given or (canonical(path) if is_url(path) else os.path.realpath(path))  # no password kept
             if key in seen:
                 continue
             seen.add(key)
-            if path not in known:
+            if path not in known and not is_url(path):
                 file = os.path.realpath(member.shard) if member else key  # a member's key: its shard's, then name
                 key = file_identity(file) + key[len(file):]
             self.paths.append(path)

@@ -16,6 +16,7 @@ is read through fsspec (the ``[remote]`` extra); outputs stay local.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from collections.abc import Callable
@@ -131,6 +132,8 @@ def identities(urls: list[str]) -> dict[str, tuple[str, str | None]]:
     """url -> (identity, None), or (the URL, why it cannot be read): several metadata requests at once."""
     for url in urls[:1]:
         require_fsspec(url)  # a missing extra is the run's setup error, raised once here
+    with contextlib.suppress(ImportError):  # imported whole before the threads: ``failure`` reads it in any of them
+        import aiohttp  # noqa: F401
 
     def one(url: str) -> tuple[str, str | None]:
         try:

@@ -13,6 +13,7 @@ missing, not a tar or damaged (the members listed before the damage stay inputs)
 from __future__ import annotations
 
 import os
+import stat
 import tarfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -47,6 +48,8 @@ def list_shard(shard: str, is_media: Callable[[str], bool], keep: tuple[str, ...
     entries: dict[str, tuple[str, Member | str]] = {}  # a media member's name -> (its sample, its bytes or why not)
     texts: dict[str, dict[str, str | None]] = {}  # a sample's key -> {extension: text}
     try:
+        if not stat.S_ISREG(os.stat(shard).st_mode):  # a FIFO's open would wait for a writer for good
+            return [(shard, f"shard {shard}: not a regular file", None, None, None)]
         with open(shard, "rb") as raw, tarfile.open(fileobj=raw, mode="r:") as tar:
             end = os.fstat(raw.fileno()).st_size
             infos, damage = _headers(tar, raw, end)

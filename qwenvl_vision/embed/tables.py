@@ -89,9 +89,11 @@ def _checked_path(table: Path, number: int, column: str, value: Any) -> tuple[st
     if not isinstance(value, str) or not value.strip():
         return None, f"{where}: column {column!r} is {json.dumps(value)[:80]}, not a path"
     try:
-        os.fsencode(value)
+        named = b"\0" not in os.fsencode(value)
     except UnicodeEncodeError:  # a JSON escape's surrogate ("\ud800") that no file name's bytes decode to
-        return None, f"{where}: column {column!r} is {json.dumps(value)[:80]}, not a path (a surrogate)"
+        named = False
+    if not named:
+        return None, f"{where}: column {column!r} is {json.dumps(value)[:80]}, not a path (a NUL or a surrogate)"
     value = local_name(value.strip())
     if is_url(value):
         return value, None  # read from its store (remote.py)
@@ -130,7 +132,8 @@ def _arrow_type(arrow_type: Any) -> str:
         return _arrow_type(arrow_type.value_type)
     kinds = {"bool": pa.types.is_boolean(arrow_type), "float64": pa.types.is_floating(arrow_type),
              "int64": pa.types.is_integer(arrow_type) and not pa.types.is_uint64(arrow_type),  # uint64 may not fit
-             "string": pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type)}
+             "string": pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type)
+             or pa.types.is_string_view(arrow_type)}  # what Polars writes
     return next((kind for kind, hit in kinds.items() if hit), "json")
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import threading
 
 import pytest
 
@@ -130,3 +131,23 @@ def test_a_fifo_among_the_inputs_is_one_failed_input_not_a_hang(tmp_path, checkp
 ])
 def test_a_state_or_version_is_read_where_it_is_written(identity, file):
     assert file_of(identity) == file
+
+
+def test_a_fifo_named_as_a_shard_is_a_failed_input_not_a_hang(tmp_path):
+    os.mkfifo(tmp_path / "pipe.tar")  # opened for reading, it would wait for a writer for good
+    found = []
+    worker = threading.Thread(target=lambda: found.append(gather_inputs([str(tmp_path / "pipe.tar")])), daemon=True)
+    worker.start()
+    worker.join(30)
+    assert found and "not a regular file" in found[0].errors[str(tmp_path / "pipe.tar")]
+
+
+def test_a_url_refused_before_it_is_read_keeps_no_secret_in_its_identity():
+    """A URL is refused unread where it names no media (a compressed tar, a table): its identity is the URL without
+    its password or signature, never the local path it would be."""
+    urls = ["https://user:s3cret@127.0.0.1:9/a.tar.gz", "s3://AKID:SKSECRET@b/z.tgz",
+            "https://h/x.csv?X-Amz-Signature=SIG&w=1"]
+    found = gather_inputs(urls)
+    assert all(found.errors.get(url) for url in urls)
+    assert [found.keys[url] for url in urls] == ["https://127.0.0.1:9/a.tar.gz", "s3://AKID@b/z.tgz",
+                                                 "https://h/x.csv?w=1"]

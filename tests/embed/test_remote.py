@@ -9,6 +9,7 @@ import gc
 import os
 import shutil
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -368,3 +369,14 @@ def test_a_body_longer_than_announced_is_read_no_further_than_the_budget(checkpo
     (record,) = read_manifest_lines(out / "manifest.jsonl")
     assert record["error"].startswith(url) and f"budget of {1 << 20:,} bytes" in record["error"]
     assert len(sent) < 64  # MiB: what the sockets buffered past the budget, not the whole body
+
+
+def test_urls_whose_stores_fail_at_once_are_each_their_failed_input_in_a_fresh_process():
+    """The metadata threads read aiohttp's errors: one thread's failure met the module another was still importing
+    (an AttributeError that ended the run). A fresh process, so that nothing imported aiohttp before."""
+    script = ("from qwenvl_vision.embed.inputs import gather_inputs\n"
+              "urls = ['http://127.0.0.1:9/a.jpg', 'zip://x/a.jpg', 'zip://y/b.jpg']\n"
+              "found = gather_inputs(urls)\n"
+              "assert sorted(found.errors) == sorted(urls), found.errors\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]

@@ -214,14 +214,18 @@ def test_kill_and_resume_over_a_table_records_each_row_once_with_its_columns(fol
     assert all(torch.equal(got[r["path"]], want[r["realpath"]]) for r in records)
 
 
-def test_a_dictionary_encoded_column_is_carried_as_its_values(folder_run, checkpoint):
-    """A pandas Categorical is stored dictionary-encoded: its values are carried as text, not as their JSON."""
+@pytest.mark.parametrize("kind", ["dictionary", "string_view"])
+def test_a_dictionary_encoded_or_string_view_column_is_carried_as_its_values(folder_run, checkpoint, kind):
+    """A pandas Categorical is stored dictionary-encoded, Polars writes its text as string_view: the values are
+    carried as text, not as their JSON, and such a path column names files."""
     root, paths, _, _ = folder_run
-    table = root / "categorical.parquet"
+    table = root / f"{kind}.parquet"
     labels = ["a cat", "a dog", "a cat", "a bird"]
-    pq.write_table(pa.table({"path": [str(p) for p in paths], "label": pa.array(labels).dictionary_encode()}), table)
+    text = (lambda values: pa.array(values).dictionary_encode()) if kind == "dictionary" else \
+        (lambda values: pa.array(values, pa.string_view()))
+    pq.write_table(pa.table({"path": text([str(p) for p in paths]), "label": text(labels)}), table)
     for file_format in ("safetensors", "parquet"):
-        out = root / f"out-categorical-{file_format}"
+        out = root / f"out-{kind}-{file_format}"
         assert run_embed([table], checkpoint, out, "--keep-columns", "label", "--format", file_format, *SMALL) == 0
         assert read_run(out)["columns"] == [["label", "string"]]
         if file_format == "parquet":
@@ -250,13 +254,15 @@ def test_nested_non_numbers_and_binary_cells_are_carried_as_strict_json(folder_r
     assert [r.columns["meta"] for r in read_parquet_records(parquet_shards(out))] == ['"a"', None, "[1, null]", None]
 
 
-def test_a_row_naming_a_lone_surrogate_is_that_row_s_failed_input(folder_run, checkpoint):
-    """JSON's escape "\\ud800" reads as a surrogate that no file name's bytes decode to: the row names no file."""
+def test_a_row_naming_a_lone_surrogate_or_a_nul_is_that_row_s_failed_input(folder_run, checkpoint):
+    """JSON's escape "\\ud800" reads as a surrogate that no file name's bytes decode to, and no file name holds a NUL:
+    the row names no file."""
     root, paths, _, _ = folder_run
     table = root / "surrogate.jsonl"
-    table.write_text(json.dumps({"path": str(paths[0])}) + "\n" + json.dumps({"path": "x\ud800.jpg"}) + "\n")
+    table.write_text("".join(json.dumps({"path": p}) + "\n" for p in (str(paths[0]), "x\ud800.jpg", "x\0.jpg")))
     out = root / "out-surrogate"
     assert run_embed([table], checkpoint, out, *SMALL) == 1
     by_path = {r["path"]: r for r in read_manifest_lines(out / "manifest.jsonl")}
     assert by_path[str(paths[0])]["status"] == "ok"
-    assert f"table {table}, row 2" in by_path[f"{table}#row2"]["error"]
+    for row in (2, 3):
+        assert f"table {table}, row {row}" in by_path[f"{table}#row{row}"]["error"]
