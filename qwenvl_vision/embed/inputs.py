@@ -56,13 +56,15 @@ class Inputs:
         (another spelling, a link) is embedded once, under its first."""
         urls = [path for path, error, _, _, key in self._pending if error is None and key is None and is_url(path)]
         known = identities(urls) if urls else {}
-        seen = set()
+        seen: dict[str, str] = {}  # identity -> the input's first spelling
         for path, error, columns, member, given in self._pending:
             key, why = known.get(path, (None, None))
             key = key or given or (canonical(path) if is_url(path) else os.path.realpath(path))  # no password kept
             if key in seen:
+                if columns is not None:  # a table's row naming a file given before: its columns are the file's
+                    self.columns.setdefault(seen[key], columns)
                 continue
-            seen.add(key)
+            seen[key] = path
             if path not in known and not is_url(path):
                 file = os.path.realpath(member.shard) if member else key  # a member's key: its shard's, then name
                 key = file_identity(file) + key[len(file):]

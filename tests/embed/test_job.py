@@ -292,9 +292,11 @@ def test_setup_errors_are_one_line_exit_2_nothing_written(tmp_path, checkpoint, 
     monkeypatch.chdir(tmp_path / "cwd")  # an empty --out must not write here
     a_file = tmp_path / "emb.txt"
     a_file.write_text("not a folder")
+    (tmp_path / "dangling").symlink_to("nowhere")
     cases = [
         (["--model", str(checkpoint), "--out", str(a_file)], [str(a_file), "is a file, not a folder"]),
-        (["--model", str(checkpoint), "--out", str(a_file / "sub")], ["Not a directory", str(a_file)]),
+        (["--model", str(checkpoint), "--out", str(a_file / "sub")], ["--out", "Not a directory", str(a_file)]),
+        (["--model", str(checkpoint), "--out", str(tmp_path / "dangling")], ["--out", "File exists", "dangling"]),
         (["--model", str(checkpoint), "--out", ""], ["--out is empty"]),
         (["--model", "qwen2.5-vl-3b", "--out", str(tmp_path / "o1")], ["preset", "--random-weights"]),
         (["--model", str(tmp_path / "no-such-ckpt"), "--out", str(tmp_path / "o2")], ["does not exist"]),
@@ -321,7 +323,7 @@ def test_setup_errors_are_one_line_exit_2_nothing_written(tmp_path, checkpoint, 
         assert code == 2, err
         one_error_line(err, *needles)
     assert a_file.read_text() == "not a folder" and not any((tmp_path / "cwd").iterdir())
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["cwd", "emb.txt", "imgs", "o4"]  # the others never created
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cwd", "dangling", "emb.txt", "imgs", "o4"]  # no others
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: --device cuda runs here")

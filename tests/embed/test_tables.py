@@ -126,6 +126,16 @@ def test_every_format_carries_the_columns_typed_and_a_resume_keeps_each_row_once
                                                     ("caption", "idx", "score", "keep", "meta")} for r in rows]
 
 
+def test_a_file_given_before_its_table_row_carries_the_row_s_columns(folder_run, checkpoint):
+    """The first spelling of a file is the one recorded; a table's row naming it later still gives its columns."""
+    root, paths, _, _ = folder_run
+    table = write_table(root / "late.csv", [{"path": str(paths[0]), "caption": "first"}])
+    out = root / "out-late"
+    assert run_embed([paths[0], table], checkpoint, out, "--keep-columns", "caption", *SMALL) == 0
+    (record,) = read_manifest_lines(out / "manifest.jsonl")
+    assert record["path"] == str(paths[0]) and record["columns"] == {"caption": "first"}
+
+
 def test_columns_that_cannot_be_carried_are_refused_in_one_line(folder_run, checkpoint, capsys):
     root, paths, _, _ = folder_run
     table = write_table(root / "plain.csv", rows_for(paths, root))
