@@ -25,7 +25,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, wait
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
@@ -258,10 +258,8 @@ def prepared_batches(items: Iterable[Any], options: EncodeOptions, pre: Preproce
     budget = DecodeBudget(options.decode_bytes, options.workers)
     pending: deque[tuple[Future, Decoding, Any, int]] = deque()
 
-    def run(future: Future, earlier: Future | None, *args: Any) -> None:
+    def run(future: Future, *args: Any) -> None:
         try:
-            if earlier is not None:
-                wait([earlier])
             future.set_result(prepare(*args))
         except BaseException as e:  # noqa: BLE001 - handed to whoever waits for the future
             future.set_exception(e)
@@ -289,10 +287,7 @@ def prepared_batches(items: Iterable[Any], options: EncodeOptions, pre: Preproce
     def prefetched() -> Iterator[Prepared]:
         for index, item in enumerate(items):
             decoding, future = Decoding(), Future()
-            # PIL reads an opened file on first use, not thread-safely: an image given again waits for its first decode.
-            earlier = next((f for f, _, seen, _ in pending if seen is item), None) \
-                if isinstance(item, PIL.Image.Image) else None
-            threading.Thread(target=run, args=(future, earlier, item, index, options, pre, budget, decoding),
+            threading.Thread(target=run, args=(future, item, index, options, pre, budget, decoding),
                              name=f"qwenvl-decode-{index}", daemon=True).start()
             pending.append((future, decoding, item, index))
             if len(pending) > options.prefetch:

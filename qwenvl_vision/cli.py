@@ -296,7 +296,8 @@ def _shown_on_stderr(args: argparse.Namespace) -> Iterator[None]:
 
 class Terminated(KeyboardInterrupt):
     """SIGTERM, raised where the main thread is: every clean-up that Ctrl-C runs (locks released, what is recorded
-    kept) runs for it too; the command then exits 143 (128 + SIGTERM), as a shell reports a process it ended."""
+    kept) runs for it too; the command then exits 143 (128 + SIGTERM), as a shell reports a process it ended, except
+    ``serve``: 0, its normal stop."""
 
 
 def _terminated(signum, frame) -> None:
@@ -322,11 +323,11 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit flush cannot fail again
         return 141  # 128 + SIGPIPE, what a shell reports for a tool stopped by a closed pipe
     except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - every error ends in one line
+        if isinstance(e, Terminated) and args.command == "serve":  # its normal stop, while it loads too
+            return 0
         if args.debug:
             traceback.print_exc()
         if isinstance(e, KeyboardInterrupt):
-            if isinstance(e, Terminated) and args.command == "serve":  # its normal stop, while it loads too
-                return 0
             what = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
             print(f"qwenvl-vision {args.command}: {what}" + ("; what is recorded is kept, --resume continues"
                                                             if args.command == "embed" else ""), file=sys.stderr)

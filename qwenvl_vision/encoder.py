@@ -267,8 +267,7 @@ class VisionEncoder(contextlib.AbstractContextManager):
         """A call's options, once the encoder is known open and ``items`` a sequence of inputs (a str would be read as
         one file per character, an image array as one grayscale image per row)."""
         self.model  # noqa: B018 - raises if closed, before any work
-        pixels = isinstance(items, torch.Tensor) or isinstance(items, np.ndarray) and items.dtype.kind in "biuf"
-        if pixels and items.ndim < (5 if settings["video"] else 4):  # an array of inputs has one dimension more
+        if one_array(items, settings["video"]):
             one = f"{'video' if settings['video'] else 'image'} array (shape {tuple(items.shape)})"
         elif isinstance(items, (str, bytes, os.PathLike)) or hasattr(items, "getpixel"):
             one = f"{'image' if hasattr(items, 'getpixel') else 'path'} ({str(items)[-200:]!r})"
@@ -423,6 +422,18 @@ class VisionEncoder(contextlib.AbstractContextManager):
         out = self._encode_all(videos, options)
         out.video_info = [info or read for info, read in zip(infos, out.video_info, strict=True)]
         return out
+
+
+def one_array(items: Any, video: bool | None) -> bool:
+    """An array that is one input as transformers reads one array, given where a sequence of inputs belongs: 2-D, or
+    3-D with an axis of 1, 3 or 4 channels (``as_hwc``), one image (a stack of grayscale images has none); 4-D, one
+    video's frames. Iterated, it would be one input per row."""
+    if not (isinstance(items, torch.Tensor) or isinstance(items, np.ndarray) and items.dtype.kind in "biuf"):
+        return False
+    shape = tuple(items.shape)
+    if video:
+        return len(shape) == 4
+    return len(shape) == 2 or len(shape) == 3 and bool({shape[0], shape[2]} & {1, 3, 4})
 
 
 def nonfinite_items(result: EncodeResult) -> list[int]:

@@ -279,7 +279,7 @@ def test_a_failure_of_many_lines_is_recorded_by_its_first_and_the_file_named():
         FileBytes(None, b"")
 
 
-
+def test_an_object_fetched_from_storage_is_let_go_once_decoded():
     """Objects are fetched as their decodes start, and their bytes dropped once decoded: inputs decoded ahead of a
     slow consumer hold their pixels, not their files (a video's file may be as large as the decode budget)."""
     buffer = io.BytesIO()
@@ -359,13 +359,19 @@ def test_a_file_is_opened_once_and_charged_by_its_header(tmp_path, monkeypatch):
 
 def test_one_lazily_opened_image_given_many_times_decodes_as_once(encoder, tmp_path):
     """PIL reads an opened file on first use, and not thread-safely: the same image object in several decode threads
-    at once gave other pixels, or "image file is truncated". Each use must give the pixels of the image loaded."""
+    at once (an image given again, a frame of several videos) gave other pixels, or "image file is truncated". Each
+    use must give the pixels of the image loaded."""
     Image.fromarray(photo(800, 600)).save(tmp_path / "big.jpg", quality=95)
     Image.fromarray(photo(400, 300)).save(tmp_path / "big.png")
     for name in ("big.jpg", "big.png"):
         with Image.open(tmp_path / name) as loaded:
-            want = encoder.encode_images([loaded.copy()], max_pixels=50176).embeddings[0]
-        for _ in range(3):
-            lazy = Image.open(tmp_path / name)
-            results = [r for batch in encoder.iter_encode([lazy] * 4, max_pixels=50176, num_workers=4) for r in batch]
-            assert all(r.ok and torch.equal(r.embedding, want) for r in results), [r.error for r in results]
+            image = loaded.copy()
+        for video, items in ((False, lambda one: [one] * 4), (True, lambda one: [[one, one]] * 4)):
+            want = encoder.encode_videos([[image, image]]) if video else \
+                encoder.encode_images([image], max_pixels=50176)
+            for _ in range(3):
+                results = [r for batch in encoder.iter_encode(items(Image.open(tmp_path / name)), video=video,
+                                                              max_pixels=None if video else 50176, num_workers=4)
+                           for r in batch]
+                assert all(r.ok and torch.equal(r.embedding, want.embeddings[0]) for r in results), \
+                    [r.error for r in results]

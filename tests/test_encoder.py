@@ -249,6 +249,7 @@ def test_one_path_where_a_sequence_of_inputs_belongs_is_named(setup, photos):
     with pytest.raises(InputError, match=r"got one video array \(shape \(2, 64, 64, 3\)\): pass \[it\]"):
         encoder.encode_videos(np.zeros((2, 64, 64, 3), np.uint8))
     assert len(encoder.encode_images(array[None]).embeddings) == 1  # a batch array: each item one image
+    assert len(encoder.encode_images(np.stack([array[..., 0]] * 5)).embeddings) == 5  # a stack of grayscale images
     for nothing in (None, 5):
         with pytest.raises(InputError, match=f"got {type(nothing).__name__}$"):
             encoder.encode_images(nothing)

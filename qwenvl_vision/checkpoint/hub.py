@@ -84,7 +84,7 @@ def _unreachable(repo_id: str, revision: str | None) -> str | None:
     from huggingface_hub import constants, hf_hub_url, utils
 
     # Set or not is the environment's to say: huggingface_hub fills in its default, which a user may set too.
-    timeout = float(constants.HF_HUB_ETAG_TIMEOUT) if "HF_HUB_ETAG_TIMEOUT" in os.environ else REACH_TIMEOUT_S
+    timeout = float(constants.HF_HUB_ETAG_TIMEOUT) if os.environ.get("HF_HUB_ETAG_TIMEOUT") else REACH_TIMEOUT_S
     try:
         utils.get_session().head(hf_hub_url(repo_id, CONFIG_FILE, revision=revision), timeout=timeout)
     except Exception as e:  # whatever this version's HTTP client (httpx2, httpx, requests) raises: no answer

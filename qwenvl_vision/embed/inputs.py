@@ -65,7 +65,7 @@ class Inputs:
                     self.columns.setdefault(seen[key], columns)
                 continue
             seen[key] = path
-            if path not in known and not is_url(path):
+            if not is_url(path):
                 file = os.path.realpath(member.shard) if member else key  # a member's key: its shard's, then name
                 key = file_identity(file) + key[len(file):]
             self.paths.append(path)

@@ -16,7 +16,6 @@ is read through fsspec (the ``[remote]`` extra); outputs stay local.
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import time
 from collections.abc import Callable
@@ -92,7 +91,9 @@ def failure(error: BaseException) -> tuple[str, bool]:
     causes that tells decides: a bad redirect never helps, an HTTP status may (a server's 5xx, 408 and 429; never 404
     or a refused signature); else the error's type (a connection refused or dropped, a timeout may; a missing object or
     a refused certificate never)."""
-    aiohttp, seen = sys.modules.get("aiohttp"), error  # imported wherever one of its errors can be there
+    aiohttp, seen = None, error
+    if "aiohttp" in sys.modules:  # imported wherever one of its errors can be there; the import statement waits for
+        import aiohttp  # a thread still importing it (sys.modules holds a module half made until then)
     for _ in range(8):  # a chain of causes, never a cycle's worth
         if aiohttp and isinstance(seen, aiohttp.TooManyRedirects):
             return f"a redirect loop: too many redirects ({len(seen.history)} followed)", False
@@ -132,8 +133,6 @@ def identities(urls: list[str]) -> dict[str, tuple[str, str | None]]:
     """url -> (identity, None), or (the URL, why it cannot be read): several metadata requests at once."""
     for url in urls[:1]:
         require_fsspec(url)  # a missing extra is the run's setup error, raised once here
-    with contextlib.suppress(ImportError):  # imported whole before the threads: ``failure`` reads it in any of them
-        import aiohttp  # noqa: F401
 
     def one(url: str) -> tuple[str, str | None]:
         try:

@@ -17,10 +17,11 @@ from __future__ import annotations
 import contextlib
 import io
 import math
-import numbers
+import operator
 import os
 import re
 import stat
+import threading
 import urllib.parse
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -67,7 +68,11 @@ def check_pixel_bounds(min_pixels: int | None, max_pixels: int | None,
     """Pixel bounds: whole numbers of at least 1 (None: the checkpoint's), min not above max; ``names``: the two
     as the caller spells them (a call's arguments, a config's fields, the command line's options)."""
     for name, value in zip(names, (min_pixels, max_pixels)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1):
+        try:
+            whole = value is None or not isinstance(value, bool) and operator.index(value) >= 1
+        except TypeError:
+            whole = False
+        if not whole:
             raise ConfigError(f"{name} must be a positive integer, got {value!r}")
     if min_pixels is not None and max_pixels is not None and min_pixels > max_pixels:
         raise ConfigError(f"{names[0]} {min_pixels} is above {names[1]} {max_pixels}")
@@ -124,13 +129,13 @@ class FileBytes:
     ``fetch`` (instead of ``data``): called for the bytes on first use (``read``), on the thread that decodes the
     input, with the most bytes they may have (the decode budget; None: no bound)."""
 
-    def __init__(self, name: str, data: bytes | None = None,
+    def __init__(self, name: str | os.PathLike, data: bytes | None = None,
                  fetch: Callable[[int | None], bytes] | None = None) -> None:
         if (data is None) == (fetch is None):
             raise TypeError("FileBytes takes data or fetch, one of them")
         if not isinstance(name, (str, os.PathLike)):  # its extension says what it holds
             raise TypeError(f"FileBytes: name must be the file's name (str), got {type(name).__name__}")
-        self.name, self._data, self._fetch, self._limit = name, data, fetch, None
+        self.name, self._data, self._fetch, self._limit = os.fspath(name), data, fetch, None
 
     def read(self, limit: int | None = None) -> bytes:
         """The bytes, fetched by the first call with at most ``limit`` of them (fetched again after ``release``: with
@@ -403,6 +408,12 @@ def _gif_as_decode_gif(image: PIL.Image.Image) -> PIL.Image.Image:
     return rgb
 
 
+# PIL reads an opened file on first use, not thread-safely, and one image object may reach several decode threads at
+# once (given twice, a frame of two videos): each image is read under one of these locks, chosen by its address
+# (PIL images are unhashable; two images sharing a lock only wait for each other's read).
+PIL_LOADS = tuple(threading.Lock() for _ in range(64))
+
+
 def _pil_to_rgb(image: PIL.Image.Image, name: str) -> PIL.Image.Image:
     """transformers.image_transforms.convert_to_rgb, PIL branch: transparency composited onto white.
 
@@ -410,6 +421,8 @@ def _pil_to_rgb(image: PIL.Image.Image, name: str) -> PIL.Image.Image:
     a* band is named "A"; not premultiplied RGBa/La) or a non-None ``info["transparency"]``.
     """
     try:
+        with PIL_LOADS[(id(image) >> 4) % len(PIL_LOADS)]:  # read once, by one thread (``PIL_LOADS``)
+            image.load()
         has_alpha = "A" in image.getbands() or image.info.get("transparency") is not None
         if not has_alpha:  # convert to the image's own mode is a copy of the same pixels: skipped
             return image if image.mode == "RGB" else image.convert("RGB")

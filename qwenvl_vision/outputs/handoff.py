@@ -49,8 +49,8 @@ from typing import Any
 
 import torch
 
-from ..devices import dtype_name, resolve_device, resolve_dtype
-from ..errors import InputError
+from ..devices import DTYPE_SPELLINGS, dtype_name, resolve_dtype
+from ..errors import ConfigError, InputError
 from ..inputs.video import positive_number
 from ..model.config import FAMILIES, family_named
 from ..model.execution import check_grids
@@ -174,9 +174,16 @@ def _output_class(family: str) -> type:
 
 def model_placement(dtype: torch.dtype | str | None, device: torch.device | str | None
                     ) -> tuple[torch.dtype | None, torch.device | None]:
-    """A hand-off's ``dtype`` and ``device``, as ``load_encoder`` spells and checks them (None: the items' own)."""
-    return (None if dtype is None else resolve_dtype(dtype, torch.device("cpu")),
-            None if device is None else resolve_device(device))
+    """A hand-off's ``dtype`` and ``device``, the language model's (None: the items' own): torch's, or a dtype as
+    ``load_encoder`` spells it; anything else is a ConfigError naming it, not torch's error."""
+    if isinstance(dtype, str):
+        dtype = resolve_dtype(dtype, torch.device("cpu"))
+    elif dtype is not None and not isinstance(dtype, torch.dtype):
+        raise ConfigError(f"dtype {dtype!r}: a torch.dtype or one of {sorted(DTYPE_SPELLINGS)}")
+    try:
+        return dtype, None if device is None else torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"unknown device {device!r}; a torch.device or its name (cpu, cuda:0, ...)") from None
 
 
 def to_transformers(result: Any, *more: Any, dtype: torch.dtype | str | None = None,

@@ -115,8 +115,8 @@ def run_serve(args: argparse.Namespace) -> int:
         # at once (a count), uvicorn answering 503 beyond it.
         server = uvicorn.Server(uvicorn.Config(build_app(encoder, serve_settings(args, encoder)), access_log=False,
                                                limit_concurrency=2 * args.max_queue))
-        # uvicorn handles SIGTERM (stops accepting, finishes what is in flight) and raises it again once stopped,
-        # which the CLI's own handler would turn into exit 143 after a clean stop.
+        # uvicorn handles SIGTERM (stops accepting, finishes what is in flight) and raises it again once stopped:
+        # ignored then, the stop is done (the CLI's handler, which raises, covers the load before).
         previous = signal.signal(signal.SIGTERM, lambda *_: None)
         try:
             server.run(sockets=[sock])

@@ -15,6 +15,7 @@ import contextlib
 import http.client
 import mimetypes
 import os
+import reprlib
 import socket
 import stat
 import string
@@ -86,7 +87,8 @@ def request_items(body: Any, policy: MediaPolicy, need_uuid: bool) -> list[Item]
                 continue
             field = next((f for f in ("image_url", "video_url") if f in part), None)
             if field is None or kind not in (None, field, "input_image"):
-                raise RequestError(f"{label}: content type {kind!r} is not served (image_url, video_url or text)")
+                raise RequestError(f"{label}: content type {reprlib.repr(kind)} is not served (image_url, video_url or "
+                                   f"text)")
             url = part[field].get("url") if isinstance(part[field], dict) else part[field]
             if not isinstance(url, str):
                 raise RequestError(f"{label}: {field} has no url")

@@ -23,7 +23,7 @@ from qwenvl_vision.embed import read_embeddings, read_encoded, read_manifest_lin
 from qwenvl_vision.embed.manifest import parquet_shards
 from qwenvl_vision.inputs.pixels import FileBytes
 from qwenvl_vision.outputs.parquet_reader import read_parquet_records
-from tests.helpers import make_image_folder
+from tests.helpers import ENV, REPO, make_image_folder
 from tests.helpers.embed import local_ray, one_error_line, run_embed  # noqa: F401 - a fixture
 from tests.helpers.servers import QuietHandler, http_folder, s3_client
 
@@ -378,5 +378,6 @@ def test_urls_whose_stores_fail_at_once_are_each_their_failed_input_in_a_fresh_p
               "urls = ['http://127.0.0.1:9/a.jpg', 'zip://x/a.jpg', 'zip://y/b.jpg']\n"
               "found = gather_inputs(urls)\n"
               "assert sorted(found.errors) == sorted(urls), found.errors\n")
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-c", script], env=ENV, cwd=REPO, capture_output=True, text=True,
+                            timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]

@@ -163,8 +163,6 @@ def test_frames_as_arrays_equal_the_file(videos, family):
     assert pil_grid == grid and not torch.equal(pil_values, values)
 
 
-
-
 def _write_x264(path, pts, **options) -> None:
     """H.264 in mp4 (faststart), one random 64x48 frame per presentation time in ``pts``."""
     with av.open(str(path), "w", options={"movflags": "faststart"}) as container:

@@ -231,7 +231,7 @@ def test_a_hand_off_takes_the_dtype_and_device_spellings_load_encoder_takes():
     out = to_transformers(items(), dtype="float16", device="cpu")["mm_encoder_outputs"]["image"]
     assert all(t.dtype == torch.float16 for t in out.pooler_output)
     for hand_over in (to_transformers, to_vllm):
-        for wrong, culprit in ((dict(dtype="bf8"), "dtype 'bf8'"), (dict(dtype=torch.int8), "dtype torch.int8"),
+        for wrong, culprit in ((dict(dtype="bf8"), "dtype 'bf8'"), (dict(dtype=16), "dtype 16"),
                                (dict(device="gpu"), "device 'gpu'")):
             with pytest.raises(ConfigError, match=culprit):
                 hand_over(items(), **wrong)

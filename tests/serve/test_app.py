@@ -131,6 +131,8 @@ def bad_requests(media) -> dict[str, tuple]:
         # Shown short, however long or deep (a repr deeper than the event loop's stack failed).
         "encoding_format as a long text": ("/v1/embeddings", chat(encoding_format="x" * 500_000), {}, 400,
                                            "encoding_format 'xxx"),
+        "a content type as a long text": ("/v1/embeddings", chat({"type": "x" * 5000, "image_url": {"url": good}}), {},
+                                          400, "messages[0].content[1]", "content type 'xxx"),
         "encoding_format as deep lists": ("/v1/embeddings", b'{"messages": [], "encoding_format": ' + b"[" * 985 +
                                           b"]" * 985 + b"}", {}, 400, "encoding_format [["),
         # JSON's lone surrogate escapes: no host, file or message can hold one.
@@ -140,7 +142,6 @@ def bad_requests(media) -> dict[str, tuple]:
                               ("another host's URL", "http://example.com/\ud800"),
                               ("a file URL", "file:///tmp/\ud800.png")]},
     }
-
 
 
 @pytest.mark.parametrize("case", ["broken image", "unknown content type", "uuid ../x", "uuid of the folder's identity",
@@ -155,6 +156,7 @@ def bad_requests(media) -> dict[str, tuple]:
                                   "more items than --max-items", "return_tokens as text",
                                   "encoding_format as a number", "content as one part",
                                   "encoding_format as a long text", "encoding_format as deep lists",
+                                  "a content type as a long text",
                                   "a lone surrogate in an allowed URL", "a lone surrogate in another host's URL",
                                   "a lone surrogate in a file URL"])
 def test_bad_input_gets_its_status_and_one_line_and_the_next_request_is_served(served, media, case):
