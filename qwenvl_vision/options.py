@@ -3,6 +3,7 @@ path taking them applies (``check_option_rules``: the API, the Ray Embedder, the
 
 from __future__ import annotations
 
+import numbers
 import operator
 import os
 from dataclasses import dataclass
@@ -40,6 +41,9 @@ class EncodeOptions:
     max_item_tokens: int | None = None
 
     def __post_init__(self) -> None:
+        for option in ("min_pixels", "max_pixels"):  # a NumPy integer as the int it is, then checked as one
+            if isinstance(value := getattr(self, option), numbers.Integral) and not isinstance(value, bool):
+                object.__setattr__(self, option, int(value))
         check_option_rules(min_pixels=self.min_pixels, max_pixels=self.max_pixels, pooled=self.pooled,
                            normalize=self.normalize)
         if self.resize is not None:
@@ -51,7 +55,7 @@ class EncodeOptions:
             raise ConfigError(f"video_config must be a VideoConfig (dataclasses.replace(encoder.video_config, ...)), "
                               f"got {type(self.video_config).__name__}")
         for option, least in (("max_batch_patches", 1), ("max_input_pixels", 1), ("decode_bytes", 1), ("prefetch", 0),
-                              ("max_item_tokens", 1), ("num_workers", 0), ("min_pixels", 1), ("max_pixels", 1)):
+                              ("max_item_tokens", 1), ("num_workers", 0)):
             value = getattr(self, option)
             if value is None and option != "max_batch_patches":  # None: no bound
                 continue

@@ -177,8 +177,8 @@ class EmbedJob:
         except OSError as e:
             if e.errno in OUTPUT_FAULTS:  # nothing written; the same command runs once the folder is fixed
                 raise output_fault(e, out) from e
-            raise EmbedError(f"--out {out}: cannot be made a folder ({e.strerror or e}"  # a link to nowhere, a file
-                             f"{f': {e.filename}' if e.filename else ''})") from e
+            raise EmbedError(f"--out {out}: {e.strerror or e}"  # a link to nowhere, a file; a lock refused
+                             f"{f' ({e.filename})' if e.filename else ''}") from e
         for name in (RUN_FILE, MANIFEST, part_name(self.rank, self.world)):  # refused before anything is written
             refuse_link(out / name)
         recorded = recorded_plan = None  # a resumed run's, and its CPU plan: its very bits

@@ -92,8 +92,10 @@ def failure(error: BaseException) -> tuple[str, bool]:
     or a refused signature); else the error's type (a connection refused or dropped, a timeout may; a missing object or
     a refused certificate never)."""
     aiohttp, seen = None, error
-    if "aiohttp" in sys.modules:  # imported wherever one of its errors can be there; the import statement waits for
-        import aiohttp  # a thread still importing it (sys.modules holds a module half made until then)
+    # Imported wherever one of its errors can be there; the import statement waits for a thread still importing it
+    # (sys.modules holds a module half made until then; None where it is blocked).
+    if sys.modules.get("aiohttp") is not None:
+        import aiohttp
     for _ in range(8):  # a chain of causes, never a cycle's worth
         if aiohttp and isinstance(seen, aiohttp.TooManyRedirects):
             return f"a redirect loop: too many redirects ({len(seen.history)} followed)", False

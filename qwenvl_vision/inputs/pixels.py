@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import io
 import math
-import operator
 import os
 import re
 import stat
@@ -68,11 +67,7 @@ def check_pixel_bounds(min_pixels: int | None, max_pixels: int | None,
     """Pixel bounds: whole numbers of at least 1 (None: the checkpoint's), min not above max; ``names``: the two
     as the caller spells them (a call's arguments, a config's fields, the command line's options)."""
     for name, value in zip(names, (min_pixels, max_pixels)):
-        try:
-            whole = value is None or not isinstance(value, bool) and operator.index(value) >= 1
-        except TypeError:
-            whole = False
-        if not whole:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ConfigError(f"{name} must be a positive integer, got {value!r}")
     if min_pixels is not None and max_pixels is not None and min_pixels > max_pixels:
         raise ConfigError(f"{names[0]} {min_pixels} is above {names[1]} {max_pixels}")
@@ -423,13 +418,16 @@ def _pil_to_rgb(image: PIL.Image.Image, name: str) -> PIL.Image.Image:
     try:
         with PIL_LOADS[(id(image) >> 4) % len(PIL_LOADS)]:  # read once, by one thread (``PIL_LOADS``)
             image.load()
+    except Exception as e:  # a lazily opened image cut short, say: PIL raises many types
+        raise _unreadable(e, name, None) from e
+    try:
         has_alpha = "A" in image.getbands() or image.info.get("transparency") is not None
         if not has_alpha:  # convert to the image's own mode is a copy of the same pixels: skipped
             return image if image.mode == "RGB" else image.convert("RGB")
         rgba = image.convert("RGBA")
         background = PIL.Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         return PIL.Image.alpha_composite(background, rgba).convert("RGB")
-    except Exception as e:  # unsupported mode conversions, or a lazily opened image that fails to decode
+    except Exception as e:  # unsupported mode conversions
         raise PreprocessError(f"{name}: cannot convert mode {image.mode} to RGB ({type(e).__name__}: {e})") from e
 
 

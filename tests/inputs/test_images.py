@@ -11,6 +11,7 @@ in tests/inputs/test_pixels.py, videos in tests/inputs/test_video.py and tests/i
 
 from __future__ import annotations
 
+import io
 import pathlib
 import subprocess
 import sys
@@ -251,6 +252,15 @@ def test_aspect_ratio_checked_before_decoding(tmp_path):
     assert str(path) in str(err.value)
     with pytest.raises(PreprocessError, match="corrupt or truncated"):
         load_image(path)
+
+
+def test_a_pil_image_opened_from_a_file_cut_short_is_named_so():
+    """Opened lazily by the caller, its pixels are read here: the same message as for the file."""
+    buffer = io.BytesIO()
+    Image.fromarray(content(200, 300)).save(buffer, "JPEG")
+    lazy = Image.open(io.BytesIO(buffer.getvalue()[:2000]))
+    with pytest.raises(PreprocessError, match=r"^image 0: corrupt or truncated image data"):
+        preprocess_image(lazy, pil_config("qwen2_5_vl"), index=0)
 
 
 def _assert_error(image, pattern, index=4, path=None):
