@@ -81,6 +81,9 @@ def _missing(path: Path, wanted: Sequence[str], have: Sequence[str]) -> None:
     if missing:
         raise ConfigError(f"table {path} has no column {', '.join(map(repr, missing))}; its columns: "
                           f"{', '.join(map(str, have)) or 'none'} (choose with --path-column / --keep-columns)")
+    twice = [c for c in wanted if list(have).count(c) > 1]  # a CSV header's: which one is meant, no reader knows
+    if twice:
+        raise ConfigError(f"table {path} has more than one column {', '.join(map(repr, twice))}; rename all but one")
 
 
 def _checked_path(table: Path, number: int, column: str, value: Any) -> tuple[str | None, str | None]:

@@ -145,6 +145,8 @@ def test_columns_that_cannot_be_carried_are_refused_in_one_line(folder_run, chec
     unclosed.write_text(f"path,caption\n{paths[0]},a\n{paths[1]},\"6 inch\n{paths[2]},b\n")
     runaway = root / "runaway.tsv"  # the same quote, which a later quoted word closes: the rows between swallowed
     runaway.write_text(f"path\tcaption\n{paths[0]}\t\"6 inch\n{paths[1]}\tb\n{paths[2]}\t\"Best\" view\n")
+    doubled = root / "doubled.csv"  # pandas would take the first 'path', the csv module the last
+    doubled.write_text(f"path,path\n{paths[0]},{paths[1]}\n")
     cases = [
         (table, ["--path-column", "file"], ["no column 'file'", "path, caption, idx"]),
         (table, ["--keep-columns", "caption,nope"], ["no column 'nope'"]),
@@ -155,6 +157,7 @@ def test_columns_that_cannot_be_carried_are_refused_in_one_line(folder_run, chec
         (unclosed, [], ["unclosed.csv: the record from line 3", "opens a quote that never closes"]),
         (runaway, [], ["runaway.tsv: the record from line 2", "opens a quote that never closes"]),
         (damaged, [], ["damaged.parquet cannot be read as Parquet", "thrift"]),
+        (doubled, [], ["doubled.csv has more than one column 'path'"]),
     ]
     for i, column in enumerate([pa.array([b"imgs/x.png"]), pa.array([0], pa.timestamp("ms")), pa.array([7])]):
         pq.write_table(pa.table({"file": column}), root / f"typed-path{i}.parquet")  # a path column not of text
