@@ -259,8 +259,9 @@ class _CheckClaims(ast.NodeTransformer):
         return ast.copy_location(ast.Expr(call), node)
 
 
-def run_python(block: Block) -> None:
-    tree = ast.fix_missing_locations(_CheckClaims(claimed_values(block.code)).visit(ast.parse(block.code)))
+def run_python(block: Block, workdir: Path) -> None:
+    code = in_workdir(block.code, workdir)
+    tree = ast.fix_missing_locations(_CheckClaims(claimed_values(code)).visit(ast.parse(code)))
 
     def claim(value, expected, line):
         found = tuple(value.shape) if isinstance(value, torch.Tensor) else value
@@ -285,7 +286,7 @@ def test_readme_example_runs(block, workdir, hub, tmp_path, capsys):
     serve_repos(hub, runnable, tmp_path / "repos")
     write_tiny_full_models(runnable, workdir)
     if block.language == "python":
-        run_python(block)
+        run_python(block, workdir)
         return
     for command in commands(block):
         if command.text in EXCUSED:
