@@ -3,13 +3,11 @@ path taking them applies (``check_option_rules``: the API, the Ray Embedder, the
 
 from __future__ import annotations
 
-import numbers
-import operator
 import os
 from dataclasses import dataclass
 
 from .errors import ConfigError
-from .inputs.pixels import DEFAULT_MAX_INPUT_PIXELS, check_pixel_bounds, check_resize_backend
+from .inputs.pixels import DEFAULT_MAX_INPUT_PIXELS, check_pixel_bounds, check_resize_backend, whole_number
 from .inputs.video import VideoConfig, positive_number
 
 DEFAULT_BATCH_PATCHES = 16384  # patches per forward: a few photos at a time
@@ -41,9 +39,11 @@ class EncodeOptions:
     max_item_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        for option in ("min_pixels", "max_pixels"):  # a NumPy integer as the int it is, then checked as one
-            if isinstance(value := getattr(self, option), numbers.Integral) and not isinstance(value, bool):
-                object.__setattr__(self, option, int(value))
+        for option, least in (("min_pixels", 1), ("max_pixels", 1), ("max_batch_patches", 1), ("max_input_pixels", 1),
+                              ("decode_bytes", 1), ("prefetch", 0), ("max_item_tokens", 1), ("num_workers", 0)):
+            value = getattr(self, option)
+            if value is not None or option == "max_batch_patches":  # None: the default or no bound
+                object.__setattr__(self, option, whole_number(value, option, least))  # a NumPy integer as an int
         check_option_rules(min_pixels=self.min_pixels, max_pixels=self.max_pixels, pooled=self.pooled,
                            normalize=self.normalize)
         if self.resize is not None:
@@ -54,18 +54,6 @@ class EncodeOptions:
         if not isinstance(self.video_config, VideoConfig):
             raise ConfigError(f"video_config must be a VideoConfig (dataclasses.replace(encoder.video_config, ...)), "
                               f"got {type(self.video_config).__name__}")
-        for option, least in (("max_batch_patches", 1), ("max_input_pixels", 1), ("decode_bytes", 1), ("prefetch", 0),
-                              ("max_item_tokens", 1), ("num_workers", 0)):
-            value = getattr(self, option)
-            if value is None and option != "max_batch_patches":  # None: no bound
-                continue
-            try:
-                number = None if isinstance(value, bool) else operator.index(value)
-            except TypeError:
-                number = None
-            if number is None or number < least:
-                raise ConfigError(f"{option} must be an integer of at least {least}, got {value!r}")
-            object.__setattr__(self, option, number)  # a plain int (a NumPy or 0-d torch integer given)
 
     @property
     def workers(self) -> int:

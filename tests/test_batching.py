@@ -106,7 +106,7 @@ def test_options_are_frozen_and_refused_when_out_of_range():
     options = EncodeOptions(video_config=video_config, prefetch=0)  # no prefetch is allowed
     with pytest.raises(dataclasses.FrozenInstanceError):
         options.pooled = True  # type: ignore[misc]
-    bad = [({"max_batch_patches": 0}, "max_batch_patches must be an integer of at least 1, got 0"),
+    bad = [({"max_batch_patches": 0}, "max_batch_patches must be a positive integer, got 0"),
            ({"max_batch_patches": None}, "max_batch_patches .* got None"),
            ({"decode_bytes": 0}, "decode_bytes .* got 0"),
            ({"max_input_pixels": -1}, "max_input_pixels .* got -1"),

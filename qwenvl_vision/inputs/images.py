@@ -74,6 +74,7 @@ from .pixels import (
     patchify,
     resize_image,
     smart_resize,
+    whole_number,
 )
 
 
@@ -99,9 +100,7 @@ class PreprocessConfig:
         check_pixel_bounds(self.min_pixels, self.max_pixels,
                            ("PreprocessConfig.min_pixels", "PreprocessConfig.max_pixels"))
         for key in ("patch_size", "temporal_patch_size", "merge_size"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"PreprocessConfig.{key} must be a positive int, got {value!r}")
+            object.__setattr__(self, key, whole_number(getattr(self, key), f"PreprocessConfig.{key}"))
         for key in ("image_mean", "image_std"):
             # A scalar means the same value for all three channels, as transformers' normalize allows.
             value = getattr(self, key)

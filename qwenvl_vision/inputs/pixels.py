@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import io
 import math
+import operator
 import os
 import re
 import stat
@@ -62,13 +63,25 @@ def is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def whole_number(value: Any, name: str, least: int = 1) -> int:
+    """``value`` as a plain int (a NumPy or 0-d torch integer as the int it is) of at least ``least``; a
+    ConfigError naming ``name`` otherwise (a bool, a float, a string)."""
+    number = None
+    with contextlib.suppress(TypeError):
+        number = None if isinstance(value, bool) else operator.index(value)
+    if number is None or number < least:
+        raise ConfigError(f"{name} must be {'a positive integer' if least == 1 else f'an integer of at least {least}'}"
+                          f", got {value!r}")
+    return number
+
+
 def check_pixel_bounds(min_pixels: int | None, max_pixels: int | None,
                        names: tuple[str, str] = ("min_pixels", "max_pixels")) -> None:
     """Pixel bounds: whole numbers of at least 1 (None: the checkpoint's), min not above max; ``names``: the two
     as the caller spells them (a call's arguments, a config's fields, the command line's options)."""
     for name, value in zip(names, (min_pixels, max_pixels)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if value is not None:
+            whole_number(value, name)
     if min_pixels is not None and max_pixels is not None and min_pixels > max_pixels:
         raise ConfigError(f"{names[0]} {min_pixels} is above {names[1]} {max_pixels}")
 

@@ -59,6 +59,7 @@ from .pixels import (
     normalize_table,
     patchify,
     resize_image,
+    whole_number,
 )
 from .video_io import VideoInfo, read_video_frames
 
@@ -101,9 +102,7 @@ class VideoConfig:
         if self.sampling not in PROCESSORS:
             raise ConfigError(f"VideoConfig.sampling must be one of {', '.join(PROCESSORS)}, got {self.sampling!r}")
         for key in ("min_pixels", "max_pixels", "min_frames", "max_frames", "max_video_tokens"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"VideoConfig.{key} must be a positive int, got {value!r}")
+            object.__setattr__(self, key, whole_number(getattr(self, key), f"VideoConfig.{key}"))
         if not positive_number(self.fps):
             raise ConfigError(f"VideoConfig.fps must be a finite positive number, got {self.fps!r}")
         object.__setattr__(self, "fps", float(self.fps))

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import CacheFolderError, ConfigError
+from ..errors import CacheFolderError
 from ..inputs.item_ids import is_sha256
 from .durable import append_synced, fsync_dir, lock_held
 from .vllm_cache import CACHE_FILE, IDENTITY_FILE, ITEM_NAME, cache_lock
@@ -106,8 +106,6 @@ def prune_cache(folder: str | os.PathLike, max_bytes: int, dry_run: bool = False
     """Remove the oldest items of the encoder-cache ``folder`` until it holds at most ``max_bytes`` (see the
     module); what was removed and what is left."""
     folder = Path(folder)
-    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
-        raise ConfigError(f"the bound must be a number of bytes >= 0, got {max_bytes!r}")
     if not folder.is_dir():
         raise CacheFolderError(f"{folder} is not a folder")
     if not (folder / IDENTITY_FILE).is_file():  # a link to the folder is followed, as writers follow it

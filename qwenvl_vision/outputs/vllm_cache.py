@@ -185,28 +185,15 @@ def write_vllm_cache(result: Any, folder: str | os.PathLike) -> list[dict[str, A
     return [entry(name, item) for name, item in zip(names, items)]
 
 
-def vllm_request(entries: Sequence[dict[str, Any]], *, mm_processor_kwargs: dict[str, Any] | None = None,
-                 media_io_kwargs: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
+def vllm_request(entries: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """The fields of a vLLM request whose items come from an encoder cache: ``{"multi_modal_data": {...},
     "multi_modal_uuids": {...}}``, to pass beside the prompt (``LLM.generate({"prompt": ..., **request})``).
 
     ``entries``: the prompt's items, each modality's in the order of its placeholders (``write_vllm_cache``'s
-    entries, or records of an ``embed --format vllm-cache`` manifest).
-
-    A request that also carries processor or media-IO keyword arguments is refused (``InputError``): vLLM takes
-    a uuid as the item's cache name only when a request has none; with them it hashes (model, uuid, kwargs) and
-    looks in a folder nobody wrote, running its own tower instead. The items were sized when they were embedded
-    (the run's pixel bounds and fps): nothing is left for such arguments to change. Pass the ones the consumer
-    would add, and they are checked here rather than missed there.
+    entries, or records of an ``embed --format vllm-cache`` manifest). Send it without processor or media-IO
+    keyword arguments: vLLM takes a uuid as the item's cache name only then (with them it hashes the model, uuid
+    and arguments, and runs its own tower on a miss).
     """
-    media = {modality: kwargs for modality, kwargs in (media_io_kwargs or {}).items() if kwargs}  # as vLLM drops {}
-    extra = {name: value for name, value in (("mm_processor_kwargs", mm_processor_kwargs),
-                                              ("media_io_kwargs", media)) if value}
-    if extra:
-        raise InputError(f"{' and '.join(extra)} given: vLLM looks an item up under its uuid only in a request "
-                         f"without processor or media-IO keyword arguments (with them it hashes the model, uuid "
-                         f"and arguments, and finds nothing in this cache); the items were sized at embed time, "
-                         f"so send the request without them")
     data: dict[str, dict[str, Any]] = {}
     uuids: dict[str, list[str]] = {}
     grouped: dict[str, list[dict[str, Any]]] = {}

@@ -219,7 +219,7 @@ class Connections(urllib.request.HTTPSHandler, urllib.request.HTTPHandler):
             return conn
         return super().do_open(connection, req, **kwargs)
 
-    def connect(self, address, timeout, source_address=None) -> socket.socket:
+    def connect(self, address, timeout, source_address=None) -> socket.socket:  # http.client passes no source
         """``socket.create_connection``, but each of the host's addresses tried within the time left, not the whole
         timeout each (a host whose IPv6 and IPv4 addresses both drop packets held the fetch twice the timeout); a
         redirect's hop too. The name lookup is the resolver's, not bounded here."""
@@ -231,8 +231,6 @@ class Connections(urllib.request.HTTPSHandler, urllib.request.HTTPHandler):
             try:
                 sock = socket.socket(family, kind, proto)
                 sock.settimeout(left)
-                if source_address:
-                    sock.bind(source_address)
                 sock.connect(sockaddr)  # the whole address: an IPv6 one keeps its scope
                 break
             except OSError as e:  # refused, timed out, or a family this machine lacks: the next address
