@@ -196,8 +196,9 @@ def sample_indices(num_frames: int, video_fps: float, vcfg: VideoConfig, tempora
 
     ``Qwen3VLVideoProcessor.sample_frames`` (fps branch) for qwen3: evenly spaced, first and last frame included,
     the count not rounded to a multiple of T (padding happens later). ``Qwen2VLVideoProcessor.sample_frames`` (fps
-    branch) for qwen2: a count that is a multiple of T, float32 steps; a video shorter than T frames keeps all its
-    frames (the reference divides by zero). The float step can make the reference's arange one element longer
+    branch) for qwen2: a count that is a multiple of T, float32 steps; where the reference's count rounds down to 0
+    it divides by zero: a video shorter than T frames keeps all its frames, a longer one T of them (one temporal
+    patch, whatever fps or max_frames asked). The float step can make the reference's arange one element longer
     than the count (1001 frames at 1 fps sampled at 0.5 fps: 501 indices ending in 1001, past the last frame, so
     indexing the video fails); indices past the last frame are dropped, an extra one still in range is kept.
     ``clamp``: they are the last frame instead, as vLLM's ``Qwen2VLVideoBackend`` clamps them.
@@ -208,11 +209,11 @@ def sample_indices(num_frames: int, video_fps: float, vcfg: VideoConfig, tempora
                     num_frames)
         return np.linspace(0, num_frames - 1, count).round().astype(int).tolist()
     t = temporal_patch_size
+    if num_frames < t:
+        return list(range(num_frames))
     max_frames = math.floor(min(vcfg.max_frames, num_frames) / t) * t
     count = min(max(num_frames / video_fps * vcfg.fps, vcfg.min_frames), max_frames, num_frames)
-    count = math.floor(count / t) * t
-    if count == 0:
-        return list(range(num_frames))
+    count = max(math.floor(count / t) * t, t)
     indices = torch.arange(0, num_frames, num_frames / count, dtype=torch.float32).int().tolist()
     return [min(i, num_frames - 1) for i in indices if clamp or i < num_frames]
 

@@ -238,9 +238,15 @@ def _decode_sampled(container: Any, stream: Any, indices: list[int], name: str,
                                   f"run was stopped)")
         try:
             frame = next(stream_frames, None)
-            rgb = frame.to_ndarray(format="rgb24") if frame is not None and decoded in slots else None
+            rgb = None
+            if frame is not None and decoded in slots:
+                # Checked before converting: a frame grown mid-stream (in-band) would pass the header's limit.
+                if source not in (None, (frame.width, frame.height)):
+                    raise PreprocessError(f"{name}: frame {decoded} is {frame.width}x{frame.height}, earlier "
+                                          f"frames {source[0]}x{source[1]}; the size must not change")
+                source, rgb = (frame.width, frame.height), frame.to_ndarray(format="rgb24")
             rotation = frame.rotation if rgb is not None and turn else 0
-        except MemoryError:
+        except (MemoryError, PreprocessError):
             raise
         except Exception as e:  # noqa: BLE001 - FFmpeg's decoders raise many error types
             raise _av_error(e, name, "decode") from e
@@ -250,12 +256,8 @@ def _decode_sampled(container: Any, stream: Any, indices: list[int], name: str,
             if rotation and rotation % 90 == 0:  # counter-clockwise degrees, as np.rot90 turns
                 rgb = np.ascontiguousarray(np.rot90(rgb, rotation // 90))
             if frames is None:
-                source = rgb.shape
                 target = size(len(indices), *rgb.shape[:2]) if size is not None else rgb.shape[:2]
                 frames = np.empty((len(indices), *target, 3), dtype=np.uint8)
-            elif rgb.shape != source:
-                raise PreprocessError(f"{name}: frame {decoded} is {rgb.shape[1]}x{rgb.shape[0]}, earlier "
-                                      f"frames {source[1]}x{source[0]}; the size must not change")
             frames[slots[decoded]] = resize_uint8_torch(rgb, *target)
         decoded += 1
     return frames, decoded

@@ -128,6 +128,11 @@ def test_sample_indices_match_the_reference(sampling):
         assert sample_indices(1001, 1.0, VideoConfig(fps=0.5), 2) == overrun[:-1]
         assert sample_indices(1001, 1.0, VideoConfig(fps=0.5), 2, clamp=True) == [*overrun[:-1], 1000]  # as vLLM
     assert sample_indices(1, 30.0, VideoConfig(sampling), 2) == [0]  # Qwen2's reference divides by zero here
+    # Fewer frames asked than a temporal patch holds (the Qwen2 reference divides by zero): never every frame.
+    assert len(sample_indices(120, 30.0, VideoConfig(sampling, fps=0.1, min_frames=1), 2)) == (2 if sampling ==
+                                                                                                "qwen2" else 1)
+    assert len(sample_indices(120, 30.0, VideoConfig(sampling, min_frames=1, max_frames=1), 2)) == (
+        2 if sampling == "qwen2" else 1)
     assert sample_indices(100, 30.0, VideoConfig(sampling, fps=1e308), 2) == list(range(100))  # Qwen3's overflows
 
 

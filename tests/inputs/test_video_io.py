@@ -228,6 +228,63 @@ def test_bad_files_raise_one_line_naming_the_file(bad_files, file, message):
             probe_video(path, max_input_pixels=5000)
 
 
+def test_a_frame_grown_mid_stream_is_refused_before_it_is_converted(tmp_path, monkeypatch):
+    """H.264 changes size in-band: the header (checked against max_input_pixels) gives the first frames' size only,
+    so a later frame's size is checked before its RGB array is made."""
+    import io
+
+    def h264(width, height, count):
+        buffer = io.BytesIO()
+        with av.open(buffer, "w", format="h264") as container:
+            stream = container.add_stream("libx264", rate=8, options={"preset": "ultrafast"})
+            stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+            for _ in range(count):
+                frame = av.VideoFrame.from_ndarray(np.zeros((height, width, 3), np.uint8), format="rgb24")
+                container.mux(stream.encode(frame))
+            container.mux(stream.encode())
+        return buffer.getvalue()
+
+    (tmp_path / "grown.h264").write_bytes(h264(64, 48, 8) + h264(2048, 2048, 1))
+    with av.open(str(tmp_path / "grown.h264")) as source, av.open(str(tmp_path / "grown.mkv"), "w") as out:
+        stream = out.add_stream_from_template(source.streams.video[0])
+        for n, packet in enumerate(p for p in source.demux(source.streams.video[0]) if p.size):
+            packet.stream, packet.time_base, packet.pts, packet.dts = stream, fractions.Fraction(1, 8), n, n
+            out.mux(packet)
+    converted, open_file = [], av.open
+
+    class Frame:  # a decoded frame whose conversions to RGB are recorded
+        def __init__(self, frame):
+            self.frame = frame
+
+        def __getattr__(self, name):
+            return getattr(self.frame, name)
+
+        def to_ndarray(self, **options):
+            converted.append((self.frame.width, self.frame.height))
+            return self.frame.to_ndarray(**options)
+
+    class Container:
+        def __init__(self, *args, **kwargs):
+            self.container = open_file(*args, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(self.container, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return self.container.__exit__(*exc)
+
+        def decode(self, *args, **kwargs):
+            return map(Frame, self.container.decode(*args, **kwargs))
+
+    monkeypatch.setattr(av, "open", Container)
+    with pytest.raises(PreprocessError, match=r"frame 8 is 2048x2048, earlier frames 64x48"):
+        preprocess_video_file(str(tmp_path / "grown.mkv"), *configs("qwen3_vl"), max_input_pixels=5000)
+    assert converted and (2048, 2048) not in converted  # the grown frame's RGB array was never made
+
+
 def test_frames_are_turned_upright_only_when_asked(tmp_path):
     """Rotation metadata in counter-clockwise degrees, as vLLM's reader applies it (tests/contract/test_serve.py)."""
     frames = [content(48, 64, seed=i) for i in range(3)]
