@@ -247,16 +247,17 @@ def _refuse_non_finite(tensor: torch.Tensor, name: str, path: Path) -> None:
     if not bits.size or bits.max() < positive_inf and bits.view(f"u{bits.itemsize}").max() < negative_inf:
         return
     nan, inf = int(torch.isnan(tensor).sum()), int(torch.isinf(tensor).sum())
-    raise CheckpointError(f"tensor {name} in {path} holds {nan} NaN and {inf} infinite value(s) "
-                          f"(pass check_finite=False to load it anyway)")
+    raise CheckpointError(f"tensor {name} in {path} holds {nan} NaN and {inf} infinite value(s) as "
+                          f"{str(tensor.dtype).removeprefix('torch.')} (pass check_finite=False to load it anyway)")
 
 
 def read_tensors(checkpoint: VisionCheckpoint, expected: dict[str, torch.Tensor], device: torch.device,
                  dtype: torch.dtype | None, *, check_finite: bool = True) -> dict[str, torch.Tensor]:
     """Every vision tensor once, onto `device` in `dtype` (None: as stored), every header checked before any data
     is read (``vision_entries``; `expected`: name without prefix -> the meta tensor it fills). Each is copied out of
-    the shard's mapping on its own, straight onto the device in the target dtype, the shard reopened every
-    ``MAPPED_BYTES``, so the host peak is the tower plus that; with `check_finite`, refused if NaN/Inf as stored.
+    the shard's mapping on its own, cast on the host, then moved to the device, the shard reopened every
+    ``MAPPED_BYTES``, so the host peak is the tower plus that; with `check_finite`, refused if NaN/Inf once cast (a
+    finite float64 or float32 weight may overflow the dtype it is cast to).
     """
     pending = list(vision_entries(checkpoint, expected).items())
     state: dict[str, torch.Tensor] = {}
@@ -267,10 +268,11 @@ def read_tensors(checkpoint: VisionCheckpoint, expected: dict[str, torch.Tensor]
                 key, entry = pending.pop(0)
                 stored = f.get_tensor(entry["name"])
                 mapped += stored.nbytes
-                if check_finite:
-                    _refuse_non_finite(stored, entry["name"], path)
-                state[key] = stored.to(device=device, dtype=dtype or stored.dtype, copy=True)
+                tensor = stored.to(dtype=dtype or stored.dtype, copy=True)
                 del stored  # the last reference into the mapping: the close unmaps it
+                if check_finite:
+                    _refuse_non_finite(tensor, entry["name"], path)
+                state[key] = tensor.to(device)
     return state
 
 

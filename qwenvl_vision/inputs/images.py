@@ -141,12 +141,16 @@ class PreprocessConfig:
         if not isinstance(d, dict):
             raise ConfigError(f"preprocessor_config.json must hold a JSON object, got {type(d).__name__}")
         check_supported(d)
-        size = d.get("size") or {}
-        if not isinstance(size, dict):
+        size = d.get("size")
+        if size is not None and not isinstance(size, dict):
             raise ConfigError(f"preprocessor config size must be a dict of pixel bounds, got {size!r}")
-        # Older files spelled the size keys min_pixels / max_pixels; a top-level key overrides size.
-        bounds = {key: d[key] if d.get(key) is not None else size.get(edge, size.get(key, getattr(base, key)))
-                  for key, edge in (("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge"))}
+        # Older files spelled the size keys min_pixels / max_pixels; a top-level key overrides size; a size without
+        # a bound is refused, as transformers' resize refuses it (no size at all: the class defaults).
+        bounds = {key: d[key] if d.get(key) is not None else getattr(base, key) if size is None else
+                  size.get(edge, size.get(key)) for key, edge in (("min_pixels", "shortest_edge"),
+                                                                   ("max_pixels", "longest_edge"))}
+        if None in bounds.values():
+            raise ConfigError(f"preprocessor config size {size!r} lacks shortest_edge or longest_edge")
 
         given = {key: d[key] for key in ("patch_size", "temporal_patch_size", "merge_size", "image_mean", "image_std")
                  if d.get(key) is not None}

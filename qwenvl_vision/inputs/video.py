@@ -145,17 +145,19 @@ class VideoConfig:
             # The Qwen2 class's backward-compatible default (false, fps null) means "the caller decides"; a file
             # that sets an fps and turns sampling off asks for every frame, which this package does not do.
             raise ConfigError(f"{what} sets do_sample_frames=false with an fps; only sampling by fps is supported")
-        size = d.get("size") or {}
-        if not isinstance(size, dict):
+        size = d.get("size")  # None: the class defaults; one without a bound is refused, as the reference's resize
+        if size is not None and not isinstance(size, dict):
             raise ConfigError(f"{what} size must be a dict of pixel bounds, got {size!r}")
-        bounds = {"min_pixels": size.get("shortest_edge", base.min_pixels),
-                  "max_pixels": size.get("longest_edge", base.max_pixels)}
+        bounds = {"min_pixels": base.min_pixels if size is None else size.get("shortest_edge"),
+                  "max_pixels": base.max_pixels if size is None else size.get("longest_edge")}
         for key, current in list(bounds.items()):
             if d.get(key) is not None and d[key] != current:
                 if base.sampling == "qwen3":
                     raise ConfigError(f"{what} {key}={d[key]!r} differs from size ({current!r}); "
                                       "Qwen3VLVideoProcessor ignores it: set size.shortest_edge/longest_edge")
                 bounds[key] = d[key]
+        if None in bounds.values():
+            raise ConfigError(f"{what} size {size!r} lacks shortest_edge or longest_edge")
         for key in _SHARED_KEYS if pre is not None else ():
             if d.get(key) is not None:
                 try:  # read as the image settings read it (a scalar mean is one per channel)

@@ -172,7 +172,7 @@ class VisionConfig:
         for name, (low, high) in LIMITS.items():
             check_number(name, getattr(self, name), low, high)
         for name in ("fullatt_block_indexes", "deepstack_visual_indexes"):
-            value = () if getattr(self, name) is None else getattr(self, name)
+            value = getattr(self, name)  # null is no list: transformers fails on it too
             if not isinstance(value, (list, tuple)) or any(type(i) is not int for i in value):  # bool is no index
                 raise ConfigError(f"vision_config.{name} must be a list of block indexes, got {value!r}")
             if len(set(value)) != len(value) or not all(0 <= i < self.depth for i in value):

@@ -268,6 +268,21 @@ def test_non_finite_weight_is_named_and_can_be_loaded_on_request(tmp_path, dtype
     assert weight.flatten()[37].item() == value or math.isnan(value) and math.isnan(weight.flatten()[37].item())
 
 
+def test_a_weight_that_overflows_the_dtype_it_is_cast_to_is_refused(tmp_path):
+    """A finite float32 weight beyond bfloat16's range is infinite once loaded in bf16: refused as such."""
+    write_checkpoint(tmp_path, QWEN3_SMALL_72, dtype=torch.float32)
+    name = "model.visual.blocks.1.mlp.linear_fc1.weight"
+    shard = shard_of(tmp_path, name)
+    header, data = split_shard(shard)
+    position = header[name]["data_offsets"][0] + 37 * 4
+    element = torch.tensor([3.4e38], dtype=torch.float32).numpy().tobytes()
+    join_shard(shard, header, data[:position] + element + data[position + 4:])
+    with pytest.raises(CheckpointError, match=rf"{re.escape(name)} in .* holds 0 NaN and 1 infinite value\(s\) as "
+                                              r"bfloat16"):
+        _load(tmp_path, dtype=torch.bfloat16)
+    assert _load(tmp_path, dtype=torch.float32).model.state_dict()["blocks.1.mlp.linear_fc1.weight"].isfinite().all()
+
+
 def test_non_finite_weight_in_the_last_tensor_read_is_refused(ckpt):
     """The last vision tensor of the last shard (nothing read after it) is checked too."""
     shards = sorted({shard_of(ckpt, n) for n in read_index(ckpt)["weight_map"] if n.startswith("visual.")})

@@ -21,7 +21,7 @@ import pytest
 import torch
 from PIL import Image
 
-from qwenvl_vision.errors import PreprocessError
+from qwenvl_vision.errors import ConfigError, PreprocessError
 from qwenvl_vision.inputs.images import PreprocessConfig, preprocess_image, probe_image
 from qwenvl_vision.inputs.pixels import input_name, load_rgb
 from tests.helpers import (
@@ -360,6 +360,12 @@ def test_from_dict_pixel_precedence_matches_reference():
     config = PreprocessConfig.from_dict(d, "qwen2_5_vl")
     reference = Qwen2VLImageProcessorPil(**d)
     assert (config.min_pixels, config.max_pixels) == (reference.size.shortest_edge, reference.size.longest_edge)
+    # A size without a bound is the reference's error when it resizes, not the class default.
+    for size in ({"longest_edge": 200704}, {"height": 224, "width": 224}):
+        with pytest.raises(ValueError, match="must contain 'shortest_edge' and 'longest_edge'"):
+            image_reference(Qwen2VLImageProcessorPil(size=size, patch_size=14), Image.fromarray(content(60, 80)))
+        with pytest.raises(ConfigError, match=r"size .* lacks shortest_edge or longest_edge"):
+            PreprocessConfig.from_dict({"size": size, "patch_size": 14}, "qwen2_5_vl")
 
 
 @pytest.mark.parametrize("config", [

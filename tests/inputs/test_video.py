@@ -210,6 +210,8 @@ def test_from_dict_reads_saved_configs():
     ({"cap_pixels_per_frame": "yes"}, "cap_pixels_per_frame"),
     ({"size": {"shortest_edge": 0, "longest_edge": 10}}, "min_pixels"),
     ({"size": [1, 2]}, "size"),
+    ({"size": {"longest_edge": 10**6}}, "lacks shortest_edge"),  # the reference's resize refuses it too
+    ({"size": {"height": 224, "width": 224}}, "lacks shortest_edge"),
     ({"resample": 2}, "resample"),
     ({"do_resize": False}, "do_resize"),
     ({"rescale_factor": 1.0}, "rescale_factor"),

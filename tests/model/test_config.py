@@ -38,6 +38,7 @@ BAD_CONFIG_JSON = {
     "head-dim": (_vision(num_heads=32), r"head_dim 5 .* multiple of 4"),
     "fullatt-outside": (_vision(fullatt_block_indexes=[1, 9]), r"fullatt_block_indexes \[1, 9\]"),
     "fullatt-str": (_vision(fullatt_block_indexes="1,3"), r"fullatt_block_indexes must be a list"),
+    "fullatt-null": (_vision(fullatt_block_indexes=None), r"fullatt_block_indexes must be a list"),  # not "none"
     "act": (_vision(hidden_act="relu6"), r"hidden_act 'relu6' is not supported"),
     "act-list": (_vision(hidden_act=["gelu"]), r"hidden_act \['gelu'\] is not supported"),
     "window": (_vision(window_size=2), r"window_size 2 is smaller than one merged token"),
