@@ -193,9 +193,13 @@ def resolve_folder(source: str, revision: str | None = None, local_files_only: b
     it was read as a path; the Hub is never asked about it.
     """
     path = Path(source).expanduser()
-    if path.is_dir():
-        return path
-    if path.exists():
+    try:
+        if path.is_dir():
+            return path
+        exists = path.exists()
+    except OSError as e:  # a name too long for the file system
+        raise CheckpointError(f"checkpoint folder {source[:200]!r} cannot be read ({e.strerror})") from None
+    if exists:
         raise CheckpointError(f"checkpoint folder {source} is a file: give the folder that holds config.json")
     if source.lower() in PRESETS:
         raise CheckpointError(f"{source!r} is a preset: pass random_weights=True for random weights at its size, "

@@ -22,6 +22,7 @@ import contextlib
 import json
 import math
 import os
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,8 +116,14 @@ def strip_vision_prefix(name: str, prefixes: tuple[str, ...]) -> str | None:
 def check_regular(path: Path, what: str) -> None:
     """Only regular files are opened (links followed, as in the Hugging Face cache): a FIFO would block the open
     forever and a device may never end."""
-    if not path.is_file():
-        raise CheckpointError(f"{what} {path} is {'not a regular file' if path.exists() else 'missing'}")
+    try:
+        problem = None if stat.S_ISREG(path.stat().st_mode) else "not a regular file"
+    except FileNotFoundError:
+        problem = "missing"
+    except OSError as e:  # a name too long, a link loop: an index from outside may name anything
+        problem = f"unreadable ({e.strerror})"
+    if problem:
+        raise CheckpointError(f"{what} {path} is {problem}")
 
 
 def read_json(path: Path, what: str, error: type[QwenVLVisionError] = CheckpointError) -> dict:

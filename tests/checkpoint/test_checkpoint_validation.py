@@ -208,6 +208,18 @@ def test_shard_names_must_be_plain_file_names(ckpt, name):
     assert main(["inspect", str(ckpt)]) == 2
 
 
+def test_a_name_too_long_for_the_file_system_is_named(ckpt):
+    """A plain shard name of 256 characters, or a folder path past the limit: the OSError stat raises is the
+    one-line CheckpointError naming it."""
+    index = read_index(ckpt)
+    index["weight_map"][LN_Q] = "a" * 256 + ".safetensors"
+    write_index(ckpt, index)
+    with pytest.raises(CheckpointError, match=r"shard .*aaaa\.safetensors is unreadable \(File name too long\)"):
+        _load(ckpt)
+    with pytest.raises(CheckpointError, match=r"checkpoint folder '.*aaaa' cannot be read \(File name too long\)"):
+        _load(ckpt / ("a" * 300))
+
+
 def test_tensor_under_both_vision_prefixes_is_refused(ckpt):
     """'visual.x' and 'model.visual.x' both name module x: which one is meant cannot be told."""
     index = read_index(ckpt)
