@@ -112,6 +112,10 @@ def test_ids_change_with_the_model_its_dtype_and_the_pixels_and_stay_for_the_sam
     ids["family"] = cached(qwen25, imgs, tmp_path / "e")
     flat = ids["first"] + [e["id"] for key in ("pixels", "dtype", "weights", "family") for e in ids[key]]
     assert len(set(flat)) == len(flat)
+    cast = load_encoder(checkpoint3, device="cpu")  # its identity taken in fp32, then the tower cast to bf16
+    assert cached(cast, imgs, tmp_path / "f") == cached(qwen3, imgs, tmp_path / "f")
+    cast.model.to(torch.bfloat16)
+    assert [e["id"] for e in cached(cast, imgs, tmp_path / "g")] == [e["id"] for e in ids["dtype"]]
 
 
 def test_a_folder_holding_another_model_s_items_is_refused_and_nothing_written(tmp_path, checkpoint, qwen3, qwen25,
