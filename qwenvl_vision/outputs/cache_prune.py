@@ -9,6 +9,8 @@ the cache folder under a size bound": what is removed, what is kept, the exit st
 - A running ``embed``'s items are those last written since its ``embed.lock`` was made, while a process holds it.
 - Every removed item is appended to ``PRUNED`` before it goes, so a manifest line whose item is gone is accounted
   for. Sizes count the folder's other files too, so the folder as a whole stays under the bound.
+- An item's temporary file found with the lock held is a killed writer's (writers make them only while holding it):
+  removed first, or it would count against the bound for ever and cost real items their place.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class PruneReport:
     kept: int  # items left
     kept_bytes: int  # the folder's bytes left
     held: int  # items kept because a running embed wrote them
+    stale: int  # temporary files killed writers left, removed
     running: bool  # whether an embed was running into the folder (holding its lock)
     bound: int
 
@@ -59,6 +62,8 @@ class PruneReport:
         verb = "would remove" if dry_run else "removed"
         text = (f"{verb} {len(self.removed)} item(s), {sum(i.bytes for i in self.removed) / gb:.3f} GB; "
                 f"{self.kept} left, {self.kept_bytes / gb:.3f} GB of {self.bound / gb:.3f} GB")
+        if self.stale:
+            text += f"; {verb} {self.stale} temporary file(s) killed writers left"
         if self.kept_bytes > self.bound:
             text += (f": still above the bound, {self.held} item(s) were written by a running embed" if self.held
                      else ": above the bound only by the folder's own files (manifest, run.json, pruned.jsonl), "
@@ -117,7 +122,14 @@ def prune_cache(folder: str | os.PathLike, max_bytes: int, dry_run: bool = False
         since = running_embed_since(folder)
         # An embed's own items only (64 hex digits): the server's, named by uuids, are written under the lock.
         held = {i.id for i in items if since is not None and is_sha256(i.id) and i.last_write >= since}
-        total = folder_bytes(folder)
+        total, stale = folder_bytes(folder), 0
+        for path in folder.glob(f"*/{CACHE_FILE}.*.tmp"):
+            if ITEM_NAME.fullmatch(path.parent.name) and not path.parent.is_symlink() and not path.is_symlink():
+                with contextlib.suppress(FileNotFoundError):  # a dry run's, unlocked: a writer may rename it
+                    total -= path.stat().st_size
+                    stale += 1
+                    if not dry_run:
+                        path.unlink()
         now = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         removed, lines = [], []
         for item in items:
@@ -133,7 +145,7 @@ def prune_cache(folder: str | os.PathLike, max_bytes: int, dry_run: bool = False
             remove_items(folder, removed, "".join(lines))
             total = folder_bytes(folder)
         return PruneReport(removed=removed, kept=len(items) - len(removed), kept_bytes=total, held=len(held),
-                           running=since is not None, bound=max_bytes)
+                           stale=stale, running=since is not None, bound=max_bytes)
 
 
 def remove_items(folder: Path, items: list[Item], lines: str) -> None:

@@ -101,6 +101,23 @@ def test_a_prune_after_one_killed_mid_append_still_accounts_for_what_it_removes(
         assert sorted(dict(read_embeddings(out))) == sorted(r["path"] for r in records[1:])
 
 
+def test_a_killed_writer_s_temporary_item_file_is_removed_and_costs_no_item_its_place(tmp_path, checkpoint, capsys):
+    make_image_folder(tmp_path / "imgs", 3, bad=False)
+    out = tmp_path / "cache"
+    assert embed_cache(tmp_path / "imgs", out, checkpoint) == 0
+    before = items(out)
+    stale = next(iter(before.values())).with_name(f"{CACHE_FILE}.0123456789abcdef.tmp")  # a SIGKILL mid-write
+    stale.write_bytes(os.urandom(300_000))
+    bound = folder_bytes(out) - 300_000  # the items fit once the temporary file is gone
+    capsys.readouterr()
+    assert main(["cache", "prune", str(out), "--max-gb", str(bound / 1e9), "--dry-run"]) == 0
+    assert "would remove 0 item(s)" in capsys.readouterr().out and stale.exists()
+    assert main(["cache", "prune", str(out), "--max-gb", str(bound / 1e9)]) == 0
+    line = capsys.readouterr().out
+    assert "removed 0 item(s)" in line and "1 temporary file(s)" in line, line
+    assert not stale.exists() and items(out) == before
+
+
 def test_prune_refuses_what_it_cannot_account_for(tmp_path, checkpoint, capsys):
     other = tmp_path / "other"
     (other / ("a" * 64)).mkdir(parents=True)
@@ -115,16 +132,14 @@ def test_prune_refuses_what_it_cannot_account_for(tmp_path, checkpoint, capsys):
     make_image_folder(tmp_path / "imgs", 2, bad=False)
     out = tmp_path / "cache"
     assert embed_cache(tmp_path / "imgs", out, checkpoint) == 0
-    (item,) = list(items(out))[:1]
     elsewhere = tmp_path / "elsewhere.safetensors"
     elsewhere.write_bytes(b"y" * 10)
     (out / ("b" * 64)).mkdir()
     (out / ("b" * 64) / CACHE_FILE).symlink_to(elsewhere)  # a link at an item's name: not an item, not removed
-    (out / item / f"{CACHE_FILE}.someone-r0.tmp").write_bytes(b"z")  # a writer's temporary file
     (tmp_path / "linked").symlink_to(out)  # a big disk's folder, linked where vLLM looks: pruned through the link
     report = prune_cache(tmp_path / "linked", 0)
     assert report.kept == 0 and elsewhere.exists() and (out / ("b" * 64) / CACHE_FILE).is_symlink()
-    assert (out / item / f"{CACHE_FILE}.someone-r0.tmp").exists() and (out / "manifest.jsonl").exists()
+    assert (out / "manifest.jsonl").exists()
 
 
 def test_a_running_embed_keeps_what_it_recorded_and_the_folder_keeps_to_its_bound(tmp_path, checkpoint):
