@@ -271,15 +271,16 @@ def _items_for_vllm(items: EncodedItems) -> list[VllmItem]:
             if not positive_number(fps):
                 raise InputError(f"video {i}: vLLM's {family.label} models need the fps its frames were sampled at, "
                                  f"and its video_info has no requested_fps ({fps!r}): encode the video file, give "
-                                 f"video_fps, or pass video_info= with requested_fps (the fps given to encode_videos)")
+                                 f"video_fps, or build EncodedItems(..., video_info=) with requested_fps (the fps "
+                                 f"given to encode_videos)")
             item.second_per_grid_t = TEMPORAL_PATCH / float(fps)
         elif items.modality == "video" and family.prompt_timestamps:
             indices, fps = _video_field(info, "frames", "frame_indices"), _video_field(info, "fps", "video_fps")
             if not indices or not positive_number(fps):
                 raise InputError(f"video {i}: vLLM's {family.label} models need each video's timestamps, and its "
                                  f"video_info holds no frame indices and source fps (frames in memory without "
-                                 f"video_fps?): encode the video file, give video_fps, or pass video_info= (its "
-                                 f"sampled frame indices and source fps)")
+                                 f"video_fps?): encode the video file, give video_fps, or build EncodedItems(..., "
+                                 f"video_info=) with its sampled frame indices and source fps")
             item.timestamps = vllm_timestamps([int(x) for x in indices], float(fps), TEMPORAL_PATCH)
             if len(item.timestamps) != grid[0]:
                 raise InputError(f"video {i}: {len(indices)} sampled frames make {len(item.timestamps)} temporal "

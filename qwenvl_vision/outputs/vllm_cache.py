@@ -72,6 +72,8 @@ def check_cache_folder(folder: str | os.PathLike, identity: dict[str, str]) -> N
         raise CacheFolderError(f"{folder} is a file, not a folder")
     try:
         found = json.loads(path.read_text())
+        if not isinstance(found, dict):
+            raise ValueError(f"a JSON {type(found).__name__}, not an object")
     except FileNotFoundError:
         if folder.is_dir() and any((item / CACHE_FILE).exists() for item in folder.iterdir()
                                    if ITEM_NAME.fullmatch(item.name)):
@@ -199,9 +201,10 @@ def vllm_request(entries: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]
     grouped: dict[str, list[dict[str, Any]]] = {}
     for i, e in enumerate(entries):
         # The id becomes a folder name under the consumer's cache: anything but an id could name another file.
-        if not isinstance(e, dict) or not is_sha256(e.get("id")) or e.get("modality") not in MODALITIES:
+        if not isinstance(e, dict) or not is_sha256(e.get("id")) or e.get("modality") not in MODALITIES or \
+                not isinstance(e.get("grid_thw"), (list, tuple)) or len(e["grid_thw"]) != 3:
             raise InputError(f"entry {i}: id {str(e.get('id') if isinstance(e, dict) else e)[:80]!r} is not 64 hex "
-                             f"digits, or its modality is not one of {MODALITIES}")
+                             f"digits, or its modality is not one of {MODALITIES}, or it has no grid_thw (t, h, w)")
         grouped.setdefault(e["modality"], []).append(e)
     for modality, items in grouped.items():
         fields: dict[str, Any] = {f"{modality}_grid_thw": torch.tensor([e["grid_thw"] for e in items],

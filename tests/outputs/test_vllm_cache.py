@@ -140,6 +140,10 @@ def test_a_folder_holding_another_model_s_items_is_refused_and_nothing_written(t
     (tmp_path / "a-file").write_bytes(b"x")
     with pytest.raises(CacheFolderError, match="a-file is a file, not a folder"):
         cached(qwen3, imgs, tmp_path / "a-file")
+    (tmp_path / "listed" / IDENTITY_FILE).parent.mkdir()
+    (tmp_path / "listed" / IDENTITY_FILE).write_text("[]")  # JSON, but no identity
+    with pytest.raises(CacheFolderError, match=rf"{IDENTITY_FILE} is unreadable \(a JSON list, not an object\)"):
+        cached(qwen3, imgs, tmp_path / "listed")
 
 
 def test_the_request_names_each_item_by_its_id_with_the_grid_and_the_timing(tmp_path, qwen3, imgs):
@@ -157,6 +161,8 @@ def test_the_request_names_each_item_by_its_id_with_the_grid_and_the_timing(tmp_
         videos[0]["grid_thw"][0]
     with pytest.raises(InputError, match="entry 1: id"):  # an id names a folder: nothing else may
         vllm_request([images[0], {**images[1], "id": "../../etc"}])
+    with pytest.raises(InputError, match="entry 0: .* no grid_thw"):  # a hand-made entry without its grid
+        vllm_request([{key: value for key, value in images[0].items() if key != "grid_thw"}])
 
 
 def test_omni_videos_carry_the_seconds_per_temporal_patch_of_the_fps_asked(tmp_path):
