@@ -83,6 +83,8 @@ def build(folder: Path, machine: str) -> NativeKernels:
         try:
             subprocess.run([*compiler, *flags, str(SOURCE), "-o", str(tmp), "-lmvec", "-lm"], capture_output=True,
                            check=True, timeout=300)
+            with open(tmp, "rb") as built:  # on disk before its name: a power cut leaves no empty library there
+                os.fsync(built.fileno())
             os.replace(tmp, path)
         finally:
             tmp.unlink(missing_ok=True)
