@@ -29,14 +29,14 @@ RUN_FILE = "run.json"
 RUN_FORMAT = 2
 # The run.json fields a resumed run must share with the run it continues: everything the stored tensors
 # depend on. Not compared: the model's spelling (a moved folder is the same model: the hashes decide), the
-# revision (likewise), the package version, the device, compile (same tensors up to floating-point noise) and the
-# batch size (on the CPU each item runs as its own forward: the same bits; on CUDA up to floating-point noise).
-# file_format (safetensors / parquet / vllm-cache: one folder holds one), engine (local / ray) and threads (torch
-# threads of each forward: CPU results are bitwise equal only at the same count; a --resume takes the run's by
-# default) are compared too.
+# revision (likewise), the device and the batch size (on the CPU each item runs as its own forward: the same bits;
+# on CUDA up to floating-point noise). file_format (safetensors / parquet / vllm-cache: one folder holds one),
+# engine (local / ray), threads (torch threads of each forward: CPU results are bitwise equal only at the same
+# count; a --resume takes the run's by default) and compile (other kernels, other bits) are compared too.
 # The package version too: a release may change what a setting computes (how a video is read, a column's text).
 RUN_COMPARED = ("format", "package_version", "config_sha256", "weights_sha256", "dtype", "min_pixels", "max_pixels",
-                "resize", "video", "pooled", "normalize", "columns", "world_size", "file_format", "engine", "threads")
+                "resize", "video", "pooled", "normalize", "columns", "world_size", "file_format", "engine", "threads",
+                "compile")
 # Recorded, not compared: "cpu_plan", the CPU backend's measured kernel choices (cpu.plan; the bits differ by kernel
 # at fp32 rounding level, and in bf16 where a plain MLP's activation moves into the GEMM's epilogue), reused by every
 # later forward of the run; None for a run started off the CPU, until the first resume on a CPU records its own.

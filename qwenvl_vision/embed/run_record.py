@@ -83,6 +83,7 @@ def describe_run(encoder, args: argparse.Namespace, folder: str | None, world: i
         "file_format": args.format,
         "engine": args.engine,
         "threads": threads,
+        "compile": bool(args.compile),
         # The CPU backend's plan as loaded (None off the CPU, compiled or on the reference kernels): not compared,
         # reused by every resume, rank and actor of the run.
         "cpu_plan": None if encoder.cpu_plan is None else encoder.cpu_plan.to_dict(),

@@ -90,6 +90,7 @@ def test_resume_refuses_other_settings(tmp_path, checkpoint, checkpoint3, capsys
         (["--dtype", "bf16"], ['dtype "float32" (now "bfloat16")']),
         (["--max-pixels", "50000"], ["max_pixels 12845056 (now 50000)"]),
         (["--resize", "torch"], ['resize "pil" (now "torch")']),
+        (["--compile"], ["compile false (now true)"]),  # other kernels: other bits
         (["--model", str(checkpoint3)], ["config_sha256", "weights_sha256", "another model"]),
     ]
     for extra, needles in cases:
