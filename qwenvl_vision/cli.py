@@ -1,4 +1,4 @@
-"""``qwenvl-vision``: extract-weights, inspect, embed, bench, serve.
+"""qwenvl-vision: extract-weights, inspect, cache, embed, bench, serve.
 
 Errors: every error ends the command with one line on stderr, ``qwenvl-vision COMMAND: error: ...``;
 ``--debug`` adds the traceback. Exit codes (docs/embed.md lists them with what to do next): 0 done; 1 some

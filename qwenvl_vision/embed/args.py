@@ -97,8 +97,8 @@ def model_options() -> argparse.ArgumentParser:
                    help="take a repo id --model from the Hugging Face cache only, never the network (as "
                         "HF_HUB_OFFLINE=1)")
     p.add_argument("--device", type=device_option,
-                   help="cpu, cuda or cuda:N (default: cuda when available, else cpu; under torchrun each rank "
-                        "takes cuda:LOCAL_RANK)")
+                   help="cpu, cuda or cuda:N (default: cuda when available, else cpu; embed under torchrun: "
+                        "each rank's cuda:LOCAL_RANK)")
     p.add_argument("--dtype", type=dtype_option, help=f"{DTYPE_CHOICES} (default: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--min-pixels", type=positive_option(int, "--min-pixels"),
                    help="smallest image area after resizing (default: the checkpoint's)")
@@ -117,16 +117,17 @@ def model_options() -> argparse.ArgumentParser:
                         "else 2)")
     p.add_argument("--max-input-pixels", type=positive_option(int, "--max-input-pixels"),
                    default=DEFAULT_MAX_INPUT_PIXELS,
-                   help="refuse (record as failed) files whose header declares more pixels, before decoding "
-                        "(default %(default)s)")
+                   help="refuse files whose header declares more pixels, before decoding (embed records them as "
+                        "failed; default %(default)s)")
     p.add_argument("--decode-mib", type=positive_option(int, "--decode-mib"), default=1024,
                    help="memory images being decoded or waiting for their batch may hold at once, in MiB "
                         "(an image needing more is decoded alone; default %(default)s)")
     p.add_argument("--decode-timeout", type=positive_option(float, "--decode-timeout"), default=DEFAULT_DECODE_TIMEOUT,
                    metavar="SECONDS",
-                   help="record an input as failed when decoding it takes longer, and go on (default %(default)g)")
+                   help="refuse an input whose decoding takes longer (embed records it as failed and goes on; "
+                        "default %(default)g)")
     p.add_argument("--max-item-tokens", type=positive_option(int, "--max-item-tokens"),
-                   help="refuse (record as failed) an input that resizes to more embedding tokens, before its forward "
+                   help="refuse an input that resizes to more embedding tokens, before its forward "
                         "(a video file before its frames decode, from its header): bounds one item's time and memory "
                         "(a long video can take hundreds of thousands; default: no bound)")
     p.add_argument("--batch-patches", type=positive_option(int, "--batch-patches"), default=DEFAULT_BATCH_PATCHES,
@@ -143,7 +144,8 @@ def model_options() -> argparse.ArgumentParser:
 
 def add_embed_parser(sub, parents=()) -> argparse.ArgumentParser:
     """The ``embed`` subparser of `sub`, its options checked by validate_embed_args; the caller sets its func."""
-    p = sub.add_parser("embed", help="embed images and videos into safetensors (with a manifest) or Parquet shards",
+    p = sub.add_parser("embed", help="embed images and videos into safetensors or Parquet shards, or a vLLM encoder "
+                       "cache (with a manifest)",
                        parents=[*parents, model_options()])
     p.add_argument("inputs", nargs="+", metavar="INPUT", help=INPUT_KINDS)
     p.add_argument("--out", required=True, help="output folder for shards, manifest.jsonl and run.json")
