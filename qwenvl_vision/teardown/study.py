@@ -160,10 +160,14 @@ def cmd_teardown(args: argparse.Namespace, extra_variants: dict[str, Callable[[O
     wanted = [v.strip() for v in (getattr(args, "variants", None) or ",".join(factories)).split(",") if v.strip()]
     teardowns = [t.strip() for t in args.teardown.split(",") if t.strip()]
     bad = [v for v in wanted if v not in factories] + [t for t in teardowns if t not in TEARDOWNS]
-    if bad or not wanted or not teardowns or args.cycles < 1:
-        print(f"bench teardown: unknown variant/teardown {bad} or --cycles {args.cycles} below 1; variants: "
-              f"{list(factories)}, teardowns: {TEARDOWNS}", file=sys.stderr)
-        return 2
+    if bad or not wanted or not teardowns:
+        raise ConfigError(f"unknown variant/teardown {bad}; variants: {list(factories)}, teardowns: {TEARDOWNS}")
+    if args.cycles < 1:
+        raise ConfigError(f"--cycles {args.cycles} is below 1")
+    if args.json:  # checked before the run, which a bad path would otherwise lose
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        if Path(args.json).is_dir():
+            raise ConfigError(f"--json {args.json} is a folder")
 
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
@@ -215,7 +219,6 @@ def cmd_teardown(args: argparse.Namespace, extra_variants: dict[str, Callable[[O
     report["ok"] = bool(checked) and all(run_ok(r) for r in checked)
     print(format_table(report))
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=1, default=str))
         print(f"wrote {args.json}")
     if after is not None:

@@ -26,6 +26,7 @@ import qwenvl_vision
 from qwenvl_vision import EncoderClosedError, load_encoder
 from qwenvl_vision.teardown.cycles import make_inputs, tracked
 from tests.helpers import FAMILY_SMALL, QWEN2_5_SMALL, QWEN3_SMALL_72, census
+from tests.helpers.embed import one_error_line
 
 PACKAGE = Path(qwenvl_vision.__file__).resolve().parent
 REPO = PACKAGE.parent
@@ -230,6 +231,12 @@ def test_bad_sizes_are_a_one_line_usage_error_and_debug_is_taken_after_the_comma
     for extra in ([], ["--debug"]):
         assert _run_bench(tmp_path, QWEN2_5_SMALL, "--sizes", "big", *extra) == (2, None)
         assert "qwenvl-vision bench: error: --sizes: 'big' is not HxW in pixels" in capsys.readouterr().err
+    # Refused before anything runs: a --json that is a folder would lose the whole benchmark's results at its end.
+    (tmp_path / "folder.json").mkdir()
+    for extra, culprit in ((["--cycles", "0"], "--cycles 0 is below 1"), (["--teardown", "foo"], "['foo']"),
+                           (["--json", str(tmp_path / "folder.json")], "folder.json is a folder")):
+        assert _run_bench(tmp_path, QWEN2_5_SMALL, *extra)[0] == 2
+        one_error_line(capsys.readouterr().err, culprit)
 
 
 def _runs(report):
