@@ -208,7 +208,7 @@ def to_transformers(result: Any, *more: Any, dtype: torch.dtype | str | None = N
             fields["deepstack_features"] = [tuple(level.to(device, dtype) for level in per_level)
                                             for per_level in zip(*items.deepstack)]
         outputs[modality] = _output_class(items.family)(**fields)
-        kwargs[f"{modality}_grid_thw"] = torch.tensor(items.grid_thw, dtype=torch.long, device=device)
+        kwargs[f"{modality}_grid_thw"] = torch.tensor(items.grid_thw, dtype=torch.long, device=device).view(-1, 3)
     return kwargs
 
 
@@ -231,7 +231,7 @@ def to_vllm(result: Any, *more: Any, dtype: torch.dtype | str | None = None,
         rows = [item.rows for item in per_item]
         fields = data[modality] = {
             f"{modality}_embeds": (torch.cat(rows) if rows else torch.empty(0, 0)).to(device, dtype),
-            f"{modality}_grid_thw": torch.tensor(items.grid_thw, dtype=torch.long, device=device)}
+            f"{modality}_grid_thw": torch.tensor(items.grid_thw, dtype=torch.long, device=device).view(-1, 3)}
         if any(item.timestamps is not None for item in per_item):  # a family's videos all have them or none do
             fields["timestamps"] = [item.timestamps for item in per_item]
         if any(item.second_per_grid_t is not None for item in per_item):

@@ -244,6 +244,11 @@ def test_results_of_one_modality_are_joined_in_order():
     assert [t.shape[0] for t in handed["mm_encoder_outputs"]["image"].pooler_output] == [1, 4]
 
 
+def test_an_empty_result_hands_over_a_grid_table_of_no_rows():
+    empty = EncodedItems([], torch.zeros(0, 3, dtype=torch.long), [], "image", "qwen3_vl")
+    assert to_transformers(empty)["image_grid_thw"].shape == to_vllm(empty)["image"]["image_grid_thw"].shape == (0, 3)
+
+
 def grids(grid_thw):
     return lambda r: dataclasses.replace(r, grid_thw=grid_thw)
 
