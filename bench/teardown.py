@@ -23,6 +23,7 @@ import importlib.util
 import sys
 from typing import Any
 
+from qwenvl_vision.errors import QwenVLVisionError
 from qwenvl_vision.teardown.cycles import PER_INSTANCE, Options, Variant, load_plain
 from qwenvl_vision.teardown.study import add_teardown_arguments, cmd_teardown
 
@@ -164,7 +165,11 @@ def main(argv: list[str] | None = None) -> int:
             plot_report(report, args.plot)
             print(f"wrote {args.plot}")
     extra = {CLASS_LEVEL: class_level_variant, TRANSFORMERS: transformers_variant}
-    return cmd_teardown(args, extra_variants=extra, after=after)
+    try:
+        return cmd_teardown(args, extra_variants=extra, after=after)
+    except QwenVLVisionError as e:  # a bad option or model: one line, as the package's CLI gives it
+        print(f"bench.teardown: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

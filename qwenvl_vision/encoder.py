@@ -117,8 +117,8 @@ class VisionEncoder(contextlib.AbstractContextManager):
         """Which model this is, as its outputs record it (``item_ids``: family, config hash, weights
         hash, dtype). The weights are hashed on the first call (about a second per GB) and remembered until the
         tower is cast (weights changed in place are not seen: load the encoder again)."""
-        if self._loaded is None or not self.closed and self._loaded["dtype"] != dtype_name(self.model.dtype):
-            model = self.model
+        model = None if self.closed and self._loaded is not None else self.model
+        if self._loaded is None or model is not None and self._loaded["dtype"] != dtype_name(model.dtype):
             self._loaded = {"weights_sha256": weights_sha256(model), "dtype": dtype_name(model.dtype)}
         return {"family": self.family, "config_sha256": config_sha256(self.config, self.preprocess_config),
                 **self._loaded}

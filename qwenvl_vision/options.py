@@ -43,7 +43,7 @@ class EncodeOptions:
                               ("decode_bytes", 1), ("prefetch", 0), ("max_item_tokens", 1), ("num_workers", 0)):
             value = getattr(self, option)
             if value is not None or option == "max_batch_patches":  # None: the default or no bound
-                object.__setattr__(self, option, whole_number(value, option, least))  # a NumPy integer as an int
+                object.__setattr__(self, option, whole_number(value, option, least))
         check_option_rules(min_pixels=self.min_pixels, max_pixels=self.max_pixels, pooled=self.pooled,
                            normalize=self.normalize)
         if self.resize is not None:

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ..devices import SAFETENSORS_DTYPES
+from ..devices import SAFETENSORS_DTYPES, dtype_name
 from ..errors import CheckpointError, ConfigError, QwenVLVisionError
 from ..model.build import build_model
 from ..model.config import VisionConfig, from_config_json
@@ -242,7 +242,7 @@ _INF_BITS = {torch.bfloat16: (0x7F80, 0xFF80), torch.float16: (0x7C00, 0xFC00),
 _SIGNED = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _refuse_non_finite(tensor: torch.Tensor, name: str, path: Path) -> None:
+def _refuse_non_finite(tensor: torch.Tensor, name: str, path: Path, stored: torch.dtype) -> None:
     """A NaN or Inf weight is a CheckpointError naming the tensor, with the count of each.
 
     Two integer maxima over the bits, in numpy: exact (a sum overflows on finite fp16 values) and single-threaded
@@ -254,8 +254,10 @@ def _refuse_non_finite(tensor: torch.Tensor, name: str, path: Path) -> None:
     if not bits.size or bits.max() < positive_inf and bits.view(f"u{bits.itemsize}").max() < negative_inf:
         return
     nan, inf = int(torch.isnan(tensor).sum()), int(torch.isinf(tensor).sum())
+    narrowed = torch.finfo(stored).max > torch.finfo(tensor.dtype).max  # a finite weight may overflow the cast
+    advice = f"load it in {dtype_name(stored)}, as stored" if narrowed else "pass check_finite=False to load it anyway"
     raise CheckpointError(f"tensor {name} in {path} holds {nan} NaN and {inf} infinite value(s) as "
-                          f"{str(tensor.dtype).removeprefix('torch.')} (pass check_finite=False to load it anyway)")
+                          f"{dtype_name(tensor.dtype)} ({advice})")
 
 
 def read_tensors(checkpoint: VisionCheckpoint, expected: dict[str, torch.Tensor], device: torch.device,
@@ -275,10 +277,11 @@ def read_tensors(checkpoint: VisionCheckpoint, expected: dict[str, torch.Tensor]
                 key, entry = pending.pop(0)
                 stored = f.get_tensor(entry["name"])
                 mapped += stored.nbytes
-                tensor = stored.to(dtype=dtype or stored.dtype, copy=True)
-                del stored  # the last reference into the mapping: the close unmaps it
+                stored_dtype = stored.dtype
+                tensor = stored.to(dtype=dtype or stored_dtype, copy=device.type == "cpu")
+                del stored  # the last reference into the mapping (on the CPU): the close unmaps it
                 if check_finite:
-                    _refuse_non_finite(tensor, entry["name"], path)
+                    _refuse_non_finite(tensor, entry["name"], path, stored_dtype)
                 state[key] = tensor.to(device)
     return state
 

@@ -82,4 +82,5 @@ def read_manifest_lines(path: str | os.PathLike, strict: bool = True) -> list[di
 # The run.json fields this version reads: a run file without one is damaged.
 RUN_FIELDS = ("format", "run_id", "created", "package_version", "model", "model_folder", "revision", "random_weights",
               "family", "config_sha256", "weights_sha256", "dtype", "min_pixels", "max_pixels", "resize", "video",
-              "pooled", "normalize", "columns", "world_size", "file_format", "engine", "threads", "cpu_plan", "cwd")
+              "pooled", "normalize", "columns", "world_size", "file_format", "engine", "threads", "compile", "cpu_plan",
+              "cwd")

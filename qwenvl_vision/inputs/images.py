@@ -97,10 +97,10 @@ class PreprocessConfig:
 
     def __post_init__(self) -> None:
         check_resize_backend(self.resize, "PreprocessConfig.resize")
+        for key in ("patch_size", "temporal_patch_size", "merge_size", "min_pixels", "max_pixels"):
+            object.__setattr__(self, key, whole_number(getattr(self, key), f"PreprocessConfig.{key}"))
         check_pixel_bounds(self.min_pixels, self.max_pixels,
                            ("PreprocessConfig.min_pixels", "PreprocessConfig.max_pixels"))
-        for key in ("patch_size", "temporal_patch_size", "merge_size"):
-            object.__setattr__(self, key, whole_number(getattr(self, key), f"PreprocessConfig.{key}"))
         for key in ("image_mean", "image_std"):
             # A scalar means the same value for all three channels, as transformers' normalize allows.
             value = getattr(self, key)

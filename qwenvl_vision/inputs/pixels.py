@@ -77,11 +77,8 @@ def whole_number(value: Any, name: str, least: int = 1) -> int:
 
 def check_pixel_bounds(min_pixels: int | None, max_pixels: int | None,
                        names: tuple[str, str] = ("min_pixels", "max_pixels")) -> None:
-    """Pixel bounds: whole numbers of at least 1 (None: the checkpoint's), min not above max; ``names``: the two
-    as the caller spells them (a call's arguments, a config's fields, the command line's options)."""
-    for name, value in zip(names, (min_pixels, max_pixels)):
-        if value is not None:
-            whole_number(value, name)
+    """Pixel bounds, each a whole number already checked (``whole_number``, or the command line's types) or None
+    (the checkpoint's): min not above max; ``names``: the two as the caller spells them."""
     if min_pixels is not None and max_pixels is not None and min_pixels > max_pixels:
         raise ConfigError(f"{names[0]} {min_pixels} is above {names[1]} {max_pixels}")
 

@@ -238,14 +238,16 @@ def _decode_sampled(container: Any, stream: Any, indices: list[int], name: str,
                                   f"run was stopped)")
         try:
             frame = next(stream_frames, None)
-            rgb = None
+            rgb = rotation = None
             if frame is not None and decoded in slots:
+                rotation = frame.rotation if turn else 0
                 # Checked before converting: a frame grown mid-stream (in-band) would pass the header's limit.
-                if source not in (None, (frame.width, frame.height)):
-                    raise PreprocessError(f"{name}: frame {decoded} is {frame.width}x{frame.height}, earlier "
-                                          f"frames {source[0]}x{source[1]}; the size must not change")
-                source, rgb = (frame.width, frame.height), frame.to_ndarray(format="rgb24")
-            rotation = frame.rotation if rgb is not None and turn else 0
+                shape = (frame.width, frame.height, rotation)
+                if source not in (None, shape):
+                    shown = [f"{w}x{h}" + (f" turned {turned}" if turned else "") for w, h, turned in (shape, source)]
+                    raise PreprocessError(f"{name}: frame {decoded} is {shown[0]}, earlier frames {shown[1]}; the "
+                                          f"size must not change")
+                source, rgb = shape, frame.to_ndarray(format="rgb24")
         except (MemoryError, PreprocessError):
             raise
         except Exception as e:  # noqa: BLE001 - FFmpeg's decoders raise many error types

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from safetensors.torch import save
 
+from ..devices import dtype_name
 from ..errors import CacheFolderError, InputError
 from ..inputs.item_ids import IDENTITY_FIELDS, is_sha256, item_id
 from .durable import create_new, file_lock, fsync_dir, refuse_link, replace_atomically
@@ -176,6 +177,10 @@ def write_vllm_cache(result: Any, folder: str | os.PathLike) -> list[dict[str, A
                          "written")
     identity = encoder.identity()
     items = vllm_items(result)  # every item checked, and named, before anything is written
+    made = {dtype_name(item.rows.dtype) for item in items} - {identity["dtype"]}
+    if made:  # the ids name the encoder's dtype: rows of another would load for its prompts
+        raise InputError(f"this result was made in {', '.join(sorted(made))} and its encoder is now "
+                         f"{identity['dtype']}: write the cache before casting the tower")
     digests = list(result.pixels_sha256 or [None] * len(items))
     names = [item_id(identity, item.modality, item.grid_thw, d) for item, d in zip(items, digests, strict=True)]
     folder = Path(folder)
@@ -201,10 +206,11 @@ def vllm_request(entries: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]
     grouped: dict[str, list[dict[str, Any]]] = {}
     for i, e in enumerate(entries):
         # The id becomes a folder name under the consumer's cache: anything but an id could name another file.
-        if not isinstance(e, dict) or not is_sha256(e.get("id")) or e.get("modality") not in MODALITIES or \
-                not isinstance(e.get("grid_thw"), (list, tuple)) or len(e["grid_thw"]) != 3:
+        if not isinstance(e, dict) or not is_sha256(e.get("id")) or e.get("modality") not in MODALITIES:
             raise InputError(f"entry {i}: id {str(e.get('id') if isinstance(e, dict) else e)[:80]!r} is not 64 hex "
-                             f"digits, or its modality is not one of {MODALITIES}, or it has no grid_thw (t, h, w)")
+                             f"digits, or its modality is not one of {MODALITIES}")
+        if not isinstance(e.get("grid_thw"), (list, tuple)) or len(e["grid_thw"]) != 3:
+            raise InputError(f"entry {i}: grid_thw {str(e.get('grid_thw'))[:80]!r} is no (t, h, w)")
         grouped.setdefault(e["modality"], []).append(e)
     for modality, items in grouped.items():
         fields: dict[str, Any] = {f"{modality}_grid_thw": torch.tensor([e["grid_thw"] for e in items],

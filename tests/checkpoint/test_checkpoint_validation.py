@@ -290,7 +290,7 @@ def test_a_weight_that_overflows_the_dtype_it_is_cast_to_is_refused(tmp_path):
     element = torch.tensor([3.4e38], dtype=torch.float32).numpy().tobytes()
     join_shard(shard, header, data[:position] + element + data[position + 4:])
     with pytest.raises(CheckpointError, match=rf"{re.escape(name)} in .* holds 0 NaN and 1 infinite value\(s\) as "
-                                              r"bfloat16"):
+                                              r"bfloat16 \(load it in float32, as stored\)"):
         _load(tmp_path, dtype=torch.bfloat16)
     assert _load(tmp_path, dtype=torch.float32).model.state_dict()["blocks.1.mlp.linear_fc1.weight"].isfinite().all()
 

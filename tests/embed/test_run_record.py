@@ -109,7 +109,7 @@ def test_resume_refuses_other_settings(tmp_path, checkpoint, checkpoint3, capsys
 
     # A run file without a field (one this version would compare or reuse) is damaged: refused, naming the field,
     # never read as some default.
-    for field in ("resize", "video", "threads", "cpu_plan", "family", "cwd"):
+    for field in ("resize", "video", "threads", "compile", "cpu_plan", "family", "cwd"):
         (out / "run.json").write_text(json.dumps({k: v for k, v in run.items() if k != field}))
         base = ["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(out), "--resume"]
         assert main(base) == 2, field

@@ -11,7 +11,9 @@ in tests/inputs/test_pixels.py, videos in tests/inputs/test_video.py and tests/i
 
 from __future__ import annotations
 
+import dataclasses
 import io
+import json
 import pathlib
 import subprocess
 import sys
@@ -403,6 +405,13 @@ def test_from_dict_rejects_unsupported_settings(override):
 def test_config_validation(kwargs):
     with pytest.raises(ValueError):
         PreprocessConfig(**kwargs)
+
+
+def test_numpy_integers_are_the_ints_they_are():
+    """A NumPy integer (a value read from an array) is taken as its int: the config is hashed as JSON."""
+    config = PreprocessConfig(patch_size=np.int64(16), min_pixels=np.int32(4096), max_pixels=np.int64(200_000))
+    assert [type(v) for v in (config.patch_size, config.min_pixels, config.max_pixels)] == [int] * 3
+    json.dumps(dataclasses.asdict(config))
 
 
 def test_scalar_mean_std():

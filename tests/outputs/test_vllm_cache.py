@@ -114,8 +114,11 @@ def test_ids_change_with_the_model_its_dtype_and_the_pixels_and_stay_for_the_sam
     assert len(set(flat)) == len(flat)
     cast = load_encoder(checkpoint3, device="cpu")  # its identity taken in fp32, then the tower cast to bf16
     assert cached(cast, imgs, tmp_path / "f") == cached(qwen3, imgs, tmp_path / "f")
+    made_in_fp32 = cast.encode_images(imgs, min_pixels=32 * 32, max_pixels=64 * 64)
     cast.model.to(torch.bfloat16)
     assert [e["id"] for e in cached(cast, imgs, tmp_path / "g")] == [e["id"] for e in ids["dtype"]]
+    with pytest.raises(InputError, match="made in float32 and its encoder is now bfloat16"):  # named as bf16 items
+        made_in_fp32.to_vllm_cache(tmp_path / "g")
 
 
 def test_a_folder_holding_another_model_s_items_is_refused_and_nothing_written(tmp_path, checkpoint, qwen3, qwen25,
@@ -161,7 +164,7 @@ def test_the_request_names_each_item_by_its_id_with_the_grid_and_the_timing(tmp_
         videos[0]["grid_thw"][0]
     with pytest.raises(InputError, match="entry 1: id"):  # an id names a folder: nothing else may
         vllm_request([images[0], {**images[1], "id": "../../etc"}])
-    with pytest.raises(InputError, match="entry 0: .* no grid_thw"):  # a hand-made entry without its grid
+    with pytest.raises(InputError, match=r"entry 0: grid_thw 'None' is no \(t, h, w\)"):
         vllm_request([{key: value for key, value in images[0].items() if key != "grid_thw"}])
 
 

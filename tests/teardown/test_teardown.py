@@ -235,8 +235,9 @@ def test_bad_sizes_are_a_one_line_usage_error_and_debug_is_taken_after_the_comma
     (tmp_path / "folder.json").mkdir()
     for extra, culprit in ((["--cycles", "0"], "--cycles 0 is below 1"), (["--teardown", "foo"], "['foo']"),
                            (["--json", str(tmp_path / "folder.json")], "folder.json is a folder")):
-        assert _run_bench(tmp_path, QWEN2_5_SMALL, *extra)[0] == 2
-        one_error_line(capsys.readouterr().err, culprit)
+        for script in (False, True):  # the package's CLI, and bench/teardown.py
+            assert _run_bench(tmp_path, QWEN2_5_SMALL, *extra, script=script)[0] == 2
+            one_error_line(capsys.readouterr().err, culprit)
 
 
 def _runs(report):
