@@ -154,6 +154,6 @@ def remove_items(folder: Path, items: list[Item], lines: str) -> None:
     append_synced(folder / PRUNED, lines.encode())
     for item in items:
         item.path.unlink(missing_ok=True)
-        with contextlib.suppress(OSError):  # not empty (a writer's temporary file): kept
+        with contextlib.suppress(OSError):  # not empty (a file not of this package's): kept
             item.path.parent.rmdir()
     fsync_dir(folder)
