@@ -10,9 +10,10 @@ object in storage is fetched within its decode time, so it is admitted before it
 its header is read, without waiting: the inputs behind it wait for those bytes (memory may exceed the budget by
 what objects admitted before such a charge cost).
 
-An input whose decode runs longer than ``decode_timeout`` seconds from its admission is recorded as failed and the
-run goes on: its bytes and its worker leave the budget at once, so a decode stuck in C code stalls none of the
-inputs behind it (memory may exceed the budget by what stuck decodes hold). Threads cannot be killed, so each
+An input whose decode runs longer than ``decode_timeout`` seconds from its admission (or from the start of the header
+read that asks for it: a stuck file system) is recorded as failed and the run goes on: its bytes, its worker and its
+turn leave the budget at once, so a decode stuck in C code stalls none of the inputs behind it (memory may exceed the
+budget by what stuck decodes hold). Threads cannot be killed, so each
 decode runs on a daemon thread that nothing joins: neither the end of an iteration, Ctrl-C nor the interpreter's
 exit waits for one. A video's frame loop stops at its next frame once its input is given up; an image decode runs
 to its end in the background.
@@ -37,6 +38,7 @@ from .errors import PreprocessError, first_line
 from .inputs.images import PreprocessConfig, preprocess_image, probe_image
 from .inputs.item_ids import pixels_sha256
 from .inputs.pixels import FileBytes, input_name, is_file_input, open_header
+from .inputs.urls import redacted_text
 from .inputs.video import (
     VideoConfig,
     checked_frames,
@@ -53,6 +55,8 @@ from .options import EncodeOptions
 DECODE_BYTES_PER_PIXEL = {"pil": 9, "torch": 21, "vllm": 21}
 # The longest the iterating thread blocks in one wait, so that Ctrl-C (handled between waits) is prompt.
 WAIT_SLICE = 0.25
+# The most failed inputs held for the next batch: then they go with the batch so far (an embed's shard of them).
+FAILURES_HELD = 1024
 
 
 @dataclass
@@ -96,6 +100,9 @@ class Decoding:
 
     stop: threading.Event = field(default_factory=threading.Event)  # ends a video's frame loop
     started: float | None = None  # time.monotonic() at admission
+    # time.monotonic() when its thread began reading the input, until it waits for admission: a header read (a file's
+    # open, a video's probe) that hangs is timed too, waiting for the budget is not
+    reading: float | None = None
     held: int = 0  # decode budget bytes
     over: bool = False  # ended, or given up by the iterating side: it holds no worker any more
 
@@ -123,10 +130,11 @@ class DecodeBudget:
         """Wait until input ``ticket`` is next, a worker is free and ``cost`` bytes fit; ``decoding`` then holds
         them."""
         with self._cond:
-            while not self._closed and (ticket != self._next or self._busy >= self.workers or not (
+            decoding.reading = None
+            while not (self._closed or decoding.over) and (ticket != self._next or self._busy >= self.workers or not (
                     self.capacity is None or self.used == 0 or self.used + cost <= self.capacity)):
                 self._cond.wait()
-            if self._closed:
+            if self._closed or decoding.over:  # the iteration stopped, or gave this input up before its admission
                 raise BudgetClosed
             self._next += 1
             self._busy += 1
@@ -144,9 +152,12 @@ class DecodeBudget:
             if decoding.over:
                 return False
             decoding.over = True
-            self._busy -= 1
-            self.used += now - decoding.held
-            decoding.held = now
+            if decoding.started is None:  # given up before its admission (its header read hung): its turn passes
+                self._next += 1
+            else:
+                self._busy -= 1
+                self.used += now - decoding.held
+                decoding.held = now
             self._cond.notify_all()
         return True
 
@@ -177,6 +188,7 @@ def prepare(item: Any, index: int, options: EncodeOptions, pre: PreprocessConfig
             decoding: Decoding) -> Prepared | None:
     """Decode and resize one input on its thread, admitted by the budget in input order; None when the iterating
     side gave it up first (nobody takes its result)."""
+    decoding.reading = time.monotonic()
     name = input_name("video" if is_video(item, options) else "image", index, item)
 
     def admit(cost: int) -> None:
@@ -193,7 +205,7 @@ def prepare(item: Any, index: int, options: EncodeOptions, pre: PreprocessConfig
     except PreprocessError as e:
         error = str(e)
     except Exception as e:  # noqa: BLE001 - a batch job records any per-input failure and goes on
-        error = f"{name}: {first_line(e)}"
+        error = redacted_text(f"{name}: {first_line(e)}")  # a fetch's message may quote its signed URL
     if isinstance(item, FileBytes):
         item.release()
     if error is None:  # its forward's time and memory
@@ -252,7 +264,10 @@ def prepared_batches(items: Iterable[Any], options: EncodeOptions, pre: Preproce
                      on_prepared: Callable[[Prepared], None] | None = None
                      ) -> Iterator[tuple[list[Prepared], list[Prepared]]]:
     """(batch, failed) in input order: the inputs of one tower call (at most ``max_batch_patches`` patches, or one
-    larger input) and the inputs that failed since the previous batch. ``on_prepared`` sees every input, on the
+    larger input; none when only failures are ready) and the inputs that failed since the previous batch (at most
+    ``FAILURES_HELD``). What is
+    ready is yielded before an input is pulled while none is in flight (``prefetch=0``: every time), so a producer
+    that waits for the results so far gets them. ``on_prepared`` sees every input, on the
     iterating thread, as soon as it is ready (or has failed). Close the iterator when stopping early: that wakes
     the decodes waiting for budget and stops the videos' frame loops; none is waited for."""
     budget = DecodeBudget(options.decode_bytes, options.workers)
@@ -272,7 +287,7 @@ def prepared_batches(items: Iterable[Any], options: EncodeOptions, pre: Preproce
                 prepared = future.result(timeout=WAIT_SLICE)
                 break
             except FutureTimeout:  # the builtin TimeoutError only from Python 3.11
-                started = decoding.started  # None: not admitted yet (waiting for budget is not decoding)
+                started = decoding.started or decoding.reading  # None: waiting for the budget, not decoding
                 if limit is not None and started is not None and time.monotonic() - started >= limit and \
                         budget.end(decoding):
                     decoding.stop.set()
@@ -284,7 +299,7 @@ def prepared_batches(items: Iterable[Any], options: EncodeOptions, pre: Preproce
         pending.popleft()
         return prepared
 
-    def prefetched() -> Iterator[Prepared]:
+    def prefetched() -> Iterator[Prepared | None]:
         for index, item in enumerate(items):
             decoding, future = Decoding(), Future()
             threading.Thread(target=run, args=(future, item, index, options, pre, budget, decoding),
@@ -292,6 +307,8 @@ def prepared_batches(items: Iterable[Any], options: EncodeOptions, pre: Preproce
             pending.append((future, decoding, item, index))
             if len(pending) > options.prefetch:
                 yield collect()
+            if not pending:  # before the next input is pulled: a producer may wait for the results so far
+                yield None
         while pending:
             yield collect()
 
@@ -299,10 +316,18 @@ def prepared_batches(items: Iterable[Any], options: EncodeOptions, pre: Preproce
         batch: list[Prepared] = []
         failed: list[Prepared] = []
         for prepared in prefetched():
+            if prepared is None:  # nothing in flight: what is ready goes now
+                if batch or failed:
+                    yield batch, failed
+                batch, failed = [], []
+                continue
             if on_prepared is not None:
                 on_prepared(prepared)
             if prepared.error is not None:
                 failed.append(prepared)
+                if len(failed) >= FAILURES_HELD:  # a long run of failures is not held back (nor kept) until its end
+                    yield batch, failed
+                    batch, failed = [], []
                 continue
             if batch and sum(p.patches for p in batch) + prepared.patches > options.max_batch_patches:
                 yield batch, failed

@@ -268,6 +268,32 @@ def test_inputs_are_read_at_most_prefetch_ahead_and_come_in_input_order(monkeypa
     assert all(read <= index + 3 for index, read in seen)  # the input yielded, plus `prefetch` ahead
 
 
+def test_what_is_ready_is_not_held_back_by_a_producer_that_waits_for_it():
+    """A producer that yields its next input only once it has the results so far (a request/response loop) gets
+    them with prefetch=0; a long stream of failures is yielded before it ends."""
+    got = threading.Event()
+
+    def producer():
+        yield synthetic_photo(56, 56, 0)
+        assert got.wait(WAIT), "the first result was held back while the producer waited for it"
+        yield synthetic_photo(56, 56, 1)
+
+    for _ in prepared_batches(producer(), _options(prefetch=0), PRE):
+        got.set()
+    pulled = []
+
+    def failures():
+        for i in range(3 * batching.FAILURES_HELD):
+            pulled.append(i)
+            yield np.zeros((0, 4, 3), np.uint8)
+
+    batches = prepared_batches(failures(), _options(prefetch=2), PRE)
+    batch, failed = next(batches)
+    assert not batch and [p.index for p in failed] == list(range(batching.FAILURES_HELD))
+    assert len(pulled) <= batching.FAILURES_HELD + 3
+    batches.close()
+
+
 def test_a_failure_of_many_lines_is_recorded_by_its_first_and_the_file_named():
     def fetch(limit):
         raise OSError("connection reset\nby the store's second line")
@@ -275,6 +301,15 @@ def test_a_failure_of_many_lines_is_recorded_by_its_first_and_the_file_named():
     failed = [p for _, failures in prepared_batches([FileBytes("x.png", fetch=fetch)], _options(), PRE)
               for p in failures]
     assert [p.error for p in failed] == ["image 'x.png': OSError: connection reset"]
+    url = "https://b.s3.amazonaws.com/a.png?X-Amz-Signature=SECRET"  # a store's message quoting the signed URL
+
+    def forbidden(limit):
+        raise OSError(f"403 Forbidden for url: {url}")
+
+    odd = [FileBytes(url, fetch=forbidden), FileBytes("y.png", fetch=lambda limit: None)]
+    failed = [p.error for _, failures in prepared_batches(odd, _options(), PRE) for p in failures]
+    assert "SECRET" not in failed[0] and "403 Forbidden" in failed[0]
+    assert failed[1] == "image 'y.png': TypeError: its fetch returned NoneType, not bytes"  # not "file is empty"
     with pytest.raises(TypeError, match="FileBytes: name .* got NoneType"):
         FileBytes(None, b"")
 

@@ -147,7 +147,10 @@ class FileBytes:
         the first call's limit where none is given)."""
         if self._data is None:
             self._limit = limit = self._limit if limit is None else limit
-            self._data = data = self._fetch(limit)  # returned as fetched: another thread may release it at once
+            data = self._fetch(limit)
+            if not isinstance(data, (bytes, bytearray, memoryview)):  # None read as "empty", a str as "corrupt"
+                raise TypeError(f"its fetch returned {type(data).__name__}, not bytes")
+            self._data = data  # returned as fetched: another thread may release it at once
             return data
         return self._data
 
