@@ -48,7 +48,9 @@ def filesystem(url: str) -> tuple[Any, str]:
     require_fsspec(url)
     import fsspec
 
-    protocol = url.split("://", 1)[0].lower()
+    protocol, rest = url.split("://", 1)
+    protocol = protocol.lower()
+    url = f"{protocol}://{rest}"  # S3://b/k as s3://b/k: file systems strip their own spelling only
     options: dict[str, Any] = {}
     if protocol in ("http", "https"):
         try:
@@ -81,7 +83,7 @@ def retried(what: Callable[[], Any], url: str, action: str) -> Any:
             why, transient = failure(e)
             if not transient or attempt == RETRIES:
                 after = f" after {attempt + 1} attempts" if transient else ""
-                raise PreprocessError(f"{redacted(url)}: cannot {action}{after} ({why})") from None
+                raise PreprocessError(redacted_text(f"{redacted(url)}: cannot {action}{after} ({why})", url)) from None
         time.sleep(BACKOFF_S * 2**attempt)
 
 
@@ -89,8 +91,9 @@ def failure(error: BaseException) -> tuple[str, bool]:
     """(what happened, in a few words; whether trying again may help) of a store's error. fsspec raises its own error
     from aiohttp's (its http(s) metadata read, FileNotFoundError from whatever failed), so the nearest of the error's
     causes that tells decides: a bad redirect never helps, an HTTP status may (a server's 5xx, 408 and 429; never 404
-    or a refused signature); else the error's type (a connection refused or dropped, a timeout may; a missing object or
-    a refused certificate never)."""
+    or a refused signature); else the error's type (a connection refused or dropped may; a missing object, a refused
+    certificate or a request that timed out never: a server that takes no answer within ``TIMEOUT_S`` would hold the
+    input that long again per attempt, twice per metadata read, fsspec's HEAD then its GET)."""
     aiohttp, seen = None, error
     # Imported wherever one of its errors can be there; the import statement waits for a thread still importing it
     # (sys.modules holds a module half made until then; None where it is blocked).
@@ -101,7 +104,9 @@ def failure(error: BaseException) -> tuple[str, bool]:
             return f"a redirect loop: too many redirects ({len(seen.history)} followed)", False
         if aiohttp and isinstance(seen, aiohttp.NonHttpUrlRedirectClientError):
             return f"a redirect to another scheme refused: {redacted_text(str(seen))[:300]}", False
-        if isinstance(seen, TimeoutError) or aiohttp and isinstance(seen, aiohttp.ClientConnectionError):
+        if isinstance(seen, TimeoutError):
+            return f"no answer within {TIMEOUT_S} s", False
+        if aiohttp and isinstance(seen, aiohttp.ClientConnectionError):
             error = seen  # the connection failed (fsspec re-raises it as FileNotFoundError): it may come back
             break
         status = getattr(seen, "status", None)
@@ -142,7 +147,7 @@ def identities(urls: list[str]) -> dict[str, tuple[str, str | None]]:
         except PreprocessError as e:
             return canonical(url), str(e)
         except Exception as e:  # noqa: BLE001 - a store's own error outside the retried calls: this input's
-            return canonical(url), f"{redacted(url)}: cannot read its metadata ({failure(e)[0]})"
+            return canonical(url), redacted_text(f"{redacted(url)}: cannot read its metadata ({failure(e)[0]})", url)
 
     with ThreadPoolExecutor(INFO_WORKERS) as pool:
         return dict(zip(urls, pool.map(one, urls), strict=True))

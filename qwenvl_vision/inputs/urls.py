@@ -84,6 +84,11 @@ def redacted(url: str) -> str:
     return _rewritten(url, hide=True)
 
 
-def redacted_text(text: str | None) -> str | None:
-    """``text`` (a message, a path) with every URL in it redacted."""
-    return text if text is None else URL_IN_TEXT.sub(lambda m: redacted(m.group(0)), text)
+def redacted_text(text: str | None, url: str = "") -> str | None:
+    """``text`` (a message, a path) with every URL in it redacted, and the password of ``url`` (what it is about)
+    wherever it is: a store may quote the URL's user and host without the scheme (an S3 bucket's name)."""
+    if text is None:
+        return None
+    password = url.partition("://")[2].split("/", 1)[0].rpartition("@")[0].partition(":")[2]
+    text = URL_IN_TEXT.sub(lambda m: redacted(m.group(0)), text)
+    return text.replace(password, HIDDEN) if password else text

@@ -9,8 +9,8 @@ import threading
 
 import pytest
 
-from qwenvl_vision.embed import read_run
-from qwenvl_vision.embed.inputs import file_identity, file_of, gather_inputs, shard_for_rank
+from qwenvl_vision.embed import read_run, remote
+from qwenvl_vision.embed.inputs import INPUT_KINDS, file_identity, file_of, gather_inputs, shard_for_rank
 from tests.helpers import ENV, REPO
 from tests.helpers import make_image_folder as make_folder
 from tests.helpers.embed import embed_cmd, one_error_line, records, run_embed
@@ -151,3 +151,13 @@ def test_a_url_refused_before_it_is_read_keeps_no_secret_in_its_identity():
     assert all(found.errors.get(url) for url in urls)
     assert [found.keys[url] for url in urls] == ["https://127.0.0.1:9/a.tar.gz", "s3://AKID@b/z.tgz",
                                                  "https://h/x.csv?w=1"]
+
+
+def test_a_url_is_told_by_its_path_not_its_query(monkeypatch):
+    """An image whose query ends in .csv is read (here: nothing listens, so it fails reading); a shard whose query
+    ends in anything is refused unread as a shard."""
+    monkeypatch.setattr(remote, "BACKOFF_S", 0.01)
+    image, shard = "http://127.0.0.1:9/a.jpg?name=x.csv", "http://127.0.0.1:9/s.tar?X-Amz-Signature=SIG"
+    found = gather_inputs([image, shard])
+    assert "cannot read its metadata" in found.errors[image]
+    assert found.errors[shard].endswith("read as a local file only; INPUTs are " + INPUT_KINDS)

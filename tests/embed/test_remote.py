@@ -21,6 +21,7 @@ import torch
 from qwenvl_vision.cli import main
 from qwenvl_vision.embed import read_embeddings, read_encoded, read_manifest_lines, read_run, remote
 from qwenvl_vision.embed.manifest import parquet_shards
+from qwenvl_vision.errors import PreprocessError
 from qwenvl_vision.inputs.pixels import FileBytes
 from qwenvl_vision.outputs.parquet_reader import read_parquet_records
 from tests.helpers import ENV, REPO, make_image_folder
@@ -84,6 +85,23 @@ def test_http_objects_embed_bitwise_and_a_missing_one_fails_alone(photos, checkp
         assert run_embed(urls, checkpoint, again, *SMALL) == 1
         (failed,) = [r for r in read_manifest_lines(again / "manifest.jsonl") if r["status"] == "error"]
         assert failed["path"] == urls[0] and "not found" in failed["error"]
+
+
+def test_a_server_that_never_answers_is_not_asked_again_and_a_store_s_text_keeps_no_password(monkeypatch):
+    monkeypatch.setattr(remote, "TIMEOUT_S", 1)
+    with socket.socket() as silent:  # connections are taken (into the backlog) and never answered
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}/a.jpg"
+        ((_, error),) = remote.identities([url]).values()
+    assert error == f"{url}: cannot read its metadata (no answer within 1 s)"
+
+    def quoting():  # botocore names the bucket of s3://user:password@bucket/key as it took it
+        raise RuntimeError('Invalid bucket name "AKID:S3cretPass@bucket"')
+
+    with pytest.raises(PreprocessError) as caught:
+        remote.retried(quoting, "s3://AKID:S3cretPass@bucket/a.jpg", "read it")
+    assert "S3cretPass" not in str(caught.value) and '"AKID:***@bucket"' in str(caught.value)
 
 
 def test_a_transient_error_is_retried_and_a_slow_object_times_out_alone(photos, checkpoint, tmp_path, monkeypatch):
