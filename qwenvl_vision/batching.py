@@ -25,7 +25,7 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -100,9 +100,7 @@ class Decoding:
 
     stop: threading.Event = field(default_factory=threading.Event)  # ends a video's frame loop
     started: float | None = None  # time.monotonic() at admission
-    # time.monotonic() when its thread began reading the input, until it waits for admission: a header read (a file's
-    # open, a video's probe) that hangs is timed too, waiting for the budget is not
-    reading: float | None = None
+    reading: float | None = None  # time.monotonic() its thread began, until it asks for admission (module docstring)
     held: int = 0  # decode budget bytes
     over: bool = False  # ended, or given up by the iterating side: it holds no worker any more
 
@@ -143,7 +141,8 @@ class DecodeBudget:
             self._cond.notify_all()
 
     def end(self, decoding: Decoding, now: int = 0) -> bool:
-        """An admitted decode ends, its input now holding ``now`` bytes; the iterating side gives it up with 0.
+        """A decode ends, its input now holding ``now`` bytes; the iterating side gives it up with 0 (one not admitted
+        yet, its header read stuck: its turn passes).
         False when the other side came first (given up: nobody takes its result; ended: take it).
 
         A given-up input's bytes leave the budget at once, though its thread may hold them until it ends: counted,
@@ -265,13 +264,13 @@ def prepared_batches(items: Iterable[Any], options: EncodeOptions, pre: Preproce
                      ) -> Iterator[tuple[list[Prepared], list[Prepared]]]:
     """(batch, failed) in input order: the inputs of one tower call (at most ``max_batch_patches`` patches, or one
     larger input; none when only failures are ready) and the inputs that failed since the previous batch (at most
-    ``FAILURES_HELD``). What is
-    ready is yielded before an input is pulled while none is in flight (``prefetch=0``: every time), so a producer
-    that waits for the results so far gets them. ``on_prepared`` sees every input, on the
+    ``FAILURES_HELD``). With ``prefetch=0`` and inputs that are no sequence, what is ready is yielded before each
+    input is pulled, so a producer that waits for the results so far gets them. ``on_prepared`` sees every input, on the
     iterating thread, as soon as it is ready (or has failed). Close the iterator when stopping early: that wakes
     the decodes waiting for budget and stops the videos' frame loops; none is waited for."""
     budget = DecodeBudget(options.decode_bytes, options.workers)
     pending: deque[tuple[Future, Decoding, Any, int]] = deque()
+    lazy = options.prefetch == 0 and not isinstance(items, Sequence)  # a list is no producer that waits
 
     def run(future: Future, *args: Any) -> None:
         try:
@@ -307,7 +306,7 @@ def prepared_batches(items: Iterable[Any], options: EncodeOptions, pre: Preproce
             pending.append((future, decoding, item, index))
             if len(pending) > options.prefetch:
                 yield collect()
-            if not pending:  # before the next input is pulled: a producer may wait for the results so far
+            if lazy:  # before the next input is pulled: its producer may wait for the results so far
                 yield None
         while pending:
             yield collect()

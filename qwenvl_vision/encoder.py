@@ -245,11 +245,12 @@ class VisionEncoder(contextlib.AbstractContextManager):
         file whose header declares more than `max_input_pixels` pixels is refused before decoding and yields an
         error (None: no limit; it replaces PIL's own bomb limit). ``decode_timeout``: seconds one input may spend
         decoding (from its admission by the decode budget, or from the start of a header read that hangs) before it
-        yields an error naming it and the limit, and the others go on (None: no limit). A producer of ``items``
-        that waits for the results so far before it yields more needs ``prefetch=0``: what is ready is then yielded
-        before each input is pulled. ``resize``: images' "pil", "torch" or "vllm" (see encode_images); None
-        takes the checkpoint's. Videos always use the video processors' pipeline; "vllm" also reads a video file as
-        vLLM's reader does (turned upright by its rotation metadata, Qwen2's frames picked as it picks them).
+        yields an error naming it and the limit, and the others go on (None: no limit). A generator of ``items``
+        that waits for the results so far before it yields more needs ``prefetch=0``: what is ready is then
+        yielded before each input is pulled (each its own batch). ``resize``: images' "pil", "torch" or "vllm" (see
+        encode_images); None takes the checkpoint's. Videos always use the video processors' pipeline; "vllm" also
+        reads a video file as vLLM's reader does (turned upright by its rotation metadata, Qwen2's frames picked as
+        it picks them).
         ``hash_pixels``: give each result its ``pixels_sha256`` (hashed on the decode threads, about 15 ms per
         megapixel), what an encoder cache names the item by. ``max_item_tokens``: an input that resizes to more
         embedding rows yields an error naming it instead of its forward, a video file before its frames decode (None:

@@ -280,6 +280,8 @@ def test_what_is_ready_is_not_held_back_by_a_producer_that_waits_for_it():
 
     for _ in prepared_batches(producer(), _options(prefetch=0), PRE):
         got.set()
+    listed = [synthetic_photo(56, 56, i) for i in range(3)]  # a list waits for nothing: batched as ever
+    assert [len(batch) for batch, _ in prepared_batches(listed, _options(prefetch=0), PRE)] == [3]
     pulled = []
 
     def failures():

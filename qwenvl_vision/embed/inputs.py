@@ -15,7 +15,6 @@ import re
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlsplit
 
 from braceexpand import UnbalancedBracesError, braceexpand
 
@@ -181,7 +180,7 @@ def _other_kind(path: str, listed_in: str | None = None) -> str | None:
     """Why ``path``, to be decoded as an image or video, names a kind of input that is read only as a local INPUT
     of its own (a shard, a table, a list) or not at all (a compressed tar), or None; the one line says what is read,
     since the decoder would call it "not a recognised image file"."""
-    name = (urlsplit(path).path if is_url(path) else path).lower()  # a URL's query may end in anything
+    name = (re.split(r"[?#]", path, maxsplit=1)[0] if is_url(path) else path).lower()  # a query may end in anything
     if name.endswith(COMPRESSED_TARS):
         why = "a compressed tar is not read (a shard's members are read in place): decompress it to a .tar"
     elif (listed_in or is_url(path)) and (is_shard(name) or is_table(name) or Path(name).suffix in LIST_EXTENSIONS):

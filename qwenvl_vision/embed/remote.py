@@ -9,13 +9,14 @@ is read through fsspec (the ``[remote]`` extra); outputs stay local.
   against the object's metadata once its bytes are read. A body is held to ``FileBytes.read``'s limit
   (``--decode-mib``): a larger size announced is refused before any byte is read, and a read (a server may announce
   none, or lie) stops one byte past it.
-- Failures: a transient error (a dropped connection, a timeout, a server error) is retried ``RETRIES`` times with
-  backoff; a missing, vanished or refused object, a redirect to another scheme or in a loop, one too large or still
-  failing is one failed input naming the URL and what happened.
+- Failures: a transient error (a dropped connection, a server error) is retried ``RETRIES`` times with backoff, a
+  request unanswered for ``TIMEOUT_S`` is not; a missing, vanished or refused object, a redirect to another scheme
+  or in a loop, one too large or still failing is one failed input naming the URL and what happened.
 """
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import time
 from collections.abc import Callable
@@ -57,15 +58,18 @@ def filesystem(url: str) -> tuple[Any, str]:
             import aiohttp
         except ImportError:
             raise PreprocessError(f"{redacted(url)}: reading http(s) needs aiohttp: {EXTRA}") from None
-        options["client_kwargs"] = {"timeout": aiohttp.ClientTimeout(total=TIMEOUT_S)}
+        # A silence is bounded, not a long download (--decode-timeout bounds that).
+        options["client_kwargs"] = {"timeout": aiohttp.ClientTimeout(sock_connect=TIMEOUT_S, sock_read=TIMEOUT_S)}
     elif protocol in ("s3", "s3a"):
         options["config_kwargs"] = {"connect_timeout": TIMEOUT_S, "read_timeout": TIMEOUT_S,
-                                    "retries": {"max_attempts": 1}}  # the retries are ours, bounded
+                                    "retries": {"max_attempts": 1}}  # botocore's, and s3fs's below: ours only
     try:
         # Not url_to_fs: it reads '::' in a key as URL chaining. The settings a URL carries (an FTP or HDFS host,
         # an S3 ?versionId=) are the file system's, as url_to_fs takes them.
         cls = fsspec.get_filesystem_class(protocol)
         fs = fsspec.filesystem(protocol, **{**cls._get_kwargs_from_urls(url), **options})
+        if protocol in ("s3", "s3a"):
+            fs.retries = 1  # s3fs retries a timed-out request 5 times: the retries are ours
         return fs, fs._strip_protocol(url)
     except Exception as e:  # noqa: BLE001 - an unknown scheme, a missing package, a store refusing to connect
         raise PreprocessError(f"{redacted(url)}: no file system for {protocol}:// here ({failure(e)[0]})") from None
@@ -92,8 +96,7 @@ def failure(error: BaseException) -> tuple[str, bool]:
     from aiohttp's (its http(s) metadata read, FileNotFoundError from whatever failed), so the nearest of the error's
     causes that tells decides: a bad redirect never helps, an HTTP status may (a server's 5xx, 408 and 429; never 404
     or a refused signature); else the error's type (a connection refused or dropped may; a missing object, a refused
-    certificate or a request that timed out never: a server that takes no answer within ``TIMEOUT_S`` would hold the
-    input that long again per attempt, twice per metadata read, fsspec's HEAD then its GET)."""
+    certificate or a request unanswered for ``TIMEOUT_S`` never: it would hold the input that long again)."""
     aiohttp, seen = None, error
     # Imported wherever one of its errors can be there; the import statement waits for a thread still importing it
     # (sys.modules holds a module half made until then; None where it is blocked).
@@ -104,7 +107,7 @@ def failure(error: BaseException) -> tuple[str, bool]:
             return f"a redirect loop: too many redirects ({len(seen.history)} followed)", False
         if aiohttp and isinstance(seen, aiohttp.NonHttpUrlRedirectClientError):
             return f"a redirect to another scheme refused: {redacted_text(str(seen))[:300]}", False
-        if isinstance(seen, TimeoutError):
+        if isinstance(seen, (TimeoutError, asyncio.TimeoutError)):  # not one class before Python 3.11
             return f"no answer within {TIMEOUT_S} s", False
         if aiohttp and isinstance(seen, aiohttp.ClientConnectionError):
             error = seen  # the connection failed (fsspec re-raises it as FileNotFoundError): it may come back

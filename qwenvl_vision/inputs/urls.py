@@ -43,14 +43,21 @@ def _signing_names(names: list[str]) -> set[str]:
     return signing
 
 
-def _rewritten(url: str, hide: bool) -> str:
+def _split(url: str) -> tuple[str, str, str, bool]:
+    """(scheme, netloc, the rest, whether http(s)); a name without a scheme is all rest."""
     scheme, sep, rest = url.partition("://")
     if not sep:
-        return url
+        return "", "", url, False
     http = scheme.lower() in ("http", "https")
     end = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest)) if http else \
         (rest.find("/") if "/" in rest else len(rest))
-    netloc, tail = rest[:end], rest[end:]
+    return scheme, rest[:end], rest[end:], http
+
+
+def _rewritten(url: str, hide: bool) -> str:
+    scheme, netloc, tail, http = _split(url)
+    if not scheme:
+        return url
     userinfo, at, host = netloc.rpartition("@")
     if at:
         user, colon, _ = userinfo.partition(":")
@@ -71,7 +78,7 @@ def _rewritten(url: str, hide: bool) -> str:
             elif hide:
                 kept.append(f"{name}{equals}{HIDDEN}")
         tail = path + ("?" + "&".join(kept) if kept else "") + hash_ + fragment
-    return f"{scheme}{sep}{netloc}{tail}"
+    return f"{scheme}://{netloc}{tail}"
 
 
 def canonical(url: str) -> str:
@@ -85,10 +92,10 @@ def redacted(url: str) -> str:
 
 
 def redacted_text(text: str | None, url: str = "") -> str | None:
-    """``text`` (a message, a path) with every URL in it redacted, and the password of ``url`` (what it is about)
-    wherever it is: a store may quote the URL's user and host without the scheme (an S3 bucket's name)."""
+    """``text`` (a message, a path) with every URL in it redacted, and so ``url``'s (what it is about) user and
+    password wherever they are: a store may quote them without the scheme (an S3 bucket's name)."""
     if text is None:
         return None
-    password = url.partition("://")[2].split("/", 1)[0].rpartition("@")[0].partition(":")[2]
+    user, colon, password = _split(url)[1].rpartition("@")[0].partition(":")
     text = URL_IN_TEXT.sub(lambda m: redacted(m.group(0)), text)
-    return text.replace(password, HIDDEN) if password else text
+    return text.replace(f"{user}:{password}@", f"{user}:{HIDDEN}@") if password else text

@@ -102,6 +102,9 @@ def test_a_server_that_never_answers_is_not_asked_again_and_a_store_s_text_keeps
     with pytest.raises(PreprocessError) as caught:
         remote.retried(quoting, "s3://AKID:S3cretPass@bucket/a.jpg", "read it")
     assert "S3cretPass" not in str(caught.value) and '"AKID:***@bucket"' in str(caught.value)
+    with pytest.raises(PreprocessError) as caught:  # a one-letter password hides that userinfo, no other letter
+        remote.retried(quoting, "s3://AKID:a@bucket/a.jpg", "read it")
+    assert "cannot read it after" in str(caught.value)
 
 
 def test_a_transient_error_is_retried_and_a_slow_object_times_out_alone(photos, checkpoint, tmp_path, monkeypatch):
