@@ -7,7 +7,8 @@ CloudFront or S3 SigV2 signature, an Azure SAS token) or carry a credential (``t
   the user may choose the object: ``abfs://container@account``), and for http(s) without the signing and credential
   parameters, so a URL signed again for a ``--resume`` names the same object; every other query parameter stays (it
   may choose the content: a size, a version).
-- ``redacted``: the URL with the password and each signing or credential value replaced by ``***``.
+- ``redacted``: the URL with the password (for http(s) a user given alone too: a token, ``https://TOKEN@host``) and
+  each signing or credential value replaced by ``***``.
 
 A signature's companions count only beside it: Azure's short names (``sp``, ``se``, ...) where ``sig`` and ``sv``
 are both given (every SAS has them), ``Expires`` and ``Policy`` where ``Signature`` or ``Key-Pair-Id`` is, so
@@ -62,7 +63,7 @@ def _rewritten(url: str, hide: bool) -> str:
     if at:
         user, colon, _ = userinfo.partition(":")
         if hide:
-            netloc = f"{user}:{HIDDEN}@{host}" if colon else netloc
+            netloc = f"{user}:{HIDDEN}@{host}" if colon else f"{HIDDEN}@{host}" if http else netloc
         else:
             netloc = host if http else f"{user}@{host}"
     if http and "?" in tail:

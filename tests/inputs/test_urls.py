@@ -16,7 +16,7 @@ from qwenvl_vision.inputs.urls import canonical, redacted, redacted_text
      "https://d.cloudfront.net/a.jpg?v=2", "https://d.cloudfront.net/a.jpg?Expires=***&Signature=***&Key-Pair-Id=***&v=2"),
     ("https://storage.googleapis.com/b/a.jpg?X-Goog-Signature=s", "https://storage.googleapis.com/b/a.jpg",
      "https://storage.googleapis.com/b/a.jpg?X-Goog-Signature=***"),
-    ("http://user@h/a.jpg", "http://h/a.jpg", "http://user@h/a.jpg"),
+    ("http://TOKEN@h/a.jpg", "http://h/a.jpg", "http://***@h/a.jpg"),  # a user alone authenticates: a token
     # Elsewhere the user may choose the object (an ADLS container): only a password goes.
     ("abfs://container@acct.dfs.core.windows.net/a.jpg", "abfs://container@acct.dfs.core.windows.net/a.jpg",
      "abfs://container@acct.dfs.core.windows.net/a.jpg"),
