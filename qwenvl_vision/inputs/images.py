@@ -239,8 +239,8 @@ def preprocess_image(image: Any, config: PreprocessConfig, *, min_pixels: int | 
 
 def probe_image(image: Any, config: PreprocessConfig, *, index: int | None = None, min_pixels: int | None = None,
                 max_pixels: int | None = None, max_input_pixels: int | None = None,
-                name: str | None = None) -> tuple[int, int]:
-    """Check an input without decoding its pixels; return the resized (height, width) it will get.
+                name: str | None = None) -> None:
+    """Check an input without decoding its pixels.
 
     Catches what can be known up front (missing, empty or unidentifiable file, unsupported type, zero-size
     array, aspect ratio over 200, a target size of zero, a file above max_input_pixels) so that batch APIs
@@ -255,5 +255,5 @@ def probe_image(image: Any, config: PreprocessConfig, *, index: int | None = Non
         height, width = image.height, image.width
     else:
         height, width = as_hwc(image, name).shape[:2]
-    return image_target_size(height, width, config, min_pixels, max_pixels, name)
+    image_target_size(height, width, config, min_pixels, max_pixels, name)
 

@@ -239,10 +239,12 @@ def load_rgb(image: Any, name: str, *, check_aspect: bool = False, max_input_pix
     A file: ``open_header`` (its checks, ``max_input_pixels`` and ``on_header``), then ``image_utils.load_image`` and
     ``convert_to_rgb``; the torchvision processor's decode (``decode_image(mode=RGB)``, EXIF applied) keeps no
     transparency at all, so a single tRNS colour is not turned white there, and a GIF's transparent index and the
-    screen around its first frame show its background colour. One deviation: torchvision's WebP decoder ignores
-    EXIF orientation, which transformers asks for (and torchcodec, its preferred decoder, applies); a WebP is turned
-    upright here. A PIL image or an array passed in is already in memory. ``backend``: whose RGB conversion, the PIL
-    or the torchvision image processor's (they differ for files and 4-channel arrays).
+    screen around its first frame show its background colour. Deviations: torchvision's WebP decoder ignores EXIF
+    orientation, which transformers asks for (and torchcodec, its preferred decoder, applies); a WebP is turned
+    upright here, as is a file whose orientation only Pillow reads (in XMP, a PNG's text chunk or an eXIf chunk
+    after the pixels; torchvision reads a JPEG's Exif segment and a PNG's eXIf chunk before them). A PIL image or
+    an array passed in is already in memory. ``backend``: whose RGB conversion, the PIL or the torchvision image
+    processor's (they differ for files and 4-channel arrays).
     """
     composite = backend == "pil"
     if isinstance(image, PIL.Image.Image):
@@ -291,10 +293,14 @@ def as_hwc(image: Any, name: str) -> np.ndarray:
     if channels_first:
         if image.dtype != torch.uint8:
             raise PreprocessError(f"{name}: expected a uint8 tensor, got {image.dtype}")
-        image = image.detach().cpu().numpy()
+        try:
+            image = image.detach().cpu().numpy()
+        except (RuntimeError, TypeError, NotImplementedError) as e:  # a sparse or meta tensor: no dense pixels
+            raise PreprocessError(f"{name}: cannot read the tensor's pixels ({e})") from None
     elif not isinstance(image, np.ndarray):
         raise PreprocessError(f"{name}: unsupported input type {type(image).__name__}; expected a path, PIL image, "
                               "uint8 numpy array or uint8 torch tensor")
+    image = np.asarray(image)  # an ndarray subclass (np.matrix) indexes its own way
     if image.ndim not in (2, 3):
         raise PreprocessError(f"{name}: expected a 2-D or 3-D image array, got shape {tuple(image.shape)}")
     if image.size == 0:

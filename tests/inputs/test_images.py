@@ -227,6 +227,10 @@ def test_input_types_agree():
     for image in (array, torch.from_numpy(array).permute(2, 0, 1), array[:, ::-1][:, ::-1]):
         values, other_grid = preprocess_image(image, config)
         assert other_grid == grid and torch.equal(values, expected)
+    gray = array[..., 0]  # an ndarray subclass (np.matrix: 2-D only) is the array it holds
+    with pytest.warns(PendingDeprecationWarning):
+        matrix = np.asmatrix(gray)
+    assert torch.equal(preprocess_image(matrix, config)[0], preprocess_image(gray, config)[0])
 
 
 @pytest.mark.parametrize("family", REFERENCE_FAMILIES)
@@ -309,6 +313,8 @@ def test_bad_files(tmp_path, name, make, pattern):
     (torch.zeros((3, 10, 0), dtype=torch.uint8), "zero-size"),
     (np.zeros((10, 10, 3), np.float32), "uint8"),
     (torch.zeros((3, 10, 10)), "uint8"),
+    (torch.zeros((3, 10, 10), dtype=torch.uint8, device="meta"), "cannot read the tensor's pixels"),
+    (torch.zeros((3, 10, 10), dtype=torch.uint8).to_sparse(), "cannot read the tensor's pixels"),
     (np.zeros((1, 10, 10, 3), np.uint8), "2-D or 3-D"),
     (np.zeros((10, 10, 2), np.uint8), "1, 3 or 4 channels"),
     (Image.new("RGB", (0, 5)), "zero-size"),
