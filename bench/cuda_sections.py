@@ -408,8 +408,8 @@ def section_throughput(ctx: Context, rec: Record) -> str:
     import torch
 
     import bench.throughput as tp
+    from bench.workloads import build_inputs
     from qwenvl_vision import preset
-    from qwenvl_vision.testing.workloads import build_inputs
 
     device = ctx.device
     dtype = torch.float32 if ctx.dry_run else torch.bfloat16
@@ -558,8 +558,8 @@ def section_load(ctx: Context, rec: Record) -> str:
 
 def load_config(args: argparse.Namespace):
     """The preset ``bench.load`` would load for these arguments (``--depth`` truncates it, named so)."""
+    from bench.workloads import truncated
     from qwenvl_vision import preset
-    from qwenvl_vision.testing.workloads import truncated
 
     cfg = preset(args.preset)
     if args.depth:

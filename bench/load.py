@@ -526,7 +526,7 @@ def main(argv=None) -> dict | None:
         sys.exit(f"bench.load: --preset {args.preset} is a {cfg.model_type} tower; presets of {sorted(HF_CLASSES)} "
                  f"only")
     if args.depth:
-        from qwenvl_vision.testing.workloads import truncated
+        from bench.workloads import truncated
 
         cfg = truncated(cfg, args.depth)
         cfg = cfg.replace(name=f"{cfg.name}-depth{cfg.depth}")

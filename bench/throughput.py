@@ -23,7 +23,7 @@ and attention), its fraction of the GPU's dense bf16 peak (datasheet value for t
 matmul rate measured in the same run.
 
 ``bench.cuda_check`` imports these pieces (``build_variants``, ``measure``, ``summarize``, ``peak_rate``; the
-input sets are ``qwenvl_vision.testing.workloads.INPUT_SETS``) to time several input sets on one set of models.
+input sets are ``bench.workloads.INPUT_SETS``) to time several input sets on one set of models.
 """
 
 from __future__ import annotations

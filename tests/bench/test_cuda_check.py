@@ -169,8 +169,8 @@ def test_a_section_past_its_limit_is_recorded_and_the_next_still_runs(tmp_path, 
 def test_a_variant_that_raises_is_dropped_and_the_others_keep_their_numbers():
     """What the GPU run relies on when, e.g., compiled blocks fail on its torch: the other variants are still timed."""
     import bench.throughput as tp
+    from bench.workloads import build_inputs
     from qwenvl_vision.model.random_init import random_tower
-    from qwenvl_vision.testing.workloads import build_inputs
 
     cfg = FAMILY_SMALL["qwen2_5_vl"]
     pixel_values, grid_thw, items = build_inputs("small", cfg)
