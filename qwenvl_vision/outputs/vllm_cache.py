@@ -137,11 +137,14 @@ def write_item(folder: Path, item: str, rows: torch.Tensor, tag: str, metadata: 
 def found_item(folder: Path, item: str) -> dict[str, str] | None:
     """The metadata of ``folder/item/encoder_cache.safetensors`` when safetensors reads it, and the file touched (found
     in place is written again, for a prune's oldest-first); None when no such file is there. A link at the item's
-    folder or file is an ``OutputLinkError``: never read, nor written through."""
+    folder or file is an ``OutputLinkError``: never read, nor written through. Another file where the item's folder
+    goes is an item without metadata: kept, as another writer's."""
     from safetensors import SafetensorError, safe_open
 
     target = folder / item / CACHE_FILE
     refuse_link(target.parent)
+    if target.parent.exists() and not target.parent.is_dir():
+        return {}
     refuse_link(target)
     with contextlib.suppress(SafetensorError, OSError), safe_open(target, framework="pt") as f:
         os.utime(target)

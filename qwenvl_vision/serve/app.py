@@ -126,6 +126,11 @@ async def read_json(request: Request, limit: int, budget: BodyBudget, timeout: f
     parsed values as a count of their marks gives them, before they are parsed. A client that sends nothing for
     ``timeout`` seconds mid-body is answered 408 (nginx's ``client_body_timeout``): stalled, it would hold its bytes
     of the budget, and a SIGTERM's wait, for as long as it liked (uvicorn sets no such bound)."""
+    kind = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
+    if kind != "application/json" and not (kind.startswith("application/") and kind.endswith("+json")):
+        # A web page may post a form or text/plain to this host without asking first: refused, as FastAPI's JSON
+        # bodies are (none given is taken as JSON there too).
+        raise RequestError(f"the request body is {kind[:100]!r}, not JSON (Content-Type: application/json)", 415)
     over = RequestError(f"the request body is larger than --max-body-mib ({limit >> 20} MiB)", 413)
     if int(request.headers.get("content-length") or 0) > limit:
         raise over
@@ -171,8 +176,8 @@ class Serving:
         self.requests = Counter("qwenvl_vision_requests", "requests answered", ["route", "status"], registry=registry)
         items = Counter("qwenvl_vision_items_encoded", "items encoded (not those found written)", registry=registry)
         self.latency = Histogram("qwenvl_vision_request_seconds", "request latency", ["route"], registry=registry)
-        queued = Gauge("qwenvl_vision_queue_items", "items waiting for the encoder or loading their media "
-                       "(--max-queue)", registry=registry)
+        queued = Gauge("qwenvl_vision_queue_items", "items waiting for the encoder, loading their media or "
+                       "being encoded (--max-queue)", registry=registry)
         self.shared, self.tag = settings.shared, uuid.uuid4().hex
         if self.shared is not None:  # refused before serving: a folder holding another model's items
             claim_cache_folder(self.shared, encoder.identity(), self.tag)

@@ -2,7 +2,8 @@
 that moment, hands them to ``iter_encode`` (which decodes ahead on its threads, within the decode budget, and
 batches by patches) and resolves each item's future on its event loop as its batch comes out. The event loop never
 decodes or runs a forward. A request's items hold their room in the queue from before their media are read
-(``reserve``); a request the queue has no room for is refused at once (503): never an unbounded backlog of items."""
+(``reserve``) until they are answered; a request the queue has no room for is refused at once (503): never an
+unbounded backlog of items."""
 
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ class Batcher:
         self.queue_gauge, self.items_counter = queue_gauge, items_counter
         self.jobs: collections.deque[Job] = collections.deque()
         self.reserved = 0  # items whose media are loading (reserve)
+        self.encoding = 0  # items taken by the encoder's thread and not yet answered
         self.fault: str | None = None  # a ForwardFaultError's line: the device is broken, every later forward fails
         self.ready = threading.Condition()
         self.stopping = False
@@ -52,9 +54,9 @@ class Batcher:
                 self.thread.start()
             if self.fault is not None:  # as /health answers: a balancer sends the request elsewhere
                 raise RequestError(self.fault, 503)
-            if len(self.jobs) + self.reserved + n > self.max_queue:
-                raise RequestError(f"the encoder's queue is full ({len(self.jobs) + self.reserved} items waiting or "
-                                   f"loading, --max-queue {self.max_queue}); try again shortly", 503,
+            if self.count() + n > self.max_queue:
+                raise RequestError(f"the encoder's queue is full ({self.count()} items waiting, loading or being "
+                                   f"encoded, --max-queue {self.max_queue}); try again shortly", 503,
                                    {"Retry-After": "1"})
             self.reserved += n
             self.count()
@@ -76,9 +78,13 @@ class Batcher:
             self.ready.notify()
         return [job.future for job in jobs]
 
-    def count(self) -> None:
-        """The gauge set to what ``reserve`` counts against --max-queue (called holding ``ready``)."""
-        self.queue_gauge.set(len(self.jobs) + self.reserved)
+    def count(self, answered: int = 0) -> int:
+        """The items ``reserve`` counts against --max-queue, ``answered`` fewer being encoded, and the gauge set to
+        them (called holding ``ready``)."""
+        self.encoding -= answered
+        held = len(self.jobs) + self.reserved + self.encoding
+        self.queue_gauge.set(held)
+        return held
 
     def run(self) -> None:
         while True:
@@ -88,33 +94,39 @@ class Batcher:
                 if not self.jobs:  # stopping, the queue drained and nothing reserved that could still be queued
                     return
                 taken, self.jobs = list(self.jobs), collections.deque()
-                self.count()
+                self.encoding = len(taken)
             for normalize in (False, True):  # one call per setting: normalize is an option of the call
                 group = [job for job in taken if job.normalize == normalize]
                 if group:
                     self.encode(group, normalize)
 
     def encode(self, jobs: list[Job], normalize: bool) -> None:
+        """Each job's future resolved, its room in the queue given back just before (the client may send again)."""
         if self.fault is not None:  # queued before the device broke: refused as reserve refuses, with no forward
-            for job in jobs:
-                self.resolve(job.future, RequestError(self.fault, 503))
+            self.answer(jobs, RequestError(self.fault, 503))
             return
         options = self.options
         if self.encoder.device.type == "cpu":
             # On the CPU each item runs as its own forward whatever its batch (execution.forwards_on): batches of
             # one answer each item as soon as its forward ends, so clients resend while the others are encoded.
             options = {**options, "max_batch_patches": 1}
+        answered: set[int] = set()
         try:
             for batch in self.encoder.iter_encode([job.file for job in jobs], video=None, pooled=True,
                                                   normalize=normalize, **options):
-                for result in batch:
-                    self.resolve(jobs[result.index].future, result)
                 self.items_counter.inc(sum(result.ok for result in batch))
+                answered.update(result.index for result in batch)
+                self.answer([jobs[result.index] for result in batch], batch)
         except Exception as e:  # noqa: BLE001 - a failed forward fails the items waiting for it, and the server goes on
             if isinstance(e, ForwardFaultError):
                 self.fault = f"the encoder's device failed; restart the server: {e}"
-            for job in jobs:
-                self.resolve(job.future, e)
+            self.answer([job for i, job in enumerate(jobs) if i not in answered], e)
+
+    def answer(self, jobs: list[Job], outcomes: list[ItemResult] | BaseException) -> None:
+        with self.ready:
+            self.count(len(jobs))
+        for i, job in enumerate(jobs):
+            self.resolve(job.future, outcomes if isinstance(outcomes, BaseException) else outcomes[i])
 
     @staticmethod
     def resolve(future: asyncio.Future, outcome: ItemResult | BaseException) -> None:

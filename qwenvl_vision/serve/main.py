@@ -46,9 +46,9 @@ def add_serve_parser(sub, parents=()) -> argparse.ArgumentParser:
     p.add_argument("--max-items", type=positive_option(int, "--max-items"), default=64,
                    help="most images and videos in one request (default %(default)s)")
     p.add_argument("--max-queue", type=positive_option(int, "--max-queue"), default=256,
-                   help="most items waiting for the encoder or loading their media; beyond it a request is answered "
-                        "503 with Retry-After; uvicorn answers 503 beyond twice as many connections at once (default "
-                        "%(default)s)")
+                   help="most items waiting for the encoder, loading their media or being encoded; beyond it a "
+                        "request is answered 503 with Retry-After; uvicorn answers 503 beyond twice as many "
+                        "connections at once (default %(default)s)")
     p.add_argument("--threads", type=positive_option(int, "--threads"),
                    help="torch threads of each forward (default: torch's, one per core)")
     # vLLM loads images its own way, then runs transformers' torchvision processor whatever the checkpoint names.

@@ -125,6 +125,8 @@ def bad_requests(media) -> dict[str, tuple]:
         "a wrong key": ("/v1/embeddings", chat(part(good)), {"Authorization": "Bearer nope"}, 401, "API key"),
         "no key": ("/v1/models", None, {"Authorization": ""}, 401, "API key"),
         "not JSON": ("/v1/embeddings", b"{", {}, 400, "JSON"),
+        "JSON sent as text/plain": ("/v1/chat/completions", json.dumps(chat(part(good, "csrf"))).encode(),
+                                    {"Content-Type": "text/plain;charset=UTF-8"}, 415, "text/plain", "JSON"),
         "more items than --max-items": ("/v1/embeddings", chat(*[part(good)] * 5), {}, 400, "messages", "--max-items"),
         "content as one part": ("/v1/embeddings", {"messages": [{"role": "user", "content": part(good)}]}, {}, 400,
                                 "messages[0].content", "a list of content parts"),
@@ -153,6 +155,7 @@ def bad_requests(media) -> dict[str, tuple]:
                                   "a body over the limit", "a chunked body over the limit",
                                   "JSON nested deeper than the stack", "many small JSON values",
                                   "a character outside base64", "a wrong key", "no key", "not JSON",
+                                  "JSON sent as text/plain",
                                   "more items than --max-items", "return_tokens as text",
                                   "encoding_format as a number", "content as one part",
                                   "encoding_format as a long text", "encoding_format as deep lists",
@@ -241,12 +244,17 @@ def test_a_link_at_an_item_s_folder_is_the_folder_s_fault_never_read_through(ser
     assert list(tmp_path.iterdir()) == []
 
 
-def test_an_item_another_writer_left_at_a_uuid_is_a_409_naming_it(served, media):
+@pytest.mark.parametrize("other", ["item", "file"])
+def test_an_item_another_writer_left_at_a_uuid_is_a_409_naming_it(served, media, other):
     client, root = served
-    write_item(root / "shared", "foreign", torch.zeros(4, 8), "t")  # as embed or vLLM's producer writes one
+    name = f"foreign-{other}"
+    if other == "item":
+        write_item(root / "shared", name, torch.zeros(4, 8), "t")  # as embed or vLLM's producer writes one
+    else:
+        (root / "shared" / name).write_text("not a folder")
     before = files_under(root)
-    error_of(client.post("/v1/chat/completions", json=chat(part(data_url(media["a.png"]), "foreign"))), 409,
-             "messages[0].content[1]", "foreign", "did not write")
+    error_of(client.post("/v1/chat/completions", json=chat(part(data_url(media["a.png"]), name))), 409,
+             "messages[0].content[1]", name, "did not write")
     assert files_under(root) == before
 
 
@@ -294,7 +302,7 @@ def test_two_requests_racing_for_one_uuid_both_answer_the_file_written(held, med
     first = post_in_thread(client, "/v1/chat/completions", chat(part(data_url(media["a.png"]), "raced")))
     assert encoder.entered.wait(START_S)  # the first is being encoded, the second finds no file either
     second = post_in_thread(client, "/v1/chat/completions", chat(part(data_url(media["c.png"]), "raced")))
-    until(lambda: "qwenvl_vision_queue_items 1.0" in client.get("/metrics").text, "the second request queued")
+    until(lambda: "qwenvl_vision_queue_items 2.0" in client.get("/metrics").text, "the second request queued")
     encoder.go.set()
     answers = []
     for thread, answer in (first, second):
@@ -334,7 +342,7 @@ def test_a_broken_device_fails_health_and_every_later_request(held, media):
     threads[0].start()
     assert encoder.entered.wait(START_S)  # the first request's forward is under way
     threads[1].start()
-    until(lambda: "qwenvl_vision_queue_items 1.0" in client.get("/metrics").text, "the second request queued")
+    until(lambda: "qwenvl_vision_queue_items 2.0" in client.get("/metrics").text, "the second request queued")
     encoder.go.set()
     for thread in threads:
         thread.join()
@@ -417,7 +425,7 @@ def test_media_read_count_against_max_bodies_mib_until_their_answer(held):
         first = post_in_thread(client, "/v1/embeddings", request)
         assert encoder.entered.wait(START_S)  # its image read, held until its answer
         second = post_in_thread(client, "/v1/embeddings", request)
-        until(lambda: second[1] or "qwenvl_vision_queue_items 1.0" in client.get("/metrics").text,
+        until(lambda: second[1] or "qwenvl_vision_queue_items 2.0" in client.get("/metrics").text,
               "the second request answered or queued")
         encoder.go.set()
         for thread, _ in (first, second):
