@@ -104,20 +104,25 @@ class BodyBudget:
     held: int = 0
 
     def charge(self, request: Request, size: int) -> None:
-        """``size`` more bytes held for ``request``; over the limit, 503 with Retry-After (413 if it alone is)."""
+        """``size`` more bytes held for ``request``; over the limit, 503 with Retry-After (413 if it alone is), and
+        what it holds given back at once: a request that fails holds nothing its siblings could use."""
         mine = getattr(request.state, "body_bytes", 0) + size
+        held, full = self.held, self.held + size > self.limit
+        if mine > self.limit or full:
+            self.release(request)
         if mine > self.limit:  # a request that could never be held: a retry would be refused again
             raise RequestError(f"the request's body and media take more than --max-bodies-mib ({self.limit >> 20} "
                                f"MiB)", 413)
-        if self.held + size > self.limit:
-            raise RequestError(f"the server holds {self.held / 2**20:.1f} MiB of request bodies and their media "
+        if full:
+            raise RequestError(f"the server holds {held / 2**20:.1f} MiB of request bodies and their media "
                                f"(--max-bodies-mib {self.limit >> 20}); try again shortly", 503, {"Retry-After": "1"})
         self.held += size
         request.state.body_bytes = mine
 
     def release(self, request: Request) -> None:
-        """What ``request`` held, given back once it is answered."""
+        """What ``request`` held, given back once it is answered (or refused)."""
         self.held -= getattr(request.state, "body_bytes", 0)
+        request.state.body_bytes = 0
 
 
 async def read_json(request: Request, limit: int, budget: BodyBudget, timeout: float) -> Any:

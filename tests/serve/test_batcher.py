@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
 from tests.helpers.serve import START_S, chat, data_url, error_of, part, until
 from tests.helpers.servers import http_folder
 
@@ -68,3 +70,23 @@ def test_bodies_over_max_bodies_mib_at_once_answer_503_and_each_answer_gives_its
     broken["messages"][0]["content"].append(request["messages"][0]["content"][-1])
     error_of(client.post("/v1/embeddings", json=broken), 400, "messages[0].content[1]")  # a failed request too
     assert client.post("/v1/embeddings", json=request).status_code == 200
+
+
+def test_a_request_refused_for_the_bodies_bound_gives_back_what_it_held_at_once():
+    """Three bodies arriving at once where two fit: the one refused holds nothing the other two need."""
+    from types import SimpleNamespace
+
+    from qwenvl_vision.serve.app import BodyBudget
+    from qwenvl_vision.serve.media import RequestError
+
+    budget = BodyBudget(limit=1000)
+    a, b, c = (SimpleNamespace(state=SimpleNamespace()) for _ in range(3))
+    for request in (a, b, c):
+        budget.charge(request, 300)
+    with pytest.raises(RequestError, match="--max-bodies-mib") as refused:
+        budget.charge(c, 300)
+    assert refused.value.status == 503 and budget.held == 600
+    budget.charge(a, 200)
+    budget.charge(b, 200)  # held by the refused request, these bytes would be refused too
+    budget.release(c)  # its answer, later: nothing more given back
+    assert budget.held == 1000
