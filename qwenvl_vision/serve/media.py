@@ -23,7 +23,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import SplitResult, quote, unquote, urljoin, urlsplit
@@ -52,6 +52,9 @@ class MediaPolicy:
     allowed_domains: frozenset[str]  # lowercase, as urlsplit's hostname
     local_root: Path | None  # resolved
     timeout_s: float  # a fetch's, the decode timeout
+    # The fetches under way, by their file: cut when their request is answered without them (it would hold a media
+    # thread, and the process's exit, until the decode timeout).
+    reading: dict[FileBytes, Connections] = field(default_factory=dict, compare=False)
 
 
 @dataclass
@@ -135,7 +138,8 @@ def media_file(url: str, label: str, modality: str, policy: MediaPolicy) -> File
     name = label + (ext if ext in known else default)
     if scheme in ("http", "https"):
         check_remote(url, label, policy)
-        return FileBytes(name, fetch=lambda limit: fetch(url, label, policy, limit))
+        file = FileBytes(name, fetch=lambda limit: fetch(url, label, policy, limit, file))
+        return file
     if scheme == "file":
         if policy.local_root is None:
             raise RequestError(f"{label}: file URLs are refused (start the server with --allowed-local-media-path)")
@@ -269,10 +273,10 @@ class Connections(urllib.request.HTTPSHandler, urllib.request.HTTPHandler):
             self.sockets.clear()
 
 
-def fetch(url: str, label: str, policy: MediaPolicy, limit: int) -> bytes:
+def fetch(url: str, label: str, policy: MediaPolicy, limit: int, file: FileBytes) -> bytes:
     """The URL's body, at most ``limit`` bytes (read one past it to tell), all of it within the decode timeout,
-    which a server trickling its bytes does not hold past it (``Connections``)."""
-    connections = Connections(policy.timeout_s)
+    which a server trickling its bytes does not hold past it (``Connections``); ``policy.reading[file]`` while read."""
+    connections = policy.reading[file] = Connections(policy.timeout_s)
     opener = urllib.request.build_opener(Redirects(label, policy), connections)
     late = PreprocessError(f"{label}: {redacted(url)[:200]} not read within the decode timeout "
                            f"({policy.timeout_s:g} s)")
@@ -309,3 +313,4 @@ def fetch(url: str, label: str, policy: MediaPolicy, limit: int) -> bytes:
     finally:
         timer.cancel()
         connections.close()
+        policy.reading.pop(file, None)

@@ -144,6 +144,38 @@ def test_a_url_trickling_its_bytes_stops_at_the_decode_timeout_and_slow_urls_sta
         assert max(stopped) - start < timeout + 3
 
 
+def test_a_read_its_request_no_longer_waits_for_is_cut_at_once(checkpoint3):
+    """Answered without it (its sibling's URL failed), a read under way would hold a media thread (and the process's
+    exit) until the decode timeout."""
+    from fastapi.testclient import TestClient
+
+    arrived, stopped = threading.Event(), threading.Event()
+
+    def answer(handler):
+        if handler.path == "/missing.png":
+            arrived.wait(START_S)  # fails once the other read is under way
+            handler.send_error(404)
+            return
+        handler.send_response(200)
+        handler.send_header("Content-Length", "100000")
+        handler.end_headers()
+        arrived.set()
+        try:
+            for _ in range(600):
+                handler.wfile.write(b"x")
+                handler.wfile.flush()
+                time.sleep(0.1)
+        except OSError:  # the reader went away
+            stopped.set()
+
+    app = app_of(load_encoder(checkpoint3, device="cpu"), "--allowed-media-domains", "127.0.0.1",
+                 "--decode-timeout", 60)
+    with media_server(answer) as base, TestClient(app) as client:
+        error_of(client.post("/v1/embeddings", json=chat(part(f"{base}/slow.png"), part(f"{base}/missing.png"))),
+                 400, "HTTP 404")
+        assert stopped.wait(5), "the read went on"
+
+
 def test_a_host_whose_every_address_drops_connections_is_held_to_the_decode_timeout_as_a_whole(checkpoint3,
                                                                                                  monkeypatch):
     from fastapi.testclient import TestClient
