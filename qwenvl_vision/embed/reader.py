@@ -35,6 +35,9 @@ def read_run(out: str | os.PathLike) -> dict:
         raise ManifestError(f"{path} does not exist: not an embed output{copied}") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ManifestError(f"{path} is damaged: {e}") from None
+    if not isinstance(run, dict) or not isinstance(run.get("format", RUN_FORMAT), int):
+        raise ManifestError(f"{path} is damaged: not a run record; restore it (or move the folder away and embed "
+                            f"afresh)")
     if run.get("format", RUN_FORMAT) > RUN_FORMAT:  # without one: damaged (the fields' check)
         raise ManifestError(f"{path} has format {run['format']}; this qwenvl-vision reads format {RUN_FORMAT} "
                             f"(upgrade it)")
@@ -95,7 +98,9 @@ def _manifest_embeddings(out: Path, records: list[dict], deepstack: bool) -> Ite
                 tensor, levels = split_vllm_deepstack(tensor, r["levels"])
                 tensor, levels = tensor.contiguous(), [level.contiguous() for level in levels]
             elif deepstack:
-                levels = [handle.get_tensor(k) for k in sorted(handle.keys()) if k.startswith(r["key"] + ".deepstack.")]
+                prefix = r["key"] + ".deepstack."  # levels by number: as text, 10 would come before 2
+                levels = [handle.get_tensor(k) for k in sorted((k for k in handle.keys() if k.startswith(prefix)),
+                                                                key=lambda k: int(k[len(prefix):]))]
         except Exception as e:  # noqa: BLE001 - safetensors' own error for a missing or damaged shard or tensor
             raise ManifestError(f"{out / MANIFEST}: {r['shard']} {r['key']!r} cannot be read ({e})") from None
         yield r["path"], (tensor, levels) if deepstack else tensor

@@ -14,7 +14,7 @@ from qwenvl_vision import load_encoder, read_encoded
 from qwenvl_vision.embed import MANIFEST, RUN_FORMAT, read_embeddings, read_manifest_lines, read_run
 from qwenvl_vision.errors import ManifestError
 from qwenvl_vision.outputs.handoff import to_vllm
-from tests.helpers import ENV
+from tests.helpers import ENV, QWEN3_SMALL_72, write_checkpoint
 from tests.helpers import make_image_folder as make_folder
 from tests.helpers.embed import assert_each_input_once, make_media_folder, one_error_line, records, run_embed
 
@@ -105,6 +105,15 @@ def test_stored_results_hand_over_like_the_encoder_result(tmp_path, checkpoint3,
         read_encoded(out, asked[0])
 
 
+def test_deepstack_levels_are_read_back_in_their_order_past_ten(tmp_path):
+    write_checkpoint(tmp_path / "ckpt", QWEN3_SMALL_72.replace(depth=11, deepstack_visual_indexes=tuple(range(11))))
+    make_folder(tmp_path / "imgs", 1, bad=False)
+    assert run_embed([tmp_path / "imgs"], tmp_path / "ckpt", tmp_path / "out", "--quiet") == 0
+    ((path, (_, levels)),) = read_embeddings(tmp_path / "out", deepstack=True)
+    expected = load_encoder(tmp_path / "ckpt", device="cpu").encode_images([path]).deepstack[0]
+    assert len(levels) == 11 and all(torch.equal(a, b) for a, b in zip(levels, expected))
+
+
 def test_what_is_no_embed_output_is_refused_by_every_reader(tmp_path):
     """A typo of the folder, or a file given for it, is one ManifestError naming its run.json: never an empty read."""
     (tmp_path / "a.png").write_bytes(b"not a folder")
@@ -116,6 +125,10 @@ def test_what_is_no_embed_output_is_refused_by_every_reader(tmp_path):
     (tmp_path / "copied" / "shard-r0-000000.parquet").write_bytes(b"PAR1")
     with pytest.raises(ManifestError, match=r"run\.json does not exist: .*Parquet shards copied without it"):
         read_run(tmp_path / "copied")
+    for damaged in ("[]", "null", '{"format": "2"}'):
+        (tmp_path / "copied" / "run.json").write_text(damaged)
+        with pytest.raises(ManifestError, match=r"copied/run\.json is damaged"):
+            read_run(tmp_path / "copied")
 
 
 @pytest.mark.parametrize("file_format", ["safetensors", "parquet"])
