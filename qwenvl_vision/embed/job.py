@@ -66,6 +66,7 @@ class _Group:
 
     def __init__(self, rank: int, world: int) -> None:
         self.rank, self.world = rank, world
+        self.reducing = None
         if world > 1:
             # A rank that finishes its part early waits for the slowest at the barrier: gloo's default 30 min
             # timeout is too short for hours-long jobs. A rank that dies closes its sockets, which the others
@@ -82,7 +83,10 @@ class _Group:
         if self.world > 1:
             flag = torch.tensor([code])
             try:
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+                reduced = self.reducing = dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True)
+                while not reduced.is_completed():  # a wait in C++ would hold off SIGTERM and Ctrl-C for hours
+                    time.sleep(0.1)
+                reduced.wait()
             except RuntimeError as e:  # a rank died (torch.distributed reports it as a RuntimeError)
                 raise OutputFaultError(f"rank {self.rank}: another rank stopped ({e})") from None
             if error is None and flag.item():
@@ -99,8 +103,8 @@ class _Group:
         return box[0]
 
     def close(self) -> None:
-        if self.world > 1:
-            dist.destroy_process_group()
+        if self.world > 1 and (self.reducing is None or self.reducing.is_completed()):  # interrupted: its peers'
+            dist.destroy_process_group()  # reduction would hold the exit
 
 
 def _load(args: argparse.Namespace, device: str | None, progress: Progress, dtype=None, attn: str | None = None,

@@ -4,7 +4,11 @@ errors are one line with nothing written."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -150,6 +154,49 @@ if os.environ.get("RANK") == "1":
 
     os.scandir = lambda path=".": _Listing(_scandir(path))
 """
+
+
+# Loaded at interpreter start: rank 1 is slow to finish its part; rank 0 says (its pid) when it has finished its own.
+SLOW_RANK_1 = """
+import os, time
+from pathlib import Path
+from qwenvl_vision.embed import job
+_encode = job.EmbedJob.encode
+def encode(self):
+    _encode(self)
+    Path(os.environ["QWENVL_TEST_PIDS"], f"rank{self.rank}.pid").write_text(str(os.getpid()))
+    if self.rank == 1:
+        time.sleep(600)
+job.EmbedJob.encode = encode
+"""
+
+
+@pytest.mark.slow
+def test_a_rank_waiting_for_a_slow_peer_stops_on_sigterm(tmp_path, checkpoint):
+    """A rank done with its part waits at the barrier for the slowest, maybe for hours: a scheduler's SIGTERM (or
+    Ctrl-C) stops it there at once, 143, what it recorded kept."""
+    make_folder(tmp_path / "imgs", 2, bad=False)
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(SLOW_RANK_1)
+    waiting = tmp_path / "rank0.pid"
+    env = {**ENV, "PYTHONPATH": f"{tmp_path / 'site'}:{ENV['PYTHONPATH']}", "QWENVL_TEST_PIDS": str(tmp_path)}
+    job = subprocess.Popen(torchrun_embed_cmd([tmp_path / "imgs"], checkpoint, tmp_path / "out"), env=env,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not waiting.exists() and time.monotonic() < deadline and job.poll() is None:
+            time.sleep(0.2)
+        assert waiting.exists(), job.stderr.read()[-3000:] if job.poll() is not None else "rank 0 never got there"
+        time.sleep(1)  # in the reduction by now
+        os.kill(int(waiting.read_text()), signal.SIGTERM)
+        _, stderr = job.communicate(timeout=60)  # torchrun ends the other rank once one exits
+    finally:
+        job.kill()
+        for pid in tmp_path.glob("rank*.pid"):  # its ranks (each in a session of its own), whatever happened
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid.read_text()), signal.SIGKILL)
+    assert "exitcode  : 143" in stderr, stderr[-3000:]
+    assert len(read_manifest_lines(tmp_path / "out" / "manifest.rank0.jsonl")) == 1  # its part kept, for --resume
 
 
 @pytest.mark.slow
