@@ -305,7 +305,7 @@ def _terminated(signum, frame) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .errors import QwenVLVisionError, exit_code_of
+    from .errors import QwenVLVisionError
 
     try:
         args = build_parser().parse_args(argv)
@@ -340,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
             rank = os.environ.get("RANK") if os.environ.get("WORLD_SIZE", "1") != "1" else None  # torchrun's
             where = f" [rank {rank}]" if rank is not None else ""
             print(f"qwenvl-vision {args.command}{where}: error: {_one_line(e)}", file=sys.stderr)
-        return exit_code_of(e)
+        return getattr(e, "exit_code", 2)  # 2: usage and setup errors
     finally:
         if main_thread and previous is not None:  # None: a handler set from C, which Python cannot put back
             signal.signal(signal.SIGTERM, previous)

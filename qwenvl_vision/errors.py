@@ -76,12 +76,6 @@ class PeerFailedError(EmbedError):
         self.exit_code = exit_code
 
 
-def exit_code_of(error: BaseException) -> int:
-    """2 for usage and setup errors; an error may carry its own (embed: 3 for an output fault, 4 for a forward
-    that failed for the machine's reasons; the CLI exits 5 for an error the package did not expect, a bug)."""
-    return getattr(error, "exit_code", 2)
-
-
 def first_line(error: BaseException, limit: int = 300) -> str:
     """The error's type and the first line of its message, at most ``limit`` characters (torch's run long)."""
     text = (str(error).strip().splitlines() or [""])[0]

@@ -45,7 +45,6 @@ from ..errors import (
     OutputFaultError,
     PeerFailedError,
     QwenVLVisionError,
-    exit_code_of,
 )
 from ..inputs.item_ids import IDENTITY_FIELDS
 from ..outputs.durable import refuse_link
@@ -79,7 +78,7 @@ class _Group:
 
     def agree(self, error: BaseException | None) -> None:
         """Every rank learns whether any rank failed; a failing rank raises its own error, the others stop quietly."""
-        code = 0 if error is None else exit_code_of(error)
+        code = 0 if error is None else getattr(error, "exit_code", 2)
         if self.world > 1:
             flag = torch.tensor([code])
             try:
