@@ -109,6 +109,8 @@ def refuse_extract_target(source: Path, out: Path) -> None:
 
 
 def cmd_extract_weights(args: argparse.Namespace) -> int:
+    import torch
+
     from .checkpoint.hub import resolve_folder
     from .checkpoint.save import save_vision_only
     from .checkpoint.weights import open_checkpoint, vision_entries
@@ -118,8 +120,10 @@ def cmd_extract_weights(args: argparse.Namespace) -> int:
     folder = resolve_folder(args.source, args.revision, args.local_files_only, None, None)  # a repo id: fetched
     out = Path(args.out) if args.out else _default_out(args.source)
     refuse_extract_target(folder, out)  # again for a local folder: it may have changed since validate
-    # Without --dtype, the checkpoint's own (its first vision tensor's).
-    stored = SAFETENSORS_DTYPES[next(iter(vision_entries(open_checkpoint(folder)).values()))["dtype"]]
+    # Without --dtype, the checkpoint's own; float32 where it mixes dtypes (exact for each) or stores F64 (cast so
+    # on load).
+    stored = {SAFETENSORS_DTYPES[e["dtype"]] for e in vision_entries(open_checkpoint(folder)).values()}
+    stored = stored.pop() if len(stored) == 1 and torch.float64 not in stored else torch.float32
     encoder = load_encoder(folder, device="cpu", dtype=args.dtype or stored, cpu_kernels="reference")
     with encoder:
         pre = encoder.preprocess_config
@@ -230,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="output folder (default: weights/<name>-vision); must be empty unless --force")
     p.add_argument("--force", action="store_true", help="write into a non-empty --out (same-name files replaced)")
     p.add_argument("--dtype", type=dtype_option, help=f"convert to this dtype: {DTYPE_CHOICES} (default: keep the "
-                                                "checkpoint's stored dtype)")
+                                                "checkpoint's stored dtype; fp32 for F64 or mixed dtypes)")
     p.set_defaults(func=cmd_extract_weights, validate=validate_extract_args)
 
     p = sub.add_parser("inspect", help="family, config, tensor count and bytes, without loading weights",

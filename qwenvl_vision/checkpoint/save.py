@@ -23,9 +23,9 @@ from .weights import (
     VISION_ONLY_FORMAT,
 )
 
-# Every name save_vision_only writes in its folder, final and temporary: extract-weights refuses a target where one
-# of them is a file of its source.
-VISION_ONLY_FILES = (SINGLE_FILE, CONFIG_FILE, PREPROCESSOR_FILE, VIDEO_PREPROCESSOR_FILE)
+# Every name save_vision_only writes (or removes) in its folder, final and temporary: extract-weights refuses a
+# target where one of them is a file of its source.
+VISION_ONLY_FILES = (SINGLE_FILE, CONFIG_FILE, PREPROCESSOR_FILE, VIDEO_PREPROCESSOR_FILE, PROCESSOR_FILE)
 TEMPORARY_SUFFIX = ".tmp"
 
 

@@ -120,8 +120,8 @@ def check_regular(path: Path, what: str) -> None:
         problem = None if stat.S_ISREG(path.stat().st_mode) else "not a regular file"
     except FileNotFoundError:
         problem = "missing"
-    except OSError as e:  # a name too long, a link loop: an index from outside may name anything
-        problem = f"unreadable ({e.strerror})"
+    except (OSError, ValueError) as e:  # a name too long, a link loop, a NUL: an index from outside may name anything
+        problem = f"unreadable ({getattr(e, 'strerror', None) or e})"
     if problem:
         raise CheckpointError(f"{what} {path} is {problem}")
 

@@ -26,6 +26,7 @@ import contextlib
 import json
 import os
 import re
+import stat
 import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -146,6 +147,9 @@ def found_item(folder: Path, item: str) -> dict[str, str] | None:
     if target.parent.exists() and not target.parent.is_dir():
         return {}
     refuse_link(target)
+    with contextlib.suppress(OSError):
+        if not stat.S_ISREG(target.stat().st_mode):  # a FIFO would block the open, and the lock's other holders
+            return None
     with contextlib.suppress(SafetensorError, OSError), safe_open(target, framework="pt") as f:
         os.utime(target)
         return f.metadata() or {}

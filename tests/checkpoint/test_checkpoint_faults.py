@@ -12,6 +12,8 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 from qwenvl_vision import CheckpointError, load_encoder
 from qwenvl_vision.checkpoint.hub import fetch_vision_checkpoint
@@ -86,6 +88,36 @@ def test_extract_weights_into_a_parent_of_its_source(single_file_checkpoint, tmp
     assert main(["extract-weights", str(src), "--out", str(parent), "--force"]) == 0
     assert _tree(src) == before
     assert json.loads((parent / "config.json").read_text())["format"] == "qwenvl-vision"
+
+
+def test_extract_weights_never_removes_a_source_s_processor_config_through_a_link(single_file_checkpoint, tmp_path,
+                                                                                  capsys):
+    """extract-weights removes another checkpoint's processor_config.json from its target: one that is the
+    source's own (the source's file a link to it) is refused, --force or not."""
+    src, out = _copy(single_file_checkpoint, tmp_path), tmp_path / "out"
+    out.mkdir()
+    (out / "processor_config.json").write_text("{}")
+    (src / "processor_config.json").symlink_to(out / "processor_config.json")
+    assert main(["extract-weights", str(src), "--out", str(out), "--force"]) == 2
+    one_error_line(capsys.readouterr().err, "processor_config.json", "--force or not")
+    assert (out / "processor_config.json").read_text() == "{}"
+
+
+def test_extract_weights_keeps_every_number_of_a_checkpoint_of_mixed_dtypes(tmp_path):
+    """Without --dtype a checkpoint storing bf16 and fp32 tensors is written in fp32 (exact for both), never cast to
+    one tensor's dtype."""
+    src = tmp_path / "src"
+    write_checkpoint(src, QWEN2_5_SMALL, dtype=torch.bfloat16)
+    # The second shard of the tower's two: the first tensor read stays bf16.
+    shard = [p for p in sorted(src.glob("*.safetensors")) if any(k.startswith("visual.") for k in load_file(p))][1]
+    tensors = load_file(shard)
+    noise = torch.Generator().manual_seed(0)
+    save_file({k: v.float() + 1e-3 * torch.randn(v.shape, generator=noise) if k.startswith("visual.") else v
+               for k, v in tensors.items()}, shard, metadata={"format": "pt"})
+    assert main(["extract-weights", str(src), "--out", str(tmp_path / "out")]) == 0
+    with load_encoder(src, device="cpu", dtype=torch.float32) as a, load_encoder(tmp_path / "out", device="cpu",
+                                                                                   dtype=torch.float32) as b:
+        assert all(torch.equal(x, y) for x, y in zip(a.model.state_dict().values(), b.model.state_dict().values()))
 
 
 def test_extract_weights_never_writes_into_the_hub_cache(hub, tmp_path, capsys):

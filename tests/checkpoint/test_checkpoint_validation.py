@@ -218,6 +218,10 @@ def test_a_name_too_long_for_the_file_system_is_named(ckpt):
         _load(ckpt)
     with pytest.raises(CheckpointError, match=r"checkpoint folder '.*aaaa' cannot be read \(File name too long\)"):
         _load(ckpt / ("a" * 300))
+    index["weight_map"][LN_Q] = "model.safetensors\0x"  # JSON's \u0000: no file system's name holds one
+    write_index(ckpt, index)
+    with pytest.raises(CheckpointError, match=r"shard .*model\.safetensors.*is unreadable \(embedded null byte\)"):
+        _load(ckpt)
 
 
 def test_tensor_under_both_vision_prefixes_is_refused(ckpt):

@@ -7,7 +7,9 @@ written; a resumed and a two-rank run record each input once."""
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -326,3 +328,15 @@ def test_a_model_that_claims_the_folder_first_wins_and_the_other_is_refused(tmp_
         cached(qwen25, imgs, tmp_path / "cache")
     assert (tmp_path / "cache" / IDENTITY_FILE).read_bytes() == theirs
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [IDENTITY_FILE]
+
+
+def test_a_fifo_at_an_item_s_file_is_replaced_not_opened(tmp_path):
+    """The folder is shared with other writers: a FIFO where an item's file goes would block the writer holding the
+    folder's lock for good (and every prune after it). In a child: the blocked open holds the GIL."""
+    (tmp_path / "item").mkdir()
+    fifo = tmp_path / "item" / CACHE_FILE
+    os.mkfifo(fifo)
+    write = ("import sys, torch; from pathlib import Path; from qwenvl_vision.outputs.vllm_cache import write_item; "
+             "assert write_item(Path(sys.argv[1]), 'item', torch.ones(2, 4), 't')")
+    subprocess.run([sys.executable, "-c", write, str(tmp_path)], env=ENV, check=True, timeout=60)
+    assert torch.equal(load_file(fifo)["ec_cache"], torch.ones(2, 4))
