@@ -228,8 +228,10 @@ class EmbedJob:
         if args.fps is not None:
             self.encoder.video_config = dataclasses.replace(self.encoder.video_config, fps=args.fps)
         if args.format == "parquet":
-            from ..outputs.parquet import ParquetLayout
-
+            try:
+                from ..outputs.parquet import ParquetLayout
+            except ImportError:  # an extra: the core never imports it
+                raise ConfigError("--format parquet needs pyarrow: pip install 'qwenvl-vision[parquet]'") from None
             self.layout = ParquetLayout.for_encoder(self.encoder, tokens=not args.pooled_only, pooled=args.pooled_only,
                                                     columns=self.inputs.column_types)
         now = describe_run(self.encoder, args, self.folder, self.world, threads, self.inputs.column_types)

@@ -214,3 +214,14 @@ def test_recover_reads_only_then_rewrites_and_a_resume_removes_what_a_kill_left(
     monkeypatch.setattr(parquet_writer, "read_parquet_table", lambda path: pytest.fail(f"{path} read whole"))
     assert run_embed([tmp_path / "imgs"], checkpoint, out, *args, "--resume") == 1  # the 3 bad files again
     assert_each_parquet_input_once(out, 5)
+
+
+def test_parquet_output_without_pyarrow_is_one_line_naming_the_extra(tmp_path, checkpoint, monkeypatch, capsys):
+    import sys
+
+    for name in ("pyarrow", "pyarrow.parquet", "qwenvl_vision.outputs.parquet"):  # as on an install without it
+        monkeypatch.setitem(sys.modules, name, None)
+    make_image_folder(tmp_path / "imgs", 1, bad=False)
+    assert main(["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(tmp_path / "out"),
+                 "--format", "parquet", "--quiet"]) == 2
+    one_error_line(capsys.readouterr().err, "--format parquet", "qwenvl-vision[parquet]")
