@@ -62,7 +62,6 @@ def build_inputs(name: str, cfg: VisionConfig) -> tuple[torch.Tensor, torch.Tens
     return torch.cat(rows), torch.tensor(grids), items
 
 
-
 def add_workload_arguments(parser: argparse.ArgumentParser, dtypes: tuple[str, ...] = ("bf16", "fp32")) -> None:
     """The options that pick a tower and a pack, shared by the benchmarks (throughput, gemm_bound, profile_tower)."""
     parser.add_argument("--preset", default="qwen2.5-vl-3b", type=str.lower, choices=sorted(PRESETS))

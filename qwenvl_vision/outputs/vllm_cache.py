@@ -138,14 +138,15 @@ def write_item(folder: Path, item: str, rows: torch.Tensor, tag: str, metadata: 
 def found_item(folder: Path, item: str) -> dict[str, str] | None:
     """The metadata of ``folder/item/encoder_cache.safetensors`` when safetensors reads it, and the file touched (found
     in place is written again, for a prune's oldest-first); None when no such file is there. A link at the item's
-    folder or file is an ``OutputLinkError``: never read, nor written through. Another file where the item's folder
-    goes is an item without metadata: kept, as another writer's."""
+    folder or file is an ``OutputLinkError``: never read, nor written through; another file where the item's folder
+    goes, a ``CacheFolderError`` naming it."""
     from safetensors import SafetensorError, safe_open
 
     target = folder / item / CACHE_FILE
     refuse_link(target.parent)
     if target.parent.exists() and not target.parent.is_dir():
-        return {}
+        raise CacheFolderError(f"{target.parent} is a file where an item's folder goes: remove it, or name the item "
+                               f"otherwise")
     refuse_link(target)
     with contextlib.suppress(OSError):
         if not stat.S_ISREG(target.stat().st_mode):  # a FIFO would block the open, and the lock's other holders

@@ -34,7 +34,7 @@ from safetensors.torch import save
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from ..errors import EncoderClosedError, QwenVLVisionError, first_line
+from ..errors import CacheFolderError, EncoderClosedError, QwenVLVisionError, first_line
 from ..outputs.handoff import EncodedItems, vllm_items
 from ..outputs.vllm_cache import cache_lock, claim_cache_folder, entry, found_item, write_item
 from ..results import ItemResult
@@ -247,7 +247,10 @@ class Serving:
         """The entry of the item this server wrote under the item's uuid (its metadata says what a request needs),
         touched as ``write_item`` touches what it finds; None if there is none. Another writer's file there, or an
         item of the other modality, is a 409: the consumer would load it, which no answer can describe."""
-        metadata = found_item(self.shared, item.uuid)
+        try:
+            metadata = found_item(self.shared, item.uuid)
+        except CacheFolderError as e:  # another writer's file at its name
+            raise RequestError(f"{item.label}: {e}", 409) from None
         if metadata is not None and ENTRY_KEY not in metadata:
             raise RequestError(f"{item.label}: {self.shared / item.uuid} holds an item this server did not write; "
                                f"give the item another uuid, or remove that folder", 409)

@@ -54,10 +54,9 @@ class Batcher:
                 self.thread.start()
             if self.fault is not None:  # as /health answers: a balancer sends the request elsewhere
                 raise RequestError(self.fault, 503)
-            if self.count() + n > self.max_queue:
-                raise RequestError(f"the encoder's queue is full ({self.count()} items waiting, loading or being "
-                                   f"encoded, --max-queue {self.max_queue}); try again shortly", 503,
-                                   {"Retry-After": "1"})
+            if (held := self.count()) + n > self.max_queue:
+                raise RequestError(f"the encoder's queue is full ({held} items waiting, loading or being encoded, "
+                                   f"--max-queue {self.max_queue}); try again shortly", 503, {"Retry-After": "1"})
             self.reserved += n
             self.count()
         try:
@@ -78,10 +77,8 @@ class Batcher:
             self.ready.notify()
         return [job.future for job in jobs]
 
-    def count(self, answered: int = 0) -> int:
-        """The items ``reserve`` counts against --max-queue, ``answered`` fewer being encoded, and the gauge set to
-        them (called holding ``ready``)."""
-        self.encoding -= answered
+    def count(self) -> int:
+        """The items ``reserve`` counts against --max-queue, and the gauge set to them (called holding ``ready``)."""
         held = len(self.jobs) + self.reserved + self.encoding
         self.queue_gauge.set(held)
         return held
@@ -124,7 +121,8 @@ class Batcher:
 
     def answer(self, jobs: list[Job], outcomes: list[ItemResult] | BaseException) -> None:
         with self.ready:
-            self.count(len(jobs))
+            self.encoding -= len(jobs)
+            self.count()
         for i, job in enumerate(jobs):
             self.resolve(job.future, outcomes if isinstance(outcomes, BaseException) else outcomes[i])
 

@@ -229,12 +229,14 @@ class Connections(urllib.request.HTTPSHandler, urllib.request.HTTPHandler):
         redirect's hop too. The name lookup is the resolver's, not bounded here."""
         error = OSError(f"no address for {address[0]}")
         for family, kind, proto, _, sockaddr in socket.getaddrinfo(*address, type=socket.SOCK_STREAM):
-            if (left := self.deadline - time.monotonic()) <= 0:
+            if self.late:  # past the deadline, or cut
                 raise TimeoutError
-            sock = None
+            left, sock = self.deadline - time.monotonic(), None
             try:
                 sock = socket.socket(family, kind, proto)
-                sock.settimeout(left)
+                with self.lock:  # cut while connecting: shut, the connect ends at once
+                    self.sockets.append(sock)
+                sock.settimeout(max(left, 0.001))
                 sock.connect(sockaddr)  # the whole address: an IPv6 one keeps its scope
                 break
             except OSError as e:  # refused, timed out, or a family this machine lacks: the next address
@@ -276,13 +278,14 @@ class Connections(urllib.request.HTTPSHandler, urllib.request.HTTPHandler):
 def fetch(url: str, label: str, policy: MediaPolicy, limit: int, file: FileBytes) -> bytes:
     """The URL's body, at most ``limit`` bytes (read one past it to tell), all of it within the decode timeout,
     which a server trickling its bytes does not hold past it (``Connections``); ``policy.reading[file]`` while read."""
-    connections = policy.reading[file] = Connections(policy.timeout_s)
+    connections = Connections(policy.timeout_s)
     opener = urllib.request.build_opener(Redirects(label, policy), connections)
     late = PreprocessError(f"{label}: {redacted(url)[:200]} not read within the decode timeout "
                            f"({policy.timeout_s:g} s)")
     timer = threading.Timer(policy.timeout_s, connections.cut)
-    timer.start()
     try:
+        policy.reading[file] = connections
+        timer.start()
         # Characters a path or query may not hold (an "é", a space) percent-encoded, as urllib does for a redirect;
         # the host as it is (http.client encodes a name of other letters by IDNA).
         parts = urlsplit(url)

@@ -340,3 +340,12 @@ def test_a_fifo_at_an_item_s_file_is_replaced_not_opened(tmp_path):
              "assert write_item(Path(sys.argv[1]), 'item', torch.ones(2, 4), 't')")
     subprocess.run([sys.executable, "-c", write, str(tmp_path)], env=ENV, check=True, timeout=60)
     assert torch.equal(load_file(fifo)["ec_cache"], torch.ones(2, 4))
+
+
+def test_a_file_where_an_item_s_folder_goes_is_named_never_taken_for_the_item(tmp_path):
+    from qwenvl_vision.outputs.vllm_cache import write_item
+
+    (tmp_path / "item").write_text("another writer's")
+    with pytest.raises(CacheFolderError, match=r"item is a file where an item's folder goes"):
+        write_item(tmp_path, "item", torch.ones(2, 4), "t")
+    assert (tmp_path / "item").read_text() == "another writer's"

@@ -254,7 +254,7 @@ def test_an_item_another_writer_left_at_a_uuid_is_a_409_naming_it(served, media,
         (root / "shared" / name).write_text("not a folder")
     before = files_under(root)
     error_of(client.post("/v1/chat/completions", json=chat(part(data_url(media["a.png"]), name))), 409,
-             "messages[0].content[1]", name, "did not write")
+             "messages[0].content[1]", name, "did not write" if other == "item" else "is a file")
     assert files_under(root) == before
 
 

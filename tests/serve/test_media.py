@@ -176,6 +176,43 @@ def test_a_read_its_request_no_longer_waits_for_is_cut_at_once(checkpoint3):
         assert stopped.wait(5), "the read went on"
 
 
+def test_a_connect_its_request_no_longer_waits_for_is_cut_at_once(checkpoint3, monkeypatch):
+    """As a read: a host that drops SYNs would hold the media thread in its connect until the decode timeout."""
+    from fastapi.testclient import TestClient
+
+    from qwenvl_vision.serve import media as media_module
+
+    listener = socket.create_server(("127.0.0.1", 0), backlog=0)  # one connection fills its queue: later SYNs drop
+    filler = socket.create_connection(listener.getsockname())
+    resolve, fetch, ended = socket.getaddrinfo, media_module.fetch, []
+
+    def dropped(host, *args, **kwargs):
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", listener.getsockname())] if host == "blackhole.test" \
+            else resolve(host, *args, **kwargs)
+
+    def timed(url, *args):
+        try:
+            return fetch(url, *args)
+        finally:
+            if "blackhole" in url:
+                ended.append(time.monotonic())
+
+    def answer(handler):
+        time.sleep(1)  # the other fetch is connecting by now
+        handler.send_error(404)
+
+    monkeypatch.setattr(socket, "getaddrinfo", dropped)
+    monkeypatch.setattr(media_module, "fetch", timed)
+    app = app_of(load_encoder(checkpoint3, device="cpu"), "--allowed-media-domains", "blackhole.test", "127.0.0.1",
+                 "--decode-timeout", 60)
+    with listener, filler, media_server(answer) as base, TestClient(app) as client:
+        error_of(client.post("/v1/embeddings", json=chat(part("http://blackhole.test/a.png"),
+                                                         part(f"{base}/missing.png"))), 400, "HTTP 404")
+        answered = time.monotonic()
+        until(lambda: ended, "the connect cut")
+        assert ended[0] - answered < 5
+
+
 def test_a_host_whose_every_address_drops_connections_is_held_to_the_decode_timeout_as_a_whole(checkpoint3,
                                                                                                  monkeypatch):
     from fastapi.testclient import TestClient
