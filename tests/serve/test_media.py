@@ -96,6 +96,18 @@ def test_a_slow_url_holds_only_its_own_request(served, media):
     assert slow_answer == [pooled(client, data_url(media["a.png"]))]
 
 
+def trickled(handler) -> bool:
+    """A byte every 0.1 s for a minute; whether the reader went away first."""
+    try:
+        for _ in range(600):
+            handler.wfile.write(b"x")
+            handler.wfile.flush()
+            time.sleep(0.1)
+    except OSError:
+        return True
+    return False
+
+
 @pytest.mark.parametrize("slow_part", ["body", "headers", "redirect's body"])
 def test_a_url_trickling_its_bytes_stops_at_the_decode_timeout_and_slow_urls_stall_no_other_request(checkpoint3,
                                                                                                     media, slow_part):
@@ -116,12 +128,7 @@ def test_a_url_trickling_its_bytes_stops_at_the_decode_timeout_and_slow_urls_sta
             handler.end_headers()
         else:
             handler.wfile.write(b"HTTP/1.1 200 OK\r\nX-Slow: ")
-        try:
-            for _ in range(600):
-                handler.wfile.write(b"x")
-                handler.wfile.flush()
-                time.sleep(0.1)
-        except OSError:  # the reader went away
+        if trickled(handler):
             stopped.append(time.monotonic())
 
     app = app_of(load_encoder(checkpoint3, device="cpu"), "--allowed-media-domains", "127.0.0.1", "--decode-timeout",
@@ -160,12 +167,7 @@ def test_a_read_its_request_no_longer_waits_for_is_cut_at_once(checkpoint3):
         handler.send_header("Content-Length", "100000")
         handler.end_headers()
         arrived.set()
-        try:
-            for _ in range(600):
-                handler.wfile.write(b"x")
-                handler.wfile.flush()
-                time.sleep(0.1)
-        except OSError:  # the reader went away
+        if trickled(handler):
             stopped.set()
 
     app = app_of(load_encoder(checkpoint3, device="cpu"), "--allowed-media-domains", "127.0.0.1",
