@@ -203,7 +203,21 @@ class Serving:
         return body, found
 
     async def encoded(self, request: Request, found: list[Item], normalize: bool = False) -> list[ItemResult]:
-        """The items' results, or the first failure as one line naming its item."""
+        """The items' results, or the first failure as one line naming its item. A client that hangs up before its
+        answer leaves nothing behind: its reads under way are cut, and its items the encoder has not reached are
+        skipped (``Batcher.encode``), as vLLM aborts a request whose client went away."""
+        work = asyncio.ensure_future(self.results(request, found, normalize))
+        gone = asyncio.ensure_future(request.receive())  # the body is read: the next message is the hang-up
+        try:
+            done, _ = await asyncio.wait([work, gone], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            work.cancel()  # done: a no-op
+        if work not in done:
+            raise RequestError("the client hung up before its answer")
+        return work.result()
+
+    async def results(self, request: Request, found: list[Item], normalize: bool) -> list[ItemResult]:
         with self.batcher.reserve(len(found)):  # a request the queue has no room for reads none of its media
             reads = [asyncio.ensure_future(self.loaded(request, item)) for item in found]
             try:

@@ -21,7 +21,7 @@ from ..results import ItemResult
 from .media import RequestError
 
 
-@dataclass
+@dataclass(eq=False)
 class Job:
     file: FileBytes
     normalize: bool
@@ -107,17 +107,27 @@ class Batcher:
             # On the CPU each item runs as its own forward whatever its batch (execution.forwards_on): batches of
             # one answer each item as soon as its forward ends, so clients resend while the others are encoded.
             options = {**options, "max_batch_patches": 1}
-        answered: set[int] = set()
+        fed: list[Job] = []  # the jobs given to iter_encode, in its order
+
+        def files() -> Iterator[FileBytes]:
+            for job in jobs:
+                if not job.future.done():  # done: its client hung up before the encoder reached it (skipped)
+                    fed.append(job)
+                    yield job.file
+
+        answered: set[Job] = set()
+        left: BaseException = asyncio.CancelledError()  # what the jobs not answered get: skipped ones, nobody's
         try:
-            for batch in self.encoder.iter_encode([job.file for job in jobs], video=None, pooled=True,
-                                                  normalize=normalize, **options):
+            for batch in self.encoder.iter_encode(files(), video=None, pooled=True, normalize=normalize, **options):
                 self.items_counter.inc(sum(result.ok for result in batch))
-                answered.update(result.index for result in batch)
-                self.answer([jobs[result.index] for result in batch], batch)
+                done = [fed[result.index] for result in batch]
+                answered.update(done)
+                self.answer(done, batch)
         except Exception as e:  # noqa: BLE001 - a failed forward fails the items waiting for it, and the server goes on
             if isinstance(e, ForwardFaultError):
                 self.fault = f"the encoder's device failed; restart the server: {e}"
-            self.answer([job for i, job in enumerate(jobs) if i not in answered], e)
+            left = e
+        self.answer([job for job in jobs if job not in answered], left)
 
     def answer(self, jobs: list[Job], outcomes: list[ItemResult] | BaseException) -> None:
         with self.ready:

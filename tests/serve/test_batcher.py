@@ -2,11 +2,27 @@
 
 from __future__ import annotations
 
+import json
+import socket
 import threading
 
+import httpx
 import pytest
 
-from tests.helpers.serve import START_S, chat, data_url, error_of, part, until
+from qwenvl_vision import load_encoder
+from tests.helpers.serve import (
+    KEY,
+    START_S,
+    Held,
+    app_of,
+    chat,
+    data_url,
+    error_of,
+    free_port,
+    part,
+    server_options,
+    until,
+)
 from tests.helpers.servers import http_folder
 
 
@@ -90,3 +106,40 @@ def test_a_request_refused_for_the_bodies_bound_gives_back_what_it_held_at_once(
     budget.charge(b, 200)  # held by the refused request, these bytes would be refused too
     budget.release(c)  # its answer, later: nothing more given back
     assert budget.held == 1000
+
+
+def test_a_client_that_hangs_up_has_its_queued_items_skipped_and_their_room_given_back(tmp_path, checkpoint3, media):
+    """Under uvicorn, as users serve: a client that gave up (its timeout) while its items waited would otherwise
+    have them encoded for nobody, ahead of the requests still waiting."""
+    import uvicorn
+
+    (tmp_path / "local").mkdir()
+    encoder = Held(load_encoder(checkpoint3, device="cpu"))
+    port, auth = free_port(), {"Authorization": f"Bearer {KEY}"}
+    server = uvicorn.Server(uvicorn.Config(app_of(encoder, *server_options(tmp_path)), port=port, log_level="error"))
+    thread = threading.Thread(target=server.run)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        until(lambda: server.started, "serving")
+        first: list = []
+        sent = threading.Thread(target=lambda: first.append(httpx.post(
+            f"{url}/v1/embeddings", json=chat(part(data_url(media["a.png"]))), headers=auth, timeout=START_S)))
+        sent.start()
+        assert encoder.entered.wait(START_S)  # the encoder holds the first request's item
+        body = json.dumps(chat(*[part(data_url(media["b.png"]))] * 3)).encode()
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            client.sendall(f"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                           f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+            until(lambda: "qwenvl_vision_queue_items 4.0" in httpx.get(f"{url}/metrics").text, "4 items held")
+        until(lambda: 'route="/v1/embeddings",status="400"} 1.0' in httpx.get(f"{url}/metrics").text,
+              "the request that hung up answered")
+        encoder.go.set()
+        sent.join()
+        assert first[0].status_code == 200
+        until(lambda: "qwenvl_vision_queue_items 0.0" in httpx.get(f"{url}/metrics").text, "the queue empty")
+        assert "qwenvl_vision_items_encoded_total 1.0" in httpx.get(f"{url}/metrics").text  # the first's alone
+    finally:
+        encoder.go.set()
+        server.should_exit = True
+        thread.join()
