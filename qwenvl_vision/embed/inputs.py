@@ -24,7 +24,7 @@ from ..inputs.urls import canonical
 from ..inputs.video_io import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS
 from .remote import identities
 from .shards import KEY_COLUMN, TAR_SUFFIX, Member, is_shard, list_shard
-from .tables import check_keep_columns, is_table, read_table
+from .tables import cell, check_keep_columns, is_table, joined, read_table
 
 MEDIA_EXTENSIONS = IMAGE_EXTENSIONS | VIDEO_EXTENSIONS
 LIST_EXTENSIONS = {".txt", ".lst", ".list"}
@@ -57,7 +57,11 @@ class Inputs:
         urls = [path for path, error, _, _, key in self._pending if error is None and key is None and is_url(path)]
         known = identities(urls) if urls else {}
         seen: dict[str, str] = {}  # identity -> the input's first spelling
+        types = {n: "string" if t == "null" else t for n, t in self.column_types.items()}  # nulls alone: text's
+        self.column_types = types
         for path, error, columns, member, given in self._pending:
+            if columns is not None:
+                columns = {n: cell(v, types[n]) for n, v in columns.items()}
             key, why = known.get(path, (None, None))
             key = key or given or (canonical(path) if is_url(path) else os.path.realpath(path))  # no password kept
             if key in seen:
@@ -81,13 +85,9 @@ class Inputs:
         self._pending = []
         return self
 
-    def carry(self, types: dict[str, str], where: str) -> None:
-        """Carried columns of one more source (a table, a shard): one type per column across the run."""
-        clash = {n: (self.column_types[n], t) for n, t in types.items() if self.column_types.get(n, t) != t}
-        if clash:
-            raise ConfigError(f"{where}: carried columns of another type than earlier inputs' {clash}; one run "
-                              f"writes one type per column")
-        self.column_types.update(types)
+    def carry(self, types: dict[str, str]) -> None:
+        """Carried columns of one more source (a table, a shard), typed with the earlier ones' (``joined``)."""
+        self.column_types.update({n: joined(self.column_types.get(n, "null"), t) for n, t in types.items()})
 
 
 # A local file's identity: its real path, and its size and modification time (what make and rsync go by: one stat,
@@ -125,14 +125,14 @@ def gather_inputs(inputs: list[str], path_column: str = "path", keep_columns: tu
 
     A list file that cannot be read as text is one failed input, and so is each folder (the given one or one
     inside it) that cannot be listed, and each table row that names no file; a missing file is kept (recorded as
-    an error later, not dropped). A table without the columns asked for is a ``ConfigError``, and so are
-    ``keep_columns`` with no table among the inputs or tables whose columns' types differ.
+    an error later, not dropped). A table that cannot be read or lacks the columns asked for is a ``ConfigError``,
+    and so are ``keep_columns`` with no table among the inputs.
     """
     found = Inputs()
     check_keep_columns(keep_columns, path_column)
     inputs = [path for item in map(local_name, inputs)
               for path in (_expand(item) if is_shard(item) and not is_url(item) else [item])]
-    tables = [item for item in inputs if is_table(item) and Path(item).is_file()]
+    tables = [item for item in inputs if is_table(item) and not is_url(item)]
     if keep_columns and not tables and not any(is_shard(item) for item in inputs):
         raise ConfigError(f"--keep-columns {','.join(keep_columns)} carries a table's columns (or a shard's "
                           f"members), and no input is a table (.parquet, .csv, .tsv, .jsonl) or a .tar shard")
@@ -140,14 +140,14 @@ def gather_inputs(inputs: list[str], path_column: str = "path", keep_columns: tu
         p = Path(item)
         if item in tables:
             rows, types = read_table(p, path_column, keep_columns)
-            found.carry(types, f"table {item}")
+            found.carry(types)
             for row in rows:
                 found.add(row.path or f"{item}#row{row.number}", row.error or _other_kind(row.path, f"table {item}"),
                           row.columns)
         elif is_url(item):
             found.add(item, _other_kind(item))
         elif is_shard(item) and not p.is_dir():
-            found.carry({KEY_COLUMN: "string", **dict.fromkeys(keep_columns, "string")}, f"shard {item}")
+            found.carry({KEY_COLUMN: "string", **dict.fromkeys(keep_columns, "string")})
             for entry in list_shard(item, _is_media, keep_columns):
                 found.add(*entry)
         elif p.is_dir():

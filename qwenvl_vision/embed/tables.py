@@ -4,16 +4,18 @@ and ``save_additional_columns`` and clip-retrieval's metadata do.
 
 A JSON Lines line that is not a JSON object is one failed input naming the table and the line. A column the table
 lacks is a ``ConfigError`` naming the table and the columns it has, and so is a Parquet path column that is not text.
-A carried column's type is decided once per table: a Parquet column's own (integers as ``int64``, floating point as
-``float64``, ``bool``, text as ``string``, a dictionary-encoded column as its values; anything else as its JSON
-text, ``json``), every CSV / TSV cell ``string``, a JSON Lines field the one of ``int64``, ``float64``, ``bool`` or
-``string`` all its values share (nulls aside), else ``json``.
+A carried column's type is each table's (``read_table``): a Parquet column's own (integers as ``int64``, floating
+point as ``float64``, ``bool``, text as ``string``, a dictionary-encoded column as its values; anything else as its
+JSON text, ``json``), every CSV / TSV cell ``string``, a JSON Lines field the one of ``int64``, ``float64``, ``bool``
+or ``string`` all its values share, else ``json``; a column of nulls alone is ``null``. A run's tables, a dataset's
+parts, are then typed together (``joined``) and their cells stored so (``cell``).
 """
 
 from __future__ import annotations
 
 import base64
 import csv
+import functools
 import io
 import json
 import math
@@ -62,8 +64,10 @@ def check_keep_columns(keep: Sequence[str], path_column: str) -> None:
 
 
 def read_table(path: Path, path_column: str, keep: Sequence[str]) -> tuple[list[Row], dict[str, str]]:
-    """(the rows, each carried column's type) of the table at ``path``."""
+    """(the rows, their carried values as read, each carried column's type) of the table at ``path``."""
     suffix = path.suffix.lower()
+    if path.is_dir():  # Spark's and Dask's output: the dataset's parts are its files
+        raise ConfigError(f"table {path} is a folder: give its part files ({path}/*{suffix})")
     if suffix == ".parquet":
         rows, types = _parquet_rows(path, path_column, keep)
     elif suffix == ".jsonl":
@@ -114,18 +118,16 @@ def _parquet_rows(path: Path, path_column: str, keep: Sequence[str]) -> tuple[li
         schema = pq.read_schema(path)
         _missing(path, [path_column, *keep], schema.names)
         table = pq.read_table(path, columns=[path_column, *keep])
-    except (OSError, pa.ArrowException) as e:
+        path_type = table.schema.field(path_column).type
+        if _arrow_type(path_type) != "string":  # bytes or timestamps name no file: one line, not a TypeError per row
+            raise ConfigError(f"table {path}: column {path_column!r} holds {path_type}, not text paths (choose "
+                              f"another with --path-column, or store the paths as strings)")
+        paths = table.column(path_column).to_pylist()
+        values = {name: table.column(name).to_pylist() for name in keep}
+    except (OSError, ValueError, pa.ArrowException) as e:  # ValueError: a struct whose fields share a name
         raise ConfigError(f"table {path} cannot be read as Parquet ({e})") from None
-    path_type = table.schema.field(path_column).type
-    if _arrow_type(path_type) != "string":  # bytes or timestamps name no file: one line, not a TypeError per row
-        raise ConfigError(f"table {path}: column {path_column!r} holds {path_type}, not text paths (choose another "
-                          f"with --path-column, or store the paths as strings)")
     types = {name: _arrow_type(table.schema.field(name).type) for name in keep}
-    paths = table.column(path_column).to_pylist()
-    values = {name: table.column(name).to_pylist() for name in keep}
-    rows = [Row(i + 1, p, {name: _value(values[name][i], types[name]) for name in keep})
-            for i, p in enumerate(paths)]
-    return rows, types
+    return [Row(i + 1, p, {name: values[name][i] for name in keep}) for i, p in enumerate(paths)], types
 
 
 def _arrow_type(arrow_type: Any) -> str:
@@ -133,14 +135,25 @@ def _arrow_type(arrow_type: Any) -> str:
 
     if pa.types.is_dictionary(arrow_type):  # a pandas Categorical: its values' type, not their JSON text
         return _arrow_type(arrow_type.value_type)
-    kinds = {"bool": pa.types.is_boolean(arrow_type), "float64": pa.types.is_floating(arrow_type),
+    kinds = {"null": pa.types.is_null(arrow_type), "bool": pa.types.is_boolean(arrow_type),
+             "float64": pa.types.is_floating(arrow_type),
              "int64": pa.types.is_integer(arrow_type) and not pa.types.is_uint64(arrow_type),  # uint64 may not fit
              "string": pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type)
              or pa.types.is_string_view(arrow_type)}  # what Polars writes
     return next((kind for kind, hit in kinds.items() if hit), "json")
 
 
-def _value(value: Any, kind: str) -> Any:
+def joined(kind: str, other: str) -> str:
+    """One type for the values of two types: a column of nulls takes the other's, integers and floats together
+    ``float64`` (as in one table), any other pair ``json``."""
+    if kind == other or other == "null":
+        return kind
+    if kind == "null":
+        return other
+    return "float64" if {kind, other} == {"int64", "float64"} else "json"
+
+
+def cell(value: Any, kind: str) -> Any:
     """A cell as its column's type stores it (``json``: its JSON text, strict JSON; not-a-number floats as null,
     nested ones too)."""
     value = _plain(value) if kind == "json" else value
@@ -229,20 +242,16 @@ def _jsonl_rows(path: Path, path_column: str, keep: Sequence[str]) -> tuple[list
             continue
         seen.update(record)
         rows.append(Row(i + 1, record.get(path_column), {name: record.get(name) for name in keep}))
-    _missing(path, [path_column, *keep], sorted(seen) if rows else [])
-    types = {name: _json_type([r.columns.get(name) for r in rows if r.error is None]) for name in keep}
-    for r in rows:
-        r.columns = {name: _value(r.columns.get(name), types[name]) for name in keep} if r.error is None else {}
-    return rows, types
+    if seen:  # a part with no object (empty, torn) names no columns: its lines fail alone
+        _missing(path, [path_column, *keep], sorted(seen))
+    return rows, {name: functools.reduce(joined, (_json_type(r.columns[name]) for r in rows if r.error is None),
+                                         "null") for name in keep}
 
 
-def _json_type(values: list[Any]) -> str:
-    """The type all of a field's values share (nulls aside; integers and floats together: float64), else json."""
-    kinds = {"bool" if isinstance(v, bool) else "int64" if isinstance(v, int) and v in INT64 else
-             "float64" if isinstance(v, float) else "string" if isinstance(v, str) else "json"
-             for v in values if v is not None}
-    kinds = {"float64"} if kinds == {"int64", "float64"} else kinds
-    return (kinds.pop() if len(kinds) == 1 else "json") if kinds else "string"
+def _json_type(value: Any) -> str:
+    return ("null" if value is None else "bool" if isinstance(value, bool) else "int64" if isinstance(value, int)
+            and value in INT64 else "float64" if isinstance(value, float) else "string" if isinstance(value, str)
+            else "json")
 
 
 def _text(path: Path) -> str:

@@ -163,11 +163,41 @@ def test_columns_that_cannot_be_carried_are_refused_in_one_line(folder_run, chec
         pq.write_table(pa.table({"file": column}), root / f"typed-path{i}.parquet")  # a path column not of text
         cases.append((root / f"typed-path{i}.parquet", ["--path-column", "file"],
                       [f"typed-path{i}.parquet", "'file'", str(column.type)]))
+    (root / "dataset.parquet").mkdir()  # Spark's output: its parts are the tables
+    write_table(root / "dataset.parquet" / "part-0.parquet", rows_for(paths, root))
+    cases.append((root / "dataset.parquet", [], ["dataset.parquet is a folder", "dataset.parquet/*.parquet"]))
+    cases.append((root / "missing.jsonl", KEEP, ["missing.jsonl cannot be read"]))  # not "no input is a table"
+    pq.write_table(pa.table({"path": ["x.png"], "x": pa.StructArray.from_arrays([pa.array([1]), pa.array([2])],
+                                                                                names=["a", "a"])}),
+                   root / "twice.parquet")  # a struct whose fields share a name has no Python value
+    cases.append((root / "twice.parquet", ["--keep-columns", "x"], ["twice.parquet cannot be read as Parquet"]))
     for source, extra, needles in cases:
         out = root / "refused"
         assert run_embed([source], checkpoint, out, *extra, *SMALL) == 2
         one_error_line(capsys.readouterr().err, *needles)
         assert not out.exists()
+
+
+def test_a_dataset_s_parts_are_typed_together_as_one_table_would_be(folder_run, checkpoint):
+    """Parts written apart type a column apart (a part's scores all whole, a part's captions all missing, a part
+    empty): the run types each column over all of them, integers and floats as float64, text and numbers as JSON."""
+    root, paths, want, _ = folder_run
+    parts = root / "parts"
+    parts.mkdir()
+    rel = [str(Path("..") / p.relative_to(root)) for p in paths]
+    write_table(parts / "a.jsonl", [{"path": rel[0], "score": 1, "caption": None, "tag": 1}])
+    write_table(parts / "b.jsonl", [{"path": rel[1], "score": 2.5, "caption": "two", "tag": "x"}])
+    (parts / "c.jsonl").write_text("")  # a part left with no rows
+    pq.write_table(pa.table({"path": [rel[2]], "score": [3], "caption": pa.nulls(1), "tag": [3]}), parts / "d.parquet")
+    out = root / "parts-out"
+    assert run_embed(sorted(parts.iterdir()), checkpoint, out, "--format", "parquet", "--keep-columns",
+                     "score,caption,tag", *SMALL) == 0
+    table = pa.concat_tables([pq.read_table(s) for s in sorted(out.glob("shard-*.parquet"))])
+    assert [str(table.schema.field(n).type) for n in ("score", "caption", "tag")] == ["double", "string", "string"]
+    assert table.select(["score", "caption", "tag"]).to_pylist() == [
+        {"score": 1.0, "caption": None, "tag": "1"}, {"score": 2.5, "caption": "two", "tag": '"x"'},
+        {"score": 3.0, "caption": None, "tag": "3"}]
+    assert all(torch.equal(r.embedding, want[r.realpath]) for r in read_parquet_records(parquet_shards(out)))
 
 
 def test_a_cell_quoted_only_in_part_is_read_as_pandas_reads_it(folder_run, checkpoint):
