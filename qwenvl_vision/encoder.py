@@ -303,7 +303,7 @@ class VisionEncoder(contextlib.AbstractContextManager):
         too, the machine's (``ForwardFaultError`` naming the batch's inputs); else item by item, and an item that
         fails alone is a failed input (a shape a kernel refuses would otherwise stop every resume). An item with
         inf/nan outputs is a failed input; attention never crosses items, so the others are unaffected."""
-        failure: BaseException | None = None
+        failure: BaseException | str | None = None
         try:
             pixel_values = upload([p.pixel_values for p in batch], self.device)
             out = self._encode_unchecked(pixel_values, [p.grid for p in batch], pooled=options.pooled,
@@ -323,7 +323,10 @@ class VisionEncoder(contextlib.AbstractContextManager):
             pixel_values = None
             torch.cuda.empty_cache()  # the caching allocator's free blocks back before the probe or a smaller retry
             if failure is not None:
-                self._check_machine(batch, failure)
+                try:
+                    self._check_machine(batch, failure)
+                finally:  # its traceback holds this frame: kept in it, the two (and the encoder) would wait for gc
+                    failure = first_line(failure)
             if len(batch) > 1:
                 return [r for p in batch for r in self._forward_batch([p], options)]
             p = batch[0]
@@ -332,7 +335,7 @@ class VisionEncoder(contextlib.AbstractContextManager):
                                    f"patches on {self.device}): lower its size (max_pixels, --max-pixels)",
                                    error_class=ForwardFaultError)]
             return [ItemResult(p.index, p.name, error=f"{p.name}: its forward fails alone while the device works: "
-                               f"{first_line(failure)}", error_class=InputError)]
+                               f"{failure}", error_class=InputError)]
         return [ItemResult(p.index, p.name, error=nonfinite_message(p.name, self.dtype), error_class=NumericalError)
                 if i in bad else
                 ItemResult(p.index, p.name, embedding=out.embeddings[i], grid_thw=p.grid, deepstack=out.deepstack[i],

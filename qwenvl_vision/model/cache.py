@@ -90,6 +90,7 @@ class ShapeCache:
             with self._lock:
                 del self._pending[key]
             future.set_exception(error)
+            future = None  # it holds the error, whose traceback holds this frame: the two would wait for gc
             raise
         with self._lock:
             del self._pending[key]

@@ -85,6 +85,37 @@ def test_del_frees_everything_by_refcount(cfg, no_gc):
     assert census() == baseline
 
 
+def test_del_frees_everything_after_a_forward_and_a_grid_plan_failed(no_gc, monkeypatch):
+    """A failure's traceback holds the frames it passed through: kept in one of them, the two would keep the encoder
+    (weights, the batch's pixels) until the cyclic gc, which servers tune or turn off."""
+    cfg = QWEN2_5_SMALL
+    baseline = census()
+    encoder = load_encoder(cfg, random_weights=True, device="cpu", cpu_kernels="reference")
+    model_class, factor = type(encoder.model), cfg.patch_size * cfg.spatial_merge_size
+    forward, plan = model_class.forward, model_class.compute_grid_plan
+
+    def refusing_packs(self, pixel_values, grids):  # a kernel that refuses a pack's shape: item by item then
+        if len(self.grid_list(grids)) > 1:
+            raise RuntimeError("a kernel refuses this shape")
+        return forward(self, pixel_values, grids)
+
+    def failing_plan(self, grid):
+        if tuple(grid) == (2, 4, 4):
+            raise MemoryError("no memory for the grid plan")
+        return plan(self, grid)
+
+    monkeypatch.setattr(model_class, "forward", refusing_packs)  # on the class: no cycle of the test's own
+    monkeypatch.setattr(model_class, "compute_grid_plan", failing_plan)
+    images = [np.zeros((factor, factor, 3), np.uint8), np.zeros((2 * factor, factor, 3), np.uint8)]
+    assert all(r.ok for batch in encoder.iter_encode(images) for r in batch)
+    with pytest.raises(MemoryError):
+        encoder.encode_patches(torch.randn(32, cfg.patch_dim), [(2, 4, 4)])
+    refs = tracked(encoder)
+    del encoder
+    assert list(refs) == []  # gc is disabled: reference counting alone did it
+    assert census() == baseline
+
+
 @pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
 def test_close_frees_while_references_remain(cfg, no_gc):
     baseline = census()
