@@ -9,12 +9,13 @@ actors' CPU shares, ``records_from_batch``). Only this module and ``ray_engine``
   identity); bytes and pixels are not.
 - Bad rows: ``VisionEncoder.iter_encode`` makes a bad input an error row and retries a forward that fails as a whole
   input by input, so the batch's good rows are kept (Ray's ``max_errored_blocks`` would drop whole blocks). A
-  ``ForwardFaultError`` (the machine's reasons) fails the task, which Ray retries.
+  ``ForwardFaultError`` (the machine's reasons) fails the task, and so the run (Ray retries no task that raised).
 - Threads: Ray starts an actor's torch on as many threads as its whole CPUs (1 for a fraction);
   ``Embedder(threads=N)`` sets N.
 - Restarts: Ray Data's actor-pool defaults ``max_restarts=-1, max_task_retries=-1`` are kept (bounding them takes
   ``ray_remote_args``, deprecated since Ray 2.60), so an input that kills every actor it meets is retried until the
-  job is stopped. Ray hands on only the output of the try that finished.
+  job is stopped. Ray skips the retry's outputs the first try handed on by their place, which the driver
+  (``ray_engine``) does not trust: it takes each input's row once, and records one it never gets as failed.
 """
 
 from __future__ import annotations

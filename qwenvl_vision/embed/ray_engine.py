@@ -28,7 +28,7 @@ import ray.data
 import torch
 
 from ..devices import resolve_dtype
-from ..errors import ConfigError, EmbedError, OutputFaultError, first_line
+from ..errors import ConfigError, EmbedError, ForwardFaultError, OutputFaultError, first_line
 from ..model.attention import resolve_attn_impl
 from ..outputs.records import EmbeddingRecord
 from .ray import actor_cpus, embed_dataset, records_from_batch
@@ -165,8 +165,8 @@ def encode_on_ray(job, todo: list[str]) -> Iterator[list[EmbeddingRecord]]:
 
     Errors: a failure of the pipeline itself (an actor that cannot load the tower, Ray's timeouts, a lost node) is
     one line: ``EmbedError`` (exit 2) when an actor failed with one of this package's errors (another
-    checkpoint, a model folder missing on a node: it would fail again), else ``OutputFaultError`` (exit 3,
-    ``--resume``)."""
+    checkpoint, a model folder missing on a node: it would fail again), ``ForwardFaultError`` (exit 4) when an
+    actor's device failed a forward, else ``OutputFaultError`` (exit 3, ``--resume``)."""
     if not todo:
         return
     args, plan = job.settings, job.ray
@@ -190,6 +190,9 @@ def encode_on_ray(job, todo: list[str]) -> Iterator[list[EmbeddingRecord]]:
                        batch_size=BATCH_ROWS, num_cpus=plan.actor_cpus, num_gpus=plan.actor_gpus or None,
                        **options)
     video_fps = (job.run.get("video") or {}).get("fps")
+    # Ray skips a retried task's outputs by their place among its blocks, which a block's size decides: rows that
+    # come out otherwise on the retry (a fetch that fails this time) may come back twice, or not at all.
+    left = set(todo)
     batches = iter(ds.iter_batches(batch_format="pyarrow", batch_size=None))
     while True:
         try:
@@ -197,8 +200,9 @@ def encode_on_ray(job, todo: list[str]) -> Iterator[list[EmbeddingRecord]]:
         except Exception as e:  # noqa: BLE001 - Ray's own errors, an actor's, ExecutionTimeoutError: one line each
             raise pipeline_error(e) from e  # --debug shows the cause
         if batch is None:
-            return
-        records = records_from_batch(batch, path_column="given")
+            break
+        records = [r for r in records_from_batch(batch, path_column="given") if r.path in left]
+        left.difference_update(r.path for r in records)
         for r in records:  # the actors saw absolute paths; messages name the input as given
             if r.error and absolute[r.path] != r.path:
                 r.error = r.error.replace(repr(absolute[r.path]), repr(r.path))
@@ -209,6 +213,12 @@ def encode_on_ray(job, todo: list[str]) -> Iterator[list[EmbeddingRecord]]:
             r.columns = job.inputs.columns.get(r.path)  # the table row's columns stay with the driver
         job.progress.update(len(records), sum(r.tokens or 0 for r in records))
         yield records
+    lost = [EmbeddingRecord(p, job.inputs.keys[p], "error", error=f"{p}: its row was lost in Ray's retry of a task "
+                            f"whose actor died; --resume encodes it", columns=job.inputs.columns.get(p))
+            for p in todo if p in left]
+    if lost:
+        job.progress.update(len(lost), 0)
+        yield lost
 
 
 def actor_source(job, options: dict) -> str:
@@ -232,11 +242,15 @@ def actor_source(job, options: dict) -> str:
 # What an actor's constructor raises the package's way (load_encoder's errors, the weights-hash check), as Ray's
 # message quotes it (the exception Ray raises is its own, wrapping the actor's traceback).
 _SETUP_ERRORS = re.compile(r"\b(ConfigError|CheckpointError): (.+)")
+_DEVICE_FAULT = re.compile(r"\bForwardFaultError: (.+)")  # a forward that failed for the machine's reasons
 
 
-def pipeline_error(e: BaseException) -> EmbedError:
+def pipeline_error(e: BaseException) -> EmbedError | ForwardFaultError:
     """The one-line error for a failed pipeline (see ``encode_on_ray``)."""
     text = str(e)
+    if fault := list(_DEVICE_FAULT.finditer(text)):  # as the local engine stops (exit 4)
+        return ForwardFaultError(f"--engine ray: an actor's {fault[-1].group(1).strip()[:300]}; fix the cause, then "
+                                 f"run the same command with --resume (what was written is kept)")
     own = list(_SETUP_ERRORS.finditer(text))
     if own:  # an actor's constructor failed the package's way: the same would happen on every try
         name, why = own[-1].group(1), own[-1].group(2).strip()[:300]

@@ -190,7 +190,7 @@ def test_a_failing_forward_costs_only_its_own_row(embedder, encoder, media, monk
 
 def test_a_device_that_fails_every_forward_fails_the_task_not_each_row(embedder, media, monkeypatch):
     """The machine's fault (the encoder's probe of the device fails too) is no row's error: the task fails, and
-    Ray retries it elsewhere, as the local engine stops with exit 4."""
+    the run stops with exit 4, as the local engine does."""
     def broken(*args, **kwargs):
         raise RuntimeError("CUDA error: an illegal memory access was encountered (a stand-in)")
 

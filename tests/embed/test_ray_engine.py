@@ -4,6 +4,7 @@ input exactly once when an actor dies mid-run (Ray restarts it) and when the dri
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -106,6 +107,38 @@ def test_an_actor_killed_mid_run_is_restarted_and_no_row_is_lost_or_doubled(tmp_
     assert all(r["status"] == "ok" for r in rows)
 
 
+class CrashThenFailHalf(qv_ray.Embedder):
+    """Kills its actor at its second batch, once; the retried task's first batch then fails half its rows (fetches
+    that fail this time), so that its rows split into other blocks than on the first try."""
+
+    def __call__(self, batch):
+        given = [str(p) for p in batch["given"]]
+        first = Path(batch["path"][0]).with_name("first-batch.json")
+        if not first.exists():
+            first.write_text(json.dumps(given))
+        elif not first.with_name("crashed.marker").exists():
+            first.with_name("crashed.marker").touch()
+            os._exit(1)
+        elif json.loads(first.read_text()) == given:
+            batch = {**batch, "path": batch["path"].copy()}
+            batch["path"][::2] = "/nonexistent/failed-this-time.png"
+        return super().__call__(batch)
+
+
+def test_rows_a_retried_task_gives_back_otherwise_are_each_recorded_once(tmp_path, local_ray, checkpoint3,
+                                                                          monkeypatch):
+    make_image_folder(tmp_path / "imgs", 80, bad=False)
+    monkeypatch.setattr(qv_ray, "Embedder", CrashThenFailHalf)
+    monkeypatch.setattr(ray.data.DataContext.get_current(), "target_max_block_size", 6000)  # a row or two a block
+    out = tmp_path / "out"
+    assert main(["embed", str(tmp_path / "imgs"), "--model", str(checkpoint3), "--out", str(out), "--engine", "ray",
+                 "--ray-actors", "1", "--threads", "1", "--max-pixels", "4096", "--min-pixels", "1024",
+                 "--quiet"]) == 1
+    assert (tmp_path / "imgs" / "crashed.marker").exists()  # the actor did die
+    rows = assert_each_parquet_input_once(out, 80)
+    assert any(r["status"] == "error" for r in rows)
+
+
 def test_driver_sigkilled_then_resumed_embeds_each_input_once(tmp_path, local_ray, checkpoint):
     make_image_folder(tmp_path / "imgs", 80, bad=False)
     out = tmp_path / "out"
@@ -203,6 +236,27 @@ def test_an_actor_that_cannot_start_is_one_line_exit_2(tmp_path, local_ray, chec
     assert main(["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(tmp_path / "out"),
                  "--engine", "ray", "--quiet"]) == 2
     embed_helpers.one_error_line(capsys.readouterr().err, f"an actor could not start ({culprit[0]}", culprit[1],
+                                 "--resume")
+
+
+class BrokenDevice(qv_ray.Embedder):
+    """An actor whose device fails every forward, its probe too: the machine's fault, no input's."""
+
+    def __call__(self, batch):
+        def broken(*args, **kwargs):
+            raise RuntimeError("an illegal memory access was encountered (a stand-in)")
+
+        self.encoder._encode_unchecked = broken
+        return super().__call__(batch)
+
+
+def test_an_actor_s_device_fault_is_exit_4_naming_the_batch_as_the_local_engine(tmp_path, local_ray, checkpoint,
+                                                                                 monkeypatch, capsys):
+    make_image_folder(tmp_path / "imgs", 2, bad=False)
+    monkeypatch.setattr(qv_ray, "Embedder", BrokenDevice)
+    assert main(["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(tmp_path / "out"),
+                 "--engine", "ray", "--quiet"]) == 4
+    embed_helpers.one_error_line(capsys.readouterr().err, "the forward of a batch of", "an illegal memory access",
                                  "--resume")
 
 
