@@ -137,6 +137,7 @@ class RayPlan:
         context.print_on_execution_start = False
         resources = ray.cluster_resources()
         cpus, gpus = int(resources.get("CPU", 1)), int(resources.get("GPU", 0))
+        nodes = [n["Resources"] for n in ray.nodes() if n["Alive"]] or [resources]  # an actor runs on one of them
         # No --device: cuda where the cluster has GPUs, as the local engine takes cuda where there is one (random
         # weights stay on the CPU: the actors' GPUs would draw other weights than the driver hashes).
         device = args.device or ("cuda" if gpus and not args.random_weights else "cpu")
@@ -148,16 +149,31 @@ class RayPlan:
                 raise EmbedError(f"--ray-actors {args.ray_actors}: the Ray cluster has {gpus} GPU"
                                  f"{'s' if gpus != 1 else ''} and each actor takes one (the rest would wait forever)")
             actors = args.ray_actors or gpus
-            threads = args.threads or recorded_threads or max(1, (cpus - 1) // actors)
-            return cls(started, local, "cuda", actors, threads, actor_cpus(actors, threads), 1.0)
-        threads = args.threads or recorded_threads or max(1, cpus // 4)
-        actors = args.ray_actors or max(1, cpus // threads)
-        return cls(started, local, "cpu", actors, threads, actor_cpus(actors, threads), 0.0)
+            per_gpu = min((n.get("CPU", 0) // n["GPU"] for n in nodes if n.get("GPU", 0) >= 1), default=cpus)
+            threads = args.threads or recorded_threads or max(1, min((cpus - 1) // actors, int(per_gpu)))
+            return cls(started, local, "cuda", actors, threads, *placed(actors, threads, 1.0, nodes))
+        threads = args.threads or recorded_threads or max(1, min(cpus // 4, int(max(n.get("CPU", 0) for n in nodes))))
+        actors = args.ray_actors or max(1, sum(int(n.get("CPU", 0) // threads) for n in nodes))
+        return cls(started, local, "cpu", actors, threads, *placed(actors, threads, 0.0, nodes))
 
     def stop(self) -> None:
         if self.started:
             ray.shutdown()
             self.started = False
+
+
+def placed(actors: int, threads: int, gpus: float, nodes: list[dict]) -> tuple[float, float]:
+    """(CPUs, GPUs) each actor asks for (``actor_cpus``), refused where they do not fit on the nodes: Ray places an
+    actor on one node that has all it asks for, and Ray Data waits for every actor without end."""
+    cpus = actor_cpus(actors, threads)
+    room = sum(min(int(n.get("CPU", 0) / cpus + 1e-9), int(n.get("GPU", 0) // gpus) if gpus else actors)
+               for n in nodes)
+    if room < actors:
+        sizes = ", ".join(f"{n.get('CPU', 0):g}" + (f"+{n.get('GPU', 0):g} GPU" if gpus else "") for n in nodes[:8])
+        raise EmbedError(f"{actors} Ray actors of {cpus:g} CPUs{' and a GPU' if gpus else ''} each do not fit on the "
+                         f"cluster's nodes (CPUs: {sizes}{', ...' if len(nodes) > 8 else ''}), and Ray would wait for "
+                         f"them forever: use fewer --ray-actors or --threads")
+    return cpus, gpus
 
 
 def encode_on_ray(job, todo: list[str]) -> Iterator[list[EmbeddingRecord]]:

@@ -23,11 +23,15 @@ from qwenvl_vision.errors import ConfigError, EmbedError, OutputFaultError  # no
 
 
 class FakeRay:
-    """ray.init / is_initialized / cluster_resources / shutdown as a cluster of `cpus` CPUs and `gpus` GPUs."""
+    """ray.init / is_initialized / cluster_resources / nodes / shutdown as a cluster of `cpus` CPUs and `gpus` GPUs,
+    on one node unless `nodes` lists each node's (CPUs, GPUs)."""
 
-    def __init__(self, monkeypatch, cpus: int, gpus: int = 0) -> None:
+    def __init__(self, monkeypatch, cpus: int, gpus: int = 0, nodes: list[tuple[int, int]] | None = None) -> None:
         self.up, self.inits, self.shutdowns = False, [], 0
         self.resources = {"CPU": float(cpus), **({"GPU": float(gpus)} if gpus else {})}
+        listed = [{"Alive": True, "Resources": {"CPU": float(c), **({"GPU": float(g)} if g else {})}}
+                  for c, g in nodes or [(cpus, gpus)]]
+        monkeypatch.setattr(ray, "nodes", lambda: listed + [{"Alive": False, "Resources": {"CPU": 64.0}}])
         monkeypatch.setattr(ray, "is_initialized", lambda: self.up)
         monkeypatch.setattr(ray, "init", self.init)
         monkeypatch.setattr(ray, "shutdown", self.shutdown)
@@ -119,6 +123,20 @@ def test_cpu_shares_add_up_to_what_the_cluster_has(monkeypatch):
         assert share > 0 and actors * share <= 3 + 1e-9, (actors, share)  # one CPU left for the read tasks
     with pytest.raises(ValueError, match="cannot share"):
         actor_cpus(10**6)
+
+
+@pytest.mark.parametrize(("nodes", "actors"), [([(4, 0)] * 5, 5), ([(16, 0)] * 5, 5), ([(8, 0)] + [(4, 1)] * 4, 4),
+                                               ([(2, 0), (64, 0)], 4)])
+def test_each_actor_fits_on_one_node_of_the_cluster(monkeypatch, nodes, actors):
+    """Ray places an actor on one node that has all it asks for, and Ray Data waits for every actor without end: sized
+    by the whole cluster's CPUs, actors on a cluster of more than four nodes fitted on none. Dead nodes count for
+    nothing."""
+    FakeRay(monkeypatch, cpus=sum(c for c, _ in nodes), gpus=sum(g for _, g in nodes), nodes=nodes)
+    got = plan(args())
+    room = sum(min(int(c / got.actor_cpus + 1e-9), g if got.actor_gpus else got.actors) for c, g in nodes)
+    assert got.actors == actors <= room
+    with pytest.raises(EmbedError, match="do not fit on the cluster's nodes"):
+        plan(args(threads=max(c for c, _ in nodes) + 1))
 
 
 def test_attn_is_checked_for_the_actors_device_before_anything_runs(monkeypatch):
