@@ -29,7 +29,7 @@ from .errors import EncoderClosedError, ForwardFaultError, InputError, Numerical
 from .inputs.images import PreprocessConfig
 from .inputs.item_ids import config_sha256, is_sha256, weights_sha256
 from .inputs.item_ids import pixels_sha256 as item_pixels_sha256
-from .inputs.pixels import DEFAULT_MAX_INPUT_PIXELS, is_file_input
+from .inputs.pixels import DEFAULT_MAX_INPUT_PIXELS, check_pixel_bounds, is_file_input
 from .inputs.video import VideoConfig, positive_number, sample_frames_by_fps
 from .model.config import VisionConfig
 from .model.tower import VisionTower
@@ -283,7 +283,12 @@ class VisionEncoder(contextlib.AbstractContextManager):
             iter(items)  # a sequence by __getitem__ alone (a map-style Dataset) iterates too
         except TypeError:
             raise InputError(f"the inputs must be a sequence of inputs, got {type(items).__name__}") from None
-        return EncodeOptions(video_config=video_config or self.video_config, **settings)
+        options = EncodeOptions(video_config=video_config or self.video_config, **settings)
+        if options.max_pixels is None:  # min_pixels alone above the checkpoint's max: every input resized past it
+            bounds, kind = (options.video_config, "videos'") if options.video else (self.preprocess_config, "images'")
+            check_pixel_bounds(options.min_pixels, bounds.max_pixels,
+                               ("min_pixels", f"the checkpoint's {kind} max_pixels"))
+        return options
 
     def _encode_batches(self, items: Iterable[Any], options: EncodeOptions,
                         on_prepared: Callable[[Prepared], None] | None = None) -> Iterator[list[ItemResult]]:

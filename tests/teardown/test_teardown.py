@@ -264,8 +264,11 @@ def test_bad_sizes_are_a_one_line_usage_error_and_debug_is_taken_after_the_comma
         assert "qwenvl-vision bench: error: --sizes: 'big' is not HxW in pixels" in capsys.readouterr().err
     # Refused before anything runs: a --json that is a folder would lose the whole benchmark's results at its end.
     (tmp_path / "folder.json").mkdir()
+    (tmp_path / "file").touch()
     for extra, culprit in ((["--cycles", "0"], "--cycles 0 is below 1"), (["--teardown", "foo"], "['foo']"),
-                           (["--json", str(tmp_path / "folder.json")], "folder.json is a folder")):
+                           (["--json", str(tmp_path / "folder.json")], "folder.json is a folder"),
+                           (["--json", str(tmp_path / "file" / "out.json")], "out.json cannot be written"),
+                           (["--sizes", "100000x100000"], "100000x100000 is above")):
         for script in (False, True):  # the package's CLI, and bench/teardown.py
             assert _run_bench(tmp_path, QWEN2_5_SMALL, *extra, script=script)[0] == 2
             one_error_line(capsys.readouterr().err, culprit)
@@ -290,6 +293,13 @@ def test_cli_benchmark_measures_our_encoder_only(tmp_path):
         assert len(run["cycles"]) == 2 and all(c["alive_after_teardown"] == [] for c in run["cycles"])
     assert runs["per-instance", "close"]["held_after_close_bytes"] == 0
     assert runs["per-instance", "close"]["close_raises"] is True
+
+
+def test_a_benchmark_without_per_instance_gives_no_verdict_on_it(tmp_path, capsys):
+    rc, report = _run_bench(tmp_path, QWEN2_5_SMALL, "--cycles", "1", "--variants", "class-level-cache",
+                            "--teardown", "del", script=True)
+    out = capsys.readouterr().out
+    assert rc == 0 and "per-instance not run" in out and "FAIL" not in out and "PASS" not in out
 
 
 def test_benchmark_class_level_cache_grows_per_instance(tmp_path, capsys):
