@@ -284,10 +284,9 @@ class VisionEncoder(contextlib.AbstractContextManager):
         except TypeError:
             raise InputError(f"the inputs must be a sequence of inputs, got {type(items).__name__}") from None
         options = EncodeOptions(video_config=video_config or self.video_config, **settings)
-        if options.max_pixels is None:  # min_pixels alone above the checkpoint's max: every input resized past it
-            bounds, kind = (options.video_config, "videos'") if options.video else (self.preprocess_config, "images'")
-            check_pixel_bounds(options.min_pixels, bounds.max_pixels,
-                               ("min_pixels", f"the checkpoint's {kind} max_pixels"))
+        if options.video is True and options.max_pixels is None:  # an image's min_pixels: frames resized to gigabytes
+            check_pixel_bounds(options.min_pixels, options.video_config.max_pixels,
+                               ("min_pixels", "the videos' max_pixels"))
         return options
 
     def _encode_batches(self, items: Iterable[Any], options: EncodeOptions,
