@@ -57,8 +57,7 @@ class Inputs:
         urls = [path for path, error, _, _, key in self._pending if error is None and key is None and is_url(path)]
         known = identities(urls) if urls else {}
         seen: dict[str, str] = {}  # identity -> the input's first spelling
-        types = {n: "string" if t == "null" else t for n, t in self.column_types.items()}  # nulls alone: text's
-        self.column_types = types
+        self.column_types = types = {n: "string" if t == "null" else t for n, t in self.column_types.items()}
         for path, error, columns, member, given in self._pending:
             if columns is not None:
                 columns = {n: cell(v, types[n]) for n, v in columns.items()}
@@ -164,6 +163,8 @@ def gather_inputs(inputs: list[str], path_column: str = "path", keep_columns: tu
                 found.add(path, _other_kind(path, f"list {item}"))
         else:
             found.add(str(p), _other_kind(item))
+    if absent := [name for name in keep_columns if name not in found.column_types]:  # in no JSON Lines line
+        raise ConfigError(f"--keep-columns {','.join(absent)}: no line of the tables holds that field")
     return found.finish()
 
 

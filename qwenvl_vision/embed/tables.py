@@ -64,7 +64,7 @@ def check_keep_columns(keep: Sequence[str], path_column: str) -> None:
 
 
 def read_table(path: Path, path_column: str, keep: Sequence[str]) -> tuple[list[Row], dict[str, str]]:
-    """(the rows, their carried values as read, each carried column's type) of the table at ``path``."""
+    """(the rows, each with its carried values as read; each carried column's type) of the table at ``path``."""
     suffix = path.suffix.lower()
     if path.is_dir():  # Spark's and Dask's output: the dataset's parts are its files
         raise ConfigError(f"table {path} is a folder: give its part files ({path}/*{suffix})")
@@ -243,9 +243,11 @@ def _jsonl_rows(path: Path, path_column: str, keep: Sequence[str]) -> tuple[list
         seen.update(record)
         rows.append(Row(i + 1, record.get(path_column), {name: record.get(name) for name in keep}))
     if seen:  # a part with no object (empty, torn) names no columns: its lines fail alone
-        _missing(path, [path_column, *keep], sorted(seen))
+        _missing(path, [path_column], sorted(seen))
+    # A field no line holds is left out of the types: a writer may leave out a field that is null (Spark's JSON does),
+    # so that only the run's tables together say whether a kept column exists (gather_inputs).
     return rows, {name: functools.reduce(joined, (_json_type(r.columns[name]) for r in rows if r.error is None),
-                                         "null") for name in keep}
+                                         "null") for name in keep if name in seen}
 
 
 def _json_type(value: Any) -> str:

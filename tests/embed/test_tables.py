@@ -150,6 +150,8 @@ def test_columns_that_cannot_be_carried_are_refused_in_one_line(folder_run, chec
     cases = [
         (table, ["--path-column", "file"], ["no column 'file'", "path, caption, idx"]),
         (table, ["--keep-columns", "caption,nope"], ["no column 'nope'"]),
+        (write_table(root / "plain.jsonl", rows_for(paths, root)), ["--keep-columns", "caption,nope"],
+         ["--keep-columns nope", "no line of the tables holds"]),
         (table, ["--keep-columns", "status"], ["status", "rename the column"]),
         (table, ["--keep-columns", "deepstack_0"], ["deepstack_0", "rename the column"]),
         (table, ["--keep-columns", "caption,,idx"], ["--keep-columns"]),
@@ -187,6 +189,7 @@ def test_a_dataset_s_parts_are_typed_together_as_one_table_would_be(folder_run, 
     rel = [str(Path("..") / p.relative_to(root)) for p in paths]
     write_table(parts / "a.jsonl", [{"path": rel[0], "score": 1, "caption": None, "tag": 1}])
     write_table(parts / "b.jsonl", [{"path": rel[1], "score": 2.5, "caption": "two", "tag": "x"}])
+    write_table(parts / "b2.jsonl", [{"path": rel[3], "score": 4}])  # null fields left out, as Spark writes them
     (parts / "c.jsonl").write_text("")  # a part left with no rows
     pq.write_table(pa.table({"path": [rel[2]], "score": [3], "caption": pa.nulls(1), "tag": [3]}), parts / "d.parquet")
     out = root / "parts-out"
@@ -196,7 +199,7 @@ def test_a_dataset_s_parts_are_typed_together_as_one_table_would_be(folder_run, 
     assert [str(table.schema.field(n).type) for n in ("score", "caption", "tag")] == ["double", "string", "string"]
     assert table.select(["score", "caption", "tag"]).to_pylist() == [
         {"score": 1.0, "caption": None, "tag": "1"}, {"score": 2.5, "caption": "two", "tag": '"x"'},
-        {"score": 3.0, "caption": None, "tag": "3"}]
+        {"score": 4.0, "caption": None, "tag": None}, {"score": 3.0, "caption": None, "tag": "3"}]
     assert all(torch.equal(r.embedding, want[r.realpath]) for r in read_parquet_records(parquet_shards(out)))
 
 
