@@ -124,14 +124,14 @@ class RayPlan:
                 if on_sigterm is not None:
                     signal.signal(signal.SIGTERM, on_sigterm)
         try:
-            return cls._plan(args, started, started and not joined, recorded_threads)
+            return cls._plan(args, started, started and not joined, recorded_threads, progress.note)
         except BaseException:
             if started:
                 ray.shutdown()
             raise
 
     @classmethod
-    def _plan(cls, args, started: bool, local: bool, recorded_threads: int | None) -> RayPlan:
+    def _plan(cls, args, started: bool, local: bool, recorded_threads: int | None, note) -> RayPlan:
         context = ray.data.DataContext.get_current()
         context.enable_progress_bars = False  # embed's own progress says it
         context.print_on_execution_start = False
@@ -149,12 +149,13 @@ class RayPlan:
                 raise EmbedError(f"--ray-actors {args.ray_actors}: the Ray cluster has {gpus} GPU"
                                  f"{'s' if gpus != 1 else ''} and each actor takes one (the rest would wait forever)")
             actors = args.ray_actors or gpus
-            per_gpu = min((n.get("CPU", 0) // n["GPU"] for n in nodes if n.get("GPU", 0) >= 1), default=cpus)
+            per_gpu = min((n.get("CPU", 0) // min(n["GPU"], actors) for n in nodes if n.get("GPU", 0) >= 1),
+                          default=cpus)  # a GPU node's CPUs, shared by the actors it holds
             threads = args.threads or recorded_threads or max(1, min((cpus - 1) // actors, int(per_gpu)))
-            return cls(started, local, "cuda", actors, threads, *placed(actors, threads, 1.0, nodes))
+            return cls(started, local, "cuda", actors, threads, *placed(actors, threads, 1.0, nodes, local, note))
         threads = args.threads or recorded_threads or max(1, min(cpus // 4, int(max(n.get("CPU", 0) for n in nodes))))
         actors = args.ray_actors or max(1, sum(int(n.get("CPU", 0) // threads) for n in nodes))
-        return cls(started, local, "cpu", actors, threads, *placed(actors, threads, 0.0, nodes))
+        return cls(started, local, "cpu", actors, threads, *placed(actors, threads, 0.0, nodes, local, note))
 
     def stop(self) -> None:
         if self.started:
@@ -162,17 +163,20 @@ class RayPlan:
             self.started = False
 
 
-def placed(actors: int, threads: int, gpus: float, nodes: list[dict]) -> tuple[float, float]:
-    """(CPUs, GPUs) each actor asks for (``actor_cpus``), refused where they do not fit on the nodes: Ray places an
-    actor on one node that has all it asks for, and Ray Data waits for every actor without end."""
+def placed(actors: int, threads: int, gpus: float, nodes: list[dict], local: bool, note) -> tuple[float, float]:
+    """(CPUs, GPUs) each actor asks for (``actor_cpus``). Ray places an actor on one node that has all it asks for,
+    and Ray Data waits for every actor without end: actors the nodes cannot hold are refused on a local Ray, and
+    said on a cluster, whose autoscaler may add nodes."""
     cpus = actor_cpus(actors, threads)
     room = sum(min(int(n.get("CPU", 0) / cpus + 1e-9), int(n.get("GPU", 0) // gpus) if gpus else actors)
                for n in nodes)
     if room < actors:
         sizes = ", ".join(f"{n.get('CPU', 0):g}" + (f"+{n.get('GPU', 0):g} GPU" if gpus else "") for n in nodes[:8])
-        raise EmbedError(f"{actors} Ray actors of {cpus:g} CPUs{' and a GPU' if gpus else ''} each do not fit on the "
-                         f"cluster's nodes (CPUs: {sizes}{', ...' if len(nodes) > 8 else ''}), and Ray would wait for "
-                         f"them forever: use fewer --ray-actors or --threads")
+        line = (f"{actors} Ray actors of {cpus:g} CPUs{' and a GPU' if gpus else ''} each do not fit on the "
+                f"cluster's nodes (CPUs: {sizes}{', ...' if len(nodes) > 8 else ''})")
+        if local:
+            raise EmbedError(f"{line}, and Ray would wait for them forever: use fewer --ray-actors or --threads")
+        note(f"{line} now: they wait for nodes an autoscaler adds, or forever")
     return cpus, gpus
 
 
@@ -267,8 +271,8 @@ def pipeline_error(e: BaseException) -> EmbedError | ForwardFaultError:
     """The one-line error for a failed pipeline (see ``encode_on_ray``)."""
     text = str(e)
     if fault := list(_DEVICE_FAULT.finditer(text)):  # as the local engine stops (exit 4)
-        return ForwardFaultError(f"--engine ray: an actor's {fault[-1].group(1).strip()[:300]}; fix the cause, then "
-                                 f"run the same command with --resume (what was written is kept)")
+        return ForwardFaultError(f"--engine ray, on an actor: {fault[-1].group(1).strip()[:300]}; fix the cause, "
+                                 f"then run the same command with --resume (what was written is kept)")
     own = list(_SETUP_ERRORS.finditer(text))
     if own:  # an actor's constructor failed the package's way: the same would happen on every try
         name, why = own[-1].group(1), own[-1].group(2).strip()[:300]

@@ -28,7 +28,7 @@ class FakeRay:
 
     def __init__(self, monkeypatch, cpus: int, gpus: int = 0, nodes: list[tuple[int, int]] | None = None) -> None:
         self.up, self.inits, self.shutdowns = False, [], 0
-        self.resources = {"CPU": float(cpus), **({"GPU": float(gpus)} if gpus else {})}
+        self.resources = {**({"CPU": float(cpus)} if cpus else {}), **({"GPU": float(gpus)} if gpus else {})}
         listed = [{"Alive": True, "Resources": {"CPU": float(c), **({"GPU": float(g)} if g else {})}}
                   for c, g in nodes or [(cpus, gpus)]]
         monkeypatch.setattr(ray, "nodes", lambda: listed + [{"Alive": False, "Resources": {"CPU": 64.0}}])
@@ -131,12 +131,21 @@ def test_each_actor_fits_on_one_node_of_the_cluster(monkeypatch, nodes, actors):
     """Ray places an actor on one node that has all it asks for, and Ray Data waits for every actor without end: sized
     by the whole cluster's CPUs, actors on a cluster of more than four nodes fitted on none. Dead nodes count for
     nothing."""
-    FakeRay(monkeypatch, cpus=sum(c for c, _ in nodes), gpus=sum(g for _, g in nodes), nodes=nodes)
+    fake = FakeRay(monkeypatch, cpus=sum(c for c, _ in nodes), gpus=sum(g for _, g in nodes), nodes=nodes)
     got = plan(args())
+    fake.up = False  # a local Ray again, which the refusal is for
     room = sum(min(int(c / got.actor_cpus + 1e-9), g if got.actor_gpus else got.actors) for c, g in nodes)
     assert got.actors == actors <= room
     with pytest.raises(EmbedError, match="do not fit on the cluster's nodes"):
         plan(args(threads=max(c for c, _ in nodes) + 1))
+
+
+def test_actors_a_joined_cluster_cannot_hold_yet_are_said_not_refused(monkeypatch):
+    """A cluster's autoscaler adds nodes for actors that wait (a head of no CPUs, no workers yet)."""
+    FakeRay(monkeypatch, cpus=0, nodes=[(0, 0)])
+    notes: list[str] = []
+    got = ray_engine.RayPlan.start(args(ray_address="auto"), 1, None, SimpleNamespace(note=notes.append))
+    assert got.actors == 1 and any("do not fit on the cluster's nodes" in n and "autoscaler" in n for n in notes)
 
 
 def test_attn_is_checked_for_the_actors_device_before_anything_runs(monkeypatch):
