@@ -14,8 +14,8 @@ so a crash, a CUDA error that poisons the context, a hang or leftover GPU memory
 recorded and the next section runs. A section rewrites ``DIR/<section>.json`` after every measurement (a parity
 family, a throughput input set, a teardown run, a test's outcome, a fresh-process load), so a section stopped at
 its limit still leaves what it measured. ``DIR/summary.json`` and ``DIR/summary.txt`` are rewritten after every
-section (the final one also printed): each section's status (ok / fail / skipped / error / timeout), its
-estimate, limit and time, and its key numbers. At most one more file is written, a CUDA memory snapshot of a
+section (the final one also printed): each section's status (ok / fail / skipped / error / timeout / not_run),
+its estimate, limit and time, and its key numbers. At most one more file is written, a CUDA memory snapshot of a
 failed teardown: 8 files in all, what the device tool brings back.
 
 The sections run in the order that lets a run cut short still answer what matters most: the numbers (parity,
@@ -25,7 +25,8 @@ the FLOP counts, the CPU runs and the machine notes (an 8192^3 bf16 matmul at ~7
 measurements. The whole run is planned for ``DEVICE_BUDGET_S`` (480 s of the device's 15 minutes, the rest for the
 machine's start): the estimates add up to 370 s and the limits to 480 s, and every run records that plan and
 fails if it no longer fits. ``--budget`` stops the run earlier: a section's limit is cut so that every later
-section keeps its estimated time, and a section left with less than ``MIN_LIMIT_S`` is skipped with that reason.
+section keeps its estimated time, and a section left with less than ``MIN_LIMIT_S`` is not run, with that reason,
+which fails the run (a skip is for what the machine lacks).
 
 1. ``parity`` (~20 s, limit 40 s): every family of ``testing.workloads.FAMILY_SMALL``: our tower in bf16 against
    transformers' tower of that family in fp32 (same weights, same device, TF32 off), on a packed mix with a
@@ -327,7 +328,7 @@ def headline(data: dict[str, Any]) -> list[str]:
             lines.append(f"{row}: {r['seconds_median']:.2f} s, host peak {r['peak_over_tower']:.2f}x tower bytes"
                          + (f", {r['time_vs_ours']:.2f}x ours' time" if r.get("time_vs_ours") else ""))
         lines += [f"{row}: skipped: {reason[:300]}" for row, reason in data.get("skipped", {}).items()]
-    if data.get("status") in ("error", "timeout", "skipped", "fail") and data.get("reason"):
+    if data.get("status") in ("error", "timeout", "skipped", "fail", "not_run") and data.get("reason"):
         lines.append(f"reason: {data['reason'][:300]}")
     if data.get("status") == "error" and data.get("error"):
         lines.append(f"error: {data['error'].strip().splitlines()[-1][:300]}")
@@ -438,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     for i, name in enumerate(selected):
         limit, available = section_limit(name, selected, deadline, args.dry_run, overrides)
         if available < MIN_LIMIT_S:
-            results[name] = {"section": name, "status": "skipped", "dry_run": args.dry_run,
+            results[name] = {"section": name, "status": "not_run", "dry_run": args.dry_run,
                              "estimate_s": SECTIONS[name].plan(args.dry_run)[0],
                              "reason": f"budget spent: {available:.0f} s left for it after keeping the later "
                                        f"sections' estimated time (budget {budget:.0f} s)"}

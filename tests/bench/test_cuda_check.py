@@ -219,6 +219,15 @@ def test_sections_run_in_the_order_that_answers_first_and_the_summary_follows_ea
     assert "GPU run's plan: estimates" in (tmp_path / "summary.txt").read_text()
 
 
+def test_sections_the_budget_leaves_no_time_are_not_run_and_fail_the_run(tmp_path, monkeypatch):
+    """A run that measured nothing is no pass: only what the machine lacks is a skip."""
+    monkeypatch.setattr(cc, "run_child", ok_child)
+    monkeypatch.setattr(cc, "feature_probes", dict)
+    assert cc.main(["--dry-run", "--out", str(tmp_path), "--budget", "10"]) == 1
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert {s["status"] for s in summary["sections"].values()} == {"not_run"} and not summary["ok"]
+
+
 def test_a_plan_over_the_devices_budget_fails_the_dry_run(tmp_path, monkeypatch):
     monkeypatch.setitem(cc.SECTIONS, "throughput", cc.Section(400, 420, 15, 240))
     monkeypatch.setattr(cc, "run_child", ok_child)
