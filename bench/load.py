@@ -493,10 +493,14 @@ def spec_for(row: str, dt: str, folder: Path, cfg, probe: Path | None = None, de
 
 def measure(row_plan: list[tuple[str, str]], folder: Path, cfg, args) -> tuple[dict, dict]:
     """Run the children: warm-ups (discarded), then `repeats` rounds over all rows; probes in round 1."""
+    warm: dict[str, str] = {}  # each dtype once, ours where it runs: its CPU plan is measured per dtype, once a machine
+    for row, dt in row_plan:
+        if dt not in warm or row == "ours":
+            warm[dt] = row
     for i in range(args.warmup):
-        row, dt = row_plan[0]
-        result = run_child(spec_for(row, dt, folder, cfg, device=args.device), args.timeout)
-        print(f"  [warm-up {i + 1}] {row:8s} {dt}: {result['seconds']:6.2f} s (discarded)", flush=True)
+        for dt, row in warm.items():
+            result = run_child(spec_for(row, dt, folder, cfg, device=args.device), args.timeout)
+            print(f"  [warm-up {i + 1}] {row:8s} {dt}: {result['seconds']:6.2f} s (discarded)", flush=True)
     probe_dir = Path(tempfile.mkdtemp(prefix="probes-", dir=args.workdir))
     runs: dict[tuple[str, str], list[dict]] = {key: [] for key in row_plan}
     probes: dict[tuple[str, str], torch.Tensor] = {}

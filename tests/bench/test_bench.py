@@ -5,9 +5,12 @@ Each builds a released preset's width (one block deep) and transformers' tower o
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from bench import gemm_bound, profile_tower, throughput
+from qwenvl_vision import preset
 from qwenvl_vision.backends.cpu.kernels import onednn_linear_available
 
 TINY = ["--preset", "qwen3.5-0.8b", "--inputs", "small", "--depth", "1", "--dtype", "fp32"]
@@ -91,6 +94,26 @@ def test_load_names_a_preset_whose_family_it_does_not_write():
 
     with pytest.raises(SystemExit, match="qwen3.5-0.8b is a qwen3_5 tower"):
         load.main(["--preset", "qwen3.5-0.8b", "--depth", "1"])
+
+
+def test_load_warms_every_dtype_ours_times_before_timing_it(monkeypatch, tmp_path):
+    """Ours measures its CPU plan once per dtype and machine: a dtype not warmed up timed that measurement."""
+    import torch
+
+    from bench import load
+
+    def child(spec, timeout):
+        ran.append((spec["row"], spec["dtype"]))
+        if spec["probe"]:
+            torch.save(torch.zeros(1), spec["probe"])
+        return {"seconds": 0.0, "peak_delta": 0}
+
+    ran: list = []
+    monkeypatch.setattr(load, "run_child", child)
+    rows = [("transformers", "fp32"), ("ours", "fp32"), ("transformers", "bf16"), ("ours", "bf16")]
+    load.measure(rows, tmp_path, preset("qwen2.5-vl-3b"),
+                 SimpleNamespace(warmup=1, repeats=1, workdir=tmp_path, device="cpu", timeout=1))
+    assert ran[:2] == [("ours", "fp32"), ("ours", "bf16")] and ran[2:] == rows
 
 
 @pytest.mark.parametrize(("option", "value"), [("--preset", "bogus"), ("--repeats", "0"), ("--depth", "0"),
