@@ -25,6 +25,7 @@ import http.client
 import json
 import math
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -41,6 +42,7 @@ import torch
 
 from bench.tar_inputs import encode, write_collection
 from qwenvl_vision import load_encoder
+from qwenvl_vision.embed.args import positive_option
 
 START_S = 600  # loading a real-size tower from random weights takes a while on a slow machine
 ROUTES = {"chat": "/v1/chat/completions", "embeddings": "/v1/embeddings"}
@@ -62,15 +64,19 @@ def start_server(args: argparse.Namespace, tmp: Path) -> tuple[subprocess.Popen,
     with open(tmp / "serve.log", "wb") as log:  # uvicorn's start-up lines and any error, shown if it fails to start
         server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + START_S
-    while server.poll() is None and time.monotonic() < deadline:
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).close()
-        except OSError:
-            time.sleep(0.2)
-            continue
-        with open(f"/proc/{server.pid}/clear_refs", "w") as f:  # "5" resets the peak (VmHWM): not loading's
-            f.write("5")
-        return server, port
+    try:
+        while server.poll() is None and time.monotonic() < deadline:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).close()
+            except OSError:
+                time.sleep(0.2)
+                continue
+            with open(f"/proc/{server.pid}/clear_refs", "w") as f:  # "5" resets the peak (VmHWM): not loading's
+                f.write("5")
+            return server, port
+    except BaseException:  # stopped while it starts (Ctrl-C, SIGTERM): the server is not left running
+        server.kill()
+        raise
     server.kill()
     raise SystemExit(f"serve did not answer /health (exit status {server.wait()}): {' '.join(cmd)}\n"
                      f"{(tmp / 'serve.log').read_text(errors='replace')[-3000:]}")
@@ -126,11 +132,13 @@ def load_test(args: argparse.Namespace, port: int, pid: int, urls: list[str], re
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--clients", type=int, default=8)
-    parser.add_argument("--requests", type=int, default=500)
+    parser.add_argument("--clients", type=positive_option(int, "--clients"), default=8)
+    parser.add_argument("--requests", type=positive_option(int, "--requests"), default=500)
     parser.add_argument("--route", choices=("chat", "embeddings"), default="chat")
-    parser.add_argument("--images", type=int, default=48, help="photos in the collection the requests go round")
-    parser.add_argument("--rounds", type=int, default=3, help="timed rounds of the batch loop")
+    parser.add_argument("--images", type=positive_option(int, "--images"), default=48,
+                        help="photos in the collection the requests go round")
+    parser.add_argument("--rounds", type=positive_option(int, "--rounds"), default=3,
+                        help="timed rounds of the batch loop")
     parser.add_argument("--preset", default="qwen3.5-0.8b")
     parser.add_argument("--device", default="cpu", help="of both sides")
     parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
@@ -176,4 +184,5 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # the server and files go, as on Ctrl-C
     main()
