@@ -76,6 +76,7 @@ def start_server(args: argparse.Namespace, tmp: Path) -> tuple[subprocess.Popen,
             return server, port
     except BaseException:  # stopped while it starts (Ctrl-C, SIGTERM): the server is not left running
         server.kill()
+        server.wait()
         raise
     server.kill()
     raise SystemExit(f"serve did not answer /health (exit status {server.wait()}): {' '.join(cmd)}\n"
@@ -121,8 +122,11 @@ def load_test(args: argparse.Namespace, port: int, pid: int, urls: list[str], re
                 rss["after_100"] = resident(pid)
 
     start = time.perf_counter()
-    with ThreadPoolExecutor(args.clients) as pool:
+    pool = ThreadPoolExecutor(args.clients)
+    try:
         list(pool.map(one, range(requests)))
+    finally:  # stopped (SIGTERM, Ctrl-C): the requests not sent yet are dropped, not sent before the server stops
+        pool.shutdown(wait=False, cancel_futures=True)
     wall = time.perf_counter() - start
     q = statistics.quantiles(latencies, n=100, method="inclusive") if len(latencies) > 1 else [math.nan] * 99
     return {"wall_s": wall, "images_per_s": len(latencies) / wall, "failed": len(failures), "failures": failures[:5],

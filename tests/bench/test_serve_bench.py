@@ -40,7 +40,7 @@ def test_a_serve_bench_stopped_mid_run_leaves_no_server_and_no_files(tmp_path):
     server = None
     try:
         deadline = time.monotonic() + 600
-        while not any(tmp_path.glob("*/ec/*")):  # the server answers requests
+        while not any(tmp_path.glob("*/ec/*/*.safetensors")):  # the server answers requests
             assert bench.poll() is None and time.monotonic() < deadline, bench.stderr.read()[-3000:]
             time.sleep(0.2)
         (server,) = map(int, Path(f"/proc/{bench.pid}/task/{bench.pid}/children").read_text().split())
