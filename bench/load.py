@@ -62,6 +62,7 @@ from pathlib import Path
 
 import torch
 
+from qwenvl_vision.embed.args import positive_option
 from qwenvl_vision.model.config import QWEN2_5
 
 REPO = Path(__file__).resolve().parent.parent
@@ -451,7 +452,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="a Qwen2.5-VL, Qwen3-VL or Qwen3-VL-MoE preset (default: %(default)s)")
     p.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "qwenvl_vision_bench",
                    help="where the random checkpoint is written once and reused (default: %(default)s)")
-    p.add_argument("--repeats", type=int, default=3, help="fresh processes per row (default: %(default)s)")
+    p.add_argument("--repeats", type=positive_option(int, "--repeats"), default=3,
+                   help="fresh processes per row (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=1,
                    help="discarded loads of the first row first, to warm the page cache (default: %(default)s)")
     p.add_argument("--dtypes", default="fp32,bf16", help="comma list of fp32, bf16")

@@ -31,6 +31,7 @@ from bench.workloads import add_workload_arguments, workload
 from qwenvl_vision.backends.cpu import forward
 from qwenvl_vision.backends.cpu.forward import CpuExecution
 from qwenvl_vision.backends.cpu.native import NativeKernels
+from qwenvl_vision.embed.args import positive_option
 from qwenvl_vision.model.tower import VisionTower
 
 GEMM_OPS = {"aten::addmm", "aten::mm", "aten::bmm", "aten::baddbmm", "aten::mkldnn_convolution",
@@ -193,7 +194,7 @@ def format_profile(profiles: dict[str, dict[str, float]]) -> str:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_arguments(parser)
-    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--threads", type=positive_option(int, "--threads"), default=None)
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -37,6 +37,7 @@ import numpy as np
 from PIL import Image
 
 from qwenvl_vision.cli import main as cli
+from qwenvl_vision.embed.args import positive_option
 from qwenvl_vision.testing.workloads import photo
 
 
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--images", type=int, default=200)
     p.add_argument("--preset", default="qwen3.5-0.8b")
-    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--rounds", type=positive_option(int, "--rounds"), default=1)
     p.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "qwenvl-ray-overhead")
     p.add_argument("--json", type=Path, help="write the numbers here too")
     args = p.parse_args(argv)

@@ -147,7 +147,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--device", default="cpu", help="of both sides")
     parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
     parser.add_argument("--max-pixels", type=int, default=224 * 224)
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads of both sides")
+    parser.add_argument("--threads", type=positive_option(int, "--threads"), default=torch.get_num_threads(),
+                        help="torch threads of both sides")
     parser.add_argument("--json", help="write the numbers here")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)

@@ -24,6 +24,7 @@ import torch
 from PIL import Image
 
 from qwenvl_vision import load_encoder
+from qwenvl_vision.embed.args import positive_option
 from qwenvl_vision.embed.inputs import gather_inputs
 from qwenvl_vision.embed.shards import items_of
 from qwenvl_vision.testing.workloads import photo
@@ -59,7 +60,8 @@ def encode(encoder, source: Path, max_pixels: int) -> tuple[float, list[torch.Te
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--images", type=int, default=48)
-    parser.add_argument("--rounds", type=int, default=4, help="rounds per side, alternating")
+    parser.add_argument("--rounds", type=positive_option(int, "--rounds"), default=4,
+                        help="rounds per side, alternating")
     parser.add_argument("--preset", default="qwen3.5-0.8b")
     parser.add_argument("--max-pixels", type=int, default=224 * 224)
     args = parser.parse_args(argv)

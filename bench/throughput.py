@@ -373,7 +373,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--repeats", type=positive_option(int, "--repeats"), default=5)
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--threads", type=positive_option(int, "--threads"), default=None)
     parser.add_argument("--attn", default="sdpa",
                         help="transformers attention implementations, comma-separated; the first is the reference "
                              "(e.g. sdpa,flash_attention_2)")

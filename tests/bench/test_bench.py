@@ -124,3 +124,16 @@ def test_a_bad_workload_option_is_an_argparse_error_naming_it(option, value, cap
         with pytest.raises(SystemExit) as exit_:
             bench.main([*TINY, option, value])
         assert exit_.value.code == 2 and option in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("bench", "option"), [("throughput", "--threads"), ("profile_tower", "--threads"),
+                                               ("load", "--repeats"), ("serve", "--clients"), ("serve", "--images"),
+                                               ("serve", "--requests"), ("tar_inputs", "--rounds"),
+                                               ("ray_overhead", "--rounds")])
+def test_a_count_below_one_is_an_argparse_error_naming_it(bench, option, capsys):
+    """Not a traceback from deep inside the run (a division by zero, an empty median), or after the whole run."""
+    import importlib
+
+    with pytest.raises(SystemExit) as exit_:
+        importlib.import_module(f"bench.{bench}").main([option, "0"])
+    assert exit_.value.code == 2 and f"{option} must be at least 1" in capsys.readouterr().err
