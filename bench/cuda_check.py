@@ -406,7 +406,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
+    try:
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        print(f"cuda_check: --out {args.out} cannot be a folder ({e.strerror or e})", file=sys.stderr)
+        return 2
     if args.section:
         return run_section(args.section, args.out, args.dry_run,
                            args.limit or SECTIONS[args.section].plan(args.dry_run)[1], args.scratch)

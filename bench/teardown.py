@@ -21,6 +21,7 @@ import argparse
 import functools
 import importlib.util
 import sys
+from pathlib import Path
 from typing import Any
 
 from qwenvl_vision.errors import QwenVLVisionError
@@ -155,9 +156,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         try:
             import matplotlib  # noqa: F401
+
+            Path(args.plot).parent.mkdir(parents=True, exist_ok=True)  # as --json's: found at the end, the run is lost
         except ImportError:
             print("bench.teardown: --plot needs matplotlib; rerun without --plot for the table and --json",
                   file=sys.stderr)
+            return 2
+        except OSError as e:
+            print(f"bench.teardown: error: --plot {args.plot} cannot be written ({e.strerror or e})", file=sys.stderr)
             return 2
     after = None
     if args.plot:

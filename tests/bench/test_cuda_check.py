@@ -228,6 +228,12 @@ def test_sections_the_budget_leaves_no_time_are_not_run_and_fail_the_run(tmp_pat
     assert {s["status"] for s in summary["sections"].values()} == {"not_run"} and not summary["ok"]
 
 
+def test_an_out_that_is_a_file_is_one_line(tmp_path, capsys):
+    (tmp_path / "taken").touch()
+    assert cc.main(["--dry-run", "--out", str(tmp_path / "taken")]) == 2
+    assert "taken cannot be a folder" in capsys.readouterr().err
+
+
 def test_a_plan_over_the_devices_budget_fails_the_dry_run(tmp_path, monkeypatch):
     monkeypatch.setitem(cc.SECTIONS, "throughput", cc.Section(400, 420, 15, 240))
     monkeypatch.setattr(cc, "run_child", ok_child)

@@ -272,6 +272,8 @@ def test_bad_sizes_are_a_one_line_usage_error_and_debug_is_taken_after_the_comma
         for script in (False, True):  # the package's CLI, and bench/teardown.py
             assert _run_bench(tmp_path, QWEN2_5_SMALL, *extra, script=script)[0] == 2
             one_error_line(capsys.readouterr().err, culprit)
+    assert _run_bench(tmp_path, QWEN2_5_SMALL, "--plot", str(tmp_path / "file" / "t.png"), script=True)[0] == 2
+    one_error_line(capsys.readouterr().err, "t.png cannot be written")  # not after the whole run
 
 
 def _runs(report):
