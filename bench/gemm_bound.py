@@ -40,6 +40,13 @@ from qwenvl_vision.model.config import VisionConfig
 Shape = tuple[int, int, int]  # (m, k, n): an (m, k) x (k, n) product
 
 
+def device_seconds(fn, device: torch.device, repeats: int) -> float:
+    """``best_seconds`` of ``fn`` run to its end on ``device``: a CUDA call returns once its kernel is queued."""
+    if device.type != "cuda":
+        return best_seconds(fn, repeats)
+    return best_seconds(lambda: (fn(), torch.cuda.synchronize(device)), repeats)
+
+
 def gemm_shapes(cfg: VisionConfig, grids: list[tuple[int, int, int]]) -> Counter[Shape]:
     """Every matrix product of one forward over the pack, by shape, with its count."""
     n = sum(t * h * w for t, h, w in grids)
@@ -65,7 +72,7 @@ def gemm_seconds(shapes: Counter[Shape], dtype: torch.dtype, device: torch.devic
         # The weight as a Linear holds it, (n, k), used transposed: the layout the tower's products read.
         a, weight = torch.randn(m, k, device=device).to(dtype), torch.randn(n, k, device=device).to(dtype)
         out = torch.empty(m, n, device=device, dtype=dtype)
-        seconds = {"mm": best_seconds(lambda a=a, w=weight, out=out: torch.mm(a, w.t(), out=out), repeats)}
+        seconds = {"mm": device_seconds(lambda a=a, w=weight, out=out: torch.mm(a, w.t(), out=out), device, repeats)}
         if packs:
             packed, bias = pack_weight(weight, m), torch.zeros(n, dtype=dtype)
             # as the forward calls it: each fresh chunk is consumed as it comes, at the best of the chunk sizes the
@@ -97,8 +104,8 @@ def attention_seconds(cfg: VisionConfig, grids: list[tuple[int, int, int]], dtyp
                 paths.append(gemm_attention)
             rows = group.length * group.count
             total += blocks * min(
-                best_seconds(lambda p=path, s=alone, r=rows: sdpa_attention(q[:r], k[:r], v[:r], s, hd**-0.5,
-                                                                           out=out[:r], batched=p), repeats)
+                device_seconds(lambda p=path, s=alone, r=rows: sdpa_attention(q[:r], k[:r], v[:r], s, hd**-0.5,
+                                                                             out=out[:r], batched=p), device, repeats)
                 for path in paths)
     return total
 

@@ -5,6 +5,7 @@ Each builds a released preset's width (one block deep) and transformers' tower o
 
 from __future__ import annotations
 
+from collections import Counter
 from types import SimpleNamespace
 
 import pytest
@@ -124,6 +125,16 @@ def test_a_bad_workload_option_is_an_argparse_error_naming_it(option, value, cap
         with pytest.raises(SystemExit) as exit_:
             bench.main([*TINY, option, value])
         assert exit_.value.code == 2 and option in capsys.readouterr().err
+
+
+def test_the_gemm_bound_on_cuda_times_the_kernels_not_their_launch():
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device here: a CUDA call returns before its kernel ends only there")
+    n = 8192
+    seconds, _ = gemm_bound.gemm_seconds(Counter({(n, n, n): 1}), torch.bfloat16, torch.device("cuda"))
+    assert seconds > 2 * n**3 / 5e15  # no GPU runs a dense bf16 product at 5 PFLOP/s; its launch takes microseconds
 
 
 @pytest.mark.parametrize(("bench", "option"), [("throughput", "--threads"), ("profile_tower", "--threads"),
