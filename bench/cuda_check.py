@@ -101,7 +101,7 @@ from typing import Any
 from bench.cuda_sections import LOG_TAIL, REPO, SECTION_FUNCTIONS, Context, Record, environment, error_text, write_json
 
 MAX_FILES = 8  # what the device tool brings back from $OUT
-MIN_LIMIT_S = 20  # a section given less than this is skipped
+MIN_LIMIT_S = 20  # a section given less than this is not run
 
 
 DEVICE_BUDGET_S = 480  # the real run's whole budget: the device's 15 minutes less its start and a margin

@@ -41,10 +41,19 @@ Shape = tuple[int, int, int]  # (m, k, n): an (m, k) x (k, n) product
 
 
 def device_seconds(fn, device: torch.device, repeats: int) -> float:
-    """``best_seconds`` of ``fn`` run to its end on ``device``: a CUDA call returns once its kernel is queued."""
+    """``best_seconds`` of ``fn``; on CUDA, where a call returns once its kernel is queued, the device's own time
+    between two events around it (a synchronize per call would add its latency to every product)."""
     if device.type != "cuda":
         return best_seconds(fn, repeats)
-    return best_seconds(lambda: (fn(), torch.cuda.synchronize(device)), repeats)
+    fn()
+    start, end, times = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True), []
+    for _ in range(repeats):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return min(times)
 
 
 def gemm_shapes(cfg: VisionConfig, grids: list[tuple[int, int, int]]) -> Counter[Shape]:

@@ -455,7 +455,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=positive_option(int, "--repeats"), default=3,
                    help="fresh processes per row (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=1,
-                   help="discarded loads of the first row first, to warm the page cache (default: %(default)s)")
+                   help="discarded loads of each dtype first (ours where it runs), to warm the page cache and "
+                        "measure ours' CPU plan (default: %(default)s)")
     p.add_argument("--dtypes", default="fp32,bf16", help="comma list of fp32, bf16")
     p.add_argument("--rows", default=",".join(ROWS), help=f"comma list of {', '.join(ROWS)}")
     p.add_argument("--seed", type=int, default=0)

@@ -98,7 +98,7 @@ def parts(preset: str, out: Path) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--images", type=int, default=200)
+    p.add_argument("--images", type=positive_option(int, "--images"), default=200)
     p.add_argument("--preset", default="qwen3.5-0.8b")
     p.add_argument("--rounds", type=positive_option(int, "--rounds"), default=1)
     p.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "qwenvl-ray-overhead")

@@ -59,7 +59,7 @@ def encode(encoder, source: Path, max_pixels: int) -> tuple[float, list[torch.Te
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--images", type=int, default=48)
+    parser.add_argument("--images", type=positive_option(int, "--images"), default=48)
     parser.add_argument("--rounds", type=positive_option(int, "--rounds"), default=4,
                         help="rounds per side, alternating")
     parser.add_argument("--preset", default="qwen3.5-0.8b")

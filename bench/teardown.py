@@ -21,12 +21,11 @@ import argparse
 import functools
 import importlib.util
 import sys
-from pathlib import Path
 from typing import Any
 
 from qwenvl_vision.errors import QwenVLVisionError
 from qwenvl_vision.teardown.cycles import PER_INSTANCE, Options, Variant, load_plain
-from qwenvl_vision.teardown.study import add_teardown_arguments, cmd_teardown
+from qwenvl_vision.teardown.study import add_teardown_arguments, check_writable, cmd_teardown
 
 CLASS_LEVEL = "class-level-cache"
 TRANSFORMERS = "transformers"
@@ -156,14 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         try:
             import matplotlib  # noqa: F401
-
-            Path(args.plot).parent.mkdir(parents=True, exist_ok=True)  # as --json's: found at the end, the run is lost
         except ImportError:
             print("bench.teardown: --plot needs matplotlib; rerun without --plot for the table and --json",
                   file=sys.stderr)
-            return 2
-        except OSError as e:
-            print(f"bench.teardown: error: --plot {args.plot} cannot be written ({e.strerror or e})", file=sys.stderr)
             return 2
     after = None
     if args.plot:
@@ -172,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {args.plot}")
     extra = {CLASS_LEVEL: class_level_variant, TRANSFORMERS: transformers_variant}
     try:
+        if args.plot:
+            check_writable(args.plot, "--plot")
         return cmd_teardown(args, extra_variants=extra, after=after)
     except QwenVLVisionError as e:  # a bad option or model: one line, as the package's CLI gives it
         print(f"bench.teardown: error: {e}", file=sys.stderr)

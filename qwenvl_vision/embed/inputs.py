@@ -164,7 +164,8 @@ def gather_inputs(inputs: list[str], path_column: str = "path", keep_columns: tu
         else:
             found.add(str(p), _other_kind(item))
     if absent := [name for name in keep_columns if name not in found.column_types]:  # in no JSON Lines line
-        raise ConfigError(f"--keep-columns {','.join(absent)}: no line of the tables holds that field")
+        raise ConfigError(f"--keep-columns {','.join(absent)}: no line of the tables holds that field (or they "
+                          f"hold no lines)")
     return found.finish()
 
 

@@ -147,6 +147,19 @@ def add_teardown_arguments(p: argparse.ArgumentParser, variants: tuple[str, ...]
     p.add_argument("--quiet", action="store_true", help="no per-cycle progress lines")
 
 
+def check_writable(path: str, option: str) -> None:
+    """A file the run writes at its end, opened for writing before it (a bad path would lose the whole run);
+    one made here is removed again."""
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        made = not Path(path).exists()
+        open(path, "a").close()  # noqa: SIM115 - only opened
+        if made:
+            Path(path).unlink()
+    except OSError as e:
+        raise ConfigError(f"{option} {path} cannot be written ({e.strerror or e})") from None
+
+
 def cmd_teardown(args: argparse.Namespace, extra_variants: dict[str, Callable[[Options], Variant | str]] | None = None,
                  after: Callable[[dict[str, Any]], None] | None = None) -> int:
     """Run the benchmark; ``extra_variants`` adds comparisons (bench/teardown.py: a factory from the run's options to
@@ -169,17 +182,8 @@ def cmd_teardown(args: argparse.Namespace, extra_variants: dict[str, Callable[[O
         raise ConfigError(f"unknown variant/teardown {bad}; variants: {list(factories)}, teardowns: {TEARDOWNS}")
     if args.cycles < 1:
         raise ConfigError(f"--cycles {args.cycles} is below 1")
-    if args.json:  # checked before the run, which a bad path would otherwise lose
-        if Path(args.json).is_dir():
-            raise ConfigError(f"--json {args.json} is a folder")
-        try:
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            made = not Path(args.json).exists()
-            open(args.json, "a").close()  # noqa: SIM115 - opened for writing now, as at the end
-            if made:  # a refused or failed run leaves no file
-                Path(args.json).unlink()
-        except OSError as e:
-            raise ConfigError(f"--json {args.json} cannot be written ({e.strerror or e})") from None
+    if args.json:
+        check_writable(args.json, "--json")
 
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)

@@ -266,7 +266,7 @@ def test_bad_sizes_are_a_one_line_usage_error_and_debug_is_taken_after_the_comma
     (tmp_path / "folder.json").mkdir()
     (tmp_path / "file").touch()
     for extra, culprit in ((["--cycles", "0"], "--cycles 0 is below 1"), (["--teardown", "foo"], "['foo']"),
-                           (["--json", str(tmp_path / "folder.json")], "folder.json is a folder"),
+                           (["--json", str(tmp_path / "folder.json")], "folder.json cannot be written"),
                            (["--json", str(tmp_path / "file" / "out.json")], "out.json cannot be written"),
                            (["--sizes", "100000x100000"], "100000x100000 is above")):
         for script in (False, True):  # the package's CLI, and bench/teardown.py
