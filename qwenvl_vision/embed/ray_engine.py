@@ -33,7 +33,8 @@ from ..model.attention import resolve_attn_impl
 from ..outputs.records import EmbeddingRecord
 from .ray import actor_cpus, embed_dataset, records_from_batch
 
-BATCH_ROWS = 16  # rows a map_batches batch, and a task, holds
+BATCH_ROWS = 16  # rows a map_batches batch holds
+TASK_BATCHES = 4  # a task's batches at most: its decoder reads ahead across them, the driver gets its rows at its end
 CONNECT_TIMEOUT_S = 10.0  # a cluster's head answers a TCP connect in well under this, across regions too
 
 
@@ -194,9 +195,10 @@ def encode_on_ray(job, todo: list[str]) -> Iterator[list[EmbeddingRecord]]:
     # resolves as the OS resolves it (a/../b through a linked a).
     absolute = {p: p if p in job.inputs.remote or os.path.isabs(p) else os.path.join(os.getcwd(), p) for p in todo}
     items = [{"path": absolute[p], "given": p, "realpath": job.inputs.keys[p]} for p in todo]
-    # A task a batch: Ray hands a task's rows on in blocks of up to 128 MiB, so a larger task's would reach the driver
-    # (progress, shards, what a killed driver keeps) only once thousands of pooled vectors were encoded.
-    blocks = max(1, -(-len(items) // BATCH_ROWS))
+    # Four tasks an actor, of at most TASK_BATCHES batches: Ray hands a task's rows on in blocks of up to 128 MiB, so
+    # a larger task's would reach the driver (progress, shards, what a killed driver keeps) only once thousands of
+    # pooled vectors were encoded; a task a batch would start each batch with a cold decoder (bench.ray_overhead).
+    blocks = max(1, min(-(-len(items) // BATCH_ROWS), 4 * plan.actors), -(-len(items) // (BATCH_ROWS * TASK_BATCHES)))
     actors = min(plan.actors, blocks)  # an actor with no block to work on would only load the tower
     options: dict[str, Any] = dict(
         column="path", kind="path", identity_column="realpath", **job.encode_options(), fps=args.fps,
