@@ -79,7 +79,8 @@ QWEN2_5_VL = Family("qwen2_5_vl", "Qwen2.5-VL", QWEN2_5, norm="rms", mlp="gated"
 QWEN3_VL = Family("qwen3_vl", "Qwen3-VL", QWEN3, norm="layer", mlp="plain", hidden_act="gelu_pytorch_tanh",
                   deepstack=True, patch_bias=True, patch_size=16, image_mean=HALF, image_std=HALF, min_pixels=65536,
                   max_pixels=16777216, video_sampling="qwen3", resize="torch", prompt_timestamps=True)
-OMNI = dict(vision_config_at=("thinker_config", "vision_config"), prefixes=("thinker.visual.",), seconds_per_grid=True)
+OMNI = dict(vision_config_at=("thinker_config", "vision_config"), prefixes=("thinker.visual.", "thinker.model.visual."),
+            seconds_per_grid=True)
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("qwen2_vl", "Qwen2-VL", QWEN2_5, norm="layer", mlp="plain", hidden_act="quick_gelu",
            prefixes=("visual.", "model.visual."), names=("fc_mlp", "ln_q_merger")),
@@ -258,9 +259,10 @@ def fields_of(family: Family) -> list[str]:
 
 
 # What a released config.json may leave out, as transformers' config classes default it (the released values), and
-# the older spellings it may use instead of ours.
+# the other spellings it may use instead of ours (older files', and the config classes' attribute_map).
 DEFAULTS = {"fullatt_block_indexes": (7, 15, 23, 31), "deepstack_visual_indexes": (8, 16, 24)}
-SPELLINGS = {"in_chans": "in_channels", "spatial_patch_size": "patch_size"}
+SPELLINGS = {"in_chans": "in_channels", "spatial_patch_size": "patch_size", "num_attention_heads": "num_heads",
+             "num_hidden_layers": "depth"}
 # Qwen2-VL releases write a minimal vision_config (2B: hidden_size, in_chans, model_type, spatial_patch_size) and
 # rely on transformers' Qwen2VLVisionConfig class defaults for everything else; the reference builds the tower
 # from those defaults, so we must too (they are the released 32 x 1280 tower). The 7B file omits hidden_size too.
@@ -287,6 +289,8 @@ def from_config_json(config_json: dict, *, name: str = "") -> VisionConfig:
     vision = _section(config_json, family.vision_config_at) or _section(config_json, ("vision_config",))
     if vision is None:
         raise ConfigError(f"config.json has no {'.'.join(family.vision_config_at)} section")
+    # Another spelling fills our field only where the file lacks it, and before Qwen2-VL's class defaults would.
+    vision = {**{ours: vision[theirs] for theirs, ours in SPELLINGS.items() if theirs in vision}, **vision}
     if family.model_type == "qwen2_vl" and "intermediate_size" not in vision:  # our own files say intermediate_size
         # Qwen2-VL spells the width embed_dim, the MLP width as a ratio, and the output width hidden_size.
         vision = {**QWEN2_VL_DEFAULTS, **vision}
@@ -298,7 +302,6 @@ def from_config_json(config_json: dict, *, name: str = "") -> VisionConfig:
     if not isinstance(rope, dict):
         raise ConfigError(f"vision_config.rope_parameters must be an object, got {rope!r}")
     given = {**DEFAULTS, "patch_size": family.patch_size}
-    given.update({ours: vision[theirs] for theirs, ours in SPELLINGS.items() if theirs in vision})
     given.update(vision, **{k: v for k, v in rope.items() if k == "rope_theta"})
     # Older exports omit out_hidden_size: the merger projects to the language model's width.
     for text in (_section(config_json, (*family.vision_config_at[:-1], "text_config")),
