@@ -128,16 +128,17 @@ class PreprocessConfig:
 
     @classmethod
     def from_dict(cls, d: dict | None, family: Family | str) -> PreprocessConfig:
-        """Parse a ``preprocessor_config.json`` dict; keys it lacks (or ``d=None``) take the family's values.
+        """Parse a ``preprocessor_config.json`` dict; keys it lacks take transformers' class defaults (the field
+        defaults; the resize backend the family's), ``d=None`` (no file) the family's values.
 
         Pixel bounds follow ``Qwen2VLImageProcessorPil.__init__``: ``size.shortest_edge`` /
         ``size.longest_edge`` (Qwen3-VL files), overridden by top-level ``min_pixels`` / ``max_pixels``
         (Qwen2.5-VL files). Settings this module cannot reproduce (no resize, another resample filter,
         another rescale factor ...) raise ConfigError instead of being silently ignored.
         """
-        base = cls.for_family(family)
         if d is None:
-            return base
+            return cls.for_family(family)
+        base = cls(patch_size=14, resize=family_named(family).resize)  # 14: Qwen2VLImageProcessor's default
         if not isinstance(d, dict):
             raise ConfigError(f"preprocessor_config.json must hold a JSON object, got {type(d).__name__}")
         check_supported(d)

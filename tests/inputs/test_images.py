@@ -352,15 +352,23 @@ def test_from_dict_release_files():
     assert PreprocessConfig.from_dict(QWEN2_5_FILE, "qwen2_5_vl") == PreprocessConfig.for_family("qwen2_5_vl")
     assert PreprocessConfig.from_dict(QWEN3_FILE, "qwen3_vl") == PreprocessConfig.for_family("qwen3_vl")
     assert PreprocessConfig.from_dict(None, "qwen3_vl") == PreprocessConfig.for_family("qwen3_vl")
-    assert PreprocessConfig.from_dict({}, "qwen2_5_vl") == PreprocessConfig.for_family("qwen2_5_vl")
     # The backend follows the file's image_processor_type: Qwen3-VL's names the torchvision processor.
     assert PreprocessConfig.from_dict(QWEN3_FILE, "qwen3_vl").resize == "torch"
     assert PreprocessConfig.from_dict(QWEN2_5_FILE, "qwen2_5_vl").resize == "pil"
     assert PreprocessConfig.from_dict({**QWEN3_FILE, "image_processor_type": "Qwen2VLImageProcessorPil"},
                                       "qwen3_vl").resize == "pil"
-    partial = PreprocessConfig.from_dict({"max_pixels": 1000000}, "qwen3_vl")
-    assert partial == PreprocessConfig(patch_size=16, min_pixels=65536, max_pixels=1000000,
-                                       image_mean=(0.5,) * 3, image_std=(0.5,) * 3, resize="torch")
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("d", [{}, {"max_pixels": 1000000, "patch_size": 16}, {"size": {"shortest_edge": 5000,
+                                                                                         "longest_edge": 90000}}])
+def test_what_a_file_leaves_out_is_transformers_class_default(family, d):
+    """Not the family's release values: a file's missing keys are the processor class's defaults, as transformers
+    reads that file."""
+    config, reference = PreprocessConfig.from_dict(d, family), Qwen2VLImageProcessorPil(**d)
+    assert (config.min_pixels, config.max_pixels) == (reference.size.shortest_edge, reference.size.longest_edge)
+    assert (config.patch_size, config.image_mean, config.image_std) == (
+        reference.patch_size, tuple(reference.image_mean), tuple(reference.image_std))
 
 
 def test_from_dict_pixel_precedence_matches_reference():
