@@ -78,6 +78,12 @@ def load_encoder(
     else:
         checkpoint = open_checkpoint(resolve_folder(os.fspath(source), revision, local_files_only, cache_dir, token))
         config = checkpoint.config
+    # The processor files are checked before the weights are read.
+    pre_json = None if checkpoint is None else checkpoint.preprocessor_json()
+    video_json = None if checkpoint is None else checkpoint.video_preprocessor_json()
+    pre = _preprocess_config(preprocess_config, pre_json, config)
+    video = video_config if isinstance(video_config, VideoConfig) else \
+        VideoConfig.from_dict(video_config if video_config is not None else video_json, config.family, pre)
     if dtype == torch.float16:  # warned before the weights are read; stacklevel: the line that called load_encoder
         warnings.warn(f"float16 can overflow in the {config.family.label} tower; bfloat16 or float32 are safe. "
                       "Outputs will be checked for non-finite values.", stacklevel=2)
@@ -87,11 +93,6 @@ def load_encoder(
         model.compile_blocks(**(compile if isinstance(compile, dict) else {}))
     # On the CPU the CPU backend, prepared now (compiled blocks run the modules' own forward).
     model = use_cpu_kernels(model, cpu_kernels)
-    pre_json = None if checkpoint is None else checkpoint.preprocessor_json()
-    video_json = None if checkpoint is None else checkpoint.video_preprocessor_json()
-    pre = _preprocess_config(preprocess_config, pre_json, config)
-    video = video_config if isinstance(video_config, VideoConfig) else \
-        VideoConfig.from_dict(video_config if video_config is not None else video_json, config.family, pre)
     return VisionEncoder(model, pre, video_config=video,
                          source=config.name or config.model_type if checkpoint is None else os.fspath(source))
 

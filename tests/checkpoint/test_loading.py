@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from qwenvl_vision import CheckpointError, ConfigError, NumericalError, load_encoder
 from qwenvl_vision.cli import main
 from tests.helpers import (
+    FAMILY_SMALL,
     LN_Q,
     PREPROCESSOR_FILES,
     QWEN2_5_SMALL,
@@ -45,7 +46,10 @@ def _inputs(cfg):
     (QWEN2_5_SMALL, "model.visual.", False, False),  # re-saved by transformers 4.52+
     (QWEN3_SMALL_72, "model.visual.", True, True),
     (QWEN3_SMALL_72, "model.visual.", False, False),
-], ids=["2.5-sharded", "2.5-sharded-no-llm", "2.5-single-new-prefix", "3-sharded-no-llm", "3-single"])
+    (FAMILY_SMALL["qwen2_5_omni"], "thinker.model.visual.", False, False),  # transformers 5's module names
+    (FAMILY_SMALL["qwen3_omni_moe"], "thinker.model.visual.", True, True),
+], ids=["2.5-sharded", "2.5-sharded-no-llm", "2.5-single-new-prefix", "3-sharded-no-llm", "3-single",
+        "2.5-omni-new-prefix", "3-omni-new-prefix"])
 def test_load_matches_hf_tower(tmp_path, cfg, prefix, sharded, drop_llm):
     vision = write_checkpoint(tmp_path, cfg, prefix=prefix, sharded=sharded)
     if drop_llm:
@@ -241,6 +245,16 @@ def test_a_truncated_corrupt_or_missing_shard_is_named(tmp_path, damage, message
     shard = shard_of(tmp_path, LN_Q)
     damage(shard)
     with pytest.raises(CheckpointError, match=rf"{shard.name}.*{message}"):
+        load_encoder(tmp_path, device="cpu")
+
+
+def test_processor_settings_are_refused_before_the_weights_are_read(tmp_path):
+    write_checkpoint(tmp_path, QWEN2_5_SMALL, sharded=False)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    tensors[LN_Q].fill_(float("nan"))  # what only reading the weights finds
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({"patch_size": 14, "do_pad": True}))
+    with pytest.raises(ConfigError, match="do_pad"):
         load_encoder(tmp_path, device="cpu")
 
 
