@@ -13,10 +13,10 @@ PROGRESS_EVERY_S = 5.0  # without a terminal: one progress line at most this oft
 
 class Progress:
     """What a long run shows on stderr: a tqdm bar on a terminal; elsewhere (a log file, a job scheduler) a
-    line at most every PROGRESS_EVERY_S seconds with done/total, images/s, tokens/s and ETA, and one when the
+    line at most every PROGRESS_EVERY_S seconds with done/total, inputs/s, tokens/s and ETA, and one when the
     run ends; nothing with --quiet. ``note`` prints a one-off line (loading, ...) unless quiet.
 
-    An image counts as done once it is decoded and resized (or has failed), so the count moves image by image
+    An input counts as done once it is decoded and resized (or has failed), so the count moves input by input
     even when a whole small job is one forward; the batch it joins is written at most one batch (and the
     prefetch depth) later."""
 
@@ -37,9 +37,9 @@ class Progress:
         self.total, self.start = total, time.perf_counter()
         self.last_line = self.start
         if self.terminal:
-            self.bar = tqdm(total=total, unit="img", desc=self.label, dynamic_ncols=True, file=self.stream)
+            self.bar = tqdm(total=total, unit="input", desc=self.label, dynamic_ncols=True, file=self.stream)
         else:
-            self.note(f"{total} image{'s' if total != 1 else ''} to embed")
+            self.note(f"{total} input{'s' if total != 1 else ''} to embed")
 
     def update(self, images: int, tokens: int) -> None:
         """`images` more done, giving `tokens` embedding rows."""
@@ -49,7 +49,7 @@ class Progress:
         if self.bar is not None:
             elapsed = max(now - self.start, 1e-9)
             self.bar.update(images)
-            self.bar.set_postfix(img_s=f"{self.done / elapsed:.1f}", tok_s=f"{self.tokens / elapsed:.0f}")
+            self.bar.set_postfix(inputs_s=f"{self.done / elapsed:.1f}", tok_s=f"{self.tokens / elapsed:.0f}")
         elif now - self.last_line >= PROGRESS_EVERY_S and self.done < self.total:  # close() prints the last
             self._line(now)
 
@@ -58,8 +58,8 @@ class Progress:
         elapsed = max(now - self.start, 1e-9)
         rate = self.done / elapsed
         eta = tqdm.format_interval((self.total - self.done) / rate) if rate > 0 else "?"
-        self.note(f"{self.done}/{self.total} images ({100 * self.done / max(self.total, 1):.0f}%), "
-                  f"{rate:.1f} img/s, {self.tokens / elapsed:.0f} tok/s, ETA {eta}")
+        self.note(f"{self.done}/{self.total} inputs ({100 * self.done / max(self.total, 1):.0f}%), "
+                  f"{rate:.1f} inputs/s, {self.tokens / elapsed:.0f} tok/s, ETA {eta}")
 
     def close(self) -> None:
         """The run's work is written: close the bar, or print the last line."""
