@@ -66,18 +66,24 @@ class _Group:
     def __init__(self, rank: int, world: int) -> None:
         self.rank, self.world = rank, world
         self.reducing = None
+        self.agent = "TORCHELASTIC_RUN_ID" in os.environ  # torchrun's agent, which stops every rank once one exits
         if world > 1:
             # A rank that finishes its part early waits for the slowest at the barrier: gloo's default 30 min
             # timeout is too short for hours-long jobs. A rank that dies closes its sockets, which the others
             # notice at once, so the long timeout does not make them hang.
             try:
                 dist.init_process_group("gloo", timeout=datetime.timedelta(hours=48))
-            except ValueError as e:  # torchrun's other variables (MASTER_ADDR, MASTER_PORT, RANK) missing or bad
-                raise EmbedError(f"WORLD_SIZE={world} set without torchrun's rendezvous ({e}); run under torchrun, "
-                                 f"or unset it") from None
+            except (ValueError, RuntimeError) as e:  # torchrun's other variables missing or bad; a port in use
+                raise EmbedError(f"WORLD_SIZE={world}: torchrun's rendezvous at MASTER_ADDR:MASTER_PORT="
+                                 f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} failed "
+                                 f"({str(e).splitlines()[0]}); run under torchrun, or unset it") from None
 
-    def agree(self, error: BaseException | None) -> None:
-        """Every rank learns whether any rank failed; a failing rank raises its own error, the others stop quietly."""
+    def agree(self, error: BaseException | None, at_once: bool = False) -> None:
+        """Every rank learns whether any rank failed; a failing rank raises its own error, the others stop quietly.
+        ``at_once``: under torchrun's agent a failing rank raises without waiting for the others to finish their
+        parts (hours, maybe): the agent stops them, and each keeps what it recorded."""
+        if error is not None and at_once and self.agent:
+            raise error
         code = 0 if error is None else getattr(error, "exit_code", 2)
         if self.world > 1:
             flag = torch.tensor([code])
@@ -251,9 +257,18 @@ class EmbedJob:
         else:
             self.run = self.own = now
 
-    def adopt_run(self) -> None:
+    def adopt_run(self, lead: str) -> None:
         """After ``_Group.share``: run as the run records (rank 0's choices under torchrun, where another node's
-        own could differ): its torch threads and its CPU plan, so that every rank's tensors are bitwise one run's."""
+        own could differ): its torch threads and its CPU plan, so that every rank's tensors are bitwise one run's.
+        ``lead``: rank 0's lock note, which this rank finds in its --out only where the ranks share one folder."""
+        if self.rank:
+            try:
+                shared = (self.out / lock_name(0)).read_text() == lead
+            except OSError:
+                shared = False
+            if not shared:  # the ranks' parts would never be merged: the run would end 0 with others' inputs lost
+                raise EmbedError(f"--out {self.out} is not the folder rank 0 writes into: every rank needs the one "
+                                 f"folder, on a file system they all share")
         if self.ray is not None:
             return  # the actors take both from the run (ray_engine)
         if self.fresh and self.rank:  # other options, checkpoint, version or device here: refused as a resume is
@@ -388,7 +403,7 @@ def run_embed(args: argparse.Namespace) -> int:
     job = EmbedJob(args, rank, world)
     threads = torch.get_num_threads()  # set for the run (--threads, a resumed run's), given back at the end
 
-    def step(action: Callable[[], Any], writing: bool = True) -> None:
+    def step(action: Callable[[], Any], writing: bool = True, at_once: bool = False) -> None:
         """``action`` on this rank, then every rank learns whether any failed (``_Group.agree``). Once writing, an
         OSError is the output's fault (exit 3) and what is recorded is kept."""
         error = None
@@ -403,21 +418,22 @@ def run_embed(args: argparse.Namespace) -> int:
             error.__cause__ = e.__cause__
         except QwenVLVisionError as e:  # a damaged shard found by recovery too: every rank stops, one line each
             error = e
-        group.agree(error)
+        group.agree(error, at_once)
 
     try:
         try:
             step(job.setup, writing=False)  # every rank holds its lock and passed the checks; nothing written yet
             job.run = group.share(job.run)  # rank 0's run id tags every rank's shards
             job.inputs = group.share(job.inputs)  # one list split over the ranks: none embedded twice or never
-            step(job.adopt_run, writing=False)  # rank 0's threads and kernels on every rank, or every rank stops
+            lead = group.share(job.lock.note)  # rank 0's lock note: in every rank's --out, if they share it
+            step(lambda: job.adopt_run(lead), writing=False)  # rank 0's threads and kernels, or every rank stops
         except BaseException:
             job.undo_setup()
             raise
         # From here on the output is written; an OSError stops the run with exit code 3.
         step(job.start_writing)  # run.json is on disk (and every rank has read the folder) before any rewrite
         step(lambda: job.writer.finish_recovery())  # parts recovered before any rank adds a shard
-        step(job.encode)  # every rank finished writing its part
+        step(job.encode, at_once=True)  # every rank finished writing its part
         step(job.merge)  # the merged manifest is complete
         failed = 0
         if rank == 0:
@@ -426,9 +442,9 @@ def run_embed(args: argparse.Namespace) -> int:
             changed = f"; {job.changed} changed since recorded, embedded again" if job.changed else ""
             print(f"embedded {ok} of {ok + failed} inputs into {job.out} ({failed} failed{changed}; see {where})",
                   file=sys.stderr)
-        if world > 1:
+        if world > 1 or group.agent:
             # A finished run exits 0 on every rank, failed inputs or not: torchrun reports any other exit as a
-            # crash and stops the other ranks. The summary line and the manifest tell the failures.
+            # crash and stops the other ranks (or restarts the run). The summary line and the manifest tell them.
             return 0
         return 1 if failed else 0
     finally:

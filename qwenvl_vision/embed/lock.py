@@ -33,12 +33,13 @@ class FolderLock(contextlib.ExitStack):
     def __init__(self, path: Path, what: str) -> None:
         super().__init__()
         self.path, self.what = path, what
+        self.note = f"pid {os.getpid()} on {socket.gethostname()}\n"  # written into the file: who holds it
 
     def acquire(self) -> None:
         from filelock import Timeout
 
         try:
-            self.enter_context(file_lock(self.path, WAIT_S, f"pid {os.getpid()} on {socket.gethostname()}\n"))
+            self.enter_context(file_lock(self.path, WAIT_S, self.note))
         except Timeout:
             holder = ""
             with contextlib.suppress(OSError):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -23,7 +24,7 @@ from qwenvl_vision.errors import PreprocessError
 from qwenvl_vision.loading import load_encoder
 from tests.helpers import ENV, QWEN3_SMALL_72, rel_err, synthetic_photo
 from tests.helpers import make_image_folder as make_folder
-from tests.helpers.embed import make_media_folder, one_error_line, records, torchrun_embed_cmd
+from tests.helpers.embed import embed_cmd, make_media_folder, one_error_line, records, torchrun_embed_cmd
 
 
 def test_embed_folder_with_good_and_bad_files(tmp_path, checkpoint, capsys):
@@ -229,6 +230,83 @@ def test_two_ranks_under_torchrun_merge_one_manifest_of_rank_0s_list(tmp_path, c
     for shard in out.glob("shard-*.safetensors"):
         with safe_open(shard, framework="pt") as f:
             assert f.metadata()["qwenvl_vision_run"] == run_id, shard.name
+
+
+# Loaded at interpreter start: rank 1's device fails at its first batch; rank 0's part takes ten minutes.
+FAULT_ON_RANK_1 = """
+import time
+from qwenvl_vision.embed import job
+from qwenvl_vision.errors import ForwardFaultError
+def encode(self):
+    if self.rank == 1:
+        raise ForwardFaultError("the test's device fault")
+    time.sleep(600)
+job.EmbedJob.encode = encode
+"""
+
+
+@pytest.mark.slow
+def test_a_rank_whose_device_fails_stops_the_run_at_once_under_torchrun(tmp_path, checkpoint):
+    """Not once the other ranks have finished their parts, hours later: torchrun's agent stops them."""
+    make_folder(tmp_path / "imgs", 2, bad=False)
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(FAULT_ON_RANK_1)
+    env = {**ENV, "PYTHONPATH": f"{tmp_path / 'site'}:{ENV['PYTHONPATH']}"}
+    job = subprocess.Popen(torchrun_embed_cmd([tmp_path / "imgs"], checkpoint, tmp_path / "out"), env=env,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _, stderr = job.communicate(timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job.pid, signal.SIGKILL)
+    assert "exitcode  : 4" in stderr, stderr[-3000:]  # torchrun's report, after the rank's own line:
+    assert [line for line in stderr.splitlines() if "error:" in line] == [
+        "qwenvl-vision embed [rank 1]: error: the test's device fault; this process recorded 0 inputs before it, "
+        "nothing recorded is lost: fix the cause (memory, device, drivers) and run the same command with --resume"]
+
+
+def test_one_rank_under_torchrun_exits_0_and_a_failed_rendezvous_is_one_line(tmp_path, checkpoint, capsys,
+                                                                              monkeypatch):
+    make_folder(tmp_path / "imgs", 1)  # with bad files
+    args = ["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--device", "cpu"]
+    with monkeypatch.context() as env:  # torchrun --nproc-per-node 1: any exit but 0 is a crash to it
+        env.setenv("TORCHELASTIC_RUN_ID", "test")
+        assert main([*args, "--out", str(tmp_path / "one")]) == 0
+    assert "1 of 4 inputs" in capsys.readouterr().err
+    with socket.socket() as taken, monkeypatch.context() as env:  # the rendezvous port is in use
+        taken.bind(("", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for name, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port)), ("RANK", "0"),
+                            ("WORLD_SIZE", "2")):
+            env.setenv(name, value)
+        assert main([*args, "--out", str(tmp_path / "two")]) == 2
+    one_error_line(capsys.readouterr().err, f"MASTER_ADDR:MASTER_PORT=127.0.0.1:{port}")
+    assert not (tmp_path / "two").exists()
+
+
+@pytest.mark.slow
+def test_ranks_whose_out_is_no_one_folder_are_refused(tmp_path, checkpoint):
+    """Each rank's --out on its own node's disk: rank 0 would merge only its own part, exit 0."""
+    make_folder(tmp_path / "imgs", 2, bad=False)
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    ranks = []
+    for rank in (0, 1):
+        (tmp_path / f"node{rank}").mkdir()
+        env = {**ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": "2"}
+        ranks.append(subprocess.Popen(embed_cmd([tmp_path / "imgs"], checkpoint, "emb", "--device", "cpu"), env=env,
+                                      cwd=tmp_path / f"node{rank}", stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                      text=True))
+    try:
+        ends = [(p.wait(timeout=120), p.stderr.read()) for p in ranks]
+    finally:
+        for p in ranks:
+            p.kill()
+    assert [code for code, _ in ends] == [2, 2], ends
+    one_error_line(ends[1][1], "--out emb is not the folder rank 0 writes into")
+    assert not list(tmp_path.glob("node*/emb"))  # nothing written, on either node
 
 
 _SIGTERM_CHILD = """
