@@ -517,10 +517,10 @@ def test_a_resume_and_every_rank_use_the_run_s_cpu_plan(tmp_path, checkpoint, mo
 
     threads = torch.get_num_threads()
     job = EmbedJob.__new__(EmbedJob)
-    job.ray, job.run, job.fresh = None, {"threads": 1, "cpu_plan": plan}, False  # a resume: its ranks compared
+    job.ray, job.run, job.fresh, job.rank = None, {"threads": 1, "cpu_plan": plan}, False, 0  # a resume: compared
     job.encoder = real_load(checkpoint, device="cpu")  # this rank's own plan: addmm everywhere
     try:
-        job.adopt_run()
+        job.adopt_run(lead="")
         assert job.encoder.cpu_plan.to_dict() == plan and torch.get_num_threads() == 1
         assert job.encoder.describe()["linear_kernels"]["addmm"] == 0
     finally:
