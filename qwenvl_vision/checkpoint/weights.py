@@ -33,7 +33,7 @@ from safetensors import SafetensorError, safe_open
 from ..devices import SAFETENSORS_DTYPES, dtype_name
 from ..errors import CheckpointError, ConfigError, QwenVLVisionError
 from ..model.build import build_model
-from ..model.config import VisionConfig, from_config_json
+from ..model.config import VisionConfig, from_config_json, tower_family
 from ..model.names import to_checkpoint_state, to_module_names_
 from ..model.tower import VisionTower
 
@@ -179,7 +179,9 @@ def open_checkpoint(folder: str | os.PathLike) -> VisionCheckpoint:
         raise CheckpointError(f"{folder} has no {CONFIG_FILE}")
     config_json = read_json(config_path, "config", ConfigError)
     config = from_config_json(config_json, name=config_json.get("name", "") or folder.name)
-    vision_only = config_json.get("format") == VISION_ONLY_FORMAT
+    # Ours, or a tower transformers saved on its own: its tensors' names have no prefix.
+    vision_only = (config_json.get("format") == VISION_ONLY_FORMAT
+                   or tower_family(config_json.get("model_type")) is not None)
     prefixes = config.family.prefixes
     # transformers' order: the single file first, so an index that save_pretrained left beside the file it rewrote
     # (it keeps the index, removing the shards) is not read.

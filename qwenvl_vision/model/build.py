@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
-from .config import FAMILIES, QWEN2_5, QWEN3, VisionConfig, from_config_json, resolve_config
+from .config import FAMILIES, QWEN2_5, QWEN3, VisionConfig, from_config_json, resolve_config, tower_family
 from .qwen2_5 import Qwen2_5VisionTransformer
 from .qwen3 import Qwen3VisionTransformer
 from .tower import VisionTower
@@ -47,14 +47,10 @@ def from_transformers(visual_module: nn.Module, *, attn_impl: str = "auto", cach
     (the two modules share no storage), loaded strictly under the family's checkpoint names."""
     vision_config = getattr(visual_module, "config", None)
     model_type = getattr(vision_config, "model_type", None)
-    # transformers names a vision config's model_type after its family's: "qwen2_5_vl_vision", "qwen3_vl_vision",
-    # and for the Omni models "qwen2_5_omni_vision_encoder" (the configuration_*.py of each family).
-    family = next((model_type.removesuffix(s) for s in ("_vision_encoder", "_vision")
-                   if isinstance(model_type, str) and model_type.endswith(s)), None)
-    if family not in FAMILIES:
+    if tower_family(model_type) is None:
         raise ConfigError(f"{type(vision_config).__name__} (model_type {model_type!r}) is not the vision config of a "
                           f"supported family; supported: {sorted(FAMILIES)}")
-    config = from_config_json({"model_type": family, "vision_config": vision_config.to_dict()})
+    config = from_config_json(vision_config.to_dict())
     weights = next(visual_module.parameters())
     model = build_model(config, device="meta", dtype=weights.dtype, cache_size=cache_size, cache_bytes=cache_bytes,
                         attn_impl=attn_impl)

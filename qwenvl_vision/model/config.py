@@ -98,6 +98,14 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
 )}
 
 
+def tower_family(model_type: Any) -> str | None:
+    """The family a vision config's own model_type names (transformers': "qwen2_5_vl_vision", "qwen3_vl_vision", the
+    Omni models' "qwen2_5_omni_vision_encoder"), which a tower saved on its own has in its config.json; else None."""
+    family = next((model_type.removesuffix(s) for s in ("_vision_encoder", "_vision")
+                   if isinstance(model_type, str) and model_type.endswith(s)), None)
+    return family if family in FAMILIES else None
+
+
 def family_named(family: Family | str, error: type[Exception] = ConfigError) -> Family:
     """The Family itself, or the one a model_type names; another name is ``error`` listing the supported ones."""
     if isinstance(family, Family):
@@ -258,11 +266,11 @@ def fields_of(family: Family) -> list[str]:
             *(["deepstack_visual_indexes"] if family.deepstack else []), "rope_theta"]
 
 
-# What a released config.json may leave out, as transformers' config classes default it (the released values), and
-# the other spellings it may use instead of ours (older files', and the config classes' attribute_map).
+# What a released config.json may leave out, as transformers' config classes default it (the released values), the
+# older spellings it may use where ours is absent, and the config classes' attribute_map, whose names win over ours.
 DEFAULTS = {"fullatt_block_indexes": (7, 15, 23, 31), "deepstack_visual_indexes": (8, 16, 24)}
-SPELLINGS = {"in_chans": "in_channels", "spatial_patch_size": "patch_size", "num_attention_heads": "num_heads",
-             "num_hidden_layers": "depth"}
+SPELLINGS = {"in_chans": "in_channels", "spatial_patch_size": "patch_size"}
+ATTRIBUTE_MAP = {"num_attention_heads": "num_heads", "num_hidden_layers": "depth"}
 # Qwen2-VL releases write a minimal vision_config (2B: hidden_size, in_chans, model_type, spatial_patch_size) and
 # rely on transformers' Qwen2VLVisionConfig class defaults for everything else; the reference builds the tower
 # from those defaults, so we must too (they are the released 32 x 1280 tower). The 7B file omits hidden_size too.
@@ -284,13 +292,16 @@ def from_config_json(config_json: dict, *, name: str = "") -> VisionConfig:
     """
     if not isinstance(config_json, dict):
         raise ConfigError(f"config.json must hold a JSON object, got {type(config_json).__name__}")
+    if (family_type := tower_family(config_json.get("model_type"))) is not None:  # a tower saved on its own
+        config_json = {"model_type": family_type, "vision_config": config_json}
     family = family_named(config_json.get("model_type"))
     # Our vision-only files keep the tower at the top level, whatever the family's nesting.
     vision = _section(config_json, family.vision_config_at) or _section(config_json, ("vision_config",))
     if vision is None:
         raise ConfigError(f"config.json has no {'.'.join(family.vision_config_at)} section")
-    # Another spelling fills our field only where the file lacks it, and before Qwen2-VL's class defaults would.
-    vision = {**{ours: vision[theirs] for theirs, ours in SPELLINGS.items() if theirs in vision}, **vision}
+    # Before Qwen2-VL's class defaults would fill our fields.
+    vision = {**{ours: vision[theirs] for theirs, ours in SPELLINGS.items() if theirs in vision}, **vision,
+              **{ours: vision[theirs] for theirs, ours in ATTRIBUTE_MAP.items() if theirs in vision}}
     if family.model_type == "qwen2_vl" and "intermediate_size" not in vision:  # our own files say intermediate_size
         # Qwen2-VL spells the width embed_dim, the MLP width as a ratio, and the output width hidden_size.
         vision = {**QWEN2_VL_DEFAULTS, **vision}

@@ -158,11 +158,12 @@ def test_settings_a_config_leaves_out_or_gives_twice_are_read_as_transformers_re
     ours = from_config_json(config)
     assert list(ours.deepstack_visual_indexes) == list(theirs.deepstack_visual_indexes) == [8, 16, 24]
     assert ours.rope_theta == theirs.rope_parameters["rope_theta"] == 20000.0
-    # The config classes' other names for heads and depth (attribute_map), also where Qwen2-VL's defaults apply.
+    # The config classes' other names for heads and depth (attribute_map), also where Qwen2-VL's defaults apply; they
+    # win over ours.
     from transformers import Qwen2VLConfig
 
     for cls, released in ((Qwen3VLConfig, config), (Qwen2VLConfig, QWEN2_VL_2B_JSON)):
-        vision = {k: v for k, v in released["vision_config"].items() if k not in ("num_heads", "depth")}
+        vision = {**released["vision_config"], "num_heads": 16, "depth": 30}
         aliased = {**released, "vision_config": {**vision, "num_attention_heads": 8, "num_hidden_layers": 28}}
         theirs = cls(**json.loads(json.dumps(aliased))).vision_config
         ours = from_config_json(aliased)

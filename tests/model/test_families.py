@@ -12,6 +12,7 @@ from tests.helpers import (
     FAMILY_SMALL,
     assert_result_matches_reference,
     grids_for,
+    hf_tower,
     inputs,
     non_vision_shards,
     reference_outputs,
@@ -64,6 +65,15 @@ def test_other_shards_are_never_opened(released, tmp_path):
     for path in folder.iterdir():
         (copy / path.name).write_bytes(b"\x00garbage" * 10 if path.name in others else path.read_bytes())
     result = load_encoder(copy, device="cpu").encode_patches(pixel_values, grid_thw)
+    assert_result_matches_reference(result, expected, grid_thw, 1e-5)
+
+
+def test_a_tower_transformers_saved_on_its_own_loads(released, tmp_path):
+    """``model.visual.save_pretrained(folder)``: the vision config at the top, named for its family
+    ("qwen2_5_vl_vision"), its tensors without a prefix."""
+    cfg, _, (pixel_values, grid_thw), expected = released
+    hf_tower(cfg).save_pretrained(tmp_path)  # seed 0: write_checkpoint's weights
+    result = load_encoder(tmp_path, device="cpu").encode_patches(pixel_values, grid_thw)
     assert_result_matches_reference(result, expected, grid_thw, 1e-5)
 
 
