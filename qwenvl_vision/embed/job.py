@@ -76,14 +76,10 @@ class _Group:
             except (ValueError, RuntimeError) as e:  # torchrun's other variables missing or bad; a port in use
                 raise EmbedError(f"WORLD_SIZE={world}: torchrun's rendezvous at MASTER_ADDR:MASTER_PORT="
                                  f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} failed "
-                                 f"({str(e).splitlines()[0]}); run under torchrun, or unset it") from None
+                                 f"({str(e).split(chr(10))[0]}); run under torchrun, or unset it") from None
 
-    def agree(self, error: BaseException | None, at_once: bool = False) -> None:
-        """Every rank learns whether any rank failed; a failing rank raises its own error, the others stop quietly.
-        ``at_once``: under torchrun's agent a failing rank raises without waiting for the others to finish their
-        parts (hours, maybe): the agent stops them, and each keeps what it recorded."""
-        if error is not None and at_once and self.agent:
-            raise error
+    def agree(self, error: BaseException | None) -> None:
+        """Every rank learns whether any rank failed; a failing rank raises its own error, the others stop quietly."""
         code = 0 if error is None else getattr(error, "exit_code", 2)
         if self.world > 1:
             flag = torch.tensor([code])
@@ -93,6 +89,8 @@ class _Group:
                     time.sleep(0.1)
                 reduced.wait()
             except RuntimeError as e:  # a rank died (torch.distributed reports it as a RuntimeError)
+                if self.agent:  # which, and why, torchrun's agent reports (the rank said it, if it could)
+                    raise PeerFailedError(OutputFaultError.exit_code) from None
                 raise OutputFaultError(f"rank {self.rank}: another rank stopped ({e})") from None
             if error is None and flag.item():
                 raise PeerFailedError(int(flag.item()))
@@ -418,14 +416,18 @@ def run_embed(args: argparse.Namespace) -> int:
             error.__cause__ = e.__cause__
         except QwenVLVisionError as e:  # a damaged shard found by recovery too: every rank stops, one line each
             error = e
-        group.agree(error, at_once)
+        if error is not None and at_once and group.agent:
+            # Not once the others have finished their parts (hours, maybe): torchrun's agent stops the ranks of this
+            # node, each keeping what it recorded; another node's stop quietly at the barrier.
+            raise error
+        group.agree(error)
 
     try:
         try:
             step(job.setup, writing=False)  # every rank holds its lock and passed the checks; nothing written yet
-            job.run = group.share(job.run)  # rank 0's run id tags every rank's shards
-            job.inputs = group.share(job.inputs)  # one list split over the ranks: none embedded twice or never
-            lead = group.share(job.lock.note)  # rank 0's lock note: in every rank's --out, if they share it
+            # Rank 0's run id tags every rank's shards; its list is split over the ranks (none embedded twice or
+            # never); its lock note is in every rank's --out, if they share it.
+            job.run, job.inputs, lead = group.share((job.run, job.inputs, job.lock.note))
             step(lambda: job.adopt_run(lead), writing=False)  # rank 0's threads and kernels, or every rank stops
         except BaseException:
             job.undo_setup()

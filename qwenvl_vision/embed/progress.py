@@ -41,15 +41,15 @@ class Progress:
         else:
             self.note(f"{total} input{'s' if total != 1 else ''} to embed")
 
-    def update(self, images: int, tokens: int) -> None:
-        """`images` more done, giving `tokens` embedding rows."""
-        self.done += images
+    def update(self, inputs: int, tokens: int) -> None:
+        """`inputs` more done, giving `tokens` embedding rows."""
+        self.done += inputs
         self.tokens += tokens
         now = time.perf_counter()
         if self.bar is not None:
             elapsed = max(now - self.start, 1e-9)
-            self.bar.update(images)
-            self.bar.set_postfix(inputs_s=f"{self.done / elapsed:.1f}", tok_s=f"{self.tokens / elapsed:.0f}")
+            self.bar.update(inputs)
+            self.bar.set_postfix(tok_s=f"{self.tokens / elapsed:.0f}")
         elif now - self.last_line >= PROGRESS_EVERY_S and self.done < self.total:  # close() prints the last
             self._line(now)
 

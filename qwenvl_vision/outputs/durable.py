@@ -106,6 +106,7 @@ def file_lock(path: str | os.PathLike, wait_s: float | None = None, note: str = 
         with contextlib.suppress(OSError):  # only a message: a full disk must not refuse the lock
             os.ftruncate(fd, 0)
             os.pwrite(fd, note.encode(), 0)
+            os.fsync(fd)  # a network file system's other clients read it (embed's ranks on other nodes)
 
     # No soft fallback where flock is missing: a marker file would need a guess at its staleness.
     lock = FileLock(path, timeout=-1 if wait_s is None else wait_s, fallback_to_soft=False,

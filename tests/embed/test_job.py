@@ -232,26 +232,31 @@ def test_two_ranks_under_torchrun_merge_one_manifest_of_rank_0s_list(tmp_path, c
             assert f.metadata()["qwenvl_vision_run"] == run_id, shard.name
 
 
-# Loaded at interpreter start: rank 1's device fails at its first batch; rank 0's part takes ten minutes.
+# Loaded at interpreter start: rank 1's device fails (at once, or once rank 0 waits at the barrier); rank 0's part
+# takes ten minutes, or none.
 FAULT_ON_RANK_1 = """
-import time
+import os, time
 from qwenvl_vision.embed import job
 from qwenvl_vision.errors import ForwardFaultError
 def encode(self):
+    busy = os.environ["QWENVL_TEST_RANK_0"] == "busy"
     if self.rank == 1:
+        time.sleep(0 if busy else 3)
         raise ForwardFaultError("the test's device fault")
-    time.sleep(600)
+    time.sleep(600 if busy else 0)
 job.EmbedJob.encode = encode
 """
 
 
 @pytest.mark.slow
-def test_a_rank_whose_device_fails_stops_the_run_at_once_under_torchrun(tmp_path, checkpoint):
-    """Not once the other ranks have finished their parts, hours later: torchrun's agent stops them."""
+@pytest.mark.parametrize("rank_0", ["busy", "waiting"])
+def test_a_rank_whose_device_fails_stops_the_run_at_once_under_torchrun(tmp_path, checkpoint, rank_0):
+    """Not once the other ranks have finished their parts, hours later: torchrun's agent stops them; a rank waiting
+    at the barrier stops quietly (torchrun names the rank that failed)."""
     make_folder(tmp_path / "imgs", 2, bad=False)
     (tmp_path / "site").mkdir()
     (tmp_path / "site" / "sitecustomize.py").write_text(FAULT_ON_RANK_1)
-    env = {**ENV, "PYTHONPATH": f"{tmp_path / 'site'}:{ENV['PYTHONPATH']}"}
+    env = {**ENV, "PYTHONPATH": f"{tmp_path / 'site'}:{ENV['PYTHONPATH']}", "QWENVL_TEST_RANK_0": rank_0}
     job = subprocess.Popen(torchrun_embed_cmd([tmp_path / "imgs"], checkpoint, tmp_path / "out"), env=env,
                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
