@@ -50,9 +50,10 @@ def load_encoder(
     """Load a Qwen2.5-VL / Qwen3-VL vision encoder, reading only the vision tensors.
 
     source: a checkpoint folder in the released layout (sharded or single file, LLM shards may be absent),
-    a vision-only folder from ``qwenvl-vision extract-weights``, a Hugging Face repo id (only configs, index
-    and vision shards are fetched, into the HF cache), or, with ``random_weights=True``, a preset name /
-    config for benchmarks. Defaults: CUDA when available, else CPU; bf16 on CUDA, fp32 on CPU.
+    a vision-only folder from ``qwenvl-vision extract-weights`` or transformers' ``model.visual.save_pretrained``, a
+    Hugging Face repo id (only configs, index and vision shards are fetched, into the HF cache), or, with
+    ``random_weights=True``, a preset name / config for benchmarks. Defaults: CUDA when available, else CPU; bf16
+    on CUDA, fp32 on CPU.
     compile: True (or a dict of torch.compile options) compiles every block with a dynamic token count,
     attention kept outside the graphs (``VisionTower.compile_blocks``); the first forwards pay the compile.
     attn_impl: "auto" (flash-attn, else PyTorch's varlen kernel on CUDA in half precision; else SDPA), "sdpa",

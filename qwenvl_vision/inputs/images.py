@@ -86,7 +86,7 @@ class PreprocessConfig:
     pixels, CLIP mean/std); the released checkpoints differ, so use ``for_family`` or ``from_dict``.
     """
 
-    patch_size: int
+    patch_size: int = 14
     temporal_patch_size: int = 2
     merge_size: int = 2
     min_pixels: int = 56 * 56
@@ -138,7 +138,7 @@ class PreprocessConfig:
         """
         if d is None:
             return cls.for_family(family)
-        base = cls(patch_size=14, resize=family_named(family).resize)  # 14: Qwen2VLImageProcessor's default
+        base = cls(resize=family_named(family).resize)
         if not isinstance(d, dict):
             raise ConfigError(f"preprocessor_config.json must hold a JSON object, got {type(d).__name__}")
         check_supported(d)
