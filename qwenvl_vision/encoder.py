@@ -186,21 +186,24 @@ class VisionEncoder(contextlib.AbstractContextManager):
                           pooled: bool = False, normalize: bool = False, modality: str = "image",
                           pixels_sha256: Sequence[str] | None = None) -> EncodeResult:
         """``encode_patches`` without its finiteness check (a batch job checks each item on its own)."""
-        if not isinstance(pixel_values, torch.Tensor):
-            raise InputError(f"pixel_values must be a torch.Tensor, got {type(pixel_values).__name__}")
+        if not isinstance(pixel_values, torch.Tensor) or not pixel_values.is_floating_point():
+            raise InputError(f"pixel_values must be a floating-point torch.Tensor, got "
+                             f"{getattr(pixel_values, 'dtype', type(pixel_values).__name__)}")
         if modality not in ("image", "video"):
             raise InputError(f'modality must be "image" or "video", got {modality!r}')
         with self._in_use() as model:
             grids = model.grid_list(grid_thw)
+            if pixels_sha256 is not None:  # refused before the forward it would waste
+                pixels_sha256 = list(pixels_sha256) if isinstance(pixels_sha256, Iterable) else [pixels_sha256]
+                if len(pixels_sha256) != len(grids) or not all(d is None or is_sha256(d) for d in pixels_sha256):
+                    raise InputError(f"pixels_sha256 must be one 64-hex-digit hash (or None) per item, {len(grids)} "
+                                     f"items; got {pixels_sha256!r:.120}")
             with torch.inference_mode():
                 merged, levels = model(pixel_values, grids)
         if pixels_sha256 is None and pixel_values.device.type == "cpu":
             pixels_sha256 = [item_pixels_sha256(rows) for rows in pixel_values.split([t * h * w for t, h, w in grids])]
         elif pixels_sha256 is None:
             pixels_sha256 = [None] * len(grids)
-        elif len(pixels_sha256) != len(grids) or not all(d is None or is_sha256(d) for d in pixels_sha256):
-            raise InputError(f"pixels_sha256 must be one 64-hex-digit hash (or None) per item, {len(grids)} items; "
-                             f"got {list(pixels_sha256)!r:.120}")
         sizes = [t * h * w // self.config.merge_unit for t, h, w in grids]
         embeddings = list(merged.split(sizes))
         per_level = [level.split(sizes) for level in levels]
@@ -377,7 +380,8 @@ class VisionEncoder(contextlib.AbstractContextManager):
             embeddings=[r.embedding for r in results],
             grid_thw=torch.tensor([r.grid_thw for r in results], dtype=torch.int64).view(-1, 3),
             deepstack=[r.deepstack for r in results],
-            pooled=torch.stack([r.pooled for r in results]) if options.pooled and results else None,
+            pooled=None if not options.pooled else torch.stack([r.pooled for r in results]) if results else
+            torch.empty(0, self.config.out_hidden_size, dtype=self.dtype, device=self.device),
             video_info=[r.video_info for r in results],
             modality="video" if options.video else "image",
             family=self.family,
@@ -427,7 +431,7 @@ class VisionEncoder(contextlib.AbstractContextManager):
                                 resize=resize)
         videos = list(videos)
         infos = [None] * len(videos)
-        if (fps is not None or video_fps is not None) and any(not is_file_input(v) for v in videos):
+        if video_fps is not None or fps is not None and any(not is_file_input(v) for v in videos):
             videos, infos = sample_frames_by_fps(videos, self.video_config.fps if fps is None else fps, video_fps,
                                                  self.video_config, self.config.temporal_patch_size)
         out = self._encode_all(videos, options)

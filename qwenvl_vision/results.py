@@ -15,7 +15,7 @@ from .errors import PreprocessError, QwenVLVisionError
 from .inputs.video_io import VideoInfo
 
 
-@dataclass
+@dataclass(eq=False)  # tensors have no one truth value: results are compared by their tensors
 class EncodeResult:
     """Per-item outputs in input order.
 
@@ -87,7 +87,7 @@ class EncodeResult:
         return write_vllm_cache(self, path)
 
 
-@dataclass
+@dataclass(eq=False)
 class ItemResult:
     """One input's outcome in a streamed encode: either tensors or the error that stopped it."""
 

@@ -305,6 +305,24 @@ def test_patches_holding_nan_are_named_as_the_fault_not_the_checkpoint(setup):
         encoder.encode_patches(patches, [(1, 4, 4)])
 
 
+def test_edges_of_the_api_are_one_line_before_any_forward_or_the_empty_shape(setup):
+    encoder, *_ = setup
+    patches, grid, digest = torch.zeros(16, encoder.config.patch_dim), [(1, 4, 4)], "0" * 64
+    encoder.model.shape_cache.clear()
+    for hashes in (["not-a-hash"], [digest, digest], 5):
+        with pytest.raises(InputError, match="pixels_sha256 must be one 64-hex-digit hash"):
+            encoder.encode_patches(patches, grid, pixels_sha256=hashes)
+    with pytest.raises(InputError, match="pixel_values must be a floating-point torch.Tensor, got torch.int64"):
+        encoder.encode_patches(patches.long(), grid)
+    with pytest.raises(InputError, match="video_fps 'abc'"):  # checked, though files take their own rate
+        encoder.encode_videos(["clip.mp4"], video_fps="abc")
+    assert len(encoder.model.shape_cache) == 0  # nothing reached the tower
+    assert encoder.encode_patches(patches, grid, pixels_sha256=iter([digest])).pixels_sha256 == [digest]
+    empty = encoder.encode_images([], pooled=True)
+    assert empty.pooled.shape == (0, encoder.config.out_hidden_size) and empty.grid_thw.shape == (0, 3)
+    assert empty == empty and empty != encoder.encode_images([], pooled=True)  # no tensor's truth value asked
+
+
 def test_encode_patches_matches_the_tower_with_one_video_info_per_item(setup, photos):
     encoder, ref, processor, cfg = setup
     pixel_values, grid_thw = _reference_images(processor, [photos["small"], photos["numpy"], photos["gray"]])
