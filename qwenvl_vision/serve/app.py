@@ -197,6 +197,11 @@ class Serving:
     async def items_of(self, request: Request, need_uuid: bool) -> tuple[dict, list[Item]]:
         settings = self.settings
         body = await read_json(request, settings.max_body, self.bodies, settings.body_timeout)
+        model = body.get("model") if isinstance(body, dict) else None
+        if model is not None and model != settings.served_name:  # vLLM's answer: another model's rows would be read
+            raise RequestError(f"The model `{str(model)[:200]}` does not exist.", 404)
+        if isinstance(body, dict) and body.get("stream"):
+            raise RequestError("stream: not served (the answer is one JSON object)")
         found = await asyncio.to_thread(request_items, body, settings.policy, need_uuid)  # base64 off the loop
         if len(found) > settings.max_items:
             raise RequestError(f"messages: {len(found)} images and videos, more than --max-items {settings.max_items}")
@@ -383,11 +388,19 @@ async def chat(request: Request) -> dict:
 async def embeddings(request: Request) -> Any:
     s = serving(request)
     body, found = await s.items_of(request, False)
+    # What the answer would silently not honour (vLLM's and OpenAI's other fields) is refused.
+    for name, served in (("dimensions", (None,)), ("embed_dtype", (None, "float32")),
+                         ("endianness", (None, "native", "little")), ("use_activation", (None,))):
+        if body.get(name) not in served:
+            raise RequestError(f"{name} {reprlib.repr(body[name])}: not served (vectors are float32, little-endian, "
+                               f"of the tower's width; \"normalize\": true for unit length)")
     form = "float" if body.get("encoding_format") is None else body["encoding_format"]  # null: OpenAI's default
     normalize, tokens = body.get("normalize", False), body.get("return_tokens", False)
     if form not in ("float", "base64") or not isinstance(normalize, bool) or not isinstance(tokens, bool):
         raise RequestError(f"encoding_format {reprlib.repr(form)} / normalize {reprlib.repr(normalize)} / "
                            f"return_tokens {reprlib.repr(tokens)}: float or base64 / a boolean / a boolean")
+    if not found:
+        raise RequestError("messages: no image or video item to embed")
     results = await s.encoded(request, found, normalize)
     if tokens:
         tensors = {}

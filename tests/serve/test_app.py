@@ -39,6 +39,10 @@ def test_embeddings_are_the_encoder_s_pooled_vectors_as_float_and_base64(served,
         decoded = np.stack([np.frombuffer(base64.b64decode(d["embedding"]), "<f4") for d in answer64["data"]])
         assert torch.equal(torch.from_numpy(decoded), expected.float())
     assert [d["index"] for d in answer["data"]] == [0, 1] and answer["object"] == "list"
+    # Whatever media type a data URL names, its content is decoded, as vLLM decodes it.
+    octets = chat(*[part(data_url(p, "application/octet-stream")) for p in paths], normalize=True)
+    assert torch.equal(torch.tensor([d["embedding"] for d in client.post("/v1/embeddings", json=octets).json()[
+        "data"]]), expected.float())
     tokens = sum(e.shape[0] for e in encoder3.encode_images(paths).embeddings)
     assert answer["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
 
@@ -82,8 +86,13 @@ def bad_requests(media) -> dict[str, tuple]:
     return {
         "broken image": ("/v1/chat/completions", chat(part(data_url(media["broken.png"]), "u1")), {}, 400,
                          "messages[0].content[1]"),
-        "unknown content type": ("/v1/chat/completions", chat(part(good.replace("image/png", "application/pdf"), "u2")),
-                                 {}, 415, "messages[0].content[1]", "application/pdf"),
+        "another model": ("/v1/chat/completions", {**chat(part(good, "m1")), "model": "other/model"}, {}, 404,
+                          "other/model"),
+        "a stream": ("/v1/chat/completions", chat(part(good, "s1"), stream=True), {}, 400, "stream"),
+        "no item to embed": ("/v1/embeddings", chat(), {}, 400, "no image or video item"),
+        **{f"{name} {value}": ("/v1/embeddings", chat(part(good), **{name: value}), {}, 400, name, "not served")
+           for name, value in [("dimensions", 8), ("embed_dtype", "float16"), ("endianness", "big"),
+                               ("use_activation", True)]},
         "uuid ../x": ("/v1/chat/completions", chat(part(good, "../x")), {}, 400, "messages[0].content[1]", "../x"),
         "uuid of the folder's identity": ("/v1/chat/completions", chat(part(good, "qwenvl_vision_cache.json")), {},
                                           400, "messages[0].content[1]", "qwenvl_vision_cache.json"),
@@ -146,7 +155,9 @@ def bad_requests(media) -> dict[str, tuple]:
     }
 
 
-@pytest.mark.parametrize("case", ["broken image", "unknown content type", "uuid ../x", "uuid of the folder's identity",
+@pytest.mark.parametrize("case", ["broken image", "another model", "a stream", "no item to embed", "dimensions 8",
+                                  "embed_dtype float16", "endianness big", "use_activation True", "uuid ../x",
+                                  "uuid of the folder's identity",
                                   "uuid of a prune's record", "no uuid in the encoder role",
                                   "one uuid on an image and a video", "mm_processor_kwargs",
                                   "media_io_kwargs", "a URL outside the allowed domains",

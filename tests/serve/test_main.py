@@ -22,6 +22,8 @@ from qwenvl_vision.outputs.vllm_cache import CACHE_FILE, CACHE_KEY, write_vllm_c
 from tests.helpers import ENV
 from tests.helpers.serve import START_S, chat, data_url, free_port, held_answer, media_server, part, serving, until
 
+AS_TINY = ["--served-model-name", "tiny", "--device", "cpu"]  # the name chat() asks for
+
 
 def items_encoded(client: httpx.Client) -> float:
     text = client.get("/metrics").text
@@ -36,7 +38,7 @@ def test_the_proxy_s_request_writes_write_vllm_cache_s_items_under_their_uuids_o
     urls = [data_url(p) for p in images] + [data_url(video, "video/mp4")]
     uuids = [hashlib.sha256(url.encode()).hexdigest() for url in urls]  # what the proxy names each item
     parts = [part(urls[0], uuids[0]), part(urls[1], uuids[1]), part(urls[2], uuids[2], "video_url")]
-    request = chat(*parts, max_tokens=1, stream=False)
+    request = chat(*parts, max_tokens=1, stream=False, model=str(checkpoint3))  # served as --model names it
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the server's (ENV: one thread), for the same bits
     try:
@@ -68,7 +70,7 @@ def test_the_proxy_s_request_writes_write_vllm_cache_s_items_under_their_uuids_o
             assert again.json()["ec_transfer_params"] == answer["ec_transfer_params"]
             assert items_encoded(client) == encoded == 3  # found in place: not encoded again, nor written (touched)
             assert [p.read_bytes() for p in files] == written
-            text_only = client.post("/v1/chat/completions", json=chat())
+            text_only = client.post("/v1/chat/completions", json=chat(model=str(checkpoint3)))
             assert text_only.status_code == 200 and text_only.json()["ec_transfer_params"] == {}
             assert httpx.get(f"{url}/v1/models").status_code == 401  # the key from the environment
     assert url.process.returncode == 0  # SIGTERM: stopped after what was in flight, the encoder closed
@@ -124,7 +126,7 @@ def test_a_port_out_of_range_is_a_usage_error_naming_it(capsys):
 
 
 def test_a_client_hanging_up_mid_body_is_the_request_s_400_not_a_server_error(checkpoint3):
-    with serving(["--model", checkpoint3, "--device", "cpu"]) as url:
+    with serving(["--model", checkpoint3, *AS_TINY]) as url:
         with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1]))) as client:
             client.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                            b"Content-Length: 100000\r\n\r\n{\"messages\": [")
@@ -139,7 +141,7 @@ def test_a_client_silent_mid_body_is_answered_408_and_sigterm_does_not_wait_for_
     liked: after --body-timeout it is answered 408, and the server stops (exit 0) with another one still stalled."""
     head = (b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             b"Content-Length: 100000\r\n\r\n{\"messages\": [")
-    with serving(["--model", checkpoint3, "--device", "cpu", "--body-timeout", 1]) as url:
+    with serving(["--model", checkpoint3, *AS_TINY, "--body-timeout", 1]) as url:
         address = ("127.0.0.1", int(url.rsplit(":", 1)[1]))
         with socket.create_connection(address, timeout=START_S) as client, \
                 socket.create_connection(address, timeout=START_S) as stalled:
@@ -156,7 +158,7 @@ def test_requests_beyond_twice_max_queue_at_once_are_answered_503(checkpoint3, m
     answers: list = []
     with media_server(held_answer(media["a.png"].read_bytes(), arrived.release, release)) as base:
         try:
-            with serving(["--model", checkpoint3, "--device", "cpu", "--allowed-media-domains", "127.0.0.1",
+            with serving(["--model", checkpoint3, *AS_TINY, "--allowed-media-domains", "127.0.0.1",
                           "--max-queue", "2", "--max-items", "1"]) as url:
                 body = chat(part(f"{base}/a.png"))
                 clients = [threading.Thread(target=lambda: answers.append(httpx.post(
@@ -190,7 +192,7 @@ def test_sigterm_stops_accepting_finishes_the_request_in_flight_and_exits_0(tmp_
     answers = []
     with media_server(held_answer(media["a.png"].read_bytes(), arrived.set, release)) as base:
         try:
-            with serving(["--model", checkpoint3, "--device", "cpu", "--allowed-media-domains", "127.0.0.1"]) as url:
+            with serving(["--model", checkpoint3, *AS_TINY, "--allowed-media-domains", "127.0.0.1"]) as url:
                 body = chat(part(f"{base}/a.png"))
                 client = threading.Thread(target=lambda: answers.append(httpx.post(f"{url}/v1/embeddings", json=body,
                                                                                     timeout=120)))

@@ -67,14 +67,15 @@ def test_local_files_only_under_the_allowed_folder_links_resolved(served, media,
         link.unlink()
 
 
-def test_a_data_url_s_media_type_must_be_its_part_s_kind(served, media):
+def test_a_data_url_is_read_by_its_content_and_its_part_s_kind(served, media):
     client, _ = served
-    # The decoder reads the content: a subtype clients misspell (image/jpg) is still an image.
+    # The decoder reads the content, as vLLM's: a subtype clients misspell (image/jpg) is still an image.
     assert pooled(client, data_url(media["a.png"], "image/jpg")) == pooled(client, data_url(media["a.png"]))
     mp4 = data_url(media["clip.mp4"], "video/mp4")
-    error_of(client.post("/v1/embeddings", json=chat(part(mp4))), 415, "messages[0].content[1]", "video/mp4")
-    error_of(client.post("/v1/embeddings", json=chat(part(data_url(media["a.png"]), kind="video_url"))), 415,
-             "messages[0].content[1]", "image/png")
+    error_of(client.post("/v1/embeddings", json=chat(part(mp4))), 400, "messages[0].content[1]", "not a recognised "
+             "image")
+    error_of(client.post("/v1/embeddings", json=chat(part(data_url(media["a.png"]), kind="video_url"))), 400,
+             "messages[0].content[1]", "not a video")
     error_of(client.post("/v1/embeddings", json=chat(part(mp4.replace(";base64", ""), kind="video_url"))), 400,
              "messages[0].content[1]", "base64")
 
