@@ -33,10 +33,14 @@ BAD_CONFIG_JSON = {
     "heads-0": (_vision(num_heads=0), r"vision_config\.num_heads = 0 is outside"),
     "depth-str": (_vision(depth="abc"), r"vision_config\.depth must be an integer, got 'abc'"),
     "depth-float": (_vision(depth=4.0), r"vision_config\.depth must be an integer, got 4\.0"),
+    "depth-bool": (_vision(depth=True), r"vision_config\.depth must be an integer, got True"),
     "hidden-1e9": (_vision(hidden_size=10**9), r"vision_config\.hidden_size = 1000000000 is outside"),
     "heads-not-dividing": (_vision(num_heads=3), r"hidden_size 160 is not divisible by num_heads 3"),
     "head-dim": (_vision(num_heads=32), r"head_dim 5 .* multiple of 4"),
+    "head-dim-even": (_vision(num_heads=16), r"head_dim 10 .* multiple of 4"),
     "fullatt-outside": (_vision(fullatt_block_indexes=[1, 9]), r"fullatt_block_indexes \[1, 9\]"),
+    "fullatt-at-depth": (_vision(fullatt_block_indexes=[0, QWEN2_5_SMALL.depth]), r"must be distinct blocks below"),
+    "fullatt-twice": (_vision(fullatt_block_indexes=[1, 1]), r"must be distinct blocks below"),
     "fullatt-str": (_vision(fullatt_block_indexes="1,3"), r"fullatt_block_indexes must be a list"),
     "fullatt-null": (_vision(fullatt_block_indexes=None), r"fullatt_block_indexes must be a list"),  # not "none"
     "act": (_vision(hidden_act="relu6"), r"hidden_act 'relu6' is not supported"),
@@ -175,3 +179,8 @@ def test_build_model_takes_dict_preset_and_dataclass_and_names_what_it_cannot():
         assert build_model(source, device="meta").config.hidden_size == 1024
     with pytest.raises(ConfigError, match="qwen9"):
         build_model("qwen9-vl-1b")
+
+
+def test_deepstack_levels_on_a_family_without_deepstack_are_refused():
+    with pytest.raises(ConfigError, match="have no DeepStack"):
+        preset("qwen3.5-4b").replace(deepstack_visual_indexes=(1,))
