@@ -349,3 +349,17 @@ def test_a_file_recorded_ok_that_cannot_be_read_now_keeps_its_record_and_is_not_
     x.rename(tmp_path / "away.png")
     assert embed([x, images[1]], checkpoint, out, "--format", file_format, "--resume") == 0
     assert {p: torch.equal(t, stored[p]) for p, t in read_embeddings(out)} == {p: True for p in stored}
+
+
+def test_a_file_recorded_ok_that_cannot_be_read_at_the_resume_keeps_its_record(tmp_path, checkpoint, monkeypatch):
+    """Its bytes are not known for a moment (its identity is its bare path): neither embedded again nor failed."""
+    from qwenvl_vision.embed import inputs
+
+    paths = make_image_folder(tmp_path / "imgs", 2, bad=False)
+    args = ["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(tmp_path / "out")]
+    assert main(args) == 0
+    before = read_manifest_lines(tmp_path / "out" / "manifest.jsonl")
+    hidden, identity = str(paths[0].resolve()), inputs.file_identity
+    monkeypatch.setattr(inputs, "file_identity", lambda path: path if path == hidden else identity(path))
+    assert main([*args, "--resume"]) == 0
+    assert read_manifest_lines(tmp_path / "out" / "manifest.jsonl") == before
