@@ -194,7 +194,8 @@ class VisionEncoder(contextlib.AbstractContextManager):
         with self._in_use() as model:
             grids = model.grid_list(grid_thw)
             if pixels_sha256 is not None:  # refused before the forward it would waste
-                pixels_sha256 = list(pixels_sha256) if isinstance(pixels_sha256, Iterable) else [pixels_sha256]
+                one = isinstance(pixels_sha256, str) or not isinstance(pixels_sha256, Iterable)
+                pixels_sha256 = [pixels_sha256] if one else list(pixels_sha256)
                 if len(pixels_sha256) != len(grids) or not all(d is None or is_sha256(d) for d in pixels_sha256):
                     raise InputError(f"pixels_sha256 must be one 64-hex-digit hash (or None) per item, {len(grids)} "
                                      f"items; got {pixels_sha256!r:.120}")
@@ -380,8 +381,8 @@ class VisionEncoder(contextlib.AbstractContextManager):
             embeddings=[r.embedding for r in results],
             grid_thw=torch.tensor([r.grid_thw for r in results], dtype=torch.int64).view(-1, 3),
             deepstack=[r.deepstack for r in results],
-            pooled=None if not options.pooled else torch.stack([r.pooled for r in results]) if results else
-            torch.empty(0, self.config.out_hidden_size, dtype=self.dtype, device=self.device),
+            pooled=(torch.stack([r.pooled for r in results]) if results else torch.empty(
+                0, self.config.out_hidden_size, dtype=self.dtype, device=self.device)) if options.pooled else None,
             video_info=[r.video_info for r in results],
             modality="video" if options.video else "image",
             family=self.family,

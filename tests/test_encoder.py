@@ -317,7 +317,8 @@ def test_edges_of_the_api_are_one_line_before_any_forward_or_the_empty_shape(set
     with pytest.raises(InputError, match="video_fps 'abc'"):  # checked, though files take their own rate
         encoder.encode_videos(["clip.mp4"], video_fps="abc")
     assert len(encoder.model.shape_cache) == 0  # nothing reached the tower
-    assert encoder.encode_patches(patches, grid, pixels_sha256=iter([digest])).pixels_sha256 == [digest]
+    for hashes in (iter([digest]), digest):  # any iterable; one item's hash alone
+        assert encoder.encode_patches(patches, grid, pixels_sha256=hashes).pixels_sha256 == [digest]
     empty = encoder.encode_images([], pooled=True)
     assert empty.pooled.shape == (0, encoder.config.out_hidden_size) and empty.grid_thw.shape == (0, 3)
     assert empty == empty and empty != encoder.encode_images([], pooled=True)  # no tensor's truth value asked

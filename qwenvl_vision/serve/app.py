@@ -49,7 +49,7 @@ ENTRY_KEY = "qwenvl_vision_entry"  # an item file's metadata: what the request n
 class ServeSettings:
     """The command line's settings (``main.serve_settings``, which the tests use too)."""
 
-    served_name: str
+    served_names: tuple[str, ...]  # the first is the name answers carry
     api_key: str | None
     shared: Path | None  # --ec-shared-storage: the encoder role's folder
     policy: MediaPolicy
@@ -194,15 +194,16 @@ class Serving:
         # there, not the threads every request parses in. One, as the lock lets one holder in at a time.
         self.cache_thread = ThreadPoolExecutor(1, thread_name_prefix="qwenvl-vision-cache")
 
-    async def items_of(self, request: Request, need_uuid: bool) -> tuple[dict, list[Item]]:
+    async def items_of(self, request: Request, role: bool) -> tuple[dict, list[Item]]:
+        """The request's body and items; ``role``: the encoder role's (its items need uuids)."""
         settings = self.settings
         body = await read_json(request, settings.max_body, self.bodies, settings.body_timeout)
-        model = body.get("model") if isinstance(body, dict) else None
-        if model is not None and model != settings.served_name:  # vLLM's answer: another model's rows would be read
-            raise RequestError(f"The model `{str(model)[:200]}` does not exist.", 404)
-        if isinstance(body, dict) and body.get("stream"):
-            raise RequestError("stream: not served (the answer is one JSON object)")
-        found = await asyncio.to_thread(request_items, body, settings.policy, need_uuid)  # base64 off the loop
+        if role and isinstance(body, dict):  # as vLLM's chat: the consumer would read another model's rows as its own
+            if body.get("model") and body["model"] not in settings.served_names:
+                raise RequestError(f"The model `{str(body['model'])[:200]}` does not exist.", 404)
+            if body.get("stream") is True:
+                raise RequestError("stream: not served (the answer is one JSON object)")
+        found = await asyncio.to_thread(request_items, body, settings.policy, role)  # base64 off the loop
         if len(found) > settings.max_items:
             raise RequestError(f"messages: {len(found)} images and videos, more than --max-items {settings.max_items}")
         return body, found
@@ -355,8 +356,8 @@ async def metrics(request: Request) -> Response:
 
 @router.get("/models")
 async def models(request: Request) -> dict:
-    return {"object": "list", "data": [{"id": serving(request).settings.served_name, "object": "model", "created": 0,
-                                        "owned_by": "qwenvl-vision"}]}
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "qwenvl-vision"}
+                                       for name in serving(request).settings.served_names]}
 
 
 @router.post("/chat/completions")
@@ -377,7 +378,7 @@ async def chat(request: Request) -> dict:
             entries[item.uuid]), "item_indices": []})["item_indices"].append(i)
     tokens = sum(entries[item.uuid]["tokens"] for item in found)
     return {"id": f"chatcmpl-{request.headers.get('x-request-id') or uuid.uuid4().hex}",
-            "object": "chat.completion", "created": int(time.time()), "model": s.settings.served_name,
+            "object": "chat.completion", "created": int(time.time()), "model": s.settings.served_names[0],
             "choices": [{"index": 0, "message": {"role": "assistant", "content": ""}, "logprobs": None,
                          "finish_reason": "length"}],
             "usage": {"prompt_tokens": tokens, "completion_tokens": 0, "total_tokens": tokens},
@@ -388,14 +389,16 @@ async def chat(request: Request) -> dict:
 async def embeddings(request: Request) -> Any:
     s = serving(request)
     body, found = await s.items_of(request, False)
+    form = "float" if body.get("encoding_format") is None else body["encoding_format"]  # null: OpenAI's default
     # What the answer would silently not honour (vLLM's and OpenAI's other fields) is refused.
-    for name, served in (("dimensions", (None,)), ("embed_dtype", (None, "float32")),
-                         ("endianness", (None, "native", "little")), ("use_activation", (None,))):
+    for name, served in (("dimensions", (None,)), *((("embed_dtype", (None, "float32")),
+                         ("endianness", (None, "native", "little"))) if form == "base64" else ())):
         if body.get(name) not in served:
             raise RequestError(f"{name} {reprlib.repr(body[name])}: not served (vectors are float32, little-endian, "
-                               f"of the tower's width; \"normalize\": true for unit length)")
-    form = "float" if body.get("encoding_format") is None else body["encoding_format"]  # null: OpenAI's default
-    normalize, tokens = body.get("normalize", False), body.get("return_tokens", False)
+                               f"of the tower's width)")
+    # vLLM 0.33's name for unit length first, then ours.
+    normalize = next((body[k] for k in ("use_activation", "normalize") if body.get(k) is not None), False)
+    tokens = body.get("return_tokens", False)
     if form not in ("float", "base64") or not isinstance(normalize, bool) or not isinstance(tokens, bool):
         raise RequestError(f"encoding_format {reprlib.repr(form)} / normalize {reprlib.repr(normalize)} / "
                            f"return_tokens {reprlib.repr(tokens)}: float or base64 / a boolean / a boolean")
@@ -416,7 +419,7 @@ async def embeddings(request: Request) -> Any:
             else vector.tolist()
         data.append({"object": "embedding", "index": i, "embedding": value})
     tokens = sum(r.embedding.shape[0] for r in results)
-    return {"object": "list", "data": data, "model": s.settings.served_name,
+    return {"object": "list", "data": data, "model": s.settings.served_names[0],
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
 

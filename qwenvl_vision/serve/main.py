@@ -24,7 +24,9 @@ def add_serve_parser(sub, parents=()) -> argparse.ArgumentParser:
                        "an embeddings endpoint", parents=[*parents, model_options()])
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
     p.add_argument("--port", type=positive_option(int, "--port"), default=8000, help="port (default %(default)s)")
-    p.add_argument("--served-model-name", help="the model name the API answers with (default: --model as given)")
+    p.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                   help="the model names requests may give, as vLLM's flag: answers carry the first (default: "
+                        "--model as given)")
     p.add_argument("--ec-shared-storage", metavar="PATH",
                    help="the encoder role: /v1/chat/completions writes each item to PATH/<uuid>/"
                         "encoder_cache.safetensors, as vLLM's ECExampleConnector consumer reads it (default: "
@@ -76,7 +78,7 @@ def serve_settings(args: argparse.Namespace, encoder):
 
     local = args.allowed_local_media_path
     return ServeSettings(
-        served_name=args.served_model_name or args.model, api_key=args.api_key or os.environ.get(API_KEY_ENV),
+        served_names=tuple(args.served_model_name or [args.model]), api_key=args.api_key or os.environ.get(API_KEY_ENV),
         shared=Path(args.ec_shared_storage) if args.ec_shared_storage else None,
         policy=MediaPolicy(frozenset(d.lower() for d in args.allowed_media_domains),  # as urlsplit's hostname
                            Path(local).resolve() if local else None, args.decode_timeout),

@@ -96,12 +96,13 @@ def until(condition, what: str) -> None:
 
 
 def app_of(encoder, *options: str):
-    """The app ``qwenvl-vision serve --served-model-name tiny OPTIONS`` serves for ``encoder``."""
+    """The app ``qwenvl-vision serve --served-model-name tiny its-alias OPTIONS`` serves for ``encoder``."""
     from qwenvl_vision.cli import build_parser
     from qwenvl_vision.serve.app import build_app
     from qwenvl_vision.serve.main import serve_settings
 
-    args = build_parser().parse_args(["serve", "--model", "m", "--served-model-name", "tiny", *map(str, options)])
+    args = build_parser().parse_args(["serve", "--model", "m", "--served-model-name", "tiny", "its-alias",
+                                      *map(str, options)])
     args.validate(args)
     return build_app(encoder, serve_settings(args, encoder))
 

@@ -32,6 +32,8 @@ def test_embeddings_are_the_encoder_s_pooled_vectors_as_float_and_base64(served,
     for normalize in (False, True):
         expected = encoder3.encode_images(paths, pooled=True, normalize=normalize).pooled
         answer = client.post("/v1/embeddings", json=chat(*parts, normalize=normalize)).json()
+        vllm_s = client.post("/v1/embeddings", json=chat(*parts, use_activation=normalize)).json()  # vLLM 0.33's
+        assert vllm_s["data"] == answer["data"]
         floats = torch.tensor([d["embedding"] for d in answer["data"]])
         assert torch.equal(floats, expected.float()) and floats.dtype == torch.float32
         answer64 = client.post("/v1/embeddings", json=chat(*parts, normalize=normalize,
@@ -90,9 +92,9 @@ def bad_requests(media) -> dict[str, tuple]:
                           "other/model"),
         "a stream": ("/v1/chat/completions", chat(part(good, "s1"), stream=True), {}, 400, "stream"),
         "no item to embed": ("/v1/embeddings", chat(), {}, 400, "no image or video item"),
-        **{f"{name} {value}": ("/v1/embeddings", chat(part(good), **{name: value}), {}, 400, name, "not served")
-           for name, value in [("dimensions", 8), ("embed_dtype", "float16"), ("endianness", "big"),
-                               ("use_activation", True)]},
+        **{f"{name} {value}": ("/v1/embeddings", chat(part(good), encoding_format="base64", **{name: value}), {}, 400,
+                               name, "not served")
+           for name, value in [("dimensions", 8), ("embed_dtype", "float16"), ("endianness", "big")]},
         "uuid ../x": ("/v1/chat/completions", chat(part(good, "../x")), {}, 400, "messages[0].content[1]", "../x"),
         "uuid of the folder's identity": ("/v1/chat/completions", chat(part(good, "qwenvl_vision_cache.json")), {},
                                           400, "messages[0].content[1]", "qwenvl_vision_cache.json"),
@@ -156,7 +158,7 @@ def bad_requests(media) -> dict[str, tuple]:
 
 
 @pytest.mark.parametrize("case", ["broken image", "another model", "a stream", "no item to embed", "dimensions 8",
-                                  "embed_dtype float16", "endianness big", "use_activation True", "uuid ../x",
+                                  "embed_dtype float16", "endianness big", "uuid ../x",
                                   "uuid of the folder's identity",
                                   "uuid of a prune's record", "no uuid in the encoder role",
                                   "one uuid on an image and a video", "mm_processor_kwargs",
@@ -213,7 +215,10 @@ def test_an_item_over_max_item_tokens_is_refused_naming_it(checkpoint3, media):
 def test_health_models_and_metrics_the_key_guarding_v1_alone(served, media):
     client, _ = served
     assert client.get("/health", headers={"Authorization": ""}).json() == {}
-    assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["tiny"]
+    assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["tiny", "its-alias"]
+    for name in ("its-alias", ""):  # an alias, or no name: as vLLM's chat takes them
+        answer = client.post("/v1/chat/completions", json=chat(part(data_url(media["c.png"]), "named"), model=name))
+        assert answer.status_code == 200 and answer.json()["model"] == "tiny", answer.text
     client.post("/v1/embeddings", json=chat(part(data_url(media["c.png"]))))
     error_of(client.get("/v1/models", headers={"Authorization": f"Bearer {KEY}x"}), 401)
     client.get("/nowhere")
