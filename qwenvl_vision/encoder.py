@@ -187,8 +187,8 @@ class VisionEncoder(contextlib.AbstractContextManager):
                           pixels_sha256: Sequence[str] | None = None) -> EncodeResult:
         """``encode_patches`` without its finiteness check (a batch job checks each item on its own)."""
         if not isinstance(pixel_values, torch.Tensor) or not pixel_values.is_floating_point():
-            raise InputError(f"pixel_values must be a floating-point torch.Tensor, got "
-                             f"{getattr(pixel_values, 'dtype', type(pixel_values).__name__)}")
+            what = pixel_values.dtype if isinstance(pixel_values, torch.Tensor) else type(pixel_values).__name__
+            raise InputError(f"pixel_values must be a floating-point torch.Tensor, got {what}")
         if modality not in ("image", "video"):
             raise InputError(f'modality must be "image" or "video", got {modality!r}')
         with self._in_use() as model:

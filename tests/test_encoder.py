@@ -314,6 +314,8 @@ def test_edges_of_the_api_are_one_line_before_any_forward_or_the_empty_shape(set
             encoder.encode_patches(patches, grid, pixels_sha256=hashes)
     with pytest.raises(InputError, match="pixel_values must be a floating-point torch.Tensor, got torch.int64"):
         encoder.encode_patches(patches.long(), grid)
+    with pytest.raises(InputError, match="pixel_values must be a floating-point torch.Tensor, got ndarray"):
+        encoder.encode_patches(patches.numpy(), grid)
     with pytest.raises(InputError, match="video_fps 'abc'"):  # checked, though files take their own rate
         encoder.encode_videos(["clip.mp4"], video_fps="abc")
     assert len(encoder.model.shape_cache) == 0  # nothing reached the tower

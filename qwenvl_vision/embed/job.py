@@ -45,6 +45,7 @@ from ..errors import (
     OutputFaultError,
     PeerFailedError,
     QwenVLVisionError,
+    first_line,
 )
 from ..inputs.item_ids import IDENTITY_FIELDS
 from ..outputs.durable import refuse_link
@@ -76,7 +77,8 @@ class _Group:
             except (ValueError, RuntimeError) as e:  # torchrun's other variables missing or bad; a port in use
                 raise EmbedError(f"WORLD_SIZE={world}: torchrun's rendezvous at MASTER_ADDR:MASTER_PORT="
                                  f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} failed "
-                                 f"({str(e).split(chr(10))[0]}); run under torchrun, or unset it") from None
+                                 f"({first_line(e)})" + ("" if self.agent else "; run under torchrun, or unset it")
+                                 ) from None
 
     def agree(self, error: BaseException | None) -> None:
         """Every rank learns whether any rank failed; a failing rank raises its own error, the others stop quietly."""
@@ -261,12 +263,13 @@ class EmbedJob:
         ``lead``: rank 0's lock note, which this rank finds in its --out only where the ranks share one folder."""
         if self.rank:
             try:
-                shared = (self.out / lock_name(0)).read_text() == lead
+                found = (self.out / lock_name(0)).read_text()
             except OSError:
-                shared = False
-            if not shared:  # the ranks' parts would never be merged: the run would end 0 with others' inputs lost
-                raise EmbedError(f"--out {self.out} is not the folder rank 0 writes into: every rank needs the one "
-                                 f"folder, on a file system they all share")
+                found = None
+            if found != lead:  # the ranks' parts would never be merged: the run would end 0 with others' inputs lost
+                raise EmbedError(f"--out {self.out} is not the folder rank 0 writes into" + (
+                    f" (its {lock_name(0)} is empty: a full disk?)" if found == "" else
+                    ": every rank needs the one folder, on a file system they all share"))
         if self.ray is not None:
             return  # the actors take both from the run (ray_engine)
         if self.fresh and self.rank:  # other options, checkpoint, version or device here: refused as a resume is

@@ -396,12 +396,13 @@ async def embeddings(request: Request) -> Any:
         if body.get(name) not in served:
             raise RequestError(f"{name} {reprlib.repr(body[name])}: not served (vectors are float32, little-endian, "
                                f"of the tower's width)")
-    # vLLM 0.33's name for unit length first, then ours.
-    normalize = next((body[k] for k in ("use_activation", "normalize") if body.get(k) is not None), False)
-    tokens = body.get("return_tokens", False)
-    if form not in ("float", "base64") or not isinstance(normalize, bool) or not isinstance(tokens, bool):
-        raise RequestError(f"encoding_format {reprlib.repr(form)} / normalize {reprlib.repr(normalize)} / "
-                           f"return_tokens {reprlib.repr(tokens)}: float or base64 / a boolean / a boolean")
+    given = {k: body[k] for k in ("normalize", "use_activation") if body.get(k) is not None}  # vLLM 0.33's name, ours
+    normalize, tokens = next(iter(given.values()), False), body.get("return_tokens", False)
+    if form not in ("float", "base64") or any(not isinstance(v, bool) for v in given.values()) or \
+            len(set(given.values())) > 1 or not isinstance(tokens, bool):
+        raise RequestError(f"encoding_format {reprlib.repr(form)} / {reprlib.repr(given)} / return_tokens "
+                           f"{reprlib.repr(tokens)}: float or base64 / normalize (or use_activation) a boolean / a "
+                           f"boolean")
     if not found:
         raise RequestError("messages: no image or video item to embed")
     results = await s.encoded(request, found, normalize)

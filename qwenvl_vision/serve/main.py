@@ -25,8 +25,8 @@ def add_serve_parser(sub, parents=()) -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
     p.add_argument("--port", type=positive_option(int, "--port"), default=8000, help="port (default %(default)s)")
     p.add_argument("--served-model-name", nargs="+", metavar="NAME",
-                   help="the model names requests may give, as vLLM's flag: answers carry the first (default: "
-                        "--model as given)")
+                   help="the model names chat requests may give, as vLLM's flag: answers carry the first "
+                        "(default: --model as given)")
     p.add_argument("--ec-shared-storage", metavar="PATH",
                    help="the encoder role: /v1/chat/completions writes each item to PATH/<uuid>/"
                         "encoder_cache.safetensors, as vLLM's ECExampleConnector consumer reads it (default: "

@@ -53,7 +53,8 @@ def test_a_clip_s_size_matches_the_qwen3_video_reference_for_odd_frame_counts():
         bounds = sorted(rng.integers(4096, 4_000_000, size=2).tolist())
         expected = hf_clip.smart_resize(frames, height, width, 2, 32, *bounds)
         assert smart_resize(height, width, 32, *bounds, num_frames=frames, temporal_factor=2) == expected, frames
-    assert smart_resize(56, 56, 28, 1, 14000, num_frames=5, temporal_factor=2) == (56, 56)  # 4 frames fit, 5 do not
+    # 5 frames round to 4, whose 4 x 56 x 56 fit; 5 x 56 x 56 would not.
+    assert smart_resize(56, 56, 28, 1, 14000, num_frames=5, temporal_factor=2) == (56, 56)
 
 
 def test_the_limits_themselves_are_accepted_as_transformers_accepts_them(tmp_path):

@@ -92,6 +92,10 @@ def bad_requests(media) -> dict[str, tuple]:
                           "other/model"),
         "a stream": ("/v1/chat/completions", chat(part(good, "s1"), stream=True), {}, 400, "stream"),
         "no item to embed": ("/v1/embeddings", chat(), {}, 400, "no image or video item"),
+        "use_activation against normalize": ("/v1/embeddings", chat(part(good), normalize=True, use_activation=False),
+                                             {}, 400, "'use_activation': False"),
+        "use_activation as text": ("/v1/embeddings", chat(part(good), use_activation="yes"), {}, 400,
+                                   "'use_activation': 'yes'"),
         **{f"{name} {value}": ("/v1/embeddings", chat(part(good), encoding_format="base64", **{name: value}), {}, 400,
                                name, "not served")
            for name, value in [("dimensions", 8), ("embed_dtype", "float16"), ("endianness", "big")]},
@@ -157,7 +161,8 @@ def bad_requests(media) -> dict[str, tuple]:
     }
 
 
-@pytest.mark.parametrize("case", ["broken image", "another model", "a stream", "no item to embed", "dimensions 8",
+@pytest.mark.parametrize("case", ["broken image", "another model", "a stream", "no item to embed",
+                                  "use_activation against normalize", "use_activation as text", "dimensions 8",
                                   "embed_dtype float16", "endianness big", "uuid ../x",
                                   "uuid of the folder's identity",
                                   "uuid of a prune's record", "no uuid in the encoder role",
@@ -219,6 +224,9 @@ def test_health_models_and_metrics_the_key_guarding_v1_alone(served, media):
     for name in ("its-alias", ""):  # an alias, or no name: as vLLM's chat takes them
         answer = client.post("/v1/chat/completions", json=chat(part(data_url(media["c.png"]), "named"), model=name))
         assert answer.status_code == 200 and answer.json()["model"] == "tiny", answer.text
+    # vLLM's embeddings check neither the name nor stream.
+    answer = client.post("/v1/embeddings", json=chat(part(data_url(media["c.png"])), model="another", stream=True))
+    assert answer.status_code == 200 and answer.json()["model"] == "tiny", answer.text
     client.post("/v1/embeddings", json=chat(part(data_url(media["c.png"]))))
     error_of(client.get("/v1/models", headers={"Authorization": f"Bearer {KEY}x"}), 401)
     client.get("/nowhere")
