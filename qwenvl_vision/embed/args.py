@@ -173,8 +173,7 @@ def add_embed_parser(sub, parents=()) -> argparse.ArgumentParser:
     p.add_argument("--ray-actors", type=positive_option(int, "--ray-actors"),
                    help="with --engine ray: encoder actors (default: one per GPU with --device cuda, or without "
                         "--device on a cluster with GPUs, unless --random-weights; else as many as the nodes hold at "
-                        "--threads each); each "
-                        "holds a copy of the tower")
+                        "--threads each); each holds a copy of the tower")
     p.add_argument("--threads", type=positive_option(int, "--threads"),
                    help="torch threads of each forward (default: torch's, one per core, locally; on Ray CPU actors the "
                         "cluster's CPUs / 4, at most a node's, at least 1; a --resume keeps the run's). run.json "

@@ -391,9 +391,11 @@ async def embeddings(request: Request) -> Any:
     body, found = await s.items_of(request, False)
     form = "float" if body.get("encoding_format") is None else body["encoding_format"]  # null: OpenAI's default
     # What the answer would silently not honour (vLLM's and OpenAI's other fields) is refused.
-    for name, served in (("dimensions", (None,)), *((("embed_dtype", (None, "float32")),
-                         ("endianness", (None, "native", "little"))) if form == "base64" else ())):
-        if body.get(name) not in served:
+    served = {"dimensions": (None,)}
+    if form == "base64":  # the bytes' type and order; the float form has neither
+        served.update(embed_dtype=(None, "float32"), endianness=(None, "native", "little"))
+    for name, values in served.items():
+        if body.get(name) not in values:
             raise RequestError(f"{name} {reprlib.repr(body[name])}: not served (vectors are float32, little-endian, "
                                f"of the tower's width)")
     given = {k: body[k] for k in ("normalize", "use_activation") if body.get(k) is not None}  # vLLM 0.33's name, ours
