@@ -201,7 +201,7 @@ class Serving:
         if role and isinstance(body, dict):  # as vLLM's chat: the consumer would read another model's rows as its own
             if body.get("model") and body["model"] not in settings.served_names:
                 raise RequestError(f"The model `{str(body['model'])[:200]}` does not exist.", 404)
-            if body.get("stream") is True:
+            if body.get("stream") not in (None, False):  # vLLM's model reads 1 and "true" as true too
                 raise RequestError("stream: not served (the answer is one JSON object)")
         found = await asyncio.to_thread(request_items, body, settings.policy, role)  # base64 off the loop
         if len(found) > settings.max_items:
@@ -391,8 +391,10 @@ async def embeddings(request: Request) -> Any:
     body, found = await s.items_of(request, False)
     form = "float" if body.get("encoding_format") is None else body["encoding_format"]  # null: OpenAI's default
     # What the answer would silently not honour (vLLM's and OpenAI's other fields) is refused.
-    served = {"dimensions": (None,)}
-    if form == "base64":  # the bytes' type and order; the float form has neither
+    # embed_dtype and endianness: vLLM's names, honoured by base64 alone (the bytes' type and order).
+    served = {"dimensions": (None,), "embed_dtype": (None, "float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2"),
+              "endianness": (None, "native", "big", "little")}
+    if form == "base64":
         served.update(embed_dtype=(None, "float32"), endianness=(None, "native", "little"))
     for name, values in served.items():
         if body.get(name) not in values:

@@ -91,6 +91,9 @@ def bad_requests(media) -> dict[str, tuple]:
         "another model": ("/v1/chat/completions", {**chat(part(good, "m1")), "model": "other/model"}, {}, 404,
                           "other/model"),
         "a stream": ("/v1/chat/completions", chat(part(good, "s1"), stream=True), {}, 400, "stream"),
+        "a stream as 1": ("/v1/chat/completions", chat(part(good, "s2"), stream=1), {}, 400, "stream"),
+        "embed_dtype float64": ("/v1/embeddings", chat(part(good), embed_dtype="float64"), {}, 400, "embed_dtype",
+                                "'float64'"),
         "no item to embed": ("/v1/embeddings", chat(), {}, 400, "no image or video item"),
         "use_activation against normalize": ("/v1/embeddings", chat(part(good), normalize=True, use_activation=False),
                                              {}, 400, "'use_activation': False"),
@@ -161,7 +164,8 @@ def bad_requests(media) -> dict[str, tuple]:
     }
 
 
-@pytest.mark.parametrize("case", ["broken image", "another model", "a stream", "no item to embed",
+@pytest.mark.parametrize("case", ["broken image", "another model", "a stream", "a stream as 1",
+                                  "embed_dtype float64", "no item to embed",
                                   "use_activation against normalize", "use_activation as text", "dimensions 8",
                                   "embed_dtype float16", "endianness big", "uuid ../x",
                                   "uuid of the folder's identity",
@@ -227,7 +231,10 @@ def test_health_models_and_metrics_the_key_guarding_v1_alone(served, media):
     # vLLM's embeddings check neither the name nor stream.
     answer = client.post("/v1/embeddings", json=chat(part(data_url(media["c.png"])), model="another", stream=True))
     assert answer.status_code == 200 and answer.json()["model"] == "tiny", answer.text
-    client.post("/v1/embeddings", json=chat(part(data_url(media["c.png"]))))
+    # vLLM's names for base64's bytes, which the float form does not use.
+    answer = client.post("/v1/embeddings", json=chat(part(data_url(media["c.png"])), embed_dtype="float16",
+                                                     endianness="big"))
+    assert answer.status_code == 200, answer.text
     error_of(client.get("/v1/models", headers={"Authorization": f"Bearer {KEY}x"}), 401)
     client.get("/nowhere")
     response = client.get("/metrics", headers={"Authorization": ""})  # a scraper set up for vLLM has no key
