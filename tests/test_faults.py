@@ -235,6 +235,27 @@ def test_a_full_disk_stops_with_exit_3_and_resume_finishes_once_there_is_room(
     assert_exactly_once(out, clean)
 
 
+def test_a_prune_frees_a_full_disk_and_accounts_for_what_it_removed(small_disk, capsys):
+    """When a prune is most needed: the disk so full that its list of removed items cannot grow."""
+    from qwenvl_vision.inputs.item_ids import IDENTITY_FIELDS
+    from qwenvl_vision.outputs.cache_prune import PRUNED
+    from qwenvl_vision.outputs.vllm_cache import CACHE_FILE, claim_cache_folder, write_item
+
+    mount, fill, _ = small_disk
+    out = mount / "cache"
+    claim_cache_folder(out, dict.fromkeys(IDENTITY_FIELDS, "x"), "t")
+    names = [f"item{i}" for i in range(4)]
+    for i, name in enumerate(names):
+        write_item(out, name, torch.zeros(64, 256), "t")
+        os.utime(out / name / CACHE_FILE, (1e9 + i, 1e9 + i))  # the first the oldest
+    fill(0)
+    size = (out / names[0] / CACHE_FILE).stat().st_size
+    assert main(["cache", "prune", str(out), "--max-gb", str(size * 2.5 / 1e9)]) == 0, capsys.readouterr().err
+    assert "removed 2 item(s)" in capsys.readouterr().out
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("item")) == names[2:]
+    assert [json.loads(line)["id"] for line in (out / PRUNED).read_text().splitlines()] == names[:2]
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_outputs_that_are_not_finite_are_never_stored_as_ok_in_any_dtype(tmp_path, images, dtype, capsys):
     """A checkpoint whose finite weights overflow the forward (the merger's last weight near float32's largest):

@@ -78,16 +78,8 @@ def _manifest_ok(out: Path) -> list[dict]:
 
 
 def _manifest_embeddings(out: Path, records: list[dict], deepstack: bool) -> Iterator[tuple[str, object]]:
-    handle, open_shard, pruned, skipped = None, None, None, 0
+    handle, open_shard, pruned, skipped = None, None, set(), 0
     for r in records:
-        if "levels" in r and r["shard"] != open_shard and not (out / r["shard"]).is_file():
-            from ..outputs.cache_prune import PRUNED
-
-            if pruned is None:  # read once, at the first missing item; a prune killed mid-append left a torn line
-                pruned = {p["id"] for p in read_manifest_lines(out / PRUNED, strict=False)}
-            if r.get("id") in pruned:
-                skipped += 1
-                continue
         try:
             if r["shard"] != open_shard:
                 handle, open_shard = safe_open(out / r["shard"], framework="pt"), r["shard"]
@@ -102,6 +94,14 @@ def _manifest_embeddings(out: Path, records: list[dict], deepstack: bool) -> Ite
                 levels = [handle.get_tensor(k) for k in sorted((k for k in handle.keys() if k.startswith(prefix)),
                                                                 key=lambda k: int(k[len(prefix):]))]
         except Exception as e:  # noqa: BLE001 - safetensors' own error for a missing or damaged shard or tensor
+            if "levels" in r and not (out / r["shard"]).is_file():
+                from ..outputs.cache_prune import PRUNED
+
+                if r.get("id") not in pruned:  # read again: a prune may run meanwhile (it lists items before they go)
+                    pruned = {p["id"] for p in read_manifest_lines(out / PRUNED, strict=False)}  # torn: a kill's
+                if r.get("id") in pruned:
+                    skipped += 1
+                    continue
             raise ManifestError(f"{out / MANIFEST}: {r['shard']} {r['key']!r} cannot be read ({e})") from None
         yield r["path"], (tensor, levels) if deepstack else tensor
     if skipped:

@@ -6,7 +6,8 @@ the cache folder under a size bound": what is removed, what is kept, the exit st
   files, never through a link, then their folder where it is left empty.
 - ``vllm_cache.CACHE_LOCK`` is held while the folder is read and items removed, as writers hold it while they write
   and record items: an item found in place by a writer is recorded before a prune can see it.
-- A running ``embed``'s items are those last written since its ``embed.lock`` was made, while a process holds it.
+- A running ``embed``'s items are those last written since its ``embed.lock`` was made, while a process holds it,
+  but for the server's (whose metadata carries ``ENTRY_KEY``; their uuids may be 64 hex digits too).
 - Every removed item is appended to ``PRUNED`` before it goes, so a manifest line whose item is gone is accounted
   for. Sizes count the folder's other files too, so the folder as a whole stays under the bound.
 - An item's temporary file found with the lock held is a killed writer's (writers make them only while holding it):
@@ -16,6 +17,7 @@ the cache folder under a size bound": what is removed, what is kept, the exit st
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import stat
@@ -24,9 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import CacheFolderError
-from ..inputs.item_ids import is_sha256
 from .durable import append_synced, fsync_dir, lock_held
-from .vllm_cache import CACHE_FILE, IDENTITY_FILE, ITEM_NAME, cache_lock
+from .vllm_cache import CACHE_FILE, ENTRY_KEY, IDENTITY_FILE, ITEM_NAME, cache_lock
 
 PRUNED = "pruned.jsonl"  # the items a prune removed, one JSON line each
 RUN_LOCKS = ("embed.lock", "embed.rank*.lock")  # a running embed's (embed.lock's lock_name)
@@ -120,8 +121,6 @@ def prune_cache(folder: str | os.PathLike, max_bytes: int, dry_run: bool = False
     with contextlib.nullcontext() if dry_run else cache_lock(folder, wait_s=LOCK_WAIT_S):
         items = items_of(folder)
         since = running_embed_since(folder)
-        # An embed's own items only (64 hex digits): the server's, named by uuids, are written under the lock.
-        held = {i.id for i in items if since is not None and is_sha256(i.id) and i.last_write >= since}
         total, stale = folder_bytes(folder), 0
         for path in folder.glob(f"*/{CACHE_FILE}.*.tmp"):
             if ITEM_NAME.fullmatch(path.parent.name) and not path.parent.is_symlink() and not path.is_symlink():
@@ -131,11 +130,12 @@ def prune_cache(folder: str | os.PathLike, max_bytes: int, dry_run: bool = False
                     if not dry_run:
                         path.unlink()
         now = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-        removed, lines = [], []
+        removed, lines, held = [], [], 0
         for item in items:
             if total <= max_bytes:
                 break
-            if item.id in held:
+            if since is not None and item.last_write >= since and not served_item(item.path):
+                held += 1
                 continue
             removed.append(item)
             lines.append(json.dumps({"id": item.id, "bytes": item.bytes, "last_write": item.last_write,
@@ -144,14 +144,31 @@ def prune_cache(folder: str | os.PathLike, max_bytes: int, dry_run: bool = False
         if removed and not dry_run:
             remove_items(folder, removed, "".join(lines))
             total = folder_bytes(folder)
-        return PruneReport(removed=removed, kept=len(items) - len(removed), kept_bytes=total, held=len(held),
+        return PruneReport(removed=removed, kept=len(items) - len(removed), kept_bytes=total, held=held,
                            stale=stale, running=since is not None, bound=max_bytes)
+
+
+def served_item(path: Path) -> bool:
+    """Whether the item file is the server's (its metadata holds ``ENTRY_KEY``); one unread is kept as an embed's."""
+    from safetensors import SafetensorError, safe_open
+
+    with contextlib.suppress(SafetensorError, OSError), safe_open(path, framework="pt") as f:
+        return ENTRY_KEY in (f.metadata() or {})
+    return False
 
 
 def remove_items(folder: Path, items: list[Item], lines: str) -> None:
     """The items' ``lines`` in ``PRUNED`` first (so no item is gone unaccounted), then each file and its folder
-    when left empty."""
-    append_synced(folder / PRUNED, lines.encode())
+    when left empty. On a full disk, when a prune is most needed, the oldest items go first to make room for the
+    lines (a kill before they land leaves those unlisted)."""
+    for gone in range(len(items) + 1):
+        try:
+            append_synced(folder / PRUNED, lines.encode())
+            break
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT) or gone == len(items):
+                raise
+            items[gone].path.unlink(missing_ok=True)
     for item in items:
         item.path.unlink(missing_ok=True)
         with contextlib.suppress(OSError):  # not empty (a file not of this package's): kept

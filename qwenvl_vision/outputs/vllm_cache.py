@@ -45,6 +45,7 @@ CACHE_FILE = "encoder_cache.safetensors"
 CACHE_KEY = "ec_cache"
 IDENTITY_FILE = "qwenvl_vision_cache.json"
 ITEM_KEY = "qwenvl_vision_item"  # an item file's metadata: its id
+ENTRY_KEY = "qwenvl_vision_entry"  # a serve item's metadata: what a request needs of it (``entry``)
 # An item's folder name (an item_id, or a serve client's uuid): the folder's own files and an embed run's all have
 # a dot, so no item can be named as one of them.
 ITEM_NAME = re.compile(r"[A-Za-z0-9_-]{1,128}")

@@ -36,13 +36,12 @@ from starlette.requests import ClientDisconnect
 
 from ..errors import CacheFolderError, EncoderClosedError, QwenVLVisionError, first_line
 from ..outputs.handoff import EncodedItems, vllm_items
-from ..outputs.vllm_cache import cache_lock, claim_cache_folder, entry, found_item, write_item
+from ..outputs.vllm_cache import ENTRY_KEY, cache_lock, claim_cache_folder, entry, found_item, write_item
 from ..results import ItemResult
 from .batcher import Batcher
 from .media import Item, MediaPolicy, RequestError, request_items
 
 MEDIA_THREADS = 8  # URLs and files read at once; a URL read stops at its decode timeout (fetch)
-ENTRY_KEY = "qwenvl_vision_entry"  # an item file's metadata: what the request needs of it (vllm_cache.entry)
 
 
 @dataclass(frozen=True)

@@ -101,6 +101,28 @@ def test_a_prune_after_one_killed_mid_append_still_accounts_for_what_it_removes(
         assert sorted(dict(read_embeddings(out))) == sorted(r["path"] for r in records[1:])
 
 
+def test_a_run_read_while_prunes_remove_its_items_skips_each_of_them(tmp_path, checkpoint):
+    """A prune from cron meanwhile: each item it removes is skipped, however far along the reading is."""
+    make_image_folder(tmp_path / "imgs", 5, bad=False)
+    out = tmp_path / "cache"
+    assert embed_cache(tmp_path / "imgs", out, checkpoint) == 0
+    records = read_manifest_lines(out / "manifest.jsonl")
+    order = [r["id"] for r in records]
+    age_items(out, [order[1], order[3], order[0], order[2], order[4]], time.time() - 3600)  # 1, then 3, the oldest
+
+    def prune_one(item: str) -> None:
+        bound = folder_bytes(out) - items(out)[item].stat().st_size + 300  # its line in pruned.jsonl stays
+        assert [i.id for i in prune_cache(out, bound).removed] == [item]
+
+    prune_one(order[1])
+    reading = read_embeddings(out)
+    with pytest.warns(UserWarning, match="2 item"):
+        read = [next(reading)[0], next(reading)[0]]  # past the first removed item
+        prune_one(order[3])
+        read += [path for path, _ in reading]
+    assert read == [records[i]["path"] for i in (0, 2, 4)]
+
+
 def test_a_killed_writer_s_temporary_item_file_is_removed_and_costs_no_item_its_place(tmp_path, checkpoint, capsys):
     make_image_folder(tmp_path / "imgs", 3, bad=False)
     out = tmp_path / "cache"
@@ -236,22 +258,26 @@ def test_a_folder_above_the_bound_only_by_its_own_files_is_done_and_one_held_by_
 
 
 def test_items_written_under_a_serve_client_s_uuids_are_pruned_oldest_first(tmp_path, capsys):
-    """Even beside a running embed: what it holds is its own items (64 hex digits), not the server's."""
+    """Even beside a running embed: what it holds is its own items, not the server's, whose uuids may be 64 hex
+    digits too (a proxy's sha256 of the URL)."""
+    import hashlib
+
     import torch
 
     from qwenvl_vision.inputs.item_ids import IDENTITY_FIELDS
-    from qwenvl_vision.outputs.vllm_cache import claim_cache_folder, write_item
+    from qwenvl_vision.outputs.vllm_cache import ENTRY_KEY, claim_cache_folder, write_item
 
     out = tmp_path / "shared"  # as `serve --ec-shared-storage` writes it: the folder claimed, items by uuid
     claim_cache_folder(out, dict.fromkeys(IDENTITY_FIELDS, "x"), "t")
-    names = ["old-uuid", "mid_uuid", "newUuid"]
+    hashed = hashlib.sha256(b"https://example.com/a.png").hexdigest()
+    names = ["e" * 64, "old-uuid", hashed, "newUuid"]  # the first the embed's, the oldest
     for name in names:
-        assert write_item(out, name, torch.zeros(8, 16), "t")
+        assert write_item(out, name, torch.zeros(8, 16), "t", None if name == "e" * 64 else {ENTRY_KEY: "{}"})
     running = FolderLock(out / "embed.lock", str(out))  # an embed writing into the same folder meanwhile
     running.acquire()
-    age_items(out, names, time.time() + 60)  # touched by the server since the embed started
-    bound = folder_bytes(out) - items(out)["old-uuid"].stat().st_size // 2  # the oldest must go, no more
+    age_items(out, names, time.time() + 60)  # written or touched since the embed started
+    bound = folder_bytes(out) - items(out)["old-uuid"].stat().st_size * 3 // 2  # two of the server's must go
     assert main(["cache", "prune", str(out), "--max-gb", str(bound / 1e9)]) == 0
     running.release()
-    assert "removed 1 item(s)" in capsys.readouterr().out
-    assert sorted(items(out)) == ["mid_uuid", "newUuid"] and not (out / "old-uuid").exists()
+    assert "removed 2 item(s)" in capsys.readouterr().out
+    assert sorted(items(out)) == sorted(["e" * 64, "newUuid"])
