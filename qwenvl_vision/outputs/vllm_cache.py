@@ -9,8 +9,9 @@ made in. With a uuid and no processor keyword arguments, vLLM uses the uuid as t
 
 - ``{id}/encoder_cache.safetensors`` per item, ``id`` = ``item_ids.item_id`` (64 hex digits: the model's identity,
   the modality, the grid and the pixels' hash), or for ``serve`` the request's uuid (any name ``ITEM_NAME`` takes);
-  its metadata names its id (``ITEM_KEY``). Each is written whole under a temporary name (created exclusively, never
-  through a link) and renamed into place. A link at an item's name or folder is an ``OutputLinkError``, left as it is.
+  its metadata says whose it is (an embed run's record, or the server's ``ENTRY_KEY``). Each is written whole under a
+  temporary name (created exclusively, never through a link) and renamed into place. A link at an item's name or
+  folder is an ``OutputLinkError``, left as it is.
 - ``qwenvl_vision_cache.lock`` (item writers, ``cache_prune``) and ``qwenvl_vision_cache.json`` (the model's
   identity): a folder with another model's identity, or with items and no identity (written by something else), is
   refused (``CacheFolderError``), since a consumer would load those items for this model's prompts.
@@ -44,7 +45,6 @@ from .handoff import MODALITIES, VllmItem, vllm_items
 CACHE_FILE = "encoder_cache.safetensors"
 CACHE_KEY = "ec_cache"
 IDENTITY_FILE = "qwenvl_vision_cache.json"
-ITEM_KEY = "qwenvl_vision_item"  # an item file's metadata: its id
 ENTRY_KEY = "qwenvl_vision_entry"  # a serve item's metadata: what a request needs of it (``entry``)
 # An item's folder name (an item_id, or a serve client's uuid): the folder's own files and an embed run's all have
 # a dot, so no item can be named as one of them.
@@ -122,15 +122,15 @@ def claim_cache_folder(folder: str | os.PathLike, identity: dict[str, str], tag:
 
 
 def write_item(folder: Path, item: str, rows: torch.Tensor, tag: str, metadata: dict[str, str] | None = None) -> bool:
-    """``folder/item/encoder_cache.safetensors`` holding ``rows`` as ``"ec_cache"``, whole or not at all, its id and
-    ``metadata`` in its metadata. An item already there is kept if safetensors reads it, else replaced. ``tag`` names
+    """``folder/item/encoder_cache.safetensors`` holding ``rows`` as ``"ec_cache"``, whole or not at all, with
+    ``metadata``. An item already there is kept if safetensors reads it, else replaced. ``tag`` names
     the temporary file. Whether it was written."""
     target = folder / item / CACHE_FILE
     if found_item(folder, item) is not None:  # kept; a file safetensors does not read is rewritten below
         return False
     target.parent.mkdir(exist_ok=True)
     rows = rows.detach().contiguous().cpu()
-    data = save({CACHE_KEY: rows}, metadata={"format": "pt", **(metadata or {}), ITEM_KEY: item})
+    data = save({CACHE_KEY: rows}, metadata={"format": "pt", **(metadata or {})})
     replace_atomically(target, target.parent / f"{CACHE_FILE}.{tag}.tmp", lambda f: f.write(data))
     fsync_dir(folder)
     return True
