@@ -191,6 +191,17 @@ def read_within(fs: Any, path: str, url: str, limit: int | None) -> bytes:
     return b"".join(chunks)
 
 
+def read_version(fs: Any, path: str, url: str, version: str, limit: int | None) -> bytes:
+    """An S3 object's version, as ``read_within`` reads the latest: its size asked first (a range on an empty
+    object is refused, and one above the budget would be fetched up to it)."""
+    bucket, key, _ = fs.split_path(path)  # s3fs's info takes no version unless the whole file system is version-aware
+    size = fs.call_s3("head_object", Bucket=bucket, Key=key, VersionId=version)["ContentLength"]
+    if limit is not None and size > limit:
+        raise over_budget(url, limit, size)
+    end = None if limit is None else limit + 1
+    return b"" if size == 0 else fs.cat_file(path, version_id=version, start=0, end=end)
+
+
 def fetch(url: str, key: str | None = None, limit: int | None = None) -> bytes:
     """The object's bytes, at most ``limit`` of them (the decode budget it is decoded under; None: no bound); with
     ``key`` (its identity as listed), those of the object the key names, or a PreprocessError saying it changed."""
@@ -199,8 +210,8 @@ def fetch(url: str, key: str | None = None, limit: int | None = None) -> bytes:
     # S3 reads a version in one request (s3fs's ranged reads of a large object size it by the latest version), its
     # range one byte past the budget.
     by_version = pin is not None and pin[0] == "version" and url.split("://", 1)[0].lower() in ("s3", "s3a")
-    data = retried(lambda: fs.cat_file(path, version_id=pin[1], start=0, end=None if limit is None else limit + 1)
-                   if by_version else read_within(fs, path, url, limit), url, "read it")
+    data = retried(lambda: read_version(fs, path, url, pin[1], limit) if by_version else
+                   read_within(fs, path, url, limit), url, "read it")
     if limit is not None and len(data) > limit:
         raise over_budget(url, limit)
     if pin is not None and not by_version:

@@ -352,6 +352,29 @@ def test_a_body_above_the_decode_budget_fails_alone_unread(photos, checkpoint, t
     assert torch.equal(dict(read_embeddings(out))[urls[2]], want[paths[0].name])
 
 
+def test_a_versioned_object_above_the_budget_is_refused_by_its_size_and_an_empty_one_as_empty(
+        photos, checkpoint, tmp_path, monkeypatch):
+    """An S3 object read by its version (a versioned bucket) is held to the budget as the latest is: by its size."""
+    pytest.importorskip("s3fs")
+    pytest.importorskip("moto")
+    root, paths, want = photos
+    budget = 1 << 20  # --decode-mib 1
+    with s3_client(monkeypatch) as client:
+        client.create_bucket(Bucket="budget-version")
+        client.put_bucket_versioning(Bucket="budget-version", VersioningConfiguration={"Status": "Enabled"})
+        bodies = {"large.jpg": bytes(2 * budget), "empty.jpg": b"", paths[0].name: paths[0].read_bytes()}
+        for name, body in bodies.items():
+            client.put_object(Bucket="budget-version", Key=name, Body=body)
+        urls = [f"s3://budget-version/{name}" for name in bodies]
+        out = tmp_path / "out"
+        assert run_embed(urls, checkpoint, out, "--decode-mib", "1", *SMALL) == 1
+    by_path = {r["path"]: r for r in read_manifest_lines(out / "manifest.jsonl")}
+    assert all("#version=" in r["realpath"] for r in by_path.values())
+    assert f"{2 * budget:,} bytes, more than the decode budget" in by_path[urls[0]]["error"]
+    assert "empty" in by_path[urls[1]]["error"] and "attempts" not in by_path[urls[1]]["error"]
+    assert torch.equal(dict(read_embeddings(out))[urls[2]], want[paths[0].name])
+
+
 def test_a_body_longer_than_announced_is_read_no_further_than_the_budget(checkpoint, tmp_path):
     """A server that announces 100 bytes and answers the GET with 206 and an endless body: the read stops one byte
     past the budget (the input fails saying so), and the server sends little more than that."""
