@@ -63,11 +63,14 @@ class Inputs:
                 columns = {n: cell(v, types[n]) for n, v in columns.items()}
             key, why = known.get(path, (None, None))
             key = key or given or (canonical(path) if is_url(path) else os.path.realpath(path))  # no password kept
-            if key in seen:
+            # A URL's version or ETag, read now, is not what makes two spellings one object: torchrun's ranks,
+            # each listing the inputs at its own moment, must merge them alike to split them alike.
+            same = file_of(key) if path in known else key
+            if same in seen:
                 if columns is not None:  # a table's row naming a file given before: its columns are the file's
-                    self.columns.setdefault(seen[key], columns)
+                    self.columns.setdefault(seen[same], columns)
                 continue
-            seen[key] = path
+            seen[same] = path
             if not is_url(path):
                 file = os.path.realpath(member.shard) if member else key  # a member's key: its shard's, then name
                 key = file_identity(file) + key[len(file):]

@@ -153,6 +153,24 @@ def test_a_url_refused_before_it_is_read_keeps_no_secret_in_its_identity():
                                                  "https://h/x.csv?w=1"]
 
 
+def test_two_spellings_of_one_url_are_one_input_whether_or_not_their_metadata_could_be_read(tmp_path, monkeypatch):
+    """torchrun's ranks list the inputs each at its own moment and split them by position: a signature refused on
+    one rank and not another must not change which inputs there are."""
+    from tests.helpers.servers import http_folder
+
+    monkeypatch.setattr(remote, "BACKOFF_S", 0.01)
+    monkeypatch.setattr(remote, "INFO_WORKERS", 1)  # in order: the refusals below meet the first spelling
+    names = [p.name for p in make_folder(tmp_path / "imgs", 3, bad=False) if p.parent.name == "imgs"]
+    listed = []
+    for failures in ({}, {names[0]: [403] * 2}):  # fsspec's metadata read tries a HEAD, then a GET
+        with http_folder(tmp_path / "imgs", failures=failures, etag="v1") as base:
+            urls = [f"{base}/{names[0]}?X-Amz-Signature=old", f"{base}/{names[1]}",
+                    f"{base}/{names[0]}?X-Amz-Signature=new"]
+            found = gather_inputs(urls)
+        listed.append([p.replace(base, "") for p in found.paths])
+    assert listed[0] == listed[1] == [urls[0].replace(base, ""), f"/{names[1]}"]
+
+
 def test_a_url_is_told_by_its_path_not_its_query(monkeypatch):
     """An image whose query ends in .csv is read (here: nothing listens, so it fails reading); a shard whose query
     ends in anything is refused unread as a shard."""

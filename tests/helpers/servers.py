@@ -19,12 +19,19 @@ class QuietHandler(http.server.SimpleHTTPRequestHandler):
 class FailingHandler(QuietHandler):
     """Answers a request for a name in ``failures`` (name -> [status, ...]) with the next status listed, then serves
     it; one in ``redirects`` (name -> URL) always with a redirect there; one in ``unsized`` with its file and no
-    length (the body ends as the connection closes). ``requests`` records (method, name) of every request."""
+    length (the body ends as the connection closes). ``requests`` records (method, name) of every request; ``etag``,
+    where given, is every answer's ETag (as an object store sends one)."""
 
     failures: dict[str, list[int]] = {}
     redirects: dict[str, str] = {}
     unsized: frozenset[str] = frozenset()
     requests: list[tuple[str, str]] = []
+    etag: str | None = None
+
+    def end_headers(self) -> None:
+        if self.etag:
+            self.send_header("ETag", f'"{self.etag}"')
+        super().end_headers()
 
     def answer(self, method: str) -> bool:
         name = self.path.split("?", 1)[0].rsplit("/", 1)[-1]
@@ -59,15 +66,16 @@ class FailingHandler(QuietHandler):
 @contextlib.contextmanager
 def http_folder(folder: Path, failures: dict[str, list[int]] | None = None,
                 requests: list[tuple[str, str]] | None = None, redirects: dict[str, str] | None = None,
-                unsized: frozenset[str] = frozenset()) -> Iterator[str]:
+                unsized: frozenset[str] = frozenset(), etag: str | None = None) -> Iterator[str]:
     """``folder`` served over HTTP on 127.0.0.1 (a free port); yields the base URL. ``failures``: name -> the HTTP
     statuses its next requests get before it is served; ``requests``: filled with (method, name) of each;
-    ``redirects``: name -> where it always redirects; ``unsized``: names served without a length."""
+    ``redirects``: name -> where it always redirects; ``unsized``: names served without a length; ``etag``: every
+    answer's ETag."""
     handler_class = QuietHandler
-    if failures is not None or requests is not None or redirects is not None or unsized:
+    if failures is not None or requests is not None or redirects is not None or unsized or etag:
         handler_class = type("Failing", (FailingHandler,), {
             "failures": failures or {}, "requests": requests if requests is not None else [],
-            "redirects": redirects or {}, "unsized": unsized})
+            "redirects": redirects or {}, "unsized": unsized, "etag": etag})
     handler = functools.partial(handler_class, directory=str(folder))
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
