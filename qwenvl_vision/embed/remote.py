@@ -96,12 +96,17 @@ def failure(error: BaseException) -> tuple[str, bool]:
     from aiohttp's (its http(s) metadata read, FileNotFoundError from whatever failed), so the nearest of the error's
     causes that tells decides: a bad redirect never helps, an HTTP status may (a server's 5xx, 408 and 429; never 404
     or a refused signature); else the error's type (a connection refused or dropped may; a missing object, a refused
-    certificate or a request unanswered for ``TIMEOUT_S`` never: it would hold the input that long again)."""
+    certificate or a request unanswered for ``TIMEOUT_S`` never: it would hold the input that long again). A store
+    without credentials is the run's ``ConfigError``."""
     aiohttp, seen = None, error
     # Imported wherever one of its errors can be there; the import statement waits for a thread still importing it
     # (sys.modules holds a module half made until then; None where it is blocked).
     if sys.modules.get("aiohttp") is not None:
         import aiohttp
+    boto = sys.modules.get("botocore.exceptions")  # s3fs's: by then imported whole
+    if boto is not None and isinstance(error, boto.NoCredentialsError):  # every object of the store would fail
+        raise ConfigError(f"{type(error).__name__}: {error}: set the store's credentials as boto3 reads them "
+                          f"(AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, a profile, a role)") from None
     for _ in range(8):  # a chain of causes, never a cycle's worth
         if aiohttp and isinstance(seen, aiohttp.TooManyRedirects):
             return f"a redirect loop: too many redirects ({len(seen.history)} followed)", False
@@ -122,7 +127,8 @@ def failure(error: BaseException) -> tuple[str, bool]:
     if isinstance(error, FileNotFoundError):
         return "not found", False
     text = " ".join(redacted_text(str(error)).split()) or type(error).__name__  # a store's message may hold the URL
-    permanent = isinstance(error, PERMANENT) or aiohttp and isinstance(error, aiohttp.ClientSSLError)  # a certificate
+    permanent = isinstance(error, PERMANENT) or aiohttp and isinstance(error, aiohttp.ClientSSLError) or \
+        boto is not None and isinstance(error, boto.ParamValidationError)  # a certificate; a request s3fs made wrong
     return f"{type(error).__name__}: {text[:300]}", not permanent
 
 
@@ -149,6 +155,8 @@ def identities(urls: list[str]) -> dict[str, tuple[str, str | None]]:
             return identity(url), None
         except PreprocessError as e:
             return canonical(url), str(e)
+        except ConfigError:
+            raise  # the run's (no credentials): every other URL of the store would fail as this one
         except Exception as e:  # noqa: BLE001 - a store's own error outside the retried calls: this input's
             return canonical(url), redacted_text(f"{redacted(url)}: cannot read its metadata ({failure(e)[0]})", url)
 

@@ -219,6 +219,23 @@ def test_a_ray_actor_reads_the_object_its_identity_column_names(photos, checkpoi
         assert unchecked.column("error").to_pylist() == [None]
 
 
+def test_a_store_without_credentials_is_the_run_s_setup_error_at_once(checkpoint, tmp_path, monkeypatch, capsys):
+    """Not each object's failure after its retries (hours of listing for a large collection): exit 2, one line."""
+    pytest.importorskip("s3fs")
+    for name in [n for n in os.environ if n.startswith("AWS_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no instance role asked for
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing leaves the machine
+    monkeypatch.setattr(remote, "BACKOFF_S", 60)  # a retry would show as a minute
+    started = time.monotonic()
+    capsys.readouterr()
+    assert run_embed([f"s3://bucket/{i}.jpg" for i in range(3)], checkpoint, tmp_path / "out", *SMALL) == 2
+    one_error_line(capsys.readouterr().err, "NoCredentialsError", "AWS_ACCESS_KEY_ID")
+    assert time.monotonic() - started < 30
+
+
 def test_urls_without_the_extra_are_refused_in_one_line(checkpoint, tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "fsspec", None)  # every import of fsspec fails now
     assert run_embed(["http://127.0.0.1:9/a.jpg"], checkpoint, tmp_path / "o", *SMALL) == 2
