@@ -42,7 +42,6 @@ class Inputs:
     columns: dict[str, dict] = field(default_factory=dict)  # path -> the values its table row carries
     column_types: dict[str, str] = field(default_factory=dict)  # carried column -> its type (parquet.CARRIED_TYPES)
     members: dict[str, Member] = field(default_factory=dict)  # path -> where a shard member's bytes are
-    remote: set[str] = field(default_factory=set)  # the paths that are URLs (remote.py)
     _pending: list[tuple] = field(default_factory=list, repr=False)
 
     def add(self, path: str, error: str | None = None, columns: dict | None = None,
@@ -82,8 +81,6 @@ class Inputs:
                 self.columns[path] = columns
             if member is not None:
                 self.members[path] = member
-            if path in known:
-                self.remote.add(path)
         self._pending = []
         return self
 

@@ -365,7 +365,7 @@ class EmbedJob:
         inputs = self.inputs
         with self.encoder:
             for batch in self.encoder.iter_encode(
-                    items_of(todo, inputs.members, inputs.remote, inputs.keys), video=None,
+                    items_of(todo, inputs.members, inputs.keys), video=None,
                     on_prepared=lambda index, tokens: self.progress.update(1, tokens), **self.encode_options()):
                 paths = [todo[r.index] for r in batch]
                 yield [record_from_result(r, p, inputs.keys[p], inputs.columns.get(p)) for r, p in zip(batch, paths)]

@@ -29,6 +29,7 @@ import torch
 
 from ..devices import resolve_dtype
 from ..errors import ConfigError, EmbedError, ForwardFaultError, OutputFaultError, first_line
+from ..inputs.pixels import is_url
 from ..model.attention import resolve_attn_impl
 from ..outputs.records import EmbeddingRecord
 from .ray import actor_cpus, embed_dataset, records_from_batch
@@ -193,7 +194,7 @@ def encode_on_ray(job, todo: list[str]) -> Iterator[list[EmbeddingRecord]]:
     args, plan = job.settings, job.ray
     # Joined, never normalised: a shard member's name is found in its shard as written (./x), and a file's path
     # resolves as the OS resolves it (a/../b through a linked a).
-    absolute = {p: p if p in job.inputs.remote or os.path.isabs(p) else os.path.join(os.getcwd(), p) for p in todo}
+    absolute = {p: p if is_url(p) or os.path.isabs(p) else os.path.join(os.getcwd(), p) for p in todo}
     items = [{"path": absolute[p], "given": p, "realpath": job.inputs.keys[p]} for p in todo]
     # Four tasks an actor, of at most TASK_BATCHES batches: Ray hands a task's rows on in blocks of up to 128 MiB, so
     # a larger task's would reach the driver (progress, shards, what a killed driver keeps) only once thousands of

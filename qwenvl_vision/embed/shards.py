@@ -150,13 +150,12 @@ def member_file(path: str, member: Member) -> FileBytes:
     return FileBytes(path, fetch=fetch)
 
 
-def items_of(paths: list[str], members: dict[str, Member], remote: set[str] | frozenset = frozenset(),
-             keys: dict[str, str] | None = None) -> Iterator[object]:
+def items_of(paths: list[str], members: dict[str, Member], keys: dict[str, str] | None = None) -> Iterator[object]:
     """What the encoder takes for each input, lazily and in order: a path, or a member's or an object's bytes to be
-    fetched by its decoder (``remote``: the object its identity in ``keys`` names)."""
+    fetched by its decoder (a URL's: the object its identity in ``keys`` names)."""
     for path in paths:
         member = members.get(path)
-        if path in remote:
+        if is_url(path):
             yield remote_file(path, (keys or {}).get(path))
         else:
             yield path if member is None else member_file(path, member)
