@@ -122,6 +122,8 @@ def failure(error: BaseException) -> tuple[str, bool]:
             if status in (401, 403):
                 return f"refused, HTTP {status}: no access, or a signature expired", False
             return "not found" if status in (404, 410) else f"HTTP {status}", status >= 500 or status in (408, 429)
+        if isinstance(seen, ValueError) and seen is not error:  # fsspec's "not found" from yarl's refusal
+            return f"not a valid URL: {redacted_text(str(seen))[:200]}", False
         if (seen := seen.__cause__ or seen.__context__) is None:
             break
     if isinstance(error, FileNotFoundError):

@@ -178,5 +178,5 @@ def test_a_url_is_told_by_its_path_not_its_query(monkeypatch):
     image, shard = "http://127.0.0.1:9/a.jpg?name=x.csv", "http://127.0.0.1:9/s.tar?X-Amz-Signature=SIG"
     odd = "http://[::1/x.jpg"  # no URL urllib can split: one failed input, not the run's end
     found = gather_inputs([image, shard, odd])
-    assert "cannot read its metadata" in found.errors[image] and found.errors[odd]
+    assert "cannot read its metadata" in found.errors[image] and "not a valid URL" in found.errors[odd]
     assert found.errors[shard].endswith("read as a local file only; INPUTs are " + INPUT_KINDS)
