@@ -21,7 +21,7 @@ from qwenvl_vision.loading import load_encoder
 from tests.helpers import make_image_folder
 from tests.helpers.embed import one_error_line
 
-SMALL = ["--max-pixels", str(64 * 64), "--batch-patches", "64"]  # one input a batch: one shard each
+SMALL = ["--max-pixels", str(64 * 64), "--batch-patches", "1"]  # one input a batch: one shard each
 FIXED_RUN = "0123456789abcdef0123456789abcdef"
 
 
@@ -90,7 +90,9 @@ def test_a_recorded_shard_that_cannot_be_read_stops_the_resume_and_once_moved_ou
     out = tmp_path / "out"
     assert embed(images[:2], checkpoint, out) == 0
     stored = {path: tensor.clone() for path, tensor in read_embeddings(out)}  # not a view of the file cut below
-    damaged = out / read_manifest_lines(out / "manifest.jsonl")[0]["shard"]
+    shards = [r["shard"] for r in read_manifest_lines(out / "manifest.jsonl")]
+    assert len(set(shards)) == 2  # the one moved out below leaves another's in place, whose name is not reused
+    damaged = out / shards[0]
     damaged.write_bytes(damaged.read_bytes()[:100])  # a bad disk's, or a copy cut short
     capsys.readouterr()
     assert embed(images[:2], checkpoint, out, "--resume") == 2
