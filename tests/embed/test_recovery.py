@@ -353,15 +353,23 @@ def test_a_file_recorded_ok_that_cannot_be_read_now_keeps_its_record_and_is_not_
     assert {p: torch.equal(t, stored[p]) for p, t in read_embeddings(out)} == {p: True for p in stored}
 
 
-def test_a_file_recorded_ok_that_cannot_be_read_at_the_resume_keeps_its_record(tmp_path, checkpoint, monkeypatch):
+@pytest.mark.parametrize("file_format", ["safetensors", "parquet"])
+def test_a_file_recorded_ok_that_cannot_be_read_at_the_resume_keeps_its_record(tmp_path, checkpoint, monkeypatch,
+                                                                               file_format):
     """Its bytes are not known for a moment (its identity is its bare path): neither embedded again nor failed."""
     from qwenvl_vision.embed import inputs
 
     paths = make_image_folder(tmp_path / "imgs", 2, bad=False)
-    args = ["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(tmp_path / "out")]
+    out = tmp_path / "out"
+    args = ["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(out), "--format", file_format]
     assert main(args) == 0
-    before = read_manifest_lines(tmp_path / "out" / "manifest.jsonl")
+    before = read_manifest_lines(out / "manifest.jsonl") if file_format == "safetensors" else None
+    stored = [(path, tensor.clone()) for path, tensor in read_embeddings(out)]
     hidden, identity = str(paths[0].resolve()), inputs.file_identity
     monkeypatch.setattr(inputs, "file_identity", lambda path: path if path == hidden else identity(path))
     assert main([*args, "--resume"]) == 0
-    assert read_manifest_lines(tmp_path / "out" / "manifest.jsonl") == before
+    if before is not None:
+        assert read_manifest_lines(out / "manifest.jsonl") == before
+    now = list(read_embeddings(out))  # each input once, its tensors as they were
+    assert [p for p, _ in now] == [p for p, _ in stored]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(now, stored))
