@@ -353,6 +353,16 @@ def test_a_file_recorded_ok_that_cannot_be_read_now_keeps_its_record_and_is_not_
     assert {p: torch.equal(t, stored[p]) for p, t in read_embeddings(out)} == {p: True for p in stored}
 
 
+def test_a_resume_listing_a_file_that_is_not_there_records_its_failure(tmp_path, checkpoint, images):
+    """Never recorded, it is no done input whose bytes are unknown for a moment: it fails, with its row."""
+    out = tmp_path / "out"
+    assert embed(images[:2], checkpoint, out) == 0
+    gone = tmp_path / "gone.jpg"
+    assert embed([*images[:2], gone], checkpoint, out, "--resume") == 1
+    records = {r["path"]: r["status"] for r in read_manifest_lines(out / "manifest.jsonl")}
+    assert records == {**{str(p): "ok" for p in images[:2]}, str(gone): "error"}
+
+
 @pytest.mark.parametrize("file_format", ["safetensors", "parquet"])
 def test_a_file_recorded_ok_that_cannot_be_read_at_the_resume_keeps_its_record(tmp_path, checkpoint, monkeypatch,
                                                                                file_format):
