@@ -163,6 +163,16 @@ def test_prune_refuses_what_it_cannot_account_for(tmp_path, checkpoint, capsys):
     assert report.kept == 0 and elsewhere.exists() and (out / ("b" * 64) / CACHE_FILE).is_symlink()
     assert (out / "manifest.jsonl").exists()
 
+    # A link at its list of removed items: never appended through, and nothing removed unlisted.
+    assert embed_cache(tmp_path / "imgs", out, checkpoint, "--resume") == 0
+    before = set(items(out))
+    (out / PRUNED).unlink()
+    (out / PRUNED).symlink_to(elsewhere)
+    capsys.readouterr()
+    assert main(["cache", "prune", str(out), "--max-gb", "0"]) == 3
+    one_error_line(capsys.readouterr().err, PRUNED)
+    assert elsewhere.read_bytes() == b"y" * 10 and set(items(out)) == before
+
 
 def test_a_running_embed_keeps_what_it_recorded_and_the_folder_keeps_to_its_bound(tmp_path, checkpoint):
     """An embed (a --resume with more inputs) runs into the folder while prunes loop beside it: the earlier
