@@ -268,6 +268,31 @@ def test_an_input_whose_lines_were_lost_is_rolled_forward_by_one_rank_only(tmp_p
     assert [r["path"] for r in lines] == [path] and not (tmp_path / part_name(1 - owner, 2)).read_text()
 
 
+@pytest.mark.parametrize("stopped", ["after the merge", "before the merge"])
+def test_a_two_rank_resume_that_lists_nothing_keeps_every_record_once(tmp_path, stopped):
+    """A finished run's failures stay in the merged manifest; an input both ranks' parts hold (the split changed
+    between two stopped runs) is recorded once."""
+    from qwenvl_vision.embed.manifest import MANIFEST
+    from qwenvl_vision.embed.writer import RankWriter, merge_parts
+    from qwenvl_vision.outputs.records import EmbeddingRecord
+
+    ok = EmbeddingRecord("a.jpg", "/d/a.jpg", "ok", grid_thw=(1, 4, 4), tokens=4, embedding=torch.randn(4, 8))
+    failed = EmbeddingRecord("b.jpg", "/d/b.jpg", "error", error="b.jpg: broken")
+    RankWriter(tmp_path, 0, 2, "run1").write_records([ok, failed])
+    if stopped == "after the merge":
+        merge_parts(tmp_path, 2, "run1")
+    else:
+        RankWriter(tmp_path, 1, 2, "run1").write_records([ok])
+    writers = [RankWriter(tmp_path, rank, 2, "run1") for rank in (0, 1)]
+    for writer in writers:
+        writer.recover({})
+    for writer in writers:
+        writer.finish_recovery()
+    merge_parts(tmp_path, 2, "run1")
+    records = sorted((r["path"], r["status"]) for r in read_manifest_lines(tmp_path / MANIFEST))
+    assert records == [("a.jpg", "ok"), ("b.jpg", "error")]
+
+
 def test_a_resume_stopped_before_the_merge_leaves_each_input_once_for_the_next(tmp_path):
     """Two ranks; a resume drops the record of a file replaced since (rank 0's), rank 1 records it anew, and the run
     stops before rank 0 merges the parts (a kill, a full disk): the merged manifest still holds the old record. The
