@@ -293,6 +293,23 @@ def test_a_two_rank_resume_that_lists_nothing_keeps_every_record_once(tmp_path, 
     assert records == [("a.jpg", "ok"), ("b.jpg", "error")]
 
 
+def test_another_run_s_shard_copied_into_the_folder_is_neither_adopted_nor_removed(tmp_path):
+    """Its records are of other settings: a manifest rebuilt from the shards takes only this run's."""
+    from qwenvl_vision.embed.manifest import MANIFEST
+    from qwenvl_vision.embed.writer import RankWriter
+    from qwenvl_vision.outputs.records import EmbeddingRecord
+
+    ok = EmbeddingRecord("a.jpg", "/d/a.jpg", "ok", grid_thw=(1, 4, 4), tokens=4, embedding=torch.randn(4, 8))
+    RankWriter(tmp_path, 0, 1, "runA").write_records([ok])
+    shards = sorted(tmp_path.glob("shard-*"))
+    (tmp_path / MANIFEST).write_text("")  # as if this folder's own run had recorded nothing yet
+    writer = RankWriter(tmp_path, 0, 1, "runB")
+    writer.recover({})
+    writer.finish_recovery()
+    assert not writer.done and not read_manifest_lines(tmp_path / MANIFEST)
+    assert shards and sorted(tmp_path.glob("shard-*")) == shards
+
+
 def test_a_resume_stopped_before_the_merge_leaves_each_input_once_for_the_next(tmp_path):
     """Two ranks; a resume drops the record of a file replaced since (rank 0's), rank 1 records it anew, and the run
     stops before rank 0 merges the parts (a kill, a full disk): the merged manifest still holds the old record. The
