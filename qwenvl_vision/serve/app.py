@@ -30,6 +30,7 @@ import torch
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from pydantic import TypeAdapter, ValidationError
 from safetensors.torch import save
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
@@ -200,8 +201,13 @@ class Serving:
         if role and isinstance(body, dict):  # as vLLM's chat: the consumer would read another model's rows as its own
             if body.get("model") and body["model"] not in settings.served_names:
                 raise RequestError(f"The model `{str(body['model'])[:200]}` does not exist.", 404)
-            if body.get("stream") not in (None, False):  # vLLM's model reads 1 and "true" as true too
-                raise RequestError("stream: not served (the answer is one JSON object)")
+            try:  # as vLLM's model reads its bool field: 1, "true" and "yes" stream; 0, "false" and "no" do not
+                stream = TypeAdapter(bool | None).validate_python(body.get("stream"))
+            except ValidationError:
+                stream = True
+            if stream:
+                raise RequestError(f"stream {reprlib.repr(body['stream'])}: not served (the answer is one JSON "
+                                   f"object)")
         found = await asyncio.to_thread(request_items, body, settings.policy, role)  # base64 off the loop
         if len(found) > settings.max_items:
             raise RequestError(f"messages: {len(found)} images and videos, more than --max-items {settings.max_items}")

@@ -91,7 +91,8 @@ def bad_requests(media) -> dict[str, tuple]:
         "another model": ("/v1/chat/completions", {**chat(part(good, "m1")), "model": "other/model"}, {}, 404,
                           "other/model"),
         "a stream": ("/v1/chat/completions", chat(part(good, "s1"), stream=True), {}, 400, "stream"),
-        "a stream as 1": ("/v1/chat/completions", chat(part(good, "s2"), stream=1), {}, 400, "stream"),
+        "a stream as 1": ("/v1/chat/completions", chat(part(good, "s2"), stream=1), {}, 400, "stream 1"),
+        "a stream as a list": ("/v1/chat/completions", chat(part(good, "s3"), stream=[]), {}, 400, "stream []"),
         "embed_dtype float64": ("/v1/embeddings", chat(part(good), embed_dtype="float64"), {}, 400, "embed_dtype",
                                 "'float64'"),
         "no item to embed": ("/v1/embeddings", chat(), {}, 400, "no image or video item"),
@@ -164,7 +165,7 @@ def bad_requests(media) -> dict[str, tuple]:
     }
 
 
-@pytest.mark.parametrize("case", ["broken image", "another model", "a stream", "a stream as 1",
+@pytest.mark.parametrize("case", ["broken image", "another model", "a stream", "a stream as 1", "a stream as a list",
                                   "embed_dtype float64", "no item to embed",
                                   "use_activation against normalize", "use_activation as text", "dimensions 8",
                                   "embed_dtype float16", "endianness big", "uuid ../x",
@@ -228,6 +229,9 @@ def test_health_models_and_metrics_the_key_guarding_v1_alone(served, media):
     for name in ("its-alias", ""):  # an alias, or no name: as vLLM's chat takes them
         answer = client.post("/v1/chat/completions", json=chat(part(data_url(media["c.png"]), "named"), model=name))
         assert answer.status_code == 200 and answer.json()["model"] == "tiny", answer.text
+    for value in ("false", "no", 0, None):  # what vLLM's model reads as no stream
+        answer = client.post("/v1/chat/completions", json=chat(part(data_url(media["c.png"]), "named"), stream=value))
+        assert answer.status_code == 200, (value, answer.text)
     # vLLM's embeddings check neither the name nor stream.
     answer = client.post("/v1/embeddings", json=chat(part(data_url(media["c.png"])), model="another", stream=True))
     assert answer.status_code == 200 and answer.json()["model"] == "tiny", answer.text
