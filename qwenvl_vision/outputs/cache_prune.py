@@ -32,6 +32,7 @@ from .vllm_cache import CACHE_FILE, ENTRY_KEY, IDENTITY_FILE, ITEM_NAME, cache_l
 PRUNED = "pruned.jsonl"  # the items a prune removed, one JSON line each
 RUN_LOCKS = ("embed.lock", "embed.rank*.lock")  # a running embed's (embed.lock's lock_name)
 LOCK_WAIT_S = 60  # a prune waits this long for the writers' current batches
+FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 @dataclass
@@ -142,7 +143,7 @@ def prune_cache(folder: str | os.PathLike, max_bytes: int, dry_run: bool = False
                                      "pruned": now}) + "\n")
             total -= item.bytes - len(lines[-1].encode())  # the item goes, its line in PRUNED comes
         if removed and not dry_run:
-            remove_items(folder, removed, "".join(lines))
+            remove_items(folder, removed, lines)
             total = folder_bytes(folder)
         return PruneReport(removed=removed, kept=len(items) - len(removed), kept_bytes=total, held=held,
                            stale=stale, running=since is not None, bound=max_bytes)
@@ -157,18 +158,24 @@ def served_item(path: Path) -> bool:
     return False
 
 
-def remove_items(folder: Path, items: list[Item], lines: str) -> None:
+def remove_items(folder: Path, items: list[Item], lines: list[str]) -> None:
     """The items' ``lines`` in ``PRUNED`` first (so no item is gone unaccounted), then each file and its folder
-    when left empty. On a full disk, when a prune is most needed, the oldest items go first to make room for the
-    lines (a kill before they land leaves those unlisted)."""
-    for gone in range(len(items) + 1):
-        try:
-            append_synced(folder / PRUNED, lines.encode())
-            break
-        except OSError as e:
-            if e.errno not in (errno.ENOSPC, errno.EDQUOT) or gone == len(items):
-                raise
-            items[gone].path.unlink(missing_ok=True)
+    when left empty. On a full disk, when a prune is most needed, item by item: its line, or where even that finds
+    no room, the item first (a kill before its line lands leaves it unlisted; so does one whose removal frees
+    nothing, a file held open or kept by a snapshot, and the prune ends there)."""
+    try:
+        append_synced(folder / PRUNED, "".join(lines).encode())
+    except OSError as e:
+        if e.errno not in FULL:
+            raise
+        for item, line in zip(items, lines, strict=True):
+            try:
+                append_synced(folder / PRUNED, line.encode())
+            except OSError as e:
+                if e.errno not in FULL:
+                    raise
+                item.path.unlink(missing_ok=True)
+                append_synced(folder / PRUNED, line.encode())
     for item in items:
         item.path.unlink(missing_ok=True)
         with contextlib.suppress(OSError):  # not empty (a file not of this package's): kept
