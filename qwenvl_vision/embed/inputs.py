@@ -64,7 +64,7 @@ class Inputs:
             key = key or given or (canonical(path) if is_url(path) else os.path.realpath(path))  # no password kept
             # A URL's version or ETag, read now, is not what makes two spellings one object: torchrun's ranks,
             # each listing the inputs at its own moment, must merge them alike to split them alike.
-            same = file_of(key) if path in known else key
+            same = file_of(key) if is_url(path) else key
             if same in seen:
                 if columns is not None:  # a table's row naming a file given before: its columns are the file's
                     self.columns.setdefault(seen[same], columns)

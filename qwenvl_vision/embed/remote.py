@@ -217,8 +217,7 @@ def fetch(url: str, key: str | None = None, limit: int | None = None) -> bytes:
     ``key`` (its identity as listed), those of the object the key names, or a PreprocessError saying it changed."""
     fs, path = filesystem(url)
     pin = pin_of(url, key)
-    # S3 reads a version in one request (s3fs's ranged reads of a large object size it by the latest version), its
-    # range one byte past the budget.
+    # S3 reads a version by its id (s3fs's ranged reads of a large object size it by the latest version).
     by_version = pin is not None and pin[0] == "version" and url.split("://", 1)[0].lower() in ("s3", "s3a")
     data = retried(lambda: read_version(fs, path, url, pin[1], limit) if by_version else
                    read_within(fs, path, url, limit), url, "read it")
