@@ -268,6 +268,18 @@ def test_an_input_whose_lines_were_lost_is_rolled_forward_by_one_rank_only(tmp_p
     assert [r["path"] for r in lines] == [path] and not (tmp_path / part_name(1 - owner, 2)).read_text()
 
 
+def recovered(folder: Path, listed: dict[str, str] | None = None) -> list:
+    """Two ranks of run1 resumed as under torchrun: each recovers, then (past a barrier) each finishes."""
+    from qwenvl_vision.embed.writer import RankWriter
+
+    writers = [RankWriter(folder, rank, 2, "run1") for rank in (0, 1)]
+    for writer in writers:
+        writer.recover(listed or {})
+    for writer in writers:
+        writer.finish_recovery()
+    return writers
+
+
 @pytest.mark.parametrize("stopped", ["after the merge", "before the merge"])
 def test_a_two_rank_resume_that_lists_nothing_keeps_every_record_once(tmp_path, stopped):
     """A finished run's failures stay in the merged manifest; an input both ranks' parts hold (the split changed
@@ -283,11 +295,7 @@ def test_a_two_rank_resume_that_lists_nothing_keeps_every_record_once(tmp_path, 
         merge_parts(tmp_path, 2, "run1")
     else:
         RankWriter(tmp_path, 1, 2, "run1").write_records([ok])
-    writers = [RankWriter(tmp_path, rank, 2, "run1") for rank in (0, 1)]
-    for writer in writers:
-        writer.recover({})
-    for writer in writers:
-        writer.finish_recovery()
+    recovered(tmp_path)
     merge_parts(tmp_path, 2, "run1")
     records = sorted((r["path"], r["status"]) for r in read_manifest_lines(tmp_path / MANIFEST))
     assert records == [("a.jpg", "ok"), ("b.jpg", "error")]
@@ -325,18 +333,10 @@ def test_a_resume_stopped_before_the_merge_leaves_each_input_once_for_the_next(t
     old, new = "/d/x.jpg#size=1,mtime_ns=1", "/d/x.jpg#size=2,mtime_ns=2"
     RankWriter(tmp_path, 0, 2, "run1").write_records([record(old)])
     merge_parts(tmp_path, 2, "run1")
-    writers = [RankWriter(tmp_path, rank, 2, "run1") for rank in (0, 1)]
-    for writer in writers:
-        writer.recover({file_of(new): new})  # the split changed: rank 1 embeds it
-    for writer in writers:
-        writer.finish_recovery()
+    writers = recovered(tmp_path, {file_of(new): new})  # the split changed: rank 1 embeds it
     writers[1].write_records([record(new)])
     assert [r["realpath"] for r in read_manifest_lines(tmp_path / MANIFEST)] == [old]  # stopped before the merge
-    writers = [RankWriter(tmp_path, rank, 2, "run1") for rank in (0, 1)]
-    for writer in writers:
-        writer.recover({})
-    for writer in writers:
-        writer.finish_recovery()
+    recovered(tmp_path)
     merge_parts(tmp_path, 2, "run1")
     assert [r["realpath"] for r in read_manifest_lines(tmp_path / MANIFEST)] == [new]
     assert not (tmp_path / part_name(0, 2)).exists()
