@@ -269,12 +269,36 @@ def grids(grid_thw):
     (grids([[1, 4, 6], [1, 2]]), r"grid_thw is not an \(n, 3\) table of integers"),
     (grids([[1, 4, 6], [1, 2, 3]]), r"item 1: grid \(1, 2, 3\) is not a tower's"),
     (lambda r: dataclasses.replace(r, merge_size=0), "merge size 0 is not a positive integer"),
+    # A level of another width would be split back (vLLM's _compute_deepstack_embeds) into other features.
+    (lambda r: dataclasses.replace(r, deepstack=[r.deepstack[0], [r.deepstack[1][0], torch.zeros(1, 16)]]),
+     r"item 1: DeepStack level 1 of shape \(1, 16\)"),
+    (lambda r: dataclasses.replace(r, embeddings=[r.embeddings[0], torch.zeros(1)]), r"item 1: embedding of shape"),
+    (lambda r: dataclasses.replace(r, video_info=[None]), "2 embeddings but 1 video_info entries"),
 ])
 def test_inconsistent_items_are_named_in_one_line(broken, message):
     for handoff in (to_transformers, to_vllm):
         with pytest.raises(InputError, match=message) as caught:
             handoff(broken(items()))
         assert "\n" not in str(caught.value)
+
+
+def test_an_odd_count_of_frames_is_padded_with_the_last_as_vllm_pads_it_and_frames_may_be_an_array():
+    """vLLM's _calculate_timestamps: frames 0, 2, 4 at 2 fps, padded with 4, are the patches (0+1)/2 and (2+2)/2."""
+    import numpy as np
+
+    clip = items("qwen3_5", levels=0, grids=((2, 2, 2),), modality="video")
+    for frames in ([0, 2, 4], np.array([0, 2, 4]), torch.tensor([0, 2, 4])):
+        handed = to_vllm(dataclasses.replace(clip, video_info=[{"frames": frames, "fps": 2.0}]))
+        assert handed["video"]["timestamps"] == [[0.5, 2.0]]
+
+
+def test_results_of_two_families_are_refused_not_joined():
+    """A family's output class and its video timing fields differ, even between towers of one layout."""
+    for first, second in (("qwen3_vl", "qwen3_vl_moe"), ("qwen2_5_vl", "qwen2_5_omni")):
+        levels = 2 if FAMILIES[first].deepstack else 0
+        for handoff in (to_vllm, to_transformers):
+            with pytest.raises(InputError, match="different families"):
+                handoff(items(first, levels), items(second, levels))
 
 
 def test_items_of_two_widths_or_dtypes_are_refused_not_joined():
