@@ -268,9 +268,10 @@ def test_inputs_are_read_at_most_prefetch_ahead_and_come_in_input_order(monkeypa
     assert all(read <= index + 3 for index, read in seen)  # the input yielded, plus `prefetch` ahead
 
 
-def test_what_is_ready_is_not_held_back_by_a_producer_that_waits_for_it():
+def test_what_is_ready_is_not_held_back_by_a_producer_that_waits_for_it(monkeypatch):
     """A producer that yields its next input only once it has the results so far (a request/response loop) gets
-    them with prefetch=0; a long stream of failures is yielded before it ends."""
+    them with prefetch=0, each once; a long stream of failures is yielded before it ends, with the inputs decoded
+    among them."""
     got = threading.Event()
 
     def producer():
@@ -278,8 +279,11 @@ def test_what_is_ready_is_not_held_back_by_a_producer_that_waits_for_it():
         assert got.wait(WAIT), "the first result was held back while the producer waited for it"
         yield synthetic_photo(56, 56, 1)
 
-    for _ in prepared_batches(producer(), _options(prefetch=0), PRE):
+    seen = []
+    for batch, failed in prepared_batches(producer(), _options(prefetch=0), PRE):
         got.set()
+        seen += [p.index for p in batch + failed]
+    assert seen == [0, 1]
     listed = [synthetic_photo(56, 56, i) for i in range(3)]  # a list waits for nothing: batched as ever
     assert [len(batch) for batch, _ in prepared_batches(listed, _options(prefetch=0), PRE)] == [3]
     pulled = []
@@ -294,6 +298,11 @@ def test_what_is_ready_is_not_held_back_by_a_producer_that_waits_for_it():
     assert not batch and [p.index for p in failed] == list(range(batching.FAILURES_HELD))
     assert len(pulled) <= batching.FAILURES_HELD + 3
     batches.close()
+    monkeypatch.setattr(batching, "FAILURES_HELD", 2)
+    bad = np.zeros((0, 4, 3), np.uint8)
+    mixed = [synthetic_photo(56, 56, 0), bad, bad, synthetic_photo(56, 56, 1)]
+    assert sorted(p.index for batch, failed in prepared_batches(mixed, _options(), PRE) for p in batch + failed) == \
+        [0, 1, 2, 3]
 
 
 def test_a_failure_of_many_lines_is_recorded_by_its_first_and_the_file_named():
@@ -346,6 +355,8 @@ def test_a_video_file_over_max_item_tokens_is_refused_from_its_header_before_a_f
     path = tmp_path / name
     write_video(path, frames, 96, 64, 8)
     [free] = next(encoder.iter_encode([str(path)], **options))
+    if options["video"] is None:  # among images, a video keeps its own pixel bounds
+        assert torch.equal(free.embedding, encoder.encode_videos([str(path)]).embeddings[0])
     rows = free.embedding.shape[0]
     [exact] = next(encoder.iter_encode([str(path)], max_item_tokens=rows, **options))  # the header's count is exact
     assert exact.error is None and torch.equal(exact.embedding, free.embedding)
