@@ -236,35 +236,43 @@ def test_a_full_disk_stops_with_exit_3_and_resume_finishes_once_there_is_room(
 
 
 def test_a_prune_frees_a_full_disk_and_accounts_for_what_it_removed(small_disk, capsys):
-    """When a prune is most needed: the disk so full that its list of removed items cannot grow."""
+    """When a prune is most needed: the disk so full that its list of removed items cannot grow, but for a few bytes
+    a line cut short would take (taken back: the list's lines stay whole)."""
     from qwenvl_vision.inputs.item_ids import IDENTITY_FIELDS
     from qwenvl_vision.outputs.cache_prune import PRUNED
     from qwenvl_vision.outputs.vllm_cache import CACHE_FILE, claim_cache_folder, write_item
 
     mount, fill, make_room = small_disk
+    page = os.statvfs(mount).f_bsize
     out = mount / "cache"
     claim_cache_folder(out, dict.fromkeys(IDENTITY_FIELDS, "x"), "t")
     names = [f"item{i}" for i in range(4)]
     for i, name in enumerate(names):
         write_item(out, name, torch.zeros(64, 256), "t")
         os.utime(out / name / CACHE_FILE, (1e9 + i, 1e9 + i))  # the first the oldest
+
+    def pad(room: int) -> None:
+        """A line that leaves the list's last page ``room`` bytes: a line more needs them, or a page more."""
+        listed = (out / PRUNED).stat().st_size if (out / PRUNED).exists() else 0
+        with open(out / PRUNED, "a") as f:
+            f.write(json.dumps({"id": "padding", "pad": "x" * (-(listed + 29 + room) % page)}) + "\n")
+
+    pad(40)
     fill(0)
     size = (out / names[0] / CACHE_FILE).stat().st_size
     assert main(["cache", "prune", str(out), "--max-gb", str(size * 2.5 / 1e9)]) == 0, capsys.readouterr().err
     assert "removed 2 item(s)" in capsys.readouterr().out
     assert sorted(p.name for p in out.iterdir() if p.name.startswith("item")) == names[2:]
-    assert [json.loads(line)["id"] for line in (out / PRUNED).read_text().splitlines()] == names[:2]
+    assert [json.loads(line)["id"] for line in (out / PRUNED).read_text().splitlines()] == ["padding", *names[:2]]
 
-    # Files held open (vLLM loading one, a reader's map) free nothing as they go: one goes unlisted, no more.
+    # Files held open (vLLM loading one, a reader's map) free nothing as they go: one goes unlisted, named.
     make_room()
-    listed = (out / PRUNED).stat().st_size  # its last page filled: a line more needs one more
-    with open(out / PRUNED, "a") as f:
-        f.write(json.dumps({"id": "padding", "pad": "x" * (-(listed + 29) % 4096)}) + "\n")
-    held = [open(out / name / CACHE_FILE, "rb") for name in names[2:]]  # noqa: SIM115 - closed below
+    pad(0)
+    held = [open(out / name / CACHE_FILE, "rb") for name in names[2:]]  # closed below
     try:
         fill(0)
-        assert main(["cache", "prune", str(out), "--max-gb", "0"]) == 2
-        one_error_line(capsys.readouterr().err, "No space left on device")
+        assert main(["cache", "prune", str(out), "--max-gb", "0"]) == 3
+        one_error_line(capsys.readouterr().err, "disk is full", f"item {names[2]}", "gone unlisted")
         assert [name for name in names[2:] if (out / name / CACHE_FILE).exists()] == names[3:]
     finally:
         for f in held:

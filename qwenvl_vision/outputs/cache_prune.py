@@ -8,8 +8,9 @@ the cache folder under a size bound": what is removed, what is kept, the exit st
   and record items: an item found in place by a writer is recorded before a prune can see it.
 - A running ``embed``'s items are those last written since its ``embed.lock`` was made, while a process holds it,
   but for the server's (whose metadata carries ``ENTRY_KEY``; their uuids may be 64 hex digits too).
-- Every removed item is appended to ``PRUNED`` before it goes, so a manifest line whose item is gone is accounted
-  for. Sizes count the folder's other files too, so the folder as a whole stays under the bound.
+- Every removed item is appended to ``PRUNED`` before it goes (on a full disk, see ``remove_items``), so a manifest
+  line whose item is gone is accounted for. Sizes count the folder's other files too, so the folder as a whole
+  stays under the bound.
 - An item's temporary file found with the lock held is a killed writer's (writers make them only while holding it):
   removed first, or it would count against the bound for ever and cost real items their place.
 """
@@ -25,7 +26,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import CacheFolderError
+from ..errors import CacheFolderError, OutputFaultError
 from .durable import append_synced, fsync_dir, lock_held
 from .vllm_cache import CACHE_FILE, ENTRY_KEY, IDENTITY_FILE, ITEM_NAME, cache_lock
 
@@ -175,7 +176,15 @@ def remove_items(folder: Path, items: list[Item], lines: list[str]) -> None:
                 if e.errno not in FULL:
                     raise
                 item.path.unlink(missing_ok=True)
-                append_synced(folder / PRUNED, line.encode())
+                try:
+                    append_synced(folder / PRUNED, line.encode())
+                except OSError as e:
+                    if e.errno not in FULL:
+                        raise
+                    raise OutputFaultError(f"{folder}: the disk is full, and removing item {item.id} freed no room "
+                                           f"for its line in {PRUNED} (a file held open, or kept by a snapshot): it "
+                                           f"is gone unlisted, and its run's readers call it unreadable; free space, "
+                                           f"then prune again") from None
     for item in items:
         item.path.unlink(missing_ok=True)
         with contextlib.suppress(OSError):  # not empty (a file not of this package's): kept

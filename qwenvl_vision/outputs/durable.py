@@ -63,16 +63,24 @@ def create_new(path: str | os.PathLike, mode: int = 0o644) -> BinaryIO:
 
 
 def append_synced(path: str | os.PathLike, data: bytes) -> None:
-    """Append ``data`` in one write, fsynced (a kill leaves at most a torn last line, which the next append ends
-    first, so that the lines it brings are read whole), never through a link (one at the name would make us append
-    to the file it points to)."""
-    with os.fdopen(open_no_follow(path, os.O_RDWR | os.O_APPEND | os.O_CREAT), "r+b") as f:
-        end = os.fstat(f.fileno()).st_size
-        if end and os.pread(f.fileno(), 1, end - 1) != b"\n":
+    """Append ``data``, fsynced (a kill leaves at most a torn last line, which the next append ends first, so that
+    the lines it brings are read whole; a write cut short by a full disk is taken back), never through a link (one at
+    the name would make us append to the file it points to)."""
+    fd = open_no_follow(path, os.O_RDWR | os.O_APPEND | os.O_CREAT)
+    try:
+        end = os.fstat(fd).st_size
+        if end and os.pread(fd, 1, end - 1) != b"\n":
             data = b"\n" + data
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        except OSError:
+            os.ftruncate(fd, end)  # needs no room
+            raise
+    finally:
+        os.close(fd)
 
 
 def replace_atomically(path: Path, tmp: Path, write: Callable[[BinaryIO], object], mode: int = 0o644) -> None:
