@@ -275,8 +275,10 @@ def _items_for_vllm(items: EncodedItems) -> list[VllmItem]:
                                  f"given to encode_videos)")
             item.second_per_grid_t = TEMPORAL_PATCH / float(fps)
         elif items.modality == "video" and family.prompt_timestamps:
-            indices, fps = _video_field(info, "frames", "frame_indices"), _video_field(info, "fps", "video_fps")
-            if indices is None or len(indices) == 0 or not positive_number(fps):  # an array's truth is no answer
+            found = _video_field(info, "frames", "frame_indices"), _video_field(info, "fps", "video_fps")
+            # An array's or a tensor's as Python's list and float: their truth and types are numpy's and torch's.
+            indices, fps = (getattr(value, "tolist", lambda value=value: value)() for value in found)
+            if not isinstance(indices, (list, tuple)) or not indices or not positive_number(fps):
                 raise InputError(f"video {i}: vLLM's {family.label} models need each video's timestamps, and its "
                                  f"video_info holds no frame indices and source fps (frames in memory without "
                                  f"video_fps?): encode the video file, give video_fps, or build EncodedItems(..., "

@@ -287,9 +287,12 @@ def test_an_odd_count_of_frames_is_padded_with_the_last_as_vllm_pads_it_and_fram
     import numpy as np
 
     clip = items("qwen3_5", levels=0, grids=((2, 2, 2),), modality="video")
-    for frames in ([0, 2, 4], np.array([0, 2, 4]), torch.tensor([0, 2, 4])):
-        handed = to_vllm(dataclasses.replace(clip, video_info=[{"frames": frames, "fps": 2.0}]))
+    for frames, fps in (([0, 2, 4], 2.0), (np.array([0, 2, 4]), np.float64(2.0)), (torch.tensor([0, 2, 4]),
+                                                                                        torch.tensor(2.0))):
+        handed = to_vllm(dataclasses.replace(clip, video_info=[{"frames": frames, "fps": fps}]))
         assert handed["video"]["timestamps"] == [[0.5, 2.0]]
+    with pytest.raises(InputError, match="no frame indices"):
+        to_vllm(dataclasses.replace(clip, video_info=[{"frames": np.int64(0), "fps": 2.0}]))
 
 
 def test_results_of_two_families_are_refused_not_joined():
