@@ -43,6 +43,7 @@ from .batcher import Batcher
 from .media import Item, MediaPolicy, RequestError, request_items
 
 MEDIA_THREADS = 8  # URLs and files read at once; a URL read stops at its decode timeout (fetch)
+STREAM = TypeAdapter(bool | None)  # vLLM's chat field, read as its model reads it
 
 
 @dataclass(frozen=True)
@@ -201,8 +202,8 @@ class Serving:
         if role and isinstance(body, dict):  # as vLLM's chat: the consumer would read another model's rows as its own
             if body.get("model") and body["model"] not in settings.served_names:
                 raise RequestError(f"The model `{str(body['model'])[:200]}` does not exist.", 404)
-            try:  # as vLLM's model reads its bool field: 1, "true" and "yes" stream; 0, "false" and "no" do not
-                stream = TypeAdapter(bool | None).validate_python(body.get("stream"))
+            try:  # 1, "true" and "yes" stream; 0, "false" and "no" do not
+                stream = STREAM.validate_python(body.get("stream"))
             except ValidationError:
                 stream = True
             if stream:
