@@ -9,7 +9,8 @@ made in. With a uuid and no processor keyword arguments, vLLM uses the uuid as t
 
 - ``{id}/encoder_cache.safetensors`` per item, ``id`` = ``item_ids.item_id`` (64 hex digits: the model's identity,
   the modality, the grid and the pixels' hash), or for ``serve`` the request's uuid (any name ``ITEM_NAME`` takes);
-  an embed run's carry their records in their metadata, the server's their entry (``ENTRY_KEY``). Each is written
+  an embed run's carry their records in their metadata, the server's their entry (``ENTRY_KEY``), and
+  ``write_vllm_cache``'s neither (a prune beside a running embed keeps them as that embed's). Each is written
   whole under a temporary name (created exclusively, never through a link) and renamed into place. A link at an
   item's name or folder is an ``OutputLinkError``, left as it is.
 - ``qwenvl_vision_cache.lock`` (item writers, ``cache_prune``) and ``qwenvl_vision_cache.json`` (the model's

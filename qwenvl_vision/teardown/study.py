@@ -153,7 +153,7 @@ def check_writable(path: str, option: str) -> None:
     try:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         made = not Path(path).exists()
-        open(path, "a").close()  # noqa: SIM115 - only opened
+        open(path, "a").close()
         if made:
             Path(path).unlink()
     except OSError as e:
