@@ -7,7 +7,8 @@ the cache folder under a size bound": what is removed, what is kept, the exit st
 - ``vllm_cache.CACHE_LOCK`` is held while the folder is read and items removed, as writers hold it while they write
   and record items: an item found in place by a writer is recorded before a prune can see it.
 - A running ``embed``'s items are those last written since its ``embed.lock`` was made, while a process holds it,
-  but for the server's (whose metadata carries ``ENTRY_KEY``; their uuids may be 64 hex digits too).
+  but for the server's (whose metadata carries ``ENTRY_KEY``; their uuids may be 64 hex digits too; an item
+  unread is kept as the embed's).
 - Every removed item is appended to ``PRUNED`` before it goes (on a full disk, see ``remove_items``), so a manifest
   line whose item is gone is accounted for. Sizes count the folder's other files too, so the folder as a whole
   stays under the bound.
@@ -28,7 +29,7 @@ from pathlib import Path
 
 from ..errors import CacheFolderError, OutputFaultError
 from .durable import append_synced, fsync_dir, lock_held
-from .vllm_cache import CACHE_FILE, ENTRY_KEY, IDENTITY_FILE, ITEM_NAME, cache_lock
+from .vllm_cache import CACHE_FILE, ENTRY_KEY, IDENTITY_FILE, ITEM_NAME, cache_lock, item_metadata
 
 PRUNED = "pruned.jsonl"  # the items a prune removed, one JSON line each
 RUN_LOCKS = ("embed.lock", "embed.rank*.lock")  # a running embed's (embed.lock's lock_name)
@@ -136,7 +137,7 @@ def prune_cache(folder: str | os.PathLike, max_bytes: int, dry_run: bool = False
         for item in items:
             if total <= max_bytes:
                 break
-            if since is not None and item.last_write >= since and not served_item(item.path):
+            if since is not None and item.last_write >= since and ENTRY_KEY not in (item_metadata(item.path) or {}):
                 held += 1
                 continue
             removed.append(item)
@@ -148,15 +149,6 @@ def prune_cache(folder: str | os.PathLike, max_bytes: int, dry_run: bool = False
             total = folder_bytes(folder)
         return PruneReport(removed=removed, kept=len(items) - len(removed), kept_bytes=total, held=held,
                            stale=stale, running=since is not None, bound=max_bytes)
-
-
-def served_item(path: Path) -> bool:
-    """Whether the item file is the server's (its metadata holds ``ENTRY_KEY``); one unread is kept as an embed's."""
-    from safetensors import SafetensorError, safe_open
-
-    with contextlib.suppress(SafetensorError, OSError), safe_open(path, framework="pt") as f:
-        return ENTRY_KEY in (f.metadata() or {})
-    return False
 
 
 def remove_items(folder: Path, items: list[Item], lines: list[str]) -> None:

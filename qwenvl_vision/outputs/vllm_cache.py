@@ -142,8 +142,6 @@ def found_item(folder: Path, item: str) -> dict[str, str] | None:
     in place is written again, for a prune's oldest-first); None when no such file is there. A link at the item's
     folder or file is an ``OutputLinkError``: never read, nor written through; another file where the item's folder
     goes, a ``CacheFolderError`` naming it."""
-    from safetensors import SafetensorError, safe_open
-
     target = folder / item / CACHE_FILE
     refuse_link(target.parent)
     if target.parent.exists() and not target.parent.is_dir():
@@ -153,8 +151,18 @@ def found_item(folder: Path, item: str) -> dict[str, str] | None:
     with contextlib.suppress(OSError):
         if not stat.S_ISREG(target.stat().st_mode):  # a FIFO would block the open, and the lock's other holders
             return None
-    with contextlib.suppress(SafetensorError, OSError), safe_open(target, framework="pt") as f:
-        os.utime(target)
+    metadata = item_metadata(target)
+    if metadata is not None:
+        with contextlib.suppress(OSError):
+            os.utime(target)
+    return metadata
+
+
+def item_metadata(path: Path) -> dict[str, str] | None:
+    """An item file's metadata where safetensors reads the file, else None."""
+    from safetensors import SafetensorError, safe_open
+
+    with contextlib.suppress(SafetensorError, OSError), safe_open(path, framework="pt") as f:
         return f.metadata() or {}
     return None
 
