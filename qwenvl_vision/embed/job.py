@@ -33,7 +33,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import PIL.Image
 import torch
 import torch.distributed as dist
 
@@ -48,6 +47,7 @@ from ..errors import (
     first_line,
 )
 from ..inputs.item_ids import IDENTITY_FIELDS
+from ..inputs.pixels import large_pillow_blocks
 from ..outputs.durable import refuse_link
 from ..outputs.records import EmbeddingRecord, record_from_result
 from ..outputs.vllm_cache import check_cache_folder, claim_cache_folder
@@ -397,9 +397,7 @@ def run_embed(args: argparse.Namespace) -> int:
         raise EmbedError(f"RANK={rank!r} WORLD_SIZE={world!r}: not a rank of a torchrun world (integers, 0 <= RANK < "
                          f"WORLD_SIZE); run under torchrun, or unset them")
     rank, world = int(rank), int(world)
-    if "PILLOW_BLOCK_SIZE" not in os.environ:  # unless the user chose: Pillow's blocks above glibc's 32 MiB mmap
-        # threshold go back to the system when freed; 16 MiB ones stayed in each decode thread's arena (its peak)
-        PIL.Image.core.set_block_size(64 << 20)
+    large_pillow_blocks()
     group = _Group(rank, world)
     job = EmbedJob(args, rank, world)
     threads = torch.get_num_threads()  # set for the run (--threads, a resumed run's), given back at the end

@@ -34,7 +34,7 @@ from ray.data.block import BlockAccessor
 
 from .. import version
 from ..errors import CheckpointError, ConfigError, InputError
-from ..inputs.pixels import FileBytes
+from ..inputs.pixels import FileBytes, large_pillow_blocks
 from ..inputs.video import VideoConfig
 from ..loading import load_encoder
 from ..options import EncodeOptions
@@ -91,6 +91,7 @@ class Embedder:
         self.opener = ItemOpener()  # a URL or a shard member named by its path: read as the local engine does
         if threads is not None:
             torch.set_num_threads(threads)
+        large_pillow_blocks()
         self.encoder = load_encoder(source, **options)
         if weights_sha256 is not None:
             from ..inputs.item_ids import weights_sha256 as tower_hash

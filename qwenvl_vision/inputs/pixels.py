@@ -428,6 +428,14 @@ def _gif_as_decode_gif(image: PIL.Image.Image) -> PIL.Image.Image:
 PIL_LOADS = tuple(threading.Lock() for _ in range(64))
 
 
+def large_pillow_blocks() -> None:
+    """For a process that decodes for hours (embed's, a Ray actor): Pillow's image blocks made larger than glibc's
+    32 MiB mmap threshold, so that a freed one goes back to the system; 16 MiB ones stayed in each decode thread's
+    arena (its peak). Not where the user chose (``PILLOW_BLOCK_SIZE``)."""
+    if "PILLOW_BLOCK_SIZE" not in os.environ:
+        PIL.Image.core.set_block_size(64 << 20)
+
+
 def _pil_to_rgb(image: PIL.Image.Image, name: str) -> PIL.Image.Image:
     """transformers.image_transforms.convert_to_rgb, PIL branch: transparency composited onto white.
 

@@ -67,6 +67,19 @@ def embedder(checkpoint3):
     return Embedder(str(checkpoint3), **LOAD, **SETTINGS)
 
 
+def test_an_actor_decodes_on_pillow_blocks_that_go_back_to_the_system(checkpoint3, monkeypatch):
+    """An actor decodes for hours, as embed's process does: Pillow's blocks above glibc's mmap threshold (freed ones
+    go back to the system), unless PILLOW_BLOCK_SIZE chose."""
+    monkeypatch.delenv("PILLOW_BLOCK_SIZE", raising=False)
+    before = Image.core.get_block_size()
+    Image.core.set_block_size(16 << 20)  # Pillow's default
+    try:
+        Embedder(str(checkpoint3), **LOAD)
+        assert Image.core.get_block_size() == 64 << 20
+    finally:
+        Image.core.set_block_size(before)
+
+
 def interleave(good: list, bad: list) -> tuple[list, list[bool]]:
     """bad and good items alternating, a bad one first, and which ones are good."""
     return [item for pair in zip(bad, good, strict=True) for item in pair], [False, True] * len(good)
