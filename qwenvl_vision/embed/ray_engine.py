@@ -18,7 +18,6 @@ import re
 import signal
 import socket
 import threading
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -64,9 +63,7 @@ def check_attn(args, device: str) -> None:
     the tower, and a resume again). Without a GPU here, a CUDA actor's backend is checked as far as the driver can:
     the fused kernels run in float16/bfloat16 only."""
     cuda = device.startswith("cuda")
-    with warnings.catch_warnings():  # fp16's warning comes once, from the driver's load
-        warnings.simplefilter("ignore")
-        dtype = resolve_dtype(args.dtype, torch.device("cuda" if cuda else "cpu"))
+    dtype = resolve_dtype(args.dtype, torch.device("cuda" if cuda else "cpu"))
     if not cuda or torch.cuda.is_available():
         resolve_attn_impl(args.attn, "cuda" if cuda else "cpu", dtype)
     elif args.attn not in ("auto", "sdpa") and dtype not in (torch.float16, torch.bfloat16):
@@ -96,10 +93,14 @@ class RayPlan:
         if args.random_weights and args.device == "cuda":
             raise EmbedError("--engine ray --random-weights --device cuda: the actors would draw other random weights "
                              "on their GPUs than the driver hashes on its CPU; use a checkpoint, or --device cpu")
-        if args.quiet:  # Ray Data's notices on the console (its log files keep them; its failures raise here)
-            for handler in logging.getLogger("ray.data").handlers:
-                if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
+        # Ray Data's console: its notices unless --quiet (its log files keep everything). A failed pipeline's stack
+        # trace, which it logs before raising, is left out but with --debug: the failure is the command's one line.
+        for handler in logging.getLogger("ray.data").handlers:
+            if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
+                if args.quiet:
                     handler.setLevel(logging.ERROR)
+                if not getattr(args, "debug", False) and below_error not in handler.filters:
+                    handler.addFilter(below_error)
         started = not ray.is_initialized()
         # ray.init joins RAY_ADDRESS (which `ray job submit` sets) when given "auto" or no address: so does the check.
         # No address (or "local") is passed as "local": ray.init would otherwise join a `ray start` of this machine.
@@ -165,6 +166,10 @@ class RayPlan:
             self.started = False
 
 
+def below_error(record: logging.LogRecord) -> bool:
+    return record.levelno < logging.ERROR
+
+
 def placed(actors: int, threads: int, gpus: float, nodes: list[dict], local: bool, note) -> tuple[float, float]:
     """(CPUs, GPUs) each actor asks for (``actor_cpus``). Ray places an actor on one node that has all it asks for,
     and Ray Data waits for every actor without end: actors the nodes cannot hold are refused on a local Ray, and
@@ -186,8 +191,8 @@ def encode_on_ray(job, todo: list[str]) -> Iterator[list[EmbeddingRecord]]:
     """The records of ``todo`` (inputs of the job), encoded on its RayPlan's actors, as Ray hands their rows back.
 
     Errors: a failure of the pipeline itself (an actor that cannot load the tower, Ray's timeouts, a lost node) is
-    one line: ``EmbedError`` (exit 2) when an actor failed with one of this package's errors (another
-    checkpoint, a model folder missing on a node: it would fail again), ``ForwardFaultError`` (exit 4) when an
+    one line: ``EmbedError`` (exit 2) when an actor's constructor raised (another checkpoint, a model folder or
+    a module missing on a node: it would fail again), ``ForwardFaultError`` (exit 4) when an
     actor's device failed a forward, else ``OutputFaultError`` (exit 3, ``--resume``)."""
     if not todo:
         return
@@ -230,7 +235,7 @@ def encode_on_ray(job, todo: list[str]) -> Iterator[list[EmbeddingRecord]]:
         left.difference_update(r.path for r in records)
         for r in records:  # the actors saw absolute paths; messages name the input as given
             if r.error and absolute[r.path] != r.path:
-                r.error = r.error.replace(repr(absolute[r.path]), repr(r.path))
+                r.error = r.error.replace(repr(absolute[r.path]), repr(r.path)).replace(absolute[r.path], r.path)
             # Ray's rows carry the Parquet video struct, which has no requested_fps: the actors sampled at the
             # run's fps, which the local engine records (and an Omni model's hand-off needs).
             if r.video is not None and video_fps is not None:
@@ -274,14 +279,13 @@ def pipeline_error(e: BaseException) -> EmbedError | ForwardFaultError:
     """The one-line error for a failed pipeline (see ``encode_on_ray``)."""
     text = str(e)
     if fault := list(_DEVICE_FAULT.finditer(text)):  # as the local engine stops (exit 4)
-        return ForwardFaultError(f"--engine ray, on an actor: {fault[-1].group(1).strip()[:300]}; fix the cause, "
-                                 f"then run the same command with --resume (what was written is kept)")
-    own = list(_SETUP_ERRORS.finditer(text))
-    if own:  # an actor's constructor failed the package's way: the same would happen on every try
-        name, why = own[-1].group(1), own[-1].group(2).strip()[:300]
-        return EmbedError(f"--engine ray: an actor could not start ({name}: {why}); fix that, then run the "
-                          f"same command with --resume (what was written is kept)")
+        return ForwardFaultError(f"--engine ray, on an actor: {fault[-1].group(1).strip()[:300]}")
     why = (text.strip().splitlines() or [type(e).__name__])[-1][:300]
+    if own := list(_SETUP_ERRORS.finditer(text)):  # the package's way, whatever Ray's text around it
+        why = f"{own[-1].group(1)}: {own[-1].group(2).strip()[:300]}"
+    if own or "creation task" in text:  # an actor's constructor raised: the same would happen on every try
+        return EmbedError(f"--engine ray: an actor could not start ({why}); fix that, then run the same command "
+                          f"with --resume (what was written is kept)")
     # Exit 3 as for an output fault: the run stopped, every shard written is whole, --resume finishes it.
     return OutputFaultError(f"--engine ray: the pipeline failed ({type(e).__name__}: {why}); what was written is "
                             f"kept: run the same command with --resume")

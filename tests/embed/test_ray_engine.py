@@ -10,16 +10,19 @@ import re
 import shutil
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 from safetensors.torch import load_file
 
 from qwenvl_vision.cli import main
 from qwenvl_vision.embed import read_embeddings, read_manifest_lines, read_run
 from qwenvl_vision.loading import load_encoder
-from tests.helpers import REPO, make_image_folder
+from tests.helpers import ENV, REPO, make_image_folder
 from tests.helpers import embed as embed_helpers
 from tests.helpers.embed import assert_each_parquet_input_once, embed_cmd, kill_when, make_media_folder, parquet_rows
 
@@ -244,6 +247,49 @@ def test_an_actor_that_cannot_start_is_one_line_exit_2(tmp_path, local_ray, chec
                                  "--resume")
 
 
+MISSING_MODULE = """
+import sys
+from qwenvl_vision.cli import main
+from qwenvl_vision.embed import ray as qv_ray
+
+class MissingModule(qv_ray.Embedder):
+    def __init__(self, source, **options):
+        raise ModuleNotFoundError("No module named 'a_node_lacks_it'")
+
+qv_ray.Embedder = MissingModule
+sys.exit(main(["embed", *sys.argv[1:], "--engine", "ray"]))
+"""
+
+
+def test_an_actor_whose_constructor_raises_is_exit_2_without_ray_s_stack_trace(tmp_path, checkpoint):
+    """A node lacking a module the actor imports fails every try alike: exit 2 naming it, not exit 3's --resume. Ray
+    Data logs the failure's stack trace on the process's stderr (which capsys cannot see): it stays off the console,
+    without --quiet too. A process of its own, with its own local Ray."""
+    make_image_folder(tmp_path / "imgs", 2, bad=False)
+    (tmp_path / "run.py").write_text(MISSING_MODULE)
+    env = {k: v for k, v in ENV.items() if k != "RAY_ADDRESS"}
+    done = subprocess.run([sys.executable, str(tmp_path / "run.py"), str(tmp_path / "imgs"), "--model",
+                           str(checkpoint), "--out", str(tmp_path / "out")], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and "stack trace" not in done.stderr, done.stderr[-3000:]
+    assert "an actor could not start (ModuleNotFoundError: No module named 'a_node_lacks_it')" in \
+        done.stderr.splitlines()[-1], done.stderr[-3000:]
+
+
+def test_a_shard_member_s_error_names_it_as_given(tmp_path, local_ray, checkpoint, monkeypatch):
+    """The actors read absolute paths; a member over the decode budget is named as the local engine names it."""
+    big = tmp_path / "noise.png"
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (900, 900, 3), dtype=np.uint8)).save(big)
+    with tarfile.open(tmp_path / "s.tar", "w") as tar:
+        tar.add(big, "noise.png")
+    monkeypatch.chdir(tmp_path)
+    assert main(["embed", "s.tar", "--model", str(checkpoint), "--out", "out", "--engine", "ray", "--decode-mib",
+                 "1", "--format", "parquet", "--quiet"]) == 1
+    [row] = parquet_rows(tmp_path / "out")
+    assert row["error"].startswith("s.tar/noise.png: ") and str(tmp_path) not in row["error"], row["error"]
+
+
 class BrokenDevice(qv_ray.Embedder):
     """An actor whose device fails every forward, its probe too: the machine's fault, no input's."""
 
@@ -261,8 +307,9 @@ def test_an_actor_s_device_fault_is_exit_4_naming_the_batch_as_the_local_engine(
     monkeypatch.setattr(qv_ray, "Embedder", BrokenDevice)
     assert main(["embed", str(tmp_path / "imgs"), "--model", str(checkpoint), "--out", str(tmp_path / "out"),
                  "--engine", "ray", "--quiet"]) == 4
-    embed_helpers.one_error_line(capsys.readouterr().err, "the forward of a batch of", "an illegal memory access",
-                                 "--resume")
+    line = embed_helpers.one_error_line(capsys.readouterr().err, "the forward of a batch of",
+                                        "an illegal memory access", "--resume")
+    assert line.count("--resume") == 1, line  # the advice once, as the local engine gives it
 
 
 def test_a_bf16_encoder_cache_from_ray_is_the_local_one_bit_for_bit(tmp_path, local_ray, checkpoint3):
