@@ -155,10 +155,10 @@ class RayPlan:
             per_gpu = min((n.get("CPU", 0) // min(n["GPU"], actors) for n in nodes if n.get("GPU", 0) >= 1),
                           default=cpus)  # a GPU node's CPUs, shared by the actors it holds
             threads = args.threads or recorded_threads or max(1, min((cpus - 1) // actors, int(per_gpu)))
-            return cls(started, local, "cuda", actors, threads, *placed(actors, threads, 1.0, nodes, local, note))
+            return cls(started, local, "cuda", actors, threads, placed(actors, threads, 1.0, nodes, local, note), 1.0)
         threads = args.threads or recorded_threads or max(1, min(cpus // 4, int(max(n.get("CPU", 0) for n in nodes))))
         actors = args.ray_actors or max(1, sum(int(n.get("CPU", 0) // threads) for n in nodes))
-        return cls(started, local, "cpu", actors, threads, *placed(actors, threads, 0.0, nodes, local, note))
+        return cls(started, local, "cpu", actors, threads, placed(actors, threads, 0.0, nodes, local, note), 0.0)
 
     def stop(self) -> None:
         if self.started:
@@ -170,10 +170,10 @@ def below_error(record: logging.LogRecord) -> bool:
     return record.levelno < logging.ERROR
 
 
-def placed(actors: int, threads: int, gpus: float, nodes: list[dict], local: bool, note) -> tuple[float, float]:
-    """(CPUs, GPUs) each actor asks for (``actor_cpus``). Ray places an actor on one node that has all it asks for,
-    and Ray Data waits for every actor without end: actors the nodes cannot hold are refused on a local Ray, and
-    said on a cluster, whose autoscaler may add nodes."""
+def placed(actors: int, threads: int, gpus: float, nodes: list[dict], local: bool, note) -> float:
+    """The CPUs each actor asks for (``actor_cpus``), beside ``gpus``. Ray places an actor on one node that has all
+    it asks for, and Ray Data waits for every actor without end: actors the nodes cannot hold are refused on a local
+    Ray, and said on a cluster, whose autoscaler may add nodes."""
     cpus = actor_cpus(actors, threads)
     room = sum(min(int(n.get("CPU", 0) / cpus + 1e-9), int(n.get("GPU", 0) // gpus) if gpus else actors)
                for n in nodes)
@@ -184,7 +184,7 @@ def placed(actors: int, threads: int, gpus: float, nodes: list[dict], local: boo
         if local:
             raise EmbedError(f"{line}, and Ray would wait for them forever: use fewer --ray-actors or --threads")
         note(f"{line} now: they wait for nodes an autoscaler adds, or forever")
-    return cpus, gpus
+    return cpus
 
 
 def encode_on_ray(job, todo: list[str]) -> Iterator[list[EmbeddingRecord]]:
@@ -219,7 +219,7 @@ def encode_on_ray(job, todo: list[str]) -> Iterator[list[EmbeddingRecord]]:
     ds = embed_dataset(ray.data.from_items(items, override_num_blocks=blocks), source, concurrency=actors,
                        batch_size=BATCH_ROWS, num_cpus=plan.actor_cpus, num_gpus=plan.actor_gpus or None,
                        **options)
-    video_fps = (job.run.get("video") or {}).get("fps")
+    video_fps = job.run["video"]["fps"]  # run.json always records it
     # Ray skips a retried task's outputs by their place among its blocks, which a block's size decides: rows that
     # come out otherwise on the retry (a fetch that fails this time) may come back twice, or not at all.
     left = set(todo)
@@ -238,7 +238,7 @@ def encode_on_ray(job, todo: list[str]) -> Iterator[list[EmbeddingRecord]]:
                 r.error = r.error.replace(repr(absolute[r.path]), repr(r.path)).replace(absolute[r.path], r.path)
             # Ray's rows carry the Parquet video struct, which has no requested_fps: the actors sampled at the
             # run's fps, which the local engine records (and an Omni model's hand-off needs).
-            if r.video is not None and video_fps is not None:
+            if r.video is not None:
                 r.video.setdefault("requested_fps", video_fps)
             r.columns = job.inputs.columns.get(r.path)  # the table row's columns stay with the driver
         job.progress.update(len(records), sum(r.tokens or 0 for r in records))
