@@ -451,3 +451,23 @@ def test_torch_backend_and_video_files_never_import_torchvision(tmp_path):
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_from_dict_reads_the_old_size_spelling_and_null_bounds():
+    old = PreprocessConfig.from_dict({"size": {"min_pixels": 5000, "max_pixels": 90000}}, "qwen2_5_vl")
+    assert (old.min_pixels, old.max_pixels) == (5000, 90000)
+    nulls = PreprocessConfig.from_dict({"min_pixels": None, "max_pixels": None,
+                                        "size": {"shortest_edge": 6000, "longest_edge": 80000}}, "qwen3_vl")
+    assert (nulls.min_pixels, nulls.max_pixels) == (6000, 80000)
+
+
+@pytest.mark.parametrize("d", [{"do_convert_rgb": False}, {"do_pad": True}, {"size": [1, 2]}, [1, 2]])
+def test_from_dict_refuses_what_it_cannot_honour(d):
+    with pytest.raises(ConfigError):
+        PreprocessConfig.from_dict(d, "qwen2_5_vl")
+
+
+def test_a_config_checks_its_temporal_patch_and_takes_an_int_scalar_std():
+    with pytest.raises(ConfigError, match="temporal_patch_size"):
+        PreprocessConfig(temporal_patch_size=0)
+    assert PreprocessConfig(image_mean=0, image_std=1).image_std == (1.0, 1.0, 1.0)

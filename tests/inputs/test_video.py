@@ -23,7 +23,13 @@ from PIL import Image
 
 from qwenvl_vision.errors import ConfigError, PreprocessError
 from qwenvl_vision.inputs.images import PreprocessConfig, preprocess_image
-from qwenvl_vision.inputs.video import VideoConfig, preprocess_video, sample_indices, video_target_size
+from qwenvl_vision.inputs.video import (
+    VideoConfig,
+    preprocess_video,
+    sample_frames_by_fps,
+    sample_indices,
+    video_target_size,
+)
 from tests.helpers import (
     CLIP_MEAN,
     PIXEL_TOL,
@@ -227,3 +233,57 @@ def test_from_dict_refuses_bad_fields(changes, field):
     with pytest.raises(ConfigError, match=field) as info:
         VideoConfig.from_dict({**QWEN3_SAVED_VIDEO, **changes}, "qwen3_vl", PreprocessConfig.for_family("qwen3_vl"))
     assert "\n" not in str(info.value)
+
+
+def test_qwen2_sampling_under_an_odd_max_frames_is_the_reference_s():
+    """Qwen2's count is rounded down to the temporal patch under max_frames, never up past it."""
+    sample = reference_sampler("qwen2")
+    for max_frames in (5, 7, 9):
+        processor = types.SimpleNamespace(num_frames=None, fps=None, temporal_patch_size=2, min_frames=4,
+                                          max_frames=max_frames)
+        for total, video_fps in ((60, 7.5), (299, 30.0)):
+            expected = sample(processor, types.SimpleNamespace(total_num_frames=total, fps=video_fps), fps=4.0).tolist()
+            ours = sample_indices(total, video_fps, VideoConfig("qwen2", fps=4.0, max_frames=max_frames), 2)
+            assert ours == [i for i in expected if i < total] and len(ours) <= max_frames
+
+
+def test_frames_given_with_their_rate_are_sampled_at_the_fps_asked():
+    """Not at the config's fps; an int rate is a rate too; the record says which frames, at what rates."""
+    frames = np.stack([content(32, 48, seed=i) for i in range(24)])  # 4 s at 6 fps
+    vcfg = VideoConfig("qwen3", fps=2.0)
+    keep = sample_indices(24, 6.0, VideoConfig("qwen3", fps=1.0), 2)
+    assert keep != sample_indices(24, 6.0, vcfg, 2)
+    for video, rate in ((frames, 6.0), (list(frames), 6)):
+        [sampled], [info] = sample_frames_by_fps([video], 1.0, rate, vcfg, 2)
+        assert np.array_equal(np.stack(sampled), frames[keep])
+        assert (info.frame_indices, info.total_frames, info.video_fps, info.requested_fps) == (keep, 24, 6.0, 1.0)
+        assert info.timestamps == [i / 6.0 for i in keep]
+
+
+@pytest.mark.parametrize(("height", "width"), [(17, 43), (43, 17), (20, 300), (300, 20)])
+def test_qwen3_target_size_of_a_clip_with_one_side_below_the_factor(height, width):
+    pytest.importorskip("torchvision")
+    from transformers.image_utils import SizeDict
+
+    pre = PreprocessConfig.for_family("qwen3_vl")
+    vcfg = dataclasses.replace(VideoConfig.for_family("qwen3_vl"), min_pixels=4096, max_pixels=400000)
+    processor = video_processor("qwen3_vl")
+    for frames in (2, 8):
+        clip = torch.zeros((1, frames, 3, height, width), dtype=torch.uint8)
+        expected = processor.resize(clip, size=SizeDict(shortest_edge=4096, longest_edge=400000), resample=3,
+                                    factor=pre.factor, temporal_factor=2, cap_pixels_per_frame=False).shape[-2:]
+        assert video_target_size(frames, height, width, pre, vcfg) == tuple(expected)
+
+
+def test_frames_with_transparency_take_the_image_steps_without_a_video_config():
+    frame = np.concatenate([content(60, 80), np.full((60, 80, 1), 128, np.uint8)], axis=2)
+    config = pil_config("qwen2_5_vl")
+    values, _ = preprocess_video([frame, frame], config, resize="pil")
+    assert torch.equal(values, preprocess_image(frame, config)[0])
+
+
+def test_video_config_refuses_a_zero_fps_and_takes_equal_bounds_given_twice():
+    with pytest.raises(ConfigError, match="fps"):
+        VideoConfig(fps=0)
+    d = {"size": {"shortest_edge": 4096, "longest_edge": 25165824}, "min_pixels": 4096, "max_pixels": 25165824}
+    assert VideoConfig.from_dict(d, "qwen3_vl").min_pixels == 4096

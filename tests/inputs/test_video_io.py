@@ -21,7 +21,7 @@ from PIL import Image
 from qwenvl_vision.errors import PreprocessError
 from qwenvl_vision.inputs.images import PreprocessConfig
 from qwenvl_vision.inputs.video import VideoConfig, preprocess_video, preprocess_video_file, sample_indices
-from qwenvl_vision.inputs.video_io import probe_video, read_video_frames
+from qwenvl_vision.inputs.video_io import VideoInfo, is_video_file, probe_video, read_video_frames, video_record
 from qwenvl_vision.loading import load_encoder
 from tests.helpers import (
     PIXEL_TOL,
@@ -413,3 +413,41 @@ def test_resize_vllm_picks_qwen2_s_frames_as_vllm_does_and_bounds_them_so(tmp_pa
             [[result]] = encoder.iter_encode([str(path)], video=True, resize="vllm", max_item_tokens=bound)
             assert (result.ok, len(reads)) == ((True, 1) if bound == tokens else (False, 0)), result.error
         assert f"{tokens:,} tokens, more than the bound of {tokens - 1:,}" in result.error
+
+
+def test_video_extensions_are_read_in_any_case():
+    """Cameras and phones write .MP4."""
+    assert is_video_file("holiday/CLIP.MP4") and is_video_file("a.MoV")
+
+
+def test_a_video_record_names_the_requested_fps_only_when_known():
+    """A null would win over the run's fps when the record is read back (an Omni hand-off needs it)."""
+    info = VideoInfo(total_frames=20, video_fps=10.0, frame_indices=[0, 5], height=40, width=56)
+    assert "requested_fps" not in video_record(info)
+    info.requested_fps = 2.0
+    assert video_record(info)["requested_fps"] == 2.0
+
+
+@pytest.fixture(scope="module")
+def cut_avi(tmp_path_factory):
+    """whole.avi (40 frames, 64 x 48) and short.avi: its first 20 packets, the header still declaring 40."""
+    folder = tmp_path_factory.mktemp("cut")
+    write_video(folder / "whole.avi", 40, 64, 48, 10)
+    data = (folder / "whole.avi").read_bytes()
+    with av.open(str(folder / "whole.avi")) as container:
+        positions = [packet.pos for packet in container.demux(video=0) if packet.size]
+    (folder / "short.avi").write_bytes(data[: positions[20]])
+    return folder
+
+
+def test_a_cut_file_whose_last_index_is_the_decoded_count_is_refused(cut_avi):
+    """Not a frame of uninitialised memory at the end."""
+    with pytest.raises(PreprocessError, match="header declares 40 frames but only 20 decode"):
+        read_video_frames(cut_avi / "short.avi", lambda total, rate: [0, 20])
+
+
+def test_video_info_records_the_source_size_and_the_fps_asked(cut_avi):
+    pre = PreprocessConfig.for_family("qwen3_vl")
+    vcfg = dataclasses.replace(VideoConfig.for_family("qwen3_vl"), fps=3.0)
+    _, _, info = preprocess_video_file(cut_avi / "whole.avi", pre, vcfg)
+    assert (info.height, info.width, info.requested_fps) == (48, 64, 3.0)
