@@ -12,7 +12,17 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLRMSNorm
 from qwenvl_vision import ConfigError
 from qwenvl_vision.model.layers import ACTIVATIONS, RMSNorm
 from qwenvl_vision.model.names import to_checkpoint_state
-from tests.helpers import QWEN2_5_GRIDS, QWEN2_5_SMALL, QWEN3_GRIDS, QWEN3_SMALL_72, hf_forward, inputs, pair, rel_err
+from tests.helpers import (
+    FAMILY_SMALL,
+    QWEN2_5_GRIDS,
+    QWEN2_5_SMALL,
+    QWEN3_GRIDS,
+    QWEN3_SMALL_72,
+    hf_forward,
+    inputs,
+    pair,
+    rel_err,
+)
 
 
 def test_a_config_may_name_exactly_the_model_s_activations_each_as_transformers_computes_it():
@@ -75,3 +85,17 @@ def test_under_autograd_the_towers_run_out_of_place_and_gradients_match_transfor
     for name, grad in ours_grads.items():
         assert grad.abs().sum() > 0, name
         assert rel_err(grad, ref_grads[name]) <= 1e-5, name
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl"])
+def test_layer_norms_are_transformers_on_small_activations(family):
+    """The LayerNorm families' norms (eps 1e-6 as the reference's): on small activations, where eps weighs, the
+    block's and the merger's norms give the reference's bits."""
+    cfg = FAMILY_SMALL[family]
+    ours, ref = pair(cfg)
+    x = torch.randn(40, cfg.hidden_size, generator=torch.Generator().manual_seed(0)) * 1e-3
+    ref_merger_norm = ref.merger.ln_q if family == "qwen2_vl" else ref.merger.norm
+    with torch.no_grad():
+        for name in ("norm1", "norm2"):
+            assert torch.equal(getattr(ours.blocks[0], name)(x), getattr(ref.blocks[0], name)(x)), name
+        assert torch.equal(ours.merger.norm(x), ref_merger_norm(x))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import gc
 import threading
 import time
@@ -16,8 +17,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from qwenvl_vision import PRESETS, ConfigError, InputError, build_model, load_encoder, preset
 from qwenvl_vision.backends.cpu.backend import CpuBackend
 from qwenvl_vision.backends.cpu.kernels import onednn_linear_available
+from qwenvl_vision.model.attention import torch_varlen_missing
+from qwenvl_vision.model.cache import ShapeCache
 from qwenvl_vision.model.config import FAMILIES
-from qwenvl_vision.model.execution import ReferenceBackend, one_forward
+from qwenvl_vision.model.execution import ReferenceBackend, one_forward, one_forward_per_item
 from qwenvl_vision.model.names import to_checkpoint_state
 from tests.helpers import (
     FAMILY_SMALL,
@@ -337,3 +340,106 @@ def test_the_shape_cache_hands_evicted_entries_pages_back_to_the_os(monkeypatch)
     assert len(shapes) == 2 and len(trims) == 4
     shapes.clear()
     assert len(trims) == 5
+
+
+def test_a_cache_hit_makes_its_grid_the_most_recent():
+    model = build_model(QWEN3_SMALL_64, cache_size=2)
+    hot = model.grid_plan((1, 2, 2))
+    model.grid_plan((1, 4, 2))
+    assert model.grid_plan((1, 2, 2)) is hot
+    model.grid_plan((1, 6, 2))  # evicts (1, 4, 2), the least recently used
+    assert model.grid_plan((1, 2, 2)) is hot
+    assert len(model.shape_cache) == 2
+
+
+def test_an_image_and_a_video_of_one_frame_size_each_get_their_own_plan():
+    model = build_model(QWEN2_5_SMALL)
+    image, video = model.grid_plan((1, 8, 8)), model.grid_plan((2, 8, 8))
+    assert video is not image and len(model.shape_cache) == 2
+    assert len(video.positions) == 2 * len(image.positions) and video.frame_lengths == [64, 64]
+    assert len(video.order) == 2 * len(image.order)
+
+
+def test_a_grid_of_no_frames_is_refused():
+    model = pair(QWEN2_5_SMALL)[0]
+    pixel_values, _ = inputs(QWEN2_5_SMALL, [(1, 4, 4)])
+    with pytest.raises(InputError, match=r"item 1: grid \(0, 4, 4\)"):
+        model(pixel_values, [[1, 4, 4], [0, 4, 4]])
+
+
+def test_pixel_rows_of_the_wrong_width_are_named():
+    model = pair(QWEN2_5_SMALL)[0]
+    pixel_values, grid_thw = inputs(QWEN2_5_SMALL, [(1, 4, 4)])
+    with pytest.raises(InputError, match=r"shape \(16, 1175\), expected \(16, 1176\)"):
+        model(pixel_values[:, :-1], grid_thw)
+    with pytest.raises(InputError, match=r"shape \(1, 16, 1176\), expected \(16, 1176\)"):
+        model(pixel_values[None], grid_thw)
+
+
+def test_each_item_runs_on_contiguous_rows_aligned_to_64_bytes_whatever_the_pack_s_address():
+    """Where a GEMM's rounding may follow its operand's address, an item's bits must not follow its batch's."""
+    grids = [(1, 2, 2), (1, 4, 4)]
+    width, rows = QWEN2_5_SMALL.patch_dim, 4 + 16
+    pixel_values = torch.randn(rows * width + 1)[1:].view(rows, width)  # 4 bytes past an aligned start
+    assert pixel_values.data_ptr() % 64
+    forwards = one_forward_per_item(pixel_values, grids)
+    assert [g for _, g in forwards] == [[grid] for grid in grids]
+    for (item, _), expected in zip(forwards, pixel_values.split([4, 16]), strict=True):
+        assert item.is_contiguous() and item.data_ptr() % 64 == 0
+        assert torch.equal(item, expected)
+
+
+def test_an_entry_over_the_byte_bound_is_handed_back_without_flushing_the_cache():
+    model = build_model(QWEN3_SMALL_64, cache_bytes=20_000)
+    small = model.grid_plan((1, 2, 2))
+    assert model.grid_plan((1, 64, 64)) is not None  # its taps are over the bound: not kept
+    assert len(model.shape_cache) == 1 and model.grid_plan((1, 2, 2)) is small
+
+
+def test_a_failed_computation_is_not_cached_and_the_next_call_computes_again():
+    shapes = ShapeCache()
+
+    def fail():
+        raise RuntimeError("interrupted")
+
+    with pytest.raises(RuntimeError, match="interrupted"):
+        shapes.get_or_compute((1, 2, 2), fail)
+    assert len(shapes) == 0
+    assert shapes.get_or_compute((1, 2, 2), lambda: torch.zeros(3)).tolist() == [0, 0, 0]
+    assert len(shapes) == 1
+
+
+def test_clear_empties_the_byte_count_too():
+    model = build_model(QWEN3_SMALL_64, cache_bytes=60_000)
+    model.grid_plan((1, 20, 20))
+    model.shape_cache.clear()
+    assert len(model.shape_cache) == 0 and model.shape_cache.nbytes == 0
+    for h in (2, 4, 6):
+        model.grid_plan((1, h, 4))
+    assert len(model.shape_cache) == 3
+
+
+def test_a_copied_tower_has_its_own_empty_cache():
+    model = build_model(QWEN2_5_SMALL, cache_size=7)
+    model.grid_plan((1, 4, 4))
+    copied = copy.deepcopy(model)
+    assert copied.shape_cache is not model.shape_cache and len(copied.shape_cache) == 0
+    assert copied.shape_cache.maxsize == 7 and len(model.shape_cache) == 1
+
+
+def test_built_towers_are_frozen_and_in_eval_mode_so_a_call_records_no_graph():
+    for model in (build_model(QWEN2_5_SMALL), build_model(QWEN3_SMALL_64, device="meta")):
+        assert not model.training and not any(p.requires_grad for p in model.parameters())
+    model = build_model(QWEN2_5_SMALL)
+    merged, _ = model(*inputs(QWEN2_5_SMALL, [(1, 4, 4)]))  # no torch.no_grad(): still no autograd graph
+    assert not merged.requires_grad
+
+
+def test_the_attention_backend_is_chosen_again_when_the_weights_change_dtype():
+    if torch_varlen_missing() is not None:
+        pytest.skip(torch_varlen_missing())
+    model = build_model(QWEN2_5_SMALL, device="meta")
+    assert model.prepare([(1, 8, 8)]).frames.groups  # sdpa in fp32: equal segments grouped
+    model.to(torch.bfloat16)
+    assert model.prepare([(1, 8, 8)]).frames.groups == []  # torch_varlen: the whole pack at once
+    assert model.attention_choice[1] == "torch_varlen"
