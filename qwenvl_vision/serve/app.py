@@ -430,9 +430,8 @@ async def embeddings(request: Request) -> Any:
             else vector.tolist()
         data.append({"object": "embedding", "index": i, "embedding": value})
     tokens = sum(r.embedding.shape[0] for r in results)
-    # A response, not a dict: FastAPI's jsonable_encoder would walk every float again (about as long as the dumps).
-    return JSONResponse({"object": "list", "data": data, "model": s.settings.served_names[0],
-                         "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+    return {"object": "list", "data": data, "model": s.settings.served_names[0],
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
 
 def build_app(encoder: Any, settings: ServeSettings) -> FastAPI:
