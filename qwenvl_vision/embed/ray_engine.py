@@ -99,8 +99,7 @@ class RayPlan:
             if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
                 if args.quiet:
                     handler.setLevel(logging.ERROR)
-                if not getattr(args, "debug", False) and below_error not in handler.filters:
-                    handler.addFilter(below_error)
+                (handler.removeFilter if getattr(args, "debug", False) else handler.addFilter)(below_error)
         started = not ray.is_initialized()
         # ray.init joins RAY_ADDRESS (which `ray job submit` sets) when given "auto" or no address: so does the check.
         # No address (or "local") is passed as "local": ray.init would otherwise join a `ray start` of this machine.
