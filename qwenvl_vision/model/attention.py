@@ -30,7 +30,7 @@ from ..devices import upload
 from ..errors import ConfigError
 
 VIEW_MIN_TOKENS = 2048  # a run of equal segments this large runs in place; smaller ones may be gathered
-GATHER_MIN_RUNS = 5  # small runs of one length are gathered into one call only when there are this many
+GATHER_MIN_RUNS = 5  # small runs of one length are gathered into one call only when there are more
 ATTN_IMPLS = ("auto", "sdpa", "flash", "torch_varlen")
 FUSED = ("flash", "torch_varlen")  # one varlen call over the whole pack: they read cu_seqlens, never the groups
 

@@ -56,7 +56,7 @@ def test_a_plan_s_boundaries_and_longest_segment(grouped):
     assert plan.max_seqlen == 7 and plan.total == 15
 
 
-def test_the_view_and_gather_thresholds_are_inclusive_as_documented():
+def test_a_large_run_runs_in_place_and_only_more_small_runs_than_the_threshold_are_gathered():
     half = VIEW_MIN_TOKENS // 2
     plan = SegmentPlan.from_lengths([half, half, 8] * (GATHER_MIN_RUNS + 1))
     assert all(g.index is None and g.count == 2 for g in plan.groups if g.length == half)
