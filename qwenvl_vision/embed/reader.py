@@ -184,8 +184,8 @@ def read_encoded(out: str | os.PathLike, paths: list[str] | None = None, *, moda
                             f"(listed in pruned.jsonl); embed --resume embeds it again")
     wanted = [p for p in wanted if p in tensors]
     # A record without requested_fps (a Parquet row: no column holds it) was sampled at the run's video fps.
-    fps = (run.get("video") or {}).get("fps")
-    infos = [found[p][2] if found[p][2] is None or "requested_fps" in found[p][2] or fps is None
+    fps = run["video"]["fps"]  # run.json always records it
+    infos = [found[p][2] if found[p][2] is None or "requested_fps" in found[p][2]
              else {**found[p][2], "requested_fps": fps} for p in wanted]
     return EncodedItems([tensors[p][0] for p in wanted], [found[p][0] for p in wanted],
                         [tensors[p][1] for p in wanted], modality, run["family"], video_info=infos,
