@@ -451,3 +451,47 @@ def test_video_info_records_the_source_size_and_the_fps_asked(cut_avi):
     vcfg = dataclasses.replace(VideoConfig.for_family("qwen3_vl"), fps=3.0)
     _, _, info = preprocess_video_file(cut_avi / "whole.avi", pre, vcfg)
     assert (info.height, info.width, info.requested_fps) == (48, 64, 3.0)
+
+
+def test_an_unreadable_file_and_running_out_of_memory_are_not_called_corrupt(tmp_path, monkeypatch):
+    """A refused read is the file system's answer, not the video's; MemoryError reaches the batch (which retries
+    item by item) instead of failing the input as bad data."""
+    write_video(tmp_path / "v.avi", 4, 64, 48, 10)
+    open_file = av.open
+
+    def refused(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(av, "open", refused)
+    with pytest.raises(PreprocessError, match=r"cannot read file \(Permission denied\)"):
+        read_video_frames(tmp_path / "v.avi", lambda total, rate: [0])
+
+    class Frame:  # a decoded frame whose conversion runs out of memory
+        def __init__(self, frame):
+            self.frame = frame
+
+        def __getattr__(self, name):
+            return getattr(self.frame, name)
+
+        def to_ndarray(self, **options):
+            raise MemoryError
+
+    class Container:
+        def __init__(self, *args, **kwargs):
+            self.container = open_file(*args, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(self.container, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return self.container.__exit__(*exc)
+
+        def decode(self, *args, **kwargs):
+            return map(Frame, self.container.decode(*args, **kwargs))
+
+    monkeypatch.setattr(av, "open", Container)
+    with pytest.raises(MemoryError):
+        read_video_frames(tmp_path / "v.avi", lambda total, rate: [0])
