@@ -461,7 +461,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rows", default=",".join(ROWS), help=f"comma list of {', '.join(ROWS)}")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="where the tower is loaded: cpu (default) or cuda")
-    p.add_argument("--depth", type=int, help="truncate the tower to this many blocks (a quick smoke test)")
+    p.add_argument("--depth", type=positive_option(int, "--depth"),
+                   help="truncate the tower to this many blocks (a quick smoke test)")
     p.add_argument("--timeout", type=float, default=600, help="seconds per child process")
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument("--child", help=argparse.SUPPRESS)

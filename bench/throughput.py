@@ -434,12 +434,14 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def add_bound(result: dict, bounds: list[dict], timings: Timings) -> None:
-    """The median over rounds of the bound and of its two parts, the per-shape rates of the round at the upper
-    median, each round's bound, and each variant's fraction of the bound: the median over rounds of that round's
-    bound over that round's forward (numbers measured minutes apart on a shared machine are not compared)."""
+    """The median over rounds of the bound and of its two parts (the GEMMs' rate from their median), the per-shape
+    rates of the round at the upper median, each round's bound, and each variant's fraction of the bound: the median
+    over rounds of that round's bound over that round's forward (numbers measured minutes apart on a shared machine
+    are not compared)."""
     by_time = sorted(bounds, key=lambda bound: bound["bound_s"])
     medians = {key: statistics.median(b[key] for b in bounds) for key in ("bound_s", "gemm_s", "attention_s")}
     result["gemm_bound"] = dict(by_time[len(by_time) // 2], **medians,
+                                gemm_gflops_per_s=round(bounds[0]["gemm_gflop"] / medians["gemm_s"], 1),
                                 rounds_s=[round(b["bound_s"], 3) for b in bounds])
     for name, entry in result["variants"].items():
         entry["fraction_of_bound"] = statistics.median(

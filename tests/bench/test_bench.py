@@ -97,6 +97,27 @@ def test_load_names_a_preset_whose_family_it_does_not_write():
         load.main(["--preset", "qwen3.5-0.8b", "--depth", "1"])
 
 
+def test_load_refuses_depth_0_before_writing_the_whole_tower(tmp_path, monkeypatch, capsys):
+    from bench import load
+
+    def no_checkpoint(*args):
+        raise AssertionError("a checkpoint was about to be written for --depth 0")
+
+    monkeypatch.setattr(load, "ensure_checkpoint", no_checkpoint)
+    with pytest.raises(SystemExit) as exit_:
+        load.main(["--preset", "qwen2.5-vl-3b", "--depth", "0", "--rows", "ours", "--workdir", str(tmp_path)])
+    assert exit_.value.code == 2 and "--depth" in capsys.readouterr().err
+
+
+def test_the_bound_s_gemm_rate_is_that_of_its_median_gemm_time():
+    """With two rounds the median is their mean: the rate printed beside it is that time's, not one round's."""
+    rounds = [{"bound_s": s + 1.0, "gemm_s": s, "attention_s": 1.0, "gemm_gflop": 1000.0,
+               "gemm_gflops_per_s": round(1000.0 / s, 1), "rates_gflops_per_s": {}} for s in (9.0, 13.0)]
+    result = {"variants": {"ours": {}}}
+    throughput.add_bound(result, rounds, SimpleNamespace(times={"ours": [20.0, 20.0]}))
+    assert result["gemm_bound"]["gemm_s"] == 11.0 and result["gemm_bound"]["gemm_gflops_per_s"] == 90.9
+
+
 def test_load_warms_every_dtype_ours_times_before_timing_it(monkeypatch, tmp_path):
     """Ours measures its CPU plan once per dtype and machine: a dtype not warmed up timed that measurement."""
     import torch
