@@ -98,7 +98,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.cuda_sections import LOG_TAIL, REPO, SECTION_FUNCTIONS, Context, Record, environment, error_text, write_json
+from bench.cuda_sections import (
+    LOG_TAIL,
+    REPO,
+    SECTION_FUNCTIONS,
+    Context,
+    Record,
+    environment,
+    error_text,
+    write_json,
+    write_whole,
+)
 
 MAX_FILES = 8  # what the device tool brings back from $OUT
 MIN_LIMIT_S = 20  # a section given less than this is not run
@@ -356,7 +366,7 @@ def summarize_run(out: Path, dry_run: bool, budget_s: float, results: dict[str, 
     text = summary_text(summary)
     files = {p.name for p in out.iterdir() if not p.name.endswith(".partial")} | {"summary.json", "summary.txt"}
     write_json(out / "summary.json", {**summary, "files": sorted(files)})
-    (out / "summary.txt").write_text(text + "\n")
+    write_whole(out / "summary.txt", text + "\n")
     if final:
         print("\n" + text, flush=True)
         if len(files) > MAX_FILES:

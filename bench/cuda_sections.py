@@ -70,10 +70,15 @@ class Record:
         write_json(self.path, self.data)
 
 
-def write_json(path: Path, data: dict[str, Any]) -> None:
+def write_whole(path: Path, text: str) -> None:
+    """``text`` into ``path`` by a rename: a run killed at its time limit leaves the previous file, never half."""
     partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps(data, indent=1, default=str) + "\n")
+    partial.write_text(text)
     partial.replace(path)
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    write_whole(path, json.dumps(data, indent=1, default=str) + "\n")
 
 
 def combine(statuses: list[str]) -> str:
@@ -394,10 +399,12 @@ def keep_snapshot(report: dict, out: Path) -> dict | None:
     for path in map(Path, report.get("snapshots", ())):
         size = path.stat().st_size
         target = out / "teardown-snapshot.pickle"
-        if size <= SNAPSHOT_MAX_BYTES and not target.exists():
-            shutil.copyfile(path, target)
-            return {"file": target.name, "bytes": size}
-        return {"file": None, "bytes": size, "reason": "over the 16 MiB a returned file may have"}
+        if target.exists():
+            return {"file": None, "bytes": size, "reason": f"{target.name} holds another tower's snapshot"}
+        if size > SNAPSHOT_MAX_BYTES:
+            return {"file": None, "bytes": size, "reason": "over the 16 MiB a returned file may have"}
+        shutil.copyfile(path, target)
+        return {"file": target.name, "bytes": size}
     return None
 
 

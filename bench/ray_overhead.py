@@ -120,6 +120,7 @@ def main(argv: list[str] | None = None) -> dict:
           f"{result['tower_load_s']:.2f} s (each actor), object store {result['object_store_s']:.3f} s for "
           f"{result['embedding_mib']:.1f} MiB of embeddings")
     if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     return result
 

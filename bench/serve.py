@@ -184,6 +184,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"  server RSS: after {min(100, args.requests)} requests {mib[0]}, at the end {mib[1]}, peak since ready "
           f"{mib[2]}")
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     return result
 

@@ -416,3 +416,15 @@ def test_a_comparison_row_that_fails_to_load_is_skipped_and_ours_still_measured(
     data = json.loads(path.read_text())
     assert list(data["rows"]) == ["ours-bf16"] and "key_mapping" in data["errors"]["hf-tower"]
     assert data["skipped"]["hf-tower"].endswith("TypeError: unexpected keyword 'key_mapping'")
+
+
+def test_a_second_failed_teardown_s_snapshot_is_not_called_too_large(tmp_path):
+    """Two presets' teardowns fail: the first snapshot comes back, the second is said to be left for that reason."""
+    out = tmp_path / "out"
+    out.mkdir()
+    first, second = tmp_path / "a.pickle", tmp_path / "b.pickle"
+    first.write_bytes(b"x" * 1000)
+    second.write_bytes(b"y" * 2000)
+    assert cs.keep_snapshot({"snapshots": [str(first)]}, out)["file"] == "teardown-snapshot.pickle"
+    kept = cs.keep_snapshot({"snapshots": [str(second)]}, out)
+    assert kept["file"] is None and "another" in kept["reason"]
