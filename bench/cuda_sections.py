@@ -400,7 +400,7 @@ def keep_snapshot(report: dict, out: Path) -> dict | None:
         size = path.stat().st_size
         target = out / "teardown-snapshot.pickle"
         if target.exists():
-            return {"file": None, "bytes": size, "reason": f"{target.name} holds another tower's snapshot"}
+            return {"file": None, "bytes": size, "reason": f"{target.name} holds an earlier snapshot"}
         if size > SNAPSHOT_MAX_BYTES:
             return {"file": None, "bytes": size, "reason": "over the 16 MiB a returned file may have"}
         shutil.copyfile(path, target)

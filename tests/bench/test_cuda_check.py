@@ -427,4 +427,4 @@ def test_a_second_failed_teardown_s_snapshot_is_not_called_too_large(tmp_path):
     second.write_bytes(b"y" * 2000)
     assert cs.keep_snapshot({"snapshots": [str(first)]}, out)["file"] == "teardown-snapshot.pickle"
     kept = cs.keep_snapshot({"snapshots": [str(second)]}, out)
-    assert kept["file"] is None and "another" in kept["reason"]
+    assert kept["file"] is None and "earlier" in kept["reason"]

@@ -454,8 +454,8 @@ def test_video_info_records_the_source_size_and_the_fps_asked(cut_avi):
 
 
 def test_an_unreadable_file_and_running_out_of_memory_are_not_called_corrupt(tmp_path, monkeypatch):
-    """A refused read is the file system's answer, not the video's; MemoryError reaches the batch (which retries
-    item by item) instead of failing the input as bad data."""
+    """A refused read is the file system's answer, not the video's; a MemoryError leaves the reader as itself, not as
+    an error calling the data corrupt."""
     write_video(tmp_path / "v.avi", 4, 64, 48, 10)
     open_file = av.open
 
