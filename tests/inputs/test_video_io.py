@@ -250,36 +250,13 @@ def test_a_frame_grown_mid_stream_is_refused_before_it_is_converted(tmp_path, mo
         for n, packet in enumerate(p for p in source.demux(source.streams.video[0]) if p.size):
             packet.stream, packet.time_base, packet.pts, packet.dts = stream, fractions.Fraction(1, 8), n, n
             out.mux(packet)
-    converted, open_file = [], av.open
+    converted = []
 
-    class Frame:  # a decoded frame whose conversions to RGB are recorded
-        def __init__(self, frame):
-            self.frame = frame
+    def recorded(frame, **options):  # each conversion to RGB recorded
+        converted.append((frame.width, frame.height))
+        return frame.to_ndarray(**options)
 
-        def __getattr__(self, name):
-            return getattr(self.frame, name)
-
-        def to_ndarray(self, **options):
-            converted.append((self.frame.width, self.frame.height))
-            return self.frame.to_ndarray(**options)
-
-    class Container:
-        def __init__(self, *args, **kwargs):
-            self.container = open_file(*args, **kwargs)
-
-        def __getattr__(self, name):
-            return getattr(self.container, name)
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return self.container.__exit__(*exc)
-
-        def decode(self, *args, **kwargs):
-            return map(Frame, self.container.decode(*args, **kwargs))
-
-    monkeypatch.setattr(av, "open", Container)
+    monkeypatch.setattr(av, "open", decoding_with(recorded))
     with pytest.raises(PreprocessError, match=r"frame 8 is 2048x2048, earlier frames 64x48"):
         preprocess_video_file(str(tmp_path / "grown.mkv"), *configs("qwen3_vl"), max_input_pixels=5000)
     assert converted and (2048, 2048) not in converted  # the grown frame's RGB array was never made
@@ -457,16 +434,27 @@ def test_an_unreadable_file_and_running_out_of_memory_are_not_called_corrupt(tmp
     """A refused read is the file system's answer, not the video's; a MemoryError leaves the reader as itself, not as
     an error calling the data corrupt."""
     write_video(tmp_path / "v.avi", 4, 64, 48, 10)
-    open_file = av.open
+
+    def out_of_memory(frame, **options):
+        raise MemoryError
 
     def refused(*args, **kwargs):
         raise PermissionError(13, "Permission denied")
 
+    running_out = decoding_with(out_of_memory)
     monkeypatch.setattr(av, "open", refused)
     with pytest.raises(PreprocessError, match=r"cannot read file \(Permission denied\)"):
         read_video_frames(tmp_path / "v.avi", lambda total, rate: [0])
+    monkeypatch.setattr(av, "open", running_out)
+    with pytest.raises(MemoryError):
+        read_video_frames(tmp_path / "v.avi", lambda total, rate: [0])
 
-    class Frame:  # a decoded frame whose conversion runs out of memory
+
+def decoding_with(to_ndarray):
+    """``av.open`` as it is now, its decoded frames converted to arrays by ``to_ndarray(frame, **options)``."""
+    open_file = av.open
+
+    class Frame:
         def __init__(self, frame):
             self.frame = frame
 
@@ -474,7 +462,7 @@ def test_an_unreadable_file_and_running_out_of_memory_are_not_called_corrupt(tmp
             return getattr(self.frame, name)
 
         def to_ndarray(self, **options):
-            raise MemoryError
+            return to_ndarray(self.frame, **options)
 
     class Container:
         def __init__(self, *args, **kwargs):
@@ -492,6 +480,4 @@ def test_an_unreadable_file_and_running_out_of_memory_are_not_called_corrupt(tmp
         def decode(self, *args, **kwargs):
             return map(Frame, self.container.decode(*args, **kwargs))
 
-    monkeypatch.setattr(av, "open", Container)
-    with pytest.raises(MemoryError):
-        read_video_frames(tmp_path / "v.avi", lambda total, rate: [0])
+    return Container
