@@ -231,7 +231,10 @@ class Serving:
 
     async def results(self, request: Request, found: list[Item], normalize: bool) -> list[ItemResult]:
         with self.batcher.reserve(len(found)):  # a request the queue has no room for reads none of its media
-            reads = [asyncio.ensure_future(self.loaded(request, item)) for item in found]
+            # At most a pool's worth of its own reads at once: what keeps a read waiting for a thread is then the
+            # other requests' reads (the 503's claim), never its own siblings' (which retrying would meet again).
+            slots = asyncio.Semaphore(MEDIA_THREADS)
+            reads = [asyncio.ensure_future(self.loaded(request, item, slots)) for item in found]
             try:
                 await asyncio.gather(*reads)
             finally:  # one item failed: its siblings' reads not yet started leave the media threads' queue
@@ -244,30 +247,31 @@ class Serving:
                 raise result.error_class(result.error)
         return results
 
-    async def loaded(self, request: Request, item: Item) -> None:
+    async def loaded(self, request: Request, item: Item, slots: asyncio.Semaphore) -> None:
         """The item's bytes read (a URL's, a file's) in the media threads and charged to the request's bodies: the
         encoder's thread never waits on a network or a file. A read is bounded by fetch's own deadline (a file by its
         end); one still waiting for a thread after the decode timeout is dropped, and its request answered 503: the
         server was busy, the item may be fine."""
         if item.file.fetched:
             return
-        timeout = self.settings.policy.timeout_s
-        # At most what the bodies' bound allows one request: charged once read, a larger read would overshoot it.
-        read = self.media_threads.submit(item.file.read, min(self.settings.options["decode_bytes"],
-                                                             self.settings.max_bodies))
-        reading = asyncio.wrap_future(read)
-        try:
-            await asyncio.wait([reading], timeout=timeout)  # unlike wait_for, it leaves a read under way going
-            if read.cancel():  # it never started, and now never will
-                raise RequestError(f"{item.label}: not read: every media thread was busy for the decode timeout "
-                                   f"({timeout:g} s); try again shortly", 503, {"Retry-After": "1"})
-            data = await reading
-        finally:  # this request answered without it (a sibling failed): a read still queued never runs (cancelled
-            read.cancel()  # here, at once: ``reading``'s cancel reaches it only on the loop's next pass), one under
-            reading.cancel()  # way is cut
-            if (connections := self.settings.policy.reading.get(item.file)) is not None:
-                connections.cut()
-        self.bodies.charge(request, len(data))
+        async with slots:
+            timeout = self.settings.policy.timeout_s
+            # At most what the bodies' bound allows one request: charged once read, a larger read would overshoot it.
+            read = self.media_threads.submit(item.file.read, min(self.settings.options["decode_bytes"],
+                                                                 self.settings.max_bodies))
+            reading = asyncio.wrap_future(read)
+            try:
+                await asyncio.wait([reading], timeout=timeout)  # unlike wait_for, it leaves a read under way going
+                if read.cancel():  # it never started, and now never will
+                    raise RequestError(f"{item.label}: not read: every media thread was busy for the decode timeout "
+                                       f"({timeout:g} s); try again shortly", 503, {"Retry-After": "1"})
+                data = await reading
+            finally:  # this request answered without it (a sibling failed): a read still queued never runs (cancelled
+                read.cancel()  # here, at once: ``reading``'s cancel reaches it only on the loop's next pass), one under
+                reading.cancel()  # way is cut
+                if (connections := self.settings.policy.reading.get(item.file)) is not None:
+                    connections.cut()
+            self.bodies.charge(request, len(data))
 
     def written(self, item: Item) -> dict | None:
         """The entry of the item this server wrote under the item's uuid (its metadata says what a request needs),

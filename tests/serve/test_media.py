@@ -466,3 +466,31 @@ def test_time_an_item_waited_for_a_media_thread_is_not_counted_against_its_read(
             for thread in threads:
                 thread.join()
     assert [answers[name].status_code for name in ("held.png", "a.png")] == [200, 200], answers["a.png"].text
+
+
+def test_a_request_s_own_reads_never_keep_its_items_waiting_into_a_503(tmp_path, checkpoint3, media, monkeypatch):
+    """More items than media threads, each read taking most of the decode timeout: its last items wait behind its
+    own first ones past the timeout, which a 503 would ask it to retry into the same wait."""
+    from fastapi.testclient import TestClient
+
+    from qwenvl_vision.serve import app as app_module
+    from qwenvl_vision.serve import media as media_module
+
+    timeout = 1
+    (tmp_path / "local").mkdir()
+    for name in ("a.png", "b.png", "c.png"):
+        (tmp_path / "local" / name).write_bytes(media["a.png"].read_bytes())
+    monkeypatch.setattr(app_module, "MEDIA_THREADS", 1)
+    read_local = media_module.read_local
+
+    def slow_disk(path, label, limit):
+        time.sleep(timeout * 0.6)
+        return read_local(path, label, limit)
+
+    monkeypatch.setattr(media_module, "read_local", slow_disk)
+    app = app_of(load_encoder(checkpoint3, device="cpu"), "--allowed-local-media-path", tmp_path / "local",
+                 "--decode-timeout", timeout)
+    with TestClient(app) as client:
+        response = client.post("/v1/embeddings", json=chat(
+            *[part(f"file://{tmp_path}/local/{name}") for name in ("a.png", "b.png", "c.png")]))
+    assert response.status_code == 200, response.text
