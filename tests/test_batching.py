@@ -217,7 +217,7 @@ def test_decode_budget_bounds_what_workers_hold_at_once(tmp_path, monkeypatch):
     encoder = load_encoder(QWEN2_5_SMALL, random_weights=True, device="cpu")
     large_cost = 1000 * 800 * DECODE_BYTES_PER_PIXEL[encoder.preprocess_config.resize]
     in_flight, peak, lock = [0], [0], threading.Lock()
-    real = batching.preprocess_image
+    real, meet = batching.preprocess_image, []
 
     def tracked(image, *args, on_header, **kwargs):
         big = [Image.open(image).size == (1000, 800)]
@@ -227,7 +227,10 @@ def test_decode_budget_bounds_what_workers_hold_at_once(tmp_path, monkeypatch):
             with lock:
                 in_flight[0] += big[0]
                 peak[0] = max(peak[0], in_flight[0])
-            time.sleep(0.05)  # a slow decode, so that overlaps would happen
+            if big[0] and meet:  # unbounded: a large image waits for another, so that they do overlap
+                meet[0].wait(60)
+            else:
+                time.sleep(0.05)  # a slow decode, so that overlaps would happen
 
         try:
             return real(image, *args, on_header=admitted, **kwargs)
@@ -240,9 +243,10 @@ def test_decode_budget_bounds_what_workers_hold_at_once(tmp_path, monkeypatch):
                                                   decode_bytes=large_cost + 1000) for r in batch]
     assert peak[0] == 1 and all(r.ok for r in bounded)
     peak[0] = 0
+    meet.append(threading.Barrier(2))
     unbounded = [r for batch in encoder.iter_encode(paths, max_pixels=20_000, num_workers=4, decode_bytes=None)
                  for r in batch]
-    assert peak[0] > 1  # the check can fail: without the budget, large images do overlap
+    assert peak[0] > 1
     for a, b in zip(bounded, unbounded, strict=True):
         assert torch.equal(a.embedding, b.embedding)
 
