@@ -291,3 +291,86 @@ def test_items_written_under_a_serve_client_s_uuids_are_pruned_oldest_first(tmp_
     running.release()
     assert "removed 2 item(s)" in capsys.readouterr().out
     assert sorted(items(out)) == sorted(["e" * 64, "newUuid"])
+
+
+def claimed_folder(out: Path, names: list[str], base: float) -> None:
+    """A folder claimed as writers claim it, with equal items ``names`` written one minute apart (the first the
+    oldest)."""
+    import torch
+
+    from qwenvl_vision.inputs.item_ids import IDENTITY_FIELDS
+    from qwenvl_vision.outputs.vllm_cache import claim_cache_folder, write_item
+
+    claim_cache_folder(out, dict.fromkeys(IDENTITY_FIELDS, "x"), "t")
+    for name in names:
+        assert write_item(out, name, torch.zeros(64, 64), "t")
+    age_items(out, names, base)
+
+
+def test_the_bound_is_kept_counting_the_lines_that_pruned_jsonl_gains(tmp_path):
+    """A folder exactly at the bound loses nothing; a bound one item's bytes below it costs two items, since the
+    first one's line in pruned.jsonl takes some of the room it freed."""
+    out = tmp_path / "cache"
+    names = ["a" * 64, "b" * 64, "c" * 64]
+    claimed_folder(out, names, time.time() - 3600)
+    total, size = folder_bytes(out), items(out)[names[0]].stat().st_size
+    assert prune_cache(out, total).removed == []
+    report = prune_cache(out, total - size)
+    assert [i.id for i in report.removed] == names[:2] and report.done
+    assert report.kept_bytes == folder_bytes(out) <= total - size
+
+
+def test_items_written_since_the_earliest_running_rank_took_its_lock_are_kept(tmp_path):
+    """A two-rank embed holds embed.rank0.lock and embed.rank1.lock: what was written since the first rank started is
+    the run's, kept (one written the very moment it started too); only what came before goes."""
+    out = tmp_path / "cache"
+    now = time.time()
+    names = ["a" * 64, "b" * 64, "c" * 64]
+    claimed_folder(out, names, now - 250)  # a: 250 s ago, b: 190 s, c: 130 s
+    ranks = [FolderLock(out / f"embed.rank{rank}.lock", str(out)) for rank in range(2)]
+    for lock in ranks:
+        lock.acquire()
+    b_written = (out / names[1] / CACHE_FILE).stat().st_mtime_ns
+    os.utime(out / "embed.rank0.lock", ns=(b_written, b_written))  # rank 0 started as b was written
+    os.utime(out / "embed.rank1.lock", (now - 50, now - 50))
+    try:
+        report = prune_cache(out, 0)
+    finally:
+        for lock in ranks:
+            lock.release()
+    assert report.running and [i.id for i in report.removed] == names[:1] and report.held == 2
+    assert sorted(items(out)) == names[1:]
+
+
+def test_a_prune_waits_for_a_writer_s_batch_and_gives_up_naming_the_lock(tmp_path, monkeypatch):
+    """The writers hold the folder's lock while they write and record items: a prune waits for it (at most
+    LOCK_WAIT_S), then stops with a CacheFolderError naming it, nothing removed; a dry run only reads."""
+    from qwenvl_vision.errors import CacheFolderError
+    from qwenvl_vision.outputs import cache_prune
+    from qwenvl_vision.outputs.vllm_cache import CACHE_LOCK, cache_lock
+
+    out = tmp_path / "cache"
+    claimed_folder(out, ["a" * 64], time.time() - 3600)
+    monkeypatch.setattr(cache_prune, "LOCK_WAIT_S", 0.2)
+    with cache_lock(out):  # a writer's batch in progress
+        with pytest.raises(CacheFolderError, match=CACHE_LOCK):
+            prune_cache(out, 0)
+        assert list(items(out)) == ["a" * 64]
+        assert [i.id for i in prune_cache(out, 0, dry_run=True).removed] == ["a" * 64]
+    assert [i.id for i in prune_cache(out, 0).removed] == ["a" * 64] and not items(out)
+
+
+def test_a_link_named_as_an_item_is_never_pruned_through(tmp_path):
+    """A link at an item's folder name is no item of the folder: what it points to, outside (an item file, a writer's
+    temporary file), is never removed."""
+    out = tmp_path / "cache"
+    claimed_folder(out, ["a" * 64], time.time() - 3600)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / CACHE_FILE).write_bytes(b"z" * 100_000)
+    (elsewhere / f"{CACHE_FILE}.0123456789abcdef.tmp").write_bytes(b"a writer's, elsewhere")
+    (out / ("b" * 64)).symlink_to(elsewhere, target_is_directory=True)
+    report = prune_cache(out, 0)
+    assert [i.id for i in report.removed] == ["a" * 64] and report.kept == 0 and report.stale == 0
+    assert (elsewhere / CACHE_FILE).read_bytes() == b"z" * 100_000
+    assert (elsewhere / f"{CACHE_FILE}.0123456789abcdef.tmp").exists()

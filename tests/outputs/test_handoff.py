@@ -335,3 +335,36 @@ def test_a_tower_of_another_merge_size_hands_over_its_own_token_counts():
     assert [e.shape[0] for e in to_transformers(result)["mm_encoder_outputs"]["image"].pooler_output] == [t * h * w]
     with pytest.raises(InputError, match=r"different merge sizes: \[1, 2\]"):
         to_vllm(result, items(width=result.embeddings[0].shape[1]))
+
+
+def test_each_video_s_timestamps_come_from_its_own_frames_and_must_fill_its_grid():
+    """Videos in one result: each its own video_info's timestamps, in order; frames that make another count of
+    temporal patches than its grid's t, or none at all, are refused naming the video (not vLLM's error later)."""
+    clips = items("qwen3_5", levels=0, grids=((1, 2, 2), (2, 2, 2)), modality="video")
+    infos = [{"frames": [0, 1], "fps": 2.0}, {"frames": [0, 2, 4, 6], "fps": 4.0}]
+    assert to_vllm(dataclasses.replace(clips, video_info=infos))["video"]["timestamps"] == [[0.25], [0.25, 1.25]]
+    for frames, message in (([0, 1, 2, 3, 4, 5], r"video 0: 6 sampled frames make 3 temporal patches, but its grid "
+                                                 r"has t=1"),
+                            ([], r"video 0: .*no frame indices")):
+        with pytest.raises(InputError, match=message):
+            to_vllm(dataclasses.replace(clips, video_info=[{"frames": frames, "fps": 2.0}, infos[1]]))
+
+
+def test_an_omni_video_s_seconds_per_patch_come_from_the_fps_asked_not_the_source_rate():
+    """The Omni thinkers' processors: temporal_patch_size / requested fps. A 10 fps file sampled at 2 fps is 1 s per
+    patch; a video_info with only the source rate is refused, naming requested_fps."""
+    clip = items("qwen2_5_omni", levels=0, grids=((2, 2, 2),), modality="video")
+    info = {"frames": [0, 5, 10, 15], "fps": 10.0, "requested_fps": 2.0}
+    assert to_vllm(dataclasses.replace(clip, video_info=[info]))["video"]["second_per_grid_ts"].tolist() == [1.0]
+    with pytest.raises(InputError, match="no requested_fps"):
+        to_vllm(dataclasses.replace(clip, video_info=[{"frames": [0, 5, 10, 15], "fps": 10.0}]))
+
+
+def test_vllm_grids_are_long_and_wrong_devices_and_level_counts_are_named():
+    assert to_vllm(items())["image"]["image_grid_thw"].dtype == torch.long
+    for hand_over in (to_transformers, to_vllm):
+        with pytest.raises(ConfigError, match="device 1.5"):
+            hand_over(items(), device=1.5)
+    for levels in (-1, -2):
+        with pytest.raises(InputError, match="feature blocks"):
+            split_vllm_deepstack(torch.zeros(3, 8), levels)

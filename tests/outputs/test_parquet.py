@@ -215,3 +215,60 @@ def test_the_index_reads_realpaths_and_statuses(tmp_path, fp32):
     (tmp_path / "junk.parquet").write_bytes(b"not parquet")
     with pytest.raises(ManifestError, match="not a readable Parquet file"):
         read_parquet_index(tmp_path / "junk.parquet")
+
+
+def test_a_shard_of_another_layout_version_is_one_error_naming_it(shard):
+    """A shard of a newer layout is refused as damaged, never read into records of another layout."""
+    table = pq.read_table(shard)
+    meta = json.loads(table.schema.metadata[b"qwenvl_vision"])
+    meta.update(format=2)
+    pq.write_table(table.replace_schema_metadata({b"qwenvl_vision": json.dumps(meta).encode()}), shard)
+    with pytest.raises(ManifestError, match="format 2, this version reads 1") as caught:
+        list(read_parquet_records([shard]))
+    assert str(shard) in str(caught.value)
+
+
+def test_the_grids_a_hand_off_reads_are_the_ok_rows_only(shard, fp32):
+    """read_parquet_grids (read_encoded's first read): an error row has no grid, no tokens, and is no item."""
+    from qwenvl_vision.outputs.parquet_reader import read_parquet_grids
+
+    records, _ = fp32
+    assert read_parquet_grids(shard) == [(r.path, list(r.grid_thw), None, r.tokens) for r in records[:3]]
+
+
+def test_a_shard_whose_columns_are_not_its_layout_s_is_one_error_naming_it(shard):
+    table = pq.read_table(shard)
+    column = table.schema.get_field_index("tokens")
+    table = table.set_column(column, pa.field("tokens", pa.int32()), table.column("tokens").cast(pa.int32()))
+    pq.write_table(table, shard)  # the schema's metadata kept: a layout that says int64
+    with pytest.raises(ManifestError, match=r"column 'tokens' is int32, not int64") as caught:
+        list(read_parquet_records([shard]))
+    assert str(shard) in str(caught.value)
+
+
+def test_a_carried_text_value_utf8_cannot_encode_is_stored_escaped_and_a_pooled_vector_of_another_width_refused(
+        tmp_path, fp32):
+    """A JSONL table can hold a lone surrogate ("\\udce9" in JSON): stored as its backslash escape, as names are.
+    A mean vector of another width is a ValueError naming the row, not a misaligned column."""
+    records, layout = fp32
+    carried = ParquetLayout(layout.dim, layout.levels, layout.merge_size, layout.dtype, pooled=True,
+                            columns=(("caption", "string"),))
+    row = EmbeddingRecord("/data/a.jpg", "/data/a.jpg", "error", "gone", columns={"caption": "caf\udce9"})
+    path = write_table_atomic(results_table([row], carried, RUN), tmp_path / shard_name(0, 0))
+    assert pq.read_table(path).column("caption").to_pylist() == ["caf\\udce9"]
+    for pooled in (torch.zeros(65), torch.zeros(2, 64)):
+        wide = EmbeddingRecord("x", "/x", "ok", None, records[0].grid_thw, records[0].tokens, records[0].embedding,
+                               records[0].deepstack, pooled)
+        with pytest.raises(ValueError, match=r"row 1: pooled has shape"):
+            results_table([records[1], wide], carried, RUN)
+
+
+def test_a_url_s_password_and_signature_never_reach_a_parquet_row(tmp_path, fp32):
+    """A URL input's path, realpath and error are stored redacted (inputs.urls), as in the manifest."""
+    _, layout = fp32
+    url = "https://user:secret@host.example/a.png?X-Amz-Signature=abc123&x=1"
+    row = EmbeddingRecord(url, url, "error", f"cannot read {url}: 403")
+    path = write_table_atomic(results_table([row], layout, RUN), tmp_path / shard_name(0, 0))
+    (stored,) = pq.read_table(path).to_pylist()
+    assert stored["path"] == stored["realpath"] == "https://user:***@host.example/a.png?X-Amz-Signature=***&x=1"
+    assert "secret" not in stored["error"] and "abc123" not in stored["error"]

@@ -349,3 +349,69 @@ def test_a_file_where_an_item_s_folder_goes_is_named_never_taken_for_the_item(tm
     with pytest.raises(CacheFolderError, match=r"item is a file where an item's folder goes"):
         write_item(tmp_path, "item", torch.ones(2, 4), "t")
     assert (tmp_path / "item").read_text() == "another writer's"
+
+
+def test_a_folder_of_the_same_family_in_another_dtype_or_weights_is_refused(tmp_path, checkpoint3, qwen3, imgs):
+    """Every identity field decides, not the family alone: bf16 rows or a fine-tune's would load for this model's
+    prompts."""
+    folder = tmp_path / "cache"
+    cached(qwen3, imgs, folder)
+    before = listing(folder)
+    tuned = load_encoder(checkpoint3, device="cpu")
+    with torch.no_grad():
+        next(tuned.model.parameters()).add_(1e-3)
+    for other, field in ((load_encoder(checkpoint3, device="cpu", dtype=torch.bfloat16), "dtype"),
+                         (tuned, "weights_sha256")):
+        with pytest.raises(CacheFolderError, match=rf"another model \(.*\b{field} "):
+            cached(other, imgs, folder)
+        assert listing(folder) == before
+
+
+def test_a_folder_with_other_files_and_folders_but_no_items_is_claimed(tmp_path, qwen3, imgs):
+    """Only an item (a folder named as one, holding an item file) makes a folder without identity someone else's."""
+    folder = tmp_path / "cache"
+    (folder / "notes").mkdir(parents=True)
+    (folder / ("d" * 64)).mkdir()  # named as an item, but holds none
+    (folder / "README.txt").write_text("mine")
+    assert len(cached(qwen3, imgs, folder)) == 2 and (folder / IDENTITY_FILE).is_file()
+
+
+def test_items_are_written_only_while_the_folder_s_lock_is_held(tmp_path, qwen3, imgs):
+    """A prune holds the folder's lock while it reads and removes: a writer waits for it before writing an item."""
+    import threading
+
+    from qwenvl_vision.outputs.vllm_cache import cache_lock
+
+    result = qwen3.encode_images(imgs, max_pixels=64 * 64)
+    folder = tmp_path / "cache"
+    folder.mkdir()
+    done = []
+    with cache_lock(folder):  # a prune in progress
+        writer = threading.Thread(target=lambda: done.append(result.to_vllm_cache(folder)))
+        writer.start()
+        writer.join(1.0)
+        assert writer.is_alive() and not list(folder.glob(f"*/{CACHE_FILE}"))
+    writer.join(30)
+    assert len(done[0]) == 2 and len(list(folder.glob(f"*/{CACHE_FILE}"))) == 2
+
+
+def test_a_link_at_an_item_s_file_is_refused_never_read_nor_touched(tmp_path, qwen3, imgs):
+    """Somebody else's file linked in at an item's name (a valid item file, even): an OutputLinkError naming it; the
+    link is left, its target neither taken for the item nor touched."""
+    from qwenvl_vision.errors import OutputLinkError
+
+    folder = tmp_path / "cache"
+    (first, _) = cached(qwen3, imgs, folder)
+    item = folder / first["id"] / CACHE_FILE
+    elsewhere = tmp_path / "elsewhere.safetensors"
+    item.rename(elsewhere)
+    item.symlink_to(elsewhere)
+    os.utime(elsewhere, (0, 0))
+    with pytest.raises(OutputLinkError, match="symbolic link"):
+        cached(qwen3, imgs, folder)
+    assert item.is_symlink() and elsewhere.stat().st_mtime == 0
+
+
+def test_a_request_entry_s_grid_must_be_three_numbers():
+    with pytest.raises(InputError, match=r"entry 0: grid_thw '\[1, 4\]' is no \(t, h, w\)"):
+        vllm_request([{"id": "a" * 64, "modality": "image", "grid_thw": [1, 4]}])
