@@ -269,8 +269,8 @@ class Serving:
             finally:  # this request answered without it (a sibling failed): a read still queued never runs (cancelled
                 read.cancel()  # here, at once: ``reading``'s cancel reaches it only on the loop's next pass), one under
                 reading.cancel()  # way is cut
-                if item.connections is not None:
-                    item.connections.cut()
+                if (connections := self.settings.policy.reading.get(item.file)) is not None:
+                    connections.cut()
             self.bodies.charge(request, len(data))
 
     def written(self, item: Item) -> dict | None:

@@ -23,7 +23,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import SplitResult, quote, unquote, urljoin, urlsplit
@@ -52,6 +52,9 @@ class MediaPolicy:
     allowed_domains: frozenset[str]  # lowercase, as urlsplit's hostname
     local_root: Path | None  # resolved
     timeout_s: float  # a fetch's, the decode timeout
+    # The fetches under way, by their file: cut when their request is answered without them (it would hold a media
+    # thread, and the process's exit, until the decode timeout).
+    reading: dict[FileBytes, Connections] = field(default_factory=dict, compare=False)
 
 
 @dataclass
@@ -60,9 +63,6 @@ class Item:
     modality: str
     uuid: str | None
     file: FileBytes
-    # A URL's: cut when its request is answered without it, before or during its read (a read would hold a media
-    # thread, and the process's exit, until the decode timeout).
-    connections: Connections | None = None
 
 
 def request_items(body: Any, policy: MediaPolicy, need_uuid: bool) -> list[Item]:
@@ -107,13 +107,13 @@ def request_items(body: Any, policy: MediaPolicy, need_uuid: bool) -> list[Item]
             if uuid is not None and modalities.setdefault(uuid, modality) != modality:  # one file under it, one kind
                 raise RequestError(f"{label}: uuid {uuid!r} is given to both an image and a video: give each item "
                                    f"its own uuid")
-            items.append(Item(label, modality, uuid, *media_file(url, label, modality, policy)))
+            items.append(Item(label, modality, uuid, media_file(url, label, modality, policy)))
     return items
 
 
-def media_file(url: str, label: str, modality: str, policy: MediaPolicy) -> tuple[FileBytes, Connections | None]:
-    """The item's bytes (a data URL's now; a URL's or a file's when read, at most the bytes the read is given), with
-    a URL's connections, or a RequestError naming it."""
+def media_file(url: str, label: str, modality: str, policy: MediaPolicy) -> FileBytes:
+    """The item's bytes (a data URL's now; a URL's or a file's when read, at most the bytes the read is given), or a
+    RequestError naming it."""
     known, default = EXTENSIONS[modality]
     try:
         url.encode()
@@ -128,7 +128,7 @@ def media_file(url: str, label: str, modality: str, policy: MediaPolicy) -> tupl
         # Any media type, as vLLM's: the decoders read the content, and a name only tells the kind.
         ext = mimetypes.guess_extension(mime.strip().lower())
         try:
-            return FileBytes(label + (ext if ext in known else default), base64.b64decode(payload, validate=True)), None
+            return FileBytes(label + (ext if ext in known else default), base64.b64decode(payload, validate=True))
         except ValueError:  # binascii.Error, or a character outside ASCII
             raise RequestError(f"{label}: the data URL's base64 is invalid") from None
     parts = url_parts(url, label)
@@ -136,8 +136,8 @@ def media_file(url: str, label: str, modality: str, policy: MediaPolicy) -> tupl
     name = label + (ext if ext in known else default)
     if scheme in ("http", "https"):
         check_remote(url, label, policy)
-        connections = Connections()
-        return FileBytes(name, fetch=lambda limit: fetch(url, label, policy, limit, connections)), connections
+        file = FileBytes(name, fetch=lambda limit: fetch(url, label, policy, limit, file))
+        return file
     if scheme == "file":
         if policy.local_root is None:
             raise RequestError(f"{label}: file URLs are refused (start the server with --allowed-local-media-path)")
@@ -146,7 +146,7 @@ def media_file(url: str, label: str, modality: str, policy: MediaPolicy) -> tupl
         path = Path(os.path.realpath(unquote(parts.path)))  # a link loop resolves as far as it goes (read: ELOOP)
         if parts.netloc not in ("", "localhost") or not path.is_relative_to(policy.local_root):
             raise RequestError(f"{label}: {url[:200]} is not under --allowed-local-media-path")
-        return FileBytes(name, fetch=lambda limit: read_local(path, label, limit)), None
+        return FileBytes(name, fetch=lambda limit: read_local(path, label, limit))
     raise RequestError(f"{label}: URL scheme {scheme[:20]!r} is not served (data, http(s), file)")
 
 
@@ -207,9 +207,9 @@ class Connections(urllib.request.HTTPSHandler, urllib.request.HTTPHandler):
     a duplicate of it made when it connects (an SSL socket, or one a response reads, is not at hand: http.client
     drops the connection's once the headers are in, and TLS detaches it while shaking hands)."""
 
-    def __init__(self) -> None:
+    def __init__(self, timeout_s: float) -> None:
         super().__init__()
-        self.deadline = float("inf")  # set when the read starts (fetch)
+        self.deadline = time.monotonic() + timeout_s
         self.sockets: list[socket.socket] = []
         self.was_cut = False
         self.lock = threading.RLock()  # cut runs inside connect too
@@ -227,12 +227,12 @@ class Connections(urllib.request.HTTPSHandler, urllib.request.HTTPHandler):
         redirect's hop too. The name lookup is the resolver's, not bounded here."""
         error = OSError(f"no address for {address[0]}")
         for family, kind, proto, _, sockaddr in socket.getaddrinfo(*address, type=socket.SOCK_STREAM):
+            if self.late:  # past the deadline, or cut
+                raise TimeoutError
             left, sock = self.deadline - time.monotonic(), None
             try:
                 sock = socket.socket(family, kind, proto)
                 with self.lock:  # cut while connecting: shut, the connect ends at once
-                    if self.late:  # past the deadline, or cut before
-                        raise TimeoutError
                     self.sockets.append(sock)
                 sock.settimeout(max(left, 0.001))
                 sock.connect(sockaddr)  # the whole address: an IPv6 one keeps its scope
@@ -273,16 +273,16 @@ class Connections(urllib.request.HTTPSHandler, urllib.request.HTTPHandler):
             self.sockets.clear()
 
 
-def fetch(url: str, label: str, policy: MediaPolicy, limit: int, connections: Connections) -> bytes:
+def fetch(url: str, label: str, policy: MediaPolicy, limit: int, file: FileBytes) -> bytes:
     """The URL's body, at most ``limit`` bytes (read one past it to tell), all of it within the decode timeout,
-    which a server trickling its bytes does not hold past it (``connections``, which a cut, before or during the read,
-    ends at once)."""
-    connections.deadline = time.monotonic() + policy.timeout_s
+    which a server trickling its bytes does not hold past it (``Connections``); ``policy.reading[file]`` while read."""
+    connections = Connections(policy.timeout_s)
     opener = urllib.request.build_opener(Redirects(label, policy), connections)
     late = PreprocessError(f"{label}: {redacted(url)[:200]} not read within the decode timeout "
                            f"({policy.timeout_s:g} s)")
     timer = threading.Timer(policy.timeout_s, connections.cut)
     try:
+        policy.reading[file] = connections
         timer.start()
         # Characters a path or query may not hold (an "é", a space) percent-encoded, as urllib does for a redirect;
         # the host as it is (http.client encodes a name of other letters by IDNA).
@@ -314,3 +314,4 @@ def fetch(url: str, label: str, policy: MediaPolicy, limit: int, connections: Co
     finally:
         timer.cancel()
         connections.close()
+        policy.reading.pop(file, None)

@@ -179,44 +179,6 @@ def test_a_read_its_request_no_longer_waits_for_is_cut_at_once(checkpoint3):
         assert stopped.wait(5), "the read went on"
 
 
-def test_a_read_its_request_no_longer_waits_for_is_cut_before_it_connects(checkpoint3, monkeypatch):
-    """A read whose thread reaches its fetch only after its request was answered (its sibling's URL failed) would
-    connect and hold a media thread until the decode timeout."""
-    from fastapi.testclient import TestClient
-
-    from qwenvl_vision.serve import media as media_module
-
-    answered, fetch, ended, arrived = threading.Event(), media_module.fetch, [], []
-
-    def late(url, *args):
-        if "slow" in url:
-            answered.wait(START_S)
-        try:
-            return fetch(url, *args)
-        finally:
-            ended.append(url)
-
-    def answer(handler):
-        arrived.append(handler.path)
-        if handler.path == "/missing.png":
-            handler.send_error(404)
-        else:
-            handler.send_response(200)
-            handler.send_header("Content-Length", "100000")
-            handler.end_headers()
-            trickled(handler)
-
-    monkeypatch.setattr(media_module, "fetch", late)
-    app = app_of(load_encoder(checkpoint3, device="cpu"), "--allowed-media-domains", "127.0.0.1",
-                 "--decode-timeout", 60)
-    with media_server(answer) as base, TestClient(app) as client:
-        error_of(client.post("/v1/embeddings", json=chat(part(f"{base}/slow.png"), part(f"{base}/missing.png"))),
-                 400, "HTTP 404")
-        answered.set()
-        until(lambda: len(ended) == 2, "the slow fetch ended")
-    assert arrived == ["/missing.png"]
-
-
 def test_a_connect_its_request_no_longer_waits_for_is_cut_at_once(checkpoint3, monkeypatch):
     """As a read: a host that drops SYNs would hold the media thread in its connect until the decode timeout."""
     from fastapi.testclient import TestClient
