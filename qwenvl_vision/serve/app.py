@@ -254,24 +254,25 @@ class Serving:
         server was busy, the item may be fine."""
         if item.file.fetched:
             return
-        async with slots:
-            timeout = self.settings.policy.timeout_s
-            # At most what the bodies' bound allows one request: charged once read, a larger read would overshoot it.
-            read = self.media_threads.submit(item.file.read, min(self.settings.options["decode_bytes"],
-                                                                 self.settings.max_bodies))
-            reading = asyncio.wrap_future(read)
-            try:
-                await asyncio.wait([reading], timeout=timeout)  # unlike wait_for, it leaves a read under way going
-                if read.cancel():  # it never started, and now never will
-                    raise RequestError(f"{item.label}: not read: every media thread was busy for the decode timeout "
-                                       f"({timeout:g} s); try again shortly", 503, {"Retry-After": "1"})
-                data = await reading
-            finally:  # this request answered without it (a sibling failed): a read still queued never runs (cancelled
-                read.cancel()  # here, at once: ``reading``'s cancel reaches it only on the loop's next pass), one under
-                reading.cancel()  # way is cut
-                if (connections := self.settings.policy.reading.get(item.file)) is not None:
-                    connections.cut()
-            self.bodies.charge(request, len(data))
+        await slots.acquire()
+        timeout = self.settings.policy.timeout_s
+        # At most what the bodies' bound allows one request: charged once read, a larger read would overshoot it.
+        read = self.media_threads.submit(item.file.read, min(self.settings.options["decode_bytes"],
+                                                             self.settings.max_bodies))
+        reading = asyncio.wrap_future(read)
+        try:
+            await asyncio.wait([reading], timeout=timeout)  # unlike wait_for, it leaves a read under way going
+            if read.cancel():  # it never started, and now never will
+                raise RequestError(f"{item.label}: not read: every media thread was busy for the decode timeout "
+                                   f"({timeout:g} s); try again shortly", 503, {"Retry-After": "1"})
+            data = await reading
+        finally:  # this request answered without it (a sibling failed): a read still queued never runs (cancelled
+            read.cancel()  # here, at once: ``reading``'s cancel reaches it only on the loop's next pass), one under
+            reading.cancel()  # way is cut
+            if (connections := self.settings.policy.reading.get(item.file)) is not None:
+                connections.cut()
+        self.bodies.charge(request, len(data))
+        slots.release()  # not by a failed read: its request is answered; no sibling starts a read then
 
     def written(self, item: Item) -> dict | None:
         """The entry of the item this server wrote under the item's uuid (its metadata says what a request needs),

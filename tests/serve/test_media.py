@@ -476,7 +476,7 @@ def test_a_request_s_own_reads_never_keep_its_items_waiting_into_a_503(tmp_path,
     from qwenvl_vision.serve import app as app_module
     from qwenvl_vision.serve import media as media_module
 
-    timeout = 1
+    timeout = 2
     (tmp_path / "local").mkdir()
     for name in ("a.png", "b.png", "c.png"):
         (tmp_path / "local" / name).write_bytes(media["a.png"].read_bytes())
@@ -484,7 +484,7 @@ def test_a_request_s_own_reads_never_keep_its_items_waiting_into_a_503(tmp_path,
     read_local = media_module.read_local
 
     def slow_disk(path, label, limit):
-        time.sleep(timeout * 0.6)
+        time.sleep(timeout * 0.55)
         return read_local(path, label, limit)
 
     monkeypatch.setattr(media_module, "read_local", slow_disk)
